@@ -1,0 +1,251 @@
+"""The brief's section 4 interfaces as pydantic models.
+
+YAML and JSON use the brief's camelCase names (``allowNetwork``); Python uses snake_case
+(``allow_network``). Every model is frozen and rejects unknown keys.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+
+BackendId = Literal["native", "sandbox-exec", "bubblewrap", "docker", "podman", "oci", "custom"]
+"""Every backend id of the brief (plus ``oci``: any OCI runtime CLI run on the bundle)."""
+
+BACKEND_IDS: tuple[str, ...] = (
+    "native",
+    "sandbox-exec",
+    "bubblewrap",
+    "docker",
+    "podman",
+    "oci",
+    "custom",
+)
+
+FailureMode = Literal["fail-hard", "fallback-native"]
+
+
+class NetworkMode(StrEnum):
+    """What the command may reach over the network.
+
+    ``none``: no network at all, not even loopback services of the host.
+    ``egress``: outbound connections work; the host's loopback services (the dashboard on
+    127.0.0.1:4040, a database on 5432) stay unreachable.
+    ``host``: the host's network as it is; only by explicit choice.
+    """
+
+    NONE = "none"
+    EGRESS = "egress"
+    HOST = "host"
+
+
+class Model(BaseModel):
+    """Base of every value model: camelCase on the wire, frozen, unknown keys rejected."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        frozen=True,
+        extra="forbid",
+    )
+
+
+def _absolute(paths: list[str]) -> list[str]:
+    for p in paths:
+        if not Path(p).is_absolute():
+            raise ValueError(f"'{p}' is not an absolute path; write it as an absolute host path")
+    return paths
+
+
+class CpuLimit(Model):
+    max_cores: Annotated[float, Field(gt=0)] | None = None
+    """CPU quota in cores (1.5 = one and a half cores). None: no quota."""
+    max_ms: Annotated[int, Field(gt=0)] | None = None
+    """CPU time the command may burn, in milliseconds (RLIMIT_CPU, rounded up to seconds).
+    None: unlimited."""
+
+
+class SandboxPolicy(Model):
+    """What the sandboxed command may touch."""
+
+    allow_network: bool = True
+    """False: no network. True: outbound access (``network`` says which kind; default egress)."""
+    network: NetworkMode | None = None
+    """Explicit network mode. None: ``egress`` when allowNetwork is true, else ``none``."""
+    allowed_paths: list[str] = Field(default_factory=list)
+    """Absolute host paths visible read-only inside the sandbox. Empty: only the worktree."""
+    writable_paths: list[str] = Field(default_factory=list)
+    """Absolute host paths visible read-write (beside the worktree, which always is)."""
+    env_allowlist: list[str] = Field(default_factory=list)
+    """Names of caller env vars passed through. Empty: only the fixed minimal set."""
+    cpu_limit: CpuLimit | None = None
+    """CPU quota and CPU time. None: no CPU limits."""
+    memory_limit_mb: Annotated[int, Field(gt=0)] | None = None
+    """Memory limit in MiB. None: unlimited."""
+    pids_limit: Annotated[int, Field(gt=0)] | None = None
+    """Most processes/threads at once. None: unlimited."""
+
+    _check_allowed = field_validator("allowed_paths")(_absolute)
+    _check_writable = field_validator("writable_paths")(_absolute)
+
+    @field_validator("env_allowlist")
+    @classmethod
+    def _env_names(cls, names: list[str]) -> list[str]:
+        for name in names:
+            if not name or "=" in name or "\0" in name:
+                raise ValueError(f"'{name}' is not an environment variable name")
+        return names
+
+    @model_validator(mode="after")
+    def _network_consistent(self) -> SandboxPolicy:
+        if not self.allow_network and self.network not in (None, NetworkMode.NONE):
+            raise ValueError(
+                f"allowNetwork is false but network is '{self.network}'; "
+                "set allowNetwork: true or network: none"
+            )
+        return self
+
+    @property
+    def network_mode(self) -> NetworkMode:
+        if self.network is not None:
+            return self.network
+        return NetworkMode.EGRESS if self.allow_network else NetworkMode.NONE
+
+    def digest(self) -> str:
+        """A short stable hash of the policy, for audit events and annotations."""
+        canon = json.dumps(self.model_dump(mode="json", by_alias=True), sort_keys=True)
+        return "sha256:" + hashlib.sha256(canon.encode()).hexdigest()[:16]
+
+    def summary(self) -> str:
+        parts = [f"network={self.network_mode.value}"]
+        if self.allowed_paths:
+            parts.append(f"ro={len(self.allowed_paths)}")
+        if self.writable_paths:
+            parts.append(f"rw={len(self.writable_paths)}")
+        if self.env_allowlist:
+            parts.append("env=" + ",".join(self.env_allowlist))
+        if self.memory_limit_mb:
+            parts.append(f"mem={self.memory_limit_mb}MiB")
+        if self.cpu_limit and self.cpu_limit.max_cores:
+            parts.append(f"cpus={self.cpu_limit.max_cores}")
+        if self.cpu_limit and self.cpu_limit.max_ms:
+            parts.append(f"cpuMs={self.cpu_limit.max_ms}")
+        if self.pids_limit:
+            parts.append(f"pids={self.pids_limit}")
+        return " ".join(parts)
+
+
+class CacheMode(StrEnum):
+    """How package caches (pnpm store, npm cache) are shared.
+
+    ``shared``: one cache per project, reused across tasks (fast; a task can poison what the
+    next one installs). ``isolated``: one cache per task (slow first install; no
+    cross-task contamination). ``off``: no cache mount.
+    """
+
+    SHARED = "shared"
+    ISOLATED = "isolated"
+    OFF = "off"
+
+
+class RunOptions(Model):
+    """How one command runs."""
+
+    cwd: str | None = None
+    """Working directory inside the sandbox. None: the worktree."""
+    timeout_ms: Annotated[int, Field(gt=0)] = 600_000
+    """Wall-clock limit; past it the whole process tree is ended (SIGTERM, grace, SIGKILL)."""
+    max_buffer: Annotated[int, Field(gt=0)] = 10 * 1024 * 1024
+    """Most bytes kept of stdout and of stderr each; more ends the command (``truncated``)."""
+    env: dict[str, str] | None = None
+    """Environment the allowlist draws from. None: the caller's process environment."""
+    stdin: bytes | None = None
+    """Bytes fed to the command's stdin. None: stdin is closed."""
+
+
+class PrepareContext(Model):
+    """Everything a runtime needs to know about the task before its first command."""
+
+    task_id: str
+    run_id: str
+    worktree_path: str
+    policy: SandboxPolicy = Field(default_factory=SandboxPolicy)
+    image: str | None = None
+    """Container image reference for container runtimes. None: the host's system directories."""
+    cache_mode: CacheMode = CacheMode.SHARED
+    host_ca_bundle: str | None = None
+    """Host CA bundle made visible (read-only) with the env vars tools read. None: not shared."""
+    project_dir: str | None = None
+    """Project root (for per-project caches and the audit log). None: the worktree."""
+
+    @field_validator("worktree_path")
+    @classmethod
+    def _worktree_absolute(cls, value: str) -> str:
+        if not Path(value).is_absolute():
+            raise ValueError(f"worktreePath '{value}' must be absolute")
+        return value
+
+    @field_validator("task_id", "run_id")
+    @classmethod
+    def _safe_id(cls, value: str) -> str:
+        # Ids end up in container names, cgroup paths and labels: keep them to a safe alphabet.
+        import re
+
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}", value):
+            raise ValueError(
+                f"'{value}' must be 1-128 characters of letters, digits, '.', '_' or '-'"
+            )
+        return value
+
+
+EndReason = Literal["exit", "signal", "timeout", "max-buffer", "oom", "pids", "cpu-time", "aborted"]
+
+
+class RunResult(Model):
+    """What one command did. ``exit_code`` is None when a signal ended it."""
+
+    stdout: str
+    stderr: str
+    exit_code: int | None
+    signal: str | None = None
+    timed_out: bool = False
+    truncated: bool = False
+    duration_ms: int = 0
+    backend: str = "native"
+    fell_back: bool = False
+    reason: EndReason = "exit"
+    """Why the command ended: its own exit, a signal, or which limit ended it."""
+    unenforced: list[str] = Field(default_factory=list)
+    """Policy parts that were not enforced for this run (native by choice or by fallback)."""
+
+    @property
+    def shell_status(self) -> int:
+        """The status a shell would report: 124 for a timeout, 128+N for signal N."""
+        if self.timed_out:
+            return 124
+        if self.exit_code is not None:
+            return self.exit_code
+        import signal as _signal
+
+        try:
+            return 128 + int(_signal.Signals[self.signal or "SIGKILL"])
+        except KeyError:
+            return 137
+
+
+class SandboxCapabilities(Model):
+    """Exactly the brief's capability summary of a backend."""
+
+    filesystem_isolation: Literal["none", "basic", "strong"]
+    network_policy: Literal["none", "coarse", "fine"]
+    resource_limits: Literal["none", "basic", "advanced"]
+    requires_install: bool
+    supports_mac: bool
+    supports_linux: bool
+    supports_windows: bool

@@ -1,0 +1,1 @@
+"""The one intermediate form: an OCI runtime-spec bundle (config.json [+ rootfs])."""

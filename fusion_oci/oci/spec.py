@@ -1,0 +1,343 @@
+"""Policy → OCI runtime-spec ``config.json``, as data.
+
+A default spec plus small operations that each change one thing (runc/containerd style).
+Everything here is pure: the same inputs give the same spec, so the golden tests can compare it.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fusion_oci.models import NetworkMode, PrepareContext, RunOptions, SandboxPolicy
+from fusion_oci.oci.host import HostInfo
+from fusion_oci.policy.layout import CA_IN_SANDBOX, TaskLayout
+
+Spec = dict[str, Any]
+
+OCI_VERSION = "1.0.2"
+SANDBOX_HOME = "/home/sandbox"
+SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+ANN = "io.fusion-oci."
+ANN_TASK = ANN + "task-id"
+ANN_RUN = ANN + "run-id"
+ANN_POLICY = ANN + "policy-hash"
+ANN_NETWORK = ANN + "network"
+ANN_IMAGE = ANN + "image"
+ANN_HOST_ROOTFS = ANN + "host-rootfs"
+
+# Environment variables that tools read to trust an extra CA bundle.
+CA_ENV_VARS = (
+    "NODE_EXTRA_CA_CERTS",
+    "npm_config_cafile",
+    "GIT_SSL_CAINFO",
+    "SSL_CERT_FILE",
+    "REQUESTS_CA_BUNDLE",
+    "CURL_CA_BUNDLE",
+)
+
+MASKED_PATHS = (
+    "/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats",
+    "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi",
+    "/sys/firmware", "/sys/devices/virtual/powercap",
+)
+READONLY_PATHS = (
+    "/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger",
+)
+
+DEFAULT_NOFILE = 65536
+
+
+def default_spec() -> Spec:
+    """The base every bundle starts from: runc's default, with no capabilities at all."""
+    return {
+        "ociVersion": OCI_VERSION,
+        "process": {
+            "terminal": False,
+            "user": {"uid": 0, "gid": 0},
+            "args": ["/bin/sh"],
+            "env": [f"PATH={SANDBOX_PATH}"],
+            "cwd": "/",
+            "capabilities": {
+                "bounding": [], "effective": [], "inheritable": [], "permitted": [], "ambient": [],
+            },
+            "rlimits": [],
+            "noNewPrivileges": True,
+        },
+        "root": {"path": "rootfs", "readonly": True},
+        "hostname": "fusion-sandbox",
+        "mounts": [
+            {"destination": "/proc", "type": "proc", "source": "proc",
+             "options": ["nosuid", "noexec", "nodev"]},
+            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+             "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+            {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
+             "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"]},
+            {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+             "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
+            {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue",
+             "options": ["nosuid", "noexec", "nodev"]},
+            {"destination": "/sys", "type": "sysfs", "source": "sysfs",
+             "options": ["nosuid", "noexec", "nodev", "ro"]},
+        ],
+        "linux": {
+            "namespaces": [
+                {"type": "pid"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"},
+                {"type": "cgroup"},
+            ],
+            "resources": {"devices": [{"allow": False, "access": "rwm"}]},
+            "maskedPaths": list(MASKED_PATHS),
+            "readonlyPaths": list(READONLY_PATHS),
+        },
+        "annotations": {},
+    }
+
+
+def _copy(spec: Spec) -> Spec:
+    return copy.deepcopy(spec)
+
+
+def bind(dest: str, source: str, *, writable: bool) -> dict[str, Any]:
+    opts = ["rbind", "rw" if writable else "ro", "nosuid", "nodev"]
+    return {"destination": dest, "type": "bind", "source": source, "options": opts}
+
+
+def tmpfs(dest: str, *, mode: str = "1777", uid: int | None = None, gid: int | None = None,
+          size: str | None = None) -> dict[str, Any]:
+    opts = ["nosuid", "nodev", f"mode={mode}"]
+    if uid is not None:
+        opts.append(f"uid={uid}")
+    if gid is not None:
+        opts.append(f"gid={gid}")
+    if size:
+        opts.append(f"size={size}")
+    return {"destination": dest, "type": "tmpfs", "source": "tmpfs", "options": opts}
+
+
+def with_mounts(spec: Spec, mounts: Sequence[Mapping[str, Any]]) -> Spec:
+    """Append mounts; later mounts cover earlier ones (order is meaning)."""
+    out = _copy(spec)
+    out["mounts"].extend(dict(m) for m in mounts)
+    return out
+
+
+def with_host_rootfs(spec: Spec, host: HostInfo) -> Spec:
+    """Share the host's system directories read-only (no image: native, bubblewrap, runc)."""
+    mounts = [bind(dest, src, writable=False) for dest, src in host.system_mounts]
+    mounts += [bind(f"/etc/{n}", f"/etc/{n}", writable=False) for n in host.etc_entries]
+    out = with_mounts(spec, mounts)
+    out["annotations"][ANN_HOST_ROOTFS] = "true"
+    return out
+
+
+def with_image(spec: Spec, image: str) -> Spec:
+    out = _copy(spec)
+    out["annotations"][ANN_IMAGE] = image
+    return out
+
+
+def with_network(spec: Spec, mode: NetworkMode) -> Spec:
+    """none and egress get their own network namespace; only host shares the host's.
+
+    egress in plain OCI terms is an empty namespace: a runtime that cannot attach an outbound
+    path (slirp4netns, a container network) leaves it closed rather than open.
+    """
+    out = _copy(spec)
+    ns = [n for n in out["linux"]["namespaces"] if n["type"] != "network"]
+    if mode is not NetworkMode.HOST:
+        ns.append({"type": "network"})
+    out["linux"]["namespaces"] = ns
+    out["annotations"][ANN_NETWORK] = mode.value
+    return out
+
+
+def with_memory_limit(spec: Spec, mib: int | None) -> Spec:
+    out = _copy(spec)
+    if mib:
+        limit = mib * 1024 * 1024
+        # swap == limit: no swap beyond the memory limit.
+        out["linux"]["resources"]["memory"] = {"limit": limit, "swap": limit}
+    return out
+
+
+def with_cpu_quota(spec: Spec, cores: float | None, period_us: int = 100_000) -> Spec:
+    out = _copy(spec)
+    if cores:
+        out["linux"]["resources"]["cpu"] = {
+            "quota": max(1000, round(cores * period_us)),
+            "period": period_us,
+        }
+    return out
+
+
+def with_pids_limit(spec: Spec, pids: int | None) -> Spec:
+    out = _copy(spec)
+    if pids:
+        out["linux"]["resources"]["pids"] = {"limit": pids}
+    return out
+
+
+def _within_hard(value: int, hard: int) -> int:
+    return value if hard < 0 else min(value, hard)
+
+
+def with_rlimits(spec: Spec, host: HostInfo, cpu_ms: int | None) -> Spec:
+    """RLIMIT_NOFILE and RLIMIT_CPU, never above the host's current hard limits.
+
+    Raising a limit past the hard limit is refused by the kernel (and makes runc fail), so
+    every value is clamped to what this process may set.
+    """
+    out = _copy(spec)
+    limits: list[dict[str, Any]] = []
+    nsoft, nhard = host.rlimits.get("RLIMIT_NOFILE", (1024, 1024))
+    hard = nhard if nhard >= 0 else DEFAULT_NOFILE
+    limits.append(
+        {"type": "RLIMIT_NOFILE", "soft": _within_hard(DEFAULT_NOFILE, hard), "hard": hard}
+    )
+    if cpu_ms:
+        _, chard = host.rlimits.get("RLIMIT_CPU", (-1, -1))
+        secs = max(1, math.ceil(cpu_ms / 1000))
+        # SIGXCPU at the soft limit, SIGKILL one second later at the hard limit.
+        limits.append({
+            "type": "RLIMIT_CPU",
+            "soft": _within_hard(secs, chard),
+            "hard": _within_hard(secs + 1, chard),
+        })
+    out["process"]["rlimits"] = limits
+    return out
+
+
+def with_user(spec: Spec, uid: int, gid: int) -> Spec:
+    out = _copy(spec)
+    out["process"]["user"] = {"uid": uid, "gid": gid}
+    return out
+
+
+def with_process(spec: Spec, args: Sequence[str], cwd: str, env: Mapping[str, str]) -> Spec:
+    out = _copy(spec)
+    out["process"]["args"] = list(args)
+    out["process"]["cwd"] = cwd
+    out["process"]["env"] = [f"{k}={v}" for k, v in sorted(env.items())]
+    return out
+
+
+def with_annotations(spec: Spec, annotations: Mapping[str, str]) -> Spec:
+    out = _copy(spec)
+    out["annotations"].update(annotations)
+    return out
+
+
+def task_mounts(layout: TaskLayout, policy: SandboxPolicy, host: HostInfo) -> list[dict[str, Any]]:
+    """The task's own mounts, in the order that gives read-only the last word where it must."""
+    mounts: list[dict[str, Any]] = [
+        tmpfs("/tmp", mode="1777"),
+        tmpfs(SANDBOX_HOME, mode="700", uid=host.uid, gid=host.gid),
+    ]
+    mounts += [bind(p, p, writable=False) for p in policy.allowed_paths]
+    mounts += [bind(p, p, writable=True) for p in policy.writable_paths]
+    mounts += [bind(c.sandbox_path, c.host_path, writable=True) for c in layout.caches]
+    if layout.ca_bundle:
+        mounts.append(bind(CA_IN_SANDBOX, layout.ca_bundle, writable=False))
+    mounts.append(bind(layout.worktree, layout.worktree, writable=True))
+    git = layout.git
+    if git is not None:
+        common = git.common_dir
+        if git.kind == "linked":
+            # The common dir read-only, then only what commits need writable.
+            mounts.append(bind(common, common, writable=False))
+            for sub in ("objects", "refs", "logs"):
+                mounts.append(bind(f"{common}/{sub}", f"{common}/{sub}", writable=True))
+            mounts.append(bind(git.git_dir, git.git_dir, writable=True))
+        # Last word: hooks and config stay read-only, so nothing planted here runs on the host.
+        mounts.append(bind(f"{common}/hooks", f"{common}/hooks", writable=False))
+        mounts.append(bind(f"{common}/config", f"{common}/config", writable=False))
+    return mounts
+
+
+def sandbox_env(
+    policy: SandboxPolicy,
+    layout: TaskLayout,
+    source: Mapping[str, str],
+) -> dict[str, str]:
+    """The command's whole environment: a fixed minimal set plus the allow-listed names.
+
+    Nothing else of the caller's environment passes: tokens and keys stay out unless named.
+    """
+    env = {
+        "PATH": SANDBOX_PATH,
+        "HOME": SANDBOX_HOME,
+        "TMPDIR": "/tmp",
+        "LANG": source.get("LANG", "C.UTF-8"),
+        "TERM": source.get("TERM", "dumb"),
+    }
+    for cache in layout.caches:
+        env.update(dict(cache.env))
+    if layout.ca_bundle:
+        env.update({name: CA_IN_SANDBOX for name in CA_ENV_VARS})
+    if layout.git is not None:
+        # The worktree belongs to the caller, maybe under another uid inside a container.
+        env["GIT_CONFIG_COUNT"] = "1"
+        env["GIT_CONFIG_KEY_0"] = "safe.directory"
+        env["GIT_CONFIG_VALUE_0"] = "*"
+    for name in policy.env_allowlist:
+        if name in source:
+            env[name] = source[name]
+    return env
+
+
+def command_argv(command: str | Sequence[str]) -> list[str]:
+    """One string is a shell command line (``/bin/sh -c``); a sequence is an argv."""
+    if isinstance(command, str):
+        return ["/bin/sh", "-c", command]
+    return list(command)
+
+
+def _cwd(cwd: str | None, worktree: str) -> str:
+    if not cwd:
+        return worktree
+    return cwd if cwd.startswith("/") else f"{worktree.rstrip('/')}/{cwd}"
+
+
+def compile_spec(
+    ctx: PrepareContext,
+    layout: TaskLayout,
+    host: HostInfo,
+    command: str | Sequence[str],
+    opts: RunOptions,
+    env_source: Mapping[str, str],
+) -> Spec:
+    """The whole ``config.json`` for one command. Pure."""
+    policy = ctx.policy
+    spec = default_spec()
+    spec = with_image(spec, ctx.image) if ctx.image else with_host_rootfs(spec, host)
+    spec = with_mounts(spec, task_mounts(layout, policy, host))
+    spec = with_network(spec, policy.network_mode)
+    spec = with_memory_limit(spec, policy.memory_limit_mb)
+    cpu = policy.cpu_limit
+    spec = with_cpu_quota(spec, cpu.max_cores if cpu else None)
+    spec = with_pids_limit(spec, policy.pids_limit)
+    spec = with_rlimits(spec, host, cpu.max_ms if cpu else None)
+    spec = with_user(spec, host.uid, host.gid)
+    spec = with_process(
+        spec,
+        command_argv(command),
+        _cwd(opts.cwd, layout.worktree),
+        sandbox_env(policy, layout, env_source),
+    )
+    return with_annotations(spec, {
+        ANN_TASK: ctx.task_id,
+        ANN_RUN: ctx.run_id,
+        ANN_POLICY: policy.digest(),
+    })
+
+
+def spec_env(spec: Spec) -> dict[str, str]:
+    """The process env of a spec as a mapping."""
+    return dict(item.split("=", 1) for item in spec["process"]["env"])
+
+
+def spec_network(spec: Spec) -> NetworkMode:
+    return NetworkMode(spec["annotations"].get(ANN_NETWORK, NetworkMode.NONE.value))

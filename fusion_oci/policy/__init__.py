@@ -1,0 +1,1 @@
+"""Settings → policy: load and merge the settings layers, parse the task override, resolve paths."""

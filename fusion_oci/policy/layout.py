@@ -1,0 +1,130 @@
+"""Where a task's files are on the host: worktree, git directories, caches, CA bundle.
+
+:func:`resolve_layout` is the one step that reads (and, for cache directories, creates) host
+paths before compiling; everything after it is pure.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from fusion_oci.errors import BundleError
+from fusion_oci.models import CacheMode, PrepareContext
+
+CACHE_ROOT_IN_SANDBOX = "/var/cache/fusion-oci"
+CA_IN_SANDBOX = "/etc/fusion-oci/host-ca.pem"
+
+
+@dataclass(frozen=True)
+class GitLayout:
+    """The git directories a worktree needs.
+
+    ``linked``: ``.git`` is a file pointing into the main repository's ``.git/worktrees/NAME``
+    (``git worktree add``). ``main``: ``.git`` is a directory inside the worktree.
+    """
+
+    kind: str
+    git_dir: str
+    common_dir: str
+
+
+@dataclass(frozen=True)
+class CacheMount:
+    """A package cache shared into the sandbox, and the env var that points tools at it."""
+
+    name: str
+    host_path: str
+    sandbox_path: str
+    env: tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class TaskLayout:
+    worktree: str
+    git: GitLayout | None
+    caches: tuple[CacheMount, ...]
+    ca_bundle: str | None
+    """Host CA bundle to share read-only, or None."""
+
+
+def inspect_git(worktree: Path) -> GitLayout | None:
+    dotgit = worktree / ".git"
+    if dotgit.is_dir():
+        return GitLayout("main", str(dotgit), str(dotgit))
+    if not dotgit.is_file():
+        return None
+    text = dotgit.read_text(encoding="utf-8", errors="replace").strip()
+    if not text.startswith("gitdir:"):
+        return None
+    git_dir = Path(text.removeprefix("gitdir:").strip())
+    if not git_dir.is_absolute():
+        git_dir = (worktree / git_dir).resolve()
+    commondir_file = git_dir / "commondir"
+    if commondir_file.is_file():
+        common = Path(commondir_file.read_text(encoding="utf-8").strip())
+        common = common if common.is_absolute() else (git_dir / common).resolve()
+    else:
+        common = git_dir
+    return GitLayout("linked", str(git_dir), str(common))
+
+
+def _cache_dirs(ctx: PrepareContext, cache_root: Path) -> tuple[CacheMount, ...]:
+    if ctx.cache_mode is CacheMode.OFF:
+        return ()
+    project = ctx.project_dir or ctx.worktree_path
+    key = hashlib.sha256(project.encode()).hexdigest()[:12]
+    base = cache_root / "projects" / key
+    if ctx.cache_mode is CacheMode.ISOLATED:
+        base = base / "tasks" / ctx.task_id
+    specs = (
+        ("pnpm-store", (("npm_config_store_dir", "pnpm-store"),)),
+        ("npm-cache", (("npm_config_cache", "npm-cache"),)),
+    )
+    mounts = []
+    for name, envs in specs:
+        host = base / name
+        host.mkdir(parents=True, exist_ok=True)
+        inside = f"{CACHE_ROOT_IN_SANDBOX}/{name}"
+        mounts.append(
+            CacheMount(name, str(host), inside, tuple((k, f"{CACHE_ROOT_IN_SANDBOX}/{v}")
+                                                       for k, v in envs))
+        )
+    return tuple(mounts)
+
+
+def resolve_ca(setting: str, host_ca: str | None) -> str | None:
+    if setting == "off":
+        return None
+    if setting == "auto":
+        return host_ca
+    if not Path(setting).is_file():
+        raise BundleError(
+            f"host CA bundle '{setting}' does not exist",
+            "settings sandbox.hostCa names a missing file",
+            "point hostCa at a PEM bundle, or set it to auto or off",
+        )
+    return setting
+
+
+def resolve_layout(
+    ctx: PrepareContext, *, cache_root: Path, ca_bundle: str | None
+) -> TaskLayout:
+    worktree = Path(ctx.worktree_path)
+    if not worktree.is_dir():
+        raise BundleError(
+            f"worktree {worktree} is not a directory",
+            "it does not exist or is not a directory",
+            "create the worktree first (git worktree add) or pass --worktree DIR",
+        )
+    git = inspect_git(worktree)
+    if git is not None:
+        # hooks/ is mounted read-only; it must exist to be a mount point.
+        (Path(git.common_dir) / "hooks").mkdir(exist_ok=True)
+    return TaskLayout(
+        worktree=str(worktree.resolve()),
+        git=git,
+        caches=_cache_dirs(ctx, cache_root),
+        ca_bundle=ca_bundle,
+    )

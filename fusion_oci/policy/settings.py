@@ -1,0 +1,233 @@
+"""Sandbox settings: global YAML, project YAML, task-prompt override and CLI flags, merged.
+
+Each layer is a partial mapping under the ``sandbox:`` key. Layers merge key by key (a later
+layer wins per leaf; ``policy`` and ``cpuLimit`` merge inside too), and every effective value
+remembers which layer set it, for ``fusion-oci settings show``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError
+
+from fusion_oci.errors import SettingsError
+from fusion_oci.models import BackendId, CacheMode, FailureMode, Model, SandboxPolicy
+
+GateDecision = Literal["allow", "deny", "ask"]
+
+
+class GateSettings(Model):
+    """Action gates (brief 4.3)."""
+
+    sandbox_provision: GateDecision = "ask"
+    """First build/pull of an image and any helper install."""
+    network_api: GateDecision = "ask"
+    """Outbound fetches a backend needs to provision."""
+
+
+class SandboxSettings(Model):
+    """The effective ``sandbox:`` settings."""
+
+    backend: BackendId = "native"
+    failure_mode: FailureMode = "fail-hard"
+    policy: SandboxPolicy = Field(default_factory=SandboxPolicy)
+    image: str | None = None
+    """Image for container runtimes. None: the host's system directories (native, bubblewrap)."""
+    cache_mode: CacheMode = CacheMode.SHARED
+    host_ca: str = "auto"
+    """``auto``: share the host CA bundle when one exists; ``off``; or an absolute path."""
+    custom_runtime: str | None = None
+    """Entry-point name of the runtime used when backend is ``custom``."""
+    oci_runtime: str = "runc"
+    """OCI runtime CLI for the ``oci`` backend (runc, crun, runsc, youki)."""
+    gates: GateSettings = Field(default_factory=GateSettings)
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One source of settings: its name (a file path, "task prompt", "command line") and data."""
+
+    source: str
+    data: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class EffectiveSettings:
+    settings: SandboxSettings
+    provenance: dict[str, str] = field(default_factory=dict)
+    """Dotted camelCase key path → the layer that set it ("default" when none did)."""
+
+
+def global_settings_path(env: Mapping[str, str]) -> Path:
+    """``$XDG_CONFIG_HOME/fusion/settings.yaml``, falling back to ``~/.config``."""
+    base = env.get("XDG_CONFIG_HOME") or str(Path(env.get("HOME", "~")).expanduser() / ".config")
+    return Path(base) / "fusion" / "settings.yaml"
+
+
+def project_settings_path(project_dir: Path) -> Path:
+    return project_dir / ".fusion" / "settings.yaml"
+
+
+def read_layer(path: Path) -> Layer | None:
+    """Read one YAML settings file; None when it does not exist."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise SettingsError(
+            f"cannot read settings file {path}", str(exc), "fix its permissions"
+        ) from exc
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise SettingsError(
+            f"settings file {path} is not valid YAML{where}",
+            str(getattr(exc, "problem", exc)),
+            "fix the YAML syntax",
+        ) from exc
+    if doc is None:
+        return Layer(str(path), {})
+    if not isinstance(doc, dict):
+        raise SettingsError(
+            f"settings file {path}", "the document must be a mapping", "start it with `sandbox:`"
+        )
+    unknown = set(doc) - {"sandbox"}
+    sandbox = doc.get("sandbox", {}) or {}
+    # Other tools keep their own top-level keys in the same file; only `sandbox:` is ours.
+    del unknown
+    if not isinstance(sandbox, dict):
+        raise SettingsError(
+            f"settings error in {path} at sandbox",
+            f"expected a mapping, got {type(sandbox).__name__}",
+            "write `sandbox:` followed by indented keys such as `backend: bubblewrap`",
+        )
+    layer = Layer(str(path), sandbox)
+    validate_layer(layer)
+    return layer
+
+
+def _merge(base: dict[str, Any], top: Mapping[str, Any], source: str,
+           prov: dict[str, str], prefix: str = "") -> None:
+    for key, value in top.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, Mapping) and isinstance(base.get(key), dict):
+            _merge(base[key], value, source, prov, path + ".")
+        elif isinstance(value, Mapping):
+            base[key] = {}
+            _merge(base[key], value, source, prov, path + ".")
+        else:
+            base[key] = value
+            for stale in [p for p in prov if p.startswith(path + ".")]:
+                del prov[stale]
+            prov[path] = source
+
+
+def _field_hint(model: type[Model], loc: tuple[int | str, ...]) -> str:
+    """Accepted keys at ``loc`` (for unknown-key errors)."""
+    current: Any = model
+    for part in loc[:-1]:
+        fields = getattr(current, "model_fields", None)
+        if fields is None:
+            return ""
+        match = next(
+            (f for n, f in fields.items() if part in (n, f.alias)), None
+        )
+        if match is None:
+            return ""
+        current = match.annotation
+        # Optional[Model] → Model
+        args = getattr(current, "__args__", ())
+        for arg in args:
+            if hasattr(arg, "model_fields"):
+                current = arg
+    fields = getattr(current, "model_fields", None)
+    if not fields:
+        return ""
+    return "accepted keys: " + ", ".join(f.alias or n for n, f in fields.items())
+
+
+def _raise_validation(source: str, exc: ValidationError, prov: Mapping[str, str] | None) -> None:
+    first = exc.errors()[0]
+    loc = tuple(first["loc"])
+    keypath = ".".join(str(p) for p in loc)
+    where = source
+    if prov is not None:
+        where = prov.get(keypath) or next(
+            (s for p, s in prov.items() if p.startswith(keypath)), source
+        )
+    value = first.get("input")
+    if first["type"] == "extra_forbidden":
+        why = f"unknown key '{loc[-1]}'"
+        hint = _field_hint(SandboxSettings, loc) or "remove it"
+    else:
+        msg = first["msg"].removeprefix("Value error, ")
+        why = f"bad value {value!r}: {msg}"
+        hint = "accepted: " + msg.removeprefix("Input should be ") if "should be" in msg else (
+            "fix or remove the value"
+        )
+    raise SettingsError(f"settings error in {where} at sandbox.{keypath}", why, hint) from exc
+
+
+def validate_layer(layer: Layer) -> None:
+    """Validate one layer alone, so that an error names the layer that holds it."""
+    try:
+        SandboxSettings.model_validate(dict(layer.data))
+    except ValidationError as exc:
+        _raise_validation(layer.source, exc, None)
+
+
+def merge_layers(layers: list[Layer]) -> EffectiveSettings:
+    """Merge layers in order (later wins, key by key) and validate the result."""
+    merged: dict[str, Any] = {}
+    prov: dict[str, str] = {}
+    for layer in layers:
+        validate_layer(layer)
+        _merge(merged, layer.data, layer.source, prov)
+    try:
+        settings = SandboxSettings.model_validate(merged)
+    except ValidationError as exc:
+        _raise_validation("merged settings", exc, prov)
+        raise  # unreachable; keeps type checkers calm
+    return EffectiveSettings(settings, prov)
+
+
+def load_settings(
+    *,
+    project_dir: Path | None,
+    env: Mapping[str, str],
+    task_prompt: str | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    global_path: Path | None = None,
+) -> EffectiveSettings:
+    """Global file, project file, task-prompt override, then CLI overrides (in that order)."""
+    from fusion_oci.policy.prompt import parse_prompt_override
+
+    layers: list[Layer] = []
+    gpath = global_path or global_settings_path(env)
+    for path in [gpath, project_settings_path(project_dir) if project_dir else None]:
+        if path is not None and (layer := read_layer(path)) is not None:
+            layers.append(layer)
+    if task_prompt and (backend := parse_prompt_override(task_prompt)):
+        layers.append(Layer("task prompt", {"backend": backend}))
+    if overrides:
+        layers.append(Layer("command line", overrides))
+    return merge_layers(layers)
+
+
+def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested mapping → dotted key paths (for display)."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, Mapping) and value:
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out

@@ -1,0 +1,160 @@
+"""The one subprocess helper of the package.
+
+argv lists only; stdin closed unless given; the child in its own session (so it has no
+controlling terminal and is its own process group); a timeout, a maxBuffer overflow or a
+cancellation ends the group with SIGTERM, a grace period, then SIGKILL; the pipes are drained
+with a bound, so a grandchild that keeps them open cannot hang us.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+REAPER = Path(__file__).with_name("reaper.py")
+DRAIN_LIMIT_S = 2.0
+
+
+@dataclass(frozen=True)
+class ProcessOutcome:
+    stdout: bytes
+    stderr: bytes
+    returncode: int | None
+    """Exit status, or None when a signal ended the process."""
+    signal: str | None
+    timed_out: bool
+    truncated: bool
+    duration_ms: int
+
+
+def reaper_argv(
+    argv: Sequence[str], rlimits: Sequence[tuple[str, int, int]] = (), grace_s: float = 2.0
+) -> list[str]:
+    """Wrap argv in the subreaper shim so that the whole tree can be ended."""
+    limits = [f"{name}={soft}:{hard}" for name, soft, hard in rlimits]
+    return [sys.executable, "-S", "-E", "-s", str(REAPER), str(grace_s), str(os.getpid()),
+            *limits, "--", *argv]
+
+
+def _signal_name(returncode: int) -> str:
+    try:
+        return signal.Signals(-returncode).name
+    except ValueError:
+        return f"SIG{-returncode}"
+
+
+class _Capture:
+    def __init__(self, limit: int, overflow: asyncio.Event) -> None:
+        self.limit = limit
+        self.chunks: list[bytes] = []
+        self.size = 0
+        self.truncated = False
+        self.overflow = overflow
+
+    async def drain(self, stream: asyncio.StreamReader) -> None:
+        while chunk := await stream.read(65536):
+            room = self.limit - self.size
+            if room > 0:
+                self.chunks.append(chunk[:room])
+                self.size += min(room, len(chunk))
+            if len(chunk) > room:
+                # Like Node's exec: past maxBuffer the command is ended.
+                self.truncated = True
+                self.overflow.set()
+
+    def data(self) -> bytes:
+        return b"".join(self.chunks)
+
+
+async def _terminate(proc: asyncio.subprocess.Process, grace_s: float, group: bool) -> None:
+    """SIGTERM (the group, or only the leader when it ends the tree itself), wait out the
+    grace period, then SIGKILL the group."""
+    with contextlib.suppress(ProcessLookupError):
+        if group:
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            proc.send_signal(signal.SIGTERM)
+    try:
+        await asyncio.wait_for(proc.wait(), grace_s)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        await proc.wait()
+
+
+async def run_process(
+    argv: Sequence[str],
+    *,
+    env: Mapping[str, str] | None = None,
+    cwd: str | None = None,
+    stdin: bytes | None = None,
+    timeout_s: float | None = None,
+    max_buffer: int = 10 * 1024 * 1024,
+    grace_s: float = 2.0,
+    pass_fds: Sequence[int] = (),
+    term_group: bool = True,
+) -> ProcessOutcome:
+    """Run argv to completion under the rules in the module docstring.
+
+    ``term_group=False`` sends the first SIGTERM to the leader only: for the reaper shim or a
+    launcher that ends its own tree (bwrap, an OCI runtime); SIGKILL always goes to the group.
+    """
+    start = time.monotonic()
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
+        stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=dict(env) if env is not None else None,
+        cwd=cwd,
+        start_new_session=True,
+        pass_fds=tuple(pass_fds),
+    )
+    overflow = asyncio.Event()
+    out, err = _Capture(max_buffer, overflow), _Capture(max_buffer, overflow)
+    assert proc.stdout is not None and proc.stderr is not None
+    readers = asyncio.gather(out.drain(proc.stdout), err.drain(proc.stderr))
+    if stdin is not None and proc.stdin is not None:
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            proc.stdin.write(stdin)
+            await proc.stdin.drain()
+        proc.stdin.close()
+    waiter = asyncio.ensure_future(proc.wait())
+    overflowed = asyncio.ensure_future(overflow.wait())
+    timed_out = False
+    try:
+        done, _ = await asyncio.wait(
+            {waiter, overflowed}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+        )
+        if waiter not in done:
+            timed_out = not done
+            # The shim gets its own grace to end the tree; ours is a backstop above it.
+            await _terminate(proc, grace_s + 1.0, term_group)
+    except asyncio.CancelledError:
+        await asyncio.shield(_terminate(proc, grace_s + 1.0, term_group))
+        raise
+    finally:
+        overflowed.cancel()
+        if not waiter.done():
+            waiter.cancel()
+        try:
+            await asyncio.wait_for(asyncio.shield(readers), DRAIN_LIMIT_S)
+        except (TimeoutError, asyncio.CancelledError):
+            readers.cancel()
+    rc = proc.returncode
+    return ProcessOutcome(
+        stdout=out.data(),
+        stderr=err.data(),
+        returncode=rc if rc is not None and rc >= 0 else None,
+        signal=_signal_name(rc) if rc is not None and rc < 0 else None,
+        timed_out=timed_out,
+        truncated=out.truncated or err.truncated,
+        duration_ms=int((time.monotonic() - start) * 1000),
+    )

@@ -1,0 +1,144 @@
+"""A child subreaper that ends a whole process tree, including setsid'd and double-forked
+descendants: ``python -S -E reaper.py GRACE PARENT [RLIMIT=SOFT:HARD ...] -- ARGV...``.
+
+Why a separate process: making the caller's own process a subreaper would change the host
+application's process state (orphans would re-parent to it). The shim owns that instead.
+It runs with ``-S -E`` and imports only C-level standard modules (no json, no enum-based
+``signal``): its start-up is paid by every native command.
+
+Behaviour: the command runs in the shim's process group. When the command exits, the shim
+kills whatever it left running and exits with the command's status (or dies by its signal).
+On SIGTERM/SIGINT/SIGHUP (timeout, abort, or the caller dying: PR_SET_PDEATHSIG), every
+descendant gets SIGTERM, then SIGKILL after the grace period.
+"""
+
+import _signal as signal
+import ctypes
+import os
+import resource
+import sys
+import time
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        fields = stat.rsplit(b")", 1)[-1].split()
+        if len(fields) > 2:
+            children.setdefault(int(fields[1]), []).append(int(name))
+    out: list[int] = []
+    todo = list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+def _signal_all(sig: int) -> int:
+    pids = _descendants(os.getpid())
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+    return len(pids)
+
+
+_statuses: dict[int, int] = {}
+_STOP = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+_WAIT = _STOP | {signal.SIGCHLD}
+
+
+def _reap() -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        _statuses[pid] = status
+
+
+def _end_tree(grace: float) -> None:
+    if _signal_all(signal.SIGTERM):
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            _reap()
+            if not _descendants(os.getpid()):
+                return
+            time.sleep(0.02)
+    # SIGKILL until nothing is left; a fork bomb cannot outrun this for long.
+    deadline = time.monotonic() + 10
+    while _signal_all(signal.SIGKILL) and time.monotonic() < deadline:
+        _reap()
+        time.sleep(0.01)
+    _reap()
+
+
+def _exec_child(command: list[str], rlimits: list[tuple[int, int, int]]) -> None:
+    try:
+        signal.pthread_sigmask(signal.SIG_SETMASK, set())
+        inf = resource.RLIM_INFINITY
+        for res, soft, hard in rlimits:
+            resource.setrlimit(res, (inf if soft < 0 else soft, inf if hard < 0 else hard))
+        os.execvp(command[0], command)
+    except FileNotFoundError:
+        os.write(2, f"fusion-oci: {command[0]}: command not found\n".encode())
+        os._exit(127)
+    except OSError as exc:
+        os.write(2, f"fusion-oci: {command[0]}: {exc.strerror}\n".encode())
+        os._exit(126)
+
+
+def main(argv: list[str]) -> int:
+    sep = argv.index("--")
+    grace, parent = float(argv[1]), int(argv[2])
+    rlimits = []
+    for item in argv[3:sep]:
+        name, _, values = item.partition("=")
+        soft, _, hard = values.partition(":")
+        rlimits.append((getattr(resource, name), int(soft), int(hard)))
+    command = argv[sep + 1 :]
+    # Signals are blocked and taken synchronously with sigwaitinfo: no handler can interrupt
+    # the bookkeeping of who exited how.
+    signal.pthread_sigmask(signal.SIG_BLOCK, _WAIT)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if parent and os.getppid() != parent:
+        return 125  # the caller died before PDEATHSIG was armed
+    pid = os.fork()
+    if pid == 0:
+        _exec_child(command, rlimits)
+    while True:
+        _reap()
+        if pid in _statuses:
+            _end_tree(0.2)  # the command is done: whatever it left running goes too
+            break
+        if signal.sigwaitinfo(_WAIT).si_signo in _STOP:
+            _end_tree(grace)
+            break
+    status = _statuses.get(pid, 0x9)  # never reaped: report SIGKILL
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, set())
+        # Die by the same signal, so the caller sees what ended the command.
+        os.kill(os.getpid(), sig)
+    return os.waitstatus_to_exitcode(status)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

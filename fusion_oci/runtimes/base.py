@@ -1,0 +1,248 @@
+"""What every runtime offers, and the shared compile-then-execute skeleton.
+
+A runtime's translation (:meth:`plan`) is a pure function from the spec to a printable launch
+plan (argv or SDK arguments); :meth:`execute` is the thin step that runs it.
+"""
+
+from __future__ import annotations
+
+import signal as _signal
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from fusion_oci.models import (
+    EndReason,
+    NetworkMode,
+    PrepareContext,
+    RunOptions,
+    RunResult,
+    SandboxCapabilities,
+    SandboxPolicy,
+)
+
+if TYPE_CHECKING:
+    from fusion_oci.oci.host import HostInfo
+    from fusion_oci.oci.spec import Spec
+    from fusion_oci.policy.layout import TaskLayout
+    from fusion_oci.policy.settings import SandboxSettings
+    from fusion_oci.process import ProcessOutcome
+
+
+class Requirement(StrEnum):
+    """A part of a policy that some runtime must enforce."""
+
+    FILESYSTEM = "filesystem isolation"
+    NETWORK_NONE = "network none"
+    NETWORK_EGRESS = "network egress without host loopback"
+    MEMORY = "memoryLimitMb"
+    CPU_QUOTA = "cpuLimit.maxCores"
+    CPU_TIME = "cpuLimit.maxMs"
+    PIDS = "pidsLimit"
+    ENV = "envAllowlist"
+
+
+def requirements(policy: SandboxPolicy) -> frozenset[Requirement]:
+    """What enforcing this policy takes. Pure."""
+    need = {Requirement.FILESYSTEM, Requirement.ENV}
+    mode = policy.network_mode
+    if mode is NetworkMode.NONE:
+        need.add(Requirement.NETWORK_NONE)
+    elif mode is NetworkMode.EGRESS:
+        need.add(Requirement.NETWORK_EGRESS)
+    if policy.memory_limit_mb:
+        need.add(Requirement.MEMORY)
+    if policy.pids_limit:
+        need.add(Requirement.PIDS)
+    if policy.cpu_limit and policy.cpu_limit.max_cores:
+        need.add(Requirement.CPU_QUOTA)
+    if policy.cpu_limit and policy.cpu_limit.max_ms:
+        need.add(Requirement.CPU_TIME)
+    return frozenset(need)
+
+
+@dataclass(frozen=True)
+class Availability:
+    """Whether a runtime can work on this host, and what to do when it cannot."""
+
+    available: bool
+    reason: str = ""
+    hint: str = ""
+    version: str | None = None
+    rootless: bool | None = None
+    details: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """How a runtime would start a spec: an argv, or SDK call arguments. Printable, golden."""
+
+    backend: str
+    argv: list[str] | None = None
+    sdk_call: str | None = None
+    sdk_kwargs: dict[str, Any] | None = None
+    env: dict[str, str] | None = None
+    cwd: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"backend": self.backend}
+        for key in ("argv", "sdk_call", "sdk_kwargs", "env", "cwd"):
+            value = getattr(self, key)
+            if value is not None:
+                data[key] = value
+        if self.notes:
+            data["notes"] = self.notes
+        return data
+
+
+@runtime_checkable
+class Runtime(Protocol):
+    """The brief's SandboxBackend, in Python."""
+
+    id: str
+
+    def capabilities(self) -> SandboxCapabilities: ...
+
+    def availability(self) -> Availability: ...
+
+    def enforces(self) -> frozenset[Requirement]:
+        """The requirements this runtime enforces on this host."""
+        ...
+
+    def plan(self, spec: Spec) -> LaunchPlan: ...
+
+    async def prepare(self, ctx: PrepareContext) -> None: ...
+
+    async def run(self, command: str | Sequence[str], opts: RunOptions) -> RunResult: ...
+
+    async def dispose(self) -> None: ...
+
+
+def end_reason(outcome: ProcessOutcome, spec: Spec) -> EndReason:
+    """Which limit, if any, ended the command (timeout and maxBuffer first)."""
+    if outcome.timed_out:
+        return "timeout"
+    if outcome.truncated:
+        return "max-buffer"
+    if outcome.signal is None:
+        return "exit"
+    has_cpu = any(r["type"] == "RLIMIT_CPU" for r in spec["process"].get("rlimits", []))
+    if outcome.signal == _signal.Signals.SIGXCPU.name or (
+        has_cpu and outcome.signal == "SIGKILL"
+    ):
+        return "cpu-time"
+    return "signal"
+
+
+class SpecRuntime:
+    """Skeleton for runtimes that compile a spec per command and execute it.
+
+    Subclasses provide ``id``, :meth:`capabilities`, :meth:`availability`, :meth:`enforces`,
+    :meth:`plan` and :meth:`execute`; they may extend :meth:`prepare` and :meth:`dispose`.
+    """
+
+    id: str = "abstract"
+
+    def __init__(self, settings: SandboxSettings, env: Mapping[str, str],
+                 cache_root: Path | None = None, host: HostInfo | None = None) -> None:
+        self.settings = settings
+        self.env = dict(env)
+        self.cache_root = cache_root or default_cache_root(self.env)
+        self._host = host
+        self.ctx: PrepareContext | None = None
+        self.layout: TaskLayout | None = None
+
+    @property
+    def host(self) -> HostInfo:
+        if self._host is None:
+            from fusion_oci.oci.host import probe_host
+
+            self._host = probe_host()
+        return self._host
+
+    async def prepare(self, ctx: PrepareContext) -> None:
+        from fusion_oci.policy.layout import resolve_ca, resolve_layout
+
+        self.ctx = ctx
+        ca = resolve_ca(self.settings.host_ca, self.host.ca_bundle)
+        if ctx.host_ca_bundle is not None:
+            ca = ctx.host_ca_bundle
+        self.layout = resolve_layout(ctx, cache_root=self.cache_root, ca_bundle=ca)
+
+    def compile(self, command: str | Sequence[str], opts: RunOptions) -> Spec:
+        from fusion_oci.errors import SandboxSetupError
+        from fusion_oci.oci.spec import compile_spec
+
+        if self.ctx is None or self.layout is None:
+            raise SandboxSetupError(f"runtime '{self.id}' was not prepared",
+                                    "run() came before prepare()", "call prepare(ctx) first")
+        source = opts.env if opts.env is not None else self.env
+        return compile_spec(self.ctx, self.layout, self.host, command, opts, source)
+
+    async def run(self, command: str | Sequence[str], opts: RunOptions) -> RunResult:
+        return await self.execute(self.compile(command, opts), opts)
+
+    async def execute(self, spec: Spec, opts: RunOptions) -> RunResult:
+        raise NotImplementedError
+
+    async def dispose(self) -> None:
+        self.ctx = None
+        self.layout = None
+
+    def result(self, outcome: ProcessOutcome, spec: Spec, reason: EndReason | None = None
+               ) -> RunResult:
+        return RunResult(
+            stdout=outcome.stdout.decode("utf-8", errors="replace"),
+            stderr=outcome.stderr.decode("utf-8", errors="replace"),
+            exit_code=outcome.returncode,
+            signal=outcome.signal,
+            timed_out=outcome.timed_out,
+            truncated=outcome.truncated,
+            duration_ms=outcome.duration_ms,
+            backend=self.id,
+            reason=reason or end_reason(outcome, spec),
+        )
+
+
+def default_cache_root(env: Mapping[str, str]) -> Path:
+    base = env.get("XDG_CACHE_HOME") or str(Path(env.get("HOME", "/tmp")) / ".cache")
+    return Path(base) / "fusion-oci"
+
+
+class UnavailableRuntime:
+    """Stands in for a backend that is known but cannot be used here (never "unknown")."""
+
+    def __init__(self, backend: str, reason: str, hint: str = "") -> None:
+        self.id = backend
+        self._availability = Availability(False, reason, hint)
+
+    def capabilities(self) -> SandboxCapabilities:
+        return SandboxCapabilities(
+            filesystem_isolation="none", network_policy="none", resource_limits="none",
+            requires_install=True, supports_mac=False, supports_linux=False,
+            supports_windows=False,
+        )
+
+    def availability(self) -> Availability:
+        return self._availability
+
+    def enforces(self) -> frozenset[Requirement]:
+        return frozenset()
+
+    def plan(self, spec: Spec) -> LaunchPlan:
+        return LaunchPlan(self.id, notes=[f"unavailable: {self._availability.reason}"])
+
+    async def prepare(self, ctx: PrepareContext) -> None:
+        from fusion_oci.errors import RuntimeUnavailableError
+
+        raise RuntimeUnavailableError(self.id, self._availability.reason, self._availability.hint)
+
+    async def run(self, command: str | Sequence[str], opts: RunOptions) -> RunResult:
+        await self.prepare(PrepareContext(task_id="x", run_id="x", worktree_path="/"))
+        raise AssertionError("unreachable")
+
+    async def dispose(self) -> None:
+        return None

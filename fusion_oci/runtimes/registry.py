@@ -1,0 +1,89 @@
+"""Backend id → runtime class, imported lazily; third parties plug in through entry points.
+
+Every backend id of the brief is known here. One whose module is not built, whose plugin is
+not installed, or whose tools are missing on this host is *unavailable* with its reason, so
+the settings' failure mode applies; no backend id is ever "unknown".
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fusion_oci.models import BACKEND_IDS
+from fusion_oci.runtimes.base import Runtime, UnavailableRuntime
+
+if TYPE_CHECKING:
+    from fusion_oci.oci.host import HostInfo
+    from fusion_oci.policy.settings import SandboxSettings
+
+ENTRY_POINT_GROUP = "fusion_oci.runtimes"
+
+BUILTIN: dict[str, str] = {
+    "native": "fusion_oci.runtimes.native:NativeRuntime",
+    "bubblewrap": "fusion_oci.runtimes.bubblewrap:BubblewrapRuntime",
+    "oci": "fusion_oci.runtimes.oci:OciRuntime",
+    "podman": "fusion_oci.runtimes.podman:PodmanRuntime",
+    "docker": "fusion_oci.runtimes.docker:DockerRuntime",
+    "sandbox-exec": "fusion_oci.runtimes.sandbox_exec:SandboxExecRuntime",
+}
+
+
+def _load(target: str) -> Any:
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def runtime_class(backend: str, settings: SandboxSettings) -> Any | UnavailableRuntime:
+    """The class for a backend, or an :class:`UnavailableRuntime` saying why there is none."""
+    if backend == "custom":
+        name = settings.custom_runtime
+        if not name:
+            return UnavailableRuntime(
+                "custom", "no custom runtime is named",
+                "set sandbox.customRuntime to an entry point of group 'fusion_oci.runtimes'",
+            )
+        found = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
+        if not found:
+            return UnavailableRuntime(
+                "custom", f"no runtime plugin named '{name}' is installed",
+                f"install the package that provides entry point '{name}' in group "
+                f"'{ENTRY_POINT_GROUP}'",
+            )
+        return found[0].load()
+    target = BUILTIN.get(backend)
+    if target is None:
+        assert backend in BACKEND_IDS
+        return UnavailableRuntime(backend, "not built into this version of fusion-oci")
+    try:
+        return _load(target)
+    except (ImportError, AttributeError) as exc:
+        return UnavailableRuntime(
+            backend, f"not built into this version of fusion-oci ({exc})",
+            "upgrade fusion-oci, or choose another backend",
+        )
+
+
+def create_runtime(
+    backend: str,
+    settings: SandboxSettings,
+    env: Mapping[str, str],
+    *,
+    cache_root: Path | None = None,
+    host: HostInfo | None = None,
+) -> Runtime:
+    cls = runtime_class(backend, settings)
+    if isinstance(cls, UnavailableRuntime):
+        return cls
+    runtime: Runtime = cls(settings, env, cache_root=cache_root, host=host)
+    return runtime
+
+
+def known_backends() -> list[str]:
+    """Every backend id, plus names of installed custom plugins as ``custom:NAME``."""
+    ids = list(BACKEND_IDS)
+    ids += [f"custom:{ep.name}" for ep in entry_points(group=ENTRY_POINT_GROUP)]
+    return ids
