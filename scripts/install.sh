@@ -1,0 +1,144 @@
+#!/usr/bin/env bash
+# Install everything the fusion-oci test suite needs on Debian 12 (as root, or with sudo).
+# Idempotent and quick to re-run:
+#   * apt-get runs only when a package is missing (apt-get update only then, too);
+#   * .venv is created only when it does not exist (or its python is unusable);
+#   * `pip install -e '.[dev]'` is skipped when pyproject.toml has not changed since the last
+#     successful install (FUSION_OCI_FORCE_PIP=1 forces it);
+#   * the rootless test user, /dev/net/tun access and the podman runtime drop-in are checked
+#     and fixed only when needed.
+# Env knobs: FUSION_OCI_ROOTLESS_USER (default fusionci), FUSION_OCI_FORCE_PIP=1.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+ROOTLESS_USER="${FUSION_OCI_ROOTLESS_USER:-fusionci}"
+HOST_CA=/etc/ssl/certs/ca-certificates.crt
+DROPIN=/etc/containers/containers.conf.d/50-fusion-oci.conf
+
+log() { printf '[install] %s\n' "$*"; }
+die() { printf '[install] ERROR: %s\n' "$*" >&2; exit 1; }
+
+if [[ "$(id -u)" -eq 0 ]]; then
+    SUDO=()
+elif command -v sudo >/dev/null 2>&1; then
+    SUDO=(sudo)
+else
+    die "must run as root or have sudo"
+fi
+as_root() { "${SUDO[@]}" "$@"; }
+
+# --------------------------------------------------------------------------- apt packages
+APT_PACKAGES=(
+    podman bubblewrap crun runc uidmap slirp4netns fuse-overlayfs debootstrap docker.io
+    golang-github-opencontainers-specs-dev git nodejs npm iproute2
+    # not named in the product docs, but a fresh Debian 12 may lack them and the scripts use them
+    python3 python3-venv curl ca-certificates util-linux procps
+)
+
+missing=()
+for pkg in "${APT_PACKAGES[@]}"; do
+    status="$(dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null || true)"
+    [[ "$status" == "install ok installed" ]] && continue
+    # A Node.js from another source (e.g. nodesource's nodejs, which ships npm itself and
+    # conflicts with Debian's npm package) is fine as long as the commands work.
+    if [[ "$pkg" == npm ]] && command -v npm >/dev/null 2>&1; then continue; fi
+    if [[ "$pkg" == nodejs ]] && command -v node >/dev/null 2>&1; then continue; fi
+    missing+=("$pkg")
+done
+if ((${#missing[@]})); then
+    log "apt: installing missing packages: ${missing[*]}"
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get update
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y "${missing[@]}"
+else
+    log "apt: all ${#APT_PACKAGES[@]} packages already installed, skipping apt-get"
+fi
+
+# --------------------------------------------------------------------------- python venv
+PYTHON="${PYTHON:-python3}"
+py_ok() { "$1" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)' 2>/dev/null; }
+if ! py_ok "$PYTHON"; then
+    if py_ok /usr/bin/python3; then PYTHON=/usr/bin/python3; else die "need python3 >= 3.11"; fi
+fi
+
+if [[ -x .venv/bin/python ]] && py_ok .venv/bin/python; then
+    log "venv: .venv exists ($(.venv/bin/python --version 2>&1)), reusing it"
+else
+    if [[ -e .venv ]]; then
+        log "venv: .venv exists but its python is unusable, recreating it"
+        rm -rf .venv
+    fi
+    log "venv: creating .venv with $("$PYTHON" --version 2>&1) ($PYTHON)"
+    "$PYTHON" -m venv .venv
+fi
+
+# The machine may sit behind a TLS-intercepting proxy whose CA is only in the host bundle.
+# Pointing pip at the host bundle is harmless where there is no such proxy (the bundle holds
+# the public CAs too), so use it whenever it exists and nothing else was configured.
+if [[ -z "${PIP_CERT:-}" && -f "$HOST_CA" ]]; then
+    export PIP_CERT="$HOST_CA"
+fi
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+STAMP=.venv/.fusion-oci-pip-stamp
+want_stamp="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+have_stamp="$(cat "$STAMP" 2>/dev/null || true)"
+if [[ "${FUSION_OCI_FORCE_PIP:-0}" != 1 && "$want_stamp" == "$have_stamp" ]] \
+    && .venv/bin/python -c 'import fusion_oci' 2>/dev/null; then
+    log "pip: pyproject.toml unchanged since the last install, skipping pip install"
+else
+    log "pip: pip install -e '.[dev]'"
+    .venv/bin/python -m pip install --quiet -e '.[dev]'
+    echo "$want_stamp" >"$STAMP"
+fi
+
+# --------------------------------------------------------------------------- rootless user
+if ! id -u "$ROOTLESS_USER" >/dev/null 2>&1; then
+    log "user: creating unprivileged user $ROOTLESS_USER"
+    as_root useradd -m -s /bin/bash "$ROOTLESS_USER"
+else
+    log "user: $ROOTLESS_USER exists"
+fi
+for f in /etc/subuid /etc/subgid; do
+    if ! grep -q "^${ROOTLESS_USER}:" "$f" 2>/dev/null; then
+        log "user: adding ${ROOTLESS_USER}:200000:65536 to $f"
+        echo "${ROOTLESS_USER}:200000:65536" | as_root tee -a "$f" >/dev/null
+    fi
+done
+
+# rootless slirp4netns networking needs to open /dev/net/tun as the unprivileged user
+if [[ -e /dev/net/tun ]]; then
+    if runuser -u "$ROOTLESS_USER" -- test -r /dev/net/tun -a -w /dev/net/tun 2>/dev/null \
+        || { [[ "$(id -u)" -ne 0 ]] && test -r /dev/net/tun -a -w /dev/net/tun; }; then
+        log "tun: /dev/net/tun already accessible"
+    else
+        log "tun: chmod 666 /dev/net/tun (was $(stat -c %a /dev/net/tun))"
+        as_root chmod 666 /dev/net/tun
+    fi
+else
+    log "tun: /dev/net/tun does not exist; rootless networking will be unavailable"
+fi
+
+# --------------------------------------------------------------------------- podman runtime
+# crun refuses cgroups v1/hybrid ("cgroups in hybrid mode not supported"); runc works there.
+# A containers.conf drop-in is read by rootful and rootless podman alike (and by the API
+# services), so nobody has to remember `--runtime runc`.
+cgfs="$(stat -fc %T /sys/fs/cgroup 2>/dev/null || echo unknown)"
+if [[ "$cgfs" == cgroup2fs ]]; then
+    log "podman: unified cgroup v2 host, keeping podman's default runtime"
+    if [[ -f "$DROPIN" ]]; then
+        log "podman: note: $DROPIN (runtime=runc) exists from an earlier run; leaving it"
+    fi
+else
+    want=$'# Written by fusion-oci scripts/install.sh: crun refuses cgroups v1/hybrid hosts.\n[engine]\nruntime = "runc"'
+    if [[ -f "$DROPIN" && "$(cat "$DROPIN")" == "$want" ]]; then
+        log "podman: $DROPIN already selects runc (cgroup fs is $cgfs)"
+    else
+        log "podman: cgroup fs is $cgfs (not cgroup2fs): writing $DROPIN with runtime = \"runc\""
+        as_root mkdir -p "$(dirname "$DROPIN")"
+        printf '%s\n' "$want" | as_root tee "$DROPIN" >/dev/null
+    fi
+fi
+
+log "done"

@@ -1,0 +1,387 @@
+#!/usr/bin/env bash
+# Start/stop the engine services the fusion-oci tests talk to, and print their addresses.
+#
+#   scripts/services.sh start [SERVICE...]   start what is not answering yet, wait until it answers
+#   scripts/services.sh stop  [SERVICE...]   stop what this script started (by pidfile only)
+#   scripts/services.sh status               say which services answer
+#   scripts/services.sh env                  print the `export` lines the tests use
+#
+# SERVICE is one of: docker podman podman-rootless (default: all three).
+# State (pidfiles, logs, sockets) lives in /run/fusion-oci-ci; docker's data root is
+# /var/lib/fusion-oci-ci/docker so images survive between runs on the same machine.
+# `start` appends the names of the services it really started (not the ones that were already
+# answering) to $FUSION_OCI_STARTED_FILE when that is set, so a caller can stop only those.
+# Processes are only ever stopped by the pids recorded in the pidfiles (the machine is shared:
+# no pkill/killall by name).
+set -euo pipefail
+
+STATE=/run/fusion-oci-ci
+DATA=/var/lib/fusion-oci-ci
+DOCKER_SOCK="$STATE/docker.sock"
+DOCKER_PIDFILE="$STATE/dockerd.pid"
+DOCKER_EXEC_ROOT="$STATE/docker-exec"
+DOCKER_LOG="$STATE/dockerd.log"
+DOCKER_HOST_FILE="$STATE/docker.host"   # written when an engine already at the system socket is reused
+SYSTEM_DOCKER_SOCK=/var/run/docker.sock
+PODMAN_SOCK="$STATE/podman.sock"
+PODMAN_PIDFILE="$STATE/podman.pid"
+PODMAN_LOG="$STATE/podman.log"
+ROOTLESS_USER="${FUSION_OCI_ROOTLESS_USER:-fusionci}"
+ROOTLESS_PIDFILE="$STATE/podman-rootless.pid"
+ROOTLESS_LOG="$STATE/podman-rootless.log"
+OCI_SCHEMA_DIR=/usr/share/gocode/src/github.com/opencontainers/runtime-spec/schema
+DROPIN=/etc/containers/containers.conf.d/50-fusion-oci.conf
+DOCKER_TIMEOUT="${FUSION_OCI_DOCKER_TIMEOUT:-60}"
+PODMAN_TIMEOUT="${FUSION_OCI_PODMAN_TIMEOUT:-30}"
+ALL_SERVICES=(docker podman podman-rootless)
+
+log() { printf '[services] %s\n' "$*" >&2; }
+die() { printf '[services] ERROR: %s\n' "$*" >&2; exit 1; }
+
+if [[ "$(id -u)" -ne 0 ]]; then
+    if [[ "${1:-}" != env ]] && command -v sudo >/dev/null 2>&1; then
+        exec sudo --preserve-env=FUSION_OCI_STARTED_FILE,FUSION_OCI_ROOTLESS_USER \
+            bash "${BASH_SOURCE[0]}" "$@"
+    fi
+    [[ "${1:-}" == env ]] || die "must run as root (or with sudo)"
+fi
+
+rootless_uid() {
+    id -u "$ROOTLESS_USER" 2>/dev/null \
+        || die "user $ROOTLESS_USER does not exist: run scripts/install.sh first"
+}
+rootless_runtime_dir() { echo "/run/user/$(rootless_uid)"; }
+rootless_sock() { echo "$(rootless_runtime_dir)/podman/podman.sock"; }
+
+# `podman --runtime runc` is only needed on a cgroup v1/hybrid host without install.sh's drop-in.
+podman_runtime_args() {
+    if [[ "$(stat -fc %T /sys/fs/cgroup 2>/dev/null)" != cgroup2fs && ! -f "$DROPIN" ]]; then
+        echo --runtime runc
+    fi
+}
+
+# ------------------------------------------------------------------ pid helpers
+pid_cmdline() { tr '\0' ' ' <"/proc/$1/cmdline" 2>/dev/null || true; }
+# pid_matches PID WORD: PID is alive and its argv mentions WORD (guards against reused pids)
+pid_matches() {
+    [[ "$1" =~ ^[0-9]+$ ]] && kill -0 "$1" 2>/dev/null && [[ "$(pid_cmdline "$1")" == *"$2"* ]]
+}
+pidfile_pid() { [[ -s "$1" ]] && tr -dc '0-9' <"$1" || true; }
+
+# descendants PID: all live descendants of PID, deepest first
+descendants() {
+    local kid
+    for kid in $(ps -eo pid=,ppid= | awk -v p="$1" '$2 == p {print $1}'); do
+        descendants "$kid"
+        echo "$kid"
+    done
+}
+
+# stop_pid PID WORD NAME: SIGTERM, wait up to 30 s, then SIGKILL
+stop_pid() {
+    local pid="$1" word="$2" name="$3" i
+    pid_matches "$pid" "$word" || return 0
+    log "$name: stopping pid $pid"
+    kill -TERM "$pid" 2>/dev/null || true
+    for ((i = 0; i < 300; i++)); do
+        pid_matches "$pid" "$word" || return 0
+        sleep 0.1
+    done
+    log "$name: pid $pid still alive after 30 s, sending SIGKILL"
+    kill -KILL "$pid" 2>/dev/null || true
+    for ((i = 0; i < 50; i++)); do
+        pid_matches "$pid" "$word" || return 0
+        sleep 0.1
+    done
+    log "$name: WARNING: pid $pid did not die"
+}
+
+# ------------------------------------------------------------------ probes
+docker_host() {
+    if [[ -s "$DOCKER_HOST_FILE" ]]; then cat "$DOCKER_HOST_FILE"; else echo "unix://$DOCKER_SOCK"; fi
+}
+sock_ping() {  # sock_ping SOCKET PATH
+    [[ -S "$1" ]] && [[ "$(curl -sf --max-time 5 --unix-socket "$1" "http://d$2" 2>/dev/null)" == OK ]]
+}
+docker_ok() {
+    [[ -S "$1" ]] && docker -H "unix://$1" version --format '{{.Server.Version}}' >/dev/null 2>&1
+}
+podman_ok() { sock_ping "$1" /v4.0.0/libpod/_ping; }
+service_ok() {
+    case "$1" in
+        docker) docker_ok "$(docker_host | sed 's|^unix://||')" ;;
+        podman) podman_ok "$PODMAN_SOCK" ;;
+        podman-rootless) podman_ok "$(rootless_sock)" ;;
+    esac
+}
+
+# wait_for NAME TIMEOUT PID WORD LOGFILE
+wait_for() {
+    local name="$1" timeout="$2" pid="$3" word="$4" logfile="$5" start=$SECONDS
+    while ! service_ok "$name"; do
+        if ! pid_matches "$pid" "$word"; then
+            log "$name: process $pid exited before answering; last lines of $logfile:"
+            tail -n 30 "$logfile" >&2 || true
+            return 1
+        fi
+        if ((SECONDS - start >= timeout)); then
+            log "$name: no answer after ${timeout} s; last lines of $logfile:"
+            tail -n 30 "$logfile" >&2 || true
+            return 1
+        fi
+        sleep 0.2
+    done
+    log "$name: answering after $((SECONDS - start)) s"
+}
+
+record_started() {
+    if [[ -n "${FUSION_OCI_STARTED_FILE:-}" ]]; then echo "$1" >>"$FUSION_OCI_STARTED_FILE"; fi
+}
+
+# ------------------------------------------------------------------ launchers
+# Each launcher prints the pid it started (or nothing when the service already answers).
+# Daemons run in their own session (setsid) with stdio on their log, so they outlive the
+# caller's terminal/process group; `setsid` execs in place here (a background job of a script
+# is not a group leader), so $! is the daemon's own pid.
+
+launch_docker() {
+    rm -f "$DOCKER_HOST_FILE"
+    if docker_ok "$DOCKER_SOCK"; then log "docker: already answering at unix://$DOCKER_SOCK"; return; fi
+    local pid
+    pid="$(pidfile_pid "$DOCKER_PIDFILE")"
+    if [[ -n "$pid" ]] && pid_matches "$pid" dockerd; then
+        log "docker: dockerd pid $pid is running but not answering yet; waiting for it"
+        echo "$pid"; return
+    fi
+    if docker_ok "$SYSTEM_DOCKER_SOCK"; then
+        # A second dockerd next to a running one would fight over docker0 and iptables.
+        log "docker: an engine already answers at unix://$SYSTEM_DOCKER_SOCK; using it"
+        echo "unix://$SYSTEM_DOCKER_SOCK" >"$DOCKER_HOST_FILE"
+        return
+    fi
+    command -v dockerd >/dev/null || die "dockerd not found: run scripts/install.sh first"
+    rm -f "$DOCKER_PIDFILE" "$DOCKER_SOCK"   # stale leftovers of a killed daemon
+    # dockerd trusts containerd's pidfile in the exec root and waits forever-ish (then fails with
+    # "timeout waiting for containerd to start") when that pid is dead but not yet reaped, which
+    # happens here after a SIGKILL because init reaps orphans late. Drop such a stale pidfile;
+    # a containerd of ours that really still runs is left for dockerd to reuse.
+    local cpidf="$DOCKER_EXEC_ROOT/containerd/containerd.pid" cpid
+    cpid="$(pidfile_pid "$cpidf")"
+    if [[ -f "$cpidf" ]] && ! { [[ -n "$cpid" ]] && pid_matches "$cpid" "$DOCKER_EXEC_ROOT"; }; then
+        log "docker: removing stale $cpidf (pid ${cpid:-?} is gone)"
+        rm -f "$cpidf"
+    fi
+    mkdir -p "$DATA/docker" "$DOCKER_EXEC_ROOT"
+    (
+        cd /
+        exec setsid dockerd --host "unix://$DOCKER_SOCK" --data-root "$DATA/docker" \
+            --exec-root "$DOCKER_EXEC_ROOT" --pidfile "$DOCKER_PIDFILE" \
+            </dev/null >>"$DOCKER_LOG" 2>&1
+    ) &
+    log "docker: started dockerd pid $! (log $DOCKER_LOG)"
+    record_started docker
+    echo "$!"
+}
+
+launch_podman() {
+    if podman_ok "$PODMAN_SOCK"; then log "podman: already answering at unix://$PODMAN_SOCK"; return; fi
+    local pid
+    pid="$(pidfile_pid "$PODMAN_PIDFILE")"
+    if [[ -n "$pid" ]] && pid_matches "$pid" podman; then
+        log "podman: service pid $pid is running but not answering yet; waiting for it"
+        echo "$pid"; return
+    fi
+    command -v podman >/dev/null || die "podman not found: run scripts/install.sh first"
+    rm -f "$PODMAN_PIDFILE" "$PODMAN_SOCK"
+    # shellcheck disable=SC2046
+    (
+        cd /
+        exec setsid podman $(podman_runtime_args) system service --time=0 "unix://$PODMAN_SOCK" \
+            </dev/null >>"$PODMAN_LOG" 2>&1
+    ) &
+    echo "$!" >"$PODMAN_PIDFILE"
+    log "podman: started rootful podman service pid $! (log $PODMAN_LOG)"
+    record_started podman
+    echo "$!"
+}
+
+launch_podman_rootless() {
+    local uid gid home xdg sock pid
+    uid="$(rootless_uid)"
+    gid="$(id -g "$ROOTLESS_USER")"
+    home="$(getent passwd "$ROOTLESS_USER" | cut -d: -f6)"
+    xdg="$(rootless_runtime_dir)"
+    sock="$(rootless_sock)"
+    if podman_ok "$sock"; then log "podman-rootless: already answering at unix://$sock"; return; fi
+    pid="$(pidfile_pid "$ROOTLESS_PIDFILE")"
+    if [[ -n "$pid" ]] && pid_matches "$pid" podman; then
+        log "podman-rootless: service pid $pid is running but not answering yet; waiting for it"
+        echo "$pid"; return
+    fi
+    # XDG_RUNTIME_DIR as logind would make it (there may be no logind/systemd here)
+    if [[ ! -d "$xdg" ]]; then
+        install -d -m 700 -o "$uid" -g "$gid" "$xdg"
+        log "podman-rootless: created $xdg"
+    fi
+    # podman does not create the socket's directory itself
+    install -d -m 700 -o "$uid" -g "$gid" "$(dirname "$sock")"
+    rm -f "$ROOTLESS_PIDFILE" "$sock"
+    # setpriv execs in place (unlike runuser/su, which fork and wait), so $! is podman's pid.
+    # shellcheck disable=SC2046
+    (
+        cd /
+        exec setsid setpriv --reuid="$uid" --regid="$gid" --init-groups \
+            env -i HOME="$home" USER="$ROOTLESS_USER" LOGNAME="$ROOTLESS_USER" \
+            PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+            XDG_RUNTIME_DIR="$xdg" \
+            podman $(podman_runtime_args) system service --time=0 "unix://$sock" \
+            </dev/null >>"$ROOTLESS_LOG" 2>&1
+    ) &
+    echo "$!" >"$ROOTLESS_PIDFILE"
+    log "podman-rootless: started podman service as $ROOTLESS_USER, pid $! (log $ROOTLESS_LOG)"
+    record_started podman-rootless
+    echo "$!"
+}
+
+# ------------------------------------------------------------------ commands
+selected() {
+    local s
+    if (($# == 0)); then set -- "${ALL_SERVICES[@]}"; fi
+    for s in "$@"; do
+        case "$s" in
+            docker | podman | podman-rootless) echo "$s" ;;
+            *) die "unknown service '$s' (want: ${ALL_SERVICES[*]})" ;;
+        esac
+    done
+}
+
+cmd_start() {
+    local t0=$SECONDS s pid rc=0
+    local -A pids=()
+    mkdir -p "$STATE"
+    chmod 755 "$STATE"
+    for s in $(selected "$@"); do
+        case "$s" in
+            docker) pids[$s]="$(launch_docker)" ;;
+            podman) pids[$s]="$(launch_podman)" ;;
+            podman-rootless) pids[$s]="$(launch_podman_rootless)" ;;
+        esac
+    done
+    for s in $(selected "$@"); do
+        pid="${pids[$s]:-}"
+        [[ -n "$pid" ]] || continue
+        case "$s" in
+            docker) wait_for docker "$DOCKER_TIMEOUT" "$pid" dockerd "$DOCKER_LOG" || rc=1 ;;
+            podman) wait_for podman "$PODMAN_TIMEOUT" "$pid" podman "$PODMAN_LOG" || rc=1 ;;
+            podman-rootless)
+                wait_for podman-rootless "$PODMAN_TIMEOUT" "$pid" podman "$ROOTLESS_LOG" || rc=1
+                ;;
+        esac
+    done
+    if [[ " $* " == *" podman-rootless "* || $# -eq 0 ]] && ((rc == 0)); then
+        # one direct check that rootless podman itself works for the user, not just the socket
+        local info
+        if info="$(cd / && runuser -u "$ROOTLESS_USER" -- env XDG_RUNTIME_DIR="$(rootless_runtime_dir)" \
+            podman info --format '{{.Host.OCIRuntime.Name}} {{.Store.GraphDriverName}}' 2>/dev/null)"; then
+            log "podman-rootless: 'podman info' as $ROOTLESS_USER works (runtime, storage: $info)"
+        else
+            log "podman-rootless: 'podman info' as $ROOTLESS_USER FAILED"
+            rc=1
+        fi
+    fi
+    ((rc == 0)) || die "some services did not come up"
+    log "all requested services answer (start took $((SECONDS - t0)) s)"
+}
+
+stop_rootless_pause() {
+    # Rootless podman leaves a "pause" process (catatonit -P) that holds its user namespace.
+    # Stop it too, via podman's own pidfile, but only if nothing else of that user still runs.
+    local uid xdg pidf pid others
+    uid="$(id -u "$ROOTLESS_USER" 2>/dev/null)" || return 0
+    xdg="/run/user/$uid"
+    pidf="$xdg/libpod/tmp/pause.pid"
+    pid="$(pidfile_pid "$pidf")"
+    [[ -n "$pid" ]] && kill -0 "$pid" 2>/dev/null || return 0
+    [[ "$(stat -c %u "/proc/$pid")" == "$uid" ]] || return 0
+    # (zombies do not count: this machine's init may be slow to reap orphans)
+    others="$(ps -u "$uid" -o pid=,stat= | awk -v p="$pid" '$1 != p && $2 !~ /^Z/ {print $1}')"
+    if [[ -n "$others" ]]; then
+        log "podman-rootless: leaving pause process $pid: other processes of $ROOTLESS_USER run: $(echo $others)"
+        return 0
+    fi
+    stop_pid "$pid" "" "podman-rootless pause process"
+    rm -f "$pidf"
+}
+
+cmd_stop() {
+    local s pid cpid
+    for s in $(selected "$@"); do
+        case "$s" in
+            docker)
+                rm -f "$DOCKER_HOST_FILE"
+                pid="$(pidfile_pid "$DOCKER_PIDFILE")"
+                if [[ -n "$pid" ]] && pid_matches "$pid" dockerd; then
+                    stop_pid "$pid" dockerd docker
+                else
+                    log "docker: no dockerd of ours is running"
+                fi
+                # containerd managed by that dockerd normally exits with it; not if it was SIGKILLed
+                cpid="$(pidfile_pid "$DOCKER_EXEC_ROOT/containerd/containerd.pid")"
+                if [[ -n "$cpid" ]] && pid_matches "$cpid" "$DOCKER_EXEC_ROOT"; then
+                    stop_pid "$cpid" "$DOCKER_EXEC_ROOT" "docker's containerd"
+                fi
+                rm -f "$DOCKER_PIDFILE"
+                ;;
+            podman)
+                pid="$(pidfile_pid "$PODMAN_PIDFILE")"
+                if [[ -n "$pid" ]] && pid_matches "$pid" podman; then
+                    stop_pid "$pid" podman podman
+                else
+                    log "podman: no podman service of ours is running"
+                fi
+                rm -f "$PODMAN_PIDFILE" "$PODMAN_SOCK"
+                ;;
+            podman-rootless)
+                pid="$(pidfile_pid "$ROOTLESS_PIDFILE")"
+                if [[ -n "$pid" ]] && pid_matches "$pid" podman; then
+                    # When no pause process existed yet, rootless podman re-executes itself in a
+                    # child inside the new user namespace and that child is the real service; it
+                    # survives SIGTERM to the parent, so stop the podman descendants first.
+                    local kid
+                    for kid in $(descendants "$pid"); do
+                        stop_pid "$kid" podman "podman-rootless (child of $pid)"
+                    done
+                    stop_pid "$pid" podman podman-rootless
+                else
+                    log "podman-rootless: no podman service of ours is running"
+                fi
+                stop_rootless_pause
+                rm -f "$ROOTLESS_PIDFILE"
+                ;;
+        esac
+    done
+}
+
+cmd_status() {
+    local s rc=0
+    for s in "${ALL_SERVICES[@]}"; do
+        if service_ok "$s"; then echo "$s: up"; else echo "$s: down"; rc=1; fi
+    done
+    return $rc
+}
+
+cmd_env() {
+    echo "export DOCKER_HOST=$(docker_host)"
+    echo "export FUSION_OCI_PODMAN_URL=unix://$PODMAN_SOCK"
+    echo "export FUSION_OCI_ROOTLESS_USER=$ROOTLESS_USER"
+    echo "export FUSION_OCI_ROOTLESS_PODMAN_URL=unix://$(rootless_sock)"
+    echo "export FUSION_OCI_OCI_SCHEMA_DIR=$OCI_SCHEMA_DIR"
+}
+
+case "${1:-}" in
+    start) shift; cmd_start "$@" ;;
+    stop) shift; cmd_stop "$@" ;;
+    status) cmd_status ;;
+    env) cmd_env ;;
+    *) echo "usage: $0 start|stop [docker|podman|podman-rootless]... | status | env" >&2; exit 2 ;;
+esac

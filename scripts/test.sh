@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# The one command that runs the whole fusion-oci test suite on a fresh Debian 12 machine
+# (as root or with sudo):
+#   1. scripts/install.sh           packages, .venv, rootless test user, podman runtime drop-in
+#   2. scripts/services.sh start    dockerd, rootful and rootless podman API services
+#   3. ruff check + mypy             (skipped with FUSION_OCI_SKIP_LINT=1)
+#   4. pytest "$@"                   with FUSION_OCI_REQUIRE_BACKENDS=all: a missing backend fails
+# On exit it stops only the services that step 2 started in this invocation; services that were
+# already running before are left running. Exits with pytest's status; "no tests collected"
+# (pytest's 5) is reported as a failure too.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+say() { printf '[test] %s\n' "$*"; }
+t0=$SECONDS
+
+if [[ "$(id -u)" -eq 0 ]]; then SUDO=(); else SUDO=(sudo); fi
+
+say "== install ($(date -u +%H:%M:%S))"
+bash scripts/install.sh
+
+STARTED_FILE="$(mktemp "${TMPDIR:-/tmp}/fusion-oci-started.XXXXXX")"
+cleanup() {
+    local rc=$?
+    trap - EXIT INT TERM
+    if [[ -s "$STARTED_FILE" ]]; then
+        # shellcheck disable=SC2046
+        say "== stopping the services this run started: $(sort -u "$STARTED_FILE" | tr '\n' ' ')"
+        "${SUDO[@]}" bash "$ROOT/scripts/services.sh" stop $(sort -u "$STARTED_FILE") || true
+    fi
+    rm -f "$STARTED_FILE"
+    say "total time $((SECONDS - t0)) s, exit status $rc"
+    exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+say "== services"
+t1=$SECONDS
+"${SUDO[@]}" env FUSION_OCI_STARTED_FILE="$STARTED_FILE" bash scripts/services.sh start
+say "services ready in $((SECONDS - t1)) s"
+eval "$(bash scripts/services.sh env)"
+export FUSION_OCI_REQUIRE_BACKENDS=all
+export PATH="$ROOT/.venv/bin:$PATH"
+bash scripts/services.sh env | sed 's/^/[test]   /'
+say "  export FUSION_OCI_REQUIRE_BACKENDS=all"
+
+if [[ "${FUSION_OCI_SKIP_LINT:-0}" != 1 ]]; then
+    say "== ruff check fusion_oci tests"
+    .venv/bin/ruff check fusion_oci tests
+    say "== mypy"
+    .venv/bin/mypy
+else
+    say "== lint skipped (FUSION_OCI_SKIP_LINT=1)"
+fi
+
+say "== pytest $*"
+rc=0
+.venv/bin/python -m pytest "$@" || rc=$?
+if ((rc == 5)); then
+    say "FAILED: pytest collected no tests (exit 5)"
+elif ((rc != 0)); then
+    say "FAILED: pytest exit status $rc"
+fi
+exit "$rc"
