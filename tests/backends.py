@@ -1,0 +1,40 @@
+"""Which backends the tests may use here, and the rule that a missing one fails in CI.
+
+``FUSION_OCI_REQUIRE_BACKENDS`` (``all`` or a comma list, set by scripts/test.sh and so by CI)
+turns "backend missing → skip" into a test error: a runtime test that skips in CI is a
+failing test.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from fusion_oci.policy.settings import SandboxSettings
+from fusion_oci.runtimes.registry import create_runtime
+
+
+def required_backends() -> set[str]:
+    value = os.environ.get("FUSION_OCI_REQUIRE_BACKENDS", "")
+    if value.strip() == "all":
+        return {"native", "bubblewrap", "oci", "podman", "podman-rootless", "docker"}
+    return {v.strip() for v in value.split(",") if v.strip()}
+
+
+def require(backend: str, available: bool, reason: str) -> None:
+    """Skip when ``backend`` is missing here, unless it is required (then fail)."""
+    if available:
+        return
+    if backend in required_backends():
+        pytest.fail(
+            f"backend '{backend}' is required (FUSION_OCI_REQUIRE_BACKENDS) but missing: {reason}",
+            pytrace=False,
+        )
+    pytest.skip(f"backend '{backend}' missing: {reason}")
+
+
+def require_runtime(backend: str, settings: SandboxSettings | None = None) -> None:
+    runtime = create_runtime(backend, settings or SandboxSettings(backend=backend), os.environ)  # type: ignore[arg-type]
+    avail = runtime.availability()
+    require(backend, avail.available, f"{avail.reason} {avail.hint}".strip())
