@@ -70,7 +70,7 @@ def inspect_git(worktree: Path) -> GitLayout | None:
     return GitLayout("linked", str(git_dir), str(common))
 
 
-def _cache_dirs(ctx: PrepareContext, cache_root: Path) -> tuple[CacheMount, ...]:
+def _cache_dirs(ctx: PrepareContext, cache_root: Path, create: bool) -> tuple[CacheMount, ...]:
     if ctx.cache_mode is CacheMode.OFF:
         return ()
     project = ctx.project_dir or ctx.worktree_path
@@ -85,7 +85,8 @@ def _cache_dirs(ctx: PrepareContext, cache_root: Path) -> tuple[CacheMount, ...]
     mounts = []
     for name, envs in specs:
         host = base / name
-        host.mkdir(parents=True, exist_ok=True)
+        if create:
+            host.mkdir(parents=True, exist_ok=True)
         inside = f"{CACHE_ROOT_IN_SANDBOX}/{name}"
         mounts.append(
             CacheMount(name, str(host), inside, tuple((k, f"{CACHE_ROOT_IN_SANDBOX}/{v}")
@@ -109,8 +110,9 @@ def resolve_ca(setting: str, host_ca: str | None) -> str | None:
 
 
 def resolve_layout(
-    ctx: PrepareContext, *, cache_root: Path, ca_bundle: str | None
+    ctx: PrepareContext, *, cache_root: Path, ca_bundle: str | None, create: bool = True
 ) -> TaskLayout:
+    """Read the task's host paths. ``create=False`` (dry runs) creates nothing on the host."""
     worktree = Path(ctx.worktree_path)
     if not worktree.is_dir():
         raise BundleError(
@@ -119,12 +121,12 @@ def resolve_layout(
             "create the worktree first (git worktree add) or pass --worktree DIR",
         )
     git = inspect_git(worktree)
-    if git is not None:
+    if git is not None and create:
         # hooks/ is mounted read-only; it must exist to be a mount point.
         (Path(git.common_dir) / "hooks").mkdir(exist_ok=True)
     return TaskLayout(
         worktree=str(worktree.resolve()),
         git=git,
-        caches=_cache_dirs(ctx, cache_root),
+        caches=_cache_dirs(ctx, cache_root, create),
         ca_bundle=ca_bundle,
     )

@@ -99,10 +99,8 @@ def read_layer(path: Path) -> Layer | None:
         raise SettingsError(
             f"settings file {path}", "the document must be a mapping", "start it with `sandbox:`"
         )
-    unknown = set(doc) - {"sandbox"}
-    sandbox = doc.get("sandbox", {}) or {}
     # Other tools keep their own top-level keys in the same file; only `sandbox:` is ours.
-    del unknown
+    sandbox = doc.get("sandbox", {}) or {}
     if not isinstance(sandbox, dict):
         raise SettingsError(
             f"settings error in {path} at sandbox",
@@ -169,10 +167,12 @@ def _raise_validation(source: str, exc: ValidationError, prov: Mapping[str, str]
         hint = _field_hint(SandboxSettings, loc) or "remove it"
     else:
         msg = first["msg"].removeprefix("Value error, ")
-        why = f"bad value {value!r}: {msg}"
-        hint = "accepted: " + msg.removeprefix("Input should be ") if "should be" in msg else (
-            "fix or remove the value"
-        )
+        if msg.startswith("Input should be "):
+            why = f"bad value {value!r}"
+            hint = "accepted: " + msg.removeprefix("Input should be ")
+        else:
+            why = f"bad value {value!r}: {msg}"
+            hint = "fix or remove the value"
     raise SettingsError(f"settings error in {where} at sandbox.{keypath}", why, hint) from exc
 
 

@@ -1,0 +1,432 @@
+"""``fusion-oci``: run, plan, doctor, bundle, settings, audit, gc, images.
+
+Exit status: the command's own; 124 on timeout; 125 when the sandbox could not be set up;
+2 for bad settings or flags; 126/127 as a shell would (the command's own).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+
+import typer
+
+if TYPE_CHECKING:
+    from fusion_oci.cli.task import TaskFlags
+
+app = typer.Typer(
+    name="fusion-oci",
+    help="Run coding-agent executor commands inside a sandbox around the task's worktree.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+bundle_app = typer.Typer(help="Write OCI bundles.", no_args_is_help=True)
+settings_app = typer.Typer(help="Show and check the effective settings.", no_args_is_help=True)
+app.add_typer(bundle_app, name="bundle")
+app.add_typer(settings_app, name="settings")
+
+# --- shared options -------------------------------------------------------------------------
+
+Backend = Annotated[str | None, typer.Option(
+    "--backend", help="native|bubblewrap|oci|podman|docker|sandbox-exec|custom")]
+Worktree = Annotated[Path | None, typer.Option(
+    "--worktree", help="The task's worktree (default: current directory).")]
+Image = Annotated[str | None, typer.Option(
+    "--image", help="Image for container backends (images/ name or reference).")]
+Network = Annotated[str | None, typer.Option("--network", help="none|egress|host")]
+AllowPath = Annotated[list[str] | None, typer.Option(
+    "--allow-path", help="Host path visible read-only (repeatable).")]
+WritablePath = Annotated[list[str] | None, typer.Option(
+    "--writable-path", help="Host path visible read-write (repeatable).")]
+EnvName = Annotated[list[str] | None, typer.Option(
+    "--env", help="Name of a caller env var to pass through (repeatable).")]
+MemoryMb = Annotated[int | None, typer.Option("--memory-mb", help="Memory limit in MiB.")]
+Cpus = Annotated[float | None, typer.Option("--cpus", help="CPU quota in cores.")]
+CpuTime = Annotated[int | None, typer.Option("--cpu-time-ms", help="CPU time limit (ms).")]
+Pids = Annotated[int | None, typer.Option("--pids", help="Most processes at once.")]
+TimeoutMs = Annotated[int | None, typer.Option("--timeout-ms", help="Wall-clock limit (ms).")]
+MaxBuffer = Annotated[int | None, typer.Option(
+    "--max-buffer", help="Most bytes kept of stdout and of stderr.")]
+FailureMode = Annotated[str | None, typer.Option(
+    "--failure-mode", help="fail-hard|fallback-native")]
+TaskId = Annotated[str | None, typer.Option("--task-id")]
+RunId = Annotated[str | None, typer.Option("--run-id")]
+TaskPrompt = Annotated[Path | None, typer.Option(
+    "--task-prompt", help="File with the task prompt (may hold a **Sandbox:** override).")]
+CacheMode = Annotated[str | None, typer.Option("--cache-mode", help="shared|isolated|off")]
+HostCa = Annotated[str | None, typer.Option(
+    "--host-ca", help="auto|off|PATH: share the host CA bundle.")]
+AsJson = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
+Command = Annotated[list[str], typer.Argument(
+    help="One argument: a shell command line. Several: an argv.", show_default=False)]
+
+
+def _fail(exc: Exception) -> NoReturn:
+    from fusion_oci.errors import FusionOCIError
+
+    code = exc.exit_code if isinstance(exc, FusionOCIError) else 125
+    typer.echo(f"fusion-oci: {exc}", err=True)
+    raise typer.Exit(code)
+
+
+def _flags(**kwargs: Any) -> TaskFlags:
+    from fusion_oci.cli.task import TaskFlags
+
+    return TaskFlags(**kwargs)
+
+
+def _command(command: list[str]) -> str | list[str]:
+    return command[0] if len(command) == 1 else command
+
+
+# --- run ------------------------------------------------------------------------------------
+
+
+@app.command(context_settings={"allow_interspersed_args": False})
+def run(
+    command: Command,
+    backend: Backend = None, worktree: Worktree = None, image: Image = None,
+    network: Network = None, allow_path: AllowPath = None, writable_path: WritablePath = None,
+    env: EnvName = None, memory_mb: MemoryMb = None, cpus: Cpus = None,
+    cpu_time_ms: CpuTime = None, pids: Pids = None, timeout_ms: TimeoutMs = None,
+    max_buffer: MaxBuffer = None, failure_mode: FailureMode = None, task_id: TaskId = None,
+    run_id: RunId = None, task_prompt: TaskPrompt = None, cache_mode: CacheMode = None,
+    host_ca: HostCa = None,
+    audit_log: Annotated[Path | None, typer.Option(
+        "--audit-log", help="Audit JSONL file (default: PROJECT/.fusion/sandbox-audit.jsonl).")
+    ] = None,
+    as_json: AsJson = False,
+) -> None:
+    """Run COMMAND in the sandbox; its stdout/stderr pass through, its exit status is ours."""
+    import asyncio
+
+    from fusion_oci.audit import AuditLog, default_audit_path
+    from fusion_oci.cli.task import caller_env, resolve_task
+    from fusion_oci.errors import FusionOCIError
+    from fusion_oci.sandbox import Sandbox
+
+    try:
+        flags = _flags(
+            backend=backend, worktree=worktree, image=image, network=network,
+            allow_path=allow_path, writable_path=writable_path, env=env, memory_mb=memory_mb,
+            cpus=cpus, cpu_time_ms=cpu_time_ms, pids=pids, timeout_ms=timeout_ms,
+            max_buffer=max_buffer, failure_mode=failure_mode, task_id=task_id, run_id=run_id,
+            task_prompt=task_prompt, cache_mode=cache_mode, host_ca=host_ca,
+        )
+        environ = caller_env()
+        task = resolve_task(flags, environ)
+        audit = AuditLog(audit_log or default_audit_path(task.project_dir))
+
+        async def go() -> Any:
+            async with Sandbox(task.effective.settings, audit=audit, env=environ) as sandbox:
+                await sandbox.prepare(task.ctx)
+                return await sandbox.run(_command(command), task.opts)
+
+        result = asyncio.run(go())
+    except FusionOCIError as exc:
+        _fail(exc)
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+    if as_json:
+        typer.echo(result.model_dump_json(by_alias=True))
+    else:
+        sys.stdout.write(result.stdout)
+        sys.stdout.flush()
+        sys.stderr.write(result.stderr)
+        if result.timed_out:
+            sys.stderr.write(f"fusion-oci: timed out after {task.opts.timeout_ms} ms\n")
+        elif result.reason not in ("exit", "signal"):
+            sys.stderr.write(f"fusion-oci: command ended: {result.reason}\n")
+        if result.fell_back:
+            sys.stderr.write("fusion-oci: fell back to the native runtime (see audit)\n")
+    raise typer.Exit(result.shell_status)
+
+
+# --- plan -----------------------------------------------------------------------------------
+
+
+@app.command(context_settings={"allow_interspersed_args": False})
+def plan(
+    command: Command,
+    backend: Backend = None, worktree: Worktree = None, image: Image = None,
+    network: Network = None, allow_path: AllowPath = None, writable_path: WritablePath = None,
+    env: EnvName = None, memory_mb: MemoryMb = None, cpus: Cpus = None,
+    cpu_time_ms: CpuTime = None, pids: Pids = None, timeout_ms: TimeoutMs = None,
+    max_buffer: MaxBuffer = None, failure_mode: FailureMode = None, task_id: TaskId = None,
+    run_id: RunId = None, task_prompt: TaskPrompt = None, cache_mode: CacheMode = None,
+    host_ca: HostCa = None, as_json: AsJson = False,
+) -> None:
+    """Dry run: the resolved policy, the bundle's config.json and the runtime's launch plan."""
+    from fusion_oci.cli.task import caller_env, resolve_task
+    from fusion_oci.errors import FusionOCIError
+
+    try:
+        flags = _flags(
+            backend=backend, worktree=worktree, image=image, network=network,
+            allow_path=allow_path, writable_path=writable_path, env=env, memory_mb=memory_mb,
+            cpus=cpus, cpu_time_ms=cpu_time_ms, pids=pids, timeout_ms=timeout_ms,
+            max_buffer=max_buffer, failure_mode=failure_mode, task_id=task_id, run_id=run_id,
+            task_prompt=task_prompt, cache_mode=cache_mode, host_ca=host_ca,
+        )
+        environ = caller_env()
+        task = resolve_task(flags, environ)
+        data = dry_run(task, _command(command), environ)
+    except FusionOCIError as exc:
+        _fail(exc)
+    if as_json:
+        typer.echo(json.dumps(data, indent=2))
+        return
+    from rich.console import Console
+    from rich.syntax import Syntax
+
+    console = Console()
+    console.rule(f"policy ({data['policyHash']})")
+    console.print(Syntax(json.dumps(data["policy"], indent=2), "json"))
+    if data["unenforced"]:
+        console.print("[yellow]not enforced by this backend:[/] " + ", ".join(data["unenforced"]))
+    console.rule("config.json")
+    console.print(Syntax(json.dumps(data["config"], indent=2), "json"))
+    console.rule(f"launch plan: {data['backend']}")
+    console.print(Syntax(json.dumps(data["launch"], indent=2), "json"))
+
+
+def dry_run(task: Any, command: str | list[str], environ: dict[str, str]) -> dict[str, Any]:
+    """Compile everything a run would, create nothing, start nothing."""
+    from fusion_oci.oci.host import probe_host
+    from fusion_oci.oci.spec import compile_spec
+    from fusion_oci.policy.layout import resolve_ca, resolve_layout
+    from fusion_oci.runtimes.base import default_cache_root, requirements
+    from fusion_oci.runtimes.registry import create_runtime
+
+    settings = task.effective.settings
+    host = probe_host()
+    layout = resolve_layout(task.ctx, cache_root=default_cache_root(environ),
+                            ca_bundle=resolve_ca(settings.host_ca, host.ca_bundle), create=False)
+    spec = compile_spec(task.ctx, layout, host, command, task.opts, environ)
+    runtime = create_runtime(settings.backend, settings, environ, host=host)
+    avail = runtime.availability()
+    missing = sorted(r.value for r in requirements(task.ctx.policy) - runtime.enforces())
+    return {
+        "backend": runtime.id,
+        "available": avail.available,
+        "availability": avail.reason or None,
+        "policy": task.ctx.policy.model_dump(mode="json", by_alias=True),
+        "policyHash": task.ctx.policy.digest(),
+        "unenforced": missing,
+        "config": spec,
+        "launch": runtime.plan(spec).to_json(),
+    }
+
+
+# --- doctor ---------------------------------------------------------------------------------
+
+
+@app.command()
+def doctor(as_json: AsJson = False) -> None:
+    """For every known backend: available here?, version, rootless, capabilities, the fix."""
+    import os
+
+    from fusion_oci.models import BACKEND_IDS
+    from fusion_oci.policy.settings import SandboxSettings
+    from fusion_oci.runtimes.registry import create_runtime
+
+    rows = []
+    for backend in BACKEND_IDS:
+        settings = SandboxSettings(backend=backend)  # type: ignore[arg-type]
+        runtime = create_runtime(backend, settings, os.environ)
+        avail = runtime.availability()
+        rows.append({
+            "backend": backend,
+            "available": avail.available,
+            "version": avail.version,
+            "rootless": avail.rootless,
+            "reason": avail.reason or None,
+            "hint": avail.hint or None,
+            "enforces": sorted(r.value for r in runtime.enforces()) if avail.available else [],
+            "capabilities": runtime.capabilities().model_dump(by_alias=True),
+            "details": avail.details or None,
+        })
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="fusion-oci backends on this host")
+    for col in ("backend", "available", "version", "rootless", "enforces", "fix"):
+        table.add_column(col, overflow="fold")
+    for row in rows:
+        table.add_row(
+            str(row["backend"]),
+            "[green]yes[/]" if row["available"] else "[red]no[/]",
+            str(row["version"] or "-"),
+            "-" if row["rootless"] is None else ("yes" if row["rootless"] else "no"),
+            ", ".join(row["enforces"]) or "-",
+            "" if row["available"] else f"{row['reason']}\n{row['hint'] or ''}".strip(),
+        )
+    Console().print(table)
+
+
+# --- bundle ---------------------------------------------------------------------------------
+
+
+@bundle_app.command("create", context_settings={"allow_interspersed_args": False})
+def bundle_create(
+    command: Command,
+    output: Annotated[Path, typer.Option("-o", "--output", help="Bundle directory to write.")],
+    worktree: Worktree = None, image: Image = None, network: Network = None,
+    allow_path: AllowPath = None, writable_path: WritablePath = None, env: EnvName = None,
+    memory_mb: MemoryMb = None, cpus: Cpus = None, cpu_time_ms: CpuTime = None,
+    pids: Pids = None, task_id: TaskId = None, run_id: RunId = None,
+    cache_mode: CacheMode = None, host_ca: HostCa = None,
+) -> None:
+    """Write an OCI bundle (config.json + rootfs/) for COMMAND, atomically."""
+    from fusion_oci.cli.task import caller_env, resolve_task
+    from fusion_oci.errors import FusionOCIError
+    from fusion_oci.oci.bundle import write_bundle
+    from fusion_oci.oci.host import probe_host
+    from fusion_oci.oci.spec import compile_spec
+    from fusion_oci.policy.layout import resolve_ca, resolve_layout
+    from fusion_oci.runtimes.base import default_cache_root
+
+    try:
+        flags = _flags(
+            worktree=worktree, image=image, network=network, allow_path=allow_path,
+            writable_path=writable_path, env=env, memory_mb=memory_mb, cpus=cpus,
+            cpu_time_ms=cpu_time_ms, pids=pids, task_id=task_id, run_id=run_id,
+            cache_mode=cache_mode, host_ca=host_ca,
+        )
+        environ = caller_env()
+        task = resolve_task(flags, environ)
+        settings = task.effective.settings
+        host = probe_host()
+        layout = resolve_layout(task.ctx, cache_root=default_cache_root(environ),
+                                ca_bundle=resolve_ca(settings.host_ca, host.ca_bundle))
+        spec = compile_spec(task.ctx, layout, host, _command(command), task.opts, environ)
+        bundle = write_bundle(spec, output)
+    except FusionOCIError as exc:
+        _fail(exc)
+    typer.echo(str(bundle.path))
+
+
+# --- settings -------------------------------------------------------------------------------
+
+
+def _load_for(worktree: Path | None, task_prompt: Path | None) -> Any:
+    from fusion_oci.cli.task import TaskFlags, caller_env, resolve_task
+
+    return resolve_task(TaskFlags(worktree=worktree, task_prompt=task_prompt), caller_env())
+
+
+@settings_app.command("show")
+def settings_show(worktree: Worktree = None, task_prompt: TaskPrompt = None,
+                  as_json: AsJson = False) -> None:
+    """The effective settings, and where each value came from."""
+    from fusion_oci.errors import FusionOCIError
+    from fusion_oci.policy.settings import flatten
+
+    try:
+        task = _load_for(worktree, task_prompt)
+    except FusionOCIError as exc:
+        _fail(exc)
+    values = flatten(task.effective.settings.model_dump(mode="json", by_alias=True))
+    prov = task.effective.provenance
+    rows = [{"key": key, "value": value, "source": prov.get(key, "default")}
+            for key, value in values.items()]
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"effective sandbox settings (project {task.project_dir})")
+    for col in ("key", "value", "source"):
+        table.add_column(col, overflow="fold")
+    for row in rows:
+        table.add_row(f"sandbox.{row['key']}", json.dumps(row["value"]), row["source"])
+    Console().print(table)
+
+
+@settings_app.command("validate")
+def settings_validate(worktree: Worktree = None, task_prompt: TaskPrompt = None) -> None:
+    """Check the global and project settings files (exit 2 with the error when bad)."""
+    from fusion_oci.errors import FusionOCIError
+
+    try:
+        task = _load_for(worktree, task_prompt)
+    except FusionOCIError as exc:
+        _fail(exc)
+    sources = sorted(set(task.effective.provenance.values())) or ["defaults only"]
+    typer.echo("settings OK: " + ", ".join(sources))
+
+
+# --- audit ----------------------------------------------------------------------------------
+
+
+@app.command()
+def audit(
+    worktree: Worktree = None,
+    audit_log: Annotated[Path | None, typer.Option("--audit-log")] = None,
+    task: Annotated[str | None, typer.Option("--task", help="Only this task id.")] = None,
+    limit: Annotated[int, typer.Option("--limit", help="Most recent N events.")] = 50,
+    as_json: AsJson = False,
+) -> None:
+    """Show sandbox audit events as a table (``--json`` for machines)."""
+    from fusion_oci.audit import default_audit_path, read_events
+    from fusion_oci.cli.task import find_project_dir
+
+    path = audit_log or default_audit_path(find_project_dir((worktree or Path.cwd()).absolute()))
+    events = [e for e in read_events(path) if task is None or e.task_id == task][-limit:]
+    if as_json:
+        for event in events:
+            typer.echo(event.model_dump_json(by_alias=True, exclude_none=True))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=str(path))
+    for col in ("time", "event", "task", "run", "backend", "exit", "ms", "reason"):
+        table.add_column(col, overflow="fold")
+    for e in events:
+        status = e.end_reason if e.end_reason not in (None, "exit") else e.exit_code
+        table.add_row(e.ts[11:23], e.type.removeprefix("sandbox:"), e.task_id, e.run_id,
+                      e.backend, "" if status is None else str(status),
+                      "" if e.duration_ms is None else str(e.duration_ms),
+                      (e.reason or ", ".join(e.unenforced or []))[:120])
+    Console().print(table)
+
+
+def _mount_optional() -> None:
+    """Sub-apps owned by other modules (images, gc), mounted when present."""
+    import importlib
+
+    for name in ("images", "gc"):
+        try:
+            module = importlib.import_module(f"fusion_oci.cli.{name}")
+        except ImportError:
+            continue
+        sub = getattr(module, "app", None)
+        if sub is not None:
+            app.add_typer(sub, name=name)
+
+
+def main() -> None:
+    _mount_optional()
+    try:
+        app()
+    except SystemExit:
+        raise
+    except Exception as exc:  # noqa: BLE001 - last line of defence: no traceback for users
+        from fusion_oci.errors import FusionOCIError
+
+        if isinstance(exc, FusionOCIError):
+            _fail(exc)
+        typer.echo(f"fusion-oci: internal error: {type(exc).__name__}: {exc}", err=True)
+        sys.exit(125)
+
+
+if __name__ == "__main__":
+    main()

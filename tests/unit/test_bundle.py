@@ -1,0 +1,179 @@
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fusion_oci.errors import BundleError
+from fusion_oci.models import CacheMode, CpuLimit, PrepareContext, RunOptions, SandboxPolicy
+from fusion_oci.oci.bundle import write_bundle
+from fusion_oci.oci.host import HostInfo, probe_host
+from fusion_oci.oci.spec import (
+    ANN_NETWORK,
+    ANN_POLICY,
+    ANN_TASK,
+    compile_spec,
+    spec_env,
+)
+from fusion_oci.policy.layout import CacheMount, GitLayout, TaskLayout, resolve_layout
+from tests.golden import assert_golden
+
+HOST = HostInfo(
+    uid=1000, gid=1000,
+    rlimits={"RLIMIT_NOFILE": (1024, 20000), "RLIMIT_CPU": (-1, -1)},
+    system_mounts=(("/usr", "/usr"), ("/bin", "/usr/bin"), ("/lib", "/usr/lib")),
+    etc_entries=("passwd", "ssl", "resolv.conf"),
+    ca_bundle="/etc/ssl/certs/ca-certificates.crt",
+)
+LAYOUT = TaskLayout(
+    worktree="/work/repo-wt/task-1",
+    git=GitLayout("linked", "/work/repo/.git/worktrees/task-1", "/work/repo/.git"),
+    caches=(CacheMount("pnpm-store", "/cache/p/pnpm-store", "/var/cache/fusion-oci/pnpm-store",
+                       (("npm_config_store_dir", "/var/cache/fusion-oci/pnpm-store"),)),),
+    ca_bundle="/etc/ssl/certs/ca-certificates.crt",
+)
+ENV = {"PATH": "/home/u/bin:/usr/bin", "HOME": "/home/u", "LANG": "en_US.UTF-8",
+       "GITHUB_TOKEN": "ghp_secret", "AWS_SECRET_ACCESS_KEY": "aws_secret", "CI": "true"}
+
+POLICIES = {
+    "default": SandboxPolicy(),
+    "locked-down": SandboxPolicy(
+        allow_network=False, memory_limit_mb=512, pids_limit=128,
+        cpu_limit=CpuLimit(max_cores=1.5, max_ms=60_000),
+        allowed_paths=["/opt/sdk"], writable_paths=["/work/shared-out"], env_allowlist=["CI"],
+    ),
+    "host-network": SandboxPolicy(network="host"),
+}
+
+
+def ctx(policy: SandboxPolicy, image: str | None = None) -> PrepareContext:
+    return PrepareContext(task_id="task-1", run_id="run-1", worktree_path=LAYOUT.worktree,
+                          policy=policy, image=image)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_golden_spec_and_schema(name: str, oci_validator: Any) -> None:
+    spec = compile_spec(ctx(POLICIES[name]), LAYOUT, HOST, "pnpm test", RunOptions(), ENV)
+    oci_validator.validate(spec)
+    assert_golden(f"bundles/{name}.json", spec)
+
+
+def test_image_spec_validates(oci_validator: Any) -> None:
+    spec = compile_spec(ctx(SandboxPolicy(), image="localhost/fusion-oci/node:abc"), LAYOUT,
+                        HOST, ["node", "-v"], RunOptions(), ENV)
+    oci_validator.validate(spec)
+    assert spec["annotations"]["io.fusion-oci.image"] == "localhost/fusion-oci/node:abc"
+    assert not any(m["destination"] == "/usr" for m in spec["mounts"])
+    assert spec["process"]["args"] == ["node", "-v"]
+
+
+def test_compile_is_pure() -> None:
+    a = compile_spec(ctx(POLICIES["locked-down"]), LAYOUT, HOST, "true", RunOptions(), ENV)
+    b = compile_spec(ctx(POLICIES["locked-down"]), LAYOUT, HOST, "true", RunOptions(), ENV)
+    assert a == b
+
+
+def test_env_reduced_to_fixed_set_plus_allowlist() -> None:
+    spec = compile_spec(ctx(POLICIES["default"]), LAYOUT, HOST, "env", RunOptions(), ENV)
+    env = spec_env(spec)
+    assert "GITHUB_TOKEN" not in env
+    assert "AWS_SECRET_ACCESS_KEY" not in env
+    assert "CI" not in env
+    assert env["HOME"] == "/home/sandbox"
+    assert env["PATH"].startswith("/usr/local/sbin")
+    assert env["NODE_EXTRA_CA_CERTS"] == "/etc/fusion-oci/host-ca.pem"
+    allowed = compile_spec(ctx(SandboxPolicy(env_allowlist=["GITHUB_TOKEN", "MISSING"])),
+                           LAYOUT, HOST, "env", RunOptions(), ENV)
+    env = spec_env(allowed)
+    assert env["GITHUB_TOKEN"] == "ghp_secret"
+    assert "MISSING" not in env
+    assert "AWS_SECRET_ACCESS_KEY" not in env
+
+
+def test_rlimits_stay_within_host_hard_limits() -> None:
+    host = HostInfo(rlimits={"RLIMIT_NOFILE": (1024, 4096), "RLIMIT_CPU": (-1, 30)})
+    policy = SandboxPolicy(cpu_limit=CpuLimit(max_ms=600_000))
+    spec = compile_spec(ctx(policy), LAYOUT, host, "true", RunOptions(), {})
+    limits = {r["type"]: (r["soft"], r["hard"]) for r in spec["process"]["rlimits"]}
+    assert limits["RLIMIT_NOFILE"] == (4096, 4096)
+    assert limits["RLIMIT_CPU"] == (30, 30)
+
+
+def test_network_namespaces_and_annotations() -> None:
+    for name, has_netns, mode in (("default", True, "egress"), ("locked-down", True, "none"),
+                                  ("host-network", False, "host")):
+        spec = compile_spec(ctx(POLICIES[name]), LAYOUT, HOST, "true", RunOptions(), {})
+        types = {n["type"] for n in spec["linux"]["namespaces"]}
+        assert ("network" in types) is has_netns, name
+        assert spec["annotations"][ANN_NETWORK] == mode
+        assert spec["annotations"][ANN_TASK] == "task-1"
+        assert spec["annotations"][ANN_POLICY] == POLICIES[name].digest()
+
+
+def test_git_hooks_and_config_mounted_read_only_after_writable_parents() -> None:
+    spec = compile_spec(ctx(SandboxPolicy()), LAYOUT, HOST, "true", RunOptions(), {})
+    dests = [m["destination"] for m in spec["mounts"]]
+    hooks = dests.index("/work/repo/.git/hooks")
+    assert hooks > dests.index("/work/repo/.git")
+    assert hooks > dests.index("/work/repo/.git/worktrees/task-1")
+    for m in spec["mounts"]:
+        if m["destination"] in ("/work/repo/.git/hooks", "/work/repo/.git/config",
+                                "/work/repo/.git"):
+            assert "ro" in m["options"]
+        if m["destination"] in ("/work/repo/.git/objects", LAYOUT.worktree):
+            assert "rw" in m["options"]
+
+
+def test_no_capabilities_and_no_new_privileges() -> None:
+    spec = compile_spec(ctx(SandboxPolicy()), LAYOUT, HOST, "true", RunOptions(), {})
+    assert spec["process"]["noNewPrivileges"] is True
+    assert all(v == [] for v in spec["process"]["capabilities"].values())
+    assert spec["root"]["readonly"] is True
+    assert "/proc/kcore" in spec["linux"]["maskedPaths"]
+
+
+def test_relative_cwd_is_inside_worktree() -> None:
+    spec = compile_spec(ctx(SandboxPolicy()), LAYOUT, HOST, "true", RunOptions(cwd="pkg/a"), {})
+    assert spec["process"]["cwd"] == "/work/repo-wt/task-1/pkg/a"
+
+
+def test_real_layout_of_linked_worktree(linked_worktree: tuple[Path, Path], tmp_path: Path,
+                                        oci_validator: Any) -> None:
+    repo, wt = linked_worktree
+    c = PrepareContext(task_id="t", run_id="r", worktree_path=str(wt),
+                       cache_mode=CacheMode.ISOLATED, project_dir=str(repo))
+    layout = resolve_layout(c, cache_root=tmp_path / "cache", ca_bundle=None)
+    assert layout.git is not None
+    assert layout.git.kind == "linked"
+    assert layout.git.common_dir == str((repo / ".git").resolve())
+    assert all("/tasks/t/" in m.host_path for m in layout.caches)
+    assert all(Path(m.host_path).is_dir() for m in layout.caches)
+    oci_validator.validate(compile_spec(c, layout, probe_host(), "true", RunOptions(), {}))
+
+
+def test_dry_layout_creates_nothing(worktree: Path, tmp_path: Path) -> None:
+    c = PrepareContext(task_id="t", run_id="r", worktree_path=str(worktree))
+    resolve_layout(c, cache_root=tmp_path / "cache", ca_bundle=None, create=False)
+    assert not (tmp_path / "cache").exists()
+
+
+def test_write_bundle_atomic(tmp_path: Path, oci_validator: Any) -> None:
+    spec = compile_spec(ctx(SandboxPolicy()), LAYOUT, HOST, "true", RunOptions(), {})
+    bundle = write_bundle(spec, tmp_path / "b")
+    assert bundle.path is not None
+    assert (bundle.path / "rootfs").is_dir()
+    oci_validator.validate(json.loads(bundle.config_path.read_text()))
+    with pytest.raises(BundleError, match="not an empty directory"):
+        write_bundle(spec, tmp_path / "b")
+    assert sorted(os.listdir(tmp_path)) == ["b"]  # no half-written siblings left
+
+
+def test_write_bundle_failure_leaves_nothing(tmp_path: Path) -> None:
+    spec = compile_spec(ctx(SandboxPolicy()), LAYOUT, HOST, "true", RunOptions(), {})
+    spec["annotations"]["bad"] = object()  # not JSON-serialisable: fails mid-write
+    with pytest.raises(TypeError):
+        write_bundle(spec, tmp_path / "b")
+    assert os.listdir(tmp_path) == []
