@@ -106,13 +106,17 @@ class Sandbox:
             await runtime.prepare(ctx)
         except PolicyNotEnforceableError as exc:
             self._event("sandbox:failure", reason=exc.render(), unenforced=exc.unenforced)
+            self.runtime = None
             raise
         except SandboxSetupError as exc:
-            with_cleanup = runtime
-            await with_cleanup.dispose()
-            runtime = await self._fallback_or_raise(exc)
-            self._check(runtime, ctx)
-            await runtime.prepare(ctx)
+            await runtime.dispose()
+            try:
+                runtime = await self._fallback_or_raise(exc)
+                self._check(runtime, ctx)
+                await runtime.prepare(ctx)
+            except BaseException:
+                self.runtime = None
+                raise
         self._event(
             "sandbox:prepare",
             duration_ms=int((time.monotonic() - start) * 1000),

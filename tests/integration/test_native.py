@@ -1,0 +1,253 @@
+"""The native runtime and the lifecycle, run for real."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fusion_oci.audit import AuditEvent, AuditLog, read_events
+from fusion_oci.errors import PolicyNotEnforceableError, RuntimeUnavailableError
+from fusion_oci.models import PrepareContext, RunOptions, SandboxPolicy
+from fusion_oci.policy.settings import SandboxSettings
+from fusion_oci.sandbox import Sandbox, SyncSandbox
+
+pytestmark = pytest.mark.native
+
+
+def pids_with_marker(marker: str) -> list[int]:
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{name}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if marker.encode() in cmdline:
+            found.append(int(name))
+    return found
+
+
+def ctx(worktree: Path, **policy: object) -> PrepareContext:
+    return PrepareContext(task_id="t1", run_id="r1", worktree_path=str(worktree),
+                          policy=SandboxPolicy(**policy))  # type: ignore[arg-type]
+
+
+def run(worktree: Path, command: str | list[str], opts: RunOptions | None = None,
+        settings: SandboxSettings | None = None, env: dict[str, str] | None = None,
+        audit: AuditLog | None = None, **policy: object):  # type: ignore[no-untyped-def]
+    with SyncSandbox(settings or SandboxSettings(), env=env or dict(os.environ),
+                     audit=audit) as sb:
+        sb.prepare(ctx(worktree, **policy))
+        return sb.run(command, opts)
+
+
+def test_exit_code_stdout_stderr(worktree: Path) -> None:
+    r = run(worktree, "echo out; echo err >&2; exit 7")
+    assert (r.stdout, r.stderr, r.exit_code, r.signal, r.reason) == ("out\n", "err\n", 7, None,
+                                                                     "exit")
+    assert r.backend == "native"
+
+
+def test_argv_form_and_cwd(worktree: Path) -> None:
+    r = run(worktree, ["/bin/sh", "-c", 'pwd; printf "%s|" "$0"', "a b"])
+    assert r.stdout == f"{worktree}\na b|"
+
+
+def test_signal_reported(worktree: Path) -> None:
+    r = run(worktree, "kill -SEGV $$")
+    assert r.exit_code is None
+    assert r.signal == "SIGSEGV"
+    assert r.shell_status == 128 + signal.SIGSEGV
+
+
+def test_command_not_found_is_127(worktree: Path) -> None:
+    assert run(worktree, ["no-such-command-xyz"]).exit_code == 127
+    assert run(worktree, "no-such-command-xyz").exit_code == 127
+
+
+def test_timeout_kills_setsid_and_double_forked_grandchildren(worktree: Path) -> None:
+    marker = f"fusion-oci-marker-{os.getpid()}-{time.monotonic_ns()}"
+    command = (
+        f"setsid sh -c 'sleep 1000; :' {marker} & "
+        f"( ( sh -c 'trap \"\" TERM; sleep 1001; :' {marker} & ) & ) ; "
+        f"sh -c 'trap \"\" TERM; sleep 1002; :' {marker}"
+    )
+    start = time.monotonic()
+    r = run(worktree, command, RunOptions(timeout_ms=500))
+    assert r.timed_out
+    assert r.reason == "timeout"
+    assert r.shell_status == 124
+    assert time.monotonic() - start < 10
+    deadline = time.monotonic() + 3
+    while pids_with_marker(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pids_with_marker(marker) == []
+
+
+def test_daemon_left_behind_after_normal_exit_is_ended(worktree: Path) -> None:
+    marker = f"fusion-oci-daemon-{os.getpid()}-{time.monotonic_ns()}"
+    r = run(worktree, f"setsid sh -c 'sleep 1000; :' {marker} >/dev/null 2>&1 & echo started")
+    assert r.exit_code == 0
+    assert r.stdout == "started\n"
+    time.sleep(0.1)
+    assert pids_with_marker(marker) == []
+
+
+def test_max_buffer_truncates_and_ends(worktree: Path) -> None:
+    r = run(worktree, "yes fusion", RunOptions(max_buffer=4096, timeout_ms=20_000))
+    assert r.truncated
+    assert r.reason == "max-buffer"
+    assert len(r.stdout.encode()) == 4096
+    assert r.stdout.startswith("fusion\nfusion\n")
+
+
+def test_stdin_closed_unless_given(worktree: Path) -> None:
+    assert run(worktree, "cat; echo done").stdout == "done\n"
+    assert run(worktree, "cat", RunOptions(stdin=b"fed")).stdout == "fed"
+
+
+def test_cpu_time_limit_reason(worktree: Path) -> None:
+    r = run(worktree, "while :; do :; done", RunOptions(timeout_ms=20_000),
+            cpu_limit={"max_ms": 500})
+    assert r.reason == "cpu-time"
+    assert r.signal in ("SIGXCPU", "SIGKILL")
+
+
+def test_env_is_reduced(worktree: Path) -> None:
+    env = {**os.environ, "GITHUB_TOKEN": "ghp_x", "AWS_SECRET_ACCESS_KEY": "y", "KEEP": "k"}
+    r = run(worktree, "env", env=env, env_allowlist=["KEEP"])
+    names = {line.split("=", 1)[0] for line in r.stdout.splitlines()}
+    assert "GITHUB_TOKEN" not in names
+    assert "AWS_SECRET_ACCESS_KEY" not in names
+    assert "KEEP=k" in r.stdout.splitlines()
+    home = next(line for line in r.stdout.splitlines() if line.startswith("HOME="))
+    assert home != f"HOME={os.environ.get('HOME')}"  # a private HOME, not the caller's
+
+
+def test_private_home_removed_at_dispose(worktree: Path) -> None:
+    r = run(worktree, 'echo "$HOME"; touch "$HOME/x"')
+    assert not Path(r.stdout.strip()).exists()
+
+
+def test_abort_kills_like_timeout(worktree: Path) -> None:
+    marker = f"fusion-oci-abort-{os.getpid()}-{time.monotonic_ns()}"
+
+    async def go() -> None:
+        async with Sandbox(SandboxSettings(), env=dict(os.environ)) as sb:
+            await sb.prepare(ctx(worktree))
+            task = asyncio.ensure_future(sb.run(
+                f"setsid sh -c 'sleep 1000; :' {marker} & sh -c 'sleep 999; :' {marker}"))
+            await asyncio.sleep(0.5)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(go())
+    deadline = time.monotonic() + 5
+    while pids_with_marker(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pids_with_marker(marker) == []
+
+
+def test_native_lists_unenforced_policy_in_result_and_audit(worktree: Path, tmp_path: Path) -> None:
+    audit = AuditLog(tmp_path / "audit.jsonl")
+    r = run(worktree, "true", audit=audit, allow_network=False, memory_limit_mb=64)
+    assert "memoryLimitMb" in r.unenforced
+    assert "network none" in r.unenforced
+    assert "filesystem isolation" in r.unenforced
+    prepare = next(e for e in read_events(tmp_path / "audit.jsonl") if e.type == "sandbox:prepare")
+    assert prepare.unenforced == r.unenforced
+
+
+# --- failure modes ---------------------------------------------------------------------------
+
+
+def test_unavailable_backend_fail_hard(worktree: Path, tmp_path: Path) -> None:
+    events: list[AuditEvent] = []
+    audit = AuditLog(tmp_path / "audit.jsonl")
+    audit.subscribe(events.append)
+    settings = SandboxSettings(backend="custom", failure_mode="fail-hard")
+    with SyncSandbox(settings, audit=audit) as sb, pytest.raises(RuntimeUnavailableError) as info:
+        sb.prepare(ctx(worktree))
+    assert info.value.exit_code == 125
+    assert "custom" in str(info.value)
+    assert [e.type for e in events] == ["sandbox:failure"]
+    assert events[0].reason and "customRuntime" in events[0].reason
+
+
+def test_unavailable_backend_fallback_native(worktree: Path, tmp_path: Path) -> None:
+    audit = AuditLog(tmp_path / "audit.jsonl")
+    settings = SandboxSettings(backend="custom", failure_mode="fallback-native")
+    with SyncSandbox(settings, audit=audit) as sb:
+        sb.prepare(ctx(worktree, allow_network=False))
+        r = sb.run("echo ran")
+    assert r.stdout == "ran\n"
+    assert r.fell_back
+    assert r.backend == "native"
+    assert "network none" in r.unenforced
+    types = [e.type for e in read_events(tmp_path / "audit.jsonl")]
+    assert types == ["sandbox:failure", "sandbox:fallback", "sandbox:prepare", "sandbox:run",
+                     "sandbox:dispose"]
+    fallback = list(read_events(tmp_path / "audit.jsonl"))[1]
+    assert fallback.details == {"from": "custom"}
+    assert fallback.policy_hash and fallback.policy_hash.startswith("sha256:")
+
+
+def test_unenforceable_policy_is_refused_not_weakened(worktree: Path, tmp_path: Path) -> None:
+    from fusion_oci.runtimes import registry
+    from fusion_oci.runtimes.base import Requirement
+    from fusion_oci.runtimes.native import NativeRuntime
+
+    class FsOnly(NativeRuntime):
+        id = "fs-only"
+
+        def enforces(self) -> frozenset[Requirement]:
+            return frozenset({Requirement.FILESYSTEM, Requirement.ENV,
+                              Requirement.NETWORK_EGRESS})
+
+    original = registry.runtime_class
+    registry.runtime_class = lambda backend, settings: FsOnly  # type: ignore[assignment]
+    try:
+        audit = AuditLog(tmp_path / "a.jsonl")
+        settings = SandboxSettings(backend="bubblewrap", failure_mode="fallback-native")
+        with SyncSandbox(settings, audit=audit) as sb, \
+                pytest.raises(PolicyNotEnforceableError) as info:
+            sb.prepare(ctx(worktree, memory_limit_mb=64))
+        assert info.value.unenforced == ["memoryLimitMb"]
+        events = list(read_events(tmp_path / "a.jsonl"))
+        assert events[0].type == "sandbox:failure"
+        assert events[0].unenforced == ["memoryLimitMb"]
+    finally:
+        registry.runtime_class = original  # type: ignore[assignment]
+
+
+# --- audit under concurrency ----------------------------------------------------------------
+
+WRITER = """
+import sys
+from fusion_oci.audit import AuditEvent, AuditLog
+log = AuditLog(__import__("pathlib").Path(sys.argv[1]))
+for i in range(200):
+    log.emit(AuditEvent(type="sandbox:run", task_id="w" + sys.argv[2], run_id=str(i),
+                        backend="native", reason="x" * (i * 37 % 3000)))
+"""
+
+
+def test_concurrent_writers_leave_whole_lines(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(path), str(n)])
+             for n in range(6)]
+    assert all(p.wait(60) == 0 for p in procs)
+    lines = path.read_text().splitlines()
+    assert len(lines) == 1200
+    for line in lines:
+        json.loads(line)
