@@ -11,7 +11,7 @@
     │   └── ProvisionError              an image could not be built or pulled
     │       └── GateDeniedError (PermissionError)  a gate said no
     ├── CommandTimeoutError (TimeoutError)   raised only by callers who ask for it   (CLI 124)
-    └── EngineError                      a container engine/SDK call failed (translated at the boundary)
+    └── EngineError                      a container engine/SDK call failed at run time
 
 SDK exceptions (``docker.errors.*``, ``podman.errors.*``) never reach callers: runtimes translate
 them with :func:`engine_errors`-style context managers into :class:`EngineError` or a setup error.

@@ -12,7 +12,7 @@ On SIGTERM/SIGINT/SIGHUP (timeout, abort, or the caller dying: PR_SET_PDEATHSIG)
 descendant gets SIGTERM, then SIGKILL after the grace period.
 """
 
-import _signal as signal
+import _signal as signal  # type: ignore[import-not-found]  # C module: no enum import cost
 import ctypes
 import os
 import resource
@@ -24,7 +24,7 @@ PR_SET_CHILD_SUBREAPER = 36
 
 def _descendants(root: int) -> list[int]:
     children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
+    for name in os.listdir("/proc"):  # noqa: PTH208 - pathlib costs start-up time here
         if not name.isdigit():
             continue
         try:
@@ -47,7 +47,7 @@ def _descendants(root: int) -> list[int]:
 def _signal_all(sig: int) -> int:
     pids = _descendants(os.getpid())
     for pid in pids:
-        try:
+        try:  # noqa: SIM105 - contextlib costs start-up time here
             os.kill(pid, sig)
         except ProcessLookupError:
             pass

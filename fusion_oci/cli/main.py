@@ -233,9 +233,9 @@ def doctor(as_json: AsJson = False) -> None:
     from fusion_oci.policy.settings import SandboxSettings
     from fusion_oci.runtimes.registry import create_runtime
 
-    rows = []
+    rows: list[dict[str, Any]] = []
     for backend in BACKEND_IDS:
-        settings = SandboxSettings(backend=backend)  # type: ignore[arg-type]
+        settings = SandboxSettings.model_validate({"backend": backend})
         runtime = create_runtime(backend, settings, os.environ)
         avail = runtime.availability()
         rows.append({
@@ -419,7 +419,7 @@ def main() -> None:
         app()
     except SystemExit:
         raise
-    except Exception as exc:  # noqa: BLE001 - last line of defence: no traceback for users
+    except Exception as exc:  # the last line of defence: no traceback for users
         from fusion_oci.errors import FusionOCIError
 
         if isinstance(exc, FusionOCIError):

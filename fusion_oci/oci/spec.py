@@ -192,7 +192,7 @@ def with_rlimits(spec: Spec, host: HostInfo, cpu_ms: int | None) -> Spec:
     """
     out = _copy(spec)
     limits: list[dict[str, Any]] = []
-    nsoft, nhard = host.rlimits.get("RLIMIT_NOFILE", (1024, 1024))
+    _, nhard = host.rlimits.get("RLIMIT_NOFILE", (1024, 1024))
     hard = nhard if nhard >= 0 else DEFAULT_NOFILE
     limits.append(
         {"type": "RLIMIT_NOFILE", "soft": _within_hard(DEFAULT_NOFILE, hard), "hard": hard}
