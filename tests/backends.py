@@ -18,7 +18,8 @@ from fusion_oci.runtimes.registry import create_runtime
 def required_backends() -> set[str]:
     value = os.environ.get("FUSION_OCI_REQUIRE_BACKENDS", "")
     if value.strip() == "all":
-        return {"native", "bubblewrap", "oci", "podman", "podman-rootless", "docker"}
+        return {"native", "bubblewrap", "oci", "podman", "podman-rootless", "docker",
+                "oci-schema", "libseccomp"}
     return {v.strip() for v in value.split(",") if v.strip()}
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 import resource
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +53,8 @@ class HostInfo:
     """Names under /etc that exist on this host and are shared read-only."""
     ca_bundle: str | None = None
     """The host's CA bundle, if one exists."""
+    arch: str = "x86_64"
+    """Machine architecture (``platform.machine()``), for the seccomp syscall table."""
 
 
 def _limit(value: int) -> int:
@@ -79,4 +82,5 @@ def probe_host(root: Path = Path("/")) -> HostInfo:
         system_mounts=tuple(mounts),
         etc_entries=etc,
         ca_bundle=ca,
+        arch=platform.machine(),
     )

@@ -224,6 +224,15 @@ def with_process(spec: Spec, args: Sequence[str], cwd: str, env: Mapping[str, st
     return out
 
 
+def with_seccomp(spec: Spec, arch: str) -> Spec:
+    """The default seccomp profile (see fusion_oci.oci.seccomp), shared by every runtime."""
+    from fusion_oci.oci.seccomp import default_profile
+
+    out = _copy(spec)
+    out["linux"]["seccomp"] = default_profile(arch)
+    return out
+
+
 def with_annotations(spec: Spec, annotations: Mapping[str, str]) -> Spec:
     out = _copy(spec)
     out["annotations"].update(annotations)
@@ -321,6 +330,7 @@ def compile_spec(
     spec = with_pids_limit(spec, policy.pids_limit)
     spec = with_rlimits(spec, host, cpu.max_ms if cpu else None)
     spec = with_user(spec, host.uid, host.gid)
+    spec = with_seccomp(spec, host.arch)
     spec = with_process(
         spec,
         command_argv(command),
