@@ -291,10 +291,40 @@ def sandbox_env(
         env["GIT_CONFIG_COUNT"] = "1"
         env["GIT_CONFIG_KEY_0"] = "safe.directory"
         env["GIT_CONFIG_VALUE_0"] = "*"
-    for name in policy.env_allowlist:
-        if name in source:
-            env[name] = source[name]
+    env.update(allowed_env(policy.env_allowlist, source))
     return env
+
+
+# Names that look like credentials. They pass only when the allowlist names them exactly:
+# a glob such as `CI_*` or `*` never lets `CI_JOB_TOKEN` or `AWS_SECRET_ACCESS_KEY` through.
+SECRET_PATTERNS = (
+    "*TOKEN*", "*SECRET*", "*PASSWORD*", "*PASSWD*", "*CREDENTIAL*", "*PRIVATE*KEY*",
+    "*API*KEY*", "*ACCESS*KEY*", "*_KEY", "*SESSION*", "*COOKIE*", "*AUTH*",
+    "AWS_*", "AZURE_*", "GOOGLE_APPLICATION_CREDENTIALS", "GCP_*", "SSH_AUTH_SOCK",
+    "DOCKER_HOST", "CONTAINER_HOST", "KUBECONFIG", "VAULT_*", "NPM_CONFIG__AUTH*",
+)
+
+
+def is_secret_name(name: str) -> bool:
+    from fnmatch import fnmatchcase
+
+    upper = name.upper()
+    return any(fnmatchcase(upper, pattern) for pattern in SECRET_PATTERNS)
+
+
+def allowed_env(allowlist: Sequence[str], source: Mapping[str, str]) -> dict[str, str]:
+    """The caller's variables the allowlist lets through (exact names or globs)."""
+    from fnmatch import fnmatchcase
+
+    exact = {name for name in allowlist if not any(c in name for c in "*?[")}
+    globs = [name for name in allowlist if name not in exact]
+    out = {}
+    for name, value in source.items():
+        if name in exact or (
+            any(fnmatchcase(name, g) for g in globs) and not is_secret_name(name)
+        ):
+            out[name] = value
+    return out
 
 
 def command_argv(command: str | Sequence[str]) -> list[str]:

@@ -177,3 +177,14 @@ def test_write_bundle_failure_leaves_nothing(tmp_path: Path) -> None:
     with pytest.raises(TypeError):
         write_bundle(spec, tmp_path / "b")
     assert os.listdir(tmp_path) == []
+
+
+def test_env_globs_never_pass_secret_names() -> None:
+    from fusion_oci.oci.spec import allowed_env
+
+    source = {"CI": "1", "CI_JOB_ID": "7", "CI_JOB_TOKEN": "t", "NPM_TOKEN": "n",
+              "AWS_REGION": "eu", "GITHUB_TOKEN": "g", "LANGUAGE": "en", "SSH_AUTH_SOCK": "/s"}
+    assert allowed_env(["CI*"], source) == {"CI": "1", "CI_JOB_ID": "7"}
+    assert allowed_env(["*"], source) == {"CI": "1", "CI_JOB_ID": "7", "LANGUAGE": "en"}
+    # Named exactly, a secret passes: the user asked for that one variable.
+    assert allowed_env(["NPM_TOKEN", "CI_*"], source) == {"NPM_TOKEN": "n", "CI_JOB_ID": "7"}
