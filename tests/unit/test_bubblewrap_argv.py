@@ -1,0 +1,334 @@
+"""bubblewrap translation: golden argv per policy, and the pure helpers around the launch."""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+import pytest
+
+from fusion_oci.errors import BundleError
+from fusion_oci.models import CacheMode, CpuLimit, PrepareContext, RunOptions, SandboxPolicy
+from fusion_oci.oci.host import HostInfo
+from fusion_oci.oci.spec import Spec, compile_spec
+from fusion_oci.policy.layout import CacheMount, GitLayout, TaskLayout
+from fusion_oci.process import ProcessOutcome
+from fusion_oci.runtimes.bubblewrap import (
+    BwrapHost,
+    LaunchFds,
+    bwrap_argv,
+    end_reason_for,
+    mount_args,
+    needs_launch_hooks,
+    plan_notes,
+    seccomp_program,
+    split_status,
+)
+from fusion_oci.runtimes.linux import cgroups, egress, userns
+from fusion_oci.runtimes.linux.cgroups import CgroupEvents, CgroupLimits
+from tests.golden import assert_golden
+
+HOST = HostInfo(
+    uid=1000, gid=1000,
+    rlimits={"RLIMIT_NOFILE": (1024, 20000), "RLIMIT_CPU": (-1, -1)},
+    system_mounts=(("/usr", "/usr"), ("/bin", "/usr/bin"), ("/lib", "/usr/lib")),
+    etc_entries=("passwd", "ssl", "resolv.conf"),
+    ca_bundle="/etc/ssl/certs/ca-certificates.crt",
+)
+CACHES = (
+    CacheMount("pnpm-store", "/home/u/.cache/fusion-oci/projects/abc/pnpm-store",
+               "/var/cache/fusion-oci/pnpm-store",
+               (("npm_config_store_dir", "/var/cache/fusion-oci/pnpm-store"),)),
+    CacheMount("npm-cache", "/home/u/.cache/fusion-oci/projects/abc/npm-cache",
+               "/var/cache/fusion-oci/npm-cache",
+               (("npm_config_cache", "/var/cache/fusion-oci/npm-cache"),)),
+)
+PLAIN = TaskLayout("/work/wt/task-1", None, CACHES, "/etc/ssl/certs/ca-certificates.crt")
+LINKED = TaskLayout(
+    "/work/wt/task-1",
+    GitLayout("linked", "/work/repo/.git/worktrees/task-1", "/work/repo/.git"),
+    CACHES, "/etc/ssl/certs/ca-certificates.crt",
+)
+ENV = {"PATH": "/home/u/bin:/usr/bin", "HOME": "/home/u", "LANG": "C.UTF-8",
+       "GITHUB_TOKEN": "ghp_secret", "CI": "true"}
+BWRAP_HOST = BwrapHost(bwrap="/usr/bin/bwrap", prlimit="/usr/bin/prlimit",
+                       cgroup_mode="v1", egress_resolv_conf="/run/fusion/resolv.conf")
+
+CASES: dict[str, tuple[SandboxPolicy, TaskLayout]] = {
+    "default-egress": (SandboxPolicy(), PLAIN),
+    "network-none": (SandboxPolicy(allow_network=False), PLAIN),
+    "network-host": (SandboxPolicy(network="host"), PLAIN),
+    "locked-down": (SandboxPolicy(
+        allow_network=False, memory_limit_mb=256, pids_limit=64,
+        cpu_limit=CpuLimit(max_cores=1.5, max_ms=30_000),
+        allowed_paths=["/opt/sdk"], writable_paths=["/work/out"], env_allowlist=["CI"],
+    ), PLAIN),
+    "linked-worktree": (SandboxPolicy(), LINKED),
+}
+
+
+def spec_for(name: str, command: str = "pnpm test") -> Spec:
+    policy, layout = CASES[name]
+    ctx = PrepareContext(task_id="task-1", run_id="run-1", worktree_path=layout.worktree,
+                         policy=policy, cache_mode=CacheMode.SHARED)
+    return compile_spec(ctx, layout, HOST, command, RunOptions(), ENV)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_golden_argv(name: str, oci_validator: Any) -> None:
+    spec = spec_for(name)
+    oci_validator.validate(spec)
+    argv = bwrap_argv(spec, BWRAP_HOST)
+    assert_golden(f"bubblewrap/{name}.json",
+                  {"argv": argv, "notes": plan_notes(spec, BWRAP_HOST)})
+    assert bwrap_argv(spec, BWRAP_HOST) == argv  # pure: same input, same argv
+
+
+def _pairs(argv: list[str], flag: str) -> list[tuple[str, str]]:
+    return [(argv[i + 1], argv[i + 2]) for i, a in enumerate(argv) if a == flag]
+
+
+def test_isolation_flags_always_present() -> None:
+    for name in CASES:
+        argv = bwrap_argv(spec_for(name), BWRAP_HOST)
+        head = argv[: argv.index("--clearenv")]
+        for flag in ("--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
+                     "--disable-userns", "--seccomp"):
+            assert flag in head, (name, flag)
+        assert head[head.index("--cap-drop") + 1] == "ALL"
+        assert tuple(head[head.index("--proc"):][:2]) == ("--proc", "/proc")
+        assert "--dev" in head and head[-1] != "/"
+        assert argv[-3:] == ["/bin/sh", "-c", "pnpm test"] and argv[-4] == "--"
+        assert ("--share-net" in head) == (name == "network-host")
+
+
+def test_env_is_exactly_the_spec_env() -> None:
+    argv = bwrap_argv(spec_for("locked-down"), BWRAP_HOST)
+    after = argv[argv.index("--clearenv") + 1: argv.index("--chdir")]
+    env = {after[i + 1]: after[i + 2] for i in range(0, len(after), 3)}
+    assert all(after[i] == "--setenv" for i in range(0, len(after), 3))
+    assert env["HOME"] == "/home/sandbox" and env["CI"] == "true"
+    assert "GITHUB_TOKEN" not in env
+    assert argv[argv.index("--chdir") + 1] == "/work/wt/task-1"
+
+
+def test_mount_kinds_and_order() -> None:
+    argv = bwrap_argv(spec_for("locked-down"), BWRAP_HOST)
+    ro, rw = _pairs(argv, "--ro-bind"), _pairs(argv, "--bind")
+    assert ("/usr", "/usr") in ro and ("/usr/bin", "/bin") in ro
+    assert ("/etc/passwd", "/etc/passwd") in ro
+    assert ("/opt/sdk", "/opt/sdk") in ro
+    assert ("/work/out", "/work/out") in rw
+    assert ("/work/wt/task-1", "/work/wt/task-1") in rw
+    assert ("/etc/ssl/certs/ca-certificates.crt", "/etc/fusion-oci/host-ca.pem") in ro
+    # tmpfs /tmp (1777) and a private HOME (0700)
+    i = argv.index("/home/sandbox")
+    assert argv[i - 1] == "--tmpfs" and argv[i - 2] == "0700"
+    # nothing of the caller's home unless a policy path names it
+    assert not any(a.startswith("/home/u") and "fusion-oci" not in a for a in argv)
+    # the root is made read-only after every mount point exists
+    assert argv.index("--remount-ro") > max(i for i, a in enumerate(argv) if a == "--bind")
+
+
+def test_linked_worktree_git_order_keeps_hooks_and_config_read_only_last() -> None:
+    argv = bwrap_argv(spec_for("linked-worktree"), BWRAP_HOST)
+    binds = [(argv[i], argv[i + 2]) for i, a in enumerate(argv) if a in ("--bind", "--ro-bind")]
+    where = {dest: n for n, (_, dest) in enumerate(binds)}
+    common = "/work/repo/.git"
+    assert binds[where[common]][0] == "--ro-bind"
+    for sub in ("objects", "refs", "logs", "worktrees/task-1"):
+        assert binds[where[f"{common}/{sub}"]][0] == "--bind"
+        assert where[f"{common}/{sub}"] > where[common]
+    last_rw = max(n for n, (flag, _) in enumerate(binds) if flag == "--bind")
+    for sub in ("hooks", "config"):
+        assert binds[where[f"{common}/{sub}"]][0] == "--ro-bind"
+        assert where[f"{common}/{sub}"] > last_rw  # read-only has the last word
+
+
+def test_egress_gets_hooks_and_slirp_dns() -> None:
+    spec = spec_for("default-egress")
+    argv = bwrap_argv(spec, BWRAP_HOST, LaunchFds(info=7, block=8, seccomp=9))
+    assert argv[argv.index("--info-fd") + 1] == "7"
+    assert argv[argv.index("--block-fd") + 1] == "8"
+    assert argv[argv.index("--seccomp") + 1] == "9"
+    assert _pairs(argv, "--ro-bind")[-1] == ("/run/fusion/resolv.conf", "/etc/resolv.conf")
+    assert "--share-net" not in argv
+    none = bwrap_argv(spec_for("network-none"), BWRAP_HOST)
+    assert "--info-fd" not in none and "/run/fusion/resolv.conf" not in none
+
+
+def test_limits_use_prlimit_and_launch_hooks() -> None:
+    spec = spec_for("locked-down")
+    argv = bwrap_argv(spec, BWRAP_HOST)
+    assert argv[:4] == ["/usr/bin/prlimit", "--nofile=20000:20000", "--cpu=30:31", "--"]
+    assert needs_launch_hooks(spec, BWRAP_HOST)
+    # no usable cgroup: the limits are not the launcher's business (enforces() says so)
+    assert not needs_launch_hooks(spec, BwrapHost(cgroup_mode="none"))
+    systemd = BwrapHost(cgroup_mode="systemd-run", systemd_run="/usr/bin/systemd-run")
+    sd = bwrap_argv(spec, systemd)
+    assert sd[:6] == ["/usr/bin/systemd-run", "--user", "--scope", "--quiet", "--collect",
+                      "--unit=fusion-oci-run-1"]
+    assert "MemoryMax=268435456" in sd and "TasksMax=64" in sd and "CPUQuota=150%" in sd
+
+
+def test_mount_args_edge_cases() -> None:
+    assert mount_args({"destination": "/sys", "type": "sysfs", "source": "sysfs"})[1]
+    assert mount_args({"destination": "/dev/pts", "type": "devpts", "source": "devpts"}) \
+        == ([], None)
+    assert mount_args({"destination": "/s", "type": "tmpfs", "source": "tmpfs",
+                       "options": ["mode=755", "size=64k"]})[0] \
+        == ["--perms", "0755", "--size", "65536", "--tmpfs", "/s"]
+    with pytest.raises(BundleError):
+        mount_args({"destination": "/x", "type": "overlay", "source": "overlay"})
+
+
+def test_image_reference_is_refused_but_rootfs_dir_is_bound() -> None:
+    policy, layout = CASES["network-none"]
+    ctx = PrepareContext(task_id="t", run_id="r", worktree_path=layout.worktree, policy=policy,
+                         image="localhost/node:20")
+    spec = compile_spec(ctx, layout, HOST, "true", RunOptions(), ENV)
+    with pytest.raises(BundleError, match="cannot use image"):
+        bwrap_argv(spec, BWRAP_HOST)
+    ctx = ctx.model_copy(update={"image": "/srv/rootfs"})
+    spec = compile_spec(ctx, layout, HOST, "true", RunOptions(), ENV)
+    argv = bwrap_argv(spec, BWRAP_HOST)
+    assert _pairs(argv, "--ro-bind")[0] == ("/srv/rootfs", "/")
+
+
+def test_seccomp_program_compiles_from_the_spec() -> None:
+    program = seccomp_program(spec_for("default-egress"))
+    assert program and len(program) % 8 == 0
+
+
+def _outcome(rc: int | None, sig: str | None = None) -> ProcessOutcome:
+    return ProcessOutcome(b"", b"", rc, sig, False, False, 1)
+
+
+def test_split_status_reads_signals_back() -> None:
+    assert split_status(_outcome(137)) == (None, "SIGKILL")
+    assert split_status(_outcome(128 + signal.SIGXCPU)) == (None, "SIGXCPU")
+    assert split_status(_outcome(1)) == (1, None)
+    assert split_status(_outcome(None, "SIGTERM")) == (None, "SIGTERM")
+
+
+@pytest.mark.parametrize(("kwargs", "events", "reason"), [
+    ({"exit_code": 0}, CgroupEvents(pids_max=3), "exit"),
+    ({"signal": "SIGKILL"}, CgroupEvents(oom_kills=1), "oom"),
+    ({"signal": "SIGTERM", "timed_out": True}, CgroupEvents(pids_max=10), "pids"),
+    ({"signal": "SIGTERM", "timed_out": True}, CgroupEvents(), "timeout"),
+    ({"exit_code": 2, "truncated": True}, CgroupEvents(), "max-buffer"),
+    ({"signal": "SIGXCPU"}, CgroupEvents(), "cpu-time"),
+    ({"signal": "SIGKILL", "has_cpu_rlimit": True}, CgroupEvents(), "cpu-time"),
+    ({"signal": "SIGKILL"}, CgroupEvents(), "signal"),
+    ({"exit_code": 3}, CgroupEvents(), "exit"),
+])
+def test_end_reason(kwargs: dict[str, Any], events: CgroupEvents, reason: str) -> None:
+    base: dict[str, Any] = {"exit_code": None, "signal": None, "timed_out": False,
+                            "truncated": False, "has_cpu_rlimit": False}
+    assert end_reason_for(**{**base, **kwargs}, events=events) == reason
+
+
+# ---------------------------------------------------------------- linux helpers (pure parts)
+
+def test_cgroup_limits_and_writes() -> None:
+    limits = CgroupLimits.from_spec(spec_for("locked-down"))
+    assert limits.controllers() == {"memory", "pids", "cpu"}
+    assert cgroups.v1_writes(limits, has_memsw=True) == [
+        ("memory", "memory.limit_in_bytes", str(256 << 20)),
+        ("memory", "memory.memsw.limit_in_bytes", str(256 << 20)),
+        ("pids", "pids.max", "64"),
+        ("cpu", "cpu.cfs_period_us", "100000"),
+        ("cpu", "cpu.cfs_quota_us", "150000"),
+    ]
+    assert cgroups.v2_writes(limits) == [
+        ("memory.max", str(256 << 20)), ("memory.swap.max", "0"), ("pids.max", "64"),
+        ("cpu.max", "150000 100000"),
+    ]
+    assert CgroupLimits.from_spec(spec_for("default-egress")).controllers() == frozenset()
+
+
+MOUNTINFO_V1 = """\
+30 23 0:26 / /sys/fs/cgroup ro,nosuid - tmpfs tmpfs ro,mode=755
+33 30 0:29 / /sys/fs/cgroup/unified rw,nosuid - cgroup2 cgroup2 rw,nsdelegate
+35 30 0:31 / /sys/fs/cgroup/memory rw,nosuid - cgroup cgroup rw,memory
+36 30 0:32 / /sys/fs/cgroup/pids rw,nosuid - cgroup cgroup rw,pids
+37 30 0:33 / /sys/fs/cgroup/cpu,cpuacct rw,nosuid - cgroup cgroup rw,cpu,cpuacct
+"""
+MOUNTINFO_V2 = "33 30 0:29 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n"
+
+
+def _support(mountinfo: str, proc_cgroup: str, *, uid: int, files: dict[str, str],
+             writable: set[str], user_manager: bool = False) -> cgroups.CgroupSupport:
+    return cgroups.plan_support(
+        cgroups.parse_mountinfo(mountinfo), cgroups.parse_proc_cgroup(proc_cgroup), uid=uid,
+        writable=lambda p: p in writable, read=files.get,
+        systemd_run="/usr/bin/systemd-run", user_manager=user_manager)
+
+
+def test_cgroup_detection_v1_nests_inside_our_own_cgroup() -> None:
+    own = "4:memory:/ci/job-7\n8:pids:/\n2:cpu,cpuacct:/\n0::/\n"
+    s = _support(MOUNTINFO_V1, own, uid=0, files={},
+                 writable={"/sys/fs/cgroup/memory/ci/job-7", "/sys/fs/cgroup/pids",
+                           "/sys/fs/cgroup/cpu,cpuacct"})
+    assert s.mode == "v1" and s.controllers == {"memory", "pids", "cpu"}
+    assert s.parents["memory"] == "/sys/fs/cgroup/memory/ci/job-7"
+    none = _support(MOUNTINFO_V1, own, uid=1000, files={}, writable=set())
+    assert none.mode == "none" and not none.controllers
+
+
+def test_cgroup_detection_v2_root_and_delegated_and_systemd() -> None:
+    root = _support(MOUNTINFO_V2, "0::/\n", uid=0,
+                    files={"/sys/fs/cgroup/cgroup.controllers": "cpuset cpu io memory pids"},
+                    writable={"/sys/fs/cgroup"})
+    assert root.mode == "v2" and root.parents["unified"] == "/sys/fs/cgroup"
+    own = "0::/user.slice/user-1000.slice/user@1000.service/app.slice/term.scope\n"
+    parent = "/sys/fs/cgroup/user.slice/user-1000.slice/user@1000.service/app.slice"
+    delegated = _support(MOUNTINFO_V2, own, uid=1000,
+                         files={parent + "/cgroup.subtree_control": "memory pids"},
+                         writable={parent})
+    assert delegated.mode == "v2" and delegated.controllers == {"memory", "pids"}
+    assert delegated.parents["unified"] == parent  # beside our cgroup, never inside it
+    svc = "/sys/fs/cgroup/user.slice/user-1000.slice/user@1000.service/cgroup.subtree_control"
+    sd = _support(MOUNTINFO_V2, own, uid=1000, files={svc: "cpu memory pids"}, writable=set(),
+                  user_manager=True)
+    assert sd.mode == "systemd-run" and sd.controllers == {"cpu", "memory", "pids"}
+
+
+def test_cgroup_event_parsing() -> None:
+    assert cgroups.parse_flat_keyed("oom_kill_disable 0\nunder_oom 0\noom_kill 2\n")[
+        "oom_kill"] == 2
+    assert cgroups.parse_flat_keyed("max 17\n") == {"max": 17}
+
+
+def test_slirp_argv_closes_host_loopback() -> None:
+    argv = egress.slirp_argv("/usr/bin/slirp4netns", netns="/proc/self/fd/5",
+                             userns="/proc/self/fd/6", ready_fd=7, exit_fd=8)
+    assert "--disable-host-loopback" in argv and "--configure" in argv
+    assert argv[-2:] == ["/proc/self/fd/5", "tap0"]
+    assert "--netns-type=path" in argv and "--userns-path=/proc/self/fd/6" in argv
+
+
+@pytest.mark.parametrize(("sysctls", "uid", "needle"), [
+    ({"user.max_user_namespaces": 0}, 0, "user.max_user_namespaces=15000"),
+    ({"kernel.unprivileged_userns_clone": 0}, 1000, "unprivileged_userns_clone=1"),
+    ({"kernel.apparmor_restrict_unprivileged_userns": 1}, 1000, "apparmor"),
+])
+def test_userns_diagnosis_names_the_minimal_fix(sysctls: dict[str, int], uid: int,
+                                                needle: str) -> None:
+    problem = userns.diagnose_sysctls(sysctls, uid=uid)
+    assert problem is not None and needle in problem.hint.lower()
+
+
+def test_userns_root_is_not_stopped_by_unprivileged_switches() -> None:
+    assert userns.diagnose_sysctls({"kernel.unprivileged_userns_clone": 0,
+                                    "kernel.apparmor_restrict_unprivileged_userns": 1},
+                                   uid=0) is None
+
+
+def test_seccomp_filtered_container_is_recognised() -> None:
+    problem = userns.classify_probe_failure(
+        "bwrap: Creating new namespace failed: Operation not permitted\n", {}, uid=1000)
+    assert "seccomp" in problem.reason and "seccomp=unconfined" in problem.hint
+    uidmap = userns.classify_probe_failure("bwrap: setting up uid map: Permission denied", {},
+                                           uid=1000)
+    assert "userns" in uidmap.hint
