@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,14 +73,18 @@ class _Capture:
         return b"".join(self.chunks)
 
 
-async def _terminate(proc: asyncio.subprocess.Process, grace_s: float, group: bool) -> None:
-    """SIGTERM (the group, or only the leader when it ends the tree itself), wait out the
-    grace period, then SIGKILL the group."""
-    with contextlib.suppress(ProcessLookupError):
-        if group:
-            os.killpg(proc.pid, signal.SIGTERM)
-        else:
-            proc.send_signal(signal.SIGTERM)
+async def _terminate(proc: asyncio.subprocess.Process, grace_s: float, group: bool,
+                     stop: Callable[[], Awaitable[object]] | None = None) -> None:
+    """SIGTERM (the group, or only the leader when it ends the tree itself, or ``stop``),
+    wait out the grace period, then SIGKILL the group."""
+    if stop is not None:
+        await stop()
+    else:
+        with contextlib.suppress(ProcessLookupError):
+            if group:
+                os.killpg(proc.pid, signal.SIGTERM)
+            else:
+                proc.send_signal(signal.SIGTERM)
     try:
         await asyncio.wait_for(proc.wait(), grace_s)
     except TimeoutError:
@@ -100,11 +104,14 @@ async def run_process(
     grace_s: float = 2.0,
     pass_fds: Sequence[int] = (),
     term_group: bool = True,
+    stop: Callable[[], Awaitable[object]] | None = None,
 ) -> ProcessOutcome:
     """Run argv to completion under the rules in the module docstring.
 
     ``term_group=False`` sends the first SIGTERM to the leader only: for the reaper shim or a
     launcher that ends its own tree (bwrap, an OCI runtime); SIGKILL always goes to the group.
+    ``stop`` replaces that first SIGTERM when the tree lives outside the leader's process group
+    (an OCI container: ``runc kill --all ID TERM``); grace and SIGKILL still follow.
     """
     start = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
@@ -136,9 +143,9 @@ async def run_process(
         if waiter not in done:
             timed_out = not done
             # The shim gets its own grace to end the tree; ours is a backstop above it.
-            await _terminate(proc, grace_s + 1.0, term_group)
+            await _terminate(proc, grace_s + 1.0, term_group, stop)
     except asyncio.CancelledError:
-        await asyncio.shield(_terminate(proc, grace_s + 1.0, term_group))
+        await asyncio.shield(_terminate(proc, grace_s + 1.0, term_group, stop))
         raise
     finally:
         overflowed.cancel()

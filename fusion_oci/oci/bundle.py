@@ -45,7 +45,9 @@ def write_bundle(spec: Spec, target: Path, *, rootfs_from: Path | None = None) -
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         rootfs = tmp / spec["root"]["path"]
-        if rootfs_from is not None:
+        if Path(spec["root"]["path"]).is_absolute():
+            pass  # a rootfs kept outside the bundle (a shared, unpacked image): not ours to make
+        elif rootfs_from is not None:
             shutil.copytree(rootfs_from, rootfs, symlinks=True)
         else:
             rootfs.mkdir()
