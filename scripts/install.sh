@@ -57,6 +57,16 @@ else
     log "apt: all ${#APT_PACKAGES[@]} packages already installed, skipping apt-get"
 fi
 
+# --------------------------------------------------------------------------- pnpm
+# The bubblewrap tests run the host's pnpm inside the sandbox (tests/data/pnpm-project).
+# npm reads the host CA from its own config here (cafile in the global npmrc) when behind a proxy.
+if command -v pnpm >/dev/null 2>&1; then
+    log "pnpm: $(pnpm --version) already installed"
+else
+    log "pnpm: npm install -g pnpm@9"
+    as_root env NODE_EXTRA_CA_CERTS="$HOST_CA" npm install -g pnpm@9
+fi
+
 # --------------------------------------------------------------------------- python venv
 PYTHON="${PYTHON:-python3}"
 py_ok() { "$1" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)' 2>/dev/null; }

@@ -1,0 +1,208 @@
+"""bubblewrap against the real bwrap, slirp4netns and cgroups of this machine (CI too)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+
+from fusion_oci.errors import PolicyNotEnforceableError
+from fusion_oci.models import CacheMode, CpuLimit, PrepareContext, RunOptions, SandboxPolicy
+from fusion_oci.policy.settings import SandboxSettings
+from fusion_oci.runtimes import bubblewrap
+from fusion_oci.runtimes.bubblewrap import BubblewrapRuntime, HostProbe
+from fusion_oci.runtimes.linux.cgroups import CgroupSupport
+from fusion_oci.sandbox import Sandbox
+from tests.backends import require, require_runtime
+
+pytestmark = pytest.mark.bubblewrap
+
+PNPM_PROJECT = Path(__file__).resolve().parent.parent / "data" / "pnpm-project"
+
+
+@pytest.fixture(autouse=True)
+def _bwrap() -> None:
+    require_runtime("bubblewrap")
+
+
+def _env(home: Path) -> dict[str, str]:
+    return {"HOME": str(home), "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "LANG": "C.UTF-8"}
+
+
+@asynccontextmanager
+async def sandbox(tmp_path: Path, worktree: Path, policy: SandboxPolicy, *,
+                  task: str = "t1", cache_mode: CacheMode = CacheMode.SHARED,
+                  project: Path | None = None) -> AsyncIterator[Sandbox]:
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    settings = SandboxSettings(backend="bubblewrap", policy=policy)
+    async with Sandbox(settings, env=_env(home), cache_root=tmp_path / "cache") as sb:
+        await sb.prepare(PrepareContext(
+            task_id=task, run_id="r1", worktree_path=str(worktree), policy=policy,
+            cache_mode=cache_mode, project_dir=str(project) if project else None,
+        ))
+        yield sb
+
+
+def _leaves() -> set[str]:
+    out = set()
+    for root in ("/sys/fs/cgroup/memory", "/sys/fs/cgroup/pids", "/sys/fs/cgroup/cpu",
+                 "/sys/fs/cgroup/unified"):
+        for dirpath, dirnames, _ in os.walk(root):
+            out.update(os.path.join(dirpath, d) for d in dirnames if d.startswith("fusion-oci."))
+    return out
+
+
+def _slirps() -> set[int]:
+    pids = set()
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if (proc / "comm").read_text().strip() == "slirp4netns":
+                    pids.add(int(proc.name))
+            except OSError:
+                continue
+    return pids
+
+
+# ---------------------------------------------------------------------------- pnpm + caches
+
+def _pnpm_available() -> None:
+    require("bubblewrap", shutil.which("pnpm") is not None,
+            "pnpm is not installed on the host (scripts/install.sh installs it)")
+
+
+@pytest.mark.slow
+async def test_pnpm_project_installs_tests_and_builds_with_egress(tmp_path: Path) -> None:
+    """A real dependency from the npm registry through the TLS-intercepting proxy (host CA),
+    then offline reuse of the shared store by a second task, and none for an isolated one."""
+    _pnpm_available()
+    project = tmp_path / "project"
+    first = tmp_path / "task-a"
+    shutil.copytree(PNPM_PROJECT, first)
+    egress = SandboxPolicy(network="egress")  # type: ignore[arg-type]
+    long = RunOptions(timeout_ms=180_000)
+    async with sandbox(tmp_path, first, egress, task="a", project=project) as sb:
+        env = await sb.run("env", long)
+        assert "NODE_EXTRA_CA_CERTS=/etc/fusion-oci/host-ca.pem" in env.stdout
+        install = await sb.run("pnpm install --frozen-lockfile", long)
+        assert install.exit_code == 0, install.stderr + install.stdout
+        test = await sb.run("pnpm test", long)
+        assert test.exit_code == 0 and "fixture tests passed" in test.stdout, test.stderr
+        build = await sb.run("pnpm build", long)
+        assert build.exit_code == 0, build.stderr
+    assert (first / "dist" / "result.json").read_text() == '{"sum":6}\n'
+    assert (first / "node_modules" / "is-number" / "package.json").exists()
+
+    # Shared cache: a second task of the same project installs with no network at all.
+    second = tmp_path / "task-b"
+    shutil.copytree(PNPM_PROJECT, second)
+    offline = SandboxPolicy(allow_network=False)
+    async with sandbox(tmp_path, second, offline, task="b", project=project) as sb:
+        again = await sb.run("pnpm install --frozen-lockfile --offline && pnpm test", long)
+        assert again.exit_code == 0, again.stderr + again.stdout
+
+    # Isolated cache: nothing from task a is visible, so the same offline install fails.
+    third = tmp_path / "task-c"
+    shutil.copytree(PNPM_PROJECT, third)
+    async with sandbox(tmp_path, third, offline, task="c", project=project,
+                       cache_mode=CacheMode.ISOLATED) as sb:
+        cold = await sb.run("pnpm install --frozen-lockfile --offline", long)
+        assert cold.exit_code != 0
+
+
+# ---------------------------------------------------------------------------- git
+
+async def test_git_commit_in_a_linked_worktree(tmp_path: Path,
+                                               linked_worktree: tuple[Path, Path]) -> None:
+    repo, wt = linked_worktree
+    async with sandbox(tmp_path, wt, SandboxPolicy(allow_network=False)) as sb:
+        result = await sb.run(
+            "git status --short && echo change > new.txt && git add new.txt && "
+            "git -c user.name=bot -c user.email=bot@example.invalid commit -qm 'from sandbox'"
+            " && git log --oneline -1")
+        assert result.exit_code == 0, result.stderr
+        # ...and the common dir's hooks and config stay read-only meanwhile
+        hooks = await sb.run(f"touch {repo}/.git/hooks/pre-commit || echo refused")
+        assert "refused" in hooks.stdout
+    from tests.conftest import git
+
+    assert "from sandbox" in git(wt, "log", "--oneline", "-1")
+    assert git(repo, "log", "--oneline", "-1", "task").strip().endswith("from sandbox")
+
+
+# ---------------------------------------------------------------------------- lifecycle
+
+async def test_limits_live_in_a_leaf_cgroup_that_is_removed(tmp_path: Path,
+                                                            worktree: Path) -> None:
+    before = _leaves()
+    policy = SandboxPolicy(allow_network=False, memory_limit_mb=128, pids_limit=100,
+                           cpu_limit=CpuLimit(max_cores=0.5, max_ms=20_000))
+    async with sandbox(tmp_path, worktree, policy) as sb:
+        result = await sb.run("cat /proc/self/cgroup; ulimit -t")
+    assert result.exit_code == 0, result.stderr
+    assert "fusion-oci." in result.stdout
+    assert result.stdout.strip().splitlines()[-1] == "20"
+    assert _leaves() == before
+
+
+async def test_cpu_time_limit_has_its_reason(tmp_path: Path, worktree: Path) -> None:
+    policy = SandboxPolicy(allow_network=False, cpu_limit=CpuLimit(max_ms=1000))
+    async with sandbox(tmp_path, worktree, policy) as sb:
+        result = await sb.run("while :; do :; done", RunOptions(timeout_ms=20_000))
+    assert result.reason == "cpu-time", result
+
+
+async def test_abort_and_max_buffer_leave_nothing_behind(tmp_path: Path,
+                                                         worktree: Path) -> None:
+    slirps, leaves = _slirps(), _leaves()
+    policy = SandboxPolicy(network="egress", pids_limit=50)  # type: ignore[arg-type]
+    async with sandbox(tmp_path, worktree, policy) as sb:
+        task = asyncio.ensure_future(sb.run("sleep 600"))
+        await asyncio.sleep(0.5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        flood = await sb.run("yes", RunOptions(max_buffer=10_000))
+        assert flood.truncated and flood.reason == "max-buffer"
+    assert _slirps() == slirps
+    assert _leaves() == leaves
+
+
+async def test_network_none_has_no_route_and_egress_reaches_out(tmp_path: Path,
+                                                                worktree: Path) -> None:
+    async with sandbox(tmp_path, worktree, SandboxPolicy(allow_network=False)) as sb:
+        none = await sb.run("cat /proc/net/route | wc -l")
+    assert none.stdout.strip() == "1"  # the header only: no route anywhere
+    egress = SandboxPolicy(network="egress")  # type: ignore[arg-type]
+    async with sandbox(tmp_path, worktree, egress) as sb:
+        out = await sb.run("cat /etc/resolv.conf; getent hosts registry.npmjs.org")
+    assert "nameserver 10.0.2.3" in out.stdout and "registry.npmjs.org" in out.stdout
+
+
+# ---------------------------------------------------------------------------- honesty
+
+def test_availability_details_for_doctor() -> None:
+    runtime = BubblewrapRuntime(SandboxSettings(backend="bubblewrap"), dict(os.environ))
+    avail = runtime.availability()
+    assert avail.available and avail.version
+    for key in ("bwrap", "userns", "cgroups", "egress", "cpu-time", "enforces"):
+        assert key in avail.details
+
+
+async def test_lifecycle_refuses_limits_this_host_cannot_enforce(
+        tmp_path: Path, worktree: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = bubblewrap.probe_host_support(os.environ.get("PATH", os.defpath), os.geteuid())
+    no_cgroups = HostProbe(real.bwrap, real.version, None, real.prlimit, real.slirp4netns,
+                           real.egress_problem, CgroupSupport("none"), real.disable_userns)
+    monkeypatch.setattr(bubblewrap, "probe_host_support", lambda path, uid: no_cgroups)
+    policy = SandboxPolicy(allow_network=False, memory_limit_mb=64)
+    with pytest.raises(PolicyNotEnforceableError, match="memoryLimitMb"):
+        async with sandbox(tmp_path, worktree, policy):
+            pass
