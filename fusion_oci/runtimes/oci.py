@@ -200,7 +200,8 @@ def exit_status(returncode: int | None, sig: str | None) -> tuple[int | None, st
     return returncode, sig
 
 
-_EXEC_FAILURE = re.compile(r'exec: "(?P<cmd>[^"]*)": (?P<why>[^"\n]*)')
+# runc logs in logfmt, so the quotes around the command arrive escaped (\").
+_EXEC_FAILURE = re.compile(r'exec: \\?"(?P<cmd>.*?)\\?": (?P<why>[^"\n]*)')
 
 
 def exec_failure_status(stderr: str) -> int | None:

@@ -178,7 +178,7 @@ def test_exit_status_passes_a_signal_of_the_cli_itself() -> None:
 def test_exec_failures_read_like_a_shell() -> None:
     nf = ('level=error msg="runc run failed: unable to start container process: exec: '
           '\\"/nope\\": stat /nope: no such file or directory"')
-    assert exec_failure_status(nf.replace('\\"', '"')) == 127
+    assert exec_failure_status(nf) == 127
     assert exec_failure_status('exec: "x": executable file not found in $PATH') == 127
     assert exec_failure_status('exec: "/etc/passwd": permission denied') == 126
     assert exec_failure_status("error setting rlimits for ready process") is None

@@ -1,0 +1,476 @@
+"""The oci runtime against a real runc: bundles, statuses, limits, network, leftovers, images."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fusion_oci.models import PrepareContext, RunOptions, RunResult, SandboxPolicy
+from fusion_oci.oci.bundle import write_bundle
+from fusion_oci.oci.host import probe_host
+from fusion_oci.oci.spec import compile_spec
+from fusion_oci.policy.layout import resolve_layout
+from fusion_oci.policy.settings import SandboxSettings
+from fusion_oci.runtimes.oci import OciRuntime, gc_oci, list_containers
+from fusion_oci.sandbox import Sandbox
+from tests.backends import require, require_runtime
+from tests.conftest import git
+
+pytestmark = [pytest.mark.oci, pytest.mark.runc]
+
+REPO = Path(__file__).resolve().parents[2]
+SETTINGS = SandboxSettings(backend="oci", oci_runtime="runc")
+# The system interpreter: it is inside the host-rootfs container (a pyenv shim is not).
+PYTHON3 = "/usr/bin/python3"
+
+
+@pytest.fixture(autouse=True)
+def _runc_available() -> None:
+    require_runtime("oci", SETTINGS)
+
+
+def ctx(worktree: Path, task: str = "t1", image: str | None = None,
+        **policy: Any) -> PrepareContext:
+    return PrepareContext(task_id=task, run_id="r1", worktree_path=str(worktree),
+                          policy=SandboxPolicy(**policy), image=image)
+
+
+@contextlib.asynccontextmanager
+async def sandbox(worktree: Path, cache_root: Path | None = None, **kw: Any
+                  ) -> AsyncIterator[Sandbox]:
+    async with Sandbox(SETTINGS, env=dict(os.environ), cache_root=cache_root) as sb:
+        await sb.prepare(ctx(worktree, **kw))
+        yield sb
+
+
+async def run(worktree: Path, command: str | list[str], opts: RunOptions | None = None,
+              **kw: Any) -> RunResult:
+    async with sandbox(worktree, **kw) as sb:
+        return await sb.run(command, opts)
+
+
+def oci(sb: Sandbox) -> OciRuntime:
+    assert isinstance(sb.runtime, OciRuntime)
+    return sb.runtime
+
+
+def pids_with_marker(marker: str, *, besides: int | None = None) -> list[int]:
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) != besides:
+            with contextlib.suppress(OSError):
+                if marker.encode() in Path(f"/proc/{name}/cmdline").read_bytes():
+                    found.append(int(name))
+    return found
+
+
+def new_marker() -> str:
+    return f"fusion-oci-marker-{uuid.uuid4().hex[:12]}"
+
+
+# --- bundles ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", [
+    {"allow_network": False, "memory_limit_mb": 128, "pids_limit": 64},
+    {"network": "host"},
+], ids=["none-limits", "host"])
+def test_compiled_bundle_runs_unchanged_under_runc(worktree: Path, tmp_path: Path,
+                                                   oci_validator: Any, policy: Any) -> None:
+    host = probe_host()
+    context = ctx(worktree, **policy)
+    layout = resolve_layout(context, cache_root=tmp_path / "cache", ca_bundle=host.ca_bundle)
+    spec = compile_spec(context, layout, host, "echo hi; id -u; pwd; exit 5", RunOptions(),
+                        dict(os.environ))
+    oci_validator.validate(spec)
+    bundle = write_bundle(spec, tmp_path / "bundle")
+    oci_validator.validate(json.loads(bundle.config_path.read_text()))
+    cid = f"fusion-oci-test-{uuid.uuid4().hex[:8]}"
+    root = tmp_path / "runc-state"
+    try:
+        done = subprocess.run(["runc", "--root", str(root), "run", "--bundle", str(bundle.path),
+                               cid], capture_output=True, text=True, timeout=60,
+                              stdin=subprocess.DEVNULL)
+    finally:
+        subprocess.run(["runc", "--root", str(root), "delete", "--force", cid],
+                       capture_output=True, check=False)
+    assert done.returncode == 5, done.stderr
+    assert done.stdout == f"hi\n{os.getuid()}\n{worktree.resolve()}\n"
+
+
+# --- statuses ---------------------------------------------------------------------------------
+
+
+async def test_exit_code_stdout_stderr(worktree: Path) -> None:
+    r = await run(worktree, "echo out; echo err >&2; exit 7")
+    assert (r.stdout, r.stderr, r.exit_code, r.signal, r.reason, r.backend) == (
+        "out\n", "err\n", 7, None, "exit", "oci")
+
+
+async def test_signal_and_command_not_found(worktree: Path) -> None:
+    async with sandbox(worktree) as sb:
+        r = await sb.run("sleep 30 & kill -TERM $!; wait $!")
+        assert (r.exit_code, r.signal, r.reason) == (None, "SIGTERM", "signal")
+        assert r.shell_status == 128 + signal.SIGTERM
+        assert (await sb.run(["/no/such/command"])).exit_code == 127
+        assert (await sb.run("no-such-command-xyz")).exit_code == 127
+        r = await sb.run("cat", RunOptions(stdin=b"fed through stdin"))
+        assert r.stdout == "fed through stdin"
+
+
+async def test_timeout_leaves_no_process_and_no_runtime_state(worktree: Path) -> None:
+    marker = new_marker()
+    command = (f"sh -c 'sleep 1000' {marker} & "
+               f"setsid sh -c 'sleep 1000' {marker}-setsid & "
+               f"trap '' TERM; sleep 1000")
+    async with sandbox(worktree) as sb:
+        runtime = oci(sb)
+        start = time.monotonic()
+        r = await sb.run(command, RunOptions(timeout_ms=1000))
+        elapsed = time.monotonic() - start
+        assert r.timed_out and r.reason == "timeout"
+        assert r.shell_status == 124
+        assert elapsed < 1 + 2 + 3, elapsed  # timeout + grace + slack
+        assert pids_with_marker(marker) == []
+        assert runtime._task is not None
+        task_dir, root = runtime._task.dir, runtime._task.root
+        assert await list_containers("runc", root, os.environ) == []
+        assert list((task_dir / "bundles").iterdir()) == []
+    assert not task_dir.exists()
+
+
+async def test_max_buffer_ends_the_container(worktree: Path) -> None:
+    marker = new_marker()
+    async with sandbox(worktree) as sb:
+        r = await sb.run(f"sh -c 'sleep 1000' {marker} & yes", RunOptions(max_buffer=10_000))
+        assert r.truncated and r.reason == "max-buffer"
+        assert len(r.stdout) == 10_000
+        assert pids_with_marker(marker) == []
+        assert await list_containers("runc", oci(sb)._task.root, os.environ) == []  # type: ignore[union-attr]
+
+
+async def test_abort_ends_the_container(worktree: Path) -> None:
+    marker = new_marker()
+    async with sandbox(worktree) as sb:
+        task = asyncio.ensure_future(sb.run(f"sh -c 'sleep 1000' {marker}; :"))
+        for _ in range(100):
+            if pids_with_marker(marker):
+                break
+            await asyncio.sleep(0.05)
+        assert pids_with_marker(marker)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert pids_with_marker(marker) == []
+        assert await list_containers("runc", oci(sb)._task.root, os.environ) == []  # type: ignore[union-attr]
+
+
+# --- limits -----------------------------------------------------------------------------------
+
+
+async def test_memory_limit_is_enforced_and_reported_as_oom(worktree: Path) -> None:
+    async with sandbox(worktree, memory_limit_mb=32) as sb:
+        ok = await sb.run("head -c 8m /dev/zero | tail -c 1 | wc -c")
+        assert (ok.exit_code, ok.stdout.strip()) == (0, "1")
+        r = await sb.run("head -c 256m /dev/zero | tail > /dev/null")
+        assert r.reason == "oom", r
+        assert r.signal == "SIGKILL"
+
+
+async def test_pids_limit_is_enforced_and_reported(worktree: Path) -> None:
+    async with sandbox(worktree, pids_limit=16) as sb:
+        r = await sb.run("for i in $(seq 40); do sleep 5 & done; wait")
+        assert r.reason == "pids", r
+        assert r.exit_code not in (0, None)
+        assert "fork" in r.stderr.lower()
+
+
+# --- network ----------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def tcp_server(host: str) -> Iterator[tuple[int, list[str]]]:
+    """A TCP server the test owns; yields its port and the peers that reached it."""
+    srv = socket.socket()
+    srv.bind((host, 0))
+    srv.listen()
+    srv.settimeout(0.2)
+    seen: list[str] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, peer = srv.accept()
+            except (TimeoutError, OSError):
+                continue
+            seen.append(peer[0])
+            with conn:
+                conn.sendall(b"hello\n")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield srv.getsockname()[1], seen
+    finally:
+        stop.set()
+        thread.join()
+        srv.close()
+
+
+def connect_script(targets: list[tuple[str, int]]) -> list[str]:
+    code = (
+        "import socket, sys\n"
+        "for host, port in zip(sys.argv[1::2], sys.argv[2::2]):\n"
+        "    try:\n"
+        "        socket.create_connection((host, int(port)), timeout=3).recv(5)\n"
+        "        print(host, 'open')\n"
+        "    except OSError as exc:\n"
+        "        print(host, 'closed', type(exc).__name__)\n"
+    )
+    return [PYTHON3, "-c", code, *[str(x) for t in targets for x in t]]
+
+
+async def test_network_none_has_no_route_to_a_host_loopback_server(worktree: Path) -> None:
+    with tcp_server("127.0.0.1") as (port, seen):
+        async with sandbox(worktree, allow_network=False) as sb:
+            r = await sb.run(connect_script([("127.0.0.1", port)]))
+            assert r.stdout == "127.0.0.1 closed ConnectionRefusedError\n", r.stderr
+            routes = await sb.run("cat /proc/net/route")
+            assert routes.stdout.strip().count("\n") == 0  # the header line only
+    assert seen == []
+
+
+@pytest.fixture
+def test_network() -> Iterator[str]:
+    """A veth pair this test creates, with an address on the host side: an "outside" to reach
+    over egress without sending a packet off the machine."""
+    if os.geteuid() != 0:
+        pytest.skip("creating the test network (a veth pair) needs root")
+    name = f"fo{uuid.uuid4().hex[:6]}"
+    address = "10.213.77.1"
+    subprocess.run(["ip", "link", "add", f"{name}h", "type", "veth", "peer", "name",
+                    f"{name}p"], check=True)
+    try:
+        subprocess.run(["ip", "addr", "add", f"{address}/32", "dev", f"{name}h"], check=True)
+        for end in ("h", "p"):
+            subprocess.run(["ip", "link", "set", f"{name}{end}", "up"], check=True)
+        yield address
+    finally:
+        subprocess.run(["ip", "link", "del", f"{name}h"], check=False)
+
+
+async def test_egress_reaches_out_but_not_host_loopback(worktree: Path,
+                                                        test_network: str) -> None:
+    probe = OciRuntime(SETTINGS, dict(os.environ))
+    ok, why = probe.egress_status()
+    require("oci", ok, f"egress: {why}")
+    with tcp_server("127.0.0.1") as (lo_port, lo_seen), \
+            tcp_server(test_network) as (out_port, out_seen):
+        r = await run(worktree, connect_script([
+            ("127.0.0.1", lo_port), ("10.0.2.2", lo_port), (test_network, out_port),
+        ]), allow_network=True)
+        lines = r.stdout.splitlines()
+        assert lines[0].startswith("127.0.0.1 closed"), r
+        assert lines[1].startswith("10.0.2.2 closed"), r
+        assert lines[2] == f"{test_network} open", r
+    assert lo_seen == []
+    assert len(out_seen) == 1
+
+
+# --- files and git ----------------------------------------------------------------------------
+
+
+async def test_a_file_written_to_the_worktree_is_the_callers(worktree: Path) -> None:
+    r = await run(worktree, "echo made > made.txt && mkdir sub && touch sub/f")
+    assert r.exit_code == 0, r.stderr
+    for path in (worktree / "made.txt", worktree / "sub", worktree / "sub" / "f"):
+        st = path.stat()
+        assert (st.st_uid, st.st_gid) == (os.getuid(), os.getgid())
+
+
+async def test_git_commit_in_a_linked_worktree(linked_worktree: tuple[Path, Path]) -> None:
+    repo, wt = linked_worktree
+    common = repo / ".git"
+    command = (
+        "echo change >> README && git add README && "
+        "git -c user.name=sandbox -c user.email=s@example.invalid commit -qm 'from sandbox' && "
+        f"if touch {common}/hooks/post-commit 2>/dev/null; then echo HOOKS-WRITABLE; fi; "
+        f"if echo x >> {common}/config 2>/dev/null; then echo CONFIG-WRITABLE; fi; "
+        "git status --porcelain"
+    )
+    r = await run(wt, command)
+    assert r.exit_code == 0, r.stderr
+    assert "WRITABLE" not in r.stdout
+    assert git(wt, "log", "-1", "--format=%s").strip() == "from sandbox"
+    assert not (common / "hooks" / "post-commit").exists()
+    for obj in (common / "objects").rglob("*"):
+        assert obj.stat().st_uid == os.getuid()
+
+
+# --- leftovers --------------------------------------------------------------------------------
+
+
+CRASHER = """
+import asyncio, os, sys
+from pathlib import Path
+from fusion_oci.models import PrepareContext, RunOptions
+from fusion_oci.policy.settings import SandboxSettings
+from fusion_oci.runtimes.oci import OciRuntime
+
+async def main():
+    rt = OciRuntime(SandboxSettings(backend="oci"), dict(os.environ))
+    rt.state_base = Path(sys.argv[1])
+    await rt.prepare(PrepareContext(task_id="crash", run_id="r1", worktree_path=sys.argv[2]))
+    await rt.run(f"sh -c 'sleep 1000' {sys.argv[3]}; :", RunOptions())
+
+asyncio.run(main())
+"""
+
+
+async def test_gc_removes_what_a_kill_9_left(worktree: Path, tmp_path: Path) -> None:
+    base = tmp_path / "state"
+    marker = new_marker()
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", CRASHER, str(base), str(worktree), marker, cwd=REPO)
+    try:
+        # The crasher's own argv carries the marker too: look only at its container.
+        for _ in range(200):
+            if pids_with_marker(marker, besides=child.pid):
+                break
+            await asyncio.sleep(0.05)
+        assert pids_with_marker(marker, besides=child.pid), "the container never started"
+        # A live owner's state is never collected.
+        assert await gc_oci("runc", base) == []
+        child.kill()
+        await child.wait()
+        assert pids_with_marker(marker), "the container is expected to outlive kill -9"
+        removed = await gc_oci("runc", base)
+        assert len(removed) == 1 and removed[0].startswith("crash-r1-")
+        assert pids_with_marker(marker) == []
+        assert list(base.iterdir()) == []
+    finally:
+        if child.returncode is None:
+            child.kill()
+            await child.wait()
+        await gc_oci("runc", base)
+
+
+async def test_parallel_tasks_neither_hang_nor_leak(worktree: Path) -> None:
+    async def one(i: int) -> tuple[RunResult, Path]:
+        wt = worktree / f"task-{i}"
+        wt.mkdir()
+        async with sandbox(wt, task=f"par{i}") as sb:
+            r = await sb.run(f"echo {i} > out && cat out")
+            assert oci(sb)._task is not None
+            return r, oci(sb)._task.dir  # type: ignore[union-attr]
+
+    results = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(8))), 120)
+    for i, (r, task_dir) in enumerate(results):
+        assert (r.exit_code, r.stdout) == (0, f"{i}\n")
+        assert not task_dir.exists()
+
+
+# --- image mode -------------------------------------------------------------------------------
+
+
+def _layer(files: dict[str, bytes | None], modes: dict[str, int] | None = None) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name in sorted({str(Path(n).parent) for n in files} - {"."}):
+            info = tarfile.TarInfo(name)
+            info.type, info.mode = tarfile.DIRTYPE, 0o755
+            tar.addfile(info)
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            raw = data or b""
+            info.size, info.mode = len(raw), (modes or {}).get(name, 0o644)
+            tar.addfile(info, io.BytesIO(raw))
+    return buf.getvalue()
+
+
+def docker_archive(tag: str) -> bytes:
+    """A two-layer image with dash and its libraries; the second layer whites out a file."""
+    sh = Path("/usr/bin/dash").read_bytes()
+    libs = {}
+    for line in subprocess.run(["ldd", "/usr/bin/dash"], capture_output=True, text=True,
+                               check=True).stdout.splitlines():
+        path = next((p for p in line.split() if p.startswith("/")), None)
+        if path:
+            libs[path.lstrip("/")] = Path(path).read_bytes()
+    base = _layer({"bin/sh": sh, **libs, "etc/hello": b"hello from the image\n",
+                   "etc/gone": b"whited out\n"}, {name: 0o755 for name in ["bin/sh", *libs]})
+    top = _layer({"etc/.wh.gone": None})
+    layers = [base, top]
+    diff_ids = ["sha256:" + hashlib.sha256(layer).hexdigest() for layer in layers]
+    config = json.dumps({
+        "architecture": "amd64", "os": "linux", "config": {"Cmd": ["/bin/sh"]},
+        "rootfs": {"type": "layers", "diff_ids": diff_ids},
+        "history": [{"created_by": "fusion-oci test"}, {"created_by": "fusion-oci test"}],
+    }).encode()
+    config_name = hashlib.sha256(config).hexdigest() + ".json"
+    names = [f"{d.removeprefix('sha256:')}/layer.tar" for d in diff_ids]
+    manifest = json.dumps([{"Config": config_name, "RepoTags": [tag], "Layers": names}]).encode()
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, data in [("manifest.json", manifest), (config_name, config),
+                           *zip(names, layers, strict=True)]:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+@pytest.fixture
+def podman_image() -> Iterator[str]:
+    url = os.environ.get("FUSION_OCI_PODMAN_URL", "unix:///run/podman/podman.sock")
+    from podman import PodmanClient
+
+    client = PodmanClient(base_url=url)
+    try:
+        client.version()
+    except Exception as exc:  # any failure means: no podman service here
+        client.close()
+        require("podman", False, f"no podman API service at {url}: {exc}")
+    tag = f"localhost/fusion-oci-test/oci-image:{uuid.uuid4().hex[:8]}"
+    list(client.images.load(docker_archive(tag)))
+    try:
+        yield tag
+    finally:
+        with contextlib.suppress(Exception):
+            client.images.remove(tag, force=True)
+        client.close()
+
+
+async def test_image_mode_runs_on_the_unpacked_image(worktree: Path, tmp_path: Path,
+                                                     podman_image: str) -> None:
+    cache = tmp_path / "cache"
+    async with sandbox(worktree, cache_root=cache, image=podman_image,
+                       allow_network=False) as sb:
+        r = await sb.run("while read -r l; do echo \"$l\"; done < /etc/hello; echo /etc/*; "
+                         "echo made > in-worktree")
+        assert r.exit_code == 0, r.stderr
+        lines = r.stdout.splitlines()
+        assert lines[0] == "hello from the image"
+        assert "/etc/gone" not in lines[1] and "/etc/hello" in lines[1]
+        again = await sb.run("echo /usr/*")  # no host system directories in image mode
+        assert again.stdout.strip() == "/usr/*"
+    assert (worktree / "in-worktree").read_text() == "made\n"
+    assert len(list((cache / "oci-rootfs").iterdir())) == 1
