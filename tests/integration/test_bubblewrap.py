@@ -7,6 +7,7 @@ import os
 import shutil
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace as dataclasses_replace
 from pathlib import Path
 
 import pytest
@@ -206,3 +207,50 @@ async def test_lifecycle_refuses_limits_this_host_cannot_enforce(
     with pytest.raises(PolicyNotEnforceableError, match="memoryLimitMb"):
         async with sandbox(tmp_path, worktree, policy):
             pass
+
+
+def test_planned_argv_runs_unprivileged(tmp_path: Path) -> None:
+    """The translation needs no privilege: the same argv, run as an unprivileged user."""
+    import pwd
+    import subprocess
+    import tempfile
+
+    from fusion_oci.oci.host import probe_host
+    from fusion_oci.oci.spec import compile_spec
+    from fusion_oci.policy.layout import TaskLayout
+    from fusion_oci.runtimes.bubblewrap import LaunchFds, bwrap_argv, seccomp_program
+
+    user = os.environ.get("FUSION_OCI_ROOTLESS_USER", "fusionci")
+    try:
+        pw = pwd.getpwnam(user)
+    except KeyError:
+        pw = None
+    require("bubblewrap", os.geteuid() == 0 and pw is not None,
+            f"needs root and the unprivileged user {user} (scripts/install.sh creates it)")
+    assert pw is not None
+    wt = Path(tempfile.mkdtemp(prefix="fusion-oci-rootless-"))
+    try:
+        os.chown(wt, pw.pw_uid, pw.pw_gid)
+        host = dataclasses_replace(probe_host(), uid=pw.pw_uid, gid=pw.pw_gid)
+        policy = SandboxPolicy(allow_network=False)
+        ctx = PrepareContext(task_id="u", run_id="r", worktree_path=str(wt), policy=policy)
+        layout = TaskLayout(str(wt), None, (), None)
+        spec = compile_spec(ctx, layout, host, "id -u; echo ok > made-here; cat /proc/self/status"
+                            " | grep -E '^(CapEff|Seccomp):'", RunOptions(), {})
+        runtime = BubblewrapRuntime(SandboxSettings(backend="bubblewrap"), dict(os.environ))
+        program = seccomp_program(spec)
+        assert program is not None
+        r, w = os.pipe()
+        os.write(w, program)
+        os.close(w)
+        argv = bwrap_argv(spec, runtime.bwrap_host, LaunchFds(seccomp=r))
+        done = subprocess.run(["runuser", "-u", user, "--", *argv], pass_fds=(r,),
+                              capture_output=True, text=True, timeout=30, check=False)
+        os.close(r)
+        assert done.returncode == 0, done.stderr
+        lines = done.stdout.split()
+        assert lines[0] == str(pw.pw_uid)
+        assert "0000000000000000" in done.stdout and "Seccomp:\t2" in done.stdout
+        assert (wt / "made-here").stat().st_uid == pw.pw_uid
+    finally:
+        shutil.rmtree(wt, ignore_errors=True)

@@ -302,8 +302,11 @@ def test_cgroup_event_parsing() -> None:
 
 def test_slirp_argv_closes_host_loopback() -> None:
     argv = egress.slirp_argv("/usr/bin/slirp4netns", netns="/proc/self/fd/5",
-                             userns="/proc/self/fd/6", ready_fd=7, exit_fd=8)
+                             userns="/proc/self/fd/6", ready_fd=7, exit_fd=8, as_root=True)
     assert "--disable-host-loopback" in argv and "--configure" in argv
+    assert "--enable-sandbox" in argv
+    assert "--enable-sandbox" not in egress.slirp_argv(
+        "s", netns="n", userns="u", ready_fd=1, exit_fd=2, as_root=False)
     assert argv[-2:] == ["/proc/self/fd/5", "tap0"]
     assert "--netns-type=path" in argv and "--userns-path=/proc/self/fd/6" in argv
 
@@ -332,3 +335,15 @@ def test_seccomp_filtered_container_is_recognised() -> None:
     uidmap = userns.classify_probe_failure("bwrap: setting up uid map: Permission denied", {},
                                            uid=1000)
     assert "userns" in uidmap.hint
+
+
+def test_missing_bwrap_is_unavailable_with_the_install_hint() -> None:
+    from fusion_oci.policy.settings import SandboxSettings
+    from fusion_oci.runtimes.bubblewrap import BubblewrapRuntime
+
+    runtime = BubblewrapRuntime(SandboxSettings(backend="bubblewrap"),
+                                {"PATH": "/nonexistent-fusion-oci"})
+    avail = runtime.availability()
+    assert not avail.available and "not installed" in avail.reason
+    assert "apt-get install bubblewrap" in avail.hint
+    assert runtime.enforces() == frozenset()

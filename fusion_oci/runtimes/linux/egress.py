@@ -45,11 +45,15 @@ host uses (a 127.0.0.53 stub resolver would be unreachable from inside)."""
 
 
 def slirp_argv(slirp: str, *, netns: str, userns: str, ready_fd: int, exit_fd: int,
-               mtu: int = SLIRP_MTU, tap: str = TAP) -> list[str]:
-    """The slirp4netns command line. Pure."""
+               as_root: bool, mtu: int = SLIRP_MTU, tap: str = TAP) -> list[str]:
+    """The slirp4netns command line. Pure.
+
+    ``--enable-sandbox`` (its own mount namespace, capabilities dropped) only as root: run by
+    an unprivileged user from the host's user namespace it fails ("setegid(0)").
+    """
+    hardening = ["--enable-sandbox", "--enable-seccomp"] if as_root else ["--enable-seccomp"]
     return [
-        slirp, "--configure", f"--mtu={mtu}", "--disable-host-loopback",
-        "--enable-sandbox", "--enable-seccomp",
+        slirp, "--configure", f"--mtu={mtu}", "--disable-host-loopback", *hardening,
         f"--ready-fd={ready_fd}", f"--exit-fd={exit_fd}",
         f"--userns-path={userns}", "--netns-type=path", netns, tap,
     ]
@@ -94,7 +98,8 @@ class Egress:
                 process = await asyncio.create_subprocess_exec(
                     *slirp_argv(slirp, netns=f"/proc/self/fd/{netns}",
                                 userns=f"/proc/self/fd/{userns}",
-                                ready_fd=ready_w, exit_fd=exit_r),
+                                ready_fd=ready_w, exit_fd=exit_r,
+                                as_root=os.geteuid() == 0),
                     stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
                     stderr=log_fh, pass_fds=(netns, userns, ready_w, exit_r),
                     start_new_session=True,
