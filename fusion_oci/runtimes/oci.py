@@ -72,7 +72,8 @@ CONTROL_TIMEOUT_S = 30.0
 """For the runtime's own bookkeeping commands (kill, delete, list)."""
 NEW_DIR_PREFIX = ".new-"
 KEEP_FLAG_RUNTIMES = frozenset({"runc", "crun"})
-"""Runtimes whose ``run`` takes ``--keep`` (the others delete the cgroup before we can read it)."""
+"""Runtimes whose ``run`` takes ``--keep`` (the others delete the cgroup before we can read it)
+and keep a container's state in ``ROOT/ID`` (so its absence proves nothing is left)."""
 
 CgroupMode = Literal["v1", "hybrid", "v2", "none"]
 
@@ -746,8 +747,20 @@ class OciRuntime(SpecRuntime):
         return self.uid != 0
 
     @property
-    def keep(self) -> bool:
+    def known_layout(self) -> bool:
         return Path(self.runtime_name).name in KEEP_FLAG_RUNTIMES
+
+    def keep_for(self, spec: Spec) -> bool:
+        """``--keep`` only when there are cgroup counters worth reading (memory or pids
+        limits): keeping costs a second runtime call (the delete) per command. Pure."""
+        resources = spec.get("linux", {}).get("resources", {})
+        return self.known_layout and not self.rootless and (
+            "memory" in resources or "pids" in resources)
+
+    def _state_left(self, root: Path, cid: str) -> bool:
+        """Whether ``delete`` has anything to do: without --keep, a container that ended by
+        itself is already gone, state directory and all. Unknown runtimes: assume yes."""
+        return not self.known_layout or (root / cid).exists() or (root / cid).is_symlink()
 
     def _find_binary(self) -> str | None:
         if self._binary is None:
@@ -889,7 +902,8 @@ class OciRuntime(SpecRuntime):
                 "<state>/bundles/<seq>.pid"
             cid = f"{ann.get(ANN_TASK, '<task>')}-{ann.get('io.fusion-oci.run-id', '<run>')}" \
                 "-<nonce>-<seq>"
-        argv = run_argv(self.runtime_name, root, bundle, cid, pid_file, keep=self.keep)
+        argv = run_argv(self.runtime_name, root, bundle, cid, pid_file,
+                        keep=self.keep_for(spec))
         if ann.get(ANN_IMAGE):
             rootfs = (f"image {ann[ANN_IMAGE]}: root filesystem exported from podman's local "
                       f"storage and unpacked (read-only, shared) into "
@@ -912,7 +926,7 @@ class OciRuntime(SpecRuntime):
             f"one container per command; {rootfs}",
             network,
             "timeout/maxBuffer/abort: kill --all ID TERM, "
-            f"{GRACE_S:g}s grace, kill ID KILL; delete --force ID on every path",
+            f"{GRACE_S:g}s grace, kill ID KILL; delete --force ID whenever state is left",
             "exit status above 128 is read as signal N-128 (the runtime reports a signal "
             "death as 128+N)",
         ]
@@ -974,8 +988,9 @@ class OciRuntime(SpecRuntime):
         try:
             write_bundle(bundle_spec(spec, rootless_ids=rootless_ids, rootfs=self._rootfs,
                                      egress=link.hook if link else None), bundle_dir)
+            keep = self.keep_for(spec)
             argv = run_argv(binary, str(task.root), str(bundle_dir), cid, str(pid_file),
-                            keep=self.keep)
+                            keep=keep)
 
             async def stop() -> None:
                 await self._stop(task, binary, cid, pid_file)
@@ -987,10 +1002,12 @@ class OciRuntime(SpecRuntime):
                 timeout_s=opts.timeout_ms / 1000, max_buffer=opts.max_buffer,
                 grace_s=GRACE_S, term_group=False, stop=stop,
             )
-            counters = read_counters(task.root, cid) if self.keep else CgroupCounters()
+            counters = read_counters(task.root, cid) if keep else CgroupCounters()
             started = pid_file.exists()
         finally:
-            await asyncio.shield(self._delete(task, binary, cid))
+            # Kept, killed or failed containers are deleted here; ended ones are gone.
+            if self._state_left(task.root, cid):
+                await asyncio.shield(self._delete(task, binary, cid))
             if link is not None:
                 await asyncio.shield(link.close())
             shutil.rmtree(bundle_dir, ignore_errors=True)

@@ -93,10 +93,13 @@ def test_run_argv_is_exact() -> None:
     assert "--keep" not in run_argv("runsc", "/s", "/b", "id", "/p", keep=False)
 
 
-def test_keep_only_for_runtimes_that_take_it() -> None:
-    assert runtime(oci_runtime="runc").keep
-    assert runtime(oci_runtime="/usr/bin/crun").keep
-    assert not runtime(oci_runtime="runsc").keep
+def test_keep_only_with_counters_to_read_and_a_runtime_that_takes_it() -> None:
+    limited, plain = spec_for(POLICIES["none-limits"]), spec_for(POLICIES["egress"])
+    assert runtime(oci_runtime="runc").keep_for(limited)
+    assert runtime(oci_runtime="/usr/bin/crun").keep_for(limited)
+    assert not runtime(oci_runtime="runsc").keep_for(limited)
+    assert not runtime(oci_runtime="runc").keep_for(plain)
+    assert "--keep" not in runtime().plan(plain).argv  # type: ignore[operator]
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
