@@ -263,6 +263,8 @@ def task_mounts(layout: TaskLayout, policy: SandboxPolicy, host: HostInfo) -> li
         # Last word: hooks and config stay read-only, so nothing planted here runs on the host.
         mounts.append(bind(f"{common}/hooks", f"{common}/hooks", writable=False))
         mounts.append(bind(f"{common}/config", f"{common}/config", writable=False))
+        if git.worktree_config:
+            mounts.append(bind(git.worktree_config, git.worktree_config, writable=False))
     return mounts
 
 

@@ -28,6 +28,9 @@ class GitLayout:
     kind: str
     git_dir: str
     common_dir: str
+    worktree_config: str | None = None
+    """``config.worktree`` of this worktree when ``extensions.worktreeConfig`` is on: git reads
+    it like ``config``, so it is mounted read-only too (else it could set core.hooksPath)."""
 
 
 @dataclass(frozen=True)
@@ -49,10 +52,20 @@ class TaskLayout:
     """Host CA bundle to share read-only, or None."""
 
 
+def _worktree_config(git_dir: Path, common: Path) -> str | None:
+    try:
+        config = (common / "config").read_text(encoding="utf-8", errors="replace").lower()
+    except OSError:
+        return None
+    if "worktreeconfig" not in config.replace(" ", ""):
+        return None
+    return str(git_dir / "config.worktree")
+
+
 def inspect_git(worktree: Path) -> GitLayout | None:
     dotgit = worktree / ".git"
     if dotgit.is_dir():
-        return GitLayout("main", str(dotgit), str(dotgit))
+        return GitLayout("main", str(dotgit), str(dotgit), _worktree_config(dotgit, dotgit))
     if not dotgit.is_file():
         return None
     text = dotgit.read_text(encoding="utf-8", errors="replace").strip()
@@ -67,7 +80,7 @@ def inspect_git(worktree: Path) -> GitLayout | None:
         common = common if common.is_absolute() else (git_dir / common).resolve()
     else:
         common = git_dir
-    return GitLayout("linked", str(git_dir), str(common))
+    return GitLayout("linked", str(git_dir), str(common), _worktree_config(git_dir, common))
 
 
 def _cache_dirs(ctx: PrepareContext, cache_root: Path, create: bool) -> tuple[CacheMount, ...]:
@@ -122,8 +135,10 @@ def resolve_layout(
         )
     git = inspect_git(worktree)
     if git is not None and create:
-        # hooks/ is mounted read-only; it must exist to be a mount point.
+        # hooks/ and config.worktree are mounted read-only; they must exist to be mount points.
         (Path(git.common_dir) / "hooks").mkdir(exist_ok=True)
+        if git.worktree_config:
+            Path(git.worktree_config).touch(exist_ok=True)
     return TaskLayout(
         worktree=str(worktree.resolve()),
         git=git,

@@ -188,3 +188,19 @@ def test_env_globs_never_pass_secret_names() -> None:
     assert allowed_env(["*"], source) == {"CI": "1", "CI_JOB_ID": "7", "LANGUAGE": "en"}
     # Named exactly, a secret passes: the user asked for that one variable.
     assert allowed_env(["NPM_TOKEN", "CI_*"], source) == {"NPM_TOKEN": "n", "CI_JOB_ID": "7"}
+
+
+def test_worktree_config_is_read_only_when_the_extension_is_on(
+        linked_worktree: tuple[Path, Path], tmp_path: Path) -> None:
+    from tests.conftest import git
+
+    repo, wt = linked_worktree
+    git(repo, "config", "extensions.worktreeConfig", "true")
+    c = PrepareContext(task_id="t", run_id="r", worktree_path=str(wt))
+    layout = resolve_layout(c, cache_root=tmp_path / "cache", ca_bundle=None)
+    assert layout.git is not None and layout.git.worktree_config
+    assert Path(layout.git.worktree_config).is_file()
+    spec = compile_spec(c, layout, HOST, "true", RunOptions(), {})
+    last = [m for m in spec["mounts"] if m["destination"] == layout.git.worktree_config][-1]
+    assert "ro" in last["options"]
+    assert spec["mounts"][-1] is not None
