@@ -149,7 +149,7 @@ def bundle_spec(spec: Spec, *, rootless_ids: tuple[int, int] | None = None,
     for egress, the hook that attaches slirp4netns before the command starts and a resolv.conf
     naming slirp's DNS forwarder (a host stub resolver on 127.0.0.53 is unreachable inside).
     Rootless (``rootless_ids`` = the caller's uid, gid): a user namespace mapping only the
-    caller's ids onto themselves (files it writes stay the caller's), and no cgroup limits,
+    caller's ids, to root inside (files it writes stay the caller's), and no cgroup limits,
     which an unprivileged runtime cannot set without delegation; the lifecycle refuses
     policies that need them because :meth:`OciRuntime.enforces` leaves them out.
     """
@@ -171,8 +171,16 @@ def bundle_spec(spec: Spec, *, rootless_ids: tuple[int, int] | None = None,
     linux = out["linux"]
     if not any(ns["type"] == "user" for ns in linux["namespaces"]):
         linux["namespaces"].append({"type": "user"})
-    linux["uidMappings"] = [{"containerID": uid, "hostID": uid, "size": 1}]
-    linux["gidMappings"] = [{"containerID": gid, "hostID": gid, "size": 1}]
+    # An unprivileged runtime can write one mapping line, and runc insists that it maps the
+    # container's root: the caller becomes uid 0 inside (without capabilities: the bounding
+    # set is empty), and what it writes is the caller's on the host.
+    linux["uidMappings"] = [{"containerID": 0, "hostID": uid, "size": 1}]
+    linux["gidMappings"] = [{"containerID": 0, "hostID": gid, "size": 1}]
+    out["process"]["user"] = {"uid": 0, "gid": 0}
+    ids = {f"uid={uid}": "uid=0", f"gid={gid}": "gid=0"}
+    for mount in out["mounts"]:
+        if mount.get("type") == "tmpfs":
+            mount["options"] = [ids.get(o, o) for o in mount.get("options", [])]
     resources = linux.get("resources", {})
     for key in ("memory", "cpu", "pids"):
         resources.pop(key, None)

@@ -8,15 +8,18 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tarfile
+import tempfile
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +31,7 @@ from fusion_oci.oci.host import probe_host
 from fusion_oci.oci.spec import compile_spec
 from fusion_oci.policy.layout import resolve_layout
 from fusion_oci.policy.settings import SandboxSettings
-from fusion_oci.runtimes.oci import OciRuntime, gc_oci, list_containers
+from fusion_oci.runtimes.oci import OciRuntime, bundle_spec, gc_oci, list_containers
 from fusion_oci.sandbox import Sandbox
 from tests.backends import require, require_runtime
 from tests.conftest import git
@@ -113,6 +116,47 @@ def test_compiled_bundle_runs_unchanged_under_runc(worktree: Path, tmp_path: Pat
                        capture_output=True, check=False)
     assert done.returncode == 5, done.stderr
     assert done.stdout == f"hi\n{os.getuid()}\n{worktree.resolve()}\n"
+
+
+def test_rootless_bundle_runs_under_an_unprivileged_runc(oci_validator: Any) -> None:
+    """The rootless translation (one mapping: the caller to root inside, no cgroup limits)
+    run by runc as an unprivileged user; what it writes is that user's on the host."""
+    import pwd
+
+    user = os.environ.get("FUSION_OCI_ROOTLESS_USER", "fusionci")
+    require("oci", os.geteuid() == 0, "switching to the rootless test user needs root")
+    try:
+        account = pwd.getpwnam(user)
+    except KeyError:
+        require("oci", False, f"rootless test user {user} is missing (scripts/install.sh)")
+        return
+    # Not tmp_path: pytest's base directory is 0700 root, which the user cannot traverse.
+    base = Path(tempfile.mkdtemp(prefix="fusion-oci-rootless-", dir="/tmp"))
+    try:
+        wt = base / "wt"
+        wt.mkdir()
+        host = replace(probe_host(), uid=account.pw_uid, gid=account.pw_gid)
+        context = ctx(wt, allow_network=False, memory_limit_mb=64)
+        layout = resolve_layout(context, cache_root=base / "cache", ca_bundle=host.ca_bundle)
+        spec = compile_spec(context, layout, host, "id -u; echo hi > f; exit 4", RunOptions(),
+                            {})
+        rootless = bundle_spec(spec, rootless_ids=(account.pw_uid, account.pw_gid))
+        oci_validator.validate(rootless)
+        bundle = write_bundle(rootless, base / "bundle")
+        subprocess.run(["chown", "-R", f"{account.pw_uid}:{account.pw_gid}", str(base)],
+                       check=True)
+        as_user = ["runuser", "-u", user, "--", "runc", "--root", str(base / "state")]
+        done = subprocess.run([*as_user, "run", "--bundle", str(bundle.path), "rootless-1"],
+                              capture_output=True, text=True, timeout=60, cwd=base,
+                              stdin=subprocess.DEVNULL)
+        subprocess.run([*as_user, "delete", "--force", "rootless-1"], capture_output=True,
+                       check=False, cwd=base)
+        assert done.returncode == 4, done.stderr
+        assert done.stdout == "0\n"
+        st = (wt / "f").stat()
+        assert (st.st_uid, st.st_gid) == (account.pw_uid, account.pw_gid)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 # --- statuses ---------------------------------------------------------------------------------

@@ -126,8 +126,11 @@ def test_rootless_bundle_maps_only_the_caller_and_drops_cgroup_limits(
     oci_validator.validate(out)
     linux = out["linux"]
     assert {"type": "user"} in linux["namespaces"]
-    assert linux["uidMappings"] == [{"containerID": 1000, "hostID": 1000, "size": 1}]
-    assert linux["gidMappings"] == [{"containerID": 1001, "hostID": 1001, "size": 1}]
+    assert linux["uidMappings"] == [{"containerID": 0, "hostID": 1000, "size": 1}]
+    assert linux["gidMappings"] == [{"containerID": 0, "hostID": 1001, "size": 1}]
+    assert out["process"]["user"] == {"uid": 0, "gid": 0}
+    home = next(m for m in out["mounts"] if m["destination"] == "/home/sandbox")
+    assert "uid=0" in home["options"] and "uid=1000" not in home["options"]
     assert not {"memory", "pids", "cpu"} & set(linux["resources"])
     sys_mount = next(m for m in out["mounts"] if m["destination"] == "/sys")
     # Without its own network namespace a user namespace may not mount sysfs: bind it.
