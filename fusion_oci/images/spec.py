@@ -1,28 +1,129 @@
-"""Image names in settings → what to provision (pure apart from reading the build context)."""
+"""Image names in settings → what to provision.
+
+``settings.image`` is either the short name of a folder under ``images/`` (``node``), built into
+``localhost/fusion-oci/node:<content-hash-12>``, or a full reference (pulled). Short names of
+public images (``debian``) are refused rather than guessed: podman and docker resolve them
+differently, and a silent guess is how a task ends up on the wrong image.
+"""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
+
+from fusion_oci.errors import ProvisionError
+from fusion_oci.images.context import content_tag, context_hash
+
+LOCAL_REPO = "localhost/fusion-oci"
+BASE_REF = f"{LOCAL_REPO}/base:bookworm"
+"""The offline base made by ``fusion-oci images bootstrap-base``."""
+PUBLIC_BASE = "docker.io/library/debian:bookworm-slim"
+"""The default ``BASE`` of the Containerfiles under ``images/``."""
+CONTAINERFILE = "Containerfile"
+
+LABEL_MANAGED = "io.fusion-oci.managed"
+LABEL_NAME = "io.fusion-oci.image"
+LABEL_HASH = "io.fusion-oci.context-hash"
+
+_SHORT = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
 
 
 @dataclass(frozen=True)
 class ImageSpec:
     """What ``settings.image`` names.
 
-    ``kind == "build"``: a folder under ``images/`` built into ``ref``
-    (``localhost/fusion-oci/NAME:<content-hash-12>``). ``kind == "pull"``: a full reference.
+    ``kind == "build"``: the folder ``context`` built into ``ref``
+    (``localhost/fusion-oci/NAME:<content-hash-12>``); ``build_args`` holds ``BASE`` when a
+    base other than the Containerfile's default is used. ``kind == "pull"``: ``ref`` is a full,
+    normalised reference (registry, repository, tag or digest).
     """
 
     name: str
     ref: str
     kind: Literal["build", "pull"]
     context: Path | None = None
+    containerfile: str = CONTAINERFILE
     build_args: dict[str, str] = field(default_factory=dict)
+    context_hash: str | None = None
+
+    @property
+    def labels(self) -> dict[str, str]:
+        """Labels put on a built image so ``images list``/``prune`` can find it."""
+        if self.kind != "build":
+            return {}
+        return {LABEL_MANAGED: "true", LABEL_NAME: self.name, LABEL_HASH: self.context_hash or ""}
+
+
+def default_images_dir() -> Path:
+    """``images/`` at the top of the fusion-oci source tree this module was loaded from."""
+    return Path(__file__).resolve().parents[2] / "images"
+
+
+def is_short_name(name: str) -> bool:
+    return bool(_SHORT.fullmatch(name))
+
+
+def normalize_ref(ref: str) -> str:
+    """Fully qualify a reference the way docker does (``debian:12`` → ``docker.io/library/…``).
+
+    Adds ``:latest`` when neither tag nor digest is given. Pure.
+    """
+    ref = ref.strip()
+    if not ref or any(c.isspace() for c in ref):
+        raise ProvisionError(f"image reference '{ref}' is not valid", "it is empty or has spaces",
+                             "write a reference like docker.io/library/debian:bookworm-slim")
+    first, _, rest = ref.partition("/")
+    if not rest or ("." not in first and ":" not in first and first != "localhost"):
+        ref = f"docker.io/{ref}" if rest else f"docker.io/library/{ref}"
+    last = ref.rsplit("/", 1)[-1]
+    if "@" not in last and ":" not in last:
+        ref += ":latest"
+    return ref
+
+
+def split_registry(ref: str) -> tuple[str, str]:
+    """``registry/repo/path:tag`` → (registry, ``repo/path:tag``) of a normalised reference."""
+    registry, _, rest = ref.partition("/")
+    return registry, rest
+
+
+def with_mirror(ref: str, mirror: str) -> str:
+    """The same image on a mirror: ``docker.io/library/x:1`` + ``127.0.0.1:5000`` →
+    ``127.0.0.1:5000/library/x:1`` (a mirror may carry a path prefix: ``host/prefix``)."""
+    return f"{mirror.rstrip('/')}/{split_registry(ref)[1]}"
+
+
+def is_loopback_registry(ref: str) -> bool:
+    """Registries on the loopback interface are plain HTTP (as docker assumes for 127.0.0.0/8)."""
+    host = split_registry(ref)[0].rsplit(":", 1)[0] if not ref.startswith("[") else "::1"
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def resolve_image(name: str, *, images_dir: Path | None = None,
                   base: str | None = None) -> ImageSpec:
-    """Short name of a folder under ``images_dir`` → build spec; anything else → pull spec."""
-    raise NotImplementedError
+    """Short name of a folder under ``images_dir`` → build spec; full reference → pull spec.
+
+    ``base``: the ``BASE`` build argument (e.g. :data:`BASE_REF` on machines without a
+    registry); None keeps the Containerfile's default. The tag depends on it, since the image
+    does. Reads the build context to hash it; no engine is contacted.
+    """
+    if is_short_name(name):
+        root = images_dir or default_images_dir()
+        context = root / name
+        if not (context / CONTAINERFILE).is_file():
+            known = sorted(p.name for p in root.iterdir() if (p / CONTAINERFILE).is_file()) \
+                if root.is_dir() else []
+            raise ProvisionError(
+                f"image '{name}' is unknown",
+                f"there is no {context / CONTAINERFILE}"
+                + (f" (images here: {', '.join(known)})" if known else ""),
+                f"use one of the folders under {root}, or a full reference such as "
+                f"docker.io/library/{name}:latest",
+            )
+        args = {"BASE": base} if base else {}
+        digest = context_hash(context, CONTAINERFILE, args)
+        return ImageSpec(name=name, ref=f"{LOCAL_REPO}/{name}:{content_tag(digest)}",
+                         kind="build", context=context, build_args=args, context_hash=digest)
+    return ImageSpec(name=name, ref=normalize_ref(name), kind="pull")

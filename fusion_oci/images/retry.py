@@ -1,0 +1,173 @@
+"""Which provisioning failures are worth another try, and how long to wait between tries.
+
+Engines pass registry failures on as text, so the split is made on the engine's message:
+connection resets, timeouts, HTTP 5xx and 429 (rate limits) are transient; an unknown image, a
+denied login, a bad reference or a broken Containerfile are permanent and fail at once with
+the engine's own words. Anything not recognised counts as permanent: a retry loop that hides a
+real error for minutes is worse than one failed task.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import tenacity
+
+if TYPE_CHECKING:
+    from fusion_oci.images.gates import AuditContext
+
+_PERMANENT = re.compile(
+    r"manifest unknown|name unknown|not found|no such image|unauthorized|"
+    r"authentication required|access denied|permission denied|\bdenied\b|forbidden|"
+    r"invalid reference|repository name must|no such host|does not exist|"
+    r"x509|certificate|unknown instruction|parse error|requires buildkit|"
+    r"no such file or directory|is not a valid|unknown flag|short-name",
+    re.IGNORECASE,
+)
+_TRANSIENT = re.compile(
+    r"connection reset|reset by peer|connection refused|broken pipe|unexpected eof|"
+    r"\beof\b|i/o timeout|timed? ?out|deadline exceeded|tls handshake timeout|"
+    r"temporary failure|try again|too many requests|toomanyrequests|rate limit|"
+    r"service unavailable|bad gateway|gateway timeout|internal server error|"
+    r"server misbehaving|network is unreachable|econnreset|etimedout|eai_again|"
+    r"econnrefused|socket hang up|"
+    r"(status|code|http)[: ]+(5\d\d|429)\b|\b(5\d\d|429) (service|bad|gateway|internal|too)",
+    re.IGNORECASE,
+)
+# Failures of a build step that are clearly about the network rather than the Containerfile.
+_BUILD_NETWORK = re.compile(
+    r"temporary failure resolving|could not resolve|failed to fetch|econnreset|etimedout|"
+    r"eai_again|socket hang up|connection reset|connection timed out|"
+    r"\b(500|502|503|504|429)\b",
+    re.IGNORECASE,
+)
+_BUILD_SYNTAX = re.compile(r"unknown instruction|parse error|requires buildkit|"
+                           r"no such file or directory|failed to compute cache key",
+                           re.IGNORECASE)
+
+
+def classify(message: str, status: int | None = None) -> bool:
+    """True when ``message`` (and the HTTP ``status`` of the engine's answer) is transient."""
+    if status is not None and (status == 429 or status >= 500) and not _PERMANENT.search(message):
+        return True
+    if _PERMANENT.search(message):
+        return False
+    return bool(_TRANSIENT.search(message))
+
+
+def classify_build(message: str, log_tail: str) -> bool:
+    """A failed build is transient only when its failing step's output shows a network blip."""
+    if _BUILD_SYNTAX.search(message):
+        return False
+    return classify(message) or bool(_BUILD_NETWORK.search(log_tail))
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Exponential backoff with jitter and a cap. Tests pass ``RetryPolicy.immediate()``."""
+
+    attempts: int = 4
+    initial_s: float = 2.0
+    max_s: float = 30.0
+    jitter_s: float = 1.0
+    multiplier: float = 2.0
+
+    @classmethod
+    def immediate(cls, attempts: int = 4) -> RetryPolicy:
+        return cls(attempts=attempts, initial_s=0.0, max_s=0.0, jitter_s=0.0)
+
+    def wait(self) -> tenacity.wait.wait_base:
+        if self.max_s <= 0:
+            return tenacity.wait_none()
+        return tenacity.wait_exponential_jitter(initial=self.initial_s, max=self.max_s,
+                                                exp_base=self.multiplier, jitter=self.jitter_s)
+
+    def retrying(self, is_transient: Callable[[BaseException], bool],
+                 before_sleep: Callable[[tenacity.RetryCallState], Any] | None = None,
+                 sleep: Callable[[float], None] | None = None) -> tenacity.Retrying:
+        """A tenacity loop that retries only what ``is_transient`` accepts, then re-raises."""
+        kwargs: dict[str, Any] = {}
+        if sleep is not None:
+            kwargs["sleep"] = sleep
+        return tenacity.Retrying(
+            stop=tenacity.stop_after_attempt(max(1, self.attempts)),
+            wait=self.wait(),
+            retry=tenacity.retry_if_exception(is_transient),
+            before_sleep=before_sleep,
+            reraise=True,
+            **kwargs,
+        )
+
+
+def run_attempts(
+    fn: Callable[[int], Any],
+    *,
+    action: str,
+    target: str,
+    policy: RetryPolicy,
+    is_transient: Callable[[BaseException], bool],
+    on_attempt: Callable[[int, str, BaseException | None, float, float | None], None],
+    sleep: Callable[[float], None] | None = None,
+) -> Any:
+    """Call ``fn(attempt)`` under ``policy``; report every attempt through ``on_attempt``.
+
+    ``on_attempt(attempt, outcome, error, seconds, next_wait)`` gets ``outcome`` ok, retry
+    (a transient failure with attempts left) or failed. Re-raises the last error.
+    """
+    import time
+
+    state: dict[str, float] = {}
+
+    def before_sleep(rs: tenacity.RetryCallState) -> None:
+        wait = rs.next_action.sleep if rs.next_action else 0.0
+        exc = rs.outcome.exception() if rs.outcome else None
+        on_attempt(rs.attempt_number, "retry", exc, state["seconds"], wait)
+
+    for attempt in policy.retrying(is_transient, before_sleep, sleep):
+        with attempt:
+            number = attempt.retry_state.attempt_number
+            t0 = time.monotonic()
+            try:
+                result = fn(number)
+            except BaseException as exc:
+                state["seconds"] = time.monotonic() - t0
+                last = number >= policy.attempts or not is_transient(exc)
+                if last:
+                    on_attempt(number, "failed", exc, state["seconds"], None)
+                raise
+            on_attempt(number, "ok", None, time.monotonic() - t0, None)
+            return result
+    raise AssertionError("unreachable: tenacity re-raises the last error")  # pragma: no cover
+
+
+def is_transient_error(exc: BaseException) -> bool:
+    """Only engine failures classified transient are retried."""
+    from fusion_oci.images.engine import EngineOpError
+
+    return isinstance(exc, EngineOpError) and exc.transient
+
+
+def audit_attempt(ctx: AuditContext, action: str, ref: str, engine: str, number: int,
+                  attempts: int, outcome: str, exc: BaseException | None, seconds: float,
+                  wait: float | None, **extra: object) -> None:
+    """One ``sandbox:provision`` event per attempt: its number, outcome and reason."""
+    message = ""
+    if exc is not None:
+        message = str(getattr(exc, "engine_message", None) or exc)
+    transient = is_transient_error(exc) if exc is not None else False
+    if outcome == "ok":
+        reason = f"{action} attempt {number} succeeded"
+    elif outcome == "retry":
+        reason = (f"{action} attempt {number}/{attempts} failed (transient): "
+                  f"{message.splitlines()[0] if message else '?'}; retrying in {wait or 0:.1f}s")
+    else:
+        kind = "transient, attempts exhausted" if transient else "permanent"
+        reason = (f"{action} attempt {number}/{attempts} failed ({kind}): "
+                  f"{message.splitlines()[0] if message else '?'}")
+    ctx.emit("sandbox:provision", reason, duration_ms=int(seconds * 1000), action=action,
+             ref=ref, engine=engine, attempt=number, max_attempts=attempts, outcome=outcome,
+             transient=transient if exc is not None else None, error=message or None,
+             next_wait_s=round(wait, 3) if wait is not None else None, **extra)
