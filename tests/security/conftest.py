@@ -40,6 +40,19 @@ EXPECT: dict[tuple[str, str], Expect] = {
     ("fork-bomb", "native"): "unenforced",
     ("memory-hog", "native"): "unenforced",
     ("timeout-leftovers", "native"): "blocked",  # the reaper shim ends the whole tree
+    # test_threats.py
+    ("cloud-credentials", "native"): "leaks",
+    ("other-worktrees", "native"): "leaks",
+    ("hard-link-escape", "native"): "leaks",
+    ("persistence", "native"): "leaks",
+    ("git-hooks-plain-repo", "native"): "leaks",
+    ("udp-dns-none", "native"): "leaks",
+    ("dashboard-4040", "native"): "leaks",
+    ("proc-leak", "native"): "leaks",
+    ("devices", "native"): "leaks",
+    ("privileged-syscalls", "native"): "leaks",
+    ("engine-sockets", "native"): "leaks",
+    ("term-ignoring-daemon", "native"): "blocked",  # the reaper shim ends the whole tree
 }
 
 
