@@ -8,7 +8,9 @@ differently, and a silent guess is how a task ends up on the wrong image.
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -56,9 +58,15 @@ class ImageSpec:
         return {LABEL_MANAGED: "true", LABEL_NAME: self.name, LABEL_HASH: self.context_hash or ""}
 
 
-def default_images_dir() -> Path:
-    """``images/`` at the top of the fusion-oci source tree this module was loaded from."""
-    return Path(__file__).resolve().parents[2] / "images"
+SELF_IMAGE = "fusion-oci"
+"""The image of fusion-oci itself, built from the top-level Containerfile."""
+
+
+def default_images_dir(env: Mapping[str, str] | None = None) -> Path:
+    """``$FUSION_OCI_IMAGES_DIR``, else ``images/`` at the top of the source tree this module
+    was loaded from (read when called, never at import)."""
+    value = (os.environ if env is None else env).get("FUSION_OCI_IMAGES_DIR")
+    return Path(value) if value else Path(__file__).resolve().parents[2] / "images"
 
 
 def is_short_name(name: str) -> bool:
@@ -112,6 +120,8 @@ def resolve_image(name: str, *, images_dir: Path | None = None,
     if is_short_name(name):
         root = images_dir or default_images_dir()
         context = root / name
+        if name == SELF_IMAGE and not context.is_dir():
+            context = root.parent
         if not (context / CONTAINERFILE).is_file():
             known = sorted(p.name for p in root.iterdir() if (p / CONTAINERFILE).is_file()) \
                 if root.is_dir() else []
