@@ -60,6 +60,37 @@ def expected(probe: str, backend: str) -> Expect:
     return EXPECT.get((probe, backend), "blocked")
 
 
+# What each probe saw on each backend in this session, for the matrix printed at the end
+# (and written to $FUSION_OCI_SECURITY_REPORT as JSON when that is set).
+RESULTS: dict[tuple[str, str], str] = {}
+
+
+def record(probe: str, backend: str, outcome: str) -> None:
+    previous = RESULTS.get((probe, backend))
+    # A parametrised probe counts as leaking on a backend if any of its cases leaked.
+    if previous != "leaks":
+        RESULTS[(probe, backend)] = outcome
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not RESULTS:
+        return
+    import json
+
+    probes = sorted({p for p, _ in RESULTS})
+    backends = [b for b in BACKENDS if any(k[1] == b for k in RESULTS)]
+    width = max(len(p) for p in probes) + 2
+    terminalreporter.section("security matrix (probe x backend)")
+    terminalreporter.write_line("".ljust(width) + "".join(b.ljust(16) for b in backends))
+    for probe in probes:
+        cells = [RESULTS.get((probe, b), "-") for b in backends]
+        terminalreporter.write_line(probe.ljust(width) + "".join(c.ljust(16) for c in cells))
+    out = os.environ.get("FUSION_OCI_SECURITY_REPORT")
+    if out:
+        rows = [{"probe": p, "backend": b, "outcome": o} for (p, b), o in sorted(RESULTS.items())]
+        Path(out).write_text(json.dumps(rows, indent=2) + "\n")
+
+
 MARKS = {"native": pytest.mark.native, "bubblewrap": pytest.mark.bubblewrap}
 
 

@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 
 from fusion_oci.models import SandboxPolicy
-from tests.security.conftest import Prober, expected
+from tests.security.conftest import Prober, expected, record
 
 
 def check(probe: str, backend: str, leaked: bool, detail: str = "") -> None:
     want = expected(probe, backend)
+    record(probe, backend, "leaks" if leaked else "blocked")
     if want == "leaks":
         assert leaked, f"{probe}: expected a leak on {backend} (the probe must be able to see " \
                        f"one) but saw none. {detail}"
@@ -159,11 +160,13 @@ def test_fork_bomb_under_pids_limit(prober: Prober) -> None:
     if expected("fork-bomb", prober.backend) == "unenforced":
         result = prober.run("true", policy)
         assert "pidsLimit" in result.unenforced
+        record("fork-bomb", prober.backend, "unenforced")
         return
     # A bomb that never gives up: it is held at the limit until the timeout ends it, and the
     # reason names the limit that held it.
     bomb = "bomb() { bomb | bomb & }; bomb; while :; do sleep 5 & done"
     result = prober.run(bomb, policy, timeout_ms=3000)
+    record("fork-bomb", prober.backend, "blocked" if result.reason == "pids" else "leaks")
     assert result.reason == "pids", result
     _host_unharmed()
 
@@ -173,9 +176,11 @@ def test_memory_hog_under_memory_limit(prober: Prober) -> None:
     if expected("memory-hog", prober.backend) == "unenforced":
         result = prober.run("true", policy)
         assert "memoryLimitMb" in result.unenforced
+        record("memory-hog", prober.backend, "unenforced")
         return
     hog = "python3 -c 'b = []\nwhile True: b.append(bytearray(8 << 20))'"
     result = prober.run(hog, policy, timeout_ms=30_000)
+    record("memory-hog", prober.backend, "blocked" if result.reason == "oom" else "leaks")
     assert result.reason == "oom", result
     assert result.signal == "SIGKILL"
     _host_unharmed()

@@ -24,7 +24,7 @@ import pytest
 from fusion_oci.models import CacheMode, PrepareContext, RunOptions, SandboxPolicy
 from fusion_oci.policy.settings import SandboxSettings
 from fusion_oci.sandbox import SyncSandbox
-from tests.security.conftest import Prober
+from tests.security.conftest import Prober, record
 from tests.security.test_probes import check
 
 
@@ -306,7 +306,9 @@ def test_output_flood_is_cut_at_max_buffer(prober: Prober) -> None:
     with SyncSandbox(settings, env=prober.env, cache_root=prober.tmp / "cache") as sb:
         sb.prepare(ctx)
         result = sb.run("cat /dev/zero", RunOptions(max_buffer=1 << 16, timeout_ms=30_000))
-    assert result.truncated and result.reason == "max-buffer", result.model_dump(
+    cut = result.truncated and result.reason == "max-buffer"
+    record("output-flood", prober.backend, "blocked" if cut else "leaks")
+    assert cut, result.model_dump(
         exclude={"stdout", "stderr"})
     assert len(result.stdout.encode()) <= 1 << 16
 
@@ -353,6 +355,7 @@ def test_cache_poisoning_between_tasks(prober: Prober, mode: CacheMode) -> None:
                    '"$npm_config_store_dir/v3/poisoned-index.json"')
     seen = task("task-b", 'cat "$npm_config_store_dir/v3/poisoned-index.json" 2>/dev/null')
     leaked = poison in seen
+    record(f"cache-poisoning-{mode.value}", prober.backend, "leaks" if leaked else "blocked")
     if mode is CacheMode.SHARED:
         assert leaked, "shared cache mode is documented as shared; the probe must see it"
     else:
