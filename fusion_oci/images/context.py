@@ -125,4 +125,5 @@ def write_context_tar(context: Path, dest: IO[bytes],
             info = tarfile.TarInfo(name)
             info.size = len(data)
             info.mode = 0o600
+            info.uname = info.gname = "root"
             tar.addfile(info, io.BytesIO(data))

@@ -82,8 +82,13 @@ class RetryPolicy:
     def wait(self) -> tenacity.wait.wait_base:
         if self.max_s <= 0:
             return tenacity.wait_none()
-        return tenacity.wait_exponential_jitter(initial=self.initial_s, max=self.max_s,
-                                                exp_base=self.multiplier, jitter=self.jitter_s)
+        return _CappedExponentialJitter(self)
+
+    def delay(self, attempt: int, jitter: float) -> float:
+        """Wait after failed attempt ``attempt`` (1-based), ``jitter`` in [0, 1). Pure."""
+        raw = self.initial_s * self.multiplier ** (attempt - 1) + jitter * self.jitter_s
+        return max(0.0, min(self.max_s, raw))
+
 
     def retrying(self, is_transient: Callable[[BaseException], bool],
                  before_sleep: Callable[[tenacity.RetryCallState], Any] | None = None,
@@ -100,6 +105,23 @@ class RetryPolicy:
             reraise=True,
             **kwargs,
         )
+
+
+class _CappedExponentialJitter(tenacity.wait.wait_base):
+    """initial·multiplierⁿ⁻¹ plus uniform jitter, never above the cap (jitter included).
+
+    Written out rather than tenacity's ``wait_exponential_jitter`` because its parameters
+    changed between the tenacity versions our dependency range allows.
+    """
+
+    def __init__(self, policy: RetryPolicy) -> None:
+        self.policy = policy
+
+    def __call__(self, retry_state: tenacity.RetryCallState) -> float:
+        import random
+
+        jitter = random.random()  # noqa: S311 (spreading retries, not cryptography)
+        return self.policy.delay(retry_state.attempt_number, jitter)
 
 
 def run_attempts(

@@ -104,8 +104,13 @@ def with_mirror(ref: str, mirror: str) -> str:
 
 
 def is_loopback_registry(ref: str) -> bool:
-    """Registries on the loopback interface are plain HTTP (as docker assumes for 127.0.0.0/8)."""
-    host = split_registry(ref)[0].rsplit(":", 1)[0] if not ref.startswith("[") else "::1"
+    """Registries on the loopback interface are plain HTTP (as docker assumes for 127.0.0.0/8).
+    Pure."""
+    registry = split_registry(ref)[0]
+    if registry.startswith("["):
+        host = registry[1:].partition("]")[0]
+    else:
+        host = registry.rpartition(":")[0] if ":" in registry else registry
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
