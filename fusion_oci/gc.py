@@ -1,0 +1,173 @@
+"""``fusion-oci gc``: find and remove what a crashed or killed fusion-oci left in the engines.
+
+Every container and volume fusion-oci creates carries ``io.fusion-oci.kind`` and, unless it
+is a project cache meant to persist, the owner's pid, that pid's start time, the boot id and
+the host name. Something is garbage when its owner is gone: another boot of this machine, or
+no process with that pid and start time (a reused pid is not the owner). Objects made on
+another machine that shares the engine are left alone: their owner cannot be checked here.
+
+:func:`gc` goes over every engine that answers; :func:`collect` does one engine (the next
+``prepare`` of a task calls it for its own task id). :func:`is_garbage` is the pure rule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from fusion_oci.errors import FusionOCIError
+from fusion_oci.runtimes.containers import (
+    LABEL_CACHE_SCOPE,
+    LABEL_KIND,
+    LABEL_OWNER_BOOT,
+    LABEL_OWNER_HOST,
+    LABEL_OWNER_PID,
+    LABEL_OWNER_START,
+)
+from fusion_oci.runtimes.engine import (
+    EngineAdapter,
+    Found,
+    boot_id,
+    engine_errors,
+    process_start,
+)
+
+if TYPE_CHECKING:
+    from fusion_oci.policy.settings import SandboxSettings
+    from fusion_oci.runtimes.engine import ContainerRuntime
+
+ANN_TASK = "io.fusion-oci.task-id"
+
+
+@dataclass(frozen=True)
+class Here:
+    """This machine, and how to ask whether a pid with a given start time still runs."""
+
+    host: str
+    boot: str
+    alive: Callable[[int, str], bool]
+
+
+def here() -> Here:
+    def alive(pid: int, start: str) -> bool:
+        return process_start(pid) == start
+
+    return Here(os.uname().nodename, boot_id(), alive)
+
+
+def owner_state(labels: Mapping[str, str], at: Here) -> str:
+    """``live``, ``dead`` or ``foreign`` (another machine's: not ours to judge). Pure."""
+    host = labels.get(LABEL_OWNER_HOST)
+    if host is not None and host != at.host:
+        return "foreign"
+    pid = labels.get(LABEL_OWNER_PID, "")
+    if not pid.isdigit() or labels.get(LABEL_OWNER_BOOT) != at.boot:
+        return "dead"
+    return "live" if at.alive(int(pid), labels.get(LABEL_OWNER_START, "")) else "dead"
+
+
+def is_garbage(found: Found, at: Here, *, task_id: str | None = None,
+               include_caches: bool = False) -> bool:
+    """Whether gc removes this object. Pure given ``at``."""
+    labels = found.labels
+    if LABEL_KIND not in labels:
+        return False
+    if task_id is not None and labels.get(ANN_TASK) != task_id:
+        return False
+    if labels[LABEL_KIND] == "cache" and labels.get(LABEL_CACHE_SCOPE) != "task":
+        # A project's cache persists on purpose; only an explicit request drops it.
+        return include_caches and task_id is None
+    return owner_state(labels, at) == "dead"
+
+
+@dataclass
+class GcReport:
+    removed: list[str] = field(default_factory=list)
+    """``engine container NAME`` / ``engine volume NAME`` entries that were (or, in a dry
+    run, would be) removed."""
+    kept: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    engines: list[str] = field(default_factory=list)
+    """Engines that were looked at, with their socket."""
+
+    def merge(self, other: GcReport) -> None:
+        self.removed += other.removed
+        self.kept += other.kept
+        self.errors += other.errors
+        self.engines += other.engines
+
+
+def collect(adapter: EngineAdapter, *, task_id: str | None = None, include_caches: bool = False,
+            dry_run: bool = False, at: Here | None = None) -> GcReport:
+    """Remove the garbage of one engine: containers first (they hold the volumes)."""
+    at = at or here()
+    report = GcReport(engines=[f"{adapter.engine} at {adapter.endpoint.url}"])
+    selector = (ANN_TASK, task_id) if task_id is not None else (LABEL_KIND, None)
+    with engine_errors(adapter.engine, "list labelled objects", adapter.endpoint):
+        found = adapter.list_labelled(*selector)
+    found.sort(key=lambda f: f.kind != "container")
+    for item in found:
+        label = f"{adapter.engine} {item.kind} {item.name}"
+        if not is_garbage(item, at, task_id=task_id, include_caches=include_caches):
+            report.kept.append(label)
+            continue
+        report.removed.append(label)
+        if dry_run:
+            continue
+        try:
+            with engine_errors(adapter.engine, f"remove {item.kind} {item.name}",
+                               adapter.endpoint):
+                if item.kind == "container":
+                    adapter.remove(item.id)
+                else:
+                    adapter.remove_volume(item.name)
+        except FusionOCIError as exc:
+            report.errors.append(f"{label}: {exc.why or exc.what}")
+    return report
+
+
+def gc(
+    *,
+    settings: SandboxSettings | None = None,
+    env: Mapping[str, str] | None = None,
+    engines: Sequence[str] = ("podman", "docker"),
+    task_id: str | None = None,
+    include_caches: bool = False,
+    dry_run: bool = False,
+) -> GcReport:
+    """Look at every engine that answers and remove what no live fusion-oci process owns.
+
+    ``settings``: a :class:`~fusion_oci.policy.settings.SandboxSettings` (for podmanUrl /
+    dockerUrl); None: defaults. An engine that does not answer is listed in ``errors`` with
+    its reason and skipped. ``include_caches`` also removes project cache volumes (their
+    files stay in the fusion-oci cache directory).
+    """
+    from fusion_oci.policy.settings import SandboxSettings
+
+    chosen = settings or SandboxSettings()
+    source = dict(os.environ if env is None else env)
+    report = GcReport()
+    for runtime in _runtimes(engines, chosen, source):
+        try:
+            adapter = runtime._connect()
+            report.merge(collect(adapter, task_id=task_id, include_caches=include_caches,
+                                 dry_run=dry_run))
+        except FusionOCIError as exc:
+            report.errors.append(f"{runtime.engine}: {exc.render()}")
+        finally:
+            with contextlib.suppress(Exception):
+                runtime.close()
+    return report
+
+
+def _runtimes(engines: Iterable[str], settings: SandboxSettings, env: Mapping[str, str]
+              ) -> list[ContainerRuntime]:
+    from fusion_oci.runtimes.docker import DockerRuntime
+    from fusion_oci.runtimes.podman import PodmanRuntime
+
+    classes: dict[str, type[ContainerRuntime]] = {"podman": PodmanRuntime,
+                                                  "docker": DockerRuntime}
+    return [classes[name](settings, env) for name in engines if name in classes]

@@ -1,0 +1,764 @@
+"""What the podman and docker runtimes share beyond the pure translation: finding the engine's
+socket, the one boundary where SDK exceptions become fusion-oci errors, and the lifecycle of
+a warm (or one-shot) task container.
+
+The engine-specific part is an :class:`EngineAdapter` (``podman.py``, ``docker.py``): a thin,
+synchronous layer over one SDK client. :class:`ContainerRuntime` drives it from asyncio
+through a small thread pool of its own, so that one task's blocked exec stream can never
+starve another task's calls (parallel prepares of many tasks share nothing but the engine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import os
+import re
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+from fusion_oci.errors import (
+    EngineError,
+    FusionOCIError,
+    ProvisionError,
+    RuntimeUnavailableError,
+    SandboxSetupError,
+)
+from fusion_oci.models import PrepareContext, RunOptions, RunResult, SandboxCapabilities
+from fusion_oci.oci.spec import Spec
+from fusion_oci.process import ProcessOutcome
+from fusion_oci.runtimes.base import Availability, LaunchPlan, Requirement, SpecRuntime
+from fusion_oci.runtimes.containers import (
+    KEEPER_CMD,
+    CacheVolume,
+    ContainerMode,
+    ContainerPlan,
+    Engine,
+    ExecPlan,
+    Owner,
+    Target,
+    container_name,
+    exit_status,
+    plan_container,
+    plan_exec,
+    plan_kill,
+)
+
+if TYPE_CHECKING:
+    from fusion_oci.audit import AuditLog
+
+T = TypeVar("T")
+
+PING_TIMEOUT_S = 3.0
+DRAIN_AFTER_KILL_S = 10.0
+
+# --------------------------------------------------------------------------- endpoints
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """An engine API address and where it came from (for ``doctor`` and error messages)."""
+
+    url: str
+    source: str
+    explicit: bool = False
+    """Named by the user (settings or env): never silently replaced by another socket."""
+
+
+def podman_endpoints(settings_url: str | None, env: Mapping[str, str], uid: int
+                     ) -> list[Endpoint]:
+    """Where podman's API is looked for, in order: settings, CONTAINER_HOST, then podman's
+    own default socket for this user (``$XDG_RUNTIME_DIR/podman/podman.sock`` when not root,
+    ``/run/podman/podman.sock`` for root). Pure."""
+    if settings_url:
+        return [Endpoint(settings_url, "settings sandbox.podmanUrl", True)]
+    if env.get("CONTAINER_HOST"):
+        return [Endpoint(env["CONTAINER_HOST"], "CONTAINER_HOST", True)]
+    if uid == 0:
+        return [Endpoint("unix:///run/podman/podman.sock", "podman's default socket for root")]
+    xdg = env.get("XDG_RUNTIME_DIR") or f"/run/user/{uid}"
+    return [Endpoint(f"unix://{xdg}/podman/podman.sock",
+                     "podman's default rootless socket ($XDG_RUNTIME_DIR)")]
+
+
+def docker_endpoints(settings_url: str | None, env: Mapping[str, str], uid: int
+                     ) -> list[Endpoint]:
+    """settings, DOCKER_HOST, the system socket, then a rootless dockerd's. Pure."""
+    if settings_url:
+        return [Endpoint(settings_url, "settings sandbox.dockerUrl", True)]
+    if env.get("DOCKER_HOST"):
+        return [Endpoint(env["DOCKER_HOST"], "DOCKER_HOST", True)]
+    out = [Endpoint("unix:///var/run/docker.sock", "docker's default socket")]
+    if uid != 0:
+        xdg = env.get("XDG_RUNTIME_DIR") or f"/run/user/{uid}"
+        out.append(Endpoint(f"unix://{xdg}/docker.sock", "rootless dockerd's socket"))
+    return out
+
+
+def socket_path(url: str) -> str | None:
+    for prefix in ("unix://", "http+unix://"):
+        if url.startswith(prefix):
+            return "/" + url.removeprefix(prefix).lstrip("/")
+    return None
+
+
+# --------------------------------------------------------------------------- errors
+
+_HINTS: tuple[tuple[str, str, str], ...] = (
+    # (pattern in the engine's message, why, hint)
+    (r"cgroups? in hybrid mode not supported|crun.*cgroup",
+     "crun refuses this cgroup v1/hybrid host",
+     'use runc: put `[engine]` and `runtime = "runc"` in '
+     "/etc/containers/containers.conf.d/50-runc.conf (or ~/.config/containers/containers.conf)"),
+    (r"newuidmap|newgidmap",
+     "rootless podman needs newuidmap/newgidmap",
+     "install them: apt-get install uidmap"),
+    (r"no subuid ranges|no subgid ranges|/etc/subuid|/etc/subgid",
+     "the user has no subordinate uid/gid range",
+     "add one: usermod --add-subuids 100000-165535 --add-subgids 100000-165535 $USER, "
+     "then `podman system migrate`"),
+    (r"/dev/net/tun",
+     "rootless networking (slirp4netns) cannot open /dev/net/tun",
+     "make it accessible (chmod 0666 /dev/net/tun, or load the tun module), "
+     "or use network: none"),
+    (r"setting rlimit|setrlimit",
+     "the engine cannot apply a resource limit above its own hard limit",
+     "lower the limit in the policy, or raise the engine service's hard limits (ulimit -H)"),
+)
+
+
+class ContainerGoneError(EngineError):
+    """The task container is not running (it exited, or was removed behind our back)."""
+
+
+_GONE = re.compile(r"is not running|container state improper|no such container", re.I)
+
+# Seen on busy hosts: runc loses a race right after another container's removal and the new
+# container fails to start, or its init cannot find the command in a rootfs that is fine the
+# next time. Starting again is safe: nothing ran yet.
+START_ATTEMPTS = 3
+
+
+def _hint_for(message: str) -> tuple[str, str] | None:
+    for pattern, why, hint in _HINTS:
+        if re.search(pattern, message, re.IGNORECASE):
+            return why, hint
+    return None
+
+
+def _root_oserror(exc: BaseException) -> OSError | None:
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, OSError) and cur.errno is not None:
+            return cur
+        for arg in getattr(cur, "args", ()):
+            if isinstance(arg, BaseException):
+                found = _root_oserror(arg)
+                if found is not None:
+                    return found
+        cur = cur.__cause__ or cur.__context__
+    return None
+
+
+def _socket_error(engine: Engine, endpoint: Endpoint, exc: BaseException
+                  ) -> SandboxSetupError | None:
+    err = _root_oserror(exc)
+    text = str(exc)
+    where = f"{endpoint.url} (from {endpoint.source})"
+    if isinstance(err, PermissionError) or "Permission denied" in text:
+        hint = ("add your user to the `docker` group (then log in again), or use rootless "
+                "docker/podman" if engine == "docker" else
+                "use your own rootless socket (unset CONTAINER_HOST / sandbox.podmanUrl), "
+                "or run as the socket's owner")
+        return RuntimeUnavailableError(engine, f"permission denied on the API socket {where}",
+                                       hint)
+    if isinstance(err, FileNotFoundError | ConnectionRefusedError) or any(
+        s in text for s in ("No such file", "Connection refused", "Connection aborted",
+                            "Failed to establish")
+    ):
+        hint = ("start it: `systemctl start docker` (or dockerd), or set DOCKER_HOST"
+                if engine == "docker" else
+                "start it: `systemctl --user start podman.socket` (rootless) or "
+                "`podman system service --time=0 &`, or set CONTAINER_HOST")
+        return RuntimeUnavailableError(engine, f"no {engine} service answers at {where}", hint)
+    return None
+
+
+def _engine_message(exc: BaseException) -> str:
+    explanation = getattr(exc, "explanation", None)
+    return str(explanation or exc).strip()
+
+
+@contextlib.contextmanager
+def engine_errors(engine: Engine, what: str, endpoint: Endpoint, *,
+                  setup: bool = True) -> Iterator[None]:
+    """THE boundary: every SDK call goes through here, and only fusion-oci errors come out.
+
+    ``setup``: failures become :class:`SandboxSetupError` subclasses (the failure mode
+    applies); otherwise (a running command's exec) :class:`EngineError`.
+    """
+    import requests
+
+    sdk_errors: tuple[type[BaseException], ...] = (requests.exceptions.RequestException,)
+    not_found: tuple[type[BaseException], ...] = ()
+    with contextlib.suppress(ImportError):
+        import docker.errors
+
+        sdk_errors += (docker.errors.DockerException,)
+        not_found += (docker.errors.ImageNotFound,)
+    with contextlib.suppress(ImportError):
+        import podman.errors
+
+        sdk_errors += (podman.errors.APIError, podman.errors.PodmanError)
+        not_found += (podman.errors.ImageNotFound,)
+    try:
+        yield
+    except FusionOCIError:
+        raise
+    except not_found as exc:
+        raise ProvisionError(
+            f"{what}: the image is missing from {engine}", _engine_message(exc),
+            "build it: `fusion-oci images build node` (or set sandbox.image to a local image)",
+        ) from exc
+    except (*sdk_errors, OSError) as exc:  # type: ignore[misc]  # a built tuple of classes
+        translated = _socket_error(engine, endpoint, exc)
+        if translated is not None:
+            raise translated from exc
+        message = _engine_message(exc)
+        known = _hint_for(message)
+        if known is not None:
+            raise RuntimeUnavailableError(engine, f"{known[0]} ({message[-300:]})",
+                                          known[1]) from exc
+        if _GONE.search(message):
+            raise ContainerGoneError(f"{engine}: {what} failed", message[-500:],
+                                     "the task container stopped; prepare the task again") from exc
+        if setup:
+            raise SandboxSetupError(f"{engine}: {what} failed", message[-500:],
+                                    f"check the {engine} service at {endpoint.url}") from exc
+        raise EngineError(f"{engine}: {what} failed", message[-500:],
+                          f"check the {engine} service at {endpoint.url}") from exc
+
+
+# --------------------------------------------------------------------------- adapters
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    version: str
+    rootless: bool
+    cgroup_version: str = "v2"
+    runtime: str = ""
+
+
+@dataclass(frozen=True)
+class Found:
+    """A container or volume that carries our labels."""
+
+    id: str
+    name: str
+    labels: dict[str, str]
+    kind: str
+    """``container`` or ``volume``."""
+
+
+ExecStream = Iterator[tuple[bytes | None, bytes | None]]
+
+
+class EngineAdapter(Protocol):
+    """One SDK client, synchronous. Every method is called inside :func:`engine_errors`."""
+
+    engine: Engine
+    endpoint: Endpoint
+
+    def ping(self) -> None: ...
+
+    def info(self) -> EngineInfo: ...
+
+    def image_exists(self, ref: str) -> bool: ...
+
+    def create(self, plan: ContainerPlan) -> str: ...
+
+    def start(self, container_id: str) -> None: ...
+
+    def remove(self, container_id: str) -> None:
+        """Force-remove; a container that is already gone is not an error."""
+        ...
+
+    def exec_start(self, container_id: str, plan: ExecPlan) -> tuple[str, ExecStream]: ...
+
+    def exec_exit_code(self, exec_id: str) -> int | None: ...
+
+    def abort_stream(self, stream: ExecStream) -> None: ...
+
+    def ensure_volume(self, volume: CacheVolume) -> None: ...
+
+    def remove_volume(self, name: str) -> None: ...
+
+    def list_labelled(self, label: str, value: str | None = None) -> list[Found]: ...
+
+    def sdk_client(self) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+# --------------------------------------------------------------------------- owner
+
+
+def boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return "unknown"
+
+
+def process_start(pid: int) -> str | None:
+    """Start time of a pid in clock ticks since boot (field 22 of /proc/PID/stat)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    fields = stat.rsplit(b")", 1)[-1].split()
+    return fields[19].decode() if len(fields) > 19 else None
+
+
+def current_owner() -> Owner:
+    pid = os.getpid()
+    return Owner(pid=pid, start=process_start(pid) or "0", boot=boot_id(),
+                 host=os.uname().nodename)
+
+
+def nproc_limit(rlimits: Mapping[str, tuple[int, int]]) -> tuple[int, int] | None:
+    """RLIMIT_NPROC for containers: the caller's, capped at pid_max.
+
+    Engines reject a limit above their own hard limit, and rootful podman raises its default
+    far beyond (then runc fails with "setrlimit ... operation not permitted"); no host can run
+    more processes than pid_max, which is what podman's service caps itself at.
+    """
+    try:
+        pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    except (OSError, ValueError):
+        pid_max = 32768
+    soft, hard = rlimits.get("RLIMIT_NPROC", (-1, -1))
+    hard = pid_max if hard < 0 else min(hard, pid_max)
+    soft = hard if soft < 0 else min(soft, hard)
+    return soft, hard
+
+
+# --------------------------------------------------------------------------- runtime
+
+
+class ContainerRuntime(SpecRuntime):
+    """The lifecycle shared by the podman and docker runtimes (see containers.py for the
+    layout of a task container and why a timeout kills exactly what the command started)."""
+
+    engine: Engine = "docker"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.mode: ContainerMode = self.settings.container_mode
+        self._adapter: EngineAdapter | None = None
+        self._info: EngineInfo | None = None
+        self._probe_error: SandboxSetupError | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = asyncio.Lock()
+        self._container: str | None = None
+        self._task_volumes: list[str] = []
+        self._owner = current_owner()
+        self.image_ref: str | None = None
+
+    # -- engine-specific hooks ------------------------------------------------------------
+
+    def endpoints(self) -> list[Endpoint]:
+        raise NotImplementedError
+
+    def connect(self, endpoint: Endpoint) -> EngineAdapter:
+        raise NotImplementedError
+
+    def no_endpoint(self, tried: Sequence[Endpoint]) -> EngineAdapter:
+        """Called when no listed socket answers; may start a service (podman) or raise."""
+        raise RuntimeUnavailableError(
+            self.engine,
+            "no engine answers at " + ", ".join(f"{e.url} ({e.source})" for e in tried),
+            "start the engine, or point sandbox.dockerUrl / DOCKER_HOST at it",
+        )
+
+    def release_endpoint(self) -> None:
+        """Undo what :meth:`no_endpoint` started."""
+
+    # -- probing --------------------------------------------------------------------------
+
+    def _connect(self) -> EngineAdapter:
+        if self._adapter is not None:
+            return self._adapter
+        tried: list[Endpoint] = []
+        last: SandboxSetupError | None = None
+        for endpoint in self.endpoints():
+            tried.append(endpoint)
+            try:
+                with engine_errors(self.engine, "connect", endpoint):
+                    adapter = self.connect(endpoint)
+                    adapter.ping()
+            except SandboxSetupError as exc:
+                last = exc
+                if endpoint.explicit:
+                    raise
+                continue
+            self._adapter = adapter
+            return adapter
+        if last is not None and "permission denied" in last.why:
+            raise last
+        self._adapter = self.no_endpoint(tried)
+        return self._adapter
+
+    def _probe(self) -> tuple[EngineAdapter, EngineInfo]:
+        adapter = self._connect()
+        if self._info is None:
+            with engine_errors(self.engine, "info", adapter.endpoint):
+                self._info = adapter.info()
+        return adapter, self._info
+
+    def target(self) -> Target:
+        info = self._info
+        rootless = bool(info and info.rootless)
+        return Target(self.engine, rootless, nproc_limit(self.host.rlimits),
+                      cgroup_limits=not (rootless and info is not None
+                                         and info.cgroup_version == "v1"))
+
+    def capabilities(self) -> SandboxCapabilities:
+        return SandboxCapabilities(
+            filesystem_isolation="strong", network_policy="coarse",
+            resource_limits="advanced", requires_install=True, supports_mac=True,
+            supports_linux=True, supports_windows=True,
+        )
+
+    def availability(self) -> Availability:
+        try:
+            adapter, info = self._probe()
+        except SandboxSetupError as exc:
+            return Availability(False, exc.why or exc.what, exc.hint)
+        details = {
+            "socket": adapter.endpoint.url,
+            "socket source": adapter.endpoint.source,
+            "rootless": "yes" if info.rootless else "no",
+            "cgroup": info.cgroup_version,
+            "mode": self.mode,
+        }
+        if info.runtime:
+            details["oci runtime"] = info.runtime
+        return Availability(True, version=info.version, rootless=info.rootless, details=details)
+
+    def enforces(self) -> frozenset[Requirement]:
+        need = {Requirement.FILESYSTEM, Requirement.ENV, Requirement.NETWORK_NONE,
+                Requirement.NETWORK_EGRESS, Requirement.CPU_TIME}
+        try:
+            self._probe()
+        except SandboxSetupError:
+            return frozenset(need)
+        if self.target().cgroup_limits:
+            # Rootless containers on a cgroup v1 host get no cgroup of their own: podman
+            # ignores the limits there, so they are not claimed (the policy is refused).
+            need |= {Requirement.MEMORY, Requirement.CPU_QUOTA, Requirement.PIDS}
+        return frozenset(need)
+
+    def _plan(self, spec: Spec, name: str) -> ContainerPlan:
+        return plan_container(spec, self.target(), name=name, owner=self._owner,
+                              mode=self.mode, isolated_caches=self._isolated())
+
+    def _isolated(self) -> bool:
+        from fusion_oci.models import CacheMode
+
+        return bool(self.ctx and self.ctx.cache_mode is CacheMode.ISOLATED)
+
+    def plan(self, spec: Spec) -> LaunchPlan:
+        plan = self._plan(spec, container_name(str(spec["annotations"].get(
+            "io.fusion-oci.task-id", "task")), "<nonce>"))
+        exec_plan = plan_exec(spec)
+        return LaunchPlan(
+            backend=self.id,
+            sdk_call="containers.create",
+            sdk_kwargs=plan.create,
+            env=exec_plan.environment,
+            cwd=exec_plan.workdir,
+            argv=exec_plan.cmd,
+            notes=[*plan.notes, *(f"volume {v.name} -> {v.destination} ({v.scope})"
+                                  for v in plan.volumes)],
+        )
+
+    # -- async plumbing -------------------------------------------------------------------
+
+    async def _call(self, what: str, fn: Callable[[], T], *, setup: bool = True) -> T:
+        adapter = self._adapter
+        assert adapter is not None
+
+        def guarded() -> T:
+            with engine_errors(self.engine, what, adapter.endpoint, setup=setup):
+                return fn()
+
+        return await asyncio.get_running_loop().run_in_executor(self._executor(), guarded)
+
+    def _executor(self) -> ThreadPoolExecutor:
+        # Per runtime: a task's blocked exec reader never waits for another task's thread.
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix=f"fusion-{self.id}")
+        return self._pool
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def prepare(self, ctx: PrepareContext) -> None:
+        await self._call_probe()
+        await super().prepare(ctx)
+        image = ctx.image or self.settings.image
+        if not image:
+            raise SandboxSetupError(
+                f"the {self.id} runtime needs an image", "none is set",
+                "set sandbox.image (e.g. `image: node`; build it with "
+                "`fusion-oci images build node`)")
+        self.image_ref = await self._provision(image, ctx)
+        self.ctx = ctx.model_copy(update={"image": self.image_ref})
+        await self._collect_own_garbage(ctx.task_id)
+        if self.mode == "warm":
+            self._container = await self._start_container()
+
+    async def _call_probe(self) -> None:
+        def probe() -> None:
+            self._probe()
+
+        await asyncio.get_running_loop().run_in_executor(self._executor(), probe)
+
+    async def _provision(self, image: str, ctx: PrepareContext) -> str:
+        adapter = self._adapter
+        assert adapter is not None
+        if await self._call("image lookup", lambda: adapter.image_exists(image)):
+            return image
+        return await provision_image(self, image, ctx)
+
+    async def _collect_own_garbage(self, task_id: str) -> None:
+        from fusion_oci.gc import collect
+
+        adapter = self._adapter
+        assert adapter is not None
+        await self._call("gc", lambda: collect(adapter, task_id=task_id))
+
+    async def _start_container(self) -> str:
+        adapter = self._adapter
+        assert adapter is not None and self.ctx is not None
+        spec = self.compile(list(KEEPER_CMD), RunOptions())
+        for attempt in range(1, START_ATTEMPTS + 1):
+            plan = self._plan(spec, container_name(self.ctx.task_id, secrets.token_hex(4)))
+            for volume in plan.volumes:
+                await self._call("volume create", functools.partial(adapter.ensure_volume, volume))
+                if volume.scope == "task" and volume.name not in self._task_volumes:
+                    self._task_volumes.append(volume.name)
+            cid = await self._call("container create", functools.partial(adapter.create, plan))
+            try:
+                await self._call("container start", functools.partial(adapter.start, cid))
+            except RuntimeUnavailableError:
+                await asyncio.shield(self._remove(cid))
+                raise
+            except SandboxSetupError:
+                await asyncio.shield(self._remove(cid))
+                if attempt == START_ATTEMPTS:
+                    raise
+                continue
+            except BaseException:
+                await asyncio.shield(self._remove(cid))
+                raise
+            return cid
+        raise AssertionError("unreachable")
+
+    async def _remove(self, cid: str) -> None:
+        adapter = self._adapter
+        if adapter is None:
+            return
+        with contextlib.suppress(FusionOCIError):
+            await self._call("container remove", lambda: adapter.remove(cid))
+
+    async def execute(self, spec: Spec, opts: RunOptions) -> RunResult:
+        async with self._lock:
+            if self.mode == "warm":
+                if self._container is None:
+                    raise SandboxSetupError(f"runtime '{self.id}' was not prepared",
+                                            "run() came before prepare()",
+                                            "call prepare(ctx) first")
+                try:
+                    return await self._exec(self._container, spec, opts)
+                except ContainerGoneError:
+                    # The exec was refused before anything ran (see START_ATTEMPTS): a fresh
+                    # container, once. /tmp and HOME start empty again; the worktree stays.
+                    await asyncio.shield(self._remove(self._container))
+                    self._container = None
+                    self._container = await self._start_container()
+                    return await self._exec(self._container, spec, opts)
+            for attempt in (1, 2):
+                cid = await self._start_container()
+                try:
+                    return await self._exec(cid, spec, opts)
+                except ContainerGoneError:
+                    if attempt == 2:
+                        raise
+                finally:
+                    await asyncio.shield(self._remove(cid))
+            raise AssertionError("unreachable")
+
+    async def _exec(self, cid: str, spec: Spec, opts: RunOptions) -> RunResult:
+        adapter = self._adapter
+        assert adapter is not None
+        plan = plan_exec(spec, opts.stdin)
+        loop = asyncio.get_running_loop()
+        start = time.monotonic()
+        exec_id, stream = await self._call("exec", lambda: adapter.exec_start(cid, plan),
+                                           setup=False)
+        overflow = asyncio.Event()
+
+        def on_overflow() -> None:
+            loop.call_soon_threadsafe(overflow.set)
+
+        sink = _Sink(opts.max_buffer, on_overflow)
+        pump: asyncio.Future[None] = loop.run_in_executor(self._executor(), sink.pump, stream)
+        overflowed: asyncio.Future[bool] = asyncio.ensure_future(overflow.wait())
+        timed_out = False
+        try:
+            waiters: set[asyncio.Future[Any]] = {pump, overflowed}
+            done, _ = await asyncio.wait(waiters, timeout=opts.timeout_ms / 1000,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if pump not in done:
+                timed_out = not done
+                await self._kill(cid, spec, pump, stream)
+        except asyncio.CancelledError:
+            await asyncio.shield(self._kill(cid, spec, pump, stream))
+            raise
+        finally:
+            overflowed.cancel()
+        code = await self._call("exec inspect", lambda: adapter.exec_exit_code(exec_id),
+                                setup=False)
+        exit_code, signal = exit_status(code)
+        outcome = ProcessOutcome(
+            stdout=sink.data(0), stderr=sink.data(1), returncode=exit_code, signal=signal,
+            timed_out=timed_out, truncated=sink.truncated,
+            duration_ms=int((time.monotonic() - start) * 1000),
+        )
+        return self.result(outcome, spec)
+
+    async def _kill(self, cid: str, spec: Spec, pump: asyncio.Future[None],
+                    stream: ExecStream) -> None:
+        """End everything the command started, then wait (bounded) for its stream to end."""
+        adapter = self._adapter
+        assert adapter is not None
+        kill = plan_kill(spec)
+
+        def run_kill() -> None:
+            _, out = adapter.exec_start(cid, kill)
+            for _ in out:
+                pass
+
+        with contextlib.suppress(FusionOCIError):
+            await self._call("kill", run_kill, setup=False)
+        try:
+            await asyncio.wait_for(asyncio.shield(pump), DRAIN_AFTER_KILL_S)
+        except TimeoutError:
+            adapter.abort_stream(stream)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(pump), 2.0)
+
+    async def dispose(self) -> None:
+        adapter = self._adapter
+        try:
+            if self._container is not None:
+                cid, self._container = self._container, None
+                await self._remove(cid)
+            if adapter is not None:
+                for name in self._task_volumes:
+                    with contextlib.suppress(FusionOCIError):
+                        await self._call("volume remove",
+                                         functools.partial(adapter.remove_volume, name))
+                self._task_volumes = []
+        finally:
+            await super().dispose()
+            self.close()
+
+    def close(self) -> None:
+        """Drop the client and anything the runtime started (a podman service)."""
+        if self._adapter is not None:
+            with contextlib.suppress(Exception):
+                self._adapter.close()
+            self._adapter = None
+        self._info = None
+        self.release_endpoint()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.release_endpoint()
+
+
+@dataclass
+class _Sink:
+    """Collects an exec's demuxed output up to maxBuffer per stream (as process.py does)."""
+
+    limit: int
+    on_overflow: Callable[[], None]
+    chunks: tuple[list[bytes], list[bytes]] = field(default_factory=lambda: ([], []))
+    sizes: list[int] = field(default_factory=lambda: [0, 0])
+    truncated: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def pump(self, stream: ExecStream) -> None:
+        with contextlib.suppress(Exception):  # a stream aborted after a kill just ends
+            for pair in stream:
+                for i, chunk in enumerate(pair):
+                    if chunk:
+                        self._add(i, chunk)
+
+    def _add(self, i: int, chunk: bytes) -> None:
+        with self._lock:
+            room = self.limit - self.sizes[i]
+            if room > 0:
+                self.chunks[i].append(chunk[:room])
+                self.sizes[i] += min(room, len(chunk))
+            if len(chunk) > room and not self.truncated:
+                self.truncated = True
+                self.on_overflow()
+
+    def data(self, i: int) -> bytes:
+        with self._lock:
+            return b"".join(self.chunks[i])
+
+
+async def provision_image(runtime: ContainerRuntime, image: str, ctx: PrepareContext) -> str:
+    """The image is not in the engine: hand over to provisioning (issue 5) when it is built.
+
+    Kept in one small function so that the provisioning entry point can be rewired here alone.
+    """
+    try:
+        from fusion_oci.images.provision import ensure_image
+    except ImportError:
+        ensure_image = None  # type: ignore[assignment]
+    hint = f"build it: `fusion-oci images build {image}`"
+    if ensure_image is None:
+        raise ProvisionError(f"image '{image}' is missing from {runtime.engine}",
+                             "image provisioning is not available in this build", hint)
+    adapter = runtime._adapter
+    assert adapter is not None
+    audit: AuditLog | None = getattr(runtime, "audit", None)
+    if audit is None:
+        from fusion_oci.audit import AuditLog
+
+        audit = AuditLog()
+    try:
+        provisioned = await ensure_image(runtime.engine, adapter.sdk_client(), image,
+                                         runtime.settings, audit, ctx.task_id, ctx.run_id)
+    except NotImplementedError as exc:
+        raise ProvisionError(f"image '{image}' is missing from {runtime.engine}",
+                             "image provisioning is not implemented yet", hint) from exc
+    return provisioned.ref
