@@ -45,6 +45,14 @@ class SandboxSettings(Model):
     """Entry-point name of the runtime used when backend is ``custom``."""
     oci_runtime: str = "runc"
     """OCI runtime CLI for the ``oci`` backend (runc, crun, runsc, youki)."""
+    podman_url: str | None = None
+    """Podman API socket (``unix:///path``). None: CONTAINER_HOST, else podman's default
+    socket for this user; when none answers, the runtime starts ``podman system service``."""
+    docker_url: str | None = None
+    """Docker API address. None: DOCKER_HOST, else the default (or rootless) socket."""
+    container_mode: Literal["warm", "oneshot"] = "warm"
+    """podman/docker: ``warm`` keeps one container per task and execs each command in it;
+    ``oneshot`` creates and removes a container per command."""
     gates: GateSettings = Field(default_factory=GateSettings)
 
 
