@@ -1,0 +1,243 @@
+"""The spec → SDK create kwargs translation for podman and docker, against golden files.
+
+Regenerate after an intended change: ``FUSION_OCI_UPDATE_GOLDEN=1 pytest tests/unit/...``
+and review the diff of tests/data/containers/.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fusion_oci.errors import BundleError
+from fusion_oci.gc import Here, is_garbage, owner_state
+from fusion_oci.models import (
+    CacheMode,
+    CpuLimit,
+    NetworkMode,
+    PrepareContext,
+    RunOptions,
+    SandboxPolicy,
+)
+from fusion_oci.oci.host import HostInfo
+from fusion_oci.oci.spec import compile_spec
+from fusion_oci.policy.layout import CacheMount, GitLayout, TaskLayout
+from fusion_oci.runtimes.containers import (
+    EXEC_WRAPPER,
+    KILL_SCRIPT,
+    STDIN_ENV,
+    STDIN_MAX,
+    Owner,
+    Target,
+    exit_status,
+    plan_container,
+    plan_exec,
+    plan_kill,
+)
+from fusion_oci.runtimes.engine import Found, docker_endpoints, podman_endpoints
+
+GOLDEN = Path(__file__).parent.parent / "data" / "containers"
+OWNER = Owner(pid=4242, start="123456", boot="boot-1", host="build-host")
+HOST = HostInfo(
+    uid=1000, gid=1000,
+    rlimits={"RLIMIT_NOFILE": (1024, 20000), "RLIMIT_CPU": (-1, -1),
+             "RLIMIT_NPROC": (96551, 96551)},
+    ca_bundle="/etc/ssl/certs/ca-certificates.crt",
+)
+
+
+def layout(isolated: bool = False) -> TaskLayout:
+    base = "/home/u/.cache/fusion-oci/projects/abc123def456"
+    if isolated:
+        base += "/tasks/t1"
+    caches = tuple(
+        CacheMount(name, f"{base}/{name}", f"/var/cache/fusion-oci/{name}",
+                   ((env, f"/var/cache/fusion-oci/{name}"),))
+        for name, env in (("pnpm-store", "npm_config_store_dir"), ("npm-cache", "npm_config_cache"))
+    )
+    git = GitLayout("linked", "/srv/repo/.git/worktrees/wt", "/srv/repo/.git")
+    return TaskLayout("/srv/wt", git, caches, "/etc/ssl/certs/ca-certificates.crt")
+
+
+def spec_for(policy: SandboxPolicy, *, command: str = "pnpm test", isolated: bool = False,
+             image: str | None = "localhost/fusion-oci/node:0123456789ab") -> dict[str, Any]:
+    ctx = PrepareContext(task_id="t1", run_id="r1", worktree_path="/srv/wt", policy=policy,
+                         image=image,
+                         cache_mode=CacheMode.ISOLATED if isolated else CacheMode.SHARED)
+    return compile_spec(ctx, layout(isolated), HOST, command, RunOptions(cwd="pkg"),
+                        {"LANG": "C.UTF-8", "SECRET": "x", "NODE_ENV": "test"})
+
+
+POLICY = SandboxPolicy(
+    memory_limit_mb=512, pids_limit=256, cpu_limit=CpuLimit(max_cores=1.5, max_ms=60_000),
+    env_allowlist=["NODE_ENV"], allowed_paths=["/opt/ref"], writable_paths=["/srv/out"],
+)
+
+CASES = {
+    "docker-egress": (Target("docker", False, (96551, 96551)), POLICY, False),
+    "podman-egress": (Target("podman", False, (32768, 32768)), POLICY, False),
+    "podman-rootless-egress": (Target("podman", True, (32768, 32768)), POLICY, False),
+    "podman-rootless-cgroupv1": (Target("podman", True, (32768, 32768), cgroup_limits=False),
+                                 POLICY, False),
+    "docker-none-isolated": (Target("docker"), SandboxPolicy(allow_network=False), True),
+    "podman-host": (Target("podman"), SandboxPolicy(network=NetworkMode.HOST), False),
+}
+
+
+def golden(name: str, data: Any) -> None:
+    path = GOLDEN / f"{name}.json"
+    text = json.dumps(data, indent=2, sort_keys=True) + "\n"
+    if os.environ.get("FUSION_OCI_UPDATE_GOLDEN") == "1" or not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert json.loads(path.read_text()) == json.loads(text), f"golden {path} differs"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_create_kwargs_golden(case: str, oci_validator: Any) -> None:
+    target, policy, isolated = CASES[case]
+    spec = spec_for(policy, isolated=isolated)
+    oci_validator.validate(spec)
+    plan = plan_container(spec, target, name="fusion-oci-t1-abcd", owner=OWNER,
+                          isolated_caches=isolated)
+    golden(case, {
+        "create": plan.create,
+        "volumes": [{"name": v.name, "destination": v.destination, "device": v.device,
+                     "driver_opts": v.driver_opts, "labels": v.labels, "scope": v.scope}
+                    for v in plan.volumes],
+        "exec": plan_exec(spec).to_json(),
+        "kill": plan_kill(spec).to_json(),
+    })
+
+
+def test_translation_essentials() -> None:
+    spec = spec_for(POLICY)
+    for engine, rootless in (("docker", False), ("podman", False), ("podman", True)):
+        create = plan_container(spec, Target(engine, rootless), name="n", owner=OWNER).create  # type: ignore[arg-type]
+        assert create["cap_drop"] == ["ALL"]
+        assert create["read_only"] is True
+        assert create["user"] == "1000:1000"
+        assert create["init"] is True
+        assert create["environment"].keys() == {"PATH"}, "the container env carries no secrets"
+        assert create["labels"]["io.fusion-oci.task-id"] == "t1"
+        assert create["labels"]["io.fusion-oci.owner-pid"] == "4242"
+        assert create["labels"]["io.fusion-oci.image"] == "localhost/fusion-oci/node:0123456789ab"
+        assert {"Name": "nofile", "Soft": 20000, "Hard": 20000} in create["ulimits"]
+        assert {"Name": "cpu", "Soft": 60, "Hard": 61} in create["ulimits"]
+        assert create["mem_limit"] == 512 * 1024 * 1024 == create["memswap_limit"]
+        assert create["pids_limit"] == 256
+        assert create["cpu_quota"] == 150_000 and create["cpu_period"] == 100_000
+        if engine == "docker":
+            assert create["security_opt"] == ["no-new-privileges"]
+            ro = {m["Target"]: m["ReadOnly"] for m in create["mounts"]}
+            assert ro["/srv/repo/.git/hooks"] is True and ro["/srv/repo/.git/config"] is True
+            assert ro["/srv/wt"] is False and ro["/opt/ref"] is True
+        else:
+            assert create["no_new_privileges"] is True
+            assert "/proc/kcore" in create["masked_paths"]
+            vols = create["volumes"]
+            assert "ro" in vols["/srv/repo/.git/hooks"]["extended_mode"]
+            assert "rw" in vols["/srv/wt"]["extended_mode"]
+        assert create["network_mode"] == ("slirp4netns" if rootless else "bridge")
+        assert (create.get("userns_mode") == "keep-id") is rootless
+    env = plan_exec(spec).environment
+    assert "SECRET" not in env and env["NODE_ENV"] == "test"
+    assert env["GIT_CONFIG_VALUE_0"] == "*"
+    assert env["NODE_EXTRA_CA_CERTS"] == "/etc/fusion-oci/host-ca.pem"
+
+
+def test_rootless_slirp_keeps_host_loopback_closed() -> None:
+    create = plan_container(spec_for(POLICY), Target("podman", True), name="n",
+                            owner=OWNER).create
+    assert create["network_options"] == {"slirp4netns": ["allow_host_loopback=false"]}
+
+
+def test_network_none_and_host() -> None:
+    none = plan_container(spec_for(SandboxPolicy(allow_network=False)), Target("docker"),
+                          name="n", owner=OWNER).create
+    assert none["network_mode"] == "none"
+    host = plan_container(spec_for(SandboxPolicy(network=NetworkMode.HOST)), Target("podman"),
+                          name="n", owner=OWNER).create
+    assert host["network_mode"] == "host"
+
+
+def test_cache_volumes_per_project_and_per_task() -> None:
+    shared_a = plan_container(spec_for(POLICY), Target("docker"), name="a", owner=OWNER).volumes
+    shared_b = plan_container(spec_for(POLICY, command="true"), Target("docker"), name="b",
+                              owner=Owner(1, "1", "b", "h")).volumes
+    assert [v.name for v in shared_a] == [v.name for v in shared_b], "same project, same volume"
+    assert all(v.scope == "project" and "io.fusion-oci.owner-pid" not in v.labels
+               for v in shared_a)
+    isolated = plan_container(spec_for(POLICY, isolated=True), Target("docker"), name="c",
+                              owner=OWNER, isolated_caches=True).volumes
+    assert {v.name for v in isolated}.isdisjoint(v.name for v in shared_a)
+    assert all(v.scope == "task" and v.labels["io.fusion-oci.task-id"] == "t1"
+               for v in isolated)
+    assert all(v.driver_opts["o"] == "bind" for v in isolated)
+
+
+def test_no_image_is_refused() -> None:
+    with pytest.raises(BundleError, match="need an image"):
+        plan_container(spec_for(POLICY, image=None), Target("docker"), name="n", owner=OWNER)
+
+
+def test_exec_wraps_argv_and_stdin() -> None:
+    spec = spec_for(POLICY, command="echo hi")
+    plan = plan_exec(spec, stdin=b"input")
+    assert plan.cmd[:4] == ["/bin/sh", "-c", EXEC_WRAPPER, "fusion-oci"]
+    assert plan.cmd[4:] == ["/bin/sh", "-c", "echo hi"]
+    assert plan.workdir == "/srv/wt/pkg"
+    assert plan.user == "1000:1000"
+    assert base64.b64decode(plan.environment[STDIN_ENV]) == b"input"
+    with pytest.raises(BundleError, match="stdin"):
+        plan_exec(spec, stdin=b"x" * (STDIN_MAX + 1))
+    assert plan_kill(spec).cmd == ["/bin/sh", "-c", KILL_SCRIPT + "; exit 0"]
+
+
+def test_exit_status_reads_signals() -> None:
+    assert exit_status(0) == (0, None)
+    assert exit_status(3) == (3, None)
+    assert exit_status(137) == (None, "SIGKILL")
+    assert exit_status(152) == (None, "SIGXCPU")
+    assert exit_status(None) == (None, "SIGKILL")
+
+
+def test_endpoint_discovery_order() -> None:
+    assert podman_endpoints("unix:///x.sock", {"CONTAINER_HOST": "unix:///y"}, 0)[0].url == \
+        "unix:///x.sock"
+    env = {"CONTAINER_HOST": "unix:///y"}
+    assert podman_endpoints(None, env, 1000)[0].source == "CONTAINER_HOST"
+    assert podman_endpoints(None, {}, 0)[0].url == "unix:///run/podman/podman.sock"
+    rootless = podman_endpoints(None, {"XDG_RUNTIME_DIR": "/run/user/1001"}, 1001)
+    assert rootless[0].url == "unix:///run/user/1001/podman/podman.sock"
+    assert not rootless[0].explicit
+    assert docker_endpoints(None, {"DOCKER_HOST": "unix:///d"}, 0)[0].explicit
+    urls = [e.url for e in docker_endpoints(None, {"XDG_RUNTIME_DIR": "/run/user/7"}, 7)]
+    assert urls == ["unix:///var/run/docker.sock", "unix:///run/user/7/docker.sock"]
+
+
+def test_gc_rule() -> None:
+    at = Here("build-host", "boot-1", lambda pid, start: pid == 4242 and start == "123456")
+    labels = {"io.fusion-oci.kind": "container", "io.fusion-oci.task-id": "t1", **OWNER.labels()}
+    live = Found("1", "c1", labels, "container")
+    assert owner_state(labels, at) == "live" and not is_garbage(live, at)
+    dead = Found("2", "c2", {**labels, "io.fusion-oci.owner-start": "999"}, "container")
+    assert owner_state(dead.labels, at) == "dead" and is_garbage(dead, at)
+    rebooted = Found("3", "c3", {**labels, "io.fusion-oci.owner-boot": "boot-0"}, "container")
+    assert is_garbage(rebooted, at)
+    foreign = Found("4", "c4", {**labels, "io.fusion-oci.owner-host": "other",
+                                "io.fusion-oci.owner-start": "1"}, "container")
+    assert owner_state(foreign.labels, at) == "foreign" and not is_garbage(foreign, at)
+    assert not is_garbage(dead, at, task_id="t2")
+    assert not is_garbage(Found("5", "x", {"other": "1"}, "container"), at)
+    cache = Found("v", "v", {"io.fusion-oci.kind": "cache",
+                             "io.fusion-oci.cache-scope": "project"}, "volume")
+    assert not is_garbage(cache, at) and is_garbage(cache, at, include_caches=True)
+    task_cache = Found("w", "w", {"io.fusion-oci.kind": "cache", "io.fusion-oci.cache-scope":
+                                  "task", **dead.labels}, "volume")
+    assert is_garbage(task_cache, at)
