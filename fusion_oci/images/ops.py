@@ -236,7 +236,10 @@ def prune_images(session: Session, engines: Sequence[str] = (), *, everything: b
     """Remove stale builds (tags no context hashes to any more); ``everything``: all ours,
     the base included. Returns what was (or, with ``dry_run``, would be) removed."""
     listed = list_images(session, engines, images_dir=images_dir)
-    doomed = [i for i in listed if everything or not i.current]
+    # Only builds of images this images/ folder defines are judged stale: an image another
+    # checkout (or another images dir) made is not ours to call out of date.
+    known = set(image_names(images_dir))
+    doomed = [i for i in listed if everything or (not i.current and i.name in known)]
     targets = engine_targets(session.env)
     ctx = session.ctx()
     for item in doomed:

@@ -1,0 +1,135 @@
+"""The node task image in any engine, for every container test (import or list as a plugin).
+
+    from tests.integration.images_fixture import node_image  # noqa: F401  (fixture)
+
+    def test_something(node_image):
+        image = node_image("podman")        # or "podman-rootless", "docker"
+        ... image.ref, image.digest ...
+
+From nothing (CI) it costs about 2½ minutes once per machine: ``bootstrap-base`` on rootful
+podman (~40 s), the node build there (~65 s), then ``save → load`` into docker (~18 s) and
+rootless podman (~21 s), which beats building in each (rootless vfs build: ~104 s). When the
+image is present the cost is one image inspect. A missing engine fails in CI and skips locally
+(tests/backends.require). The offline base is used on purpose: it needs no registry, and it
+makes the tag the same on every machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from fusion_oci.audit import AuditLog
+from fusion_oci.errors import ProvisionError
+from fusion_oci.images.bootstrap import bootstrap_base
+from fusion_oci.images.engine import EngineClient, engine_targets, open_target
+from fusion_oci.images.gates import AuditContext
+from fusion_oci.images.progress import PlainReporter
+from fusion_oci.images.provision import (
+    ProvisionedImage,
+    ProvisionOptions,
+    candidate_specs,
+    ensure_image,
+)
+from fusion_oci.images.spec import BASE_REF
+from fusion_oci.policy.settings import GateSettings, SandboxSettings
+from tests.backends import require
+
+ENGINES = ("podman", "podman-rootless", "docker")
+LOCK_PATH = Path("/tmp/fusion-oci-test-node-image.lock")
+_cache: dict[str, ProvisionedImage] = {}
+_guard = threading.Lock()
+
+
+def _settings() -> SandboxSettings:
+    return SandboxSettings(gates=GateSettings(sandbox_provision="allow", network_api="allow"))
+
+
+@contextlib.contextmanager
+def _machine_lock() -> Iterator[None]:
+    """Test processes running side by side build once, not once each."""
+    fd = os.open(LOCK_PATH, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _reachable(name: str) -> tuple[EngineClient | None, str]:
+    target = engine_targets(os.environ)[name]
+    try:
+        client = open_target(target)
+        client.ping()
+    except ProvisionError as exc:
+        return None, f"{target.url}: {exc.why or exc}"
+    return client, ""
+
+
+def ensure_node_image(engine: str) -> ProvisionedImage:
+    """The node image (built on the offline base) present in ``engine``; cached per process."""
+    assert engine in ENGINES, engine
+    with _guard:
+        if engine in _cache:
+            return _cache[engine]
+        client, why = _reachable(engine)
+        require(engine, client is not None, why)
+        assert client is not None
+        with client:
+            spec = candidate_specs("node", None, BASE_REF)[0]
+            info = client.image(spec.ref)
+            if info is not None:
+                _cache[engine] = ProvisionedImage(spec.ref, info.id, "present")
+                return _cache[engine]
+        with _machine_lock():
+            _cache[engine] = asyncio.run(_provision(engine))
+        return _cache[engine]
+
+
+async def _provision(engine: str) -> ProvisionedImage:
+    audit = AuditLog()
+    reporter = PlainReporter(sys.stderr)
+    # The base goes where the build happens: rootful podman when it answers (it builds for
+    # docker and rootless podman too), else the engine itself.
+    builder, _ = _reachable("podman")
+    if builder is None:
+        builder, _ = _reachable(engine)
+    assert builder is not None
+    with builder:
+        await bootstrap_base([builder], ctx=AuditContext(audit, "tests", "node-image", "images"),
+                             reporter=reporter)
+    target = engine_targets(os.environ)[engine]
+    return await ensure_image(
+        target.kind, target.url, "node", _settings(), audit, "tests", "node-image",
+        options=ProvisionOptions(engine_name=engine, base=BASE_REF, env=dict(os.environ),
+                                 reporter=reporter))
+
+
+@pytest.fixture(scope="session")
+def node_image() -> Callable[[str], ProvisionedImage]:
+    """``node_image(engine)`` → the node image in that engine (built or loaded once)."""
+    return ensure_node_image
+
+
+def ensure_base(engine: str) -> str:
+    """The offline base present in ``engine`` (bootstrapped once per machine); its id."""
+    client, why = _reachable(engine)
+    require(engine, client is not None, why)
+    assert client is not None
+    with client:
+        info = client.image(BASE_REF)
+        if info is not None:
+            return info.id
+        with _machine_lock():
+            result = asyncio.run(bootstrap_base(
+                [client], ctx=AuditContext(AuditLog(), "tests", "base", "images"),
+                reporter=PlainReporter(sys.stderr)))
+        return result.ids[engine]

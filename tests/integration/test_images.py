@@ -1,0 +1,341 @@
+"""Images on real engines: the node image everywhere, the CA secret in no layer, cache hits
+measured, Containerfile errors fail at once, gates on a real build, list/prune, the CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import tarfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fusion_oci.audit import AuditEvent, AuditLog
+from fusion_oci.errors import GateDeniedError, ProvisionError
+from fusion_oci.images.bootstrap import bootstrap_base
+from fusion_oci.images.engine import EngineClient, engine_targets, open_target
+from fusion_oci.images.gates import AuditContext, GateRequest
+from fusion_oci.images.ops import Session, list_images, prune_images
+from fusion_oci.images.provision import ProvisionOptions, ensure_image
+from fusion_oci.images.retry import RetryPolicy
+from fusion_oci.images.spec import BASE_REF, LABEL_HASH
+from fusion_oci.policy.settings import GateSettings, SandboxSettings
+from tests.integration.images_fixture import ensure_base, node_image  # noqa: F401
+
+pytestmark = [pytest.mark.slow]
+
+ULIMITS = [{"Name": "nofile", "Soft": 1024, "Hard": 1024},
+           {"Name": "nproc", "Soft": 1024, "Hard": 1024}]
+ENGINE_MARKS = {"podman": pytest.mark.podman, "podman-rootless": pytest.mark.podman_rootless,
+                "docker": pytest.mark.docker}
+
+
+def engines() -> list[Any]:
+    return [pytest.param(e, marks=ENGINE_MARKS[e]) for e in ENGINE_MARKS]
+
+
+def run_in(engine: str, ref: str, script: str) -> str:
+    """Run ``sh -c script`` in a throwaway container through the engine's SDK."""
+    target = engine_targets(os.environ)[engine]
+    with open_target(target) as client:
+        if target.kind == "docker":
+            out = client.client.containers.run(ref, ["sh", "-c", script], remove=True,
+                                               network_disabled=True, user="1000")
+        else:
+            # podman's default root ulimits exceed this host's hard limits (machine notes)
+            box = client.client.containers.create(ref, ["sh", "-c", script],
+                                                  network_mode="none", ulimits=ULIMITS)
+            try:
+                box.start()
+                box.wait()
+                out = b"".join(box.logs(stdout=True, stderr=True))
+            finally:
+                box.remove(force=True)
+    data = b"".join(out) if not isinstance(out, bytes) else out
+    return data.decode()
+
+
+def allow() -> SandboxSettings:
+    return SandboxSettings(gates=GateSettings(sandbox_provision="allow", network_api="allow"),
+                           host_ca="off")
+
+
+@pytest.fixture
+def audit() -> tuple[AuditLog, list[AuditEvent]]:
+    events: list[AuditEvent] = []
+    log = AuditLog()
+    log.subscribe(events.append)
+    return log, events
+
+
+@pytest.fixture
+def podman() -> Iterator[EngineClient]:
+    ensure_base("podman")
+    with open_target(engine_targets(os.environ)["podman"]) as client:
+        yield client
+
+
+@pytest.fixture
+def images_dir(tmp_path: Path, podman: EngineClient) -> Iterator[Path]:
+    """A private images/ folder; every image built from it is removed afterwards."""
+    root = tmp_path / "images"
+    root.mkdir()
+    yield root
+    for info in podman.images(label="io.fusion-oci.managed=true"):
+        for tag in info.tags:
+            if info.labels.get("io.fusion-oci.image", "").startswith("t-"):
+                podman.remove(tag, force=True)
+
+
+def make_context(root: Path, name: str, body: str) -> str:
+    d = root / name
+    d.mkdir(exist_ok=True)
+    (d / "Containerfile").write_text(f"ARG BASE\nFROM ${{BASE}}\n{body}")
+    return name
+
+
+def opts(tmp_path: Path, images_dir: Path, **kw: Any) -> ProvisionOptions:
+    base: dict[str, Any] = {"images_dir": images_dir, "base": BASE_REF, "env": dict(os.environ),
+                            "lock_dir": tmp_path / "locks", "retry": RetryPolicy.immediate(2),
+                            "engine_name": "podman"}
+    base.update(kw)
+    return ProvisionOptions(**base)
+
+
+def podman_url() -> str:
+    return engine_targets(os.environ)["podman"].url
+
+
+# --------------------------------------------------------------------------- node image
+
+
+@pytest.mark.parametrize("engine", engines())
+def test_node_image_runs_node_pnpm_git_as_an_unprivileged_user(node_image, engine: str  # type: ignore[no-untyped-def]  # noqa: F811
+                                                               ) -> None:
+    image = node_image(engine)
+    assert image.ref.startswith("localhost/fusion-oci/node:") and image.digest.startswith(
+        "sha256:")
+    out = run_in(engine, image.ref,
+                 "node --version; pnpm --version; git --version; id -un; "
+                 "test -e /run/secrets/hostca && echo SECRET-LEFT || echo no-secret")
+    lines = out.split()
+    assert lines[0].startswith("v18.") or lines[0].startswith("v2"), out
+    assert lines[1].startswith("9."), out
+    assert "git version" in out and "node" in lines and "no-secret" in out
+    with open_target(engine_targets(os.environ)[engine]) as client:
+        info = client.image(image.ref)
+    assert info is not None and info.labels.get(LABEL_HASH, "").startswith(image.ref[-12:])
+
+
+@pytest.mark.docker
+@pytest.mark.podman
+def test_docker_and_podman_hold_the_same_image(node_image) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
+    assert node_image("docker").digest == node_image("podman").digest
+
+
+# --------------------------------------------------------------------------- CA secret
+
+
+@pytest.mark.podman
+def test_ca_secret_reaches_the_build_but_no_layer(tmp_path: Path, images_dir: Path,
+                                                  podman: EngineClient, audit: Any) -> None:
+    marker = f"FUSION-OCI-TEST-CA-{uuid.uuid4().hex}"
+    ca = tmp_path / "ca.pem"
+    ca.write_text(f"# {marker}\n")
+    name = make_context(images_dir, "t-ca", (
+        "RUN --mount=type=secret,id=hostca grep -c FUSION-OCI-TEST-CA /run/secrets/hostca "
+        "> /seen\nCOPY . /ctx\n"))
+    (images_dir / name / "ctx-marker").write_text(uuid.uuid4().hex)
+    settings = allow().model_copy(update={"host_ca": str(ca)})
+    log, events = audit
+    got = asyncio.run(ensure_image("podman", podman_url(), name, settings, log, "t", "r",
+                                   options=opts(tmp_path, images_dir)))
+    assert got.action == "built"
+    out = run_in("podman", got.ref, "cat /seen; ls -A /ctx")
+    assert out.split() == ["1", "Containerfile", "ctx-marker"]  # seen once, not in COPY .
+    builds = [e.details for e in events if e.type == "sandbox:provision"
+              and e.details and e.details.get("action") == "build"]
+    assert builds[-1]["ca_secret"] is True
+    # the whole image, every layer and the config/history: the CA is nowhere
+    archive = tmp_path / "image.tar"
+    podman.save(got.ref, archive)
+    assert marker.encode() not in archive.read_bytes()
+    with tarfile.open(archive) as outer:
+        names = outer.getnames()
+    assert any(n.endswith(".tar") or "/" in n for n in names)
+
+
+@pytest.mark.docker
+@pytest.mark.podman
+def test_docker_gets_its_ca_built_image_from_podman(tmp_path: Path, images_dir: Path,
+                                                    podman: EngineClient, audit: Any) -> None:
+    ca = tmp_path / "ca.pem"
+    ca.write_text("# FUSION-OCI-TEST-CA\n")
+    name = make_context(images_dir, "t-dca", (
+        "RUN --mount=type=secret,id=hostca grep -c FUSION-OCI-TEST-CA /run/secrets/hostca "
+        f"> /seen\nRUN echo {uuid.uuid4().hex} > /unique\n"))
+    settings = allow().model_copy(update={"host_ca": str(ca)})
+    log, events = audit
+    docker = engine_targets(os.environ)["docker"]
+    got = asyncio.run(ensure_image("docker", docker.url, name, settings, log, "t", "r",
+                                   options=opts(tmp_path, images_dir, engine_name="docker")))
+    try:
+        assert got.action == "built"
+        final = [e.details for e in events if e.details and e.details.get("action") == "built"]
+        assert final[-1]["built_on"] == "podman" and final[-1]["digest"] == got.digest
+        assert run_in("docker", got.ref, "cat /seen").strip() == "1"
+    finally:
+        with open_target(docker) as client:
+            client.remove(got.ref, force=True)
+
+
+# --------------------------------------------------------------------------- cache
+
+
+@pytest.mark.podman
+def test_unchanged_context_is_not_rebuilt_measured(tmp_path: Path, images_dir: Path,
+                                                   audit: Any,
+                                                   record_property: Any) -> None:
+    name = make_context(images_dir, "t-cache", "COPY unique /unique\nRUN sleep 2\n")
+    (images_dir / name / "unique").write_text(uuid.uuid4().hex)
+    log, events = audit
+    o = opts(tmp_path, images_dir)
+
+    def ensure() -> tuple[Any, float, int]:
+        before = len(events)
+        t0 = time.perf_counter()
+        got = asyncio.run(ensure_image("podman", podman_url(), name, allow(), log, "t", "r",
+                                       options=o))
+        builds = [e for e in events[before:] if e.type == "sandbox:provision"
+                  and e.details and e.details.get("action") == "build"]
+        return got, time.perf_counter() - t0, len(builds)
+
+    first, t_build, n1 = ensure()
+    second, t_hit, n2 = ensure()
+    assert (first.action, n1) == ("built", 1)
+    assert (second.action, n2) == ("present", 0) and second.digest == first.digest
+    ratio = t_hit / t_build
+    record_property("image_build_s", round(t_build, 3))
+    record_property("image_cache_hit_s", round(t_hit, 4))
+    record_property("cache_hit_ratio", round(ratio, 5))
+    print(f"\nbuild {t_build:.2f}s, unchanged {t_hit * 1000:.1f}ms, ratio {ratio:.4f}")
+    assert t_build >= 2.0 and ratio < 0.05
+
+    (images_dir / name / "unique").write_text(uuid.uuid4().hex)
+    third, _, n3 = ensure()
+    assert (third.action, n3) == ("built", 1) and third.ref != first.ref
+
+
+# --------------------------------------------------------------------------- failures, gates
+
+
+@pytest.mark.podman
+@pytest.mark.parametrize(("body", "words"), [
+    ("RUN echo broken-step >&2; exit 3\n", "exit status 3"),
+    ("RUNN nothing\n", "unknown instruction"),
+])
+def test_containerfile_errors_fail_on_the_first_attempt(tmp_path: Path, images_dir: Path,
+                                                        audit: Any, body: str,
+                                                        words: str) -> None:
+    name = make_context(images_dir, "t-broken", body)
+    log, events = audit
+    with pytest.raises(ProvisionError) as err:
+        asyncio.run(ensure_image("podman", podman_url(), name, allow(), log, "t", "r",
+                                 options=opts(tmp_path, images_dir,
+                                              retry=RetryPolicy.immediate(4))))
+    assert words in str(err.value).lower()
+    attempts = [e.details for e in events if e.type == "sandbox:provision"
+                and e.details and e.details.get("action") == "build"]
+    assert [(a["attempt"], a["outcome"], a["transient"]) for a in attempts] == [
+        (1, "failed", False)]
+
+
+@pytest.mark.podman
+def test_gates_on_a_real_build(tmp_path: Path, images_dir: Path, podman: EngineClient,
+                               audit: Any) -> None:
+    name = make_context(images_dir, "t-gate", f"RUN echo {uuid.uuid4().hex} > /u\n")
+    log, events = audit
+    o = opts(tmp_path, images_dir)
+
+    def ensure(settings: SandboxSettings, ask: Any = None) -> Any:
+        return asyncio.run(ensure_image("podman", podman_url(), name, settings, log, "t", "r",
+                                        ask=ask, options=o))
+
+    with pytest.raises(GateDeniedError) as err:
+        ensure(SandboxSettings(gates=GateSettings(sandbox_provision="deny")))
+    assert err.value.exit_code == 125
+    assert "sandbox.gates.sandboxProvision: allow" in err.value.hint
+    with pytest.raises(GateDeniedError):
+        ensure(SandboxSettings(), ask=lambda r: False)
+    with pytest.raises(GateDeniedError, match="not interactive"):
+        ensure(SandboxSettings())
+    asked: list[GateRequest] = []
+    got = ensure(SandboxSettings(host_ca="off"), ask=lambda r: asked.append(r) or True)
+    assert got.action == "built" and [r.gate for r in asked] == ["sandbox_provision",
+                                                                 "network_api"]
+    decisions = [(e.details["decision"], e.details["decided_by"]) for e in events
+                 if e.type == "sandbox:gate" and e.details]
+    assert decisions == [("deny", "settings"), ("deny", "callback"), ("deny", "no-callback"),
+                         ("allow", "callback"), ("allow", "callback")]
+    # nothing was built before the last, allowed attempt
+    assert [e.details["action"] for e in events
+            if e.type == "sandbox:provision" and e.details] == ["build", "built"]
+
+
+# --------------------------------------------------------------------------- base, list, prune
+
+
+@pytest.mark.podman
+def test_bootstrap_base_is_idempotent(podman: EngineClient) -> None:
+    events: list[AuditEvent] = []
+    log = AuditLog()
+    log.subscribe(events.append)
+    t0 = time.perf_counter()
+    result = asyncio.run(bootstrap_base([podman], ctx=AuditContext(log, "t", "r", "images")))
+    assert result.actions == {"podman": "present"} and time.perf_counter() - t0 < 2.0
+    assert [e.details["action"] for e in events if e.details] == ["present"]
+
+
+@pytest.mark.podman
+def test_list_and_prune_judge_staleness_by_the_context(tmp_path: Path, images_dir: Path,
+                                                       audit: Any) -> None:
+    name = make_context(images_dir, "t-prune", "RUN true\n")
+    (images_dir / name / "v").write_text("1")
+    log, _ = audit
+    o = opts(tmp_path, images_dir)
+    old = asyncio.run(ensure_image("podman", podman_url(), name, allow(), log, "t", "r",
+                                   options=o))
+    (images_dir / name / "v").write_text("2")
+    new = asyncio.run(ensure_image("podman", podman_url(), name, allow(), log, "t", "r",
+                                   options=o))
+    session = Session(env=dict(os.environ), audit=log)
+    listed = {(i.ref, i.current) for i in list_images(session, ["podman"],
+                                                      images_dir=images_dir)}
+    assert {(old.ref, False), (new.ref, True), (BASE_REF, True)} <= listed
+    pruned = prune_images(session, ["podman"], images_dir=images_dir)
+    assert [p.ref for p in pruned] == [old.ref]  # the node image etc. are not ours to judge
+    after = {i.ref for i in list_images(session, ["podman"], images_dir=images_dir)}
+    assert old.ref not in after and new.ref in after
+
+
+@pytest.mark.podman
+def test_cli_images_list_json(podman: EngineClient) -> None:
+    import typer
+    from typer.testing import CliRunner
+
+    from fusion_oci.cli.images import images_app
+
+    app = typer.Typer()
+    app.add_typer(images_app, name="images")
+    result = CliRunner().invoke(app, ["images", "list", "--json", "--engine", "podman"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)
+    base = [r for r in rows if r["reference"] == BASE_REF]
+    assert base and base[0]["name"] == "base" and base[0]["digest"].startswith("sha256:")
+    denied = CliRunner().invoke(app, ["images", "build", "nope-nope", "--engine", "podman"])
+    assert denied.exit_code == 125 and "unknown" in denied.output
