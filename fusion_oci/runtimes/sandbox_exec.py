@@ -1,0 +1,170 @@
+"""The ``sandbox-exec`` runtime: macOS Seatbelt around the command, on the host.
+
+``sandbox-exec -p PROFILE -D NAME=PATH ... /bin/sh -c COMMAND``, with the profile generated
+from the compiled spec by :mod:`fusion_oci.runtimes.seatbelt`, run inside the same subreaper
+shim as native (timeout, process-group kill, rlimits). Opt-in: Apple marks ``sandbox-exec``
+deprecated, though it ships with current macOS.
+
+What it cannot enforce, it does not claim: memory, pids and CPU quota have no Seatbelt
+counterpart, so ``enforces()`` leaves them out and the lifecycle refuses such policies. On
+Linux and Windows it is unavailable with the reason; :meth:`plan` still works there (it is pure)
+so ``fusion-oci plan --backend sandbox-exec`` can show the profile anywhere.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from fusion_oci.errors import BundleError, RuntimeUnavailableError
+from fusion_oci.models import PrepareContext, RunOptions, RunResult, SandboxCapabilities
+from fusion_oci.oci.spec import ANN_IMAGE, Spec
+from fusion_oci.process import reaper_argv, run_process
+from fusion_oci.runtimes.base import Availability, LaunchPlan, Requirement, SpecRuntime
+from fusion_oci.runtimes.native import native_env, native_rlimits
+from fusion_oci.runtimes.seatbelt import SANDBOX_EXEC, SeatbeltProfile, seatbelt_profile
+
+PLACEHOLDER_HOME = "<private-home>"
+PLACEHOLDER_TMP = "<private-tmp>"
+MAC_EXTRA_PATH = ("/opt/homebrew/bin", "/opt/homebrew/sbin")
+"""Where Homebrew puts node, pnpm and git on Apple silicon (Intel's /usr/local is already on
+the sandbox PATH)."""
+
+
+def mac_env(spec: Spec, home: str, tmp: str) -> dict[str, str]:
+    """The command's environment: native's mapping of sandbox paths to host paths, with
+    Homebrew's bin directories appended to PATH. Pure."""
+    env = native_env(spec, home, tmp)
+    parts = env.get("PATH", "").split(":")
+    env["PATH"] = ":".join([*parts, *(p for p in MAC_EXTRA_PATH if p not in parts)])
+    return env
+
+
+class SandboxExecRuntime(SpecRuntime):
+    id = "sandbox-exec"
+
+    def __init__(self, settings: Any, env: Mapping[str, str],
+                 cache_root: Path | None = None, host: Any = None,
+                 *, platform: str | None = None) -> None:
+        super().__init__(settings, env, cache_root=cache_root, host=host)
+        self.platform = platform or sys.platform
+        self._scratch: Path | None = None
+
+    def capabilities(self) -> SandboxCapabilities:
+        return SandboxCapabilities(
+            # Path rules, not a separate filesystem view: stat() still sees the host.
+            filesystem_isolation="basic",
+            network_policy="coarse",
+            resource_limits="basic",
+            requires_install=False,
+            supports_mac=True,
+            supports_linux=False,
+            supports_windows=False,
+        )
+
+    def availability(self) -> Availability:
+        if self.platform != "darwin":
+            where = "Windows" if self.platform.startswith("win") else self.platform
+            return Availability(
+                False,
+                f"sandbox-exec (macOS Seatbelt) exists only on macOS; this host is {where}",
+                "on Linux choose bubblewrap, oci, podman or docker; on Windows see "
+                "docs/windows.md; `fusion-oci plan --backend sandbox-exec` still shows the "
+                "profile it would use",
+            )
+        if not Path(SANDBOX_EXEC).is_file():
+            return Availability(
+                False, f"{SANDBOX_EXEC} is missing (Apple deprecated it; this macOS removed it)",
+                "choose docker or podman (through their VM), or native",
+            )
+        return Availability(True, version=None, rootless=True, details={
+            "binary": SANDBOX_EXEC,
+            "deprecated": "Apple marks sandbox-exec deprecated; it is opt-in here",
+            "not enforced": "memoryLimitMb, pidsLimit, cpuLimit.maxCores (refused)",
+        })
+
+    def enforces(self) -> frozenset[Requirement]:
+        return frozenset({
+            Requirement.FILESYSTEM, Requirement.ENV, Requirement.NETWORK_NONE,
+            Requirement.NETWORK_EGRESS, Requirement.CPU_TIME,
+        })
+
+    # -- the pure translation
+
+    def _dirs(self) -> tuple[str, str]:
+        if self._scratch is None:
+            return PLACEHOLDER_HOME, PLACEHOLDER_TMP
+        return str(self._scratch / "home"), str(self._scratch / "tmp")
+
+    def profile(self, spec: Spec) -> SeatbeltProfile:
+        """The Seatbelt profile and its ``-D`` parameters for ``spec``. Pure."""
+        home, tmp = self._dirs()
+        return seatbelt_profile(spec, caller_home=self.env.get("HOME"), scratch_home=home,
+                                scratch_tmp=tmp)
+
+    def plan(self, spec: Spec) -> LaunchPlan:
+        """argv is exact (the profile text is its ``-p`` word); notes hold the profile again,
+        line by line, for reading. Pure: works on any platform."""
+        home, tmp = self._dirs()
+        profile = self.profile(spec)
+        notes = [
+            "runs on the host under a Seatbelt profile (sandbox-exec, deprecated by Apple, "
+            "opt-in); paths reach the profile only as -D parameters",
+            "not enforced here (the lifecycle refuses them): memoryLimitMb, pidsLimit, "
+            "cpuLimit.maxCores",
+            "rlimits: " + ", ".join(f"{n}={s}/{h}" for n, s, h in native_rlimits(spec)),
+        ]
+        if spec.get("annotations", {}).get(ANN_IMAGE):
+            notes.append(f"REFUSED: image {spec['annotations'][ANN_IMAGE]} needs a container "
+                         "runtime; sandbox-exec runs the host's tools")
+        notes += ["parameters:", *(f"  {k}={v}" for k, v in profile.params), "profile:",
+                  *("  " + line for line in profile.text.splitlines())]
+        return LaunchPlan(
+            backend=self.id,
+            argv=["<reaper>", *profile.argv(list(spec["process"]["args"]))],
+            env=mac_env(spec, home, tmp),
+            cwd=spec["process"]["cwd"],
+            notes=notes,
+        )
+
+    # -- lifecycle
+
+    async def prepare(self, ctx: PrepareContext) -> None:
+        avail = self.availability()
+        if not avail.available:
+            raise RuntimeUnavailableError(self.id, avail.reason, avail.hint)
+        if ctx.image:
+            raise BundleError(f"sandbox-exec cannot run image {ctx.image}",
+                              "it sandboxes the host's own tools; images need a container",
+                              "drop sandbox.image, or choose docker or podman")
+        await super().prepare(ctx)
+        self._scratch = Path(tempfile.mkdtemp(prefix=f"fusion-oci-{ctx.task_id}-"))
+        for sub in ("home", "tmp"):
+            (self._scratch / sub).mkdir(mode=0o700)
+
+    async def execute(self, spec: Spec, opts: RunOptions) -> RunResult:
+        home, tmp = self._dirs()
+        profile = self.profile(spec)
+        # Seatbelt matches resolved paths: resolve any other symlinks now (plan() stays pure;
+        # canonical_path already took /var, /tmp and /etc to /private).
+        resolved = profile.resolved()
+        outcome = await run_process(
+            reaper_argv(resolved.argv(list(spec["process"]["args"])), native_rlimits(spec)),
+            env=mac_env(spec, home, tmp),
+            cwd=spec["process"]["cwd"],
+            stdin=opts.stdin,
+            timeout_s=opts.timeout_ms / 1000,
+            max_buffer=opts.max_buffer,
+            term_group=False,
+        )
+        return self.result(outcome, spec)
+
+    async def dispose(self) -> None:
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._scratch = None
+        await super().dispose()
