@@ -381,8 +381,11 @@ WHITEOUT = ".wh."
 OPAQUE = ".wh..wh..opq"
 
 
-def podman_url(env: Mapping[str, str], uid: int) -> str:
-    """The podman API socket the image is exported from. Pure."""
+def podman_url(env: Mapping[str, str], uid: int, settings_url: str | None = None) -> str:
+    """The podman API socket the image is exported from: ``sandbox.podmanUrl``, then the
+    environment, then podman's default socket for this user. Pure."""
+    if settings_url:
+        return settings_url
     for name in ("FUSION_OCI_PODMAN_URL", "CONTAINER_HOST"):
         if env.get(name):
             return env[name]
@@ -966,7 +969,7 @@ class OciRuntime(SpecRuntime):
 
                 (self._task.dir / "resolv.conf").write_text(RESOLV_CONF, encoding="utf-8")
             if ctx.image:
-                url = podman_url(self.env, self.uid)
+                url = podman_url(self.env, self.uid, self.settings.podman_url)
                 rootfs = await asyncio.to_thread(
                     export_image_rootfs, ctx.image, self.cache_root / "oci-rootfs", url)
                 self._rootfs = str(rootfs)

@@ -167,6 +167,8 @@ def test_podman_url() -> None:
     assert podman_url({"FUSION_OCI_PODMAN_URL": "unix:///x.sock"}, 0) == "unix:///x.sock"
     assert podman_url({}, 0) == "unix:///run/podman/podman.sock"
     assert podman_url({}, 1000) == "unix:///run/user/1000/podman/podman.sock"
+    assert podman_url({"CONTAINER_HOST": "unix:///e.sock"}, 0, "unix:///s.sock") == \
+        "unix:///s.sock"
 
 
 @pytest.mark.parametrize(("rc", "expected"), [
