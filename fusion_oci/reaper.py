@@ -10,6 +10,10 @@ Behaviour: the command runs in the shim's process group. When the command exits,
 kills whatever it left running and exits with the command's status (or dies by its signal).
 On SIGTERM/SIGINT/SIGHUP (timeout, abort, or the caller dying: PR_SET_PDEATHSIG), every
 descendant gets SIGTERM, then SIGKILL after the grace period.
+
+Off Linux (macOS) there is no subreaper and no PDEATHSIG: descendants are found with ``ps``
+and the command's process group is signalled as well, so a child that both setsid()s and
+double-forks can escape there; the native runtime's capabilities already promise no isolation.
 """
 
 import _signal as signal  # type: ignore[import-not-found]  # C module: no enum import cost
@@ -21,9 +25,23 @@ import time
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
+LINUX = sys.platform.startswith("linux")
 
-def _descendants(root: int) -> list[int]:
+
+def _parent_map() -> dict[int, list[int]]:
     children: dict[int, list[int]] = {}
+    if not LINUX:
+        # No subreaper here: orphans re-parent to launchd, but they keep our process group,
+        # so group members count as ours too.
+        me, group = os.getpid(), os.getpgid(0)
+        out = os.popen("ps -axo pid=,ppid=,pgid=").read()  # noqa: S605 - fixed argv, no input
+        for line in out.splitlines():
+            fields = line.split()
+            if len(fields) == 3 and all(f.isdigit() for f in fields):
+                pid, ppid, pgid = (int(f) for f in fields)
+                parent = me if pgid == group and pid != me else ppid
+                children.setdefault(parent, []).append(pid)
+        return children
     for name in os.listdir("/proc"):  # noqa: PTH208 - pathlib costs start-up time here
         if not name.isdigit():
             continue
@@ -32,9 +50,14 @@ def _descendants(root: int) -> list[int]:
                 stat = fh.read()
         except OSError:
             continue
-        fields = stat.rsplit(b")", 1)[-1].split()
-        if len(fields) > 2:
-            children.setdefault(int(fields[1]), []).append(int(name))
+        after_comm = stat.rsplit(b")", 1)[-1].split()
+        if len(after_comm) > 2:
+            children.setdefault(int(after_comm[1]), []).append(int(name))
+    return children
+
+
+def _descendants(root: int) -> list[int]:
+    children = _parent_map()
     out: list[int] = []
     todo = list(children.get(root, []))
     while todo:
@@ -86,12 +109,25 @@ def _end_tree(grace: float) -> None:
     _reap()
 
 
+def _wait_signal() -> int:
+    if hasattr(signal, "sigwaitinfo"):
+        return int(signal.sigwaitinfo(_WAIT).si_signo)
+    return int(signal.sigwait(_WAIT))  # macOS has only sigwait
+
+
 def _exec_child(command: list[str], rlimits: list[tuple[int, int, int]]) -> None:
     try:
         signal.pthread_sigmask(signal.SIG_SETMASK, set())
         inf = resource.RLIM_INFINITY
         for res, soft, hard in rlimits:
-            resource.setrlimit(res, (inf if soft < 0 else soft, inf if hard < 0 else hard))
+            want = (inf if soft < 0 else soft, inf if hard < 0 else hard)
+            try:
+                resource.setrlimit(res, want)
+            except ValueError:
+                # macOS caps NOFILE below its reported hard limit (kern.maxfilesperproc):
+                # keep what the process has rather than fail the command.
+                if res != resource.RLIMIT_NOFILE:
+                    raise
         os.execvp(command[0], command)
     except FileNotFoundError:
         os.write(2, f"fusion-oci: {command[0]}: command not found\n".encode())
@@ -113,9 +149,10 @@ def main(argv: list[str]) -> int:
     # Signals are blocked and taken synchronously with sigwaitinfo: no handler can interrupt
     # the bookkeeping of who exited how.
     signal.pthread_sigmask(signal.SIG_BLOCK, _WAIT)
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if LINUX:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     if parent and os.getppid() != parent:
         return 125  # the caller died before PDEATHSIG was armed
     pid = os.fork()
@@ -126,7 +163,7 @@ def main(argv: list[str]) -> int:
         if pid in _statuses:
             _end_tree(0.2)  # the command is done: whatever it left running goes too
             break
-        if signal.sigwaitinfo(_WAIT).si_signo in _STOP:
+        if _wait_signal() in _STOP:
             _end_tree(grace)
             break
     status = _statuses.get(pid, 0x9)  # never reaped: report SIGKILL
