@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 
 _PERMANENT = re.compile(
     r"manifest unknown|name unknown|not found|no such image|unauthorized|"
-    r"authentication required|access denied|permission denied|\bdenied\b|forbidden|"
+    r"authentication required|no basic auth credentials|access denied|permission denied|"
+    r"\bdenied\b|forbidden|"
     r"invalid reference|repository name must|no such host|does not exist|"
     r"x509|certificate|unknown instruction|parse error|requires buildkit|"
     r"no such file or directory|is not a valid|unknown flag|short-name",
@@ -51,7 +52,9 @@ _BUILD_SYNTAX = re.compile(r"unknown instruction|parse error|requires buildkit|"
 
 def classify(message: str, status: int | None = None) -> bool:
     """True when ``message`` (and the HTTP ``status`` of the engine's answer) is transient."""
-    if status is not None and (status == 429 or status >= 500) and not _PERMANENT.search(message):
+    # docker answers 500 for every registry failure, so a bare 500 decides nothing; gateway
+    # errors and rate limits do.
+    if status in (429, 502, 503, 504) and not _PERMANENT.search(message):
         return True
     if _PERMANENT.search(message):
         return False

@@ -24,6 +24,8 @@ TRANSIENT = [
     "reading manifest 1 in 127.0.0.1:41234/tiny: received unexpected HTTP status: "
     "503 Service Unavailable",
     'Get "http://127.0.0.1:41234/v2/": EOF',
+    "initializing source docker://127.0.0.1:38095/tiny:1: pinging container registry "
+    "127.0.0.1:38095: invalid status code from registry 503 (Service Unavailable)",
     "received unexpected HTTP status: 502 Bad Gateway",
     "toomanyrequests: You have reached your pull rate limit.",
     'Get "https://registry-1.docker.io/v2/": net/http: TLS handshake timeout',
@@ -40,6 +42,9 @@ PERMANENT = [
     "invalid reference format",
     'dial tcp: lookup registry-1.docker.io on 10.0.0.2:53: no such host',
     "x509: certificate signed by unknown authority",
+    'Head "http://127.0.0.1:58597/v2/tiny/manifests/1": no basic auth credentials',
+    "initializing source docker://127.0.0.1:42879/tiny:1: reading manifest 1 in "
+    "127.0.0.1:42879/tiny: unauthorized",
     "something nobody has seen before",
 ]
 
@@ -58,7 +63,11 @@ def test_status_code_counts_unless_the_text_says_permanent() -> None:
     assert classify("boom", 503)
     assert classify("slow down", 429)
     assert not classify("boom", 400)
-    assert not classify("manifest unknown", 500)
+    assert not classify("manifest unknown", 503)
+    # docker reports every registry failure as a 500: only the words decide
+    assert not classify("no basic auth credentials", 500)
+    assert not classify("something new", 500)
+    assert classify("read: connection reset by peer", 500)
 
 
 def test_build_failures_are_transient_only_for_network_blips() -> None:
