@@ -33,6 +33,8 @@ as_root() { "${SUDO[@]}" "$@"; }
 APT_PACKAGES=(
     podman bubblewrap crun runc uidmap slirp4netns fuse-overlayfs debootstrap docker.io
     golang-github-opencontainers-specs-dev git nodejs npm iproute2
+    # the registry tests/integration/test_provision_retry.py starts on a loopback port
+    docker-registry
     # scmp_sys_resolver: the tests cross-check the seccomp syscall table against libseccomp
     seccomp
     # not named in the product docs, but a fresh Debian 12 may lack them and the scripts use them

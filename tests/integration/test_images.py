@@ -324,6 +324,26 @@ def test_list_and_prune_judge_staleness_by_the_context(tmp_path: Path, images_di
 
 
 @pytest.mark.podman
+def test_prebuild_provisions_what_the_project_settings_name(node_image, tmp_path: Path  # type: ignore[no-untyped-def]  # noqa: F811
+                                                             ) -> None:
+    from fusion_oci.images.ops import prebuild, referenced_images
+    from fusion_oci.policy.settings import load_settings
+
+    expected = node_image("podman")
+    project = tmp_path / "project"
+    (project / ".fusion").mkdir(parents=True)
+    (project / ".fusion" / "settings.yaml").write_text(
+        "sandbox:\n  backend: podman\n  image: node\n")
+    settings = load_settings(project_dir=project, env={"HOME": str(tmp_path)}).settings
+    assert referenced_images(settings) == ["node"]
+    session = Session(env=dict(os.environ), settings=settings)
+    rows = asyncio.run(prebuild(session, ["podman"], base=BASE_REF))
+    assert [(e, p.ref, p.action) for e, p in rows] == [("podman", expected.ref, "present")]
+    empty = Session(env=dict(os.environ), settings=SandboxSettings())
+    assert asyncio.run(prebuild(empty, ["podman"])) == []
+
+
+@pytest.mark.podman
 def test_cli_images_list_json(podman: EngineClient) -> None:
     import typer
     from typer.testing import CliRunner

@@ -299,9 +299,8 @@ def test_transient_errors_are_retried_until_the_registry_is_back(
     log = AuditLog()
     log.subscribe(events.append)
 
-    # Down for the first attempts, whatever the engine retries inside each: two for resets;
-    # one for 503s, which podman and docker already retry for seconds on their own.
-    down_for = 2 if fault == "reset" else 1
+    # Down for the first two attempts, whatever the engine retries inside each.
+    down_for = 2
 
     def registry_comes_back(event: AuditEvent) -> None:
         d = event.details or {}
