@@ -17,13 +17,15 @@ makes the tag the same on every machine.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import fcntl
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 
@@ -43,6 +45,7 @@ from fusion_oci.images.spec import BASE_REF
 from fusion_oci.policy.settings import GateSettings, SandboxSettings
 from tests.backends import require
 
+T = TypeVar("T")
 ENGINES = ("podman", "podman-rootless", "docker")
 LOCK_PATH = Path("/tmp/fusion-oci-test-node-image.lock")
 _cache: dict[str, ProvisionedImage] = {}
@@ -62,6 +65,16 @@ def _machine_lock() -> Iterator[None]:
         yield
     finally:
         os.close(fd)
+
+
+def _run_sync(factory: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """asyncio.run, also from inside a running loop (an async test calling node_image)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(factory())
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(lambda: asyncio.run(factory())).result()
 
 
 def _reachable(name: str) -> tuple[EngineClient | None, str]:
@@ -90,7 +103,7 @@ def ensure_node_image(engine: str) -> ProvisionedImage:
                 _cache[engine] = ProvisionedImage(spec.ref, info.id, "present")
                 return _cache[engine]
         with _machine_lock():
-            _cache[engine] = asyncio.run(_provision(engine))
+            _cache[engine] = _run_sync(lambda: _provision(engine))
         return _cache[engine]
 
 
@@ -129,7 +142,7 @@ def ensure_base(engine: str) -> str:
         if info is not None:
             return info.id
         with _machine_lock():
-            result = asyncio.run(bootstrap_base(
+            result = _run_sync(lambda: bootstrap_base(
                 [client], ctx=AuditContext(AuditLog(), "tests", "base", "images"),
                 reporter=PlainReporter(sys.stderr)))
         return result.ids[engine]
