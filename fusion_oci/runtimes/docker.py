@@ -107,10 +107,14 @@ class DockerAdapter:
                 return None if code is None else int(code)
             time.sleep(0.01)
 
-    def abort_stream(self, stream: ExecStream) -> None:
-        # docker's CancellableStream closes its socket, which unblocks the reader thread.
-        with contextlib.suppress(Exception):
-            stream.close()  # type: ignore[attr-defined]
+    def close_stream(self, stream: ExecStream) -> None:
+        # CancellableStream.close() shuts the socket down (unblocking a reader thread); the
+        # response's own close then drops the file object that still holds the socket open.
+        for close in (getattr(stream, "close", None),
+                      getattr(getattr(stream, "_response", None), "close", None)):
+            if close is not None:
+                with contextlib.suppress(Exception):
+                    close()
 
     def ensure_volume(self, volume: CacheVolume) -> None:
         import docker.errors

@@ -109,6 +109,16 @@ def socket_path(url: str) -> str | None:
     return None
 
 
+def preflight(endpoint: Endpoint) -> None:
+    """A missing or forbidden unix socket, told apart before any HTTP is attempted."""
+    path = socket_path(endpoint.url)
+    if path is None:
+        return
+    os.stat(path)  # noqa: PTH116 - FileNotFoundError, or PermissionError on a parent dir
+    if not os.access(path, os.R_OK | os.W_OK):
+        raise PermissionError(13, "Permission denied", path)
+
+
 # --------------------------------------------------------------------------- errors
 
 _HINTS: tuple[tuple[str, str, str], ...] = (
@@ -297,7 +307,9 @@ class EngineAdapter(Protocol):
 
     def exec_exit_code(self, exec_id: str) -> int | None: ...
 
-    def abort_stream(self, stream: ExecStream) -> None: ...
+    def close_stream(self, stream: ExecStream) -> None:
+        """Close the stream's connection; unblocks a reader blocked on it."""
+        ...
 
     def ensure_volume(self, volume: CacheVolume) -> None: ...
 
@@ -405,6 +417,7 @@ class ContainerRuntime(SpecRuntime):
             tried.append(endpoint)
             try:
                 with engine_errors(self.engine, "connect", endpoint):
+                    preflight(endpoint)
                     adapter = self.connect(endpoint)
                     adapter.ping()
             except SandboxSetupError as exc:
@@ -638,6 +651,8 @@ class ContainerRuntime(SpecRuntime):
             raise
         finally:
             overflowed.cancel()
+            if pump.done():
+                adapter.close_stream(stream)
         code = await self._call("exec inspect", lambda: adapter.exec_exit_code(exec_id),
                                 setup=False)
         exit_code, signal = exit_status(code)
@@ -657,15 +672,18 @@ class ContainerRuntime(SpecRuntime):
 
         def run_kill() -> None:
             _, out = adapter.exec_start(cid, kill)
-            for _ in out:
-                pass
+            try:
+                for _ in out:
+                    pass
+            finally:
+                adapter.close_stream(out)
 
         with contextlib.suppress(FusionOCIError):
             await self._call("kill", run_kill, setup=False)
         try:
             await asyncio.wait_for(asyncio.shield(pump), DRAIN_AFTER_KILL_S)
         except TimeoutError:
-            adapter.abort_stream(stream)
+            adapter.close_stream(stream)
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(pump), 2.0)
 

@@ -137,7 +137,7 @@ class PodmanAdapter:
                 return None if code is None else int(code)
             time.sleep(0.01)
 
-    def abort_stream(self, stream: ExecStream) -> None:
+    def close_stream(self, stream: ExecStream) -> None:
         if isinstance(stream, _FrameStream):
             stream.close()
 

@@ -1,0 +1,422 @@
+"""The container-runtime integration cases, written once and run per engine.
+
+test_docker.py and test_podman.py import these tests and define the ``engine`` fixture
+(``docker``, ``podman``); the rootless podman cases run the library as the unprivileged CI user
+through :mod:`tests.integration.rootless_driver`. Everything runs against the real engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fusion_oci.gc import gc
+from fusion_oci.models import (
+    CacheMode,
+    NetworkMode,
+    PrepareContext,
+    RunOptions,
+    SandboxPolicy,
+)
+from fusion_oci.oci.host import probe_host
+from fusion_oci.policy.settings import GateSettings, SandboxSettings
+from fusion_oci.runtimes.registry import create_runtime
+from fusion_oci.sandbox import Sandbox
+from tests.backends import require
+from tests.conftest import git
+from tests.integration.images_fixture import ensure_node_image
+
+__all__ = [
+    "host_loopback_server",
+    "settings",
+    "test_files_belong_to_a_non_root_caller",
+    "test_kill_9_mid_run_leaves_only_what_gc_removes",
+    "test_oneshot_mode_creates_and_removes_per_command",
+    "test_parallel_prepares_do_not_hang_or_leak",
+    "test_pnpm_project_installs_tests_builds_and_commits",
+    "test_run_env_stdin_cwd_and_exit",
+    "test_timeout_ends_everything_the_command_started",
+]
+
+ROOT = Path(__file__).resolve().parents[2]
+PNPM_PROJECT = ROOT / "tests" / "data" / "pnpm-project"
+LONG = RunOptions(timeout_ms=240_000)
+TASK_LABEL = "io.fusion-oci.task-id"
+
+
+def engine_settings(engine: str, **extra: Any) -> SandboxSettings:
+    """Settings that reach the engine the CI services run (env of scripts/services.sh)."""
+    urls: dict[str, Any] = {}
+    if engine == "docker":
+        urls["docker_url"] = os.environ.get("DOCKER_HOST")
+    elif engine == "podman":
+        urls["podman_url"] = os.environ.get("FUSION_OCI_PODMAN_URL")
+    return SandboxSettings(backend=engine, gates=GateSettings(sandbox_provision="allow",  # type: ignore[arg-type]
+                                                            network_api="allow"),
+                           **urls, **extra)
+
+
+def require_engine(engine: str) -> SandboxSettings:
+    settings = engine_settings(engine)
+    runtime = create_runtime(engine, settings, os.environ)
+    avail = runtime.availability()
+    require(engine, avail.available, f"{avail.reason} {avail.hint}".strip())
+    return settings
+
+
+def image(engine: str) -> str:
+    return ensure_node_image(engine).ref
+
+
+def ctx(task: str, worktree: Path, engine: str, **kw: Any) -> PrepareContext:
+    return PrepareContext(task_id=task, run_id="r1", worktree_path=str(worktree),
+                          image=image(engine), **kw)
+
+
+def leftovers(engine: str, task: str) -> list[str]:
+    """Containers and volumes of a task that the engine still holds."""
+    runtime: Any = create_runtime(engine, engine_settings(engine), os.environ)
+    try:
+        adapter = runtime._connect()
+        return [f.name for f in adapter.list_labelled(TASK_LABEL, task)]
+    finally:
+        runtime.close()
+
+
+@pytest.fixture
+def settings(engine: str) -> SandboxSettings:
+    return require_engine(engine)
+
+
+# ---------------------------------------------------------------------------- the pnpm project
+
+
+async def test_pnpm_project_installs_tests_builds_and_commits(
+    engine: str, settings: SandboxSettings, linked_worktree: tuple[Path, Path], tmp_path: Path
+) -> None:
+    repo, wt = linked_worktree
+    for item in PNPM_PROJECT.iterdir():
+        shutil.copy(item, wt / item.name)
+    policy = SandboxPolicy(network=NetworkMode.EGRESS, memory_limit_mb=1024, pids_limit=512)
+    async with Sandbox(settings, cache_root=tmp_path / "cache") as sb:
+        await sb.prepare(ctx("pnpm", wt, engine, policy=policy, project_dir=str(repo)))
+        install = await sb.run("pnpm install --frozen-lockfile", LONG)
+        assert install.exit_code == 0, install.stderr + install.stdout
+        test = await sb.run("pnpm test", LONG)
+        assert test.exit_code == 0, test.stderr + test.stdout
+        build = await sb.run("pnpm build", LONG)
+        assert build.exit_code == 0, build.stderr + build.stdout
+        commit = await sb.run(
+            "git add -A && git -c user.name=t -c user.email=t@example.invalid "
+            "commit -qm 'from the sandbox' && git log --oneline -1", LONG)
+        assert commit.exit_code == 0, commit.stderr
+        hooks = await sb.run(f"echo evil > {repo}/.git/hooks/post-commit", LONG)
+        assert hooks.exit_code != 0, "the common dir's hooks must be read-only"
+    assert "from the sandbox" in git(repo, "log", "--oneline", "-1", "task")
+    me = os.getuid()
+    created = [p for p in wt.rglob("*") if ".pnpm" not in p.parts][:200]
+    assert created and all(p.lstat().st_uid == me for p in created)
+    # The pnpm store is a named volume bound to the project's cache directory.
+    stores = list((tmp_path / "cache").rglob("pnpm-store"))
+    assert stores and any(any(s.iterdir()) for s in stores)
+    assert not (repo / ".git" / "hooks" / "post-commit").exists()
+
+
+# ---------------------------------------------------------------------------- ownership
+
+
+async def test_files_belong_to_a_non_root_caller(engine: str, settings: SandboxSettings,
+                                                 tmp_path: Path) -> None:
+    """A caller in the docker group (or with rootful podman access) is not root: files the
+    command creates in the worktree must still be that caller's."""
+    uid = gid = 1001
+    wt = tmp_path / "wt"
+    wt.mkdir()
+    os.chown(wt, uid, gid)
+    cache = tmp_path / "cache"
+    host = replace(probe_host(), uid=uid, gid=gid)
+    async with Sandbox(settings, cache_root=cache, host=host) as sb:
+        await sb.prepare(ctx("owner", wt, engine, cache_mode=CacheMode.OFF,
+                             policy=SandboxPolicy(allow_network=False)))
+        result = await sb.run("id -u; mkdir -p d && echo x > d/f && touch $HOME/h")
+        assert result.exit_code == 0, result.stderr
+        assert result.stdout.split()[0] == str(uid)
+    for path in (wt / "d", wt / "d" / "f"):
+        assert (path.stat().st_uid, path.stat().st_gid) == (uid, gid)
+
+
+# ---------------------------------------------------------------------------- timeouts
+
+
+async def test_timeout_ends_everything_the_command_started(
+    engine: str, settings: SandboxSettings, worktree: Path, tmp_path: Path
+) -> None:
+    async with Sandbox(settings, cache_root=tmp_path / "cache") as sb:
+        await sb.prepare(ctx("timeout", worktree, engine, cache_mode=CacheMode.OFF,
+                             policy=SandboxPolicy(allow_network=False)))
+        start = time.monotonic()
+        result = await sb.run(
+            "setsid sh -c 'trap \"\" TERM; sleep 300' & (sleep 301 &) ; "
+            "nohup sleep 302 >/dev/null 2>&1 & echo started; sleep 303",
+            RunOptions(timeout_ms=1500))
+        assert result.timed_out and result.reason == "timeout"
+        assert result.shell_status == 124
+        assert "started" in result.stdout
+        assert time.monotonic() - start < 15
+        after = await sb.run("for f in /proc/[0-9]*/cmdline; do tr '\\0' ' ' < $f; echo; done")
+        assert "sleep 30" not in after.stdout, after.stdout
+        assert "sleep infinity" in after.stdout, "the keeper survives: the container stays warm"
+        # Leftovers of a command that ends normally are ended too (as native's reaper does).
+        await sb.run("(sleep 310 &) ; echo ok")
+        again = await sb.run("for f in /proc/[0-9]*/cmdline; do tr '\\0' ' ' < $f; echo; done")
+        assert "sleep 310" not in again.stdout
+        buffered = await sb.run("yes", RunOptions(max_buffer=4096, timeout_ms=20_000))
+        assert buffered.truncated and buffered.reason == "max-buffer"
+        assert len(buffered.stdout) == 4096
+    assert leftovers(engine, "timeout") == []
+
+
+async def test_run_env_stdin_cwd_and_exit(engine: str, settings: SandboxSettings,
+                                          worktree: Path, tmp_path: Path) -> None:
+    (worktree / "sub").mkdir()
+    policy = SandboxPolicy(allow_network=False, env_allowlist=["ALLOWED"])
+    async with Sandbox(settings, cache_root=tmp_path / "cache") as sb:
+        await sb.prepare(ctx("basics", worktree, engine, policy=policy,
+                             cache_mode=CacheMode.OFF))
+        env = {"ALLOWED": "yes", "SECRET_TOKEN": "nope", "PATH": "/usr/bin"}
+        r1 = await sb.run("pwd; echo $ALLOWED; echo ${SECRET_TOKEN:-unset}; cat; exit 7",
+                          RunOptions(cwd="sub", env=env, stdin=b"from stdin\n"))
+        assert r1.exit_code == 7
+        assert r1.stdout.splitlines() == [str(worktree / "sub"), "yes", "unset", "from stdin"]
+        r2 = await sb.run("echo ${ALLOWED:-gone}", RunOptions(env={}))
+        assert r2.stdout.strip() == "gone", "one run's env does not leak into the next"
+        r3 = await sb.run("kill -TERM $$")
+        assert r3.signal == "SIGTERM" and r3.exit_code is None
+
+
+# ---------------------------------------------------------------------------- modes, leftovers
+
+
+async def test_oneshot_mode_creates_and_removes_per_command(engine: str, worktree: Path,
+                                                            tmp_path: Path) -> None:
+    require_engine(engine)
+    settings = engine_settings(engine, container_mode="oneshot")
+    async with Sandbox(settings, cache_root=tmp_path / "cache") as sb:
+        await sb.prepare(ctx("oneshot", worktree, engine, cache_mode=CacheMode.OFF,
+                             policy=SandboxPolicy(allow_network=False)))
+        assert leftovers(engine, "oneshot") == []
+        first = await sb.run("echo one > f; hostname")
+        second = await sb.run("cat f")
+        assert first.exit_code == 0 and second.stdout.strip() == "one"
+        assert leftovers(engine, "oneshot") == []
+        timed = await sb.run("sleep 300", RunOptions(timeout_ms=1000))
+        assert timed.timed_out
+        assert leftovers(engine, "oneshot") == []
+
+
+async def test_parallel_prepares_do_not_hang_or_leak(engine: str, settings: SandboxSettings,
+                                                     tmp_path: Path) -> None:
+    n = 6
+    worktrees = []
+    for i in range(n):
+        wt = tmp_path / f"wt{i}"
+        wt.mkdir()
+        worktrees.append(wt)
+
+    async def one(i: int) -> str:
+        async with Sandbox(settings, cache_root=tmp_path / "cache") as sb:
+            await sb.prepare(ctx(f"par{i}", worktrees[i], engine, project_dir=str(tmp_path),
+                                 policy=SandboxPolicy(allow_network=False)))
+            result = await sb.run("echo $((6 * 7))")
+            return result.stdout.strip()
+
+    start = time.monotonic()
+    results = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(n))), 180)
+    assert results == ["42"] * n
+    assert time.monotonic() - start < 120
+    for i in range(n):
+        assert leftovers(engine, f"par{i}") == []
+
+
+CRASHER = textwrap.dedent("""
+    import asyncio, os, sys
+    from pathlib import Path
+    sys.path.insert(0, {root!r})
+    from tests.integration.container_cases import engine_settings
+    from fusion_oci.models import PrepareContext, RunOptions, SandboxPolicy, CacheMode
+    from fusion_oci.sandbox import Sandbox
+
+    async def main():
+        sb = Sandbox(engine_settings({engine!r}), cache_root=Path({cache!r}))
+        await sb.prepare(PrepareContext(task_id={task!r}, run_id="r1", worktree_path={wt!r},
+                         image={image!r}, cache_mode=CacheMode.ISOLATED,
+                         policy=SandboxPolicy(allow_network=False)))
+        print("ready", flush=True)
+        await sb.run("sleep 600", RunOptions(timeout_ms=600000))
+
+    asyncio.run(main())
+""")
+
+
+async def test_kill_9_mid_run_leaves_only_what_gc_removes(
+    engine: str, settings: SandboxSettings, worktree: Path, tmp_path: Path
+) -> None:
+    task = f"crash{os.getpid()}"
+    script = CRASHER.format(root=str(ROOT), engine=engine, cache=str(tmp_path / "cache"),
+                            task=task, wt=str(worktree), image=image(engine))
+    proc = subprocess.Popen(  # noqa: ASYNC220  (returns at once; we read it in a thread)
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 120)
+        if line.strip() != b"ready":
+            os.kill(proc.pid, signal.SIGKILL)
+            pytest.fail(proc.stderr.read().decode() if proc.stderr else "no output")
+        await asyncio.sleep(1.0)  # the run's exec is in flight
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+    left = leftovers(engine, task)
+    assert any(name.startswith(f"fusion-oci-{task}-") for name in left), left
+    assert any(name.startswith("fusion-oci-pnpm-store-") for name in left), "task volume"
+    # A live owner's containers are never collected: this test process holds one open.
+    async with Sandbox(settings, cache_root=tmp_path / "cache") as live:
+        await live.prepare(ctx(f"{task}-live", worktree, engine, cache_mode=CacheMode.OFF,
+                               policy=SandboxPolicy(allow_network=False)))
+        report = gc(settings=settings, engines=[engine])
+        assert not report.errors, report.errors
+        assert any(task in r for r in report.removed), report
+        assert leftovers(engine, task) == []
+        assert leftovers(engine, f"{task}-live") != []
+    assert leftovers(engine, f"{task}-live") == []
+
+
+# ---------------------------------------------------------------------------- network
+
+
+@pytest.fixture
+def host_loopback_server() -> Iterator[tuple[int, list[str]]]:
+    """A TCP server on the host's 127.0.0.1 that records every connection it accepts."""
+    seen: list[str] = []
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    srv.settimeout(0.2)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, addr = srv.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            seen.append(str(addr))
+            conn.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield srv.getsockname()[1], seen
+    stop.set()
+    srv.close()
+    thread.join(2)
+
+
+PROBE_JS = (
+    "const net=require('net');const [h,p]=process.argv.slice(1);"
+    "const s=net.connect({{host:h,port:+p,timeout:2000}},()=>{{console.log('open');s.end()}});"
+    "s.on('error',e=>console.log('closed '+e.code));"
+    "s.on('timeout',()=>{{console.log('closed timeout');s.destroy()}});"
+)
+
+
+def connect_cmd(host: str, port: int) -> str:
+    return f"node -e \"{PROBE_JS.format()}\" {host} {port}"
+
+
+async def network_matrix(engine: str, settings: SandboxSettings, worktree: Path,
+                         tmp_path: Path, port: int, canary: tuple[str, int] | None
+                         ) -> dict[str, dict[str, str]]:
+    """What each network mode reaches: host loopback (direct and through the gateway) and
+    a canary service on a container network."""
+    out: dict[str, dict[str, str]] = {}
+    for mode in (NetworkMode.NONE, NetworkMode.EGRESS):
+        async with Sandbox(settings, cache_root=tmp_path / "cache") as sb:
+            await sb.prepare(ctx(f"net-{mode.value}", worktree, engine, cache_mode=CacheMode.OFF,
+                                 policy=SandboxPolicy(network=mode)))
+            gw = await sb.run("ip route 2>/dev/null | awk '/default/ {print $3}' || true; "
+                              "awk '$2==\"00000000\" {print $3}' /proc/net/route")
+            gateway = next((w for w in gw.stdout.split() if "." in w), "")
+            if not gateway:
+                hexgw = next((w for w in gw.stdout.split() if len(w) == 8), "")
+                gateway = ".".join(str(int(hexgw[i:i + 2], 16)) for i in (6, 4, 2, 0)) \
+                    if hexgw else ""
+            targets = {"127.0.0.1": "127.0.0.1", "gateway": gateway or "192.0.2.1",
+                       "slirp-host": "10.0.2.2"}
+            if canary is not None:
+                targets["canary"] = canary[0]
+            row: dict[str, str] = {}
+            for name, host in targets.items():
+                p = canary[1] if name == "canary" and canary else port
+                r = await sb.run(connect_cmd(host, p), RunOptions(timeout_ms=15_000))
+                row[name] = r.stdout.strip() or r.stderr.strip()[:80]
+            out[mode.value] = row
+    return out
+
+
+def assert_network(matrix: dict[str, dict[str, str]], seen: list[str], with_canary: bool
+                   ) -> None:
+    for name, outcome in matrix["none"].items():
+        assert not outcome.startswith("open"), ("none", name, matrix)
+    for name in ("127.0.0.1", "gateway", "slirp-host"):
+        assert not matrix["egress"][name].startswith("open"), ("egress", name, matrix)
+    if with_canary:
+        assert matrix["egress"]["canary"].startswith("open"), matrix
+    assert seen == [], f"the host loopback server saw connections: {seen}"
+
+
+def dump(data: Any) -> str:
+    return json.dumps(data, indent=1)
+
+
+def rootless_python() -> list[str]:
+    """An interpreter the unprivileged user can run, with this checkout importable."""
+    venv = ROOT / ".venv" / "bin" / "python"
+    real = venv.resolve()
+    try:
+        ok = subprocess.run(["runuser", "-u", os.environ.get("FUSION_OCI_ROOTLESS_USER",
+                                                             "fusionci"),
+                             "--", str(real), "-c", "import pydantic, podman"],
+                            capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        ok = False
+    if ok:
+        return [str(real)]
+    # e.g. a venv made from a pyenv python under /root (mode 0700): the system python3 of the
+    # same minor version with the venv's site-packages imports the same code.
+    site = next((ROOT / ".venv" / "lib").glob("python3*/site-packages"))
+    return ["env", f"PYTHONPATH={ROOT}:{site}", "/usr/bin/python3"]
