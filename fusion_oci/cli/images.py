@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     from fusion_oci.images.provision import ProvisionedImage
 
 images_app = typer.Typer(help="Build, pull, list and prune task images.", no_args_is_help=True)
+app = images_app
+"""The name fusion_oci.cli.main mounts."""
 
 T = TypeVar("T")
 

@@ -229,7 +229,12 @@ def _info(engine: str, data: Mapping[str, Any]) -> ImageInfo:
     image_id = str(data.get("Id") or data.get("ID") or "")
     if image_id and not image_id.startswith("sha256:"):
         image_id = f"sha256:{image_id}"
-    created = data.get("Created", "")
+    created: Any = data.get("Created", "")
+    if isinstance(created, int | float) or str(created).isdigit():
+        from datetime import UTC, datetime
+
+        # docker's list answers epoch seconds, inspect and podman RFC 3339: say it one way
+        created = datetime.fromtimestamp(int(created), UTC).isoformat()
     return ImageInfo(
         engine=engine, id=image_id,
         tags=[t for t in (data.get("RepoTags") or []) if t and t != "<none>:<none>"],
