@@ -40,6 +40,7 @@ from fusion_oci.images.provision import (
     ProvisionOptions,
     candidate_specs,
     ensure_image,
+    transfer_image,
 )
 from fusion_oci.images.spec import BASE_REF
 from fusion_oci.policy.settings import GateSettings, SandboxSettings
@@ -133,7 +134,8 @@ def node_image() -> Callable[[str], ProvisionedImage]:
 
 
 def ensure_base(engine: str) -> str:
-    """The offline base present in ``engine`` (bootstrapped once per machine); its id."""
+    """The offline base present in ``engine`` (debootstrapped once per machine, on rootful
+    podman when it answers, and copied from there: ~5 s instead of another ~35 s); its id."""
     client, why = _reachable(engine)
     require(engine, client is not None, why)
     assert client is not None
@@ -141,8 +143,18 @@ def ensure_base(engine: str) -> str:
         info = client.image(BASE_REF)
         if info is not None:
             return info.id
+        source, _ = _reachable("podman") if engine != "podman" else (None, "")
         with _machine_lock():
-            result = _run_sync(lambda: bootstrap_base(
-                [client], ctx=AuditContext(AuditLog(), "tests", "base", "images"),
-                reporter=PlainReporter(sys.stderr)))
+            if source is not None:
+                with source:
+                    if source.image(BASE_REF) is None:
+                        _run_sync(lambda: bootstrap_base([source], ctx=_ctx(),
+                                                         reporter=PlainReporter(sys.stderr)))
+                    return transfer_image(source, client, BASE_REF, ctx=_ctx())
+            result = _run_sync(lambda: bootstrap_base([client], ctx=_ctx(),
+                                                      reporter=PlainReporter(sys.stderr)))
         return result.ids[engine]
+
+
+def _ctx() -> AuditContext:
+    return AuditContext(AuditLog(), "tests", "base", "images")

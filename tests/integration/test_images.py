@@ -194,6 +194,34 @@ def test_docker_gets_its_ca_built_image_from_podman(tmp_path: Path, images_dir: 
             client.remove(got.ref, force=True)
 
 
+@pytest.mark.docker
+def test_docker_alone_builds_classically_without_the_secret(tmp_path: Path, images_dir: Path,
+                                                            audit: Any) -> None:
+    """The documented fallback: no podman to build on, so docker's classic builder runs the
+    Containerfile with its secret mounts removed (it cannot parse them, nor receive secrets)."""
+    ensure_base("docker")
+    ca = tmp_path / "ca.pem"
+    ca.write_text("# FUSION-OCI-TEST-CA\n")
+    name = make_context(images_dir, "t-classic", (
+        "RUN --mount=type=secret,id=hostca (test -e /run/secrets/hostca && echo has || "
+        f"echo none) > /seen\nRUN echo {uuid.uuid4().hex} > /unique\n"))
+    settings = allow().model_copy(update={"host_ca": str(ca)})
+    log, events = audit
+    docker = engine_targets(os.environ)["docker"]
+    got = asyncio.run(ensure_image("docker", docker.url, name, settings, log, "t", "r",
+                                   options=opts(tmp_path, images_dir, engine_name="docker",
+                                                peers=[])))
+    try:
+        assert got.action == "built"
+        builds = [e.details for e in events if e.type == "sandbox:provision"
+                  and e.details and e.details.get("action") == "build"]
+        assert builds[-1]["ca_secret"] is False and builds[-1]["engine"] == "docker"
+        assert run_in("docker", got.ref, "cat /seen").strip() == "none"
+    finally:
+        with open_target(docker) as client:
+            client.remove(got.ref, force=True)
+
+
 # --------------------------------------------------------------------------- cache
 
 
