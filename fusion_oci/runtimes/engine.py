@@ -716,6 +716,11 @@ class ContainerRuntime(SpecRuntime):
             self._pool = None
 
     def __del__(self) -> None:
+        # A runtime asked only for availability() (doctor, a failure-mode check) is never
+        # disposed: close its client and any service it started when it is dropped.
+        with contextlib.suppress(Exception):
+            if self._adapter is not None:
+                self._adapter.close()
         with contextlib.suppress(Exception):
             self.release_endpoint()
 

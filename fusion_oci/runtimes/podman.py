@@ -39,6 +39,7 @@ from fusion_oci.runtimes.engine import (
     Found,
     engine_errors,
     podman_endpoints,
+    preflight,
 )
 
 API_TIMEOUT_S = 120
@@ -215,6 +216,7 @@ class PodmanRuntime(ContainerRuntime):
         while True:
             try:
                 with engine_errors("podman", "ping", endpoint):
+                    preflight(endpoint)  # no HTTP (and no half-open socket) before it exists
                     adapter.ping()
                 return adapter
             except RuntimeUnavailableError:

@@ -1,0 +1,157 @@
+"""Runs a container-runtime scenario through the library as the unprivileged CI user.
+
+    runuser -u fusionci -- PYTHON -m tests.integration.rootless_driver SCENARIO JSON-ARGS
+
+Prints one JSON object on the last line of stdout. The runtime finds the user's rootless
+podman socket by itself ($XDG_RUNTIME_DIR), as a user's setup would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from fusion_oci.models import CacheMode, NetworkMode, PrepareContext, RunOptions, SandboxPolicy
+from fusion_oci.policy.settings import GateSettings, SandboxSettings
+from fusion_oci.runtimes.registry import create_runtime
+from fusion_oci.sandbox import Sandbox
+
+LONG = RunOptions(timeout_ms=300_000)
+
+
+def settings(**extra: Any) -> SandboxSettings:
+    return SandboxSettings(backend="podman", gates=GateSettings(sandbox_provision="allow"),
+                           **extra)
+
+
+def git(cwd: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True,
+                          text=True).stdout
+
+
+def procs(result_stdout: str) -> list[str]:
+    return [line for line in result_stdout.splitlines() if line.strip()]
+
+
+async def availability(args: dict[str, Any]) -> dict[str, Any]:
+    avail = create_runtime("podman", settings(), os.environ).availability()
+    return {"available": avail.available, "reason": avail.reason, "details": avail.details,
+            "rootless": avail.rootless}
+
+
+def make_repo(base: Path, project: Path) -> tuple[Path, Path]:
+    """A repository with a linked worktree holding the pnpm project, made as this user."""
+    repo, wt = base / "repo", base / "wt"
+    repo.mkdir()
+    os.environ.update({"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.invalid",
+                       "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.invalid"})
+    git(repo, "init", "-q", "-b", "main")
+    (repo / "README").write_text("hello\n")
+    git(repo, "add", "README")
+    git(repo, "commit", "-qm", "init")
+    git(repo, "worktree", "add", "-q", "-b", "task", str(wt))
+    for item in project.iterdir():
+        (wt / item.name).write_bytes(item.read_bytes())
+    return repo, wt
+
+
+async def pnpm(args: dict[str, Any]) -> dict[str, Any]:
+    base = Path(args["dir"])
+    repo, wt = make_repo(base, Path(args["project"]))
+    out: dict[str, Any] = {}
+    policy = SandboxPolicy(network=NetworkMode.EGRESS)
+    async with Sandbox(settings(), cache_root=base / "cache") as sb:
+        await sb.prepare(PrepareContext(task_id="rl-pnpm", run_id="r1", worktree_path=str(wt),
+                                        image=args["image"], policy=policy,
+                                        project_dir=str(repo)))
+        for name, cmd in (
+            ("install", "pnpm install --frozen-lockfile"),
+            ("test", "pnpm test"),
+            ("build", "pnpm build"),
+            ("commit", "git add -A && git -c user.name=t -c user.email=t@example.invalid "
+                       "commit -qm 'from the rootless sandbox'"),
+            ("hooks", f"echo evil > {repo}/.git/hooks/post-commit"),
+            ("id", "id -u"),
+        ):
+            r = await sb.run(cmd, LONG)
+            out[name] = {"exit": r.exit_code, "stderr": r.stderr[-500:], "stdout": r.stdout}
+    out["log"] = git(repo, "log", "--oneline", "-1", "task")
+    me = os.getuid()
+    files = [p for p in wt.rglob("*") if ".pnpm" not in p.parts][:300]
+    out["files"] = len(files)
+    out["not_mine"] = [str(p) for p in files if p.lstat().st_uid != me][:5]
+    out["uid"] = me
+    return out
+
+
+async def timeout(args: dict[str, Any]) -> dict[str, Any]:
+    wt = Path(args["dir"]) / "wt"
+    wt.mkdir()
+    async with Sandbox(settings(), cache_root=Path(args["dir"]) / "cache") as sb:
+        await sb.prepare(PrepareContext(task_id="rl-timeout", run_id="r1", worktree_path=str(wt),
+                                        image=args["image"], cache_mode=CacheMode.OFF,
+                                        policy=SandboxPolicy(allow_network=False)))
+        start = time.monotonic()
+        r = await sb.run("setsid sleep 300 & (sleep 301 &); echo started; sleep 302",
+                         RunOptions(timeout_ms=1500))
+        took = time.monotonic() - start
+        after = await sb.run("for f in /proc/[0-9]*/cmdline; do tr '\\0' ' ' < $f; echo; done")
+        touch = await sb.run("touch made-here && stat -c %u made-here")
+    return {"timed_out": r.timed_out, "reason": r.reason, "took": took,
+            "procs": procs(after.stdout), "uid_inside": touch.stdout.strip(),
+            "owner": (wt / "made-here").stat().st_uid, "me": os.getuid()}
+
+
+async def network(args: dict[str, Any]) -> dict[str, Any]:
+    wt = Path(args["dir"]) / "wt"
+    wt.mkdir()
+    port = int(args["port"])
+    js = ("const net=require('net');const [h,p]=process.argv.slice(1);"
+          "const s=net.connect({host:h,port:+p,timeout:2000},()=>{console.log('open');s.end()});"
+          "s.on('error',e=>console.log('closed '+e.code));"
+          "s.on('timeout',()=>{console.log('closed timeout');s.destroy()});")
+    out: dict[str, Any] = {}
+    for mode in (NetworkMode.NONE, NetworkMode.EGRESS):
+        async with Sandbox(settings(), cache_root=Path(args["dir"]) / "cache") as sb:
+            await sb.prepare(PrepareContext(task_id=f"rl-net-{mode.value}", run_id="r1",
+                                            worktree_path=str(wt), image=args["image"],
+                                            cache_mode=CacheMode.OFF,
+                                            policy=SandboxPolicy(network=mode)))
+            row = {}
+            for host in ("127.0.0.1", "10.0.2.2"):
+                r = await sb.run(["node", "-e", js, host, str(port)],
+                                 RunOptions(timeout_ms=15_000))
+                row[host] = (r.stdout.strip() or r.stderr.strip())[:80]
+            out[mode.value] = row
+    return out
+
+
+async def leftovers(args: dict[str, Any]) -> dict[str, Any]:
+    runtime: Any = create_runtime("podman", settings(), os.environ)
+    try:
+        adapter = runtime._connect()
+        names = [f.name for f in adapter.list_labelled("io.fusion-oci.kind")
+                 if f.labels.get("io.fusion-oci.task-id", "").startswith("rl-")]
+    finally:
+        runtime.close()
+    return {"left": names}
+
+
+SCENARIOS = {"availability": availability, "pnpm": pnpm, "timeout": timeout,
+             "network": network, "leftovers": leftovers}
+
+
+def main() -> None:
+    scenario, raw = sys.argv[1], sys.argv[2]
+    result = asyncio.run(SCENARIOS[scenario](json.loads(raw)))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
