@@ -17,10 +17,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import median_ms, report, run_argv  # noqa: E402
-from fusion_oci.models import PrepareContext  # noqa: E402
-from fusion_oci.policy.settings import SandboxSettings  # noqa: E402
-from fusion_oci.sandbox import SyncSandbox  # noqa: E402
+from benchmarks.common import median_ms, report, run_argv
+from fusion_oci.models import PrepareContext
+from fusion_oci.policy.settings import SandboxSettings
+from fusion_oci.sandbox import SyncSandbox
 
 
 def main() -> None:
