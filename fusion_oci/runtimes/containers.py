@@ -124,6 +124,8 @@ class Target:
     """The caller's RLIMIT_NPROC (soft, hard); rootful podman's default exceeds some hosts'."""
     cgroup_limits: bool = True
     """False for rootless containers on a cgroup v1 host: no memory/cpu/pids limits there."""
+    seccomp_profile: str | None = None
+    """podman: path of the hardened profile (see :func:`harden_seccomp`); None: default."""
 
 
 @dataclass(frozen=True)
@@ -382,6 +384,8 @@ def plan_container(
     else:
         kwargs["no_new_privileges"] = True
         kwargs["masked_paths"] = list(spec["linux"].get("maskedPaths", []))
+        if target.seccomp_profile:
+            kwargs["seccomp_profile_path"] = target.seccomp_profile
         if target.rootless:
             # keep-id: the caller's uid is the same number inside, so worktree files stay
             # the caller's on the host.
@@ -415,6 +419,72 @@ def plan_kill(spec: Spec) -> ExecPlan:
     """The exec that ends every process of the sandbox user in the container."""
     uid, gid = sandbox_user(spec)
     return ExecPlan(cmd=list(KILL_ALL), environment={}, workdir="/", user=f"{uid}:{gid}")
+
+
+# Which cgroup limit held a command: the container's own cgroup counters, as the sandbox user
+# sees them (cgroup v2 files first, then v1). Only read after a command failed.
+LIMIT_PROBE = (
+    "for f in /sys/fs/cgroup/pids.events /sys/fs/cgroup/pids/pids.events; do "
+    '[ -r "$f" ] && { while read -r k v; do [ "$k" = max ] && echo "pids $v"; done < "$f"; '
+    "break; }; done; "
+    "for f in /sys/fs/cgroup/memory.events /sys/fs/cgroup/memory/memory.oom_control; do "
+    '[ -r "$f" ] && { while read -r k v; do [ "$k" = oom_kill ] && echo "oom $v"; '
+    'done < "$f"; break; }; done; exit 0'
+)
+
+
+def plan_limit_probe(spec: Spec) -> ExecPlan:
+    uid, gid = sandbox_user(spec)
+    return ExecPlan(cmd=["/bin/sh", "-c", LIMIT_PROBE], environment={}, workdir="/",
+                    user=f"{uid}:{gid}")
+
+
+def parse_limit_counters(text: str) -> dict[str, int]:
+    """``pids N`` / ``oom N`` lines → counters (missing files: no entry)."""
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key in ("pids", "oom") and value.strip().isdigit():
+            out[key] = int(value)
+    return out
+
+
+def limit_reason(before: Mapping[str, int], after: Mapping[str, int]) -> str | None:
+    """``oom`` or ``pids`` when that counter grew during the run. Pure."""
+    for key in ("oom", "pids"):
+        if after.get(key, 0) > before.get(key, 0):
+            return key
+    return None
+
+
+# Syscalls podman's default profile allows but docker's refuses without CAP_SYS_ADMIN: new
+# (user) namespaces and the kernel keyring are attack surface a sandboxed build never needs.
+SECCOMP_DENY = ("unshare", "keyctl", "add_key", "request_key", "clone", "clone3")
+CLONE_NAMESPACE_FLAGS = 0x7E020000
+"""CLONE_NEWNS|NEWCGROUP|NEWUTS|NEWIPC|NEWUSER|NEWPID|NEWNET (docker's mask)."""
+
+
+def harden_seccomp(profile: Mapping[str, Any]) -> dict[str, Any]:
+    """An engine's default seccomp profile with docker's namespace/keyring rules. Pure.
+
+    clone stays allowed without namespace flags (threads, fork); clone3 answers ENOSYS so
+    libc falls back to clone, whose flags a filter can see.
+    """
+    out = dict(profile)
+    rules: list[dict[str, Any]] = []
+    for rule in profile.get("syscalls", []):
+        rule = dict(rule)
+        if rule.get("action") == "SCMP_ACT_ALLOW" and not rule.get("includes", {}).get("caps"):
+            rule["names"] = [n for n in rule.get("names", []) if n not in SECCOMP_DENY]
+            if not rule["names"]:
+                continue
+        rules.append(rule)
+    rules.append({"names": ["clone"], "action": "SCMP_ACT_ALLOW",
+                  "args": [{"index": 0, "value": CLONE_NAMESPACE_FLAGS, "valueTwo": 0,
+                            "op": "SCMP_CMP_MASKED_EQ"}]})
+    rules.append({"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": 38})
+    out["syscalls"] = rules
+    return out
 
 
 def exit_status(code: int | None) -> tuple[int | None, str | None]:

@@ -46,9 +46,12 @@ from fusion_oci.runtimes.containers import (
     Target,
     container_name,
     exit_status,
+    limit_reason,
+    parse_limit_counters,
     plan_container,
     plan_exec,
     plan_kill,
+    plan_limit_probe,
 )
 
 if TYPE_CHECKING:
@@ -57,6 +60,9 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 PING_TIMEOUT_S = 3.0
+DEFAULT_IMAGE = "node"
+"""The task image when neither the prepare context nor sandbox.image names one: the
+product's own ``images/node`` (provisioned, behind the sandbox_provision gate, if missing)."""
 DRAIN_AFTER_KILL_S = 10.0
 
 # --------------------------------------------------------------------------- endpoints
@@ -385,6 +391,8 @@ class ContainerRuntime(SpecRuntime):
         self._container: str | None = None
         self._task_volumes: list[str] = []
         self._owner = current_owner()
+        self._seccomp: str | None = None
+        self._counters: dict[str, dict[str, int]] = {}
         self.image_ref: str | None = None
 
     # -- engine-specific hooks ------------------------------------------------------------
@@ -405,6 +413,10 @@ class ContainerRuntime(SpecRuntime):
 
     def release_endpoint(self) -> None:
         """Undo what :meth:`no_endpoint` started."""
+
+    def seccomp_profile(self) -> str | None:
+        """A seccomp profile file for the engine, made at prepare; None: the engine's own."""
+        return None
 
     # -- probing --------------------------------------------------------------------------
 
@@ -444,7 +456,8 @@ class ContainerRuntime(SpecRuntime):
         rootless = bool(info and info.rootless)
         return Target(self.engine, rootless, nproc_limit(self.host.rlimits),
                       cgroup_limits=not (rootless and info is not None
-                                         and info.cgroup_version == "v1"))
+                                         and info.cgroup_version == "v1"),
+                      seccomp_profile=self._seccomp)
 
     def capabilities(self) -> SandboxCapabilities:
         return SandboxCapabilities(
@@ -529,14 +542,10 @@ class ContainerRuntime(SpecRuntime):
     async def prepare(self, ctx: PrepareContext) -> None:
         await self._call_probe()
         await super().prepare(ctx)
-        image = ctx.image or self.settings.image
-        if not image:
-            raise SandboxSetupError(
-                f"the {self.id} runtime needs an image", "none is set",
-                "set sandbox.image (e.g. `image: node`; build it with "
-                "`fusion-oci images build node`)")
+        image = ctx.image or self.settings.image or DEFAULT_IMAGE
         self.image_ref = await self._provision(image, ctx)
         self.ctx = ctx.model_copy(update={"image": self.image_ref})
+        self._seccomp = self.seccomp_profile()
         await self._collect_own_garbage(ctx.task_id)
         if self.mode == "warm":
             self._container = await self._start_container()
@@ -661,7 +670,35 @@ class ContainerRuntime(SpecRuntime):
             timed_out=timed_out, truncated=sink.truncated,
             duration_ms=int((time.monotonic() - start) * 1000),
         )
-        return self.result(outcome, spec)
+        reason = None
+        if exit_code != 0 and not sink.truncated:
+            reason = await self._limit_reason(cid, spec)
+        return self.result(outcome, spec, reason)  # type: ignore[arg-type]
+
+    async def _limit_reason(self, cid: str, spec: Spec) -> str | None:
+        """After a failed command: did the container's pids or memory limit hold it?
+
+        The counters of a new container start at zero; one more exec, paid only on failure.
+        """
+        adapter = self._adapter
+        assert adapter is not None
+        probe = plan_limit_probe(spec)
+
+        def read() -> str:
+            _, out = adapter.exec_start(cid, probe)
+            try:
+                return b"".join(chunk for pair in out for chunk in pair if chunk).decode()
+            finally:
+                adapter.close_stream(out)
+
+        try:
+            text = await self._call("limit counters", read, setup=False)
+        except FusionOCIError:
+            return None
+        after = parse_limit_counters(text)
+        before = self._counters.get(cid, {})
+        self._counters[cid] = after
+        return limit_reason(before, after)
 
     async def _kill(self, cid: str, spec: Spec, pump: asyncio.Future[None],
                     stream: ExecStream) -> None:

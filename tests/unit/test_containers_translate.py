@@ -30,11 +30,15 @@ from fusion_oci.policy.layout import CacheMount, GitLayout, TaskLayout
 from fusion_oci.runtimes.containers import (
     EXEC_WRAPPER,
     KILL_SCRIPT,
+    LIMIT_PROBE,
     STDIN_ENV,
     STDIN_MAX,
     Owner,
     Target,
     exit_status,
+    harden_seccomp,
+    limit_reason,
+    parse_limit_counters,
     plan_container,
     plan_exec,
     plan_kill,
@@ -241,3 +245,30 @@ def test_gc_rule() -> None:
     task_cache = Found("w", "w", {"io.fusion-oci.kind": "cache", "io.fusion-oci.cache-scope":
                                   "task", **dead.labels}, "volume")
     assert is_garbage(task_cache, at)
+
+
+def test_seccomp_hardening_matches_dockers_namespace_and_keyring_rules() -> None:
+    base = {"defaultAction": "SCMP_ACT_ERRNO", "syscalls": [
+        {"names": ["read", "unshare", "keyctl", "clone", "clone3"], "action": "SCMP_ACT_ALLOW"},
+        {"names": ["setns"], "action": "SCMP_ACT_ALLOW", "includes": {"caps": ["CAP_SYS_ADMIN"]}},
+    ]}
+    hardened = harden_seccomp(base)
+    allowed = {n for r in hardened["syscalls"] if r["action"] == "SCMP_ACT_ALLOW"
+               and not r.get("args") and not r.get("includes") for n in r["names"]}
+    assert "read" in allowed and not allowed & {"unshare", "keyctl", "clone", "clone3"}
+    clone = next(r for r in hardened["syscalls"] if r["names"] == ["clone"])
+    assert clone["args"][0]["value"] == 2114060288
+    assert base["syscalls"][0]["names"][1] == "unshare", "the input is not changed"
+    spec = spec_for(POLICY)
+    create = plan_container(spec, Target("podman", seccomp_profile="/p.json"), name="n",
+                            owner=OWNER).create
+    assert create["seccomp_profile_path"] == "/p.json"
+
+
+def test_limit_counters_name_the_limit_that_held() -> None:
+    after = parse_limit_counters("pids 3\noom 0\n")
+    assert after == {"pids": 3, "oom": 0}
+    assert limit_reason({}, after) == "pids"
+    assert limit_reason({"pids": 3}, {"pids": 3, "oom": 1}) == "oom"
+    assert limit_reason({"pids": 3}, after) is None
+    assert "pids.events" in LIMIT_PROBE and "memory.oom_control" in LIMIT_PROBE
