@@ -23,7 +23,16 @@ from fusion_oci.policy.settings import SandboxSettings
 from fusion_oci.sandbox import SyncSandbox
 from tests.backends import require_runtime
 
-BACKENDS = ["native", "bubblewrap"]
+BACKENDS = ["native", "bubblewrap", "podman", "docker"]
+
+
+def engine_env(backend: str) -> dict[str, str]:
+    """How a container backend finds its engine: the env a user would have (the CI's sockets)."""
+    if backend == "docker" and os.environ.get("DOCKER_HOST"):
+        return {"DOCKER_HOST": os.environ["DOCKER_HOST"]}
+    if backend == "podman" and os.environ.get("FUSION_OCI_PODMAN_URL"):
+        return {"CONTAINER_HOST": os.environ["FUSION_OCI_PODMAN_URL"]}
+    return {}
 
 Expect = Literal["blocked", "leaks", "unenforced"]
 """blocked: the host is untouched. leaks: the probe gets through (asserted, to prove the probe
@@ -91,7 +100,8 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         Path(out).write_text(json.dumps(rows, indent=2) + "\n")
 
 
-MARKS = {"native": pytest.mark.native, "bubblewrap": pytest.mark.bubblewrap}
+MARKS = {"native": pytest.mark.native, "bubblewrap": pytest.mark.bubblewrap,
+         "podman": pytest.mark.podman, "docker": pytest.mark.docker}
 
 
 @dataclass
@@ -119,7 +129,15 @@ class Prober:
 @pytest.fixture(params=[pytest.param(b, marks=MARKS[b]) for b in BACKENDS])
 def backend(request: pytest.FixtureRequest) -> str:
     name: str = request.param
-    require_runtime(name)
+    if engine_env(name):
+        from fusion_oci.runtimes.registry import create_runtime
+        from tests.backends import require
+
+        avail = create_runtime(name, SandboxSettings(backend=name),  # type: ignore[arg-type]
+                               {**os.environ, **engine_env(name)}).availability()
+        require(name, avail.available, f"{avail.reason} {avail.hint}".strip())
+    else:
+        require_runtime(name)
     return name
 
 
@@ -131,5 +149,5 @@ def prober(backend: str, tmp_path: Path) -> Iterator[Prober]:
     worktree = tmp_path / "wt"
     worktree.mkdir()
     env = {"HOME": str(home), "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-           "LANG": "C.UTF-8"}
+           "LANG": "C.UTF-8", **engine_env(backend)}
     yield Prober(backend, tmp_path, worktree, home, env)
