@@ -37,6 +37,9 @@ APT_PACKAGES=(
     docker-registry
     # scmp_sys_resolver: the tests cross-check the seccomp syscall table against libseccomp
     seccomp
+    # pytest-docker drives compose.yaml (the egress canary) with `docker-compose` when the
+    # docker CLI has no compose plugin
+    docker-compose
     # not named in the product docs, but a fresh Debian 12 may lack them and the scripts use them
     python3 python3-venv curl ca-certificates util-linux procps
 )
