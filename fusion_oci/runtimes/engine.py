@@ -133,13 +133,13 @@ _HINTS: tuple[tuple[str, str, str], ...] = (
      "crun refuses this cgroup v1/hybrid host",
      'use runc: put `[engine]` and `runtime = "runc"` in '
      "/etc/containers/containers.conf.d/50-runc.conf (or ~/.config/containers/containers.conf)"),
-    (r"newuidmap|newgidmap",
-     "rootless podman needs newuidmap/newgidmap",
-     "install them: apt-get install uidmap"),
     (r"no subuid ranges|no subgid ranges|/etc/subuid|/etc/subgid",
      "the user has no subordinate uid/gid range",
      "add one: usermod --add-subuids 100000-165535 --add-subgids 100000-165535 $USER, "
      "then `podman system migrate`"),
+    (r"newuidmap|newgidmap",
+     "rootless podman needs newuidmap/newgidmap",
+     "install them: apt-get install uidmap"),
     (r"/dev/net/tun",
      "rootless networking (slirp4netns) cannot open /dev/net/tun",
      "make it accessible (chmod 0666 /dev/net/tun, or load the tun module), "
@@ -226,16 +226,19 @@ def engine_errors(engine: Engine, what: str, endpoint: Endpoint, *,
 
     sdk_errors: tuple[type[BaseException], ...] = (requests.exceptions.RequestException,)
     not_found: tuple[type[BaseException], ...] = ()
+    api_errors: tuple[type[BaseException], ...] = ()
     with contextlib.suppress(ImportError):
         import docker.errors
 
         sdk_errors += (docker.errors.DockerException,)
         not_found += (docker.errors.ImageNotFound,)
+        api_errors += (docker.errors.APIError,)
     with contextlib.suppress(ImportError):
         import podman.errors
 
         sdk_errors += (podman.errors.APIError, podman.errors.PodmanError)
         not_found += (podman.errors.ImageNotFound,)
+        api_errors += (podman.errors.APIError,)
     try:
         yield
     except FusionOCIError:
@@ -246,7 +249,9 @@ def engine_errors(engine: Engine, what: str, endpoint: Endpoint, *,
             "build it: `fusion-oci images build node` (or set sandbox.image to a local image)",
         ) from exc
     except (*sdk_errors, OSError) as exc:  # type: ignore[misc]  # a built tuple of classes
-        translated = _socket_error(engine, endpoint, exc)
+        # An API error is the engine's answer; only the others can be about the socket.
+        api = isinstance(exc, api_errors)
+        translated = None if api else _socket_error(engine, endpoint, exc)
         if translated is not None:
             raise translated from exc
         message = _engine_message(exc)
