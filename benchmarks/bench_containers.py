@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -38,9 +39,9 @@ LIMITS = ["--ulimit", "nofile=1024:1024", "--ulimit", "nproc=4096:4096"]
 
 
 def settings(engine: str, mode: str) -> SandboxSettings:
-    url = {"docker_url": os.environ.get("DOCKER_HOST")} if engine == "docker" else {
+    url: dict[str, Any] = {"docker_url": os.environ.get("DOCKER_HOST")} if engine == "docker" else {
         "podman_url": os.environ.get("FUSION_OCI_PODMAN_URL")}
-    return SandboxSettings(backend=engine, container_mode=mode, **url)  # type: ignore[arg-type]
+    return SandboxSettings(backend=engine, container_mode=mode, **url)
 
 
 def bench(engine: str, runs: int) -> None:

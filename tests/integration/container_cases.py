@@ -66,7 +66,7 @@ def engine_settings(engine: str, **extra: Any) -> SandboxSettings:
         urls["docker_url"] = os.environ.get("DOCKER_HOST")
     elif engine == "podman":
         urls["podman_url"] = os.environ.get("FUSION_OCI_PODMAN_URL")
-    return SandboxSettings(backend=engine, gates=GateSettings(sandbox_provision="allow",  # type: ignore[arg-type]
+    return SandboxSettings(backend=engine, gates=GateSettings(sandbox_provision="allow",
                                                             network_api="allow"),
                            **urls, **extra)
 

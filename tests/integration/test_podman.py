@@ -137,7 +137,7 @@ def drive(rl: dict[str, Any], scenario: str, timeout: float = 300, **args: Any
 
 
 def workdir(rl: dict[str, Any], name: str) -> Path:
-    path = rl["base"] / name
+    path: Path = rl["base"] / name
     path.mkdir()
     os.chown(path, rl["user"].pw_uid, rl["user"].pw_gid)
     return path

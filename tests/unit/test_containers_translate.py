@@ -261,7 +261,7 @@ def test_gc_rule() -> None:
 
 
 def test_seccomp_hardening_matches_dockers_namespace_and_keyring_rules() -> None:
-    base = {"defaultAction": "SCMP_ACT_ERRNO", "syscalls": [
+    base: dict[str, Any] = {"defaultAction": "SCMP_ACT_ERRNO", "syscalls": [
         {"names": ["read", "unshare", "keyctl", "clone", "clone3"], "action": "SCMP_ACT_ALLOW"},
         {"names": ["setns"], "action": "SCMP_ACT_ALLOW", "includes": {"caps": ["CAP_SYS_ADMIN"]}},
     ]}
