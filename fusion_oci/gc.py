@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from fusion_oci.errors import FusionOCIError
 from fusion_oci.runtimes.containers import (
+    LABEL_CACHE_DIR,
     LABEL_CACHE_SCOPE,
     LABEL_KIND,
     LABEL_OWNER_BOOT,
@@ -49,6 +50,8 @@ class Here:
     host: str
     boot: str
     alive: Callable[[int, str], bool]
+    exists: Callable[[str], bool] = os.path.isdir
+    """Whether a host directory (a cache volume's) still exists."""
 
 
 def here() -> Here:
@@ -78,8 +81,13 @@ def is_garbage(found: Found, at: Here, *, task_id: str | None = None,
     if task_id is not None and labels.get(ANN_TASK) != task_id:
         return False
     if labels[LABEL_KIND] == "cache" and labels.get(LABEL_CACHE_SCOPE) != "task":
-        # A project's cache persists on purpose; only an explicit request drops it.
-        return include_caches and task_id is None
+        # A project's cache persists on purpose; it goes on request, or once the directory
+        # it is bound to is gone (the volume could not be mounted again anyway).
+        if task_id is not None:
+            return False
+        cache_dir = labels.get(LABEL_CACHE_DIR)
+        ours = labels.get(LABEL_OWNER_HOST, at.host) == at.host
+        return include_caches or bool(ours and cache_dir and not at.exists(cache_dir))
     return owner_state(labels, at) == "dead"
 
 

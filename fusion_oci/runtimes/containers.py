@@ -58,6 +58,8 @@ LABEL_CACHE = ANN + "cache"
 LABEL_CACHE_SCOPE = ANN + "cache-scope"
 """``project`` (kept across tasks, gc keeps it unless asked) or ``task`` (removed with it)."""
 LABEL_CACHE_KEY = ANN + "cache-key"
+LABEL_CACHE_DIR = ANN + "cache-dir"
+"""The host directory a cache volume is bound to; gc drops the volume once it is gone."""
 
 KEEPER_CMD = ("sleep", "infinity")
 
@@ -223,7 +225,8 @@ def cache_volumes(spec: Spec, owner: Owner, *, isolated: bool) -> tuple[CacheVol
         cache = str(mount["destination"]).rsplit("/", 1)[-1]
         key = hashlib.sha256(str(mount["source"]).encode()).hexdigest()[:16]
         labels = {LABEL_KIND: "cache", LABEL_CACHE: cache, LABEL_CACHE_KEY: key,
-                  LABEL_CACHE_SCOPE: "task" if isolated else "project"}
+                  LABEL_CACHE_SCOPE: "task" if isolated else "project",
+                  LABEL_CACHE_DIR: str(mount["source"]), LABEL_OWNER_HOST: owner.host}
         if isolated:
             labels[ANN_TASK] = task
             labels.update(owner.labels())

@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from fusion_oci.errors import FusionOCIError
 from fusion_oci.gc import gc
 from fusion_oci.models import (
     CacheMode,
@@ -42,6 +43,7 @@ from tests.conftest import git
 from tests.integration.images_fixture import ensure_node_image
 
 __all__ = [
+    "drop_test_cache_volumes",
     "host_loopback_server",
     "settings",
     "test_files_belong_to_a_non_root_caller",
@@ -101,6 +103,26 @@ def leftovers(engine: str, task: str) -> list[str]:
 @pytest.fixture
 def settings(engine: str) -> SandboxSettings:
     return require_engine(engine)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def drop_test_cache_volumes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Project cache volumes persist by design; the ones bound under this session's temporary
+    directory are the tests' own, so they go at the end (the CI machine is shared)."""
+    yield
+    base = str(tmp_path_factory.getbasetemp())
+    for engine in ("docker", "podman"):
+        try:
+            runtime: Any = create_runtime(engine, engine_settings(engine), os.environ)
+            adapter = runtime._connect()
+        except FusionOCIError:  # an engine that is not here has nothing to drop
+            continue
+        try:
+            for item in adapter.list_labelled("io.fusion-oci.cache-dir"):
+                if item.labels.get("io.fusion-oci.cache-dir", "").startswith(base):
+                    adapter.remove_volume(item.name)
+        finally:
+            runtime.close()
 
 
 # ---------------------------------------------------------------------------- the pnpm project

@@ -143,8 +143,16 @@ async def leftovers(args: dict[str, Any]) -> dict[str, Any]:
     return {"left": names}
 
 
+async def collect(args: dict[str, Any]) -> dict[str, Any]:
+    """gc as this user (its cache directories are gone by now: their volumes go too)."""
+    from fusion_oci.gc import gc
+
+    report = gc(settings=settings(), engines=["podman"])
+    return {"removed": report.removed, "errors": report.errors}
+
+
 SCENARIOS = {"availability": availability, "pnpm": pnpm, "timeout": timeout,
-             "network": network, "leftovers": leftovers}
+             "network": network, "leftovers": leftovers, "gc": collect}
 
 
 def main() -> None:

@@ -113,8 +113,11 @@ def rootless() -> Iterator[dict[str, Any]]:
             f"no rootless podman socket in {xdg} (scripts/services.sh start podman-rootless)")
     base = Path(tempfile.mkdtemp(prefix="fusion-oci-rootless-"))
     base.chmod(0o755)
-    yield {"user": user, "xdg": xdg, "base": base, "python": cases.rootless_python()}
+    rl = {"user": user, "xdg": xdg, "base": base, "python": cases.rootless_python()}
+    yield rl
     subprocess.run(["rm", "-rf", str(base)], check=False)
+    report = drive(rl, "gc")
+    assert report["errors"] == [], report
 
 
 def drive(rl: dict[str, Any], scenario: str, timeout: float = 300, **args: Any

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -255,6 +256,11 @@ def test_gc_rule() -> None:
     cache = Found("v", "v", {"io.fusion-oci.kind": "cache",
                              "io.fusion-oci.cache-scope": "project"}, "volume")
     assert not is_garbage(cache, at) and is_garbage(cache, at, include_caches=True)
+    bound = Found("v", "v", {**cache.labels, "io.fusion-oci.cache-dir": "/gone",
+                             "io.fusion-oci.owner-host": "build-host"}, "volume")
+    assert not is_garbage(bound, replace(at, exists=lambda p: True))
+    assert is_garbage(bound, replace(at, exists=lambda p: False))
+    assert not is_garbage(bound, replace(at, exists=lambda p: False), task_id="t1")
     task_cache = Found("w", "w", {"io.fusion-oci.kind": "cache", "io.fusion-oci.cache-scope":
                                   "task", **dead.labels}, "volume")
     assert is_garbage(task_cache, at)
