@@ -425,20 +425,52 @@ def dump(data: Any) -> str:
     return json.dumps(data, indent=1)
 
 
-def rootless_python() -> list[str]:
-    """An interpreter the unprivileged user can run, with this checkout importable."""
-    venv = ROOT / ".venv" / "bin" / "python"
-    real = venv.resolve()
+ROOTLESS_USER = os.environ.get("FUSION_OCI_ROOTLESS_USER", "fusionci")
+_staged: list[Path] = []
+
+
+def _user_can(flag: str, path: Path) -> bool:
     try:
-        ok = subprocess.run(["runuser", "-u", os.environ.get("FUSION_OCI_ROOTLESS_USER",
-                                                             "fusionci"),
-                             "--", str(real), "-c", "import pydantic, podman"],
-                            capture_output=True, timeout=60).returncode == 0
+        return subprocess.run(["runuser", "-u", ROOTLESS_USER, "--", "test", flag, str(path)],
+                              capture_output=True, timeout=30).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
-        ok = False
-    if ok:
-        return [str(real)]
-    # e.g. a venv made from a pyenv python under /root (mode 0700): the system python3 of the
-    # same minor version with the venv's site-packages imports the same code.
+        return False
+
+
+def rootless_python() -> list[str]:
+    """``env PYTHONPATH=... PYTHON`` that the unprivileged user can run with this checkout.
+
+    The venv's interpreter may live where the user cannot go (a pyenv python under /root),
+    and so may the checkout itself (CI clones anywhere): then the system python3 of the same
+    minor version runs a world-readable copy of the package and the venv's site-packages,
+    made once per test session.
+    """
     site = next((ROOT / ".venv" / "lib").glob("python3*/site-packages"))
-    return ["env", f"PYTHONPATH={ROOT}:{site}", "/usr/bin/python3"]
+    venv_python = (ROOT / ".venv" / "bin" / "python").resolve()
+    python = str(venv_python) if _user_can("-x", venv_python) else "/usr/bin/python3"
+    if _user_can("-r", ROOT / "fusion_oci" / "__init__.py") and _user_can(
+            "-r", site / "pydantic" / "__init__.py"):
+        return ["env", f"PYTHONPATH={ROOT}:{site}", python]
+    if not _staged:
+        import atexit
+        import tempfile
+
+        stage = Path(tempfile.mkdtemp(prefix="fusion-oci-rootless-py-"))
+        shutil.copytree(ROOT / "fusion_oci", stage / "src" / "fusion_oci")
+        (stage / "src" / "tests" / "integration").mkdir(parents=True)
+        for rel in ("tests/__init__.py", "tests/integration/__init__.py",
+                    "tests/integration/rootless_driver.py"):
+            shutil.copy(ROOT / rel, stage / "src" / rel)
+        shutil.copytree(PNPM_PROJECT, stage / "pnpm-project")
+        shutil.copytree(site, stage / "site-packages", symlinks=True)
+        subprocess.run(["chmod", "-R", "a+rX", str(stage)], check=True)
+        atexit.register(shutil.rmtree, stage, True)
+        _staged.append(stage)
+    stage = _staged[0]
+    return ["env", f"PYTHONPATH={stage / 'src'}:{stage / 'site-packages'}", python]
+
+
+def rootless_project() -> Path:
+    """The pnpm project where the unprivileged user can read it."""
+    rootless_python()
+    return _staged[0] / "pnpm-project" if _staged else PNPM_PROJECT

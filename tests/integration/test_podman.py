@@ -25,7 +25,7 @@ from tests.integration.images_fixture import ensure_node_image
 
 pytestmark = [pytest.mark.podman, pytest.mark.slow]
 
-ROOTLESS_USER = os.environ.get("FUSION_OCI_ROOTLESS_USER", "fusionci")
+ROOTLESS_USER = cases.ROOTLESS_USER
 
 
 @pytest.fixture
@@ -125,15 +125,11 @@ def drive(rl: dict[str, Any], scenario: str, timeout: float = 300, **args: Any
     user = rl["user"]
     env = ["env", "-i", f"HOME={user.pw_dir}", f"USER={user.pw_name}",
            f"XDG_RUNTIME_DIR={rl['xdg']}", "PATH=/usr/local/bin:/usr/bin:/bin", "LANG=C.UTF-8"]
-    python = rl["python"]
-    if python[0] == "env":  # PYTHONPATH=... /usr/bin/python3
-        env += python[1:-1]
-        python = python[-1:]
-    else:
-        env.append(f"PYTHONPATH={cases.ROOT}")
-    out = subprocess.run(["runuser", "-u", user.pw_name, "--", *env, *python, "-m",
+    python = rl["python"]  # env PYTHONPATH=... PYTHON
+    env += python[1:-1]
+    out = subprocess.run(["runuser", "-u", user.pw_name, "--", *env, python[-1], "-m",
                           "tests.integration.rootless_driver", scenario, json.dumps(args)],
-                         capture_output=True, text=True, timeout=timeout, cwd=cases.ROOT)
+                         capture_output=True, text=True, timeout=timeout, cwd="/")
     assert out.returncode == 0, out.stderr[-3000:]
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
@@ -162,7 +158,7 @@ def test_rootless_pnpm_project_installs_tests_builds_and_commits(
 ) -> None:
     image = ensure_node_image("podman-rootless").ref
     result = drive(rootless, "pnpm", dir=str(workdir(rootless, "pnpm")), image=image,
-                   project=str(cases.PNPM_PROJECT))
+                   project=str(cases.rootless_project()))
     for step in ("install", "test", "build", "commit"):
         assert result[step]["exit"] == 0, (step, result[step])
     assert result["hooks"]["exit"] != 0, "the common dir's hooks are read-only"
