@@ -15,7 +15,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fusion_oci.audit import AuditEvent, AuditLog
 from fusion_oci.errors import (
@@ -26,8 +26,11 @@ from fusion_oci.errors import (
 from fusion_oci.models import PrepareContext, RunOptions, RunResult
 from fusion_oci.oci.host import HostInfo
 from fusion_oci.policy.settings import SandboxSettings
-from fusion_oci.runtimes.base import Runtime, requirements
+from fusion_oci.runtimes.base import Runtime, SpecRuntime, requirements
 from fusion_oci.runtimes.registry import create_runtime
+
+if TYPE_CHECKING:
+    from fusion_oci.images.gates import AskCallback
 
 
 class Sandbox:
@@ -45,8 +48,11 @@ class Sandbox:
         env: Mapping[str, str] | None = None,
         cache_root: Path | None = None,
         host: HostInfo | None = None,
+        ask: AskCallback | None = None,
     ) -> None:
+        """``ask`` answers gates configured as ``ask`` (brief 4.3); None: such gates deny."""
         self.settings = settings
+        self.ask = ask
         self.audit = audit or AuditLog()
         self.env = dict(os.environ if env is None else env)
         self.cache_root = cache_root
@@ -57,8 +63,12 @@ class Sandbox:
         self.unenforced: list[str] = []
 
     def _create(self, backend: str) -> Runtime:
-        return create_runtime(backend, self.settings, self.env,
-                              cache_root=self.cache_root, host=self.host)
+        runtime = create_runtime(backend, self.settings, self.env,
+                                 cache_root=self.cache_root, host=self.host)
+        if isinstance(runtime, SpecRuntime):
+            runtime.audit = self.audit
+            runtime.ask = self.ask
+        return runtime
 
     def _event(self, type_: Any, **fields: Any) -> None:
         ctx = self.ctx

@@ -95,6 +95,10 @@ def run(
     max_buffer: MaxBuffer = None, failure_mode: FailureMode = None, task_id: TaskId = None,
     run_id: RunId = None, task_prompt: TaskPrompt = None, cache_mode: CacheMode = None,
     host_ca: HostCa = None,
+    allow_provision: Annotated[bool, typer.Option(
+        "--allow-provision",
+        help="Answer yes to `ask` gates (image build/pull); a `deny` in settings still wins.")
+    ] = False,
     audit_log: Annotated[Path | None, typer.Option(
         "--audit-log", help="Audit JSONL file (default: PROJECT/.fusion/sandbox-audit.jsonl).")
     ] = None,
@@ -106,6 +110,7 @@ def run(
     from fusion_oci.audit import AuditLog, default_audit_path
     from fusion_oci.cli.task import caller_env, resolve_task
     from fusion_oci.errors import FusionOCIError
+    from fusion_oci.images.gates import tty_ask
     from fusion_oci.sandbox import Sandbox
 
     try:
@@ -121,7 +126,8 @@ def run(
         audit = AuditLog(audit_log or default_audit_path(task.project_dir))
 
         async def go() -> Any:
-            async with Sandbox(task.effective.settings, audit=audit, env=environ) as sandbox:
+            async with Sandbox(task.effective.settings, audit=audit, env=environ,
+                               ask=tty_ask(assume_yes=allow_provision)) as sandbox:
                 await sandbox.prepare(task.ctx)
                 return await sandbox.run(_command(command), task.opts)
 
@@ -203,10 +209,14 @@ def dry_run(task: Any, command: str | list[str], environ: dict[str, str]) -> dic
 
     settings = task.effective.settings
     host = probe_host()
-    layout = resolve_layout(task.ctx, cache_root=default_cache_root(environ),
-                            ca_bundle=resolve_ca(settings.host_ca, host.ca_bundle), create=False)
-    spec = compile_spec(task.ctx, layout, host, command, task.opts, environ)
     runtime = create_runtime(settings.backend, settings, environ, host=host)
+    ctx = task.ctx
+    default_image = getattr(runtime, "default_image", None)  # SpecRuntime-based runtimes
+    if ctx.image is None and default_image:
+        ctx = ctx.model_copy(update={"image": default_image})
+    layout = resolve_layout(ctx, cache_root=default_cache_root(environ),
+                            ca_bundle=resolve_ca(settings.host_ca, host.ca_bundle), create=False)
+    spec = compile_spec(ctx, layout, host, command, task.opts, environ)
     avail = runtime.availability()
     missing = sorted(r.value for r in requirements(task.ctx.policy) - runtime.enforces())
     return {
@@ -399,11 +409,46 @@ def audit(
     Console().print(table)
 
 
+# --- gc -------------------------------------------------------------------------------------
+
+
+@app.command()
+def gc(
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Only list what would go.")] = False,
+    include_caches: Annotated[bool, typer.Option(
+        "--include-caches", help="Also remove project cache volumes.")] = False,
+    as_json: AsJson = False,
+) -> None:
+    """Remove what crashed or killed fusion-oci processes left behind: containers and volumes
+    (podman, docker) and OCI runtime state (runc), each labelled with a dead owner."""
+    import asyncio
+    import os
+
+    from fusion_oci.gc import gc as gc_engines
+    from fusion_oci.runtimes.oci import gc_oci
+
+    report = gc_engines(env=os.environ, include_caches=include_caches, dry_run=dry_run)
+    oci_removed: list[str] = [] if dry_run else asyncio.run(gc_oci(env=os.environ))
+    removed = report.removed + [f"oci {name}" for name in oci_removed]
+    if as_json:
+        typer.echo(json.dumps({"removed": removed, "kept": report.kept,
+                               "errors": report.errors, "engines": report.engines}, indent=2))
+    else:
+        verb = "would remove" if dry_run else "removed"
+        for item in removed:
+            typer.echo(f"{verb} {item}")
+        for err in report.errors:
+            typer.echo(f"error: {err}", err=True)
+        typer.echo(f"{len(removed)} {'to remove' if dry_run else 'removed'}; engines: "
+                   + ", ".join(report.engines))
+    raise typer.Exit(1 if report.errors else 0)
+
+
 def _mount_optional() -> None:
     """Sub-apps owned by other modules (images, gc), mounted when present."""
     import importlib
 
-    for name in ("images", "gc"):
+    for name in ("images",):
         try:
             module = importlib.import_module(f"fusion_oci.cli.{name}")
         except ImportError:

@@ -24,6 +24,8 @@ from fusion_oci.models import (
 )
 
 if TYPE_CHECKING:
+    from fusion_oci.audit import AuditLog
+    from fusion_oci.images.gates import AskCallback
     from fusion_oci.oci.host import HostInfo
     from fusion_oci.oci.spec import Spec
     from fusion_oci.policy.layout import TaskLayout
@@ -145,6 +147,9 @@ class SpecRuntime:
     """
 
     id: str = "abstract"
+    default_image: str | None = None
+    """Image used when neither the task nor the settings name one (None: the host's system
+    directories)."""
 
     def __init__(self, settings: SandboxSettings, env: Mapping[str, str],
                  cache_root: Path | None = None, host: HostInfo | None = None) -> None:
@@ -154,6 +159,10 @@ class SpecRuntime:
         self._host = host
         self.ctx: PrepareContext | None = None
         self.layout: TaskLayout | None = None
+        # Services the lifecycle hands over (Sandbox sets them): where provisioning and other
+        # runtime-side events are audited, and who answers an `ask` gate.
+        self.audit: AuditLog | None = None
+        self.ask: AskCallback | None = None
 
     @property
     def host(self) -> HostInfo:

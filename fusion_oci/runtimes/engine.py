@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from fusion_oci.errors import (
     EngineError,
@@ -53,9 +53,6 @@ from fusion_oci.runtimes.containers import (
     plan_kill,
     plan_limit_probe,
 )
-
-if TYPE_CHECKING:
-    from fusion_oci.audit import AuditLog
 
 T = TypeVar("T")
 
@@ -383,6 +380,8 @@ class ContainerRuntime(SpecRuntime):
     """The lifecycle shared by the podman and docker runtimes (see containers.py for the
     layout of a task container and why a timeout kills exactly what the command started)."""
 
+    default_image = DEFAULT_IMAGE
+
     engine: Engine = "docker"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -547,7 +546,7 @@ class ContainerRuntime(SpecRuntime):
     async def prepare(self, ctx: PrepareContext) -> None:
         await self._call_probe()
         await super().prepare(ctx)
-        image = ctx.image or self.settings.image or DEFAULT_IMAGE
+        image = ctx.image or self.settings.image or self.default_image or DEFAULT_IMAGE
         self.image_ref = await self._provision(image, ctx)
         self.ctx = ctx.model_copy(update={"image": self.image_ref})
         self._seccomp = self.seccomp_profile()
@@ -801,29 +800,13 @@ class _Sink:
 
 
 async def provision_image(runtime: ContainerRuntime, image: str, ctx: PrepareContext) -> str:
-    """The image is not in the engine: hand over to provisioning (issue 5) when it is built.
+    """The image is not in the engine: provision it (gates, retries, audit; issue 5)."""
+    from fusion_oci.audit import AuditLog
+    from fusion_oci.images.provision import ensure_image
 
-    Kept in one small function so that the provisioning entry point can be rewired here alone.
-    """
-    try:
-        from fusion_oci.images.provision import ensure_image
-    except ImportError:
-        ensure_image = None  # type: ignore[assignment]
-    hint = f"build it: `fusion-oci images build {image}`"
-    if ensure_image is None:
-        raise ProvisionError(f"image '{image}' is missing from {runtime.engine}",
-                             "image provisioning is not available in this build", hint)
     adapter = runtime._adapter
     assert adapter is not None
-    audit: AuditLog | None = getattr(runtime, "audit", None)
-    if audit is None:
-        from fusion_oci.audit import AuditLog
-
-        audit = AuditLog()
-    try:
-        provisioned = await ensure_image(runtime.engine, adapter.sdk_client(), image,
-                                         runtime.settings, audit, ctx.task_id, ctx.run_id)
-    except NotImplementedError as exc:
-        raise ProvisionError(f"image '{image}' is missing from {runtime.engine}",
-                             "image provisioning is not implemented yet", hint) from exc
+    provisioned = await ensure_image(runtime.engine, adapter.sdk_client(), image,
+                                     runtime.settings, runtime.audit or AuditLog(),
+                                     ctx.task_id, ctx.run_id, ask=runtime.ask)
     return provisioned.ref

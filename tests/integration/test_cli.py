@@ -165,3 +165,34 @@ def test_doctor_lists_every_backend(worktree: Path) -> None:
     for row in rows.values():
         if not row["available"]:
             assert row["reason"]
+
+
+@pytest.mark.docker
+def test_missing_image_asks_the_gate_denies_non_interactive_and_audits(worktree: Path) -> None:
+    from tests.backends import require_runtime
+
+    require_runtime("docker")
+    image = "localhost/fusion-oci/never-built:1"
+    p = cli("run", "--backend", "docker", "--image", image, "--", "true", cwd=worktree)
+    assert p.returncode == 125, p.stderr
+    assert "sandbox_provision" in p.stderr and "--allow-provision" in p.stderr
+    events = [json.loads(line) for line in
+              (worktree / ".fusion/sandbox-audit.jsonl").read_text().splitlines()]
+    gate = [e for e in events if e["type"] == "sandbox:gate"]
+    assert gate, [e["type"] for e in events]
+    assert gate[-1]["taskId"] == "adhoc"
+    assert events[-1]["type"] == "sandbox:failure"
+
+
+@pytest.mark.docker
+@pytest.mark.podman
+def test_gc_reports_as_json(worktree: Path) -> None:
+    from tests.backends import require_runtime
+
+    require_runtime("docker")
+    require_runtime("podman")
+    p = cli("gc", "--dry-run", "--json", cwd=worktree, timeout=120)
+    assert p.returncode == 0, p.stderr
+    report = json.loads(p.stdout)
+    assert {"removed", "kept", "errors", "engines"} <= set(report)
+    assert any(e.startswith("docker") for e in report["engines"])
