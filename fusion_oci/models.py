@@ -90,6 +90,13 @@ class SandboxPolicy(Model):
     """Memory limit in MiB. None: unlimited."""
     pids_limit: Annotated[int, Field(gt=0)] | None = None
     """Most processes/threads at once. None: unlimited."""
+    tmp_size_mb: Annotated[int, Field(gt=0)] | None = None
+    """Size cap of the private ``/tmp`` and ``HOME`` (memory-backed) in MiB, so that filling
+    them cannot exhaust the host's memory. None: the kernel's default (half of RAM; with
+    memoryLimitMb set, what the command writes there counts against that limit)."""
+    file_size_limit_mb: Annotated[int, Field(gt=0)] | None = None
+    """Largest file the command may write, in MiB (RLIMIT_FSIZE: bounds a disk fill of the
+    worktree one file at a time). None: unlimited."""
 
     _check_allowed = field_validator("allowed_paths")(_absolute)
     _check_writable = field_validator("writable_paths")(_absolute)
@@ -138,6 +145,8 @@ class SandboxPolicy(Model):
             parts.append(f"cpuMs={self.cpu_limit.max_ms}")
         if self.pids_limit:
             parts.append(f"pids={self.pids_limit}")
+        if self.file_size_limit_mb:
+            parts.append(f"fsize={self.file_size_limit_mb}MiB")
         return " ".join(parts)
 
 

@@ -34,6 +34,7 @@ RLIMIT_NAMES = {
     "RLIMIT_CPU": resource.RLIMIT_CPU,
     "RLIMIT_NPROC": resource.RLIMIT_NPROC,
     "RLIMIT_CORE": resource.RLIMIT_CORE,
+    "RLIMIT_FSIZE": resource.RLIMIT_FSIZE,
 }
 
 UNLIMITED = resource.RLIM_INFINITY

@@ -184,8 +184,9 @@ def _within_hard(value: int, hard: int) -> int:
     return value if hard < 0 else min(value, hard)
 
 
-def with_rlimits(spec: Spec, host: HostInfo, cpu_ms: int | None) -> Spec:
-    """RLIMIT_NOFILE and RLIMIT_CPU, never above the host's current hard limits.
+def with_rlimits(spec: Spec, host: HostInfo, cpu_ms: int | None,
+                 file_size_mb: int | None = None) -> Spec:
+    """RLIMIT_NOFILE, RLIMIT_CPU and RLIMIT_FSIZE, never above the host's current hard limits.
 
     Raising a limit past the hard limit is refused by the kernel (and makes runc fail), so
     every value is clamped to what this process may set.
@@ -206,6 +207,10 @@ def with_rlimits(spec: Spec, host: HostInfo, cpu_ms: int | None) -> Spec:
             "soft": _within_hard(secs, chard),
             "hard": _within_hard(secs + 1, chard),
         })
+    if file_size_mb:
+        _, fhard = host.rlimits.get("RLIMIT_FSIZE", (-1, -1))
+        size = _within_hard(file_size_mb * 1024 * 1024, fhard)
+        limits.append({"type": "RLIMIT_FSIZE", "soft": size, "hard": size})
     out["process"]["rlimits"] = limits
     return out
 
@@ -241,9 +246,10 @@ def with_annotations(spec: Spec, annotations: Mapping[str, str]) -> Spec:
 
 def task_mounts(layout: TaskLayout, policy: SandboxPolicy, host: HostInfo) -> list[dict[str, Any]]:
     """The task's own mounts, in the order that gives read-only the last word where it must."""
+    size = f"{policy.tmp_size_mb}m" if policy.tmp_size_mb else None
     mounts: list[dict[str, Any]] = [
-        tmpfs("/tmp", mode="1777"),
-        tmpfs(SANDBOX_HOME, mode="700", uid=host.uid, gid=host.gid),
+        tmpfs("/tmp", mode="1777", size=size),
+        tmpfs(SANDBOX_HOME, mode="700", uid=host.uid, gid=host.gid, size=size),
     ]
     mounts += [bind(p, p, writable=False) for p in policy.allowed_paths]
     mounts += [bind(p, p, writable=True) for p in policy.writable_paths]
@@ -360,7 +366,7 @@ def compile_spec(
     cpu = policy.cpu_limit
     spec = with_cpu_quota(spec, cpu.max_cores if cpu else None)
     spec = with_pids_limit(spec, policy.pids_limit)
-    spec = with_rlimits(spec, host, cpu.max_ms if cpu else None)
+    spec = with_rlimits(spec, host, cpu.max_ms if cpu else None, policy.file_size_limit_mb)
     spec = with_user(spec, host.uid, host.gid)
     spec = with_seccomp(spec, host.arch)
     spec = with_process(

@@ -44,6 +44,8 @@ class Requirement(StrEnum):
     CPU_TIME = "cpuLimit.maxMs"
     PIDS = "pidsLimit"
     ENV = "envAllowlist"
+    TMP_SIZE = "tmpSizeMb"
+    FILE_SIZE = "fileSizeLimitMb"
 
 
 def requirements(policy: SandboxPolicy) -> frozenset[Requirement]:
@@ -62,6 +64,10 @@ def requirements(policy: SandboxPolicy) -> frozenset[Requirement]:
         need.add(Requirement.CPU_QUOTA)
     if policy.cpu_limit and policy.cpu_limit.max_ms:
         need.add(Requirement.CPU_TIME)
+    if policy.tmp_size_mb:
+        need.add(Requirement.TMP_SIZE)
+    if policy.file_size_limit_mb:
+        need.add(Requirement.FILE_SIZE)
     return frozenset(need)
 
 

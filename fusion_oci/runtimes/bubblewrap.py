@@ -71,6 +71,7 @@ PRLIMIT_FLAGS = {
     "RLIMIT_NPROC": "nproc",
     "RLIMIT_CORE": "core",
     "RLIMIT_AS": "as",
+    "RLIMIT_FSIZE": "fsize",
 }
 
 # /dev sub-mounts of the OCI default that bwrap's --dev already provides (pts, shm).
@@ -438,7 +439,9 @@ class BubblewrapRuntime(SpecRuntime):
         p = self.probe
         if p.bwrap is None or p.problem is not None:
             return frozenset()
-        out = {Requirement.FILESYSTEM, Requirement.ENV, Requirement.NETWORK_NONE}
+        # tmpfs sizes: bwrap --size.
+        out = {Requirement.FILESYSTEM, Requirement.ENV, Requirement.NETWORK_NONE,
+               Requirement.TMP_SIZE}
         if p.egress_problem is None and p.slirp4netns:
             out.add(Requirement.NETWORK_EGRESS)
         ctl = p.cgroups.controllers
@@ -447,7 +450,7 @@ class BubblewrapRuntime(SpecRuntime):
             if name in ctl:
                 out.add(req)
         if p.prlimit:
-            out.add(Requirement.CPU_TIME)
+            out |= {Requirement.CPU_TIME, Requirement.FILE_SIZE}
         return frozenset(out)
 
     def plan(self, spec: Spec) -> LaunchPlan:

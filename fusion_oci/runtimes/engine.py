@@ -488,7 +488,8 @@ class ContainerRuntime(SpecRuntime):
 
     def enforces(self) -> frozenset[Requirement]:
         need = {Requirement.FILESYSTEM, Requirement.ENV, Requirement.NETWORK_NONE,
-                Requirement.NETWORK_EGRESS, Requirement.CPU_TIME}
+                Requirement.NETWORK_EGRESS, Requirement.CPU_TIME, Requirement.TMP_SIZE,
+                Requirement.FILE_SIZE}
         try:
             self._probe()
         except SandboxSetupError:

@@ -59,7 +59,7 @@ class NativeRuntime(SpecRuntime):
                             rootless=None, details={"isolation": "none"})
 
     def enforces(self) -> frozenset[Requirement]:
-        return frozenset({Requirement.ENV, Requirement.CPU_TIME})
+        return frozenset({Requirement.ENV, Requirement.CPU_TIME, Requirement.FILE_SIZE})
 
     def _dirs(self) -> tuple[str, str]:
         if self._scratch is None:

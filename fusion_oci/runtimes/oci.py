@@ -893,7 +893,7 @@ class OciRuntime(SpecRuntime):
 
     def enforces(self) -> frozenset[Requirement]:
         out = {Requirement.FILESYSTEM, Requirement.ENV, Requirement.NETWORK_NONE,
-               Requirement.CPU_TIME}
+               Requirement.CPU_TIME, Requirement.TMP_SIZE, Requirement.FILE_SIZE}
         if self.egress_status()[0]:
             out.add(Requirement.NETWORK_EGRESS)
         return frozenset(out) | self._limits()

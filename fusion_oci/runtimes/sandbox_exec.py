@@ -90,7 +90,7 @@ class SandboxExecRuntime(SpecRuntime):
     def enforces(self) -> frozenset[Requirement]:
         return frozenset({
             Requirement.FILESYSTEM, Requirement.ENV, Requirement.NETWORK_NONE,
-            Requirement.NETWORK_EGRESS, Requirement.CPU_TIME,
+            Requirement.NETWORK_EGRESS, Requirement.CPU_TIME, Requirement.FILE_SIZE,
         })
 
     # -- the pure translation

@@ -23,7 +23,7 @@ from fusion_oci.policy.settings import SandboxSettings
 from fusion_oci.sandbox import SyncSandbox
 from tests.backends import require_runtime
 
-BACKENDS = ["native", "bubblewrap", "podman", "docker"]
+BACKENDS = ["native", "bubblewrap", "oci", "podman", "docker"]
 
 
 def engine_env(backend: str) -> dict[str, str]:
@@ -101,7 +101,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 
 MARKS = {"native": pytest.mark.native, "bubblewrap": pytest.mark.bubblewrap,
-         "podman": pytest.mark.podman, "docker": pytest.mark.docker}
+         "oci": pytest.mark.oci, "podman": pytest.mark.podman, "docker": pytest.mark.docker}
 
 
 @dataclass

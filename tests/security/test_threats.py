@@ -313,6 +313,27 @@ def test_output_flood_is_cut_at_max_buffer(prober: Prober) -> None:
     assert len(result.stdout.encode()) <= 1 << 16
 
 
+def test_disk_fill_of_tmp_is_bounded(prober: Prober) -> None:
+    policy = SandboxPolicy(allow_network=False, tmp_size_mb=32)
+    result = prober.run("true", policy)
+    if "tmpSizeMb" in result.unenforced:  # native: /tmp is a host directory; not filled here
+        record("disk-fill-tmp", prober.backend, "unenforced")
+        return
+    prober.run("dd if=/dev/zero of=/tmp/fill bs=1M count=200 2>/dev/null; "
+               "stat -c %s /tmp/fill > tmp-size", policy)
+    size = int((prober.worktree / "tmp-size").read_text())
+    record("disk-fill-tmp", prober.backend, "leaks" if size > 32 << 20 else "blocked")
+    assert size <= 32 << 20, f"/tmp took {size} bytes past its 32 MiB cap"
+
+
+def test_disk_fill_of_the_worktree_is_bounded_per_file(prober: Prober) -> None:
+    policy = SandboxPolicy(allow_network=False, file_size_limit_mb=8)
+    prober.run("dd if=/dev/zero of=big bs=1M count=64 2>/dev/null; true", policy)
+    size = (prober.worktree / "big").stat().st_size
+    record("disk-fill-worktree", prober.backend, "leaks" if size > 8 << 20 else "blocked")
+    assert size <= 8 << 20, f"a file of {size} bytes was written past the 8 MiB limit"
+
+
 def test_term_ignoring_double_forked_daemon_is_ended(prober: Prober) -> None:
     marker = f"{800 + secrets.randbelow(99)}.{secrets.randbelow(10**6)}"
     daemon = f"trap '' TERM HUP; while :; do sleep {marker}; done"

@@ -44,6 +44,7 @@ POLICIES = {
         allow_network=False, memory_limit_mb=512, pids_limit=128,
         cpu_limit=CpuLimit(max_cores=1.5, max_ms=60_000),
         allowed_paths=["/opt/sdk"], writable_paths=["/work/shared-out"], env_allowlist=["CI"],
+        tmp_size_mb=256, file_size_limit_mb=100,
     ),
     "host-network": SandboxPolicy(network="host"),
 }

@@ -250,7 +250,8 @@ def test_enforces_follows_controllers_and_rootless() -> None:
     rt._egress = (False, "no slirp4netns")
     assert rt.enforces() == {
         Requirement.FILESYSTEM, Requirement.ENV, Requirement.NETWORK_NONE, Requirement.CPU_TIME,
-        Requirement.MEMORY, Requirement.PIDS, Requirement.CPU_QUOTA,
+        Requirement.MEMORY, Requirement.PIDS, Requirement.CPU_QUOTA, Requirement.TMP_SIZE,
+        Requirement.FILE_SIZE,
     }
     rt._egress = (True, "/usr/bin/slirp4netns")
     assert Requirement.NETWORK_EGRESS in rt.enforces()
