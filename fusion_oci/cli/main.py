@@ -72,10 +72,14 @@ def _fail(exc: Exception) -> NoReturn:
     raise typer.Exit(code)
 
 
-def _flags(**kwargs: Any) -> TaskFlags:
+def _flags(params: dict[str, Any]) -> TaskFlags:
+    """The command's own parameters (its ``locals()``) that are task flags."""
+    import dataclasses
+
     from fusion_oci.cli.task import TaskFlags
 
-    return TaskFlags(**kwargs)
+    names = {f.name for f in dataclasses.fields(TaskFlags)}
+    return TaskFlags(**{k: v for k, v in params.items() if k in names})
 
 
 def _command(command: list[str]) -> str | list[str]:
@@ -105,6 +109,7 @@ def run(
     as_json: AsJson = False,
 ) -> None:
     """Run COMMAND in the sandbox; its stdout/stderr pass through, its exit status is ours."""
+    params = dict(locals())
     import asyncio
 
     from fusion_oci.audit import AuditLog, default_audit_path
@@ -114,13 +119,7 @@ def run(
     from fusion_oci.sandbox import Sandbox
 
     try:
-        flags = _flags(
-            backend=backend, worktree=worktree, image=image, network=network,
-            allow_path=allow_path, writable_path=writable_path, env=env, memory_mb=memory_mb,
-            cpus=cpus, cpu_time_ms=cpu_time_ms, pids=pids, timeout_ms=timeout_ms,
-            max_buffer=max_buffer, failure_mode=failure_mode, task_id=task_id, run_id=run_id,
-            task_prompt=task_prompt, cache_mode=cache_mode, host_ca=host_ca,
-        )
+        flags = _flags(params)
         environ = caller_env()
         task = resolve_task(flags, environ)
         audit = AuditLog(audit_log or default_audit_path(task.project_dir))
@@ -166,17 +165,12 @@ def plan(
     host_ca: HostCa = None, as_json: AsJson = False,
 ) -> None:
     """Dry run: the resolved policy, the bundle's config.json and the runtime's launch plan."""
+    params = dict(locals())
     from fusion_oci.cli.task import caller_env, resolve_task
     from fusion_oci.errors import FusionOCIError
 
     try:
-        flags = _flags(
-            backend=backend, worktree=worktree, image=image, network=network,
-            allow_path=allow_path, writable_path=writable_path, env=env, memory_mb=memory_mb,
-            cpus=cpus, cpu_time_ms=cpu_time_ms, pids=pids, timeout_ms=timeout_ms,
-            max_buffer=max_buffer, failure_mode=failure_mode, task_id=task_id, run_id=run_id,
-            task_prompt=task_prompt, cache_mode=cache_mode, host_ca=host_ca,
-        )
+        flags = _flags(params)
         environ = caller_env()
         task = resolve_task(flags, environ)
         data = dry_run(task, _command(command), environ)
@@ -294,6 +288,7 @@ def bundle_create(
     cache_mode: CacheMode = None, host_ca: HostCa = None,
 ) -> None:
     """Write an OCI bundle (config.json + rootfs/) for COMMAND, atomically."""
+    params = dict(locals())
     from fusion_oci.cli.task import caller_env, resolve_task
     from fusion_oci.errors import FusionOCIError
     from fusion_oci.oci.bundle import write_bundle
@@ -303,12 +298,7 @@ def bundle_create(
     from fusion_oci.runtimes.base import default_cache_root
 
     try:
-        flags = _flags(
-            worktree=worktree, image=image, network=network, allow_path=allow_path,
-            writable_path=writable_path, env=env, memory_mb=memory_mb, cpus=cpus,
-            cpu_time_ms=cpu_time_ms, pids=pids, task_id=task_id, run_id=run_id,
-            cache_mode=cache_mode, host_ca=host_ca,
-        )
+        flags = _flags(params)
         environ = caller_env()
         task = resolve_task(flags, environ)
         settings = task.effective.settings

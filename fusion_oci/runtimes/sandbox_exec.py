@@ -13,9 +13,7 @@ so ``fusion-oci plan --backend sandbox-exec`` can show the profile anywhere.
 
 from __future__ import annotations
 
-import shutil
 import sys
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -23,13 +21,10 @@ from typing import Any
 from fusion_oci.errors import BundleError, RuntimeUnavailableError
 from fusion_oci.models import PrepareContext, RunOptions, RunResult, SandboxCapabilities
 from fusion_oci.oci.spec import ANN_IMAGE, Spec
-from fusion_oci.process import reaper_argv, run_process
-from fusion_oci.runtimes.base import Availability, LaunchPlan, Requirement, SpecRuntime
-from fusion_oci.runtimes.native import native_env, native_rlimits
+from fusion_oci.runtimes.base import Availability, LaunchPlan, Requirement
+from fusion_oci.runtimes.hostproc import HostProcessRuntime, native_env, native_rlimits
 from fusion_oci.runtimes.seatbelt import SANDBOX_EXEC, SeatbeltProfile, seatbelt_profile
 
-PLACEHOLDER_HOME = "<private-home>"
-PLACEHOLDER_TMP = "<private-tmp>"
 MAC_EXTRA_PATH = ("/opt/homebrew/bin", "/opt/homebrew/sbin")
 """Where Homebrew puts node, pnpm and git on Apple silicon (Intel's /usr/local is already on
 the sandbox PATH)."""
@@ -44,7 +39,7 @@ def mac_env(spec: Spec, home: str, tmp: str) -> dict[str, str]:
     return env
 
 
-class SandboxExecRuntime(SpecRuntime):
+class SandboxExecRuntime(HostProcessRuntime):
     id = "sandbox-exec"
 
     def __init__(self, settings: Any, env: Mapping[str, str],
@@ -52,7 +47,6 @@ class SandboxExecRuntime(SpecRuntime):
                  *, platform: str | None = None) -> None:
         super().__init__(settings, env, cache_root=cache_root, host=host)
         self.platform = platform or sys.platform
-        self._scratch: Path | None = None
 
     def capabilities(self) -> SandboxCapabilities:
         return SandboxCapabilities(
@@ -94,11 +88,6 @@ class SandboxExecRuntime(SpecRuntime):
         })
 
     # -- the pure translation
-
-    def _dirs(self) -> tuple[str, str]:
-        if self._scratch is None:
-            return PLACEHOLDER_HOME, PLACEHOLDER_TMP
-        return str(self._scratch / "home"), str(self._scratch / "tmp")
 
     def profile(self, spec: Spec) -> SeatbeltProfile:
         """The Seatbelt profile and its ``-D`` parameters for ``spec``. Pure."""
@@ -142,9 +131,6 @@ class SandboxExecRuntime(SpecRuntime):
                               "it sandboxes the host's own tools; images need a container",
                               "drop sandbox.image, or choose docker or podman")
         await super().prepare(ctx)
-        self._scratch = Path(tempfile.mkdtemp(prefix=f"fusion-oci-{ctx.task_id}-"))
-        for sub in ("home", "tmp"):
-            (self._scratch / sub).mkdir(mode=0o700)
 
     async def execute(self, spec: Spec, opts: RunOptions) -> RunResult:
         home, tmp = self._dirs()
@@ -152,19 +138,5 @@ class SandboxExecRuntime(SpecRuntime):
         # Seatbelt matches resolved paths: resolve any other symlinks now (plan() stays pure;
         # canonical_path already took /var, /tmp and /etc to /private).
         resolved = profile.resolved()
-        outcome = await run_process(
-            reaper_argv(resolved.argv(list(spec["process"]["args"])), native_rlimits(spec)),
-            env=mac_env(spec, home, tmp),
-            cwd=spec["process"]["cwd"],
-            stdin=opts.stdin,
-            timeout_s=opts.timeout_ms / 1000,
-            max_buffer=opts.max_buffer,
-            term_group=False,
-        )
-        return self.result(outcome, spec)
-
-    async def dispose(self) -> None:
-        if self._scratch is not None:
-            shutil.rmtree(self._scratch, ignore_errors=True)
-            self._scratch = None
-        await super().dispose()
+        return await self.run_reaped(resolved.argv(list(spec["process"]["args"])),
+                                     mac_env(spec, home, tmp), spec, opts)

@@ -1,0 +1,82 @@
+"""What the runtimes that run the command as a host process share (native, sandbox-exec).
+
+A private scratch HOME and TMPDIR per task, the spec's sandbox paths mapped back to host
+paths, and the run itself inside the subreaper shim (timeout, whole-tree kill, rlimits).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from fusion_oci.models import PrepareContext, RunOptions, RunResult
+from fusion_oci.oci.spec import SANDBOX_HOME, Spec, spec_env
+from fusion_oci.process import reaper_argv, run_process
+from fusion_oci.runtimes.base import SpecRuntime
+
+PLACEHOLDER_HOME = "<private-home>"
+PLACEHOLDER_TMP = "<private-tmp>"
+
+
+def native_env(spec: Spec, home: str, tmp: str) -> dict[str, str]:
+    """The spec's env with sandbox-only paths mapped back to their host sources. Pure."""
+    env = spec_env(spec)
+    binds = {
+        m["destination"]: m["source"]
+        for m in spec["mounts"]
+        if m.get("type") == "bind" and m["destination"] != m["source"]
+    }
+    binds[SANDBOX_HOME] = home
+    binds["/tmp"] = tmp
+    for key, value in env.items():
+        for dest, src in binds.items():
+            if value == dest or value.startswith(dest + "/"):
+                env[key] = src + value[len(dest):]
+                break
+    return env
+
+
+def native_rlimits(spec: Spec) -> list[tuple[str, int, int]]:
+    return [(r["type"], r["soft"], r["hard"]) for r in spec["process"].get("rlimits", [])]
+
+
+class HostProcessRuntime(SpecRuntime):
+    """Base of runtimes whose command is a host process under the reaper shim."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._scratch: Path | None = None
+
+    def _dirs(self) -> tuple[str, str]:
+        """(HOME, TMPDIR) on the host; placeholders before prepare, so plans stay pure."""
+        if self._scratch is None:
+            return PLACEHOLDER_HOME, PLACEHOLDER_TMP
+        return str(self._scratch / "home"), str(self._scratch / "tmp")
+
+    async def prepare(self, ctx: PrepareContext) -> None:
+        await super().prepare(ctx)
+        self._scratch = Path(tempfile.mkdtemp(prefix=f"fusion-oci-{ctx.task_id}-"))
+        for sub in ("home", "tmp"):
+            (self._scratch / sub).mkdir(mode=0o700)
+
+    async def run_reaped(self, argv: Sequence[str], env: dict[str, str], spec: Spec,
+                         opts: RunOptions) -> RunResult:
+        outcome = await run_process(
+            reaper_argv(argv, native_rlimits(spec)),
+            env=env,
+            cwd=spec["process"]["cwd"],
+            stdin=opts.stdin,
+            timeout_s=opts.timeout_ms / 1000,
+            max_buffer=opts.max_buffer,
+            term_group=False,  # the shim ends the tree itself, then dies by the same signal
+        )
+        return self.result(outcome, spec)
+
+    async def dispose(self) -> None:
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._scratch = None
+        await super().dispose()
