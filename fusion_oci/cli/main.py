@@ -434,22 +434,18 @@ def gc(
     raise typer.Exit(1 if report.errors else 0)
 
 
-def _mount_optional() -> None:
-    """Sub-apps owned by other modules (images, gc), mounted when present."""
-    import importlib
+def _mount_images(argv: list[str]) -> None:
+    """The `images` sub-app, mounted only when it can be asked for: its imports (SDKs, rich
+    progress) would otherwise slow down every `fusion-oci run`."""
+    first = next((a for a in argv if not a.startswith("-")), None)
+    if first in (None, "images"):
+        from fusion_oci.cli.images import app as images_app
 
-    for name in ("images",):
-        try:
-            module = importlib.import_module(f"fusion_oci.cli.{name}")
-        except ImportError:
-            continue
-        sub = getattr(module, "app", None)
-        if sub is not None:
-            app.add_typer(sub, name=name)
+        app.add_typer(images_app, name="images")
 
 
 def main() -> None:
-    _mount_optional()
+    _mount_images(sys.argv[1:])
     try:
         app()
     except SystemExit:

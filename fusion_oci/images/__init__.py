@@ -10,17 +10,45 @@ Public entry points:
 - :func:`bootstrap_base` — the offline Debian base for machines without a registry.
 """
 
-from fusion_oci.images.bootstrap import BootstrapResult, bootstrap_base
-from fusion_oci.images.engine import EngineClient, EngineTarget, engine_targets, open_engine
-from fusion_oci.images.gates import AuditContext, GateRequest, ProvisionGate, tty_ask
-from fusion_oci.images.provision import (
-    Engine,
-    ProvisionedImage,
-    ProvisionOptions,
-    ensure_image,
-)
-from fusion_oci.images.retry import RetryPolicy
-from fusion_oci.images.spec import BASE_REF, PUBLIC_BASE, ImageSpec, resolve_image
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fusion_oci.images.bootstrap import BootstrapResult, bootstrap_base
+    from fusion_oci.images.engine import EngineClient, EngineTarget, engine_targets, open_engine
+    from fusion_oci.images.gates import AuditContext, GateRequest, ProvisionGate, tty_ask
+    from fusion_oci.images.provision import (
+        Engine,
+        ProvisionedImage,
+        ProvisionOptions,
+        ensure_image,
+    )
+    from fusion_oci.images.retry import RetryPolicy
+    from fusion_oci.images.spec import BASE_REF, PUBLIC_BASE, ImageSpec, resolve_image
+
+# Lazy, like the top-level package: `fusion-oci run` reaches the gates module on every command
+# and must not pay for the build, bootstrap and progress machinery.
+_WHERE = {
+    "BootstrapResult": "bootstrap", "bootstrap_base": "bootstrap",
+    "EngineClient": "engine", "EngineTarget": "engine", "engine_targets": "engine",
+    "open_engine": "engine",
+    "AuditContext": "gates", "GateRequest": "gates", "ProvisionGate": "gates",
+    "tty_ask": "gates",
+    "Engine": "provision", "ProvisionedImage": "provision", "ProvisionOptions": "provision",
+    "ensure_image": "provision",
+    "RetryPolicy": "retry",
+    "BASE_REF": "spec", "PUBLIC_BASE": "spec", "ImageSpec": "spec", "resolve_image": "spec",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        import importlib
+
+        return getattr(importlib.import_module(f"fusion_oci.images.{_WHERE[name]}"), name)
+    raise AttributeError(f"module 'fusion_oci.images' has no attribute {name!r}")
+
 
 __all__ = [
     "BASE_REF",
