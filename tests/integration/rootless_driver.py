@@ -151,8 +151,30 @@ async def collect(args: dict[str, Any]) -> dict[str, Any]:
     return {"removed": report.removed, "errors": report.errors}
 
 
+async def probe(args: dict[str, Any]) -> dict[str, Any]:
+    """One command of a security probe (tests/security): the caller's settings, context, run
+    options and environment, as that suite runs them in-process for the other backends.
+
+    A policy the lifecycle refuses comes back as ``refused`` (the parts it cannot enforce),
+    so that the caller can raise the same error; any other error propagates (non-zero exit).
+    """
+    from fusion_oci.errors import PolicyNotEnforceableError
+
+    sandbox_settings = SandboxSettings.model_validate(args["settings"])
+    ctx = PrepareContext.model_validate(args["ctx"])
+    opts = RunOptions.model_validate(args["opts"])
+    try:
+        async with Sandbox(sandbox_settings, env=args["env"],
+                           cache_root=Path(args["cacheRoot"])) as sb:
+            await sb.prepare(ctx)
+            result = await sb.run(args["command"], opts)
+    except PolicyNotEnforceableError as exc:
+        return {"refused": exc.unenforced, "message": exc.render()}
+    return {"result": result.model_dump(mode="json", by_alias=True)}
+
+
 SCENARIOS = {"availability": availability, "pnpm": pnpm, "timeout": timeout,
-             "network": network, "leftovers": leftovers, "gc": collect}
+             "network": network, "leftovers": leftovers, "gc": collect, "probe": probe}
 
 
 def main() -> None:

@@ -6,24 +6,39 @@ the test owns, a process the test started still alive). ``EXPECT`` says per back
 probe must be blocked or must leak: native isolates nothing, so there a probe is asserted to
 leak, which proves that the probe can see a leak at all. A container runtime joins by adding
 its id to ``BACKENDS`` (and any deviations to ``EXPECT``).
+
+``podman-rootless`` is the podman runtime driven as the unprivileged CI user: each command
+goes through ``tests.integration.rootless_driver probe`` under ``runuser``, while the host-side
+checks stay here (as root). Everything a probe targets (the fake $HOME, the worktree, the
+"outside" files) belongs to that user on the host, so a leak is stopped by the sandbox or not
+at all, never by host permissions; the processes a probe attacks run as that user too.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import pwd
+import shutil
+import subprocess
+import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import pytest
 
+from fusion_oci.errors import PolicyNotEnforceableError
 from fusion_oci.models import CacheMode, PrepareContext, RunOptions, RunResult, SandboxPolicy
 from fusion_oci.policy.settings import SandboxSettings
 from fusion_oci.sandbox import SyncSandbox
-from tests.backends import require_runtime
+from tests.backends import require, require_runtime
 
-BACKENDS = ["native", "bubblewrap", "oci", "podman", "docker"]
+BACKENDS = ["native", "bubblewrap", "oci", "podman", "docker", "podman-rootless"]
+ROOTLESS = "podman-rootless"
+ROOTLESS_USER = os.environ.get("FUSION_OCI_ROOTLESS_USER", "fusionci")
 
 
 def engine_env(backend: str) -> dict[str, str]:
@@ -32,11 +47,18 @@ def engine_env(backend: str) -> dict[str, str]:
         return {"DOCKER_HOST": os.environ["DOCKER_HOST"]}
     if backend == "podman" and os.environ.get("FUSION_OCI_PODMAN_URL"):
         return {"CONTAINER_HOST": os.environ["FUSION_OCI_PODMAN_URL"]}
+    if backend == ROOTLESS:
+        # The user's own socket, found through its runtime dir as podman itself finds it.
+        try:
+            return {"XDG_RUNTIME_DIR": f"/run/user/{pwd.getpwnam(ROOTLESS_USER).pw_uid}"}
+        except KeyError:
+            return {}
     return {}
 
 Expect = Literal["blocked", "leaks", "unenforced"]
 """blocked: the host is untouched. leaks: the probe gets through (asserted, to prove the probe
-works). unenforced: the backend cannot enforce it and says so in RunResult.unenforced; the
+works). unenforced: the backend cannot enforce it and says so (native: in
+RunResult.unenforced; a sandbox backend: it refuses the policy, PolicyNotEnforceableError); the
 harmful command is not run (a fork bomb on the bare host would harm the machine)."""
 
 EXPECT: dict[tuple[str, str], Expect] = {
@@ -62,10 +84,25 @@ EXPECT: dict[tuple[str, str], Expect] = {
     ("privileged-syscalls", "native"): "leaks",
     ("engine-sockets", "native"): "leaks",
     ("term-ignoring-daemon", "native"): "blocked",  # the reaper shim ends the whole tree
+    ("disk-fill-tmp", "native"): "unenforced",  # /tmp is the host's own directory
+    # Rootless podman gets no cgroup of its own on a cgroup v1 host: the lifecycle refuses
+    # memory, pids and CPU-quota limits there (PolicyNotEnforceableError) rather than let
+    # podman ignore them. Where the user's engine reports cgroup v2 they are enforced, and
+    # expected() turns these back into "blocked".
+    ("fork-bomb", ROOTLESS): "unenforced",
+    ("memory-hog", ROOTLESS): "unenforced",
 }
+
+CGROUP_LIMIT_PROBES = {"fork-bomb", "memory-hog"}
+
+# What the rootless engine said about itself (availability details), once per session.
+ROOTLESS_ENGINE: dict[str, str] = {}
 
 
 def expected(probe: str, backend: str) -> Expect:
+    if (backend == ROOTLESS and probe in CGROUP_LIMIT_PROBES
+            and ROOTLESS_ENGINE.get("cgroup", "v1") != "v1"):
+        return "blocked"
     return EXPECT.get((probe, backend), "blocked")
 
 
@@ -101,7 +138,43 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 
 MARKS = {"native": pytest.mark.native, "bubblewrap": pytest.mark.bubblewrap,
-         "oci": pytest.mark.oci, "podman": pytest.mark.podman, "docker": pytest.mark.docker}
+         "oci": pytest.mark.oci, "podman": pytest.mark.podman, "docker": pytest.mark.docker,
+         ROOTLESS: pytest.mark.podman_rootless}
+
+
+@dataclass(frozen=True)
+class RootlessUser:
+    """The unprivileged user whose rootless podman the ``podman-rootless`` probes use."""
+
+    name: str
+    uid: int
+    gid: int
+    home: str
+    xdg: str
+    python: list[str]
+    """``env PYTHONPATH=... PYTHON`` the user can run (container_cases.rootless_python)."""
+    image: str = ""
+    """The node image's reference in the user's podman storage."""
+
+    def drive(self, scenario: str, args: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """Run a rootless_driver scenario as the user; its JSON answer."""
+        env = ["env", "-i", f"HOME={self.home}", f"USER={self.name}",
+               f"XDG_RUNTIME_DIR={self.xdg}", "PATH=/usr/local/bin:/usr/bin:/bin",
+               "LANG=C.UTF-8", *self.python[1:-1]]
+        out = subprocess.run(["runuser", "-u", self.name, "--", *env, self.python[-1], "-m",
+                              "tests.integration.rootless_driver", scenario, json.dumps(args)],
+                             capture_output=True, text=True, timeout=timeout, cwd="/")
+        assert out.returncode == 0, f"rootless driver '{scenario}' failed:\n{out.stderr[-3000:]}"
+        answer: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+        return answer
+
+    def hand_over(self, tree: Path) -> None:
+        """Make everything under ``tree`` the user's: what the probe's command may reach on
+        the host natively, so that only the sandbox stands between it and a leak."""
+        os.lchown(tree, self.uid, self.gid)
+        for parent, dirs, files in os.walk(tree):
+            for name in dirs + files:
+                os.lchown(os.path.join(parent, name), self.uid, self.gid)
 
 
 @dataclass
@@ -113,23 +186,95 @@ class Prober:
     worktree: Path
     home: Path
     env: dict[str, str] = field(default_factory=dict)
+    rootless: RootlessUser | None = None
+    """Set for podman-rootless: commands run as this user, through the rootless driver."""
 
     def run(self, command: str, policy: SandboxPolicy | None = None, *,
-            timeout_ms: int = 20_000, worktree: Path | None = None) -> RunResult:
+            timeout_ms: int = 20_000, worktree: Path | None = None,
+            max_buffer: int | None = None, cache_mode: CacheMode = CacheMode.OFF,
+            project_dir: Path | None = None, task_id: str = "probe") -> RunResult:
+        """Prepare, run ``command`` once, dispose. A policy the backend cannot enforce raises
+        :class:`PolicyNotEnforceableError` (native runs it and lists it in ``unenforced``)."""
         policy = policy or SandboxPolicy(allow_network=False)
-        settings = SandboxSettings(backend=self.backend, policy=policy)  # type: ignore[arg-type]
-        ctx = PrepareContext(task_id="probe", run_id="run", policy=policy,
+        ctx = PrepareContext(task_id=task_id, run_id="run", policy=policy,
                              worktree_path=str(worktree or self.worktree),
-                             cache_mode=CacheMode.OFF)
+                             cache_mode=cache_mode,
+                             project_dir=str(project_dir) if project_dir else None)
+        extra = {"max_buffer": max_buffer} if max_buffer else {}
+        opts = RunOptions(timeout_ms=timeout_ms, env=self.env, **extra)
+        if self.rootless is not None:
+            return self._run_rootless(self.rootless, command, policy, ctx, opts)
+        settings = SandboxSettings(backend=self.backend, policy=policy)  # type: ignore[arg-type]
         with SyncSandbox(settings, env=self.env, cache_root=self.tmp / "cache") as sb:
             sb.prepare(ctx)
-            return sb.run(command, RunOptions(timeout_ms=timeout_ms, env=self.env))
+            return sb.run(command, opts)
+
+    def _run_rootless(self, user: RootlessUser, command: str, policy: SandboxPolicy,
+                      ctx: PrepareContext, opts: RunOptions) -> RunResult:
+        settings = SandboxSettings(backend="podman", policy=policy, image=user.image)
+        user.hand_over(self.tmp)  # whatever the test put there since the last run
+        answer = user.drive("probe", {
+            "settings": settings.model_dump(mode="json", by_alias=True),
+            "ctx": ctx.model_dump(mode="json", by_alias=True),
+            "opts": opts.model_dump(mode="json", by_alias=True),
+            "env": self.env, "cacheRoot": str(self.tmp / "cache"), "command": command,
+        }, timeout=opts.timeout_ms / 1000 + 120)
+        if "refused" in answer:
+            raise PolicyNotEnforceableError("podman", answer["refused"])
+        return RunResult.model_validate(answer["result"])
+
+    @property
+    def host_python(self) -> str:
+        """A python that the owner of host_process() processes can run."""
+        return self.rootless.python[-1] if self.rootless else sys.executable
+
+    def host_process(self, argv: list[str]) -> subprocess.Popen[bytes]:
+        """A host process for a probe to attack (signal, ptrace, read). Rootless: the
+        sandbox user's own, which that user could reach natively; else this test's."""
+        if self.rootless is None:
+            return subprocess.Popen(argv, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL)
+        return subprocess.Popen(argv, user=self.rootless.uid, group=self.rootless.gid,
+                                extra_groups=[], cwd=self.tmp, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+
+
+@pytest.fixture(scope="session")
+def rootless_user() -> Iterator[RootlessUser]:
+    """The rootless podman user, checked once: a missing setup fails where CI requires it."""
+    from tests.integration.container_cases import rootless_python
+    from tests.integration.images_fixture import ensure_node_image
+
+    try:
+        user = pwd.getpwnam(ROOTLESS_USER)
+    except KeyError:
+        require(ROOTLESS, False, f"user {ROOTLESS_USER} does not exist")
+        raise
+    require(ROOTLESS, os.getuid() == 0, "the rootless probes switch user with runuser")
+    xdg = f"/run/user/{user.pw_uid}"
+    require(ROOTLESS, Path(xdg, "podman", "podman.sock").exists(),
+            f"no rootless podman socket in {xdg} (scripts/services.sh start podman-rootless)")
+    rl = RootlessUser(user.pw_name, user.pw_uid, user.pw_gid, user.pw_dir, xdg,
+                      rootless_python())
+    avail = rl.drive("availability", {}, timeout=120)
+    require(ROOTLESS, bool(avail["available"]), str(avail["reason"]))
+    require(ROOTLESS, bool(avail["rootless"]), f"the podman at {xdg} is not rootless")
+    ROOTLESS_ENGINE.update({k: str(v) for k, v in (avail["details"] or {}).items()})
+    rl = RootlessUser(rl.name, rl.uid, rl.gid, rl.home, rl.xdg, rl.python,
+                      ensure_node_image(ROOTLESS).ref)
+    yield rl
+    # Shared-mode cache volumes outlive their task by design; their directories are gone
+    # by now, so gc (as the user) removes them.
+    report = rl.drive("gc", {}, timeout=300)
+    assert report["errors"] == [], report
 
 
 @pytest.fixture(params=[pytest.param(b, marks=MARKS[b]) for b in BACKENDS])
 def backend(request: pytest.FixtureRequest) -> str:
     name: str = request.param
-    if engine_env(name):
+    if name == ROOTLESS:
+        request.getfixturevalue("rootless_user")
+    elif engine_env(name):
         from fusion_oci.runtimes.registry import create_runtime
         from tests.backends import require
 
@@ -142,12 +287,40 @@ def backend(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def prober(backend: str, tmp_path: Path) -> Iterator[Prober]:
+def prober(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Prober]:
     """A caller with its own $HOME (holding secrets) and a task worktree beside it."""
-    home = tmp_path / "home"
+    rootless: RootlessUser | None = None
+    base = tmp_path
+    if backend == ROOTLESS:
+        rootless = request.getfixturevalue("rootless_user")
+        # pytest's tmp_path sits under root-only (0700) directories the user cannot enter.
+        base = Path(tempfile.mkdtemp(prefix="fusion-oci-probe-"))
+        base.chmod(0o755)
+    home = base / "home"
     (home / ".ssh").mkdir(parents=True)
-    worktree = tmp_path / "wt"
+    worktree = base / "wt"
     worktree.mkdir()
     env = {"HOME": str(home), "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
            "LANG": "C.UTF-8", **engine_env(backend)}
-    yield Prober(backend, tmp_path, worktree, home, env)
+    try:
+        yield Prober(backend, base, worktree, home, env, rootless)
+    finally:
+        if base != tmp_path:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def linked_worktree(prober: Prober) -> tuple[Path, Path]:
+    """(main repository, linked worktree) beside the prober's worktree (tests/conftest.py's
+    fixture, placed where the rootless user can reach it)."""
+    from tests.conftest import git
+
+    repo = prober.tmp / "repo"
+    repo.mkdir()
+    git(repo, "init", "-q", "-b", "main")
+    (repo / "README").write_text("hello\n")
+    git(repo, "add", "README")
+    git(repo, "commit", "-qm", "init")
+    wt = prober.tmp / "wt-task"
+    git(repo, "worktree", "add", "-q", "-b", "task", str(wt))
+    return repo, wt

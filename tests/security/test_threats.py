@@ -13,7 +13,6 @@ import secrets
 import socket
 import stat
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -21,11 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from fusion_oci.models import CacheMode, PrepareContext, RunOptions, SandboxPolicy
-from fusion_oci.policy.settings import SandboxSettings
-from fusion_oci.sandbox import SyncSandbox
-from tests.security.conftest import Prober, record
-from tests.security.test_probes import check
+from fusion_oci.models import CacheMode, SandboxPolicy
+from tests.security.conftest import Prober, expected, record
+from tests.security.test_probes import assert_unenforced, check
 
 
 def canary() -> str:
@@ -162,8 +159,9 @@ def test_network_none_blocks_udp_and_dns(prober: Prober) -> None:
 
 
 @contextlib.contextmanager
-def dashboard() -> Iterator[tuple[subprocess.Popen[bytes], int]]:
-    """A stand-in for the Fusion dashboard: an HTTP server on host loopback (4040 if free)."""
+def dashboard(prober: Prober) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """A stand-in for the Fusion dashboard: an HTTP server on host loopback (4040 if free),
+    run by the user the sandbox runs as where that differs from this test's (rootless)."""
     port = 4040
     with socket.socket() as s:
         try:
@@ -171,8 +169,8 @@ def dashboard() -> Iterator[tuple[subprocess.Popen[bytes], int]]:
         except OSError:
             s.bind(("127.0.0.1", 0))  # 4040 is taken on this machine: never disturb it
             port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "http.server", "--bind", "127.0.0.1",
-                               str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = prober.host_process([prober.host_python, "-m", "http.server", "--bind",
+                                  "127.0.0.1", str(port)])
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
@@ -195,7 +193,7 @@ def _dashboard_answers(port: int) -> bool:
 
 
 def test_egress_cannot_reach_kill_or_take_over_the_dashboard(prober: Prober) -> None:
-    with dashboard() as (server, port):
+    with dashboard(prober) as (server, port):
         cmd = (f"curl -s -m 3 http://127.0.0.1:{port}/ && echo reached; "
                f"curl -s -m 3 http://10.0.2.2:{port}/ && echo reached; "
                f"kill -9 {server.pid}; "
@@ -213,7 +211,7 @@ def test_egress_cannot_reach_kill_or_take_over_the_dashboard(prober: Prober) -> 
 
 def test_proc_shows_no_host_processes_or_root(prober: Prober) -> None:
     marker = canary()
-    host_proc = subprocess.Popen(["sh", "-c", "sleep 60; :", marker])
+    host_proc = prober.host_process(["sh", "-c", "sleep 60; :", marker])
     secret = prober.tmp / "proc-secret"
     secret.write_text(marker)
     try:
@@ -267,7 +265,7 @@ open("privileged.txt", "w").write(" ".join(out))
 
 
 def test_mount_unshare_ptrace_keyctl_raw_sockets_are_refused(prober: Prober) -> None:
-    victim = subprocess.Popen(["sleep", "60"])
+    victim = prober.host_process(["sleep", "60"])
     try:
         (prober.worktree / "probe.py").write_text(PRIVILEGED)
         prober.run(f"python3 probe.py {victim.pid}")
@@ -299,13 +297,7 @@ def test_container_engine_sockets_are_never_mounted(prober: Prober) -> None:
 
 
 def test_output_flood_is_cut_at_max_buffer(prober: Prober) -> None:
-    settings_policy = SandboxPolicy(allow_network=False)
-    settings = SandboxSettings(backend=prober.backend, policy=settings_policy)  # type: ignore[arg-type]
-    ctx = PrepareContext(task_id="probe", run_id="run", worktree_path=str(prober.worktree),
-                         policy=settings_policy, cache_mode=CacheMode.OFF)
-    with SyncSandbox(settings, env=prober.env, cache_root=prober.tmp / "cache") as sb:
-        sb.prepare(ctx)
-        result = sb.run("cat /dev/zero", RunOptions(max_buffer=1 << 16, timeout_ms=30_000))
+    result = prober.run("cat /dev/zero", max_buffer=1 << 16, timeout_ms=30_000)
     cut = result.truncated and result.reason == "max-buffer"
     record("output-flood", prober.backend, "blocked" if cut else "leaks")
     assert cut, result.model_dump(
@@ -315,9 +307,9 @@ def test_output_flood_is_cut_at_max_buffer(prober: Prober) -> None:
 
 def test_disk_fill_of_tmp_is_bounded(prober: Prober) -> None:
     policy = SandboxPolicy(allow_network=False, tmp_size_mb=32)
-    result = prober.run("true", policy)
-    if "tmpSizeMb" in result.unenforced:  # native: /tmp is a host directory; not filled here
-        record("disk-fill-tmp", prober.backend, "unenforced")
+    if expected("disk-fill-tmp", prober.backend) == "unenforced":
+        # native: /tmp is the host's; it is not filled here
+        assert_unenforced("disk-fill-tmp", prober, policy, "tmpSizeMb")
         return
     prober.run("dd if=/dev/zero of=/tmp/fill bs=1M count=200 2>/dev/null; "
                "stat -c %s /tmp/fill > tmp-size", policy)
@@ -364,13 +356,8 @@ def test_cache_poisoning_between_tasks(prober: Prober, mode: CacheMode) -> None:
     def task(task_id: str, command: str) -> str:
         wt = prober.tmp / f"wt-{task_id}"
         wt.mkdir()
-        policy = SandboxPolicy(allow_network=False)
-        settings = SandboxSettings(backend=prober.backend, policy=policy)  # type: ignore[arg-type]
-        ctx = PrepareContext(task_id=task_id, run_id="r", worktree_path=str(wt), policy=policy,
-                             cache_mode=mode, project_dir=str(project))
-        with SyncSandbox(settings, env=prober.env, cache_root=prober.tmp / "cache") as sb:
-            sb.prepare(ctx)
-            return sb.run(command).stdout
+        return prober.run(command, worktree=wt, cache_mode=mode, project_dir=project,
+                          task_id=task_id).stdout
 
     task("task-a", f'mkdir -p "$npm_config_store_dir/v3" && echo {poison} > '
                    '"$npm_config_store_dir/v3/poisoned-index.json"')
