@@ -137,6 +137,32 @@ else
     log "tun: /dev/net/tun does not exist; rootless networking will be unavailable"
 fi
 
+# rootless storage: overlay, not podman's vfs fallback, which copies the whole image for every
+# container (~18 s per container of the node image here, against ~0.05 s with overlay).
+# Native rootless overlay needs Linux 5.13; older kernels get fuse-overlayfs.
+user_home="$(getent passwd "$ROOTLESS_USER" | cut -d: -f6)"
+storage_conf="$user_home/.config/containers/storage.conf"
+want=$'[storage]\ndriver = "overlay"'
+IFS=. read -r kmajor kminor _ <<<"$(uname -r)"
+if (( kmajor < 5 || (kmajor == 5 && kminor < 13) )) && command -v fuse-overlayfs >/dev/null; then
+    want+=$'\n\n[storage.options.overlay]\nmount_program = "'"$(command -v fuse-overlayfs)"'"'
+fi
+if [[ "$(cat "$storage_conf" 2>/dev/null)" != "$want" ]]; then
+    log "rootless storage: overlay for $ROOTLESS_USER ($storage_conf)"
+    as_root install -d -o "$ROOTLESS_USER" -g "$ROOTLESS_USER" "$user_home/.config" \
+        "$user_home/.config/containers"
+    printf '%s\n' "$want" | as_root tee "$storage_conf" >/dev/null
+    as_root chown "$ROOTLESS_USER:" "$storage_conf"
+    if [[ -d "$user_home/.local/share/containers/storage/vfs" ]]; then
+        # Storage made with another driver cannot be opened with overlay: start it afresh
+        # (a test account: its images are reloaded by the tests when needed).
+        log "rootless storage: resetting $ROOTLESS_USER's old vfs storage"
+        uid="$(id -u "$ROOTLESS_USER")"
+        as_root runuser -u "$ROOTLESS_USER" -- env XDG_RUNTIME_DIR="/run/user/$uid" \
+            podman system reset -f >/dev/null 2>&1 || true
+    fi
+fi
+
 # --------------------------------------------------------------------------- podman runtime
 # crun refuses cgroups v1/hybrid ("cgroups in hybrid mode not supported"); runc works there.
 # A containers.conf drop-in is read by rootful and rootless podman alike (and by the API
