@@ -31,6 +31,7 @@ import re
 import secrets
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tarfile
@@ -450,7 +451,36 @@ def apply_layer(layer: tarfile.TarFile, root: Path) -> None:
             continue
         if not (member.isdir() and target.is_dir() and not target.is_symlink()):
             _remove(target)
-    layer.extractall(root, members=keep, numeric_owner=True, filter="tar")
+    _extract(layer, keep, root)
+
+
+_UNSAFE_BITS = stat.S_ISUID | stat.S_ISGID | stat.S_ISVTX | stat.S_IWGRP | stat.S_IWOTH
+
+
+def _extract(layer: tarfile.TarFile, members: list[tarfile.TarInfo], root: Path) -> None:
+    """Extract with the ``tar`` filter's rules; by hand where Python predates filters
+    (3.11.0-3.11.3, e.g. Debian 12's 3.11.2)."""
+    if hasattr(tarfile, "tar_filter"):
+        layer.extractall(root, members=members, numeric_owner=True, filter="tar")
+        return
+    real_root = os.path.realpath(root)
+
+    def inside(path: str) -> bool:
+        # Resolved now, so symlinks extracted from earlier members are followed.
+        real = os.path.realpath(path)
+        return real == real_root or real.startswith(real_root + os.sep)
+
+    for original in members:
+        member = copy.copy(original)
+        member.name = member.name.lstrip("/")
+        if not inside(str(Path(real_root, member.name))):
+            raise tarfile.TarError(f"{original.name!r} would be extracted outside {root}")
+        if member.islnk() and not inside(str(Path(real_root, member.linkname.lstrip("/")))):
+            raise tarfile.TarError(f"hard link {original.name!r} points outside {root}")
+        if member.islnk():
+            member.linkname = member.linkname.lstrip("/")
+        member.mode &= ~_UNSAFE_BITS
+        layer.extract(member, root, numeric_owner=True)
 
 
 def unpack_docker_archive(archive: IO[bytes], root: Path) -> None:

@@ -339,7 +339,7 @@ def test_whiteouts_and_entries_through_a_symlinked_dir_stay_inside(tmp_path: Pat
     apply_layer(layer([("symlink", "link", str(hostdir))]), root)
     apply_layer(layer([("file", "link/.wh.precious", "")]), root)
     assert (hostdir / "precious").read_text() == "keep me"
-    with pytest.raises(tarfile.OutsideDestinationError):
+    with pytest.raises(tarfile.TarError):  # OutsideDestinationError where Python has filters
         apply_layer(layer([("file", "link/planted", "x")]), root)
     assert not (hostdir / "planted").exists()
 
