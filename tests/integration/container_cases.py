@@ -12,11 +12,9 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -40,6 +38,7 @@ from fusion_oci.runtimes.registry import create_runtime
 from fusion_oci.sandbox import Sandbox
 from tests.backends import require
 from tests.conftest import git
+from tests.hostside import tcp_server
 from tests.integration.images_fixture import ensure_node_image
 
 __all__ = [
@@ -341,31 +340,8 @@ async def test_kill_9_mid_run_leaves_only_what_gc_removes(
 @pytest.fixture
 def host_loopback_server() -> Iterator[tuple[int, list[str]]]:
     """A TCP server on the host's 127.0.0.1 that records every connection it accepts."""
-    seen: list[str] = []
-    srv = socket.socket()
-    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    srv.bind(("127.0.0.1", 0))
-    srv.listen()
-    srv.settimeout(0.2)
-    stop = threading.Event()
-
-    def serve() -> None:
-        while not stop.is_set():
-            try:
-                conn, addr = srv.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            seen.append(str(addr))
-            conn.close()
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    yield srv.getsockname()[1], seen
-    stop.set()
-    srv.close()
-    thread.join(2)
+    with tcp_server("127.0.0.1") as served:
+        yield served
 
 
 PROBE_JS = (

@@ -18,22 +18,10 @@ from fusion_oci.errors import PolicyNotEnforceableError, RuntimeUnavailableError
 from fusion_oci.models import PrepareContext, RunOptions, SandboxPolicy
 from fusion_oci.policy.settings import SandboxSettings
 from fusion_oci.sandbox import Sandbox, SyncSandbox
+from tests.hostside import pids_with
 
 pytestmark = pytest.mark.native
 
-
-def pids_with_marker(marker: str) -> list[int]:
-    found = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            cmdline = Path(f"/proc/{name}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if marker.encode() in cmdline:
-            found.append(int(name))
-    return found
 
 
 def ctx(worktree: Path, **policy: object) -> PrepareContext:
@@ -88,9 +76,9 @@ def test_timeout_kills_setsid_and_double_forked_grandchildren(worktree: Path) ->
     assert r.shell_status == 124
     assert time.monotonic() - start < 10
     deadline = time.monotonic() + 3
-    while pids_with_marker(marker) and time.monotonic() < deadline:
+    while pids_with(marker) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert pids_with_marker(marker) == []
+    assert pids_with(marker) == []
 
 
 def test_daemon_left_behind_after_normal_exit_is_ended(worktree: Path) -> None:
@@ -99,7 +87,7 @@ def test_daemon_left_behind_after_normal_exit_is_ended(worktree: Path) -> None:
     assert r.exit_code == 0
     assert r.stdout == "started\n"
     time.sleep(0.1)
-    assert pids_with_marker(marker) == []
+    assert pids_with(marker) == []
 
 
 def test_max_buffer_truncates_and_ends(worktree: Path) -> None:
@@ -153,9 +141,9 @@ def test_abort_kills_like_timeout(worktree: Path) -> None:
 
     asyncio.run(go())
     deadline = time.monotonic() + 5
-    while pids_with_marker(marker) and time.monotonic() < deadline:
+    while pids_with(marker) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert pids_with_marker(marker) == []
+    assert pids_with(marker) == []
 
 
 def test_native_lists_unenforced_policy_in_result_and_audit(worktree: Path, tmp_path: Path) -> None:

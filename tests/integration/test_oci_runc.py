@@ -10,12 +10,10 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tarfile
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -35,6 +33,7 @@ from fusion_oci.runtimes.oci import OciRuntime, bundle_spec, gc_oci, list_contai
 from fusion_oci.sandbox import Sandbox
 from tests.backends import require, require_runtime
 from tests.conftest import git
+from tests.hostside import pids_with, tcp_server
 
 pytestmark = [pytest.mark.oci, pytest.mark.runc]
 
@@ -73,15 +72,6 @@ def oci(sb: Sandbox) -> OciRuntime:
     assert isinstance(sb.runtime, OciRuntime)
     return sb.runtime
 
-
-def pids_with_marker(marker: str) -> list[int]:
-    found = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            with contextlib.suppress(OSError):
-                if marker.encode() in Path(f"/proc/{name}/cmdline").read_bytes():
-                    found.append(int(name))
-    return found
 
 
 def new_marker() -> str:
@@ -192,7 +182,7 @@ async def test_timeout_leaves_no_process_and_no_runtime_state(worktree: Path) ->
         assert r.timed_out and r.reason == "timeout"
         assert r.shell_status == 124
         assert elapsed < 1 + 2 + 3, elapsed  # timeout + grace + slack
-        assert pids_with_marker(marker) == []
+        assert pids_with(marker) == []
         assert runtime._task is not None
         task_dir, root = runtime._task.dir, runtime._task.root
         assert await list_containers("runc", root, os.environ) == []
@@ -206,7 +196,7 @@ async def test_max_buffer_ends_the_container(worktree: Path) -> None:
         r = await sb.run(f"sh -c 'sleep 1000' {marker} & yes", RunOptions(max_buffer=10_000))
         assert r.truncated and r.reason == "max-buffer"
         assert len(r.stdout) == 10_000
-        assert pids_with_marker(marker) == []
+        assert pids_with(marker) == []
         assert await list_containers("runc", oci(sb)._task.root, os.environ) == []  # type: ignore[union-attr]
 
 
@@ -215,14 +205,14 @@ async def test_abort_ends_the_container(worktree: Path) -> None:
     async with sandbox(worktree) as sb:
         task = asyncio.ensure_future(sb.run(f"sh -c 'sleep 1000' {marker}; :"))
         for _ in range(100):
-            if pids_with_marker(marker):
+            if pids_with(marker):
                 break
             await asyncio.sleep(0.05)
-        assert pids_with_marker(marker)
+        assert pids_with(marker)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert pids_with_marker(marker) == []
+        assert pids_with(marker) == []
         assert await list_containers("runc", oci(sb)._task.root, os.environ) == []  # type: ignore[union-attr]
 
 
@@ -249,35 +239,6 @@ async def test_pids_limit_is_enforced_and_reported(worktree: Path) -> None:
 # --- network ----------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def tcp_server(host: str) -> Iterator[tuple[int, list[str]]]:
-    """A TCP server the test owns; yields its port and the peers that reached it."""
-    srv = socket.socket()
-    srv.bind((host, 0))
-    srv.listen()
-    srv.settimeout(0.2)
-    seen: list[str] = []
-    stop = threading.Event()
-
-    def serve() -> None:
-        while not stop.is_set():
-            try:
-                conn, peer = srv.accept()
-            except (TimeoutError, OSError):
-                continue
-            seen.append(peer[0])
-            with conn:
-                conn.sendall(b"hello\n")
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        yield srv.getsockname()[1], seen
-    finally:
-        stop.set()
-        thread.join()
-        srv.close()
-
 
 def connect_script(targets: list[tuple[str, int]]) -> list[str]:
     code = (
@@ -293,7 +254,7 @@ def connect_script(targets: list[tuple[str, int]]) -> list[str]:
 
 
 async def test_network_none_has_no_route_to_a_host_loopback_server(worktree: Path) -> None:
-    with tcp_server("127.0.0.1") as (port, seen):
+    with tcp_server("127.0.0.1", b"hello\n") as (port, seen):
         async with sandbox(worktree, allow_network=False) as sb:
             r = await sb.run(connect_script([("127.0.0.1", port)]))
             assert r.stdout == "127.0.0.1 closed ConnectionRefusedError\n", r.stderr
@@ -326,8 +287,8 @@ async def test_egress_reaches_out_but_not_host_loopback(worktree: Path,
     probe = OciRuntime(SETTINGS, dict(os.environ))
     ok, why = probe.egress_status()
     require("oci", ok, f"egress: {why}")
-    with tcp_server("127.0.0.1") as (lo_port, lo_seen), \
-            tcp_server(test_network) as (out_port, out_seen):
+    with tcp_server("127.0.0.1", b"hello\n") as (lo_port, lo_seen), \
+            tcp_server(test_network, b"hello\n") as (out_port, out_seen):
         r = await run(worktree, connect_script([
             ("127.0.0.1", lo_port), ("10.0.2.2", lo_port), (test_network, out_port),
         ]), allow_network=True)
@@ -398,18 +359,18 @@ async def test_gc_removes_what_a_kill_9_left(worktree: Path, tmp_path: Path) -> 
         env={**os.environ, "MARKER": marker})
     try:
         for _ in range(200):
-            if pids_with_marker(marker):
+            if pids_with(marker):
                 break
             await asyncio.sleep(0.05)
-        assert pids_with_marker(marker), "the container never started"
+        assert pids_with(marker), "the container never started"
         # A live owner's state is never collected.
         assert await gc_oci("runc", base) == []
         child.kill()
         await child.wait()
-        assert pids_with_marker(marker), "the container is expected to outlive kill -9"
+        assert pids_with(marker), "the container is expected to outlive kill -9"
         removed = await gc_oci("runc", base)
         assert len(removed) == 1 and removed[0].startswith("crash-r1-")
-        assert pids_with_marker(marker) == []
+        assert pids_with(marker) == []
         assert list(base.iterdir()) == []
     finally:
         if child.returncode is None:

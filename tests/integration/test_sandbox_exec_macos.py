@@ -8,11 +8,8 @@ tests/unit/test_seatbelt.py.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import socket
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -27,6 +24,7 @@ from fusion_oci.policy.settings import SandboxSettings
 from fusion_oci.sandbox import SyncSandbox
 from tests.backends import require_runtime
 from tests.conftest import git
+from tests.hostside import tcp_server
 
 pytestmark = [
     pytest.mark.macos,
@@ -92,37 +90,10 @@ def test_git_commit_in_a_linked_worktree_with_hooks_read_only(
     assert git(wt, "log", "-1", "--format=%s").strip() == "from sandbox"
 
 
-@contextlib.contextmanager
-def loopback_server() -> Iterator[tuple[int, list[str]]]:
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen()
-    srv.settimeout(0.2)
-    seen: list[str] = []
-    stop = threading.Event()
-
-    def serve() -> None:
-        while not stop.is_set():
-            try:
-                conn, peer = srv.accept()
-            except (TimeoutError, OSError):
-                continue
-            seen.append(peer[0])
-            conn.close()
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        yield srv.getsockname()[1], seen
-    finally:
-        stop.set()
-        thread.join()
-        srv.close()
-
 
 @pytest.mark.parametrize("network", ["none", "egress"])
 def test_host_loopback_is_closed(worktree: Path, network: str) -> None:
-    with loopback_server() as (port, seen):
+    with tcp_server() as (port, seen):
         r = run(worktree, ["/usr/bin/nc", "-z", "-w", "2", "127.0.0.1", str(port)],
                 network=network, allow_network=network != "none")
         assert r.exit_code != 0

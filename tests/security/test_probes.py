@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import secrets
-import socket
 import subprocess
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from fusion_oci.errors import PolicyNotEnforceableError
 from fusion_oci.models import SandboxPolicy
+from tests.hostside import pids_with, tcp_server
 from tests.security.conftest import Prober, expected, record
 
 
@@ -87,43 +84,11 @@ def test_symlink_in_worktree_gives_no_read_or_write_outside(prober: Prober) -> N
     check("symlink-escape", prober.backend, read or wrote, f"read={read} wrote={wrote}")
 
 
-@contextlib.contextmanager
-def loopback_server() -> Iterator[tuple[int, list[bytes]]]:
-    """A TCP server on host 127.0.0.1 (random port) that records every connection."""
-    seen: list[bytes] = []
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(8)
-    srv.settimeout(0.2)
-    stop = threading.Event()
-
-    def serve() -> None:
-        while not stop.is_set():
-            try:
-                conn, _ = srv.accept()
-            except (TimeoutError, OSError):
-                continue
-            with conn:
-                conn.settimeout(1)
-                try:
-                    seen.append(conn.recv(100) or b"<connected>")
-                except OSError:
-                    seen.append(b"<connected>")
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        yield srv.getsockname()[1], seen
-    finally:
-        stop.set()
-        thread.join(2)
-        srv.close()
-
 
 @pytest.mark.parametrize("network", ["none", "egress"])
 def test_tcp_server_on_host_loopback_sees_no_connection(prober: Prober,
                                                               network: str) -> None:
-    with loopback_server() as (port, seen):
+    with tcp_server() as (port, seen):
         hosts = ["127.0.0.1", "localhost", "10.0.2.2"]  # 10.0.2.2: slirp's host gateway
         cmd = "; ".join(
             f"timeout 3 bash -c 'echo probe > /dev/tcp/{h}/{port}' 2>/dev/null && echo reached {h}"
@@ -196,16 +161,6 @@ def test_memory_hog_under_memory_limit(prober: Prober) -> None:
     _host_unharmed()
 
 
-def _pids_with(marker: str) -> list[int]:
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            if marker.encode() in (proc / "cmdline").read_bytes():
-                found.append(int(proc.name))
-    return found
-
 
 def test_timeout_leaves_no_process_behind(prober: Prober) -> None:
     marker = f"{900 + secrets.randbelow(99)}.{secrets.randbelow(10**6)}"
@@ -214,7 +169,7 @@ def test_timeout_leaves_no_process_behind(prober: Prober) -> None:
     result = prober.run(cmd, timeout_ms=1500)
     assert result.timed_out and result.reason == "timeout", result
     deadline = time.monotonic() + 3
-    while _pids_with(marker) and time.monotonic() < deadline:
+    while pids_with(marker) and time.monotonic() < deadline:
         time.sleep(0.05)
-    left = _pids_with(marker)
+    left = pids_with(marker)
     check("timeout-leftovers", prober.backend, bool(left), f"left running: {left}")

@@ -335,7 +335,7 @@ def test_term_ignoring_double_forked_daemon_is_ended(prober: Prober) -> None:
     result = prober.run(cmd, timeout_ms=1000)
     assert result.timed_out, result
     assert time.monotonic() - start < 20
-    from tests.security.test_probes import _pids_with
+    from tests.hostside import pids_with as _pids_with
 
     deadline = time.monotonic() + 5
     while _pids_with(marker) and time.monotonic() < deadline:
