@@ -3,15 +3,19 @@
 ::
 
     FusionOCIError                      every error carries what failed, why, and a hint
-    ├── SettingsError (ValueError)      a settings file, prompt override or flag is wrong  (CLI 2)
-    ├── SandboxSetupError               the sandbox could not be set up                   (CLI 125)
-    │   ├── RuntimeUnavailableError     backend missing or unusable on this host
-    │   ├── PolicyNotEnforceableError   the runtime cannot enforce part of the policy
-    │   ├── BundleError                 a bundle could not be compiled or written
-    │   └── ProvisionError              an image could not be built or pulled
-    │       └── GateDeniedError (PermissionError)  a gate said no
-    ├── CommandTimeoutError (TimeoutError)   raised only by callers who ask for it   (CLI 124)
-    └── EngineError                      a container engine/SDK call failed at run time
+    ├── SettingsError (ValueError)      a settings file or prompt override is wrong  bad-settings (2)
+    │   └── FlagError                   a command-line flag or API argument is wrong    bad-flags (2)
+    ├── SandboxSetupError               the sandbox could not be set up            setup-failed (125)
+    │   ├── RuntimeUnavailableError     backend missing or unusable here    backend-unavailable (125)
+    │   ├── PolicyNotEnforceableError   the runtime cannot enforce part   policy-unenforceable (125)
+    │   ├── BundleError                 a bundle could not be compiled or written  setup-failed
+    │   └── ProvisionError              an image could not be built or pulled      setup-failed
+    │       └── GateDeniedError (PermissionError)  a gate said no                  gate-denied
+    ├── CommandTimeoutError (TimeoutError)   raised only by callers who ask for it   timeout (124)
+    └── EngineError                      a container engine/SDK call failed  engine-error (125)
+
+``kind`` is the machine-readable name a caller branches on (``--json`` prints
+``{"error": {"kind", "what", "why", "hint", "unenforced"}}``, see :meth:`FusionOCIError.to_json`).
 
 SDK exceptions (``docker.errors.*``, ``podman.errors.*``) never reach callers: runtimes translate
 them with :func:`engine_errors`-style context managers into :class:`EngineError` or a setup error.
@@ -27,6 +31,8 @@ class FusionOCIError(Exception):
     """
 
     exit_code: int = 1
+    kind: str = "setup-failed"
+    """Machine-readable error kind (one of :data:`ERROR_KINDS`)."""
 
     def __init__(self, what: str, why: str = "", hint: str = "") -> None:
         self.what = what
@@ -42,11 +48,31 @@ class FusionOCIError(Exception):
             text += f"\nhint: {self.hint}"
         return text
 
+    def to_json(self) -> dict[str, object]:
+        """``{"error": {...}}``: what ``--json`` prints and the server sends for this error."""
+        body: dict[str, object] = {"kind": self.kind, "what": self.what, "why": self.why,
+                                   "hint": self.hint}
+        body["unenforced"] = list(getattr(self, "unenforced", []) or [])
+        return {"error": body}
+
+
+ERROR_KINDS = (
+    "bad-settings", "bad-flags", "backend-unavailable", "policy-unenforceable", "gate-denied",
+    "engine-error", "setup-failed", "timeout",
+)
+
 
 class SettingsError(FusionOCIError, ValueError):
     """Bad settings: a file, a key path, a value, and what would be accepted."""
 
     exit_code = 2
+    kind = "bad-settings"
+
+
+class FlagError(SettingsError):
+    """A command-line flag (or an API argument) is wrong: the flag, the value, what is accepted."""
+
+    kind = "bad-flags"
 
 
 class SandboxSetupError(FusionOCIError):
@@ -58,6 +84,8 @@ class SandboxSetupError(FusionOCIError):
 class RuntimeUnavailableError(SandboxSetupError):
     """The chosen runtime is missing or cannot work on this host."""
 
+    kind = "backend-unavailable"
+
     def __init__(self, backend: str, why: str, hint: str = "") -> None:
         self.backend = backend
         super().__init__(f"sandbox backend '{backend}' is unavailable", why, hint)
@@ -65,6 +93,8 @@ class RuntimeUnavailableError(SandboxSetupError):
 
 class PolicyNotEnforceableError(SandboxSetupError):
     """The runtime cannot enforce some of the policy, and we never weaken a policy silently."""
+
+    kind = "policy-unenforceable"
 
     def __init__(self, backend: str, unenforced: list[str], hint: str = "") -> None:
         self.backend = backend
@@ -89,12 +119,18 @@ class ProvisionError(SandboxSetupError):
 class GateDeniedError(ProvisionError, PermissionError):
     """An action gate (e.g. ``sandbox_provision``) denied the action."""
 
+    kind = "gate-denied"
+
 
 class EngineError(FusionOCIError):
     """A container engine call failed at run time."""
+
+    exit_code = 125
+    kind = "engine-error"
 
 
 class CommandTimeoutError(FusionOCIError, TimeoutError):
     """The command ran past its timeout (only raised by callers that want an exception)."""
 
     exit_code = 124
+    kind = "timeout"
