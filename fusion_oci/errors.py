@@ -2,17 +2,17 @@
 
 ::
 
-    FusionOCIError                      every error carries what failed, why, and a hint
-    ├── SettingsError (ValueError)      a settings file or prompt override is wrong  bad-settings (2)
-    │   └── FlagError                   a command-line flag or API argument is wrong    bad-flags (2)
-    ├── SandboxSetupError               the sandbox could not be set up            setup-failed (125)
-    │   ├── RuntimeUnavailableError     backend missing or unusable here    backend-unavailable (125)
-    │   ├── PolicyNotEnforceableError   the runtime cannot enforce part   policy-unenforceable (125)
-    │   ├── BundleError                 a bundle could not be compiled or written  setup-failed
-    │   └── ProvisionError              an image could not be built or pulled      setup-failed
-    │       └── GateDeniedError (PermissionError)  a gate said no                  gate-denied
-    ├── CommandTimeoutError (TimeoutError)   raised only by callers who ask for it   timeout (124)
-    └── EngineError                      a container engine/SDK call failed  engine-error (125)
+    FusionOCIError                    what failed, why, a hint           kind (CLI exit)
+    ├── SettingsError (ValueError)    a settings file or prompt is wrong   bad-settings (2)
+    │   └── FlagError                 a flag or API argument is wrong      bad-flags (2)
+    ├── SandboxSetupError             the sandbox could not be set up      setup-failed (125)
+    │   ├── RuntimeUnavailableError   backend missing or unusable here     backend-unavailable
+    │   ├── PolicyNotEnforceableError the runtime cannot enforce a part    policy-unenforceable
+    │   ├── BundleError               a bundle could not be compiled       setup-failed
+    │   └── ProvisionError            an image could not be built/pulled   setup-failed
+    │       └── GateDeniedError (PermissionError)  a gate said no          gate-denied
+    ├── CommandTimeoutError (TimeoutError)  only for callers who ask       timeout (124)
+    └── EngineError                   a container engine/SDK call failed   engine-error (125)
 
 ``kind`` is the machine-readable name a caller branches on (``--json`` prints
 ``{"error": {"kind", "what", "why", "hint", "unenforced"}}``, see :meth:`FusionOCIError.to_json`).
