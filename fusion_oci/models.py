@@ -15,13 +15,15 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-BackendId = Literal["native", "sandbox-exec", "bubblewrap", "docker", "podman", "oci", "custom"]
+BackendId = Literal["native", "sandbox-exec", "bubblewrap", "landlock", "docker", "podman", "oci",
+                    "custom"]
 """Every backend id of the brief (plus ``oci``: any OCI runtime CLI run on the bundle)."""
 
 BACKEND_IDS: tuple[str, ...] = (
     "native",
     "sandbox-exec",
     "bubblewrap",
+    "landlock",
     "docker",
     "podman",
     "oci",

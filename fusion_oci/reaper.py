@@ -1,5 +1,10 @@
 """A child subreaper that ends a whole process tree, including setsid'd and double-forked
-descendants: ``python -S -E reaper.py GRACE PARENT [RLIMIT=SOFT:HARD ...] -- ARGV...``.
+descendants: ``python -S -E reaper.py GRACE PARENT [RLIMIT=SOFT:HARD ...] [SANDBOX=FILE]
+-- ARGV...``.
+
+``SANDBOX=FILE`` (the landlock runtime): after the rlimits and before exec, the child confines
+itself as FILE says (capabilities, no_new_privs, Landlock, seccomp; see landlock_child.py);
+anything failing there fails the command with 125 rather than run it unconfined.
 
 Why a separate process: making the caller's own process a subreaper would change the host
 application's process state (orphans would re-parent to it). The shim owns that instead.
@@ -115,7 +120,18 @@ def _wait_signal() -> int:
     return int(signal.sigwait(_WAIT))  # macOS has only sigwait
 
 
-def _exec_child(command: list[str], rlimits: list[tuple[int, int, int]]) -> None:
+def _confine(sandbox: str) -> None:
+    try:
+        import landlock_child  # type: ignore[import-not-found]  # sibling of this script
+
+        landlock_child.apply(landlock_child.load(sandbox))
+    except BaseException as exc:
+        os.write(2, f"fusion-oci: cannot confine the command: {exc}\n".encode())
+        os._exit(125)
+
+
+def _exec_child(command: list[str], rlimits: list[tuple[int, int, int]],
+                sandbox: str = "") -> None:
     try:
         signal.pthread_sigmask(signal.SIG_SETMASK, set())
         inf = resource.RLIM_INFINITY
@@ -128,6 +144,8 @@ def _exec_child(command: list[str], rlimits: list[tuple[int, int, int]]) -> None
                 # keep what the process has rather than fail the command.
                 if res != resource.RLIMIT_NOFILE:
                     raise
+        if sandbox:
+            _confine(sandbox)
         os.execvp(command[0], command)
     except FileNotFoundError:
         os.write(2, f"fusion-oci: {command[0]}: command not found\n".encode())
@@ -141,8 +159,12 @@ def main(argv: list[str]) -> int:
     sep = argv.index("--")
     grace, parent = float(argv[1]), int(argv[2])
     rlimits = []
+    sandbox = ""
     for item in argv[3:sep]:
         name, _, values = item.partition("=")
+        if name == "SANDBOX":
+            sandbox = values
+            continue
         soft, _, hard = values.partition(":")
         rlimits.append((getattr(resource, name), int(soft), int(hard)))
     command = argv[sep + 1 :]
@@ -157,7 +179,7 @@ def main(argv: list[str]) -> int:
         return 125  # the caller died before PDEATHSIG was armed
     pid = os.fork()
     if pid == 0:
-        _exec_child(command, rlimits)
+        _exec_child(command, rlimits, sandbox)
     while True:
         _reap()
         if pid in _statuses:

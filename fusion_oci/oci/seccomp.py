@@ -51,6 +51,7 @@ SYSCALLS: dict[str, dict[str, int]] = {
         "open_by_handle_at": 304, "name_to_handle_at": 303, "lookup_dcookie": 212,
         "nfsservctl": 180, "uselib": 134, "iopl": 172, "ioperm": 173,
         "socket": 41, "clone": 56, "clone3": 435,
+        "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
     },
     "aarch64": {
         "mount": 40, "umount2": 39, "pivot_root": 41, "chroot": 51, "unshare": 97,
@@ -64,6 +65,7 @@ SYSCALLS: dict[str, dict[str, int]] = {
         "clock_settime": 112, "clock_adjtime": 266, "adjtimex": 171,
         "open_by_handle_at": 265, "name_to_handle_at": 264, "lookup_dcookie": 18,
         "nfsservctl": 42, "socket": 198, "clone": 220, "clone3": 435,
+        "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
     },
 }
 

@@ -25,6 +25,7 @@ ENTRY_POINT_GROUP = "fusion_oci.runtimes"
 BUILTIN: dict[str, str] = {
     "native": "fusion_oci.runtimes.native:NativeRuntime",
     "bubblewrap": "fusion_oci.runtimes.bubblewrap:BubblewrapRuntime",
+    "landlock": "fusion_oci.runtimes.landlock:LandlockRuntime",
     "oci": "fusion_oci.runtimes.oci:OciRuntime",
     "podman": "fusion_oci.runtimes.podman:PodmanRuntime",
     "docker": "fusion_oci.runtimes.docker:DockerRuntime",

@@ -1,0 +1,390 @@
+"""The ``landlock`` runtime: the command runs on the host as the caller, confined by Landlock.
+
+No namespace and no privilege: it is the isolating runtime left where user namespaces are
+forbidden (Ubuntu 23.10+'s AppArmor restriction, ``kernel.unprivileged_userns_clone=0``,
+``user.max_user_namespaces=0``, CI containers without them), where bubblewrap and rootless
+engines cannot start.
+
+The bundle is translated by :func:`landlock_rules` (pure, golden-tested) into an allow-list:
+
+- read-only (read, execute, list): the spec's read-only binds at their host paths (the system
+  directories, the chosen ``/etc`` entries, ``allowedPaths``, the CA bundle, a linked
+  worktree's common git dir with its ``hooks/`` and ``config``), a few static ``/proc`` files
+  and ``/sys/devices/system/cpu``;
+- read-write: the worktree, ``writablePaths``, caches, the git objects/refs/logs and the
+  worktree's own git dir, and a private HOME and TMPDIR standing for the spec's tmpfs mounts;
+- ``/dev/null``, ``/dev/zero``, ``/dev/full``, ``/dev/random``, ``/dev/urandom``;
+- nothing else: ``$HOME``, other worktrees, ``/root``, ``/var``, ``/run`` (engine sockets), the
+  host's ``/tmp``, host processes' ``/proc`` entries are all denied.
+
+Landlock only adds access beneath a directory; it cannot take it away. A read-only bind that
+the spec lays over a writable one (a plain repository's ``.git/hooks`` and ``.git/config``
+inside the worktree, ``config.worktree`` inside the worktree's git dir) cannot be expressed,
+so such a task is refused (:class:`PolicyNotEnforceableError`) rather than run with writable
+hooks. Linked worktrees (every Fusion task) have their common dir outside the worktree and
+are enforced in full.
+
+Beside the ruleset: the bundle's seccomp profile, plus ``socket()`` refused for every family in
+network ``none`` (``socketpair`` still works, so pipes between processes do) and for
+``AF_UNIX`` in ``host`` (Landlock up to ABI 7 does not govern connecting to a pathname socket,
+and ``/run/docker.sock`` must stay out of reach), ``io_uring`` refused (it opens sockets past
+seccomp); Landlock's TCP rules deny every bind and connect in ``none`` (ABI 4+); signal and
+abstract-socket scoping keep the command from signalling or reaching host processes (ABI 6+);
+capabilities dropped and ``no_new_privs``; the rlimits; the reaper shim ends the whole tree on
+timeout. Not enforceable without namespaces or cgroups, so listed as unenforced (refused under
+``fail-hard``): ``egress`` without host loopback (Landlock's TCP rules know ports, not
+addresses), memory, pids, CPU quota, ``tmpSizeMb``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fusion_oci.errors import PolicyNotEnforceableError, SandboxSetupError
+from fusion_oci.models import (
+    NetworkMode,
+    PrepareContext,
+    RunOptions,
+    RunResult,
+    SandboxCapabilities,
+)
+from fusion_oci.oci.seccomp import compile_bpf
+from fusion_oci.oci.spec import SANDBOX_HOME, Spec, spec_network
+from fusion_oci.process import reaper_argv, run_process
+from fusion_oci.runtimes.base import Availability, LaunchPlan, Requirement
+from fusion_oci.runtimes.hostproc import HostProcessRuntime, native_env, native_rlimits
+
+# Landlock access rights (include/uapi/linux/landlock.h), and the ABI that introduced each.
+FS_RIGHTS: dict[str, tuple[int, int]] = {
+    "execute": (1 << 0, 1), "write_file": (1 << 1, 1), "read_file": (1 << 2, 1),
+    "read_dir": (1 << 3, 1), "remove_dir": (1 << 4, 1), "remove_file": (1 << 5, 1),
+    "make_char": (1 << 6, 1), "make_dir": (1 << 7, 1), "make_reg": (1 << 8, 1),
+    "make_sock": (1 << 9, 1), "make_fifo": (1 << 10, 1), "make_block": (1 << 11, 1),
+    "make_sym": (1 << 12, 1), "refer": (1 << 13, 2), "truncate": (1 << 14, 3),
+    "ioctl_dev": (1 << 15, 5),
+}
+NET_RIGHTS: dict[str, tuple[int, int]] = {"bind_tcp": (1 << 0, 4), "connect_tcp": (1 << 1, 4)}
+SCOPES: dict[str, tuple[int, int]] = {"abstract_unix_socket": (1 << 0, 6), "signal": (1 << 1, 6)}
+
+ABI_FEATURES: dict[int, str] = {
+    1: "filesystem: read, write, execute, create and remove beneath granted paths",
+    2: "refer: links and renames across directories (ABI 1 refuses them all)",
+    3: "truncate: truncating a file needs write access (before ABI 3 any file could be "
+       "truncated)",
+    4: "network: TCP bind and connect (network none denies both)",
+    5: "ioctl on device files",
+    6: "scoping: no signals to, no abstract unix sockets of, processes outside the sandbox",
+    7: "audit logging of denials (no new restriction)",
+}
+
+RO = ("execute", "read_file", "read_dir")
+RW = (*RO, "write_file", "remove_dir", "remove_file", "make_dir", "make_reg", "make_fifo",
+      "make_sym", "refer", "truncate")
+DEV_RW = ("read_file", "write_file", "truncate")
+DEVICES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("/dev/null", DEV_RW), ("/dev/zero", DEV_RW), ("/dev/full", DEV_RW),
+    ("/dev/random", ("read_file",)), ("/dev/urandom", ("read_file",)),
+)
+PROC_FILES = ("/proc/cpuinfo", "/proc/meminfo", "/proc/stat", "/proc/loadavg", "/proc/uptime",
+              "/proc/version", "/proc/filesystems")
+"""Static /proc files that runtimes read (node's os.cpus(), free memory, load). Rules bind to
+inodes, so the per-process directories of the command's children cannot be granted: the
+command's own /proc/self is unreadable too; stat and readlink still work."""
+SYS_DIRS = ("/sys/devices/system/cpu",)
+
+AF_UNIX = 1
+MIN_FS_ABI = 3
+"""Below ABI 3 any file, read-only ones included, can be truncated: the filesystem view is not
+enforced there."""
+
+
+@dataclass(frozen=True)
+class LandlockRules:
+    """What the command may touch, in Landlock terms. Pure data; golden-tested."""
+
+    paths: list[tuple[str, tuple[str, ...]]]
+    """(host path, access right names), sorted; a path's rights are the union of its rules."""
+    network: str
+    """``none``: every socket() refused and TCP bind/connect denied; ``host``: AF_UNIX refused."""
+    scopes: tuple[str, ...] = ("abstract_unix_socket", "signal")
+    seccomp: dict[str, Any] = field(default_factory=dict)
+    """The bundle's profile plus the rules above (OCI JSON)."""
+    unenforceable: list[str] = field(default_factory=list)
+    """Parts of the spec the ruleset cannot express (read-only laid over writable)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"paths": {p: " ".join(a) for p, a in self.paths}, "network": self.network,
+                "scopes": list(self.scopes), "seccomp": self.seccomp,
+                "unenforceable": self.unenforceable}
+
+
+def _beneath(path: str, parent: str) -> bool:
+    return path == parent or path.startswith(parent.rstrip("/") + "/")
+
+
+def landlock_seccomp(profile: dict[str, Any], network: NetworkMode) -> dict[str, Any]:
+    """The bundle's seccomp profile plus what a namespace-less sandbox needs. Pure."""
+    import errno
+
+    rules = [dict(r) for r in profile.get("syscalls", [])]
+    rules.append({"names": ["io_uring_setup", "io_uring_enter", "io_uring_register"],
+                  "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM})
+    if network is NetworkMode.HOST:
+        rules.append({"names": ["socket"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM,
+                      "args": [{"index": 0, "value": AF_UNIX, "op": "SCMP_CMP_EQ"}]})
+    else:
+        rules.append({"names": ["socket"], "action": "SCMP_ACT_ERRNO",
+                      "errnoRet": errno.EPERM})
+    return {**profile, "syscalls": rules}
+
+
+def landlock_rules(spec: Spec, home: str, tmp: str) -> LandlockRules:
+    """The ruleset for a spec whose sandbox HOME and /tmp are the host dirs ``home``, ``tmp``.
+
+    Mounts are read in order, as the spec means them: a later mount covers an earlier one. A
+    later read-only bind beneath an earlier writable one is a carve-out Landlock cannot make.
+    """
+    grants: list[tuple[str, bool]] = []  # (host path, writable) in mount order
+    for mount in spec["mounts"]:
+        kind, dest = mount.get("type"), mount["destination"]
+        if kind == "bind":
+            writable = "rw" in mount.get("options", [])
+            grants.append((mount["source"], writable))
+        elif kind == "tmpfs" and dest in (SANDBOX_HOME, "/tmp"):
+            grants.append((home if dest == SANDBOX_HOME else tmp, True))
+    unenforceable = []
+    for i, (path, writable) in enumerate(grants):
+        if writable:
+            continue
+        covering = [p for p, w in grants[:i] if w and _beneath(path, p)]
+        if covering:
+            unenforceable.append(f"read-only {path} inside writable {covering[-1]}")
+    rights: dict[str, set[str]] = {}
+    for path, writable in grants:
+        rights.setdefault(path, set()).update(RW if writable else RO)
+    for path, access in DEVICES:
+        rights.setdefault(path, set()).update(access)
+    for path in (*PROC_FILES, *SYS_DIRS):
+        rights.setdefault(path, set()).update(RO)
+    order = list(FS_RIGHTS)
+    paths = [(p, tuple(sorted(a, key=order.index))) for p, a in sorted(rights.items())]
+    network = spec_network(spec)
+    mode = "host" if network is NetworkMode.HOST else "none"
+    profile = spec.get("linux", {}).get("seccomp") or {"defaultAction": "SCMP_ACT_ALLOW",
+                                                       "syscalls": []}
+    return LandlockRules(paths, mode, seccomp=landlock_seccomp(profile, network),
+                         unenforceable=unenforceable)
+
+
+def _mask(names: Sequence[str], table: dict[str, tuple[int, int]], abi: int) -> int:
+    return sum(bit for name in names for bit, since in [table[name]] if since <= abi)
+
+
+def launch_config(rules: LandlockRules, abi: int, arch: str) -> dict[str, Any]:
+    """What the child applies (landlock_child.py): integers for this kernel's ABI. Pure.
+
+    Every right the ABI knows is handled, so whatever no rule grants is denied.
+    """
+    handled_net = _mask(list(NET_RIGHTS), NET_RIGHTS, abi) if rules.network == "none" else 0
+    return {
+        "arch": arch,
+        "abi": abi,
+        "handled_fs": _mask(list(FS_RIGHTS), FS_RIGHTS, abi),
+        "handled_net": handled_net,
+        "scoped": _mask(rules.scopes, SCOPES, abi),
+        "paths": [[p, _mask(a, FS_RIGHTS, abi)] for p, a in rules.paths],
+        "seccomp": compile_bpf(rules.seccomp, arch).hex(),
+        "drop_capabilities": True,
+    }
+
+
+def enforced_requirements(abi: int) -> frozenset[Requirement]:
+    """What the runtime enforces on a kernel with this Landlock ABI. Pure."""
+    if abi < 1:
+        return frozenset()
+    out = {Requirement.ENV, Requirement.CPU_TIME, Requirement.FILE_SIZE,
+           Requirement.NETWORK_NONE}
+    if abi >= MIN_FS_ABI:
+        out.add(Requirement.FILESYSTEM)
+    return frozenset(out)
+
+
+# --- host probes ------------------------------------------------------------------------------
+
+_ABI: int | None = None
+_USERNS: str | None = None
+
+
+def host_abi() -> int:
+    global _ABI
+    if _ABI is None:
+        if not sys.platform.startswith("linux"):
+            _ABI = 0
+        else:
+            from fusion_oci import landlock_child
+
+            _ABI = landlock_child.abi_version()
+    return _ABI
+
+
+def userns_problem() -> str:
+    """Why user namespaces are unusable here ('' when they work), probed once per process."""
+    global _USERNS
+    if _USERNS is None:
+        from fusion_oci.runtimes.linux.userns import diagnose_sysctls, read_sysctls
+
+        known = diagnose_sysctls(read_sysctls(), uid=os.geteuid())
+        if known is not None:
+            _USERNS = known.reason
+        else:
+            unshare = shutil.which("unshare")
+            _USERNS = ""
+            if unshare is not None:
+                try:
+                    done = subprocess.run([unshare, "--user", "true"], capture_output=True,
+                                          timeout=10, check=False, stdin=subprocess.DEVNULL)
+                except (OSError, subprocess.TimeoutExpired):
+                    done = None
+                if done is not None and done.returncode != 0:
+                    why = done.stderr.decode("utf-8", "replace").strip().splitlines()[-1:]
+                    _USERNS = "creating a user namespace fails (" + \
+                        (why[0] if why else f"exit {done.returncode}") + ")"
+    return _USERNS
+
+
+CONFINE_FAILED = b"fusion-oci: cannot confine the command"
+
+
+class LandlockRuntime(HostProcessRuntime):
+    id = "landlock"
+
+    def capabilities(self) -> SandboxCapabilities:
+        return SandboxCapabilities(
+            filesystem_isolation="strong" if host_abi() >= MIN_FS_ABI else "none",
+            network_policy="coarse", resource_limits="basic",
+            requires_install=False, supports_mac=False, supports_linux=True,
+            supports_windows=False,
+        )
+
+    def availability(self) -> Availability:
+        if not sys.platform.startswith("linux"):
+            return Availability(False, "Landlock is a Linux security module",
+                                "use sandbox-exec on macOS")
+        abi = host_abi()
+        if abi < 1:
+            return Availability(
+                False, "this kernel offers no Landlock (it needs Linux 5.13+ built with "
+                "CONFIG_SECURITY_LANDLOCK, and 'landlock' in the lsm= boot list)",
+                "boot with lsm=landlock,... or choose bubblewrap",
+            )
+        details = {"abi": str(abi)}
+        for version, what in ABI_FEATURES.items():
+            details[f"abi{version}"] = ("" if version <= abi else "missing: ") + what
+        if abi < MIN_FS_ABI:
+            details["filesystem"] = (f"not enforced: ABI {abi} < {MIN_FS_ABI} lets read-only "
+                                     "files be truncated")
+        details["network"] = ("none: socket() refused by seccomp, TCP bind/connect denied"
+                              + (" by Landlock" if abi >= 4 else " (no Landlock TCP rules)")
+                              + "; egress without host loopback: not enforced (no network "
+                              "namespace); host: AF_UNIX refused")
+        details["limits"] = ("rlimits (CPU time, file size, open files) only; memory, pids, "
+                             "CPU quota and tmpSizeMb are not enforced (no cgroup)")
+        if abi < 6:
+            details["signals"] = ("not scoped: the command can signal the caller's other "
+                                  "processes (needs ABI 6)")
+        problem = userns_problem()
+        details["userns"] = problem or "ok"
+        if problem:
+            details["recommendation"] = (f"user namespaces are forbidden here ({problem}): "
+                                         "bubblewrap and rootless engines cannot start; "
+                                         "landlock is the runtime that still isolates")
+        return Availability(True, version=f"landlock ABI {abi}", rootless=os.geteuid() != 0,
+                            details=details)
+
+    def enforces(self) -> frozenset[Requirement]:
+        return enforced_requirements(host_abi())
+
+    def rules(self, spec: Spec) -> LandlockRules:
+        home, tmp = self._dirs()
+        return landlock_rules(spec, home, tmp)
+
+    def plan(self, spec: Spec) -> LaunchPlan:
+        home, tmp = self._dirs()
+        rules = self.rules(spec)
+        abi = host_abi()
+        notes = [
+            "runs on the host as the caller, confined before exec: capabilities dropped, "
+            f"no_new_privs, Landlock ABI {abi} ruleset, seccomp",
+            "read-write: " + ", ".join(p for p, a in rules.paths if "write_file" in a),
+            "network " + rules.network + (": every socket() refused" if rules.network == "none"
+                                          else ": AF_UNIX sockets refused"),
+            "rlimits: " + ", ".join(f"{n}={s}/{h}" for n, s, h in native_rlimits(spec)),
+        ]
+        notes += [f"unenforceable: {u}" for u in rules.unenforceable]
+        return LaunchPlan(
+            backend=self.id,
+            argv=["<reaper>", "SANDBOX=<launch.json>", *spec["process"]["args"]],
+            env=native_env(spec, home, tmp),
+            cwd=spec["process"]["cwd"],
+            notes=notes,
+        )
+
+    async def prepare(self, ctx: PrepareContext) -> None:
+        await super().prepare(ctx)
+        try:
+            if ctx.image:
+                raise SandboxSetupError(
+                    "the landlock runtime cannot use an image",
+                    "it runs the command on the host's own system directories",
+                    "drop sandbox.image, or choose podman, docker or oci for images",
+                )
+            # Refuse before anything runs: a carve-out depends on the task's layout only.
+            probe = self.rules(self.compile(["true"], RunOptions()))
+            if probe.unenforceable:
+                raise PolicyNotEnforceableError(
+                    self.id, [f"{Requirement.FILESYSTEM.value} ({u})"
+                              for u in probe.unenforceable],
+                    "Landlock cannot make a path read-only beneath a writable one: use a "
+                    "linked worktree (git worktree add), whose git common dir lies outside "
+                    "it, or the bubblewrap backend",
+                )
+        except BaseException:
+            await self.dispose()
+            raise
+
+    async def execute(self, spec: Spec, opts: RunOptions) -> RunResult:
+        if self._scratch is None:
+            raise SandboxSetupError(f"runtime '{self.id}' was not prepared",
+                                    "run() came before prepare()", "call prepare(ctx) first")
+        import platform
+
+        home, tmp = self._dirs()
+        config = launch_config(self.rules(spec), host_abi(), platform.machine())
+        # Beside HOME and TMPDIR, not in them: the command cannot read or change it.
+        launch = Path(self._scratch) / f"launch-{os.getpid()}-{id(spec)}.json"
+        launch.write_text(json.dumps(config), encoding="utf-8")
+        try:
+            argv = reaper_argv(spec["process"]["args"], native_rlimits(spec))
+            argv.insert(argv.index("--"), f"SANDBOX={launch}")
+            outcome = await run_process(
+                argv, env=native_env(spec, home, tmp), cwd=spec["process"]["cwd"],
+                stdin=opts.stdin, timeout_s=opts.timeout_ms / 1000,
+                max_buffer=opts.max_buffer, term_group=False,
+            )
+        finally:
+            launch.unlink(missing_ok=True)
+        if outcome.returncode == 125 and outcome.stderr.startswith(CONFINE_FAILED):
+            raise SandboxSetupError(
+                "the landlock runtime could not confine the command",
+                outcome.stderr.decode("utf-8", "replace").strip()[-500:],
+                "see `fusion-oci doctor` for this kernel's Landlock ABI",
+            )
+        return self.result(outcome, spec)

@@ -1,0 +1,133 @@
+"""landlock translation: the golden ruleset per policy, and the pure ABI arithmetic."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from fusion_oci.models import CacheMode, CpuLimit, PrepareContext, RunOptions, SandboxPolicy
+from fusion_oci.oci.host import HostInfo
+from fusion_oci.oci.spec import Spec, compile_spec
+from fusion_oci.policy.layout import GitLayout, TaskLayout
+from fusion_oci.runtimes.base import Requirement
+from fusion_oci.runtimes.landlock import (
+    FS_RIGHTS,
+    enforced_requirements,
+    landlock_rules,
+    launch_config,
+)
+from tests.golden import assert_golden
+
+HOST = HostInfo(
+    uid=1000, gid=1000,
+    rlimits={"RLIMIT_NOFILE": (1024, 20000), "RLIMIT_CPU": (-1, -1)},
+    system_mounts=(("/usr", "/usr"), ("/bin", "/usr/bin"), ("/lib", "/usr/lib")),
+    etc_entries=("passwd", "ssl", "resolv.conf"),
+    ca_bundle="/etc/ssl/certs/ca-certificates.crt",
+)
+PLAIN_DIR = TaskLayout("/work/wt/task-1", None, (), "/etc/ssl/certs/ca-certificates.crt")
+LINKED = TaskLayout(
+    "/work/wt/task-1",
+    GitLayout("linked", "/work/repo/.git/worktrees/task-1", "/work/repo/.git"),
+    (), "/etc/ssl/certs/ca-certificates.crt",
+)
+MAIN_REPO = TaskLayout("/work/wt/task-1", GitLayout("main", "/work/wt/task-1/.git",
+                                                    "/work/wt/task-1/.git"), (), None)
+HOME, TMP = "/run/scratch/home", "/run/scratch/tmp"
+
+CASES: dict[str, tuple[SandboxPolicy, TaskLayout]] = {
+    "network-none": (SandboxPolicy(allow_network=False), PLAIN_DIR),
+    "network-host": (SandboxPolicy(network="host"), PLAIN_DIR),
+    "locked-down": (SandboxPolicy(
+        allow_network=False, cpu_limit=CpuLimit(max_ms=30_000), file_size_limit_mb=64,
+        allowed_paths=["/opt/sdk"], writable_paths=["/work/out"], env_allowlist=["CI"],
+    ), PLAIN_DIR),
+    "linked-worktree": (SandboxPolicy(allow_network=False), LINKED),
+    "main-repository": (SandboxPolicy(allow_network=False), MAIN_REPO),
+}
+
+
+def spec_for(name: str) -> Spec:
+    policy, layout = CASES[name]
+    ctx = PrepareContext(task_id="task-1", run_id="run-1", worktree_path=layout.worktree,
+                         policy=policy, cache_mode=CacheMode.OFF)
+    return compile_spec(ctx, layout, HOST, "pnpm test", RunOptions(), {"LANG": "C.UTF-8"})
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_golden_ruleset(name: str) -> None:
+    rules = landlock_rules(spec_for(name), HOME, TMP)
+    data = rules.to_json()
+    data["seccomp"] = data["seccomp"]["syscalls"][-2:]  # the bundle's own rules are golden
+    assert_golden(f"landlock/{name}.json", data)  # elsewhere (tests/data/bundles)
+    assert landlock_rules(spec_for(name), HOME, TMP) == rules  # pure
+
+
+def _grants(name: str) -> dict[str, tuple[str, ...]]:
+    return dict(landlock_rules(spec_for(name), HOME, TMP).paths)
+
+
+def test_only_the_worktree_scratch_and_writable_paths_are_writable() -> None:
+    writable = {p for p, a in _grants("locked-down").items()
+                if "write_file" in a and not p.startswith("/dev/")}
+    assert writable == {"/work/wt/task-1", "/work/out", HOME, TMP}
+    assert "write_file" not in _grants("locked-down")["/opt/sdk"]
+
+
+def test_linked_worktree_common_dir_hooks_and_config_stay_read_only() -> None:
+    rules = landlock_rules(spec_for("linked-worktree"), HOME, TMP)
+    grants = dict(rules.paths)
+    assert rules.unenforceable == []
+    for path in ("/work/repo/.git", "/work/repo/.git/hooks", "/work/repo/.git/config"):
+        assert "write_file" not in grants[path] and "make_reg" not in grants[path], path
+    for path in ("/work/repo/.git/objects", "/work/repo/.git/refs",
+                 "/work/repo/.git/worktrees/task-1"):
+        assert "write_file" in grants[path], path
+
+
+def test_main_repository_hooks_inside_the_worktree_are_refused() -> None:
+    rules = landlock_rules(spec_for("main-repository"), HOME, TMP)
+    assert rules.unenforceable == [
+        "read-only /work/wt/task-1/.git/hooks inside writable /work/wt/task-1",
+        "read-only /work/wt/task-1/.git/config inside writable /work/wt/task-1",
+    ]
+
+
+def test_nothing_else_of_the_host_is_granted() -> None:
+    for name in CASES:
+        for path in _grants(name):
+            assert not path.startswith(("/home", "/root", "/run/", "/var", "/tmp")) or \
+                path.startswith("/run/scratch/"), (name, path)
+            assert path != "/proc" and not path.startswith("/proc/self"), (name, path)
+
+
+def test_network_none_refuses_every_socket_host_refuses_unix() -> None:
+    none = landlock_rules(spec_for("network-none"), HOME, TMP).seccomp["syscalls"][-1]
+    host = landlock_rules(spec_for("network-host"), HOME, TMP).seccomp["syscalls"][-1]
+    assert none == {"names": ["socket"], "action": "SCMP_ACT_ERRNO", "errnoRet": 1}
+    assert host["args"] == [{"index": 0, "value": 1, "op": "SCMP_CMP_EQ"}]
+
+
+@pytest.mark.parametrize("abi", [1, 3, 4, 6, 7])
+def test_launch_config_handles_exactly_what_the_abi_knows(abi: int) -> None:
+    rules = landlock_rules(spec_for("network-none"), HOME, TMP)
+    cfg = launch_config(rules, abi, "x86_64")
+    known = sum(bit for bit, since in FS_RIGHTS.values() if since <= abi)
+    assert cfg["handled_fs"] == known
+    assert cfg["handled_net"] == (3 if abi >= 4 else 0)
+    assert cfg["scoped"] == (3 if abi >= 6 else 0)
+    assert all(mask & ~known == 0 for _, mask in cfg["paths"])
+    program = bytes.fromhex(cfg["seccomp"])
+    assert len(program) % 8 == 0 and struct.unpack_from("<HBBI", program)[0] == 0x20
+    assert launch_config(rules, abi, "x86_64") == cfg
+
+
+def test_enforced_requirements_per_abi() -> None:
+    assert enforced_requirements(0) == frozenset()
+    assert Requirement.FILESYSTEM not in enforced_requirements(2)
+    seven = enforced_requirements(7)
+    assert {Requirement.FILESYSTEM, Requirement.NETWORK_NONE, Requirement.ENV} <= seven
+    for never in (Requirement.NETWORK_EGRESS, Requirement.MEMORY, Requirement.PIDS,
+                  Requirement.CPU_QUOTA, Requirement.TMP_SIZE):
+        assert never not in seven
