@@ -37,6 +37,8 @@ APT_PACKAGES=(
     docker-registry
     # scmp_sys_resolver: the tests cross-check the seccomp syscall table against libseccomp
     seccomp
+    # gVisor: the oci backend with ociRuntime runsc (a userspace kernel boundary)
+    runsc
     # pytest-docker drives compose.yaml (the egress canary) with `docker-compose` when the
     # docker CLI has no compose plugin
     docker-compose

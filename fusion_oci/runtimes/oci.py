@@ -66,6 +66,7 @@ from fusion_oci.runtimes.base import (
     SpecRuntime,
     end_reason,
 )
+from fusion_oci.runtimes.linux.cgroups import Cgroup
 
 GRACE_S = 2.0
 """Between ``kill --all ID TERM`` and ``kill ID KILL`` on timeout, maxBuffer and abort."""
@@ -84,8 +85,17 @@ container state (with pid 1's host pid) to fusion-oci through one FIFO and waits
 until slirp4netns is attached; anything but ``go`` fails the hook, so the command never starts
 without its network path."""
 EGRESS_HOOK_TIMEOUT_S = 30
-NO_EGRESS_RUNTIMES = frozenset({"runsc"})
-"""gVisor brings its own network stack: slirp4netns cannot be attached to its namespace."""
+GVISOR = "runsc"
+RUNSC_EGRESS_SCRIPT = (
+    'ip link set lo up && printf \'{"pid": %s}\\n\' "$$" >"$1" && read -r answer <"$2" && '
+    '[ "$answer" = go ] && shift 2 && exec "$@"'
+)
+"""gVisor's egress launch: ``unshare --net`` gives the runtime CLI a fresh network namespace
+and this script, its first process, reports its pid to fusion-oci through the same FIFOs as
+runc's hook and waits there until slirp4netns (``--disable-host-loopback``) is attached; only
+then does it exec ``runsc --network=host``, whose sandbox uses that namespace as its "host".
+(runsc 20221219's own ``--network=sandbox`` cannot start on kernels that namespace
+``net.core.rmem_default``: it takes every namespace for the root one.)"""
 
 
 # --- pure parts: ids, argv, the bundle the runtime gets, exit statuses, reasons ---------------
@@ -124,10 +134,29 @@ def task_dir_name(task_id: str, run_id: str, nonce: str) -> str:
     return f"{base}-{nonce}"
 
 
+def is_gvisor(runtime: str) -> bool:
+    return Path(runtime).name == GVISOR
+
+
+def runtime_flags(runtime: str, network: NetworkMode, *, rootless: bool = False) -> list[str]:
+    """Global flags the runtime needs for this spec (before the subcommand). Pure.
+
+    runsc decides networking by flag, not from the spec: ``none`` is its empty netstack;
+    ``host`` and ``egress`` pass the sockets of the namespace it runs in through (for egress
+    that is the namespace :data:`RUNSC_EGRESS_SCRIPT` prepared, never the host's).
+    """
+    if not is_gvisor(runtime):
+        return []
+    flags = ["--network=none" if network is NetworkMode.NONE else "--network=host"]
+    if rootless:
+        flags.append("--rootless")
+    return flags
+
+
 def run_argv(runtime: str, root: str, bundle: str, cid: str, pid_file: str, *,
-             keep: bool = True) -> list[str]:
+             keep: bool = True, flags: list[str] | None = None) -> list[str]:
     """The one command line that runs a bundle. Pure (golden-tested)."""
-    argv = [runtime, "--root", root, "run"]
+    argv = [runtime, "--root", root, *(flags or []), "run"]
     if keep:
         argv.append("--keep")
     return [*argv, "--pid-file", pid_file, "--bundle", bundle, cid]
@@ -140,6 +169,14 @@ class EgressHook:
     request: str
     reply: str
     resolv_conf: str
+    hook: bool = True
+    """False for gVisor: the launch script, not a createRuntime hook, holds the command."""
+
+
+def egress_launch_argv(unshare: str, hook: EgressHook, argv: list[str]) -> list[str]:
+    """gVisor's egress launch (:data:`RUNSC_EGRESS_SCRIPT`) around ``argv``. Pure."""
+    return [unshare, "--net", "--", "/bin/sh", "-c", RUNSC_EGRESS_SCRIPT, "fusion-oci-egress",
+            hook.request, hook.reply, *argv]
 
 
 def bundle_spec(spec: Spec, *, rootless_ids: tuple[int, int] | None = None,
@@ -157,7 +194,7 @@ def bundle_spec(spec: Spec, *, rootless_ids: tuple[int, int] | None = None,
     out = copy.deepcopy(spec)
     if rootfs is not None:
         out["root"]["path"] = rootfs
-    if egress is not None:
+    if egress is not None and egress.hook:
         out.setdefault("hooks", {}).setdefault("createRuntime", []).append({
             "path": "/bin/sh",
             "args": ["sh", "-c", EGRESS_HOOK_SCRIPT, "fusion-oci-egress",
@@ -165,7 +202,13 @@ def bundle_spec(spec: Spec, *, rootless_ids: tuple[int, int] | None = None,
             "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"],
             "timeout": EGRESS_HOOK_TIMEOUT_S,
         })
+    if egress is not None:
         out["mounts"].append(bind("/etc/resolv.conf", egress.resolv_conf, writable=False))
+    if egress is not None and not egress.hook:
+        # gVisor: the runtime CLI already runs in the task's own network namespace (see
+        # RUNSC_EGRESS_SCRIPT); a spec namespace would be a second, empty one inside it.
+        out["linux"]["namespaces"] = [ns for ns in out["linux"]["namespaces"]
+                                      if ns["type"] != "network"]
     if rootless_ids is None:
         return out
     uid, gid = rootless_ids
@@ -295,6 +338,48 @@ def parse_cgroup_mounts(mountinfo: str, v2_controllers: str = "") -> CgroupHost:
     if has_v2:
         return CgroupHost("v2", frozenset(v2_controllers.split()))
     return CgroupHost("none", frozenset())
+
+
+def gvisor_details(rootless: bool, limits: frozenset[Requirement]) -> dict[str, str]:
+    """What runsc (gVisor) enforces, for doctor. Pure."""
+    kvm = Path("/dev/kvm").exists()
+    return {
+        "kernel": "gVisor: the command's system calls are served by a userspace kernel (the "
+                  "Sentry), not the host's",
+        "platform": "ptrace (runsc's default; /dev/kvm is " + ("present" if kvm else "absent")
+                    + ", --platform=kvm is not used)",
+        "network": "none: gVisor's own netstack, loopback only; host: --network=host; egress: "
+                   "a fresh network namespace with slirp4netns --disable-host-loopback, "
+                   "runsc --network=host inside it",
+        "limits": ", ".join(sorted(r.value for r in limits)) + " (cgroups of the sandbox); "
+                  "pidsLimit: not enforced (gVisor's processes are not host processes)"
+                  if limits else "none: " + ("rootless, no cgroup delegation" if rootless
+                                             else "no cgroup controllers"),
+        "rootless": ("runsc --rootless with a user namespace mapping only the caller" if
+                     rootless else "rootful"),
+    }
+
+
+def gvisor_cgroup(spec: Spec, env: Mapping[str, str]) -> tuple[Cgroup | None, Spec]:
+    """A cgroup of ours holding the spec's memory and CPU limits, for runsc to join.
+
+    runsc removes the cgroups it creates when the sandbox ends, taking the OOM counter with
+    them; a cgroup that already exists it only joins. So we make the leaf (inside our own
+    cgroup of each controller, where a relative ``cgroupsPath`` points), read its OOM count
+    after the run and remove it. pids stays out (see :func:`gvisor_details`).
+    """
+    from fusion_oci.runtimes.linux.cgroups import Cgroup, CgroupLimits, detect
+
+    limits = CgroupLimits.from_spec(spec)
+    limits = replace(limits, pids=None)
+    if not limits.controllers():
+        return None, spec
+    group = Cgroup.create(detect(env), limits)
+    out = copy.deepcopy(spec)
+    out["linux"]["cgroupsPath"] = next(iter(group.dirs.values())).name
+    for key in ("memory", "cpu", "pids"):
+        out["linux"].get("resources", {}).pop(key, None)
+    return group, out
 
 
 # --- host probes ------------------------------------------------------------------------------
@@ -604,11 +689,12 @@ class _EgressLink:
     read sees EOF (and fails) as soon as we close them, whatever state we are in.
     """
 
-    def __init__(self, bundles: Path, seq: int, resolv_conf: Path) -> None:
+    def __init__(self, bundles: Path, seq: int, resolv_conf: Path, *, hook: bool = True
+                 ) -> None:
         self.request = bundles / f"{seq}.egress-request"
         self.reply = bundles / f"{seq}.egress-reply"
         self.log = bundles / f"{seq}.slirp.log"
-        self.hook = EgressHook(str(self.request), str(self.reply), str(resolv_conf))
+        self.hook = EgressHook(str(self.request), str(self.reply), str(resolv_conf), hook)
         self.error: SandboxSetupError | None = None
         self._fds: list[int] = []
         self._task: asyncio.Task[Any] | None = None
@@ -801,6 +887,8 @@ class OciRuntime(SpecRuntime):
     def _state_left(self, root: Path, cid: str) -> bool:
         """Whether ``delete`` has anything to do: without --keep, a container that ended by
         itself is already gone, state directory and all. Unknown runtimes: assume yes."""
+        if is_gvisor(self.runtime_name):
+            return (root / f"{cid}_sandbox:{cid}.state").exists()
         return not self.known_layout or (root / cid).exists() or (root / cid).is_symlink()
 
     def _find_binary(self) -> str | None:
@@ -821,7 +909,9 @@ class OciRuntime(SpecRuntime):
         out = set()
         if "memory" in have:
             out.add(Requirement.MEMORY)
-        if "pids" in have:
+        if "pids" in have and not is_gvisor(self.runtime_name):
+            # gVisor's processes are tasks inside its kernel: a host pids cgroup counts the
+            # sandbox's own threads instead (and at a small limit stops gVisor starting).
             out.add(Requirement.PIDS)
         if "cpu" in have:
             out.add(Requirement.CPU_QUOTA)
@@ -837,9 +927,13 @@ class OciRuntime(SpecRuntime):
             from fusion_oci.runtimes.linux import egress
 
             slirp = shutil.which("slirp4netns", path=self.env.get("PATH"))
-            if Path(self.runtime_name).name in NO_EGRESS_RUNTIMES:
-                self._egress = (False, f"{self.runtime_name} has its own network stack; "
-                                "slirp4netns cannot be attached to it")
+            path = self.env.get("PATH")
+            if is_gvisor(self.runtime_name) and self.rootless:
+                self._egress = (False, "rootless runsc: its network namespace cannot be "
+                                "prepared without privilege (unshare --net needs root)")
+            elif is_gvisor(self.runtime_name) and not (shutil.which("unshare", path=path)
+                                                       and shutil.which("ip", path=path)):
+                self._egress = (False, "unshare (util-linux) or ip (iproute2) is missing")
             elif slirp is None:
                 self._egress = (False, "slirp4netns is not installed (apt-get install "
                                 "slirp4netns)")
@@ -884,6 +978,16 @@ class OciRuntime(SpecRuntime):
                 "set sandbox.ociRuntime: runc, or boot the host with the unified cgroup v2 "
                 "hierarchy (systemd.unified_cgroup_hierarchy=1)",
             )
+        if is_gvisor(binary) and self.rootless:
+            return Availability(
+                False, "runsc (gVisor) cannot start a sandbox for an unprivileged caller here: "
+                "with a user namespace its gofer fails ('fork/exec /proc/self/exe: operation "
+                "not permitted'), without one the sandbox never starts (seen with runsc "
+                "release 20221219)",
+                "run fusion-oci as root for runsc, or choose bubblewrap, landlock or rootless "
+                "podman",
+                rootless=True,
+            )
         if self.rootless:
             try:
                 userns = Path("/proc/sys/user/max_user_namespaces").read_text().strip()
@@ -907,6 +1011,8 @@ class OciRuntime(SpecRuntime):
         if self.rootless:
             details["limits"] = ("memory, pids and cpu quota are not enforced: rootless, "
                                  "no cgroup delegation")
+        if is_gvisor(binary):
+            details.update(gvisor_details(self.rootless, self._limits()))
         return Availability(True, version=self._runtime_version(binary),
                             rootless=self.rootless, details=details)
 
@@ -943,8 +1049,14 @@ class OciRuntime(SpecRuntime):
                 "<state>/bundles/<seq>.pid"
             cid = f"{ann.get(ANN_TASK, '<task>')}-{ann.get('io.fusion-oci.run-id', '<run>')}" \
                 "-<nonce>-<seq>"
+        network_mode = spec_network(spec)
         argv = run_argv(self.runtime_name, root, bundle, cid, pid_file,
-                        keep=self.keep_for(spec))
+                        keep=self.keep_for(spec), flags=self.flags_for(spec))
+        if is_gvisor(self.runtime_name) and network_mode is NetworkMode.EGRESS:
+            hook = EgressHook("<state>/bundles/<seq>.egress-request",
+                              "<state>/bundles/<seq>.egress-reply", "<state>/resolv.conf",
+                              hook=False)
+            argv = egress_launch_argv("unshare", hook, argv)
         if ann.get(ANN_IMAGE):
             rootfs = (f"image {ann[ANN_IMAGE]}: root filesystem exported from podman's local "
                       f"storage and unpacked (read-only, shared) into "
@@ -960,7 +1072,19 @@ class OciRuntime(SpecRuntime):
                                 "slirp4netns --disable-host-loopback is attached to its network "
                                 "namespace; /etc/resolv.conf names slirp's DNS (refused where "
                                 "slirp4netns or /dev/net/tun is unusable: see doctor)",
-        }[spec_network(spec)]
+        }[network_mode]
+        if is_gvisor(self.runtime_name):
+            network = {
+                NetworkMode.NONE: "network none: gVisor's netstack with loopback only "
+                                  "(--network=none)",
+                NetworkMode.HOST: "network host: gVisor passes the host's sockets through "
+                                  "(--network=host)",
+                NetworkMode.EGRESS: "network egress: runsc runs in a fresh network namespace "
+                                    "(unshare --net) held until slirp4netns "
+                                    "--disable-host-loopback is attached, then "
+                                    "--network=host uses that namespace; /etc/resolv.conf "
+                                    "names slirp's DNS",
+            }[network_mode]
         resources = spec.get("linux", {}).get("resources", {})
         limits = [k for k in ("memory", "pids", "cpu") if k in resources]
         notes = [
@@ -977,6 +1101,9 @@ class OciRuntime(SpecRuntime):
         elif limits:
             notes.append("cgroup limits applied by the runtime: " + ", ".join(limits))
         return LaunchPlan(backend=self.id, argv=argv, cwd=bundle, notes=notes)
+
+    def flags_for(self, spec: Spec) -> list[str]:
+        return runtime_flags(self.runtime_name, spec_network(spec), rootless=self.rootless)
 
     # -- lifecycle
 
@@ -1024,14 +1151,23 @@ class OciRuntime(SpecRuntime):
         cid = container_id(ctx.task_id, ctx.run_id, task.nonce, seq)
         bundle_dir = task.bundles / str(seq)
         pid_file = task.bundles / f"{seq}.pid"
-        link = _EgressLink(task.bundles, seq, task.dir / "resolv.conf") if wants_egress else None
+        gvisor = is_gvisor(self.runtime_name)
+        link = _EgressLink(task.bundles, seq, task.dir / "resolv.conf", hook=not gvisor) \
+            if wants_egress else None
         rootless_ids = (self.uid, self.gid) if self.rootless else None
+        group = None
         try:
-            write_bundle(bundle_spec(spec, rootless_ids=rootless_ids, rootfs=self._rootfs,
-                                     egress=link.hook if link else None), bundle_dir)
+            runtime_spec = bundle_spec(spec, rootless_ids=rootless_ids, rootfs=self._rootfs,
+                                       egress=link.hook if link else None)
+            if gvisor and not self.rootless:
+                group, runtime_spec = gvisor_cgroup(runtime_spec, self.env)
+            write_bundle(runtime_spec, bundle_dir)
             keep = self.keep_for(spec)
             argv = run_argv(binary, str(task.root), str(bundle_dir), cid, str(pid_file),
-                            keep=keep)
+                            keep=keep, flags=self.flags_for(spec))
+            if link is not None and gvisor:
+                unshare = shutil.which("unshare", path=self.env.get("PATH")) or "unshare"
+                argv = egress_launch_argv(unshare, link.hook, argv)
 
             async def stop() -> None:
                 await self._stop(task, binary, cid, pid_file)
@@ -1044,8 +1180,13 @@ class OciRuntime(SpecRuntime):
                 grace_s=GRACE_S, term_group=False, stop=stop,
             )
             counters = read_counters(task.root, cid) if keep else CgroupCounters()
+            if group is not None:
+                events = group.events()
+                counters = CgroupCounters(oom_kills=events.oom_kills)
             started = pid_file.exists()
         finally:
+            if group is not None:
+                group.remove()
             # Kept, killed or failed containers are deleted here; ended ones are gone.
             if self._state_left(task.root, cid):
                 await asyncio.shield(self._delete(task, binary, cid))

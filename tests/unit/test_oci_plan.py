@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from fusion_oci.models import CpuLimit, PrepareContext, RunOptions, SandboxPolicy
+from fusion_oci.models import CpuLimit, NetworkMode, PrepareContext, RunOptions, SandboxPolicy
 from fusion_oci.oci.host import HostInfo
-from fusion_oci.oci.spec import Spec, compile_spec
+from fusion_oci.oci.spec import Spec, bind, compile_spec
 from fusion_oci.policy.layout import GitLayout, TaskLayout
 from fusion_oci.policy.settings import SandboxSettings
 from fusion_oci.process import ProcessOutcome
@@ -26,6 +26,7 @@ from fusion_oci.runtimes.oci import (
     apply_layer,
     bundle_spec,
     container_id,
+    egress_launch_argv,
     exec_failure_status,
     exit_status,
     oci_reason,
@@ -33,6 +34,7 @@ from fusion_oci.runtimes.oci import (
     parse_counter,
     podman_url,
     run_argv,
+    runtime_flags,
     state_base,
     unpack_docker_archive,
 )
@@ -367,3 +369,55 @@ def test_unpack_docker_archive(tmp_path: Path) -> None:
 
 def test_signal_names_cover_the_common_deaths() -> None:
     assert exit_status(128 + signal.SIGXCPU, None) == (None, "SIGXCPU")
+
+
+# --- gVisor (runsc) ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_golden_plan_runsc(name: str) -> None:
+    plan = runtime(oci_runtime="runsc").plan(spec_for(POLICIES[name]))
+    assert_golden(f"oci/plan-runsc-{name}.json", plan.to_json())
+
+
+def test_runsc_network_flags_come_before_the_subcommand() -> None:
+    assert runtime_flags("runsc", NetworkMode.NONE) == ["--network=none"]
+    assert runtime_flags("/usr/bin/runsc", NetworkMode.HOST) == ["--network=host"]
+    # egress: host networking of the namespace the launch script prepared, never the host's
+    assert runtime_flags("runsc", NetworkMode.EGRESS) == ["--network=host"]
+    assert runtime_flags("runc", NetworkMode.NONE) == []
+    argv = run_argv("runsc", "/s", "/b", "id", "/p", keep=False, flags=["--network=none"])
+    assert argv[:5] == ["runsc", "--root", "/s", "--network=none", "run"]
+
+
+def test_runsc_egress_launch_holds_the_runtime_until_slirp_is_attached() -> None:
+    hook = EgressHook("/t/1.egress-request", "/t/1.egress-reply", "/t/resolv.conf", hook=False)
+    argv = egress_launch_argv("/usr/bin/unshare", hook, ["runsc", "run", "x"])
+    assert argv[:3] == ["/usr/bin/unshare", "--net", "--"]
+    assert argv[-5:] == ["/t/1.egress-request", "/t/1.egress-reply", "runsc", "run", "x"]
+    script = argv[5]
+    assert script.index('read -r answer <"$2"') < script.index('exec "$@"')
+    assert '[ "$answer" = go ]' in script
+
+
+def test_runsc_egress_bundle_has_no_hook_and_no_second_netns(oci_validator: Any) -> None:
+    spec = spec_for(POLICIES["egress"])
+    hook = EgressHook("/t/1.egress-request", "/t/1.egress-reply", "/t/resolv.conf", hook=False)
+    out = bundle_spec(spec, egress=hook)
+    oci_validator.validate(out)
+    assert "hooks" not in out
+    assert all(ns["type"] != "network" for ns in out["linux"]["namespaces"])
+    assert bind("/etc/resolv.conf", "/t/resolv.conf", writable=False) in out["mounts"]
+    runc = bundle_spec(spec, egress=EgressHook("/a", "/b", "/t/resolv.conf"))
+    assert runc["hooks"]["createRuntime"] and {"type": "network"} in runc["linux"]["namespaces"]
+
+
+def test_runsc_never_claims_pids_and_is_unavailable_rootless() -> None:
+    rt = runtime(oci_runtime="runsc")
+    rt._cgroups = CgroupHost("v1", frozenset({"memory", "pids", "cpu"}))
+    assert Requirement.PIDS not in rt.enforces()
+    assert Requirement.MEMORY in rt.enforces()
+    rootless = runtime(uid=1000, oci_runtime="runsc")
+    rootless._binary = "/usr/bin/runsc"
+    avail = rootless.availability()
+    assert not avail.available and "unprivileged" in avail.reason
