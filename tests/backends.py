@@ -8,6 +8,7 @@ failing test.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 
@@ -18,8 +19,8 @@ from fusion_oci.runtimes.registry import create_runtime
 def required_backends() -> set[str]:
     value = os.environ.get("FUSION_OCI_REQUIRE_BACKENDS", "")
     if value.strip() == "all":
-        return {"native", "bubblewrap", "oci", "podman", "podman-rootless", "docker",
-                "oci-schema", "libseccomp"}
+        return {"native", "bubblewrap", "oci", "oci-runsc", "landlock", "podman",
+                "podman-rootless", "docker", "oci-schema", "libseccomp"}
     return {v.strip() for v in value.split(",") if v.strip()}
 
 
@@ -35,7 +36,19 @@ def require(backend: str, available: bool, reason: str) -> None:
     pytest.skip(f"backend '{backend}' missing: {reason}")
 
 
+VARIANTS: dict[str, dict[str, str]] = {"oci-runsc": {"backend": "oci", "oci_runtime": "runsc"}}
+"""Test backends that are a backend id plus settings: ``oci-runsc`` is the oci backend with
+gVisor's runsc as its OCI runtime."""
+
+
+def backend_settings(backend: str, **fields: Any) -> SandboxSettings:
+    """The settings that select ``backend`` (a backend id or a name in VARIANTS)."""
+    base: dict[str, Any] = dict(VARIANTS.get(backend, {"backend": backend}))
+    return SandboxSettings(**{**base, **fields})
+
+
 def require_runtime(backend: str, settings: SandboxSettings | None = None) -> None:
-    runtime = create_runtime(backend, settings or SandboxSettings(backend=backend), os.environ)  # type: ignore[arg-type]
+    settings = settings or backend_settings(backend)
+    runtime = create_runtime(settings.backend, settings, os.environ)
     avail = runtime.availability()
     require(backend, avail.available, f"{avail.reason} {avail.hint}".strip())

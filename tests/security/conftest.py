@@ -34,9 +34,10 @@ from fusion_oci.errors import PolicyNotEnforceableError
 from fusion_oci.models import CacheMode, PrepareContext, RunOptions, RunResult, SandboxPolicy
 from fusion_oci.policy.settings import SandboxSettings
 from fusion_oci.sandbox import SyncSandbox
-from tests.backends import require, require_runtime
+from tests.backends import backend_settings, require, require_runtime
 
-BACKENDS = ["native", "bubblewrap", "oci", "podman", "docker", "podman-rootless"]
+BACKENDS = ["native", "bubblewrap", "landlock", "oci", "oci-runsc", "podman", "docker",
+            "podman-rootless"]
 ROOTLESS = "podman-rootless"
 ROOTLESS_USER = os.environ.get("FUSION_OCI_ROOTLESS_USER", "fusionci")
 
@@ -85,6 +86,20 @@ EXPECT: dict[tuple[str, str], Expect] = {
     ("engine-sockets", "native"): "leaks",
     ("term-ignoring-daemon", "native"): "blocked",  # the reaper shim ends the whole tree
     ("disk-fill-tmp", "native"): "unenforced",  # /tmp is the host's own directory
+    # landlock: no namespace and no cgroup. Memory, pids and tmpSizeMb are refused; egress
+    # without host loopback cannot be enforced (Landlock's TCP rules know ports, not
+    # addresses), so the egress cases are refused; a plain repository's .git/hooks inside the
+    # writable worktree cannot be made read-only beneath it, so that task is refused too.
+    ("fork-bomb", "landlock"): "unenforced",
+    ("memory-hog", "landlock"): "unenforced",
+    ("disk-fill-tmp", "landlock"): "unenforced",
+    ("dashboard-4040", "landlock"): "unenforced",
+    ("tcp-host-loopback-egress", "landlock"): "unenforced",
+    ("git-hooks-plain-repo", "landlock"): "unenforced",
+    # gVisor's processes are tasks of its userspace kernel: a host pids cgroup would count
+    # the sandbox's threads instead, so pidsLimit is refused (memory is enforced: oom).
+    ("fork-bomb", "oci-runsc"): "unenforced",
+    ("disk-fill-tmp", "oci-runsc"): "unenforced",  # gVisor's tmpfs ignores size=
     # Rootless podman gets no cgroup of its own on a cgroup v1 host: the lifecycle refuses
     # memory, pids and CPU-quota limits there (PolicyNotEnforceableError) rather than let
     # podman ignore them. Where the user's engine reports cgroup v2 they are enforced, and
@@ -94,6 +109,9 @@ EXPECT: dict[tuple[str, str], Expect] = {
 }
 
 CGROUP_LIMIT_PROBES = {"fork-bomb", "memory-hog"}
+HOST_VIEW = {"landlock"}
+"""Backends that run on the host's filesystem view, confined by access checks: what exists is
+visible to stat (Landlock does not govern it), so probes judge them by what can be opened."""
 
 # What the rootless engine said about itself (availability details), once per session.
 ROOTLESS_ENGINE: dict[str, str] = {}
@@ -138,8 +156,9 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 
 MARKS = {"native": pytest.mark.native, "bubblewrap": pytest.mark.bubblewrap,
-         "oci": pytest.mark.oci, "podman": pytest.mark.podman, "docker": pytest.mark.docker,
-         ROOTLESS: pytest.mark.podman_rootless}
+         "landlock": pytest.mark.landlock, "oci": pytest.mark.oci,
+         "oci-runsc": pytest.mark.runsc, "podman": pytest.mark.podman,
+         "docker": pytest.mark.docker, ROOTLESS: pytest.mark.podman_rootless}
 
 
 @dataclass(frozen=True)
@@ -204,7 +223,7 @@ class Prober:
         opts = RunOptions(timeout_ms=timeout_ms, env=self.env, **extra)
         if self.rootless is not None:
             return self._run_rootless(self.rootless, command, policy, ctx, opts)
-        settings = SandboxSettings(backend=self.backend, policy=policy)  # type: ignore[arg-type]
+        settings = backend_settings(self.backend, policy=policy)
         with SyncSandbox(settings, env=self.env, cache_root=self.tmp / "cache") as sb:
             sb.prepare(ctx)
             return sb.run(command, opts)
