@@ -232,18 +232,24 @@ def dry_run(task: Any, command: str | list[str], environ: dict[str, str]) -> dic
 def doctor(as_json: AsJson = False) -> None:
     """For every known backend: available here?, version, rootless, capabilities, the fix."""
     import os
+    import shutil
 
     from fusion_oci.models import BACKEND_IDS
     from fusion_oci.policy.settings import SandboxSettings
     from fusion_oci.runtimes.registry import create_runtime
 
     rows: list[dict[str, Any]] = []
-    for backend in BACKEND_IDS:
-        settings = SandboxSettings.model_validate({"backend": backend})
-        runtime = create_runtime(backend, settings, os.environ)
+    # The oci backend once more per OCI runtime installed besides the default (runc): gVisor's
+    # runsc enforces differently, and `ociRuntime: runsc` is how users pick it.
+    variants = [(b, {"backend": b}) for b in BACKEND_IDS] + [
+        (f"oci (ociRuntime: {name})", {"backend": "oci", "ociRuntime": name})
+        for name in ("runsc", "crun") if shutil.which(name)]
+    for label, fields in variants:
+        settings = SandboxSettings.model_validate(fields)
+        runtime = create_runtime(settings.backend, settings, os.environ)
         avail = runtime.availability()
         rows.append({
-            "backend": backend,
+            "backend": label,
             "available": avail.available,
             "version": avail.version,
             "rootless": avail.rootless,
@@ -272,6 +278,10 @@ def doctor(as_json: AsJson = False) -> None:
             "" if row["available"] else f"{row['reason']}\n{row['hint'] or ''}".strip(),
         )
     Console().print(table)
+    for row in rows:
+        # landlock's: user namespaces are forbidden here, and landlock still isolates.
+        if (row["details"] or {}).get("recommendation"):
+            Console().print(f"[bold]{row['backend']}[/]: {row['details']['recommendation']}")
 
 
 # --- bundle ---------------------------------------------------------------------------------

@@ -260,9 +260,17 @@ def exit_status(returncode: int | None, sig: str | None) -> tuple[int | None, st
 _EXEC_FAILURE = re.compile(r'exec: \\?"(?P<cmd>.*?)\\?": (?P<why>[^"\n]*)')
 
 
+# runsc: 'error finding executable "X" in PATH [...]: no such file or directory' and
+# 'creating process: failed to load X: permission denied', after its own "running container:".
+_GVISOR_EXEC_FAILURE = re.compile(
+    r'^running container: .*starting sandbox: (?:error finding executable "(?P<cmd>.*?)" '
+    r'in PATH \[.*?\]|creating process: failed to load (?P<path>.*?)): (?P<why>.*)$',
+    re.MULTILINE)
+
+
 def exec_failure_status(stderr: str) -> int | None:
     """127/126 when the runtime could not exec the command (as a shell would say), else None."""
-    match = _EXEC_FAILURE.search(stderr)
+    match = _EXEC_FAILURE.search(stderr) or _GVISOR_EXEC_FAILURE.search(stderr)
     if match is None:
         return None
     why = match["why"].lower()
@@ -1009,8 +1017,10 @@ class OciRuntime(SpecRuntime):
             "cgroups": cgroups.mode,
             "controllers": ",".join(sorted(cgroups.controllers)) or "none",
             "state": str(self.state_base),
-            "egress": (f"slirp4netns ({egress_why}) --disable-host-loopback, attached by a "
-                       "createRuntime hook" if egress_ok else f"not enforced: {egress_why}"),
+            "egress": (f"slirp4netns ({egress_why}) --disable-host-loopback, attached "
+                       + ("before runsc starts (unshare --net)" if is_gvisor(binary) else
+                          "by a createRuntime hook")
+                       if egress_ok else f"not enforced: {egress_why}"),
         }
         if self.rootless:
             details["limits"] = ("memory, pids and cpu quota are not enforced: rootless, "
@@ -1226,6 +1236,13 @@ class OciRuntime(SpecRuntime):
 
     def _result(self, outcome: ProcessOutcome, spec: Spec, counters: CgroupCounters,
                 started: bool) -> RunResult:
+        if is_gvisor(self.runtime_name) and outcome.returncode == 128:
+            # runsc reports a command it cannot exec as its own failure (status 128), after
+            # the sandbox (and so the pid file) exists.
+            code = exec_failure_status(outcome.stderr.decode("utf-8", "replace"))
+            if code is not None:
+                return self.result(replace(outcome, returncode=code, signal=None), spec,
+                                   "exit")
         if not started and not outcome.timed_out and not outcome.truncated \
                 and outcome.returncode != 0:
             stderr = outcome.stderr.decode("utf-8", "replace")

@@ -421,3 +421,13 @@ def test_runsc_never_claims_pids_and_is_unavailable_rootless() -> None:
     rootless._binary = "/usr/bin/runsc"
     avail = rootless.availability()
     assert not avail.available and "unprivileged" in avail.reason
+
+
+def test_runsc_exec_failures_read_as_a_shell_would() -> None:
+    prefix = "running container: starting container: starting root container: starting sandbox: "
+    assert exec_failure_status(prefix + 'error finding executable "nope" in PATH [/usr/bin '
+                               "/bin]: no such file or directory\n") == 127
+    assert exec_failure_status(prefix + "creating process: failed to load /etc/passwd: "
+                               "permission denied\n") == 126
+    assert exec_failure_status("the command printed: failed to load x: permission denied") \
+        is None

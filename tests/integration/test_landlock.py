@@ -1,0 +1,209 @@
+"""The landlock runtime on this kernel: git in a linked worktree, networks, failures, leftovers,
+and a host where user namespaces are forbidden (simulated in a test-owned user namespace)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fusion_oci.errors import PolicyNotEnforceableError, SandboxSetupError
+from fusion_oci.models import PrepareContext, RunOptions, RunResult, SandboxPolicy
+from fusion_oci.policy.settings import SandboxSettings
+from fusion_oci.runtimes.landlock import LandlockRuntime
+from fusion_oci.sandbox import SyncSandbox
+from tests.backends import require, require_runtime
+from tests.conftest import git
+from tests.hostside import tcp_server
+
+pytestmark = [pytest.mark.landlock]
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _landlock_available() -> None:
+    require_runtime("landlock")
+
+
+def run(worktree: Path, command: str, *, timeout_ms: int = 20_000, **policy: Any) -> RunResult:
+    if "network" not in policy:
+        policy.setdefault("allow_network", False)
+    settings = SandboxSettings(backend="landlock", policy=SandboxPolicy(**policy))
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(worktree.parent),
+           "LANG": "C.UTF-8"}
+    with SyncSandbox(settings, env=env, cache_root=worktree.parent / "cache") as sb:
+        sb.prepare(PrepareContext(task_id="ll", run_id="r1", worktree_path=str(worktree),
+                                  policy=settings.policy))
+        return sb.run(command, RunOptions(timeout_ms=timeout_ms, env=env))
+
+
+def test_commit_in_a_linked_worktree_works_and_hooks_stay_read_only(
+        linked_worktree: tuple[Path, Path]) -> None:
+    repo, wt = linked_worktree
+    hook = repo / ".git" / "hooks" / "pre-commit"
+    result = run(wt, "echo change > file.txt && git add file.txt && "
+                     "git -c user.name=t -c user.email=t@e commit -qm from-landlock && "
+                     f"echo pwn > {hook}; git config core.hooksPath /tmp/x; "
+                     "git log --oneline | head -1")
+    assert "from-landlock" in result.stdout, result.stderr
+    assert not hook.exists()
+    assert "hooksPath" not in (repo / ".git" / "config").read_text()
+    assert git(repo, "log", "--oneline", "task").startswith(
+        git(wt, "rev-parse", "--short", "HEAD").strip())
+
+
+def test_the_tools_of_a_build_run(worktree: Path) -> None:
+    result = run(worktree, "node -e 'console.log(require(\"os\").cpus().length > 0)'; "
+                           "python3 -c 'import sys; print(sys.version_info >= (3,))'; "
+                           "echo data > out.txt && cat out.txt; ls -d \"$TMPDIR\" \"$HOME\"")
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.splitlines()[:3] == ["true", "True", "data"]
+
+
+def test_root_gains_nothing_by_being_root(worktree: Path) -> None:
+    result = run(worktree, "grep -E '^Cap(Eff|Prm|Bnd)' /proc/$$/status; cat /etc/shadow; "
+                           "ls /root; echo x > /usr/local/pwned; true")
+    assert "root" not in result.stdout and not Path("/usr/local/pwned").exists()
+    for word in ("/etc/shadow", "/root", "/usr/local/pwned"):
+        assert word in result.stderr  # each refused, with the tool's own message
+
+
+def test_network_host_reaches_tcp_but_no_unix_socket(worktree: Path) -> None:
+    with tcp_server() as (port, seen):
+        result = run(worktree, f"python3 -c 'import socket; socket.create_connection("
+                               f"(\"127.0.0.1\", {port})).close(); print(\"tcp\")'; "
+                               "python3 -c 'import socket; socket.socket(socket.AF_UNIX)' "
+                               "2>&1 | tail -1", network="host")
+    assert result.stdout.splitlines()[0] == "tcp" and seen
+    assert "Operation not permitted" in result.stdout
+
+
+def test_network_none_has_no_socket_but_pipes_between_processes_work(worktree: Path) -> None:
+    result = run(worktree, "python3 -c 'import socket; a, b = socket.socketpair(); "
+                           "a.send(b\"pair\"); print(b.recv(4).decode())'; "
+                           "python3 -c 'import socket; socket.socket()' 2>&1 | tail -1")
+    assert result.stdout.splitlines() == ["pair", "PermissionError: [Errno 1] Operation not "
+                                                  "permitted"]
+
+
+def test_egress_and_cgroup_limits_are_refused_not_weakened(worktree: Path) -> None:
+    for policy in ({"network": "egress"}, {"memory_limit_mb": 64}, {"pids_limit": 10},
+                   {"tmp_size_mb": 8}):
+        with pytest.raises(PolicyNotEnforceableError):
+            run(worktree, "true", **policy)
+
+
+def test_a_plain_repository_is_refused_with_the_reason(worktree: Path) -> None:
+    git(worktree, "init", "-q")
+    with pytest.raises(PolicyNotEnforceableError) as refused:
+        run(worktree, "true")
+    assert any(".git/hooks inside writable" in u for u in refused.value.unenforced)
+    assert "linked worktree" in refused.value.render()
+
+
+def test_exit_statuses_and_nothing_left_behind(worktree: Path) -> None:
+    before = set(Path("/tmp").glob("fusion-oci-ll-*"))
+    assert run(worktree, "exit 3").exit_code == 3
+    assert run(worktree, "nosuchcommand-xyz").exit_code == 127
+    assert run(worktree, "/etc/passwd").exit_code == 126
+    timed = run(worktree, "sleep 30", timeout_ms=500)
+    assert timed.timed_out and timed.reason == "timeout"
+    assert set(Path("/tmp").glob("fusion-oci-ll-*")) == before
+
+
+def test_a_confinement_that_fails_fails_the_command(worktree: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    import fusion_oci.runtimes.landlock as mod
+
+    real = mod.launch_config
+
+    def broken(*args: Any) -> dict[str, Any]:
+        return {**real(*args), "arch": "not-this-machine"}
+
+    monkeypatch.setattr(mod, "launch_config", broken)
+    with pytest.raises(SandboxSetupError, match="could not confine"):
+        run(worktree, "echo must-not-run > ran.txt")
+    assert not (worktree / "ran.txt").exists()
+
+
+def test_plan_is_printable_and_says_what_is_granted(worktree: Path) -> None:
+    from fusion_oci.oci.host import probe_host
+    from fusion_oci.oci.spec import compile_spec
+    from fusion_oci.policy.layout import resolve_layout
+
+    ctx = PrepareContext(task_id="ll", run_id="r1", worktree_path=str(worktree),
+                         policy=SandboxPolicy(allow_network=False))
+    host = probe_host()
+    layout = resolve_layout(ctx, cache_root=worktree.parent / "cache", ca_bundle=None)
+    spec = compile_spec(ctx, layout, host, "true", RunOptions(), {})
+    runtime = LandlockRuntime(SandboxSettings(backend="landlock"), {}, host=host)
+    plan = runtime.plan(spec).to_json()
+    assert plan["argv"][:2] == ["<reaper>", "SANDBOX=<launch.json>"]
+    assert any(str(worktree) in n for n in plan["notes"])
+
+
+# --- a host where user namespaces are forbidden -----------------------------------------------
+
+FORBIDDEN_HOST = r"""
+import json, os, sys
+from pathlib import Path
+# This namespace may create no user namespace below it: the host of the test.
+Path("/proc/sys/user/max_user_namespaces").write_text("0")
+from fusion_oci.models import PrepareContext, RunOptions, SandboxPolicy
+from fusion_oci.policy.settings import SandboxSettings
+from fusion_oci.runtimes.registry import create_runtime
+from fusion_oci.sandbox import SyncSandbox
+
+base = Path(sys.argv[1])
+env = {"PATH": os.environ["PATH"], "HOME": str(base / "home"), "LANG": "C.UTF-8"}
+out = {}
+for backend in ("bubblewrap", "landlock"):
+    avail = create_runtime(backend, SandboxSettings(backend=backend), env).availability()
+    out[backend] = {"available": avail.available, "reason": avail.reason,
+                    "details": avail.details}
+settings = SandboxSettings(backend="landlock", policy=SandboxPolicy(allow_network=False))
+with SyncSandbox(settings, env=env, cache_root=base / "cache") as sb:
+    sb.prepare(PrepareContext(task_id="userns", run_id="r", worktree_path=str(base / "wt"),
+                              policy=settings.policy))
+    result = sb.run(f"cat {base}/home/.ssh/id_ed25519; echo pwn > {base}/outside; "
+                    "unshare --user true; echo inside > inside.txt",
+                    RunOptions(timeout_ms=20000, env=env))
+out["run"] = {"stdout": result.stdout, "stderr": result.stderr, "exit": result.exit_code}
+print(json.dumps(out))
+"""
+
+
+def test_userns_forbidden_host_bubblewrap_unavailable_landlock_still_isolates(
+        tmp_path: Path) -> None:
+    unshare = shutil.which("unshare")
+    require("landlock", unshare is not None, "unshare (util-linux) is missing")
+    assert unshare is not None
+    canary = "CANARY-userns-forbidden"
+    (tmp_path / "home" / ".ssh").mkdir(parents=True)
+    (tmp_path / "home" / ".ssh" / "id_ed25519").write_text(canary)
+    (tmp_path / "wt").mkdir()
+    done = subprocess.run(
+        [unshare, "--user", "--map-root-user", "--", sys.executable, "-c", FORBIDDEN_HOST,
+         str(tmp_path)],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    bwrap = out["bubblewrap"]
+    assert not bwrap["available"]
+    assert "user.max_user_namespaces=0" in bwrap["reason"], bwrap
+    landlock = out["landlock"]
+    assert landlock["available"], landlock
+    assert "landlock is the runtime that still isolates" in landlock["details"]["recommendation"]
+    ran = out["run"]
+    assert canary not in ran["stdout"] + ran["stderr"]
+    assert not (tmp_path / "outside").exists()
+    assert (tmp_path / "wt" / "inside.txt").read_text() == "inside\n"

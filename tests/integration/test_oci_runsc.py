@@ -1,0 +1,138 @@
+"""The oci runtime with gVisor's runsc: the same bundle as runc, networks, limits, leftovers."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fusion_oci.errors import PolicyNotEnforceableError
+from fusion_oci.models import PrepareContext, RunOptions, RunResult, SandboxPolicy
+from fusion_oci.policy.settings import SandboxSettings
+from fusion_oci.runtimes.oci import OciRuntime
+from fusion_oci.sandbox import Sandbox
+from tests.backends import require, require_runtime
+from tests.conftest import git
+from tests.hostside import pids_with, tcp_server
+from tests.integration.test_oci_runc import connect_script, new_marker
+from tests.integration.test_oci_runc import test_network as test_network  # fixture
+
+pytestmark = [pytest.mark.oci, pytest.mark.runsc]
+
+SETTINGS = SandboxSettings(backend="oci", oci_runtime="runsc")
+
+
+@pytest.fixture(autouse=True)
+def _runsc_available() -> None:
+    require_runtime("oci-runsc", SETTINGS)
+
+
+@contextlib.asynccontextmanager
+async def sandbox(worktree: Path, **policy: Any) -> AsyncIterator[Sandbox]:
+    async with Sandbox(SETTINGS, env=dict(os.environ)) as sb:
+        await sb.prepare(PrepareContext(task_id="rs", run_id="r1", worktree_path=str(worktree),
+                                        policy=SandboxPolicy(**policy)))
+        yield sb
+
+
+async def run(worktree: Path, command: str | list[str], opts: RunOptions | None = None,
+              **policy: Any) -> RunResult:
+    async with sandbox(worktree, **policy) as sb:
+        return await sb.run(command, opts)
+
+
+async def test_the_command_runs_on_gvisors_kernel(worktree: Path) -> None:
+    r = await run(worktree, "uname -r; echo made > made.txt", allow_network=False)
+    assert r.exit_code == 0, r.stderr
+    # gVisor reports its own kernel version, whatever the host runs.
+    assert r.stdout.splitlines()[0] != os.uname().release
+    assert (worktree / "made.txt").read_text() == "made\n"
+
+
+async def test_network_none_reaches_nothing_of_the_host(worktree: Path) -> None:
+    with tcp_server("127.0.0.1", b"hello\n") as (port, seen):
+        r = await run(worktree, connect_script([("127.0.0.1", port), ("10.0.2.2", port)]),
+                      allow_network=False)
+    assert [line.split()[1] for line in r.stdout.splitlines()] == ["closed", "closed"], r
+    assert seen == []
+
+
+async def test_egress_reaches_out_but_not_host_loopback(worktree: Path,
+                                                        test_network: str) -> None:
+    ok, why = OciRuntime(SETTINGS, dict(os.environ)).egress_status()
+    require("oci-runsc", ok, f"egress: {why}")
+    with tcp_server("127.0.0.1", b"hello\n") as (lo_port, lo_seen), \
+            tcp_server(test_network, b"hello\n") as (out_port, out_seen):
+        r = await run(worktree, connect_script([
+            ("127.0.0.1", lo_port), ("10.0.2.2", lo_port), (test_network, out_port),
+        ]), allow_network=True)
+        lines = r.stdout.splitlines()
+        assert lines[0].startswith("127.0.0.1 closed"), r
+        assert lines[1].startswith("10.0.2.2 closed"), r
+        assert lines[2] == f"{test_network} open", r
+    assert lo_seen == []
+    assert len(out_seen) == 1
+
+
+async def test_network_host_reaches_host_loopback(worktree: Path) -> None:
+    with tcp_server("127.0.0.1", b"hello\n") as (port, seen):
+        r = await run(worktree, connect_script([("127.0.0.1", port)]), network="host")
+    assert r.stdout == "127.0.0.1 open\n", r
+    assert len(seen) == 1
+
+
+async def test_memory_limit_ends_in_oom_and_leaves_no_cgroup(worktree: Path) -> None:
+    from fusion_oci.runtimes.linux.cgroups import LEAF_PREFIX
+
+    def leaves() -> set[Path]:
+        return {p for p in Path("/sys/fs/cgroup").glob(f"*/**/{LEAF_PREFIX}{os.getpid()}.*")}
+
+    r = await run(worktree, ["/usr/bin/python3", "-c",
+                             "b = []\nwhile True: b.append(bytearray(8 << 20))"],
+                  allow_network=False, memory_limit_mb=64)
+    assert r.reason == "oom" and r.signal == "SIGKILL", r
+    assert leaves() == set()
+
+
+async def test_pids_limit_is_refused(worktree: Path) -> None:
+    with pytest.raises(PolicyNotEnforceableError) as refused:
+        await run(worktree, "true", allow_network=False, pids_limit=32)
+    assert "pidsLimit" in refused.value.unenforced
+
+
+async def test_timeout_ends_the_sandbox_and_leaves_no_container(worktree: Path) -> None:
+    marker = new_marker()
+    async with sandbox(worktree, allow_network=False) as sb:
+        runtime = sb.runtime
+        assert isinstance(runtime, OciRuntime) and runtime._task is not None
+        root = runtime._task.root
+        r = await sb.run(f"trap '' TERM; setsid sleep 600 & sleep 600 # {marker}",
+                         RunOptions(timeout_ms=1500))
+        assert r.timed_out and r.reason == "timeout", r
+        assert list(root.iterdir()) == []  # runsc's state files are gone
+    assert pids_with(marker) == []
+
+
+async def test_exit_statuses_as_a_shell_reports_them(worktree: Path) -> None:
+    async with sandbox(worktree, allow_network=False) as sb:
+        assert (await sb.run("exit 7")).exit_code == 7
+        assert (await sb.run(["nosuchcommand-xyz"])).exit_code == 127
+        assert (await sb.run(["/etc/passwd"])).exit_code == 126
+        killed = await sb.run("kill -TERM $$")
+        assert killed.signal == "SIGTERM", killed
+
+
+async def test_git_commit_in_a_linked_worktree(linked_worktree: tuple[Path, Path]) -> None:
+    repo, wt = linked_worktree
+    common = repo / ".git"
+    r = await run(wt, "echo change >> README && git add README && "
+                      "git -c user.name=s -c user.email=s@e commit -qm 'from gvisor' && "
+                      f"(touch {common}/hooks/post-commit 2>/dev/null && echo HOOKS-WRITABLE);"
+                      " true", allow_network=False)
+    assert r.exit_code == 0, r.stderr
+    assert "WRITABLE" not in r.stdout
+    assert git(wt, "log", "-1", "--format=%s").strip() == "from gvisor"
