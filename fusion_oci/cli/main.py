@@ -241,15 +241,16 @@ def doctor(as_json: AsJson = False) -> None:
     rows: list[dict[str, Any]] = []
     # The oci backend once more per OCI runtime installed besides the default (runc): gVisor's
     # runsc enforces differently, and `ociRuntime: runsc` is how users pick it.
-    variants = [(b, {"backend": b}) for b in BACKEND_IDS] + [
-        (f"oci (ociRuntime: {name})", {"backend": "oci", "ociRuntime": name})
-        for name in ("runsc", "crun") if shutil.which(name)]
-    for label, fields in variants:
+    variants: list[dict[str, str]] = [{"backend": b} for b in BACKEND_IDS] + [
+        {"backend": "oci", "ociRuntime": name} for name in ("runsc", "crun")
+        if shutil.which(name)]
+    for fields in variants:
         settings = SandboxSettings.model_validate(fields)
         runtime = create_runtime(settings.backend, settings, os.environ)
         avail = runtime.availability()
         rows.append({
-            "backend": label,
+            "backend": settings.backend,
+            **({"ociRuntime": settings.oci_runtime} if settings.backend == "oci" else {}),
             "available": avail.available,
             "version": avail.version,
             "rootless": avail.rootless,
@@ -270,7 +271,7 @@ def doctor(as_json: AsJson = False) -> None:
         table.add_column(col, overflow="fold")
     for row in rows:
         table.add_row(
-            str(row["backend"]),
+            str(row["backend"]) + (f" ({row['ociRuntime']})" if row.get("ociRuntime") else ""),
             "[green]yes[/]" if row["available"] else "[red]no[/]",
             str(row["version"] or "-"),
             "-" if row["rootless"] is None else ("yes" if row["rootless"] else "no"),

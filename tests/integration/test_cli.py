@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -159,9 +160,14 @@ def test_audit_table_and_filter(worktree: Path) -> None:
 def test_doctor_lists_every_backend(worktree: Path) -> None:
     p = cli("doctor", "--json", cwd=worktree)
     assert p.returncode == 0, p.stderr
-    rows = {r["backend"]: r for r in json.loads(p.stdout)}
+    listed = json.loads(p.stdout)
+    rows = {r["backend"]: r for r in listed if r.get("ociRuntime") in (None, "runc")}
     assert set(rows) == set(BACKEND_IDS)
     assert rows["native"]["available"] is True
+    # The oci backend once more for every other OCI runtime installed (gVisor's runsc).
+    if shutil.which("runsc"):
+        runsc = next(r for r in listed if r.get("ociRuntime") == "runsc")
+        assert runsc["available"] and "platform" in runsc["details"], runsc
     for row in rows.values():
         if not row["available"]:
             assert row["reason"]

@@ -176,6 +176,10 @@ with SyncSandbox(settings, env=env, cache_root=base / "cache") as sb:
                     "unshare --user true; echo inside > inside.txt",
                     RunOptions(timeout_ms=20000, env=env))
 out["run"] = {"stdout": result.stdout, "stderr": result.stderr, "exit": result.exit_code}
+import subprocess
+doctor = subprocess.run([sys.executable, "-m", "fusion_oci.cli.main", "doctor"],
+                        capture_output=True, text=True, env={**os.environ, "COLUMNS": "400"})
+out["doctor"] = doctor.stdout
 print(json.dumps(out))
 """
 
@@ -203,6 +207,7 @@ def test_userns_forbidden_host_bubblewrap_unavailable_landlock_still_isolates(
     landlock = out["landlock"]
     assert landlock["available"], landlock
     assert "landlock is the runtime that still isolates" in landlock["details"]["recommendation"]
+    assert "landlock is the runtime that still isolates" in out["doctor"], out["doctor"]
     ran = out["run"]
     assert canary not in ran["stdout"] + ran["stderr"]
     assert not (tmp_path / "outside").exists()
