@@ -24,6 +24,10 @@ import platform
 import stat
 import struct
 
+# os.execvp imports warnings lazily; after step 3 the interpreter's own library may be out of
+# reach (a pyenv or venv Python outside the granted paths), so it is imported now.
+import warnings  # noqa: F401
+
 PR_CAPBSET_DROP = 24
 PR_SET_NO_NEW_PRIVS = 38
 PR_SET_SECCOMP = 22
