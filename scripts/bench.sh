@@ -17,6 +17,6 @@ cleanup() {
 trap cleanup EXIT
 FUSION_OCI_STARTED_FILE="$STARTED_FILE" bash scripts/services.sh start >/dev/null
 eval "$(bash scripts/services.sh env)"
-for bench in native bubblewrap oci containers; do
+for bench in native bubblewrap oci tiers containers; do
     .venv/bin/python "benchmarks/bench_${bench}.py" "$@"
 done
