@@ -14,13 +14,25 @@ Order matters, and every step fails closed (the reaper turns an exception into e
    need it without CAP_SYS_ADMIN);
 3. the Landlock ruleset: every access right the kernel's ABI knows is handled, and only the
    listed paths get any (a path that does not exist gets nothing: less access, never more);
-4. the seccomp filter last, so that it cannot refuse the calls of steps 1-3.
+4. the seccomp filter last, so that it cannot refuse the calls of steps 1-3;
+5. a second filter that hands every chmod (``chmod``, ``fchmod``, ``fchmodat``,
+   ``fchmodat2``) to the reaper, over a seccomp user-notification fd passed back on a socket
+   pair made before the fork (see :class:`ChmodSupervisor`).
+
+Why step 5: Landlock (up to ABI 7) governs opening, creating and removing files, not changing
+their metadata, so without it the command could ``chmod 666`` any file of the caller's on the
+host (as root: any file) without being able to open it. The supervisor, outside the sandbox,
+does the chmod itself on the object the path names, only when that object lies beneath a
+writable path of the bundle, is owned by the command's user, and no setuid/setgid bit is asked
+for; anything else is EPERM. It acts on an O_PATH descriptor it opened and checked, so a path
+changed in the command's memory or a symlink swapped afterwards changes nothing.
 """
 
 import ctypes
 import json
 import os
 import platform
+import socket
 import stat
 import struct
 
@@ -125,6 +137,165 @@ def install_seccomp(program: bytes) -> None:
         raise _fail("prctl(PR_SET_SECCOMP)")
 
 
+# --- step 5: chmod through the supervisor -----------------------------------------------------
+
+SECCOMP_SET_MODE_FILTER = 1
+SECCOMP_FILTER_FLAG_NEW_LISTENER = 1 << 3
+SYS_SECCOMP = {"x86_64": 317, "aarch64": 277}
+AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+# (chmod, fchmod, fchmodat, fchmodat2); aarch64 has no plain chmod.
+CHMOD_CALLS = {"x86_64": (90, 91, 268, 452), "aarch64": (-1, 52, 53, 452)}
+RET_ALLOW, RET_USER_NOTIF = 0x7FFF0000, 0x7FC00000
+NOTIF_RECV, NOTIF_SEND, NOTIF_ID_VALID = 0xC0502100, 0xC0182101, 0x40082102
+AT_FDCWD, AT_SYMLINK_NOFOLLOW, AT_EMPTY_PATH = -100, 0x100, 0x1000
+
+
+def notify_program(arch: str) -> bytes:
+    """``chmod`` family → USER_NOTIF, everything else → ALLOW (the main filter still runs)."""
+    calls = [nr for nr in CHMOD_CALLS[arch] if nr >= 0]
+    prog = [(0x20, 0, 0, 4), (0x15, 0, len(calls) + 1, AUDIT_ARCH[arch]), (0x20, 0, 0, 0)]
+    for i, nr in enumerate(calls):
+        prog.append((0x15, len(calls) - i, 0, nr))  # jump to the USER_NOTIF return
+    prog += [(0x06, 0, 0, RET_ALLOW), (0x06, 0, 0, RET_USER_NOTIF)]
+    return b"".join(struct.pack("<HBBI", *ins) for ins in prog)
+
+
+def install_chmod_listener(arch: str, channel: int) -> None:
+    """Install the notify filter and send its listener fd to the reaper over ``channel``."""
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
+
+    program = notify_program(arch)
+    prog = SockFprog(len(program) // 8, program)
+    listener = _libc.syscall(SYS_SECCOMP[arch], SECCOMP_SET_MODE_FILTER,
+                             SECCOMP_FILTER_FLAG_NEW_LISTENER, ctypes.byref(prog))
+    if listener < 0:
+        raise _fail("seccomp(SECCOMP_FILTER_FLAG_NEW_LISTENER)")
+    with socket.socket(fileno=channel) as sock:
+        socket.send_fds(sock, [b"L"], [listener])
+    os.close(listener)
+
+
+def _beneath(path: str, roots: list) -> bool:  # type: ignore[type-arg]
+    return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
+
+
+class ChmodSupervisor:
+    """Answers the command's chmod calls (step 5), in a thread of the reaper."""
+
+    def __init__(self, cfg: dict, listener: int) -> None:  # type: ignore[type-arg]
+        self.arch = str(cfg["arch"])
+        self.writable = [str(p) for p in cfg.get("writable", [])]
+        self.listener = listener
+        chmod, fchmod, fchmodat, fchmodat2 = CHMOD_CALLS[self.arch]
+        self.calls = {"chmod": chmod, "fchmod": fchmod, "fchmodat": fchmodat,
+                      "fchmodat2": fchmodat2}
+
+    def serve(self) -> None:
+        import fcntl
+
+        while True:
+            buf = bytearray(80)  # struct seccomp_notif, zeroed as the kernel requires
+            try:
+                fcntl.ioctl(self.listener, NOTIF_RECV, buf, True)
+            except InterruptedError:
+                continue
+            except OSError:
+                return  # every confined process is gone
+            nid, pid, _flags, nr, _arch, _ip, *args = struct.unpack("=QIIiIQ6Q", bytes(buf))
+            try:
+                error = self.answer(nid, pid, nr, args)
+            except OSError as exc:
+                error = exc.errno or 1
+            except Exception:  # never let the command's call hang
+                error = 1
+            try:
+                fcntl.ioctl(self.listener, NOTIF_SEND, struct.pack("=QqiI", nid, 0, -error, 0))
+            except OSError:
+                continue  # the caller died meanwhile
+
+    def _string(self, pid: int, addr: int) -> str:
+        fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            out = b""
+            while len(out) < 4096:
+                chunk = os.pread(fd, 256, addr + len(out))
+                if not chunk:
+                    raise OSError(14, "bad address")
+                if b"\0" in chunk:
+                    return os.fsdecode(out + chunk[: chunk.index(b"\0")])
+                out += chunk
+            raise OSError(36, "file name too long")
+        finally:
+            os.close(fd)
+
+    def answer(self, nid: int, pid: int, nr: int, args: list) -> int:  # type: ignore[type-arg]
+        """0 when done, else the errno the command's call returns."""
+        import errno
+        import fcntl
+
+        signed = [a - (1 << 64) if a >= 1 << 63 else a for a in args]
+        flags = 0
+        if nr == self.calls["fchmod"]:
+            base, path, mode, flags = f"/proc/{pid}/fd/{signed[0]}", "", args[1], AT_EMPTY_PATH
+        elif nr == self.calls["chmod"]:
+            base, path, mode = f"/proc/{pid}/cwd", self._string(pid, args[0]), args[1]
+        else:
+            dirfd = int(signed[0]) & 0xFFFFFFFF
+            dirfd = dirfd - (1 << 32) if dirfd >= 1 << 31 else dirfd
+            base = f"/proc/{pid}/cwd" if dirfd == AT_FDCWD else f"/proc/{pid}/fd/{dirfd}"
+            path, mode = self._string(pid, args[1]), args[2]
+            if nr == self.calls["fchmodat2"]:
+                flags = args[3]
+        # The request is still the same live call (the memory read above was that process's).
+        fcntl.ioctl(self.listener, NOTIF_ID_VALID, struct.pack("=Q", nid))
+        mode &= 0o7777
+        if mode & (stat.S_ISUID | stat.S_ISGID):
+            return errno.EPERM
+        nofollow = os.O_NOFOLLOW if flags & AT_SYMLINK_NOFOLLOW else 0
+        if path == "" and flags & AT_EMPTY_PATH:
+            fd = os.open(base, os.O_PATH | os.O_CLOEXEC)
+        elif path == "":
+            return errno.ENOENT
+        else:
+            dfd = os.open(base, os.O_PATH | os.O_CLOEXEC | os.O_DIRECTORY)
+            try:
+                fd = os.open(path, os.O_PATH | os.O_CLOEXEC | nofollow, dir_fd=dfd)
+            finally:
+                os.close(dfd)
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISLNK(st.st_mode):
+                return errno.EOPNOTSUPP
+            real = os.readlink(f"/proc/self/fd/{fd}")  # noqa: PTH115 - pathlib costs start-up
+            if not _beneath(real, self.writable) or st.st_uid != _euid(pid):
+                return errno.EPERM
+            os.chmod(f"/proc/self/fd/{fd}", mode)  # noqa: PTH101 - on the checked object
+            return 0
+        finally:
+            os.close(fd)
+
+
+def _euid(pid: int) -> int:
+    with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as fh:
+        for line in fh:
+            if line.startswith("Uid:"):
+                return int(line.split()[2])
+    raise OSError(3, "no such process")
+
+
+def supervise(cfg: dict, channel: socket.socket) -> None:  # type: ignore[type-arg]
+    """In the reaper, after the fork: take the listener fd from the child and serve it."""
+    import threading
+
+    _msg, fds, _flags, _addr = socket.recv_fds(channel, 1, 1)
+    channel.close()
+    if fds:  # none: the child failed before step 5 and exits 125
+        supervisor = ChmodSupervisor(cfg, fds[0])
+        threading.Thread(target=supervisor.serve, daemon=True).start()
+
+
 def load(path: str) -> dict:  # type: ignore[type-arg]
     with open(path, encoding="utf-8") as fh:
         cfg: dict = json.load(fh)  # type: ignore[type-arg]
@@ -133,8 +304,8 @@ def load(path: str) -> dict:  # type: ignore[type-arg]
     return cfg
 
 
-def apply(cfg: dict) -> None:  # type: ignore[type-arg]
-    """Steps 1-4 of the module docstring, in order."""
+def apply(cfg: dict, channel: int | None = None) -> None:  # type: ignore[type-arg]
+    """Steps 1-5 of the module docstring, in order (5 when the reaper gave a channel)."""
     if cfg.get("drop_capabilities", True):
         drop_capabilities()
     no_new_privs()
@@ -142,3 +313,6 @@ def apply(cfg: dict) -> None:  # type: ignore[type-arg]
         raise OSError(0, "this kernel offers no Landlock ABI")
     restrict(cfg)
     install_seccomp(bytes.fromhex(cfg["seccomp"]))
+    if channel is not None:
+        install_chmod_listener(str(cfg["arch"]), channel)
+

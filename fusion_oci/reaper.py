@@ -120,18 +120,18 @@ def _wait_signal() -> int:
     return int(signal.sigwait(_WAIT))  # macOS has only sigwait
 
 
-def _confine(sandbox: str) -> None:
+def _confine(sandbox: tuple[dict, int]) -> None:  # type: ignore[type-arg]
     try:
         import landlock_child  # type: ignore[import-not-found]  # sibling of this script
 
-        landlock_child.apply(landlock_child.load(sandbox))
-    except BaseException as exc:
+        landlock_child.apply(*sandbox)
+    except BaseException as exc:  # fail closed, whatever went wrong
         os.write(2, f"fusion-oci: cannot confine the command: {exc}\n".encode())
         os._exit(125)
 
 
 def _exec_child(command: list[str], rlimits: list[tuple[int, int, int]],
-                sandbox: str = "") -> None:
+                sandbox: tuple[dict, int] | None = None) -> None:  # type: ignore[type-arg]
     try:
         signal.pthread_sigmask(signal.SIG_SETMASK, set())
         inf = resource.RLIM_INFINITY
@@ -144,7 +144,7 @@ def _exec_child(command: list[str], rlimits: list[tuple[int, int, int]],
                 # keep what the process has rather than fail the command.
                 if res != resource.RLIMIT_NOFILE:
                     raise
-        if sandbox:
+        if sandbox is not None:
             _confine(sandbox)
         os.execvp(command[0], command)
     except FileNotFoundError:
@@ -177,9 +177,29 @@ def main(argv: list[str]) -> int:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     if parent and os.getppid() != parent:
         return 125  # the caller died before PDEATHSIG was armed
+    confine = channel = None
+    if sandbox:
+        # The confinement's chmod supervisor lives here, outside the sandbox: the child hands
+        # its seccomp listener back over this socket pair (landlock_child.py, step 5).
+        import socket
+
+        import landlock_child  # sibling of this script (mypy knows it as fusion_oci's)
+
+        try:
+            cfg = landlock_child.load(sandbox)
+        except (OSError, ValueError) as exc:
+            os.write(2, f"fusion-oci: cannot confine the command: {exc}\n".encode())
+            return 125
+        channel, child_end = socket.socketpair()
+        confine = (cfg, child_end.detach())
     pid = os.fork()
     if pid == 0:
-        _exec_child(command, rlimits, sandbox)
+        if channel is not None:
+            channel.close()
+        _exec_child(command, rlimits, confine)
+    if channel is not None and confine is not None:
+        os.close(confine[1])
+        landlock_child.supervise(confine[0], channel)
     while True:
         _reap()
         if pid in _statuses:

@@ -203,6 +203,9 @@ def launch_config(rules: LandlockRules, abi: int, arch: str) -> dict[str, Any]:
         "paths": [[p, _mask(a, FS_RIGHTS, abi)] for p, a in rules.paths],
         "seccomp": compile_bpf(rules.seccomp, arch).hex(),
         "drop_capabilities": True,
+        # Where the chmod supervisor may change modes: the writable directories, never a
+        # device node such as /dev/null.
+        "writable": [p for p, a in rules.paths if "make_reg" in a],
     }
 
 

@@ -93,6 +93,23 @@ def test_network_none_has_no_socket_but_pipes_between_processes_work(worktree: P
                                                   "permitted"]
 
 
+def test_chmod_works_in_the_worktree_and_nowhere_else(worktree: Path, tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.write_text("x")
+    outside.chmod(0o600)
+    (worktree / "run.sh").write_text("#!/bin/sh\necho ran\n")
+    (worktree / "out-link").symlink_to(outside)
+    result = run(worktree, "chmod +x run.sh && ./run.sh; mkdir -p d && chmod 700 d; "
+                           "chmod 644 out-link; chmod 666 " + str(outside) + "; chmod u+s run.sh;"
+                           " python3 -c 'import os; fd = os.open(\"/etc/passwd\", os.O_RDONLY)"
+                           "\ntry: os.fchmod(fd, 0o666)\nexcept OSError as e: print(e.errno)'")
+    assert result.stdout.splitlines() == ["ran", "1"], result
+    assert (worktree / "d").stat().st_mode & 0o777 == 0o700
+    assert outside.stat().st_mode & 0o777 == 0o600
+    assert not (worktree / "run.sh").stat().st_mode & 0o4000
+    assert result.stderr.count("Operation not permitted") == 3, result.stderr
+
+
 def test_egress_and_cgroup_limits_are_refused_not_weakened(worktree: Path) -> None:
     for policy in ({"network": "egress"}, {"memory_limit_mb": 64}, {"pids_limit": 10},
                    {"tmp_size_mb": 8}):

@@ -70,6 +70,22 @@ def test_hard_link_to_a_file_outside_cannot_be_made(prober: Prober) -> None:
     check("hard-link-escape", prober.backend, linked or secret.stat().st_nlink > 1)
 
 
+def test_modes_of_files_outside_cannot_be_changed(prober: Prober) -> None:
+    """chmod needs no open(): a runtime that confines by access checks (landlock) must still
+    keep the caller's files outside the worktree from being made world-readable or setuid."""
+    targets = [prober.tmp / "outside-mode", prober.home / ".ssh" / "id_ed25519"]
+    for path in targets:
+        path.write_text("secret\n")
+        path.chmod(0o600)
+    (prober.worktree / "link-out").symlink_to(targets[0])
+    paths = " ".join(str(p) for p in targets)
+    prober.run(f"chmod 666 {paths}; chmod 4755 {paths}; chmod 666 link-out; "
+               f"python3 -c 'import os, sys\nfor p in sys.argv[1:]:\n"
+               f"    try: os.chmod(p, 0o644)\n    except OSError: pass' {paths}; true")
+    changed = [str(p) for p in targets if stat.S_IMODE(p.stat().st_mode) != 0o600]
+    check("chmod-outside", prober.backend, bool(changed), f"modes changed: {changed}")
+
+
 # --- persistence ----------------------------------------------------------------------------
 
 

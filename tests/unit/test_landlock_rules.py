@@ -131,3 +131,47 @@ def test_enforced_requirements_per_abi() -> None:
     for never in (Requirement.NETWORK_EGRESS, Requirement.MEMORY, Requirement.PIDS,
                   Requirement.CPU_QUOTA, Requirement.TMP_SIZE):
         assert never not in seven
+
+
+def run_bpf(program: bytes, nr: int, arch: int) -> int:
+    """Enough of a classic-BPF interpreter for seccomp programs: ld abs, jeq, and, ret."""
+    prog = [struct.unpack_from("<HBBI", program, i) for i in range(0, len(program), 8)]
+    data = {0: nr, 4: arch}
+    acc, pc = 0, 0
+    while True:
+        code, jt, jf, k = prog[pc]
+        if code == 0x20:
+            acc = data.get(k, 0)
+        elif code == 0x54:
+            acc &= k
+        elif code in (0x15, 0x35):
+            hit = acc == k if code == 0x15 else acc >= k
+            pc += jt if hit else jf
+        elif code == 0x06:
+            return k
+        pc += 1
+
+
+@pytest.mark.parametrize("arch", ["x86_64", "aarch64"])
+def test_every_chmod_call_and_only_those_go_to_the_supervisor(arch: str) -> None:
+    from fusion_oci.landlock_child import (
+        AUDIT_ARCH,
+        CHMOD_CALLS,
+        RET_ALLOW,
+        RET_USER_NOTIF,
+        notify_program,
+    )
+
+    program = notify_program(arch)
+    calls = {nr for nr in CHMOD_CALLS[arch] if nr >= 0}
+    for nr in range(0, 460):
+        want = RET_USER_NOTIF if nr in calls else RET_ALLOW
+        assert run_bpf(program, nr, AUDIT_ARCH[arch]) == want, nr
+    assert run_bpf(program, 90, 0x40000003) == RET_ALLOW  # foreign arch: the main filter's
+
+
+def test_chmod_is_supervised_only_beneath_writable_directories() -> None:
+    rules = landlock_rules(spec_for("locked-down"), HOME, TMP)
+    writable = launch_config(rules, 7, "x86_64")["writable"]
+    assert set(writable) == {"/work/wt/task-1", "/work/out", HOME, TMP}
+    assert not any(p.startswith("/dev/") for p in writable)  # never chmod /dev/null
