@@ -52,6 +52,9 @@ SYSCALLS: dict[str, dict[str, int]] = {
         "nfsservctl": 180, "uselib": 134, "iopl": 172, "ioperm": 173,
         "socket": 41, "clone": 56, "clone3": 435,
         "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
+        "shmget": 29, "shmat": 30, "shmctl": 31, "semget": 64, "semop": 65, "semctl": 66,
+        "msgget": 68, "msgsnd": 69, "msgrcv": 70, "msgctl": 71, "semtimedop": 220,
+        "mq_open": 240, "mq_unlink": 241,
     },
     "aarch64": {
         "mount": 40, "umount2": 39, "pivot_root": 41, "chroot": 51, "unshare": 97,
@@ -66,6 +69,9 @@ SYSCALLS: dict[str, dict[str, int]] = {
         "open_by_handle_at": 265, "name_to_handle_at": 264, "lookup_dcookie": 18,
         "nfsservctl": 42, "socket": 198, "clone": 220, "clone3": 435,
         "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
+        "mq_open": 180, "mq_unlink": 181, "msgget": 186, "msgctl": 187, "msgrcv": 188,
+        "msgsnd": 189, "semget": 190, "semctl": 191, "semtimedop": 192, "semop": 193,
+        "shmget": 194, "shmctl": 195, "shmat": 196,
     },
 }
 

@@ -28,12 +28,15 @@ Beside the ruleset: the bundle's seccomp profile, plus ``socket()`` refused for 
 network ``none`` (``socketpair`` still works, so pipes between processes do) and for
 ``AF_UNIX`` in ``host`` (Landlock up to ABI 7 does not govern connecting to a pathname socket,
 and ``/run/docker.sock`` must stay out of reach), ``io_uring`` refused (it opens sockets past
-seccomp); Landlock's TCP rules deny every bind and connect in ``none`` (ABI 4+); signal and
-abstract-socket scoping keep the command from signalling or reaching host processes (ABI 6+);
-capabilities dropped and ``no_new_privs``; the rlimits; the reaper shim ends the whole tree on
-timeout. Not enforceable without namespaces or cgroups, so listed as unenforced (refused under
-``fail-hard``): ``egress`` without host loopback (Landlock's TCP rules know ports, not
-addresses), memory, pids, CPU quota, ``tmpSizeMb``.
+seccomp), System V IPC and POSIX message queues refused (no IPC namespace); every ``chmod``
+handed to a supervisor in the reaper that allows it only beneath writable directories (Landlock
+does not govern metadata; see landlock_child.py); Landlock's TCP rules deny every bind and
+connect in ``none`` (ABI 4+); signal and abstract-socket scoping keep the command from
+signalling or reaching host processes (ABI 6+); capabilities dropped and ``no_new_privs``; the
+rlimits; the reaper shim ends the whole tree on timeout. Not enforceable without namespaces or
+cgroups, so listed as unenforced (refused under ``fail-hard``): ``egress`` without host
+loopback (Landlock's TCP rules know ports, not addresses), memory, pids, CPU quota,
+``tmpSizeMb``.
 """
 
 from __future__ import annotations
@@ -101,6 +104,8 @@ command's own /proc/self is unreadable too; stat and readlink still work."""
 SYS_DIRS = ("/sys/devices/system/cpu",)
 
 AF_UNIX = 1
+SYSV_IPC = ("shmget", "shmat", "shmctl", "semget", "semop", "semtimedop", "semctl", "msgget",
+            "msgsnd", "msgrcv", "msgctl", "mq_open", "mq_unlink")
 MIN_FS_ABI = 3
 """Below ABI 3 any file, read-only ones included, can be truncated: the filesystem view is not
 enforced there."""
@@ -137,6 +142,10 @@ def landlock_seccomp(profile: dict[str, Any], network: NetworkMode) -> dict[str,
     rules = [dict(r) for r in profile.get("syscalls", [])]
     rules.append({"names": ["io_uring_setup", "io_uring_enter", "io_uring_register"],
                   "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM})
+    # No IPC namespace either: System V IPC and POSIX message queues of the caller's other
+    # processes (a database's shared memory, say) are governed by uid alone.
+    rules.append({"names": list(SYSV_IPC), "action": "SCMP_ACT_ERRNO",
+                  "errnoRet": errno.EPERM})
     if network is NetworkMode.HOST:
         rules.append({"names": ["socket"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM,
                       "args": [{"index": 0, "value": AF_UNIX, "op": "SCMP_CMP_EQ"}]})
