@@ -5,24 +5,31 @@ bubblewrap, oci with runc and oci with gVisor's runsc.
 
 Each runtime is prepared once and runs `true` N times through the Python API (as an executor
 does between commands), network none. Floors measured in the same run: `sh -c true`, a raw
-`bwrap`, and a raw `runsc --network=none run` on a bundle written once. A runtime missing here
-is listed as such. Ratios are to the native runtime; quote them, not the milliseconds.
+`bwrap`, and a raw `runsc --network=none run` on a bundle written once. The cases take turns
+(one command of each per round), so load from other processes on a shared machine falls on
+all of them alike. A runtime missing here is listed as such. Ratios are to the native runtime;
+quote them, not the milliseconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import median_ms, run_argv
+from collections.abc import Callable
+
+from benchmarks.common import run_argv
 from fusion_oci.models import PrepareContext, RunOptions, SandboxPolicy
 from fusion_oci.oci.bundle import write_bundle
 from fusion_oci.oci.host import probe_host
@@ -39,19 +46,24 @@ TIERS = [("native", {"backend": "native"}), ("landlock", {"backend": "landlock"}
          ("oci (runsc, gVisor)", {"backend": "oci", "oci_runtime": "runsc"})]
 
 
-def api_median(settings: SandboxSettings, wt: str, cache: Path, runs: int) -> float | str:
+Case = Callable[[], object] | str
+"""One command of the case, or why the case is unavailable here."""
+
+
+def api_case(settings: SandboxSettings, wt: str, cache: Path,
+             stack: contextlib.ExitStack) -> Case:
     runtime = create_runtime(settings.backend, settings, os.environ)
     avail = runtime.availability()
     if not avail.available:
         return f"unavailable: {avail.reason}"
-    with SyncSandbox(settings, env=dict(os.environ), cache_root=cache) as sb:
-        sb.prepare(PrepareContext(task_id="bench", run_id=uuid.uuid4().hex[:6],
-                                  worktree_path=wt, policy=NONE))
-        assert sb.run("true").exit_code == 0
-        return median_ms(lambda: sb.run("true", RunOptions()), runs)
+    sb = stack.enter_context(SyncSandbox(settings, env=dict(os.environ), cache_root=cache))
+    sb.prepare(PrepareContext(task_id="bench", run_id=uuid.uuid4().hex[:6], worktree_path=wt,
+                              policy=NONE))
+    assert sb.run("true").exit_code == 0
+    return lambda: sb.run("true", RunOptions())
 
 
-def raw_runsc(wt: str, tmp: Path, runs: int) -> float | str:
+def raw_runsc(wt: str, tmp: Path) -> Case:
     runsc = shutil.which("runsc")
     if runsc is None:
         return "unavailable: runsc is not installed"
@@ -69,29 +81,44 @@ def raw_runsc(wt: str, tmp: Path, runs: int) -> float | str:
                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL)
 
-    return median_ms(go, runs)
+    return go
+
+
+def rounds(cases: list[tuple[str, Case]], runs: int,
+           warmup: int = 2) -> list[tuple[str, float | str]]:
+    """Median ms of each case, the cases taking turns round after round."""
+    samples: dict[str, list[float]] = {label: [] for label, case in cases if callable(case)}
+    for i in range(warmup + runs):
+        for label, case in cases:
+            if callable(case):
+                start = time.perf_counter()
+                case()
+                if i >= warmup:
+                    samples[label].append((time.perf_counter() - start) * 1000)
+    return [(label, statistics.median(samples[label]) if callable(case) else case)
+            for label, case in cases]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=30)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as wt, tempfile.TemporaryDirectory() as tmpdir:
+    with tempfile.TemporaryDirectory() as wt, tempfile.TemporaryDirectory() as tmpdir, \
+            contextlib.ExitStack() as stack:
         tmp = Path(tmpdir)
-        rows: list[tuple[str, float | str]] = [
-            ("sh -c true (direct)", median_ms(run_argv(["/bin/sh", "-c", "true"], cwd=wt),
-                                              args.runs)),
+        cases: list[tuple[str, Case]] = [
+            ("sh -c true (direct)", run_argv(["/bin/sh", "-c", "true"], cwd=wt)),
         ]
         if shutil.which("bwrap"):
-            rows.append(("raw bwrap --unshare-all --ro-bind / / true", median_ms(run_argv(
+            cases.append(("raw bwrap --unshare-all --ro-bind / / true", run_argv(
                 ["bwrap", "--unshare-all", "--die-with-parent", "--ro-bind", "/", "/", "--",
-                 "true"]), args.runs)))
-        rows.append(("raw runsc --network=none run (bundle written once)",
-                     raw_runsc(wt, tmp, args.runs)))
+                 "true"])))
+        cases.append(("raw runsc --network=none run (bundle written once)", raw_runsc(wt, tmp)))
         for label, fields in TIERS:
             settings = SandboxSettings(**fields, policy=NONE)  # type: ignore[arg-type]
-            rows.append((f"{label} runtime, network none",
-                         api_median(settings, wt, tmp / "cache", args.runs)))
+            cases.append((f"{label} runtime, network none",
+                          api_case(settings, wt, tmp / "cache", stack)))
+        rows = rounds(cases, args.runs)
     native = next(v for k, v in rows if k.startswith("native"))
     assert isinstance(native, float)
     print("\nisolation tiers: per-command overhead of `true` (Python API, prepared sandbox)")

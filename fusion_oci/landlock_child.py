@@ -28,13 +28,12 @@ for; anything else is EPERM. It acts on an O_PATH descriptor it opened and check
 changed in the command's memory or a symlink swapped afterwards changes nothing.
 """
 
+import _socket  # C modules (like the reaper's): no start-up cost worth naming
+import _stat as stat
+import _struct as struct
+import _thread
 import ctypes
-import json
 import os
-import platform
-import socket
-import stat
-import struct
 
 # os.execvp imports warnings lazily; after step 3 the interpreter's own library may be out of
 # reach (a pyenv or venv Python outside the granted paths), so it is imported now.
@@ -172,9 +171,12 @@ def install_chmod_listener(arch: str, channel: int) -> None:
                              SECCOMP_FILTER_FLAG_NEW_LISTENER, ctypes.byref(prog))
     if listener < 0:
         raise _fail("seccomp(SECCOMP_FILTER_FLAG_NEW_LISTENER)")
-    with socket.socket(fileno=channel) as sock:
-        socket.send_fds(sock, [b"L"], [listener])
-    os.close(listener)
+    sock = _socket.socket(fileno=channel)
+    try:
+        sock.sendmsg([b"L"], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, struct.pack("i", listener))])
+    finally:
+        sock.close()
+        os.close(listener)
 
 
 def _beneath(path: str, roots: list) -> bool:  # type: ignore[type-arg]
@@ -285,22 +287,54 @@ def _euid(pid: int) -> int:
     raise OSError(3, "no such process")
 
 
-def supervise(cfg: dict, channel: socket.socket) -> None:  # type: ignore[type-arg]
-    """In the reaper, after the fork: take the listener fd from the child and serve it."""
-    import threading
+def socketpair() -> tuple[_socket.socket, int]:
+    """(the reaper's end, the child's end as a bare fd), made before the fork."""
+    mine, theirs = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    return mine, theirs.detach()
 
-    _msg, fds, _flags, _addr = socket.recv_fds(channel, 1, 1)
+
+def supervise(cfg: dict, channel: _socket.socket) -> None:  # type: ignore[type-arg]
+    """In the reaper, after the fork: take the listener fd from the child and serve it."""
+    _msg, ancdata, _flags, _addr = channel.recvmsg(1, _socket.CMSG_LEN(4))
     channel.close()
+    fds = [struct.unpack("i", data[:4])[0] for level, kind, data in ancdata
+           if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS]
     if fds:  # none: the child failed before step 5 and exits 125
-        supervisor = ChmodSupervisor(cfg, fds[0])
-        threading.Thread(target=supervisor.serve, daemon=True).start()
+        # A bare thread: the reaper exits without joining it once the command is done.
+        _thread.start_new_thread(ChmodSupervisor(cfg, fds[0]).serve, ())
+
+
+INT_FIELDS = ("abi", "handled_fs", "handled_net", "scoped", "drop_capabilities")
+
+
+def parse(text: str) -> dict:  # type: ignore[type-arg]
+    """The launch file: ``KEY VALUE`` lines, ``path MASK PATH`` and ``writable PATH`` repeated.
+
+    Not JSON: importing json (and re, which it pulls in) would cost every command.
+    """
+    cfg: dict = {"paths": [], "writable": []}  # type: ignore[type-arg]
+    for line in text.split("\n"):
+        if not line:
+            continue
+        key, _, value = line.partition(" ")
+        if key == "path":
+            mask, _, path = value.partition(" ")
+            cfg["paths"].append([path, int(mask)])
+        elif key == "writable":
+            cfg["writable"].append(value)
+        elif key in INT_FIELDS:
+            cfg[key] = int(value)
+        else:
+            cfg[key] = value
+    return cfg
 
 
 def load(path: str) -> dict:  # type: ignore[type-arg]
     with open(path, encoding="utf-8") as fh:
-        cfg: dict = json.load(fh)  # type: ignore[type-arg]
-    if cfg.get("arch") != platform.machine():
-        raise OSError(0, f"launch config is for {cfg.get('arch')}, not {platform.machine()}")
+        cfg = parse(fh.read())
+    machine = os.uname().machine
+    if cfg.get("arch") != machine:
+        raise OSError(0, f"launch config is for {cfg.get('arch')}, not {machine}")
     return cfg
 
 

@@ -181,8 +181,6 @@ def main(argv: list[str]) -> int:
     if sandbox:
         # The confinement's chmod supervisor lives here, outside the sandbox: the child hands
         # its seccomp listener back over this socket pair (landlock_child.py, step 5).
-        import socket
-
         import landlock_child  # sibling of this script (mypy knows it as fusion_oci's)
 
         try:
@@ -190,8 +188,8 @@ def main(argv: list[str]) -> int:
         except (OSError, ValueError) as exc:
             os.write(2, f"fusion-oci: cannot confine the command: {exc}\n".encode())
             return 125
-        channel, child_end = socket.socketpair()
-        confine = (cfg, child_end.detach())
+        channel, child_end = landlock_child.socketpair()
+        confine = (cfg, child_end)
     pid = os.fork()
     if pid == 0:
         if channel is not None:

@@ -41,7 +41,6 @@ loopback (Landlock's TCP rules know ports, not addresses), memory, pids, CPU quo
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -218,6 +217,24 @@ def launch_config(rules: LandlockRules, abi: int, arch: str) -> dict[str, Any]:
     }
 
 
+def launch_text(config: dict[str, Any]) -> str:
+    """The launch file landlock_child.parse() reads (not JSON: see there). Pure.
+
+    A path with a newline cannot be written in it; such a task is refused, never confined
+    with that path left out or misread.
+    """
+    lines = [f"{key} {int(config[key]) if isinstance(config[key], bool) else config[key]}"
+             for key in ("arch", "abi", "handled_fs", "handled_net", "scoped",
+                         "drop_capabilities", "seccomp")]
+    lines += [f"path {mask} {path}" for path, mask in config["paths"]]
+    lines += [f"writable {path}" for path in config["writable"]]
+    if any("\n" in p for p, _ in config["paths"]):
+        raise SandboxSetupError("the landlock runtime cannot confine this task",
+                                "a granted path contains a newline",
+                                "rename the worktree or the configured paths")
+    return "\n".join(lines) + "\n"
+
+
 def enforced_requirements(abi: int) -> frozenset[Requirement]:
     """What the runtime enforces on a kernel with this Landlock ABI. Pure."""
     if abi < 1:
@@ -343,7 +360,7 @@ class LandlockRuntime(HostProcessRuntime):
         notes += [f"unenforceable: {u}" for u in rules.unenforceable]
         return LaunchPlan(
             backend=self.id,
-            argv=["<reaper>", "SANDBOX=<launch.json>", *spec["process"]["args"]],
+            argv=["<reaper>", "SANDBOX=<launch file>", *spec["process"]["args"]],
             env=native_env(spec, home, tmp),
             cwd=spec["process"]["cwd"],
             notes=notes,
@@ -381,8 +398,8 @@ class LandlockRuntime(HostProcessRuntime):
         home, tmp = self._dirs()
         config = launch_config(self.rules(spec), host_abi(), platform.machine())
         # Beside HOME and TMPDIR, not in them: the command cannot read or change it.
-        launch = Path(self._scratch) / f"launch-{os.getpid()}-{id(spec)}.json"
-        launch.write_text(json.dumps(config), encoding="utf-8")
+        launch = Path(self._scratch) / f"launch-{os.getpid()}-{id(spec)}"
+        launch.write_text(launch_text(config), encoding="utf-8")
         try:
             argv = reaper_argv(spec["process"]["args"], native_rlimits(spec))
             argv.insert(argv.index("--"), f"SANDBOX={launch}")

@@ -162,7 +162,7 @@ def test_plan_is_printable_and_says_what_is_granted(worktree: Path) -> None:
     spec = compile_spec(ctx, layout, host, "true", RunOptions(), {})
     runtime = LandlockRuntime(SandboxSettings(backend="landlock"), {}, host=host)
     plan = runtime.plan(spec).to_json()
-    assert plan["argv"][:2] == ["<reaper>", "SANDBOX=<launch.json>"]
+    assert plan["argv"][:2] == ["<reaper>", "SANDBOX=<launch file>"]
     assert any(str(worktree) in n for n in plan["notes"])
 
 

@@ -175,3 +175,22 @@ def test_chmod_is_supervised_only_beneath_writable_directories() -> None:
     writable = launch_config(rules, 7, "x86_64")["writable"]
     assert set(writable) == {"/work/wt/task-1", "/work/out", HOME, TMP}
     assert not any(p.startswith("/dev/") for p in writable)  # never chmod /dev/null
+
+
+def test_the_launch_file_reads_back_as_it_was_written() -> None:
+    from fusion_oci.landlock_child import parse
+    from fusion_oci.runtimes.landlock import launch_text
+
+    rules = landlock_rules(spec_for("linked-worktree"), HOME, "/run/scratch/a dir with spaces")
+    cfg = launch_config(rules, 7, "x86_64")
+    back = parse(launch_text(cfg))
+    assert back == {**cfg, "drop_capabilities": 1}
+
+
+def test_a_path_with_a_newline_is_refused_not_misread() -> None:
+    from fusion_oci.errors import SandboxSetupError
+    from fusion_oci.runtimes.landlock import launch_text
+
+    rules = landlock_rules(spec_for("network-none"), HOME, "/run/scratch/evil\npath 65535 /")
+    with pytest.raises(SandboxSetupError, match="newline"):
+        launch_text(launch_config(rules, 7, "x86_64"))
