@@ -31,7 +31,7 @@ app.add_typer(settings_app, name="settings")
 # --- shared options -------------------------------------------------------------------------
 
 Backend = Annotated[str | None, typer.Option(
-    "--backend", help="native|bubblewrap|oci|podman|docker|sandbox-exec|custom")]
+    "--backend", help="native|bubblewrap|landlock|oci|podman|docker|sandbox-exec|custom")]
 Worktree = Annotated[Path | None, typer.Option(
     "--worktree", help="The task's worktree (default: current directory).")]
 Image = Annotated[str | None, typer.Option(
