@@ -1,4 +1,4 @@
-"""``fusion-oci``: run, plan, doctor, bundle, settings, audit, gc, images.
+"""``fusion-oci``: run, plan, doctor, bundle, settings, audit, dashboard, gc, images.
 
 Exit status: the command's own; 124 on timeout; 125 when the sandbox could not be set up;
 2 for bad settings or flags; 126/127 as a shell would (the command's own).
@@ -372,6 +372,9 @@ def audit(
     audit_log: Annotated[Path | None, typer.Option("--audit-log")] = None,
     task: Annotated[str | None, typer.Option("--task", help="Only this task id.")] = None,
     limit: Annotated[int, typer.Option("--limit", help="Most recent N events.")] = 50,
+    summary: Annotated[bool, typer.Option(
+        "--summary", help="The dashboard's summary (durations, end reasons, fallbacks, gates, "
+        "chain) instead of events.")] = False,
     as_json: AsJson = False,
 ) -> None:
     """Show sandbox audit events as a table (``--json`` for machines)."""
@@ -379,6 +382,15 @@ def audit(
     from fusion_oci.cli.task import find_project_dir
 
     path = audit_log or default_audit_path(find_project_dir((worktree or Path.cwd()).absolute()))
+    if summary:
+        from fusion_oci.dashboard.report import full_summary, render
+
+        data = full_summary(path, task)
+        if as_json:
+            typer.echo(json.dumps(data, indent=2))
+        else:
+            render(data)
+        return
     events = [e for e in read_events(path) if task is None or e.task_id == task][-limit:]
     if as_json:
         for event in events:
@@ -397,6 +409,35 @@ def audit(
                       "" if e.duration_ms is None else str(e.duration_ms),
                       (e.reason or ", ".join(e.unenforced or []))[:120])
     Console().print(table)
+
+
+# --- dashboard ------------------------------------------------------------------------------
+
+
+@app.command()
+def dashboard(
+    worktree: Worktree = None,
+    audit_log: Annotated[Path | None, typer.Option(
+        "--audit-log", help="Audit JSONL file (default: PROJECT/.fusion/sandbox-audit.jsonl).")
+    ] = None,
+    host: Annotated[str, typer.Option(
+        "--host", help="Address to listen on; any but 127.0.0.1/localhost/::1 needs a token.")
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option(
+        "--port", help="TCP port (default 0: a free one). 4040 is always refused.")] = 0,
+) -> None:
+    """Serve a live page and JSON API of the audit log (Ctrl-C stops it)."""
+    from fusion_oci.audit import default_audit_path
+    from fusion_oci.cli.task import find_project_dir
+    from fusion_oci.dashboard.server import serve
+    from fusion_oci.errors import FusionOCIError
+
+    try:
+        path = audit_log or default_audit_path(
+            find_project_dir((worktree or Path.cwd()).absolute()))
+        serve(path.absolute(), host=host, port=port, echo=typer.echo)
+    except FusionOCIError as exc:
+        _fail(exc)
 
 
 # --- gc -------------------------------------------------------------------------------------
