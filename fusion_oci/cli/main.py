@@ -116,6 +116,7 @@ def run(
     from fusion_oci.cli.task import caller_env, resolve_task
     from fusion_oci.errors import FusionOCIError
     from fusion_oci.images.gates import tty_ask
+    from fusion_oci.otel import attach_from_env
     from fusion_oci.sandbox import Sandbox
 
     try:
@@ -123,6 +124,7 @@ def run(
         environ = caller_env()
         task = resolve_task(flags, environ)
         audit = AuditLog(audit_log or default_audit_path(task.project_dir))
+        attach_from_env(audit, environ)  # OpenTelemetry, when OTEL_* asks for it
 
         async def go() -> Any:
             async with Sandbox(task.effective.settings, audit=audit, env=environ,
