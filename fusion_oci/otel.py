@@ -61,7 +61,7 @@ def attributes(event: AuditEvent) -> dict[str, Any]:
         "fusion_oci.fell_back": event.fell_back,
         "fusion_oci.policy_hash": event.policy_hash,
         "fusion_oci.duration_ms": event.duration_ms,
-        "fusion_oci.program": (event.command or "").split(maxsplit=1)[0] or None,
+        "fusion_oci.program": next(iter((event.command or "").split()), None),
     }
     attrs.update({k: v for k, v in optional.items() if v is not None})
     return attrs
@@ -85,6 +85,7 @@ class OtelSubscriber:
         from fusion_oci import __version__
 
         self._status = Status
+        self._warned = False
         self._error = StatusCode.ERROR
         self.tracer = tracer_provider.get_tracer("fusion_oci", __version__)
         meter = meter_provider.get_meter("fusion_oci", __version__)
@@ -99,6 +100,16 @@ class OtelSubscriber:
             description="Sandbox failures and fallbacks to the native runtime")
 
     def __call__(self, event: AuditEvent) -> None:
+        # AuditLog.emit calls subscribers inline: telemetry trouble must never fail a run.
+        try:
+            self._record(event)
+        except Exception as exc:
+            if not self._warned:
+                self._warned = True
+                print(f"fusion-oci: OpenTelemetry: {type(exc).__name__}: {exc} (telemetry "
+                      "skipped; the sandbox is unaffected)", file=sys.stderr)
+
+    def _record(self, event: AuditEvent) -> None:
         name = SPANS.get(event.type)
         if name is not None:
             self._span(name, event)
