@@ -78,6 +78,7 @@ def serve(audit_path: Path, *, host: str = "127.0.0.1", port: int = 0,
 
     token = secrets.token_urlsafe(24) if needs_token(host) else None
     sock = bind(host, port)
+    sock.listen(128)  # before the address is printed: a client that connects at once waits
     url = url_for(sock)
     allowed = ["127.0.0.1", "localhost"] if host in ("127.0.0.1", "localhost") else None
     app = create_app(audit_path, token=token, allowed_hosts=allowed,
