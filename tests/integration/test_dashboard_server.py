@@ -34,7 +34,7 @@ def test_port_4040_is_refused_before_any_socket(monkeypatch: pytest.MonkeyPatch,
 
     monkeypatch.setattr(socket, "socket", no_socket)
     monkeypatch.setattr(socket, "getaddrinfo", no_socket)
-    for host in ("127.0.0.1", "0.0.0.0", "::1"):  # noqa: S104 (never bound: refused first)
+    for host in ("127.0.0.1", "0.0.0.0", "::1"):  # never bound: refused first
         with pytest.raises(FlagError, match="4040"):
             server.serve(tmp_path / "audit.jsonl", host=host, port=4040)
         with pytest.raises(FlagError, match="4040"):
@@ -68,7 +68,7 @@ def test_binds_loopback_and_a_free_port_by_default(audit_log: Path) -> None:
         assert d.host == "127.0.0.1" and d.port not in (0, 4040)
         assert listening_addresses(d.proc.pid) == [("127.0.0.1", d.port)]
         assert d.token is None and "token" not in " ".join(d.output)
-        status, headers, body = d.request("/api/summary")
+        status, headers, _ = d.request("/api/summary")
         assert status == 200
         assert headers["content-type"] == "application/json"
         assert "default-src 'self'" in headers["content-security-policy"]
