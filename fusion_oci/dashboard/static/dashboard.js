@@ -63,15 +63,27 @@
       $("timeline-note").textContent = "";
       return;
     }
-    $("timeline-note").textContent = "runs per " + tl.bucketSeconds + " s bucket";
-    const data = [tl.times, ...names.map((n) => tl.series[n]), tl.failing];
+    $("timeline-note").textContent = "runs per " + tl.bucketSeconds +
+      " s, stacked by backend; the dashed line counts failing runs";
+    // Stacked bars: each backend's bar reaches the running total; the tallest is drawn
+    // first so the shorter ones paint over it. The legend shows each backend's own count.
+    const raw = names.map((n) => tl.series[n]);
+    const stacked = [];
+    let acc = tl.times.map(() => 0);
+    for (const r of raw) { acc = acc.map((v, i) => v + r[i]); stacked.push(acc); }
+    const order = names.map((_, i) => names.length - 1 - i);
+    const data = [tl.times, ...order.map((i) => stacked[i]), tl.failing];
     const key = names.join("|");
     if (chart && key === chartKey) { chart.setData(data); return; }
     if (chart) chart.destroy();
     box.replaceChildren();
-    const series = [{}, ...names.map((n, i) => ({
-      label: n, stroke: COLORS[i % COLORS.length], width: 2, points: { show: true, size: 4 },
-    })), { label: "failing", stroke: "#c62828", dash: [4, 4], width: 1.5 }];
+    const bars = uPlot.paths.bars({ size: [0.8, 80] });
+    const series = [{}, ...order.map((i) => ({
+      label: names[i], stroke: COLORS[i % COLORS.length], fill: COLORS[i % COLORS.length],
+      paths: bars, points: { show: false },
+      value: (u, v, si, idx) => (idx == null ? "--" : raw[i][idx]),
+    })), { label: "failing", stroke: "#c62828", dash: [4, 4], width: 1.5,
+           points: { show: true, size: 4 } }];
     chart = new uPlot({
       width: Math.max(320, box.clientWidth - 10), height: 220, series,
       scales: { y: { range: (u, min, max) => [0, Math.max(1, max)] } },
