@@ -252,9 +252,12 @@ def create_app(audit_path: Path, *, token: str | None = None,
                                 status_code=400)
 
         async def stream() -> AsyncIterator[bytes]:
-            yield b"retry: 2000\n\n"
+            # The starting point is fixed before the first byte (and so the response
+            # headers) goes out: whatever is appended after a client sees the headers is
+            # delivered to it. The `ready` event tells it where the stream starts.
             await state.refresh()
             cursor = int(start) if start is not None else state.tail.cursor
+            yield b"retry: 2000\n\n" + _sse("ready", {"cursor": cursor})
             generation = state.tail.generation
             last: tuple[int, int, int] | None = None
             idle = 0.0

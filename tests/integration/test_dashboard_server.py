@@ -143,6 +143,8 @@ def test_stream_sends_appended_events_and_summaries(tmp_path: Path) -> None:
                 elif line.startswith("data: "):
                     return name, json.loads(line[6:])
 
+        name, ready = next_event()
+        assert (name, ready) == ("ready", {"cursor": len(task_events(2))})
         name, first = next_event()
         assert name == "summary"
         assert first["log"]["events"] == len(task_events(2))  # type: ignore[index]
