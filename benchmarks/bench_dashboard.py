@@ -17,6 +17,7 @@ Also the server's resident memory and the summary's size. Quote the ratios.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import statistics
@@ -50,10 +51,8 @@ def make_log(path: Path, n_events: int) -> int:
 def raw_read(path: Path) -> None:
     with path.open("rb") as fh:
         for line in fh:
-            try:
+            with contextlib.suppress(ValueError):
                 json.loads(line)
-            except ValueError:
-                pass
 
 
 def main() -> None:
@@ -79,9 +78,9 @@ def main() -> None:
             counter = iter(range(10**9))
 
             def append_then_summary() -> None:
-                log.emit(AuditEvent(type="sandbox:run", task_id="bench", run_id=str(next(counter)),
-                                    backend="oci", duration_ms=123, exit_code=0,
-                                    end_reason="exit", command="pnpm test"))
+                log.emit(AuditEvent(type="sandbox:run", task_id="bench",
+                                    run_id=str(next(counter)), backend="oci", duration_ms=123,
+                                    exit_code=0, end_reason="exit", command="pnpm test"))
                 d.json("/api/summary")
 
             after_append = median_ms(append_then_summary, args.runs)
@@ -104,10 +103,13 @@ def main() -> None:
     ])
     rows = [("summary (cached)", cached), ("summary after an append", after_append),
             ("events of one task", one_task), ("last 1,000 events", last_1000)]
-    report("API requests (vs. the raw read above)", ("raw read + json.loads of every line", raw),
-           rows)
+    print("\nAPI requests on the loaded log (median ms; % of one raw read; budget)")
+    for label, value in rows:
+        print(f"{label:<44} {value:>10.1f} {100 * value / raw:>7.1f}% "
+              f"{BUDGET_MS[label]:>8.0f} ms")
     print(f"\n/api/stream: appended event delivered after {stream:.0f} ms (median; poll 500 ms)")
-    print(f"server memory (RSS) with the log loaded: {rss_mb:.0f} MB; summary JSON {size_kb:.1f} KB")
+    print(f"server memory (RSS) with the log loaded: {rss_mb:.0f} MB; "
+          f"summary JSON {size_kb:.1f} KB")
     over = [f"{k} {v:.1f} ms > {BUDGET_MS[k]:.0f} ms" for k, v in rows if v > BUDGET_MS[k]]
     print("budget: " + ("all within budget" if not over else "OVER: " + "; ".join(over)))
 

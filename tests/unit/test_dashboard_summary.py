@@ -208,3 +208,17 @@ def test_the_page_files_are_package_data() -> None:
     assert files
     for name in files:
         assert any(fnmatch(name, g) for g in globs), name
+
+
+def test_the_cli_imports_no_web_stack_or_otel() -> None:
+    """`fusion-oci run` start-up stays fast: the web stack and OpenTelemetry load only in the
+    commands that use them."""
+    import subprocess
+    import sys
+
+    code = ("import sys, fusion_oci.cli.main, fusion_oci.otel, fusion_oci.dashboard; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'starlette', 'uvicorn', "
+            "'jinja2', 'opentelemetry', 'anyio'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60).stdout
+    assert out.strip() == "[]"
