@@ -289,7 +289,11 @@ def create_app(audit_path: Path, *, token: str | None = None,
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: Starlette) -> AsyncIterator[None]:
+        # Start reading the log now, not on the first request: a large log is then ready
+        # (or nearly) when the page first asks.
+        warm = asyncio.get_running_loop().create_task(state.refresh())
         yield
+        warm.cancel()
         await state.close()
 
     app = Starlette(

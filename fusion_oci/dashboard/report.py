@@ -21,7 +21,9 @@ def full_summary(path: Path, task: str | None = None) -> dict[str, Any]:
                        "generation": 0}}
 
 
-def _table(title: str, columns: list[str], rows: list[list[Any]]) -> Table:
+def _table(title: str, columns: list[str], rows: list[list[Any]]) -> Table | str:
+    if not rows:
+        return f"[bold]{title}[/]: none"
     table = Table(title=title, title_justify="left")
     for col in columns:
         table.add_column(col, overflow="fold")

@@ -169,3 +169,26 @@ def test_an_empty_or_missing_log_is_served(tmp_path: Path) -> None:
         assert s["log"]["events"] == 0 and s["runs"]["total"] == 0
         assert d.json("/api/events") == {"events": [], "next": 0}
         assert d.request("/")[0] == 200
+
+
+def test_audit_summary_is_the_api_summary(audit_log: Path, tmp_path: Path) -> None:
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "fusion_oci.cli.main", "audit",
+                               "--summary", *args], capture_output=True, text=True, timeout=60,
+                              stdin=subprocess.DEVNULL)
+
+    p = cli("--json", "--audit-log", str(audit_log))
+    assert p.returncode == 0, p.stderr
+    terminal = json.loads(p.stdout)
+    with dashboard(audit_log) as d:
+        api = d.json("/api/summary")
+    for doc in (terminal, api):
+        doc.pop("source")
+        doc.pop("chain")
+    assert terminal == api
+    p = cli("--audit-log", str(audit_log))
+    assert p.returncode == 0
+    words = " ".join(p.stdout.split())  # rich wraps at the terminal's width
+    assert "runs and durations per backend" in words and "1 malformed" in words
+    p = cli("--audit-log", str(tmp_path / "none.jsonl"))
+    assert p.returncode == 0 and "0 events in 0 lines" in " ".join(p.stdout.split())
