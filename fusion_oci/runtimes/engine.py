@@ -487,7 +487,8 @@ class ContainerRuntime(SpecRuntime):
         return Availability(True, version=info.version, rootless=info.rootless, details=details)
 
     def enforces(self) -> frozenset[Requirement]:
-        need = {Requirement.FILESYSTEM, Requirement.ENV, Requirement.NETWORK_NONE,
+        need = {Requirement.FILESYSTEM, Requirement.PROC_PATHS,
+                Requirement.ENV, Requirement.NETWORK_NONE,
                 Requirement.NETWORK_EGRESS, Requirement.CPU_TIME, Requirement.TMP_SIZE,
                 Requirement.FILE_SIZE}
         try:
