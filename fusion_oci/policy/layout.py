@@ -84,7 +84,7 @@ def resolve_protected(
             anchor = Path(absolute.anchor)
             found = sorted(anchor.glob(str(absolute.relative_to(anchor))))
             if not found:
-                missing.append(f"{pattern} (no match at prepare; the command could create one)")
+                missing.append(f"{pattern} (no match at prepare)")
         else:
             exists = absolute.is_symlink() or absolute.exists()
             parent = absolute.parent
@@ -92,7 +92,7 @@ def resolve_protected(
                 continue  # e.g. .git/hooks where .git is a file: nothing can live there
             found = [absolute] if exists else []
             if not found and _inside(str(absolute), writable_roots):
-                missing.append(f"{pattern} (absent at prepare; the command could create it)")
+                missing.append(f"{pattern} (absent at prepare)")
         for path in found:
             if not _inside(str(path), writable_roots):
                 continue
