@@ -534,7 +534,8 @@ def main() -> None:
         if "--json" in sys.argv[1:]:
             from fusion_oci.errors import FlagError
 
-            message = getattr(exc, "format_message", lambda: str(exc))()
+            fmt = getattr(exc, "format_message", None)
+            message = fmt() if callable(fmt) else str(exc)
             typer.echo(json.dumps(FlagError(message, "", "see `fusion-oci --help`").to_json()))
         elif callable(show):
             show()
