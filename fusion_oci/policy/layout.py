@@ -162,10 +162,26 @@ def inspect_git(worktree: Path) -> GitLayout | None:
     return GitLayout("linked", str(git_dir), str(common), _worktree_config(git_dir, common))
 
 
+def project_root(worktree: Path) -> Path:
+    """A linked worktree's main repository; else the worktree itself. Never a folder found by
+    looking for ``.fusion`` (the command can create one anywhere it may write)."""
+    git = inspect_git(worktree)
+    if git is not None and git.kind == "linked":
+        common = Path(git.common_dir)
+        # A bare common dir (repo.git) has no work tree: its parent holds the project files.
+        return common.parent if common.name == ".git" else common
+    return worktree
+
+
+def task_project(ctx: PrepareContext) -> Path:
+    """The project of a task: ``ctx.project_dir``, else :func:`project_root` of the worktree."""
+    return Path(ctx.project_dir) if ctx.project_dir else project_root(Path(ctx.worktree_path))
+
+
 def _cache_dirs(ctx: PrepareContext, cache_root: Path, create: bool) -> tuple[CacheMount, ...]:
     if ctx.cache_mode is CacheMode.OFF:
         return ()
-    project = ctx.project_dir or ctx.worktree_path
+    project = str(task_project(ctx))
     key = hashlib.sha256(project.encode()).hexdigest()[:12]
     base = cache_root / "projects" / key
     if ctx.cache_mode is CacheMode.ISOLATED:
@@ -218,7 +234,7 @@ def resolve_layout(
         (Path(git.common_dir) / "hooks").mkdir(exist_ok=True)
         if git.worktree_config:
             Path(git.worktree_config).touch(exist_ok=True)
-    project = Path(ctx.project_dir or ctx.worktree_path)
+    project = task_project(ctx)
     if create:
         ensure_project_dir(project)
     resolved = str(worktree.resolve())

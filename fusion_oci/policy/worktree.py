@@ -23,7 +23,10 @@ from pathlib import Path
 
 from fusion_oci.errors import FlagError, SettingsError
 from fusion_oci.models import PrepareContext
-from fusion_oci.policy.layout import inspect_git
+from fusion_oci.policy.layout import project_root
+
+__all__ = ["check_inputs", "check_worktree", "default_worktree", "git_top", "project_root",
+           "worktree_problem"]
 
 
 def git_top(start: Path) -> Path | None:
@@ -77,17 +80,6 @@ def check_worktree(path: Path, env: Mapping[str, str], *, unsafe_ok: bool,
         raise FlagError(f"{name} {path} is refused as a worktree", why,
                         hint + "; --unsafe-worktree (PrepareContext.unsafe_worktree) accepts it "
                         "if you really mean this folder")
-
-
-def project_root(worktree: Path) -> Path:
-    """A linked worktree's main repository; else the worktree itself. Never a folder found by
-    looking for ``.fusion`` (the command can create one anywhere it may write)."""
-    git = inspect_git(worktree)
-    if git is not None and git.kind == "linked":
-        common = Path(git.common_dir)
-        # A bare common dir (repo.git) has no work tree: its parent holds the project files.
-        return common.parent if common.name == ".git" else common
-    return worktree
 
 
 def check_inputs(ctx: PrepareContext, host_ca: str, env: Mapping[str, str]) -> None:
