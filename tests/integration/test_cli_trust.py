@@ -366,3 +366,32 @@ def test_kill_9_of_the_cli_during_a_podman_run_leaves_no_service(
         # The task's container is the next prepare's (or gc's) to remove: do it now.
         cli("gc", "--json", cwd=worktree, home=home, env=env, timeout=180)
 
+
+
+@pytest.mark.bubblewrap
+def test_the_next_prepare_removes_scratch_folders_a_kill_9_left(worktree: Path,
+                                                               home: Path) -> None:
+    task = "k9b-" + secrets.token_hex(3)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fusion_oci.cli.main", "run", "--backend", "bubblewrap",
+         "--network", "none", "--task-id", task, "--", "touch started; sleep 120"],
+        cwd=worktree, env=cli_env(home), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL)
+    try:
+        _wait_for(worktree / "started", 60)
+        left = _scratch(task)
+        assert left, "the run should have a scratch folder"
+        proc.kill()
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    deadline = time.monotonic() + 10  # bwrap --die-with-parent takes the command down
+    while pids_with("sleep 120") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _scratch(task) == left  # nobody cleaned up after a SIGKILL...
+    p = cli("run", "--backend", "bubblewrap", "--network", "none", "--", "true",
+            cwd=worktree, home=home)
+    assert p.returncode == 0, p.stderr
+    assert _scratch(task) == []  # ...until the next prepare's gc

@@ -212,3 +212,20 @@ def test_every_error_has_a_kind_and_a_json_form() -> None:
     assert body == {"kind": "policy-unenforceable", "what": errors[4].what, "why": errors[4].why,
                     "hint": errors[4].hint, "unenforced": ["memoryLimitMb"]}
     assert [e.exit_code for e in errors] == [2, 2, 125, 125, 125, 125, 125]
+
+
+def test_scratch_gc_removes_only_folders_of_dead_owners(tmp_path: Path) -> None:
+    import os
+
+    from fusion_oci.scratch import OWNER_FILE, gc_scratch, owner_stamp
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    mine, gone, foreign = (tmp_path / f"fusion-oci-bwrap-t-{n}" for n in ("a", "b", "c"))
+    for folder in (mine, gone, foreign):
+        folder.mkdir()
+    (mine / OWNER_FILE).write_text(owner_stamp())
+    (gone / OWNER_FILE).write_text(owner_stamp(os.getpid()).replace(
+        str(os.getpid()), str(dead.pid), 1))
+    assert gc_scratch(tmp_path) == [str(gone)]
+    assert mine.exists() and foreign.exists() and not gone.exists()
