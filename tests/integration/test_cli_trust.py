@@ -292,6 +292,10 @@ def _own_folders() -> set[str]:
     return {p.name for p in Path(tempfile.gettempdir()).glob("fusion-oci-podman-*")}
 
 
+def _tree(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
 @pytest.fixture
 def no_podman_socket() -> Iterator[dict[str, str]]:
     """An env in which no podman socket answers, so the runtime would have to start one."""
@@ -317,6 +321,7 @@ def test_plan_doctor_and_availability_start_nothing(worktree: Path, home: Path,
     env.pop("CONTAINER_HOST", None)
     env.pop("FUSION_OCI_PODMAN_URL", None)
     services, folders = _podman_services(), _own_folders()
+    trees = {root: _tree(root) for root in (home, worktree)}
     assert cli("doctor", "--json", cwd=worktree, home=home, env=env).returncode == 0
     for backend in BACKEND_IDS:
         p = cli("plan", "--json", "--backend", backend, "--", "true", cwd=worktree, home=home,
@@ -330,6 +335,8 @@ def test_plan_doctor_and_availability_start_nothing(worktree: Path, home: Path,
     time.sleep(0.5)
     assert _podman_services() <= services, "probing started a podman service"
     assert _own_folders() <= folders, "probing left a socket folder"
+    for root, before in trees.items():
+        assert _tree(root) == before, f"probing created files under {root}"
 
 
 @pytest.mark.podman
