@@ -12,11 +12,12 @@ from fusion_oci.dashboard.chain import chain_status
 from fusion_oci.dashboard.tail import summarize_file
 
 
-def full_summary(path: Path, task: str | None = None) -> dict[str, Any]:
+def full_summary(path: Path, task: str | None = None,
+                 chain_key: bytes | None = None) -> dict[str, Any]:
     """The same JSON as the dashboard's ``/api/summary``."""
     summary = summarize_file(path, task)
     size = path.stat().st_size if path.exists() else 0
-    return {**summary, "chain": chain_status(path),
+    return {**summary, "chain": chain_status(path, chain_key),
             "source": {"path": str(path), "bytes": size, "cursor": summary["log"]["lines"],
                        "generation": 0}}
 
@@ -35,7 +36,7 @@ def _table(title: str, columns: list[str], rows: list[list[Any]]) -> Table | str
 def render(s: dict[str, Any], console: Console | None = None) -> None:
     console = console or Console()
     log, chain, runs = s["log"], s["chain"], s["runs"]
-    chain_text = chain["status"]
+    chain_text = chain["status"] + (" (hashes and MACs)" if chain.get("keyed") else "")
     if chain["status"] == "broken":
         chain_text += f" at line {chain['firstBadLine']}: {chain['reason']}"
     console.print(f"[bold]{s['source']['path']}[/]: {log['events']} events in {log['lines']} "

@@ -69,8 +69,10 @@ def url_for(sock: socket.socket) -> str:
 
 
 def serve(audit_path: Path, *, host: str = "127.0.0.1", port: int = 0,
-          echo: Callable[[str], None] = print, poll_interval: float = 0.5) -> None:
-    """Serve until interrupted (SIGINT/SIGTERM). Prints the address (and the token) once."""
+          echo: Callable[[str], None] = print, poll_interval: float = 0.5,
+          chain_key: bytes | None = None) -> None:
+    """Serve until interrupted (SIGINT/SIGTERM). Prints the address (and the token) once.
+    ``chain_key``: the host's audit key, so the chain status covers MACs too."""
     check_port(port)  # before importing the web stack or touching the network
     import uvicorn
 
@@ -82,7 +84,7 @@ def serve(audit_path: Path, *, host: str = "127.0.0.1", port: int = 0,
     url = url_for(sock)
     allowed = ["127.0.0.1", "localhost"] if host in ("127.0.0.1", "localhost") else None
     app = create_app(audit_path, token=token, allowed_hosts=allowed,
-                     poll_interval=poll_interval)
+                     poll_interval=poll_interval, chain_key=chain_key)
     echo(f"fusion-oci dashboard: {url}  (audit log {audit_path})")
     if token is not None:
         echo(f"token (printed only now): {token}")

@@ -27,6 +27,13 @@ CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 XSS = "<img src=x onerror=window.__xss=1>"
 
 
+@pytest.fixture(autouse=True)
+def _audit_key_here(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The audit key the writers make (and the dashboard checks MACs with) lives in the
+    test's own state folder, not the user's."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+
+
 @pytest.fixture(scope="module")
 def browser() -> Iterator[WebDriver]:
     for tool in (CHROMIUM, CHROMEDRIVER):

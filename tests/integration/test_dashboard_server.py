@@ -20,6 +20,13 @@ from tests.auditgen import append_raw, task_events, write_log
 from tests.integration.dashboard_fixture import dashboard, listening_addresses
 
 
+@pytest.fixture(autouse=True)
+def _audit_key_here(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The audit key the writers make (and the dashboard checks MACs with) lives in the
+    test's own state folder, not the user's."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+
+
 @pytest.fixture
 def audit_log(tmp_path: Path) -> Path:
     path = tmp_path / "audit.jsonl"
@@ -192,3 +199,25 @@ def test_audit_summary_is_the_api_summary(audit_log: Path, tmp_path: Path) -> No
     assert "runs and durations per backend" in words and "1 malformed" in words
     p = cli("--audit-log", str(tmp_path / "none.jsonl"))
     assert p.returncode == 0 and "0 events in 0 lines" in " ".join(p.stdout.split())
+
+
+def test_chain_status_follows_the_log(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    write_log(path, task_events(3))
+
+    def chain_when(d: object, predicate: object, timeout: float = 20) -> dict[str, object]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            chain = d.json("/api/summary")["chain"]  # type: ignore[attr-defined]
+            if predicate(chain):  # type: ignore[operator]
+                return chain  # type: ignore[no-any-return]
+            time.sleep(0.2)
+        raise AssertionError(f"chain status stayed {chain}")
+
+    with dashboard(path) as d:
+        ok = chain_when(d, lambda c: c["status"] != "pending")
+        assert ok == {"status": "ok", "lines": len(task_events(3)), "firstBadLine": None,
+                      "reason": None, "keyed": True}
+        append_raw(path, b'{"type": "sandbox:run", "forged": true}\n')
+        broken = chain_when(d, lambda c: c["status"] == "broken")
+        assert broken["firstBadLine"] == len(task_events(3)) + 1

@@ -7,6 +7,8 @@ import tomllib
 from fnmatch import fnmatch
 from pathlib import Path
 
+import pytest
+
 from fusion_oci.audit import AuditEvent, AuditLog
 from fusion_oci.dashboard import chain
 from fusion_oci.dashboard.summary import SummaryBuilder, percentile
@@ -14,6 +16,13 @@ from fusion_oci.dashboard.tail import MAX_LINE, LogTail, summarize_file
 from tests.auditgen import append_raw, task_events, write_log
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _audit_key_here(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The audit key the writers make (and the dashboard checks MACs with) lives in the
+    test's own state folder, not the user's."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
 
 
 def run(task: str, backend: str, ms: int, *, exit_code: int | None = 0, reason: str = "exit",
@@ -176,24 +185,27 @@ def test_summary_of_one_task(tmp_path: Path) -> None:
     assert s["tasks"]["total"] == 1
 
 
-def test_chain_status_without_and_with_verify_chain(tmp_path: Path, monkeypatch) -> None:
+def test_chain_status_from_verify_chain(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                        ) -> None:
     path = tmp_path / "audit.jsonl"
-    write_log(path, task_events(1))
-    monkeypatch.delattr(chain.audit_module, "verify_chain", raising=False)
-    assert chain.chain_status(path)["status"] == "unsupported"
-
-    class Report:
-        ok, lines, first_bad_line, reason = False, 9, 4, "hash mismatch"
-
-    monkeypatch.setattr(chain.audit_module, "verify_chain", lambda p: Report(), raising=False)
-    assert chain.chain_status(path) == {"status": "broken", "lines": 9, "firstBadLine": 4,
-                                        "reason": "hash mismatch"}
+    write_log(path, task_events(2))
+    key = chain.host_key({"XDG_STATE_HOME": str(tmp_path / "state")})
+    assert key
+    assert chain.chain_status(path, key) == {"status": "ok", "lines": len(task_events(2)),
+                                             "firstBadLine": None, "reason": None,
+                                             "keyed": True}
+    assert chain.chain_status(path)["keyed"] is False  # no key: the prev hashes only
+    lines = path.read_bytes().splitlines(keepends=True)
+    lines[3] = lines[3].replace(b'"durationMs":', b'"durationMs":1')  # an edited line
+    path.write_bytes(b"".join(lines))
+    status = chain.chain_status(path, key)
+    assert (status["status"], status["firstBadLine"]) == ("broken", 4)
     assert chain.chain_status(tmp_path / "none.jsonl")["status"] == "empty"
 
-    def boom(p: Path) -> None:
+    def boom(p: Path, key: bytes | None = None) -> None:
         raise OSError("disk on fire")
 
-    monkeypatch.setattr(chain.audit_module, "verify_chain", boom, raising=False)
+    monkeypatch.setattr(chain, "verify_chain", boom)
     assert chain.chain_status(path)["status"] == "error"
 
 

@@ -107,7 +107,8 @@
       ch.status === "broken" || ch.status === "error" ? "bad" : "muted");
     $("chain-detail").textContent = ch.status === "broken"
       ? "first bad line " + ch.firstBadLine + ": " + (ch.reason || "")
-      : (ch.reason || (ch.lines != null ? ch.lines + " lines verified" : ""));
+      : (ch.reason || (ch.lines != null ? ch.lines + " lines verified" +
+         (ch.keyed ? " (hashes and MACs)" : " (hashes only: no audit key here)") : ""));
 
     renderTimeline(s.timeline);
 
