@@ -10,7 +10,8 @@ Writes a generated log (realistic lifecycles, through the real AuditLog writer),
     tail + summary rebuild);
   * GET /api/events for one task, and for the last 1,000 events by cursor;
   * an appended event's arrival on /api/stream (includes the 0.5 s poll interval);
-  * `fusion-oci audit --summary --json` on the whole log (a fresh process).
+  * `fusion-oci audit --summary --json` on the whole log (a fresh process);
+  * verify_chain on the whole log (what the server re-runs, at most ~10% of the time).
 Also the server's resident memory and the summary's size. Quote the ratios.
 """
 
@@ -20,6 +21,7 @@ import argparse
 import contextlib
 import http.client
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -30,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import median_ms, report, run_argv
 from fusion_oci.audit import AuditEvent, AuditLog
+from fusion_oci.dashboard.chain import chain_status, host_key
 from fusion_oci.dashboard.tail import LogTail
 from tests.auditgen import task_events, write_log
 from tests.integration.dashboard_fixture import dashboard
@@ -61,12 +64,16 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=15)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
+        # the writers' audit key (and so the dashboard's MAC check) stays in this run's folder
+        os.environ["XDG_STATE_HOME"] = str(Path(tmp) / "state")
         path = Path(tmp) / "audit.jsonl"
         t0 = time.perf_counter()
         make_log(path, args.events)
         print(f"wrote {args.events} events ({path.stat().st_size / 1e6:.1f} MB) in "
               f"{time.perf_counter() - t0:.1f} s")
         raw = median_ms(lambda: raw_read(path), max(3, args.runs // 3), warmup=1)
+        key = host_key(os.environ)
+        chain = median_ms(lambda: chain_status(path, key), 3, warmup=0)
         first = median_ms(lambda: LogTail(path).poll(), max(3, args.runs // 3), warmup=1)
         log = AuditLog(path)
         with dashboard(path, timeout=120) as d:
@@ -100,6 +107,7 @@ def main() -> None:
         ("server's first full read (LogTail.poll)", first),
         ("first /api/summary from the server", first_answer),
         ("fusion-oci audit --summary --json (CLI)", cli),
+        ("verify_chain with MACs (chain status)", chain),
     ])
     rows = [("summary (cached)", cached), ("summary after an append", after_append),
             ("events of one task", one_task), ("last 1,000 events", last_1000)]
