@@ -57,6 +57,9 @@ def render(s: dict[str, Any], console: Console | None = None) -> None:
                           for r in d["byCommand"]]))
     console.print(_table("end reasons", ["reason", "runs"],
                          [[k, v] for k, v in s["endReasons"].items()]))
+    console.print(_table("tasks that hit a limit", ["task", "limit", "runs"],
+                         [[r["taskId"], r["endReason"], r["runs"]]
+                          for r in s["limits"]["byTask"]]))
     console.print(_table("failing exit codes", ["exit code", "runs"],
                          [[k, v] for k, v in s["failingExits"]["byCode"].items()]))
     for key, title in (("fallbacks", "fallbacks"), ("failures", "failures")):

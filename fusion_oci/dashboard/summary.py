@@ -16,9 +16,10 @@ from array import array
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, get_args
 
 from fusion_oci.audit import AuditEvent
+from fusion_oci.models import EndReason
 
 RECENT = 25
 """Rows kept for each "recent" table (failing runs, fallbacks, gates, provisioning)."""
@@ -31,6 +32,10 @@ MAX_BUCKETS = 60
 BUCKET_SIZES = (1, 5, 15, 30, 60, 300, 900, 1800, 3600, 3 * 3600, 6 * 3600, 12 * 3600, 86400,
                 7 * 86400, 30 * 86400)
 OTHER = "(other)"
+END_REASONS: tuple[str, ...] = get_args(EndReason)
+"""Every end reason, shown with its count even when that is 0 ("no OOM kill so far")."""
+LIMITS = frozenset({"timeout", "oom", "pids", "cpu-time", "max-buffer"})
+"""End reasons that mean a limit of the policy ended the command."""
 
 
 def percentile(sorted_values: list[int], p: float) -> int | None:
@@ -119,6 +124,7 @@ class SummaryBuilder:
         self.by_command: dict[tuple[str, str], _Durations] = {}
         self.end_reasons: Counter[str] = Counter()
         self.exit_codes: Counter[int] = Counter()
+        self.limit_hits: Counter[tuple[str, str]] = Counter()
         self.failing_recent: deque[dict[str, Any]] = deque(maxlen=RECENT)
         self.fallback_reasons = _Capped()
         self.fallback_recent: deque[dict[str, Any]] = deque(maxlen=RECENT)
@@ -205,6 +211,8 @@ class SummaryBuilder:
             command = self.command_keys.bump((e.command or "").strip() or "(none)")
             self.by_command.setdefault((command, e.backend), _Durations()).values.append(
                 e.duration_ms)
+        if reason in LIMITS:
+            self.limit_hits[(e.task_id, reason)] += 1
         if failing:
             task.failing += 1
             if reason == "exit" and e.exit_code is not None:
@@ -255,7 +263,10 @@ class SummaryBuilder:
                 "byCommand": [{"command": c, "backend": b, **v.row()}
                               for (c, b), v in commands],
             },
-            "endReasons": dict(self.end_reasons.most_common()),
+            "endReasons": {**dict(self.end_reasons.most_common()),
+                           **{r: 0 for r in END_REASONS if r not in self.end_reasons}},
+            "limits": {"byTask": [{"taskId": t, "endReason": r, "runs": n}
+                                  for (t, r), n in self.limit_hits.most_common(TOP)]},
             "failingExits": {"byCode": {str(k): v for k, v in self.exit_codes.most_common(TOP)},
                              "recent": list(reversed(self.failing_recent))},
             "fallbacks": {"total": self.counts["sandbox:fallback"],

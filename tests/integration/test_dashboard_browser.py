@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import math
 import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import get_args
 
 import pytest
 from selenium import webdriver
@@ -19,6 +21,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 
 from fusion_oci.audit import AuditEvent
 from fusion_oci.dashboard.chain import chain_status
+from fusion_oci.models import EndReason
 from tests.auditgen import append_raw, task_events, ts, write_log
 from tests.integration.dashboard_fixture import dashboard
 
@@ -80,8 +83,19 @@ def generated(path: Path) -> list[AuditEvent]:
     return events
 
 
-def test_page_numbers_live_updates_and_task_view(browser: WebDriver, tmp_path: Path) -> None:
-    path = tmp_path / "audit.jsonl"
+@pytest.fixture
+def demo_log() -> Iterator[Path]:
+    """A fixed path (it shows in the page, and so in the committed screenshot)."""
+    root = Path(tempfile.gettempdir()) / "fusion-oci-dashboard-demo"
+    shutil.rmtree(root, ignore_errors=True)
+    path = root / ".fusion" / "sandbox-audit.jsonl"
+    path.parent.mkdir(parents=True)
+    yield path
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_page_numbers_live_updates_and_task_view(browser: WebDriver, demo_log: Path) -> None:
+    path = demo_log
     events = generated(path)
     runs = [e for e in events if e.type == "sandbox:run"]
     failing = [e for e in runs if e.end_reason != "exit" or e.exit_code != 0]
@@ -109,7 +123,10 @@ def test_page_numbers_live_updates_and_task_view(browser: WebDriver, tmp_path: P
                    r.find_elements(By.TAG_NAME, "td")[1].text
                    for r in browser.find_elements(By.CSS_SELECTOR, "#end-reasons tbody tr")}
         assert reasons == {reason: str(sum(1 for e in runs if e.end_reason == reason))
-                           for reason in {e.end_reason for e in runs}}
+                           for reason in get_args(EndReason)}
+        limited = [r.text for r in browser.find_elements(By.CSS_SELECTOR, "#limits tbody tr")]
+        assert len(limited) == len({(e.task_id, e.end_reason) for e in runs
+                                    if e.end_reason not in ("exit", "signal")})
         # text from the log is text: the command shows, its markup never runs
         assert XSS in browser.find_element(By.ID, "failing-recent").text
         assert browser.execute_script("return window.__xss") is None

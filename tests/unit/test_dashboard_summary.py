@@ -66,7 +66,9 @@ def test_durations_end_reasons_and_failing_exits() -> None:
     by_command = {(r["command"], r["backend"]): r["runs"] for r in s["durations"]["byCommand"]}
     assert by_command == {("pnpm test", "bubblewrap"): 4, ("pnpm test", "podman"): 1,
                           ("pnpm build", "podman"): 1}
-    assert s["endReasons"] == {"exit": 5, "timeout": 1}
+    assert s["endReasons"] == {"exit": 5, "timeout": 1, "signal": 0, "max-buffer": 0, "oom": 0,
+                               "pids": 0, "cpu-time": 0, "aborted": 0}
+    assert s["limits"]["byTask"] == [{"taskId": "t2", "endReason": "timeout", "runs": 1}]
     assert s["failingExits"]["byCode"] == {"2": 1}
     assert [r["endReason"] for r in s["failingExits"]["recent"]] == ["timeout", "exit"]
     assert s["tasks"]["total"] == 2

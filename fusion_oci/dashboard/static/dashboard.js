@@ -142,6 +142,12 @@
       { label: "runs", get: (r) => r.n, num: true },
     ], counts(s.failingExits.byCode), "no failing exits");
 
+    table("limits", [
+      { label: "task", get: (r) => taskLink(r.taskId) },
+      { label: "limit", get: (r) => el("span", r.endReason, "bad") },
+      { label: "runs", get: (r) => r.runs, num: true },
+    ], s.limits.byTask, "no run ended by a limit");
+
     table("failing-recent", [
       { label: "time", get: (r) => r.ts },
       { label: "task", get: (r) => taskLink(r.taskId) },
