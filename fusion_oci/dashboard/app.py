@@ -22,8 +22,6 @@ from urllib.parse import parse_qs
 
 import anyio.to_thread
 from starlette.applications import Starlette
-from starlette.middleware import Middleware
-from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
@@ -176,6 +174,31 @@ def token_guard(app: ASGIApp, token: str) -> ASGIApp:
     return guarded
 
 
+def host_name(header: bytes) -> str:
+    """The host of a ``Host`` header, without its port (``[::1]:80`` -> ``::1``)."""
+    text = header.decode("latin-1").strip().lower()
+    if text.startswith("["):
+        return text[1:text.find("]")] if "]" in text else text
+    return text.rsplit(":", 1)[0] if text.count(":") == 1 else text
+
+
+def host_guard(app: ASGIApp, allowed: frozenset[str]) -> ASGIApp:
+    """Answer only requests whose ``Host`` is one of ``allowed``: a page elsewhere whose name
+    resolves to 127.0.0.1 (DNS rebinding) reaches the socket but not the data."""
+
+    async def guarded(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            host = host_name(dict(scope.get("headers") or []).get(b"host", b""))
+            if host not in allowed:
+                response = PlainTextResponse("fusion-oci dashboard: unexpected Host header\n",
+                                             status_code=400, headers=SECURITY_HEADERS)
+                await response(scope, receive, send)
+                return
+        await app(scope, receive, send)
+
+    return guarded
+
+
 def security_headers(app: ASGIApp) -> ASGIApp:
     extra = [(k.encode(), v.encode()) for k, v in SECURITY_HEADERS.items()]
 
@@ -316,11 +339,12 @@ def create_app(audit_path: Path, *, token: str | None = None,
             Route("/api/stream", api_stream),
             Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),
         ],
-        middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts or ["*"])],
         lifespan=lifespan,
     )
     app.state.dashboard = state
     wrapped: ASGIApp = security_headers(app)
+    if allowed_hosts is not None:
+        wrapped = host_guard(wrapped, frozenset(h.lower() for h in allowed_hosts))
     if token is not None:
         wrapped = token_guard(wrapped, token)
     return wrapped

@@ -45,6 +45,8 @@ def bind(host: str, port: int) -> socket.socket:
     except socket.gaierror as exc:
         raise FlagError(f"--host {host!r} does not resolve", str(exc),
                         "use an IP address such as 127.0.0.1") from exc
+    # "localhost" may resolve to ::1 and 127.0.0.1: take IPv4 first, the address people type
+    infos.sort(key=lambda info: info[0] != socket.AF_INET)
     family, kind, proto, _, address = infos[0]
     for _attempt in range(5):
         sock = socket.socket(family, kind, proto)
@@ -82,7 +84,8 @@ def serve(audit_path: Path, *, host: str = "127.0.0.1", port: int = 0,
     sock = bind(host, port)
     sock.listen(128)  # before the address is printed: a client that connects at once waits
     url = url_for(sock)
-    allowed = ["127.0.0.1", "localhost"] if host in ("127.0.0.1", "localhost") else None
+    # Loopback without a token: the Host header must name loopback too (DNS rebinding).
+    allowed = sorted(NO_TOKEN_HOSTS) if token is None else None
     app = create_app(audit_path, token=token, allowed_hosts=allowed,
                      poll_interval=poll_interval, chain_key=chain_key)
     echo(f"fusion-oci dashboard: {url}  (audit log {audit_path})")

@@ -84,6 +84,19 @@ def test_binds_loopback_and_a_free_port_by_default(audit_log: Path) -> None:
         assert status == 400
 
 
+@pytest.mark.parametrize("host", ["::1", "localhost"])
+def test_other_loopback_names_need_no_token_but_the_right_host(host: str,
+                                                              audit_log: Path) -> None:
+    with dashboard(audit_log, "--host", host) as d:
+        assert d.token is None and d.port not in (0, 4040)
+        name = "[::1]" if host == "::1" else "127.0.0.1"
+        assert d.url == f"http://{name}:{d.port}/"
+        for good in (f"{name}:{d.port}", f"localhost:{d.port}"):
+            assert d.request("/api/summary", {"host": good})[0] == 200, good
+        for bad in ("attacker.example", f"attacker.example:{d.port}", "[::2]"):
+            assert d.request("/api/summary", {"host": bad})[0] == 400, bad
+
+
 def test_non_loopback_bind_needs_the_token(audit_log: Path) -> None:
     """127.0.0.2 is not one of the no-token hosts, so it stands in for a LAN address here
     (and keeps every byte of the test on loopback)."""

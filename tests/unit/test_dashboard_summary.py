@@ -236,3 +236,14 @@ def test_the_cli_imports_no_web_stack_or_otel() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=60).stdout
     assert out.strip() == "[]"
+
+
+def test_host_header_names() -> None:
+    from fusion_oci.dashboard.app import host_name
+
+    assert host_name(b"127.0.0.1:8080") == "127.0.0.1"
+    assert host_name(b"LocalHost") == "localhost"
+    assert host_name(b"[::1]:8080") == "::1"
+    assert host_name(b"[::1]") == "::1"
+    assert host_name(b"") == ""
+    assert host_name(b"evil.example:80") == "evil.example"
