@@ -50,7 +50,8 @@ def browser() -> Iterator[WebDriver]:
                 "--disable-sync", "--disable-default-apps", "--disable-extensions",
                 # Traffic stays on loopback: no DNS at all, and anything not for loopback
                 # goes to a proxy address where nothing listens.
-                "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1, EXCLUDE localhost",
+                "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1, EXCLUDE 127.0.0.2, "
+                "EXCLUDE localhost",
                 "--proxy-server=http://127.0.0.1:9", "--force-device-scale-factor=1"):
         opts.add_argument(arg)
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
@@ -178,3 +179,20 @@ def test_an_empty_log_renders(browser: WebDriver, tmp_path: Path) -> None:
         assert "no runs yet" in text(browser, "timeline")
         assert browser.get_log("browser") == [] or all(
             entry["level"] != "SEVERE" for entry in browser.get_log("browser"))
+
+
+def test_the_token_link_opens_a_live_page(browser: WebDriver, tmp_path: Path) -> None:
+    """On a bind that needs the token, the printed link works once and the page's own
+    requests (fetch, EventSource) carry it from then on."""
+    path = tmp_path / "audit.jsonl"
+    write_log(path, task_events(3))
+    with dashboard(path, "--host", "127.0.0.2", expect_token=True) as d:
+        browser.get(d.url)
+        assert "a valid token is required" in browser.find_element(By.TAG_NAME, "body").text
+        browser.get(f"{d.url}?token={d.token}")
+        wait_text(browser, "n-events", str(len(task_events(3))))
+        WebDriverWait(browser, 20).until(lambda b: text(b, "live") == "live")
+        write_log(path, [AuditEvent(type="sandbox:dispose", task_id="t", run_id="r",
+                                    backend="oci", duration_ms=1)])
+        wait_text(browser, "n-events", str(len(task_events(3)) + 1))
+        browser.delete_all_cookies()
