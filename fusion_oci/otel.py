@@ -3,7 +3,8 @@
 An :class:`OtelSubscriber` listens on an :class:`~fusion_oci.audit.AuditLog`, so the lifecycle
 code knows nothing of OpenTelemetry: every ``sandbox:prepare``, ``sandbox:run`` and
 ``sandbox:dispose`` event becomes a span (it ends at the event's time and lasts its
-``duration_ms``), and every run adds to a duration histogram and an outcome counter.
+``duration_ms``), all children of one ``sandbox`` span per sandbox (prepare to dispose), and
+every run adds to a duration histogram and an outcome counter.
 
 :func:`attach_from_env` is the one-line hook for entry points: it does nothing unless the
 standard ``OTEL_*`` variables ask for export (``OTEL_TRACES_EXPORTER``,
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from opentelemetry.metrics import MeterProvider
     from opentelemetry.sdk.metrics import MeterProvider as SdkMeterProvider
     from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
-    from opentelemetry.trace import TracerProvider
+    from opentelemetry.trace import Span, TracerProvider
 
 SPANS = {"sandbox:prepare": "sandbox.prepare", "sandbox:run": "sandbox.run",
          "sandbox:dispose": "sandbox.dispose"}
@@ -86,6 +87,7 @@ class OtelSubscriber:
 
         self._status = Status
         self._warned = False
+        self._sandboxes: dict[tuple[str, str], Span] = {}
         self._error = StatusCode.ERROR
         self.tracer = tracer_provider.get_tracer("fusion_oci", __version__)
         meter = meter_provider.get_meter("fusion_oci", __version__)
@@ -126,12 +128,34 @@ class OtelSubscriber:
                                "fusion_oci.event": event.type.removeprefix("sandbox:")})
 
     def _span(self, name: str, event: AuditEvent) -> None:
+        from opentelemetry import trace
+
         end = _ns(event.ts)
         start = None if end is None else end - (event.duration_ms or 0) * 1_000_000
-        span = self.tracer.start_span(name, start_time=start, attributes=attributes(event))
+        key = (event.task_id, event.run_id)
+        if event.type == "sandbox:prepare" and key not in self._sandboxes:
+            # One trace per sandbox: a `sandbox` span from the start of prepare to the end
+            # of dispose, parent of the lifecycle spans.
+            self._sandboxes[key] = self.tracer.start_span(
+                "sandbox", start_time=start, attributes={
+                    "fusion_oci.task_id": event.task_id, "fusion_oci.run_id": event.run_id,
+                    "fusion_oci.backend": event.backend})
+        parent = self._sandboxes.get(key)
+        context = trace.set_span_in_context(parent) if parent is not None else None
+        span = self.tracer.start_span(name, context=context, start_time=start,
+                                      attributes=attributes(event))
         if event.type == "sandbox:run" and outcome(event) != "ok":
             span.set_status(self._status(self._error, outcome(event)))
         span.end(end_time=end)
+        if event.type == "sandbox:dispose" and parent is not None:
+            del self._sandboxes[key]
+            parent.end(end_time=end)
+
+    def close(self) -> None:
+        """End the `sandbox` spans of sandboxes never disposed (a crash, an early exit)."""
+        for span in self._sandboxes.values():
+            span.end()
+        self._sandboxes.clear()
 
 
 def wants_export(environ: Mapping[str, str]) -> bool:
@@ -194,8 +218,16 @@ def providers_from_env(environ: Mapping[str, str]
 
 def attach(audit: AuditLog, tracer_provider: TracerProvider,
            meter_provider: MeterProvider) -> Callable[[], None]:
-    """Subscribe an :class:`OtelSubscriber`; returns the function that unsubscribes."""
-    return audit.subscribe(OtelSubscriber(tracer_provider, meter_provider))
+    """Subscribe an :class:`OtelSubscriber`; returns the function that unsubscribes (and
+    ends the spans of sandboxes still open)."""
+    subscriber = OtelSubscriber(tracer_provider, meter_provider)
+    unsubscribe = audit.subscribe(subscriber)
+
+    def detach() -> None:
+        unsubscribe()
+        subscriber.close()
+
+    return detach
 
 
 def attach_from_env(audit: AuditLog, environ: Mapping[str, str]) -> Callable[[], None] | None:

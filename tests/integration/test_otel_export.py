@@ -55,8 +55,9 @@ def test_run_exports_lifecycle_spans_and_run_metrics(worktree: Path) -> None:
               if path == "/v1/traces"]
     spans = [s for req in traces for rs in req.resource_spans for ss in rs.scope_spans
              for s in ss.spans]
-    assert sorted(s.name for s in spans) == ["sandbox.dispose", "sandbox.prepare",
+    assert sorted(s.name for s in spans) == ["sandbox", "sandbox.dispose", "sandbox.prepare",
                                              "sandbox.run"]
+    assert len({s.trace_id for s in spans}) == 1
     run = next(s for s in spans if s.name == "sandbox.run")
     attrs = {a.key: a.value for a in run.attributes}
     assert attrs["fusion_oci.task_id"].string_value == "otel-task"

@@ -56,8 +56,15 @@ def test_a_span_per_prepare_run_and_dispose(providers: Any) -> None:
     lifecycle(log)
     got = spans.get_finished_spans()
     assert [s.name for s in got] == ["sandbox.prepare", "sandbox.run", "sandbox.run",
-                                     "sandbox.dispose"]
-    prepare, ok, timeout, dispose = got
+                                     "sandbox.dispose", "sandbox"]
+    prepare, ok, timeout, dispose, root = got
+    # one trace per sandbox: the lifecycle spans are children of the `sandbox` span
+    assert root.parent is None and root.context is not None
+    for child in (prepare, ok, timeout, dispose):
+        assert child.parent is not None and child.parent.span_id == root.context.span_id
+        assert child.context is not None
+        assert child.context.trace_id == root.context.trace_id
+    assert (root.start_time, root.end_time) == (prepare.start_time, dispose.end_time)
     assert prepare.attributes is not None and ok.attributes is not None
     assert prepare.attributes["fusion_oci.task_id"] == "task-1"
     assert prepare.attributes["fusion_oci.run_id"] == "run-1"
@@ -124,3 +131,14 @@ def test_exporter_names_are_checked() -> None:
         {"OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none"})
     tracer_provider.shutdown()
     meter_provider.shutdown()
+
+
+def test_a_sandbox_never_disposed_is_ended_on_detach(providers: Any) -> None:
+    tracer_provider, meter_provider, spans, _ = providers
+    log = AuditLog()
+    detach = otel.attach(log, tracer_provider, meter_provider)
+    log.emit(AuditEvent(type="sandbox:prepare", task_id="t", run_id="r", backend="oci",
+                        duration_ms=5))
+    assert [s.name for s in spans.get_finished_spans()] == ["sandbox.prepare"]
+    detach()
+    assert [s.name for s in spans.get_finished_spans()] == ["sandbox.prepare", "sandbox"]
