@@ -71,8 +71,8 @@ class DashboardState:
         self._chain_at = 0.0
         self._chain_cost = 0.0
 
-    def key(self) -> tuple[int, int, int]:
-        return self.tail.generation, self.tail.version, self.chain_version
+    def key(self) -> tuple[int, int, int, str | None]:
+        return self.tail.generation, self.tail.version, self.chain_version, self.tail.error
 
     async def refresh(self) -> None:
         async with self._lock:
@@ -104,13 +104,14 @@ class DashboardState:
         await self.refresh()
         async with self._lock:
             key = (self.tail.generation, self.tail.version)
-            if key != self._summary_key:
+            if key != self._summary_key or not self._summary:
                 self._summary = await anyio.to_thread.run_sync(self.tail.summary.result)
                 self._summary_key = key
             tail = self.tail
             return {**self._summary, "chain": self.chain,
                     "source": {"path": str(self.path), "bytes": tail.offset,
-                               "cursor": tail.cursor, "generation": tail.generation}}
+                               "cursor": tail.cursor, "generation": tail.generation,
+                               "error": tail.error}}
 
     async def events(self, **kwargs: Any) -> tuple[list[dict[str, Any]], int]:
         await self.refresh()
@@ -293,7 +294,7 @@ def create_app(audit_path: Path, *, token: str | None = None,
             cursor = int(start) if start is not None else state.tail.cursor
             yield b"retry: 2000\n\n" + _sse("ready", {"cursor": cursor})
             generation = state.tail.generation
-            last: tuple[int, int, int] | None = None
+            last: tuple[int, int, int, str | None] | None = None
             idle = 0.0
             while True:
                 await state.refresh()

@@ -9,17 +9,18 @@ from rich.console import Console
 from rich.table import Table
 
 from fusion_oci.dashboard.chain import chain_status
-from fusion_oci.dashboard.tail import summarize_file
+from fusion_oci.dashboard.tail import LogTail
 
 
 def full_summary(path: Path, task: str | None = None,
                  chain_key: bytes | None = None) -> dict[str, Any]:
     """The same JSON as the dashboard's ``/api/summary``."""
-    summary = summarize_file(path, task)
-    size = path.stat().st_size if path.exists() else 0
+    tail = LogTail(path, task=task)
+    tail.poll()
+    summary = tail.summary.result()
     return {**summary, "chain": chain_status(path, chain_key),
-            "source": {"path": str(path), "bytes": size, "cursor": summary["log"]["lines"],
-                       "generation": 0}}
+            "source": {"path": str(path), "bytes": tail.offset, "cursor": tail.cursor,
+                       "generation": 0, "error": tail.error}}
 
 
 def _table(title: str, columns: list[str], rows: list[list[Any]]) -> Table | str:
@@ -43,6 +44,8 @@ def render(s: dict[str, Any], console: Console | None = None) -> None:
                   f"lines, {log['malformed']} malformed; {runs['total']} runs, "
                   f"{runs['failing']} failing; {s['tasks']['total']} tasks; "
                   f"chain: {chain_text}")
+    if s["source"]["error"]:
+        console.print(f"[red]cannot read the log[/]: {s['source']['error']}")
     if log["malformed"]:
         console.print("malformed lines (latest): "
                       + ", ".join(str(n) for n in log["malformedLines"]))

@@ -34,6 +34,8 @@ class LogTail:
         self.path = path
         self.task_filter = task
         self.generation = 0
+        self.error: str | None = None
+        """Why the log could not be read at the last poll (None: it could, or it is absent)."""
         self._reset()
 
     def _reset(self) -> None:
@@ -79,10 +81,16 @@ class LogTail:
             if restarted:
                 self.version = -self.generation
             return restarted
-        with self.path.open("rb") as fh:
-            fh.seek(read_to)
-            while chunk := fh.read(CHUNK):
-                self._feed(chunk)
+        try:
+            with self.path.open("rb") as fh:
+                fh.seek(read_to)
+                while chunk := fh.read(CHUNK):
+                    self._feed(chunk)
+        except OSError as exc:  # unreadable (permissions, a directory): say so, keep serving
+            changed = self.error != str(exc)
+            self.error = str(exc)
+            return changed
+        self.error = None
         self.version += 1
         return True
 

@@ -170,6 +170,11 @@ def test_page_numbers_live_updates_and_task_view(browser: WebDriver, demo_log: P
         assert "run-again" in last.text
         assert int(last.get_attribute("data-line") or 0) > lines[-1]
 
+        # the server-rendered task view escapes the log's text too
+        browser.get(d.url + "task/task-00029")
+        assert XSS in browser.find_element(By.ID, "task-events").text
+        assert browser.execute_script("return window.__xss") is None
+
 
 def test_an_empty_log_renders(browser: WebDriver, tmp_path: Path) -> None:
     with dashboard(tmp_path / "audit.jsonl") as d:

@@ -247,3 +247,13 @@ def test_host_header_names() -> None:
     assert host_name(b"[::1]") == "::1"
     assert host_name(b"") == ""
     assert host_name(b"evil.example:80") == "evil.example"
+
+
+def test_an_unreadable_log_is_an_error_not_a_crash(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    path.mkdir()  # a directory where the log should be: open() fails as it would for EACCES
+    tail = LogTail(path)
+    assert tail.poll() is True
+    assert tail.error and "directory" in tail.error.lower()
+    assert tail.poll() is False  # the same error: nothing changed
+    assert tail.summary.result()["log"]["events"] == 0

@@ -93,6 +93,8 @@
   }
 
   function render(s) {
+    $("log-error").hidden = !s.source.error;
+    $("log-error").textContent = s.source.error ? "cannot read the log: " + s.source.error : "";
     $("n-events").textContent = s.log.events;
     $("n-runs").textContent = s.runs.total;
     $("n-failing").textContent = s.runs.failing;
