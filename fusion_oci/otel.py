@@ -18,6 +18,7 @@ This module imports no OpenTelemetry code until it is used, so the CLI stays fas
 from __future__ import annotations
 
 import atexit
+import logging
 import sys
 from collections.abc import Callable, Mapping
 from datetime import datetime
@@ -34,6 +35,9 @@ if TYPE_CHECKING:
 
 SPANS = {"sandbox:prepare": "sandbox.prepare", "sandbox:run": "sandbox.run",
          "sandbox:dispose": "sandbox.dispose"}
+CLI_EXPORT_TIMEOUT_S = 2.0
+"""OTLP timeout of the CLI hook unless OTEL_EXPORTER_OTLP_*TIMEOUT says: a short-lived
+command must not wait the SDK's 10 s (plus retries) for a collector that is down."""
 ASKING_VARS = ("OTEL_TRACES_EXPORTER", "OTEL_METRICS_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT",
                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")
 
@@ -158,6 +162,27 @@ class OtelSubscriber:
         self._sandboxes.clear()
 
 
+class _FirstErrorToStderr(logging.Handler):
+    """The SDK's first error as one line; its retry warnings dropped. The CLI's stderr is the
+    command's stderr: a collector that is down must not flood it."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.done = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.done:
+            self.done = True
+            print(f"fusion-oci: OpenTelemetry: {record.getMessage()}", file=sys.stderr)
+
+
+def _quiet_sdk_logs() -> None:
+    logger = logging.getLogger("opentelemetry")
+    if not any(isinstance(h, _FirstErrorToStderr) for h in logger.handlers):
+        logger.addHandler(_FirstErrorToStderr())
+        logger.propagate = False
+
+
 def wants_export(environ: Mapping[str, str]) -> bool:
     if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return False
@@ -179,10 +204,19 @@ def _names(environ: Mapping[str, str], var: str) -> list[str]:
     return names
 
 
-def providers_from_env(environ: Mapping[str, str]
+def _timeout(environ: Mapping[str, str], signal: str, default: float | None) -> float | None:
+    """The OTLP timeout to pass: None (the SDK reads its variables) when one is set."""
+    if environ.get("OTEL_EXPORTER_OTLP_TIMEOUT") or environ.get(
+            f"OTEL_EXPORTER_OTLP_{signal}_TIMEOUT"):
+        return None
+    return default
+
+
+def providers_from_env(environ: Mapping[str, str], *, default_timeout_s: float | None = None
                        ) -> tuple[SdkTracerProvider, SdkMeterProvider]:
     """SDK providers exporting where the ``OTEL_*`` variables say. The SDK's own exporters
-    read their endpoint/headers/timeout variables from the process environment."""
+    read their endpoint/headers/timeout variables from the process environment;
+    ``default_timeout_s`` replaces the SDK's 10 s OTLP timeout when no variable sets one."""
     from opentelemetry.sdk.metrics import MeterProvider as SdkMeterProvider
     from opentelemetry.sdk.metrics.export import (
         ConsoleMetricExporter,
@@ -199,7 +233,8 @@ def providers_from_env(environ: Mapping[str, str]
         if name == "otlp":
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-            tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+            tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(
+                timeout=_timeout(environ, "TRACES", default_timeout_s))))
         elif name == "console":
             tracer_provider.add_span_processor(BatchSpanProcessor(
                 ConsoleSpanExporter(out=sys.stderr)))
@@ -210,7 +245,8 @@ def providers_from_env(environ: Mapping[str, str]
                 OTLPMetricExporter,
             )
 
-            readers.append(PeriodicExportingMetricReader(OTLPMetricExporter()))
+            readers.append(PeriodicExportingMetricReader(OTLPMetricExporter(
+                timeout=_timeout(environ, "METRICS", default_timeout_s))))
         elif name == "console":
             readers.append(PeriodicExportingMetricReader(ConsoleMetricExporter(out=sys.stderr)))
     return tracer_provider, SdkMeterProvider(resource=resource, metric_readers=readers)
@@ -240,11 +276,13 @@ def attach_from_env(audit: AuditLog, environ: Mapping[str, str]) -> Callable[[],
     if not wants_export(environ):
         return None
     try:
-        tracer_provider, meter_provider = providers_from_env(environ)
+        tracer_provider, meter_provider = providers_from_env(
+            environ, default_timeout_s=CLI_EXPORT_TIMEOUT_S)
     except ImportError:
         print("fusion-oci: OTEL_* is set but the otel extra is not installed "
               "(pip install 'fusion-oci[otel]'); no telemetry exported", file=sys.stderr)
         return None
+    _quiet_sdk_logs()
     unsubscribe = attach(audit, tracer_provider, meter_provider)
     done = False
 

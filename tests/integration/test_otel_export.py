@@ -80,3 +80,13 @@ def test_otel_sdk_disabled_means_no_export(worktree: Path) -> None:
                 env={"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_SDK_DISABLED": "true"})
     assert p.returncode == 0
     assert got == []
+
+
+def test_a_collector_that_is_down_costs_one_stderr_line(worktree: Path) -> None:
+    with collector() as (endpoint, _got):
+        pass  # closed again: its port now refuses connections
+    p = cli("run", "--backend", "native", "--", "echo out", cwd=worktree,
+            env={"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint})
+    assert (p.returncode, p.stdout) == (0, "out\n")
+    lines = p.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fusion-oci: OpenTelemetry: "), p.stderr
