@@ -54,6 +54,10 @@ def render(s: dict[str, Any], console: Console | None = None) -> None:
                          ["backend", "runs", "p50", "p95", "max"],
                          [[r["backend"], r["runs"], r["p50"], r["p95"], r["max"]]
                           for r in d["byBackend"]]))
+    console.print(_table("prepare (sandbox set-up) per backend (ms)",
+                         ["backend", "prepares", "p50", "p95", "max"],
+                         [[r["backend"], r["runs"], r["p50"], r["p95"], r["max"]]
+                          for r in d["prepareByBackend"]]))
     console.print(_table("durations per command (ms)", ["command", "backend", "runs", "p50",
                                                         "p95"],
                          [[r["command"], r["backend"], r["runs"], r["p50"], r["p95"]]

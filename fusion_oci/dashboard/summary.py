@@ -120,6 +120,7 @@ class SummaryBuilder:
         self.run_failing: array[int] = array("b")
         self.backend_ids: dict[str, int] = {}
         self.by_backend: dict[str, _Durations] = {}
+        self.prepare_by_backend: dict[str, _Durations] = {}
         self.command_keys = _Capped()
         self.by_command: dict[tuple[str, str], _Durations] = {}
         self.end_reasons: Counter[str] = Counter()
@@ -175,6 +176,9 @@ class SummaryBuilder:
             for part in e.unenforced or []:
                 self.unenforced[part] += 1
         elif e.type == "sandbox:prepare":
+            if e.duration_ms is not None:
+                self.prepare_by_backend.setdefault(e.backend, _Durations()).values.append(
+                    e.duration_ms)
             for part in e.unenforced or []:
                 self.unenforced[part] += 1
         elif e.type == "sandbox:gate":
@@ -262,6 +266,8 @@ class SummaryBuilder:
                               for k, v in sorted(self.by_backend.items())],
                 "byCommand": [{"command": c, "backend": b, **v.row()}
                               for (c, b), v in commands],
+                "prepareByBackend": [{"backend": k, **v.row()}
+                                     for k, v in sorted(self.prepare_by_backend.items())],
             },
             "endReasons": {**dict(self.end_reasons.most_common()),
                            **{r: 0 for r in END_REASONS if r not in self.end_reasons}},

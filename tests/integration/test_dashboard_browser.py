@@ -120,6 +120,14 @@ def test_page_numbers_live_updates_and_task_view(browser: WebDriver, demo_log: P
             cells = [c.text for c in rows[backend].find_elements(By.TAG_NAME, "td")]
             assert cells[1:4] == [str(len(ms)), str(nearest_rank(ms, 50)),
                                   str(nearest_rank(ms, 95))], backend
+        prepares = [e for e in events if e.type == "sandbox:prepare"]
+        rows = {r.find_elements(By.TAG_NAME, "td")[0].text: r for r in
+                browser.find_elements(By.CSS_SELECTOR, "#prepare-backend tbody tr")}
+        for backend in {e.backend for e in prepares}:
+            ms = [e.duration_ms for e in prepares if e.backend == backend and e.duration_ms]
+            cells = [c.text for c in rows[backend].find_elements(By.TAG_NAME, "td")]
+            assert cells[1:4] == [str(len(ms)), str(nearest_rank(ms, 50)),
+                                  str(nearest_rank(ms, 95))], backend
         reasons = {r.find_elements(By.TAG_NAME, "td")[0].text:
                    r.find_elements(By.TAG_NAME, "td")[1].text
                    for r in browser.find_elements(By.CSS_SELECTOR, "#end-reasons tbody tr")}

@@ -46,7 +46,7 @@ def test_an_empty_summary_is_complete() -> None:
                         "firstTs": None, "lastTs": None}
     assert s["runs"] == {"total": 0, "failing": 0, "byBackend": {}}
     assert s["timeline"]["times"] == []
-    assert s["durations"] == {"byBackend": [], "byCommand": []}
+    assert s["durations"] == {"byBackend": [], "byCommand": [], "prepareByBackend": []}
 
 
 def test_durations_end_reasons_and_failing_exits() -> None:
@@ -88,6 +88,8 @@ def test_fallbacks_failures_gates_provisioning_and_unenforced() -> None:
     assert s["provisioning"]["retries"] == s["provisioning"]["byOutcome"]["retry"] > 0
     assert any(r["digest"] for r in s["provisioning"]["recent"])
     assert set(s["unenforced"]) == {"cpu", "memory", "network", "pids"}
+    prepares = {r["backend"]: r["runs"] for r in s["durations"]["prepareByBackend"]}
+    assert sum(prepares.values()) == s["counts"]["sandbox:prepare"]
     tl = s["timeline"]
     assert sum(sum(v) for v in tl["series"].values()) == s["runs"]["total"]
     assert len(tl["times"]) <= 60

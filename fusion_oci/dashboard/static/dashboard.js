@@ -124,6 +124,16 @@
       { label: "max", get: (r) => r.max, num: true },
     ], db, "no runs with a duration");
 
+    const pb = s.durations.prepareByBackend;
+    const pmax = maxOf(pb, (r) => r.p95);
+    table("prepare-backend", [
+      { label: "backend", get: (r) => r.backend },
+      { label: "prepares", get: (r) => r.runs, num: true },
+      { label: "p50", get: (r) => bar(r.p50, pmax) },
+      { label: "p95", get: (r) => bar(r.p95, pmax, "p95") },
+      { label: "max", get: (r) => r.max, num: true },
+    ], pb, "no prepares with a duration");
+
     table("durations-command", [
       { label: "command", get: (r) => r.command },
       { label: "backend", get: (r) => r.backend },
