@@ -278,6 +278,7 @@ def create_app(audit_path: Path, *, token: str | None = None,
     async def api_stream(request: Request) -> Response:
         task = request.query_params.get("task") or None
         want_summary = request.query_params.get("summary", "1") != "0"
+        want_events = request.query_params.get("events", "1") != "0"
         # Resume after a line: ?since=N, or the id of the last event a reconnecting
         # EventSource saw; else only events appended from now on.
         start = request.headers.get("last-event-id") or request.query_params.get("since")
@@ -302,13 +303,15 @@ def create_app(audit_path: Path, *, token: str | None = None,
                     generation, cursor = state.tail.generation, 0
                     yield _sse("reset", {"generation": generation})
                 if state.key() != last:
-                    while True:
+                    while want_events:
                         events, nxt = await state.events(task=task, since=cursor, limit=500)
                         for event in events:
                             yield _sse("audit", event, event["line"])
                         cursor = nxt
                         if len(events) < 500:
                             break
+                    if not want_events:
+                        cursor = state.tail.cursor
                     if want_summary:
                         yield _sse("summary", await state.summary(), cursor)
                     last = state.key()

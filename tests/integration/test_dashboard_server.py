@@ -234,3 +234,23 @@ def test_chain_status_follows_the_log(tmp_path: Path) -> None:
         append_raw(path, b'{"type": "sandbox:run", "forged": true}\n')
         broken = chain_when(d, lambda c: c["status"] == "broken")
         assert broken["firstBadLine"] == len(task_events(3)) + 1
+
+
+def test_stream_without_events_sends_only_summaries(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    log = write_log(path, task_events(1))
+    with dashboard(path) as d:
+        conn = http.client.HTTPConnection(d.host, d.port, timeout=20)
+        conn.request("GET", "/api/stream?events=0", headers={"last-event-id": "0"})
+        resp = conn.getresponse()
+        names: list[str] = []
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and names.count("summary") < 2:
+            line = resp.readline().decode()
+            if line.startswith("event: "):
+                names.append(line[7:].strip())
+                if names.count("summary") == 1 and names[-1] == "summary":
+                    log.emit(AuditEvent(type="sandbox:dispose", task_id="t", run_id="r",
+                                        backend="oci"))
+        conn.close()
+    assert names == ["ready", "summary", "summary"]

@@ -209,7 +209,7 @@
 
   function connect() {
     const live = $("live");
-    const es = new EventSource("/api/stream");
+    const es = new EventSource("/api/stream?events=0");
     es.addEventListener("summary", (m) => {
       render(JSON.parse(m.data));
       live.textContent = "live"; live.className = "badge on";
