@@ -14,6 +14,7 @@ __all__ = [
     "AuditEvent",
     "AuditLog",
     "CpuLimit",
+    "FlagError",
     "FusionOCIError",
     "NetworkMode",
     "PolicyNotEnforceableError",
@@ -41,6 +42,7 @@ _LAZY = {
     "RunResult": "fusion_oci.models",
     "SandboxCapabilities": "fusion_oci.models",
     "SandboxPolicy": "fusion_oci.models",
+    "FlagError": "fusion_oci.errors",
     "FusionOCIError": "fusion_oci.errors",
     "PolicyNotEnforceableError": "fusion_oci.errors",
     "RuntimeUnavailableError": "fusion_oci.errors",
@@ -55,6 +57,7 @@ _LAZY = {
 if TYPE_CHECKING:
     from fusion_oci.audit import AuditEvent, AuditLog
     from fusion_oci.errors import (
+        FlagError,
         FusionOCIError,
         PolicyNotEnforceableError,
         RuntimeUnavailableError,

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs every benchmark in benchmarks/ (per-command overhead of each runtime, as ratios).
+# Runs every benchmark in benchmarks/ (per-command overhead of each runtime, as ratios; the
+# dashboard API on 100,000 audit events).
 # Needs what scripts/test.sh needs: the engines running (this starts them if they are not, and
 # stops only what it started) and the node task image (built by the test suite, or with
 # `.venv/bin/fusion-oci images build node`).
@@ -17,6 +18,6 @@ cleanup() {
 trap cleanup EXIT
 FUSION_OCI_STARTED_FILE="$STARTED_FILE" bash scripts/services.sh start >/dev/null
 eval "$(bash scripts/services.sh env)"
-for bench in native bubblewrap oci tiers containers; do
+for bench in native bubblewrap oci tiers containers dashboard; do
     .venv/bin/python "benchmarks/bench_${bench}.py" "$@"
 done

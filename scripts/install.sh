@@ -42,6 +42,8 @@ APT_PACKAGES=(
     # pytest-docker drives compose.yaml (the egress canary) with `docker-compose` when the
     # docker CLI has no compose plugin
     docker-compose
+    # the dashboard's browser tests drive Debian's headless chromium through chromedriver
+    chromium chromium-driver
     # not named in the product docs, but a fresh Debian 12 may lack them and the scripts use them
     python3 python3-venv curl ca-certificates util-linux procps
 )

@@ -18,11 +18,13 @@ The bundle is translated by :func:`landlock_rules` (pure, golden-tested) into an
   host's ``/tmp``, host processes' ``/proc`` entries are all denied.
 
 Landlock only adds access beneath a directory; it cannot take it away. A read-only bind that
-the spec lays over a writable one (a plain repository's ``.git/hooks`` and ``.git/config``
-inside the worktree, ``config.worktree`` inside the worktree's git dir) cannot be expressed,
-so such a task is refused (:class:`PolicyNotEnforceableError`) rather than run with writable
-hooks. Linked worktrees (every Fusion task) have their common dir outside the worktree and
-are enforced in full.
+the spec lays over a writable one (a plain repository's ``.git/hooks`` and ``.git/config``, a
+linked worktree's ``.git`` file, protectedPaths such as ``.fusion/``) cannot be expressed: such
+paths are copied before each command and put back after it, before the result returns, so
+nothing the command wrote there reaches the host's next git call or settings load; they are
+listed as not read-only (the lifecycle's ``unenforced``), since a host process reading them
+*during* the command would see the command's version. A linked worktree's common dir (its
+hooks and config) lies outside the worktree and is read-only in full.
 
 Beside the ruleset: the bundle's seccomp profile, plus ``socket()`` refused for every family in
 network ``none`` (``socketpair`` still works, so pipes between processes do) and for
@@ -46,11 +48,11 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from fusion_oci.errors import PolicyNotEnforceableError, SandboxSetupError
+from fusion_oci.errors import SandboxSetupError
 from fusion_oci.models import (
     NetworkMode,
     PrepareContext,
@@ -121,13 +123,19 @@ class LandlockRules:
     scopes: tuple[str, ...] = ("abstract_unix_socket", "signal")
     seccomp: dict[str, Any] = field(default_factory=dict)
     """The bundle's profile plus the rules above (OCI JSON)."""
-    unenforceable: list[str] = field(default_factory=list)
-    """Parts of the spec the ruleset cannot express (read-only laid over writable)."""
+    restored: list[str] = field(default_factory=list)
+    """Read-only paths the spec lays over a writable one (a plain repository's ``.git/hooks``
+    and ``.git/config``, a linked worktree's ``.git`` file, protectedPaths such as
+    ``.fusion/``): the ruleset cannot express them, so they are writable during the command,
+    kept before it and put back after it (fusion_oci.runtimes.linux.snapshot), and listed as
+    not read-only."""
+    holes: list[str] = field(default_factory=list)
+    """Writable paths the spec lays back inside a restored one (they are not restored)."""
 
     def to_json(self) -> dict[str, Any]:
         return {"paths": {p: " ".join(a) for p, a in self.paths}, "network": self.network,
                 "scopes": list(self.scopes), "seccomp": self.seccomp,
-                "unenforceable": self.unenforceable}
+                "restored": self.restored, "holes": self.holes}
 
 
 def _beneath(path: str, parent: str) -> bool:
@@ -168,13 +176,17 @@ def landlock_rules(spec: Spec, home: str, tmp: str) -> LandlockRules:
             grants.append((mount["source"], writable))
         elif kind == "tmpfs" and dest in (SANDBOX_HOME, "/tmp"):
             grants.append((home if dest == SANDBOX_HOME else tmp, True))
-    unenforceable = []
+    restored: list[str] = []
+    holes: list[str] = []
     for i, (path, writable) in enumerate(grants):
         if writable:
             continue
         covering = [p for p, w in grants[:i] if w and _beneath(path, p)]
-        if covering:
-            unenforceable.append(f"read-only {path} inside writable {covering[-1]}")
+        if not covering or any(w and p == path for p, w in grants[i + 1:]):
+            continue  # not beneath anything writable, or made writable again later
+        if path not in restored:
+            restored.append(path)
+            holes += [p for p, w in grants[i + 1:] if w and _beneath(p, path) and p != path]
     rights: dict[str, set[str]] = {}
     for path, writable in grants:
         rights.setdefault(path, set()).update(RW if writable else RO)
@@ -189,7 +201,7 @@ def landlock_rules(spec: Spec, home: str, tmp: str) -> LandlockRules:
     profile = spec.get("linux", {}).get("seccomp") or {"defaultAction": "SCMP_ACT_ALLOW",
                                                        "syscalls": []}
     return LandlockRules(paths, mode, seccomp=landlock_seccomp(profile, network),
-                         unenforceable=unenforceable)
+                         restored=restored, holes=sorted(set(holes)))
 
 
 def _mask(names: Sequence[str], table: dict[str, tuple[int, int]], abi: int) -> int:
@@ -239,8 +251,10 @@ def enforced_requirements(abi: int) -> frozenset[Requirement]:
     """What the runtime enforces on a kernel with this Landlock ABI. Pure."""
     if abi < 1:
         return frozenset()
+    # PROC_PATHS: /proc and /sys are granted only as a few static files, none of them masked
+    # or writable, so maskedPaths and readonlyPaths hold by omission.
     out = {Requirement.ENV, Requirement.CPU_TIME, Requirement.FILE_SIZE,
-           Requirement.NETWORK_NONE}
+           Requirement.NETWORK_NONE, Requirement.PROC_PATHS}
     if abi >= MIN_FS_ABI:
         out.add(Requirement.FILESYSTEM)
     return frozenset(out)
@@ -357,7 +371,8 @@ class LandlockRuntime(HostProcessRuntime):
                                           else ": AF_UNIX sockets refused"),
             "rlimits: " + ", ".join(f"{n}={s}/{h}" for n, s, h in native_rlimits(spec)),
         ]
-        notes += [f"unenforceable: {u}" for u in rules.unenforceable]
+        notes += [f"not read-only during the command (restored after it): {p}"
+                  for p in rules.restored]
         return LaunchPlan(
             backend=self.id,
             argv=["<reaper>", "SANDBOX=<launch file>", *spec["process"]["args"]],
@@ -375,16 +390,16 @@ class LandlockRuntime(HostProcessRuntime):
                     "it runs the command on the host's own system directories",
                     "drop sandbox.image, or choose podman, docker or oci for images",
                 )
-            # Refuse before anything runs: a carve-out depends on the task's layout only.
+            # The carve-outs depend on the task's layout only: known before anything runs.
             probe = self.rules(self.compile(["true"], RunOptions()))
-            if probe.unenforceable:
-                raise PolicyNotEnforceableError(
-                    self.id, [f"{Requirement.FILESYSTEM.value} ({u})"
-                              for u in probe.unenforceable],
-                    "Landlock cannot make a path read-only beneath a writable one: use a "
-                    "linked worktree (git worktree add), whose git common dir lies outside "
-                    "it, or the bubblewrap backend",
-                )
+            if probe.restored and self.layout is not None:
+                # Listed as not read-only (the lifecycle reports layout.unprotected), though
+                # put back after every command.
+                extra = tuple(f"{p} (writable during the command: Landlock cannot make it "
+                              "read-only inside the writable worktree; restored after each "
+                              "command)" for p in probe.restored)
+                self.layout = replace(self.layout,
+                                      unprotected=(*self.layout.unprotected, *extra))
         except BaseException:
             await self.dispose()
             raise
@@ -395,8 +410,12 @@ class LandlockRuntime(HostProcessRuntime):
                                     "run() came before prepare()", "call prepare(ctx) first")
         import platform
 
+        from fusion_oci.runtimes.linux import snapshot
+
         home, tmp = self._dirs()
-        config = launch_config(self.rules(spec), host_abi(), platform.machine())
+        rules = self.rules(spec)
+        config = launch_config(rules, host_abi(), platform.machine())
+        kept = snapshot.take(rules.restored, holes=rules.holes)
         # Beside HOME and TMPDIR, not in them: the command cannot read or change it.
         launch = Path(self._scratch) / f"launch-{os.getpid()}-{id(spec)}"
         launch.write_text(launch_text(config), encoding="utf-8")
@@ -410,6 +429,12 @@ class LandlockRuntime(HostProcessRuntime):
             )
         finally:
             launch.unlink(missing_ok=True)
+            # The command's whole tree has ended: nothing can race the restore.
+            changed = snapshot.restore(kept)
+        if changed:
+            note = ("fusion-oci: restored what the command changed in read-only paths: "
+                    + ", ".join(changed[:10]) + ("" if len(changed) <= 10 else ", ...") + "\n")
+            outcome = replace(outcome, stderr=outcome.stderr + note.encode())
         if outcome.returncode == 125 and outcome.stderr.startswith(CONFINE_FAILED):
             raise SandboxSetupError(
                 "the landlock runtime could not confine the command",

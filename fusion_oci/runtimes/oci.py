@@ -1042,7 +1042,8 @@ class OciRuntime(SpecRuntime):
         return self._version
 
     def enforces(self) -> frozenset[Requirement]:
-        out = {Requirement.FILESYSTEM, Requirement.ENV, Requirement.NETWORK_NONE,
+        out = {Requirement.FILESYSTEM, Requirement.PROC_PATHS,
+               Requirement.ENV, Requirement.NETWORK_NONE,
                Requirement.CPU_TIME, Requirement.TMP_SIZE, Requirement.FILE_SIZE}
         if is_gvisor(self.runtime_name):
             out.discard(Requirement.TMP_SIZE)  # gVisor's tmpfs ignores size= (seen: 20221219)

@@ -66,9 +66,6 @@ async def sandbox(rt: Runtime, worktree: Path, tmp_path: Path,
 
 
 KNOWN_GAPS = {
-    ("exec-failure", "bubblewrap"): "bwrap itself exits 1 when it cannot exec the command "
-                                    "('bwrap: execvp X: No such file or directory'); the runtime "
-                                    "passes that status on instead of 127/126",
     ("signal-self", "oci"): "the command is pid 1 of runc's pid namespace, and pid 1 ignores "
                             "a signal it has no handler for: `kill -TERM $$` is a no-op and "
                             "the shell exits 0",

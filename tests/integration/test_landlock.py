@@ -19,7 +19,7 @@ from fusion_oci.policy.settings import SandboxSettings
 from fusion_oci.runtimes.landlock import LandlockRuntime
 from fusion_oci.sandbox import SyncSandbox
 from tests.backends import require, require_runtime
-from tests.conftest import git
+from tests.conftest import git, git_init
 from tests.hostside import tcp_server
 
 pytestmark = [pytest.mark.landlock]
@@ -54,6 +54,13 @@ def test_commit_in_a_linked_worktree_works_and_hooks_stay_read_only(
                      "git log --oneline | head -1")
     assert "from-landlock" in result.stdout, result.stderr
     assert not hook.exists()
+    # The .git file names the git dir the host's next git call uses: put back after the run.
+    pointer = (wt / ".git").read_text()
+    hijack = run(wt, "mkdir -p evil && cp -r " + str(repo / ".git") + "/. evil/ && "
+                     "rm .git && printf 'gitdir: evil\\n' > .git && cat .git")
+    assert hijack.stdout == "gitdir: evil\n", hijack
+    assert (wt / ".git").read_text() == pointer
+    assert any(".git (writable during the command" in u for u in hijack.unenforced), hijack
     assert "hooksPath" not in (repo / ".git" / "config").read_text()
     assert git(repo, "log", "--oneline", "task").startswith(
         git(wt, "rev-parse", "--short", "HEAD").strip())
@@ -117,12 +124,18 @@ def test_egress_and_cgroup_limits_are_refused_not_weakened(worktree: Path) -> No
             run(worktree, "true", **policy)
 
 
-def test_a_plain_repository_is_refused_with_the_reason(worktree: Path) -> None:
-    git(worktree, "init", "-q")
-    with pytest.raises(PolicyNotEnforceableError) as refused:
-        run(worktree, "true")
-    assert any(".git/hooks inside writable" in u for u in refused.value.unenforced)
-    assert "linked worktree" in refused.value.render()
+def test_a_plain_repositorys_hooks_and_config_are_put_back_and_listed(worktree: Path) -> None:
+    config = (worktree / ".git" / "config").read_text()
+    result = run(worktree, "printf '#!/bin/sh\\necho owned\\n' > .git/hooks/pre-commit; "
+                           "git config core.fsmonitor 'touch /tmp/x'; rm -rf .fusion; "
+                           "echo ok > kept.txt")
+    assert not (worktree / ".git" / "hooks" / "pre-commit").exists()
+    assert (worktree / ".git" / "config").read_text() == config
+    assert (worktree / "kept.txt").read_text() == "ok\n"  # the worktree itself is the command's
+    assert (worktree / ".fusion").is_dir()
+    assert "restored" in result.stderr
+    listed = " ".join(result.unenforced)
+    assert ".git/hooks" in listed and "restored after each command" in listed, result
 
 
 def test_exit_statuses_and_nothing_left_behind(worktree: Path) -> None:
@@ -209,7 +222,7 @@ def test_userns_forbidden_host_bubblewrap_unavailable_landlock_still_isolates(
     canary = "CANARY-userns-forbidden"
     (tmp_path / "home" / ".ssh").mkdir(parents=True)
     (tmp_path / "home" / ".ssh" / "id_ed25519").write_text(canary)
-    (tmp_path / "wt").mkdir()
+    git_init(tmp_path / "wt")
     done = subprocess.run(
         [unshare, "--user", "--map-root-user", "--", sys.executable, "-c", FORBIDDEN_HOST,
          str(tmp_path)],

@@ -78,7 +78,7 @@ def test_only_the_worktree_scratch_and_writable_paths_are_writable() -> None:
 def test_linked_worktree_common_dir_hooks_and_config_stay_read_only() -> None:
     rules = landlock_rules(spec_for("linked-worktree"), HOME, TMP)
     grants = dict(rules.paths)
-    assert rules.unenforceable == []
+    assert rules.restored == ["/work/wt/task-1/.git"]  # the .git file: kept and put back
     for path in ("/work/repo/.git", "/work/repo/.git/hooks", "/work/repo/.git/config"):
         assert "write_file" not in grants[path] and "make_reg" not in grants[path], path
     for path in ("/work/repo/.git/objects", "/work/repo/.git/refs",
@@ -86,12 +86,9 @@ def test_linked_worktree_common_dir_hooks_and_config_stay_read_only() -> None:
         assert "write_file" in grants[path], path
 
 
-def test_main_repository_hooks_inside_the_worktree_are_refused() -> None:
+def test_main_repository_hooks_inside_the_worktree_are_kept_and_restored() -> None:
     rules = landlock_rules(spec_for("main-repository"), HOME, TMP)
-    assert rules.unenforceable == [
-        "read-only /work/wt/task-1/.git/hooks inside writable /work/wt/task-1",
-        "read-only /work/wt/task-1/.git/config inside writable /work/wt/task-1",
-    ]
+    assert rules.restored == ["/work/wt/task-1/.git/hooks", "/work/wt/task-1/.git/config"]
 
 
 def test_nothing_else_of_the_host_is_granted() -> None:
