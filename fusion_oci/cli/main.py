@@ -274,6 +274,13 @@ def doctor(as_json: AsJson = False) -> None:
     Console().print(table)
 
 
+# --- serve ----------------------------------------------------------------------------------
+
+from fusion_oci.cli.serve import serve as _serve  # noqa: E402  (only typer: cheap to import)
+
+app.command("serve")(_serve)
+
+
 # --- bundle ---------------------------------------------------------------------------------
 
 
