@@ -46,6 +46,9 @@ class ContextParams(Model):
 
 class PrepareParams(Model):
     context: ContextParams
+    sandbox_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    """The client's name for the sandbox (an ``ask`` during prepare carries it). None: the
+    server picks one."""
     project_dir: str | None = None
     """Where .fusion/settings.yaml is read from. None: found from the worktree, as the CLI."""
     task_prompt: str | None = None
@@ -156,7 +159,10 @@ class Session:
         except ValueError as exc:
             raise SettingsError("prepare context", str(exc).splitlines()[-1].strip(),
                                 "see docs/protocol.md, method prepare") from exc
-        sandbox_id = f"sb{next(self._ids)}"
+        sandbox_id = p.sandbox_id or f"sb{next(self._ids)}"
+        if sandbox_id in self.sandboxes:
+            raise FlagError(f"sandboxId '{sandbox_id}'", "it is already in use",
+                            "give each sandbox its own id, or leave it out")
 
         async def ask(request: GateRequest) -> bool:
             assert self.conn is not None

@@ -97,14 +97,23 @@ class ServedBackend implements SandboxBackend {
   private async open(ctx: SandboxPrepareContext): Promise<{ id: string; generation: number }> {
     const o = this.options;
     const live = await this.server.connection();
-    const result = await this.server.request<PrepareResult>("prepare", {
+    // Our name for the sandbox, so that an `ask` during prepare finds its onGate.
+    const sandboxId = `sb-${randomBytes(8).toString("hex")}`;
+    this.server.setGate(sandboxId, o.onGate);
+    let result: PrepareResult;
+    try {
+      result = await this.server.request<PrepareResult>("prepare", {
+      sandboxId,
       context: { taskId: ctx.taskId, runId: ctx.runId, worktreePath: ctx.worktreePath,
         policy: ctx.policy },
       projectDir: o.projectDir, taskPrompt: o.taskPrompt, settings: o.settings ?? {},
       backend: o.backend, failureMode: o.failureMode, ask: Boolean(o.onGate),
       env: stringEnv(o.env ?? process.env),
-    }, live);
-    this.server.setGate(result.sandboxId, o.onGate);
+      }, live);
+    } catch (err) {
+      this.server.setGate(sandboxId, undefined);
+      throw err;
+    }
     this.prepared = result;
     this.caps = result.capabilities;
     this.sandbox = { id: result.sandboxId, generation: live.generation };

@@ -212,6 +212,13 @@ export class FusionOciServer {
       });
       return await Promise.race([l.conn.sendRequest<R>(method, params), gone]);
     } catch (err) {
+      if (!(err instanceof SandboxError) && await exitsSoon(l)) {
+        // A write to (or a read from) a server that is dying: say that, not the symptom.
+        throw new SandboxError("server-exited", "the fusion-oci server exited", {
+          why: this.stderrTail.trim().split("\n").slice(-3).join(" | ") || String(err),
+          hint: "the next call starts a new server",
+        });
+      }
       throw toSandboxError(err);
     } finally {
       this.busy--;
@@ -270,6 +277,13 @@ export class FusionOciServer {
     }
     await l.exited;
   }
+}
+
+function exitsSoon(l: Live, ms = 500): Promise<boolean> {
+  return Promise.race([
+    l.exited.then(() => true),
+    new Promise<boolean>((resolve) => setTimeout(() => resolve(false), ms).unref()),
+  ]);
 }
 
 const shared = new Map<string, FusionOciServer>();
