@@ -2,14 +2,27 @@
 
 Events record env var *names*, never values. Each event is one ``write()`` of one line to a file
 opened with O_APPEND, under an exclusive ``flock``, so concurrent writers never tear a line.
+
+Tamper evidence: every line carries ``prev``, the SHA-256 of the line before it (the first line
+of a log: :data:`GENESIS`), and ``mac``, an HMAC-SHA256 of the line itself under a key kept in
+the user's state folder (``$XDG_STATE_HOME/fusion-oci/audit.key``, mode 0600), which no
+isolating runtime mounts. :func:`verify_chain` names the first line that was edited, removed or
+forged: an edit breaks that line's MAC and the next line's ``prev``, a removal breaks the next
+line's ``prev``, a forged line has no valid MAC. Without the key (another machine) only the
+``prev`` chain is checked. Cutting lines off the end is not detectable from the file alone.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
+import hmac
 import json
 import os
-from collections.abc import Callable, Iterator
+import re
+import secrets
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
@@ -52,17 +65,85 @@ class AuditEvent(Model):
     env_names: list[str] | None = None
     command: str | None = None
     details: dict[str, Any] | None = None
+    prev: str | None = None
+    """SHA-256 of the line before this one in the file (set when written)."""
+    mac: str | None = None
+    """HMAC-SHA256 of this line under the host's audit key (set when written)."""
 
 
 Subscriber = Callable[[AuditEvent], None]
 
+GENESIS = "sha256:" + "0" * 64
+_MAC_TAIL = re.compile(r',"mac":"(hmac-sha256:[0-9a-f]{64})"}$')
+
+
+def line_hash(line: bytes) -> str:
+    return "sha256:" + hashlib.sha256(line.rstrip(b"\n")).hexdigest()
+
+
+def line_mac(key: bytes, body: str) -> str:
+    return "hmac-sha256:" + hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
+
+
+def default_key_path(env: Mapping[str, str]) -> Path:
+    base = env.get("XDG_STATE_HOME") or str(Path(env.get("HOME", "/")) / ".local" / "state")
+    return Path(base) / "fusion-oci" / "audit.key"
+
+
+def load_key(path: Path, *, create: bool) -> bytes | None:
+    """The audit key at ``path``; made (32 random bytes, 0600) when missing and ``create``."""
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        if not create:
+            return None
+    except OSError:
+        return None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except FileExistsError:
+        return path.read_bytes()  # a concurrent writer made it first
+    except OSError:
+        return None
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(secrets.token_bytes(32))
+    return path.read_bytes()
+
+
+def _last_line(fd: int) -> bytes | None:
+    """The file's last complete line (without reading the whole file)."""
+    size = os.fstat(fd).st_size
+    if size == 0:
+        return None
+    block, data, pos = 65536, b"", size
+    while pos > 0:
+        step = min(block, pos)
+        pos -= step
+        data = os.pread(fd, step, pos) + data
+        body = data.rstrip(b"\n")
+        cut = body.rfind(b"\n")
+        if cut >= 0:
+            return body[cut + 1:]
+    return data.rstrip(b"\n")
+
 
 class AuditLog:
-    """Where events go: an optional JSONL file and any number of in-process subscribers."""
+    """Where events go: an optional JSONL file and any number of in-process subscribers.
 
-    def __init__(self, path: Path | None = None) -> None:
+    ``key``: the HMAC key of the chain; None: the host's default key file (made on first use,
+    in the user's state folder); ``b""``: no MAC, only the ``prev`` chain.
+    """
+
+    def __init__(self, path: Path | None = None, *, key: bytes | None = None) -> None:
         self.path = path
+        self._key = key
         self._subscribers: list[Subscriber] = []
+
+    def _mac_key(self) -> bytes:
+        if self._key is None:
+            self._key = load_key(default_key_path(os.environ), create=True) or b""
+        return self._key
 
     def subscribe(self, callback: Subscriber) -> Callable[[], None]:
         """Deliver every later event to ``callback``; returns a function that unsubscribes."""
@@ -71,12 +152,18 @@ class AuditLog:
 
     def emit(self, event: AuditEvent) -> None:
         if self.path is not None:
-            line = event.model_dump_json(by_alias=True, exclude_none=True) + "\n"
+            key = self._mac_key()
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
-                data = line.encode()
+                last = _last_line(fd)
+                chained = event.model_copy(update={
+                    "prev": GENESIS if last is None else line_hash(last), "mac": None})
+                body = chained.model_dump_json(by_alias=True, exclude_none=True)
+                if key:
+                    body = body[:-1] + f',"mac":"{line_mac(key, body)}"}}'
+                data = (body + "\n").encode()
                 while data:
                     written = os.write(fd, data)
                     data = data[written:]
@@ -102,3 +189,66 @@ def read_events(path: Path) -> Iterator[AuditEvent]:
 
 def default_audit_path(project_dir: Path) -> Path:
     return project_dir / ".fusion" / "sandbox-audit.jsonl"
+
+
+@dataclass(frozen=True)
+class ChainReport:
+    """What :func:`verify_chain` found. ``first_bad_line`` is 1-based."""
+
+    ok: bool
+    lines: int
+    first_bad_line: int | None = None
+    reason: str | None = None
+    keyed: bool = False
+    """Whether MACs were checked (the key was there) or only the ``prev`` chain."""
+
+
+def verify_chain(path: Path, key: bytes | None = None) -> ChainReport:
+    """Check every line's ``prev`` and (with ``key``) its MAC; stop at the first bad line.
+
+    Lines written before the log had a chain (no ``prev`` at all) are accepted only before the
+    first chained line.
+    """
+    try:
+        fh = path.open("rb")
+    except FileNotFoundError:
+        return ChainReport(True, 0, keyed=bool(key))
+    prev_line: bytes | None = None
+    chained = False
+    count = 0
+
+    def bad(n: int, why: str) -> ChainReport:
+        return ChainReport(False, n, n, why, keyed=bool(key))
+
+    with fh:
+        for count, raw in enumerate(fh, start=1):
+            line = raw.rstrip(b"\n")
+            try:
+                text = line.decode("utf-8")
+                data = json.loads(text)
+                if not isinstance(data, dict):
+                    raise ValueError("not an object")
+            except ValueError:
+                return bad(count, f"line {count} is not an audit event (edited or forged)")
+            if "prev" not in data:
+                if chained:
+                    return bad(count, f"line {count} has no chain hash (forged, or written "
+                                      "around fusion-oci)")
+                prev_line = line
+                continue
+            want = GENESIS if prev_line is None else line_hash(prev_line)
+            if data["prev"] != want:
+                where = "the start of the log" if prev_line is None else f"line {count - 1}"
+                return bad(count, f"line {count} does not follow {where}: a line before it "
+                                  "was removed or edited, or this one was forged")
+            if key:
+                match = _MAC_TAIL.search(text)
+                if match is None:
+                    return bad(count, f"line {count} has no MAC (forged)")
+                body = text[:match.start()] + "}"
+                if not hmac.compare_digest(match.group(1), line_mac(key, body)):
+                    return bad(count, f"line {count} was edited or forged (its MAC does not "
+                                      "match)")
+            chained = True
+            prev_line = line
+    return ChainReport(True, count, keyed=bool(key))

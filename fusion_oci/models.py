@@ -72,6 +72,24 @@ class CpuLimit(Model):
     None: unlimited."""
 
 
+DEFAULT_PROTECTED_PATHS: tuple[str, ...] = (
+    ".fusion/",      # the project's settings and audit log: the command must not rewrite its
+                     # own policy or forge its audit trail
+    ".git/hooks",    # a main worktree's hooks run on the host at the next git commit
+    ".git/config",   # core.hooksPath, core.fsmonitor, aliases: code the host's git runs
+    ".envrc",        # direnv runs it in the user's shell on `cd`
+    ".vscode/",      # tasks.json / settings.json run commands when the editor opens the folder
+    ".idea/",        # JetBrains run configurations and startup tasks
+    ".mcp.json",     # MCP servers an agent client starts on the host
+    ".claude/",      # agent settings and hooks run by the host's agent client
+    ".gitmodules",   # submodule URLs and update commands the host's git follows
+)
+"""What stays read-only inside the sandbox even where the worktree is writable (relative to
+the worktree, or absolute). Each entry says why above; a project lifts one by listing
+``protectedPaths`` without it in its settings (never from inside the sandbox: the project's
+settings are themselves protected)."""
+
+
 class SandboxPolicy(Model):
     """What the sandboxed command may touch."""
 
@@ -98,6 +116,12 @@ class SandboxPolicy(Model):
     file_size_limit_mb: Annotated[int, Field(gt=0)] | None = None
     """Largest file the command may write, in MiB (RLIMIT_FSIZE: bounds a disk fill of the
     worktree one file at a time). None: unlimited."""
+
+    protected_paths: list[str] = Field(default_factory=lambda: list(DEFAULT_PROTECTED_PATHS))
+    """Globs (relative to the worktree, or absolute) kept read-only even inside the worktree
+    and writablePaths; a writablePaths entry below one stays writable. Default:
+    :data:`DEFAULT_PROTECTED_PATHS`. One that does not exist at prepare cannot be protected
+    without leaving a mount point behind in the worktree: it is listed as unenforced."""
 
     _check_allowed = field_validator("allowed_paths")(_absolute)
     _check_writable = field_validator("writable_paths")(_absolute)
@@ -148,6 +172,8 @@ class SandboxPolicy(Model):
             parts.append(f"pids={self.pids_limit}")
         if self.file_size_limit_mb:
             parts.append(f"fsize={self.file_size_limit_mb}MiB")
+        if self.protected_paths != list(DEFAULT_PROTECTED_PATHS):
+            parts.append(f"protected={len(self.protected_paths)}")
         return " ".join(parts)
 
 
@@ -201,7 +227,11 @@ class PrepareContext(Model):
     host_ca_bundle: str | None = None
     """Host CA bundle made visible (read-only) with the env vars tools read. None: not shared."""
     project_dir: str | None = None
-    """Project root (for per-project caches and the audit log). None: the worktree."""
+    """Project root (settings, per-project caches, the audit log). None: a linked worktree's
+    main repository, else the worktree itself (see fusion_oci.policy.worktree)."""
+    unsafe_worktree: bool = False
+    """True: accept a worktree that is ``/``, ``$HOME`` or an ancestor of it, or not the top of
+    a git work tree. False (default): such a worktree is refused before anything runs."""
 
     @field_validator("worktree_path")
     @classmethod

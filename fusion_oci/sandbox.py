@@ -1,16 +1,27 @@
-"""The lifecycle an executor uses: pick the runtime, check it, apply the failure mode, run, audit.
+"""The lifecycle an executor uses: check the inputs, pick the runtime, apply the failure mode,
+run, abort, audit.
 
-Failure mode (brief 4.4): an unavailable backend with ``fallback-native`` is audited as
-``sandbox:fallback`` and the command runs natively; with ``fail-hard`` it is a
-:class:`RuntimeUnavailableError`. A policy part the chosen runtime cannot enforce is refused
-(:class:`PolicyNotEnforceableError`), except on native, chosen or fallen back to, where each
-unenforced part is listed in the audit and in the result.
+Inputs first: a bad worktree, a missing policy path or CA file is the caller's mistake
+(:class:`SettingsError`, exit 2) in every failure mode; nothing runs and nothing falls back.
+
+Failure mode (brief 4.4) applies to exactly two things: the chosen backend is unavailable here
+(:class:`RuntimeUnavailableError`), or it cannot enforce this policy here
+(:class:`PolicyNotEnforceableError`). With ``fallback-native`` the command then runs natively,
+audited as ``sandbox:fallback``, and every unenforced part is listed in the result and the
+event; with ``fail-hard`` the error is raised. Any other setup failure is raised as it is.
+
+Abort: cancelling the task that awaits :meth:`Sandbox.run` (or :meth:`Sandbox.abort`, or
+:meth:`SyncSandbox.abort` from another thread) ends the whole process tree, audits
+``sandbox:run`` with end reason ``aborted``; a cancelled caller gets the CancelledError back,
+an ``abort()`` gets an aborted :class:`RunResult`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -19,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from fusion_oci.audit import AuditEvent, AuditLog
 from fusion_oci.errors import (
+    FusionOCIError,
     PolicyNotEnforceableError,
     RuntimeUnavailableError,
     SandboxSetupError,
@@ -26,8 +38,10 @@ from fusion_oci.errors import (
 from fusion_oci.models import PrepareContext, RunOptions, RunResult
 from fusion_oci.oci.host import HostInfo
 from fusion_oci.policy.settings import SandboxSettings
-from fusion_oci.runtimes.base import Runtime, SpecRuntime, requirements
+from fusion_oci.policy.worktree import check_inputs
+from fusion_oci.runtimes.base import Runtime, SpecRuntime, unenforced_parts
 from fusion_oci.runtimes.registry import create_runtime
+from fusion_oci.scratch import gc_scratch
 
 if TYPE_CHECKING:
     from fusion_oci.images.gates import AskCallback
@@ -61,6 +75,7 @@ class Sandbox:
         self.ctx: PrepareContext | None = None
         self.fell_back = False
         self.unenforced: list[str] = []
+        self._running: set[asyncio.Task[RunResult]] = set()
 
     def _create(self, backend: str) -> Runtime:
         runtime = create_runtime(backend, self.settings, self.env,
@@ -83,30 +98,16 @@ class Sandbox:
             **fields,
         ))
 
-    async def _fallback_or_raise(self, error: SandboxSetupError) -> Runtime:
-        self._event("sandbox:failure", reason=error.render())
-        if self.settings.failure_mode != "fallback-native" or self.settings.backend == "native":
-            raise error
-        self.fell_back = True
-        native = self._create("native")
-        self.runtime = native
-        self._event("sandbox:fallback", reason=error.render(), fell_back=True,
-                    details={"from": self.settings.backend})
-        return native
-
     def _check(self, runtime: Runtime, ctx: PrepareContext) -> None:
-        missing = sorted(r.value for r in requirements(ctx.policy) - runtime.enforces())
+        missing = unenforced_parts(runtime, ctx.policy)
         if runtime.id == "native":
             self.unenforced = missing
             return
         if missing:
             raise PolicyNotEnforceableError(runtime.id, missing)
 
-    async def prepare(self, ctx: PrepareContext) -> None:
-        """Choose and check the runtime, then prepare it (the failure mode applies)."""
-        self.ctx = ctx
-        start = time.monotonic()
-        runtime = self._create(self.settings.backend)
+    async def _start(self, backend: str, ctx: PrepareContext) -> Runtime:
+        runtime = self._create(backend)
         self.runtime = runtime
         try:
             availability = runtime.availability()
@@ -114,19 +115,46 @@ class Sandbox:
                 raise RuntimeUnavailableError(runtime.id, availability.reason, availability.hint)
             self._check(runtime, ctx)
             await runtime.prepare(ctx)
-        except PolicyNotEnforceableError as exc:
-            self._event("sandbox:failure", reason=exc.render(), unenforced=exc.unenforced)
+        except BaseException:
             self.runtime = None
+            with contextlib.suppress(Exception):
+                await asyncio.shield(runtime.dispose())
             raise
-        except SandboxSetupError as exc:
-            await runtime.dispose()
-            try:
-                runtime = await self._fallback_or_raise(exc)
-                self._check(runtime, ctx)
-                await runtime.prepare(ctx)
-            except BaseException:
-                self.runtime = None
+        return runtime
+
+    async def prepare(self, ctx: PrepareContext) -> None:
+        """Check the inputs, choose and check the runtime, prepare it (the failure mode
+        applies to an unavailable backend or an unenforceable policy only)."""
+        self.ctx = ctx
+        start = time.monotonic()
+        try:
+            check_inputs(ctx, self.settings.host_ca, self.env)
+        except FusionOCIError as exc:
+            self._event("sandbox:failure", reason=exc.render(), details={"kind": exc.kind})
+            raise
+        await asyncio.to_thread(gc_scratch)  # what a kill -9'd owner left in the temp dir
+        try:
+            runtime = await self._start(self.settings.backend, ctx)
+        except (RuntimeUnavailableError, PolicyNotEnforceableError) as exc:
+            unenforced = getattr(exc, "unenforced", None)
+            self._event("sandbox:failure", reason=exc.render(), unenforced=unenforced,
+                        details={"kind": exc.kind})
+            if self.settings.failure_mode != "fallback-native" or \
+                    self.settings.backend == "native":
                 raise
+            self.fell_back = True
+            runtime = await self._start("native", ctx)
+            self._event("sandbox:fallback", reason=exc.render(), fell_back=True,
+                        unenforced=self.unenforced or None,
+                        details={"from": self.settings.backend, "kind": exc.kind})
+        except FusionOCIError as exc:
+            self._event("sandbox:failure", reason=exc.render(), details={"kind": exc.kind})
+            raise
+        layout = getattr(runtime, "layout", None)
+        if runtime.id != "native" and layout is not None and layout.unprotected:
+            # Listed, not refused: protecting a path that does not exist would leave a mount
+            # point behind in the worktree.
+            self.unenforced = [f"protectedPaths: {p}" for p in layout.unprotected]
         self._event(
             "sandbox:prepare",
             duration_ms=int((time.monotonic() - start) * 1000),
@@ -135,17 +163,47 @@ class Sandbox:
             env_names=sorted(ctx.policy.env_allowlist) or None,
         )
 
+    def abort(self) -> None:
+        """End every command this sandbox is running (each ``run`` returns an aborted
+        result). Safe to call at any time; use :meth:`SyncSandbox.abort` from another thread."""
+        for task in list(self._running):
+            task.cancel()
+
+    def _aborted(self, shown: str, started: float) -> RunResult:
+        duration = int((time.monotonic() - started) * 1000)
+        backend = self.runtime.id if self.runtime else self.settings.backend
+        self._event("sandbox:run", command=shown[:200], duration_ms=duration,
+                    signal="SIGTERM", end_reason="aborted", fell_back=self.fell_back,
+                    unenforced=self.unenforced or None)
+        return RunResult(stdout="", stderr="", exit_code=None, signal="SIGTERM",
+                         duration_ms=duration, backend=backend, fell_back=self.fell_back,
+                         reason="aborted", unenforced=self.unenforced)
+
     async def run(self, command: str | Sequence[str], opts: RunOptions | None = None) -> RunResult:
         if self.runtime is None or self.ctx is None:
             raise SandboxSetupError("sandbox was not prepared", "run() came before prepare()",
                                     "call prepare(ctx) first")
         opts = opts or RunOptions()
         shown = command if isinstance(command, str) else " ".join(command)
+        started = time.monotonic()
+        task = asyncio.ensure_future(self.runtime.run(command, opts))
+        self._running.add(task)
         try:
-            result = await self.runtime.run(command, opts)
+            # A cancelled caller cancels the task too; the runtime ends the tree (SIGTERM,
+            # grace, SIGKILL) before the task finishes.
+            result = await task
+        except asyncio.CancelledError:
+            aborted = self._aborted(shown, started)
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise
+            return aborted
         except SandboxSetupError as exc:
-            self._event("sandbox:failure", reason=exc.render(), command=shown[:200])
+            self._event("sandbox:failure", reason=exc.render(), command=shown[:200],
+                        details={"kind": exc.kind})
             raise
+        finally:
+            self._running.discard(task)
         result = result.model_copy(update={
             "fell_back": self.fell_back,
             "unenforced": self.unenforced,
@@ -187,6 +245,7 @@ class SyncSandbox:
 
     def __init__(self, settings: SandboxSettings, **kwargs: Any) -> None:
         self._runner = asyncio.Runner()
+        self._lock = threading.Lock()
         self.sandbox = Sandbox(settings, **kwargs)
 
     def prepare(self, ctx: PrepareContext) -> None:
@@ -195,11 +254,19 @@ class SyncSandbox:
     def run(self, command: str | Sequence[str], opts: RunOptions | None = None) -> RunResult:
         return self._runner.run(self.sandbox.run(command, opts))
 
+    def abort(self) -> None:
+        """From any thread: end the running command (its ``run`` returns reason aborted)."""
+        with self._lock:
+            loop = self._runner.get_loop()
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(self.sandbox.abort)
+
     def dispose(self) -> None:
         try:
             self._runner.run(self.sandbox.dispose())
         finally:
-            self._runner.close()
+            with self._lock:
+                self._runner.close()
 
     def __enter__(self) -> SyncSandbox:
         return self

@@ -32,12 +32,18 @@ def git(cwd: Path, *args: str) -> str:
                           capture_output=True, text=True).stdout
 
 
+def git_init(path: Path) -> Path:
+    """Make ``path`` (created when missing) the top of a git work tree: the lifecycle refuses
+    any other folder as a worktree."""
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["git", "init", "-q", str(path)], check=True, capture_output=True)
+    return path
+
+
 @pytest.fixture
 def worktree(tmp_path: Path) -> Path:
-    """A plain directory used as a task worktree (no git)."""
-    wt = tmp_path / "wt"
-    wt.mkdir()
-    return wt
+    """A fresh git work tree (no commits) used as a task worktree."""
+    return git_init(tmp_path / "wt")
 
 
 @pytest.fixture

@@ -33,7 +33,14 @@ app.add_typer(settings_app, name="settings")
 Backend = Annotated[str | None, typer.Option(
     "--backend", help="native|bubblewrap|oci|podman|docker|sandbox-exec|custom")]
 Worktree = Annotated[Path | None, typer.Option(
-    "--worktree", help="The task's worktree (default: current directory).")]
+    "--worktree", help="The task's worktree (default: the top of the git work tree holding the "
+    "current directory).")]
+ProjectDir = Annotated[Path | None, typer.Option(
+    "--project-dir", help="The project root whose .fusion/ holds settings and the audit log "
+    "(default: a linked worktree's main repository, else the worktree).")]
+UnsafeWorktree = Annotated[bool, typer.Option(
+    "--unsafe-worktree", help="Accept a worktree that is /, $HOME or holds it, or is not the "
+    "top of a git work tree.")]
 Image = Annotated[str | None, typer.Option(
     "--image", help="Image for container backends (images/ name or reference).")]
 Network = Annotated[str | None, typer.Option("--network", help="none|egress|host")]
@@ -64,11 +71,17 @@ Command = Annotated[list[str], typer.Argument(
     help="One argument: a shell command line. Several: an argv.", show_default=False)]
 
 
-def _fail(exc: Exception) -> NoReturn:
+def _fail(exc: Exception, as_json: bool = False) -> NoReturn:
+    """Report an error (one JSON object on stdout with ``--json``) and exit with its status."""
     from fusion_oci.errors import FusionOCIError
 
     code = exc.exit_code if isinstance(exc, FusionOCIError) else 125
-    typer.echo(f"fusion-oci: {exc}", err=True)
+    if as_json:
+        body = exc.to_json() if isinstance(exc, FusionOCIError) else {"error": {
+            "kind": "setup-failed", "what": str(exc), "why": "", "hint": "", "unenforced": []}}
+        typer.echo(json.dumps(body))
+    else:
+        typer.echo(f"fusion-oci: {exc}", err=True)
     raise typer.Exit(code)
 
 
@@ -98,7 +111,7 @@ def run(
     cpu_time_ms: CpuTime = None, pids: Pids = None, timeout_ms: TimeoutMs = None,
     max_buffer: MaxBuffer = None, failure_mode: FailureMode = None, task_id: TaskId = None,
     run_id: RunId = None, task_prompt: TaskPrompt = None, cache_mode: CacheMode = None,
-    host_ca: HostCa = None,
+    host_ca: HostCa = None, project_dir: ProjectDir = None, unsafe_worktree: UnsafeWorktree = False,
     allow_provision: Annotated[bool, typer.Option(
         "--allow-provision",
         help="Answer yes to `ask` gates (image build/pull); a `deny` in settings still wins.")
@@ -108,9 +121,13 @@ def run(
     ] = None,
     as_json: AsJson = False,
 ) -> None:
-    """Run COMMAND in the sandbox; its stdout/stderr pass through, its exit status is ours."""
+    """Run COMMAND in the sandbox; its stdout/stderr pass through, its exit status is ours.
+
+    SIGTERM, SIGINT or SIGHUP end the command's whole tree, audit it as aborted and exit 128+N.
+    """
     params = dict(locals())
     import asyncio
+    import signal
 
     from fusion_oci.audit import AuditLog, default_audit_path
     from fusion_oci.cli.task import caller_env, resolve_task
@@ -118,23 +135,39 @@ def run(
     from fusion_oci.images.gates import tty_ask
     from fusion_oci.sandbox import Sandbox
 
+    received: list[int] = []
+
+    async def go() -> Any:
+        loop = asyncio.get_running_loop()
+        main = asyncio.current_task()
+        sandbox = Sandbox(task.effective.settings, audit=audit, env=environ,
+                          ask=tty_ask(assume_yes=allow_provision))
+        preparing = True
+
+        def on_signal(signum: int) -> None:
+            received.append(signum)
+            if preparing and main is not None:
+                main.cancel()  # nothing runs yet: stop the prepare, then dispose
+            else:
+                sandbox.abort()
+
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.add_signal_handler(sig, on_signal, int(sig))
+        async with sandbox:
+            await sandbox.prepare(task.ctx)
+            preparing = False
+            return await sandbox.run(_command(command), task.opts)
+
     try:
         flags = _flags(params)
         environ = caller_env()
         task = resolve_task(flags, environ)
         audit = AuditLog(audit_log or default_audit_path(task.project_dir))
-
-        async def go() -> Any:
-            async with Sandbox(task.effective.settings, audit=audit, env=environ,
-                               ask=tty_ask(assume_yes=allow_provision)) as sandbox:
-                await sandbox.prepare(task.ctx)
-                return await sandbox.run(_command(command), task.opts)
-
         result = asyncio.run(go())
     except FusionOCIError as exc:
-        _fail(exc)
-    except KeyboardInterrupt:
-        raise typer.Exit(130) from None
+        _fail(exc, as_json)
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        raise typer.Exit(128 + (received[0] if received else signal.SIGINT)) from None
     if as_json:
         typer.echo(result.model_dump_json(by_alias=True))
     else:
@@ -147,6 +180,8 @@ def run(
             sys.stderr.write(f"fusion-oci: command ended: {result.reason}\n")
         if result.fell_back:
             sys.stderr.write("fusion-oci: fell back to the native runtime (see audit)\n")
+    if result.reason == "aborted" and received:
+        raise typer.Exit(128 + received[0])
     raise typer.Exit(result.shell_status)
 
 
@@ -162,7 +197,8 @@ def plan(
     cpu_time_ms: CpuTime = None, pids: Pids = None, timeout_ms: TimeoutMs = None,
     max_buffer: MaxBuffer = None, failure_mode: FailureMode = None, task_id: TaskId = None,
     run_id: RunId = None, task_prompt: TaskPrompt = None, cache_mode: CacheMode = None,
-    host_ca: HostCa = None, as_json: AsJson = False,
+    host_ca: HostCa = None, project_dir: ProjectDir = None, unsafe_worktree: UnsafeWorktree = False,
+    as_json: AsJson = False,
 ) -> None:
     """Dry run: the resolved policy, the bundle's config.json and the runtime's launch plan."""
     params = dict(locals())
@@ -175,7 +211,7 @@ def plan(
         task = resolve_task(flags, environ)
         data = dry_run(task, _command(command), environ)
     except FusionOCIError as exc:
-        _fail(exc)
+        _fail(exc, as_json)
     if as_json:
         typer.echo(json.dumps(data, indent=2))
         return
@@ -198,7 +234,7 @@ def dry_run(task: Any, command: str | list[str], environ: dict[str, str]) -> dic
     from fusion_oci.oci.host import probe_host
     from fusion_oci.oci.spec import compile_spec
     from fusion_oci.policy.layout import resolve_ca, resolve_layout
-    from fusion_oci.runtimes.base import default_cache_root, requirements
+    from fusion_oci.runtimes.base import default_cache_root, unenforced_parts
     from fusion_oci.runtimes.registry import create_runtime
 
     settings = task.effective.settings
@@ -212,7 +248,12 @@ def dry_run(task: Any, command: str | list[str], environ: dict[str, str]) -> dic
                             ca_bundle=resolve_ca(settings.host_ca, host.ca_bundle), create=False)
     spec = compile_spec(ctx, layout, host, command, task.opts, environ)
     avail = runtime.availability()
-    missing = sorted(r.value for r in requirements(task.ctx.policy) - runtime.enforces())
+    missing = unenforced_parts(runtime, task.ctx.policy)
+    if runtime.id != "native":
+        missing += [f"protectedPaths: {p}" for p in layout.unprotected]
+    close = getattr(runtime, "close", None)
+    if callable(close):
+        close()  # a probed engine client is dropped now, not whenever it is collected
     return {
         "backend": runtime.id,
         "available": avail.available,
@@ -242,6 +283,9 @@ def doctor(as_json: AsJson = False) -> None:
         settings = SandboxSettings.model_validate({"backend": backend})
         runtime = create_runtime(backend, settings, os.environ)
         avail = runtime.availability()
+        close = getattr(runtime, "close", None)
+        if callable(close):
+            close()
         rows.append({
             "backend": backend,
             "available": avail.available,
@@ -292,7 +336,8 @@ def bundle_create(
     allow_path: AllowPath = None, writable_path: WritablePath = None, env: EnvName = None,
     memory_mb: MemoryMb = None, cpus: Cpus = None, cpu_time_ms: CpuTime = None,
     pids: Pids = None, task_id: TaskId = None, run_id: RunId = None,
-    cache_mode: CacheMode = None, host_ca: HostCa = None,
+    cache_mode: CacheMode = None, host_ca: HostCa = None, project_dir: ProjectDir = None,
+    unsafe_worktree: UnsafeWorktree = False,
 ) -> None:
     """Write an OCI bundle (config.json + rootfs/) for COMMAND, atomically."""
     params = dict(locals())
@@ -322,23 +367,27 @@ def bundle_create(
 # --- settings -------------------------------------------------------------------------------
 
 
-def _load_for(worktree: Path | None, task_prompt: Path | None) -> Any:
+def _load_for(worktree: Path | None, task_prompt: Path | None, project_dir: Path | None,
+              unsafe_worktree: bool) -> Any:
     from fusion_oci.cli.task import TaskFlags, caller_env, resolve_task
 
-    return resolve_task(TaskFlags(worktree=worktree, task_prompt=task_prompt), caller_env())
+    return resolve_task(TaskFlags(worktree=worktree, task_prompt=task_prompt,
+                                  project_dir=project_dir, unsafe_worktree=unsafe_worktree),
+                        caller_env())
 
 
 @settings_app.command("show")
 def settings_show(worktree: Worktree = None, task_prompt: TaskPrompt = None,
+                  project_dir: ProjectDir = None, unsafe_worktree: UnsafeWorktree = False,
                   as_json: AsJson = False) -> None:
     """The effective settings, and where each value came from."""
     from fusion_oci.errors import FusionOCIError
     from fusion_oci.policy.settings import flatten
 
     try:
-        task = _load_for(worktree, task_prompt)
+        task = _load_for(worktree, task_prompt, project_dir, unsafe_worktree)
     except FusionOCIError as exc:
-        _fail(exc)
+        _fail(exc, as_json)
     values = flatten(task.effective.settings.model_dump(mode="json", by_alias=True))
     prov = task.effective.provenance
     rows = [{"key": key, "value": value, "source": prov.get(key, "default")}
@@ -358,12 +407,14 @@ def settings_show(worktree: Worktree = None, task_prompt: TaskPrompt = None,
 
 
 @settings_app.command("validate")
-def settings_validate(worktree: Worktree = None, task_prompt: TaskPrompt = None) -> None:
+def settings_validate(worktree: Worktree = None, task_prompt: TaskPrompt = None,
+                      project_dir: ProjectDir = None,
+                      unsafe_worktree: UnsafeWorktree = False) -> None:
     """Check the global and project settings files (exit 2 with the error when bad)."""
     from fusion_oci.errors import FusionOCIError
 
     try:
-        task = _load_for(worktree, task_prompt)
+        task = _load_for(worktree, task_prompt, project_dir, unsafe_worktree)
     except FusionOCIError as exc:
         _fail(exc)
     sources = sorted(set(task.effective.provenance.values())) or ["defaults only"]
@@ -376,16 +427,42 @@ def settings_validate(worktree: Worktree = None, task_prompt: TaskPrompt = None)
 @app.command()
 def audit(
     worktree: Worktree = None,
+    project_dir: ProjectDir = None,
     audit_log: Annotated[Path | None, typer.Option("--audit-log")] = None,
     task: Annotated[str | None, typer.Option("--task", help="Only this task id.")] = None,
     limit: Annotated[int, typer.Option("--limit", help="Most recent N events.")] = 50,
+    verify: Annotated[bool, typer.Option(
+        "--verify", help="Check the hash chain: report the first edited, removed or forged "
+        "line (exit 1).")] = False,
     as_json: AsJson = False,
 ) -> None:
     """Show sandbox audit events as a table (``--json`` for machines)."""
-    from fusion_oci.audit import default_audit_path, read_events
-    from fusion_oci.cli.task import find_project_dir
+    import os
 
-    path = audit_log or default_audit_path(find_project_dir((worktree or Path.cwd()).absolute()))
+    from fusion_oci.audit import default_audit_path, default_key_path, load_key, read_events
+    from fusion_oci.audit import verify_chain as check_chain
+    from fusion_oci.cli.task import find_project_dir
+    from fusion_oci.policy.worktree import default_worktree
+
+    where = (worktree.expanduser().absolute() if worktree is not None
+             else default_worktree(Path.cwd().absolute()))
+    path = audit_log or default_audit_path(find_project_dir(where, project_dir))
+    report = check_chain(path, load_key(default_key_path(os.environ), create=False))
+    if verify:
+        if as_json:
+            typer.echo(json.dumps({"path": str(path), "ok": report.ok, "lines": report.lines,
+                                   "firstBadLine": report.first_bad_line,
+                                   "reason": report.reason, "keyed": report.keyed}))
+        elif report.ok:
+            keyed = "hashes and MACs" if report.keyed else "hashes only (no audit key here)"
+            typer.echo(f"{path}: {report.lines} lines, chain intact ({keyed})")
+        else:
+            typer.echo(f"{path}: chain broken at line {report.first_bad_line}: {report.reason}")
+        raise typer.Exit(0 if report.ok else 1)
+    if not report.ok:
+        typer.echo(f"fusion-oci: warning: the audit chain of {path} is broken at line "
+                   f"{report.first_bad_line}: {report.reason} (see `fusion-oci audit --verify`)",
+                   err=True)
     events = [e for e in read_events(path) if task is None or e.task_id == task][-limit:]
     if as_json:
         for event in events:
@@ -454,7 +531,22 @@ def _mount_images(argv: list[str]) -> None:
 def main() -> None:
     _mount_images(sys.argv[1:])
     try:
-        app()
+        status = app(standalone_mode=False)
+    except typer.Abort:
+        sys.exit(130)
+    except typer.TyperException as exc:
+        # Usage errors (typer's own click): exit 2, and with --json one error object like
+        # every other failure.
+        show = getattr(exc, "show", None)
+        if "--json" in sys.argv[1:]:
+            from fusion_oci.errors import FlagError
+
+            fmt = getattr(exc, "format_message", None)
+            message = fmt() if callable(fmt) else str(exc)
+            typer.echo(json.dumps(FlagError(message, "", "see `fusion-oci --help`").to_json()))
+        elif callable(show):
+            show()
+        sys.exit(getattr(exc, "exit_code", 2))
     except SystemExit:
         raise
     except Exception as exc:  # the last line of defence: no traceback for users
@@ -464,6 +556,7 @@ def main() -> None:
             _fail(exc)
         typer.echo(f"fusion-oci: internal error: {type(exc).__name__}: {exc}", err=True)
         sys.exit(125)
+    sys.exit(status if isinstance(status, int) else 0)
 
 
 if __name__ == "__main__":

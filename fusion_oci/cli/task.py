@@ -10,10 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fusion_oci.errors import SettingsError
+from pydantic import ValidationError
+
+from fusion_oci.errors import FlagError
 from fusion_oci.models import PrepareContext, RunOptions
-from fusion_oci.policy.layout import inspect_git
 from fusion_oci.policy.settings import EffectiveSettings, load_settings
+from fusion_oci.policy.worktree import check_worktree, default_worktree, project_root
 
 
 @dataclass
@@ -39,18 +41,44 @@ class TaskFlags:
     task_prompt: Path | None = None
     cache_mode: str | None = None
     host_ca: str | None = None
+    project_dir: Path | None = None
+    unsafe_worktree: bool = False
 
 
-def find_project_dir(worktree: Path) -> Path:
-    """The nearest ancestor with a ``.fusion`` folder; else the main repository of a linked
-    worktree; else the worktree itself."""
-    for folder in (worktree, *worktree.parents):
-        if (folder / ".fusion").is_dir():
-            return folder
-    git = inspect_git(worktree)
-    if git is not None and git.kind == "linked":
-        return Path(git.common_dir).parent
+def find_project_dir(worktree: Path, explicit: Path | None = None) -> Path:
+    """The explicit project root, else the project of ``worktree`` (its main repository when
+    linked); never a ``.fusion`` folder the sandboxed command could have planted."""
+    if explicit is not None:
+        return explicit.expanduser().absolute()
+    return project_root(worktree)
+
+
+def resolve_worktree(flags: TaskFlags, env: Mapping[str, str]) -> Path:
+    """The flag's folder, else the top of the git work tree holding the current directory;
+    refused (exit 2) when unsafe unless --unsafe-worktree says so."""
+    worktree = (flags.worktree.expanduser().absolute() if flags.worktree is not None
+                else default_worktree(Path.cwd().absolute()))
+    check_worktree(worktree, env, unsafe_ok=flags.unsafe_worktree,
+                   name="--worktree" if flags.worktree is not None else "worktree (current "
+                   "directory; pass --worktree DIR)")
     return worktree
+
+
+# Model fields whose values come from a flag: a validation error names the flag.
+_FLAG_OF = {
+    "timeout_ms": "--timeout-ms", "max_buffer": "--max-buffer", "task_id": "--task-id",
+    "run_id": "--run-id", "cwd": "--cwd",
+}
+
+
+def flag_error(exc: ValidationError, values: Mapping[str, object]) -> FlagError:
+    """A pydantic error about flag-made values as: the flag, the value, what is accepted."""
+    first = exc.errors()[0]
+    field = str(first["loc"][0]) if first["loc"] else ""
+    flag = _FLAG_OF.get(field, field)
+    msg = str(first["msg"]).removeprefix("Value error, ")
+    return FlagError(f"{flag} {values.get(field, first.get('input'))!r}", msg,
+                     f"see `fusion-oci run --help` for {flag}")
 
 
 def _abs(paths: list[str]) -> list[str]:
@@ -106,44 +134,44 @@ class Task:
 
 
 def resolve_task(flags: TaskFlags, env: Mapping[str, str]) -> Task:
-    worktree = (flags.worktree or Path.cwd()).expanduser().absolute()
-    if not worktree.is_dir():
-        raise SettingsError(
-            f"--worktree {worktree}", "it does not exist or is not a directory",
-            "pass the task's worktree directory (default: the current directory)",
-        )
-    project = find_project_dir(worktree)
+    worktree = resolve_worktree(flags, env)
+    project = find_project_dir(worktree, flags.project_dir)
+    if not project.is_dir():
+        raise FlagError(f"--project-dir {project}", "it does not exist or is not a directory",
+                        "pass the project's root folder (the main repository)")
     prompt = None
     if flags.task_prompt is not None:
         try:
             prompt = flags.task_prompt.read_text(encoding="utf-8")
         except OSError as exc:
-            raise SettingsError(f"--task-prompt {flags.task_prompt}", str(exc),
-                                "pass a readable file with the task's prompt") from exc
+            raise FlagError(f"--task-prompt {flags.task_prompt}", str(exc),
+                            "pass a readable file with the task's prompt") from exc
     base = load_settings(project_dir=project, env=env, task_prompt=prompt)
     overrides = _overrides(flags, base)
     effective = load_settings(project_dir=project, env=env, task_prompt=prompt,
                               overrides=overrides) if overrides else base
     settings = effective.settings
+    values: dict[str, Any] = {"task_id": flags.task_id or "adhoc",
+                              "run_id": flags.run_id or new_run_id()}
+    if flags.timeout_ms is not None:
+        values["timeout_ms"] = flags.timeout_ms
+    if flags.max_buffer is not None:
+        values["max_buffer"] = flags.max_buffer
     try:
         ctx = PrepareContext(
-            task_id=flags.task_id or "adhoc",
-            run_id=flags.run_id or new_run_id(),
+            task_id=values["task_id"],
+            run_id=values["run_id"],
             worktree_path=str(worktree),
             policy=settings.policy,
             image=settings.image,
             cache_mode=settings.cache_mode,
             project_dir=str(project),
+            unsafe_worktree=flags.unsafe_worktree,
         )
-        run_opts: dict[str, Any] = {}
-        if flags.timeout_ms is not None:
-            run_opts["timeout_ms"] = flags.timeout_ms
-        if flags.max_buffer is not None:
-            run_opts["max_buffer"] = flags.max_buffer
-        opts = RunOptions(env=dict(env), **run_opts)
-    except ValueError as exc:
-        raise SettingsError("command-line flags", str(exc).splitlines()[-1].strip(),
-                            "see `fusion-oci run --help`") from exc
+        opts = RunOptions(env=dict(env), **{k: v for k, v in values.items()
+                                             if k in ("timeout_ms", "max_buffer")})
+    except ValidationError as exc:
+        raise flag_error(exc, values) from exc
     return Task(effective, ctx, opts, project)
 
 

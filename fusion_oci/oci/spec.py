@@ -268,19 +268,33 @@ def task_mounts(layout: TaskLayout, policy: SandboxPolicy, host: HostInfo) -> li
         mounts.append(bind(CA_IN_SANDBOX, layout.ca_bundle, writable=False))
     mounts.append(bind(layout.worktree, layout.worktree, writable=True))
     git = layout.git
+    dotgit = f"{layout.worktree.rstrip('/')}/.git"
     if git is not None:
         common = git.common_dir
         if git.kind == "linked":
+            # The .git file names the git dir: read-only (and a mount point, so it cannot be
+            # replaced by a .git/ folder of the command's making, with hooks of its own).
+            mounts.append(bind(dotgit, dotgit, writable=False))
             # The common dir read-only, then only what commits need writable.
             mounts.append(bind(common, common, writable=False))
             for sub in ("objects", "refs", "logs"):
                 mounts.append(bind(f"{common}/{sub}", f"{common}/{sub}", writable=True))
             mounts.append(bind(git.git_dir, git.git_dir, writable=True))
+        else:
+            # .git/ over itself: a mount point cannot be renamed, so the command cannot swap
+            # in a .git/ of its own around the read-only hooks and config below.
+            mounts.append(bind(dotgit, dotgit, writable=True))
         # Last word: hooks and config stay read-only, so nothing planted here runs on the host.
         mounts.append(bind(f"{common}/hooks", f"{common}/hooks", writable=False))
         mounts.append(bind(f"{common}/config", f"{common}/config", writable=False))
         if git.worktree_config:
             mounts.append(bind(git.worktree_config, git.worktree_config, writable=False))
+    bound_ro = {m["destination"] for m in mounts if "ro" in m["options"]}
+    protected = [p for p in layout.protected if p not in bound_ro]
+    mounts += [bind(p, p, writable=False) for p in protected]
+    # A writablePaths entry inside a protected path (e.g. .fusion/fusion.db) stays writable.
+    mounts += [bind(p, p, writable=True) for p in policy.writable_paths
+               if any(p.startswith(q.rstrip("/") + "/") for q in protected)]
     return mounts
 
 

@@ -7,7 +7,8 @@ paths before compiling; everything after it is pure.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from fusion_oci.errors import BundleError
@@ -50,6 +51,84 @@ class TaskLayout:
     caches: tuple[CacheMount, ...]
     ca_bundle: str | None
     """Host CA bundle to share read-only, or None."""
+    protected: tuple[str, ...] = ()
+    """Existing host paths inside what the sandbox may write that stay read-only there."""
+    unprotected: tuple[str, ...] = field(default=())
+    """protectedPaths entries that could not be protected, each with the reason (they are
+    listed as unenforced in the result and the audit)."""
+
+
+GLOB_CHARS = frozenset("*?[")
+
+
+def _inside(path: str, roots: Sequence[str]) -> bool:
+    return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
+
+
+def resolve_protected(
+    worktree: str, patterns: Sequence[str], writable_roots: Sequence[str],
+    extra: Sequence[str] = (),
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The protectedPaths globs as existing host paths to bind read-only, and the entries that
+    cannot be protected (with why). Reads the disk, creates nothing.
+
+    Only paths inside something writable are bound: binding one from elsewhere would make a
+    hidden path visible. A symlink is not followed (the command could replace the link).
+    """
+    protected: list[str] = []
+    missing: list[str] = []
+    for pattern in [*patterns, *extra]:
+        text = pattern.rstrip("/") or pattern
+        absolute = Path(text if text.startswith("/") else f"{worktree.rstrip('/')}/{text}")
+        if GLOB_CHARS & set(text):
+            anchor = Path(absolute.anchor)
+            found = sorted(anchor.glob(str(absolute.relative_to(anchor))))
+            if not found:
+                missing.append(f"{pattern} (no match at prepare)")
+        else:
+            exists = absolute.is_symlink() or absolute.exists()
+            parent = absolute.parent
+            if not exists and parent.exists() and not parent.is_dir():
+                continue  # e.g. .git/hooks where .git is a file: nothing can live there
+            found = [absolute] if exists else []
+            if not found and _inside(str(absolute), writable_roots):
+                missing.append(f"{pattern} (absent at prepare)")
+        for path in found:
+            if not _inside(str(path), writable_roots):
+                continue
+            if path.is_symlink():
+                missing.append(f"{pattern} ({path} is a symlink, which the command could "
+                               "replace)")
+            elif str(path) not in protected:
+                protected.append(str(path))
+    return tuple(protected), tuple(missing)
+
+
+def ensure_project_dir(project_dir: Path) -> None:
+    """Create the project's ``.fusion/`` (the audit log lives there; it must exist to be bound
+    read-only). One created inside a git work tree is listed in that repository's
+    ``info/exclude`` (never in a tracked file), so ``git add -A`` does not commit it."""
+    fusion = project_dir / ".fusion"
+    if fusion.is_dir():
+        return
+    fusion.mkdir(parents=True, exist_ok=True)
+    top = next((f for f in (project_dir, *project_dir.parents) if (f / ".git").exists()), None)
+    if top is None:
+        return
+    git = inspect_git(top)
+    if git is None:
+        return
+    entry = "/" + str(fusion.relative_to(top)) + "/"
+    exclude = Path(git.common_dir) / "info" / "exclude"
+    try:
+        current = exclude.read_text(encoding="utf-8") if exclude.exists() else ""
+        if entry not in current.splitlines():
+            exclude.parent.mkdir(parents=True, exist_ok=True)
+            sep = "" if not current or current.endswith("\n") else "\n"
+            with exclude.open("a", encoding="utf-8") as fh:
+                fh.write(f"{sep}# fusion-oci's settings and audit log\n{entry}\n")
+    except OSError:
+        pass  # an unwritable exclude file only means git status shows .fusion/
 
 
 def _worktree_config(git_dir: Path, common: Path) -> str | None:
@@ -83,10 +162,26 @@ def inspect_git(worktree: Path) -> GitLayout | None:
     return GitLayout("linked", str(git_dir), str(common), _worktree_config(git_dir, common))
 
 
+def project_root(worktree: Path) -> Path:
+    """A linked worktree's main repository; else the worktree itself. Never a folder found by
+    looking for ``.fusion`` (the command can create one anywhere it may write)."""
+    git = inspect_git(worktree)
+    if git is not None and git.kind == "linked":
+        common = Path(git.common_dir)
+        # A bare common dir (repo.git) has no work tree: its parent holds the project files.
+        return common.parent if common.name == ".git" else common
+    return worktree
+
+
+def task_project(ctx: PrepareContext) -> Path:
+    """The project of a task: ``ctx.project_dir``, else :func:`project_root` of the worktree."""
+    return Path(ctx.project_dir) if ctx.project_dir else project_root(Path(ctx.worktree_path))
+
+
 def _cache_dirs(ctx: PrepareContext, cache_root: Path, create: bool) -> tuple[CacheMount, ...]:
     if ctx.cache_mode is CacheMode.OFF:
         return ()
-    project = ctx.project_dir or ctx.worktree_path
+    project = str(task_project(ctx))
     key = hashlib.sha256(project.encode()).hexdigest()[:12]
     base = cache_root / "projects" / key
     if ctx.cache_mode is CacheMode.ISOLATED:
@@ -139,9 +234,21 @@ def resolve_layout(
         (Path(git.common_dir) / "hooks").mkdir(exist_ok=True)
         if git.worktree_config:
             Path(git.worktree_config).touch(exist_ok=True)
+    project = task_project(ctx)
+    if create:
+        ensure_project_dir(project)
+    resolved = str(worktree.resolve())
+    writable = [resolved, *ctx.policy.writable_paths]
+    # The project's own .fusion/ is protected wherever it lies inside something writable
+    # (a main worktree, a project below the worktree), whatever protectedPaths says.
+    extra = [str(project.resolve() / ".fusion")]
+    protected, unprotected = resolve_protected(resolved, ctx.policy.protected_paths, writable,
+                                               extra)
     return TaskLayout(
-        worktree=str(worktree.resolve()),
+        worktree=resolved,
         git=git,
         caches=_cache_dirs(ctx, cache_root, create),
         ca_bundle=ca_bundle,
+        protected=protected,
+        unprotected=unprotected,
     )

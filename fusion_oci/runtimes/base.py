@@ -37,6 +37,8 @@ class Requirement(StrEnum):
     """A part of a policy that some runtime must enforce."""
 
     FILESYSTEM = "filesystem isolation"
+    PROC_PATHS = "maskedPaths/readonlyPaths"
+    """The bundle's /proc and /sys protections (a writable /proc/sys is a root escape)."""
     NETWORK_NONE = "network none"
     NETWORK_EGRESS = "network egress without host loopback"
     MEMORY = "memoryLimitMb"
@@ -50,7 +52,7 @@ class Requirement(StrEnum):
 
 def requirements(policy: SandboxPolicy) -> frozenset[Requirement]:
     """What enforcing this policy takes. Pure."""
-    need = {Requirement.FILESYSTEM, Requirement.ENV}
+    need = {Requirement.FILESYSTEM, Requirement.PROC_PATHS, Requirement.ENV}
     mode = policy.network_mode
     if mode is NetworkMode.NONE:
         need.add(Requirement.NETWORK_NONE)
@@ -69,6 +71,17 @@ def requirements(policy: SandboxPolicy) -> frozenset[Requirement]:
     if policy.file_size_limit_mb:
         need.add(Requirement.FILE_SIZE)
     return frozenset(need)
+
+
+def unenforced_parts(runtime: Runtime, policy: SandboxPolicy) -> list[str]:
+    """The requirements of ``policy`` that ``runtime`` does not enforce here, sorted.
+
+    A runtime whose enforcement depends on the policy (native honours envAllowlist only when
+    one is set) offers ``enforces_for(policy)``; any other runtime answers ``enforces()``.
+    """
+    enforces_for = getattr(runtime, "enforces_for", None)
+    enforced = enforces_for(policy) if callable(enforces_for) else runtime.enforces()
+    return sorted(r.value for r in requirements(policy) - enforced)
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,6 @@ import re
 import shutil
 import signal as _signal
 import subprocess
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
@@ -59,6 +58,7 @@ from fusion_oci.runtimes.base import Availability, LaunchPlan, Requirement, Spec
 from fusion_oci.runtimes.linux import cgroups, egress, userns
 from fusion_oci.runtimes.linux.cgroups import Cgroup, CgroupEvents, CgroupLimits, CgroupSupport
 from fusion_oci.runtimes.linux.pipes import close_all, read_json
+from fusion_oci.scratch import make_scratch
 
 INFO_FD = "<info-fd>"
 BLOCK_FD = "<block-fd>"
@@ -91,6 +91,10 @@ class BwrapHost:
     systemd_run: str | None = None
     egress_resolv_conf: str = RESOLV_PLACEHOLDER
     """Host file bound over /etc/resolv.conf in egress mode (slirp's DNS)."""
+    path_kinds: tuple[tuple[str, str], ...] | None = None
+    """``(path, "file" | "dir")`` for each of the spec's maskedPaths/readonlyPaths that exists
+    on this host (bwrap cannot mount over a path that does not exist). None: assume every one
+    exists with its usual kind (plans and goldens stay independent of the host)."""
 
 
 @dataclass(frozen=True)
@@ -178,6 +182,63 @@ def prlimit_args(spec: Spec, prlimit: str | None) -> list[str]:
     return [*out, "--"]
 
 
+# The usual kind of the OCI default maskedPaths/readonlyPaths (see oci/spec.py).
+USUAL_KINDS = {
+    "/proc/kcore": "file", "/proc/keys": "file", "/proc/latency_stats": "file",
+    "/proc/timer_list": "file", "/proc/timer_stats": "file", "/proc/sched_debug": "file",
+    "/proc/sysrq-trigger": "file",
+}
+
+
+def protected_proc_paths(spec: Spec) -> tuple[str, ...]:
+    """Every maskedPaths/readonlyPaths entry of the spec, in order."""
+    linux = spec.get("linux", {})
+    return (*linux.get("maskedPaths", []), *linux.get("readonlyPaths", []))
+
+
+@cache
+def host_path_kinds(paths: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """Which of ``paths`` exist on this host, and whether each is a file or a directory."""
+    out = []
+    for path in paths:
+        if Path(path).exists():
+            out.append((path, "dir" if Path(path).is_dir() else "file"))
+    return tuple(out)
+
+
+def proc_protection_args(spec: Spec, host: BwrapHost) -> tuple[list[str], list[str]]:
+    """The spec's maskedPaths and readonlyPaths as bwrap options, and notes. Pure.
+
+    Dropping them is not an option: as root, uid 0 passes /proc/sys's permission checks
+    without any capability, so a writable /proc/sys/kernel/core_pattern is a host root escape.
+    readonly: the path bound read-only over itself. masked: a file gets /dev/null, a directory
+    an empty read-only tmpfs (what runc does). /sys is not mounted by bwrap at all, so its
+    entries are hidden by absence.
+    """
+    linux = spec.get("linux", {})
+    masked, readonly = linux.get("maskedPaths", []), linux.get("readonlyPaths", [])
+    kinds = (dict(host.path_kinds) if host.path_kinds is not None
+             else {p: USUAL_KINDS.get(p, "dir") for p in (*masked, *readonly)})
+    # What bwrap really mounts (not sysfs: it cannot mount a fresh one, the host's stays out).
+    mounted = {m["destination"] for m in spec["mounts"] if mount_args(m)[0]}
+    args: list[str] = []
+    notes: list[str] = []
+    for path in [*masked, *readonly]:
+        if not any(path == d or path.startswith(d.rstrip("/") + "/") for d in mounted):
+            notes.append(f"{path}: hidden (bwrap mounts nothing there)")
+            continue
+        kind = kinds.get(path)
+        if kind is None:
+            notes.append(f"{path}: absent on this host, nothing to protect")
+        elif path in readonly:
+            args += ["--ro-bind", path, path]
+        elif kind == "file":
+            args += ["--ro-bind", "/dev/null", path]
+        else:
+            args += ["--perms", "0555", "--tmpfs", path, "--remount-ro", path]
+    return args, notes
+
+
 def needs_launch_hooks(spec: Spec, host: BwrapHost) -> bool:
     """Whether bwrap must pause for us (cgroup move, slirp4netns) before the command runs."""
     direct_cgroup = host.cgroup_mode in ("v1", "v2")
@@ -208,6 +269,7 @@ def bwrap_argv(spec: Spec, host: BwrapHost, fds: LaunchFds | None = None) -> lis
     argv += _rootfs_args(spec)
     for mount in spec["mounts"]:
         argv += mount_args(mount)[0]
+    argv += proc_protection_args(spec, host)[0]
     if network is NetworkMode.EGRESS:
         argv += ["--ro-bind", host.egress_resolv_conf, "/etc/resolv.conf"]
     if spec["root"].get("readonly", True):
@@ -245,8 +307,7 @@ def seccomp_program(spec: Spec) -> bytes | None:
 
 def plan_notes(spec: Spec, host: BwrapHost) -> list[str]:
     notes = [n for m in spec["mounts"] if (n := mount_args(m)[1])]
-    notes.append("maskedPaths/readonlyPaths: not needed: /proc is fresh in a new pid namespace "
-                 "and the command holds no capabilities")
+    notes += proc_protection_args(spec, host)[1]
     if spec.get("linux", {}).get("seccomp"):
         notes.append("seccomp: the spec's profile compiled to classic BPF, read by bwrap from "
                      "the seccomp fd")
@@ -365,9 +426,10 @@ def check_context(ctx: PrepareContext) -> None:
                               "create it first or remove it from the policy")
 
 
-def make_scratch(task_id: str) -> Path:
-    """Per-task host directory for launcher files (the egress resolv.conf, slirp's log)."""
-    scratch = Path(tempfile.mkdtemp(prefix=f"fusion-oci-bwrap-{task_id}-"))
+def make_task_scratch(task_id: str) -> Path:
+    """Per-task host directory for launcher files (the egress resolv.conf, slirp's log),
+    owner-stamped so that gc removes it after a kill -9."""
+    scratch = make_scratch("bwrap", task_id)
     (scratch / "resolv.conf").write_text(egress.RESOLV_CONF)
     return scratch
 
@@ -409,6 +471,11 @@ class BubblewrapRuntime(SpecRuntime):
             egress_resolv_conf=resolv,
         )
 
+    def host_for(self, spec: Spec) -> BwrapHost:
+        """:attr:`bwrap_host` with the host's kinds of the spec's masked/readonly paths."""
+        kinds = host_path_kinds(protected_proc_paths(spec))
+        return dataclasses.replace(self.bwrap_host, path_kinds=kinds)
+
     def capabilities(self) -> SandboxCapabilities:
         limits = "advanced" if self.probe.cgroups.controllers else "basic"
         return SandboxCapabilities(
@@ -440,7 +507,8 @@ class BubblewrapRuntime(SpecRuntime):
         if p.bwrap is None or p.problem is not None:
             return frozenset()
         # tmpfs sizes: bwrap --size.
-        out = {Requirement.FILESYSTEM, Requirement.ENV, Requirement.NETWORK_NONE,
+        out = {Requirement.FILESYSTEM, Requirement.PROC_PATHS,
+               Requirement.ENV, Requirement.NETWORK_NONE,
                Requirement.TMP_SIZE}
         if p.egress_problem is None and p.slirp4netns:
             out.add(Requirement.NETWORK_EGRESS)
@@ -454,7 +522,7 @@ class BubblewrapRuntime(SpecRuntime):
         return frozenset(out)
 
     def plan(self, spec: Spec) -> LaunchPlan:
-        host = self.bwrap_host
+        host = self.host_for(spec)
         return LaunchPlan(backend=self.id, argv=bwrap_argv(spec, host), cwd="/",
                           notes=plan_notes(spec, host))
 
@@ -462,7 +530,7 @@ class BubblewrapRuntime(SpecRuntime):
     async def prepare(self, ctx: PrepareContext) -> None:
         await super().prepare(ctx)
         check_context(ctx)
-        self._scratch = make_scratch(ctx.task_id)
+        self._scratch = make_task_scratch(ctx.task_id)
 
     async def dispose(self) -> None:
         if self._reaping:
@@ -487,7 +555,7 @@ class BubblewrapRuntime(SpecRuntime):
         if self._scratch is None:
             raise SandboxSetupError("runtime 'bubblewrap' was not prepared",
                                     "run() came before prepare()", "call prepare(ctx) first")
-        host = self.bwrap_host
+        host = self.host_for(spec)
         limits = CgroupLimits.from_spec(spec)
         hooks = needs_launch_hooks(spec, host)
         group: Cgroup | None = None

@@ -277,6 +277,14 @@ class EngineInfo:
     runtime: str = ""
 
 
+class _NotStarted(Exception):
+    """No endpoint answered and the caller did not allow starting a service."""
+
+    def __init__(self, tried: list[Endpoint]) -> None:
+        super().__init__("no endpoint answered")
+        self.tried = tried
+
+
 @dataclass(frozen=True)
 class Found:
     """A container or volume that carries our labels."""
@@ -418,13 +426,20 @@ class ContainerRuntime(SpecRuntime):
     def release_endpoint(self) -> None:
         """Undo what :meth:`no_endpoint` started."""
 
+    def offline_info(self) -> EngineInfo | None:
+        """What the engine would be when no socket answers but prepare can start one (podman);
+        None: no socket means unavailable."""
+        return None
+
     def seccomp_profile(self) -> str | None:
         """A seccomp profile file for the engine, made at prepare; None: the engine's own."""
         return None
 
     # -- probing --------------------------------------------------------------------------
 
-    def _connect(self) -> EngineAdapter:
+    def _connect(self, *, start: bool = True) -> EngineAdapter:
+        """The first endpoint that answers; when none does, :meth:`no_endpoint` (which may
+        start a service) only with ``start``, else RuntimeUnavailableError."""
         if self._adapter is not None:
             return self._adapter
         tried: list[Endpoint] = []
@@ -445,11 +460,22 @@ class ContainerRuntime(SpecRuntime):
             return adapter
         if last is not None and "permission denied" in last.why:
             raise last
+        if not start:
+            raise _NotStarted(tried)
         self._adapter = self.no_endpoint(tried)
         return self._adapter
 
-    def _probe(self) -> tuple[EngineAdapter, EngineInfo]:
-        adapter = self._connect()
+    def _probe(self, *, start: bool = True) -> tuple[EngineAdapter | None, EngineInfo]:
+        """Connect and ask the engine what it is. ``start=False`` (availability, enforces,
+        doctor, plan) never starts a service: with none answering, :meth:`offline_info`."""
+        try:
+            adapter = self._connect(start=start)
+        except _NotStarted as exc:
+            info = self.offline_info()
+            if info is None:
+                self._adapter = self.no_endpoint(exc.tried)  # raises: nothing to start
+                raise AssertionError("unreachable") from None
+            return None, info
         if self._info is None:
             with engine_errors(self.engine, "info", adapter.endpoint):
                 self._info = adapter.info()
@@ -472,12 +498,13 @@ class ContainerRuntime(SpecRuntime):
 
     def availability(self) -> Availability:
         try:
-            adapter, info = self._probe()
+            adapter, info = self._probe(start=False)
         except SandboxSetupError as exc:
             return Availability(False, exc.why or exc.what, exc.hint)
         details = {
-            "socket": adapter.endpoint.url,
-            "socket source": adapter.endpoint.source,
+            "socket": adapter.endpoint.url if adapter else "none answers yet",
+            "socket source": adapter.endpoint.source if adapter else
+            f"`{self.engine} system service` is started for the task at prepare",
             "rootless": "yes" if info.rootless else "no",
             "cgroup": info.cgroup_version,
             "mode": self.mode,
@@ -487,14 +514,16 @@ class ContainerRuntime(SpecRuntime):
         return Availability(True, version=info.version, rootless=info.rootless, details=details)
 
     def enforces(self) -> frozenset[Requirement]:
-        need = {Requirement.FILESYSTEM, Requirement.ENV, Requirement.NETWORK_NONE,
+        need = {Requirement.FILESYSTEM, Requirement.PROC_PATHS,
+                Requirement.ENV, Requirement.NETWORK_NONE,
                 Requirement.NETWORK_EGRESS, Requirement.CPU_TIME, Requirement.TMP_SIZE,
                 Requirement.FILE_SIZE}
         try:
-            self._probe()
+            _, info = self._probe(start=False)
         except SandboxSetupError:
             return frozenset(need)
-        if self.target().cgroup_limits:
+        rootless_v1 = info.rootless and info.cgroup_version == "v1"
+        if not rootless_v1:
             # Rootless containers on a cgroup v1 host get no cgroup of their own: podman
             # ignores the limits there, so they are not claimed (the policy is refused).
             need |= {Requirement.MEMORY, Requirement.CPU_QUOTA, Requirement.PIDS}
@@ -763,15 +792,6 @@ class ContainerRuntime(SpecRuntime):
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
-
-    def __del__(self) -> None:
-        # A runtime asked only for availability() (doctor, a failure-mode check) is never
-        # disposed: close its client and any service it started when it is dropped.
-        with contextlib.suppress(Exception):
-            if self._adapter is not None:
-                self._adapter.close()
-        with contextlib.suppress(Exception):
-            self.release_endpoint()
 
 
 @dataclass

@@ -7,7 +7,6 @@ paths, and the run itself inside the subreaper shim (timeout, whole-tree kill, r
 from __future__ import annotations
 
 import shutil
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from fusion_oci.models import PrepareContext, RunOptions, RunResult
 from fusion_oci.oci.spec import SANDBOX_HOME, Spec, spec_env
 from fusion_oci.process import reaper_argv, run_process
 from fusion_oci.runtimes.base import SpecRuntime
+from fusion_oci.scratch import make_scratch
 
 PLACEHOLDER_HOME = "<private-home>"
 PLACEHOLDER_TMP = "<private-tmp>"
@@ -46,6 +46,9 @@ def native_rlimits(spec: Spec) -> list[tuple[str, int, int]]:
 class HostProcessRuntime(SpecRuntime):
     """Base of runtimes whose command is a host process under the reaper shim."""
 
+    private_dirs = True
+    """Whether each task gets a scratch HOME and TMPDIR (native: no, the caller's own)."""
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._scratch: Path | None = None
@@ -58,14 +61,20 @@ class HostProcessRuntime(SpecRuntime):
 
     async def prepare(self, ctx: PrepareContext) -> None:
         await super().prepare(ctx)
-        self._scratch = Path(tempfile.mkdtemp(prefix=f"fusion-oci-{ctx.task_id}-"))
+        if not self.private_dirs:
+            return
+        self._scratch = make_scratch(self.id, ctx.task_id)
         for sub in ("home", "tmp"):
             (self._scratch / sub).mkdir(mode=0o700)
+
+    def launch_argv(self, argv: Sequence[str], spec: Spec) -> list[str]:
+        """What really runs: argv under the subreaper shim, with the spec's rlimits."""
+        return reaper_argv(argv, native_rlimits(spec))
 
     async def run_reaped(self, argv: Sequence[str], env: dict[str, str], spec: Spec,
                          opts: RunOptions) -> RunResult:
         outcome = await run_process(
-            reaper_argv(argv, native_rlimits(spec)),
+            self.launch_argv(argv, spec),
             env=env,
             cwd=spec["process"]["cwd"],
             stdin=opts.stdin,

@@ -922,7 +922,8 @@ class OciRuntime(SpecRuntime):
         return self._version
 
     def enforces(self) -> frozenset[Requirement]:
-        out = {Requirement.FILESYSTEM, Requirement.ENV, Requirement.NETWORK_NONE,
+        out = {Requirement.FILESYSTEM, Requirement.PROC_PATHS,
+               Requirement.ENV, Requirement.NETWORK_NONE,
                Requirement.CPU_TIME, Requirement.TMP_SIZE, Requirement.FILE_SIZE}
         if self.egress_status()[0]:
             out.add(Requirement.NETWORK_EGRESS)

@@ -7,9 +7,11 @@ user-namespace semantics, so the caller's uid is the same number inside and the 
 files stay the caller's.
 
 When no socket answers and podman is installed, the runtime starts ``podman system service``
-itself, as a child in its own session on a private socket, and stops it in :meth:`close`
-(podman is daemonless: this is what `podman` itself does per command, kept alive for the
-task). A user who runs the socket unit (``systemctl --user enable --now podman.socket``)
+itself at prepare (never to answer ``availability()``: probing starts nothing), on a private
+socket in an owner-stamped scratch folder, under :mod:`fusion_oci.watchdog`: the service ends
+and its folder goes when the runtime closes it or when the owning process dies, ``kill -9``
+included (podman is daemonless: this is what `podman` itself does per command, kept alive for
+the task). A user who runs the socket unit (``systemctl --user enable --now podman.socket``)
 never gets one.
 """
 
@@ -22,7 +24,7 @@ import os
 import shutil
 import signal
 import subprocess
-import tempfile
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -48,8 +50,10 @@ from fusion_oci.runtimes.engine import (
     podman_endpoints,
     preflight,
 )
+from fusion_oci.scratch import make_scratch, process_start
 
 API_TIMEOUT_S = 120
+WATCHDOG = Path(__file__).resolve().parent.parent / "watchdog.py"
 DEFAULT_SECCOMP = "/usr/share/containers/seccomp.json"
 SERVICE_START_S = 20.0
 
@@ -206,14 +210,18 @@ class PodmanRuntime(ContainerRuntime):
             raise RuntimeUnavailableError(
                 "podman", f"podman is not installed and no API socket answers at {where}",
                 "install podman (apt-get install podman), or set sandbox.podmanUrl")
-        self._service_dir = tempfile.mkdtemp(prefix="fusion-oci-podman-")
-        url = f"unix://{self._service_dir}/podman.sock"
-        log = Path(self._service_dir) / "service.log"
+        folder = make_scratch("podman", "service")
+        self._service_dir = str(folder)
+        url = f"unix://{folder}/podman.sock"
+        log = folder / "service.log"
+        pid = os.getpid()
         with log.open("wb") as out:
-            # Its own session: a timeout or Ctrl-C of the caller's group does not hit it,
-            # and close() ends its whole group (rootless podman re-executes itself).
+            # Under the watchdog, in its own session: a Ctrl-C of the caller's group does not
+            # hit it (dispose still needs it), close() or the owner's death ends its group.
             self._service = subprocess.Popen(
-                [podman_bin, "system", "service", "--time=0", url],
+                [sys.executable, "-S", "-E", str(WATCHDOG), str(pid),
+                 process_start(pid) or "0", str(folder), "--",
+                 podman_bin, "system", "service", "--time=0", url],
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                 env=self.env, start_new_session=True,
             )
@@ -255,13 +263,24 @@ class PodmanRuntime(ContainerRuntime):
             tmp.replace(path)
         return str(path)
 
+    def offline_info(self) -> EngineInfo | None:
+        """No socket answers yet, but podman is installed: prepare starts a service, so the
+        runtime is available; what it enforces follows from this host (rootless on cgroup v1
+        cannot hold limits)."""
+        if shutil.which("podman", path=self.env.get("PATH")) is None:
+            return None
+        cgroup = "v2" if Path("/sys/fs/cgroup/cgroup.controllers").exists() else "v1"
+        return EngineInfo(version="not running", rootless=self.host.uid != 0,
+                          cgroup_version=cgroup)
+
     def release_endpoint(self) -> None:
         service, self._service = self._service, None
         if service is not None and service.poll() is None:
+            # The watchdog ends the service's group and removes the folder, then exits.
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(service.pid, signal.SIGTERM)
+                service.send_signal(signal.SIGTERM)
             try:
-                service.wait(5)
+                service.wait(15)
             except subprocess.TimeoutExpired:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(service.pid, signal.SIGKILL)

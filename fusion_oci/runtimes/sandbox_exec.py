@@ -83,7 +83,8 @@ class SandboxExecRuntime(HostProcessRuntime):
 
     def enforces(self) -> frozenset[Requirement]:
         return frozenset({
-            Requirement.FILESYSTEM, Requirement.ENV, Requirement.NETWORK_NONE,
+            Requirement.FILESYSTEM, Requirement.PROC_PATHS,
+            Requirement.ENV, Requirement.NETWORK_NONE,
             Requirement.NETWORK_EGRESS, Requirement.CPU_TIME, Requirement.FILE_SIZE,
         })
 

@@ -20,6 +20,7 @@ from fusion_oci.runtimes.bubblewrap import BubblewrapRuntime, HostProbe
 from fusion_oci.runtimes.linux.cgroups import CgroupSupport
 from fusion_oci.sandbox import Sandbox
 from tests.backends import require, require_runtime
+from tests.conftest import git_init
 
 pytestmark = pytest.mark.bubblewrap
 
@@ -85,8 +86,10 @@ async def test_pnpm_project_installs_tests_and_builds_with_egress(tmp_path: Path
     then offline reuse of the shared store by a second task, and none for an isolated one."""
     _pnpm_available()
     project = tmp_path / "project"
+    project.mkdir()
     first = tmp_path / "task-a"
     shutil.copytree(PNPM_PROJECT, first)
+    git_init(first)
     egress = SandboxPolicy(network="egress")  # type: ignore[arg-type]
     long = RunOptions(timeout_ms=180_000)
     async with sandbox(tmp_path, first, egress, task="a", project=project) as sb:
@@ -104,6 +107,7 @@ async def test_pnpm_project_installs_tests_and_builds_with_egress(tmp_path: Path
     # Shared cache: a second task of the same project installs with no network at all.
     second = tmp_path / "task-b"
     shutil.copytree(PNPM_PROJECT, second)
+    git_init(second)
     offline = SandboxPolicy(allow_network=False)
     async with sandbox(tmp_path, second, offline, task="b", project=project) as sb:
         again = await sb.run("pnpm install --frozen-lockfile --offline && pnpm test", long)
@@ -112,6 +116,7 @@ async def test_pnpm_project_installs_tests_and_builds_with_egress(tmp_path: Path
     # Isolated cache: nothing from task a is visible, so the same offline install fails.
     third = tmp_path / "task-c"
     shutil.copytree(PNPM_PROJECT, third)
+    git_init(third)
     async with sandbox(tmp_path, third, offline, task="c", project=project,
                        cache_mode=CacheMode.ISOLATED) as sb:
         cold = await sb.run("pnpm install --frozen-lockfile --offline", long)
@@ -243,7 +248,7 @@ def test_planned_argv_runs_unprivileged(tmp_path: Path) -> None:
         r, w = os.pipe()
         os.write(w, program)
         os.close(w)
-        argv = bwrap_argv(spec, runtime.bwrap_host, LaunchFds(seccomp=r))
+        argv = bwrap_argv(spec, runtime.host_for(spec), LaunchFds(seccomp=r))
         done = subprocess.run(["runuser", "-u", user, "--", *argv], pass_fds=(r,),
                               capture_output=True, text=True, timeout=30, check=False)
         os.close(r)

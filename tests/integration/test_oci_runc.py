@@ -379,10 +379,11 @@ async def test_gc_removes_what_a_kill_9_left(worktree: Path, tmp_path: Path) -> 
         await gc_oci("runc", base)
 
 
-async def test_parallel_tasks_neither_hang_nor_leak(worktree: Path) -> None:
+async def test_parallel_tasks_neither_hang_nor_leak(tmp_path: Path) -> None:
+    from tests.conftest import git_init
+
     async def one(i: int) -> tuple[RunResult, Path]:
-        wt = worktree / f"task-{i}"
-        wt.mkdir()
+        wt = git_init(tmp_path / f"task-{i}")
         async with sandbox(wt, task=f"par{i}") as sb:
             r = await sb.run(f"echo {i} > out && cat out")
             assert oci(sb)._task is not None

@@ -249,7 +249,8 @@ def test_enforces_follows_controllers_and_rootless() -> None:
     rt._cgroups = CgroupHost("hybrid", frozenset({"memory", "pids", "cpu"}))
     rt._egress = (False, "no slirp4netns")
     assert rt.enforces() == {
-        Requirement.FILESYSTEM, Requirement.ENV, Requirement.NETWORK_NONE, Requirement.CPU_TIME,
+        Requirement.FILESYSTEM, Requirement.PROC_PATHS, Requirement.ENV, Requirement.NETWORK_NONE,
+        Requirement.CPU_TIME,
         Requirement.MEMORY, Requirement.PIDS, Requirement.CPU_QUOTA, Requirement.TMP_SIZE,
         Requirement.FILE_SIZE,
     }

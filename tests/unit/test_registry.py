@@ -48,11 +48,11 @@ def test_every_backend_id_is_known_and_says_why_when_unavailable(backend: str) -
     runtime.capabilities()  # always answers
 
 
-def test_custom_runtime_from_an_entry_point(plugin_installed: None, tmp_path: Path) -> None:
+def test_custom_runtime_from_an_entry_point(plugin_installed: None, worktree: Path) -> None:
     settings = SandboxSettings.model_validate({"backend": "custom", "customRuntime": "acme"})
     assert "custom:acme" in registry.known_backends()
     with SyncSandbox(settings, env=dict(os.environ)) as sb:
-        sb.prepare(PrepareContext(task_id="t", run_id="r", worktree_path=str(tmp_path)))
+        sb.prepare(PrepareContext(task_id="t", run_id="r", worktree_path=str(worktree)))
         result = sb.run("echo from plugin")
     assert result.stdout == "from plugin\n"
     assert result.backend == "custom"

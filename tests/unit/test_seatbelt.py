@@ -240,7 +240,8 @@ def test_home_is_unreadable_except_the_named_caches_and_worktree() -> None:
     assert 0 <= home_deny < cache and home_deny < worktree
     # Nothing else under the home is opened: every allowed parameter is a mount of the spec.
     opened = {v for n, v in profile.params if n != "CALLER_HOME" and v.startswith("/Users/me")}
-    assert opened == {CACHE.host_path, "/Users/me/src/wt-task", "/Users/me/src/repo/.git",
+    assert opened == {CACHE.host_path, "/Users/me/src/wt-task", "/Users/me/src/wt-task/.git",
+                      "/Users/me/src/repo/.git",
                       "/Users/me/src/repo/.git/objects", "/Users/me/src/repo/.git/refs",
                       "/Users/me/src/repo/.git/logs", "/Users/me/src/repo/.git/worktrees/wt-task",
                       "/Users/me/src/repo/.git/hooks", "/Users/me/src/repo/.git/config"}
