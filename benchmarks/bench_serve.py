@@ -52,6 +52,7 @@ def engine_settings(backend: str) -> dict[str, Any]:
 
 
 def python_sandbox(backend: str, wt: str) -> SyncSandbox:
+    subprocess.run(["git", "init", "-q", wt], check=True)  # a worktree is a git work tree
     settings = SandboxSettings.model_validate({"backend": backend, **engine_settings(backend)})
     # The audit file the server writes too (PROJECT/.fusion/sandbox-audit.jsonl), for a fair sum.
     sb = SyncSandbox(settings, env=dict(os.environ),
@@ -74,7 +75,6 @@ def main() -> None:
     parser.add_argument("--backends", default="native,bubblewrap,podman,docker")
     args = parser.parse_args()
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    containers: list[tuple[list[str], str]] = []
     cases: list[dict[str, Any]] = []
     samples: dict[str, dict[str, list[float]]] = {
         b: {"api": [], "serve": [], "raw": [], "ping": []} for b in backends}

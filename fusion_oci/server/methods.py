@@ -42,6 +42,8 @@ class ContextParams(Model):
     worktree_path: str
     policy: dict[str, Any] | None = None
     """The brief's SandboxPolicy: the top settings layer for the policy. None: the settings'."""
+    unsafe_worktree: bool = False
+    """True: accept a worktree that is not the top of a git work tree (or is / or $HOME)."""
 
 
 class PrepareParams(Model):
@@ -146,7 +148,7 @@ class Session:
 
         p = PrepareParams.model_validate(params)
         worktree = _worktree(p.context.worktree_path)
-        project = Path(p.project_dir) if p.project_dir else find_project_dir(worktree)
+        project = find_project_dir(worktree, Path(p.project_dir) if p.project_dir else None)
         env = dict(self.env if p.env is None else p.env)
         effective = _settings(project, env, p)
         settings = effective.settings
@@ -155,6 +157,7 @@ class Session:
                 task_id=p.context.task_id, run_id=p.context.run_id,
                 worktree_path=str(worktree), policy=settings.policy, image=settings.image,
                 cache_mode=settings.cache_mode, project_dir=str(project),
+                unsafe_worktree=p.context.unsafe_worktree,
             )
         except ValueError as exc:
             raise SettingsError("prepare context", str(exc).splitlines()[-1].strip(),

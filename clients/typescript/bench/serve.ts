@@ -39,6 +39,7 @@ async function main(): Promise<void> {
   const prepared = new Map<string, { sb: SandboxBackend; wt: string; raw: string[] }>();
   for (const c of config.cases) {
     const wt = mkdtempSync(join(tmpdir(), "fusion-oci-bench-"));
+    await execFileP("git", ["init", "-q", wt]);
     const sb = createSandboxBackend({ backend: c.backend, settings: c.settings, server });
     await sb.prepare({ taskId: `bench-node-${c.backend}`, runId: "r", worktreePath: wt,
       policy: { allowNetwork: false, allowedPaths: [] } });

@@ -31,6 +31,8 @@ export interface SandboxBackendOptions extends ServerOptions {
   server?: FusionOciServer;
   /** Environment the policy's envAllowlist draws from (default: process.env). */
   env?: NodeJS.ProcessEnv;
+  /** Accept a worktree that is not the top of a git work tree (or is / or $HOME). */
+  unsafeWorktree?: boolean;
 }
 
 const CAPABILITIES: Record<SandboxBackendId, SandboxCapabilities> = {
@@ -105,7 +107,7 @@ class ServedBackend implements SandboxBackend {
       result = await this.server.request<PrepareResult>("prepare", {
       sandboxId,
       context: { taskId: ctx.taskId, runId: ctx.runId, worktreePath: ctx.worktreePath,
-        policy: ctx.policy },
+        policy: ctx.policy, unsafeWorktree: o.unsafeWorktree ?? false },
       projectDir: o.projectDir, taskPrompt: o.taskPrompt, settings: o.settings ?? {},
       backend: o.backend, failureMode: o.failureMode, ask: Boolean(o.onGate),
       env: stringEnv(o.env ?? process.env),

@@ -9,6 +9,8 @@
  */
 
 import { randomBytes } from "node:crypto";
+import { existsSync } from "node:fs";
+import { dirname, join, resolve } from "node:path";
 
 import { createSandboxBackend, SandboxBackendOptions } from "./backend";
 import type { SandboxBackend, SandboxPolicy } from "./types";
@@ -31,7 +33,7 @@ export interface ExecOptions extends SandboxBackendOptions {
   windowsHide?: boolean;
   uid?: number;
   gid?: number;
-  /** The task's worktree (default: cwd, else process.cwd()). */
+  /** The task's worktree (default: the git work tree holding cwd, else cwd). */
   worktreePath?: string;
   taskId?: string;
   runId?: string;
@@ -88,6 +90,14 @@ export async function disposeExecSandboxes(): Promise<void> {
   await Promise.all(all.map(async (p) => (await p.catch(() => undefined))?.dispose()));
 }
 
+/** The top of the git work tree holding ``dir`` (a `.git` folder or file), else ``dir``. */
+function workTreeOf(dir: string): string {
+  for (let d = resolve(dir); ; d = dirname(d)) {
+    if (existsSync(join(d, ".git"))) return d;
+    if (dirname(d) === d) return dir;
+  }
+}
+
 function pathOf(cwd: string | URL | undefined): string | undefined {
   if (cwd === undefined) return undefined;
   return cwd instanceof URL ? decodeURIComponent(cwd.pathname) : cwd;
@@ -99,7 +109,7 @@ export function exec(command: string, options?: ExecOptions): Promise<ExecResult
 export async function exec(command: string, options: ExecOptions = {}
 ): Promise<ExecResult<string | Buffer>> {
   const cwd = pathOf(options.cwd) ?? process.cwd();
-  const worktree = options.worktreePath ?? cwd;
+  const worktree = options.worktreePath ?? workTreeOf(cwd);
   const maxBuffer = options.maxBuffer ?? NODE_DEFAULT_MAX_BUFFER;
   const asBuffer = options.encoding === "buffer" || options.encoding === null;
   const encoding: BufferEncoding =

@@ -1,6 +1,9 @@
 /** Each failure reaches the executor as a SandboxError with the CLI's kind. */
 
 import assert from "node:assert/strict";
+import { mkdtempSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
 import { after, test } from "node:test";
 
 import {
@@ -28,9 +31,14 @@ test("bad-settings: a wrong settings value names the field", async () => {
     && (e as SandboxError).message.includes("cacheMode"));
 });
 
-test("bad-flags: a relative worktree path", async () => {
+test("bad-flags: a relative worktree path, a folder that is no work tree", async () => {
   const sb = createSandboxBackend(options("native", { server }));
   await assert.rejects(sb.prepare({ ...ctx(), worktreePath: "relative/wt" }), kind("bad-flags"));
+  const plain = mkdtempSync(join(tmpdir(), "fusion-oci-ts-plain-"));
+  await assert.rejects(sb.prepare(ctx(plain)), kind("bad-flags"));
+  const unsafe = createSandboxBackend(options("native", { server, unsafeWorktree: true }));
+  await unsafe.prepare(ctx(plain));
+  await unsafe.dispose();
 });
 
 test("backend-unavailable with fail-hard; fallback-native runs natively and says so", async () => {

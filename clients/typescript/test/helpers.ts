@@ -63,8 +63,11 @@ export function options(backend: SandboxBackendId, extra: SandboxBackendOptions 
   };
 }
 
+/** A fresh git work tree (a plain folder is refused as a worktree). */
 export function worktree(): string {
-  return mkdtempSync(join(tmpdir(), "fusion-oci-ts-"));
+  const dir = mkdtempSync(join(tmpdir(), "fusion-oci-ts-"));
+  execFileSync("git", ["init", "-q", dir]);
+  return dir;
 }
 
 export function marker(name: string): string {
