@@ -4,20 +4,29 @@ whether it works here, and the fix when it does not."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fusion_oci.policy.settings import SandboxSettings
 
 
-def backend_rows(env: Mapping[str, str]) -> list[dict[str, Any]]:
-    """One camelCase row per backend id (the JSON both report)."""
+def backend_rows(env: Mapping[str, str], base: SandboxSettings | None = None
+                 ) -> list[dict[str, Any]]:
+    """One camelCase row per backend id (the JSON both report). ``base``: the effective
+    settings (engine URLs, OCI runtime) each backend is probed with; None: the defaults."""
     from fusion_oci.models import BACKEND_IDS
     from fusion_oci.policy.settings import SandboxSettings
     from fusion_oci.runtimes.registry import create_runtime
 
     rows: list[dict[str, Any]] = []
     for backend in BACKEND_IDS:
-        settings = SandboxSettings.model_validate({"backend": backend})
+        settings = (base.model_copy(update={"backend": backend}) if base is not None
+                    else SandboxSettings.model_validate({"backend": backend}))
         runtime = create_runtime(backend, settings, env)
         avail = runtime.availability()
+        close = getattr(runtime, "close", None)
+        if callable(close):
+            close()  # probing starts nothing that outlives it
         rows.append({
             "backend": backend,
             "available": avail.available,

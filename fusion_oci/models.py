@@ -212,6 +212,9 @@ class RunOptions(Model):
     on_output: OutputCallback | None = Field(default=None, exclude=True)
     """Streams output while the command runs (see :data:`OutputCallback`). None: output is
     only collected into the result."""
+    keep_output: bool = True
+    """False: output only streams to ``on_output``; nothing is kept (the result's stdout and
+    stderr are empty) and maxBuffer ends nothing (the CLI's pass-through, like ``docker run``)."""
 
 
 class PrepareContext(Model):

@@ -56,7 +56,8 @@ def _signal_name(returncode: int) -> str:
 
 class _Capture:
     def __init__(self, limit: int, overflow: asyncio.Event, name: OutputStream = "stdout",
-                 on_output: OutputCallback | None = None) -> None:
+                 on_output: OutputCallback | None = None, keep: bool = True) -> None:
+        self.keep = keep
         self.name: OutputStream = name
         self.on_output = on_output
         self.limit = limit
@@ -69,6 +70,8 @@ class _Capture:
         while chunk := await stream.read(65536):
             if self.on_output is not None:
                 self.on_output(self.name, chunk)
+            if not self.keep:
+                continue
             room = self.limit - self.size
             if room > 0:
                 self.chunks.append(chunk[:room])
@@ -115,6 +118,7 @@ async def run_process(
     term_group: bool = True,
     stop: Callable[[], Awaitable[object]] | None = None,
     on_output: OutputCallback | None = None,
+    keep_output: bool = True,
 ) -> ProcessOutcome:
     """Run argv to completion under the rules in the module docstring.
 
@@ -122,7 +126,8 @@ async def run_process(
     launcher that ends its own tree (bwrap, an OCI runtime); SIGKILL always goes to the group.
     ``stop`` replaces that first SIGTERM when the tree lives outside the leader's process group
     (an OCI container: ``runc kill --all ID TERM``); grace and SIGKILL still follow.
-    ``on_output`` gets each chunk of stdout and stderr as it arrives (see RunOptions).
+    ``on_output`` gets each chunk of stdout and stderr as it arrives; ``keep_output=False``
+    keeps none of it and lifts ``max_buffer`` (see RunOptions).
     """
     start = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
@@ -136,8 +141,8 @@ async def run_process(
         pass_fds=tuple(pass_fds),
     )
     overflow = asyncio.Event()
-    out = _Capture(max_buffer, overflow, "stdout", on_output)
-    err = _Capture(max_buffer, overflow, "stderr", on_output)
+    out = _Capture(max_buffer, overflow, "stdout", on_output, keep_output)
+    err = _Capture(max_buffer, overflow, "stderr", on_output, keep_output)
     assert proc.stdout is not None and proc.stderr is not None
     readers = asyncio.gather(out.drain(proc.stdout), err.drain(proc.stderr))
     if stdin is not None and proc.stdin is not None:

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 
 import typer
 
+from fusion_oci.cli.choices import choice
+
 if TYPE_CHECKING:
     from fusion_oci.images.ops import Session
     from fusion_oci.images.provision import ProvisionedImage
@@ -27,8 +29,8 @@ app = images_app
 T = TypeVar("T")
 
 EngineOpt = Annotated[list[str] | None, typer.Option(
-    "--engine", help="podman|podman-rootless|docker (repeatable; default: every engine that "
-    "answers).")]
+    "--engine", help="An engine to use (repeatable; default: every engine that answers).",
+    **choice("--engine", ("podman", "podman-rootless", "docker")))]
 BaseOpt = Annotated[str | None, typer.Option(
     "--base", help="BASE for images/ builds: a reference, or 'offline' for "
     "localhost/fusion-oci/base:bookworm (default: the public base if it can be had).")]
@@ -78,6 +80,24 @@ def _session(project: Path | None) -> Session:
                    settings_file=str(project_settings_path(project_dir)))
 
 
+def _check_names(names: list[str], images_dir: Path | None) -> None:
+    """A NAME that is no folder under images/ is a usage error (exit 2), with the known ones."""
+    from fusion_oci.errors import FlagError
+    from fusion_oci.images.spec import CONTAINERFILE, SELF_IMAGE, default_images_dir
+
+    root = images_dir or default_images_dir()
+    known = sorted(p.name for p in root.iterdir() if (p / CONTAINERFILE).is_file()) \
+        if root.is_dir() else []
+    for name in names:
+        if name != SELF_IMAGE and name not in known:
+            import difflib
+
+            near = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
+            _fail(FlagError(f"images build {name}", f"there is no image folder {root / name}",
+                            (f"did you mean {near[0]}? " if near else "")
+                            + f"images here: {', '.join(known) or 'none'}"))
+
+
 def _base(value: str | None) -> str | None:
     from fusion_oci.images.spec import BASE_REF
 
@@ -110,6 +130,7 @@ def build(
     """Build images from images/NAME (tag = content hash of the folder; unchanged = no build)."""
     from fusion_oci.images.ops import build_images
 
+    _check_names(names or [], images_dir)
     session = _session(project)
     rows = _run(lambda: build_images(session, names or [], engine or [], base=_base(base),
                                      force=force, mirrors=mirror or [],

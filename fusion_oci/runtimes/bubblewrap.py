@@ -586,6 +586,7 @@ class BubblewrapRuntime(SpecRuntime):
                 max_buffer=opts.max_buffer,
                 pass_fds=passed,
                 on_output=opts.on_output,
+                keep_output=opts.keep_output,
             ))
             if hooks:
                 assert info_r is not None and block_w is not None

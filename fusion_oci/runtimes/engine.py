@@ -686,6 +686,7 @@ class ContainerRuntime(SpecRuntime):
                 loop.call_soon_threadsafe(callback, "stderr" if i else "stdout", chunk)
 
             sink.on_chunk = forward
+        sink.keep = opts.keep_output
         pump: asyncio.Future[None] = loop.run_in_executor(self._executor(), sink.pump, stream)
         overflowed: asyncio.Future[bool] = asyncio.ensure_future(overflow.wait())
         timed_out = False
@@ -805,6 +806,8 @@ class _Sink:
     truncated: bool = False
     on_chunk: Callable[[int, bytes], None] | None = None
     """Sees every chunk as it arrives (streaming), in the pump's thread."""
+    keep: bool = True
+    """False: keep nothing and never overflow (RunOptions.keep_output)."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def pump(self, stream: ExecStream) -> None:
@@ -817,6 +820,8 @@ class _Sink:
     def _add(self, i: int, chunk: bytes) -> None:
         if self.on_chunk is not None:
             self.on_chunk(i, chunk)
+        if not self.keep:
+            return
         with self._lock:
             room = self.limit - self.sizes[i]
             if room > 0:
