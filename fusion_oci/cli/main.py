@@ -24,7 +24,7 @@ app = typer.Typer(
     name="fusion-oci",
     help="Run coding-agent executor commands inside a sandbox around the task's worktree.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion: the choices below complete in the shell
     pretty_exceptions_enable=False,
     context_settings=HELP_OPTIONS,
 )
@@ -143,6 +143,11 @@ def _pass_through(stream: str, chunk: bytes) -> None:
         out.buffer.flush()
     except BrokenPipeError:
         pass  # `run ... | head`: the reader has gone; the command goes on to its own end
+
+
+def _warn(warnings: list[str]) -> None:
+    for line in warnings:
+        typer.echo(f"fusion-oci: warning: {line}", err=True)
 
 
 def _console() -> Any:
@@ -375,6 +380,7 @@ def doctor(worktree: Worktree = None, project_dir: ProjectDir = None,
         effective = load_settings(project_dir=project, env=os.environ)
     except FusionOCIError as exc:
         _fail(exc, as_json)
+    _warn(effective.warnings)
     configured = effective.settings.backend
     rows = backend_rows(os.environ, effective.settings)
     chosen = next(r for r in rows if r["backend"] == configured)
@@ -483,6 +489,7 @@ def settings_show(worktree: Worktree = None, task_prompt: TaskPrompt = None,
         task = _load_for(worktree, task_prompt, project_dir, unsafe_worktree)
     except FusionOCIError as exc:
         _fail(exc, as_json)
+    _warn(task.effective.warnings)
     values = flatten(task.effective.settings.model_dump(mode="json", by_alias=True))
     prov = task.effective.provenance
     rows = [{"key": key, "value": value, "source": prov.get(key, "default")}
@@ -511,6 +518,7 @@ def settings_validate(worktree: Worktree = None, task_prompt: TaskPrompt = None,
         task = _load_for(worktree, task_prompt, project_dir, unsafe_worktree)
     except FusionOCIError as exc:
         _fail(exc)
+    _warn(task.effective.warnings)
     sources = sorted(set(task.effective.provenance.values())) or ["defaults only"]
     typer.echo("settings OK: " + ", ".join(sources))
 

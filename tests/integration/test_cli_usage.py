@@ -173,3 +173,13 @@ def test_piped_plan_keeps_long_lines_whole(worktree: Path) -> None:
     p = cli("plan", "--", f"echo {long}", cwd=worktree)
     assert p.returncode == 0
     assert any(long in line for line in p.stdout.splitlines())
+
+
+def test_settings_show_warns_about_ignored_settings(worktree: Path) -> None:
+    (worktree / ".fusion").mkdir()
+    (worktree / ".fusion" / "settings.yml").write_text("sandbox:\n  backend: bubblewrap\n")
+    p = cli("settings", "show", "--json", cwd=worktree)
+    assert p.returncode == 0, p.stderr
+    assert "settings.yml is ignored" in p.stderr
+    rows = {r["key"]: r for r in json.loads(p.stdout)}
+    assert rows["backend"] == {"key": "backend", "value": "native", "source": "default"}
