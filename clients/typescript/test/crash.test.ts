@@ -3,6 +3,8 @@
 
 import assert from "node:assert/strict";
 import { spawn } from "node:child_process";
+import { existsSync, mkdtempSync, statSync } from "node:fs";
+import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { test } from "node:test";
 
@@ -71,3 +73,36 @@ test("a server that cannot start is server-exited", async () => {
     policy: NO_NET }), (e: unknown) => e instanceof SandboxError && e.kind === "server-exited"
     && e.why.includes("broken"));
 });
+
+test("a server on a unix socket: clients connect, and one going away disposes only its own",
+  async () => {
+    const dir = mkdtempSync(join(tmpdir(), "fusion-oci-sock-"));
+    const path = join(dir, "serve.sock");
+    const served = spawn(SERVER[0]!, [...SERVER.slice(1), "--socket", path],
+      { env: SERVER_ENV, stdio: ["ignore", "ignore", "pipe"] });
+    await new Promise<void>((resolve) => served.stderr.on("data", (c: Buffer) => {
+      if (c.toString().includes("listening")) resolve();
+    }));
+    try {
+      assert.equal(statSync(path).mode & 0o777, 0o600);
+      const wt = worktree();
+      const a = createSandboxBackend(options("native", { socketPath: path }));
+      await a.prepare({ taskId: taskId("sock"), runId: "r1", worktreePath: wt, policy: NO_NET });
+      const mark = marker("sock");
+      const client = new FusionOciServer({ socketPath: path });
+      const b = createSandboxBackend(options("native", { server: client }));
+      await b.prepare({ taskId: taskId("sock-b"), runId: "r1", worktreePath: wt, policy: NO_NET });
+      const pending = b.run(`echo up; sh -c 'sleep 100; :' ${mark}`,
+        { cwd: wt, timeoutMs: 60_000, maxBuffer: 1000, onStdout: () => void client.close() });
+      await assert.rejects(pending, (e: unknown) => e instanceof SandboxError
+        && e.kind === "server-exited");
+      assert.deepEqual(await waitGone(mark), [], "the closed connection's tree is ended");
+      const res = await a.run("echo still", { cwd: wt, timeoutMs: 10_000, maxBuffer: 1000 });
+      assert.equal(res.stdout, "still\n");
+      await a.dispose();
+    } finally {
+      served.kill("SIGTERM");
+      await new Promise((r) => served.once("exit", r));
+    }
+    assert.equal(existsSync(path), false, "the socket is removed on SIGTERM");
+  });
