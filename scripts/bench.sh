@@ -19,6 +19,6 @@ FUSION_OCI_STARTED_FILE="$STARTED_FILE" bash scripts/services.sh start >/dev/nul
 eval "$(bash scripts/services.sh env)"
 # bench_serve drives the TypeScript client from Node: build it first (install.sh ran npm ci).
 (cd clients/typescript && npm run --silent build)
-for bench in native bubblewrap oci containers serve; do
+for bench in native bubblewrap oci containers serve startup; do
     .venv/bin/python "benchmarks/bench_${bench}.py" "$@"
 done
