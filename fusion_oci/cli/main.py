@@ -135,6 +135,20 @@ def _command(command: list[str]) -> str | list[str]:
     return command[0] if len(command) == 1 else command
 
 
+def _tty(command: list[str]) -> list[str]:
+    """COMMAND under `script`, which gives it a pseudo-terminal inside the sandbox (so it works
+    on every backend) and exits with its status; the size of our terminal, when we have one."""
+    import shlex
+
+    line = command[0] if len(command) == 1 else shlex.join(command)
+    if sys.stdout.isatty():
+        import os
+
+        size = os.get_terminal_size(sys.stdout.fileno())
+        line = f"stty cols {size.columns} rows {size.lines} 2>/dev/null; {line}"
+    return ["script", "-qec", line, "/dev/null"]
+
+
 def _pass_through(stream: str, chunk: bytes) -> None:
     """`run` without --json: the command's bytes as they come, in order, like `docker run`."""
     out = sys.stdout if stream == "stdout" else sys.stderr
@@ -181,6 +195,10 @@ def run(
     interactive: Annotated[bool, typer.Option(
         "-i", "--interactive", help="Feed this process's stdin to the command (read to its "
         "end first; container backends take at most 96 KiB).")] = False,
+    tty: Annotated[bool, typer.Option(
+        "-t", "--tty", help="Give the command a pseudo-terminal (util-linux `script` inside "
+        "the sandbox): stdout and stderr then arrive merged, with CRLF line ends, as with "
+        "`docker run -t`.")] = False,
     cwd: Annotated[str | None, typer.Option(
         "--cwd", help="Working directory of the command: absolute inside the sandbox, or "
         "relative to the worktree (default: the worktree).")] = None,
@@ -227,7 +245,7 @@ def run(
                     and not sandbox.fell_back:
                 sys.stderr.write("fusion-oci: note: the native backend isolates nothing (the "
                                  "command runs on the host as you)\n")
-            return await sandbox.run(_command(command), opts)
+            return await sandbox.run(_tty(command) if tty else _command(command), opts)
 
     try:
         flags = _flags(params)

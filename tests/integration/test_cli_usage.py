@@ -183,3 +183,18 @@ def test_settings_show_warns_about_ignored_settings(worktree: Path) -> None:
     assert "settings.yml is ignored" in p.stderr
     rows = {r["key"]: r for r in json.loads(p.stdout)}
     assert rows["backend"] == {"key": "backend", "value": "native", "source": "default"}
+
+
+@pytest.mark.parametrize("backend", ["native", pytest.param("bubblewrap",
+                                                            marks=pytest.mark.bubblewrap)])
+def test_tty_gives_the_command_a_terminal(worktree: Path, backend: str) -> None:
+    from tests.backends import require_runtime
+
+    require_runtime(backend)
+    p = cli("run", "--backend", backend, "--network", "none", "-t", "--",
+            "test -t 0 && test -t 1 && echo terminal; exit 4", cwd=worktree)
+    assert p.returncode == 4, p.stderr
+    assert p.stdout.splitlines() == ["terminal"]  # (text mode reads CRLF as a newline)
+    p = cli("run", "--backend", backend, "--network", "none", "--",
+            "test -t 1 || echo no-terminal", cwd=worktree)
+    assert p.stdout == "no-terminal\n"
