@@ -85,3 +85,10 @@ test("the task prompt's **Sandbox:** line picks the backend", async () => {
   assert.equal(res.backend, "bubblewrap");
   await sb.dispose();
 });
+
+test("protocol-version: a server of another major version is refused and ended", async () => {
+  const sb = createSandboxBackend({
+    serverCommand: [process.execPath, join(__dirname, "fixtures", "future-server.js")] });
+  await assert.rejects(sb.prepare(ctx()), (e: unknown) => kind("protocol-version")(e)
+    && (e as SandboxError).what.includes("2.0"));
+});
