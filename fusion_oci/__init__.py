@@ -14,6 +14,7 @@ __all__ = [
     "AuditEvent",
     "AuditLog",
     "CpuLimit",
+    "FlagError",
     "FusionOCIError",
     "NetworkMode",
     "OutputChunk",
@@ -45,6 +46,7 @@ _LAZY = {
     "RunResult": "fusion_oci.models",
     "SandboxCapabilities": "fusion_oci.models",
     "SandboxPolicy": "fusion_oci.models",
+    "FlagError": "fusion_oci.errors",
     "FusionOCIError": "fusion_oci.errors",
     "PolicyNotEnforceableError": "fusion_oci.errors",
     "RuntimeUnavailableError": "fusion_oci.errors",
@@ -59,6 +61,7 @@ _LAZY = {
 if TYPE_CHECKING:
     from fusion_oci.audit import AuditEvent, AuditLog
     from fusion_oci.errors import (
+        FlagError,
         FusionOCIError,
         PolicyNotEnforceableError,
         RuntimeUnavailableError,

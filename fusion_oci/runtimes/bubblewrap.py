@@ -328,12 +328,23 @@ def split_status(outcome: ProcessOutcome) -> tuple[int | None, str | None]:
     signal; ``shell_status`` is the same either way.
     """
     code = outcome.returncode
+    if code == 1 and (failed := exec_failure(outcome.stderr)) is not None:
+        return failed, None
     if code is not None and 128 < code <= 128 + 64:
         try:
             return None, _signal.Signals(code - 128).name
         except ValueError:
             return code, None
     return code, outcome.signal
+
+
+def exec_failure(stderr: bytes) -> int | None:
+    """The shell's status for a command bwrap could not exec (it exits 1 itself and says
+    ``bwrap: execvp NAME: REASON`` as its last line): 127 when not found, else 126. Pure."""
+    last = stderr.rstrip(b"\n").rsplit(b"\n", 1)[-1]
+    if not last.startswith(b"bwrap: execvp "):
+        return None
+    return 127 if last.endswith(b"No such file or directory") else 126
 
 
 def end_reason_for(*, exit_code: int | None, signal: str | None, timed_out: bool,

@@ -37,7 +37,7 @@ from fusion_oci.policy.settings import GateSettings, SandboxSettings
 from fusion_oci.runtimes.registry import create_runtime
 from fusion_oci.sandbox import Sandbox
 from tests.backends import require
-from tests.conftest import git
+from tests.conftest import git, git_init
 from tests.hostside import tcp_server
 from tests.integration.images_fixture import ensure_node_image
 
@@ -166,8 +166,7 @@ async def test_files_belong_to_a_non_root_caller(engine: str, settings: SandboxS
     """A caller in the docker group (or with rootful podman access) is not root: files the
     command creates in the worktree must still be that caller's."""
     uid = gid = 1001
-    wt = tmp_path / "wt"
-    wt.mkdir()
+    wt = git_init(tmp_path / "wt")
     os.chown(wt, uid, gid)
     cache = tmp_path / "cache"
     host = replace(probe_host(), uid=uid, gid=gid)
@@ -255,8 +254,7 @@ async def test_parallel_prepares_do_not_hang_or_leak(engine: str, settings: Sand
     n = 6
     worktrees = []
     for i in range(n):
-        wt = tmp_path / f"wt{i}"
-        wt.mkdir()
+        wt = git_init(tmp_path / f"wt{i}")
         worktrees.append(wt)
 
     async def one(i: int) -> str:

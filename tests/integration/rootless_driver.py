@@ -93,6 +93,7 @@ async def pnpm(args: dict[str, Any]) -> dict[str, Any]:
 async def timeout(args: dict[str, Any]) -> dict[str, Any]:
     wt = Path(args["dir"]) / "wt"
     wt.mkdir()
+    git(wt, "init", "-q")  # a task worktree is the top of a git work tree
     async with Sandbox(settings(), cache_root=Path(args["dir"]) / "cache") as sb:
         await sb.prepare(PrepareContext(task_id="rl-timeout", run_id="r1", worktree_path=str(wt),
                                         image=args["image"], cache_mode=CacheMode.OFF,
@@ -111,6 +112,7 @@ async def timeout(args: dict[str, Any]) -> dict[str, Any]:
 async def network(args: dict[str, Any]) -> dict[str, Any]:
     wt = Path(args["dir"]) / "wt"
     wt.mkdir()
+    git(wt, "init", "-q")  # a task worktree is the top of a git work tree
     port = int(args["port"])
     js = ("const net=require('net');const [h,p]=process.argv.slice(1);"
           "const s=net.connect({host:h,port:+p,timeout:2000},()=>{console.log('open');s.end()});"

@@ -44,8 +44,9 @@ def test_missing_socket_without_podman_binary_says_what_to_do(tmp_path: Path) ->
 
 
 def test_starts_podman_system_service_when_no_socket_answers(tmp_path: Path) -> None:
-    """No CONTAINER_HOST, no socket at the default path: the runtime starts the service
-    itself, says so, and stops it when closed."""
+    """No CONTAINER_HOST, no socket at the default path: availability() starts nothing and
+    says prepare will; connecting for a task starts the service (saying so), close stops it
+    and removes its socket folder."""
     require("podman", shutil.which("podman") is not None, "podman is not installed")
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path)}
     if os.getuid() == 0 and Path("/run/podman/podman.sock").exists():
@@ -54,12 +55,17 @@ def test_starts_podman_system_service_when_no_socket_answers(tmp_path: Path) -> 
     try:
         avail = runtime.availability()
         assert avail.available, avail
-        assert "started by fusion-oci" in avail.details["socket source"]
+        assert "started for the task at prepare" in avail.details["socket source"]
+        assert runtime._service is None
+        adapter = runtime._connect()  # what prepare does
+        assert "started by fusion-oci" in adapter.endpoint.source
         service = runtime._service
-        assert service is not None and service.poll() is None
+        folder = Path(runtime._service_dir)
+        assert service is not None and service.poll() is None and folder.is_dir()
     finally:
         runtime.close()
     assert service.wait(10) is not None
+    assert not folder.exists()
 
 
 async def test_network_egress_reaches_a_container_network_not_host_loopback(

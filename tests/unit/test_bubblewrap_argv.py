@@ -347,3 +347,17 @@ def test_missing_bwrap_is_unavailable_with_the_install_hint() -> None:
     assert not avail.available and "not installed" in avail.reason
     assert "apt-get install bubblewrap" in avail.hint
     assert runtime.enforces() == frozenset()
+
+
+@pytest.mark.parametrize("stderr,code", [
+    (b"bwrap: execvp nosuch: No such file or directory\n", 127),
+    (b"bwrap: execvp ./notexec: Permission denied\n", 126),
+    (b"some output\nbwrap: execvp x: Exec format error\n", 126),
+    (b"the command's own error\n", 1),
+])
+def test_exec_failures_read_as_a_shell_would(stderr: bytes, code: int) -> None:
+    from fusion_oci.process import ProcessOutcome
+    from fusion_oci.runtimes.bubblewrap import split_status
+
+    outcome = ProcessOutcome(b"", stderr, 1, None, False, False, 1)
+    assert split_status(outcome) == (code, None)
