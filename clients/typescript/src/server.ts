@@ -59,6 +59,8 @@ interface Live {
   socket: Socket | undefined;
   generation: number;
   exited: Promise<void>;
+  /** Rejecters of the requests in flight: the server's end rejects them (server-exited). */
+  pending: Set<(err: Error) => void>;
 }
 
 let generations = 0;
@@ -155,7 +157,7 @@ export class FusionOciServer {
       conn = createMessageConnection(
         new StreamMessageReader(c.stdout!), new StreamMessageWriter(c.stdin!));
     }
-    const live: Live = { conn, child, socket, generation, exited };
+    const live: Live = { conn, child, socket, generation, exited, pending: new Set() };
     conn.onNotification("output", (p: OutputParams) => {
       this.listeners.get(p.execId)?.(p.stream, Buffer.from(p.data, "base64"));
     });
@@ -171,6 +173,9 @@ export class FusionOciServer {
     conn.listen();
     void exited.then(() => {
       if (this.live === live) this.live = undefined;
+      const err = this.exitedError();
+      for (const reject of live.pending) reject(err);
+      live.pending.clear();
       conn.dispose();
     });
     this.live = live;
@@ -204,26 +209,28 @@ export class FusionOciServer {
     this.busy++;
     this.idle(l);
     try {
-      const gone = l.exited.then(() => {
-        throw new SandboxError("server-exited", "the fusion-oci server exited", {
-          why: this.stderrTail.trim().split("\n").slice(-3).join(" | ") || "no message",
-          hint: "the next call starts a new server",
-        });
+      return await new Promise<R>((resolve, reject) => {
+        l.pending.add(reject);
+        l.conn.sendRequest<R>(method, params).then(resolve, reject)
+          .finally(() => l.pending.delete(reject));
       });
-      return await Promise.race([l.conn.sendRequest<R>(method, params), gone]);
     } catch (err) {
       if (!(err instanceof SandboxError) && await exitsSoon(l)) {
         // A write to (or a read from) a server that is dying: say that, not the symptom.
-        throw new SandboxError("server-exited", "the fusion-oci server exited", {
-          why: this.stderrTail.trim().split("\n").slice(-3).join(" | ") || String(err),
-          hint: "the next call starts a new server",
-        });
+        throw this.exitedError();
       }
       throw toSandboxError(err);
     } finally {
       this.busy--;
       this.idle(l);
     }
+  }
+
+  private exitedError(): SandboxError {
+    return new SandboxError("server-exited", "the fusion-oci server exited", {
+      why: this.stderrTail.trim().split("\n").slice(-3).join(" | ") || "no message",
+      hint: "the next call starts a new server",
+    });
   }
 
   /** Fire and forget (cancel): no error when the server has gone. */
