@@ -118,6 +118,8 @@ class Session:
         self.runs: dict[str, asyncio.Task[RunResult]] = {}
         self.run_sandbox: dict[str, str] = {}
         """execId -> the sandboxId it runs in (dispose ends that sandbox's runs first)."""
+        self.run_of_request: dict[str, str] = {}
+        """JSON-RPC request id -> execId, for ``$/cancelRequest``."""
         self._ids = itertools.count(1)
         self.conn: Connection | None = None
 
@@ -231,6 +233,8 @@ class Session:
         task = asyncio.ensure_future(sandbox.run(p.command, opts))
         self.runs[exec_id] = task
         self.run_sandbox[exec_id] = p.sandbox_id
+        if rid is not None:
+            self.run_of_request[str(rid)] = exec_id
         try:
             result = await task
         except asyncio.CancelledError:
@@ -248,6 +252,8 @@ class Session:
         finally:
             self.runs.pop(exec_id, None)
             self.run_sandbox.pop(exec_id, None)
+            if rid is not None:
+                self.run_of_request.pop(str(rid), None)
         return _camel_result(result)
 
     async def cancel(self, params: Params, rid: RequestId | None) -> Any:
@@ -264,7 +270,8 @@ class Session:
         """vscode-jsonrpc's cancellation: ``$/cancelRequest {id}`` aborts that run."""
         target = params.get("id")
         if isinstance(target, (int, str)) and not isinstance(target, bool):
-            task = self.runs.get(str(target))
+            exec_id = self.run_of_request.get(str(target))
+            task = self.runs.get(exec_id) if exec_id is not None else None
             if task is not None:
                 task.cancel()
         return None

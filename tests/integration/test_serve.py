@@ -196,6 +196,19 @@ def test_cancel_aborts_the_run_and_ends_its_tree(server: Any, worktree: Path) ->
     _alive(client)
 
 
+def test_cancel_request_of_a_run_aborts_it(server: Any, worktree: Path) -> None:
+    _, client = server
+    sandbox = client.prepare(worktree)
+    rid = client.send("run", {"sandboxId": sandbox, "execId": "named",
+                              "command": "echo started; sleep 100"})
+    _wait_output(client)
+    client.raw(json.dumps({"jsonrpc": "2.0", "method": "$/cancelRequest",
+                           "params": {"id": rid}}).encode())
+    result = client.reply(rid)["result"]
+    assert (result["reason"], result["stdout"]) == ("aborted", "started\n")
+    _alive(client)
+
+
 def test_client_gone_ends_every_tree_and_the_server(server: Any, worktree: Path) -> None:
     proc, client = server
     marker = f"fusion-oci-serve-eof-{os.getpid()}-{time.monotonic_ns()}"
