@@ -109,7 +109,9 @@ def test_help_lists_choices_and_every_option_has_help(worktree: Path) -> None:
     assert "native|bubblewrap|oci|podman|docker|sandbox-exec|custom" in p.stdout
     from typer.main import get_command
 
-    from fusion_oci.cli.main import app
+    from fusion_oci.cli.main import _mount_images, app
+
+    _mount_images(["images"])  # the images sub-app too (mounted only when asked for)
 
     def walk(command: object, path: str) -> list[str]:
         missing = [f"{path} {p.opts[0]}" for p in getattr(command, "params", [])
