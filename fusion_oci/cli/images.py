@@ -22,7 +22,9 @@ if TYPE_CHECKING:
     from fusion_oci.images.ops import Session
     from fusion_oci.images.provision import ProvisionedImage
 
-images_app = typer.Typer(help="Build, pull, list and prune task images.", no_args_is_help=True)
+images_app = typer.Typer(help="Build, pull, list and prune task images.", no_args_is_help=True,
+                         context_settings={"help_option_names": ["-h", "--help"]},
+                         rich_markup_mode=None)
 app = images_app
 """The name fusion_oci.cli.main mounts."""
 

@@ -27,11 +27,12 @@ app = typer.Typer(
     add_completion=True,  # --install-completion: the choices below complete in the shell
     pretty_exceptions_enable=False,
     context_settings=HELP_OPTIONS,
+    rich_markup_mode=None,  # plain click help: rich's renderer alone doubles `--help`'s start-up
 )
 bundle_app = typer.Typer(help="Write OCI bundles.", no_args_is_help=True,
-                         context_settings=HELP_OPTIONS)
+                         context_settings=HELP_OPTIONS, rich_markup_mode=None)
 settings_app = typer.Typer(help="Show and check the effective settings.", no_args_is_help=True,
-                           context_settings=HELP_OPTIONS)
+                           context_settings=HELP_OPTIONS, rich_markup_mode=None)
 app.add_typer(bundle_app, name="bundle")
 app.add_typer(settings_app, name="settings")
 
