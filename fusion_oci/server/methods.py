@@ -144,7 +144,6 @@ class Session:
     async def prepare(self, params: Params, rid: RequestId | None) -> Any:
         from fusion_oci.audit import AuditLog, default_audit_path
         from fusion_oci.cli.task import find_project_dir
-        from fusion_oci.errors import SettingsError
         from fusion_oci.images.gates import GateRequest
         from fusion_oci.sandbox import Sandbox
 
@@ -161,9 +160,9 @@ class Session:
                 cache_mode=settings.cache_mode, project_dir=str(project),
                 unsafe_worktree=p.context.unsafe_worktree,
             )
-        except ValueError as exc:
-            raise SettingsError("prepare context", str(exc).splitlines()[-1].strip(),
-                                "see docs/protocol.md, method prepare") from exc
+        except ValueError as exc:  # an id or path of the context: the caller's argument
+            raise FlagError("prepare context", str(exc).splitlines()[-1].strip(),
+                            "see docs/protocol.md, method prepare") from exc
         sandbox_id = p.sandbox_id or f"sb{next(self._ids)}"
         if sandbox_id in self.sandboxes:
             raise FlagError(f"sandboxId '{sandbox_id}'", "it is already in use",
