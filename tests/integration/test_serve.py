@@ -276,3 +276,32 @@ def _assert_gone(marker: str) -> None:
     while pids_with(marker) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert pids_with(marker) == []
+
+
+@pytest.mark.podman
+def test_ask_gates_are_requests_to_the_client(server: Any, worktree: Path) -> None:
+    from tests.backends import require_runtime
+    from tests.integration.container_cases import engine_settings
+
+    require_runtime("podman", engine_settings("podman"))
+    _, client = server
+    rid = client.send("prepare", {
+        "context": {"taskId": "t1", "runId": "r1", "worktreePath": str(worktree)},
+        "sandboxId": "mine", "ask": True, "backend": "podman",
+        "settings": {"podmanUrl": os.environ.get("FUSION_OCI_PODMAN_URL"),
+                     "image": "localhost/fusion-oci-test/absent:1"}})
+    asked: list[dict[str, Any]] = []
+    while True:
+        message = client.recv()
+        if message.get("method") == "ask":
+            asked.append(message["params"])
+            allow = message["params"]["gate"] == "sandbox_provision"
+            client.raw(json.dumps({"jsonrpc": "2.0", "id": message["id"],
+                                   "result": {"allow": allow}}).encode())
+        elif message.get("id") == rid:
+            break
+    assert message["error"]["data"]["kind"] == "gate-denied"
+    assert [(a["sandboxId"], a["gate"]) for a in asked] == [("mine", "sandbox_provision"),
+                                                           ("mine", "network_api")]
+    assert asked[0]["target"] == "localhost/fusion-oci-test/absent:1"
+    _alive(client)
