@@ -150,14 +150,24 @@ def _tty(command: list[str]) -> list[str]:
     return ["script", "-qec", line, "/dev/null"]
 
 
-def _pass_through(stream: str, chunk: bytes) -> None:
-    """`run` without --json: the command's bytes as they come, in order, like `docker run`."""
+def _pass_through(stream: str, chunk: bytes) -> bool:
+    """`run` without --json: the command's bytes as they come, in order, like `docker run`.
+    False when our stdout's reader has gone (`run ... | head`)."""
     out = sys.stdout if stream == "stdout" else sys.stderr
     try:
         out.buffer.write(chunk)
         out.buffer.flush()
     except BrokenPipeError:
-        pass  # `run ... | head`: the reader has gone; the command goes on to its own end
+        if stream != "stdout":
+            return True
+        import os
+
+        # Nothing more can be said there; point fd 1 at /dev/null so exiting is quiet.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return False
+    return True
 
 
 def _warn(warnings: list[str]) -> None:
@@ -239,6 +249,15 @@ def run(
 
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.add_signal_handler(sig, on_signal, int(sig))
+
+        def pass_through(stream: str, chunk: bytes) -> None:
+            # Like a shell pipeline: the reader of our stdout gone ends the command (SIGPIPE).
+            if not _pass_through(stream, chunk) and not received:
+                received.append(int(signal.SIGPIPE))
+                sandbox.abort()
+
+        run_opts = opts if as_json else opts.model_copy(
+            update={"on_output": pass_through, "keep_output": False})
         async with sandbox:
             await sandbox.prepare(task.ctx)
             preparing = False
@@ -246,7 +265,7 @@ def run(
                     and not sandbox.fell_back:
                 sys.stderr.write("fusion-oci: note: the native backend isolates nothing (the "
                                  "command runs on the host as you)\n")
-            return await sandbox.run(_tty(command) if tty else _command(command), opts)
+            return await sandbox.run(_tty(command) if tty else _command(command), run_opts)
 
     try:
         flags = _flags(params)
@@ -261,8 +280,6 @@ def run(
         opts = task.opts
         if interactive:
             opts = opts.model_copy(update={"stdin": sys.stdin.buffer.read()})
-        if not as_json:
-            opts = opts.model_copy(update={"on_output": _pass_through, "keep_output": False})
         result = asyncio.run(go())
     except FusionOCIError as exc:
         _fail(exc, as_json)
@@ -273,7 +290,7 @@ def run(
     else:
         if result.timed_out:
             sys.stderr.write(f"fusion-oci: timed out after {task.opts.timeout_ms} ms\n")
-        elif result.reason not in ("exit", "signal"):
+        elif result.reason not in ("exit", "signal") and received != [signal.SIGPIPE]:
             sys.stderr.write(f"fusion-oci: command ended: {result.reason}\n")
         if result.fell_back:
             sys.stderr.write("fusion-oci: fell back to the native runtime (see audit)\n")

@@ -200,3 +200,18 @@ def test_tty_gives_the_command_a_terminal(worktree: Path, backend: str) -> None:
     p = cli("run", "--backend", backend, "--network", "none", "--",
             "test -t 1 || echo no-terminal", cwd=worktree)
     assert p.stdout == "no-terminal\n"
+
+
+def test_reader_of_stdout_gone_ends_the_command_like_a_pipeline(worktree: Path) -> None:
+    marker = f"fusion-oci-sigpipe-{os.getpid()}-{time.monotonic_ns()}"
+    script = (f"set -o pipefail; {' '.join(fusion('run', cwd=worktree))} -- "
+              f"\"sh -c 'yes' {marker}\" | head -2")
+    start = time.monotonic()
+    p = subprocess.run(["bash", "-c", script], cwd=worktree, env=env_for(worktree),
+                       capture_output=True, text=True, timeout=60, check=False)
+    assert p.stdout == "y\ny\n"
+    assert p.returncode == 141  # 128 + SIGPIPE, as a shell pipeline reports it
+    assert time.monotonic() - start < 30
+    from tests.hostside import pids_with
+
+    assert pids_with(marker) == []
