@@ -136,6 +136,9 @@ export class FusionOciServer {
       const c = spawn(cmd, args, {
         stdio: ["pipe", "pipe", stderr],
         env: this.options.serverEnv ?? process.env,
+        // Its own process group: a terminal's Ctrl-C reaches the executor, which decides
+        // (abort signals, or exiting, which closes the pipe and so ends the server's work).
+        detached: true,
       });
       child = c;
       this.stderrTail = "";
