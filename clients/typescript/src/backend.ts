@@ -72,7 +72,9 @@ function stringEnv(env: NodeJS.ProcessEnv | undefined): Record<string, string> |
 }
 
 class ServedBackend implements SandboxBackend {
-  readonly id: SandboxBackendId;
+  /** The backend asked for; after prepare, the one that runs (a task prompt's override, a
+   * fallback to native). */
+  id: SandboxBackendId;
   private caps: SandboxCapabilities;
   private ctx: SandboxPrepareContext | undefined;
   private sandbox: { id: string; generation: number } | undefined;
@@ -118,6 +120,7 @@ class ServedBackend implements SandboxBackend {
     }
     this.prepared = result;
     this.caps = result.capabilities;
+    if (result.backend in CAPABILITIES) this.id = result.backend as SandboxBackendId;
     this.sandbox = { id: result.sandboxId, generation: live.generation };
     return this.sandbox;
   }

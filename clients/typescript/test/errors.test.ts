@@ -49,6 +49,8 @@ test("backend-unavailable with fail-hard; fallback-native runs natively and says
   await soft.prepare(ctx(wt));
   const res = await soft.run("echo hi", { cwd: wt, timeoutMs: 10_000, maxBuffer: 1000 });
   assert.deepEqual([res.stdout, res.backend, res.fellBack], ["hi\n", "native", true]);
+  assert.equal(soft.id, "native");
+  assert.equal(soft.capabilities().filesystemIsolation, "none");
   assert.ok(res.unenforced && res.unenforced.includes("filesystem isolation"));
   await soft.dispose();
 });
