@@ -104,6 +104,16 @@ def test_malformed_json_is_a_parse_error_and_serving_goes_on(server: Any) -> Non
     _alive(client)
 
 
+def test_a_stream_without_framing_gets_a_parse_error_then_is_closed(server: Any) -> None:
+    proc, client = server
+    client.wfile.write(b'{"jsonrpc": "2.0", "id": 1, "method": "initialize"}\r\n\r\n')
+    client.wfile.flush()
+    answer = client.reply()
+    assert answer["error"]["code"] == -32700
+    assert answer["error"]["message"].startswith("unreadable message")
+    assert proc.wait(15) == 0  # no way to find the next message: the session ends cleanly
+
+
 def test_unknown_method_lists_the_real_ones(server: Any) -> None:
     _, client = server
     answer = client.call("nosuch")
