@@ -4,6 +4,7 @@ server keeps serving; cancel aborts; a client that goes away leaves nothing runn
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import socket
@@ -81,13 +82,13 @@ def server() -> Iterator[tuple[subprocess.Popen[bytes], Client]]:
     try:
         yield proc, Client(proc.stdout, proc.stdin)
     finally:
-        if proc.poll() is None:
+        with contextlib.suppress(BrokenPipeError):
             proc.stdin.close()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
         proc.stdout.close()
 
 
