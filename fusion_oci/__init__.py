@@ -17,6 +17,7 @@ __all__ = [
     "FlagError",
     "FusionOCIError",
     "NetworkMode",
+    "OutputChunk",
     "PolicyNotEnforceableError",
     "PrepareContext",
     "RunOptions",
@@ -30,6 +31,7 @@ __all__ = [
     "SettingsError",
     "SyncSandbox",
     "load_settings",
+    "stream_run",
 ]
 
 _LAZY = {
@@ -37,6 +39,8 @@ _LAZY = {
     "AuditLog": "fusion_oci.audit",
     "CpuLimit": "fusion_oci.models",
     "NetworkMode": "fusion_oci.models",
+    "OutputChunk": "fusion_oci.streaming",
+    "stream_run": "fusion_oci.streaming",
     "PrepareContext": "fusion_oci.models",
     "RunOptions": "fusion_oci.models",
     "RunResult": "fusion_oci.models",
@@ -75,6 +79,7 @@ if TYPE_CHECKING:
     )
     from fusion_oci.policy.settings import SandboxSettings, load_settings
     from fusion_oci.sandbox import Sandbox, SyncSandbox
+    from fusion_oci.streaming import OutputChunk, stream_run
 
 
 def __getattr__(name: str) -> Any:

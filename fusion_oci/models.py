@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Literal
@@ -191,6 +192,12 @@ class CacheMode(StrEnum):
     OFF = "off"
 
 
+OutputStream = Literal["stdout", "stderr"]
+OutputCallback = Callable[[OutputStream, bytes], None]
+"""Called on the event loop with each chunk of output as it arrives (bytes as the command wrote
+them; the whole chunk, also past maxBuffer, which bounds only what is kept)."""
+
+
 class RunOptions(Model):
     """How one command runs."""
 
@@ -204,6 +211,12 @@ class RunOptions(Model):
     """Environment the allowlist draws from. None: the caller's process environment."""
     stdin: bytes | None = None
     """Bytes fed to the command's stdin. None: stdin is closed."""
+    on_output: OutputCallback | None = Field(default=None, exclude=True)
+    """Streams output while the command runs (see :data:`OutputCallback`). None: output is
+    only collected into the result."""
+    keep_output: bool = True
+    """False: output only streams to ``on_output``; nothing is kept (the result's stdout and
+    stderr are empty) and maxBuffer ends nothing (the CLI's pass-through, like ``docker run``)."""
 
 
 class PrepareContext(Model):

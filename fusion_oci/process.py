@@ -17,6 +17,10 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fusion_oci.models import OutputCallback, OutputStream
 
 REAPER = Path(__file__).with_name("reaper.py")
 DRAIN_LIMIT_S = 2.0
@@ -51,7 +55,11 @@ def _signal_name(returncode: int) -> str:
 
 
 class _Capture:
-    def __init__(self, limit: int, overflow: asyncio.Event) -> None:
+    def __init__(self, limit: int, overflow: asyncio.Event, name: OutputStream = "stdout",
+                 on_output: OutputCallback | None = None, keep: bool = True) -> None:
+        self.keep = keep
+        self.name: OutputStream = name
+        self.on_output = on_output
         self.limit = limit
         self.chunks: list[bytes] = []
         self.size = 0
@@ -60,6 +68,10 @@ class _Capture:
 
     async def drain(self, stream: asyncio.StreamReader) -> None:
         while chunk := await stream.read(65536):
+            if self.on_output is not None:
+                self.on_output(self.name, chunk)
+            if not self.keep:
+                continue
             room = self.limit - self.size
             if room > 0:
                 self.chunks.append(chunk[:room])
@@ -105,6 +117,8 @@ async def run_process(
     pass_fds: Sequence[int] = (),
     term_group: bool = True,
     stop: Callable[[], Awaitable[object]] | None = None,
+    on_output: OutputCallback | None = None,
+    keep_output: bool = True,
 ) -> ProcessOutcome:
     """Run argv to completion under the rules in the module docstring.
 
@@ -112,6 +126,8 @@ async def run_process(
     launcher that ends its own tree (bwrap, an OCI runtime); SIGKILL always goes to the group.
     ``stop`` replaces that first SIGTERM when the tree lives outside the leader's process group
     (an OCI container: ``runc kill --all ID TERM``); grace and SIGKILL still follow.
+    ``on_output`` gets each chunk of stdout and stderr as it arrives; ``keep_output=False``
+    keeps none of it and lifts ``max_buffer`` (see RunOptions).
     """
     start = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
@@ -125,7 +141,8 @@ async def run_process(
         pass_fds=tuple(pass_fds),
     )
     overflow = asyncio.Event()
-    out, err = _Capture(max_buffer, overflow), _Capture(max_buffer, overflow)
+    out = _Capture(max_buffer, overflow, "stdout", on_output, keep_output)
+    err = _Capture(max_buffer, overflow, "stderr", on_output, keep_output)
     assert proc.stdout is not None and proc.stderr is not None
     readers = asyncio.gather(out.drain(proc.stdout), err.drain(proc.stderr))
     if stdin is not None and proc.stdin is not None:

@@ -18,6 +18,8 @@ cleanup() {
 trap cleanup EXIT
 FUSION_OCI_STARTED_FILE="$STARTED_FILE" bash scripts/services.sh start >/dev/null
 eval "$(bash scripts/services.sh env)"
-for bench in native bubblewrap oci tiers containers dashboard; do
+# bench_serve drives the TypeScript client from Node: build it first (install.sh ran npm ci).
+(cd clients/typescript && npm run --silent build)
+for bench in native bubblewrap oci tiers containers serve startup dashboard; do
     .venv/bin/python "benchmarks/bench_${bench}.py" "$@"
 done

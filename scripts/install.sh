@@ -188,4 +188,18 @@ else
     fi
 fi
 
+# --------------------------------------------------------------------------- TypeScript client
+# clients/typescript (`node --test` in scripts/test.sh): typescript, @types/node and
+# vscode-jsonrpc at the versions package-lock.json pins; `npm ci` only when the lock changed.
+TS_DIR="$ROOT/clients/typescript"
+ts_stamp="$TS_DIR/node_modules/.fusion-oci-lock.sha256"
+ts_want="$(sha256sum "$TS_DIR/package-lock.json" | cut -d' ' -f1)"
+if [[ -f "$ts_stamp" && "$(cat "$ts_stamp")" == "$ts_want" ]]; then
+    log "npm: clients/typescript dependencies up to date"
+else
+    log "npm: npm ci in clients/typescript"
+    (cd "$TS_DIR" && NODE_EXTRA_CA_CERTS="$HOST_CA" npm ci --no-audit --no-fund)
+    printf '%s\n' "$ts_want" >"$ts_stamp"
+fi
+
 log "done"

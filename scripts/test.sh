@@ -5,9 +5,11 @@
 #   2. scripts/services.sh start    dockerd, rootful and rootless podman API services
 #   3. ruff check + mypy             (skipped with FUSION_OCI_SKIP_LINT=1)
 #   4. pytest "$@"                   with FUSION_OCI_REQUIRE_BACKENDS=all: a missing backend fails
+#   5. clients/typescript: tsc --strict, then `node --test` against the real server
+#      (skipped with FUSION_OCI_SKIP_TS=1, e.g. when running a few pytest files by hand)
 # On exit it stops only the services that step 2 started in this invocation; services that were
-# already running before are left running. Exits with pytest's status; "no tests collected"
-# (pytest's 5) is reported as a failure too.
+# already running before are left running. Exits non-zero when pytest or the TypeScript tests
+# fail; "no tests collected" (pytest's 5) is reported as a failure too.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -64,5 +66,17 @@ if ((rc == 5)); then
     say "FAILED: pytest collected no tests (exit 5)"
 elif ((rc != 0)); then
     say "FAILED: pytest exit status $rc"
+fi
+
+if [[ "${FUSION_OCI_SKIP_TS:-0}" != 1 ]]; then
+    say "== clients/typescript: tsc + node --test"
+    ts_rc=0
+    (cd clients/typescript && FUSION_OCI_PYTHON="$ROOT/.venv/bin/python" npm test) || ts_rc=$?
+    if ((ts_rc != 0)); then
+        say "FAILED: TypeScript tests exit status $ts_rc"
+        ((rc != 0)) || rc=$ts_rc
+    fi
+else
+    say "== TypeScript tests skipped (FUSION_OCI_SKIP_TS=1)"
 fi
 exit "$rc"

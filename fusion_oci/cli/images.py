@@ -16,19 +16,23 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 
 import typer
 
+from fusion_oci.cli.choices import choice
+
 if TYPE_CHECKING:
     from fusion_oci.images.ops import Session
     from fusion_oci.images.provision import ProvisionedImage
 
-images_app = typer.Typer(help="Build, pull, list and prune task images.", no_args_is_help=True)
+images_app = typer.Typer(help="Build, pull, list and prune task images.", no_args_is_help=True,
+                         context_settings={"help_option_names": ["-h", "--help"]},
+                         rich_markup_mode=None)
 app = images_app
 """The name fusion_oci.cli.main mounts."""
 
 T = TypeVar("T")
 
 EngineOpt = Annotated[list[str] | None, typer.Option(
-    "--engine", help="podman|podman-rootless|docker (repeatable; default: every engine that "
-    "answers).")]
+    "--engine", help="An engine to use (repeatable; default: every engine that answers).",
+    **choice("--engine", ("podman", "podman-rootless", "docker")))]
 BaseOpt = Annotated[str | None, typer.Option(
     "--base", help="BASE for images/ builds: a reference, or 'offline' for "
     "localhost/fusion-oci/base:bookworm (default: the public base if it can be had).")]
@@ -78,6 +82,24 @@ def _session(project: Path | None) -> Session:
                    settings_file=str(project_settings_path(project_dir)))
 
 
+def _check_names(names: list[str], images_dir: Path | None) -> None:
+    """A NAME that is no folder under images/ is a usage error (exit 2), with the known ones."""
+    from fusion_oci.errors import FlagError
+    from fusion_oci.images.spec import CONTAINERFILE, SELF_IMAGE, default_images_dir
+
+    root = images_dir or default_images_dir()
+    known = sorted(p.name for p in root.iterdir() if (p / CONTAINERFILE).is_file()) \
+        if root.is_dir() else []
+    for name in names:
+        if name != SELF_IMAGE and name not in known:
+            import difflib
+
+            near = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
+            _fail(FlagError(f"images build {name}", f"there is no image folder {root / name}",
+                            (f"did you mean {near[0]}? " if near else "")
+                            + f"images here: {', '.join(known) or 'none'}"))
+
+
 def _base(value: str | None) -> str | None:
     from fusion_oci.images.spec import BASE_REF
 
@@ -110,6 +132,7 @@ def build(
     """Build images from images/NAME (tag = content hash of the folder; unchanged = no build)."""
     from fusion_oci.images.ops import build_images
 
+    _check_names(names or [], images_dir)
     session = _session(project)
     rows = _run(lambda: build_images(session, names or [], engine or [], base=_base(base),
                                      force=force, mirrors=mirror or [],

@@ -13,25 +13,55 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 
+from fusion_oci.cli.choices import choice as _choice
+
 if TYPE_CHECKING:
     from fusion_oci.cli.task import TaskFlags
+
+HELP_OPTIONS = {"help_option_names": ["-h", "--help"]}
 
 app = typer.Typer(
     name="fusion-oci",
     help="Run coding-agent executor commands inside a sandbox around the task's worktree.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion: the choices below complete in the shell
     pretty_exceptions_enable=False,
+    context_settings=HELP_OPTIONS,
+    rich_markup_mode=None,  # plain click help: rich's renderer alone doubles `--help`'s start-up
 )
-bundle_app = typer.Typer(help="Write OCI bundles.", no_args_is_help=True)
-settings_app = typer.Typer(help="Show and check the effective settings.", no_args_is_help=True)
+bundle_app = typer.Typer(help="Write OCI bundles.", no_args_is_help=True,
+                         context_settings=HELP_OPTIONS, rich_markup_mode=None)
+settings_app = typer.Typer(help="Show and check the effective settings.", no_args_is_help=True,
+                           context_settings=HELP_OPTIONS, rich_markup_mode=None)
 app.add_typer(bundle_app, name="bundle")
 app.add_typer(settings_app, name="settings")
+
+
+def _version(value: bool) -> None:
+    if value:
+        from fusion_oci import __version__
+
+        typer.echo(f"fusion-oci {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option(
+        "--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Run coding-agent executor commands inside a sandbox around the task's worktree."""
+
+
+BACKEND_CHOICES = ("native", "bubblewrap", "landlock", "oci", "podman", "docker", "sandbox-exec",
+                   "custom")
 
 # --- shared options -------------------------------------------------------------------------
 
 Backend = Annotated[str | None, typer.Option(
-    "--backend", help="native|bubblewrap|landlock|oci|podman|docker|sandbox-exec|custom")]
+    "--backend", help="The sandbox backend (default: the settings', else native).",
+    **_choice("--backend", BACKEND_CHOICES))]
 Worktree = Annotated[Path | None, typer.Option(
     "--worktree", help="The task's worktree (default: the top of the git work tree holding the "
     "current directory).")]
@@ -43,7 +73,9 @@ UnsafeWorktree = Annotated[bool, typer.Option(
     "top of a git work tree.")]
 Image = Annotated[str | None, typer.Option(
     "--image", help="Image for container backends (images/ name or reference).")]
-Network = Annotated[str | None, typer.Option("--network", help="none|egress|host")]
+Network = Annotated[str | None, typer.Option(
+    "--network", help="none: no network; egress: outbound only, not the host's loopback "
+    "services; host: the host's network.", **_choice("--network", ("none", "egress", "host")))]
 AllowPath = Annotated[list[str] | None, typer.Option(
     "--allow-path", help="Host path visible read-only (repeatable).")]
 WritablePath = Annotated[list[str] | None, typer.Option(
@@ -58,12 +90,18 @@ TimeoutMs = Annotated[int | None, typer.Option("--timeout-ms", help="Wall-clock 
 MaxBuffer = Annotated[int | None, typer.Option(
     "--max-buffer", help="Most bytes kept of stdout and of stderr.")]
 FailureMode = Annotated[str | None, typer.Option(
-    "--failure-mode", help="fail-hard|fallback-native")]
-TaskId = Annotated[str | None, typer.Option("--task-id")]
-RunId = Annotated[str | None, typer.Option("--run-id")]
+    "--failure-mode", help="When the backend is unavailable: fail (exit 125) or run natively.",
+    **_choice("--failure-mode", ("fail-hard", "fallback-native")))]
+TaskId = Annotated[str | None, typer.Option(
+    "--task-id", help="The task's id, in audit events and container names (default: adhoc).")]
+RunId = Annotated[str | None, typer.Option(
+    "--run-id", help="The task run's id, in audit events (default: a new one).")]
 TaskPrompt = Annotated[Path | None, typer.Option(
-    "--task-prompt", help="File with the task prompt (may hold a **Sandbox:** override).")]
-CacheMode = Annotated[str | None, typer.Option("--cache-mode", help="shared|isolated|off")]
+    "--task-prompt", help="File with the task prompt (may hold a **Sandbox:** override); "
+    "- reads it from stdin.")]
+CacheMode = Annotated[str | None, typer.Option(
+    "--cache-mode", help="Package caches: shared per project, isolated per task, or off.",
+    **_choice("--cache-mode", ("shared", "isolated", "off")))]
 HostCa = Annotated[str | None, typer.Option(
     "--host-ca", help="auto|off|PATH: share the host CA bundle.")]
 AsJson = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
@@ -99,6 +137,53 @@ def _command(command: list[str]) -> str | list[str]:
     return command[0] if len(command) == 1 else command
 
 
+def _tty(command: list[str]) -> list[str]:
+    """COMMAND under `script`, which gives it a pseudo-terminal inside the sandbox (so it works
+    on every backend) and exits with its status; the size of our terminal, when we have one."""
+    import shlex
+
+    line = command[0] if len(command) == 1 else shlex.join(command)
+    if sys.stdout.isatty():
+        import os
+
+        size = os.get_terminal_size(sys.stdout.fileno())
+        line = f"stty cols {size.columns} rows {size.lines} 2>/dev/null; {line}"
+    return ["script", "-qec", line, "/dev/null"]
+
+
+def _pass_through(stream: str, chunk: bytes) -> bool:
+    """`run` without --json: the command's bytes as they come, in order, like `docker run`.
+    False when our stdout's reader has gone (`run ... | head`)."""
+    out = sys.stdout if stream == "stdout" else sys.stderr
+    try:
+        out.buffer.write(chunk)
+        out.buffer.flush()
+    except BrokenPipeError:
+        if stream != "stdout":
+            return True
+        import os
+
+        # Nothing more can be said there; point fd 1 at /dev/null so exiting is quiet.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return False
+    return True
+
+
+def _warn(warnings: list[str]) -> None:
+    for line in warnings:
+        typer.echo(f"fusion-oci: warning: {line}", err=True)
+
+
+def _console() -> Any:
+    """rich's Console, without its 80-column limit when the output is not a terminal
+    (`plan | less` must not cut JSON strings)."""
+    from rich.console import Console
+
+    return Console() if sys.stdout.isatty() else Console(width=100_000, soft_wrap=True)
+
+
 # --- run ------------------------------------------------------------------------------------
 
 
@@ -119,9 +204,21 @@ def run(
     audit_log: Annotated[Path | None, typer.Option(
         "--audit-log", help="Audit JSONL file (default: PROJECT/.fusion/sandbox-audit.jsonl).")
     ] = None,
+    interactive: Annotated[bool, typer.Option(
+        "-i", "--interactive", help="Feed this process's stdin to the command (read to its "
+        "end first; container backends take at most 96 KiB).")] = False,
+    tty: Annotated[bool, typer.Option(
+        "-t", "--tty", help="Give the command a pseudo-terminal (util-linux `script` inside "
+        "the sandbox): stdout and stderr then arrive merged, with CRLF line ends, as with "
+        "`docker run -t`.")] = False,
+    cwd: Annotated[str | None, typer.Option(
+        "--cwd", help="Working directory of the command: absolute inside the sandbox, or "
+        "relative to the worktree (default: the worktree).")] = None,
     as_json: AsJson = False,
 ) -> None:
-    """Run COMMAND in the sandbox; its stdout/stderr pass through, its exit status is ours.
+    """Run COMMAND in the sandbox; its stdout/stderr pass through as they come, its exit
+    status is ours. With --json nothing passes through: one result object is printed, its
+    output kept up to --max-buffer.
 
     SIGTERM, SIGINT or SIGHUP end the command's whole tree, audit it as aborted and exit 128+N.
     """
@@ -154,17 +251,38 @@ def run(
 
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.add_signal_handler(sig, on_signal, int(sig))
+
+        def pass_through(stream: str, chunk: bytes) -> None:
+            # Like a shell pipeline: the reader of our stdout gone ends the command (SIGPIPE).
+            if not _pass_through(stream, chunk) and not received:
+                received.append(int(signal.SIGPIPE))
+                sandbox.abort()
+
+        run_opts = opts if as_json else opts.model_copy(
+            update={"on_output": pass_through, "keep_output": False})
         async with sandbox:
             await sandbox.prepare(task.ctx)
             preparing = False
-            return await sandbox.run(_command(command), task.opts)
+            if not as_json and sandbox.runtime is not None and sandbox.runtime.id == "native" \
+                    and not sandbox.fell_back:
+                sys.stderr.write("fusion-oci: note: the native backend isolates nothing (the "
+                                 "command runs on the host as you)\n")
+            return await sandbox.run(_tty(command) if tty else _command(command), run_opts)
 
     try:
         flags = _flags(params)
+        if interactive and flags.task_prompt is not None and str(flags.task_prompt) == "-":
+            from fusion_oci.errors import FlagError
+
+            raise FlagError("--interactive with --task-prompt -", "both read stdin",
+                            "pass the task prompt as a file")
         environ = caller_env()
         task = resolve_task(flags, environ)
         audit = AuditLog(audit_log or default_audit_path(task.project_dir))
         attach_from_env(audit, environ)  # OpenTelemetry, when OTEL_* asks for it
+        opts = task.opts
+        if interactive:
+            opts = opts.model_copy(update={"stdin": sys.stdin.buffer.read()})
         result = asyncio.run(go())
     except FusionOCIError as exc:
         _fail(exc, as_json)
@@ -173,12 +291,9 @@ def run(
     if as_json:
         typer.echo(result.model_dump_json(by_alias=True))
     else:
-        sys.stdout.write(result.stdout)
-        sys.stdout.flush()
-        sys.stderr.write(result.stderr)
         if result.timed_out:
             sys.stderr.write(f"fusion-oci: timed out after {task.opts.timeout_ms} ms\n")
-        elif result.reason not in ("exit", "signal"):
+        elif result.reason not in ("exit", "signal") and received != [signal.SIGPIPE]:
             sys.stderr.write(f"fusion-oci: command ended: {result.reason}\n")
         if result.fell_back:
             sys.stderr.write("fusion-oci: fell back to the native runtime (see audit)\n")
@@ -220,6 +335,16 @@ def plan(
     from rich.console import Console
     from rich.syntax import Syntax
 
+    if not sys.stdout.isatty():
+        # Piped: plain JSON sections, whole lines.
+        sections = ((f"policy ({data['policyHash']})", "policy"), ("config.json", "config"),
+                    (f"launch plan: {data['backend']}", "launch"))
+        for title, key in sections:
+            typer.echo(f"== {title}")
+            typer.echo(json.dumps(data[key], indent=2))
+            if key == "policy" and data["unenforced"]:
+                typer.echo("not enforced by this backend: " + ", ".join(data["unenforced"]))
+        return
     console = Console()
     console.rule(f"policy ({data['policyHash']})")
     console.print(Syntax(json.dumps(data["policy"], indent=2), "json"))
@@ -272,44 +397,40 @@ def dry_run(task: Any, command: str | list[str], environ: dict[str, str]) -> dic
 
 
 @app.command()
-def doctor(as_json: AsJson = False) -> None:
-    """For every known backend: available here?, version, rootless, capabilities, the fix."""
+def doctor(worktree: Worktree = None, project_dir: ProjectDir = None,
+           as_json: AsJson = False) -> None:
+    """For every known backend: available here?, version, rootless, capabilities, the fix.
+
+    Reads the settings (global, project) and exits 1 when the configured backend is
+    unavailable here, 2 when the settings are bad.
+    """
     import os
-    import shutil
 
-    from fusion_oci.models import BACKEND_IDS
-    from fusion_oci.policy.settings import SandboxSettings
-    from fusion_oci.runtimes.registry import create_runtime
+    from fusion_oci.cli.task import find_project_dir
+    from fusion_oci.doctor import backend_rows
+    from fusion_oci.errors import FusionOCIError
+    from fusion_oci.policy.settings import load_settings
+    from fusion_oci.policy.worktree import default_worktree
 
-    rows: list[dict[str, Any]] = []
-    # The oci backend once more per OCI runtime installed besides the default (runc): gVisor's
-    # runsc enforces differently, and `ociRuntime: runsc` is how users pick it.
-    variants: list[dict[str, str]] = [{"backend": b} for b in BACKEND_IDS] + [
-        {"backend": "oci", "ociRuntime": name} for name in ("runsc", "crun")
-        if shutil.which(name)]
-    for fields in variants:
-        settings = SandboxSettings.model_validate(fields)
-        runtime = create_runtime(settings.backend, settings, os.environ)
-        avail = runtime.availability()
-        close = getattr(runtime, "close", None)
-        if callable(close):
-            close()
-        rows.append({
-            "backend": settings.backend,
-            **({"ociRuntime": settings.oci_runtime} if settings.backend == "oci" else {}),
-            "available": avail.available,
-            "version": avail.version,
-            "rootless": avail.rootless,
-            "reason": avail.reason or None,
-            "hint": avail.hint or None,
-            "enforces": sorted(r.value for r in runtime.enforces()) if avail.available else [],
-            "capabilities": runtime.capabilities().model_dump(by_alias=True),
-            "details": avail.details or None,
-        })
+    where = (worktree.expanduser().absolute() if worktree is not None
+             else default_worktree(Path.cwd().absolute()))
+    project = find_project_dir(where, project_dir)
+    try:
+        effective = load_settings(project_dir=project, env=os.environ)
+    except FusionOCIError as exc:
+        _fail(exc, as_json)
+    _warn(effective.warnings)
+    configured = effective.settings.backend
+    rows = backend_rows(os.environ, effective.settings, oci_variants=True)
+    chosen = next(r for r in rows if r["backend"] == configured)
+    summary = {"backend": configured,
+               "source": effective.provenance.get("backend", "default"),
+               "failureMode": effective.settings.failure_mode,
+               "available": chosen["available"]}
+    status = 0 if chosen["available"] else 1
     if as_json:
-        typer.echo(json.dumps(rows, indent=2))
-        return
-    from rich.console import Console
+        typer.echo(json.dumps({"configured": summary, "backends": rows}, indent=2))
+        raise typer.Exit(status)
     from rich.table import Table
 
     table = Table(title="fusion-oci backends on this host")
@@ -317,18 +438,30 @@ def doctor(as_json: AsJson = False) -> None:
         table.add_column(col, overflow="fold")
     for row in rows:
         table.add_row(
-            str(row["backend"]) + (f" ({row['ociRuntime']})" if row.get("ociRuntime") else ""),
+            str(row["backend"]) + (f" ({row['ociRuntime']})" if row.get("ociRuntime") else "")
+            + (" (configured)" if row is chosen else ""),
             "[green]yes[/]" if row["available"] else "[red]no[/]",
             str(row["version"] or "-"),
             "-" if row["rootless"] is None else ("yes" if row["rootless"] else "no"),
             ", ".join(row["enforces"]) or "-",
             "" if row["available"] else f"{row['reason']}\n{row['hint'] or ''}".strip(),
         )
-    Console().print(table)
+    _console().print(table)
     for row in rows:
         # landlock's: user namespaces are forbidden here, and landlock still isolates.
         if (row["details"] or {}).get("recommendation"):
-            Console().print(f"[bold]{row['backend']}[/]: {row['details']['recommendation']}")
+            _console().print(f"[bold]{row['backend']}[/]: {row['details']['recommendation']}")
+    if status:
+        typer.echo(f"fusion-oci: the configured backend '{configured}' ({summary['source']}) "
+                   f"is unavailable here (failureMode {summary['failureMode']})", err=True)
+    raise typer.Exit(status)
+
+
+# --- serve ----------------------------------------------------------------------------------
+
+from fusion_oci.cli.serve import serve as _serve  # noqa: E402  (only typer: cheap to import)
+
+app.command("serve")(_serve)
 
 
 # --- bundle ---------------------------------------------------------------------------------
@@ -356,6 +489,12 @@ def bundle_create(
     from fusion_oci.runtimes.base import default_cache_root
 
     try:
+        target = output.absolute()
+        if target.exists() and (not target.is_dir() or any(target.iterdir())):
+            from fusion_oci.errors import FlagError
+
+            raise FlagError(f"-o/--output {target}", "it exists and is not an empty directory",
+                            "choose a new directory, or remove the old bundle first")
         flags = _flags(params)
         environ = caller_env()
         task = resolve_task(flags, environ)
@@ -394,6 +533,7 @@ def settings_show(worktree: Worktree = None, task_prompt: TaskPrompt = None,
         task = _load_for(worktree, task_prompt, project_dir, unsafe_worktree)
     except FusionOCIError as exc:
         _fail(exc, as_json)
+    _warn(task.effective.warnings)
     values = flatten(task.effective.settings.model_dump(mode="json", by_alias=True))
     prov = task.effective.provenance
     rows = [{"key": key, "value": value, "source": prov.get(key, "default")}
@@ -401,7 +541,6 @@ def settings_show(worktree: Worktree = None, task_prompt: TaskPrompt = None,
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"effective sandbox settings (project {task.project_dir})")
@@ -409,7 +548,7 @@ def settings_show(worktree: Worktree = None, task_prompt: TaskPrompt = None,
         table.add_column(col, overflow="fold")
     for row in rows:
         table.add_row(f"sandbox.{row['key']}", json.dumps(row["value"]), row["source"])
-    Console().print(table)
+    _console().print(table)
 
 
 @settings_app.command("validate")
@@ -423,6 +562,7 @@ def settings_validate(worktree: Worktree = None, task_prompt: TaskPrompt = None,
         task = _load_for(worktree, task_prompt, project_dir, unsafe_worktree)
     except FusionOCIError as exc:
         _fail(exc)
+    _warn(task.effective.warnings)
     sources = sorted(set(task.effective.provenance.values())) or ["defaults only"]
     typer.echo("settings OK: " + ", ".join(sources))
 
@@ -434,7 +574,9 @@ def settings_validate(worktree: Worktree = None, task_prompt: TaskPrompt = None,
 def audit(
     worktree: Worktree = None,
     project_dir: ProjectDir = None,
-    audit_log: Annotated[Path | None, typer.Option("--audit-log")] = None,
+    audit_log: Annotated[Path | None, typer.Option(
+        "--audit-log", help="Audit JSONL file (default: PROJECT/.fusion/sandbox-audit.jsonl).")
+    ] = None,
     task: Annotated[str | None, typer.Option("--task", help="Only this task id.")] = None,
     limit: Annotated[int, typer.Option("--limit", help="Most recent N events.")] = 50,
     verify: Annotated[bool, typer.Option(
@@ -486,7 +628,6 @@ def audit(
         for event in events:
             typer.echo(event.model_dump_json(by_alias=True, exclude_none=True))
         return
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=str(path))
@@ -498,7 +639,7 @@ def audit(
                       e.backend, "" if status is None else str(status),
                       "" if e.duration_ms is None else str(e.duration_ms),
                       (e.reason or ", ".join(e.unenforced or []))[:120])
-    Console().print(table)
+    _console().print(table)
 
 
 # --- dashboard ------------------------------------------------------------------------------

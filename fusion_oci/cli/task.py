@@ -39,6 +39,8 @@ class TaskFlags:
     task_id: str | None = None
     run_id: str | None = None
     task_prompt: Path | None = None
+    """A file with the task prompt; ``-``: read it from stdin."""
+    cwd: str | None = None
     cache_mode: str | None = None
     host_ca: str | None = None
     project_dir: Path | None = None
@@ -140,7 +142,11 @@ def resolve_task(flags: TaskFlags, env: Mapping[str, str]) -> Task:
         raise FlagError(f"--project-dir {project}", "it does not exist or is not a directory",
                         "pass the project's root folder (the main repository)")
     prompt = None
-    if flags.task_prompt is not None:
+    if flags.task_prompt is not None and str(flags.task_prompt) == "-":
+        import sys
+
+        prompt = sys.stdin.read()
+    elif flags.task_prompt is not None:
         try:
             prompt = flags.task_prompt.read_text(encoding="utf-8")
         except OSError as exc:
@@ -157,6 +163,8 @@ def resolve_task(flags: TaskFlags, env: Mapping[str, str]) -> Task:
         values["timeout_ms"] = flags.timeout_ms
     if flags.max_buffer is not None:
         values["max_buffer"] = flags.max_buffer
+    if flags.cwd is not None:
+        values["cwd"] = flags.cwd
     try:
         ctx = PrepareContext(
             task_id=values["task_id"],
@@ -169,7 +177,7 @@ def resolve_task(flags: TaskFlags, env: Mapping[str, str]) -> Task:
             unsafe_worktree=flags.unsafe_worktree,
         )
         opts = RunOptions(env=dict(env), **{k: v for k, v in values.items()
-                                             if k in ("timeout_ms", "max_buffer")})
+                                             if k in ("timeout_ms", "max_buffer", "cwd")})
     except ValidationError as exc:
         raise flag_error(exc, values) from exc
     return Task(effective, ctx, opts, project)

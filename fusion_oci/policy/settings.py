@@ -69,6 +69,33 @@ class EffectiveSettings:
     settings: SandboxSettings
     provenance: dict[str, str] = field(default_factory=dict)
     """Dotted camelCase key path → the layer that set it ("default" when none did)."""
+    warnings: list[str] = field(default_factory=list)
+    """Settings that are ignored (a file or key fusion-oci does not read), for the CLI to show."""
+
+
+OUR_KEYS = frozenset(f.alias or n for n, f in SandboxSettings.model_fields.items())
+IGNORED_NAMES = ("settings.yml", "settings.json", "sandbox.yaml")
+
+
+def ignored_warnings(paths: list[Path]) -> list[str]:
+    """Files beside a settings path that look like settings but are not read, and sandbox
+    keys written outside ``sandbox:``. Reads the disk; never raises."""
+    out: list[str] = []
+    for path in paths:
+        for name in IGNORED_NAMES:
+            other = path.with_name(name)
+            if other.is_file():
+                out.append(f"{other} is ignored: fusion-oci reads {path.name} (rename it)")
+        try:
+            doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError):
+            continue
+        if isinstance(doc, dict):
+            stray = sorted(k for k in doc if k in OUR_KEYS)
+            if stray:
+                out.append(f"{path}: {', '.join(stray)} at the top level is ignored; "
+                           "indent it under `sandbox:`")
+    return out
 
 
 def global_settings_path(env: Mapping[str, str]) -> Path:
@@ -184,8 +211,35 @@ def _raise_validation(source: str, exc: ValidationError, prov: Mapping[str, str]
     raise SettingsError(f"settings error in {where} at sandbox.{keypath}", why, hint) from exc
 
 
+def _python_names(model: Any, data: Mapping[str, Any], prefix: str = "") -> tuple[str, str]:
+    """The first key written with its Python name instead of the documented camelCase one:
+    (key path as written, the spelling to use); ("", "") when there is none."""
+    fields = getattr(model, "model_fields", {})
+    for key, value in data.items():
+        match = next(((n, f) for n, f in fields.items() if key in (n, f.alias)), None)
+        if match is None:
+            continue
+        name, info = match
+        alias = info.alias or name
+        if key != alias:
+            return f"{prefix}{key}", alias
+        if isinstance(value, Mapping):
+            sub = info.annotation
+            for arg in (sub, *getattr(sub, "__args__", ())):
+                if hasattr(arg, "model_fields"):
+                    found = _python_names(arg, value, f"{prefix}{key}.")
+                    if found[0]:
+                        return found
+    return "", ""
+
+
 def validate_layer(layer: Layer) -> None:
-    """Validate one layer alone, so that an error names the layer that holds it."""
+    """Validate one layer alone, so that an error names the layer that holds it. Keys have
+    one spelling, the camelCase the README uses (``allowNetwork``, not ``allow_network``)."""
+    wrong, right = _python_names(SandboxSettings, layer.data)
+    if wrong:
+        raise SettingsError(f"settings error in {layer.source} at sandbox.{wrong}",
+                            f"unknown key '{wrong.rsplit('.', 1)[-1]}'", f"write it as {right}")
     try:
         SandboxSettings.model_validate(dict(layer.data))
     except ValidationError as exc:
@@ -227,7 +281,10 @@ def load_settings(
         layers.append(Layer("task prompt", {"backend": backend}))
     if overrides:
         layers.append(Layer("command line", overrides))
-    return merge_layers(layers)
+    merged = merge_layers(layers)
+    files = [p for p in (gpath, project_settings_path(project_dir) if project_dir else None)
+             if p is not None]
+    return EffectiveSettings(merged.settings, merged.provenance, ignored_warnings(files))
 
 
 def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -110,10 +110,11 @@ class LaunchPlan:
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {"backend": self.backend}
-        for key in ("argv", "sdk_call", "sdk_kwargs", "env", "cwd"):
+        for key, name in (("argv", "argv"), ("sdk_call", "sdkCall"), ("sdk_kwargs", "sdkKwargs"),
+                          ("env", "env"), ("cwd", "cwd")):
             value = getattr(self, key)
             if value is not None:
-                data[key] = value
+                data[name] = value
         if self.notes:
             data["notes"] = self.notes
         return data

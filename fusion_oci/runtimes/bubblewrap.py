@@ -596,6 +596,8 @@ class BubblewrapRuntime(SpecRuntime):
                 timeout_s=opts.timeout_ms / 1000,
                 max_buffer=opts.max_buffer,
                 pass_fds=passed,
+                on_output=opts.on_output,
+                keep_output=opts.keep_output,
             ))
             if hooks:
                 assert info_r is not None and block_w is not None

@@ -679,6 +679,14 @@ class ContainerRuntime(SpecRuntime):
             loop.call_soon_threadsafe(overflow.set)
 
         sink = _Sink(opts.max_buffer, on_overflow)
+        if opts.on_output is not None:
+            callback = opts.on_output
+
+            def forward(i: int, chunk: bytes) -> None:  # the pump's thread -> the loop
+                loop.call_soon_threadsafe(callback, "stderr" if i else "stdout", chunk)
+
+            sink.on_chunk = forward
+        sink.keep = opts.keep_output
         pump: asyncio.Future[None] = loop.run_in_executor(self._executor(), sink.pump, stream)
         overflowed: asyncio.Future[bool] = asyncio.ensure_future(overflow.wait())
         timed_out = False
@@ -796,6 +804,10 @@ class _Sink:
     chunks: tuple[list[bytes], list[bytes]] = field(default_factory=lambda: ([], []))
     sizes: list[int] = field(default_factory=lambda: [0, 0])
     truncated: bool = False
+    on_chunk: Callable[[int, bytes], None] | None = None
+    """Sees every chunk as it arrives (streaming), in the pump's thread."""
+    keep: bool = True
+    """False: keep nothing and never overflow (RunOptions.keep_output)."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def pump(self, stream: ExecStream) -> None:
@@ -806,6 +818,10 @@ class _Sink:
                         self._add(i, chunk)
 
     def _add(self, i: int, chunk: bytes) -> None:
+        if self.on_chunk is not None:
+            self.on_chunk(i, chunk)
+        if not self.keep:
+            return
         with self._lock:
             room = self.limit - self.sizes[i]
             if room > 0:

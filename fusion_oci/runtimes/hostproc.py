@@ -80,6 +80,8 @@ class HostProcessRuntime(SpecRuntime):
             stdin=opts.stdin,
             timeout_s=opts.timeout_ms / 1000,
             max_buffer=opts.max_buffer,
+            on_output=opts.on_output,
+            keep_output=opts.keep_output,
             term_group=False,  # the shim ends the tree itself, then dies by the same signal
         )
         return self.result(outcome, spec)

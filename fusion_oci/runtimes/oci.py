@@ -1194,7 +1194,8 @@ class OciRuntime(SpecRuntime):
             outcome = await run_process(
                 argv, env=_cli_env(self.env), cwd=str(bundle_dir), stdin=opts.stdin,
                 timeout_s=opts.timeout_ms / 1000, max_buffer=opts.max_buffer,
-                grace_s=GRACE_S, term_group=False, stop=stop,
+                grace_s=GRACE_S, term_group=False, stop=stop, on_output=opts.on_output,
+                keep_output=opts.keep_output,
             )
             counters = read_counters(task.root, cid) if keep else CgroupCounters()
             if group is not None:

@@ -1,0 +1,38 @@
+"""``fusion-oci serve``: kept apart from main.py so that the CLI's start-up imports none of it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def serve(
+    socket: Annotated[Path | None, typer.Option(
+        "--socket", help="Listen on this unix socket (created mode 0600) instead of stdio; "
+                         "refused when the path exists and is not a stale socket.")] = None,
+    max_message_bytes: Annotated[int, typer.Option(
+        "--max-message-bytes", min=1024,
+        help="Largest JSON-RPC message accepted; a larger one gets an error.")] = 16 << 20,
+) -> None:
+    """Serve the sandbox lifecycle as JSON-RPC 2.0 (docs/protocol.md) on stdio or a socket.
+
+    Every sandbox a client prepared is disposed, and every process tree it started is ended,
+    when that client goes away.
+    """
+    import asyncio
+
+    from fusion_oci.errors import FusionOCIError
+    from fusion_oci.server import serve_socket, serve_stdio
+
+    try:
+        if socket is None:
+            asyncio.run(serve_stdio(max_message_bytes))
+        else:
+            asyncio.run(serve_socket(socket.absolute(), max_message_bytes))
+    except FusionOCIError as exc:
+        typer.echo(f"fusion-oci: {exc}", err=True)
+        raise typer.Exit(exc.exit_code) from None
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None

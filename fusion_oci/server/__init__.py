@@ -1,0 +1,134 @@
+"""``fusion-oci serve``: the sandbox lifecycle as JSON-RPC 2.0 over stdio or a unix socket.
+
+The protocol is in docs/protocol.md. Each connection is one :class:`~.methods.Session`; when
+its client goes away (EOF, socket closed) every sandbox it prepared is disposed and every
+process tree it started is ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import stat
+import sys
+from pathlib import Path
+
+from fusion_oci.errors import FlagError
+from fusion_oci.server.methods import PROTOCOL_VERSION, Session
+from fusion_oci.server.rpc import Connection, Writer
+
+__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "PROTOCOL_VERSION", "serve_socket", "serve_stdio"]
+
+DEFAULT_MAX_MESSAGE_BYTES = 16 << 20
+STREAM_LIMIT = 1 << 16  # longest header line asyncio's reader buffers
+
+
+async def _session(reader: asyncio.StreamReader, writer: Writer, max_bytes: int) -> None:
+    session = Session()
+    conn = Connection(reader, writer, session.handlers(), max_bytes=max_bytes)
+    session.conn = conn
+    try:
+        await conn.serve()
+    finally:
+        await asyncio.shield(session.close())
+
+
+def _on_signals(task: asyncio.Task[None]) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, task.cancel)
+
+
+async def serve_stdio(max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+    """One session on this process's stdin/stdout.
+
+    stdout carries only protocol: the real fd 1 is kept for it and fd 1 is pointed at stderr,
+    so a stray print (ours or a library's) cannot corrupt the stream.
+    """
+    loop = asyncio.get_running_loop()
+    out_fd = os.dup(1)
+    os.dup2(2, 1)
+    in_fd = os.dup(0)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)  # nothing else reads the protocol's stdin
+    os.close(devnull)
+    reader = asyncio.StreamReader(limit=STREAM_LIMIT)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
+                                 os.fdopen(in_fd, "rb", buffering=0))
+    transport, protocol = await loop.connect_write_pipe(
+        asyncio.streams.FlowControlMixin, os.fdopen(out_fd, "wb", buffering=0))
+    stream = asyncio.StreamWriter(transport, protocol, reader, loop)
+    task = asyncio.ensure_future(_session(reader, Writer(stream), max_bytes))
+    _on_signals(task)
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+def _claim_socket_path(path: Path) -> None:
+    """Refuse an existing path unless it is a socket nobody answers on (then remove it)."""
+    try:
+        info = path.lstat()
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(info.st_mode):
+        raise FlagError(f"--socket {path}", "the path exists and is not a socket",
+                        "choose a path that does not exist")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        path.unlink(missing_ok=True)  # stale: its server has gone
+        return
+    finally:
+        probe.close()
+    raise FlagError(f"--socket {path}", "a server is already listening there",
+                    "stop it, or choose another path")
+
+
+async def serve_socket(path: Path, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+    """A session per connection on a unix socket created mode 0600, until SIGTERM/SIGINT."""
+    _claim_socket_path(path)
+    sessions: set[asyncio.Task[None]] = set()
+
+    async def client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        sessions.add(task)
+        try:
+            await _session(reader, Writer(writer), max_bytes)
+        finally:
+            sessions.discard(task)
+
+    old = os.umask(0o177)  # the socket is born 0600: no window where others may connect
+    try:
+        server = await asyncio.start_unix_server(client, path=str(path), limit=STREAM_LIMIT)
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)  # noqa: PTH101  (belt and braces; pathlib here trips ASYNC240)
+    print(f"fusion-oci serve: listening on {path} (protocol {PROTOCOL_VERSION})",
+          file=sys.stderr, flush=True)
+    main = asyncio.current_task()
+    assert main is not None
+    _on_signals(main)
+    try:
+        async with server:
+            await server.serve_forever()
+    except asyncio.CancelledError:
+        pass
+    finally:
+        server.close()
+        for task in list(sessions):
+            task.cancel()
+        if sessions:
+            await asyncio.gather(*sessions, return_exceptions=True)
+        _remove_socket(path)
+
+
+def _remove_socket(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISSOCK(path.lstat().st_mode):
+            path.unlink()
