@@ -431,10 +431,16 @@ class LandlockRuntime(HostProcessRuntime):
             launch.unlink(missing_ok=True)
             # The command's whole tree has ended: nothing can race the restore.
             changed = snapshot.restore(kept)
+        notes = []
         if changed:
-            note = ("fusion-oci: restored what the command changed in read-only paths: "
-                    + ", ".join(changed[:10]) + ("" if len(changed) <= 10 else ", ...") + "\n")
-            outcome = replace(outcome, stderr=outcome.stderr + note.encode())
+            notes.append("restored what the command changed in read-only paths: "
+                         + ", ".join(changed[:10]) + ("" if len(changed) <= 10 else ", ..."))
+        if kept.too_big:
+            notes.append("not kept, so not restored (too large to copy per command): "
+                         + ", ".join(kept.too_big[:10]))
+        if notes:
+            text = "".join(f"fusion-oci: {n}\n" for n in notes)
+            outcome = replace(outcome, stderr=outcome.stderr + text.encode())
         if outcome.returncode == 125 and outcome.stderr.startswith(CONFINE_FAILED):
             raise SandboxSetupError(
                 "the landlock runtime could not confine the command",
