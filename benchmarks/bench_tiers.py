@@ -3,12 +3,12 @@ bubblewrap, oci with runc and oci with gVisor's runsc.
 
     .venv/bin/python benchmarks/bench_tiers.py [--runs N]
 
-Each runtime is prepared once and runs `true` N times through the Python API (as an executor
-does between commands), network none. Floors measured in the same run: `sh -c true`, a raw
-`bwrap`, and a raw `runsc --network=none run` on a bundle written once. The cases take turns
-(one command of each per round), so load from other processes on a shared machine falls on
-all of them alike. A runtime missing here is listed as such. Ratios are to the native runtime;
-quote them, not the milliseconds.
+Each runtime is prepared once, on a linked git worktree (a Fusion task's), and runs `true` N
+times through the Python API (as an executor does between commands), network none. Floors
+measured in the same run: `sh -c true`, a raw `bwrap`, and a raw `runsc --network=none run` on
+a bundle written once. The cases take turns (one command of each per round), so load from other
+processes on a shared machine falls on all of them alike. A runtime missing here is listed as
+such. Ratios are to the native runtime; quote them, not the milliseconds.
 """
 
 from __future__ import annotations
@@ -84,6 +84,18 @@ def raw_runsc(wt: str, tmp: Path) -> Case:
     return go
 
 
+def linked_worktree(base: Path) -> str:
+    """A repository with one commit and a linked worktree of it (``git worktree add``)."""
+    repo, wt = base / "repo", base / "wt"
+    env = {**os.environ, "GIT_AUTHOR_NAME": "b", "GIT_AUTHOR_EMAIL": "b@e",
+           "GIT_COMMITTER_NAME": "b", "GIT_COMMITTER_EMAIL": "b@e"}
+    for argv in (["init", "-q", str(repo)], ["-C", str(repo), "commit", "-q", "--allow-empty",
+                                              "-m", "init"],
+                 ["-C", str(repo), "worktree", "add", "-q", str(wt)]):
+        subprocess.run(["git", *argv], check=True, env=env, capture_output=True)
+    return str(wt)
+
+
 def rounds(cases: list[tuple[str, Case]], runs: int,
            warmup: int = 2) -> list[tuple[str, float | str]]:
     """Median ms of each case, the cases taking turns round after round."""
@@ -103,9 +115,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=30)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as wt, tempfile.TemporaryDirectory() as tmpdir, \
+    with tempfile.TemporaryDirectory() as base, tempfile.TemporaryDirectory() as tmpdir, \
             contextlib.ExitStack() as stack:
         tmp = Path(tmpdir)
+        wt = linked_worktree(Path(base))
         cases: list[tuple[str, Case]] = [
             ("sh -c true (direct)", run_argv(["/bin/sh", "-c", "true"], cwd=wt)),
         ]
