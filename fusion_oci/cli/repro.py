@@ -84,5 +84,69 @@ def repro(
     raise typer.Exit(report.status)
 
 
+def export(
+    ident: Annotated[str | None, typer.Argument(
+        help="A run id or task id; none: the current settings.", show_default=False)] = None,
+    fmt: Annotated[str, typer.Option(
+        "--format", help="compose|devcontainer|kube|script")] = "compose",
+    output: Annotated[Path | None, typer.Option(
+        "--output", "-o", help="File to write (default: stdout).")] = None,
+    worktree: Annotated[Path | None, typer.Option(
+        "--worktree", help="Worktree (default: the recorded one, or the current one).")
+    ] = None,
+    backend: Annotated[str | None, typer.Option(
+        "--backend", help="Without a run id: the backend whose settings to export.")] = None,
+    image: Annotated[str | None, typer.Option(
+        "--image", help="Image to name (default: the recorded digest's reference).")] = None,
+    command: Annotated[list[str] | None, typer.Option(
+        "--command", help="Without a run id: the command (default: an interactive shell).")
+    ] = None,
+    project_dir: ProjectDirOpt = None,
+    audit_log: AuditLogOpt = None,
+) -> None:
+    """Write a compose service, a devcontainer.json, a Kubernetes Pod or a podman script that
+    reproduce the task environment; what the format cannot express is listed at its top and
+    on stderr."""
+    from fusion_oci.errors import FusionOCIError
+    from fusion_oci.export import (
+        EXPORT_FORMATS,
+        export_run,
+        source_from_record,
+        source_from_settings,
+    )
+
+    try:
+        if fmt not in EXPORT_FORMATS:
+            from fusion_oci.errors import FlagError
+
+            raise FlagError(f"--format {fmt}", "not a known format",
+                            "use one of " + ", ".join(EXPORT_FORMATS))
+        if ident is not None:
+            from fusion_oci.audit import default_audit_path
+            from fusion_oci.repro import find_run
+
+            project = _project(project_dir)
+            commands = find_run(audit_log or default_audit_path(project), ident, project)
+            source = source_from_record(commands[-1].record, commands[-1].event,
+                                        worktree=worktree, image=image)
+        else:
+            source = source_from_settings(worktree=worktree, backend=backend, image=image,
+                                          command=list(command or []),
+                                          project_dir=project_dir)
+        text, unexpressed = export_run(source, fmt)
+    except FusionOCIError as exc:
+        _fail(exc, False)
+        return
+    for item in unexpressed:
+        typer.echo(f"fusion-oci export: not expressed in {fmt}: {item}", err=True)
+    if output is None:
+        sys.stdout.write(text)
+    else:
+        output.write_text(text, encoding="utf-8")
+        if fmt == "script":
+            output.chmod(0o755)
+
+
 def register(app: Any) -> None:
     app.command("repro")(repro)
+    app.command("export")(export)
