@@ -42,6 +42,21 @@ class RecordedCommand:
     record: ReplayRecord
 
 
+def check_log(audit_path: Path, env: Mapping[str, str]) -> str | None:
+    """Refuse a log whose chain is broken (a replay would run what a forged line says); the
+    MACs are checked where this host's audit key is, else only the ``prev`` chain. Returns a
+    note when only the chain could be checked."""
+    from fusion_oci.audit import default_key_path, load_key, verify_chain
+
+    key = load_key(default_key_path(env), create=False)
+    report = verify_chain(audit_path, key)
+    if not report.ok:
+        raise SettingsError(f"audit log {audit_path} fails its integrity check",
+                            report.reason or "", "restore the log from the recording machine, "
+                            "or pass --ignore-chain to replay what it says anyway")
+    return None if report.keyed else "audit log: no audit key here, only its hash chain checked"
+
+
 def find_run(audit_path: Path, ident: str, project_dir: Path) -> list[RecordedCommand]:
     """The recorded commands of run ``ident`` (or of the last run of task ``ident``)."""
     runs = [e for e in read_events(audit_path) if e.type == "sandbox:run"]

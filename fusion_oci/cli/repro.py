@@ -49,6 +49,9 @@ def repro(
     allow_provision: Annotated[bool, typer.Option(
         "--allow-provision", help="Answer yes to `ask` gates (a backend's default image).")
     ] = False,
+    ignore_chain: Annotated[bool, typer.Option(
+        "--ignore-chain", help="Replay even when the audit log fails its integrity check "
+        "(reported).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable report.")] = False,
 ) -> None:
     """Replay a recorded run here: the recorded outcome beside the new one; exits with the
@@ -59,17 +62,25 @@ def repro(
     from fusion_oci.cli.task import caller_env
     from fusion_oci.errors import FusionOCIError
     from fusion_oci.images.gates import tty_ask
-    from fusion_oci.repro import find_run, render, replay
+    from fusion_oci.repro import check_log, find_run, render, replay
 
     try:
         project = _project(project_dir)
         log_path = audit_log or default_audit_path(project)
-        commands = find_run(log_path, ident, project)
         env = caller_env()
+        try:
+            note = check_log(log_path, env)
+        except FusionOCIError as exc:
+            if not ignore_chain:
+                raise
+            note = f"audit log integrity check failed (--ignore-chain): {exc.why}"
+        commands = find_run(log_path, ident, project)
         report = asyncio.run(replay(
             commands, worktree=worktree, backend=backend, project_dir=project_dir,
             env=env, audit=AuditLog(log_path), image=image,
             ask=tty_ask(assume_yes=allow_provision)))
+        if note:
+            report.differences.insert(0, note)
     except FusionOCIError as exc:
         _fail(exc, as_json)
         return

@@ -163,3 +163,15 @@ def test_gone_image_digest_fails_clearly(tmp_path: Path) -> None:
     assert f"the recorded image {image.id} is not in docker" in p.stderr
     assert "hint:" in p.stderr and "Traceback" not in p.stderr
     client.close()
+
+
+def test_edited_audit_log_is_refused(recorded: Path) -> None:
+    log = recorded / ".fusion" / "sandbox-audit.jsonl"
+    lines = log.read_text().splitlines(keepends=True)
+    lines = [ln.replace('"exitCode":3', '"exitCode":0') for ln in lines]
+    log.write_text("".join(lines))
+    p = cli("repro", "rec1", cwd=recorded)
+    assert p.returncode == 2 and "fails its integrity check" in p.stderr
+    p = cli("repro", "rec1", "--ignore-chain", "--json", cwd=recorded)
+    assert p.returncode == 3
+    assert "integrity check failed" in json.loads(p.stdout)["differences"][0]
