@@ -214,15 +214,25 @@ def _git(worktree: Path, *args: str) -> bytes | None:
 
 
 def worktree_state(worktree: Path) -> WorktreeState:
-    """HEAD and a digest of what differs from it (status + diff). Blocking; read-only."""
-    head = _git(worktree, "rev-parse", "--verify", "-q", "HEAD")
-    status = _git(worktree, "status", "--porcelain=v1", "-z", "--untracked-files=all")
+    """HEAD and a digest of what differs from it. Blocking; read-only. One git call for a
+    clean tree (``status --branch`` names HEAD too), a second for the diff of a dirty one."""
+    status = _git(worktree, "status", "--porcelain=v2", "--branch", "-z",
+                  "--untracked-files=all")
     if status is None:
-        return WorktreeState(head=head.decode().strip() if head else None)
-    diff = _git(worktree, "diff", "--binary", "HEAD") if head else b""
-    digest = hashlib.sha256(status + b"\0" + (diff or b"")).hexdigest()
-    return WorktreeState(head=head.decode().strip() if head else None,
-                         status="sha256:" + digest)
+        return WorktreeState()
+    head: str | None = None
+    changes: list[bytes] = []
+    for entry in status.split(b"\0"):
+        if entry.startswith(b"# branch.oid "):
+            oid = entry[len(b"# branch.oid "):].decode(errors="replace")
+            head = None if oid == "(initial)" else oid
+        elif entry and not entry.startswith(b"# "):
+            changes.append(entry)
+    body = b"\0".join(changes)
+    if changes and head is not None:
+        body += b"\0" + (_git(worktree, "diff", "--no-ext-diff", "--no-textconv", "--binary",
+                                "HEAD") or b"")
+    return WorktreeState(head=head, status="sha256:" + hashlib.sha256(body).hexdigest())
 
 
 def describe_change(then: WorktreeState | None, now: WorktreeState) -> str | None:
