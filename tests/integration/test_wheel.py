@@ -1,6 +1,6 @@
-"""A wheel is a complete install: built with ``python -m build`` (wheel and sdist), installed
-into a fresh venv outside the checkout, it lists and builds the node image from the image
-definitions it carries (fusion_oci/_images), under the same content-hash tag a checkout uses."""
+"""A wheel is a complete install: built with ``python -m build`` (wheel and sdist), each
+installed into a fresh venv outside the checkout lists, builds and prebuilds the node image from
+the image definitions it carries (fusion_oci/_images), under the tag a checkout uses."""
 
 from __future__ import annotations
 
@@ -51,14 +51,16 @@ def test_build_makes_wheel_and_sdist_with_images(dist: Path) -> None:
     assert "pyproject.toml" in members
 
 
-def test_wheel_in_fresh_venv_lists_and_builds_node(dist: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["whl", "tar.gz"])
+def test_install_in_fresh_venv_lists_builds_and_prebuilds_node(dist: Path, tmp_path: Path,
+                                                                kind: str) -> None:
     ensure_base("docker")
     env = _env(tmp_path)
     venv = tmp_path / "venv"
     subprocess.run(["/usr/bin/python3", "-m", "venv", str(venv)], check=True, timeout=120)
-    wheel = next(dist.glob("fusion_oci-*.whl"))
+    package = next(dist.glob(f"fusion_oci-*.{kind}"))
     subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "--disable-pip-version-check",
-                    str(wheel)], check=True, env=env, timeout=600, capture_output=True)
+                    str(package)], check=True, env=env, timeout=600, capture_output=True)
     project = tmp_path / "project"      # outside the checkout: no images/ anywhere near
     project.mkdir()
 
@@ -87,3 +89,11 @@ def test_wheel_in_fresh_venv_lists_and_builds_node(dist: Path, tmp_path: Path) -
     assert listed.returncode == 0, listed.stderr
     node = [r for r in json.loads(listed.stdout) if r["reference"] == want]
     assert node and node[0]["current"] is True
+
+    (project / ".fusion").mkdir()
+    (project / ".fusion" / "settings.yaml").write_text("sandbox:\n  image: node\n")
+    pre = subprocess.run([cli, "images", "prebuild", "--engine", "docker", "--base", "offline",
+                          "--project", str(project), "--json"],
+                         cwd=project, env=env, capture_output=True, text=True, timeout=600)
+    assert pre.returncode == 0, pre.stderr
+    assert [r["reference"] for r in json.loads(pre.stdout)] == [want]
