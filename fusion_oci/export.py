@@ -147,7 +147,7 @@ def read_spec(spec: Mapping[str, Any], *, name: str, image: str, image_digest: s
     )
 
 
-def _safe_name(text: str) -> str:
+def safe_name(text: str) -> str:
     import re
 
     out = re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")
@@ -166,14 +166,14 @@ def source_from_record(record: ReplayRecord, event: AuditEvent | None, *,
     system += [f"/etc/{n}" for n in record.host.get("etc_entries", [])]
     chosen = image or record.image_ref or record.image
     if chosen is None:
-        chosen = _default_image()
+        chosen = default_image()
     if host_rootfs:
         notes.append(f"root filesystem: the run used the host's system directories "
                      f"(backend {record.backend}); the export runs image {chosen} instead")
     if worktree is not None and str(worktree) != record.worktree:
         spec = _move_worktree(spec, record.worktree, str(worktree.absolute()))
     digest = event.image_digest if event is not None else None
-    return read_spec(spec, name=_safe_name(f"fusion-oci-{record.task_id}"), image=chosen,
+    return read_spec(spec, name=safe_name(f"fusion-oci-{record.task_id}"), image=chosen,
                      image_digest=None if image else digest,
                      system_dests=system if host_rootfs else [],
                      env_names=record.env_names, notes=notes,
@@ -192,7 +192,7 @@ def _move_worktree(spec: dict[str, Any], old: str, new: str) -> dict[str, Any]:
     return spec
 
 
-def _default_image() -> str:
+def default_image() -> str:
     from fusion_oci.images.spec import resolve_image
     from fusion_oci.runtimes.engine import DEFAULT_IMAGE
 
@@ -200,32 +200,6 @@ def _default_image() -> str:
         return resolve_image(DEFAULT_IMAGE).ref
     except Exception:  # no images/ at all: name it, the user points --image elsewhere
         return DEFAULT_IMAGE
-
-
-def source_from_settings(*, worktree: Path | None, backend: str | None, image: str | None,
-                         command: list[str], project_dir: Path | None) -> ExportSource:
-    """The environment the current settings give a command (nothing is created or run)."""
-    from fusion_oci.cli.main import dry_run
-    from fusion_oci.cli.task import TaskFlags, caller_env, resolve_task
-    from fusion_oci.oci.host import probe_host
-    from fusion_oci.oci.spec import ANN_HOST_ROOTFS, allowed_env
-
-    environ = caller_env()
-    task = resolve_task(TaskFlags(worktree=worktree, backend=backend, image=image,
-                                  project_dir=project_dir), environ)
-    argv: str | list[str] = command if len(command) != 1 else command[0]
-    data = dry_run(task, argv or ["/bin/bash"], environ)
-    spec = data["config"]
-    host = probe_host()
-    host_rootfs = spec.get("annotations", {}).get(ANN_HOST_ROOTFS) == "true"
-    chosen = image or task.ctx.image or task.effective.settings.image or _default_image()
-    notes = [f"root filesystem: backend {data['backend']} uses the host's system directories;"
-             f" the export runs image {chosen} instead"] if host_rootfs else []
-    system = [d for d, _ in host.system_mounts] + [f"/etc/{n}" for n in host.etc_entries]
-    names = sorted(allowed_env(task.ctx.policy.env_allowlist, environ))
-    return read_spec(spec, name=_safe_name(f"fusion-oci-{task.ctx.task_id}"), image=chosen,
-                     image_digest=None, system_dests=system if host_rootfs else [],
-                     env_names=names, notes=notes, host_rlimits=host.rlimits)
 
 
 # --------------------------------------------------------------------------- shared limits

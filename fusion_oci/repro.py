@@ -237,8 +237,8 @@ async def replay(
     import asyncio
     import secrets
 
-    from fusion_oci.cli.task import find_project_dir
     from fusion_oci.models import CacheMode
+    from fusion_oci.policy.layout import project_root
     from fusion_oci.sandbox import Sandbox
 
     first = commands[0]
@@ -248,7 +248,7 @@ async def replay(
     if project_dir is None:
         recorded = Path(record.project_dir) if record.project_dir else None
         project_dir = recorded if worktree is None and recorded and recorded.is_dir() \
-            else find_project_dir(tree)
+            else project_root(tree)
     differences: list[str] = []
     if str(tree) != record.worktree:
         differences.append(f"worktree {record.worktree} -> {tree}")

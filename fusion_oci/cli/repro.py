@@ -7,9 +7,12 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+
+if TYPE_CHECKING:
+    from fusion_oci.export import ExportSource
 
 Ident = Annotated[str, typer.Argument(help="A run id, or a task id (its last run).",
                                       show_default=False)]
@@ -119,12 +122,7 @@ def export(
     reproduce the task environment; what the format cannot express is listed at its top and
     on stderr."""
     from fusion_oci.errors import FusionOCIError
-    from fusion_oci.export import (
-        EXPORT_FORMATS,
-        export_run,
-        source_from_record,
-        source_from_settings,
-    )
+    from fusion_oci.export import EXPORT_FORMATS, export_run, source_from_record
 
     try:
         if fmt not in EXPORT_FORMATS:
@@ -156,6 +154,33 @@ def export(
         output.write_text(text, encoding="utf-8")
         if fmt == "script":
             output.chmod(0o755)
+
+
+def source_from_settings(*, worktree: Path | None, backend: str | None, image: str | None,
+                         command: list[str], project_dir: Path | None) -> ExportSource:
+    """The environment the current settings give a command (nothing is created or run)."""
+    from fusion_oci.cli.main import dry_run
+    from fusion_oci.cli.task import TaskFlags, caller_env, resolve_task
+    from fusion_oci.export import default_image, read_spec, safe_name
+    from fusion_oci.oci.host import probe_host
+    from fusion_oci.oci.spec import ANN_HOST_ROOTFS, allowed_env
+
+    environ = caller_env()
+    task = resolve_task(TaskFlags(worktree=worktree, backend=backend, image=image,
+                                  project_dir=project_dir), environ)
+    argv: str | list[str] = command if len(command) != 1 else command[0]
+    data = dry_run(task, argv or ["/bin/bash"], environ)
+    spec = data["config"]
+    host = probe_host()
+    host_rootfs = spec.get("annotations", {}).get(ANN_HOST_ROOTFS) == "true"
+    chosen = image or task.ctx.image or task.effective.settings.image or default_image()
+    notes = [f"root filesystem: backend {data['backend']} uses the host's system directories;"
+             f" the export runs image {chosen} instead"] if host_rootfs else []
+    system = [d for d, _ in host.system_mounts] + [f"/etc/{n}" for n in host.etc_entries]
+    names = sorted(allowed_env(task.ctx.policy.env_allowlist, environ))
+    return read_spec(spec, name=safe_name(f"fusion-oci-{task.ctx.task_id}"), image=chosen,
+                     image_digest=None, system_dests=system if host_rootfs else [],
+                     env_names=names, notes=notes, host_rlimits=host.rlimits)
 
 
 def register(app: Any) -> None:
