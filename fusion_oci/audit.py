@@ -65,6 +65,19 @@ class AuditEvent(Model):
     env_names: list[str] | None = None
     command: str | None = None
     details: dict[str, Any] | None = None
+    replay: str | None = None
+    """``sandbox:run``: id of the stored :class:`fusion_oci.replay.ReplayRecord`."""
+    image_digest: str | None = None
+    """``sandbox:run``: id of the image the command ran in (container runtimes)."""
+    cwd: str | None = None
+    version: str | None = None
+    """fusion-oci version that wrote the event (``sandbox:run``)."""
+    worktree_head: str | None = None
+    """``sandbox:run``: commit checked out in the worktree before the command."""
+    worktree_status: str | None = None
+    """``sandbox:run``: digest of the worktree's uncommitted state before the command."""
+    stdout_digest: str | None = None
+    stderr_digest: str | None = None
     prev: str | None = None
     """SHA-256 of the line before this one in the file (set when written)."""
     mac: str | None = None

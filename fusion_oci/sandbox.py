@@ -39,6 +39,7 @@ from fusion_oci.models import PrepareContext, RunOptions, RunResult
 from fusion_oci.oci.host import HostInfo
 from fusion_oci.policy.settings import SandboxSettings
 from fusion_oci.policy.worktree import check_inputs
+from fusion_oci.replay import record_run, worktree_state
 from fusion_oci.runtimes.base import Runtime, SpecRuntime, unenforced_parts
 from fusion_oci.runtimes.registry import create_runtime
 from fusion_oci.scratch import gc_scratch
@@ -185,6 +186,11 @@ class Sandbox:
                                     "call prepare(ctx) first")
         opts = opts or RunOptions()
         shown = command if isinstance(command, str) else " ".join(command)
+        # Replay records go beside a persistent audit log (fusion_oci.replay); the worktree's
+        # state is read before the command can change it.
+        recording = self.audit.path is not None
+        state = (await asyncio.to_thread(worktree_state, Path(self.ctx.worktree_path))
+                 if recording else None)
         started = time.monotonic()
         task = asyncio.ensure_future(self.runtime.run(command, opts))
         self._running.add(task)
@@ -208,6 +214,13 @@ class Sandbox:
             "fell_back": self.fell_back,
             "unenforced": self.unenforced,
         })
+        replay: dict[str, Any] = {}
+        if recording:
+            try:
+                replay = await record_run(self.runtime, self.ctx, self.settings, command, opts,
+                                          self.env, state, result.stdout, result.stderr)
+            except (OSError, FusionOCIError) as exc:
+                replay = {"details": {"replay_error": str(exc)}}
         self._event(
             "sandbox:run",
             command=shown[:200],
@@ -218,6 +231,7 @@ class Sandbox:
             end_reason=result.reason,
             fell_back=self.fell_back,
             unenforced=self.unenforced or None,
+            **replay,
         )
         return result
 

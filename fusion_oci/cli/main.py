@@ -713,6 +713,12 @@ def gc(
     raise typer.Exit(1 if report.errors else 0)
 
 
+# repro and export (issue 15) live in their own module; it imports only typer at start-up.
+from fusion_oci.cli.repro import register as _register_repro  # noqa: E402
+
+_register_repro(app)
+
+
 def _mount_images(argv: list[str]) -> None:
     """The `images` sub-app, mounted only when it can be asked for: its imports (SDKs, rich
     progress) would otherwise slow down every `fusion-oci run`."""

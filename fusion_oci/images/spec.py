@@ -62,11 +62,28 @@ SELF_IMAGE = "fusion-oci"
 """The image of fusion-oci itself, built from the top-level Containerfile."""
 
 
-def default_images_dir(env: Mapping[str, str] | None = None) -> Path:
-    """``$FUSION_OCI_IMAGES_DIR``, else ``images/`` at the top of the source tree this module
-    was loaded from (read when called, never at import)."""
+PACKAGED_IMAGES = "_images"
+"""Where a wheel carries the top-level ``images/`` (pyproject.toml's hatch force-include)."""
+
+
+def default_images_dir(env: Mapping[str, str] | None = None, *,
+                       package_root: Path | None = None) -> Path:
+    """``$FUSION_OCI_IMAGES_DIR``; else ``images/`` of the checkout this package was loaded
+    from (the source of truth, so an edit there is what builds); else the copy shipped inside
+    the package (a wheel or sdist install). Read when called, never at import.
+
+    ``package_root``: the ``fusion_oci`` folder (tests point it at an installed copy).
+    """
     value = (os.environ if env is None else env).get("FUSION_OCI_IMAGES_DIR")
-    return Path(value) if value else Path(__file__).resolve().parents[2] / "images"
+    if value:
+        return Path(value)
+    package = package_root or Path(__file__).resolve().parents[1]
+    top = package.parent
+    # A checkout has pyproject.toml beside images/; site-packages has neither, and an unrelated
+    # site-packages/images (another distribution's) must not be mistaken for ours.
+    if (top / "pyproject.toml").is_file() and (top / "images").is_dir():
+        return top / "images"
+    return package / PACKAGED_IMAGES
 
 
 def is_short_name(name: str) -> bool:

@@ -183,6 +183,8 @@ class SpecRuntime:
         # runtime-side events are audited, and who answers an `ask` gate.
         self.audit: AuditLog | None = None
         self.ask: AskCallback | None = None
+        self.last_spec: Spec | None = None
+        """The spec of the latest command (compiled by :meth:`run`)."""
 
     @property
     def host(self) -> HostInfo:
@@ -212,7 +214,9 @@ class SpecRuntime:
         return compile_spec(self.ctx, self.layout, self.host, command, opts, source)
 
     async def run(self, command: str | Sequence[str], opts: RunOptions) -> RunResult:
-        return await self.execute(self.compile(command, opts), opts)
+        spec = self.compile(command, opts)
+        self.last_spec = spec  # what the lifecycle records for a replay (fusion_oci.replay)
+        return await self.execute(spec, opts)
 
     async def execute(self, spec: Spec, opts: RunOptions) -> RunResult:
         raise NotImplementedError

@@ -406,6 +406,7 @@ class ContainerRuntime(SpecRuntime):
         self._seccomp: str | None = None
         self._counters: dict[str, dict[str, int]] = {}
         self.image_ref: str | None = None
+        self._image_id: str | None = None
 
     # -- engine-specific hooks ------------------------------------------------------------
 
@@ -583,6 +584,18 @@ class ContainerRuntime(SpecRuntime):
         await self._collect_own_garbage(ctx.task_id)
         if self.mode == "warm":
             self._container = await self._start_container()
+
+    async def image_digest(self) -> str | None:
+        """The id (``sha256:...``) of the image this task's containers run (None before
+        prepare): the audit pins it so a replay runs that very image."""
+        adapter, ref = self._adapter, self.image_ref
+        if adapter is None or ref is None:
+            return None
+        if self._image_id is None:
+            raw = await self._call("image inspect",
+                                   lambda: str(adapter.sdk_client().images.get(ref).id))
+            self._image_id = raw if raw.startswith("sha256:") else f"sha256:{raw}"
+        return self._image_id
 
     async def _call_probe(self) -> None:
         def probe() -> None:
