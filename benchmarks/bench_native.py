@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -28,6 +29,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=30)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as wt:
+        subprocess.run(["git", "init", "-q", wt], check=True)  # a worktree is a git top
         direct = median_ms(run_argv(["/bin/sh", "-c", "true"], cwd=wt), args.runs)
         with SyncSandbox(SandboxSettings(), env=dict(os.environ)) as sb:
             sb.prepare(PrepareContext(task_id="bench", run_id="r", worktree_path=wt))

@@ -74,6 +74,7 @@ def main() -> None:
     if not avail.available:
         sys.exit(f"oci runtime unavailable: {avail.reason}")
     with tempfile.TemporaryDirectory() as wt, tempfile.TemporaryDirectory() as tmpdir:
+        subprocess.run(["git", "init", "-q", wt], check=True)  # a worktree is a git top
         tmp = Path(tmpdir)
         none = SandboxPolicy(allow_network=False)
         direct = median_ms(run_argv(["/bin/sh", "-c", "true"], cwd=wt), args.runs)

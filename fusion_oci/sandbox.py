@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
 import threading
 import time
@@ -35,7 +36,7 @@ from fusion_oci.errors import (
     RuntimeUnavailableError,
     SandboxSetupError,
 )
-from fusion_oci.models import PrepareContext, RunOptions, RunResult
+from fusion_oci.models import OutputStream, PrepareContext, RunOptions, RunResult
 from fusion_oci.oci.host import HostInfo
 from fusion_oci.policy.settings import SandboxSettings
 from fusion_oci.policy.worktree import check_inputs
@@ -191,6 +192,19 @@ class Sandbox:
         recording = self.audit.path is not None
         state = (await asyncio.to_thread(worktree_state, Path(self.ctx.worktree_path))
                  if recording else None)
+        hashers: dict[str, Any] | None = None
+        if recording and not opts.keep_output:
+            # Streamed and not kept (the CLI's pass-through): the record's output digests come
+            # from the chunks as they pass, not from the (empty) result.
+            hashers = {"stdout": hashlib.sha256(), "stderr": hashlib.sha256()}
+            inner = opts.on_output
+
+            def tee(stream: OutputStream, chunk: bytes) -> None:
+                hashers[stream].update(chunk)
+                if inner is not None:
+                    inner(stream, chunk)
+
+            opts = opts.model_copy(update={"on_output": tee})
         started = time.monotonic()
         task = asyncio.ensure_future(self.runtime.run(command, opts))
         self._running.add(task)
@@ -219,6 +233,9 @@ class Sandbox:
             try:
                 replay = await record_run(self.runtime, self.ctx, self.settings, command, opts,
                                           self.env, state, result.stdout, result.stderr)
+                if hashers is not None:
+                    replay["stdout_digest"] = "sha256:" + hashers["stdout"].hexdigest()
+                    replay["stderr_digest"] = "sha256:" + hashers["stderr"].hexdigest()
             except (OSError, FusionOCIError) as exc:
                 replay = {"details": {"replay_error": str(exc)}}
         self._event(

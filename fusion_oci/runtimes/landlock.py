@@ -52,7 +52,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from fusion_oci.errors import SandboxSetupError
+from fusion_oci.errors import PolicyNotEnforceableError, SandboxSetupError
 from fusion_oci.models import (
     NetworkMode,
     PrepareContext,
@@ -62,6 +62,7 @@ from fusion_oci.models import (
 )
 from fusion_oci.oci.seccomp import compile_bpf
 from fusion_oci.oci.spec import SANDBOX_HOME, Spec, spec_network
+from fusion_oci.policy.layout import task_project
 from fusion_oci.process import reaper_argv, run_process
 from fusion_oci.runtimes.base import Availability, LaunchPlan, Requirement
 from fusion_oci.runtimes.hostproc import HostProcessRuntime, native_env, native_rlimits
@@ -392,6 +393,19 @@ class LandlockRuntime(HostProcessRuntime):
                 )
             # The carve-outs depend on the task's layout only: known before anything runs.
             probe = self.rules(self.compile(["true"], RunOptions()))
+            fusion = str(task_project(ctx).resolve() / ".fusion")
+            exposed = [p for p in probe.restored
+                       if p == fusion or p.startswith(fusion + "/") or fusion.startswith(p + "/")]
+            if exposed:
+                # Keep-and-restore is not enough here: the settings would be writable while the
+                # command runs, and restoring the folder would drop the audit lines the host
+                # appends for other commands meanwhile. Refused, never weakened.
+                raise PolicyNotEnforceableError(
+                    self.id, [f"protectedPaths: {fusion}/ (the project's settings and audit "
+                              "log, inside the writable worktree)"],
+                    "use a linked worktree (git worktree add) or --project-dir outside the "
+                    "worktree, whose .fusion/ the command cannot reach; or bubblewrap where "
+                    "user namespaces are allowed")
             if probe.restored and self.layout is not None:
                 # Listed as not read-only (the lifecycle reports layout.unprotected), though
                 # put back after every command.
@@ -426,6 +440,7 @@ class LandlockRuntime(HostProcessRuntime):
                 argv, env=native_env(spec, home, tmp), cwd=spec["process"]["cwd"],
                 stdin=opts.stdin, timeout_s=opts.timeout_ms / 1000,
                 max_buffer=opts.max_buffer, term_group=False,
+                on_output=opts.on_output, keep_output=opts.keep_output,
             )
         finally:
             launch.unlink(missing_ok=True)

@@ -57,11 +57,13 @@ def runtime(request: pytest.FixtureRequest) -> Runtime:
 async def sandbox(rt: Runtime, worktree: Path, tmp_path: Path,
                   **policy: object) -> AsyncIterator[Sandbox]:
     policy.setdefault("allow_network", False)
+    project = tmp_path / "project"  # outside the worktree, as an executor's is
+    project.mkdir(exist_ok=True)
     async with Sandbox(rt.settings, cache_root=tmp_path / "cache") as sb:
         await sb.prepare(PrepareContext(
             task_id=f"contract-{rt.name}", run_id="r1", worktree_path=str(worktree),
             policy=SandboxPolicy(**policy), image=rt.image,  # type: ignore[arg-type]
-            cache_mode=CacheMode.OFF))
+            cache_mode=CacheMode.OFF, project_dir=str(project)))
         yield sb
 
 

@@ -386,4 +386,4 @@ def test_cli_images_list_json(podman: EngineClient) -> None:
     base = [r for r in rows if r["reference"] == BASE_REF]
     assert base and base[0]["name"] == "base" and base[0]["digest"].startswith("sha256:")
     denied = CliRunner().invoke(app, ["images", "build", "nope-nope", "--engine", "podman"])
-    assert denied.exit_code == 125 and "unknown" in denied.output
+    assert denied.exit_code == 2 and "no image folder" in denied.output  # a usage error

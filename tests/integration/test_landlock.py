@@ -38,10 +38,28 @@ def run(worktree: Path, command: str, *, timeout_ms: int = 20_000, **policy: Any
     settings = SandboxSettings(backend="landlock", policy=SandboxPolicy(**policy))
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(worktree.parent),
            "LANG": "C.UTF-8"}
+    # The project outside the worktree (an executor's layout): landlock refuses a project whose
+    # .fusion/ the command could write (test_a_main_worktree_as_the_project_is_refused).
+    project = worktree.parent / "project"
+    project.mkdir(exist_ok=True)
     with SyncSandbox(settings, env=env, cache_root=worktree.parent / "cache") as sb:
         sb.prepare(PrepareContext(task_id="ll", run_id="r1", worktree_path=str(worktree),
-                                  policy=settings.policy))
+                                  policy=settings.policy, project_dir=str(project)))
         return sb.run(command, RunOptions(timeout_ms=timeout_ms, env=env))
+
+
+def test_a_main_worktree_as_the_project_is_refused(worktree: Path) -> None:
+    """Landlock cannot make the project's .fusion/ read-only inside the writable worktree:
+    the layout is refused (fallback-native or another backend then applies), never weakened."""
+    from fusion_oci.errors import PolicyNotEnforceableError
+
+    settings = SandboxSettings(backend="landlock", policy=SandboxPolicy(allow_network=False))
+    with SyncSandbox(settings, env=dict(os.environ), cache_root=worktree.parent / "cache") as sb, \
+            pytest.raises(PolicyNotEnforceableError) as refused:
+        sb.prepare(PrepareContext(task_id="ll", run_id="r1", worktree_path=str(worktree),
+                                  policy=settings.policy))
+    assert any(".fusion" in part for part in refused.value.unenforced)
+    assert "linked worktree" in refused.value.hint
 
 
 def test_commit_in_a_linked_worktree_works_and_hooks_stay_read_only(
@@ -127,12 +145,11 @@ def test_egress_and_cgroup_limits_are_refused_not_weakened(worktree: Path) -> No
 def test_a_plain_repositorys_hooks_and_config_are_put_back_and_listed(worktree: Path) -> None:
     config = (worktree / ".git" / "config").read_text()
     result = run(worktree, "printf '#!/bin/sh\\necho owned\\n' > .git/hooks/pre-commit; "
-                           "git config core.fsmonitor 'touch /tmp/x'; rm -rf .fusion; "
+                           "git config core.fsmonitor 'touch /tmp/x'; "
                            "echo ok > kept.txt")
     assert not (worktree / ".git" / "hooks" / "pre-commit").exists()
     assert (worktree / ".git" / "config").read_text() == config
     assert (worktree / "kept.txt").read_text() == "ok\n"  # the worktree itself is the command's
-    assert (worktree / ".fusion").is_dir()
     assert "restored" in result.stderr
     listed = " ".join(result.unenforced)
     assert ".git/hooks" in listed and "restored after each command" in listed, result
@@ -200,8 +217,9 @@ for backend in ("bubblewrap", "landlock"):
                     "details": avail.details}
 settings = SandboxSettings(backend="landlock", policy=SandboxPolicy(allow_network=False))
 with SyncSandbox(settings, env=env, cache_root=base / "cache") as sb:
+    (base / "project").mkdir(exist_ok=True)
     sb.prepare(PrepareContext(task_id="userns", run_id="r", worktree_path=str(base / "wt"),
-                              policy=settings.policy))
+                              policy=settings.policy, project_dir=str(base / "project")))
     result = sb.run(f"cat {base}/home/.ssh/id_ed25519; echo pwn > {base}/outside; "
                     "unshare --user true; echo inside > inside.txt",
                     RunOptions(timeout_ms=20000, env=env))

@@ -100,6 +100,10 @@ EXPECT: dict[tuple[str, str], Expect] = {
     # expressed in Landlock: they are put back after each command, which is what the
     # host-side probes observe (and listed as not read-only during it).
     ("fork-bomb", "landlock"): "unenforced",
+    # The main worktree as the project: its .fusion/ would be writable under Landlock, so the
+    # landlock runtime refuses that layout (test_trust.py).
+    ("self-downgrade-main", "landlock"): "unenforced",
+    ("audit-forgery", "landlock"): "unenforced",
     ("memory-hog", "landlock"): "unenforced",
     ("disk-fill-tmp", "landlock"): "unenforced",
     ("dashboard-4040", "landlock"): "unenforced",
@@ -223,6 +227,11 @@ class Prober:
         """Prepare, run ``command`` once, dispose. A policy the backend cannot enforce raises
         :class:`PolicyNotEnforceableError` (native runs it and lists it in ``unenforced``)."""
         policy = policy or SandboxPolicy(allow_network=False)
+        if project_dir is None and worktree is None and self.backend == "landlock":
+            # Landlock refuses a project whose .fusion/ lies in the writable worktree (it cannot
+            # make it read-only there): the executor's layout, a project outside the worktree.
+            project_dir = self.tmp / "project"
+            project_dir.mkdir(exist_ok=True)
         ctx = PrepareContext(task_id=task_id, run_id="run", policy=policy,
                              worktree_path=str(worktree or self.worktree),
                              cache_mode=cache_mode,

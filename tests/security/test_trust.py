@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from fusion_oci.errors import PolicyNotEnforceableError
 from fusion_oci.models import SandboxPolicy
 from fusion_oci.oci.spec import MASKED_PATHS
 from tests.conftest import git_init
-from tests.security.conftest import Prober, RootlessUser
+from tests.security.conftest import Prober, RootlessUser, expected, record
 from tests.security.test_probes import check
 
 DOWNGRADE = ('mkdir -p .fusion; printf "sandbox:\\n  backend: native\\n  policy:\\n'
@@ -78,6 +79,18 @@ def test_masked_proc_paths_are_unreadable(prober: Prober) -> None:
     check("masked-proc-read", prober.backend, bool(leaked), f"readable inside: {leaked}")
 
 
+def _refused(probe: str, prober: Prober, command: str, project: Path) -> bool:
+    """Where the backend cannot protect a main worktree's own .fusion/ (landlock), it must
+    refuse the layout, and nothing runs."""
+    if expected(probe, prober.backend) != "unenforced":
+        return False
+    with pytest.raises(PolicyNotEnforceableError) as refused:
+        prober.run(command, project_dir=project)
+    assert any(".fusion" in part for part in refused.value.unenforced), refused.value.render()
+    record(probe, prober.backend, "unenforced")
+    return True
+
+
 def _host_settings(worktree: Path) -> tuple[str, str | None]:
     """What the host resolves for this worktree next time, as `fusion-oci run` would."""
     from fusion_oci.cli.task import TaskFlags, resolve_task
@@ -95,7 +108,9 @@ def test_self_downgrade_in_a_main_worktree(prober: Prober, present: bool) -> Non
         (wt / ".fusion").mkdir()
         (wt / ".fusion" / "settings.yaml").write_text("sandbox:\n  backend: bubblewrap\n")
     before = _host_settings(wt)
-    prober.run(DOWNGRADE, SandboxPolicy(allow_network=False))
+    if _refused("self-downgrade-main", prober, DOWNGRADE, wt):
+        return
+    prober.run(DOWNGRADE, SandboxPolicy(allow_network=False), project_dir=wt)
     after = _host_settings(wt)
     check("self-downgrade-main", prober.backend, after != before and after[0] == "native",
           f"host settings went from {before} to {after}")
@@ -135,7 +150,9 @@ def test_audit_log_cannot_be_forged_or_edited(prober: Prober) -> None:
               '"backend":"native","exitCode":0}')
     cmd = (f"echo '{forged}' >> {path}; sed -i 's/\"exitCode\":1/\"exitCode\":0/' {path}; "
            f"cp {path} /tmp/x && cat /tmp/x > {path}.new && mv {path}.new {path}")
-    prober.run(cmd)
+    if _refused("audit-forgery", prober, cmd, wt):
+        return
+    prober.run(cmd, project_dir=wt)
     now = path.read_bytes()
     # The host's own events of this run may follow the original lines; nothing else may.
     tampered = not now.startswith(original) or token.encode() in now

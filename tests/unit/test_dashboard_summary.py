@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import tomllib
-from fnmatch import fnmatch
 from pathlib import Path
 
 import pytest
@@ -214,16 +213,19 @@ def test_chain_status_from_verify_chain(tmp_path: Path, monkeypatch: pytest.Monk
 
 
 def test_the_page_files_are_package_data() -> None:
-    """A wheel install serves the page: every static file and template is matched by
-    pyproject's package-data globs."""
-    globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
-        "package-data"]["fusion_oci"]
+    """A wheel install serves the page: the wheel ships the whole fusion_oci package (hatch),
+    and no static file or template is git-ignored (hatch leaves ignored files out)."""
+    import subprocess
+
+    wheel = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["hatch"]["build"][
+        "targets"]["wheel"]
+    assert wheel["packages"] == ["fusion_oci"]
     pkg = ROOT / "fusion_oci"
-    files = [p.relative_to(pkg).as_posix() for sub in ("static", "templates")
-             for p in (pkg / "dashboard" / sub).iterdir()]
+    files = [str(p) for sub in ("static", "templates") for p in (pkg / "dashboard" / sub).iterdir()]
     assert files
-    for name in files:
-        assert any(fnmatch(name, g) for g in globs), name
+    ignored = subprocess.run(["git", "check-ignore", *files], cwd=ROOT, capture_output=True,
+                             text=True).stdout.split()
+    assert ignored == []
 
 
 def test_the_cli_imports_no_web_stack_or_otel() -> None:
