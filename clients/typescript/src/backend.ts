@@ -42,6 +42,8 @@ const CAPABILITIES: Record<SandboxBackendId, SandboxCapabilities> = {
   docker: caps("strong", "coarse", "advanced", true, true, true, true),
   podman: caps("strong", "coarse", "advanced", true, true, true, true),
   custom: caps("none", "none", "none", true, false, false, false),
+  oci: caps("strong", "coarse", "advanced", true, false, true, false),
+  landlock: caps("strong", "coarse", "basic", false, false, true, false),
 };
 
 function caps(fs: SandboxCapabilities["filesystemIsolation"],

@@ -8,7 +8,12 @@ export type SandboxBackendId =
   | "bubblewrap"
   | "docker"
   | "podman"
-  | "custom";
+  | "custom"
+  // Widened: the backends fusion-oci adds to the brief's list (an OCI runtime CLI on the
+  // bundle, and Landlock where user namespaces are forbidden). The id after prepare() is the
+  // backend that really runs, so it can be one of these.
+  | "oci"
+  | "landlock";
 
 export type SandboxFailureMode = "fail-hard" | "fallback-native";
 
