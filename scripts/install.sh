@@ -32,6 +32,8 @@ as_root() { "${SUDO[@]}" "$@"; }
 # --------------------------------------------------------------------------- apt packages
 APT_PACKAGES=(
     podman bubblewrap crun runc uidmap slirp4netns fuse-overlayfs debootstrap docker.io
+    # tini-static: the oci runtime's container init (the command is not pid 1)
+    tini
     golang-github-opencontainers-specs-dev git nodejs npm iproute2
     # the registry tests/integration/test_provision_retry.py starts on a loopback port
     docker-registry

@@ -182,9 +182,32 @@ def egress_launch_argv(unshare: str, hook: EgressHook, argv: list[str]) -> list[
             hook.request, hook.reply, *argv]
 
 
+INIT_IN_SANDBOX = "/dev/fusion-oci-init"
+"""Where the init binary is bound: inside the container's own /dev tmpfs, so the mount point
+is made there and nothing is left in the (shared, read-only) rootfs or on the host."""
+
+
+def with_init(spec: Spec, init: str) -> Spec:
+    """Run the command under a minimal init (tini), as ``docker run --init`` does. Pure.
+
+    Without one the command is pid 1 of the container's pid namespace, and the kernel drops
+    every signal pid 1 has no handler for: ``kill -TERM $$`` in a shell is a no-op there, and a
+    shell command that exits by signal elsewhere exits 0 here. The init forwards signals, reaps
+    orphans and exits 128+N when the command dies of signal N.
+    """
+    out = copy.deepcopy(spec)
+    out["mounts"].append(bind(INIT_IN_SANDBOX, init, writable=False))
+    out["process"]["args"] = [INIT_IN_SANDBOX, "--", *out["process"]["args"]]
+    return out
+
+
 def bundle_spec(spec: Spec, *, rootless_ids: tuple[int, int] | None = None,
-                rootfs: str | None = None, egress: EgressHook | None = None) -> Spec:
+                rootfs: str | None = None, egress: EgressHook | None = None,
+                init: str | None = None) -> Spec:
     """The spec as the runtime gets it. Pure.
+
+    ``init``: a static init binary on the host (tini-static) the command runs under
+    (:func:`with_init`); None: the command is the container's pid 1.
 
     As root it is the compiled spec unchanged, apart from an image's unpacked rootfs path and,
     for egress, the hook that attaches slirp4netns before the command starts and a resolv.conf
@@ -194,7 +217,7 @@ def bundle_spec(spec: Spec, *, rootless_ids: tuple[int, int] | None = None,
     which an unprivileged runtime cannot set without delegation; the lifecycle refuses
     policies that need them because :meth:`OciRuntime.enforces` leaves them out.
     """
-    out = copy.deepcopy(spec)
+    out = with_init(spec, init) if init is not None else copy.deepcopy(spec)
     if rootfs is not None:
         out["root"]["path"] = rootfs
     if egress is not None and egress.hook:
@@ -873,6 +896,7 @@ class OciRuntime(SpecRuntime):
         self._rootfs: str | None = None
         self._seq = 0
         self._binary: str | None = None
+        self._init: str | None = None
         self._version: str | None = None
         self._cgroups: CgroupHost | None = None
         self._egress: tuple[bool, str] | None = None
@@ -907,6 +931,14 @@ class OciRuntime(SpecRuntime):
         if self._binary is None:
             self._binary = shutil.which(self.runtime_name, path=self.env.get("PATH"))
         return self._binary
+
+    def _find_init(self) -> str | None:
+        """A static init for the container's pid 1 (Debian's tini-static; docker.io's own
+        dependency), found once; None: the command is pid 1 (see with_init)."""
+        if self._init is None:
+            found = shutil.which("tini-static", path=self.env.get("PATH") or "/usr/bin:/bin")
+            self._init = found or ""
+        return self._init or None
 
     def _cgroup_host(self) -> CgroupHost:
         if self._cgroups is None:
@@ -1175,7 +1207,8 @@ class OciRuntime(SpecRuntime):
         group = None
         try:
             runtime_spec = bundle_spec(spec, rootless_ids=rootless_ids, rootfs=self._rootfs,
-                                       egress=link.hook if link else None)
+                                       egress=link.hook if link else None,
+                                       init=self._find_init())
             if gvisor and not self.rootless:
                 group, runtime_spec = gvisor_cgroup(runtime_spec, self.env)
             write_bundle(runtime_spec, bundle_dir)

@@ -67,20 +67,6 @@ async def sandbox(rt: Runtime, worktree: Path, tmp_path: Path,
         yield sb
 
 
-KNOWN_GAPS = {
-    ("signal-self", "oci"): "the command is pid 1 of runc's pid namespace, and pid 1 ignores "
-                            "a signal it has no handler for: `kill -TERM $$` is a no-op and "
-                            "the shell exits 0",
-}
-"""Cases an existing runtime fails today, each with why: strict xfail, so a fix shows up."""
-
-
-def known_gap(case: str, runtime: Runtime, request: pytest.FixtureRequest) -> None:
-    why = KNOWN_GAPS.get((case, runtime.name))
-    if why:
-        request.applymarker(pytest.mark.xfail(reason=why, strict=True))
-
-
 async def test_exit_statuses(runtime: Runtime, worktree: Path, tmp_path: Path) -> None:
     async with sandbox(runtime, worktree, tmp_path) as sb:
         got = {code: (await sb.run(f"exit {code}")).exit_code for code in (0, 1, 255)}
@@ -90,18 +76,14 @@ async def test_exit_statuses(runtime: Runtime, worktree: Path, tmp_path: Path) -
 
 
 async def test_death_by_signal_is_reported_as_the_signal(
-        runtime: Runtime, worktree: Path, tmp_path: Path, request: pytest.FixtureRequest
-) -> None:
-    known_gap("signal-self", runtime, request)
+        runtime: Runtime, worktree: Path, tmp_path: Path) -> None:
     async with sandbox(runtime, worktree, tmp_path) as sb:
         killed = await sb.run("kill -TERM $$")
         assert (killed.exit_code, killed.signal) == (None, "SIGTERM"), killed
 
 
 async def test_exec_failures_as_a_shell_reports_them(runtime: Runtime, worktree: Path,
-                                                     tmp_path: Path,
-                                                     request: pytest.FixtureRequest) -> None:
-    known_gap("exec-failure", runtime, request)
+                                                     tmp_path: Path) -> None:
     async with sandbox(runtime, worktree, tmp_path) as sb:
         missing = await sb.run(["nosuchcommand-contract"])
         assert (missing.exit_code, missing.signal) == (127, None), missing
