@@ -28,13 +28,8 @@ from fusion_oci.runtimes.containers import (
     LABEL_OWNER_PID,
     LABEL_OWNER_START,
 )
-from fusion_oci.runtimes.engine import (
-    EngineAdapter,
-    Found,
-    boot_id,
-    engine_errors,
-    process_start,
-)
+from fusion_oci.runtimes.engine import EngineAdapter, Found, engine_errors
+from fusion_oci.scratch import boot_id, process_start
 
 if TYPE_CHECKING:
     from fusion_oci.policy.settings import SandboxSettings

@@ -19,7 +19,8 @@ PREFIX = "fusion-oci-"
 OWNER_FILE = "owner"
 
 
-def _boot_id() -> str:
+def boot_id() -> str:
+    """This boot of the machine (a stamp from another boot names a dead owner)."""
     try:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
@@ -38,7 +39,7 @@ def process_start(pid: int) -> str | None:
 
 def owner_stamp(pid: int | None = None) -> str:
     pid = os.getpid() if pid is None else pid
-    return f"{pid} {process_start(pid) or '0'} {_boot_id()}\n"
+    return f"{pid} {process_start(pid) or '0'} {boot_id()}\n"
 
 
 def owner_alive(stamp: str) -> bool:
@@ -47,7 +48,7 @@ def owner_alive(stamp: str) -> bool:
     if len(parts) != 3 or not parts[0].isdigit():
         return True  # not ours to judge: keep it
     pid, start, boot = parts
-    if boot != _boot_id():
+    if boot != boot_id():
         return False
     return process_start(int(pid)) == start
 

@@ -53,6 +53,7 @@ from fusion_oci.runtimes.containers import (
     plan_kill,
     plan_limit_probe,
 )
+from fusion_oci.scratch import boot_id, process_start
 
 T = TypeVar("T")
 
@@ -341,21 +342,8 @@ class EngineAdapter(Protocol):
 # --------------------------------------------------------------------------- owner
 
 
-def boot_id() -> str:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return "unknown"
-
-
-def process_start(pid: int) -> str | None:
-    """Start time of a pid in clock ticks since boot (field 22 of /proc/PID/stat)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return None
-    fields = stat.rsplit(b")", 1)[-1].split()
-    return fields[19].decode() if len(fields) > 19 else None
+# boot_id and process_start live in fusion_oci.scratch (imported above): one owner check for
+# containers, volumes and scratch folders alike.
 
 
 def current_owner() -> Owner:
