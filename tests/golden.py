@@ -10,6 +10,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from fusion_oci.oci.host import HostInfo
+
 DATA = Path(__file__).parent / "data"
 
 
@@ -22,3 +24,13 @@ def assert_golden(name: str, value: Any) -> None:
         path.write_text(text)
     assert path.exists(), f"golden {path} is missing (FUSION_OCI_UPDATE_GOLDEN=1 writes it)"
     assert path.read_text() == text, f"{path} differs (FUSION_OCI_UPDATE_GOLDEN=1 to accept)"
+
+
+GOLDEN_HOST = HostInfo(
+    uid=1000, gid=1000,
+    rlimits={"RLIMIT_NOFILE": (1024, 20000), "RLIMIT_CPU": (-1, -1)},
+    system_mounts=(("/usr", "/usr"), ("/bin", "/usr/bin"), ("/lib", "/usr/lib")),
+    etc_entries=("passwd", "ssl", "resolv.conf"),
+    ca_bundle="/etc/ssl/certs/ca-certificates.crt",
+)
+"""The fixed host facts every golden translation is compiled against (no real host reads)."""

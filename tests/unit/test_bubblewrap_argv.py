@@ -9,7 +9,6 @@ import pytest
 
 from fusion_oci.errors import BundleError
 from fusion_oci.models import CacheMode, CpuLimit, PrepareContext, RunOptions, SandboxPolicy
-from fusion_oci.oci.host import HostInfo
 from fusion_oci.oci.spec import Spec, compile_spec
 from fusion_oci.policy.layout import CacheMount, GitLayout, TaskLayout
 from fusion_oci.process import ProcessOutcome
@@ -26,15 +25,9 @@ from fusion_oci.runtimes.bubblewrap import (
 )
 from fusion_oci.runtimes.linux import cgroups, egress, userns
 from fusion_oci.runtimes.linux.cgroups import CgroupEvents, CgroupLimits
-from tests.golden import assert_golden
+from tests.golden import GOLDEN_HOST, assert_golden
 
-HOST = HostInfo(
-    uid=1000, gid=1000,
-    rlimits={"RLIMIT_NOFILE": (1024, 20000), "RLIMIT_CPU": (-1, -1)},
-    system_mounts=(("/usr", "/usr"), ("/bin", "/usr/bin"), ("/lib", "/usr/lib")),
-    etc_entries=("passwd", "ssl", "resolv.conf"),
-    ca_bundle="/etc/ssl/certs/ca-certificates.crt",
-)
+HOST = GOLDEN_HOST
 CACHES = (
     CacheMount("pnpm-store", "/home/u/.cache/fusion-oci/projects/abc/pnpm-store",
                "/var/cache/fusion-oci/pnpm-store",

@@ -19,15 +19,9 @@ from fusion_oci.oci.spec import (
     spec_env,
 )
 from fusion_oci.policy.layout import CacheMount, GitLayout, TaskLayout, resolve_layout
-from tests.golden import assert_golden
+from tests.golden import GOLDEN_HOST, assert_golden
 
-HOST = HostInfo(
-    uid=1000, gid=1000,
-    rlimits={"RLIMIT_NOFILE": (1024, 20000), "RLIMIT_CPU": (-1, -1)},
-    system_mounts=(("/usr", "/usr"), ("/bin", "/usr/bin"), ("/lib", "/usr/lib")),
-    etc_entries=("passwd", "ssl", "resolv.conf"),
-    ca_bundle="/etc/ssl/certs/ca-certificates.crt",
-)
+HOST = GOLDEN_HOST
 LAYOUT = TaskLayout(
     worktree="/work/repo-wt/task-1",
     git=GitLayout("linked", "/work/repo/.git/worktrees/task-1", "/work/repo/.git"),

@@ -7,7 +7,6 @@ import struct
 import pytest
 
 from fusion_oci.models import CacheMode, CpuLimit, PrepareContext, RunOptions, SandboxPolicy
-from fusion_oci.oci.host import HostInfo
 from fusion_oci.oci.spec import Spec, compile_spec
 from fusion_oci.policy.layout import GitLayout, TaskLayout
 from fusion_oci.runtimes.base import Requirement
@@ -17,15 +16,9 @@ from fusion_oci.runtimes.landlock import (
     landlock_rules,
     launch_config,
 )
-from tests.golden import assert_golden
+from tests.golden import GOLDEN_HOST, assert_golden
 
-HOST = HostInfo(
-    uid=1000, gid=1000,
-    rlimits={"RLIMIT_NOFILE": (1024, 20000), "RLIMIT_CPU": (-1, -1)},
-    system_mounts=(("/usr", "/usr"), ("/bin", "/usr/bin"), ("/lib", "/usr/lib")),
-    etc_entries=("passwd", "ssl", "resolv.conf"),
-    ca_bundle="/etc/ssl/certs/ca-certificates.crt",
-)
+HOST = GOLDEN_HOST
 PLAIN_DIR = TaskLayout("/work/wt/task-1", None, (), "/etc/ssl/certs/ca-certificates.crt")
 LINKED = TaskLayout(
     "/work/wt/task-1",

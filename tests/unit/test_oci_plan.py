@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 
 from fusion_oci.models import CpuLimit, NetworkMode, PrepareContext, RunOptions, SandboxPolicy
-from fusion_oci.oci.host import HostInfo
 from fusion_oci.oci.spec import Spec, bind, compile_spec
 from fusion_oci.policy.layout import GitLayout, TaskLayout
 from fusion_oci.policy.settings import SandboxSettings
@@ -38,15 +37,9 @@ from fusion_oci.runtimes.oci import (
     state_base,
     unpack_docker_archive,
 )
-from tests.golden import assert_golden
+from tests.golden import GOLDEN_HOST, assert_golden
 
-HOST = HostInfo(
-    uid=1000, gid=1000,
-    rlimits={"RLIMIT_NOFILE": (1024, 20000), "RLIMIT_CPU": (-1, -1)},
-    system_mounts=(("/usr", "/usr"), ("/bin", "/usr/bin"), ("/lib", "/usr/lib")),
-    etc_entries=("passwd", "ssl", "resolv.conf"),
-    ca_bundle="/etc/ssl/certs/ca-certificates.crt",
-)
+HOST = GOLDEN_HOST
 LAYOUT = TaskLayout(
     worktree="/work/repo-wt/task-1",
     git=GitLayout("linked", "/work/repo/.git/worktrees/task-1", "/work/repo/.git"),
