@@ -161,7 +161,7 @@ def test_audit_log_cannot_be_forged_or_edited(prober: Prober) -> None:
         assert verify_chain(path).ok
 
 
-UNPRIVILEGED = ["native", "bubblewrap", "oci"]
+UNPRIVILEGED = ["native", "bubblewrap", "landlock", "oci"]
 """Runtimes whose command runs with the caller's own uid, run again as an unprivileged
 caller (podman-rootless is one already; rootful podman and docker run as their daemon)."""
 
