@@ -143,8 +143,47 @@ class Runtime(Protocol):
     async def dispose(self) -> None: ...
 
 
-def end_reason(outcome: ProcessOutcome, spec: Spec) -> EndReason:
-    """Which limit, if any, ended the command (timeout and maxBuffer first)."""
+@dataclass(frozen=True)
+class LimitCounters:
+    """What a command's cgroup (or engine) counted while it ran; 0: nothing, or not known."""
+
+    oom_kills: int = 0
+    """Processes the OOM killer ended."""
+    pids_max: int = 0
+    """fork/clone calls refused at pidsLimit."""
+
+
+def status_from_code(code: int | None, signal: str | None = None
+                     ) -> tuple[int | None, str | None]:
+    """The one 128+N rule: a launcher's (bwrap, runc, an engine's exec) status 128+N, N a real
+    signal (1..64), is death by that signal, as a shell reports it. Pure.
+
+    A command that itself exits 129..192 reads the same; ``shell_status`` is equal either way.
+    """
+    if code is not None and 128 < code <= 128 + 64:
+        try:
+            return None, _signal.Signals(code - 128).name
+        except ValueError:
+            return code, signal
+    return code, signal
+
+
+def classify(outcome: ProcessOutcome, spec: Spec,
+             counters: LimitCounters = LimitCounters()) -> EndReason:
+    """Why a command ended: one precedence for every runtime (they only supply counters). Pure.
+
+    A cgroup limit that fired names the reason whenever the command did not succeed, before
+    the timeout: a fork bomb held at pidsLimit until the timeout is ``pids`` (``timed_out``
+    stays true), a build the OOM killer took is ``oom``; a command that survived a limit and
+    exited 0 ended by its own exit. Then timeout, maxBuffer, CPU time (SIGXCPU, or SIGKILL
+    with RLIMIT_CPU in the spec), another signal, the command's own exit.
+    """
+    succeeded = (outcome.returncode == 0 and outcome.signal is None and not outcome.timed_out
+                 and not outcome.truncated)
+    if not succeeded and counters.oom_kills:
+        return "oom"
+    if not succeeded and counters.pids_max:
+        return "pids"
     if outcome.timed_out:
         return "timeout"
     if outcome.truncated:
@@ -236,7 +275,7 @@ class SpecRuntime:
             truncated=outcome.truncated,
             duration_ms=outcome.duration_ms,
             backend=self.id,
-            reason=reason or end_reason(outcome, spec),
+            reason=reason or classify(outcome, spec),
         )
 
 

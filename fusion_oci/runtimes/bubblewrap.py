@@ -34,7 +34,6 @@ import dataclasses
 import os
 import re
 import shutil
-import signal as _signal
 import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -44,7 +43,6 @@ from typing import Any
 
 from fusion_oci.errors import BundleError, SandboxSetupError
 from fusion_oci.models import (
-    EndReason,
     NetworkMode,
     PrepareContext,
     RunOptions,
@@ -54,7 +52,15 @@ from fusion_oci.models import (
 from fusion_oci.oci.seccomp import OCI_ARCHES, compile_bpf
 from fusion_oci.oci.spec import ANN_HOST_ROOTFS, ANN_IMAGE, Spec, spec_env, spec_network
 from fusion_oci.process import ProcessOutcome, run_process
-from fusion_oci.runtimes.base import Availability, LaunchPlan, Requirement, SpecRuntime
+from fusion_oci.runtimes.base import (
+    Availability,
+    LaunchPlan,
+    LimitCounters,
+    Requirement,
+    SpecRuntime,
+    classify,
+    status_from_code,
+)
 from fusion_oci.runtimes.linux import cgroups, egress, userns
 from fusion_oci.runtimes.linux.cgroups import Cgroup, CgroupEvents, CgroupLimits, CgroupSupport
 from fusion_oci.runtimes.linux.pipes import close_all, read_json
@@ -322,20 +328,12 @@ def plan_notes(spec: Spec, host: BwrapHost) -> list[str]:
 
 
 def split_status(outcome: ProcessOutcome) -> tuple[int | None, str | None]:
-    """bwrap exits 128+N when the command died of signal N (like a shell); read it back.
-
-    A command that itself exits with 129..192 is indistinguishable from one killed by that
-    signal; ``shell_status`` is the same either way.
-    """
+    """bwrap's status read back as the command's: 127/126 when bwrap could not exec it, else
+    the one 128+N rule (:func:`~fusion_oci.runtimes.base.status_from_code`)."""
     code = outcome.returncode
     if code == 1 and (failed := exec_failure(outcome.stderr)) is not None:
         return failed, None
-    if code is not None and 128 < code <= 128 + 64:
-        try:
-            return None, _signal.Signals(code - 128).name
-        except ValueError:
-            return code, None
-    return code, outcome.signal
+    return status_from_code(code, outcome.signal)
 
 
 def exec_failure(stderr: bytes) -> int | None:
@@ -345,28 +343,6 @@ def exec_failure(stderr: bytes) -> int | None:
     if not last.startswith(b"bwrap: execvp "):
         return None
     return 127 if last.endswith(b"No such file or directory") else 126
-
-
-def end_reason_for(*, exit_code: int | None, signal: str | None, timed_out: bool,
-                   truncated: bool, has_cpu_rlimit: bool, events: CgroupEvents) -> EndReason:
-    """Which limit ended the command. Pure.
-
-    A cgroup limit that fired names the reason whenever the command did not succeed: a fork
-    bomb held at pidsLimit until the timeout is ``pids`` (``timed_out`` stays true), a process
-    the OOM killer took is ``oom``.
-    """
-    succeeded = exit_code == 0 and signal is None and not timed_out and not truncated
-    if not succeeded and events.oom_kills:
-        return "oom"
-    if not succeeded and events.pids_max:
-        return "pids"
-    if timed_out:
-        return "timeout"
-    if truncated:
-        return "max-buffer"
-    if signal == "SIGXCPU" or (has_cpu_rlimit and signal == "SIGKILL"):
-        return "cpu-time"
-    return "exit" if signal is None else "signal"
 
 
 @dataclass(frozen=True)
@@ -625,13 +601,9 @@ class BubblewrapRuntime(SpecRuntime):
                 events = group.events()
                 await asyncio.to_thread(group.remove)
         exit_code, signal = split_status(outcome)
-        reason = end_reason_for(
-            exit_code=exit_code, signal=signal, timed_out=outcome.timed_out,
-            truncated=outcome.truncated, events=events,
-            has_cpu_rlimit=any(r["type"] == "RLIMIT_CPU" for r in spec["process"]["rlimits"]),
-        )
-        return self.result(dataclasses.replace(outcome, returncode=exit_code, signal=signal),
-                           spec, reason)
+        outcome = dataclasses.replace(outcome, returncode=exit_code, signal=signal)
+        counters = LimitCounters(oom_kills=events.oom_kills, pids_max=events.pids_max)
+        return self.result(outcome, spec, classify(outcome, spec, counters))
 
     async def _setup(self, run: asyncio.Task[ProcessOutcome], info_r: int, spec: Spec,
                      group: Cgroup | None) -> egress.Egress | None:

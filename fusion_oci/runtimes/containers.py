@@ -42,6 +42,7 @@ from fusion_oci.oci.spec import (
     spec_network,
 )
 from fusion_oci.policy.layout import CACHE_ROOT_IN_SANDBOX
+from fusion_oci.runtimes.base import LimitCounters, status_from_code
 
 Engine = Literal["podman", "docker"]
 ContainerMode = Literal["warm", "oneshot"]
@@ -452,12 +453,10 @@ def parse_limit_counters(text: str) -> dict[str, int]:
     return out
 
 
-def limit_reason(before: Mapping[str, int], after: Mapping[str, int]) -> str | None:
-    """``oom`` or ``pids`` when that counter grew during the run. Pure."""
-    for key in ("oom", "pids"):
-        if after.get(key, 0) > before.get(key, 0):
-            return key
-    return None
+def limit_reason(before: Mapping[str, int], after: Mapping[str, int]) -> LimitCounters:
+    """How much the container's oom and pids counters grew during the run. Pure."""
+    return LimitCounters(oom_kills=max(0, after.get("oom", 0) - before.get("oom", 0)),
+                         pids_max=max(0, after.get("pids", 0) - before.get("pids", 0)))
 
 
 # Syscalls podman's default profile allows but docker's refuses without CAP_SYS_ADMIN: new
@@ -491,15 +490,8 @@ def harden_seccomp(profile: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def exit_status(code: int | None) -> tuple[int | None, str | None]:
-    """Engine exec exit code → (exit code, signal name). Engines report death by signal N
-    as 128+N, as shells do; that is read back as the signal."""
-    import signal as _signal
-
+    """Engine exec exit code -> (exit code, signal name): engines report death by signal N as
+    128+N (base.status_from_code, the one rule); no code at all is a kill."""
     if code is None:
         return None, "SIGKILL"
-    if 128 < code < 128 + 65:
-        try:
-            return None, _signal.Signals(code - 128).name
-        except ValueError:
-            return code, None
-    return code, None
+    return status_from_code(code)

@@ -34,7 +34,14 @@ from fusion_oci.errors import (
 from fusion_oci.models import PrepareContext, RunOptions, RunResult, SandboxCapabilities
 from fusion_oci.oci.spec import Spec
 from fusion_oci.process import ProcessOutcome
-from fusion_oci.runtimes.base import Availability, LaunchPlan, Requirement, SpecRuntime
+from fusion_oci.runtimes.base import (
+    Availability,
+    LaunchPlan,
+    LimitCounters,
+    Requirement,
+    SpecRuntime,
+    classify,
+)
 from fusion_oci.runtimes.containers import (
     KEEPER_CMD,
     CacheVolume,
@@ -713,12 +720,12 @@ class ContainerRuntime(SpecRuntime):
             timed_out=timed_out, truncated=sink.truncated,
             duration_ms=int((time.monotonic() - start) * 1000),
         )
-        reason = None
+        counters = LimitCounters()
         if exit_code != 0 and not sink.truncated:
-            reason = await self._limit_reason(cid, spec)
-        return self.result(outcome, spec, reason)  # type: ignore[arg-type]
+            counters = await self._limit_counters(cid, spec)
+        return self.result(outcome, spec, classify(outcome, spec, counters))
 
-    async def _limit_reason(self, cid: str, spec: Spec) -> str | None:
+    async def _limit_counters(self, cid: str, spec: Spec) -> LimitCounters:
         """After a failed command: did the container's pids or memory limit hold it?
 
         The counters of a new container start at zero; one more exec, paid only on failure.
@@ -737,7 +744,7 @@ class ContainerRuntime(SpecRuntime):
         try:
             text = await self._call("limit counters", read, setup=False)
         except FusionOCIError:
-            return None
+            return LimitCounters()  # unknown: no claim either way
         after = parse_limit_counters(text)
         before = self._counters.get(cid, {})
         self._counters[cid] = after

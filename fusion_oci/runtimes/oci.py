@@ -30,7 +30,6 @@ import os
 import re
 import secrets
 import shutil
-import signal
 import stat
 import subprocess
 import sys
@@ -49,7 +48,6 @@ from fusion_oci.errors import (
     SandboxSetupError,
 )
 from fusion_oci.models import (
-    EndReason,
     NetworkMode,
     PrepareContext,
     RunOptions,
@@ -62,9 +60,11 @@ from fusion_oci.process import ProcessOutcome, run_process
 from fusion_oci.runtimes.base import (
     Availability,
     LaunchPlan,
+    LimitCounters,
     Requirement,
     SpecRuntime,
-    end_reason,
+    classify,
+    status_from_code,
 )
 from fusion_oci.runtimes.linux.cgroups import Cgroup
 
@@ -266,17 +266,9 @@ def bundle_spec(spec: Spec, *, rootless_ids: tuple[int, int] | None = None,
 
 
 def exit_status(returncode: int | None, sig: str | None) -> tuple[int | None, str | None]:
-    """The runtime's exit status → (exit code, signal). Pure.
-
-    runc reports a container whose pid 1 died by signal N as status 128+N; like a shell, a
-    status above 128 that names a signal is read as that signal.
-    """
-    if returncode is not None and returncode > 128:
-        try:
-            return None, signal.Signals(returncode - 128).name
-        except ValueError:
-            return returncode, sig
-    return returncode, sig
+    """The runtime's exit status -> (exit code, signal): runc reports a container whose
+    process died by signal N as 128+N; the one rule is base.status_from_code. Pure."""
+    return status_from_code(returncode, sig)
 
 
 # runc logs in logfmt, so the quotes around the command arrive escaped (\").
@@ -317,22 +309,10 @@ def parse_counter(text: str, key: str) -> int | None:
     return None
 
 
-def oci_reason(outcome: ProcessOutcome, spec: Spec, counters: CgroupCounters) -> EndReason:
-    """Why the command ended, with the cgroup's word on OOM and the pids limit. Pure.
-
-    A limit counts only when the command failed: a build that survived one OOM-killed helper
-    and exited 0 ended by its own exit.
-    """
-    if outcome.timed_out:
-        return "timeout"
-    if outcome.truncated:
-        return "max-buffer"
-    failed = outcome.signal is not None or outcome.returncode not in (0, None)
-    if failed and counters.oom_kills:
-        return "oom"
-    if failed and counters.pids_max_hits:
-        return "pids"
-    return end_reason(outcome, spec)
+def limit_counters(counters: CgroupCounters) -> LimitCounters:
+    """The container cgroup's counters for the one classifier (unknown counts as none)."""
+    return LimitCounters(oom_kills=counters.oom_kills or 0,
+                         pids_max=counters.pids_max_hits or 0)
 
 
 @dataclass(frozen=True)
@@ -1293,7 +1273,8 @@ class OciRuntime(SpecRuntime):
         else:
             code_, sig = exit_status(outcome.returncode, outcome.signal)
             outcome = replace(outcome, returncode=code_, signal=sig)
-        return self.result(outcome, spec, oci_reason(outcome, spec, counters))
+        return self.result(outcome, spec,
+                           classify(outcome, spec, limit_counters(counters)))
 
     async def dispose(self) -> None:
         task, self._task = self._task, None

@@ -16,7 +16,6 @@ from fusion_oci.runtimes.bubblewrap import (
     BwrapHost,
     LaunchFds,
     bwrap_argv,
-    end_reason_for,
     mount_args,
     needs_launch_hooks,
     plan_notes,
@@ -24,7 +23,7 @@ from fusion_oci.runtimes.bubblewrap import (
     split_status,
 )
 from fusion_oci.runtimes.linux import cgroups, egress, userns
-from fusion_oci.runtimes.linux.cgroups import CgroupEvents, CgroupLimits
+from fusion_oci.runtimes.linux.cgroups import CgroupLimits
 from tests.golden import GOLDEN_HOST, assert_golden
 
 HOST = GOLDEN_HOST
@@ -202,23 +201,6 @@ def test_split_status_reads_signals_back() -> None:
     assert split_status(_outcome(128 + signal.SIGXCPU)) == (None, "SIGXCPU")
     assert split_status(_outcome(1)) == (1, None)
     assert split_status(_outcome(None, "SIGTERM")) == (None, "SIGTERM")
-
-
-@pytest.mark.parametrize(("kwargs", "events", "reason"), [
-    ({"exit_code": 0}, CgroupEvents(pids_max=3), "exit"),
-    ({"signal": "SIGKILL"}, CgroupEvents(oom_kills=1), "oom"),
-    ({"signal": "SIGTERM", "timed_out": True}, CgroupEvents(pids_max=10), "pids"),
-    ({"signal": "SIGTERM", "timed_out": True}, CgroupEvents(), "timeout"),
-    ({"exit_code": 2, "truncated": True}, CgroupEvents(), "max-buffer"),
-    ({"signal": "SIGXCPU"}, CgroupEvents(), "cpu-time"),
-    ({"signal": "SIGKILL", "has_cpu_rlimit": True}, CgroupEvents(), "cpu-time"),
-    ({"signal": "SIGKILL"}, CgroupEvents(), "signal"),
-    ({"exit_code": 3}, CgroupEvents(), "exit"),
-])
-def test_end_reason(kwargs: dict[str, Any], events: CgroupEvents, reason: str) -> None:
-    base: dict[str, Any] = {"exit_code": None, "signal": None, "timed_out": False,
-                            "truncated": False, "has_cpu_rlimit": False}
-    assert end_reason_for(**{**base, **kwargs}, events=events) == reason
 
 
 # ---------------------------------------------------------------- linux helpers (pure parts)

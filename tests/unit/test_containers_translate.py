@@ -287,9 +287,11 @@ def test_seccomp_hardening_matches_dockers_namespace_and_keyring_rules() -> None
 def test_limit_counters_name_the_limit_that_held() -> None:
     after = parse_limit_counters("pids 3\noom 0\n")
     assert after == {"pids": 3, "oom": 0}
-    assert limit_reason({}, after) == "pids"
-    assert limit_reason({"pids": 3}, {"pids": 3, "oom": 1}) == "oom"
-    assert limit_reason({"pids": 3}, after) is None
+    from fusion_oci.runtimes.base import LimitCounters
+
+    assert limit_reason({}, after).pids_max > 0
+    assert limit_reason({"pids": 3}, {"pids": 3, "oom": 1}) == LimitCounters(oom_kills=1)
+    assert limit_reason({"pids": 3}, after) == LimitCounters()
     assert "pids.events" in LIMIT_PROBE and "memory.oom_control" in LIMIT_PROBE
 
 

@@ -28,7 +28,6 @@ from fusion_oci.runtimes.oci import (
     egress_launch_argv,
     exec_failure_status,
     exit_status,
-    oci_reason,
     parse_cgroup_mounts,
     parse_counter,
     podman_url,
@@ -200,21 +199,26 @@ def outcome(rc: int | None = 0, sig: str | None = None, *, timed_out: bool = Fal
     return ProcessOutcome(b"", b"", rc, sig, timed_out, truncated, 1)
 
 
-def test_reasons() -> None:
+def test_cgroup_counters_feed_the_one_classifier() -> None:
+    from fusion_oci.runtimes.base import classify
+    from fusion_oci.runtimes.oci import limit_counters
+
     spec = spec_for(POLICIES["none-limits"])
-    oom = CgroupCounters(oom_kills=1, pids_max_hits=0)
-    pids = CgroupCounters(oom_kills=0, pids_max_hits=3)
-    assert oci_reason(outcome(None, "SIGKILL", timed_out=True), spec, oom) == "timeout"
-    assert oci_reason(outcome(None, "SIGTERM", truncated=True), spec, oom) == "max-buffer"
-    assert oci_reason(outcome(None, "SIGKILL"), spec, oom) == "oom"
-    assert oci_reason(outcome(2), spec, pids) == "pids"
+    oom = limit_counters(CgroupCounters(oom_kills=1, pids_max_hits=0))
+    pids = limit_counters(CgroupCounters(oom_kills=0, pids_max_hits=3))
+    # One precedence for every runtime (base.classify): a limit that fired wins over the
+    # timeout that followed it, and over maxBuffer.
+    assert classify(outcome(None, "SIGKILL", timed_out=True), spec, pids) == "pids"
+    assert classify(outcome(None, "SIGTERM", truncated=True), spec, oom) == "oom"
+    assert classify(outcome(None, "SIGKILL"), spec, oom) == "oom"
+    assert classify(outcome(2), spec, pids) == "pids"
     # A command that survived the limit and succeeded ended by its own exit.
-    assert oci_reason(outcome(0), spec, oom) == "exit"
-    assert oci_reason(outcome(0), spec, pids) == "exit"
+    assert classify(outcome(0), spec, oom) == "exit"
+    assert classify(outcome(0), spec, pids) == "exit"
     # Counters unknown: no claim; RLIMIT_CPU in the spec makes a SIGKILL cpu-time.
-    assert oci_reason(outcome(None, "SIGKILL"), spec, CgroupCounters()) == "cpu-time"
-    assert oci_reason(outcome(None, "SIGKILL"), spec_for(POLICIES["egress"]),
-                      CgroupCounters()) == "signal"
+    unknown = limit_counters(CgroupCounters())
+    assert classify(outcome(None, "SIGKILL"), spec, unknown) == "cpu-time"
+    assert classify(outcome(None, "SIGKILL"), spec_for(POLICIES["egress"]), unknown) == "signal"
 
 
 HYBRID = """\
