@@ -336,15 +336,7 @@ def to_devcontainer(src: ExportSource) -> tuple[str, list[str]]:
         run_args.append("--read-only")
     if src.network in ("none", "host"):
         run_args.append(f"--network={src.network}")
-    if src.memory_bytes:
-        run_args += [f"--memory={src.memory_bytes}", f"--memory-swap={src.memory_bytes}"]
-    if src.cpus:
-        run_args.append(f"--cpus={src.cpus}")
-    if src.pids:
-        run_args.append(f"--pids-limit={src.pids}")
-    for key, (soft, hard) in src.rlimits.items():
-        run_args.append(f"--ulimit={key}={soft}:{hard}" if soft >= 0 and hard >= 0
-                        else f"--ulimit={key}=-1")
+    run_args += limit_flags(src)
     if src.hostname:
         run_args.append(f"--hostname={src.hostname}")
     binds = [m for m in src.mounts if m.kind == "bind"]
@@ -483,6 +475,22 @@ def _kube_size(size: str) -> str:
 # --------------------------------------------------------------------------- script
 
 
+def limit_flags(src: ExportSource) -> list[str]:
+    """The spec's memory, CPU, pids and rlimits as docker/podman CLI flags (both exports that
+    write a `podman run` use them). Pure."""
+    flags: list[str] = []
+    if src.memory_bytes:
+        flags += [f"--memory={src.memory_bytes}", f"--memory-swap={src.memory_bytes}"]
+    if src.cpus:
+        flags.append(f"--cpus={src.cpus}")
+    if src.pids:
+        flags.append(f"--pids-limit={src.pids}")
+    for key, (soft, hard) in src.rlimits.items():
+        flags.append(f"--ulimit={key}={soft}:{hard}" if soft >= 0 and hard >= 0
+                     else f"--ulimit={key}=-1")
+    return flags
+
+
 def podman_argv(src: ExportSource, seccomp_file: str | None) -> list[str]:
     """``podman run`` for the environment. Pure."""
     argv = ["podman", "run", "--rm", "-i", "--user", f"{src.uid}:{src.gid}",
@@ -499,15 +507,7 @@ def podman_argv(src: ExportSource, seccomp_file: str | None) -> list[str]:
     argv.append("--network=none" if src.network == "none" else
                 "--network=host" if src.network == "host" else
                 "--network=slirp4netns:allow_host_loopback=false")
-    if src.memory_bytes:
-        argv += [f"--memory={src.memory_bytes}", f"--memory-swap={src.memory_bytes}"]
-    if src.cpus:
-        argv.append(f"--cpus={src.cpus}")
-    if src.pids:
-        argv.append(f"--pids-limit={src.pids}")
-    for key, (soft, hard) in src.rlimits.items():
-        argv.append(f"--ulimit={key}={soft}:{hard}" if soft >= 0 and hard >= 0
-                    else f"--ulimit={key}=-1")
+    argv += limit_flags(src)
     for m in src.mounts:
         if m.kind == "tmpfs":
             argv.append(f"--tmpfs={m.target}:{_tmpfs_opt(m)}")
