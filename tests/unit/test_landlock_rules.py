@@ -16,6 +16,7 @@ from fusion_oci.runtimes.landlock import (
     landlock_rules,
     launch_config,
 )
+from tests.bpf import run_bpf
 from tests.golden import GOLDEN_HOST, assert_golden
 
 HOST = GOLDEN_HOST
@@ -122,24 +123,6 @@ def test_enforced_requirements_per_abi() -> None:
                   Requirement.CPU_QUOTA, Requirement.TMP_SIZE):
         assert never not in seven
 
-
-def run_bpf(program: bytes, nr: int, arch: int) -> int:
-    """Enough of a classic-BPF interpreter for seccomp programs: ld abs, jeq, and, ret."""
-    prog = [struct.unpack_from("<HBBI", program, i) for i in range(0, len(program), 8)]
-    data = {0: nr, 4: arch}
-    acc, pc = 0, 0
-    while True:
-        code, jt, jf, k = prog[pc]
-        if code == 0x20:
-            acc = data.get(k, 0)
-        elif code == 0x54:
-            acc &= k
-        elif code in (0x15, 0x35):
-            hit = acc == k if code == 0x15 else acc >= k
-            pc += jt if hit else jf
-        elif code == 0x06:
-            return k
-        pc += 1
 
 
 @pytest.mark.parametrize("arch", ["x86_64", "aarch64"])

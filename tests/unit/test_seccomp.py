@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import shutil
-import struct
 import subprocess
 from typing import Any
 
 import pytest
 
+import tests.bpf
 from fusion_oci.oci.seccomp import (
     AUDIT_ARCH,
     DENIED,
@@ -23,29 +23,14 @@ KILL = "kill"
 
 
 def run_bpf(prog: bytes, nr: int, arch: int, args: tuple[int, ...] = ()) -> Any:
-    """A classic-BPF interpreter for the instructions compile_bpf emits."""
-    ins = [struct.unpack("<HBBI", prog[i:i + 8]) for i in range(0, len(prog), 8)]
-    data = struct.pack("<iIQ6Q", nr, arch, 0, *(list(args) + [0] * (6 - len(args))))
-    acc, pc = 0, 0
-    while True:
-        code, jt, jf, k = ins[pc]
-        if code == 0x20:
-            acc = struct.unpack_from("<I", data, k)[0]
-        elif code == 0x54:
-            acc &= k
-        elif code in (0x15, 0x35):
-            hit = acc == k if code == 0x15 else acc >= k
-            pc += jt if hit else jf
-        elif code == 0x06:
-            if k == 0x7FFF0000:
-                return ALLOW
-            if k == 0x80000000:
-                return KILL
-            assert k & 0xFFFF0000 == 0x00050000
-            return k & 0xFFFF
-        else:
-            raise AssertionError(f"unknown opcode {code:#x}")
-        pc += 1
+    """The filter's verdict: ALLOW, KILL, or the errno it returns."""
+    k = tests.bpf.run_bpf(prog, nr, arch, args)
+    if k == 0x7FFF0000:
+        return ALLOW
+    if k == 0x80000000:
+        return KILL
+    assert k & 0xFFFF0000 == 0x00050000
+    return k & 0xFFFF
 
 
 @pytest.mark.parametrize("arch", sorted(SYSCALLS))
