@@ -16,7 +16,7 @@ import tarfile
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -282,14 +282,13 @@ def test_network() -> Iterator[str]:
         subprocess.run(["ip", "link", "del", f"{name}h"], check=False)
 
 
-async def test_egress_reaches_out_but_not_host_loopback(worktree: Path,
-                                                        test_network: str) -> None:
-    probe = OciRuntime(SETTINGS, dict(os.environ))
-    ok, why = probe.egress_status()
-    require("oci", ok, f"egress: {why}")
+async def assert_egress_without_host_loopback(
+        run_in: Callable[..., Awaitable[RunResult]], worktree: Path, test_network: str) -> None:
+    """Egress reaches a server in a test-made namespace, never the host's loopback (directly
+    or through slirp's gateway). Shared by the runc and runsc tests."""
     with tcp_server("127.0.0.1", b"hello\n") as (lo_port, lo_seen), \
             tcp_server(test_network, b"hello\n") as (out_port, out_seen):
-        r = await run(worktree, connect_script([
+        r = await run_in(worktree, connect_script([
             ("127.0.0.1", lo_port), ("10.0.2.2", lo_port), (test_network, out_port),
         ]), allow_network=True)
         lines = r.stdout.splitlines()
@@ -298,6 +297,13 @@ async def test_egress_reaches_out_but_not_host_loopback(worktree: Path,
         assert lines[2] == f"{test_network} open", r
     assert lo_seen == []
     assert len(out_seen) == 1
+
+
+async def test_egress_reaches_out_but_not_host_loopback(worktree: Path,
+                                                        test_network: str) -> None:
+    ok, why = OciRuntime(SETTINGS, dict(os.environ)).egress_status()
+    require("oci", ok, f"egress: {why}")
+    await assert_egress_without_host_loopback(run, worktree, test_network)
 
 
 # --- files and git ----------------------------------------------------------------------------

@@ -18,7 +18,11 @@ from fusion_oci.sandbox import Sandbox
 from tests.backends import require, require_runtime
 from tests.conftest import git
 from tests.hostside import pids_with, tcp_server
-from tests.integration.test_oci_runc import connect_script, new_marker
+from tests.integration.test_oci_runc import (
+    assert_egress_without_host_loopback,
+    connect_script,
+    new_marker,
+)
 from tests.integration.test_oci_runc import test_network as test_network  # fixture
 
 pytestmark = [pytest.mark.oci, pytest.mark.runsc]
@@ -65,17 +69,7 @@ async def test_egress_reaches_out_but_not_host_loopback(worktree: Path,
                                                         test_network: str) -> None:
     ok, why = OciRuntime(SETTINGS, dict(os.environ)).egress_status()
     require("oci-runsc", ok, f"egress: {why}")
-    with tcp_server("127.0.0.1", b"hello\n") as (lo_port, lo_seen), \
-            tcp_server(test_network, b"hello\n") as (out_port, out_seen):
-        r = await run(worktree, connect_script([
-            ("127.0.0.1", lo_port), ("10.0.2.2", lo_port), (test_network, out_port),
-        ]), allow_network=True)
-        lines = r.stdout.splitlines()
-        assert lines[0].startswith("127.0.0.1 closed"), r
-        assert lines[1].startswith("10.0.2.2 closed"), r
-        assert lines[2] == f"{test_network} open", r
-    assert lo_seen == []
-    assert len(out_seen) == 1
+    await assert_egress_without_host_loopback(run, worktree, test_network)
 
 
 async def test_network_host_reaches_host_loopback(worktree: Path) -> None:
