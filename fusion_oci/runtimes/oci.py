@@ -23,8 +23,6 @@ import asyncio
 import os
 import secrets
 import shutil
-import subprocess
-import sys
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -58,6 +56,7 @@ from fusion_oci.runtimes.linux.cgroups import (
     probe_hierarchy,
 )
 from fusion_oci.runtimes.ocicli import launch as _launch
+from fusion_oci.runtimes.ocicli import probe
 from fusion_oci.runtimes.ocicli.egress import EgressLink
 from fusion_oci.runtimes.ocicli.gvisor import gvisor_details
 from fusion_oci.runtimes.ocicli.launch import (
@@ -74,7 +73,6 @@ from fusion_oci.runtimes.ocicli.launch import (
 )
 from fusion_oci.runtimes.ocicli.state import (
     TaskState,
-    cli,
     container_id,
     delete_container,
     gc_oci,
@@ -82,6 +80,7 @@ from fusion_oci.runtimes.ocicli.state import (
     open_task_dir,
     read_counters,
     state_base,
+    stop_container,
     tail,
     task_dir_name,
 )
@@ -106,36 +105,6 @@ def exit_status(returncode: int | None, sig: str | None) -> tuple[int | None, st
 def limit_counters(events: CgroupEvents) -> LimitCounters:
     """The container cgroup's counters for the one classifier."""
     return LimitCounters(oom_kills=events.oom_kills, pids_max=events.pids_max)
-
-
-async def _wait_exit(pid: int, timeout_s: float) -> bool:
-    """Wait until ``pid`` (not our child: the container's pid 1) exits; False on timeout.
-
-    A pidfd becomes readable when the process exits, child or not, so nothing polls.
-    """
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return True
-    loop = asyncio.get_running_loop()
-    exited = asyncio.Event()
-    loop.add_reader(fd, exited.set)
-    try:
-        await asyncio.wait_for(exited.wait(), timeout_s)
-    except TimeoutError:
-        return False
-    finally:
-        loop.remove_reader(fd)
-        os.close(fd)
-    return True
-
-
-def _read_pid(path: Path) -> int | None:
-    try:
-        text = path.read_text(encoding="ascii").strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None
 
 
 class OciRuntime(SpecRuntime):
@@ -232,24 +201,8 @@ class OciRuntime(SpecRuntime):
         policy: the command never runs offline or on the host's network in its place.
         """
         if self._egress is None:
-            from fusion_oci.runtimes.linux import egress
-
-            slirp = shutil.which("slirp4netns", path=self.env.get("PATH"))
-            path = self.env.get("PATH")
-            if is_gvisor(self.runtime_name) and self.rootless:
-                self._egress = (False, "rootless runsc: its network namespace cannot be "
-                                "prepared without privilege (unshare --net needs root)")
-            elif is_gvisor(self.runtime_name) and not (shutil.which("unshare", path=path)
-                                                       and shutil.which("ip", path=path)):
-                self._egress = (False, "unshare (util-linux) or ip (iproute2) is missing")
-            elif slirp is None:
-                self._egress = (False, "slirp4netns is not installed (apt-get install "
-                                "slirp4netns)")
-            elif not egress.tun_usable():
-                self._egress = (False, "/dev/net/tun is missing or not read-writable "
-                                "(chmod 666 /dev/net/tun)")
-            else:
-                self._egress = (True, slirp)
+            self._egress = probe.egress_status(self.runtime_name, self.rootless,
+                                               self.env.get("PATH"))
         return self._egress
 
     def capabilities(self) -> SandboxCapabilities:
@@ -265,48 +218,11 @@ class OciRuntime(SpecRuntime):
         )
 
     def availability(self) -> Availability:
-        name = self.runtime_name
-        if not sys.platform.startswith("linux"):
-            return Availability(
-                False, f"OCI runtimes such as {name} run Linux containers on a Linux host only",
-                "use backend podman or docker (through their VM) on this platform",
-            )
         binary = self._find_binary()
-        if binary is None:
-            return Availability(
-                False, f"'{name}' was not found on PATH",
-                f"install it (Debian/Ubuntu: apt-get install {Path(name).name}), or set "
-                "sandbox.ociRuntime to an installed OCI runtime (runc, crun, runsc, youki)",
-            )
         cgroups = self._cgroup_host()
-        if Path(binary).name == "crun" and cgroups.layout == "hybrid":
-            return Availability(
-                False, "crun refuses cgroup v1/hybrid hosts ('cgroups in hybrid mode not "
-                "supported'), and this host is hybrid",
-                "set sandbox.ociRuntime: runc, or boot the host with the unified cgroup v2 "
-                "hierarchy (systemd.unified_cgroup_hierarchy=1)",
-            )
-        if is_gvisor(binary) and self.rootless:
-            return Availability(
-                False, "runsc (gVisor) cannot start a sandbox for an unprivileged caller here: "
-                "with a user namespace its gofer fails ('fork/exec /proc/self/exe: operation "
-                "not permitted'), without one the sandbox never starts (seen with runsc "
-                "release 20221219)",
-                "run fusion-oci as root for runsc, or choose bubblewrap, landlock or rootless "
-                "podman",
-                rootless=True,
-            )
-        if self.rootless:
-            try:
-                userns = Path("/proc/sys/user/max_user_namespaces").read_text().strip()
-            except OSError:
-                userns = ""
-            if userns == "0":
-                return Availability(
-                    False, "rootless OCI runtimes need user namespaces, and "
-                    "user.max_user_namespaces is 0",
-                    "sysctl -w user.max_user_namespaces=15000, or run as root",
-                )
+        refused = probe.refusal(self.runtime_name, binary, cgroups.layout, self.rootless)
+        if refused is not None or binary is None:
+            return refused or Availability(False, f"'{self.runtime_name}' was not found")
         egress_ok, egress_why = self.egress_status()
         details = {
             "binary": binary,
@@ -323,19 +239,10 @@ class OciRuntime(SpecRuntime):
                                  "no cgroup delegation")
         if is_gvisor(binary):
             details.update(gvisor_details(self.rootless, self._limits()))
-        return Availability(True, version=self._runtime_version(binary),
-                            rootless=self.rootless, details=details)
-
-    def _runtime_version(self, binary: str) -> str | None:
         if self._version is None:
-            try:
-                done = subprocess.run([binary, "--version"], capture_output=True, text=True,
-                                      timeout=10, check=False, stdin=subprocess.DEVNULL)
-            except (OSError, subprocess.TimeoutExpired):
-                return None
-            first = done.stdout.strip().splitlines()[:1]
-            self._version = first[0] if first else None
-        return self._version
+            self._version = probe.runtime_version(binary) or ""
+        return Availability(True, version=self._version or None,
+                            rootless=self.rootless, details=details)
 
     def enforces(self) -> frozenset[Requirement]:
         out = {Requirement.FILESYSTEM, Requirement.PROC_PATHS,
@@ -435,7 +342,8 @@ class OciRuntime(SpecRuntime):
             write_bundle(launch.bundle, launch.bundle_dir)
 
             async def stop() -> None:
-                await self._stop(task, binary, launch.cid, launch.pid_file)
+                await stop_container(binary, task.root, launch.cid, launch.pid_file, self.env,
+                                     GRACE_S)
 
             if link is not None:
                 # Not enforceable here: check() said so and the lifecycle refused; if called
@@ -465,20 +373,6 @@ class OciRuntime(SpecRuntime):
         if link is not None and link.error is not None:
             raise link.error
         return self._result(outcome, spec, counters, started)
-
-    async def _stop(self, task: TaskState, binary: str, cid: str, pid_file: Path) -> None:
-        """TERM to every process of the container, the grace period, then KILL to pid 1.
-
-        pid 1 of a pid namespace ignores signals it has no handler for, so TERM alone may
-        leave the container running; KILL to pid 1 tears the whole namespace down.
-        """
-        term = await cli(binary, task.root, "kill", "--all", cid, "TERM", env=self.env)
-        if term.returncode != 0:
-            # --all needs the cgroup (rootless without delegation has none): pid 1 only.
-            await cli(binary, task.root, "kill", cid, "TERM", env=self.env)
-        pid = _read_pid(pid_file)
-        if pid is None or not await _wait_exit(pid, GRACE_S):
-            await cli(binary, task.root, "kill", cid, "KILL", env=self.env)
 
     async def _delete(self, task: TaskState, binary: str, cid: str) -> None:
         if await delete_container(binary, task.root, cid, self.env):

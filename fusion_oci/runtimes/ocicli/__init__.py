@@ -5,4 +5,5 @@
 * :mod:`.state` — per-task state directories, the runtime CLI's bookkeeping calls, gc.
 * :mod:`.egress` — the egress rendezvous (FIFOs and slirp4netns) of one container.
 * :mod:`.gvisor` — what differs for runsc.
+* :mod:`.probe` — what this host allows: refusals with their fix, egress, the version.
 """

@@ -8,6 +8,7 @@ whose lock is free (their process is gone, ``kill -9`` included) and removes the
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import json
@@ -136,6 +137,52 @@ def tail(text: str, lines: int = 8) -> str:
 async def cli(binary: str, root: Path, *args: str, env: Mapping[str, str]) -> ProcessOutcome:
     return await run_process([binary, "--root", str(root), *args], env=cli_env(env),
                              timeout_s=CONTROL_TIMEOUT_S)
+
+
+async def stop_container(binary: str, root: Path, cid: str, pid_file: Path,
+                         env: Mapping[str, str], grace_s: float = 2.0) -> None:
+    """TERM to every process of the container, the grace period, then KILL to pid 1.
+
+    pid 1 of a pid namespace ignores signals it has no handler for, so TERM alone may
+    leave the container running; KILL to pid 1 tears the whole namespace down.
+    """
+    term = await cli(binary, root, "kill", "--all", cid, "TERM", env=env)
+    if term.returncode != 0:
+        # --all needs the cgroup (rootless without delegation has none): pid 1 only.
+        await cli(binary, root, "kill", cid, "TERM", env=env)
+    pid = _read_pid(pid_file)
+    if pid is None or not await _wait_exit(pid, grace_s):
+        await cli(binary, root, "kill", cid, "KILL", env=env)
+
+
+async def _wait_exit(pid: int, timeout_s: float) -> bool:
+    """Wait until ``pid`` (not our child: the container's pid 1) exits; False on timeout.
+
+    A pidfd becomes readable when the process exits, child or not, so nothing polls.
+    """
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    loop = asyncio.get_running_loop()
+    exited = asyncio.Event()
+    loop.add_reader(fd, exited.set)
+    try:
+        await asyncio.wait_for(exited.wait(), timeout_s)
+    except TimeoutError:
+        return False
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)
+    return True
+
+
+def _read_pid(path: Path) -> int | None:
+    try:
+        text = path.read_text(encoding="ascii").strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
 
 
 async def list_containers(binary: str, root: Path, env: Mapping[str, str]
