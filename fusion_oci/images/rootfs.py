@@ -4,7 +4,7 @@ The engine flattens the image itself: a container is created from it (never star
 filesystem exported as one tar stream through the SDK and the container removed. So layers,
 whiteouts and opaque directories are the engine's business, not ours. The stream is extracted
 with the stdlib ``tar`` extraction filter (nothing outside the target, no setuid/setgid bits,
-no group/other write bits) plus one rule of ours: no device nodes on the host.
+no group/other write bits) plus two rules of ours: hard links stay inside, no device nodes.
 
 One tree per image digest under ``CACHE/<digest>/rootfs``, read-only and shared by every
 container of that image. It is assembled in a temporary sibling (``.new-*``) and renamed into
@@ -14,6 +14,7 @@ place, so a crash or an error never leaves a half-written tree under the final n
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import tarfile
 import tempfile
@@ -43,15 +44,28 @@ def podman_url(env: Mapping[str, str], uid: int, settings_url: str | None = None
 
 
 def rootfs_filter(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo | None:
-    """The stdlib ``tar`` filter, and device nodes skipped.
+    """The stdlib ``tar`` filter, plus hard links kept inside and device nodes skipped.
 
-    A device node in the cache would be a door on the host for whoever can read the cache
-    (the container's /dev is its own tmpfs; an image has no reason to ship one). Absolute
-    symlinks stay: they are how root filesystems link, and they resolve inside the container.
+    The ``tar`` filter keeps every name inside ``dest`` (through symlinks already extracted
+    too) but, unlike ``data``, does not look at hard-link targets: a link to ``/etc/shadow``
+    (or ``../../etc/shadow``) would make, as root, a second name of the host's file inside
+    the rootfs the container reads. So a hard link's target is taken relative to the archive
+    root and must resolve inside ``dest``. A device node in the cache would be a door on the
+    host for whoever can read the cache (the container's /dev is its own tmpfs; an image has
+    no reason to ship one). Absolute symlinks stay: they are how root filesystems link, and
+    they resolve inside the container (``data`` would refuse them).
     """
     filtered = tarfile.tar_filter(member, dest)
     if filtered.ischr() or filtered.isblk():
         return None
+    if filtered.islnk():
+        linkname = filtered.linkname.lstrip("/")
+        real_dest = os.path.realpath(dest)
+        target = os.path.realpath(Path(real_dest, linkname))
+        if os.path.commonpath([target, real_dest]) != real_dest:
+            raise tarfile.LinkOutsideDestinationError(filtered, target)
+        if linkname != filtered.linkname:
+            filtered = filtered.replace(linkname=linkname, deep=False)
     return filtered
 
 
@@ -80,7 +94,10 @@ def extract_rootfs(stream: IO[bytes] | _ChunkReader, root: Path) -> None:
     root.mkdir(parents=True)
     with tarfile.open(fileobj=stream, mode="r|*") as tar:  # type: ignore[call-overload]
         # S202: the extraction is filtered (rootfs_filter: the stdlib tar filter, no devices).
-        tar.extractall(root, numeric_owner=True, filter=rootfs_filter)  # noqa: S202
+        try:
+            tar.extractall(root, numeric_owner=True, filter=rootfs_filter)  # noqa: S202
+        except KeyError as exc:  # a hard link to a member the archive does not have
+            raise tarfile.ExtractError(f"broken hard link in the export: {exc}") from exc
 
 
 class _Export:

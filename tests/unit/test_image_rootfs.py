@@ -30,6 +30,9 @@ def tar_bytes(entries: list[tuple[str, str, str | bytes, int]]) -> bytes:
             elif kind == "symlink":
                 info.type, info.linkname = tarfile.SYMTYPE, str(data)
                 tar.addfile(info)
+            elif kind == "hardlink":
+                info.type, info.linkname = tarfile.LNKTYPE, str(data)
+                tar.addfile(info)
             elif kind == "chr":
                 info.type, info.devmajor, info.devminor = tarfile.CHRTYPE, 1, 3
                 tar.addfile(info)
@@ -63,15 +66,34 @@ def test_extract_keeps_absolute_symlinks_and_drops_setuid_and_devices(tmp_path: 
 def test_extract_refuses_what_would_land_outside(tmp_path: Path) -> None:
     outside = tmp_path / "host"
     outside.mkdir()
-    for entries in (
+    secret = tmp_path / "secret"
+    secret.write_text("host only")
+    cases = [
         [("file", "../escape", "x", 0o644)],
         [("symlink", "link", str(outside), 0o777), ("file", "link/planted", "x", 0o644)],
-    ):
-        root = tmp_path / f"rootfs-{len(entries)}"
+        # hard links: the tar filter alone would link the host's file into the rootfs
+        [("hardlink", "shadow", str(secret), 0o644)],
+        [("dir", "a", "", 0o755), ("hardlink", "a/shadow", "../../secret", 0o644)],
+    ]
+    for i, entries in enumerate(cases):
+        root = tmp_path / f"rootfs-{i}"
         with pytest.raises(tarfile.TarError):
             extract_rootfs(io.BytesIO(tar_bytes(entries)), root)
+        assert not any(p.stat().st_ino == secret.stat().st_ino
+                       for p in root.rglob("*") if p.is_file() and not p.is_symlink())
     assert not list(outside.iterdir())
     assert not (tmp_path / "escape").exists()
+    assert secret.stat().st_nlink == 1
+
+
+def test_hard_links_inside_the_image_are_kept(tmp_path: Path) -> None:
+    data = tar_bytes([("dir", "usr", "", 0o755), ("file", "usr/perl", "p", 0o755),
+                      ("hardlink", "usr/perl5", "usr/perl", 0o755),
+                      ("hardlink", "usr/perl6", "/usr/perl", 0o755)])
+    root = tmp_path / "rootfs"
+    extract_rootfs(io.BytesIO(data), root)
+    assert (root / "usr/perl5").stat().st_ino == (root / "usr/perl").stat().st_ino
+    assert (root / "usr/perl6").stat().st_ino == (root / "usr/perl").stat().st_ino
 
 
 class FakeExport:
