@@ -519,3 +519,13 @@ async def test_image_mode_runs_on_the_unpacked_image(worktree: Path, tmp_path: P
         assert again.stdout.strip() == "/usr/*"
     assert (worktree / "in-worktree").read_text() == "made\n"
     assert len(list((cache / "oci-rootfs").iterdir())) == 1
+    # The engine flattened the image from a created container; that container is gone.
+    from podman import PodmanClient
+
+    from fusion_oci.images.rootfs import EXPORT_COMMAND
+
+    url = os.environ.get("FUSION_OCI_PODMAN_URL", "unix:///run/podman/podman.sock")
+    with PodmanClient(base_url=url) as client:
+        left = [c.name for c in client.containers.list(all=True)
+                if (c.attrs.get("Command") or [])[:1] == EXPORT_COMMAND[:1]]
+    assert left == []
