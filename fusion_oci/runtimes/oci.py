@@ -26,7 +26,7 @@ import shutil
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from fusion_oci.errors import FusionOCIError, SandboxSetupError
 from fusion_oci.models import (
@@ -91,6 +91,10 @@ __all__ = [  # the names other modules and tests import from here
     "runtime_flags", "state_base", "with_init",
 ]
 
+if TYPE_CHECKING:
+    from fusion_oci.oci.host import HostInfo
+    from fusion_oci.policy.settings import SandboxSettings
+
 KEEP_FLAG_RUNTIMES = frozenset({"runc", "crun"})
 """Runtimes whose ``run`` takes ``--keep`` (the others delete the cgroup before we can read it)
 and keep a container's state in ``ROOT/ID`` (so its absence proves nothing is left)."""
@@ -112,8 +116,8 @@ class OciRuntime(SpecRuntime):
 
     id = "oci"
 
-    def __init__(self, settings: Any, env: Mapping[str, str],
-                 cache_root: Path | None = None, host: Any = None) -> None:
+    def __init__(self, settings: SandboxSettings, env: Mapping[str, str],
+                 cache_root: Path | None = None, host: HostInfo | None = None) -> None:
         super().__init__(settings, env, cache_root=cache_root, host=host)
         self.runtime_name: str = settings.oci_runtime
         self.uid = os.geteuid()
