@@ -18,6 +18,7 @@ import os
 import shutil
 import tarfile
 import tempfile
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
@@ -155,11 +156,31 @@ def _engine_export(ref: str, url: str) -> Iterator[_Export]:
             export.remove()
 
 
+def sweep_partial(cache: Path, min_age_s: float = 300.0) -> list[Path]:
+    """Remove half-written trees (``.new-*``) that a killed process left, once they are older
+    than ``min_age_s`` (a younger one may be another process's export in progress)."""
+    removed: list[Path] = []
+    try:
+        entries = list(cache.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        if not entry.name.startswith(NEW_DIR_PREFIX):
+            continue
+        with contextlib.suppress(OSError):
+            if time.time() - entry.lstat().st_mtime > min_age_s:
+                shutil.rmtree(entry, ignore_errors=True)
+                removed.append(entry)
+    return removed
+
+
 def export_image_rootfs(ref: str, cache: Path, url: str) -> Path:
     """The image's root filesystem, exported once per image digest under ``cache``.
 
-    Blocking (SDK calls and tar extraction); call it in a thread.
+    Blocking (SDK calls and tar extraction); call it in a thread. What a killed export left
+    (its ``.new-*`` tree; the engine's container carries gc labels) is swept here.
     """
+    sweep_partial(cache)
     with _engine_export(ref, url) as export:
         image_id = export.digest.removeprefix("sha256:")
         target = cache / image_id

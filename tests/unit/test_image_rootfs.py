@@ -141,6 +141,18 @@ def test_a_failed_export_leaves_no_half_written_tree(tmp_path: Path,
     assert not list((tmp_path / "cache").iterdir())
 
 
+def test_what_a_killed_export_left_is_swept(tmp_path: Path) -> None:
+    import os
+
+    cache = tmp_path / "cache"
+    old, young, done = cache / ".new-aaaa.x1", cache / ".new-bbbb.x2", cache / ("c" * 64)
+    for d in (old, young, done):
+        (d / "rootfs").mkdir(parents=True)
+    os.utime(old, (1, 1))
+    assert rootfs.sweep_partial(cache) == [old]
+    assert sorted(p.name for p in cache.iterdir()) == sorted([young.name, done.name])
+
+
 def test_podman_url() -> None:
     assert podman_url({"FUSION_OCI_PODMAN_URL": "unix:///x.sock"}, 0) == "unix:///x.sock"
     assert podman_url({}, 0) == "unix:///run/podman/podman.sock"
