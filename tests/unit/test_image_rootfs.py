@@ -159,3 +159,73 @@ def test_podman_url() -> None:
     assert podman_url({}, 1000) == "unix:///run/user/1000/podman/podman.sock"
     assert podman_url({"CONTAINER_HOST": "unix:///e.sock"}, 0, "unix:///s.sock") == \
         "unix:///s.sock"
+
+
+class FakeContainer:
+    def __init__(self, data: bytes, fail: bool) -> None:
+        self.data, self.fail, self.removed = data, fail, False
+
+    def export(self) -> Iterator[bytes]:
+        yield self.data[:100]
+        if self.fail:
+            raise ProvisionError("export broke", "connection reset")
+        yield self.data[100:]
+
+    def remove(self, **kw: object) -> None:
+        self.removed = True
+
+
+class FakeEngine:
+    """Stands in for images.engine's client: the calls _engine_export makes, recorded."""
+
+    def __init__(self, data: bytes, fail: bool = False) -> None:
+        self.created: list[FakeContainer] = []
+        self.create_kwargs: list[dict[str, object]] = []
+        self._data, self._fail = data, fail
+        engine = self
+
+        class Containers:
+            def create(self, image: str, **kw: object) -> FakeContainer:
+                engine.create_kwargs.append({"image": image, **kw})
+                engine.created.append(FakeContainer(engine._data, engine._fail))
+                return engine.created[-1]
+
+        class Client:
+            containers = Containers()
+
+        self.client = Client()
+
+    def __enter__(self) -> FakeEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def image(self, ref: str) -> object:
+        from fusion_oci.images.engine import ImageInfo
+
+        return ImageInfo(engine="podman", id="sha256:" + "d" * 64, tags=[ref])
+
+    def call(self, what: str) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+
+def test_the_export_container_is_created_once_and_always_removed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fusion_oci.images import engine as engine_module
+
+    fake = FakeEngine(IMAGE, fail=True)
+    monkeypatch.setattr(engine_module, "open_engine", lambda kind, url: fake)
+    with pytest.raises(ProvisionError):
+        export_image_rootfs("localhost/x:1", tmp_path / "cache", "u")
+    assert [c.removed for c in fake.created] == [True]
+    assert fake.create_kwargs[0]["image"] == "sha256:" + "d" * 64  # the digest, not the tag
+    assert fake.create_kwargs[0]["command"] == rootfs.EXPORT_COMMAND
+    assert not list((tmp_path / "cache").iterdir())
+
+    fake = FakeEngine(IMAGE)
+    monkeypatch.setattr(engine_module, "open_engine", lambda kind, url: fake)
+    got = export_image_rootfs("localhost/x:1", tmp_path / "cache", "u")
+    assert (got / "etc/hello").exists() and [c.removed for c in fake.created] == [True]
+    export_image_rootfs("localhost/x:1", tmp_path / "cache", "u")
+    assert len(fake.created) == 1  # cached by digest: one inspect, no container
