@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from fusion_oci.policy.layout import TaskLayout
     from fusion_oci.policy.settings import SandboxSettings
     from fusion_oci.process import ProcessOutcome
+    from fusion_oci.resolve import ResolvedTask
 
 
 class Requirement(StrEnum):
@@ -224,6 +225,11 @@ class SpecRuntime:
         self.ask: AskCallback | None = None
         self.last_spec: Spec | None = None
         """The spec of the latest command (compiled by :meth:`run`)."""
+        self.resolved: ResolvedTask | None = None
+        """The resolved task (set by :meth:`prepare`)."""
+        self.task_spec: Spec | None = None
+        """The spec all of the task's commands share but for the process (set by
+        :meth:`prepare`): what a runtime prepares from."""
 
     @property
     def host(self) -> HostInfo:
@@ -234,23 +240,34 @@ class SpecRuntime:
         return self._host
 
     async def prepare(self, ctx: PrepareContext) -> None:
-        from fusion_oci.policy.layout import resolve_ca, resolve_layout
+        """Resolve the task (fusion_oci.resolve, the one resolve step) and compile its task
+        spec; subclasses take what they set up from :attr:`task_spec`, not from ``ctx``."""
+        from fusion_oci.resolve import resolve, task_spec
 
         self.ctx = ctx
-        ca = resolve_ca(self.settings.host_ca, self.host.ca_bundle)
-        if ctx.host_ca_bundle is not None:
-            ca = ctx.host_ca_bundle
-        self.layout = resolve_layout(ctx, cache_root=self.cache_root, ca_bundle=ca)
+        self.resolved = resolve(self.settings, ctx, self.host, env=self.env,
+                                cache_root=self.cache_root, default_image=self.default_image)
+        self.ctx = self.resolved.ctx
+        self.layout = self.resolved.layout
+        self.task_spec = task_spec(self.resolved)
+
+    def set_image(self, image: str) -> None:
+        """After provisioning: the task runs on ``image`` (a local reference)."""
+        from fusion_oci.resolve import task_spec
+
+        assert self.resolved is not None
+        self.resolved = self.resolved.with_image(image)
+        self.ctx = self.resolved.ctx
+        self.task_spec = task_spec(self.resolved)
 
     def compile(self, command: str | Sequence[str], opts: RunOptions) -> Spec:
         from fusion_oci.errors import SandboxSetupError
-        from fusion_oci.oci.spec import compile_spec
+        from fusion_oci.resolve import compile_spec
 
-        if self.ctx is None or self.layout is None:
+        if self.resolved is None:
             raise SandboxSetupError(f"runtime '{self.id}' was not prepared",
                                     "run() came before prepare()", "call prepare(ctx) first")
-        source = opts.env if opts.env is not None else self.env
-        return compile_spec(self.ctx, self.layout, self.host, command, opts, source)
+        return compile_spec(self.resolved, command, opts)
 
     async def run(self, command: str | Sequence[str], opts: RunOptions) -> RunResult:
         spec = self.compile(command, opts)
@@ -263,6 +280,8 @@ class SpecRuntime:
     async def dispose(self) -> None:
         self.ctx = None
         self.layout = None
+        self.resolved = None
+        self.task_spec = None
 
     def result(self, outcome: ProcessOutcome, spec: Spec, reason: EndReason | None = None
                ) -> RunResult:

@@ -31,8 +31,14 @@ from fusion_oci.errors import (
     RuntimeUnavailableError,
     SandboxSetupError,
 )
-from fusion_oci.models import PrepareContext, RunOptions, RunResult, SandboxCapabilities
-from fusion_oci.oci.spec import Spec
+from fusion_oci.models import (
+    CacheMode,
+    PrepareContext,
+    RunOptions,
+    RunResult,
+    SandboxCapabilities,
+)
+from fusion_oci.oci.spec import Spec, spec_cache_mode
 from fusion_oci.process import ProcessOutcome
 from fusion_oci.runtimes.base import (
     Availability,
@@ -59,6 +65,7 @@ from fusion_oci.runtimes.containers import (
     plan_exec,
     plan_kill,
     plan_limit_probe,
+    spec_image,
 )
 from fusion_oci.scratch import boot_id, process_start
 
@@ -527,12 +534,10 @@ class ContainerRuntime(SpecRuntime):
 
     def _plan(self, spec: Spec, name: str) -> ContainerPlan:
         return plan_container(spec, self.target(), name=name, owner=self._owner,
-                              mode=self.mode, isolated_caches=self._isolated())
+                              mode=self.mode, isolated_caches=self._isolated(spec))
 
-    def _isolated(self) -> bool:
-        from fusion_oci.models import CacheMode
-
-        return bool(self.ctx and self.ctx.cache_mode is CacheMode.ISOLATED)
+    def _isolated(self, spec: Spec) -> bool:
+        return spec_cache_mode(spec) is CacheMode.ISOLATED
 
     def plan(self, spec: Spec) -> LaunchPlan:
         plan = self._plan(spec, container_name(str(spec["annotations"].get(
@@ -572,9 +577,11 @@ class ContainerRuntime(SpecRuntime):
     async def prepare(self, ctx: PrepareContext) -> None:
         await self._call_probe()
         await super().prepare(ctx)
-        image = ctx.image or self.settings.image or self.default_image or DEFAULT_IMAGE
-        self.image_ref = await self._provision(image, ctx)
-        self.ctx = ctx.model_copy(update={"image": self.image_ref})
+        assert self.task_spec is not None
+        # The image the resolve step chose (context, settings, else this backend's default),
+        # provisioned; the task then runs on its local reference.
+        self.image_ref = await self._provision(spec_image(self.task_spec), ctx)
+        self.set_image(self.image_ref)
         self._seccomp = self.seccomp_profile()
         await self._collect_own_garbage(ctx.task_id)
         if self.mode == "warm":

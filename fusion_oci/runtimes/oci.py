@@ -312,13 +312,15 @@ class OciRuntime(SpecRuntime):
         final = self.state_base / task_dir_name(ctx.task_id, ctx.run_id, self.nonce)
         self._task = open_task_dir(final, self.nonce, {"task": ctx.task_id, "run": ctx.run_id,
                                                         "runtime": binary})
+        assert self.task_spec is not None
         try:
-            if ctx.image:
+            # The image the resolve step chose, read from the task spec (not the context).
+            if image := self.task_spec["annotations"].get(ANN_IMAGE):
                 from fusion_oci.images.rootfs import export_image_rootfs, podman_url
 
                 url = podman_url(self.env, self.uid, self.settings.podman_url)
                 rootfs = await asyncio.to_thread(
-                    export_image_rootfs, ctx.image, self.cache_root / "oci-rootfs", url)
+                    export_image_rootfs, str(image), self.cache_root / "oci-rootfs", url)
                 self._rootfs = str(rootfs)
         except BaseException:
             await self.dispose()
