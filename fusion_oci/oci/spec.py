@@ -416,6 +416,13 @@ def spec_env(spec: Spec) -> dict[str, str]:
     return dict(item.split("=", 1) for item in spec["process"]["env"])
 
 
+def spec_capabilities(spec: Spec) -> list[str]:
+    """The capabilities the spec's process keeps (its bounding set, ``CAP_*`` names),
+    sorted: what every runtime adds back after dropping all."""
+    caps = spec["process"].get("capabilities", {}).get("bounding", [])
+    return sorted(str(c) for c in caps)
+
+
 def spec_network(spec: Spec) -> NetworkMode:
     """The network mode a spec asks for. The OCI data decides first: no network namespace is
     ``host``; a network namespace is ``none`` unless the annotation says ``egress`` (OCI has

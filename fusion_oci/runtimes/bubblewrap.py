@@ -50,7 +50,14 @@ from fusion_oci.models import (
     SandboxCapabilities,
 )
 from fusion_oci.oci.seccomp import OCI_ARCHES, compile_bpf
-from fusion_oci.oci.spec import ANN_HOST_ROOTFS, ANN_IMAGE, Spec, spec_env, spec_network
+from fusion_oci.oci.spec import (
+    ANN_HOST_ROOTFS,
+    ANN_IMAGE,
+    Spec,
+    spec_capabilities,
+    spec_env,
+    spec_network,
+)
 from fusion_oci.process import ProcessOutcome, run_process
 from fusion_oci.runtimes.base import (
     Availability,
@@ -266,6 +273,8 @@ def bwrap_argv(spec: Spec, host: BwrapHost, fds: LaunchFds | None = None) -> lis
     if network is NetworkMode.HOST:
         argv.append("--share-net")
     argv += ["--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+    for cap in spec_capabilities(spec):  # the spec's bounding set (empty in our bundles)
+        argv += ["--cap-add", cap]
     if host.disable_userns:
         argv.append("--disable-userns")
     user = proc.get("user", {})

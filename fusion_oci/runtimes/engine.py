@@ -65,6 +65,7 @@ from fusion_oci.runtimes.containers import (
     plan_exec,
     plan_kill,
     plan_limit_probe,
+    seccomp_file,
     spec_image,
 )
 from fusion_oci.scratch import boot_id, process_start
@@ -405,7 +406,6 @@ class ContainerRuntime(SpecRuntime):
         self._container: str | None = None
         self._task_volumes: list[str] = []
         self._owner = current_owner()
-        self._seccomp: str | None = None
         self._counters: dict[str, dict[str, int]] = {}
         self.image_ref: str | None = None
         self._image_id: str | None = None
@@ -432,10 +432,6 @@ class ContainerRuntime(SpecRuntime):
     def offline_info(self) -> EngineInfo | None:
         """What the engine would be when no socket answers but prepare can start one (podman);
         None: no socket means unavailable."""
-        return None
-
-    def seccomp_profile(self) -> str | None:
-        """A seccomp profile file for the engine, made at prepare; None: the engine's own."""
         return None
 
     # -- probing --------------------------------------------------------------------------
@@ -490,7 +486,7 @@ class ContainerRuntime(SpecRuntime):
         return Target(self.engine, rootless, nproc_limit(self.host.rlimits),
                       cgroup_limits=not (rootless and info is not None
                                          and info.cgroup_version == "v1"),
-                      seccomp_profile=self._seccomp)
+                      seccomp_dir=str(self.cache_root / "seccomp"))
 
     def capabilities(self) -> SandboxCapabilities:
         return SandboxCapabilities(
@@ -582,10 +578,25 @@ class ContainerRuntime(SpecRuntime):
         # provisioned; the task then runs on its local reference.
         self.image_ref = await self._provision(spec_image(self.task_spec), ctx)
         self.set_image(self.image_ref)
-        self._seccomp = self.seccomp_profile()
+        await asyncio.to_thread(self._write_seccomp, self.task_spec)
         await self._collect_own_garbage(ctx.task_id)
         if self.mode == "warm":
             self._container = await self._start_container()
+
+    def _write_seccomp(self, spec: Spec) -> None:
+        """podman takes the bundle's seccomp profile only as a file: write it where
+        :func:`seccomp_file` names it (atomically; the same profile is the same file)."""
+        profile = spec.get("linux", {}).get("seccomp")
+        if self.engine != "podman" or profile is None:
+            return
+        path_text, text = seccomp_file(profile, str(self.cache_root / "seccomp"))
+        path = Path(path_text)
+        if path.exists():
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
 
     async def image_digest(self) -> str | None:
         """The id (``sha256:...``) of the image this task's containers run (None before

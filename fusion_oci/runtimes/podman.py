@@ -18,7 +18,6 @@ never gets one.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -36,7 +35,6 @@ from fusion_oci.runtimes.containers import (
     ContainerPlan,
     Engine,
     ExecPlan,
-    harden_seccomp,
 )
 from fusion_oci.runtimes.engine import (
     PING_TIMEOUT_S,
@@ -54,7 +52,6 @@ from fusion_oci.scratch import make_scratch, process_start
 
 API_TIMEOUT_S = 120
 WATCHDOG = Path(__file__).resolve().parent.parent / "watchdog.py"
-DEFAULT_SECCOMP = "/usr/share/containers/seccomp.json"
 SERVICE_START_S = 20.0
 
 
@@ -243,25 +240,6 @@ class PodmanRuntime(ContainerRuntime):
                         "podman", f"`podman system service` did not come up: {tail}",
                         "run `podman info` to see what is wrong with podman here") from None
                 time.sleep(0.1)
-
-    def seccomp_profile(self) -> str | None:
-        """podman's installed default profile, hardened (see containers.harden_seccomp), in
-        the fusion-oci cache directory where the podman service (root or this user) reads it.
-        """
-        source = Path(DEFAULT_SECCOMP)
-        try:
-            base = json.loads(source.read_text())
-        except (OSError, ValueError):
-            return None  # no default profile to start from: podman applies its own
-        text = json.dumps(harden_seccomp(base), indent=1, sort_keys=True)
-        digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-        path = self.cache_root / "seccomp" / f"podman-{digest}.json"
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(text)
-            tmp.replace(path)
-        return str(path)
 
     def offline_info(self) -> EngineInfo | None:
         """No socket answers yet, but podman is installed: prepare starts a service, so the

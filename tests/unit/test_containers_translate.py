@@ -43,12 +43,13 @@ from fusion_oci.runtimes.containers import (
     Owner,
     Target,
     exit_status,
-    harden_seccomp,
     limit_reason,
     parse_limit_counters,
     plan_container,
     plan_exec,
     plan_kill,
+    seccomp_file,
+    seccomp_json,
 )
 from fusion_oci.runtimes.engine import (
     ContainerGoneError,
@@ -110,9 +111,10 @@ CASES = {
 def golden(name: str, data: Any) -> None:
     path = GOLDEN / f"{name}.json"
     text = json.dumps(data, indent=2, sort_keys=True) + "\n"
-    if os.environ.get("FUSION_OCI_UPDATE_GOLDEN") == "1" or not path.exists():
+    if os.environ.get("FUSION_OCI_UPDATE_GOLDEN") == "1":
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
+    assert path.exists(), f"golden {path} is missing (FUSION_OCI_UPDATE_GOLDEN=1 writes it)"
     assert json.loads(path.read_text()) == json.loads(text), f"golden {path} differs"
 
 
@@ -151,7 +153,8 @@ def test_translation_essentials() -> None:
         assert create["pids_limit"] == 256
         assert create["cpu_quota"] == 150_000 and create["cpu_period"] == 100_000
         if engine == "docker":
-            assert create["security_opt"] == ["no-new-privileges"]
+            assert create["security_opt"][0] == "no-new-privileges"
+            assert create["security_opt"][1].startswith("seccomp={")
             ro = {m["Target"]: m["ReadOnly"] for m in create["mounts"]}
             assert ro["/srv/repo/.git/hooks"] is True and ro["/srv/repo/.git/config"] is True
             assert ro["/srv/wt"] is False and ro["/opt/ref"] is True
@@ -266,22 +269,32 @@ def test_gc_rule() -> None:
     assert is_garbage(task_cache, at)
 
 
-def test_seccomp_hardening_matches_dockers_namespace_and_keyring_rules() -> None:
-    base: dict[str, Any] = {"defaultAction": "SCMP_ACT_ERRNO", "syscalls": [
-        {"names": ["read", "unshare", "keyctl", "clone", "clone3"], "action": "SCMP_ACT_ALLOW"},
-        {"names": ["setns"], "action": "SCMP_ACT_ALLOW", "includes": {"caps": ["CAP_SYS_ADMIN"]}},
-    ]}
-    hardened = harden_seccomp(base)
-    allowed = {n for r in hardened["syscalls"] if r["action"] == "SCMP_ACT_ALLOW"
-               and not r.get("args") and not r.get("includes") for n in r["names"]}
-    assert "read" in allowed and not allowed & {"unshare", "keyctl", "clone", "clone3"}
-    clone = next(r for r in hardened["syscalls"] if r["names"] == ["clone"])
-    assert clone["args"][0]["value"] == 2114060288
-    assert base["syscalls"][0]["names"][1] == "unshare", "the input is not changed"
+def test_both_engines_get_the_bundles_own_seccomp_profile_caps_and_nnp() -> None:
     spec = spec_for(POLICY)
-    create = plan_container(spec, Target("podman", seccomp_profile="/p.json"), name="n",
+    profile = spec["linux"]["seccomp"]
+    docker = plan_container(spec, Target("docker"), name="n", owner=OWNER).create
+    assert docker["security_opt"] == ["no-new-privileges", "seccomp=" + seccomp_json(profile)]
+    assert json.loads(docker["security_opt"][1].removeprefix("seccomp=")) == profile
+    podman = plan_container(spec, Target("podman", seccomp_dir="/c/seccomp"), name="n",
                             owner=OWNER).create
-    assert create["seccomp_profile_path"] == "/p.json"
+    path, text = seccomp_file(profile, "/c/seccomp")
+    assert podman["seccomp_profile_path"] == path and json.loads(text) == profile
+    for create in (docker, podman):
+        assert create["cap_drop"] == ["ALL"] and create["cap_add"] == []
+    # What the bundle says is what the engines get: a changed profile, a kept capability,
+    # no no_new_privs.
+    changed = json.loads(json.dumps(spec))
+    changed["linux"]["seccomp"]["syscalls"][0]["names"].append("io_uring_setup")
+    changed["process"]["capabilities"]["bounding"] = ["CAP_NET_BIND_SERVICE"]
+    changed["process"]["noNewPrivileges"] = False
+    docker2 = plan_container(changed, Target("docker"), name="n", owner=OWNER).create
+    podman2 = plan_container(changed, Target("podman", seccomp_dir="/c/seccomp"), name="n",
+                             owner=OWNER).create
+    assert docker2["security_opt"] == ["seccomp=" + seccomp_json(changed["linux"]["seccomp"])]
+    assert podman2["seccomp_profile_path"] != path
+    assert podman2["no_new_privileges"] is False
+    for create in (docker2, podman2):
+        assert create["cap_add"] == ["NET_BIND_SERVICE"]
 
 
 def test_limit_counters_name_the_limit_that_held() -> None:
