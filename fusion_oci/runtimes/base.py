@@ -74,6 +74,45 @@ def requirements(policy: SandboxPolicy) -> frozenset[Requirement]:
     return frozenset(need)
 
 
+def spec_requirements(spec: Spec) -> frozenset[Requirement]:
+    """What enforcing this spec takes, read from its OCI fields (the network annotation only
+    for egress versus none). Pure; equal to :func:`requirements` of the policy it was
+    compiled from (tests/unit/test_resolve.py), so a runtime can be checked against the
+    bundle it is handed as well as against a policy."""
+    from fusion_oci.oci.spec import spec_network
+
+    need = {Requirement.FILESYSTEM, Requirement.PROC_PATHS, Requirement.ENV}
+    mode = spec_network(spec)
+    if mode is NetworkMode.NONE:
+        need.add(Requirement.NETWORK_NONE)
+    elif mode is NetworkMode.EGRESS:
+        need.add(Requirement.NETWORK_EGRESS)
+    resources = spec.get("linux", {}).get("resources", {})
+    for key, req in (("memory", Requirement.MEMORY), ("pids", Requirement.PIDS),
+                     ("cpu", Requirement.CPU_QUOTA)):
+        if key in resources:
+            need.add(req)
+    rlimits = {r["type"] for r in spec.get("process", {}).get("rlimits", [])}
+    if "RLIMIT_CPU" in rlimits:
+        need.add(Requirement.CPU_TIME)
+    if "RLIMIT_FSIZE" in rlimits:
+        need.add(Requirement.FILE_SIZE)
+    if any(m.get("type") == "tmpfs" and any(o.startswith("size=") for o in m.get("options", []))
+           and m.get("destination") not in ("/dev", "/dev/shm")
+           for m in spec.get("mounts", [])):
+        need.add(Requirement.TMP_SIZE)
+    return frozenset(need)
+
+
+def check_spec(runtime: Runtime, spec: Spec) -> list[str]:
+    """The parts of ``spec`` that ``runtime`` does not enforce here, sorted (the protocol's
+    ``check(spec)``; a runtime may offer its own ``check``)."""
+    own = getattr(runtime, "check", None)
+    if callable(own):
+        return list(own(spec))
+    return sorted(r.value for r in spec_requirements(spec) - runtime.enforces())
+
+
 def unenforced_parts(runtime: Runtime, policy: SandboxPolicy) -> list[str]:
     """The requirements of ``policy`` that ``runtime`` does not enforce here, sorted.
 
