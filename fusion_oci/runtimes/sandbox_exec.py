@@ -97,8 +97,10 @@ class SandboxExecRuntime(HostProcessRuntime):
                                 scratch_tmp=tmp)
 
     def plan(self, spec: Spec) -> LaunchPlan:
-        """argv is exact (the profile text is its ``-p`` word); notes hold the profile again,
-        line by line, for reading. Pure: works on any platform."""
+        """argv is what :meth:`execute` runs (the subreaper shim with the spec's rlimits, then
+        sandbox-exec with the profile text as its ``-p`` word), but for one step: execute
+        resolves the parameters' symlinks on the Mac, as Seatbelt matches resolved paths.
+        Notes hold the profile again, line by line. Pure: works on any platform."""
         home, tmp = self._dirs()
         profile = self.profile(spec)
         notes = [
@@ -111,11 +113,12 @@ class SandboxExecRuntime(HostProcessRuntime):
         if spec.get("annotations", {}).get(ANN_IMAGE):
             notes.append(f"REFUSED: image {spec['annotations'][ANN_IMAGE]} needs a container "
                          "runtime; sandbox-exec runs the host's tools")
-        notes += ["parameters:", *(f"  {k}={v}" for k, v in profile.params), "profile:",
+        notes += ["parameters (symlinks resolved at launch):",
+                  *(f"  {k}={v}" for k, v in profile.params), "profile:",
                   *("  " + line for line in profile.text.splitlines())]
         return LaunchPlan(
             backend=self.id,
-            argv=["<reaper>", *profile.argv(list(spec["process"]["args"]))],
+            argv=self.launch_argv(profile.argv(list(spec["process"]["args"])), spec),
             env=mac_env(spec, home, tmp),
             cwd=spec["process"]["cwd"],
             notes=notes,
