@@ -61,7 +61,7 @@ from fusion_oci.models import (
     SandboxCapabilities,
 )
 from fusion_oci.oci.seccomp import compile_bpf
-from fusion_oci.oci.spec import SANDBOX_HOME, Spec, spec_network
+from fusion_oci.oci.spec import ANN_IMAGE, SANDBOX_HOME, Spec, spec_network
 from fusion_oci.policy.layout import task_project
 from fusion_oci.process import reaper_argv, run_process
 from fusion_oci.runtimes.base import Availability, LaunchPlan, Requirement
@@ -400,7 +400,8 @@ class LandlockRuntime(HostProcessRuntime):
     async def prepare(self, ctx: PrepareContext) -> None:
         await super().prepare(ctx)
         try:
-            if ctx.image:
+            assert self.task_spec is not None
+            if self.task_spec["annotations"].get(ANN_IMAGE):
                 raise SandboxSetupError(
                     "the landlock runtime cannot use an image",
                     "it runs the command on the host's own system directories",

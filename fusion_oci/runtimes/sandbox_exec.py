@@ -130,11 +130,13 @@ class SandboxExecRuntime(HostProcessRuntime):
         avail = self.availability()
         if not avail.available:
             raise RuntimeUnavailableError(self.id, avail.reason, avail.hint)
-        if ctx.image:
-            raise BundleError(f"sandbox-exec cannot run image {ctx.image}",
+        await super().prepare(ctx)
+        assert self.task_spec is not None
+        if image := self.task_spec["annotations"].get(ANN_IMAGE):
+            await self.dispose()
+            raise BundleError(f"sandbox-exec cannot run image {image}",
                               "it sandboxes the host's own tools; images need a container",
                               "drop sandbox.image, or choose docker or podman")
-        await super().prepare(ctx)
 
     async def execute(self, spec: Spec, opts: RunOptions) -> RunResult:
         home, tmp = self._dirs()
