@@ -352,3 +352,17 @@ def test_engine_errors_socket_and_image_and_run_failures() -> None:
                                                                 setup=False):
         raise docker.errors.APIError("500", explanation="something odd")
     assert not isinstance(run_error.value, SandboxSetupError)
+
+
+def test_the_runtime_takes_the_cache_scope_from_the_spec_not_the_context() -> None:
+    """A runtime never prepared (no context at all) plans task-scoped volumes for a spec
+    whose cache mode is isolated: the scope travels in the spec."""
+    from fusion_oci.policy.settings import SandboxSettings
+    from fusion_oci.runtimes.docker import DockerRuntime
+
+    runtime = DockerRuntime(SandboxSettings(backend="docker"), {}, host=HOST)
+    assert runtime.ctx is None
+    notes = runtime.plan(spec_for(POLICY, isolated=True)).notes
+    assert any(n.endswith("(task)") for n in notes if n.startswith("volume ")), notes
+    notes = runtime.plan(spec_for(POLICY)).notes
+    assert any(n.endswith("(project)") for n in notes if n.startswith("volume ")), notes
