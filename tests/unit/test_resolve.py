@@ -99,3 +99,29 @@ def test_every_annotation_is_listed_in_the_docs_table() -> None:
     assert names, "no annotation constants found"
     listed = set(re.findall(r"^\| `(io\.fusion-oci\.[a-z-]+)` \|", table, re.M))
     assert names == listed, f"docs/spec-annotations.md table vs oci/spec.py: {names ^ listed}"
+
+
+def test_the_lifecycle_refuses_a_task_spec_the_runtime_does_not_enforce() -> None:
+    """The check against the spec: a memory limit in the task spec that the runtime cannot
+    hold is refused after prepare, whatever the policy said."""
+    from fusion_oci.errors import PolicyNotEnforceableError
+    from fusion_oci.runtimes.base import Requirement
+    from fusion_oci.sandbox import Sandbox
+
+    spec = compile_spec(ctx(SandboxPolicy(allow_network=False, memory_limit_mb=64)), LAYOUT,
+                        GOLDEN_HOST, "true", RunOptions(), {})
+
+    class Holds:
+        id = "fake"
+        task_spec = spec
+
+        def enforces(self) -> frozenset[Requirement]:
+            return frozenset({Requirement.FILESYSTEM, Requirement.PROC_PATHS,
+                              Requirement.ENV, Requirement.NETWORK_NONE})
+
+    with pytest.raises(PolicyNotEnforceableError) as refused:
+        Sandbox(SandboxSettings())._check_spec(Holds())  # type: ignore[arg-type]
+    assert refused.value.unenforced == ["memoryLimitMb"]
+    Holds.task_spec = compile_spec(ctx(SandboxPolicy(allow_network=False)), LAYOUT,
+                                   GOLDEN_HOST, "true", RunOptions(), {})
+    Sandbox(SandboxSettings())._check_spec(Holds())  # type: ignore[arg-type]
