@@ -361,7 +361,7 @@ def dry_run(task: Any, command: str | list[str], environ: dict[str, str]) -> dic
     and compiler as a run (fusion_oci.resolve), with ``create=False``."""
     from fusion_oci.oci.host import probe_host
     from fusion_oci.resolve import compile_spec, resolve
-    from fusion_oci.runtimes.base import default_cache_root, unenforced_parts
+    from fusion_oci.runtimes.base import check_spec, default_cache_root, unenforced_parts
     from fusion_oci.runtimes.registry import create_runtime
 
     settings = task.effective.settings
@@ -374,6 +374,8 @@ def dry_run(task: Any, command: str | list[str], environ: dict[str, str]) -> dic
     avail = runtime.availability()
     missing = unenforced_parts(runtime, task.ctx.policy)
     if runtime.id != "native":
+        # What the lifecycle refuses: the policy's parts and the spec's (check_spec).
+        missing = sorted(set(missing) | set(check_spec(runtime, spec)))
         missing += resolved.unprotected()
     close = getattr(runtime, "close", None)
     if callable(close):
