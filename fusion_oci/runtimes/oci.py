@@ -483,17 +483,10 @@ OPAQUE = ".wh..wh..opq"
 
 
 def podman_url(env: Mapping[str, str], uid: int, settings_url: str | None = None) -> str:
-    """The podman API socket the image is exported from: ``sandbox.podmanUrl``, then the
-    environment, then podman's default socket for this user. Pure."""
-    if settings_url:
-        return settings_url
-    for name in ("FUSION_OCI_PODMAN_URL", "CONTAINER_HOST"):
-        if env.get(name):
-            return env[name]
-    if uid == 0:
-        return "unix:///run/podman/podman.sock"
-    runtime_dir = env.get("XDG_RUNTIME_DIR") or f"/run/user/{uid}"
-    return f"unix://{runtime_dir}/podman/podman.sock"
+    """The podman API socket the image is exported from (the engines layer's resolver)."""
+    from fusion_oci.engines import podman_endpoints
+
+    return podman_endpoints(settings_url, env, uid)[0].url
 
 
 def _inside(root: Path, rel: PurePosixPath) -> Path | None:
@@ -616,7 +609,7 @@ def _podman_errors(ref: str, url: str) -> Iterator[None]:
         raise ProvisionError(
             f"cannot export image '{ref}' from podman at {url}", str(exc),
             "start the podman API service (`podman system service --time=0`) or point "
-            "FUSION_OCI_PODMAN_URL at its socket",
+            "podman.url (or CONTAINER_HOST) at its socket",
         ) from exc
 
 
@@ -1155,7 +1148,7 @@ class OciRuntime(SpecRuntime):
 
                 (self._task.dir / "resolv.conf").write_text(RESOLV_CONF, encoding="utf-8")
             if ctx.image:
-                url = podman_url(self.env, self.uid, self.settings.podman_url)
+                url = podman_url(self.env, self.uid, self.settings.podman.url)
                 rootfs = await asyncio.to_thread(
                     export_image_rootfs, ctx.image, self.cache_root / "oci-rootfs", url)
                 self._rootfs = str(rootfs)
