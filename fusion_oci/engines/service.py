@@ -35,8 +35,10 @@ class PodmanService:
 
     def __init__(self, env: Mapping[str, str]) -> None:
         self.env = dict(env)
-        self._service: subprocess.Popen[bytes] | None = None
-        self._service_dir: str | None = None
+        self.process: subprocess.Popen[bytes] | None = None
+        """The watchdog that runs the service (None before start and after stop)."""
+        self.folder: str | None = None
+        """The scratch folder holding the service's socket and log."""
 
     def start(self, tried: Sequence[Endpoint]) -> EngineAdapter:
         from fusion_oci.engines.podman import PodmanAdapter
@@ -48,14 +50,14 @@ class PodmanService:
                 "podman", f"podman is not installed and no API socket answers at {where}",
                 "install podman (apt-get install podman), or set podman.url")
         folder = make_scratch("podman", "service")
-        self._service_dir = str(folder)
+        self.folder = str(folder)
         url = f"unix://{folder}/podman.sock"
         log = folder / "service.log"
         pid = os.getpid()
         with log.open("wb") as out:
             # Under the watchdog, in its own session: a Ctrl-C of the caller's group does not
             # hit it (dispose still needs it), stop() or the owner's death ends its group.
-            self._service = subprocess.Popen(
+            self.process = subprocess.Popen(
                 [sys.executable, "-S", "-E", str(WATCHDOG), str(pid),
                  process_start(pid) or "0", str(folder), "--",
                  podman_bin, "system", "service", "--time=0", url],
@@ -63,7 +65,7 @@ class PodmanService:
                 env=self.env, start_new_session=True,
             )
         endpoint = Endpoint(url, f"`podman system service` started by fusion-oci "
-                                 f"(pid {self._service.pid}; no socket answered at {where})")
+                                 f"(pid {self.process.pid}; no socket answered at {where})")
         deadline = time.monotonic() + SERVICE_START_S
         adapter = PodmanAdapter.open(endpoint, timeout=API_TIMEOUT_S)
         while True:
@@ -73,7 +75,7 @@ class PodmanService:
                     adapter.probe()
                 return adapter
             except RuntimeUnavailableError:
-                if self._service.poll() is not None or time.monotonic() > deadline:
+                if self.process.poll() is not None or time.monotonic() > deadline:
                     tail = log.read_text(errors="replace")[-400:]
                     adapter.close()
                     self.stop()
@@ -83,7 +85,7 @@ class PodmanService:
                 time.sleep(0.1)
 
     def stop(self) -> None:
-        service, self._service = self._service, None
+        service, self.process = self.process, None
         if service is not None and service.poll() is None:
             # The watchdog ends the service's group and removes the folder, then exits.
             with contextlib.suppress(ProcessLookupError):
@@ -94,6 +96,6 @@ class PodmanService:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(service.pid, signal.SIGKILL)
                 service.wait()
-        if self._service_dir is not None:
-            shutil.rmtree(self._service_dir, ignore_errors=True)
-            self._service_dir = None
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder = None

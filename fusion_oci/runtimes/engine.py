@@ -14,14 +14,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TypeVar
 
 from fusion_oci.engines import (
@@ -31,8 +29,6 @@ from fusion_oci.engines import (
     EngineInfo,
     ExecStream,
     Found,
-    NotAnswering,
-    connect,
     engine_errors,
 )
 from fusion_oci.errors import (
@@ -41,15 +37,13 @@ from fusion_oci.errors import (
     RuntimeUnavailableError,
     SandboxSetupError,
 )
-from fusion_oci.models import PrepareContext, RunOptions, RunResult, SandboxCapabilities
+from fusion_oci.models import PrepareContext, RunOptions, RunResult
 from fusion_oci.oci.spec import Spec
 from fusion_oci.process import ProcessOutcome
 from fusion_oci.runtimes.base import (
-    Availability,
     LaunchPlan,
     LimitCounters,
     Requirement,
-    SpecRuntime,
     classify,
 )
 from fusion_oci.runtimes.containers import (
@@ -57,7 +51,6 @@ from fusion_oci.runtimes.containers import (
     ContainerMode,
     ContainerPlan,
     Engine,
-    Owner,
     Target,
     container_name,
     exit_status,
@@ -68,7 +61,7 @@ from fusion_oci.runtimes.containers import (
     plan_kill,
     plan_limit_probe,
 )
-from fusion_oci.scratch import boot_id, process_start
+from fusion_oci.runtimes.engine_probe import EngineProbe, current_owner, nproc_limit
 
 T = TypeVar("T")
 
@@ -83,40 +76,10 @@ DRAIN_AFTER_KILL_S = 10.0
 START_ATTEMPTS = 3
 
 
-# --------------------------------------------------------------------------- owner
-
-
-# boot_id and process_start live in fusion_oci.scratch (imported above): one owner check for
-# containers, volumes and scratch folders alike.
-
-
-def current_owner() -> Owner:
-    pid = os.getpid()
-    return Owner(pid=pid, start=process_start(pid) or "0", boot=boot_id(),
-                 host=os.uname().nodename)
-
-
-def nproc_limit(rlimits: Mapping[str, tuple[int, int]]) -> tuple[int, int] | None:
-    """RLIMIT_NPROC for containers: the caller's, capped at pid_max.
-
-    Engines reject a limit above their own hard limit, and rootful podman raises its default
-    far beyond (then runc fails with "setrlimit ... operation not permitted"); no host can run
-    more processes than pid_max, which is what podman's service caps itself at.
-    """
-    try:
-        pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
-    except (OSError, ValueError):
-        pid_max = 32768
-    soft, hard = rlimits.get("RLIMIT_NPROC", (-1, -1))
-    hard = pid_max if hard < 0 else min(hard, pid_max)
-    soft = hard if soft < 0 else min(soft, hard)
-    return soft, hard
-
-
 # --------------------------------------------------------------------------- runtime
 
 
-class ContainerRuntime(SpecRuntime):
+class ContainerRuntime(EngineProbe):
     """The lifecycle shared by the podman and docker runtimes (see containers.py for the
     layout of a task container and why a timeout kills exactly what the command started)."""
 
@@ -140,61 +103,11 @@ class ContainerRuntime(SpecRuntime):
         self.image_ref: str | None = None
         self._image_id: str | None = None
 
-    # -- engine-specific hooks ------------------------------------------------------------
-
-    def endpoints(self) -> list[Endpoint]:
-        raise NotImplementedError
-
-    def no_endpoint(self, tried: Sequence[Endpoint]) -> EngineAdapter:
-        """Called when no listed socket answers; may start a service (podman) or raise."""
-        raise RuntimeUnavailableError(
-            self.engine,
-            "no engine answers at " + ", ".join(f"{e.url} ({e.source})" for e in tried),
-            "start the engine, or point docker.url / DOCKER_HOST at it",
-        )
-
-    def release_endpoint(self) -> None:
-        """Undo what :meth:`no_endpoint` started."""
-
-    def offline_info(self) -> EngineInfo | None:
-        """What the engine would be when no socket answers but prepare can start one (podman);
-        None: no socket means unavailable."""
-        return None
+    # -- engine-specific hooks (more in EngineProbe) ---------------------------------------
 
     def seccomp_profile(self) -> str | None:
         """A seccomp profile file for the engine, made at prepare; None: the engine's own."""
         return None
-
-    # -- probing --------------------------------------------------------------------------
-
-    def _connect(self, *, start: bool = True) -> EngineAdapter:
-        """The first endpoint that answers; when none does, :meth:`no_endpoint` (which may
-        start a service) only with ``start``, else :class:`NotAnswering`."""
-        if self._adapter is not None:
-            return self._adapter
-        try:
-            self._adapter = connect(self.engine, self.endpoints())
-        except NotAnswering as exc:
-            if not start:
-                raise
-            self._adapter = self.no_endpoint(exc.tried)
-        return self._adapter
-
-    def _probe(self, *, start: bool = True) -> tuple[EngineAdapter | None, EngineInfo]:
-        """Connect and ask the engine what it is. ``start=False`` (availability, enforces,
-        doctor, plan) never starts a service: with none answering, :meth:`offline_info`."""
-        try:
-            adapter = self._connect(start=start)
-        except NotAnswering as exc:
-            info = self.offline_info()
-            if info is None:
-                self._adapter = self.no_endpoint(exc.tried)  # raises: nothing to start
-                raise AssertionError("unreachable") from None
-            return None, info
-        if self._info is None:
-            with engine_errors(self.engine, "info", adapter.endpoint):
-                self._info = adapter.info()
-        return adapter, self._info
 
     def target(self) -> Target:
         info = self._info
@@ -203,30 +116,6 @@ class ContainerRuntime(SpecRuntime):
                       cgroup_limits=not (rootless and info is not None
                                          and info.cgroup_version == "v1"),
                       seccomp_profile=self._seccomp)
-
-    def capabilities(self) -> SandboxCapabilities:
-        return SandboxCapabilities(
-            filesystem_isolation="strong", network_policy="coarse",
-            resource_limits="advanced", requires_install=True, supports_mac=True,
-            supports_linux=True, supports_windows=True,
-        )
-
-    def availability(self) -> Availability:
-        try:
-            adapter, info = self._probe(start=False)
-        except SandboxSetupError as exc:
-            return Availability(False, exc.why or exc.what, exc.hint)
-        details = {
-            "socket": adapter.endpoint.url if adapter else "none answers yet",
-            "socket source": adapter.endpoint.source if adapter else
-            f"`{self.engine} system service` is started for the task at prepare",
-            "rootless": "yes" if info.rootless else "no",
-            "cgroup": info.cgroup_version,
-            "mode": self.mode,
-        }
-        if info.runtime:
-            details["oci runtime"] = info.runtime
-        return Availability(True, version=info.version, rootless=info.rootless, details=details)
 
     def enforces(self) -> frozenset[Requirement]:
         need = {Requirement.FILESYSTEM, Requirement.PROC_PATHS,

@@ -325,7 +325,8 @@ LAYERED = ["fusion_oci.engines", "fusion_oci.engines.endpoints", "fusion_oci.eng
            "fusion_oci.engines.base", "fusion_oci.engines.docker", "fusion_oci.engines.podman",
            "fusion_oci.engines.connect", "fusion_oci.engines.service", "fusion_oci.gc",
            "fusion_oci.runtimes.engine", "fusion_oci.runtimes.docker",
-           "fusion_oci.runtimes.podman", "fusion_oci.images.engine",
+           "fusion_oci.runtimes.podman", "fusion_oci.runtimes.engine_probe",
+           "fusion_oci.images.engine",
            "fusion_oci.images.context"]
 
 
