@@ -121,6 +121,29 @@ def _sdk_types() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseExcept
     return every, missing, api
 
 
+# podman's API error model is {"cause", "message", "response"}: ``cause`` names libpod's
+# sentinel error (define.ErrCtrStateInvalid is "container state improper"), and podman 4.3
+# sends several of them with a 500 where docker answers 409 or 404. The sentinel is the
+# error's identity (the SDK raises with it as the exception's cause), not prose.
+_PODMAN_CAUSES: dict[str, FailureKind] = {
+    "container state improper": "conflict",
+    "no such container": "not-found",
+    "no such volume": "not-found",
+    "no such image": "image-missing",
+    "image not known": "image-missing",  # containers/storage's ErrImageUnknown
+}
+
+
+def _podman_cause(exc: BaseException) -> str | None:
+    response = getattr(exc, "response", None)
+    try:
+        body = response.json() if response is not None else None
+    except ValueError:
+        return None
+    cause = body.get("cause") if isinstance(body, dict) else None
+    return cause if isinstance(cause, str) else None
+
+
 def describe(exc: BaseException) -> Failure | None:
     """The failure an SDK, HTTP or socket exception stands for; None for anything else."""
     import requests
@@ -133,7 +156,10 @@ def describe(exc: BaseException) -> Failure | None:
         return Failure("image-missing", message, 404)
     status = _status(exc) if isinstance(exc, api) else None
     if status is not None:
-        # The engine answered: its status says what kind of answer it was.
+        # The engine answered: its status (or podman's sentinel cause) says what it was.
+        kind = _PODMAN_CAUSES.get(_podman_cause(exc) or "")
+        if kind is not None:
+            return Failure(kind, message, status)
         if status == 404:
             return Failure("not-found", message, status)
         if status == 409:

@@ -221,7 +221,9 @@ class _Provisioner:
         if self.opts.peers is not None:
             return list(self.opts.peers)
         mine = self.target.url.rstrip("/")
-        return [t for t in engine_targets(self.env).values()
+        targets = engine_targets(self.env, podman_url=self.settings.podman.url,
+                                 docker_url=self.settings.docker.url)
+        return [t for t in targets.values()
                 if t.kind == "podman" and t.url.rstrip("/") != mine and t.name == "podman"]
 
     def _reachable(self, target: EngineTarget) -> EngineClient | None:

@@ -237,6 +237,24 @@ def test_errors_are_read_by_status_not_text() -> None:
     assert describe(ValueError("not ours")) is None
 
 
+def test_podman_sentinel_causes_under_a_500() -> None:
+    """podman 4.3 answers 500 with {"cause": "container state improper"} where docker says
+    409: the cause (libpod's sentinel error, the SDK's exception cause) decides."""
+    import podman.errors
+
+    def answer(cause: str) -> podman.errors.APIError:
+        body = json.dumps({"cause": cause, "message": f"x: {cause}", "response": 500})
+        return podman.errors.APIError(cause, response=_response(500, body),  # type: ignore[arg-type]
+                                      explanation=f"x: {cause}")
+
+    assert describe(answer("container state improper")).kind == "conflict"  # type: ignore[union-attr]
+    assert describe(answer("image not known")).kind == "image-missing"  # type: ignore[union-attr]
+    assert describe(answer("something else")).kind == "engine"  # type: ignore[union-attr]
+    with pytest.raises(ContainerGoneError), engine_errors("podman", "exec", ENDPOINT,
+                                                          setup=False):
+        raise answer("container state improper")
+
+
 def test_socket_failures_by_exception_type() -> None:
     import requests
 
