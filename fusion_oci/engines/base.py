@@ -15,7 +15,7 @@ import json
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from fusion_oci.engines.endpoints import Endpoint, EngineKind
 from fusion_oci.engines.errors import EngineOpError, classify, image_errors
@@ -184,6 +184,34 @@ class EngineAdapter:
         raise NotImplementedError
 
     def tag(self, image: str, ref: str) -> None:
+        raise NotImplementedError
+
+    def export_rootfs(self, ref: str, out: IO[bytes], *,
+                      labels: Mapping[str, str] | None = None) -> str:
+        """Write the image's root filesystem to ``out`` as a tar, laid out by the engine itself
+        (layers applied, whiteouts resolved): the export of a container created from it and
+        never started, removed afterwards. ``labels`` go on that container (owner labels,
+        so ``gc`` finds it after a crash). Returns the image id (``sha256:…``)."""
+        what = f"export the root filesystem of {ref} from {self.name}"
+        info = self.image(ref)
+        if info is None:
+            raise EngineOpError(what, f"image '{ref}' is not in {self.name}", transient=False,
+                                hint="provision it first (`fusion-oci images build`, a build "
+                                     "or a load on this engine)")
+        with self.call(what):
+            container = self.create_stopped(info.id, dict(labels or {}))
+            try:
+                for chunk in self.export_container(container):
+                    out.write(chunk)
+            finally:
+                self.remove(container)
+        return info.id
+
+    def create_stopped(self, image: str, labels: dict[str, str]) -> str:
+        """A container of ``image`` that is never started (for its filesystem)."""
+        raise NotImplementedError
+
+    def export_container(self, container_id: str) -> Iterator[bytes]:
         raise NotImplementedError
 
     def remove_image(self, image: str, *, force: bool = False) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -252,6 +252,13 @@ class DockerAdapter(EngineAdapter):
         repo, tag = ref_parts(ref)
         with self.call(f"tag {image} as {ref} on {self.name}"):
             self.api.tag(image, repo, tag or None)
+
+    def create_stopped(self, image: str, labels: dict[str, str]) -> str:
+        # The command never runs; an image without CMD (a debootstrap import) needs one.
+        return str(self.api.create_container(image, command=["true"], labels=labels)["Id"])
+
+    def export_container(self, container_id: str) -> Iterator[bytes]:
+        yield from self.api.export(container_id, chunk_size=1 << 20)
 
     def remove_image(self, image: str, *, force: bool = False) -> None:
         import docker.errors

@@ -11,7 +11,7 @@ import contextlib
 import json
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -276,6 +276,17 @@ class PodmanAdapter(EngineAdapter):
         with self.call(f"tag {image} as {ref} on {self.name}"):
             self.api.post(f"/images/{quote(image, safe='')}/tag",
                                  params={"repo": repo, "tag": tag}).raise_for_status()
+
+    def create_stopped(self, image: str, labels: dict[str, str]) -> str:
+        # The command never runs; an image without CMD (a debootstrap import) needs one.
+        return str(self.client.containers.create(image=image, command=["true"],
+                                                 labels=labels).id)
+
+    def export_container(self, container_id: str) -> Iterator[bytes]:
+        response = self.api.get(f"/containers/{container_id}/export", stream=True,
+                                timeout=LONG_TIMEOUT_S)
+        response.raise_for_status()
+        yield from response.iter_content(chunk_size=1 << 20)
 
     def remove_image(self, image: str, *, force: bool = False) -> None:
         from urllib.parse import quote

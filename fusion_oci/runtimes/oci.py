@@ -619,10 +619,10 @@ def export_image_rootfs(ref: str, cache: Path, url: str) -> Path:
     Blocking (SDK calls and tar extraction); call it in a thread. The tree is assembled in a
     temporary sibling and renamed into place, so a crash never leaves a half-unpacked rootfs.
     """
-    from podman import PodmanClient
+    from fusion_oci.engines import Endpoint, open_adapter
 
-    with _podman_errors(ref, url), PodmanClient(base_url=url) as client:
-        image = client.images.get(ref)
+    with _podman_errors(ref, url), open_adapter("podman", Endpoint(url, "podman.url")) as podman:
+        image = podman.client.images.get(ref)
         image_id = str(image.id).removeprefix("sha256:")
         target = cache / image_id
         if target.is_dir():

@@ -111,3 +111,24 @@ def test_connect_finds_the_services_by_their_own_conventions(tmp_path: Path) -> 
         with connect(kind, endpoints) as found:  # type: ignore[arg-type]
             assert found.endpoint == endpoints[0]
             assert found.info().version
+
+
+def test_export_rootfs_is_the_engines_own_layout(adapter: EngineAdapter, tmp_path: Path) -> None:
+    """The root filesystem as the engine lays it out (for the oci runtime's bundles), through a
+    container that is created, exported and removed; nothing is left behind."""
+    import tarfile
+
+    image = _local_image(adapter)
+    tag = secrets.token_hex(4)
+    dest = tmp_path / "rootfs.tar"
+    with dest.open("wb") as out:
+        image_id = adapter.export_rootfs(image, out, labels={LABEL: tag})
+    assert image_id.startswith("sha256:")
+    with tarfile.open(dest) as tar:
+        names = set(tar.getnames())
+    assert {"etc/os-release", "usr/bin/env"} <= {n.lstrip("./") for n in names}
+    assert not any(".wh." in n for n in names), "whiteouts are the engine's business"
+    with engine_errors(adapter.kind, "list", adapter.endpoint):
+        assert adapter.list_labelled(LABEL, tag) == []
+    with pytest.raises(ProvisionError, match="not in"), dest.open("wb") as out:
+        adapter.export_rootfs(f"localhost/fusion-oci/missing:{tag}", out)
