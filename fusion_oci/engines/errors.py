@@ -330,6 +330,11 @@ def image_errors(what: str, engine: str, url: str) -> Iterator[None]:
         if failure.kind == "timeout":
             raise EngineOpError(what, f"{engine} did not answer in time: {failure.message}",
                                 transient=True) from exc
+        if failure.kind == "image-missing":
+            raise EngineOpError(what, f"the image is not in {engine}: {failure.message}",
+                                transient=False, status=failure.status,
+                                hint="provision it first (`fusion-oci images build`, or a "
+                                     "build, pull or load on this engine)") from exc
         transient = failure.kind == "engine" and classify(failure.message, failure.status)
         raise EngineOpError(what, failure.message, transient=transient,
                             status=failure.status) from exc

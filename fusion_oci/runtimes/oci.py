@@ -36,7 +36,7 @@ import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 from typing import IO, Any, Literal
@@ -592,25 +592,11 @@ def unpack_docker_archive(archive: IO[bytes], root: Path) -> None:
                 apply_layer(layer, root)
 
 
-@contextlib.contextmanager
-def _podman_errors(ref: str, url: str) -> Iterator[None]:
-    """podman SDK and HTTP errors → ProvisionError, at the one boundary that calls the SDK."""
-    import requests
-    from podman.errors import ImageNotFound, PodmanError
+def _podman_errors(ref: str, url: str) -> contextlib.AbstractContextManager[None]:
+    """podman SDK and HTTP errors → ProvisionError: the engines layer's one mapping."""
+    from fusion_oci.engines import image_errors
 
-    try:
-        yield
-    except ImageNotFound as exc:
-        raise ProvisionError(
-            f"image '{ref}' is not in podman's local storage", str(exc),
-            "provision it first (backend podman, `podman build`, or `podman load`)",
-        ) from exc
-    except (PodmanError, requests.RequestException) as exc:
-        raise ProvisionError(
-            f"cannot export image '{ref}' from podman at {url}", str(exc),
-            "start the podman API service (`podman system service --time=0`) or point "
-            "podman.url (or CONTAINER_HOST) at its socket",
-        ) from exc
+    return image_errors(f"cannot export image '{ref}' from podman", "podman", url)
 
 
 def export_image_rootfs(ref: str, cache: Path, url: str) -> Path:
