@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from fusion_oci.engines.base import API_TIMEOUT_S, LONG_TIMEOUT_S, EngineAdapter
 from fusion_oci.engines.endpoints import Endpoint, EngineKind, EngineTarget, preflight
-from fusion_oci.engines.errors import engine_errors, image_errors
+from fusion_oci.engines.errors import EngineForbiddenError, engine_errors, image_errors
 from fusion_oci.errors import SandboxSetupError
 
 
@@ -66,6 +66,6 @@ def connect(kind: EngineKind, endpoints: Sequence[Endpoint], *,
                 raise
             continue
         return adapter
-    if last is not None and "permission denied" in last.why:
-        raise last
+    if isinstance(last, EngineForbiddenError):
+        raise last  # a socket that is there but not ours: say so, do not start another
     raise NotAnswering(tried)

@@ -53,6 +53,14 @@ class ContainerGoneError(EngineError):
     """The task container is not running (it exited, or was removed behind our back)."""
 
 
+class EngineUnreachableError(RuntimeUnavailableError):
+    """No engine service answers at the endpoint (missing socket, refused, reset)."""
+
+
+class EngineForbiddenError(RuntimeUnavailableError):
+    """The endpoint's socket exists but this user may not use it."""
+
+
 class EngineOpError(ProvisionError):
     """An image operation failed; ``transient`` says whether trying again may help."""
 
@@ -269,11 +277,11 @@ def translate(exc: BaseException, engine: str, what: str, endpoint: Endpoint, *,
     where = f"{endpoint.url} (from {endpoint.source})"
     message = failure.message
     if failure.kind == "forbidden":
-        return RuntimeUnavailableError(engine, f"permission denied on the API socket {where}",
-                                       _socket_hint(engine, failure.kind))
+        return EngineForbiddenError(engine, f"permission denied on the API socket {where}",
+                                    _socket_hint(engine, failure.kind))
     if failure.kind in ("unreachable", "reset"):
-        return RuntimeUnavailableError(engine, f"no {engine} service answers at {where}",
-                                       _socket_hint(engine, failure.kind))
+        return EngineUnreachableError(engine, f"no {engine} service answers at {where}",
+                                      _socket_hint(engine, failure.kind))
     if failure.kind == "image-missing":
         return ProvisionError(
             f"{what}: the image is missing from {engine}", message,

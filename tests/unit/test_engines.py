@@ -22,6 +22,7 @@ from fusion_oci.engines import (
     image_errors,
     podman_endpoints,
 )
+from fusion_oci.engines.errors import EngineForbiddenError, EngineUnreachableError
 from fusion_oci.errors import (
     EngineError,
     ProvisionError,
@@ -271,10 +272,12 @@ def test_engine_errors_raise_fusion_errors() -> None:
     import podman.errors
     import requests
 
-    with pytest.raises(RuntimeUnavailableError, match="permission denied"), \
+    assert issubclass(EngineForbiddenError, RuntimeUnavailableError)
+    assert issubclass(EngineUnreachableError, RuntimeUnavailableError)
+    with pytest.raises(EngineForbiddenError, match="permission denied"), \
             engine_errors("docker", "ping", ENDPOINT):
         raise requests.exceptions.ConnectionError(PermissionError(13, "Permission denied"))
-    with pytest.raises(RuntimeUnavailableError, match="no docker service answers"), \
+    with pytest.raises(EngineUnreachableError, match="no docker service answers"), \
             engine_errors("docker", "ping", ENDPOINT):
         raise FileNotFoundError(2, "No such file or directory", "/run/x.sock")
     with pytest.raises(ProvisionError, match="image is missing") as missing, \
