@@ -1,18 +1,20 @@
 """The one mapping of SDK exceptions to fusion-oci errors.
 
 :func:`describe` reads an exception by its type and the HTTP status of the engine's answer
-(``docker.errors.APIError.status_code``, ``podman.errors.APIError.status_code``; the
-``OSError`` under a ``requests`` connection error), never by its message text, and names a
-:data:`FailureKind`. Two boundaries turn that into errors callers can branch on:
+(``docker.errors.APIError.status_code``, ``podman.errors.APIError.status_code``, and the
+``cause`` of podman's error model, libpod's sentinel error; the ``OSError`` under a
+``requests`` connection error), never by its message text, and names a :data:`FailureKind`.
+Two boundaries turn that into errors callers can branch on:
 
 - :func:`engine_errors` for containers, volumes and gc: unreachable or forbidden sockets are
-  :class:`~fusion_oci.errors.RuntimeUnavailableError`, a missing image a
-  :class:`~fusion_oci.errors.ProvisionError`, a container that is gone (404/409 on it)
+  :class:`~fusion_oci.errors.RuntimeUnavailableError` (:class:`EngineUnreachableError`,
+  :class:`EngineForbiddenError`), a missing image a :class:`~fusion_oci.errors.ProvisionError`,
+  a container that is gone (404, or 409 / podman's "container state improper" on it)
   :class:`ContainerGoneError`, anything else a setup error (or an
   :class:`~fusion_oci.errors.EngineError` while a command runs).
 - :func:`image_errors` for builds, pulls, loads and inspects: :class:`EngineOpError`, which also
   says whether a retry may help (registry failures reach us as the engine's text, so that one
-  decision reads it: see :mod:`fusion_oci.images.retry`).
+  decision, :func:`classify`, reads it).
 
 The engine's own words are kept in ``why``; for a few host problems an engine can only report
 as text (crun on a cgroup v1 host, missing subuid ranges) a hint with the fix is added to the
@@ -113,7 +115,7 @@ def _sdk_types() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseExcept
 
     every: tuple[type[BaseException], ...] = (requests.exceptions.RequestException,)
     missing: tuple[type[BaseException], ...] = ()
-    api: tuple[type[BaseException], ...] = ()
+    api: tuple[type[BaseException], ...] = (requests.exceptions.HTTPError,)
     with contextlib.suppress(ImportError):
         import docker.errors
 
