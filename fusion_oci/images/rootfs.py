@@ -31,17 +31,11 @@ EXPORT_COMMAND = ["/fusion-oci-export-never-started"]
 
 
 def podman_url(env: Mapping[str, str], uid: int, settings_url: str | None = None) -> str:
-    """The podman API socket the image is exported from: ``sandbox.podmanUrl``, then the
-    environment, then podman's default socket for this user. Pure."""
-    if settings_url:
-        return settings_url
-    for name in ("FUSION_OCI_PODMAN_URL", "CONTAINER_HOST"):
-        if env.get(name):
-            return env[name]
-    if uid == 0:
-        return "unix:///run/podman/podman.sock"
-    runtime_dir = env.get("XDG_RUNTIME_DIR") or f"/run/user/{uid}"
-    return f"unix://{runtime_dir}/podman/podman.sock"
+    """The podman API socket the image is exported from (the engines layer's one resolver:
+    ``podman.url``, ``CONTAINER_HOST``, a system connection, podman's default). Pure."""
+    from fusion_oci.engines import podman_endpoints
+
+    return podman_endpoints(settings_url, env, uid)[0].url
 
 
 def rootfs_filter(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo | None:
@@ -111,7 +105,7 @@ class _Export:
     def stream(self) -> Iterator[bytes]:
         """Create the (never started) container and stream its export, as tar chunks."""
         from fusion_oci.runtimes.containers import LABEL_KIND
-        from fusion_oci.runtimes.engine import current_owner
+        from fusion_oci.runtimes.engine_probe import current_owner
 
         labels = {LABEL_KIND: "container", **current_owner().labels()}
         with self._engine.call(f"create a container of {self._ref} to export its filesystem"):

@@ -119,7 +119,7 @@ class OciRuntime(SpecRuntime):
     def __init__(self, settings: SandboxSettings, env: Mapping[str, str],
                  cache_root: Path | None = None, host: HostInfo | None = None) -> None:
         super().__init__(settings, env, cache_root=cache_root, host=host)
-        self.runtime_name: str = settings.oci_runtime
+        self.runtime_name: str = settings.oci.runtime
         self.uid = os.geteuid()
         self.gid = os.getegid()
         self.state_base = state_base(self.env, self.uid)
@@ -318,7 +318,7 @@ class OciRuntime(SpecRuntime):
             if image := self.task_spec["annotations"].get(ANN_IMAGE):
                 from fusion_oci.images.rootfs import export_image_rootfs, podman_url
 
-                url = podman_url(self.env, self.uid, self.settings.podman_url)
+                url = podman_url(self.env, self.uid, self.settings.podman.url)
                 rootfs = await asyncio.to_thread(
                     export_image_rootfs, str(image), self.cache_root / "oci-rootfs", url)
                 self._rootfs = str(rootfs)

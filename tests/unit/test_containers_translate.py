@@ -15,12 +15,9 @@ from typing import Any
 
 import pytest
 
+from fusion_oci.engines import Found
 from fusion_oci.errors import (
     BundleError,
-    EngineError,
-    ProvisionError,
-    RuntimeUnavailableError,
-    SandboxSetupError,
 )
 from fusion_oci.gc import Here, is_garbage, owner_state
 from fusion_oci.models import (
@@ -50,14 +47,6 @@ from fusion_oci.runtimes.containers import (
     plan_kill,
     seccomp_file,
     seccomp_json,
-)
-from fusion_oci.runtimes.engine import (
-    ContainerGoneError,
-    Endpoint,
-    Found,
-    docker_endpoints,
-    engine_errors,
-    podman_endpoints,
 )
 
 GOLDEN = Path(__file__).parent.parent / "data" / "containers"
@@ -228,20 +217,6 @@ def test_exit_status_reads_signals() -> None:
     assert exit_status(None) == (None, "SIGKILL")
 
 
-def test_endpoint_discovery_order() -> None:
-    assert podman_endpoints("unix:///x.sock", {"CONTAINER_HOST": "unix:///y"}, 0)[0].url == \
-        "unix:///x.sock"
-    env = {"CONTAINER_HOST": "unix:///y"}
-    assert podman_endpoints(None, env, 1000)[0].source == "CONTAINER_HOST"
-    assert podman_endpoints(None, {}, 0)[0].url == "unix:///run/podman/podman.sock"
-    rootless = podman_endpoints(None, {"XDG_RUNTIME_DIR": "/run/user/1001"}, 1001)
-    assert rootless[0].url == "unix:///run/user/1001/podman/podman.sock"
-    assert not rootless[0].explicit
-    assert docker_endpoints(None, {"DOCKER_HOST": "unix:///d"}, 0)[0].explicit
-    urls = [e.url for e in docker_endpoints(None, {"XDG_RUNTIME_DIR": "/run/user/7"}, 7)]
-    assert urls == ["unix:///var/run/docker.sock", "unix:///run/user/7/docker.sock"]
-
-
 def test_gc_rule() -> None:
     at = Here("build-host", "boot-1", lambda pid, start: pid == 4242 and start == "123456")
     labels = {"io.fusion-oci.kind": "container", "io.fusion-oci.task-id": "t1", **OWNER.labels()}
@@ -306,52 +281,6 @@ def test_limit_counters_name_the_limit_that_held() -> None:
     assert limit_reason({"pids": 3}, {"pids": 3, "oom": 1}) == LimitCounters(oom_kills=1)
     assert limit_reason({"pids": 3}, after) == LimitCounters()
     assert "pids.events" in LIMIT_PROBE and "memory.oom_control" in LIMIT_PROBE
-
-
-ENDPOINT = Endpoint("unix:///run/x.sock", "test")
-
-
-@pytest.mark.parametrize(("message", "why", "hint"), [
-    ("crun: cgroups in hybrid mode not supported, drop all controllers from cgroupv2",
-     "crun refuses", 'runtime = "runc"'),
-    ("cannot find newuidmap: exec: \"newuidmap\": executable file not found",
-     "newuidmap", "apt-get install uidmap"),
-    ("cannot set up namespace using \"/usr/bin/newuidmap\": no subuid ranges found for user",
-     "subordinate uid", "usermod --add-subuids"),
-    ("slirp4netns failed: open(\"/dev/net/tun\"): Permission denied", "/dev/net/tun",
-     "chmod 0666 /dev/net/tun"),
-])
-def test_engine_errors_name_the_fix(message: str, why: str, hint: str) -> None:
-    import podman.errors
-
-    with pytest.raises(RuntimeUnavailableError) as caught, \
-            engine_errors("podman", "container start", ENDPOINT):
-        raise podman.errors.APIError("500 Server Error", explanation=message)
-    assert why in caught.value.why and hint in caught.value.hint
-    assert isinstance(caught.value.__cause__, podman.errors.APIError)
-
-
-def test_engine_errors_socket_and_image_and_run_failures() -> None:
-    import docker.errors
-    import requests
-
-    with pytest.raises(RuntimeUnavailableError, match="permission denied"), \
-            engine_errors("docker", "ping", ENDPOINT):
-        raise requests.exceptions.ConnectionError(PermissionError(13, "Permission denied"))
-    with pytest.raises(RuntimeUnavailableError, match="no docker service answers"), \
-            engine_errors("docker", "ping", ENDPOINT):
-        raise FileNotFoundError(2, "No such file or directory", "/run/x.sock")
-    with pytest.raises(ProvisionError, match="image is missing") as missing, \
-            engine_errors("docker", "container create", ENDPOINT):
-        raise docker.errors.ImageNotFound("No such image: node")
-    assert "fusion-oci images build" in missing.value.hint
-    with pytest.raises(ContainerGoneError), engine_errors("docker", "exec", ENDPOINT,
-                                                          setup=False):
-        raise docker.errors.APIError("409", explanation="Container abc is not running")
-    with pytest.raises(EngineError) as run_error, engine_errors("docker", "exec", ENDPOINT,
-                                                                setup=False):
-        raise docker.errors.APIError("500", explanation="something odd")
-    assert not isinstance(run_error.value, SandboxSetupError)
 
 
 def test_the_runtime_takes_the_cache_scope_from_the_spec_not_the_context() -> None:
