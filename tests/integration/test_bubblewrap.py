@@ -16,7 +16,7 @@ from fusion_oci.errors import PolicyNotEnforceableError
 from fusion_oci.models import CacheMode, CpuLimit, PrepareContext, RunOptions, SandboxPolicy
 from fusion_oci.policy.settings import SandboxSettings
 from fusion_oci.runtimes import bubblewrap
-from fusion_oci.runtimes.bubblewrap import BubblewrapRuntime, HostProbe
+from fusion_oci.runtimes.bubblewrap import BubblewrapRuntime
 from fusion_oci.runtimes.linux.cgroups import CgroupSupport
 from fusion_oci.sandbox import Sandbox
 from tests.backends import require, require_runtime
@@ -205,8 +205,7 @@ def test_availability_details_for_doctor() -> None:
 async def test_lifecycle_refuses_limits_this_host_cannot_enforce(
         tmp_path: Path, worktree: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real = bubblewrap.probe_host_support(os.environ.get("PATH", os.defpath), os.geteuid())
-    no_cgroups = HostProbe(real.bwrap, real.version, None, real.prlimit, real.slirp4netns,
-                           real.egress_problem, CgroupSupport("none"), real.disable_userns)
+    no_cgroups = dataclasses_replace(real, problem=None, cgroups=CgroupSupport("none"))
     monkeypatch.setattr(bubblewrap, "probe_host_support", lambda path, uid: no_cgroups)
     policy = SandboxPolicy(allow_network=False, memory_limit_mb=64)
     with pytest.raises(PolicyNotEnforceableError, match="memoryLimitMb"):
