@@ -112,6 +112,7 @@ class HostProbe:
     disable_userns: bool = True
     seccomp_problem: str | None = None
     """Why the bundle's seccomp profile cannot be compiled here (no libseccomp), or None."""
+    slirp_version: str | None = None
 
 
 def _version(tool: str) -> str | None:
@@ -153,6 +154,7 @@ def probe_host_support(path: str, uid: int) -> HostProbe:
         bwrap=bwrap, version=version, problem=result.problem,
         slirp4netns=slirp, egress_problem=egress_problem, cgroups=cgroups.detect(),
         disable_userns=disable, seccomp_problem=libseccomp_problem(),
+        slirp_version=_version(slirp) if slirp else None,
     )
 
 
@@ -245,7 +247,8 @@ class BubblewrapRuntime(SpecRuntime):
             "bwrap": p.bwrap or "missing",
             "userns": "ok" if p.problem is None else p.problem.reason,
             "cgroups": p.cgroups.describe(),
-            "egress": (f"slirp4netns {_version(p.slirp4netns) or '?'} --disable-host-loopback"
+            # (versions come from the probe: availability() runs at every prepare)
+            "egress": (f"slirp4netns {p.slirp_version or '?'} --disable-host-loopback"
                        if p.egress_problem is None and p.slirp4netns else
                        f"unavailable: {p.egress_problem}"),
             "cpu-time": "RLIMIT_CPU, set with prlimit(2) on bwrap before it forks",
