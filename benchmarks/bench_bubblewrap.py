@@ -35,7 +35,7 @@ from fusion_oci.runtimes.bubblewrap import BubblewrapRuntime, LaunchFds, bwrap_a
 from fusion_oci.sandbox import SyncSandbox
 
 NONE = SandboxPolicy(allow_network=False)
-EGRESS = SandboxPolicy(network="egress")  # type: ignore[arg-type]
+EGRESS = SandboxPolicy(network="egress")
 LIMITED = SandboxPolicy(allow_network=False, memory_limit_mb=512, pids_limit=256,
                         cpu_limit=CpuLimit(max_cores=1))
 PREPARE_TARGET_MS = 50.0
@@ -81,6 +81,7 @@ def raw_case(sb: SyncSandbox) -> Case:
     assert isinstance(runtime, BubblewrapRuntime) and runtime.last_spec is not None
     spec = runtime.last_spec
     program = runtime.seccomp_for(spec)
+    planned = bwrap_argv(spec, runtime.host_for(spec), LaunchFds(seccomp="<fd>"))
 
     def go() -> None:
         r, w = os.pipe()
@@ -88,7 +89,7 @@ def raw_case(sb: SyncSandbox) -> Case:
             if program is not None:
                 os.write(w, program)
             os.close(w)
-            argv = bwrap_argv(spec, runtime.host_for(spec), LaunchFds(seccomp=r))
+            argv = [str(r) if a == "<fd>" else a for a in planned]
             subprocess.run(argv, check=True, pass_fds=(r,), stdin=subprocess.DEVNULL,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                            start_new_session=True, cwd="/")
