@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import os
 import re
 import resource
@@ -342,6 +343,7 @@ class BubblewrapRuntime(SpecRuntime):
         if host.cgroup_mode in ("v1", "v2") and limits.controllers():
             group = await asyncio.to_thread(Cgroup.create, self.probe.cgroups, limits)
         info_r = info_w = block_r = block_w = seccomp_r = args_r = args_w = None
+        pending: list[int] = []  # the --args write end until it is handed over
         link: egress.Egress | None = None
         run: asyncio.Task[ProcessOutcome] | None = None
         try:
@@ -361,8 +363,8 @@ class BubblewrapRuntime(SpecRuntime):
             passed.append(args_r)
             launch, options = args_launch(bwrap_argv(spec, host, fds), spec, host, args_r)
             rlimits = spec_rlimits(spec)
-            pending = [args_w]
-            args_w = None  # owned by ``pending`` until handed over
+            pending.append(args_w)
+            args_w = None
 
             def hand_over(pid: int) -> None:
                 # bwrap (or systemd-run in front of it) waits for its options: nothing has
@@ -390,11 +392,16 @@ class BubblewrapRuntime(SpecRuntime):
                 with contextlib.suppress(OSError):
                     os.write(block_w, b"1")  # bwrap's child may already be gone
             outcome = await run
-        except BaseException:
+        except BaseException as exc:
             if run is not None and not run.done():
                 run.cancel()
                 with contextlib.suppress(BaseException):
                     await run
+            if isinstance(exc, OSError):  # E2BIG, EMFILE, ...: nothing ran
+                hint = ("one argument or environment value is limited to 128 KiB: pass large "
+                        "data through stdin or a file" if exc.errno == errno.E2BIG else
+                        "check the host's process and file limits (ulimit -a)")
+                raise SandboxSetupError("bwrap could not be started", str(exc), hint) from exc
             raise
         finally:
             close_all(info_r, info_w, block_r, block_w, seccomp_r, args_r, args_w, *pending)

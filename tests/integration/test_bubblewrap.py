@@ -258,3 +258,23 @@ def test_planned_argv_runs_unprivileged(tmp_path: Path) -> None:
         assert (wt / "made-here").stat().st_uid == pw.pw_uid
     finally:
         shutil.rmtree(wt, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------- the launch
+
+async def test_options_larger_than_a_pipe_reach_bwrap_and_oversized_args_are_a_setup_error(
+        tmp_path: Path, worktree: Path) -> None:
+    """bwrap's options travel on --args: 200 KB of environment (more than a pipe holds) gets
+    through; one argument over the kernel's 128 KiB is a typed setup error, not a traceback."""
+    from fusion_oci.errors import SandboxSetupError
+
+    policy = SandboxPolicy(allow_network=False, env_allowlist=["BIG_A", "BIG_B"])
+    env = {"BIG_A": "a" * 100_000, "BIG_B": "b" * 100_000}
+    async with sandbox(tmp_path, worktree, policy) as sb:
+        out = await sb.run('echo "${#BIG_A} ${#BIG_B}"; ulimit -n',
+                           RunOptions(env={**_env(tmp_path / "home"), **env}))
+        assert out.exit_code == 0, out.stderr
+        assert out.stdout.split() == ["100000", "100000", "20000"]
+        with pytest.raises(SandboxSetupError, match="could not be started"):
+            await sb.run(["/bin/echo", "x" * 200_000])
+        assert (await sb.run("true")).exit_code == 0
