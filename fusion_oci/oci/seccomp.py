@@ -100,11 +100,17 @@ def libseccomp() -> ModuleType:
 
 
 def libseccomp_problem() -> str | None:
-    """Why seccomp filters cannot be compiled here, or None."""
+    """Why seccomp filters cannot be compiled here, or None. Cheap: it loads the library but
+    does not import the binding (whose import runs ``ldconfig -p`` to find it)."""
+    import ctypes
+    import importlib.util
+
     try:
-        libseccomp()
-    except RuntimeError as exc:
-        return str(exc)
+        ctypes.CDLL("libseccomp.so.2")
+    except OSError as exc:
+        return f"libseccomp is not usable here ({exc}); {LIBSECCOMP_HINT}"
+    if importlib.util.find_spec("pyseccomp") is None:
+        return f"the pyseccomp binding is not installed; {LIBSECCOMP_HINT}"
     return None
 
 

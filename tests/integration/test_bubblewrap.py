@@ -278,3 +278,32 @@ async def test_options_larger_than_a_pipe_reach_bwrap_and_oversized_args_are_a_s
         with pytest.raises(SandboxSetupError, match="could not be started"):
             await sb.run(["/bin/echo", "x" * 200_000])
         assert (await sb.run("true")).exit_code == 0
+
+
+async def test_seccomp_is_compiled_once_per_sandbox_and_high_bits_do_not_dodge_it(
+        tmp_path: Path, worktree: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """libseccomp compiles the bundle's profile at prepare, not per command; in the kernel,
+    socket() with AF_PACKET in the low 32 bits of the family and junk above is refused."""
+    from fusion_oci.runtimes import bubblewrap_argv
+
+    compiled: list[int] = []
+    real = bubblewrap_argv.compile_bpf
+
+    def counting(profile: dict[str, object], arch: str) -> bytes:
+        compiled.append(1)
+        return real(profile, arch)
+
+    monkeypatch.setattr(bubblewrap_argv, "compile_bpf", counting)
+    probe = ("import ctypes, errno\n"
+             "libc = ctypes.CDLL(None, use_errno=True)\n"
+             "libc.syscall.restype = ctypes.c_long\n"
+             "fd = libc.syscall(41, ctypes.c_ulong(0x100000011), 3, 0)\n"
+             "print(fd, errno.errorcode.get(ctypes.get_errno()))\n")
+    policy = SandboxPolicy(allow_network=False)
+    async with sandbox(tmp_path, worktree, policy) as sb:
+        for _ in range(3):
+            assert (await sb.run("true")).exit_code == 0
+        out = await sb.run(["python3", "-c", probe])
+    assert len(compiled) == 1
+    assert out.exit_code == 0, out.stderr
+    assert out.stdout.split() == ["-1", "EPERM"]
