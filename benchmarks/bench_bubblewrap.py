@@ -151,11 +151,12 @@ def markdown(medians: dict[str, float], prep: float, runs: int) -> str:
         f"medians of {runs}. Machine: {platform.machine()}, kernel {platform.release()}, "
         f"{os.cpu_count()} cores shared with other work.",
         "",
-        "| case | median ms | x raw bwrap (same sandbox) |",
-        "|---|---:|---:|",
+        "| case | median ms | x raw bwrap (same sandbox) | ms above it |",
+        "|---|---:|---:|---:|",
     ]
     for key, label in ROWS:
-        lines.append(f"| {label} | {medians[key]:.1f} | {medians[key] / raw:.2f}x |")
+        lines.append(f"| {label} | {medians[key]:.1f} | {medians[key] / raw:.2f}x | "
+                     f"{medians[key] - raw:+.1f} |")
     lines += [
         "",
         f"Prepare of a bubblewrap sandbox (`SyncSandbox.prepare`, network none): "
@@ -199,9 +200,10 @@ def main() -> None:
         prep = prepare_ms(wt, cache, max(5, args.runs // 3))
     raw = medians["raw"]
     print(f"\nbubblewrap: per-command overhead of `true` (Python API), medians of {args.runs}")
-    print(f"{'case':<34} {'median ms':>10} {'x raw':>7}")
+    print(f"{'case':<34} {'median ms':>10} {'x raw':>7} {'+ms':>7}")
     for key, _ in ROWS:
-        print(f"{key:<34} {medians[key]:>10.1f} {medians[key] / raw:>6.2f}x")
+        print(f"{key:<34} {medians[key]:>10.1f} {medians[key] / raw:>6.2f}x "
+              f"{medians[key] - raw:>+7.1f}")
     print(f"{'prepare (SyncSandbox.prepare)':<34} {prep:>10.1f}   (target "
           f"{PREPARE_TARGET_MS:.0f} ms)")
     if args.markdown:

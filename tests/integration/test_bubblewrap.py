@@ -307,3 +307,34 @@ async def test_seccomp_is_compiled_once_per_sandbox_and_high_bits_do_not_dodge_i
     assert len(compiled) == 1
     assert out.exit_code == 0, out.stderr
     assert out.stdout.split() == ["-1", "EPERM"]
+
+
+async def test_an_rlimit_the_host_refuses_is_a_setup_error_and_bwrap_is_gone(
+        tmp_path: Path, worktree: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rlimits are set on the waiting bwrap; when the kernel refuses one, bwrap never got
+    its options: it is killed and reaped, and the error names the limit."""
+    import copy
+
+    from fusion_oci.errors import SandboxSetupError
+
+    launched: list[int] = []
+    real = bubblewrap._set_rlimits
+
+    def recording(pid: int, rlimits: list[tuple[str, int, int, int]]) -> None:
+        launched.append(pid)
+        real(pid, rlimits)
+
+    monkeypatch.setattr(bubblewrap, "_set_rlimits", recording)
+    policy = SandboxPolicy(allow_network=False)
+    async with sandbox(tmp_path, worktree, policy) as sb:
+        assert (await sb.run("true")).exit_code == 0
+        runtime = sb.runtime
+        assert isinstance(runtime, BubblewrapRuntime) and runtime.last_spec is not None
+        spec = copy.deepcopy(runtime.last_spec)
+        # above fs.nr_open: refused even to root
+        spec["process"]["rlimits"] = [{"type": "RLIMIT_NOFILE", "soft": 2**31, "hard": 2**31}]
+        with pytest.raises(SandboxSetupError, match="RLIMIT_NOFILE"):
+            await runtime.execute(spec, RunOptions())
+        with pytest.raises(ProcessLookupError):  # killed and reaped
+            os.kill(launched[-1], 0)
+        assert (await sb.run("true")).exit_code == 0
