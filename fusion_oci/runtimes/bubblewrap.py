@@ -409,7 +409,9 @@ class BubblewrapRuntime(SpecRuntime):
                 # SIGKILLed at once; reaping it waits for the kernel to unregister its tap
                 # device (10-40 ms), so that part runs in the background until dispose().
                 link.kill()
-                self._reaping.add(asyncio.ensure_future(link.stop()))
+                reaping = asyncio.ensure_future(link.stop())
+                self._reaping.add(reaping)  # a long task's reaped ones do not pile up
+                reaping.add_done_callback(self._reaping.discard)
             events = CgroupEvents()
             if group is not None:
                 events = group.events()
