@@ -119,6 +119,7 @@ async def run_process(
     stop: Callable[[], Awaitable[object]] | None = None,
     on_output: OutputCallback | None = None,
     keep_output: bool = True,
+    on_spawn: Callable[[int], object] | None = None,
 ) -> ProcessOutcome:
     """Run argv to completion under the rules in the module docstring.
 
@@ -128,6 +129,8 @@ async def run_process(
     (an OCI container: ``runc kill --all ID TERM``); grace and SIGKILL still follow.
     ``on_output`` gets each chunk of stdout and stderr as it arrives; ``keep_output=False``
     keeps none of it and lifts ``max_buffer`` (see RunOptions).
+    ``on_spawn`` gets the child's pid as soon as it exists (bubblewrap sets rlimits on it and
+    then hands it its arguments); if it raises, the group is killed and the error re-raised.
     """
     start = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
@@ -140,6 +143,14 @@ async def run_process(
         start_new_session=True,
         pass_fds=tuple(pass_fds),
     )
+    if on_spawn is not None:
+        try:
+            on_spawn(proc.pid)
+        except BaseException:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+            raise
     overflow = asyncio.Event()
     out = _Capture(max_buffer, overflow, "stdout", on_output, keep_output)
     err = _Capture(max_buffer, overflow, "stderr", on_output, keep_output)

@@ -37,8 +37,8 @@ APT_PACKAGES=(
     golang-github-opencontainers-specs-dev git nodejs npm iproute2
     # the registry tests/integration/test_provision_retry.py starts on a loopback port
     docker-registry
-    # scmp_sys_resolver: the tests cross-check the seccomp syscall table against libseccomp
-    seccomp
+    # libseccomp: pyseccomp (pyproject.toml) loads it to compile the seccomp profile to BPF
+    libseccomp2
     # gVisor: the oci backend with ociRuntime runsc (a userspace kernel boundary)
     runsc
     # pytest-docker drives compose.yaml (the egress canary) with `docker-compose` when the

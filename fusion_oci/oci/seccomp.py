@@ -1,7 +1,9 @@
-"""The default seccomp profile (OCI ``linux.seccomp``) and a compiler from it to classic BPF.
+"""The default seccomp profile (OCI ``linux.seccomp``) and its compilation to classic BPF.
 
-One profile for every runtime: runc, podman and docker read the OCI JSON; bubblewrap needs the
-compiled filter (``bwrap --seccomp FD``), which :func:`compile_bpf` produces without libseccomp.
+One profile for every runtime: runc, podman and docker read the OCI JSON; bubblewrap and the
+landlock runtime need the compiled filter (``bwrap --seccomp FD``), which :func:`compile_bpf`
+gets from libseccomp (``seccomp_export_bpf``, through the ``pyseccomp`` binding over the
+system's ``libseccomp.so.2``), as runc does from the same JSON.
 
 The profile allows by default and refuses (EPERM) what an executor command never needs and an
 attacker wants: mounting, new namespaces (unshare, setns, clone with CLONE_NEW*; clone3 answers
@@ -13,8 +15,12 @@ sockets, clock and swap changes.
 from __future__ import annotations
 
 import errno
-import struct
-from typing import Any
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from types import ModuleType
 
 DENIED = (
     "mount", "umount2", "pivot_root", "chroot", "unshare", "setns",
@@ -36,47 +42,9 @@ SOCK_TYPE_MASK = 0xF
 CLONE_NEW_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000,
                    0x40000000)
 
-# Syscall numbers (from libseccomp's scmp_sys_resolver; the unit tests cross-check them).
-SYSCALLS: dict[str, dict[str, int]] = {
-    "x86_64": {
-        "mount": 165, "umount2": 166, "pivot_root": 155, "chroot": 161, "unshare": 272,
-        "setns": 308, "mount_setattr": 442, "move_mount": 429, "open_tree": 428,
-        "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433, "ptrace": 101,
-        "process_vm_readv": 310, "process_vm_writev": 311, "keyctl": 250, "add_key": 248,
-        "request_key": 249, "bpf": 321, "perf_event_open": 298, "userfaultfd": 323,
-        "kexec_load": 246, "kexec_file_load": 320, "init_module": 175, "finit_module": 313,
-        "delete_module": 176, "reboot": 169, "swapon": 167, "swapoff": 168, "syslog": 103,
-        "vhangup": 153, "acct": 163, "quotactl": 179, "settimeofday": 164,
-        "clock_settime": 227, "clock_adjtime": 305, "adjtimex": 159,
-        "open_by_handle_at": 304, "name_to_handle_at": 303, "lookup_dcookie": 212,
-        "nfsservctl": 180, "uselib": 134, "iopl": 172, "ioperm": 173,
-        "socket": 41, "clone": 56, "clone3": 435,
-        "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
-        "shmget": 29, "shmat": 30, "shmctl": 31, "semget": 64, "semop": 65, "semctl": 66,
-        "msgget": 68, "msgsnd": 69, "msgrcv": 70, "msgctl": 71, "semtimedop": 220,
-        "mq_open": 240, "mq_unlink": 241,
-    },
-    "aarch64": {
-        "mount": 40, "umount2": 39, "pivot_root": 41, "chroot": 51, "unshare": 97,
-        "setns": 268, "mount_setattr": 442, "move_mount": 429, "open_tree": 428,
-        "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433, "ptrace": 117,
-        "process_vm_readv": 270, "process_vm_writev": 271, "keyctl": 219, "add_key": 217,
-        "request_key": 218, "bpf": 280, "perf_event_open": 241, "userfaultfd": 282,
-        "kexec_load": 104, "kexec_file_load": 294, "init_module": 105, "finit_module": 273,
-        "delete_module": 106, "reboot": 142, "swapon": 224, "swapoff": 225, "syslog": 116,
-        "vhangup": 58, "acct": 89, "quotactl": 60, "settimeofday": 170,
-        "clock_settime": 112, "clock_adjtime": 266, "adjtimex": 171,
-        "open_by_handle_at": 265, "name_to_handle_at": 264, "lookup_dcookie": 18,
-        "nfsservctl": 42, "socket": 198, "clone": 220, "clone3": 435,
-        "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
-        "mq_open": 180, "mq_unlink": 181, "msgget": 186, "msgctl": 187, "msgrcv": 188,
-        "msgsnd": 189, "semget": 190, "semctl": 191, "semtimedop": 192, "semop": 193,
-        "shmget": 194, "shmctl": 195, "shmat": 196,
-    },
-}
-
 AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 OCI_ARCHES = {"x86_64": ["SCMP_ARCH_X86_64"], "aarch64": ["SCMP_ARCH_AARCH64"]}
+"""The OCI architecture names of a host architecture (``uname -m``)."""
 
 
 def default_profile(arch: str = "x86_64") -> dict[str, Any]:
@@ -103,74 +71,133 @@ def default_profile(arch: str = "x86_64") -> dict[str, Any]:
     }
 
 
-# Classic BPF, as seccomp reads it: struct sock_filter {u16 code; u8 jt; u8 jf; u32 k}.
-_LD_W_ABS = 0x20
-_JEQ_K = 0x15
-_JGE_K = 0x35
-_AND_K = 0x54
-_RET_K = 0x06
-_RET_ALLOW = 0x7FFF0000
-_RET_ERRNO = 0x00050000
-_RET_KILL_PROCESS = 0x80000000
-_NR, _ARCH, _ARGS = 0, 4, 16
-_X32_BIT = 0x40000000
 
 
-def _ins(code: int, k: int, jt: int = 0, jf: int = 0) -> tuple[int, int, int, int]:
-    return (code, jt, jf, k & 0xFFFFFFFF)
+LIBSECCOMP_HINT = ("install libseccomp (apt-get install libseccomp2, dnf install libseccomp) and "
+                   "the pyseccomp binding (pip install pyseccomp)")
+# OCI architecture names as pyseccomp's Arch attributes.
+_ARCH_ATTRS = {
+    "SCMP_ARCH_X86": "X86", "SCMP_ARCH_X86_64": "X86_64", "SCMP_ARCH_X32": "X32",
+    "SCMP_ARCH_ARM": "ARM", "SCMP_ARCH_AARCH64": "AARCH64", "SCMP_ARCH_PPC64LE": "PPC64LE",
+    "SCMP_ARCH_S390X": "S390X", "SCMP_ARCH_RISCV64": "RISCV64",
+}
+_OPS = {"SCMP_CMP_NE": "NE", "SCMP_CMP_LT": "LT", "SCMP_CMP_LE": "LE", "SCMP_CMP_EQ": "EQ",
+        "SCMP_CMP_GE": "GE", "SCMP_CMP_GT": "GT", "SCMP_CMP_MASKED_EQ": "MASKED_EQ"}
+_PERMISSIVE = ("SCMP_ACT_ALLOW", "SCMP_ACT_LOG")
+_LOW32 = 0xFFFFFFFF
+_NR_SCMP_ERROR = -1
 
 
-def _rule_block(nr: int, args: list[dict[str, Any]], ret: tuple[int, int, int, int]
-                ) -> list[tuple[int, int, int, int]]:
-    """``ld nr; jeq nr else END; [ld arg; (and mask); jeq value else END]...; ret; END:``.
+def libseccomp() -> ModuleType:
+    """The libseccomp binding; RuntimeError (with the fix) where the library is missing."""
+    try:
+        import pyseccomp
+    except (ImportError, RuntimeError, OSError) as exc:
+        # pyseccomp raises RuntimeError at import when libseccomp.so.2 is not found.
+        raise RuntimeError(f"libseccomp is not usable here ({exc}); {LIBSECCOMP_HINT}") from exc
+    module: ModuleType = pyseccomp
+    return module
 
-    Every block reloads the syscall number first, so a block never depends on what the
-    accumulator held when an earlier block fell through.
+
+def libseccomp_problem() -> str | None:
+    """Why seccomp filters cannot be compiled here, or None. Cheap: it loads the library but
+    does not import the binding (whose import runs ``ldconfig -p`` to find it)."""
+    import ctypes
+    import importlib.util
+
+    try:
+        ctypes.CDLL("libseccomp.so.2")
+    except OSError as exc:
+        return f"libseccomp is not usable here ({exc}); {LIBSECCOMP_HINT}"
+    if importlib.util.find_spec("pyseccomp") is None:
+        return f"the pyseccomp binding is not installed; {LIBSECCOMP_HINT}"
+    return None
+
+
+def _action(sc: ModuleType, name: str, errno_ret: int | None) -> int:
+    code = errno.EPERM if errno_ret is None else int(errno_ret)
+    actions: dict[str, int] = {
+        "SCMP_ACT_ALLOW": sc.ALLOW, "SCMP_ACT_LOG": sc.LOG, "SCMP_ACT_TRAP": sc.TRAP,
+        "SCMP_ACT_KILL": sc.KILL_THREAD, "SCMP_ACT_KILL_THREAD": sc.KILL_THREAD,
+        "SCMP_ACT_KILL_PROCESS": sc.KILL_PROCESS,
+    }
+    if name == "SCMP_ACT_ERRNO":
+        return int(sc.ERRNO(code))
+    if name == "SCMP_ACT_TRACE":
+        return int(sc.TRACE(code))
+    if name not in actions:
+        raise ValueError(f"seccomp action {name} is not supported here (no notify listener)")
+    return actions[name]
+
+
+def _condition(sc: ModuleType, arg: Mapping[str, Any], *, deny: bool) -> Any:
+    op = arg.get("op", "")
+    if op not in _OPS:
+        raise ValueError(f"unsupported comparison {op}")
+    index, value, two = int(arg["index"]), int(arg.get("value", 0)), int(arg.get("valueTwo", 0))
+    if deny and op == "SCMP_CMP_EQ" and 0 <= value <= _LOW32:
+        # The kernel truncates an int argument to its low 32 bits, so a deny rule on a 32-bit
+        # value must not be dodged by setting the high bits (socket(0x100000011, ...) is an
+        # AF_PACKET socket): it matches on the low 32 bits, as a masked compare.
+        return sc.Arg(index, sc.MASKED_EQ, _LOW32, value)
+    return sc.Arg(index, getattr(sc, _OPS[op]), value, two)
+
+
+def compile_bpf(profile: Mapping[str, Any], arch: str) -> bytes:
+    """The OCI seccomp ``profile`` as the classic BPF program the kernel loads, for a host of
+    architecture ``arch`` (``uname -m``), compiled by libseccomp.
+
+    As runc reads it: each rule's action for its syscalls when all of its ``args`` hold (args
+    on the same index are alternatives); names this libseccomp does not know are skipped.
+    Syscalls of an architecture the profile does not list (i386 or x32 on x86_64) kill the
+    process. ValueError for what a filter cannot say; RuntimeError without libseccomp.
     """
-    # (opcode, k, jumps-to-END-when-false) per instruction; offsets are fixed up below.
-    body: list[tuple[int, int, bool]] = [(_LD_W_ABS, _NR, False), (_JEQ_K, nr, True)]
-    for arg in args:
-        body.append((_LD_W_ABS, _ARGS + 8 * int(arg["index"]), False))  # low 32 bits
-        if arg["op"] == "SCMP_CMP_MASKED_EQ":
-            body.append((_AND_K, int(arg["value"]), False))
-            body.append((_JEQ_K, int(arg["valueTwo"]), True))
-        elif arg["op"] == "SCMP_CMP_EQ":
-            body.append((_JEQ_K, int(arg["value"]), True))
-        else:
-            raise ValueError(f"unsupported comparison {arg['op']}")
-    end = len(body) + 1  # the ret instruction follows the body
-    out = [_ins(code, k, 0, end - i - 1 if to_end else 0) for i, (code, k, to_end) in
-           enumerate(body)]
-    return [*out, ret]
+    sc = libseccomp()
+    if profile.get("flags") or profile.get("listenerPath"):
+        raise ValueError("seccomp flags and listenerPath are not supported by a bare filter")
+    if arch not in OCI_ARCHES:
+        raise ValueError(f"no seccomp architecture for host architecture {arch}")
+    default = _action(sc, profile.get("defaultAction", ""), profile.get("defaultErrnoRet"))
+    flt = sc.SyscallFilter(default)
+    flt.set_attr(sc.Attr.ACT_BADARCH, sc.KILL_PROCESS)
+    wanted = [*OCI_ARCHES[arch], *profile.get("architectures", [])]
+    tokens = [getattr(sc.Arch, _ARCH_ATTRS[a]) for a in dict.fromkeys(wanted)
+              if a in _ARCH_ATTRS]
+    for token in tokens:
+        if not flt.exist_arch(token):
+            flt.add_arch(token)
+    if sc.system_arch() not in tokens:
+        flt.remove_arch(sc.Arch.NATIVE)  # compiling for another host (tests do)
+    for rule in profile.get("syscalls", []):
+        action = _action(sc, rule["action"], rule.get("errnoRet"))
+        if action == default:
+            continue  # libseccomp refuses a rule that changes nothing
+        deny = rule["action"] not in _PERMISSIVE
+        args = rule.get("args") or []
+        conds = [_condition(sc, a, deny=deny) for a in args]
+        same_index = len({int(a["index"]) for a in args}) < len(args)
+        groups = [[c] for c in conds] if same_index else [conds]
+        for name in rule.get("names", []):
+            if sc.resolve_syscall(sc.Arch.NATIVE, name) == _NR_SCMP_ERROR:
+                continue  # not a syscall this libseccomp knows
+            for group in groups:
+                flt.add_rule(action, name, *group)
+    return _export(flt)
 
 
-def compile_bpf(profile: dict[str, Any], arch: str) -> bytes:
-    """Compile the OCI profile (the subset :func:`default_profile` uses) for ``arch``.
-
-    Foreign-architecture syscalls (i386, x32 on x86_64) kill the process: their numbers differ,
-    so a filter written for the native table would not see them.
-    """
-    if profile.get("defaultAction") != "SCMP_ACT_ALLOW":
-        raise ValueError("only allow-by-default profiles are compiled")
-    table = SYSCALLS[arch]
-    prog = [
-        _ins(_LD_W_ABS, _ARCH),
-        _ins(_JEQ_K, AUDIT_ARCH[arch], 1, 0),
-        _ins(_RET_K, _RET_KILL_PROCESS),
-        _ins(_LD_W_ABS, _NR),
-    ]
-    if arch == "x86_64":
-        prog += [_ins(_JGE_K, _X32_BIT, 0, 1), _ins(_RET_K, _RET_KILL_PROCESS)]
-    for rule in profile["syscalls"]:
-        if rule["action"] != "SCMP_ACT_ERRNO":
-            raise ValueError(f"unsupported action {rule['action']}")
-        ret = _ins(_RET_K, _RET_ERRNO | int(rule.get("errnoRet", errno.EPERM)))
-        for name in rule["names"]:
-            nr = table.get(name)
-            if nr is None:
-                continue  # not a syscall on this architecture
-            prog += _rule_block(nr, rule.get("args", []), ret)
-    prog.append(_ins(_RET_K, _RET_ALLOW))
-    if len(prog) > 4096:
-        raise ValueError("seccomp program too long")
-    return b"".join(struct.pack("<HBBI", *ins) for ins in prog)
+def _export(flt: Any) -> bytes:
+    """seccomp_export_bpf into an anonymous memory file, read back."""
+    fd = os.memfd_create("fusion-oci-seccomp", os.MFD_CLOEXEC)
+    try:
+        with open(fd, "wb", closefd=False) as out:
+            flt.export_bpf(out)
+        os.lseek(fd, 0, os.SEEK_SET)
+        chunks = []
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+    program = b"".join(chunks)
+    if not program or len(program) % 8:
+        raise ValueError("libseccomp exported no filter")
+    return program

@@ -1,22 +1,24 @@
 """The bubblewrap runtime: each command in fresh Linux namespaces built by ``bwrap``.
 
-:func:`bwrap_argv` is the whole translation, a pure function of the spec (and a few host facts
-in :class:`BwrapHost`), golden-tested per policy. The spec's mounts are replayed in order,
-because order is meaning: the git ``hooks/`` and ``config`` of a linked worktree's common
-directory are bound read-only *after* the read-write parents they sit in.
+The translation is :mod:`.bubblewrap_argv` (:func:`bwrap_argv`, a pure function of the spec
+and a few host facts, golden-tested per policy); this module is the runtime around it: host
+probes, prepare, launch, clean-up.
 
 What a command gets: a read-only root built from the host's system directories (or an unpacked
 image directory), the worktree read-write at its own absolute path, allowedPaths read-only,
 writablePaths read-write, private tmpfs ``/tmp`` and ``$HOME``, a fresh ``/proc`` and minimal
 ``/dev``, every namespace unshared (network kept only for ``host``), ``--die-with-parent``,
 ``--new-session`` (no TIOCSTI into the caller's terminal), no capabilities, no further user
-namespaces, and exactly the spec's environment.
+namespaces, the bundle's seccomp profile, and exactly the spec's environment.
 
-Around the launch (:meth:`BubblewrapRuntime.execute`): bwrap reports its child pid on
-``--info-fd`` and waits on ``--block-fd`` while we move the child into its cgroup and attach
-slirp4netns for ``egress``; rlimits (RLIMIT_CPU for cpuLimit.maxMs) are set by ``prlimit`` on
-the launcher and inherited. Afterwards slirp4netns is stopped and the cgroup killed and removed,
-also on timeout, maxBuffer and cancellation.
+Per task, at prepare: the host probes (once per process), the seccomp profile compiled to BPF
+by libseccomp, the kinds of the protected /proc paths. Per command
+(:meth:`BubblewrapRuntime.execute`): bwrap is started as ``bwrap --args FD -- COMMAND`` and,
+while it waits for its options on FD, gets the spec's rlimits with prlimit(2) (inherited by
+the command: no ``prlimit`` exec); then the options are written. With cgroup limits or
+``egress``, bwrap reports its child pid on ``--info-fd`` and waits on ``--block-fd`` while we
+move the child into its cgroup and attach slirp4netns. Afterwards slirp4netns is stopped and
+the cgroup killed and removed, also on timeout, maxBuffer and cancellation.
 
 Package caches (``cacheMode``): in ``shared`` mode the pnpm store and npm cache of a project are
 one read-write directory reused by every task, so the second ``pnpm install`` is fast and works
@@ -31,11 +33,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import os
 import re
+import resource
 import shutil
 import subprocess
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -49,15 +52,8 @@ from fusion_oci.models import (
     RunResult,
     SandboxCapabilities,
 )
-from fusion_oci.oci.seccomp import OCI_ARCHES, compile_bpf
-from fusion_oci.oci.spec import (
-    ANN_HOST_ROOTFS,
-    ANN_IMAGE,
-    Spec,
-    spec_capabilities,
-    spec_env,
-    spec_network,
-)
+from fusion_oci.oci.seccomp import LIBSECCOMP_HINT, libseccomp_problem
+from fusion_oci.oci.spec import ANN_IMAGE, Spec, spec_network
 from fusion_oci.process import ProcessOutcome, run_process
 from fusion_oci.runtimes.base import (
     Availability,
@@ -66,292 +62,42 @@ from fusion_oci.runtimes.base import (
     Requirement,
     SpecRuntime,
     classify,
-    status_from_code,
+)
+
+# The translation, re-exported: callers and tests name it from here.
+from fusion_oci.runtimes.bubblewrap_argv import (
+    BLOCK_FD,
+    INFO_FD,
+    RESOLV_PLACEHOLDER,
+    RLIMITS,
+    SECCOMP_FD,
+    USUAL_KINDS,
+    BwrapHost,
+    LaunchFds,
+    args_launch,
+    bwrap_argv,
+    exec_failure,
+    mount_args,
+    needs_launch_hooks,
+    plan_notes,
+    proc_protection_args,
+    protected_proc_paths,
+    seccomp_program,
+    spec_rlimits,
+    split_status,
 )
 from fusion_oci.runtimes.linux import cgroups, egress, userns
 from fusion_oci.runtimes.linux.cgroups import Cgroup, CgroupEvents, CgroupLimits, CgroupSupport
 from fusion_oci.runtimes.linux.pipes import close_all, read_json
 from fusion_oci.scratch import make_scratch
 
-INFO_FD = "<info-fd>"
-BLOCK_FD = "<block-fd>"
-SECCOMP_FD = "<seccomp-fd>"
-RESOLV_PLACEHOLDER = "<egress-resolv.conf>"
-
-PRLIMIT_FLAGS = {
-    "RLIMIT_CPU": "cpu",
-    "RLIMIT_NOFILE": "nofile",
-    "RLIMIT_NPROC": "nproc",
-    "RLIMIT_CORE": "core",
-    "RLIMIT_AS": "as",
-    "RLIMIT_FSIZE": "fsize",
-}
-
-# /dev sub-mounts of the OCI default that bwrap's --dev already provides (pts, shm).
-_COVERED_BY_DEV = ("/dev/pts", "/dev/shm")
-
-
-@dataclass(frozen=True)
-class BwrapHost:
-    """The host facts the translation needs: tool paths and what this host supports."""
-
-    bwrap: str = "bwrap"
-    prlimit: str | None = "prlimit"
-    """None: rlimits are not applied (and CPU time is reported as not enforced)."""
-    disable_userns: bool = True
-    """bwrap >= 0.8: forbid nested user namespaces inside the sandbox."""
-    cgroup_mode: cgroups.Mode = "v1"
-    systemd_run: str | None = None
-    egress_resolv_conf: str = RESOLV_PLACEHOLDER
-    """Host file bound over /etc/resolv.conf in egress mode (slirp's DNS)."""
-    path_kinds: tuple[tuple[str, str], ...] | None = None
-    """``(path, "file" | "dir")`` for each of the spec's maskedPaths/readonlyPaths that exists
-    on this host (bwrap cannot mount over a path that does not exist). None: assume every one
-    exists with its usual kind (plans and goldens stay independent of the host)."""
-
-
-@dataclass(frozen=True)
-class LaunchFds:
-    """The pipe ends bwrap gets: it writes its child pid to ``info``, waits on ``block`` and
-    reads the compiled seccomp filter from ``seccomp``."""
-
-    info: int | str = INFO_FD
-    block: int | str = BLOCK_FD
-    seccomp: int | str = SECCOMP_FD
-
-
-def _opt(options: Sequence[str], key: str) -> str | None:
-    for item in options:
-        if item.startswith(key + "="):
-            return item.split("=", 1)[1]
-    return None
-
-
-def _size_bytes(value: str) -> int:
-    m = re.fullmatch(r"(\d+)([kmg]?)", value.lower())
-    if not m:
-        raise BundleError(f"tmpfs size '{value}' is not understood", "expected N, Nk, Nm or Ng",
-                          "fix the spec's tmpfs options")
-    return int(m.group(1)) * {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}[m.group(2)]
-
-
-def mount_args(mount: Mapping[str, Any]) -> tuple[list[str], str | None]:
-    """One spec mount as bwrap options, or a note saying why it is skipped. Pure."""
-    dest, kind = mount["destination"], mount.get("type", "bind")
-    opts = list(mount.get("options", []))
-    if kind == "proc":
-        return ["--proc", dest], None
-    if dest == "/dev" and kind == "tmpfs":
-        return ["--dev", "/dev"], None
-    if dest in _COVERED_BY_DEV:
-        return [], None
-    if kind == "mqueue":
-        return ["--mqueue", dest], None
-    if kind == "sysfs":
-        return [], f"{dest}: not mounted (bwrap cannot mount a fresh sysfs; the host's stays out)"
-    if kind == "tmpfs":
-        args: list[str] = []
-        mode = _opt(opts, "mode")
-        if mode:
-            args += ["--perms", mode.rjust(4, "0")]
-        size = _opt(opts, "size")
-        if size:
-            args += ["--size", str(_size_bytes(size))]
-        return [*args, "--tmpfs", dest], None
-    if kind == "bind" or "bind" in opts or "rbind" in opts:
-        flag = "--ro-bind" if "ro" in opts else "--bind"
-        return [flag, mount["source"], dest], None
-    raise BundleError(f"mount type '{kind}' at {dest} is not supported by bubblewrap",
-                      "bwrap can bind, tmpfs, proc, dev and mqueue",
-                      "use a container backend for this spec")
-
-
-def _rootfs_args(spec: Spec) -> list[str]:
-    ann = spec.get("annotations", {})
-    if ann.get(ANN_HOST_ROOTFS) == "true":
-        return []  # the system directories come as ordinary read-only binds
-    image = ann.get(ANN_IMAGE) or spec["root"]["path"]
-    if not image.startswith("/"):
-        raise BundleError(
-            f"bubblewrap cannot use image '{image}'",
-            "it needs the host's system directories or an unpacked rootfs directory",
-            "leave sandbox.image unset for bubblewrap, or set it to an absolute rootfs path",
-        )
-    return ["--ro-bind", image, "/"]
-
-
-def prlimit_args(spec: Spec, prlimit: str | None) -> list[str]:
-    """``prlimit --cpu=S:H ... --`` for the spec's rlimits (inherited by bwrap's child). Pure."""
-    limits = spec["process"].get("rlimits", [])
-    if not limits or prlimit is None:
-        return []
-    out = [prlimit]
-    for item in limits:
-        flag = PRLIMIT_FLAGS.get(item["type"])
-        if flag is None:
-            raise BundleError(f"rlimit {item['type']} is not supported by bubblewrap",
-                              f"supported: {', '.join(PRLIMIT_FLAGS)}", "drop it from the spec")
-        out.append(f"--{flag}={item['soft']}:{item['hard']}")
-    return [*out, "--"]
-
-
-# The usual kind of the OCI default maskedPaths/readonlyPaths (see oci/spec.py).
-USUAL_KINDS = {
-    "/proc/kcore": "file", "/proc/keys": "file", "/proc/latency_stats": "file",
-    "/proc/timer_list": "file", "/proc/timer_stats": "file", "/proc/sched_debug": "file",
-    "/proc/sysrq-trigger": "file",
-}
-
-
-def protected_proc_paths(spec: Spec) -> tuple[str, ...]:
-    """Every maskedPaths/readonlyPaths entry of the spec, in order."""
-    linux = spec.get("linux", {})
-    return (*linux.get("maskedPaths", []), *linux.get("readonlyPaths", []))
-
-
-@cache
-def host_path_kinds(paths: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
-    """Which of ``paths`` exist on this host, and whether each is a file or a directory."""
-    out = []
-    for path in paths:
-        if Path(path).exists():
-            out.append((path, "dir" if Path(path).is_dir() else "file"))
-    return tuple(out)
-
-
-def proc_protection_args(spec: Spec, host: BwrapHost) -> tuple[list[str], list[str]]:
-    """The spec's maskedPaths and readonlyPaths as bwrap options, and notes. Pure.
-
-    Dropping them is not an option: as root, uid 0 passes /proc/sys's permission checks
-    without any capability, so a writable /proc/sys/kernel/core_pattern is a host root escape.
-    readonly: the path bound read-only over itself. masked: a file gets /dev/null, a directory
-    an empty read-only tmpfs (what runc does). /sys is not mounted by bwrap at all, so its
-    entries are hidden by absence.
-    """
-    linux = spec.get("linux", {})
-    masked, readonly = linux.get("maskedPaths", []), linux.get("readonlyPaths", [])
-    kinds = (dict(host.path_kinds) if host.path_kinds is not None
-             else {p: USUAL_KINDS.get(p, "dir") for p in (*masked, *readonly)})
-    # What bwrap really mounts (not sysfs: it cannot mount a fresh one, the host's stays out).
-    mounted = {m["destination"] for m in spec["mounts"] if mount_args(m)[0]}
-    args: list[str] = []
-    notes: list[str] = []
-    for path in [*masked, *readonly]:
-        if not any(path == d or path.startswith(d.rstrip("/") + "/") for d in mounted):
-            notes.append(f"{path}: hidden (bwrap mounts nothing there)")
-            continue
-        kind = kinds.get(path)
-        if kind is None:
-            notes.append(f"{path}: absent on this host, nothing to protect")
-        elif path in readonly:
-            args += ["--ro-bind", path, path]
-        elif kind == "file":
-            args += ["--ro-bind", "/dev/null", path]
-        else:
-            args += ["--perms", "0555", "--tmpfs", path, "--remount-ro", path]
-    return args, notes
-
-
-def needs_launch_hooks(spec: Spec, host: BwrapHost) -> bool:
-    """Whether bwrap must pause for us (cgroup move, slirp4netns) before the command runs."""
-    direct_cgroup = host.cgroup_mode in ("v1", "v2")
-    return spec_network(spec) is NetworkMode.EGRESS or (
-        direct_cgroup and bool(CgroupLimits.from_spec(spec).controllers()))
-
-
-def bwrap_argv(spec: Spec, host: BwrapHost, fds: LaunchFds | None = None) -> list[str]:
-    """The whole launch command for a spec. Pure: same spec and host, same argv."""
-    proc = spec["process"]
-    network = spec_network(spec)
-    argv: list[str] = []
-    limits = CgroupLimits.from_spec(spec)
-    if host.cgroup_mode == "systemd-run" and host.systemd_run and limits.controllers():
-        unit = "fusion-oci-" + spec.get("annotations", {}).get("io.fusion-oci.run-id", "run")
-        argv += cgroups.systemd_run_prefix(host.systemd_run, unit, limits)
-    argv += prlimit_args(spec, host.prlimit)
-    argv += [host.bwrap, "--unshare-all", "--unshare-user"]
-    if network is NetworkMode.HOST:
-        argv.append("--share-net")
-    argv += ["--die-with-parent", "--new-session", "--cap-drop", "ALL"]
-    for cap in spec_capabilities(spec):  # the spec's bounding set (empty in our bundles)
-        argv += ["--cap-add", cap]
-    if host.disable_userns:
-        argv.append("--disable-userns")
-    user = proc.get("user", {})
-    argv += ["--uid", str(user.get("uid", 0)), "--gid", str(user.get("gid", 0))]
-    if spec.get("hostname"):
-        argv += ["--hostname", spec["hostname"]]
-    argv += _rootfs_args(spec)
-    for mount in spec["mounts"]:
-        argv += mount_args(mount)[0]
-    argv += proc_protection_args(spec, host)[0]
-    if network is NetworkMode.EGRESS:
-        argv += ["--ro-bind", host.egress_resolv_conf, "/etc/resolv.conf"]
-    if spec["root"].get("readonly", True):
-        # Last: mount points above were created in bwrap's tmpfs root; now nothing new can be.
-        argv += ["--remount-ro", "/"]
-    fds = fds or LaunchFds()
-    if needs_launch_hooks(spec, host):
-        argv += ["--info-fd", str(fds.info), "--block-fd", str(fds.block)]
-    if spec.get("linux", {}).get("seccomp"):
-        # Applied by bwrap right before exec, after its own mounts and namespace setup.
-        argv += ["--seccomp", str(fds.seccomp)]
-    argv.append("--clearenv")
-    for key, value in spec_env(spec).items():
-        argv += ["--setenv", key, value]
-    argv += ["--chdir", proc.get("cwd", "/"), "--", *proc["args"]]
-    return argv
-
-
-def seccomp_program(spec: Spec) -> bytes | None:
-    """The spec's seccomp profile as the classic BPF bwrap reads from ``--seccomp``. Pure."""
-    profile = spec.get("linux", {}).get("seccomp")
-    if not profile:
-        return None
-    arches = [a for a, names in OCI_ARCHES.items() if set(names) & set(profile["architectures"])]
-    if not arches:
-        raise BundleError("the seccomp profile cannot be compiled for bubblewrap",
-                          f"no supported architecture in {profile.get('architectures')}",
-                          f"bubblewrap's seccomp compiler knows {', '.join(OCI_ARCHES)}")
-    try:
-        return compile_bpf(profile, arches[0])
-    except ValueError as exc:
-        raise BundleError("the seccomp profile cannot be compiled for bubblewrap", str(exc),
-                          "use a container backend for custom seccomp profiles") from exc
-
-
-def plan_notes(spec: Spec, host: BwrapHost) -> list[str]:
-    notes = [n for m in spec["mounts"] if (n := mount_args(m)[1])]
-    notes += proc_protection_args(spec, host)[1]
-    if spec.get("linux", {}).get("seccomp"):
-        notes.append("seccomp: the spec's profile compiled to classic BPF, read by bwrap from "
-                     "the seccomp fd")
-    network = spec_network(spec)
-    if network is NetworkMode.EGRESS:
-        notes.append("egress: slirp4netns --configure --disable-host-loopback on the child's "
-                     "network namespace before the command starts")
-    limits = CgroupLimits.from_spec(spec)
-    if limits.controllers():
-        notes.append(f"cgroup ({host.cgroup_mode}): " + ", ".join(sorted(limits.controllers())))
-    return notes
-
-
-def split_status(outcome: ProcessOutcome) -> tuple[int | None, str | None]:
-    """bwrap's status read back as the command's: 127/126 when bwrap could not exec it, else
-    the one 128+N rule (:func:`~fusion_oci.runtimes.base.status_from_code`)."""
-    code = outcome.returncode
-    if code == 1 and (failed := exec_failure(outcome.stderr)) is not None:
-        return failed, None
-    return status_from_code(code, outcome.signal)
-
-
-def exec_failure(stderr: bytes) -> int | None:
-    """The shell's status for a command bwrap could not exec (it exits 1 itself and says
-    ``bwrap: execvp NAME: REASON`` as its last line): 127 when not found, else 126. Pure."""
-    last = stderr.rstrip(b"\n").rsplit(b"\n", 1)[-1]
-    if not last.startswith(b"bwrap: execvp "):
-        return None
-    return 127 if last.endswith(b"No such file or directory") else 126
+__all__ = [
+    "BLOCK_FD", "INFO_FD", "RESOLV_PLACEHOLDER", "RLIMITS", "SECCOMP_FD", "USUAL_KINDS",
+    "BubblewrapRuntime", "BwrapHost", "HostProbe", "LaunchFds", "args_launch", "bwrap_argv",
+    "check_spec", "exec_failure", "host_path_kinds", "make_task_scratch", "mount_args",
+    "needs_launch_hooks", "plan_notes", "probe_host_support", "proc_protection_args",
+    "protected_proc_paths", "seccomp_program", "spec_rlimits", "split_status",
+]
 
 
 @dataclass(frozen=True)
@@ -361,11 +107,13 @@ class HostProbe:
     bwrap: str | None
     version: str | None = None
     problem: userns.Problem | None = None
-    prlimit: str | None = None
     slirp4netns: str | None = None
     egress_problem: str | None = None
     cgroups: CgroupSupport = field(default_factory=lambda: CgroupSupport("none"))
     disable_userns: bool = True
+    seccomp_problem: str | None = None
+    """Why the bundle's seccomp profile cannot be compiled here (no libseccomp), or None."""
+    slirp_version: str | None = None
 
 
 def _version(tool: str) -> str | None:
@@ -386,7 +134,8 @@ def _at_least(version: str | None, wanted: tuple[int, ...]) -> bool:
 
 @cache
 def probe_host_support(path: str, uid: int) -> HostProbe:
-    """Probe bwrap, user namespaces, cgroups, slirp4netns and prlimit (cached per process)."""
+    """Probe bwrap, user namespaces, cgroups, slirp4netns and libseccomp (cached per
+    process)."""
     bwrap = shutil.which("bwrap", path=path)
     if bwrap is None:
         return HostProbe(None, problem=userns.Problem(
@@ -404,8 +153,9 @@ def probe_host_support(path: str, uid: int) -> HostProbe:
         egress_problem = "/dev/net/tun is missing or not read-writable (chmod 666 /dev/net/tun)"
     return HostProbe(
         bwrap=bwrap, version=version, problem=result.problem,
-        prlimit=shutil.which("prlimit", path=path), slirp4netns=slirp,
-        egress_problem=egress_problem, cgroups=cgroups.detect(), disable_userns=disable,
+        slirp4netns=slirp, egress_problem=egress_problem, cgroups=cgroups.detect(),
+        disable_userns=disable, seccomp_problem=libseccomp_problem(),
+        slirp_version=_version(slirp) if slirp else None,
     )
 
 
@@ -433,6 +183,16 @@ def make_task_scratch(task_id: str) -> Path:
     return scratch
 
 
+@cache
+def host_path_kinds(paths: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """Which of ``paths`` exist on this host, and whether each is a file or a directory."""
+    out = []
+    for path in paths:
+        if Path(path).exists():
+            out.append((path, "dir" if Path(path).is_dir() else "file"))
+    return tuple(out)
+
+
 def _pipe_with(data: bytes) -> int:
     """A pipe already holding ``data`` (write end closed); returns the read end."""
     r, w = os.pipe()
@@ -453,6 +213,8 @@ class BubblewrapRuntime(SpecRuntime):
         super().__init__(*args, **kwargs)
         self._scratch: Path | None = None
         self._reaping: set[asyncio.Future[None]] = set()
+        self._bpf: tuple[Any, bytes | None] | None = None
+        """(profile, its BPF): compiled once at prepare, reused while the profile is equal."""
 
     # ------------------------------------------------------------------ host facts
     @property
@@ -465,7 +227,7 @@ class BubblewrapRuntime(SpecRuntime):
         p = self.probe
         resolv = str(self._scratch / "resolv.conf") if self._scratch else RESOLV_PLACEHOLDER
         return BwrapHost(
-            bwrap=p.bwrap or "bwrap", prlimit=p.prlimit, disable_userns=p.disable_userns,
+            bwrap=p.bwrap or "bwrap", disable_userns=p.disable_userns,
             cgroup_mode=p.cgroups.mode, systemd_run=p.cgroups.systemd_run,
             egress_resolv_conf=resolv,
         )
@@ -489,14 +251,20 @@ class BubblewrapRuntime(SpecRuntime):
             "bwrap": p.bwrap or "missing",
             "userns": "ok" if p.problem is None else p.problem.reason,
             "cgroups": p.cgroups.describe(),
-            "egress": (f"slirp4netns {_version(p.slirp4netns) or '?'} --disable-host-loopback"
+            # (versions come from the probe: availability() runs at every prepare)
+            "egress": (f"slirp4netns {p.slirp_version or '?'} --disable-host-loopback"
                        if p.egress_problem is None and p.slirp4netns else
                        f"unavailable: {p.egress_problem}"),
-            "cpu-time": f"RLIMIT_CPU via {p.prlimit}" if p.prlimit else "unavailable: no prlimit",
+            "cpu-time": "RLIMIT_CPU, set with prlimit(2) on bwrap before it forks",
+            "seccomp": p.seccomp_problem or "the bundle's profile, compiled by libseccomp",
             "enforces": ", ".join(sorted(r.value for r in self.enforces())),
         }
         if p.problem is not None:
             return Availability(False, p.problem.reason, p.problem.hint, version=p.version,
+                                rootless=os.geteuid() != 0, details=details)
+        if p.seccomp_problem is not None:
+            return Availability(False, "the bundle's seccomp profile cannot be compiled here",
+                                LIBSECCOMP_HINT, version=p.version,
                                 rootless=os.geteuid() != 0, details=details)
         return Availability(True, version=p.version, rootless=os.geteuid() != 0,
                             details=details)
@@ -516,8 +284,8 @@ class BubblewrapRuntime(SpecRuntime):
                           ("cpu", Requirement.CPU_QUOTA)):
             if name in ctl:
                 out.add(req)
-        if p.prlimit:
-            out |= {Requirement.CPU_TIME, Requirement.FILE_SIZE}
+        # RLIMIT_CPU and RLIMIT_FSIZE: prlimit(2), always there on Linux.
+        out |= {Requirement.CPU_TIME, Requirement.FILE_SIZE}
         return frozenset(out)
 
     def plan(self, spec: Spec) -> LaunchPlan:
@@ -531,8 +299,25 @@ class BubblewrapRuntime(SpecRuntime):
         assert self.task_spec is not None
         check_spec(self.task_spec)
         self._scratch = make_task_scratch(ctx.task_id)
+        self._warm(self.compile(["true"], RunOptions()))
+
+    def _warm(self, spec: Spec) -> None:
+        """What every command of the task shares, done once: the seccomp BPF (libseccomp),
+        the host's kinds of the protected /proc paths."""
+        profile = spec.get("linux", {}).get("seccomp")
+        self._bpf = (profile, seccomp_program(spec))
+        self.host_for(spec)
+
+    def seccomp_for(self, spec: Spec) -> bytes | None:
+        """The BPF of the spec's seccomp profile: the one compiled at prepare while the
+        command's profile is the task's (it always is today), else compiled now."""
+        profile = spec.get("linux", {}).get("seccomp")
+        if self._bpf is not None and self._bpf[0] == profile:
+            return self._bpf[1]
+        return seccomp_program(spec)
 
     async def dispose(self) -> None:
+        self._bpf = None
         if self._reaping:
             await asyncio.gather(*self._reaping, return_exceptions=True)
             self._reaping.clear()
@@ -561,12 +346,13 @@ class BubblewrapRuntime(SpecRuntime):
         group: Cgroup | None = None
         if host.cgroup_mode in ("v1", "v2") and limits.controllers():
             group = await asyncio.to_thread(Cgroup.create, self.probe.cgroups, limits)
-        info_r = info_w = block_r = block_w = seccomp_r = None
+        info_r = info_w = block_r = block_w = seccomp_r = args_r = args_w = None
+        pending: list[int] = []  # the --args write end until it is handed over
         link: egress.Egress | None = None
         run: asyncio.Task[ProcessOutcome] | None = None
         try:
             passed: list[int] = []
-            program = seccomp_program(spec)
+            program = self.seccomp_for(spec)
             if program is not None:
                 seccomp_r = _pipe_with(program)
                 passed.append(seccomp_r)
@@ -577,8 +363,21 @@ class BubblewrapRuntime(SpecRuntime):
             fds = LaunchFds(info=info_w if info_w is not None else INFO_FD,
                             block=block_r if block_r is not None else BLOCK_FD,
                             seccomp=seccomp_r if seccomp_r is not None else SECCOMP_FD)
+            args_r, args_w = os.pipe()
+            passed.append(args_r)
+            launch, options = args_launch(bwrap_argv(spec, host, fds), spec, host, args_r)
+            rlimits = spec_rlimits(spec)
+            pending.append(args_w)
+            args_w = None
+
+            def hand_over(pid: int) -> None:
+                # bwrap (or systemd-run in front of it) waits for its options: nothing has
+                # forked yet, so what is set now is inherited by the command.
+                _set_rlimits(pid, rlimits)
+                _write_all(pending.pop(), options)
+
             run = asyncio.create_task(run_process(
-                bwrap_argv(spec, host, fds),
+                launch,
                 env=self._launcher_env(),
                 cwd="/",
                 stdin=opts.stdin,
@@ -587,6 +386,7 @@ class BubblewrapRuntime(SpecRuntime):
                 pass_fds=passed,
                 on_output=opts.on_output,
                 keep_output=opts.keep_output,
+                on_spawn=hand_over,
             ))
             if hooks:
                 assert info_r is not None and block_w is not None
@@ -596,19 +396,26 @@ class BubblewrapRuntime(SpecRuntime):
                 with contextlib.suppress(OSError):
                     os.write(block_w, b"1")  # bwrap's child may already be gone
             outcome = await run
-        except BaseException:
+        except BaseException as exc:
             if run is not None and not run.done():
                 run.cancel()
                 with contextlib.suppress(BaseException):
                     await run
+            if isinstance(exc, OSError):  # E2BIG, EMFILE, ...: nothing ran
+                hint = ("one argument or environment value is limited to 128 KiB: pass large "
+                        "data through stdin or a file" if exc.errno == errno.E2BIG else
+                        "check the host's process and file limits (ulimit -a)")
+                raise SandboxSetupError("bwrap could not be started", str(exc), hint) from exc
             raise
         finally:
-            close_all(info_r, info_w, block_r, block_w, seccomp_r)
+            close_all(info_r, info_w, block_r, block_w, seccomp_r, args_r, args_w, *pending)
             if link is not None:
                 # SIGKILLed at once; reaping it waits for the kernel to unregister its tap
                 # device (10-40 ms), so that part runs in the background until dispose().
                 link.kill()
-                self._reaping.add(asyncio.ensure_future(link.stop()))
+                reaping = asyncio.ensure_future(link.stop())
+                self._reaping.add(reaping)  # a long task's reaped ones do not pile up
+                reaping.add_done_callback(self._reaping.discard)
             events = CgroupEvents()
             if group is not None:
                 events = group.events()
@@ -640,3 +447,26 @@ class BubblewrapRuntime(SpecRuntime):
             assert self._scratch is not None
             return await egress.Egress.attach(pid, slirp=slirp, log=self._scratch / "slirp.log")
         return None
+
+
+def _set_rlimits(pid: int, rlimits: list[tuple[str, int, int, int]]) -> None:
+    for name, res, soft, hard in rlimits:
+        try:
+            resource.prlimit(pid, res, (soft, hard))
+        except (OSError, ValueError) as exc:
+            raise SandboxSetupError(f"cannot set {name}={soft}:{hard} on the sandbox",
+                                    str(exc), "lower the limit to at most this process's hard "
+                                    "limit (ulimit -H), or run as root") from exc
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """Write ``data`` and close ``fd`` (bwrap reads to EOF); a bwrap that already died has its
+    own error on stderr."""
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    except BrokenPipeError:
+        pass
+    finally:
+        os.close(fd)

@@ -14,12 +14,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import os
 import secrets
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 from fusion_oci.engines import (

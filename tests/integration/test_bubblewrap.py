@@ -16,7 +16,7 @@ from fusion_oci.errors import PolicyNotEnforceableError
 from fusion_oci.models import CacheMode, CpuLimit, PrepareContext, RunOptions, SandboxPolicy
 from fusion_oci.policy.settings import SandboxSettings
 from fusion_oci.runtimes import bubblewrap
-from fusion_oci.runtimes.bubblewrap import BubblewrapRuntime, HostProbe
+from fusion_oci.runtimes.bubblewrap import BubblewrapRuntime
 from fusion_oci.runtimes.linux.cgroups import CgroupSupport
 from fusion_oci.sandbox import Sandbox
 from tests.backends import require, require_runtime
@@ -205,8 +205,7 @@ def test_availability_details_for_doctor() -> None:
 async def test_lifecycle_refuses_limits_this_host_cannot_enforce(
         tmp_path: Path, worktree: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real = bubblewrap.probe_host_support(os.environ.get("PATH", os.defpath), os.geteuid())
-    no_cgroups = HostProbe(real.bwrap, real.version, None, real.prlimit, real.slirp4netns,
-                           real.egress_problem, CgroupSupport("none"), real.disable_userns)
+    no_cgroups = dataclasses_replace(real, problem=None, cgroups=CgroupSupport("none"))
     monkeypatch.setattr(bubblewrap, "probe_host_support", lambda path, uid: no_cgroups)
     policy = SandboxPolicy(allow_network=False, memory_limit_mb=64)
     with pytest.raises(PolicyNotEnforceableError, match="memoryLimitMb"):
@@ -259,3 +258,83 @@ def test_planned_argv_runs_unprivileged(tmp_path: Path) -> None:
         assert (wt / "made-here").stat().st_uid == pw.pw_uid
     finally:
         shutil.rmtree(wt, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------- the launch
+
+async def test_options_larger_than_a_pipe_reach_bwrap_and_oversized_args_are_a_setup_error(
+        tmp_path: Path, worktree: Path) -> None:
+    """bwrap's options travel on --args: 200 KB of environment (more than a pipe holds) gets
+    through; one argument over the kernel's 128 KiB is a typed setup error, not a traceback."""
+    from fusion_oci.errors import SandboxSetupError
+
+    policy = SandboxPolicy(allow_network=False, env_allowlist=["BIG_A", "BIG_B"])
+    env = {"BIG_A": "a" * 100_000, "BIG_B": "b" * 100_000}
+    async with sandbox(tmp_path, worktree, policy) as sb:
+        out = await sb.run('echo "${#BIG_A} ${#BIG_B}"; ulimit -n',
+                           RunOptions(env={**_env(tmp_path / "home"), **env}))
+        assert out.exit_code == 0, out.stderr
+        assert out.stdout.split() == ["100000", "100000", "20000"]
+        with pytest.raises(SandboxSetupError, match="could not be started"):
+            await sb.run(["/bin/echo", "x" * 200_000])
+        assert (await sb.run("true")).exit_code == 0
+
+
+async def test_seccomp_is_compiled_once_per_sandbox_and_high_bits_do_not_dodge_it(
+        tmp_path: Path, worktree: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """libseccomp compiles the bundle's profile at prepare, not per command; in the kernel,
+    socket() with AF_PACKET in the low 32 bits of the family and junk above is refused."""
+    from fusion_oci.runtimes import bubblewrap_argv
+
+    compiled: list[int] = []
+    real = bubblewrap_argv.compile_bpf
+
+    def counting(profile: dict[str, object], arch: str) -> bytes:
+        compiled.append(1)
+        return real(profile, arch)
+
+    monkeypatch.setattr(bubblewrap_argv, "compile_bpf", counting)
+    probe = ("import ctypes, errno\n"
+             "libc = ctypes.CDLL(None, use_errno=True)\n"
+             "libc.syscall.restype = ctypes.c_long\n"
+             "fd = libc.syscall(41, ctypes.c_ulong(0x100000011), 3, 0)\n"
+             "print(fd, errno.errorcode.get(ctypes.get_errno()))\n")
+    policy = SandboxPolicy(allow_network=False)
+    async with sandbox(tmp_path, worktree, policy) as sb:
+        for _ in range(3):
+            assert (await sb.run("true")).exit_code == 0
+        out = await sb.run(["python3", "-c", probe])
+    assert len(compiled) == 1
+    assert out.exit_code == 0, out.stderr
+    assert out.stdout.split() == ["-1", "EPERM"]
+
+
+async def test_an_rlimit_the_host_refuses_is_a_setup_error_and_bwrap_is_gone(
+        tmp_path: Path, worktree: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rlimits are set on the waiting bwrap; when the kernel refuses one, bwrap never got
+    its options: it is killed and reaped, and the error names the limit."""
+    import copy
+
+    from fusion_oci.errors import SandboxSetupError
+
+    launched: list[int] = []
+    real = bubblewrap._set_rlimits
+
+    def recording(pid: int, rlimits: list[tuple[str, int, int, int]]) -> None:
+        launched.append(pid)
+        real(pid, rlimits)
+
+    monkeypatch.setattr(bubblewrap, "_set_rlimits", recording)
+    policy = SandboxPolicy(allow_network=False)
+    async with sandbox(tmp_path, worktree, policy) as sb:
+        assert (await sb.run("true")).exit_code == 0
+        runtime = sb.runtime
+        assert isinstance(runtime, BubblewrapRuntime) and runtime.last_spec is not None
+        spec = copy.deepcopy(runtime.last_spec)
+        # above fs.nr_open: refused even to root
+        spec["process"]["rlimits"] = [{"type": "RLIMIT_NOFILE", "soft": 2**31, "hard": 2**31}]
+        with pytest.raises(SandboxSetupError, match="RLIMIT_NOFILE"):
+            await runtime.execute(spec, RunOptions())
+        with pytest.raises(ProcessLookupError):  # killed and reaped
+            os.kill(launched[-1], 0)
+        assert (await sb.run("true")).exit_code == 0

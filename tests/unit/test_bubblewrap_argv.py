@@ -20,6 +20,7 @@ from fusion_oci.runtimes.bubblewrap import (
     needs_launch_hooks,
     plan_notes,
     seccomp_program,
+    spec_rlimits,
     split_status,
 )
 from fusion_oci.runtimes.linux import cgroups, egress, userns
@@ -43,8 +44,8 @@ LINKED = TaskLayout(
 )
 ENV = {"PATH": "/home/u/bin:/usr/bin", "HOME": "/home/u", "LANG": "C.UTF-8",
        "GITHUB_TOKEN": "ghp_secret", "CI": "true"}
-BWRAP_HOST = BwrapHost(bwrap="/usr/bin/bwrap", prlimit="/usr/bin/prlimit",
-                       cgroup_mode="v1", egress_resolv_conf="/run/fusion/resolv.conf")
+BWRAP_HOST = BwrapHost(bwrap="/usr/bin/bwrap", cgroup_mode="v1",
+                       egress_resolv_conf="/run/fusion/resolv.conf")
 
 CASES: dict[str, tuple[SandboxPolicy, TaskLayout]] = {
     "default-egress": (SandboxPolicy(), PLAIN),
@@ -152,7 +153,10 @@ def test_egress_gets_hooks_and_slirp_dns() -> None:
 def test_limits_use_prlimit_and_launch_hooks() -> None:
     spec = spec_for("locked-down")
     argv = bwrap_argv(spec, BWRAP_HOST)
-    assert argv[:4] == ["/usr/bin/prlimit", "--nofile=20000:20000", "--cpu=30:31", "--"]
+    # rlimits: prlimit(2) on bwrap while it waits on --args, not a prlimit exec in front
+    assert argv[0] == "/usr/bin/bwrap"
+    assert [(n, s, h) for n, _, s, h in spec_rlimits(spec)] == [
+        ("RLIMIT_NOFILE", 20000, 20000), ("RLIMIT_CPU", 30, 31)]
     assert needs_launch_hooks(spec, BWRAP_HOST)
     # no usable cgroup: the limits are not the launcher's business (enforces() says so)
     assert not needs_launch_hooks(spec, BwrapHost(cgroup_mode="none"))
@@ -336,3 +340,19 @@ def test_exec_failures_read_as_a_shell_would(stderr: bytes, code: int) -> None:
 
     outcome = ProcessOutcome(b"", stderr, 1, None, False, False, 1)
     assert split_status(outcome) == (code, None)
+
+
+def test_args_launch_moves_the_options_to_the_args_fd() -> None:
+    from fusion_oci.runtimes.bubblewrap import args_launch
+
+    spec = spec_for("locked-down", command="echo --; true")
+    argv = bwrap_argv(spec, BWRAP_HOST, LaunchFds(info=7, block=8, seccomp=9))
+    launch, payload = args_launch(argv, spec, BWRAP_HOST, 5)
+    assert launch == ["/usr/bin/bwrap", "--args", "5", "--", "/bin/sh", "-c", "echo --; true"]
+    options = payload.split(b"\0")
+    assert options[-1] == b"" and [o.decode() for o in options[:-1]] == argv[1:-4]
+    systemd = BwrapHost(bwrap="/usr/bin/bwrap", cgroup_mode="systemd-run",
+                        systemd_run="/usr/bin/systemd-run")
+    launch, _ = args_launch(bwrap_argv(spec, systemd), spec, systemd, 5)
+    assert launch[0] == "/usr/bin/systemd-run" and launch[-7:-4] == ["/usr/bin/bwrap", "--args",
+                                                                     "5"]

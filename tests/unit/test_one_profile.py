@@ -19,7 +19,7 @@ from tests.golden import GOLDEN_HOST
 
 LAYOUT = TaskLayout("/srv/wt", None, (), None)
 OWNER = Owner(pid=1, start="1", boot="b", host="h")
-BWRAP = BwrapHost(bwrap="/usr/bin/bwrap", prlimit=None, cgroup_mode="none",
+BWRAP = BwrapHost(bwrap="/usr/bin/bwrap", cgroup_mode="none",
                   egress_resolv_conf="/r")
 
 
