@@ -3,15 +3,14 @@
 
 import assert from "node:assert/strict";
 import { spawn } from "node:child_process";
-import { existsSync, mkdtempSync, statSync } from "node:fs";
-import { tmpdir } from "node:os";
+import { existsSync, statSync } from "node:fs";
 import { join } from "node:path";
 import { test } from "node:test";
 
 import { createSandboxBackend, FusionOciServer, SandboxError } from "../src";
 import {
-  BACKENDS, containersOfTask, marker, NO_NET, options, pidsWith, SERVER, SERVER_ENV, taskId,
-  waitGone, worktree,
+  BACKENDS, containersOfTask, marker, NO_NET, options, pidsWith, scratchDir, SERVER, SERVER_ENV,
+  taskId, waitGone, worktree,
 } from "./helpers";
 
 for (const backend of BACKENDS) {
@@ -76,7 +75,7 @@ test("a server that cannot start is server-exited", async () => {
 
 test("a server on a unix socket: clients connect, and one going away disposes only its own",
   async () => {
-    const dir = mkdtempSync(join(tmpdir(), "fusion-oci-sock-"));
+    const dir = scratchDir("fusion-oci-sock-");
     const path = join(dir, "serve.sock");
     const served = spawn(SERVER[0]!, [...SERVER.slice(1), "--socket", path],
       { env: SERVER_ENV, stdio: ["ignore", "ignore", "pipe"] });

@@ -1,15 +1,13 @@
 /** Each failure reaches the executor as a SandboxError with the CLI's kind. */
 
 import assert from "node:assert/strict";
-import { mkdtempSync } from "node:fs";
-import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { after, test } from "node:test";
 
 import {
   createSandboxBackend, FusionOciServer, GateRequest, SandboxError, SandboxErrorKind,
 } from "../src";
-import { NO_NET, options, SERVER, SERVER_ENV, worktree } from "./helpers";
+import { NO_NET, options, scratchDir, SERVER, SERVER_ENV, worktree } from "./helpers";
 
 const server = new FusionOciServer({ serverCommand: SERVER, serverEnv: SERVER_ENV });
 after(() => server.close());
@@ -34,7 +32,7 @@ test("bad-settings: a wrong settings value names the field", async () => {
 test("bad-flags: a relative worktree path, a folder that is no work tree", async () => {
   const sb = createSandboxBackend(options("native", { server }));
   await assert.rejects(sb.prepare({ ...ctx(), worktreePath: "relative/wt" }), kind("bad-flags"));
-  const plain = mkdtempSync(join(tmpdir(), "fusion-oci-ts-plain-"));
+  const plain = scratchDir("fusion-oci-ts-plain-");
   await assert.rejects(sb.prepare(ctx(plain)), kind("bad-flags"));
   const unsafe = createSandboxBackend(options("native", { server, unsafeWorktree: true }));
   await unsafe.prepare(ctx(plain));

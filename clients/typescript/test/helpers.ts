@@ -1,7 +1,7 @@
 /** What the tests share: the real server from this checkout, engines, images, host checks. */
 
 import { execFileSync } from "node:child_process";
-import { existsSync, mkdtempSync, readdirSync, readFileSync } from "node:fs";
+import { existsSync, mkdtempSync, readdirSync, readFileSync, rmSync } from "node:fs";
 import { request } from "node:http";
 import { tmpdir } from "node:os";
 import { join, resolve } from "node:path";
@@ -63,9 +63,22 @@ export function options(backend: SandboxBackendId, extra: SandboxBackendOptions 
   };
 }
 
+const scratch: string[] = [];
+// Every folder a test file made goes when its process does: a test run leaves nothing in /tmp.
+process.on("exit", () => {
+  for (const dir of scratch) rmSync(dir, { recursive: true, force: true });
+});
+
+/** A fresh temporary folder, removed when this test process exits. */
+export function scratchDir(prefix: string): string {
+  const dir = mkdtempSync(join(tmpdir(), prefix));
+  scratch.push(dir);
+  return dir;
+}
+
 /** A fresh git work tree (a plain folder is refused as a worktree). */
 export function worktree(): string {
-  const dir = mkdtempSync(join(tmpdir(), "fusion-oci-ts-"));
+  const dir = scratchDir("fusion-oci-ts-");
   execFileSync("git", ["init", "-q", dir]);
   return dir;
 }
