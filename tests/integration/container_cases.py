@@ -419,8 +419,10 @@ def rootless_python() -> list[str]:
     minor version runs a world-readable copy of the package and the venv's site-packages,
     made once per test session.
     """
-    site = next((ROOT / ".venv" / "lib").glob("python3*/site-packages"))
-    venv_python = (ROOT / ".venv" / "bin" / "python").resolve()
+    # The checkout's venv, or (a git worktree has none) the venv running the tests.
+    venv = ROOT / ".venv" if (ROOT / ".venv").is_dir() else Path(sys.prefix)
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    venv_python = (venv / "bin" / "python").resolve()
     python = str(venv_python) if _user_can("-x", venv_python) else "/usr/bin/python3"
     if _user_can("-r", ROOT / "fusion_oci" / "__init__.py") and _user_can(
             "-r", site / "pydantic" / "__init__.py"):

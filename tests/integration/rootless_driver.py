@@ -175,8 +175,33 @@ async def probe(args: dict[str, Any]) -> dict[str, Any]:
     return {"result": result.model_dump(mode="json", by_alias=True)}
 
 
+async def session(args: dict[str, Any]) -> dict[str, Any]:
+    """One sandbox, many commands (tests/contract): prepare with the caller's settings and
+    context, answer ``{"ready": true}`` (or ``{"refused": [...]}``), then for each JSON line
+    ``{"command", "opts"}`` on stdin one line ``{"result"}``; dispose at end of input."""
+    from fusion_oci.errors import PolicyNotEnforceableError
+
+    sandbox_settings = SandboxSettings.model_validate(args["settings"])
+    ctx = PrepareContext.model_validate(args["ctx"])
+    loop = asyncio.get_running_loop()
+    async with Sandbox(sandbox_settings, env=args["env"],
+                       cache_root=Path(args["cacheRoot"])) as sb:
+        try:
+            await sb.prepare(ctx)
+        except PolicyNotEnforceableError as exc:
+            return {"refused": exc.unenforced, "message": exc.render()}
+        print(json.dumps({"ready": True}), flush=True)
+        while line := await loop.run_in_executor(None, sys.stdin.readline):
+            ask = json.loads(line)
+            result = await sb.run(ask["command"], RunOptions.model_validate(ask["opts"]))
+            print(json.dumps({"result": result.model_dump(mode="json", by_alias=True)}),
+                  flush=True)
+    return {"done": True}
+
+
 SCENARIOS = {"availability": availability, "pnpm": pnpm, "timeout": timeout,
-             "network": network, "leftovers": leftovers, "gc": collect, "probe": probe}
+             "network": network, "leftovers": leftovers, "gc": collect, "probe": probe,
+             "session": session}
 
 
 def main() -> None:
