@@ -298,6 +298,8 @@ async def test_stdin_cwd_and_env_allowlist(runtime: Runtime, worktree: Path) -> 
         assert closed.stdout == "done\n", "stdin is closed unless given"
         later = await sb.run("echo ${ALLOWED:-gone}", RunOptions(env={}))
         assert later.stdout == "gone\n", "one run's env does not leak into the next"
+        argv = await sb.run(["/bin/sh", "-c", 'pwd; printf "%s|" "$0"', "a b"])
+        assert argv.stdout == f"{worktree}\na b|", "argv as given; the worktree by default"
 
 
 async def test_utf8_and_binary_output(runtime: Runtime, worktree: Path) -> None:
@@ -408,6 +410,10 @@ async def test_each_limit_ends_with_its_own_reason(runtime: Runtime, worktree: P
     assert r.reason == limit, r.model_dump(exclude={"stdout", "stderr"})
     if limit == "pids":
         assert r.timed_out, "held at the limit until the timeout, and still read as pids"
+        async with sandbox(runtime, worktree, **spec.policy) as sb:
+            gave_up = await sb.run("for i in $(seq 100); do sleep 5 & done; wait")
+        assert gave_up.reason == "pids", gave_up  # a shell that exits "Cannot fork"
+        assert gave_up.exit_code not in (0, None) and "fork" in gave_up.stderr.lower()
     if limit == "oom":
         assert r.signal == "SIGKILL", r
 
