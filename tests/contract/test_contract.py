@@ -372,10 +372,10 @@ class Limit:
 
 LIMITS = {
     # A bomb held at the limit until the timeout ends it: the reason names the limit that
-    # held it, not the timeout. (`exec`: the shell that waits must not fork at the limit, or
-    # dash exits "Cannot fork" and the run ends before the timeout.)
-    "pids": Limit({"pids_limit": 64}, "bomb() { bomb | bomb & }; bomb; exec sleep 600", 3000,
-                  "pidsLimit"),
+    # held it, not the timeout. The shell that waits forks once, before the bomb starts, then
+    # execs (were it to fork at the limit, dash would exit "Cannot fork" before the timeout).
+    "pids": Limit({"pids_limit": 64}, "bomb() { bomb | bomb & }; (bomb) & exec sleep 600",
+                  3000, "pidsLimit"),
     "oom": Limit({"memory_limit_mb": 64}, "head -c 512m /dev/zero | tail > /dev/null",
                  60_000, "memoryLimitMb"),
     "cpu-time": Limit({"cpu_limit": CpuLimit(max_ms=1000)}, "while :; do :; done", 30_000,
