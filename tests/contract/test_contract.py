@@ -60,7 +60,7 @@ MARKS = {"native": pytest.mark.native, "bubblewrap": pytest.mark.bubblewrap,
          "landlock": pytest.mark.landlock, "oci": pytest.mark.oci,
          "oci-runsc": pytest.mark.runsc, "podman": pytest.mark.podman,
          ROOTLESS: pytest.mark.podman_rootless, "docker": pytest.mark.docker,
-         "plugin": pytest.mark.native}
+         "plugin": pytest.mark.native}  # the test plugin runs its commands natively
 ENGINES = {"podman", "docker"}
 ROOTLESS_USER = os.environ.get("FUSION_OCI_ROOTLESS_USER", "fusionci")
 
@@ -123,10 +123,10 @@ def runtime(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
         from tests.integration.images_fixture import ensure_node_image
 
         user = request.getfixturevalue("rootless_user")
-        image = ensure_node_image(ROOTLESS).ref
-        settings = SandboxSettings(backend="podman", image=image,
+        ref = ensure_node_image(ROOTLESS).ref
+        settings = SandboxSettings(backend="podman", image=ref,
                                    gates=GateSettings(sandbox_provision="allow"))
-        return Runtime(name, settings, image, user)
+        return Runtime(name, settings, ref, user)
     if name in ENGINES:
         from tests.integration.container_cases import image, require_engine
 
