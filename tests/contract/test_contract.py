@@ -4,9 +4,10 @@ Whatever isolates it, a runtime must give a task's command the same observable b
 its own exit status (126 and 127 as a shell reports them, a real ``exit 130`` apart from death
 by SIGINT), stdin, the working directory, only the allow-listed environment, output as UTF-8
 text (bytes that are not UTF-8 replaced, never an error), 10 MB of output kept whole and in
-order, the maxBuffer cut, a timeout that ends the whole tree, setsid'd and double-forked
-descendants included, and one end reason for each resource limit it enforces (a limit it does
-not enforce is refused, or listed as unenforced by native, and the harmful command never runs).
+order, the maxBuffer cut, a timeout and an abort that end the whole tree, setsid'd and
+double-forked descendants included, and one end reason for each resource limit it enforces
+(a limit it does not enforce is refused, or listed as unenforced by native, and the harmful
+command never runs).
 
 A runtime joins by adding its name to ``RUNTIMES``; a missing one skips, or fails where CI
 requires it (tests/backends.py). ``podman-rootless`` is the podman runtime driven as the
@@ -164,6 +165,8 @@ class Box(Protocol):
     async def run(self, command: str | list[str], opts: RunOptions | None = None
                   ) -> RunResult: ...
 
+    def abort(self) -> None: ...
+
 
 class _Session:
     """A sandbox run by the rootless user: one driver process, one JSON line per command."""
@@ -178,8 +181,16 @@ class _Session:
                "opts": (opts or RunOptions()).model_dump(mode="json", by_alias=True)}
         self.proc.stdin.write((json.dumps(ask) + "\n").encode())
         await self.proc.stdin.drain()
-        answer = json.loads(await self.proc.stdout.readline())
-        return RunResult.model_validate(answer["result"])
+        line = await self.proc.stdout.readline()
+        if not line:
+            assert self.proc.stderr is not None
+            err = await self.proc.stderr.read()
+            pytest.fail(f"rootless driver ended:\n{err.decode()[-3000:]}")
+        return RunResult.model_validate(json.loads(line)["result"])
+
+    def abort(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(b'{"abort": true}\n')
 
 
 @contextlib.asynccontextmanager
@@ -348,6 +359,27 @@ async def test_timeout_ends_a_setsid_double_forked_tree(runtime: Runtime,
         assert r.shell_status == 124
         assert time.monotonic() - start < 20
     assert left_after(marker, 5.0) == [], "a descendant outlived the timeout"
+
+
+async def test_abort_ends_the_whole_tree(runtime: Runtime, worktree: Path) -> None:
+    marker = f"{800 + secrets.randbelow(99)}.{secrets.randbelow(10**6)}"
+    daemon = f"trap '' TERM HUP; sleep {marker}"
+    started = worktree / "started"
+    async with sandbox(runtime, worktree) as sb:
+        run = asyncio.ensure_future(sb.run(
+            f"( ( setsid sh -c \"{daemon}\" >/dev/null 2>&1 & ) & ); touch started; "
+            f"sleep {marker}", RunOptions(timeout_ms=120_000)))
+        # The worktree is the host's, so the file shows here (a file: no event to wait on).
+        deadline = time.monotonic() + 60
+        while not started.exists() and not run.done() and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+        assert started.exists(), await run
+        sb.abort()
+        r = await asyncio.wait_for(run, 30)
+        assert (r.reason, r.exit_code, r.timed_out) == ("aborted", None, False), r
+        after = await sb.run("echo still usable")
+        assert after.stdout == "still usable\n", "an abort ends the command, not the sandbox"
+    assert left_after(marker, 5.0) == [], "a descendant outlived the abort"
 
 
 def left_after(marker: str, within_s: float) -> list[int]:
