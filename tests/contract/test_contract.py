@@ -346,29 +346,40 @@ async def test_max_buffer_cuts_the_output_and_ends_the_command(runtime: Runtime,
 # ---------------------------------------------------------------------------- ending the tree
 
 
+def tree(marker: str) -> str:
+    """A command whose setsid'd, double-forked daemon ignores TERM and HUP and beats a
+    heartbeat file in the worktree; the command waits for the first beat, then sleeps.
+
+    The heartbeat is seen from the host on every runtime, also where the sandbox's processes
+    are not host processes (gVisor's are tasks of its own kernel, so no host pid shows them).
+    """
+    daemon = (f'trap "" TERM HUP; n=0; while :; do n=$((n+1)); echo $n > heartbeat; '
+              f"sleep 0.1; done # {marker}")
+    return (f"( ( setsid sh -c '{daemon}' >/dev/null 2>&1 & ) & ); "
+            f"while [ ! -s heartbeat ]; do sleep 0.05; done; touch started; sleep {marker}")
+
+
+def new_marker() -> str:
+    return f"{700 + secrets.randbelow(99)}.{secrets.randbelow(10**6)}"
+
+
 async def test_timeout_ends_a_setsid_double_forked_tree(runtime: Runtime,
                                                         worktree: Path) -> None:
-    marker = f"{700 + secrets.randbelow(99)}.{secrets.randbelow(10**6)}"
-    daemon = f"trap '' TERM HUP; sleep {marker}"
+    marker = new_marker()
     async with sandbox(runtime, worktree) as sb:
         start = time.monotonic()
-        r: RunResult = await sb.run(
-            f"( ( setsid sh -c \"{daemon}\" >/dev/null 2>&1 & ) & ); sleep {marker}",
-            RunOptions(timeout_ms=1500))
+        r: RunResult = await sb.run(tree(marker), RunOptions(timeout_ms=3000))
         assert r.timed_out and r.reason == "timeout", r
         assert r.shell_status == 124
         assert time.monotonic() - start < 20
-    assert left_after(marker, 5.0) == [], "a descendant outlived the timeout"
+    assert_tree_ended(worktree, marker, "the timeout")
 
 
 async def test_abort_ends_the_whole_tree(runtime: Runtime, worktree: Path) -> None:
-    marker = f"{800 + secrets.randbelow(99)}.{secrets.randbelow(10**6)}"
-    daemon = f"trap '' TERM HUP; sleep {marker}"
+    marker = new_marker()
     started = worktree / "started"
     async with sandbox(runtime, worktree) as sb:
-        run = asyncio.ensure_future(sb.run(
-            f"( ( setsid sh -c \"{daemon}\" >/dev/null 2>&1 & ) & ); touch started; "
-            f"sleep {marker}", RunOptions(timeout_ms=120_000)))
+        run = asyncio.ensure_future(sb.run(tree(marker), RunOptions(timeout_ms=120_000)))
         # The worktree is the host's, so the file shows here (a file: no event to wait on).
         deadline = time.monotonic() + 60
         while not started.exists() and not run.done() and time.monotonic() < deadline:  # noqa: ASYNC110
@@ -379,7 +390,22 @@ async def test_abort_ends_the_whole_tree(runtime: Runtime, worktree: Path) -> No
         assert (r.reason, r.exit_code, r.timed_out) == ("aborted", None, False), r
         after = await sb.run("echo still usable")
         assert after.stdout == "still usable\n", "an abort ends the command, not the sandbox"
-    assert left_after(marker, 5.0) == [], "a descendant outlived the abort"
+    assert_tree_ended(worktree, marker, "the abort")
+
+
+def assert_tree_ended(worktree: Path, marker: str, what: str) -> None:
+    assert left_after(marker, 5.0) == [], f"a descendant outlived {what}"
+    beat = worktree / "heartbeat"
+    assert beat.exists(), "the daemon never ran: the check would prove nothing"
+    deadline = time.monotonic() + 5
+    last = beat.read_text()
+    while True:
+        time.sleep(0.5)
+        now = beat.read_text()
+        if now == last:
+            return
+        assert time.monotonic() < deadline, f"a descendant outlived {what}: it still beats"
+        last = now
 
 
 def left_after(marker: str, within_s: float) -> list[int]:
