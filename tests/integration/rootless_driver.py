@@ -185,7 +185,7 @@ async def session(args: dict[str, Any]) -> dict[str, Any]:
     sandbox_settings = SandboxSettings.model_validate(args["settings"])
     ctx = PrepareContext.model_validate(args["ctx"])
     loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader()
+    reader = asyncio.StreamReader(limit=64 * 1024 * 1024)  # a line carries a command's stdin
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     async with Sandbox(sandbox_settings, env=args["env"],
                        cache_root=Path(args["cacheRoot"])) as sb:
