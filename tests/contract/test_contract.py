@@ -357,9 +357,30 @@ async def test_max_buffer_cuts_the_output_and_ends_the_command(runtime: Runtime,
         assert r.truncated and r.reason == "max-buffer", r.model_dump(exclude={"stdout"})
         assert r.stdout == "x" * 4096
         assert r.duration_ms < 25_000, "the command was ended, not waited for"
+        err = await sb.run("head -c 1000000 /dev/zero | tr '\\0' y >&2; sleep 30",
+                           RunOptions(max_buffer=4096, timeout_ms=60_000))
+        assert err.truncated and err.reason == "max-buffer", err.model_dump(exclude={"stderr"})
+        assert (err.stdout, err.stderr) == ("", "y" * 4096)
 
 
 # ---------------------------------------------------------------------------- ending the tree
+
+
+async def test_what_a_command_leaves_behind_is_ended_when_it_exits(
+        runtime: Runtime, worktree: Path) -> None:
+    """A daemon left running by a command that exits 0 (holding its stdout open) neither
+    holds the result back nor outlives the command."""
+    marker = new_marker()
+    daemon = (f'trap "" TERM HUP; n=0; while :; do n=$((n+1)); echo $n > heartbeat; '
+              f"sleep 0.1; done # {marker}")
+    async with sandbox(runtime, worktree) as sb:
+        start = time.monotonic()
+        r = await sb.run(f"( ( setsid sh -c '{daemon}' & ) & ); "
+                         "while [ ! -s heartbeat ]; do sleep 0.05; done; echo hi",
+                         RunOptions(timeout_ms=60_000))
+        assert (r.exit_code, r.reason, r.stdout) == (0, "exit", "hi\n"), r
+        assert time.monotonic() - start < 20, "the daemon's open stdout held the result"
+    assert_tree_ended(worktree, marker, "its command")
 
 
 def tree(marker: str) -> str:
