@@ -268,6 +268,17 @@ async def test_death_by_signal_is_reported_as_the_signal(runtime: Runtime,
         killed = await sb.run("kill -TERM $$")
         assert (killed.exit_code, killed.signal) == (None, "SIGTERM"), killed
         assert killed.reason == "signal" and killed.shell_status == 143
+        group = await sb.run("sleep 30 & kill -TERM 0; wait")
+        assert (group.exit_code, group.signal) == (None, "SIGTERM"), group
+
+
+async def test_death_by_sigint_and_exit_130_both_read_130(runtime: Runtime,
+                                                          worktree: Path) -> None:
+    async with sandbox(runtime, worktree) as sb:
+        interrupted = await sb.run("kill -INT $$")
+        assert (interrupted.exit_code, interrupted.signal) == (None, "SIGINT"), interrupted
+        own = await sb.run("exit 130")
+        assert own.shell_status == interrupted.shell_status == 130, own
 
 
 async def test_a_real_exit_130_is_not_death_by_sigint(runtime: Runtime, worktree: Path,
@@ -278,11 +289,8 @@ async def test_a_real_exit_130_is_not_death_by_sigint(runtime: Runtime, worktree
             "exit 130 reads as SIGINT; telling them apart needs the wait status from inside "
             "(the exec agent of #13)"))
     async with sandbox(runtime, worktree) as sb:
-        interrupted = await sb.run("kill -INT $$")
-        assert (interrupted.exit_code, interrupted.signal) == (None, "SIGINT"), interrupted
         own = await sb.run("exit 130")
         assert (own.exit_code, own.signal, own.reason) == (130, None, "exit"), own
-        assert own.shell_status == interrupted.shell_status == 130
 
 
 async def test_exec_failures_as_a_shell_reports_them(runtime: Runtime, worktree: Path) -> None:
