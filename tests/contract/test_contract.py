@@ -9,8 +9,8 @@ double-forked descendants included, and one end reason for each resource limit i
 (a limit it does not enforce is refused, or listed as unenforced by native, and the harmful
 command never runs).
 
-A runtime joins by adding its name to ``RUNTIMES``; a missing one skips, or fails where CI
-requires it (tests/backends.py). ``podman-rootless`` is the podman runtime driven as the
+A runtime joins by adding its name to ``RUNTIMES`` (harness.py); a missing one skips, or fails
+where CI requires it (tests/backends.py). ``podman-rootless`` is the podman runtime driven as the
 unprivileged CI user (one ``rootless_driver session`` per sandbox, under ``runuser``);
 ``plugin`` is a third party's runtime that implements only the protocol
 (tests/plugin_runtime.py), reached through the registry's entry points.
@@ -21,229 +21,21 @@ Run one runtime with ``-k``: ``pytest tests/contract -k bubblewrap``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import os
-import pwd
 import secrets
-import shutil
-import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import pytest
 
 from fusion_oci.errors import PolicyNotEnforceableError
-from fusion_oci.models import (
-    CacheMode,
-    CpuLimit,
-    PrepareContext,
-    RunOptions,
-    RunResult,
-    SandboxPolicy,
-)
-from fusion_oci.policy.settings import GateSettings, SandboxSettings
+from fusion_oci.models import CpuLimit, RunOptions, RunResult, SandboxPolicy
 from fusion_oci.runtimes.base import unenforced_parts
 from fusion_oci.runtimes.registry import create_runtime
-from fusion_oci.sandbox import Sandbox
-from tests import plugin_runtime
-from tests.backends import backend_settings, require, require_runtime
-from tests.conftest import git_init
+from tests.contract.harness import ROOTLESS, Runtime, sandbox
 from tests.hostside import pids_with
-
-ROOTLESS = "podman-rootless"
-RUNTIMES = ["native", "bubblewrap", "landlock", "oci", "oci-runsc", "podman", ROOTLESS,
-            "docker", "plugin"]
-MARKS = {"native": pytest.mark.native, "bubblewrap": pytest.mark.bubblewrap,
-         "landlock": pytest.mark.landlock, "oci": pytest.mark.oci,
-         "oci-runsc": pytest.mark.runsc, "podman": pytest.mark.podman,
-         ROOTLESS: pytest.mark.podman_rootless, "docker": pytest.mark.docker,
-         "plugin": pytest.mark.native}  # the test plugin runs its commands natively
-ENGINES = {"podman", "docker"}
-ROOTLESS_USER = os.environ.get("FUSION_OCI_ROOTLESS_USER", "fusionci")
-
-
-@dataclass(frozen=True)
-class RootlessUser:
-    name: str
-    uid: int
-    gid: int
-    home: str
-    xdg: str
-    python: list[str]
-    """``env PYTHONPATH=... PYTHON`` the user can run (container_cases.rootless_python)."""
-
-    def argv(self, scenario: str, args: dict[str, Any]) -> list[str]:
-        env = ["env", "-i", f"HOME={self.home}", f"USER={self.name}",
-               f"XDG_RUNTIME_DIR={self.xdg}", "PATH=/usr/local/bin:/usr/bin:/bin",
-               "LANG=C.UTF-8", *self.python[1:-1]]
-        return ["runuser", "-u", self.name, "--", *env, self.python[-1], "-m",
-                "tests.integration.rootless_driver", scenario, json.dumps(args)]
-
-    def hand_over(self, tree: Path) -> None:
-        os.lchown(tree, self.uid, self.gid)
-        for parent, dirs, files in os.walk(tree):
-            for name in dirs + files:
-                os.lchown(os.path.join(parent, name), self.uid, self.gid)
-
-
-@dataclass(frozen=True)
-class Runtime:
-    name: str
-    settings: SandboxSettings
-    image: str | None
-    """The engines run an image (the node image the integration tests provision)."""
-    user: RootlessUser | None = None
-    """podman-rootless: the unprivileged user that drives it."""
-
-
-@pytest.fixture(scope="session")
-def rootless_user() -> RootlessUser:
-    from tests.integration.container_cases import rootless_python
-
-    try:
-        user = pwd.getpwnam(ROOTLESS_USER)
-    except KeyError:
-        require(ROOTLESS, False, f"user {ROOTLESS_USER} does not exist")
-        raise
-    require(ROOTLESS, os.getuid() == 0, "the rootless runs switch user with runuser")
-    xdg = f"/run/user/{user.pw_uid}"
-    require(ROOTLESS, Path(xdg, "podman", "podman.sock").exists(),
-            f"no rootless podman socket in {xdg} (scripts/services.sh start podman-rootless)")
-    return RootlessUser(user.pw_name, user.pw_uid, user.pw_gid, user.pw_dir, xdg,
-                        rootless_python())
-
-
-@pytest.fixture(params=[pytest.param(n, marks=MARKS[n]) for n in RUNTIMES])
-def runtime(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Runtime:
-    name: str = request.param
-    if name == ROOTLESS:
-        from tests.integration.images_fixture import ensure_node_image
-
-        user = request.getfixturevalue("rootless_user")
-        ref = ensure_node_image(ROOTLESS).ref
-        settings = SandboxSettings(backend="podman", image=ref,
-                                   gates=GateSettings(sandbox_provision="allow"))
-        return Runtime(name, settings, ref, user)
-    if name in ENGINES:
-        from tests.integration.container_cases import image, require_engine
-
-        return Runtime(name, require_engine(name), image(name))
-    if name == "plugin":
-        plugin_runtime.install(monkeypatch)
-        return Runtime(name, SandboxSettings(backend="custom",
-                                             custom_runtime=plugin_runtime.NAME), None)
-    settings = backend_settings(name)
-    require_runtime(name, settings)
-    return Runtime(name, settings, None)
-
-
-@pytest.fixture
-def site(runtime: Runtime, tmp_path: Path) -> Iterator[Path]:
-    """Where the test's files go: tmp_path, or (rootless) a folder the user can enter
-    (pytest's tmp_path sits under root-only directories)."""
-    if runtime.user is None:
-        yield tmp_path
-        return
-    base = Path(tempfile.mkdtemp(prefix="fusion-oci-contract-"))
-    base.chmod(0o755)
-    try:
-        yield base
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
-
-
-@pytest.fixture
-def worktree(site: Path) -> Path:
-    return git_init(site / "wt")
-
-
-class Box(Protocol):
-    async def run(self, command: str | list[str], opts: RunOptions | None = None
-                  ) -> RunResult: ...
-
-    def abort(self) -> None: ...
-
-
-class _Session:
-    """A sandbox run by the rootless user: one driver process, one JSON line per command."""
-
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
-        self.proc = proc
-
-    async def run(self, command: str | list[str], opts: RunOptions | None = None
-                  ) -> RunResult:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        ask = {"command": command,
-               "opts": (opts or RunOptions()).model_dump(mode="json", by_alias=True)}
-        self.proc.stdin.write((json.dumps(ask) + "\n").encode())
-        await self.proc.stdin.drain()
-        line = await self.proc.stdout.readline()
-        if not line:
-            assert self.proc.stderr is not None
-            err = await self.proc.stderr.read()
-            pytest.fail(f"rootless driver ended:\n{err.decode()[-3000:]}")
-        return RunResult.model_validate(json.loads(line)["result"])
-
-    def abort(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(b'{"abort": true}\n')
-
-
-@contextlib.asynccontextmanager
-async def sandbox(rt: Runtime, worktree: Path, **policy: Any) -> AsyncIterator[Box]:
-    """A prepared sandbox on ``rt`` (PolicyNotEnforceableError when it refuses the policy)."""
-    policy.setdefault("allow_network", False)
-    site = worktree.parent
-    project = site / "project"  # outside the worktree, as an executor's is
-    project.mkdir(exist_ok=True)
-    ctx = PrepareContext(task_id=f"contract-{rt.name}", run_id="r1",
-                         worktree_path=str(worktree), policy=SandboxPolicy(**policy),
-                         image=rt.image, cache_mode=CacheMode.OFF, project_dir=str(project))
-    if rt.user is not None:
-        async with _rootless(rt, rt.user, ctx, site) as box:
-            yield box
-        return
-    async with Sandbox(rt.settings, cache_root=site / "cache") as sb:
-        await sb.prepare(ctx)
-        yield sb
-
-
-@contextlib.asynccontextmanager
-async def _rootless(rt: Runtime, user: RootlessUser, ctx: PrepareContext, site: Path
-                    ) -> AsyncIterator[Box]:
-    user.hand_over(site)
-    env = {"HOME": user.home, "PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
-           "XDG_RUNTIME_DIR": user.xdg}
-    args = {"settings": rt.settings.model_dump(mode="json", by_alias=True),
-            "ctx": ctx.model_dump(mode="json", by_alias=True), "env": env,
-            "cacheRoot": str(site / "cache")}
-    proc = await asyncio.create_subprocess_exec(
-        *user.argv("session", args), stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd="/",
-        limit=64 * 1024 * 1024)
-    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
-    try:
-        first = await asyncio.wait_for(proc.stdout.readline(), 300)
-        if not first:
-            err = await proc.stderr.read()
-            pytest.fail(f"rootless driver failed:\n{err.decode()[-3000:]}")
-        answer = json.loads(first)
-        if "refused" in answer:
-            raise PolicyNotEnforceableError("podman", answer["refused"])
-        yield _Session(proc)
-    finally:
-        if proc.returncode is None:
-            proc.stdin.close()
-            try:
-                await asyncio.wait_for(proc.wait(), 120)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
-
 
 # ---------------------------------------------------------------------------- exit statuses
 
