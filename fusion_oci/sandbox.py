@@ -41,7 +41,7 @@ from fusion_oci.oci.host import HostInfo
 from fusion_oci.policy.settings import SandboxSettings
 from fusion_oci.policy.worktree import check_inputs
 from fusion_oci.replay import record_run, worktree_state
-from fusion_oci.runtimes.base import Runtime, SpecRuntime, check_spec, unenforced_parts
+from fusion_oci.runtimes.base import Runtime, check_spec, unenforced_parts
 from fusion_oci.runtimes.registry import create_runtime
 from fusion_oci.scratch import gc_scratch
 
@@ -80,12 +80,9 @@ class Sandbox:
         self._running: set[asyncio.Task[RunResult]] = set()
 
     def _create(self, backend: str) -> Runtime:
-        runtime = create_runtime(backend, self.settings, self.env,
-                                 cache_root=self.cache_root, host=self.host)
-        if isinstance(runtime, SpecRuntime):
-            runtime.audit = self.audit
-            runtime.ask = self.ask
-        return runtime
+        # Every runtime, a plugin's too, gets the audit log and the gate callback.
+        return create_runtime(backend, self.settings, self.env, cache_root=self.cache_root,
+                              host=self.host, audit=self.audit, ask=self.ask)
 
     def _event(self, type_: Any, **fields: Any) -> None:
         ctx = self.ctx

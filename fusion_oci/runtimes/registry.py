@@ -3,6 +3,12 @@
 Every backend id of the brief is known here. One whose module is not built, whose plugin is
 not installed, or whose tools are missing on this host is *unavailable* with its reason, so
 the settings' failure mode applies; no backend id is ever "unknown".
+
+A plugin is a class implementing :class:`~fusion_oci.runtimes.base.Runtime`, constructed as
+``cls(settings, env, cache_root=..., host=...)``. Whatever it derives from, the lifecycle's
+services reach it the same way as a built-in runtime: before ``prepare`` its ``audit``
+attribute is the task's :class:`~fusion_oci.audit.AuditLog` and its ``ask`` attribute the
+gate callback (:data:`~fusion_oci.images.gates.AskCallback`, None: ``ask`` gates deny).
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from fusion_oci.models import BACKEND_IDS
 from fusion_oci.runtimes.base import Runtime, UnavailableRuntime
 
 if TYPE_CHECKING:
+    from fusion_oci.audit import AuditLog
+    from fusion_oci.images.gates import AskCallback
     from fusion_oci.oci.host import HostInfo
     from fusion_oci.policy.settings import SandboxSettings
 
@@ -75,11 +83,25 @@ def create_runtime(
     *,
     cache_root: Path | None = None,
     host: HostInfo | None = None,
+    audit: AuditLog | None = None,
+    ask: AskCallback | None = None,
 ) -> Runtime:
+    """The runtime for ``backend``, handed the lifecycle's ``audit`` log and ``ask`` callback
+    (see the module docstring): a plugin gets them exactly as a built-in runtime does."""
     cls = runtime_class(backend, settings)
     if isinstance(cls, UnavailableRuntime):
         return cls
     runtime: Runtime = cls(settings, env, cache_root=cache_root, host=host)
+    try:
+        runtime.audit = audit  # type: ignore[attr-defined]
+        runtime.ask = ask  # type: ignore[attr-defined]
+    except AttributeError as exc:  # __slots__ or a read-only property: the plugin's bug
+        from fusion_oci.errors import SandboxSetupError
+
+        raise SandboxSetupError(
+            f"runtime '{backend}' ({cls.__module__}.{cls.__qualname__}) cannot take the "
+            "lifecycle's audit log and gate callback", str(exc),
+            "let the runtime class accept the attributes 'audit' and 'ask'") from exc
     return runtime
 
 

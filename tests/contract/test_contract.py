@@ -1,101 +1,105 @@
 """The runtime contract: one suite, run against every runtime this machine has.
 
 Whatever isolates it, a runtime must give a task's command the same observable behaviour:
-its own exit status (126 and 127 as a shell reports them), stdin, the working directory, only
-the allow-listed environment, output as UTF-8 text (bytes that are not UTF-8 replaced, never an
-error), the maxBuffer cut, and a timeout that ends the whole tree, setsid'd and double-forked
-descendants included. A runtime joins by adding its name to ``RUNTIMES``; a missing one skips,
-or fails where CI requires it (tests/backends.py).
+its own exit status (126 and 127 as a shell reports them, a real ``exit 130`` apart from death
+by SIGINT), stdin, the working directory, only the allow-listed environment, output as UTF-8
+text (bytes that are not UTF-8 replaced, never an error), 10 MB of output kept whole and in
+order, the maxBuffer cut, a timeout and an abort that end the whole tree, setsid'd and
+double-forked descendants included, and one end reason for each resource limit it enforces
+(a limit it does not enforce is refused, or listed as unenforced by native, and the harmful
+command never runs).
+
+A runtime joins by adding its name to ``RUNTIMES`` (harness.py); a missing one skips, or fails
+where CI requires it (tests/backends.py). ``podman-rootless`` is the podman runtime driven as the
+unprivileged CI user (one ``rootless_driver session`` per sandbox, under ``runuser``);
+``plugin`` is a third party's runtime that implements only the protocol
+(tests/plugin_runtime.py), reached through the registry's entry points.
+
+Run one runtime with ``-k``: ``pytest tests/contract -k bubblewrap``.
 """
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
+import os
 import secrets
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from fusion_oci.models import CacheMode, PrepareContext, RunOptions, RunResult, SandboxPolicy
-from fusion_oci.policy.settings import SandboxSettings
-from fusion_oci.sandbox import Sandbox
-from tests.backends import backend_settings, require_runtime
+from fusion_oci.errors import PolicyNotEnforceableError
+from fusion_oci.models import CpuLimit, RunOptions, RunResult, SandboxPolicy
+from fusion_oci.runtimes.base import unenforced_parts
+from fusion_oci.runtimes.registry import create_runtime
+from tests.contract.harness import ROOTLESS, Runtime, sandbox
 from tests.hostside import pids_with
 
-RUNTIMES = ["native", "bubblewrap", "landlock", "oci", "oci-runsc", "podman", "docker"]
-MARKS = {"native": pytest.mark.native, "bubblewrap": pytest.mark.bubblewrap,
-         "landlock": pytest.mark.landlock, "oci": pytest.mark.oci,
-         "oci-runsc": pytest.mark.runsc, "podman": pytest.mark.podman,
-         "docker": pytest.mark.docker}
-ENGINES = {"podman", "docker"}
+# ---------------------------------------------------------------------------- exit statuses
+
+LAUNCHER_128_N = {"bubblewrap", "oci", "oci-runsc", "podman", ROOTLESS, "docker"}
+"""Runtimes whose launcher (bwrap, runc/runsc, an engine's exec) reports death by signal N as
+status 128+N: a command's own ``exit 130`` is read as SIGINT there (status_from_code); only an
+out-of-band wait status tells them apart."""
 
 
-@dataclass(frozen=True)
-class Runtime:
-    name: str
-    settings: SandboxSettings
-    image: str | None
-    """The engines run an image (the node image the integration tests provision)."""
-
-
-@pytest.fixture(params=[pytest.param(n, marks=MARKS[n]) for n in RUNTIMES])
-def runtime(request: pytest.FixtureRequest) -> Runtime:
-    name: str = request.param
-    if name in ENGINES:
-        from tests.integration.container_cases import image, require_engine
-
-        return Runtime(name, require_engine(name), image(name))
-    settings = backend_settings(name)
-    require_runtime(name, settings)
-    return Runtime(name, settings, None)
-
-
-@contextlib.asynccontextmanager
-async def sandbox(rt: Runtime, worktree: Path, tmp_path: Path,
-                  **policy: object) -> AsyncIterator[Sandbox]:
-    policy.setdefault("allow_network", False)
-    project = tmp_path / "project"  # outside the worktree, as an executor's is
-    project.mkdir(exist_ok=True)
-    async with Sandbox(rt.settings, cache_root=tmp_path / "cache") as sb:
-        await sb.prepare(PrepareContext(
-            task_id=f"contract-{rt.name}", run_id="r1", worktree_path=str(worktree),
-            policy=SandboxPolicy(**policy), image=rt.image,  # type: ignore[arg-type]
-            cache_mode=CacheMode.OFF, project_dir=str(project)))
-        yield sb
-
-
-async def test_exit_statuses(runtime: Runtime, worktree: Path, tmp_path: Path) -> None:
-    async with sandbox(runtime, worktree, tmp_path) as sb:
-        got = {code: (await sb.run(f"exit {code}")).exit_code for code in (0, 1, 255)}
-        assert got == {0: 0, 1: 1, 255: 255}
+async def test_exit_statuses(runtime: Runtime, worktree: Path) -> None:
+    async with sandbox(runtime, worktree) as sb:
+        got = {code: (await sb.run(f"exit {code}")).exit_code
+               for code in (0, 1, 126, 127, 255)}
+        assert got == {0: 0, 1: 1, 126: 126, 127: 127, 255: 255}
         by_shell = await sb.run("nosuchcommand-contract")
-        assert by_shell.exit_code == 127
+        assert (by_shell.exit_code, by_shell.signal) == (127, None), by_shell
 
 
-async def test_death_by_signal_is_reported_as_the_signal(
-        runtime: Runtime, worktree: Path, tmp_path: Path) -> None:
-    async with sandbox(runtime, worktree, tmp_path) as sb:
+async def test_death_by_signal_is_reported_as_the_signal(runtime: Runtime,
+                                                         worktree: Path) -> None:
+    async with sandbox(runtime, worktree) as sb:
         killed = await sb.run("kill -TERM $$")
         assert (killed.exit_code, killed.signal) == (None, "SIGTERM"), killed
+        assert killed.reason == "signal" and killed.shell_status == 143
+        group = await sb.run("sleep 30 & kill -TERM 0; wait")
+        assert (group.exit_code, group.signal) == (None, "SIGTERM"), group
 
 
-async def test_exec_failures_as_a_shell_reports_them(runtime: Runtime, worktree: Path,
-                                                     tmp_path: Path) -> None:
-    async with sandbox(runtime, worktree, tmp_path) as sb:
+async def test_death_by_sigint_and_exit_130_both_read_130(runtime: Runtime,
+                                                          worktree: Path) -> None:
+    async with sandbox(runtime, worktree) as sb:
+        interrupted = await sb.run("kill -INT $$")
+        assert (interrupted.exit_code, interrupted.signal) == (None, "SIGINT"), interrupted
+        own = await sb.run("exit 130")
+        assert own.shell_status == interrupted.shell_status == 130, own
+
+
+async def test_a_real_exit_130_is_not_death_by_sigint(runtime: Runtime, worktree: Path,
+                                                      request: pytest.FixtureRequest) -> None:
+    if runtime.name in LAUNCHER_128_N:
+        request.applymarker(pytest.mark.xfail(
+            strict=True, reason="the launcher reports a signal as 128+N, so a command's own "
+            "exit 130 reads as SIGINT; telling them apart needs the wait status from inside "
+            "(the exec agent of #13)"))
+    async with sandbox(runtime, worktree) as sb:
+        own = await sb.run("exit 130")
+        assert (own.exit_code, own.signal, own.reason) == (130, None, "exit"), own
+
+
+async def test_exec_failures_as_a_shell_reports_them(runtime: Runtime, worktree: Path) -> None:
+    async with sandbox(runtime, worktree) as sb:
         missing = await sb.run(["nosuchcommand-contract"])
         assert (missing.exit_code, missing.signal) == (127, None), missing
         not_executable = await sb.run(["/etc/passwd"])
         assert (not_executable.exit_code, not_executable.signal) == (126, None), not_executable
 
 
-async def test_stdin_cwd_and_env_allowlist(runtime: Runtime, worktree: Path,
-                                           tmp_path: Path) -> None:
+# ---------------------------------------------------------------------------- input, output
+
+
+async def test_stdin_cwd_and_env_allowlist(runtime: Runtime, worktree: Path) -> None:
     (worktree / "sub").mkdir()
     env = {"ALLOWED": "yes", "SECRET_TOKEN": "nope", "OTHER": "no", "PATH": "/usr/bin:/bin"}
-    async with sandbox(runtime, worktree, tmp_path, env_allowlist=["ALLOWED"]) as sb:
+    async with sandbox(runtime, worktree, env_allowlist=["ALLOWED"]) as sb:
         r = await sb.run("pwd; echo $ALLOWED ${SECRET_TOKEN:-unset} ${OTHER:-unset}; cat",
                          RunOptions(cwd="sub", env=env, stdin=b"from stdin\n"))
         assert r.exit_code == 0, r.stderr
@@ -105,11 +109,28 @@ async def test_stdin_cwd_and_env_allowlist(runtime: Runtime, worktree: Path,
         assert closed.stdout == "done\n", "stdin is closed unless given"
         later = await sb.run("echo ${ALLOWED:-gone}", RunOptions(env={}))
         assert later.stdout == "gone\n", "one run's env does not leak into the next"
+        odd = "a=b c \"q\" 'q' $HOME `x` é\nsecond line"
+        value = await sb.run('printf "%s|" "$ALLOWED"', RunOptions(env={"ALLOWED": odd}))
+        assert value.stdout == odd + "|", "a value passes as it is: =, quotes, $, newline"
+        argv = await sb.run(["/bin/sh", "-c", 'pwd; printf "%s|" "$0"', "a b"])
+        assert argv.stdout == f"{worktree}\na b|", "argv as given; the worktree by default"
 
 
-async def test_utf8_and_binary_output(runtime: Runtime, worktree: Path,
-                                      tmp_path: Path) -> None:
-    async with sandbox(runtime, worktree, tmp_path) as sb:
+async def test_ten_megabytes_of_stdin_arrive_whole(runtime: Runtime, worktree: Path,
+                                                   request: pytest.FixtureRequest) -> None:
+    if runtime.name in {"podman", ROOTLESS, "docker"}:
+        request.applymarker(pytest.mark.xfail(
+            strict=True, reason="the container exec passes stdin base64 in an environment "
+            "variable (containers.plan_exec, STDIN_MAX 96 KiB) and refuses more with "
+            "BundleError; streaming it needs the exec's own stdin (the exec agent of #13)"))
+    data = b"".join(b"%07d\n" % i for i in range(1, 1_250_001))
+    async with sandbox(runtime, worktree) as sb:
+        r = await sb.run("wc -c; echo done >&2", RunOptions(stdin=data, timeout_ms=120_000))
+    assert (r.exit_code, r.stdout.strip(), r.stderr) == (0, str(len(data)), "done\n"), r
+
+
+async def test_utf8_and_binary_output(runtime: Runtime, worktree: Path) -> None:
+    async with sandbox(runtime, worktree) as sb:
         text = await sb.run("printf 'h\\303\\251llo \\342\\234\\223\\n'; "
                             "printf '\\342\\234\\227 err\\n' >&2")
         assert (text.stdout, text.stderr) == ("héllo ✓\n", "✗ err\n")
@@ -118,28 +139,110 @@ async def test_utf8_and_binary_output(runtime: Runtime, worktree: Path,
         assert binary.stdout == "\ufffd\ufffd\x00ok"
 
 
-async def test_max_buffer_cuts_the_output_and_ends_the_command(
-        runtime: Runtime, worktree: Path, tmp_path: Path) -> None:
-    async with sandbox(runtime, worktree, tmp_path) as sb:
+async def test_ten_megabytes_of_output_are_kept_whole_and_in_order(
+        runtime: Runtime, worktree: Path) -> None:
+    lines = 1_250_000  # 7 digits and a newline each: 10,000,000 bytes, under the default cut
+    async with sandbox(runtime, worktree) as sb:
+        r = await sb.run(f"seq -w 1 {lines}; echo end >&2", RunOptions(timeout_ms=120_000))
+    assert (r.exit_code, r.truncated, r.reason, r.stderr) == (0, False, "exit", "end\n")
+    assert len(r.stdout) == 10_000_000
+    assert r.stdout == "".join(f"{i:07d}\n" for i in range(1, lines + 1))
+
+
+async def test_max_buffer_cuts_the_output_and_ends_the_command(runtime: Runtime,
+                                                               worktree: Path) -> None:
+    async with sandbox(runtime, worktree) as sb:
         r = await sb.run("head -c 1000000 /dev/zero | tr '\\0' x; sleep 30",
                          RunOptions(max_buffer=4096, timeout_ms=60_000))
         assert r.truncated and r.reason == "max-buffer", r.model_dump(exclude={"stdout"})
         assert r.stdout == "x" * 4096
         assert r.duration_ms < 25_000, "the command was ended, not waited for"
+        err = await sb.run("head -c 1000000 /dev/zero | tr '\\0' y >&2; sleep 30",
+                           RunOptions(max_buffer=4096, timeout_ms=60_000))
+        assert err.truncated and err.reason == "max-buffer", err.model_dump(exclude={"stderr"})
+        assert (err.stdout, err.stderr) == ("", "y" * 4096)
 
 
-async def test_timeout_ends_a_setsid_double_forked_tree(runtime: Runtime, worktree: Path,
-                                                        tmp_path: Path) -> None:
-    marker = f"{700 + secrets.randbelow(99)}.{secrets.randbelow(10**6)}"
-    daemon = f"trap '' TERM HUP; sleep {marker}"
-    async with sandbox(runtime, worktree, tmp_path) as sb:
+# ---------------------------------------------------------------------------- ending the tree
+
+
+async def test_what_a_command_leaves_behind_is_ended_when_it_exits(
+        runtime: Runtime, worktree: Path) -> None:
+    """A daemon left running by a command that exits 0 (holding its stdout open) neither
+    holds the result back nor outlives the command."""
+    marker = new_marker()
+    daemon = (f'trap "" TERM HUP; n=0; while :; do n=$((n+1)); echo $n > heartbeat; '
+              f"sleep 0.1; done # {marker}")
+    async with sandbox(runtime, worktree) as sb:
         start = time.monotonic()
-        r: RunResult = await sb.run(
-            f"( ( setsid sh -c \"{daemon}\" >/dev/null 2>&1 & ) & ); sleep {marker}",
-            RunOptions(timeout_ms=1500))
+        r = await sb.run(f"( ( setsid sh -c '{daemon}' & ) & ); "
+                         "while [ ! -s heartbeat ]; do sleep 0.05; done; echo hi",
+                         RunOptions(timeout_ms=60_000))
+        assert (r.exit_code, r.reason, r.stdout) == (0, "exit", "hi\n"), r
+        assert time.monotonic() - start < 20, "the daemon's open stdout held the result"
+    assert_tree_ended(worktree, marker, "its command")
+
+
+def tree(marker: str) -> str:
+    """A command whose setsid'd, double-forked daemon ignores TERM and HUP and beats a
+    heartbeat file in the worktree; the command waits for the first beat, then sleeps.
+
+    The heartbeat is seen from the host on every runtime, also where the sandbox's processes
+    are not host processes (gVisor's are tasks of its own kernel, so no host pid shows them).
+    """
+    daemon = (f'trap "" TERM HUP; n=0; while :; do n=$((n+1)); echo $n > heartbeat; '
+              f"sleep 0.1; done # {marker}")
+    return (f"( ( setsid sh -c '{daemon}' >/dev/null 2>&1 & ) & ); "
+            f"while [ ! -s heartbeat ]; do sleep 0.05; done; touch started; sleep {marker}")
+
+
+def new_marker() -> str:
+    return f"{700 + secrets.randbelow(99)}.{secrets.randbelow(10**6)}"
+
+
+async def test_timeout_ends_a_setsid_double_forked_tree(runtime: Runtime,
+                                                        worktree: Path) -> None:
+    marker = new_marker()
+    async with sandbox(runtime, worktree) as sb:
+        start = time.monotonic()
+        r: RunResult = await sb.run(tree(marker), RunOptions(timeout_ms=3000))
         assert r.timed_out and r.reason == "timeout", r
+        assert r.shell_status == 124
         assert time.monotonic() - start < 20
-    assert left_after(marker, 5.0) == [], "a descendant outlived the timeout"
+    assert_tree_ended(worktree, marker, "the timeout")
+
+
+async def test_abort_ends_the_whole_tree(runtime: Runtime, worktree: Path) -> None:
+    marker = new_marker()
+    started = worktree / "started"
+    async with sandbox(runtime, worktree) as sb:
+        run = asyncio.ensure_future(sb.run(tree(marker), RunOptions(timeout_ms=120_000)))
+        # The worktree is the host's, so the file shows here (a file: no event to wait on).
+        deadline = time.monotonic() + 60
+        while not started.exists() and not run.done() and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+        assert started.exists(), await run
+        sb.abort()
+        r = await asyncio.wait_for(run, 30)
+        assert (r.reason, r.exit_code, r.timed_out) == ("aborted", None, False), r
+        after = await sb.run("echo still usable")
+        assert after.stdout == "still usable\n", "an abort ends the command, not the sandbox"
+    assert_tree_ended(worktree, marker, "the abort")
+
+
+def assert_tree_ended(worktree: Path, marker: str, what: str) -> None:
+    assert left_after(marker, 5.0) == [], f"a descendant outlived {what}"
+    beat = worktree / "heartbeat"
+    assert beat.exists(), "the daemon never ran: the check would prove nothing"
+    deadline = time.monotonic() + 5
+    last = beat.read_text()
+    while True:
+        time.sleep(0.5)
+        now = beat.read_text()
+        if now == last:
+            return
+        assert time.monotonic() < deadline, f"a descendant outlived {what}: it still beats"
+        last = now
 
 
 def left_after(marker: str, within_s: float) -> list[int]:
@@ -148,3 +251,103 @@ def left_after(marker: str, within_s: float) -> list[int]:
     while pids_with(marker) and time.monotonic() < deadline:
         time.sleep(0.05)
     return pids_with(marker)
+
+
+# ---------------------------------------------------------------------------- limits
+
+
+@dataclass(frozen=True)
+class Limit:
+    policy: dict[str, Any]
+    command: str
+    timeout_ms: int
+    part: str
+    """The requirement's name in ``unenforced`` lists."""
+
+
+LIMITS = {
+    # A bomb held at the limit until the timeout ends it: the reason names the limit that
+    # held it, not the timeout. The shell that waits forks once, before the bomb starts, then
+    # execs (were it to fork at the limit, dash would exit "Cannot fork" before the timeout).
+    "pids": Limit({"pids_limit": 64}, "bomb() { bomb | bomb & }; (bomb) & exec sleep 600",
+                  3000, "pidsLimit"),
+    "oom": Limit({"memory_limit_mb": 64}, "head -c 512m /dev/zero | tail > /dev/null",
+                 60_000, "memoryLimitMb"),
+    "cpu-time": Limit({"cpu_limit": CpuLimit(max_ms=1000)}, "while :; do :; done", 30_000,
+                      "cpuLimit.maxMs"),
+}
+
+NOT_ENFORCED = {
+    ("pids", "native"), ("oom", "native"), ("pids", "plugin"), ("oom", "plugin"),
+    # landlock: no namespace and no cgroup.
+    ("pids", "landlock"), ("oom", "landlock"),
+    # gVisor's processes are tasks of its own kernel: a host pids cgroup cannot count them.
+    ("pids", "oci-runsc"),
+    # gVisor 20221219 shows the spec's RLIMIT_CPU but never fires it (only a setrlimit made
+    # inside the sandbox arms it), so the oci runtime refuses cpuLimit.maxMs under runsc.
+    ("cpu-time", "oci-runsc"),
+    # Rootless podman on a cgroup v1 host has no cgroup of its own.
+    ("pids", ROOTLESS), ("oom", ROOTLESS),
+}
+"""What each runtime does not enforce on this machine (cgroups v1): it says so (refused by the
+lifecycle; native runs and lists it) and the harmful command is never run."""
+
+
+@pytest.mark.parametrize("limit", sorted(LIMITS))
+async def test_each_limit_ends_with_its_own_reason(runtime: Runtime, worktree: Path,
+                                                   limit: str) -> None:
+    spec = LIMITS[limit]
+    if (limit, runtime.name) in NOT_ENFORCED:
+        await _assert_not_enforced(runtime, worktree, spec)
+        return
+    async with sandbox(runtime, worktree, **spec.policy) as sb:
+        r = await sb.run(spec.command, RunOptions(timeout_ms=spec.timeout_ms))
+    assert r.reason == limit, r.model_dump(exclude={"stdout", "stderr"})
+    if limit == "pids":
+        assert r.timed_out, "held at the limit until the timeout, and still read as pids"
+        async with sandbox(runtime, worktree, **spec.policy) as sb:
+            gave_up = await sb.run("for i in $(seq 100); do sleep 5 & done; wait")
+        assert gave_up.reason == "pids", gave_up  # a shell that exits "Cannot fork"
+        assert gave_up.exit_code not in (0, None) and "fork" in gave_up.stderr.lower()
+    if limit == "oom":
+        assert r.signal == "SIGKILL", r
+
+
+async def test_one_precedence_when_a_child_is_oom_killed(
+        runtime: Runtime, worktree: Path, request: pytest.FixtureRequest) -> None:
+    """A limit that fired names the reason whenever the command did not succeed; a command
+    that survived it (only a child was killed) ended by its own exit."""
+    spec = LIMITS["oom"]
+    if ("oom", runtime.name) in NOT_ENFORCED:
+        await _assert_not_enforced(runtime, worktree, spec)
+        return
+    if runtime.name == "oci-runsc":
+        request.applymarker(pytest.mark.xfail(
+            strict=True, reason="under gVisor the host's OOM killer ends the whole sandbox "
+            "(its memory is the sentry's), so no command survives a child's OOM"))
+    async with sandbox(runtime, worktree, **spec.policy) as sb:
+        survived = await sb.run(f"({spec.command}); echo survived",
+                                RunOptions(timeout_ms=spec.timeout_ms))
+        failed = await sb.run(f"({spec.command}); exit 3", RunOptions(timeout_ms=spec.timeout_ms))
+    assert (survived.exit_code, survived.reason, survived.stdout) == (0, "exit", "survived\n"), \
+        survived
+    assert (failed.exit_code, failed.reason) == (3, "oom"), failed
+
+
+async def _assert_not_enforced(runtime: Runtime, worktree: Path, spec: Limit) -> None:
+    if runtime.user is None:
+        backend = runtime.settings.backend
+        probe = create_runtime(backend, runtime.settings, os.environ)
+        if spec.part not in unenforced_parts(probe, SandboxPolicy(allow_network=False,
+                                                                  **spec.policy)):
+            pytest.fail(f"{runtime.name} enforces {spec.part} now: move it out of "
+                        "NOT_ENFORCED so that the contract holds it to the reason")
+    if runtime.name == "native":  # the status quo runs it and lists it, so run no harm
+        async with sandbox(runtime, worktree, **spec.policy) as sb:
+            r = await sb.run("true")
+        assert spec.part in r.unenforced, r
+        return
+    with pytest.raises(PolicyNotEnforceableError) as refused:
+        async with sandbox(runtime, worktree, **spec.policy) as sb:
+            await sb.run("echo the harmful command would run here")
+    assert spec.part in refused.value.unenforced

@@ -1,4 +1,6 @@
-"""The container-runtime integration cases, written once and run per engine.
+"""The container-runtime integration cases, written once and run per engine. What every
+runtime must do (statuses, stdin, cwd, env, output, maxBuffer, timeouts, limits) is
+tests/contract; these are what containers add (warm keeper, volumes, ownership, gc, networks).
 
 test_docker.py and test_podman.py import these tests and define the ``engine`` fixture
 (``docker``, ``podman``); the rootless podman cases run the library as the unprivileged CI user
@@ -50,7 +52,6 @@ __all__ = [
     "test_oneshot_mode_creates_and_removes_per_command",
     "test_parallel_prepares_do_not_hang_or_leak",
     "test_pnpm_project_installs_tests_builds_and_commits",
-    "test_run_env_stdin_cwd_and_exit",
     "test_timeout_ends_everything_the_command_started",
 ]
 
@@ -205,28 +206,9 @@ async def test_timeout_ends_everything_the_command_started(
         await sb.run("(sleep 310 &) ; echo ok")
         again = await sb.run("for f in /proc/[0-9]*/cmdline; do tr '\\0' ' ' < $f; echo; done")
         assert "sleep 310" not in again.stdout
-        buffered = await sb.run("yes", RunOptions(max_buffer=4096, timeout_ms=20_000))
-        assert buffered.truncated and buffered.reason == "max-buffer"
-        assert len(buffered.stdout) == 4096
     assert leftovers(engine, "timeout") == []
 
 
-async def test_run_env_stdin_cwd_and_exit(engine: str, settings: SandboxSettings,
-                                          worktree: Path, tmp_path: Path) -> None:
-    (worktree / "sub").mkdir()
-    policy = SandboxPolicy(allow_network=False, env_allowlist=["ALLOWED"])
-    async with Sandbox(settings, cache_root=tmp_path / "cache") as sb:
-        await sb.prepare(ctx("basics", worktree, engine, policy=policy,
-                             cache_mode=CacheMode.OFF))
-        env = {"ALLOWED": "yes", "SECRET_TOKEN": "nope", "PATH": "/usr/bin"}
-        r1 = await sb.run("pwd; echo $ALLOWED; echo ${SECRET_TOKEN:-unset}; cat; exit 7",
-                          RunOptions(cwd="sub", env=env, stdin=b"from stdin\n"))
-        assert r1.exit_code == 7
-        assert r1.stdout.splitlines() == [str(worktree / "sub"), "yes", "unset", "from stdin"]
-        r2 = await sb.run("echo ${ALLOWED:-gone}", RunOptions(env={}))
-        assert r2.stdout.strip() == "gone", "one run's env does not leak into the next"
-        r3 = await sb.run("kill -TERM $$")
-        assert r3.signal == "SIGTERM" and r3.exit_code is None
 
 
 # ---------------------------------------------------------------------------- modes, leftovers
@@ -419,8 +401,10 @@ def rootless_python() -> list[str]:
     minor version runs a world-readable copy of the package and the venv's site-packages,
     made once per test session.
     """
-    site = next((ROOT / ".venv" / "lib").glob("python3*/site-packages"))
-    venv_python = (ROOT / ".venv" / "bin" / "python").resolve()
+    # The checkout's venv, or (a git worktree has none) the venv running the tests.
+    venv = ROOT / ".venv" if (ROOT / ".venv").is_dir() else Path(sys.prefix)
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    venv_python = (venv / "bin" / "python").resolve()
     python = str(venv_python) if _user_can("-x", venv_python) else "/usr/bin/python3"
     if _user_can("-r", ROOT / "fusion_oci" / "__init__.py") and _user_can(
             "-r", site / "pydantic" / "__init__.py"):

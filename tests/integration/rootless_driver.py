@@ -175,8 +175,51 @@ async def probe(args: dict[str, Any]) -> dict[str, Any]:
     return {"result": result.model_dump(mode="json", by_alias=True)}
 
 
+async def session(args: dict[str, Any]) -> dict[str, Any]:
+    """One sandbox, many commands (tests/contract): prepare with the caller's settings and
+    context, answer ``{"ready": true}`` (or ``{"refused": [...]}``), then for each JSON line
+    ``{"command", "opts"}`` on stdin one line ``{"result"}``; a line ``{"abort": true}`` while
+    a command runs aborts it (Sandbox.abort); dispose at end of input."""
+    from fusion_oci.errors import PolicyNotEnforceableError
+
+    sandbox_settings = SandboxSettings.model_validate(args["settings"])
+    ctx = PrepareContext.model_validate(args["ctx"])
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=64 * 1024 * 1024)  # a line carries a command's stdin
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    async with Sandbox(sandbox_settings, env=args["env"],
+                       cache_root=Path(args["cacheRoot"])) as sb:
+        try:
+            await sb.prepare(ctx)
+        except PolicyNotEnforceableError as exc:
+            return {"refused": exc.unenforced, "message": exc.render()}
+        print(json.dumps({"ready": True}), flush=True)
+        eof = False
+        while not eof and (line := await reader.readline()):
+            ask = json.loads(line)
+            if "command" not in ask:
+                continue  # an abort that came after its command ended
+            run = asyncio.ensure_future(
+                sb.run(ask["command"], RunOptions.model_validate(ask["opts"])))
+            while not run.done() and not eof:
+                nxt = asyncio.ensure_future(reader.readline())
+                done, _ = await asyncio.wait({run, nxt}, return_when=asyncio.FIRST_COMPLETED)
+                if nxt not in done:
+                    nxt.cancel()  # and wait it out: one reader at a time
+                    await asyncio.wait({nxt})
+                elif not (got := nxt.result()):
+                    eof = True
+                elif json.loads(got).get("abort"):
+                    sb.abort()
+            result = await run
+            print(json.dumps({"result": result.model_dump(mode="json", by_alias=True)}),
+                  flush=True)
+    return {"done": True}
+
+
 SCENARIOS = {"availability": availability, "pnpm": pnpm, "timeout": timeout,
-             "network": network, "leftovers": leftovers, "gc": collect, "probe": probe}
+             "network": network, "leftovers": leftovers, "gc": collect, "probe": probe,
+             "session": session}
 
 
 def main() -> None:

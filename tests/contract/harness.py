@@ -1,0 +1,153 @@
+"""The contract suite's harness: which runtimes it runs on, and a prepared sandbox on one of
+them, in-process or (``podman-rootless``) as the unprivileged CI user through one
+``rootless_driver session`` per sandbox under ``runuser``.
+
+A runtime joins by adding its name to ``RUNTIMES`` (and its fixture case in conftest.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import pytest
+
+from fusion_oci.errors import PolicyNotEnforceableError
+from fusion_oci.models import CacheMode, PrepareContext, RunOptions, RunResult, SandboxPolicy
+from fusion_oci.policy.settings import SandboxSettings
+from fusion_oci.sandbox import Sandbox
+
+ROOTLESS = "podman-rootless"
+RUNTIMES = ["native", "bubblewrap", "landlock", "oci", "oci-runsc", "podman", ROOTLESS,
+            "docker", "plugin"]
+MARKS = {"native": pytest.mark.native, "bubblewrap": pytest.mark.bubblewrap,
+         "landlock": pytest.mark.landlock, "oci": pytest.mark.oci,
+         "oci-runsc": pytest.mark.runsc, "podman": pytest.mark.podman,
+         ROOTLESS: pytest.mark.podman_rootless, "docker": pytest.mark.docker,
+         "plugin": pytest.mark.native}  # the test plugin runs its commands natively
+ENGINES = {"podman", "docker"}
+ROOTLESS_USER = os.environ.get("FUSION_OCI_ROOTLESS_USER", "fusionci")
+
+
+@dataclass(frozen=True)
+class RootlessUser:
+    name: str
+    uid: int
+    gid: int
+    home: str
+    xdg: str
+    python: list[str]
+    """``env PYTHONPATH=... PYTHON`` the user can run (container_cases.rootless_python)."""
+
+    def argv(self, scenario: str, args: dict[str, Any]) -> list[str]:
+        env = ["env", "-i", f"HOME={self.home}", f"USER={self.name}",
+               f"XDG_RUNTIME_DIR={self.xdg}", "PATH=/usr/local/bin:/usr/bin:/bin",
+               "LANG=C.UTF-8", *self.python[1:-1]]
+        return ["runuser", "-u", self.name, "--", *env, self.python[-1], "-m",
+                "tests.integration.rootless_driver", scenario, json.dumps(args)]
+
+    def hand_over(self, tree: Path) -> None:
+        os.lchown(tree, self.uid, self.gid)
+        for parent, dirs, files in os.walk(tree):
+            for name in dirs + files:
+                os.lchown(os.path.join(parent, name), self.uid, self.gid)
+
+
+@dataclass(frozen=True)
+class Runtime:
+    name: str
+    settings: SandboxSettings
+    image: str | None
+    """The engines run an image (the node image the integration tests provision)."""
+    user: RootlessUser | None = None
+    """podman-rootless: the unprivileged user that drives it."""
+
+
+class Box(Protocol):
+    async def run(self, command: str | list[str], opts: RunOptions | None = None
+                  ) -> RunResult: ...
+
+    def abort(self) -> None: ...
+
+
+class _Session:
+    """A sandbox run by the rootless user: one driver process, one JSON line per command."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+
+    async def run(self, command: str | list[str], opts: RunOptions | None = None
+                  ) -> RunResult:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        ask = {"command": command,
+               "opts": (opts or RunOptions()).model_dump(mode="json", by_alias=True)}
+        self.proc.stdin.write((json.dumps(ask) + "\n").encode())
+        await self.proc.stdin.drain()
+        line = await self.proc.stdout.readline()
+        if not line:
+            assert self.proc.stderr is not None
+            err = await self.proc.stderr.read()
+            pytest.fail(f"rootless driver ended:\n{err.decode()[-3000:]}")
+        return RunResult.model_validate(json.loads(line)["result"])
+
+    def abort(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(b'{"abort": true}\n')
+
+
+@contextlib.asynccontextmanager
+async def sandbox(rt: Runtime, worktree: Path, **policy: Any) -> AsyncIterator[Box]:
+    """A prepared sandbox on ``rt`` (PolicyNotEnforceableError when it refuses the policy)."""
+    policy.setdefault("allow_network", False)
+    site = worktree.parent
+    project = site / "project"  # outside the worktree, as an executor's is
+    project.mkdir(exist_ok=True)
+    ctx = PrepareContext(task_id=f"contract-{rt.name}", run_id="r1",
+                         worktree_path=str(worktree), policy=SandboxPolicy(**policy),
+                         image=rt.image, cache_mode=CacheMode.OFF, project_dir=str(project))
+    if rt.user is not None:
+        async with _rootless(rt, rt.user, ctx, site) as box:
+            yield box
+        return
+    async with Sandbox(rt.settings, cache_root=site / "cache") as sb:
+        await sb.prepare(ctx)
+        yield sb
+
+
+@contextlib.asynccontextmanager
+async def _rootless(rt: Runtime, user: RootlessUser, ctx: PrepareContext, site: Path
+                    ) -> AsyncIterator[Box]:
+    user.hand_over(site)
+    env = {"HOME": user.home, "PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
+           "XDG_RUNTIME_DIR": user.xdg}
+    args = {"settings": rt.settings.model_dump(mode="json", by_alias=True),
+            "ctx": ctx.model_dump(mode="json", by_alias=True), "env": env,
+            "cacheRoot": str(site / "cache")}
+    proc = await asyncio.create_subprocess_exec(
+        *user.argv("session", args), stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd="/",
+        limit=64 * 1024 * 1024)
+    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+    try:
+        first = await asyncio.wait_for(proc.stdout.readline(), 300)
+        if not first:
+            err = await proc.stderr.read()
+            pytest.fail(f"rootless driver failed:\n{err.decode()[-3000:]}")
+        answer = json.loads(first)
+        if "refused" in answer:
+            raise PolicyNotEnforceableError("podman", answer["refused"])
+        yield _Session(proc)
+    finally:
+        if proc.returncode is None:
+            proc.stdin.close()
+            try:
+                await asyncio.wait_for(proc.wait(), 120)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
