@@ -95,7 +95,8 @@ async def test_death_by_sigint_is_not_exit_130(agent: Agent) -> None:
 
 async def test_not_found_is_127_and_not_executable_is_126(agent: Agent, tmp_path: Path) -> None:
     r = await agent.run(["no-such-command-xyz"], env=ENV)
-    assert (r.returncode, r.stderr) == (127, b"fusion-oci: no-such-command-xyz: command not found\n")
+    assert r.returncode == 127
+    assert r.stderr == b"fusion-oci: no-such-command-xyz: command not found\n"
     plain = tmp_path / "plain"
     plain.write_text("echo hi\n")
     plain.chmod(0o644)
@@ -276,7 +277,7 @@ async def test_a_missing_binary_is_a_setup_error_naming_the_build(tmp_path: Path
     assert agent_binary().name == "fusion-oci-agent"
 
 
-async def test_the_agent_dies_with_its_host(tmp_path: Path) -> None:
+def test_the_agent_dies_with_its_host(tmp_path: Path) -> None:
     """A host killed outright (no close): the agent ends its trees and exits on its own."""
     tag = marker("host-dies")
     script = tmp_path / "host.py"
@@ -307,11 +308,17 @@ async def test_the_agent_dies_with_its_host(tmp_path: Path) -> None:
 # --- a container's init: --connect and accept ------------------------------------------------
 
 
+async def connecting_agent(path: Path) -> asyncio.subprocess.Process:
+    """The agent as a container's init would run it (here a host process)."""
+    return await asyncio.create_subprocess_exec(
+        str(agent_binary()), "--connect", str(path), stdin=subprocess.DEVNULL,
+        start_new_session=True)
+
+
 async def test_accept_takes_one_connection_then_nothing_can_reach_it(tmp_path: Path) -> None:
     path = tmp_path / "agent.sock"
     listener = listen_socket(path)
-    proc = subprocess.Popen([str(agent_binary()), "--connect", str(path)],
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+    proc = await connecting_agent(path)
     try:
         a = await Agent.accept(listener, expect_pid=proc.pid, timeout_s=5)
         assert not path.exists()  # unlinked: nothing else can connect
@@ -323,27 +330,27 @@ async def test_accept_takes_one_connection_then_nothing_can_reach_it(tmp_path: P
         assert r.stdout == b"via-connect\n"
         assert a.agent_pid == proc.pid == a.peer_pid
         await a.close()
-        assert proc.wait(10) == 0
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
     finally:
-        if proc.poll() is None:
+        if proc.returncode is None:
             proc.kill()
-            proc.wait()
+            await proc.wait()
 
 
 async def test_accept_refuses_a_peer_that_is_not_the_expected_init(tmp_path: Path) -> None:
     path = tmp_path / "agent.sock"
-    proc = subprocess.Popen([str(agent_binary()), "--connect", str(path)],
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+    proc = await connecting_agent(path)
     try:
         with pytest.raises(SandboxSetupError) as info:
             await Agent.accept(path, expect_pid=proc.pid + 100000, timeout_s=5)
         assert "peer pid" in info.value.why
         assert not path.exists()
-        assert proc.wait(10) == 0  # the refused agent saw its connection close and left
+        # the refused agent saw its connection close and left
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
     finally:
-        if proc.poll() is None:
+        if proc.returncode is None:
             proc.kill()
-            proc.wait()
+            await proc.wait()
 
 
 async def test_accept_times_out_with_a_setup_error(tmp_path: Path) -> None:
