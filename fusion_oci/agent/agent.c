@@ -446,12 +446,16 @@ static void child_exec(struct spawn *sp, int fds[3], int errfd) {
 
 /* ---------------------------------------------------------------- the keeper (child) */
 
-/* agent <-> keeper: fixed binary records over a SOCK_SEQPACKET pair */
+/* agent <-> keeper: fixed binary records over a SOCK_SEQPACKET pair. The keeper writes its
+ * `T`, `F` and `X` frames to the host itself (one send() each, a single skb: frames never
+ * interleave), so a command's end costs no hop through the agent; it then tells the agent
+ * `D` (done, reported), so that a keeper that dies silently can be reported for. */
 struct kmsg {
-    char type; /* keeper->agent: 'T' started, 'F' failed, 'X' exited; agent->keeper: 'K' kill */
-    int32_t pid, err, status, sig, tree, grace_ms;
-    char what[60];
+    char type; /* keeper->agent: 'D' reported; agent->keeper: 'K' kill */
+    int32_t sig, tree, grace_ms;
 };
+
+static void send_failed(const char *id, int err, const char *what);
 
 static int make_sigfd(void) {
     sigset_t set;
@@ -500,29 +504,29 @@ static void end_tree(int sig, int grace_ms) {
     keeper_reap();
 }
 
-static void keeper_send(int chan, struct kmsg *m) {
-    if (send(chan, m, sizeof *m, MSG_NOSIGNAL) < 0) {
-        /* the agent is gone: the tree is ended on our way out anyway */
+static void keeper_done(int chan) {
+    struct kmsg m;
+    memset(&m, 0, sizeof m);
+    m.type = 'D';
+    if (send(chan, &m, sizeof m, MSG_NOSIGNAL) < 0) {
+        /* the agent is gone: nothing to tell */
     }
 }
 
 static void keeper_main(struct spawn *sp, int fds[3], int chan) {
-    struct kmsg m;
-    memset(&m, 0, sizeof m);
     prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
     int sigfd = make_sigfd();
     int errpipe[2];
     if (pipe2(errpipe, O_CLOEXEC) < 0) {
-        m.type = 'F';
-        m.err = errno;
-        snprintf(m.what, sizeof m.what, "pipe");
-        keeper_send(chan, &m);
+        send_failed(sp->id, errno, "pipe");
+        keeper_done(chan);
         _exit(0);
     }
     cmd_pid = fork();
     if (cmd_pid == 0) {
         close(chan);
         close(sigfd);
+        close(conn);
         close(errpipe[0]);
         child_exec(sp, fds, errpipe[1]);
     }
@@ -534,17 +538,18 @@ static void keeper_main(struct spawn *sp, int fds[3], int chan) {
     ssize_t r = cmd_pid < 0 ? 0 : read(errpipe[0], &f, sizeof f);
     close(errpipe[0]);
     if (cmd_pid < 0 || r == (ssize_t)sizeof f) {
-        m.type = 'F';
-        m.err = cmd_pid < 0 ? fork_errno : f.err;
-        snprintf(m.what, sizeof m.what, "%s", cmd_pid < 0 ? "fork" : f.what);
         if (cmd_pid > 0)
             waitpid(cmd_pid, NULL, 0);
-        keeper_send(chan, &m);
+        f.what[sizeof f.what - 1] = 0;
+        send_failed(sp->id, cmd_pid < 0 ? fork_errno : f.err, cmd_pid < 0 ? "fork" : f.what);
+        keeper_done(chan);
         _exit(0);
     }
-    m.type = 'T';
-    m.pid = cmd_pid;
-    keeper_send(chan, &m);
+    struct out o;
+    out_begin(&o, 'T');
+    out_field(&o, "id", "%s", sp->id);
+    out_field(&o, "pid", "%d", (int)cmd_pid);
+    out_send(&o);
     while (cmd_status < 0) {
         struct pollfd p[2] = {{chan, POLLIN, 0}, {sigfd, POLLIN, 0}};
         if (poll(p, 2, -1) < 0) {
@@ -581,11 +586,13 @@ static void keeper_main(struct spawn *sp, int fds[3], int chan) {
     /* The command is done: whatever it left running goes too. */
     if (has_children())
         end_tree(SIGTERM, LEFTOVER_GRACE_MS);
-    if (chan >= 0) {
-        memset(&m, 0, sizeof m);
-        m.type = 'X';
-        m.status = cmd_status < 0 ? SIGKILL : cmd_status; /* never reaped: report SIGKILL */
-        keeper_send(chan, &m);
+    if (chan >= 0) { /* not when the agent is gone: the host is told it is lost instead */
+        out_begin(&o, 'X');
+        out_field(&o, "id", "%s", sp->id);
+        /* never reaped: report SIGKILL */
+        out_field(&o, "status", "%d", cmd_status < 0 ? SIGKILL : cmd_status);
+        out_send(&o);
+        keeper_done(chan);
     }
     _exit(0);
 }
@@ -596,7 +603,7 @@ struct run {
     char id[128];
     pid_t keeper;
     int chan;
-    int reported; /* 'X' or 'F' relayed */
+    int reported; /* the keeper sent its 'X' or 'F' */
     int reaped;
 };
 
@@ -635,8 +642,8 @@ static void start_run(char *body, size_t len, int fds[3]) {
         goto done;
     }
     if (pid == 0) {
-        /* The keeper holds nothing of the agent's: not the connection, not other runs. */
-        close(conn);
+        /* The keeper holds nothing of the agent's but the connection (CLOEXEC, closed in the
+         * command), to report on: not other runs' channels or fds. */
         close(sigfd);
         for (size_t i = 0; i < nruns; i++)
             if (runs[i].chan >= 0)
@@ -701,7 +708,7 @@ static void kill_run(char *body, size_t len) {
     send(r->chan, &k, sizeof k, MSG_NOSIGNAL);
 }
 
-/* Relay what the keeper of r says. Returns 0 when its channel is finished. */
+/* Read what the keeper of r says. Returns 0 when its channel is finished. */
 static int keeper_said(struct run *r) {
     struct kmsg m;
     ssize_t n = recv(r->chan, &m, sizeof m, MSG_DONTWAIT);
@@ -712,23 +719,8 @@ static int keeper_said(struct run *r) {
         r->chan = -1;
         return 0;
     }
-    struct out o;
-    if (m.type == 'T') {
-        out_begin(&o, 'T');
-        out_field(&o, "id", "%s", r->id);
-        out_field(&o, "pid", "%d", (int)m.pid);
-        out_send(&o);
-    } else if (m.type == 'F') {
-        m.what[sizeof m.what - 1] = 0;
-        send_failed(r->id, m.err, m.what);
+    if (m.type == 'D')
         r->reported = 1;
-    } else if (m.type == 'X') {
-        out_begin(&o, 'X');
-        out_field(&o, "id", "%s", r->id);
-        out_field(&o, "status", "%d", (int)m.status);
-        out_send(&o);
-        r->reported = 1;
-    }
     return 1;
 }
 
