@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -358,3 +359,54 @@ async def test_accept_times_out_with_a_setup_error(tmp_path: Path) -> None:
         await Agent.accept(tmp_path / "agent.sock", expect_pid=None, timeout_s=0.2)
     assert "did not connect" in info.value.what
     assert not (tmp_path / "agent.sock").exists()
+
+
+# --- through the lifecycle -------------------------------------------------------------------
+
+
+async def test_a_killed_agent_fails_the_sandbox_loudly_then_it_disposes(worktree: Path,
+                                                                       tmp_path: Path) -> None:
+    from fusion_oci.audit import AuditLog, read_events
+    from fusion_oci.models import PrepareContext
+    from fusion_oci.policy.settings import SandboxSettings
+    from fusion_oci.runtimes.native import NativeRuntime
+    from fusion_oci.sandbox import Sandbox
+
+    audit = AuditLog(tmp_path / "audit.jsonl")
+    sb = Sandbox(SandboxSettings(), env=dict(os.environ), audit=audit)
+    await sb.prepare(PrepareContext(task_id="t", run_id="r", worktree_path=str(worktree)))
+    assert isinstance(sb.runtime, NativeRuntime) and sb.runtime._agent is not None
+    agent_pid = sb.runtime._agent.peer_pid
+    assert agent_pid is not None
+    assert (await sb.run("echo before")).stdout == "before\n"
+    os.kill(agent_pid, signal.SIGKILL)
+    for _ in range(2):  # the run that finds it gone, and every later one
+        with pytest.raises(AgentLostError):
+            await asyncio.wait_for(sb.run("echo after"), 10)
+    await asyncio.wait_for(sb.dispose(), 10)
+    assert not alive(agent_pid)
+    kinds = [e.details.get("kind") for e in read_events(tmp_path / "audit.jsonl")
+             if e.type == "sandbox:failure" and e.details]
+    assert kinds == ["agent-lost", "agent-lost"]
+
+
+async def test_dispose_leaves_no_process_of_the_sandbox(worktree: Path) -> None:
+    from fusion_oci.models import PrepareContext
+    from fusion_oci.policy.settings import SandboxSettings
+    from fusion_oci.runtimes.native import NativeRuntime
+    from fusion_oci.sandbox import Sandbox
+
+    tag = marker("dispose")
+    sb = Sandbox(SandboxSettings(), env=dict(os.environ))
+    await sb.prepare(PrepareContext(task_id="t", run_id="r", worktree_path=str(worktree)))
+    assert isinstance(sb.runtime, NativeRuntime) and sb.runtime._agent is not None
+    agent_pid = sb.runtime._agent.peer_pid
+    assert agent_pid is not None
+    running = asyncio.ensure_future(sb.run(f"sh -c 'sleep 1000; :' {tag}"))
+    await asyncio.sleep(0.3)
+    family = [agent_pid, *descendants(agent_pid)]
+    await asyncio.wait_for(sb.dispose(), 20)
+    with contextlib.suppress(AgentLostError, asyncio.CancelledError):
+        await running
+    assert not [pid for pid in family if alive(pid)]
+    assert gone(tag, 1.0)
