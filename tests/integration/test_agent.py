@@ -464,3 +464,16 @@ async def test_the_reaper_path_stays_for_platforms_without_the_agent(worktree: P
         assert (r.stdout, r.exit_code) == ("shim\n", 3)
     finally:
         await runtime.dispose()
+
+
+async def test_an_output_callback_that_raises_ends_the_run_and_is_raised(agent: Agent) -> None:
+    tag = marker("callback")
+
+    def boom(name: str, chunk: bytes) -> None:
+        raise RuntimeError("the caller's callback failed")
+
+    with pytest.raises(RuntimeError, match="callback failed"):
+        await agent.run(sh(f"echo hi; sh -c 'sleep 1000; :' {tag}"), env=ENV, on_output=boom,
+                        grace_s=0.3)
+    assert gone(tag, 1.0)
+    assert (await agent.run(["true"], env=ENV)).returncode == 0
