@@ -291,8 +291,9 @@ class Agent:
                     self._dispatch(kind, fields)
         except asyncio.CancelledError:
             why = "the connection was closed"
-        except (OSError, ProtocolError) as exc:
-            why = f"the connection broke: {exc}"
+        except (OSError, ProtocolError, KeyError, ValueError) as exc:
+            # A frame we cannot read means the stream cannot be trusted: lost, never a hang.
+            why = f"the connection broke: {exc!r}"
         self._mark_lost(why)
 
     def _mark_lost(self, why: str) -> None:
@@ -444,6 +445,8 @@ class Agent:
             if feeder is not None:
                 await feeder.stop()
             self._runs.pop(run_id, None)
+            if run.exited.done() and not run.exited.cancelled():
+                run.exited.exception()  # retrieved, even when we leave by a cancellation
         if run.error is not None:
             raise run.error
         try:

@@ -477,3 +477,47 @@ async def test_an_output_callback_that_raises_ends_the_run_and_is_raised(agent: 
                         grace_s=0.3)
     assert gone(tag, 1.0)
     assert (await agent.run(["true"], env=ENV)).returncode == 0
+
+
+@pytest.mark.parametrize("garbage", [b"\xff\xff\xff\xff", b"\0\0\0\x0aXid=1\0stat",
+                                     b"\0\0\0\x0fXid=1\0status=x\0"])
+async def test_a_stream_that_cannot_be_read_is_a_lost_agent_not_a_hang(garbage: bytes) -> None:
+    from fusion_oci.agent.protocol import encode
+
+    ours, theirs = socket.socketpair()
+    a = Agent(ours)
+    theirs.sendall(encode(b"H", [("version", "1"), ("pid", "1")]))
+    await a._greeted(2)
+    task = asyncio.ensure_future(a.run(["true"], env=ENV))
+    await asyncio.sleep(0.05)
+    theirs.sendall(garbage)
+    if garbage.startswith(b"\0\0\0\x0a"):
+        theirs.close()  # a frame cut short by the end of the stream
+    with pytest.raises(AgentLostError):
+        await asyncio.wait_for(task, 5)
+    assert a.lost
+    await a.close()
+    theirs.close()
+
+
+async def test_an_agent_that_stops_answering_is_lost_after_the_backstop(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Connected but silent (hung): the timeout's kill gets no answer; past grace and the
+    backstop the run fails as agent-lost instead of waiting forever."""
+    import fusion_oci.agent.client as client
+    from fusion_oci.agent.protocol import encode
+
+    monkeypatch.setattr(client, "KILL_BACKSTOP_S", 0.3)
+    ours, theirs = socket.socketpair()
+    a = Agent(ours)
+    theirs.sendall(encode(b"H", [("version", "1"), ("pid", "1")]))
+    await a._greeted(2)
+    start = time.monotonic()
+    with pytest.raises(AgentLostError) as info:
+        await a.run(["sleep", "100"], env=ENV, timeout_s=0.2, grace_s=0.1)
+    assert "outlived its kill" in info.value.why
+    assert time.monotonic() - start < 3
+    with pytest.raises(AgentLostError):
+        await a.run(["true"], env=ENV)
+    await a.close()
+    theirs.close()
