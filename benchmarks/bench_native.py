@@ -37,8 +37,22 @@ from fusion_oci.sandbox import Sandbox
 TRUE = ["/bin/sh", "-c", "true"]
 
 
+async def lifetime(times: int) -> tuple[float, float]:
+    """Median ms to start an agent (until its hello) and to close it (until it has exited)."""
+    starts, closes = [], []
+    for _ in range(times):
+        t0 = time.perf_counter()
+        agent = await Agent.start_local()
+        t1 = time.perf_counter()
+        await agent.close()
+        starts.append((t1 - t0) * 1000)
+        closes.append((time.perf_counter() - t1) * 1000)
+    return statistics.median(starts), statistics.median(closes)
+
+
 async def measure(wt: str, runs: int) -> dict[str, float]:
     env = dict(os.environ)
+    res_start, res_close = await lifetime(max(10, runs // 10))
     agent = await Agent.start_local()
     sandbox = Sandbox(SandboxSettings(), env=env)
     await sandbox.prepare(PrepareContext(task_id="bench", run_id="r", worktree_path=wt))
@@ -81,6 +95,7 @@ async def measure(wt: str, runs: int) -> dict[str, float]:
         await sandbox.dispose()
         await agent.close()
     res = {name: statistics.median(values) for name, values in samples.items()}
+    res["agent-start"], res["agent-close"] = res_start, res_close
     # Paired: each round's case minus the same round's bare run, so load that drifts during
     # the run cancels out of the overhead.
     for name in cases:
@@ -138,6 +153,9 @@ def markdown(res: dict[str, float], runs: int, cli_runs: int) -> str:
         "runtime pays per command (`compile_spec` copies the whole spec in each step), and "
         f"{sandbox - agent - comp:.2f} ms of the runtime's and the lifecycle's Python (the "
         "result, the audit event).",
+        f"- Per sandbox, starting the agent (at prepare, until its hello) takes "
+        f"{res['agent-start']:.2f} ms and closing it (at dispose, until it has exited) "
+        f"{res['agent-close']:.2f} ms.",
         "- The CLI row is dominated by the interpreter's start-up and imports (issue #12).",
         "- A shared, busy 2-core machine: read the differences and ratios of one run, not the "
         "absolute times.",
@@ -162,10 +180,11 @@ def main() -> None:
     print(f"\nnative runtime: per-command overhead ({args.runs} interleaved rounds)")
     print(f"{'case':<10} {'median ms':>10} {'overhead':>10} {'ratio':>8}")
     for name, value in res.items():
-        if name.endswith("-paired"):
+        if name.endswith("-paired") or name.startswith("agent-"):
             continue
         extra = res.get(f"{name}-paired", value - base)
         print(f"{name:<10} {value:>10.2f} {extra:>+10.2f} {value / base:>7.2f}x")
+    print(f"agent start {res['agent-start']:.2f} ms, close {res['agent-close']:.2f} ms")
     if args.markdown is not None:
         args.markdown.write_text(markdown(res, args.runs, cli_runs))
         print(f"wrote {args.markdown}")
