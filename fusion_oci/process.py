@@ -17,7 +17,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from fusion_oci.models import OutputCallback, OutputStream
@@ -47,15 +47,22 @@ def reaper_argv(
             *limits, "--", *argv]
 
 
-def _signal_name(returncode: int) -> str:
+def signal_name(returncode: int) -> str:
+    """SIGTERM for -15 (a returncode that says a signal ended the process)."""
     try:
         return signal.Signals(-returncode).name
     except ValueError:
         return f"SIG{-returncode}"
 
 
-class _Capture:
-    def __init__(self, limit: int, overflow: asyncio.Event, name: OutputStream = "stdout",
+class Flag(Protocol):
+    """What a Capture sets past maxBuffer (an asyncio.Event, or a callback's trigger)."""
+
+    def set(self) -> None: ...
+
+
+class Capture:
+    def __init__(self, limit: int, overflow: Flag, name: OutputStream = "stdout",
                  on_output: OutputCallback | None = None, keep: bool = True) -> None:
         self.keep = keep
         self.name: OutputStream = name
@@ -68,18 +75,21 @@ class _Capture:
 
     async def drain(self, stream: asyncio.StreamReader) -> None:
         while chunk := await stream.read(65536):
-            if self.on_output is not None:
-                self.on_output(self.name, chunk)
-            if not self.keep:
-                continue
-            room = self.limit - self.size
-            if room > 0:
-                self.chunks.append(chunk[:room])
-                self.size += min(room, len(chunk))
-            if len(chunk) > room:
-                # Like Node's exec: past maxBuffer the command is ended.
-                self.truncated = True
-                self.overflow.set()
+            self.feed(chunk)
+
+    def feed(self, chunk: bytes) -> None:
+        if self.on_output is not None:
+            self.on_output(self.name, chunk)
+        if not self.keep:
+            return
+        room = self.limit - self.size
+        if room > 0:
+            self.chunks.append(chunk[:room])
+            self.size += min(room, len(chunk))
+        if len(chunk) > room:
+            # Like Node's exec: past maxBuffer the command is ended.
+            self.truncated = True
+            self.overflow.set()
 
     def data(self) -> bytes:
         return b"".join(self.chunks)
@@ -152,8 +162,8 @@ async def run_process(
             await proc.wait()
             raise
     overflow = asyncio.Event()
-    out = _Capture(max_buffer, overflow, "stdout", on_output, keep_output)
-    err = _Capture(max_buffer, overflow, "stderr", on_output, keep_output)
+    out = Capture(max_buffer, overflow, "stdout", on_output, keep_output)
+    err = Capture(max_buffer, overflow, "stderr", on_output, keep_output)
     assert proc.stdout is not None and proc.stderr is not None
     readers = asyncio.gather(out.drain(proc.stdout), err.drain(proc.stderr))
     if stdin is not None and proc.stdin is not None:
@@ -188,7 +198,7 @@ async def run_process(
         stdout=out.data(),
         stderr=err.data(),
         returncode=rc if rc is not None and rc >= 0 else None,
-        signal=_signal_name(rc) if rc is not None and rc < 0 else None,
+        signal=signal_name(rc) if rc is not None and rc < 0 else None,
         timed_out=timed_out,
         truncated=out.truncated or err.truncated,
         duration_ms=int((time.monotonic() - start) * 1000),

@@ -48,6 +48,9 @@ APT_PACKAGES=(
     chromium chromium-driver
     # not named in the product docs, but a fresh Debian 12 may lack them and the scripts use them
     python3 python3-venv curl ca-certificates util-linux procps
+    # a C compiler and a static libc: the wheel's build hook (hatch_build.py) compiles the exec
+    # agent (fusion_oci/agent/agent.c) into a static binary
+    gcc libc6-dev
 )
 
 missing=()
@@ -115,6 +118,9 @@ else
     .venv/bin/python -m pip install --quiet -e '.[dev]'
     echo "$want_stamp" >"$STAMP"
 fi
+# The editable install compiled the exec agent; rebuild it when agent.c changed since.
+log "agent: .venv/bin/python hatch_build.py"
+.venv/bin/python hatch_build.py >/dev/null
 
 # --------------------------------------------------------------------------- rootless user
 if ! id -u "$ROOTLESS_USER" >/dev/null 2>&1; then
