@@ -386,9 +386,10 @@ def compile_spec(
 ) -> Spec:
     """The whole ``config.json`` for one command. Pure."""
     policy = ctx.policy
+    # Every op copies its input (they are pure), so the small parts go first and the large
+    # ones last: the mounts and the seccomp profile are copied once, not by every later op.
+    # Only the order of the mounts among themselves carries meaning, and it is kept.
     spec = default_spec()
-    spec = with_image(spec, ctx.image) if ctx.image else with_host_rootfs(spec, host)
-    spec = with_mounts(spec, task_mounts(layout, policy, host))
     spec = with_network(spec, policy.network_mode)
     spec = with_memory_limit(spec, policy.memory_limit_mb)
     cpu = policy.cpu_limit
@@ -396,19 +397,21 @@ def compile_spec(
     spec = with_pids_limit(spec, policy.pids_limit)
     spec = with_rlimits(spec, host, cpu.max_ms if cpu else None, policy.file_size_limit_mb)
     spec = with_user(spec, host.uid, host.gid)
-    spec = with_seccomp(spec, host.arch)
     spec = with_process(
         spec,
         command_argv(command),
         _cwd(opts.cwd, layout.worktree),
         sandbox_env(policy, layout, env_source),
     )
-    return with_annotations(spec, {
+    spec = with_annotations(spec, {
         ANN_TASK: ctx.task_id,
         ANN_RUN: ctx.run_id,
         ANN_POLICY: policy.digest(),
         ANN_CACHE_MODE: ctx.cache_mode.value,
     })
+    spec = with_image(spec, ctx.image) if ctx.image else with_host_rootfs(spec, host)
+    spec = with_mounts(spec, task_mounts(layout, policy, host))
+    return with_seccomp(spec, host.arch)
 
 
 def spec_env(spec: Spec) -> dict[str, str]:
