@@ -2,6 +2,7 @@
  *
  *   fusion-oci-agent --fd N [--parent PID]   native: N is our end of a socketpair
  *   fusion-oci-agent --connect PATH          a container's init: connect once to PATH
+ *   fusion-oci-agent --exec-status FD -- ARGV one command, its wait status written to FD
  *
  * One connection, framed messages. Per `spawn` the agent forks a keeper; the keeper makes
  * itself a child subreaper, forks the command in its own session and reports how it ended.
@@ -926,9 +927,53 @@ static void connect_to(const char *path) {
     }
 }
 
+/* --exec-status: run one command and say how it ended ("exit N" or "signal N") on status_fd.
+ * A launcher that reports a signal as 128+N (bwrap) cannot tell a command's own `exit 130`
+ * from death by SIGINT; this, placed between the launcher and the command, can. We exit as
+ * the launcher would have reported the command (128+N for a signal), so nothing else changes.
+ * Termination signals are blocked here (not ignored: the command must not inherit that), so a
+ * group-wide SIGTERM ends the command and we still report it; SIGKILL ends us too, and then
+ * no status is written and the launcher's own status stands. */
+static int exec_status_main(int status_fd, char **argv) {
+    sigset_t term, old;
+    sigemptyset(&term);
+    sigaddset(&term, SIGTERM);
+    sigaddset(&term, SIGINT);
+    sigaddset(&term, SIGHUP);
+    sigaddset(&term, SIGQUIT);
+    sigprocmask(SIG_BLOCK, &term, &old);
+    if (fcntl(status_fd, F_SETFD, FD_CLOEXEC) < 0)
+        die("--exec-status %d: %s", status_fd, strerror(errno));
+    pid_t pid = fork();
+    if (pid < 0)
+        die("fork: %s", strerror(errno));
+    if (pid == 0) {
+        sigprocmask(SIG_SETMASK, &old, NULL);
+        execvp(argv[0], argv);
+        int err = errno;
+        dprintf(2, "fusion-oci-agent: %s: %s\n", argv[0], strerror(err));
+        _exit(err == ENOENT ? 127 : 126);
+    }
+    int st;
+    while (waitpid(pid, &st, 0) < 0)
+        if (errno != EINTR)
+            die("waitpid: %s", strerror(errno));
+    if (WIFSIGNALED(st)) {
+        dprintf(status_fd, "signal %d\n", WTERMSIG(st));
+        return 128 + WTERMSIG(st);
+    }
+    dprintf(status_fd, "exit %d\n", WEXITSTATUS(st));
+    return WEXITSTATUS(st);
+}
+
 int main(int argc, char **argv) {
     pid_t parent = 0;
     const char *connect_path = NULL;
+    if (argc > 3 && !strcmp(argv[1], "--exec-status") && !strcmp(argv[3], "--")) {
+        for (int s = 1; s < NSIG; s++)
+            signal(s, SIG_DFL);
+        return exec_status_main(atoi(argv[2]), argv + 4);
+    }
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--fd") && i + 1 < argc)
             conn = atoi(argv[++i]);

@@ -44,6 +44,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from fusion_oci.agent.client import agent_binary
 from fusion_oci.errors import BundleError, SandboxSetupError
 from fusion_oci.models import (
     NetworkMode,
@@ -62,6 +63,7 @@ from fusion_oci.runtimes.base import (
     Requirement,
     SpecRuntime,
     classify,
+    status_from_code,
 )
 
 # The translation, re-exported: callers and tests name it from here.
@@ -229,7 +231,7 @@ class BubblewrapRuntime(SpecRuntime):
         return BwrapHost(
             bwrap=p.bwrap or "bwrap", disable_userns=p.disable_userns,
             cgroup_mode=p.cgroups.mode, systemd_run=p.cgroups.systemd_run,
-            egress_resolv_conf=resolv,
+            egress_resolv_conf=resolv, exec_status=str(agent_binary()),
         )
 
     def host_for(self, spec: Spec) -> BwrapHost:
@@ -347,11 +349,14 @@ class BubblewrapRuntime(SpecRuntime):
         if host.cgroup_mode in ("v1", "v2") and limits.controllers():
             group = await asyncio.to_thread(Cgroup.create, self.probe.cgroups, limits)
         info_r = info_w = block_r = block_w = seccomp_r = args_r = args_w = None
+        status_r, status_fd = os.pipe()  # the command's own wait status (--exec-status)
+        status_w = [status_fd]  # our copy of the write end, until bwrap has its own
+        os.set_blocking(status_r, False)
         pending: list[int] = []  # the --args write end until it is handed over
         link: egress.Egress | None = None
         run: asyncio.Task[ProcessOutcome] | None = None
         try:
-            passed: list[int] = []
+            passed: list[int] = [status_fd]
             program = self.seccomp_for(spec)
             if program is not None:
                 seccomp_r = _pipe_with(program)
@@ -362,10 +367,12 @@ class BubblewrapRuntime(SpecRuntime):
                 passed += [info_w, block_r]
             fds = LaunchFds(info=info_w if info_w is not None else INFO_FD,
                             block=block_r if block_r is not None else BLOCK_FD,
-                            seccomp=seccomp_r if seccomp_r is not None else SECCOMP_FD)
+                            seccomp=seccomp_r if seccomp_r is not None else SECCOMP_FD,
+                            status=status_fd)
             args_r, args_w = os.pipe()
             passed.append(args_r)
-            launch, options = args_launch(bwrap_argv(spec, host, fds), spec, host, args_r)
+            launch, options = args_launch(bwrap_argv(spec, host, fds), spec, host, args_r,
+                                          status_fd)
             rlimits = spec_rlimits(spec)
             pending.append(args_w)
             args_w = None
@@ -374,6 +381,8 @@ class BubblewrapRuntime(SpecRuntime):
                 # bwrap (or systemd-run in front of it) waits for its options: nothing has
                 # forked yet, so what is set now is inherited by the command.
                 _set_rlimits(pid, rlimits)
+                close_all(*status_w)  # bwrap holds it now: EOF once every holder is gone
+                status_w.clear()
                 _write_all(pending.pop(), options)
 
             run = asyncio.create_task(run_process(
@@ -396,6 +405,7 @@ class BubblewrapRuntime(SpecRuntime):
                 with contextlib.suppress(OSError):
                     os.write(block_w, b"1")  # bwrap's child may already be gone
             outcome = await run
+            said = _read_status(status_r)
         except BaseException as exc:
             if run is not None and not run.done():
                 run.cancel()
@@ -408,7 +418,8 @@ class BubblewrapRuntime(SpecRuntime):
                 raise SandboxSetupError("bwrap could not be started", str(exc), hint) from exc
             raise
         finally:
-            close_all(info_r, info_w, block_r, block_w, seccomp_r, args_r, args_w, *pending)
+            close_all(info_r, info_w, block_r, block_w, seccomp_r, args_r, args_w, status_r,
+                      *status_w, *pending)
             if link is not None:
                 # SIGKILLed at once; reaping it waits for the kernel to unregister its tap
                 # device (10-40 ms), so that part runs in the background until dispose().
@@ -420,7 +431,7 @@ class BubblewrapRuntime(SpecRuntime):
             if group is not None:
                 events = group.events()
                 await asyncio.to_thread(group.remove)
-        exit_code, signal = split_status(outcome)
+        exit_code, signal = said if said is not None else split_status(outcome)
         outcome = dataclasses.replace(outcome, returncode=exit_code, signal=signal)
         counters = LimitCounters(oom_kills=events.oom_kills, pids_max=events.pids_max)
         return self.result(outcome, spec, classify(outcome, spec, counters))
@@ -447,6 +458,22 @@ class BubblewrapRuntime(SpecRuntime):
             assert self._scratch is not None
             return await egress.Egress.attach(pid, slirp=slirp, log=self._scratch / "slirp.log")
         return None
+
+
+def _read_status(fd: int) -> tuple[int | None, str | None] | None:
+    """The helper's ``exit N`` / ``signal N``, once the run is over (every writer is gone);
+    None when it wrote nothing (killed with the tree, or bwrap failed before the command)."""
+    try:
+        text = os.read(fd, 64).decode("ascii", "replace").split()
+    except OSError:
+        return None
+    if len(text) != 2 or not text[1].isdigit():
+        return None
+    if text[0] == "exit":
+        return int(text[1]), None
+    if text[0] == "signal":
+        return status_from_code(128 + int(text[1]))
+    return None
 
 
 def _set_rlimits(pid: int, rlimits: list[tuple[str, int, int, int]]) -> None:

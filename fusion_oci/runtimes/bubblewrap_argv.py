@@ -39,6 +39,11 @@ from fusion_oci.runtimes.linux.cgroups import CgroupLimits
 INFO_FD = "<info-fd>"
 BLOCK_FD = "<block-fd>"
 SECCOMP_FD = "<seccomp-fd>"
+STATUS_FD = "<status-fd>"
+EXEC_STATUS_HELPER = "<fusion-oci-agent>"
+EXEC_STATUS_IN_SANDBOX = "/dev/fusion-oci-exec-status"
+"""Where the static agent binary is bound, read-only, to run the command with --exec-status:
+bwrap reports a signal as 128+N, so only a process inside can tell `exit 130` from SIGINT."""
 RESOLV_PLACEHOLDER = "<egress-resolv.conf>"
 
 # The spec's rlimits bubblewrap applies (prlimit(2) on bwrap before it forks; inherited).
@@ -70,6 +75,8 @@ class BwrapHost:
     """``(path, "file" | "dir")`` for each of the spec's maskedPaths/readonlyPaths that exists
     on this host (bwrap cannot mount over a path that does not exist). None: assume every one
     exists with its usual kind (plans and goldens stay independent of the host)."""
+    exec_status: str = EXEC_STATUS_HELPER
+    """The host path of the agent binary (fusion_oci.agent), run as ``--exec-status``."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +87,8 @@ class LaunchFds:
     info: int | str = INFO_FD
     block: int | str = BLOCK_FD
     seccomp: int | str = SECCOMP_FD
+    status: int | str = STATUS_FD
+    """Where the command's wait status is written (``exit N`` / ``signal N``)."""
 
 
 def _opt(options: Sequence[str], key: str) -> str | None:
@@ -232,6 +241,7 @@ def bwrap_argv(spec: Spec, host: BwrapHost, fds: LaunchFds | None = None) -> lis
     argv += _rootfs_args(spec)
     for mount in spec["mounts"]:
         argv += mount_args(mount)[0]
+    argv += ["--ro-bind", host.exec_status, EXEC_STATUS_IN_SANDBOX]
     argv += proc_protection_args(spec, host)[0]
     if network is NetworkMode.EGRESS:
         argv += ["--ro-bind", host.egress_resolv_conf, "/etc/resolv.conf"]
@@ -247,8 +257,13 @@ def bwrap_argv(spec: Spec, host: BwrapHost, fds: LaunchFds | None = None) -> lis
     argv.append("--clearenv")
     for key, value in spec_env(spec).items():
         argv += ["--setenv", key, value]
-    argv += ["--chdir", proc.get("cwd", "/"), "--", *proc["args"]]
+    argv += ["--chdir", proc.get("cwd", "/"), "--", *sandbox_command(spec, fds.status)]
     return argv
+
+
+def sandbox_command(spec: Spec, status: int | str = STATUS_FD) -> list[str]:
+    """What bwrap execs: the spec's args under the status helper. Pure."""
+    return [EXEC_STATUS_IN_SANDBOX, "--exec-status", str(status), "--", *spec["process"]["args"]]
 
 
 def seccomp_program(spec: Spec) -> bytes | None:
@@ -311,17 +326,17 @@ def exec_failure(stderr: bytes) -> int | None:
     return 127 if last.endswith(b"No such file or directory") else 126
 
 
-def args_launch(argv: Sequence[str], spec: Spec, host: BwrapHost, fd: int | str
-                ) -> tuple[list[str], bytes]:
+def args_launch(argv: Sequence[str], spec: Spec, host: BwrapHost, fd: int | str,
+                status: int | str = STATUS_FD) -> tuple[list[str], bytes]:
     """:func:`bwrap_argv`'s command as launched: ``[prefix...] bwrap --args FD -- COMMAND``,
     and the options bwrap reads from FD (NUL-separated). Pure.
 
     Split by position, not by looking for ``--``: a ``--setenv`` value may be ``--``.
     """
     start = list(argv).index(host.bwrap)
-    command = list(spec["process"]["args"])
+    command = sandbox_command(spec, status)
     end = len(argv) - len(command) - 1
     if end <= start or argv[end] != "--" or list(argv[end + 1:]) != command:
-        raise ValueError("the bwrap command line does not end with -- and the spec's args")
+        raise ValueError("the bwrap command line does not end with -- and the spec's command")
     payload = b"".join(a.encode() + b"\0" for a in argv[start + 1:end])
     return [*argv[:start + 1], "--args", str(fd), "--", *command], payload

@@ -163,7 +163,7 @@ def test_memory_hog_under_memory_limit(prober: Prober) -> None:
     result = prober.run(hog, policy, timeout_ms=30_000)
     record("memory-hog", prober.backend, "blocked" if result.reason == "oom" else "leaks")
     assert result.reason == "oom", result
-    assert result.signal == "SIGKILL"
+    assert result.shell_status == 137, result  # SIGKILL, as the command's shell saw it
     _host_unharmed()
 
 

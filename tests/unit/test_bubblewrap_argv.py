@@ -346,13 +346,15 @@ def test_args_launch_moves_the_options_to_the_args_fd() -> None:
     from fusion_oci.runtimes.bubblewrap import args_launch
 
     spec = spec_for("locked-down", command="echo --; true")
-    argv = bwrap_argv(spec, BWRAP_HOST, LaunchFds(info=7, block=8, seccomp=9))
-    launch, payload = args_launch(argv, spec, BWRAP_HOST, 5)
-    assert launch == ["/usr/bin/bwrap", "--args", "5", "--", "/bin/sh", "-c", "echo --; true"]
+    argv = bwrap_argv(spec, BWRAP_HOST, LaunchFds(info=7, block=8, seccomp=9, status=6))
+    launch, payload = args_launch(argv, spec, BWRAP_HOST, 5, 6)
+    helper = ["/dev/fusion-oci-exec-status", "--exec-status", "6", "--"]
+    assert launch == ["/usr/bin/bwrap", "--args", "5", "--", *helper,
+                      "/bin/sh", "-c", "echo --; true"]
     options = payload.split(b"\0")
-    assert options[-1] == b"" and [o.decode() for o in options[:-1]] == argv[1:-4]
+    assert options[-1] == b"" and [o.decode() for o in options[:-1]] == argv[1:-8]
     systemd = BwrapHost(bwrap="/usr/bin/bwrap", cgroup_mode="systemd-run",
                         systemd_run="/usr/bin/systemd-run")
     launch, _ = args_launch(bwrap_argv(spec, systemd), spec, systemd, 5)
-    assert launch[0] == "/usr/bin/systemd-run" and launch[-7:-4] == ["/usr/bin/bwrap", "--args",
-                                                                     "5"]
+    assert launch[0] == "/usr/bin/systemd-run" and launch[-11:-8] == ["/usr/bin/bwrap", "--args",
+                                                                      "5"]
