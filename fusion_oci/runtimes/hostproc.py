@@ -47,6 +47,7 @@ class HostProcessRuntime(SpecRuntime):
     """Base of runtimes whose command is a host process under the reaper shim."""
 
     private_dirs = True
+    streams_stdin = True  # run_process writes a StdinStream's chunks as they come
     """Whether each task gets a scratch HOME and TMPDIR (native: no, the caller's own)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
