@@ -3,6 +3,7 @@ going through a real resident server in a runtime dir of the test's own."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -78,10 +79,8 @@ class Resident:
 
     def stop(self) -> None:
         for sock in self.sockets():
-            try:
+            with contextlib.suppress(OSError, KeyError, IndexError):
                 os.kill(self.pid(sock), signal.SIGTERM)
-            except (OSError, KeyError, IndexError):
-                pass
 
 
 @pytest.fixture
