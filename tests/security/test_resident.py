@@ -37,7 +37,10 @@ token = open(os.path.join(folder, "token")).read().strip()
 s = socket.socket(socket.AF_UNIX)
 s.connect(sock_path)
 for m in ({"id": 1, "method": "initialize", "params": {"token": token}},
-          {"id": 2, "method": "cli/run", "params": {"argv": ["--backend", "native", "--unsafe-worktree", "--worktree", "/", "--", "touch", marker], "cwd": "/", "env": dict(os.environ)}}):
+          {"id": 2, "method": "cli/run", "params": {
+              "argv": ["--backend", "native", "--unsafe-worktree", "--worktree", "/", "--",
+                       "touch", marker],
+              "cwd": "/", "env": dict(os.environ)}}):
     body = json.dumps({"jsonrpc": "2.0", **m}).encode()
     s.sendall(b"Content-Length: %d\r\n\r\n" % len(body) + body)
 s.settimeout(30)
