@@ -86,9 +86,14 @@ def server_dir(env: dict[str, str] | os._Environ[str]) -> str:
     return _own_dir(os.path.join(base, "fusion-oci"), create=True)
 
 
+def _code_root() -> str:
+    """The fusion_oci package folder we run (its cli/ holds this file)."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 def _code_stamp() -> str:
     """Where the code is, and the newest mtime in it: a changed install is a new server."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = _code_root()
     newest = 0
     stack = [root]
     while stack:
@@ -119,8 +124,16 @@ def _inherited() -> str:
         nice = os.getpriority(os.PRIO_PROCESS, 0)
     except OSError:
         nice = 0
-    return (f"{mask}|{limits}|{os.getgid()}|{sorted(os.getgroups())}|{nice}|"
+    ignored = [n for n in range(1, _signal.NSIG) if _signal_ignored(n)]
+    return (f"{mask}|{limits}|{os.getgid()}|{sorted(os.getgroups())}|{nice}|{ignored}|"
             f"{cgroup.decode(errors='replace')}")
+
+
+def _signal_ignored(signum: int) -> bool:
+    try:
+        return bool(_signal.getsignal(signum) == _signal.SIG_IGN)
+    except (ValueError, OSError):
+        return False
 
 
 def server_key() -> str:
@@ -185,11 +198,10 @@ def _start(folder: str, key: str, token_path: str, env: dict[str, str]) -> _sock
         idle = env.get("FUSION_OCI_SERVER_IDLE") or str(IDLE_DEFAULT_S)
         argv = [sys.executable, "-m", "fusion_oci.cli.main", "serve", "--socket", path,
                 "--idle-timeout", idle, "--token-file", token_path]
+        # Our environment, cwd and interpreter: it imports the fusion_oci we were imported
+        # from, and refuses to start if not (FUSION_OCI_SERVER_CODE; then we run in-process).
         server_env = {k: v for k, v in env.items() if k != "FUSION_OCI_NO_SERVER"}
-        code_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        # The same code as ours, wherever we were imported from.
-        server_env["PYTHONPATH"] = os.pathsep.join(
-            [code_root, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])
+        server_env["FUSION_OCI_SERVER_CODE"] = _code_root()
         pid = os.posix_spawn(sys.executable, argv, server_env, setsid=True, file_actions=[
             (os.POSIX_SPAWN_DUP2, devnull, 0), (os.POSIX_SPAWN_DUP2, devnull, 1),
             (os.POSIX_SPAWN_DUP2, log, 2)])
@@ -310,9 +322,12 @@ def run_remote(argv: list[str], env: dict[str, str]) -> int:
     folder = server_dir(env)
     key = server_key()
     token = _token(folder)
-    sock = _connect(os.path.join(folder, f"{key}.sock"))
-    if sock is None:
-        sock = _start(folder, key, os.path.join(folder, "token"), env)
+    try:
+        sock = _connect(os.path.join(folder, f"{key}.sock"))
+        if sock is None:
+            sock = _start(folder, key, os.path.join(folder, "token"), env)
+    except OSError as exc:
+        raise Unusable(f"cannot reach the resident server: {exc}", warn=True) from None
     return _session(Conn(sock), argv, env, token)
 
 
@@ -333,8 +348,14 @@ def _session(conn: Conn, argv: list[str], env: dict[str, str], token: str) -> in
     sig_r, sig_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     old_fd = _signal.set_wakeup_fd(sig_w, warn_on_full_buffer=False)
     old = {signum: _signal.signal(signum, lambda *_: None) for signum in FORWARDED}
+    state = {"started": False}
     try:
-        return _loop(conn, exec_id, sig_r)
+        return _loop(conn, exec_id, sig_r, state)
+    except OSError as exc:
+        if not state["started"]:  # nothing ran: the server answers before it runs anything
+            raise Unusable(f"the resident server failed: {exc}") from None
+        os.write(2, f"fusion-oci: the resident server went away mid-run: {exc}\n".encode())
+        return 125
     finally:
         _signal.set_wakeup_fd(old_fd)
         for signum, handler in old.items():
@@ -343,14 +364,13 @@ def _session(conn: Conn, argv: list[str], env: dict[str, str], token: str) -> in
         os.close(sig_w)
 
 
-def _loop(conn: Conn, exec_id: str, sig_r: int) -> int:
+def _loop(conn: Conn, exec_id: str, sig_r: int, state: dict[str, bool]) -> int:
     poller = select.poll()
     poller.register(conn.sock.fileno(), select.POLLIN)
     poller.register(sig_r, select.POLLIN)
     stdin_on = False  # the server asks for stdin (-i) with cli/stdinWanted
     window = STDIN_WINDOW
     stdout_gone = False
-    started = False
     while True:
         for fd, _event in poller.poll():
             if fd == sig_r:
@@ -372,12 +392,12 @@ def _loop(conn: Conn, exec_id: str, sig_r: int) -> int:
                     poller.unregister(0)
                 continue
             if not conn.feed():
-                if not started:
+                if not state["started"]:
                     raise Unusable("the resident server closed the connection")
                 os.write(2, b"fusion-oci: the resident server went away mid-run\n")
                 return 125
             for msg in conn.messages():
-                started = True
+                state["started"] = True
                 method = msg.get("method")
                 params = msg.get("params")
                 if not isinstance(params, dict):

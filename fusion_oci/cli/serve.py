@@ -40,9 +40,10 @@ def serve(
         else:
             token = None
             if token_file is not None:
-                from fusion_oci.server.resident import read_token, warm_up
+                from fusion_oci.server.resident import check_code, read_token, warm_up
 
                 token = read_token(token_file)
+                check_code(os.environ.get("FUSION_OCI_SERVER_CODE"))
                 warm_up()
                 os.chdir("/")  # a resident server holds no caller's directory busy
             asyncio.run(serve_socket(socket.absolute(), max_message_bytes, idle_timeout, token))

@@ -236,6 +236,20 @@ def warm_up() -> None:
     parse_run(["--", "true"])
 
 
+def check_code(expected: str | None) -> None:
+    """The fast client that starts us names the fusion_oci it runs: refuse to serve another
+    (its key says which code it talks to)."""
+    import fusion_oci
+    from fusion_oci.errors import SandboxSetupError
+
+    ours = Path(fusion_oci.__file__).resolve().parent
+    if expected is not None and Path(expected).resolve() != ours:
+        raise SandboxSetupError("the resident server would run other code than its client",
+                                f"it imports fusion_oci from {ours}, the client from {expected}",
+                                "run the CLI with the interpreter and PYTHONPATH it was "
+                                "installed with")
+
+
 def read_token(path: Path) -> str:
     return path.read_text(encoding="ascii").strip()
 
