@@ -361,3 +361,24 @@ def test_backpressure_bounds_what_the_server_buffers(wt: Path, env: dict[str, st
             got += len(conn.recv(1 << 20))
         later = count()
         assert later > written
+
+
+def test_stdin_streams_in_process_too(wt: Path, env: dict[str, str]) -> None:
+    """The full CLI (FUSION_OCI_NO_SERVER=1, or `python -m fusion_oci.cli.main`) forwards -i
+    as it comes as well: a line arrives back before our stdin has ended."""
+    proc = subprocess.Popen([sys.executable, "-m", "fusion_oci.cli.main", "run", "-i", "--",
+                             "cat"], cwd=wt, env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(b"one\n")
+    proc.stdin.flush()
+    assert proc.stdout.readline() == b"one\n"
+    out, _ = proc.communicate(b"two\n", timeout=60)
+    assert (proc.returncode, out) == (0, b"two\n")
+
+
+def test_no_server_runs_in_process(wt: Path, env: dict[str, str], resident: Resident) -> None:
+    code, out, _ = call("run", "--", "echo", "here", cwd=wt,
+                        env={**env, "FUSION_OCI_NO_SERVER": "1"})
+    assert (code, out) == (0, "here\n")
+    assert resident.sockets() == []
