@@ -136,8 +136,18 @@ def _signal_ignored(signum: int) -> bool:
         return False
 
 
-def server_key() -> str:
-    text = f"{sys.executable}|{sys.version}|{_code_stamp()}|{_inherited()}"
+VOLATILE = frozenset({"PWD", "OLDPWD", "_", "SHLVL", "COLUMNS", "LINES",
+                      "FUSION_OCI_SERVER_IDLE", "FUSION_OCI_NO_SERVER"})
+"""Variables that change between calls of one shell and that nothing reads from the server's
+own environment (the command gets the client's, sent with each call)."""
+
+
+def server_key(env: dict[str, str]) -> str:
+    """Which server this client may use: the same interpreter and code, the same inherited
+    process state, and the same environment but for VOLATILE (a few things read the process
+    environment rather than the one a call brings: the audit key's path, tempfile's TMPDIR)."""
+    stable = "\0".join(f"{k}={v}" for k, v in sorted(env.items()) if k not in VOLATILE)
+    text = f"{sys.executable}|{sys.version}|{_code_stamp()}|{_inherited()}|{stable}"
     return f"{binascii.crc32(text.encode()):08x}{binascii.crc32(text[::-1].encode()):08x}"
 
 
@@ -320,7 +330,7 @@ def _ask(question: str) -> bool:
 def run_remote(argv: list[str], env: dict[str, str]) -> int:
     """``fusion-oci run ARGV`` through the resident server; its exit status."""
     folder = server_dir(env)
-    key = server_key()
+    key = server_key(env)
     token = _token(folder)
     try:
         sock = _connect(os.path.join(folder, f"{key}.sock"))

@@ -382,3 +382,18 @@ def test_no_server_runs_in_process(wt: Path, env: dict[str, str], resident: Resi
                         env={**env, "FUSION_OCI_NO_SERVER": "1"})
     assert (code, out) == (0, "here\n")
     assert resident.sockets() == []
+
+
+def test_a_different_environment_gets_its_own_server(wt: Path, env: dict[str, str],
+                                                     resident: Resident, tmp_path: Path) -> None:
+    """What reads the process environment (the audit key's path under HOME) must see the
+    caller's: a caller with another HOME does not share a server started with the first."""
+    other = tmp_path / "other-home"
+    other.mkdir()
+    assert call("run", "--", "true", cwd=wt, env=env)[0] == 0
+    assert call("run", "--", "true", cwd=wt, env={**env, "HOME": str(other)})[0] == 0
+    assert len(resident.sockets()) == 2
+    assert (other / ".local" / "state" / "fusion-oci" / "audit.key").is_file()
+    # A change of directory or of shell level is the same server.
+    assert call("run", "--", "true", cwd=wt, env={**env, "OLDPWD": "/", "SHLVL": "9"})[0] == 0
+    assert len(resident.sockets()) == 2
