@@ -9,9 +9,10 @@ CLI's own command and resolves the settings from our cwd and environment, so bot
 
 The server lives in ``$XDG_RUNTIME_DIR/fusion-oci`` (else ``/run/user/UID/fusion-oci``, else
 ``/tmp/fusion-oci.UID``): a 0700 directory of ours with a 0600 token file, one socket per
-server *key* (the interpreter, the installed code and its mtime, and what a command inherits
-from the server process instead of from us: umask, rlimits, groups, cgroup), so a client only
-ever talks to a server that would start its command exactly as it would itself. It exits by
+server *key* (the interpreter, the installed code and its mtime, what a command inherits from
+the server process instead of from us: umask, rlimits, groups, cgroup, ignored signals, and the
+environment but for per-call variables), so a client only ever talks to a server that would
+start its command exactly as it would itself. It exits by
 itself after ``FUSION_OCI_SERVER_IDLE`` seconds (default 60) without a client;
 ``FUSION_OCI_NO_SERVER=1`` runs every command in this process.
 
