@@ -397,3 +397,24 @@ def test_a_different_environment_gets_its_own_server(wt: Path, env: dict[str, st
     # A change of directory or of shell level is the same server.
     assert call("run", "--", "true", cwd=wt, env={**env, "OLDPWD": "/", "SHLVL": "9"})[0] == 0
     assert len(resident.sockets()) == 2
+
+
+def test_a_client_killed_mid_run_leaves_no_process(wt: Path, env: dict[str, str],
+                                                   resident: Resident) -> None:
+    """SIGKILL gives the client no chance to cancel: its connection closing is what ends the
+    command's tree in the server."""
+    marker = f"fusion-fast-killed-{os.getpid()}"
+    proc = fast("run", "--", "sh", "-c", f"echo up; exec sleep 300 # {marker}", cwd=wt,
+                env=env, stdin=subprocess.DEVNULL)
+    assert proc.stdout is not None and proc.stdout.readline() == b"up\n"
+    proc.kill()
+    proc.communicate(timeout=10)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout
+        if not left:
+            break
+        time.sleep(0.2)
+    assert left == ""
+    [sock] = resident.sockets()
+    resident.pid(sock)  # and the server goes on serving
