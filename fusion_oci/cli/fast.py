@@ -351,20 +351,24 @@ def _session(conn: Conn, argv: list[str], env: dict[str, str], token: str) -> in
         except OSError:
             pass
     exec_id = f"cli{os.getpid()}"
-    conn.send({"id": 1, "method": "initialize", "params": {"token": token}})
-    conn.send({"id": 2, "method": "cli/run", "params": {
-        "argv": argv, "cwd": os.getcwd(), "env": env, "execId": exec_id,
-        "stdoutTty": os.isatty(1), "terminalSize": size}})
-    # Signals wake the poll through a pipe and become cli/signal (the server ends the tree).
+    # Signals wake the poll through a pipe and become cli/signal (the server ends the tree);
+    # set up before anything is sent, so none is lost in between.
     sig_r, sig_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     old_fd = _signal.set_wakeup_fd(sig_w, warn_on_full_buffer=False)
     old = {signum: _signal.signal(signum, lambda *_: None) for signum in FORWARDED}
-    state = {"started": False}
+    state: dict[str, int] = {"started": 0, "signal": 0}
     try:
+        conn.send({"id": 1, "method": "initialize", "params": {"token": token}})
+        conn.send({"id": 2, "method": "cli/run", "params": {
+            "argv": argv, "cwd": os.getcwd(), "env": env, "execId": exec_id,
+            "stdoutTty": os.isatty(1), "terminalSize": size}})
         return _loop(conn, exec_id, sig_r, state)
-    except OSError as exc:
+    except (OSError, Unusable) as exc:
+        if state["signal"]:  # we were told to stop: not the moment to run it here instead
+            return 128 + state["signal"]
         if not state["started"]:  # nothing ran: the server answers before it runs anything
-            raise Unusable(f"the resident server failed: {exc}") from None
+            raise exc if isinstance(exc, Unusable) else Unusable(
+                f"the resident server failed: {exc}") from None
         os.write(2, f"fusion-oci: the resident server went away mid-run: {exc}\n".encode())
         return 125
     finally:
@@ -375,7 +379,7 @@ def _session(conn: Conn, argv: list[str], env: dict[str, str], token: str) -> in
         os.close(sig_w)
 
 
-def _loop(conn: Conn, exec_id: str, sig_r: int, state: dict[str, bool]) -> int:
+def _loop(conn: Conn, exec_id: str, sig_r: int, state: dict[str, int]) -> int:
     poller = select.poll()
     poller.register(conn.sock.fileno(), select.POLLIN)
     poller.register(sig_r, select.POLLIN)
@@ -386,6 +390,7 @@ def _loop(conn: Conn, exec_id: str, sig_r: int, state: dict[str, bool]) -> int:
         for fd, _event in poller.poll():
             if fd == sig_r:
                 for signum in os.read(sig_r, 64):
+                    state["signal"] = state["signal"] or signum
                     conn.send({"method": "cli/signal", "params": {"execId": exec_id,
                                                                   "signal": signum}})
                 continue
@@ -408,7 +413,7 @@ def _loop(conn: Conn, exec_id: str, sig_r: int, state: dict[str, bool]) -> int:
                 os.write(2, b"fusion-oci: the resident server went away mid-run\n")
                 return 125
             for msg in conn.messages():
-                state["started"] = True
+                state["started"] = 1
                 method = msg.get("method")
                 params = msg.get("params")
                 if not isinstance(params, dict):
