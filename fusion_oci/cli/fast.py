@@ -333,13 +333,23 @@ def run_remote(argv: list[str], env: dict[str, str]) -> int:
     folder = server_dir(env)
     key = server_key(env)
     token = _token(folder)
-    try:
-        sock = _connect(os.path.join(folder, f"{key}.sock"))
-        if sock is None:
-            sock = _start(folder, key, os.path.join(folder, "token"), env)
-    except OSError as exc:
-        raise Unusable(f"cannot reach the resident server: {exc}", warn=True) from None
-    return _session(Conn(sock), argv, env, token)
+    for attempt in (1, 2):
+        try:
+            sock = _connect(os.path.join(folder, f"{key}.sock"))
+            if sock is None:
+                sock = _start(folder, key, os.path.join(folder, "token"), env)
+        except OSError as exc:
+            raise Unusable(f"cannot reach the resident server: {exc}", warn=True) from None
+        try:
+            return _session(Conn(sock), argv, env, token)
+        except Unusable as exc:
+            # Closed before it answered: it was leaving (its idle timeout) as we came; the
+            # next attempt starts a new one. Nothing ran.
+            if attempt == 2 or exc.warn:
+                raise
+        finally:
+            sock.close()
+    raise Unusable("unreachable")
 
 
 def _session(conn: Conn, argv: list[str], env: dict[str, str], token: str) -> int:

@@ -418,3 +418,21 @@ def test_a_client_killed_mid_run_leaves_no_process(wt: Path, env: dict[str, str]
     assert left == ""
     [sock] = resident.sockets()
     resident.pid(sock)  # and the server goes on serving
+
+
+@pytest.mark.docker
+def test_an_ask_gate_is_asked_of_the_client(wt: Path, env: dict[str, str]) -> None:
+    """The server asks the fast client (an `ask` request), which answers as the CLI does: no
+    terminal, no; --allow-provision, yes without asking."""
+    from tests.backends import require_runtime
+
+    require_runtime("docker")
+    image = "localhost/fusion-oci/never-built:1"
+    code, _, err = call("run", "--backend", "docker", "--image", image, "--", "true", cwd=wt,
+                        env=env)
+    assert code == 125, err
+    assert "sandbox_provision" in err and "--allow-provision" in err
+    assert "the answer was no" in err  # asked (of us, not a terminal), as the CLI would
+    events = [json.loads(line) for line in
+              (wt / ".fusion/sandbox-audit.jsonl").read_text().splitlines()]
+    assert any(e["type"] == "sandbox:gate" for e in events)
