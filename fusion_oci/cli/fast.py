@@ -459,7 +459,9 @@ def _loop(conn: Conn, exec_id: str, sig_r: int, state: dict[str, int]) -> int:
                     conn.send({"id": msg["id"], "result": {
                         "allow": _ask(str(params.get("question", "")))}})
                 elif msg.get("id") == 1 and "error" in msg:
-                    raise Unusable("the resident server refused us")
+                    state["started"] = 0  # refused before anything ran
+                    raise Unusable("the resident server refused our token (was the token "
+                                   "file replaced?)", warn=True)
                 elif msg.get("id") == 2:
                     if "error" in msg:
                         error = msg["error"]
@@ -500,6 +502,19 @@ def _help(argv: list[str]) -> str | None:
     return HELP.get(" ".join(argv[:-1]))
 
 
+def _std_fds() -> None:
+    """A closed stdin, stdout or stderr becomes /dev/null, so that no socket or pipe of ours
+    is opened as fd 0-2 (and read as stdin, or written to as output)."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+
+
 def main() -> None:
     argv = sys.argv[1:]
     if argv == ["--version"]:
@@ -512,6 +527,7 @@ def main() -> None:
         sys.stdout.write(text)
         sys.exit(0)
     if argv[:1] == ["run"]:
+        _std_fds()
         env = dict(os.environ)
         if _fast_run_ok(argv[1:], env):
             try:

@@ -262,6 +262,8 @@ class LocalIO:
     def stdin(self) -> bytes | StdinStream:
         from fusion_oci.stdin import StdinStream
 
+        if sys.stdin is None:  # started with fd 0 closed: nothing to feed
+            return b""
         return StdinStream.from_fd(sys.stdin.fileno())
 
 
