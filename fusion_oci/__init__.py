@@ -6,7 +6,9 @@ podman, docker, sandbox-exec, custom) → :class:`RunResult` plus audit events.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+# No `typing` import: the CLI's fast front end (fusion_oci.cli.fast) imports this package and
+# typing alone costs more than its start-up budget.
+TYPE_CHECKING = False
 
 __version__ = "0.1.0"
 
@@ -59,6 +61,8 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:
+    from typing import Any
+
     from fusion_oci.audit import AuditEvent, AuditLog
     from fusion_oci.errors import (
         FlagError,

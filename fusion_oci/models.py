@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, InstanceOf, field_validator, model_validator
 from pydantic.alias_generators import to_camel
+
+from fusion_oci.stdin import StdinStream
 
 BackendId = Literal["native", "sandbox-exec", "bubblewrap", "landlock", "docker", "podman", "oci",
                     "custom"]
@@ -193,9 +195,11 @@ class CacheMode(StrEnum):
 
 
 OutputStream = Literal["stdout", "stderr"]
-OutputCallback = Callable[[OutputStream, bytes], None]
+OutputCallback = Callable[[OutputStream, bytes], Awaitable[None] | None]
 """Called on the event loop with each chunk of output as it arrives (bytes as the command wrote
-them; the whole chunk, also past maxBuffer, which bounds only what is kept)."""
+them; the whole chunk, also past maxBuffer, which bounds only what is kept). It may return an
+awaitable: the command's output is not read further until it is done (backpressure for a slow
+consumer, e.g. the server's client)."""
 
 
 class RunOptions(Model):
@@ -209,8 +213,9 @@ class RunOptions(Model):
     """Most bytes kept of stdout and of stderr each; more ends the command (``truncated``)."""
     env: dict[str, str] | None = None
     """Environment the allowlist draws from. None: the caller's process environment."""
-    stdin: bytes | None = None
-    """Bytes fed to the command's stdin. None: stdin is closed."""
+    stdin: bytes | InstanceOf[StdinStream] | None = None
+    """Bytes fed to the command's stdin, or a :class:`~fusion_oci.stdin.StdinStream` fed as
+    it comes. None: stdin is closed."""
     on_output: OutputCallback | None = Field(default=None, exclude=True)
     """Streams output while the command runs (see :data:`OutputCallback`). None: output is
     only collected into the result."""

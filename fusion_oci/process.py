@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from fusion_oci.stdin import StdinStream
+
 if TYPE_CHECKING:
     from fusion_oci.models import OutputCallback, OutputStream
 
@@ -75,21 +77,24 @@ class Capture:
 
     async def drain(self, stream: asyncio.StreamReader) -> None:
         while chunk := await stream.read(65536):
-            self.feed(chunk)
+            wait = self.feed(chunk)
+            if wait is not None:
+                await wait  # the consumer is behind: read no more until it catches up
 
-    def feed(self, chunk: bytes) -> None:
-        if self.on_output is not None:
-            self.on_output(self.name, chunk)
-        if not self.keep:
-            return
-        room = self.limit - self.size
-        if room > 0:
-            self.chunks.append(chunk[:room])
-            self.size += min(room, len(chunk))
-        if len(chunk) > room:
-            # Like Node's exec: past maxBuffer the command is ended.
-            self.truncated = True
-            self.overflow.set()
+    def feed(self, chunk: bytes) -> Awaitable[object] | None:
+        """Keep ``chunk`` (up to maxBuffer) and pass it on; returns what the output callback
+        returned: an awaitable means the consumer is behind and the reader should wait."""
+        wait = self.on_output(self.name, chunk) if self.on_output is not None else None
+        if self.keep:
+            room = self.limit - self.size
+            if room > 0:
+                self.chunks.append(chunk[:room])
+                self.size += min(room, len(chunk))
+            if len(chunk) > room:
+                # Like Node's exec: past maxBuffer the command is ended.
+                self.truncated = True
+                self.overflow.set()
+        return wait
 
     def data(self) -> bytes:
         return b"".join(self.chunks)
@@ -115,12 +120,20 @@ async def _terminate(proc: asyncio.subprocess.Process, grace_s: float, group: bo
         await proc.wait()
 
 
+async def _feed(pipe: asyncio.StreamWriter, source: StdinStream) -> None:
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        async for chunk in source:
+            pipe.write(chunk)
+            await pipe.drain()
+    pipe.close()
+
+
 async def run_process(
     argv: Sequence[str],
     *,
     env: Mapping[str, str] | None = None,
     cwd: str | None = None,
-    stdin: bytes | None = None,
+    stdin: bytes | StdinStream | None = None,
     timeout_s: float | None = None,
     max_buffer: int = 10 * 1024 * 1024,
     grace_s: float = 2.0,
@@ -166,7 +179,10 @@ async def run_process(
     err = Capture(max_buffer, overflow, "stderr", on_output, keep_output)
     assert proc.stdout is not None and proc.stderr is not None
     readers = asyncio.gather(out.drain(proc.stdout), err.drain(proc.stderr))
-    if stdin is not None and proc.stdin is not None:
+    feeder: asyncio.Future[None] | None = None
+    if isinstance(stdin, StdinStream) and proc.stdin is not None:
+        feeder = asyncio.ensure_future(_feed(proc.stdin, stdin))  # as it comes
+    elif isinstance(stdin, bytes) and proc.stdin is not None:
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             proc.stdin.write(stdin)
             await proc.stdin.drain()
@@ -187,6 +203,8 @@ async def run_process(
         raise
     finally:
         overflowed.cancel()
+        if feeder is not None:
+            feeder.cancel()
         if not waiter.done():
             waiter.cancel()
         try:

@@ -29,6 +29,7 @@ from pydantic import Field
 
 from fusion_oci import __version__
 from fusion_oci.models import Model, RunOptions
+from fusion_oci.stdin import StdinStream
 
 if TYPE_CHECKING:
     from fusion_oci.models import PrepareContext
@@ -140,7 +141,9 @@ def build_record(
     from fusion_oci.oci.spec import allowed_env
 
     passed = sorted(allowed_env(ctx.policy.env_allowlist, env_source))
-    stdin = None if opts.stdin is None else "sha256:" + hashlib.sha256(opts.stdin).hexdigest()
+    stdin = (None if opts.stdin is None
+             else opts.stdin.sha256() if isinstance(opts.stdin, StdinStream)
+             else "sha256:" + hashlib.sha256(opts.stdin).hexdigest())
     resolved = settings.model_copy(update={"policy": ctx.policy})
     return ReplayRecord(
         task_id=ctx.task_id,

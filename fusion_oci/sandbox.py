@@ -24,7 +24,7 @@ import hashlib
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -44,6 +44,7 @@ from fusion_oci.replay import record_run, worktree_state
 from fusion_oci.runtimes.base import Runtime, check_spec, unenforced_parts
 from fusion_oci.runtimes.registry import create_runtime
 from fusion_oci.scratch import gc_scratch
+from fusion_oci.stdin import StdinStream
 
 if TYPE_CHECKING:
     from fusion_oci.images.gates import AskCallback
@@ -208,12 +209,15 @@ class Sandbox:
             hashers = {"stdout": hashlib.sha256(), "stderr": hashlib.sha256()}
             inner = opts.on_output
 
-            def tee(stream: OutputStream, chunk: bytes) -> None:
+            def tee(stream: OutputStream, chunk: bytes) -> Awaitable[None] | None:
                 hashers[stream].update(chunk)
-                if inner is not None:
-                    inner(stream, chunk)
+                return inner(stream, chunk) if inner is not None else None
 
             opts = opts.model_copy(update={"on_output": tee})
+        if isinstance(opts.stdin, StdinStream) and not getattr(self.runtime, "streams_stdin",
+                                                               False):
+            # This runtime takes stdin as one value (containers: an env var): read it all.
+            opts = opts.model_copy(update={"stdin": await opts.stdin.read_all()})
         started = time.monotonic()
         task = asyncio.ensure_future(self.runtime.run(command, opts))
         self._running.add(task)

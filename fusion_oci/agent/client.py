@@ -17,6 +17,7 @@ import array
 import asyncio
 import contextlib
 import errno as _errno
+import functools
 import itertools
 import os
 import signal
@@ -137,16 +138,33 @@ class _Run:
             self._close(fd)
             return
         try:
-            self._open[fd].feed(chunk)
+            wait = self._open[fd].feed(chunk)
         except Exception as exc:  # the caller's on_output: end the run, raise it from run()
-            if self.error is None:
-                self.error = exc
-                self.on_error()
-            self._close(fd)
+            self._failed(fd, exc)
+            return
+        if wait is not None:
+            # The consumer is behind (a slow client of serve): stop reading this pipe until it
+            # catches up, so the command blocks on a full pipe instead of us buffering.
+            self.loop.remove_reader(fd)
+            asyncio.ensure_future(wait).add_done_callback(functools.partial(self._resume, fd))
+
+    def _resume(self, fd: int, done: asyncio.Future[object]) -> None:
+        if fd not in self._open:
+            return
+        if not done.cancelled() and (exc := done.exception()) is not None:
+            self._failed(fd, exc)
+            return
+        self.loop.add_reader(fd, self._readable, fd)
+
+    def _failed(self, fd: int, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+            self.on_error()
+        self._close(fd)
 
     def _close(self, fd: int) -> None:
         if self._open.pop(fd, None) is not None:
-            self.loop.remove_reader(fd)
+            self.loop.remove_reader(fd)  # False (no error) when paused for backpressure
             os.close(fd)
         if not self._open and not self.drained.done():
             self.drained.set_result(None)

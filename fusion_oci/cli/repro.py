@@ -33,7 +33,7 @@ def _project(project_dir: Path | None) -> Path:
 
 
 def _fail(exc: Exception, as_json: bool) -> None:
-    from fusion_oci.cli.main import _fail as fail
+    from fusion_oci.cli.options import _fail as fail
 
     fail(exc, as_json)
 

@@ -15,6 +15,13 @@ def serve(
     max_message_bytes: Annotated[int, typer.Option(
         "--max-message-bytes", min=1024,
         help="Largest JSON-RPC message accepted; a larger one gets an error.")] = 16 << 20,
+    idle_timeout: Annotated[float | None, typer.Option(
+        "--idle-timeout", min=0.1,
+        help="With --socket: exit after this many seconds with no client connected.")] = None,
+    token_file: Annotated[Path | None, typer.Option(
+        "--token-file",
+        help="With --socket: serve only clients of our uid that initialize with the token in "
+             "this file, and serve `cli/run` (the fast CLI's resident server).")] = None,
 ) -> None:
     """Serve the sandbox lifecycle as JSON-RPC 2.0 (docs/protocol.md) on stdio or a socket.
 
@@ -22,6 +29,7 @@ def serve(
     when that client goes away.
     """
     import asyncio
+    import os
 
     from fusion_oci.errors import FusionOCIError
     from fusion_oci.server import serve_socket, serve_stdio
@@ -30,7 +38,15 @@ def serve(
         if socket is None:
             asyncio.run(serve_stdio(max_message_bytes))
         else:
-            asyncio.run(serve_socket(socket.absolute(), max_message_bytes))
+            token = None
+            if token_file is not None:
+                from fusion_oci.server.resident import check_code, read_token, warm_up
+
+                token = read_token(token_file)
+                check_code(os.environ.get("FUSION_OCI_SERVER_CODE"))
+                warm_up()
+                os.chdir("/")  # a resident server holds no caller's directory busy
+            asyncio.run(serve_socket(socket.absolute(), max_message_bytes, idle_timeout, token))
     except FusionOCIError as exc:
         typer.echo(f"fusion-oci: {exc}", err=True)
         raise typer.Exit(exc.exit_code) from None

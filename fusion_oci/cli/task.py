@@ -55,11 +55,25 @@ def find_project_dir(worktree: Path, explicit: Path | None = None) -> Path:
     return project_root(worktree)
 
 
-def resolve_worktree(flags: TaskFlags, env: Mapping[str, str]) -> Path:
+def host_path(path: Path | str, cwd: Path, env: Mapping[str, str]) -> Path:
+    """A path given on the command line, as the caller meant it: ``~`` is the caller's HOME,
+    a relative path is relative to the caller's cwd (the resident server resolves flags for a
+    client that stands elsewhere; in this process it is ``Path.expanduser().absolute()``)."""
+    text = str(path)
+    if (text == "~" or text.startswith("~/")) and env.get("HOME"):
+        text = env["HOME"] + text[1:]
+    elif text.startswith("~"):
+        text = str(Path(text).expanduser())
+    out = Path(text)
+    return out if out.is_absolute() else cwd / out
+
+
+def resolve_worktree(flags: TaskFlags, env: Mapping[str, str], cwd: Path | None = None) -> Path:
     """The flag's folder, else the top of the git work tree holding the current directory;
     refused (exit 2) when unsafe unless --unsafe-worktree says so."""
-    worktree = (flags.worktree.expanduser().absolute() if flags.worktree is not None
-                else default_worktree(Path.cwd().absolute()))
+    where = cwd if cwd is not None else Path.cwd().absolute()
+    worktree = (host_path(flags.worktree, where, env) if flags.worktree is not None
+                else default_worktree(where))
     check_worktree(worktree, env, unsafe_ok=flags.unsafe_worktree,
                    name="--worktree" if flags.worktree is not None else "worktree (current "
                    "directory; pass --worktree DIR)")
@@ -83,12 +97,12 @@ def flag_error(exc: ValidationError, values: Mapping[str, object]) -> FlagError:
                      f"see `fusion-oci run --help` for {flag}")
 
 
-def _abs(paths: list[str]) -> list[str]:
-    # On the command line a relative path means relative to where the user stands.
-    return [str(Path(p).expanduser().absolute()) for p in paths]
+def _overrides(flags: TaskFlags, base: EffectiveSettings, cwd: Path,
+               env: Mapping[str, str]) -> dict[str, Any]:
+    def _abs(paths: list[str]) -> list[str]:
+        # On the command line a relative path means relative to where the user stands.
+        return [str(host_path(p, cwd, env)) for p in paths]
 
-
-def _overrides(flags: TaskFlags, base: EffectiveSettings) -> dict[str, Any]:
     out: dict[str, Any] = {}
     policy: dict[str, Any] = {}
     for key, value in (("backend", flags.backend), ("image", flags.image),
@@ -135,9 +149,12 @@ class Task:
     project_dir: Path
 
 
-def resolve_task(flags: TaskFlags, env: Mapping[str, str]) -> Task:
-    worktree = resolve_worktree(flags, env)
-    project = find_project_dir(worktree, flags.project_dir)
+def resolve_task(flags: TaskFlags, env: Mapping[str, str], cwd: Path | None = None) -> Task:
+    """The task of these flags, for a caller standing in ``cwd`` (default: ours) with ``env``."""
+    where = cwd if cwd is not None else Path.cwd().absolute()
+    worktree = resolve_worktree(flags, env, where)
+    project = find_project_dir(worktree, None if flags.project_dir is None
+                               else host_path(flags.project_dir, where, env))
     if not project.is_dir():
         raise FlagError(f"--project-dir {project}", "it does not exist or is not a directory",
                         "pass the project's root folder (the main repository)")
@@ -148,12 +165,12 @@ def resolve_task(flags: TaskFlags, env: Mapping[str, str]) -> Task:
         prompt = sys.stdin.read()
     elif flags.task_prompt is not None:
         try:
-            prompt = flags.task_prompt.read_text(encoding="utf-8")
+            prompt = host_path(flags.task_prompt, where, env).read_text(encoding="utf-8")
         except OSError as exc:
             raise FlagError(f"--task-prompt {flags.task_prompt}", str(exc),
                             "pass a readable file with the task's prompt") from exc
     base = load_settings(project_dir=project, env=env, task_prompt=prompt)
-    overrides = _overrides(flags, base)
+    overrides = _overrides(flags, base, where, env)
     effective = load_settings(project_dir=project, env=env, task_prompt=prompt,
                               overrides=overrides) if overrides else base
     settings = effective.settings

@@ -210,6 +210,7 @@ class BubblewrapRuntime(SpecRuntime):
     """Linux namespaces per command, via bwrap; see the module docstring."""
 
     id = "bubblewrap"
+    streams_stdin = True  # run_process writes a StdinStream's chunks as they come
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -306,7 +306,8 @@ class ContainerRuntime(EngineProbe):
     async def _exec(self, cid: str, spec: Spec, opts: RunOptions) -> RunResult:
         adapter = self._adapter
         assert adapter is not None
-        plan = plan_exec(spec, opts.stdin)
+        # Sandbox.run reads a StdinStream to its end first: containers take stdin as one value.
+        plan = plan_exec(spec, opts.stdin if isinstance(opts.stdin, bytes) else None)
         loop = asyncio.get_running_loop()
         start = time.monotonic()
         exec_id, stream = await self._call("exec", lambda: adapter.exec_start(cid, plan),

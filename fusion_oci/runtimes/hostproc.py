@@ -51,6 +51,7 @@ class HostProcessRuntime(SpecRuntime):
     runtime overrides :meth:`execute`, as native does with its exec agent)."""
 
     private_dirs = True
+    streams_stdin = True  # run_process writes a StdinStream's chunks as they come
     """Whether each task gets a scratch HOME and TMPDIR (native: no, the caller's own)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

@@ -115,6 +115,7 @@ class OciRuntime(SpecRuntime):
     """Any OCI runtime CLI (``sandbox.ociRuntime``: runc, crun, runsc, youki) on the bundle."""
 
     id = "oci"
+    streams_stdin = True  # run_process writes a StdinStream's chunks as they come
 
     def __init__(self, settings: SandboxSettings, env: Mapping[str, str],
                  cache_root: Path | None = None, host: HostInfo | None = None) -> None:

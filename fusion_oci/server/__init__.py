@@ -26,8 +26,9 @@ DEFAULT_MAX_MESSAGE_BYTES = 16 << 20
 STREAM_LIMIT = 1 << 16  # longest header line asyncio's reader buffers
 
 
-async def _session(reader: asyncio.StreamReader, writer: Writer, max_bytes: int) -> None:
-    session = Session()
+async def _session(reader: asyncio.StreamReader, writer: Writer, max_bytes: int,
+                   session: Session | None = None) -> None:
+    session = session or Session()
     conn = Connection(reader, writer, session.handlers(), max_bytes=max_bytes)
     session.conn = conn
     try:
@@ -89,19 +90,30 @@ def _claim_socket_path(path: Path) -> None:
                     "stop it, or choose another path")
 
 
-async def serve_socket(path: Path, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
-    """A session per connection on a unix socket created mode 0600, until SIGTERM/SIGINT."""
+async def serve_socket(path: Path, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                       idle_timeout_s: float | None = None, token: str | None = None) -> None:
+    """A session per connection on a unix socket created mode 0600, until SIGTERM/SIGINT, or
+    until no client has been connected for ``idle_timeout_s``. With ``token`` (the resident
+    server of the fast CLI) a client must be our uid and initialize with the token."""
     _claim_socket_path(path)
     sessions: set[asyncio.Task[None]] = set()
+    changed = asyncio.Event()  # a client came or went
 
     async def client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
         sessions.add(task)
+        changed.set()
         try:
-            await _session(reader, Writer(writer), max_bytes)
+            session: Session | None = None
+            if token is not None:
+                from fusion_oci.server.resident import ResidentSession, peer_uid
+
+                session = ResidentSession(token, uid_ok=peer_uid(writer) == os.getuid())
+            await _session(reader, Writer(writer), max_bytes, session)
         finally:
             sessions.discard(task)
+            changed.set()
 
     old = os.umask(0o177)  # the socket is born 0600: no window where others may connect
     try:
@@ -109,26 +121,47 @@ async def serve_socket(path: Path, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -
     finally:
         os.umask(old)
     os.chmod(path, 0o600)  # noqa: PTH101  (belt and braces; pathlib here trips ASYNC240)
+    ours = os.lstat(path).st_ino  # at exit, remove only our socket, not a successor's
     print(f"fusion-oci serve: listening on {path} (protocol {PROTOCOL_VERSION})",
           file=sys.stderr, flush=True)
     main = asyncio.current_task()
     assert main is not None
     _on_signals(main)
+    watcher = None
+    if idle_timeout_s is not None:
+        timeout = idle_timeout_s
+
+        async def exit_when_idle() -> None:
+            while True:
+                changed.clear()
+                if sessions:
+                    await changed.wait()
+                    continue
+                try:
+                    await asyncio.wait_for(changed.wait(), timeout)
+                except TimeoutError:
+                    main.cancel()
+                    return
+
+        watcher = asyncio.ensure_future(exit_when_idle())
     try:
         async with server:
             await server.serve_forever()
     except asyncio.CancelledError:
         pass
     finally:
+        if watcher is not None:
+            watcher.cancel()
         server.close()
         for task in list(sessions):
             task.cancel()
         if sessions:
             await asyncio.gather(*sessions, return_exceptions=True)
-        _remove_socket(path)
+        _remove_socket(path, ours)
 
 
-def _remove_socket(path: Path) -> None:
+def _remove_socket(path: Path, inode: int | None = None) -> None:
     with contextlib.suppress(FileNotFoundError):
-        if stat.S_ISSOCK(path.lstat().st_mode):
+        info = path.lstat()
+        if stat.S_ISSOCK(info.st_mode) and inode in (None, info.st_ino):
             path.unlink()

@@ -224,11 +224,13 @@ class Session:
         kept = _Kept(probe.max_buffer)
         conn = self.conn
 
-        def on_output(stream: OutputStream, chunk: bytes) -> None:
+        def on_output(stream: OutputStream, chunk: bytes) -> asyncio.Future[None] | None:
             kept.add(stream, chunk)
             if o.stream and conn is not None:
                 conn.notify("output", {"execId": exec_id, "stream": stream,
                                        "data": base64.b64encode(chunk).decode()})
+                return conn.writer.behind()  # a slow client: read no more until it catches up
+            return None
 
         opts = probe.model_copy(update={"on_output": on_output})
         start = time.monotonic()

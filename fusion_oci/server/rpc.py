@@ -27,6 +27,9 @@ SANDBOX_ERROR = -32000
 """A FusionOCIError: ``data`` is its ``to_json()["error"]`` (kind, what, why, hint)."""
 REQUEST_CANCELLED = -32800
 
+OUTPUT_HIGH_WATER = 1 << 20
+"""Bytes queued for a client past which a run's output is no longer read (see Writer.behind)."""
+
 RequestId = int | str
 Params = dict[str, Any]
 Handler = Callable[[Params, RequestId | None], Awaitable[Any]]
@@ -61,6 +64,20 @@ class Writer:
     def write(self, data: bytes) -> None:
         if not self.stream.is_closing():
             self.stream.write(data)
+
+    def behind(self, limit: int = OUTPUT_HIGH_WATER) -> asyncio.Future[None] | None:
+        """Backpressure for a slow client: past ``limit`` bytes not yet sent, a future done
+        when the client has taken most of them (None: not behind). A run's output callback
+        returns it, and the command's pipes are not read until it is done, so the server
+        never buffers more than about ``limit`` per connection."""
+        if self.stream.is_closing() or self.stream.transport.get_write_buffer_size() <= limit:
+            return None
+
+        async def drained() -> None:
+            with contextlib.suppress(ConnectionError, RuntimeError):
+                await self.stream.drain()
+
+        return asyncio.ensure_future(drained())
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

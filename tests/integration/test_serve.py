@@ -316,3 +316,37 @@ def test_ask_gates_are_requests_to_the_client(server: Any, worktree: Path) -> No
                                                            ("mine", "network_api")]
     assert asked[0]["target"] == "localhost/fusion-oci-test/absent:1"
     _alive(client)
+
+
+def test_a_client_that_reads_slowly_holds_the_command_not_the_servers_memory(
+        server: Any, worktree: Path) -> None:
+    """Output notifications are bounded: past ~1 MiB unsent the server stops reading the
+    command's pipes (so the command waits on its writes) until the client reads again."""
+    proc, client = server
+    sandbox = client.prepare(worktree)
+    counter = worktree / "written"
+    # 120 x 64 KiB: under the run's maxBuffer (10 MiB kept), far over what may wait unsent.
+    script = (f"i=0; while [ $i -lt 120 ]; do head -c 65536 /dev/zero; i=$((i+1)); "
+              f"echo $i > {counter}; done")
+
+    def count() -> int:  # the shell rewrites the file: retry a half-written read
+        for _ in range(50):
+            text = counter.read_text().strip() if counter.exists() else "0"
+            if text:
+                return int(text)
+            time.sleep(0.01)
+        return 0
+
+    def rss_kib() -> int:
+        status = Path(f"/proc/{proc.pid}/status").read_text()
+        return int(next(ln for ln in status.splitlines() if ln.startswith("VmRSS")).split()[1])
+
+    before = rss_kib()
+    rid = client.send("run", {"sandboxId": sandbox, "command": script})
+    time.sleep(6)  # we read nothing meanwhile
+    held = count()
+    assert held < 60, f"the command wrote {held} x 64 KiB to a client not reading"
+    assert rss_kib() - before < 32 * 1024
+    answer = client.reply(rid)  # reading resumes the command, to its end
+    assert answer["result"]["exitCode"] == 0, answer
+    assert count() == 120

@@ -64,6 +64,7 @@ harmful command is not run (a fork bomb on the bare host would harm the machine)
 
 EXPECT: dict[tuple[str, str], Expect] = {
     ("home-canary", "native"): "leaks",
+    ("resident-server", "native"): "leaks",  # test_resident.py: the fast CLI's server socket
     ("write-outside", "native"): "leaks",
     ("symlink-escape", "native"): "leaks",
     ("tcp-host-loopback", "native"): "leaks",

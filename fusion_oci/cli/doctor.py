@@ -1,0 +1,135 @@
+"""``fusion-oci doctor`` and ``fusion-oci settings show|validate``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from fusion_oci.cli.options import (
+    AsJson,
+    ProjectDir,
+    TaskPrompt,
+    UnsafeWorktree,
+    Worktree,
+    _console,
+    _fail,
+    _warn,
+)
+
+
+def doctor(worktree: Worktree = None, project_dir: ProjectDir = None,
+           as_json: AsJson = False) -> None:
+    """For every known backend: available here?, version, rootless, capabilities, the fix.
+
+    Reads the settings (global, project) and exits 1 when the configured backend is
+    unavailable here, 2 when the settings are bad.
+    """
+    import os
+
+    from fusion_oci.cli.task import find_project_dir
+    from fusion_oci.doctor import backend_rows
+    from fusion_oci.errors import FusionOCIError
+    from fusion_oci.policy.settings import load_settings
+    from fusion_oci.policy.worktree import default_worktree
+
+    where = (worktree.expanduser().absolute() if worktree is not None
+             else default_worktree(Path.cwd().absolute()))
+    project = find_project_dir(where, project_dir)
+    try:
+        effective = load_settings(project_dir=project, env=os.environ)
+    except FusionOCIError as exc:
+        _fail(exc, as_json)
+    _warn(effective.warnings)
+    configured = effective.settings.backend
+    rows = backend_rows(os.environ, effective.settings, oci_variants=True)
+    chosen = next(r for r in rows if r["backend"] == configured)
+    summary = {"backend": configured,
+               "source": effective.provenance.get("backend", "default"),
+               "failureMode": effective.settings.failure_mode,
+               "available": chosen["available"]}
+    status = 0 if chosen["available"] else 1
+    if as_json:
+        typer.echo(json.dumps({"configured": summary, "backends": rows}, indent=2))
+        raise typer.Exit(status)
+    from rich.table import Table
+
+    table = Table(title="fusion-oci backends on this host")
+    for col in ("backend", "available", "version", "rootless", "enforces", "fix"):
+        table.add_column(col, overflow="fold")
+    for row in rows:
+        table.add_row(
+            str(row["backend"]) + (f" ({row['ociRuntime']})" if row.get("ociRuntime") else "")
+            + (" (configured)" if row is chosen else ""),
+            "[green]yes[/]" if row["available"] else "[red]no[/]",
+            str(row["version"] or "-"),
+            "-" if row["rootless"] is None else ("yes" if row["rootless"] else "no"),
+            ", ".join(row["enforces"]) or "-",
+            "" if row["available"] else f"{row['reason']}\n{row['hint'] or ''}".strip(),
+        )
+    _console().print(table)
+    for row in rows:
+        # landlock's: user namespaces are forbidden here, and landlock still isolates.
+        if (row["details"] or {}).get("recommendation"):
+            _console().print(f"[bold]{row['backend']}[/]: {row['details']['recommendation']}")
+    if status:
+        typer.echo(f"fusion-oci: the configured backend '{configured}' ({summary['source']}) "
+                   f"is unavailable here (failureMode {summary['failureMode']})", err=True)
+    raise typer.Exit(status)
+
+
+
+def _load_for(worktree: Path | None, task_prompt: Path | None, project_dir: Path | None,
+              unsafe_worktree: bool) -> Any:
+    from fusion_oci.cli.task import TaskFlags, caller_env, resolve_task
+
+    return resolve_task(TaskFlags(worktree=worktree, task_prompt=task_prompt,
+                                  project_dir=project_dir, unsafe_worktree=unsafe_worktree),
+                        caller_env())
+
+
+def settings_show(worktree: Worktree = None, task_prompt: TaskPrompt = None,
+                  project_dir: ProjectDir = None, unsafe_worktree: UnsafeWorktree = False,
+                  as_json: AsJson = False) -> None:
+    """The effective settings, and where each value came from."""
+    from fusion_oci.errors import FusionOCIError
+    from fusion_oci.policy.settings import flatten
+
+    try:
+        task = _load_for(worktree, task_prompt, project_dir, unsafe_worktree)
+    except FusionOCIError as exc:
+        _fail(exc, as_json)
+    _warn(task.effective.warnings)
+    values = flatten(task.effective.settings.model_dump(mode="json", by_alias=True))
+    prov = task.effective.provenance
+    rows = [{"key": key, "value": value, "source": prov.get(key, "default")}
+            for key, value in values.items()]
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    from rich.table import Table
+
+    table = Table(title=f"effective sandbox settings (project {task.project_dir})")
+    for col in ("key", "value", "source"):
+        table.add_column(col, overflow="fold")
+    for row in rows:
+        table.add_row(f"sandbox.{row['key']}", json.dumps(row["value"]), row["source"])
+    _console().print(table)
+
+
+def settings_validate(worktree: Worktree = None, task_prompt: TaskPrompt = None,
+                      project_dir: ProjectDir = None,
+                      unsafe_worktree: UnsafeWorktree = False) -> None:
+    """Check the global and project settings files (exit 2 with the error when bad)."""
+    from fusion_oci.errors import FusionOCIError
+
+    try:
+        task = _load_for(worktree, task_prompt, project_dir, unsafe_worktree)
+    except FusionOCIError as exc:
+        _fail(exc)
+    _warn(task.effective.warnings)
+    sources = sorted(set(task.effective.provenance.values())) or ["defaults only"]
+    typer.echo("settings OK: " + ", ".join(sources))
+
