@@ -10,6 +10,10 @@
  * group and every descendant, which all re-parent to the keeper. When the connection closes the
  * agent ends every run's tree and exits. Nothing here trusts the command: it never sees the
  * connection (CLOEXEC everywhere, every fd above 2 closed at exec) and we are not dumpable.
+ *
+ * Why one file of ~1,000 lines: it is one static binary built by one `cc` call (hatch_build.py)
+ * on every install, with no build system; its parts (framing, the spawn parser, the keeper, the
+ * agent loop) share the global connection state and are read top to bottom in that order.
  */
 #define _GNU_SOURCE
 #include <dirent.h>

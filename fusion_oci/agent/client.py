@@ -9,6 +9,10 @@ stdin, whole-tree kill with a grace period, duration.
 
 If the agent dies or the connection breaks, the run in flight and every later run raise
 :class:`~fusion_oci.errors.AgentLostError`: never a hang. Standard library and asyncio only.
+
+Why one module of ~600 lines: the connection reader, the per-run state it completes and the
+run function share one set of invariants (which frames may arrive for which run, when a run's
+pipes are done, what a lost agent fails); the wire format is apart, in protocol.py.
 """
 
 from __future__ import annotations

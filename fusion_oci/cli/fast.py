@@ -19,6 +19,9 @@ itself after ``FUSION_OCI_SERVER_IDLE`` seconds (default 60) without a client;
 Imports here are C modules only (``_socket``, ``_signal``, ``_json`` below the pure-Python
 ``socket``, ``signal``, ``json``): those pull in enum and re, which with typing, subprocess,
 pathlib and pydantic would each cost more than the whole start-up budget.
+
+Why one module of ~550 lines: every module imported is paid by every invocation (a file
+lookup, a read and an unmarshal), and this one exists to be cheap to start.
 """
 
 from __future__ import annotations
