@@ -72,7 +72,9 @@ class NativeRuntime(HostProcessRuntime):
                 "cgroup isolation; the caller's environment unless envAllowlist is set",
                 "rlimits: " + ", ".join(f"{n}={s}/{h}" for n, s, h in native_rlimits(spec)),
             ],
+            spec=spec,
         )
 
-    async def execute(self, spec: Spec, opts: RunOptions) -> RunResult:
+    async def execute(self, plan: LaunchPlan, opts: RunOptions) -> RunResult:
+        spec = plan.spec
         return await self.run_reaped(spec["process"]["args"], self._env(opts), spec, opts)

@@ -349,7 +349,8 @@ def test_network_is_read_from_the_namespaces_then_the_annotation() -> None:
 def test_check_names_egress_where_slirp_is_unusable() -> None:
     rt = runtime()
     rt._egress = (False, "no slirp4netns")
-    assert rt.check(spec_for(POLICIES["egress"])) == [Requirement.NETWORK_EGRESS.value]
-    assert rt.check(spec_for(POLICIES["none-limits"])) == []
+    egress = Requirement.NETWORK_EGRESS.value
+    assert egress in rt.check(spec_for(POLICIES["egress"]))
+    assert egress not in rt.check(spec_for(POLICIES["none-limits"]))
     rt._egress = (True, "/usr/bin/slirp4netns")
-    assert rt.check(spec_for(POLICIES["egress"])) == []
+    assert egress not in rt.check(spec_for(POLICIES["egress"]))
