@@ -195,9 +195,19 @@ def host_path_kinds(paths: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
 
 @dataclass(frozen=True)
 class BwrapPlan(LaunchPlan):
-    """A bubblewrap launch plan, with the host facts it was made for (execute's input too)."""
+    """A bubblewrap launch plan, with the host facts it was made for (execute's input too).
+
+    Its notes (words beside the argv, not part of what runs) are written when the plan is
+    shown (:meth:`to_json`), not per command: :func:`plan_notes` costs more than the argv."""
 
     host: BwrapHost = field(kw_only=True, repr=False, compare=False)
+
+    def to_json(self) -> dict[str, Any]:
+        data = super().to_json()
+        notes = [*self.notes, *plan_notes(self.spec, self.host)]
+        if notes:
+            data["notes"] = notes
+        return data
 
 
 def _pipe_with(data: bytes) -> int:
@@ -300,7 +310,7 @@ class BubblewrapRuntime(SpecRuntime):
         :meth:`execute` fills with its pipe ends; bwrap's own environment and cwd."""
         host = self.host_for(spec)
         return BwrapPlan(backend=self.id, argv=bwrap_argv(spec, host), env=self._launcher_env(),
-                         cwd="/", notes=plan_notes(spec, host), spec=spec, host=host)
+                         cwd="/", spec=spec, host=host)
 
     # ------------------------------------------------------------------ lifecycle
     async def prepare(self, task: ResolvedTask) -> ResolvedTask:
