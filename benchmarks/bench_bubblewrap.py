@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fusion_oci.models import CpuLimit, PrepareContext, RunOptions, SandboxPolicy
 from fusion_oci.policy.settings import SandboxSettings
-from fusion_oci.runtimes.bubblewrap import BubblewrapRuntime, LaunchFds, bwrap_argv
+from fusion_oci.runtimes.bubblewrap import BubblewrapRuntime, LaunchFds, with_fds
 from fusion_oci.sandbox import SyncSandbox
 
 NONE = SandboxPolicy(allow_network=False)
@@ -78,10 +78,11 @@ def api_case(sb: SyncSandbox) -> Case:
 def raw_case(sb: SyncSandbox) -> Case:
     """Raw bwrap with the argv and BPF the runtime uses for `true` in this sandbox."""
     runtime = sb.sandbox.runtime
-    assert isinstance(runtime, BubblewrapRuntime) and runtime.last_spec is not None
-    spec = runtime.last_spec
+    spec = sb.sandbox.last_spec
+    assert isinstance(runtime, BubblewrapRuntime) and spec is not None
     program = runtime.seccomp_for(spec)
-    planned = bwrap_argv(spec, runtime.host_for(spec), LaunchFds(seccomp="<fd>"))
+    # What the runtime plans (and so runs), with the seccomp pipe's fd filled in as it does.
+    planned = with_fds(runtime.plan(spec).argv or [], spec, LaunchFds(seccomp="<fd>"))
 
     def go() -> None:
         r, w = os.pipe()

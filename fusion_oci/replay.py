@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from fusion_oci.oci.host import HostInfo
     from fusion_oci.oci.spec import Spec
     from fusion_oci.policy.settings import SandboxSettings
+    from fusion_oci.resolve import ResolvedTask
 
 REPLAY_DIR = "replay"
 """Folder under the project's ``.fusion/`` holding the records (``sha256-<hex>.json``)."""
@@ -253,32 +254,30 @@ def output_digest(data: str) -> str:
     return "sha256:" + hashlib.sha256(data.encode("utf-8", errors="replace")).hexdigest()
 
 
-async def record_run(runtime: object, ctx: PrepareContext, settings: SandboxSettings,
-                     command: str | Sequence[str], opts: RunOptions, env: Mapping[str, str],
+async def record_run(runtime: object, task: ResolvedTask, spec: Spec, ctx: PrepareContext,
+                     settings: SandboxSettings, command: str | Sequence[str], opts: RunOptions,
                      state: WorktreeState | None, stdout: str, stderr: str) -> dict[str, Any]:
-    """Store the record of the command ``runtime`` just ran; the ``sandbox:run`` fields that
-    name it. A runtime that compiled no spec (a plugin) gets the fields it can have."""
+    """Store the record of the command ``runtime`` just ran from ``spec`` (compiled by the
+    lifecycle from ``task``, whatever the runtime derives from); the ``sandbox:run`` fields
+    that name it. ``ctx`` is the caller's context (the image it asked for)."""
     import asyncio
 
     from fusion_oci.policy.layout import task_project
-    from fusion_oci.runtimes.base import SpecRuntime
 
     fields: dict[str, Any] = {"version": __version__, "cwd": opts.cwd,
                               "stdout_digest": output_digest(stdout),
                               "stderr_digest": output_digest(stderr)}
     if state is not None:
         fields.update(worktree_head=state.head, worktree_status=state.status)
-    if not isinstance(runtime, SpecRuntime) or runtime.last_spec is None \
-            or runtime.ctx is None:
-        return fields
     image_digest = getattr(runtime, "image_digest", None)
     if callable(image_digest):
         fields["image_digest"] = await image_digest()
     project = task_project(ctx)
     record = build_record(
-        settings=settings, ctx=runtime.ctx, requested_image=ctx.image or settings.image,
-        backend=runtime.id, spec=runtime.last_spec, host=runtime.host, command=command,
-        opts=opts, env_source=opts.env if opts.env is not None else env, project_dir=project)
+        settings=settings, ctx=task.ctx, requested_image=ctx.image or settings.image,
+        backend=getattr(runtime, "id", settings.backend), spec=spec, host=task.host,
+        command=command, opts=opts,
+        env_source=opts.env if opts.env is not None else task.env, project_dir=project)
     fields["replay"] = await asyncio.to_thread(store_record, project, record)
     fields["env_names"] = record.env_names or None
     return fields

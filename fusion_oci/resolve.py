@@ -2,9 +2,10 @@
 
 Everything a task's commands share is decided here, once: the image, the host CA bundle, the
 caches, the git layout, the protected paths, the network mode. :func:`compile_spec` then
-turns a resolved task and one command into the spec (pure). ``Sandbox.run`` (through
-``SpecRuntime``), ``fusion-oci plan``, ``fusion-oci bundle create`` and the server all go
-through these two functions, so the bundle one of them shows is the bundle another runs.
+turns a resolved task and one command into the spec (pure). The lifecycle (``Sandbox``
+resolves at prepare and compiles each command before the runtime checks, plans and executes
+it), ``fusion-oci plan``, ``fusion-oci bundle create`` and the server all go through these two
+functions, so the bundle one of them shows is the bundle another runs.
 """
 
 from __future__ import annotations

@@ -10,6 +10,11 @@ Failure mode (brief 4.4) applies to exactly two things: the chosen backend is un
 audited as ``sandbox:fallback``, and every unenforced part is listed in the result and the
 event; with ``fail-hard`` the error is raised. Any other setup failure is raised as it is.
 
+Per command (:meth:`Sandbox.run`), every runtime, a plugin's too, is driven the same way: the
+spec is compiled from the task resolved at prepare (:func:`fusion_oci.resolve.compile_spec`),
+checked (``runtime.check``), planned (``runtime.plan``), and that plan is executed
+(``runtime.execute``); the spec is what a replay record keeps.
+
 Abort: cancelling the task that awaits :meth:`Sandbox.run` (or :meth:`Sandbox.abort`, or
 :meth:`SyncSandbox.abort` from another thread) ends the whole process tree, audits
 ``sandbox:run`` with end reason ``aborted``; a cancelled caller gets the CancelledError back,
@@ -37,11 +42,13 @@ from fusion_oci.errors import (
     SandboxSetupError,
 )
 from fusion_oci.models import OutputStream, PrepareContext, RunOptions, RunResult
-from fusion_oci.oci.host import HostInfo
+from fusion_oci.oci.host import HostInfo, probe_host
+from fusion_oci.oci.spec import Spec
 from fusion_oci.policy.settings import SandboxSettings
 from fusion_oci.policy.worktree import check_inputs
 from fusion_oci.replay import record_run, worktree_state
-from fusion_oci.runtimes.base import Runtime, check_spec, unenforced_parts
+from fusion_oci.resolve import ResolvedTask, compile_spec, resolve, task_spec
+from fusion_oci.runtimes.base import Runtime, default_cache_root, unenforced_parts
 from fusion_oci.runtimes.registry import create_runtime
 from fusion_oci.scratch import gc_scratch
 from fusion_oci.stdin import StdinStream
@@ -76,6 +83,10 @@ class Sandbox:
         self.host = host
         self.runtime: Runtime | None = None
         self.ctx: PrepareContext | None = None
+        self.task: ResolvedTask | None = None
+        """The task as the runtime prepared it: what every command's spec is compiled from."""
+        self.last_spec: Spec | None = None
+        """The spec of the latest command (what a replay record keeps)."""
         self.fell_back = False
         self.unenforced: list[str] = []
         self._running: set[asyncio.Task[RunResult]] = set()
@@ -106,18 +117,26 @@ class Sandbox:
         if missing:
             raise PolicyNotEnforceableError(runtime.id, missing)
 
-    def _check_spec(self, runtime: Runtime) -> None:
-        """The same check against the task spec the runtime prepared from (the bundle is the
-        contract): a part the spec asks for that the runtime does not enforce is refused,
-        even where the policy's requirements missed it."""
-        spec = getattr(runtime, "task_spec", None)
-        if spec is None or runtime.id == "native":
+    def _check_spec(self, runtime: Runtime, spec: Spec) -> None:
+        """The same check against a spec (the bundle is the contract): a part the spec asks
+        for that the runtime does not enforce is refused, even where the policy's
+        requirements missed it. Native lists what it leaves out instead (at prepare)."""
+        if runtime.id == "native":
             return
-        missing = check_spec(runtime, spec)
+        missing = runtime.check(spec)
         if missing:
             raise PolicyNotEnforceableError(runtime.id, missing)
 
+    def _resolve(self, runtime: Runtime, ctx: PrepareContext) -> ResolvedTask:
+        """The one resolve step, for the chosen runtime's default image."""
+        assert self.host is not None
+        return resolve(self.settings, ctx, self.host, env=self.env,
+                       cache_root=self.cache_root or default_cache_root(self.env),
+                       default_image=runtime.default_image)
+
     async def _start(self, backend: str, ctx: PrepareContext) -> Runtime:
+        if self.host is None:
+            self.host = probe_host()  # once per sandbox; the runtime gets the same facts
         runtime = self._create(backend)
         self.runtime = runtime
         try:
@@ -125,10 +144,13 @@ class Sandbox:
             if not availability.available:
                 raise RuntimeUnavailableError(runtime.id, availability.reason, availability.hint)
             self._check(runtime, ctx)
-            await runtime.prepare(ctx)
-            self._check_spec(runtime)
+            resolved = self._resolve(runtime, ctx)
+            # Before anything is set up (an image provisioned): what the task spec asks for.
+            self._check_spec(runtime, task_spec(resolved))
+            self.task = await runtime.prepare(resolved)
         except BaseException:
             self.runtime = None
+            self.task = None
             with contextlib.suppress(Exception):
                 await asyncio.shield(runtime.dispose())
             raise
@@ -162,11 +184,11 @@ class Sandbox:
         except FusionOCIError as exc:
             self._event("sandbox:failure", reason=exc.render(), details={"kind": exc.kind})
             raise
-        layout = getattr(runtime, "layout", None)
-        if runtime.id != "native" and layout is not None and layout.unprotected:
+        assert self.task is not None
+        if runtime.id != "native" and self.task.layout.unprotected:
             # Listed, not refused: protecting a path that does not exist would leave a mount
             # point behind in the worktree.
-            self.unenforced = [f"protectedPaths: {p}" for p in layout.unprotected]
+            self.unenforced = self.task.unprotected()
         self._event(
             "sandbox:prepare",
             duration_ms=int((time.monotonic() - start) * 1000),
@@ -191,10 +213,18 @@ class Sandbox:
                          duration_ms=duration, backend=backend, fell_back=self.fell_back,
                          reason="aborted", unenforced=self.unenforced)
 
-    async def run(self, command: str | Sequence[str], opts: RunOptions | None = None) -> RunResult:
-        if self.runtime is None or self.ctx is None:
+    def spec_for(self, command: str | Sequence[str], opts: RunOptions | None = None) -> Spec:
+        """The spec :meth:`run` would launch for ``command`` (the one compile step)."""
+        if self.task is None:
             raise SandboxSetupError("sandbox was not prepared", "run() came before prepare()",
                                     "call prepare(ctx) first")
+        return compile_spec(self.task, command, opts or RunOptions())
+
+    async def run(self, command: str | Sequence[str], opts: RunOptions | None = None) -> RunResult:
+        if self.runtime is None or self.ctx is None or self.task is None:
+            raise SandboxSetupError("sandbox was not prepared", "run() came before prepare()",
+                                    "call prepare(ctx) first")
+        runtime, task_ = self.runtime, self.task
         opts = opts or RunOptions()
         shown = command if isinstance(command, str) else " ".join(command)
         # Replay records go beside a persistent audit log (fusion_oci.replay); the worktree's
@@ -219,7 +249,17 @@ class Sandbox:
             # This runtime takes stdin as one value (containers: an env var): read it all.
             opts = opts.model_copy(update={"stdin": await opts.stdin.read_all()})
         started = time.monotonic()
-        task = asyncio.ensure_future(self.runtime.run(command, opts))
+        try:
+            # compile -> check -> plan; execute runs that plan (plan == what runs).
+            spec = compile_spec(task_, command, opts)
+            self._check_spec(runtime, spec)
+            plan = runtime.plan(spec)
+        except SandboxSetupError as exc:
+            self._event("sandbox:failure", reason=exc.render(), command=shown[:200],
+                        unenforced=getattr(exc, "unenforced", None), details={"kind": exc.kind})
+            raise
+        self.last_spec = spec
+        task = asyncio.ensure_future(runtime.execute(plan, opts))
         self._running.add(task)
         try:
             # A cancelled caller cancels the task too; the runtime ends the tree (SIGTERM,
@@ -244,8 +284,8 @@ class Sandbox:
         replay: dict[str, Any] = {}
         if recording:
             try:
-                replay = await record_run(self.runtime, self.ctx, self.settings, command, opts,
-                                          self.env, state, result.stdout, result.stderr)
+                replay = await record_run(runtime, task_, spec, self.ctx, self.settings,
+                                          command, opts, state, result.stdout, result.stderr)
                 if hashers is not None:
                     replay["stdout_digest"] = "sha256:" + hashers["stdout"].hexdigest()
                     replay["stderr_digest"] = "sha256:" + hashers["stderr"].hexdigest()
@@ -269,6 +309,7 @@ class Sandbox:
         if self.runtime is None:
             return
         runtime, self.runtime = self.runtime, None
+        self.task = None
         start = time.monotonic()
         await runtime.dispose()
         if self.ctx is not None:

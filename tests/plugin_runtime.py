@@ -2,10 +2,11 @@
 the contract suite (``custom`` backend, entry point ``contract-host``).
 
 It derives from nothing in fusion-oci (no SpecRuntime): it implements the
-:class:`~fusion_oci.runtimes.base.Runtime` protocol and nothing more, and runs commands on the
-host (through a private native runtime, as a plugin would through its own launcher). It is a
-test double: it *claims* the filesystem, /proc and network isolation a policy asks for, so
-the lifecycle admits it; what the contract holds it to is the behaviour a command observes.
+:class:`~fusion_oci.runtimes.base.Runtime` protocol and nothing more (``check``, ``plan``,
+``prepare``, ``execute`` of its own plan, ...), and runs commands on the host (through a
+private native runtime, as a plugin would through its own launcher). It is a test double: it
+*claims* the filesystem, /proc and network isolation a policy asks for, so the lifecycle
+admits it; what the contract holds it to is the behaviour a command observes.
 
 Like a plugin that provisions an image, ``prepare`` asks the ``sandbox_provision`` gate when
 the task names an image, through the ``audit`` log and ``ask`` callback the lifecycle hands
@@ -14,15 +15,16 @@ every runtime.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fusion_oci.audit import AuditLog
 from fusion_oci.images.gates import AuditContext, GateRequest, ProvisionGate
-from fusion_oci.models import PrepareContext, RunOptions, RunResult, SandboxCapabilities
-from fusion_oci.runtimes.base import Availability, LaunchPlan, Requirement
+from fusion_oci.models import RunOptions, RunResult, SandboxCapabilities
+from fusion_oci.runtimes.base import Availability, LaunchPlan, Requirement, unenforced_in
 from fusion_oci.runtimes.native import NativeRuntime
 
 if TYPE_CHECKING:
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
     from fusion_oci.oci.host import HostInfo
     from fusion_oci.oci.spec import Spec
     from fusion_oci.policy.settings import SandboxSettings
+    from fusion_oci.resolve import ResolvedTask
 
 NAME = "contract-host"
 ENTRY_POINT = EntryPoint(name=NAME, value=f"{__name__}:HostPluginRuntime",
@@ -40,11 +43,19 @@ CLAIMED = frozenset({Requirement.FILESYSTEM, Requirement.PROC_PATHS, Requirement
                      Requirement.NETWORK_NONE})
 
 
+@dataclass(frozen=True)
+class HostPlan(LaunchPlan):
+    """The plugin's plan: its launcher's (the private native runtime's), which it runs."""
+
+    inner: LaunchPlan = field(kw_only=True, repr=False, compare=False)
+
+
 class HostPluginRuntime:
-    """Protocol only: ``id``, capabilities, availability, enforces, plan, prepare, run,
-    dispose; ``audit`` and ``ask`` are whatever the lifecycle set."""
+    """Protocol only: ``id``, ``default_image``, capabilities, availability, enforces, check,
+    plan, prepare, execute, dispose; ``audit`` and ``ask`` are whatever the lifecycle set."""
 
     id = "custom"
+    default_image: str | None = None
 
     def __init__(self, settings: SandboxSettings, env: Mapping[str, str], *,
                  cache_root: Path | None = None, host: HostInfo | None = None) -> None:
@@ -62,21 +73,28 @@ class HostPluginRuntime:
     def enforces(self) -> frozenset[Requirement]:
         return CLAIMED | self._host.enforces()
 
-    def plan(self, spec: Spec) -> LaunchPlan:
-        inner = self._host.plan(spec)
-        return LaunchPlan(self.id, argv=inner.argv, env=inner.env, cwd=inner.cwd)
+    def check(self, spec: Spec) -> list[str]:
+        return unenforced_in(spec, self.enforces())
 
-    async def prepare(self, ctx: PrepareContext) -> None:
+    def plan(self, spec: Spec) -> HostPlan:
+        inner = self._host.plan(spec)
+        return HostPlan(self.id, argv=inner.argv, env=inner.env, cwd=inner.cwd, spec=spec,
+                        inner=inner)
+
+    async def prepare(self, task: ResolvedTask) -> ResolvedTask:
+        ctx = task.ctx
         if ctx.image:
             audit = AuditContext(self.audit or AuditLog(key=b""), ctx.task_id, ctx.run_id,
                                  self.id)
             gate = ProvisionGate(self.settings.gates, audit, ask=self.ask)
             await gate.check(GateRequest("sandbox_provision", "pull", ctx.image, self.id,
                                          reason="the plugin fetches its image"))
-        await self._host.prepare(ctx)
+        return await self._host.prepare(task)
 
-    async def run(self, command: str | Sequence[str], opts: RunOptions) -> RunResult:
-        result = await self._host.run(command, opts)
+    async def execute(self, plan: LaunchPlan, opts: RunOptions) -> RunResult:
+        if not isinstance(plan, HostPlan):
+            raise TypeError(f"not a plan of runtime '{self.id}': {plan.backend}")
+        result = await self._host.execute(plan.inner, opts)
         return result.model_copy(update={"backend": self.id})
 
     async def dispose(self) -> None:

@@ -143,7 +143,7 @@ def dry_run(task: Any, command: str | list[str], environ: dict[str, str]) -> dic
     and compiler as a run (fusion_oci.resolve), with ``create=False``."""
     from fusion_oci.oci.host import probe_host
     from fusion_oci.resolve import compile_spec, resolve
-    from fusion_oci.runtimes.base import check_spec, default_cache_root, unenforced_parts
+    from fusion_oci.runtimes.base import default_cache_root, unenforced_parts
     from fusion_oci.runtimes.registry import create_runtime
 
     settings = task.effective.settings
@@ -151,13 +151,13 @@ def dry_run(task: Any, command: str | list[str], environ: dict[str, str]) -> dic
     runtime = create_runtime(settings.backend, settings, environ, host=host)
     resolved = resolve(settings, task.ctx, host, env=environ,
                        cache_root=default_cache_root(environ),
-                       default_image=getattr(runtime, "default_image", None), create=False)
+                       default_image=runtime.default_image, create=False)
     spec = compile_spec(resolved, command, task.opts)
     avail = runtime.availability()
     missing = unenforced_parts(runtime, task.ctx.policy)
     if runtime.id != "native":
-        # What the lifecycle refuses: the policy's parts and the spec's (check_spec).
-        missing = sorted(set(missing) | set(check_spec(runtime, spec)))
+        # What the lifecycle refuses: the policy's parts and the spec's (runtime.check).
+        missing = sorted(set(missing) | set(runtime.check(spec)))
         missing += resolved.unprotected()
     close = getattr(runtime, "close", None)
     if callable(close):

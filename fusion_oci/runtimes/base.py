@@ -1,7 +1,11 @@
-"""What every runtime offers, and the shared compile-then-execute skeleton.
+"""The runtime protocol, and the skeleton the built-in runtimes share.
 
-A runtime's translation (:meth:`plan`) is a pure function from the spec to a printable launch
-plan (argv or SDK arguments); :meth:`execute` is the thin step that runs it.
+A runtime reads only the spec. The lifecycle (:class:`fusion_oci.sandbox.Sandbox`) resolves the
+task once (:func:`fusion_oci.resolve.resolve`), hands it to :meth:`Runtime.prepare`, and for each
+command compiles the spec (:func:`fusion_oci.resolve.compile_spec`), asks :meth:`Runtime.check`
+for the parts the runtime cannot enforce, takes :meth:`Runtime.plan` (a pure function from the
+spec to the launch: argv, env, SDK arguments) and hands that very plan to
+:meth:`Runtime.execute`. What a plan shows is what runs.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 from fusion_oci.models import (
     EndReason,
@@ -104,13 +108,9 @@ def spec_requirements(spec: Spec) -> frozenset[Requirement]:
     return frozenset(need)
 
 
-def check_spec(runtime: Runtime, spec: Spec) -> list[str]:
-    """The parts of ``spec`` that ``runtime`` does not enforce here, sorted (the protocol's
-    ``check(spec)``; a runtime may offer its own ``check``)."""
-    own = getattr(runtime, "check", None)
-    if callable(own):
-        return list(own(spec))
-    return sorted(r.value for r in spec_requirements(spec) - runtime.enforces())
+def unenforced_in(spec: Spec, enforced: frozenset[Requirement]) -> list[str]:
+    """The parts of ``spec`` outside ``enforced``, sorted: the usual :meth:`Runtime.check`."""
+    return sorted(r.value for r in spec_requirements(spec) - enforced)
 
 
 def unenforced_parts(runtime: Runtime, policy: SandboxPolicy) -> list[str]:
@@ -138,7 +138,9 @@ class Availability:
 
 @dataclass(frozen=True)
 class LaunchPlan:
-    """How a runtime would start a spec: an argv, or SDK call arguments. Printable, golden."""
+    """How a runtime starts a spec: an argv, or SDK call arguments. Printable, golden, and
+    what :meth:`Runtime.execute` runs (a runtime fills its own placeholders, such as the fd
+    numbers of pipes made at launch, and nothing else)."""
 
     backend: str
     argv: list[str] | None = None
@@ -147,6 +149,9 @@ class LaunchPlan:
     env: dict[str, str] | None = None
     cwd: str | None = None
     notes: list[str] = field(default_factory=list)
+    spec: Spec = field(kw_only=True, repr=False, compare=False)
+    """The spec this plan launches (not part of :meth:`to_json`: ``fusion-oci plan`` prints
+    it beside the plan as ``config.json``)."""
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {"backend": self.backend}
@@ -160,11 +165,35 @@ class LaunchPlan:
         return data
 
 
+P = TypeVar("P", bound=LaunchPlan)
+
+
+def own_plan(runtime: Runtime, plan: LaunchPlan, kind: type[P]) -> P:
+    """``plan`` as one of ``runtime``'s own plans (made by its :meth:`Runtime.plan`, so of
+    its plan type ``kind``): another runtime's plan is refused, never reinterpreted."""
+    if not isinstance(plan, kind) or plan.backend != runtime.id:
+        from fusion_oci.errors import SandboxSetupError
+
+        raise SandboxSetupError(f"runtime '{runtime.id}' was handed a plan it did not make",
+                                f"a {type(plan).__name__} of backend '{plan.backend}'",
+                                f"execute the plan that runtime '{runtime.id}'.plan(spec) "
+                                "returns")
+    return plan
+
+
 @runtime_checkable
 class Runtime(Protocol):
-    """The brief's SandboxBackend, in Python."""
+    """The brief's SandboxBackend, in Python: what a built-in runtime and a plugin implement.
+
+    The lifecycle drives every runtime the same way: ``availability``, ``enforces`` (against
+    the policy), ``check`` (against the task spec), ``prepare`` once, then per command
+    ``check``, ``plan`` and ``execute`` of that plan, and ``dispose``.
+    """
 
     id: str
+    default_image: str | None
+    """The image a task runs on when neither it nor the settings name one (None: the host's
+    system directories); the resolve step reads it."""
 
     def capabilities(self) -> SandboxCapabilities: ...
 
@@ -174,11 +203,25 @@ class Runtime(Protocol):
         """The requirements this runtime enforces on this host."""
         ...
 
-    def plan(self, spec: Spec) -> LaunchPlan: ...
+    def check(self, spec: Spec) -> list[str]:
+        """The parts of ``spec`` this runtime does not enforce here, sorted (the lifecycle
+        refuses a spec with any, or lists them for native)."""
+        ...
 
-    async def prepare(self, ctx: PrepareContext) -> None: ...
+    def plan(self, spec: Spec) -> LaunchPlan:
+        """The launch of ``spec``, exactly as :meth:`execute` will run it. Pure given what
+        :meth:`prepare` set up; before prepare, host paths not made yet are placeholders."""
+        ...
 
-    async def run(self, command: str | Sequence[str], opts: RunOptions) -> RunResult: ...
+    async def prepare(self, task: ResolvedTask) -> ResolvedTask:
+        """Set up what every command of ``task`` shares; returns the task as its commands will
+        run (e.g. on the local reference of an image it provisioned)."""
+        ...
+
+    async def execute(self, plan: LaunchPlan, opts: RunOptions) -> RunResult:
+        """Run ``plan`` (one of this runtime's own plans, for ``plan.spec``) with the
+        command's I/O: stdin, output callbacks, timeout, maxBuffer."""
+        ...
 
     async def dispose(self) -> None: ...
 
@@ -239,10 +282,11 @@ def classify(outcome: ProcessOutcome, spec: Spec,
 
 
 class SpecRuntime:
-    """Skeleton for runtimes that compile a spec per command and execute it.
+    """Skeleton of the built-in runtimes (a plugin may derive from it, or from nothing).
 
     Subclasses provide ``id``, :meth:`capabilities`, :meth:`availability`, :meth:`enforces`,
-    :meth:`plan` and :meth:`execute`; they may extend :meth:`prepare` and :meth:`dispose`.
+    :meth:`plan` and :meth:`execute`; they may extend :meth:`check`, :meth:`prepare` and
+    :meth:`dispose`.
     """
 
     id: str = "abstract"
@@ -262,10 +306,8 @@ class SpecRuntime:
         # runtime-side events are audited, and who answers an `ask` gate.
         self.audit: AuditLog | None = None
         self.ask: AskCallback | None = None
-        self.last_spec: Spec | None = None
-        """The spec of the latest command (compiled by :meth:`run`)."""
         self.resolved: ResolvedTask | None = None
-        """The resolved task (set by :meth:`prepare`)."""
+        """The task as prepared (set by :meth:`prepare`, and by :meth:`set_image`)."""
         self.task_spec: Spec | None = None
         """The spec all of the task's commands share but for the process (set by
         :meth:`prepare`): what a runtime prepares from."""
@@ -278,17 +320,24 @@ class SpecRuntime:
             self._host = probe_host()
         return self._host
 
-    async def prepare(self, ctx: PrepareContext) -> None:
-        """Resolve the task (fusion_oci.resolve, the one resolve step) and compile its task
-        spec; subclasses take what they set up from :attr:`task_spec`, not from ``ctx``."""
-        from fusion_oci.resolve import resolve, task_spec
+    def enforces(self) -> frozenset[Requirement]:
+        raise NotImplementedError
 
-        self.ctx = ctx
-        self.resolved = resolve(self.settings, ctx, self.host, env=self.env,
-                                cache_root=self.cache_root, default_image=self.default_image)
-        self.ctx = self.resolved.ctx
-        self.layout = self.resolved.layout
-        self.task_spec = task_spec(self.resolved)
+    def check(self, spec: Spec) -> list[str]:
+        """What :meth:`enforces` leaves out of ``spec``'s requirements."""
+        return unenforced_in(spec, self.enforces())
+
+    async def prepare(self, task: ResolvedTask) -> ResolvedTask:
+        """Keep the resolved task (the lifecycle resolved it once) and compile its task spec;
+        subclasses take what they set up from :attr:`task_spec`, and return
+        :attr:`resolved` (changed by :meth:`set_image`)."""
+        from fusion_oci.resolve import task_spec
+
+        self.resolved = task
+        self.ctx = task.ctx
+        self.layout = task.layout
+        self.task_spec = task_spec(task)
+        return task
 
     def set_image(self, image: str) -> None:
         """After provisioning: the task runs on ``image`` (a local reference)."""
@@ -300,6 +349,8 @@ class SpecRuntime:
         self.task_spec = task_spec(self.resolved)
 
     def compile(self, command: str | Sequence[str], opts: RunOptions) -> Spec:
+        """A spec of the prepared task for a command of the runtime's own (a probe, a keeper
+        process): the one compile step, as the lifecycle uses it for the caller's commands."""
         from fusion_oci.errors import SandboxSetupError
         from fusion_oci.resolve import compile_spec
 
@@ -308,12 +359,7 @@ class SpecRuntime:
                                     "run() came before prepare()", "call prepare(ctx) first")
         return compile_spec(self.resolved, command, opts)
 
-    async def run(self, command: str | Sequence[str], opts: RunOptions) -> RunResult:
-        spec = self.compile(command, opts)
-        self.last_spec = spec  # what the lifecycle records for a replay (fusion_oci.replay)
-        return await self.execute(spec, opts)
-
-    async def execute(self, spec: Spec, opts: RunOptions) -> RunResult:
+    async def execute(self, plan: LaunchPlan, opts: RunOptions) -> RunResult:
         raise NotImplementedError
 
     async def dispose(self) -> None:
@@ -345,6 +391,8 @@ def default_cache_root(env: Mapping[str, str]) -> Path:
 class UnavailableRuntime:
     """Stands in for a backend that is known but cannot be used here (never "unknown")."""
 
+    default_image: str | None = None
+
     def __init__(self, backend: str, reason: str, hint: str = "") -> None:
         self.id = backend
         self._availability = Availability(False, reason, hint)
@@ -362,17 +410,24 @@ class UnavailableRuntime:
     def enforces(self) -> frozenset[Requirement]:
         return frozenset()
 
-    def plan(self, spec: Spec) -> LaunchPlan:
-        return LaunchPlan(self.id, notes=[f"unavailable: {self._availability.reason}"])
+    def check(self, spec: Spec) -> list[str]:
+        return unenforced_in(spec, self.enforces())
 
-    async def prepare(self, ctx: PrepareContext) -> None:
+    def plan(self, spec: Spec) -> LaunchPlan:
+        return LaunchPlan(self.id, notes=[f"unavailable: {self._availability.reason}"],
+                          spec=spec)
+
+    def _unavailable(self) -> Exception:
         from fusion_oci.errors import RuntimeUnavailableError
 
-        raise RuntimeUnavailableError(self.id, self._availability.reason, self._availability.hint)
+        return RuntimeUnavailableError(self.id, self._availability.reason,
+                                       self._availability.hint)
 
-    async def run(self, command: str | Sequence[str], opts: RunOptions) -> RunResult:
-        await self.prepare(PrepareContext(task_id="x", run_id="x", worktree_path="/"))
-        raise AssertionError("unreachable")
+    async def prepare(self, task: ResolvedTask) -> ResolvedTask:
+        raise self._unavailable()
+
+    async def execute(self, plan: LaunchPlan, opts: RunOptions) -> RunResult:
+        raise self._unavailable()
 
     async def dispose(self) -> None:
         return None

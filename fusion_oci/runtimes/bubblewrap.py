@@ -12,8 +12,9 @@ writablePaths read-write, private tmpfs ``/tmp`` and ``$HOME``, a fresh ``/proc`
 namespaces, the bundle's seccomp profile, and exactly the spec's environment.
 
 Per task, at prepare: the host probes (once per process), the seccomp profile compiled to BPF
-by libseccomp, the kinds of the protected /proc paths. Per command
-(:meth:`BubblewrapRuntime.execute`): bwrap is started as ``bwrap --args FD -- COMMAND`` and,
+by libseccomp, the kinds of the protected /proc paths. Per command: :meth:`~BubblewrapRuntime.plan`
+is :func:`bwrap_argv` with placeholder fds; :meth:`~BubblewrapRuntime.execute` puts the real pipe
+ends in their places (:func:`with_fds`) and starts that as ``bwrap --args FD -- COMMAND`` and,
 while it waits for its options on FD, gets the spec's rlimits with prlimit(2) (inherited by
 the command: no ``prlimit`` exec); then the options are written. With cgroup limits or
 ``egress``, bwrap reports its child pid on ``--info-fd`` and waits on ``--block-fd`` while we
@@ -42,17 +43,11 @@ import subprocess
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fusion_oci.agent.client import agent_binary
 from fusion_oci.errors import BundleError, SandboxSetupError
-from fusion_oci.models import (
-    NetworkMode,
-    PrepareContext,
-    RunOptions,
-    RunResult,
-    SandboxCapabilities,
-)
+from fusion_oci.models import NetworkMode, RunOptions, RunResult, SandboxCapabilities
 from fusion_oci.oci.seccomp import LIBSECCOMP_HINT, libseccomp_problem
 from fusion_oci.oci.spec import ANN_IMAGE, Spec, spec_network
 from fusion_oci.process import ProcessOutcome, run_process
@@ -63,6 +58,7 @@ from fusion_oci.runtimes.base import (
     Requirement,
     SpecRuntime,
     classify,
+    own_plan,
     status_from_code,
 )
 
@@ -87,18 +83,22 @@ from fusion_oci.runtimes.bubblewrap_argv import (
     seccomp_program,
     spec_rlimits,
     split_status,
+    with_fds,
 )
 from fusion_oci.runtimes.linux import cgroups, egress, userns
 from fusion_oci.runtimes.linux.cgroups import Cgroup, CgroupEvents, CgroupLimits, CgroupSupport
 from fusion_oci.runtimes.linux.pipes import close_all, read_json
 from fusion_oci.scratch import make_scratch
 
+if TYPE_CHECKING:
+    from fusion_oci.resolve import ResolvedTask
+
 __all__ = [
     "BLOCK_FD", "INFO_FD", "RESOLV_PLACEHOLDER", "RLIMITS", "SECCOMP_FD", "USUAL_KINDS",
     "BubblewrapRuntime", "BwrapHost", "HostProbe", "LaunchFds", "args_launch", "bwrap_argv",
     "check_spec", "exec_failure", "host_path_kinds", "make_task_scratch", "mount_args",
     "needs_launch_hooks", "plan_notes", "probe_host_support", "proc_protection_args",
-    "protected_proc_paths", "seccomp_program", "spec_rlimits", "split_status",
+    "protected_proc_paths", "seccomp_program", "spec_rlimits", "split_status", "with_fds",
 ]
 
 
@@ -193,6 +193,23 @@ def host_path_kinds(paths: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
         if Path(path).exists():
             out.append((path, "dir" if Path(path).is_dir() else "file"))
     return tuple(out)
+
+
+@dataclass(frozen=True)
+class BwrapPlan(LaunchPlan):
+    """A bubblewrap launch plan, with the host facts it was made for (execute's input too).
+
+    Its notes (words beside the argv, not part of what runs) are written when the plan is
+    shown (:meth:`to_json`), not per command: :func:`plan_notes` costs more than the argv."""
+
+    host: BwrapHost = field(kw_only=True, repr=False, compare=False)
+
+    def to_json(self) -> dict[str, Any]:
+        data = super().to_json()
+        notes = [*self.notes, *plan_notes(self.spec, self.host)]
+        if notes:
+            data["notes"] = notes
+        return data
 
 
 def _pipe_with(data: bytes) -> int:
@@ -291,18 +308,21 @@ class BubblewrapRuntime(SpecRuntime):
         out |= {Requirement.CPU_TIME, Requirement.FILE_SIZE}
         return frozenset(out)
 
-    def plan(self, spec: Spec) -> LaunchPlan:
+    def plan(self, spec: Spec) -> BwrapPlan:
+        """:func:`bwrap_argv` with the placeholder fds (:class:`LaunchFds`) that
+        :meth:`execute` fills with its pipe ends; bwrap's own environment and cwd."""
         host = self.host_for(spec)
-        return LaunchPlan(backend=self.id, argv=bwrap_argv(spec, host), cwd="/",
-                          notes=plan_notes(spec, host))
+        return BwrapPlan(backend=self.id, argv=bwrap_argv(spec, host), env=self._launcher_env(),
+                         cwd="/", spec=spec, host=host)
 
     # ------------------------------------------------------------------ lifecycle
-    async def prepare(self, ctx: PrepareContext) -> None:
-        await super().prepare(ctx)
+    async def prepare(self, task: ResolvedTask) -> ResolvedTask:
+        task = await super().prepare(task)
         assert self.task_spec is not None
         check_spec(self.task_spec)
-        self._scratch = make_task_scratch(ctx.task_id)
+        self._scratch = make_task_scratch(task.ctx.task_id)
         self._warm(self.compile(["true"], RunOptions()))
+        return task
 
     def _warm(self, spec: Spec) -> None:
         """What every command of the task shares, done once: the seccomp BPF (libseccomp),
@@ -339,11 +359,14 @@ class BubblewrapRuntime(SpecRuntime):
                     env[key] = self.env[key]
         return env
 
-    async def execute(self, spec: Spec, opts: RunOptions) -> RunResult:
-        if self._scratch is None:
+    async def execute(self, plan: LaunchPlan, opts: RunOptions) -> RunResult:
+        launch_plan = own_plan(self, plan, BwrapPlan)
+        spec, host = launch_plan.spec, launch_plan.host
+        if self._scratch is None or host.egress_resolv_conf == RESOLV_PLACEHOLDER:
             raise SandboxSetupError("runtime 'bubblewrap' was not prepared",
-                                    "run() came before prepare()", "call prepare(ctx) first")
-        host = self.host_for(spec)
+                                    "the plan was made before prepare()",
+                                    "call prepare(ctx) first, then plan the command")
+        assert launch_plan.argv is not None
         limits = CgroupLimits.from_spec(spec)
         hooks = needs_launch_hooks(spec, host)
         group: Cgroup | None = None
@@ -372,8 +395,8 @@ class BubblewrapRuntime(SpecRuntime):
                             status=status_fd)
             args_r, args_w = os.pipe()
             passed.append(args_r)
-            launch, options = args_launch(bwrap_argv(spec, host, fds), spec, host, args_r,
-                                          status_fd)
+            launch, options = args_launch(with_fds(launch_plan.argv, spec, fds), spec, host,
+                                          args_r, status_fd)
             rlimits = spec_rlimits(spec)
             pending.append(args_w)
             args_w = None
@@ -388,8 +411,8 @@ class BubblewrapRuntime(SpecRuntime):
 
             run = asyncio.create_task(run_process(
                 launch,
-                env=self._launcher_env(),
-                cwd="/",
+                env=launch_plan.env,
+                cwd=launch_plan.cwd,
                 stdin=opts.stdin,
                 timeout_s=opts.timeout_ms / 1000,
                 max_buffer=opts.max_buffer,

@@ -266,6 +266,33 @@ def sandbox_command(spec: Spec, status: int | str = STATUS_FD) -> list[str]:
     return [EXEC_STATUS_IN_SANDBOX, "--exec-status", str(status), "--", *spec["process"]["args"]]
 
 
+def with_fds(argv: Sequence[str], spec: Spec, fds: LaunchFds) -> list[str]:
+    """:func:`bwrap_argv`'s command (made with the placeholder :class:`LaunchFds`) with the
+    launch's own pipe ends in place of the placeholders. Pure.
+
+    By position, not by value: the fd options sit right before ``--clearenv``, whose place is
+    counted from the end (``--setenv`` triples, ``--chdir DIR``, ``--``, the args), so an
+    environment value or argument that reads like a placeholder is never touched.
+    """
+    out = list(argv)
+    command = sandbox_command(spec)
+    end = len(out) - len(command) - 1  # bwrap's own "--"
+    if end < 0 or out[end + 1:end + 5] != command[:4]:
+        raise ValueError("the bwrap command line does not match its spec")
+    out[end + 3] = str(fds.status)
+    clear = end - 2 - 3 * len(spec_env(spec)) - 1
+    if clear < 0 or out[clear] != "--clearenv":
+        raise ValueError("the bwrap command line does not match its spec")
+    at = clear
+    if at >= 2 and out[at - 2] == "--seccomp" and out[at - 1] == SECCOMP_FD:
+        out[at - 1] = str(fds.seccomp)
+        at -= 2
+    if at >= 4 and out[at - 4] == "--info-fd" and out[at - 3] == INFO_FD \
+            and out[at - 2] == "--block-fd" and out[at - 1] == BLOCK_FD:
+        out[at - 3], out[at - 1] = str(fds.info), str(fds.block)
+    return out
+
+
 def seccomp_program(spec: Spec) -> bytes | None:
     """The spec's seccomp profile as the classic BPF bwrap reads from ``--seccomp``, compiled
     by libseccomp (deterministic: same profile, same program)."""

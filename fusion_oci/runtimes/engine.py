@@ -22,7 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fusion_oci.engines import (
     ContainerGoneError,
@@ -71,6 +71,9 @@ from fusion_oci.runtimes.containers import (
     spec_image,
 )
 from fusion_oci.runtimes.engine_probe import EngineProbe, current_owner, nproc_limit
+
+if TYPE_CHECKING:
+    from fusion_oci.resolve import ResolvedTask
 
 T = TypeVar("T")
 
@@ -158,6 +161,7 @@ class ContainerRuntime(EngineProbe):
             argv=exec_plan.cmd,
             notes=[*plan.notes, *(f"volume {v.name} -> {v.destination} ({v.scope})"
                                   for v in plan.volumes)],
+            spec=spec,
         )
 
     # -- async plumbing -------------------------------------------------------------------
@@ -180,9 +184,10 @@ class ContainerRuntime(EngineProbe):
 
     # -- lifecycle ------------------------------------------------------------------------
 
-    async def prepare(self, ctx: PrepareContext) -> None:
+    async def prepare(self, task: ResolvedTask) -> ResolvedTask:
         await self._call_probe()
-        await super().prepare(ctx)
+        await super().prepare(task)
+        ctx = task.ctx
         assert self.task_spec is not None
         # The image the resolve step chose (context, settings, else this backend's default),
         # provisioned; the task then runs on its local reference.
@@ -192,6 +197,8 @@ class ContainerRuntime(EngineProbe):
         await self._collect_own_garbage(ctx.task_id)
         if self.mode == "warm":
             self._container = await self._start_container()
+        assert self.resolved is not None
+        return self.resolved  # on the provisioned image
 
     def _write_seccomp(self, spec: Spec) -> None:
         """podman takes the bundle's seccomp profile only as a file: write it where
@@ -276,7 +283,8 @@ class ContainerRuntime(EngineProbe):
         with contextlib.suppress(FusionOCIError):
             await self._call("container remove", lambda: adapter.remove(cid))
 
-    async def execute(self, spec: Spec, opts: RunOptions) -> RunResult:
+    async def execute(self, plan: LaunchPlan, opts: RunOptions) -> RunResult:
+        spec = plan.spec
         async with self._lock:
             if self.mode == "warm":
                 if self._container is None:

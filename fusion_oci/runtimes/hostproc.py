@@ -12,13 +12,16 @@ from __future__ import annotations
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fusion_oci.models import PrepareContext, RunOptions, RunResult
+from fusion_oci.models import RunOptions, RunResult
 from fusion_oci.oci.spec import SANDBOX_HOME, Spec, spec_env
 from fusion_oci.process import reaper_argv, run_process
 from fusion_oci.runtimes.base import SpecRuntime
 from fusion_oci.scratch import make_scratch
+
+if TYPE_CHECKING:
+    from fusion_oci.resolve import ResolvedTask
 
 PLACEHOLDER_HOME = "<private-home>"
 PLACEHOLDER_TMP = "<private-tmp>"
@@ -64,13 +67,14 @@ class HostProcessRuntime(SpecRuntime):
             return PLACEHOLDER_HOME, PLACEHOLDER_TMP
         return str(self._scratch / "home"), str(self._scratch / "tmp")
 
-    async def prepare(self, ctx: PrepareContext) -> None:
-        await super().prepare(ctx)
+    async def prepare(self, task: ResolvedTask) -> ResolvedTask:
+        task = await super().prepare(task)
         if not self.private_dirs:
-            return
-        self._scratch = make_scratch(self.id, ctx.task_id)
+            return task
+        self._scratch = make_scratch(self.id, task.ctx.task_id)
         for sub in ("home", "tmp"):
             (self._scratch / sub).mkdir(mode=0o700)
+        return task
 
     def launch_argv(self, argv: Sequence[str], spec: Spec) -> list[str]:
         """What really runs: argv under the subreaper shim, with the spec's rlimits."""

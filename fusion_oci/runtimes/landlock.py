@@ -50,22 +50,19 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fusion_oci.errors import PolicyNotEnforceableError, SandboxSetupError
-from fusion_oci.models import (
-    NetworkMode,
-    PrepareContext,
-    RunOptions,
-    RunResult,
-    SandboxCapabilities,
-)
+from fusion_oci.models import NetworkMode, RunOptions, RunResult, SandboxCapabilities
 from fusion_oci.oci.seccomp import compile_bpf
 from fusion_oci.oci.spec import ANN_IMAGE, SANDBOX_HOME, Spec, spec_network
 from fusion_oci.policy.layout import task_project
 from fusion_oci.process import reaper_argv, run_process
-from fusion_oci.runtimes.base import Availability, LaunchPlan, Requirement
+from fusion_oci.runtimes.base import Availability, LaunchPlan, Requirement, own_plan
 from fusion_oci.runtimes.hostproc import HostProcessRuntime, native_env, native_rlimits
+
+if TYPE_CHECKING:
+    from fusion_oci.resolve import ResolvedTask
 
 # Landlock access rights (include/uapi/linux/landlock.h), and the ABI that introduced each.
 FS_RIGHTS: dict[str, tuple[int, int]] = {
@@ -307,6 +304,15 @@ def userns_problem() -> str:
 CONFINE_FAILED = b"fusion-oci: cannot confine the command"
 
 
+@dataclass(frozen=True)
+class LandlockPlan(LaunchPlan):
+    """A landlock launch plan, with the ruleset its launch file holds (execute writes that
+    file, then runs the argv; neither is in :meth:`to_json`, the notes say it in words)."""
+
+    rules: LandlockRules = field(kw_only=True, repr=False, compare=False)
+    launch_file: str = field(kw_only=True, repr=False, compare=False)
+
+
 class LandlockRuntime(HostProcessRuntime):
     id = "landlock"
 
@@ -375,7 +381,9 @@ class LandlockRuntime(HostProcessRuntime):
         argv.insert(argv.index("--"), f"SANDBOX={launch}")
         return argv
 
-    def plan(self, spec: Spec) -> LaunchPlan:
+    def plan(self, spec: Spec) -> LandlockPlan:
+        """What :meth:`execute` runs, with the number of its launch file taken now (two
+        commands planned before either runs never share one)."""
         home, tmp = self._dirs()
         rules = self.rules(spec)
         abi = host_abi()
@@ -389,16 +397,22 @@ class LandlockRuntime(HostProcessRuntime):
         ]
         notes += [f"not read-only during the command (restored after it): {p}"
                   for p in rules.restored]
-        return LaunchPlan(
+        self._launches += 1
+        launch = self._launch_file(self._launches)
+        return LandlockPlan(
             backend=self.id,
-            argv=self.launch_command(spec, self._launch_file(self._launches + 1)),
+            argv=self.launch_command(spec, launch),
             env=native_env(spec, home, tmp),
             cwd=spec["process"]["cwd"],
             notes=notes,
+            spec=spec,
+            rules=rules,
+            launch_file=launch,
         )
 
-    async def prepare(self, ctx: PrepareContext) -> None:
-        await super().prepare(ctx)
+    async def prepare(self, task: ResolvedTask) -> ResolvedTask:
+        task = await super().prepare(task)
+        ctx = task.ctx
         try:
             assert self.task_spec is not None
             if self.task_spec["annotations"].get(ANN_IMAGE):
@@ -430,36 +444,38 @@ class LandlockRuntime(HostProcessRuntime):
                               "command)" for p in probe.restored)
                 self.layout = replace(self.layout,
                                       unprotected=(*self.layout.unprotected, *extra))
+                self.resolved = task = replace(task, layout=self.layout)
         except BaseException:
             await self.dispose()
             raise
+        return task
 
-    async def execute(self, spec: Spec, opts: RunOptions) -> RunResult:
-        if self._scratch is None:
+    async def execute(self, plan: LaunchPlan, opts: RunOptions) -> RunResult:
+        launch_plan = own_plan(self, plan, LandlockPlan)
+        spec, rules = launch_plan.spec, launch_plan.rules
+        launch = Path(launch_plan.launch_file)
+        if self._scratch is None or launch.parent != self._scratch:
             raise SandboxSetupError(f"runtime '{self.id}' was not prepared",
-                                    "run() came before prepare()", "call prepare(ctx) first")
+                                    "the plan was made before prepare()",
+                                    "call prepare(ctx) first, then plan the command")
+        assert launch_plan.argv is not None and launch_plan.env is not None
         import platform
 
         from fusion_oci.runtimes.linux import snapshot
 
-        home, tmp = self._dirs()
-        rules = self.rules(spec)
         config = launch_config(rules, host_abi(), platform.machine())
         kept = snapshot.take(rules.restored, holes=rules.holes)
         # Beside HOME and TMPDIR, not in them: the command cannot read or change it.
-        self._launches += 1
-        launch = Path(self._scratch) / f"launch-{self._launches}"
-        launch.write_text(launch_text(config), encoding="utf-8")
+        _write_launch(launch, launch_text(config))
         try:
-            argv = self.launch_command(spec, str(launch))
             outcome = await run_process(
-                argv, env=native_env(spec, home, tmp), cwd=spec["process"]["cwd"],
+                launch_plan.argv, env=launch_plan.env, cwd=launch_plan.cwd,
                 stdin=opts.stdin, timeout_s=opts.timeout_ms / 1000,
                 max_buffer=opts.max_buffer, term_group=False,
                 on_output=opts.on_output, keep_output=opts.keep_output,
             )
         finally:
-            launch.unlink(missing_ok=True)
+            _remove_launch(launch)
             # The command's whole tree has ended: nothing can race the restore.
             changed = snapshot.restore(kept)
         notes = []
@@ -479,3 +495,11 @@ class LandlockRuntime(HostProcessRuntime):
                 "see `fusion-oci doctor` for this kernel's Landlock ABI",
             )
         return self.result(outcome, spec)
+
+
+def _write_launch(path: Path, text: str) -> None:
+    path.write_text(text, encoding="utf-8")  # a few KiB in the task's scratch: not worth a thread
+
+
+def _remove_launch(path: Path) -> None:
+    path.unlink(missing_ok=True)

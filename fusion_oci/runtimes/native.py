@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fusion_oci.agent.client import BINARY_NAME, BUILD_HINT, Agent, agent_binary
 from fusion_oci.agent.protocol import Spawn
 from fusion_oci.errors import SandboxSetupError
 from fusion_oci.models import (
-    PrepareContext,
     RunOptions,
     RunResult,
     SandboxCapabilities,
@@ -32,6 +31,9 @@ from fusion_oci.models import (
 from fusion_oci.oci.spec import Spec, allowed_env
 from fusion_oci.runtimes.base import Availability, LaunchPlan, Requirement
 from fusion_oci.runtimes.hostproc import HostProcessRuntime, native_rlimits
+
+if TYPE_CHECKING:
+    from fusion_oci.resolve import ResolvedTask
 
 __all__ = ["NativeRuntime", "native_rlimits", "status_quo_env"]
 
@@ -109,7 +111,8 @@ class NativeRuntime(HostProcessRuntime):
                 env=self._env(None), cwd=spec["process"]["cwd"],
                 notes=["runs on the host as the caller (the status quo), under the reaper shim",
                        "rlimits: " + ", ".join(f"{n}={s}/{h}" for n, s, h in
-                                               native_rlimits(spec))])
+                                               native_rlimits(spec))],
+                spec=spec)
         spawn = native_spawn(spec, self._env(None))
         return LaunchPlan(
             backend=self.id,
@@ -125,14 +128,17 @@ class NativeRuntime(HostProcessRuntime):
                 "the spawn frame's fields above; a keeper per run ends the whole tree",
                 "rlimits: " + ", ".join(f"{n}={s}/{h}" for n, s, h in native_rlimits(spec)),
             ],
+            spec=spec,
         )
 
-    async def prepare(self, ctx: PrepareContext) -> None:
-        await super().prepare(ctx)
+    async def prepare(self, task: ResolvedTask) -> ResolvedTask:
+        task = await super().prepare(task)
         if self.uses_agent and self._agent is None:
             self._agent = await Agent.start_local()
+        return task
 
-    async def execute(self, spec: Spec, opts: RunOptions) -> RunResult:
+    async def execute(self, plan: LaunchPlan, opts: RunOptions) -> RunResult:
+        spec = plan.spec
         if not self.uses_agent:
             return await self.run_reaped(spec["process"]["args"], self._env(opts), spec, opts)
         if self._agent is None:

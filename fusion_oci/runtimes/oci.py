@@ -29,23 +29,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fusion_oci.errors import FusionOCIError, SandboxSetupError
-from fusion_oci.models import (
-    NetworkMode,
-    PrepareContext,
-    RunOptions,
-    RunResult,
-    SandboxCapabilities,
-)
+from fusion_oci.models import RunOptions, RunResult, SandboxCapabilities
 from fusion_oci.oci.bundle import write_bundle
 from fusion_oci.oci.ops import EgressHook, with_init
 from fusion_oci.oci.spec import ANN_IMAGE, ANN_RUN, ANN_TASK, Spec
 from fusion_oci.process import ProcessOutcome, run_process
 from fusion_oci.runtimes.base import (
     Availability,
+    LaunchPlan,
     LimitCounters,
     Requirement,
     SpecRuntime,
     classify,
+    own_plan,
     status_from_code,
 )
 from fusion_oci.runtimes.linux.cgroups import (
@@ -67,7 +63,6 @@ from fusion_oci.runtimes.ocicli.launch import (
     egress_launch_argv,
     exec_failure_status,
     is_gvisor,
-    network_of,
     run_argv,
     runtime_flags,
 )
@@ -94,6 +89,7 @@ __all__ = [  # the names other modules and tests import from here
 if TYPE_CHECKING:
     from fusion_oci.oci.host import HostInfo
     from fusion_oci.policy.settings import SandboxSettings
+    from fusion_oci.resolve import ResolvedTask
 
 KEEP_FLAG_RUNTIMES = frozenset({"runc", "crun"})
 """Runtimes whose ``run`` takes ``--keep`` (the others delete the cgroup before we can read it)
@@ -264,14 +260,6 @@ class OciRuntime(SpecRuntime):
 
     # -- the one translation
 
-    def check(self, spec: Spec) -> list[str]:
-        """The parts of ``spec`` this runtime cannot enforce here (the lifecycle refuses them;
-        execute does not ask again). Pure given the probed host."""
-        out = []
-        if network_of(spec) is NetworkMode.EGRESS and not self.egress_status()[0]:
-            out.append(Requirement.NETWORK_EGRESS.value)
-        return out
-
     def _launch(self, spec: Spec, seq: int) -> Launch:
         ann = spec["annotations"]
         task_dir = self._task.dir if self._task is not None else self.state_base / \
@@ -291,8 +279,11 @@ class OciRuntime(SpecRuntime):
         return _launch.build_launch(spec, host, seq)
 
     def plan(self, spec: Spec) -> OciLaunchPlan:
-        """Exactly what :meth:`execute` would write and run for ``spec`` as the next command."""
-        return self._launch(spec, self._seq + 1).plan(self.id)
+        """Exactly what :meth:`execute` writes and runs for ``spec``: the launch of the next
+        command number, taken now, so two commands planned before either runs never share a
+        container id or bundle directory."""
+        self._seq += 1
+        return self._launch(spec, self._seq).plan(self.id, spec)
 
     def _find_unshare(self) -> str:
         if self._unshare is None:
@@ -301,8 +292,9 @@ class OciRuntime(SpecRuntime):
 
     # -- lifecycle
 
-    async def prepare(self, ctx: PrepareContext) -> None:
-        await super().prepare(ctx)
+    async def prepare(self, task: ResolvedTask) -> ResolvedTask:
+        task = await super().prepare(task)
+        ctx = task.ctx
         binary = self._find_binary()
         if binary is None:
             avail = self.availability()
@@ -329,6 +321,7 @@ class OciRuntime(SpecRuntime):
         except BaseException:
             await self.dispose()
             raise
+        return task
 
     def _require_task(self) -> tuple[TaskState, str]:
         if self._task is None or self.ctx is None or self._binary is None:
@@ -336,10 +329,13 @@ class OciRuntime(SpecRuntime):
                                     "run() came before prepare()", "call prepare(ctx) first")
         return self._task, self._binary
 
-    async def execute(self, spec: Spec, opts: RunOptions) -> RunResult:
+    async def execute(self, plan: LaunchPlan, opts: RunOptions) -> RunResult:
         task, binary = self._require_task()
-        self._seq += 1
-        launch = self._launch(spec, self._seq)
+        spec, launch = plan.spec, own_plan(self, plan, OciLaunchPlan).launch
+        if not launch.bundle_dir.is_relative_to(task.dir):
+            raise SandboxSetupError(f"runtime '{self.id}' was not prepared",
+                                    "the plan was made before prepare()",
+                                    "call prepare(ctx) first, then plan the command")
         link = None
         if launch.egress is not None:
             link = EgressLink(launch.egress, launch.bundle_dir.with_suffix(".slirp.log"))

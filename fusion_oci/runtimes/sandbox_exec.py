@@ -14,16 +14,21 @@ so ``fusion-oci plan --backend sandbox-exec`` can show the profile anywhere.
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fusion_oci.errors import BundleError, RuntimeUnavailableError
-from fusion_oci.models import PrepareContext, RunOptions, RunResult, SandboxCapabilities
+from fusion_oci.models import RunOptions, RunResult, SandboxCapabilities
 from fusion_oci.oci.spec import ANN_IMAGE, Spec
-from fusion_oci.runtimes.base import Availability, LaunchPlan, Requirement
+from fusion_oci.process import run_process
+from fusion_oci.runtimes.base import Availability, LaunchPlan, Requirement, own_plan
 from fusion_oci.runtimes.hostproc import HostProcessRuntime, native_env, native_rlimits
 from fusion_oci.runtimes.seatbelt import SANDBOX_EXEC, SeatbeltProfile, seatbelt_profile
+
+if TYPE_CHECKING:
+    from fusion_oci.resolve import ResolvedTask
 
 MAC_EXTRA_PATH = ("/opt/homebrew/bin", "/opt/homebrew/sbin")
 """Where Homebrew puts node, pnpm and git on Apple silicon (Intel's /usr/local is already on
@@ -37,6 +42,28 @@ def mac_env(spec: Spec, home: str, tmp: str) -> dict[str, str]:
     parts = env.get("PATH", "").split(":")
     env["PATH"] = ":".join([*parts, *(p for p in MAC_EXTRA_PATH if p not in parts)])
     return env
+
+
+def with_params(argv: Sequence[str], planned: SeatbeltProfile,
+                launched: SeatbeltProfile) -> list[str]:
+    """The planned argv with ``launched``'s ``-D`` parameters in place of ``planned``'s (the
+    same names; values with their symlinks resolved). Pure; by position, right after
+    ``sandbox-exec -p PROFILE``, so the command's own words are never touched."""
+    out = list(argv)
+    at = out.index(SANDBOX_EXEC) + 3
+    old, new = planned.parameter_args(), launched.parameter_args()
+    if out[at - 2:at] != ["-p", planned.text] or out[at:at + len(old)] != old \
+            or len(new) != len(old):
+        raise ValueError("the sandbox-exec command line does not match its profile")
+    out[at:at + len(old)] = new
+    return out
+
+
+@dataclass(frozen=True)
+class SeatbeltPlan(LaunchPlan):
+    """A sandbox-exec launch plan, with the profile whose parameters execute resolves."""
+
+    profile: SeatbeltProfile = field(kw_only=True, repr=False, compare=False)
 
 
 class SandboxExecRuntime(HostProcessRuntime):
@@ -96,11 +123,12 @@ class SandboxExecRuntime(HostProcessRuntime):
         return seatbelt_profile(spec, caller_home=self.env.get("HOME"), scratch_home=home,
                                 scratch_tmp=tmp)
 
-    def plan(self, spec: Spec) -> LaunchPlan:
+    def plan(self, spec: Spec) -> SeatbeltPlan:
         """argv is what :meth:`execute` runs (the subreaper shim with the spec's rlimits, then
         sandbox-exec with the profile text as its ``-p`` word), but for one step: execute
-        resolves the parameters' symlinks on the Mac, as Seatbelt matches resolved paths.
-        Notes hold the profile again, line by line. Pure: works on any platform."""
+        resolves the parameters' symlinks on the Mac, as Seatbelt matches resolved paths
+        (:func:`with_params`). Notes hold the profile again, line by line. Pure: works on
+        any platform."""
         home, tmp = self._dirs()
         profile = self.profile(spec)
         notes = [
@@ -116,33 +144,41 @@ class SandboxExecRuntime(HostProcessRuntime):
         notes += ["parameters (symlinks resolved at launch):",
                   *(f"  {k}={v}" for k, v in profile.params), "profile:",
                   *("  " + line for line in profile.text.splitlines())]
-        return LaunchPlan(
+        return SeatbeltPlan(
             backend=self.id,
             argv=self.launch_argv(profile.argv(list(spec["process"]["args"])), spec),
             env=mac_env(spec, home, tmp),
             cwd=spec["process"]["cwd"],
             notes=notes,
+            spec=spec,
+            profile=profile,
         )
 
     # -- lifecycle
 
-    async def prepare(self, ctx: PrepareContext) -> None:
+    async def prepare(self, task: ResolvedTask) -> ResolvedTask:
         avail = self.availability()
         if not avail.available:
             raise RuntimeUnavailableError(self.id, avail.reason, avail.hint)
-        await super().prepare(ctx)
+        task = await super().prepare(task)
         assert self.task_spec is not None
         if image := self.task_spec["annotations"].get(ANN_IMAGE):
             await self.dispose()
             raise BundleError(f"sandbox-exec cannot run image {image}",
                               "it sandboxes the host's own tools; images need a container",
                               "drop sandbox.image, or choose docker or podman")
+        return task
 
-    async def execute(self, spec: Spec, opts: RunOptions) -> RunResult:
-        home, tmp = self._dirs()
-        profile = self.profile(spec)
+    async def execute(self, plan: LaunchPlan, opts: RunOptions) -> RunResult:
+        launch = own_plan(self, plan, SeatbeltPlan)
+        assert launch.argv is not None and launch.env is not None
         # Seatbelt matches resolved paths: resolve any other symlinks now (plan() stays pure;
         # canonical_path already took /var, /tmp and /etc to /private).
-        resolved = profile.resolved()
-        return await self.run_reaped(resolved.argv(list(spec["process"]["args"])),
-                                     mac_env(spec, home, tmp), spec, opts)
+        argv = with_params(launch.argv, launch.profile, launch.profile.resolved())
+        outcome = await run_process(
+            argv, env=launch.env, cwd=launch.cwd, stdin=opts.stdin,
+            timeout_s=opts.timeout_ms / 1000, max_buffer=opts.max_buffer,
+            on_output=opts.on_output, keep_output=opts.keep_output,
+            term_group=False,  # the shim ends the tree itself, then dies by the same signal
+        )
+        return self.result(outcome, launch.spec)

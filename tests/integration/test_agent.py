@@ -457,17 +457,26 @@ async def test_as_pid_1_of_a_pid_namespace_it_reaps_and_ends_trees(tmp_path: Pat
             await proc.wait()
 
 
-async def test_the_reaper_path_stays_for_platforms_without_the_agent(worktree: Path) -> None:
+async def test_the_reaper_path_stays_for_platforms_without_the_agent(worktree: Path,
+                                                                    tmp_path: Path) -> None:
     from fusion_oci.models import PrepareContext, RunOptions
     from fusion_oci.policy.settings import SandboxSettings
     from fusion_oci.runtimes.native import NativeRuntime
 
+    from fusion_oci.oci.host import probe_host
+    from fusion_oci.resolve import compile_spec, resolve
+
     runtime = NativeRuntime(SandboxSettings(), dict(os.environ))
     runtime.uses_agent = False  # what macOS gets
-    await runtime.prepare(PrepareContext(task_id="t", run_id="r", worktree_path=str(worktree)))
+    ctx = PrepareContext(task_id="t", run_id="r", worktree_path=str(worktree),
+                         project_dir=str(tmp_path / "project"))
+    task = await runtime.prepare(resolve(SandboxSettings(), ctx, probe_host(),
+                                         env=dict(os.environ), cache_root=tmp_path / "cache"))
     try:
         assert runtime._agent is None
-        r = await runtime.run("echo shim; exit 3", RunOptions())
+        opts = RunOptions()
+        r = await runtime.execute(runtime.plan(compile_spec(task, "echo shim; exit 3", opts)),
+                                  opts)
         assert (r.stdout, r.exit_code) == ("shim\n", 3)
     finally:
         await runtime.dispose()

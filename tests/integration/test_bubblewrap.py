@@ -324,12 +324,12 @@ async def test_an_rlimit_the_host_refuses_is_a_setup_error_and_bwrap_is_gone(
     async with sandbox(tmp_path, worktree, policy) as sb:
         assert (await sb.run("true")).exit_code == 0
         runtime = sb.runtime
-        assert isinstance(runtime, BubblewrapRuntime) and runtime.last_spec is not None
-        spec = copy.deepcopy(runtime.last_spec)
+        assert isinstance(runtime, BubblewrapRuntime) and sb.last_spec is not None
+        spec = copy.deepcopy(sb.last_spec)
         # above fs.nr_open: refused even to root
         spec["process"]["rlimits"] = [{"type": "RLIMIT_NOFILE", "soft": 2**31, "hard": 2**31}]
         with pytest.raises(SandboxSetupError, match="RLIMIT_NOFILE"):
-            await runtime.execute(spec, RunOptions())
+            await runtime.execute(runtime.plan(spec), RunOptions())
         with pytest.raises(ProcessLookupError):  # killed and reaped
             os.kill(launched[-1], 0)
         assert (await sb.run("true")).exit_code == 0

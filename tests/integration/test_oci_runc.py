@@ -172,9 +172,8 @@ async def test_the_plan_is_exactly_what_execute_runs(worktree: Path, policy: Any
     monkeypatch.setattr(oci_module, "write_bundle", real_write)
     async with sandbox(worktree, **policy) as sb:
         rt = oci(sb)
-        spec = rt.compile("echo planned", RunOptions())
-        plan = rt.plan(spec)
-        r = await rt.execute(spec, RunOptions())
+        plan = rt.plan(sb.spec_for("echo planned"))
+        r = await rt.execute(plan, RunOptions())
     assert (r.exit_code, r.stdout) == (0, "planned\n"), r.stderr
     assert ran == [{"argv": plan.argv, "env": plan.env, "cwd": plan.cwd,
                     "bundle": json.loads(json.dumps(plan.bundle))}]
@@ -340,13 +339,14 @@ import asyncio, os, sys
 from pathlib import Path
 from fusion_oci.models import PrepareContext, RunOptions
 from fusion_oci.policy.settings import SandboxSettings
-from fusion_oci.runtimes.oci import OciRuntime
+from fusion_oci.runtimes import oci
+from fusion_oci.sandbox import Sandbox
 
 async def main():
-    rt = OciRuntime(SandboxSettings(backend="oci"), dict(os.environ))
-    rt.state_base = Path(sys.argv[1])
-    await rt.prepare(PrepareContext(task_id="crash", run_id="r1", worktree_path=sys.argv[2]))
-    await rt.run(f"sh -c 'sleep 1000' {os.environ['MARKER']}; :", RunOptions())
+    oci.state_base = lambda env, uid: Path(sys.argv[1])
+    sb = Sandbox(SandboxSettings(backend="oci"))
+    await sb.prepare(PrepareContext(task_id="crash", run_id="r1", worktree_path=sys.argv[2]))
+    await sb.run(f"sh -c 'sleep 1000' {os.environ['MARKER']}; :", RunOptions())
 
 asyncio.run(main())
 """

@@ -16,7 +16,7 @@ import pytest
 
 from fusion_oci.cli.task import TaskFlags, resolve_task
 from fusion_oci.models import RunOptions
-from fusion_oci.runtimes.registry import create_runtime
+from fusion_oci.sandbox import Sandbox
 
 pytestmark = pytest.mark.bubblewrap
 
@@ -36,20 +36,17 @@ def cli(worktree: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def run_path_spec(worktree: Path, *, host_ca: str, ctx_ca: str | None = None) -> Any:
-    """The spec `run` executes: the runtime's prepare (the resolve step) and compile."""
+    """The spec `run` executes: the lifecycle's prepare (the resolve step) and compile."""
     env = environ(worktree)
     task = resolve_task(TaskFlags(worktree=worktree, host_ca=host_ca, task_id="t1",
                                   run_id="r1"), env)
     ctx = task.ctx if ctx_ca is None else task.ctx.model_copy(update={"host_ca_bundle": ctx_ca})
     settings = task.effective.settings
-    runtime: Any = create_runtime(settings.backend, settings, env)
 
     async def go() -> Any:
-        await runtime.prepare(ctx)
-        try:
-            return runtime.compile(COMMAND, task.opts)
-        finally:
-            await runtime.dispose()
+        async with Sandbox(settings, env=env) as sb:
+            await sb.prepare(ctx)
+            return sb.spec_for(COMMAND, task.opts)
 
     return asyncio.run(go())
 

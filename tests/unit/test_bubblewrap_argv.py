@@ -22,6 +22,7 @@ from fusion_oci.runtimes.bubblewrap import (
     seccomp_program,
     spec_rlimits,
     split_status,
+    with_fds,
 )
 from fusion_oci.runtimes.linux import cgroups, egress, userns
 from fusion_oci.runtimes.linux.cgroups import CgroupLimits
@@ -358,3 +359,26 @@ def test_args_launch_moves_the_options_to_the_args_fd() -> None:
     launch, _ = args_launch(bwrap_argv(spec, systemd), spec, systemd, 5)
     assert launch[0] == "/usr/bin/systemd-run" and launch[-11:-8] == ["/usr/bin/bwrap", "--args",
                                                                       "5"]
+
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_execute_fills_the_planned_argv_with_its_fds(name: str) -> None:
+    """What runs is the plan with the launch's pipe ends in the placeholders' places: equal
+    to the translation made with those fds, whatever the policy (hooks, seccomp or not)."""
+    spec = spec_for(name)
+    fds = LaunchFds(info=11, block=12, seccomp=13, status=14)
+    assert with_fds(bwrap_argv(spec, BWRAP_HOST), spec, fds) == bwrap_argv(spec, BWRAP_HOST, fds)
+
+
+def test_fds_are_filled_by_position_never_in_env_or_args() -> None:
+    spec = spec_for("locked-down", "echo '<seccomp-fd>' --seccomp")
+    spec["process"]["env"].append("TRAP=<info-fd>")
+    argv = with_fds(bwrap_argv(spec, BWRAP_HOST), spec, LaunchFds(info=7, block=8, seccomp=9))
+    assert argv[argv.index("--seccomp") + 1] == "9"
+    assert argv[argv.index("--info-fd") + 1] == "7"
+    at = argv.index("TRAP")
+    assert argv[at - 1:at + 2] == ["--setenv", "TRAP", "<info-fd>"]
+    assert argv[-3:] == ["/bin/sh", "-c", "echo '<seccomp-fd>' --seccomp"]
+    with pytest.raises(ValueError):
+        with_fds(bwrap_argv(spec, BWRAP_HOST)[:-1], spec, LaunchFds())

@@ -19,6 +19,7 @@ from fusion_oci.models import (
 from fusion_oci.oci import spec as spec_module
 from fusion_oci.oci.spec import (
     ANN_NETWORK,
+    Spec,
     compile_spec,
     spec_cache_mode,
     spec_network,
@@ -103,9 +104,9 @@ def test_every_annotation_is_listed_in_the_docs_table() -> None:
 
 def test_the_lifecycle_refuses_a_task_spec_the_runtime_does_not_enforce() -> None:
     """The check against the spec: a memory limit in the task spec that the runtime cannot
-    hold is refused after prepare, whatever the policy said."""
+    hold is refused (before prepare, and before each command), whatever the policy said."""
     from fusion_oci.errors import PolicyNotEnforceableError
-    from fusion_oci.runtimes.base import Requirement
+    from fusion_oci.runtimes.base import Requirement, unenforced_in
     from fusion_oci.sandbox import Sandbox
 
     spec = compile_spec(ctx(SandboxPolicy(allow_network=False, memory_limit_mb=64)), LAYOUT,
@@ -113,15 +114,13 @@ def test_the_lifecycle_refuses_a_task_spec_the_runtime_does_not_enforce() -> Non
 
     class Holds:
         id = "fake"
-        task_spec = spec
 
-        def enforces(self) -> frozenset[Requirement]:
-            return frozenset({Requirement.FILESYSTEM, Requirement.PROC_PATHS,
-                              Requirement.ENV, Requirement.NETWORK_NONE})
+        def check(self, spec: Spec) -> list[str]:
+            return unenforced_in(spec, frozenset({Requirement.FILESYSTEM, Requirement.PROC_PATHS,
+                                                  Requirement.ENV, Requirement.NETWORK_NONE}))
 
     with pytest.raises(PolicyNotEnforceableError) as refused:
-        Sandbox(SandboxSettings())._check_spec(Holds())  # type: ignore[arg-type]
+        Sandbox(SandboxSettings())._check_spec(Holds(), spec)  # type: ignore[arg-type]
     assert refused.value.unenforced == ["memoryLimitMb"]
-    Holds.task_spec = compile_spec(ctx(SandboxPolicy(allow_network=False)), LAYOUT,
-                                   GOLDEN_HOST, "true", RunOptions(), {})
-    Sandbox(SandboxSettings())._check_spec(Holds())  # type: ignore[arg-type]
+    Sandbox(SandboxSettings())._check_spec(Holds(), compile_spec(  # type: ignore[arg-type]
+        ctx(SandboxPolicy(allow_network=False)), LAYOUT, GOLDEN_HOST, "true", RunOptions(), {}))

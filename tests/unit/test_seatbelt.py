@@ -408,10 +408,13 @@ def test_memory_and_pids_are_not_claimed() -> None:
 
 async def test_prepare_off_macos_is_a_clear_unavailable_error(tmp_path: Path) -> None:
     from fusion_oci.errors import RuntimeUnavailableError
+    from fusion_oci.resolve import resolve
 
+    task = resolve(SandboxSettings(), PrepareContext(task_id="t", run_id="r",
+                                                     worktree_path=str(tmp_path)),
+                   MAC_HOST, env={}, cache_root=tmp_path / "cache", create=False)
     with pytest.raises(RuntimeUnavailableError, match="only on macOS"):
-        await runtime().prepare(PrepareContext(task_id="t", run_id="r",
-                                               worktree_path=str(tmp_path)))
+        await runtime().prepare(task)
 
 
 def test_golden_params_are_json(tmp_path: Path) -> None:

@@ -154,16 +154,18 @@ class Launch:
     keep: bool = False
     notes: list[str] = field(default_factory=list)
 
-    def plan(self, backend: str) -> OciLaunchPlan:
+    def plan(self, backend: str, spec: Spec) -> OciLaunchPlan:
         return OciLaunchPlan(backend=backend, argv=self.argv, env=self.env, cwd=self.cwd,
-                             notes=self.notes, bundle=self.bundle)
+                             notes=self.notes, bundle=self.bundle, spec=spec, launch=self)
 
 
 @dataclass(frozen=True)
 class OciLaunchPlan(LaunchPlan):
-    """A launch plan that also carries the bundle (config.json) the runtime CLI gets."""
+    """A launch plan that also carries the bundle (config.json) the runtime CLI gets, and the
+    :class:`Launch` it renders (what execute sets up and runs; not in :meth:`to_json`)."""
 
     bundle: Spec | None = None
+    launch: Launch = field(kw_only=True, repr=False, compare=False)
 
     def to_json(self) -> dict[str, Any]:
         data = super().to_json()
