@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import median_ms, report, run_argv
+from benchmarks.common import median_ms, report, run_argv, write_markdown
 from fusion_oci.models import CpuLimit, PrepareContext, SandboxPolicy
 from fusion_oci.policy.settings import SandboxSettings
 from fusion_oci.sandbox import SyncSandbox
@@ -33,6 +33,7 @@ def api_median(backend: str, policy: SandboxPolicy, wt: str, cache: Path, runs: 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--markdown", help="write this section of docs/performance.md here")
     parser.add_argument("--runs", type=int, default=30)
     args = parser.parse_args()
     none = SandboxPolicy(allow_network=False)
@@ -54,7 +55,10 @@ def main() -> None:
         ]
     report("bubblewrap runtime: per-command overhead over native (Python API, `true`)",
            ("native, SyncSandbox.run (prepared)", native), rows)
-
+    write_markdown(args.markdown, "Bubblewrap runtime: per-command overhead",
+                   "`benchmarks/bench_bubblewrap.py`: `true` through a prepared sandbox "
+                   "beside native "
+                   "and a raw `bwrap`.")
 
 if __name__ == "__main__":
     main()

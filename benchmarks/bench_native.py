@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import median_ms, report, run_argv
+from benchmarks.common import median_ms, report, run_argv, write_markdown
 from fusion_oci.models import PrepareContext
 from fusion_oci.policy.settings import SandboxSettings
 from fusion_oci.sandbox import SyncSandbox
@@ -26,6 +26,7 @@ from fusion_oci.sandbox import SyncSandbox
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--markdown", help="write this section of docs/performance.md here")
     parser.add_argument("--runs", type=int, default=30)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as wt:
@@ -44,7 +45,10 @@ def main() -> None:
         ("CLI: fusion-oci run -- true", cli),
         ("  of which: python + import of the CLI", imp),
     ])
-
+    write_markdown(args.markdown, "Native runtime: per-command overhead",
+                   "`benchmarks/bench_native.py`: `true` through a prepared `SyncSandbox` "
+                   "and the CLI "
+                   "beside `sh -c true` run directly.")
 
 if __name__ == "__main__":
     main()

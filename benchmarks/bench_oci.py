@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import median_ms, run_argv
+from benchmarks.common import markdown_table, median_ms, run_argv, write_markdown
 from fusion_oci.models import PrepareContext, RunOptions, SandboxPolicy
 from fusion_oci.oci.bundle import write_bundle
 from fusion_oci.oci.host import probe_host
@@ -65,6 +65,7 @@ def raw_runc_case(runtime: str, wt: str, tmp: Path, runs: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--markdown", help="write this section of docs/performance.md here")
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--runtime", default="runc")
     args = parser.parse_args()
@@ -99,6 +100,13 @@ def main() -> None:
     for label, value in rows:
         print(f"{label:<48} {value:>10.1f} {value / direct:>8.1f}x {value / native:>8.1f}x "
               f"{value / raw:>6.2f}x")
+    write_markdown(args.markdown, f"OCI runtime ({args.runtime}): per-command overhead",
+                   "`benchmarks/bench_oci.py`: `true` through a prepared sandbox beside a raw "
+                   f"`{args.runtime} run` of a bundle; medians of {args.runs}.",
+                   markdown_table(["case", "median ms", "x direct", "x native", "x raw"],
+                                  [("sh -c true (direct)", direct, "1.00x", "", "")] +
+                                  [(label, v, f"{v / direct:.2f}x", f"{v / native:.2f}x",
+                                    f"{v / raw:.2f}x") for label, v in rows]))
 
 
 if __name__ == "__main__":

@@ -19,13 +19,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import median_ms, report
+from benchmarks.common import median_ms, report, write_markdown
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--markdown", help="write this section of docs/performance.md here")
     parser.add_argument("--runs", type=int, default=20)
     args = parser.parse_args()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -47,7 +48,10 @@ def main() -> None:
             ("fusion-oci run -- true (native, one-off)", timed([*cli, "run", "--", "true"], wt)),
         ]
     report("CLI start-up beside python3 -c pass", ("/usr/bin/python3 -c pass", system), rows)
-
+    write_markdown(args.markdown, "CLI start-up",
+                   "`benchmarks/bench_startup.py`: `fusion-oci --help` "
+                   "and `fusion-oci run -- true` "
+                   "beside `python3 -c pass`.")
 
 if __name__ == "__main__":
     main()
