@@ -37,10 +37,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import markdown_table, write_markdown  # noqa: E402
-from fusion_oci.models import CacheMode, PrepareContext, SandboxPolicy  # noqa: E402
-from fusion_oci.policy.settings import SandboxSettings  # noqa: E402
-from fusion_oci.sandbox import Sandbox  # noqa: E402
+from benchmarks.common import markdown_table, write_markdown
+from fusion_oci.models import CacheMode, PrepareContext, SandboxPolicy
+from fusion_oci.policy.settings import SandboxSettings
+from fusion_oci.sandbox import Sandbox
 
 NONE = SandboxPolicy(allow_network=False)
 
