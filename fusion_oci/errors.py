@@ -9,8 +9,9 @@
     │   ├── RuntimeUnavailableError   backend missing or unusable here     backend-unavailable
     │   ├── PolicyNotEnforceableError the runtime cannot enforce a part    policy-unenforceable
     │   ├── BundleError               a bundle could not be compiled       setup-failed
-    │   └── ProvisionError            an image could not be built/pulled   setup-failed
-    │       └── GateDeniedError (PermissionError)  a gate said no          gate-denied
+    │   ├── ProvisionError            an image could not be built/pulled   setup-failed
+    │   │   └── GateDeniedError (PermissionError)  a gate said no          gate-denied
+    │   └── AgentLostError            the sandbox's exec agent is gone     agent-lost
     ├── CommandTimeoutError (TimeoutError)  only for callers who ask       timeout (124)
     └── EngineError                   a container engine/SDK call failed   engine-error (125)
 
@@ -58,7 +59,7 @@ class FusionOCIError(Exception):
 
 ERROR_KINDS = (
     "bad-settings", "bad-flags", "backend-unavailable", "policy-unenforceable", "gate-denied",
-    "engine-error", "setup-failed", "timeout",
+    "engine-error", "setup-failed", "timeout", "agent-lost",
 )
 
 
@@ -134,3 +135,10 @@ class CommandTimeoutError(FusionOCIError, TimeoutError):
 
     exit_code = 124
     kind = "timeout"
+
+
+class AgentLostError(SandboxSetupError):
+    """The sandbox's exec agent died or its connection broke: the run in flight and every
+    later run of that sandbox fail with this, never hang. Dispose and prepare again."""
+
+    kind = "agent-lost"

@@ -47,14 +47,15 @@ def reaper_argv(
             *limits, "--", *argv]
 
 
-def _signal_name(returncode: int) -> str:
+def signal_name(returncode: int) -> str:
+    """SIGTERM for -15 (a returncode that says a signal ended the process)."""
     try:
         return signal.Signals(-returncode).name
     except ValueError:
         return f"SIG{-returncode}"
 
 
-class _Capture:
+class Capture:
     def __init__(self, limit: int, overflow: asyncio.Event, name: OutputStream = "stdout",
                  on_output: OutputCallback | None = None, keep: bool = True) -> None:
         self.keep = keep
@@ -68,18 +69,21 @@ class _Capture:
 
     async def drain(self, stream: asyncio.StreamReader) -> None:
         while chunk := await stream.read(65536):
-            if self.on_output is not None:
-                self.on_output(self.name, chunk)
-            if not self.keep:
-                continue
-            room = self.limit - self.size
-            if room > 0:
-                self.chunks.append(chunk[:room])
-                self.size += min(room, len(chunk))
-            if len(chunk) > room:
-                # Like Node's exec: past maxBuffer the command is ended.
-                self.truncated = True
-                self.overflow.set()
+            self.feed(chunk)
+
+    def feed(self, chunk: bytes) -> None:
+        if self.on_output is not None:
+            self.on_output(self.name, chunk)
+        if not self.keep:
+            return
+        room = self.limit - self.size
+        if room > 0:
+            self.chunks.append(chunk[:room])
+            self.size += min(room, len(chunk))
+        if len(chunk) > room:
+            # Like Node's exec: past maxBuffer the command is ended.
+            self.truncated = True
+            self.overflow.set()
 
     def data(self) -> bytes:
         return b"".join(self.chunks)
@@ -141,8 +145,8 @@ async def run_process(
         pass_fds=tuple(pass_fds),
     )
     overflow = asyncio.Event()
-    out = _Capture(max_buffer, overflow, "stdout", on_output, keep_output)
-    err = _Capture(max_buffer, overflow, "stderr", on_output, keep_output)
+    out = Capture(max_buffer, overflow, "stdout", on_output, keep_output)
+    err = Capture(max_buffer, overflow, "stderr", on_output, keep_output)
     assert proc.stdout is not None and proc.stderr is not None
     readers = asyncio.gather(out.drain(proc.stdout), err.drain(proc.stderr))
     if stdin is not None and proc.stdin is not None:
@@ -177,7 +181,7 @@ async def run_process(
         stdout=out.data(),
         stderr=err.data(),
         returncode=rc if rc is not None and rc >= 0 else None,
-        signal=_signal_name(rc) if rc is not None and rc < 0 else None,
+        signal=signal_name(rc) if rc is not None and rc < 0 else None,
         timed_out=timed_out,
         truncated=out.truncated or err.truncated,
         duration_ms=int((time.monotonic() - start) * 1000),

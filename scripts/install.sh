@@ -39,6 +39,9 @@ APT_PACKAGES=(
     docker-registry
     # scmp_sys_resolver: the tests cross-check the seccomp syscall table against libseccomp
     seccomp
+    # a C compiler and a static libc: the wheel's build hook (hatch_build.py) compiles the exec
+    # agent (fusion_oci/agent/agent.c) into a static binary
+    gcc libc6-dev
     # gVisor: the oci backend with ociRuntime runsc (a userspace kernel boundary)
     runsc
     # pytest-docker drives compose.yaml (the egress canary) with `docker-compose` when the
@@ -115,6 +118,9 @@ else
     .venv/bin/python -m pip install --quiet -e '.[dev]'
     echo "$want_stamp" >"$STAMP"
 fi
+# The editable install compiled the exec agent; rebuild it when agent.c changed since.
+log "agent: .venv/bin/python hatch_build.py"
+.venv/bin/python hatch_build.py >/dev/null
 
 # --------------------------------------------------------------------------- rootless user
 if ! id -u "$ROOTLESS_USER" >/dev/null 2>&1; then

@@ -5,14 +5,28 @@ HOME, PATH and working directory, unchanged. It isolates nothing and says so: fi
 network, cgroup limits, protected paths and /proc protections are listed as unenforced. What it
 does honour: timeouts and aborts that end the whole process tree, maxBuffer, the spec's rlimits
 (cpuLimit.maxMs, fileSizeLimitMb), and ``envAllowlist`` when the policy sets one.
+
+Every command goes through the sandbox's exec agent (fusion_oci/agent), started at prepare and
+stopped at dispose: no interpreter starts per command. The agent's keeper per run is the
+subreaper that ends the whole tree; :meth:`NativeRuntime.plan` shows the exact spawn frame.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
+from typing import Any
 
-from fusion_oci.models import RunOptions, RunResult, SandboxCapabilities, SandboxPolicy
+from fusion_oci.agent.client import BINARY_NAME, BUILD_HINT, Agent, agent_binary
+from fusion_oci.agent.protocol import Spawn
+from fusion_oci.errors import SandboxSetupError
+from fusion_oci.models import (
+    PrepareContext,
+    RunOptions,
+    RunResult,
+    SandboxCapabilities,
+    SandboxPolicy,
+)
 from fusion_oci.oci.spec import Spec, allowed_env
 from fusion_oci.runtimes.base import Availability, LaunchPlan, Requirement
 from fusion_oci.runtimes.hostproc import HostProcessRuntime, native_rlimits
@@ -33,9 +47,23 @@ def status_quo_env(policy: SandboxPolicy, source: Mapping[str, str]) -> dict[str
     return env
 
 
+PLAN_RUN_ID = "<run>"
+"""The spawn frame's id in a plan (a counter per agent when it runs)."""
+
+
+def native_spawn(spec: Spec, env: Mapping[str, str], run_id: str = PLAN_RUN_ID) -> Spawn:
+    """What the agent is asked to run for this spec: argv, env, cwd, rlimits. Pure."""
+    return Spawn(id=run_id, argv=list(spec["process"]["args"]), env=dict(env),
+                 cwd=spec["process"]["cwd"], rlimits=native_rlimits(spec))
+
+
 class NativeRuntime(HostProcessRuntime):
     id = "native"
     private_dirs = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._agent: Agent | None = None
 
     def capabilities(self) -> SandboxCapabilities:
         return SandboxCapabilities(
@@ -45,8 +73,12 @@ class NativeRuntime(HostProcessRuntime):
         )
 
     def availability(self) -> Availability:
-        return Availability(True, version=f"python {sys.version.split()[0]}",
-                            rootless=None, details={"isolation": "none"})
+        try:
+            binary = agent_binary()
+        except SandboxSetupError as exc:
+            return Availability(False, f"the exec agent is missing: {exc.why}", BUILD_HINT)
+        return Availability(True, version=f"python {sys.version.split()[0]}", rootless=None,
+                            details={"isolation": "none", "agent": str(binary)})
 
     def enforces(self) -> frozenset[Requirement]:
         return frozenset({Requirement.CPU_TIME, Requirement.FILE_SIZE})
@@ -62,17 +94,44 @@ class NativeRuntime(HostProcessRuntime):
         return status_quo_env(policy, source)
 
     def plan(self, spec: Spec) -> LaunchPlan:
+        spawn = native_spawn(spec, self._env(None))
         return LaunchPlan(
             backend=self.id,
-            argv=self.launch_argv(spec["process"]["args"], spec),
-            env=self._env(None),
-            cwd=spec["process"]["cwd"],
+            argv=list(spawn.argv),
+            sdk_call=f"{BINARY_NAME} spawn",
+            sdk_kwargs={"fields": [f"{key}={value}" for key, value in spawn.fields()],
+                        "fds": ["stdin", "stdout", "stderr"]},
+            cwd=spawn.cwd,
             notes=[
                 "runs on the host as the caller (the status quo): no filesystem, network or "
                 "cgroup isolation; the caller's environment unless envAllowlist is set",
+                f"through the sandbox's exec agent ({BINARY_NAME} --fd N, started at prepare): "
+                "the spawn frame's fields above; a keeper per run ends the whole tree",
                 "rlimits: " + ", ".join(f"{n}={s}/{h}" for n, s, h in native_rlimits(spec)),
             ],
         )
 
+    async def prepare(self, ctx: PrepareContext) -> None:
+        await super().prepare(ctx)
+        if self._agent is None:
+            self._agent = await Agent.start_local()
+
     async def execute(self, spec: Spec, opts: RunOptions) -> RunResult:
-        return await self.run_reaped(spec["process"]["args"], self._env(opts), spec, opts)
+        if self._agent is None:
+            raise SandboxSetupError(f"runtime '{self.id}' was not prepared",
+                                    "its exec agent is not running", "call prepare(ctx) first")
+        spawn = native_spawn(spec, self._env(opts))
+        outcome = await self._agent.run(
+            spawn.argv, env=spawn.env, cwd=spawn.cwd, rlimits=spawn.rlimits,
+            stdin=opts.stdin, timeout_s=opts.timeout_ms / 1000, max_buffer=opts.max_buffer,
+            on_output=opts.on_output, keep_output=opts.keep_output,
+        )
+        return self.result(outcome, spec)
+
+    async def dispose(self) -> None:
+        agent, self._agent = self._agent, None
+        try:
+            if agent is not None:
+                await agent.close()
+        finally:
+            await super().dispose()

@@ -1,0 +1,958 @@
+/* fusion-oci-agent: the resident exec agent of one sandbox (see PROTOCOL.md next to this file).
+ *
+ *   fusion-oci-agent --fd N [--parent PID]   native: N is our end of a socketpair
+ *   fusion-oci-agent --connect PATH          a container's init: connect once to PATH
+ *
+ * One connection, framed messages. Per `spawn` the agent forks a keeper; the keeper makes
+ * itself a child subreaper, forks the command in its own session and reports how it ended.
+ * On `kill` (or when the agent goes away) the keeper ends the whole tree: the command's process
+ * group and every descendant, which all re-parent to the keeper. When the connection closes the
+ * agent ends every run's tree and exits. Nothing here trusts the command: it never sees the
+ * connection (CLOEXEC everywhere, every fd above 2 closed at exec) and we are not dumpable.
+ */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <grp.h>
+#include <limits.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/types.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define PROTOCOL_VERSION "1"
+#define MAX_FRAME (64u << 20)
+#define SHUTDOWN_GRACE_MS 1000
+#define LEFTOVER_GRACE_MS 200
+#define KILL_LOOP_MS 10000
+
+/* ---------------------------------------------------------------- small helpers */
+
+static void die(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fputs("fusion-oci-agent: ", stderr);
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+    exit(125);
+}
+
+static long long now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static void sleep_ms(int ms) {
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    while (nanosleep(&ts, &ts) < 0 && errno == EINTR) {
+    }
+}
+
+static int write_all(int fd, const char *p, size_t n) {
+    while (n > 0) {
+        ssize_t w = send(fd, p, n, MSG_NOSIGNAL);
+        if (w < 0 && errno == ENOTSOCK)
+            w = write(fd, p, n);
+        if (w < 0) {
+            if (errno == EINTR)
+                continue;
+            return -1;
+        }
+        p += w;
+        n -= (size_t)w;
+    }
+    return 0;
+}
+
+static void *xrealloc(void *p, size_t n) {
+    void *q = realloc(p, n ? n : 1);
+    if (!q)
+        die("out of memory");
+    return q;
+}
+
+/* ---------------------------------------------------------------- frames to the host */
+
+struct out {
+    char buf[1024];
+    size_t len;
+};
+
+static void out_begin(struct out *o, char type) {
+    o->len = 5;
+    o->buf[4] = type;
+}
+
+static void out_field(struct out *o, const char *key, const char *fmt, ...) {
+    va_list ap;
+    size_t room = sizeof o->buf - o->len;
+    int n = snprintf(o->buf + o->len, room, "%s=", key);
+    if (n < 0 || (size_t)n >= room)
+        return;
+    o->len += (size_t)n;
+    room -= (size_t)n;
+    va_start(ap, fmt);
+    n = vsnprintf(o->buf + o->len, room, fmt, ap);
+    va_end(ap);
+    if (n < 0)
+        n = 0;
+    if ((size_t)n >= room)
+        n = (int)room - 1;
+    o->len += (size_t)n + 1; /* keep the NUL */
+}
+
+static int conn = -1;
+
+static int out_send(struct out *o) {
+    uint32_t n = (uint32_t)(o->len - 4);
+    o->buf[0] = (char)(n >> 24);
+    o->buf[1] = (char)(n >> 16);
+    o->buf[2] = (char)(n >> 8);
+    o->buf[3] = (char)n;
+    return write_all(conn, o->buf, o->len);
+}
+
+/* ---------------------------------------------------------------- the process tree */
+
+/* Every descendant of `root` (a snapshot from /proc). Returns the count; *out is malloc'd. */
+static size_t descendants(pid_t root, pid_t **out) {
+    pid_t *pids = NULL, *ppids = NULL;
+    size_t n = 0, cap = 0;
+    DIR *d = opendir("/proc");
+    if (d) {
+        struct dirent *e;
+        while ((e = readdir(d)) != NULL) {
+            if (e->d_name[0] < '0' || e->d_name[0] > '9')
+                continue;
+            char path[300], stat[512];
+            snprintf(path, sizeof path, "/proc/%s/stat", e->d_name);
+            int fd = open(path, O_RDONLY | O_CLOEXEC);
+            if (fd < 0)
+                continue;
+            ssize_t r = read(fd, stat, sizeof stat - 1);
+            close(fd);
+            if (r <= 0)
+                continue;
+            stat[r] = 0;
+            char *paren = strrchr(stat, ')'); /* comm may hold spaces and parens */
+            if (!paren)
+                continue;
+            char state;
+            int ppid;
+            if (sscanf(paren + 1, " %c %d", &state, &ppid) != 2)
+                continue;
+            if (n == cap) {
+                cap = cap ? cap * 2 : 256;
+                pids = xrealloc(pids, cap * sizeof *pids);
+                ppids = xrealloc(ppids, cap * sizeof *ppids);
+            }
+            pids[n] = (pid_t)atoi(e->d_name);
+            ppids[n] = (pid_t)ppid;
+            n++;
+        }
+        closedir(d);
+    }
+    pid_t *found = xrealloc(NULL, (n + 1) * sizeof *found);
+    size_t nfound = 0, head = 0;
+    pid_t cur = root;
+    for (;;) {
+        for (size_t i = 0; i < n; i++)
+            if (ppids[i] == cur && pids[i] != root) {
+                found[nfound++] = pids[i];
+                ppids[i] = -1; /* never twice */
+            }
+        if (head >= nfound)
+            break;
+        cur = found[head++];
+    }
+    free(pids);
+    free(ppids);
+    *out = found;
+    return nfound;
+}
+
+/* Signal every descendant of ours (and the process group `pgid` when > 0). Returns how many
+ * processes were there to signal. */
+static size_t signal_tree(int sig, pid_t pgid) {
+    pid_t *pids;
+    size_t n = descendants(getpid(), &pids);
+    if (pgid > 0 && kill(-pgid, sig) == 0 && n == 0)
+        n = 1;
+    for (size_t i = 0; i < n && pids; i++)
+        if (pids[i] > 0)
+            kill(pids[i], sig);
+    free(pids);
+    return n;
+}
+
+static int has_children(void) {
+    siginfo_t info;
+    memset(&info, 0, sizeof info);
+    return waitid(P_ALL, 0, &info, WEXITED | WNOHANG | WNOWAIT) == 0;
+}
+
+/* ---------------------------------------------------------------- spawn requests */
+
+struct rlim {
+    int resource;
+    rlim_t soft, hard;
+};
+
+struct spawn {
+    char *id, *cwd;
+    char **argv, **env;
+    size_t argc, envc;
+    struct rlim *rl;
+    size_t nrl;
+    int umask; /* -1: keep */
+    long uid, gid; /* -1: keep */
+    gid_t *groups;
+    size_t ngroups;
+    int set_groups;
+};
+
+static const struct {
+    const char *name;
+    int resource;
+} RLIMITS[] = {
+    {"RLIMIT_AS", RLIMIT_AS},           {"RLIMIT_CORE", RLIMIT_CORE},
+    {"RLIMIT_CPU", RLIMIT_CPU},         {"RLIMIT_DATA", RLIMIT_DATA},
+    {"RLIMIT_FSIZE", RLIMIT_FSIZE},     {"RLIMIT_LOCKS", RLIMIT_LOCKS},
+    {"RLIMIT_MEMLOCK", RLIMIT_MEMLOCK}, {"RLIMIT_MSGQUEUE", RLIMIT_MSGQUEUE},
+    {"RLIMIT_NICE", RLIMIT_NICE},       {"RLIMIT_NOFILE", RLIMIT_NOFILE},
+    {"RLIMIT_NPROC", RLIMIT_NPROC},     {"RLIMIT_RSS", RLIMIT_RSS},
+    {"RLIMIT_RTPRIO", RLIMIT_RTPRIO},   {"RLIMIT_RTTIME", RLIMIT_RTTIME},
+    {"RLIMIT_SIGPENDING", RLIMIT_SIGPENDING}, {"RLIMIT_STACK", RLIMIT_STACK},
+};
+
+static int parse_long(const char *s, long *v, int base) {
+    char *end;
+    errno = 0;
+    *v = strtol(s, &end, base);
+    return errno == 0 && end != s && *end == 0 ? 0 : -1;
+}
+
+static int parse_rlim_value(const char *s, rlim_t *v) {
+    long x;
+    if (parse_long(s, &x, 10) < 0)
+        return -1;
+    *v = x < 0 ? RLIM_INFINITY : (rlim_t)x;
+    return 0;
+}
+
+/* Parse `body` (NUL-terminated key=value fields) into *sp. The strings point into body.
+ * Returns NULL or what is wrong. */
+static const char *parse_spawn(char *body, size_t len, struct spawn *sp) {
+    memset(sp, 0, sizeof *sp);
+    sp->umask = -1;
+    sp->uid = sp->gid = -1;
+    if (len == 0 || body[len - 1] != 0)
+        return "fields must end with NUL";
+    for (char *f = body, *next; f < body + len; f = next) {
+        next = f + strlen(f) + 1; /* before the '=' becomes a NUL */
+        char *eq = strchr(f, '=');
+        if (!eq)
+            return "field without '='";
+        *eq = 0;
+        char *v = eq + 1;
+        long x;
+        if (!strcmp(f, "id")) {
+            sp->id = v;
+        } else if (!strcmp(f, "cwd")) {
+            sp->cwd = v;
+        } else if (!strcmp(f, "argv")) {
+            sp->argv = xrealloc(sp->argv, (sp->argc + 2) * sizeof *sp->argv);
+            sp->argv[sp->argc++] = v;
+            sp->argv[sp->argc] = NULL;
+        } else if (!strcmp(f, "env")) {
+            sp->env = xrealloc(sp->env, (sp->envc + 2) * sizeof *sp->env);
+            sp->env[sp->envc++] = v;
+            sp->env[sp->envc] = NULL;
+        } else if (!strcmp(f, "umask")) {
+            if (parse_long(v, &x, 8) < 0 || x < 0 || x > 0777)
+                return "bad umask";
+            sp->umask = (int)x;
+        } else if (!strcmp(f, "uid") || !strcmp(f, "gid")) {
+            if (parse_long(v, &x, 10) < 0 || x < 0)
+                return "bad uid/gid";
+            *(f[0] == 'u' ? &sp->uid : &sp->gid) = x;
+        } else if (!strcmp(f, "groups")) {
+            sp->set_groups = 1;
+            for (char *g = v; *g;) {
+                char *comma = strchr(g, ',');
+                if (comma)
+                    *comma = 0;
+                if (parse_long(g, &x, 10) < 0 || x < 0)
+                    return "bad groups";
+                sp->groups = xrealloc(sp->groups, (sp->ngroups + 1) * sizeof *sp->groups);
+                sp->groups[sp->ngroups++] = (gid_t)x;
+                if (!comma)
+                    break;
+                g = comma + 1;
+            }
+        } else if (!strcmp(f, "rlimit")) {
+            char *c1 = strchr(v, ':'), *c2 = c1 ? strchr(c1 + 1, ':') : NULL;
+            if (!c2)
+                return "rlimit is NAME:SOFT:HARD";
+            *c1 = *c2 = 0;
+            size_t i;
+            for (i = 0; i < sizeof RLIMITS / sizeof RLIMITS[0]; i++)
+                if (!strcmp(RLIMITS[i].name, v))
+                    break;
+            if (i == sizeof RLIMITS / sizeof RLIMITS[0])
+                return "unknown rlimit";
+            sp->rl = xrealloc(sp->rl, (sp->nrl + 1) * sizeof *sp->rl);
+            struct rlim *r = &sp->rl[sp->nrl++];
+            r->resource = RLIMITS[i].resource;
+            if (parse_rlim_value(c1 + 1, &r->soft) < 0 || parse_rlim_value(c2 + 1, &r->hard) < 0)
+                return "bad rlimit value";
+        } else {
+            return "unknown field";
+        }
+    }
+    if (!sp->id)
+        return "no id";
+    if (sp->argc == 0)
+        return "no argv";
+    if (!sp->env) {
+        sp->env = xrealloc(NULL, sizeof *sp->env);
+        sp->env[0] = NULL;
+    }
+    return NULL;
+}
+
+static void free_spawn(struct spawn *sp) {
+    free(sp->argv);
+    free(sp->env);
+    free(sp->rl);
+    free(sp->groups);
+}
+
+/* ---------------------------------------------------------------- the command (grandchild) */
+
+struct failure {
+    int err;
+    char what[60];
+};
+
+static void fail_exec(int errfd, const char *what) {
+    struct failure f;
+    f.err = errno;
+    snprintf(f.what, sizeof f.what, "%s", what);
+    if (write(errfd, &f, sizeof f) < 0) {
+        /* nothing left to tell it with */
+    }
+    _exit(127);
+}
+
+static const char *env_get(char **env, const char *key) {
+    size_t k = strlen(key);
+    for (; *env; env++)
+        if (!strncmp(*env, key, k) && (*env)[k] == '=')
+            return *env + k + 1;
+    return NULL;
+}
+
+/* execvp with the PATH of the command's environment (not ours). */
+static void exec_search(char **argv, char **env) {
+    const char *file = argv[0];
+    if (strchr(file, '/')) {
+        execve(file, argv, env);
+        return;
+    }
+    const char *path = env_get(env, "PATH");
+    if (!path)
+        path = "/usr/local/bin:/usr/bin:/bin";
+    int seen_eacces = 0;
+    char buf[PATH_MAX];
+    for (const char *p = path;; p++) {
+        const char *colon = strchr(p, ':');
+        size_t n = colon ? (size_t)(colon - p) : strlen(p);
+        if (n == 0)
+            snprintf(buf, sizeof buf, "%s", file);
+        else
+            snprintf(buf, sizeof buf, "%.*s/%s", (int)n, p, file);
+        execve(buf, argv, env);
+        if (errno == EACCES)
+            seen_eacces = 1;
+        else if (errno != ENOENT && errno != ENOTDIR && errno != ENAMETOOLONG)
+            return;
+        if (!colon)
+            break;
+        p = colon;
+    }
+    errno = seen_eacces ? EACCES : ENOENT;
+}
+
+static void child_exec(struct spawn *sp, int fds[3], int errfd) {
+    sigset_t none;
+    sigemptyset(&none);
+    for (int s = 1; s < NSIG; s++)
+        signal(s, SIG_DFL); /* an ignored signal stays ignored across exec */
+    sigprocmask(SIG_SETMASK, &none, NULL);
+    if (setsid() < 0)
+        fail_exec(errfd, "setsid");
+    int high[3];
+    for (int i = 0; i < 3; i++)
+        if ((high[i] = fcntl(fds[i], F_DUPFD_CLOEXEC, 10)) < 0)
+            fail_exec(errfd, "dup");
+    for (int i = 0; i < 3; i++)
+        if (dup2(high[i], i) < 0)
+            fail_exec(errfd, "dup2");
+    /* Whatever we inherited (a container runtime's fds, ours) does not reach the command. */
+    if (syscall(SYS_close_range, 3, ~0U, 4 /* CLOSE_RANGE_CLOEXEC */) < 0) {
+        for (int fd = 3; fd < 1024; fd++)
+            if (fd != errfd)
+                fcntl(fd, F_SETFD, FD_CLOEXEC);
+    }
+    if (sp->umask >= 0)
+        umask((mode_t)sp->umask);
+    for (size_t i = 0; i < sp->nrl; i++) {
+        struct rlimit r = {sp->rl[i].soft, sp->rl[i].hard};
+        if (setrlimit(sp->rl[i].resource, &r) < 0) {
+            char what[40];
+            snprintf(what, sizeof what, "setrlimit %d", sp->rl[i].resource);
+            fail_exec(errfd, what);
+        }
+    }
+    if (sp->set_groups && setgroups(sp->ngroups, sp->groups) < 0)
+        fail_exec(errfd, "setgroups");
+    if (sp->gid >= 0 && setresgid((gid_t)sp->gid, (gid_t)sp->gid, (gid_t)sp->gid) < 0)
+        fail_exec(errfd, "setgid");
+    if (sp->uid >= 0 && setresuid((uid_t)sp->uid, (uid_t)sp->uid, (uid_t)sp->uid) < 0)
+        fail_exec(errfd, "setuid");
+    if (sp->cwd && chdir(sp->cwd) < 0)
+        fail_exec(errfd, "chdir");
+    exec_search(sp->argv, sp->env);
+    fail_exec(errfd, "execve");
+}
+
+/* ---------------------------------------------------------------- the keeper (child) */
+
+/* agent <-> keeper: fixed binary records over a SOCK_SEQPACKET pair */
+struct kmsg {
+    char type; /* keeper->agent: 'T' started, 'F' failed, 'X' exited; agent->keeper: 'K' kill */
+    int32_t pid, err, status, sig, tree, grace_ms;
+    char what[60];
+};
+
+static int make_sigfd(void) {
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGCHLD);
+    sigaddset(&set, SIGTERM);
+    sigaddset(&set, SIGINT);
+    sigaddset(&set, SIGHUP);
+    sigaddset(&set, SIGPIPE);
+    sigprocmask(SIG_BLOCK, &set, NULL);
+    sigdelset(&set, SIGPIPE);
+    int fd = signalfd(-1, &set, SFD_CLOEXEC | SFD_NONBLOCK);
+    if (fd < 0)
+        die("signalfd: %s", strerror(errno));
+    return fd;
+}
+
+static pid_t cmd_pid;
+static int cmd_status = -1;
+
+static void keeper_reap(void) {
+    int st;
+    pid_t p;
+    while ((p = waitpid(-1, &st, WNOHANG)) > 0)
+        if (p == cmd_pid)
+            cmd_status = st;
+}
+
+/* sig to the command's group and every descendant; after grace_ms SIGKILL until none left. */
+static void end_tree(int sig, int grace_ms) {
+    if (signal_tree(sig, cmd_pid)) {
+        long long deadline = now_ms() + grace_ms;
+        while (now_ms() < deadline) {
+            keeper_reap();
+            if (!has_children())
+                return;
+            sleep_ms(10);
+        }
+    }
+    /* A fork bomb cannot outrun this for long. */
+    long long deadline = now_ms() + KILL_LOOP_MS;
+    while (signal_tree(SIGKILL, cmd_pid) && now_ms() < deadline) {
+        keeper_reap();
+        sleep_ms(5);
+    }
+    keeper_reap();
+}
+
+static void keeper_send(int chan, struct kmsg *m) {
+    if (send(chan, m, sizeof *m, MSG_NOSIGNAL) < 0) {
+        /* the agent is gone: the tree is ended on our way out anyway */
+    }
+}
+
+static void keeper_main(struct spawn *sp, int fds[3], int chan) {
+    struct kmsg m;
+    memset(&m, 0, sizeof m);
+    prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
+    int sigfd = make_sigfd();
+    int errpipe[2];
+    if (pipe2(errpipe, O_CLOEXEC) < 0) {
+        m.type = 'F';
+        m.err = errno;
+        snprintf(m.what, sizeof m.what, "pipe");
+        keeper_send(chan, &m);
+        _exit(0);
+    }
+    cmd_pid = fork();
+    if (cmd_pid == 0) {
+        close(chan);
+        close(sigfd);
+        close(errpipe[0]);
+        child_exec(sp, fds, errpipe[1]);
+    }
+    int fork_errno = errno;
+    close(errpipe[1]);
+    for (int i = 0; i < 3; i++)
+        close(fds[i]);
+    struct failure f;
+    ssize_t r = cmd_pid < 0 ? 0 : read(errpipe[0], &f, sizeof f);
+    close(errpipe[0]);
+    if (cmd_pid < 0 || r == (ssize_t)sizeof f) {
+        m.type = 'F';
+        m.err = cmd_pid < 0 ? fork_errno : f.err;
+        snprintf(m.what, sizeof m.what, "%s", cmd_pid < 0 ? "fork" : f.what);
+        if (cmd_pid > 0)
+            waitpid(cmd_pid, NULL, 0);
+        keeper_send(chan, &m);
+        _exit(0);
+    }
+    m.type = 'T';
+    m.pid = cmd_pid;
+    keeper_send(chan, &m);
+    while (cmd_status < 0) {
+        struct pollfd p[2] = {{chan, POLLIN, 0}, {sigfd, POLLIN, 0}};
+        if (poll(p, 2, -1) < 0) {
+            if (errno == EINTR)
+                continue;
+            end_tree(SIGKILL, 0);
+            break;
+        }
+        if (p[1].revents) {
+            struct signalfd_siginfo si;
+            while (read(sigfd, &si, sizeof si) == (ssize_t)sizeof si) {
+                if (si.ssi_signo != SIGCHLD)
+                    end_tree(SIGTERM, SHUTDOWN_GRACE_MS);
+            }
+            keeper_reap();
+        }
+        if (p[0].revents) {
+            struct kmsg k;
+            ssize_t n = recv(chan, &k, sizeof k, MSG_DONTWAIT);
+            if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
+                end_tree(SIGTERM, SHUTDOWN_GRACE_MS); /* the agent is gone or closing */
+                chan = -1;
+                break;
+            }
+            if (n == (ssize_t)sizeof k && k.type == 'K') {
+                if (k.tree)
+                    end_tree(k.sig, k.grace_ms);
+                else
+                    kill(cmd_pid, k.sig);
+            }
+        }
+    }
+    keeper_reap();
+    /* The command is done: whatever it left running goes too. */
+    if (has_children())
+        end_tree(SIGTERM, LEFTOVER_GRACE_MS);
+    if (chan >= 0) {
+        memset(&m, 0, sizeof m);
+        m.type = 'X';
+        m.status = cmd_status < 0 ? SIGKILL : cmd_status; /* never reaped: report SIGKILL */
+        keeper_send(chan, &m);
+    }
+    _exit(0);
+}
+
+/* ---------------------------------------------------------------- the agent */
+
+struct run {
+    char id[128];
+    pid_t keeper;
+    int chan;
+    int reported; /* 'X' or 'F' relayed */
+    int reaped;
+};
+
+static int *fdq; /* fds received and not yet handed to a spawn */
+static size_t fdq_len;
+static struct run *runs;
+static size_t nruns;
+static int sigfd = -1;
+
+static void send_failed(const char *id, int err, const char *what) {
+    struct out o;
+    out_begin(&o, 'F');
+    out_field(&o, "id", "%s", id);
+    out_field(&o, "errno", "%d", err);
+    out_field(&o, "what", "%s", what);
+    out_send(&o);
+}
+
+static void start_run(char *body, size_t len, int fds[3]) {
+    struct spawn sp;
+    const char *bad = parse_spawn(body, len, &sp);
+    if (bad || strlen(sp.id) >= sizeof runs[0].id) {
+        send_failed(sp.id ? sp.id : "", EINVAL, bad ? bad : "id too long");
+        goto done;
+    }
+    int pair[2];
+    if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, pair) < 0) {
+        send_failed(sp.id, errno, "socketpair");
+        goto done;
+    }
+    pid_t pid = fork();
+    if (pid < 0) {
+        send_failed(sp.id, errno, "fork");
+        close(pair[0]);
+        close(pair[1]);
+        goto done;
+    }
+    if (pid == 0) {
+        /* The keeper holds nothing of the agent's: not the connection, not other runs. */
+        close(conn);
+        close(sigfd);
+        for (size_t i = 0; i < nruns; i++)
+            if (runs[i].chan >= 0)
+                close(runs[i].chan);
+        close(pair[0]);
+        for (size_t i = 0; i < fdq_len; i++)
+            close(fdq[i]); /* the fds of spawns still queued belong to other runs */
+        keeper_main(&sp, fds, pair[1]);
+    }
+    close(pair[1]);
+    runs = xrealloc(runs, (nruns + 1) * sizeof *runs);
+    struct run *r = &runs[nruns++];
+    memset(r, 0, sizeof *r);
+    snprintf(r->id, sizeof r->id, "%s", sp.id);
+    r->keeper = pid;
+    r->chan = pair[0];
+done:
+    for (int i = 0; i < 3; i++)
+        if (fds[i] >= 0)
+            close(fds[i]);
+    free_spawn(&sp);
+}
+
+static struct run *find_run(const char *id) {
+    for (size_t i = 0; i < nruns; i++)
+        if (!runs[i].reported && !strcmp(runs[i].id, id))
+            return &runs[i];
+    return NULL;
+}
+
+static void kill_run(char *body, size_t len) {
+    const char *id = NULL;
+    long sig = SIGTERM, tree = 1, grace = 2000, x;
+    if (len == 0 || body[len - 1] != 0)
+        return;
+    for (char *f = body, *next; f < body + len; f = next) {
+        next = f + strlen(f) + 1;
+        char *eq = strchr(f, '=');
+        if (!eq)
+            return;
+        *eq = 0;
+        if (!strcmp(f, "id"))
+            id = eq + 1;
+        else if (parse_long(eq + 1, &x, 10) == 0) {
+            if (!strcmp(f, "signal"))
+                sig = x;
+            else if (!strcmp(f, "tree"))
+                tree = x;
+            else if (!strcmp(f, "grace_ms"))
+                grace = x;
+        }
+    }
+    struct run *r = id ? find_run(id) : NULL;
+    if (!r || r->chan < 0 || sig <= 0 || sig >= NSIG)
+        return; /* already over: nothing to end */
+    struct kmsg k;
+    memset(&k, 0, sizeof k);
+    k.type = 'K';
+    k.sig = (int32_t)sig;
+    k.tree = tree != 0;
+    k.grace_ms = grace < 0 ? 0 : grace > 600000 ? 600000 : (int32_t)grace;
+    send(r->chan, &k, sizeof k, MSG_NOSIGNAL);
+}
+
+/* Relay what the keeper of r says. Returns 0 when its channel is finished. */
+static int keeper_said(struct run *r) {
+    struct kmsg m;
+    ssize_t n = recv(r->chan, &m, sizeof m, MSG_DONTWAIT);
+    if (n < 0 && (errno == EAGAIN || errno == EINTR))
+        return 1;
+    if (n != (ssize_t)sizeof m) {
+        close(r->chan);
+        r->chan = -1;
+        return 0;
+    }
+    struct out o;
+    if (m.type == 'T') {
+        out_begin(&o, 'T');
+        out_field(&o, "id", "%s", r->id);
+        out_field(&o, "pid", "%d", (int)m.pid);
+        out_send(&o);
+    } else if (m.type == 'F') {
+        m.what[sizeof m.what - 1] = 0;
+        send_failed(r->id, m.err, m.what);
+        r->reported = 1;
+    } else if (m.type == 'X') {
+        out_begin(&o, 'X');
+        out_field(&o, "id", "%s", r->id);
+        out_field(&o, "status", "%d", (int)m.status);
+        out_send(&o);
+        r->reported = 1;
+    }
+    return 1;
+}
+
+static void forget_finished(void) {
+    size_t j = 0;
+    for (size_t i = 0; i < nruns; i++) {
+        if (runs[i].reaped && runs[i].chan < 0)
+            continue;
+        runs[j++] = runs[i];
+    }
+    nruns = j;
+}
+
+static void agent_reap(void) {
+    int st;
+    pid_t p;
+    while ((p = waitpid(-1, &st, WNOHANG)) > 0) {
+        for (size_t i = 0; i < nruns; i++) {
+            struct run *r = &runs[i];
+            if (r->keeper != p)
+                continue;
+            r->reaped = 1;
+            /* Its last words are already in the channel: read them before judging. */
+            while (r->chan >= 0 && keeper_said(r)) {
+            }
+            if (!r->reported) {
+                /* The keeper died before it could tell: the run is over, by SIGKILL. */
+                struct out o;
+                out_begin(&o, 'X');
+                out_field(&o, "id", "%s", r->id);
+                out_field(&o, "status", "%d", SIGKILL);
+                out_send(&o);
+                r->reported = 1;
+                /* Its orphans re-parented to us (we are a subreaper): end them. */
+                pid_t *pids;
+                size_t n = descendants(getpid(), &pids);
+                for (size_t k = 0; k < n; k++) {
+                    int keeper = 0;
+                    for (size_t q = 0; q < nruns; q++)
+                        keeper |= runs[q].keeper == pids[k] && !runs[q].reaped;
+                    if (!keeper)
+                        kill(pids[k], SIGKILL);
+                }
+                free(pids);
+            }
+        }
+        /* anything else: an orphan we inherited as PID 1 or subreaper; reaped, done */
+    }
+    forget_finished();
+}
+
+static void shutdown_all(void) {
+    /* Each keeper sees its channel close and ends its tree (SIGTERM, grace, SIGKILL). */
+    for (size_t i = 0; i < nruns; i++)
+        if (runs[i].chan >= 0) {
+            close(runs[i].chan);
+            runs[i].chan = -1;
+        }
+    long long deadline = now_ms() + SHUTDOWN_GRACE_MS + KILL_LOOP_MS + 2000;
+    while (has_children() && now_ms() < deadline) {
+        while (waitpid(-1, NULL, WNOHANG) > 0) {
+        }
+        sleep_ms(5);
+    }
+    long long last = now_ms() + KILL_LOOP_MS;
+    while (signal_tree(SIGKILL, 0) && now_ms() < last) {
+        while (waitpid(-1, NULL, WNOHANG) > 0) {
+        }
+        sleep_ms(5);
+    }
+    exit(0);
+}
+
+/* ---------------------------------------------------------------- reading the connection */
+
+static char *in;
+static size_t in_len, in_cap;
+
+static void take_fds(struct msghdr *mh) {
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(mh); c; c = CMSG_NXTHDR(mh, c)) {
+        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
+            continue;
+        size_t n = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        fdq = xrealloc(fdq, (fdq_len + n) * sizeof *fdq);
+        memcpy(fdq + fdq_len, CMSG_DATA(c), n * sizeof(int));
+        fdq_len += n;
+    }
+}
+
+static void handle_frame(char type, char *body, size_t len) {
+    if (type == 'S') {
+        int fds[3] = {-1, -1, -1};
+        if (fdq_len >= 3) {
+            memcpy(fds, fdq, sizeof fds);
+            memmove(fdq, fdq + 3, (fdq_len - 3) * sizeof *fdq);
+            fdq_len -= 3;
+            start_run(body, len, fds);
+        } else {
+            struct spawn sp;
+            parse_spawn(body, len, &sp);
+            send_failed(sp.id ? sp.id : "", EBADF, "spawn needs 3 fds (stdin, stdout, stderr)");
+            free_spawn(&sp);
+        }
+    } else if (type == 'K') {
+        kill_run(body, len);
+    }
+    /* unknown types are ignored: a newer host may send more */
+}
+
+/* Returns 0 when the connection is over. */
+static int read_conn(void) {
+    if (in_cap - in_len < 65536) {
+        in_cap = in_cap ? in_cap * 2 : 262144;
+        in = xrealloc(in, in_cap);
+    }
+    char cbuf[CMSG_SPACE(sizeof(int) * 48)];
+    struct iovec iov = {in + in_len, in_cap - in_len};
+    struct msghdr mh;
+    memset(&mh, 0, sizeof mh);
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = cbuf;
+    mh.msg_controllen = sizeof cbuf;
+    ssize_t n = recvmsg(conn, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+    if (n < 0)
+        return errno == EAGAIN || errno == EINTR;
+    take_fds(&mh);
+    if (n == 0 || (mh.msg_flags & MSG_CTRUNC))
+        return 0; /* closed, or fds lost: we cannot trust the stream any more */
+    in_len += (size_t)n;
+    size_t off = 0;
+    while (in_len - off >= 4) {
+        unsigned char *h = (unsigned char *)in + off;
+        uint32_t flen = (uint32_t)h[0] << 24 | (uint32_t)h[1] << 16 | (uint32_t)h[2] << 8 | h[3];
+        if (flen == 0 || flen > MAX_FRAME)
+            return 0;
+        if (in_len - off - 4 < flen)
+            break;
+        handle_frame(in[off + 4], in + off + 5, flen - 1);
+        off += 4 + flen;
+    }
+    memmove(in, in + off, in_len - off);
+    in_len -= off;
+    return 1;
+}
+
+static void connect_to(const char *path) {
+    struct sockaddr_un sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sun_family = AF_UNIX;
+    if (strlen(path) >= sizeof sa.sun_path)
+        die("socket path too long: %s", path);
+    strcpy(sa.sun_path, path);
+    conn = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (conn < 0)
+        die("socket: %s", strerror(errno));
+    /* The host listens before it starts us; retry briefly in case of a slow bind. */
+    for (int i = 0; connect(conn, (struct sockaddr *)&sa, sizeof sa) < 0; i++) {
+        if (i >= 100 || (errno != ENOENT && errno != ECONNREFUSED && errno != EINTR))
+            die("connect %s: %s", path, strerror(errno));
+        sleep_ms(10);
+    }
+}
+
+int main(int argc, char **argv) {
+    pid_t parent = 0;
+    const char *connect_path = NULL;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--fd") && i + 1 < argc)
+            conn = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--connect") && i + 1 < argc)
+            connect_path = argv[++i];
+        else if (!strcmp(argv[i], "--parent") && i + 1 < argc)
+            parent = (pid_t)atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--version")) {
+            puts("fusion-oci-agent protocol " PROTOCOL_VERSION);
+            return 0;
+        } else
+            die("usage: fusion-oci-agent (--fd N [--parent PID] | --connect PATH)");
+    }
+    /* Nothing in the sandbox may ptrace us or read our memory through /proc. */
+    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+    /* Orphans of a keeper that died come to us, not to whoever is above. */
+    prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
+    prctl(PR_SET_NAME, "fusion-agent", 0, 0, 0);
+    if (connect_path)
+        connect_to(connect_path);
+    if (conn < 0)
+        die("usage: fusion-oci-agent (--fd N [--parent PID] | --connect PATH)");
+    if (fcntl(conn, F_SETFD, FD_CLOEXEC) < 0)
+        die("fd %d: %s", conn, strerror(errno));
+    if (parent && getppid() != parent)
+        return 125; /* the host died before we started */
+    sigfd = make_sigfd();
+    struct out o;
+    out_begin(&o, 'H');
+    out_field(&o, "version", "%s", PROTOCOL_VERSION);
+    out_field(&o, "pid", "%d", (int)getpid());
+    if (out_send(&o) < 0)
+        shutdown_all();
+    struct pollfd *p = NULL;
+    for (;;) {
+        p = xrealloc(p, (nruns + 2) * sizeof *p);
+        p[0] = (struct pollfd){conn, POLLIN, 0};
+        p[1] = (struct pollfd){sigfd, POLLIN, 0};
+        for (size_t i = 0; i < nruns; i++)
+            p[i + 2] = (struct pollfd){runs[i].chan, POLLIN, 0};
+        size_t np = nruns + 2;
+        if (poll(p, np, parent ? 1000 : -1) < 0 && errno != EINTR)
+            die("poll: %s", strerror(errno));
+        if (parent && getppid() != parent)
+            shutdown_all(); /* the host is gone, whoever holds the socket */
+        for (size_t i = 2; i < np; i++)
+            if (p[i].revents && i - 2 < nruns && runs[i - 2].chan == p[i].fd)
+                keeper_said(&runs[i - 2]);
+        if (p[1].revents) {
+            struct signalfd_siginfo si;
+            while (read(sigfd, &si, sizeof si) == (ssize_t)sizeof si)
+                if (si.ssi_signo != SIGCHLD)
+                    shutdown_all();
+            agent_reap();
+        }
+        if (p[0].revents && !read_conn())
+            shutdown_all();
+        forget_finished();
+    }
+}

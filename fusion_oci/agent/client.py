@@ -1,0 +1,497 @@
+"""The host side of the exec agent: one :class:`Agent` per sandbox, many runs through it.
+
+The agent is started once (:meth:`Agent.start_local` for native, a socketpair; or, for a
+container whose init is the agent, :meth:`Agent.accept` on a listening socket in a task-private
+folder). Each :meth:`Agent.run` makes the command's pipes here and hands their ends to the agent
+with the ``spawn`` frame (SCM_RIGHTS), so output comes straight into this process; the outcome
+contract is :func:`fusion_oci.process.run_process`'s: timeout, maxBuffer, streamed output,
+stdin, whole-tree kill with a grace period, duration.
+
+If the agent dies or the connection breaks, the run in flight and every later run raise
+:class:`~fusion_oci.errors.AgentLostError`: never a hang. Standard library and asyncio only.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import contextlib
+import errno as _errno
+import itertools
+import os
+import signal
+import socket
+import struct
+import time
+from collections.abc import AsyncIterable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fusion_oci.agent.protocol import (
+    EXITED,
+    FAILED,
+    HELLO,
+    PROTOCOL_VERSION,
+    STARTED,
+    Decoder,
+    ProtocolError,
+    Spawn,
+    encode_kill,
+    encode_spawn,
+)
+from fusion_oci.errors import AgentLostError, SandboxSetupError
+from fusion_oci.process import DRAIN_LIMIT_S, Capture, ProcessOutcome, signal_name
+
+if TYPE_CHECKING:
+    from fusion_oci.models import OutputCallback
+
+BINARY_NAME = "fusion-oci-agent"
+BUILD_HINT = ("build it with `python hatch_build.py` in the checkout (needs gcc and libc6-dev, "
+              "see scripts/install.sh), or reinstall the fusion-oci wheel")
+KILL_BACKSTOP_S = 12.0
+"""Past the grace, how long the keeper may take to SIGKILL a tree (its loop stops at 10 s)."""
+CLOSE_WAIT_S = 15.0
+
+Stdin = bytes | AsyncIterable[bytes] | None
+
+
+def agent_binary() -> Path:
+    """The agent executable shipped beside this module; a clear setup error when missing."""
+    path = Path(__file__).with_name(BINARY_NAME)
+    if not os.access(path, os.X_OK):
+        raise SandboxSetupError("the fusion-oci exec agent is missing",
+                                f"{path} does not exist or is not executable", BUILD_HINT)
+    return path
+
+
+def listen_socket(path: str | os.PathLike[str], mode: int = 0o600) -> socket.socket:
+    """A listening unix socket at ``path`` (in a task-private folder) for one agent to reach."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(os.fspath(path))
+        Path(path).chmod(mode)
+        sock.listen(1)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+async def _wait_writable(loop: asyncio.AbstractEventLoop, fd: int) -> None:
+    fut: asyncio.Future[None] = loop.create_future()
+    loop.add_writer(fd, _wake, fut)
+    try:
+        await fut
+    finally:
+        loop.remove_writer(fd)
+
+
+def _unlink(path: str) -> None:
+    """Gone from the folder: nothing can connect to the agent's socket afterwards."""
+    with contextlib.suppress(OSError):
+        Path(path).unlink()
+
+
+class _Failed(Exception):
+    def __init__(self, err: int, what: str) -> None:
+        super().__init__(what)
+        self.err = err
+        self.what = what
+
+
+class _Run:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.pid: int | None = None
+        self.exited: asyncio.Future[int] = loop.create_future()
+
+
+class Agent:
+    """One connection to one running agent. Create with :meth:`start_local` or :meth:`accept`."""
+
+    def __init__(self, sock: socket.socket, *, peer_pid: int | None = None,
+                 proc: asyncio.subprocess.Process | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        sock.setblocking(False)
+        self._sock = sock
+        self._proc = proc
+        self.peer_pid = peer_pid if peer_pid is not None else (proc.pid if proc else None)
+        """The agent's pid as this host sees it."""
+        self.agent_pid: int | None = None
+        """The agent's pid as it sees itself (1 as a container's init)."""
+        self._send_lock = asyncio.Lock()
+        self._runs: dict[str, _Run] = {}
+        self._ids = itertools.count(1)
+        self._lost: AgentLostError | None = None
+        self._closed = False
+        self._hello: asyncio.Future[dict[str, str]] = self._loop.create_future()
+        self._reader = self._loop.create_task(self._read_loop())
+
+    # --- starting ------------------------------------------------------------------------
+
+    @classmethod
+    async def start_local(cls, binary: str | os.PathLike[str] | None = None, *,
+                          timeout_s: float = 5.0) -> Agent:
+        """Start the agent as a host process (its own session, so its own process group),
+        connected by a socketpair. It ends every run's tree and exits when we close the
+        connection or this process dies (``--parent``)."""
+        path = os.fspath(binary) if binary is not None else str(agent_binary())
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                path, "--fd", str(theirs.fileno()), "--parent", str(os.getpid()),
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+                pass_fds=(theirs.fileno(),), start_new_session=True,
+            )
+        except OSError as exc:
+            ours.close()
+            raise SandboxSetupError("cannot start the fusion-oci exec agent",
+                                    f"{path}: {exc.strerror or exc}", BUILD_HINT) from exc
+        finally:
+            theirs.close()
+        agent = cls(ours, proc=proc)
+        await agent._greeted(timeout_s)
+        return agent
+
+    @classmethod
+    async def accept(cls, listen: str | os.PathLike[str] | socket.socket,
+                     expect_pid: int | None, timeout_s: float) -> Agent:
+        """Take exactly one connection on ``listen`` (a path: bound here; or a listening socket
+        from :func:`listen_socket`), then close the listener and unlink its path, so nothing
+        can reach the agent afterwards. ``expect_pid``: the peer's pid as this host sees it
+        (the container's init, checked with SO_PEERCRED); None skips the check."""
+        lsock = listen if isinstance(listen, socket.socket) else listen_socket(listen)
+        where = lsock.getsockname()
+        loop = asyncio.get_running_loop()
+        lsock.setblocking(False)
+        try:
+            conn, _ = await asyncio.wait_for(loop.sock_accept(lsock), timeout_s)
+        except TimeoutError:
+            raise SandboxSetupError("the exec agent did not connect",
+                                    f"nothing connected to {where} within {timeout_s:g} s",
+                                    "check that the container's init is the agent "
+                                    f"(`{BINARY_NAME} --connect PATH`)") from None
+        finally:
+            lsock.close()
+            if isinstance(where, str) and where:
+                _unlink(where)
+        pid, _uid, _gid = struct.unpack("3i", conn.getsockopt(
+            socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        if expect_pid is not None and pid != expect_pid:
+            conn.close()
+            raise SandboxSetupError("a process other than the sandbox's agent connected",
+                                    f"peer pid {pid}, expected {expect_pid}",
+                                    "the sandbox is not used; dispose it and prepare again")
+        agent = cls(conn, peer_pid=pid)
+        await agent._greeted(timeout_s)
+        return agent
+
+    async def _greeted(self, timeout_s: float) -> None:
+        try:
+            hello = await asyncio.wait_for(asyncio.shield(self._hello), timeout_s)
+        except (TimeoutError, AgentLostError) as exc:
+            await self.close()
+            raise SandboxSetupError("the fusion-oci exec agent did not start",
+                                    str(exc) or f"no hello within {timeout_s:g} s",
+                                    BUILD_HINT) from exc
+        if hello.get("version") != PROTOCOL_VERSION:
+            await self.close()
+            raise SandboxSetupError(
+                "the fusion-oci exec agent speaks another protocol",
+                f"agent version {hello.get('version')!r}, host {PROTOCOL_VERSION!r}", BUILD_HINT)
+        self.agent_pid = int(hello.get("pid", "0")) or None
+
+    # --- the connection ------------------------------------------------------------------
+
+    @property
+    def lost(self) -> bool:
+        return self._lost is not None
+
+    def _check(self) -> None:
+        if self._lost is not None:
+            raise self._lost
+        if self._closed:
+            raise AgentLostError("the exec agent was closed", "close() came before run()",
+                                 "prepare the sandbox again")
+
+    async def _read_loop(self) -> None:
+        decoder = Decoder()
+        why = "the agent closed the connection (it died or was killed)"
+        try:
+            while True:
+                data = await self._loop.sock_recv(self._sock, 65536)
+                if not data:
+                    break
+                for kind, fields in decoder.feed(data):
+                    self._dispatch(kind, fields)
+        except asyncio.CancelledError:
+            why = "the connection was closed"
+        except (OSError, ProtocolError) as exc:
+            why = f"the connection broke: {exc}"
+        self._mark_lost(why)
+
+    def _mark_lost(self, why: str) -> None:
+        if self._lost is None:
+            self._lost = AgentLostError(
+                "the sandbox's exec agent is gone", why,
+                "the run's outcome is unknown; dispose the sandbox and prepare it again")
+        for run in self._runs.values():
+            if not run.exited.done():
+                run.exited.set_exception(self._lost)
+        if not self._hello.done():
+            self._hello.set_exception(self._lost)
+
+    def _dispatch(self, kind: bytes, fields: dict[str, str]) -> None:
+        if kind == HELLO:
+            if not self._hello.done():
+                self._hello.set_result(fields)
+            return
+        run = self._runs.get(fields.get("id", ""))
+        if run is None or run.exited.done():
+            return
+        if kind == STARTED:
+            run.pid = int(fields["pid"])
+        elif kind == EXITED:
+            run.exited.set_result(int(fields["status"]))
+        elif kind == FAILED:
+            run.exited.set_exception(_Failed(int(fields.get("errno", "0")),
+                                             fields.get("what", "")))
+
+    async def _send(self, data: bytes, fds: Sequence[int] = ()) -> None:
+        async with self._send_lock:
+            self._check()
+            view = memoryview(data)
+            try:
+                while view:
+                    try:
+                        if fds:
+                            # The fds ride on the frame's first bytes (PROTOCOL.md).
+                            sent = self._sock.sendmsg(
+                                [view], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                          array.array("i", fds))])
+                            fds = ()
+                        else:
+                            sent = self._sock.send(view)
+                    except BlockingIOError:
+                        await _wait_writable(self._loop, self._sock.fileno())
+                        continue
+                    view = view[sent:]
+            except OSError as exc:
+                self._mark_lost(f"sending to the agent failed: {exc}")
+                assert self._lost is not None
+                raise self._lost from exc
+
+    # --- running -------------------------------------------------------------------------
+
+    async def run(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str],
+        cwd: str | None = None,
+        rlimits: Sequence[tuple[str, int, int]] = (),
+        umask: int | None = None,
+        uid: int | None = None,
+        gid: int | None = None,
+        groups: Sequence[int] | None = None,
+        stdin: Stdin = None,
+        timeout_s: float | None = None,
+        max_buffer: int = 10 * 1024 * 1024,
+        grace_s: float = 2.0,
+        on_output: OutputCallback | None = None,
+        keep_output: bool = True,
+    ) -> ProcessOutcome:
+        """Run argv to completion through the agent (the contract of ``run_process``).
+
+        stdin None: /dev/null; bytes: fed then closed; an async iterable: streamed then
+        closed. A timeout, a maxBuffer overflow or a cancellation ends the whole tree (SIGTERM,
+        ``grace_s``, SIGKILL). An exec failure is exit 127 (not found) or 126, with the reason
+        on stderr, as a shell says it; any other failure to start is a SandboxSetupError.
+        """
+        self._check()
+        start = time.monotonic()
+        run_id = str(next(self._ids))
+        frame = encode_spawn(Spawn(id=run_id, argv=list(argv), env=dict(env), cwd=cwd,
+                                   rlimits=list(rlimits), umask=umask, uid=uid, gid=gid,
+                                   groups=groups))
+        overflow = asyncio.Event()
+        out = Capture(max_buffer, overflow, "stdout", on_output, keep_output)
+        err = Capture(max_buffer, overflow, "stderr", on_output, keep_output)
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        if stdin is None:
+            in_r, in_w = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC), -1
+        else:
+            in_r, in_w = os.pipe()
+        run = _Run(self._loop)
+        self._runs[run_id] = run
+        try:
+            await self._send(frame, [in_r, out_w, err_w])
+        except BaseException:
+            for fd in (out_r, err_r, in_w):
+                if fd >= 0:
+                    os.close(fd)
+            self._runs.pop(run_id, None)
+            raise
+        finally:
+            for fd in (in_r, out_w, err_w):
+                os.close(fd)
+        readers = asyncio.gather(self._drain(out_r, out), self._drain(err_r, err))
+        feeder = _Feeder(in_w, stdin) if stdin is not None else None
+        overflowed = asyncio.ensure_future(overflow.wait())
+        timed_out = False
+        try:
+            waitables: set[asyncio.Future[Any]] = {run.exited, overflowed}
+            done, _ = await asyncio.wait(waitables, timeout=timeout_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if run.exited not in done:
+                timed_out = not done
+                await self._end(run_id, run, grace_s)
+        except asyncio.CancelledError:
+            await asyncio.shield(self._end(run_id, run, grace_s))
+            raise
+        finally:
+            overflowed.cancel()
+            if feeder is not None:
+                await feeder.stop()
+            try:
+                await asyncio.wait_for(asyncio.shield(readers), DRAIN_LIMIT_S)
+            except (TimeoutError, asyncio.CancelledError):
+                readers.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await readers
+            self._runs.pop(run_id, None)
+        try:
+            status = run.exited.result()
+        except _Failed as failed:
+            code = self._exec_failure(argv, failed, err)
+            return ProcessOutcome(stdout=out.data(), stderr=err.data(), returncode=code,
+                                  signal=None, timed_out=timed_out, truncated=False,
+                                  duration_ms=int((time.monotonic() - start) * 1000))
+        rc = os.waitstatus_to_exitcode(status)
+        return ProcessOutcome(
+            stdout=out.data(),
+            stderr=err.data(),
+            returncode=rc if rc >= 0 else None,
+            signal=signal_name(rc) if rc < 0 else None,
+            timed_out=timed_out,
+            truncated=out.truncated or err.truncated,
+            duration_ms=int((time.monotonic() - start) * 1000),
+        )
+
+    @staticmethod
+    def _exec_failure(argv: Sequence[str], failed: _Failed, err: Capture) -> int:
+        reason = os.strerror(failed.err) if failed.err else "failed"
+        if failed.what == "execve":
+            code = 127 if failed.err == _errno.ENOENT else 126
+            text = "command not found" if code == 127 else reason
+            err.feed(f"fusion-oci: {argv[0]}: {text}\n".encode())
+            return code
+        raise SandboxSetupError(f"the exec agent could not start {argv[0]!r}",
+                                f"{failed.what}: {reason}",
+                                "check the working directory, user and rlimits of the command")
+
+    async def _end(self, run_id: str, run: _Run, grace_s: float) -> None:
+        """SIGTERM the whole tree, SIGKILL after the grace (the keeper does both); wait."""
+        if run.exited.done():
+            return
+        with contextlib.suppress(AgentLostError):
+            await self._send(encode_kill(run_id, signal.SIGTERM, True, int(grace_s * 1000)))
+        try:
+            await asyncio.wait_for(asyncio.shield(run.exited), grace_s + KILL_BACKSTOP_S)
+        except TimeoutError:
+            self._mark_lost(f"run {run_id} outlived its kill by {KILL_BACKSTOP_S:g} s")
+        except (AgentLostError, _Failed):
+            pass
+
+    async def _drain(self, fd: int, capture: Capture) -> None:
+        """Read fd to EOF into capture (add_reader: no transport per pipe)."""
+        done: asyncio.Future[None] = self._loop.create_future()
+
+        def readable() -> None:
+            try:
+                chunk = os.read(fd, 65536)
+            except BlockingIOError:
+                return
+            except OSError:
+                chunk = b""
+            if chunk:
+                capture.feed(chunk)
+            elif not done.done():
+                done.set_result(None)
+
+        os.set_blocking(fd, False)
+        self._loop.add_reader(fd, readable)
+        try:
+            await done
+        finally:
+            self._loop.remove_reader(fd)
+            os.close(fd)
+
+    # --- closing -------------------------------------------------------------------------
+
+    async def close(self) -> None:
+        """End every run's tree and stop the agent (it exits when the connection closes).
+        Idempotent; leaves no process of ours behind."""
+        if self._closed:
+            return
+        self._closed = True
+        self._reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._reader
+        self._sock.close()
+        proc = self._proc
+        if proc is None:
+            return
+        try:
+            await asyncio.wait_for(proc.wait(), CLOSE_WAIT_S)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+
+
+class _Feeder:
+    """Writes stdin without blocking the loop, then closes it (EOF for the command)."""
+
+    def __init__(self, fd: int, source: bytes | AsyncIterable[bytes]) -> None:
+        self.fd = fd
+        os.set_blocking(fd, False)
+        self.task = asyncio.ensure_future(self._feed(source))
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    async def stop(self) -> None:
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+        self.close()  # even when the task never got to run
+
+    async def _write(self, data: bytes) -> None:
+        loop = asyncio.get_running_loop()
+        fd = self.fd
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[os.write(fd, view):]
+            except BlockingIOError:
+                await _wait_writable(loop, fd)
+
+    async def _feed(self, source: bytes | AsyncIterable[bytes]) -> None:
+        try:
+            if isinstance(source, bytes | bytearray | memoryview):
+                await self._write(bytes(source))
+            else:
+                async for chunk in source:
+                    await self._write(chunk)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        finally:
+            self.close()

@@ -1,0 +1,120 @@
+"""The exec agent's wire format (PROTOCOL.md): pure encoding and decoding, no I/O.
+
+A frame is a 4-byte big-endian length, then that many bytes: one type byte and the fields,
+each ``key=value`` ended by a NUL. Repeated keys (``argv``, ``env``, ``rlimit``) keep their order.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+PROTOCOL_VERSION = "1"
+MAX_FRAME = 64 << 20
+"""The agent refuses (and drops the connection on) a longer frame."""
+
+SPAWN = b"S"
+KILL = b"K"
+HELLO = b"H"
+STARTED = b"T"
+FAILED = b"F"
+EXITED = b"X"
+
+_HEADER = struct.Struct(">I")
+
+
+class ProtocolError(ValueError):
+    """A frame the other side could not have meant."""
+
+
+@dataclass(frozen=True)
+class Spawn:
+    """Everything the agent needs to start one command (the fds travel beside it)."""
+
+    id: str
+    argv: Sequence[str]
+    env: Mapping[str, str]
+    cwd: str | None = None
+    rlimits: Sequence[tuple[str, int, int]] = ()
+    """(RLIMIT_NAME, soft, hard); -1 is unlimited."""
+    umask: int | None = None
+    uid: int | None = None
+    gid: int | None = None
+    groups: Sequence[int] | None = None
+    """Supplementary groups (set with uid/gid when the agent runs as root in a container)."""
+
+    def fields(self) -> list[tuple[str, str]]:
+        """The spawn frame's fields, in wire order: what a plan shows. Pure."""
+        out: list[tuple[str, str]] = [("id", self.id)]
+        if self.cwd is not None:
+            out.append(("cwd", self.cwd))
+        if self.umask is not None:
+            out.append(("umask", f"{self.umask:o}"))
+        if self.uid is not None:
+            out.append(("uid", str(self.uid)))
+        if self.gid is not None:
+            out.append(("gid", str(self.gid)))
+        if self.groups is not None:
+            out.append(("groups", ",".join(str(g) for g in self.groups)))
+        out.extend(("rlimit", f"{name}:{soft}:{hard}") for name, soft, hard in self.rlimits)
+        out.extend(("argv", arg) for arg in self.argv)
+        out.extend(("env", f"{key}={value}") for key, value in self.env.items())
+        return out
+
+
+def encode(kind: bytes, fields: Iterable[tuple[str, str]]) -> bytes:
+    """One frame. A NUL inside a field cannot be sent (argv and env are C strings)."""
+    body = bytearray(kind)
+    for key, value in fields:
+        if "\0" in key or "=" in key or "\0" in value:
+            raise ValueError(f"embedded null byte in {key!r}: {value[:40]!r}")
+        body += key.encode() + b"=" + value.encode("utf-8", "surrogateescape") + b"\0"
+    if len(body) > MAX_FRAME:
+        raise ValueError(f"the command is too large for the agent ({len(body)} bytes)")
+    return _HEADER.pack(len(body)) + bytes(body)
+
+
+def encode_spawn(spawn: Spawn) -> bytes:
+    if not spawn.argv:
+        raise ValueError("an empty argv cannot be run")
+    return encode(SPAWN, spawn.fields())
+
+
+def encode_kill(run_id: str, sig: int, tree: bool = True, grace_ms: int = 2000) -> bytes:
+    return encode(KILL, [("id", run_id), ("signal", str(sig)), ("tree", "1" if tree else "0"),
+                         ("grace_ms", str(max(0, grace_ms)))])
+
+
+def decode_fields(body: bytes) -> dict[str, str]:
+    """The fields of a frame whose keys do not repeat (every agent->host frame)."""
+    if body and not body.endswith(b"\0"):
+        raise ProtocolError("fields must end with NUL")
+    out: dict[str, str] = {}
+    for item in body.split(b"\0")[:-1]:
+        key, sep, value = item.partition(b"=")
+        if not sep:
+            raise ProtocolError(f"field without '=': {item[:40]!r}")
+        out[key.decode()] = value.decode("utf-8", "surrogateescape")
+    return out
+
+
+class Decoder:
+    """Splits a byte stream into (type, fields) frames."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[tuple[bytes, dict[str, str]]]:
+        self._buf += data
+        frames: list[tuple[bytes, dict[str, str]]] = []
+        while len(self._buf) >= 4:
+            (size,) = _HEADER.unpack_from(self._buf)
+            if size == 0 or size > MAX_FRAME:
+                raise ProtocolError(f"bad frame length {size}")
+            if len(self._buf) < 4 + size:
+                break
+            frame = bytes(self._buf[4 : 4 + size])
+            del self._buf[: 4 + size]
+            frames.append((frame[:1], decode_fields(frame[1:])))
+        return frames
