@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import os
 import re
@@ -41,6 +42,7 @@ from fusion_oci.runtimes.base import (
     Requirement,
     SpecRuntime,
     classify,
+    status_from_code,
 )
 from fusion_oci.runtimes.containers import (
     AGENT_PATH,
@@ -649,6 +651,7 @@ class ContainerRuntime(SpecRuntime):
                     if attempt == START_ATTEMPTS:
                         raise
                     await asyncio.shield(self._remove(cid))
+                    await asyncio.sleep(0.2 * attempt)  # the race is with a busy host's runc
                     continue
                 pid = await self._call("container inspect",
                                        functools.partial(_init_pid, adapter, cid))
@@ -720,6 +723,10 @@ class ContainerRuntime(SpecRuntime):
             stdin=opts.stdin, timeout_s=opts.timeout_ms / 1000, max_buffer=opts.max_buffer,
             on_output=opts.on_output, keep_output=opts.keep_output,
         )
+        # The one 128+N rule (as every runtime reads a launcher's status): the shell of
+        # `sh -c CMD` reports a CMD the OOM killer took as 137, which is SIGKILL.
+        code, sig = status_from_code(outcome.returncode, outcome.signal)
+        outcome = dataclasses.replace(outcome, returncode=code, signal=sig)
         counters = LimitCounters()
         if outcome.returncode != 0 and not outcome.truncated:
             counters = await self._limit_counters(cid, spec)
