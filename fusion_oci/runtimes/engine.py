@@ -382,6 +382,12 @@ def nproc_limit(rlimits: Mapping[str, tuple[int, int]]) -> tuple[int, int] | Non
 
 # --------------------------------------------------------------------------- runtime
 
+_ENGINE_INFO: dict[tuple[str, str], EngineInfo] = {}
+"""What each engine socket said it is, once per process: podman's /info walks its storage
+(0.5-1 s on a busy host) and was most of every prepare; version, rootless and cgroup mode of
+the service behind one socket do not change while we run."""
+
+
 
 class ContainerRuntime(SpecRuntime):
     """The lifecycle shared by the podman and docker runtimes (see containers.py for the
@@ -482,8 +488,11 @@ class ContainerRuntime(SpecRuntime):
                 raise AssertionError("unreachable") from None
             return None, info
         if self._info is None:
-            with engine_errors(self.engine, "info", adapter.endpoint):
-                self._info = adapter.info()
+            key = (self.engine, adapter.endpoint.url)
+            self._info = _ENGINE_INFO.get(key)
+            if self._info is None:
+                with engine_errors(self.engine, "info", adapter.endpoint):
+                    self._info = _ENGINE_INFO[key] = adapter.info()
         return adapter, self._info
 
     def target(self) -> Target:
