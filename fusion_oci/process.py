@@ -17,7 +17,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from fusion_oci.models import OutputCallback, OutputStream
@@ -55,8 +55,14 @@ def signal_name(returncode: int) -> str:
         return f"SIG{-returncode}"
 
 
+class Flag(Protocol):
+    """What a Capture sets past maxBuffer (an asyncio.Event, or a callback's trigger)."""
+
+    def set(self) -> None: ...
+
+
 class Capture:
-    def __init__(self, limit: int, overflow: asyncio.Event, name: OutputStream = "stdout",
+    def __init__(self, limit: int, overflow: Flag, name: OutputStream = "stdout",
                  on_output: OutputCallback | None = None, keep: bool = True) -> None:
         self.keep = keep
         self.name: OutputStream = name

@@ -9,7 +9,9 @@ anything failing there fails the command with 125 rather than run it unconfined.
 Why a separate process: making the caller's own process a subreaper would change the host
 application's process state (orphans would re-parent to it). The shim owns that instead.
 It runs with ``-S -E`` and imports only C-level standard modules (no json, no enum-based
-``signal``): its start-up is paid by every native command.
+``signal``): its start-up is paid by every command of the runtimes that use it (sandbox-exec,
+landlock). The native runtime no longer does: its exec agent (fusion_oci/agent/agent.c) keeps
+the same semantics in a keeper per run, without an interpreter per command.
 
 Behaviour: the command runs in the shim's process group. When the command exits, the shim
 kills whatever it left running and exits with the command's status (or dies by its signal).

@@ -91,18 +91,24 @@ static void *xrealloc(void *p, size_t n) {
 /* ---------------------------------------------------------------- frames to the host */
 
 struct out {
-    char buf[1024];
+    char buf[2048];
     size_t len;
+    size_t start; /* where the frame being built begins */
 };
 
+static void out_begin_at(struct out *o, size_t at, char type) {
+    o->start = at;
+    o->len = at + 5;
+    o->buf[at + 4] = type;
+}
+
 static void out_begin(struct out *o, char type) {
-    o->len = 5;
-    o->buf[4] = type;
+    out_begin_at(o, 0, type);
 }
 
 static void out_field(struct out *o, const char *key, const char *fmt, ...) {
     va_list ap;
-    size_t room = sizeof o->buf - o->len;
+    size_t room = sizeof o->buf / 2 - (o->len - o->start); /* two frames always fit */
     int n = snprintf(o->buf + o->len, room, "%s=", key);
     if (n < 0 || (size_t)n >= room)
         return;
@@ -120,12 +126,20 @@ static void out_field(struct out *o, const char *key, const char *fmt, ...) {
 
 static int conn = -1;
 
+/* Write the length of the frame being built. */
+static void out_seal(struct out *o) {
+    uint32_t n = (uint32_t)(o->len - o->start - 4);
+    char *h = o->buf + o->start;
+    h[0] = (char)(n >> 24);
+    h[1] = (char)(n >> 16);
+    h[2] = (char)(n >> 8);
+    h[3] = (char)n;
+}
+
+/* Send every frame in the buffer: one send(), so frames from the agent and its keepers
+ * never interleave (small writes to a unix stream socket go as one skb). */
 static int out_send(struct out *o) {
-    uint32_t n = (uint32_t)(o->len - 4);
-    o->buf[0] = (char)(n >> 24);
-    o->buf[1] = (char)(n >> 16);
-    o->buf[2] = (char)(n >> 8);
-    o->buf[3] = (char)n;
+    out_seal(o);
     return write_all(conn, o->buf, o->len);
 }
 
@@ -404,8 +418,7 @@ static void exec_search(char **argv, char **env) {
 static void child_exec(struct spawn *sp, int fds[3], int errfd) {
     sigset_t none;
     sigemptyset(&none);
-    for (int s = 1; s < NSIG; s++)
-        signal(s, SIG_DFL); /* an ignored signal stays ignored across exec */
+    /* Dispositions were reset once at the agent's start; only the mask is ours to undo. */
     sigprocmask(SIG_SETMASK, &none, NULL);
     if (setsid() < 0)
         fail_exec(errfd, "setsid");
@@ -446,12 +459,16 @@ static void child_exec(struct spawn *sp, int fds[3], int errfd) {
 
 /* ---------------------------------------------------------------- the keeper (child) */
 
-/* agent <-> keeper: fixed binary records over a SOCK_SEQPACKET pair */
+/* agent <-> keeper: fixed binary records over a SOCK_SEQPACKET pair. The keeper writes its
+ * `T`, `F` and `X` frames to the host itself (one send() each, a single skb: frames never
+ * interleave), so a command's end costs no hop through the agent; it then tells the agent
+ * `D` (done, reported), so that a keeper that dies silently can be reported for. */
 struct kmsg {
-    char type; /* keeper->agent: 'T' started, 'F' failed, 'X' exited; agent->keeper: 'K' kill */
-    int32_t pid, err, status, sig, tree, grace_ms;
-    char what[60];
+    char type; /* keeper->agent: 'D' reported; agent->keeper: 'K' kill */
+    int32_t sig, tree, grace_ms;
 };
+
+static void send_failed(const char *id, int err, const char *what);
 
 static int make_sigfd(void) {
     sigset_t set;
@@ -500,29 +517,29 @@ static void end_tree(int sig, int grace_ms) {
     keeper_reap();
 }
 
-static void keeper_send(int chan, struct kmsg *m) {
-    if (send(chan, m, sizeof *m, MSG_NOSIGNAL) < 0) {
-        /* the agent is gone: the tree is ended on our way out anyway */
+static void keeper_done(int chan) {
+    struct kmsg m;
+    memset(&m, 0, sizeof m);
+    m.type = 'D';
+    if (send(chan, &m, sizeof m, MSG_NOSIGNAL) < 0) {
+        /* the agent is gone: nothing to tell */
     }
 }
 
 static void keeper_main(struct spawn *sp, int fds[3], int chan) {
-    struct kmsg m;
-    memset(&m, 0, sizeof m);
     prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
     int sigfd = make_sigfd();
     int errpipe[2];
     if (pipe2(errpipe, O_CLOEXEC) < 0) {
-        m.type = 'F';
-        m.err = errno;
-        snprintf(m.what, sizeof m.what, "pipe");
-        keeper_send(chan, &m);
+        send_failed(sp->id, errno, "pipe");
+        keeper_done(chan);
         _exit(0);
     }
     cmd_pid = fork();
     if (cmd_pid == 0) {
         close(chan);
         close(sigfd);
+        close(conn);
         close(errpipe[0]);
         child_exec(sp, fds, errpipe[1]);
     }
@@ -530,28 +547,37 @@ static void keeper_main(struct spawn *sp, int fds[3], int chan) {
     close(errpipe[1]);
     for (int i = 0; i < 3; i++)
         close(fds[i]);
-    struct failure f;
-    ssize_t r = cmd_pid < 0 ? 0 : read(errpipe[0], &f, sizeof f);
-    close(errpipe[0]);
-    if (cmd_pid < 0 || r == (ssize_t)sizeof f) {
-        m.type = 'F';
-        m.err = cmd_pid < 0 ? fork_errno : f.err;
-        snprintf(m.what, sizeof m.what, "%s", cmd_pid < 0 ? "fork" : f.what);
-        if (cmd_pid > 0)
-            waitpid(cmd_pid, NULL, 0);
-        keeper_send(chan, &m);
+    if (cmd_pid < 0) {
+        close(errpipe[0]);
+        send_failed(sp->id, fork_errno, "fork");
+        keeper_done(chan);
         _exit(0);
     }
-    m.type = 'T';
-    m.pid = cmd_pid;
-    keeper_send(chan, &m);
+    /* The exec's outcome is read in the loop, not waited for: the command runs meanwhile,
+     * and a short one's `T` and `X` leave together. */
+    int errfd = errpipe[0];
+    struct failure f;
+    int failed = 0, started = 0;
+    struct out o;
     while (cmd_status < 0) {
-        struct pollfd p[2] = {{chan, POLLIN, 0}, {sigfd, POLLIN, 0}};
-        if (poll(p, 2, -1) < 0) {
+        struct pollfd p[3] = {{chan, POLLIN, 0}, {sigfd, POLLIN, 0}, {errfd, POLLIN, 0}};
+        if (poll(p, errfd >= 0 ? 3 : 2, -1) < 0) {
             if (errno == EINTR)
                 continue;
             end_tree(SIGKILL, 0);
             break;
+        }
+        if (errfd >= 0 && p[2].revents) {
+            failed = read(errfd, &f, sizeof f) == (ssize_t)sizeof f;
+            close(errfd);
+            errfd = -1;
+            if (!failed) {
+                started = 1;
+                out_begin(&o, 'T');
+                out_field(&o, "id", "%s", sp->id);
+                out_field(&o, "pid", "%d", (int)cmd_pid);
+                out_send(&o);
+            }
         }
         if (p[1].revents) {
             struct signalfd_siginfo si;
@@ -578,14 +604,35 @@ static void keeper_main(struct spawn *sp, int fds[3], int chan) {
         }
     }
     keeper_reap();
+    if (errfd >= 0) { /* it ended before we looked: a failure was written before its exit */
+        failed = read(errfd, &f, sizeof f) == (ssize_t)sizeof f;
+        close(errfd);
+    }
+    if (failed) {
+        f.what[sizeof f.what - 1] = 0;
+        if (chan >= 0)
+            send_failed(sp->id, f.err, f.what);
+        keeper_done(chan);
+        _exit(0);
+    }
     /* The command is done: whatever it left running goes too. */
     if (has_children())
         end_tree(SIGTERM, LEFTOVER_GRACE_MS);
-    if (chan >= 0) {
-        memset(&m, 0, sizeof m);
-        m.type = 'X';
-        m.status = cmd_status < 0 ? SIGKILL : cmd_status; /* never reaped: report SIGKILL */
-        keeper_send(chan, &m);
+    if (chan >= 0) { /* not when the agent is gone: the host is told it is lost instead */
+        size_t at = 0;
+        if (!started) { /* `T` and `X` in one send: one wake-up of the host */
+            out_begin(&o, 'T');
+            out_field(&o, "id", "%s", sp->id);
+            out_field(&o, "pid", "%d", (int)cmd_pid);
+            out_seal(&o);
+            at = o.len;
+        }
+        out_begin_at(&o, at, 'X');
+        out_field(&o, "id", "%s", sp->id);
+        /* never reaped: report SIGKILL */
+        out_field(&o, "status", "%d", cmd_status < 0 ? SIGKILL : cmd_status);
+        out_send(&o);
+        keeper_done(chan);
     }
     _exit(0);
 }
@@ -596,7 +643,7 @@ struct run {
     char id[128];
     pid_t keeper;
     int chan;
-    int reported; /* 'X' or 'F' relayed */
+    int reported; /* the keeper sent its 'X' or 'F' */
     int reaped;
 };
 
@@ -635,8 +682,8 @@ static void start_run(char *body, size_t len, int fds[3]) {
         goto done;
     }
     if (pid == 0) {
-        /* The keeper holds nothing of the agent's: not the connection, not other runs. */
-        close(conn);
+        /* The keeper holds nothing of the agent's but the connection (CLOEXEC, closed in the
+         * command), to report on: not other runs' channels or fds. */
         close(sigfd);
         for (size_t i = 0; i < nruns; i++)
             if (runs[i].chan >= 0)
@@ -701,7 +748,7 @@ static void kill_run(char *body, size_t len) {
     send(r->chan, &k, sizeof k, MSG_NOSIGNAL);
 }
 
-/* Relay what the keeper of r says. Returns 0 when its channel is finished. */
+/* Read what the keeper of r says. Returns 0 when its channel is finished. */
 static int keeper_said(struct run *r) {
     struct kmsg m;
     ssize_t n = recv(r->chan, &m, sizeof m, MSG_DONTWAIT);
@@ -712,23 +759,8 @@ static int keeper_said(struct run *r) {
         r->chan = -1;
         return 0;
     }
-    struct out o;
-    if (m.type == 'T') {
-        out_begin(&o, 'T');
-        out_field(&o, "id", "%s", r->id);
-        out_field(&o, "pid", "%d", (int)m.pid);
-        out_send(&o);
-    } else if (m.type == 'F') {
-        m.what[sizeof m.what - 1] = 0;
-        send_failed(r->id, m.err, m.what);
+    if (m.type == 'D')
         r->reported = 1;
-    } else if (m.type == 'X') {
-        out_begin(&o, 'X');
-        out_field(&o, "id", "%s", r->id);
-        out_field(&o, "status", "%d", (int)m.status);
-        out_send(&o);
-        r->reported = 1;
-    }
     return 1;
 }
 
@@ -909,6 +941,11 @@ int main(int argc, char **argv) {
         } else
             die("usage: fusion-oci-agent (--fd N [--parent PID] | --connect PATH)");
     }
+    /* An ignored signal stays ignored across exec: whatever our parent ignored (SIGPIPE...)
+     * goes back to default here, once, so every command starts with default dispositions
+     * (we take our own signals through a signalfd, never a handler). */
+    for (int s = 1; s < NSIG; s++)
+        signal(s, SIG_DFL);
     /* Nothing in the sandbox may ptrace us or read our memory through /proc. */
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
     /* Orphans of a keeper that died come to us, not to whoever is above. */

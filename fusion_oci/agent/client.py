@@ -23,9 +23,9 @@ import signal
 import socket
 import struct
 import time
-from collections.abc import AsyncIterable, Mapping, Sequence
+from collections.abc import AsyncIterable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fusion_oci.agent.protocol import (
     EXITED,
@@ -106,9 +106,59 @@ class _Failed(Exception):
 
 
 class _Run:
+    """One run's state, driven by loop callbacks (no task per pipe: a short command costs few
+    turns of the loop)."""
+
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
         self.pid: int | None = None
         self.exited: asyncio.Future[int] = loop.create_future()
+        self.drained: asyncio.Future[None] = loop.create_future()
+        self.ending: asyncio.Task[None] | None = None
+        self.timed_out = False
+        self._open: dict[int, Capture] = {}
+
+    def watch(self, fd: int, capture: Capture) -> None:
+        os.set_blocking(fd, False)
+        self._open[fd] = capture
+        self.loop.add_reader(fd, self._readable, fd)
+
+    def _readable(self, fd: int) -> None:
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if chunk:
+            self._open[fd].feed(chunk)
+        else:
+            self._close(fd)
+
+    def _close(self, fd: int) -> None:
+        if self._open.pop(fd, None) is not None:
+            self.loop.remove_reader(fd)
+            os.close(fd)
+        if not self._open and not self.drained.done():
+            self.drained.set_result(None)
+
+    def close_all(self) -> None:
+        """Stop reading (a grandchild may keep a pipe open past the bound)."""
+        for fd in list(self._open):
+            self._close(fd)
+
+
+class _Trigger:
+    """What a Capture sets past maxBuffer: it starts ending the run's tree."""
+
+    def __init__(self, fire: Callable[[], None]) -> None:
+        self.fire = fire
+        self.fired = False
+
+    def set(self) -> None:
+        if not self.fired:
+            self.fired = True
+            self.fire()
 
 
 class Agent:
@@ -129,6 +179,7 @@ class Agent:
         self._ids = itertools.count(1)
         self._lost: AgentLostError | None = None
         self._closed = False
+        self._null = -1
         self._hello: asyncio.Future[dict[str, str]] = self._loop.create_future()
         self._reader = self._loop.create_task(self._read_loop())
 
@@ -314,21 +365,34 @@ class Agent:
         on stderr, as a shell says it; any other failure to start is a SandboxSetupError.
         """
         self._check()
+        if asyncio.get_running_loop() is not self._loop:
+            raise SandboxSetupError("the sandbox's exec agent belongs to another event loop",
+                                    "run() was called from a loop other than prepare()'s",
+                                    "prepare, run and dispose a sandbox on one event loop")
         start = time.monotonic()
         run_id = str(next(self._ids))
         frame = encode_spawn(Spawn(id=run_id, argv=list(argv), env=dict(env), cwd=cwd,
                                    rlimits=list(rlimits), umask=umask, uid=uid, gid=gid,
                                    groups=groups))
-        overflow = asyncio.Event()
+        run = _Run(self._loop)
+
+        def end() -> None:
+            if run.ending is None and not run.exited.done():
+                run.ending = self._loop.create_task(self._end(run_id, run, grace_s))
+
+        def expire() -> None:
+            run.timed_out = not run.exited.done()
+            end()
+
+        overflow = _Trigger(end)
         out = Capture(max_buffer, overflow, "stdout", on_output, keep_output)
         err = Capture(max_buffer, overflow, "stderr", on_output, keep_output)
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         if stdin is None:
-            in_r, in_w = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC), -1
+            in_r, in_w = self._devnull(), -1
         else:
             in_r, in_w = os.pipe()
-        run = _Run(self._loop)
         self._runs[run_id] = run
         try:
             await self._send(frame, [in_r, out_w, err_w])
@@ -340,38 +404,42 @@ class Agent:
             raise
         finally:
             for fd in (in_r, out_w, err_w):
-                os.close(fd)
-        readers = asyncio.gather(self._drain(out_r, out), self._drain(err_r, err))
+                if fd != self._null:
+                    os.close(fd)
+        run.watch(out_r, out)
+        run.watch(err_r, err)
         feeder = _Feeder(in_w, stdin) if stdin is not None else None
-        overflowed = asyncio.ensure_future(overflow.wait())
-        timed_out = False
+        timer = self._loop.call_later(timeout_s, expire) if timeout_s is not None else None
         try:
-            waitables: set[asyncio.Future[Any]] = {run.exited, overflowed}
-            done, _ = await asyncio.wait(waitables, timeout=timeout_s,
-                                         return_when=asyncio.FIRST_COMPLETED)
-            if run.exited not in done:
-                timed_out = not done
-                await self._end(run_id, run, grace_s)
-        except asyncio.CancelledError:
-            await asyncio.shield(self._end(run_id, run, grace_s))
-            raise
+            try:
+                await asyncio.shield(run.exited)
+            except asyncio.CancelledError:
+                end()
+                if run.ending is not None:
+                    await asyncio.shield(run.ending)
+                raise
+            except (_Failed, AgentLostError):
+                pass
+            if not run.drained.done():
+                # The tree is gone when `exited` comes; a pipe still open is held by something
+                # outside it (bounded, like run_process).
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(run.drained), DRAIN_LIMIT_S)
         finally:
-            overflowed.cancel()
+            if timer is not None:
+                timer.cancel()
+            if run.ending is not None and not run.ending.done():
+                run.ending.cancel()
+            run.close_all()
             if feeder is not None:
                 await feeder.stop()
-            try:
-                await asyncio.wait_for(asyncio.shield(readers), DRAIN_LIMIT_S)
-            except (TimeoutError, asyncio.CancelledError):
-                readers.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await readers
             self._runs.pop(run_id, None)
         try:
             status = run.exited.result()
         except _Failed as failed:
             code = self._exec_failure(argv, failed, err)
             return ProcessOutcome(stdout=out.data(), stderr=err.data(), returncode=code,
-                                  signal=None, timed_out=timed_out, truncated=False,
+                                  signal=None, timed_out=run.timed_out, truncated=False,
                                   duration_ms=int((time.monotonic() - start) * 1000))
         rc = os.waitstatus_to_exitcode(status)
         return ProcessOutcome(
@@ -379,10 +447,16 @@ class Agent:
             stderr=err.data(),
             returncode=rc if rc >= 0 else None,
             signal=signal_name(rc) if rc < 0 else None,
-            timed_out=timed_out,
+            timed_out=run.timed_out,
             truncated=out.truncated or err.truncated,
             duration_ms=int((time.monotonic() - start) * 1000),
         )
+
+    def _devnull(self) -> int:
+        """/dev/null for a command without stdin, opened once (the agent gets its own copy)."""
+        if self._null < 0:
+            self._null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        return self._null
 
     @staticmethod
     def _exec_failure(argv: Sequence[str], failed: _Failed, err: Capture) -> int:
@@ -409,30 +483,6 @@ class Agent:
         except (AgentLostError, _Failed):
             pass
 
-    async def _drain(self, fd: int, capture: Capture) -> None:
-        """Read fd to EOF into capture (add_reader: no transport per pipe)."""
-        done: asyncio.Future[None] = self._loop.create_future()
-
-        def readable() -> None:
-            try:
-                chunk = os.read(fd, 65536)
-            except BlockingIOError:
-                return
-            except OSError:
-                chunk = b""
-            if chunk:
-                capture.feed(chunk)
-            elif not done.done():
-                done.set_result(None)
-
-        os.set_blocking(fd, False)
-        self._loop.add_reader(fd, readable)
-        try:
-            await done
-        finally:
-            self._loop.remove_reader(fd)
-            os.close(fd)
-
     # --- closing -------------------------------------------------------------------------
 
     async def close(self) -> None:
@@ -445,6 +495,9 @@ class Agent:
         with contextlib.suppress(asyncio.CancelledError):
             await self._reader
         self._sock.close()
+        if self._null >= 0:
+            os.close(self._null)
+            self._null = -1
         proc = self._proc
         if proc is None:
             return

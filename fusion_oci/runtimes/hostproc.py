@@ -1,7 +1,10 @@
-"""What the runtimes that run the command as a host process share (native, sandbox-exec).
+"""What the runtimes that run the command as a host process share (native, sandbox-exec,
+landlock).
 
 A private scratch HOME and TMPDIR per task, the spec's sandbox paths mapped back to host
-paths, and the run itself inside the subreaper shim (timeout, whole-tree kill, rlimits).
+paths, and the run itself inside the subreaper shim (timeout, whole-tree kill, rlimits) for the
+runtimes that still need a per-command wrapper (sandbox-exec's profile, landlock's confinement);
+native runs every command through the sandbox's exec agent instead (fusion_oci/agent).
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ def native_rlimits(spec: Spec) -> list[tuple[str, int, int]]:
 
 
 class HostProcessRuntime(SpecRuntime):
-    """Base of runtimes whose command is a host process under the reaper shim."""
+    """Base of runtimes whose command is a host process (under the reaper shim unless the
+    runtime overrides :meth:`execute`, as native does with its exec agent)."""
 
     private_dirs = True
     """Whether each task gets a scratch HOME and TMPDIR (native: no, the caller's own)."""

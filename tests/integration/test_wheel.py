@@ -45,10 +45,18 @@ def test_build_makes_wheel_and_sdist_with_images(dist: Path) -> None:
         names = set(zf.namelist())
     assert "fusion_oci/_images/node/Containerfile" in names
     assert "fusion_oci/py.typed" in names
+    # The exec agent is compiled by the build hook and ships as an executable: the wheel is
+    # platform-tagged, the sdist carries the source and the hook, never a binary.
+    with zipfile.ZipFile(wheel) as zf:
+        agent = zf.getinfo("fusion_oci/agent/fusion-oci-agent")
+    assert (agent.external_attr >> 16) & 0o111
+    assert not wheel.name.endswith("-none-any.whl"), wheel.name
     with tarfile.open(sdist) as tf:
         members = {m.name.split("/", 1)[1] for m in tf.getmembers() if "/" in m.name}
     assert "images/node/Containerfile" in members
     assert "pyproject.toml" in members
+    assert {"fusion_oci/agent/agent.c", "hatch_build.py"} <= members
+    assert "fusion_oci/agent/fusion-oci-agent" not in members
 
 
 @pytest.mark.parametrize("kind", ["whl", "tar.gz"])
@@ -70,6 +78,18 @@ def test_install_in_fresh_venv_lists_builds_and_prebuilds_node(dist: Path, tmp_p
         cwd=project, env=env, check=True, capture_output=True, text=True).stdout.strip()
     assert Path(where).is_relative_to(venv), where
     assert where.endswith("fusion_oci/_images")
+    # The installed package runs commands through its own agent binary.
+    ran = subprocess.run(
+        [str(venv / "bin" / "python"), "-c",
+         "import asyncio, fusion_oci.agent.client as c\n"
+         "async def main():\n"
+         "    a = await c.Agent.start_local()\n"
+         "    r = await a.run(['/bin/sh', '-c', 'echo agent-ok'], env={'PATH': '/bin'})\n"
+         "    await a.close()\n"
+         "    print(c.agent_binary(), r.stdout.decode().strip())\n"
+         "asyncio.run(main())"],
+        cwd=project, env=env, check=True, capture_output=True, text=True).stdout.split()
+    assert Path(ran[0]).is_relative_to(venv) and ran[1] == "agent-ok", ran
 
     cli = str(venv / "bin" / "fusion-oci")
     # On a machine without the image this is a real build from the wheel's copy; where the

@@ -8,6 +8,8 @@ export type SandboxErrorKind =
   | "gate-denied"
   | "engine-error"
   | "setup-failed"
+  /** The sandbox's exec agent died: the run failed; dispose and prepare again. */
+  | "agent-lost"
   | "timeout"
   | "bad-request"
   | "internal"
