@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -41,6 +42,7 @@ def main() -> None:
     limited = SandboxPolicy(allow_network=False, memory_limit_mb=512, pids_limit=256,
                             cpu_limit=CpuLimit(max_cores=1))
     with tempfile.TemporaryDirectory() as wt, tempfile.TemporaryDirectory() as cache:
+        subprocess.run(["git", "init", "-q", wt], check=True)  # a worktree is a git top
         native = api_median("native", none, wt, Path(cache), args.runs)
         raw = median_ms(run_argv(["bwrap", "--unshare-all", "--die-with-parent",
                                   "--ro-bind", "/", "/", "--", "true"]), args.runs)

@@ -305,7 +305,10 @@ def main() -> None:
         "- Targets: no failure; under load within 2x of the single-sandbox figure; 10 MB or "
         "less per idle sandbox; prepare of one bubblewrap sandbox 50 ms or less.\n"
         "- The machine has 2 shared cores: 50 commands a second is a large part of them, so "
-        "the ratio under load mostly measures the CPU left over.")
+        "the ratio under load mostly measures the CPU left over. A bubblewrap command is a new "
+        "`bwrap` with its namespaces and mounts, all host CPU: once 50 a second need more than "
+        "the two cores, commands queue and the ratio grows with the queue. A warm container's "
+        "command is one fork of its agent, so podman stays near its single-sandbox figure.")
 
 
 if __name__ == "__main__":

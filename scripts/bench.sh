@@ -2,6 +2,8 @@
 # Runs every benchmark in benchmarks/ and writes docs/performance.md from their sections.
 #
 #   bash scripts/bench.sh [--runs N]       (extra arguments go to every benchmark)
+#   BENCHES="containers scale" bash scripts/bench.sh   (only these; the others' kept
+#                                                       sections, if any, still go in)
 #
 # Each benchmarks/bench_NAME.py writes its section with --markdown into a temporary folder;
 # benchmarks/report.py puts a header describing the machine on top and the sections below, in
@@ -14,13 +16,17 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
 STARTED_FILE="$(mktemp)"
-FRAGMENTS="$(mktemp -d)"
+# FUSION_OCI_BENCH_FRAGMENTS=DIR keeps the sections there (to re-run one benchmark and
+# assemble again: benchmarks/report.py DIR).
+FRAGMENTS="${FUSION_OCI_BENCH_FRAGMENTS:-$(mktemp -d)}"
+mkdir -p "$FRAGMENTS"
 cleanup() {
     if [[ -s "$STARTED_FILE" ]]; then
         # shellcheck disable=SC2046
         bash scripts/services.sh stop $(sort -u "$STARTED_FILE") || true
     fi
-    rm -rf "$STARTED_FILE" "$FRAGMENTS"
+    rm -f "$STARTED_FILE"
+    [[ -n "${FUSION_OCI_BENCH_FRAGMENTS:-}" ]] || rm -rf "$FRAGMENTS"
 }
 trap cleanup EXIT
 FUSION_OCI_STARTED_FILE="$STARTED_FILE" bash scripts/services.sh start >/dev/null
@@ -31,6 +37,9 @@ failed=()
 for path in benchmarks/bench_*.py; do
     name="$(basename "$path" .py)"
     name="${name#bench_}"
+    if [[ -n "${BENCHES:-}" && " $BENCHES " != *" $name "* ]]; then
+        continue
+    fi
     echo "== bench_${name}" >&2
     if ! "$PYTHON" "$path" --markdown "$FRAGMENTS/$name.md" "$@"; then
         echo "bench_${name} failed" >&2
