@@ -156,6 +156,10 @@ class ContainerPlan:
 
 @dataclass(frozen=True)
 class ExecPlan:
+    """An engine exec, the shape of the adapters' ``exec_start``. No runtime uses it since
+    commands go through the exec agent (:class:`AgentCommand`); kept only while the engines
+    layer still offers that method."""
+
     cmd: list[str]
     environment: dict[str, str]
     workdir: str
