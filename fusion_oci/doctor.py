@@ -19,16 +19,16 @@ def backend_rows(env: Mapping[str, str], base: SandboxSettings | None = None, *,
     import shutil
 
     from fusion_oci.models import BACKEND_IDS
-    from fusion_oci.policy.settings import SandboxSettings
+    from fusion_oci.policy.settings import OciSettings, SandboxSettings
     from fusion_oci.runtimes.registry import create_runtime
 
     rows: list[dict[str, Any]] = []
-    variants: list[tuple[str, dict[str, str]]] = [(b, {"backend": b}) for b in BACKEND_IDS]
+    variants: list[tuple[str, dict[str, Any]]] = [(b, {"backend": b}) for b in BACKEND_IDS]
     # The oci backend once more per other OCI runtime installed: gVisor's runsc enforces
     # differently from runc, and `ociRuntime: runsc` is how it is chosen.
-    default_oci = base.oci_runtime if base is not None else "runc"
+    default_oci = base.oci.runtime if base is not None else "runc"
     if oci_variants:
-        variants += [("oci", {"backend": "oci", "oci_runtime": name})
+        variants += [("oci", {"backend": "oci", "oci": OciSettings(runtime=name)})
                      for name in ("runsc", "crun")
                      if name != default_oci and shutil.which(name, path=env.get("PATH"))]
     for backend, fields in variants:
@@ -41,7 +41,7 @@ def backend_rows(env: Mapping[str, str], base: SandboxSettings | None = None, *,
             close()  # probing starts nothing that outlives it
         rows.append({
             "backend": backend,
-            **({"ociRuntime": settings.oci_runtime} if backend == "oci" else {}),
+            **({"ociRuntime": settings.oci.runtime} if backend == "oci" else {}),
             "available": avail.available,
             "version": avail.version,
             "rootless": avail.rootless,

@@ -18,8 +18,8 @@
 ``kind`` is the machine-readable name a caller branches on (``--json`` prints
 ``{"error": {"kind", "what", "why", "hint", "unenforced"}}``, see :meth:`FusionOCIError.to_json`).
 
-SDK exceptions (``docker.errors.*``, ``podman.errors.*``) never reach callers: runtimes translate
-them with :func:`engine_errors`-style context managers into :class:`EngineError` or a setup error.
+SDK exceptions (``docker.errors.*``, ``podman.errors.*``) never reach callers: the engines layer
+(:mod:`fusion_oci.engines.errors`) translates them, by type and status, into these.
 """
 
 from __future__ import annotations

@@ -14,10 +14,21 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from fusion_oci.engines import (
+    Endpoint,
+    EngineAdapter,
+    EngineKind,
+    Found,
+    NotAnswering,
+    connect,
+    docker_endpoints,
+    engine_errors,
+    podman_endpoints,
+)
 from fusion_oci.errors import FusionOCIError
 from fusion_oci.runtimes.containers import (
     LABEL_CACHE_DIR,
@@ -28,12 +39,10 @@ from fusion_oci.runtimes.containers import (
     LABEL_OWNER_PID,
     LABEL_OWNER_START,
 )
-from fusion_oci.runtimes.engine import EngineAdapter, Found, engine_errors
 from fusion_oci.scratch import boot_id, process_start
 
 if TYPE_CHECKING:
     from fusion_oci.policy.settings import SandboxSettings
-    from fusion_oci.runtimes.engine import ContainerRuntime
 
 ANN_TASK = "io.fusion-oci.task-id"
 
@@ -143,34 +152,51 @@ def gc(
 ) -> GcReport:
     """Look at every engine that answers and remove what no live fusion-oci process owns.
 
-    ``settings``: a :class:`~fusion_oci.policy.settings.SandboxSettings` (for podmanUrl /
-    dockerUrl); None: defaults. An engine that does not answer is listed in ``errors`` with
-    its reason and skipped. ``include_caches`` also removes project cache volumes (their
-    files stay in the fusion-oci cache directory).
+    ``settings``: a :class:`~fusion_oci.policy.settings.SandboxSettings` (for ``podman.url``
+    / ``docker.url``); None: defaults. An engine that does not answer is listed in ``errors``
+    with its reason and skipped; for podman with no socket, a service of our own is started
+    for the look (podman is daemonless: its containers exist without one). ``include_caches``
+    also removes project cache volumes (their files stay in the fusion-oci cache directory).
     """
     from fusion_oci.policy.settings import SandboxSettings
 
     chosen = settings or SandboxSettings()
     source = dict(os.environ if env is None else env)
     report = GcReport()
-    for runtime in _runtimes(engines, chosen, source):
+    for name in engines:
+        if name not in ("podman", "docker"):
+            continue
+        kind: EngineKind = "podman" if name == "podman" else "docker"
+        service = None
+        adapter: EngineAdapter | None = None
         try:
-            adapter = runtime._connect()
+            try:
+                adapter = connect(kind, _endpoints(kind, chosen, source))
+            except NotAnswering as exc:
+                if kind == "docker":
+                    tried = ", ".join(f"{e.url} ({e.source})" for e in exc.tried)
+                    report.errors.append(f"docker: no docker service answers at {tried}")
+                    continue
+                from fusion_oci.engines.service import PodmanService
+
+                service = PodmanService(source)
+                adapter = service.start(exc.tried)
             report.merge(collect(adapter, task_id=task_id, include_caches=include_caches,
                                  dry_run=dry_run))
         except FusionOCIError as exc:
-            report.errors.append(f"{runtime.engine}: {exc.render()}")
+            report.errors.append(f"{kind}: {exc.render()}")
         finally:
-            with contextlib.suppress(Exception):
-                runtime.close()
+            if adapter is not None:
+                with contextlib.suppress(Exception):
+                    adapter.close()
+            if service is not None:
+                service.stop()
     return report
 
 
-def _runtimes(engines: Iterable[str], settings: SandboxSettings, env: Mapping[str, str]
-              ) -> list[ContainerRuntime]:
-    from fusion_oci.runtimes.docker import DockerRuntime
-    from fusion_oci.runtimes.podman import PodmanRuntime
-
-    classes: dict[str, type[ContainerRuntime]] = {"podman": PodmanRuntime,
-                                                  "docker": DockerRuntime}
-    return [classes[name](settings, env) for name in engines if name in classes]
+def _endpoints(kind: EngineKind, settings: SandboxSettings, env: Mapping[str, str]
+               ) -> list[Endpoint]:
+    uid = os.getuid()
+    if kind == "podman":
+        return podman_endpoints(settings.podman.url, env, uid)
+    return docker_endpoints(settings.docker.url, env, uid)

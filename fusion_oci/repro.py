@@ -81,11 +81,11 @@ def find_run(audit_path: Path, ident: str, project_dir: Path) -> list[RecordedCo
 
 def _engine_url(backend: Literal["podman", "docker"], settings: SandboxSettings,
                 env: Mapping[str, str]) -> str:
-    from fusion_oci.runtimes.engine import docker_endpoints, podman_endpoints
+    from fusion_oci.engines import docker_endpoints, podman_endpoints
 
     if backend == "docker":
-        return docker_endpoints(settings.docker_url, env, os.getuid())[0].url
-    return podman_endpoints(settings.podman_url, env, os.getuid())[0].url
+        return docker_endpoints(settings.docker.url, env, os.getuid())[0].url
+    return podman_endpoints(settings.podman.url, env, os.getuid())[0].url
 
 
 def pin_image(backend: Literal["podman", "docker"], digest: str, settings: SandboxSettings,

@@ -41,7 +41,7 @@ from fusion_oci.oci.host import HostInfo
 from fusion_oci.policy.settings import SandboxSettings
 from fusion_oci.policy.worktree import check_inputs
 from fusion_oci.replay import record_run, worktree_state
-from fusion_oci.runtimes.base import Runtime, SpecRuntime, unenforced_parts
+from fusion_oci.runtimes.base import Runtime, SpecRuntime, check_spec, unenforced_parts
 from fusion_oci.runtimes.registry import create_runtime
 from fusion_oci.scratch import gc_scratch
 
@@ -108,6 +108,17 @@ class Sandbox:
         if missing:
             raise PolicyNotEnforceableError(runtime.id, missing)
 
+    def _check_spec(self, runtime: Runtime) -> None:
+        """The same check against the task spec the runtime prepared from (the bundle is the
+        contract): a part the spec asks for that the runtime does not enforce is refused,
+        even where the policy's requirements missed it."""
+        spec = getattr(runtime, "task_spec", None)
+        if spec is None or runtime.id == "native":
+            return
+        missing = check_spec(runtime, spec)
+        if missing:
+            raise PolicyNotEnforceableError(runtime.id, missing)
+
     async def _start(self, backend: str, ctx: PrepareContext) -> Runtime:
         runtime = self._create(backend)
         self.runtime = runtime
@@ -117,6 +128,7 @@ class Sandbox:
                 raise RuntimeUnavailableError(runtime.id, availability.reason, availability.hint)
             self._check(runtime, ctx)
             await runtime.prepare(ctx)
+            self._check_spec(runtime)
         except BaseException:
             self.runtime = None
             with contextlib.suppress(Exception):

@@ -26,6 +26,17 @@ def assert_golden(name: str, value: Any) -> None:
     assert path.read_text() == text, f"{path} differs (FUSION_OCI_UPDATE_GOLDEN=1 to accept)"
 
 
+def host_neutral(argv: list[str]) -> list[str]:
+    """A launch argv with this process's facts (the interpreter, the shim's path, our pid)
+    as placeholders, so that a golden of what really runs is the same on every machine."""
+    import sys
+
+    from fusion_oci.process import REAPER
+
+    facts = {sys.executable: "<python>", str(REAPER): "<reaper.py>", str(os.getpid()): "<pid>"}
+    return [facts.get(a, a) for a in argv]
+
+
 GOLDEN_HOST = HostInfo(
     uid=1000, gid=1000,
     rlimits={"RLIMIT_NOFILE": (1024, 20000), "RLIMIT_CPU": (-1, -1)},

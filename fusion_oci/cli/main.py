@@ -357,27 +357,26 @@ def plan(
 
 
 def dry_run(task: Any, command: str | list[str], environ: dict[str, str]) -> dict[str, Any]:
-    """Compile everything a run would, create nothing, start nothing."""
+    """Compile everything a run would, create nothing, start nothing: the same resolve step
+    and compiler as a run (fusion_oci.resolve), with ``create=False``."""
     from fusion_oci.oci.host import probe_host
-    from fusion_oci.oci.spec import compile_spec
-    from fusion_oci.policy.layout import resolve_ca, resolve_layout
-    from fusion_oci.runtimes.base import default_cache_root, unenforced_parts
+    from fusion_oci.resolve import compile_spec, resolve
+    from fusion_oci.runtimes.base import check_spec, default_cache_root, unenforced_parts
     from fusion_oci.runtimes.registry import create_runtime
 
     settings = task.effective.settings
     host = probe_host()
     runtime = create_runtime(settings.backend, settings, environ, host=host)
-    ctx = task.ctx
-    default_image = getattr(runtime, "default_image", None)  # SpecRuntime-based runtimes
-    if ctx.image is None and default_image:
-        ctx = ctx.model_copy(update={"image": default_image})
-    layout = resolve_layout(ctx, cache_root=default_cache_root(environ),
-                            ca_bundle=resolve_ca(settings.host_ca, host.ca_bundle), create=False)
-    spec = compile_spec(ctx, layout, host, command, task.opts, environ)
+    resolved = resolve(settings, task.ctx, host, env=environ,
+                       cache_root=default_cache_root(environ),
+                       default_image=getattr(runtime, "default_image", None), create=False)
+    spec = compile_spec(resolved, command, task.opts)
     avail = runtime.availability()
     missing = unenforced_parts(runtime, task.ctx.policy)
     if runtime.id != "native":
-        missing += [f"protectedPaths: {p}" for p in layout.unprotected]
+        # What the lifecycle refuses: the policy's parts and the spec's (check_spec).
+        missing = sorted(set(missing) | set(check_spec(runtime, spec)))
+        missing += resolved.unprotected()
     close = getattr(runtime, "close", None)
     if callable(close):
         close()  # a probed engine client is dropped now, not whenever it is collected
@@ -484,9 +483,9 @@ def bundle_create(
     from fusion_oci.errors import FusionOCIError
     from fusion_oci.oci.bundle import write_bundle
     from fusion_oci.oci.host import probe_host
-    from fusion_oci.oci.spec import compile_spec
-    from fusion_oci.policy.layout import resolve_ca, resolve_layout
+    from fusion_oci.resolve import compile_spec, resolve
     from fusion_oci.runtimes.base import default_cache_root
+    from fusion_oci.runtimes.registry import runtime_class
 
     try:
         target = output.absolute()
@@ -499,10 +498,12 @@ def bundle_create(
         environ = caller_env()
         task = resolve_task(flags, environ)
         settings = task.effective.settings
-        host = probe_host()
-        layout = resolve_layout(task.ctx, cache_root=default_cache_root(environ),
-                                ca_bundle=resolve_ca(settings.host_ca, host.ca_bundle))
-        spec = compile_spec(task.ctx, layout, host, _command(command), task.opts, environ)
+        # The configured backend's default image, as `plan` and a run choose it: the bundle
+        # written is the bundle that backend would run.
+        default_image = getattr(runtime_class(settings.backend, settings), "default_image", None)
+        resolved = resolve(settings, task.ctx, probe_host(), env=environ,
+                           cache_root=default_cache_root(environ), default_image=default_image)
+        spec = compile_spec(resolved, _command(command), task.opts)
         bundle = write_bundle(spec, output)
     except FusionOCIError as exc:
         _fail(exc)

@@ -80,7 +80,7 @@ def build_image(
         with tar.open("wb") as out:
             write_context_tar(spec.context, out,
                               secrets={secret_name: ca} if use_secret and ca else None,
-                              replace=replace)
+                              replace=replace, containerfile=spec.containerfile)
 
         def attempt(number: int) -> str:
             rep.start(f"build {spec.name} ({spec.ref}) on {engine.name}"

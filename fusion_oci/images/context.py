@@ -15,7 +15,6 @@ import os
 import stat
 import tarfile
 from collections.abc import Iterator, Mapping
-from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import IO
 
@@ -25,36 +24,40 @@ IGNORE_FILES = (".containerignore", ".dockerignore")
 
 
 def ignore_patterns(context: Path) -> list[str]:
-    """Patterns of ``.containerignore`` (or ``.dockerignore``); ``!`` negations are ignored."""
+    """Lines of ``.containerignore`` (or ``.dockerignore``) as the docker SDK reads a
+    ``.dockerignore``: stripped, without blank lines and ``#`` comments; ``!`` lines re-include."""
     for name in IGNORE_FILES:
         path = context / name
         if path.is_file():
             lines = path.read_text(encoding="utf-8").splitlines()
-            return [ln.strip().strip("/") for ln in lines
-                    if ln.strip() and not ln.lstrip().startswith(("#", "!"))]
+            return [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
     return []
 
 
-def _ignored(rel: str, patterns: list[str]) -> bool:
-    parts = rel.split("/")
-    # A pattern matching a directory excludes everything below it, as in the engines.
-    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
-    return any(fnmatchcase(p, pat) for pat in patterns for p in prefixes)
+def context_entries(context: Path, containerfile: str = "Containerfile"
+                    ) -> Iterator[tuple[str, Path]]:
+    """(posix relative path, absolute path) of every entry in the context, sorted, not ignored.
 
+    What is sent is decided by the docker SDK's own build-context rules
+    (``docker.utils.build.exclude_paths``: Go's filepath.Match per path component, a matched
+    directory excludes what is under it, later lines win, ``!`` re-includes, the Containerfile
+    and ``.dockerignore`` are always sent), so the hash covers exactly what an engine builds.
+    """
+    from docker.utils.build import exclude_paths
 
-def context_entries(context: Path) -> Iterator[tuple[str, Path]]:
-    """(posix relative path, absolute path) of every entry in the context, sorted, not ignored."""
     patterns = ignore_patterns(context)
+    if not patterns:
+        kept = None
+    else:
+        kept = {Path(p).as_posix() for p in exclude_paths(str(context), patterns,
+                                                          dockerfile=containerfile)}
     found: list[tuple[str, Path]] = []
     for root, dirs, files in os.walk(context, followlinks=False):
-        dirs.sort()
-        for name in sorted(dirs) + sorted(files):
+        for name in dirs + files:
             path = Path(root) / name
             rel = path.relative_to(context).as_posix()
-            if not _ignored(rel, patterns):
+            if kept is None or rel in kept:
                 found.append((rel, path))
-        dirs[:] = [d for d in dirs if not _ignored((Path(root) / d).relative_to(context)
-                                                   .as_posix(), patterns)]
     yield from sorted(found)
 
 
@@ -72,7 +75,7 @@ def context_hash(context: Path, containerfile: str = "Containerfile",
     put(HASH_FORMAT, "containerfile", containerfile)
     for key in sorted(build_args or {}):
         put("arg", key, (build_args or {})[key])
-    for rel, path in context_entries(context):
+    for rel, path in context_entries(context, containerfile):
         st = path.lstat()
         if stat.S_ISLNK(st.st_mode):
             put("link", rel, str(path.readlink()))
@@ -95,7 +98,8 @@ def content_tag(digest: str) -> str:
 
 def write_context_tar(context: Path, dest: IO[bytes],
                       secrets: Mapping[str, Path] | None = None,
-                      replace: Mapping[str, bytes] | None = None) -> None:
+                      replace: Mapping[str, bytes] | None = None,
+                      containerfile: str = "Containerfile") -> None:
     """Write the context as an uncompressed tar; ``secrets`` are extra files (tar name → path).
 
     ``replace`` swaps the content of some files (tar name → bytes), e.g. a rewritten
@@ -105,7 +109,7 @@ def write_context_tar(context: Path, dest: IO[bytes],
     the context directory before the build starts, so ``COPY .`` never sees it.
     """
     with tarfile.open(fileobj=dest, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for rel, path in context_entries(context):
+        for rel, path in context_entries(context, containerfile):
             info = tar.gettarinfo(str(path), arcname=rel)
             if not (info.isfile() or info.isdir() or info.issym()):
                 continue

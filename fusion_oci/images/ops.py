@@ -105,7 +105,7 @@ def select_targets(names: Sequence[str], env: Mapping[str, str]) -> list[EngineT
     if not up:
         raise ProvisionError("no container engine answers",
                              "; ".join(f"{s.name} at {s.url}: {s.error}" for s in statuses),
-                             "start podman or docker, or set FUSION_OCI_PODMAN_URL/DOCKER_HOST")
+                             "start podman or docker, or point podman.url / docker.url at it")
     targets = engine_targets(env)
     # rootful podman first: the others load what it builds.
     order = {n: i for i, n in enumerate(ENGINE_NAMES)}
@@ -137,7 +137,7 @@ async def build_images(
                 # --force rebuilds once (on the first engine, rootful podman when selected);
                 # the others drop their copy and load the new one.
                 with open_target(target) as client:
-                    client.remove(first.ref, force=True)
+                    client.remove_image(first.ref, force=True)
             opts = ProvisionOptions(
                 engine_name=target.name, base=base, images_dir=images_dir, env=session.env,
                 reporter=session.reporter, allow=EXPLICIT, force=force and first is None,
@@ -246,7 +246,7 @@ def prune_images(session: Session, engines: Sequence[str] = (), *, everything: b
         if dry_run:
             continue
         with open_target(targets[item.engine]) as client:
-            client.remove(item.ref, force=False)
+            client.remove_image(item.ref, force=False)
         ctx.emit("sandbox:provision", f"pruned {item.ref} from {item.engine}", action="prune",
                  ref=item.ref, engine=item.engine, digest=item.digest, outcome="ok")
     return doomed

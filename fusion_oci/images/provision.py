@@ -109,13 +109,13 @@ async def ensure_image(
 ) -> ProvisionedImage:
     """Make ``image_name`` present in the engine and return its reference and digest.
 
-    ``client_or_url``: a ``podman.PodmanClient`` / ``docker.DockerClient``, or a socket URL
-    (``unix:///...``) for which a client is opened and closed here. ``image_name`` is what
-    ``settings.image`` says: a folder under ``images/`` (built, tag from the context hash) or
-    a full reference (pulled). When missing, the ``sandbox_provision`` gate decides first
-    (``ask`` is called for ``ask``; no callback → denied), then ``network_api`` for builds and
-    pulls; then build or pull with retries of transient failures. Emits ``sandbox:gate`` and
-    ``sandbox:provision`` events (the last one with the digest). Raises
+    ``client_or_url``: an :class:`~fusion_oci.engines.EngineAdapter` (a runtime passes its own,
+    borrowed), or a socket URL (``unix:///...``) for which one is opened and closed here.
+    ``image_name`` is what ``settings.image`` says: a folder under ``images/`` (built, tag from
+    the context hash) or a full reference (pulled). When missing, the ``sandbox_provision`` gate
+    decides first (``ask`` is called for ``ask``; no callback → denied), then ``network_api``
+    for builds and pulls; then build or pull with retries of transient failures. Emits
+    ``sandbox:gate`` and ``sandbox:provision`` events (the last one with the digest). Raises
     :class:`~fusion_oci.errors.GateDeniedError` or :class:`~fusion_oci.errors.ProvisionError`.
     """
     opts = options or ProvisionOptions()
@@ -221,7 +221,9 @@ class _Provisioner:
         if self.opts.peers is not None:
             return list(self.opts.peers)
         mine = self.target.url.rstrip("/")
-        return [t for t in engine_targets(self.env).values()
+        targets = engine_targets(self.env, podman_url=self.settings.podman.url,
+                                 docker_url=self.settings.docker.url)
+        return [t for t in targets.values()
                 if t.kind == "podman" and t.url.rstrip("/") != mine and t.name == "podman"]
 
     def _reachable(self, target: EngineTarget) -> EngineClient | None:

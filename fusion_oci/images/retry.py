@@ -1,10 +1,8 @@
 """Which provisioning failures are worth another try, and how long to wait between tries.
 
-Engines pass registry failures on as text, so the split is made on the engine's message:
-connection resets, timeouts, HTTP 5xx and 429 (rate limits) are transient; an unknown image, a
-denied login, a bad reference or a broken Containerfile are permanent and fail at once with
-the engine's own words. Anything not recognised counts as permanent: a retry loop that hides a
-real error for minutes is worse than one failed task.
+Whether one engine failure is transient is decided where SDK errors are mapped
+(:func:`fusion_oci.engines.errors.classify`, re-exported here); this module adds the rule for
+failed build steps and the backoff.
 """
 
 from __future__ import annotations
@@ -16,28 +14,12 @@ from typing import TYPE_CHECKING, Any
 
 import tenacity
 
+from fusion_oci.engines.errors import EngineOpError
+from fusion_oci.engines.errors import classify as classify  # re-exported: one rule
+
 if TYPE_CHECKING:
     from fusion_oci.images.gates import AuditContext
 
-_PERMANENT = re.compile(
-    r"manifest unknown|name unknown|not found|no such image|unauthorized|"
-    r"authentication required|no basic auth credentials|access denied|permission denied|"
-    r"\bdenied\b|forbidden|"
-    r"invalid reference|repository name must|no such host|does not exist|"
-    r"x509|certificate|unknown instruction|parse error|requires buildkit|"
-    r"no such file or directory|is not a valid|unknown flag|short-name",
-    re.IGNORECASE,
-)
-_TRANSIENT = re.compile(
-    r"connection reset|reset by peer|connection refused|broken pipe|unexpected eof|"
-    r"\beof\b|i/o timeout|timed? ?out|deadline exceeded|tls handshake timeout|"
-    r"temporary failure|try again|too many requests|toomanyrequests|rate limit|"
-    r"service unavailable|bad gateway|gateway timeout|internal server error|"
-    r"server misbehaving|network is unreachable|econnreset|etimedout|eai_again|"
-    r"econnrefused|socket hang up|"
-    r"(status|code|http)[: ]+(5\d\d|429)\b|\b(5\d\d|429) (service|bad|gateway|internal|too)",
-    re.IGNORECASE,
-)
 # Failures of a build step that are clearly about the network rather than the Containerfile.
 _BUILD_NETWORK = re.compile(
     r"temporary failure resolving|could not resolve|failed to fetch|econnreset|etimedout|"
@@ -48,17 +30,6 @@ _BUILD_NETWORK = re.compile(
 _BUILD_SYNTAX = re.compile(r"unknown instruction|parse error|requires buildkit|"
                            r"no such file or directory|failed to compute cache key",
                            re.IGNORECASE)
-
-
-def classify(message: str, status: int | None = None) -> bool:
-    """True when ``message`` (and the HTTP ``status`` of the engine's answer) is transient."""
-    # docker answers 500 for every registry failure, so a bare 500 decides nothing; gateway
-    # errors and rate limits do.
-    if status in (429, 502, 503, 504) and not _PERMANENT.search(message):
-        return True
-    if _PERMANENT.search(message):
-        return False
-    return bool(_TRANSIENT.search(message))
 
 
 def classify_build(message: str, log_tail: str) -> bool:
@@ -170,8 +141,6 @@ def run_attempts(
 
 def is_transient_error(exc: BaseException) -> bool:
     """Only engine failures classified transient are retried."""
-    from fusion_oci.images.engine import EngineOpError
-
     return isinstance(exc, EngineOpError) and exc.transient
 
 

@@ -10,7 +10,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fusion_oci.models import NetworkMode, PrepareContext, RunOptions, SandboxPolicy
+from fusion_oci.models import CacheMode, NetworkMode, PrepareContext, RunOptions, SandboxPolicy
 from fusion_oci.oci.host import HostInfo
 from fusion_oci.policy.layout import CA_IN_SANDBOX, TaskLayout
 
@@ -27,6 +27,10 @@ ANN_POLICY = ANN + "policy-hash"
 ANN_NETWORK = ANN + "network"
 ANN_IMAGE = ANN + "image"
 ANN_HOST_ROOTFS = ANN + "host-rootfs"
+ANN_CACHE_MODE = ANN + "cache-mode"
+# Every annotation above is listed, with what it means, in docs/spec-annotations.md: they say
+# only what the OCI fields cannot (OCI has no "egress without host loopback", no image
+# reference, no cache scope).
 
 # Environment variables that tools read to trust an extra CA bundle.
 CA_ENV_VARS = (
@@ -403,6 +407,7 @@ def compile_spec(
         ANN_TASK: ctx.task_id,
         ANN_RUN: ctx.run_id,
         ANN_POLICY: policy.digest(),
+        ANN_CACHE_MODE: ctx.cache_mode.value,
     })
 
 
@@ -411,5 +416,32 @@ def spec_env(spec: Spec) -> dict[str, str]:
     return dict(item.split("=", 1) for item in spec["process"]["env"])
 
 
+def spec_capabilities(spec: Spec) -> list[str]:
+    """The capabilities the spec's process keeps (its bounding set, ``CAP_*`` names),
+    sorted: what every runtime adds back after dropping all."""
+    caps = spec["process"].get("capabilities", {}).get("bounding", [])
+    return sorted(str(c) for c in caps)
+
+
 def spec_network(spec: Spec) -> NetworkMode:
-    return NetworkMode(spec["annotations"].get(ANN_NETWORK, NetworkMode.NONE.value))
+    """The network mode a spec asks for. The OCI data decides first: no network namespace is
+    ``host``; a network namespace is ``none`` unless the annotation says ``egress`` (OCI has
+    no word for "outbound but not the host's loopback"). An annotation that disagrees with
+    the namespaces (``host`` with a namespace) reads as ``none``: closed, never open."""
+    has_netns = any(n.get("type") == "network"
+                    for n in spec.get("linux", {}).get("namespaces", []))
+    if not has_netns:
+        return NetworkMode.HOST
+    said = spec.get("annotations", {}).get(ANN_NETWORK)
+    return NetworkMode.EGRESS if said == NetworkMode.EGRESS.value else NetworkMode.NONE
+
+
+def spec_cache_mode(spec: Spec) -> CacheMode:
+    """How the spec's cache mounts are scoped (per project, or per task when isolated).
+    Missing: shared (the settings' default); a value not known here: isolated, the scope
+    that shares nothing between tasks."""
+    said = spec.get("annotations", {}).get(ANN_CACHE_MODE, CacheMode.SHARED.value)
+    try:
+        return CacheMode(said)
+    except ValueError:
+        return CacheMode.ISOLATED

@@ -7,13 +7,14 @@ remembers which layer set it, for ``fusion-oci settings show``.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 
 from fusion_oci.errors import SettingsError
 from fusion_oci.models import BackendId, CacheMode, FailureMode, Model, SandboxPolicy
@@ -30,8 +31,74 @@ class GateSettings(Model):
     """Outbound fetches a backend needs to provision."""
 
 
+class DockerSettings(Model):
+    """``docker:``: read by the docker backend, image provisioning, ``gc`` and ``repro``."""
+
+    url: str | None = None
+    """Docker API address (``unix:///path``, ``tcp://host:2376``). None: as the Docker CLI
+    finds it: DOCKER_HOST (with DOCKER_TLS_VERIFY / DOCKER_CERT_PATH), the current context,
+    then the default (or a rootless dockerd's) socket."""
+
+
+class PodmanSettings(Model):
+    """``podman:``: read by the podman backend, the oci backend's image export, image
+    provisioning, ``gc`` and ``repro``."""
+
+    url: str | None = None
+    """Podman API socket (``unix:///path``). None: as podman finds it: CONTAINER_HOST, a
+    system connection (CONTAINER_CONNECTION or the default one), then podman's default socket
+    for this user; when none answers, the podman backend starts ``podman system service``."""
+
+
+class OciSettings(Model):
+    """``oci:``: read by the oci backend."""
+
+    runtime: str = "runc"
+    """OCI runtime CLI (runc, crun, runsc, youki), a name on PATH or an absolute path."""
+
+
+MOVED_KEYS: dict[str, tuple[str, str]] = {
+    # old flat key (either spelling) -> (section, key): every backend carried them before
+    "dockerUrl": ("docker", "url"), "docker_url": ("docker", "url"),
+    "podmanUrl": ("podman", "url"), "podman_url": ("podman", "url"),
+    "ociRuntime": ("oci", "runtime"), "oci_runtime": ("oci", "runtime"),
+}
+
+
+def migrate_flat_keys(data: Mapping[str, Any], source: str
+                      ) -> tuple[dict[str, Any], list[str]]:
+    """The layer with the old flat backend keys moved into their sections, and one
+    deprecation warning per moved key naming the new spelling. Pure."""
+    out = dict(data)
+    warnings: list[str] = []
+    for key in [k for k in data if k in MOVED_KEYS]:
+        section, name = MOVED_KEYS[key]
+        value = out.pop(key)
+        current = out.get(section)
+        block = dict(current) if isinstance(current, Mapping) else {}
+        if name in block and block[name] != value:
+            raise SettingsError(f"settings error in {source} at sandbox.{key}",
+                                f"both '{key}' and '{section}.{name}' are set",
+                                f"keep only `{section}: {{{name}: ...}}`")
+        block[name] = value
+        out[section] = block
+        shown = value if isinstance(value, str) else json.dumps(value)
+        warnings.append(f"{source}: sandbox.{key} is deprecated; "
+                        f"write it as `{section}: {{{name}: {shown}}}`")
+    return out, warnings
+
+
 class SandboxSettings(Model):
     """The effective ``sandbox:`` settings."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_backend_keys(cls, data: Any) -> Any:
+        # Python callers written against the flat keys (``podman_url=...``) keep working;
+        # settings files get a deprecation warning instead (see migrate_flat_keys).
+        if isinstance(data, Mapping) and any(k in MOVED_KEYS for k in data):
+            return migrate_flat_keys(data, "SandboxSettings")[0]
+        return data
 
     backend: BackendId = "native"
     failure_mode: FailureMode = "fail-hard"
@@ -43,17 +110,26 @@ class SandboxSettings(Model):
     """``auto``: share the host CA bundle when one exists; ``off``; or an absolute path."""
     custom_runtime: str | None = None
     """Entry-point name of the runtime used when backend is ``custom``."""
-    oci_runtime: str = "runc"
-    """OCI runtime CLI for the ``oci`` backend (runc, crun, runsc, youki)."""
-    podman_url: str | None = None
-    """Podman API socket (``unix:///path``). None: CONTAINER_HOST, else podman's default
-    socket for this user; when none answers, the runtime starts ``podman system service``."""
-    docker_url: str | None = None
-    """Docker API address. None: DOCKER_HOST, else the default (or rootless) socket."""
+    docker: DockerSettings = Field(default_factory=DockerSettings)
+    podman: PodmanSettings = Field(default_factory=PodmanSettings)
+    oci: OciSettings = Field(default_factory=OciSettings)
     container_mode: Literal["warm", "oneshot"] = "warm"
     """podman/docker: ``warm`` keeps one container per task and execs each command in it;
     ``oneshot`` creates and removes a container per command."""
     gates: GateSettings = Field(default_factory=GateSettings)
+
+    # Deprecated readers of the old flat keys, for code written before the sections.
+    @property
+    def docker_url(self) -> str | None:
+        return self.docker.url
+
+    @property
+    def podman_url(self) -> str | None:
+        return self.podman.url
+
+    @property
+    def oci_runtime(self) -> str:
+        return self.oci.runtime
 
 
 @dataclass(frozen=True)
@@ -236,12 +312,13 @@ def _python_names(model: Any, data: Mapping[str, Any], prefix: str = "") -> tupl
 def validate_layer(layer: Layer) -> None:
     """Validate one layer alone, so that an error names the layer that holds it. Keys have
     one spelling, the camelCase the README uses (``allowNetwork``, not ``allow_network``)."""
-    wrong, right = _python_names(SandboxSettings, layer.data)
+    data = migrate_flat_keys(layer.data, layer.source)[0]
+    wrong, right = _python_names(SandboxSettings, data)
     if wrong:
         raise SettingsError(f"settings error in {layer.source} at sandbox.{wrong}",
                             f"unknown key '{wrong.rsplit('.', 1)[-1]}'", f"write it as {right}")
     try:
-        SandboxSettings.model_validate(dict(layer.data))
+        SandboxSettings.model_validate(data)
     except ValidationError as exc:
         _raise_validation(layer.source, exc, None)
 
@@ -250,15 +327,18 @@ def merge_layers(layers: list[Layer]) -> EffectiveSettings:
     """Merge layers in order (later wins, key by key) and validate the result."""
     merged: dict[str, Any] = {}
     prov: dict[str, str] = {}
+    warnings: list[str] = []
     for layer in layers:
         validate_layer(layer)
-        _merge(merged, layer.data, layer.source, prov)
+        data, moved = migrate_flat_keys(layer.data, layer.source)
+        warnings += moved
+        _merge(merged, data, layer.source, prov)
     try:
         settings = SandboxSettings.model_validate(merged)
     except ValidationError as exc:
         _raise_validation("merged settings", exc, prov)
         raise  # unreachable; keeps type checkers calm
-    return EffectiveSettings(settings, prov)
+    return EffectiveSettings(settings, prov, warnings)
 
 
 def load_settings(
@@ -284,7 +364,8 @@ def load_settings(
     merged = merge_layers(layers)
     files = [p for p in (gpath, project_settings_path(project_dir) if project_dir else None)
              if p is not None]
-    return EffectiveSettings(merged.settings, merged.provenance, ignored_warnings(files))
+    return EffectiveSettings(merged.settings, merged.provenance,
+                             merged.warnings + ignored_warnings(files))
 
 
 def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

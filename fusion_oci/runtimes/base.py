@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from fusion_oci.policy.layout import TaskLayout
     from fusion_oci.policy.settings import SandboxSettings
     from fusion_oci.process import ProcessOutcome
+    from fusion_oci.resolve import ResolvedTask
 
 
 class Requirement(StrEnum):
@@ -71,6 +72,45 @@ def requirements(policy: SandboxPolicy) -> frozenset[Requirement]:
     if policy.file_size_limit_mb:
         need.add(Requirement.FILE_SIZE)
     return frozenset(need)
+
+
+def spec_requirements(spec: Spec) -> frozenset[Requirement]:
+    """What enforcing this spec takes, read from its OCI fields (the network annotation only
+    for egress versus none). Pure; equal to :func:`requirements` of the policy it was
+    compiled from (tests/unit/test_resolve.py), so a runtime can be checked against the
+    bundle it is handed as well as against a policy."""
+    from fusion_oci.oci.spec import spec_network
+
+    need = {Requirement.FILESYSTEM, Requirement.PROC_PATHS, Requirement.ENV}
+    mode = spec_network(spec)
+    if mode is NetworkMode.NONE:
+        need.add(Requirement.NETWORK_NONE)
+    elif mode is NetworkMode.EGRESS:
+        need.add(Requirement.NETWORK_EGRESS)
+    resources = spec.get("linux", {}).get("resources", {})
+    for key, req in (("memory", Requirement.MEMORY), ("pids", Requirement.PIDS),
+                     ("cpu", Requirement.CPU_QUOTA)):
+        if key in resources:
+            need.add(req)
+    rlimits = {r["type"] for r in spec.get("process", {}).get("rlimits", [])}
+    if "RLIMIT_CPU" in rlimits:
+        need.add(Requirement.CPU_TIME)
+    if "RLIMIT_FSIZE" in rlimits:
+        need.add(Requirement.FILE_SIZE)
+    if any(m.get("type") == "tmpfs" and any(o.startswith("size=") for o in m.get("options", []))
+           and m.get("destination") not in ("/dev", "/dev/shm")
+           for m in spec.get("mounts", [])):
+        need.add(Requirement.TMP_SIZE)
+    return frozenset(need)
+
+
+def check_spec(runtime: Runtime, spec: Spec) -> list[str]:
+    """The parts of ``spec`` that ``runtime`` does not enforce here, sorted (the protocol's
+    ``check(spec)``; a runtime may offer its own ``check``)."""
+    own = getattr(runtime, "check", None)
+    if callable(own):
+        return list(own(spec))
+    return sorted(r.value for r in spec_requirements(spec) - runtime.enforces())
 
 
 def unenforced_parts(runtime: Runtime, policy: SandboxPolicy) -> list[str]:
@@ -224,6 +264,11 @@ class SpecRuntime:
         self.ask: AskCallback | None = None
         self.last_spec: Spec | None = None
         """The spec of the latest command (compiled by :meth:`run`)."""
+        self.resolved: ResolvedTask | None = None
+        """The resolved task (set by :meth:`prepare`)."""
+        self.task_spec: Spec | None = None
+        """The spec all of the task's commands share but for the process (set by
+        :meth:`prepare`): what a runtime prepares from."""
 
     @property
     def host(self) -> HostInfo:
@@ -234,23 +279,34 @@ class SpecRuntime:
         return self._host
 
     async def prepare(self, ctx: PrepareContext) -> None:
-        from fusion_oci.policy.layout import resolve_ca, resolve_layout
+        """Resolve the task (fusion_oci.resolve, the one resolve step) and compile its task
+        spec; subclasses take what they set up from :attr:`task_spec`, not from ``ctx``."""
+        from fusion_oci.resolve import resolve, task_spec
 
         self.ctx = ctx
-        ca = resolve_ca(self.settings.host_ca, self.host.ca_bundle)
-        if ctx.host_ca_bundle is not None:
-            ca = ctx.host_ca_bundle
-        self.layout = resolve_layout(ctx, cache_root=self.cache_root, ca_bundle=ca)
+        self.resolved = resolve(self.settings, ctx, self.host, env=self.env,
+                                cache_root=self.cache_root, default_image=self.default_image)
+        self.ctx = self.resolved.ctx
+        self.layout = self.resolved.layout
+        self.task_spec = task_spec(self.resolved)
+
+    def set_image(self, image: str) -> None:
+        """After provisioning: the task runs on ``image`` (a local reference)."""
+        from fusion_oci.resolve import task_spec
+
+        assert self.resolved is not None
+        self.resolved = self.resolved.with_image(image)
+        self.ctx = self.resolved.ctx
+        self.task_spec = task_spec(self.resolved)
 
     def compile(self, command: str | Sequence[str], opts: RunOptions) -> Spec:
         from fusion_oci.errors import SandboxSetupError
-        from fusion_oci.oci.spec import compile_spec
+        from fusion_oci.resolve import compile_spec
 
-        if self.ctx is None or self.layout is None:
+        if self.resolved is None:
             raise SandboxSetupError(f"runtime '{self.id}' was not prepared",
                                     "run() came before prepare()", "call prepare(ctx) first")
-        source = opts.env if opts.env is not None else self.env
-        return compile_spec(self.ctx, self.layout, self.host, command, opts, source)
+        return compile_spec(self.resolved, command, opts)
 
     async def run(self, command: str | Sequence[str], opts: RunOptions) -> RunResult:
         spec = self.compile(command, opts)
@@ -263,6 +319,8 @@ class SpecRuntime:
     async def dispose(self) -> None:
         self.ctx = None
         self.layout = None
+        self.resolved = None
+        self.task_spec = None
 
     def result(self, outcome: ProcessOutcome, spec: Spec, reason: EndReason | None = None
                ) -> RunResult:

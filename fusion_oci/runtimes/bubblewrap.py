@@ -50,7 +50,14 @@ from fusion_oci.models import (
     SandboxCapabilities,
 )
 from fusion_oci.oci.seccomp import OCI_ARCHES, compile_bpf
-from fusion_oci.oci.spec import ANN_HOST_ROOTFS, ANN_IMAGE, Spec, spec_env, spec_network
+from fusion_oci.oci.spec import (
+    ANN_HOST_ROOTFS,
+    ANN_IMAGE,
+    Spec,
+    spec_capabilities,
+    spec_env,
+    spec_network,
+)
 from fusion_oci.process import ProcessOutcome, run_process
 from fusion_oci.runtimes.base import (
     Availability,
@@ -266,6 +273,8 @@ def bwrap_argv(spec: Spec, host: BwrapHost, fds: LaunchFds | None = None) -> lis
     if network is NetworkMode.HOST:
         argv.append("--share-net")
     argv += ["--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+    for cap in spec_capabilities(spec):  # the spec's bounding set (empty in our bundles)
+        argv += ["--cap-add", cap]
     if host.disable_userns:
         argv.append("--disable-userns")
     user = proc.get("user", {})
@@ -400,15 +409,18 @@ def probe_host_support(path: str, uid: int) -> HostProbe:
     )
 
 
-def check_context(ctx: PrepareContext) -> None:
-    """Refuse what bwrap would only fail on at launch, with a clearer message."""
-    if ctx.image and not Path(ctx.image).is_dir():
-        raise BundleError(f"bubblewrap cannot use image '{ctx.image}'",
+def check_spec(spec: Spec) -> None:
+    """Refuse what bwrap would only fail on at launch, with a clearer message: an image that
+    is not an unpacked rootfs, a bind mount whose host path is missing. Reads the spec only."""
+    image = spec.get("annotations", {}).get(ANN_IMAGE)
+    if image and not Path(str(image)).is_dir():
+        raise BundleError(f"bubblewrap cannot use image '{image}'",
                           "it runs on the host's system directories or an unpacked rootfs",
                           "leave sandbox.image unset for bubblewrap")
-    for path in [*ctx.policy.allowed_paths, *ctx.policy.writable_paths]:
-        if not Path(path).exists():
-            raise BundleError(f"policy path {path} does not exist",
+    for mount in spec.get("mounts", []):
+        source = str(mount.get("source", ""))
+        if mount.get("type") == "bind" and not os.path.lexists(source):
+            raise BundleError(f"policy path {source} does not exist",
                               "allowedPaths/writablePaths are bound at their host paths",
                               "create it first or remove it from the policy")
 
@@ -516,7 +528,8 @@ class BubblewrapRuntime(SpecRuntime):
     # ------------------------------------------------------------------ lifecycle
     async def prepare(self, ctx: PrepareContext) -> None:
         await super().prepare(ctx)
-        check_context(ctx)
+        assert self.task_spec is not None
+        check_spec(self.task_spec)
         self._scratch = make_task_scratch(ctx.task_id)
 
     async def dispose(self) -> None:

@@ -27,6 +27,7 @@ How a task container is laid out (and why):
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -40,6 +41,7 @@ from fusion_oci.oci.spec import (
     ANN_TASK,
     SANDBOX_PATH,
     Spec,
+    spec_capabilities,
     spec_env,
     spec_network,
 )
@@ -118,8 +120,10 @@ class Target:
     """The caller's RLIMIT_NPROC (soft, hard); rootful podman's default exceeds some hosts'."""
     cgroup_limits: bool = True
     """False for rootless containers on a cgroup v1 host: no memory/cpu/pids limits there."""
-    seccomp_profile: str | None = None
-    """podman: path of the hardened profile (see :func:`harden_seccomp`); None: default."""
+    seccomp_dir: str = "<seccomp-dir>"
+    """podman: the directory the bundle's seccomp profile is written to as a file (see
+    :func:`seccomp_file`; the podman SDK takes a profile only by path). The runtime passes
+    its own; the placeholder default is for plans only (podman refuses a missing file)."""
 
 
 @dataclass(frozen=True)
@@ -362,12 +366,15 @@ def plan_container(
         "hostname": spec.get("hostname", "fusion-sandbox"),
         "user": f"{uid}:{gid}",
         "working_dir": "/",
-        # Only PATH (the init must find `sleep`); each exec carries its command's whole env.
+        # Only PATH; each command carries its whole env (the agent needs none).
         "environment": {"PATH": spec_env(spec).get("PATH", SANDBOX_PATH)},
         "labels": labels_for(spec, owner, mode),
         "detach": True,
         "read_only": bool(spec.get("root", {}).get("readonly", True)),
+        # The spec's capability set, not a fixed one: everything dropped, then what
+        # process.capabilities.bounding lists (nothing, in every bundle compile_spec makes).
         "cap_drop": ["ALL"],
+        "cap_add": engine_capabilities(spec),
         "ulimits": _ulimits(spec, target),
     }
     kwargs.update(_mounts(spec, target, volumes))
@@ -376,15 +383,23 @@ def plan_container(
     if target.cgroup_limits:
         kwargs.update(_resources(spec))
     notes: list[str] = []
+    nnp = bool(spec["process"].get("noNewPrivileges", False))
+    profile = spec.get("linux", {}).get("seccomp")
     if target.engine == "docker":
-        kwargs["security_opt"] = ["no-new-privileges"]
+        security: list[str] = []
+        if nnp:
+            security.append("no-new-privileges")
+        if profile is not None:
+            # The docker CLI's --security-opt seccomp=FILE sends the file's JSON this way.
+            security.append("seccomp=" + seccomp_json(profile))
+        kwargs["security_opt"] = security
         notes.append("masked/read-only /proc and /sys paths: the engine's defaults "
                      "(a superset of the spec's)")
     else:
-        kwargs["no_new_privileges"] = True
+        kwargs["no_new_privileges"] = nnp
         kwargs["masked_paths"] = list(spec["linux"].get("maskedPaths", []))
-        if target.seccomp_profile:
-            kwargs["seccomp_profile_path"] = target.seccomp_profile
+        if profile is not None:
+            kwargs["seccomp_profile_path"] = seccomp_file(profile, target.seccomp_dir)[0]
         if target.rootless:
             # keep-id: the caller's uid is the same number inside, so worktree files stay
             # the caller's on the host.
@@ -474,31 +489,22 @@ def limit_reason(before: Mapping[str, int], after: Mapping[str, int]) -> LimitCo
                          pids_max=max(0, after.get("pids", 0) - before.get("pids", 0)))
 
 
-# Syscalls podman's default profile allows but docker's refuses without CAP_SYS_ADMIN: new
-# (user) namespaces and the kernel keyring are attack surface a sandboxed build never needs.
-SECCOMP_DENY = ("unshare", "keyctl", "add_key", "request_key", "clone", "clone3")
-CLONE_NAMESPACE_FLAGS = 0x7E020000
-"""CLONE_NEWNS|NEWCGROUP|NEWUTS|NEWIPC|NEWUSER|NEWPID|NEWNET (docker's mask)."""
+def engine_capabilities(spec: Spec) -> list[str]:
+    """The spec's capability set as engines name it (``CAP_NET_BIND_SERVICE`` ->
+    ``NET_BIND_SERVICE``)."""
+    return [c.removeprefix("CAP_") for c in spec_capabilities(spec)]
 
 
-def harden_seccomp(profile: Mapping[str, Any]) -> dict[str, Any]:
-    """An engine's default seccomp profile with docker's namespace/keyring rules. Pure.
+def seccomp_json(profile: Mapping[str, Any]) -> str:
+    """The spec's ``linux.seccomp`` as one canonical JSON text (engines read OCI's field
+    names: defaultAction, architectures, syscalls with names/action/errnoRet/args)."""
+    return json.dumps(profile, sort_keys=True, separators=(",", ":"))
 
-    clone stays allowed without namespace flags (threads, fork); clone3 answers ENOSYS so
-    libc falls back to clone, whose flags a filter can see.
-    """
-    out = dict(profile)
-    rules: list[dict[str, Any]] = []
-    for rule in profile.get("syscalls", []):
-        rule = dict(rule)
-        if rule.get("action") == "SCMP_ACT_ALLOW" and not rule.get("includes", {}).get("caps"):
-            rule["names"] = [n for n in rule.get("names", []) if n not in SECCOMP_DENY]
-            if not rule["names"]:
-                continue
-        rules.append(rule)
-    rules.append({"names": ["clone"], "action": "SCMP_ACT_ALLOW",
-                  "args": [{"index": 0, "value": CLONE_NAMESPACE_FLAGS, "valueTwo": 0,
-                            "op": "SCMP_CMP_MASKED_EQ"}]})
-    rules.append({"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": 38})
-    out["syscalls"] = rules
-    return out
+
+def seccomp_file(profile: Mapping[str, Any], directory: str) -> tuple[str, str]:
+    """(path, text) of the file that carries ``profile`` to podman: named by its digest, so
+    the same profile is one file and a changed profile is a new one. Pure."""
+    text = seccomp_json(profile)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    return f"{directory.rstrip('/')}/bundle-{digest}.json", text
+

@@ -61,7 +61,7 @@ from fusion_oci.models import (
     SandboxCapabilities,
 )
 from fusion_oci.oci.seccomp import compile_bpf
-from fusion_oci.oci.spec import SANDBOX_HOME, Spec, spec_network
+from fusion_oci.oci.spec import ANN_IMAGE, SANDBOX_HOME, Spec, spec_network
 from fusion_oci.policy.layout import task_project
 from fusion_oci.process import reaper_argv, run_process
 from fusion_oci.runtimes.base import Availability, LaunchPlan, Requirement
@@ -360,6 +360,21 @@ class LandlockRuntime(HostProcessRuntime):
         home, tmp = self._dirs()
         return landlock_rules(spec, home, tmp)
 
+    _launches = 0
+    """Launch files written so far (each command's is ``launch-N`` beside HOME and TMPDIR)."""
+
+    def _launch_file(self, n: int) -> str:
+        where = str(self._scratch) if self._scratch is not None else "<task scratch>"
+        return f"{where}/launch-{n}"
+
+    def launch_command(self, spec: Spec, launch: str) -> list[str]:
+        """What runs, for plan and execute alike: the command under the subreaper shim, with
+        the spec's rlimits and the launch file (the ruleset the child confines itself with
+        before exec)."""
+        argv = reaper_argv(spec["process"]["args"], native_rlimits(spec))
+        argv.insert(argv.index("--"), f"SANDBOX={launch}")
+        return argv
+
     def plan(self, spec: Spec) -> LaunchPlan:
         home, tmp = self._dirs()
         rules = self.rules(spec)
@@ -376,7 +391,7 @@ class LandlockRuntime(HostProcessRuntime):
                   for p in rules.restored]
         return LaunchPlan(
             backend=self.id,
-            argv=["<reaper>", "SANDBOX=<launch file>", *spec["process"]["args"]],
+            argv=self.launch_command(spec, self._launch_file(self._launches + 1)),
             env=native_env(spec, home, tmp),
             cwd=spec["process"]["cwd"],
             notes=notes,
@@ -385,7 +400,8 @@ class LandlockRuntime(HostProcessRuntime):
     async def prepare(self, ctx: PrepareContext) -> None:
         await super().prepare(ctx)
         try:
-            if ctx.image:
+            assert self.task_spec is not None
+            if self.task_spec["annotations"].get(ANN_IMAGE):
                 raise SandboxSetupError(
                     "the landlock runtime cannot use an image",
                     "it runs the command on the host's own system directories",
@@ -431,11 +447,11 @@ class LandlockRuntime(HostProcessRuntime):
         config = launch_config(rules, host_abi(), platform.machine())
         kept = snapshot.take(rules.restored, holes=rules.holes)
         # Beside HOME and TMPDIR, not in them: the command cannot read or change it.
-        launch = Path(self._scratch) / f"launch-{os.getpid()}-{id(spec)}"
+        self._launches += 1
+        launch = Path(self._scratch) / f"launch-{self._launches}"
         launch.write_text(launch_text(config), encoding="utf-8")
         try:
-            argv = reaper_argv(spec["process"]["args"], native_rlimits(spec))
-            argv.insert(argv.index("--"), f"SANDBOX={launch}")
+            argv = self.launch_command(spec, str(launch))
             outcome = await run_process(
                 argv, env=native_env(spec, home, tmp), cwd=spec["process"]["cwd"],
                 stdin=opts.stdin, timeout_s=opts.timeout_ms / 1000,

@@ -97,8 +97,10 @@ class SandboxExecRuntime(HostProcessRuntime):
                                 scratch_tmp=tmp)
 
     def plan(self, spec: Spec) -> LaunchPlan:
-        """argv is exact (the profile text is its ``-p`` word); notes hold the profile again,
-        line by line, for reading. Pure: works on any platform."""
+        """argv is what :meth:`execute` runs (the subreaper shim with the spec's rlimits, then
+        sandbox-exec with the profile text as its ``-p`` word), but for one step: execute
+        resolves the parameters' symlinks on the Mac, as Seatbelt matches resolved paths.
+        Notes hold the profile again, line by line. Pure: works on any platform."""
         home, tmp = self._dirs()
         profile = self.profile(spec)
         notes = [
@@ -111,11 +113,12 @@ class SandboxExecRuntime(HostProcessRuntime):
         if spec.get("annotations", {}).get(ANN_IMAGE):
             notes.append(f"REFUSED: image {spec['annotations'][ANN_IMAGE]} needs a container "
                          "runtime; sandbox-exec runs the host's tools")
-        notes += ["parameters:", *(f"  {k}={v}" for k, v in profile.params), "profile:",
+        notes += ["parameters (symlinks resolved at launch):",
+                  *(f"  {k}={v}" for k, v in profile.params), "profile:",
                   *("  " + line for line in profile.text.splitlines())]
         return LaunchPlan(
             backend=self.id,
-            argv=["<reaper>", *profile.argv(list(spec["process"]["args"]))],
+            argv=self.launch_argv(profile.argv(list(spec["process"]["args"])), spec),
             env=mac_env(spec, home, tmp),
             cwd=spec["process"]["cwd"],
             notes=notes,
@@ -127,11 +130,13 @@ class SandboxExecRuntime(HostProcessRuntime):
         avail = self.availability()
         if not avail.available:
             raise RuntimeUnavailableError(self.id, avail.reason, avail.hint)
-        if ctx.image:
-            raise BundleError(f"sandbox-exec cannot run image {ctx.image}",
+        await super().prepare(ctx)
+        assert self.task_spec is not None
+        if image := self.task_spec["annotations"].get(ANN_IMAGE):
+            await self.dispose()
+            raise BundleError(f"sandbox-exec cannot run image {image}",
                               "it sandboxes the host's own tools; images need a container",
                               "drop sandbox.image, or choose docker or podman")
-        await super().prepare(ctx)
 
     async def execute(self, spec: Spec, opts: RunOptions) -> RunResult:
         home, tmp = self._dirs()

@@ -413,7 +413,7 @@ async def test_killing_the_agent_fails_the_run_loudly_then_disposes_clean(
             if how == "pid":
                 os.kill(agent_of(sb).peer_pid, signal.SIGKILL)
             else:
-                container = runtime._adapter.sdk_client().containers.get(runtime._container)
+                container = runtime._adapter.client.containers.get(runtime._container)
                 await asyncio.to_thread(container.kill)
             start = time.monotonic()
             with pytest.raises(AgentLostError) as lost:

@@ -89,7 +89,7 @@ def images_dir(tmp_path: Path, podman: EngineClient) -> Iterator[Path]:
     for info in podman.images(label="io.fusion-oci.managed=true"):
         for tag in info.tags:
             if info.labels.get("io.fusion-oci.image", "").startswith("t-"):
-                podman.remove(tag, force=True)
+                podman.remove_image(tag, force=True)
 
 
 def make_context(root: Path, name: str, body: str) -> str:
@@ -191,7 +191,7 @@ def test_docker_gets_its_ca_built_image_from_podman(tmp_path: Path, images_dir: 
         assert run_in("docker", got.ref, "cat /seen").strip() == "1"
     finally:
         with open_target(docker) as client:
-            client.remove(got.ref, force=True)
+            client.remove_image(got.ref, force=True)
 
 
 @pytest.mark.docker
@@ -219,7 +219,7 @@ def test_docker_alone_builds_classically_without_the_secret(tmp_path: Path, imag
         assert run_in("docker", got.ref, "cat /seen").strip() == "none"
     finally:
         with open_target(docker) as client:
-            client.remove(got.ref, force=True)
+            client.remove_image(got.ref, force=True)
 
 
 # --------------------------------------------------------------------------- cache

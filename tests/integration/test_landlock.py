@@ -192,7 +192,9 @@ def test_plan_is_printable_and_says_what_is_granted(worktree: Path) -> None:
     spec = compile_spec(ctx, layout, host, "true", RunOptions(), {})
     runtime = LandlockRuntime(SandboxSettings(backend="landlock"), {}, host=host)
     plan = runtime.plan(spec).to_json()
-    assert plan["argv"][:2] == ["<reaper>", "SANDBOX=<launch file>"]
+    # What execute runs: the shim, the launch file, the command (no placeholder for the shim).
+    assert plan["argv"] == runtime.launch_command(spec, "<task scratch>/launch-1")
+    assert plan["argv"][plan["argv"].index("--") - 1] == "SANDBOX=<task scratch>/launch-1"
     assert any(str(worktree) in n for n in plan["notes"])
 
 

@@ -149,6 +149,38 @@ def test_rootless_bundle_runs_under_an_unprivileged_runc(oci_validator: Any) -> 
         shutil.rmtree(base, ignore_errors=True)
 
 
+# --- plan == launch ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", [
+    {"allow_network": False, "memory_limit_mb": 128, "pids_limit": 64},
+    {"network": "egress"},
+], ids=["none-limits", "egress"])
+async def test_the_plan_is_exactly_what_execute_runs(worktree: Path, policy: Any,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """plan() before a command == the argv, env, cwd and config.json execute then used."""
+    from fusion_oci.runtimes import oci as oci_module
+
+    ran: list[dict[str, Any]] = []
+    real_run, real_write = oci_module.run_process, oci_module.write_bundle
+
+    async def run_process(argv: list[str], **kw: Any) -> Any:
+        ran.append({"argv": argv, "env": kw["env"], "cwd": kw["cwd"],
+                    "bundle": json.loads((Path(kw["cwd"]) / "config.json").read_text())})
+        return await real_run(argv, **kw)
+
+    monkeypatch.setattr(oci_module, "run_process", run_process)
+    monkeypatch.setattr(oci_module, "write_bundle", real_write)
+    async with sandbox(worktree, **policy) as sb:
+        rt = oci(sb)
+        spec = rt.compile("echo planned", RunOptions())
+        plan = rt.plan(spec)
+        r = await rt.execute(spec, RunOptions())
+    assert (r.exit_code, r.stdout) == (0, "planned\n"), r.stderr
+    assert ran == [{"argv": plan.argv, "env": plan.env, "cwd": plan.cwd,
+                    "bundle": json.loads(json.dumps(plan.bundle))}]
+
+
 # --- statuses ---------------------------------------------------------------------------------
 
 
@@ -487,3 +519,13 @@ async def test_image_mode_runs_on_the_unpacked_image(worktree: Path, tmp_path: P
         assert again.stdout.strip() == "/usr/*"
     assert (worktree / "in-worktree").read_text() == "made\n"
     assert len(list((cache / "oci-rootfs").iterdir())) == 1
+    # The engine flattened the image from a created container; that container is gone.
+    from podman import PodmanClient
+
+    from fusion_oci.images.rootfs import EXPORT_COMMAND
+
+    url = os.environ.get("FUSION_OCI_PODMAN_URL", "unix:///run/podman/podman.sock")
+    with PodmanClient(base_url=url) as client:
+        left = [c.name for c in client.containers.list(all=True)
+                if (c.attrs.get("Command") or [])[:1] == EXPORT_COMMAND[:1]]
+    assert left == []

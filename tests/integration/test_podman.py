@@ -59,8 +59,8 @@ def test_starts_podman_system_service_when_no_socket_answers(tmp_path: Path) -> 
         assert runtime._service is None
         adapter = runtime._connect()  # what prepare does
         assert "started by fusion-oci" in adapter.endpoint.source
-        service = runtime._service
-        folder = Path(runtime._service_dir)
+        service = runtime._service.process
+        folder = Path(runtime._service.folder)
         assert service is not None and service.poll() is None and folder.is_dir()
     finally:
         runtime.close()

@@ -280,7 +280,7 @@ def cleanup() -> Iterator[list[tuple[str, str]]]:
     yield refs
     for engine, ref in refs:
         with engine_client(engine) as client:
-            client.remove(ref, force=True)
+            client.remove_image(ref, force=True)
 
 
 # --------------------------------------------------------------------------- tests

@@ -14,12 +14,9 @@ from typing import Any
 
 import pytest
 
+from fusion_oci.engines import Found
 from fusion_oci.errors import (
     BundleError,
-    EngineError,
-    ProvisionError,
-    RuntimeUnavailableError,
-    SandboxSetupError,
 )
 from fusion_oci.gc import Here, is_garbage, owner_state
 from fusion_oci.models import (
@@ -40,20 +37,13 @@ from fusion_oci.runtimes.containers import (
     AgentMounts,
     Owner,
     Target,
-    harden_seccomp,
     limit_reason,
     parse_limit_counters,
     plan_container,
     plan_exec,
     plan_limit_probe,
-)
-from fusion_oci.runtimes.engine import (
-    ContainerGoneError,
-    Endpoint,
-    Found,
-    docker_endpoints,
-    engine_errors,
-    podman_endpoints,
+    seccomp_file,
+    seccomp_json,
 )
 
 GOLDEN = Path(__file__).parent.parent / "data" / "containers"
@@ -107,9 +97,10 @@ CASES = {
 def golden(name: str, data: Any) -> None:
     path = GOLDEN / f"{name}.json"
     text = json.dumps(data, indent=2, sort_keys=True) + "\n"
-    if os.environ.get("FUSION_OCI_UPDATE_GOLDEN") == "1" or not path.exists():
+    if os.environ.get("FUSION_OCI_UPDATE_GOLDEN") == "1":
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
+    assert path.exists(), f"golden {path} is missing (FUSION_OCI_UPDATE_GOLDEN=1 writes it)"
     assert json.loads(path.read_text()) == json.loads(text), f"golden {path} differs"
 
 
@@ -149,7 +140,8 @@ def test_translation_essentials() -> None:
         assert create["pids_limit"] == 256
         assert create["cpu_quota"] == 150_000 and create["cpu_period"] == 100_000
         if engine == "docker":
-            assert create["security_opt"] == ["no-new-privileges"]
+            assert create["security_opt"][0] == "no-new-privileges"
+            assert create["security_opt"][1].startswith("seccomp={")
             ro = {m["Target"]: m["ReadOnly"] for m in create["mounts"]}
             assert ro["/srv/repo/.git/hooks"] is True and ro["/srv/repo/.git/config"] is True
             assert ro[AGENT_PATH] is True and ro[AGENT_RUN_DIR] is True
@@ -228,20 +220,6 @@ def test_agent_mounts_are_the_given_host_paths() -> None:
     assert podman["volumes"]["/opt/fusion/fusion-oci-agent"]["bind"] == AGENT_PATH
 
 
-def test_endpoint_discovery_order() -> None:
-    assert podman_endpoints("unix:///x.sock", {"CONTAINER_HOST": "unix:///y"}, 0)[0].url == \
-        "unix:///x.sock"
-    env = {"CONTAINER_HOST": "unix:///y"}
-    assert podman_endpoints(None, env, 1000)[0].source == "CONTAINER_HOST"
-    assert podman_endpoints(None, {}, 0)[0].url == "unix:///run/podman/podman.sock"
-    rootless = podman_endpoints(None, {"XDG_RUNTIME_DIR": "/run/user/1001"}, 1001)
-    assert rootless[0].url == "unix:///run/user/1001/podman/podman.sock"
-    assert not rootless[0].explicit
-    assert docker_endpoints(None, {"DOCKER_HOST": "unix:///d"}, 0)[0].explicit
-    urls = [e.url for e in docker_endpoints(None, {"XDG_RUNTIME_DIR": "/run/user/7"}, 7)]
-    assert urls == ["unix:///var/run/docker.sock", "unix:///run/user/7/docker.sock"]
-
-
 def test_gc_rule() -> None:
     at = Here("build-host", "boot-1", lambda pid, start: pid == 4242 and start == "123456")
     labels = {"io.fusion-oci.kind": "container", "io.fusion-oci.task-id": "t1", **OWNER.labels()}
@@ -269,22 +247,32 @@ def test_gc_rule() -> None:
     assert is_garbage(task_cache, at)
 
 
-def test_seccomp_hardening_matches_dockers_namespace_and_keyring_rules() -> None:
-    base: dict[str, Any] = {"defaultAction": "SCMP_ACT_ERRNO", "syscalls": [
-        {"names": ["read", "unshare", "keyctl", "clone", "clone3"], "action": "SCMP_ACT_ALLOW"},
-        {"names": ["setns"], "action": "SCMP_ACT_ALLOW", "includes": {"caps": ["CAP_SYS_ADMIN"]}},
-    ]}
-    hardened = harden_seccomp(base)
-    allowed = {n for r in hardened["syscalls"] if r["action"] == "SCMP_ACT_ALLOW"
-               and not r.get("args") and not r.get("includes") for n in r["names"]}
-    assert "read" in allowed and not allowed & {"unshare", "keyctl", "clone", "clone3"}
-    clone = next(r for r in hardened["syscalls"] if r["names"] == ["clone"])
-    assert clone["args"][0]["value"] == 2114060288
-    assert base["syscalls"][0]["names"][1] == "unshare", "the input is not changed"
+def test_both_engines_get_the_bundles_own_seccomp_profile_caps_and_nnp() -> None:
     spec = spec_for(POLICY)
-    create = plan_container(spec, Target("podman", seccomp_profile="/p.json"), name="n",
+    profile = spec["linux"]["seccomp"]
+    docker = plan_container(spec, Target("docker"), name="n", owner=OWNER).create
+    assert docker["security_opt"] == ["no-new-privileges", "seccomp=" + seccomp_json(profile)]
+    assert json.loads(docker["security_opt"][1].removeprefix("seccomp=")) == profile
+    podman = plan_container(spec, Target("podman", seccomp_dir="/c/seccomp"), name="n",
                             owner=OWNER).create
-    assert create["seccomp_profile_path"] == "/p.json"
+    path, text = seccomp_file(profile, "/c/seccomp")
+    assert podman["seccomp_profile_path"] == path and json.loads(text) == profile
+    for create in (docker, podman):
+        assert create["cap_drop"] == ["ALL"] and create["cap_add"] == []
+    # What the bundle says is what the engines get: a changed profile, a kept capability,
+    # no no_new_privs.
+    changed = json.loads(json.dumps(spec))
+    changed["linux"]["seccomp"]["syscalls"][0]["names"].append("io_uring_setup")
+    changed["process"]["capabilities"]["bounding"] = ["CAP_NET_BIND_SERVICE"]
+    changed["process"]["noNewPrivileges"] = False
+    docker2 = plan_container(changed, Target("docker"), name="n", owner=OWNER).create
+    podman2 = plan_container(changed, Target("podman", seccomp_dir="/c/seccomp"), name="n",
+                             owner=OWNER).create
+    assert docker2["security_opt"] == ["seccomp=" + seccomp_json(changed["linux"]["seccomp"])]
+    assert podman2["seccomp_profile_path"] != path
+    assert podman2["no_new_privileges"] is False
+    for create in (docker2, podman2):
+        assert create["cap_add"] == ["NET_BIND_SERVICE"]
 
 
 def test_limit_counters_name_the_limit_that_held() -> None:
@@ -298,47 +286,15 @@ def test_limit_counters_name_the_limit_that_held() -> None:
     assert "pids.events" in LIMIT_PROBE and "memory.oom_control" in LIMIT_PROBE
 
 
-ENDPOINT = Endpoint("unix:///run/x.sock", "test")
+def test_the_runtime_takes_the_cache_scope_from_the_spec_not_the_context() -> None:
+    """A runtime never prepared (no context at all) plans task-scoped volumes for a spec
+    whose cache mode is isolated: the scope travels in the spec."""
+    from fusion_oci.policy.settings import SandboxSettings
+    from fusion_oci.runtimes.docker import DockerRuntime
 
-
-@pytest.mark.parametrize(("message", "why", "hint"), [
-    ("crun: cgroups in hybrid mode not supported, drop all controllers from cgroupv2",
-     "crun refuses", 'runtime = "runc"'),
-    ("cannot find newuidmap: exec: \"newuidmap\": executable file not found",
-     "newuidmap", "apt-get install uidmap"),
-    ("cannot set up namespace using \"/usr/bin/newuidmap\": no subuid ranges found for user",
-     "subordinate uid", "usermod --add-subuids"),
-    ("slirp4netns failed: open(\"/dev/net/tun\"): Permission denied", "/dev/net/tun",
-     "chmod 0666 /dev/net/tun"),
-])
-def test_engine_errors_name_the_fix(message: str, why: str, hint: str) -> None:
-    import podman.errors
-
-    with pytest.raises(RuntimeUnavailableError) as caught, \
-            engine_errors("podman", "container start", ENDPOINT):
-        raise podman.errors.APIError("500 Server Error", explanation=message)
-    assert why in caught.value.why and hint in caught.value.hint
-    assert isinstance(caught.value.__cause__, podman.errors.APIError)
-
-
-def test_engine_errors_socket_and_image_and_run_failures() -> None:
-    import docker.errors
-    import requests
-
-    with pytest.raises(RuntimeUnavailableError, match="permission denied"), \
-            engine_errors("docker", "ping", ENDPOINT):
-        raise requests.exceptions.ConnectionError(PermissionError(13, "Permission denied"))
-    with pytest.raises(RuntimeUnavailableError, match="no docker service answers"), \
-            engine_errors("docker", "ping", ENDPOINT):
-        raise FileNotFoundError(2, "No such file or directory", "/run/x.sock")
-    with pytest.raises(ProvisionError, match="image is missing") as missing, \
-            engine_errors("docker", "container create", ENDPOINT):
-        raise docker.errors.ImageNotFound("No such image: node")
-    assert "fusion-oci images build" in missing.value.hint
-    with pytest.raises(ContainerGoneError), engine_errors("docker", "exec", ENDPOINT,
-                                                          setup=False):
-        raise docker.errors.APIError("409", explanation="Container abc is not running")
-    with pytest.raises(EngineError) as run_error, engine_errors("docker", "exec", ENDPOINT,
-                                                                setup=False):
-        raise docker.errors.APIError("500", explanation="something odd")
-    assert not isinstance(run_error.value, SandboxSetupError)
+    runtime = DockerRuntime(SandboxSettings(backend="docker"), {}, host=HOST)
+    assert runtime.ctx is None
+    notes = runtime.plan(spec_for(POLICY, isolated=True)).notes
+    assert any(n.endswith("(task)") for n in notes if n.startswith("volume ")), notes
+    notes = runtime.plan(spec_for(POLICY)).notes
+    assert any(n.endswith("(project)") for n in notes if n.startswith("volume ")), notes

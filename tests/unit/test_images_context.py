@@ -165,3 +165,27 @@ def test_strip_secret_mounts_for_the_classic_builder() -> None:
     assert "type=secret" not in out
     assert "RUN if [ -s /run/secrets/hostca ]" in out.replace("\\\n    ", "")
     assert "--mount=type=cache" in out
+
+
+def test_ignore_rules_are_the_docker_sdks_with_reincludes(ctx: Path) -> None:
+    """`!` lines re-include (they were dropped before), later lines win, a matched directory
+    excludes its contents, and the Containerfile is always sent: docker's own rules."""
+    (ctx / ".containerignore").write_text(
+        "# logs, but keep the one the build reads\n*.log\n!keep.log\n"
+        "sub\n!sub/data.txt\nContainerfile\n")
+    (ctx / "debug.log").write_text("noise")
+    (ctx / "keep.log").write_text("read by the build")
+    (ctx / "sub" / "other.txt").write_text("ignored")
+    out = io.BytesIO()
+    write_context_tar(ctx, out)
+    out.seek(0)
+    with tarfile.open(fileobj=out) as tar:
+        names = set(tar.getnames())
+    assert {"keep.log", "sub/data.txt", "Containerfile", "run.sh"} <= names
+    assert not names & {"debug.log", "sub/other.txt"}
+    before = context_hash(ctx)
+    (ctx / "keep.log").write_text("changed")
+    assert context_hash(ctx) != before, "a re-included file is part of the hash"
+    before = context_hash(ctx)
+    (ctx / "other.log").write_text("still ignored")
+    assert context_hash(ctx) == before

@@ -167,3 +167,22 @@ def test_a_path_with_a_newline_is_refused_not_misread() -> None:
     rules = landlock_rules(spec_for("network-none"), HOME, "/run/scratch/evil\npath 65535 /")
     with pytest.raises(SandboxSetupError, match="newline"):
         launch_text(launch_config(rules, 7, "x86_64"))
+
+
+def test_plan_is_what_execute_runs() -> None:
+    """The plan's argv is the launch command execute builds (the shim with the spec's
+    rlimits and the launch file), not a placeholder; golden without this host's facts."""
+    from pathlib import Path
+
+    from fusion_oci.policy.settings import SandboxSettings
+    from fusion_oci.runtimes.landlock import LandlockRuntime
+    from tests.golden import host_neutral
+
+    runtime = LandlockRuntime(SandboxSettings(backend="landlock"), {"PATH": "/usr/bin"},
+                              cache_root=Path("/nonexistent-cache"), host=HOST)
+    spec = spec_for("locked-down")
+    plan = runtime.plan(spec)
+    assert plan.argv == runtime.launch_command(spec, "<task scratch>/launch-1")
+    assert "<reaper>" not in plan.argv
+    assert_golden("landlock/plan-locked-down.json",
+                  {"argv": host_neutral(plan.argv), "env": plan.env, "cwd": plan.cwd})

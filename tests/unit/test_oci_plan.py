@@ -1,11 +1,9 @@
-"""The oci runtime's pure parts: golden argv/plans, the bundle it hands the runtime, statuses."""
+"""The oci runtime's pure parts: golden launches (argv, env, cwd and the bundle: exactly what
+execute runs), the bundle ops it applies, statuses."""
 
 from __future__ import annotations
 
-import io
-import json
 import signal
-import tarfile
 from pathlib import Path
 from typing import Any
 
@@ -17,25 +15,18 @@ from fusion_oci.policy.layout import GitLayout, TaskLayout
 from fusion_oci.policy.settings import SandboxSettings
 from fusion_oci.process import ProcessOutcome
 from fusion_oci.runtimes.base import Requirement
-from fusion_oci.runtimes.oci import (
-    CgroupCounters,
-    CgroupHost,
+from fusion_oci.runtimes.linux.cgroups import CgroupEvents, Hierarchy
+from fusion_oci.runtimes.oci import OciRuntime, exit_status, limit_counters
+from fusion_oci.runtimes.ocicli.launch import (
     EgressHook,
-    OciRuntime,
-    apply_layer,
     bundle_spec,
-    container_id,
     egress_launch_argv,
     exec_failure_status,
-    exit_status,
-    parse_cgroup_mounts,
-    parse_counter,
-    podman_url,
+    network_of,
     run_argv,
     runtime_flags,
-    state_base,
-    unpack_docker_archive,
 )
+from fusion_oci.runtimes.ocicli.state import container_id, state_base
 from tests.golden import GOLDEN_HOST, assert_golden
 
 HOST = GOLDEN_HOST
@@ -60,10 +51,16 @@ def spec_for(policy: SandboxPolicy, image: str | None = None) -> Spec:
 
 
 def runtime(uid: int = 0, oci_runtime: str = "runc") -> OciRuntime:
+    """A runtime with fixed host facts (the tools it would find, its nonce and pid)."""
     rt = OciRuntime(SandboxSettings(backend="oci", oci_runtime=oci_runtime),
                     {"HOME": "/home/u", "PATH": "/usr/sbin:/usr/bin"},
                     cache_root=Path("/home/u/.cache/fusion-oci"), host=HOST)
     rt.uid, rt.gid = uid, uid
+    rt.state_base = state_base(rt.env, uid)
+    rt._binary = f"/usr/sbin/{Path(oci_runtime).name}"
+    rt._init = "/usr/bin/tini-static"
+    rt._unshare = "/usr/bin/unshare"
+    rt.nonce, rt.pid = "ab12cd", 4242
     return rt
 
 
@@ -157,14 +154,6 @@ def test_state_base() -> None:
     assert state_base({}, 1000) == Path("/tmp/fusion-oci-1000/oci")
 
 
-def test_podman_url() -> None:
-    assert podman_url({"FUSION_OCI_PODMAN_URL": "unix:///x.sock"}, 0) == "unix:///x.sock"
-    assert podman_url({}, 0) == "unix:///run/podman/podman.sock"
-    assert podman_url({}, 1000) == "unix:///run/user/1000/podman/podman.sock"
-    assert podman_url({"CONTAINER_HOST": "unix:///e.sock"}, 0, "unix:///s.sock") == \
-        "unix:///s.sock"
-
-
 @pytest.mark.parametrize(("rc", "expected"), [
     (0, (0, None)), (3, (3, None)), (128, (128, None)),
     (137, (None, "SIGKILL")), (143, (None, "SIGTERM")), (200, (200, None)),
@@ -186,14 +175,6 @@ def test_exec_failures_read_like_a_shell() -> None:
     assert exec_failure_status("error setting rlimits for ready process") is None
 
 
-def test_parse_counter() -> None:
-    oom_control = "oom_kill_disable 0\nunder_oom 0\noom_kill 2\n"
-    assert parse_counter(oom_control, "oom_kill") == 2
-    assert parse_counter("max 0\n", "max") == 0
-    assert parse_counter("low 0\nhigh 0\nmax 0\noom 1\noom_kill 1\n", "oom_kill") == 1
-    assert parse_counter("", "max") is None
-
-
 def outcome(rc: int | None = 0, sig: str | None = None, *, timed_out: bool = False,
             truncated: bool = False) -> ProcessOutcome:
     return ProcessOutcome(b"", b"", rc, sig, timed_out, truncated, 1)
@@ -201,11 +182,10 @@ def outcome(rc: int | None = 0, sig: str | None = None, *, timed_out: bool = Fal
 
 def test_cgroup_counters_feed_the_one_classifier() -> None:
     from fusion_oci.runtimes.base import classify
-    from fusion_oci.runtimes.oci import limit_counters
 
     spec = spec_for(POLICIES["none-limits"])
-    oom = limit_counters(CgroupCounters(oom_kills=1, pids_max_hits=0))
-    pids = limit_counters(CgroupCounters(oom_kills=0, pids_max_hits=3))
+    oom = limit_counters(CgroupEvents(oom_kills=1, pids_max=0))
+    pids = limit_counters(CgroupEvents(oom_kills=0, pids_max=3))
     # One precedence for every runtime (base.classify): a limit that fired wins over the
     # timeout that followed it, and over maxBuffer.
     assert classify(outcome(None, "SIGKILL", timed_out=True), spec, pids) == "pids"
@@ -216,36 +196,14 @@ def test_cgroup_counters_feed_the_one_classifier() -> None:
     assert classify(outcome(0), spec, oom) == "exit"
     assert classify(outcome(0), spec, pids) == "exit"
     # Counters unknown: no claim; RLIMIT_CPU in the spec makes a SIGKILL cpu-time.
-    unknown = limit_counters(CgroupCounters())
+    unknown = limit_counters(CgroupEvents())
     assert classify(outcome(None, "SIGKILL"), spec, unknown) == "cpu-time"
     assert classify(outcome(None, "SIGKILL"), spec_for(POLICIES["egress"]), unknown) == "signal"
 
 
-HYBRID = """\
-25 30 0:22 / /sys rw,nosuid,nodev,noexec,relatime shared:7 - sysfs sysfs rw
-26 25 0:23 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
-27 26 0:24 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory
-28 26 0:25 / /sys/fs/cgroup/pids rw,relatime - cgroup cgroup rw,pids
-29 26 0:26 / /sys/fs/cgroup/cpu,cpuacct rw,relatime - cgroup cgroup rw,cpu,cpuacct
-30 26 0:27 / /sys/fs/cgroup/systemd rw,relatime - cgroup cgroup rw,xattr,name=systemd
-31 26 0:28 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw,nsdelegate
-"""
-UNIFIED = "26 25 0:23 / /sys/fs/cgroup rw,relatime - cgroup2 cgroup2 rw,nsdelegate\n"
-
-
-def test_parse_cgroup_mounts() -> None:
-    assert parse_cgroup_mounts(HYBRID) == CgroupHost(
-        "hybrid", frozenset({"memory", "pids", "cpu", "cpuacct"}))
-    v1_only = "\n".join(line for line in HYBRID.splitlines() if "cgroup2" not in line)
-    assert parse_cgroup_mounts(v1_only).mode == "v1"
-    assert parse_cgroup_mounts(UNIFIED, "cpuset cpu io memory pids\n") == CgroupHost(
-        "v2", frozenset({"cpuset", "cpu", "io", "memory", "pids"}))
-    assert parse_cgroup_mounts("").mode == "none"
-
-
 def test_enforces_follows_controllers_and_rootless() -> None:
     rt = runtime()
-    rt._cgroups = CgroupHost("hybrid", frozenset({"memory", "pids", "cpu"}))
+    rt._cgroups = Hierarchy("hybrid", frozenset({"memory", "pids", "cpu"}))
     rt._egress = (False, "no slirp4netns")
     assert rt.enforces() == {
         Requirement.FILESYSTEM, Requirement.PROC_PATHS, Requirement.ENV, Requirement.NETWORK_NONE,
@@ -266,7 +224,7 @@ def test_enforces_follows_controllers_and_rootless() -> None:
 def test_crun_on_a_hybrid_host_is_unavailable_with_the_fix() -> None:
     rt = runtime(oci_runtime="crun")
     rt._binary = "/usr/bin/crun"
-    rt._cgroups = CgroupHost("hybrid", frozenset({"memory"}))
+    rt._cgroups = Hierarchy("hybrid", frozenset({"memory"}))
     avail = rt.availability()
     assert not avail.available
     assert "hybrid" in avail.reason
@@ -279,90 +237,6 @@ def test_missing_runtime_is_unavailable() -> None:
     avail = rt.availability()
     assert not avail.available
     assert "no-such-runtime-xyz" in avail.reason
-
-
-# --- image layers -----------------------------------------------------------------------------
-
-
-def layer(entries: list[tuple[str, str, str | bytes]]) -> tarfile.TarFile:
-    """(kind, name, data-or-link-target) → an in-memory layer tar."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for kind, name, data in entries:
-            info = tarfile.TarInfo(name)
-            if kind == "dir":
-                info.type, info.mode = tarfile.DIRTYPE, 0o755
-                tar.addfile(info)
-            elif kind == "symlink":
-                info.type, info.linkname = tarfile.SYMTYPE, str(data)
-                tar.addfile(info)
-            else:
-                raw = data.encode() if isinstance(data, str) else data
-                info.size, info.mode = len(raw), 0o644
-                tar.addfile(info, io.BytesIO(raw))
-    buf.seek(0)
-    return tarfile.open(fileobj=buf, mode="r:")
-
-
-def test_layers_apply_whiteouts_and_opaque_dirs(tmp_path: Path) -> None:
-    root = tmp_path / "rootfs"
-    root.mkdir()
-    apply_layer(layer([("dir", "etc", ""), ("file", "etc/a", "a"), ("file", "etc/b", "b"),
-                       ("dir", "opt", ""), ("file", "opt/old", "x"), ("file", "keep", "k")]),
-                root)
-    apply_layer(layer([("file", "etc/.wh.a", ""), ("dir", "opt", ""),
-                       ("file", "opt/new", "n"), ("file", "opt/.wh..wh..opq", ""),
-                       ("file", "keep", "k2")]), root)
-    assert sorted(p.name for p in (root / "etc").iterdir()) == ["b"]
-    assert sorted(p.name for p in (root / "opt").iterdir()) == ["new"]
-    assert (root / "keep").read_text() == "k2"
-
-
-def test_a_file_replacing_a_symlink_does_not_write_through_it(tmp_path: Path) -> None:
-    outside = tmp_path / "host-secret"
-    outside.write_text("host")
-    root = tmp_path / "rootfs"
-    root.mkdir()
-    apply_layer(layer([("symlink", "evil", str(outside))]), root)
-    apply_layer(layer([("file", "evil", "image")]), root)
-    assert outside.read_text() == "host"
-    assert (root / "evil").read_text() == "image"
-    assert not (root / "evil").is_symlink()
-
-
-def test_whiteouts_and_entries_through_a_symlinked_dir_stay_inside(tmp_path: Path) -> None:
-    hostdir = tmp_path / "hostdir"
-    hostdir.mkdir()
-    (hostdir / "precious").write_text("keep me")
-    root = tmp_path / "rootfs"
-    root.mkdir()
-    apply_layer(layer([("symlink", "link", str(hostdir))]), root)
-    apply_layer(layer([("file", "link/.wh.precious", "")]), root)
-    assert (hostdir / "precious").read_text() == "keep me"
-    with pytest.raises(tarfile.TarError):  # OutsideDestinationError where Python has filters
-        apply_layer(layer([("file", "link/planted", "x")]), root)
-    assert not (hostdir / "planted").exists()
-
-
-def test_unpack_docker_archive(tmp_path: Path) -> None:
-    def layer_bytes(entries: list[tuple[str, str, str | bytes]]) -> bytes:
-        tar = layer(entries)
-        assert tar.fileobj is not None
-        tar.fileobj.seek(0)
-        return bytes(tar.fileobj.read())
-
-    layers = {"l1/layer.tar": layer_bytes([("file", "a", "1"), ("file", "b", "2")]),
-              "l2/layer.tar": layer_bytes([("file", ".wh.a", "")])}
-    manifest = json.dumps([{"Config": "c.json", "Layers": list(layers)}]).encode()
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for name, data in [("manifest.json", manifest), *layers.items()]:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    buf.seek(0)
-    unpack_docker_archive(buf, tmp_path / "rootfs")
-    assert sorted(p.name for p in (tmp_path / "rootfs").iterdir()) == ["b"]
 
 
 def test_signal_names_cover_the_common_deaths() -> None:
@@ -412,7 +286,7 @@ def test_runsc_egress_bundle_has_no_hook_and_no_second_netns(oci_validator: Any)
 
 def test_runsc_never_claims_pids_and_is_unavailable_rootless() -> None:
     rt = runtime(oci_runtime="runsc")
-    rt._cgroups = CgroupHost("v1", frozenset({"memory", "pids", "cpu"}))
+    rt._cgroups = Hierarchy("v1", frozenset({"memory", "pids", "cpu"}))
     assert Requirement.PIDS not in rt.enforces()
     assert Requirement.MEMORY in rt.enforces()
     rootless = runtime(uid=1000, oci_runtime="runsc")
@@ -429,3 +303,52 @@ def test_runsc_exec_failures_read_as_a_shell_would() -> None:
                                "permission denied\n") == 126
     assert exec_failure_status("the command printed: failed to load x: permission denied") \
         is None
+
+
+# --- plan is the launch -----------------------------------------------------------------------
+
+
+def test_plan_is_the_launch_execute_runs() -> None:
+    """plan() and execute() share one builder: the plan for the next command is its launch."""
+    rt = runtime()
+    spec = spec_for(POLICIES["none-limits"])
+    launch = rt._launch(spec, 1)
+    plan = rt.plan(spec)
+    assert (plan.argv, plan.env, plan.cwd, plan.bundle) == (
+        launch.argv, launch.env, launch.cwd, launch.bundle)
+    assert launch.cid == "task-1-run-1-ab12cd-1"
+    assert launch.cwd == "/run/fusion-oci/oci/task-1-run-1-ab12cd/bundles/1"
+    assert plan.env == {"PATH": "/usr/sbin:/usr/bin"}  # the CLI's own; the command's is inside
+
+
+def test_the_bundle_in_the_plan_is_what_the_runtime_validates(oci_validator: Any) -> None:
+    for name in sorted(POLICIES):
+        for rt in (runtime(), runtime(uid=1000), runtime(oci_runtime="runsc")):
+            oci_validator.validate(rt.plan(spec_for(POLICIES[name])).bundle)
+
+
+def test_runsc_limits_go_to_a_cgroup_of_ours_that_runsc_joins() -> None:
+    launch = runtime(oci_runtime="runsc")._launch(spec_for(POLICIES["none-limits"]), 3)
+    assert launch.cgroup is not None and launch.cgroup.pids is None
+    assert launch.cgroup.memory_bytes == 256 * 1024 * 1024
+    assert launch.cgroup_leaf == "fusion-oci.4242.ab12cd3"
+    assert launch.bundle["linux"]["cgroupsPath"] == launch.cgroup_leaf
+    assert not {"memory", "cpu", "pids"} & set(launch.bundle["linux"]["resources"])
+    # runc makes its own cgroup from linux.resources
+    runc = runtime()._launch(spec_for(POLICIES["none-limits"]), 3)
+    assert runc.cgroup is None and "memory" in runc.bundle["linux"]["resources"]
+
+
+def test_network_is_read_from_the_namespaces_then_the_annotation() -> None:
+    assert network_of(spec_for(POLICIES["host"])) is NetworkMode.HOST
+    assert network_of(spec_for(POLICIES["egress"])) is NetworkMode.EGRESS
+    assert network_of(spec_for(POLICIES["none-limits"])) is NetworkMode.NONE
+
+
+def test_check_names_egress_where_slirp_is_unusable() -> None:
+    rt = runtime()
+    rt._egress = (False, "no slirp4netns")
+    assert rt.check(spec_for(POLICIES["egress"])) == [Requirement.NETWORK_EGRESS.value]
+    assert rt.check(spec_for(POLICIES["none-limits"])) == []
+    rt._egress = (True, "/usr/bin/slirp4netns")
+    assert rt.check(spec_for(POLICIES["egress"])) == []

@@ -24,7 +24,7 @@ from fusion_oci.runtimes.seatbelt import (
     canonical_path,
     seatbelt_profile,
 )
-from tests.golden import DATA, assert_golden
+from tests.golden import DATA, assert_golden, host_neutral
 
 MAC_HOST = HostInfo(
     uid=501, gid=20,
@@ -370,15 +370,20 @@ def test_plan_works_off_macos_without_touching_the_system() -> None:
     plan = rt.plan(spec)
     profile = rt.profile(spec)
     assert plan.argv is not None
-    assert plan.argv[:4] == ["<reaper>", SANDBOX_EXEC, "-p", profile.text]
-    assert plan.argv[4:-3] == profile.parameter_args()
-    assert plan.argv[-3:] == ["/bin/sh", "-c", "pnpm install && pnpm test"]
+    # What really runs: the subreaper shim with the spec's rlimits, then sandbox-exec.
+    shim, sandboxed = plan.argv[:plan.argv.index("--")], plan.argv[plan.argv.index("--") + 1:]
+    assert host_neutral(shim)[:7] == ["<python>", "-S", "-E", "-s", "<reaper.py>", "2.0",
+                                      "<pid>"]
+    assert sandboxed[:3] == [SANDBOX_EXEC, "-p", profile.text]
+    assert sandboxed[3:-3] == profile.parameter_args()
+    assert sandboxed[-3:] == ["/bin/sh", "-c", "pnpm install && pnpm test"]
     assert ("RW_6", "<private-tmp>") in profile.params  # no scratch directory was made
     assert plan.cwd == "/Users/me/src/wt-task"
     assert plan.env is not None and plan.env["HOME"] == "<private-home>"
     assert plan.env["npm_config_store_dir"] == CACHE.host_path
     assert "profile:" in plan.notes
-    assert_golden("seatbelt/plan-none-linked.json", plan.to_json())
+    assert_golden("seatbelt/plan-none-linked.json",
+                  {**plan.to_json(), "argv": host_neutral(plan.argv)})
 
 
 def test_plan_mentions_an_image_it_cannot_use() -> None:

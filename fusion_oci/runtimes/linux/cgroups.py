@@ -16,6 +16,10 @@ Three ways to get a cgroup, tried in this order by :func:`detect`:
 
 Leaves are named ``fusion-oci.<pid of the creator>.<token>``, so a leftover from a crashed
 process can be recognised and swept without touching a live one.
+
+The same module answers, for OCI runtime CLIs that make their own cgroups (runc), which
+hierarchy this host has (:func:`probe_hierarchy`: ``v1``, ``hybrid``, ``v2``; crun refuses
+hybrid) and what a cgroup the runtime made counted (:func:`read_events` on its directories).
 """
 
 from __future__ import annotations
@@ -37,6 +41,10 @@ V1_CONTROLLERS = ("memory", "pids", "cpu")
 LEAF_PREFIX = "fusion-oci."
 
 Mode = Literal["v1", "v2", "systemd-run", "none"]
+"""How we get a leaf cgroup (:func:`detect`)."""
+Layout = Literal["v1", "hybrid", "v2", "none"]
+"""Which hierarchy the host mounts (:func:`probe_hierarchy`): hybrid = v1 controllers plus a
+cgroup2 mount beside them."""
 
 
 @dataclass(frozen=True)
@@ -184,6 +192,42 @@ def parse_mountinfo(text: str) -> list[tuple[str, str, frozenset[str]]]:
     return out
 
 
+_KNOWN_V1 = frozenset({"memory", "pids", "cpu", "cpuacct", "cpuset", "blkio", "devices",
+                       "freezer", "net_cls", "net_prio", "perf_event", "hugetlb", "rdma", "misc"})
+
+
+@dataclass(frozen=True)
+class Hierarchy:
+    """The host's cgroup hierarchy and the controllers it mounts (whoever may write them)."""
+
+    layout: Layout
+    controllers: frozenset[str]
+
+
+def hierarchy_of(mounts: Iterable[tuple[str, str, frozenset[str]]],
+                 v2_controllers: str = "") -> Hierarchy:
+    """:func:`parse_mountinfo` output (+ the root ``cgroup.controllers`` text) → Hierarchy.
+    Pure."""
+    v1: set[str] = set()
+    has_v2 = False
+    for _, fstype, options in mounts:
+        if fstype == "cgroup":
+            v1.update(options & _KNOWN_V1)
+        else:
+            has_v2 = True
+    if v1:
+        return Hierarchy("hybrid" if has_v2 else "v1", frozenset(v1))
+    if has_v2:
+        return Hierarchy("v2", frozenset(v2_controllers.split()))
+    return Hierarchy("none", frozenset())
+
+
+def probe_hierarchy() -> Hierarchy:
+    """This host's :class:`Hierarchy` (mountinfo and the root cgroup.controllers)."""
+    return hierarchy_of(parse_mountinfo(_read("/proc/self/mountinfo") or ""),
+                        _read("/sys/fs/cgroup/cgroup.controllers") or "")
+
+
 def parse_proc_cgroup(text: str) -> dict[str, str]:
     """controller → our cgroup path (v2's entry is under ``""``). Pure."""
     out: dict[str, str] = {}
@@ -272,6 +316,14 @@ def detect(env: Mapping[str, str] | None = None) -> CgroupSupport:
     )
 
 
+def leaf_name(token: str, pid: int | None = None) -> str:
+    """``fusion-oci.<pid>.<token>``: the creator's pid lets :func:`sweep_stale` tell a crash's
+    leftover from a live leaf. ``token`` must not contain a dot."""
+    if "." in token:
+        raise ValueError(f"cgroup leaf token {token!r} contains a dot")
+    return f"{LEAF_PREFIX}{os.getpid() if pid is None else pid}.{token}"
+
+
 class Cgroup:
     """A leaf cgroup (one directory per v1 controller, or one v2 directory)."""
 
@@ -280,8 +332,12 @@ class Cgroup:
         self.dirs = dict(dirs)
 
     @classmethod
-    def create(cls, support: CgroupSupport, limits: CgroupLimits) -> Cgroup:
-        """Make the leaf and write the limits; on any failure nothing is left behind."""
+    def create(cls, support: CgroupSupport, limits: CgroupLimits, *, name: str | None = None
+               ) -> Cgroup:
+        """Make the leaf and write the limits; on any failure nothing is left behind.
+
+        ``name``: the leaf's name (from :func:`leaf_name`), when the caller must know it in
+        advance (a runtime CLI joins it by path); default a random one."""
         need = limits.controllers()
         missing = need - support.controllers
         if support.mode not in ("v1", "v2") or missing:
@@ -291,7 +347,7 @@ class Cgroup:
                 "run as root, or on a cgroup v2 host with delegated controllers",
             )
         sweep_stale(support)
-        name = f"{LEAF_PREFIX}{os.getpid()}.{secrets.token_hex(4)}"
+        name = name or leaf_name(secrets.token_hex(4))
         if support.mode == "v2":
             parent = Path(support.parents["unified"])
             _enable_v2(parent, need)
@@ -327,20 +383,7 @@ class Cgroup:
                                     "check that the cgroup controllers are writable") from exc
 
     def events(self) -> CgroupEvents:
-        oom = pids = 0
-        if self.mode == "v2":
-            d = self.dirs["unified"]
-            oom = parse_flat_keyed(_read(str(d / "memory.events")) or "").get("oom_kill", 0)
-            pids = parse_flat_keyed(_read(str(d / "pids.events")) or "").get("max", 0)
-        else:
-            if "memory" in self.dirs:
-                ctl = parse_flat_keyed(_read(str(self.dirs["memory"] / "memory.oom_control"))
-                                       or "")
-                oom = ctl.get("oom_kill", 0)
-            if "pids" in self.dirs:
-                pids = parse_flat_keyed(_read(str(self.dirs["pids"] / "pids.events")) or ""
-                                        ).get("max", 0)
-        return CgroupEvents(oom_kills=oom, pids_max=pids)
+        return read_events(self.dirs)
 
     def pids(self) -> set[int]:
         out: set[int] = set()
@@ -375,6 +418,27 @@ class Cgroup:
                 except OSError:
                     # EBUSY while the last exiting tasks are still being released.
                     time.sleep(0.005)
+
+
+def read_events(dirs: Mapping[str, str | Path]) -> CgroupEvents:
+    """What a cgroup counted, from its directories: v1 ``memory``/``pids`` entries first, then
+    the v2 one (``unified``, or ``""`` as runc's state.json names it). Unreadable counts 0."""
+    def counter(candidates: tuple[tuple[str, str], ...], key: str) -> int:
+        for ctl, fname in candidates:
+            base = dirs.get(ctl)
+            if not base:
+                continue
+            text = _read(str(Path(base) / fname))
+            if text is not None and key in (values := parse_flat_keyed(text)):
+                return values[key]
+        return 0
+
+    return CgroupEvents(
+        oom_kills=counter((("memory", "memory.oom_control"), ("unified", "memory.events"),
+                           ("", "memory.events")), "oom_kill"),
+        pids_max=counter((("pids", "pids.events"), ("unified", "pids.events"),
+                          ("", "pids.events")), "max"),
+    )
 
 
 def _enable_v2(parent: Path, need: frozenset[str]) -> None:

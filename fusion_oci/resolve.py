@@ -1,0 +1,111 @@
+"""The one resolve step: settings + prepare context + host facts -> :class:`ResolvedTask`.
+
+Everything a task's commands share is decided here, once: the image, the host CA bundle, the
+caches, the git layout, the protected paths, the network mode. :func:`compile_spec` then
+turns a resolved task and one command into the spec (pure). ``Sandbox.run`` (through
+``SpecRuntime``), ``fusion-oci plan``, ``fusion-oci bundle create`` and the server all go
+through these two functions, so the bundle one of them shows is the bundle another runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from fusion_oci.models import CacheMode, NetworkMode, PrepareContext, RunOptions
+from fusion_oci.oci.host import HostInfo
+from fusion_oci.oci.spec import Spec
+from fusion_oci.oci.spec import compile_spec as _compile
+from fusion_oci.policy.layout import TaskLayout, resolve_ca, resolve_layout
+from fusion_oci.policy.settings import SandboxSettings
+
+
+@dataclass(frozen=True)
+class ResolvedTask:
+    """What every command of one task shares; the input of :func:`compile_spec`."""
+
+    ctx: PrepareContext
+    """The caller's context with the image decided (``ctx.image``: None means the host's
+    system directories)."""
+    layout: TaskLayout
+    """Host paths: worktree, git directories, caches, CA bundle, protected paths."""
+    host: HostInfo
+    env: Mapping[str, str]
+    """Where the env allowlist draws from when a command's ``RunOptions.env`` is None."""
+
+    @property
+    def image(self) -> str | None:
+        return self.ctx.image
+
+    @property
+    def network(self) -> NetworkMode:
+        return self.ctx.policy.network_mode
+
+    @property
+    def cache_mode(self) -> CacheMode:
+        return self.ctx.cache_mode
+
+    @property
+    def ca_bundle(self) -> str | None:
+        return self.layout.ca_bundle
+
+    def unprotected(self) -> list[str]:
+        """protectedPaths entries that cannot be protected, as unenforced parts."""
+        return [f"protectedPaths: {p}" for p in self.layout.unprotected]
+
+    def with_image(self, image: str | None) -> ResolvedTask:
+        """The same task on another image reference (a provisioned image's local name)."""
+        return replace(self, ctx=self.ctx.model_copy(update={"image": image}))
+
+
+def resolve_image(settings: SandboxSettings, ctx: PrepareContext,
+                  default_image: str | None = None) -> str | None:
+    """The task's image: the context's, else the settings', else the backend's default
+    (None for backends that run on the host's system directories)."""
+    return ctx.image or settings.image or default_image
+
+
+def resolve_ca_bundle(settings: SandboxSettings, ctx: PrepareContext,
+                      host: HostInfo) -> str | None:
+    """The host CA bundle shared read-only: the context's, else what ``sandbox.hostCa`` says
+    (``auto``: the host's own bundle; ``off``: none; a path: that file)."""
+    if ctx.host_ca_bundle is not None:
+        return ctx.host_ca_bundle
+    return resolve_ca(settings.host_ca, host.ca_bundle)
+
+
+def resolve(
+    settings: SandboxSettings,
+    ctx: PrepareContext,
+    host: HostInfo,
+    *,
+    env: Mapping[str, str],
+    cache_root: Path,
+    default_image: str | None = None,
+    create: bool = True,
+) -> ResolvedTask:
+    """Resolve a task once. Reads the host's paths; ``create=False`` (plan) creates nothing,
+    else the cache directories, the project's ``.fusion/`` and git's mount points are made."""
+    image = resolve_image(settings, ctx, default_image)
+    resolved_ctx = ctx if image == ctx.image else ctx.model_copy(update={"image": image})
+    layout = resolve_layout(resolved_ctx, cache_root=cache_root,
+                            ca_bundle=resolve_ca_bundle(settings, ctx, host), create=create)
+    return ResolvedTask(ctx=resolved_ctx, layout=layout, host=host, env=dict(env))
+
+
+def compile_spec(resolved: ResolvedTask, command: str | Sequence[str],
+                 opts: RunOptions) -> Spec:
+    """The whole ``config.json`` of one command of a resolved task. Pure."""
+    source = opts.env if opts.env is not None else resolved.env
+    return _compile(resolved.ctx, resolved.layout, resolved.host, command, opts, source)
+
+
+PROBE_COMMAND = ("true",)
+"""The command of a task's *task spec*: what prepare reads (image, network, mounts) before
+any real command exists. Only the process differs from a real command's spec."""
+
+
+def task_spec(resolved: ResolvedTask) -> Spec:
+    """The spec every command of the task shares but for its process. Pure."""
+    return compile_spec(resolved, list(PROBE_COMMAND), RunOptions(env={}))

@@ -1,0 +1,231 @@
+"""An image's root filesystem from the engine's export: the extraction filter and the cache
+(one tree per digest, renamed into place, nothing half-written on failure)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import stat
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fusion_oci.errors import ProvisionError
+from fusion_oci.images import rootfs
+from fusion_oci.images.rootfs import _ChunkReader, export_image_rootfs, extract_rootfs, podman_url
+
+
+def tar_bytes(entries: list[tuple[str, str, str | bytes, int]]) -> bytes:
+    """(kind, name, data-or-link-target, mode) → a tar, as an engine's export streams it."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for kind, name, data, mode in entries:
+            info = tarfile.TarInfo(name)
+            info.mode = mode
+            if kind == "dir":
+                info.type = tarfile.DIRTYPE
+                tar.addfile(info)
+            elif kind == "symlink":
+                info.type, info.linkname = tarfile.SYMTYPE, str(data)
+                tar.addfile(info)
+            elif kind == "hardlink":
+                info.type, info.linkname = tarfile.LNKTYPE, str(data)
+                tar.addfile(info)
+            elif kind == "chr":
+                info.type, info.devmajor, info.devminor = tarfile.CHRTYPE, 1, 3
+                tar.addfile(info)
+            else:
+                raw = data.encode() if isinstance(data, str) else data
+                info.size = len(raw)
+                tar.addfile(info, io.BytesIO(raw))
+    return buf.getvalue()
+
+
+def chunks(data: bytes, size: int = 7) -> Iterator[bytes]:
+    for i in range(0, len(data), size):
+        yield data[i:i + size]
+
+
+def test_extract_keeps_absolute_symlinks_and_drops_setuid_and_devices(tmp_path: Path) -> None:
+    data = tar_bytes([
+        ("dir", "usr", "", 0o755), ("dir", "usr/bin", "", 0o755),
+        ("file", "usr/bin/sudo", "x", 0o4755), ("symlink", "bin", "/usr/bin", 0o777),
+        ("dir", "dev", "", 0o755), ("chr", "dev/null", "", 0o666),
+        ("chr", "opt-disk", "", 0o666),
+    ])
+    root = tmp_path / "rootfs"
+    extract_rootfs(_ChunkReader(chunks(data)), root)
+    assert (root / "bin").is_symlink() and str((root / "bin").readlink()) == "/usr/bin"
+    assert not stat.S_IMODE((root / "usr/bin/sudo").stat().st_mode) & stat.S_ISUID
+    # No device node on the host: the container's /dev is its own tmpfs.
+    assert not (root / "dev/null").exists() and not (root / "opt-disk").exists()
+
+
+def test_extract_refuses_what_would_land_outside(tmp_path: Path) -> None:
+    outside = tmp_path / "host"
+    outside.mkdir()
+    secret = tmp_path / "secret"
+    secret.write_text("host only")
+    cases = [
+        [("file", "../escape", "x", 0o644)],
+        [("symlink", "link", str(outside), 0o777), ("file", "link/planted", "x", 0o644)],
+        # hard links: the tar filter alone would link the host's file into the rootfs
+        [("hardlink", "shadow", str(secret), 0o644)],
+        [("dir", "a", "", 0o755), ("hardlink", "a/shadow", "../../secret", 0o644)],
+    ]
+    for i, entries in enumerate(cases):
+        root = tmp_path / f"rootfs-{i}"
+        with pytest.raises(tarfile.TarError):
+            extract_rootfs(io.BytesIO(tar_bytes(entries)), root)
+        assert not any(p.stat().st_ino == secret.stat().st_ino
+                       for p in root.rglob("*") if p.is_file() and not p.is_symlink())
+    assert not list(outside.iterdir())
+    assert not (tmp_path / "escape").exists()
+    assert secret.stat().st_nlink == 1
+
+
+def test_hard_links_inside_the_image_are_kept(tmp_path: Path) -> None:
+    data = tar_bytes([("dir", "usr", "", 0o755), ("file", "usr/perl", "p", 0o755),
+                      ("hardlink", "usr/perl5", "usr/perl", 0o755),
+                      ("hardlink", "usr/perl6", "/usr/perl", 0o755)])
+    root = tmp_path / "rootfs"
+    extract_rootfs(io.BytesIO(data), root)
+    assert (root / "usr/perl5").stat().st_ino == (root / "usr/perl").stat().st_ino
+    assert (root / "usr/perl6").stat().st_ino == (root / "usr/perl").stat().st_ino
+
+
+class FakeExport:
+    def __init__(self, digest: str, data: bytes, fail_after: int | None = None) -> None:
+        self.digest, self._data, self._fail_after = digest, data, fail_after
+        self.streamed = 0
+
+    def stream(self) -> Iterator[bytes]:
+        for i, chunk in enumerate(chunks(self._data, 64)):
+            if self._fail_after is not None and i >= self._fail_after:
+                raise ProvisionError("export broke", "connection reset")
+            self.streamed += 1
+            yield chunk
+
+
+def fake_engine(monkeypatch: pytest.MonkeyPatch, export: FakeExport) -> None:
+    @contextlib.contextmanager
+    def engine_export(ref: str, url: str) -> Iterator[FakeExport]:
+        yield export
+
+    monkeypatch.setattr(rootfs, "_engine_export", engine_export)
+
+
+IMAGE = tar_bytes([("dir", "etc", "", 0o755), ("file", "etc/hello", "hi\n" * 100, 0o644)])
+
+
+def test_one_tree_per_digest_renamed_into_place(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    export = FakeExport("sha256:" + "a" * 64, IMAGE)
+    fake_engine(monkeypatch, export)
+    got = export_image_rootfs("localhost/x:1", tmp_path / "cache", "unix:///p.sock")
+    assert got == tmp_path / "cache" / ("a" * 64) / "rootfs"
+    assert (got / "etc/hello").read_text().startswith("hi\n")
+    streamed = export.streamed
+    assert export_image_rootfs("localhost/x:1", tmp_path / "cache", "u") == got
+    assert export.streamed == streamed  # cached by digest: nothing exported again
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["a" * 64]
+
+
+def test_a_failed_export_leaves_no_half_written_tree(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_engine(monkeypatch, FakeExport("sha256:" + "b" * 64, IMAGE, fail_after=2))
+    with pytest.raises(ProvisionError, match="export broke"):
+        export_image_rootfs("localhost/x:1", tmp_path / "cache", "u")
+    assert not list((tmp_path / "cache").iterdir())
+
+
+def test_what_a_killed_export_left_is_swept(tmp_path: Path) -> None:
+    import os
+
+    cache = tmp_path / "cache"
+    old, young, done = cache / ".new-aaaa.x1", cache / ".new-bbbb.x2", cache / ("c" * 64)
+    for d in (old, young, done):
+        (d / "rootfs").mkdir(parents=True)
+    os.utime(old, (1, 1))
+    assert rootfs.sweep_partial(cache) == [old]
+    assert sorted(p.name for p in cache.iterdir()) == sorted([young.name, done.name])
+
+
+def test_podman_url() -> None:
+    assert podman_url({"FUSION_OCI_PODMAN_URL": "unix:///x.sock"}, 0) == "unix:///x.sock"
+    assert podman_url({}, 0) == "unix:///run/podman/podman.sock"
+    assert podman_url({}, 1000) == "unix:///run/user/1000/podman/podman.sock"
+    assert podman_url({"CONTAINER_HOST": "unix:///e.sock"}, 0, "unix:///s.sock") == \
+        "unix:///s.sock"
+
+
+class FakeContainer:
+    def __init__(self, data: bytes, fail: bool) -> None:
+        self.data, self.fail, self.removed = data, fail, False
+
+    def export(self) -> Iterator[bytes]:
+        yield self.data[:100]
+        if self.fail:
+            raise ProvisionError("export broke", "connection reset")
+        yield self.data[100:]
+
+    def remove(self, **kw: object) -> None:
+        self.removed = True
+
+
+class FakeEngine:
+    """Stands in for images.engine's client: the calls _engine_export makes, recorded."""
+
+    def __init__(self, data: bytes, fail: bool = False) -> None:
+        self.created: list[FakeContainer] = []
+        self.create_kwargs: list[dict[str, object]] = []
+        self._data, self._fail = data, fail
+        engine = self
+
+        class Containers:
+            def create(self, image: str, **kw: object) -> FakeContainer:
+                engine.create_kwargs.append({"image": image, **kw})
+                engine.created.append(FakeContainer(engine._data, engine._fail))
+                return engine.created[-1]
+
+        class Client:
+            containers = Containers()
+
+        self.client = Client()
+
+    def __enter__(self) -> FakeEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def image(self, ref: str) -> object:
+        from fusion_oci.images.engine import ImageInfo
+
+        return ImageInfo(engine="podman", id="sha256:" + "d" * 64, tags=[ref])
+
+    def call(self, what: str) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+
+def test_the_export_container_is_created_once_and_always_removed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fusion_oci.images import engine as engine_module
+
+    fake = FakeEngine(IMAGE, fail=True)
+    monkeypatch.setattr(engine_module, "open_engine", lambda kind, url: fake)
+    with pytest.raises(ProvisionError):
+        export_image_rootfs("localhost/x:1", tmp_path / "cache", "u")
+    assert [c.removed for c in fake.created] == [True]
+    assert fake.create_kwargs[0]["image"] == "sha256:" + "d" * 64  # the digest, not the tag
+    assert fake.create_kwargs[0]["command"] == rootfs.EXPORT_COMMAND
+    assert not list((tmp_path / "cache").iterdir())
+
+    fake = FakeEngine(IMAGE)
+    monkeypatch.setattr(engine_module, "open_engine", lambda kind, url: fake)
+    got = export_image_rootfs("localhost/x:1", tmp_path / "cache", "u")
+    assert (got / "etc/hello").exists() and [c.removed for c in fake.created] == [True]
+    export_image_rootfs("localhost/x:1", tmp_path / "cache", "u")
+    assert len(fake.created) == 1  # cached by digest: one inspect, no container

@@ -1,0 +1,78 @@
+"""One seccomp profile and one capability set, enforced by every runtime: each translation
+takes them from the spec, so a change to the spec's profile changes what every runtime is
+given (docker's security_opt, podman's profile file, bubblewrap's BPF, runc's config.json,
+landlock's filter). Pure."""
+
+from __future__ import annotations
+
+import json
+
+from fusion_oci.models import PrepareContext, RunOptions, SandboxPolicy
+from fusion_oci.oci.seccomp import compile_bpf
+from fusion_oci.oci.spec import Spec, compile_spec
+from fusion_oci.policy.layout import TaskLayout
+from fusion_oci.runtimes.bubblewrap import BwrapHost, bwrap_argv, seccomp_program
+from fusion_oci.runtimes.containers import Owner, Target, plan_container, seccomp_file
+from fusion_oci.runtimes.landlock import landlock_rules
+from fusion_oci.runtimes.oci import bundle_spec
+from tests.golden import GOLDEN_HOST
+
+LAYOUT = TaskLayout("/srv/wt", None, (), None)
+OWNER = Owner(pid=1, start="1", boot="b", host="h")
+BWRAP = BwrapHost(bwrap="/usr/bin/bwrap", prlimit=None, cgroup_mode="none",
+                  egress_resolv_conf="/r")
+
+
+def spec(image: str | None = None) -> Spec:
+    ctx = PrepareContext(task_id="t", run_id="r", worktree_path="/srv/wt",
+                         policy=SandboxPolicy(allow_network=False), image=image)
+    return compile_spec(ctx, LAYOUT, GOLDEN_HOST, "true", RunOptions(), {})
+
+
+def given(s: Spec) -> dict[str, object]:
+    """What each runtime is handed of the spec's profile and capabilities."""
+    docker = plan_container(s, Target("docker"), name="n", owner=OWNER).create
+    podman = plan_container(s, Target("podman", seccomp_dir="/c"), name="n", owner=OWNER).create
+    argv = bwrap_argv(s, BWRAP)
+    caps = [argv[i + 1] for i, a in enumerate(argv) if a == "--cap-add"]
+    return {
+        "docker": ([o for o in docker["security_opt"] if o.startswith("seccomp=")],
+                   docker["cap_add"]),
+        "podman": (podman["seccomp_profile_path"], podman["cap_add"]),
+        "bubblewrap": (seccomp_program(s), caps),
+        "oci": (bundle_spec(s)["linux"]["seccomp"],
+                bundle_spec(s)["process"]["capabilities"]["bounding"]),
+        "landlock": (landlock_rules(s, "/h", "/t").seccomp["syscalls"],),
+    }
+
+
+def changed(s: Spec) -> Spec:
+    out: Spec = json.loads(json.dumps(s))
+    out["linux"]["seccomp"]["syscalls"][0]["names"].append("io_uring_setup")
+    for key in ("bounding", "effective", "permitted"):
+        out["process"]["capabilities"][key] = ["CAP_NET_BIND_SERVICE"]
+    return out
+
+
+def test_each_runtime_is_given_the_specs_profile() -> None:
+    s = spec("/srv/rootfs")
+    profile = s["linux"]["seccomp"]
+    got = given(s)
+    assert got["docker"][0] == ["seccomp=" + json.dumps(profile, sort_keys=True,
+                                                        separators=(",", ":"))]
+    assert got["podman"][0] == seccomp_file(profile, "/c")[0]
+    assert got["bubblewrap"][0] == compile_bpf(profile, "x86_64")
+    assert got["oci"][0] == profile
+    for name in ("docker", "podman", "bubblewrap", "oci"):
+        assert not got[name][1], f"{name} keeps a capability the spec does not list"
+
+
+def test_a_change_to_the_profile_or_caps_shows_in_every_runtime() -> None:
+    s = spec("/srv/rootfs")
+    before, after = given(s), given(changed(s))
+    for name in before:
+        assert before[name][0] != after[name][0], f"{name} ignores the spec's seccomp profile"
+    for name in ("docker", "podman"):
+        assert after[name][1] == ["NET_BIND_SERVICE"]
+    assert after["bubblewrap"][1] == ["CAP_NET_BIND_SERVICE"]
+    assert after["oci"][1] == ["CAP_NET_BIND_SERVICE"]
