@@ -48,6 +48,8 @@ class AgentBuildHook(BuildHookInterface):  # type: ignore[type-arg]
     PLUGIN_NAME = "custom"
 
     def initialize(self, version: str, build_data: dict[str, Any]) -> None:
+        if not sys.platform.startswith("linux"):
+            return  # the agent is Linux C; elsewhere native keeps its reaper shim (pure wheel)
         binary = build_agent()
         if self.target_name != "wheel":
             return

@@ -39,9 +39,6 @@ APT_PACKAGES=(
     docker-registry
     # scmp_sys_resolver: the tests cross-check the seccomp syscall table against libseccomp
     seccomp
-    # a C compiler and a static libc: the wheel's build hook (hatch_build.py) compiles the exec
-    # agent (fusion_oci/agent/agent.c) into a static binary
-    gcc libc6-dev
     # gVisor: the oci backend with ociRuntime runsc (a userspace kernel boundary)
     runsc
     # pytest-docker drives compose.yaml (the egress canary) with `docker-compose` when the
@@ -51,6 +48,9 @@ APT_PACKAGES=(
     chromium chromium-driver
     # not named in the product docs, but a fresh Debian 12 may lack them and the scripts use them
     python3 python3-venv curl ca-certificates util-linux procps
+    # a C compiler and a static libc: the wheel's build hook (hatch_build.py) compiles the exec
+    # agent (fusion_oci/agent/agent.c) into a static binary
+    gcc libc6-dev
 )
 
 missing=()

@@ -825,8 +825,9 @@ static void shutdown_all(void) {
         }
         sleep_ms(5);
     }
+    /* Anything left is ours (we are a subreaper): no child, nothing to look for in /proc. */
     long long last = now_ms() + KILL_LOOP_MS;
-    while (signal_tree(SIGKILL, 0) && now_ms() < last) {
+    while (has_children() && signal_tree(SIGKILL, 0) && now_ms() < last) {
         while (waitpid(-1, NULL, WNOHANG) > 0) {
         }
         sleep_ms(5);

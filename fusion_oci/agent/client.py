@@ -116,6 +116,9 @@ class _Run:
         self.drained: asyncio.Future[None] = loop.create_future()
         self.ending: asyncio.Task[None] | None = None
         self.timed_out = False
+        self.error: BaseException | None = None
+        """What an on_output callback raised: the run is ended and run() raises it."""
+        self.on_error: Callable[[], None] = lambda: None
         self._open: dict[int, Capture] = {}
 
     def watch(self, fd: int, capture: Capture) -> None:
@@ -130,9 +133,15 @@ class _Run:
             return
         except OSError:
             chunk = b""
-        if chunk:
+        if not chunk:
+            self._close(fd)
+            return
+        try:
             self._open[fd].feed(chunk)
-        else:
+        except Exception as exc:  # the caller's on_output: end the run, raise it from run()
+            if self.error is None:
+                self.error = exc
+                self.on_error()
             self._close(fd)
 
     def _close(self, fd: int) -> None:
@@ -282,8 +291,9 @@ class Agent:
                     self._dispatch(kind, fields)
         except asyncio.CancelledError:
             why = "the connection was closed"
-        except (OSError, ProtocolError) as exc:
-            why = f"the connection broke: {exc}"
+        except (OSError, ProtocolError, KeyError, ValueError) as exc:
+            # A frame we cannot read means the stream cannot be trusted: lost, never a hang.
+            why = f"the connection broke: {exc!r}"
         self._mark_lost(why)
 
     def _mark_lost(self, why: str) -> None:
@@ -384,6 +394,7 @@ class Agent:
             run.timed_out = not run.exited.done()
             end()
 
+        run.on_error = end
         overflow = _Trigger(end)
         out = Capture(max_buffer, overflow, "stdout", on_output, keep_output)
         err = Capture(max_buffer, overflow, "stderr", on_output, keep_output)
@@ -434,6 +445,10 @@ class Agent:
             if feeder is not None:
                 await feeder.stop()
             self._runs.pop(run_id, None)
+            if run.exited.done() and not run.exited.cancelled():
+                run.exited.exception()  # retrieved, even when we leave by a cancellation
+        if run.error is not None:
+            raise run.error
         try:
             status = run.exited.result()
         except _Failed as failed:

@@ -6,9 +6,11 @@ network, cgroup limits, protected paths and /proc protections are listed as unen
 does honour: timeouts and aborts that end the whole process tree, maxBuffer, the spec's rlimits
 (cpuLimit.maxMs, fileSizeLimitMb), and ``envAllowlist`` when the policy sets one.
 
-Every command goes through the sandbox's exec agent (fusion_oci/agent), started at prepare and
-stopped at dispose: no interpreter starts per command. The agent's keeper per run is the
-subreaper that ends the whole tree; :meth:`NativeRuntime.plan` shows the exact spawn frame.
+On Linux every command goes through the sandbox's exec agent (fusion_oci/agent), started at
+prepare and stopped at dispose: no interpreter starts per command. The agent's keeper per run
+is the subreaper that ends the whole tree; :meth:`NativeRuntime.plan` shows the exact spawn
+frame. The agent is Linux C (subreapers, signalfd, close_range); on macOS native keeps the
+per-command reaper shim, which sandbox-exec uses there too.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ def status_quo_env(policy: SandboxPolicy, source: Mapping[str, str]) -> dict[str
     return env
 
 
+AGENT_PLATFORM = sys.platform.startswith("linux")
+"""Where the exec agent exists (the build hook compiles it only there)."""
+
 PLAN_RUN_ID = "<run>"
 """The spawn frame's id in a plan (a counter per agent when it runs)."""
 
@@ -60,6 +65,7 @@ def native_spawn(spec: Spec, env: Mapping[str, str], run_id: str = PLAN_RUN_ID) 
 class NativeRuntime(HostProcessRuntime):
     id = "native"
     private_dirs = False
+    uses_agent = AGENT_PLATFORM
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -73,6 +79,9 @@ class NativeRuntime(HostProcessRuntime):
         )
 
     def availability(self) -> Availability:
+        if not self.uses_agent:
+            return Availability(True, version=f"python {sys.version.split()[0]}",
+                                rootless=None, details={"isolation": "none"})
         try:
             binary = agent_binary()
         except SandboxSetupError as exc:
@@ -94,6 +103,13 @@ class NativeRuntime(HostProcessRuntime):
         return status_quo_env(policy, source)
 
     def plan(self, spec: Spec) -> LaunchPlan:
+        if not self.uses_agent:
+            return LaunchPlan(
+                backend=self.id, argv=self.launch_argv(spec["process"]["args"], spec),
+                env=self._env(None), cwd=spec["process"]["cwd"],
+                notes=["runs on the host as the caller (the status quo), under the reaper shim",
+                       "rlimits: " + ", ".join(f"{n}={s}/{h}" for n, s, h in
+                                               native_rlimits(spec))])
         spawn = native_spawn(spec, self._env(None))
         return LaunchPlan(
             backend=self.id,
@@ -113,10 +129,12 @@ class NativeRuntime(HostProcessRuntime):
 
     async def prepare(self, ctx: PrepareContext) -> None:
         await super().prepare(ctx)
-        if self._agent is None:
+        if self.uses_agent and self._agent is None:
             self._agent = await Agent.start_local()
 
     async def execute(self, spec: Spec, opts: RunOptions) -> RunResult:
+        if not self.uses_agent:
+            return await self.run_reaped(spec["process"]["args"], self._env(opts), spec, opts)
         if self._agent is None:
             raise SandboxSetupError(f"runtime '{self.id}' was not prepared",
                                     "its exec agent is not running", "call prepare(ctx) first")

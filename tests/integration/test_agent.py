@@ -410,3 +410,114 @@ async def test_dispose_leaves_no_process_of_the_sandbox(worktree: Path) -> None:
         await running
     assert not [pid for pid in family if alive(pid)]
     assert gone(tag, 1.0)
+
+
+async def test_large_argv_and_env_cross_many_reads(agent: Agent) -> None:
+    """A frame far larger than one read: the fds ride its first bytes, the rest follows."""
+    arg = "x" * 100_000
+    env = {**ENV, **{f"BIG_{i}": "y" * 10_000 for i in range(50)}}
+    runs = [agent.run(sh('printf %s "$1" | wc -c; printf %s "$BIG_49" | wc -c'), env=env)
+            for _ in range(3)]
+    runs.append(agent.run([*sh('printf %s "$0" | wc -c'), arg], env=env))
+    results = await asyncio.gather(*runs)
+    assert [r.stdout.split() for r in results[:3]] == [[b"0", b"10000"]] * 3
+    assert results[3].stdout.split() == [b"100000"]
+
+
+async def test_as_pid_1_of_a_pid_namespace_it_reaps_and_ends_trees(tmp_path: Path) -> None:
+    """A container's init: PID 1 in its own pid namespace (with its own /proc), reached by
+    --connect; orphans re-parent to it or to a keeper, and a timeout still ends the tree."""
+    tag = marker("pid1")
+    path = tmp_path / "agent.sock"
+    listener = listen_socket(path)
+    proc = await asyncio.create_subprocess_exec(
+        "unshare", "--pid", "--fork", "--mount-proc", "--kill-child",
+        str(agent_binary()), "--connect", str(path), stdin=subprocess.DEVNULL,
+        start_new_session=True)
+    try:
+        a = await Agent.accept(listener, expect_pid=None, timeout_s=5)
+        assert a.agent_pid == 1
+        r = await a.run(sh("echo $$; ps -o pid= -p 1 >/dev/null && echo has-1"), env=ENV)
+        assert r.returncode == 0 and r.stdout.split()[1] == b"has-1"
+        r = await a.run(escaping_tree(tag), env=ENV, timeout_s=0.5, grace_s=0.3)
+        assert r.timed_out
+        assert gone(tag, 1.0)
+        await a.close()
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_the_reaper_path_stays_for_platforms_without_the_agent(worktree: Path) -> None:
+    from fusion_oci.models import PrepareContext, RunOptions
+    from fusion_oci.policy.settings import SandboxSettings
+    from fusion_oci.runtimes.native import NativeRuntime
+
+    runtime = NativeRuntime(SandboxSettings(), dict(os.environ))
+    runtime.uses_agent = False  # what macOS gets
+    await runtime.prepare(PrepareContext(task_id="t", run_id="r", worktree_path=str(worktree)))
+    try:
+        assert runtime._agent is None
+        r = await runtime.run("echo shim; exit 3", RunOptions())
+        assert (r.stdout, r.exit_code) == ("shim\n", 3)
+    finally:
+        await runtime.dispose()
+
+
+async def test_an_output_callback_that_raises_ends_the_run_and_is_raised(agent: Agent) -> None:
+    tag = marker("callback")
+
+    def boom(name: str, chunk: bytes) -> None:
+        raise RuntimeError("the caller's callback failed")
+
+    with pytest.raises(RuntimeError, match="callback failed"):
+        await agent.run(sh(f"echo hi; sh -c 'sleep 1000; :' {tag}"), env=ENV, on_output=boom,
+                        grace_s=0.3)
+    assert gone(tag, 1.0)
+    assert (await agent.run(["true"], env=ENV)).returncode == 0
+
+
+@pytest.mark.parametrize("garbage", [b"\xff\xff\xff\xff", b"\0\0\0\x0aXid=1\0stat",
+                                     b"\0\0\0\x0fXid=1\0status=x\0"])
+async def test_a_stream_that_cannot_be_read_is_a_lost_agent_not_a_hang(garbage: bytes) -> None:
+    from fusion_oci.agent.protocol import encode
+
+    ours, theirs = socket.socketpair()
+    a = Agent(ours)
+    theirs.sendall(encode(b"H", [("version", "1"), ("pid", "1")]))
+    await a._greeted(2)
+    task = asyncio.ensure_future(a.run(["true"], env=ENV))
+    await asyncio.sleep(0.05)
+    theirs.sendall(garbage)
+    if garbage.startswith(b"\0\0\0\x0a"):
+        theirs.close()  # a frame cut short by the end of the stream
+    with pytest.raises(AgentLostError):
+        await asyncio.wait_for(task, 5)
+    assert a.lost
+    await a.close()
+    theirs.close()
+
+
+async def test_an_agent_that_stops_answering_is_lost_after_the_backstop(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Connected but silent (hung): the timeout's kill gets no answer; past grace and the
+    backstop the run fails as agent-lost instead of waiting forever."""
+    import fusion_oci.agent.client as client
+    from fusion_oci.agent.protocol import encode
+
+    monkeypatch.setattr(client, "KILL_BACKSTOP_S", 0.3)
+    ours, theirs = socket.socketpair()
+    a = Agent(ours)
+    theirs.sendall(encode(b"H", [("version", "1"), ("pid", "1")]))
+    await a._greeted(2)
+    start = time.monotonic()
+    with pytest.raises(AgentLostError) as info:
+        await a.run(["sleep", "100"], env=ENV, timeout_s=0.2, grace_s=0.1)
+    assert "outlived its kill" in info.value.why
+    assert time.monotonic() - start < 3
+    with pytest.raises(AgentLostError):
+        await a.run(["true"], env=ENV)
+    await a.close()
+    theirs.close()

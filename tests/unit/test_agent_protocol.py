@@ -99,3 +99,15 @@ def test_golden_native_plan(name: str) -> None:
     assert plan.sdk_kwargs is not None
     assert plan.sdk_kwargs["fields"] == [f"{k}={v}" for k, v in
                                         native_spawn(spec, runtime._env(None)).fields()]
+
+
+def test_without_the_agent_platform_native_plans_the_reaper_shim() -> None:
+    """macOS: no agent (Linux C); native keeps the per-command reaper shim there."""
+    ctx = PrepareContext(task_id="task-1", run_id="run-1", worktree_path=LAYOUT.worktree)
+    spec = compile_spec(ctx, LAYOUT, GOLDEN_HOST, "pnpm test", RunOptions(), CALLER_ENV)
+    runtime = NativeRuntime(SandboxSettings(), CALLER_ENV, host=GOLDEN_HOST)
+    runtime.uses_agent = False
+    plan = runtime.plan(spec)
+    assert plan.argv is not None and plan.argv[-4:] == ["--", "/bin/sh", "-c", "pnpm test"]
+    assert plan.argv[4].endswith("reaper.py") and plan.sdk_call is None
+    assert runtime.availability().available
