@@ -212,7 +212,8 @@ class ContainerRuntime(EngineProbe):
         if path.exists():
             return
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        # Unique per call: parallel prepares in one process write the same profile at once.
+        tmp = path.with_suffix(f".{os.getpid()}.{secrets.token_hex(4)}.tmp")
         tmp.write_text(text, encoding="utf-8")
         tmp.replace(path)
 
