@@ -119,8 +119,15 @@ def measure(engine: str, image: str, runs: int) -> dict[str, float]:
         started: list[str] = []
 
         def raw_run_d() -> None:
-            cid = subprocess.run(run_d, check=True, capture_output=True, text=True).stdout
-            started.append(cid.strip())
+            for attempt in range(3):  # the race retried() is for, a created container each
+                out = subprocess.run(run_d, capture_output=True, text=True, check=False)
+                cid = out.stdout.strip()
+                if cid:
+                    started.append(cid)
+                if out.returncode == 0:
+                    return
+                if attempt == 2:
+                    raise RuntimeError(f"{' '.join(run_d)} failed 3 times: {out.stderr}")
 
         try:
             out["run_d"] = median_ms(raw_run_d, max(5, runs // 3), warmup=1)
