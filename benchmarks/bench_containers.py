@@ -119,11 +119,10 @@ def measure(engine: str, image: str, runs: int) -> dict[str, float]:
         started: list[str] = []
 
         def raw_run_d() -> None:
-            for attempt in range(3):  # the race retried() is for, a created container each
-                out = subprocess.run(run_d, capture_output=True, text=True, check=False)
-                cid = out.stdout.strip()
-                if cid:
-                    started.append(cid)
+            for attempt in range(3):  # the race retried() is for; named, so rm finds a failed one
+                started.append(f"{name}-d{len(started)}")
+                argv = [*base, "run", "-d", "--name", started[-1], *run_d[len(base) + 2:]]
+                out = subprocess.run(argv, capture_output=True, text=True, check=False)
                 if out.returncode == 0:
                     return
                 if attempt == 2:
