@@ -519,9 +519,36 @@ class Agent:
         try:
             await asyncio.wait_for(proc.wait(), CLOSE_WAIT_S)
         except TimeoutError:
+            # A hung agent: everything below it goes first (the commands are in sessions of
+            # their own, out of its process group), then the agent and its keepers.
+            for pid in _descendants(proc.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             await proc.wait()
+
+
+def _descendants(root: int) -> list[int]:
+    """Every descendant of ``root`` (a /proc snapshot; Linux)."""
+    children: dict[int, list[int]] = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc"):  # noqa: PTH208 - a snapshot, once
+            if not name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{name}/stat", "rb") as fh:
+                    ppid = int(fh.read().rsplit(b")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(name))
+    out: list[int] = []
+    todo = list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
 
 
 class _Feeder:

@@ -53,6 +53,13 @@ def descendants(root: int) -> list[int]:
     return out
 
 
+def appears(tag: str, within_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while not pids_with(tag) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return bool(pids_with(tag))
+
+
 def gone(tag: str, within_s: float = 5.0) -> bool:
     deadline = time.monotonic() + within_s
     while pids_with(tag) and time.monotonic() < deadline:
@@ -521,3 +528,28 @@ async def test_an_agent_that_stops_answering_is_lost_after_the_backstop(
         await a.run(["true"], env=ENV)
     await a.close()
     theirs.close()
+
+
+async def test_close_of_a_hung_agent_kills_everything_below_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An agent that ignores the closed connection (here a fake that greets, starts a child in
+    a session of its own and hangs): past the wait, close() kills its whole tree."""
+    import fusion_oci.agent.client as client
+
+    monkeypatch.setattr(client, "CLOSE_WAIT_S", 0.5)
+    tag = marker("hung")
+    fake = tmp_path / "fake-agent"
+    fake.write_text(
+        f"#!{sys.executable}\n"
+        "import os, socket, subprocess, sys, time\n"
+        "fd = int(sys.argv[2])\n"
+        "s = socket.socket(fileno=fd)\n"
+        "s.sendall(b'\\0\\0\\0\\x11Hversion=1\\0pid=1\\0')\n"
+        f"subprocess.Popen(['sh', '-c', 'sleep 1000; : {tag}'], start_new_session=True)\n"
+        "time.sleep(1000)\n")
+    fake.chmod(0o755)
+    a = await Agent.start_local(fake)
+    assert await asyncio.to_thread(appears, tag)
+    await asyncio.wait_for(a.close(), 10)
+    assert a.peer_pid is not None and not alive(a.peer_pid)
+    assert gone(tag, 2.0)
