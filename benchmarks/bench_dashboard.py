@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import median_ms, report, run_argv
+from benchmarks.common import median_ms, report, run_argv, write_markdown
 from fusion_oci.audit import AuditEvent, AuditLog
 from fusion_oci.dashboard.chain import chain_status, host_key
 from fusion_oci.dashboard.tail import LogTail
@@ -60,6 +60,7 @@ def raw_read(path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--markdown", help="write this section of docs/performance.md here")
     parser.add_argument("--events", type=int, default=100_000)
     parser.add_argument("--runs", type=int, default=15)
     args = parser.parse_args()
@@ -120,6 +121,9 @@ def main() -> None:
           f"summary JSON {size_kb:.1f} KB")
     over = [f"{k} {v:.1f} ms > {BUDGET_MS[k]:.0f} ms" for k, v in rows if v > BUDGET_MS[k]]
     print("budget: " + ("all within budget" if not over else "OVER: " + "; ".join(over)))
+    write_markdown(args.markdown, "Dashboard API",
+                   "`benchmarks/bench_dashboard.py`: the dashboard's requests on a large audit log "
+                   "beside a raw read of the file.")
 
 
 def stream_latency(d: object, log: AuditLog, samples: int) -> float:

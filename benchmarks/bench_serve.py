@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.bench_containers import LIMITS, cli
+from benchmarks.common import markdown_table, write_markdown
 from fusion_oci.audit import AuditLog, default_audit_path
 from fusion_oci.models import CacheMode, PrepareContext, SandboxPolicy
 from fusion_oci.policy.settings import SandboxSettings
@@ -71,6 +72,7 @@ def timed(fn: Any) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--markdown", help="write this section of docs/performance.md here")
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--backends", default="native,bubblewrap,podman,docker")
     args = parser.parse_args()
@@ -149,6 +151,21 @@ def main() -> None:
               f" {med['ping']:>9.2f}ms")
     print("(ratios: median / the floor's median; serve - API: what the server and the Node "
           "client add per command; round trip: one request that runs nothing)")
+    table = []
+    for backend in backends:
+        med = {k: statistics.median([x for x in v if x == x]) for k, v in samples[backend].items()}
+        tool = {"native": "`sh -c true`", "bubblewrap": "raw `bwrap ... true`"}.get(
+            backend, f"`{backend} exec C true`")
+        table.append((backend, tool, f"{med['api'] / med['raw']:.2f}x",
+                      f"{med['serve'] / med['raw']:.2f}x", f"{med['serve'] - med['api']:+.1f} ms",
+                      f"{med['ping']:.2f} ms"))
+    write_markdown(args.markdown, "Executor integration: `fusion-oci serve` from Node",
+                   "`benchmarks/bench_serve.py`: `true` through the Python API and through "
+                   "`fusion-oci serve` from Node, beside each runtime's own tool started from "
+                   f"Node (the floor); medians of {args.runs} interleaved samples.",
+                   markdown_table(["runtime", "floor (own tool, from Node)", "Python API / floor",
+                                   "serve / floor", "serve - API", "one request, no command"],
+                                  table))
 
 
 if __name__ == "__main__":

@@ -69,6 +69,7 @@ def _stop_server(folder: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--markdown", help="write this section of docs/performance.md here")
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--markdown", type=Path, help="write the docs/performance.md section")
     args = parser.parse_args()
@@ -161,11 +162,10 @@ def markdown(system: float, rows: list[tuple[str, float]]) -> str:
         "4x target. `run` goes to the per-user resident server (`fusion-oci serve --socket`, "
         "started on first use, exits after 60 s idle); the warm row is the typical repeated "
         "call. The client itself costs about what `--version` does; the rest of the warm "
-        "row is the server's own work for the run, not imports. Timed step by step in the "
-        "server (load average 5): of 55 ms, 39 ms is `run_process`, i.e. the native reaper "
-        "shim's second Python start-up (issue 13's exec agent replaces it), 9 ms the "
-        "sandbox's prepare, and settings, spec, worktree state, audit and replay records a "
-        "few ms together. The first call pays the server's "
+        "row is the server's own work for the run (the native command through the sandbox's "
+        "exec agent, its prepare, settings, spec, worktree state, audit and replay records), "
+        "not imports. "
+        "The first call pays the server's "
         "start once. In-process is the full typer CLI (`FUSION_OCI_NO_SERVER=1`; every "
         "command other than `run` runs so). Cases are timed round-robin so each sees the "
         "same load, on a shared, busy 2-core machine: quote the ratios of one run.",

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from collections.abc import Callable
 
-from benchmarks.common import run_argv
+from benchmarks.common import markdown_table, run_argv, write_markdown
 from fusion_oci.models import PrepareContext, RunOptions, SandboxPolicy
 from fusion_oci.oci.bundle import write_bundle
 from fusion_oci.oci.host import probe_host
@@ -114,6 +114,7 @@ def rounds(cases: list[tuple[str, Case]], runs: int,
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=30)
+    parser.add_argument("--markdown", help="write this section of docs/performance.md here")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as base, tempfile.TemporaryDirectory() as tmpdir, \
             contextlib.ExitStack() as stack:
@@ -141,6 +142,13 @@ def main() -> None:
             print(f"{label:<56} {value}")
         else:
             print(f"{label:<56} {value:>10.1f} {value / native:>8.1f}x")
+    write_markdown(args.markdown, "The isolation tiers, side by side",
+                   "`benchmarks/bench_tiers.py`: `true` through a prepared sandbox of each tier "
+                   f"(network none), the cases taking turns; medians of {args.runs}.",
+                   markdown_table(["case", "median ms", "x native"],
+                                  [(label, value, "") if isinstance(value, str) else
+                                   (label, value, f"{value / native:.2f}x")
+                                   for label, value in rows]))
 
 
 if __name__ == "__main__":

@@ -5,25 +5,27 @@ arguments of ``client.containers.create(**kwargs)`` for the ``docker`` or the ``
 plus the named cache volumes the container needs; :func:`plan_exec` turns the spec of one
 command into an exec; :func:`plan_kill` is the exec that ends everything a command started.
 
-How a warm container is laid out (and why):
+How a task container is laid out (and why):
 
-- pid 1 is the engine's init (docker-init/tini, podman's catatonit) with ``sleep infinity`` as
-  its one child, the *keeper*, both in session 1. Commands are execs; the engine puts each in
-  a new session, and no descendant of theirs can ever join session 1 (``setsid`` only makes new
-  sessions, and the keeper never forks). So "every process whose session is not 1" is exactly
-  what commands started, daemonized and double-forked ones included: :data:`KILL_SCRIPT`
-  kills those, and the init reaps them. The container runs as the sandbox user (the caller's
-  uid:gid) with no capabilities, so it can signal its own processes and nothing else.
-- Every command runs under :data:`EXEC_WRAPPER`, which runs it and then kills what it left
-  behind (as the native runtime's reaper does), so no background process outlives its run.
-  A task's commands therefore run one at a time in its container.
-- The container's own environment is only PATH: each exec carries the command's whole
-  environment, so nothing of one run's environment leaks into the next one's.
+- pid 1 is the fusion-oci exec agent (``fusion_oci/agent``), bind-mounted read-only from the
+  host at :data:`AGENT_PATH`. At start it connects once to a unix socket the host listens on
+  in a task-private host folder, bind-mounted read-only at :data:`AGENT_RUN_DIR`; the host
+  accepts that one connection (checking the peer is the container's init), then closes the
+  listener and unlinks the socket. Nothing in the container can reach the agent afterwards,
+  nor replace its binary or socket (read-only mounts), nor trace it (it is not dumpable).
+- Each command is a ``spawn`` over that connection with the host's pipes passed along
+  (SCM_RIGHTS): output goes straight to the host, no engine exec, no ``conmon`` per command.
+  The agent forks the command under the container's user, seccomp profile and capabilities
+  (it runs under them itself), with the command's env, cwd and rlimits (:func:`plan_exec`);
+  a keeper per command is its subreaper, so a timeout or abort ends the whole tree, daemons
+  and double forks included, and what a command leaves running is ended when it exits (as
+  the native runtime's reaper does). A task's commands run one at a time in its container.
+- The container's own environment is only PATH: each command carries its whole environment,
+  so nothing of one run's environment leaks into the next one's.
 """
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
@@ -44,7 +46,7 @@ from fusion_oci.oci.spec import (
     spec_network,
 )
 from fusion_oci.policy.layout import CACHE_ROOT_IN_SANDBOX
-from fusion_oci.runtimes.base import LimitCounters, status_from_code
+from fusion_oci.runtimes.base import LimitCounters
 
 Engine = Literal["podman", "docker"]
 ContainerMode = Literal["warm", "oneshot"]
@@ -64,33 +66,22 @@ LABEL_CACHE_KEY = ANN + "cache-key"
 LABEL_CACHE_DIR = ANN + "cache-dir"
 """The host directory a cache volume is bound to; gc drops the volume once it is gone."""
 
-KEEPER_CMD = ("sleep", "infinity")
+AGENT_DIR = "/.fusion-oci"
+AGENT_PATH = AGENT_DIR + "/agent"
+"""The exec agent in the container (a read-only bind of the host's binary): the init."""
+AGENT_RUN_DIR = AGENT_DIR + "/run"
+"""The task-private host folder holding the agent's socket until it has connected."""
+AGENT_SOCKET = "agent.sock"
 
-# SIGKILL every process outside session 1 but this shell, until none is left (a fork racing
-# the loop is caught by the next pass). Shell builtins only: it must not fork, and it must
-# work in any image with a POSIX sh. Zombies are skipped: the init reaps them.
-KILL_SCRIPT = (
-    "me=$$; n=0; while [ $n -lt 50 ]; do n=$((n+1)); hit=; "
-    "for f in /proc/[0-9]*/stat; do "
-    'read -r l 2>/dev/null < "$f" || continue; p=${f#/proc/}; p=${p%/stat}; '
-    'set -- ${l##*) }; '
-    '[ "$4" = 1 ] || [ "$p" = "$me" ] || [ "$1" = Z ] && continue; '
-    'kill -9 "$p" 2>/dev/null && hit=1; '
-    'done; [ -z "$hit" ] && break; done'
-)
 
-# Runs "$@", then ends whatever it left running. stdin arrives base64-encoded in an env var
-# because neither SDK can feed an exec's stdin without hijacking the HTTP connection.
-EXEC_WRAPPER = (
-    'if [ -n "${FUSION_OCI_STDIN+x}" ]; then '
-    'printf %s "$FUSION_OCI_STDIN" | base64 -d | { unset FUSION_OCI_STDIN; "$@"; }; '
-    'else "$@" </dev/null; fi; '
-    "rc=$?; " + KILL_SCRIPT + "; exit $rc"
-)
-KILL_ALL = ("/bin/sh", "-c", KILL_SCRIPT + "; exit 0")
-STDIN_ENV = "FUSION_OCI_STDIN"
-STDIN_MAX = 96 * 1024
-"""Largest stdin passed to a container command (an env var is capped at 128 KiB)."""
+@dataclass(frozen=True)
+class AgentMounts:
+    """Host paths of the agent's binary and of the task-private folder of its socket."""
+
+    binary: str = "<fusion-oci-agent>"
+    run_dir: str = "<task-private agent folder>"
+    """Placeholders: what a plan (``--dry-run``, goldens) shows before prepare made them."""
+
 
 # Mounts every engine makes itself (with the same or stricter options than the spec's).
 _ENGINE_MOUNTS = {"/proc", "/dev", "/dev/pts", "/dev/shm", "/dev/mqueue", "/sys"}
@@ -169,6 +160,10 @@ class ContainerPlan:
 
 @dataclass(frozen=True)
 class ExecPlan:
+    """An engine exec, the shape of the adapters' ``exec_start``. No runtime uses it since
+    commands go through the exec agent (:class:`AgentCommand`); kept only while the engines
+    layer still offers that method."""
+
     cmd: list[str]
     environment: dict[str, str]
     workdir: str
@@ -359,6 +354,7 @@ def plan_container(
     owner: Owner,
     mode: ContainerMode = "warm",
     isolated_caches: bool = False,
+    agent: AgentMounts = AgentMounts(),
 ) -> ContainerPlan:
     """The create arguments of the task's container. Pure; golden-tested per engine."""
     image = spec_image(spec)
@@ -366,15 +362,13 @@ def plan_container(
     volumes = cache_volumes(spec, owner, isolated=isolated_caches)
     kwargs: dict[str, Any] = {
         "image": image,
-        "command": list(KEEPER_CMD),
         "name": name,
         "hostname": spec.get("hostname", "fusion-sandbox"),
         "user": f"{uid}:{gid}",
         "working_dir": "/",
-        # Only PATH (the init must find `sleep`); each exec carries its command's whole env.
+        # Only PATH; each command carries its whole env (the agent needs none).
         "environment": {"PATH": spec_env(spec).get("PATH", SANDBOX_PATH)},
         "labels": labels_for(spec, owner, mode),
-        "init": True,
         "detach": True,
         "read_only": bool(spec.get("root", {}).get("readonly", True)),
         # The spec's capability set, not a fixed one: everything dropped, then what
@@ -384,6 +378,7 @@ def plan_container(
         "ulimits": _ulimits(spec, target),
     }
     kwargs.update(_mounts(spec, target, volumes))
+    _add_agent(kwargs, target, agent)
     kwargs.update(_network(spec, target))
     if target.cgroup_limits:
         kwargs.update(_resources(spec))
@@ -409,35 +404,54 @@ def plan_container(
             # keep-id: the caller's uid is the same number inside, so worktree files stay
             # the caller's on the host.
             kwargs["userns_mode"] = "keep-id"
-    notes.append(f"commands: execs as {uid}:{gid} under the wrapper; timeout kills every "
-                 "process outside session 1")
+    notes.append(f"commands: spawned by the exec agent (pid 1) as {uid}:{gid}; a timeout or "
+                 "abort ends the command's whole tree")
     return ContainerPlan(name=name, image=image, create=kwargs, volumes=volumes, notes=notes)
 
 
-def plan_exec(spec: Spec, stdin: bytes | None = None) -> ExecPlan:
-    """The exec of one command: wrapper + argv, its whole env, cwd, and the sandbox user."""
-    uid, gid = sandbox_user(spec)
-    env = spec_env(spec)
-    if stdin is not None:
-        if len(stdin) > STDIN_MAX:
-            raise BundleError(
-                "stdin is too large for a container command",
-                f"{len(stdin)} bytes; container runtimes pass at most {STDIN_MAX}",
-                "write the input to a file in the worktree and read it from there",
-            )
-        env[STDIN_ENV] = base64.b64encode(stdin).decode()
-    return ExecPlan(
-        cmd=["/bin/sh", "-c", EXEC_WRAPPER, "fusion-oci", *spec["process"]["args"]],
-        environment=env,
-        workdir=str(spec["process"]["cwd"]),
-        user=f"{uid}:{gid}",
-    )
+def _add_agent(kwargs: dict[str, Any], target: Target, agent: AgentMounts) -> None:
+    """The exec agent as the container's init, and its two read-only mounts."""
+    kwargs["entrypoint"] = [AGENT_PATH]
+    kwargs["command"] = ["--connect", f"{AGENT_RUN_DIR}/{AGENT_SOCKET}"]
+    kwargs["init"] = False  # the agent is the init: it reaps, and ends trees on timeout
+    # RLIMIT_CPU counts per process: on the container it would charge the agent's own CPU
+    # time over the whole task; the agent sets it on each command (plan_exec) instead.
+    kwargs["ulimits"] = [u for u in kwargs["ulimits"] if u["Name"] != "cpu"]
+    binds = ((agent.binary, AGENT_PATH), (agent.run_dir, AGENT_RUN_DIR))
+    if target.engine == "docker":
+        kwargs["mounts"] = [*kwargs["mounts"], *({"Target": dest, "Source": source,
+                                                 "Type": "bind", "ReadOnly": True}
+                                                for source, dest in binds)]
+    else:
+        kwargs["volumes"] = {**kwargs["volumes"], **{
+            source: {"bind": dest, "extended_mode": ["ro", "rbind", "nosuid", "nodev"]}
+            for source, dest in binds}}
 
 
-def plan_kill(spec: Spec) -> ExecPlan:
-    """The exec that ends every process of the sandbox user in the container."""
-    uid, gid = sandbox_user(spec)
-    return ExecPlan(cmd=list(KILL_ALL), environment={}, workdir="/", user=f"{uid}:{gid}")
+@dataclass(frozen=True)
+class AgentCommand:
+    """One command as the exec agent runs it (the ``spawn`` frame, with the host's pipes)."""
+
+    argv: list[str]
+    env: dict[str, str]
+    cwd: str
+    rlimits: list[tuple[str, int, int]]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"argv": self.argv, "env": self.env, "cwd": self.cwd,
+                "rlimits": [list(r) for r in self.rlimits]}
+
+
+def spec_rlimits(spec: Spec) -> list[tuple[str, int, int]]:
+    return [(str(r["type"]), int(r["soft"]), int(r["hard"]))
+            for r in spec["process"].get("rlimits", [])]
+
+
+def plan_exec(spec: Spec) -> AgentCommand:
+    """The command of one run: its argv, whole env, cwd and rlimits; the user, seccomp and
+    capabilities are the container's (the agent runs under them). Pure."""
+    return AgentCommand(argv=[str(a) for a in spec["process"]["args"]], env=spec_env(spec),
+                        cwd=str(spec["process"]["cwd"]), rlimits=spec_rlimits(spec))
 
 
 # Which cgroup limit held a command: the container's own cgroup counters, as the sandbox user
@@ -452,10 +466,11 @@ LIMIT_PROBE = (
 )
 
 
-def plan_limit_probe(spec: Spec) -> ExecPlan:
-    uid, gid = sandbox_user(spec)
-    return ExecPlan(cmd=["/bin/sh", "-c", LIMIT_PROBE], environment={}, workdir="/",
-                    user=f"{uid}:{gid}")
+def plan_limit_probe(spec: Spec) -> AgentCommand:
+    """Read the counters through the agent, as the sandbox user (no engine exec)."""
+    return AgentCommand(argv=["/bin/sh", "-c", LIMIT_PROBE],
+                        env={"PATH": spec_env(spec).get("PATH", SANDBOX_PATH)}, cwd="/",
+                        rlimits=[])
 
 
 def parse_limit_counters(text: str) -> dict[str, int]:
@@ -493,10 +508,3 @@ def seccomp_file(profile: Mapping[str, Any], directory: str) -> tuple[str, str]:
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
     return f"{directory.rstrip('/')}/bundle-{digest}.json", text
 
-
-def exit_status(code: int | None) -> tuple[int | None, str | None]:
-    """Engine exec exit code -> (exit code, signal name): engines report death by signal N as
-    128+N (base.status_from_code, the one rule); no code at all is a kill."""
-    if code is None:
-        return None, "SIGKILL"
-    return status_from_code(code)

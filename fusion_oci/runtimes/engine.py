@@ -13,23 +13,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import os
 import secrets
-import threading
-import time
+import shutil
+import socket
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from fusion_oci.agent.client import Agent, agent_binary, listen_socket
 from fusion_oci.engines import (
-    ContainerGoneError,
     Endpoint,
     EngineAdapter,
     EngineInfo,
-    ExecStream,
     Found,
     engine_errors,
 )
@@ -46,31 +45,33 @@ from fusion_oci.models import (
     RunResult,
 )
 from fusion_oci.oci.spec import Spec, spec_cache_mode
-from fusion_oci.process import ProcessOutcome
 from fusion_oci.runtimes.base import (
     LaunchPlan,
     LimitCounters,
     Requirement,
     classify,
+    status_from_code,
 )
 from fusion_oci.runtimes.containers import (
-    KEEPER_CMD,
+    AGENT_PATH,
+    AGENT_SOCKET,
+    AgentMounts,
     ContainerMode,
     ContainerPlan,
     Engine,
     Target,
     container_name,
-    exit_status,
     limit_reason,
     parse_limit_counters,
     plan_container,
     plan_exec,
-    plan_kill,
     plan_limit_probe,
+    sandbox_user,
     seccomp_file,
     spec_image,
 )
 from fusion_oci.runtimes.engine_probe import EngineProbe, current_owner, nproc_limit
+from fusion_oci.scratch import make_scratch
 
 if TYPE_CHECKING:
     from fusion_oci.resolve import ResolvedTask
@@ -80,7 +81,8 @@ T = TypeVar("T")
 DEFAULT_IMAGE = "node"
 """The task image when neither the prepare context nor sandbox.image names one: the
 product's own ``images/node`` (provisioned, behind the sandbox_provision gate, if missing)."""
-DRAIN_AFTER_KILL_S = 10.0
+AGENT_CONNECT_S = 30.0
+"""How long a started container's agent may take to connect (a busy host's runc)."""
 
 # Seen on busy hosts: runc loses a race right after another container's removal and the new
 # container fails to start, or its init cannot find the command in a rootfs that is fine the
@@ -111,6 +113,11 @@ class ContainerRuntime(EngineProbe):
         self._task_volumes: list[str] = []
         self._owner = current_owner()
         self._counters: dict[str, dict[str, int]] = {}
+        self._agents: dict[str, Agent] = {}
+        """The exec agent of each running container (the warm one, or a one-shot's)."""
+        self._scratch: Path | None = None
+        """The sandbox's 0700 host folder: one subfolder per container for the agent's
+        socket until it has connected; removed at dispose."""
         self.image_ref: str | None = None
         self._image_id: str | None = None
 
@@ -141,9 +148,10 @@ class ContainerRuntime(EngineProbe):
             need |= {Requirement.MEMORY, Requirement.CPU_QUOTA, Requirement.PIDS}
         return frozenset(need)
 
-    def _plan(self, spec: Spec, name: str) -> ContainerPlan:
+    def _plan(self, spec: Spec, name: str, agent: AgentMounts | None = None) -> ContainerPlan:
         return plan_container(spec, self.target(), name=name, owner=self._owner,
-                              mode=self.mode, isolated_caches=self._isolated(spec))
+                              mode=self.mode, isolated_caches=self._isolated(spec),
+                              agent=agent or AgentMounts())
 
     def _isolated(self, spec: Spec) -> bool:
         return spec_cache_mode(spec) is CacheMode.ISOLATED
@@ -151,14 +159,14 @@ class ContainerRuntime(EngineProbe):
     def plan(self, spec: Spec) -> LaunchPlan:
         plan = self._plan(spec, container_name(str(spec["annotations"].get(
             "io.fusion-oci.task-id", "task")), "<nonce>"))
-        exec_plan = plan_exec(spec)
+        command = plan_exec(spec)
         return LaunchPlan(
             backend=self.id,
             sdk_call="containers.create",
             sdk_kwargs=plan.create,
-            env=exec_plan.environment,
-            cwd=exec_plan.workdir,
-            argv=exec_plan.cmd,
+            env=command.env,
+            cwd=command.cwd,
+            argv=command.argv,
             notes=[*plan.notes, *(f"volume {v.name} -> {v.destination} ({v.scope})"
                                   for v in plan.volumes)],
             spec=spec,
@@ -211,7 +219,8 @@ class ContainerRuntime(EngineProbe):
         if path.exists():
             return
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        # Unique per call: parallel prepares in one process write the same profile at once.
+        tmp = path.with_suffix(f".{os.getpid()}.{secrets.token_hex(4)}.tmp")
         tmp.write_text(text, encoding="utf-8")
         tmp.replace(path)
 
@@ -250,33 +259,74 @@ class ContainerRuntime(EngineProbe):
         await self._call("gc", lambda: collect(adapter, task_id=task_id))
 
     async def _start_container(self) -> str:
+        """Create and start a task container whose init is the exec agent, and take the
+        agent's one connection (see containers.py for the layout)."""
         adapter = self._adapter
         assert adapter is not None and self.ctx is not None
-        spec = self.compile(list(KEEPER_CMD), RunOptions())
+        binary = str(agent_binary())
+        spec = self.compile([AGENT_PATH], RunOptions())
         for attempt in range(1, START_ATTEMPTS + 1):
-            plan = self._plan(spec, container_name(self.ctx.task_id, secrets.token_hex(4)))
-            for volume in plan.volumes:
-                await self._call("volume create", functools.partial(adapter.ensure_volume, volume))
-                if volume.scope == "task" and volume.name not in self._task_volumes:
-                    self._task_volumes.append(volume.name)
-            cid = await self._call("container create", functools.partial(adapter.create, plan))
+            nonce = secrets.token_hex(4)
+            run_dir, listener = self._agent_listener(spec, nonce)
+            plan = self._plan(spec, container_name(self.ctx.task_id, nonce),
+                              AgentMounts(binary, str(run_dir)))
+            cid: str | None = None
             try:
-                await self._call("container start", functools.partial(adapter.start, cid))
-            except RuntimeUnavailableError:
-                await asyncio.shield(self._remove(cid))
-                raise
-            except SandboxSetupError:
-                await asyncio.shield(self._remove(cid))
-                if attempt == START_ATTEMPTS:
+                for volume in plan.volumes:
+                    await self._call("volume create",
+                                     functools.partial(adapter.ensure_volume, volume))
+                    if volume.scope == "task" and volume.name not in self._task_volumes:
+                        self._task_volumes.append(volume.name)
+                cid = await self._call("container create", functools.partial(adapter.create,
+                                                                             plan))
+                try:
+                    await self._call("container start", functools.partial(adapter.start, cid))
+                except RuntimeUnavailableError:
                     raise
-                continue
+                except SandboxSetupError:
+                    if attempt == START_ATTEMPTS:
+                        raise
+                    await asyncio.shield(self._remove(cid))
+                    await asyncio.sleep(0.2 * attempt)  # the race is with a busy host's runc
+                    continue
+                pid = await self._call("container inspect",
+                                       functools.partial(_init_pid, adapter, cid))
+                self._agents[cid] = await Agent.accept(listener, expect_pid=pid,
+                                                       timeout_s=AGENT_CONNECT_S)
+                return cid
             except BaseException:
-                await asyncio.shield(self._remove(cid))
+                if cid is not None:
+                    await asyncio.shield(self._remove(cid))
                 raise
-            return cid
+            finally:
+                listener.close()  # accept closed it already; before that, nothing may connect
+                shutil.rmtree(run_dir, ignore_errors=True)
         raise AssertionError("unreachable")
 
+    def _agent_listener(self, spec: Spec, nonce: str) -> tuple[Path, socket.socket]:
+        """A 0700 folder in the sandbox's scratch with the socket the agent connects to.
+
+        Owned by the sandbox user (so the container's user can reach it: the same uid inside
+        with keep-id, rootless, or a non-root caller of a rootful engine); only this one
+        container has it mounted, and accept() removes the socket once the agent is in.
+        """
+        if self._scratch is None:
+            assert self.ctx is not None
+            self._scratch = make_scratch(self.id, self.ctx.task_id)
+        run_dir = self._scratch / f"agent-{nonce}"
+        run_dir.mkdir(mode=0o700)
+        listener = listen_socket(run_dir / AGENT_SOCKET, mode=0o600)
+        uid, gid = sandbox_user(spec)
+        if (uid, gid) != (os.geteuid(), os.getegid()) and os.geteuid() == 0:
+            for path in (run_dir, run_dir / AGENT_SOCKET):
+                os.chown(path, uid, gid)
+        return run_dir, listener
+
     async def _remove(self, cid: str) -> None:
+        agent = self._agents.pop(cid, None)
+        if agent is not None:
+            await agent.close()  # the agent ends what runs and exits
+        self._counters.pop(cid, None)
         adapter = self._adapter
         if adapter is None:
             return
@@ -291,133 +341,58 @@ class ContainerRuntime(EngineProbe):
                     raise SandboxSetupError(f"runtime '{self.id}' was not prepared",
                                             "run() came before prepare()",
                                             "call prepare(ctx) first")
-                try:
-                    return await self._exec(self._container, spec, opts)
-                except ContainerGoneError:
-                    # The exec was refused before anything ran (see START_ATTEMPTS): a fresh
-                    # container, once. /tmp and HOME start empty again; the worktree stays.
-                    await asyncio.shield(self._remove(self._container))
-                    self._container = None
-                    self._container = await self._start_container()
-                    return await self._exec(self._container, spec, opts)
-            for attempt in (1, 2):
-                cid = await self._start_container()
-                try:
-                    return await self._exec(cid, spec, opts)
-                except ContainerGoneError:
-                    if attempt == 2:
-                        raise
-                finally:
-                    await asyncio.shield(self._remove(cid))
-            raise AssertionError("unreachable")
+                # An agent that is gone fails this run and every later one (AgentLostError),
+                # never silently replaced: what the task's earlier commands left is gone too.
+                return await self._exec(self._container, spec, opts)
+            cid = await self._start_container()
+            try:
+                return await self._exec(cid, spec, opts)
+            finally:
+                await asyncio.shield(self._remove(cid))
 
     async def _exec(self, cid: str, spec: Spec, opts: RunOptions) -> RunResult:
-        adapter = self._adapter
-        assert adapter is not None
-        # Sandbox.run reads a StdinStream to its end first: containers take stdin as one value.
-        plan = plan_exec(spec, opts.stdin if isinstance(opts.stdin, bytes) else None)
-        loop = asyncio.get_running_loop()
-        start = time.monotonic()
-        exec_id, stream = await self._call("exec", lambda: adapter.exec_start(cid, plan),
-                                           setup=False)
-        overflow = asyncio.Event()
-
-        def on_overflow() -> None:
-            loop.call_soon_threadsafe(overflow.set)
-
-        sink = _Sink(opts.max_buffer, on_overflow)
-        if opts.on_output is not None:
-            callback = opts.on_output
-
-            def forward(i: int, chunk: bytes) -> None:  # the pump's thread -> the loop
-                loop.call_soon_threadsafe(callback, "stderr" if i else "stdout", chunk)
-
-            sink.on_chunk = forward
-        sink.keep = opts.keep_output
-        pump: asyncio.Future[None] = loop.run_in_executor(self._executor(), sink.pump, stream)
-        overflowed: asyncio.Future[bool] = asyncio.ensure_future(overflow.wait())
-        timed_out = False
-        try:
-            waiters: set[asyncio.Future[Any]] = {pump, overflowed}
-            done, _ = await asyncio.wait(waiters, timeout=opts.timeout_ms / 1000,
-                                         return_when=asyncio.FIRST_COMPLETED)
-            if pump not in done:
-                timed_out = not done
-                await self._kill(cid, spec, pump, stream)
-        except asyncio.CancelledError:
-            await asyncio.shield(self._kill(cid, spec, pump, stream))
-            raise
-        finally:
-            overflowed.cancel()
-            if pump.done():
-                adapter.close_stream(stream)
-        code = await self._call("exec inspect", lambda: adapter.exec_exit_code(exec_id),
-                                setup=False)
-        exit_code, signal = exit_status(code)
-        outcome = ProcessOutcome(
-            stdout=sink.data(0), stderr=sink.data(1), returncode=exit_code, signal=signal,
-            timed_out=timed_out, truncated=sink.truncated,
-            duration_ms=int((time.monotonic() - start) * 1000),
+        """One command through the container's agent: the host's pipes, timeout, maxBuffer,
+        stdin and the whole-tree kill are the agent client's (Agent.run)."""
+        agent = self._agents[cid]
+        command = plan_exec(spec)
+        outcome = await agent.run(
+            command.argv, env=command.env, cwd=command.cwd, rlimits=command.rlimits,
+            stdin=opts.stdin, timeout_s=opts.timeout_ms / 1000, max_buffer=opts.max_buffer,
+            on_output=opts.on_output, keep_output=opts.keep_output,
         )
+        # The one 128+N rule (as every runtime reads a launcher's status): the shell of
+        # `sh -c CMD` reports a CMD the OOM killer took as 137, which is SIGKILL.
+        code, sig = status_from_code(outcome.returncode, outcome.signal)
+        outcome = dataclasses.replace(outcome, returncode=code, signal=sig)
         counters = LimitCounters()
-        if exit_code != 0 and not sink.truncated:
+        if outcome.returncode != 0 and not outcome.truncated:
             counters = await self._limit_counters(cid, spec)
         return self.result(outcome, spec, classify(outcome, spec, counters))
 
     async def _limit_counters(self, cid: str, spec: Spec) -> LimitCounters:
         """After a failed command: did the container's pids or memory limit hold it?
 
-        The counters of a new container start at zero; one more exec, paid only on failure.
+        The container's own cgroup counters, read through the agent as the sandbox user (one
+        more spawn, paid only on failure); those of a new container start at zero.
         """
-        adapter = self._adapter
-        assert adapter is not None
         probe = plan_limit_probe(spec)
-
-        def read() -> str:
-            _, out = adapter.exec_start(cid, probe)
-            try:
-                return b"".join(chunk for pair in out for chunk in pair if chunk).decode()
-            finally:
-                adapter.close_stream(out)
-
         try:
-            text = await self._call("limit counters", read, setup=False)
+            outcome = await self._agents[cid].run(probe.argv, env=probe.env, cwd=probe.cwd,
+                                                  timeout_s=10.0, max_buffer=65536)
         except FusionOCIError:
             return LimitCounters()  # unknown: no claim either way
-        after = parse_limit_counters(text)
+        after = parse_limit_counters(outcome.stdout.decode(errors="replace"))
         before = self._counters.get(cid, {})
         self._counters[cid] = after
         return limit_reason(before, after)
-
-    async def _kill(self, cid: str, spec: Spec, pump: asyncio.Future[None],
-                    stream: ExecStream) -> None:
-        """End everything the command started, then wait (bounded) for its stream to end."""
-        adapter = self._adapter
-        assert adapter is not None
-        kill = plan_kill(spec)
-
-        def run_kill() -> None:
-            _, out = adapter.exec_start(cid, kill)
-            try:
-                for _ in out:
-                    pass
-            finally:
-                adapter.close_stream(out)
-
-        with contextlib.suppress(FusionOCIError):
-            await self._call("kill", run_kill, setup=False)
-        try:
-            await asyncio.wait_for(asyncio.shield(pump), DRAIN_AFTER_KILL_S)
-        except TimeoutError:
-            adapter.close_stream(stream)
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(pump), 2.0)
 
     async def dispose(self) -> None:
         adapter = self._adapter
         try:
             if self._container is not None:
                 cid, self._container = self._container, None
+                await self._remove(cid)
+            for cid in list(self._agents):
                 await self._remove(cid)
             if adapter is not None:
                 for name in self._task_volumes:
@@ -426,6 +401,9 @@ class ContainerRuntime(EngineProbe):
                                          functools.partial(adapter.remove_volume, name))
                 self._task_volumes = []
         finally:
+            if self._scratch is not None:
+                shutil.rmtree(self._scratch, ignore_errors=True)
+                self._scratch = None
             await super().dispose()
             self.close()
 
@@ -442,45 +420,11 @@ class ContainerRuntime(EngineProbe):
             self._pool = None
 
 
-@dataclass
-class _Sink:
-    """Collects an exec's demuxed output up to maxBuffer per stream (as process.py does)."""
-
-    limit: int
-    on_overflow: Callable[[], None]
-    chunks: tuple[list[bytes], list[bytes]] = field(default_factory=lambda: ([], []))
-    sizes: list[int] = field(default_factory=lambda: [0, 0])
-    truncated: bool = False
-    on_chunk: Callable[[int, bytes], None] | None = None
-    """Sees every chunk as it arrives (streaming), in the pump's thread."""
-    keep: bool = True
-    """False: keep nothing and never overflow (RunOptions.keep_output)."""
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def pump(self, stream: ExecStream) -> None:
-        with contextlib.suppress(Exception):  # a stream aborted after a kill just ends
-            for pair in stream:
-                for i, chunk in enumerate(pair):
-                    if chunk:
-                        self._add(i, chunk)
-
-    def _add(self, i: int, chunk: bytes) -> None:
-        if self.on_chunk is not None:
-            self.on_chunk(i, chunk)
-        if not self.keep:
-            return
-        with self._lock:
-            room = self.limit - self.sizes[i]
-            if room > 0:
-                self.chunks[i].append(chunk[:room])
-                self.sizes[i] += min(room, len(chunk))
-            if len(chunk) > room and not self.truncated:
-                self.truncated = True
-                self.on_overflow()
-
-    def data(self, i: int) -> bytes:
-        with self._lock:
-            return b"".join(self.chunks[i])
+def _init_pid(adapter: EngineAdapter, cid: str) -> int | None:
+    """The container's init (the agent) as this host sees it: the peer the agent's one
+    connection must come from. Both SDKs: ``State.Pid`` of the inspect."""
+    pid = adapter.client.containers.get(cid).attrs.get("State", {}).get("Pid")
+    return int(pid) if pid else None
 
 
 async def provision_image(runtime: ContainerRuntime, image: str, ctx: PrepareContext) -> str:
@@ -496,6 +440,5 @@ async def provision_image(runtime: ContainerRuntime, image: str, ctx: PrepareCon
     return provisioned.ref
 
 
-__all__ = ["DEFAULT_IMAGE", "START_ATTEMPTS", "ContainerGoneError", "ContainerRuntime",
-           "Endpoint", "EngineAdapter", "EngineInfo", "ExecStream", "Found", "current_owner",
-           "nproc_limit", "provision_image"]
+__all__ = ["DEFAULT_IMAGE", "START_ATTEMPTS", "ContainerRuntime", "Endpoint", "EngineAdapter",
+           "EngineInfo", "Found", "current_owner", "nproc_limit", "provision_image"]

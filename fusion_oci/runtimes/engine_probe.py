@@ -56,6 +56,12 @@ def nproc_limit(rlimits: Mapping[str, tuple[int, int]]) -> tuple[int, int] | Non
 # --------------------------------------------------------------------------- probing
 
 
+_ENGINE_INFO: dict[tuple[str, str], EngineInfo] = {}
+"""What each engine socket said it is, once per process: podman's /info walks its storage
+(0.5-1 s on a busy host) and was most of every prepare; version, rootless and cgroup mode of
+the service behind one socket do not change while we run."""
+
+
 class EngineProbe(SpecRuntime):
     """Connecting to the engine (the first endpoint of the resolver that answers, or a
     service the subclass starts) and asking it what it is; probing never starts anything."""
@@ -113,8 +119,11 @@ class EngineProbe(SpecRuntime):
                 raise AssertionError("unreachable") from None
             return None, info
         if self._info is None:
-            with engine_errors(self.engine, "info", adapter.endpoint):
-                self._info = adapter.info()
+            key = (self.engine, adapter.endpoint.url)
+            self._info = _ENGINE_INFO.get(key)
+            if self._info is None:
+                with engine_errors(self.engine, "info", adapter.endpoint):
+                    self._info = _ENGINE_INFO[key] = adapter.info()
         return adapter, self._info
 
     def capabilities(self) -> SandboxCapabilities:

@@ -47,8 +47,11 @@ __all__ = [
     "drop_test_cache_volumes",
     "host_loopback_server",
     "settings",
+    "test_agent_cannot_be_reached_replaced_or_traced",
     "test_files_belong_to_a_non_root_caller",
     "test_kill_9_mid_run_leaves_only_what_gc_removes",
+    "test_killing_the_agent_fails_the_run_loudly_then_disposes_clean",
+    "test_no_host_process_is_left_per_command",
     "test_oneshot_mode_creates_and_removes_per_command",
     "test_parallel_prepares_do_not_hang_or_leak",
     "test_pnpm_project_installs_tests_builds_and_commits",
@@ -201,7 +204,7 @@ async def test_timeout_ends_everything_the_command_started(
         assert time.monotonic() - start < 15
         after = await sb.run("for f in /proc/[0-9]*/cmdline; do tr '\\0' ' ' < $f; echo; done")
         assert "sleep 30" not in after.stdout, after.stdout
-        assert "sleep infinity" in after.stdout, "the keeper survives: the container stays warm"
+        assert "/.fusion-oci/agent" in after.stdout, "the agent survives: the container stays warm"
         # Leftovers of a command that ends normally are ended too (as native's reaper does).
         await sb.run("(sleep 310 &) ; echo ok")
         again = await sb.run("for f in /proc/[0-9]*/cmdline; do tr '\\0' ' ' < $f; echo; done")
@@ -312,6 +315,130 @@ async def test_kill_9_mid_run_leaves_only_what_gc_removes(
         assert leftovers(engine, task) == []
         assert leftovers(engine, f"{task}-live") != []
     assert leftovers(engine, f"{task}-live") == []
+
+
+# ---------------------------------------------------------------------------- the exec agent
+
+UNIX_CONNECT_JS = (
+    "const s=require('net').connect(process.argv[1]);"
+    "s.on('connect',()=>{console.log('open');process.exit(0)});"
+    "s.on('error',e=>{console.log('closed '+e.code);process.exit(0)})"
+)
+
+
+def agent_of(sb: Sandbox) -> Any:
+    """The runtime's exec agent of the warm container (white box: its host-side pid)."""
+    runtime: Any = sb.runtime
+    return runtime._agents[runtime._container]
+
+
+async def test_agent_cannot_be_reached_replaced_or_traced(
+    engine: str, settings: SandboxSettings, worktree: Path, tmp_path: Path
+) -> None:
+    """The agent's socket is gone once it has connected (nothing to reach, here or in another
+    task's container), its binary and folder are read-only, it cannot be traced or read
+    through /proc, and the command holds no fd of its connection: later commands still run
+    through the same agent."""
+    other_wt = git_init(tmp_path / "other")
+    none = SandboxPolicy(allow_network=False)
+    async with Sandbox(settings, cache_root=tmp_path / "cache") as sb, \
+            Sandbox(settings, cache_root=tmp_path / "cache") as other:
+        await sb.prepare(ctx("agent-a", worktree, engine, cache_mode=CacheMode.OFF, policy=none))
+        await other.prepare(ctx("agent-b", other_wt, engine, cache_mode=CacheMode.OFF,
+                                policy=none))
+        before = agent_of(sb).peer_pid
+        other_dir = str(other.runtime._scratch)  # type: ignore[union-attr]
+        targets = ["/.fusion-oci/run/agent.sock", f"{other_dir}/agent.sock"]
+        for target in targets:
+            r = await sb.run(["node", "-e", UNIX_CONNECT_JS, target])
+            assert r.stdout.startswith("closed"), (target, r)
+        listing = await sb.run("ls -A /.fusion-oci/run; ls /proc/self/fd")
+        assert listing.exit_code == 0, listing.stderr
+        assert listing.stdout.split() == ["0", "1", "2", "3"], "only stdio (and ls's own dir)"
+        tamper = {
+            "replace binary": "cp /bin/sh /.fusion-oci/agent",
+            "chmod binary": "chmod 777 /.fusion-oci/agent",
+            "new socket": "node -e \"require('net').createServer().listen("
+                          "'/.fusion-oci/run/agent.sock').on('error',e=>{console.log(e.code);"
+                          "process.exit(1)})\"",
+            "file in folder": "touch /.fusion-oci/run/x",
+            "trace the agent": "cat /proc/1/environ",
+            "agent memory": "head -c 1 /proc/1/mem",
+            "agent fds": "readlink /proc/1/fd/0 || readlink /proc/1/exe",
+            "kill the agent": "kill -9 1 && sleep 1 && kill -0 1 && exit 1",
+        }
+        for name, cmd in tamper.items():
+            r = await sb.run(cmd, RunOptions(timeout_ms=20_000))
+            assert r.exit_code not in (0, None) or name == "kill the agent", (name, r)
+        again = await sb.run("echo still here")
+        assert again.stdout == "still here\n" and agent_of(sb).peer_pid == before
+        assert (await other.run("echo b")).stdout == "b\n", "the other task's agent is intact"
+
+
+async def test_killing_the_agent_fails_the_run_loudly_then_disposes_clean(
+    engine: str, settings: SandboxSettings, worktree: Path, tmp_path: Path
+) -> None:
+    """The agent killed from the host (its pid, then the engine's kill of the container) mid
+    run: that run and every later one raise AgentLostError within seconds, never hang; dispose
+    leaves nothing."""
+    from fusion_oci.errors import AgentLostError
+
+    none = SandboxPolicy(allow_network=False)
+    for how in ("pid", "engine"):
+        task = f"agent-kill-{how}"
+        sb = Sandbox(settings, cache_root=tmp_path / "cache")
+        try:
+            await sb.prepare(ctx(task, worktree, engine, cache_mode=CacheMode.OFF, policy=none))
+            runtime: Any = sb.runtime
+            running = asyncio.ensure_future(sb.run("sleep 600", RunOptions(timeout_ms=600_000)))
+            await asyncio.sleep(1.0)
+            if how == "pid":
+                os.kill(agent_of(sb).peer_pid, signal.SIGKILL)
+            else:
+                container = runtime._adapter.client.containers.get(runtime._container)
+                await asyncio.to_thread(container.kill)
+            start = time.monotonic()
+            with pytest.raises(AgentLostError) as lost:
+                await asyncio.wait_for(running, 30)
+            assert time.monotonic() - start < 20
+            assert lost.value.kind == "agent-lost" and lost.value.to_json()["error"]["hint"]
+            with pytest.raises(AgentLostError):
+                await asyncio.wait_for(sb.run("true"), 10)
+        finally:
+            await asyncio.wait_for(sb.dispose(), 60)
+        assert leftovers(engine, task) == []
+
+
+def _monitor_processes(cid: str) -> list[str]:
+    """Host processes that name the container in their argv (conmon, shims, exec sessions)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if cid in cmd:
+            out.append(f"{entry.name} {cmd[:120]}")
+    return sorted(out)
+
+
+async def test_no_host_process_is_left_per_command(
+    engine: str, settings: SandboxSettings, worktree: Path, tmp_path: Path
+) -> None:
+    """20 commands start no engine exec: the host processes of the container (podman's
+    conmon, docker's shim) are the same before and after, none lingering per command."""
+    async with Sandbox(settings, cache_root=tmp_path / "cache") as sb:
+        await sb.prepare(ctx("no-conmon", worktree, engine, cache_mode=CacheMode.OFF,
+                             policy=SandboxPolicy(allow_network=False)))
+        cid = sb.runtime._container  # type: ignore[union-attr]
+        before = _monitor_processes(cid)
+        assert before, "the container's own monitor is found by its id"
+        for i in range(20):
+            r = await sb.run(f"echo {i}")
+            assert r.stdout == f"{i}\n"
+        assert _monitor_processes(cid) == before
 
 
 # ---------------------------------------------------------------------------- network

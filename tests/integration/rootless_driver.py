@@ -134,6 +134,46 @@ async def network(args: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+async def agent(args: dict[str, Any]) -> dict[str, Any]:
+    """The exec agent under rootless podman: its socket is gone and the folder read-only
+    (the user's own uid inside, keep-id), its /proc is closed, and 20 commands leave no
+    conmon behind."""
+    wt = Path(args["dir"]) / "wt"
+    wt.mkdir()
+    git(wt, "init", "-q")
+    js = ("const s=require('net').connect(process.argv[1]);"
+          "s.on('connect',()=>{console.log('open');process.exit(0)});"
+          "s.on('error',e=>{console.log('closed '+e.code);process.exit(0)})")
+    out: dict[str, Any] = {}
+    async with Sandbox(settings(), cache_root=Path(args["dir"]) / "cache") as sb:
+        await sb.prepare(PrepareContext(task_id="rl-agent", run_id="r1", worktree_path=str(wt),
+                                        image=args["image"], cache_mode=CacheMode.OFF,
+                                        policy=SandboxPolicy(allow_network=False)))
+        r = await sb.run(["node", "-e", js, "/.fusion-oci/run/agent.sock"])
+        out["connect"] = r.stdout.strip()
+        tamper = {"replace": "cp /bin/sh /.fusion-oci/agent", "file": "touch /.fusion-oci/run/x",
+                  "environ": "cat /proc/1/environ", "fd": "readlink /proc/1/fd/0"}
+        out["tamper"] = {k: (await sb.run(v)).exit_code for k, v in tamper.items()}
+        cid = sb.runtime._container  # type: ignore[union-attr]
+
+        def monitors() -> int:
+            return sum(1 for p in Path("/proc").iterdir() if p.name.isdigit()
+                       and _cmdline(p).count(cid))
+
+        before = monitors()
+        outputs = [(await sb.run(f"echo {i}")).stdout for i in range(20)]
+        out["monitors"] = [before, monitors()]
+        out["outputs_ok"] = outputs == [f"{i}\n" for i in range(20)]
+    return out
+
+
+def _cmdline(proc: Path) -> str:
+    try:
+        return (proc / "cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
+
+
 async def leftovers(args: dict[str, Any]) -> dict[str, Any]:
     runtime: Any = create_runtime("podman", settings(), os.environ)
     try:
@@ -218,8 +258,8 @@ async def session(args: dict[str, Any]) -> dict[str, Any]:
 
 
 SCENARIOS = {"availability": availability, "pnpm": pnpm, "timeout": timeout,
-             "network": network, "leftovers": leftovers, "gc": collect, "probe": probe,
-             "session": session}
+             "network": network, "agent": agent, "leftovers": leftovers, "gc": collect,
+             "probe": probe, "session": session}
 
 
 def main() -> None:

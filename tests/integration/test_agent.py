@@ -460,11 +460,10 @@ async def test_as_pid_1_of_a_pid_namespace_it_reaps_and_ends_trees(tmp_path: Pat
 async def test_the_reaper_path_stays_for_platforms_without_the_agent(worktree: Path,
                                                                     tmp_path: Path) -> None:
     from fusion_oci.models import PrepareContext, RunOptions
-    from fusion_oci.policy.settings import SandboxSettings
-    from fusion_oci.runtimes.native import NativeRuntime
-
     from fusion_oci.oci.host import probe_host
+    from fusion_oci.policy.settings import SandboxSettings
     from fusion_oci.resolve import compile_spec, resolve
+    from fusion_oci.runtimes.native import NativeRuntime
 
     runtime = NativeRuntime(SandboxSettings(), dict(os.environ))
     runtime.uses_agent = False  # what macOS gets

@@ -198,3 +198,15 @@ def test_rootless_egress_keeps_host_loopback_closed(
         for host, outcome in row.items():
             assert not outcome.startswith("open"), (mode, host, result)
     assert seen == []
+
+
+@pytest.mark.podman_rootless
+def test_rootless_agent_is_unreachable_and_leaves_no_conmon(rootless: dict[str, Any]) -> None:
+    image = ensure_node_image("podman-rootless").ref
+    result = drive(rootless, "agent", dir=str(workdir(rootless, "agent")), image=image)
+    assert result["connect"].startswith("closed"), result
+    assert all(code not in (0, None) for code in result["tamper"].values()), result
+    before, after = result["monitors"]
+    assert before >= 1 and after == before, result
+    assert result["outputs_ok"]
+    assert drive(rootless, "leftovers") == {"left": []}

@@ -6,7 +6,6 @@ and review the diff of tests/data/containers/.
 
 from __future__ import annotations
 
-import base64
 import json
 import os
 from dataclasses import replace
@@ -32,19 +31,17 @@ from fusion_oci.oci.host import HostInfo
 from fusion_oci.oci.spec import compile_spec
 from fusion_oci.policy.layout import CacheMount, GitLayout, TaskLayout
 from fusion_oci.runtimes.containers import (
-    EXEC_WRAPPER,
-    KILL_SCRIPT,
+    AGENT_PATH,
+    AGENT_RUN_DIR,
     LIMIT_PROBE,
-    STDIN_ENV,
-    STDIN_MAX,
+    AgentMounts,
     Owner,
     Target,
-    exit_status,
     limit_reason,
     parse_limit_counters,
     plan_container,
     plan_exec,
-    plan_kill,
+    plan_limit_probe,
     seccomp_file,
     seccomp_json,
 )
@@ -120,7 +117,6 @@ def test_create_kwargs_golden(case: str, oci_validator: Any) -> None:
                      "driver_opts": v.driver_opts, "labels": v.labels, "scope": v.scope}
                     for v in plan.volumes],
         "exec": plan_exec(spec).to_json(),
-        "kill": plan_kill(spec).to_json(),
     })
 
 
@@ -131,13 +127,15 @@ def test_translation_essentials() -> None:
         assert create["cap_drop"] == ["ALL"]
         assert create["read_only"] is True
         assert create["user"] == "1000:1000"
-        assert create["init"] is True
+        assert create["init"] is False, "the exec agent is the init"
+        assert create["entrypoint"] == [AGENT_PATH]
+        assert create["command"] == ["--connect", f"{AGENT_RUN_DIR}/agent.sock"]
         assert create["environment"].keys() == {"PATH"}, "the container env carries no secrets"
         assert create["labels"]["io.fusion-oci.task-id"] == "t1"
         assert create["labels"]["io.fusion-oci.owner-pid"] == "4242"
         assert create["labels"]["io.fusion-oci.image"] == "localhost/fusion-oci/node:0123456789ab"
         assert {"Name": "nofile", "Soft": 20000, "Hard": 20000} in create["ulimits"]
-        assert {"Name": "cpu", "Soft": 60, "Hard": 61} in create["ulimits"]
+        assert all(u["Name"] != "cpu" for u in create["ulimits"]), "per command, not the agent"
         assert create["mem_limit"] == 512 * 1024 * 1024 == create["memswap_limit"]
         assert create["pids_limit"] == 256
         assert create["cpu_quota"] == 150_000 and create["cpu_period"] == 100_000
@@ -146,6 +144,7 @@ def test_translation_essentials() -> None:
             assert create["security_opt"][1].startswith("seccomp={")
             ro = {m["Target"]: m["ReadOnly"] for m in create["mounts"]}
             assert ro["/srv/repo/.git/hooks"] is True and ro["/srv/repo/.git/config"] is True
+            assert ro[AGENT_PATH] is True and ro[AGENT_RUN_DIR] is True
             assert ro["/srv/wt"] is False and ro["/opt/ref"] is True
         else:
             assert create["no_new_privileges"] is True
@@ -153,9 +152,11 @@ def test_translation_essentials() -> None:
             vols = create["volumes"]
             assert "ro" in vols["/srv/repo/.git/hooks"]["extended_mode"]
             assert "rw" in vols["/srv/wt"]["extended_mode"]
+            agent = {v["bind"]: v["extended_mode"] for v in vols.values()}
+            assert "ro" in agent[AGENT_PATH] and "ro" in agent[AGENT_RUN_DIR]
         assert create["network_mode"] == ("slirp4netns" if rootless else "bridge")
         assert (create.get("userns_mode") == "keep-id") is rootless
-    env = plan_exec(spec).environment
+    env = plan_exec(spec).env
     assert "SECRET" not in env and env["NODE_ENV"] == "test"
     assert env["GIT_CONFIG_VALUE_0"] == "*"
     assert env["NODE_EXTRA_CA_CERTS"] == "/etc/fusion-oci/host-ca.pem"
@@ -196,25 +197,27 @@ def test_no_image_is_refused() -> None:
         plan_container(spec_for(POLICY, image=None), Target("docker"), name="n", owner=OWNER)
 
 
-def test_exec_wraps_argv_and_stdin() -> None:
+def test_exec_is_the_command_itself_with_its_env_cwd_and_rlimits() -> None:
     spec = spec_for(POLICY, command="echo hi")
-    plan = plan_exec(spec, stdin=b"input")
-    assert plan.cmd[:4] == ["/bin/sh", "-c", EXEC_WRAPPER, "fusion-oci"]
-    assert plan.cmd[4:] == ["/bin/sh", "-c", "echo hi"]
-    assert plan.workdir == "/srv/wt/pkg"
-    assert plan.user == "1000:1000"
-    assert base64.b64decode(plan.environment[STDIN_ENV]) == b"input"
-    with pytest.raises(BundleError, match="stdin"):
-        plan_exec(spec, stdin=b"x" * (STDIN_MAX + 1))
-    assert plan_kill(spec).cmd == ["/bin/sh", "-c", KILL_SCRIPT + "; exit 0"]
+    command = plan_exec(spec)
+    assert command.argv == ["/bin/sh", "-c", "echo hi"], "no wrapper: the agent ends the tree"
+    assert command.cwd == "/srv/wt/pkg"
+    assert ("RLIMIT_CPU", 60, 61) in command.rlimits
+    assert "SECRET" not in command.env and command.env["NODE_ENV"] == "test"
+    probe = plan_limit_probe(spec)
+    assert probe.argv == ["/bin/sh", "-c", LIMIT_PROBE] and probe.env.keys() == {"PATH"}
 
 
-def test_exit_status_reads_signals() -> None:
-    assert exit_status(0) == (0, None)
-    assert exit_status(3) == (3, None)
-    assert exit_status(137) == (None, "SIGKILL")
-    assert exit_status(152) == (None, "SIGXCPU")
-    assert exit_status(None) == (None, "SIGKILL")
+def test_agent_mounts_are_the_given_host_paths() -> None:
+    mounts = AgentMounts("/opt/fusion/fusion-oci-agent", "/tmp/fusion-oci-docker-t1-x/agent-1")
+    docker = plan_container(spec_for(POLICY), Target("docker"), name="n", owner=OWNER,
+                            agent=mounts).create
+    binds = {m["Target"]: (m["Source"], m["ReadOnly"]) for m in docker["mounts"]}
+    assert binds[AGENT_PATH] == ("/opt/fusion/fusion-oci-agent", True)
+    assert binds[AGENT_RUN_DIR] == ("/tmp/fusion-oci-docker-t1-x/agent-1", True)
+    podman = plan_container(spec_for(POLICY), Target("podman", True), name="n", owner=OWNER,
+                            agent=mounts).create
+    assert podman["volumes"]["/opt/fusion/fusion-oci-agent"]["bind"] == AGENT_PATH
 
 
 def test_gc_rule() -> None:
