@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import os
 import secrets
@@ -50,7 +49,6 @@ from fusion_oci.runtimes.base import (
     LimitCounters,
     Requirement,
     classify,
-    status_from_code,
 )
 from fusion_oci.runtimes.containers import (
     AGENT_PATH,
@@ -360,10 +358,8 @@ class ContainerRuntime(EngineProbe):
             stdin=opts.stdin, timeout_s=opts.timeout_ms / 1000, max_buffer=opts.max_buffer,
             on_output=opts.on_output, keep_output=opts.keep_output,
         )
-        # The one 128+N rule (as every runtime reads a launcher's status): the shell of
-        # `sh -c CMD` reports a CMD the OOM killer took as 137, which is SIGKILL.
-        code, sig = status_from_code(outcome.returncode, outcome.signal)
-        outcome = dataclasses.replace(outcome, returncode=code, signal=sig)
+        # The agent reports the command's own wait status: a real `exit 130` stays an exit,
+        # death by SIGINT a signal (no launcher's 128+N in between to read back).
         counters = LimitCounters()
         if outcome.returncode != 0 and not outcome.truncated:
             counters = await self._limit_counters(cid, spec)
