@@ -91,6 +91,10 @@ from fusion_oci.runtimes.linux.pipes import close_all, read_json
 from fusion_oci.scratch import make_scratch
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from fusion_oci.oci.host import HostInfo
+    from fusion_oci.policy.settings import SandboxSettings
     from fusion_oci.resolve import ResolvedTask
 
 __all__ = [
@@ -229,8 +233,9 @@ class BubblewrapRuntime(SpecRuntime):
     id = "bubblewrap"
     streams_stdin = True  # run_process writes a StdinStream's chunks as they come
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, settings: SandboxSettings, env: Mapping[str, str],
+                 cache_root: Path | None = None, host: HostInfo | None = None) -> None:
+        super().__init__(settings, env, cache_root=cache_root, host=host)
         self._scratch: Path | None = None
         self._reaping: set[asyncio.Future[None]] = set()
         self._bpf: tuple[Any, bytes | None] | None = None

@@ -21,7 +21,7 @@ import socket
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from fusion_oci.agent.client import Agent, agent_binary, listen_socket
 from fusion_oci.engines import (
@@ -72,6 +72,10 @@ from fusion_oci.runtimes.engine_probe import EngineProbe, current_owner, nproc_l
 from fusion_oci.scratch import make_scratch
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from fusion_oci.oci.host import HostInfo
+    from fusion_oci.policy.settings import SandboxSettings
     from fusion_oci.resolve import ResolvedTask
 
 T = TypeVar("T")
@@ -99,8 +103,9 @@ class ContainerRuntime(EngineProbe):
 
     engine: Engine = "docker"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, settings: SandboxSettings, env: Mapping[str, str],
+                 cache_root: Path | None = None, host: HostInfo | None = None) -> None:
+        super().__init__(settings, env, cache_root=cache_root, host=host)
         self.mode: ContainerMode = self.settings.container_mode
         self._adapter: EngineAdapter | None = None
         self._info: EngineInfo | None = None

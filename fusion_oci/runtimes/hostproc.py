@@ -12,7 +12,7 @@ from __future__ import annotations
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fusion_oci.models import RunOptions, RunResult
 from fusion_oci.oci.spec import SANDBOX_HOME, Spec, spec_env
@@ -21,6 +21,10 @@ from fusion_oci.runtimes.base import SpecRuntime
 from fusion_oci.scratch import make_scratch
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from fusion_oci.oci.host import HostInfo
+    from fusion_oci.policy.settings import SandboxSettings
     from fusion_oci.resolve import ResolvedTask
 
 PLACEHOLDER_HOME = "<private-home>"
@@ -57,8 +61,9 @@ class HostProcessRuntime(SpecRuntime):
     streams_stdin = True  # run_process writes a StdinStream's chunks as they come
     """Whether each task gets a scratch HOME and TMPDIR (native: no, the caller's own)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, settings: SandboxSettings, env: Mapping[str, str],
+                 cache_root: Path | None = None, host: HostInfo | None = None) -> None:
+        super().__init__(settings, env, cache_root=cache_root, host=host)
         self._scratch: Path | None = None
 
     def _dirs(self) -> tuple[str, str]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fusion_oci.agent.client import BINARY_NAME, BUILD_HINT, Agent, agent_binary
 from fusion_oci.agent.protocol import Spawn
@@ -33,6 +33,10 @@ from fusion_oci.runtimes.base import Availability, LaunchPlan, Requirement
 from fusion_oci.runtimes.hostproc import HostProcessRuntime, native_rlimits
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
+    from fusion_oci.oci.host import HostInfo
+    from fusion_oci.policy.settings import SandboxSettings
     from fusion_oci.resolve import ResolvedTask
 
 __all__ = ["NativeRuntime", "native_rlimits", "status_quo_env"]
@@ -69,8 +73,9 @@ class NativeRuntime(HostProcessRuntime):
     private_dirs = False
     uses_agent = AGENT_PLATFORM
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, settings: SandboxSettings, env: Mapping[str, str],
+                 cache_root: Path | None = None, host: HostInfo | None = None) -> None:
+        super().__init__(settings, env, cache_root=cache_root, host=host)
         self._agent: Agent | None = None
 
     def capabilities(self) -> SandboxCapabilities:

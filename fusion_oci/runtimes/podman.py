@@ -17,19 +17,26 @@ from __future__ import annotations
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from fusion_oci.engines import Endpoint, EngineAdapter, EngineInfo, podman_endpoints
 from fusion_oci.engines.service import PodmanService
 from fusion_oci.runtimes.engine import ContainerRuntime
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from fusion_oci.oci.host import HostInfo
+    from fusion_oci.policy.settings import SandboxSettings
 
 
 class PodmanRuntime(ContainerRuntime):
     id = "podman"
     engine = "podman"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, settings: SandboxSettings, env: Mapping[str, str],
+                 cache_root: Path | None = None, host: HostInfo | None = None) -> None:
+        super().__init__(settings, env, cache_root=cache_root, host=host)
         self._service: PodmanService | None = None
 
     def endpoints(self) -> list[Endpoint]:

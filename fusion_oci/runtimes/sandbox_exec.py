@@ -17,7 +17,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fusion_oci.errors import BundleError, RuntimeUnavailableError
 from fusion_oci.models import RunOptions, RunResult, SandboxCapabilities
@@ -28,6 +28,8 @@ from fusion_oci.runtimes.hostproc import HostProcessRuntime, native_env, native_
 from fusion_oci.runtimes.seatbelt import SANDBOX_EXEC, SeatbeltProfile, seatbelt_profile
 
 if TYPE_CHECKING:
+    from fusion_oci.oci.host import HostInfo
+    from fusion_oci.policy.settings import SandboxSettings
     from fusion_oci.resolve import ResolvedTask
 
 MAC_EXTRA_PATH = ("/opt/homebrew/bin", "/opt/homebrew/sbin")
@@ -69,8 +71,8 @@ class SeatbeltPlan(LaunchPlan):
 class SandboxExecRuntime(HostProcessRuntime):
     id = "sandbox-exec"
 
-    def __init__(self, settings: Any, env: Mapping[str, str],
-                 cache_root: Path | None = None, host: Any = None,
+    def __init__(self, settings: SandboxSettings, env: Mapping[str, str],
+                 cache_root: Path | None = None, host: HostInfo | None = None,
                  *, platform: str | None = None) -> None:
         super().__init__(settings, env, cache_root=cache_root, host=host)
         self.platform = platform or sys.platform
