@@ -15,7 +15,7 @@ The podman and docker runtimes, image provisioning and ``gc`` all use these; not
 imports a runtime, the image pipeline or ``gc``.
 """
 
-from fusion_oci.engines.base import EngineAdapter, EngineInfo, ExecStream, Found, ImageInfo
+from fusion_oci.engines.base import EngineAdapter, EngineInfo, Found, ImageInfo
 from fusion_oci.engines.connect import NotAnswering, connect, open_adapter, open_target
 from fusion_oci.engines.endpoints import (
     Endpoint,
@@ -42,7 +42,6 @@ __all__ = [
     "EngineKind",
     "EngineOpError",
     "EngineTarget",
-    "ExecStream",
     "Found",
     "ImageInfo",
     "NotAnswering",

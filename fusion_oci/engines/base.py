@@ -21,10 +21,9 @@ from fusion_oci.engines.endpoints import Endpoint, EngineKind
 from fusion_oci.engines.errors import EngineOpError, classify, image_errors
 
 if TYPE_CHECKING:
-    from fusion_oci.runtimes.containers import CacheVolume, ContainerPlan, ExecPlan
+    from fusion_oci.runtimes.containers import CacheVolume, ContainerPlan
 
 EventSink = Callable[[dict[str, Any]], None]
-ExecStream = Iterator[tuple[bytes | None, bytes | None]]
 
 PING_TIMEOUT_S = 3.0
 API_TIMEOUT_S = 120
@@ -134,16 +133,6 @@ class EngineAdapter:
 
     def remove(self, container_id: str) -> None:
         """Force-remove; a container that is already gone is not an error."""
-        raise NotImplementedError
-
-    def exec_start(self, container_id: str, plan: ExecPlan) -> tuple[str, ExecStream]:
-        raise NotImplementedError
-
-    def exec_exit_code(self, exec_id: str) -> int | None:
-        raise NotImplementedError
-
-    def close_stream(self, stream: ExecStream) -> None:
-        """Close the stream's connection; unblocks a reader blocked on it."""
         raise NotImplementedError
 
     def ensure_volume(self, volume: CacheVolume) -> None:

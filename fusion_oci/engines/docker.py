@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,7 +15,6 @@ from fusion_oci.engines.base import (
     EngineAdapter,
     EngineInfo,
     EventSink,
-    ExecStream,
     Found,
     ImageInfo,
     image_info,
@@ -27,7 +25,7 @@ from fusion_oci.engines.endpoints import Endpoint, EngineKind
 from fusion_oci.engines.errors import EngineOpError
 
 if TYPE_CHECKING:
-    from fusion_oci.runtimes.containers import CacheVolume, ContainerPlan, ExecPlan
+    from fusion_oci.runtimes.containers import CacheVolume, ContainerPlan
 
 API_VERSION = "1.41"
 """Pinned: "auto" costs a round trip per client."""
@@ -98,34 +96,6 @@ class DockerAdapter(EngineAdapter):
             # 404: gone already; 409: "removal already in progress" (another remove won).
             if exc.status_code not in (404, 409):
                 raise
-
-    def exec_start(self, container_id: str, plan: ExecPlan) -> tuple[str, ExecStream]:
-        created = self.api.exec_create(
-            container_id, plan.cmd, stdout=True, stderr=True, stdin=False,
-            environment=plan.environment, workdir=plan.workdir, user=plan.user,
-        )
-        exec_id = str(created["Id"])
-        stream = self.api.exec_start(exec_id, stream=True, demux=True)
-        return exec_id, stream
-
-    def exec_exit_code(self, exec_id: str) -> int | None:
-        # The stream can end a moment before the daemon records the exit.
-        deadline = time.monotonic() + 5.0
-        while True:
-            state = self.api.exec_inspect(exec_id)
-            if not state.get("Running") or time.monotonic() > deadline:
-                code = state.get("ExitCode")
-                return None if code is None else int(code)
-            time.sleep(0.01)
-
-    def close_stream(self, stream: ExecStream) -> None:
-        # CancellableStream.close() shuts the socket down (unblocking a reader thread); the
-        # response's own close then drops the file object that still holds the socket open.
-        for close in (getattr(stream, "close", None),
-                      getattr(getattr(stream, "_response", None), "close", None)):
-            if close is not None:
-                with contextlib.suppress(Exception):
-                    close()
 
     def ensure_volume(self, volume: CacheVolume) -> None:
         import docker.errors

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,7 +20,6 @@ from fusion_oci.engines.base import (
     EngineAdapter,
     EngineInfo,
     EventSink,
-    ExecStream,
     Found,
     ImageInfo,
     image_info,
@@ -33,33 +31,7 @@ from fusion_oci.engines.endpoints import Endpoint, EngineKind
 from fusion_oci.engines.errors import EngineOpError
 
 if TYPE_CHECKING:
-    from fusion_oci.runtimes.containers import CacheVolume, ContainerPlan, ExecPlan
-
-
-class _FrameStream:
-    """Demuxed frames of an exec's attach stream; :meth:`close` unblocks a blocked reader."""
-
-    def __init__(self, response: Any) -> None:
-        from podman.api import stream_frames
-
-        self.response = response
-        self._frames: Any = stream_frames(response, demux=True)
-
-    def __iter__(self) -> _FrameStream:
-        return self
-
-    def __next__(self) -> tuple[bytes | None, bytes | None]:
-        out, err = next(self._frames)
-        return out, err
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            raw = self.response.raw
-            sock = raw._fp.fp.raw._sock
-            sock.shutdown(2)
-        with contextlib.suppress(Exception):
-            self.response.close()
-
+    from fusion_oci.runtimes.containers import CacheVolume, ContainerPlan
 
 
 class PodmanAdapter(EngineAdapter):
@@ -109,35 +81,6 @@ class PodmanAdapter(EngineAdapter):
                                    params={"force": True, "v": False})
         if response.status_code != 404:
             response.raise_for_status()
-
-    def exec_start(self, container_id: str, plan: ExecPlan) -> tuple[str, ExecStream]:
-        body = {
-            "AttachStdout": True, "AttachStderr": True, "AttachStdin": False, "Tty": False,
-            "Cmd": plan.cmd, "Env": [f"{k}={v}" for k, v in plan.environment.items()],
-            "WorkingDir": plan.workdir, "User": plan.user,
-        }
-        response = self.api.post(f"/containers/{container_id}/exec", data=json.dumps(body))
-        response.raise_for_status()
-        exec_id = str(response.json()["Id"])
-        started = self.api.post(f"/exec/{exec_id}/start",
-                                data=json.dumps({"Detach": False, "Tty": False}), stream=True)
-        started.raise_for_status()
-        return exec_id, _FrameStream(started)
-
-    def exec_exit_code(self, exec_id: str) -> int | None:
-        deadline = time.monotonic() + 5.0
-        while True:
-            response = self.api.get(f"/exec/{exec_id}/json")
-            response.raise_for_status()
-            state = response.json()
-            if not state.get("Running") or time.monotonic() > deadline:
-                code = state.get("ExitCode")
-                return None if code is None else int(code)
-            time.sleep(0.01)
-
-    def close_stream(self, stream: ExecStream) -> None:
-        if isinstance(stream, _FrameStream):
-            stream.close()
 
     def ensure_volume(self, volume: CacheVolume) -> None:
         import podman.errors

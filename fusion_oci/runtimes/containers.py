@@ -158,22 +158,6 @@ class ContainerPlan:
     notes: list[str] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class ExecPlan:
-    """An engine exec, the shape of the adapters' ``exec_start``. No runtime uses it since
-    commands go through the exec agent (:class:`AgentCommand`); kept only while the engines
-    layer still offers that method."""
-
-    cmd: list[str]
-    environment: dict[str, str]
-    workdir: str
-    user: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {"cmd": self.cmd, "environment": self.environment, "workdir": self.workdir,
-                "user": self.user}
-
-
 def container_name(task_id: str, nonce: str) -> str:
     """Unique per sandbox; the task id is in it so ``docker ps`` says what it is."""
     return f"fusion-oci-{task_id}-{nonce}"

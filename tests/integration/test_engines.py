@@ -23,7 +23,6 @@ from fusion_oci.engines import (
     podman_endpoints,
 )
 from fusion_oci.errors import ProvisionError
-from fusion_oci.runtimes.containers import ExecPlan
 from tests.backends import require
 
 LABEL = "io.fusion-oci.test"
@@ -55,20 +54,19 @@ def test_real_engine_errors_map_by_status(adapter: EngineAdapter) -> None:
     container = adapter.client.containers.create(image=image, command=["sleep", "60"],
                                                  name=name, labels={LABEL: "1"})
     cid = str(container.id)
-    plan = ExecPlan(cmd=["true"], environment={}, workdir="/", user="0")
     try:
         # created, never started: docker says 409 "is not running", podman 409 "container
         # state improper"; both are the same ContainerGoneError.
         with pytest.raises(ContainerGoneError), engine_errors(adapter.kind, "exec",
                                                               adapter.endpoint, setup=False):
-            adapter.exec_start(cid, plan)
+            adapter.client.containers.get(cid).exec_run(["true"])
     finally:
         with engine_errors(adapter.kind, "remove", adapter.endpoint):
             adapter.remove(cid)
     # gone: 404, the same error again
     with pytest.raises(ContainerGoneError), engine_errors(adapter.kind, "exec",
                                                           adapter.endpoint, setup=False):
-        adapter.exec_start(cid, plan)
+        adapter.client.containers.get(cid).exec_run(["true"])
     with engine_errors(adapter.kind, "remove", adapter.endpoint):
         adapter.remove(cid)  # already gone: not an error
         adapter.remove_volume(f"fusion-oci-missing-{secrets.token_hex(4)}")
