@@ -157,8 +157,11 @@ def gc(
     with its reason and skipped; for podman with no socket, a service of our own is started
     for the look (podman is daemonless: its containers exist without one). ``include_caches``
     also removes project cache volumes (their files stay in the fusion-oci cache directory).
+    Scratch folders in the temp dir whose owner is gone (a ``kill -9``'d run's) go too, as
+    at every prepare.
     """
     from fusion_oci.policy.settings import SandboxSettings
+    from fusion_oci.scratch import gc_scratch
 
     chosen = settings or SandboxSettings()
     source = dict(os.environ if env is None else env)
@@ -191,6 +194,8 @@ def gc(
                     adapter.close()
             if service is not None:
                 service.stop()
+    if not dry_run:
+        report.removed += [f"scratch folder {path}" for path in gc_scratch()]
     return report
 
 

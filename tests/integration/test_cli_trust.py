@@ -288,8 +288,9 @@ def _podman_services() -> set[int]:
     return out
 
 
-def _own_folders() -> set[str]:
-    return {p.name for p in Path(tempfile.gettempdir()).glob("fusion-oci-podman-*")}
+def _own_folders(kind: str = "service") -> set[str]:
+    """The podman service's socket folders (``service``), or a task's scratch folders."""
+    return {p.name for p in Path(tempfile.gettempdir()).glob(f"fusion-oci-podman-{kind}-*")}
 
 
 def _tree(root: Path) -> set[str]:
@@ -347,8 +348,11 @@ def test_kill_9_of_the_cli_during_a_podman_run_leaves_no_service(
     image = ensure_node_image("podman").ref
     env = {**cli_env(home), **{k: v for k, v in no_podman_socket.items()
                                if k not in ("HOME", "PYTHONPATH")}}
+    env.pop("CONTAINER_HOST", None)  # cli_env copies the harness's sockets back in
+    env.pop("FUSION_OCI_PODMAN_URL", None)
     services, folders = _podman_services(), _own_folders()
     task = "kill9-" + secrets.token_hex(3)
+    assert not _own_folders(task)
     proc = subprocess.Popen(
         [sys.executable, "-m", "fusion_oci.cli.main", "run", "--backend", "podman",
          "--network", "none", "--image", image, "--task-id", task, "--",
@@ -370,8 +374,10 @@ def test_kill_9_of_the_cli_during_a_podman_run_leaves_no_service(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        # The task's container is the next prepare's (or gc's) to remove: do it now.
+        # The task's container and scratch folder are the next prepare's (or gc's) to
+        # remove: do it now, and see that it does.
         cli("gc", "--json", cwd=worktree, home=home, env=env, timeout=180)
+    assert _own_folders(task) == set(), "gc removes the scratch folder a kill -9 left"
 
 
 

@@ -51,12 +51,14 @@ test("a server that dies rejects pending calls with server-exited; the next call
     const first = await sb.run("echo $PPID", { cwd: wt, timeoutMs: 10_000, maxBuffer: 1000 });
     assert.equal(first.exitCode, 0);
     const mark = marker("died");
-    // The command kills the server itself (its grandparent: shim -> server).
+    // The command kills the server itself: the command's parent is its keeper, the keeper's
+    // the sandbox's exec agent, the agent's the server.
     const pending = sb.run(`sh -c 'sleep 100; :' ${mark} & sleep 0.3; ` +
-      "kill -9 $(ps -o ppid= -p $PPID)", { cwd: wt, timeoutMs: 60_000, maxBuffer: 1000 });
+      "kill -9 $(ps -o ppid= -p $(ps -o ppid= -p $PPID))",
+    { cwd: wt, timeoutMs: 60_000, maxBuffer: 1000 });
     await assert.rejects(pending, (e: unknown) =>
       e instanceof SandboxError && e.kind === "server-exited");
-    assert.deepEqual(await waitGone(mark), [], "the reaper ends the tree of a dead server");
+    assert.deepEqual(await waitGone(mark), [], "the agent ends the tree of a dead server");
     const again = await sb.run("echo back", { cwd: wt, timeoutMs: 10_000, maxBuffer: 1000 });
     assert.equal(again.stdout, "back\n");
     await sb.dispose();
