@@ -3,6 +3,7 @@
  *   fusion-oci-agent --fd N [--parent PID]   native: N is our end of a socketpair
  *   fusion-oci-agent --connect PATH          a container's init: connect once to PATH
  *   fusion-oci-agent --exec-status FD -- ARGV one command, its wait status written to FD
+ *   fusion-oci-agent --exec-status-file PATH -- ARGV   the same, into a file it creates
  *
  * One connection, framed messages. Per `spawn` the agent forks a keeper; the keeper makes
  * itself a child subreaper, forks the command in its own session and reports how it ended.
@@ -931,21 +932,22 @@ static void connect_to(const char *path) {
     }
 }
 
-/* --exec-status: run one command and say how it ended ("exit N" or "signal N") on status_fd.
- * A launcher that reports a signal as 128+N (bwrap) cannot tell a command's own `exit 130`
- * from death by SIGINT; this, placed between the launcher and the command, can. We exit as
- * the launcher would have reported the command (128+N for a signal), so nothing else changes.
- * Termination signals are blocked here (not ignored: the command must not inherit that), so a
- * group-wide SIGTERM ends the command and we still report it; SIGKILL ends us too, and then
+/* --exec-status: run one command and say how it ended ("exit N" or "signal N") on status_fd
+ * (--exec-status-file: in a file we create, for a launcher that cannot pass an fd: runsc).
+ * A launcher that reports a signal as 128+N (bwrap, runc, an init like tini) cannot tell a
+ * command's own `exit 130` from death by SIGINT; this, placed between the launcher and the
+ * command, can. We exit as the launcher would have reported the command (128+N for a signal),
+ * so nothing else changes. The signals an init forwards (TERM, INT, HUP, QUIT, USR1, USR2)
+ * are passed on to the command, so we are transparent to them; SIGKILL ends us too, and then
  * no status is written and the launcher's own status stands. */
 static int exec_status_main(int status_fd, char **argv) {
-    sigset_t term, old;
-    sigemptyset(&term);
-    sigaddset(&term, SIGTERM);
-    sigaddset(&term, SIGINT);
-    sigaddset(&term, SIGHUP);
-    sigaddset(&term, SIGQUIT);
-    sigprocmask(SIG_BLOCK, &term, &old);
+    static const int forwarded[] = {SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2};
+    sigset_t set, old;
+    sigemptyset(&set);
+    for (size_t i = 0; i < sizeof forwarded / sizeof *forwarded; i++)
+        sigaddset(&set, forwarded[i]);
+    sigaddset(&set, SIGCHLD);
+    sigprocmask(SIG_BLOCK, &set, &old);
     if (fcntl(status_fd, F_SETFD, FD_CLOEXEC) < 0)
         die("--exec-status %d: %s", status_fd, strerror(errno));
     pid_t pid = fork();
@@ -959,9 +961,16 @@ static int exec_status_main(int status_fd, char **argv) {
         _exit(err == ENOENT ? 127 : 126);
     }
     int st;
-    while (waitpid(pid, &st, 0) < 0)
-        if (errno != EINTR)
+    for (;;) {
+        pid_t r = waitpid(pid, &st, WNOHANG);
+        if (r == pid)
+            break;
+        if (r < 0 && errno != EINTR)
             die("waitpid: %s", strerror(errno));
+        int sig = sigwaitinfo(&set, NULL);
+        if (sig > 0 && sig != SIGCHLD)
+            kill(pid, sig);
+    }
     if (WIFSIGNALED(st)) {
         dprintf(status_fd, "signal %d\n", WTERMSIG(st));
         return 128 + WTERMSIG(st);
@@ -973,10 +982,15 @@ static int exec_status_main(int status_fd, char **argv) {
 int main(int argc, char **argv) {
     pid_t parent = 0;
     const char *connect_path = NULL;
-    if (argc > 3 && !strcmp(argv[1], "--exec-status") && !strcmp(argv[3], "--")) {
+    if (argc > 4 && !strcmp(argv[3], "--") && (!strcmp(argv[1], "--exec-status") ||
+                                                !strcmp(argv[1], "--exec-status-file"))) {
         for (int s = 1; s < NSIG; s++)
             signal(s, SIG_DFL);
-        return exec_status_main(atoi(argv[2]), argv + 4);
+        int fd = argv[1][13] ? open(argv[2], O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644)
+                             : atoi(argv[2]);
+        if (fd < 0)
+            die("%s: %s", argv[2], strerror(errno));
+        return exec_status_main(fd, argv + 4);
     }
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--fd") && i + 1 < argc)

@@ -118,3 +118,18 @@ class Decoder:
             del self._buf[: 4 + size]
             frames.append((frame[:1], decode_fields(frame[1:])))
         return frames
+
+
+def parse_exec_status(text: str) -> tuple[int | None, str | None] | None:
+    """What ``fusion-oci-agent --exec-status`` wrote: ``exit N`` -> (N, None), ``signal N`` ->
+    (None, "SIGNAME"); None for anything else (nothing written: the agent was killed too)."""
+    from fusion_oci.runtimes.base import status_from_code
+
+    words = text.split()
+    if len(words) != 2 or not words[1].isdigit():
+        return None
+    if words[0] == "exit":
+        return int(words[1]), None
+    if words[0] == "signal" and 0 < int(words[1]) < 65:
+        return status_from_code(128 + int(words[1]))
+    return None

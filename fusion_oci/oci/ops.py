@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from fusion_oci.oci.spec import Spec, bind
 
 INIT_IN_SANDBOX = "/dev/fusion-oci-init"
+EXEC_STATUS_IN_SANDBOX = "/dev/fusion-oci-exec-status"
+STATUS_DIR_IN_SANDBOX = "/dev/fusion-oci-status"
 """Where the init binary is bound: inside the container's own /dev tmpfs, so the mount point
 is made there and nothing is left in the (shared, read-only) rootfs or on the host."""
 
@@ -61,6 +63,22 @@ def with_init(spec: Spec, init: str) -> Spec:
     out = copy.deepcopy(spec)
     out["mounts"].append(bind(INIT_IN_SANDBOX, init, writable=False))
     out["process"]["args"] = [INIT_IN_SANDBOX, "--", *out["process"]["args"]]
+    return out
+
+
+def with_exec_status(spec: Spec, agent: str, status_dir: str) -> Spec:
+    """Run the command under the static agent's ``--exec-status-file`` (bound read-only), which
+    writes the command's own wait status into ``status_dir`` (a per-command host folder bound
+    read-write). Pure.
+
+    runc, runsc and an init all report death by signal N as 128+N, so without it a command's
+    own ``exit 130`` reads as SIGINT. What the command could write there itself is only a claim
+    about its own end, which it controls anyway."""
+    out = copy.deepcopy(spec)
+    out["mounts"].append(bind(EXEC_STATUS_IN_SANDBOX, agent, writable=False))
+    out["mounts"].append(bind(STATUS_DIR_IN_SANDBOX, status_dir, writable=True))
+    out["process"]["args"] = [EXEC_STATUS_IN_SANDBOX, "--exec-status-file",
+                              f"{STATUS_DIR_IN_SANDBOX}/status", "--", *out["process"]["args"]]
     return out
 
 

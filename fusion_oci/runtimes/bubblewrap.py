@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fusion_oci.agent.client import agent_binary
+from fusion_oci.agent.protocol import parse_exec_status
 from fusion_oci.errors import BundleError, SandboxSetupError
 from fusion_oci.models import NetworkMode, RunOptions, RunResult, SandboxCapabilities
 from fusion_oci.oci.seccomp import LIBSECCOMP_HINT, libseccomp_problem
@@ -59,7 +60,6 @@ from fusion_oci.runtimes.base import (
     SpecRuntime,
     classify,
     own_plan,
-    status_from_code,
 )
 
 # The translation, re-exported: callers and tests name it from here.
@@ -493,16 +493,9 @@ def _read_status(fd: int) -> tuple[int | None, str | None] | None:
     """The helper's ``exit N`` / ``signal N``, once the run is over (every writer is gone);
     None when it wrote nothing (killed with the tree, or bwrap failed before the command)."""
     try:
-        text = os.read(fd, 64).decode("ascii", "replace").split()
+        return parse_exec_status(os.read(fd, 64).decode("ascii", "replace"))
     except OSError:
         return None
-    if len(text) != 2 or not text[1].isdigit():
-        return None
-    if text[0] == "exit":
-        return int(text[1]), None
-    if text[0] == "signal":
-        return status_from_code(128 + int(text[1]))
-    return None
 
 
 def _set_rlimits(pid: int, rlimits: list[tuple[str, int, int, int]]) -> None:

@@ -28,6 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fusion_oci.agent.protocol import parse_exec_status
 from fusion_oci.errors import FusionOCIError, SandboxSetupError
 from fusion_oci.models import RunOptions, RunResult, SandboxCapabilities
 from fusion_oci.oci.bundle import write_bundle
@@ -96,6 +97,17 @@ KEEP_FLAG_RUNTIMES = frozenset({"runc", "crun"})
 and keep a container's state in ``ROOT/ID`` (so its absence proves nothing is left)."""
 
 
+def read_exec_status(status_dir: Path | None) -> tuple[int | None, str | None] | None:
+    """The command's own wait status, as the agent inside wrote it (None: not written)."""
+    if status_dir is None:
+        return None
+    try:
+        text = (status_dir / "status").read_text(encoding="ascii", errors="replace")[:64]
+    except OSError:
+        return None
+    return parse_exec_status(text)
+
+
 def exit_status(returncode: int | None, sig: str | None) -> tuple[int | None, str | None]:
     """The runtime's exit status -> (exit code, signal): runc reports a container whose
     process died by signal N as 128+N; the one rule is base.status_from_code. Pure."""
@@ -130,6 +142,7 @@ class OciRuntime(SpecRuntime):
         self._seq = 0
         self._binary: str | None = None
         self._init: str | None = None
+        self._exec_status: str | None = None
         self._unshare: str | None = None
         self._version: str | None = None
         self._cgroups: Hierarchy | None = None
@@ -173,6 +186,15 @@ class OciRuntime(SpecRuntime):
             found = shutil.which("tini-static", path=self.env.get("PATH") or "/usr/bin:/bin")
             self._init = found or ""
         return self._init or None
+
+    def _find_exec_status(self) -> str:
+        """The static agent (fusion_oci.agent) that reports the command's own wait status;
+        a clear setup error when it is missing (never a silent 128+N reading)."""
+        if self._exec_status is None:
+            from fusion_oci.agent.client import agent_binary
+
+            self._exec_status = str(agent_binary())
+        return self._exec_status
 
     def _cgroup_host(self) -> Hierarchy:
         if self._cgroups is None:
@@ -273,7 +295,8 @@ class OciRuntime(SpecRuntime):
             binary=self._find_binary() or self.runtime_name, task_dir=task_dir,
             nonce=self.nonce, env=self.env,
             rootless_ids=(self.uid, self.gid) if self.rootless else None,
-            init=self._find_init(), rootfs=rootfs, unshare=self._find_unshare(),
+            init=self._find_init(), exec_status=self._find_exec_status(), rootfs=rootfs,
+            unshare=self._find_unshare(),
             cgroup_pid=self.pid, keep=self.keep_for(spec),
         )
         return _launch.build_launch(spec, host, seq)
@@ -346,6 +369,11 @@ class OciRuntime(SpecRuntime):
             if launch.cgroup is not None:
                 group = Cgroup.create(detect(self.env), launch.cgroup, name=launch.cgroup_leaf)
             write_bundle(launch.bundle, launch.bundle_dir)
+            if launch.status_dir is not None:
+                launch.status_dir.mkdir(exist_ok=True)
+                # Written by the command's user, whatever the user namespace maps it to; only
+                # reachable through the task's own 0700 state folder and the bind mount.
+                launch.status_dir.chmod(0o777)
 
             async def stop() -> None:
                 await stop_container(binary, task.root, launch.cid, launch.pid_file, self.env,
@@ -366,6 +394,7 @@ class OciRuntime(SpecRuntime):
             if group is not None:
                 counters = CgroupEvents(oom_kills=group.events().oom_kills)
             started = launch.pid_file.exists()
+            said = read_exec_status(launch.status_dir)
         finally:
             if group is not None:
                 group.remove()
@@ -375,9 +404,14 @@ class OciRuntime(SpecRuntime):
             if link is not None:
                 await asyncio.shield(link.close())
             shutil.rmtree(launch.bundle_dir, ignore_errors=True)
+            if launch.status_dir is not None:
+                shutil.rmtree(launch.status_dir, ignore_errors=True)
             launch.pid_file.unlink(missing_ok=True)
         if link is not None and link.error is not None:
             raise link.error
+        if said is not None:  # the command's own wait status, from inside
+            outcome = replace(outcome, returncode=said[0], signal=said[1])
+            return self.result(outcome, spec, classify(outcome, spec, limit_counters(counters)))
         return self._result(outcome, spec, counters, started)
 
     async def _delete(self, task: TaskState, binary: str, cid: str) -> None:

@@ -39,10 +39,10 @@ from tests.hostside import pids_with
 
 # ---------------------------------------------------------------------------- exit statuses
 
-LAUNCHER_128_N = {"oci", "oci-runsc"}
-"""Runtimes whose launcher (runc, runsc) reports death by signal N as
-status 128+N: a command's own ``exit 130`` is read as SIGINT there (status_from_code); only an
-out-of-band wait status tells them apart."""
+LAUNCHER_128_N: set[str] = set()
+"""Runtimes whose launcher reports death by signal N as status 128+N with no wait status from
+inside, so a command's own ``exit 130`` would read as SIGINT: none now (bwrap and runc/runsc
+run the command under the agent's ``--exec-status``; native and the engines use the agent)."""
 
 
 async def test_exit_statuses(runtime: Runtime, worktree: Path) -> None:

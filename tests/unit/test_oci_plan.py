@@ -59,6 +59,7 @@ def runtime(uid: int = 0, oci_runtime: str = "runc") -> OciRuntime:
     rt.state_base = state_base(rt.env, uid)
     rt._binary = f"/usr/sbin/{Path(oci_runtime).name}"
     rt._init = "/usr/bin/tini-static"
+    rt._exec_status = "/usr/lib/fusion-oci/fusion-oci-agent"
     rt._unshare = "/usr/bin/unshare"
     rt.nonce, rt.pid = "ab12cd", 4242
     return rt

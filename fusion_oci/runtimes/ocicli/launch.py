@@ -91,7 +91,8 @@ def egress_launch_argv(unshare: str, hook: EgressHook, argv: list[str]) -> list[
 
 def bundle_spec(spec: Spec, *, rootless_ids: tuple[int, int] | None = None,
                 rootfs: str | None = None, egress: EgressHook | None = None,
-                init: str | None = None, cgroup_leaf: str | None = None) -> Spec:
+                init: str | None = None, cgroup_leaf: str | None = None,
+                exec_status: tuple[str, str] | None = None) -> Spec:
     """The spec as the runtime CLI gets it: the compiled one through the ops this host needs.
     Pure.
 
@@ -101,6 +102,8 @@ def bundle_spec(spec: Spec, *, rootless_ids: tuple[int, int] | None = None,
     ours that the runtime joins (runsc). Rootless: :func:`fusion_oci.oci.ops.with_rootless`.
     """
     out = copy.deepcopy(spec)  # the ops copy too; this one guarantees a copy when none applies
+    if exec_status is not None:  # (agent binary, status folder): inside the init
+        out = ops.with_exec_status(out, *exec_status)
     if init is not None:
         out = ops.with_init(out, init)
     if rootfs is not None:
@@ -128,6 +131,8 @@ class Host:
     env: dict[str, str]
     rootless_ids: tuple[int, int] | None = None
     init: str | None = None
+    exec_status: str | None = None
+    """The static agent binary that reports the command's own wait status (ops.with_exec_status)."""
     rootfs: str | None = None
     unshare: str = "unshare"
     cgroup_pid: int = 0
@@ -147,6 +152,8 @@ class Launch:
     pid_file: Path
     cid: str
     network: NetworkMode
+    status_dir: Path | None = None
+    """Where the command's own wait status is written (``exit N`` / ``signal N``)."""
     egress: EgressHook | None = None
     cgroup: CgroupLimits | None = None
     """runsc: limits of a cgroup of ours named ``cgroup_leaf``, which the runtime joins."""
@@ -181,6 +188,7 @@ def build_launch(spec: Spec, host: Host, seq: int) -> Launch:
                        host.nonce, seq)
     bundles = host.task_dir / "bundles"
     bundle_dir, pid_file = bundles / str(seq), bundles / f"{seq}.pid"
+    status_dir = bundles / f"{seq}.status" if host.exec_status else None
     network = network_of(spec)
     gvisor = is_gvisor(host.binary)
     egress = None
@@ -198,7 +206,9 @@ def build_launch(spec: Spec, host: Host, seq: int) -> Launch:
             limits, leaf = wanted, leaf_name(f"{host.nonce}{seq}", host.cgroup_pid)
     bundle = bundle_spec(spec, rootless_ids=host.rootless_ids, rootfs=host.rootfs,
                          egress=egress, init=host.init,
-                         cgroup_leaf=leaf)
+                         cgroup_leaf=leaf,
+                         exec_status=(host.exec_status, str(status_dir))
+                         if host.exec_status and status_dir else None)
     flags = runtime_flags(host.binary, network, rootless=host.rootless_ids is not None)
     argv = run_argv(host.binary, str(host.task_dir / "state"), str(bundle_dir), cid,
                     str(pid_file), keep=host.keep, flags=flags)
@@ -206,6 +216,7 @@ def build_launch(spec: Spec, host: Host, seq: int) -> Launch:
         argv = egress_launch_argv(host.unshare, egress, argv)
     return Launch(argv=argv, env=cli_env(host.env), cwd=str(bundle_dir), bundle=bundle,
                   bundle_dir=bundle_dir, pid_file=pid_file, cid=cid, network=network,
+                  status_dir=status_dir,
                   egress=egress, cgroup=limits, cgroup_leaf=leaf, keep=host.keep,
                   notes=notes(spec, host, network))
 
