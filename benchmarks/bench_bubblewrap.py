@@ -183,7 +183,6 @@ def markdown(medians: dict[str, float], prep: float, runs: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--markdown", help="write this section of docs/performance.md here")
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--markdown", help="write this section of docs/performance.md here")
     args = parser.parse_args()

@@ -69,7 +69,6 @@ def _stop_server(folder: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--markdown", help="write this section of docs/performance.md here")
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--markdown", type=Path, help="write the docs/performance.md section")
     args = parser.parse_args()
