@@ -100,6 +100,7 @@ class ContainerRuntime(EngineProbe):
     layout of a task container and why a timeout kills exactly what the command started)."""
 
     default_image = DEFAULT_IMAGE
+    streams_stdin = True  # the agent client writes a StdinStream's chunks as they come
 
     engine: Engine = "docker"
 
