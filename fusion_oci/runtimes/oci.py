@@ -23,6 +23,7 @@ import asyncio
 import os
 import secrets
 import shutil
+import stat
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -101,10 +102,20 @@ def read_exec_status(status_dir: Path | None) -> tuple[int | None, str | None] |
     """The command's own wait status, as the agent inside wrote it (None: not written)."""
     if status_dir is None:
         return None
+    # The folder is writable from inside: the command may have put a FIFO (a read would block
+    # us), a symlink to a host file or a huge file there. Only a regular file's first bytes.
     try:
-        text = (status_dir / "status").read_text(encoding="ascii", errors="replace")[:64]
+        fd = os.open(status_dir / "status", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        text = os.read(fd, 64).decode("ascii", "replace")
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
     return parse_exec_status(text)
 
 

@@ -39,12 +39,6 @@ from tests.hostside import pids_with
 
 # ---------------------------------------------------------------------------- exit statuses
 
-LAUNCHER_128_N: set[str] = set()
-"""Runtimes whose launcher reports death by signal N as status 128+N with no wait status from
-inside, so a command's own ``exit 130`` would read as SIGINT: none now (bwrap and runc/runsc
-run the command under the agent's ``--exec-status``; native and the engines use the agent)."""
-
-
 async def test_exit_statuses(runtime: Runtime, worktree: Path) -> None:
     async with sandbox(runtime, worktree) as sb:
         got = {code: (await sb.run(f"exit {code}")).exit_code
@@ -73,13 +67,7 @@ async def test_death_by_sigint_and_exit_130_both_read_130(runtime: Runtime,
         assert own.shell_status == interrupted.shell_status == 130, own
 
 
-async def test_a_real_exit_130_is_not_death_by_sigint(runtime: Runtime, worktree: Path,
-                                                      request: pytest.FixtureRequest) -> None:
-    if runtime.name in LAUNCHER_128_N:
-        request.applymarker(pytest.mark.xfail(
-            strict=True, reason="the launcher reports a signal as 128+N, so a command's own "
-            "exit 130 reads as SIGINT; telling them apart needs the wait status from inside "
-            "(the exec agent of #13)"))
+async def test_a_real_exit_130_is_not_death_by_sigint(runtime: Runtime, worktree: Path) -> None:
     async with sandbox(runtime, worktree) as sb:
         own = await sb.run("exit 130")
         assert (own.exit_code, own.signal, own.reason) == (130, None, "exit"), own

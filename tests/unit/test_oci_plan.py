@@ -360,3 +360,21 @@ def test_check_names_egress_where_slirp_is_unusable() -> None:
     assert egress not in rt.check(spec_for(POLICIES["none-limits"]))
     rt._egress = (True, "/usr/bin/slirp4netns")
     assert egress not in rt.check(spec_for(POLICIES["egress"]))
+
+
+def test_the_status_the_command_could_tamper_with_is_read_safely(tmp_path: Path) -> None:
+    """The status folder is writable from inside: a FIFO must not block the host, a symlink
+    must not be followed to a host file; only a regular file's ``exit N`` counts."""
+    import os
+
+    from fusion_oci.runtimes.oci import read_exec_status
+
+    (tmp_path / "status").write_text("exit 130\n")
+    assert read_exec_status(tmp_path) == (130, None)
+    (tmp_path / "status").unlink()
+    os.mkfifo(tmp_path / "status")
+    assert read_exec_status(tmp_path) is None  # returns at once, no writer needed
+    (tmp_path / "status").unlink()
+    (tmp_path / "host").write_text("exit 7\n")
+    (tmp_path / "status").symlink_to(tmp_path / "host")
+    assert read_exec_status(tmp_path) is None
