@@ -205,6 +205,25 @@ launch_podman() {
     echo "$!"
 }
 
+# When every process of a machine was ended at once (a session's stop, a crash), rootless
+# podman's records can still say a container runs whose processes, and the pause process that
+# held the user namespace, are gone. podman then refuses every command ("invalid internal
+# status, try resetting the pause process with podman system migrate"). Its own fix is
+# `podman system migrate`, which marks those containers stopped and starts a new pause process.
+repair_rootless_state() {
+    local xdg="$1" pause out
+    pause="$(pidfile_pid "$xdg/libpod/tmp/pause.pid")"
+    if [[ -n "$pause" ]] && kill -0 "$pause" 2>/dev/null; then return 0; fi
+    out="$(cd / && runuser -u "$ROOTLESS_USER" -- env XDG_RUNTIME_DIR="$xdg" \
+        podman $(podman_runtime_args) info --format '{{.Host.OCIRuntime.Name}}' 2>&1)" && return 0
+    if [[ "$out" == *"invalid internal status"* || "$out" == *"pause process"* ]]; then
+        log "podman-rootless: stale state (a container recorded as running has no process left); running 'podman system migrate' as $ROOTLESS_USER"
+        (cd / && runuser -u "$ROOTLESS_USER" -- env XDG_RUNTIME_DIR="$xdg" \
+            podman $(podman_runtime_args) system migrate) >>"$ROOTLESS_LOG" 2>&1 \
+            || log "podman-rootless: 'podman system migrate' failed (see $ROOTLESS_LOG)"
+    fi
+}
+
 launch_podman_rootless() {
     local uid gid home xdg sock pid
     uid="$(rootless_uid)"
@@ -226,6 +245,7 @@ launch_podman_rootless() {
     # podman does not create the socket's directory itself
     install -d -m 700 -o "$uid" -g "$gid" "$(dirname "$sock")"
     rm -f "$ROOTLESS_PIDFILE" "$sock"
+    repair_rootless_state "$xdg" >&2
     # setpriv execs in place (unlike runuser/su, which fork and wait), so $! is podman's pid.
     # shellcheck disable=SC2046
     (
