@@ -1048,7 +1048,10 @@ int main(int argc, char **argv) {
         if (p[1].revents) {
             struct signalfd_siginfo si;
             while (read(sigfd, &si, sizeof si) == (ssize_t)sizeof si)
-                if (si.ssi_signo != SIGCHLD)
+                /* As a sandbox's init, a signal from inside our pid namespace (a command: a
+                 * sender outside it shows as pid 0) is not a request to end the sandbox; the
+                 * host ends us by closing the connection, or signals us from outside. */
+                if (si.ssi_signo != SIGCHLD && !(getpid() == 1 && si.ssi_pid != 0))
                     shutdown_all();
             agent_reap();
         }

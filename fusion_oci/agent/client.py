@@ -24,6 +24,7 @@ import errno as _errno
 import functools
 import itertools
 import os
+import resource
 import signal
 import socket
 import struct
@@ -59,6 +60,9 @@ KILL_BACKSTOP_S = 12.0
 CLOSE_WAIT_S = 15.0
 
 Stdin = bytes | AsyncIterable[bytes] | None
+
+_RLIMIT_NAMES = {str(getattr(resource, name)): name for name in dir(resource)
+                 if name.startswith("RLIMIT_") and name != "RLIMIT_OFILE"}  # NOFILE's alias
 
 
 def agent_binary() -> Path:
@@ -271,6 +275,16 @@ class Agent:
                                     f"peer pid {pid}, expected {expect_pid}",
                                     "the sandbox is not used; dispose it and prepare again")
         agent = cls(conn, peer_pid=pid)
+        await agent._greeted(timeout_s)
+        return agent
+
+    @classmethod
+    async def over(cls, sock: socket.socket, proc: asyncio.subprocess.Process,
+                   timeout_s: float) -> Agent:
+        """An agent the caller started on the other end of ``sock`` (a socketpair), inside a
+        launcher ``proc`` that ends with it (a bwrap sandbox whose PID 1 is the agent):
+        :meth:`close` waits for ``proc`` as it does for a local agent."""
+        agent = cls(sock, proc=proc)
         await agent._greeted(timeout_s)
         return agent
 
@@ -504,8 +518,12 @@ class Agent:
             text = "command not found" if code == 127 else reason
             err.feed(f"fusion-oci: {argv[0]}: {text}\n".encode())
             return code
+        what = failed.what
+        if what.startswith("setrlimit "):  # "setrlimit 7": name the limit as the spec does
+            number = what.split(" ", 1)[1]
+            what = "setrlimit " + _RLIMIT_NAMES.get(number, number)
         raise SandboxSetupError(f"the exec agent could not start {argv[0]!r}",
-                                f"{failed.what}: {reason}",
+                                f"{what}: {reason}",
                                 "check the working directory, user and rlimits of the command")
 
     async def _end(self, run_id: str, run: _Run, grace_s: float) -> None:

@@ -1,25 +1,28 @@
-"""The bubblewrap runtime: each command in fresh Linux namespaces built by ``bwrap``.
+"""The bubblewrap runtime: one sandbox per task, Linux namespaces built by ``bwrap``, and each
+command run in it by the exec agent (fusion_oci/agent) that is the sandbox's PID 1.
 
-The translation is :mod:`.bubblewrap_argv` (:func:`bwrap_argv`, a pure function of the spec
-and a few host facts, golden-tested per policy); this module is the runtime around it: host
-probes, prepare, launch, clean-up.
+The translation is :mod:`.bubblewrap_argv` (:func:`bwrap_argv` for the sandbox,
+:func:`bwrap_spawn` for each command: pure functions of the spec, golden-tested per policy);
+this module is the runtime around it: host probes, prepare, launch, clean-up.
 
 What a command gets: a read-only root built from the host's system directories (or an unpacked
 image directory), the worktree read-write at its own absolute path, allowedPaths read-only,
-writablePaths read-write, private tmpfs ``/tmp`` and ``$HOME``, a fresh ``/proc`` and minimal
-``/dev``, every namespace unshared (network kept only for ``host``), ``--die-with-parent``,
-``--new-session`` (no TIOCSTI into the caller's terminal), no capabilities, no further user
-namespaces, the bundle's seccomp profile, and exactly the spec's environment.
+writablePaths read-write, private tmpfs ``/tmp`` and ``$HOME`` (the task's: they last while the
+sandbox does, as a container's do), a fresh ``/proc`` and minimal ``/dev``, every namespace
+unshared (network kept only for ``host``), ``--die-with-parent``, its own session (no TIOCSTI
+into the caller's terminal), no capabilities, no further user namespaces, the bundle's seccomp
+profile, exactly the spec's environment, and the spec's rlimits.
 
-Per task, at prepare: the host probes (once per process), the seccomp profile compiled to BPF
-by libseccomp, the kinds of the protected /proc paths. Per command: :meth:`~BubblewrapRuntime.plan`
-is :func:`bwrap_argv` with placeholder fds; :meth:`~BubblewrapRuntime.execute` puts the real pipe
-ends in their places (:func:`with_fds`) and starts that as ``bwrap --args FD -- COMMAND`` and,
-while it waits for its options on FD, gets the spec's rlimits with prlimit(2) (inherited by
-the command: no ``prlimit`` exec); then the options are written. With cgroup limits or
-``egress``, bwrap reports its child pid on ``--info-fd`` and waits on ``--block-fd`` while we
-move the child into its cgroup and attach slirp4netns. Afterwards slirp4netns is stopped and
-the cgroup killed and removed, also on timeout, maxBuffer and cancellation.
+At prepare, once per task: the host probes (once per process), the seccomp profile compiled to
+BPF by libseccomp, the cgroup (memory, pids, cpu) and slirp4netns for ``egress``, and the
+sandbox itself: ``bwrap --args FD ... -- fusion-oci-agent --fd N`` on a socketpair, with
+``--info-fd``/``--block-fd`` holding it while its first process is moved into the cgroup and
+slirp4netns is attached. Per command: one spawn frame to the agent (~2 ms, no bwrap, no
+interpreter); the agent's keeper ends the command's whole tree when it exits, on timeout,
+maxBuffer and abort, and the pipes come straight to this process. A command whose spec needs
+another sandbox (other mounts, namespaces, seccomp profile) is refused, never run in this one.
+At dispose the agent ends everything it runs and exits, which ends the pid namespace; then
+slirp4netns is stopped and the cgroup killed and removed.
 
 Package caches (``cacheMode``): in ``shared`` mode the pnpm store and npm cache of a project are
 one read-write directory reused by every task, so the second ``pnpm install`` is fast and works
@@ -39,19 +42,20 @@ import os
 import re
 import resource
 import shutil
+import signal
+import socket
 import subprocess
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fusion_oci.agent.client import agent_binary
-from fusion_oci.agent.protocol import parse_exec_status
+from fusion_oci.agent.client import Agent, agent_binary
+from fusion_oci.agent.protocol import Spawn
 from fusion_oci.errors import BundleError, SandboxSetupError
 from fusion_oci.models import NetworkMode, RunOptions, RunResult, SandboxCapabilities
 from fusion_oci.oci.seccomp import LIBSECCOMP_HINT, libseccomp_problem
 from fusion_oci.oci.spec import ANN_IMAGE, Spec, spec_network
-from fusion_oci.process import ProcessOutcome, run_process
 from fusion_oci.runtimes.base import (
     Availability,
     LaunchPlan,
@@ -64,6 +68,7 @@ from fusion_oci.runtimes.base import (
 
 # The translation, re-exported: callers and tests name it from here.
 from fusion_oci.runtimes.bubblewrap_argv import (
+    AGENT_FD,
     BLOCK_FD,
     INFO_FD,
     RESOLV_PLACEHOLDER,
@@ -74,7 +79,7 @@ from fusion_oci.runtimes.bubblewrap_argv import (
     LaunchFds,
     args_launch,
     bwrap_argv,
-    exec_failure,
+    bwrap_spawn,
     mount_args,
     needs_launch_hooks,
     plan_notes,
@@ -82,7 +87,6 @@ from fusion_oci.runtimes.bubblewrap_argv import (
     protected_proc_paths,
     seccomp_program,
     spec_rlimits,
-    split_status,
     with_fds,
 )
 from fusion_oci.runtimes.linux import cgroups, egress, userns
@@ -98,12 +102,16 @@ if TYPE_CHECKING:
     from fusion_oci.resolve import ResolvedTask
 
 __all__ = [
-    "BLOCK_FD", "INFO_FD", "RESOLV_PLACEHOLDER", "RLIMITS", "SECCOMP_FD", "USUAL_KINDS",
-    "BubblewrapRuntime", "BwrapHost", "HostProbe", "LaunchFds", "args_launch", "bwrap_argv",
-    "check_spec", "exec_failure", "host_path_kinds", "make_task_scratch", "mount_args",
-    "needs_launch_hooks", "plan_notes", "probe_host_support", "proc_protection_args",
-    "protected_proc_paths", "seccomp_program", "spec_rlimits", "split_status", "with_fds",
+    "AGENT_FD", "BLOCK_FD", "INFO_FD", "RESOLV_PLACEHOLDER", "RLIMITS", "SECCOMP_FD",
+    "USUAL_KINDS", "BubblewrapRuntime", "BwrapHost", "HostProbe", "LaunchFds", "args_launch",
+    "bwrap_argv", "bwrap_spawn", "check_spec", "host_path_kinds", "make_task_scratch",
+    "mount_args", "needs_launch_hooks", "plan_notes", "probe_host_support",
+    "proc_protection_args", "protected_proc_paths", "seccomp_program", "spec_rlimits",
+    "with_fds",
 ]
+
+START_TIMEOUT_S = 20.0
+"""How long bwrap may take to build the sandbox and its agent to say hello (a busy host)."""
 
 
 @dataclass(frozen=True)
@@ -201,12 +209,14 @@ def host_path_kinds(paths: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
 
 @dataclass(frozen=True)
 class BwrapPlan(LaunchPlan):
-    """A bubblewrap launch plan, with the host facts it was made for (execute's input too).
+    """A bubblewrap launch plan: ``argv`` is the task's sandbox (started at prepare),
+    ``sdkKwargs`` the command's spawn frame to its agent; with the host facts it was made for.
 
-    Its notes (words beside the argv, not part of what runs) are written when the plan is
-    shown (:meth:`to_json`), not per command: :func:`plan_notes` costs more than the argv."""
+    Its notes (words beside what runs) are written when the plan is shown (:meth:`to_json`),
+    not per command: :func:`plan_notes` costs more than the argv."""
 
     host: BwrapHost = field(kw_only=True, repr=False, compare=False)
+    spawn: Spawn = field(kw_only=True, repr=False, compare=False)
 
     def to_json(self) -> dict[str, Any]:
         data = super().to_json()
@@ -214,6 +224,21 @@ class BwrapPlan(LaunchPlan):
         if notes:
             data["notes"] = notes
         return data
+
+
+@dataclass
+class _Box:
+    """The task's running sandbox."""
+
+    agent: Agent
+    argv: list[str]
+    """Its planned argv (placeholder fds): a command's plan must carry the same."""
+    profile: Any
+    """The seccomp profile it runs under."""
+    group: Cgroup | None
+    link: egress.Egress | None
+    events: CgroupEvents = field(default_factory=CgroupEvents)
+    """The cgroup's counters after the last command that read them."""
 
 
 def _pipe_with(data: bytes) -> int:
@@ -228,18 +253,19 @@ def _pipe_with(data: bytes) -> int:
 
 
 class BubblewrapRuntime(SpecRuntime):
-    """Linux namespaces per command, via bwrap; see the module docstring."""
+    """One bwrap sandbox per task, its commands through the exec agent; see the module
+    docstring."""
 
     id = "bubblewrap"
-    streams_stdin = True  # run_process writes a StdinStream's chunks as they come
+    streams_stdin = True  # the agent client writes a StdinStream's chunks as they come
 
     def __init__(self, settings: SandboxSettings, env: Mapping[str, str],
                  cache_root: Path | None = None, host: HostInfo | None = None) -> None:
         super().__init__(settings, env, cache_root=cache_root, host=host)
         self._scratch: Path | None = None
-        self._reaping: set[asyncio.Future[None]] = set()
+        self._box: _Box | None = None
         self._bpf: tuple[Any, bytes | None] | None = None
-        """(profile, its BPF): compiled once at prepare, reused while the profile is equal."""
+        """(profile, its BPF): compiled once at prepare."""
 
     # ------------------------------------------------------------------ host facts
     @property
@@ -254,13 +280,19 @@ class BubblewrapRuntime(SpecRuntime):
         return BwrapHost(
             bwrap=p.bwrap or "bwrap", disable_userns=p.disable_userns,
             cgroup_mode=p.cgroups.mode, systemd_run=p.cgroups.systemd_run,
-            egress_resolv_conf=resolv, exec_status=str(agent_binary()),
+            egress_resolv_conf=resolv, agent=str(agent_binary()),
         )
 
     def host_for(self, spec: Spec) -> BwrapHost:
         """:attr:`bwrap_host` with the host's kinds of the spec's masked/readonly paths."""
         kinds = host_path_kinds(protected_proc_paths(spec))
         return dataclasses.replace(self.bwrap_host, path_kinds=kinds)
+
+    @property
+    def seccomp_bpf(self) -> bytes | None:
+        """The BPF of the task's seccomp profile, compiled at prepare (None before, or when
+        the spec has no profile)."""
+        return self._bpf[1] if self._bpf is not None else None
 
     def capabilities(self) -> SandboxCapabilities:
         limits = "advanced" if self.probe.cgroups.controllers else "basic"
@@ -314,11 +346,15 @@ class BubblewrapRuntime(SpecRuntime):
         return frozenset(out)
 
     def plan(self, spec: Spec) -> BwrapPlan:
-        """:func:`bwrap_argv` with the placeholder fds (:class:`LaunchFds`) that
-        :meth:`execute` fills with its pipe ends; bwrap's own environment and cwd."""
+        """The task's sandbox (:func:`bwrap_argv`, placeholder fds, bwrap's own environment
+        and cwd) and the command's spawn frame to its agent (:func:`bwrap_spawn`)."""
         host = self.host_for(spec)
+        spawn = bwrap_spawn(spec)
         return BwrapPlan(backend=self.id, argv=bwrap_argv(spec, host), env=self._launcher_env(),
-                         cwd="/", spec=spec, host=host)
+                         cwd="/", sdk_call="fusion-oci-agent spawn",
+                         sdk_kwargs={"fields": [f"{k}={v}" for k, v in spawn.fields()],
+                                     "fds": ["stdin", "stdout", "stderr"]},
+                         spec=spec, host=host, spawn=spawn)
 
     # ------------------------------------------------------------------ lifecycle
     async def prepare(self, task: ResolvedTask) -> ResolvedTask:
@@ -326,67 +362,35 @@ class BubblewrapRuntime(SpecRuntime):
         assert self.task_spec is not None
         check_spec(self.task_spec)
         self._scratch = make_task_scratch(task.ctx.task_id)
-        self._warm(self.compile(["true"], RunOptions()))
-        return task
-
-    def _warm(self, spec: Spec) -> None:
-        """What every command of the task shares, done once: the seccomp BPF (libseccomp),
-        the host's kinds of the protected /proc paths."""
-        profile = spec.get("linux", {}).get("seccomp")
-        self._bpf = (profile, seccomp_program(spec))
-        self.host_for(spec)
-
-    def seccomp_for(self, spec: Spec) -> bytes | None:
-        """The BPF of the spec's seccomp profile: the one compiled at prepare while the
-        command's profile is the task's (it always is today), else compiled now."""
-        profile = spec.get("linux", {}).get("seccomp")
-        if self._bpf is not None and self._bpf[0] == profile:
-            return self._bpf[1]
-        return seccomp_program(spec)
-
-    async def dispose(self) -> None:
-        self._bpf = None
-        if self._reaping:
-            await asyncio.gather(*self._reaping, return_exceptions=True)
-            self._reaping.clear()
-        if self._scratch is not None:
+        try:
+            spec = self.compile(["true"], RunOptions())
+            self._bpf = (spec.get("linux", {}).get("seccomp"), seccomp_program(spec))
+            self._box = await self._start(spec)
+        except BaseException:
             shutil.rmtree(self._scratch, ignore_errors=True)
             self._scratch = None
-        await super().dispose()
+            raise
+        return task
 
-    def _launcher_env(self) -> dict[str, str]:
-        env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-               "LANG": "C.UTF-8"}
-        if self.probe.cgroups.mode == "systemd-run":
-            # systemd-run --user finds the user manager through these.
-            for key in ("XDG_RUNTIME_DIR", "DBUS_SESSION_BUS_ADDRESS"):
-                if key in self.env:
-                    env[key] = self.env[key]
-        return env
-
-    async def execute(self, plan: LaunchPlan, opts: RunOptions) -> RunResult:
-        launch_plan = own_plan(self, plan, BwrapPlan)
-        spec, host = launch_plan.spec, launch_plan.host
-        if self._scratch is None or host.egress_resolv_conf == RESOLV_PLACEHOLDER:
-            raise SandboxSetupError("runtime 'bubblewrap' was not prepared",
-                                    "the plan was made before prepare()",
-                                    "call prepare(ctx) first, then plan the command")
-        assert launch_plan.argv is not None
+    async def _start(self, spec: Spec) -> _Box:
+        """Start the task's sandbox: bwrap with the agent as its PID 1, moved into its cgroup
+        and given its network before the agent runs; returns once the agent said hello."""
+        assert self._scratch is not None and self._bpf is not None
+        host = self.host_for(spec)
+        planned = bwrap_argv(spec, host)
         limits = CgroupLimits.from_spec(spec)
         hooks = needs_launch_hooks(spec, host)
         group: Cgroup | None = None
-        if host.cgroup_mode in ("v1", "v2") and limits.controllers():
-            group = await asyncio.to_thread(Cgroup.create, self.probe.cgroups, limits)
-        info_r = info_w = block_r = block_w = seccomp_r = args_r = args_w = None
-        status_r, status_fd = os.pipe()  # the command's own wait status (--exec-status)
-        status_w = [status_fd]  # our copy of the write end, until bwrap has its own
-        os.set_blocking(status_r, False)
-        pending: list[int] = []  # the --args write end until it is handed over
         link: egress.Egress | None = None
-        run: asyncio.Task[ProcessOutcome] | None = None
+        proc: asyncio.subprocess.Process | None = None
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        info_r = info_w = block_r = block_w = seccomp_r = args_r = args_w = None
+        log_path = self._scratch / "bwrap.log"
         try:
-            passed: list[int] = [status_fd]
-            program = self.seccomp_for(spec)
+            if host.cgroup_mode in ("v1", "v2") and limits.controllers():
+                group = await asyncio.to_thread(Cgroup.create, self.probe.cgroups, limits)
+            passed: list[int] = [theirs.fileno()]
+            program = self._bpf[1]
             if program is not None:
                 seccomp_r = _pipe_with(program)
                 passed.append(seccomp_r)
@@ -394,85 +398,77 @@ class BubblewrapRuntime(SpecRuntime):
                 info_r, info_w = os.pipe()
                 block_r, block_w = os.pipe()
                 passed += [info_w, block_r]
+            args_r, args_w = os.pipe()
+            passed.append(args_r)
             fds = LaunchFds(info=info_w if info_w is not None else INFO_FD,
                             block=block_r if block_r is not None else BLOCK_FD,
                             seccomp=seccomp_r if seccomp_r is not None else SECCOMP_FD,
-                            status=status_fd)
-            args_r, args_w = os.pipe()
-            passed.append(args_r)
-            launch, options = args_launch(with_fds(launch_plan.argv, spec, fds), spec, host,
-                                          args_r, status_fd)
-            rlimits = spec_rlimits(spec)
-            pending.append(args_w)
+                            agent=theirs.fileno())
+            launch, options = args_launch(with_fds(planned, fds), host, args_r)
+            # bwrap's errors, and the agent's own last words, go to a log read on failure.
+            log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *launch, env=self._launcher_env(), cwd="/", stdin=subprocess.DEVNULL,
+                    stdout=log, stderr=log, pass_fds=passed, start_new_session=True)
+            finally:
+                os.close(log)
+            # bwrap (or systemd-run in front of it) waits for its options: nothing has forked
+            # yet, so a hard limit raised now is one the agent may give a command.
+            _raise_hard_limits(proc.pid, spec_rlimits(spec))
+            close_all(seccomp_r, args_r, info_w, block_r)
+            seccomp_r = args_r = info_w = block_r = None
+            theirs.close()
+            _write_all(args_w, options)
             args_w = None
-
-            def hand_over(pid: int) -> None:
-                # bwrap (or systemd-run in front of it) waits for its options: nothing has
-                # forked yet, so what is set now is inherited by the command.
-                _set_rlimits(pid, rlimits)
-                close_all(*status_w)  # bwrap holds it now: EOF once every holder is gone
-                status_w.clear()
-                _write_all(pending.pop(), options)
-
-            run = asyncio.create_task(run_process(
-                launch,
-                env=launch_plan.env,
-                cwd=launch_plan.cwd,
-                stdin=opts.stdin,
-                timeout_s=opts.timeout_ms / 1000,
-                max_buffer=opts.max_buffer,
-                pass_fds=passed,
-                on_output=opts.on_output,
-                keep_output=opts.keep_output,
-                on_spawn=hand_over,
-            ))
             if hooks:
                 assert info_r is not None and block_w is not None
-                link = await self._setup(run, info_r, spec, group)
-                close_all(info_w, block_r)
-                info_w = block_r = None
+                link = await self._setup(proc, info_r, spec, group)
                 with contextlib.suppress(OSError):
                     os.write(block_w, b"1")  # bwrap's child may already be gone
-            outcome = await run
-            said = _read_status(status_r)
+            agent = await Agent.over(ours, proc, START_TIMEOUT_S)
         except BaseException as exc:
-            if run is not None and not run.done():
-                run.cancel()
-                with contextlib.suppress(BaseException):
-                    await run
+            ours.close()
+            if proc is not None and proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                await proc.wait()
+            if link is not None:
+                await link.stop()
+            if group is not None:
+                await asyncio.to_thread(group.remove)
             if isinstance(exc, OSError):  # E2BIG, EMFILE, ...: nothing ran
                 hint = ("one argument or environment value is limited to 128 KiB: pass large "
                         "data through stdin or a file" if exc.errno == errno.E2BIG else
                         "check the host's process and file limits (ulimit -a)")
                 raise SandboxSetupError("bwrap could not be started", str(exc), hint) from exc
+            if isinstance(exc, SandboxSetupError) and proc is not None:
+                said = _last_lines(log_path)
+                if said:
+                    raise SandboxSetupError("bwrap could not build the sandbox", said,
+                                            "check the policy's paths and this host's user "
+                                            "namespaces (fusion-oci doctor)") from exc
             raise
         finally:
-            close_all(info_r, info_w, block_r, block_w, seccomp_r, args_r, args_w, status_r,
-                      *status_w, *pending)
-            if link is not None:
-                # SIGKILLed at once; reaping it waits for the kernel to unregister its tap
-                # device (10-40 ms), so that part runs in the background until dispose().
-                link.kill()
-                reaping = asyncio.ensure_future(link.stop())
-                self._reaping.add(reaping)  # a long task's reaped ones do not pile up
-                reaping.add_done_callback(self._reaping.discard)
-            events = CgroupEvents()
-            if group is not None:
-                events = group.events()
-                await asyncio.to_thread(group.remove)
-        exit_code, signal = said if said is not None else split_status(outcome)
-        outcome = dataclasses.replace(outcome, returncode=exit_code, signal=signal)
-        counters = LimitCounters(oom_kills=events.oom_kills, pids_max=events.pids_max)
-        return self.result(outcome, spec, classify(outcome, spec, counters))
+            theirs.close()  # idempotent
+            close_all(info_r, info_w, block_r, block_w, seccomp_r, args_r, args_w)
+        events = group.events() if group is not None else CgroupEvents()
+        return _Box(agent=agent, argv=planned, profile=self._bpf[0], group=group, link=link,
+                    events=events)
 
-    async def _setup(self, run: asyncio.Task[ProcessOutcome], info_r: int, spec: Spec,
+    async def _setup(self, proc: asyncio.subprocess.Process, info_r: int, spec: Spec,
                      group: Cgroup | None) -> egress.Egress | None:
-        """Between bwrap's fork and the command's exec: cgroup, then network."""
+        """Between bwrap's fork and the agent's exec: cgroup, then network."""
         reading = asyncio.ensure_future(read_json(info_r))
-        done, _ = await asyncio.wait({reading, run}, return_when=asyncio.FIRST_COMPLETED)
+        waiting = asyncio.ensure_future(proc.wait())
+        try:
+            done, _ = await asyncio.wait({reading, waiting}, timeout=START_TIMEOUT_S,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiting.cancel()
         if reading not in done:
             reading.cancel()
-            return None  # bwrap failed before its child existed; its stderr says why
+            return None  # bwrap failed before its child existed; its log says why
         info = reading.result()
         if not info or "child-pid" not in info:
             return None
@@ -488,24 +484,86 @@ class BubblewrapRuntime(SpecRuntime):
             return await egress.Egress.attach(pid, slirp=slirp, log=self._scratch / "slirp.log")
         return None
 
-
-def _read_status(fd: int) -> tuple[int | None, str | None] | None:
-    """The helper's ``exit N`` / ``signal N``, once the run is over (every writer is gone);
-    None when it wrote nothing (killed with the tree, or bwrap failed before the command)."""
-    try:
-        return parse_exec_status(os.read(fd, 64).decode("ascii", "replace"))
-    except OSError:
-        return None
-
-
-def _set_rlimits(pid: int, rlimits: list[tuple[str, int, int, int]]) -> None:
-    for name, res, soft, hard in rlimits:
+    async def dispose(self) -> None:
+        box, self._box = self._box, None
         try:
-            resource.prlimit(pid, res, (soft, hard))
+            if box is not None:
+                try:
+                    await box.agent.close()  # ends every tree; PID 1's exit ends the rest
+                finally:
+                    if box.link is not None:
+                        await box.link.stop()
+                    if box.group is not None:
+                        await asyncio.to_thread(box.group.remove)
+        finally:
+            self._bpf = None
+            if self._scratch is not None:
+                shutil.rmtree(self._scratch, ignore_errors=True)
+                self._scratch = None
+            await super().dispose()
+
+    def _launcher_env(self) -> dict[str, str]:
+        env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+               "LANG": "C.UTF-8"}
+        if self.probe.cgroups.mode == "systemd-run":
+            # systemd-run --user finds the user manager through these.
+            for key in ("XDG_RUNTIME_DIR", "DBUS_SESSION_BUS_ADDRESS"):
+                if key in self.env:
+                    env[key] = self.env[key]
+        return env
+
+    async def execute(self, plan: LaunchPlan, opts: RunOptions) -> RunResult:
+        launch_plan = own_plan(self, plan, BwrapPlan)
+        spec, spawn, box = launch_plan.spec, launch_plan.spawn, self._box
+        if box is None:
+            raise SandboxSetupError("runtime 'bubblewrap' was not prepared",
+                                    "its sandbox is not running", "call prepare(ctx) first")
+        if launch_plan.argv != box.argv or spec.get("linux", {}).get("seccomp") != box.profile:
+            raise SandboxSetupError(
+                "this command needs a sandbox other than the task's",
+                "its spec differs from the prepared sandbox's in more than the command's args, "
+                "env, cwd and rlimits (mounts, namespaces, user or seccomp profile)",
+                "prepare a sandbox with that policy for it")
+        outcome = await box.agent.run(
+            spawn.argv, env=spawn.env, cwd=spawn.cwd, rlimits=spawn.rlimits,
+            stdin=opts.stdin, timeout_s=opts.timeout_ms / 1000, max_buffer=opts.max_buffer,
+            on_output=opts.on_output, keep_output=opts.keep_output,
+        )
+        counters = LimitCounters()
+        if box.group is not None and (outcome.returncode != 0 or outcome.signal):
+            # Did the sandbox's pids or memory limit hold this command? Its counters since
+            # the last command that read them (concurrent commands share one cgroup).
+            after = box.group.events()
+            counters = LimitCounters(oom_kills=after.oom_kills - box.events.oom_kills,
+                                     pids_max=after.pids_max - box.events.pids_max)
+            box.events = after
+        return self.result(outcome, spec, classify(outcome, spec, counters))
+
+
+def _last_lines(path: Path, n: int = 5) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.strip().splitlines()[-n:])
+
+
+def _raise_hard_limits(pid: int, rlimits: list[tuple[str, int, int, int]]) -> None:
+    """Raise, on the waiting bwrap, each hard limit a command's rlimit needs above this
+    process's own (root may; the agent, without capabilities, may only lower them). Soft
+    limits, and RLIMIT_CPU's which would count the agent's own time, stay as they are: each
+    command's exact limits are the agent's setrlimit."""
+    for name, res, _soft, hard in rlimits:
+        cur_soft, cur_hard = resource.getrlimit(res)
+        if cur_hard == resource.RLIM_INFINITY or (0 <= hard <= cur_hard) \
+                or hard == resource.RLIM_INFINITY:
+            continue
+        try:
+            resource.prlimit(pid, res, (cur_soft, hard))
         except (OSError, ValueError) as exc:
-            raise SandboxSetupError(f"cannot set {name}={soft}:{hard} on the sandbox",
-                                    str(exc), "lower the limit to at most this process's hard "
-                                    "limit (ulimit -H), or run as root") from exc
+            raise SandboxSetupError(f"cannot raise {name}'s hard limit to {hard} for the "
+                                    "sandbox", str(exc), "lower the limit to at most this "
+                                    "process's hard limit (ulimit -H), or run as root") from exc
 
 
 def _write_all(fd: int, data: bytes) -> None:

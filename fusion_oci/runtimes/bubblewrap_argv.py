@@ -1,15 +1,21 @@
 """The bubblewrap translation: a spec (and a few host facts in :class:`BwrapHost`) to the
-``bwrap`` command line, pure and golden-tested per policy (see :mod:`.bubblewrap` for the
-runtime around it).
+``bwrap`` command line of the task's sandbox and the agent's spawn frame of each command, pure
+and golden-tested per policy (see :mod:`.bubblewrap` for the runtime around it).
+
+One sandbox per task: :func:`bwrap_argv` is the whole sandbox, everything of the spec but its
+``process`` (namespaces, mounts, protected paths, seccomp, user, hostname), with the exec agent
+(fusion_oci/agent) as its PID 1 (``--as-pid-1``) on a socketpair fd. Each command is then one
+:func:`bwrap_spawn` frame to that agent: the spec's args, env, cwd and rlimits. So nothing that
+varies per command is in the bwrap command line, and the argv of a command's spec equals the
+sandbox's exactly when the command needs no other sandbox (checked at execute).
 
 The spec's mounts are replayed in order, because order is meaning: the git ``hooks/`` and
 ``config`` of a linked worktree's common directory are bound read-only *after* the read-write
 parents they sit in.
 
-:func:`bwrap_argv` is the whole command. At launch its options travel on ``--args FD``
-(:func:`args_launch`): bwrap reads them before it does anything else, so the spec's rlimits can
-be set on the waiting bwrap with prlimit(2) and are inherited by the command, without an extra
-``prlimit`` exec; and the ``--setenv`` values stay out of the host's ``/proc/PID/cmdline``.
+At launch bwrap's options travel on ``--args FD`` (:func:`args_launch`): bwrap reads them
+before it does anything else, so they stay out of the host's ``/proc/PID/cmdline`` and the
+hard rlimits a command needs can be raised on the waiting bwrap with prlimit(2).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from fusion_oci.agent.protocol import Spawn
 from fusion_oci.errors import BundleError, SandboxSetupError
 from fusion_oci.models import NetworkMode
 from fusion_oci.oci.seccomp import LIBSECCOMP_HINT, OCI_ARCHES, compile_bpf
@@ -31,22 +38,21 @@ from fusion_oci.oci.spec import (
     spec_env,
     spec_network,
 )
-from fusion_oci.process import ProcessOutcome
-from fusion_oci.runtimes.base import status_from_code
 from fusion_oci.runtimes.linux import cgroups
 from fusion_oci.runtimes.linux.cgroups import CgroupLimits
 
 INFO_FD = "<info-fd>"
 BLOCK_FD = "<block-fd>"
 SECCOMP_FD = "<seccomp-fd>"
-STATUS_FD = "<status-fd>"
-EXEC_STATUS_HELPER = "<fusion-oci-agent>"
-EXEC_STATUS_IN_SANDBOX = "/dev/fusion-oci-exec-status"
-"""Where the static agent binary is bound, read-only, to run the command with --exec-status:
-bwrap reports a signal as 128+N, so only a process inside can tell `exit 130` from SIGINT."""
+AGENT_FD = "<agent-fd>"
+AGENT_HELPER = "<fusion-oci-agent>"
+AGENT_IN_SANDBOX = "/dev/fusion-oci-agent"
+"""Where the static agent binary is bound, read-only, to be the sandbox's PID 1."""
+PLAN_RUN_ID = "<run>"
+"""The spawn frame's id in a plan (a counter per agent when it runs)."""
 RESOLV_PLACEHOLDER = "<egress-resolv.conf>"
 
-# The spec's rlimits bubblewrap applies (prlimit(2) on bwrap before it forks; inherited).
+# The spec's rlimits bubblewrap applies (the agent's setrlimit(2) before each command's exec).
 RLIMITS = {
     "RLIMIT_CPU": resource.RLIMIT_CPU,
     "RLIMIT_NOFILE": resource.RLIMIT_NOFILE,
@@ -75,20 +81,19 @@ class BwrapHost:
     """``(path, "file" | "dir")`` for each of the spec's maskedPaths/readonlyPaths that exists
     on this host (bwrap cannot mount over a path that does not exist). None: assume every one
     exists with its usual kind (plans and goldens stay independent of the host)."""
-    exec_status: str = EXEC_STATUS_HELPER
-    """The host path of the agent binary (fusion_oci.agent), run as ``--exec-status``."""
+    agent: str = AGENT_HELPER
+    """The host path of the agent binary (fusion_oci.agent), the sandbox's PID 1."""
 
 
 @dataclass(frozen=True)
 class LaunchFds:
-    """The pipe ends bwrap gets: it writes its child pid to ``info``, waits on ``block`` and
-    reads the compiled seccomp filter from ``seccomp``."""
+    """The fds bwrap gets: it writes its child pid to ``info``, waits on ``block``, reads the
+    compiled seccomp filter from ``seccomp``; ``agent`` is the agent's end of the socketpair."""
 
     info: int | str = INFO_FD
     block: int | str = BLOCK_FD
     seccomp: int | str = SECCOMP_FD
-    status: int | str = STATUS_FD
-    """Where the command's wait status is written (``exit N`` / ``signal N``)."""
+    agent: int | str = AGENT_FD
 
 
 def _opt(options: Sequence[str], key: str) -> str | None:
@@ -218,7 +223,8 @@ def needs_launch_hooks(spec: Spec, host: BwrapHost) -> bool:
 
 
 def bwrap_argv(spec: Spec, host: BwrapHost, fds: LaunchFds | None = None) -> list[str]:
-    """The whole launch command for a spec. Pure: same spec and host, same argv."""
+    """The whole launch command of the spec's sandbox (all of it but ``process``, whose args,
+    env, cwd and rlimits are each command's spawn frame). Pure: same spec and host, same argv."""
     proc = spec["process"]
     network = spec_network(spec)
     argv: list[str] = []
@@ -229,7 +235,10 @@ def bwrap_argv(spec: Spec, host: BwrapHost, fds: LaunchFds | None = None) -> lis
     argv += [host.bwrap, "--unshare-all", "--unshare-user"]
     if network is NetworkMode.HOST:
         argv.append("--share-net")
-    argv += ["--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+    # --as-pid-1: the agent is the pid namespace's init (no bwrap reaper beside it), as in a
+    # container: its end ends every process of the sandbox, and the kernel drops SIGKILL and
+    # SIGSTOP sent to it from inside.
+    argv += ["--die-with-parent", "--new-session", "--as-pid-1", "--cap-drop", "ALL"]
     for cap in spec_capabilities(spec):  # the spec's bounding set (empty in our bundles)
         argv += ["--cap-add", cap]
     if host.disable_userns:
@@ -241,7 +250,7 @@ def bwrap_argv(spec: Spec, host: BwrapHost, fds: LaunchFds | None = None) -> lis
     argv += _rootfs_args(spec)
     for mount in spec["mounts"]:
         argv += mount_args(mount)[0]
-    argv += ["--ro-bind", host.exec_status, EXEC_STATUS_IN_SANDBOX]
+    argv += ["--ro-bind", host.agent, AGENT_IN_SANDBOX]
     argv += proc_protection_args(spec, host)[0]
     if network is NetworkMode.EGRESS:
         argv += ["--ro-bind", host.egress_resolv_conf, "/etc/resolv.conf"]
@@ -252,38 +261,46 @@ def bwrap_argv(spec: Spec, host: BwrapHost, fds: LaunchFds | None = None) -> lis
     if needs_launch_hooks(spec, host):
         argv += ["--info-fd", str(fds.info), "--block-fd", str(fds.block)]
     if spec.get("linux", {}).get("seccomp"):
-        # Applied by bwrap right before exec, after its own mounts and namespace setup.
+        # Applied by bwrap right before it execs the agent: the agent and every command run
+        # under it (fork and exec keep a seccomp filter).
         argv += ["--seccomp", str(fds.seccomp)]
-    argv.append("--clearenv")
-    for key, value in spec_env(spec).items():
-        argv += ["--setenv", key, value]
-    argv += ["--chdir", proc.get("cwd", "/"), "--", *sandbox_command(spec, fds.status)]
+    # The agent gets no environment: each command's is its spawn frame's, whole.
+    argv += ["--clearenv", "--chdir", "/", "--", *sandbox_command(fds.agent)]
     return argv
 
 
-def sandbox_command(spec: Spec, status: int | str = STATUS_FD) -> list[str]:
-    """What bwrap execs: the spec's args under the status helper. Pure."""
-    return [EXEC_STATUS_IN_SANDBOX, "--exec-status", str(status), "--", *spec["process"]["args"]]
+def sandbox_command(agent: int | str = AGENT_FD) -> list[str]:
+    """What bwrap execs: the agent on its end of the socketpair. Pure."""
+    return [AGENT_IN_SANDBOX, "--fd", str(agent)]
 
 
-def with_fds(argv: Sequence[str], spec: Spec, fds: LaunchFds) -> list[str]:
+def bwrap_spawn(spec: Spec, run_id: str = PLAN_RUN_ID) -> Spawn:
+    """One command of the sandbox, as the agent is asked to run it: the spec's args, exactly
+    its env, its cwd and its rlimits (set by the agent before exec). The user is the sandbox's
+    (bwrap's --uid/--gid). Pure."""
+    proc = spec["process"]
+    return Spawn(id=run_id, argv=list(proc["args"]), env=spec_env(spec),
+                 cwd=proc.get("cwd", "/"),
+                 rlimits=[(name, soft, hard) for name, _, soft, hard in spec_rlimits(spec)])
+
+
+_TAIL = 5  # "--clearenv --chdir / --" + the agent, before the agent's "--fd N"
+
+
+def with_fds(argv: Sequence[str], fds: LaunchFds) -> list[str]:
     """:func:`bwrap_argv`'s command (made with the placeholder :class:`LaunchFds`) with the
-    launch's own pipe ends in place of the placeholders. Pure.
+    launch's own fds in place of the placeholders. Pure.
 
-    By position, not by value: the fd options sit right before ``--clearenv``, whose place is
-    counted from the end (``--setenv`` triples, ``--chdir DIR``, ``--``, the args), so an
-    environment value or argument that reads like a placeholder is never touched.
+    By position, not by value (a policy path may read like a placeholder): the agent's fd is
+    the last argument, the fd options sit right before the fixed ``--clearenv --chdir / --``.
     """
     out = list(argv)
-    command = sandbox_command(spec)
-    end = len(out) - len(command) - 1  # bwrap's own "--"
-    if end < 0 or out[end + 1:end + 5] != command[:4]:
-        raise ValueError("the bwrap command line does not match its spec")
-    out[end + 3] = str(fds.status)
-    clear = end - 2 - 3 * len(spec_env(spec)) - 1
-    if clear < 0 or out[clear] != "--clearenv":
-        raise ValueError("the bwrap command line does not match its spec")
-    at = clear
+    command = sandbox_command()
+    if len(out) < len(command) + 4 or out[-len(command):-1] != command[:-1] \
+            or out[-len(command) - 4:-len(command)] != ["--clearenv", "--chdir", "/", "--"]:
+        raise ValueError("the bwrap command line is not a sandbox launch")
+    out[-1] = str(fds.agent)
+    at = len(out) - len(command) - 4
     if at >= 2 and out[at - 2] == "--seccomp" and out[at - 1] == SECCOMP_FD:
         out[at - 1] = str(fds.seccomp)
         at -= 2
@@ -329,41 +346,22 @@ def plan_notes(spec: Spec, host: BwrapHost) -> list[str]:
     if limits.controllers():
         notes.append(f"cgroup ({host.cgroup_mode}): " + ", ".join(sorted(limits.controllers())))
     if rlimits := spec_rlimits(spec):
-        notes.append("rlimits, set with prlimit(2) on bwrap while it waits for its options on "
-                     "--args (inherited by the command): "
+        notes.append("rlimits, set by the agent with setrlimit(2) before the command's exec: "
                      + ", ".join(f"{name}={soft}:{hard}" for name, _, soft, hard in rlimits))
+    notes.append("one sandbox per task: this bwrap starts at prepare with the exec agent as its "
+                 "PID 1; each command is a spawn frame to it (sdkKwargs), whose keeper ends the "
+                 "command's whole tree")
     return notes
 
 
-def split_status(outcome: ProcessOutcome) -> tuple[int | None, str | None]:
-    """bwrap's status read back as the command's: 127/126 when bwrap could not exec it, else
-    the one 128+N rule (:func:`~fusion_oci.runtimes.base.status_from_code`)."""
-    code = outcome.returncode
-    if code == 1 and (failed := exec_failure(outcome.stderr)) is not None:
-        return failed, None
-    return status_from_code(code, outcome.signal)
-
-
-def exec_failure(stderr: bytes) -> int | None:
-    """The shell's status for a command bwrap could not exec (it exits 1 itself and says
-    ``bwrap: execvp NAME: REASON`` as its last line): 127 when not found, else 126. Pure."""
-    last = stderr.rstrip(b"\n").rsplit(b"\n", 1)[-1]
-    if not last.startswith(b"bwrap: execvp "):
-        return None
-    return 127 if last.endswith(b"No such file or directory") else 126
-
-
-def args_launch(argv: Sequence[str], spec: Spec, host: BwrapHost, fd: int | str,
-                status: int | str = STATUS_FD) -> tuple[list[str], bytes]:
-    """:func:`bwrap_argv`'s command as launched: ``[prefix...] bwrap --args FD -- COMMAND``,
-    and the options bwrap reads from FD (NUL-separated). Pure.
-
-    Split by position, not by looking for ``--``: a ``--setenv`` value may be ``--``.
-    """
+def args_launch(argv: Sequence[str], host: BwrapHost, fd: int | str
+                ) -> tuple[list[str], bytes]:
+    """:func:`bwrap_argv`'s command as launched: ``[prefix...] bwrap --args FD -- AGENT --fd
+    N``, and the options bwrap reads from FD (NUL-separated). Pure."""
     start = list(argv).index(host.bwrap)
-    command = sandbox_command(spec, status)
+    command = list(argv[-len(sandbox_command()):])
     end = len(argv) - len(command) - 1
-    if end <= start or argv[end] != "--" or list(argv[end + 1:]) != command:
-        raise ValueError("the bwrap command line does not end with -- and the spec's command")
+    if end <= start or argv[end] != "--" or command[:2] != sandbox_command()[:2]:
+        raise ValueError("the bwrap command line does not end with -- and the agent")
     payload = b"".join(a.encode() + b"\0" for a in argv[start + 1:end])
     return [*argv[:start + 1], "--args", str(fd), "--", *command], payload

@@ -155,7 +155,7 @@ async def test_limits_live_in_a_leaf_cgroup_that_is_removed(tmp_path: Path,
     assert result.exit_code == 0, result.stderr
     assert "fusion-oci." in result.stdout
     assert result.stdout.strip().splitlines()[-1] == "20"
-    assert _leaves() == before
+    assert not _leaves() - before
 
 
 
@@ -172,8 +172,8 @@ async def test_abort_and_max_buffer_leave_nothing_behind(tmp_path: Path,
             await task
         flood = await sb.run("yes", RunOptions(max_buffer=10_000))
         assert flood.truncated and flood.reason == "max-buffer"
-    assert _slirps() == slirps
-    assert _leaves() == leaves
+    assert not _slirps() - slirps  # nothing new (other runs may end theirs)
+    assert not _leaves() - leaves
 
 
 async def test_network_none_has_no_route_and_egress_reaches_out(tmp_path: Path,
@@ -208,16 +208,23 @@ async def test_lifecycle_refuses_limits_this_host_cannot_enforce(
             pass
 
 
-def test_planned_argv_runs_unprivileged(tmp_path: Path) -> None:
-    """The translation needs no privilege: the same argv, run as an unprivileged user."""
+async def test_planned_argv_runs_unprivileged(tmp_path: Path) -> None:
+    """The translation needs no privilege: the same sandbox argv, run as an unprivileged
+    user, and a command run in it by its agent."""
     import pwd
-    import subprocess
+    import socket
     import tempfile
 
+    from fusion_oci.agent.client import Agent
     from fusion_oci.oci.host import probe_host
     from fusion_oci.oci.spec import compile_spec
     from fusion_oci.policy.layout import TaskLayout
-    from fusion_oci.runtimes.bubblewrap import LaunchFds, bwrap_argv, seccomp_program
+    from fusion_oci.runtimes.bubblewrap import (
+        LaunchFds,
+        bwrap_argv,
+        bwrap_spawn,
+        seccomp_program,
+    )
 
     user = os.environ.get("FUSION_OCI_ROOTLESS_USER", "fusionci")
     try:
@@ -242,14 +249,25 @@ def test_planned_argv_runs_unprivileged(tmp_path: Path) -> None:
         r, w = os.pipe()
         os.write(w, program)
         os.close(w)
-        argv = bwrap_argv(spec, runtime.host_for(spec), LaunchFds(seccomp=r))
-        done = subprocess.run(["runuser", "-u", user, "--", *argv], pass_fds=(r,),
-                              capture_output=True, text=True, timeout=30, check=False)
+        ours, theirs = socket.socketpair()
+        argv = bwrap_argv(spec, runtime.host_for(spec),
+                          LaunchFds(seccomp=r, agent=theirs.fileno()))
+        proc = await asyncio.create_subprocess_exec(
+            "runuser", "-u", user, "--", *argv, pass_fds=(r, theirs.fileno()),
+            stdin=asyncio.subprocess.DEVNULL, start_new_session=True)
         os.close(r)
+        theirs.close()
+        agent = await Agent.over(ours, proc, 20.0)
+        try:
+            spawn = bwrap_spawn(spec)
+            done = await agent.run(spawn.argv, env=spawn.env, cwd=spawn.cwd, timeout_s=30)
+        finally:
+            await agent.close()
+        assert proc.returncode is not None  # the sandbox ended with its agent
         assert done.returncode == 0, done.stderr
-        lines = done.stdout.split()
+        lines = done.stdout.decode().split()
         assert lines[0] == str(pw.pw_uid)
-        assert "0000000000000000" in done.stdout and "Seccomp:\t2" in done.stdout
+        assert b"0000000000000000" in done.stdout and b"Seccomp:\t2" in done.stdout
         assert (wt / "made-here").stat().st_uid == pw.pw_uid
     finally:
         shutil.rmtree(wt, ignore_errors=True)
@@ -257,12 +275,11 @@ def test_planned_argv_runs_unprivileged(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------------------- the launch
 
-async def test_options_larger_than_a_pipe_reach_bwrap_and_oversized_args_are_a_setup_error(
+async def test_large_environments_reach_the_command_and_oversized_args_fail_as_in_a_shell(
         tmp_path: Path, worktree: Path) -> None:
-    """bwrap's options travel on --args: 200 KB of environment (more than a pipe holds) gets
-    through; one argument over the kernel's 128 KiB is a typed setup error, not a traceback."""
-    from fusion_oci.errors import SandboxSetupError
-
+    """200 KB of environment (more than a pipe holds) reaches the command through the agent;
+    one argument over the kernel's 128 KiB fails its exec as a shell says it (126), and the
+    sandbox goes on."""
     policy = SandboxPolicy(allow_network=False, env_allowlist=["BIG_A", "BIG_B"])
     env = {"BIG_A": "a" * 100_000, "BIG_B": "b" * 100_000}
     async with sandbox(tmp_path, worktree, policy) as sb:
@@ -270,8 +287,8 @@ async def test_options_larger_than_a_pipe_reach_bwrap_and_oversized_args_are_a_s
                            RunOptions(env={**_env(tmp_path / "home"), **env}))
         assert out.exit_code == 0, out.stderr
         assert out.stdout.split() == ["100000", "100000", "20000"]
-        with pytest.raises(SandboxSetupError, match="could not be started"):
-            await sb.run(["/bin/echo", "x" * 200_000])
+        big = await sb.run(["/bin/echo", "x" * 200_000])
+        assert big.exit_code == 126 and "Argument list too long" in big.stderr
         assert (await sb.run("true")).exit_code == 0
 
 
@@ -304,22 +321,14 @@ async def test_seccomp_is_compiled_once_per_sandbox_and_high_bits_do_not_dodge_i
     assert out.stdout.split() == ["-1", "EPERM"]
 
 
-async def test_an_rlimit_the_host_refuses_is_a_setup_error_and_bwrap_is_gone(
-        tmp_path: Path, worktree: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The rlimits are set on the waiting bwrap; when the kernel refuses one, bwrap never got
-    its options: it is killed and reaped, and the error names the limit."""
+async def test_an_rlimit_the_kernel_refuses_is_a_setup_error_and_the_sandbox_goes_on(
+        tmp_path: Path, worktree: Path) -> None:
+    """The agent sets each command's rlimits before its exec; when the kernel refuses one, the
+    command never ran, the error names the limit, and the next command runs."""
     import copy
 
     from fusion_oci.errors import SandboxSetupError
 
-    launched: list[int] = []
-    real = bubblewrap._set_rlimits
-
-    def recording(pid: int, rlimits: list[tuple[str, int, int, int]]) -> None:
-        launched.append(pid)
-        real(pid, rlimits)
-
-    monkeypatch.setattr(bubblewrap, "_set_rlimits", recording)
     policy = SandboxPolicy(allow_network=False)
     async with sandbox(tmp_path, worktree, policy) as sb:
         assert (await sb.run("true")).exit_code == 0
@@ -330,6 +339,102 @@ async def test_an_rlimit_the_host_refuses_is_a_setup_error_and_bwrap_is_gone(
         spec["process"]["rlimits"] = [{"type": "RLIMIT_NOFILE", "soft": 2**31, "hard": 2**31}]
         with pytest.raises(SandboxSetupError, match="RLIMIT_NOFILE"):
             await runtime.execute(runtime.plan(spec), RunOptions())
-        with pytest.raises(ProcessLookupError):  # killed and reaped
-            os.kill(launched[-1], 0)
         assert (await sb.run("true")).exit_code == 0
+
+
+async def test_a_command_that_needs_another_sandbox_is_refused(
+        tmp_path: Path, worktree: Path) -> None:
+    """The sandbox is the task's: a spec with other mounts is never run in it."""
+    import copy
+
+    from fusion_oci.errors import SandboxSetupError
+
+    async with sandbox(tmp_path, worktree, SandboxPolicy(allow_network=False)) as sb:
+        assert (await sb.run("true")).exit_code == 0
+        runtime = sb.runtime
+        assert isinstance(runtime, BubblewrapRuntime) and sb.last_spec is not None
+        spec = copy.deepcopy(sb.last_spec)
+        spec["mounts"].append({"destination": "/srv", "type": "bind", "source": "/etc",
+                               "options": ["rbind", "rw"]})
+        with pytest.raises(SandboxSetupError, match="other than the task"):
+            await runtime.execute(runtime.plan(spec), RunOptions())
+        assert (await sb.run("test ! -e /srv/passwd")).exit_code == 0
+
+
+async def test_one_sandbox_per_task_and_nothing_left_after_dispose(
+        tmp_path: Path, worktree: Path) -> None:
+    """Commands share the task's sandbox (its /tmp lasts, as a container's does); after
+    dispose no process, cgroup or slirp4netns of it is left."""
+    slirps, leaves = _slirps(), _leaves()
+    policy = SandboxPolicy(network="egress", pids_limit=64)  # type: ignore[arg-type]
+    async with sandbox(tmp_path, worktree, policy) as sb:
+        runtime = sb.runtime
+        assert isinstance(runtime, BubblewrapRuntime) and runtime._box is not None
+        bwrap_pid = runtime._box.agent.peer_pid
+        assert (await sb.run("echo kept > /tmp/x; (sleep 600 &) ; true")).exit_code == 0
+        again = await sb.run("cat /tmp/x; ps -e -o comm= | grep -c sleep || true")
+        assert again.stdout.split() == ["kept", "0"]  # the daemon went with its command
+    assert bwrap_pid is not None
+    with pytest.raises(ProcessLookupError):
+        os.kill(bwrap_pid, 0)
+    assert not _slirps() - slirps  # nothing new (other runs may end theirs)
+    assert not _leaves() - leaves
+
+
+async def test_killing_the_agent_fails_the_sandbox_loudly(tmp_path: Path,
+                                                          worktree: Path) -> None:
+    """The agent killed from outside: the run in flight and every later one raise
+    AgentLostError (kind agent-lost), never a hang; dispose still cleans up."""
+    import signal as _signal
+
+    from fusion_oci.errors import AgentLostError
+
+    leaves = _leaves()
+    async with sandbox(tmp_path, worktree, SandboxPolicy(allow_network=False,
+                                                         pids_limit=64)) as sb:
+        runtime = sb.runtime
+        assert isinstance(runtime, BubblewrapRuntime) and runtime._box is not None
+        bwrap_pid = runtime._box.agent.peer_pid
+        assert bwrap_pid is not None
+        running = asyncio.ensure_future(sb.run("sleep 600"))
+        await asyncio.sleep(0.5)
+        os.killpg(bwrap_pid, _signal.SIGKILL)
+        with pytest.raises(AgentLostError) as lost:
+            await asyncio.wait_for(running, 20)
+        assert lost.value.kind == "agent-lost"
+        with pytest.raises(AgentLostError):
+            await sb.run("true")
+    assert not _leaves() - leaves
+
+
+async def test_agent_cannot_be_replaced_traced_or_ended_from_inside(
+        tmp_path: Path, worktree: Path) -> None:
+    """The agent is the sandbox's PID 1 on a socketpair (no path to reach, here or in another
+    task's sandbox); its binary is a read-only bind; it cannot be traced or read through
+    /proc; signals from inside do not end it; the command holds no fd of its connection.
+    Later commands still run through the same agent, and the other task's is intact."""
+    other_wt = git_init(tmp_path / "other")
+    none = SandboxPolicy(allow_network=False)
+    async with sandbox(tmp_path, worktree, none) as sb, \
+            sandbox(tmp_path, other_wt, none, task="t2") as other:
+        runtime = sb.runtime
+        assert isinstance(runtime, BubblewrapRuntime) and runtime._box is not None
+        before = runtime._box.agent.peer_pid
+        fds = await sb.run("ls /proc/self/fd")
+        assert fds.stdout.split() == ["0", "1", "2", "3"], "only stdio (and ls's own dir)"
+        tamper = {
+            "replace binary": "cp /bin/sh /dev/fusion-oci-agent",
+            "chmod binary": "chmod 777 /dev/fusion-oci-agent",
+            "trace the agent": "cat /proc/1/environ",
+            "agent memory": "head -c 1 /proc/1/mem",
+            "agent fds": "readlink /proc/1/fd/3 || readlink /proc/1/exe",
+            "kill the agent": "kill -9 1; kill -TERM 1; kill -HUP 1; sleep 1; kill -0 1 || exit 0;"
+                              " exit 1",
+        }
+        for name, cmd in tamper.items():
+            r = await sb.run(cmd, RunOptions(timeout_ms=20_000))
+            assert r.exit_code not in (0, None), (name, r)
+        again = await sb.run("echo still here")
+        assert again.stdout == "still here\n", again
+        assert runtime._box.agent.peer_pid == before and not runtime._box.agent.lost
+        assert (await other.run("echo b")).stdout == "b\n", "the other task's agent is intact"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 from typing import Any
 
 import pytest
@@ -11,17 +10,16 @@ from fusion_oci.errors import BundleError
 from fusion_oci.models import CacheMode, CpuLimit, PrepareContext, RunOptions, SandboxPolicy
 from fusion_oci.oci.spec import Spec, compile_spec
 from fusion_oci.policy.layout import CacheMount, GitLayout, TaskLayout
-from fusion_oci.process import ProcessOutcome
 from fusion_oci.runtimes.bubblewrap import (
     BwrapHost,
     LaunchFds,
     bwrap_argv,
+    bwrap_spawn,
     mount_args,
     needs_launch_hooks,
     plan_notes,
     seccomp_program,
     spec_rlimits,
-    split_status,
     with_fds,
 )
 from fusion_oci.runtimes.linux import cgroups, egress, userns
@@ -73,8 +71,10 @@ def test_golden_argv(name: str, oci_validator: Any) -> None:
     spec = spec_for(name)
     oci_validator.validate(spec)
     argv = bwrap_argv(spec, BWRAP_HOST)
+    spawn = bwrap_spawn(spec)
     assert_golden(f"bubblewrap/{name}.json",
-                  {"argv": argv, "notes": plan_notes(spec, BWRAP_HOST)})
+                  {"argv": argv, "spawn": [f"{k}={v}" for k, v in spawn.fields()],
+                   "notes": plan_notes(spec, BWRAP_HOST)})
     assert bwrap_argv(spec, BWRAP_HOST) == argv  # pure: same input, same argv
 
 
@@ -87,23 +87,39 @@ def test_isolation_flags_always_present() -> None:
         argv = bwrap_argv(spec_for(name), BWRAP_HOST)
         head = argv[: argv.index("--clearenv")]
         for flag in ("--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
-                     "--disable-userns", "--seccomp"):
+                     "--as-pid-1", "--disable-userns", "--seccomp"):
             assert flag in head, (name, flag)
         assert head[head.index("--cap-drop") + 1] == "ALL"
         assert tuple(head[head.index("--proc"):][:2]) == ("--proc", "/proc")
         assert "--dev" in head and head[-1] != "/"
-        assert argv[-3:] == ["/bin/sh", "-c", "pnpm test"] and argv[-4] == "--"
+        # the sandbox runs the agent; the command is the spawn frame's
+        assert argv[-7:] == ["--clearenv", "--chdir", "/", "--",
+                             "/dev/fusion-oci-agent", "--fd", "<agent-fd>"]
+        assert list(bwrap_spawn(spec_for(name)).argv) == ["/bin/sh", "-c", "pnpm test"]
         assert ("--share-net" in head) == (name == "network-host")
 
 
 def test_env_is_exactly_the_spec_env() -> None:
-    argv = bwrap_argv(spec_for("locked-down"), BWRAP_HOST)
-    after = argv[argv.index("--clearenv") + 1: argv.index("--chdir")]
-    env = {after[i + 1]: after[i + 2] for i in range(0, len(after), 3)}
-    assert all(after[i] == "--setenv" for i in range(0, len(after), 3))
+    spec = spec_for("locked-down")
+    argv = bwrap_argv(spec, BWRAP_HOST)
+    assert "--setenv" not in argv  # the agent starts with none; each command gets its own
+    spawn = bwrap_spawn(spec)
+    env = dict(spawn.env)
     assert env["HOME"] == "/home/sandbox" and env["CI"] == "true"
     assert "GITHUB_TOKEN" not in env
-    assert argv[argv.index("--chdir") + 1] == "/work/wt/task-1"
+    assert spawn.cwd == "/work/wt/task-1"
+
+
+def test_nothing_of_the_command_is_in_the_sandbox_argv() -> None:
+    """Two commands of one task, with other args, env and cwd, need the same sandbox."""
+    policy, layout = CASES["locked-down"]
+    ctx = PrepareContext(task_id="task-1", run_id="run-1", worktree_path=layout.worktree,
+                         policy=policy, cache_mode=CacheMode.SHARED)
+    one = compile_spec(ctx, layout, HOST, "true", RunOptions(), ENV)
+    two = compile_spec(ctx, layout, HOST, ["make", "-j2"], RunOptions(cwd="sub"),
+                       {**ENV, "CI": "false"})
+    assert bwrap_argv(one, BWRAP_HOST) == bwrap_argv(two, BWRAP_HOST)
+    assert bwrap_spawn(one) != bwrap_spawn(two)
 
 
 def test_mount_kinds_and_order() -> None:
@@ -151,13 +167,15 @@ def test_egress_gets_hooks_and_slirp_dns() -> None:
     assert "--info-fd" not in none and "/run/fusion/resolv.conf" not in none
 
 
-def test_limits_use_prlimit_and_launch_hooks() -> None:
+def test_limits_are_the_agents_setrlimit_and_launch_hooks() -> None:
     spec = spec_for("locked-down")
     argv = bwrap_argv(spec, BWRAP_HOST)
-    # rlimits: prlimit(2) on bwrap while it waits on --args, not a prlimit exec in front
+    # rlimits: the agent's setrlimit(2) per command, not a prlimit exec in front
     assert argv[0] == "/usr/bin/bwrap"
     assert [(n, s, h) for n, _, s, h in spec_rlimits(spec)] == [
         ("RLIMIT_NOFILE", 20000, 20000), ("RLIMIT_CPU", 30, 31)]
+    assert list(bwrap_spawn(spec).rlimits) == [("RLIMIT_NOFILE", 20000, 20000),
+                                               ("RLIMIT_CPU", 30, 31)]
     assert needs_launch_hooks(spec, BWRAP_HOST)
     # no usable cgroup: the limits are not the launcher's business (enforces() says so)
     assert not needs_launch_hooks(spec, BwrapHost(cgroup_mode="none"))
@@ -195,17 +213,6 @@ def test_image_reference_is_refused_but_rootfs_dir_is_bound() -> None:
 def test_seccomp_program_compiles_from_the_spec() -> None:
     program = seccomp_program(spec_for("default-egress"))
     assert program and len(program) % 8 == 0
-
-
-def _outcome(rc: int | None, sig: str | None = None) -> ProcessOutcome:
-    return ProcessOutcome(b"", b"", rc, sig, False, False, 1)
-
-
-def test_split_status_reads_signals_back() -> None:
-    assert split_status(_outcome(137)) == (None, "SIGKILL")
-    assert split_status(_outcome(128 + signal.SIGXCPU)) == (None, "SIGXCPU")
-    assert split_status(_outcome(1)) == (1, None)
-    assert split_status(_outcome(None, "SIGTERM")) == (None, "SIGTERM")
 
 
 # ---------------------------------------------------------------- linux helpers (pure parts)
@@ -329,56 +336,44 @@ def test_missing_bwrap_is_unavailable_with_the_install_hint() -> None:
     assert runtime.enforces() == frozenset()
 
 
-@pytest.mark.parametrize("stderr,code", [
-    (b"bwrap: execvp nosuch: No such file or directory\n", 127),
-    (b"bwrap: execvp ./notexec: Permission denied\n", 126),
-    (b"some output\nbwrap: execvp x: Exec format error\n", 126),
-    (b"the command's own error\n", 1),
-])
-def test_exec_failures_read_as_a_shell_would(stderr: bytes, code: int) -> None:
-    from fusion_oci.process import ProcessOutcome
-    from fusion_oci.runtimes.bubblewrap import split_status
-
-    outcome = ProcessOutcome(b"", stderr, 1, None, False, False, 1)
-    assert split_status(outcome) == (code, None)
-
-
 def test_args_launch_moves_the_options_to_the_args_fd() -> None:
     from fusion_oci.runtimes.bubblewrap import args_launch
 
     spec = spec_for("locked-down", command="echo --; true")
-    argv = bwrap_argv(spec, BWRAP_HOST, LaunchFds(info=7, block=8, seccomp=9, status=6))
-    launch, payload = args_launch(argv, spec, BWRAP_HOST, 5, 6)
-    helper = ["/dev/fusion-oci-exec-status", "--exec-status", "6", "--"]
-    assert launch == ["/usr/bin/bwrap", "--args", "5", "--", *helper,
-                      "/bin/sh", "-c", "echo --; true"]
+    argv = bwrap_argv(spec, BWRAP_HOST, LaunchFds(info=7, block=8, seccomp=9, agent=6))
+    launch, payload = args_launch(argv, BWRAP_HOST, 5)
+    assert launch == ["/usr/bin/bwrap", "--args", "5", "--", "/dev/fusion-oci-agent", "--fd",
+                      "6"]
     options = payload.split(b"\0")
-    assert options[-1] == b"" and [o.decode() for o in options[:-1]] == argv[1:-8]
+    assert options[-1] == b"" and [o.decode() for o in options[:-1]] == argv[1:-4]
     systemd = BwrapHost(bwrap="/usr/bin/bwrap", cgroup_mode="systemd-run",
                         systemd_run="/usr/bin/systemd-run")
-    launch, _ = args_launch(bwrap_argv(spec, systemd), spec, systemd, 5)
-    assert launch[0] == "/usr/bin/systemd-run" and launch[-11:-8] == ["/usr/bin/bwrap", "--args",
-                                                                      "5"]
-
+    launch, _ = args_launch(bwrap_argv(spec, systemd), systemd, 5)
+    assert launch[0] == "/usr/bin/systemd-run" and launch[-7:-4] == ["/usr/bin/bwrap", "--args",
+                                                                     "5"]
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_execute_fills_the_planned_argv_with_its_fds(name: str) -> None:
-    """What runs is the plan with the launch's pipe ends in the placeholders' places: equal
-    to the translation made with those fds, whatever the policy (hooks, seccomp or not)."""
+    """What runs is the plan with the launch's fds in the placeholders' places: equal to the
+    translation made with those fds, whatever the policy (hooks, seccomp or not)."""
     spec = spec_for(name)
-    fds = LaunchFds(info=11, block=12, seccomp=13, status=14)
-    assert with_fds(bwrap_argv(spec, BWRAP_HOST), spec, fds) == bwrap_argv(spec, BWRAP_HOST, fds)
+    fds = LaunchFds(info=11, block=12, seccomp=13, agent=14)
+    assert with_fds(bwrap_argv(spec, BWRAP_HOST), fds) == bwrap_argv(spec, BWRAP_HOST, fds)
 
 
-def test_fds_are_filled_by_position_never_in_env_or_args() -> None:
-    spec = spec_for("locked-down", "echo '<seccomp-fd>' --seccomp")
-    spec["process"]["env"].append("TRAP=<info-fd>")
-    argv = with_fds(bwrap_argv(spec, BWRAP_HOST), spec, LaunchFds(info=7, block=8, seccomp=9))
+def test_fds_are_filled_by_position_never_in_paths() -> None:
+    policy, layout = CASES["locked-down"]
+    policy = policy.model_copy(update={"allowed_paths": ["/opt/<seccomp-fd>", "/opt/<agent-fd>"]})
+    ctx = PrepareContext(task_id="task-1", run_id="run-1", worktree_path=layout.worktree,
+                         policy=policy, cache_mode=CacheMode.SHARED)
+    spec = compile_spec(ctx, layout, HOST, "true", RunOptions(), ENV)
+    argv = with_fds(bwrap_argv(spec, BWRAP_HOST), LaunchFds(info=7, block=8, seccomp=9,
+                                                            agent=6))
     assert argv[argv.index("--seccomp") + 1] == "9"
     assert argv[argv.index("--info-fd") + 1] == "7"
-    at = argv.index("TRAP")
-    assert argv[at - 1:at + 2] == ["--setenv", "TRAP", "<info-fd>"]
-    assert argv[-3:] == ["/bin/sh", "-c", "echo '<seccomp-fd>' --seccomp"]
+    assert argv[-1] == "6"
+    assert ("/opt/<seccomp-fd>", "/opt/<seccomp-fd>") in _pairs(argv, "--ro-bind")
+    assert ("/opt/<agent-fd>", "/opt/<agent-fd>") in _pairs(argv, "--ro-bind")
     with pytest.raises(ValueError):
-        with_fds(bwrap_argv(spec, BWRAP_HOST)[:-1], spec, LaunchFds())
+        with_fds(bwrap_argv(spec, BWRAP_HOST)[:-1], LaunchFds())
