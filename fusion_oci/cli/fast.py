@@ -199,10 +199,19 @@ def _start(folder: str, key: str, token_path: str, env: dict[str, str]) -> _sock
     import fcntl
 
     path = os.path.join(folder, f"{key}.sock")
-    lock = os.open(os.path.join(folder, f"{key}.lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW,
-                   0o600)
-    try:
+    lock_path = os.path.join(folder, f"{key}.lock")
+    for _ in range(10):
+        lock = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if os.stat(lock_path).st_ino == os.fstat(lock).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(lock)  # an exiting server removed it while we waited: take the new one
+    else:
+        raise Unusable(f"{lock_path} keeps being replaced", warn=True)
+    try:
         sock = _connect(path)
         if sock is not None:
             return sock

@@ -157,7 +157,12 @@ async def serve_socket(path: Path, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
             task.cancel()
         if sessions:
             await asyncio.gather(*sessions, return_exceptions=True)
-        _remove_socket(path, ours)
+        if token is not None:
+            from fusion_oci.server.resident import leave_no_files
+
+            leave_no_files(path, lambda: _remove_socket(path, ours))
+        else:
+            _remove_socket(path, ours)
 
 
 def _remove_socket(path: Path, inode: int | None = None) -> None:

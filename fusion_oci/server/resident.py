@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hmac
 import io
 import json
+import os
 import socket
 import struct
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,31 @@ from fusion_oci.stdin import StdinStream
 
 STDIN_WINDOW = 4
 """stdin chunks a client sends before the command has taken them (cli/stdinTaken)."""
+
+
+def leave_no_files(sock: Path, remove_socket: Callable[[], None]) -> None:
+    """At a resident server's exit: its socket, lock and log go, under the lock the fast
+    client takes to start a server (so none starts half-way through), else one file per
+    server key would pile up in the user's folder. The log is only read when a server fails
+    to start; one that ran and exited has nothing in it worth keeping."""
+    import fcntl
+
+    lock_path, log_path = sock.with_suffix(".lock"), sock.with_suffix(".log")
+    try:
+        lock = os.open(lock_path, os.O_RDWR | os.O_NOFOLLOW)
+    except OSError:
+        remove_socket()
+        return
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        remove_socket()
+        with contextlib.suppress(OSError):
+            if lock_path.stat().st_ino == os.fstat(lock).st_ino:
+                lock_path.unlink()  # a client waiting on it sees it gone and retries
+        with contextlib.suppress(OSError):
+            log_path.unlink()
+    finally:
+        os.close(lock)
 
 
 def peer_uid(writer: asyncio.StreamWriter) -> int | None:

@@ -244,6 +244,8 @@ def test_server_exits_after_its_idle_timeout(wt: Path, env: dict[str, str],
         time.sleep(0.2)
     assert not sock.exists()
     assert gone(pid)
+    # nothing of it is left in the user's folder: no lock, no log (the token stays)
+    assert sorted(p.name for p in resident.dir.iterdir()) == ["token"]
 
 
 def gone(pid: int, within: float = 15) -> bool:
