@@ -24,6 +24,12 @@ for (const backend of BACKENDS) {
       victim.stdout.on("data", (c: Buffer) => { if (c.toString().includes("running")) resolve(); });
       victim.once("exit", (code) => reject(new Error(`victim exited early (${code})`)));
     });
+    // "running" is printed as the command starts: its two shells may take a moment to exist
+    // on a loaded machine.
+    const started = Date.now() + 10_000;
+    while (pidsWith(mark).length < 2 && Date.now() < started) {
+      await new Promise((r) => setTimeout(r, 50));
+    }
     assert.ok(pidsWith(mark).length >= 2, "the command's processes are running");
     if (backend === "podman" || backend === "docker") {
       assert.equal((await containersOfTask(backend, task)).length, 1);
