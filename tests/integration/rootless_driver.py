@@ -3,7 +3,9 @@
     runuser -u fusionci -- PYTHON -m tests.integration.rootless_driver SCENARIO JSON-ARGS
 
 Prints one JSON object on the last line of stdout. The runtime finds the user's rootless
-podman socket by itself ($XDG_RUNTIME_DIR), as a user's setup would.
+podman socket by itself ($XDG_RUNTIME_DIR), as a user's setup would; the scenarios that take
+the caller's settings (probe, session, availability, gc) run whatever they name, the docker
+backend on the user's rootless dockerd included.
 """
 
 from __future__ import annotations
@@ -39,8 +41,17 @@ def procs(result_stdout: str) -> list[str]:
     return [line for line in result_stdout.splitlines() if line.strip()]
 
 
+def given_settings(args: dict[str, Any]) -> SandboxSettings:
+    """The caller's settings (``settings`` in the args: docker-rootless passes the docker
+    backend and its socket), else rootless podman's."""
+    if "settings" in args:
+        return SandboxSettings.model_validate(args["settings"])
+    return settings()
+
+
 async def availability(args: dict[str, Any]) -> dict[str, Any]:
-    avail = create_runtime("podman", settings(), os.environ).availability()
+    chosen = given_settings(args)
+    avail = create_runtime(chosen.backend, chosen, os.environ).availability()
     return {"available": avail.available, "reason": avail.reason, "details": avail.details,
             "rootless": avail.rootless}
 
@@ -189,7 +200,8 @@ async def collect(args: dict[str, Any]) -> dict[str, Any]:
     """gc as this user (its cache directories are gone by now: their volumes go too)."""
     from fusion_oci.gc import gc
 
-    report = gc(settings=settings(), engines=["podman"])
+    chosen = given_settings(args)
+    report = gc(settings=chosen, engines=[chosen.backend])
     return {"removed": report.removed, "errors": report.errors}
 
 
