@@ -287,6 +287,9 @@ dockerless_script() {
 
 # Native overlay in a user namespace needs Linux 5.11; older kernels get fuse-overlayfs, and
 # only without either the vfs driver, which copies the whole image for every container.
+# Measured here (bench_containers.py, 10 runs each, one after the other): a warm sandbox's
+# prepare took 292 ms on overlay2 against 354 ms on fuse-overlayfs, which also runs a FUSE
+# daemon per container; a warm command does not touch the storage driver (2.5-4.4 ms on both).
 dockerless_storage() {
     local kmajor kminor
     IFS=. read -r kmajor kminor _ <<<"$(uname -r)"
