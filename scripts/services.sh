@@ -15,7 +15,8 @@
 # `start` appends the names of the services it really started (not the ones that were already
 # answering) to $FUSION_OCI_STARTED_FILE when that is set, so a caller can stop only those.
 # Processes are only ever stopped by the pids recorded in the pidfiles (the machine is shared:
-# no pkill/killall by name).
+# no pkill/killall by name); the one addition is a killed rootless dockerd's left-over shims and
+# containers, found by the containerd socket of that user's exec root that each shim names.
 set -euo pipefail
 
 STATE=/run/fusion-oci-ci
@@ -384,8 +385,14 @@ stop_docker_rootless() {
         stop_pid "$pid" rootlesskit docker-rootless
     else
         log "docker-rootless: no rootless dockerd of ours is running"
-        # a killed daemon's shims and containers may still run
-        mapfile -t tree < <(dockerless_tree)
+        # A killed daemon's shims and containers may still run; not while a containerd of that
+        # exec root lives (then they belong to a daemon someone else started).
+        dpid="$(pidfile_pid "$xdg/docker/containerd/containerd.pid")"
+        if [[ -n "$dpid" ]] && pid_matches "$dpid" containerd; then
+            log "docker-rootless: containerd pid $dpid of $xdg/docker runs (not ours): leaving its containers"
+        else
+            mapfile -t tree < <(dockerless_tree)
+        fi
     fi
     # What did not end with its daemon (a shim, a container's process) has nothing left to shut
     # down in order, and a container's init ignores SIGTERM: SIGKILL, by pid, deepest first.
