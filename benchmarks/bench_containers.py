@@ -2,11 +2,12 @@
 exec and run, rootful and rootless.
 
     .venv/bin/python benchmarks/bench_containers.py [--runs N]
-        [--engines docker,podman,podman-rootless] [--markdown PATH]
+        [--engines docker,podman,podman-rootless,docker-rootless] [--markdown PATH]
 
 Engines are reached as the tests do (DOCKER_HOST, FUSION_OCI_PODMAN_URL; ``podman-rootless``
-runs this script again as the unprivileged CI user, on its own socket). Per engine, on the same
-image and a container started from it with ``run -d``:
+and ``docker-rootless`` run this script again as the unprivileged CI user, each on that user's
+own socket: rootless podman's service, the rootless dockerd of scripts/services.sh). Per
+engine, on the same image and a container started from it with ``run -d``:
 
 - warm: ``Sandbox.run("true")`` in a prepared task container (the exec agent) against
   ``docker|podman exec C true`` (the CLI) and the same exec through the SDK
@@ -51,8 +52,14 @@ def cli(engine: str) -> list[str]:
 
 # Podman's default rlimits exceed this kind of host's hard limits (see machine notes).
 LIMITS = ["--ulimit", "nofile=1024:1024", "--ulimit", "nproc=4096:4096"]
-USER = ["--user", f"{os.getuid()}:{os.getgid()}"]
-"""The raw containers run as the sandbox does: as the caller (not the image's USER)."""
+
+
+def user_args(engine: str, rootless: bool) -> list[str]:
+    """The raw containers run as the sandbox does: as the caller (not the image's USER),
+    which a rootless dockerd's container knows as its root (containers.as_userns_root)."""
+    if engine == "docker" and rootless:
+        return ["--user", "0:0"]
+    return ["--user", f"{os.getuid()}:{os.getgid()}"]
 
 
 def settings(engine: str, mode: str) -> SandboxSettings:
@@ -96,9 +103,11 @@ def sdk_exec(engine: str, name: str) -> Any:
     return pgo
 
 
-def measure(engine: str, image: str, runs: int) -> dict[str, float]:
+def measure(engine: str, image: str, runs: int, *, rootless: bool = False
+            ) -> dict[str, float]:
     """The figures of one engine (rootless: run as that user, see main)."""
     base = cli(engine)
+    user = user_args(engine, rootless)
     out: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as wt:
         subprocess.run(["git", "init", "-q", wt], check=True)  # a worktree is a git top
@@ -106,7 +115,7 @@ def measure(engine: str, image: str, runs: int) -> dict[str, float]:
                              image=image, cache_mode=CacheMode.OFF,
                              policy=SandboxPolicy(allow_network=False))
         name = f"fusion-oci-bench-{os.getpid()}"
-        run_d = [*base, "run", "-d", "--network", "none", *LIMITS, *USER, image, "sleep",
+        run_d = [*base, "run", "-d", "--network", "none", *LIMITS, *user, image, "sleep",
                  "infinity"]
         subprocess.run([*base, "run", "-d", "--name", name, *run_d[len(base) + 2:]],
                        check=True, stdout=subprocess.DEVNULL)
@@ -135,7 +144,7 @@ def measure(engine: str, image: str, runs: int) -> dict[str, float]:
                 subprocess.run([*base, "rm", "-f", *started], stdout=subprocess.DEVNULL,
                                check=False)
         out["run_rm"] = median_ms(retried([*base, "run", "--rm", "--network", "none", *LIMITS,
-                                           *USER, image, "true"]), max(5, runs // 3))
+                                           *user, image, "true"]), max(5, runs // 3))
         with SyncSandbox(settings(engine, "warm"), env=dict(os.environ)) as sb:
             sb.prepare(ctx)
             out["warm"] = median_ms(lambda: sb.run("true"), runs)
@@ -163,22 +172,27 @@ def _prepare_only(engine: str, ctx: PrepareContext, runs: int) -> float:
     return statistics.median(samples)
 
 
-def measure_rootless(runs: int) -> dict[str, float]:
-    """Run :func:`measure` for rootless podman as the CI user, on its own socket."""
+def measure_rootless(engine: str, runs: int) -> dict[str, float]:
+    """Run :func:`measure` for a rootless engine (``podman-rootless``, ``docker-rootless``)
+    as the CI user, on that user's own socket."""
     import pwd
 
     from tests.integration.container_cases import rootless_python
     from tests.integration.images_fixture import ensure_node_image
 
     user = pwd.getpwnam(ROOTLESS_USER)
-    image = ensure_node_image("podman-rootless").ref
+    image = ensure_node_image(engine).ref
     python = rootless_python()
     xdg = f"/run/user/{user.pw_uid}"
+    kind = engine.removesuffix("-rootless")
+    socket = (f"FUSION_OCI_PODMAN_URL=unix://{xdg}/podman/podman.sock" if kind == "podman"
+              else f"DOCKER_HOST=unix://{xdg}/docker.sock")
     env = ["env", "-i", f"HOME={user.pw_dir}", f"USER={user.pw_name}",
            f"XDG_RUNTIME_DIR={xdg}", "PATH=/usr/local/bin:/usr/bin:/bin", "LANG=C.UTF-8",
-           f"FUSION_OCI_PODMAN_URL=unix://{xdg}/podman/podman.sock", *python[1:-1]]
+           socket, *python[1:-1]]
     out = subprocess.run(["runuser", "-u", user.pw_name, "--", *env, python[-1],
-                          str(Path(__file__).resolve()), "--child", image, "--runs", str(runs)],
+                          str(Path(__file__).resolve()), "--child", image,
+                          "--child-engine", kind, "--runs", str(runs)],
                          capture_output=True, text=True, cwd="/", check=False)
     if out.returncode != 0:
         raise SystemExit(f"rootless run failed: {out.stderr[-2000:]}")
@@ -189,25 +203,26 @@ def measure_rootless(runs: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=20)
-    parser.add_argument("--engines", default="docker,podman,podman-rootless")
+    parser.add_argument("--engines", default="docker,podman,podman-rootless,docker-rootless")
     parser.add_argument("--markdown", help="write this section of docs/performance.md here")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # IMAGE: the rootless side
+    parser.add_argument("--child-engine", default="podman", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(measure("podman", args.child, args.runs)))
+        print(json.dumps(measure(args.child_engine, args.child, args.runs, rootless=True)))
         return
     from tests.integration.images_fixture import ensure_node_image
 
     results: dict[str, dict[str, float]] = {}
     for engine in [e.strip() for e in args.engines.split(",") if e.strip()]:
-        if engine == "podman-rootless":
-            results[engine] = measure_rootless(args.runs)
+        if engine in ("podman-rootless", "docker-rootless"):
+            results[engine] = measure_rootless(engine, args.runs)
         else:
             results[engine] = measure(engine, ensure_node_image(engine).ref, args.runs)
         print(f"{engine}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in results[engine].items()))
     rows = []
     for engine, r in results.items():
-        tool = "docker" if engine == "docker" else "podman"
+        tool = engine.removesuffix("-rootless")
         rows.append((engine, f"{r['warm']:.1f} ms", f"{r['cli_exec']:.1f} ms",
                      f"{r['cli_exec'] / r['warm']:.1f}x", f"{r['sdk_exec']:.1f} ms",
                      f"{r['sdk_exec'] / r['warm']:.1f}x",
@@ -228,8 +243,9 @@ def main() -> None:
         "the CLI and the same exec through the SDK (what fusion-oci did before the agent). "
         "Prepare of a warm sandbox (probe, image lookup, gc, create, start, the agent's "
         "connection) against `run -d IMAGE sleep infinity`; the one-shot mode (a container per "
-        f"command) against `run --rm IMAGE true`. Medians of {args.runs}; rootless podman runs "
-        "as an unprivileged user on its own socket.", body,
+        f"command) against `run --rm IMAGE true`. Medians of {args.runs}; rootless podman and "
+        "rootless docker (a rootless dockerd under rootlesskit) run as an unprivileged user, "
+        "each on that user's own socket.", body,
         "- Targets: a warm command at most 10 ms and at least 6x faster than `exec` (the CLI "
         "and SDK columns are that factor); prepare at most 1.2x `run -d`.\n"
         "- No process is left on the host per command: an engine exec starts a `conmon` "

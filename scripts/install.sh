@@ -5,8 +5,8 @@
 #   * .venv is created only when it does not exist (or its python is unusable);
 #   * `pip install -e '.[dev]'` is skipped when pyproject.toml has not changed since the last
 #     successful install (FUSION_OCI_FORCE_PIP=1 forces it);
-#   * the rootless test user, /dev/net/tun access and the podman runtime drop-in are checked
-#     and fixed only when needed.
+#   * the rootless test user (for rootless podman and rootless dockerd), /dev/net/tun access and
+#     the podman runtime drop-in are checked and fixed only when needed.
 # Env knobs: FUSION_OCI_ROOTLESS_USER (default fusionci), FUSION_OCI_FORCE_PIP=1.
 set -euo pipefail
 
@@ -32,6 +32,9 @@ as_root() { "${SUDO[@]}" "$@"; }
 # --------------------------------------------------------------------------- apt packages
 APT_PACKAGES=(
     podman bubblewrap crun runc uidmap slirp4netns fuse-overlayfs debootstrap docker.io
+    # rootless Docker (scripts/services.sh docker-rootless): docker.io ships dockerd-rootless.sh,
+    # which runs dockerd under rootlesskit (with uidmap's newuidmap and slirp4netns above)
+    rootlesskit
     # tini-static: the oci runtime's container init (the command is not pid 1)
     tini
     golang-github-opencontainers-specs-dev git nodejs npm iproute2

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 ORDER = ["native", "bubblewrap", "landlock", "oci", "oci-runsc", "podman", "podman-rootless",
-         "docker"]
+         "docker", "docker-rootless"]
 
 
 def table(rows: list[dict[str, str]]) -> list[str]:

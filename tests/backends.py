@@ -20,7 +20,7 @@ def required_backends() -> set[str]:
     value = os.environ.get("FUSION_OCI_REQUIRE_BACKENDS", "")
     if value.strip() == "all":
         return {"native", "bubblewrap", "oci", "oci-runsc", "landlock", "podman",
-                "podman-rootless", "docker", "oci-schema", "libseccomp"}
+                "podman-rootless", "docker", "docker-rootless", "oci-schema", "libseccomp"}
     return {v.strip() for v in value.split(",") if v.strip()}
 
 

@@ -168,6 +168,27 @@ def sandbox_user(spec: Spec) -> tuple[int, int]:
     return int(user["uid"]), int(user["gid"])
 
 
+def as_userns_root(spec: Spec) -> Spec:
+    """The spec as a rootless dockerd runs it for its own user. Pure.
+
+    A rootless dockerd maps the container's root to the user it runs as (and uids 1 and up
+    to that user's subordinate ids, which own nothing of the caller's). Docker has no
+    ``keep-id``, so the caller's own uid, the one whose files the worktree holds and the
+    command must write as, is uid 0 inside: the sandbox user becomes 0:0 there, with no
+    capabilities (``cap_drop: ALL``, no new privileges), and the tmpfs owned by the caller
+    (the private HOME) is owned by 0 inside. On the host that is the caller, as with rootless
+    podman's keep-id and the rootless oci runtime (``ops.with_rootless``).
+    """
+    uid, gid = sandbox_user(spec)
+    ids = {f"uid={uid}": "uid=0", f"gid={gid}": "gid=0"}
+    # A copy of only what changes (the rest, the seccomp profile above all, is shared).
+    return {**spec,
+            "process": {**spec["process"], "user": {**spec["process"]["user"],
+                                                    "uid": 0, "gid": 0}},
+            "mounts": [{**m, "options": [ids.get(o, o) for o in m.get("options", [])]}
+                       if m.get("type") == "tmpfs" else m for m in spec["mounts"]]}
+
+
 def spec_image(spec: Spec) -> str:
     image = spec["annotations"].get(ANN_IMAGE)
     if not image or spec["annotations"].get(ANN_HOST_ROOTFS) == "true":
@@ -341,6 +362,12 @@ def plan_container(
     agent: AgentMounts = AgentMounts(),
 ) -> ContainerPlan:
     """The create arguments of the task's container. Pure; golden-tested per engine."""
+    notes: list[str] = []
+    if target.engine == "docker" and target.rootless:
+        caller = sandbox_user(spec)
+        spec = as_userns_root(spec)
+        notes.append(f"rootless dockerd: the caller ({caller[0]}:{caller[1]} on the host) is "
+                     "0:0 inside, its user namespace's root without capabilities")
     image = spec_image(spec)
     uid, gid = sandbox_user(spec)
     volumes = cache_volumes(spec, owner, isolated=isolated_caches)
@@ -366,7 +393,6 @@ def plan_container(
     kwargs.update(_network(spec, target))
     if target.cgroup_limits:
         kwargs.update(_resources(spec))
-    notes: list[str] = []
     nnp = bool(spec["process"].get("noNewPrivileges", False))
     profile = spec.get("linux", {}).get("seccomp")
     if target.engine == "docker":

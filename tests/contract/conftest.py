@@ -1,6 +1,6 @@
 """The contract suite's fixtures: ``runtime`` (one case per name in harness.RUNTIMES; a
 missing runtime skips, or fails where CI requires it: tests/backends.py), and a worktree where
-that runtime's caller can reach it."""
+that runtime's caller can reach it (the rootless runtimes' user included)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from fusion_oci.policy.settings import GateSettings, SandboxSettings
+from fusion_oci.policy.settings import DockerSettings, GateSettings, SandboxSettings
 from tests import plugin_runtime
 from tests.backends import backend_settings, require, require_runtime
 from tests.conftest import git_init
 from tests.contract.harness import (
+    DOCKERLESS,
     ENGINES,
     MARKS,
     ROOTLESS,
@@ -28,21 +29,32 @@ from tests.contract.harness import (
 )
 
 
-@pytest.fixture(scope="session")
-def rootless_user() -> RootlessUser:
+def _rootless_user(backend: str, socket: str) -> RootlessUser:
+    """The CI user that drives ``backend``, checked: its engine's ``socket`` (under its
+    runtime dir) must be there (a missing setup fails where CI requires it)."""
     from tests.integration.container_cases import rootless_python
 
     try:
         user = pwd.getpwnam(ROOTLESS_USER)
     except KeyError:
-        require(ROOTLESS, False, f"user {ROOTLESS_USER} does not exist")
+        require(backend, False, f"user {ROOTLESS_USER} does not exist")
         raise
-    require(ROOTLESS, os.getuid() == 0, "the rootless runs switch user with runuser")
+    require(backend, os.getuid() == 0, "the rootless runs switch user with runuser")
     xdg = f"/run/user/{user.pw_uid}"
-    require(ROOTLESS, Path(xdg, "podman", "podman.sock").exists(),
-            f"no rootless podman socket in {xdg} (scripts/services.sh start podman-rootless)")
+    require(backend, Path(xdg, socket).exists(),
+            f"no {backend} socket in {xdg} (scripts/services.sh start {backend})")
     return RootlessUser(user.pw_name, user.pw_uid, user.pw_gid, user.pw_dir, xdg,
                         rootless_python())
+
+
+@pytest.fixture(scope="session")
+def rootless_user() -> RootlessUser:
+    return _rootless_user(ROOTLESS, "podman/podman.sock")
+
+
+@pytest.fixture(scope="session")
+def dockerless_user() -> RootlessUser:
+    return _rootless_user(DOCKERLESS, "docker.sock")
 
 
 @pytest.fixture(params=[pytest.param(n, marks=MARKS[n]) for n in RUNTIMES])
@@ -54,6 +66,15 @@ def runtime(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
         user = request.getfixturevalue("rootless_user")
         ref = ensure_node_image(ROOTLESS).ref
         settings = SandboxSettings(backend="podman", image=ref,
+                                   gates=GateSettings(sandbox_provision="allow"))
+        return Runtime(name, settings, ref, user)
+    if name == DOCKERLESS:
+        from tests.integration.images_fixture import ensure_node_image
+
+        user = request.getfixturevalue("dockerless_user")
+        ref = ensure_node_image(DOCKERLESS).ref
+        settings = SandboxSettings(backend="docker", image=ref,
+                                   docker=DockerSettings(url=f"unix://{user.xdg}/docker.sock"),
                                    gates=GateSettings(sandbox_provision="allow"))
         return Runtime(name, settings, ref, user)
     if name in ENGINES:

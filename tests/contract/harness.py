@@ -1,6 +1,6 @@
 """The contract suite's harness: which runtimes it runs on, and a prepared sandbox on one of
-them, in-process or (``podman-rootless``) as the unprivileged CI user through one
-``rootless_driver session`` per sandbox under ``runuser``.
+them, in-process or (``podman-rootless``, ``docker-rootless``) as the unprivileged CI user
+through one ``rootless_driver session`` per sandbox under ``runuser``.
 
 A runtime joins by adding its name to ``RUNTIMES`` (and its fixture case in conftest.py).
 """
@@ -24,13 +24,18 @@ from fusion_oci.policy.settings import SandboxSettings
 from fusion_oci.sandbox import Sandbox
 
 ROOTLESS = "podman-rootless"
+DOCKERLESS = "docker-rootless"
+"""The docker runtime driven as the CI user against that user's rootless dockerd."""
 RUNTIMES = ["native", "bubblewrap", "landlock", "oci", "oci-runsc", "podman", ROOTLESS,
-            "docker", "plugin"]
+            "docker", DOCKERLESS, "plugin"]
 MARKS = {"native": pytest.mark.native, "bubblewrap": pytest.mark.bubblewrap,
          "landlock": pytest.mark.landlock, "oci": pytest.mark.oci,
          "oci-runsc": pytest.mark.runsc, "podman": pytest.mark.podman,
          ROOTLESS: pytest.mark.podman_rootless, "docker": pytest.mark.docker,
+         DOCKERLESS: pytest.mark.docker_rootless,
          "plugin": pytest.mark.native}  # the test plugin runs its commands natively
+NO_CGROUP_V1 = {ROOTLESS, DOCKERLESS}
+"""Rootless engines: no cgroup of their own on a cgroup v1 host (limits refused there)."""
 ENGINES = {"podman", "docker"}
 ROOTLESS_USER = os.environ.get("FUSION_OCI_ROOTLESS_USER", "fusionci")
 
@@ -66,7 +71,7 @@ class Runtime:
     image: str | None
     """The engines run an image (the node image the integration tests provision)."""
     user: RootlessUser | None = None
-    """podman-rootless: the unprivileged user that drives it."""
+    """podman-rootless, docker-rootless: the unprivileged user that drives it."""
 
 
 class Box(Protocol):
@@ -141,7 +146,7 @@ async def _rootless(rt: Runtime, user: RootlessUser, ctx: PrepareContext, site: 
             pytest.fail(f"rootless driver failed:\n{err.decode()[-3000:]}")
         answer = json.loads(first)
         if "refused" in answer:
-            raise PolicyNotEnforceableError("podman", answer["refused"])
+            raise PolicyNotEnforceableError(rt.settings.backend, answer["refused"])
         yield _Session(proc)
     finally:
         if proc.returncode is None:

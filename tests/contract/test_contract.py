@@ -11,7 +11,8 @@ command never runs).
 
 A runtime joins by adding its name to ``RUNTIMES`` (harness.py); a missing one skips, or fails
 where CI requires it (tests/backends.py). ``podman-rootless`` is the podman runtime driven as the
-unprivileged CI user (one ``rootless_driver session`` per sandbox, under ``runuser``);
+unprivileged CI user (one ``rootless_driver session`` per sandbox, under ``runuser``), and
+``docker-rootless`` the docker runtime driven the same way against that user's rootless dockerd;
 ``plugin`` is a third party's runtime that implements only the protocol
 (tests/plugin_runtime.py), reached through the registry's entry points.
 
@@ -34,7 +35,7 @@ from fusion_oci.errors import PolicyNotEnforceableError
 from fusion_oci.models import CpuLimit, RunOptions, RunResult, SandboxPolicy
 from fusion_oci.runtimes.base import unenforced_parts
 from fusion_oci.runtimes.registry import create_runtime
-from tests.contract.harness import ROOTLESS, Runtime, sandbox
+from tests.contract.harness import DOCKERLESS, ROOTLESS, Runtime, sandbox
 from tests.hostside import pids_with
 
 # ---------------------------------------------------------------------------- exit statuses
@@ -268,8 +269,8 @@ NOT_ENFORCED = {
     # gVisor 20221219 shows the spec's RLIMIT_CPU but never fires it (only a setrlimit made
     # inside the sandbox arms it), so the oci runtime refuses cpuLimit.maxMs under runsc.
     ("cpu-time", "oci-runsc"),
-    # Rootless podman on a cgroup v1 host has no cgroup of its own.
-    ("pids", ROOTLESS), ("oom", ROOTLESS),
+    # Rootless podman and rootless dockerd on a cgroup v1 host have no cgroup of their own.
+    ("pids", ROOTLESS), ("oom", ROOTLESS), ("pids", DOCKERLESS), ("oom", DOCKERLESS),
 }
 """What each runtime does not enforce on this machine (cgroups v1): it says so (refused by the
 lifecycle; native runs and lists it) and the harmful command is never run."""
@@ -319,7 +320,9 @@ async def test_one_precedence_when_a_child_is_oom_killed(
 
 
 async def _assert_not_enforced(runtime: Runtime, worktree: Path, spec: Limit) -> None:
-    if runtime.user is None:
+    # docker-rootless names its daemon's socket in the settings, so this process can ask that
+    # daemon what it is too (podman-rootless finds its socket only as its user).
+    if runtime.user is None or runtime.name == DOCKERLESS:
         backend = runtime.settings.backend
         probe = create_runtime(backend, runtime.settings, os.environ)
         if spec.part not in unenforced_parts(probe, SandboxPolicy(allow_network=False,

@@ -3,12 +3,15 @@
     from tests.integration.images_fixture import node_image  # noqa: F401  (fixture)
 
     def test_something(node_image):
-        image = node_image("podman")        # or "podman-rootless", "docker"
+        image = node_image("podman")        # or "podman-rootless", "docker", "docker-rootless"
         ... image.ref, image.digest ...
 
 From nothing (CI) it costs about 2½ minutes once per machine: ``bootstrap-base`` on rootful
-podman (~40 s), the node build there (~65 s), then ``save → load`` into docker (~18 s) and
-rootless podman (~21 s), which beats building in each (rootless vfs build: ~104 s). When the
+podman (~40 s), the node build there (~65 s), then ``save → load`` into docker (~18 s),
+rootless podman (~21 s) and rootless docker (~20-45 s), which beats building in each (rootless vfs
+build: ~104 s). ``docker-rootless`` is the CI user's rootless dockerd
+(``FUSION_OCI_ROOTLESS_DOCKER_URL``, from ``scripts/services.sh env``): its own image store,
+provisioned through the same ``ensure_image`` on its socket. When the
 image is present the cost is one image inspect. A missing engine fails in CI and skips locally
 (tests/backends.require). The offline base is used on purpose: it needs no registry, and it
 makes the tag the same on every machine.
@@ -30,9 +33,10 @@ from typing import Any, TypeVar
 import pytest
 
 from fusion_oci.audit import AuditLog
+from fusion_oci.engines import Endpoint
 from fusion_oci.errors import ProvisionError
 from fusion_oci.images.bootstrap import bootstrap_base
-from fusion_oci.images.engine import EngineClient, engine_targets, open_target
+from fusion_oci.images.engine import EngineClient, EngineTarget, engine_targets, open_target
 from fusion_oci.images.gates import AuditContext
 from fusion_oci.images.progress import PlainReporter
 from fusion_oci.images.provision import (
@@ -47,7 +51,7 @@ from fusion_oci.policy.settings import GateSettings, SandboxSettings
 from tests.backends import require
 
 T = TypeVar("T")
-ENGINES = ("podman", "podman-rootless", "docker")
+ENGINES = ("podman", "podman-rootless", "docker", "docker-rootless")
 LOCK_PATH = Path("/tmp/fusion-oci-test-node-image.lock")
 _cache: dict[str, ProvisionedImage] = {}
 _guard = threading.Lock()
@@ -78,8 +82,28 @@ def _run_sync(factory: Callable[[], Coroutine[Any, Any, T]]) -> T:
         return pool.submit(lambda: asyncio.run(factory())).result()
 
 
+def target_of(name: str) -> EngineTarget:
+    """The image target of a test engine: the product's (engine_targets), or for
+    ``docker-rootless`` the CI user's rootless dockerd, which fusion-oci reaches as any docker
+    (a socket; its name only labels audit events)."""
+    if name != "docker-rootless":
+        return engine_targets(os.environ)[name]
+    url = os.environ.get("FUSION_OCI_ROOTLESS_DOCKER_URL")
+    source = "FUSION_OCI_ROOTLESS_DOCKER_URL"
+    if not url:
+        import pwd
+
+        user = os.environ.get("FUSION_OCI_ROOTLESS_USER", "fusionci")
+        try:
+            url = f"unix:///run/user/{pwd.getpwnam(user).pw_uid}/docker.sock"
+        except KeyError:
+            url = "unix:///nonexistent/docker.sock"
+        source = f"{user}'s rootless dockerd socket"
+    return EngineTarget(name, "docker", url, Endpoint(url, source, True))
+
+
 def _reachable(name: str) -> tuple[EngineClient | None, str]:
-    target = engine_targets(os.environ)[name]
+    target = target_of(name)
     try:
         client = open_target(target)
         client.ping()
@@ -120,7 +144,7 @@ async def _provision(engine: str) -> ProvisionedImage:
     with builder:
         await bootstrap_base([builder], ctx=AuditContext(audit, "tests", "node-image", "images"),
                              reporter=reporter)
-    target = engine_targets(os.environ)[engine]
+    target = target_of(engine)
     return await ensure_image(
         target.kind, target.url, "node", _settings(), audit, "tests", "node-image",
         options=ProvisionOptions(engine_name=engine, base=BASE_REF, env=dict(os.environ),

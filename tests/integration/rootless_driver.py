@@ -3,7 +3,9 @@
     runuser -u fusionci -- PYTHON -m tests.integration.rootless_driver SCENARIO JSON-ARGS
 
 Prints one JSON object on the last line of stdout. The runtime finds the user's rootless
-podman socket by itself ($XDG_RUNTIME_DIR), as a user's setup would.
+podman socket by itself ($XDG_RUNTIME_DIR), as a user's setup would. Every scenario takes the
+caller's settings when the args carry them (``settings``): the docker backend on the user's
+rootless dockerd (tests/integration/test_docker.py, the contract and security suites).
 """
 
 from __future__ import annotations
@@ -39,8 +41,17 @@ def procs(result_stdout: str) -> list[str]:
     return [line for line in result_stdout.splitlines() if line.strip()]
 
 
+def given_settings(args: dict[str, Any]) -> SandboxSettings:
+    """The caller's settings (``settings`` in the args: docker-rootless passes the docker
+    backend and its socket; the scenarios' gate stays open), else rootless podman's."""
+    if "settings" in args:
+        return SandboxSettings.model_validate(args["settings"])
+    return settings()
+
+
 async def availability(args: dict[str, Any]) -> dict[str, Any]:
-    avail = create_runtime("podman", settings(), os.environ).availability()
+    chosen = given_settings(args)
+    avail = create_runtime(chosen.backend, chosen, os.environ).availability()
     return {"available": avail.available, "reason": avail.reason, "details": avail.details,
             "rootless": avail.rootless}
 
@@ -66,7 +77,7 @@ async def pnpm(args: dict[str, Any]) -> dict[str, Any]:
     repo, wt = make_repo(base, Path(args["project"]))
     out: dict[str, Any] = {}
     policy = SandboxPolicy(network=NetworkMode.EGRESS)
-    async with Sandbox(settings(), cache_root=base / "cache") as sb:
+    async with Sandbox(given_settings(args), cache_root=base / "cache") as sb:
         await sb.prepare(PrepareContext(task_id="rl-pnpm", run_id="r1", worktree_path=str(wt),
                                         image=args["image"], policy=policy,
                                         project_dir=str(repo)))
@@ -94,7 +105,7 @@ async def timeout(args: dict[str, Any]) -> dict[str, Any]:
     wt = Path(args["dir"]) / "wt"
     wt.mkdir()
     git(wt, "init", "-q")  # a task worktree is the top of a git work tree
-    async with Sandbox(settings(), cache_root=Path(args["dir"]) / "cache") as sb:
+    async with Sandbox(given_settings(args), cache_root=Path(args["dir"]) / "cache") as sb:
         await sb.prepare(PrepareContext(task_id="rl-timeout", run_id="r1", worktree_path=str(wt),
                                         image=args["image"], cache_mode=CacheMode.OFF,
                                         policy=SandboxPolicy(allow_network=False)))
@@ -120,7 +131,7 @@ async def network(args: dict[str, Any]) -> dict[str, Any]:
           "s.on('timeout',()=>{console.log('closed timeout');s.destroy()});")
     out: dict[str, Any] = {}
     for mode in (NetworkMode.NONE, NetworkMode.EGRESS):
-        async with Sandbox(settings(), cache_root=Path(args["dir"]) / "cache") as sb:
+        async with Sandbox(given_settings(args), cache_root=Path(args["dir"]) / "cache") as sb:
             await sb.prepare(PrepareContext(task_id=f"rl-net-{mode.value}", run_id="r1",
                                             worktree_path=str(wt), image=args["image"],
                                             cache_mode=CacheMode.OFF,
@@ -145,7 +156,7 @@ async def agent(args: dict[str, Any]) -> dict[str, Any]:
           "s.on('connect',()=>{console.log('open');process.exit(0)});"
           "s.on('error',e=>{console.log('closed '+e.code);process.exit(0)})")
     out: dict[str, Any] = {}
-    async with Sandbox(settings(), cache_root=Path(args["dir"]) / "cache") as sb:
+    async with Sandbox(given_settings(args), cache_root=Path(args["dir"]) / "cache") as sb:
         await sb.prepare(PrepareContext(task_id="rl-agent", run_id="r1", worktree_path=str(wt),
                                         image=args["image"], cache_mode=CacheMode.OFF,
                                         policy=SandboxPolicy(allow_network=False)))
@@ -175,7 +186,8 @@ def _cmdline(proc: Path) -> str:
 
 
 async def leftovers(args: dict[str, Any]) -> dict[str, Any]:
-    runtime: Any = create_runtime("podman", settings(), os.environ)
+    chosen = given_settings(args)
+    runtime: Any = create_runtime(chosen.backend, chosen, os.environ)
     try:
         adapter = runtime._connect()
         names = [f.name for f in adapter.list_labelled("io.fusion-oci.kind")
@@ -189,7 +201,8 @@ async def collect(args: dict[str, Any]) -> dict[str, Any]:
     """gc as this user (its cache directories are gone by now: their volumes go too)."""
     from fusion_oci.gc import gc
 
-    report = gc(settings=settings(), engines=["podman"])
+    chosen = given_settings(args)
+    report = gc(settings=chosen, engines=[chosen.backend])
     return {"removed": report.removed, "errors": report.errors}
 
 

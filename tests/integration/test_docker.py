@@ -1,16 +1,25 @@
-"""The docker runtime against a real dockerd (DOCKER_HOST from scripts/services.sh)."""
+"""The docker runtime against a real dockerd (DOCKER_HOST from scripts/services.sh), and
+against the CI user's rootless dockerd (``docker-rootless``), driven as that user."""
 
 from __future__ import annotations
 
+import json
 import os
+import pwd
+import subprocess
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from fusion_oci.policy.settings import SandboxSettings
+from fusion_oci.policy.settings import DockerSettings, GateSettings, SandboxSettings
 from fusion_oci.runtimes.registry import create_runtime
+from tests.backends import require
 from tests.integration import container_cases as cases
 from tests.integration.container_cases import *  # noqa: F403  (shared cases, collected per engine)
+from tests.integration.images_fixture import ensure_node_image
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
@@ -72,6 +81,128 @@ async def test_network_egress_reaches_a_container_network_not_host_loopback(
     cases.assert_network(matrix, seen, with_canary=True)
 
 
+
+
+# ---------------------------------------------------------------------------- rootless
+# The docker runtime as the unprivileged CI user against that user's rootless dockerd
+# (scripts/services.sh docker-rootless), through tests/integration/rootless_driver.py like
+# rootless podman's cases in test_podman.py.
+
+ROOTLESS_USER = os.environ.get("FUSION_OCI_ROOTLESS_USER", "fusionci")
+
+
+@pytest.fixture(scope="module")
+def dockerless() -> Iterator[dict[str, Any]]:
+    """The user, its rootless dockerd's socket, the settings that name it, an interpreter."""
+    try:
+        user = pwd.getpwnam(ROOTLESS_USER)
+    except KeyError:
+        require("docker-rootless", False, f"user {ROOTLESS_USER} does not exist")
+        raise
+    require("docker-rootless", os.getuid() == 0, "these tests switch user with runuser")
+    xdg = f"/run/user/{user.pw_uid}"
+    require("docker-rootless", Path(xdg, "docker.sock").exists(),
+            f"no rootless dockerd socket in {xdg} (scripts/services.sh start docker-rootless)")
+    settings = SandboxSettings(backend="docker",
+                               docker=DockerSettings(url=f"unix://{xdg}/docker.sock"),
+                               gates=GateSettings(sandbox_provision="allow"))
+    base = Path(tempfile.mkdtemp(prefix="fusion-oci-dockerless-"))
+    base.chmod(0o755)
+    rl = {"user": user, "xdg": xdg, "base": base, "python": cases.rootless_python(),
+          "settings": settings.model_dump(mode="json", by_alias=True)}
+    yield rl
+    subprocess.run(["rm", "-rf", str(base)], check=False)
+    report = drive(rl, "gc")
+    assert report["errors"] == [], report
+
+
+def drive(rl: dict[str, Any], scenario: str, timeout: float = 300, **args: Any
+          ) -> dict[str, Any]:
+    user = rl["user"]
+    env = ["env", "-i", f"HOME={user.pw_dir}", f"USER={user.pw_name}",
+           f"XDG_RUNTIME_DIR={rl['xdg']}", "PATH=/usr/local/bin:/usr/bin:/bin", "LANG=C.UTF-8",
+           *rl["python"][1:-1]]
+    ask = json.dumps({"settings": rl["settings"], **args})
+    out = subprocess.run(["runuser", "-u", user.pw_name, "--", *env, rl["python"][-1], "-m",
+                          "tests.integration.rootless_driver", scenario, ask],
+                         capture_output=True, text=True, timeout=timeout, cwd="/")
+    assert out.returncode == 0, out.stderr[-3000:]
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def workdir(rl: dict[str, Any], name: str) -> Path:
+    path: Path = rl["base"] / name
+    path.mkdir()
+    os.chown(path, rl["user"].pw_uid, rl["user"].pw_gid)
+    return path
+
+
+@pytest.mark.docker_rootless
+def test_rootless_dockerd_is_seen_as_rootless_without_cgroups(
+        dockerless: dict[str, Any]) -> None:
+    result = drive(dockerless, "availability")
+    assert result["available"] and result["rootless"] is True, result
+    assert result["details"]["socket"] == f"unix://{dockerless['xdg']}/docker.sock"
+    # This host is cgroup v1/hybrid: a rootless dockerd runs without cgroups there, and the
+    # contract suite checks that memory and pids limits are refused (not ignored).
+    assert result["details"]["cgroup"] == "v1"
+
+
+@pytest.mark.docker_rootless
+def test_rootless_pnpm_project_installs_tests_builds_and_commits(
+        dockerless: dict[str, Any]) -> None:
+    image = ensure_node_image("docker-rootless").ref
+    result = drive(dockerless, "pnpm", dir=str(workdir(dockerless, "pnpm")), image=image,
+                   project=str(cases.rootless_project()))
+    for step in ("install", "test", "build", "commit"):
+        assert result[step]["exit"] == 0, (step, result[step])
+    assert result["hooks"]["exit"] != 0, "the common dir's hooks are read-only"
+    assert "from the rootless sandbox" in result["log"]
+    # The user namespace's root, without capabilities: the user itself on the host.
+    assert result["id"]["stdout"].strip() == "0"
+    assert result["files"] > 0 and result["not_mine"] == [], result["not_mine"]
+
+
+@pytest.mark.docker_rootless
+def test_rootless_timeout_ends_the_tree_and_files_stay_the_users(
+        dockerless: dict[str, Any]) -> None:
+    image = ensure_node_image("docker-rootless").ref
+    result = drive(dockerless, "timeout", dir=str(workdir(dockerless, "timeout")), image=image)
+    assert result["timed_out"] and result["reason"] == "timeout"
+    assert result["took"] < 15
+    assert not any("sleep 30" in p for p in result["procs"]), result["procs"]
+    assert result["uid_inside"] == "0"
+    assert result["owner"] == result["me"] == dockerless["user"].pw_uid
+    assert drive(dockerless, "leftovers") == {"left": []}
+
+
+@pytest.mark.docker_rootless
+def test_rootless_egress_keeps_host_loopback_closed(
+        dockerless: dict[str, Any], host_loopback_server: tuple[int, list[str]]) -> None:
+    port, seen = host_loopback_server
+    image = ensure_node_image("docker-rootless").ref
+    result = drive(dockerless, "network", dir=str(workdir(dockerless, "net")), image=image,
+                   port=port)
+    for mode, row in result.items():
+        for host, outcome in row.items():
+            assert not outcome.startswith("open"), (mode, host, result)
+    assert seen == []
+
+
+@pytest.mark.docker_rootless
+def test_rootless_agent_is_unreachable_and_leaves_no_process_per_command(
+        dockerless: dict[str, Any]) -> None:
+    """The agent runs as the same uid 0 as the commands here (both are the user on the
+    host): still nothing can connect to it, replace it, or read its environment or fds."""
+    image = ensure_node_image("docker-rootless").ref
+    result = drive(dockerless, "agent", dir=str(workdir(dockerless, "agent")), image=image)
+    assert result["connect"].startswith("closed"), result
+    assert all(code not in (0, None) for code in result["tamper"].values()), result
+    before, after = result["monitors"]
+    assert before >= 1 and after == before, result  # the container's shim, nothing per command
+    assert result["outputs_ok"]
+    assert drive(dockerless, "leftovers") == {"left": []}
 
 
 # ---------------------------------------------------------------------------- compose canary

@@ -7,9 +7,10 @@ probe must be blocked or must leak: native isolates nothing, so there a probe is
 leak, which proves that the probe can see a leak at all. A container runtime joins by adding
 its id to ``BACKENDS`` (and any deviations to ``EXPECT``).
 
-``podman-rootless`` is the podman runtime driven as the unprivileged CI user: each command
-goes through ``tests.integration.rootless_driver probe`` under ``runuser``, while the host-side
-checks stay here (as root). Everything a probe targets (the fake $HOME, the worktree, the
+``podman-rootless`` is the podman runtime driven as the unprivileged CI user, and
+``docker-rootless`` the docker runtime driven as that user against its rootless dockerd: each
+command goes through ``tests.integration.rootless_driver probe`` under ``runuser``, while the
+host-side checks stay here (as root). Everything a probe targets (the fake $HOME, the worktree, the
 "outside" files) belongs to that user on the host, so a leak is stopped by the sandbox or not
 at all, never by host permissions; the processes a probe attacks run as that user too.
 """
@@ -37,9 +38,19 @@ from fusion_oci.sandbox import SyncSandbox
 from tests.backends import backend_settings, require, require_runtime
 
 BACKENDS = ["native", "bubblewrap", "landlock", "oci", "oci-runsc", "podman", "docker",
-            "podman-rootless"]
+            "podman-rootless", "docker-rootless"]
 ROOTLESS = "podman-rootless"
+DOCKERLESS = "docker-rootless"
+ROOTLESS_BACKENDS = {ROOTLESS: "rootless_user", DOCKERLESS: "dockerless_user"}
+"""The backends driven as the unprivileged CI user, and the session fixture of each."""
 ROOTLESS_USER = os.environ.get("FUSION_OCI_ROOTLESS_USER", "fusionci")
+
+
+def _rootless_xdg() -> str | None:
+    try:
+        return f"/run/user/{pwd.getpwnam(ROOTLESS_USER).pw_uid}"
+    except KeyError:
+        return None
 
 
 def engine_env(backend: str) -> dict[str, str]:
@@ -48,12 +59,12 @@ def engine_env(backend: str) -> dict[str, str]:
         return {"DOCKER_HOST": os.environ["DOCKER_HOST"]}
     if backend == "podman" and os.environ.get("FUSION_OCI_PODMAN_URL"):
         return {"CONTAINER_HOST": os.environ["FUSION_OCI_PODMAN_URL"]}
-    if backend == ROOTLESS:
-        # The user's own socket, found through its runtime dir as podman itself finds it.
-        try:
-            return {"XDG_RUNTIME_DIR": f"/run/user/{pwd.getpwnam(ROOTLESS_USER).pw_uid}"}
-        except KeyError:
-            return {}
+    if backend in ROOTLESS_BACKENDS and (xdg := _rootless_xdg()):
+        # The user's own socket, found through its runtime dir as podman itself finds it;
+        # a rootless dockerd's user exports DOCKER_HOST (Docker's rootless setup says so).
+        if backend == DOCKERLESS:
+            return {"XDG_RUNTIME_DIR": xdg, "DOCKER_HOST": f"unix://{xdg}/docker.sock"}
+        return {"XDG_RUNTIME_DIR": xdg}
     return {}
 
 Expect = Literal["blocked", "leaks", "unenforced"]
@@ -113,12 +124,15 @@ EXPECT: dict[tuple[str, str], Expect] = {
     # the sandbox's threads instead, so pidsLimit is refused (memory is enforced: oom).
     ("fork-bomb", "oci-runsc"): "unenforced",
     ("disk-fill-tmp", "oci-runsc"): "unenforced",  # gVisor's tmpfs ignores size=
-    # Rootless podman gets no cgroup of its own on a cgroup v1 host: the lifecycle refuses
-    # memory, pids and CPU-quota limits there (PolicyNotEnforceableError) rather than let
-    # podman ignore them. Where the user's engine reports cgroup v2 they are enforced, and
-    # expected() turns these back into "blocked".
+    # Rootless podman and a rootless dockerd get no cgroup of their own on a cgroup v1 host:
+    # the lifecycle refuses memory, pids and CPU-quota limits there
+    # (PolicyNotEnforceableError) rather than let the engine ignore them. Where the user's
+    # engine reports cgroup v2 they are enforced, and expected() turns these back into
+    # "blocked".
     ("fork-bomb", ROOTLESS): "unenforced",
     ("memory-hog", ROOTLESS): "unenforced",
+    ("fork-bomb", DOCKERLESS): "unenforced",
+    ("memory-hog", DOCKERLESS): "unenforced",
 }
 
 CGROUP_LIMIT_PROBES = {"fork-bomb", "memory-hog"}
@@ -126,13 +140,13 @@ HOST_VIEW = {"landlock"}
 """Backends that run on the host's filesystem view, confined by access checks: what exists is
 visible to stat (Landlock does not govern it), so probes judge them by what can be opened."""
 
-# What the rootless engine said about itself (availability details), once per session.
-ROOTLESS_ENGINE: dict[str, str] = {}
+# What each rootless engine said about itself (availability details), once per session.
+ROOTLESS_ENGINES: dict[str, dict[str, str]] = {}
 
 
 def expected(probe: str, backend: str) -> Expect:
-    if (backend == ROOTLESS and probe in CGROUP_LIMIT_PROBES
-            and ROOTLESS_ENGINE.get("cgroup", "v1") != "v1"):
+    if (backend in ROOTLESS_BACKENDS and probe in CGROUP_LIMIT_PROBES
+            and ROOTLESS_ENGINES.get(backend, {}).get("cgroup", "v1") != "v1"):
         return "blocked"
     return EXPECT.get((probe, backend), "blocked")
 
@@ -171,12 +185,14 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 MARKS = {"native": pytest.mark.native, "bubblewrap": pytest.mark.bubblewrap,
          "landlock": pytest.mark.landlock, "oci": pytest.mark.oci,
          "oci-runsc": pytest.mark.runsc, "podman": pytest.mark.podman,
-         "docker": pytest.mark.docker, ROOTLESS: pytest.mark.podman_rootless}
+         "docker": pytest.mark.docker, ROOTLESS: pytest.mark.podman_rootless,
+         DOCKERLESS: pytest.mark.docker_rootless}
 
 
 @dataclass(frozen=True)
 class RootlessUser:
-    """The unprivileged user whose rootless podman the ``podman-rootless`` probes use."""
+    """The unprivileged user whose rootless engine the ``podman-rootless`` (or
+    ``docker-rootless``) probes use."""
 
     name: str
     uid: int
@@ -186,7 +202,9 @@ class RootlessUser:
     python: list[str]
     """``env PYTHONPATH=... PYTHON`` the user can run (container_cases.rootless_python)."""
     image: str = ""
-    """The node image's reference in the user's podman storage."""
+    """The node image's reference in the user's engine's storage."""
+    settings: dict[str, Any] = field(default_factory=dict)
+    """The engine's own settings (docker-rootless: ``docker.url``, the user's socket)."""
 
     def drive(self, scenario: str, args: dict[str, Any], timeout: float) -> dict[str, Any]:
         """Run a rootless_driver scenario as the user; its JSON answer."""
@@ -219,7 +237,8 @@ class Prober:
     home: Path
     env: dict[str, str] = field(default_factory=dict)
     rootless: RootlessUser | None = None
-    """Set for podman-rootless: commands run as this user, through the rootless driver."""
+    """Set for the rootless backends: commands run as this user, through the rootless
+    driver."""
 
     def run(self, command: str, policy: SandboxPolicy | None = None, *,
             timeout_ms: int = 20_000, worktree: Path | None = None,
@@ -250,6 +269,9 @@ class Prober:
                       ctx: PrepareContext, opts: RunOptions) -> RunResult:
         if self.backend == ROOTLESS:
             settings = SandboxSettings(backend="podman", policy=policy, image=user.image)
+        elif self.backend == DOCKERLESS:
+            settings = SandboxSettings(backend="docker", policy=policy, image=user.image,
+                                       **user.settings)
         else:  # a host-process runtime run by the unprivileged caller
             settings = SandboxSettings(backend=self.backend, policy=policy)  # type: ignore[arg-type]
         user.hand_over(self.tmp)  # whatever the test put there since the last run
@@ -260,7 +282,7 @@ class Prober:
             "env": self.env, "cacheRoot": str(self.tmp / "cache"), "command": command,
         }, timeout=opts.timeout_ms / 1000 + 120)
         if "refused" in answer:
-            raise PolicyNotEnforceableError("podman", answer["refused"])
+            raise PolicyNotEnforceableError(settings.backend, answer["refused"])
         return RunResult.model_validate(answer["result"])
 
     @property
@@ -279,41 +301,59 @@ class Prober:
                                 stderr=subprocess.DEVNULL)
 
 
-@pytest.fixture(scope="session")
-def rootless_user() -> Iterator[RootlessUser]:
-    """The rootless podman user, checked once: a missing setup fails where CI requires it."""
+def _rootless_session(backend: str, socket: str, engine: str,
+                      settings: dict[str, Any]) -> Iterator[RootlessUser]:
+    """The user that drives ``backend``, checked once (its engine's ``socket`` under its
+    runtime dir answers and is rootless; a missing setup fails where CI requires it), with
+    the node image in that engine; at the end, gc as the user."""
     from tests.integration.container_cases import rootless_python
     from tests.integration.images_fixture import ensure_node_image
 
     try:
         user = pwd.getpwnam(ROOTLESS_USER)
     except KeyError:
-        require(ROOTLESS, False, f"user {ROOTLESS_USER} does not exist")
+        require(backend, False, f"user {ROOTLESS_USER} does not exist")
         raise
-    require(ROOTLESS, os.getuid() == 0, "the rootless probes switch user with runuser")
+    require(backend, os.getuid() == 0, "the rootless probes switch user with runuser")
     xdg = f"/run/user/{user.pw_uid}"
-    require(ROOTLESS, Path(xdg, "podman", "podman.sock").exists(),
-            f"no rootless podman socket in {xdg} (scripts/services.sh start podman-rootless)")
+    require(backend, Path(xdg, socket).exists(),
+            f"no {backend} socket in {xdg} (scripts/services.sh start {backend})")
     rl = RootlessUser(user.pw_name, user.pw_uid, user.pw_gid, user.pw_dir, xdg,
-                      rootless_python())
-    avail = rl.drive("availability", {}, timeout=120)
-    require(ROOTLESS, bool(avail["available"]), str(avail["reason"]))
-    require(ROOTLESS, bool(avail["rootless"]), f"the podman at {xdg} is not rootless")
-    ROOTLESS_ENGINE.update({k: str(v) for k, v in (avail["details"] or {}).items()})
+                      rootless_python(), settings=settings)
+    chosen = SandboxSettings(backend=engine, **settings)  # type: ignore[arg-type]
+    ask = {"settings": chosen.model_dump(mode="json", by_alias=True)}
+    avail = rl.drive("availability", ask, timeout=120)
+    require(backend, bool(avail["available"]), str(avail["reason"]))
+    require(backend, bool(avail["rootless"]), f"the {engine} at {xdg} is not rootless")
+    ROOTLESS_ENGINES[backend] = {k: str(v) for k, v in (avail["details"] or {}).items()}
     rl = RootlessUser(rl.name, rl.uid, rl.gid, rl.home, rl.xdg, rl.python,
-                      ensure_node_image(ROOTLESS).ref)
+                      ensure_node_image(backend).ref, settings)
     yield rl
     # Shared-mode cache volumes outlive their task by design; their directories are gone
     # by now, so gc (as the user) removes them.
-    report = rl.drive("gc", {}, timeout=300)
+    report = rl.drive("gc", ask, timeout=300)
     assert report["errors"] == [], report
+
+
+@pytest.fixture(scope="session")
+def rootless_user() -> Iterator[RootlessUser]:
+    """The rootless podman user, checked once."""
+    yield from _rootless_session(ROOTLESS, "podman/podman.sock", "podman", {})
+
+
+@pytest.fixture(scope="session")
+def dockerless_user() -> Iterator[RootlessUser]:
+    """The same user with its rootless dockerd, reached as the docker backend on its socket."""
+    url = f"unix://{_rootless_xdg()}/docker.sock"
+    yield from _rootless_session(DOCKERLESS, "docker.sock", "docker",
+                                 {"docker": {"url": url}})
 
 
 @pytest.fixture(params=[pytest.param(b, marks=MARKS[b]) for b in BACKENDS])
 def backend(request: pytest.FixtureRequest) -> str:
     name: str = request.param
-    if name == ROOTLESS:
-        request.getfixturevalue("rootless_user")
+    if name in ROOTLESS_BACKENDS:
+        request.getfixturevalue(ROOTLESS_BACKENDS[name])
     elif engine_env(name):
         from fusion_oci.runtimes.registry import create_runtime
         from tests.backends import require
@@ -331,8 +371,8 @@ def prober(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iter
     """A caller with its own $HOME (holding secrets) and a task worktree beside it."""
     rootless: RootlessUser | None = None
     base = tmp_path
-    if backend == ROOTLESS:
-        rootless = request.getfixturevalue("rootless_user")
+    if backend in ROOTLESS_BACKENDS:
+        rootless = request.getfixturevalue(ROOTLESS_BACKENDS[backend])
         # pytest's tmp_path sits under root-only (0700) directories the user cannot enter.
         base = Path(tempfile.mkdtemp(prefix="fusion-oci-probe-"))
         base.chmod(0o755)

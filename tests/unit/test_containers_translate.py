@@ -90,6 +90,8 @@ CASES = {
     "podman-rootless-cgroupv1": (Target("podman", True, (32768, 32768), cgroup_limits=False),
                                  POLICY, False),
     "docker-none-isolated": (Target("docker"), SandboxPolicy(allow_network=False), True),
+    "docker-rootless-cgroupv1": (Target("docker", True, (96551, 96551), cgroup_limits=False),
+                                 POLICY, False),
     "podman-host": (Target("podman"), SandboxPolicy(network=NetworkMode.HOST), False),
 }
 
@@ -160,6 +162,28 @@ def test_translation_essentials() -> None:
     assert "SECRET" not in env and env["NODE_ENV"] == "test"
     assert env["GIT_CONFIG_VALUE_0"] == "*"
     assert env["NODE_EXTRA_CA_CERTS"] == "/etc/fusion-oci/host-ca.pem"
+
+
+def test_rootless_dockerd_runs_the_caller_as_its_user_namespace_root() -> None:
+    """A rootless dockerd maps the container's root to the caller (uids above it to the
+    caller's subordinate ids): the sandbox user is 0:0 inside, without capabilities, and the
+    private HOME is that user's, so the worktree's files stay the caller's; the rootful
+    translation keeps the caller's uid, and nothing else of the spec changes."""
+    spec = spec_for(POLICY)
+    rootless = plan_container(spec, Target("docker", True), name="n", owner=OWNER)
+    rootful = plan_container(spec, Target("docker"), name="n", owner=OWNER)
+    assert rootless.create["user"] == "0:0" and rootful.create["user"] == "1000:1000"
+    assert rootless.create["cap_drop"] == ["ALL"] and rootless.create["cap_add"] == []
+    assert rootless.create["security_opt"][0] == "no-new-privileges"
+    home = "/home/sandbox"
+    assert "uid=0" in rootless.create["tmpfs"][home].split(",")
+    assert "uid=1000" in rootful.create["tmpfs"][home].split(",")
+    assert "userns_mode" not in rootless.create, "docker has no keep-id"
+    assert rootless.create["network_mode"] == "bridge", "rootlesskit's slirp4netns is outside"
+    assert spec["process"]["user"] == {"uid": 1000, "gid": 1000}, "the spec is not changed"
+    same = {k: v for k, v in rootful.create.items() if k not in ("user", "tmpfs")}
+    assert {k: v for k, v in rootless.create.items() if k not in ("user", "tmpfs")} == same
+    assert any("rootless dockerd" in n for n in rootless.notes)
 
 
 def test_rootless_slirp_keeps_host_loopback_closed() -> None:
