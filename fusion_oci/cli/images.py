@@ -32,7 +32,7 @@ T = TypeVar("T")
 
 EngineOpt = Annotated[list[str] | None, typer.Option(
     "--engine", help="An engine to use (repeatable; default: every engine that answers).",
-    **choice("--engine", ("podman", "podman-rootless", "docker")))]
+    **choice("--engine", ("podman", "podman-rootless", "docker", "docker-rootless")))]
 BaseOpt = Annotated[str | None, typer.Option(
     "--base", help="BASE for images/ builds: a reference, or 'offline' for "
     "localhost/fusion-oci/base:bookworm (default: the public base if it can be had).")]

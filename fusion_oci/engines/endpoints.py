@@ -259,21 +259,34 @@ def engine_targets(env: Mapping[str, str], uid: int | None = None, *,
                    podman_url: str | None = None, docker_url: str | None = None,
                    home: Path | None = None) -> dict[str, EngineTarget]:
     """The engines image operations look at: podman (as this user resolves it), a rootless
-    podman (``FUSION_OCI_ROOTLESS_PODMAN_URL``, else this uid's rootless socket) and docker."""
+    podman (``FUSION_OCI_ROOTLESS_PODMAN_URL``, else this uid's rootless socket), docker (as
+    the runtime resolves it: of its candidates, the first whose socket exists) and a rootless
+    dockerd (``FUSION_OCI_ROOTLESS_DOCKER_URL``, else this uid's ``$XDG_RUNTIME_DIR``
+    socket)."""
     uid = os.getuid() if uid is None else uid
     podman = podman_endpoints(podman_url, env, uid, home=home)[0]
+    xdg = (env.get("XDG_RUNTIME_DIR") if uid != 0 else None) or f"/run/user/{uid}"
     if env.get("FUSION_OCI_ROOTLESS_PODMAN_URL"):
         rootless = Endpoint(env["FUSION_OCI_ROOTLESS_PODMAN_URL"],
                             "FUSION_OCI_ROOTLESS_PODMAN_URL", True)
     else:
-        xdg = env.get("XDG_RUNTIME_DIR") if uid != 0 else None
-        rootless = Endpoint(f"unix://{xdg or f'/run/user/{uid}'}/podman/podman.sock",
+        rootless = Endpoint(f"unix://{xdg}/podman/podman.sock",
                             "podman's default rootless socket")
-    docker = docker_endpoints(docker_url, env, uid, home=home)[0]
+    if env.get("FUSION_OCI_ROOTLESS_DOCKER_URL"):
+        rootless_docker = Endpoint(env["FUSION_OCI_ROOTLESS_DOCKER_URL"],
+                                   "FUSION_OCI_ROOTLESS_DOCKER_URL", True)
+    else:
+        rootless_docker = Endpoint(f"unix://{xdg}/docker.sock", "rootless dockerd's socket")
+    candidates = docker_endpoints(docker_url, env, uid, home=home)
+    docker = next((e for e in candidates
+                   if (path := socket_path(e.url)) is not None and Path(path).exists()),
+                  candidates[0])
     return {
         "podman": EngineTarget("podman", "podman", podman.url, podman),
         "podman-rootless": EngineTarget("podman-rootless", "podman", rootless.url, rootless),
         "docker": EngineTarget("docker", "docker", docker.url, docker),
+        "docker-rootless": EngineTarget("docker-rootless", "docker", rootless_docker.url,
+                                        rootless_docker),
     }
 
 

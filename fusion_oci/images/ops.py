@@ -39,7 +39,7 @@ from fusion_oci.images.spec import (
 )
 from fusion_oci.policy.settings import SandboxSettings
 
-ENGINE_NAMES = ("podman", "podman-rootless", "docker")
+ENGINE_NAMES = ("podman", "podman-rootless", "docker", "docker-rootless")
 EXPLICIT: frozenset[GateName] = frozenset({"sandbox_provision", "network_api"})
 
 
@@ -76,13 +76,13 @@ def image_names(images_dir: Path | None = None) -> list[str]:
 
 
 def probe_engines(names: Sequence[str], env: Mapping[str, str]) -> list[EngineStatus]:
-    """Which of the named engines answer (empty ``names``: all three)."""
+    """Which of the named engines answer (empty ``names``: all of them)."""
     targets = engine_targets(env)
     out: list[EngineStatus] = []
     for name in names or ENGINE_NAMES:
         if name not in targets:
             raise ProvisionError(f"unknown engine '{name}'", "",
-                                 "use podman, podman-rootless or docker")
+                                 "use podman, podman-rootless, docker or docker-rootless")
         target = targets[name]
         try:
             with open_target(target) as client:

@@ -75,7 +75,8 @@ class ProvisionOptions:
     """The less common knobs of :func:`ensure_image` (all have working defaults)."""
 
     engine_name: str | None = None
-    """podman, podman-rootless or docker (audit, labels). None: guessed from the URL."""
+    """podman, podman-rootless, docker or docker-rootless (audit, labels). None: guessed from
+    the URL."""
     base: str | None = None
     """``BASE`` for images built from ``images/``. None: the public base if present or
     pullable, else :data:`~fusion_oci.images.spec.BASE_REF`."""
@@ -135,7 +136,9 @@ async def ensure_image(
 
 def _guess_name(engine: Engine, url: str, env: Mapping[str, str]) -> str:
     if engine == "docker":
-        return "docker"
+        rootless = engine_targets(env)["docker-rootless"].url.rstrip("/")
+        return "docker-rootless" if url and (url.rstrip("/") == rootless
+                                            or "/run/user/" in url) else "docker"
     rootless = engine_targets(env)["podman-rootless"].url.rstrip("/")
     if url.rstrip("/") == rootless or "/run/user/" in url:
         return "podman-rootless"

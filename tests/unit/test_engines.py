@@ -197,11 +197,30 @@ def test_image_targets_use_the_same_resolver(home: Path) -> None:
     targets = engine_targets(env, 0, home=home)
     assert {n: t.url for n, t in targets.items()} == {
         "podman": "unix:///p.sock", "podman-rootless": "unix:///r.sock",
-        "docker": "unix:///d.sock"}
+        "docker": "unix:///d.sock", "docker-rootless": "unix:///run/user/0/docker.sock"}
+    env["FUSION_OCI_ROOTLESS_DOCKER_URL"] = "unix:///rd.sock"
+    assert engine_targets(env, 0, home=home)["docker-rootless"].url == "unix:///rd.sock"
     assert engine_targets(env, 0, podman_url="unix:///s.sock", home=home)["podman"].url == \
         "unix:///s.sock"
     assert engine_targets({}, 0, home=home)["podman-rootless"].url == \
         "unix:///run/user/0/podman/podman.sock"
+
+
+def test_the_docker_image_target_is_the_first_socket_that_exists(home: Path,
+                                                                 tmp_path: Path) -> None:
+    """A user with only a rootless dockerd: images find it as the runtime does."""
+    import socket as _socket
+
+    xdg = tmp_path / "xdg"
+    xdg.mkdir()
+    with _socket.socket(_socket.AF_UNIX) as sock:
+        sock.bind(str(xdg / "docker.sock"))
+        env = {"XDG_RUNTIME_DIR": str(xdg)}
+        if not Path("/var/run/docker.sock").exists():
+            assert engine_targets(env, 1000, home=home)["docker"].url == \
+                f"unix://{xdg}/docker.sock"
+        assert engine_targets(env, 1000, home=home)["docker-rootless"].url == \
+            f"unix://{xdg}/docker.sock"
 
 
 # --------------------------------------------------------------------------- errors

@@ -288,5 +288,7 @@ def test_engine_name_is_guessed_from_the_socket() -> None:
         "podman-rootless")
     assert _guess_name("podman", "unix:///run/podman/podman.sock", env) == "podman"
     assert _guess_name("docker", "", env) == "docker"
+    assert _guess_name("docker", "unix:///var/run/docker.sock", env) == "docker"
+    assert _guess_name("docker", "unix:///run/user/1001/docker.sock", {}) == "docker-rootless"
 
 
