@@ -158,7 +158,8 @@ class DockerAdapter(EngineAdapter):
         with self.call(what), context_tar.open("rb") as body:
             stream = self.api.build(
                 fileobj=body, custom_context=True, dockerfile=containerfile, tag=tag,
-                buildargs=dict(build_args), labels=dict(labels), rm=True, decode=True,
+                buildargs=dict(build_args), labels=dict(labels), rm=True, forcerm=True,
+                decode=True,
                 timeout=LONG_TIMEOUT_S)
             for event in stream:
                 if "error" in event or "errorDetail" in event:

@@ -139,7 +139,9 @@ class PodmanAdapter(EngineAdapter):
         # returns; the same documented /build parameters through its API client let us show
         # progress while it runs.
         params: dict[str, Any] = {
-            "dockerfile": containerfile, "t": tag, "layers": True, "rm": True,
+            # forcerm: the build's containers go even when a step fails (rm alone keeps a
+            # failed one, its rootfs mounted on the host, one per failed build).
+            "dockerfile": containerfile, "t": tag, "layers": True, "rm": True, "forcerm": True,
             "buildargs": json.dumps(dict(build_args)), "labels": json.dumps(dict(labels)),
         }
         if secrets:

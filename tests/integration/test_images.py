@@ -272,6 +272,7 @@ def test_containerfile_errors_fail_on_the_first_attempt(tmp_path: Path, images_d
                                                         words: str) -> None:
     name = make_context(images_dir, "t-broken", body)
     log, events = audit
+    mounts = _overlay_mounts()
     with pytest.raises(ProvisionError) as err:
         asyncio.run(ensure_image("podman", podman_url(), name, allow(), log, "t", "r",
                                  options=opts(tmp_path, images_dir,
@@ -281,6 +282,14 @@ def test_containerfile_errors_fail_on_the_first_attempt(tmp_path: Path, images_d
                 and e.details and e.details.get("action") == "build"]
     assert [(a["attempt"], a["outcome"], a["transient"]) for a in attempts] == [
         (1, "failed", False)]
+    # The failed step's build container is gone, its rootfs no longer mounted on the host
+    # (without forcerm, one mount was left per failed build).
+    assert not _overlay_mounts() - mounts
+
+
+def _overlay_mounts() -> set[str]:
+    with open("/proc/self/mountinfo", encoding="utf-8") as f:
+        return {line.split()[4] for line in f if " - overlay " in line}
 
 
 @pytest.mark.podman
