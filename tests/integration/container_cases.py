@@ -559,3 +559,29 @@ def rootless_project() -> Path:
     """The pnpm project where the unprivileged user can read it."""
     rootless_python()
     return _staged[0] / "pnpm-project" if _staged else PNPM_PROJECT
+
+
+def drive_rootless(rl: dict[str, Any], scenario: str, timeout: float = 300, **args: Any
+                   ) -> dict[str, Any]:
+    """One ``rootless_driver`` scenario as the unprivileged user of ``rl`` (its ``user``,
+    ``xdg`` and ``python``; with ``settings``, those of the engine it drives, else podman's):
+    the scenario's last JSON line."""
+    user = rl["user"]
+    env = ["env", "-i", f"HOME={user.pw_dir}", f"USER={user.pw_name}",
+           f"XDG_RUNTIME_DIR={rl['xdg']}", "PATH=/usr/local/bin:/usr/bin:/bin", "LANG=C.UTF-8",
+           *rl["python"][1:-1]]  # env PYTHONPATH=... PYTHON
+    ask = {"settings": rl["settings"], **args} if "settings" in rl else args
+    out = subprocess.run(["runuser", "-u", user.pw_name, "--", *env, rl["python"][-1], "-m",
+                          "tests.integration.rootless_driver", scenario, json.dumps(ask)],
+                         capture_output=True, text=True, timeout=timeout, cwd="/")
+    assert out.returncode == 0, out.stderr[-3000:]
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def rootless_workdir(rl: dict[str, Any], name: str) -> Path:
+    """A folder of the unprivileged user under ``rl``'s base."""
+    path: Path = rl["base"] / name
+    path.mkdir()
+    os.chown(path, rl["user"].pw_uid, rl["user"].pw_gid)
+    return path

@@ -3,7 +3,6 @@ against the CI user's rootless dockerd (``docker-rootless``), driven as that use
 
 from __future__ import annotations
 
-import json
 import os
 import pwd
 import subprocess
@@ -116,26 +115,8 @@ def dockerless() -> Iterator[dict[str, Any]]:
     assert report["errors"] == [], report
 
 
-def drive(rl: dict[str, Any], scenario: str, timeout: float = 300, **args: Any
-          ) -> dict[str, Any]:
-    user = rl["user"]
-    env = ["env", "-i", f"HOME={user.pw_dir}", f"USER={user.pw_name}",
-           f"XDG_RUNTIME_DIR={rl['xdg']}", "PATH=/usr/local/bin:/usr/bin:/bin", "LANG=C.UTF-8",
-           *rl["python"][1:-1]]
-    ask = json.dumps({"settings": rl["settings"], **args})
-    out = subprocess.run(["runuser", "-u", user.pw_name, "--", *env, rl["python"][-1], "-m",
-                          "tests.integration.rootless_driver", scenario, ask],
-                         capture_output=True, text=True, timeout=timeout, cwd="/")
-    assert out.returncode == 0, out.stderr[-3000:]
-    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
-    return result
-
-
-def workdir(rl: dict[str, Any], name: str) -> Path:
-    path: Path = rl["base"] / name
-    path.mkdir()
-    os.chown(path, rl["user"].pw_uid, rl["user"].pw_gid)
-    return path
+drive = cases.drive_rootless
+workdir = cases.rootless_workdir
 
 
 @pytest.mark.docker_rootless

@@ -4,7 +4,6 @@ $XDG_RUNTIME_DIR socket, keep-id, slirp4netns)."""
 
 from __future__ import annotations
 
-import json
 import os
 import pwd
 import shutil
@@ -126,26 +125,8 @@ def rootless() -> Iterator[dict[str, Any]]:
     assert report["errors"] == [], report
 
 
-def drive(rl: dict[str, Any], scenario: str, timeout: float = 300, **args: Any
-          ) -> dict[str, Any]:
-    user = rl["user"]
-    env = ["env", "-i", f"HOME={user.pw_dir}", f"USER={user.pw_name}",
-           f"XDG_RUNTIME_DIR={rl['xdg']}", "PATH=/usr/local/bin:/usr/bin:/bin", "LANG=C.UTF-8"]
-    python = rl["python"]  # env PYTHONPATH=... PYTHON
-    env += python[1:-1]
-    out = subprocess.run(["runuser", "-u", user.pw_name, "--", *env, python[-1], "-m",
-                          "tests.integration.rootless_driver", scenario, json.dumps(args)],
-                         capture_output=True, text=True, timeout=timeout, cwd="/")
-    assert out.returncode == 0, out.stderr[-3000:]
-    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
-    return result
-
-
-def workdir(rl: dict[str, Any], name: str) -> Path:
-    path: Path = rl["base"] / name
-    path.mkdir()
-    os.chown(path, rl["user"].pw_uid, rl["user"].pw_gid)
-    return path
+drive = cases.drive_rootless
+workdir = cases.rootless_workdir
 
 
 @pytest.mark.podman_rootless
