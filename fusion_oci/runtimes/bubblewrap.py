@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import errno
 import os
 import re
 import resource
@@ -437,11 +436,10 @@ class BubblewrapRuntime(SpecRuntime):
                 await link.stop()
             if group is not None:
                 await asyncio.to_thread(group.remove)
-            if isinstance(exc, OSError):  # E2BIG, EMFILE, ...: nothing ran
-                hint = ("one argument or environment value is limited to 128 KiB: pass large "
-                        "data through stdin or a file" if exc.errno == errno.E2BIG else
-                        "check the host's process and file limits (ulimit -a)")
-                raise SandboxSetupError("bwrap could not be started", str(exc), hint) from exc
+            if isinstance(exc, OSError):  # EMFILE, EAGAIN, ...: nothing ran
+                raise SandboxSetupError("bwrap could not be started", str(exc),
+                                        "check the host's process and file limits "
+                                        "(ulimit -a)") from exc
             if isinstance(exc, SandboxSetupError) and proc is not None:
                 said = _last_lines(log_path)
                 if said:

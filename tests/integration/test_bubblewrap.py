@@ -438,3 +438,26 @@ async def test_agent_cannot_be_replaced_traced_or_ended_from_inside(
         assert again.stdout == "still here\n", again
         assert runtime._box.agent.peer_pid == before and not runtime._box.agent.lost
         assert (await other.run("echo b")).stdout == "b\n", "the other task's agent is intact"
+
+
+async def test_a_sandbox_bwrap_cannot_build_is_a_setup_error_with_its_words(
+        tmp_path: Path, worktree: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bwrap refusing the sandbox at prepare (as a host without mount rights has it say) is
+    a typed setup error carrying bwrap's own message, and nothing of it is left."""
+    from fusion_oci.errors import SandboxSetupError
+
+    fake = tmp_path / "bwrap"
+    fake.write_text("#!/bin/sh\necho 'bwrap: Can'\\''t mount proc on /newroot/proc: "
+                    "Operation not permitted' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    real = bubblewrap.probe_host_support(os.environ.get("PATH", os.defpath), os.geteuid())
+    monkeypatch.setattr(bubblewrap, "probe_host_support",
+                        lambda path, uid: dataclasses_replace(real, bwrap=str(fake)))
+    leaves = _leaves()
+    with pytest.raises(SandboxSetupError) as err:
+        async with sandbox(tmp_path, worktree, SandboxPolicy(allow_network=False,
+                                                             pids_limit=64)):
+            pass
+    assert err.value.what == "bwrap could not build the sandbox"
+    assert "Can't mount proc" in (err.value.why or ""), err.value
+    assert not _leaves() - leaves
