@@ -10,6 +10,7 @@ through :mod:`tests.integration.rootless_driver`. Everything runs against the re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -18,7 +19,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -559,6 +560,39 @@ def rootless_project() -> Path:
     """The pnpm project where the unprivileged user can read it."""
     rootless_python()
     return _staged[0] / "pnpm-project" if _staged else PNPM_PROJECT
+
+
+@contextlib.contextmanager
+def rootless_user(backend: str, sock: str,
+                  settings: Callable[[str], SandboxSettings] | None = None
+                  ) -> Iterator[dict[str, Any]]:
+    """The unprivileged CI user for ``backend``'s rootless cases: its runtime dir (where its
+    engine's socket ``sock`` must answer), a scratch base it can use, an interpreter it can
+    run, and (for an engine other than podman) the settings its driver gets, made from the
+    runtime dir. Collects the user's garbage at the end."""
+    import pwd
+    import tempfile
+
+    try:
+        user = pwd.getpwnam(ROOTLESS_USER)
+    except KeyError:
+        require(backend, False, f"user {ROOTLESS_USER} does not exist")
+        raise
+    require(backend, os.getuid() == 0, "these tests switch user with runuser")
+    xdg = f"/run/user/{user.pw_uid}"
+    require(backend, Path(xdg, sock).exists(),
+            f"no {backend} socket in {xdg} (scripts/services.sh start {backend})")
+    base = Path(tempfile.mkdtemp(prefix=f"fusion-oci-{backend}-"))
+    base.chmod(0o755)
+    rl: dict[str, Any] = {"user": user, "xdg": xdg, "base": base, "python": rootless_python()}
+    if settings is not None:
+        rl["settings"] = settings(xdg).model_dump(mode="json", by_alias=True)
+    try:
+        yield rl
+    finally:
+        subprocess.run(["rm", "-rf", str(base)], check=False)
+    report = drive_rootless(rl, "gc")
+    assert report["errors"] == [], report
 
 
 def drive_rootless(rl: dict[str, Any], scenario: str, timeout: float = 300, **args: Any

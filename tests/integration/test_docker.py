@@ -4,7 +4,6 @@ against the CI user's rootless dockerd (``docker-rootless``), driven as that use
 from __future__ import annotations
 
 import os
-import pwd
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -15,7 +14,6 @@ import pytest
 
 from fusion_oci.policy.settings import DockerSettings, GateSettings, SandboxSettings
 from fusion_oci.runtimes.registry import create_runtime
-from tests.backends import require
 from tests.integration import container_cases as cases
 from tests.integration.container_cases import *  # noqa: F403  (shared cases, collected per engine)
 from tests.integration.images_fixture import ensure_node_image
@@ -39,8 +37,6 @@ def test_missing_daemon_says_how_to_start_it(tmp_path: Path) -> None:
 
 def test_permission_denied_on_the_socket() -> None:
     import socket
-    import subprocess
-    import tempfile
 
     tmp = Path(tempfile.mkdtemp(prefix="fusion-oci-perm-"))
     tmp.chmod(0o755)
@@ -87,32 +83,17 @@ async def test_network_egress_reaches_a_container_network_not_host_loopback(
 # (scripts/services.sh docker-rootless), through tests/integration/rootless_driver.py like
 # rootless podman's cases in test_podman.py.
 
-ROOTLESS_USER = os.environ.get("FUSION_OCI_ROOTLESS_USER", "fusionci")
-
 
 @pytest.fixture(scope="module")
 def dockerless() -> Iterator[dict[str, Any]]:
     """The user, its rootless dockerd's socket, the settings that name it, an interpreter."""
-    try:
-        user = pwd.getpwnam(ROOTLESS_USER)
-    except KeyError:
-        require("docker-rootless", False, f"user {ROOTLESS_USER} does not exist")
-        raise
-    require("docker-rootless", os.getuid() == 0, "these tests switch user with runuser")
-    xdg = f"/run/user/{user.pw_uid}"
-    require("docker-rootless", Path(xdg, "docker.sock").exists(),
-            f"no rootless dockerd socket in {xdg} (scripts/services.sh start docker-rootless)")
-    settings = SandboxSettings(backend="docker",
+    def settings(xdg: str) -> SandboxSettings:
+        return SandboxSettings(backend="docker",
                                docker=DockerSettings(url=f"unix://{xdg}/docker.sock"),
                                gates=GateSettings(sandbox_provision="allow"))
-    base = Path(tempfile.mkdtemp(prefix="fusion-oci-dockerless-"))
-    base.chmod(0o755)
-    rl = {"user": user, "xdg": xdg, "base": base, "python": cases.rootless_python(),
-          "settings": settings.model_dump(mode="json", by_alias=True)}
-    yield rl
-    subprocess.run(["rm", "-rf", str(base)], check=False)
-    report = drive(rl, "gc")
-    assert report["errors"] == [], report
+
+    with cases.rootless_user("docker-rootless", "docker.sock", settings) as rl:
+        yield rl
 
 
 drive = cases.drive_rootless
@@ -197,7 +178,6 @@ def docker_compose_file() -> str:
 @pytest.fixture(scope="session")
 def docker_compose_command() -> str:
     import shutil
-    import subprocess
 
     v2 = subprocess.run(["docker", "compose", "version"], capture_output=True)
     if v2.returncode == 0:

@@ -5,10 +5,7 @@ $XDG_RUNTIME_DIR socket, keep-id, slirp4netns)."""
 from __future__ import annotations
 
 import os
-import pwd
 import shutil
-import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +21,6 @@ from tests.integration.images_fixture import ensure_node_image
 
 pytestmark = [pytest.mark.podman, pytest.mark.slow]
 
-ROOTLESS_USER = cases.ROOTLESS_USER
 
 
 @pytest.fixture
@@ -107,22 +103,8 @@ def podman_canary(settings: SandboxSettings) -> Iterator[tuple[str, int]]:
 @pytest.fixture(scope="module")
 def rootless() -> Iterator[dict[str, Any]]:
     """The unprivileged user, its runtime dir, and an interpreter it can run."""
-    try:
-        user = pwd.getpwnam(ROOTLESS_USER)
-    except KeyError:
-        require("podman-rootless", False, f"user {ROOTLESS_USER} does not exist")
-        raise
-    require("podman-rootless", os.getuid() == 0, "these tests switch user with runuser")
-    xdg = f"/run/user/{user.pw_uid}"
-    require("podman-rootless", Path(xdg, "podman", "podman.sock").exists(),
-            f"no rootless podman socket in {xdg} (scripts/services.sh start podman-rootless)")
-    base = Path(tempfile.mkdtemp(prefix="fusion-oci-rootless-"))
-    base.chmod(0o755)
-    rl = {"user": user, "xdg": xdg, "base": base, "python": cases.rootless_python()}
-    yield rl
-    subprocess.run(["rm", "-rf", str(base)], check=False)
-    report = drive(rl, "gc")
-    assert report["errors"] == [], report
+    with cases.rootless_user("podman-rootless", "podman/podman.sock") as rl:
+        yield rl
 
 
 drive = cases.drive_rootless
