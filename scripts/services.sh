@@ -235,6 +235,14 @@ repair_rootless_state() {
     fi
 }
 
+# ensure_runtime_dir LABEL DIR UID GID: the user's XDG_RUNTIME_DIR as logind would make it
+# (there may be no logind/systemd here).
+ensure_runtime_dir() {
+    [[ -d "$2" ]] && return 0
+    install -d -m 700 -o "$3" -g "$4" "$2"
+    log "$1: created $2"
+}
+
 launch_podman_rootless() {
     local uid gid home xdg sock pid
     uid="$(rootless_uid)"
@@ -248,11 +256,7 @@ launch_podman_rootless() {
         log "podman-rootless: service pid $pid is running but not answering yet; waiting for it"
         echo "$pid"; return
     fi
-    # XDG_RUNTIME_DIR as logind would make it (there may be no logind/systemd here)
-    if [[ ! -d "$xdg" ]]; then
-        install -d -m 700 -o "$uid" -g "$gid" "$xdg"
-        log "podman-rootless: created $xdg"
-    fi
+    ensure_runtime_dir podman-rootless "$xdg" "$uid" "$gid"
     # podman does not create the socket's directory itself
     install -d -m 700 -o "$uid" -g "$gid" "$(dirname "$sock")"
     rm -f "$ROOTLESS_PIDFILE" "$sock"
@@ -329,10 +333,7 @@ launch_docker_rootless() {
     fi
     script="$(dockerless_script)"
     command -v rootlesskit >/dev/null || die "rootlesskit not found: run scripts/install.sh first"
-    if [[ ! -d "$xdg" ]]; then
-        install -d -m 700 -o "$uid" -g "$gid" "$xdg"
-        log "docker-rootless: created $xdg"
-    fi
+    ensure_runtime_dir docker-rootless "$xdg" "$uid" "$gid"
     # Leftovers of a daemon that was killed: dockerd refuses to start while its pidfile names a
     # live process (a reused pid counts), and it waits on containerd's stale pidfile as the
     # rootful one does (see launch_docker).
