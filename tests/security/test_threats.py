@@ -307,9 +307,22 @@ def test_mount_unshare_ptrace_keyctl_raw_sockets_are_refused(prober: Prober) -> 
     check("privileged-syscalls", prober.backend, bool(got), f"succeeded: {got}")
 
 
+def _rootless_run_dir() -> str:
+    import pwd
+
+    user = os.environ.get("FUSION_OCI_ROOTLESS_USER", "fusionci")
+    try:
+        return f"/run/user/{pwd.getpwnam(user).pw_uid}"
+    except KeyError:
+        return "/run/user/1001"
+
+
+_XDG = _rootless_run_dir()
 ENGINE_SOCKETS = ("/var/run/docker.sock", "/run/docker.sock", "/run/podman/podman.sock",
                   "/run/fusion-oci-ci/docker.sock", "/run/fusion-oci-ci/podman.sock",
-                  "/run/containerd/containerd.sock", "/run/user/1001/podman/podman.sock")
+                  "/run/containerd/containerd.sock", f"{_XDG}/podman/podman.sock",
+                  # the CI user's rootless dockerd and its containerd
+                  f"{_XDG}/docker.sock", f"{_XDG}/docker/containerd/containerd.sock")
 
 
 CONNECT = ("import socket, sys\nfor path in sys.argv[1:]:\n    try:\n"
