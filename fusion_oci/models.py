@@ -42,11 +42,14 @@ class NetworkMode(StrEnum):
     ``none``: no network at all, not even loopback services of the host.
     ``egress``: outbound connections work; the host's loopback services (the dashboard on
     127.0.0.1:4040, a database on 5432) stay unreachable.
+    ``filtered``: outbound connections only through the task's egress proxy, to the hosts
+    ``allowedDomains`` names and ``deniedDomains`` does not; nothing else is routable.
     ``host``: the host's network as it is; only by explicit choice.
     """
 
     NONE = "none"
     EGRESS = "egress"
+    FILTERED = "filtered"
     HOST = "host"
 
 
@@ -101,6 +104,11 @@ class SandboxPolicy(Model):
     """False: no network. True: outbound access (``network`` says which kind; default egress)."""
     network: NetworkMode | None = None
     """Explicit network mode. None: ``egress`` when allowNetwork is true, else ``none``."""
+    allowed_domains: list[str] = Field(default_factory=list)
+    """Host names the ``filtered`` network reaches (``example.com``, ``*.example.com``, with an
+    optional ``:port``). Empty: only the built-in git/npm profile's hosts."""
+    denied_domains: list[str] = Field(default_factory=list)
+    """Host names the ``filtered`` network never reaches, whatever allows them (deny wins)."""
     allowed_paths: list[str] = Field(default_factory=list)
     """Absolute host paths visible read-only inside the sandbox. Empty: only the worktree."""
     writable_paths: list[str] = Field(default_factory=list)

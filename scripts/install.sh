@@ -37,6 +37,8 @@ APT_PACKAGES=(
     rootlesskit
     # tini-static: the oci runtime's container init (the command is not pid 1)
     tini
+    # podman's pause binary: `podman kube play` (tests/integration/test_export.py) execs it
+    catatonit
     golang-github-opencontainers-specs-dev git nodejs npm iproute2
     # the registry tests/integration/test_provision_retry.py starts on a loopback port
     docker-registry
@@ -85,7 +87,9 @@ else
 fi
 
 # --------------------------------------------------------------------------- python venv
-PYTHON="${PYTHON:-python3}"
+# Debian's own interpreter (3.11.2 on Debian 12) is the one users have; a newer python3 first
+# on PATH (pyenv) is not. PYTHON=... picks another on purpose.
+PYTHON="${PYTHON:-/usr/bin/python3}"
 py_ok() { "$1" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)' 2>/dev/null; }
 if ! py_ok "$PYTHON"; then
     if py_ok /usr/bin/python3; then PYTHON=/usr/bin/python3; else die "need python3 >= 3.11"; fi

@@ -436,7 +436,9 @@ def spec_network(spec: Spec) -> NetworkMode:
     if not has_netns:
         return NetworkMode.HOST
     said = spec.get("annotations", {}).get(ANN_NETWORK)
-    return NetworkMode.EGRESS if said == NetworkMode.EGRESS.value else NetworkMode.NONE
+    if said in (NetworkMode.EGRESS.value, NetworkMode.FILTERED.value):
+        return NetworkMode(said)
+    return NetworkMode.NONE
 
 
 def spec_cache_mode(spec: Spec) -> CacheMode:

@@ -46,6 +46,7 @@ class Requirement(StrEnum):
     """The bundle's /proc and /sys protections (a writable /proc/sys is a root escape)."""
     NETWORK_NONE = "network none"
     NETWORK_EGRESS = "network egress without host loopback"
+    NETWORK_FILTERED = "network filtered (egress only through the task's proxy)"
     MEMORY = "memoryLimitMb"
     CPU_QUOTA = "cpuLimit.maxCores"
     CPU_TIME = "cpuLimit.maxMs"
@@ -63,6 +64,8 @@ def requirements(policy: SandboxPolicy) -> frozenset[Requirement]:
         need.add(Requirement.NETWORK_NONE)
     elif mode is NetworkMode.EGRESS:
         need.add(Requirement.NETWORK_EGRESS)
+    elif mode is NetworkMode.FILTERED:
+        need.add(Requirement.NETWORK_FILTERED)
     if policy.memory_limit_mb:
         need.add(Requirement.MEMORY)
     if policy.pids_limit:
@@ -91,6 +94,8 @@ def spec_requirements(spec: Spec) -> frozenset[Requirement]:
         need.add(Requirement.NETWORK_NONE)
     elif mode is NetworkMode.EGRESS:
         need.add(Requirement.NETWORK_EGRESS)
+    elif mode is NetworkMode.FILTERED:
+        need.add(Requirement.NETWORK_FILTERED)
     resources = spec.get("linux", {}).get("resources", {})
     for key, req in (("memory", Requirement.MEMORY), ("pids", Requirement.PIDS),
                      ("cpu", Requirement.CPU_QUOTA)):
