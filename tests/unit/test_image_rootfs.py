@@ -7,7 +7,7 @@ import contextlib
 import io
 import stat
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -17,7 +17,7 @@ from fusion_oci.images import rootfs
 from fusion_oci.images.rootfs import _ChunkReader, export_image_rootfs, extract_rootfs, podman_url
 
 
-def tar_bytes(entries: list[tuple[str, str, str | bytes, int]]) -> bytes:
+def tar_bytes(entries: Sequence[tuple[str, str, str | bytes, int]]) -> bytes:
     """(kind, name, data-or-link-target, mode) → a tar, as an engine's export streams it."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
@@ -100,7 +100,7 @@ def test_hard_links_inside_the_image_are_kept(tmp_path: Path) -> None:
     assert (root / "usr/perl6").stat().st_ino == (root / "usr/perl").stat().st_ino
 
 
-def extract(tmp_path: Path, entries: list[tuple[str, str, str | bytes, int]],
+def extract(tmp_path: Path, entries: Sequence[tuple[str, str, str | bytes, int]],
             name: str = "rootfs") -> Path:
     root = tmp_path / name
     extract_rootfs(io.BytesIO(tar_bytes(entries)), root)
