@@ -67,16 +67,19 @@ def _escapes(parts: list[str], link: str) -> bool:
     return False
 
 
-def _real_parent(root: Path, parts: list[str], name: str) -> Path:
-    """``root/parts[:-1]``, made as needed, every component a real directory: a symlink in
-    the way (one this archive planted, to a host directory) is refused, never followed. A
-    flattened export lists no member under a symlink, so nothing real is refused."""
+def _real_parent(root: Path, parts: list[str], name: str, make: bool = True) -> Path:
+    """``root/parts[:-1]``, made as needed (``make``), every component a real directory: a
+    symlink in the way (one this archive planted, to a host directory) is refused, never
+    followed. A flattened export lists no member under a symlink, so nothing real is
+    refused."""
     here = root
     for comp in parts[:-1]:
         here = here / comp
         try:
             st = here.lstat()
         except FileNotFoundError:
+            if not make:
+                raise tarfile.ExtractError(f"{name!r}: no such member") from None
             here.mkdir(mode=0o755)
             continue
         if not stat.S_ISDIR(st.st_mode):
@@ -143,7 +146,7 @@ def _extract_member(tar: tarfile.TarFile, member: tarfile.TarInfo, root: Path,
         target_parts = _member_parts(member.linkname)
         if not target_parts:
             raise UnsafeMemberError(f"{member.name!r}: hard link to the root")
-        target = _real_parent(root, target_parts, member.linkname) / target_parts[-1]
+        target = _real_parent(root, target_parts, member.linkname, make=False) / target_parts[-1]
         if not os.path.lexists(target) or target.is_dir():
             raise tarfile.ExtractError(
                 f"broken hard link in the export: {member.name!r} -> {member.linkname!r}")

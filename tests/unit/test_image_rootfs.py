@@ -178,6 +178,7 @@ def test_hard_links_must_point_at_a_member_inside(tmp_path: Path) -> None:
         with pytest.raises(error):
             extract(tmp_path, entries, f"r{i}")
     assert secret.stat().st_nlink == 1
+    assert not list((tmp_path / "r0").iterdir())  # no directory made for the missing target
 
 
 def test_devices_and_fifos_are_not_made(tmp_path: Path) -> None:
