@@ -198,8 +198,18 @@ def test_mode_bits_masked_owners_numeric(tmp_path: Path) -> None:
     modes = {p.name: stat.S_IMODE(p.lstat().st_mode) for p in root.rglob("*")}
     assert modes == {"tmp": 0o755, "ro": 0o555, "inside": 0o644, "suid": 0o755,
                      "sgid": 0o755, "gw": 0o644}
-    if os.geteuid() == 0:  # only root can give files away; the tar's uid/gid 0 kept as is
-        assert {p.lstat().st_uid for p in root.rglob("*")} == {0}
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        info = tarfile.TarInfo("owned")
+        info.uid, info.gid, info.uname, info.mode = 4321, 4322, "root", 0o644
+        tar.addfile(info, io.BytesIO(b""))
+    owned = tmp_path / "owned"
+    extract_rootfs(io.BytesIO(buf.getvalue()), owned)
+    st = (owned / "owned").lstat()
+    if os.geteuid() == 0:  # numeric ids, never the name's ("root" here); only root can chown
+        assert (st.st_uid, st.st_gid) == (4321, 4322)
+    else:
+        assert st.st_uid == os.geteuid()
 
 
 class FakeExport:
