@@ -36,9 +36,7 @@ def backend_rows(env: Mapping[str, str], base: SandboxSettings | None = None, *,
                     else SandboxSettings(**fields))
         runtime = create_runtime(backend, settings, env)
         avail = runtime.availability()
-        close = getattr(runtime, "close", None)
-        if callable(close):
-            close()  # probing starts nothing that outlives it
+        runtime.close()  # probing starts nothing that outlives it
         rows.append({
             "backend": backend,
             **({"ociRuntime": settings.oci.runtime} if backend == "oci" else {}),

@@ -24,6 +24,8 @@ SDK exceptions (``docker.errors.*``, ``podman.errors.*``) never reach callers: t
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 
 class FusionOCIError(Exception):
     """Root of every error fusion-oci raises on purpose.
@@ -51,10 +53,24 @@ class FusionOCIError(Exception):
 
     def to_json(self) -> dict[str, object]:
         """``{"error": {...}}``: what ``--json`` prints and the server sends for this error."""
-        body: dict[str, object] = {"kind": self.kind, "what": self.what, "why": self.why,
-                                   "hint": self.hint}
-        body["unenforced"] = list(getattr(self, "unenforced", []) or [])
-        return {"error": body}
+        return {"error": error_body(self.kind, self.what, self.why, self.hint,
+                                    getattr(self, "unenforced", None) or ())}
+
+
+def error_body(kind: str, what: str, why: str = "", hint: str = "",
+               unenforced: Iterable[str] = ()) -> dict[str, object]:
+    """The one error object: ``{kind, what, why, hint, unenforced}``, what ``--json`` prints
+    under ``"error"`` and what the server sends as a JSON-RPC error's ``data``."""
+    return {"kind": kind, "what": what, "why": why, "hint": hint,
+            "unenforced": list(unenforced)}
+
+
+def error_json(exc: BaseException) -> dict[str, object]:
+    """``{"error": ...}`` for any exception: a FusionOCIError's own, else ``setup-failed``
+    with the exception's text (what the CLI prints with ``--json``)."""
+    if isinstance(exc, FusionOCIError):
+        return exc.to_json()
+    return {"error": error_body("setup-failed", str(exc))}
 
 
 ERROR_KINDS = (

@@ -49,6 +49,65 @@ def reaper_argv(
             *limits, "--", *argv]
 
 
+PROBE_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class ProbeOutcome:
+    """What a short probe (:func:`probe`) gave: its exit status and output, or why it gave
+    none."""
+
+    argv: tuple[str, ...]
+    returncode: int | None
+    """Exit status (-N: signal N ended it); None: it could not be started, or timed out."""
+    stdout: bytes = b""
+    stderr: bytes = b""
+    error: str | None = None
+    """Why there is no exit status ("timed out after 10 s", the OSError); None: there is."""
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+    def text(self, stream: str = "stdout") -> str:
+        """The stream decoded (invalid UTF-8 replaced)."""
+        data = self.stdout if stream == "stdout" else self.stderr
+        return data.decode("utf-8", errors="replace")
+
+
+def probe(argv: Sequence[str], *, timeout_s: float = PROBE_TIMEOUT_S,
+          env: Mapping[str, str] | None = None) -> ProbeOutcome:
+    """Run a short synchronous probe (``tool --version``, ``unshare --user true``, a read-only
+    ``git status``): argv list, stdin closed, output captured, its own session. A timeout
+    SIGKILLs its whole group and drains the pipes with a bound, so a grandchild holding them
+    cannot hang the caller (plain ``subprocess.run(timeout=)`` would). Never raises for the
+    child's sake: a failure to start or a timeout is in :attr:`ProbeOutcome.error`."""
+    import subprocess
+
+    args = tuple(argv)
+    try:
+        proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True,
+                                env=None if env is None else dict(env))
+    except OSError as exc:
+        return ProbeOutcome(args, None, error=f"{args[0]} could not be run: {exc}")
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            out, err = proc.communicate(timeout=DRAIN_LIMIT_S)
+        except subprocess.TimeoutExpired:  # a child that left the group holds the pipes
+            out, err = b"", b""
+            for pipe in (proc.stdout, proc.stderr):
+                if pipe is not None:
+                    pipe.close()
+            proc.wait()
+        return ProbeOutcome(args, None, out, err, f"timed out after {timeout_s:g} s")
+    return ProbeOutcome(args, proc.returncode, out, err)
+
+
 def signal_name(returncode: int) -> str:
     """SIGTERM for -15 (a returncode that says a signal ended the process)."""
     try:

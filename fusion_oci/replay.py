@@ -18,7 +18,6 @@ import hashlib
 import json
 import os
 import platform
-import subprocess
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
@@ -29,6 +28,7 @@ from pydantic import Field
 
 from fusion_oci import __version__
 from fusion_oci.models import Model, RunOptions
+from fusion_oci.process import probe
 from fusion_oci.stdin import StdinStream
 
 if TYPE_CHECKING:
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from fusion_oci.oci.spec import Spec
     from fusion_oci.policy.settings import SandboxSettings
     from fusion_oci.resolve import ResolvedTask
+    from fusion_oci.runtimes.base import Runtime
 
 REPLAY_DIR = "replay"
 """Folder under the project's ``.fusion/`` holding the records (``sha256-<hex>.json``)."""
@@ -207,14 +208,10 @@ def _git(worktree: Path, *args: str) -> bytes | None:
     # The worktree is the command's: hooks and fsmonitor stay off for these reads.
     argv = ["git", "-C", str(worktree), "-c", "core.fsmonitor=false",
             "-c", "core.hooksPath=/dev/null", *args]
-    try:
-        done = subprocess.run(argv, capture_output=True, timeout=GIT_TIMEOUT_S, check=False,
-                              stdin=subprocess.DEVNULL,
-                              env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-                                   "GIT_OPTIONAL_LOCKS": "0", "HOME": "/nonexistent"})
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return done.stdout if done.returncode == 0 else None
+    done = probe(argv, timeout_s=GIT_TIMEOUT_S,
+                 env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+                      "GIT_OPTIONAL_LOCKS": "0", "HOME": "/nonexistent"})
+    return done.stdout if done.ok else None
 
 
 def worktree_state(worktree: Path) -> WorktreeState:
@@ -254,7 +251,7 @@ def output_digest(data: str) -> str:
     return "sha256:" + hashlib.sha256(data.encode("utf-8", errors="replace")).hexdigest()
 
 
-async def record_run(runtime: object, task: ResolvedTask, spec: Spec, ctx: PrepareContext,
+async def record_run(runtime: Runtime, task: ResolvedTask, spec: Spec, ctx: PrepareContext,
                      settings: SandboxSettings, command: str | Sequence[str], opts: RunOptions,
                      state: WorktreeState | None, stdout: str, stderr: str) -> dict[str, Any]:
     """Store the record of the command ``runtime`` just ran from ``spec`` (compiled by the
@@ -269,13 +266,11 @@ async def record_run(runtime: object, task: ResolvedTask, spec: Spec, ctx: Prepa
                               "stderr_digest": output_digest(stderr)}
     if state is not None:
         fields.update(worktree_head=state.head, worktree_status=state.status)
-    image_digest = getattr(runtime, "image_digest", None)
-    if callable(image_digest):
-        fields["image_digest"] = await image_digest()
+    fields["image_digest"] = await runtime.image_digest()
     project = task_project(ctx)
     record = build_record(
         settings=settings, ctx=task.ctx, requested_image=ctx.image or settings.image,
-        backend=getattr(runtime, "id", settings.backend), spec=spec, host=task.host,
+        backend=runtime.id, spec=spec, host=task.host,
         command=command, opts=opts,
         env_source=opts.env if opts.env is not None else task.env, project_dir=project)
     fields["replay"] = await asyncio.to_thread(store_record, project, record)

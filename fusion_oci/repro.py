@@ -303,8 +303,7 @@ async def replay(
             opts = RunOptions(cwd=cmd.record.cwd, timeout_ms=cmd.record.timeout_ms,
                               max_buffer=cmd.record.max_buffer)
             result = await sandbox.run(cmd.record.command, opts)
-            get_digest = getattr(runtime, "image_digest", None)
-            now_digest = await get_digest() if callable(get_digest) else None
+            now_digest = await runtime.image_digest() if runtime is not None else None
             report.commands.append(CommandReplay(cmd.record, cmd.event, result,
                                                  used_image, now_digest))
         if digest is None and used_image and settings.backend in CONTAINER_BACKENDS:

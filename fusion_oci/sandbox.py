@@ -115,7 +115,7 @@ class Sandbox:
 
     def _check(self, runtime: Runtime, ctx: PrepareContext) -> None:
         missing = unenforced_parts(runtime, ctx.policy)
-        if runtime.id == "native":
+        if not runtime.isolates:
             self.unenforced = missing
             return
         if missing:
@@ -124,8 +124,9 @@ class Sandbox:
     def _check_spec(self, runtime: Runtime, spec: Spec) -> None:
         """The same check against a spec (the bundle is the contract): a part the spec asks
         for that the runtime does not enforce is refused, even where the policy's
-        requirements missed it. Native lists what it leaves out instead (at prepare)."""
-        if runtime.id == "native":
+        requirements missed it. A runtime that does not isolate (native) lists what it leaves
+        out instead (at prepare)."""
+        if not runtime.isolates:
             return
         missing = runtime.check(spec)
         if missing:
@@ -156,7 +157,7 @@ class Sandbox:
                 # landlock has no network namespace and reaches it over host TCP instead.
                 self.egress = await start_task_proxy(
                     ctx, self.env, audit=self.audit, backend=runtime.id,
-                    tcp=bool(getattr(runtime, "egress_via_tcp", False)))
+                    tcp=runtime.egress_via_tcp)
                 resolved = resolved.with_egress(self.egress)
             self.task = await runtime.prepare(resolved)
         except BaseException:
@@ -203,7 +204,7 @@ class Sandbox:
             self._event("sandbox:failure", reason=exc.render(), details={"kind": exc.kind})
             raise
         assert self.task is not None
-        if runtime.id != "native" and self.task.layout.unprotected:
+        if runtime.isolates and self.task.layout.unprotected:
             # Listed, not refused: protecting a path that does not exist would leave a mount
             # point behind in the worktree.
             self.unenforced = self.task.unprotected()
@@ -262,8 +263,7 @@ class Sandbox:
                 return inner(stream, chunk) if inner is not None else None
 
             opts = opts.model_copy(update={"on_output": tee})
-        if isinstance(opts.stdin, StdinStream) and not getattr(self.runtime, "streams_stdin",
-                                                               False):
+        if isinstance(opts.stdin, StdinStream) and not self.runtime.streams_stdin:
             # This runtime takes stdin as one value (containers: an env var): read it all.
             opts = opts.model_copy(update={"stdin": await opts.stdin.read_all()})
         started = time.monotonic()

@@ -29,11 +29,11 @@ def doctor(worktree: Worktree = None, project_dir: ProjectDir = None,
     """
     import os
 
-    from fusion_oci.cli.task import find_project_dir
     from fusion_oci.doctor import backend_rows
     from fusion_oci.errors import FusionOCIError
     from fusion_oci.policy.settings import load_settings
     from fusion_oci.policy.worktree import default_worktree
+    from fusion_oci.taskflags import find_project_dir
 
     where = (worktree.expanduser().absolute() if worktree is not None
              else default_worktree(Path.cwd().absolute()))
@@ -83,7 +83,7 @@ def doctor(worktree: Worktree = None, project_dir: ProjectDir = None,
 
 def _load_for(worktree: Path | None, task_prompt: Path | None, project_dir: Path | None,
               unsafe_worktree: bool) -> Any:
-    from fusion_oci.cli.task import TaskFlags, caller_env, resolve_task
+    from fusion_oci.taskflags import TaskFlags, caller_env, resolve_task
 
     return resolve_task(TaskFlags(worktree=worktree, task_prompt=task_prompt,
                                   project_dir=project_dir, unsafe_worktree=unsafe_worktree),
@@ -106,8 +106,8 @@ def settings_show(worktree: Worktree = None, task_prompt: TaskPrompt = None,
     prov = task.effective.provenance
     rows = [{"key": key, "value": value, "source": prov.get(key, "default")}
             for key, value in values.items()]
-    from fusion_oci.cli.task import caller_env
     from fusion_oci.egress.show import egress_rows
+    from fusion_oci.taskflags import caller_env
 
     rows += egress_rows(task.ctx, caller_env())  # network filtered: the proxy's hosts, and why
     if as_json:

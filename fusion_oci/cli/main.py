@@ -101,8 +101,8 @@ def plan(
 ) -> None:
     """Dry run: the resolved policy, the bundle's config.json and the runtime's launch plan."""
     params = dict(locals())
-    from fusion_oci.cli.task import caller_env, resolve_task
     from fusion_oci.errors import FusionOCIError
+    from fusion_oci.taskflags import caller_env, resolve_task
 
     try:
         flags = _flags(params)
@@ -155,13 +155,11 @@ def dry_run(task: Any, command: str | list[str], environ: dict[str, str]) -> dic
     spec = compile_spec(resolved, command, task.opts)
     avail = runtime.availability()
     missing = unenforced_parts(runtime, task.ctx.policy)
-    if runtime.id != "native":
+    if runtime.isolates:
         # What the lifecycle refuses: the policy's parts and the spec's (runtime.check).
         missing = sorted(set(missing) | set(runtime.check(spec)))
         missing += resolved.unprotected()
-    close = getattr(runtime, "close", None)
-    if callable(close):
-        close()  # a probed engine client is dropped now, not whenever it is collected
+    runtime.close()  # a probed engine client is dropped now, not whenever it is collected
     return {
         "backend": runtime.id,
         "available": avail.available,
@@ -203,13 +201,13 @@ def bundle_create(
 ) -> None:
     """Write an OCI bundle (config.json + rootfs/) for COMMAND, atomically."""
     params = dict(locals())
-    from fusion_oci.cli.task import caller_env, resolve_task
     from fusion_oci.errors import FusionOCIError
     from fusion_oci.oci.bundle import write_bundle
     from fusion_oci.oci.host import probe_host
     from fusion_oci.resolve import compile_spec, resolve
     from fusion_oci.runtimes.base import default_cache_root
     from fusion_oci.runtimes.registry import runtime_class
+    from fusion_oci.taskflags import caller_env, resolve_task
 
     try:
         target = output.absolute()

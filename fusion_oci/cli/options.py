@@ -12,7 +12,7 @@ import typer
 from fusion_oci.cli.choices import choice as _choice
 
 if TYPE_CHECKING:
-    from fusion_oci.cli.task import TaskFlags
+    from fusion_oci.taskflags import TaskFlags
 
 HELP_OPTIONS = {"help_option_names": ["-h", "--help"]}
 
@@ -73,13 +73,11 @@ Command = Annotated[list[str], typer.Argument(
 
 def _fail(exc: Exception, as_json: bool = False) -> NoReturn:
     """Report an error (one JSON object on stdout with ``--json``) and exit with its status."""
-    from fusion_oci.errors import FusionOCIError
+    from fusion_oci.errors import FusionOCIError, error_json
 
     code = exc.exit_code if isinstance(exc, FusionOCIError) else 125
     if as_json:
-        body = exc.to_json() if isinstance(exc, FusionOCIError) else {"error": {
-            "kind": "setup-failed", "what": str(exc), "why": "", "hint": "", "unenforced": []}}
-        typer.echo(json.dumps(body))
+        typer.echo(json.dumps(error_json(exc)))
     else:
         typer.echo(f"fusion-oci: {exc}", err=True)
     raise typer.Exit(code)
@@ -89,7 +87,7 @@ def _flags(params: dict[str, Any]) -> TaskFlags:
     """The command's own parameters (its ``locals()``) that are task flags."""
     import dataclasses
 
-    from fusion_oci.cli.task import TaskFlags
+    from fusion_oci.taskflags import TaskFlags
 
     names = {f.name for f in dataclasses.fields(TaskFlags)}
     return TaskFlags(**{k: v for k, v in params.items() if k in names})

@@ -24,8 +24,8 @@ AuditLogOpt = Annotated[Path | None, typer.Option(
 
 
 def _project(project_dir: Path | None) -> Path:
-    from fusion_oci.cli.task import find_project_dir
     from fusion_oci.policy.worktree import default_worktree
+    from fusion_oci.taskflags import find_project_dir
 
     if project_dir is not None:
         return project_dir.expanduser().absolute()
@@ -62,10 +62,10 @@ def repro(
     import asyncio
 
     from fusion_oci.audit import AuditLog, default_audit_path
-    from fusion_oci.cli.task import caller_env
     from fusion_oci.errors import FusionOCIError
     from fusion_oci.images.gates import tty_ask
     from fusion_oci.repro import check_log, find_run, render, replay
+    from fusion_oci.taskflags import caller_env
 
     try:
         project = _project(project_dir)
@@ -160,10 +160,10 @@ def source_from_settings(*, worktree: Path | None, backend: str | None, image: s
                          command: list[str], project_dir: Path | None) -> ExportSource:
     """The environment the current settings give a command (nothing is created or run)."""
     from fusion_oci.cli.main import dry_run
-    from fusion_oci.cli.task import TaskFlags, caller_env, resolve_task
     from fusion_oci.export import default_image, read_spec, safe_name
     from fusion_oci.oci.host import probe_host
     from fusion_oci.oci.spec import ANN_HOST_ROOTFS, allowed_env
+    from fusion_oci.taskflags import TaskFlags, caller_env, resolve_task
 
     environ = caller_env()
     task = resolve_task(TaskFlags(worktree=worktree, backend=backend, image=image,

@@ -122,11 +122,9 @@ def unenforced_parts(runtime: Runtime, policy: SandboxPolicy) -> list[str]:
     """The requirements of ``policy`` that ``runtime`` does not enforce here, sorted.
 
     A runtime whose enforcement depends on the policy (native honours envAllowlist only when
-    one is set) offers ``enforces_for(policy)``; any other runtime answers ``enforces()``.
+    one is set) overrides :meth:`Runtime.enforces_for`; by default it answers ``enforces()``.
     """
-    enforces_for = getattr(runtime, "enforces_for", None)
-    enforced = enforces_for(policy) if callable(enforces_for) else runtime.enforces()
-    return sorted(r.value for r in requirements(policy) - enforced)
+    return sorted(r.value for r in requirements(policy) - runtime.enforces_for(policy))
 
 
 @dataclass(frozen=True)
@@ -199,6 +197,21 @@ class Runtime(Protocol):
     default_image: str | None
     """The image a task runs on when neither it nor the settings name one (None: the host's
     system directories); the resolve step reads it."""
+    isolates: bool
+    """False: the status quo (native), which isolates nothing: the lifecycle lists what it
+    leaves unenforced instead of refusing it, and the CLI says so."""
+    streams_stdin: bool
+    """True: :meth:`execute` writes a StdinStream's chunks as they come; False: the lifecycle
+    reads it to its end first and hands over bytes."""
+    egress_via_tcp: bool
+    """True: the filtering proxy is reached over host TCP (no network namespace to bind its
+    socket into, as with landlock)."""
+    audit: AuditLog | None
+    """Service the lifecycle hands over before ``prepare``: where provisioning and other
+    runtime-side events are audited."""
+    ask: AskCallback | None
+    """Service the lifecycle hands over before ``prepare``: who answers an ``ask`` gate
+    (None: ``ask`` gates deny)."""
 
     def capabilities(self) -> SandboxCapabilities: ...
 
@@ -208,9 +221,13 @@ class Runtime(Protocol):
         """The requirements this runtime enforces on this host."""
         ...
 
+    def enforces_for(self, policy: SandboxPolicy) -> frozenset[Requirement]:
+        """The requirements enforced for ``policy`` (default: :meth:`enforces`)."""
+        ...
+
     def check(self, spec: Spec) -> list[str]:
         """The parts of ``spec`` this runtime does not enforce here, sorted (the lifecycle
-        refuses a spec with any, or lists them for native)."""
+        refuses a spec with any, or lists them when the runtime does not isolate)."""
         ...
 
     def plan(self, spec: Spec) -> LaunchPlan:
@@ -229,6 +246,41 @@ class Runtime(Protocol):
         ...
 
     async def dispose(self) -> None: ...
+
+    async def image_digest(self) -> str | None:
+        """The digest of the image the prepared task runs on (None: no image, or unknown)."""
+        ...
+
+    def close(self) -> None:
+        """Drop what a runtime built only to be probed (an engine client); idempotent."""
+        ...
+
+
+class RuntimeDefaults:
+    """The optional members of :class:`Runtime`, with their defaults: every runtime class
+    derives from this (built-ins through :class:`SpecRuntime`; a plugin that derives from
+    nothing gets it from the registry), so callers use the members directly."""
+
+    isolates: bool = True
+    streams_stdin: bool = False
+    egress_via_tcp: bool = False
+    audit: AuditLog | None = None
+    ask: AskCallback | None = None
+
+    def enforces(self) -> frozenset[Requirement]:
+        raise NotImplementedError
+
+    def enforces_for(self, policy: SandboxPolicy) -> frozenset[Requirement]:
+        """The requirements enforced for ``policy``: those of :meth:`enforces`."""
+        return self.enforces()
+
+    async def image_digest(self) -> str | None:
+        """No image of its own: None."""
+        return None
+
+    def close(self) -> None:
+        """Nothing held between calls."""
+        return None
 
 
 @dataclass(frozen=True)
@@ -286,7 +338,7 @@ def classify(outcome: ProcessOutcome, spec: Spec,
     return "signal"
 
 
-class SpecRuntime:
+class SpecRuntime(RuntimeDefaults):
     """Skeleton of the built-in runtimes (a plugin may derive from it, or from nothing).
 
     Subclasses provide ``id``, :meth:`capabilities`, :meth:`availability`, :meth:`enforces`,
@@ -393,7 +445,7 @@ def default_cache_root(env: Mapping[str, str]) -> Path:
     return Path(base) / "fusion-oci"
 
 
-class UnavailableRuntime:
+class UnavailableRuntime(RuntimeDefaults):
     """Stands in for a backend that is known but cannot be used here (never "unknown")."""
 
     default_image: str | None = None

@@ -70,6 +70,7 @@ def native_spawn(spec: Spec, env: Mapping[str, str], run_id: str = PLAN_RUN_ID) 
 
 class NativeRuntime(HostProcessRuntime):
     id = "native"
+    isolates = False  # the status quo: what it leaves unenforced is listed, not refused
     private_dirs = False
     uses_agent = AGENT_PLATFORM
 

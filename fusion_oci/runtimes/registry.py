@@ -5,10 +5,12 @@ not installed, or whose tools are missing on this host is *unavailable* with its
 the settings' failure mode applies; no backend id is ever "unknown".
 
 A plugin is a class implementing :class:`~fusion_oci.runtimes.base.Runtime`, constructed as
-``cls(settings, env, cache_root=..., host=...)``. Whatever it derives from, the lifecycle's
-services reach it the same way as a built-in runtime: before ``prepare`` its ``audit``
-attribute is the task's :class:`~fusion_oci.audit.AuditLog` and its ``ask`` attribute the
-gate callback (:data:`~fusion_oci.images.gates.AskCallback`, None: ``ask`` gates deny).
+``cls(settings, env, cache_root=..., host=...)``. One that does not derive from
+:class:`~fusion_oci.runtimes.base.RuntimeDefaults` gets its optional members from it here
+(what the class defines wins). Whatever it derives from, the lifecycle's services reach it the
+same way as a built-in runtime: before ``prepare`` its declared ``audit`` attribute is the
+task's :class:`~fusion_oci.audit.AuditLog` and its ``ask`` attribute the gate callback
+(:data:`~fusion_oci.images.gates.AskCallback`, None: ``ask`` gates deny).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fusion_oci.models import BACKEND_IDS
-from fusion_oci.runtimes.base import Runtime, UnavailableRuntime
+from fusion_oci.runtimes.base import Runtime, RuntimeDefaults, UnavailableRuntime
 
 if TYPE_CHECKING:
     from fusion_oci.audit import AuditLog
@@ -46,6 +48,15 @@ def _load(target: str) -> Any:
     return getattr(importlib.import_module(module), attr)
 
 
+def with_defaults(cls: Any) -> Any:
+    """``cls``, or for a plugin class that does not derive from :class:`RuntimeDefaults` a
+    subclass of it and ``RuntimeDefaults`` (in that order: the plugin's own members win)."""
+    if not isinstance(cls, type) or issubclass(cls, RuntimeDefaults):
+        return cls
+    return type(cls.__name__, (cls, RuntimeDefaults),
+                {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+
+
 def runtime_class(backend: str, settings: SandboxSettings) -> Any | UnavailableRuntime:
     """The class for a backend, or an :class:`UnavailableRuntime` saying why there is none."""
     if backend == "custom":
@@ -62,13 +73,13 @@ def runtime_class(backend: str, settings: SandboxSettings) -> Any | UnavailableR
                 f"install the package that provides entry point '{name}' in group "
                 f"'{ENTRY_POINT_GROUP}'",
             )
-        return found[0].load()
+        return with_defaults(found[0].load())
     target = BUILTIN.get(backend)
     if target is None:
         assert backend in BACKEND_IDS
         return UnavailableRuntime(backend, "not built into this version of fusion-oci")
     try:
-        return _load(target)
+        return with_defaults(_load(target))
     except (ImportError, AttributeError) as exc:
         return UnavailableRuntime(
             backend, f"not built into this version of fusion-oci ({exc})",
@@ -93,8 +104,8 @@ def create_runtime(
         return cls
     runtime: Runtime = cls(settings, env, cache_root=cache_root, host=host)
     try:
-        runtime.audit = audit  # type: ignore[attr-defined]
-        runtime.ask = ask  # type: ignore[attr-defined]
+        runtime.audit = audit
+        runtime.ask = ask
     except AttributeError as exc:  # __slots__ or a read-only property: the plugin's bug
         from fusion_oci.errors import SandboxSetupError
 

@@ -15,10 +15,14 @@ import socket
 import stat
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fusion_oci.errors import FlagError
 from fusion_oci.server.methods import PROTOCOL_VERSION, Session
 from fusion_oci.server.rpc import Connection, Writer
+
+if TYPE_CHECKING:
+    from fusion_oci.runrequest import RunParser
 
 __all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "PROTOCOL_VERSION", "serve_socket", "serve_stdio"]
 
@@ -91,10 +95,14 @@ def _claim_socket_path(path: Path) -> None:
 
 
 async def serve_socket(path: Path, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                       idle_timeout_s: float | None = None, token: str | None = None) -> None:
+                       idle_timeout_s: float | None = None, token: str | None = None,
+                       parse_run: RunParser | None = None) -> None:
     """A session per connection on a unix socket created mode 0600, until SIGTERM/SIGINT, or
     until no client has been connected for ``idle_timeout_s``. With ``token`` (the resident
-    server of the fast CLI) a client must be our uid and initialize with the token."""
+    server of the fast CLI) a client must be our uid and initialize with the token, and
+    ``cli/run`` parses its argv with ``parse_run`` (the CLI's, given by whoever starts us)."""
+    if token is not None and parse_run is None:
+        raise TypeError("a resident server (token) needs the CLI's parse_run")
     _claim_socket_path(path)
     sessions: set[asyncio.Task[None]] = set()
     changed = asyncio.Event()  # a client came or went
@@ -109,7 +117,9 @@ async def serve_socket(path: Path, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
             if token is not None:
                 from fusion_oci.server.resident import ResidentSession, peer_uid
 
-                session = ResidentSession(token, uid_ok=peer_uid(writer) == os.getuid())
+                assert parse_run is not None
+                session = ResidentSession(token, uid_ok=peer_uid(writer) == os.getuid(),
+                                          parse_run=parse_run)
             await _session(reader, Writer(writer), max_bytes, session)
         finally:
             sessions.discard(task)

@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import Field
 
 from fusion_oci import __version__
-from fusion_oci.errors import FlagError
+from fusion_oci.errors import FlagError, error_body
 from fusion_oci.models import (
     BackendId,
     FailureMode,
@@ -143,9 +143,9 @@ class Session:
 
     async def prepare(self, params: Params, rid: RequestId | None) -> Any:
         from fusion_oci.audit import AuditLog, default_audit_path
-        from fusion_oci.cli.task import find_project_dir
         from fusion_oci.images.gates import GateRequest
         from fusion_oci.sandbox import Sandbox
+        from fusion_oci.taskflags import find_project_dir
 
         p = PrepareParams.model_validate(params)
         worktree = _worktree(p.context.worktree_path)
@@ -205,9 +205,8 @@ class Session:
         exec_id = p.exec_id or str(rid)
         if exec_id in self.runs:
             raise RpcError(INVALID_PARAMS, f"execId '{exec_id}' is already running",
-                           {"kind": "bad-flags", "what": f"execId '{exec_id}' is in use",
-                            "why": "", "hint": "give each run its own execId",
-                            "unenforced": []})
+                           error_body("bad-flags", f"execId '{exec_id}' is in use",
+                                      hint="give each run its own execId"))
         o = p.options
         fields: dict[str, Any] = {"cwd": o.cwd, "env": o.env if o.env is not None else None}
         if o.timeout_ms is not None:
@@ -323,11 +322,10 @@ class Session:
     def _sandbox(self, sandbox_id: str) -> Any:
         sandbox = self.sandboxes.get(sandbox_id)
         if sandbox is None or sandbox.runtime is None:
-            raise RpcError(INVALID_PARAMS, f"no sandbox '{sandbox_id}'", {
-                "kind": "bad-flags", "what": f"no sandbox '{sandbox_id}'",
-                "why": "it was never prepared here, or it was disposed",
-                "hint": "call prepare first and use the sandboxId it returned",
-                "unenforced": []})
+            raise RpcError(INVALID_PARAMS, f"no sandbox '{sandbox_id}'", error_body(
+                "bad-flags", f"no sandbox '{sandbox_id}'",
+                "it was never prepared here, or it was disposed",
+                "call prepare first and use the sandboxId it returned"))
         return sandbox
 
     async def close(self) -> None:

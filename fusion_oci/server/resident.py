@@ -3,7 +3,8 @@
 ``fusion-oci serve --socket PATH --idle-timeout S --token-file F`` as the fast client starts
 it: besides the protocol's methods it serves ``cli/run``, which is ``fusion-oci run`` for a
 client that stands elsewhere. The client sends its argv, cwd and environment; the argv is parsed
-by the very typer command the CLI uses and the run is :func:`fusion_oci.cli.run.execute`, so
+by the parser the server is handed (the CLI's own typer command, ``fusion_oci.cli.run.parse_run``:
+``server/`` never imports ``cli/``) and the run is :func:`fusion_oci.runrequest.execute`, so
 the settings, notes, errors and exit status are the in-process CLI's. Output goes back as
 ``output`` notifications (bytes base64), our lines as ``cli/echo``, gates as ``ask`` requests;
 the client sends ``cli/stdin`` chunks (acknowledged by ``cli/stdinTaken``, at most a few in
@@ -21,8 +22,6 @@ import asyncio
 import base64
 import contextlib
 import hmac
-import io
-import json
 import os
 import socket
 import struct
@@ -30,8 +29,9 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from fusion_oci.cli.run import Control, RunRequest, capture, execute
+from fusion_oci.errors import error_body
 from fusion_oci.images.gates import AskCallback, GateRequest
+from fusion_oci.runrequest import Control, RunParser, RunRequest, execute
 from fusion_oci.server.methods import Session
 from fusion_oci.server.rpc import INVALID_REQUEST, Handler, Params, RequestId, RpcError
 from fusion_oci.stdin import StdinStream
@@ -71,45 +71,6 @@ def peer_uid(writer: asyncio.StreamWriter) -> int | None:
         return None
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     return int(struct.unpack("3i", creds)[1])
-
-
-_COMMAND: Any = None
-
-
-def parse_run(argv: list[str]) -> RunRequest | tuple[int, str, str]:
-    """``fusion-oci run ARGV`` parsed by the CLI's own command: the request, or what the CLI
-    would have printed and its exit status (a usage error: 2)."""
-    import typer
-
-    from fusion_oci.cli.main import app
-    from fusion_oci.errors import FlagError
-
-    global _COMMAND
-    if _COMMAND is None:
-        _COMMAND = typer.main.get_command(app)  # ~0.2 s to build: once per server
-    taken: list[RunRequest] = []
-    token = capture.set(taken.append)
-    out, err = io.StringIO(), io.StringIO()
-    code = 0
-    try:
-        _COMMAND.main(args=["run", *argv], prog_name="fusion-oci", standalone_mode=False)
-    except typer.Exit as exc:
-        code = exc.exit_code
-    except typer.TyperException as exc:
-        show = getattr(exc, "show", None)
-        if "--json" in argv:
-            fmt = getattr(exc, "format_message", None)
-            message = fmt() if callable(fmt) else str(exc)
-            out.write(json.dumps(FlagError(message, "", "see `fusion-oci --help`").to_json())
-                      + "\n")
-        elif callable(show):
-            show(file=err)
-        code = getattr(exc, "exit_code", 2)
-    finally:
-        capture.reset(token)
-    if taken:
-        return taken[0]
-    return code, out.getvalue(), err.getvalue()
 
 
 class ClientIO:
@@ -174,9 +135,10 @@ class ClientIO:
 class ResidentSession(Session):
     """A session of the resident server: ``cli/*`` methods, and nothing before the token."""
 
-    def __init__(self, token: str, uid_ok: bool) -> None:
+    def __init__(self, token: str, uid_ok: bool, parse_run: RunParser) -> None:
         super().__init__()
         self.token = token
+        self.parse_run = parse_run
         self.uid_ok = uid_ok
         self.authed = False
         self.cli_runs: dict[str, tuple[Control, ClientIO]] = {}
@@ -193,15 +155,13 @@ class ResidentSession(Session):
                 if not self.uid_ok or not isinstance(given, str) \
                         or not hmac.compare_digest(given.encode(), self.token.encode()):
                     self._drop_soon()
-                    raise RpcError(INVALID_REQUEST, "not allowed", {
-                        "kind": "bad-request", "what": "wrong token or user", "why": "",
-                        "hint": "the resident server serves only its own user's fast CLI",
-                        "unenforced": []})
+                    raise RpcError(INVALID_REQUEST, "not allowed", error_body(
+                        "bad-request", "wrong token or user",
+                        hint="the resident server serves only its own user's fast CLI"))
                 self.authed = True
             elif not self.authed:
-                raise RpcError(INVALID_REQUEST, "initialize with the token first", {
-                    "kind": "bad-request", "what": "not initialized", "why": "",
-                    "hint": "send initialize {token} first", "unenforced": []})
+                raise RpcError(INVALID_REQUEST, "initialize with the token first", error_body(
+                    "bad-request", "not initialized", hint="send initialize {token} first"))
             return await handler(params, rid)
 
         return guarded
@@ -216,7 +176,7 @@ class ResidentSession(Session):
         if not (isinstance(argv, list) and all(isinstance(a, str) for a in argv)
                 and isinstance(cwd, str) and Path(cwd).is_absolute() and isinstance(env, dict)):
             raise RpcError(INVALID_REQUEST, "cli/run takes argv, an absolute cwd and env")
-        parsed = parse_run(argv)
+        parsed = self.parse_run(argv)
         if not isinstance(parsed, RunRequest):
             code, out, err = parsed
             return {"exitCode": code, "stdout": out, "stderr": err}
@@ -254,8 +214,8 @@ class ResidentSession(Session):
         return None
 
 
-def warm_up() -> None:
-    """Import and build now what the first run would (the typer command, the sandbox, the
+def warm_up(parse_run: RunParser) -> None:
+    """Import and build now what the first run would (the parser, the sandbox, the
     runtimes), so that a client's first run is as quick as the next."""
     import fusion_oci.runtimes.registry
     import fusion_oci.sandbox  # noqa: F401

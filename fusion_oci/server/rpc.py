@@ -16,6 +16,7 @@ import sys
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeGuard
 
+from fusion_oci.errors import error_body
 from fusion_oci.server.framing import FrameError, Oversized, frame, read_frame
 
 PARSE_ERROR = -32700
@@ -51,8 +52,7 @@ class RpcError(Exception):
 
 def bad_request(kind: str, what: str, code: int = INVALID_REQUEST, hint: str = "") -> RpcError:
     """An error with the same ``data`` shape as a FusionOCIError's."""
-    return RpcError(code, what, {"kind": kind, "what": what, "why": "", "hint": hint,
-                                 "unenforced": []})
+    return RpcError(code, what, error_body(kind, what, hint=hint))
 
 
 class Writer:
@@ -268,5 +268,4 @@ def error_json(exc: BaseException) -> dict[str, Any]:
                            hint="see docs/protocol.md for the method's params").to_json()
     print(f"fusion-oci serve: internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
     return {"code": INTERNAL_ERROR, "message": f"internal error: {type(exc).__name__}: {exc}",
-            "data": {"kind": "internal", "what": str(exc), "why": type(exc).__name__,
-                     "hint": "", "unenforced": []}}
+            "data": error_body("internal", str(exc), type(exc).__name__)}

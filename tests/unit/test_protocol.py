@@ -29,6 +29,7 @@ from fusion_oci.runtimes.base import (
     own_plan,
     unenforced_in,
 )
+from fusion_oci.runtimes.registry import with_defaults
 from fusion_oci.sandbox import Sandbox
 from tests.golden import GOLDEN_HOST
 
@@ -85,7 +86,8 @@ def recording(monkeypatch: pytest.MonkeyPatch) -> list[Recording]:
     made: list[Recording] = []
 
     def create(*args: Any, **kwargs: Any) -> Runtime:
-        made.append(Recording())
+        # As the registry builds a plugin class: its optional members from RuntimeDefaults.
+        made.append(with_defaults(Recording)())
         return made[-1]
 
     monkeypatch.setattr("fusion_oci.sandbox.create_runtime", create)

@@ -114,6 +114,7 @@ def test_the_lifecycle_refuses_a_task_spec_the_runtime_does_not_enforce() -> Non
 
     class Holds:
         id = "fake"
+        isolates = True
 
         def check(self, spec: Spec) -> list[str]:
             return unenforced_in(spec, frozenset({Requirement.FILESYSTEM, Requirement.PROC_PATHS,

@@ -7,9 +7,10 @@ each with a different one-line fix; a container host whose seccomp profile filte
 
 from __future__ import annotations
 
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+
+from fusion_oci.process import probe
 
 PROC_SYS = Path("/proc/sys")
 
@@ -108,13 +109,11 @@ def probe_bwrap(bwrap: str, *, uid: int, disable_userns: bool, timeout_s: float 
     if disable_userns:
         argv.append("--disable-userns")
     argv += ["--ro-bind", "/", "/", "--proc", "/proc", "--", "true"]
-    try:
-        done = subprocess.run(argv, capture_output=True, timeout=timeout_s, check=False,
-                              stdin=subprocess.DEVNULL, env={"PATH": "/usr/bin:/bin"})
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return ProbeResult(False, Problem(f"bwrap could not be run ({exc})",
+    done = probe(argv, timeout_s=timeout_s, env={"PATH": "/usr/bin:/bin"})
+    if done.returncode is None:
+        return ProbeResult(False, Problem(f"bwrap could not be run ({done.error})",
                                           "check the bwrap installation"))
-    if done.returncode == 0:
+    if done.ok:
         return ProbeResult(True)
-    stderr = done.stderr.decode("utf-8", errors="replace")
+    stderr = done.text("stderr")
     return ProbeResult(False, classify_probe_failure(stderr, read_sysctls(proc_sys), uid=uid))

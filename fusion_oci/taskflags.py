@@ -1,4 +1,5 @@
-"""Flags → effective settings → task context: the part of the CLI shared by run, plan, bundle."""
+"""Flags → effective settings → task context: shared by the CLI's run, plan and bundle and by
+the resident server (which resolves a client's flags from its cwd and environment)."""
 
 from __future__ import annotations
 
