@@ -38,17 +38,17 @@ def serve(
         if socket is None:
             asyncio.run(serve_stdio(max_message_bytes))
         else:
-            token = None
+            token, parser = None, None
             if token_file is not None:
                 from fusion_oci.cli.run import parse_run
                 from fusion_oci.server.resident import check_code, read_token, warm_up
 
-                token = read_token(token_file)
+                token, parser = read_token(token_file), parse_run
                 check_code(os.environ.get("FUSION_OCI_SERVER_CODE"))
                 warm_up(parse_run)
                 os.chdir("/")  # a resident server holds no caller's directory busy
             asyncio.run(serve_socket(socket.absolute(), max_message_bytes, idle_timeout, token,
-                                     parse_run))
+                                     parser))
     except FusionOCIError as exc:
         typer.echo(f"fusion-oci: {exc}", err=True)
         raise typer.Exit(exc.exit_code) from None

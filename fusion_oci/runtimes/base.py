@@ -267,6 +267,13 @@ class RuntimeDefaults:
     audit: AuditLog | None = None
     ask: AskCallback | None = None
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # Fail closed: "isolates nothing" (unenforced parts listed, not refused) is declared
+        # by a class itself, never inherited; a runtime built on native's code isolates.
+        if "isolates" not in vars(cls):
+            cls.isolates = True
+
     def enforces(self) -> frozenset[Requirement]:
         raise NotImplementedError
 

@@ -54,7 +54,8 @@ def with_defaults(cls: Any) -> Any:
     if not isinstance(cls, type) or issubclass(cls, RuntimeDefaults):
         return cls
     return type(cls.__name__, (cls, RuntimeDefaults),
-                {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+                {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                 "isolates": bool(getattr(cls, "isolates", True))})
 
 
 def runtime_class(backend: str, settings: SandboxSettings) -> Any | UnavailableRuntime:

@@ -102,3 +102,17 @@ def test_a_plugin_s_own_members_win_over_the_defaults() -> None:
     with pytest.raises(RuntimeError, match="mine"):
         made().close()
     assert registry.with_defaults(made) is made
+
+
+def test_not_isolating_is_never_inherited() -> None:
+    """Fail closed: a runtime built on native's code is refused what it does not enforce."""
+    from fusion_oci.runtimes.native import NativeRuntime
+
+    class OnNative(NativeRuntime):
+        id = "on-native"
+
+    class StatusQuo:
+        isolates = False
+
+    assert not NativeRuntime.isolates and OnNative.isolates
+    assert not registry.with_defaults(StatusQuo).isolates
