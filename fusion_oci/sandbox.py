@@ -51,6 +51,7 @@ from fusion_oci.resolve import ResolvedTask, compile_spec, resolve, task_spec
 from fusion_oci.runtimes.base import Runtime, default_cache_root, unenforced_parts
 from fusion_oci.runtimes.registry import create_runtime
 from fusion_oci.scratch import gc_scratch
+from fusion_oci.store import StoreLinker, task_linker
 from fusion_oci.stdin import StdinStream
 
 if TYPE_CHECKING:
@@ -90,6 +91,9 @@ class Sandbox:
         self.fell_back = False
         self.unenforced: list[str] = []
         self._running: set[asyncio.Task[RunResult]] = set()
+        self.linker: StoreLinker | None = None
+        """Host-side hard links of node_modules to the shared blob store (fusion_oci.store),
+        or None where they cannot be shared safely (``store_links`` in the prepare event)."""
 
     def _create(self, backend: str) -> Runtime:
         # Every runtime, a plugin's too, gets the audit log and the gate callback.
@@ -189,8 +193,14 @@ class Sandbox:
             # Listed, not refused: protecting a path that does not exist would leave a mount
             # point behind in the worktree.
             self.unenforced = self.task.unprotected()
+        self.linker, links = task_linker(
+            cache_mode=ctx.cache_mode.value, host_uid=os.getuid(),
+            isolating=runtime.capabilities().filesystem_isolation != "none",
+            worktree=Path(self.task.layout.worktree),
+            cache_root=self.cache_root or default_cache_root(self.env))
         self._event(
             "sandbox:prepare",
+            details={"store_links": "on" if links.ok else links.reason},
             duration_ms=int((time.monotonic() - start) * 1000),
             fell_back=self.fell_back,
             unenforced=self.unenforced or None,
@@ -277,6 +287,10 @@ class Sandbox:
             raise
         finally:
             self._running.discard(task)
+        if self.linker is not None:
+            # After the command, before its result: the next command (or task) sees links.
+            with contextlib.suppress(OSError):
+                await asyncio.to_thread(self.linker.after_command)
         result = result.model_copy(update={
             "fell_back": self.fell_back,
             "unenforced": self.unenforced,
