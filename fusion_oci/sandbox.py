@@ -51,8 +51,8 @@ from fusion_oci.resolve import ResolvedTask, compile_spec, resolve, task_spec
 from fusion_oci.runtimes.base import Runtime, default_cache_root, unenforced_parts
 from fusion_oci.runtimes.registry import create_runtime
 from fusion_oci.scratch import gc_scratch
-from fusion_oci.store import StoreLinker, task_linker
 from fusion_oci.stdin import StdinStream
+from fusion_oci.store import StoreLinker, task_linker
 
 if TYPE_CHECKING:
     from fusion_oci.images.gates import AskCallback

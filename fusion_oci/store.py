@@ -11,7 +11,7 @@ executable), while every isolating runtime runs the task as the caller without
 The store (:func:`blob_root`) is content-addressed like pnpm's own CAFS: a blob's name is the
 SHA-512 of its bytes (``-exec`` appended when executable). After a command (:meth:`StoreLinker.
 after_command`) the host walks the worktree's ``node_modules/.pnpm`` (pnpm's virtual store,
-which pnpm never edits in place) and, for every regular file with a single link, hashes the
+which pnpm never edits in place) and, for every regular file that is not a blob yet, hashes the
 bytes it reads, writes those bytes as the blob of that hash if it is new (a copy: the task's
 inode never enters the store), and replaces the file with a link to the blob. A task can add
 blobs, but only under the hash of their own bytes: it cannot change what any name in the store
@@ -83,8 +83,8 @@ def link_support(*, host_uid: int, isolating: bool, worktree: Path,
     root = blob_root(cache_root)
     try:
         root.mkdir(parents=True, exist_ok=True)
-        os.chmod(root, 0o700)
-        same = os.stat(root).st_dev == os.stat(worktree).st_dev
+        root.chmod(0o700)
+        same = root.stat().st_dev == worktree.stat().st_dev
     except OSError as exc:
         return LinkSupport(False, f"blob store {root} unusable: {exc.strerror}")
     if not same:
@@ -118,19 +118,23 @@ def _write_blob(root: Path, sub: str, name: str, data: bytes, executable: bool) 
     except FileExistsError:
         return False
     finally:
-        os.unlink(tmp)
+        tmp.unlink()
     return True
 
 
 def _read_single(dir_fd: int, name: str) -> tuple[bytes, bool] | None:
-    """The bytes and exec bit of ``name`` if it is a plain, single-linked, task-owned file."""
+    """The bytes and exec bit of ``name`` if it is a plain file that is not a blob yet.
+
+    A file with other links is taken too: where the store and the worktree share a mount
+    (landlock), pnpm links the task-writable pnpm store's inode itself, which is exactly the
+    sharing a task could rewrite for others; the blob link replaces it."""
     try:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
     except OSError:
         return None
     try:
         st = os.fstat(fd)
-        if (not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_uid == STORE_UID
+        if (not stat.S_ISREG(st.st_mode) or st.st_uid == STORE_UID
                 or st.st_mode & (stat.S_ISUID | stat.S_ISGID) or st.st_size > MAX_BLOB):
             return None
         chunks = []
@@ -142,7 +146,7 @@ def _read_single(dir_fd: int, name: str) -> tuple[bytes, bool] | None:
 
 
 def dedup(worktree: Path, root: Path) -> LinkStats:
-    """Replace every single-linked file of the worktree's pnpm virtual store by a link to the
+    """Replace every file of the worktree's pnpm virtual store by a link to the
     blob of its bytes (adopting the blob first when new). See the module docstring."""
     stats = LinkStats()
     try:
