@@ -12,6 +12,11 @@ import json
 import sys
 from pathlib import Path
 
+WORKLOAD_NETWORK = {"native": "egress (unenforced)", "landlock": "**host only**"}
+"""The network each backend runs a real project in (tests/contract/test_workload.py: a registry
+install, tests, build, commit), where it is weaker than ``egress``: landlock has no egress
+without the host's loopback (its doctor details say so too)."""
+
 ORDER = ["native", "bubblewrap", "landlock", "oci", "oci-runsc", "podman", "podman-rootless",
          "docker", "docker-rootless"]
 
@@ -26,6 +31,8 @@ def table(rows: list[dict[str, str]]) -> list[str]:
         shown = [cells.get((probe, b), "-") for b in backends]
         shown = [f"**{c}**" if c == "leaks" else c for c in shown]
         out.append(f"| `{probe}` | " + " | ".join(shown) + " |")
+    out.append("| real project: network it needs | "
+               + " | ".join(WORKLOAD_NETWORK.get(b, "egress") for b in backends) + " |")
     return out
 
 

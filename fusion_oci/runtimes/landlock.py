@@ -302,6 +302,9 @@ def userns_problem() -> str:
 
 
 CONFINE_FAILED = b"fusion-oci: cannot confine the command"
+WORKLOAD_NETWORK = "host"
+"""The only network mode in which a command here reaches a package registry: ``egress``
+without the host's loopback needs a network namespace, so it is refused."""
 
 
 @dataclass(frozen=True)
@@ -345,6 +348,9 @@ class LandlockRuntime(HostProcessRuntime):
                               + (" by Landlock" if abi >= 4 else " (no Landlock TCP rules)")
                               + "; egress without host loopback: not enforced (no network "
                               "namespace); host: AF_UNIX refused")
+        details["workloads"] = (f"a real project (an install from a package registry) runs "
+                                f"only under network: {WORKLOAD_NETWORK}, where the host's "
+                                "loopback (every port) is reachable too")
         details["limits"] = ("rlimits (CPU time, file size, open files) only; memory, pids, "
                              "CPU quota and tmpSizeMb are not enforced (no cgroup)")
         if abi < 6:
