@@ -194,10 +194,9 @@ class Sandbox:
             # point behind in the worktree.
             self.unenforced = self.task.unprotected()
         self.linker, links = task_linker(
-            cache_mode=ctx.cache_mode.value, host_uid=os.getuid(),
+            blobs=self.task.layout.blobs, host_uid=os.getuid(),
             isolating=runtime.capabilities().filesystem_isolation != "none",
-            worktree=Path(self.task.layout.worktree),
-            cache_root=self.cache_root or default_cache_root(self.env))
+            worktree=Path(self.task.layout.worktree))
         self._event(
             "sandbox:prepare",
             details={"store_links": "on" if links.ok else links.reason},

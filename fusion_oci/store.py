@@ -8,15 +8,15 @@ host, to inodes no task can write: blobs owned by :data:`STORE_UID` with mode 04
 executable), while every isolating runtime runs the task as the caller without
 ``CAP_FOWNER``/``CAP_DAC_OVERRIDE``/``CAP_CHOWN``.
 
-The store (:func:`blob_root`) is content-addressed like pnpm's own CAFS: a blob's name is the
-SHA-512 of its bytes (``-exec`` appended when executable). After a command (:meth:`StoreLinker.
-after_command`) the host walks the worktree's ``node_modules/.pnpm`` (pnpm's virtual store,
-which pnpm never edits in place) and, for every regular file that is not a blob yet, hashes the
-bytes it reads, writes those bytes as the blob of that hash if it is new (a copy: the task's
-inode never enters the store), and replaces the file with a link to the blob. A task can add
-blobs, but only under the hash of their own bytes: it cannot change what any name in the store
-holds, nor any byte of a file another task got from it. What it can do is stated in
-docs/security.md ("the poisoning model").
+The blob store (one per project: ``TaskLayout.blobs``) is content-addressed like pnpm's own
+CAFS: a blob's name is the SHA-512 of its bytes (``-exec`` appended when executable). After a
+command (:meth:`StoreLinker.after_command`) the host walks the worktree's
+``node_modules/.pnpm`` (pnpm's virtual store, which pnpm never edits in place) and, for every
+regular file that is not a blob yet, hashes the bytes it reads, writes those bytes as the blob
+of that hash if it is new (a copy: the task's inode never enters the store), and replaces the
+file with a link to the blob. A task can add blobs, but only under the hash of their own bytes:
+it cannot change what any name in the store holds, nor any byte of a file another task got from
+it. What it can do is stated in docs/security.md ("the poisoning model").
 
 Nothing here trusts paths in the worktree: the walk holds directory fds (``os.fwalk``, which
 follows no symlink), files are opened with ``O_NOFOLLOW|O_NONBLOCK`` and checked with
@@ -31,6 +31,7 @@ import hashlib
 import os
 import secrets
 import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,15 +59,11 @@ class LinkStats:
     adopted: int = 0
     adopted_bytes: int = 0
     skipped: int = 0
-
-
-def blob_root(cache_root: Path) -> Path:
-    """The host's blob store: one per cache root (every project and task of this host)."""
-    return cache_root / "store" / "blobs-sha512"
+    seconds: float = 0.0
 
 
 def link_support(*, host_uid: int, isolating: bool, worktree: Path,
-                 cache_root: Path) -> LinkSupport:
+                 blobs: Path) -> LinkSupport:
     """Can a task's node_modules share the host's blobs without write access to them?
 
     Needs a host process that can give the blobs another owner (root), a runtime that runs the
@@ -80,7 +77,7 @@ def link_support(*, host_uid: int, isolating: bool, worktree: Path,
         return LinkSupport(False, "fusion-oci runs unprivileged: the blobs would be the "
                                   "task's own uid's, which it could chmod and rewrite, so each "
                                   "task keeps its own copies")
-    root = blob_root(cache_root)
+    root = blobs
     try:
         root.mkdir(parents=True, exist_ok=True)
         root.chmod(0o700)
@@ -156,6 +153,7 @@ def dedup(worktree: Path, root: Path) -> LinkStats:
     except OSError:
         return stats
     try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
         _walk(nm_fd, root, stats)
     finally:
         os.close(nm_fd)
@@ -166,6 +164,13 @@ def _walk(nm_fd: int, root: Path, stats: LinkStats) -> None:
     for _dirpath, _dirs, files, dir_fd in os.fwalk(VIRTUAL_STORE[1], dir_fd=nm_fd,
                                                    follow_symlinks=False):
         for name in files:
+            try:
+                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            except OSError:
+                continue
+            if st.st_uid == STORE_UID or not stat.S_ISREG(st.st_mode):
+                stats.skipped += 1  # a blob already, a symlink, a socket: no open at all
+                continue
             read = _read_single(dir_fd, name)
             if read is None:
                 stats.skipped += 1
@@ -216,20 +221,20 @@ class StoreLinker:
         if marker is None or marker == self._seen:
             self.last = LinkStats()
             return self.last
+        start = time.monotonic()
         self.last = dedup(self.worktree, self.root)
+        self.last.seconds = time.monotonic() - start
         self._seen = marker
         return self.last
 
 
-def task_linker(*, cache_mode: str, host_uid: int, isolating: bool, worktree: Path,
-                cache_root: Path) -> tuple[StoreLinker | None, LinkSupport]:
-    """The linker of a task, or None with the reason. Only ``cacheMode: shared`` shares blobs:
-    ``isolated`` keeps every byte (and every link count) of a task its own, ``off`` has no
-    caches at all."""
-    if cache_mode != "shared":
-        return None, LinkSupport(False, f"cacheMode {cache_mode}: nothing is shared")
+def task_linker(*, blobs: str | None, host_uid: int, isolating: bool,
+                worktree: Path) -> tuple[StoreLinker | None, LinkSupport]:
+    """The linker of a task (its layout's blob store), or None with the reason."""
+    if blobs is None:
+        return None, LinkSupport(False, "cacheMode off: no caches, no shared blobs")
     support = link_support(host_uid=host_uid, isolating=isolating, worktree=worktree,
-                           cache_root=cache_root)
+                           blobs=Path(blobs))
     if not support.ok:
         return None, support
-    return StoreLinker(worktree, blob_root(cache_root)), support
+    return StoreLinker(worktree, Path(blobs)), support
