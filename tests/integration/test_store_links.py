@@ -67,6 +67,11 @@ async def install(backend: str, settings: SandboxSettings, tmp_path: Path, task:
         seen = await sb.run(f"stat -c '%h %u' {INSTALLED} && head -c 40 {INSTALLED}",
                             LONG)
         assert seen.exit_code == 0, seen.stderr
+        # The links are read-only and not the task's: pnpm still re-installs over them, and
+        # the task may throw node_modules away.
+        again = await sb.run("pnpm install --frozen-lockfile --offline && rm -rf node_modules "
+                             "&& pnpm install --frozen-lockfile --offline", LONG)
+        assert again.exit_code == 0, again.stderr + again.stdout
     return wt, seen.stdout
 
 
