@@ -33,11 +33,13 @@ PROJECT = ROOT / "tests" / "data" / "workload-project"
 INSTALL = "pnpm install --frozen-lockfile --offline"
 LONG = RunOptions(timeout_ms=600_000)
 INTRO = """`benchmarks/bench_store.py --rounds {rounds}`: tests/data/workload-project installed
-offline from a warm store, each round a new task (worktree) of one project per backend and a
-new directory for the host's own pnpm on its own warm store, interleaved; a sandbox's time is its whole `run` (pnpm,
-which copies inside the sandbox, then the host's pass that links `node_modules/.pnpm` to the
-project's blob store, fusion_oci/store.py). Disk: what the last task's `node_modules` adds to
-`du` after the blob store and the earlier tasks, against its full size."""
+offline
+from a warm store, each round a new task (worktree) of one project per backend and a new
+directory for the host's own pnpm on its own warm store, interleaved; a sandbox's time is
+its whole `run` (pnpm, which copies inside the sandbox, then the host's pass that links
+`node_modules/.pnpm` to the project's blob store, fusion_oci/store.py). Disk: what the last
+task's `node_modules` adds to `du` after the blob store and the earlier tasks, against its
+full size."""
 READING = """
 - Targets: warm install within 1.3x of the host's; one more task on the same lockfile adds
   under 10% of its `node_modules` (what it adds is directories, symlinks and pnpm's own

@@ -27,6 +27,13 @@ const phases = {
     for (let i = 0; i < 100; i++) spawnSync("/bin/true");
     return 100;
   },
+  // The same with a static binary from the bind-mounted worktree: no loader, no image layer.
+  spawn_static() {
+    const bin = process.env.OVERHEAD_STATIC;
+    if (!bin) return 0;
+    for (let i = 0; i < 100; i++) spawnSync(bin, ["--version"]);
+    return 100;
+  },
   // Many small files in the worktree: create, stat, read, remove.
   fs() {
     const root = join(dir, `.overhead-${process.pid}`);
