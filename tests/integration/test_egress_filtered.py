@@ -295,3 +295,100 @@ async def test_pnpm_install_through_the_built_in_profile_and_an_unlisted_registr
     assert (wt / "node_modules" / "is-number" / "package.json").exists()
     other = result.stdout.split("INSTALLED", 1)[1]
     assert "403" in other and "7.0.0" not in other, other
+
+
+# ---------------------------------------------------------------------------- the forwarder
+
+CLIENT = r"""
+import hashlib, os, socket, sys, threading
+n, size = int(sys.argv[1]), int(sys.argv[2])
+bad = []
+def one(i):
+    data = os.urandom(size)
+    s = socket.create_connection(("127.0.0.1", 3128), timeout=30)
+    def send():
+        s.sendall(data)
+        s.shutdown(socket.SHUT_WR)  # half-close: the echo must still come back
+    t = threading.Thread(target=send); t.start()
+    got = bytearray()
+    while True:
+        chunk = s.recv(1 << 16)
+        if not chunk: break
+        got += chunk
+    t.join(); s.close()
+    if hashlib.sha256(got).digest() != hashlib.sha256(data).digest():
+        bad.append((i, len(got)))
+threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+[t.start() for t in threads]; [t.join() for t in threads]
+print("BAD", bad)
+try:
+    socket.socket().bind(("127.0.0.1", 3128)); print("BIND ok")
+except OSError as e:
+    print("BIND", e.errno)
+"""
+
+
+@contextlib.contextmanager
+def echo_socket(path: Path) -> Iterator[list[int]]:
+    """A unix stream server echoing each connection until EOF (the forwarder carries bytes,
+    whatever they say); yields the list of connections it served."""
+    import socket
+    import threading
+
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(str(path))
+    srv.listen(256)
+    served: list[int] = []
+
+    def echo(conn: socket.socket) -> None:
+        with conn:
+            while chunk := conn.recv(1 << 16):
+                conn.sendall(chunk)
+            conn.shutdown(socket.SHUT_WR)
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            served.append(1)
+            threading.Thread(target=echo, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield served
+    finally:
+        srv.close()
+
+
+@pytest.mark.native
+async def test_the_agents_forwarder_carries_many_connections_whole(tmp_path: Path) -> None:
+    """In the agent's own loop (``--egress``), beside the command that uses it: 40 concurrent
+    connections of 1 MiB each way arrive whole, half-closes pass, and the port is taken."""
+    import asyncio
+    import socket
+    import sys
+
+    from fusion_oci.agent.client import Agent, agent_binary
+
+    require("native", os.geteuid() == 0 and shutil.which("unshare") is not None,
+            "needs root for a network namespace (unshare --net)")
+    sock_path = tmp_path / "egress.sock"
+    with echo_socket(sock_path) as served:
+        ours, theirs = socket.socketpair()
+        proc = await asyncio.create_subprocess_exec(
+            "unshare", "--net", "--", str(agent_binary()), "--egress", str(sock_path), "--fd",
+            str(theirs.fileno()), pass_fds=(theirs.fileno(),), start_new_session=True,
+            stdin=asyncio.subprocess.DEVNULL)
+        theirs.close()
+        agent = await Agent.over(ours, proc, 20.0)
+        try:
+            done = await agent.run([sys.executable, "-c", CLIENT, "40", str(1 << 20)],
+                                   env={"PATH": "/usr/bin:/bin"}, timeout_s=120)
+        finally:
+            await agent.close()
+        assert done.returncode == 0, done.stderr
+        assert b"BAD []" in done.stdout, done.stdout
+        assert b"BIND 98" in done.stdout  # EADDRINUSE: the agent holds 127.0.0.1:3128
+        assert len(served) == 40
