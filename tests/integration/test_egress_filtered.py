@@ -207,6 +207,7 @@ def _script(world: EgressWorld, host_port: int) -> str:
         "if command -v curl >/dev/null; then",
         "  echo CURL-PLAIN $(curl -sS -m 10 http://allowed.test:8080/)",
         "  echo CURL-TUNNEL $(curl -sS -m 10 -p http://allowed.test:8080/)",
+        "  echo CURL-SOCKS $(curl -sS -m 10 -x \"$ALL_PROXY\" http://allowed.test:8080/)",
         "  echo CURL-DENIED $(curl -sS -m 10 -o /dev/null -w '%{http_code}' "
         "http://denied.test:8080/)",
         "  echo CURL-NOPROXY $(curl -sS -m 5 --noproxy '*' http://allowed.test:8080/ 2>&1)",
@@ -247,6 +248,7 @@ async def test_filtered_reaches_the_allowed_host_only_and_survives_the_command(
     if runner.engine == "bubblewrap":
         assert f"CURL-PLAIN fusion-egress-ok {world.allowed_addr}" in out, out[-2000:]
         assert f"CURL-TUNNEL fusion-egress-ok {world.allowed_addr}" in out
+        assert f"CURL-SOCKS fusion-egress-ok {world.allowed_addr}" in out  # socks5h
         assert "CURL-DENIED 403" in out
         assert "CURL-NOPROXY curl: (6)" in out  # no name resolves without the proxy
     assert not seen
