@@ -254,6 +254,29 @@ async def test_filtered_reaches_the_allowed_host_only_and_survives_the_command(
     assert not seen
 
 
+@pytest.mark.docker
+async def test_a_oneshot_container_per_command_forwards_too(world: EgressWorld,
+                                                            tmp_path: Path) -> None:
+    """container_mode oneshot: each command's own container gets the socket and the
+    forwarder (the same AgentMounts as the warm one)."""
+    settings = cases.require_engine("docker").model_copy(update={"container_mode": "oneshot"})
+    wt = git_init(tmp_path / "wt")
+    probe = ["node", "-e", PROBE_JS, world.config(1)]
+    ctx = PrepareContext(task_id="oneshot", run_id="r1", worktree_path=str(wt),
+                         policy=world.policy(), image=Runner("docker", tmp_path, None).image(),
+                         cache_mode=CacheMode.OFF)
+    with resolving(world.names):
+        async with Sandbox(settings, env={"PATH": "/usr/bin:/bin"},
+                           cache_root=tmp_path / "cache") as sb:
+            await sb.prepare(ctx)
+            for _ in range(2):
+                result = await sb.run(probe, LONG)
+                assert result.exit_code == 0, result.stderr
+                line = next(x for x in result.stdout.splitlines()
+                            if x.startswith("EGRESS-PROBE "))
+                assert allowed_answers(json.loads(line.removeprefix("EGRESS-PROBE ")), world)
+
+
 @pytest.mark.parametrize("backend", ["bubblewrap", "podman", "docker"])
 def test_network_policy_is_fine_exactly_where_filtered_is_enforced(backend: str) -> None:
     if backend == "bubblewrap":
