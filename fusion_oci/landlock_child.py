@@ -48,6 +48,7 @@ SECCOMP_MODE_FILTER = 2
 CAP_LAST = 63
 LINUX_CAPABILITY_VERSION_3 = 0x20080522
 LANDLOCK_RULE_PATH_BENEATH = 1
+LANDLOCK_RULE_NET_PORT = 2
 LANDLOCK_CREATE_RULESET_VERSION = 1
 
 # landlock_create_ruleset, landlock_add_rule, landlock_restrict_self: one number on every
@@ -121,6 +122,12 @@ def restrict(cfg: dict) -> None:  # type: ignore[type-arg]
                     raise _fail(f"landlock_add_rule({path})")
             finally:
                 os.close(fd)
+        for port, access in cfg.get("ports", []):
+            # struct landlock_net_port_attr is packed: u64 allowed_access, u64 port.
+            rule = struct.pack("=QQ", int(access), int(port))
+            if _libc.syscall(SYS_LANDLOCK[1], ruleset, LANDLOCK_RULE_NET_PORT,
+                             ctypes.c_char_p(rule), ctypes.c_uint32(0)) != 0:
+                raise _fail(f"landlock_add_rule(port {port})")
         if _libc.syscall(SYS_LANDLOCK[2], ruleset, ctypes.c_uint32(0)) != 0:
             raise _fail("landlock_restrict_self")
     finally:
@@ -149,9 +156,12 @@ NOTIF_RECV, NOTIF_SEND, NOTIF_ID_VALID = 0xC0502100, 0xC0182101, 0x40082102
 AT_FDCWD, AT_SYMLINK_NOFOLLOW, AT_EMPTY_PATH = -100, 0x100, 0x1000
 
 
-def notify_program(arch: str) -> bytes:
-    """``chmod`` family → USER_NOTIF, everything else → ALLOW (the main filter still runs)."""
+def notify_program(arch: str, connect: bool = False) -> bytes:
+    """``chmod`` family (and ``connect`` when asked) → USER_NOTIF, everything else → ALLOW
+    (the main filter still runs)."""
     calls = [nr for nr in CHMOD_CALLS[arch] if nr >= 0]
+    if connect:
+        calls.append(CONNECT_CALL[arch])
     prog = [(0x20, 0, 0, 4), (0x15, 0, len(calls) + 1, AUDIT_ARCH[arch]), (0x20, 0, 0, 0)]
     for i, nr in enumerate(calls):
         prog.append((0x15, len(calls) - i, 0, nr))  # jump to the USER_NOTIF return
@@ -159,13 +169,13 @@ def notify_program(arch: str) -> bytes:
     return b"".join(struct.pack("<HBBI", *ins) for ins in prog)
 
 
-def install_chmod_listener(arch: str, channel: int) -> None:
+def install_chmod_listener(arch: str, channel: int, connect: bool = False) -> None:
     """Install the notify filter and send its listener fd to the reaper over ``channel``."""
 
     class SockFprog(ctypes.Structure):
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
 
-    program = notify_program(arch)
+    program = notify_program(arch, connect)
     prog = SockFprog(len(program) // 8, program)
     listener = _libc.syscall(SYS_SECCOMP[arch], SECCOMP_SET_MODE_FILTER,
                              SECCOMP_FILTER_FLAG_NEW_LISTENER, ctypes.byref(prog))
@@ -193,6 +203,8 @@ class ChmodSupervisor:
         chmod, fchmod, fchmodat, fchmodat2 = CHMOD_CALLS[self.arch]
         self.calls = {"chmod": chmod, "fchmod": fchmod, "fchmodat": fchmodat,
                       "fchmodat2": fchmodat2}
+        port = int(cfg.get("connect_port", -1))
+        self.connects = ConnectSupervisor(self, port) if port >= 0 else None
 
     def serve(self) -> None:
         import fcntl
@@ -206,6 +218,10 @@ class ChmodSupervisor:
             except OSError:
                 return  # every confined process is gone
             nid, pid, _flags, nr, _arch, _ip, *args = struct.unpack("=QIIiIQ6Q", bytes(buf))
+            if self.connects is not None and nr == CONNECT_CALL[self.arch]:
+                # Its own thread: a unix connect can block (a full backlog), chmod must not.
+                _thread.start_new_thread(self.connects.serve_one, (nid, pid, args))
+                continue
             try:
                 error = self.answer(nid, pid, nr, args)
             except OSError as exc:
@@ -216,6 +232,12 @@ class ChmodSupervisor:
                 fcntl.ioctl(self.listener, NOTIF_SEND, struct.pack("=QqiI", nid, 0, -error, 0))
             except OSError:
                 continue  # the caller died meanwhile
+
+    def reply(self, nid: int, error: int) -> None:
+        try:  # noqa: SIM105 - contextlib costs every command's start-up
+            fcntl_ioctl(self.listener, NOTIF_SEND, struct.pack("=QqiI", nid, 0, -error, 0))
+        except OSError:
+            pass  # the caller died meanwhile
 
     def _string(self, pid: int, addr: int) -> str:
         fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
@@ -279,6 +301,160 @@ class ChmodSupervisor:
             os.close(fd)
 
 
+# --- network filtered: every connect() through the supervisor ---------------------------------
+
+CONNECT_CALL = {"x86_64": 42, "aarch64": 203}
+SYS_PIDFD_OPEN, SYS_PIDFD_GETFD = 434, 438  # the generic numbers, on both architectures
+AF_UNSPEC, AF_UNIX, AF_INET, AF_INET6 = 0, 1, 2, 10
+LOOPBACK4 = bytes([127, 0, 0, 1])
+LOOPBACK4_MAPPED = bytes(10) + b"\xff\xff" + LOOPBACK4
+
+
+def fcntl_ioctl(fd: int, request: int, arg: bytes) -> None:
+    import fcntl
+
+    fcntl.ioctl(fd, request, arg)
+
+
+def connect_verdict(addr: bytes, port: int) -> str:
+    """What a ``filtered`` command's connect to the sockaddr ``addr`` gets. Pure.
+
+    ``proxy``: the task's egress proxy (127.0.0.1:PORT, or its v4-mapped IPv6 form);
+    ``unix``: a named unix socket (allowed when it lies beneath a writable path);
+    ``unspec``: AF_UNSPEC (a disconnect); ``deny``: anything else (every other address, the
+    host's loopback included, and abstract unix sockets: the host's are not the command's).
+    """
+    if len(addr) < 2:
+        return "deny"
+    family = struct.unpack("=H", addr[:2])[0]
+    if family == AF_UNSPEC:
+        return "unspec"
+    if family == AF_INET and len(addr) >= 8:
+        to_port = struct.unpack("!H", addr[2:4])[0]
+        return "proxy" if port > 0 and to_port == port and addr[4:8] == LOOPBACK4 else "deny"
+    if family == AF_INET6 and len(addr) >= 24:
+        to_port = struct.unpack("!H", addr[2:4])[0]
+        ok = port > 0 and to_port == port and addr[8:24] == LOOPBACK4_MAPPED
+        return "proxy" if ok else "deny"
+    if family == AF_UNIX and len(addr) > 2 and addr[2] != 0:
+        return "unix"
+    return "deny"
+
+
+class ConnectSupervisor:
+    """Answers a ``filtered`` command's connect() calls, in threads of the reaper.
+
+    The supervisor reads the address once, decides on its own copy, and makes the connect
+    itself on the command's socket (the same open file, taken with ``pidfd_getfd``), so a
+    thread changing the address after the check changes nothing (the kernel warns against
+    letting the call continue: ``SECCOMP_USER_NOTIF_FLAG_CONTINUE`` re-reads user memory).
+    Landlock's port rule (ABI 4) still holds for any connect made without us.
+    """
+
+    def __init__(self, owner: ChmodSupervisor, port: int) -> None:
+        self.owner = owner
+        self.port = port
+
+    def serve_one(self, nid: int, pid: int, args: list) -> None:  # type: ignore[type-arg]
+        import errno
+
+        try:
+            error = self.answer(nid, pid, args)
+        except OSError as exc:
+            error = exc.errno or errno.EACCES
+        except Exception:  # never let the command's call hang
+            error = errno.EACCES
+        self.owner.reply(nid, error)
+
+    def answer(self, nid: int, pid: int, args: list) -> int:  # type: ignore[type-arg]
+        """0 when connected (or in progress: EINPROGRESS), else the errno the call returns."""
+        import errno
+
+        fd, addr_ptr, length = int(args[0]) & 0xFFFFFFFF, args[1], int(args[2]) & 0xFFFFFFFF
+        if fd >= 1 << 31 or length > 128:
+            return errno.EINVAL if fd < 1 << 31 else errno.EBADF
+        addr = self._bytes(pid, addr_ptr, length)
+        verdict = connect_verdict(addr, self.port)
+        if verdict == "deny":
+            return errno.EACCES
+        target = addr
+        opened = -1
+        if verdict == "unix":
+            path = addr[2:].split(b"\0", 1)[0]
+            opened = self._unix_socket(pid, os.fsdecode(path))
+            if opened < 0:
+                return -opened
+            target = struct.pack("=H", AF_UNIX) + f"/proc/self/fd/{opened}".encode() + b"\0"
+        try:
+            theirs = self._their_fd(nid, pid, fd)
+            try:
+                if _libc.connect(theirs, ctypes.c_char_p(target), len(target)) == 0:
+                    return 0
+                return ctypes.get_errno() or errno.EACCES
+            finally:
+                os.close(theirs)
+        finally:
+            if opened >= 0:
+                os.close(opened)
+
+    def _bytes(self, pid: int, addr: int, length: int) -> bytes:
+        fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            data = os.pread(fd, length, addr)
+        finally:
+            os.close(fd)
+        if len(data) != length:
+            raise OSError(14, "bad address")
+        return data
+
+    def _unix_socket(self, pid: int, path: str) -> int:
+        """An O_PATH fd of the socket ``path`` names (from the command's cwd), or -errno:
+        only a socket beneath a writable path (the command's own), never a host one such as
+        an engine's socket under /run."""
+        import errno
+
+        dfd = os.open(f"/proc/{pid}/cwd", os.O_PATH | os.O_CLOEXEC | os.O_DIRECTORY)
+        try:
+            fd = os.open(path, os.O_PATH | os.O_CLOEXEC, dir_fd=dfd)
+        except OSError as exc:
+            return -(exc.errno or errno.ENOENT)
+        finally:
+            os.close(dfd)
+        real = os.readlink(f"/proc/self/fd/{fd}")  # noqa: PTH115 - pathlib costs start-up
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            os.close(fd)
+            return -errno.ECONNREFUSED
+        if not _beneath(real, self.owner.writable):
+            os.close(fd)
+            return -errno.EACCES
+        return fd
+
+    def _their_fd(self, nid: int, tid: int, fd: int) -> int:
+        """Our copy of the caller's ``fd`` (the same socket). The caller is a thread: its
+        process (whose fd table threads share) is taken, and the notification checked still
+        live after the pidfd names it, so the thread id was not reused meanwhile."""
+        tgid = _status_field(tid, "Tgid:")
+        pidfd = _libc.syscall(SYS_PIDFD_OPEN, tgid, 0)
+        if pidfd < 0:
+            raise _fail("pidfd_open")
+        try:
+            fcntl_ioctl(self.owner.listener, NOTIF_ID_VALID, struct.pack("=Q", nid))
+            theirs = _libc.syscall(SYS_PIDFD_GETFD, pidfd, fd, 0)
+            if theirs < 0:
+                raise _fail("pidfd_getfd")
+            return int(theirs)
+        finally:
+            os.close(pidfd)
+
+
+def _status_field(pid: int, key: str) -> int:
+    with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as fh:
+        for line in fh:
+            if line.startswith(key):
+                return int(line.split()[1])
+    raise OSError(3, "no such process")
+
+
 def _euid(pid: int) -> int:
     with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as fh:
         for line in fh:
@@ -304,7 +480,8 @@ def supervise(cfg: dict, channel: _socket.socket) -> None:  # type: ignore[type-
         _thread.start_new_thread(ChmodSupervisor(cfg, fds[0]).serve, ())
 
 
-INT_FIELDS = ("abi", "handled_fs", "handled_net", "scoped", "drop_capabilities")
+INT_FIELDS = ("abi", "handled_fs", "handled_net", "scoped", "drop_capabilities",
+              "connect_port")
 
 
 def parse(text: str) -> dict:  # type: ignore[type-arg]
@@ -312,12 +489,15 @@ def parse(text: str) -> dict:  # type: ignore[type-arg]
 
     Not JSON: importing json (and re, which it pulls in) would cost every command.
     """
-    cfg: dict = {"paths": [], "writable": []}  # type: ignore[type-arg]
+    cfg: dict = {"paths": [], "writable": [], "ports": []}  # type: ignore[type-arg]
     for line in text.split("\n"):
         if not line:
             continue
         key, _, value = line.partition(" ")
-        if key == "path":
+        if key == "port":
+            mask, _, port = value.partition(" ")
+            cfg["ports"].append([int(port), int(mask)])
+        elif key == "path":
             mask, _, path = value.partition(" ")
             cfg["paths"].append([path, int(mask)])
         elif key == "writable":
@@ -348,5 +528,5 @@ def apply(cfg: dict, channel: int | None = None) -> None:  # type: ignore[type-a
     restrict(cfg)
     install_seccomp(bytes.fromhex(cfg["seccomp"]))
     if channel is not None:
-        install_chmod_listener(str(cfg["arch"]), channel)
+        install_chmod_listener(str(cfg["arch"]), channel, int(cfg.get("connect_port", -1)) >= 0)
 
