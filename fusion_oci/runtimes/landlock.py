@@ -39,6 +39,17 @@ rlimits; the reaper shim ends the whole tree on timeout. Not enforceable without
 cgroups, so listed as unenforced (refused under ``fail-hard``): ``egress`` without host
 loopback (Landlock's TCP rules know ports, not addresses), memory, pids, CPU quota,
 ``tmpSizeMb``.
+
+``network: filtered`` (issue #22) is how a landlock task gets egress without the host's
+loopback: the task's egress proxy also listens on host ``127.0.0.1:<random port>``
+(``egress_via_tcp``), the command's proxy variables name it, and nothing else is reachable.
+Landlock (ABI 4+) denies every TCP bind and allows TCP connect to that port only; since its
+rules know ports and not addresses (a remote host could listen on the same port), every
+``connect()`` also goes to the reaper's supervisor (landlock_child.py), which reads the
+address once, allows ``127.0.0.1:<port>`` and unix sockets beneath writable paths, and makes
+that connect itself on the command's socket (``pidfd_getfd``). seccomp leaves only TCP and
+unix stream sockets (UDP, which Landlock does not govern, raw, packet, netlink, SCTP refused)
+and refuses TCP Fast Open (a connect inside ``sendto``).
 """
 
 from __future__ import annotations
