@@ -69,6 +69,7 @@ from fusion_oci.runtimes.base import (
 from fusion_oci.runtimes.bubblewrap_argv import (
     AGENT_FD,
     BLOCK_FD,
+    EGRESS_PLACEHOLDER,
     INFO_FD,
     RESOLV_PLACEHOLDER,
     RLIMITS,
@@ -265,6 +266,8 @@ class BubblewrapRuntime(SpecRuntime):
         self._box: _Box | None = None
         self._bpf: tuple[Any, bytes | None] | None = None
         """(profile, its BPF): compiled once at prepare."""
+        self._egress_socket: str | None = None
+        """``filtered``: the host path of the task's egress proxy socket (from prepare)."""
 
     # ------------------------------------------------------------------ host facts
     @property
@@ -280,6 +283,7 @@ class BubblewrapRuntime(SpecRuntime):
             bwrap=p.bwrap or "bwrap", disable_userns=p.disable_userns,
             cgroup_mode=p.cgroups.mode, systemd_run=p.cgroups.systemd_run,
             egress_resolv_conf=resolv, agent=str(agent_binary()),
+            egress_socket=self._egress_socket or EGRESS_PLACEHOLDER,
         )
 
     def host_for(self, spec: Spec) -> BwrapHost:
@@ -296,7 +300,9 @@ class BubblewrapRuntime(SpecRuntime):
     def capabilities(self) -> SandboxCapabilities:
         limits = "advanced" if self.probe.cgroups.controllers else "basic"
         return SandboxCapabilities(
-            filesystem_isolation="strong", network_policy="coarse", resource_limits=limits,
+            filesystem_isolation="strong",
+            network_policy="fine" if Requirement.NETWORK_FILTERED in self.enforces()
+            else "coarse", resource_limits=limits,
             requires_install=True, supports_mac=False, supports_linux=True,
             supports_windows=False,
         )
@@ -330,8 +336,10 @@ class BubblewrapRuntime(SpecRuntime):
         if p.bwrap is None or p.problem is not None:
             return frozenset()
         # tmpfs sizes: bwrap --size.
+        # filtered: an empty network namespace and the agent's forwarder to the task's proxy
+        # (nothing of the host's beyond bwrap itself).
         out = {Requirement.FILESYSTEM, Requirement.PROC_PATHS,
-               Requirement.ENV, Requirement.NETWORK_NONE,
+               Requirement.ENV, Requirement.NETWORK_NONE, Requirement.NETWORK_FILTERED,
                Requirement.TMP_SIZE}
         if p.egress_problem is None and p.slirp4netns:
             out.add(Requirement.NETWORK_EGRESS)
@@ -360,6 +368,12 @@ class BubblewrapRuntime(SpecRuntime):
         task = await super().prepare(task)
         assert self.task_spec is not None
         check_spec(self.task_spec)
+        if spec_network(self.task_spec) is NetworkMode.FILTERED:
+            if task.egress is None:
+                raise SandboxSetupError("network filtered needs the task's egress proxy",
+                                        "none was started for this task",
+                                        "prepare the task through fusion_oci.Sandbox")
+            self._egress_socket = str(task.egress.unix_socket)
         self._scratch = make_task_scratch(task.ctx.task_id)
         try:
             spec = self.compile(["true"], RunOptions())
@@ -495,6 +509,7 @@ class BubblewrapRuntime(SpecRuntime):
                         await asyncio.to_thread(box.group.remove)
         finally:
             self._bpf = None
+            self._egress_socket = None
             if self._scratch is not None:
                 shutil.rmtree(self._scratch, ignore_errors=True)
                 self._scratch = None

@@ -39,11 +39,12 @@ from fusion_oci.errors import (
 )
 from fusion_oci.models import (
     CacheMode,
+    NetworkMode,
     PrepareContext,
     RunOptions,
     RunResult,
 )
-from fusion_oci.oci.spec import Spec, spec_cache_mode
+from fusion_oci.oci.spec import Spec, spec_cache_mode, spec_network
 from fusion_oci.runtimes.base import (
     LaunchPlan,
     LimitCounters,
@@ -124,6 +125,8 @@ class ContainerRuntime(EngineProbe):
         socket until it has connected; removed at dispose."""
         self.image_ref: str | None = None
         self._image_id: str | None = None
+        self._egress_socket: str | None = None
+        """``filtered``: the host path of the task's egress proxy socket (from prepare)."""
 
     # -- engine-specific hooks (more in EngineProbe) ---------------------------------------
 
@@ -137,10 +140,12 @@ class ContainerRuntime(EngineProbe):
                       seccomp_dir=str(self.cache_root / "seccomp"))
 
     def enforces(self) -> frozenset[Requirement]:
+        # filtered: the engine's `none` network and the agent's forwarder to the task's proxy
+        # socket, rootful or rootless alike.
         need = {Requirement.FILESYSTEM, Requirement.PROC_PATHS,
                 Requirement.ENV, Requirement.NETWORK_NONE,
-                Requirement.NETWORK_EGRESS, Requirement.CPU_TIME, Requirement.TMP_SIZE,
-                Requirement.FILE_SIZE}
+                Requirement.NETWORK_EGRESS, Requirement.NETWORK_FILTERED,
+                Requirement.CPU_TIME, Requirement.TMP_SIZE, Requirement.FILE_SIZE}
         try:
             _, info = self._probe(start=False)
         except SandboxSetupError:
@@ -201,6 +206,12 @@ class ContainerRuntime(EngineProbe):
         await super().prepare(task)
         ctx = task.ctx
         assert self.task_spec is not None
+        if spec_network(self.task_spec) is NetworkMode.FILTERED:
+            if task.egress is None:
+                raise SandboxSetupError("network filtered needs the task's egress proxy",
+                                        "none was started for this task",
+                                        "prepare the task through fusion_oci.Sandbox")
+            self._egress_socket = str(task.egress.unix_socket)
         # The image the resolve step chose (context, settings, else this backend's default),
         # provisioned; the task then runs on its local reference.
         self.image_ref = await self._provision(spec_image(self.task_spec), ctx)
@@ -273,7 +284,8 @@ class ContainerRuntime(EngineProbe):
             nonce = secrets.token_hex(4)
             run_dir, listener = self._agent_listener(spec, nonce)
             plan = self._plan(spec, container_name(self.ctx.task_id, nonce),
-                              AgentMounts(binary, str(run_dir)))
+                              AgentMounts(binary, str(run_dir),
+                                          self._egress_socket or AgentMounts.egress_socket))
             cid: str | None = None
             try:
                 for volume in plan.volumes:
@@ -403,6 +415,7 @@ class ContainerRuntime(EngineProbe):
                                          functools.partial(adapter.remove_volume, name))
                 self._task_volumes = []
         finally:
+            self._egress_socket = None
             if self._scratch is not None:
                 shutil.rmtree(self._scratch, ignore_errors=True)
                 self._scratch = None
