@@ -126,17 +126,21 @@ def test_enforced_requirements_per_abi() -> None:
 
 
 @pytest.mark.parametrize("arch", ["x86_64", "aarch64"])
-def test_every_chmod_call_and_only_those_go_to_the_supervisor(arch: str) -> None:
+def test_every_chmod_and_open_call_and_only_those_go_to_the_supervisor(arch: str) -> None:
+    """chmod (Landlock does not govern metadata) and open/openat (the caller's own /proc
+    entries, which no rule can grant a process tree)."""
     from fusion_oci.landlock_child import (
         AUDIT_ARCH,
         CHMOD_CALLS,
+        OPEN_CALLS,
         RET_ALLOW,
         RET_USER_NOTIF,
         notify_program,
     )
 
     program = notify_program(arch)
-    calls = {nr for nr in CHMOD_CALLS[arch] if nr >= 0}
+    calls = {nr for nr in (*CHMOD_CALLS[arch], *OPEN_CALLS[arch]) if nr >= 0}
+    assert len(calls) == {"x86_64": 6, "aarch64": 4}[arch]
     for nr in range(0, 460):
         want = RET_USER_NOTIF if nr in calls else RET_ALLOW
         assert run_bpf(program, nr, AUDIT_ARCH[arch]) == want, nr
