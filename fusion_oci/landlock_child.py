@@ -288,29 +288,15 @@ class ChmodSupervisor:
             dirfd = args[0] & 0xFFFFFFFF if at else AT_FDCWD & 0xFFFFFFFF
             base = "cwd" if dirfd == AT_FDCWD & 0xFFFFFFFF else f"fd/{dirfd}"
             path = os.readlink(f"/proc/{tid}/{base}") + "/" + path  # noqa: PTH115
-        parts = [p for p in path.split("/") if p and p != "."]
-        if len(parts) < 2 or parts[0] != "proc" or ".." in parts:
-            return None
+        if not path.startswith("/proc/"):
+            return None  # the common case, before reading the caller's status
         tgid = _tgid(tid)
-        if parts[1] == "self":
-            rest = parts[2:]
-        elif parts[1] == "thread-self":
-            rest = ["task", str(tid), *parts[2:]]
-        elif parts[1] == str(tgid):
-            rest = parts[2:]
-        else:
-            return None  # another process's entry, or not a per-process one
-        if rest[:1] == ["task"] and len(rest) > 2:
-            entry = rest[2]  # task/<tid>/<entry>: the same entries, per thread
-        elif rest[:1] == ["task"]:
-            entry = "task"
-        else:
-            entry = rest[0] if rest else ""
-        if entry and entry not in OWN_PROC:
+        rest = own_proc_entry(path, tid, tgid)
+        if rest is None:
             return None
         top = os.open(f"/proc/{tgid}", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            fd = _openat2(top, "/".join(rest) or ".", (flags & ~O_CLOEXEC) | O_CLOEXEC,
+            fd = _openat2(top, rest, (flags & ~O_CLOEXEC) | O_CLOEXEC,
                           RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)
         finally:
             os.close(top)
@@ -382,6 +368,31 @@ class ChmodSupervisor:
             return 0
         finally:
             os.close(fd)
+
+
+def own_proc_entry(path: str, tid: int, tgid: int) -> str | None:
+    """Where the absolute ``path`` leads beneath ``/proc/<tgid>`` when it names an entry of
+    :data:`OWN_PROC` of the caller's own (thread ``tid`` of process ``tgid``), else None. Pure.
+
+    ``/proc/self`` and ``/proc/<tgid>`` are the process, ``/proc/thread-self`` its thread
+    (``task/<tid>``); ``..`` is refused, not resolved.
+    """
+    parts = [p for p in path.split("/") if p and p != "."]
+    if len(parts) < 2 or parts[0] != "proc" or ".." in parts:
+        return None
+    if parts[1] in ("self", str(tgid)):
+        rest = parts[2:]
+    elif parts[1] == "thread-self":
+        rest = ["task", str(tid), *parts[2:]]
+    else:
+        return None  # another process's entry, or not a per-process one
+    if rest[:1] == ["task"]:
+        entry = rest[2] if len(rest) > 2 else "task"  # task/<tid>/<entry>: per thread
+    else:
+        entry = rest[0] if rest else ""
+    if entry and entry not in OWN_PROC:
+        return None
+    return "/".join(rest) or "."
 
 
 def _tgid(tid: int) -> int:
