@@ -186,7 +186,8 @@ class EgressProxy:
 
     @property
     def open_connections(self) -> int:
-        return len(self._handlers) + len(self._tunnels)
+        """Connections being served (handshakes and open tunnels)."""
+        return len(self._handlers)
 
     async def _start(self) -> None:
         with contextlib.suppress(FileNotFoundError):

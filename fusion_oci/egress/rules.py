@@ -138,6 +138,9 @@ def parse_pattern(text: str) -> Pattern:
     raw = text.strip().lower()
     if not raw:
         raise ValueError("the entry is empty")
+    if "://" in raw:
+        raise ValueError("write the host only, without a scheme or path (example.com:443, "
+                         "not https://example.com/)")
     if "/" in raw:
         try:
             net = ipaddress.ip_network(raw, strict=False)

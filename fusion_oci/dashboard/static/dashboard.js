@@ -204,7 +204,30 @@
       { label: "last event", get: (r) => r.lastTs },
       { label: "policy hash", get: (r) => el("code", (r.policyHash || "–").slice(0, 16)) },
     ], s.tasks.recent, "no tasks");
+    renderEgress(s.egress);
     document.body.dataset.cursor = s.source.cursor;
+  }
+
+  // Egress (sandbox:egress events of filtered networks): per task, and the top denied hosts.
+  function renderEgress(e) {
+    if (!e) return;
+    $("egress-note").textContent = e.allowed + " allowed, " + e.denied + " denied; " +
+      e.bytesUp + " bytes up, " + e.bytesDown + " bytes down";
+    const emax = maxOf(e.byTask, (r) => r.connections);
+    table("egress-tasks", [
+      { label: "task", get: (r) => taskLink(r.taskId) },
+      { label: "connections", get: (r) => bar(r.connections, emax) },
+      { label: "allowed", get: (r) => r.allowed, num: true },
+      { label: "denied", get: (r) => el("span", r.denied, r.denied ? "bad" : ""), num: true },
+      { label: "bytes up", get: (r) => r.bytesUp, num: true },
+      { label: "bytes down", get: (r) => r.bytesDown, num: true },
+      { label: "hosts", get: (r) => r.hosts, num: true },
+    ], e.byTask, "no egress (no task with network: filtered)");
+    table("egress-denied", [
+      { label: "host", get: (r) => el("code", r.host) },
+      { label: "count", get: (r) => r.count, num: true },
+      { label: "rule", get: (r) => r.rule },
+    ], e.topDenied, "nothing denied");
   }
 
   function connect() {
