@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
+import os
 import socket
 import time
 import urllib.parse
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from fusion_oci.egress.loop import on_proxy_loop
 from fusion_oci.egress.rules import ALLOW_KEY, DASHBOARD_PORT, Decision, EgressRules, normalize_host
-from fusion_oci.egress.splice import Side, Tunnel
+from fusion_oci.egress.splice import Tunnel
 
 if TYPE_CHECKING:
     from fusion_oci.audit import AuditLog
@@ -57,7 +57,7 @@ Resolver = Callable[[str, int], Awaitable[list[str]]]
 class Limits:
     """What one task's proxy allows itself."""
 
-    max_connections: int = 128
+    max_connections: int = 64
     """Connections open at once (tunnels and handshakes); more are refused (503 / SOCKS 0x01)."""
     idle_timeout_s: float = 600.0
     """A tunnel with no byte either way for this long is closed."""
@@ -310,14 +310,15 @@ class EgressProxy:
             return await self._http_refuse(writer, conn, Refused(
                 503, 0, "fusion-oci egress: too many open connections for this task"))
         try:
-            tunnel = await self._open(conn)
+            up = await self._open(conn)
         except Refused as refused:
             return await self._http_refuse(writer, conn, refused)
         if method.upper() == "CONNECT":
-            writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+            await self._splice(up, reader, writer, conn,
+                               answer=b"HTTP/1.1 200 Connection established\r\n\r\n")
         else:
-            tunnel.forward("down", rewrite_request(lines, path, netloc))
-        await self._splice(tunnel, reader, writer, conn)
+            await self._splice(up, reader, writer, conn,
+                               first=rewrite_request(lines, path, netloc))
 
     async def _http_refuse(self, writer: asyncio.StreamWriter, conn: Connection,
                            refused: Refused) -> None:
@@ -360,11 +361,11 @@ class EgressProxy:
             return self._socks_refuse(writer, conn, Refused(
                 0, SOCKS_FAILURE, "fusion-oci egress: too many open connections for this task"))
         try:
-            tunnel = await self._open(conn)
+            up = await self._open(conn)
         except Refused as refused:
             return self._socks_refuse(writer, conn, refused)
-        writer.write(bytes([5, SOCKS_OK, 0, 1, 0, 0, 0, 0, 0, 0]))
-        await self._splice(tunnel, reader, writer, conn)
+        await self._splice(up, reader, writer, conn,
+                           answer=bytes([5, SOCKS_OK, 0, 1, 0, 0, 0, 0, 0, 0]))
 
     def _socks_refuse(self, writer: asyncio.StreamWriter, conn: Connection,
                       refused: Refused) -> None:
@@ -381,8 +382,8 @@ class EgressProxy:
             host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
         return list(dict.fromkeys(str(info[4][0]) for info in infos))
 
-    async def _open(self, conn: Connection) -> Tunnel:
-        """Decide, resolve, check, connect: the upstream side of a new tunnel."""
+    async def _open(self, conn: Connection) -> socket.socket:
+        """Decide, resolve, check, connect: the destination's side of a new tunnel."""
         assert conn.host is not None and conn.port is not None
         host = normalize_host(conn.host)
         decision = self.rules.decide(host, conn.port)
@@ -420,18 +421,24 @@ class EgressProxy:
         loop = asyncio.get_running_loop()
         last: BaseException | None = None
         for address in checked:
-            tunnel = Tunnel(loop, self.limits.idle_timeout_s)
+            family = socket.AF_INET6 if ":" in address else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.setblocking(False)
             try:
-                # A numeric host: asyncio does not resolve it again (no rebinding window).
-                await asyncio.wait_for(loop.create_connection(
-                    functools.partial(Side, tunnel, "up"), address, conn.port),
-                    self.limits.connect_timeout_s)
+                # The checked address itself: nothing is resolved again (no rebinding window).
+                await asyncio.wait_for(loop.sock_connect(sock, (address, conn.port)),
+                                       self.limits.connect_timeout_s)
             except (OSError, TimeoutError) as exc:
+                sock.close()
                 last = exc
                 continue
+            except BaseException:
+                sock.close()
+                raise
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.address = address
             conn.allowed = True
-            return tunnel
+            return sock
         code = SOCKS_HOST_UNREACHABLE
         if isinstance(last, ConnectionRefusedError):
             code = SOCKS_REFUSED
@@ -443,25 +450,48 @@ class EgressProxy:
         raise Refused(502, code, f"fusion-oci egress: {host}:{conn.port} could not be reached "
                                  f"({last or 'no address'})", decision.rule)
 
-    async def _splice(self, tunnel: Tunnel, reader: asyncio.StreamReader,
-                      writer: asyncio.StreamWriter, conn: Connection) -> None:
-        """Hand the sandbox's transport over to the tunnel and wait until it is over."""
+    async def _splice(self, up: socket.socket, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter, conn: Connection, *, answer: bytes = b"",
+                      first: bytes = b"") -> None:
+        """Take the sandbox's socket over from its stream, answer the handshake, and splice
+        it to ``up`` until the tunnel is over. ``first``: bytes the destination gets first
+        (a plain HTTP request's rewritten head)."""
+        loop = asyncio.get_running_loop()
         transport = writer.transport
         assert isinstance(transport, asyncio.Transport)
-        # Bytes the sandbox sent after its request head (a TLS hello sent early) are already
-        # in the stream's buffer: they go first.
-        pending = bytes(getattr(reader, "_buffer", b""))
-        side = Side(tunnel, "down")
-        transport.set_protocol(side)
-        side.connection_made(transport)
-        if pending:
-            tunnel.forward("down", pending)
-        if reader.at_eof():
-            tunnel.read_eof("down")
-        transport.resume_reading()
+        try:
+            await writer.drain()
+            if transport.get_write_buffer_size():
+                # The SOCKS method reply is still queued: a client that reads nothing.
+                raise ConnectionError("the sandbox side does not read")
+            transport.pause_reading()
+            # Bytes the sandbox sent after its request head (a TLS hello sent early) are in the
+            # stream's buffer already: they go first.
+            pending = bytes(getattr(reader, "_buffer", b""))
+            raw = transport.get_extra_info("socket")
+            down = socket.socket(fileno=os.dup(raw.fileno()))
+        except BaseException:
+            up.close()
+            raise
+        # The stream's transport closes its own descriptor only (close(2) on one of two
+        # descriptors of the connection ends nothing): the tunnel owns the duplicate.
+        transport.abort()
+        down.setblocking(False)
+        try:
+            tunnel = Tunnel(loop, self.limits.idle_timeout_s, down, up)
+        except OSError:
+            raise Refused(503, SOCKS_FAILURE, "fusion-oci egress: out of descriptors") from None
         self._tunnels.add(tunnel)
         try:
+            if answer:
+                await loop.sock_sendall(down, answer)
+            if first or pending:
+                await loop.sock_sendall(up, first + pending)
+                tunnel.bytes["up"] += len(first) + len(pending)
+            tunnel.start()
             await asyncio.shield(tunnel.done)
+        except OSError:
+            pass
         finally:
             tunnel.close()
             self._tunnels.discard(tunnel)

@@ -285,7 +285,11 @@ class EgressRules(BaseModel):
 
     def check_address(self, address: str, port: int) -> Decision:
         """Whether the proxy may connect to ``address`` (what a name resolved to)."""
-        addr = ipaddress.ip_address(address)
+        try:
+            # A scoped IPv6 answer (fe80::1%eth0) is classified by its address part.
+            addr = ipaddress.ip_address(address.split("%", 1)[0])
+        except ValueError:
+            return Decision(False, f"'{address}' is not an IP address", ALLOW_KEY)
         plain = _unmap(addr)
         why = address_class(addr)
         if why in ("loopback", "unspecified") and port == DASHBOARD_PORT:

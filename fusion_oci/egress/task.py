@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fusion_oci.egress.profile import ProfileHost, resolve_profile
-from fusion_oci.egress.proxy import EgressProxy, start_proxy
+from fusion_oci.egress.proxy import SOCKET_NAME, EgressProxy, start_proxy
 from fusion_oci.egress.rules import EgressRules
+from fusion_oci.errors import SandboxSetupError
 from fusion_oci.scratch import make_scratch
 
 if TYPE_CHECKING:
@@ -43,6 +44,12 @@ async def start_task_proxy(ctx: PrepareContext, env: Mapping[str, str], *,
         proxy = await start_proxy(task_id=ctx.task_id, rules=rules, state_dir=state_dir,
                                   audit=audit, tcp=tcp, backend=backend,
                                   policy_hash=ctx.policy.digest())
+    except OSError as exc:
+        shutil.rmtree(state_dir, ignore_errors=True)
+        raise SandboxSetupError(
+            "the task's egress proxy could not start", f"{state_dir / SOCKET_NAME}: {exc}",
+            "a unix socket path has at most 107 bytes: set TMPDIR to a short folder "
+            "(e.g. /tmp)") from exc
     except BaseException:
         shutil.rmtree(state_dir, ignore_errors=True)
         raise

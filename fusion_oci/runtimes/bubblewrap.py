@@ -9,9 +9,10 @@ What a command gets: a read-only root built from the host's system directories (
 image directory), the worktree read-write at its own absolute path, allowedPaths read-only,
 writablePaths read-write, private tmpfs ``/tmp`` and ``$HOME`` (the task's: they last while the
 sandbox does, as a container's do), a fresh ``/proc`` and minimal ``/dev``, every namespace
-unshared (network kept only for ``host``), ``--die-with-parent``, its own session (no TIOCSTI
-into the caller's terminal), no capabilities, no further user namespaces, the bundle's seccomp
-profile, exactly the spec's environment, and the spec's rlimits.
+unshared (network kept only for ``host``; ``filtered`` is the empty namespace with the agent's
+forwarder to the task's egress proxy socket, no slirp4netns), ``--die-with-parent``, its own
+session (no TIOCSTI into the caller's terminal), no capabilities, no further user namespaces,
+the bundle's seccomp profile, exactly the spec's environment, and the spec's rlimits.
 
 At prepare, once per task: the host probes (once per process), the seccomp profile compiled to
 BPF by libseccomp, the cgroup (memory, pids, cpu) and slirp4netns for ``egress``, and the
@@ -317,6 +318,8 @@ class BubblewrapRuntime(SpecRuntime):
             "egress": (f"slirp4netns {p.slirp_version or '?'} --disable-host-loopback"
                        if p.egress_problem is None and p.slirp4netns else
                        f"unavailable: {p.egress_problem}"),
+            "filtered": "an empty network namespace; the agent forwards 127.0.0.1:3128 to the "
+                        "task's egress proxy socket",
             "cpu-time": "RLIMIT_CPU, set with prlimit(2) on bwrap before it forks",
             "seccomp": p.seccomp_problem or "the bundle's profile, compiled by libseccomp",
             "enforces": ", ".join(sorted(r.value for r in self.enforces())),

@@ -426,6 +426,9 @@ def plan_container(
             kwargs["userns_mode"] = "keep-id"
     notes.append(f"commands: spawned by the exec agent (pid 1) as {uid}:{gid}; a timeout or "
                  "abort ends the command's whole tree")
+    if spec_network(spec) is NetworkMode.FILTERED:
+        notes.append("filtered: network none; the agent forwards 127.0.0.1:3128 to the task's "
+                     f"egress proxy socket, bound read-only at {EGRESS_SOCKET}")
     return ContainerPlan(name=name, image=image, create=kwargs, volumes=volumes, notes=notes)
 
 

@@ -451,3 +451,89 @@ def test_socket_folder_removed_by_gc_after_kill_9(tmp_path: Path) -> None:
         gc_scratch()
         time.sleep(0.05)
     assert not sock.parent.exists()
+
+
+def _egress_folders() -> set[Path]:
+    import tempfile
+
+    from fusion_oci.scratch import OWNER_FILE, owner_stamp
+
+    mine = owner_stamp()
+    found = set()
+    for path in Path(tempfile.gettempdir()).glob("fusion-oci-egress-*"):
+        try:
+            if (path / OWNER_FILE).read_text() == mine:
+                found.add(path)
+        except OSError:
+            continue
+    return found
+
+
+def test_sandbox_starts_the_proxy_before_prepare_and_removes_it_at_dispose(
+        worktree: Path, tmp_path: Path) -> None:
+    """The lifecycle (native: filtered is listed unenforced there, the proxy still runs):
+    started at prepare, handed to the runtime in ResolvedTask.egress, serving between
+    SyncSandbox calls, audited with the task's ids, gone at dispose."""
+    import socket
+
+    from fusion_oci.models import PrepareContext, SandboxPolicy
+    from fusion_oci.policy.settings import SandboxSettings
+    from fusion_oci.sandbox import SyncSandbox
+
+    before = _egress_folders()
+    audit = AuditLog(tmp_path / "audit.jsonl", key=b"k" * 32)
+    ctx = PrepareContext(task_id="t-egress", run_id="r-egress", worktree_path=str(worktree),
+                         policy=SandboxPolicy(network="filtered",
+                                              denied_domains=["blocked.example.com"]))
+    with SyncSandbox(SandboxSettings(backend="native"), audit=audit, env=dict(os.environ)) as sb:
+        sb.prepare(ctx)
+        proxy = sb.sandbox.egress
+        assert proxy is not None and sb.sandbox.task is not None
+        assert sb.sandbox.task.egress is proxy
+        assert proxy.unix_socket.exists() and proxy.tcp_port is None
+        assert proxy.rules.denied == ("blocked.example.com",)
+        assert sb.run(["true"]).exit_code == 0
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.settimeout(5)
+            sock.connect(str(proxy.unix_socket))
+            sock.sendall(b"CONNECT blocked.example.com:443 HTTP/1.1\r\n\r\n")
+            answer = sock.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 403")
+        assert b"remove it from sandbox.policy.deniedDomains" in answer
+        folder = proxy.unix_socket.parent
+    assert not folder.exists()
+    assert sb.sandbox.egress is None
+    assert _egress_folders() == before
+    egress = [e for e in read_events(tmp_path / "audit.jsonl") if e.type == "sandbox:egress"]
+    assert len(egress) == 1
+    assert (egress[0].task_id, egress[0].run_id, egress[0].backend) == (
+        "t-egress", "r-egress", "native")
+    assert egress[0].allowed is False and egress[0].host == "blocked.example.com"
+    assert verify_chain(tmp_path / "audit.jsonl", b"k" * 32).ok
+
+
+def test_a_failed_prepare_stops_the_proxy(worktree: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fusion_oci.models import PrepareContext, SandboxPolicy
+    from fusion_oci.policy.settings import SandboxSettings
+    from fusion_oci.resolve import ResolvedTask
+    from fusion_oci.runtimes.native import NativeRuntime
+    from fusion_oci.sandbox import SyncSandbox
+
+    seen: list[Path] = []
+
+    async def failing_prepare(self: NativeRuntime, task: ResolvedTask) -> ResolvedTask:
+        assert task.egress is not None
+        seen.append(task.egress.unix_socket)
+        raise OSError("prepare failed on purpose")
+
+    monkeypatch.setattr(NativeRuntime, "prepare", failing_prepare)
+    before = _egress_folders()
+    ctx = PrepareContext(task_id="t-fail", run_id="r", worktree_path=str(worktree),
+                         policy=SandboxPolicy(network="filtered"))
+    with SyncSandbox(SandboxSettings(backend="native"), env=dict(os.environ)) as sb, \
+            pytest.raises(OSError, match="on purpose"):
+        sb.prepare(ctx)
+    assert seen and not seen[0].parent.exists()
+    assert sb.sandbox.egress is None
+    assert _egress_folders() == before
+

@@ -40,7 +40,7 @@ import socket, sys, threading
 log = open(sys.argv[1], "a", buffering=1)
 def serve_tcp():
     srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    srv.bind(("0.0.0.0", %(port)d)); srv.listen(64)
+    srv.bind(("0.0.0.0", PORT)); srv.listen(64)
     while True:
         conn, peer = srv.accept()
         threading.Thread(target=answer, args=(conn, peer), daemon=True).start()
@@ -57,8 +57,8 @@ def answer(conn, peer):
             pass
         log.write(f"tcp {peer[0]} {conn.getsockname()[0]} {head[:60]!r}\n")
         body = f"fusion-egress-ok {conn.getsockname()[0]}\n".encode()
-        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %%d\r\nConnection: close\r\n\r\n"
-                     %% len(body) + body)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: " + str(len(body)).encode()
+                     + b"\r\nConnection: close\r\n\r\n" + body)
 def serve_udp(port):
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(("0.0.0.0", port))
     while True:
@@ -67,7 +67,7 @@ def serve_udp(port):
 for p in (53, 5353):
     threading.Thread(target=serve_udp, args=(p,), daemon=True).start()
 serve_tcp()
-""" % {"port": PORT}
+""".replace("PORT", str(PORT))
 
 
 @dataclass(frozen=True)

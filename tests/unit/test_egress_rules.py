@@ -190,3 +190,17 @@ def test_http_refusal_response() -> None:
     assert head.startswith(b"HTTP/1.1 403 Forbidden")
     assert b"Content-Length: %d" % len(body) in head
     assert body == b"fusion-oci egress: x denied\n"
+
+
+def test_the_default_network_stays_egress() -> None:
+    """The documented decision (docs/egress.md): filtered is chosen, never the default."""
+    from fusion_oci.models import NetworkMode
+
+    assert SandboxPolicy().network_mode is NetworkMode.EGRESS
+    assert SandboxPolicy(allow_network=False).network_mode is NetworkMode.NONE
+
+
+def test_scoped_and_bad_addresses_are_refused() -> None:
+    rules = EgressRules(allowed=("x.test",))
+    assert "link-local" in rules.check_address("fe80::1%eth0", 443).rule
+    assert not rules.check_address("not-an-address", 443).allowed
