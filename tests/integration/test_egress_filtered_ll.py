@@ -160,6 +160,50 @@ async def test_landlock_connects_nowhere_else_on_the_proxys_port(world: EgressWo
     assert hits.read_text() == "", "a connection reached the world on the proxy's port"
 
 
+RACE = r"""
+import ctypes, socket, struct, sys, threading
+libc = ctypes.CDLL(None, use_errno=True)
+proxy, far, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+def sockaddr(host):
+    return struct.pack("=H", socket.AF_INET) + struct.pack("!H", port) + socket.inet_aton(host) \
+        + bytes(8)
+good, bad = sockaddr(proxy), sockaddr(far)
+buf = ctypes.create_string_buffer(good, 16)
+stop = False
+def flip():
+    while not stop:  # the address between the check and the connect, as often as it can
+        ctypes.memmove(buf, bad, 16)
+        ctypes.memmove(buf, good, 16)
+threading.Thread(target=flip, daemon=True).start()
+ok = 0
+for _ in range(int(sys.argv[4])):
+    s = socket.socket()
+    if libc.connect(s.fileno(), buf, 16) == 0:
+        ok += 1
+        if s.getpeername()[0] != proxy:
+            print("LEAK", s.getpeername())
+    s.close()
+stop = True
+print("connected", ok)
+"""
+
+
+async def test_landlock_a_thread_rewriting_the_address_reaches_nothing(
+        world: EgressWorld, worktree: Path) -> None:
+    """The supervisor decides on its own copy of the address and connects that: a second
+    thread flipping the caller's sockaddr between the proxy and another host (listening on
+    the proxy's port) after the check reaches the other host never."""
+    async with filtered("landlock", worktree, world.policy(), world.names) as sb:
+        assert sb.egress is not None and sb.egress.tcp_port is not None
+        with _listener_in(world, sb.egress.tcp_port) as hits:
+            result = await run(sb, ["python3", "-c", RACE, "127.0.0.1", world.allowed_addr,
+                                    str(sb.egress.tcp_port), "300"])
+    assert result.exit_code == 0, result.stderr
+    assert "LEAK" not in result.stdout and hits.read_text() == "", result.stdout
+    # Most attempts still connect (to the proxy): the race did not just break connect.
+    assert int(result.stdout.split("connected ")[1]) > 0, result.stdout
+
+
 def _connects(tcp: list[tuple[str, int]], unix: list[str]) -> str:
     """A python program: one line per attempt, ``connected`` or ``refused (errno)``."""
     return f"""
@@ -194,10 +238,13 @@ def _listener_in(world: EgressWorld, port: int) -> Iterator[Path]:
             f"s.bind(('0.0.0.0', {port}))\ns.listen()\nprint('up', flush=True)\n"
             "while True:\n    c, peer = s.accept()\n"
             "    open(sys.argv[1], 'a').write(f'{peer}\\n')\n    c.close()\n")
-    proc = subprocess.Popen(["ip", "netns", "exec", world.netns, sys.executable, "-c", code,
-                             str(hits)], stdout=subprocess.PIPE)
+    errors = world.log.parent / f"hits-{port}.err"
+    with errors.open("wb") as err:
+        proc = subprocess.Popen(["ip", "netns", "exec", world.netns, sys.executable, "-c",
+                                 code, str(hits)], stdout=subprocess.PIPE, stderr=err)
     try:
-        assert proc.stdout is not None and proc.stdout.readline() == b"up\n"
+        assert proc.stdout is not None and proc.stdout.readline() == b"up\n", \
+            errors.read_text()
         yield hits
     finally:
         proc.kill()
