@@ -4,6 +4,8 @@
  *   fusion-oci-agent --connect PATH          a container's init: connect once to PATH
  *   fusion-oci-agent --exec-status FD -- ARGV one command, its wait status written to FD
  *   fusion-oci-agent --exec-status-file PATH -- ARGV   the same, into a file it creates
+ *   fusion-oci-agent --egress SOCK --exec-status-file PATH -- ARGV   with the egress forwarder
+ *                                            beside the command, for its life (oci)
  *
  * One connection, framed messages. Per `spawn` the agent forks a keeper; the keeper makes
  * itself a child subreaper, forks the command in its own session and reports how it ended.
