@@ -33,8 +33,10 @@ for every pid, so no rule can grant each process of the tree its own ``/proc/sel
 granting all of ``/proc`` (other processes' cmdline and status, ``/proc/keys``,
 ``/proc/timer_list``, the sysctls). The supervisor lets every open go on untouched
 (``SECCOMP_USER_NOTIF_FLAG_CONTINUE``: the kernel and Landlock decide, as without it) except a
-read-only open of the caller's *own* ``/proc/self``, ``/proc/thread-self`` or ``/proc/<its
-pid>`` entry among :data:`OWN_PROC`: that one it opens itself, beneath ``/proc/<pid>`` with no
+read-only open of an entry among :data:`OWN_PROC` of the sandbox's own processes (the caller's
+``/proc/self``, ``/proc/thread-self``, ``/proc/<pid>`` of itself or of any process descending
+from the reaper) or of the ``/proc`` listing (pid numbers, so that ``ps`` shows the sandbox's
+processes as in a pid namespace): that one it opens itself, beneath ``/proc/<pid>`` with no
 magic link followed (``openat2`` ``RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS``, so ``fd/N``,
 ``cwd``, ``root`` and ``exe`` lead nowhere), and hands the descriptor over
 (``SECCOMP_IOCTL_NOTIF_ADDFD``). It only ever adds that access; it never opens anything else.
@@ -296,8 +298,9 @@ class ChmodSupervisor:
                         struct.pack("=QqiI", nid, 0, 0, USER_NOTIF_FLAG_CONTINUE))
 
     def own_proc(self, nid: int, tid: int, nr: int, args: list) -> int | None:  # type: ignore[type-arg]
-        """A descriptor of the caller's own /proc entry the open names, or None (the open goes
-        on untouched: the kernel and Landlock decide)."""
+        """A descriptor of the /proc entry the open names when it is the sandbox's own (the
+        caller's, or a process of the tree the reaper runs) or the /proc listing, else None
+        (the open goes on untouched: the kernel and Landlock decide)."""
         import fcntl
 
         at = self.opens[nr]  # 0: open(path, flags); 1: openat(dirfd, path, flags)
@@ -309,18 +312,27 @@ class ChmodSupervisor:
             dirfd = args[0] & 0xFFFFFFFF if at else AT_FDCWD & 0xFFFFFFFF
             base = "cwd" if dirfd == AT_FDCWD & 0xFFFFFFFF else f"fd/{dirfd}"
             path = os.readlink(f"/proc/{tid}/{base}") + "/" + path  # noqa: PTH115
-        if not path.startswith("/proc/"):
+        if path != "/proc" and not path.startswith("/proc/"):
             return None  # the common case, before reading the caller's status
         tgid = _tgid(tid)
-        rest = own_proc_entry(path, tid, tgid)
-        if rest is None:
+        found = proc_entry(path, tid, tgid)
+        if found is None:
             return None
-        top = os.open(f"/proc/{tgid}", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            fd = _openat2(top, rest, (flags & ~O_CLOEXEC) | O_CLOEXEC,
-                          RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)
-        finally:
-            os.close(top)
+        pid, rest = found
+        if pid == PROC_LISTING:
+            # Pid numbers only (kill(pid, 0) tells them anyway); every entry beneath is
+            # asked for again, and refused unless it is the sandbox's.
+            fd = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        else:
+            top = os.open(f"/proc/{pid}", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                # The descriptor is bound to that very process: what is checked is what opens.
+                if pid != tgid and not _in_tree(top, os.getpid()):
+                    return None
+                fd = _openat2(top, rest, (flags & ~O_CLOEXEC) | O_CLOEXEC,
+                              RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)
+            finally:
+                os.close(top)
         try:
             # The caller still waits in this very open: its pid (so /proc/<tgid>) is its own.
             fcntl.ioctl(self.listener, NOTIF_ID_VALID, struct.pack("=Q", nid))
@@ -537,29 +549,72 @@ class ConnectSupervisor:
             os.close(pidfd)
 
 
-def own_proc_entry(path: str, tid: int, tgid: int) -> str | None:
-    """Where the absolute ``path`` leads beneath ``/proc/<tgid>`` when it names an entry of
-    :data:`OWN_PROC` of the caller's own (thread ``tid`` of process ``tgid``), else None. Pure.
+PROC_LISTING = 0
+"""The pid :func:`proc_entry` gives for ``/proc`` itself (its listing: pid numbers only)."""
 
-    ``/proc/self`` and ``/proc/<tgid>`` are the process, ``/proc/thread-self`` its thread
-    (``task/<tid>``); ``..`` is refused, not resolved.
+
+def proc_entry(path: str, tid: int, tgid: int) -> tuple[int, str] | None:
+    """``(pid, where beneath /proc/<pid>)`` when the absolute ``path`` names an entry of
+    :data:`OWN_PROC` of a process (``/proc/self`` and ``/proc/thread-self`` as the caller, thread
+    ``tid`` of process ``tgid``, sees them), ``(PROC_LISTING, ".")`` for ``/proc`` itself, else
+    None. Pure: whether that process is the caller's to read is the supervisor's question.
+
+    ``..`` is refused, not resolved.
     """
     parts = [p for p in path.split("/") if p and p != "."]
-    if len(parts) < 2 or parts[0] != "proc" or ".." in parts:
+    if not parts or parts[0] != "proc" or ".." in parts:
         return None
-    if parts[1] in ("self", str(tgid)):
-        rest = parts[2:]
+    if len(parts) == 1:
+        return PROC_LISTING, "."
+    if parts[1] == "self":
+        pid, rest = tgid, parts[2:]
     elif parts[1] == "thread-self":
-        rest = ["task", str(tid), *parts[2:]]
+        pid, rest = tgid, ["task", str(tid), *parts[2:]]
+    elif parts[1].isdigit() and parts[1] == str(int(parts[1])) and int(parts[1]) > 0:
+        pid, rest = int(parts[1]), parts[2:]
     else:
-        return None  # another process's entry, or not a per-process one
+        return None  # not a per-process entry (sysctls, keys, ...)
     if rest[:1] == ["task"]:
         entry = rest[2] if len(rest) > 2 else "task"  # task/<tid>/<entry>: per thread
     else:
         entry = rest[0] if rest else ""
     if entry and entry not in OWN_PROC:
         return None
-    return "/".join(rest) or "."
+    return pid, "/".join(rest) or "."
+
+
+def _status_field(fd: int, name: str) -> int:
+    """An integer field of the ``status`` file beneath the /proc/<pid> descriptor ``fd``."""
+    status = _openat2(fd, "status", os.O_RDONLY | O_CLOEXEC, RESOLVE_BENEATH)
+    try:
+        text = os.read(status, 4096).decode("ascii", "replace")
+    finally:
+        os.close(status)
+    for line in text.split("\n"):
+        if line.startswith(name + ":"):
+            return int(line.split()[1])
+    raise OSError(3, "no such process")
+
+
+def _in_tree(fd: int, reaper: int) -> bool:
+    """Whether the process of the /proc/<pid> descriptor ``fd`` descends from ``reaper`` (a
+    subreaper: what its command leaves behind is reparented to it, so the chain holds).
+
+    A process that dies meanwhile makes its children the reaper's, and a reused pid on the
+    way up leads away from it: both refuse, never grant.
+    """
+    ppid = _status_field(fd, "PPid")
+    for _ in range(64):
+        if ppid == reaper:
+            return True
+        if ppid <= 1:
+            return False
+        up = os.open(f"/proc/{ppid}", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            ppid = _status_field(up, "PPid")
+        finally:
+            os.close(up)
+    return False
 
 
 def _tgid(tid: int) -> int:
