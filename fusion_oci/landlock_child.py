@@ -192,7 +192,7 @@ def notify_program(arch: str, connect: bool = False) -> bytes:
     ALLOW (the main filter still runs)."""
     calls = [nr for nr in (*CHMOD_CALLS[arch], *OPEN_CALLS[arch]) if nr >= 0]
     if connect:
-        calls.append(CONNECT_CALL[arch])
+        calls += [CONNECT_CALL[arch], LISTEN_CALL[arch]]
     prog = [(0x20, 0, 0, 4), (0x15, 0, len(calls) + 1, AUDIT_ARCH[arch]), (0x20, 0, 0, 0)]
     for i, nr in enumerate(calls):
         prog.append((0x15, len(calls) - i, 0, nr))  # jump to the USER_NOTIF return
@@ -250,9 +250,10 @@ class ChmodSupervisor:
             except OSError:
                 return  # every confined process is gone
             nid, pid, _flags, nr, _arch, _ip, *args = struct.unpack("=QIIiIQ6Q", bytes(buf))
-            if self.connects is not None and nr == CONNECT_CALL[self.arch]:
+            if self.connects is not None and nr in (CONNECT_CALL[self.arch],
+                                                    LISTEN_CALL[self.arch]):
                 # Its own thread: a unix connect can block (a full backlog), chmod must not.
-                _thread.start_new_thread(self.connects.serve_one, (nid, pid, args))
+                _thread.start_new_thread(self.connects.serve_one, (nid, pid, nr, args))
                 continue
             if nr in self.opens:
                 self.serve_open(nid, pid, nr, args)
@@ -406,6 +407,10 @@ class ChmodSupervisor:
 # --- network filtered: every connect() through the supervisor ---------------------------------
 
 CONNECT_CALL = {"x86_64": 42, "aarch64": 203}
+LISTEN_CALL = {"x86_64": 50, "aarch64": 201}
+"""listen() binds an unbound TCP socket to a port on every address (autobind, which
+Landlock's bind rule does not see): an inbound way out. Unix sockets may listen."""
+SOL_SOCKET, SO_DOMAIN = 1, 39
 SYS_PIDFD_OPEN, SYS_PIDFD_GETFD = 434, 438  # the generic numbers, on both architectures
 AF_UNSPEC, AF_UNIX, AF_INET, AF_INET6 = 0, 1, 2, 10
 LOOPBACK4 = bytes([127, 0, 0, 1])
@@ -444,7 +449,8 @@ def connect_verdict(addr: bytes, port: int) -> str:
 
 
 class ConnectSupervisor:
-    """Answers a ``filtered`` command's connect() calls, in threads of the reaper.
+    """Answers a ``filtered`` command's connect() and listen() calls, in threads of the
+    reaper (listen: unix sockets only, see :data:`LISTEN_CALL`).
 
     The supervisor reads the address once, decides on its own copy, and makes the connect
     itself on the command's socket (the same open file, taken with ``pidfd_getfd``), so a
@@ -457,11 +463,15 @@ class ConnectSupervisor:
         self.owner = owner
         self.port = port
 
-    def serve_one(self, nid: int, pid: int, args: list) -> None:  # type: ignore[type-arg]
+    def serve_one(self, nid: int, pid: int, nr: int,
+                  args: list) -> None:  # type: ignore[type-arg]
         import errno
 
         try:
-            error = self.answer(nid, pid, args)
+            if nr == LISTEN_CALL[self.owner.arch]:
+                error = self.listen(nid, pid, args)
+            else:
+                error = self.answer(nid, pid, args)
         except OSError as exc:
             error = exc.errno or errno.EACCES
         except Exception:  # never let the command's call hang
@@ -498,6 +508,30 @@ class ConnectSupervisor:
         finally:
             if opened >= 0:
                 os.close(opened)
+
+    def listen(self, nid: int, pid: int, args: list) -> int:  # type: ignore[type-arg]
+        """A unix socket's listen, made on the caller's socket; any other is EACCES. The
+        family is read from the socket object itself, which the listen then acts on."""
+        import errno
+
+        fd, backlog = int(args[0]) & 0xFFFFFFFF, int(args[1]) & 0xFFFFFFFF
+        if fd >= 1 << 31:
+            return errno.EBADF
+        theirs = self._their_fd(nid, pid, fd)
+        try:
+            domain = ctypes.c_int(0)
+            size = ctypes.c_uint32(ctypes.sizeof(domain))
+            if _libc.getsockopt(theirs, SOL_SOCKET, SO_DOMAIN, ctypes.byref(domain),
+                                ctypes.byref(size)) != 0:
+                return ctypes.get_errno() or errno.ENOTSOCK
+            if domain.value != AF_UNIX:
+                return errno.EACCES
+            backlog = backlog - (1 << 32) if backlog >= 1 << 31 else backlog
+            if _libc.listen(theirs, backlog) == 0:
+                return 0
+            return ctypes.get_errno() or errno.EACCES
+        finally:
+            os.close(theirs)
 
     def _bytes(self, pid: int, addr: int, length: int) -> bytes:
         fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)

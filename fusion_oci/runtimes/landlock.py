@@ -50,7 +50,8 @@ Landlock (ABI 4+) denies every TCP bind and allows TCP connect to that port only
 rules know ports and not addresses (a remote host could listen on the same port), every
 ``connect()`` also goes to the reaper's supervisor (landlock_child.py), which reads the
 address once, allows ``127.0.0.1:<port>`` and unix sockets beneath writable paths, and makes
-that connect itself on the command's socket (``pidfd_getfd``). seccomp leaves only TCP and
+that connect itself on the command's socket (``pidfd_getfd``); ``listen()`` too, allowed for
+unix sockets only (a TCP listen autobinds on every address). seccomp leaves only TCP and
 unix stream sockets (UDP, which Landlock does not govern, raw, packet, netlink, SCTP refused)
 and refuses TCP Fast Open (a connect inside ``sendto``).
 """

@@ -125,7 +125,8 @@ async def test_landlock_connects_nowhere_else_on_the_proxys_port(world: EgressWo
                                                                  worktree: Path) -> None:
     """Landlock's TCP rules know ports, not addresses: a server on the proxy's own port on
     another host (here the world's allowed address) must still be unreachable, and so must
-    the host's unix sockets (a path under /run, an abstract name) and other loopback ports."""
+    the host's unix sockets (a path under /run, an abstract name) and other loopback ports;
+    and no TCP socket may listen (an inbound channel)."""
     run_dir = Path("/run") / f"fusion-oci-test-{os.getpid()}"
     run_dir.mkdir(mode=0o755)
     path_sock = socket.socket(socket.AF_UNIX)
@@ -157,6 +158,8 @@ async def test_landlock_connects_nowhere_else_on_the_proxys_port(world: EgressWo
     assert lines[2].endswith(" connected"), lines  # the proxy itself
     assert "refused" in lines[3] and "refused" in lines[4], lines  # the host's unix sockets
     assert lines[5].endswith(" connected"), lines  # the command's own, in the worktree
+    # No inbound way out either: a TCP listen (autobound to every address) is refused.
+    assert "refused" in lines[6] and "refused" in lines[7], lines
     assert hits.read_text() == "", "a connection reached the world on the proxy's port"
 
 
@@ -225,6 +228,13 @@ own.bind("own.sock")
 own.listen()
 for path in {unix!r}:
     attempt(f"unix {{path}}", socket.AF_UNIX, "\\0" + path[1:] if path[0] == "@" else path)
+for family in (socket.AF_INET, socket.AF_INET6):  # listen() autobinds on every address
+    s = socket.socket(family)
+    try:
+        s.listen()
+        print("listen", family, "listening", s.getsockname())
+    except OSError as e:
+        print("listen", family, "refused", e.errno)
 """
 
 

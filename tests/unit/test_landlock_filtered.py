@@ -11,6 +11,7 @@ import pytest
 from fusion_oci.landlock_child import (
     AUDIT_ARCH,
     CONNECT_CALL,
+    LISTEN_CALL,
     RET_ALLOW,
     RET_USER_NOTIF,
     connect_verdict,
@@ -82,10 +83,11 @@ def test_other_networks_leave_connect_to_the_kernel() -> None:
 
 
 @pytest.mark.parametrize("arch", ["x86_64", "aarch64"])
-def test_connect_goes_to_the_supervisor_only_when_filtered(arch: str) -> None:
-    nr = CONNECT_CALL[arch]
-    assert run_bpf(notify_program(arch, connect=True), nr, AUDIT_ARCH[arch]) == RET_USER_NOTIF
-    assert run_bpf(notify_program(arch), nr, AUDIT_ARCH[arch]) == RET_ALLOW
+def test_connect_and_listen_go_to_the_supervisor_only_when_filtered(arch: str) -> None:
+    for nr in (CONNECT_CALL[arch], LISTEN_CALL[arch]):
+        assert run_bpf(notify_program(arch, connect=True), nr, AUDIT_ARCH[arch]) \
+            == RET_USER_NOTIF
+        assert run_bpf(notify_program(arch), nr, AUDIT_ARCH[arch]) == RET_ALLOW
 
 
 AF_INET, AF_INET6, AF_UNIX, AF_NETLINK, AF_PACKET = 2, 10, 1, 16, 17
