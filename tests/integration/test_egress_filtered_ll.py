@@ -10,12 +10,14 @@ socket reached from inside gVisor).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -332,3 +334,73 @@ async def test_nothing_of_the_proxy_is_left_after_dispose(backend: str, world: E
     if port is not None:  # landlock's TCP listener is gone too
         with pytest.raises(OSError):
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
+
+
+@pytest.mark.oci
+def test_rootless_runc_runs_the_filtered_bundle(world: EgressWorld) -> None:
+    """The rootless translation of a filtered bundle (one mapping: the caller to root inside)
+    run by runc as the unprivileged CI user: the forwarder in its own empty netns reaches the
+    proxy's socket, the allowed host answers, a denied one gets the 403, nothing direct."""
+    import pwd
+    from dataclasses import replace
+
+    from fusion_oci.agent.client import agent_binary
+    from fusion_oci.egress import EgressRules, start_proxy
+    from fusion_oci.oci.bundle import write_bundle
+    from fusion_oci.oci.host import probe_host
+    from fusion_oci.oci.spec import compile_spec
+    from fusion_oci.policy.layout import resolve_layout
+    from fusion_oci.runtimes.ocicli.launch import bundle_spec
+    from tests.backends import require
+
+    user = os.environ.get("FUSION_OCI_ROOTLESS_USER", "fusionci")
+    require("oci", os.geteuid() == 0, "switching to the rootless test user needs root")
+    try:
+        account = pwd.getpwnam(user)
+    except KeyError:
+        require("oci", False, f"rootless test user {user} is missing (scripts/install.sh)")
+        return
+    # Not tmp_path: pytest's base directory is 0700 root, which the user cannot traverse.
+    base = Path(tempfile.mkdtemp(prefix="fusion-oci-filtered-", dir="/tmp"))
+    base.chmod(0o755)
+    proxy = None
+    try:
+        wt, state, status = base / "wt", base / "egress", base / "status"
+        for folder in (wt, state, status):
+            folder.mkdir()
+        agent = shutil.copy(agent_binary(), base / "agent")
+        rules = EgressRules(allowed=("allowed.test",), denied=("denied.test",),
+                            allow_addresses=(f"{world.allowed_addr}/32",))
+        # The proxy serves on its own thread: it keeps serving after this loop returns.
+        proxy = asyncio.run(start_proxy(task_id="rootless", rules=rules, state_dir=state,
+                                        audit=None, resolve_override=world.names))
+        host = replace(probe_host(), uid=account.pw_uid, gid=account.pw_gid)
+        policy = SandboxPolicy(network="filtered", allowed_domains=["allowed.test"])
+        context = PrepareContext(task_id="rootless", run_id="r1", worktree_path=str(wt),
+                                 policy=policy)
+        layout = resolve_layout(context, cache_root=base / "cache", ca_bundle=host.ca_bundle)
+        command = (f"curl -sS -m 10 http://allowed.test:8080/; "
+                   f"curl -sS -m 10 -o /dev/null -w '%{{http_code}}\\n' http://denied.test:8080/; "
+                   f"curl -sS -m 3 --noproxy '*' http://{world.allowed_addr}:8080/ 2>&1 | tail -1")
+        spec = compile_spec(context, layout, host, command, RunOptions(), {})
+        rootless = bundle_spec(spec, rootless_ids=(account.pw_uid, account.pw_gid),
+                               exec_status=(str(agent), str(status)),
+                               egress_proxy=(str(proxy.unix_socket), str(agent)))
+        bundle = write_bundle(rootless, base / "bundle")
+        subprocess.run(["chown", "-R", f"{account.pw_uid}:{account.pw_gid}", str(base)],
+                       check=True)
+        as_user = ["runuser", "-u", user, "--", "runc", "--root", str(base / "state")]
+        done = subprocess.run([*as_user, "run", "--bundle", str(bundle.path), "filtered-1"],
+                              capture_output=True, text=True, timeout=60, cwd=base,
+                              stdin=subprocess.DEVNULL)
+        subprocess.run([*as_user, "delete", "--force", "filtered-1"], capture_output=True,
+                       check=False, cwd=base)
+    finally:
+        if proxy is not None:
+            asyncio.run(proxy.stop())
+        shutil.rmtree(base, ignore_errors=True)
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0, done.stderr
+    assert lines[0] == f"{OK} {world.allowed_addr}", lines
+    assert lines[1] == "403", lines
+    assert OK not in lines[2] and "curl:" in lines[2], lines
