@@ -459,7 +459,7 @@ class ConnectSupervisor:
     Landlock's port rule (ABI 4) still holds for any connect made without us.
     """
 
-    def __init__(self, owner: ChmodSupervisor, port: int) -> None:
+    def __init__(self, owner: Supervisor, port: int) -> None:
         self.owner = owner
         self.port = port
 
