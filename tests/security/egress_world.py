@@ -116,9 +116,25 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
 
 
+def _drop_stale_worlds() -> None:
+    """Namespaces of a test process killed before its clean-up (kill -9): their pid is gone.
+    Deleting one drops its veth pair too."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
+                            timeout=30, check=False).stdout
+    for line in listed.splitlines():
+        name = line.split()[0] if line.split() else ""
+        pid = name.removeprefix("fusion-egress-")
+        if name.startswith("fusion-egress-") and pid.isdigit() and \
+                not Path(f"/proc/{pid}").exists():
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30,
+                           check=False)
+
+
 @contextlib.contextmanager
 def egress_world(base: Path) -> Iterator[EgressWorld]:
-    """Create the namespace and its server; remove both at the end."""
+    """Create the namespace and its server; remove both at the end (and what a killed run of
+    an earlier process left)."""
+    _drop_stale_worlds()
     tag = os.getpid() % 200 + 20
     netns, host_if, ns_if = f"fusion-egress-{os.getpid()}", f"fe{os.getpid()}h", \
         f"fe{os.getpid()}n"
