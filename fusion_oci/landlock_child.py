@@ -33,9 +33,9 @@ for every pid, so no rule can grant each process of the tree its own ``/proc/sel
 granting all of ``/proc`` (other processes' cmdline and status, ``/proc/keys``,
 ``/proc/timer_list``, the sysctls). The supervisor lets every open go on untouched
 (``SECCOMP_USER_NOTIF_FLAG_CONTINUE``: the kernel and Landlock decide, as without it) except a
-read-only open of an entry among :data:`OWN_PROC` of the sandbox's own processes (the caller's
-``/proc/self``, ``/proc/thread-self``, ``/proc/<pid>`` of itself or of any process descending
-from the reaper) or of the ``/proc`` listing (pid numbers, so that ``ps`` shows the sandbox's
+read-only open of an entry among :data:`OWN_PROC` of the caller's own ``/proc/self``,
+``/proc/thread-self`` or ``/proc/<its pid>``, of :data:`SANDBOX_PROC` of a process descending
+from the reaper, or of the ``/proc`` listing (pid numbers, so that ``ps`` shows the sandbox's
 processes as in a pid namespace): that one it opens itself, beneath ``/proc/<pid>`` with no
 magic link followed (``openat2`` ``RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS``, so ``fd/N``,
 ``cwd``, ``root`` and ``exe`` lead nowhere), and hands the descriptor over
@@ -178,6 +178,15 @@ OWN_PROC = frozenset((
 Not the ones whose content depends on the opener's capabilities, which the supervisor has
 and the command does not: ``pagemap`` (frame numbers), ``stack``, ``syscall``; nor ``mem``;
 nor ``net`` (the host's sockets)."""
+SANDBOX_PROC = frozenset((
+    "status", "stat", "statm", "cmdline", "comm", "cgroup", "limits", "sched", "schedstat",
+    "oom_score", "oom_score_adj", "cpuset", "loginuid", "sessionid", "task",
+))
+"""The entries of the sandbox's *other* processes a command may open: those the kernel lets
+any process of the same user read (what ``ps`` reads). Not the ones it guards by a ptrace
+check (environ, maps, fd, auxv, io, ...), which the supervisor, opening with its own
+credentials, would pass where the kernel might not (a process that made itself
+non-dumpable)."""
 O_ACCMODE, O_CREAT, O_TRUNC, O_PATH, O_CLOEXEC = 0o3, 0o100, 0o1000, 0o10000000, 0o2000000
 SYS_OPENAT2 = 437
 RESOLVE_NO_MAGICLINKS, RESOLVE_BENEATH = 0x02, 0x08
@@ -589,9 +598,10 @@ PROC_LISTING = 0
 
 def proc_entry(path: str, tid: int, tgid: int) -> tuple[int, str] | None:
     """``(pid, where beneath /proc/<pid>)`` when the absolute ``path`` names an entry of
-    :data:`OWN_PROC` of a process (``/proc/self`` and ``/proc/thread-self`` as the caller, thread
-    ``tid`` of process ``tgid``, sees them), ``(PROC_LISTING, ".")`` for ``/proc`` itself, else
-    None. Pure: whether that process is the caller's to read is the supervisor's question.
+    :data:`OWN_PROC` of the caller (thread ``tid`` of process ``tgid``: ``/proc/self``,
+    ``/proc/thread-self``, ``/proc/<tgid>``) or of :data:`SANDBOX_PROC` of another process,
+    ``(PROC_LISTING, ".")`` for ``/proc`` itself, else None. Pure: whether that other process
+    is the sandbox's is the supervisor's question.
 
     ``..`` is refused, not resolved.
     """
@@ -612,7 +622,7 @@ def proc_entry(path: str, tid: int, tgid: int) -> tuple[int, str] | None:
         entry = rest[2] if len(rest) > 2 else "task"  # task/<tid>/<entry>: per thread
     else:
         entry = rest[0] if rest else ""
-    if entry and entry not in OWN_PROC:
+    if entry and entry not in (OWN_PROC if pid == tgid else SANDBOX_PROC):
         return None
     return pid, "/".join(rest) or "."
 

@@ -163,6 +163,10 @@ def test_each_process_reads_its_own_proc_self(worktree: Path) -> None:
                             "def f(): print(open(\"/proc/thread-self/status\").readline())\n"
                             "t = threading.Thread(target=f); t.start(); t.join()'")
     assert threads.stdout.strip() == "Name:\tpython3", threads
+    # Another process of the sandbox: what ps reads, not what the kernel guards by ptrace.
+    sibling = run(worktree, "sleep 5 & tr '\\0' ' ' < /proc/$!/cmdline; echo; "
+                            "cat /proc/$!/environ /proc/$!/maps 2>&1 | grep -c denied; kill $!")
+    assert sibling.stdout.split("\n") == ["sleep 5 ", "2", ""], sibling
 
 
 def test_other_processes_proc_and_the_hosts_sysctls_stay_out_of_reach(worktree: Path) -> None:

@@ -204,7 +204,12 @@ def test_plan_is_what_execute_runs() -> None:
     ("/proc/self/task/41/stat", (40, "task/41/stat")),
     ("/proc/self/task", (40, "task")),
     ("/proc/39/status", (39, "status")),  # another process: the supervisor asks whose
-    ("/proc/1/environ", (1, "environ")),
+    ("/proc/39/cmdline", (39, "cmdline")),
+    ("/proc/39/task/39/stat", (39, "task/39/stat")),
+    ("/proc/1/environ", None),  # ptrace-guarded entries: the caller's own only
+    ("/proc/39/maps", None),
+    ("/proc/39/fd", None),
+    ("/proc/39/task/39/environ", None),
     ("/proc", (0, ".")),  # the listing
     ("/proc/", (0, ".")),
     ("/proc/self/pagemap", None),  # content depends on the opener's capabilities
