@@ -57,12 +57,14 @@ class Handler(http.server.BaseHTTPRequestHandler):
         host = self.server.name
         data = self.body()
         log.write(json.dumps({"host": host, "line": self.requestline,
-                              "headers": dict(self.headers), "body": data[:4096].decode("latin-1")}) + "\n")
+                              "headers": dict(self.headers),
+                              "body": data[:4096].decode("latin-1")}) + "\n")
         auth = self.headers.get("Authorization", "")
         if host == "git.test":
             want = "Basic " + base64.b64encode(f"x-access-token:{token}".encode()).decode()
             if auth != want:
-                return self.answer(401, b"auth\n", extra=[("WWW-Authenticate", 'Basic realm="git"')])
+                return self.answer(401, b"auth\n",
+                                   extra=[("WWW-Authenticate", 'Basic realm="git"')])
             return self.git(data)
         if host == "registry.test":
             if auth != f"Bearer {token}":
@@ -78,13 +80,15 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def git(self, data):
         path, _, query = self.path.partition("?")
         env = {"GIT_PROJECT_ROOT": root, "GIT_HTTP_EXPORT_ALL": "1", "PATH_INFO": path,
-               "QUERY_STRING": query, "REQUEST_METHOD": self.command, "REMOTE_USER": "x-access-token",
+               "QUERY_STRING": query, "REQUEST_METHOD": self.command,
+               "REMOTE_USER": "x-access-token",
                "REMOTE_ADDR": "10.0.0.1", "CONTENT_TYPE": self.headers.get("Content-Type", ""),
                "CONTENT_LENGTH": str(len(data)), "PATH": "/usr/bin:/bin",
                "GIT_PROTOCOL": self.headers.get("Git-Protocol", "")}
         if self.headers.get("Content-Encoding"):
             env["HTTP_CONTENT_ENCODING"] = self.headers["Content-Encoding"]
-        out = subprocess.run(["git", "http-backend"], input=data, env=env, capture_output=True).stdout
+        out = subprocess.run(["git", "http-backend"], input=data, env=env,
+                             capture_output=True).stdout
         head, _, body = out.partition(b"\r\n\r\n")
         status, headers = 200, []
         for line in head.decode().split("\r\n"):
@@ -93,7 +97,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
             elif k: headers.append((k, v.strip()))
         self.send_response(status)
         for k, v in headers: self.send_header(k, v)
-        self.send_header("Content-Length", str(len(body))); self.end_headers(); self.wfile.write(body)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers(); self.wfile.write(body)
 
 class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
     daemon_threads = True
@@ -170,7 +175,7 @@ def _cert(name: str, ca_key: object, ca_cert: object, out: Path) -> None:
 
     assert isinstance(ca_cert, x509.Certificate) and isinstance(ca_key, ec.EllipticCurvePrivateKey)
     key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
             .issuer_name(ca_cert.subject).public_key(key.public_key())
@@ -193,7 +198,7 @@ def _test_ca(folder: Path) -> Path:
 
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fusion-oci credentials test CA")])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
             .public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(hours=1))
