@@ -36,7 +36,7 @@ from fusion_oci.runtimes.base import Requirement
 from fusion_oci.runtimes.registry import create_runtime
 from fusion_oci.sandbox import Sandbox
 from tests.backends import require, require_runtime
-from tests.conftest import git_init
+from tests.conftest import git, git_init
 from tests.hostside import tcp_server
 from tests.integration import container_cases as cases
 from tests.security.egress_world import (
@@ -46,6 +46,7 @@ from tests.security.egress_world import (
     egress_world,
     judge,
     resolving,
+    serving,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -254,6 +255,29 @@ async def test_filtered_reaches_the_allowed_host_only_and_survives_the_command(
     assert not seen
 
 
+@pytest.mark.docker
+async def test_a_oneshot_container_per_command_forwards_too(world: EgressWorld,
+                                                            tmp_path: Path) -> None:
+    """container_mode oneshot: each command's own container gets the socket and the
+    forwarder (the same AgentMounts as the warm one)."""
+    settings = cases.require_engine("docker").model_copy(update={"container_mode": "oneshot"})
+    wt = git_init(tmp_path / "wt")
+    probe = ["node", "-e", PROBE_JS, world.config(1)]
+    ctx = PrepareContext(task_id="oneshot", run_id="r1", worktree_path=str(wt),
+                         policy=world.policy(), image=Runner("docker", tmp_path, None).image(),
+                         cache_mode=CacheMode.OFF)
+    with resolving(world.names):
+        async with Sandbox(settings, env={"PATH": "/usr/bin:/bin"},
+                           cache_root=tmp_path / "cache") as sb:
+            await sb.prepare(ctx)
+            for _ in range(2):
+                result = await sb.run(probe, LONG)
+                assert result.exit_code == 0, result.stderr
+                line = next(x for x in result.stdout.splitlines()
+                            if x.startswith("EGRESS-PROBE "))
+                assert allowed_answers(json.loads(line.removeprefix("EGRESS-PROBE ")), world)
+
+
 @pytest.mark.parametrize("backend", ["bubblewrap", "podman", "docker"])
 def test_network_policy_is_fine_exactly_where_filtered_is_enforced(backend: str) -> None:
     if backend == "bubblewrap":
@@ -273,10 +297,12 @@ def test_network_policy_is_fine_exactly_where_filtered_is_enforced(backend: str)
 @pytest.mark.parametrize("backend", [pytest.param("bubblewrap", marks=pytest.mark.bubblewrap),
                                      pytest.param("podman", marks=pytest.mark.podman),
                                      pytest.param("docker", marks=pytest.mark.docker)])
-async def test_pnpm_install_through_the_built_in_profile_and_an_unlisted_registry_denied(
-        backend: str, tmp_path: Path) -> None:
+async def test_pnpm_install_and_git_fetch_through_the_built_in_profile(
+        backend: str, tmp_path: Path, world: EgressWorld) -> None:
     """The real npm registry, reached through the proxy because the built-in profile lists it
     (``npm config get registry``); a cold, task-private store, so every package is fetched.
+    The project's git remote (a dumb-HTTP remote in the world's namespace: the profile lists
+    it from ``git remote -v``, the policy lifts the refusal of its private address) fetches.
     Another registry, not in the profile, is denied by the proxy with its reason."""
     if backend == "bubblewrap":
         require_runtime(backend)
@@ -284,15 +310,28 @@ async def test_pnpm_install_through_the_built_in_profile_and_an_unlisted_registr
     runner = Runner(backend, tmp_path, None)
     if backend != "bubblewrap":
         cases.require_engine(backend)
+    bare = tmp_path / "served" / "remote.git"
+    seed = git_init(tmp_path / "seed")
+    (seed / "README").write_text("from the remote\n")
+    git(seed, "add", "README")
+    git(seed, "-c", "user.name=t", "-c", "user.email=t@e", "commit", "-qm", "remote commit")
+    git(tmp_path, "clone", "-q", "--bare", str(seed), str(bare))
+    git(bare, "update-server-info")
     wt = tmp_path / "wt"
     shutil.copytree(PNPM_PROJECT, wt)
     git_init(wt)
-    policy = SandboxPolicy(network=NetworkMode.FILTERED)
-    command = ("pnpm install --frozen-lockfile && pnpm test && echo INSTALLED; "
+    git(wt, "remote", "add", "origin", f"http://{world.allowed_addr}:8081/remote.git")
+    policy = SandboxPolicy(network=NetworkMode.FILTERED,
+                           allowed_domains=[f"{world.allowed_addr}/32"])
+    command = ("git fetch -q origin && git log --oneline FETCH_HEAD && echo FETCHED; "
+               "pnpm install --frozen-lockfile && pnpm test && echo INSTALLED; "
                "npm view is-number version --registry=https://registry.yarnpkg.com/ "
                "--fetch-retries=0 2>&1 | tail -5; echo \"OTHER-EXIT ${PIPESTATUS:-$?}\"")
-    result = await runner.run(["/bin/bash", "-c", command], policy, worktree=wt,
-                              cache_mode=CacheMode.ISOLATED, task="pnpm-filtered")
+    with serving(world, bare.parent, 8081):
+        result = await runner.run(["/bin/bash", "-c", command], policy, worktree=wt,
+                                  cache_mode=CacheMode.ISOLATED, task="pnpm-filtered")
+    assert "remote commit" in result.stdout and "FETCHED" in result.stdout, \
+        result.stdout[-2000:] + result.stderr[-2000:]
     assert "INSTALLED" in result.stdout, result.stdout[-2000:] + result.stderr[-2000:]
     assert (wt / "node_modules" / "is-number" / "package.json").exists()
     other = result.stdout.split("INSTALLED", 1)[1]

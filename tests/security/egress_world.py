@@ -316,3 +316,26 @@ def allowed_answers(out: Mapping[str, str], world: EgressWorld) -> bool:
     """The allowed host answered through the proxy (CONNECT and plain HTTP)."""
     return all(f"{OK} {world.allowed_addr}" in out[k] for k in ("allowed_connect",
                                                                 "allowed_plain"))
+
+
+@contextlib.contextmanager
+def serving(world: EgressWorld, root: Path, port: int) -> Iterator[None]:
+    """``root`` served over plain HTTP at the allowed address (a dumb-HTTP git remote)."""
+    import socket
+
+    proc = subprocess.Popen(["ip", "netns", "exec", world.netns, sys.executable, "-m",
+                             "http.server", str(port), "--bind", world.allowed_addr,
+                             "--directory", str(root)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            with contextlib.suppress(OSError), \
+                    socket.create_connection((world.allowed_addr, port), timeout=1):
+                break
+            assert proc.poll() is None and time.monotonic() < deadline, "no http.server"
+            time.sleep(0.1)
+        yield
+    finally:
+        proc.kill()
+        proc.wait()
