@@ -4,6 +4,8 @@
  *   fusion-oci-agent --connect PATH          a container's init: connect once to PATH
  *   fusion-oci-agent --exec-status FD -- ARGV one command, its wait status written to FD
  *   fusion-oci-agent --exec-status-file PATH -- ARGV   the same, into a file it creates
+ *   fusion-oci-agent --egress SOCK --exec-status-file PATH -- ARGV   with the egress forwarder
+ *                                            beside the command, for its life (oci)
  *
  * One connection, framed messages. Per `spawn` the agent forks a keeper; the keeper makes
  * itself a child subreaper, forks the command in its own session and reports how it ended.
@@ -1333,9 +1335,36 @@ static int connect_main(const char *host, const char *port_s) {
 
 /* `forward PATH`: the forwarder alone, for a sandbox whose agent is not its init (oci runs a
  * container per command): until killed. */
+__attribute__((noreturn)) static void forward_loop(void);
 __attribute__((noreturn)) static void forward_main(const char *path) {
     fwd_path = path;
     fwd_listen = fwd_start(FWD_PORT);
+    forward_loop();
+}
+
+/* `--egress PATH --exec-status-file F -- ARGV` (oci: a container per command, whose init is
+ * not the agent): the forwarder listens before the command starts (no command can take the
+ * port first, none connects before it listens), then serves in a child of ours for the
+ * command's life: it dies with us (PDEATHSIG) and with the container's pid namespace. */
+static void forward_beside(const char *path) {
+    fwd_path = path;
+    fwd_listen = fwd_start(FWD_PORT);
+    pid_t parent = getpid();
+    pid_t pid = fork();
+    if (pid < 0)
+        die("fork: %s", strerror(errno));
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);
+        if (getppid() != parent)
+            _exit(0);
+        prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+        forward_loop();
+    }
+    close(fwd_listen);
+    fwd_listen = -1;
+}
+
+__attribute__((noreturn)) static void forward_loop(void) {
     struct pollfd *p = NULL;
     for (;;) {
         p = xrealloc(p, (1 + 2 * npairs) * sizeof *p);
@@ -1349,6 +1378,11 @@ __attribute__((noreturn)) static void forward_main(const char *path) {
 int main(int argc, char **argv) {
     pid_t parent = 0;
     const char *connect_path = NULL;
+    if (argc > 6 && !strcmp(argv[1], "--egress") && !strcmp(argv[3], "--exec-status-file")) {
+        forward_beside(argv[2]);
+        argv += 2;
+        argc -= 2;
+    }
     if (argc > 4 && !strcmp(argv[3], "--") && (!strcmp(argv[1], "--exec-status") ||
                                                 !strcmp(argv[1], "--exec-status-file"))) {
         for (int s = 1; s < NSIG; s++)

@@ -3,7 +3,10 @@
 - :mod:`~fusion_oci.egress.rules`: which names, ports and addresses may be reached (pure);
 - :mod:`~fusion_oci.egress.profile`: the built-in git/npm profile's hosts, each with its source;
 - :mod:`~fusion_oci.egress.proxy`: the task's proxy (HTTP CONNECT, plain HTTP, SOCKS5), audited;
+- :mod:`~fusion_oci.egress.splice`: an open tunnel's bytes, moved by ``splice(2)``;
 - :mod:`~fusion_oci.egress.loop`: the per-process thread the proxies are served on;
+- :mod:`~fusion_oci.egress.task`: a task's proxy from prepare to dispose (folder, rules);
+- :mod:`~fusion_oci.egress.show`: what ``fusion-oci settings show`` lists for it;
 - :mod:`~fusion_oci.egress.env`: the proxy environment of a filtered sandbox's commands.
 
 The sandbox side (the forwarder on 127.0.0.1:3128 in the sandbox's empty network namespace,

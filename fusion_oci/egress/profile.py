@@ -19,6 +19,7 @@ The parsers are pure; :func:`resolve_profile` is the one step that reads files a
 
 from __future__ import annotations
 
+import asyncio
 import re
 import urllib.parse
 from collections.abc import Iterable, Mapping
@@ -204,6 +205,7 @@ def merge(hosts: Iterable[ProfileHost]) -> list[ProfileHost]:
 
 async def resolve_profile(worktree: Path, env: Mapping[str, str]) -> list[ProfileHost]:
     """The profile's hosts for a task (runs npm and git once each, short timeouts)."""
-    npm = await npm_registry_host(worktree, env)
-    remotes = await git_remote_hosts(worktree, env)
+    # npm (a node start-up) and git run at once: this is on the prepare path.
+    npm, remotes = await asyncio.gather(npm_registry_host(worktree, env),
+                                        git_remote_hosts(worktree, env))
     return merge([npm, *file_hosts(worktree, env), *remotes])

@@ -350,33 +350,16 @@ class EgressProxy:
 
     async def _socks(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                      conn: Connection, over: bool) -> None:
-        timeout = self.limits.handshake_timeout_s
-        count = (await asyncio.wait_for(reader.readexactly(1), timeout))[0]
-        methods = await asyncio.wait_for(reader.readexactly(count), timeout)
-        if 0x00 not in methods:
-            writer.write(b"\x05\xff")  # only "no authentication" is offered
-            conn.reason = "fusion-oci egress: SOCKS5 client offered no 'no auth' method"
+        try:
+            refusal = await asyncio.wait_for(self._socks_request(reader, writer, conn),
+                                             self.limits.handshake_timeout_s)
+        except TimeoutError:
+            conn.reason = "fusion-oci egress: no complete SOCKS5 request in time"
             return
-        writer.write(b"\x05\x00")
-        ver, cmd, _, atyp = await asyncio.wait_for(reader.readexactly(4), timeout)
-        if ver != 5:
-            conn.reason = "fusion-oci egress: not a SOCKS5 request"
-            return
-        if atyp == 0x01:
-            conn.host = socket.inet_ntop(socket.AF_INET, await reader.readexactly(4))
-        elif atyp == 0x04:
-            conn.host = socket.inet_ntop(socket.AF_INET6, await reader.readexactly(16))
-        elif atyp == 0x03:
-            size = (await reader.readexactly(1))[0]
-            conn.host = (await reader.readexactly(size)).decode("ascii", errors="replace")
-        else:
-            return self._socks_refuse(writer, conn, Refused(
-                0, SOCKS_BAD_ADDRESS, f"fusion-oci egress: SOCKS address type {atyp} unknown"))
-        conn.port = int.from_bytes(await reader.readexactly(2), "big")
-        if cmd != 0x01:
-            return self._socks_refuse(writer, conn, Refused(
-                0, SOCKS_BAD_COMMAND, f"fusion-oci egress: SOCKS command {cmd} not supported "
-                                      "(only CONNECT)"))
+        if refusal is not None:
+            return self._socks_refuse(writer, conn, refusal)
+        if conn.host is None:
+            return  # negotiation failed; the reason is set
         if over:
             return self._socks_refuse(writer, conn, Refused(
                 0, SOCKS_FAILURE, "fusion-oci egress: too many open connections for this task"))
@@ -386,6 +369,38 @@ class EgressProxy:
             return self._socks_refuse(writer, conn, refused)
         await self._splice(up, reader, writer, conn,
                            answer=bytes([5, SOCKS_OK, 0, 1, 0, 0, 0, 0, 0, 0]))
+
+    async def _socks_request(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                             conn: Connection) -> Refused | None:
+        """The method negotiation and the request (RFC 1928 sections 3 and 4): sets
+        ``conn.host``/``conn.port``, or returns the refusal for a request we do not serve."""
+        count = (await reader.readexactly(1))[0]
+        methods = await reader.readexactly(count)
+        if 0x00 not in methods:
+            writer.write(b"\x05\xff")  # only "no authentication" is offered
+            conn.reason = "fusion-oci egress: SOCKS5 client offered no 'no auth' method"
+            return None
+        writer.write(b"\x05\x00")
+        ver, cmd, _, atyp = await reader.readexactly(4)
+        if ver != 5:
+            conn.reason = "fusion-oci egress: not a SOCKS5 request"
+            return None
+        if atyp == 0x01:
+            host = socket.inet_ntop(socket.AF_INET, await reader.readexactly(4))
+        elif atyp == 0x04:
+            host = socket.inet_ntop(socket.AF_INET6, await reader.readexactly(16))
+        elif atyp == 0x03:
+            size = (await reader.readexactly(1))[0]
+            host = (await reader.readexactly(size)).decode("ascii", errors="replace")
+        else:
+            conn.host = "?"
+            return Refused(0, SOCKS_BAD_ADDRESS,
+                           f"fusion-oci egress: SOCKS address type {atyp} unknown")
+        conn.host, conn.port = host, int.from_bytes(await reader.readexactly(2), "big")
+        if cmd != 0x01:
+            return Refused(0, SOCKS_BAD_COMMAND, f"fusion-oci egress: SOCKS command {cmd} not "
+                                                 "supported (only CONNECT)")
+        return None
 
     def _socks_refuse(self, writer: asyncio.StreamWriter, conn: Connection,
                       refused: Refused) -> None:

@@ -537,3 +537,25 @@ def test_a_failed_prepare_stops_the_proxy(worktree: Path, monkeypatch: pytest.Mo
     assert sb.sandbox.egress is None
     assert _egress_folders() == before
 
+
+
+async def test_stalled_handshakes_are_closed(netns_server: NetnsServer, tmp_path: Path) -> None:
+    """A client that never finishes its request head (HTTP or SOCKS) holds no slot for long."""
+    p = await start_proxy(task_id="t", rules=rules(netns_server), state_dir=tmp_path, audit=None,
+                          resolve_override=names(netns_server),
+                          limits=Limits(handshake_timeout_s=0.3))
+    try:
+        reader, writer = await connect(p)
+        writer.write(b"CONNECT allowed.test:80 HTTP/1.1\r\n")  # no blank line, ever
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 408")
+        reader, writer = await connect(p)
+        writer.write(b"\x05\x01\x00\x05\x01\x00\x03")  # the address never comes
+        assert await asyncio.wait_for(reader.read(), 5) == b"\x05\x00"
+        for _ in range(100):
+            if p.open_connections == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert p.open_connections == 0
+    finally:
+        await p.stop()

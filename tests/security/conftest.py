@@ -139,10 +139,9 @@ EXPECT: dict[tuple[str, str], Expect] = {
     ("fork-bomb", DOCKERLESS): "unenforced",
     ("memory-hog", DOCKERLESS): "unenforced",
     # network filtered (test_egress.py): native lists it unenforced (it has no network
-    # namespace); landlock and oci (runc, runsc) refuse it until their wiring lands (the
-    # egress-ll branch drops these entries).
-    **{(probe, backend): "unenforced"
-       for probe in EGRESS_PROBES for backend in ("native", "landlock", "oci", "oci-runsc")},
+    # namespace); landlock enforces it with Landlock's TCP rules and the connect supervisor,
+    # oci (runc, runsc) with the container's empty netns and the agent's forwarder.
+    **{(probe, "native"): "unenforced" for probe in EGRESS_PROBES},
 }
 
 CGROUP_LIMIT_PROBES = {"fork-bomb", "memory-hog"}

@@ -218,6 +218,8 @@ const viaPlain = (h, p) => proxy ? talk(ph, pp, `GET http://${h}:${p}/ HTTP/1.1\
   `Host: ${h}:${p}\r\nConnection: close\r\n\r\n`) : 'error no proxy';
 const udp = (addr, port) => new Promise(res => {
   const s = dgram.createSocket('udp4');
+  // Where socket() itself is refused (landlock), node reports it as an 'error' event.
+  s.on('error', e => { s.close(); res('error ' + e.code); });
   s.send(Buffer.from('fusion-egress-probe'), port, addr, e => {
     s.close(); res(e ? 'error ' + e.code : 'sent'); });
 });
