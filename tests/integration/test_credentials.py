@@ -39,6 +39,7 @@ from fusion_oci.models import NetworkMode, PrepareContext, RunOptions, SandboxPo
 from fusion_oci.policy.credentials import CredentialSpec
 from fusion_oci.policy.settings import SandboxSettings
 from fusion_oci.sandbox import Sandbox
+from tests.backends import backend_settings, require_runtime
 from tests.integration import container_cases as cases
 from tests.security.credentials_probe import DUMP, judge, parse, probe_command
 from tests.security.credentials_world import CredentialsWorld, credentials_world
@@ -215,24 +216,27 @@ def test_the_proxy_swaps_only_in_authorization_of_the_credentials_hosts(
 # ----------------------------------------------------------------- a task on each runtime
 
 RUNTIMES = {
-    "bubblewrap": pytest.mark.bubblewrap,
-    "podman": pytest.mark.podman,
-    "docker": pytest.mark.docker,
+    "bubblewrap": [pytest.mark.bubblewrap],
+    "landlock": [pytest.mark.landlock],
+    "oci": [pytest.mark.oci],
+    "oci-runsc": [pytest.mark.oci, pytest.mark.runsc],
+    "podman": [pytest.mark.podman],
+    "docker": [pytest.mark.docker],
 }
+ENGINES = ("podman", "docker")
 
 
-def _settings(runtime: str, world: CredentialsWorld, image_refs: dict[str, str]
-              ) -> tuple[SandboxSettings, str | None]:
-    creds = world.credentials()
-    if runtime == "bubblewrap":
-        return SandboxSettings.model_validate({"backend": "bubblewrap",
-                                               "credentials": creds}), None
+def _settings(runtime: str, world: CredentialsWorld) -> tuple[SandboxSettings, str | None]:
+    """The runtime's settings with the world's credentials, and its image (None: the host's
+    system directories)."""
+    creds = SandboxSettings.model_validate({"credentials": world.credentials()}).credentials
+    if runtime not in ENGINES:
+        require_runtime(runtime)
+        return backend_settings(runtime, credentials=creds), None
     from tests.integration.images_fixture import ensure_node_image
 
     base = cases.require_engine(runtime)
-    settings = base.model_copy(update={"credentials": SandboxSettings.model_validate(
-        {"credentials": creds}).credentials})
-    return settings, ensure_node_image(runtime).ref
+    return base.model_copy(update={"credentials": creds}), ensure_node_image(runtime).ref
 
 
 def _linked_worktree(base: Path) -> Path:
@@ -252,12 +256,14 @@ def _linked_worktree(base: Path) -> Path:
 @pytest.mark.parametrize("runtime", [pytest.param(r, marks=m) for r, m in RUNTIMES.items()])
 def test_a_task_pushes_and_installs_with_a_token_it_never_sees(
         runtime: str, world: CredentialsWorld, tmp_path: Path) -> None:
-    settings, image = _settings(runtime, world, {})
+    settings, image = _settings(runtime, world)
     wt = _linked_worktree(tmp_path)
+    project = tmp_path / "project"  # outside the worktree, as landlock needs
+    project.mkdir()
     audit_path = tmp_path / "audit.jsonl"
     policy = SandboxPolicy(network=NetworkMode.FILTERED, allowed_domains=world.allowed_domains)
     ctx = PrepareContext(task_id=f"cred-{runtime}", run_id="r1", worktree_path=str(wt),
-                         policy=policy, image=image)
+                         policy=policy, image=image, project_dir=str(project))
     home = tmp_path / "home"
     home.mkdir()
     env = {"HOME": str(home), "PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
