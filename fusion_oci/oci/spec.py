@@ -346,9 +346,14 @@ def credential_env(layout: TaskLayout, env: Mapping[str, str]) -> dict[str, str]
     for host, user, name in layout.git_credentials:
         helper = (f'!f() {{ test "$1" = get && echo username={user} && '
                   f'echo "password=${name}"; }}; f')
-        out[f"GIT_CONFIG_KEY_{count}"] = f"credential.https://{host}.helper"
-        out[f"GIT_CONFIG_VALUE_{count}"] = helper
-        count += 1
+        # ssh remotes of the host go over https: there is no key inside to sign with, and
+        # only https carries the brokered token.
+        for key, value in ((f"credential.https://{host}.helper", helper),
+                           (f"url.https://{host}/.insteadOf", f"git@{host}:"),
+                           (f"url.https://{host}/.insteadOf", f"ssh://git@{host}/")):
+            out[f"GIT_CONFIG_KEY_{count}"] = key
+            out[f"GIT_CONFIG_VALUE_{count}"] = value
+            count += 1
     if layout.git_credentials:
         out["GIT_CONFIG_COUNT"] = str(count)
     return out

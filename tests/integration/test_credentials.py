@@ -246,7 +246,8 @@ def _linked_worktree(base: Path) -> Path:
                  ["-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q",
                   "--allow-empty", "-m", "init"],
                  ["-C", str(repo), "worktree", "add", "-q", "-b", "task", str(wt)],
-                 ["-C", str(repo), "remote", "add", "origin", "https://git.test/repo.git"]):
+                 # an ssh remote: git's insteadOf (from the sandbox's env) takes it to https
+                 ["-C", str(repo), "remote", "add", "origin", "git@git.test:repo.git"]):
         subprocess.run(["git", *args], check=True, capture_output=True, env=env, timeout=60)
     (wt / ".npmrc").write_text("registry=https://registry.test/\n"
                                "//registry.test/:_authToken=${NPM_TOKEN}\n")
@@ -321,3 +322,29 @@ def test_a_task_pushes_and_installs_with_a_token_it_never_sees(
         if TOKEN in line:
             assert request["host"] in ("git.test", "registry.test"), line
             assert TOKEN not in request["line"] + request["body"], line
+
+
+def test_the_summary_lists_swaps_and_refusals_by_name() -> None:
+    from fusion_oci.audit import AuditEvent
+    from fusion_oci.dashboard.summary import SummaryBuilder
+
+    def event(host: str, allowed: bool, **details: Any) -> AuditEvent:
+        return AuditEvent(type="sandbox:credential", task_id="t1", run_id="r", backend="bwrap",
+                          host=host, port=443, allowed=allowed,
+                          rule="sandbox.credentials GITHUB_TOKEN",
+                          reason=None if allowed else "leak attempt: the sentinel of "
+                                                      "GITHUB_TOKEN in the X-Key header",
+                          details={"credential": "GITHUB_TOKEN", **details})
+
+    builder = SummaryBuilder()
+    for i, e in enumerate([event("git.test", True, swapped=True),
+                           event("git.test", True, swapped=True),
+                           event("git.test", True, swapped=False),
+                           event("git.test", False, leak=True)], start=1):
+        builder.add(i, e)
+    out = builder.result()["credentials"]
+    assert (out["total"], out["swaps"], out["leakAttempts"]) == (4, 2, 1)
+    assert out["byTask"] == [{"taskId": "t1", "host": "git.test", "credential": "GITHUB_TOKEN",
+                              "swaps": 2}]
+    assert out["recentRefused"][0]["reason"].startswith("leak attempt")
+    assert SummaryBuilder().result()["credentials"]["byTask"] == []
