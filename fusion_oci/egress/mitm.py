@@ -267,10 +267,15 @@ class Session:
         if leak:
             raise Leak(leak)
         client_close = "close" in head.tokens("connection")
+        if "100-continue" in head.tokens("expect"):
+            # Answered here: the proxy reads the body (to scan it) before the real host's
+            # answer could arrive, so waiting for the host's 100 would stall the client.
+            cwriter.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            await cwriter.drain()
         out_headers = []
         for name, value in head.headers:
             low = name.lower()
-            if low in _HOP:
+            if low in _HOP or low == "expect":
                 continue
             if low == "authorization":
                 swapped = swap_authorization(value, self.cred)
@@ -351,8 +356,7 @@ class Session:
                 raise ConnectionError(f"{self.host} closed the connection")
             status = int(head.first.split(" ")[1])
             ex.status = status
-            if 100 <= status < 200:  # 100 Continue: passed on, the real answer follows
-                cwriter.write(head.encode())
+            if 100 <= status < 200:  # answered already (Expect) or informational: dropped
                 continue
             break
         real = self.cred.value.encode()

@@ -319,7 +319,7 @@ class EgressProxy:
         if self.broker is not None:
             leaked = self.broker.find_sentinel(head.encode("latin-1"))
             cred = self.broker.for_host(normalize_host(conn.host))
-            if leaked is not None and (cred is None or method.upper() != "CONNECT"):
+            if leaked is not None:
                 # A sentinel in a head the proxy forwards as is (plain HTTP, a CONNECT's own
                 # headers): never swapped there, and the attempt is on record.
                 self._leak(conn, leaked.spec.name, "in a request the proxy does not swap in")

@@ -169,8 +169,13 @@ def test_the_proxy_swaps_only_in_authorization_of_the_credentials_hosts(
                 "https://git.test/repo.git"]
         curl = ["curl", "-sS", "--cacert", str(bundle)]
         out = {}
+        upload = tmp_path / "upload.bin"
+        upload.write_bytes(b"x" * (2 << 20))  # curl sends Expect: 100-continue over 1 MiB
         try:
             for key, argv in (
+                ("post_big", [*curl, "-H", f"Authorization: Bearer {broker.sentinels['NPM_TOKEN']}",
+                              "--data-binary", f"@{upload}", "-w", "took=%{time_total}\n",
+                              "https://registry.test/upload"]),
                 ("bearer", [*curl, "-H", f"Authorization: Bearer {broker.sentinels['NPM_TOKEN']}",
                             "https://registry.test/private-pkg"]),
                 # keep-alive: two requests on one intercepted connection
@@ -189,12 +194,26 @@ def test_the_proxy_swaps_only_in_authorization_of_the_credentials_hosts(
                 _git, wt, *push, "HEAD:refs/heads/fusion/proxy", env=env)
             out["push_main"] = await asyncio.to_thread(
                 _git, wt, *push, "HEAD:refs/heads/main", env=env)
+            # A pack over git's 1 MiB post buffer: a chunked request body, streamed and
+            # scanned; then fetched back (a large response through the interception).
+            (wt / "big.bin").write_bytes(secrets.token_bytes(3 << 20))
+            _git(wt, "add", "big.bin")
+            _git(wt, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "big")
+            out["push_big"] = await asyncio.to_thread(
+                _git, wt, *push, "HEAD:refs/heads/fusion/big", env=env)
+            out["clone"] = await asyncio.to_thread(
+                _git, tmp_path, "-c", f"credential.https://git.test.helper={helper}", "clone",
+                "-q", "-b", "fusion/big", "https://git.test/repo.git", str(tmp_path / "back"),
+                env=env)
         finally:
             await proxy.stop()
         return out
 
     out = asyncio.run(main())
     assert '"private-pkg"' in out["bearer"].stdout, out["bearer"]
+    assert '"dist-tags"' in out["post_big"].stdout, out["post_big"]
+    # the proxy answers the 100-continue itself: no 1 s wait of curl's for it
+    assert float(out["post_big"].stdout.rpartition("took=")[2]) < 0.9, out["post_big"].stdout
     assert out["twice"].stdout.count('"dist-tags"') == 2, out["twice"]
     assert "connects=1" in out["twice"].stdout and "connects=0" in out["twice"].stdout
     assert "the sentinel of NPM_TOKEN in the X-Key header" in out["header"].stdout
@@ -204,6 +223,10 @@ def test_the_proxy_swaps_only_in_authorization_of_the_credentials_hosts(
     assert out["push_main"].returncode != 0 and world.ref("refs/heads/main") is None
     assert "[remote rejected] HEAD -> main (fusion-oci: refs/heads/main is outside " \
         "allowedRefs of GITHUB_TOKEN" in out["push_main"].stderr
+    assert out["push_big"].returncode == 0, out["push_big"].stderr
+    assert out["clone"].returncode == 0, out["clone"].stderr
+    assert (tmp_path / "back" / "big.bin").read_bytes() == (tmp_path / "wt" / "big.bin"
+                                                            ).read_bytes()
     events = [e for e in read_events(audit_path) if e.type == "sandbox:credential"]
     assert any(e.allowed and e.details and e.details["swapped"] and e.host == "registry.test"
                for e in events)
