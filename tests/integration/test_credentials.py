@@ -371,3 +371,13 @@ def test_the_summary_lists_swaps_and_refusals_by_name() -> None:
                               "swaps": 2}]
     assert out["recentRefused"][0]["reason"].startswith("leak attempt")
     assert SummaryBuilder().result()["credentials"]["byTask"] == []
+    import io
+
+    from rich.console import Console
+
+    from fusion_oci.cli.audit import render_credentials
+
+    text = io.StringIO()
+    render_credentials(builder.result(), Console(file=text, width=200))
+    assert "2 swapped, 1 leak" in text.getvalue()
+    assert "GITHUB_TOKEN in the X-Key header" in text.getvalue()
