@@ -371,12 +371,7 @@ class BubblewrapRuntime(SpecRuntime):
         task = await super().prepare(task)
         assert self.task_spec is not None
         check_spec(self.task_spec)
-        if spec_network(self.task_spec) is NetworkMode.FILTERED:
-            if task.egress is None:
-                raise SandboxSetupError("network filtered needs the task's egress proxy",
-                                        "none was started for this task",
-                                        "prepare the task through fusion_oci.Sandbox")
-            self._egress_socket = str(task.egress.unix_socket)
+        self._egress_socket = egress.proxy_socket(task, self.task_spec)
         self._scratch = make_task_scratch(task.ctx.task_id)
         try:
             spec = self.compile(["true"], RunOptions())

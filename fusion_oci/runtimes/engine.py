@@ -39,12 +39,11 @@ from fusion_oci.errors import (
 )
 from fusion_oci.models import (
     CacheMode,
-    NetworkMode,
     PrepareContext,
     RunOptions,
     RunResult,
 )
-from fusion_oci.oci.spec import Spec, spec_cache_mode, spec_network
+from fusion_oci.oci.spec import Spec, spec_cache_mode
 from fusion_oci.runtimes.base import (
     LaunchPlan,
     LimitCounters,
@@ -70,6 +69,7 @@ from fusion_oci.runtimes.containers import (
     spec_image,
 )
 from fusion_oci.runtimes.engine_probe import EngineProbe, current_owner, nproc_limit
+from fusion_oci.runtimes.linux.egress import proxy_socket
 from fusion_oci.scratch import make_scratch
 
 if TYPE_CHECKING:
@@ -206,12 +206,7 @@ class ContainerRuntime(EngineProbe):
         await super().prepare(task)
         ctx = task.ctx
         assert self.task_spec is not None
-        if spec_network(self.task_spec) is NetworkMode.FILTERED:
-            if task.egress is None:
-                raise SandboxSetupError("network filtered needs the task's egress proxy",
-                                        "none was started for this task",
-                                        "prepare the task through fusion_oci.Sandbox")
-            self._egress_socket = str(task.egress.unix_socket)
+        self._egress_socket = proxy_socket(task, self.task_spec)
         # The image the resolve step chose (context, settings, else this backend's default),
         # provisioned; the task then runs on its local reference.
         self.image_ref = await self._provision(spec_image(self.task_spec), ctx)

@@ -433,3 +433,21 @@ async def test_the_agents_forwarder_carries_many_connections_whole(tmp_path: Pat
         assert b"BAD []" in done.stdout, done.stdout
         assert b"BIND 98" in done.stdout  # EADDRINUSE: the agent holds 127.0.0.1:3128
         assert len(served) == 40
+
+
+def test_a_filtered_task_without_its_proxy_is_refused_not_run_offline() -> None:
+    """A runtime handed a filtered task with no proxy (not through Sandbox) refuses it at
+    prepare: the sandbox would have no way out, and no other network stands in for it."""
+    from types import SimpleNamespace
+
+    from fusion_oci.errors import SandboxSetupError
+    from fusion_oci.oci.spec import default_spec, with_network
+    from fusion_oci.runtimes.linux.egress import proxy_socket
+
+    filtered = with_network(default_spec(), NetworkMode.FILTERED)
+    with pytest.raises(SandboxSetupError, match="egress proxy"):
+        proxy_socket(SimpleNamespace(egress=None), filtered)  # type: ignore[arg-type]
+    given = SimpleNamespace(egress=SimpleNamespace(unix_socket=Path("/tmp/x/egress.sock")))
+    assert proxy_socket(given, filtered) == "/tmp/x/egress.sock"  # type: ignore[arg-type]
+    egress = with_network(default_spec(), NetworkMode.EGRESS)
+    assert proxy_socket(given, egress) is None  # type: ignore[arg-type]

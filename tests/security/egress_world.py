@@ -36,8 +36,14 @@ PORT = 8080
 METADATA = "169.254.169.254"
 
 SERVER = r"""
-import socket, sys, threading
+import os, socket, sys, threading, time
 log = open(sys.argv[1], "a", buffering=1)
+def orphaned(parent=os.getppid()):
+    # The world (a namespace this process holds) ends with the test process, even a killed one.
+    while os.getppid() == parent:
+        time.sleep(1)
+    os._exit(0)
+threading.Thread(target=orphaned, daemon=True).start()
 def serve_tcp():
     srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     srv.bind(("0.0.0.0", PORT)); srv.listen(64)
@@ -75,10 +81,18 @@ class EgressWorld:
     """The namespace, its addresses and the server's log (see the module docstring)."""
 
     netns: str
+    """Its name under /run/netns (``ip netns exec``); :meth:`inside` does not need it."""
     host_addr: str
     allowed_addr: str
     denied_addr: str
     log: Path
+    pid: int = 0
+    """The server's pid: the namespace lives as long as it does."""
+
+    def inside(self, argv: list[str]) -> list[str]:
+        """``argv`` run in the world's namespace, entered by the server's pid (a name under
+        /run/netns can be hidden by another process re-mounting that folder meanwhile)."""
+        return ["nsenter", f"--net=/proc/{self.pid}/ns/net", "--", *argv]
 
     @property
     def names(self) -> dict[str, list[str]]:
@@ -116,10 +130,30 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
 
 
+def _drop_stale_worlds() -> None:
+    """Namespaces of a test process killed before its clean-up (kill -9): their pid is gone.
+    Deleting one drops its veth pair too."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
+                            timeout=30, check=False).stdout
+    for line in listed.splitlines():
+        name = line.split()[0] if line.split() else ""
+        pid = name.removeprefix("fusion-egress-")
+        if name.startswith("fusion-egress-") and pid.isdigit() and \
+                not Path(f"/proc/{pid}").exists():
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30,
+                           check=False)
+
+
 @contextlib.contextmanager
 def egress_world(base: Path) -> Iterator[EgressWorld]:
-    """Create the namespace and its server; remove both at the end."""
-    tag = os.getpid() % 200 + 20
+    """Create the namespace and its server; remove both at the end (and what a killed run of
+    an earlier process left)."""
+    _drop_stale_worlds()
+    # A /24 no other world on this host uses (test processes of other checkouts run too).
+    used = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True,
+                          timeout=30, check=False).stdout
+    tag = next(t for t in ((os.getpid() + i) % 200 + 20 for i in range(200))
+               if f" 10.213.{t}." not in used)
     netns, host_if, ns_if = f"fusion-egress-{os.getpid()}", f"fe{os.getpid()}h", \
         f"fe{os.getpid()}n"
     prefix = f"10.213.{tag}"
@@ -127,23 +161,26 @@ def egress_world(base: Path) -> Iterator[EgressWorld]:
     log.touch()
     log.chmod(0o644)
     server: subprocess.Popen[bytes] | None = None
-    _ip("netns", "add", netns)
+    script = base / "egress-world-server.py"
+    script.write_text(SERVER)
+    errors = base / "egress-world-server.err"
     try:
+        # The server makes the namespace (unshare execs it) and holds it: no name to lose.
+        with errors.open("wb") as err:
+            server = subprocess.Popen(["unshare", "--net", "--", sys.executable, str(script),
+                                       str(log)], stdout=subprocess.DEVNULL, stderr=err)
+        inside = ["nsenter", f"--net=/proc/{server.pid}/ns/net", "--", "ip"]
         _ip("link", "add", host_if[:15], "type", "veth", "peer", "name", ns_if[:15])
-        _ip("link", "set", ns_if[:15], "netns", netns)
+        _ip("link", "set", ns_if[:15], "netns", str(server.pid))
         _ip("addr", "add", f"{prefix}.1/24", "dev", host_if[:15])
         _ip("link", "set", host_if[:15], "up")
         for addr in (f"{prefix}.2/24", f"{prefix}.3/24"):
-            _ip("-n", netns, "addr", "add", addr, "dev", ns_if[:15])
-        _ip("-n", netns, "link", "set", ns_if[:15], "up")
-        _ip("-n", netns, "link", "set", "lo", "up")
-        script = base / "egress-world-server.py"
-        script.write_text(SERVER)
-        errors = base / "egress-world-server.err"
-        with errors.open("wb") as err:
-            server = subprocess.Popen(["ip", "netns", "exec", netns, sys.executable,
-                                       str(script), str(log)], stdout=subprocess.DEVNULL,
-                                      stderr=err)
+            _run([*inside, "addr", "add", addr, "dev", ns_if[:15]])
+        _run([*inside, "link", "set", ns_if[:15], "up"])
+        _run([*inside, "link", "set", "lo", "up"])
+        # A name as well, for `ip netns exec` (best effort: the pid is what this module uses).
+        subprocess.run(["ip", "netns", "attach", netns, str(server.pid)], capture_output=True,
+                       timeout=30, check=False)
         deadline = time.monotonic() + 10
         while True:
             with contextlib.suppress(OSError):
@@ -157,14 +194,17 @@ def egress_world(base: Path) -> Iterator[EgressWorld]:
                 f"the egress world's server did not start: {errors.read_text()[-1000:]}"
             time.sleep(0.1)
         log.write_text("")  # the readiness check is not a probe's connection
-        yield EgressWorld(netns, f"{prefix}.1", f"{prefix}.2", f"{prefix}.3", log)
+        yield EgressWorld(netns, f"{prefix}.1", f"{prefix}.2", f"{prefix}.3", log, server.pid)
     finally:
         if server is not None:
             server.kill()
             server.wait()
-        with contextlib.suppress(subprocess.CalledProcessError):
-            _ip("link", "del", host_if[:15])
-        _ip("netns", "del", netns)
+        for argv in (["ip", "link", "del", host_if[:15]], ["ip", "netns", "del", netns]):
+            subprocess.run(argv, capture_output=True, timeout=30, check=False)
+
+
+def _run(argv: list[str]) -> None:
+    subprocess.run(argv, check=True, capture_output=True, timeout=30)
 
 
 @contextlib.contextmanager
@@ -325,17 +365,20 @@ def serving(world: EgressWorld, root: Path, port: int) -> Iterator[None]:
     """``root`` served over plain HTTP at the allowed address (a dumb-HTTP git remote)."""
     import socket
 
-    proc = subprocess.Popen(["ip", "netns", "exec", world.netns, sys.executable, "-m",
-                             "http.server", str(port), "--bind", world.allowed_addr,
-                             "--directory", str(root)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    errors = root.parent / f"http-server-{port}.err"
+    with errors.open("wb") as err:
+        proc = subprocess.Popen(world.inside([sys.executable, "-m", "http.server", str(port),
+                                              "--bind", world.allowed_addr,
+                                              "--directory", str(root)]),
+                                stdout=subprocess.DEVNULL, stderr=err)
     try:
         deadline = time.monotonic() + 10
         while True:
             with contextlib.suppress(OSError), \
                     socket.create_connection((world.allowed_addr, port), timeout=1):
                 break
-            assert proc.poll() is None and time.monotonic() < deadline, "no http.server"
+            assert proc.poll() is None and time.monotonic() < deadline, \
+                f"no http.server: {errors.read_text()[-1000:]}"
             time.sleep(0.1)
         yield
     finally:
