@@ -18,7 +18,7 @@ Order matters, and every step fails closed (the reaper turns an exception into e
 5. a second filter that hands every chmod (``chmod``, ``fchmod``, ``fchmodat``,
    ``fchmodat2``) and every ``open``/``openat`` to the reaper, over a seccomp
    user-notification fd passed back on a socket pair made before the fork (see
-   :class:`ChmodSupervisor`).
+   :class:`Supervisor`).
 
 Why step 5: Landlock (up to ABI 7) governs opening, creating and removing files, not changing
 their metadata, so without it the command could ``chmod 666`` any file of the caller's on the
@@ -224,8 +224,8 @@ def _beneath(path: str, roots: list) -> bool:  # type: ignore[type-arg]
     return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
 
 
-class ChmodSupervisor:
-    """Answers the command's chmod calls (step 5), in a thread of the reaper."""
+class Supervisor:
+    """Answers the command's chmod and open calls (step 5), in a thread of the reaper."""
 
     def __init__(self, cfg: dict, listener: int) -> None:  # type: ignore[type-arg]
         self.arch = str(cfg["arch"])
@@ -459,7 +459,7 @@ class ConnectSupervisor:
     Landlock's port rule (ABI 4) still holds for any connect made without us.
     """
 
-    def __init__(self, owner: ChmodSupervisor, port: int) -> None:
+    def __init__(self, owner: Supervisor, port: int) -> None:
         self.owner = owner
         self.port = port
 
@@ -690,7 +690,7 @@ def supervise(cfg: dict, channel: _socket.socket) -> None:  # type: ignore[type-
            if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS]
     if fds:  # none: the child failed before step 5 and exits 125
         # A bare thread: the reaper exits without joining it once the command is done.
-        _thread.start_new_thread(ChmodSupervisor(cfg, fds[0]).serve, ())
+        _thread.start_new_thread(Supervisor(cfg, fds[0]).serve, ())
 
 
 INT_FIELDS = ("abi", "handled_fs", "handled_net", "scoped", "drop_capabilities",

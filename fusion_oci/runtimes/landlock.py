@@ -136,7 +136,8 @@ MIN_FS_ABI = 3
 enforced there."""
 MIN_NET_ABI = 4
 """Landlock's TCP rules (ABI 4): ``network: filtered`` denies TCP bind and allows TCP connect
-to the proxy's port only; below it the proxy port would be the supervisor's alone to keep."""
+to the proxy's port only; below it TCP bind would be open and every connect the supervisor's
+alone to keep, so filtered is not enforced there."""
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -52,7 +53,25 @@ BACKENDS = [
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EgressWorld]:
     with egress_world(tmp_path_factory.mktemp("egress-world")) as made:
-        yield made
+        # Held open: servers started later enter the namespace by this descriptor, not by
+        # its /run/netns name (seen: `ip netns exec` failing with EINVAL mid-module while
+        # other processes on the machine add and delete namespaces).
+        _NETNS_FD[made.netns] = os.open(f"/run/netns/{made.netns}", os.O_RDONLY)
+        try:
+            yield made
+        finally:
+            os.close(_NETNS_FD.pop(made.netns))
+
+
+_NETNS_FD: dict[str, int] = {}
+
+
+def _in_world(world: EgressWorld, argv: list[str], stdout: int | IO[bytes],
+              stderr: int | IO[bytes]) -> subprocess.Popen[bytes]:
+    """``argv`` started in the world's network namespace."""
+    fd = _NETNS_FD[world.netns]
+    return subprocess.Popen(["nsenter", f"--net=/proc/self/fd/{fd}", "--", *argv],
+                            pass_fds=(fd,), stdout=stdout, stderr=stderr)
 
 
 def _env(home: Path) -> dict[str, str]:
@@ -252,8 +271,8 @@ def _listener_in(world: EgressWorld, port: int) -> Iterator[Path]:
             "    open(sys.argv[1], 'a').write(f'{peer}\\n')\n    c.close()\n")
     errors = world.log.parent / f"hits-{port}.err"
     with errors.open("wb") as err:
-        proc = subprocess.Popen(["ip", "netns", "exec", world.netns, sys.executable, "-c",
-                                 code, str(hits)], stdout=subprocess.PIPE, stderr=err)
+        proc = _in_world(world, [sys.executable, "-c", code, str(hits)],
+                         stdout=subprocess.PIPE, stderr=err)
     try:
         assert proc.stdout is not None and proc.stdout.readline() == b"up\n", \
             errors.read_text()
@@ -306,10 +325,9 @@ async def test_pnpm_install_and_git_fetch_through_the_built_in_profile_on_landlo
 
 @contextlib.contextmanager
 def _http_server_in(world: EgressWorld, root: Path, port: int) -> Iterator[None]:
-    proc = subprocess.Popen(["ip", "netns", "exec", world.netns, sys.executable, "-m",
-                             "http.server", str(port), "--bind", world.allowed_addr,
-                             "--directory", str(root)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = _in_world(world, [sys.executable, "-m", "http.server", str(port), "--bind",
+                             world.allowed_addr, "--directory", str(root)],
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         for _ in range(100):
             with contextlib.suppress(OSError), \
