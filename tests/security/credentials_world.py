@@ -28,7 +28,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SERVER = r'''
-import http.server, json, os, socketserver, ssl, subprocess, sys, threading, base64
+import http.server, json, os, socketserver, ssl, subprocess, sys, threading, base64, time
+def orphaned(parent=os.getppid()):
+    # The world ends with the test process, even a killed one.
+    while os.getppid() == parent:
+        time.sleep(1)
+    os._exit(0)
+threading.Thread(target=orphaned, daemon=True).start()
 root, token, log_path, certs, addrs = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], \
     sys.argv[5].split(",")
 log = open(log_path, "a", buffering=1)
@@ -222,11 +228,30 @@ def _git(*args: str, cwd: Path | None = None) -> None:
                                  "GIT_CONFIG_NOSYSTEM": "1"})
 
 
+def _drop_stale_worlds() -> None:
+    """Namespaces of a test process killed before its clean-up: their pid is gone."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
+                            timeout=30, check=False).stdout
+    for line in listed.splitlines():
+        name = line.split()[0] if line.split() else ""
+        pid = name.removeprefix("fusion-cred-")
+        if name.startswith("fusion-cred-") and pid.isdigit() and \
+                not Path(f"/proc/{pid}").exists():
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30,
+                           check=False)
+
+
 @contextlib.contextmanager
 def credentials_world(base: Path, token: str) -> Iterator[CredentialsWorld]:
-    """Create the namespace, the test CA, the bare repository and the servers; remove them."""
+    """Create the namespace, the test CA, the bare repository and the servers; remove them
+    (and what a killed run of an earlier process left)."""
+    _drop_stale_worlds()
     pid = os.getpid()
-    tag = pid % 200 + 20
+    # A /24 no other world on this host uses (test processes of other checkouts run too).
+    used = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True,
+                          timeout=30, check=False).stdout
+    tag = next(t for t in ((pid + i) % 200 + 20 for i in range(200))
+               if f" 10.214.{t}." not in used)
     netns, host_if, ns_if = f"fusion-cred-{pid}", f"fc{pid}h"[:15], f"fc{pid}n"[:15]
     prefix = f"10.214.{tag}"
     base.mkdir(parents=True, exist_ok=True)
