@@ -41,7 +41,7 @@ from fusion_oci.policy.settings import SandboxSettings
 from fusion_oci.sandbox import Sandbox
 from tests.backends import backend_settings, require_runtime
 from tests.integration import container_cases as cases
-from tests.security.credentials_probe import DUMP, judge, parse, probe_command
+from tests.security.credentials_probe import DUMP, PROBE_JS, judge, parse, probe_command
 from tests.security.credentials_world import CredentialsWorld, credentials_world
 from tests.security.egress_world import resolving
 
@@ -272,6 +272,7 @@ def _linked_worktree(base: Path) -> Path:
                  # an ssh remote: git's insteadOf (from the sandbox's env) takes it to https
                  ["-C", str(repo), "remote", "add", "origin", "git@git.test:repo.git"]):
         subprocess.run(["git", *args], check=True, capture_output=True, env=env, timeout=60)
+    (wt / ".credential-probe.js").write_text(PROBE_JS)
     (wt / ".npmrc").write_text("registry=https://registry.test/\n"
                                "//registry.test/:_authToken=${NPM_TOKEN}\n")
     return wt
@@ -299,6 +300,8 @@ def test_a_task_pushes_and_installs_with_a_token_it_never_sees(
         "npm": "npm view private-pkg version --fetch-retries=0",
         "probe": probe_command(),
         "dump": DUMP,
+        # core_pattern is "core" here: the dump lands in the worktree, which is scanned below
+        "core": "ulimit -c unlimited; PROBE_ABORT=1 node .credential-probe.js; ls core*",
     }
 
     async def main() -> dict[str, Any]:
@@ -322,6 +325,11 @@ def test_a_task_pushes_and_installs_with_a_token_it_never_sees(
     assert '"private-pkg"' in answer["bearer"], answer["bearer"]
     for probe, (leaked, detail) in judge(answer, TOKEN).items():
         assert not leaked, (probe, detail)
+    # Where the kernel wrote one (not under gVisor, which writes none): a real dump of a
+    # process that used the sentinels, scanned for the token with every other file below.
+    cores = list(wt.glob("core*"))
+    assert cores or runtime == "oci-runsc", results["core"]
+    assert all(b"fusion-sentinel-" in c.read_bytes() for c in cores)
     dump = results["dump"].stdout
     assert "fusion-sentinel-github_token-" in dump  # the variable is there, with a sentinel
     for key, result in results.items():

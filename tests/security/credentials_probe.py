@@ -68,6 +68,7 @@ function plain(host, port, path, headers) {
   o.other_plain = await plain('other.test', 8080, '/', {Authorization: `Bearer ${gh}`});
   o.other_tls = await https('other.test', '/', {Authorization: `Bearer ${gh}`}, undefined, false);
   o.echo = await https('registry.test', '/echo', {Authorization: `Bearer ${npm}`});
+  if (process.env.PROBE_ABORT) process.abort();  // a core dump of a process that used them
   console.log('CREDENTIAL-PROBE ' + JSON.stringify(o));
 })();
 """
