@@ -205,7 +205,9 @@ def http_text(status: int, text: str, reason: str = "Forbidden") -> bytes:
 class Session:
     """One intercepted connection (module docstring)."""
 
-    def __init__(self, broker: Broker, cred: Brokered, host: str, report: Report) -> None:
+    def __init__(self, broker: Broker, cred: Brokered, host: str, report: Report,
+                 idle_timeout_s: float = 600.0) -> None:
+        self.idle_timeout_s = idle_timeout_s
         self.broker = broker
         self.cred = cred
         self.host = host
@@ -236,7 +238,10 @@ class Session:
     async def run(self, creader: asyncio.StreamReader, cwriter: asyncio.StreamWriter,
                   ureader: asyncio.StreamReader, uwriter: asyncio.StreamWriter) -> None:
         while True:
-            head = await read_head(creader)
+            try:
+                head = await asyncio.wait_for(read_head(creader), self.idle_timeout_s)
+            except TimeoutError:
+                return  # an idle keep-alive connection, as a tunnel's idle limit
             if head is None:
                 return
             ex = Exchange()
@@ -267,6 +272,7 @@ class Session:
         if leak:
             raise Leak(leak)
         client_close = "close" in head.tokens("connection")
+        chunked = "chunked" in head.tokens("transfer-encoding")
         if "100-continue" in head.tokens("expect"):
             # Answered here: the proxy reads the body (to scan it) before the real host's
             # answer could arrive, so waiting for the host's 100 would stall the client.
@@ -275,14 +281,13 @@ class Session:
         out_headers = []
         for name, value in head.headers:
             low = name.lower()
-            if low in _HOP or low == "expect":
-                continue
+            if low in _HOP or low == "expect" or (chunked and low == "content-length"):
+                continue  # (a length beside chunked framing: never both to the host)
             if low == "authorization":
                 swapped = swap_authorization(value, self.cred)
                 if swapped is not None:
                     value, ex.swapped = swapped, True
             out_headers.append((name, value))
-        chunked = "chunked" in head.tokens("transfer-encoding")
         out = Head(head.first, out_headers)
         body = body_chunks(creader, head, response=False)
         if ex.method == "POST" and ex.path.endswith("/git-receive-pack"):

@@ -544,7 +544,8 @@ class EgressProxy:
         timeout = self.limits.handshake_timeout_s
         uwriter: asyncio.StreamWriter | None = None
         ureader: asyncio.StreamReader
-        session = Session(self.broker, cred, host, lambda ex: self._exchange(conn, cred, ex))
+        session = Session(self.broker, cred, host, lambda ex: self._exchange(conn, cred, ex),
+                          self.limits.idle_timeout_s)
         try:
             writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
             await writer.drain()
@@ -563,8 +564,8 @@ class EgressProxy:
                 await writer.drain()
                 return
             await session.run(reader, writer, ureader, opened)
-        except (ConnectionError, asyncio.IncompleteReadError, ssl.SSLError, ValueError,
-                TimeoutError) as exc:
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
+                ssl.SSLError, ValueError, TimeoutError) as exc:
             conn.reason = conn.reason or f"fusion-oci egress: intercepted connection ended ({exc})"
         finally:
             if uwriter is not None:

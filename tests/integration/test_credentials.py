@@ -389,3 +389,34 @@ def test_the_summary_lists_swaps_and_refusals_by_name() -> None:
     render_credentials(builder.result(), Console(file=text, width=200))
     assert "2 swapped, 1 leak" in text.getvalue()
     assert "GITHUB_TOKEN in the X-Key header" in text.getvalue()
+
+
+def test_the_real_host_is_verified_against_the_machines_trust_store(
+        world: CredentialsWorld, tmp_path: Path) -> None:
+    """Without the credential's caFile, the test CA is not trusted: the proxy refuses to send
+    the value to a host it cannot verify, and says why."""
+    spec = CredentialSpec.model_validate({"name": "OTHER_TOKEN", "hosts": ["other.test"],
+                                          "from": {"env": "T"}})
+
+    async def main() -> subprocess.CompletedProcess[str]:
+        broker = await make_broker([spec], {"T": TOKEN})
+        rules = EgressRules(allowed=("other.test",), denied=(),
+                            allow_addresses=(world.allowed_domains[3],))
+        (tmp_path / "state").mkdir()
+        proxy = await start_proxy(task_id="t-verify", rules=rules, state_dir=tmp_path / "state",
+                                  audit=None, tcp=True, resolve_override=world.names,
+                                  broker=broker)
+        bundle = write_bundle(broker, None, tmp_path)
+        try:
+            return await asyncio.to_thread(subprocess.run, [
+                "curl", "-sS", "--cacert", str(bundle), "-H",
+                f"Authorization: Bearer {broker.sentinels['OTHER_TOKEN']}",
+                "https://other.test/"], capture_output=True, text=True, timeout=60,
+                env={"PATH": "/usr/bin:/bin", "HTTPS_PROXY": f"http://127.0.0.1:{proxy.tcp_port}"})
+        finally:
+            await proxy.stop()
+
+    done = asyncio.run(main())
+    assert "other-ok" not in done.stdout
+    assert "TLS to other.test failed" in done.stdout and "CERTIFICATE_VERIFY_FAILED" in \
+        done.stdout, done
