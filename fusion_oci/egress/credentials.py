@@ -218,6 +218,21 @@ def basic_sentinel(value: str, broker: Broker) -> Brokered | None:
     return broker.find_sentinel(decoded)
 
 
+def push_repo(path: str) -> str:
+    """The repository of a receive-pack URL path: ``/acme/widget.git/git-receive-pack`` ->
+    ``acme/widget``."""
+    repo = path.removesuffix("/git-receive-pack").strip("/")
+    return repo.removesuffix(".git")
+
+
+def repo_allowed(repo: str, allowed: Sequence[str] | None) -> bool:
+    """Whether a push may go to ``repo`` (None: any)."""
+    if allowed is None:
+        return True
+    return any(fnmatch.fnmatchcase(repo, pattern.strip("/").removesuffix(".git"))
+               for pattern in allowed)
+
+
 def ref_allowed(ref: str, allowed: Sequence[str] | None) -> bool:
     """Whether a push may update ``ref`` (None: any ref)."""
     if allowed is None:

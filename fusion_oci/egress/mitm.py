@@ -23,7 +23,9 @@ from fusion_oci.egress.credentials import (
     Broker,
     Brokered,
     basic_sentinel,
+    push_repo,
     ref_allowed,
+    repo_allowed,
     swap_authorization,
 )
 
@@ -341,15 +343,23 @@ class Session:
             if complete or len(plain) > 1024 * 1024:
                 break
         ex.refs = refs
-        allowed = self.cred.spec.allowed_refs
-        bad = [r for r in refs if not ref_allowed(r, allowed)]
+        spec = self.cred.spec
         rest = _prepend(raw, body)
-        if not bad:
-            return None, rest
-        shown = ", ".join(allowed or []) or "none (this credential may not push)"
-        reason = (f"fusion-oci: {bad[0]} is outside allowedRefs of {self.cred.spec.name} "
-                  f"({shown}); push to a ref it allows, or add the ref to "
-                  "sandbox.credentials allowedRefs")
+        repo = push_repo(ex.path)
+        if not repo_allowed(repo, spec.allowed_repos):
+            bad = list(refs)
+            shown = ", ".join(spec.allowed_repos or []) or "none"
+            reason = (f"fusion-oci: {self.host}/{repo} is outside allowedRepos of {spec.name} "
+                      f"({shown}); push to a repository it allows, or add it to "
+                      "sandbox.credentials allowedRepos")
+        else:
+            bad = [r for r in refs if not ref_allowed(r, spec.allowed_refs)]
+            if not bad:
+                return None, rest
+            shown = ", ".join(spec.allowed_refs or []) or "none (this credential may not push)"
+            reason = (f"fusion-oci: {bad[0]} is outside allowedRefs of {spec.name} "
+                      f"({shown}); push to a ref it allows, or add the ref to "
+                      "sandbox.credentials allowedRefs")
         ex.refused = reason
         return push_refusal(refs, bad, caps, reason), rest
 

@@ -66,6 +66,9 @@ class CredentialSpec(Model):
     allowed_refs: list[str] | None = None
     """Refs a ``git push`` through this credential may update (globs: ``refs/heads/fusion/*``).
     None: any ref; empty: no push at all."""
+    allowed_repos: list[str] | None = None
+    """Repositories a ``git push`` through this credential may update: globs over the URL's
+    path without ``.git`` (``acme/*``, ``acme/widget``). None: any repository of its hosts."""
     ca_file: str | None = None
     """A PEM bundle that verifies the real hosts (a private registry's own CA). None: the
     machine's trust store."""

@@ -28,8 +28,10 @@ from fusion_oci.egress import EgressRules, start_proxy
 from fusion_oci.egress.credentials import (
     Brokered,
     make_broker,
+    push_repo,
     read_value,
     ref_allowed,
+    repo_allowed,
     swap_authorization,
     write_bundle,
 )
@@ -128,6 +130,10 @@ def test_the_swap_and_the_push_parser() -> None:
     assert ref_allowed("refs/heads/fusion/x", ["refs/heads/fusion/*"])
     assert not ref_allowed("refs/heads/main", ["refs/heads/fusion/*"])
     assert ref_allowed("refs/heads/main", None) and not ref_allowed("refs/heads/x", [])
+    assert push_repo("/acme/widget.git/git-receive-pack") == "acme/widget"
+    assert repo_allowed("acme/widget", ["acme/*"]) and repo_allowed("x", None)
+    assert repo_allowed("acme/widget", ["/acme/widget.git"])
+    assert not repo_allowed("evil/widget", ["acme/*"])
     assert b"ng refs/heads/main why" in push_refusal(refs, ["refs/heads/main"], set(), "why")
 
 
@@ -194,6 +200,9 @@ def test_the_proxy_swaps_only_in_authorization_of_the_credentials_hosts(
                 _git, wt, *push, "HEAD:refs/heads/fusion/proxy", env=env)
             out["push_main"] = await asyncio.to_thread(
                 _git, wt, *push, "HEAD:refs/heads/main", env=env)
+            out["push_repo"] = await asyncio.to_thread(
+                _git, wt, *push[:-1], "https://git.test/other.git", "HEAD:refs/heads/fusion/x",
+                env=env)
             # A pack over git's 1 MiB post buffer: a chunked request body, streamed and
             # scanned; then fetched back (a large response through the interception).
             (wt / "big.bin").write_bytes(secrets.token_bytes(3 << 20))
@@ -223,6 +232,11 @@ def test_the_proxy_swaps_only_in_authorization_of_the_credentials_hosts(
     assert out["push_main"].returncode != 0 and world.ref("refs/heads/main") is None
     assert "[remote rejected] HEAD -> main (fusion-oci: refs/heads/main is outside " \
         "allowedRefs of GITHUB_TOKEN" in out["push_main"].stderr
+    assert out["push_repo"].returncode != 0 and subprocess.run(
+        ["git", "-C", str(world.repo / "other.git"), "rev-parse", "-q", "--verify",
+         "refs/heads/fusion/x"], capture_output=True).returncode != 0
+    assert "git.test/other is outside allowedRepos of GITHUB_TOKEN (repo)" in \
+        out["push_repo"].stderr, out["push_repo"].stderr
     assert out["push_big"].returncode == 0, out["push_big"].stderr
     assert out["clone"].returncode == 0, out["clone"].stderr
     assert (tmp_path / "back" / "big.bin").read_bytes() == (tmp_path / "wt" / "big.bin"

@@ -3,7 +3,8 @@ creates (never the internet) with TLS servers signed by a test CA, and the names
 proxy maps to them.
 
 - ``git.test`` (10.214.N.2:443): smart HTTP, ``git http-backend`` run as CGI behind a small
-  Python TLS server; it answers 401 until a request's basic auth is the real token.
+  Python TLS server (repositories ``repo.git`` and ``other.git``); it answers 401 until a
+  request's basic auth is the real token.
 - ``registry.test`` (10.214.N.3:443): registry-like; a package document for ``Bearer <real>``,
   401 otherwise.
 - ``other.test`` (10.214.N.4): allowed but no credential's host: plain HTTP on 8080 and TLS on
@@ -153,6 +154,7 @@ class CredentialsWorld:
         return [
             {"name": "GITHUB_TOKEN", "hosts": ["git.test"], "from": {"env": "FUSION_TEST_TOKEN"},
              "allowedRefs": refs if refs is not None else ["refs/heads/fusion/*"],
+             "allowedRepos": ["repo"],
              "caFile": str(self.ca_file)},
             {"name": "NPM_TOKEN", "hosts": ["registry.test"],
              "from": {"command": ["printenv", "FUSION_TEST_TOKEN"]}, "caFile": str(self.ca_file)},
@@ -262,8 +264,9 @@ def credentials_world(base: Path, token: str) -> Iterator[CredentialsWorld]:
     ca_file.chmod(0o644)
     repos = base / "repos"
     repos.mkdir()
-    _git("init", "-q", "--bare", "-b", "main", str(repos / "repo.git"))
-    _git("-C", str(repos / "repo.git"), "config", "http.receivepack", "true")
+    for name in ("repo.git", "other.git"):  # other.git: a repository no credential may push to
+        _git("init", "-q", "--bare", "-b", "main", str(repos / name))
+        _git("-C", str(repos / name), "config", "http.receivepack", "true")
     log = base / "credentials-world.log"
     log.touch()
     server: subprocess.Popen[bytes] | None = None
