@@ -434,3 +434,26 @@ def test_the_real_host_is_verified_against_the_machines_trust_store(
     assert "other-ok" not in done.stdout
     assert "TLS to other.test failed" in done.stdout and "CERTIFICATE_VERIFY_FAILED" in \
         done.stdout, done
+
+
+def test_the_sandbox_env_holds_sentinels_and_gits_helper() -> None:
+    """Pure: the spec's environment with brokered credentials (oci/spec.py credential_env)."""
+    from fusion_oci.oci.spec import sandbox_env
+    from fusion_oci.policy.layout import CA_IN_SANDBOX, TaskLayout
+
+    layout = TaskLayout("/srv/wt", None, (), "/tmp/egress/ca-bundle.pem",
+                        sentinels=(("GITHUB_TOKEN", "fusion-sentinel-x"),),
+                        git_credentials=(("github.com", "x-access-token", "GITHUB_TOKEN"),))
+    policy = SandboxPolicy(network=NetworkMode.FILTERED, env_allowlist=["GITHUB_TOKEN"])
+    env = sandbox_env(policy, layout, {"GITHUB_TOKEN": "the-real-one"})
+    assert env["GITHUB_TOKEN"] == "fusion-sentinel-x"  # the allowlist cannot pass the value
+    assert "the-real-one" not in json.dumps(env)
+    assert env["SSL_CERT_FILE"] == CA_IN_SANDBOX and env["GIT_CONFIG_COUNT"] == "3"
+    config = {env[f"GIT_CONFIG_VALUE_{i}"]: env[f"GIT_CONFIG_KEY_{i}"] for i in range(3)}
+    assert config["git@github.com:"] == "url.https://github.com/.insteadOf"
+    assert config["ssh://git@github.com/"] == "url.https://github.com/.insteadOf"
+    helper = env["GIT_CONFIG_VALUE_0"]
+    assert env["GIT_CONFIG_KEY_0"] == "credential.https://github.com.helper"
+    assert helper.startswith("!f()") and '"password=$GITHUB_TOKEN"' in helper
+    plain = sandbox_env(policy, TaskLayout("/srv/wt", None, (), None), {})
+    assert not any(k.startswith("GIT_CONFIG") for k in plain)
