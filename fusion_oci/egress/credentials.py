@@ -55,6 +55,9 @@ class Broker:
     _ca_key: object = field(repr=False)
     _ca_cert: object = field(repr=False)
     _server_contexts: dict[str, ssl.SSLContext] = field(default_factory=dict, repr=False)
+    echo_forms: set[bytes] = field(default_factory=set, repr=False)
+    """Each value as swapped into a header (``Basic <base64>`` too): a response holding
+    one of these, or the value, is cut (a host that echoes or stores request headers)."""
     _client_contexts: dict[str, ssl.SSLContext] = field(default_factory=dict, repr=False)
 
     def for_host(self, host: str) -> Brokered | None:
@@ -160,6 +163,12 @@ async def make_broker(specs: Sequence[CredentialSpec], env: Mapping[str, str]) -
     creds = []
     for spec in specs:
         value = await read_value(spec, env)
+        if any(ord(c) < 0x20 or c == "\x7f" for c in value):
+            # It goes into a header: a line break there would be a header of its own.
+            raise SettingsError(f"settings error at sandbox.credentials {spec.name} "
+                                f"(from {spec.source.describe()})",
+                                "the value has a control character (a line break?)",
+                                "store the token alone, on one line")
         creds.append(Brokered(spec, value, new_sentinel(spec.name)))
     key, cert, pem = _new_ca()
     return Broker(tuple(creds), pem, key, cert)

@@ -289,6 +289,7 @@ class Session:
                 swapped = swap_authorization(value, self.cred)
                 if swapped is not None:
                     value, ex.swapped = swapped, True
+                    self.broker.echo_forms.add(swapped.partition(" ")[2].strip().encode())
             out_headers.append((name, value))
         out = Head(head.first, out_headers)
         body = body_chunks(creader, head, response=False)
@@ -374,8 +375,8 @@ class Session:
             if 100 <= status < 200:  # answered already (Expect) or informational: dropped
                 continue
             break
-        real = self.cred.value.encode()
-        if real in head.encode():
+        needles = [self.cred.value.encode(), *self.broker.echo_forms]
+        if any(n in head.encode() for n in needles):
             raise ConnectionError(f"{self.host} echoed the credential in a response header")
         framed = (head.get("content-length") is not None
                   or "chunked" in head.tokens("transfer-encoding")
@@ -385,7 +386,7 @@ class Session:
         headers = [(k, v) for k, v in head.headers if k.lower() not in _HOP]
         headers.append(("Connection", "keep-alive" if keep else "close"))
         cwriter.write(Head(head.first, headers).encode())
-        scanner = Scanner([real])
+        scanner = Scanner(needles)
         async for data in body_chunks(ureader, head, response=True, status=status,
                                       method=ex.method):
             safe, found = scanner.feed(data)

@@ -130,6 +130,8 @@ def test_the_swap_and_the_push_parser() -> None:
     assert ref_allowed("refs/heads/fusion/x", ["refs/heads/fusion/*"])
     assert not ref_allowed("refs/heads/main", ["refs/heads/fusion/*"])
     assert ref_allowed("refs/heads/main", None) and not ref_allowed("refs/heads/x", [])
+    with pytest.raises(SettingsError, match="control character"):
+        asyncio.run(make_broker([_spec(**{"from": {"env": "T"}})], {"T": "a\r\nX-Evil: 1"}))
     assert push_repo("/acme/widget.git/git-receive-pack") == "acme/widget"
     assert repo_allowed("acme/widget", ["acme/*"]) and repo_allowed("x", None)
     assert repo_allowed("acme/widget", ["/acme/widget.git"])

@@ -5,6 +5,7 @@ object of what came back."""
 
 from __future__ import annotations
 
+import base64
 import json
 
 PROBE_JS = r"""
@@ -68,6 +69,8 @@ function plain(host, port, path, headers) {
   o.other_plain = await plain('other.test', 8080, '/', {Authorization: `Bearer ${gh}`});
   o.other_tls = await https('other.test', '/', {Authorization: `Bearer ${gh}`}, undefined, false);
   o.echo = await https('registry.test', '/echo', {Authorization: `Bearer ${npm}`});
+  o.echo_basic = await https('registry.test', '/echo',
+    {Authorization: 'Basic ' + Buffer.from('x:' + npm).toString('base64')});
   if (process.env.PROBE_ABORT) process.abort();  // a core dump of a process that used them
   console.log('CREDENTIAL-PROBE ' + JSON.stringify(o));
 })();
@@ -108,7 +111,8 @@ def judge(out: dict[str, str], token: str) -> dict[str, tuple[bool, str]]:
         "credential-sentinel-wrong-host": not denied(out["wrong_host"]),
         "credential-sentinel-uncredentialed-host": not denied(out["other_plain"])
         or "other-ok" not in out["other_tls"],
-        "credential-echoed-value": token in out["echo"],
+        "credential-echoed-value": token in out["echo"]
+        or base64.b64encode(f"x:{token}".encode()).decode() in out["echo_basic"],
         "credential-value-in-output": token in everything,
     }
     detail = json.dumps({k: v[:300] for k, v in out.items()})

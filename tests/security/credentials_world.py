@@ -74,7 +74,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
                                    extra=[("WWW-Authenticate", 'Basic realm="git"')])
             return self.git(data)
         if host == "registry.test":
-            if auth != f"Bearer {token}":
+            basic = "Basic " + base64.b64encode(f"x:{token}".encode()).decode()
+            if auth not in (f"Bearer {token}", basic):
                 return self.answer(401, b'{"error":"unauthorized"}', "application/json")
             if self.path.startswith("/echo"):
                 return self.answer(200, json.dumps(dict(self.headers)).encode(), "application/json")
