@@ -39,6 +39,10 @@ class Leak(Exception):
     """A sentinel where it must not go: the reason a program reads (never the value)."""
 
 
+class Echo(ConnectionError):
+    """The real host sent the value back: the connection is cut mid-response."""
+
+
 @dataclass
 class Exchange:
     """What one request did (its ``sandbox:credential`` event)."""
@@ -263,6 +267,10 @@ class Session:
                     cwriter.write(http_text(403, text))
                     await cwriter.drain()
                 return
+            except Echo as echo:
+                ex.refused = f"fusion-oci egress: {echo}; the response was cut"
+                self.report(ex)
+                return
             self.report(ex)
             if not keep:
                 return
@@ -377,7 +385,7 @@ class Session:
             break
         needles = [self.cred.value.encode(), *self.broker.echo_forms]
         if any(n in head.encode() for n in needles):
-            raise ConnectionError(f"{self.host} echoed the credential in a response header")
+            raise Echo(f"{self.host} echoed the credential in a response header")
         framed = (head.get("content-length") is not None
                   or "chunked" in head.tokens("transfer-encoding")
                   or ex.method == "HEAD" or status in NO_BODY_STATUS)
@@ -392,7 +400,7 @@ class Session:
             safe, found = scanner.feed(data)
             if found is not None:
                 # Never forward the value: cut the connection mid-body.
-                raise ConnectionError(f"{self.host} echoed the credential in a response")
+                raise Echo(f"{self.host} echoed the credential in a response")
             self._recv(cwriter, safe, chunked)
             await cwriter.drain()
         self._recv(cwriter, scanner.flush(), chunked)

@@ -361,6 +361,7 @@ def test_a_task_pushes_and_installs_with_a_token_it_never_sees(
     leaks = {e.reason for e in events if e.details and e.details.get("leak")}
     assert any("X-Api-Key" in (r or "") for r in leaks), leaks
     assert any("request body" in (r or "") for r in leaks), leaks
+    assert any("echoed the credential" in (e.reason or "") for e in events)
     assert any("other.test" in (e.host or "") for e in events
                if e.details and e.details.get("leak"))
     # On the far side: the real token only in an Authorization header of its hosts.
