@@ -56,6 +56,12 @@ class TaskLayout:
     unprotected: tuple[str, ...] = field(default=())
     """protectedPaths entries that could not be protected, each with the reason (they are
     listed as unenforced in the result and the audit)."""
+    sentinels: tuple[tuple[str, str], ...] = ()
+    """Brokered credentials (``sandbox.credentials``): variable -> the task's sentinel, set
+    in every command's environment (the value stays on the host, in the proxy)."""
+    git_credentials: tuple[tuple[str, str, str], ...] = ()
+    """(host, user name, variable): git's credential helper answers the sentinel for https
+    remotes of that host."""
 
 
 GLOB_CHARS = frozenset("*?[")
