@@ -35,12 +35,14 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from fusion_oci.audit import AuditEvent, AuditLog
+from fusion_oci.egress.credentials import Broker, make_broker, with_credentials
 from fusion_oci.egress.task import start_task_proxy, stop_task_proxy
 from fusion_oci.errors import (
     FusionOCIError,
     PolicyNotEnforceableError,
     RuntimeUnavailableError,
     SandboxSetupError,
+    SettingsError,
 )
 from fusion_oci.models import NetworkMode, OutputStream, PrepareContext, RunOptions, RunResult
 from fusion_oci.oci.host import HostInfo, probe_host
@@ -155,13 +157,16 @@ class Sandbox:
             resolved = self._resolve(runtime, ctx)
             # Before anything is set up (an image provisioned): what the task spec asks for.
             self._check_spec(runtime, task_spec(resolved))
+            broker = await self._broker(resolved)
             if resolved.network is NetworkMode.FILTERED:
                 # Before prepare: the runtime binds the proxy's socket into the sandbox.
                 # landlock has no network namespace and reaches it over host TCP instead.
                 self.egress = await start_task_proxy(
                     ctx, self.env, audit=self.audit, backend=runtime.id,
-                    tcp=bool(getattr(runtime, "egress_via_tcp", False)))
+                    tcp=bool(getattr(runtime, "egress_via_tcp", False)), broker=broker)
                 resolved = resolved.with_egress(self.egress)
+                if broker is not None:
+                    resolved = with_credentials(resolved, broker, self.egress.unix_socket.parent)
             self.task = await runtime.prepare(resolved)
         except BaseException:
             self.runtime = None
@@ -172,6 +177,18 @@ class Sandbox:
                 await asyncio.shield(self._stop_egress())
             raise
         return runtime
+
+    async def _broker(self, resolved: ResolvedTask) -> Broker | None:
+        """The task's brokered credentials (``sandbox.credentials``), read on the host."""
+        if not self.settings.credentials:
+            return None
+        if resolved.network is not NetworkMode.FILTERED:
+            raise SettingsError(
+                "settings error at sandbox.credentials",
+                f"credentials are brokered by the egress proxy, and the network is "
+                f"'{resolved.network.value}'",
+                "set sandbox.policy.network: filtered (and allow the credentials' hosts)")
+        return await make_broker(self.settings.credentials, self.env)
 
     async def _stop_egress(self) -> None:
         proxy, self.egress = self.egress, None

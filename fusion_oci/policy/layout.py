@@ -59,6 +59,12 @@ class TaskLayout:
     blobs: str | None = None
     """The project's blob store (fusion_oci.store: what node_modules files are hard-linked
     to, on the host side, never mounted), or None with ``cacheMode: off``."""
+    sentinels: tuple[tuple[str, str], ...] = ()
+    """Brokered credentials (``sandbox.credentials``): variable -> the task's sentinel, set
+    in every command's environment (the value stays on the host, in the proxy)."""
+    git_credentials: tuple[tuple[str, str, str], ...] = ()
+    """(host, user name, variable): git's credential helper answers the sentinel for https
+    remotes of that host."""
 
 
 GLOB_CHARS = frozenset("*?[")

@@ -77,6 +77,12 @@ EGRESS_PROBES = ("egress-denied-host", "egress-direct-connect", "egress-raw-udp"
                  "egress-outside-dns", "egress-host-loopback", "egress-metadata",
                  "egress-rebind-loopback", "egress-ignores-proxy")
 """test_egress.py's probes (one sandboxed program, egress_world.PROBE_JS, judged per probe)."""
+CREDENTIAL_PROBES = ("credential-push-disallowed-ref", "credential-sentinel-other-header",
+                     "credential-sentinel-in-url", "credential-sentinel-in-body",
+                     "credential-sentinel-wrong-host", "credential-sentinel-uncredentialed-host",
+                     "credential-echoed-value", "credential-value-in-output",
+                     "credential-value-in-sandbox", "credential-value-elsewhere")
+"""test_credentials_probes.py's probes (one sandboxed command, judged per probe)."""
 
 EXPECT: dict[tuple[str, str], Expect] = {
     ("home-canary", "native"): "leaks",
@@ -142,6 +148,7 @@ EXPECT: dict[tuple[str, str], Expect] = {
     # namespace); landlock enforces it with Landlock's TCP rules and the connect supervisor,
     # oci (runc, runsc) with the container's empty netns and the agent's forwarder.
     **{(probe, "native"): "unenforced" for probe in EGRESS_PROBES},
+    **{(probe, "native"): "unenforced" for probe in CREDENTIAL_PROBES},
 }
 
 CGROUP_LIMIT_PROBES = {"fork-bomb", "memory-hog"}
