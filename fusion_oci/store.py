@@ -161,8 +161,13 @@ def dedup(worktree: Path, root: Path) -> LinkStats:
 
 
 def _walk(nm_fd: int, root: Path, stats: LinkStats) -> None:
-    for _dirpath, _dirs, files, dir_fd in os.fwalk(VIRTUAL_STORE[1], dir_fd=nm_fd,
-                                                   follow_symlinks=False):
+    for dirpath, _dirs, files, dir_fd in os.fwalk(VIRTUAL_STORE[1], dir_fd=nm_fd,
+                                                  follow_symlinks=False):
+        if dirpath == VIRTUAL_STORE[1]:
+            # pnpm's own metadata (lock.yaml): rewritten by every install through
+            # write-file-atomic, which chowns its temporary file to the old file's owner.
+            stats.skipped += len(files)
+            continue
         for name in files:
             try:
                 st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 from fusion_oci.store import STORE_UID, StoreLinker, dedup, link_support, task_linker
@@ -40,6 +41,15 @@ def test_files_become_links_to_read_only_blobs_named_by_their_hash(tmp_path: Pat
         assert (blobs / digest[:2] / f"{digest[2:]}{suffix}").samefile(fa)
     assert (a / PKG / "bin.js").stat().st_mode & 0o111
     assert dedup(a, blobs).linked == 0  # blobs already: nothing to do
+
+
+def test_pnpms_own_metadata_stays_the_tasks(tmp_path: Path) -> None:
+    wt = tmp_path / "wt"
+    install(wt, {"index.js": b"x"})
+    lock = wt / "node_modules" / ".pnpm" / "lock.yaml"
+    lock.write_text("lockfileVersion: '9.0'\n")
+    dedup(wt, tmp_path / "blobs")
+    assert lock.stat().st_uid == os.getuid() and lock.stat().st_nlink == 1
 
 
 def test_a_blob_is_never_replaced_by_other_bytes(tmp_path: Path) -> None:
