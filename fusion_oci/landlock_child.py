@@ -16,8 +16,9 @@ Order matters, and every step fails closed (the reaper turns an exception into e
    listed paths get any (a path that does not exist gets nothing: less access, never more);
 4. the seccomp filter last, so that it cannot refuse the calls of steps 1-3;
 5. a second filter that hands every chmod (``chmod``, ``fchmod``, ``fchmodat``,
-   ``fchmodat2``) to the reaper, over a seccomp user-notification fd passed back on a socket
-   pair made before the fork (see :class:`ChmodSupervisor`).
+   ``fchmodat2``) and every ``open``/``openat`` to the reaper, over a seccomp
+   user-notification fd passed back on a socket pair made before the fork (see
+   :class:`ChmodSupervisor`).
 
 Why step 5: Landlock (up to ABI 7) governs opening, creating and removing files, not changing
 their metadata, so without it the command could ``chmod 666`` any file of the caller's on the
@@ -26,6 +27,17 @@ does the chmod itself on the object the path names, only when that object lies b
 writable path of the bundle, is owned by the command's user, and no setuid/setgid bit is asked
 for; anything else is EPERM. It acts on an O_PATH descriptor it opened and checked, so a path
 changed in the command's memory or a symlink swapped afterwards changes nothing.
+
+Why the opens: Landlock rules bind to inodes, and a process's ``/proc/<pid>`` is a new inode
+for every pid, so no rule can grant each process of the tree its own ``/proc/self`` short of
+granting all of ``/proc`` (other processes' cmdline and status, ``/proc/keys``,
+``/proc/timer_list``, the sysctls). The supervisor lets every open go on untouched
+(``SECCOMP_USER_NOTIF_FLAG_CONTINUE``: the kernel and Landlock decide, as without it) except a
+read-only open of the caller's *own* ``/proc/self``, ``/proc/thread-self`` or ``/proc/<its
+pid>`` entry among :data:`OWN_PROC`: that one it opens itself, beneath ``/proc/<pid>`` with no
+magic link followed (``openat2`` ``RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS``, so ``fd/N``,
+``cwd``, ``root`` and ``exe`` lead nowhere), and hands the descriptor over
+(``SECCOMP_IOCTL_NOTIF_ADDFD``). It only ever adds that access; it never opens anything else.
 """
 
 import _socket  # C modules (like the reaper's): no start-up cost worth naming
@@ -144,14 +156,32 @@ SYS_SECCOMP = {"x86_64": 317, "aarch64": 277}
 AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 # (chmod, fchmod, fchmodat, fchmodat2); aarch64 has no plain chmod.
 CHMOD_CALLS = {"x86_64": (90, 91, 268, 452), "aarch64": (-1, 52, 53, 452)}
+# (open, openat); aarch64 has no plain open. openat2 is left alone (its flags sit in a struct;
+# a program that uses it reads its /proc/self as without the supervisor).
+OPEN_CALLS = {"x86_64": (2, 257), "aarch64": (-1, 56)}
+OWN_PROC = frozenset((
+    "status", "stat", "statm", "maps", "smaps", "smaps_rollup", "limits", "cgroup", "cmdline",
+    "environ", "comm", "auxv", "io", "mountinfo", "mounts", "oom_score", "oom_score_adj",
+    "sched", "schedstat", "wchan", "cpuset", "loginuid", "sessionid", "personality", "fd",
+    "fdinfo", "task", "attr", "ns",
+))
+"""The entries of its own ``/proc/<pid>`` (and ``task/<tid>``) a command may open, read-only.
+Not the ones whose content depends on the opener's capabilities, which the supervisor has
+and the command does not: ``pagemap`` (frame numbers), ``stack``, ``syscall``; nor ``mem``;
+nor ``net`` (the host's sockets)."""
+O_ACCMODE, O_CREAT, O_TRUNC, O_PATH, O_CLOEXEC = 0o3, 0o100, 0o1000, 0o10000000, 0o2000000
+SYS_OPENAT2 = 437
+RESOLVE_NO_MAGICLINKS, RESOLVE_BENEATH = 0x02, 0x08
+NOTIF_ADDFD, ADDFD_FLAG_SEND, USER_NOTIF_FLAG_CONTINUE = 0x40182103, 1 << 1, 1
 RET_ALLOW, RET_USER_NOTIF = 0x7FFF0000, 0x7FC00000
 NOTIF_RECV, NOTIF_SEND, NOTIF_ID_VALID = 0xC0502100, 0xC0182101, 0x40082102
 AT_FDCWD, AT_SYMLINK_NOFOLLOW, AT_EMPTY_PATH = -100, 0x100, 0x1000
 
 
 def notify_program(arch: str) -> bytes:
-    """``chmod`` family → USER_NOTIF, everything else → ALLOW (the main filter still runs)."""
-    calls = [nr for nr in CHMOD_CALLS[arch] if nr >= 0]
+    """``chmod`` family and opens → USER_NOTIF, everything else → ALLOW (the main filter still
+    runs)."""
+    calls = [nr for nr in (*CHMOD_CALLS[arch], *OPEN_CALLS[arch]) if nr >= 0]
     prog = [(0x20, 0, 0, 4), (0x15, 0, len(calls) + 1, AUDIT_ARCH[arch]), (0x20, 0, 0, 0)]
     for i, nr in enumerate(calls):
         prog.append((0x15, len(calls) - i, 0, nr))  # jump to the USER_NOTIF return
@@ -193,6 +223,7 @@ class ChmodSupervisor:
         chmod, fchmod, fchmodat, fchmodat2 = CHMOD_CALLS[self.arch]
         self.calls = {"chmod": chmod, "fchmod": fchmod, "fchmodat": fchmodat,
                       "fchmodat2": fchmodat2}
+        self.opens = {nr: i for i, nr in enumerate(OPEN_CALLS[self.arch]) if nr >= 0}
 
     def serve(self) -> None:
         import fcntl
@@ -206,6 +237,9 @@ class ChmodSupervisor:
             except OSError:
                 return  # every confined process is gone
             nid, pid, _flags, nr, _arch, _ip, *args = struct.unpack("=QIIiIQ6Q", bytes(buf))
+            if nr in self.opens:
+                self.serve_open(nid, pid, nr, args)
+                continue
             try:
                 error = self.answer(nid, pid, nr, args)
             except OSError as exc:
@@ -216,6 +250,63 @@ class ChmodSupervisor:
                 fcntl.ioctl(self.listener, NOTIF_SEND, struct.pack("=QqiI", nid, 0, -error, 0))
             except OSError:
                 continue  # the caller died meanwhile
+
+    def serve_open(self, nid: int, pid: int, nr: int, args: list) -> None:  # type: ignore[type-arg]
+        """Hand over the caller's own /proc entry, or let the open go on as it would."""
+        import contextlib
+        import fcntl
+
+        try:
+            fd = self.own_proc(nid, pid, nr, args)
+        except Exception:  # never let the command's call hang; never grant on a doubt
+            fd = None
+        if fd is not None:
+            try:
+                flags = O_CLOEXEC if args[self.opens[nr] + 1] & O_CLOEXEC else 0
+                fcntl.ioctl(self.listener, NOTIF_ADDFD,
+                            struct.pack("=QIIII", nid, ADDFD_FLAG_SEND, fd, 0, flags))
+                return  # the caller's open returned that descriptor
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+        with contextlib.suppress(OSError):  # the caller died meanwhile
+            fcntl.ioctl(self.listener, NOTIF_SEND,
+                        struct.pack("=QqiI", nid, 0, 0, USER_NOTIF_FLAG_CONTINUE))
+
+    def own_proc(self, nid: int, tid: int, nr: int, args: list) -> int | None:  # type: ignore[type-arg]
+        """A descriptor of the caller's own /proc entry the open names, or None (the open goes
+        on untouched: the kernel and Landlock decide)."""
+        import fcntl
+
+        at = self.opens[nr]  # 0: open(path, flags); 1: openat(dirfd, path, flags)
+        flags = args[at + 1] & 0xFFFFFFFF
+        if flags & (O_ACCMODE | O_CREAT | O_TRUNC | O_PATH):
+            return None  # only plain read-only opens (O_PATH ones Landlock allows anyway)
+        path = self._string(tid, args[at])
+        if not path.startswith("/"):
+            dirfd = args[0] & 0xFFFFFFFF if at else AT_FDCWD & 0xFFFFFFFF
+            base = "cwd" if dirfd == AT_FDCWD & 0xFFFFFFFF else f"fd/{dirfd}"
+            path = os.readlink(f"/proc/{tid}/{base}") + "/" + path  # noqa: PTH115
+        if not path.startswith("/proc/"):
+            return None  # the common case, before reading the caller's status
+        tgid = _tgid(tid)
+        rest = own_proc_entry(path, tid, tgid)
+        if rest is None:
+            return None
+        top = os.open(f"/proc/{tgid}", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fd = _openat2(top, rest, (flags & ~O_CLOEXEC) | O_CLOEXEC,
+                          RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)
+        finally:
+            os.close(top)
+        try:
+            # The caller still waits in this very open: its pid (so /proc/<tgid>) is its own.
+            fcntl.ioctl(self.listener, NOTIF_ID_VALID, struct.pack("=Q", nid))
+        except OSError:
+            os.close(fd)
+            raise
+        return fd
 
     def _string(self, pid: int, addr: int) -> str:
         fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
@@ -277,6 +368,48 @@ class ChmodSupervisor:
             return 0
         finally:
             os.close(fd)
+
+
+def own_proc_entry(path: str, tid: int, tgid: int) -> str | None:
+    """Where the absolute ``path`` leads beneath ``/proc/<tgid>`` when it names an entry of
+    :data:`OWN_PROC` of the caller's own (thread ``tid`` of process ``tgid``), else None. Pure.
+
+    ``/proc/self`` and ``/proc/<tgid>`` are the process, ``/proc/thread-self`` its thread
+    (``task/<tid>``); ``..`` is refused, not resolved.
+    """
+    parts = [p for p in path.split("/") if p and p != "."]
+    if len(parts) < 2 or parts[0] != "proc" or ".." in parts:
+        return None
+    if parts[1] in ("self", str(tgid)):
+        rest = parts[2:]
+    elif parts[1] == "thread-self":
+        rest = ["task", str(tid), *parts[2:]]
+    else:
+        return None  # another process's entry, or not a per-process one
+    if rest[:1] == ["task"]:
+        entry = rest[2] if len(rest) > 2 else "task"  # task/<tid>/<entry>: per thread
+    else:
+        entry = rest[0] if rest else ""
+    if entry and entry not in OWN_PROC:
+        return None
+    return "/".join(rest) or "."
+
+
+def _tgid(tid: int) -> int:
+    with open(f"/proc/{tid}/status", encoding="ascii", errors="replace") as fh:
+        for line in fh:
+            if line.startswith("Tgid:"):
+                return int(line.split()[1])
+    raise OSError(3, "no such process")
+
+
+def _openat2(dirfd: int, path: str, flags: int, resolve: int) -> int:
+    how = struct.pack("=QQQ", flags, 0, resolve)  # struct open_how
+    fd = _libc.syscall(SYS_OPENAT2, dirfd, os.fsencode(path), ctypes.c_char_p(how),
+                       ctypes.c_size_t(len(how)))
+    if fd < 0:
+        raise _fail(f"openat2({path})")
+    return int(fd)
 
 
 def _euid(pid: int) -> int:

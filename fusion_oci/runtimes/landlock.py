@@ -32,10 +32,13 @@ network ``none`` (``socketpair`` still works, so pipes between processes do) and
 and ``/run/docker.sock`` must stay out of reach), ``io_uring`` refused (it opens sockets past
 seccomp), System V IPC and POSIX message queues refused (no IPC namespace); every ``chmod``
 handed to a supervisor in the reaper that allows it only beneath writable directories (Landlock
-does not govern metadata; see landlock_child.py); Landlock's TCP rules deny every bind and
-connect in ``none`` (ABI 4+); signal and abstract-socket scoping keep the command from
-signalling or reaching host processes (ABI 6+); capabilities dropped and ``no_new_privs``; the
-rlimits; the reaper shim ends the whole tree on timeout. Not enforceable without namespaces or
+does not govern metadata; see landlock_child.py), and every open shown to it, which lets each
+open go on as Landlock decides except a read-only one of the caller's own ``/proc/self``
+entries, which it opens for it (no rule can grant a process tree its own ``/proc/<pid>``);
+Landlock's TCP rules deny every bind and connect in ``none`` (ABI 4+); signal and
+abstract-socket scoping keep the command from signalling or reaching host processes (ABI
+6+); capabilities dropped and ``no_new_privs``; the rlimits; the reaper shim ends the whole
+tree on timeout. Not enforceable without namespaces or
 cgroups, so listed as unenforced (refused under ``fail-hard``): ``egress`` without host
 loopback (Landlock's TCP rules know ports, not addresses), memory, pids, CPU quota,
 ``tmpSizeMb``.
@@ -98,8 +101,9 @@ DEVICES: tuple[tuple[str, tuple[str, ...]], ...] = (
 PROC_FILES = ("/proc/cpuinfo", "/proc/meminfo", "/proc/stat", "/proc/loadavg", "/proc/uptime",
               "/proc/version", "/proc/filesystems")
 """Static /proc files that runtimes read (node's os.cpus(), free memory, load). Rules bind to
-inodes, so the per-process directories of the command's children cannot be granted: the
-command's own /proc/self is unreadable too; stat and readlink still work."""
+inodes, so the per-process directories of the command's children cannot be granted by a rule:
+each process's own /proc/self (status, maps, fd, cgroup, limits, ...) is opened for it by the
+reaper's supervisor (landlock_child.py, step 5); other processes' entries stay unreadable."""
 SYS_DIRS = ("/sys/devices/system/cpu",)
 
 AF_UNIX = 1

@@ -135,6 +135,61 @@ def test_chmod_works_in_the_worktree_and_nowhere_else(worktree: Path, tmp_path: 
     assert result.stderr.count("Operation not permitted") == 3, result.stderr
 
 
+OWN_PROC_SCRIPT = (
+    "set -e; grep -q '^Name:.*grep' /proc/self/status && echo status; "
+    "grep -q '^Max open files' /proc/self/limits && echo limits; "
+    "test -n \"$(cat /proc/self/cgroup)\" && echo cgroup; "
+    "test -n \"$(cat /proc/self/maps)\" && echo maps; "
+    "ls /proc/self/fd | grep -qx 0 && echo fd; "
+    "grep -q '^Name:' /proc/thread-self/status && echo thread-self; "
+    "tr '\\0' ' ' < /proc/self/cmdline | grep -q '^tr' && echo cmdline; "
+    "(cd /proc/self && grep -q '^Pid:' status) && echo relative; "
+    "sh -c 'exec grep -q ^Pid: /proc/$$/status' && echo own-pid"
+)
+
+
+def test_each_process_reads_its_own_proc_self(worktree: Path) -> None:
+    """No rule can grant each process of the tree its own /proc/<pid> (a new inode per pid):
+    the reaper's supervisor opens it for the caller, children included."""
+    result = run(worktree, OWN_PROC_SCRIPT)
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.split() == ["status", "limits", "cgroup", "maps", "fd", "thread-self",
+                                     "cmdline", "relative", "own-pid"], result
+    threads = run(worktree, "python3 -c 'import threading\n"
+                            "def f(): print(open(\"/proc/thread-self/status\").readline())\n"
+                            "t = threading.Thread(target=f); t.start(); t.join()'")
+    assert threads.stdout.strip() == "Name:\tpython3", threads
+
+
+def test_other_processes_proc_and_the_hosts_sysctls_stay_out_of_reach(worktree: Path) -> None:
+    """A host process's environ and cmdline (canaries in both), its status, the parent's
+    entries, magic links out of /proc/self, capability-dependent entries, masked paths and
+    sysctl writes: all refused."""
+    canary = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)", "CANARY-ARG-7f3a"],
+        env={"CANARY": "CANARY-ENV-7f3a"}, stdin=subprocess.DEVNULL)
+    try:
+        pid = canary.pid
+        probes = [f"/proc/{pid}/environ", f"/proc/{pid}/cmdline", f"/proc/{pid}/status",
+                  f"/proc/{pid}/maps", "/proc/1/cmdline", "/proc/self/root/etc/hostname",
+                  "/proc/self/pagemap", "/proc/self/stack",
+                  "/proc/self/net/tcp", "/proc/keys", "/proc/timer_list",
+                  "/proc/sys/kernel/hostname"]
+        script = "; ".join(f"cat {p} >/dev/null 2>&1 && echo READ {p}" for p in probes)
+        script += (f"; cat /proc/{pid}/environ /proc/{pid}/cmdline 2>/dev/null; "
+                   "echo x 2>/dev/null > /proc/self/comm && echo WROTE comm; "
+                   "echo 1 2>/dev/null > /proc/sys/vm/drop_caches && echo WROTE sysctl; "
+                   "python3 -c 'import os; print(os.getppid())' > ppid; "
+                   "cat /proc/$(cat ppid)/status >/dev/null 2>&1 && echo READ parent; "
+                   "echo end")
+        result = run(worktree, script)
+    finally:
+        canary.kill()
+        canary.wait()
+    assert result.stdout.strip() == "end", result
+    assert "7f3a" not in result.stdout + result.stderr
+
+
 def test_egress_and_cgroup_limits_are_refused_not_weakened(worktree: Path) -> None:
     for policy in ({"network": "egress"}, {"memory_limit_mb": 64}, {"pids_limit": 10},
                    {"tmp_size_mb": 8}):

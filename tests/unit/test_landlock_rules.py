@@ -126,17 +126,21 @@ def test_enforced_requirements_per_abi() -> None:
 
 
 @pytest.mark.parametrize("arch", ["x86_64", "aarch64"])
-def test_every_chmod_call_and_only_those_go_to_the_supervisor(arch: str) -> None:
+def test_every_chmod_and_open_call_and_only_those_go_to_the_supervisor(arch: str) -> None:
+    """chmod (Landlock does not govern metadata) and open/openat (the caller's own /proc
+    entries, which no rule can grant a process tree)."""
     from fusion_oci.landlock_child import (
         AUDIT_ARCH,
         CHMOD_CALLS,
+        OPEN_CALLS,
         RET_ALLOW,
         RET_USER_NOTIF,
         notify_program,
     )
 
     program = notify_program(arch)
-    calls = {nr for nr in CHMOD_CALLS[arch] if nr >= 0}
+    calls = {nr for nr in (*CHMOD_CALLS[arch], *OPEN_CALLS[arch]) if nr >= 0}
+    assert len(calls) == {"x86_64": 6, "aarch64": 4}[arch]
     for nr in range(0, 460):
         want = RET_USER_NOTIF if nr in calls else RET_ALLOW
         assert run_bpf(program, nr, AUDIT_ARCH[arch]) == want, nr
@@ -186,3 +190,35 @@ def test_plan_is_what_execute_runs() -> None:
     assert "<reaper>" not in plan.argv
     assert_golden("landlock/plan-locked-down.json",
                   {"argv": host_neutral(plan.argv), "env": plan.env, "cwd": plan.cwd})
+
+
+@pytest.mark.parametrize(("path", "want"), [
+    ("/proc/self/status", "status"),
+    ("/proc/self", "."),
+    ("/proc/self/", "."),
+    ("/proc/40/limits", "limits"),
+    ("/proc/self/fd", "fd"),
+    ("/proc/self/fdinfo/3", "fdinfo/3"),
+    ("/proc/self/./maps", "maps"),
+    ("/proc/thread-self/status", "task/41/status"),
+    ("/proc/self/task/41/stat", "task/41/stat"),
+    ("/proc/self/task", "task"),
+    ("/proc/41/status", None),  # a thread's own number is not its process
+    ("/proc/39/status", None),  # another process (the parent, say)
+    ("/proc/1/environ", None),
+    ("/proc/self/pagemap", None),  # content depends on the opener's capabilities
+    ("/proc/self/stack", None),
+    ("/proc/self/mem", None),
+    ("/proc/self/net/tcp", None),  # the host's sockets
+    ("/proc/self/root", None),
+    ("/proc/self/task/41/pagemap", None),
+    ("/proc/self/../1/environ", None),
+    ("/proc/sys/kernel/hostname", None),
+    ("/proc/keys", None),
+    ("/etc/passwd", None),
+])
+def test_only_the_callers_own_proc_entries_are_opened_for_it(path: str, want: str | None
+                                                             ) -> None:
+    from fusion_oci.landlock_child import own_proc_entry
+
+    assert own_proc_entry(path, tid=41, tgid=40) == want

@@ -18,6 +18,7 @@ from typing import Any
 from fusion_oci.models import NetworkMode
 from fusion_oci.oci import ops
 from fusion_oci.oci.ops import EgressHook
+from fusion_oci.oci.seccomp import without_errno_ret
 from fusion_oci.oci.spec import ANN_NETWORK, ANN_RUN, ANN_TASK, Spec
 from fusion_oci.runtimes.base import LaunchPlan
 from fusion_oci.runtimes.linux.cgroups import CgroupLimits, leaf_name
@@ -92,7 +93,8 @@ def egress_launch_argv(unshare: str, hook: EgressHook, argv: list[str]) -> list[
 def bundle_spec(spec: Spec, *, rootless_ids: tuple[int, int] | None = None,
                 rootfs: str | None = None, egress: EgressHook | None = None,
                 init: str | None = None, cgroup_leaf: str | None = None,
-                exec_status: tuple[str, str] | None = None) -> Spec:
+                exec_status: tuple[str, str] | None = None,
+                errno_ret: bool = True) -> Spec:
     """The spec as the runtime CLI gets it: the compiled one through the ops this host needs.
     Pure.
 
@@ -100,6 +102,9 @@ def bundle_spec(spec: Spec, *, rootless_ids: tuple[int, int] | None = None,
     and, for egress, the rendezvous (runc: a createRuntime hook; runsc: its launch script, so
     no second network namespace) and slirp's DNS. ``cgroup_leaf``: limits held by a cgroup of
     ours that the runtime joins (runsc). Rootless: :func:`fusion_oci.oci.ops.with_rootless`.
+    ``errno_ret=False``: the runtime answers every errno rule with EPERM (runsc), so the
+    seccomp profile is said without ``errnoRet``
+    (:func:`~fusion_oci.oci.seccomp.without_errno_ret`).
     """
     out = copy.deepcopy(spec)  # the ops copy too; this one guarantees a copy when none applies
     if exec_status is not None:  # (agent binary, status folder): inside the init
@@ -117,6 +122,8 @@ def bundle_spec(spec: Spec, *, rootless_ids: tuple[int, int] | None = None,
         out = ops.with_cgroups_path(out, cgroup_leaf)
     if rootless_ids is not None:
         out = ops.with_rootless(out, *rootless_ids)
+    if not errno_ret and "seccomp" in out["linux"]:
+        out["linux"]["seccomp"] = without_errno_ret(out["linux"]["seccomp"])
     return out
 
 
@@ -208,7 +215,8 @@ def build_launch(spec: Spec, host: Host, seq: int) -> Launch:
                          egress=egress, init=host.init,
                          cgroup_leaf=leaf,
                          exec_status=(host.exec_status, str(status_dir))
-                         if host.exec_status and status_dir else None)
+                         if host.exec_status and status_dir else None,
+                         errno_ret=not gvisor)
     flags = runtime_flags(host.binary, network, rootless=host.rootless_ids is not None)
     argv = run_argv(host.binary, str(host.task_dir / "state"), str(bundle_dir), cid,
                     str(pid_file), keep=host.keep, flags=flags)
