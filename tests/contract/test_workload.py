@@ -17,6 +17,7 @@ has no egress without the host's loopback), as its doctor details and docs/secur
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from pathlib import Path
@@ -26,6 +27,7 @@ import pytest
 
 from fusion_oci.models import CacheMode, NetworkMode, RunOptions
 from fusion_oci.runtimes.landlock import WORKLOAD_NETWORK
+from fusion_oci.runtimes.registry import create_runtime
 from tests.conftest import git
 from tests.contract.harness import Runtime, sandbox
 
@@ -82,6 +84,10 @@ async def test_a_real_typescript_project_installs_tests_checks_builds_and_commit
         cache = {"cache_mode": CacheMode.SHARED, "cache_root": warm_store[0],
                  "project_dir": warm_store[1]}
     network = NETWORK.get(runtime.name, NetworkMode.EGRESS)
+    if runtime.name == "landlock":
+        # The weaker policy is said where a user looks before choosing (fusion-oci doctor).
+        details = create_runtime("landlock", runtime.settings, os.environ).availability().details
+        assert f"network: {WORKLOAD_NETWORK}" in details["workloads"], details
     took: dict[str, float] = {}
     async with sandbox(runtime, wt, network=network, **cache) as sb:
         for name, command in STEPS:
