@@ -35,7 +35,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -336,9 +336,8 @@ def render(figs: dict[str, Figures], rounds: int) -> str:
     for name, fig in figs.items():
         if name == "host":
             continue
-        if fig.failed and not fig.seconds.get("build"):
-            rows.append([name, *(f"{med(fig.seconds[k]) / base[k]:.2f}x"
-                                 if fig.seconds.get(k) else "-" for k in labels), fig.failed])
+        if fig.failed:
+            rows.append([name, *("-" for _ in labels), fig.failed])
             continue
         mine = {k: med(v) for k, v in fig.seconds.items()}
         rows.append([name, *(f"{mine[k] / base[k]:.2f}x" for k in labels),
@@ -357,7 +356,36 @@ def render(figs: dict[str, Figures], rounds: int) -> str:
     return (f"**Steps: median of {rounds} interleaved rounds, as a ratio to the host's "
             "median of the same step** (first row: the host's seconds)\n\n" + steps_table +
             "\n**Disk per additional task on the same lockfile, and memory per idle prepared "
-            "sandbox**\n\n" + res_table)
+            "sandbox**\n\n" + res_table + "\n**Issue #23's targets**\n\n" + targets(figs))
+
+
+def targets(figs: dict[str, Figures]) -> str:
+    """Each runtime against the targets: its slowest of tests/type check/build within 1.05x
+    of the host, its warm-store install within 1.3x, a second task under 10% of node_modules."""
+    base = {k: med(v) for k, v in figs["host"].seconds.items()}
+
+    def verdict(value: float, limit: float, text: str) -> str:
+        return ("met" if value <= limit else "**not met**") + f" ({text})"
+
+    rows: list[list[object]] = []
+    for name, fig in figs.items():
+        if name == "host":
+            continue
+        if fig.failed:
+            rows.append([name, fig.failed, "-", "-"])
+            continue
+        worst = max(("tests", "type check", "build"),
+                    key=lambda k: med(fig.seconds[k]) / base[k])
+        step = med(fig.seconds[worst]) / base[worst]
+        warm = med(fig.seconds["install (warm store)"]) / base["install (warm store)"]
+        disk = "-"
+        if fig.extra_disk is not None:
+            share = fig.extra_disk[0] / fig.extra_disk[1]
+            disk = verdict(share, 0.10, f"{100 * share:.0f}%")
+        rows.append([name, verdict(step, 1.05, f"{worst} {step:.2f}x"),
+                     verdict(warm, 1.3, f"{warm:.2f}x"), disk])
+    return markdown_table(["runtime", "steps within 1.05x (slowest)",
+                           "warm install within 1.3x", "second task under 10%"], rows)
 
 
 async def run(rounds: int, names: list[str]) -> dict[str, Figures]:
@@ -418,10 +446,13 @@ def main() -> None:
     parser.add_argument("--runs", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--only", default="", help="comma list of runtimes (default: all)")
     parser.add_argument("--markdown", help="write this section of docs/performance.md here")
+    parser.add_argument("--json", help="also write the raw figures (seconds per round) here")
     args = parser.parse_args()
     names = [n for n in RUNTIMES if not args.only or n in args.only.split(",")]
     figs = asyncio.run(run(args.rounds, names))
     body = render(figs, args.rounds)
+    if args.json:
+        Path(args.json).write_text(json.dumps({k: asdict(v) for k, v in figs.items()}, indent=1))
     print("\n" + body)
     write_markdown(
         args.markdown, "A real workload on every runtime",
