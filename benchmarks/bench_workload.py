@@ -55,6 +55,8 @@ from tests.contract.harness import (
 )
 
 PROJECT = Path(__file__).resolve().parent.parent / "tests" / "data" / "workload-project"
+LOCAL = shutil.ignore_patterns("node_modules", "dist", ".pnpm-store")
+"""What a local install in tests/data would leave there: never part of the project."""
 RUNTIMES = ["native", "bubblewrap", "landlock", "oci", "oci-runsc", "podman", ROOTLESS,
             "docker", DOCKERLESS]
 """The contract suite's runtimes but its test plugin (which runs commands natively)."""
@@ -91,7 +93,7 @@ def linked_project(site: Path, task: str = "task") -> Path:
     if not repo.exists():
         repo.mkdir()
         git("init", "-q", "-b", "main", str(repo))
-        shutil.copytree(PROJECT, repo, dirs_exist_ok=True)
+        shutil.copytree(PROJECT, repo, dirs_exist_ok=True, ignore=LOCAL)
         git("-C", str(repo), "add", "-A")
         git("-C", str(repo), "commit", "-qm", "init")
     wt = site / f"wt-{task}"

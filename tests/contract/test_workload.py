@@ -35,6 +35,8 @@ from tests.contract.harness import Runtime, sandbox
 from tests.integration.container_cases import drop_test_cache_volumes  # noqa: F401
 
 PROJECT = Path(__file__).resolve().parents[1] / "data" / "workload-project"
+LOCAL = shutil.ignore_patterns("node_modules", "dist", ".pnpm-store")
+"""What a local install in tests/data would leave there: never part of the project."""
 INSTALL = RunOptions(timeout_ms=300_000)
 """A cold install downloads the project's dependencies from the registry."""
 STEP = RunOptions(timeout_ms=120_000)
@@ -61,7 +63,7 @@ def linked_project(site: Path) -> tuple[Path, Path]:
     repo = site / "repo"
     repo.mkdir()
     git(repo, "init", "-q", "-b", "main")
-    shutil.copytree(PROJECT, repo, dirs_exist_ok=True)
+    shutil.copytree(PROJECT, repo, dirs_exist_ok=True, ignore=LOCAL)
     git(repo, "add", "-A")
     git(repo, "-c", "user.name=t", "-c", "user.email=t@example.invalid", "commit", "-qm", "init")
     wt = site / "wt-task"
