@@ -10,7 +10,8 @@ round (``cacheMode: shared``): the first install fills the store (cold), then ``
 goes and the second install reads the warm store. The host runs the same commands directly,
 with its own fresh store and pnpm metadata cache. Sandboxes are the contract suite's
 (tests/contract/harness.py): the rootless runtimes are driven as the CI user, landlock under
-``network: host`` (the only network it reaches a registry in), the others under ``egress``.
+``network: filtered`` (its task's proxy: it has no egress without the host's loopback), the
+others under ``egress``.
 
 Also, once per runtime: the disk a second task on the same lockfile adds (a second worktree
 installing from the same store: ``du`` of store and both ``node_modules``, hard links counted
@@ -43,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import markdown_table, write_markdown
 from fusion_oci.models import CacheMode, NetworkMode, RunOptions
-from fusion_oci.runtimes.landlock import WORKLOAD_NETWORK
+from fusion_oci.runtimes.landlock import host_abi, workload_network
 from tests.contract.harness import (
     DOCKERLESS,
     ROOTLESS,
@@ -158,7 +159,7 @@ def open_box(name: str, rt: Runtime | None, site: Path, wt: Path
              ) -> AbstractAsyncContextManager[Box]:
     if rt is None:
         return Host(site).box(wt)
-    network = NetworkMode(WORKLOAD_NETWORK) if name == "landlock" else NetworkMode.EGRESS
+    network = workload_network(host_abi()) if name == "landlock" else NetworkMode.EGRESS
     return sandbox(rt, wt, network=network, cache_mode=CacheMode.SHARED,
                    cache_root=site / "cache", project_dir=site / "project")
 
@@ -464,8 +465,9 @@ def main() -> None:
         "versions) through `pnpm install` with an empty store (cold) and again with the "
         "store filled (warm, `node_modules` removed first), its tests, its type check and its "
         "build, in a prepared sandbox of each runtime (a fresh linked worktree and cache root "
-        "per round, `cacheMode: shared`; landlock under `network: host`, the others "
-        "`egress`) and directly on the host, the runtimes taking turns round after round. "
+        "per round, `cacheMode: shared`; landlock under `network: filtered`, through its "
+        "task's proxy, the others `egress`) and directly on the host, the runtimes taking "
+        "turns round after round. "
         "Targets (issue #23): every step within 1.05x of the host, the warm-store install "
         "within 1.3x, a second task on the same lockfile adding under 10% of its "
         "`node_modules`.", body,

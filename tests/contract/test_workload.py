@@ -11,8 +11,9 @@ Each runtime takes it through ``pnpm install``, ``pnpm test``, the type check, t
 The runtimes that run as this process's user share one warm pnpm store (``cacheMode:
 shared``, one cache root and project for the module), so only the first install downloads; the
 rootless ones run with caches off (pnpm's own store inside the sandbox: a cold install). A
-runtime that cannot run the project fails; landlock runs it only under ``network: host`` (it
-has no egress without the host's loopback), as its doctor details and docs/security.md say.
+runtime that cannot run the project fails; landlock runs it under ``network: filtered`` (it
+has no egress without the host's loopback; ``host`` on a kernel without Landlock's TCP rules),
+as its doctor details and docs/security.md say.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 import pytest
 
 from fusion_oci.models import CacheMode, NetworkMode, RunOptions
-from fusion_oci.runtimes.landlock import WORKLOAD_NETWORK
+from fusion_oci.runtimes.landlock import host_abi, workload_network
 from fusion_oci.runtimes.registry import create_runtime
 from tests.conftest import git
 from tests.contract.harness import Runtime, sandbox
@@ -53,9 +54,11 @@ STEPS = (
 )
 """The steps in order, as an agent runs them (a step runs only when the one before passed)."""
 
-NETWORK = {"landlock": NetworkMode(WORKLOAD_NETWORK), "plugin": NetworkMode.HOST}
-"""The weaker policy a runtime needs to reach the registry: landlock's doctor details say so;
-the test plugin runs commands natively and isolates no network."""
+NETWORK = {"landlock": workload_network(host_abi()), "plugin": NetworkMode.HOST}
+"""Where a runtime reaches the registry other than by ``egress``: landlock (no network
+namespace) through the task's proxy (``filtered``; ``host`` on a kernel without Landlock's TCP
+rules), as its doctor details say; the test plugin runs commands natively and isolates no
+network."""
 
 
 def linked_project(site: Path) -> tuple[Path, Path]:
@@ -89,7 +92,7 @@ async def test_a_real_typescript_project_installs_tests_checks_builds_and_commit
     if runtime.name == "landlock":
         # The weaker policy is said where a user looks before choosing (fusion-oci doctor).
         details = create_runtime("landlock", runtime.settings, os.environ).availability().details
-        assert f"network: {WORKLOAD_NETWORK}" in details["workloads"], details
+        assert f"network: {network}" in details["workloads"], details
     took: dict[str, float] = {}
     async with sandbox(runtime, wt, network=network, **cache) as sb:
         for name, command in STEPS:

@@ -193,19 +193,25 @@ def test_plan_is_what_execute_runs() -> None:
 
 
 @pytest.mark.parametrize(("path", "want"), [
-    ("/proc/self/status", "status"),
-    ("/proc/self", "."),
-    ("/proc/self/", "."),
-    ("/proc/40/limits", "limits"),
-    ("/proc/self/fd", "fd"),
-    ("/proc/self/fdinfo/3", "fdinfo/3"),
-    ("/proc/self/./maps", "maps"),
-    ("/proc/thread-self/status", "task/41/status"),
-    ("/proc/self/task/41/stat", "task/41/stat"),
-    ("/proc/self/task", "task"),
-    ("/proc/41/status", None),  # a thread's own number is not its process
-    ("/proc/39/status", None),  # another process (the parent, say)
-    ("/proc/1/environ", None),
+    ("/proc/self/status", (40, "status")),
+    ("/proc/self", (40, ".")),
+    ("/proc/self/", (40, ".")),
+    ("/proc/40/limits", (40, "limits")),
+    ("/proc/self/fd", (40, "fd")),
+    ("/proc/self/fdinfo/3", (40, "fdinfo/3")),
+    ("/proc/self/./maps", (40, "maps")),
+    ("/proc/thread-self/status", (40, "task/41/status")),
+    ("/proc/self/task/41/stat", (40, "task/41/stat")),
+    ("/proc/self/task", (40, "task")),
+    ("/proc/39/status", (39, "status")),  # another process: the supervisor asks whose
+    ("/proc/39/cmdline", (39, "cmdline")),
+    ("/proc/39/task/39/stat", (39, "task/39/stat")),
+    ("/proc/1/environ", None),  # ptrace-guarded entries: the caller's own only
+    ("/proc/39/maps", None),
+    ("/proc/39/fd", None),
+    ("/proc/39/task/39/environ", None),
+    ("/proc", (0, ".")),  # the listing
+    ("/proc/", (0, ".")),
     ("/proc/self/pagemap", None),  # content depends on the opener's capabilities
     ("/proc/self/stack", None),
     ("/proc/self/mem", None),
@@ -213,12 +219,15 @@ def test_plan_is_what_execute_runs() -> None:
     ("/proc/self/root", None),
     ("/proc/self/task/41/pagemap", None),
     ("/proc/self/../1/environ", None),
+    ("/proc/040/status", None),  # not how the kernel names a pid
+    ("/proc/0/status", None),
     ("/proc/sys/kernel/hostname", None),
     ("/proc/keys", None),
+    ("/proc/cpuinfo", None),  # granted by a Landlock rule, not by the supervisor
     ("/etc/passwd", None),
 ])
-def test_only_the_callers_own_proc_entries_are_opened_for_it(path: str, want: str | None
-                                                             ) -> None:
-    from fusion_oci.landlock_child import own_proc_entry
+def test_which_proc_entries_the_supervisor_may_open(path: str,
+                                                    want: tuple[int, str] | None) -> None:
+    from fusion_oci.landlock_child import proc_entry
 
-    assert own_proc_entry(path, tid=41, tgid=40) == want
+    assert proc_entry(path, tid=41, tgid=40) == want
