@@ -12,10 +12,12 @@ import json
 import sys
 from pathlib import Path
 
-WORKLOAD_NETWORK = {"native": "egress (unenforced)", "landlock": "**host only**"}
+WORKLOAD_NETWORK = {"native": "egress (unenforced)",
+                    "landlock": "**filtered** (host below ABI 4)"}
 """The network each backend runs a real project in (tests/contract/test_workload.py: a registry
-install, tests, build, commit), where it is weaker than ``egress``: landlock has no egress
-without the host's loopback (its doctor details say so too)."""
+install, tests, build, commit) where it is not ``egress``: landlock has no egress without the
+host's loopback, so it goes through the task's proxy, or (no Landlock TCP rules) the host's
+network (its doctor details say which)."""
 
 ORDER = ["native", "bubblewrap", "landlock", "oci", "oci-runsc", "podman", "podman-rootless",
          "docker", "docker-rootless"]

@@ -407,9 +407,22 @@ def userns_problem() -> str:
 
 
 CONFINE_FAILED = b"fusion-oci: cannot confine the command"
-WORKLOAD_NETWORK = "host"
-"""The only network mode in which a command here reaches a package registry: ``egress``
-without the host's loopback needs a network namespace, so it is refused."""
+def workload_network(abi: int) -> NetworkMode:
+    """The network in which a command here reaches a package registry: ``egress`` without the
+    host's loopback needs a network namespace, so it is refused; ``filtered`` (the task's
+    proxy) needs Landlock's TCP rules; below ABI 4 only ``host`` is left."""
+    return NetworkMode.FILTERED if abi >= MIN_NET_ABI else NetworkMode.HOST
+
+
+def workload_note(abi: int) -> str:
+    """What ``fusion-oci doctor`` says about real projects (package installs) here."""
+    if workload_network(abi) is NetworkMode.FILTERED:
+        return ("a real project (an install from a package registry) runs under network: "
+                "filtered (the task's proxy, the built-in git/npm hosts or allowedDomains); "
+                "egress is refused (no network namespace)")
+    return ("a real project (an install from a package registry) runs only under network: "
+            f"host (filtered needs ABI {MIN_NET_ABI}), where the host's loopback (every port) "
+            "is reachable too")
 
 
 @dataclass(frozen=True)
@@ -464,9 +477,7 @@ class LandlockRuntime(HostProcessRuntime):
                                  "supervisor), TCP and unix stream sockets only"
                                  if abi >= MIN_NET_ABI else
                                  f"not enforced (needs ABI {MIN_NET_ABI})"))
-        details["workloads"] = (f"a real project (an install from a package registry) runs "
-                                f"only under network: {WORKLOAD_NETWORK}, where the host's "
-                                "loopback (every port) is reachable too")
+        details["workloads"] = workload_note(abi)
         details["limits"] = ("rlimits (CPU time, file size, open files) only; memory, pids, "
                              "CPU quota and tmpSizeMb are not enforced (no cgroup)")
         if abi < 6:
