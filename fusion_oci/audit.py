@@ -40,6 +40,7 @@ EventType = Literal[
     "sandbox:provision",
     "sandbox:gate",
     "sandbox:egress",
+    "sandbox:credential",
 ]
 
 
@@ -80,7 +81,8 @@ class AuditEvent(Model):
     stdout_digest: str | None = None
     stderr_digest: str | None = None
     host: str | None = None
-    """``sandbox:egress``: the name (or address literal) the sandbox asked for."""
+    """``sandbox:egress`` / ``sandbox:credential``: the name (or address literal) the sandbox
+    asked for."""
     port: int | None = None
     """``sandbox:egress``: the destination port."""
     address: str | None = None

@@ -35,12 +35,14 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from fusion_oci.audit import AuditEvent, AuditLog
+from fusion_oci.egress.credentials import Broker, make_broker, with_credentials
 from fusion_oci.egress.task import start_task_proxy, stop_task_proxy
 from fusion_oci.errors import (
     FusionOCIError,
     PolicyNotEnforceableError,
     RuntimeUnavailableError,
     SandboxSetupError,
+    SettingsError,
 )
 from fusion_oci.models import NetworkMode, OutputStream, PrepareContext, RunOptions, RunResult
 from fusion_oci.oci.host import HostInfo, probe_host
@@ -53,6 +55,7 @@ from fusion_oci.runtimes.base import Runtime, default_cache_root, unenforced_par
 from fusion_oci.runtimes.registry import create_runtime
 from fusion_oci.scratch import gc_scratch
 from fusion_oci.stdin import StdinStream
+from fusion_oci.store import StoreLinker, task_linker
 
 if TYPE_CHECKING:
     from fusion_oci.egress import EgressProxy
@@ -94,6 +97,9 @@ class Sandbox:
         self.egress: EgressProxy | None = None
         """The task's egress proxy while prepared with ``network: filtered``."""
         self._running: set[asyncio.Task[RunResult]] = set()
+        self.linker: StoreLinker | None = None
+        """Host-side hard links of node_modules to the shared blob store (fusion_oci.store),
+        or None where they cannot be shared safely (``store_links`` in the prepare event)."""
 
     def _create(self, backend: str) -> Runtime:
         # Every runtime, a plugin's too, gets the audit log and the gate callback.
@@ -152,13 +158,16 @@ class Sandbox:
             resolved = self._resolve(runtime, ctx)
             # Before anything is set up (an image provisioned): what the task spec asks for.
             self._check_spec(runtime, task_spec(resolved))
+            broker = await self._broker(resolved)
             if resolved.network is NetworkMode.FILTERED:
                 # Before prepare: the runtime binds the proxy's socket into the sandbox.
                 # landlock has no network namespace and reaches it over host TCP instead.
                 self.egress = await start_task_proxy(
                     ctx, self.env, audit=self.audit, backend=runtime.id,
-                    tcp=runtime.egress_via_tcp)
+                    tcp=runtime.egress_via_tcp, broker=broker)
                 resolved = resolved.with_egress(self.egress)
+                if broker is not None:
+                    resolved = with_credentials(resolved, broker, self.egress.unix_socket.parent)
             self.task = await runtime.prepare(resolved)
         except BaseException:
             self.runtime = None
@@ -169,6 +178,18 @@ class Sandbox:
                 await asyncio.shield(self._stop_egress())
             raise
         return runtime
+
+    async def _broker(self, resolved: ResolvedTask) -> Broker | None:
+        """The task's brokered credentials (``sandbox.credentials``), read on the host."""
+        if not self.settings.credentials:
+            return None
+        if resolved.network is not NetworkMode.FILTERED:
+            raise SettingsError(
+                "settings error at sandbox.credentials",
+                f"credentials are brokered by the egress proxy, and the network is "
+                f"'{resolved.network.value}'",
+                "set sandbox.policy.network: filtered (and allow the credentials' hosts)")
+        return await make_broker(self.settings.credentials, self.env)
 
     async def _stop_egress(self) -> None:
         proxy, self.egress = self.egress, None
@@ -208,8 +229,13 @@ class Sandbox:
             # Listed, not refused: protecting a path that does not exist would leave a mount
             # point behind in the worktree.
             self.unenforced = self.task.unprotected()
+        self.linker, links = task_linker(
+            blobs=self.task.layout.blobs, host_uid=os.getuid(),
+            isolating=runtime.capabilities().filesystem_isolation != "none",
+            worktree=Path(self.task.layout.worktree))
         self._event(
             "sandbox:prepare",
+            details={"store_links": "on" if links.ok else links.reason},
             duration_ms=int((time.monotonic() - start) * 1000),
             fell_back=self.fell_back,
             unenforced=self.unenforced or None,
@@ -295,6 +321,10 @@ class Sandbox:
             raise
         finally:
             self._running.discard(task)
+        if self.linker is not None:
+            # After the command, before its result: the next command (or task) sees links.
+            with contextlib.suppress(OSError):
+                await asyncio.to_thread(self.linker.after_command)
         result = result.model_copy(update={
             "fell_back": self.fell_back,
             "unenforced": self.unenforced,

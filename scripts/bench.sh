@@ -11,6 +11,9 @@
 # Needs what scripts/test.sh needs: the engines running (this starts them if they are not, and
 # stops only what it started) and the node task image (built by the test suite, or with
 # `.venv/bin/fusion-oci images build node`).
+# bench_workload takes a real project through every runtime (several minutes) and needs the
+# npm registry (through the host's CA, as the contract suite's workload case does); it runs 3
+# interleaved rounds whatever --runs says (BENCHES="..." without workload skips it).
 # bench_egress (the filtered network's proxy vs direct: set-up, 100 MB download, idle RSS) uses loopback only.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -50,6 +50,7 @@ def audit(
         else:
             render(data)
             render_egress(data)
+            render_credentials(data)
         return
     report = check_chain(path, load_key(default_key_path(os.environ), create=False))
     if verify:
@@ -167,3 +168,21 @@ def render_egress(s: dict[str, Any], console: Console | None = None) -> None:
           r["bytesDown"], r["hosts"]] for r in e["byTask"]]))
     console.print(_table("top denied hosts", ["host", "count", "rule"],
                          [[r["host"], r["count"], r["rule"]] for r in e["topDenied"]]))
+
+
+def render_credentials(s: dict[str, Any], console: Console | None = None) -> None:
+    """The summary's credentials part (``sandbox:credential``): swaps per task, host and
+    credential, and the latest refusals (names and hosts only, never a value)."""
+    from rich.console import Console
+
+    from fusion_oci.dashboard.report import _table
+
+    console = console or Console()
+    c = s["credentials"]
+    console.print(_table(
+        f"brokered credentials ({c['swaps']} swapped, {c['leakAttempts']} leak attempts)",
+        ["task", "host", "credential", "swaps"],
+        [[r["taskId"], r["host"], r["credential"], r["swaps"]] for r in c["byTask"]]))
+    console.print(_table("credential refusals", ["task", "host", "credential", "reason"],
+                         [[r["taskId"], r["host"], r["credential"], r["reason"]]
+                          for r in c["recentRefused"]]))

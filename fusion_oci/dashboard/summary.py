@@ -159,6 +159,10 @@ class SummaryBuilder:
         self.egress_denied = _Capped()
         self.egress_denied_rule: dict[str, str] = {}
         self.egress_denied_recent: deque[dict[str, Any]] = deque(maxlen=RECENT)
+        self.credential_uses: Counter[tuple[str, str, str]] = Counter()
+        """(task, host, credential name) -> requests whose sentinel was swapped."""
+        self.credential_recent: deque[dict[str, Any]] = deque(maxlen=RECENT)
+        """The latest refusals: leak attempts and pushes outside allowedRefs."""
 
     # --- feeding ------------------------------------------------------------------------------
 
@@ -211,6 +215,8 @@ class SummaryBuilder:
                                      "action": d.get("action"), "target": d.get("target")})
         elif e.type == "sandbox:egress":
             self._egress(e, base)
+        elif e.type == "sandbox:credential":
+            self._credential(e, base)
         elif e.type == "sandbox:provision":
             d = e.details or {}
             outcome = str(d.get("outcome", d.get("action", "?")))
@@ -242,6 +248,30 @@ class SummaryBuilder:
         self.egress_denied_recent.append({**base, "host": host, "rule": e.rule,
                                           "reason": _first_line(e.reason),
                                           "protocol": (e.details or {}).get("protocol")})
+
+    def _credential(self, e: AuditEvent, base: dict[str, Any]) -> None:
+        d = e.details or {}
+        name = str(d.get("credential", "?"))
+        if e.allowed:
+            if d.get("swapped"):
+                self.credential_uses[(e.task_id, e.host or "?", name)] += 1
+            return
+        self.credential_recent.append({**base, "host": e.host, "credential": name,
+                                       "leak": bool(d.get("leak")),
+                                       "reason": _first_line(e.reason)})
+
+    def _credential_result(self) -> dict[str, Any]:
+        """``sandbox:credential``: swaps per task, host and credential; the latest refusals
+        (names and hosts only: an event never holds a value)."""
+        refusals = list(reversed(self.credential_recent))
+        return {
+            "total": self.counts["sandbox:credential"],
+            "swaps": sum(self.credential_uses.values()),
+            "leakAttempts": sum(1 for r in refusals if r["leak"]),
+            "byTask": [{"taskId": t, "host": h, "credential": n, "swaps": c}
+                       for (t, h, n), c in self.credential_uses.most_common(50)],
+            "recentRefused": refusals,
+        }
 
     def _egress_result(self) -> dict[str, Any]:
         rows = sorted(self.egress_tasks.values(), key=lambda t: -(t.allowed + t.denied))
@@ -347,5 +377,6 @@ class SummaryBuilder:
                              "retries": self.provision_retries,
                              "recent": list(reversed(self.provision_recent))},
             "egress": self._egress_result(),
+            "credentials": self._credential_result(),
             "tasks": {"total": len(self.tasks), "recent": [t.row() for t in tasks]},
         }

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import os
 import socket
+import ssl
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping
@@ -29,6 +30,8 @@ from fusion_oci.egress.splice import Tunnel
 
 if TYPE_CHECKING:
     from fusion_oci.audit import AuditLog
+    from fusion_oci.egress.credentials import Broker, Brokered
+    from fusion_oci.egress.mitm import Exchange
 
 SOCKET_NAME = "egress.sock"
 
@@ -159,8 +162,11 @@ class EgressProxy:
     def __init__(self, *, task_id: str, rules: EgressRules, state_dir: Path,
                  audit: AuditLog | None, tcp: bool,
                  resolve_override: Mapping[str, list[str]] | None,
-                 limits: Limits, backend: str, policy_hash: str | None) -> None:
+                 limits: Limits, backend: str, policy_hash: str | None,
+                 broker: Broker | None = None) -> None:
         self.task_id = task_id
+        self.broker = broker
+        """The task's brokered credentials (None: nothing is intercepted)."""
         self.rules = rules
         self.audit = audit
         self.limits = limits
@@ -309,10 +315,24 @@ class EgressProxy:
         if over:
             return await self._http_refuse(writer, conn, Refused(
                 503, 0, "fusion-oci egress: too many open connections for this task"))
+        cred = None
+        if self.broker is not None:
+            leaked = self.broker.find_sentinel(head.encode("latin-1"))
+            cred = self.broker.for_host(normalize_host(conn.host))
+            if leaked is not None:
+                # A sentinel in a head the proxy forwards as is (plain HTTP, a CONNECT's own
+                # headers): never swapped there, and the attempt is on record.
+                self._leak(conn, leaked.spec.name, "in a request the proxy does not swap in")
+                return await self._http_refuse(writer, conn, Refused(
+                    403, 0, f"fusion-oci egress: request to {conn.host} denied: it carries "
+                            f"the sentinel of {leaked.spec.name}, which is swapped only in the "
+                            "Authorization header of HTTPS requests to its hosts"))
         try:
             up = await self._open(conn)
         except Refused as refused:
             return await self._http_refuse(writer, conn, refused)
+        if cred is not None and method.upper() == "CONNECT":
+            return await self._intercept(up, reader, writer, conn, cred)
         if method.upper() == "CONNECT":
             await self._splice(up, reader, writer, conn,
                                answer=b"HTTP/1.1 200 Connection established\r\n\r\n")
@@ -512,6 +532,76 @@ class EgressProxy:
             self._tunnels.discard(tunnel)
             conn.bytes_up, conn.bytes_down = tunnel.bytes["up"], tunnel.bytes["down"]
 
+    # -- credentials: the intercepted connection (fusion_oci/egress/mitm.py) --------------------
+
+    async def _intercept(self, up: socket.socket, reader: asyncio.StreamReader,
+                         writer: asyncio.StreamWriter, conn: Connection, cred: Brokered) -> None:
+        from fusion_oci.egress.mitm import Session, http_text
+
+        assert self.broker is not None and conn.host is not None
+        host = normalize_host(conn.host)
+        conn.protocol = "https-brokered"
+        timeout = self.limits.handshake_timeout_s
+        uwriter: asyncio.StreamWriter | None = None
+        ureader: asyncio.StreamReader
+        session = Session(self.broker, cred, host, lambda ex: self._exchange(conn, cred, ex),
+                          self.limits.idle_timeout_s)
+        try:
+            writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+            await writer.drain()
+            await asyncio.wait_for(writer.start_tls(self.broker.server_context(host)), timeout)
+            try:
+                ureader, opened = await asyncio.wait_for(asyncio.open_connection(
+                    sock=up, ssl=self.broker.client_context(cred), server_hostname=host,
+                    limit=self.limits.max_header_bytes), timeout)
+                uwriter = opened
+            except (OSError, TimeoutError, ssl.SSLError) as exc:
+                up.close()
+                conn.reason = (f"fusion-oci egress: TLS to {host} failed ({exc}); the real "
+                               "host's certificate is checked against the machine's trust "
+                               "store (or the credential's caFile)")
+                writer.write(http_text(502, conn.reason, "Bad Gateway"))
+                await writer.drain()
+                return
+            await session.run(reader, writer, ureader, opened)
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
+                ssl.SSLError, ValueError, TimeoutError) as exc:
+            conn.reason = conn.reason or f"fusion-oci egress: intercepted connection ended ({exc})"
+        finally:
+            if uwriter is not None:
+                uwriter.close()
+            else:
+                up.close()
+            conn.bytes_up, conn.bytes_down = session.bytes_up, session.bytes_down
+
+    def _exchange(self, conn: Connection, cred: Brokered, ex: Exchange) -> None:
+        """One request of an intercepted connection: a ``sandbox:credential`` event."""
+        ok = ex.leak is None and ex.refused is None
+        reason = ex.refused or (f"leak attempt: {ex.leak}" if ex.leak else None)
+        self._credential_event(conn, cred.spec.name, allowed=ok, reason=reason, details={
+            "method": ex.method, "path": ex.path, "status": ex.status, "swapped": ex.swapped,
+            "leak": ex.leak is not None, **({"refs": ex.refs} if ex.refs else {})})
+
+    def _leak(self, conn: Connection, name: str, where: str) -> None:
+        self._credential_event(conn, name, allowed=False,
+                               reason=f"leak attempt: the sentinel of {name} {where}",
+                               details={"leak": True, "protocol": conn.protocol})
+
+    def _credential_event(self, conn: Connection, name: str, *, allowed: bool,
+                          reason: str | None, details: dict[str, object]) -> None:
+        if self.audit is None:
+            return
+        from fusion_oci.audit import AuditEvent
+
+        event = AuditEvent(
+            type="sandbox:credential", task_id=self.task_id, run_id=self.run_id or "-",
+            backend=self.backend, policy_hash=self.policy_hash, host=conn.host, port=conn.port,
+            address=conn.address, allowed=allowed, rule=f"sandbox.credentials {name}",
+            reason=reason, details={"credential": name, **details})
+        future = asyncio.ensure_future(asyncio.to_thread(self.audit.emit, event))
+        self._emits.add(future)
+        future.add_done_callback(self._emits.discard)
+
     # -- audit -----------------------------------------------------------------------------
 
     def _audit(self, conn: Connection) -> None:
@@ -546,7 +636,8 @@ async def start_proxy(*, task_id: str, rules: EgressRules, state_dir: Path,
                       audit: AuditLog | None, tcp: bool = False,
                       resolve_override: Mapping[str, list[str]] | None = None,
                       limits: Limits | None = None, backend: str = "egress",
-                      policy_hash: str | None = None) -> EgressProxy:
+                      policy_hash: str | None = None,
+                      broker: Broker | None = None) -> EgressProxy:
     """Start a task's proxy on the proxy thread (module docstring); listening when it returns.
 
     ``resolve_override``: names -> addresses, for tests only (a name it lacks does not
@@ -554,7 +645,7 @@ async def start_proxy(*, task_id: str, rules: EgressRules, state_dir: Path,
     """
     proxy = EgressProxy(task_id=task_id, rules=rules, state_dir=state_dir, audit=audit,
                         tcp=tcp, resolve_override=resolve_override, limits=limits or Limits(),
-                        backend=backend, policy_hash=policy_hash)
+                        backend=backend, policy_hash=policy_hash, broker=broker)
     await on_proxy_loop(proxy._start())
     return proxy
 

@@ -22,6 +22,7 @@ from fusion_oci.scratch import make_scratch
 
 if TYPE_CHECKING:
     from fusion_oci.audit import AuditLog
+    from fusion_oci.egress.credentials import Broker
     from fusion_oci.models import PrepareContext
 
 # A unix socket path has at most 107 bytes: the scratch folder's name keeps a short task id.
@@ -36,14 +37,15 @@ async def task_rules(ctx: PrepareContext, env: Mapping[str, str]) -> tuple[Egres
 
 
 async def start_task_proxy(ctx: PrepareContext, env: Mapping[str, str], *,
-                           audit: AuditLog | None, tcp: bool, backend: str) -> EgressProxy:
+                           audit: AuditLog | None, tcp: bool, backend: str,
+                           broker: Broker | None = None) -> EgressProxy:
     """Make the socket's folder, resolve the rules, start the proxy."""
     rules, _ = await task_rules(ctx, env)
     state_dir = make_scratch("egress", ctx.task_id[:_TASK_ID_IN_PATH])
     try:
         proxy = await start_proxy(task_id=ctx.task_id, rules=rules, state_dir=state_dir,
                                   audit=audit, tcp=tcp, backend=backend,
-                                  policy_hash=ctx.policy.digest())
+                                  policy_hash=ctx.policy.digest(), broker=broker)
     except OSError as exc:
         shutil.rmtree(state_dir, ignore_errors=True)
         raise SandboxSetupError(

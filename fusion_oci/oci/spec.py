@@ -328,7 +328,45 @@ def sandbox_env(
         env["GIT_CONFIG_KEY_0"] = "safe.directory"
         env["GIT_CONFIG_VALUE_0"] = "*"
     env.update(allowed_env(policy.env_allowlist, source))
+    # After the allowlist: a brokered variable holds its sentinel even where the allowlist
+    # names it (the value must never pass).
+    env.update(credential_env(layout, env))
+    if policy.network_mode is NetworkMode.FILTERED:
+        # Last: the allowlist cannot point a tool past the proxy (it could not reach anything
+        # anyway: the sandbox's only way out is the forwarder on 127.0.0.1:3128).
+        env.update(filtered_env())
     return env
+
+
+def credential_env(layout: TaskLayout, env: Mapping[str, str]) -> dict[str, str]:
+    """The sentinels of brokered credentials, and git's credential helper for their hosts
+    (it prints the sentinel; the proxy swaps it in the Authorization header). Pure."""
+    out = dict(layout.sentinels)
+    count = int(env.get("GIT_CONFIG_COUNT", "0"))
+    for host, user, name in layout.git_credentials:
+        helper = (f'!f() {{ test "$1" = get && echo username={user} && '
+                  f'echo "password=${name}"; }}; f')
+        # ssh remotes of the host go over https: there is no key inside to sign with, and
+        # only https carries the brokered token.
+        for key, value in ((f"credential.https://{host}.helper", helper),
+                           (f"url.https://{host}/.insteadOf", f"git@{host}:"),
+                           (f"url.https://{host}/.insteadOf", f"ssh://git@{host}/")):
+            out[f"GIT_CONFIG_KEY_{count}"] = key
+            out[f"GIT_CONFIG_VALUE_{count}"] = value
+            count += 1
+    if layout.git_credentials:
+        out["GIT_CONFIG_COUNT"] = str(count)
+    return out
+
+
+def filtered_env() -> dict[str, str]:
+    """The proxy environment of a ``filtered`` sandbox's commands: every tool's proxy variables
+    at the agent's forwarder, ssh through the agent's ``connect`` mode at the path every
+    runtime binds it to. Pure."""
+    from fusion_oci.agent.protocol import EGRESS_AGENT, EGRESS_PORT
+    from fusion_oci.egress.env import proxy_env
+
+    return proxy_env("127.0.0.1", EGRESS_PORT, agent=EGRESS_AGENT)
 
 
 # Names that look like credentials. They pass only when the allowlist names them exactly:

@@ -56,6 +56,15 @@ class TaskLayout:
     unprotected: tuple[str, ...] = field(default=())
     """protectedPaths entries that could not be protected, each with the reason (they are
     listed as unenforced in the result and the audit)."""
+    blobs: str | None = None
+    """The project's blob store (fusion_oci.store: what node_modules files are hard-linked
+    to, on the host side, never mounted), or None with ``cacheMode: off``."""
+    sentinels: tuple[tuple[str, str], ...] = ()
+    """Brokered credentials (``sandbox.credentials``): variable -> the task's sentinel, set
+    in every command's environment (the value stays on the host, in the proxy)."""
+    git_credentials: tuple[tuple[str, str, str], ...] = ()
+    """(host, user name, variable): git's credential helper answers the sentinel for https
+    remotes of that host."""
 
 
 GLOB_CHARS = frozenset("*?[")
@@ -178,12 +187,16 @@ def task_project(ctx: PrepareContext) -> Path:
     return Path(ctx.project_dir) if ctx.project_dir else project_root(Path(ctx.worktree_path))
 
 
+def project_cache(ctx: PrepareContext, cache_root: Path) -> Path:
+    """The project's cache directory (its tasks' caches and blob store are under it)."""
+    key = hashlib.sha256(str(task_project(ctx)).encode()).hexdigest()[:12]
+    return cache_root / "projects" / key
+
+
 def _cache_dirs(ctx: PrepareContext, cache_root: Path, create: bool) -> tuple[CacheMount, ...]:
     if ctx.cache_mode is CacheMode.OFF:
         return ()
-    project = str(task_project(ctx))
-    key = hashlib.sha256(project.encode()).hexdigest()[:12]
-    base = cache_root / "projects" / key
+    base = project_cache(ctx, cache_root)
     if ctx.cache_mode is CacheMode.ISOLATED:
         base = base / "tasks" / ctx.task_id
     specs = (
@@ -251,4 +264,9 @@ def resolve_layout(
         ca_bundle=ca_bundle,
         protected=protected,
         unprotected=unprotected,
+        # Per project, in isolated mode too: a blob's bytes never change (so sharing one gives
+        # no task a way into another), and tasks of other projects cannot even learn, by a
+        # link count, that some worktree holds the same file.
+        blobs=(None if ctx.cache_mode is CacheMode.OFF
+               else str(project_cache(ctx, cache_root) / "store-blobs")),
     )

@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from fusion_oci.errors import SettingsError
 from fusion_oci.models import BackendId, CacheMode, FailureMode, Model, SandboxPolicy
+from fusion_oci.policy.credentials import CredentialSpec, check_unique
 
 GateDecision = Literal["allow", "deny", "ask"]
 
@@ -117,6 +118,15 @@ class SandboxSettings(Model):
     """podman/docker: ``warm`` keeps one container per task and execs each command in it;
     ``oneshot`` creates and removes a container per command."""
     gates: GateSettings = Field(default_factory=GateSettings)
+    credentials: list[CredentialSpec] = Field(default_factory=list)
+    """Secrets by reference (``network: filtered`` only): each variable holds a sentinel in
+    the sandbox; the task's proxy puts the value in the ``Authorization`` header of requests
+    to the credential's hosts (docs/egress.md, Credentials). Empty: none."""
+
+    @field_validator("credentials")
+    @classmethod
+    def _unique_credentials(cls, value: list[CredentialSpec]) -> list[CredentialSpec]:
+        return check_unique(value)
 
     # Deprecated readers of the old flat keys, for code written before the sections.
     @property

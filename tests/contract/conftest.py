@@ -4,8 +4,6 @@ that runtime's caller can reach it (the rootless runtimes' user included)."""
 
 from __future__ import annotations
 
-import os
-import pwd
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -13,81 +11,40 @@ from pathlib import Path
 
 import pytest
 
-from fusion_oci.policy.settings import DockerSettings, GateSettings, SandboxSettings
+from fusion_oci.policy.settings import SandboxSettings
 from tests import plugin_runtime
-from tests.backends import backend_settings, require, require_runtime
 from tests.conftest import git_init
 from tests.contract.harness import (
     DOCKERLESS,
-    ENGINES,
     MARKS,
     ROOTLESS,
-    ROOTLESS_USER,
     RUNTIMES,
     RootlessUser,
     Runtime,
+    rootless_user_for,
+    runtime_for,
 )
-
-
-def _rootless_user(backend: str, socket: str) -> RootlessUser:
-    """The CI user that drives ``backend``, checked: its engine's ``socket`` (under its
-    runtime dir) must be there (a missing setup fails where CI requires it)."""
-    from tests.integration.container_cases import rootless_python
-
-    try:
-        user = pwd.getpwnam(ROOTLESS_USER)
-    except KeyError:
-        require(backend, False, f"user {ROOTLESS_USER} does not exist")
-        raise
-    require(backend, os.getuid() == 0, "the rootless runs switch user with runuser")
-    xdg = f"/run/user/{user.pw_uid}"
-    require(backend, Path(xdg, socket).exists(),
-            f"no {backend} socket in {xdg} (scripts/services.sh start {backend})")
-    return RootlessUser(user.pw_name, user.pw_uid, user.pw_gid, user.pw_dir, xdg,
-                        rootless_python())
 
 
 @pytest.fixture(scope="session")
 def rootless_user() -> RootlessUser:
-    return _rootless_user(ROOTLESS, "podman/podman.sock")
+    return rootless_user_for(ROOTLESS)
 
 
 @pytest.fixture(scope="session")
 def dockerless_user() -> RootlessUser:
-    return _rootless_user(DOCKERLESS, "docker.sock")
+    return rootless_user_for(DOCKERLESS)
 
 
 @pytest.fixture(params=[pytest.param(n, marks=MARKS[n]) for n in RUNTIMES])
 def runtime(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Runtime:
     name: str = request.param
-    if name == ROOTLESS:
-        from tests.integration.images_fixture import ensure_node_image
-
-        user = request.getfixturevalue("rootless_user")
-        ref = ensure_node_image(ROOTLESS).ref
-        settings = SandboxSettings(backend="podman", image=ref,
-                                   gates=GateSettings(sandbox_provision="allow"))
-        return Runtime(name, settings, ref, user)
-    if name == DOCKERLESS:
-        from tests.integration.images_fixture import ensure_node_image
-
-        user = request.getfixturevalue("dockerless_user")
-        ref = ensure_node_image(DOCKERLESS).ref
-        settings = SandboxSettings(backend="docker", image=ref,
-                                   docker=DockerSettings(url=f"unix://{user.xdg}/docker.sock"),
-                                   gates=GateSettings(sandbox_provision="allow"))
-        return Runtime(name, settings, ref, user)
-    if name in ENGINES:
-        from tests.integration.container_cases import image, require_engine
-
-        return Runtime(name, require_engine(name), image(name))
     if name == "plugin":
         plugin_runtime.install(monkeypatch)
         return Runtime(name, SandboxSettings(backend="custom",
                                              custom_runtime=plugin_runtime.NAME), None)
-    settings = backend_settings(name)
-    require_runtime(name, settings)
-    return Runtime(name, settings, None)
+    user = {ROOTLESS: "rootless_user", DOCKERLESS: "dockerless_user"}.get(name)
+    return runtime_for(name, request.getfixturevalue(user) if user else None)
 
 
 @pytest.fixture

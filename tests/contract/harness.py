@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import os
+import pwd
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,8 +21,9 @@ import pytest
 
 from fusion_oci.errors import PolicyNotEnforceableError
 from fusion_oci.models import CacheMode, PrepareContext, RunOptions, RunResult, SandboxPolicy
-from fusion_oci.policy.settings import SandboxSettings
+from fusion_oci.policy.settings import DockerSettings, GateSettings, SandboxSettings
 from fusion_oci.sandbox import Sandbox
+from tests.backends import backend_settings, require, require_runtime
 
 ROOTLESS = "podman-rootless"
 DOCKERLESS = "docker-rootless"
@@ -74,6 +76,52 @@ class Runtime:
     """podman-rootless, docker-rootless: the unprivileged user that drives it."""
 
 
+SOCKETS = {ROOTLESS: "podman/podman.sock", DOCKERLESS: "docker.sock"}
+"""Each rootless runtime's engine socket, under its user's runtime dir."""
+
+
+def rootless_user_for(backend: str) -> RootlessUser:
+    """The CI user that drives ``backend``, checked: its engine's socket (under its runtime
+    dir) must be there (a missing setup fails where CI requires it)."""
+    from tests.integration.container_cases import rootless_python
+
+    try:
+        user = pwd.getpwnam(ROOTLESS_USER)
+    except KeyError:
+        require(backend, False, f"user {ROOTLESS_USER} does not exist")
+        raise
+    require(backend, os.getuid() == 0, "the rootless runs switch user with runuser")
+    xdg = f"/run/user/{user.pw_uid}"
+    require(backend, Path(xdg, SOCKETS[backend]).exists(),
+            f"no {backend} socket in {xdg} (scripts/services.sh start {backend})")
+    return RootlessUser(user.pw_name, user.pw_uid, user.pw_gid, user.pw_dir, xdg,
+                        rootless_python())
+
+
+def runtime_for(name: str, user: RootlessUser | None = None) -> Runtime:
+    """The runtime ``name`` of RUNTIMES but ``plugin`` (its registry entry is patched in per
+    test), checked available; ``user`` drives the rootless ones (rootless_user_for). The
+    engines run the node task image, provisioned when missing."""
+    if name in (ROOTLESS, DOCKERLESS):
+        from tests.integration.images_fixture import ensure_node_image
+
+        assert user is not None, f"{name} needs its user"
+        ref = ensure_node_image(name).ref
+        engine: dict[str, Any] = ({"backend": "podman"} if name == ROOTLESS else
+                                  {"backend": "docker", "docker": DockerSettings(
+                                      url=f"unix://{user.xdg}/docker.sock")})
+        settings = SandboxSettings(**engine, image=ref,
+                                   gates=GateSettings(sandbox_provision="allow"))
+        return Runtime(name, settings, ref, user)
+    if name in ENGINES:
+        from tests.integration.container_cases import image, require_engine
+
+        return Runtime(name, require_engine(name), image(name))
+    settings = backend_settings(name)
+    require_runtime(name, settings)
+    return Runtime(name, settings, None)
+
+
 class Box(Protocol):
     async def run(self, command: str | list[str], opts: RunOptions | None = None
                   ) -> RunResult: ...
@@ -107,33 +155,41 @@ class _Session:
 
 
 @contextlib.asynccontextmanager
-async def sandbox(rt: Runtime, worktree: Path, **policy: Any) -> AsyncIterator[Box]:
-    """A prepared sandbox on ``rt`` (PolicyNotEnforceableError when it refuses the policy)."""
-    policy.setdefault("allow_network", False)
+async def sandbox(rt: Runtime, worktree: Path, *, cache_mode: CacheMode = CacheMode.OFF,
+                  cache_root: Path | None = None, project_dir: Path | None = None,
+                  **policy: Any) -> AsyncIterator[Box]:
+    """A prepared sandbox on ``rt`` (PolicyNotEnforceableError when it refuses the policy).
+
+    Package caches are off unless ``cache_mode`` says otherwise; they live under
+    ``cache_root`` (default: beside the worktree), keyed by ``project_dir`` (default: a
+    folder beside the worktree): the same pair gives another sandbox the same warm store."""
+    if "network" not in policy:
+        policy.setdefault("allow_network", False)
     site = worktree.parent
-    project = site / "project"  # outside the worktree, as an executor's is
+    project = project_dir or site / "project"  # outside the worktree, as an executor's is
     project.mkdir(exist_ok=True)
     ctx = PrepareContext(task_id=f"contract-{rt.name}", run_id="r1",
                          worktree_path=str(worktree), policy=SandboxPolicy(**policy),
-                         image=rt.image, cache_mode=CacheMode.OFF, project_dir=str(project))
+                         image=rt.image, cache_mode=cache_mode, project_dir=str(project))
+    cache = cache_root or site / "cache"
     if rt.user is not None:
-        async with _rootless(rt, rt.user, ctx, site) as box:
+        async with _rootless(rt, rt.user, ctx, cache) as box:
             yield box
         return
-    async with Sandbox(rt.settings, cache_root=site / "cache") as sb:
+    async with Sandbox(rt.settings, cache_root=cache) as sb:
         await sb.prepare(ctx)
         yield sb
 
 
 @contextlib.asynccontextmanager
-async def _rootless(rt: Runtime, user: RootlessUser, ctx: PrepareContext, site: Path
+async def _rootless(rt: Runtime, user: RootlessUser, ctx: PrepareContext, cache: Path
                     ) -> AsyncIterator[Box]:
-    user.hand_over(site)
+    user.hand_over(Path(ctx.worktree_path).parent)
     env = {"HOME": user.home, "PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
            "XDG_RUNTIME_DIR": user.xdg}
     args = {"settings": rt.settings.model_dump(mode="json", by_alias=True),
             "ctx": ctx.model_dump(mode="json", by_alias=True), "env": env,
-            "cacheRoot": str(site / "cache")}
+            "cacheRoot": str(cache)}
     proc = await asyncio.create_subprocess_exec(
         *user.argv("session", args), stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd="/",

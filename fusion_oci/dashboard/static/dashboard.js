@@ -218,6 +218,7 @@
       { label: "policy hash", get: (r) => el("code", (r.policyHash || "–").slice(0, 16)) },
     ], s.tasks.recent, "no tasks");
     renderEgress(s.egress);
+    renderCredentials(s.credentials);
     document.body.dataset.cursor = s.source.cursor;
   }
 
@@ -241,6 +242,27 @@
       { label: "count", get: (r) => r.count, num: true },
       { label: "rule", get: (r) => r.rule },
     ], e.topDenied, "nothing denied");
+  }
+
+  // Brokered credentials (sandbox:credential events): swaps per task and host, and the
+  // latest refusals (leak attempts, pushes outside allowedRefs). Names only, never values.
+  function renderCredentials(c) {
+    if (!c) return;
+    $("credentials-note").textContent = c.swaps + " swapped, " + c.leakAttempts +
+      " leak attempts";
+    table("credential-swaps", [
+      { label: "task", get: (r) => taskLink(r.taskId) },
+      { label: "host", get: (r) => el("code", r.host) },
+      { label: "credential", get: (r) => el("code", r.credential) },
+      { label: "swaps", get: (r) => r.swaps, num: true },
+    ], c.byTask, "no brokered credential used");
+    table("credential-refused", [
+      { label: "task", get: (r) => taskLink(r.taskId) },
+      { label: "host", get: (r) => el("code", r.host || "?") },
+      { label: "credential", get: (r) => el("code", r.credential) },
+      { label: "what", get: (r) => el("span", r.leak ? "leak attempt" : "refused", "bad") },
+      { label: "reason", get: (r) => r.reason },
+    ], c.recentRefused, "nothing refused");
   }
 
   function connect() {

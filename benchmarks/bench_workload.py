@@ -1,0 +1,492 @@
+"""A real workload on every runtime against the host, from one run: the contract suite's
+TypeScript project (tests/data/workload-project: vitest on worker threads, tsc, esbuild) through
+``pnpm install`` with a cold and with a warm store, its tests, its type check and its build.
+
+    .venv/bin/python benchmarks/bench_workload.py [--rounds N] [--only a,b] [--markdown PATH]
+
+Each round takes every runtime in turn (the host first), so load from other processes falls on
+all of them alike; each runtime gets a fresh linked worktree and a fresh, empty cache root per
+round (``cacheMode: shared``): the first install fills the store (cold), then ``node_modules``
+goes and the second install reads the warm store. The host runs the same commands directly,
+with its own fresh store and pnpm metadata cache. Sandboxes are the contract suite's
+(tests/contract/harness.py): the rootless runtimes are driven as the CI user, landlock under
+``network: filtered`` (its task's proxy: it has no egress without the host's loopback), the
+others under ``egress``.
+
+Also, once per runtime: the disk a second task on the same lockfile adds (a second worktree
+installing from the same store: ``du`` of store and both ``node_modules``, hard links counted
+once, minus the same without the second task), as a share of one ``node_modules``; and the
+memory an idle prepared sandbox holds (PSS of the processes that appeared with it: its own
+and, for the engines, the container's and its shim's, found by the task's container ids;
+the engine daemons' own growth is not counted). Medians of the rounds, as ratios to the host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import markdown_table, write_markdown
+from fusion_oci.models import CacheMode, NetworkMode, RunOptions
+from fusion_oci.runtimes.landlock import host_abi, workload_network
+from tests.contract.harness import (
+    DOCKERLESS,
+    ROOTLESS,
+    Box,
+    Runtime,
+    rootless_user_for,
+    runtime_for,
+    sandbox,
+)
+
+PROJECT = Path(__file__).resolve().parent.parent / "tests" / "data" / "workload-project"
+LOCAL = shutil.ignore_patterns("node_modules", "dist", ".pnpm-store")
+"""What a local install in tests/data would leave there: never part of the project."""
+RUNTIMES = ["native", "bubblewrap", "landlock", "oci", "oci-runsc", "podman", ROOTLESS,
+            "docker", DOCKERLESS]
+"""The contract suite's runtimes but its test plugin (which runs commands natively)."""
+STEPS = (("install (cold store)", "pnpm install --frozen-lockfile"),
+         ("install (warm store)", "rm -rf node_modules && pnpm install --frozen-lockfile"),
+         ("tests", "pnpm test"), ("type check", "pnpm typecheck"), ("build", "pnpm build"))
+LONG = RunOptions(timeout_ms=600_000)
+TASK_LABEL = "io.fusion-oci.task-id"
+GIT_ENV = {"GIT_AUTHOR_NAME": "b", "GIT_AUTHOR_EMAIL": "b@e", "GIT_COMMITTER_NAME": "b",
+           "GIT_COMMITTER_EMAIL": "b@e"}
+
+
+@dataclass
+class Figures:
+    """What one runtime measured: seconds of each step per round, or why it stopped."""
+
+    seconds: dict[str, list[float]] = field(default_factory=dict)
+    failed: str = ""
+    extra_disk: tuple[int, int] | None = None
+    """(KiB a second task adds, KiB of one node_modules)."""
+    idle_pss_kib: int | None = None
+
+
+def git(*args: str) -> None:
+    # A rootless runtime's repository is its user's after the first sandbox (the harness
+    # hands the site over): git refuses it to root unless told.
+    subprocess.run(["git", "-c", "safe.directory=*", *args], check=True, capture_output=True,
+                   env={**os.environ, **GIT_ENV})
+
+
+def linked_project(site: Path, task: str = "task") -> Path:
+    """The project committed in ``site/repo`` and a linked worktree of it, ``site/wt-TASK``."""
+    repo = site / "repo"
+    if not repo.exists():
+        repo.mkdir()
+        git("init", "-q", "-b", "main", str(repo))
+        shutil.copytree(PROJECT, repo, dirs_exist_ok=True, ignore=LOCAL)
+        git("-C", str(repo), "add", "-A")
+        git("-C", str(repo), "commit", "-qm", "init")
+    wt = site / f"wt-{task}"
+    git("-C", str(repo), "worktree", "add", "-q", "-b", task, str(wt))
+    return wt
+
+
+def new_site(base: Path, label: str, rootless: bool) -> Path:
+    """A folder for one round of one runtime (a rootless user's must be enterable: the
+    harness hands it over)."""
+    if rootless:
+        site = Path(tempfile.mkdtemp(prefix=f"fusion-oci-bench-{label}-"))
+        site.chmod(0o755)
+        return site
+    site = base / f"{label}-{uuid.uuid4().hex[:6]}"
+    site.mkdir()
+    return site
+
+
+class Host:
+    """The baseline: the same commands run directly in the worktree, with their own store."""
+
+    def __init__(self, site: Path) -> None:
+        self.env = {**os.environ, "npm_config_store_dir": str(site / "cache" / "pnpm-store"),
+                    "XDG_CACHE_HOME": str(site / "xdg-cache"), "CI": "1"}
+
+    def box(self, wt: Path) -> AbstractAsyncContextManager[Box]:
+        host = self
+
+        class _Box:
+            async def run(self, command: str | list[str], opts: RunOptions | None = None
+                          ) -> Any:
+                assert isinstance(command, str)
+                proc = await asyncio.create_subprocess_exec(
+                    "/bin/sh", "-c", command, cwd=wt, env=host.env,
+                    stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.STDOUT)
+                out, _ = await proc.communicate()
+                return _Result(proc.returncode or 0, out.decode(errors="replace"))
+
+            def abort(self) -> None:
+                raise NotImplementedError
+
+        class _Ctx:
+            async def __aenter__(self) -> Box:
+                return _Box()
+
+            async def __aexit__(self, *exc: object) -> None:
+                return None
+
+        return _Ctx()
+
+
+@dataclass
+class _Result:
+    exit_code: int | None
+    stdout: str
+    stderr: str = ""
+
+
+def open_box(name: str, rt: Runtime | None, site: Path, wt: Path
+             ) -> AbstractAsyncContextManager[Box]:
+    if rt is None:
+        return Host(site).box(wt)
+    network = workload_network(host_abi()) if name == "landlock" else NetworkMode.EGRESS
+    return sandbox(rt, wt, network=network, cache_mode=CacheMode.SHARED,
+                   cache_root=site / "cache", project_dir=site / "project")
+
+
+async def steps(box: Box, fig: Figures) -> bool:
+    for label, command in STEPS:
+        start = time.monotonic()
+        r = await box.run(command, LONG)
+        took = time.monotonic() - start
+        if r.exit_code != 0:
+            tail = (r.stderr or r.stdout).strip().splitlines()
+            fig.failed = f"{label} fails (exit {r.exit_code})" + (
+                f": {tail[-1][:160]}" if tail else "")
+            return False
+        fig.seconds.setdefault(label, []).append(took)
+    return True
+
+
+def du_kib(*paths: Path) -> int:
+    """KiB of ``paths`` together, each hard-linked file counted once (du's own rule)."""
+    out = subprocess.run(["du", "-skc", *map(str, paths)], capture_output=True, text=True,
+                         check=True).stdout
+    return int(out.strip().splitlines()[-1].split()[0])
+
+
+def stores(site: Path) -> list[Path]:
+    return sorted(p for p in (site / "cache").rglob("pnpm-store") if p.is_dir())
+
+
+async def second_task(name: str, rt: Runtime | None, site: Path, wt: Path) -> tuple[int, int]:
+    """(KiB a second task on the same lockfile adds, KiB of one node_modules)."""
+    before = du_kib(*stores(site), wt / "node_modules")
+    wt2 = linked_project(site, "task2")
+    async with open_box(name, rt, site, wt2) as box:
+        r = await box.run("pnpm install --frozen-lockfile", LONG)
+        assert r.exit_code == 0, (r.stderr or r.stdout)[-500:]
+    after = du_kib(*stores(site), wt / "node_modules", wt2 / "node_modules")
+    return after - before, du_kib(wt / "node_modules")
+
+
+# ---------------------------------------------------------------------------- idle memory
+
+def _pids() -> set[int]:
+    return {int(p) for p in os.listdir("/proc") if p.isdigit()}
+
+
+def _parent(pid: int) -> int:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(
+            errors="replace")
+    except OSError:
+        return ""
+
+
+def _pss_kib(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def container_ids(name: str, rt: Runtime, task: str) -> list[str]:
+    """The full ids of the task's containers, from the engine's CLI."""
+    if name in ("podman", ROOTLESS):
+        url = rt.settings.podman_url or os.environ.get("FUSION_OCI_PODMAN_URL", "")
+        if name == ROOTLESS and rt.user is not None:
+            url = f"unix://{rt.user.xdg}/podman/podman.sock"
+        argv = ["podman", "--url", url]
+    else:
+        host = (rt.settings.docker.url if name == DOCKERLESS and rt.settings.docker
+                else os.environ.get("DOCKER_HOST", ""))
+        argv = ["docker", "-H", host or "unix:///var/run/docker.sock"]
+    out = subprocess.run([*argv, "ps", "-q", "--no-trunc", "--filter",
+                          f"label={TASK_LABEL}={task}"], capture_output=True, text=True)
+    return out.stdout.split()
+
+
+DRIVERS = ("tests.integration.rootless_driver", "runuser ")
+
+
+def idle_pss(before: set[int], markers: list[str]) -> int:
+    """PSS (KiB) of the processes that appeared since ``before`` and descend from this one or
+    from a process whose command line names one of ``markers``."""
+    me = os.getpid()
+    fresh = _pids() - before
+    counted = 0
+    for pid in fresh:
+        p, hops = pid, 0
+        if any(d in _cmdline(pid) for d in DRIVERS):
+            continue  # the library's own process, as this one is for the in-process runtimes
+        while p > 1 and hops < 64:
+            if p == me or any(m in _cmdline(p) for m in markers):
+                counted += _pss_kib(pid)
+                break
+            p, hops = _parent(p), hops + 1
+    return counted
+
+
+async def measure_idle(name: str, rt: Runtime, site: Path, wt: Path) -> int:
+    before = _pids()
+    async with open_box(name, rt, site, wt) as box:
+        await box.run("true")
+        await asyncio.sleep(2)  # whatever prepare started settles
+        markers = [f"contract-{name}"]
+        if rt.image is not None:
+            markers += container_ids(name, rt, f"contract-{name}")
+        return idle_pss(before, markers)
+
+
+# ---------------------------------------------------------------------------- the run
+
+def make_runtime(name: str) -> Runtime | str:
+    """The harness's runtime, or why it is unavailable here."""
+    try:
+        user = rootless_user_for(name) if name in (ROOTLESS, DOCKERLESS) else None
+        return runtime_for(name, user)
+    except BaseException as exc:  # pytest's fail/skip outcomes too: a missing tier is listed
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        return f"unavailable: {str(exc).strip().splitlines()[0][:160] if str(exc) else exc!r}"
+
+
+def collect_rootless(rt: Runtime) -> None:
+    """The rootless user's cache volumes whose folders are gone (gc as that user)."""
+    assert rt.user is not None
+    args = {"settings": rt.settings.model_dump(mode="json", by_alias=True)}
+    subprocess.run(rt.user.argv("gc", args), capture_output=True, timeout=300, cwd="/")
+
+
+async def one(name: str, rt: Runtime | None, base: Path, fig: Figures, first: bool,
+              cleanups: list[Callable[[], Awaitable[None] | None]]) -> None:
+    if fig.failed:
+        return
+    rootless = rt is not None and rt.user is not None
+    site = new_site(base, name, rootless)
+    if rootless:
+        cleanups.append(lambda: shutil.rmtree(site, ignore_errors=True))
+    try:
+        wt = linked_project(site)
+        async with open_box(name, rt, site, wt) as box:
+            ok = await steps(box, fig)
+        if ok and first:
+            fig.extra_disk = await second_task(name, rt, site, wt)
+            if rt is not None:
+                idle = site if rootless else new_site(base, name, False)
+                fig.idle_pss_kib = await measure_idle(name, rt, idle,
+                                                      linked_project(idle, "idle"))
+    except Exception as exc:  # a runtime that breaks is reported, the others go on
+        fig.failed = fig.failed or f"fails: {type(exc).__name__}: {str(exc)[:200]}"
+    print(f"  {name}: " + (fig.failed or " ".join(
+        f"{k} {v[-1]:.1f}s" for k, v in fig.seconds.items())), flush=True)
+
+
+def med(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def render(figs: dict[str, Figures], rounds: int) -> str:
+    host = figs["host"]
+    labels = [label for label, _ in STEPS]
+    headers = ["runtime", *labels, "tests + check + build"]
+    base = {k: med(v) for k, v in host.seconds.items()}
+    work = ("tests", "type check", "build")
+    rows: list[list[object]] = [["host (s)", *(f"{base[k]:.1f} s" for k in labels),
+                                 f"{sum(base[k] for k in work):.1f} s"]]
+    for name, fig in figs.items():
+        if name == "host":
+            continue
+        if fig.failed:
+            rows.append([name, *("-" for _ in labels), fig.failed])
+            continue
+        mine = {k: med(v) for k, v in fig.seconds.items()}
+        rows.append([name, *(f"{mine[k] / base[k]:.2f}x" for k in labels),
+                     f"{sum(mine[k] for k in work) / sum(base[k] for k in work):.2f}x"])
+    steps_table = markdown_table(headers, rows)
+    res_rows: list[list[object]] = []
+    for name, fig in figs.items():
+        disk = "-"
+        if fig.extra_disk is not None:
+            extra, nm = fig.extra_disk
+            disk = f"{extra / 1024:.1f} MB ({100 * extra / nm:.0f}% of {nm / 1024:.0f} MB)"
+        mem = "-" if fig.idle_pss_kib is None else f"{fig.idle_pss_kib / 1024:.1f} MB"
+        res_rows.append([name, disk, mem if name != "host" else "(none)"])
+    res_table = markdown_table(["runtime", "disk per additional task", "idle prepared sandbox "
+                                "(PSS)"], res_rows)
+    return (f"**Steps: median of {rounds} interleaved rounds, as a ratio to the host's "
+            "median of the same step** (first row: the host's seconds)\n\n" + steps_table +
+            "\n**Disk per additional task on the same lockfile, and memory per idle prepared "
+            "sandbox**\n\n" + res_table + "\n**Issue #23's targets**\n\n" + targets(figs))
+
+
+def targets(figs: dict[str, Figures]) -> str:
+    """Each runtime against the targets: its slowest of tests/type check/build within 1.05x
+    of the host, its warm-store install within 1.3x, a second task under 10% of node_modules."""
+    base = {k: med(v) for k, v in figs["host"].seconds.items()}
+
+    def verdict(value: float, limit: float, text: str) -> str:
+        return ("met" if value <= limit else "**not met**") + f" ({text})"
+
+    rows: list[list[object]] = []
+    for name, fig in figs.items():
+        if name == "host":
+            continue
+        if fig.failed:
+            rows.append([name, fig.failed, "-", "-"])
+            continue
+        worst = max(("tests", "type check", "build"),
+                    key=lambda k: med(fig.seconds[k]) / base[k])
+        step = med(fig.seconds[worst]) / base[worst]
+        warm = med(fig.seconds["install (warm store)"]) / base["install (warm store)"]
+        disk = "-"
+        if fig.extra_disk is not None:
+            share = fig.extra_disk[0] / fig.extra_disk[1]
+            disk = verdict(share, 0.10, f"{100 * share:.0f}%")
+        rows.append([name, verdict(step, 1.05, f"{worst} {step:.2f}x"),
+                     verdict(warm, 1.3, f"{warm:.2f}x"), disk])
+    return markdown_table(["runtime", "steps within 1.05x (slowest)",
+                           "warm install within 1.3x", "second task under 10%"], rows)
+
+
+async def run(rounds: int, names: list[str]) -> dict[str, Figures]:
+    made: dict[str, Runtime | None] = {"host": None}
+    figs: dict[str, Figures] = {"host": Figures()}
+    for name in names:
+        got = make_runtime(name)
+        figs[name] = Figures()
+        if isinstance(got, str):
+            figs[name].failed = got
+        made[name] = got if isinstance(got, Runtime) else None
+    cleanups: list[Callable[[], Awaitable[None] | None]] = []
+    with tempfile.TemporaryDirectory(prefix="fusion-oci-bench-workload-") as tmp:
+        try:
+            for i in range(rounds):
+                print(f"round {i + 1}/{rounds}", flush=True)
+                for name, rt in made.items():
+                    if name != "host" and rt is None:
+                        continue
+                    await one(name, rt, Path(tmp), figs[name], i == 0, cleanups)
+        finally:
+            for clean in cleanups:
+                done = clean()
+                if done is not None:
+                    await done
+            for made_rt in made.values():
+                if made_rt is not None and made_rt.user is not None:
+                    collect_rootless(made_rt)
+            drop_volumes(tmp)
+    return figs
+
+
+def drop_volumes(base: str) -> None:
+    """The rootful engines' cache volumes bound under ``base`` (the contract suite's rule)."""
+    for argv in ( ["docker", "-H", os.environ.get("DOCKER_HOST", "")],
+                 ["podman", "--url", os.environ.get("FUSION_OCI_PODMAN_URL", "")]):
+        if not argv[-1]:
+            continue
+        listed = subprocess.run([*argv, "volume", "ls", "-q", "--filter",
+                                 "label=io.fusion-oci.cache-dir"], capture_output=True,
+                                text=True)
+        for vol in listed.stdout.split():
+            info = subprocess.run([*argv, "volume", "inspect", vol], capture_output=True,
+                                  text=True)
+            try:
+                labels = json.loads(info.stdout)[0].get("Labels") or {}
+            except (ValueError, IndexError):
+                continue
+            if labels.get("io.fusion-oci.cache-dir", "").startswith(base):
+                subprocess.run([*argv, "volume", "rm", "-f", vol], capture_output=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    # scripts/bench.sh hands its arguments to every benchmark: the others' --runs (commands
+    # per case) would be as many whole-project rounds here, so it is accepted and not used.
+    parser.add_argument("--runs", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--only", default="", help="comma list of runtimes (default: all)")
+    parser.add_argument("--markdown", help="write this section of docs/performance.md here")
+    parser.add_argument("--json", help="also write the raw figures (seconds per round) here")
+    args = parser.parse_args()
+    names = [n for n in RUNTIMES if not args.only or n in args.only.split(",")]
+    figs = asyncio.run(run(args.rounds, names))
+    body = render(figs, args.rounds)
+    if args.json:
+        Path(args.json).write_text(json.dumps({k: asdict(v) for k, v in figs.items()}, indent=1))
+    print("\n" + body)
+    write_markdown(
+        args.markdown, "A real workload on every runtime",
+        "`benchmarks/bench_workload.py`: the contract suite's TypeScript project "
+        "(`tests/data/workload-project`: vitest on its threads pool with a test that spawns "
+        "Workers, tsc, esbuild; dependencies from the npm registry at the lockfile's "
+        "versions) through `pnpm install` with an empty store (cold) and again with the "
+        "store filled (warm, `node_modules` removed first), its tests, its type check and its "
+        "build, in a prepared sandbox of each runtime (a fresh linked worktree and cache root "
+        "per round, `cacheMode: shared`; landlock under `network: filtered`, through its "
+        "task's proxy, the others `egress`) and directly on the host, the runtimes taking "
+        "turns round after round. "
+        "Targets (issue #23): every step within 1.05x of the host, the warm-store install "
+        "within 1.3x, a second task on the same lockfile adding under 10% of its "
+        "`node_modules`.", body,
+        reading="- Each step is seconds of real work on a shared machine: with a few rounds a "
+                "step's ratio moves by tens of percent between runs (the host's own rounds "
+                "differ by 2x when other jobs run), so a ratio within about 1.5x is not a "
+                "finding until more rounds or a quiet machine confirm it. The disk and memory "
+                "figures do not move.\n"
+                "- Cold-store installs are mostly the registry's and the proxy's time. native "
+                "runs as the caller with the caller's HOME and no cache mounts, so pnpm uses "
+                "the caller's own store and metadata cache there: its cold install is not "
+                "cold (and its second task shares that store, hence its small disk figure).\n"
+                "- Disk per additional task is `du` of the store and both tasks' "
+                "`node_modules` (hard links counted once) minus the same without the second "
+                "task: where pnpm cannot hard-link from the store into the worktree (EXDEV "
+                "across bind mounts and volumes) each task holds a full copy.\n"
+                "- Idle memory is the PSS of the processes that came with a prepared sandbox "
+                "(its agent, the container and its shim); engine daemons are not counted.")
+
+
+if __name__ == "__main__":
+    main()
