@@ -8,10 +8,12 @@
 
 The image is the one a project that declares nothing gets (the current Node.js LTS and pnpm from
 the npm registry, see fusion_oci/images/recipe.py). From nothing (CI) it costs about 2½ minutes
-once per machine: ``bootstrap-base`` on rootful podman (~40 s), the node build there, then ``save → load`` into docker (~18 s),
-rootless podman (~21 s) and rootless docker (~20-45 s), which beats building in each (rootless vfs
-build: ~104 s). ``docker-rootless`` is the CI user's rootless dockerd
-(``FUSION_OCI_ROOTLESS_DOCKER_URL``, from ``scripts/services.sh env``): its own image store,
+once per machine: ``bootstrap-base`` on rootful podman (~40 s), the node build there (~51 s,
+the tarballs fetched and verified on the host in under a second when cached), then
+``save → load`` into docker (~18 s), rootless podman (~21 s) and rootless docker (~20-45 s),
+which beats building in each (rootless vfs build: ~104 s). ``docker-rootless`` is the CI user's
+rootless dockerd (``FUSION_OCI_ROOTLESS_DOCKER_URL``, from ``scripts/services.sh env``): its own
+image store,
 provisioned through the same ``ensure_image`` on its socket. When the
 image is present the cost is one image inspect. A missing engine fails in CI and skips locally
 (tests/backends.require). The offline base is used on purpose: it needs no registry, and it
