@@ -157,14 +157,14 @@ async def ensure_image(
 
 
 def default_image_ref(name: str, *, project_dir: Path | None = None,
-                      env: Mapping[str, str] | None = None) -> str:
+                      env: Mapping[str, str] | None = None, base: str | None = None) -> str:
     """The reference ``name`` (a folder under ``images/``, e.g. ``node``) is built under for
     ``project_dir`` (None: the defaults), without an engine: registry metadata (cached) decides
     the toolchain. For callers that name the image in a file (``export``)."""
     env = dict(os.environ if env is None else env)
     opts = ProvisionOptions(project_dir=project_dir, env=env)
     toolchain = toolchain_for(name, opts, default_registry(env))
-    return resolve_image(name, toolchain=toolchain).ref
+    return resolve_image(name, base=base, toolchain=toolchain).ref
 
 
 def _guess_name(engine: Engine, url: str, env: Mapping[str, str]) -> str:

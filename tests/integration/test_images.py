@@ -454,6 +454,10 @@ def test_cli_images_build_without_a_name_fits_the_worktree_and_says_why(proj22: 
     again = CliRunner().invoke(app, [*args, "--json"])
     rows = json.loads(again.stdout)
     assert [r["action"] for r in rows] == ["present"] and rows[0]["why"] == first
+    # a build for a project's toolchain is current (not prunable) while images/node is
+    listed = CliRunner().invoke(app, ["images", "list", "--json", "--engine", "podman"])
+    mine = [r for r in json.loads(listed.stdout) if r["reference"] == rows[0]["reference"]]
+    assert mine and mine[0]["current"] is True and mine[0]["name"] == "node"
 
 
 @pytest.mark.podman
@@ -550,3 +554,23 @@ def test_tampered_integrity_fails_the_build_before_the_engine(tmp_path: Path,
         asyncio.run(ensure_image("podman", podman_url(), "node", allow(), log, "t", "r",
                                  options=gone))
     assert fake.url in str(down.value) and len(events) == before
+
+
+@pytest.mark.podman
+def test_system_node_is_debians_only_when_asked(tmp_path: Path, audit: Any) -> None:
+    ensure_base("podman")
+    project = project_22(tmp_path)
+    (project / ".nvmrc").write_text("system\n")
+    log, _ = audit
+    got = asyncio.run(ensure_image(
+        "podman", podman_url(), "node", allow(), log, "t", "r",
+        options=ProvisionOptions(engine_name="podman", base=BASE_REF, env=dict(os.environ),
+                                 project_dir=project, lock_dir=tmp_path / "locks")))
+    try:
+        assert got.why == f"Debian's nodejs from .nvmrc, pnpm {PNPM} from packageManager"
+        node, pnpm, where = run_in("podman", got.ref,
+                                   "node --version; pnpm --version; command -v node").split()
+        assert node.startswith("v18.") and pnpm == PNPM and where == "/usr/bin/node"
+    finally:
+        with open_target(engine_targets(os.environ)["podman"]) as client:
+            client.remove_image(got.ref, force=True)
