@@ -83,7 +83,7 @@ class Registry:
     ttl_s: float = METADATA_TTL_S
     timeout_s: float = _TIMEOUT_S
     clock: Callable[[], float] = time.time
-    _memo: dict[str, dict[str, Release]] = field(default_factory=dict)
+    _memo: dict[str, dict[str, Release]] = field(default_factory=dict, init=False, repr=False)
 
     # -- metadata
     def releases(self, package: str) -> dict[str, Release]:

@@ -385,7 +385,8 @@ class _Provisioner:
 
             # After the gates, before the engine: a tarball that does not match its integrity
             # hash stops here, and nothing is built.
-            self.reporter.start(f"fetch {spec.toolchain.why()} from {self.registry.url}")
+            self.reporter.start(f"toolchain {spec.toolchain.why()}: fetch from "
+                                f"{self.registry.url}")
             extra = fetch_toolchain(spec.toolchain, self.registry)
             self.reporter.finish(f"verified {len(extra)} tarballs against their integrity")
         build_image(builder, spec, ca=ca, ctx=self.ctx, reporter=self.reporter,
