@@ -180,8 +180,8 @@ def _first_line(text: str) -> str:
 
 
 def node_request(declared: str, source: str) -> NodeRequest:
-    """One declaration (``22``, ``v22.11.0``, ``lts/*``, ``lts/jod``, ``node``, ``system``,
-    ``>=20 <23``) → the request. Pure."""
+    """One declaration (``22``, ``v22.11.0``, ``lts/*``, ``lts/-1``, ``lts/jod``, ``node``,
+    ``system``, ``>=20 <23``) → the request. Pure."""
     word = declared.strip().lower()
     if word == "system":
         return NodeRequest(None, "", source, debian=True)
@@ -191,6 +191,10 @@ def node_request(declared: str, source: str) -> NodeRequest:
         name = word[4:]
         if name in ("*", "latest"):
             return NodeRequest(DEFAULT_NODE_MAJOR, str(DEFAULT_NODE_MAJOR), source)
+        back = re.fullmatch(r"-([1-9])", name)
+        if back:  # nvm's lts/-1: the LTS line before the newest one
+            major = DEFAULT_NODE_MAJOR - 2 * int(back[1])
+            return NodeRequest(major, str(major), source)
         if name in LTS_CODENAMES:
             major = LTS_CODENAMES[name]
             return NodeRequest(major, str(major), source)

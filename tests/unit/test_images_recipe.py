@@ -42,6 +42,8 @@ def pkg(**fields: object) -> str:
      f"{DEFAULT_PNPM_MAJOR} from default"),
     (ProjectFiles(nvmrc="node"), f"node (newest) from .nvmrc, pnpm {DEFAULT_PNPM_MAJOR} from "
      "default"),
+    (ProjectFiles(nvmrc="lts/-1"), f"node {DEFAULT_NODE_MAJOR - 2} from .nvmrc, pnpm "
+     f"{DEFAULT_PNPM_MAJOR} from default"),
 ])
 def test_why_line_names_the_choice_and_its_file(files: ProjectFiles, why: str) -> None:
     assert recipe_for(files).why() == why
