@@ -39,6 +39,7 @@ EventType = Literal[
     "sandbox:dispose",
     "sandbox:provision",
     "sandbox:gate",
+    "sandbox:egress",
 ]
 
 
@@ -78,6 +79,20 @@ class AuditEvent(Model):
     """``sandbox:run``: digest of the worktree's uncommitted state before the command."""
     stdout_digest: str | None = None
     stderr_digest: str | None = None
+    host: str | None = None
+    """``sandbox:egress``: the name (or address literal) the sandbox asked for."""
+    port: int | None = None
+    """``sandbox:egress``: the destination port."""
+    address: str | None = None
+    """``sandbox:egress``: the address the proxy connected to (None: it connected nowhere)."""
+    allowed: bool | None = None
+    """``sandbox:egress``: whether the connection was let through."""
+    rule: str | None = None
+    """``sandbox:egress``: the rule that decided (``allowedDomains entry '*.npmjs.org'``)."""
+    bytes_up: int | None = None
+    """``sandbox:egress``: bytes from the sandbox to the destination."""
+    bytes_down: int | None = None
+    """``sandbox:egress``: bytes from the destination to the sandbox."""
     prev: str | None = None
     """SHA-256 of the line before this one in the file (set when written)."""
     mac: str | None = None
@@ -159,7 +174,8 @@ class AuditLog:
         return self._key
 
     def subscribe(self, callback: Subscriber) -> Callable[[], None]:
-        """Deliver every later event to ``callback``; returns a function that unsubscribes."""
+        """Deliver every later event to ``callback``; returns a function that unsubscribes.
+        ``sandbox:egress`` events are delivered from the egress proxy's thread."""
         self._subscribers.append(callback)
         return lambda: self._subscribers.remove(callback)
 

@@ -16,8 +16,9 @@ Order matters, and every step fails closed (the reaper turns an exception into e
    listed paths get any (a path that does not exist gets nothing: less access, never more);
 4. the seccomp filter last, so that it cannot refuse the calls of steps 1-3;
 5. a second filter that hands every chmod (``chmod``, ``fchmod``, ``fchmodat``,
-   ``fchmodat2``) to the reaper, over a seccomp user-notification fd passed back on a socket
-   pair made before the fork (see :class:`ChmodSupervisor`).
+   ``fchmodat2``) and every ``open``/``openat`` to the reaper, over a seccomp
+   user-notification fd passed back on a socket pair made before the fork (see
+   :class:`Supervisor`).
 
 Why step 5: Landlock (up to ABI 7) governs opening, creating and removing files, not changing
 their metadata, so without it the command could ``chmod 666`` any file of the caller's on the
@@ -26,6 +27,19 @@ does the chmod itself on the object the path names, only when that object lies b
 writable path of the bundle, is owned by the command's user, and no setuid/setgid bit is asked
 for; anything else is EPERM. It acts on an O_PATH descriptor it opened and checked, so a path
 changed in the command's memory or a symlink swapped afterwards changes nothing.
+
+Why the opens: Landlock rules bind to inodes, and a process's ``/proc/<pid>`` is a new inode
+for every pid, so no rule can grant each process of the tree its own ``/proc/self`` short of
+granting all of ``/proc`` (other processes' cmdline and status, ``/proc/keys``,
+``/proc/timer_list``, the sysctls). The supervisor lets every open go on untouched
+(``SECCOMP_USER_NOTIF_FLAG_CONTINUE``: the kernel and Landlock decide, as without it) except a
+read-only open of an entry among :data:`OWN_PROC` of the caller's own ``/proc/self``,
+``/proc/thread-self`` or ``/proc/<its pid>``, of :data:`SANDBOX_PROC` of a process descending
+from the reaper, or of the ``/proc`` listing (pid numbers, so that ``ps`` shows the sandbox's
+processes as in a pid namespace): that one it opens itself, beneath ``/proc/<pid>`` with no
+magic link followed (``openat2`` ``RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS``, so ``fd/N``,
+``cwd``, ``root`` and ``exe`` lead nowhere), and hands the descriptor over
+(``SECCOMP_IOCTL_NOTIF_ADDFD``). It only ever adds that access; it never opens anything else.
 """
 
 import _socket  # C modules (like the reaper's): no start-up cost worth naming
@@ -48,6 +62,7 @@ SECCOMP_MODE_FILTER = 2
 CAP_LAST = 63
 LINUX_CAPABILITY_VERSION_3 = 0x20080522
 LANDLOCK_RULE_PATH_BENEATH = 1
+LANDLOCK_RULE_NET_PORT = 2
 LANDLOCK_CREATE_RULESET_VERSION = 1
 
 # landlock_create_ruleset, landlock_add_rule, landlock_restrict_self: one number on every
@@ -121,6 +136,12 @@ def restrict(cfg: dict) -> None:  # type: ignore[type-arg]
                     raise _fail(f"landlock_add_rule({path})")
             finally:
                 os.close(fd)
+        for port, access in cfg.get("ports", []):
+            # struct landlock_net_port_attr is packed: u64 allowed_access, u64 port.
+            rule = struct.pack("=QQ", int(access), int(port))
+            if _libc.syscall(SYS_LANDLOCK[1], ruleset, LANDLOCK_RULE_NET_PORT,
+                             ctypes.c_char_p(rule), ctypes.c_uint32(0)) != 0:
+                raise _fail(f"landlock_add_rule(port {port})")
         if _libc.syscall(SYS_LANDLOCK[2], ruleset, ctypes.c_uint32(0)) != 0:
             raise _fail("landlock_restrict_self")
     finally:
@@ -144,14 +165,43 @@ SYS_SECCOMP = {"x86_64": 317, "aarch64": 277}
 AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 # (chmod, fchmod, fchmodat, fchmodat2); aarch64 has no plain chmod.
 CHMOD_CALLS = {"x86_64": (90, 91, 268, 452), "aarch64": (-1, 52, 53, 452)}
+# (open, openat); aarch64 has no plain open. openat2 is left alone (its flags sit in a struct;
+# a program that uses it reads its /proc/self as without the supervisor).
+OPEN_CALLS = {"x86_64": (2, 257), "aarch64": (-1, 56)}
+OWN_PROC = frozenset((
+    "status", "stat", "statm", "maps", "smaps", "smaps_rollup", "limits", "cgroup", "cmdline",
+    "environ", "comm", "auxv", "io", "mountinfo", "mounts", "oom_score", "oom_score_adj",
+    "sched", "schedstat", "wchan", "cpuset", "loginuid", "sessionid", "personality", "fd",
+    "fdinfo", "task", "attr", "ns",
+))
+"""The entries of its own ``/proc/<pid>`` (and ``task/<tid>``) a command may open, read-only.
+Not the ones whose content depends on the opener's capabilities, which the supervisor has
+and the command does not: ``pagemap`` (frame numbers), ``stack``, ``syscall``; nor ``mem``;
+nor ``net`` (the host's sockets)."""
+SANDBOX_PROC = frozenset((
+    "status", "stat", "statm", "cmdline", "comm", "cgroup", "limits", "sched", "schedstat",
+    "oom_score", "oom_score_adj", "cpuset", "loginuid", "sessionid", "task",
+))
+"""The entries of the sandbox's *other* processes a command may open: those the kernel lets
+any process of the same user read (what ``ps`` reads). Not the ones it guards by a ptrace
+check (environ, maps, fd, auxv, io, ...), which the supervisor, opening with its own
+credentials, would pass where the kernel might not (a process that made itself
+non-dumpable)."""
+O_ACCMODE, O_CREAT, O_TRUNC, O_PATH, O_CLOEXEC = 0o3, 0o100, 0o1000, 0o10000000, 0o2000000
+SYS_OPENAT2 = 437
+RESOLVE_NO_MAGICLINKS, RESOLVE_BENEATH = 0x02, 0x08
+NOTIF_ADDFD, ADDFD_FLAG_SEND, USER_NOTIF_FLAG_CONTINUE = 0x40182103, 1 << 1, 1
 RET_ALLOW, RET_USER_NOTIF = 0x7FFF0000, 0x7FC00000
 NOTIF_RECV, NOTIF_SEND, NOTIF_ID_VALID = 0xC0502100, 0xC0182101, 0x40082102
 AT_FDCWD, AT_SYMLINK_NOFOLLOW, AT_EMPTY_PATH = -100, 0x100, 0x1000
 
 
-def notify_program(arch: str) -> bytes:
-    """``chmod`` family → USER_NOTIF, everything else → ALLOW (the main filter still runs)."""
-    calls = [nr for nr in CHMOD_CALLS[arch] if nr >= 0]
+def notify_program(arch: str, connect: bool = False) -> bytes:
+    """``chmod`` family and opens (and ``connect`` when asked) → USER_NOTIF, everything else →
+    ALLOW (the main filter still runs)."""
+    calls = [nr for nr in (*CHMOD_CALLS[arch], *OPEN_CALLS[arch]) if nr >= 0]
+    if connect:
+        calls += [CONNECT_CALL[arch], LISTEN_CALL[arch]]
     prog = [(0x20, 0, 0, 4), (0x15, 0, len(calls) + 1, AUDIT_ARCH[arch]), (0x20, 0, 0, 0)]
     for i, nr in enumerate(calls):
         prog.append((0x15, len(calls) - i, 0, nr))  # jump to the USER_NOTIF return
@@ -159,13 +209,13 @@ def notify_program(arch: str) -> bytes:
     return b"".join(struct.pack("<HBBI", *ins) for ins in prog)
 
 
-def install_chmod_listener(arch: str, channel: int) -> None:
+def install_chmod_listener(arch: str, channel: int, connect: bool = False) -> None:
     """Install the notify filter and send its listener fd to the reaper over ``channel``."""
 
     class SockFprog(ctypes.Structure):
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
 
-    program = notify_program(arch)
+    program = notify_program(arch, connect)
     prog = SockFprog(len(program) // 8, program)
     listener = _libc.syscall(SYS_SECCOMP[arch], SECCOMP_SET_MODE_FILTER,
                              SECCOMP_FILTER_FLAG_NEW_LISTENER, ctypes.byref(prog))
@@ -183,8 +233,8 @@ def _beneath(path: str, roots: list) -> bool:  # type: ignore[type-arg]
     return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
 
 
-class ChmodSupervisor:
-    """Answers the command's chmod calls (step 5), in a thread of the reaper."""
+class Supervisor:
+    """Answers the command's chmod and open calls (step 5), in a thread of the reaper."""
 
     def __init__(self, cfg: dict, listener: int) -> None:  # type: ignore[type-arg]
         self.arch = str(cfg["arch"])
@@ -193,6 +243,9 @@ class ChmodSupervisor:
         chmod, fchmod, fchmodat, fchmodat2 = CHMOD_CALLS[self.arch]
         self.calls = {"chmod": chmod, "fchmod": fchmod, "fchmodat": fchmodat,
                       "fchmodat2": fchmodat2}
+        port = int(cfg.get("connect_port", -1))
+        self.connects = ConnectSupervisor(self, port) if port >= 0 else None
+        self.opens = {nr: i for i, nr in enumerate(OPEN_CALLS[self.arch]) if nr >= 0}
 
     def serve(self) -> None:
         import fcntl
@@ -206,6 +259,14 @@ class ChmodSupervisor:
             except OSError:
                 return  # every confined process is gone
             nid, pid, _flags, nr, _arch, _ip, *args = struct.unpack("=QIIiIQ6Q", bytes(buf))
+            if self.connects is not None and nr in (CONNECT_CALL[self.arch],
+                                                    LISTEN_CALL[self.arch]):
+                # Its own thread: a unix connect can block (a full backlog), chmod must not.
+                _thread.start_new_thread(self.connects.serve_one, (nid, pid, nr, args))
+                continue
+            if nr in self.opens:
+                self.serve_open(nid, pid, nr, args)
+                continue
             try:
                 error = self.answer(nid, pid, nr, args)
             except OSError as exc:
@@ -216,6 +277,79 @@ class ChmodSupervisor:
                 fcntl.ioctl(self.listener, NOTIF_SEND, struct.pack("=QqiI", nid, 0, -error, 0))
             except OSError:
                 continue  # the caller died meanwhile
+
+    def reply(self, nid: int, error: int) -> None:
+        try:  # noqa: SIM105 - contextlib costs every command's start-up
+            fcntl_ioctl(self.listener, NOTIF_SEND, struct.pack("=QqiI", nid, 0, -error, 0))
+        except OSError:
+            pass  # the caller died meanwhile
+
+    def serve_open(self, nid: int, pid: int, nr: int, args: list) -> None:  # type: ignore[type-arg]
+        """Hand over the caller's own /proc entry, or let the open go on as it would."""
+        import contextlib
+        import fcntl
+
+        try:
+            fd = self.own_proc(nid, pid, nr, args)
+        except Exception:  # never let the command's call hang; never grant on a doubt
+            fd = None
+        if fd is not None:
+            try:
+                flags = O_CLOEXEC if args[self.opens[nr] + 1] & O_CLOEXEC else 0
+                fcntl.ioctl(self.listener, NOTIF_ADDFD,
+                            struct.pack("=QIIII", nid, ADDFD_FLAG_SEND, fd, 0, flags))
+                return  # the caller's open returned that descriptor
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+        with contextlib.suppress(OSError):  # the caller died meanwhile
+            fcntl.ioctl(self.listener, NOTIF_SEND,
+                        struct.pack("=QqiI", nid, 0, 0, USER_NOTIF_FLAG_CONTINUE))
+
+    def own_proc(self, nid: int, tid: int, nr: int, args: list) -> int | None:  # type: ignore[type-arg]
+        """A descriptor of the /proc entry the open names when it is the sandbox's own (the
+        caller's, or a process of the tree the reaper runs) or the /proc listing, else None
+        (the open goes on untouched: the kernel and Landlock decide)."""
+        import fcntl
+
+        at = self.opens[nr]  # 0: open(path, flags); 1: openat(dirfd, path, flags)
+        flags = args[at + 1] & 0xFFFFFFFF
+        if flags & (O_ACCMODE | O_CREAT | O_TRUNC | O_PATH):
+            return None  # only plain read-only opens (O_PATH ones Landlock allows anyway)
+        path = self._string(tid, args[at])
+        if not path.startswith("/"):
+            dirfd = args[0] & 0xFFFFFFFF if at else AT_FDCWD & 0xFFFFFFFF
+            base = "cwd" if dirfd == AT_FDCWD & 0xFFFFFFFF else f"fd/{dirfd}"
+            path = os.readlink(f"/proc/{tid}/{base}") + "/" + path  # noqa: PTH115
+        if path != "/proc" and not path.startswith("/proc/"):
+            return None  # the common case, before reading the caller's status
+        tgid = _tgid(tid)
+        found = proc_entry(path, tid, tgid)
+        if found is None:
+            return None
+        pid, rest = found
+        if pid == PROC_LISTING:
+            # Pid numbers only (kill(pid, 0) tells them anyway); every entry beneath is
+            # asked for again, and refused unless it is the sandbox's.
+            fd = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        else:
+            top = os.open(f"/proc/{pid}", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                # The descriptor is bound to that very process: what is checked is what opens.
+                if pid != tgid and not _in_tree(top, os.getpid()):
+                    return None
+                fd = _openat2(top, rest, (flags & ~O_CLOEXEC) | O_CLOEXEC,
+                              RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)
+            finally:
+                os.close(top)
+        try:
+            # The caller still waits in this very open: its pid (so /proc/<tgid>) is its own.
+            fcntl.ioctl(self.listener, NOTIF_ID_VALID, struct.pack("=Q", nid))
+        except OSError:
+            os.close(fd)
+            raise
+        return fd
 
     def _string(self, pid: int, addr: int) -> str:
         fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
@@ -279,6 +413,271 @@ class ChmodSupervisor:
             os.close(fd)
 
 
+# --- network filtered: every connect() through the supervisor ---------------------------------
+
+CONNECT_CALL = {"x86_64": 42, "aarch64": 203}
+LISTEN_CALL = {"x86_64": 50, "aarch64": 201}
+"""listen() binds an unbound TCP socket to a port on every address (autobind, which
+Landlock's bind rule does not see): an inbound way out. Unix sockets may listen."""
+SOL_SOCKET, SO_DOMAIN = 1, 39
+SYS_PIDFD_OPEN, SYS_PIDFD_GETFD = 434, 438  # the generic numbers, on both architectures
+AF_UNSPEC, AF_UNIX, AF_INET, AF_INET6 = 0, 1, 2, 10
+LOOPBACK4 = bytes([127, 0, 0, 1])
+LOOPBACK4_MAPPED = bytes(10) + b"\xff\xff" + LOOPBACK4
+
+
+def fcntl_ioctl(fd: int, request: int, arg: bytes) -> None:
+    import fcntl
+
+    fcntl.ioctl(fd, request, arg)
+
+
+def connect_verdict(addr: bytes, port: int) -> str:
+    """What a ``filtered`` command's connect to the sockaddr ``addr`` gets. Pure.
+
+    ``proxy``: the task's egress proxy (127.0.0.1:PORT, or its v4-mapped IPv6 form);
+    ``unix``: a named unix socket (allowed when it lies beneath a writable path);
+    ``unspec``: AF_UNSPEC (a disconnect); ``deny``: anything else (every other address, the
+    host's loopback included, and abstract unix sockets: the host's are not the command's).
+    """
+    if len(addr) < 2:
+        return "deny"
+    family = struct.unpack("=H", addr[:2])[0]
+    if family == AF_UNSPEC:
+        return "unspec"
+    if family == AF_INET and len(addr) >= 8:
+        to_port = struct.unpack("!H", addr[2:4])[0]
+        return "proxy" if port > 0 and to_port == port and addr[4:8] == LOOPBACK4 else "deny"
+    if family == AF_INET6 and len(addr) >= 24:
+        to_port = struct.unpack("!H", addr[2:4])[0]
+        ok = port > 0 and to_port == port and addr[8:24] == LOOPBACK4_MAPPED
+        return "proxy" if ok else "deny"
+    if family == AF_UNIX and len(addr) > 2 and addr[2] != 0:
+        return "unix"
+    return "deny"
+
+
+class ConnectSupervisor:
+    """Answers a ``filtered`` command's connect() and listen() calls, in threads of the
+    reaper (listen: unix sockets only, see :data:`LISTEN_CALL`).
+
+    The supervisor reads the address once, decides on its own copy, and makes the connect
+    itself on the command's socket (the same open file, taken with ``pidfd_getfd``), so a
+    thread changing the address after the check changes nothing (the kernel warns against
+    letting the call continue: ``SECCOMP_USER_NOTIF_FLAG_CONTINUE`` re-reads user memory).
+    Landlock's port rule (ABI 4) still holds for any connect made without us.
+    """
+
+    def __init__(self, owner: Supervisor, port: int) -> None:
+        self.owner = owner
+        self.port = port
+
+    def serve_one(self, nid: int, pid: int, nr: int,
+                  args: list) -> None:  # type: ignore[type-arg]
+        import errno
+
+        try:
+            if nr == LISTEN_CALL[self.owner.arch]:
+                error = self.listen(nid, pid, args)
+            else:
+                error = self.answer(nid, pid, args)
+        except OSError as exc:
+            error = exc.errno or errno.EACCES
+        except Exception:  # never let the command's call hang
+            error = errno.EACCES
+        self.owner.reply(nid, error)
+
+    def answer(self, nid: int, pid: int, args: list) -> int:  # type: ignore[type-arg]
+        """0 when connected (or in progress: EINPROGRESS), else the errno the call returns."""
+        import errno
+
+        fd, addr_ptr, length = int(args[0]) & 0xFFFFFFFF, args[1], int(args[2]) & 0xFFFFFFFF
+        if fd >= 1 << 31 or length > 128:
+            return errno.EINVAL if fd < 1 << 31 else errno.EBADF
+        addr = self._bytes(pid, addr_ptr, length)
+        verdict = connect_verdict(addr, self.port)
+        if verdict == "deny":
+            return errno.EACCES
+        target = addr
+        opened = -1
+        if verdict == "unix":
+            path = addr[2:].split(b"\0", 1)[0]
+            opened = self._unix_socket(pid, os.fsdecode(path))
+            if opened < 0:
+                return -opened
+            target = struct.pack("=H", AF_UNIX) + f"/proc/self/fd/{opened}".encode() + b"\0"
+        try:
+            theirs = self._their_fd(nid, pid, fd)
+            try:
+                if _libc.connect(theirs, ctypes.c_char_p(target), len(target)) == 0:
+                    return 0
+                return ctypes.get_errno() or errno.EACCES
+            finally:
+                os.close(theirs)
+        finally:
+            if opened >= 0:
+                os.close(opened)
+
+    def listen(self, nid: int, pid: int, args: list) -> int:  # type: ignore[type-arg]
+        """A unix socket's listen, made on the caller's socket; any other is EACCES. The
+        family is read from the socket object itself, which the listen then acts on."""
+        import errno
+
+        fd, backlog = int(args[0]) & 0xFFFFFFFF, int(args[1]) & 0xFFFFFFFF
+        if fd >= 1 << 31:
+            return errno.EBADF
+        theirs = self._their_fd(nid, pid, fd)
+        try:
+            domain = ctypes.c_int(0)
+            size = ctypes.c_uint32(ctypes.sizeof(domain))
+            if _libc.getsockopt(theirs, SOL_SOCKET, SO_DOMAIN, ctypes.byref(domain),
+                                ctypes.byref(size)) != 0:
+                return ctypes.get_errno() or errno.ENOTSOCK
+            if domain.value != AF_UNIX:
+                return errno.EACCES
+            backlog = backlog - (1 << 32) if backlog >= 1 << 31 else backlog
+            if _libc.listen(theirs, backlog) == 0:
+                return 0
+            return ctypes.get_errno() or errno.EACCES
+        finally:
+            os.close(theirs)
+
+    def _bytes(self, pid: int, addr: int, length: int) -> bytes:
+        fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            data = os.pread(fd, length, addr)
+        finally:
+            os.close(fd)
+        if len(data) != length:
+            raise OSError(14, "bad address")
+        return data
+
+    def _unix_socket(self, pid: int, path: str) -> int:
+        """An O_PATH fd of the socket ``path`` names (from the command's cwd), or -errno:
+        only a socket beneath a writable path (the command's own), never a host one such as
+        an engine's socket under /run."""
+        import errno
+
+        dfd = os.open(f"/proc/{pid}/cwd", os.O_PATH | os.O_CLOEXEC | os.O_DIRECTORY)
+        try:
+            fd = os.open(path, os.O_PATH | os.O_CLOEXEC, dir_fd=dfd)
+        except OSError as exc:
+            return -(exc.errno or errno.ENOENT)
+        finally:
+            os.close(dfd)
+        real = os.readlink(f"/proc/self/fd/{fd}")  # noqa: PTH115 - pathlib costs start-up
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            os.close(fd)
+            return -errno.ECONNREFUSED
+        if not _beneath(real, self.owner.writable):
+            os.close(fd)
+            return -errno.EACCES
+        return fd
+
+    def _their_fd(self, nid: int, tid: int, fd: int) -> int:
+        """Our copy of the caller's ``fd`` (the same socket). The caller is a thread: its
+        process (whose fd table threads share) is taken, and the notification checked still
+        live after the pidfd names it, so the thread id was not reused meanwhile."""
+        tgid = _tgid(tid)
+        pidfd = _libc.syscall(SYS_PIDFD_OPEN, tgid, 0)
+        if pidfd < 0:
+            raise _fail("pidfd_open")
+        try:
+            fcntl_ioctl(self.owner.listener, NOTIF_ID_VALID, struct.pack("=Q", nid))
+            theirs = _libc.syscall(SYS_PIDFD_GETFD, pidfd, fd, 0)
+            if theirs < 0:
+                raise _fail("pidfd_getfd")
+            return int(theirs)
+        finally:
+            os.close(pidfd)
+
+
+PROC_LISTING = 0
+"""The pid :func:`proc_entry` gives for ``/proc`` itself (its listing: pid numbers only)."""
+
+
+def proc_entry(path: str, tid: int, tgid: int) -> tuple[int, str] | None:
+    """``(pid, where beneath /proc/<pid>)`` when the absolute ``path`` names an entry of
+    :data:`OWN_PROC` of the caller (thread ``tid`` of process ``tgid``: ``/proc/self``,
+    ``/proc/thread-self``, ``/proc/<tgid>``) or of :data:`SANDBOX_PROC` of another process,
+    ``(PROC_LISTING, ".")`` for ``/proc`` itself, else None. Pure: whether that other process
+    is the sandbox's is the supervisor's question.
+
+    ``..`` is refused, not resolved.
+    """
+    parts = [p for p in path.split("/") if p and p != "."]
+    if not parts or parts[0] != "proc" or ".." in parts:
+        return None
+    if len(parts) == 1:
+        return PROC_LISTING, "."
+    if parts[1] == "self":
+        pid, rest = tgid, parts[2:]
+    elif parts[1] == "thread-self":
+        pid, rest = tgid, ["task", str(tid), *parts[2:]]
+    elif parts[1].isdigit() and parts[1] == str(int(parts[1])) and int(parts[1]) > 0:
+        pid, rest = int(parts[1]), parts[2:]
+    else:
+        return None  # not a per-process entry (sysctls, keys, ...)
+    if rest[:1] == ["task"]:
+        entry = rest[2] if len(rest) > 2 else "task"  # task/<tid>/<entry>: per thread
+    else:
+        entry = rest[0] if rest else ""
+    if entry and entry not in (OWN_PROC if pid == tgid else SANDBOX_PROC):
+        return None
+    return pid, "/".join(rest) or "."
+
+
+def _status_field(fd: int, name: str) -> int:
+    """An integer field of the ``status`` file beneath the /proc/<pid> descriptor ``fd``."""
+    status = _openat2(fd, "status", os.O_RDONLY | O_CLOEXEC, RESOLVE_BENEATH)
+    try:
+        text = os.read(status, 4096).decode("ascii", "replace")
+    finally:
+        os.close(status)
+    for line in text.split("\n"):
+        if line.startswith(name + ":"):
+            return int(line.split()[1])
+    raise OSError(3, "no such process")
+
+
+def _in_tree(fd: int, reaper: int) -> bool:
+    """Whether the process of the /proc/<pid> descriptor ``fd`` descends from ``reaper`` (a
+    subreaper: what its command leaves behind is reparented to it, so the chain holds).
+
+    A process that dies meanwhile makes its children the reaper's, and a reused pid on the
+    way up leads away from it: both refuse, never grant.
+    """
+    ppid = _status_field(fd, "PPid")
+    for _ in range(64):
+        if ppid == reaper:
+            return True
+        if ppid <= 1:
+            return False
+        up = os.open(f"/proc/{ppid}", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            ppid = _status_field(up, "PPid")
+        finally:
+            os.close(up)
+    return False
+
+
+def _tgid(tid: int) -> int:
+    with open(f"/proc/{tid}/status", encoding="ascii", errors="replace") as fh:
+        for line in fh:
+            if line.startswith("Tgid:"):
+                return int(line.split()[1])
+    raise OSError(3, "no such process")
+
+
+def _openat2(dirfd: int, path: str, flags: int, resolve: int) -> int:
+    how = struct.pack("=QQQ", flags, 0, resolve)  # struct open_how
+    fd = _libc.syscall(SYS_OPENAT2, dirfd, os.fsencode(path), ctypes.c_char_p(how),
+                       ctypes.c_size_t(len(how)))
+    if fd < 0:
+        raise _fail(f"openat2({path})")
+    return int(fd)
+
+
 def _euid(pid: int) -> int:
     with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as fh:
         for line in fh:
@@ -301,10 +700,11 @@ def supervise(cfg: dict, channel: _socket.socket) -> None:  # type: ignore[type-
            if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS]
     if fds:  # none: the child failed before step 5 and exits 125
         # A bare thread: the reaper exits without joining it once the command is done.
-        _thread.start_new_thread(ChmodSupervisor(cfg, fds[0]).serve, ())
+        _thread.start_new_thread(Supervisor(cfg, fds[0]).serve, ())
 
 
-INT_FIELDS = ("abi", "handled_fs", "handled_net", "scoped", "drop_capabilities")
+INT_FIELDS = ("abi", "handled_fs", "handled_net", "scoped", "drop_capabilities",
+              "connect_port")
 
 
 def parse(text: str) -> dict:  # type: ignore[type-arg]
@@ -312,12 +712,15 @@ def parse(text: str) -> dict:  # type: ignore[type-arg]
 
     Not JSON: importing json (and re, which it pulls in) would cost every command.
     """
-    cfg: dict = {"paths": [], "writable": []}  # type: ignore[type-arg]
+    cfg: dict = {"paths": [], "writable": [], "ports": []}  # type: ignore[type-arg]
     for line in text.split("\n"):
         if not line:
             continue
         key, _, value = line.partition(" ")
-        if key == "path":
+        if key == "port":
+            mask, _, port = value.partition(" ")
+            cfg["ports"].append([int(port), int(mask)])
+        elif key == "path":
             mask, _, path = value.partition(" ")
             cfg["paths"].append([path, int(mask)])
         elif key == "writable":
@@ -348,5 +751,5 @@ def apply(cfg: dict, channel: int | None = None) -> None:  # type: ignore[type-a
     restrict(cfg)
     install_seccomp(bytes.fromhex(cfg["seccomp"]))
     if channel is not None:
-        install_chmod_listener(str(cfg["arch"]), channel)
+        install_chmod_listener(str(cfg["arch"]), channel, int(cfg.get("connect_port", -1)) >= 0)
 

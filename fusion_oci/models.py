@@ -13,7 +13,15 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, InstanceOf, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    InstanceOf,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
 
 from fusion_oci.stdin import StdinStream
@@ -134,6 +142,23 @@ class SandboxPolicy(Model):
     and writablePaths; a writablePaths entry below one stays writable. Default:
     :data:`DEFAULT_PROTECTED_PATHS`. One that does not exist at prepare cannot be protected
     without leaving a mount point behind in the worktree: it is listed as unenforced."""
+
+    @field_validator("allowed_domains", "denied_domains")
+    @classmethod
+    def _domains(cls, values: list[str], info: ValidationInfo) -> list[str]:
+        # The egress proxy's own parser: a pattern it would reject never gets this far.
+        from fusion_oci.egress.rules import parse_pattern
+
+        key = to_camel(info.field_name or "allowedDomains")
+        for i, value in enumerate(values):
+            try:
+                parse_pattern(value)
+            except ValueError as exc:
+                raise ValueError(
+                    f"{key}[{i}] '{value}' is not a host pattern: {exc}; write an exact name "
+                    "(registry.npmjs.org), a wildcard (*.example.com) or an address/range "
+                    "(10.0.0.0/24), optionally with :PORT (github.com:22)") from None
+        return values
 
     _check_allowed = field_validator("allowed_paths")(_absolute)
     _check_writable = field_validator("writable_paths")(_absolute)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fusion_oci.models import CacheMode, NetworkMode, PrepareContext, RunOptions
 from fusion_oci.oci.host import HostInfo
@@ -20,6 +21,9 @@ from fusion_oci.oci.spec import Spec
 from fusion_oci.oci.spec import compile_spec as _compile
 from fusion_oci.policy.layout import TaskLayout, resolve_ca, resolve_layout
 from fusion_oci.policy.settings import SandboxSettings
+
+if TYPE_CHECKING:
+    from fusion_oci.egress import EgressProxy
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,10 @@ class ResolvedTask:
     host: HostInfo
     env: Mapping[str, str]
     """Where the env allowlist draws from when a command's ``RunOptions.env`` is None."""
+    egress: EgressProxy | None = None
+    """The task's egress proxy (``network: filtered``; started by the sandbox before the
+    runtime's prepare, which binds ``egress.unix_socket`` into the sandbox). None: the
+    network is not filtered, or nothing started one (plan, bundle create)."""
 
     @property
     def image(self) -> str | None:
@@ -54,6 +62,10 @@ class ResolvedTask:
     def unprotected(self) -> list[str]:
         """protectedPaths entries that cannot be protected, as unenforced parts."""
         return [f"protectedPaths: {p}" for p in self.layout.unprotected]
+
+    def with_egress(self, proxy: EgressProxy | None) -> ResolvedTask:
+        """The same task with its egress proxy."""
+        return replace(self, egress=proxy)
 
     def with_image(self, image: str | None) -> ResolvedTask:
         """The same task on another image reference (a provisioned image's local name)."""

@@ -35,13 +35,14 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from fusion_oci.audit import AuditEvent, AuditLog
+from fusion_oci.egress.task import start_task_proxy, stop_task_proxy
 from fusion_oci.errors import (
     FusionOCIError,
     PolicyNotEnforceableError,
     RuntimeUnavailableError,
     SandboxSetupError,
 )
-from fusion_oci.models import OutputStream, PrepareContext, RunOptions, RunResult
+from fusion_oci.models import NetworkMode, OutputStream, PrepareContext, RunOptions, RunResult
 from fusion_oci.oci.host import HostInfo, probe_host
 from fusion_oci.oci.spec import Spec
 from fusion_oci.policy.settings import SandboxSettings
@@ -54,6 +55,7 @@ from fusion_oci.scratch import gc_scratch
 from fusion_oci.stdin import StdinStream
 
 if TYPE_CHECKING:
+    from fusion_oci.egress import EgressProxy
     from fusion_oci.images.gates import AskCallback
 
 
@@ -89,6 +91,8 @@ class Sandbox:
         """The spec of the latest command (what a replay record keeps)."""
         self.fell_back = False
         self.unenforced: list[str] = []
+        self.egress: EgressProxy | None = None
+        """The task's egress proxy while prepared with ``network: filtered``."""
         self._running: set[asyncio.Task[RunResult]] = set()
 
     def _create(self, backend: str) -> Runtime:
@@ -147,14 +151,28 @@ class Sandbox:
             resolved = self._resolve(runtime, ctx)
             # Before anything is set up (an image provisioned): what the task spec asks for.
             self._check_spec(runtime, task_spec(resolved))
+            if resolved.network is NetworkMode.FILTERED:
+                # Before prepare: the runtime binds the proxy's socket into the sandbox.
+                # landlock has no network namespace and reaches it over host TCP instead.
+                self.egress = await start_task_proxy(
+                    ctx, self.env, audit=self.audit, backend=runtime.id,
+                    tcp=bool(getattr(runtime, "egress_via_tcp", False)))
+                resolved = resolved.with_egress(self.egress)
             self.task = await runtime.prepare(resolved)
         except BaseException:
             self.runtime = None
             self.task = None
             with contextlib.suppress(Exception):
                 await asyncio.shield(runtime.dispose())
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._stop_egress())
             raise
         return runtime
+
+    async def _stop_egress(self) -> None:
+        proxy, self.egress = self.egress, None
+        if proxy is not None:
+            await stop_task_proxy(proxy)
 
     async def prepare(self, ctx: PrepareContext) -> None:
         """Check the inputs, choose and check the runtime, prepare it (the failure mode
@@ -311,7 +329,10 @@ class Sandbox:
         runtime, self.runtime = self.runtime, None
         self.task = None
         start = time.monotonic()
-        await runtime.dispose()
+        try:
+            await runtime.dispose()
+        finally:
+            await self._stop_egress()  # after the sandbox: nothing is left to connect
         if self.ctx is not None:
             self.runtime = runtime  # for the event's backend id
             self._event("sandbox:dispose", duration_ms=int((time.monotonic() - start) * 1000))

@@ -2,12 +2,14 @@
 # Install everything the fusion-oci test suite needs on Debian 12 (as root, or with sudo).
 # Idempotent and quick to re-run:
 #   * apt-get runs only when a package is missing (apt-get update only then, too);
-#   * .venv is created only when it does not exist (or its python is unusable);
+#   * .venv is created only when it does not exist, its python is unusable, or it was made from
+#     another interpreter than $PYTHON (default Debian's /usr/bin/python3);
 #   * `pip install -e '.[dev]'` is skipped when pyproject.toml has not changed since the last
 #     successful install (FUSION_OCI_FORCE_PIP=1 forces it);
 #   * the rootless test user (for rootless podman and rootless dockerd), /dev/net/tun access and
 #     the podman runtime drop-in are checked and fixed only when needed.
-# Env knobs: FUSION_OCI_ROOTLESS_USER (default fusionci), FUSION_OCI_FORCE_PIP=1.
+# Env knobs: PYTHON (the venv's interpreter, default /usr/bin/python3),
+# FUSION_OCI_ROOTLESS_USER (default fusionci), FUSION_OCI_FORCE_PIP=1.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -95,11 +97,25 @@ if ! py_ok "$PYTHON"; then
     if py_ok /usr/bin/python3; then PYTHON=/usr/bin/python3; else die "need python3 >= 3.11"; fi
 fi
 
-if [[ -x .venv/bin/python ]] && py_ok .venv/bin/python; then
-    log "venv: .venv exists ($(.venv/bin/python --version 2>&1)), reusing it"
+# The interpreter a venv was made from (its base executable, symlinks resolved), or nothing.
+base_of() {
+    "$1" -c 'import os, sys; print(os.path.realpath(getattr(sys, "_base_executable", "")
+                                                    or sys.executable))' 2>/dev/null || true
+}
+want_base="$(base_of "$PYTHON")"
+have_base=""
+[[ -x .venv/bin/python ]] && py_ok .venv/bin/python && have_base="$(base_of .venv/bin/python)"
+if [[ -n "$have_base" && "$have_base" == "$want_base" ]]; then
+    log "venv: .venv exists ($(.venv/bin/python --version 2>&1), $have_base), reusing it"
 else
     if [[ -e .venv ]]; then
-        log "venv: .venv exists but its python is unusable, recreating it"
+        # A venv of another interpreter (a pyenv python first on PATH when it was made) would
+        # run the suite on a python users of Debian 12 do not have.
+        if [[ -n "$have_base" ]]; then
+            log "venv: .venv was made from $have_base, not $want_base: recreating it"
+        else
+            log "venv: .venv exists but its python is unusable, recreating it"
+        fi
         rm -rf .venv
     fi
     log "venv: creating .venv with $("$PYTHON" --version 2>&1) ($PYTHON)"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one command that runs the whole fusion-oci test suite on a fresh Debian 12 machine
 # (as root or with sudo):
-#   1. scripts/install.sh           packages, .venv, rootless test user, podman runtime drop-in
+#   1. scripts/install.sh           packages, .venv (from /usr/bin/python3 unless PYTHON=...),
+#                                    rootless test user, podman runtime drop-in
 #   2. scripts/services.sh start    dockerd, rootful and rootless podman API services, a rootless
 #                                    dockerd (the rootless ones as the unprivileged test user)
 #   3. ruff check + mypy             (skipped with FUSION_OCI_SKIP_LINT=1)

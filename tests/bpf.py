@@ -7,7 +7,7 @@ import struct
 
 def run_bpf(prog: bytes, nr: int, arch: int, args: tuple[int, ...] = ()) -> int:
     """The filter's raw return value for syscall ``nr`` on audit arch ``arch``: ld abs
-    (seccomp_data), and, jeq, jge, ret."""
+    (seccomp_data), and, jeq, jge, jgt, ret."""
     ins = [struct.unpack("<HBBI", prog[i:i + 8]) for i in range(0, len(prog), 8)]
     data = struct.pack("<iIQ6Q", nr, arch, 0, *(list(args) + [0] * (6 - len(args))))
     acc, pc = 0, 0
@@ -17,8 +17,8 @@ def run_bpf(prog: bytes, nr: int, arch: int, args: tuple[int, ...] = ()) -> int:
             acc = struct.unpack_from("<I", data, k)[0]
         elif code == 0x54:
             acc &= k
-        elif code in (0x15, 0x35):
-            hit = acc == k if code == 0x15 else acc >= k
+        elif code in (0x15, 0x35, 0x25):
+            hit = acc == k if code == 0x15 else acc >= k if code == 0x35 else acc > k
             pc += jt if hit else jf
         elif code == 0x06:
             return int(k)

@@ -4,6 +4,8 @@
  *   fusion-oci-agent --connect PATH          a container's init: connect once to PATH
  *   fusion-oci-agent --exec-status FD -- ARGV one command, its wait status written to FD
  *   fusion-oci-agent --exec-status-file PATH -- ARGV   the same, into a file it creates
+ *   fusion-oci-agent --egress SOCK --exec-status-file PATH -- ARGV   with the egress forwarder
+ *                                            beside the command, for its life (oci)
  *
  * One connection, framed messages. Per `spawn` the agent forks a keeper; the keeper makes
  * itself a child subreaper, forks the command in its own session and reports how it ended.
@@ -17,11 +19,14 @@
  * agent loop) share the global connection state and are read top to bottom in that order.
  */
 #define _GNU_SOURCE
+#include <arpa/inet.h>
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
 #include <limits.h>
+#include <net/if.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -29,6 +34,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/signalfd.h>
@@ -643,6 +649,245 @@ static void keeper_main(struct spawn *sp, int fds[3], int chan) {
     _exit(0);
 }
 
+/* ---------------------------------------------------------------- the egress forwarder */
+
+/* `--egress PATH` (network: filtered): the sandbox's network namespace has only `lo`; we
+ * listen on 127.0.0.1:3128 there and splice each connection to a new connection to PATH, the
+ * host's egress proxy (a unix socket bound into the sandbox). It runs in the agent's own poll
+ * loop: as PID 1 nothing in the sandbox can kill it, and it is bound before the first command
+ * runs, so no command can take the port first. It grants nothing a command lacks: it runs
+ * under the command's own uid and capabilities, connects only to PATH (which the command can
+ * reach itself), and the proxy decides what is allowed. Each connection holds at most one
+ * buffer per direction; past FWD_MAX connections new ones wait in the listen backlog. */
+#define FWD_PORT 3128
+#define FWD_MAX 512
+#define FWD_BUF 65536
+#define FWD_CONNECT_MS 5000
+
+struct half {
+    char *buf; /* what was read from this side, not yet written to the other */
+    size_t len, off;
+    int eof;  /* this side will send no more */
+    int shut; /* the other side was told (shutdown SHUT_WR) */
+};
+
+struct pair {
+    int fd[2];          /* 0: the command's TCP connection, 1: the proxy's unix socket */
+    struct half h[2];   /* h[i]: from fd[i] to fd[1 - i] */
+    long long deadline; /* while > 0: fd[1] is still connecting (the proxy's backlog was full) */
+    int dead;
+};
+
+static const char *fwd_path;
+static int fwd_listen = -1;
+static struct pair *pairs;
+static size_t npairs;
+
+static void lo_up(void) {
+    /* An empty network namespace has `lo` down (bwrap and the engines bring it up, a bare
+     * runtime may not). Bringing it up needs CAP_NET_ADMIN over the namespace; without it the
+     * bind below says what is wrong. */
+    int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (s < 0)
+        return;
+    struct ifreq ifr;
+    memset(&ifr, 0, sizeof ifr);
+    strcpy(ifr.ifr_name, "lo");
+    if (ioctl(s, SIOCGIFFLAGS, &ifr) == 0 && !(ifr.ifr_flags & IFF_UP)) {
+        ifr.ifr_flags |= IFF_UP;
+        if (ioctl(s, SIOCSIFFLAGS, &ifr) < 0) {
+            /* not ours to change: bind reports it */
+        }
+    }
+    close(s);
+}
+
+/* Listen on 127.0.0.1:port (no SO_REUSEADDR/SO_REUSEPORT: nothing can share the port). */
+static int fwd_start(int port) {
+    lo_up();
+    int s = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (s < 0)
+        die("egress forwarder: socket: %s", strerror(errno));
+    struct sockaddr_in sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sin_family = AF_INET;
+    sa.sin_port = htons((uint16_t)port);
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (bind(s, (struct sockaddr *)&sa, sizeof sa) < 0 || listen(s, 128) < 0)
+        die("egress forwarder: listen on 127.0.0.1:%d: %s", port, strerror(errno));
+    return s;
+}
+
+/* A new connection to the proxy's socket at `path`: its fd (maybe still connecting: *busy),
+ * or -1. */
+static int unix_dial(const char *path, int nonblock, int *busy) {
+    struct sockaddr_un sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sun_family = AF_UNIX;
+    if (strlen(path) >= sizeof sa.sun_path) {
+        errno = ENAMETOOLONG;
+        return -1;
+    }
+    strcpy(sa.sun_path, path);
+    int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | (nonblock ? SOCK_NONBLOCK : 0), 0);
+    if (s < 0)
+        return -1;
+    *busy = 0;
+    if (connect(s, (struct sockaddr *)&sa, sizeof sa) < 0) {
+        if (errno == EAGAIN && nonblock) {
+            *busy = 1; /* the proxy's backlog is full: try again on the next round */
+            return s;
+        }
+        int err = errno;
+        close(s);
+        errno = err;
+        return -1;
+    }
+    return s;
+}
+
+static int fwd_retry_connect(struct pair *c) {
+    struct sockaddr_un sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sun_family = AF_UNIX;
+    strcpy(sa.sun_path, fwd_path);
+    if (connect(c->fd[1], (struct sockaddr *)&sa, sizeof sa) == 0 || errno == EISCONN) {
+        c->deadline = 0;
+        return 0;
+    }
+    return errno == EAGAIN && now_ms() < c->deadline ? 0 : -1;
+}
+
+static void fwd_accept(void) {
+    while (npairs < FWD_MAX) {
+        int c = accept4(fwd_listen, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (c < 0)
+            return; /* EAGAIN, or a connection that went away: nothing to do */
+        int busy;
+        int u = unix_dial(fwd_path, 1, &busy);
+        if (u < 0) {
+            close(c); /* the proxy is gone: the command sees its connection closed */
+            continue;
+        }
+        pairs = xrealloc(pairs, (npairs + 1) * sizeof *pairs);
+        struct pair *pr = &pairs[npairs++];
+        memset(pr, 0, sizeof *pr);
+        pr->fd[0] = c;
+        pr->fd[1] = u;
+        pr->deadline = busy ? now_ms() + FWD_CONNECT_MS : 0;
+    }
+}
+
+/* Move what can move from fd[i] to fd[1-i], without blocking. Returns -1 on a broken side. */
+static int fwd_flow(struct pair *c, int i) {
+    struct half *h = &c->h[i];
+    int src = c->fd[i], dst = c->fd[1 - i];
+    if (!h->buf)
+        h->buf = xrealloc(NULL, FWD_BUF);
+    if (!h->eof && h->len == 0) {
+        ssize_t n = recv(src, h->buf, FWD_BUF, MSG_DONTWAIT);
+        if (n > 0) {
+            h->len = (size_t)n;
+            h->off = 0;
+        } else if (n == 0) {
+            h->eof = 1;
+        } else if (errno != EAGAIN && errno != EINTR) {
+            return -1;
+        }
+    }
+    while (h->off < h->len) {
+        ssize_t w = send(dst, h->buf + h->off, h->len - h->off, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (w < 0) {
+            if (errno == EAGAIN || errno == EINTR)
+                break;
+            return -1;
+        }
+        h->off += (size_t)w;
+    }
+    if (h->off == h->len)
+        h->len = h->off = 0;
+    if (h->eof && h->len == 0 && !h->shut) {
+        shutdown(dst, SHUT_WR);
+        h->shut = 1;
+    }
+    return 0;
+}
+
+static void fwd_close(struct pair *c) {
+    for (int i = 0; i < 2; i++) {
+        close(c->fd[i]);
+        free(c->h[i].buf);
+    }
+    c->dead = 1;
+}
+
+/* The forwarder's pollfds (listener, then two per connection) into p; returns how many. A
+ * side with nothing to wait for is left out (fd -1), so a hang-up cannot spin the loop. */
+static size_t fwd_fill(struct pollfd *p) {
+    size_t n = 0;
+    if (fwd_listen < 0)
+        return 0;
+    p[n++] = (struct pollfd){npairs < FWD_MAX ? fwd_listen : -1, POLLIN, 0};
+    for (size_t k = 0; k < npairs; k++) {
+        struct pair *c = &pairs[k];
+        for (int i = 0; i < 2; i++) {
+            short ev = 0;
+            if (!c->deadline) {
+                if (!c->h[i].eof && c->h[i].len == 0)
+                    ev |= POLLIN;
+                if (c->h[1 - i].len > c->h[1 - i].off)
+                    ev |= POLLOUT;
+            }
+            p[n++] = (struct pollfd){ev ? c->fd[i] : -1, ev, 0};
+        }
+    }
+    return n;
+}
+
+/* After poll: accept, retry connects, move data, drop finished connections. */
+static void fwd_handle(struct pollfd *p) {
+    if (fwd_listen < 0)
+        return;
+    size_t had = npairs;
+    for (size_t k = 0; k < had; k++) {
+        struct pair *c = &pairs[k];
+        if (c->deadline) {
+            if (fwd_retry_connect(c) < 0)
+                fwd_close(c);
+            continue;
+        }
+        if (!(p[1 + 2 * k].revents | p[2 + 2 * k].revents))
+            continue;
+        if (fwd_flow(c, 0) < 0 || fwd_flow(c, 1) < 0 || (c->h[0].shut && c->h[1].shut))
+            fwd_close(c);
+    }
+    size_t j = 0;
+    for (size_t k = 0; k < npairs; k++)
+        if (!pairs[k].dead)
+            pairs[j++] = pairs[k];
+    npairs = j;
+    if (p[0].revents)
+        fwd_accept();
+}
+
+static int fwd_waiting(void) {
+    for (size_t k = 0; k < npairs; k++)
+        if (pairs[k].deadline)
+            return 1;
+    return 0;
+}
+
+/* In a keeper: none of the forwarder's sockets is ours to hold. */
+static void fwd_drop_inherited(void) {
+    if (fwd_listen >= 0)
+        close(fwd_listen);
+    for (size_t k = 0; k < npairs; k++)
+        for (int i = 0; i < 2; i++)
+            close(pairs[k].fd[i]);
+    fwd_listen = -1;
+    npairs = 0;
+}
+
 /* ---------------------------------------------------------------- the agent */
 
 struct run {
@@ -697,6 +942,7 @@ static void start_run(char *body, size_t len, int fds[3]) {
         close(pair[0]);
         for (size_t i = 0; i < fdq_len; i++)
             close(fdq[i]); /* the fds of spawns still queued belong to other runs */
+        fwd_drop_inherited();
         keeper_main(&sp, fds, pair[1]);
     }
     close(pair[1]);
@@ -979,9 +1225,164 @@ static int exec_status_main(int status_fd, char **argv) {
     return WEXITSTATUS(st);
 }
 
+/* `connect HOST PORT`: a tunnel through the egress proxy on stdin/stdout, for ssh's
+ * ProxyCommand (git over ssh in a filtered sandbox). The proxy is the unix socket bound into
+ * the sandbox, or, where there is none (landlock: no network namespace), the address of the
+ * command's HTTPS_PROXY. One CONNECT; anything but 200 is printed to stderr (the proxy's
+ * reason for a denial) and is exit 1. */
+#define EGRESS_SOCKET "/run/fusion-oci/egress.sock"
+
+static int dial_env_proxy(void) {
+    static const char *names[] = {"https_proxy", "HTTPS_PROXY", "http_proxy", "HTTP_PROXY"};
+    for (size_t i = 0; i < sizeof names / sizeof *names; i++) {
+        const char *v = getenv(names[i]);
+        if (!v || !*v)
+            continue;
+        if (!strncmp(v, "http://", 7))
+            v += 7;
+        char hostport[64];
+        snprintf(hostport, sizeof hostport, "%.*s", (int)strcspn(v, "/"), v);
+        char *colon = strrchr(hostport, ':');
+        if (!colon)
+            continue;
+        *colon = 0;
+        long port;
+        struct sockaddr_in sa;
+        memset(&sa, 0, sizeof sa);
+        sa.sin_family = AF_INET;
+        if (parse_long(colon + 1, &port, 10) < 0 || port <= 0 || port > 65535 ||
+            inet_pton(AF_INET, hostport, &sa.sin_addr) != 1)
+            continue; /* only a numeric loopback-style address: we resolve nothing */
+        sa.sin_port = htons((uint16_t)port);
+        int s = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (s >= 0 && connect(s, (struct sockaddr *)&sa, sizeof sa) == 0)
+            return s;
+        if (s >= 0)
+            close(s);
+    }
+    return -1;
+}
+
+static int connect_main(const char *host, const char *port_s) {
+    long port;
+    if (parse_long(port_s, &port, 10) < 0 || port <= 0 || port > 65535)
+        die("connect: bad port '%s'", port_s);
+    for (const char *c = host; *c; c++)
+        if ((unsigned char)*c <= ' ' || *c == 0x7f)
+            die("connect: bad host name");
+    if (!*host || strlen(host) > 255)
+        die("connect: bad host name");
+    int busy;
+    int s = unix_dial(EGRESS_SOCKET, 0, &busy);
+    if (s < 0 && (s = dial_env_proxy()) < 0)
+        die("connect: no egress proxy (%s, or HTTPS_PROXY)", EGRESS_SOCKET);
+    int v6 = strchr(host, ':') != NULL;
+    char req[600];
+    int n = snprintf(req, sizeof req, "CONNECT %s%s%s:%ld HTTP/1.1\r\nHost: %s%s%s:%ld\r\n\r\n",
+                     v6 ? "[" : "", host, v6 ? "]" : "", port, v6 ? "[" : "", host,
+                     v6 ? "]" : "", port);
+    if (write_all(s, req, (size_t)n) < 0)
+        die("connect: %s", strerror(errno));
+    /* The answer's head, byte by byte: nothing of the tunnel is read past it. */
+    char head[8192];
+    size_t len = 0;
+    while (len < sizeof head - 1 && (len < 4 || memcmp(head + len - 4, "\r\n\r\n", 4))) {
+        ssize_t r = read(s, head + len, 1);
+        if (r <= 0)
+            break;
+        len++;
+    }
+    head[len] = 0;
+    if (strncmp(head, "HTTP/1.", 7) || strncmp(head + 8, " 200", 4)) {
+        fprintf(stderr, "fusion-oci-agent: the egress proxy refused %s:%ld:\n%s", host, port,
+                head);
+        char body[4096];
+        ssize_t r = read(s, body, sizeof body);
+        if (r > 0)
+            fwrite(body, 1, (size_t)r, stderr);
+        fputc('\n', stderr);
+        return 1;
+    }
+    /* Splice stdin -> proxy and proxy -> stdout until the proxy side ends. */
+    char buf[65536];
+    int in_open = 1;
+    for (;;) {
+        struct pollfd p[2] = {{in_open ? 0 : -1, POLLIN, 0}, {s, POLLIN, 0}};
+        if (poll(p, 2, -1) < 0) {
+            if (errno == EINTR)
+                continue;
+            return 1;
+        }
+        if (p[0].revents) {
+            ssize_t r = read(0, buf, sizeof buf);
+            if (r > 0) {
+                if (write_all(s, buf, (size_t)r) < 0)
+                    return 1;
+            } else {
+                in_open = 0;
+                shutdown(s, SHUT_WR);
+            }
+        }
+        if (p[1].revents) {
+            ssize_t r = read(s, buf, sizeof buf);
+            if (r <= 0)
+                return 0;
+            if (write_all(1, buf, (size_t)r) < 0)
+                return 1;
+        }
+    }
+}
+
+/* `forward PATH`: the forwarder alone, for a sandbox whose agent is not its init (oci runs a
+ * container per command): until killed. */
+__attribute__((noreturn)) static void forward_loop(void);
+__attribute__((noreturn)) static void forward_main(const char *path) {
+    fwd_path = path;
+    fwd_listen = fwd_start(FWD_PORT);
+    forward_loop();
+}
+
+/* `--egress PATH --exec-status-file F -- ARGV` (oci: a container per command, whose init is
+ * not the agent): the forwarder listens before the command starts (no command can take the
+ * port first, none connects before it listens), then serves in a child of ours for the
+ * command's life: it dies with us (PDEATHSIG) and with the container's pid namespace. */
+static void forward_beside(const char *path) {
+    fwd_path = path;
+    fwd_listen = fwd_start(FWD_PORT);
+    pid_t parent = getpid();
+    pid_t pid = fork();
+    if (pid < 0)
+        die("fork: %s", strerror(errno));
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);
+        if (getppid() != parent)
+            _exit(0);
+        prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+        forward_loop();
+    }
+    close(fwd_listen);
+    fwd_listen = -1;
+}
+
+__attribute__((noreturn)) static void forward_loop(void) {
+    struct pollfd *p = NULL;
+    for (;;) {
+        p = xrealloc(p, (1 + 2 * npairs) * sizeof *p);
+        size_t np = fwd_fill(p);
+        if (poll(p, np, fwd_waiting() ? 10 : -1) < 0 && errno != EINTR)
+            die("poll: %s", strerror(errno));
+        fwd_handle(p);
+    }
+}
+
 int main(int argc, char **argv) {
     pid_t parent = 0;
     const char *connect_path = NULL;
+    if (argc > 6 && !strcmp(argv[1], "--egress") && !strcmp(argv[3], "--exec-status-file")) {
+        forward_beside(argv[2]);
+        argv += 2;
+        argc -= 2;
+    }
     if (argc > 4 && !strcmp(argv[3], "--") && (!strcmp(argv[1], "--exec-status") ||
                                                 !strcmp(argv[1], "--exec-status-file"))) {
         for (int s = 1; s < NSIG; s++)
@@ -992,18 +1393,26 @@ int main(int argc, char **argv) {
             die("%s: %s", argv[2], strerror(errno));
         return exec_status_main(fd, argv + 4);
     }
+    if (argc == 4 && !strcmp(argv[1], "connect"))
+        return connect_main(argv[2], argv[3]);
+    if (argc == 3 && !strcmp(argv[1], "forward")) {
+        prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+        forward_main(argv[2]);
+    }
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--fd") && i + 1 < argc)
             conn = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--connect") && i + 1 < argc)
             connect_path = argv[++i];
+        else if (!strcmp(argv[i], "--egress") && i + 1 < argc)
+            fwd_path = argv[++i];
         else if (!strcmp(argv[i], "--parent") && i + 1 < argc)
             parent = (pid_t)atoi(argv[++i]);
         else if (!strcmp(argv[i], "--version")) {
             puts("fusion-oci-agent protocol " PROTOCOL_VERSION);
             return 0;
         } else
-            die("usage: fusion-oci-agent (--fd N [--parent PID] | --connect PATH)");
+            die("usage: fusion-oci-agent [--egress PATH] (--fd N [--parent PID] | --connect PATH)");
     }
     /* An ignored signal stays ignored across exec: whatever our parent ignored (SIGPIPE...)
      * goes back to default here, once, so every command starts with default dispositions
@@ -1018,12 +1427,15 @@ int main(int argc, char **argv) {
     if (connect_path)
         connect_to(connect_path);
     if (conn < 0)
-        die("usage: fusion-oci-agent (--fd N [--parent PID] | --connect PATH)");
+        die("usage: fusion-oci-agent [--egress PATH] (--fd N [--parent PID] | --connect PATH)");
     if (fcntl(conn, F_SETFD, FD_CLOEXEC) < 0)
         die("fd %d: %s", conn, strerror(errno));
     if (parent && getppid() != parent)
         return 125; /* the host died before we started */
     sigfd = make_sigfd();
+    /* Listening before hello: before any command runs, so none can take the port first. */
+    if (fwd_path)
+        fwd_listen = fwd_start(FWD_PORT);
     struct out o;
     out_begin(&o, 'H');
     out_field(&o, "version", "%s", PROTOCOL_VERSION);
@@ -1032,14 +1444,22 @@ int main(int argc, char **argv) {
         shutdown_all();
     struct pollfd *p = NULL;
     for (;;) {
-        p = xrealloc(p, (nruns + 2) * sizeof *p);
+        p = xrealloc(p, (nruns + 3 + 2 * npairs) * sizeof *p);
         p[0] = (struct pollfd){conn, POLLIN, 0};
         p[1] = (struct pollfd){sigfd, POLLIN, 0};
         for (size_t i = 0; i < nruns; i++)
             p[i + 2] = (struct pollfd){runs[i].chan, POLLIN, 0};
-        size_t np = nruns + 2;
-        if (poll(p, np, parent ? 1000 : -1) < 0 && errno != EINTR)
-            die("poll: %s", strerror(errno));
+        size_t nagent = nruns + 2;
+        size_t np = nagent + fwd_fill(p + nagent);
+        int timeout = fwd_waiting() ? 10 : parent ? 1000 : -1;
+        if (poll(p, np, timeout) < 0) {
+            if (errno != EINTR)
+                die("poll: %s", strerror(errno));
+            for (size_t i = 0; i < np; i++)
+                p[i].revents = 0;
+        }
+        fwd_handle(p + nagent);
+        np = nagent;
         if (parent && getppid() != parent)
             shutdown_all(); /* the host is gone, whoever holds the socket */
         for (size_t i = 2; i < np; i++)

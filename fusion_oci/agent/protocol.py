@@ -23,6 +23,27 @@ EXITED = b"X"
 
 _HEADER = struct.Struct(">I")
 
+# Egress in a ``network: filtered`` sandbox (PROTOCOL.md, "The egress forwarder"): the same
+# paths in every runtime's sandbox, so the proxy environment is one pure thing (oci/spec.py).
+EGRESS_DIR = "/run/fusion-oci"
+EGRESS_SOCKET = EGRESS_DIR + "/egress.sock"
+"""The host's egress proxy socket, bound into the sandbox (agent.c's EGRESS_SOCKET)."""
+EGRESS_AGENT = EGRESS_DIR + "/agent"
+"""The agent binary, bound read-only, for ``agent connect HOST PORT`` (ssh's ProxyCommand)."""
+EGRESS_PORT = 3128
+"""Where the agent's forwarder listens in the sandbox: 127.0.0.1:3128 (agent.c's FWD_PORT)."""
+
+
+def forward_args(socket: str = EGRESS_SOCKET) -> list[str]:
+    """The agent's option that starts its forwarder (127.0.0.1:3128 -> ``socket``). Pure."""
+    return ["--egress", socket]
+
+
+def ssh_proxy_command(agent: str = EGRESS_AGENT) -> str:
+    """``GIT_SSH_COMMAND`` of a filtered sandbox: ssh's connection is a CONNECT tunnel through
+    the egress proxy, made by the agent's ``connect`` mode. Pure."""
+    return f"ssh -o ProxyCommand='{agent} connect %h %p'"
+
 
 class ProtocolError(ValueError):
     """A frame the other side could not have meant."""

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from fusion_oci.cli.options import AsJson, ProjectDir, Worktree, _console, _fail
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 def audit(
@@ -46,6 +49,7 @@ def audit(
             typer.echo(json.dumps(data, indent=2))
         else:
             render(data)
+            render_egress(data)
         return
     report = check_chain(path, load_key(default_key_path(os.environ), create=False))
     if verify:
@@ -146,3 +150,20 @@ def gc(
                    + ", ".join(report.engines))
     raise typer.Exit(1 if report.errors else 0)
 
+
+def render_egress(s: dict[str, Any], console: Console | None = None) -> None:
+    """The summary's egress part (``sandbox:egress``): per task, and the top denied hosts."""
+    from rich.console import Console
+
+    from fusion_oci.dashboard.report import _table
+
+    console = console or Console()
+    e = s["egress"]
+    console.print(_table(
+        f"egress per task ({e['allowed']} allowed, {e['denied']} denied; "
+        f"{e['bytesUp']} bytes up, {e['bytesDown']} down)",
+        ["task", "connections", "allowed", "denied", "bytes up", "bytes down", "hosts"],
+        [[r["taskId"], r["connections"], r["allowed"], r["denied"], r["bytesUp"],
+          r["bytesDown"], r["hosts"]] for r in e["byTask"]]))
+    console.print(_table("top denied hosts", ["host", "count", "rule"],
+                         [[r["host"], r["count"], r["rule"]] for r in e["topDenied"]]))

@@ -106,6 +106,10 @@ def settings_show(worktree: Worktree = None, task_prompt: TaskPrompt = None,
     prov = task.effective.provenance
     rows = [{"key": key, "value": value, "source": prov.get(key, "default")}
             for key, value in values.items()]
+    from fusion_oci.cli.task import caller_env
+    from fusion_oci.egress.show import egress_rows
+
+    rows += egress_rows(task.ctx, caller_env())  # network filtered: the proxy's hosts, and why
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return

@@ -94,6 +94,23 @@ class TaskInfo:
                 "policySummary": self.policy_summary}
 
 
+@dataclass
+class _EgressTask:
+    """One task's ``sandbox:egress`` connections."""
+
+    task_id: str
+    allowed: int = 0
+    denied: int = 0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    hosts: set[str] = field(default_factory=set)
+
+    def row(self) -> dict[str, Any]:
+        return {"taskId": self.task_id, "connections": self.allowed + self.denied,
+                "allowed": self.allowed, "denied": self.denied, "bytesUp": self.bytes_up,
+                "bytesDown": self.bytes_down, "hosts": len(self.hosts)}
+
+
 class _Capped(Counter[str]):
     """A counter that folds keys beyond :data:`MAX_KEYS` into ``(other)``."""
 
@@ -138,6 +155,10 @@ class SummaryBuilder:
         self.provision_retries = 0
         self.provision_recent: deque[dict[str, Any]] = deque(maxlen=RECENT)
         self.tasks: dict[str, TaskInfo] = {}
+        self.egress_tasks: dict[str, _EgressTask] = {}
+        self.egress_denied = _Capped()
+        self.egress_denied_rule: dict[str, str] = {}
+        self.egress_denied_recent: deque[dict[str, Any]] = deque(maxlen=RECENT)
 
     # --- feeding ------------------------------------------------------------------------------
 
@@ -188,6 +209,8 @@ class SummaryBuilder:
             self.gates[(gate, decision, by)] += 1
             self.gate_recent.append({**base, "gate": gate, "decision": decision, "decidedBy": by,
                                      "action": d.get("action"), "target": d.get("target")})
+        elif e.type == "sandbox:egress":
+            self._egress(e, base)
         elif e.type == "sandbox:provision":
             d = e.details or {}
             outcome = str(d.get("outcome", d.get("action", "?")))
@@ -200,6 +223,39 @@ class SummaryBuilder:
                 "digest": d.get("digest") or d.get("repo_digest"),
                 "attempt": d.get("attempt"), "durationMs": e.duration_ms,
                 "reason": _first_line(e.reason)})
+
+    def _egress(self, e: AuditEvent, base: dict[str, Any]) -> None:
+        egress = self.egress_tasks.get(e.task_id)
+        if egress is None:
+            egress = self.egress_tasks[e.task_id] = _EgressTask(e.task_id)
+        host = f"{e.host or '?'}:{e.port if e.port is not None else '?'}"
+        if len(egress.hosts) < MAX_KEYS:
+            egress.hosts.add(host)
+        egress.bytes_up += e.bytes_up or 0
+        egress.bytes_down += e.bytes_down or 0
+        if e.allowed:
+            egress.allowed += 1
+            return
+        egress.denied += 1
+        key = self.egress_denied.bump(host)
+        self.egress_denied_rule[key] = e.rule or _first_line(e.reason)
+        self.egress_denied_recent.append({**base, "host": host, "rule": e.rule,
+                                          "reason": _first_line(e.reason),
+                                          "protocol": (e.details or {}).get("protocol")})
+
+    def _egress_result(self) -> dict[str, Any]:
+        rows = sorted(self.egress_tasks.values(), key=lambda t: -(t.allowed + t.denied))
+        return {
+            "total": self.counts["sandbox:egress"],
+            "allowed": sum(t.allowed for t in rows),
+            "denied": sum(t.denied for t in rows),
+            "bytesUp": sum(t.bytes_up for t in rows),
+            "bytesDown": sum(t.bytes_down for t in rows),
+            "byTask": [t.row() for t in rows[:50]],
+            "topDenied": [{"host": h, "count": n, "rule": self.egress_denied_rule.get(h)}
+                          for h, n in self.egress_denied.most_common(TOP)],
+            "recentDenied": list(reversed(self.egress_denied_recent)),
+        }
 
     def _run(self, e: AuditEvent, task: TaskInfo, base: dict[str, Any]) -> None:
         task.runs += 1
@@ -290,5 +346,6 @@ class SummaryBuilder:
             "provisioning": {"byOutcome": dict(self.provision_outcomes.most_common()),
                              "retries": self.provision_retries,
                              "recent": list(reversed(self.provision_recent))},
+            "egress": self._egress_result(),
             "tasks": {"total": len(self.tasks), "recent": [t.row() for t in tasks]},
         }

@@ -3,8 +3,8 @@
 The engine flattens the image itself: a container is created from it (never started), its
 filesystem exported as one tar stream through the SDK and the container removed. So layers,
 whiteouts and opaque directories are the engine's business, not ours. The stream is extracted
-with the stdlib ``tar`` extraction filter (nothing outside the target, no setuid/setgid bits,
-no group/other write bits) plus two rules of ours: hard links stay inside, no device nodes.
+by the rules of :func:`extract_rootfs` (those of the stdlib ``tar`` filter, plus hard links
+kept inside and no device nodes), written here so they hold on 3.11.2 as on newer releases.
 
 One tree per image digest under ``CACHE/<digest>/rootfs``, read-only and shared by every
 container of that image. It is assembled in a temporary sibling (``.new-*``) and renamed into
@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import stat
 import tarfile
 import tempfile
 import time
@@ -38,30 +39,135 @@ def podman_url(env: Mapping[str, str], uid: int, settings_url: str | None = None
     return podman_endpoints(settings_url, env, uid)[0].url
 
 
-def rootfs_filter(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo | None:
-    """The stdlib ``tar`` filter, plus hard links kept inside and device nodes skipped.
+class UnsafeMemberError(tarfile.ExtractError):
+    """A member of the export that would land, or link, outside the root (the stdlib's
+    ``tarfile.FilterError`` family is 3.11.4+, so ours: the rules hold on 3.11.2 too)."""
 
-    The ``tar`` filter keeps every name inside ``dest`` (through symlinks already extracted
-    too) but, unlike ``data``, does not look at hard-link targets: a link to ``/etc/shadow``
-    (or ``../../etc/shadow``) would make, as root, a second name of the host's file inside
-    the rootfs the container reads. So a hard link's target is taken relative to the archive
-    root and must resolve inside ``dest``. A device node in the cache would be a door on the
-    host for whoever can read the cache (the container's /dev is its own tmpfs; an image has
-    no reason to ship one). Absolute symlinks stay: they are how root filesystems link, and
-    they resolve inside the container (``data`` would refuse them).
-    """
-    filtered = tarfile.tar_filter(member, dest)
-    if filtered.ischr() or filtered.isblk():
-        return None
-    if filtered.islnk():
-        linkname = filtered.linkname.lstrip("/")
-        real_dest = os.path.realpath(dest)
-        target = os.path.realpath(Path(real_dest, linkname))
-        if os.path.commonpath([target, real_dest]) != real_dest:
-            raise tarfile.LinkOutsideDestinationError(filtered, target)
-        if linkname != filtered.linkname:
-            filtered = filtered.replace(linkname=linkname, deep=False)
-    return filtered
+
+def _member_parts(name: str) -> list[str]:
+    """A member's name as path components under the root: leading ``/`` stripped (as the
+    stdlib filters do), ``.`` and empty components dropped, ``..`` refused. Pure."""
+    parts = [p for p in name.lstrip("/").split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise UnsafeMemberError(f"{name!r}: '..' in a member's name")
+    return parts
+
+
+def _escapes(parts: list[str], link: str) -> bool:
+    """Would the relative symlink ``link`` in the directory ``parts`` climb above the root,
+    resolved lexically? Pure."""
+    depth = len(parts)
+    for comp in link.split("/"):
+        if comp == "..":
+            depth -= 1
+            if depth < 0:
+                return True
+        elif comp not in ("", "."):
+            depth += 1
+    return False
+
+
+def _real_parent(root: Path, parts: list[str], name: str, make: bool = True) -> Path:
+    """``root/parts[:-1]``, made as needed (``make``), every component a real directory: a
+    symlink in the way (one this archive planted, to a host directory) is refused, never
+    followed. A flattened export lists no member under a symlink, so nothing real is
+    refused."""
+    here = root
+    for comp in parts[:-1]:
+        here = here / comp
+        try:
+            st = here.lstat()
+        except FileNotFoundError:
+            if not make:
+                raise tarfile.ExtractError(f"{name!r}: no such member") from None
+            here.mkdir(mode=0o755)
+            continue
+        if not stat.S_ISDIR(st.st_mode):
+            raise UnsafeMemberError(f"{name!r}: {comp!r} on its path is not a directory")
+    return here
+
+
+def _real_dir(root: Path, path: Path) -> bool:
+    """Is ``path`` (under ``root``) a directory reached through directories only?"""
+    here = root
+    for comp in path.relative_to(root).parts:
+        here = here / comp
+        try:
+            if not stat.S_ISDIR(here.lstat().st_mode):
+                return False
+        except FileNotFoundError:
+            return False
+    return True
+
+
+def _clear(path: Path, member: tarfile.TarInfo) -> None:
+    """Remove what an earlier member left at ``path`` (a later member replaces it, as with
+    tar), so nothing is written through an old symlink. A directory stays for a directory."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        if not member.isdir():
+            shutil.rmtree(path)
+    else:
+        path.unlink()
+
+
+def _own(path: Path, member: tarfile.TarInfo) -> None:
+    # numeric ids, never looked up by name on the host; only root can give files away
+    if os.geteuid() == 0:
+        os.chown(path, member.uid, member.gid, follow_symlinks=False)
+
+
+def _extract_member(tar: tarfile.TarFile, member: tarfile.TarInfo, root: Path,
+                    dirs: list[tuple[Path, tarfile.TarInfo]]) -> None:
+    """One member of the export under ``root`` by the rules of :func:`extract_rootfs`."""
+    parts = _member_parts(member.name)
+    if member.ischr() or member.isblk() or member.isfifo():
+        return
+    if not parts:  # the root itself ("./"): only its mode and owner
+        if member.isdir():
+            dirs.append((root, member))
+        return
+    path = _real_parent(root, parts, member.name) / parts[-1]
+    _clear(path, member)
+    if member.isdir():
+        if not path.is_dir():
+            path.mkdir(mode=0o700)
+        dirs.append((path, member))
+    elif member.issym():
+        if not member.linkname.startswith("/") and _escapes(parts[:-1], member.linkname):
+            raise UnsafeMemberError(
+                f"{member.name!r}: symlink to {member.linkname!r} climbs out of the root")
+        path.symlink_to(member.linkname)
+        _own(path, member)
+    elif member.islnk():
+        target_parts = _member_parts(member.linkname)
+        if not target_parts:
+            raise UnsafeMemberError(f"{member.name!r}: hard link to the root")
+        target = _real_parent(root, target_parts, member.linkname, make=False) / target_parts[-1]
+        if not os.path.lexists(target) or target.is_dir():
+            raise tarfile.ExtractError(
+                f"broken hard link in the export: {member.name!r} -> {member.linkname!r}")
+        os.link(target, path, follow_symlinks=False)
+    else:  # a regular file (tar extracts members of unknown types as regular files too)
+        src = tar.extractfile(member)
+        # O_EXCL | O_NOFOLLOW: a fresh file, never a symlink's target (_clear removed it)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            if src is not None:
+                shutil.copyfileobj(src, out)
+            out.flush()
+            if os.geteuid() == 0:
+                os.fchown(fd, member.uid, member.gid)
+            os.fchmod(fd, member.mode & SAFE_MODE_BITS)  # after chown, which clears setuid
+            os.utime(fd, (member.mtime, member.mtime))
+
+
+SAFE_MODE_BITS = 0o755
+"""The mode bits kept (the stdlib ``tar`` filter's mask): no setuid, setgid or sticky bit,
+no group or other write."""
 
 
 class _ChunkReader:
@@ -85,14 +191,34 @@ class _ChunkReader:
 
 
 def extract_rootfs(stream: IO[bytes] | _ChunkReader, root: Path) -> None:
-    """A flattened filesystem tar stream (an engine's container export) → ``root``."""
+    """A flattened filesystem tar stream (an engine's container export) → ``root``.
+
+    Our own extraction, not ``extractall(filter=...)``: that argument is 3.11.4+, and its
+    default changes in 3.14, so the rules are written here and hold on every interpreter:
+
+    * every name lands under ``root``: a leading ``/`` is stripped, ``..`` is refused, and no
+      symlink is ever followed while writing (none may stand on a member's path);
+    * a hard link's target is a member already under ``root`` (a link to ``/etc/shadow`` would
+      make, as root, a second name of the host's file in the rootfs the container reads);
+    * a relative symlink may not climb above ``root``; absolute symlinks stay: they are how
+      root filesystems link, and they resolve inside the container;
+    * no device node or FIFO (the container's /dev is its own tmpfs; a FIFO in the shared
+      cache would be a channel between containers of the image);
+    * mode bits masked to 0o755: no setuid, setgid or sticky bit, no group/other write;
+      owners numeric, set only when running as root.
+    """
     root.mkdir(parents=True)
+    dirs: list[tuple[Path, tarfile.TarInfo]] = []
     with tarfile.open(fileobj=stream, mode="r|*") as tar:  # type: ignore[call-overload]
-        # S202: the extraction is filtered (rootfs_filter: the stdlib tar filter, no devices).
-        try:
-            tar.extractall(root, numeric_owner=True, filter=rootfs_filter)  # noqa: S202
-        except KeyError as exc:  # a hard link to a member the archive does not have
-            raise tarfile.ExtractError(f"broken hard link in the export: {exc}") from exc
+        for member in tar:
+            _extract_member(tar, member, root, dirs)
+    # Directories last, deepest first: a read-only directory must not stop its own members.
+    for path, member in sorted(dirs, key=lambda d: len(d[0].parts), reverse=True):
+        if not _real_dir(root, path):
+            continue  # a later member replaced it (or a parent) with a symlink: never follow
+        _own(path, member)
+        path.chmod(member.mode & SAFE_MODE_BITS)
+        os.utime(path, (member.mtime, member.mtime))
 
 
 class _Export:

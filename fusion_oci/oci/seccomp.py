@@ -71,6 +71,32 @@ def default_profile(arch: str = "x86_64") -> dict[str, Any]:
     }
 
 
+def without_errno_ret(profile: Mapping[str, Any]) -> dict[str, Any]:
+    """``profile`` for a runtime that ignores ``errnoRet`` and answers every SCMP_ACT_ERRNO
+    with EPERM: gVisor's ``--oci-seccomp`` does (runsc 20221219: ``convertAction`` maps the
+    action to a fixed EPERM). Pure.
+
+    There the clone3 rule broke every thread: glibc falls back to clone only on ENOSYS, and on
+    EPERM gives up (``can't start new thread``, node's ``uv_thread_create`` abort). A rule
+    whose errno is ENOSYS becomes SCMP_ACT_TRACE, which the kernel (gVisor's too) answers
+    with ENOSYS when no tracer is attached, and none can be: the profile denies ptrace.
+    EPERM rules stay; any other errno cannot be said there (ValueError).
+    """
+    out = {**profile, "syscalls": []}
+    for rule in profile.get("syscalls", []):
+        if rule.get("action") != "SCMP_ACT_ERRNO":
+            out["syscalls"].append(dict(rule))
+            continue
+        code = rule.get("errnoRet", errno.EPERM)
+        if code == errno.EPERM:
+            out["syscalls"].append(dict(rule))
+        elif code == errno.ENOSYS:
+            trace = {k: v for k, v in rule.items() if k != "errnoRet"}
+            out["syscalls"].append({**trace, "action": "SCMP_ACT_TRACE"})
+        else:
+            raise ValueError(f"errno {code} of {rule.get('names')} cannot be returned by a "
+                             "runtime that ignores errnoRet")
+    return out
 
 
 LIBSECCOMP_HINT = ("install libseccomp (apt-get install libseccomp2, dnf install libseccomp) and "

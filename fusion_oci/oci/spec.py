@@ -328,7 +328,21 @@ def sandbox_env(
         env["GIT_CONFIG_KEY_0"] = "safe.directory"
         env["GIT_CONFIG_VALUE_0"] = "*"
     env.update(allowed_env(policy.env_allowlist, source))
+    if policy.network_mode is NetworkMode.FILTERED:
+        # Last: the allowlist cannot point a tool past the proxy (it could not reach anything
+        # anyway: the sandbox's only way out is the forwarder on 127.0.0.1:3128).
+        env.update(filtered_env())
     return env
+
+
+def filtered_env() -> dict[str, str]:
+    """The proxy environment of a ``filtered`` sandbox's commands: every tool's proxy variables
+    at the agent's forwarder, ssh through the agent's ``connect`` mode at the path every
+    runtime binds it to. Pure."""
+    from fusion_oci.agent.protocol import EGRESS_AGENT, EGRESS_PORT
+    from fusion_oci.egress.env import proxy_env
+
+    return proxy_env("127.0.0.1", EGRESS_PORT, agent=EGRESS_AGENT)
 
 
 # Names that look like credentials. They pass only when the allowlist names them exactly:

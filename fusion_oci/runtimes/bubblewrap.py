@@ -9,9 +9,10 @@ What a command gets: a read-only root built from the host's system directories (
 image directory), the worktree read-write at its own absolute path, allowedPaths read-only,
 writablePaths read-write, private tmpfs ``/tmp`` and ``$HOME`` (the task's: they last while the
 sandbox does, as a container's do), a fresh ``/proc`` and minimal ``/dev``, every namespace
-unshared (network kept only for ``host``), ``--die-with-parent``, its own session (no TIOCSTI
-into the caller's terminal), no capabilities, no further user namespaces, the bundle's seccomp
-profile, exactly the spec's environment, and the spec's rlimits.
+unshared (network kept only for ``host``; ``filtered`` is the empty namespace with the agent's
+forwarder to the task's egress proxy socket, no slirp4netns), ``--die-with-parent``, its own
+session (no TIOCSTI into the caller's terminal), no capabilities, no further user namespaces,
+the bundle's seccomp profile, exactly the spec's environment, and the spec's rlimits.
 
 At prepare, once per task: the host probes (once per process), the seccomp profile compiled to
 BPF by libseccomp, the cgroup (memory, pids, cpu) and slirp4netns for ``egress``, and the
@@ -69,6 +70,7 @@ from fusion_oci.runtimes.base import (
 from fusion_oci.runtimes.bubblewrap_argv import (
     AGENT_FD,
     BLOCK_FD,
+    EGRESS_PLACEHOLDER,
     INFO_FD,
     RESOLV_PLACEHOLDER,
     RLIMITS,
@@ -265,6 +267,8 @@ class BubblewrapRuntime(SpecRuntime):
         self._box: _Box | None = None
         self._bpf: tuple[Any, bytes | None] | None = None
         """(profile, its BPF): compiled once at prepare."""
+        self._egress_socket: str | None = None
+        """``filtered``: the host path of the task's egress proxy socket (from prepare)."""
 
     # ------------------------------------------------------------------ host facts
     @property
@@ -280,6 +284,7 @@ class BubblewrapRuntime(SpecRuntime):
             bwrap=p.bwrap or "bwrap", disable_userns=p.disable_userns,
             cgroup_mode=p.cgroups.mode, systemd_run=p.cgroups.systemd_run,
             egress_resolv_conf=resolv, agent=str(agent_binary()),
+            egress_socket=self._egress_socket or EGRESS_PLACEHOLDER,
         )
 
     def host_for(self, spec: Spec) -> BwrapHost:
@@ -296,7 +301,9 @@ class BubblewrapRuntime(SpecRuntime):
     def capabilities(self) -> SandboxCapabilities:
         limits = "advanced" if self.probe.cgroups.controllers else "basic"
         return SandboxCapabilities(
-            filesystem_isolation="strong", network_policy="coarse", resource_limits=limits,
+            filesystem_isolation="strong",
+            network_policy="fine" if Requirement.NETWORK_FILTERED in self.enforces()
+            else "coarse", resource_limits=limits,
             requires_install=True, supports_mac=False, supports_linux=True,
             supports_windows=False,
         )
@@ -311,6 +318,8 @@ class BubblewrapRuntime(SpecRuntime):
             "egress": (f"slirp4netns {p.slirp_version or '?'} --disable-host-loopback"
                        if p.egress_problem is None and p.slirp4netns else
                        f"unavailable: {p.egress_problem}"),
+            "filtered": "an empty network namespace; the agent forwards 127.0.0.1:3128 to the "
+                        "task's egress proxy socket",
             "cpu-time": "RLIMIT_CPU, set with prlimit(2) on bwrap before it forks",
             "seccomp": p.seccomp_problem or "the bundle's profile, compiled by libseccomp",
             "enforces": ", ".join(sorted(r.value for r in self.enforces())),
@@ -330,8 +339,10 @@ class BubblewrapRuntime(SpecRuntime):
         if p.bwrap is None or p.problem is not None:
             return frozenset()
         # tmpfs sizes: bwrap --size.
+        # filtered: an empty network namespace and the agent's forwarder to the task's proxy
+        # (nothing of the host's beyond bwrap itself).
         out = {Requirement.FILESYSTEM, Requirement.PROC_PATHS,
-               Requirement.ENV, Requirement.NETWORK_NONE,
+               Requirement.ENV, Requirement.NETWORK_NONE, Requirement.NETWORK_FILTERED,
                Requirement.TMP_SIZE}
         if p.egress_problem is None and p.slirp4netns:
             out.add(Requirement.NETWORK_EGRESS)
@@ -360,6 +371,7 @@ class BubblewrapRuntime(SpecRuntime):
         task = await super().prepare(task)
         assert self.task_spec is not None
         check_spec(self.task_spec)
+        self._egress_socket = egress.proxy_socket(task, self.task_spec)
         self._scratch = make_task_scratch(task.ctx.task_id)
         try:
             spec = self.compile(["true"], RunOptions())
@@ -495,6 +507,7 @@ class BubblewrapRuntime(SpecRuntime):
                         await asyncio.to_thread(box.group.remove)
         finally:
             self._bpf = None
+            self._egress_socket = None
             if self._scratch is not None:
                 shutil.rmtree(self._scratch, ignore_errors=True)
                 self._scratch = None

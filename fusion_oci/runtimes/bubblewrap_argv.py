@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fusion_oci.agent.protocol import Spawn
+from fusion_oci.agent.protocol import EGRESS_AGENT, EGRESS_SOCKET, Spawn, forward_args
 from fusion_oci.errors import BundleError, SandboxSetupError
 from fusion_oci.models import NetworkMode
 from fusion_oci.oci.seccomp import LIBSECCOMP_HINT, OCI_ARCHES, compile_bpf
@@ -51,6 +51,8 @@ AGENT_IN_SANDBOX = "/dev/fusion-oci-agent"
 PLAN_RUN_ID = "<run>"
 """The spawn frame's id in a plan (a counter per agent when it runs)."""
 RESOLV_PLACEHOLDER = "<egress-resolv.conf>"
+EGRESS_PLACEHOLDER = "<egress-proxy.sock>"
+"""The host path of the task's egress proxy socket in a plan (the proxy starts at prepare)."""
 
 # The spec's rlimits bubblewrap applies (the agent's setrlimit(2) before each command's exec).
 RLIMITS = {
@@ -83,6 +85,8 @@ class BwrapHost:
     exists with its usual kind (plans and goldens stay independent of the host)."""
     agent: str = AGENT_HELPER
     """The host path of the agent binary (fusion_oci.agent), the sandbox's PID 1."""
+    egress_socket: str = EGRESS_PLACEHOLDER
+    """``filtered``: the host path of the task's egress proxy socket (fusion_oci.egress)."""
 
 
 @dataclass(frozen=True)
@@ -254,6 +258,12 @@ def bwrap_argv(spec: Spec, host: BwrapHost, fds: LaunchFds | None = None) -> lis
     argv += proc_protection_args(spec, host)[0]
     if network is NetworkMode.EGRESS:
         argv += ["--ro-bind", host.egress_resolv_conf, "/etc/resolv.conf"]
+    if network is NetworkMode.FILTERED:
+        # The network namespace stays empty (only lo, which bwrap brings up): the one way out
+        # is the agent's forwarder to this socket, the task's proxy. Read-only binds: connect
+        # needs no write access to the mount, and neither file can be replaced from inside.
+        argv += ["--ro-bind", host.egress_socket, EGRESS_SOCKET,
+                 "--ro-bind", host.agent, EGRESS_AGENT]
     if spec["root"].get("readonly", True):
         # Last: mount points above were created in bwrap's tmpfs root; now nothing new can be.
         argv += ["--remount-ro", "/"]
@@ -265,13 +275,24 @@ def bwrap_argv(spec: Spec, host: BwrapHost, fds: LaunchFds | None = None) -> lis
         # under it (fork and exec keep a seccomp filter).
         argv += ["--seccomp", str(fds.seccomp)]
     # The agent gets no environment: each command's is its spawn frame's, whole.
-    argv += ["--clearenv", "--chdir", "/", "--", *sandbox_command(fds.agent)]
+    argv += ["--clearenv", "--chdir", "/", "--",
+             *sandbox_command(fds.agent, filtered=network is NetworkMode.FILTERED)]
     return argv
 
 
-def sandbox_command(agent: int | str = AGENT_FD) -> list[str]:
-    """What bwrap execs: the agent on its end of the socketpair. Pure."""
-    return [AGENT_IN_SANDBOX, "--fd", str(agent)]
+def sandbox_command(agent: int | str = AGENT_FD, *, filtered: bool = False) -> list[str]:
+    """What bwrap execs: the agent on its end of the socketpair, with its egress forwarder
+    when the network is ``filtered``. Pure."""
+    return [AGENT_IN_SANDBOX, *(forward_args() if filtered else []), "--fd", str(agent)]
+
+
+def _command_len(argv: Sequence[str]) -> int:
+    """How many of ``argv``'s last arguments are :func:`sandbox_command` (with or without the
+    forwarder's option)."""
+    filtered = sandbox_command(filtered=True)
+    if len(argv) >= len(filtered) and list(argv[-len(filtered):-1]) == filtered[:-1]:
+        return len(filtered)
+    return len(sandbox_command())
 
 
 def bwrap_spawn(spec: Spec, run_id: str = PLAN_RUN_ID) -> Spawn:
@@ -295,12 +316,12 @@ def with_fds(argv: Sequence[str], fds: LaunchFds) -> list[str]:
     the last argument, the fd options sit right before the fixed ``--clearenv --chdir / --``.
     """
     out = list(argv)
-    command = sandbox_command()
-    if len(out) < len(command) + 4 or out[-len(command):-1] != command[:-1] \
-            or out[-len(command) - 4:-len(command)] != ["--clearenv", "--chdir", "/", "--"]:
+    size = _command_len(out)
+    if len(out) < size + 4 or out[-size] != AGENT_IN_SANDBOX or out[-2] != "--fd" \
+            or out[-size - 4:-size] != ["--clearenv", "--chdir", "/", "--"]:
         raise ValueError("the bwrap command line is not a sandbox launch")
     out[-1] = str(fds.agent)
-    at = len(out) - len(command) - 4
+    at = len(out) - size - 4
     if at >= 2 and out[at - 2] == "--seccomp" and out[at - 1] == SECCOMP_FD:
         out[at - 1] = str(fds.seccomp)
         at -= 2
@@ -342,6 +363,10 @@ def plan_notes(spec: Spec, host: BwrapHost) -> list[str]:
     if network is NetworkMode.EGRESS:
         notes.append("egress: slirp4netns --configure --disable-host-loopback on the child's "
                      "network namespace before the command starts")
+    if network is NetworkMode.FILTERED:
+        notes.append("filtered: an empty network namespace (lo only); the agent forwards "
+                     "127.0.0.1:3128 to the task's egress proxy socket, bound at "
+                     f"{EGRESS_SOCKET}; the proxy allows or denies each connection")
     limits = CgroupLimits.from_spec(spec)
     if limits.controllers():
         notes.append(f"cgroup ({host.cgroup_mode}): " + ", ".join(sorted(limits.controllers())))
@@ -359,9 +384,10 @@ def args_launch(argv: Sequence[str], host: BwrapHost, fd: int | str
     """:func:`bwrap_argv`'s command as launched: ``[prefix...] bwrap --args FD -- AGENT --fd
     N``, and the options bwrap reads from FD (NUL-separated). Pure."""
     start = list(argv).index(host.bwrap)
-    command = list(argv[-len(sandbox_command()):])
+    command = list(argv[-_command_len(argv):])
     end = len(argv) - len(command) - 1
-    if end <= start or argv[end] != "--" or command[:2] != sandbox_command()[:2]:
+    if end <= start or argv[end] != "--" or command[0] != AGENT_IN_SANDBOX \
+            or command[-2] != "--fd":
         raise ValueError("the bwrap command line does not end with -- and the agent")
     payload = b"".join(a.encode() + b"\0" for a in argv[start + 1:end])
     return [*argv[:start + 1], "--args", str(fd), "--", *command], payload

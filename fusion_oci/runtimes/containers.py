@@ -22,6 +22,10 @@ How a task container is laid out (and why):
   the native runtime's reaper does). A task's commands run one at a time in its container.
 - The container's own environment is only PATH: each command carries its whole environment,
   so nothing of one run's environment leaks into the next one's.
+- ``network: filtered``: the engine's ``none`` network (only ``lo``), the task's egress proxy
+  socket bound read-only at ``/run/fusion-oci/egress.sock`` and the agent (init) started with
+  its forwarder (``--egress``), so 127.0.0.1:3128 inside is the one way out, through the
+  proxy; the agent binary is also at ``/run/fusion-oci/agent`` for ssh's ProxyCommand.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from fusion_oci.agent.protocol import EGRESS_AGENT, EGRESS_SOCKET, forward_args
 from fusion_oci.errors import BundleError
 from fusion_oci.models import NetworkMode
 from fusion_oci.oci.spec import (
@@ -81,6 +86,8 @@ class AgentMounts:
     binary: str = "<fusion-oci-agent>"
     run_dir: str = "<task-private agent folder>"
     """Placeholders: what a plan (``--dry-run``, goldens) shows before prepare made them."""
+    egress_socket: str = "<egress-proxy.sock>"
+    """``filtered``: the host path of the task's egress proxy socket (started at prepare)."""
 
 
 # Mounts every engine makes itself (with the same or stricter options than the spec's).
@@ -327,6 +334,9 @@ def _network(spec: Spec, target: Target) -> dict[str, Any]:
         return {"network_mode": "none"}
     if mode is NetworkMode.HOST:
         return {"network_mode": "host"}
+    if mode is NetworkMode.FILTERED:
+        # Only lo: the agent's forwarder to the proxy socket is the way out (_add_agent).
+        return {"network_mode": "none"}
     if target.engine == "podman" and target.rootless:
         # slirp4netns gives outbound access; allow_host_loopback=false keeps 10.0.2.2 (the
         # host's loopback) closed.
@@ -389,7 +399,7 @@ def plan_container(
         "ulimits": _ulimits(spec, target),
     }
     kwargs.update(_mounts(spec, target, volumes))
-    _add_agent(kwargs, target, agent)
+    _add_agent(kwargs, target, agent, filtered=spec_network(spec) is NetworkMode.FILTERED)
     kwargs.update(_network(spec, target))
     if target.cgroup_limits:
         kwargs.update(_resources(spec))
@@ -416,26 +426,39 @@ def plan_container(
             kwargs["userns_mode"] = "keep-id"
     notes.append(f"commands: spawned by the exec agent (pid 1) as {uid}:{gid}; a timeout or "
                  "abort ends the command's whole tree")
+    if spec_network(spec) is NetworkMode.FILTERED:
+        notes.append("filtered: network none; the agent forwards 127.0.0.1:3128 to the task's "
+                     f"egress proxy socket, bound read-only at {EGRESS_SOCKET}")
     return ContainerPlan(name=name, image=image, create=kwargs, volumes=volumes, notes=notes)
 
 
-def _add_agent(kwargs: dict[str, Any], target: Target, agent: AgentMounts) -> None:
-    """The exec agent as the container's init, and its two read-only mounts."""
+def _add_agent(kwargs: dict[str, Any], target: Target, agent: AgentMounts, *,
+               filtered: bool = False) -> None:
+    """The exec agent as the container's init, and its two read-only mounts (``filtered``:
+    with its forwarder, the proxy's socket and the agent again for ssh's ProxyCommand)."""
     kwargs["entrypoint"] = [AGENT_PATH]
-    kwargs["command"] = ["--connect", f"{AGENT_RUN_DIR}/{AGENT_SOCKET}"]
+    kwargs["command"] = [*(forward_args() if filtered else []),
+                         "--connect", f"{AGENT_RUN_DIR}/{AGENT_SOCKET}"]
     kwargs["init"] = False  # the agent is the init: it reaps, and ends trees on timeout
     # RLIMIT_CPU counts per process: on the container it would charge the agent's own CPU
     # time over the whole task; the agent sets it on each command (plan_exec) instead.
     kwargs["ulimits"] = [u for u in kwargs["ulimits"] if u["Name"] != "cpu"]
     binds = ((agent.binary, AGENT_PATH), (agent.run_dir, AGENT_RUN_DIR))
+    egress = ((agent.egress_socket, EGRESS_SOCKET), (agent.binary, EGRESS_AGENT)) \
+        if filtered else ()
     if target.engine == "docker":
         kwargs["mounts"] = [*kwargs["mounts"], *({"Target": dest, "Source": source,
                                                  "Type": "bind", "ReadOnly": True}
-                                                for source, dest in binds)]
+                                                for source, dest in (*binds, *egress))]
     else:
         kwargs["volumes"] = {**kwargs["volumes"], **{
             source: {"bind": dest, "extended_mode": ["ro", "rbind", "nosuid", "nodev"]}
             for source, dest in binds}}
+        # As mounts, not volumes: the SDK keys volumes by host path, and the agent's binary
+        # is bound twice. Read-only: connecting to a socket needs no writable mount.
+        kwargs["mounts"] = [*kwargs["mounts"], *({"type": "bind", "source": source,
+                                                 "target": dest, "read_only": True}
+                                                for source, dest in egress)]
 
 
 @dataclass(frozen=True)

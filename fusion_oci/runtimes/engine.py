@@ -69,6 +69,7 @@ from fusion_oci.runtimes.containers import (
     spec_image,
 )
 from fusion_oci.runtimes.engine_probe import EngineProbe, current_owner, nproc_limit
+from fusion_oci.runtimes.linux.egress import proxy_socket
 from fusion_oci.scratch import make_scratch
 
 if TYPE_CHECKING:
@@ -124,6 +125,8 @@ class ContainerRuntime(EngineProbe):
         socket until it has connected; removed at dispose."""
         self.image_ref: str | None = None
         self._image_id: str | None = None
+        self._egress_socket: str | None = None
+        """``filtered``: the host path of the task's egress proxy socket (from prepare)."""
 
     # -- engine-specific hooks (more in EngineProbe) ---------------------------------------
 
@@ -137,10 +140,12 @@ class ContainerRuntime(EngineProbe):
                       seccomp_dir=str(self.cache_root / "seccomp"))
 
     def enforces(self) -> frozenset[Requirement]:
+        # filtered: the engine's `none` network and the agent's forwarder to the task's proxy
+        # socket, rootful or rootless alike.
         need = {Requirement.FILESYSTEM, Requirement.PROC_PATHS,
                 Requirement.ENV, Requirement.NETWORK_NONE,
-                Requirement.NETWORK_EGRESS, Requirement.CPU_TIME, Requirement.TMP_SIZE,
-                Requirement.FILE_SIZE}
+                Requirement.NETWORK_EGRESS, Requirement.NETWORK_FILTERED,
+                Requirement.CPU_TIME, Requirement.TMP_SIZE, Requirement.FILE_SIZE}
         try:
             _, info = self._probe(start=False)
         except SandboxSetupError:
@@ -201,6 +206,7 @@ class ContainerRuntime(EngineProbe):
         await super().prepare(task)
         ctx = task.ctx
         assert self.task_spec is not None
+        self._egress_socket = proxy_socket(task, self.task_spec)
         # The image the resolve step chose (context, settings, else this backend's default),
         # provisioned; the task then runs on its local reference.
         self.image_ref = await self._provision(spec_image(self.task_spec), ctx)
@@ -273,7 +279,8 @@ class ContainerRuntime(EngineProbe):
             nonce = secrets.token_hex(4)
             run_dir, listener = self._agent_listener(spec, nonce)
             plan = self._plan(spec, container_name(self.ctx.task_id, nonce),
-                              AgentMounts(binary, str(run_dir)))
+                              AgentMounts(binary, str(run_dir),
+                                          self._egress_socket or AgentMounts.egress_socket))
             cid: str | None = None
             try:
                 for volume in plan.volumes:
@@ -403,6 +410,7 @@ class ContainerRuntime(EngineProbe):
                                          functools.partial(adapter.remove_volume, name))
                 self._task_volumes = []
         finally:
+            self._egress_socket = None
             if self._scratch is not None:
                 shutil.rmtree(self._scratch, ignore_errors=True)
                 self._scratch = None

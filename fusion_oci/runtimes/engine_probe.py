@@ -19,7 +19,7 @@ from fusion_oci.engines import (
 )
 from fusion_oci.errors import RuntimeUnavailableError, SandboxSetupError
 from fusion_oci.models import SandboxCapabilities
-from fusion_oci.runtimes.base import Availability, SpecRuntime
+from fusion_oci.runtimes.base import Availability, Requirement, SpecRuntime
 from fusion_oci.runtimes.containers import ContainerMode, Engine, Owner
 from fusion_oci.scratch import boot_id, process_start
 
@@ -127,8 +127,9 @@ class EngineProbe(SpecRuntime):
         return adapter, self._info
 
     def capabilities(self) -> SandboxCapabilities:
+        fine = Requirement.NETWORK_FILTERED in self.enforces()
         return SandboxCapabilities(
-            filesystem_isolation="strong", network_policy="coarse",
+            filesystem_isolation="strong", network_policy="fine" if fine else "coarse",
             resource_limits="advanced", requires_install=True, supports_mac=True,
             supports_linux=True, supports_windows=True,
         )

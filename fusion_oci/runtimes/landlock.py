@@ -32,13 +32,28 @@ network ``none`` (``socketpair`` still works, so pipes between processes do) and
 and ``/run/docker.sock`` must stay out of reach), ``io_uring`` refused (it opens sockets past
 seccomp), System V IPC and POSIX message queues refused (no IPC namespace); every ``chmod``
 handed to a supervisor in the reaper that allows it only beneath writable directories (Landlock
-does not govern metadata; see landlock_child.py); Landlock's TCP rules deny every bind and
-connect in ``none`` (ABI 4+); signal and abstract-socket scoping keep the command from
-signalling or reaching host processes (ABI 6+); capabilities dropped and ``no_new_privs``; the
-rlimits; the reaper shim ends the whole tree on timeout. Not enforceable without namespaces or
+does not govern metadata; see landlock_child.py), and every open shown to it, which lets each
+open go on as Landlock decides except a read-only one of the caller's own ``/proc/self``
+entries, which it opens for it (no rule can grant a process tree its own ``/proc/<pid>``);
+Landlock's TCP rules deny every bind and connect in ``none`` (ABI 4+); signal and
+abstract-socket scoping keep the command from signalling or reaching host processes (ABI
+6+); capabilities dropped and ``no_new_privs``; the rlimits; the reaper shim ends the whole
+tree on timeout. Not enforceable without namespaces or
 cgroups, so listed as unenforced (refused under ``fail-hard``): ``egress`` without host
 loopback (Landlock's TCP rules know ports, not addresses), memory, pids, CPU quota,
 ``tmpSizeMb``.
+
+``network: filtered`` (issue #22) is how a landlock task gets egress without the host's
+loopback: the task's egress proxy also listens on host ``127.0.0.1:<random port>``
+(``egress_via_tcp``), the command's proxy variables name it, and nothing else is reachable.
+Landlock (ABI 4+) denies every TCP bind and allows TCP connect to that port only; since its
+rules know ports and not addresses (a remote host could listen on the same port), every
+``connect()`` also goes to the reaper's supervisor (landlock_child.py), which reads the
+address once, allows ``127.0.0.1:<port>`` and unix sockets beneath writable paths, and makes
+that connect itself on the command's socket (``pidfd_getfd``); ``listen()`` too, allowed for
+unix sockets only (a TCP listen autobinds on every address). seccomp leaves only TCP and
+unix stream sockets (UDP, which Landlock does not govern, raw, packet, netlink, SCTP refused)
+and refuses TCP Fast Open (a connect inside ``sendto``).
 """
 
 from __future__ import annotations
@@ -98,16 +113,31 @@ DEVICES: tuple[tuple[str, tuple[str, ...]], ...] = (
 PROC_FILES = ("/proc/cpuinfo", "/proc/meminfo", "/proc/stat", "/proc/loadavg", "/proc/uptime",
               "/proc/version", "/proc/filesystems")
 """Static /proc files that runtimes read (node's os.cpus(), free memory, load). Rules bind to
-inodes, so the per-process directories of the command's children cannot be granted: the
-command's own /proc/self is unreadable too; stat and readlink still work."""
+inodes, so the per-process directories of the command's children cannot be granted by a rule:
+each process's own /proc/self (status, maps, fd, cgroup, limits, ...) is opened for it by the
+reaper's supervisor (landlock_child.py, step 5); other processes' entries stay unreadable."""
 SYS_DIRS = ("/sys/devices/system/cpu",)
 
 AF_UNIX = 1
+AF_INET = 2
+AF_INET6 = 10
+SOCK_STREAM = 1
+SOCK_TYPE_MASK = 0xF
+IPPROTO_TCP = 6
+MSG_FASTOPEN = 0x20000000
+FILTERED_FAMILIES = (AF_UNIX, AF_INET, AF_INET6)
+"""The socket families a ``filtered`` command may open, stream sockets only: TCP (whose
+connect the supervisor checks, landlock_child.py) and unix sockets (likewise); no UDP, no
+raw, packet or netlink socket, none of the families Landlock does not govern."""
 SYSV_IPC = ("shmget", "shmat", "shmctl", "semget", "semop", "semtimedop", "semctl", "msgget",
             "msgsnd", "msgrcv", "msgctl", "mq_open", "mq_unlink")
 MIN_FS_ABI = 3
 """Below ABI 3 any file, read-only ones included, can be truncated: the filesystem view is not
 enforced there."""
+MIN_NET_ABI = 4
+"""Landlock's TCP rules (ABI 4): ``network: filtered`` denies TCP bind and allows TCP connect
+to the proxy's port only; below it TCP bind would be open and every connect the supervisor's
+alone to keep, so filtered is not enforced there."""
 
 
 @dataclass(frozen=True)
@@ -117,7 +147,13 @@ class LandlockRules:
     paths: list[tuple[str, tuple[str, ...]]]
     """(host path, access right names), sorted; a path's rights are the union of its rules."""
     network: str
-    """``none``: every socket() refused and TCP bind/connect denied; ``host``: AF_UNIX refused."""
+    """``none``: every socket() refused and TCP bind/connect denied; ``host``: AF_UNIX refused;
+    ``filtered``: TCP and unix stream sockets only, TCP bind denied and TCP connect allowed
+    only to the task's egress proxy on host loopback (Landlock ABI 4+ by port, and the
+    connect supervisor by address)."""
+    proxy_port: int | None = None
+    """``filtered``: the host loopback port of the task's egress proxy (None before prepare
+    started it: nothing can connect then)."""
     scopes: tuple[str, ...] = ("abstract_unix_socket", "signal")
     seccomp: dict[str, Any] = field(default_factory=dict)
     """The bundle's profile plus the rules above (OCI JSON)."""
@@ -132,7 +168,7 @@ class LandlockRules:
 
     def to_json(self) -> dict[str, Any]:
         return {"paths": {p: " ".join(a) for p, a in self.paths}, "network": self.network,
-                "scopes": list(self.scopes), "seccomp": self.seccomp,
+                "proxy_port": self.proxy_port, "scopes": list(self.scopes), "seccomp": self.seccomp,
                 "restored": self.restored, "holes": self.holes}
 
 
@@ -154,14 +190,54 @@ def landlock_seccomp(profile: dict[str, Any], network: NetworkMode) -> dict[str,
     if network is NetworkMode.HOST:
         rules.append({"names": ["socket"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM,
                       "args": [{"index": 0, "value": AF_UNIX, "op": "SCMP_CMP_EQ"}]})
+    elif network is NetworkMode.FILTERED:
+        rules += filtered_socket_rules()
     else:
         rules.append({"names": ["socket"], "action": "SCMP_ACT_ERRNO",
                       "errnoRet": errno.EPERM})
     return {**profile, "syscalls": rules}
 
 
-def landlock_rules(spec: Spec, home: str, tmp: str) -> LandlockRules:
-    """The ruleset for a spec whose sandbox HOME and /tmp are the host dirs ``home``, ``tmp``.
+def filtered_socket_rules() -> list[dict[str, Any]]:
+    """seccomp rules (OCI JSON) of ``network: filtered``: every socket refused but TCP and unix
+    stream ones, and TCP Fast Open (a connect inside sendto/sendmsg) refused. Pure.
+
+    Landlock governs TCP only (no UDP, no raw, netlink or packet socket, no SCTP, whose
+    ``connectx`` is a setsockopt): whatever it does not govern is not opened. Written as deny
+    rules whose alternatives cover every other value (an argument with high bits set is
+    caught by the ``GT`` alternatives: closed, never open).
+    """
+    import errno
+
+    eperm = {"action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM}
+    families = [v for v in range(max(FILTERED_FAMILIES) + 1) if v not in FILTERED_FAMILIES]
+    rules: list[dict[str, Any]] = [
+        {"names": ["socket"], **eperm,
+         "args": [*({"index": 0, "value": v, "op": "SCMP_CMP_EQ"} for v in families),
+                  {"index": 0, "value": max(FILTERED_FAMILIES), "op": "SCMP_CMP_GT"}]},
+        {"names": ["socket"], **eperm,
+         "args": [{"index": 1, "value": SOCK_TYPE_MASK, "valueTwo": t,
+                   "op": "SCMP_CMP_MASKED_EQ"}
+                  for t in range(SOCK_TYPE_MASK + 1) if t != SOCK_STREAM]},
+    ]
+    for family in (AF_INET, AF_INET6):  # protocol 0 or IPPROTO_TCP: not SCTP or MPTCP
+        rules += [{"names": ["socket"], **eperm,
+                   "args": [{"index": 0, "value": family, "op": "SCMP_CMP_EQ"}, other]}
+                  for other in [*({"index": 2, "value": p, "op": "SCMP_CMP_EQ"}
+                                  for p in range(1, IPPROTO_TCP)),
+                                {"index": 2, "value": IPPROTO_TCP, "op": "SCMP_CMP_GT"}]]
+    for name, index in (("sendto", 3), ("sendmsg", 2), ("sendmmsg", 3)):
+        rules.append({"names": [name], **eperm,
+                      "args": [{"index": index, "value": MSG_FASTOPEN,
+                                "valueTwo": MSG_FASTOPEN, "op": "SCMP_CMP_MASKED_EQ"}]})
+    return rules
+
+
+def landlock_rules(spec: Spec, home: str, tmp: str, proxy_port: int | None = None,
+                   agent: str | None = None) -> LandlockRules:
+    """The ruleset for a spec whose sandbox HOME and /tmp are the host dirs ``home``, ``tmp``
+    (and, for ``network: filtered``, whose egress proxy listens on host ``proxy_port``, with
+    the exec agent at host path ``agent`` readable and executable: ssh's ProxyCommand).
 
     Mounts are read in order, as the spec means them: a later mount covers an earlier one. A
     later read-only bind beneath an earlier writable one is a carve-out Landlock cannot make.
@@ -185,21 +261,40 @@ def landlock_rules(spec: Spec, home: str, tmp: str) -> LandlockRules:
         if path not in restored:
             restored.append(path)
             holes += [p for p, w in grants[i + 1:] if w and _beneath(p, path) and p != path]
+    network = spec_network(spec)
+    # filtered: the command's own unix sockets (beneath writable paths) work; elsewhere no
+    # AF_UNIX socket can be opened, so making one is moot.
+    writable_rights = (*RW, "make_sock") if network is NetworkMode.FILTERED else RW
     rights: dict[str, set[str]] = {}
     for path, writable in grants:
-        rights.setdefault(path, set()).update(RW if writable else RO)
+        rights.setdefault(path, set()).update(writable_rights if writable else RO)
     for path, access in DEVICES:
         rights.setdefault(path, set()).update(access)
     for path in (*PROC_FILES, *SYS_DIRS):
         rights.setdefault(path, set()).update(RO)
+    if network is NetworkMode.FILTERED and agent is not None:
+        rights.setdefault(agent, set()).update(("execute", "read_file"))
     order = list(FS_RIGHTS)
     paths = [(p, tuple(sorted(a, key=order.index))) for p, a in sorted(rights.items())]
-    network = spec_network(spec)
-    mode = "host" if network is NetworkMode.HOST else "none"
+    if network is NetworkMode.EGRESS:
+        network = NetworkMode.NONE  # not enforceable here (no netns): refused, else closed
     profile = spec.get("linux", {}).get("seccomp") or {"defaultAction": "SCMP_ACT_ALLOW",
                                                        "syscalls": []}
-    return LandlockRules(paths, mode, seccomp=landlock_seccomp(profile, network),
-                         restored=restored, holes=sorted(set(holes)))
+    return LandlockRules(paths, network.value, seccomp=landlock_seccomp(profile, network),
+                         restored=restored, holes=sorted(set(holes)),
+                         proxy_port=proxy_port if network is NetworkMode.FILTERED else None)
+
+
+def landlock_env(env: dict[str, str], rules: LandlockRules, agent: str) -> dict[str, str]:
+    """The command's env: for ``filtered``, the proxy variables (compiled for an in-sandbox
+    forwarder on 127.0.0.1:3128) at the proxy's own host loopback port instead, and ssh's
+    ProxyCommand at the agent's host path (its ``connect`` mode dials the numeric
+    ``https_proxy`` where no proxy socket is bound). Pure."""
+    if rules.network != "filtered":
+        return env
+    from fusion_oci.egress import proxy_env
+
+    return {**env, **proxy_env("127.0.0.1", rules.proxy_port or 0, agent=agent)}
 
 
 def _mask(names: Sequence[str], table: dict[str, tuple[int, int]], abi: int) -> int:
@@ -211,7 +306,10 @@ def launch_config(rules: LandlockRules, abi: int, arch: str) -> dict[str, Any]:
 
     Every right the ABI knows is handled, so whatever no rule grants is denied.
     """
-    handled_net = _mask(list(NET_RIGHTS), NET_RIGHTS, abi) if rules.network == "none" else 0
+    handled_net = _mask(list(NET_RIGHTS), NET_RIGHTS, abi) if rules.network != "host" else 0
+    # filtered: TCP connect to the proxy's port only (any address: Landlock knows ports; the
+    # connect supervisor, which every connect() goes through, allows host loopback alone).
+    port = rules.proxy_port if rules.network == "filtered" else None
     return {
         "arch": arch,
         "abi": abi,
@@ -224,6 +322,10 @@ def launch_config(rules: LandlockRules, abi: int, arch: str) -> dict[str, Any]:
         # Where the chmod supervisor may change modes: the writable directories, never a
         # device node such as /dev/null.
         "writable": [p for p, a in rules.paths if "make_reg" in a],
+        # 0: every connect() goes to the supervisor, which allows 127.0.0.1:PORT and unix
+        # sockets beneath writable paths; -1: connect is left to the kernel (none, host).
+        "connect_port": (port or 0) if rules.network == "filtered" else -1,
+        "ports": [[port, _mask(["connect_tcp"], NET_RIGHTS, abi)]] if port and abi >= 4 else [],
     }
 
 
@@ -235,7 +337,8 @@ def launch_text(config: dict[str, Any]) -> str:
     """
     lines = [f"{key} {int(config[key]) if isinstance(config[key], bool) else config[key]}"
              for key in ("arch", "abi", "handled_fs", "handled_net", "scoped",
-                         "drop_capabilities", "seccomp")]
+                         "drop_capabilities", "connect_port", "seccomp")]
+    lines += [f"port {mask} {port}" for port, mask in config["ports"]]
     lines += [f"path {mask} {path}" for path, mask in config["paths"]]
     lines += [f"writable {path}" for path in config["writable"]]
     if any("\n" in p for p, _ in config["paths"]):
@@ -255,6 +358,8 @@ def enforced_requirements(abi: int) -> frozenset[Requirement]:
            Requirement.NETWORK_NONE, Requirement.PROC_PATHS}
     if abi >= MIN_FS_ABI:
         out.add(Requirement.FILESYSTEM)
+    if abi >= MIN_NET_ABI:
+        out.add(Requirement.NETWORK_FILTERED)
     return frozenset(out)
 
 
@@ -315,11 +420,17 @@ class LandlockPlan(LaunchPlan):
 
 class LandlockRuntime(HostProcessRuntime):
     id = "landlock"
+    egress_via_tcp = True
+    """No network namespace: the task's egress proxy also listens on host 127.0.0.1:<port>,
+    the one TCP destination a ``filtered`` command may connect to."""
+    _proxy_port: int | None = None
+    """``filtered``: that port, from prepare."""
 
     def capabilities(self) -> SandboxCapabilities:
         return SandboxCapabilities(
             filesystem_isolation="strong" if host_abi() >= MIN_FS_ABI else "none",
-            network_policy="coarse", resource_limits="basic",
+            network_policy="fine" if host_abi() >= MIN_NET_ABI else "coarse",
+            resource_limits="basic",
             requires_install=False, supports_mac=False, supports_linux=True,
             supports_windows=False,
         )
@@ -344,7 +455,12 @@ class LandlockRuntime(HostProcessRuntime):
         details["network"] = ("none: socket() refused by seccomp, TCP bind/connect denied"
                               + (" by Landlock" if abi >= 4 else " (no Landlock TCP rules)")
                               + "; egress without host loopback: not enforced (no network "
-                              "namespace); host: AF_UNIX refused")
+                              "namespace); host: AF_UNIX refused; filtered: "
+                              + ("TCP connect only to the task's proxy on host loopback "
+                                 "(Landlock port rule, every connect() checked by the "
+                                 "supervisor), TCP and unix stream sockets only"
+                                 if abi >= MIN_NET_ABI else
+                                 f"not enforced (needs ABI {MIN_NET_ABI})"))
         details["limits"] = ("rlimits (CPU time, file size, open files) only; memory, pids, "
                              "CPU quota and tmpSizeMb are not enforced (no cgroup)")
         if abi < 6:
@@ -364,7 +480,15 @@ class LandlockRuntime(HostProcessRuntime):
 
     def rules(self, spec: Spec) -> LandlockRules:
         home, tmp = self._dirs()
-        return landlock_rules(spec, home, tmp)
+        return landlock_rules(spec, home, tmp, self._proxy_port, self._agent())
+
+    @staticmethod
+    def _agent() -> str:
+        """The shipped agent's host path (not checked here: a missing one fails ssh's
+        ProxyCommand only, and plans need none)."""
+        from fusion_oci.agent import client
+
+        return str(Path(client.__file__).with_name(client.BINARY_NAME))
 
     _launches = 0
     """Launch files written so far (each command's is ``launch-N`` beside HOME and TMPDIR)."""
@@ -391,8 +515,15 @@ class LandlockRuntime(HostProcessRuntime):
             "runs on the host as the caller, confined before exec: capabilities dropped, "
             f"no_new_privs, Landlock ABI {abi} ruleset, seccomp",
             "read-write: " + ", ".join(p for p, a in rules.paths if "write_file" in a),
-            "network " + rules.network + (": every socket() refused" if rules.network == "none"
-                                          else ": AF_UNIX sockets refused"),
+            "network " + rules.network + {
+                "none": ": every socket() refused",
+                "host": ": AF_UNIX sockets refused",
+                "filtered": f": TCP connect only to the task's egress proxy at 127.0.0.1:"
+                            f"{rules.proxy_port or '<port chosen at prepare>'} (Landlock port "
+                            "rule; every connect() checked by the supervisor), TCP bind "
+                            "denied; TCP and unix stream sockets only (no UDP, raw, packet, "
+                            "netlink); unix connects only beneath writable paths",
+            }[rules.network],
             "rlimits: " + ", ".join(f"{n}={s}/{h}" for n, s, h in native_rlimits(spec)),
         ]
         notes += [f"not read-only during the command (restored after it): {p}"
@@ -402,7 +533,7 @@ class LandlockRuntime(HostProcessRuntime):
         return LandlockPlan(
             backend=self.id,
             argv=self.launch_command(spec, launch),
-            env=native_env(spec, home, tmp),
+            env=landlock_env(native_env(spec, home, tmp), rules, self._agent()),
             cwd=spec["process"]["cwd"],
             notes=notes,
             spec=spec,
@@ -415,6 +546,14 @@ class LandlockRuntime(HostProcessRuntime):
         ctx = task.ctx
         try:
             assert self.task_spec is not None
+            if spec_network(self.task_spec) is NetworkMode.FILTERED:
+                if task.egress is None or task.egress.tcp_port is None:
+                    raise SandboxSetupError(
+                        "network filtered needs the task's egress proxy on host loopback",
+                        "none was started for this task (the landlock runtime asks for a "
+                        "TCP listener: egress_via_tcp)",
+                        "prepare the task through fusion_oci.Sandbox")
+                self._proxy_port = task.egress.tcp_port
             if self.task_spec["annotations"].get(ANN_IMAGE):
                 raise SandboxSetupError(
                     "the landlock runtime cannot use an image",
@@ -495,6 +634,11 @@ class LandlockRuntime(HostProcessRuntime):
                 "see `fusion-oci doctor` for this kernel's Landlock ABI",
             )
         return self.result(outcome, spec)
+
+
+    async def dispose(self) -> None:
+        self._proxy_port = None
+        await super().dispose()
 
 
 def _write_launch(path: Path, text: str) -> None:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 from fusion_oci.agent.protocol import parse_exec_status
 from fusion_oci.errors import FusionOCIError, SandboxSetupError
-from fusion_oci.models import RunOptions, RunResult, SandboxCapabilities
+from fusion_oci.models import NetworkMode, RunOptions, RunResult, SandboxCapabilities
 from fusion_oci.oci.bundle import write_bundle
 from fusion_oci.oci.ops import EgressHook, with_init
 from fusion_oci.oci.spec import ANN_IMAGE, ANN_RUN, ANN_TASK, Spec
@@ -56,6 +56,7 @@ from fusion_oci.runtimes.linux.cgroups import (
 from fusion_oci.runtimes.ocicli import launch as _launch
 from fusion_oci.runtimes.ocicli import probe
 from fusion_oci.runtimes.ocicli.egress import EgressLink
+from fusion_oci.runtimes.ocicli.filtered import SOCKET_PLACEHOLDER
 from fusion_oci.runtimes.ocicli.gvisor import gvisor_details
 from fusion_oci.runtimes.ocicli.launch import (
     GRACE_S,
@@ -65,6 +66,7 @@ from fusion_oci.runtimes.ocicli.launch import (
     egress_launch_argv,
     exec_failure_status,
     is_gvisor,
+    network_of,
     run_argv,
     runtime_flags,
 )
@@ -158,6 +160,8 @@ class OciRuntime(SpecRuntime):
         self._version: str | None = None
         self._cgroups: Hierarchy | None = None
         self._egress: tuple[bool, str] | None = None
+        self._egress_socket: str | None = None
+        """``filtered``: the host path of the task's egress proxy socket (from prepare)."""
         self.gc_removed: list[str] = []
         """Containers of dead tasks that the last prepare removed (for the audit)."""
 
@@ -243,7 +247,8 @@ class OciRuntime(SpecRuntime):
         limits = self._limits()
         return SandboxCapabilities(
             filesystem_isolation="strong",
-            network_policy="coarse",
+            network_policy="fine" if Requirement.NETWORK_FILTERED in self.enforces()
+            else "coarse",
             resource_limits="advanced" if limits else "basic",
             requires_install=True,
             supports_mac=False,
@@ -267,6 +272,10 @@ class OciRuntime(SpecRuntime):
                        + ("before runsc starts (unshare --net)" if is_gvisor(binary) else
                           "by a createRuntime hook")
                        if egress_ok else f"not enforced: {egress_why}"),
+            "filtered": "the container's empty network namespace; the agent's forwarder "
+                        "(127.0.0.1:3128) to the task's egress proxy socket"
+                        + (", connectable from gVisor with --host-uds=open"
+                           if is_gvisor(binary) else ""),
         }
         if self.rootless:
             details["limits"] = ("memory, pids and cpu quota are not enforced: rootless, "
@@ -279,8 +288,10 @@ class OciRuntime(SpecRuntime):
                             rootless=self.rootless, details=details)
 
     def enforces(self) -> frozenset[Requirement]:
+        # NETWORK_FILTERED: the container's own empty netns and the agent's forwarder
+        # (ocicli/filtered.py); the agent is required for every command anyway.
         out = {Requirement.FILESYSTEM, Requirement.PROC_PATHS,
-               Requirement.ENV, Requirement.NETWORK_NONE,
+               Requirement.ENV, Requirement.NETWORK_NONE, Requirement.NETWORK_FILTERED,
                Requirement.CPU_TIME, Requirement.TMP_SIZE, Requirement.FILE_SIZE}
         if is_gvisor(self.runtime_name):
             out.discard(Requirement.TMP_SIZE)  # gVisor's tmpfs ignores size= (seen: 20221219)
@@ -309,6 +320,7 @@ class OciRuntime(SpecRuntime):
             init=self._find_init(), exec_status=self._find_exec_status(), rootfs=rootfs,
             unshare=self._find_unshare(),
             cgroup_pid=self.pid, keep=self.keep_for(spec),
+            egress_socket=self._egress_socket or SOCKET_PLACEHOLDER,
         )
         return _launch.build_launch(spec, host, seq)
 
@@ -344,6 +356,12 @@ class OciRuntime(SpecRuntime):
                                                         "runtime": binary})
         assert self.task_spec is not None
         try:
+            if network_of(self.task_spec) is NetworkMode.FILTERED:
+                if task.egress is None:
+                    raise SandboxSetupError("network filtered needs the task's egress proxy",
+                                            "none was started for this task",
+                                            "prepare the task through fusion_oci.Sandbox")
+                self._egress_socket = str(task.egress.unix_socket)
             # The image the resolve step chose, read from the task spec (not the context).
             if image := self.task_spec["annotations"].get(ANN_IMAGE):
                 from fusion_oci.images.rootfs import export_image_rootfs, podman_url
@@ -478,6 +496,7 @@ class OciRuntime(SpecRuntime):
             self.nonce = secrets.token_hex(3)  # a next prepare gets a directory of its own
             self._seq = 0
         self._rootfs = None
+        self._egress_socket = None
         await super().dispose()
 
 

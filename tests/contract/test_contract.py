@@ -338,3 +338,61 @@ async def _assert_not_enforced(runtime: Runtime, worktree: Path, spec: Limit) ->
         async with sandbox(runtime, worktree, **spec.policy) as sb:
             await sb.run("echo the harmful command would run here")
     assert spec.part in refused.value.unenforced
+
+
+# ---------------------------------------------------------------------------- threads, /proc/self
+
+PYTHON_THREADS = """
+import socket, threading
+seen = []
+def resolve():
+    seen.append(socket.getaddrinfo("localhost", 80, type=socket.SOCK_STREAM)[0][4][0])
+threads = [threading.Thread(target=resolve) for _ in range(8)]
+for t in threads: t.start()
+for t in threads: t.join()
+print("python", len(seen), sorted(set(seen)) in (["127.0.0.1"], ["::1"], ["127.0.0.1", "::1"]))
+"""
+NODE_THREADS = """
+const { Worker } = require("worker_threads");
+const dns = require("dns");
+const worker = new Worker("require('worker_threads').parentPort.postMessage(6 * 7)",
+                          { eval: true });
+worker.on("message", (n) => {
+  console.log("worker", n);
+  // dns.lookup runs getaddrinfo on a thread of libuv's pool
+  dns.lookup("localhost", (err) => console.log("lookup", err ? err.code : "ok"));
+});
+worker.on("error", (err) => { console.log("worker-error", err.message); process.exit(3); });
+"""
+
+
+async def test_threads_start_and_names_resolve_on_a_thread(runtime: Runtime,
+                                                           worktree: Path) -> None:
+    """Python threads, a node worker thread and a name resolution on libuv's thread pool: a
+    sandbox that refuses new threads (runsc once did: its seccomp answered clone3 with EPERM,
+    so glibc never fell back to clone) breaks node, pnpm and curl in every step."""
+    async with sandbox(runtime, worktree) as sb:
+        py = await sb.run(["python3", "-c", PYTHON_THREADS])
+        node = await sb.run(["node", "-e", NODE_THREADS])
+    assert (py.exit_code, py.stdout) == (0, "python 8 True\n"), py
+    assert (node.exit_code, node.stdout) == (0, "worker 42\nlookup ok\n"), node
+
+
+OWN_PROC = """set -e
+grep '^Name:' /proc/self/status
+cat /proc/self/cgroup >/dev/null && echo cgroup
+test -n "$(cat /proc/self/maps)" && echo maps
+python3 -c 'import os; print(min(os.listdir("/proc/self/fd")))'
+grep '^Name:' /proc/thread-self/status
+sh -c 'exec grep -c ^Pid: /proc/$$/status'
+"""
+
+
+async def test_a_command_reads_its_own_proc_self(runtime: Runtime, worktree: Path) -> None:
+    """ps, JVMs, Go and Node helpers read their own status, maps, fds and cgroup. (gVisor
+    20221219 has no /proc/self/limits, an empty cgroup file, and its ls cannot stat
+    /proc/self/fd: the landlock tests read those in full.)"""
+    async with sandbox(runtime, worktree) as sb:
+        r = await sb.run(OWN_PROC)
+    assert (r.exit_code, r.stdout.split("\n")) == (0, [
+        "Name:\tgrep", "cgroup", "maps", "0", "Name:\tgrep", "1", ""]), r

@@ -366,11 +366,18 @@ async def test_agent_cannot_be_reached_replaced_or_traced(
             "trace the agent": "cat /proc/1/environ",
             "agent memory": "head -c 1 /proc/1/mem",
             "agent fds": "readlink /proc/1/fd/0 || readlink /proc/1/exe",
-            "kill the agent": "kill -9 1 && sleep 1 && kill -0 1 && exit 1",
         }
         for name, cmd in tamper.items():
             r = await sb.run(cmd, RunOptions(timeout_ms=20_000))
-            assert r.exit_code not in (0, None) or name == "kill the agent", (name, r)
+            assert r.exit_code not in (0, None), (name, r)
+        # Killing the agent (pid 1 of the container) from inside: refused (another user) or
+        # dropped (the kernel does not deliver SIGKILL to a namespace's init from inside). The
+        # command itself runs to its end either way, and the agent serves the next one.
+        r = await sb.run("kill -9 1; echo killed=$?; sleep 1", RunOptions(timeout_ms=20_000))
+        assert r.exit_code == 0 and r.stdout.startswith("killed="), r
+        os.kill(before, 0)  # the agent's host-side process is still there (else ProcessLookupError)
+        after = await sb.run("echo alive")
+        assert after.stdout == "alive\n" and agent_of(sb).peer_pid == before, after
         again = await sb.run("echo still here")
         assert again.stdout == "still here\n" and agent_of(sb).peer_pid == before
         assert (await other.run("echo b")).stdout == "b\n", "the other task's agent is intact"

@@ -214,15 +214,18 @@ async def probe(args: dict[str, Any]) -> dict[str, Any]:
     so that the caller can raise the same error; any other error propagates (non-zero exit).
     """
     from fusion_oci.errors import PolicyNotEnforceableError
+    from tests.security.egress_world import resolving
 
     sandbox_settings = SandboxSettings.model_validate(args["settings"])
     ctx = PrepareContext.model_validate(args["ctx"])
     opts = RunOptions.model_validate(args["opts"])
     try:
-        async with Sandbox(sandbox_settings, env=args["env"],
-                           cache_root=Path(args["cacheRoot"])) as sb:
-            await sb.prepare(ctx)
-            result = await sb.run(args["command"], opts)
+        # egressNames: what the task's proxy resolves (the egress probes' test names).
+        with resolving(args.get("egressNames")):
+            async with Sandbox(sandbox_settings, env=args["env"],
+                               cache_root=Path(args["cacheRoot"])) as sb:
+                await sb.prepare(ctx)
+                result = await sb.run(args["command"], opts)
     except PolicyNotEnforceableError as exc:
         return {"refused": exc.unenforced, "message": exc.render()}
     return {"result": result.model_dump(mode="json", by_alias=True)}

@@ -209,3 +209,38 @@ def test_the_token_link_opens_a_live_page(browser: WebDriver, tmp_path: Path) ->
                                     backend="oci", duration_ms=1)])
         wait_text(browser, "n-events", str(len(task_events(3)) + 1))
         browser.delete_all_cookies()
+
+
+def x_range(driver: WebDriver) -> tuple[float, float]:
+    """The "Runs over time" chart's x scale (uPlot's, in seconds), once the chart is drawn."""
+    WebDriverWait(driver, 20).until(
+        lambda d: d.execute_script("return !!document.getElementById('timeline').uplot"),
+        "the timeline chart was never drawn")
+    got = driver.execute_script(
+        "const x = document.getElementById('timeline').uplot.scales.x;"
+        "return [x.min, x.max, x.time];")
+    assert got[2] is True, "the x axis is not a time axis"
+    return float(got[0]), float(got[1])
+
+
+@pytest.mark.parametrize("spread_s", [0.4, 5400.0])
+def test_the_time_axis_spans_the_events(browser: WebDriver, tmp_path: Path,
+                                        spread_s: float) -> None:
+    """The axis shows when the runs happened: events within one second (one bucket) are not
+    drawn on an axis of years, nor events over 90 minutes on one of seconds."""
+    from datetime import datetime
+
+    path = tmp_path / "audit.jsonl"
+    stamps = [ts(100 + spread_s * i / 3) for i in range(4)]
+    write_log(path, [AuditEvent(type="sandbox:run", ts=s, task_id="t1", run_id=f"r{i}",
+                                backend="bubblewrap", exit_code=0, duration_ms=5)
+                     for i, s in enumerate(stamps)])
+    first, last = (datetime.fromisoformat(s).timestamp() for s in (stamps[0], stamps[-1]))
+    with dashboard(path) as d:
+        browser.get(d.url)
+        wait_text(browser, "n-events", "4")
+        lo, hi = x_range(browser)
+        bucket = float(d.json("/api/summary")["timeline"]["bucketSeconds"])
+        # the axis covers the events and is no wider than their buckets
+        assert lo <= first and hi >= last, (lo, hi, first, last)
+        assert hi - lo <= (last - first) + 2 * bucket, (lo, hi, first, last, bucket)

@@ -135,6 +135,69 @@ def test_chmod_works_in_the_worktree_and_nowhere_else(worktree: Path, tmp_path: 
     assert result.stderr.count("Operation not permitted") == 3, result.stderr
 
 
+OWN_PROC_SCRIPT = (
+    "set -e; grep -q '^Name:.*grep' /proc/self/status && echo status; "
+    "grep -q '^Max open files' /proc/self/limits && echo limits; "
+    "test -n \"$(cat /proc/self/cgroup)\" && echo cgroup; "
+    "test -n \"$(cat /proc/self/maps)\" && echo maps; "
+    "ls /proc/self/fd | grep -qx 0 && echo fd; "
+    "grep -q '^Name:' /proc/thread-self/status && echo thread-self; "
+    "tr '\\0' ' ' < /proc/self/cmdline | grep -q '^tr' && echo cmdline; "
+    "(cd /proc/self && grep -q '^Pid:' status) && echo relative; "
+    "sh -c 'exec grep -q ^Pid: /proc/$$/status' && echo own-pid; "
+    "sh -c 'grep -q ^PPid: /proc/$PPID/status' && echo parent-in-sandbox; "
+    "sleep 5 & ps -o comm= | tr '\\n' ' ' | grep -qx 'sh sleep ps tr grep ' && echo ps; kill $!"
+)
+
+
+def test_each_process_reads_its_own_proc_self(worktree: Path) -> None:
+    """No rule can grant each process of the tree its own /proc/<pid> (a new inode per pid):
+    the reaper's supervisor opens it for the caller, children included, and the entries of
+    the sandbox's other processes (ps lists those, as in a pid namespace)."""
+    result = run(worktree, OWN_PROC_SCRIPT)
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.split() == ["status", "limits", "cgroup", "maps", "fd", "thread-self",
+                                     "cmdline", "relative", "own-pid", "parent-in-sandbox",
+                                     "ps"], result
+    threads = run(worktree, "python3 -c 'import threading\n"
+                            "def f(): print(open(\"/proc/thread-self/status\").readline())\n"
+                            "t = threading.Thread(target=f); t.start(); t.join()'")
+    assert threads.stdout.strip() == "Name:\tpython3", threads
+    # Another process of the sandbox: what ps reads, not what the kernel guards by ptrace.
+    sibling = run(worktree, "sleep 5 & tr '\\0' ' ' < /proc/$!/cmdline; echo; "
+                            "cat /proc/$!/environ /proc/$!/maps 2>&1 | grep -c denied; kill $!")
+    assert sibling.stdout.split("\n") == ["sleep 5 ", "2", ""], sibling
+
+
+def test_other_processes_proc_and_the_hosts_sysctls_stay_out_of_reach(worktree: Path) -> None:
+    """A host process's environ and cmdline (canaries in both), its status, pid 1's, magic
+    links out of /proc/self, capability-dependent entries, masked paths and sysctl writes: all
+    refused; ps lists no host process."""
+    canary = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)", "CANARY-ARG-7f3a"],
+        env={"CANARY": "CANARY-ENV-7f3a"}, stdin=subprocess.DEVNULL)
+    try:
+        pid = canary.pid
+        probes = [f"/proc/{pid}/environ", f"/proc/{pid}/cmdline", f"/proc/{pid}/status",
+                  f"/proc/{pid}/maps", "/proc/1/cmdline", "/proc/self/root/etc/hostname",
+                  "/proc/self/pagemap", "/proc/self/stack",
+                  "/proc/self/net/tcp", "/proc/keys", "/proc/timer_list",
+                  "/proc/sys/kernel/hostname"]
+        script = "; ".join(f"cat {p} >/dev/null 2>&1 && echo READ {p}" for p in probes)
+        script += (f"; cat /proc/{pid}/environ /proc/{pid}/cmdline 2>/dev/null; "
+                   "echo x 2>/dev/null > /proc/self/comm && echo WROTE comm; "
+                   "echo 1 2>/dev/null > /proc/sys/vm/drop_caches && echo WROTE sysctl; "
+                   "ps -eo args; echo end")
+        result = run(worktree, script)
+    finally:
+        canary.kill()
+        canary.wait()
+    listed = result.stdout.splitlines()
+    assert listed[0] == "COMMAND" and listed[-1] == "end", result  # nothing READ or WROTE
+    assert "ps -eo args" in listed, result  # ps ran, and listed the sandbox only:
+    assert "7f3a" not in result.stdout + result.stderr
+
+
 def test_egress_and_cgroup_limits_are_refused_not_weakened(worktree: Path) -> None:
     for policy in ({"network": "egress"}, {"memory_limit_mb": 64}, {"pids_limit": 10},
                    {"tmp_size_mb": 8}):

@@ -73,6 +73,11 @@ works). unenforced: the backend cannot enforce it and says so (native: in
 RunResult.unenforced; a sandbox backend: it refuses the policy, PolicyNotEnforceableError); the
 harmful command is not run (a fork bomb on the bare host would harm the machine)."""
 
+EGRESS_PROBES = ("egress-denied-host", "egress-direct-connect", "egress-raw-udp",
+                 "egress-outside-dns", "egress-host-loopback", "egress-metadata",
+                 "egress-rebind-loopback", "egress-ignores-proxy")
+"""test_egress.py's probes (one sandboxed program, egress_world.PROBE_JS, judged per probe)."""
+
 EXPECT: dict[tuple[str, str], Expect] = {
     ("home-canary", "native"): "leaks",
     ("resident-server", "native"): "leaks",  # test_resident.py: the fast CLI's server socket
@@ -133,6 +138,10 @@ EXPECT: dict[tuple[str, str], Expect] = {
     ("memory-hog", ROOTLESS): "unenforced",
     ("fork-bomb", DOCKERLESS): "unenforced",
     ("memory-hog", DOCKERLESS): "unenforced",
+    # network filtered (test_egress.py): native lists it unenforced (it has no network
+    # namespace); landlock enforces it with Landlock's TCP rules and the connect supervisor,
+    # oci (runc, runsc) with the container's empty netns and the agent's forwarder.
+    **{(probe, "native"): "unenforced" for probe in EGRESS_PROBES},
 }
 
 CGROUP_LIMIT_PROBES = {"fork-bomb", "memory-hog"}
@@ -239,8 +248,11 @@ class Prober:
     rootless: RootlessUser | None = None
     """Set for the rootless backends: commands run as this user, through the rootless
     driver."""
+    egress_names: dict[str, list[str]] | None = None
+    """What the task's egress proxy resolves names to (egress_world.resolving); None: the
+    host's resolver."""
 
-    def run(self, command: str, policy: SandboxPolicy | None = None, *,
+    def run(self, command: str | list[str], policy: SandboxPolicy | None = None, *,
             timeout_ms: int = 20_000, worktree: Path | None = None,
             max_buffer: int | None = None, cache_mode: CacheMode = CacheMode.OFF,
             project_dir: Path | None = None, task_id: str = "probe") -> RunResult:
@@ -261,11 +273,15 @@ class Prober:
         if self.rootless is not None:
             return self._run_rootless(self.rootless, command, policy, ctx, opts)
         settings = backend_settings(self.backend, policy=policy)
-        with SyncSandbox(settings, env=self.env, cache_root=self.tmp / "cache") as sb:
+        from tests.security.egress_world import resolving
+
+        with resolving(self.egress_names), \
+                SyncSandbox(settings, env=self.env, cache_root=self.tmp / "cache") as sb:
             sb.prepare(ctx)
             return sb.run(command, opts)
 
-    def _run_rootless(self, user: RootlessUser, command: str, policy: SandboxPolicy,
+    def _run_rootless(self, user: RootlessUser, command: str | list[str],
+                      policy: SandboxPolicy,
                       ctx: PrepareContext, opts: RunOptions) -> RunResult:
         if self.backend == ROOTLESS:
             settings = SandboxSettings(backend="podman", policy=policy, image=user.image)
@@ -280,6 +296,7 @@ class Prober:
             "ctx": ctx.model_dump(mode="json", by_alias=True),
             "opts": opts.model_dump(mode="json", by_alias=True),
             "env": self.env, "cacheRoot": str(self.tmp / "cache"), "command": command,
+            "egressNames": self.egress_names,
         }, timeout=opts.timeout_ms / 1000 + 120)
         if "refused" in answer:
             raise PolicyNotEnforceableError(settings.backend, answer["refused"])

@@ -111,3 +111,21 @@ def test_without_the_agent_platform_native_plans_the_reaper_shim() -> None:
     assert plan.argv is not None and plan.argv[-4:] == ["--", "/bin/sh", "-c", "pnpm test"]
     assert plan.argv[4].endswith("reaper.py") and plan.sdk_call is None
     assert runtime.availability().available
+
+
+def test_the_egress_paths_and_port_are_the_agents_own() -> None:
+    """protocol.py's in-sandbox egress names are agent.c's (one binary, one Python view), and
+    the proxy environment points at them."""
+    import re
+    from pathlib import Path
+
+    from fusion_oci.agent import protocol
+    from fusion_oci.oci.spec import filtered_env
+
+    source = (Path(protocol.__file__).parent / "agent.c").read_text()
+    assert re.search(rf'#define EGRESS_SOCKET "{re.escape(protocol.EGRESS_SOCKET)}"', source)
+    assert re.search(rf"#define FWD_PORT {protocol.EGRESS_PORT}\b", source)
+    assert protocol.forward_args() == ["--egress", protocol.EGRESS_SOCKET]
+    env = filtered_env()
+    assert env["HTTP_PROXY"] == f"http://127.0.0.1:{protocol.EGRESS_PORT}"
+    assert env["GIT_SSH_COMMAND"] == protocol.ssh_proxy_command()

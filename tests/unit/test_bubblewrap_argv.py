@@ -13,6 +13,7 @@ from fusion_oci.policy.layout import CacheMount, GitLayout, TaskLayout
 from fusion_oci.runtimes.bubblewrap import (
     BwrapHost,
     LaunchFds,
+    args_launch,
     bwrap_argv,
     bwrap_spawn,
     mount_args,
@@ -50,6 +51,8 @@ CASES: dict[str, tuple[SandboxPolicy, TaskLayout]] = {
     "default-egress": (SandboxPolicy(), PLAIN),
     "network-none": (SandboxPolicy(allow_network=False), PLAIN),
     "network-host": (SandboxPolicy(network="host"), PLAIN),
+    "network-filtered": (SandboxPolicy(network="filtered", allowed_domains=["example.com"]),
+                         PLAIN),
     "locked-down": (SandboxPolicy(
         allow_network=False, memory_limit_mb=256, pids_limit=64,
         cpu_limit=CpuLimit(max_cores=1.5, max_ms=30_000),
@@ -93,8 +96,11 @@ def test_isolation_flags_always_present() -> None:
         assert tuple(head[head.index("--proc"):][:2]) == ("--proc", "/proc")
         assert "--dev" in head and head[-1] != "/"
         # the sandbox runs the agent; the command is the spawn frame's
-        assert argv[-7:] == ["--clearenv", "--chdir", "/", "--",
-                             "/dev/fusion-oci-agent", "--fd", "<agent-fd>"]
+        forward = ["--egress", "/run/fusion-oci/egress.sock"] if name == "network-filtered" \
+            else []
+        assert argv[-7 - len(forward):] == ["--clearenv", "--chdir", "/", "--",
+                                            "/dev/fusion-oci-agent", *forward, "--fd",
+                                            "<agent-fd>"]
         assert list(bwrap_spawn(spec_for(name)).argv) == ["/bin/sh", "-c", "pnpm test"]
         assert ("--share-net" in head) == (name == "network-host")
 
@@ -165,6 +171,30 @@ def test_egress_gets_hooks_and_slirp_dns() -> None:
     assert "--share-net" not in argv
     none = bwrap_argv(spec_for("network-none"), BWRAP_HOST)
     assert "--info-fd" not in none and "/run/fusion/resolv.conf" not in none
+
+
+def test_filtered_is_an_empty_netns_with_the_proxy_socket_and_the_forwarder() -> None:
+    spec = spec_for("network-filtered")
+    host = BwrapHost(bwrap="/usr/bin/bwrap", cgroup_mode="v1", agent="/opt/agent",
+                     egress_socket="/tmp/fusion-oci-egress-x/egress.sock")
+    argv = bwrap_argv(spec, host, LaunchFds(info=7, block=8, seccomp=9, agent=6))
+    assert "--share-net" not in argv and "--unshare-all" in argv
+    assert "--info-fd" not in argv  # no slirp4netns, nothing to attach
+    assert "/run/fusion/resolv.conf" not in argv
+    binds = _pairs(argv, "--ro-bind")
+    assert ("/tmp/fusion-oci-egress-x/egress.sock", "/run/fusion-oci/egress.sock") in binds
+    assert ("/opt/agent", "/run/fusion-oci/agent") in binds
+    assert argv[-5:] == ["/dev/fusion-oci-agent", "--egress", "/run/fusion-oci/egress.sock",
+                         "--fd", "6"]
+    env = dict(bwrap_spawn(spec).env)
+    assert env["HTTPS_PROXY"] == env["http_proxy"] == "http://127.0.0.1:3128"
+    assert env["NO_PROXY"] == ""
+    assert "/run/fusion-oci/agent connect %h %p" in env["GIT_SSH_COMMAND"]
+    launch, _ = args_launch(argv, host, 5)
+    assert launch[-5:] == ["/dev/fusion-oci-agent", "--egress", "/run/fusion-oci/egress.sock",
+                           "--fd", "6"]
+    # the proxy env is the filtered policy's only: none elsewhere
+    assert "HTTPS_PROXY" not in dict(bwrap_spawn(spec_for("default-egress")).env)
 
 
 def test_limits_are_the_agents_setrlimit_and_launch_hooks() -> None:

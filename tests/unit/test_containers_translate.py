@@ -83,6 +83,8 @@ POLICY = SandboxPolicy(
     env_allowlist=["NODE_ENV"], allowed_paths=["/opt/ref"], writable_paths=["/srv/out"],
 )
 
+FILTERED = SandboxPolicy(network=NetworkMode.FILTERED, allowed_domains=["example.com"])
+
 CASES = {
     "docker-egress": (Target("docker", False, (96551, 96551)), POLICY, False),
     "podman-egress": (Target("podman", False, (32768, 32768)), POLICY, False),
@@ -93,6 +95,10 @@ CASES = {
     "docker-rootless-cgroupv1": (Target("docker", True, (96551, 96551), cgroup_limits=False),
                                  POLICY, False),
     "podman-host": (Target("podman"), SandboxPolicy(network=NetworkMode.HOST), False),
+    "podman-filtered": (Target("podman", False, (32768, 32768)), FILTERED, False),
+    "podman-rootless-filtered": (Target("podman", True, (32768, 32768)), FILTERED, False),
+    "docker-filtered": (Target("docker", False, (96551, 96551)), FILTERED, False),
+    "docker-rootless-filtered": (Target("docker", True, (96551, 96551)), FILTERED, False),
 }
 
 
@@ -199,6 +205,34 @@ def test_network_none_and_host() -> None:
     host = plan_container(spec_for(SandboxPolicy(network=NetworkMode.HOST)), Target("podman"),
                           name="n", owner=OWNER).create
     assert host["network_mode"] == "host"
+
+
+def test_filtered_is_network_none_with_the_proxy_socket_and_the_forwarder() -> None:
+    mounts = AgentMounts("/opt/agent", "/tmp/run-1", "/tmp/fusion-oci-egress-t1/egress.sock")
+    spec = spec_for(FILTERED)
+    for target in (Target("docker"), Target("docker", True), Target("podman"),
+                   Target("podman", True)):
+        create = plan_container(spec, target, name="n", owner=OWNER, agent=mounts).create
+        assert create["network_mode"] == "none", target
+        assert "network_options" not in create
+        assert create["command"] == ["--egress", "/run/fusion-oci/egress.sock", "--connect",
+                                     f"{AGENT_RUN_DIR}/agent.sock"]
+        if target.engine == "docker":
+            binds = {m["Target"]: (m["Source"], m["ReadOnly"]) for m in create["mounts"]}
+        else:
+            binds = {m["target"]: (m["source"], m["read_only"]) for m in create["mounts"]
+                     if m["type"] == "bind"}
+        assert binds["/run/fusion-oci/egress.sock"] == (
+            "/tmp/fusion-oci-egress-t1/egress.sock", True)
+        assert binds["/run/fusion-oci/agent"] == ("/opt/agent", True)
+    env = plan_exec(spec).env
+    assert env["HTTPS_PROXY"] == "http://127.0.0.1:3128" and env["no_proxy"] == ""
+    # other modes: no forwarder, no socket
+    create = plan_container(spec_for(POLICY), Target("docker"), name="n", owner=OWNER,
+                            agent=mounts).create
+    assert "--egress" not in create["command"]
+    assert all(m["Target"] != "/run/fusion-oci/egress.sock" for m in create["mounts"])
+    assert "HTTPS_PROXY" not in plan_exec(spec_for(POLICY)).env
 
 
 def test_cache_volumes_per_project_and_per_task() -> None:

@@ -7,7 +7,7 @@ import contextlib
 import io
 import stat
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -17,7 +17,7 @@ from fusion_oci.images import rootfs
 from fusion_oci.images.rootfs import _ChunkReader, export_image_rootfs, extract_rootfs, podman_url
 
 
-def tar_bytes(entries: list[tuple[str, str, str | bytes, int]]) -> bytes:
+def tar_bytes(entries: Sequence[tuple[str, str, str | bytes, int]]) -> bytes:
     """(kind, name, data-or-link-target, mode) → a tar, as an engine's export streams it."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
@@ -33,8 +33,12 @@ def tar_bytes(entries: list[tuple[str, str, str | bytes, int]]) -> bytes:
             elif kind == "hardlink":
                 info.type, info.linkname = tarfile.LNKTYPE, str(data)
                 tar.addfile(info)
-            elif kind == "chr":
-                info.type, info.devmajor, info.devminor = tarfile.CHRTYPE, 1, 3
+            elif kind in ("chr", "blk"):
+                info.type = tarfile.CHRTYPE if kind == "chr" else tarfile.BLKTYPE
+                info.devmajor, info.devminor = 1, 3
+                tar.addfile(info)
+            elif kind == "fifo":
+                info.type = tarfile.FIFOTYPE
                 tar.addfile(info)
             else:
                 raw = data.encode() if isinstance(data, str) else data
@@ -94,6 +98,118 @@ def test_hard_links_inside_the_image_are_kept(tmp_path: Path) -> None:
     extract_rootfs(io.BytesIO(data), root)
     assert (root / "usr/perl5").stat().st_ino == (root / "usr/perl").stat().st_ino
     assert (root / "usr/perl6").stat().st_ino == (root / "usr/perl").stat().st_ino
+
+
+def extract(tmp_path: Path, entries: Sequence[tuple[str, str, str | bytes, int]],
+            name: str = "rootfs") -> Path:
+    root = tmp_path / name
+    extract_rootfs(io.BytesIO(tar_bytes(entries)), root)
+    return root
+
+
+def test_our_rules_not_the_interpreters_filter(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """extractall's ``filter=`` is 3.11.4+ and its default changes in 3.14: never called, so
+    every rule below holds the same on Debian 12's 3.11.2 and on newer interpreters."""
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("TarFile.extract/extractall called")
+
+    monkeypatch.setattr(tarfile.TarFile, "extractall", refuse)
+    monkeypatch.setattr(tarfile.TarFile, "extract", refuse)
+    root = extract(tmp_path, [("dir", "etc", "", 0o755), ("file", "etc/os", "deb", 0o644),
+                              ("symlink", "os", "/etc/os", 0o777)])
+    assert (root / "etc/os").read_text() == "deb"
+
+
+def test_absolute_names_land_under_the_root(tmp_path: Path) -> None:
+    root = extract(tmp_path, [("dir", "/etc", "", 0o755), ("file", "/etc/planted", "x", 0o644),
+                              ("file", "./etc/dotted", "y", 0o644)])
+    assert (root / "etc/planted").read_text() == "x" and (root / "etc/dotted").exists()
+
+
+@pytest.mark.parametrize("name", ["../escape", "etc/../../escape", "/../escape"])
+def test_dot_dot_in_a_name_is_refused(tmp_path: Path, name: str) -> None:
+    with pytest.raises(rootfs.UnsafeMemberError, match=r"'\.\.'"):
+        extract(tmp_path, [("dir", "etc", "", 0o755), ("file", name, "x", 0o644)])
+    assert not (tmp_path / "escape").exists()
+
+
+def test_no_member_is_written_through_a_symlink(tmp_path: Path) -> None:
+    outside = tmp_path / "host"
+    outside.mkdir()
+    (outside / "file").write_text("host")
+    with pytest.raises(rootfs.UnsafeMemberError, match="not a directory"):
+        extract(tmp_path, [("symlink", "etc", "/", 0o777), ("file", "etc/passwd", "x", 0o644)])
+    # a later member of the same name replaces the symlink; the host file is left alone
+    root = extract(tmp_path, [("symlink", "f", str(outside / "file"), 0o777),
+                              ("file", "f", "image", 0o644)], "r2")
+    assert not (root / "f").is_symlink() and (root / "f").read_text() == "image"
+    assert (outside / "file").read_text() == "host"
+    # a directory swapped for a symlink after it was made: its mode is not applied through it
+    before = stat.S_IMODE(outside.stat().st_mode)
+    extract(tmp_path, [("dir", "d", "", 0o700), ("symlink", "d", str(outside), 0o777)], "r3")
+    assert stat.S_IMODE(outside.stat().st_mode) == before
+
+
+def test_symlinks_absolute_kept_relative_must_stay_inside(tmp_path: Path) -> None:
+    root = extract(tmp_path, [("dir", "usr", "", 0o755), ("dir", "usr/lib", "", 0o755),
+                              ("symlink", "lib", "usr/lib", 0o777),
+                              ("symlink", "usr/lib/up", "../../etc", 0o777),
+                              ("symlink", "sh", "/bin/dash", 0o777)])
+    assert str((root / "lib").readlink()) == "usr/lib"
+    assert str((root / "usr/lib/up").readlink()) == "../../etc"
+    assert str((root / "sh").readlink()) == "/bin/dash"  # resolved inside the container
+    for link in ["../etc", "usr/../../etc", "a/../../../x"]:
+        with pytest.raises(rootfs.UnsafeMemberError, match="climbs out"):
+            extract(tmp_path, [("symlink", "bad", link, 0o777)], f"r-{link.count('/')}")
+
+
+def test_hard_links_must_point_at_a_member_inside(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("host only")
+    cases: list[tuple[list[tuple[str, str, str | bytes, int]], type[Exception]]] = [
+        ([("hardlink", "shadow", str(secret), 0o644)], tarfile.ExtractError),  # root-relative
+        ([("hardlink", "shadow", "../secret", 0o644)], rootfs.UnsafeMemberError),
+        ([("symlink", "up", str(tmp_path), 0o777), ("hardlink", "shadow", "up/secret", 0o644)],
+         rootfs.UnsafeMemberError),
+        ([("dir", "etc", "", 0o755), ("hardlink", "etc2", "etc", 0o644)], tarfile.ExtractError),
+    ]
+    for i, (entries, error) in enumerate(cases):
+        with pytest.raises(error):
+            extract(tmp_path, entries, f"r{i}")
+    assert secret.stat().st_nlink == 1
+    assert not list((tmp_path / "r0").iterdir())  # no directory made for the missing target
+
+
+def test_devices_and_fifos_are_not_made(tmp_path: Path) -> None:
+    root = extract(tmp_path, [("dir", "dev", "", 0o755), ("chr", "dev/null", "", 0o666),
+                              ("blk", "dev/sda", "", 0o660), ("fifo", "run-pipe", "", 0o666),
+                              ("file", "kept", "k", 0o644)])
+    assert sorted(p.name for p in root.rglob("*")) == ["dev", "kept"]
+
+
+def test_mode_bits_masked_owners_numeric(tmp_path: Path) -> None:
+    import os
+
+    root = extract(tmp_path, [("dir", "tmp", "", 0o1777), ("dir", "ro", "", 0o555),
+                              ("file", "ro/inside", "x", 0o644),
+                              ("file", "suid", "x", 0o4755), ("file", "sgid", "x", 0o2755),
+                              ("file", "gw", "x", 0o666)])
+    modes = {p.name: stat.S_IMODE(p.lstat().st_mode) for p in root.rglob("*")}
+    assert modes == {"tmp": 0o755, "ro": 0o555, "inside": 0o644, "suid": 0o755,
+                     "sgid": 0o755, "gw": 0o644}
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        info = tarfile.TarInfo("owned")
+        info.uid, info.gid, info.uname, info.mode = 4321, 4322, "root", 0o644
+        tar.addfile(info, io.BytesIO(b""))
+    owned = tmp_path / "owned"
+    extract_rootfs(io.BytesIO(buf.getvalue()), owned)
+    st = (owned / "owned").lstat()
+    if os.geteuid() == 0:  # numeric ids, never the name's ("root" here); only root can chown
+        assert (st.st_uid, st.st_gid) == (4321, 4322)
+    else:
+        assert st.st_uid == os.geteuid()
 
 
 class FakeExport:

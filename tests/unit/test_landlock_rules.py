@@ -126,17 +126,21 @@ def test_enforced_requirements_per_abi() -> None:
 
 
 @pytest.mark.parametrize("arch", ["x86_64", "aarch64"])
-def test_every_chmod_call_and_only_those_go_to_the_supervisor(arch: str) -> None:
+def test_every_chmod_and_open_call_and_only_those_go_to_the_supervisor(arch: str) -> None:
+    """chmod (Landlock does not govern metadata) and open/openat (the caller's own /proc
+    entries, which no rule can grant a process tree)."""
     from fusion_oci.landlock_child import (
         AUDIT_ARCH,
         CHMOD_CALLS,
+        OPEN_CALLS,
         RET_ALLOW,
         RET_USER_NOTIF,
         notify_program,
     )
 
     program = notify_program(arch)
-    calls = {nr for nr in CHMOD_CALLS[arch] if nr >= 0}
+    calls = {nr for nr in (*CHMOD_CALLS[arch], *OPEN_CALLS[arch]) if nr >= 0}
+    assert len(calls) == {"x86_64": 6, "aarch64": 4}[arch]
     for nr in range(0, 460):
         want = RET_USER_NOTIF if nr in calls else RET_ALLOW
         assert run_bpf(program, nr, AUDIT_ARCH[arch]) == want, nr
@@ -186,3 +190,44 @@ def test_plan_is_what_execute_runs() -> None:
     assert "<reaper>" not in plan.argv
     assert_golden("landlock/plan-locked-down.json",
                   {"argv": host_neutral(plan.argv), "env": plan.env, "cwd": plan.cwd})
+
+
+@pytest.mark.parametrize(("path", "want"), [
+    ("/proc/self/status", (40, "status")),
+    ("/proc/self", (40, ".")),
+    ("/proc/self/", (40, ".")),
+    ("/proc/40/limits", (40, "limits")),
+    ("/proc/self/fd", (40, "fd")),
+    ("/proc/self/fdinfo/3", (40, "fdinfo/3")),
+    ("/proc/self/./maps", (40, "maps")),
+    ("/proc/thread-self/status", (40, "task/41/status")),
+    ("/proc/self/task/41/stat", (40, "task/41/stat")),
+    ("/proc/self/task", (40, "task")),
+    ("/proc/39/status", (39, "status")),  # another process: the supervisor asks whose
+    ("/proc/39/cmdline", (39, "cmdline")),
+    ("/proc/39/task/39/stat", (39, "task/39/stat")),
+    ("/proc/1/environ", None),  # ptrace-guarded entries: the caller's own only
+    ("/proc/39/maps", None),
+    ("/proc/39/fd", None),
+    ("/proc/39/task/39/environ", None),
+    ("/proc", (0, ".")),  # the listing
+    ("/proc/", (0, ".")),
+    ("/proc/self/pagemap", None),  # content depends on the opener's capabilities
+    ("/proc/self/stack", None),
+    ("/proc/self/mem", None),
+    ("/proc/self/net/tcp", None),  # the host's sockets
+    ("/proc/self/root", None),
+    ("/proc/self/task/41/pagemap", None),
+    ("/proc/self/../1/environ", None),
+    ("/proc/040/status", None),  # not how the kernel names a pid
+    ("/proc/0/status", None),
+    ("/proc/sys/kernel/hostname", None),
+    ("/proc/keys", None),
+    ("/proc/cpuinfo", None),  # granted by a Landlock rule, not by the supervisor
+    ("/etc/passwd", None),
+])
+def test_which_proc_entries_the_supervisor_may_open(path: str,
+                                                    want: tuple[int, str] | None) -> None:
+    from fusion_oci.landlock_child import proc_entry
+
+    assert proc_entry(path, tid=41, tgid=40) == want

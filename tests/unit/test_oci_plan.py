@@ -208,7 +208,7 @@ def test_enforces_follows_controllers_and_rootless() -> None:
     rt._egress = (False, "no slirp4netns")
     assert rt.enforces() == {
         Requirement.FILESYSTEM, Requirement.PROC_PATHS, Requirement.ENV, Requirement.NETWORK_NONE,
-        Requirement.CPU_TIME,
+        Requirement.NETWORK_FILTERED, Requirement.CPU_TIME,
         Requirement.MEMORY, Requirement.PIDS, Requirement.CPU_QUOTA, Requirement.TMP_SIZE,
         Requirement.FILE_SIZE,
     }

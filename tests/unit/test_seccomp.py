@@ -8,11 +8,20 @@ from typing import Any
 import pytest
 
 import tests.bpf
-from fusion_oci.oci.seccomp import AUDIT_ARCH, DENIED, compile_bpf, default_profile, libseccomp
+from fusion_oci.oci.seccomp import (
+    AUDIT_ARCH,
+    DENIED,
+    compile_bpf,
+    default_profile,
+    libseccomp,
+    without_errno_ret,
+)
 
 EPERM, ENOSYS = 1, 38
 ALLOW = "allow"
 KILL = "kill"
+TRACE = "trace"
+"""SECCOMP_RET_TRACE: with no tracer attached the kernel answers ENOSYS."""
 ARCHES = sorted(AUDIT_ARCH)
 
 
@@ -23,6 +32,8 @@ def run_bpf(prog: bytes, nr: int, arch: int, args: tuple[int, ...] = ()) -> Any:
         return ALLOW
     if k == 0x80000000:
         return KILL
+    if k & 0xFFFF0000 == 0x7FF00000:
+        return TRACE
     assert k & 0xFFFF0000 == 0x00050000
     return k & 0xFFFF
 
@@ -98,6 +109,31 @@ def test_profile_features_beyond_the_default() -> None:
     assert run_bpf(prog, nrs["socket"], audit, (0x1_00000001,)) == ENOSYS
 
 
+@pytest.mark.parametrize("arch", ARCHES)
+def test_without_errno_ret_keeps_every_verdict_but_says_enosys_by_trace(arch: str) -> None:
+    """For a runtime that answers every errno rule with EPERM (runsc): clone3 must still end
+    in ENOSYS, or glibc never falls back to clone and no thread starts."""
+    plain = compile_bpf(default_profile(arch), arch)
+    blind_profile = without_errno_ret(default_profile(arch))
+    assert all("errnoRet" not in r or r["errnoRet"] == EPERM
+               for r in blind_profile["syscalls"])
+    blind = compile_bpf(blind_profile, arch)
+    audit = AUDIT_ARCH[arch]
+    for name, nr in table(arch).items():
+        for args in ((), (0x00020000,), (0x3D0F00,), (17, 2), (2, 3)):
+            want = run_bpf(plain, nr, audit, args)
+            got = run_bpf(blind, nr, audit, args)
+            assert got == (TRACE if name == "clone3" else want), (name, args)
+    assert run_bpf(plain, table(arch)["clone3"], audit) == ENOSYS
+
+
+def test_without_errno_ret_refuses_an_errno_it_cannot_say() -> None:
+    profile = {"defaultAction": "SCMP_ACT_ALLOW",
+               "syscalls": [{"names": ["read"], "action": "SCMP_ACT_ERRNO", "errnoRet": 13}]}
+    with pytest.raises(ValueError, match="errno 13"):
+        without_errno_ret(profile)
+
+
 def test_what_a_filter_cannot_say_is_refused() -> None:
     with pytest.raises(ValueError, match="not supported"):
         compile_bpf({"defaultAction": "SCMP_ACT_ALLOW",
@@ -116,4 +152,6 @@ def test_profile_in_every_bundle_is_schema_valid(oci_validator: Any) -> None:
     spec = compile_spec(PrepareContext(task_id="t", run_id="r", worktree_path="/w"),
                         TaskLayout("/w", None, (), None), HostInfo(), "true", RunOptions(), {})
     assert spec["linux"]["seccomp"]["defaultAction"] == "SCMP_ACT_ALLOW"
+    oci_validator.validate(spec)
+    spec["linux"]["seccomp"] = without_errno_ret(spec["linux"]["seccomp"])
     oci_validator.validate(spec)

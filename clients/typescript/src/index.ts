@@ -19,6 +19,6 @@ export type { SandboxErrorKind } from "./errors";
 export { createSandboxBackend } from "./backend";
 export type { SandboxBackendOptions } from "./backend";
 export { FusionOciServer, PROTOCOL_VERSION } from "./server";
-export type { GateCallback, GateRequest, ServerOptions } from "./server";
+export type { GateCallback, GateRequest, ServerConnection, ServerOptions } from "./server";
 export { disposeExecSandboxes, exec } from "./exec";
 export type { ExecError, ExecOptions, ExecResult } from "./exec";

@@ -53,7 +53,14 @@ interface OutputParams {
 
 type OutputListener = (stream: "stdout" | "stderr", chunk: Buffer) => void;
 
-interface Live {
+/** A live connection to the server as callers see it: which server generation it is. The
+ * JSON-RPC connection inside stays private, so no vscode-jsonrpc type is in our public
+ * declarations (its `vscode-jsonrpc/node` does not resolve under `moduleResolution: node`). */
+export interface ServerConnection {
+  readonly generation: number;
+}
+
+interface Live extends ServerConnection {
   conn: MessageConnection;
   child: ChildProcess | undefined;
   socket: Socket | undefined;
@@ -64,6 +71,8 @@ interface Live {
 }
 
 let generations = 0;
+/** Every Live made here: what request() accepts as its connection. */
+const lives = new WeakSet<ServerConnection>();
 
 function defaultCommand(): string[] {
   const fromEnv = process.env.FUSION_OCI_SERVER;
@@ -99,7 +108,11 @@ export class FusionOciServer {
   constructor(readonly options: ServerOptions = {}) {}
 
   /** The live connection's generation: sandboxes of an older one are gone. */
-  async connection(): Promise<Live> {
+  async connection(): Promise<ServerConnection> {
+    return this.connect();
+  }
+
+  private async connect(): Promise<Live> {
     if (this.closed) throw new SandboxError("server-exited", "the client was closed");
     if (this.live) return this.live;
     if (!this.starting) {
@@ -161,6 +174,7 @@ export class FusionOciServer {
         new StreamMessageReader(c.stdout!), new StreamMessageWriter(c.stdin!));
     }
     const live: Live = { conn, child, socket, generation, exited, pending: new Set() };
+    lives.add(live);
     conn.onNotification("output", (p: OutputParams) => {
       this.listeners.get(p.execId)?.(p.stream, Buffer.from(p.data, "base64"));
     });
@@ -185,8 +199,8 @@ export class FusionOciServer {
     this.idle(live);
     let hello: { protocolVersion?: string };
     try {
-      hello = await this.request<{ protocolVersion?: string }>("initialize",
-        { protocolVersion: PROTOCOL_VERSION, client: "@fusion-oci/client" }, live);
+      hello = await this.requestOn<{ protocolVersion?: string }>(live, "initialize",
+        { protocolVersion: PROTOCOL_VERSION, client: "@fusion-oci/client" });
     } catch (err) {
       this.kill(live);
       throw err;
@@ -207,8 +221,12 @@ export class FusionOciServer {
   }
 
   /** A request that fails with `server-exited` when the server ends first. */
-  async request<R>(method: string, params: object, live?: Live): Promise<R> {
-    const l = live ?? (await this.connection());
+  async request<R>(method: string, params: object, on?: ServerConnection): Promise<R> {
+    if (on && !lives.has(on)) throw new TypeError("not a connection of a FusionOciServer");
+    return this.requestOn<R>((on as Live | undefined) ?? (await this.connect()), method, params);
+  }
+
+  private async requestOn<R>(l: Live, method: string, params: object): Promise<R> {
     this.busy++;
     this.idle(l);
     try {

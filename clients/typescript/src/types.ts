@@ -24,8 +24,15 @@ export interface SandboxPolicy {
   envAllowlist?: string[];
   cpuLimit?: { maxCores?: number; maxMs?: number };
   memoryLimitMb?: number;
-  /** fusion-oci: explicit network mode (default: egress when allowNetwork, else none). */
-  network?: "none" | "egress" | "host";
+  /** fusion-oci: explicit network mode (default: egress when allowNetwork, else none).
+   * "filtered": outbound only through the task's egress proxy, to the built-in git/npm
+   * profile's hosts and allowedDomains, never deniedDomains. */
+  network?: "none" | "egress" | "filtered" | "host";
+  /** fusion-oci: hosts a "filtered" network reaches besides the built-in git/npm profile's:
+   * "example.com", "*.example.com", an address or CIDR range, each optionally ":port". */
+  allowedDomains?: string[];
+  /** fusion-oci: hosts a "filtered" network never reaches, whatever allows them (deny wins). */
+  deniedDomains?: string[];
   /** fusion-oci: most processes/threads at once. */
   pidsLimit?: number;
   /** fusion-oci: size cap of the private /tmp and HOME, MiB. */

@@ -6,6 +6,7 @@
   const COLORS = ["#5c8dd6", "#43a047", "#8e24aa", "#f4511e", "#00897b", "#6d4c41", "#3949ab"];
   let chart = null;
   let chartKey = "";
+  let bucketS = 1;  // the timeline's bucket, in seconds (the x scale's range reads it)
 
   function el(tag, text, cls) {
     const e = document.createElement(tag);
@@ -58,7 +59,7 @@
     const box = $("timeline");
     const names = Object.keys(tl.series);
     if (!tl.times.length) {
-      if (chart) { chart.destroy(); chart = null; chartKey = ""; }
+      if (chart) { chart.destroy(); chart = null; chartKey = ""; box.uplot = null; }
       box.replaceChildren(el("p", "no runs yet", "empty"));
       $("timeline-note").textContent = "";
       return;
@@ -72,7 +73,11 @@
     let acc = tl.times.map(() => 0);
     for (const r of raw) { acc = acc.map((v, i) => v + r[i]); stacked.push(acc); }
     const order = names.map((_, i) => names.length - 1 - i);
-    const data = [tl.times, ...order.map((i) => stacked[i]), tl.failing];
+    // Each bar at the middle of its bucket; the x scale spans the buckets, in seconds (uPlot's
+    // time unit). Left to uPlot, one bucket (runs within a second) got an axis of 1000 days.
+    bucketS = tl.bucketSeconds;
+    const mids = tl.times.map((t) => t + bucketS / 2);
+    const data = [mids, ...order.map((i) => stacked[i]), tl.failing];
     const key = names.join("|");
     if (chart && key === chartKey) { chart.setData(data); return; }
     if (chart) chart.destroy();
@@ -86,9 +91,17 @@
            points: { show: true, size: 4 } }];
     chart = new uPlot({
       width: Math.max(320, box.clientWidth - 10), height: 220, series,
-      scales: { y: { range: (u, min, max) => [0, Math.max(1, max)] } },
+      scales: {
+        // from the data, not uPlot's min/max: for one point it passes max = min + 1000 days
+        x: { time: true, range: (u) => {
+          const xs = u.data[0];
+          return [xs[0] - bucketS / 2, xs[xs.length - 1] + bucketS / 2];
+        } },
+        y: { range: (u, min, max) => [0, Math.max(1, max)] },
+      },
       axes: [{}, { label: "runs" }],
     }, data, box);
+    box.uplot = chart;  // the page's tests read its scales (the axis range) from here
     chartKey = key;
   }
 
@@ -204,7 +217,30 @@
       { label: "last event", get: (r) => r.lastTs },
       { label: "policy hash", get: (r) => el("code", (r.policyHash || "–").slice(0, 16)) },
     ], s.tasks.recent, "no tasks");
+    renderEgress(s.egress);
     document.body.dataset.cursor = s.source.cursor;
+  }
+
+  // Egress (sandbox:egress events of filtered networks): per task, and the top denied hosts.
+  function renderEgress(e) {
+    if (!e) return;
+    $("egress-note").textContent = e.allowed + " allowed, " + e.denied + " denied; " +
+      e.bytesUp + " bytes up, " + e.bytesDown + " bytes down";
+    const emax = maxOf(e.byTask, (r) => r.connections);
+    table("egress-tasks", [
+      { label: "task", get: (r) => taskLink(r.taskId) },
+      { label: "connections", get: (r) => bar(r.connections, emax) },
+      { label: "allowed", get: (r) => r.allowed, num: true },
+      { label: "denied", get: (r) => el("span", r.denied, r.denied ? "bad" : ""), num: true },
+      { label: "bytes up", get: (r) => r.bytesUp, num: true },
+      { label: "bytes down", get: (r) => r.bytesDown, num: true },
+      { label: "hosts", get: (r) => r.hosts, num: true },
+    ], e.byTask, "no egress (no task with network: filtered)");
+    table("egress-denied", [
+      { label: "host", get: (r) => el("code", r.host) },
+      { label: "count", get: (r) => r.count, num: true },
+      { label: "rule", get: (r) => r.rule },
+    ], e.topDenied, "nothing denied");
   }
 
   function connect() {

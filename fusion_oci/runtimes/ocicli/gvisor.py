@@ -22,7 +22,9 @@ def gvisor_details(rootless: bool, limits: frozenset[Requirement]) -> dict[str, 
                   "pidsLimit: not enforced (gVisor's processes are not host processes)"
                   if limits else "none: " + ("rootless, no cgroup delegation" if rootless
                                              else "no cgroup controllers"),
-        "seccomp": "the bundle's profile, applied inside gVisor (--oci-seccomp)",
+        "seccomp": "the bundle's profile, applied inside gVisor (--oci-seccomp), which answers "
+                   "every errno rule with EPERM: clone3's ENOSYS (so that libc falls back to "
+                   "clone) is said as SCMP_ACT_TRACE there",
         "tmpSizeMb": "not enforced: gVisor's tmpfs ignores size=",
         "rootless": "unavailable (see reason)" if rootless else "rootful",
     }

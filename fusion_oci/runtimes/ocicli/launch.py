@@ -18,9 +18,12 @@ from typing import Any
 from fusion_oci.models import NetworkMode
 from fusion_oci.oci import ops
 from fusion_oci.oci.ops import EgressHook
+from fusion_oci.oci.seccomp import without_errno_ret
 from fusion_oci.oci.spec import ANN_NETWORK, ANN_RUN, ANN_TASK, Spec
 from fusion_oci.runtimes.base import LaunchPlan
 from fusion_oci.runtimes.linux.cgroups import CgroupLimits, leaf_name
+from fusion_oci.runtimes.ocicli.filtered import RUNSC_FLAGS as RUNSC_FILTERED_FLAGS
+from fusion_oci.runtimes.ocicli.filtered import SOCKET_PLACEHOLDER, with_egress_forwarder
 from fusion_oci.runtimes.ocicli.state import cli_env, container_id
 
 GRACE_S = 2.0
@@ -51,8 +54,9 @@ def network_of(spec: Spec) -> NetworkMode:
     """
     if not any(ns["type"] == "network" for ns in spec["linux"]["namespaces"]):
         return NetworkMode.HOST
-    if spec["annotations"].get(ANN_NETWORK) == NetworkMode.EGRESS.value:
-        return NetworkMode.EGRESS
+    said = spec["annotations"].get(ANN_NETWORK)
+    if said in (NetworkMode.EGRESS.value, NetworkMode.FILTERED.value):
+        return NetworkMode(said)
     return NetworkMode.NONE
 
 
@@ -61,14 +65,19 @@ def runtime_flags(runtime: str, network: NetworkMode, *, rootless: bool = False)
 
     runsc decides networking by flag, not from the spec: ``none`` is its empty netstack;
     ``host`` and ``egress`` pass the sockets of the namespace it runs in through (for egress
-    that is the namespace :data:`RUNSC_EGRESS_SCRIPT` prepared, never the host's).
+    that is the namespace :data:`RUNSC_EGRESS_SCRIPT` prepared, never the host's); ``filtered``
+    is the empty netstack with host unix sockets connectable (the proxy's, bound in: see
+    :mod:`fusion_oci.runtimes.ocicli.filtered`).
     """
     if not is_gvisor(runtime):
         return []
     # --oci-seccomp: without it runsc ignores linux.seccomp (unshare, raw and packet sockets
     # would work inside its kernel).
-    flags = ["--oci-seccomp",
-             "--network=none" if network is NetworkMode.NONE else "--network=host"]
+    flags = ["--oci-seccomp"]
+    if network is NetworkMode.FILTERED:
+        flags += RUNSC_FILTERED_FLAGS
+    else:
+        flags.append("--network=none" if network is NetworkMode.NONE else "--network=host")
     if rootless:
         flags.append("--rootless")
     return flags
@@ -92,18 +101,27 @@ def egress_launch_argv(unshare: str, hook: EgressHook, argv: list[str]) -> list[
 def bundle_spec(spec: Spec, *, rootless_ids: tuple[int, int] | None = None,
                 rootfs: str | None = None, egress: EgressHook | None = None,
                 init: str | None = None, cgroup_leaf: str | None = None,
-                exec_status: tuple[str, str] | None = None) -> Spec:
+                exec_status: tuple[str, str] | None = None,
+                egress_proxy: tuple[str, str] | None = None,
+                errno_ret: bool = True) -> Spec:
     """The spec as the runtime CLI gets it: the compiled one through the ops this host needs.
     Pure.
 
     As root it is the compiled spec unchanged, apart from an image's unpacked rootfs, the init
     and, for egress, the rendezvous (runc: a createRuntime hook; runsc: its launch script, so
     no second network namespace) and slirp's DNS. ``cgroup_leaf``: limits held by a cgroup of
-    ours that the runtime joins (runsc). Rootless: :func:`fusion_oci.oci.ops.with_rootless`.
+    ours that the runtime joins (runsc). ``egress_proxy`` (``filtered``: the proxy's socket and
+    the agent binary, host paths): :func:`~fusion_oci.runtimes.ocicli.filtered.
+    with_egress_forwarder`. Rootless: :func:`fusion_oci.oci.ops.with_rootless`.
+    ``errno_ret=False``: the runtime answers every errno rule with EPERM (runsc), so the
+    seccomp profile is said without ``errnoRet``
+    (:func:`~fusion_oci.oci.seccomp.without_errno_ret`).
     """
     out = copy.deepcopy(spec)  # the ops copy too; this one guarantees a copy when none applies
     if exec_status is not None:  # (agent binary, status folder): inside the init
         out = ops.with_exec_status(out, *exec_status)
+    if egress_proxy is not None:
+        out = with_egress_forwarder(out, *egress_proxy)
     if init is not None:
         out = ops.with_init(out, init)
     if rootfs is not None:
@@ -117,6 +135,8 @@ def bundle_spec(spec: Spec, *, rootless_ids: tuple[int, int] | None = None,
         out = ops.with_cgroups_path(out, cgroup_leaf)
     if rootless_ids is not None:
         out = ops.with_rootless(out, *rootless_ids)
+    if not errno_ret and "seccomp" in out["linux"]:
+        out["linux"]["seccomp"] = without_errno_ret(out["linux"]["seccomp"])
     return out
 
 
@@ -138,6 +158,8 @@ class Host:
     cgroup_pid: int = 0
     """The pid a runsc cgroup leaf is named after (:func:`leaf_name`): ours."""
     keep: bool = False
+    egress_socket: str = SOCKET_PLACEHOLDER
+    """``filtered``: the host path of the task's egress proxy socket (from prepare)."""
 
 
 @dataclass(frozen=True)
@@ -208,7 +230,10 @@ def build_launch(spec: Spec, host: Host, seq: int) -> Launch:
                          egress=egress, init=host.init,
                          cgroup_leaf=leaf,
                          exec_status=(host.exec_status, str(status_dir))
-                         if host.exec_status and status_dir else None)
+                         if host.exec_status and status_dir else None,
+                         egress_proxy=(host.egress_socket, host.exec_status or "")
+                         if network is NetworkMode.FILTERED else None,
+                         errno_ret=not gvisor)
     flags = runtime_flags(host.binary, network, rootless=host.rootless_ids is not None)
     argv = run_argv(host.binary, str(host.task_dir / "state"), str(bundle_dir), cid,
                     str(pid_file), keep=host.keep, flags=flags)
@@ -228,6 +253,9 @@ _NETWORK_NOTES = {
                         "slirp4netns --disable-host-loopback is attached to its network "
                         "namespace; /etc/resolv.conf names slirp's DNS (refused where "
                         "slirp4netns or /dev/net/tun is unusable: see doctor)",
+    NetworkMode.FILTERED: "network filtered: an empty network namespace (loopback only); the "
+                          "agent's forwarder on 127.0.0.1:3128 for the command's life, to the "
+                          "task's egress proxy socket bound at /run/fusion-oci/egress.sock",
 }
 _GVISOR_NETWORK_NOTES = {
     NetworkMode.NONE: "network none: gVisor's netstack with loopback only (--network=none)",
@@ -237,6 +265,11 @@ _GVISOR_NETWORK_NOTES = {
                         "(unshare --net) held until slirp4netns --disable-host-loopback is "
                         "attached, then --network=host uses that namespace; /etc/resolv.conf "
                         "names slirp's DNS",
+    NetworkMode.FILTERED: "network filtered: gVisor's netstack with loopback only "
+                          "(--network=none); the agent's forwarder on 127.0.0.1:3128 inside "
+                          "it, to the task's egress proxy socket bound at "
+                          "/run/fusion-oci/egress.sock (--host-uds=open: the gofer may "
+                          "connect to host unix sockets)",
 }
 
 

@@ -1,0 +1,562 @@
+"""The task's egress proxy: HTTP CONNECT, plain HTTP and SOCKS5 on one listener.
+
+The first byte of a connection picks the protocol (0x05: SOCKS5, else HTTP). For every
+request the proxy decides on the name (:meth:`EgressRules.decide`), resolves it itself
+(getaddrinfo in a thread, or the tests' ``resolve_override``), checks each address it got
+(:meth:`EgressRules.check_address`) and connects to exactly one checked address: it never
+resolves again (no DNS rebinding between check and connect). Listeners: the unix socket
+``state_dir/egress.sock`` (bound into the sandbox), and 127.0.0.1 on a random port only when
+``tcp=True`` (landlock); never 4040. Every connection, let through or not, is one
+``sandbox:egress`` audit event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import time
+import urllib.parse
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from fusion_oci.egress.loop import on_proxy_loop
+from fusion_oci.egress.rules import ALLOW_KEY, DASHBOARD_PORT, Decision, EgressRules, normalize_host
+from fusion_oci.egress.splice import Tunnel
+
+if TYPE_CHECKING:
+    from fusion_oci.audit import AuditLog
+
+SOCKET_NAME = "egress.sock"
+
+# SOCKS5 reply codes (RFC 1928 section 6).
+SOCKS_OK = 0x00
+SOCKS_FAILURE = 0x01
+SOCKS_NOT_ALLOWED = 0x02
+SOCKS_NET_UNREACHABLE = 0x03
+SOCKS_HOST_UNREACHABLE = 0x04
+SOCKS_REFUSED = 0x05
+SOCKS_TTL_EXPIRED = 0x06
+SOCKS_BAD_COMMAND = 0x07
+SOCKS_BAD_ADDRESS = 0x08
+
+HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-connection", "proxy-authorization",
+    "proxy-authenticate", "te", "trailer", "upgrade",
+})
+"""Headers that belong to one hop (RFC 9110 7.6.1); Transfer-Encoding stays: the body is
+forwarded as the client framed it."""
+
+Resolver = Callable[[str, int], Awaitable[list[str]]]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one task's proxy allows itself."""
+
+    max_connections: int = 64
+    """Connections open at once (tunnels and handshakes); more are refused (503 / SOCKS 0x01)."""
+    idle_timeout_s: float = 600.0
+    """A tunnel with no byte either way for this long is closed."""
+    handshake_timeout_s: float = 30.0
+    """Time for a request's head (or a SOCKS greeting) to arrive."""
+    connect_timeout_s: float = 15.0
+    """Time for the connection to the destination."""
+    max_header_bytes: int = 64 * 1024
+    """Largest request head; more gets 431."""
+
+
+class Refused(Exception):
+    """A request the proxy will not carry: HTTP status, SOCKS code, the line a program reads."""
+
+    def __init__(self, status: int, socks: int, text: str, rule: str | None = None) -> None:
+        super().__init__(text)
+        self.status = status
+        self.socks = socks
+        self.text = text
+        self.rule = rule
+
+
+@dataclass
+class Connection:
+    """What one connection did (its audit event)."""
+
+    protocol: str
+    host: str | None = None
+    port: int | None = None
+    address: str | None = None
+    allowed: bool = False
+    rule: str | None = None
+    reason: str | None = None
+    bytes_up: int = 0
+    bytes_down: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+
+_REASONS = {400: "Bad Request", 403: "Forbidden", 408: "Request Timeout",
+            431: "Request Header Fields Too Large", 502: "Bad Gateway",
+            503: "Service Unavailable", 504: "Gateway Timeout"}
+
+
+def http_response(status: int, text: str) -> bytes:
+    body = (text + "\n").encode()
+    head = (f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\n"
+            "Content-Type: text/plain; charset=utf-8\r\n"
+            f"Content-Length: {len(body)}\r\n"
+            "Connection: close\r\n"
+            "X-Fusion-OCI-Egress: refused\r\n\r\n")
+    return head.encode() + body
+
+
+def split_host_port(target: str, default_port: int | None = None) -> tuple[str, int]:
+    """``host:port`` / ``[v6]:port`` -> (host, port); ValueError when it is not one."""
+    if target.startswith("["):
+        end = target.find("]")
+        if end < 0:
+            raise ValueError(target)
+        host, rest = target[1:end], target[end + 1:]
+        port_text = rest[1:] if rest.startswith(":") else ""
+    else:
+        host, sep, port_text = target.rpartition(":")
+        if not sep:
+            host, port_text = target, ""
+    if not port_text:
+        if default_port is None:
+            raise ValueError(target)
+        return host, default_port
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(target)
+    return host, int(port_text)
+
+
+def rewrite_request(lines: list[str], path: str, netloc: str) -> bytes:
+    """A request head for the origin: origin-form target, hop-by-hop headers dropped (also
+    those ``Connection`` names), ``Host`` set, one request per connection."""
+    method, _, version = lines[0].split(" ", 2)
+    named: set[str] = set()
+    headers: list[tuple[str, str]] = []
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        headers.append((name.strip(), value.strip()))
+        if name.strip().lower() in ("connection", "proxy-connection"):
+            named.update(v.strip().lower() for v in value.split(","))
+    out = [f"{method} {path} {version}", f"Host: {netloc}"]
+    for name, value in headers:
+        low = name.lower()
+        if low in HOP_BY_HOP or low in named or low == "host":
+            continue
+        out.append(f"{name}: {value}")
+    out.append("Connection: close")
+    return ("\r\n".join(out) + "\r\n\r\n").encode("latin-1")
+
+
+class EgressProxy:
+    """One task's proxy. Made by :func:`start_proxy`; serves on the proxy thread's loop."""
+
+    def __init__(self, *, task_id: str, rules: EgressRules, state_dir: Path,
+                 audit: AuditLog | None, tcp: bool,
+                 resolve_override: Mapping[str, list[str]] | None,
+                 limits: Limits, backend: str, policy_hash: str | None) -> None:
+        self.task_id = task_id
+        self.rules = rules
+        self.audit = audit
+        self.limits = limits
+        self.backend = backend
+        self.policy_hash = policy_hash
+        self.unix_socket = state_dir / SOCKET_NAME
+        """Host path of the unix socket (bind it into the sandbox)."""
+        self.tcp_port: int | None = None
+        """The 127.0.0.1 port when started with ``tcp=True``; None otherwise."""
+        self.run_id: str | None = None
+        self._tcp = tcp
+        self._override = ({normalize_host(k): list(v) for k, v in resolve_override.items()}
+                          if resolve_override is not None else None)
+        self._servers: list[asyncio.AbstractServer] = []
+        self._handlers: set[asyncio.Task[None]] = set()
+        self._tunnels: set[Tunnel] = set()
+        self._emits: set[asyncio.Future[None]] = set()
+        self._stopped = False
+
+    def set_run(self, run_id: str | None) -> None:
+        """Connections from now on are audited with this run id."""
+        self.run_id = run_id
+
+    @property
+    def open_connections(self) -> int:
+        """Connections being served (handshakes and open tunnels)."""
+        return len(self._handlers)
+
+    async def _start(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.unix_socket.unlink()  # a stale socket of a dead owner in a reused folder
+        server = await asyncio.start_unix_server(self._accept, path=str(self.unix_socket),
+                                                 limit=self.limits.max_header_bytes)
+        self._servers.append(server)
+        # The socket's folder is private (0700, the host's); the file itself is bound into
+        # the sandbox, whose user may be any uid of its user namespace.
+        self.unix_socket.chmod(0o666)
+        if self._tcp:
+            for _ in range(8):
+                tcp = await asyncio.start_server(self._accept, "127.0.0.1", 0,
+                                                 limit=self.limits.max_header_bytes)
+                port = tcp.sockets[0].getsockname()[1]
+                if port != DASHBOARD_PORT:  # never listen there (a random port could be it)
+                    self._servers.append(tcp)
+                    self.tcp_port = port
+                    break
+                tcp.close()
+
+    async def stop(self) -> None:
+        """Close the listeners and every open connection; remove the socket. Idempotent."""
+        await on_proxy_loop(self._stop())
+
+    async def _stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        for server in self._servers:
+            server.close()
+        for tunnel in list(self._tunnels):
+            tunnel.close()
+        for task in list(self._handlers):
+            task.cancel()
+        if self._handlers:
+            await asyncio.gather(*self._handlers, return_exceptions=True)
+        for server in self._servers:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(server.wait_closed(), 2.0)
+        if self._emits:
+            await asyncio.gather(*self._emits, return_exceptions=True)
+        with contextlib.suppress(FileNotFoundError):
+            self.unix_socket.unlink()
+
+    # -- one connection ---------------------------------------------------------------------
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        if self._stopped:
+            writer.close()
+            return
+        self._handlers.add(task)
+        conn = Connection(protocol="?")
+        try:
+            await self._serve(reader, writer, conn)
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            conn.reason = conn.reason or "the sandbox side closed the connection"
+        except asyncio.CancelledError:
+            conn.reason = conn.reason or "the proxy stopped"
+        except Exception as exc:  # a bug here must end this connection, never the proxy
+            conn.reason = f"fusion-oci egress: internal error ({exc!r})"
+        finally:
+            self._handlers.discard(task)
+            writer.close()
+            if conn.host is not None or conn.reason is not None:
+                self._audit(conn)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                     conn: Connection) -> None:
+        over = self.open_connections > self.limits.max_connections
+        try:
+            first = await asyncio.wait_for(reader.readexactly(1),
+                                           self.limits.handshake_timeout_s)
+        except TimeoutError:
+            return
+        if first == b"\x05":
+            conn.protocol = "socks5"
+            await self._socks(reader, writer, conn, over)
+        else:
+            conn.protocol = "http"
+            await self._http(first, reader, writer, conn, over)
+
+    async def _http(self, first: bytes, reader: asyncio.StreamReader,
+                    writer: asyncio.StreamWriter, conn: Connection, over: bool) -> None:
+        try:
+            rest = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"),
+                                          self.limits.handshake_timeout_s)
+        except asyncio.LimitOverrunError:
+            return await self._http_refuse(writer, conn, Refused(
+                431, 0, "fusion-oci egress: request head larger than "
+                        f"{self.limits.max_header_bytes} bytes"))
+        except TimeoutError:
+            return await self._http_refuse(writer, conn, Refused(
+                408, 0, "fusion-oci egress: no complete request head in time"))
+        head = (first + rest).decode("latin-1")
+        lines = head.split("\r\n")[:-2]
+        parts = lines[0].split(" ") if lines else []
+        if len(parts) != 3 or not parts[2].startswith("HTTP/"):
+            return await self._http_refuse(writer, conn, Refused(
+                400, 0, "fusion-oci egress: not an HTTP proxy request"))
+        method, target, _ = parts
+        try:
+            if method.upper() == "CONNECT":
+                conn.host, conn.port = split_host_port(target)
+                path = netloc = ""
+            else:
+                url = urllib.parse.urlsplit(target)
+                if url.scheme.lower() != "http" or not url.hostname:
+                    raise ValueError(target)
+                conn.host, conn.port = url.hostname, url.port or 80
+                path = (url.path or "/") + (f"?{url.query}" if url.query else "")
+                netloc = url.netloc.rpartition("@")[2]
+        except ValueError:
+            return await self._http_refuse(writer, conn, Refused(
+                400, 0, f"fusion-oci egress: '{target}' is not host:port (CONNECT) or an "
+                        "http:// absolute URI"))
+        if over:
+            return await self._http_refuse(writer, conn, Refused(
+                503, 0, "fusion-oci egress: too many open connections for this task"))
+        try:
+            up = await self._open(conn)
+        except Refused as refused:
+            return await self._http_refuse(writer, conn, refused)
+        if method.upper() == "CONNECT":
+            await self._splice(up, reader, writer, conn,
+                               answer=b"HTTP/1.1 200 Connection established\r\n\r\n")
+        else:
+            await self._splice(up, reader, writer, conn,
+                               first=rewrite_request(lines, path, netloc))
+
+    async def _http_refuse(self, writer: asyncio.StreamWriter, conn: Connection,
+                           refused: Refused) -> None:
+        conn.reason = refused.text
+        conn.rule = conn.rule or refused.rule
+        writer.write(http_response(refused.status, refused.text))
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
+
+    async def _socks(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                     conn: Connection, over: bool) -> None:
+        try:
+            refusal = await asyncio.wait_for(self._socks_request(reader, writer, conn),
+                                             self.limits.handshake_timeout_s)
+        except TimeoutError:
+            conn.reason = "fusion-oci egress: no complete SOCKS5 request in time"
+            return
+        if refusal is not None:
+            return self._socks_refuse(writer, conn, refusal)
+        if conn.host is None:
+            return  # negotiation failed; the reason is set
+        if over:
+            return self._socks_refuse(writer, conn, Refused(
+                0, SOCKS_FAILURE, "fusion-oci egress: too many open connections for this task"))
+        try:
+            up = await self._open(conn)
+        except Refused as refused:
+            return self._socks_refuse(writer, conn, refused)
+        await self._splice(up, reader, writer, conn,
+                           answer=bytes([5, SOCKS_OK, 0, 1, 0, 0, 0, 0, 0, 0]))
+
+    async def _socks_request(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                             conn: Connection) -> Refused | None:
+        """The method negotiation and the request (RFC 1928 sections 3 and 4): sets
+        ``conn.host``/``conn.port``, or returns the refusal for a request we do not serve."""
+        count = (await reader.readexactly(1))[0]
+        methods = await reader.readexactly(count)
+        if 0x00 not in methods:
+            writer.write(b"\x05\xff")  # only "no authentication" is offered
+            conn.reason = "fusion-oci egress: SOCKS5 client offered no 'no auth' method"
+            return None
+        writer.write(b"\x05\x00")
+        ver, cmd, _, atyp = await reader.readexactly(4)
+        if ver != 5:
+            conn.reason = "fusion-oci egress: not a SOCKS5 request"
+            return None
+        if atyp == 0x01:
+            host = socket.inet_ntop(socket.AF_INET, await reader.readexactly(4))
+        elif atyp == 0x04:
+            host = socket.inet_ntop(socket.AF_INET6, await reader.readexactly(16))
+        elif atyp == 0x03:
+            size = (await reader.readexactly(1))[0]
+            host = (await reader.readexactly(size)).decode("ascii", errors="replace")
+        else:
+            conn.host = "?"
+            return Refused(0, SOCKS_BAD_ADDRESS,
+                           f"fusion-oci egress: SOCKS address type {atyp} unknown")
+        conn.host, conn.port = host, int.from_bytes(await reader.readexactly(2), "big")
+        if cmd != 0x01:
+            return Refused(0, SOCKS_BAD_COMMAND, f"fusion-oci egress: SOCKS command {cmd} not "
+                                                 "supported (only CONNECT)")
+        return None
+
+    def _socks_refuse(self, writer: asyncio.StreamWriter, conn: Connection,
+                      refused: Refused) -> None:
+        conn.reason = refused.text
+        conn.rule = conn.rule or refused.rule
+        writer.write(bytes([5, refused.socks, 0, 1, 0, 0, 0, 0, 0, 0]))
+
+    # -- decide, resolve, connect -------------------------------------------------------------
+
+    async def _resolve(self, host: str, port: int) -> list[str]:
+        if self._override is not None:
+            return list(self._override.get(host, []))
+        infos = await asyncio.get_running_loop().getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
+        return list(dict.fromkeys(str(info[4][0]) for info in infos))
+
+    async def _open(self, conn: Connection) -> socket.socket:
+        """Decide, resolve, check, connect: the destination's side of a new tunnel."""
+        assert conn.host is not None and conn.port is not None
+        host = normalize_host(conn.host)
+        decision = self.rules.decide(host, conn.port)
+        conn.rule = decision.rule
+        if not decision.allowed:
+            raise Refused(403, SOCKS_NOT_ALLOWED, decision.denial_text(host, conn.port),
+                          decision.rule)
+        if _is_address(host):
+            addresses = [host]
+        else:
+            try:
+                addresses = await asyncio.wait_for(self._resolve(host, conn.port),
+                                                   self.limits.connect_timeout_s)
+            except (OSError, TimeoutError) as exc:
+                raise Refused(502, SOCKS_HOST_UNREACHABLE,
+                              f"fusion-oci egress: {host} could not be resolved ({exc})",
+                              decision.rule) from None
+            if not addresses:
+                raise Refused(502, SOCKS_HOST_UNREACHABLE,
+                              f"fusion-oci egress: {host} could not be resolved", decision.rule)
+        checked: list[str] = []
+        refusal: Decision | None = None
+        for address in addresses:
+            verdict = self.rules.check_address(address, conn.port)
+            if verdict.allowed:
+                checked.append(address)
+            elif refusal is None:
+                refusal = verdict
+        if not checked:
+            assert refusal is not None
+            conn.rule = refusal.rule
+            conn.address = addresses[0]
+            raise Refused(403, SOCKS_NOT_ALLOWED, refusal.denial_text(host, conn.port),
+                          refusal.rule)
+        loop = asyncio.get_running_loop()
+        last: BaseException | None = None
+        for address in checked:
+            family = socket.AF_INET6 if ":" in address else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            try:
+                # The checked address itself: nothing is resolved again (no rebinding window).
+                await asyncio.wait_for(loop.sock_connect(sock, (address, conn.port)),
+                                       self.limits.connect_timeout_s)
+            except (OSError, TimeoutError) as exc:
+                sock.close()
+                last = exc
+                continue
+            except BaseException:
+                sock.close()
+                raise
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.address = address
+            conn.allowed = True
+            return sock
+        code = SOCKS_HOST_UNREACHABLE
+        if isinstance(last, ConnectionRefusedError):
+            code = SOCKS_REFUSED
+        elif isinstance(last, OSError) and last.errno == 101:  # ENETUNREACH
+            code = SOCKS_NET_UNREACHABLE
+        elif isinstance(last, TimeoutError):
+            code = SOCKS_TTL_EXPIRED
+        conn.address = checked[-1]
+        raise Refused(502, code, f"fusion-oci egress: {host}:{conn.port} could not be reached "
+                                 f"({last or 'no address'})", decision.rule)
+
+    async def _splice(self, up: socket.socket, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter, conn: Connection, *, answer: bytes = b"",
+                      first: bytes = b"") -> None:
+        """Take the sandbox's socket over from its stream, answer the handshake, and splice
+        it to ``up`` until the tunnel is over. ``first``: bytes the destination gets first
+        (a plain HTTP request's rewritten head)."""
+        loop = asyncio.get_running_loop()
+        transport = writer.transport
+        assert isinstance(transport, asyncio.Transport)
+        try:
+            await writer.drain()
+            if transport.get_write_buffer_size():
+                # The SOCKS method reply is still queued: a client that reads nothing.
+                raise ConnectionError("the sandbox side does not read")
+            transport.pause_reading()
+            # Bytes the sandbox sent after its request head (a TLS hello sent early) are in the
+            # stream's buffer already: they go first.
+            pending = bytes(getattr(reader, "_buffer", b""))
+            raw = transport.get_extra_info("socket")
+            down = socket.socket(fileno=os.dup(raw.fileno()))
+        except BaseException:
+            up.close()
+            raise
+        # The stream's transport closes its own descriptor only (close(2) on one of two
+        # descriptors of the connection ends nothing): the tunnel owns the duplicate.
+        transport.abort()
+        down.setblocking(False)
+        try:
+            tunnel = Tunnel(loop, self.limits.idle_timeout_s, down, up)
+        except OSError:
+            raise Refused(503, SOCKS_FAILURE, "fusion-oci egress: out of descriptors") from None
+        self._tunnels.add(tunnel)
+        try:
+            if answer:
+                await loop.sock_sendall(down, answer)
+            if first or pending:
+                await loop.sock_sendall(up, first + pending)
+                tunnel.bytes["up"] += len(first) + len(pending)
+            tunnel.start()
+            await asyncio.shield(tunnel.done)
+        except OSError:
+            pass
+        finally:
+            tunnel.close()
+            self._tunnels.discard(tunnel)
+            conn.bytes_up, conn.bytes_down = tunnel.bytes["up"], tunnel.bytes["down"]
+
+    # -- audit -----------------------------------------------------------------------------
+
+    def _audit(self, conn: Connection) -> None:
+        if self.audit is None:
+            return
+        from fusion_oci.audit import AuditEvent
+
+        event = AuditEvent(
+            type="sandbox:egress", task_id=self.task_id, run_id=self.run_id or "-",
+            backend=self.backend, policy_hash=self.policy_hash,
+            host=conn.host, port=conn.port, address=conn.address, allowed=conn.allowed,
+            rule=conn.rule, reason=None if conn.allowed else conn.reason,
+            bytes_up=conn.bytes_up, bytes_down=conn.bytes_down,
+            duration_ms=int((time.monotonic() - conn.started) * 1000),
+            details={"protocol": conn.protocol},
+        )
+        # The file append takes a flock: off the proxy loop, so a slow disk stalls no tunnel.
+        future = asyncio.ensure_future(asyncio.to_thread(self.audit.emit, event))
+        self._emits.add(future)
+        future.add_done_callback(self._emits.discard)
+
+
+def _is_address(host: str) -> bool:
+    try:
+        socket.inet_pton(socket.AF_INET6 if ":" in host else socket.AF_INET, host)
+    except OSError:
+        return False
+    return True
+
+
+async def start_proxy(*, task_id: str, rules: EgressRules, state_dir: Path,
+                      audit: AuditLog | None, tcp: bool = False,
+                      resolve_override: Mapping[str, list[str]] | None = None,
+                      limits: Limits | None = None, backend: str = "egress",
+                      policy_hash: str | None = None) -> EgressProxy:
+    """Start a task's proxy on the proxy thread (module docstring); listening when it returns.
+
+    ``resolve_override``: names -> addresses, for tests only (a name it lacks does not
+    resolve); None: the host's resolver. ``backend`` / ``policy_hash`` go into the audit.
+    """
+    proxy = EgressProxy(task_id=task_id, rules=rules, state_dir=state_dir, audit=audit,
+                        tcp=tcp, resolve_override=resolve_override, limits=limits or Limits(),
+                        backend=backend, policy_hash=policy_hash)
+    await on_proxy_loop(proxy._start())
+    return proxy
+
+
+__all__ = ["ALLOW_KEY", "EgressProxy", "Limits", "start_proxy"]

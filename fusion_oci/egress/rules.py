@@ -1,0 +1,309 @@
+"""Egress rules (pure): which host, port and address a ``filtered`` sandbox may reach.
+
+Patterns (``allowedDomains`` / ``deniedDomains``):
+
+- ``example.com``: that name only (not its subdomains);
+- ``*.example.com``: any name below ``example.com`` (not the apex itself);
+- ``10.0.0.7``, ``[fd00::1]``, ``10.0.0.0/24``, ``fd00::/64``: an address or a range; in
+  ``allowedDomains`` it also lifts the private-address refusal for exactly that range;
+- any of those but a range with ``:PORT`` (``example.com:443``): only that port.
+
+Deny wins over allow. A name is checked first (:meth:`EgressRules.decide`); then every address
+it resolves to (:meth:`EgressRules.check_address`): loopback, link-local (with the metadata
+address 169.254.169.254), RFC 1918, CGNAT (100.64/10), ULA (fc00::/7), multicast, the
+unspecified address and the v4-mapped / NAT64 forms of those are refused unless an allowed
+range names them. Port 4040 on a loopback address (the dashboard) is refused always.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ConfigDict, field_validator
+
+from fusion_oci.errors import SettingsError
+
+if TYPE_CHECKING:
+    from fusion_oci.models import SandboxPolicy
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+ALLOW_KEY = "sandbox.policy.allowedDomains"
+DENY_KEY = "sandbox.policy.deniedDomains"
+DASHBOARD_PORT = 4040
+
+_LABEL = re.compile(r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?")
+
+_FORBIDDEN: tuple[tuple[str, IPNetwork], ...] = tuple(
+    (why, ipaddress.ip_network(net)) for why, net in (
+        ("the metadata address", "169.254.169.254/32"),
+        ("unspecified", "0.0.0.0/8"),
+        ("loopback", "127.0.0.0/8"),
+        ("link-local", "169.254.0.0/16"),
+        ("private (RFC 1918)", "10.0.0.0/8"),
+        ("private (RFC 1918)", "172.16.0.0/12"),
+        ("private (RFC 1918)", "192.168.0.0/16"),
+        ("shared (CGNAT)", "100.64.0.0/10"),
+        ("multicast", "224.0.0.0/4"),
+        ("reserved", "240.0.0.0/4"),
+        ("unspecified", "::/128"),
+        ("loopback", "::1/128"),
+        ("link-local", "fe80::/10"),
+        ("unique-local (ULA)", "fc00::/7"),
+        ("multicast", "ff00::/8"),
+    ))
+
+
+class PatternError(SettingsError):
+    """An allowedDomains / deniedDomains entry that is not a pattern."""
+
+    def __init__(self, key: str, index: int, value: str, why: str) -> None:
+        super().__init__(
+            f"settings error at {key}[{index}]: '{value}' is not a host pattern", why,
+            "write an exact name (registry.npmjs.org), a wildcard (*.example.com), an address "
+            "or range (10.0.0.0/24), each optionally with :PORT (github.com:22)")
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """One parsed pattern: a name (``wildcard``: below it), or an address range."""
+
+    text: str
+    name: str | None = None
+    wildcard: bool = False
+    network: IPNetwork | None = None
+    port: int | None = None
+
+    def matches(self, host: str, port: int) -> bool:
+        if self.port is not None and self.port != port:
+            return False
+        if self.network is not None:
+            addr = _as_address(host)
+            return addr is not None and _unmap(addr) in self.network
+        assert self.name is not None
+        if self.wildcard:
+            return host.endswith("." + self.name)
+        return host == self.name
+
+
+def _as_address(text: str) -> IPAddress | None:
+    try:
+        return ipaddress.ip_address(text.strip("[]"))
+    except ValueError:
+        return None
+
+
+def _unmap(addr: IPAddress) -> IPAddress:
+    """The IPv4 address a v4-mapped (::ffff:a.b.c.d), 6to4 or NAT64 form carries."""
+    if isinstance(addr, ipaddress.IPv6Address):
+        if addr.ipv4_mapped is not None:
+            return addr.ipv4_mapped
+        if addr in _NAT64:
+            return ipaddress.IPv4Address(int(addr) & 0xFFFFFFFF)
+        if addr.sixtofour is not None:
+            return addr.sixtofour
+    return addr
+
+
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+
+
+def normalize_host(host: str) -> str:
+    """The form rules compare: lower case, no trailing dot, IPv6 without brackets."""
+    host = host.strip().lower().rstrip(".")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    addr = _as_address(host)
+    return str(addr) if addr is not None else host
+
+
+def _check_name(name: str) -> str | None:
+    if not name or len(name) > 253:
+        return "a host name is 1 to 253 characters"
+    for label in name.split("."):
+        if not _LABEL.fullmatch(label):
+            return (f"the label '{label}' is not a DNS label (letters, digits, '-', '_'; "
+                    "1 to 63 characters; no leading or trailing '-')")
+    return None
+
+
+def parse_pattern(text: str) -> Pattern:
+    """One pattern; ValueError with the reason when it is not one."""
+    raw = text.strip().lower()
+    if not raw:
+        raise ValueError("the entry is empty")
+    if "://" in raw:
+        raise ValueError("write the host only, without a scheme or path (example.com:443, "
+                         "not https://example.com/)")
+    if "/" in raw:
+        try:
+            net = ipaddress.ip_network(raw, strict=False)
+        except ValueError as exc:
+            raise ValueError(f"'{raw}' is not an address range ({exc})") from None
+        return Pattern(text=raw, network=net)
+    port: int | None = None
+    host = raw
+    if raw.startswith("["):
+        end = raw.find("]")
+        if end < 0:
+            raise ValueError("an IPv6 address in brackets needs its closing ']'")
+        host, rest = raw[1:end], raw[end + 1:]
+        if rest:
+            if not rest.startswith(":"):
+                raise ValueError("only ':PORT' may follow ']'")
+            port = _port(rest[1:])
+        if _as_address(host) is None:
+            raise ValueError(f"'{host}' in brackets is not an IPv6 address")
+    elif raw.count(":") == 1:
+        host, port_text = raw.split(":")
+        port = _port(port_text)
+    elif raw.count(":") > 1 and _as_address(raw) is None:
+        raise ValueError("write an IPv6 address with a port as [ADDRESS]:PORT")
+    addr = _as_address(host)
+    if addr is not None:
+        net = ipaddress.ip_network(addr)
+        return Pattern(text=raw, network=net, port=port)
+    wildcard = host.startswith("*.")
+    name = host[2:] if wildcard else host
+    if "*" in name:
+        raise ValueError("'*' is allowed only as the whole first label ('*.example.com')")
+    name = name.rstrip(".")
+    why = _check_name(name)
+    if why:
+        raise ValueError(why)
+    if wildcard and "." not in name:
+        raise ValueError("a wildcard needs at least two labels after '*.' ('*.example.com'), "
+                         "not a whole top-level domain")
+    return Pattern(text=raw, name=name, wildcard=wildcard, port=port)
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise ValueError(f"':{text}' is not a port (1 to 65535)")
+    return int(text)
+
+
+def validate_patterns(values: Sequence[str], key: str) -> list[str]:
+    """Check every entry; the first bad one raises :class:`PatternError` naming ``key[i]``."""
+    for i, value in enumerate(values):
+        try:
+            parse_pattern(value)
+        except ValueError as exc:
+            raise PatternError(key, i, value, str(exc)) from None
+    return list(values)
+
+
+def address_class(addr: IPAddress) -> str | None:
+    """Why ``addr`` is refused by default (``'loopback'``...), or None for a public one."""
+    plain = _unmap(addr)
+    for why, net in _FORBIDDEN:
+        if plain.version == net.version and plain in net:
+            return why
+    return None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A rule's verdict: ``rule`` says which rule decided, ``settings_key`` where to change it."""
+
+    allowed: bool
+    rule: str
+    settings_key: str
+
+    def denial_text(self, host: str, port: int) -> str:
+        """The one line a denied program reads (403 body, audit reason)."""
+        change = "remove it from" if self.settings_key == DENY_KEY else "add it to"
+        return (f"fusion-oci egress: {host}:{port} denied by {self.rule}; to allow it, "
+                f"{change} {self.settings_key}")
+
+
+class EgressRules(BaseModel):
+    """What one task's proxy allows. Patterns as in the module docstring."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    allowed: tuple[str, ...]
+    """Patterns that may be reached. Empty: nothing is."""
+    denied: tuple[str, ...] = ()
+    """Patterns never reached, whatever allows them (deny wins)."""
+    allow_addresses: tuple[str, ...] = ()
+    """Address ranges (CIDR) reached although private, loopback or link-local. The policy names
+    them as addresses or ranges in ``allowedDomains``. Empty: every such address is refused."""
+
+    @field_validator("allowed", "denied")
+    @classmethod
+    def _patterns(cls, values: tuple[str, ...]) -> tuple[str, ...]:
+        for value in values:
+            parse_pattern(value)
+        return tuple(normalize_pattern(v) for v in values)
+
+    @field_validator("allow_addresses")
+    @classmethod
+    def _ranges(cls, values: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(str(ipaddress.ip_network(v.strip("[]"), strict=False)) for v in values)
+
+    @classmethod
+    def from_policy(cls, policy: SandboxPolicy, profile_hosts: Sequence[str]) -> EgressRules:
+        """The rules of a policy: the built-in profile's hosts plus ``allowedDomains``, minus
+        ``deniedDomains``; address entries of ``allowedDomains`` also lift the refusal of
+        their range."""
+        allowed = tuple(dict.fromkeys([*profile_hosts, *policy.allowed_domains]))
+        ranges = [p.network for p in map(parse_pattern, policy.allowed_domains)
+                  if p.network is not None]
+        return cls(allowed=allowed, denied=tuple(policy.denied_domains),
+                   allow_addresses=tuple(str(n) for n in ranges))
+
+    @cached_property
+    def _denied(self) -> list[Pattern]:
+        return [parse_pattern(v) for v in self.denied]
+
+    @cached_property
+    def _allowed(self) -> list[Pattern]:
+        return [parse_pattern(v) for v in self.allowed]
+
+    @cached_property
+    def _ranges_parsed(self) -> list[IPNetwork]:
+        return [ipaddress.ip_network(v) for v in self.allow_addresses]
+
+    def decide(self, host: str, port: int) -> Decision:
+        """Whether the *name* (or address literal) ``host`` may be reached on ``port``."""
+        host = normalize_host(host)
+        for pattern in self._denied:
+            if pattern.matches(host, port):
+                return Decision(False, f"deniedDomains entry '{pattern.text}'", DENY_KEY)
+        for pattern in self._allowed:
+            if pattern.matches(host, port):
+                return Decision(True, f"allowedDomains entry '{pattern.text}'", ALLOW_KEY)
+        return Decision(False, "no allowedDomains entry (or built-in profile host) matching it",
+                        ALLOW_KEY)
+
+    def check_address(self, address: str, port: int) -> Decision:
+        """Whether the proxy may connect to ``address`` (what a name resolved to)."""
+        try:
+            # A scoped IPv6 answer (fe80::1%eth0) is classified by its address part.
+            addr = ipaddress.ip_address(address.split("%", 1)[0])
+        except ValueError:
+            return Decision(False, f"'{address}' is not an IP address", ALLOW_KEY)
+        plain = _unmap(addr)
+        why = address_class(addr)
+        if why in ("loopback", "unspecified") and port == DASHBOARD_PORT:
+            # 0.0.0.0 connects to the host itself; the dashboard is never reachable.
+            return Decision(False, f"address {address} is the host's own and port 4040 is "
+                                   "the dashboard's (never reachable)", ALLOW_KEY)
+        if why is None:
+            return Decision(True, f"address {address} is public", ALLOW_KEY)
+        for net in self._ranges_parsed:
+            if plain.version == net.version and plain in net:
+                return Decision(True, f"allowed address range '{net}'", ALLOW_KEY)
+        return Decision(False, f"address {address} is {why} (refused unless the policy "
+                               "names its range)", ALLOW_KEY)
+
+
+def normalize_pattern(text: str) -> str:
+    return parse_pattern(text).text

@@ -1,0 +1,65 @@
+"""A task's proxy from start to gone: the scratch folder its socket lives in, the profile and
+rules it enforces, and its removal.
+
+The socket's folder is a scratch folder (:func:`fusion_oci.scratch.make_scratch`, kind
+``egress``): only the host writes there, and when the owner is killed (``kill -9``) the proxy
+thread dies with it and the next prepare's :func:`~fusion_oci.scratch.gc_scratch` removes the
+folder and the socket file in it.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from fusion_oci.egress.profile import ProfileHost, resolve_profile
+from fusion_oci.egress.proxy import SOCKET_NAME, EgressProxy, start_proxy
+from fusion_oci.egress.rules import EgressRules
+from fusion_oci.errors import SandboxSetupError
+from fusion_oci.scratch import make_scratch
+
+if TYPE_CHECKING:
+    from fusion_oci.audit import AuditLog
+    from fusion_oci.models import PrepareContext
+
+# A unix socket path has at most 107 bytes: the scratch folder's name keeps a short task id.
+_TASK_ID_IN_PATH = 24
+
+
+async def task_rules(ctx: PrepareContext, env: Mapping[str, str]) -> tuple[EgressRules,
+                                                                          list[ProfileHost]]:
+    """The task's rules: its policy over the built-in profile's hosts (and those hosts)."""
+    profile = await resolve_profile(Path(ctx.worktree_path), env)
+    return EgressRules.from_policy(ctx.policy, [h.pattern for h in profile]), profile
+
+
+async def start_task_proxy(ctx: PrepareContext, env: Mapping[str, str], *,
+                           audit: AuditLog | None, tcp: bool, backend: str) -> EgressProxy:
+    """Make the socket's folder, resolve the rules, start the proxy."""
+    rules, _ = await task_rules(ctx, env)
+    state_dir = make_scratch("egress", ctx.task_id[:_TASK_ID_IN_PATH])
+    try:
+        proxy = await start_proxy(task_id=ctx.task_id, rules=rules, state_dir=state_dir,
+                                  audit=audit, tcp=tcp, backend=backend,
+                                  policy_hash=ctx.policy.digest())
+    except OSError as exc:
+        shutil.rmtree(state_dir, ignore_errors=True)
+        raise SandboxSetupError(
+            "the task's egress proxy could not start", f"{state_dir / SOCKET_NAME}: {exc}",
+            "a unix socket path has at most 107 bytes: set TMPDIR to a short folder "
+            "(e.g. /tmp)") from exc
+    except BaseException:
+        shutil.rmtree(state_dir, ignore_errors=True)
+        raise
+    proxy.set_run(ctx.run_id)
+    return proxy
+
+
+async def stop_task_proxy(proxy: EgressProxy) -> None:
+    """Stop the proxy (every tunnel closed) and remove its folder."""
+    try:
+        await proxy.stop()
+    finally:
+        shutil.rmtree(proxy.unix_socket.parent, ignore_errors=True)
