@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, cast
 
+import fusion_oci.images.semver as semver
 from fusion_oci.errors import ProvisionError
-from fusion_oci.images import semver
 
 DEFAULT_NODE_MAJOR = 26
 """The Node.js line a project that declares nothing gets: the Active LTS line in December 2026.

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from fusion_oci.images import semver
+import fusion_oci.images.semver as semver
 from fusion_oci.images.npm_registry import Registry, RegistryError, Release
 from fusion_oci.images.recipe import ImageRecipe, PackageManagerRequest
 
