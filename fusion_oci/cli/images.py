@@ -79,7 +79,8 @@ def _session(project: Path | None) -> Session:
     audit = AuditLog(default_audit_path(project_dir) if has_project else None)
     return Session(env=env, settings=effective.settings, audit=audit,
                    reporter=default_reporter(sys.stderr),
-                   settings_file=str(project_settings_path(project_dir)))
+                   settings_file=str(project_settings_path(project_dir)),
+                   project_dir=project_dir)
 
 
 def _check_names(names: list[str], images_dir: Path | None) -> None:
@@ -109,17 +110,23 @@ def _base(value: str | None) -> str | None:
 def _print_provisioned(rows: list[tuple[str, ProvisionedImage]], as_json: bool) -> None:
     if as_json:
         typer.echo(json.dumps([{"engine": e, "reference": p.ref, "digest": p.digest,
-                                "action": p.action, "seconds": round(p.seconds, 3)}
+                                "action": p.action, "seconds": round(p.seconds, 3),
+                                **({"why": p.why} if p.why else {})}
                                for e, p in rows], indent=2))
         return
+    said: set[str] = set()
     for engine, p in rows:
+        if p.why and p.ref not in said:
+            said.add(p.ref)
+            typer.echo(p.why)
         typer.echo(f"{engine:16} {p.action:8} {p.ref}  {p.digest[:19]}  {p.seconds:.1f}s")
 
 
 @images_app.command("build")
 def build(
     names: Annotated[list[str] | None, typer.Argument(
-        help="Folders under images/ (default: all).", show_default=False)] = None,
+        help="Folders under images/ (default: the node task image, with the Node.js and "
+        "package manager the project declares).", show_default=False)] = None,
     engine: EngineOpt = None,
     base: BaseOpt = None,
     force: Annotated[bool, typer.Option("--force", help="Build even when the tag exists.")]
@@ -129,7 +136,12 @@ def build(
     images_dir: ImagesDirOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Build images from images/NAME (tag = content hash of the folder; unchanged = no build)."""
+    """Build images from images/NAME (tag = content hash of what goes in; unchanged = no build).
+
+    Without NAME: the node image for the project (--project, default the current directory):
+    Node.js from .nvmrc, .node-version or package.json engines.node (else the current LTS),
+    the package manager from packageManager (else pnpm); the first line says which and why.
+    """
     from fusion_oci.images.ops import build_images
 
     _check_names(names or [], images_dir)
@@ -149,7 +161,10 @@ def prebuild(
     images_dir: ImagesDirOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Provision every image the project's settings reference (sandbox.image), e.g. in CI."""
+    """Provision every image the project's settings reference (sandbox.image), e.g. in CI.
+
+    The node image is fitted to the project's files; when nothing changed, nothing is built.
+    """
     from fusion_oci.images import ops
 
     session = _session(project)

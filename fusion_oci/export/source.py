@@ -183,10 +183,10 @@ def _move_worktree(spec: dict[str, Any], old: str, new: str) -> dict[str, Any]:
 
 
 def default_image() -> str:
-    from fusion_oci.images.spec import resolve_image
+    from fusion_oci.images.provision import default_image_ref
     from fusion_oci.runtimes.engine import DEFAULT_IMAGE
 
     try:
-        return resolve_image(DEFAULT_IMAGE).ref
+        return default_image_ref(DEFAULT_IMAGE)
     except Exception:  # no images/ at all: name it, the user points --image elsewhere
         return DEFAULT_IMAGE

@@ -8,6 +8,9 @@ Public entry points:
   pull (with retries) → audit → :class:`ProvisionedImage` (reference and digest).
 - :class:`ProvisionGate`, :func:`tty_ask` — the ``sandbox_provision`` / ``network_api`` gates.
 - :func:`bootstrap_base` — the offline Debian base for machines without a registry.
+- :func:`recipe_for` — a project's ``.nvmrc`` / ``.node-version`` / ``package.json`` →
+  :class:`ImageRecipe` (pure); :func:`resolve_toolchain` — that recipe's exact releases from
+  the npm registry (:class:`Registry`; :class:`RegistryError`, :class:`IntegrityError`).
 """
 
 from __future__ import annotations
@@ -18,14 +21,17 @@ if TYPE_CHECKING:
     from fusion_oci.images.bootstrap import BootstrapResult, bootstrap_base
     from fusion_oci.images.engine import EngineClient, EngineTarget, engine_targets, open_engine
     from fusion_oci.images.gates import AuditContext, GateRequest, ProvisionGate, tty_ask
+    from fusion_oci.images.npm_registry import IntegrityError, Registry, RegistryError
     from fusion_oci.images.provision import (
         Engine,
         ProvisionedImage,
         ProvisionOptions,
         ensure_image,
     )
+    from fusion_oci.images.recipe import ImageRecipe, ProjectFiles, read_project_files, recipe_for
     from fusion_oci.images.retry import RetryPolicy
     from fusion_oci.images.spec import BASE_REF, PUBLIC_BASE, ImageSpec, resolve_image
+    from fusion_oci.images.toolchain import Toolchain, resolve_toolchain
 
 # Lazy, like the top-level package: `fusion-oci run` reaches the gates module on every command
 # and must not pay for the build, bootstrap and progress machinery.
@@ -38,6 +44,11 @@ _WHERE = {
     "Engine": "provision", "ProvisionedImage": "provision", "ProvisionOptions": "provision",
     "ensure_image": "provision",
     "RetryPolicy": "retry",
+    "IntegrityError": "npm_registry", "Registry": "npm_registry",
+    "RegistryError": "npm_registry",
+    "ImageRecipe": "recipe", "ProjectFiles": "recipe", "read_project_files": "recipe",
+    "recipe_for": "recipe",
+    "Toolchain": "toolchain", "resolve_toolchain": "toolchain",
     "BASE_REF": "spec", "PUBLIC_BASE": "spec", "ImageSpec": "spec", "resolve_image": "spec",
 }
 
@@ -59,15 +70,24 @@ __all__ = [
     "EngineClient",
     "EngineTarget",
     "GateRequest",
+    "ImageRecipe",
     "ImageSpec",
+    "IntegrityError",
+    "ProjectFiles",
     "ProvisionGate",
     "ProvisionOptions",
     "ProvisionedImage",
+    "Registry",
+    "RegistryError",
     "RetryPolicy",
+    "Toolchain",
     "bootstrap_base",
     "engine_targets",
     "ensure_image",
     "open_engine",
+    "read_project_files",
+    "recipe_for",
     "resolve_image",
+    "resolve_toolchain",
     "tty_ask",
 ]

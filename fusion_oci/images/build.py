@@ -17,7 +17,7 @@ from __future__ import annotations
 import secrets as _secrets
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from fusion_oci.errors import ProvisionError
@@ -61,8 +61,12 @@ def build_image(
     reporter: Reporter | None = None,
     policy: RetryPolicy | None = None,
     sleep: Callable[[float], None] | None = None,
+    extra: Mapping[str, Path] | None = None,
 ) -> str:
-    """Build ``spec`` on ``engine`` (retrying transient failures); returns the image id."""
+    """Build ``spec`` on ``engine`` (retrying transient failures); returns the image id.
+
+    ``extra``: files added to the context (tar name → path), the verified toolchain tarballs.
+    """
     if spec.kind != "build" or spec.context is None:
         raise ProvisionError(f"image {spec.ref} is not built from a folder", "it is a reference",
                              "pull it instead")
@@ -80,7 +84,7 @@ def build_image(
         with tar.open("wb") as out:
             write_context_tar(spec.context, out,
                               secrets={secret_name: ca} if use_secret and ca else None,
-                              replace=replace, containerfile=spec.containerfile)
+                              replace=replace, containerfile=spec.containerfile, extra=extra)
 
         def attempt(number: int) -> str:
             rep.start(f"build {spec.name} ({spec.ref}) on {engine.name}"

@@ -99,11 +99,14 @@ def content_tag(digest: str) -> str:
 def write_context_tar(context: Path, dest: IO[bytes],
                       secrets: Mapping[str, Path] | None = None,
                       replace: Mapping[str, bytes] | None = None,
-                      containerfile: str = "Containerfile") -> None:
+                      containerfile: str = "Containerfile",
+                      extra: Mapping[str, Path] | None = None) -> None:
     """Write the context as an uncompressed tar; ``secrets`` are extra files (tar name → path).
 
     ``replace`` swaps the content of some files (tar name → bytes), e.g. a rewritten
-    Containerfile for an engine that cannot parse secret mounts.
+    Containerfile for an engine that cannot parse secret mounts. ``extra`` adds files that
+    are not in the folder (tar name → path, mode 0644): the verified toolchain tarballs, which
+    the tag covers through their integrity hashes rather than by hashing them again.
 
     Podman's API takes a build secret as a file inside the uploaded context and moves it out of
     the context directory before the build starts, so ``COPY .`` never sees it.
@@ -124,6 +127,20 @@ def write_context_tar(context: Path, dest: IO[bytes],
                     tar.addfile(info, src)
             else:
                 tar.addfile(info)
+        dirs: set[str] = set()
+        for name, path in sorted((extra or {}).items()):
+            parent = name.rpartition("/")[0]
+            if parent and parent not in dirs:
+                dirs.add(parent)
+                folder = tarfile.TarInfo(parent)
+                folder.type, folder.mode = tarfile.DIRTYPE, 0o755
+                tar.addfile(folder)
+            info = tarfile.TarInfo(name)
+            info.size = path.stat().st_size
+            info.mode = 0o644
+            info.uname = info.gname = "root"
+            with path.open("rb") as src:
+                tar.addfile(info, src)
         for name, path in (secrets or {}).items():
             data = path.read_bytes()
             info = tarfile.TarInfo(name)

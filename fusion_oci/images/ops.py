@@ -18,6 +18,7 @@ from typing import Any
 from fusion_oci.audit import AuditLog
 from fusion_oci.errors import ProvisionError
 from fusion_oci.images.bootstrap import BootstrapResult, bootstrap_base
+from fusion_oci.images.context import context_hash as _context_hash
 from fusion_oci.images.engine import (
     EngineClient,
     EngineTarget,
@@ -26,6 +27,7 @@ from fusion_oci.images.engine import (
     open_target,
 )
 from fusion_oci.images.gates import AuditContext, GateName, ProvisionGate
+from fusion_oci.images.npm_registry import Registry
 from fusion_oci.images.progress import Reporter
 from fusion_oci.images.provision import ProvisionedImage, ProvisionOptions, ensure_image
 from fusion_oci.images.spec import (
@@ -33,13 +35,18 @@ from fusion_oci.images.spec import (
     CONTAINERFILE,
     LABEL_MANAGED,
     LABEL_NAME,
+    LABEL_SOURCE,
     LOCAL_REPO,
     default_images_dir,
+    image_context,
     resolve_image,
+    takes_toolchain,
 )
 from fusion_oci.policy.settings import SandboxSettings
 
 ENGINE_NAMES = ("podman", "podman-rootless", "docker", "docker-rootless")
+PROJECT_IMAGE = "node"
+"""What ``images build`` without a NAME builds: the task image, fitted to the worktree."""
 EXPLICIT: frozenset[GateName] = frozenset({"sandbox_provision", "network_api"})
 
 
@@ -54,6 +61,10 @@ class Session:
     task_id: str = "images"
     run_id: str = field(default_factory=lambda: f"cli-{int(time.time())}-{os.getpid()}")
     settings_file: str = ".fusion/settings.yaml"
+    project_dir: Path | None = None
+    """The worktree whose files choose the ``node`` image's Node.js and package manager."""
+    registry: Registry | None = None
+    """The npm registry for toolchains (None: from ``env``)."""
 
     def ctx(self, backend: str = "images") -> AuditContext:
         return AuditContext(self.audit, self.task_id, self.run_id, backend)
@@ -122,12 +133,15 @@ async def build_images(
     mirrors: Sequence[str] = (),
     images_dir: Path | None = None,
 ) -> list[tuple[str, ProvisionedImage]]:
-    """Build (or load, when another engine has it) each image into each engine."""
-    wanted = list(names) or image_names(images_dir)
-    if not wanted:
+    """Build (or load, when another engine has it) each image into each engine.
+
+    No ``names``: the ``node`` task image with the toolchain the session's project asks for.
+    """
+    wanted = list(names) or [PROJECT_IMAGE]
+    if image_context(wanted[0], images_dir) is None and not names:
         root = images_dir or default_images_dir()
-        raise ProvisionError("nothing to build", f"no image folders under {root}",
-                             "add images/NAME/Containerfile")
+        raise ProvisionError("nothing to build", f"no {PROJECT_IMAGE} folder under {root}",
+                             f"add images/{PROJECT_IMAGE}/Containerfile, or name an image")
     targets = select_targets(engines, session.env)
     out: list[tuple[str, ProvisionedImage]] = []
     for name in wanted:
@@ -141,7 +155,8 @@ async def build_images(
             opts = ProvisionOptions(
                 engine_name=target.name, base=base, images_dir=images_dir, env=session.env,
                 reporter=session.reporter, allow=EXPLICIT, force=force and first is None,
-                settings_file=session.settings_file)
+                settings_file=session.settings_file, project_dir=session.project_dir,
+                registry=session.registry)
             image = await ensure_image(target.kind, target.url, name, session.settings,
                                        session.audit, session.task_id, session.run_id,
                                        mirrors=list(mirrors), options=opts)
@@ -203,12 +218,20 @@ class ListedImage:
                 "created": self.created}
 
 
-def _current_refs(images_dir: Path | None) -> set[str]:
+def _current_refs(images_dir: Path | None) -> tuple[set[str], dict[str, set[str]]]:
+    """Current tags, and for folders built with a toolchain the current source hashes (any
+    project's Node.js of a current folder is current: other worktrees may use it)."""
     refs = {BASE_REF}
+    sources: dict[str, set[str]] = {}
     for name in image_names(images_dir):
+        context = image_context(name, images_dir)
+        if context is not None and takes_toolchain(context):
+            sources[name] = {_context_hash(context, CONTAINERFILE, args)
+                             for args in ({}, {"BASE": BASE_REF})}
+            continue
         refs.add(resolve_image(name, images_dir=images_dir).ref)
         refs.add(resolve_image(name, images_dir=images_dir, base=BASE_REF).ref)
-    return refs
+    return refs, sources
 
 
 def _managed(client: EngineClient) -> list[ImageInfo]:
@@ -218,16 +241,17 @@ def _managed(client: EngineClient) -> list[ImageInfo]:
 def list_images(session: Session, engines: Sequence[str] = (), *,
                 images_dir: Path | None = None) -> list[ListedImage]:
     """Every image fusion-oci made, per engine: name, reference, digest, current or stale."""
-    current = _current_refs(images_dir)
+    current, sources = _current_refs(images_dir)
     out: list[ListedImage] = []
     for target in select_targets(engines, session.env):
         with open_target(target) as client:
             for info in _managed(client):
                 name = info.labels.get(LABEL_NAME, "?")
                 refs = [t for t in info.tags if t.startswith(LOCAL_REPO + "/")] or [info.id]
+                fresh = info.labels.get(LABEL_SOURCE, "") in sources.get(name, set())
                 for ref in refs:
-                    out.append(ListedImage(target.name, name, ref, info.id, ref in current,
-                                           info.size, info.created))
+                    out.append(ListedImage(target.name, name, ref, info.id,
+                                           ref in current or fresh, info.size, info.created))
     return sorted(out, key=lambda i: (i.engine, i.name, i.ref))
 
 

@@ -46,10 +46,21 @@ from fusion_oci.images.gates import AuditContext, GateName, GateRequest, Provisi
 from fusion_oci.images.progress import NullReporter, Reporter
 from fusion_oci.images.pull import pull_image
 from fusion_oci.images.retry import RetryPolicy
-from fusion_oci.images.spec import BASE_REF, PUBLIC_BASE, ImageSpec, resolve_image
+from fusion_oci.images.spec import (
+    BASE_REF,
+    PUBLIC_BASE,
+    ImageSpec,
+    image_context,
+    is_short_name,
+    resolve_image,
+    takes_toolchain,
+)
 
 if TYPE_CHECKING:
     from fusion_oci.audit import AuditLog
+    from fusion_oci.images.npm_registry import Registry
+    from fusion_oci.images.recipe import ImageRecipe
+    from fusion_oci.images.toolchain import Toolchain
     from fusion_oci.policy.settings import SandboxSettings
 
 Engine = Literal["podman", "docker"]
@@ -68,6 +79,9 @@ class ProvisionedImage:
     repo_digest: str | None = None
     """``registry/repo@sha256:…`` for pulled images (what a registry would serve again)."""
     seconds: float = 0.0
+    why: str | None = None
+    """For images built with a toolchain: what was chosen and from which project file
+    (``node 22 (22.23.5) from .nvmrc, pnpm 9.15.0 from packageManager``)."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +107,14 @@ class ProvisionOptions:
     lock_dir: Path | None = None
     sleep: Callable[[float], None] | None = None
     settings_file: str = ".fusion/settings.yaml"
+    project_dir: Path | None = None
+    """The worktree whose ``.nvmrc`` / ``.node-version`` / ``package.json`` decide the
+    ``node`` image's toolchain. None (and no ``recipe``): the defaults."""
+    recipe: ImageRecipe | None = None
+    """An explicit recipe (wins over ``project_dir``)."""
+    registry: Registry | None = None
+    """The npm registry to resolve and fetch the toolchain from. None: from ``env``
+    (:data:`~fusion_oci.images.npm_registry.REGISTRY_ENV`), cached under the cache root."""
 
 
 async def ensure_image(
@@ -134,6 +156,17 @@ async def ensure_image(
         target.close()
 
 
+def default_image_ref(name: str, *, project_dir: Path | None = None,
+                      env: Mapping[str, str] | None = None, base: str | None = None) -> str:
+    """The reference ``name`` (a folder under ``images/``, e.g. ``node``) is built under for
+    ``project_dir`` (None: the defaults), without an engine: registry metadata (cached) decides
+    the toolchain. For callers that name the image in a file (``export``)."""
+    env = dict(os.environ if env is None else env)
+    opts = ProvisionOptions(project_dir=project_dir, env=env)
+    toolchain = toolchain_for(name, opts, default_registry(env))
+    return resolve_image(name, base=base, toolchain=toolchain).ref
+
+
 def _guess_name(engine: Engine, url: str, env: Mapping[str, str]) -> str:
     if engine == "docker":
         rootless = engine_targets(env)["docker-rootless"].url.rstrip("/")
@@ -145,12 +178,45 @@ def _guess_name(engine: Engine, url: str, env: Mapping[str, str]) -> str:
     return "podman"
 
 
-def candidate_specs(name: str, images_dir: Path | None, base: str | None) -> list[ImageSpec]:
+def candidate_specs(name: str, images_dir: Path | None, base: str | None,
+                    toolchain: Toolchain | None = None) -> list[ImageSpec]:
     """The specs an image name may already be present as (explicit base, or either base)."""
-    first = resolve_image(name, images_dir=images_dir, base=base)
+    first = resolve_image(name, images_dir=images_dir, base=base, toolchain=toolchain)
     if first.kind == "pull" or base is not None:
         return [first]
-    return [first, resolve_image(name, images_dir=images_dir, base=BASE_REF)]
+    return [first, resolve_image(name, images_dir=images_dir, base=BASE_REF,
+                                 toolchain=toolchain)]
+
+
+def default_registry(env: Mapping[str, str], host_ca: str = "auto") -> Registry:
+    """The npm registry from ``env``, its metadata and tarballs cached under the cache root."""
+    from fusion_oci.images.npm_registry import Registry, registry_url
+    from fusion_oci.runtimes.base import default_cache_root
+
+    return Registry(registry_url(env), default_cache_root(env) / "npm-registry",
+                    ca=host_ca_for_build(host_ca))
+
+
+def image_recipe(opts: ProvisionOptions) -> ImageRecipe:
+    """The recipe the options name: explicit, else the project's files, else the defaults."""
+    from fusion_oci.images.recipe import DEFAULT_RECIPE, read_project_files, recipe_for
+
+    if opts.recipe is not None:
+        return opts.recipe
+    if opts.project_dir is not None:
+        return recipe_for(read_project_files(opts.project_dir))
+    return DEFAULT_RECIPE
+
+
+def toolchain_for(name: str, opts: ProvisionOptions, registry: Registry) -> Toolchain | None:
+    """The resolved toolchain when ``name`` is a folder that takes one (``node``), else None.
+    Reads registry metadata (cached); raises RecipeError / RegistryError."""
+    from fusion_oci.images.toolchain import resolve_toolchain
+
+    context = image_context(name, opts.images_dir) if is_short_name(name) else None
+    if context is None or not takes_toolchain(context):
+        return None
+    return resolve_toolchain(image_recipe(opts), registry)
 
 
 @contextlib.contextmanager
@@ -178,6 +244,8 @@ class _Provisioner:
         self.opts = opts
         self.env = env
         self.reporter: Reporter = opts.reporter or NullReporter()
+        self.registry = opts.registry or default_registry(env, settings.host_ca)
+        self.toolchain: Toolchain | None = None
         if opts.lock_dir is not None:
             self.lock_dir = opts.lock_dir
         else:
@@ -187,8 +255,9 @@ class _Provisioner:
 
     async def ensure(self, name: str) -> ProvisionedImage:
         t0 = time.monotonic()
+        self.toolchain = await asyncio.to_thread(toolchain_for, name, self.opts, self.registry)
         specs = await asyncio.to_thread(candidate_specs, name, self.opts.images_dir,
-                                        self.opts.base)
+                                        self.opts.base, self.toolchain)
         if not self.opts.force:
             done = await asyncio.to_thread(self._present_done, specs, t0)
             if done is not None:
@@ -304,13 +373,24 @@ class _Provisioner:
     def _build_on(self, builder: EngineClient, spec: ImageSpec) -> ImageSpec:
         if self.opts.base is None and spec.context is not None:
             base = self._choose_base(builder)
-            spec = resolve_image(spec.name, images_dir=self.opts.images_dir, base=base)
+            spec = resolve_image(spec.name, images_dir=self.opts.images_dir, base=base,
+                                 toolchain=spec.toolchain)
             if builder is not self.target and builder.image(spec.ref) is not None \
                     and not self.opts.force:
                 return spec
         ca = host_ca_for_build(self.settings.host_ca)
+        extra = None
+        if spec.toolchain is not None:
+            from fusion_oci.images.toolchain import fetch_toolchain
+
+            # After the gates, before the engine: a tarball that does not match its integrity
+            # hash stops here, and nothing is built.
+            self.reporter.start(f"toolchain {spec.toolchain.why()}: fetch from "
+                                f"{self.registry.url}")
+            extra = fetch_toolchain(spec.toolchain, self.registry)
+            self.reporter.finish(f"verified {len(extra)} tarballs against their integrity")
         build_image(builder, spec, ca=ca, ctx=self.ctx, reporter=self.reporter,
-                    policy=self.opts.retry, sleep=self.opts.sleep)
+                    policy=self.opts.retry, sleep=self.opts.sleep, extra=extra)
         return spec
 
     def _choose_base(self, builder: EngineClient) -> str | None:
@@ -345,8 +425,10 @@ class _Provisioner:
                       duration_ms=int(seconds * 1000), action=action, outcome="ok",
                       image=spec.name, ref=spec.ref, digest=image_id, repo_digest=repo_digest,
                       engine=self.target.name, base=spec.build_args.get("BASE"),
-                      context_hash=spec.context_hash, **extra)
-        return ProvisionedImage(spec.ref, image_id, action, repo_digest, seconds)
+                      context_hash=spec.context_hash,
+                      toolchain=spec.toolchain.why() if spec.toolchain else None, **extra)
+        return ProvisionedImage(spec.ref, image_id, action, repo_digest, seconds,
+                                spec.toolchain.why() if spec.toolchain else None)
 
 
 def transfer_image(source: EngineClient, dest: EngineClient, ref: str, *, ctx: AuditContext,

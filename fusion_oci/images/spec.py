@@ -13,10 +13,13 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from fusion_oci.errors import ProvisionError
 from fusion_oci.images.context import content_tag, context_hash
+
+if TYPE_CHECKING:
+    from fusion_oci.images.toolchain import Toolchain
 
 LOCAL_REPO = "localhost/fusion-oci"
 BASE_REF = f"{LOCAL_REPO}/base:bookworm"
@@ -28,6 +31,11 @@ CONTAINERFILE = "Containerfile"
 LABEL_MANAGED = "io.fusion-oci.managed"
 LABEL_NAME = "io.fusion-oci.image"
 LABEL_HASH = "io.fusion-oci.context-hash"
+LABEL_SOURCE = "io.fusion-oci.source-hash"
+"""The hash of the folder and base alone (what "current" means for an image built with a
+toolchain: other projects' Node.js versions of the same folder are current too)."""
+TOOLCHAIN_ARG = re.compile(r"^\s*ARG\s+NODE_VERSION\b", re.MULTILINE)
+"""A Containerfile that declares ``ARG NODE_VERSION`` is built with a resolved toolchain."""
 
 _SHORT = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
 
@@ -49,13 +57,20 @@ class ImageSpec:
     containerfile: str = CONTAINERFILE
     build_args: dict[str, str] = field(default_factory=dict)
     context_hash: str | None = None
+    toolchain: Toolchain | None = None
+    """The exact Node.js and package manager releases (folders whose Containerfile declares
+    ``ARG NODE_VERSION``); their versions and integrities are in ``build_args`` and so in the
+    tag. None: the folder needs none."""
+    source_hash: str | None = None
+    """The hash of the folder and base without the toolchain (:data:`LABEL_SOURCE`)."""
 
     @property
     def labels(self) -> dict[str, str]:
         """Labels put on a built image so ``images list``/``prune`` can find it."""
         if self.kind != "build":
             return {}
-        return {LABEL_MANAGED: "true", LABEL_NAME: self.name, LABEL_HASH: self.context_hash or ""}
+        return {LABEL_MANAGED: "true", LABEL_NAME: self.name, LABEL_HASH: self.context_hash or "",
+                LABEL_SOURCE: self.source_hash or ""}
 
 
 SELF_IMAGE = "fusion-oci"
@@ -131,13 +146,30 @@ def is_loopback_registry(ref: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
+def takes_toolchain(context: Path, containerfile: str = CONTAINERFILE) -> bool:
+    """Whether the folder's Containerfile is built with a resolved toolchain."""
+    path = context / containerfile
+    return path.is_file() and bool(TOOLCHAIN_ARG.search(path.read_text(encoding="utf-8")))
+
+
+def image_context(name: str, images_dir: Path | None = None) -> Path | None:
+    """The folder a short name builds from (None when there is none)."""
+    root = images_dir or default_images_dir()
+    context = root / name
+    if name == SELF_IMAGE and not context.is_dir():
+        context = root.parent
+    return context if (context / CONTAINERFILE).is_file() else None
+
+
 def resolve_image(name: str, *, images_dir: Path | None = None,
-                  base: str | None = None) -> ImageSpec:
+                  base: str | None = None, toolchain: Toolchain | None = None) -> ImageSpec:
     """Short name of a folder under ``images_dir`` → build spec; full reference → pull spec.
 
     ``base``: the ``BASE`` build argument (e.g. :data:`BASE_REF` on machines without a
     registry); None keeps the Containerfile's default. The tag depends on it, since the image
-    does. Reads the build context to hash it; no engine is contacted.
+    does. ``toolchain``: the resolved Node.js and package manager, required by a folder whose
+    Containerfile declares ``ARG NODE_VERSION`` (``node``) and hashed into its tag. Reads the
+    build context to hash it; no engine or registry is contacted.
     """
     if is_short_name(name):
         root = images_dir or default_images_dir()
@@ -155,7 +187,19 @@ def resolve_image(name: str, *, images_dir: Path | None = None,
                 f"docker.io/library/{name}:latest",
             )
         args = {"BASE": base} if base else {}
-        digest = context_hash(context, CONTAINERFILE, args)
+        source = context_hash(context, CONTAINERFILE, args)
+        digest = source
+        if takes_toolchain(context):
+            if toolchain is None:
+                raise ProvisionError(
+                    f"image '{name}' needs its Node.js toolchain resolved",
+                    "its Containerfile declares ARG NODE_VERSION, whose value comes from the "
+                    "project and the npm registry",
+                    "provision it with `fusion-oci images build` or through a runtime")
+            args.update(toolchain.build_args())
+            digest = context_hash(context, CONTAINERFILE, args)
         return ImageSpec(name=name, ref=f"{LOCAL_REPO}/{name}:{content_tag(digest)}",
-                         kind="build", context=context, build_args=args, context_hash=digest)
+                         kind="build", context=context, build_args=args, context_hash=digest,
+                         toolchain=toolchain if takes_toolchain(context) else None,
+                         source_hash=source)
     return ImageSpec(name=name, ref=normalize_ref(name), kind="pull")

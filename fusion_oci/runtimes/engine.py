@@ -440,13 +440,16 @@ def _init_pid(adapter: EngineAdapter, cid: str) -> int | None:
 async def provision_image(runtime: ContainerRuntime, image: str, ctx: PrepareContext) -> str:
     """The image is not in the engine: provision it (gates, retries, audit; issue 5)."""
     from fusion_oci.audit import AuditLog
-    from fusion_oci.images.provision import ensure_image
+    from fusion_oci.images.provision import ProvisionOptions, ensure_image
 
     adapter = runtime._adapter
     assert adapter is not None
+    # The worktree's .nvmrc / package.json choose the node image's Node.js and package manager.
     provisioned = await ensure_image(runtime.engine, adapter.borrowed(), image,
                                      runtime.settings, runtime.audit or AuditLog(),
-                                     ctx.task_id, ctx.run_id, ask=runtime.ask)
+                                     ctx.task_id, ctx.run_id, ask=runtime.ask,
+                                     options=ProvisionOptions(
+                                         project_dir=Path(ctx.worktree_path)))
     return provisioned.ref
 
 

@@ -6,11 +6,14 @@
         image = node_image("podman")        # or "podman-rootless", "docker", "docker-rootless"
         ... image.ref, image.digest ...
 
-From nothing (CI) it costs about 2½ minutes once per machine: ``bootstrap-base`` on rootful
-podman (~40 s), the node build there (~65 s), then ``save → load`` into docker (~18 s),
-rootless podman (~21 s) and rootless docker (~20-45 s), which beats building in each (rootless vfs
-build: ~104 s). ``docker-rootless`` is the CI user's rootless dockerd
-(``FUSION_OCI_ROOTLESS_DOCKER_URL``, from ``scripts/services.sh env``): its own image store,
+The image is the one a project that declares nothing gets (the current Node.js LTS and pnpm from
+the npm registry, see fusion_oci/images/recipe.py). From nothing (CI) it costs about 2½ minutes
+once per machine: ``bootstrap-base`` on rootful podman (~40 s), the node build there (~51 s,
+the tarballs fetched and verified on the host in under a second when cached), then
+``save → load`` into docker (~18 s), rootless podman (~21 s) and rootless docker (~20-45 s),
+which beats building in each (rootless vfs build: ~104 s). ``docker-rootless`` is the CI user's
+rootless dockerd (``FUSION_OCI_ROOTLESS_DOCKER_URL``, from ``scripts/services.sh env``): its own
+image store,
 provisioned through the same ``ensure_image`` on its socket. When the
 image is present the cost is one image inspect. A missing engine fails in CI and skips locally
 (tests/backends.require). The offline base is used on purpose: it needs no registry, and it
@@ -43,7 +46,9 @@ from fusion_oci.images.provision import (
     ProvisionedImage,
     ProvisionOptions,
     candidate_specs,
+    default_registry,
     ensure_image,
+    toolchain_for,
     transfer_image,
 )
 from fusion_oci.images.spec import BASE_REF
@@ -122,7 +127,11 @@ def ensure_node_image(engine: str) -> ProvisionedImage:
         require(engine, client is not None, why)
         assert client is not None
         with client:
-            spec = candidate_specs("node", None, BASE_REF)[0]
+            # The default recipe (no project files): the current LTS and pnpm. Its releases
+            # come from the registry's metadata, cached on disk, so a present image still
+            # costs one inspect and no request.
+            toolchain = toolchain_for("node", ProvisionOptions(), default_registry(os.environ))
+            spec = candidate_specs("node", None, BASE_REF, toolchain)[0]
             info = client.image(spec.ref)
             if info is not None:
                 _cache[engine] = ProvisionedImage(spec.ref, info.id, "present")

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from fusion_oci.images.spec import BASE_REF, resolve_image
+from fusion_oci.images.provision import default_image_ref
+from fusion_oci.images.spec import BASE_REF
 from tests.integration.images_fixture import ensure_base
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
@@ -100,7 +101,7 @@ def test_install_in_fresh_venv_lists_builds_and_prebuilds_node(dist: Path, tmp_p
                            cwd=project, env=env, capture_output=True, text=True, timeout=600)
     assert built.returncode == 0, built.stderr
     rows = json.loads(built.stdout)
-    want = resolve_image("node", base=BASE_REF).ref
+    want = default_image_ref("node", project_dir=project, base=BASE_REF)  # toolchain: project's
     assert [r["reference"] for r in rows] == [want]
     assert rows[0]["action"] in ("built", "present", "loaded")
 

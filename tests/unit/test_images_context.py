@@ -125,9 +125,14 @@ def test_fusion_oci_image_is_the_top_level_containerfile(tmp_path: Path) -> None
 
 
 def test_repository_images_resolve() -> None:
-    spec = resolve_image("node")
+    from tests.unit.test_images_toolchain import _toolchain
+
+    spec = resolve_image("node", toolchain=_toolchain())
     assert spec.kind == "build" and spec.ref.startswith("localhost/fusion-oci/node:")
     assert (spec.context / "Containerfile").is_file()  # type: ignore[operator]
+    # the node folder is built with a toolchain: without one it is an error, not a guess
+    with pytest.raises(ProvisionError, match=r"needs its Node\.js toolchain"):
+        resolve_image("node")
 
 
 @pytest.mark.parametrize(("given", "expected"), [

@@ -44,9 +44,12 @@ def test_this_checkout_resolves_its_own_images() -> None:
 
 def test_packaged_copy_hashes_like_the_checkout(tmp_path: Path) -> None:
     """The tag is a content hash, so the wheel's copy names the very image a checkout builds."""
+    import shutil
+
+    from tests.unit.test_images_toolchain import _toolchain
+
     top = Path(__file__).resolve().parents[2]
-    copy = tmp_path / "node"
-    copy.mkdir()
-    (copy / "Containerfile").write_bytes((top / "images" / "node" / "Containerfile").read_bytes())
-    assert resolve_image("node", images_dir=tmp_path).ref == \
-        resolve_image("node", images_dir=top / "images").ref
+    shutil.copytree(top / "images" / "node", tmp_path / "node")
+    tc = _toolchain()
+    assert resolve_image("node", images_dir=tmp_path, toolchain=tc).ref == \
+        resolve_image("node", images_dir=top / "images", toolchain=tc).ref

@@ -292,3 +292,55 @@ def test_engine_name_is_guessed_from_the_socket() -> None:
     assert _guess_name("docker", "unix:///run/user/1001/docker.sock", {}) == "docker-rootless"
 
 
+
+
+class TarSeeingEngine(FakeEngine):
+    """Also keeps the names and build args of every context it is sent."""
+
+    def build(self, context_tar: Path, **kw: Any) -> str:
+        import tarfile
+
+        with tarfile.open(context_tar) as tar:
+            self.sent = sorted(tar.getnames())
+        self.args = dict(kw["build_args"])
+        return super().build(context_tar, **kw)
+
+
+async def test_node_image_fits_the_project_and_an_unchanged_one_costs_no_request(
+        tmp_path: Path, audit: AuditLog, events: list[AuditEvent]) -> None:
+    import json
+    import shutil
+
+    from fusion_oci.images.npm_registry import Registry
+    from tests.unit.test_images_toolchain import REPO_IMAGES, FakeRegistry, publish_world
+
+    images = tmp_path / "images"
+    shutil.copytree(REPO_IMAGES / "node", images / "node")
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / ".nvmrc").write_text("22\n")
+    (project / "package.json").write_text(json.dumps({"packageManager": "pnpm@9.15.0"}))
+    fake = FakeRegistry()
+    publish_world(fake)
+    try:
+        engine = TarSeeingEngine()
+        o = opts(tmp_path, images, project_dir=project,
+                 registry=Registry(fake.url, tmp_path / "npm"))
+        first = await ensure_image("podman", engine, "node", allow_all(), audit, "t", "r",
+                                   options=o)
+        assert first.action == "built"
+        assert first.why == "node 22 from .nvmrc (v22.23.5), pnpm 9.15.0 from packageManager"
+        assert {"fusion-oci-dist/node.tgz", "fusion-oci-dist/npm.tgz", "fusion-oci-dist/pm.tgz",
+                "install-toolchain.sh", "Containerfile"} <= set(engine.sent)
+        assert engine.args["NODE_VERSION"] == "22.23.5" and engine.args["PM_BINS"].startswith(
+            "pnpm=")
+        asked = len(fake.requests)
+        # a new process (new Registry object), the same files: present, and not one request
+        again = await ensure_image("podman", engine, "node", allow_all(), audit, "t", "r",
+                                   options=opts(tmp_path, images, project_dir=project,
+                                                registry=Registry(fake.url, tmp_path / "npm")))
+        assert (again.action, again.ref) == ("present", first.ref)
+        assert len(fake.requests) == asked
+        assert [c for c in engine.calls if c[0] == "build"] == [("build", first.ref)]
+    finally:
+        fake.close()
