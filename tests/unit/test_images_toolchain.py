@@ -124,14 +124,21 @@ def files(nvmrc: str | None = None, **package: object) -> ProjectFiles:
     return ProjectFiles(nvmrc=nvmrc, package_json=json.dumps(package) if package else None)
 
 
-def test_default_is_the_lts_line_with_current_pnpm_and_its_native_binary(world) -> None:  # type: ignore[no-untyped-def]
+def test_default_is_the_lts_line_with_the_hosts_pnpm_major(world) -> None:  # type: ignore[no-untyped-def]
     _, registry = world
     tc = resolve_toolchain(DEFAULT_RECIPE, registry)
     assert tc.node and tc.node.version == "26.12.1"  # the pre-release is never picked
     assert tc.npm and tc.npm.version == "12.2.2"
+    assert tc.package_manager and tc.package_manager.version == "9.15.0"  # DEFAULT_PNPM_MAJOR
+    assert tc.native is None
+    assert tc.why() == "node 26 from default (v26.12.1), pnpm 9.15.0 from default"
+
+
+def test_a_declared_pnpm_12_brings_its_native_binary(world) -> None:  # type: ignore[no-untyped-def]
+    _, registry = world
+    tc = resolve_toolchain(recipe_for(files(packageManager="pnpm@12.23.0")), registry)
     assert tc.package_manager and tc.package_manager.version == "12.23.0"
     assert tc.native and tc.native.package == "@pnpm/exe.linux-x64"
-    assert tc.why() == "node 26 from default (v26.12.1), pnpm 12.23.0 from default"
     args = tc.build_args()
     assert args["PM_BINS"] == "pn=pn pnpm=pnpm" and args["NPM_BINS"].startswith("npm=")
     assert args["PM_NATIVE_INTEGRITY"] == tc.native.integrity
@@ -200,7 +207,7 @@ def test_unknown_version_names_the_declaration(world) -> None:  # type: ignore[n
 
 def test_tarballs_are_verified_and_cached(world) -> None:  # type: ignore[no-untyped-def]
     fake, registry = world
-    tc = resolve_toolchain(DEFAULT_RECIPE, registry)
+    tc = resolve_toolchain(recipe_for(files(packageManager="pnpm@12.23.0")), registry)
     got = fetch_toolchain(tc, registry)
     assert sorted(got) == ["fusion-oci-dist/node.tgz", "fusion-oci-dist/npm.tgz",
                            "fusion-oci-dist/pm-native.tgz", "fusion-oci-dist/pm.tgz"]
