@@ -28,7 +28,6 @@ import pytest
 from fusion_oci.models import PrepareContext, RunOptions, RunResult, SandboxPolicy
 from fusion_oci.sandbox import Sandbox
 from tests.backends import backend_settings, require_runtime
-from tests.conftest import git, git_init
 from tests.hostside import tcp_server
 from tests.security.egress_world import (
     OK,
@@ -37,12 +36,12 @@ from tests.security.egress_world import (
     egress_world,
     failed,
     parse,
+    pnpm_worktree_with_remote,
     probe_command,
     refused,
     resolving,
 )
 
-PNPM_PROJECT = Path(__file__).resolve().parents[1] / "data" / "pnpm-project"
 BACKENDS = [
     pytest.param("landlock", marks=pytest.mark.landlock),
     pytest.param("oci", marks=pytest.mark.oci),
@@ -292,23 +291,12 @@ async def test_pnpm_install_and_git_fetch_through_the_built_in_profile_on_landlo
     of that private address, nothing else); a registry the profile does not list is denied."""
     from fusion_oci.egress.profile import resolve_profile
 
-    bare = tmp_path / "served" / "remote.git"
-    seed = git_init(tmp_path / "seed")
-    (seed / "README").write_text("from the remote\n")
-    git(seed, "add", "README")
-    git(seed, "-c", "user.name=t", "-c", "user.email=t@e", "commit", "-qm", "remote commit")
-    git(tmp_path, "clone", "-q", "--bare", str(seed), str(bare))
-    git(bare, "update-server-info")
-    worktree = tmp_path / "wt"
-    shutil.copytree(PNPM_PROJECT, worktree)
-    git_init(worktree)
-    remote = f"http://{world.allowed_addr}:8081/remote.git"
-    git(worktree, "remote", "add", "origin", remote)
+    served, worktree = pnpm_worktree_with_remote(tmp_path, world, 8081)
     profile = await resolve_profile(worktree, _env(tmp_path))
     assert any(h.pattern == f"{world.allowed_addr}:8081" for h in profile), profile
     policy = SandboxPolicy(network="filtered",
                            allowed_domains=[f"{world.allowed_addr}/32"])
-    with _http_server_in(world, bare.parent, 8081):
+    with _http_server_in(world, served, 8081):
         async with filtered("landlock", worktree, policy) as sb:
             install = await run(sb, "pnpm install --frozen-lockfile && pnpm test", 180_000)
             fetch = await run(sb, "git fetch -q origin && git log --oneline FETCH_HEAD")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -31,7 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from fusion_oci.models import NetworkMode, SandboxPolicy
+from tests.conftest import git, git_init
 from tests.netns import drop_stale_namespaces, free_subnet, ip
+
+PNPM_PROJECT = Path(__file__).resolve().parents[1] / "data" / "pnpm-project"
 
 PORT = 8080
 METADATA = "169.254.169.254"
@@ -336,6 +340,24 @@ def allowed_answers(out: Mapping[str, str], world: EgressWorld) -> bool:
     """The allowed host answered through the proxy (CONNECT and plain HTTP)."""
     return all(f"{OK} {world.allowed_addr}" in out[k] for k in ("allowed_connect",
                                                                 "allowed_plain"))
+
+
+def pnpm_worktree_with_remote(base: Path, world: EgressWorld, port: int) -> tuple[Path, Path]:
+    """A copy of the pnpm project as a git worktree whose ``origin`` is a bare repository
+    (one commit, "remote commit") for ``serving`` at the allowed address on ``port``: the
+    folder to serve and the worktree."""
+    bare = base / "served" / "remote.git"
+    seed = git_init(base / "seed")
+    (seed / "README").write_text("from the remote\n")
+    git(seed, "add", "README")
+    git(seed, "-c", "user.name=t", "-c", "user.email=t@e", "commit", "-qm", "remote commit")
+    git(base, "clone", "-q", "--bare", str(seed), str(bare))
+    git(bare, "update-server-info")
+    worktree = base / "wt"
+    shutil.copytree(PNPM_PROJECT, worktree)
+    git_init(worktree)
+    git(worktree, "remote", "add", "origin", f"http://{world.allowed_addr}:{port}/remote.git")
+    return bare.parent, worktree
 
 
 @contextlib.contextmanager
