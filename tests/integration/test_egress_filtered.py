@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import pwd
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -141,16 +140,12 @@ def _unprivileged_base(runtime: str) -> Iterator[dict[str, Any]]:
     owns."""
     if runtime == "bubblewrap-unprivileged":
         require_runtime("bubblewrap")
-        try:
-            user = pwd.getpwnam(ROOTLESS_USER)
-        except KeyError:
-            require(runtime, False, f"user {ROOTLESS_USER} does not exist")
-            raise
-        require(runtime, os.getuid() == 0, "these tests switch user with runuser")
+        user, xdg = cases.checked_rootless_user(runtime, None,
+                                                "these tests switch user with runuser")
         base = Path(tempfile.mkdtemp(prefix="fusion-oci-egress-"))
         base.chmod(0o755)
         try:
-            yield {"user": user, "xdg": f"/run/user/{user.pw_uid}", "base": base,
+            yield {"user": user, "xdg": xdg, "base": base,
                    "python": cases.rootless_python()}
         finally:
             shutil.rmtree(base, ignore_errors=True)
