@@ -29,6 +29,7 @@ from fusion_oci.models import PrepareContext, RunOptions, RunResult, SandboxPoli
 from fusion_oci.sandbox import Sandbox
 from tests.backends import backend_settings, require_runtime
 from tests.hostside import tcp_server
+from tests.integration.container_cases import checked_rootless_user
 from tests.security.egress_world import (
     OK,
     EgressWorld,
@@ -347,7 +348,6 @@ def test_rootless_runc_runs_the_filtered_bundle(world: EgressWorld) -> None:
     """The rootless translation of a filtered bundle (one mapping: the caller to root inside)
     run by runc as the unprivileged CI user: the forwarder in its own empty netns reaches the
     proxy's socket, the allowed host answers, a denied one gets the 403, nothing direct."""
-    import pwd
     from dataclasses import replace
 
     from fusion_oci.agent.client import agent_binary
@@ -357,15 +357,10 @@ def test_rootless_runc_runs_the_filtered_bundle(world: EgressWorld) -> None:
     from fusion_oci.oci.spec import compile_spec
     from fusion_oci.policy.layout import resolve_layout
     from fusion_oci.runtimes.ocicli.launch import bundle_spec
-    from tests.backends import require
 
-    user = os.environ.get("FUSION_OCI_ROOTLESS_USER", "fusionci")
-    require("oci", os.geteuid() == 0, "switching to the rootless test user needs root")
-    try:
-        account = pwd.getpwnam(user)
-    except KeyError:
-        require("oci", False, f"rootless test user {user} is missing (scripts/install.sh)")
-        return
+    account, _ = checked_rootless_user("oci", None,
+                                       "switching to the rootless test user needs root")
+    user = account.pw_name
     # Not tmp_path: pytest's base directory is 0700 root, which the user cannot traverse.
     base = Path(tempfile.mkdtemp(prefix="fusion-oci-filtered-", dir="/tmp"))
     base.chmod(0o755)

@@ -34,6 +34,7 @@ from fusion_oci.sandbox import Sandbox
 from tests.backends import require, require_runtime
 from tests.conftest import git
 from tests.hostside import pids_with, tcp_server
+from tests.integration.container_cases import checked_rootless_user
 
 pytestmark = [pytest.mark.oci, pytest.mark.runc]
 
@@ -110,15 +111,9 @@ def test_compiled_bundle_runs_unchanged_under_runc(worktree: Path, tmp_path: Pat
 def test_rootless_bundle_runs_under_an_unprivileged_runc(oci_validator: Any) -> None:
     """The rootless translation (one mapping: the caller to root inside, no cgroup limits)
     run by runc as an unprivileged user; what it writes is that user's on the host."""
-    import pwd
-
-    user = os.environ.get("FUSION_OCI_ROOTLESS_USER", "fusionci")
-    require("oci", os.geteuid() == 0, "switching to the rootless test user needs root")
-    try:
-        account = pwd.getpwnam(user)
-    except KeyError:
-        require("oci", False, f"rootless test user {user} is missing (scripts/install.sh)")
-        return
+    account, _ = checked_rootless_user("oci", None,
+                                       "switching to the rootless test user needs root")
+    user = account.pw_name
     # Not tmp_path: pytest's base directory is 0700 root, which the user cannot traverse.
     base = Path(tempfile.mkdtemp(prefix="fusion-oci-rootless-", dir="/tmp"))
     try:
