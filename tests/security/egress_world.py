@@ -282,13 +282,19 @@ def probe_command(world: EgressWorld, host_port: int) -> list[str]:
     return ["node", "-e", PROBE_JS, world.config(host_port)]
 
 
+def tagged_answer(stdout: str, tag: str, what: str) -> dict[str, str]:
+    """The JSON object a probe program printed on its first line starting ``<tag> ``; none
+    fails the test, naming the probe (``what``) and showing the end of ``stdout``."""
+    for line in stdout.splitlines():
+        if line.startswith(f"{tag} "):
+            answer: dict[str, str] = json.loads(line.removeprefix(f"{tag} "))
+            return answer
+    raise AssertionError(f"the {what} probe printed no answer: {stdout[-2000:]!r}")
+
+
 def parse(stdout: str) -> dict[str, str]:
     """The probe program's answer."""
-    for line in stdout.splitlines():
-        if line.startswith("EGRESS-PROBE "):
-            answer: dict[str, str] = json.loads(line.removeprefix("EGRESS-PROBE "))
-            return answer
-    raise AssertionError(f"the egress probe printed no answer: {stdout[-2000:]!r}")
+    return tagged_answer(stdout, "EGRESS-PROBE", "egress")
 
 
 OK = "fusion-egress-ok"
