@@ -30,6 +30,7 @@ from fusion_oci.sandbox import Sandbox
 from tests.backends import backend_settings, require_runtime
 from tests.hostside import tcp_server
 from tests.integration.container_cases import checked_rootless_user
+from tests.integration.runc_user import run_bundle_as
 from tests.security.egress_world import (
     OK,
     EgressWorld,
@@ -360,7 +361,6 @@ def test_rootless_runc_runs_the_filtered_bundle(world: EgressWorld) -> None:
 
     account, _ = checked_rootless_user("oci", None,
                                        "switching to the rootless test user needs root")
-    user = account.pw_name
     # Not tmp_path: pytest's base directory is 0700 root, which the user cannot traverse.
     base = Path(tempfile.mkdtemp(prefix="fusion-oci-filtered-", dir="/tmp"))
     base.chmod(0o755)
@@ -388,14 +388,7 @@ def test_rootless_runc_runs_the_filtered_bundle(world: EgressWorld) -> None:
                                exec_status=(str(agent), str(status)),
                                egress_proxy=(str(proxy.unix_socket), str(agent)))
         bundle = write_bundle(rootless, base / "bundle")
-        subprocess.run(["chown", "-R", f"{account.pw_uid}:{account.pw_gid}", str(base)],
-                       check=True)
-        as_user = ["runuser", "-u", user, "--", "runc", "--root", str(base / "state")]
-        done = subprocess.run([*as_user, "run", "--bundle", str(bundle.path), "filtered-1"],
-                              capture_output=True, text=True, timeout=60, cwd=base,
-                              stdin=subprocess.DEVNULL)
-        subprocess.run([*as_user, "delete", "--force", "filtered-1"], capture_output=True,
-                       check=False, cwd=base)
+        done = run_bundle_as(account, base, bundle.path, "filtered-1")
     finally:
         if proxy is not None:
             asyncio.run(proxy.stop())
