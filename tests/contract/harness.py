@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import json
 import os
-import pwd
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,7 @@ from fusion_oci.errors import PolicyNotEnforceableError
 from fusion_oci.models import CacheMode, PrepareContext, RunOptions, RunResult, SandboxPolicy
 from fusion_oci.policy.settings import DockerSettings, GateSettings, SandboxSettings
 from fusion_oci.sandbox import Sandbox
-from tests.backends import backend_settings, require, require_runtime
+from tests.backends import backend_settings, require_runtime
 
 ROOTLESS = "podman-rootless"
 DOCKERLESS = "docker-rootless"
@@ -83,17 +82,10 @@ SOCKETS = {ROOTLESS: "podman/podman.sock", DOCKERLESS: "docker.sock"}
 def rootless_user_for(backend: str) -> RootlessUser:
     """The CI user that drives ``backend``, checked: its engine's socket (under its runtime
     dir) must be there (a missing setup fails where CI requires it)."""
-    from tests.integration.container_cases import rootless_python
+    from tests.integration.container_cases import checked_rootless_user, rootless_python
 
-    try:
-        user = pwd.getpwnam(ROOTLESS_USER)
-    except KeyError:
-        require(backend, False, f"user {ROOTLESS_USER} does not exist")
-        raise
-    require(backend, os.getuid() == 0, "the rootless runs switch user with runuser")
-    xdg = f"/run/user/{user.pw_uid}"
-    require(backend, Path(xdg, SOCKETS[backend]).exists(),
-            f"no {backend} socket in {xdg} (scripts/services.sh start {backend})")
+    user, xdg = checked_rootless_user(backend, SOCKETS[backend],
+                                      "the rootless runs switch user with runuser")
     return RootlessUser(user.pw_name, user.pw_uid, user.pw_gid, user.pw_dir, xdg,
                         rootless_python())
 

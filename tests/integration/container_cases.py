@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import os
+import pwd
 import shutil
 import signal
 import subprocess
@@ -528,6 +529,24 @@ def _user_can(flag: str, path: Path) -> bool:
         return False
 
 
+def checked_rootless_user(backend: str, socket: str | None, why: str
+                          ) -> tuple[pwd.struct_passwd, str]:
+    """The CI user that drives ``backend`` and its runtime dir, checked (a missing setup fails
+    where CI requires it): the user exists, we are root (``why``: we switch to it with
+    runuser) and, unless ``socket`` is None, its engine's ``socket`` is under that dir."""
+    try:
+        user = pwd.getpwnam(ROOTLESS_USER)
+    except KeyError:
+        require(backend, False, f"user {ROOTLESS_USER} does not exist")
+        raise
+    require(backend, os.getuid() == 0, why)
+    xdg = f"/run/user/{user.pw_uid}"
+    if socket is not None:
+        require(backend, Path(xdg, socket).exists(),
+                f"no {backend} socket in {xdg} (scripts/services.sh start {backend})")
+    return user, xdg
+
+
 def rootless_python() -> list[str]:
     """``env PYTHONPATH=... PYTHON`` that the unprivileged user can run with this checkout.
 
@@ -577,18 +596,9 @@ def rootless_user(backend: str, sock: str,
     engine's socket ``sock`` must answer), a scratch base it can use, an interpreter it can
     run, and (for an engine other than podman) the settings its driver gets, made from the
     runtime dir. Collects the user's garbage at the end."""
-    import pwd
     import tempfile
 
-    try:
-        user = pwd.getpwnam(ROOTLESS_USER)
-    except KeyError:
-        require(backend, False, f"user {ROOTLESS_USER} does not exist")
-        raise
-    require(backend, os.getuid() == 0, "these tests switch user with runuser")
-    xdg = f"/run/user/{user.pw_uid}"
-    require(backend, Path(xdg, sock).exists(),
-            f"no {backend} socket in {xdg} (scripts/services.sh start {backend})")
+    user, xdg = checked_rootless_user(backend, sock, "these tests switch user with runuser")
     base = Path(tempfile.mkdtemp(prefix=f"fusion-oci-{backend}-"))
     base.chmod(0o755)
     rl: dict[str, Any] = {"user": user, "xdg": xdg, "base": base, "python": rootless_python()}

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import pwd
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -36,7 +35,7 @@ from fusion_oci.runtimes.base import Requirement
 from fusion_oci.runtimes.registry import create_runtime
 from fusion_oci.sandbox import Sandbox
 from tests.backends import require, require_runtime
-from tests.conftest import git, git_init
+from tests.conftest import git_init
 from tests.hostside import tcp_server
 from tests.integration import container_cases as cases
 from tests.security.egress_world import (
@@ -45,12 +44,12 @@ from tests.security.egress_world import (
     allowed_answers,
     egress_world,
     judge,
+    pnpm_worktree_with_remote,
     resolving,
     serving,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-PNPM_PROJECT = ROOT / "tests" / "data" / "pnpm-project"
 LONG = RunOptions(timeout_ms=240_000)
 ROOTLESS_USER = os.environ.get("FUSION_OCI_ROOTLESS_USER", "fusionci")
 RUNTIMES = {
@@ -141,16 +140,12 @@ def _unprivileged_base(runtime: str) -> Iterator[dict[str, Any]]:
     owns."""
     if runtime == "bubblewrap-unprivileged":
         require_runtime("bubblewrap")
-        try:
-            user = pwd.getpwnam(ROOTLESS_USER)
-        except KeyError:
-            require(runtime, False, f"user {ROOTLESS_USER} does not exist")
-            raise
-        require(runtime, os.getuid() == 0, "these tests switch user with runuser")
+        user, xdg = cases.checked_rootless_user(runtime, None,
+                                                "these tests switch user with runuser")
         base = Path(tempfile.mkdtemp(prefix="fusion-oci-egress-"))
         base.chmod(0o755)
         try:
-            yield {"user": user, "xdg": f"/run/user/{user.pw_uid}", "base": base,
+            yield {"user": user, "xdg": xdg, "base": base,
                    "python": cases.rootless_python()}
         finally:
             shutil.rmtree(base, ignore_errors=True)
@@ -310,24 +305,14 @@ async def test_pnpm_install_and_git_fetch_through_the_built_in_profile(
     runner = Runner(backend, tmp_path, None)
     if backend != "bubblewrap":
         cases.require_engine(backend)
-    bare = tmp_path / "served" / "remote.git"
-    seed = git_init(tmp_path / "seed")
-    (seed / "README").write_text("from the remote\n")
-    git(seed, "add", "README")
-    git(seed, "-c", "user.name=t", "-c", "user.email=t@e", "commit", "-qm", "remote commit")
-    git(tmp_path, "clone", "-q", "--bare", str(seed), str(bare))
-    git(bare, "update-server-info")
-    wt = tmp_path / "wt"
-    shutil.copytree(PNPM_PROJECT, wt)
-    git_init(wt)
-    git(wt, "remote", "add", "origin", f"http://{world.allowed_addr}:8081/remote.git")
+    served, wt = pnpm_worktree_with_remote(tmp_path, world, 8081)
     policy = SandboxPolicy(network=NetworkMode.FILTERED,
                            allowed_domains=[f"{world.allowed_addr}/32"])
     command = ("git fetch -q origin && git log --oneline FETCH_HEAD && echo FETCHED; "
                "pnpm install --frozen-lockfile && pnpm test && echo INSTALLED; "
                "npm view is-number version --registry=https://registry.yarnpkg.com/ "
                "--fetch-retries=0 2>&1 | tail -5; echo \"OTHER-EXIT ${PIPESTATUS:-$?}\"")
-    with serving(world, bare.parent, 8081):
+    with serving(world, served, 8081):
         result = await runner.run(["/bin/bash", "-c", command], policy, worktree=wt,
                                   cache_mode=CacheMode.ISOLATED, task="pnpm-filtered")
     assert "remote commit" in result.stdout and "FETCHED" in result.stdout, \

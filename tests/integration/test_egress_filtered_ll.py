@@ -28,8 +28,9 @@ import pytest
 from fusion_oci.models import PrepareContext, RunOptions, RunResult, SandboxPolicy
 from fusion_oci.sandbox import Sandbox
 from tests.backends import backend_settings, require_runtime
-from tests.conftest import git, git_init
 from tests.hostside import tcp_server
+from tests.integration.container_cases import checked_rootless_user
+from tests.integration.runc_user import run_bundle_as
 from tests.security.egress_world import (
     OK,
     EgressWorld,
@@ -37,12 +38,12 @@ from tests.security.egress_world import (
     egress_world,
     failed,
     parse,
+    pnpm_worktree_with_remote,
     probe_command,
     refused,
     resolving,
 )
 
-PNPM_PROJECT = Path(__file__).resolve().parents[1] / "data" / "pnpm-project"
 BACKENDS = [
     pytest.param("landlock", marks=pytest.mark.landlock),
     pytest.param("oci", marks=pytest.mark.oci),
@@ -292,23 +293,12 @@ async def test_pnpm_install_and_git_fetch_through_the_built_in_profile_on_landlo
     of that private address, nothing else); a registry the profile does not list is denied."""
     from fusion_oci.egress.profile import resolve_profile
 
-    bare = tmp_path / "served" / "remote.git"
-    seed = git_init(tmp_path / "seed")
-    (seed / "README").write_text("from the remote\n")
-    git(seed, "add", "README")
-    git(seed, "-c", "user.name=t", "-c", "user.email=t@e", "commit", "-qm", "remote commit")
-    git(tmp_path, "clone", "-q", "--bare", str(seed), str(bare))
-    git(bare, "update-server-info")
-    worktree = tmp_path / "wt"
-    shutil.copytree(PNPM_PROJECT, worktree)
-    git_init(worktree)
-    remote = f"http://{world.allowed_addr}:8081/remote.git"
-    git(worktree, "remote", "add", "origin", remote)
+    served, worktree = pnpm_worktree_with_remote(tmp_path, world, 8081)
     profile = await resolve_profile(worktree, _env(tmp_path))
     assert any(h.pattern == f"{world.allowed_addr}:8081" for h in profile), profile
     policy = SandboxPolicy(network="filtered",
                            allowed_domains=[f"{world.allowed_addr}/32"])
-    with _http_server_in(world, bare.parent, 8081):
+    with _http_server_in(world, served, 8081):
         async with filtered("landlock", worktree, policy) as sb:
             install = await run(sb, "pnpm install --frozen-lockfile && pnpm test", 180_000)
             fetch = await run(sb, "git fetch -q origin && git log --oneline FETCH_HEAD")
@@ -359,7 +349,6 @@ def test_rootless_runc_runs_the_filtered_bundle(world: EgressWorld) -> None:
     """The rootless translation of a filtered bundle (one mapping: the caller to root inside)
     run by runc as the unprivileged CI user: the forwarder in its own empty netns reaches the
     proxy's socket, the allowed host answers, a denied one gets the 403, nothing direct."""
-    import pwd
     from dataclasses import replace
 
     from fusion_oci.agent.client import agent_binary
@@ -369,15 +358,9 @@ def test_rootless_runc_runs_the_filtered_bundle(world: EgressWorld) -> None:
     from fusion_oci.oci.spec import compile_spec
     from fusion_oci.policy.layout import resolve_layout
     from fusion_oci.runtimes.ocicli.launch import bundle_spec
-    from tests.backends import require
 
-    user = os.environ.get("FUSION_OCI_ROOTLESS_USER", "fusionci")
-    require("oci", os.geteuid() == 0, "switching to the rootless test user needs root")
-    try:
-        account = pwd.getpwnam(user)
-    except KeyError:
-        require("oci", False, f"rootless test user {user} is missing (scripts/install.sh)")
-        return
+    account, _ = checked_rootless_user("oci", None,
+                                       "switching to the rootless test user needs root")
     # Not tmp_path: pytest's base directory is 0700 root, which the user cannot traverse.
     base = Path(tempfile.mkdtemp(prefix="fusion-oci-filtered-", dir="/tmp"))
     base.chmod(0o755)
@@ -405,14 +388,7 @@ def test_rootless_runc_runs_the_filtered_bundle(world: EgressWorld) -> None:
                                exec_status=(str(agent), str(status)),
                                egress_proxy=(str(proxy.unix_socket), str(agent)))
         bundle = write_bundle(rootless, base / "bundle")
-        subprocess.run(["chown", "-R", f"{account.pw_uid}:{account.pw_gid}", str(base)],
-                       check=True)
-        as_user = ["runuser", "-u", user, "--", "runc", "--root", str(base / "state")]
-        done = subprocess.run([*as_user, "run", "--bundle", str(bundle.path), "filtered-1"],
-                              capture_output=True, text=True, timeout=60, cwd=base,
-                              stdin=subprocess.DEVNULL)
-        subprocess.run([*as_user, "delete", "--force", "filtered-1"], capture_output=True,
-                       check=False, cwd=base)
+        done = run_bundle_as(account, base, bundle.path, "filtered-1")
     finally:
         if proxy is not None:
             asyncio.run(proxy.stop())

@@ -34,6 +34,8 @@ from fusion_oci.sandbox import Sandbox
 from tests.backends import require, require_runtime
 from tests.conftest import git
 from tests.hostside import pids_with, tcp_server
+from tests.integration.container_cases import checked_rootless_user
+from tests.integration.runc_user import run_bundle_as
 
 pytestmark = [pytest.mark.oci, pytest.mark.runc]
 
@@ -110,15 +112,8 @@ def test_compiled_bundle_runs_unchanged_under_runc(worktree: Path, tmp_path: Pat
 def test_rootless_bundle_runs_under_an_unprivileged_runc(oci_validator: Any) -> None:
     """The rootless translation (one mapping: the caller to root inside, no cgroup limits)
     run by runc as an unprivileged user; what it writes is that user's on the host."""
-    import pwd
-
-    user = os.environ.get("FUSION_OCI_ROOTLESS_USER", "fusionci")
-    require("oci", os.geteuid() == 0, "switching to the rootless test user needs root")
-    try:
-        account = pwd.getpwnam(user)
-    except KeyError:
-        require("oci", False, f"rootless test user {user} is missing (scripts/install.sh)")
-        return
+    account, _ = checked_rootless_user("oci", None,
+                                       "switching to the rootless test user needs root")
     # Not tmp_path: pytest's base directory is 0700 root, which the user cannot traverse.
     base = Path(tempfile.mkdtemp(prefix="fusion-oci-rootless-", dir="/tmp"))
     try:
@@ -132,14 +127,7 @@ def test_rootless_bundle_runs_under_an_unprivileged_runc(oci_validator: Any) -> 
         rootless = bundle_spec(spec, rootless_ids=(account.pw_uid, account.pw_gid))
         oci_validator.validate(rootless)
         bundle = write_bundle(rootless, base / "bundle")
-        subprocess.run(["chown", "-R", f"{account.pw_uid}:{account.pw_gid}", str(base)],
-                       check=True)
-        as_user = ["runuser", "-u", user, "--", "runc", "--root", str(base / "state")]
-        done = subprocess.run([*as_user, "run", "--bundle", str(bundle.path), "rootless-1"],
-                              capture_output=True, text=True, timeout=60, cwd=base,
-                              stdin=subprocess.DEVNULL)
-        subprocess.run([*as_user, "delete", "--force", "rootless-1"], capture_output=True,
-                       check=False, cwd=base)
+        done = run_bundle_as(account, base, bundle.path, "rootless-1")
         assert done.returncode == 4, done.stderr
         assert done.stdout == "0\n"
         st = (wt / "f").stat()

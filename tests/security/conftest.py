@@ -330,18 +330,11 @@ def _rootless_session(backend: str, socket: str, engine: str,
     """The user that drives ``backend``, checked once (its engine's ``socket`` under its
     runtime dir answers and is rootless; a missing setup fails where CI requires it), with
     the node image in that engine; at the end, gc as the user."""
-    from tests.integration.container_cases import rootless_python
+    from tests.integration.container_cases import checked_rootless_user, rootless_python
     from tests.integration.images_fixture import ensure_node_image
 
-    try:
-        user = pwd.getpwnam(ROOTLESS_USER)
-    except KeyError:
-        require(backend, False, f"user {ROOTLESS_USER} does not exist")
-        raise
-    require(backend, os.getuid() == 0, "the rootless probes switch user with runuser")
-    xdg = f"/run/user/{user.pw_uid}"
-    require(backend, Path(xdg, socket).exists(),
-            f"no {backend} socket in {xdg} (scripts/services.sh start {backend})")
+    user, xdg = checked_rootless_user(backend, socket,
+                                      "the rootless probes switch user with runuser")
     rl = RootlessUser(user.pw_name, user.pw_uid, user.pw_gid, user.pw_dir, xdg,
                       rootless_python(), settings=settings)
     chosen = SandboxSettings(backend=engine, **settings)  # type: ignore[arg-type]

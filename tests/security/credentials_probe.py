@@ -8,6 +8,8 @@ from __future__ import annotations
 import base64
 import json
 
+from tests.security.egress_world import tagged_answer
+
 PROBE_JS = r"""
 const net = require('net'), tls = require('tls'), fs = require('fs');
 const proxy = (process.env.HTTPS_PROXY || '').replace('http://', '').replace(/\/$/, '');
@@ -82,11 +84,7 @@ def probe_command() -> list[str]:
 
 
 def parse(stdout: str) -> dict[str, str]:
-    for line in stdout.splitlines():
-        if line.startswith("CREDENTIAL-PROBE "):
-            answer: dict[str, str] = json.loads(line.removeprefix("CREDENTIAL-PROBE "))
-            return answer
-    raise AssertionError(f"the credential probe printed no answer: {stdout[-2000:]!r}")
+    return tagged_answer(stdout, "CREDENTIAL-PROBE", "credential")
 
 
 def denied(answer: str) -> bool:

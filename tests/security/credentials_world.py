@@ -28,6 +28,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.netns import drop_stale_namespaces, free_subnet, ip
+
 SERVER = r'''
 import http.server, json, os, socketserver, ssl, subprocess, sys, threading, base64, time
 def orphaned(parent=os.getppid()):
@@ -221,42 +223,20 @@ def _test_ca(folder: Path) -> Path:
     return ca_file
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
-
-
 def _git(*args: str, cwd: Path | None = None) -> None:
     subprocess.run(["git", *args], check=True, capture_output=True, timeout=60,
                    cwd=cwd, env={"PATH": "/usr/bin:/bin", "HOME": str(cwd or "/"),
                                  "GIT_CONFIG_NOSYSTEM": "1"})
 
 
-def _drop_stale_worlds() -> None:
-    """Namespaces of a test process killed before its clean-up: their pid is gone."""
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
-                            timeout=30, check=False).stdout
-    for line in listed.splitlines():
-        name = line.split()[0] if line.split() else ""
-        pid = name.removeprefix("fusion-cred-")
-        if name.startswith("fusion-cred-") and pid.isdigit() and \
-                not Path(f"/proc/{pid}").exists():
-            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30,
-                           check=False)
-
-
 @contextlib.contextmanager
 def credentials_world(base: Path, token: str) -> Iterator[CredentialsWorld]:
     """Create the namespace, the test CA, the bare repository and the servers; remove them
     (and what a killed run of an earlier process left)."""
-    _drop_stale_worlds()
+    drop_stale_namespaces("fusion-cred-")
     pid = os.getpid()
-    # A /24 no other world on this host uses (test processes of other checkouts run too).
-    used = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True,
-                          timeout=30, check=False).stdout
-    tag = next(t for t in ((pid + i) % 200 + 20 for i in range(200))
-               if f" 10.214.{t}." not in used)
     netns, host_if, ns_if = f"fusion-cred-{pid}", f"fc{pid}h"[:15], f"fc{pid}n"[:15]
-    prefix = f"10.214.{tag}"
+    prefix = free_subnet("10.214", pid)
     base.mkdir(parents=True, exist_ok=True)
     base.chmod(0o755)
     certs = base / "certs"
@@ -271,16 +251,16 @@ def credentials_world(base: Path, token: str) -> Iterator[CredentialsWorld]:
     log = base / "credentials-world.log"
     log.touch()
     server: subprocess.Popen[bytes] | None = None
-    _ip("netns", "add", netns)
+    ip("netns", "add", netns)
     try:
-        _ip("link", "add", host_if, "type", "veth", "peer", "name", ns_if)
-        _ip("link", "set", ns_if, "netns", netns)
-        _ip("addr", "add", f"{prefix}.1/24", "dev", host_if)
-        _ip("link", "set", host_if, "up")
+        ip("link", "add", host_if, "type", "veth", "peer", "name", ns_if)
+        ip("link", "set", ns_if, "netns", netns)
+        ip("addr", "add", f"{prefix}.1/24", "dev", host_if)
+        ip("link", "set", host_if, "up")
         for n in (2, 3, 4):
-            _ip("-n", netns, "addr", "add", f"{prefix}.{n}/24", "dev", ns_if)
-        _ip("-n", netns, "link", "set", ns_if, "up")
-        _ip("-n", netns, "link", "set", "lo", "up")
+            ip("-n", netns, "addr", "add", f"{prefix}.{n}/24", "dev", ns_if)
+        ip("-n", netns, "link", "set", ns_if, "up")
+        ip("-n", netns, "link", "set", "lo", "up")
         script = base / "credentials-world-server.py"
         script.write_text(SERVER)
         errors = base / "credentials-world-server.err"
@@ -303,5 +283,5 @@ def credentials_world(base: Path, token: str) -> Iterator[CredentialsWorld]:
             server.kill()
             server.wait()
         with contextlib.suppress(subprocess.CalledProcessError):
-            _ip("link", "del", host_if)
-        _ip("netns", "del", netns)
+            ip("link", "del", host_if)
+        ip("netns", "del", netns)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -31,6 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from fusion_oci.models import NetworkMode, SandboxPolicy
+from tests.conftest import git, git_init
+from tests.netns import drop_stale_namespaces, free_subnet, ip
+
+PNPM_PROJECT = Path(__file__).resolve().parents[1] / "data" / "pnpm-project"
 
 PORT = 8080
 METADATA = "169.254.169.254"
@@ -126,37 +131,14 @@ class EgressWorld:
             return []
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
-
-
-def _drop_stale_worlds() -> None:
-    """Namespaces of a test process killed before its clean-up (kill -9): their pid is gone.
-    Deleting one drops its veth pair too."""
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
-                            timeout=30, check=False).stdout
-    for line in listed.splitlines():
-        name = line.split()[0] if line.split() else ""
-        pid = name.removeprefix("fusion-egress-")
-        if name.startswith("fusion-egress-") and pid.isdigit() and \
-                not Path(f"/proc/{pid}").exists():
-            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30,
-                           check=False)
-
-
 @contextlib.contextmanager
 def egress_world(base: Path) -> Iterator[EgressWorld]:
     """Create the namespace and its server; remove both at the end (and what a killed run of
     an earlier process left)."""
-    _drop_stale_worlds()
-    # A /24 no other world on this host uses (test processes of other checkouts run too).
-    used = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True,
-                          timeout=30, check=False).stdout
-    tag = next(t for t in ((os.getpid() + i) % 200 + 20 for i in range(200))
-               if f" 10.213.{t}." not in used)
+    drop_stale_namespaces("fusion-egress-")
     netns, host_if, ns_if = f"fusion-egress-{os.getpid()}", f"fe{os.getpid()}h", \
         f"fe{os.getpid()}n"
-    prefix = f"10.213.{tag}"
+    prefix = free_subnet("10.213", os.getpid())
     log = base / "egress-world.log"
     log.touch()
     log.chmod(0o644)
@@ -170,10 +152,10 @@ def egress_world(base: Path) -> Iterator[EgressWorld]:
             server = subprocess.Popen(["unshare", "--net", "--", sys.executable, str(script),
                                        str(log)], stdout=subprocess.DEVNULL, stderr=err)
         inside = ["nsenter", f"--net=/proc/{server.pid}/ns/net", "--", "ip"]
-        _ip("link", "add", host_if[:15], "type", "veth", "peer", "name", ns_if[:15])
-        _ip("link", "set", ns_if[:15], "netns", str(server.pid))
-        _ip("addr", "add", f"{prefix}.1/24", "dev", host_if[:15])
-        _ip("link", "set", host_if[:15], "up")
+        ip("link", "add", host_if[:15], "type", "veth", "peer", "name", ns_if[:15])
+        ip("link", "set", ns_if[:15], "netns", str(server.pid))
+        ip("addr", "add", f"{prefix}.1/24", "dev", host_if[:15])
+        ip("link", "set", host_if[:15], "up")
         for addr in (f"{prefix}.2/24", f"{prefix}.3/24"):
             _run([*inside, "addr", "add", addr, "dev", ns_if[:15]])
         _run([*inside, "link", "set", ns_if[:15], "up"])
@@ -300,13 +282,19 @@ def probe_command(world: EgressWorld, host_port: int) -> list[str]:
     return ["node", "-e", PROBE_JS, world.config(host_port)]
 
 
+def tagged_answer(stdout: str, tag: str, what: str) -> dict[str, str]:
+    """The JSON object a probe program printed on its first line starting ``<tag> ``; none
+    fails the test, naming the probe (``what``) and showing the end of ``stdout``."""
+    for line in stdout.splitlines():
+        if line.startswith(f"{tag} "):
+            answer: dict[str, str] = json.loads(line.removeprefix(f"{tag} "))
+            return answer
+    raise AssertionError(f"the {what} probe printed no answer: {stdout[-2000:]!r}")
+
+
 def parse(stdout: str) -> dict[str, str]:
     """The probe program's answer."""
-    for line in stdout.splitlines():
-        if line.startswith("EGRESS-PROBE "):
-            answer: dict[str, str] = json.loads(line.removeprefix("EGRESS-PROBE "))
-            return answer
-    raise AssertionError(f"the egress probe printed no answer: {stdout[-2000:]!r}")
+    return tagged_answer(stdout, "EGRESS-PROBE", "egress")
 
 
 OK = "fusion-egress-ok"
@@ -358,6 +346,24 @@ def allowed_answers(out: Mapping[str, str], world: EgressWorld) -> bool:
     """The allowed host answered through the proxy (CONNECT and plain HTTP)."""
     return all(f"{OK} {world.allowed_addr}" in out[k] for k in ("allowed_connect",
                                                                 "allowed_plain"))
+
+
+def pnpm_worktree_with_remote(base: Path, world: EgressWorld, port: int) -> tuple[Path, Path]:
+    """A copy of the pnpm project as a git worktree whose ``origin`` is a bare repository
+    (one commit, "remote commit") for ``serving`` at the allowed address on ``port``: the
+    folder to serve and the worktree."""
+    bare = base / "served" / "remote.git"
+    seed = git_init(base / "seed")
+    (seed / "README").write_text("from the remote\n")
+    git(seed, "add", "README")
+    git(seed, "-c", "user.name=t", "-c", "user.email=t@e", "commit", "-qm", "remote commit")
+    git(base, "clone", "-q", "--bare", str(seed), str(bare))
+    git(bare, "update-server-info")
+    worktree = base / "wt"
+    shutil.copytree(PNPM_PROJECT, worktree)
+    git_init(worktree)
+    git(worktree, "remote", "add", "origin", f"http://{world.allowed_addr}:{port}/remote.git")
+    return bare.parent, worktree
 
 
 @contextlib.contextmanager
