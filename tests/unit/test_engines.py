@@ -29,6 +29,7 @@ from fusion_oci.errors import (
     RuntimeUnavailableError,
     SandboxSetupError,
 )
+from tests.modules import package_modules
 
 # --------------------------------------------------------------------------- docker
 
@@ -365,18 +366,7 @@ LAYERS = ["fusion_oci.engines", "fusion_oci.runtimes", "fusion_oci.images"]
 """The packages the layering holds for, walked: a module added to one is covered unasked."""
 
 
-def _modules() -> dict[str, Path]:
-    """Every module of the fusion_oci package, by dotted name (packages by their name)."""
-    out: dict[str, Path] = {}
-    for path in sorted((ROOT / "fusion_oci").rglob("*.py")):
-        parts = list(path.relative_to(ROOT).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        out[".".join(parts)] = path
-    return out
-
-
-MODULES = _modules()
+MODULES = package_modules()
 LAYERED = sorted(m for m in MODULES
                  if m == "fusion_oci.gc" or any(m == p or m.startswith(p + ".") for p in LAYERS))
 

@@ -4,7 +4,6 @@ subprocess, the error body). Walked over every module: a module added later is c
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 from fusion_oci.errors import (
     ERROR_KINDS,
@@ -13,22 +12,9 @@ from fusion_oci.errors import (
     error_body,
     error_json,
 )
+from tests.modules import package_modules
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _modules() -> dict[str, Path]:
-    """Every module of the fusion_oci package, by dotted name (packages by their name)."""
-    out: dict[str, Path] = {}
-    for path in sorted((ROOT / "fusion_oci").rglob("*.py")):
-        parts = list(path.relative_to(ROOT).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        out[".".join(parts)] = path
-    return out
-
-
-MODULES = _modules()
+MODULES = package_modules()
 
 
 def _trees() -> dict[str, ast.Module]:
