@@ -96,6 +96,17 @@ async def read_head(reader: asyncio.StreamReader) -> Head | None:
     return Head(lines[0], headers)
 
 
+async def _exactly(reader: asyncio.StreamReader, size: int) -> AsyncIterator[bytes]:
+    """``size`` bytes of ``reader`` in chunks of at most CHUNK; short is an error."""
+    remaining = size
+    while remaining:
+        data = await reader.read(min(remaining, CHUNK))
+        if not data:
+            raise asyncio.IncompleteReadError(b"", remaining)
+        remaining -= len(data)
+        yield data
+
+
 async def body_chunks(reader: asyncio.StreamReader, head: Head, *, response: bool,
                       status: int = 200, method: str = "GET") -> AsyncIterator[bytes]:
     """The body's bytes, de-chunked; ends at its framing (or the connection's end)."""
@@ -109,23 +120,13 @@ async def body_chunks(reader: asyncio.StreamReader, head: Head, *, response: boo
                 while (await reader.readuntil(b"\r\n")) != b"\r\n":
                     pass  # trailers: dropped
                 return
-            remaining = size
-            while remaining:
-                data = await reader.read(min(remaining, CHUNK))
-                if not data:
-                    raise asyncio.IncompleteReadError(b"", remaining)
-                remaining -= len(data)
+            async for data in _exactly(reader, size):
                 yield data
             await reader.readexactly(2)
         return
     length = head.get("content-length")
     if length is not None:
-        remaining = int(length)
-        while remaining:
-            data = await reader.read(min(remaining, CHUNK))
-            if not data:
-                raise asyncio.IncompleteReadError(b"", remaining)
-            remaining -= len(data)
+        async for data in _exactly(reader, int(length)):
             yield data
         return
     if response:  # until the connection ends
