@@ -81,12 +81,11 @@ def api_case(sb: SyncSandbox) -> Case:
 def raw_case(sb: SyncSandbox) -> Case:
     """Raw bwrap with the sandbox argv and BPF the runtime uses, running `true` itself."""
     runtime = sb.sandbox.runtime
-    spec = sb.sandbox.last_spec
-    assert isinstance(runtime, BubblewrapRuntime) and spec is not None
+    assert isinstance(runtime, BubblewrapRuntime)
     program = runtime.seccomp_bpf
     # What the runtime plans (and so runs), the seccomp pipe's fd filled in as it does, and
     # `true` where the agent would be.
-    planned = with_fds(runtime.plan(spec).argv or [], LaunchFds(seccomp="<fd>"))
+    planned = with_fds(runtime.sandbox_launch().argv or [], LaunchFds(seccomp="<fd>"))
     planned = [*planned[:-len(sandbox_command())], "true"]
 
     def go() -> None:

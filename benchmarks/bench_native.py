@@ -61,14 +61,16 @@ async def measure(wt: str, runs: int) -> dict[str, float]:
     opts = RunOptions()
 
     async def compile_only() -> None:
-        sandbox.spec_for("true", opts)  # the spec (the bundle) of one command, nothing run
+        task.process("true", opts)  # the process spec of one command, nothing run
 
     async def runtime_run() -> None:
-        # The runtime alone: plan and execute a spec compiled beforehand (the lifecycle's
-        # compile and check are the "compile" case and the gap to "sandbox").
-        await runtime.execute(runtime.plan(spec), opts)
+        # The runtime alone: plan and execute a process compiled beforehand (the lifecycle's
+        # compile is the "compile" case and the gap to "sandbox").
+        await runtime.execute(runtime.plan(process), opts)
 
-    spec = sandbox.spec_for("true", opts)
+    assert sandbox.task is not None
+    task = sandbox.task
+    process = task.process("true", opts)
 
     async def bare() -> None:
         subprocess.run(TRUE, cwd=wt, check=True)  # noqa: ASYNC221 - the baseline, as named
@@ -117,7 +119,7 @@ def markdown(res: dict[str, float], runs: int, cli_runs: int) -> str:
         ("`subprocess.run([\"/bin/sh\", \"-c\", \"true\"])` (baseline)", "bare"),
         ("exec agent: `Agent.run` (spawn frame, keeper, exit status)", "agent"),
         ("native runtime: `NativeRuntime.run` (spec compile + agent)", "runtime"),
-        ("  of which: compiling the command's spec (`compile_spec`), nothing run", "compile"),
+        ("  of which: compiling the command's process spec (`ResolvedTask.process`), nothing run", "compile"),
         ("Python API: `Sandbox.run` (prepared; lifecycle, audit event)", "sandbox"),
         ("before: a Python reaper shim per command (`run_process(reaper_argv(...))`)", "reaper"),
         ("CLI: `fusion-oci run -- true` (a fresh interpreter per command)", "cli"),

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from fusion_oci.oci.spec import Spec
     from fusion_oci.policy.settings import SandboxSettings
     from fusion_oci.resolve import ResolvedTask
-    from fusion_oci.runtimes.base import Runtime
+    from fusion_oci.runtimes.protocol import Runtime
 
 REPLAY_DIR = "replay"
 """Folder under the project's ``.fusion/`` holding the records (``sha256-<hex>.json``)."""
@@ -104,7 +104,7 @@ def record_path(project_dir: Path, digest: str) -> Path:
 
 def redact_spec(spec: Spec, passed: Sequence[str]) -> dict[str, Any]:
     """The spec with the values of the caller's variables cut and the run id dropped. Pure."""
-    from fusion_oci.oci.spec import ANN_RUN
+    from fusion_oci.oci.model import ANN_RUN
 
     out: dict[str, Any] = json.loads(json.dumps(spec))
     names = set(passed)

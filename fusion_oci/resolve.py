@@ -11,14 +11,14 @@ functions, so the bundle one of them shows is the bundle another runs.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fusion_oci.models import CacheMode, NetworkMode, PrepareContext, RunOptions
 from fusion_oci.oci.host import HostInfo
-from fusion_oci.oci.spec import Spec
-from fusion_oci.oci.spec import compile_spec as _compile
+from fusion_oci.oci.model import ProcessSpec, Rlimit, TaskSpec, User, config_json
+from fusion_oci.oci.spec import Spec, compile_process, compile_task, process_rlimits
 from fusion_oci.policy.layout import TaskLayout, resolve_ca, resolve_layout
 from fusion_oci.policy.settings import SandboxSettings
 
@@ -42,6 +42,30 @@ class ResolvedTask:
     """The task's egress proxy (``network: filtered``; started by the sandbox before the
     runtime's prepare, which binds ``egress.unix_socket`` into the sandbox). None: the
     network is not filtered, or nothing started one (plan, bundle create)."""
+    spec: TaskSpec = field(init=False, repr=False, compare=False)
+    """The task's sandbox (the OCI config without ``process``), compiled once here."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "spec", compile_task(self.ctx, self.layout, self.host))
+
+    @property
+    def rlimits(self) -> list[Rlimit]:
+        """The rlimits every command of the task runs under (the policy's, clamped to the
+        host's hard limits): with :attr:`spec`, all that the task asks a runtime to enforce."""
+        cpu = self.ctx.policy.cpu_limit
+        return [Rlimit.model_validate(r) for r in process_rlimits(
+            self.host, cpu.max_ms if cpu else None, self.ctx.policy.file_size_limit_mb)]
+
+    @property
+    def user(self) -> User:
+        """Who every command of the task runs as: the caller's ids."""
+        return User(uid=self.host.uid, gid=self.host.gid)
+
+    def process(self, command: str | Sequence[str], opts: RunOptions) -> ProcessSpec:
+        """One command's OCI ``process`` (the env allowlist draws from ``opts.env``, else the
+        task's environment). Pure."""
+        source = opts.env if opts.env is not None else self.env
+        return compile_process(self.ctx, self.layout, self.host, command, opts, source)
 
     @property
     def image(self) -> str | None:
@@ -64,8 +88,10 @@ class ResolvedTask:
         return [f"protectedPaths: {p}" for p in self.layout.unprotected]
 
     def with_egress(self, proxy: EgressProxy | None) -> ResolvedTask:
-        """The same task with its egress proxy."""
-        return replace(self, egress=proxy)
+        """The same task with its egress proxy (the spec is the same: kept, not compiled)."""
+        out = replace(self, egress=proxy)
+        object.__setattr__(out, "spec", self.spec)
+        return out
 
     def with_image(self, image: str | None) -> ResolvedTask:
         """The same task on another image reference (a provisioned image's local name)."""
@@ -109,16 +135,6 @@ def resolve(
 
 def compile_spec(resolved: ResolvedTask, command: str | Sequence[str],
                  opts: RunOptions) -> Spec:
-    """The whole ``config.json`` of one command of a resolved task. Pure."""
-    source = opts.env if opts.env is not None else resolved.env
-    return _compile(resolved.ctx, resolved.layout, resolved.host, command, opts, source)
-
-
-PROBE_COMMAND = ("true",)
-"""The command of a task's *task spec*: what prepare reads (image, network, mounts) before
-any real command exists. Only the process differs from a real command's spec."""
-
-
-def task_spec(resolved: ResolvedTask) -> Spec:
-    """The spec every command of the task shares but for its process. Pure."""
-    return compile_spec(resolved, list(PROBE_COMMAND), RunOptions(env={}))
+    """The whole ``config.json`` of one command of a resolved task (a bundle, ``fusion-oci
+    plan``): its task spec and the command's process. Pure."""
+    return config_json(resolved.spec, resolved.process(command, opts))

@@ -10,10 +10,12 @@ Failure mode (brief 4.4) applies to exactly two things: the chosen backend is un
 audited as ``sandbox:fallback``, and every unenforced part is listed in the result and the
 event; with ``fail-hard`` the error is raised. Any other setup failure is raised as it is.
 
-Per command (:meth:`Sandbox.run`), every runtime, a plugin's too, is driven the same way: the
-spec is compiled from the task resolved at prepare (:func:`fusion_oci.resolve.compile_spec`),
-checked (``runtime.check``), planned (``runtime.plan``), and that plan is executed
-(``runtime.execute``); the spec is what a replay record keeps.
+Every runtime, a plugin's too, is driven the same way: at prepare the task is resolved once
+(:func:`fusion_oci.resolve.resolve`: its typed task spec), checked once (``runtime.check``)
+before anything is set up, and prepared (``runtime.prepare``); per command
+(:meth:`Sandbox.run`) its process is compiled (:meth:`ResolvedTask.process`), planned
+(``runtime.plan``), and that plan is executed (``runtime.execute``); the whole config (task
+spec and process) is what a replay record keeps.
 
 Abort: cancelling the task that awaits :meth:`Sandbox.run` (or :meth:`Sandbox.abort`, or
 :meth:`SyncSandbox.abort` from another thread) ends the whole process tree, audits
@@ -46,13 +48,15 @@ from fusion_oci.errors import (
 )
 from fusion_oci.models import NetworkMode, OutputStream, PrepareContext, RunOptions, RunResult
 from fusion_oci.oci.host import HostInfo, probe_host
+from fusion_oci.oci.model import config_json
 from fusion_oci.oci.spec import Spec
 from fusion_oci.policy.settings import SandboxSettings
 from fusion_oci.policy.worktree import check_inputs
 from fusion_oci.replay import record_run, worktree_state
-from fusion_oci.resolve import ResolvedTask, compile_spec, resolve, task_spec
-from fusion_oci.runtimes.base import Runtime, default_cache_root, unenforced_parts
+from fusion_oci.resolve import ResolvedTask, compile_spec, resolve
+from fusion_oci.runtimes.protocol import Runtime
 from fusion_oci.runtimes.registry import create_runtime
+from fusion_oci.runtimes.skeleton import default_cache_root
 from fusion_oci.scratch import gc_scratch
 from fusion_oci.stdin import StdinStream
 from fusion_oci.store import StoreLinker, task_linker
@@ -90,7 +94,6 @@ class Sandbox:
         self.ctx: PrepareContext | None = None
         self.task: ResolvedTask | None = None
         """The task as the runtime prepared it: what every command's spec is compiled from."""
-        self.last_spec: Spec | None = None
         """The spec of the latest command (what a replay record keeps)."""
         self.fell_back = False
         self.unenforced: list[str] = []
@@ -119,31 +122,23 @@ class Sandbox:
             **fields,
         ))
 
-    def _check(self, runtime: Runtime, ctx: PrepareContext) -> None:
-        missing = unenforced_parts(runtime, ctx.policy)
+    def _check(self, runtime: Runtime, task: ResolvedTask) -> None:
+        """The one check, against the task spec (the spec is the contract): a part it asks
+        for that the runtime does not enforce is refused. A runtime that does not isolate
+        (native) lists what it leaves out instead."""
+        missing = runtime.check(task)
         if not runtime.isolates:
             self.unenforced = missing
             return
         if missing:
             raise PolicyNotEnforceableError(runtime.id, missing)
 
-    def _check_spec(self, runtime: Runtime, spec: Spec) -> None:
-        """The same check against a spec (the bundle is the contract): a part the spec asks
-        for that the runtime does not enforce is refused, even where the policy's
-        requirements missed it. A runtime that does not isolate (native) lists what it leaves
-        out instead (at prepare)."""
-        if not runtime.isolates:
-            return
-        missing = runtime.check(spec)
-        if missing:
-            raise PolicyNotEnforceableError(runtime.id, missing)
-
-    def _resolve(self, runtime: Runtime, ctx: PrepareContext) -> ResolvedTask:
+    def _resolve(self, runtime: Runtime, ctx: PrepareContext, *, create: bool) -> ResolvedTask:
         """The one resolve step, for the chosen runtime's default image."""
         assert self.host is not None
         return resolve(self.settings, ctx, self.host, env=self.env,
                        cache_root=self.cache_root or default_cache_root(self.env),
-                       default_image=runtime.default_image)
+                       default_image=runtime.default_image, create=create)
 
     async def _start(self, backend: str, ctx: PrepareContext) -> Runtime:
         if self.host is None:
@@ -154,10 +149,10 @@ class Sandbox:
             availability = runtime.availability()
             if not availability.available:
                 raise RuntimeUnavailableError(runtime.id, availability.reason, availability.hint)
-            self._check(runtime, ctx)
-            resolved = self._resolve(runtime, ctx)
-            # Before anything is set up (an image provisioned): what the task spec asks for.
-            self._check_spec(runtime, task_spec(resolved))
+            # Before anything is made (a cache folder, an image provisioned): what the task
+            # spec asks for, resolved without creating anything.
+            self._check(runtime, self._resolve(runtime, ctx, create=False))
+            resolved = self._resolve(runtime, ctx, create=True)
             broker = await self._broker(resolved)
             if resolved.network is NetworkMode.FILTERED:
                 # Before prepare: the runtime binds the proxy's socket into the sandbox.
@@ -294,15 +289,13 @@ class Sandbox:
             opts = opts.model_copy(update={"stdin": await opts.stdin.read_all()})
         started = time.monotonic()
         try:
-            # compile -> check -> plan; execute runs that plan (plan == what runs).
-            spec = compile_spec(task_, command, opts)
-            self._check_spec(runtime, spec)
-            plan = runtime.plan(spec)
+            # compile -> plan; execute runs that plan (plan == what runs).
+            process = task_.process(command, opts)
+            plan = runtime.plan(process)
         except SandboxSetupError as exc:
             self._event("sandbox:failure", reason=exc.render(), command=shown[:200],
                         unenforced=getattr(exc, "unenforced", None), details={"kind": exc.kind})
             raise
-        self.last_spec = spec
         task = asyncio.ensure_future(runtime.execute(plan, opts))
         self._running.add(task)
         try:
@@ -332,6 +325,7 @@ class Sandbox:
         replay: dict[str, Any] = {}
         if recording:
             try:
+                spec = config_json(task_.spec, process)
                 replay = await record_run(runtime, task_, spec, self.ctx, self.settings,
                                           command, opts, state, result.stdout, result.stderr)
                 if hashers is not None:

@@ -2,7 +2,7 @@
 the contract suite (``custom`` backend, entry point ``contract-host``).
 
 It derives from nothing in fusion-oci (no SpecRuntime): it implements the
-:class:`~fusion_oci.runtimes.base.Runtime` protocol and nothing more (``check``, ``plan``,
+:class:`~fusion_oci.runtimes.protocol.Runtime` protocol and nothing more (``check``, ``plan``,
 ``prepare``, ``execute`` of its own plan, ...), and runs commands on the host (through a
 private native runtime, as a plugin would through its own launcher). It is a test double: it
 *claims* the filesystem, /proc and network isolation a policy asks for, so the lifecycle
@@ -24,15 +24,17 @@ from typing import TYPE_CHECKING, Any
 from fusion_oci.audit import AuditLog
 from fusion_oci.images.gates import AuditContext, GateRequest, ProvisionGate
 from fusion_oci.models import RunOptions, RunResult, SandboxCapabilities
-from fusion_oci.runtimes.base import Availability, LaunchPlan, Requirement, unenforced_in
 from fusion_oci.runtimes.native import NativeRuntime
+from fusion_oci.runtimes.plans import Plan
+from fusion_oci.runtimes.protocol import Availability
+from fusion_oci.runtimes.requirements import Requirement, task_requirements, unenforced
 
 if TYPE_CHECKING:
     import pytest
 
     from fusion_oci.images.gates import AskCallback
     from fusion_oci.oci.host import HostInfo
-    from fusion_oci.oci.spec import Spec
+    from fusion_oci.oci.model import ProcessSpec
     from fusion_oci.policy.settings import SandboxSettings
     from fusion_oci.resolve import ResolvedTask
 
@@ -44,10 +46,13 @@ CLAIMED = frozenset({Requirement.FILESYSTEM, Requirement.PROC_PATHS, Requirement
 
 
 @dataclass(frozen=True)
-class HostPlan(LaunchPlan):
+class HostPlan(Plan):
     """The plugin's plan: its launcher's (the private native runtime's), which it runs."""
 
-    inner: LaunchPlan = field(kw_only=True, repr=False, compare=False)
+    inner: Plan = field(kw_only=True, repr=False, compare=False)
+
+    def _body(self) -> dict[str, Any]:
+        return {"inner": self.inner.to_json()}
 
 
 class HostPluginRuntime:
@@ -73,13 +78,14 @@ class HostPluginRuntime:
     def enforces(self) -> frozenset[Requirement]:
         return CLAIMED | self._host.enforces()
 
-    def check(self, spec: Spec) -> list[str]:
-        return unenforced_in(spec, self.enforces())
+    def check(self, task: ResolvedTask) -> list[str]:
+        return unenforced(task_requirements(task), self.enforces())
 
-    def plan(self, spec: Spec) -> HostPlan:
-        inner = self._host.plan(spec)
-        return HostPlan(self.id, argv=inner.argv, env=inner.env, cwd=inner.cwd, spec=spec,
-                        inner=inner)
+    def adopt(self, task: ResolvedTask) -> None:
+        self._host.adopt(task)
+
+    def plan(self, process: ProcessSpec) -> HostPlan:
+        return HostPlan(self.id, process=process, inner=self._host.plan(process))
 
     async def prepare(self, task: ResolvedTask) -> ResolvedTask:
         ctx = task.ctx
@@ -91,7 +97,7 @@ class HostPluginRuntime:
                                          reason="the plugin fetches its image"))
         return await self._host.prepare(task)
 
-    async def execute(self, plan: LaunchPlan, opts: RunOptions) -> RunResult:
+    async def execute(self, plan: Plan, opts: RunOptions) -> RunResult:
         if not isinstance(plan, HostPlan):
             raise TypeError(f"not a plan of runtime '{self.id}': {plan.backend}")
         result = await self._host.execute(plan.inner, opts)

@@ -144,7 +144,7 @@ class Decoder:
 def parse_exec_status(text: str) -> tuple[int | None, str | None] | None:
     """What ``fusion-oci-agent --exec-status`` wrote: ``exit N`` -> (N, None), ``signal N`` ->
     (None, "SIGNAME"); None for anything else (nothing written: the agent was killed too)."""
-    from fusion_oci.runtimes.base import status_from_code
+    from fusion_oci.runtimes.outcome import status_from_code
 
     words = text.split()
     if len(words) != 2 or not words[1].isdigit():

@@ -142,9 +142,10 @@ def dry_run(task: Any, command: str | list[str], environ: dict[str, str]) -> dic
     """Compile everything a run would, create nothing, start nothing: the same resolve step
     and compiler as a run (fusion_oci.resolve), with ``create=False``."""
     from fusion_oci.oci.host import probe_host
-    from fusion_oci.resolve import compile_spec, resolve
-    from fusion_oci.runtimes.base import default_cache_root, unenforced_parts
+    from fusion_oci.oci.model import config_json
+    from fusion_oci.resolve import resolve
     from fusion_oci.runtimes.registry import create_runtime
+    from fusion_oci.runtimes.skeleton import default_cache_root
 
     settings = task.effective.settings
     host = probe_host()
@@ -152,13 +153,13 @@ def dry_run(task: Any, command: str | list[str], environ: dict[str, str]) -> dic
     resolved = resolve(settings, task.ctx, host, env=environ,
                        cache_root=default_cache_root(environ),
                        default_image=runtime.default_image, create=False)
-    spec = compile_spec(resolved, command, task.opts)
+    process = resolved.process(command, task.opts)
     avail = runtime.availability()
-    missing = unenforced_parts(runtime, task.ctx.policy)
+    missing = runtime.check(resolved)  # what the lifecycle refuses (or lists, for native)
     if runtime.isolates:
-        # What the lifecycle refuses: the policy's parts and the spec's (runtime.check).
-        missing = sorted(set(missing) | set(runtime.check(spec)))
         missing += resolved.unprotected()
+    runtime.adopt(resolved)
+    launch = runtime.plan(process).to_json()
     runtime.close()  # a probed engine client is dropped now, not whenever it is collected
     return {
         "backend": runtime.id,
@@ -167,8 +168,8 @@ def dry_run(task: Any, command: str | list[str], environ: dict[str, str]) -> dic
         "policy": task.ctx.policy.model_dump(mode="json", by_alias=True),
         "policyHash": task.ctx.policy.digest(),
         "unenforced": missing,
-        "config": spec,
-        "launch": runtime.plan(spec).to_json(),
+        "config": config_json(resolved.spec, process),
+        "launch": launch,
     }
 
 
@@ -205,8 +206,8 @@ def bundle_create(
     from fusion_oci.oci.bundle import write_bundle
     from fusion_oci.oci.host import probe_host
     from fusion_oci.resolve import compile_spec, resolve
-    from fusion_oci.runtimes.base import default_cache_root
     from fusion_oci.runtimes.registry import runtime_class
+    from fusion_oci.runtimes.skeleton import default_cache_root
     from fusion_oci.taskflags import caller_env, resolve_task
 
     try:

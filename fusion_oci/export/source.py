@@ -84,7 +84,7 @@ def read_spec(spec: Mapping[str, Any], *, name: str, image: str, image_digest: s
     ``system_dests``: destinations of the host's system directories (a host-rootfs spec);
     those are replaced by the image. ``env_names``: variables passed from the caller.
     """
-    from fusion_oci.oci.spec import ANN, ANN_NETWORK
+    from fusion_oci.oci.model import ANN, ANN_NETWORK
 
     proc = spec["process"]
     passed = set(env_names)
@@ -147,7 +147,7 @@ def safe_name(text: str) -> str:
 def source_from_record(record: ReplayRecord, event: AuditEvent | None, *,
                        worktree: Path | None = None, image: str | None = None) -> ExportSource:
     """A recorded run's environment (its redacted spec; caller env by name)."""
-    from fusion_oci.oci.spec import ANN_HOST_ROOTFS
+    from fusion_oci.oci.model import ANN_HOST_ROOTFS
 
     spec = json.loads(json.dumps(record.spec))
     notes: list[str] = []

@@ -191,7 +191,7 @@ def candidate_specs(name: str, images_dir: Path | None, base: str | None,
 def default_registry(env: Mapping[str, str], host_ca: str = "auto") -> Registry:
     """The npm registry from ``env``, its metadata and tarballs cached under the cache root."""
     from fusion_oci.images.npm_registry import Registry, registry_url
-    from fusion_oci.runtimes.base import default_cache_root
+    from fusion_oci.runtimes.skeleton import default_cache_root
 
     return Registry(registry_url(env), default_cache_root(env) / "npm-registry",
                     ca=host_ca_for_build(host_ca))
@@ -249,7 +249,7 @@ class _Provisioner:
         if opts.lock_dir is not None:
             self.lock_dir = opts.lock_dir
         else:
-            from fusion_oci.runtimes.base import default_cache_root
+            from fusion_oci.runtimes.skeleton import default_cache_root
 
             self.lock_dir = default_cache_root(env) / "locks"
 

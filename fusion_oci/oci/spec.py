@@ -10,8 +10,20 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fusion_oci.models import CacheMode, NetworkMode, PrepareContext, RunOptions, SandboxPolicy
+from fusion_oci.models import NetworkMode, PrepareContext, RunOptions, SandboxPolicy
 from fusion_oci.oci.host import HostInfo
+from fusion_oci.oci.model import (
+    ANN_CACHE_MODE,
+    ANN_HOST_ROOTFS,
+    ANN_IMAGE,
+    ANN_NETWORK,
+    ANN_POLICY,
+    ANN_RUN,
+    ANN_TASK,
+    ProcessSpec,
+    TaskSpec,
+    config_json,
+)
 from fusion_oci.policy.layout import CA_IN_SANDBOX, TaskLayout
 
 Spec = dict[str, Any]
@@ -20,15 +32,8 @@ OCI_VERSION = "1.0.2"
 SANDBOX_HOME = "/home/sandbox"
 SANDBOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
-ANN = "io.fusion-oci."
-ANN_TASK = ANN + "task-id"
-ANN_RUN = ANN + "run-id"
-ANN_POLICY = ANN + "policy-hash"
-ANN_NETWORK = ANN + "network"
-ANN_IMAGE = ANN + "image"
-ANN_HOST_ROOTFS = ANN + "host-rootfs"
-ANN_CACHE_MODE = ANN + "cache-mode"
-# Every annotation above is listed, with what it means, in docs/spec-annotations.md: they say
+# The annotations (fusion_oci.oci.model) are listed, with what each means, in
+# docs/spec-annotations.md: they say
 # only what the OCI fields cannot (OCI has no "egress without host loopback", no image
 # reference, no cache scope).
 
@@ -198,14 +203,13 @@ def _within_hard(value: int, hard: int) -> int:
     return value if hard < 0 else min(value, hard)
 
 
-def with_rlimits(spec: Spec, host: HostInfo, cpu_ms: int | None,
-                 file_size_mb: int | None = None) -> Spec:
+def process_rlimits(host: HostInfo, cpu_ms: int | None,
+                    file_size_mb: int | None = None) -> list[dict[str, Any]]:
     """RLIMIT_NOFILE, RLIMIT_CPU and RLIMIT_FSIZE, never above the host's current hard limits.
 
     Raising a limit past the hard limit is refused by the kernel (and makes runc fail), so
-    every value is clamped to what this process may set.
+    every value is clamped to what this process may set. Pure.
     """
-    out = _copy(spec)
     limits: list[dict[str, Any]] = []
     _, nhard = host.rlimits.get("RLIMIT_NOFILE", (1024, 1024))
     hard = nhard if nhard >= 0 else DEFAULT_NOFILE
@@ -225,22 +229,7 @@ def with_rlimits(spec: Spec, host: HostInfo, cpu_ms: int | None,
         _, fhard = host.rlimits.get("RLIMIT_FSIZE", (-1, -1))
         size = _within_hard(file_size_mb * 1024 * 1024, fhard)
         limits.append({"type": "RLIMIT_FSIZE", "soft": size, "hard": size})
-    out["process"]["rlimits"] = limits
-    return out
-
-
-def with_user(spec: Spec, uid: int, gid: int) -> Spec:
-    out = _copy(spec)
-    out["process"]["user"] = {"uid": uid, "gid": gid}
-    return out
-
-
-def with_process(spec: Spec, args: Sequence[str], cwd: str, env: Mapping[str, str]) -> Spec:
-    out = _copy(spec)
-    out["process"]["args"] = list(args)
-    out["process"]["cwd"] = cwd
-    out["process"]["env"] = [f"{k}={v}" for k, v in sorted(env.items())]
-    return out
+    return limits
 
 
 def with_seccomp(spec: Spec, arch: str) -> Spec:
@@ -414,33 +403,19 @@ def _cwd(cwd: str | None, worktree: str) -> str:
     return cwd if cwd.startswith("/") else f"{worktree.rstrip('/')}/{cwd}"
 
 
-def compile_spec(
-    ctx: PrepareContext,
-    layout: TaskLayout,
-    host: HostInfo,
-    command: str | Sequence[str],
-    opts: RunOptions,
-    env_source: Mapping[str, str],
-) -> Spec:
-    """The whole ``config.json`` for one command. Pure."""
+def compile_task(ctx: PrepareContext, layout: TaskLayout, host: HostInfo) -> TaskSpec:
+    """The task's sandbox: the OCI config without ``process``, shared by every command. Pure."""
     policy = ctx.policy
     # Every op copies its input (they are pure), so the small parts go first and the large
     # ones last: the mounts and the seccomp profile are copied once, not by every later op.
     # Only the order of the mounts among themselves carries meaning, and it is kept.
     spec = default_spec()
+    del spec["process"]
     spec = with_network(spec, policy.network_mode)
     spec = with_memory_limit(spec, policy.memory_limit_mb)
     cpu = policy.cpu_limit
     spec = with_cpu_quota(spec, cpu.max_cores if cpu else None)
     spec = with_pids_limit(spec, policy.pids_limit)
-    spec = with_rlimits(spec, host, cpu.max_ms if cpu else None, policy.file_size_limit_mb)
-    spec = with_user(spec, host.uid, host.gid)
-    spec = with_process(
-        spec,
-        command_argv(command),
-        _cwd(opts.cwd, layout.worktree),
-        sandbox_env(policy, layout, env_source),
-    )
     spec = with_annotations(spec, {
         ANN_TASK: ctx.task_id,
         ANN_RUN: ctx.run_id,
@@ -449,42 +424,42 @@ def compile_spec(
     })
     spec = with_image(spec, ctx.image) if ctx.image else with_host_rootfs(spec, host)
     spec = with_mounts(spec, task_mounts(layout, policy, host))
-    return with_seccomp(spec, host.arch)
+    spec = with_seccomp(spec, host.arch)
+    return TaskSpec.model_validate(spec)
 
 
-def spec_env(spec: Spec) -> dict[str, str]:
-    """The process env of a spec as a mapping."""
-    return dict(item.split("=", 1) for item in spec["process"]["env"])
+def compile_process(
+    ctx: PrepareContext,
+    layout: TaskLayout,
+    host: HostInfo,
+    command: str | Sequence[str],
+    opts: RunOptions,
+    env_source: Mapping[str, str],
+) -> ProcessSpec:
+    """One command's OCI ``process``: argv, cwd, the sandbox environment, the policy's
+    rlimits, the caller's ids, no capabilities. Pure."""
+    policy = ctx.policy
+    cpu = policy.cpu_limit
+    process = dict(default_spec()["process"])
+    process.update(
+        user={"uid": host.uid, "gid": host.gid},
+        args=command_argv(command),
+        cwd=_cwd(opts.cwd, layout.worktree),
+        env=[f"{k}={v}" for k, v in sorted(sandbox_env(policy, layout, env_source).items())],
+        rlimits=process_rlimits(host, cpu.max_ms if cpu else None,
+                                policy.file_size_limit_mb),
+    )
+    return ProcessSpec.model_validate(process)
 
 
-def spec_capabilities(spec: Spec) -> list[str]:
-    """The capabilities the spec's process keeps (its bounding set, ``CAP_*`` names),
-    sorted: what every runtime adds back after dropping all."""
-    caps = spec["process"].get("capabilities", {}).get("bounding", [])
-    return sorted(str(c) for c in caps)
-
-
-def spec_network(spec: Spec) -> NetworkMode:
-    """The network mode a spec asks for. The OCI data decides first: no network namespace is
-    ``host``; a network namespace is ``none`` unless the annotation says ``egress`` (OCI has
-    no word for "outbound but not the host's loopback"). An annotation that disagrees with
-    the namespaces (``host`` with a namespace) reads as ``none``: closed, never open."""
-    has_netns = any(n.get("type") == "network"
-                    for n in spec.get("linux", {}).get("namespaces", []))
-    if not has_netns:
-        return NetworkMode.HOST
-    said = spec.get("annotations", {}).get(ANN_NETWORK)
-    if said in (NetworkMode.EGRESS.value, NetworkMode.FILTERED.value):
-        return NetworkMode(said)
-    return NetworkMode.NONE
-
-
-def spec_cache_mode(spec: Spec) -> CacheMode:
-    """How the spec's cache mounts are scoped (per project, or per task when isolated).
-    Missing: shared (the settings' default); a value not known here: isolated, the scope
-    that shares nothing between tasks."""
-    said = spec.get("annotations", {}).get(ANN_CACHE_MODE, CacheMode.SHARED.value)
-    try:
-        return CacheMode(said)
-    except ValueError:
-        return CacheMode.ISOLATED
+def compile_spec(
+    ctx: PrepareContext,
+    layout: TaskLayout,
+    host: HostInfo,
+    command: str | Sequence[str],
+    opts: RunOptions,
+    env_source: Mapping[str, str],
+) -> Spec:
+    """The whole ``config.json`` for one command (a bundle, ``fusion-oci plan``). Pure."""
+    return config_json(compile_task(ctx, layout, host),
+                       compile_process(ctx, layout, host, command, opts, env_source))

@@ -1,1 +1,1 @@
-"""Runtimes: one small class per backend behind :class:`fusion_oci.runtimes.base.Runtime`."""
+"""Runtimes: one small class per backend behind :class:`fusion_oci.runtimes.protocol.Runtime`."""

@@ -48,23 +48,13 @@ import subprocess
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fusion_oci.agent.client import Agent, agent_binary
-from fusion_oci.agent.protocol import Spawn
 from fusion_oci.errors import BundleError, SandboxSetupError
 from fusion_oci.models import NetworkMode, RunOptions, RunResult, SandboxCapabilities
+from fusion_oci.oci.model import ProcessSpec, TaskSpec
 from fusion_oci.oci.seccomp import LIBSECCOMP_HINT, libseccomp_problem
-from fusion_oci.oci.spec import ANN_IMAGE, Spec, spec_network
-from fusion_oci.runtimes.base import (
-    Availability,
-    LaunchPlan,
-    LimitCounters,
-    Requirement,
-    SpecRuntime,
-    classify,
-    own_plan,
-)
 
 # The translation, re-exported: callers and tests name it from here.
 from fusion_oci.runtimes.bubblewrap_argv import (
@@ -78,6 +68,7 @@ from fusion_oci.runtimes.bubblewrap_argv import (
     USUAL_KINDS,
     BwrapHost,
     LaunchFds,
+    agent_rlimits,
     args_launch,
     bwrap_argv,
     bwrap_spawn,
@@ -87,12 +78,16 @@ from fusion_oci.runtimes.bubblewrap_argv import (
     proc_protection_args,
     protected_proc_paths,
     seccomp_program,
-    spec_rlimits,
     with_fds,
 )
 from fusion_oci.runtimes.linux import cgroups, egress, userns
 from fusion_oci.runtimes.linux.cgroups import Cgroup, CgroupEvents, CgroupLimits, CgroupSupport
 from fusion_oci.runtimes.linux.pipes import close_all, read_json
+from fusion_oci.runtimes.outcome import LimitCounters, classify
+from fusion_oci.runtimes.plans import AgentPlan, Plan, SandboxLaunch, own_plan
+from fusion_oci.runtimes.protocol import Availability
+from fusion_oci.runtimes.requirements import Requirement
+from fusion_oci.runtimes.skeleton import SpecRuntime
 from fusion_oci.scratch import make_scratch
 
 if TYPE_CHECKING:
@@ -104,11 +99,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AGENT_FD", "BLOCK_FD", "INFO_FD", "RESOLV_PLACEHOLDER", "RLIMITS", "SECCOMP_FD",
-    "USUAL_KINDS", "BubblewrapRuntime", "BwrapHost", "HostProbe", "LaunchFds", "args_launch",
+    "USUAL_KINDS", "BubblewrapRuntime", "BwrapHost", "HostProbe", "LaunchFds", "agent_rlimits",
+    "args_launch",
     "bwrap_argv", "bwrap_spawn", "check_spec", "host_path_kinds", "make_task_scratch",
     "mount_args", "needs_launch_hooks", "plan_notes", "probe_host_support",
-    "proc_protection_args", "protected_proc_paths", "seccomp_program", "spec_rlimits",
-    "with_fds",
+    "proc_protection_args", "protected_proc_paths", "seccomp_program", "with_fds",
 ]
 
 START_TIMEOUT_S = 20.0
@@ -174,17 +169,17 @@ def probe_host_support(path: str, uid: int) -> HostProbe:
     )
 
 
-def check_spec(spec: Spec) -> None:
+def check_spec(task: TaskSpec) -> None:
     """Refuse what bwrap would only fail on at launch, with a clearer message: an image that
     is not an unpacked rootfs, a bind mount whose host path is missing. Reads the spec only."""
-    image = spec.get("annotations", {}).get(ANN_IMAGE)
-    if image and not Path(str(image)).is_dir():
+    image = task.image
+    if image and not Path(image).is_dir():
         raise BundleError(f"bubblewrap cannot use image '{image}'",
                           "it runs on the host's system directories or an unpacked rootfs",
                           "leave sandbox.image unset for bubblewrap")
-    for mount in spec.get("mounts", []):
-        source = str(mount.get("source", ""))
-        if mount.get("type") == "bind" and not os.path.lexists(source):
+    for mount in task.mounts:
+        source = mount.source or ""
+        if mount.type == "bind" and not os.path.lexists(source):
             raise BundleError(f"policy path {source} does not exist",
                               "allowedPaths/writablePaths are bound at their host paths",
                               "create it first or remove it from the policy")
@@ -209,22 +204,18 @@ def host_path_kinds(paths: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
 
 
 @dataclass(frozen=True)
-class BwrapPlan(LaunchPlan):
-    """A bubblewrap launch plan: ``argv`` is the task's sandbox (started at prepare),
-    ``sdkKwargs`` the command's spawn frame to its agent; with the host facts it was made for.
+class BwrapPlan(AgentPlan):
+    """A bubblewrap plan: the command's spawn frame to the agent of the task's sandbox (its
+    bwrap argv beside it); with the task spec and host facts it was made for.
 
-    Its notes (words beside what runs) are written when the plan is shown (:meth:`to_json`),
-    not per command: :func:`plan_notes` costs more than the argv."""
+    Its notes (words beside what runs) are written when the plan is shown, not per command:
+    :func:`plan_notes` costs more than the frame."""
 
+    task: TaskSpec = field(kw_only=True, repr=False, compare=False)
     host: BwrapHost = field(kw_only=True, repr=False, compare=False)
-    spawn: Spawn = field(kw_only=True, repr=False, compare=False)
 
-    def to_json(self) -> dict[str, Any]:
-        data = super().to_json()
-        notes = [*self.notes, *plan_notes(self.spec, self.host)]
-        if notes:
-            data["notes"] = notes
-        return data
+    def shown_notes(self) -> list[str]:
+        return [*self.notes, *plan_notes(self.task, self.process, self.host)]
 
 
 @dataclass
@@ -232,10 +223,8 @@ class _Box:
     """The task's running sandbox."""
 
     agent: Agent
-    argv: list[str]
-    """Its planned argv (placeholder fds): a command's plan must carry the same."""
-    profile: Any
-    """The seccomp profile it runs under."""
+    launch: SandboxLaunch
+    """Its planned launch (placeholder fds), as each command's plan shows it."""
     group: Cgroup | None
     link: egress.Egress | None
     events: CgroupEvents = field(default_factory=CgroupEvents)
@@ -265,8 +254,8 @@ class BubblewrapRuntime(SpecRuntime):
         super().__init__(settings, env, cache_root=cache_root, host=host)
         self._scratch: Path | None = None
         self._box: _Box | None = None
-        self._bpf: tuple[Any, bytes | None] | None = None
-        """(profile, its BPF): compiled once at prepare."""
+        self._bpf: bytes | None = None
+        """The BPF of the task's seccomp profile: compiled once at prepare."""
         self._egress_socket: str | None = None
         """``filtered``: the host path of the task's egress proxy socket (from prepare)."""
 
@@ -287,16 +276,16 @@ class BubblewrapRuntime(SpecRuntime):
             egress_socket=self._egress_socket or EGRESS_PLACEHOLDER,
         )
 
-    def host_for(self, spec: Spec) -> BwrapHost:
+    def host_for(self, task: TaskSpec) -> BwrapHost:
         """:attr:`bwrap_host` with the host's kinds of the spec's masked/readonly paths."""
-        kinds = host_path_kinds(protected_proc_paths(spec))
+        kinds = host_path_kinds(protected_proc_paths(task))
         return dataclasses.replace(self.bwrap_host, path_kinds=kinds)
 
     @property
     def seccomp_bpf(self) -> bytes | None:
         """The BPF of the task's seccomp profile, compiled at prepare (None before, or when
         the spec has no profile)."""
-        return self._bpf[1] if self._bpf is not None else None
+        return self._bpf
 
     def capabilities(self) -> SandboxCapabilities:
         limits = "advanced" if self.probe.cgroups.controllers else "basic"
@@ -355,41 +344,45 @@ class BubblewrapRuntime(SpecRuntime):
         out |= {Requirement.CPU_TIME, Requirement.FILE_SIZE}
         return frozenset(out)
 
-    def plan(self, spec: Spec) -> BwrapPlan:
-        """The task's sandbox (:func:`bwrap_argv`, placeholder fds, bwrap's own environment
-        and cwd) and the command's spawn frame to its agent (:func:`bwrap_spawn`)."""
-        host = self.host_for(spec)
-        spawn = bwrap_spawn(spec)
-        return BwrapPlan(backend=self.id, argv=bwrap_argv(spec, host), env=self._launcher_env(),
-                         cwd="/", sdk_call="fusion-oci-agent spawn",
-                         sdk_kwargs={"fields": [f"{k}={v}" for k, v in spawn.fields()],
-                                     "fds": ["stdin", "stdout", "stderr"]},
-                         spec=spec, host=host, spawn=spawn)
+    def sandbox_launch(self) -> SandboxLaunch:
+        """The adopted task's sandbox: its bwrap argv (placeholder fds), environment, cwd."""
+        if self._box is not None:
+            return self._box.launch
+        task = self.adopted()
+        return SandboxLaunch(argv=bwrap_argv(task.spec, task.user, self.host_for(task.spec)),
+                             env=self._launcher_env(), cwd="/")
+
+    def plan(self, process: ProcessSpec) -> BwrapPlan:
+        """The command's spawn frame to the agent (:func:`bwrap_spawn`), beside the task's
+        sandbox (:func:`bwrap_argv`, made at prepare)."""
+        task = self.task_spec
+        return BwrapPlan(backend=self.id, spawn=bwrap_spawn(process),
+                         sandbox=self.sandbox_launch(), process=process, task=task,
+                         host=self.host_for(task))
 
     # ------------------------------------------------------------------ lifecycle
     async def prepare(self, task: ResolvedTask) -> ResolvedTask:
         task = await super().prepare(task)
-        assert self.task_spec is not None
-        check_spec(self.task_spec)
-        self._egress_socket = egress.proxy_socket(task, self.task_spec)
+        check_spec(task.spec)
+        self._egress_socket = egress.proxy_socket(task)
         self._scratch = make_task_scratch(task.ctx.task_id)
         try:
-            spec = self.compile(["true"], RunOptions())
-            self._bpf = (spec.get("linux", {}).get("seccomp"), seccomp_program(spec))
-            self._box = await self._start(spec)
+            self._bpf = seccomp_program(task.spec)
+            self._box = await self._start(task)
         except BaseException:
             shutil.rmtree(self._scratch, ignore_errors=True)
             self._scratch = None
             raise
         return task
 
-    async def _start(self, spec: Spec) -> _Box:
+    async def _start(self, task: ResolvedTask) -> _Box:
         """Start the task's sandbox: bwrap with the agent as its PID 1, moved into its cgroup
         and given its network before the agent runs; returns once the agent said hello."""
-        assert self._scratch is not None and self._bpf is not None
+        assert self._scratch is not None
+        spec = task.spec
         host = self.host_for(spec)
-        planned = bwrap_argv(spec, host)
-        limits = CgroupLimits.from_spec(spec)
+        planned = bwrap_argv(spec, task.user, host)
+        limits = CgroupLimits.from_task(spec)
         hooks = needs_launch_hooks(spec, host)
         group: Cgroup | None = None
         link: egress.Egress | None = None
@@ -401,7 +394,7 @@ class BubblewrapRuntime(SpecRuntime):
             if host.cgroup_mode in ("v1", "v2") and limits.controllers():
                 group = await asyncio.to_thread(Cgroup.create, self.probe.cgroups, limits)
             passed: list[int] = [theirs.fileno()]
-            program = self._bpf[1]
+            program = self._bpf
             if program is not None:
                 seccomp_r = _pipe_with(program)
                 passed.append(seccomp_r)
@@ -426,7 +419,7 @@ class BubblewrapRuntime(SpecRuntime):
                 os.close(log)
             # bwrap (or systemd-run in front of it) waits for its options: nothing has forked
             # yet, so a hard limit raised now is one the agent may give a command.
-            _raise_hard_limits(proc.pid, spec_rlimits(spec))
+            _raise_hard_limits(proc.pid, agent_rlimits(task.rlimits))
             close_all(seccomp_r, args_r, info_w, block_r)
             seccomp_r = args_r = info_w = block_r = None
             theirs.close()
@@ -463,10 +456,11 @@ class BubblewrapRuntime(SpecRuntime):
             theirs.close()  # idempotent
             close_all(info_r, info_w, block_r, block_w, seccomp_r, args_r, args_w)
         events = group.events() if group is not None else CgroupEvents()
-        return _Box(agent=agent, argv=planned, profile=self._bpf[0], group=group, link=link,
-                    events=events)
+        return _Box(agent=agent, launch=SandboxLaunch(argv=planned, env=self._launcher_env(),
+                                                      cwd="/"),
+                    group=group, link=link, events=events)
 
-    async def _setup(self, proc: asyncio.subprocess.Process, info_r: int, spec: Spec,
+    async def _setup(self, proc: asyncio.subprocess.Process, info_r: int, spec: TaskSpec,
                      group: Cgroup | None) -> egress.Egress | None:
         """Between bwrap's fork and the agent's exec: cgroup, then network."""
         reading = asyncio.ensure_future(read_json(info_r))
@@ -485,7 +479,7 @@ class BubblewrapRuntime(SpecRuntime):
         pid = int(info["child-pid"])
         if group is not None:
             group.add(pid)
-        if spec_network(spec) is NetworkMode.EGRESS:
+        if spec.network is NetworkMode.EGRESS:
             slirp = self.probe.slirp4netns
             if slirp is None:
                 raise SandboxSetupError("network egress needs slirp4netns", "it is not installed",
@@ -523,18 +517,12 @@ class BubblewrapRuntime(SpecRuntime):
                     env[key] = self.env[key]
         return env
 
-    async def execute(self, plan: LaunchPlan, opts: RunOptions) -> RunResult:
-        launch_plan = own_plan(self, plan, BwrapPlan)
-        spec, spawn, box = launch_plan.spec, launch_plan.spawn, self._box
+    async def execute(self, plan: Plan, opts: RunOptions) -> RunResult:
+        own = own_plan(self, plan, BwrapPlan)
+        process, spawn, box = own.process, own.spawn, self._box
         if box is None:
             raise SandboxSetupError("runtime 'bubblewrap' was not prepared",
                                     "its sandbox is not running", "call prepare(ctx) first")
-        if launch_plan.argv != box.argv or spec.get("linux", {}).get("seccomp") != box.profile:
-            raise SandboxSetupError(
-                "this command needs a sandbox other than the task's",
-                "its spec differs from the prepared sandbox's in more than the command's args, "
-                "env, cwd and rlimits (mounts, namespaces, user or seccomp profile)",
-                "prepare a sandbox with that policy for it")
         outcome = await box.agent.run(
             spawn.argv, env=spawn.env, cwd=spawn.cwd, rlimits=spawn.rlimits,
             stdin=opts.stdin, timeout_s=opts.timeout_ms / 1000, max_buffer=opts.max_buffer,
@@ -548,7 +536,7 @@ class BubblewrapRuntime(SpecRuntime):
             counters = LimitCounters(oom_kills=after.oom_kills - box.events.oom_kills,
                                      pids_max=after.pids_max - box.events.pids_max)
             box.events = after
-        return self.result(outcome, spec, classify(outcome, spec, counters))
+        return self.result(outcome, process, classify(outcome, process, counters))
 
 
 def _last_lines(path: Path, n: int = 5) -> str:

@@ -1,13 +1,14 @@
-"""The bubblewrap translation: a spec (and a few host facts in :class:`BwrapHost`) to the
-``bwrap`` command line of the task's sandbox and the agent's spawn frame of each command, pure
-and golden-tested per policy (see :mod:`.bubblewrap` for the runtime around it).
+"""The bubblewrap translation: a task spec (and a few host facts in :class:`BwrapHost`) to the
+``bwrap`` command line of the task's sandbox, and a process spec to the agent's spawn frame of
+each command, pure and golden-tested per policy (see :mod:`.bubblewrap` for the runtime around
+it).
 
-One sandbox per task: :func:`bwrap_argv` is the whole sandbox, everything of the spec but its
-``process`` (namespaces, mounts, protected paths, seccomp, user, hostname), with the exec agent
-(fusion_oci/agent) as its PID 1 (``--as-pid-1``) on a socketpair fd. Each command is then one
-:func:`bwrap_spawn` frame to that agent: the spec's args, env, cwd and rlimits. So nothing that
-varies per command is in the bwrap command line, and the argv of a command's spec equals the
-sandbox's exactly when the command needs no other sandbox (checked at execute).
+One sandbox per task: :func:`bwrap_argv` is the whole sandbox, all of the
+:class:`~fusion_oci.oci.model.TaskSpec` (namespaces, mounts, protected paths, seccomp,
+hostname) and the task's user, with the exec agent (fusion_oci/agent) as its PID 1
+(``--as-pid-1``) on a socketpair fd. Each command is then one :func:`bwrap_spawn` frame to
+that agent: the :class:`~fusion_oci.oci.model.ProcessSpec`'s args, env, cwd and rlimits. So
+nothing that varies per command is in the bwrap command line.
 
 The spec's mounts are replayed in order, because order is meaning: the git ``hooks/`` and
 ``config`` of a linked worktree's common directory are bound read-only *after* the read-write
@@ -22,24 +23,17 @@ from __future__ import annotations
 
 import re
 import resource
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from fusion_oci.agent.protocol import EGRESS_AGENT, EGRESS_SOCKET, Spawn, forward_args
 from fusion_oci.errors import BundleError, SandboxSetupError
 from fusion_oci.models import NetworkMode
+from fusion_oci.oci.model import Mount, ProcessSpec, Rlimit, TaskSpec, User
 from fusion_oci.oci.seccomp import LIBSECCOMP_HINT, OCI_ARCHES, compile_bpf
-from fusion_oci.oci.spec import (
-    ANN_HOST_ROOTFS,
-    ANN_IMAGE,
-    Spec,
-    spec_capabilities,
-    spec_env,
-    spec_network,
-)
 from fusion_oci.runtimes.linux import cgroups
 from fusion_oci.runtimes.linux.cgroups import CgroupLimits
+from fusion_oci.runtimes.plans import PLAN_RUN_ID, spawn_of
 
 INFO_FD = "<info-fd>"
 BLOCK_FD = "<block-fd>"
@@ -48,8 +42,6 @@ AGENT_FD = "<agent-fd>"
 AGENT_HELPER = "<fusion-oci-agent>"
 AGENT_IN_SANDBOX = "/dev/fusion-oci-agent"
 """Where the static agent binary is bound, read-only, to be the sandbox's PID 1."""
-PLAN_RUN_ID = "<run>"
-"""The spawn frame's id in a plan (a counter per agent when it runs)."""
 RESOLV_PLACEHOLDER = "<egress-resolv.conf>"
 EGRESS_PLACEHOLDER = "<egress-proxy.sock>"
 """The host path of the task's egress proxy socket in a plan (the proxy starts at prepare)."""
@@ -100,13 +92,6 @@ class LaunchFds:
     agent: int | str = AGENT_FD
 
 
-def _opt(options: Sequence[str], key: str) -> str | None:
-    for item in options:
-        if item.startswith(key + "="):
-            return item.split("=", 1)[1]
-    return None
-
-
 def _size_bytes(value: str) -> int:
     m = re.fullmatch(r"(\d+)([kmg]?)", value.lower())
     if not m:
@@ -115,10 +100,10 @@ def _size_bytes(value: str) -> int:
     return int(m.group(1)) * {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}[m.group(2)]
 
 
-def mount_args(mount: Mapping[str, Any]) -> tuple[list[str], str | None]:
+def mount_args(mount: Mount) -> tuple[list[str], str | None]:
     """One spec mount as bwrap options, or a note saying why it is skipped. Pure."""
-    dest, kind = mount["destination"], mount.get("type", "bind")
-    opts = list(mount.get("options", []))
+    dest, kind = mount.destination, mount.type or "bind"
+    opts = list(mount.options or [])
     if kind == "proc":
         return ["--proc", dest], None
     if dest == "/dev" and kind == "tmpfs":
@@ -131,26 +116,25 @@ def mount_args(mount: Mapping[str, Any]) -> tuple[list[str], str | None]:
         return [], f"{dest}: not mounted (bwrap cannot mount a fresh sysfs; the host's stays out)"
     if kind == "tmpfs":
         args: list[str] = []
-        mode = _opt(opts, "mode")
+        mode = mount.option("mode")
         if mode:
             args += ["--perms", mode.rjust(4, "0")]
-        size = _opt(opts, "size")
+        size = mount.option("size")
         if size:
             args += ["--size", str(_size_bytes(size))]
         return [*args, "--tmpfs", dest], None
     if kind == "bind" or "bind" in opts or "rbind" in opts:
         flag = "--ro-bind" if "ro" in opts else "--bind"
-        return [flag, mount["source"], dest], None
+        return [flag, mount.source or dest, dest], None
     raise BundleError(f"mount type '{kind}' at {dest} is not supported by bubblewrap",
                       "bwrap can bind, tmpfs, proc, dev and mqueue",
                       "use a container backend for this spec")
 
 
-def _rootfs_args(spec: Spec) -> list[str]:
-    ann = spec.get("annotations", {})
-    if ann.get(ANN_HOST_ROOTFS) == "true":
+def _rootfs_args(task: TaskSpec) -> list[str]:
+    if task.host_rootfs:
         return []  # the system directories come as ordinary read-only binds
-    image = ann.get(ANN_IMAGE) or spec["root"]["path"]
+    image = task.image or task.root.path
     if not image.startswith("/"):
         raise BundleError(
             f"bubblewrap cannot use image '{image}'",
@@ -160,15 +144,16 @@ def _rootfs_args(spec: Spec) -> list[str]:
     return ["--ro-bind", image, "/"]
 
 
-def spec_rlimits(spec: Spec) -> list[tuple[str, int, int, int]]:
-    """``(name, resource, soft, hard)`` for each of the spec's rlimits. Pure."""
+def agent_rlimits(rlimits: Sequence[Rlimit]) -> list[tuple[str, int, int, int]]:
+    """``(name, resource, soft, hard)`` for each rlimit (of a process, or of the task's
+    commands), refusing one the agent does not set. Pure."""
     out = []
-    for item in spec["process"].get("rlimits", []):
-        res = RLIMITS.get(item["type"])
+    for item in rlimits:
+        res = RLIMITS.get(item.type)
         if res is None:
-            raise BundleError(f"rlimit {item['type']} is not supported by bubblewrap",
+            raise BundleError(f"rlimit {item.type} is not supported by bubblewrap",
                               f"supported: {', '.join(RLIMITS)}", "drop it from the spec")
-        out.append((item["type"], res, int(item["soft"]), int(item["hard"])))
+        out.append((item.type, res, item.soft, item.hard))
     return out
 
 
@@ -180,13 +165,12 @@ USUAL_KINDS = {
 }
 
 
-def protected_proc_paths(spec: Spec) -> tuple[str, ...]:
+def protected_proc_paths(task: TaskSpec) -> tuple[str, ...]:
     """Every maskedPaths/readonlyPaths entry of the spec, in order."""
-    linux = spec.get("linux", {})
-    return (*linux.get("maskedPaths", []), *linux.get("readonlyPaths", []))
+    return (*(task.linux.masked_paths or []), *(task.linux.readonly_paths or []))
 
 
-def proc_protection_args(spec: Spec, host: BwrapHost) -> tuple[list[str], list[str]]:
+def proc_protection_args(task: TaskSpec, host: BwrapHost) -> tuple[list[str], list[str]]:
     """The spec's maskedPaths and readonlyPaths as bwrap options, and notes. Pure.
 
     Dropping them is not an option: as root, uid 0 passes /proc/sys's permission checks
@@ -195,12 +179,12 @@ def proc_protection_args(spec: Spec, host: BwrapHost) -> tuple[list[str], list[s
     an empty read-only tmpfs (what runc does). /sys is not mounted by bwrap at all, so its
     entries are hidden by absence.
     """
-    linux = spec.get("linux", {})
-    masked, readonly = linux.get("maskedPaths", []), linux.get("readonlyPaths", [])
+    masked = task.linux.masked_paths or []
+    readonly = task.linux.readonly_paths or []
     kinds = (dict(host.path_kinds) if host.path_kinds is not None
              else {p: USUAL_KINDS.get(p, "dir") for p in (*masked, *readonly)})
     # What bwrap really mounts (not sysfs: it cannot mount a fresh one, the host's stays out).
-    mounted = {m["destination"] for m in spec["mounts"] if mount_args(m)[0]}
+    mounted = {m.destination for m in task.mounts if mount_args(m)[0]}
     args: list[str] = []
     notes: list[str] = []
     for path in [*masked, *readonly]:
@@ -219,22 +203,22 @@ def proc_protection_args(spec: Spec, host: BwrapHost) -> tuple[list[str], list[s
     return args, notes
 
 
-def needs_launch_hooks(spec: Spec, host: BwrapHost) -> bool:
+def needs_launch_hooks(task: TaskSpec, host: BwrapHost) -> bool:
     """Whether bwrap must pause for us (cgroup move, slirp4netns) before the command runs."""
     direct_cgroup = host.cgroup_mode in ("v1", "v2")
-    return spec_network(spec) is NetworkMode.EGRESS or (
-        direct_cgroup and bool(CgroupLimits.from_spec(spec).controllers()))
+    return task.network is NetworkMode.EGRESS or (
+        direct_cgroup and bool(CgroupLimits.from_task(task).controllers()))
 
 
-def bwrap_argv(spec: Spec, host: BwrapHost, fds: LaunchFds | None = None) -> list[str]:
-    """The whole launch command of the spec's sandbox (all of it but ``process``, whose args,
-    env, cwd and rlimits are each command's spawn frame). Pure: same spec and host, same argv."""
-    proc = spec["process"]
-    network = spec_network(spec)
+def bwrap_argv(task: TaskSpec, user: User, host: BwrapHost,
+               fds: LaunchFds | None = None) -> list[str]:
+    """The whole launch command of the task's sandbox, run as ``user`` (each command's args,
+    env, cwd and rlimits are its spawn frame). Pure: same spec and host, same argv."""
+    network = task.network
     argv: list[str] = []
-    limits = CgroupLimits.from_spec(spec)
+    limits = CgroupLimits.from_task(task)
     if host.cgroup_mode == "systemd-run" and host.systemd_run and limits.controllers():
-        unit = "fusion-oci-" + spec.get("annotations", {}).get("io.fusion-oci.run-id", "run")
+        unit = "fusion-oci-" + task.annotations.get("io.fusion-oci.run-id", "run")
         argv += cgroups.systemd_run_prefix(host.systemd_run, unit, limits)
     argv += [host.bwrap, "--unshare-all", "--unshare-user"]
     if network is NetworkMode.HOST:
@@ -243,19 +227,16 @@ def bwrap_argv(spec: Spec, host: BwrapHost, fds: LaunchFds | None = None) -> lis
     # container: its end ends every process of the sandbox, and the kernel drops SIGKILL and
     # SIGSTOP sent to it from inside.
     argv += ["--die-with-parent", "--new-session", "--as-pid-1", "--cap-drop", "ALL"]
-    for cap in spec_capabilities(spec):  # the spec's bounding set (empty in our bundles)
-        argv += ["--cap-add", cap]
     if host.disable_userns:
         argv.append("--disable-userns")
-    user = proc.get("user", {})
-    argv += ["--uid", str(user.get("uid", 0)), "--gid", str(user.get("gid", 0))]
-    if spec.get("hostname"):
-        argv += ["--hostname", spec["hostname"]]
-    argv += _rootfs_args(spec)
-    for mount in spec["mounts"]:
+    argv += ["--uid", str(user.uid), "--gid", str(user.gid)]
+    if task.hostname:
+        argv += ["--hostname", task.hostname]
+    argv += _rootfs_args(task)
+    for mount in task.mounts:
         argv += mount_args(mount)[0]
     argv += ["--ro-bind", host.agent, AGENT_IN_SANDBOX]
-    argv += proc_protection_args(spec, host)[0]
+    argv += proc_protection_args(task, host)[0]
     if network is NetworkMode.EGRESS:
         argv += ["--ro-bind", host.egress_resolv_conf, "/etc/resolv.conf"]
     if network is NetworkMode.FILTERED:
@@ -264,13 +245,13 @@ def bwrap_argv(spec: Spec, host: BwrapHost, fds: LaunchFds | None = None) -> lis
         # needs no write access to the mount, and neither file can be replaced from inside.
         argv += ["--ro-bind", host.egress_socket, EGRESS_SOCKET,
                  "--ro-bind", host.agent, EGRESS_AGENT]
-    if spec["root"].get("readonly", True):
+    if task.root.readonly is not False:
         # Last: mount points above were created in bwrap's tmpfs root; now nothing new can be.
         argv += ["--remount-ro", "/"]
     fds = fds or LaunchFds()
-    if needs_launch_hooks(spec, host):
+    if needs_launch_hooks(task, host):
         argv += ["--info-fd", str(fds.info), "--block-fd", str(fds.block)]
-    if spec.get("linux", {}).get("seccomp"):
+    if task.linux.seccomp is not None:
         # Applied by bwrap right before it execs the agent: the agent and every command run
         # under it (fork and exec keep a seccomp filter).
         argv += ["--seccomp", str(fds.seccomp)]
@@ -295,14 +276,18 @@ def _command_len(argv: Sequence[str]) -> int:
     return len(sandbox_command())
 
 
-def bwrap_spawn(spec: Spec, run_id: str = PLAN_RUN_ID) -> Spawn:
-    """One command of the sandbox, as the agent is asked to run it: the spec's args, exactly
-    its env, its cwd and its rlimits (set by the agent before exec). The user is the sandbox's
-    (bwrap's --uid/--gid). Pure."""
-    proc = spec["process"]
-    return Spawn(id=run_id, argv=list(proc["args"]), env=spec_env(spec),
-                 cwd=proc.get("cwd", "/"),
-                 rlimits=[(name, soft, hard) for name, _, soft, hard in spec_rlimits(spec)])
+def bwrap_spawn(process: ProcessSpec, run_id: str = PLAN_RUN_ID) -> Spawn:
+    """One command of the sandbox, as the agent is asked to run it: the process's args,
+    exactly its env, its cwd and its rlimits (set by the agent before exec; each checked to be
+    one bubblewrap's agent sets). The user is the sandbox's (bwrap's --uid/--gid). Pure."""
+    agent_rlimits(process.rlimits)  # refuses an rlimit the agent does not set
+    if process.kept_capabilities():
+        # The sandbox drops every capability (--cap-drop ALL) and a spawned process cannot
+        # gain one: refused, never silently run without.
+        raise BundleError("a process that keeps capabilities cannot run in bubblewrap",
+                          f"it asks for {', '.join(process.kept_capabilities())}",
+                          "run it with no capabilities, or on a container backend")
+    return spawn_of(process, run_id=run_id)
 
 
 _TAIL = 5  # "--clearenv --chdir / --" + the agent, before the agent's "--fd N"
@@ -331,17 +316,17 @@ def with_fds(argv: Sequence[str], fds: LaunchFds) -> list[str]:
     return out
 
 
-def seccomp_program(spec: Spec) -> bytes | None:
+def seccomp_program(task: TaskSpec) -> bytes | None:
     """The spec's seccomp profile as the classic BPF bwrap reads from ``--seccomp``, compiled
     by libseccomp (deterministic: same profile, same program)."""
-    profile = spec.get("linux", {}).get("seccomp")
-    if not profile:
+    if task.linux.seccomp is None:
         return None
-    arches = [a for a, names in OCI_ARCHES.items()
-              if set(names) & set(profile.get("architectures", []))]
+    profile = task.linux.seccomp.to_oci()
+    listed = task.linux.seccomp.architectures or []
+    arches = [a for a, names in OCI_ARCHES.items() if set(names) & set(listed)]
     if not arches:
         raise BundleError("the seccomp profile cannot be compiled for bubblewrap",
-                          f"no supported architecture in {profile.get('architectures')}",
+                          f"no supported architecture in {listed}",
                           f"list one of {', '.join(n for v in OCI_ARCHES.values() for n in v)}")
     try:
         return compile_bpf(profile, arches[0])
@@ -353,13 +338,13 @@ def seccomp_program(spec: Spec) -> bytes | None:
                                 LIBSECCOMP_HINT) from exc
 
 
-def plan_notes(spec: Spec, host: BwrapHost) -> list[str]:
-    notes = [n for m in spec["mounts"] if (n := mount_args(m)[1])]
-    notes += proc_protection_args(spec, host)[1]
-    if spec.get("linux", {}).get("seccomp"):
+def plan_notes(task: TaskSpec, process: ProcessSpec, host: BwrapHost) -> list[str]:
+    notes = [n for m in task.mounts if (n := mount_args(m)[1])]
+    notes += proc_protection_args(task, host)[1]
+    if task.linux.seccomp is not None:
         notes.append("seccomp: the spec's profile compiled to classic BPF, read by bwrap from "
                      "the seccomp fd")
-    network = spec_network(spec)
+    network = task.network
     if network is NetworkMode.EGRESS:
         notes.append("egress: slirp4netns --configure --disable-host-loopback on the child's "
                      "network namespace before the command starts")
@@ -367,14 +352,14 @@ def plan_notes(spec: Spec, host: BwrapHost) -> list[str]:
         notes.append("filtered: an empty network namespace (lo only); the agent forwards "
                      "127.0.0.1:3128 to the task's egress proxy socket, bound at "
                      f"{EGRESS_SOCKET}; the proxy allows or denies each connection")
-    limits = CgroupLimits.from_spec(spec)
+    limits = CgroupLimits.from_task(task)
     if limits.controllers():
         notes.append(f"cgroup ({host.cgroup_mode}): " + ", ".join(sorted(limits.controllers())))
-    if rlimits := spec_rlimits(spec):
+    if rlimits := agent_rlimits(process.rlimits):
         notes.append("rlimits, set by the agent with setrlimit(2) before the command's exec: "
                      + ", ".join(f"{name}={soft}:{hard}" for name, _, soft, hard in rlimits))
     notes.append("one sandbox per task: this bwrap starts at prepare with the exec agent as its "
-                 "PID 1; each command is a spawn frame to it (sdkKwargs), whose keeper ends the "
+                 "PID 1; each command is a spawn frame to it (spawn), whose keeper ends the "
                  "command's whole tree")
     return notes
 

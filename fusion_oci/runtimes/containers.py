@@ -36,22 +36,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from fusion_oci.agent.protocol import EGRESS_AGENT, EGRESS_SOCKET, forward_args
+from fusion_oci.agent.protocol import EGRESS_AGENT, EGRESS_SOCKET, Spawn, forward_args
 from fusion_oci.errors import BundleError
 from fusion_oci.models import NetworkMode
-from fusion_oci.oci.spec import (
-    ANN,
-    ANN_HOST_ROOTFS,
-    ANN_IMAGE,
-    ANN_TASK,
-    SANDBOX_PATH,
-    Spec,
-    spec_capabilities,
-    spec_env,
-    spec_network,
-)
+from fusion_oci.oci.model import ANN, ANN_TASK, Mount, ProcessSpec, TaskSpec
+from fusion_oci.oci.spec import SANDBOX_PATH
 from fusion_oci.policy.layout import CACHE_ROOT_IN_SANDBOX
-from fusion_oci.runtimes.base import LimitCounters
+from fusion_oci.runtimes.outcome import LimitCounters
 
 Engine = Literal["podman", "docker"]
 ContainerMode = Literal["warm", "oneshot"]
@@ -170,12 +161,11 @@ def container_name(task_id: str, nonce: str) -> str:
     return f"fusion-oci-{task_id}-{nonce}"
 
 
-def sandbox_user(spec: Spec) -> tuple[int, int]:
-    user = spec["process"]["user"]
-    return int(user["uid"]), int(user["gid"])
+def sandbox_user(process: ProcessSpec) -> tuple[int, int]:
+    return process.user.uid, process.user.gid
 
 
-def as_userns_root(spec: Spec) -> Spec:
+def as_userns_root(task: TaskSpec, init: ProcessSpec) -> tuple[TaskSpec, ProcessSpec]:
     """The spec as a rootless dockerd runs it for its own user. Pure.
 
     A rootless dockerd maps the container's root to the user it runs as (and uids 1 and up
@@ -186,64 +176,63 @@ def as_userns_root(spec: Spec) -> Spec:
     (the private HOME) is owned by 0 inside. On the host that is the caller, as with rootless
     podman's keep-id and the rootless oci runtime (``ops.with_rootless``).
     """
-    uid, gid = sandbox_user(spec)
+    uid, gid = sandbox_user(init)
     ids = {f"uid={uid}": "uid=0", f"gid={gid}": "gid=0"}
     # A copy of only what changes (the rest, the seccomp profile above all, is shared).
-    return {**spec,
-            "process": {**spec["process"], "user": {**spec["process"]["user"],
-                                                    "uid": 0, "gid": 0}},
-            "mounts": [{**m, "options": [ids.get(o, o) for o in m.get("options", [])]}
-                       if m.get("type") == "tmpfs" else m for m in spec["mounts"]]}
+    mounts = [m.model_copy(update={"options": [ids.get(o, o) for o in m.options or []]})
+              if m.type == "tmpfs" else m for m in task.mounts]
+    return (task.model_copy(update={"mounts": mounts}),
+            init.model_copy(update={"user": init.user.model_copy(update={"uid": 0, "gid": 0})}))
 
 
-def spec_image(spec: Spec) -> str:
-    image = spec["annotations"].get(ANN_IMAGE)
-    if not image or spec["annotations"].get(ANN_HOST_ROOTFS) == "true":
+def spec_image(spec: TaskSpec) -> str:
+    image = spec.image
+    if not image or spec.host_rootfs:
         raise BundleError(
             "container runtimes need an image",
             "the spec shares the host's system directories instead of naming an image",
             "set sandbox.image (e.g. `image: node`) or pass an image in the prepare context",
         )
-    return str(image)
+    return image
 
 
-def labels_for(spec: Spec, owner: Owner, mode: ContainerMode) -> dict[str, str]:
+def labels_for(spec: TaskSpec, owner: Owner, mode: ContainerMode) -> dict[str, str]:
     """Every io.fusion-oci.* annotation of the spec, plus what gc needs."""
-    labels = {k: str(v) for k, v in spec["annotations"].items() if k.startswith(ANN)}
+    labels = {k: v for k, v in spec.annotations.items() if k.startswith(ANN)}
     labels.update(owner.labels())
     labels[LABEL_KIND] = "container"
     labels[LABEL_MODE] = mode
     return labels
 
 
-def _is_cache(mount: Mapping[str, Any]) -> bool:
-    return mount.get("type") == "bind" and str(mount["destination"]).startswith(
-        CACHE_ROOT_IN_SANDBOX + "/"
-    )
+def _is_cache(mount: Mount) -> bool:
+    return mount.type == "bind" and mount.source is not None and \
+        mount.destination.startswith(CACHE_ROOT_IN_SANDBOX + "/")
 
 
-def cache_volumes(spec: Spec, owner: Owner, *, isolated: bool) -> tuple[CacheVolume, ...]:
+def cache_volumes(spec: TaskSpec, owner: Owner, *, isolated: bool) -> tuple[CacheVolume, ...]:
     """One named volume per cache bind of the spec.
 
     The host cache directory (one per project, or per task when isolated) names the volume,
     so the same project gets the same volume in every task. Task-scoped volumes carry the
     task id and the owner, so dispose and gc remove them; project ones persist on purpose.
     """
-    task = str(spec["annotations"].get(ANN_TASK, ""))
+    task = spec.task_id
     out = []
-    for mount in spec["mounts"]:
+    for mount in spec.mounts:
         if not _is_cache(mount):
             continue
-        cache = str(mount["destination"]).rsplit("/", 1)[-1]
-        key = hashlib.sha256(str(mount["source"]).encode()).hexdigest()[:16]
+        source = mount.source or ""
+        cache = mount.destination.rsplit("/", 1)[-1]
+        key = hashlib.sha256(source.encode()).hexdigest()[:16]
         labels = {LABEL_KIND: "cache", LABEL_CACHE: cache, LABEL_CACHE_KEY: key,
                   LABEL_CACHE_SCOPE: "task" if isolated else "project",
-                  LABEL_CACHE_DIR: str(mount["source"]), LABEL_OWNER_HOST: owner.host}
+                  LABEL_CACHE_DIR: source, LABEL_OWNER_HOST: owner.host}
         if isolated:
             labels[ANN_TASK] = task
             labels.update(owner.labels())
-        out.append(CacheVolume(f"fusion-oci-{cache}-{key}", str(mount["destination"]),
-                               str(mount["source"]), labels, "task" if isolated else "project"))
+        out.append(CacheVolume(f"fusion-oci-{cache}-{key}", mount.destination, source, labels,
+                               "task" if isolated else "project"))
     return tuple(out)
 
 
@@ -256,18 +245,18 @@ def _tmpfs_options(options: Sequence[str]) -> list[str]:
     return [o for o in options if o in ("nosuid", "nodev", "noexec") or o.startswith(allowed)]
 
 
-def _mounts(spec: Spec, target: Target, volumes: Sequence[CacheVolume]) -> dict[str, Any]:
+def _mounts(spec: TaskSpec, target: Target, volumes: Sequence[CacheVolume]) -> dict[str, Any]:
     by_dest = {v.destination: v for v in volumes}
     binds: list[dict[str, Any]] = []
     tmpfs: dict[str, str] = {}
     podman_tmpfs: list[dict[str, Any]] = []
     podman_volumes: dict[str, dict[str, Any]] = {}
-    for mount in spec["mounts"]:
-        dest = str(mount["destination"])
-        options = list(mount.get("options", []))
+    for mount in spec.mounts:
+        dest = mount.destination
+        options = list(mount.options or [])
         if dest in _ENGINE_MOUNTS:
             continue
-        kind = mount.get("type")
+        kind = mount.type
         if kind == "tmpfs":
             opts = _tmpfs_options(options)
             if target.engine == "docker":
@@ -292,10 +281,10 @@ def _mounts(spec: Spec, target: Target, volumes: Sequence[CacheVolume]) -> dict[
         elif kind == "bind":
             ro = "ro" in options
             if target.engine == "docker":
-                binds.append({"Target": dest, "Source": str(mount["source"]), "Type": "bind",
+                binds.append({"Target": dest, "Source": mount.source or dest, "Type": "bind",
                               "ReadOnly": ro})
             else:
-                source = str(mount["source"])
+                source = mount.source or dest
                 if source in podman_volumes:
                     raise BundleError(
                         f"host path {source} is mounted twice",
@@ -315,11 +304,9 @@ def _mounts(spec: Spec, target: Target, volumes: Sequence[CacheVolume]) -> dict[
     return {"mounts": podman_tmpfs, "volumes": podman_volumes}
 
 
-def _ulimits(spec: Spec, target: Target) -> list[dict[str, Any]]:
+def _ulimits(init: ProcessSpec, target: Target) -> list[dict[str, Any]]:
     limits = {
-        _RLIMIT_NAMES[r["type"]]: (int(r["soft"]), int(r["hard"]))
-        for r in spec["process"].get("rlimits", [])
-        if r["type"] in _RLIMIT_NAMES
+        _RLIMIT_NAMES[r.type]: (r.soft, r.hard) for r in init.rlimits if r.type in _RLIMIT_NAMES
     }
     if target.nproc is not None and "nproc" not in limits:
         soft, hard = target.nproc
@@ -328,8 +315,8 @@ def _ulimits(spec: Spec, target: Target) -> list[dict[str, Any]]:
     return [{"Name": n, "Soft": s, "Hard": h} for n, (s, h) in sorted(limits.items())]
 
 
-def _network(spec: Spec, target: Target) -> dict[str, Any]:
-    mode = spec_network(spec)
+def _network(spec: TaskSpec, target: Target) -> dict[str, Any]:
+    mode = spec.network
     if mode is NetworkMode.NONE:
         return {"network_mode": "none"}
     if mode is NetworkMode.HOST:
@@ -347,22 +334,23 @@ def _network(spec: Spec, target: Target) -> dict[str, Any]:
     return {"network_mode": "bridge"}
 
 
-def _resources(spec: Spec) -> dict[str, Any]:
-    res = spec["linux"].get("resources", {})
+def _resources(spec: TaskSpec) -> dict[str, Any]:
+    res = spec.resources
     out: dict[str, Any] = {}
-    if mem := res.get("memory"):
-        out["mem_limit"] = int(mem["limit"])
-        out["memswap_limit"] = int(mem.get("swap", mem["limit"]))
-    if cpu := res.get("cpu"):
-        out["cpu_period"] = int(cpu["period"])
-        out["cpu_quota"] = int(cpu["quota"])
-    if pids := res.get("pids"):
-        out["pids_limit"] = int(pids["limit"])
+    if (mem := res.memory) is not None and mem.limit is not None:
+        out["mem_limit"] = mem.limit
+        out["memswap_limit"] = mem.swap if mem.swap is not None else mem.limit
+    if (cpu := res.cpu) is not None and cpu.quota is not None:
+        out["cpu_period"] = cpu.period or 100_000
+        out["cpu_quota"] = cpu.quota
+    if res.pids is not None:
+        out["pids_limit"] = res.pids.limit
     return out
 
 
 def plan_container(
-    spec: Spec,
+    spec: TaskSpec,
+    init: ProcessSpec,
     target: Target,
     *,
     name: str,
@@ -371,40 +359,42 @@ def plan_container(
     isolated_caches: bool = False,
     agent: AgentMounts = AgentMounts(),
 ) -> ContainerPlan:
-    """The create arguments of the task's container. Pure; golden-tested per engine."""
+    """The create arguments of the task's container (``init``: its process, the exec agent,
+    whose user, PATH, rlimits and capabilities the container takes). Pure; golden-tested per
+    engine."""
     notes: list[str] = []
     if target.engine == "docker" and target.rootless:
-        caller = sandbox_user(spec)
-        spec = as_userns_root(spec)
+        caller = sandbox_user(init)
+        spec, init = as_userns_root(spec, init)
         notes.append(f"rootless dockerd: the caller ({caller[0]}:{caller[1]} on the host) is "
                      "0:0 inside, its user namespace's root without capabilities")
     image = spec_image(spec)
-    uid, gid = sandbox_user(spec)
+    uid, gid = sandbox_user(init)
     volumes = cache_volumes(spec, owner, isolated=isolated_caches)
     kwargs: dict[str, Any] = {
         "image": image,
         "name": name,
-        "hostname": spec.get("hostname", "fusion-sandbox"),
+        "hostname": spec.hostname or "fusion-sandbox",
         "user": f"{uid}:{gid}",
         "working_dir": "/",
         # Only PATH; each command carries its whole env (the agent needs none).
-        "environment": {"PATH": spec_env(spec).get("PATH", SANDBOX_PATH)},
+        "environment": {"PATH": init.env_map().get("PATH", SANDBOX_PATH)},
         "labels": labels_for(spec, owner, mode),
         "detach": True,
-        "read_only": bool(spec.get("root", {}).get("readonly", True)),
+        "read_only": spec.root.readonly is not False,
         # The spec's capability set, not a fixed one: everything dropped, then what
         # process.capabilities.bounding lists (nothing, in every bundle compile_spec makes).
         "cap_drop": ["ALL"],
-        "cap_add": engine_capabilities(spec),
-        "ulimits": _ulimits(spec, target),
+        "cap_add": engine_capabilities(init),
+        "ulimits": _ulimits(init, target),
     }
     kwargs.update(_mounts(spec, target, volumes))
-    _add_agent(kwargs, target, agent, filtered=spec_network(spec) is NetworkMode.FILTERED)
+    _add_agent(kwargs, target, agent, filtered=spec.network is NetworkMode.FILTERED)
     kwargs.update(_network(spec, target))
     if target.cgroup_limits:
         kwargs.update(_resources(spec))
-    nnp = bool(spec["process"].get("noNewPrivileges", False))
-    profile = spec.get("linux", {}).get("seccomp")
+    nnp = init.no_new_privileges
+    profile = spec.linux.seccomp.to_oci() if spec.linux.seccomp is not None else None
     if target.engine == "docker":
         security: list[str] = []
         if nnp:
@@ -417,7 +407,7 @@ def plan_container(
                      "(a superset of the spec's)")
     else:
         kwargs["no_new_privileges"] = nnp
-        kwargs["masked_paths"] = list(spec["linux"].get("maskedPaths", []))
+        kwargs["masked_paths"] = list(spec.linux.masked_paths or [])
         if profile is not None:
             kwargs["seccomp_profile_path"] = seccomp_file(profile, target.seccomp_dir)[0]
         if target.rootless:
@@ -426,7 +416,7 @@ def plan_container(
             kwargs["userns_mode"] = "keep-id"
     notes.append(f"commands: spawned by the exec agent (pid 1) as {uid}:{gid}; a timeout or "
                  "abort ends the command's whole tree")
-    if spec_network(spec) is NetworkMode.FILTERED:
+    if spec.network is NetworkMode.FILTERED:
         notes.append("filtered: network none; the agent forwards 127.0.0.1:3128 to the task's "
                      f"egress proxy socket, bound read-only at {EGRESS_SOCKET}")
     return ContainerPlan(name=name, image=image, create=kwargs, volumes=volumes, notes=notes)
@@ -441,7 +431,7 @@ def _add_agent(kwargs: dict[str, Any], target: Target, agent: AgentMounts, *,
                          "--connect", f"{AGENT_RUN_DIR}/{AGENT_SOCKET}"]
     kwargs["init"] = False  # the agent is the init: it reaps, and ends trees on timeout
     # RLIMIT_CPU counts per process: on the container it would charge the agent's own CPU
-    # time over the whole task; the agent sets it on each command (plan_exec) instead.
+    # time over the whole task; the agent sets it on each command (its spawn frame) instead.
     kwargs["ulimits"] = [u for u in kwargs["ulimits"] if u["Name"] != "cpu"]
     binds = ((agent.binary, AGENT_PATH), (agent.run_dir, AGENT_RUN_DIR))
     egress = ((agent.egress_socket, EGRESS_SOCKET), (agent.binary, EGRESS_AGENT)) \
@@ -461,32 +451,6 @@ def _add_agent(kwargs: dict[str, Any], target: Target, agent: AgentMounts, *,
                                                 for source, dest in egress)]
 
 
-@dataclass(frozen=True)
-class AgentCommand:
-    """One command as the exec agent runs it (the ``spawn`` frame, with the host's pipes)."""
-
-    argv: list[str]
-    env: dict[str, str]
-    cwd: str
-    rlimits: list[tuple[str, int, int]]
-
-    def to_json(self) -> dict[str, Any]:
-        return {"argv": self.argv, "env": self.env, "cwd": self.cwd,
-                "rlimits": [list(r) for r in self.rlimits]}
-
-
-def spec_rlimits(spec: Spec) -> list[tuple[str, int, int]]:
-    return [(str(r["type"]), int(r["soft"]), int(r["hard"]))
-            for r in spec["process"].get("rlimits", [])]
-
-
-def plan_exec(spec: Spec) -> AgentCommand:
-    """The command of one run: its argv, whole env, cwd and rlimits; the user, seccomp and
-    capabilities are the container's (the agent runs under them). Pure."""
-    return AgentCommand(argv=[str(a) for a in spec["process"]["args"]], env=spec_env(spec),
-                        cwd=str(spec["process"]["cwd"]), rlimits=spec_rlimits(spec))
-
-
 # Which cgroup limit held a command: the container's own cgroup counters, as the sandbox user
 # sees them (cgroup v2 files first, then v1). Only read after a command failed.
 LIMIT_PROBE = (
@@ -499,11 +463,10 @@ LIMIT_PROBE = (
 )
 
 
-def plan_limit_probe(spec: Spec) -> AgentCommand:
+def plan_limit_probe(process: ProcessSpec) -> Spawn:
     """Read the counters through the agent, as the sandbox user (no engine exec)."""
-    return AgentCommand(argv=["/bin/sh", "-c", LIMIT_PROBE],
-                        env={"PATH": spec_env(spec).get("PATH", SANDBOX_PATH)}, cwd="/",
-                        rlimits=[])
+    return Spawn(id="limits", argv=["/bin/sh", "-c", LIMIT_PROBE],
+                 env={"PATH": process.env_map().get("PATH", SANDBOX_PATH)}, cwd="/")
 
 
 def parse_limit_counters(text: str) -> dict[str, int]:
@@ -522,10 +485,10 @@ def limit_reason(before: Mapping[str, int], after: Mapping[str, int]) -> LimitCo
                          pids_max=max(0, after.get("pids", 0) - before.get("pids", 0)))
 
 
-def engine_capabilities(spec: Spec) -> list[str]:
-    """The spec's capability set as engines name it (``CAP_NET_BIND_SERVICE`` ->
+def engine_capabilities(process: ProcessSpec) -> list[str]:
+    """The process's capability set as engines name it (``CAP_NET_BIND_SERVICE`` ->
     ``NET_BIND_SERVICE``)."""
-    return [c.removeprefix("CAP_") for c in spec_capabilities(spec)]
+    return [c.removeprefix("CAP_") for c in process.kept_capabilities()]
 
 
 def seccomp_json(profile: Mapping[str, Any]) -> str:

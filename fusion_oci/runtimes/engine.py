@@ -43,13 +43,7 @@ from fusion_oci.models import (
     RunOptions,
     RunResult,
 )
-from fusion_oci.oci.spec import Spec, spec_cache_mode
-from fusion_oci.runtimes.base import (
-    LaunchPlan,
-    LimitCounters,
-    Requirement,
-    classify,
-)
+from fusion_oci.oci.model import ProcessSpec, TaskSpec
 from fusion_oci.runtimes.containers import (
     AGENT_PATH,
     AGENT_SOCKET,
@@ -62,7 +56,6 @@ from fusion_oci.runtimes.containers import (
     limit_reason,
     parse_limit_counters,
     plan_container,
-    plan_exec,
     plan_limit_probe,
     sandbox_user,
     seccomp_file,
@@ -70,6 +63,9 @@ from fusion_oci.runtimes.containers import (
 )
 from fusion_oci.runtimes.engine_probe import EngineProbe, current_owner, nproc_limit
 from fusion_oci.runtimes.linux.egress import proxy_socket
+from fusion_oci.runtimes.outcome import LimitCounters, classify
+from fusion_oci.runtimes.plans import AgentPlan, Plan, SandboxLaunch, own_plan, spawn_of
+from fusion_oci.runtimes.requirements import Requirement
 from fusion_oci.scratch import make_scratch
 
 if TYPE_CHECKING:
@@ -115,6 +111,8 @@ class ContainerRuntime(EngineProbe):
         self._pool: ThreadPoolExecutor | None = None
         self._lock = asyncio.Lock()
         self._container: str | None = None
+        self._container_plan: ContainerPlan | None = None
+        """The warm container's create arguments (from prepare): what each plan shows."""
         self._task_volumes: list[str] = []
         self._owner = current_owner()
         self._counters: dict[str, dict[str, int]] = {}
@@ -157,28 +155,31 @@ class ContainerRuntime(EngineProbe):
             need |= {Requirement.MEMORY, Requirement.CPU_QUOTA, Requirement.PIDS}
         return frozenset(need)
 
-    def _plan(self, spec: Spec, name: str, agent: AgentMounts | None = None) -> ContainerPlan:
-        return plan_container(spec, self.target(), name=name, owner=self._owner,
-                              mode=self.mode, isolated_caches=self._isolated(spec),
+    def _plan(self, name: str, agent: AgentMounts | None = None) -> ContainerPlan:
+        """The task's container: its spec, with the exec agent as the init process."""
+        spec = self.task_spec
+        return plan_container(spec, self._init_process(), self.target(), name=name,
+                              owner=self._owner, mode=self.mode,
+                              isolated_caches=spec.cache_mode is CacheMode.ISOLATED,
                               agent=agent or AgentMounts())
 
-    def _isolated(self, spec: Spec) -> bool:
-        return spec_cache_mode(spec) is CacheMode.ISOLATED
+    def _init_process(self) -> ProcessSpec:
+        """The container's own process: the agent, as the sandbox user, with the task's
+        rlimits (the engine's ulimits) and PATH."""
+        return self.process([AGENT_PATH], RunOptions(env={}))
 
-    def plan(self, spec: Spec) -> LaunchPlan:
-        plan = self._plan(spec, container_name(str(spec["annotations"].get(
-            "io.fusion-oci.task-id", "task")), "<nonce>"))
-        command = plan_exec(spec)
-        return LaunchPlan(
+    def plan(self, process: ProcessSpec) -> AgentPlan:
+        """The command's spawn frame to the agent of the task's container (whose create
+        arguments are beside it: made at prepare, or with a placeholder name before)."""
+        container = self._container_plan or self._plan(
+            container_name(self.task_spec.task_id or "task", "<nonce>"))
+        return AgentPlan(
             backend=self.id,
-            sdk_call="containers.create",
-            sdk_kwargs=plan.create,
-            env=command.env,
-            cwd=command.cwd,
-            argv=command.argv,
-            notes=[*plan.notes, *(f"volume {v.name} -> {v.destination} ({v.scope})"
-                                  for v in plan.volumes)],
-            spec=spec,
+            spawn=spawn_of(process),
+            sandbox=SandboxLaunch(sdk_call="containers.create", sdk_kwargs=container.create),
+            notes=[*container.notes, *(f"volume {v.name} -> {v.destination} ({v.scope})"
+                                       for v in container.volumes)],
+            process=process,
         )
 
     # -- async plumbing -------------------------------------------------------------------
@@ -205,25 +206,23 @@ class ContainerRuntime(EngineProbe):
         await self._call_probe()
         await super().prepare(task)
         ctx = task.ctx
-        assert self.task_spec is not None
-        self._egress_socket = proxy_socket(task, self.task_spec)
+        self._egress_socket = proxy_socket(task)
         # The image the resolve step chose (context, settings, else this backend's default),
         # provisioned; the task then runs on its local reference.
-        self.image_ref = await self._provision(spec_image(self.task_spec), ctx)
+        self.image_ref = await self._provision(spec_image(task.spec), ctx)
         self.set_image(self.image_ref)
         await asyncio.to_thread(self._write_seccomp, self.task_spec)
         await self._collect_own_garbage(ctx.task_id)
         if self.mode == "warm":
             self._container = await self._start_container()
-        assert self.resolved is not None
-        return self.resolved  # on the provisioned image
+        return self.adopted()  # on the provisioned image
 
-    def _write_seccomp(self, spec: Spec) -> None:
+    def _write_seccomp(self, spec: TaskSpec) -> None:
         """podman takes the bundle's seccomp profile only as a file: write it where
         :func:`seccomp_file` names it (atomically; the same profile is the same file)."""
-        profile = spec.get("linux", {}).get("seccomp")
-        if self.engine != "podman" or profile is None:
+        if self.engine != "podman" or spec.linux.seccomp is None:
             return
+        profile = spec.linux.seccomp.to_oci()
         path_text, text = seccomp_file(profile, str(self.cache_root / "seccomp"))
         path = Path(path_text)
         if path.exists():
@@ -274,11 +273,10 @@ class ContainerRuntime(EngineProbe):
         adapter = self._adapter
         assert adapter is not None and self.ctx is not None
         binary = str(agent_binary())
-        spec = self.compile([AGENT_PATH], RunOptions())
         for attempt in range(1, START_ATTEMPTS + 1):
             nonce = secrets.token_hex(4)
-            run_dir, listener = self._agent_listener(spec, nonce)
-            plan = self._plan(spec, container_name(self.ctx.task_id, nonce),
+            run_dir, listener = self._agent_listener(nonce)
+            plan = self._plan(container_name(self.ctx.task_id, nonce),
                               AgentMounts(binary, str(run_dir),
                                           self._egress_socket or AgentMounts.egress_socket))
             cid: str | None = None
@@ -304,6 +302,8 @@ class ContainerRuntime(EngineProbe):
                                        functools.partial(_init_pid, adapter, cid))
                 self._agents[cid] = await Agent.accept(listener, expect_pid=pid,
                                                        timeout_s=AGENT_CONNECT_S)
+                if self.mode == "warm":
+                    self._container_plan = plan
                 return cid
             except BaseException:
                 if cid is not None:
@@ -314,7 +314,7 @@ class ContainerRuntime(EngineProbe):
                 shutil.rmtree(run_dir, ignore_errors=True)
         raise AssertionError("unreachable")
 
-    def _agent_listener(self, spec: Spec, nonce: str) -> tuple[Path, socket.socket]:
+    def _agent_listener(self, nonce: str) -> tuple[Path, socket.socket]:
         """A 0700 folder in the sandbox's scratch with the socket the agent connects to.
 
         Owned by the sandbox user (so the container's user can reach it: the same uid inside
@@ -327,7 +327,7 @@ class ContainerRuntime(EngineProbe):
         run_dir = self._scratch / f"agent-{nonce}"
         run_dir.mkdir(mode=0o700)
         listener = listen_socket(run_dir / AGENT_SOCKET, mode=0o600)
-        uid, gid = sandbox_user(spec)
+        uid, gid = sandbox_user(self._init_process())
         if (uid, gid) != (os.geteuid(), os.getegid()) and os.geteuid() == 0:
             for path in (run_dir, run_dir / AGENT_SOCKET):
                 os.chown(path, uid, gid)
@@ -344,8 +344,8 @@ class ContainerRuntime(EngineProbe):
         with contextlib.suppress(FusionOCIError):
             await self._call("container remove", lambda: adapter.remove(cid))
 
-    async def execute(self, plan: LaunchPlan, opts: RunOptions) -> RunResult:
-        spec = plan.spec
+    async def execute(self, plan: Plan, opts: RunOptions) -> RunResult:
+        process = own_plan(self, plan, AgentPlan).process
         async with self._lock:
             if self.mode == "warm":
                 if self._container is None:
@@ -354,18 +354,18 @@ class ContainerRuntime(EngineProbe):
                                             "call prepare(ctx) first")
                 # An agent that is gone fails this run and every later one (AgentLostError),
                 # never silently replaced: what the task's earlier commands left is gone too.
-                return await self._exec(self._container, spec, opts)
+                return await self._exec(self._container, process, opts)
             cid = await self._start_container()
             try:
-                return await self._exec(cid, spec, opts)
+                return await self._exec(cid, process, opts)
             finally:
                 await asyncio.shield(self._remove(cid))
 
-    async def _exec(self, cid: str, spec: Spec, opts: RunOptions) -> RunResult:
+    async def _exec(self, cid: str, process: ProcessSpec, opts: RunOptions) -> RunResult:
         """One command through the container's agent: the host's pipes, timeout, maxBuffer,
         stdin and the whole-tree kill are the agent client's (Agent.run)."""
         agent = self._agents[cid]
-        command = plan_exec(spec)
+        command = spawn_of(process)
         outcome = await agent.run(
             command.argv, env=command.env, cwd=command.cwd, rlimits=command.rlimits,
             stdin=opts.stdin, timeout_s=opts.timeout_ms / 1000, max_buffer=opts.max_buffer,
@@ -375,16 +375,16 @@ class ContainerRuntime(EngineProbe):
         # death by SIGINT a signal (no launcher's 128+N in between to read back).
         counters = LimitCounters()
         if outcome.returncode != 0 and not outcome.truncated:
-            counters = await self._limit_counters(cid, spec)
-        return self.result(outcome, spec, classify(outcome, spec, counters))
+            counters = await self._limit_counters(cid, process)
+        return self.result(outcome, process, classify(outcome, process, counters))
 
-    async def _limit_counters(self, cid: str, spec: Spec) -> LimitCounters:
+    async def _limit_counters(self, cid: str, process: ProcessSpec) -> LimitCounters:
         """After a failed command: did the container's pids or memory limit hold it?
 
         The container's own cgroup counters, read through the agent as the sandbox user (one
         more spawn, paid only on failure); those of a new container start at zero.
         """
-        probe = plan_limit_probe(spec)
+        probe = plan_limit_probe(process)
         try:
             outcome = await self._agents[cid].run(probe.argv, env=probe.env, cwd=probe.cwd,
                                                   timeout_s=10.0, max_buffer=65536)
@@ -411,6 +411,7 @@ class ContainerRuntime(EngineProbe):
                 self._task_volumes = []
         finally:
             self._egress_socket = None
+            self._container_plan = None
             if self._scratch is not None:
                 shutil.rmtree(self._scratch, ignore_errors=True)
                 self._scratch = None

@@ -19,8 +19,10 @@ from fusion_oci.engines import (
 )
 from fusion_oci.errors import RuntimeUnavailableError, SandboxSetupError
 from fusion_oci.models import SandboxCapabilities
-from fusion_oci.runtimes.base import Availability, Requirement, SpecRuntime
 from fusion_oci.runtimes.containers import ContainerMode, Engine, Owner
+from fusion_oci.runtimes.protocol import Availability
+from fusion_oci.runtimes.requirements import Requirement
+from fusion_oci.runtimes.skeleton import SpecRuntime
 from fusion_oci.scratch import boot_id, process_start
 
 # --------------------------------------------------------------------------- owner

@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fusion_oci.models import RunOptions, RunResult
-from fusion_oci.oci.spec import SANDBOX_HOME, Spec, spec_env
+from fusion_oci.oci.model import ProcessSpec, TaskSpec
+from fusion_oci.oci.spec import SANDBOX_HOME
 from fusion_oci.process import reaper_argv, run_process
-from fusion_oci.runtimes.base import SpecRuntime
+from fusion_oci.runtimes.skeleton import SpecRuntime
 from fusion_oci.scratch import make_scratch
 
 if TYPE_CHECKING:
@@ -31,14 +32,11 @@ PLACEHOLDER_HOME = "<private-home>"
 PLACEHOLDER_TMP = "<private-tmp>"
 
 
-def native_env(spec: Spec, home: str, tmp: str) -> dict[str, str]:
-    """The spec's env with sandbox-only paths mapped back to their host sources. Pure."""
-    env = spec_env(spec)
-    binds = {
-        m["destination"]: m["source"]
-        for m in spec["mounts"]
-        if m.get("type") == "bind" and m["destination"] != m["source"]
-    }
+def native_env(task: TaskSpec, process: ProcessSpec, home: str, tmp: str) -> dict[str, str]:
+    """The process's env with sandbox-only paths mapped back to their host sources. Pure."""
+    env = process.env_map()
+    binds = {m.destination: m.source for m in task.mounts
+             if m.type == "bind" and m.source is not None and m.destination != m.source}
     binds[SANDBOX_HOME] = home
     binds["/tmp"] = tmp
     for key, value in env.items():
@@ -49,8 +47,8 @@ def native_env(spec: Spec, home: str, tmp: str) -> dict[str, str]:
     return env
 
 
-def native_rlimits(spec: Spec) -> list[tuple[str, int, int]]:
-    return [(r["type"], r["soft"], r["hard"]) for r in spec["process"].get("rlimits", [])]
+def native_rlimits(process: ProcessSpec) -> list[tuple[str, int, int]]:
+    return [(r.type, r.soft, r.hard) for r in process.rlimits]
 
 
 class HostProcessRuntime(SpecRuntime):
@@ -81,16 +79,16 @@ class HostProcessRuntime(SpecRuntime):
             (self._scratch / sub).mkdir(mode=0o700)
         return task
 
-    def launch_argv(self, argv: Sequence[str], spec: Spec) -> list[str]:
-        """What really runs: argv under the subreaper shim, with the spec's rlimits."""
-        return reaper_argv(argv, native_rlimits(spec))
+    def launch_argv(self, argv: Sequence[str], process: ProcessSpec) -> list[str]:
+        """What really runs: argv under the subreaper shim, with the process's rlimits."""
+        return reaper_argv(argv, native_rlimits(process))
 
-    async def run_reaped(self, argv: Sequence[str], env: dict[str, str], spec: Spec,
+    async def run_reaped(self, argv: Sequence[str], env: dict[str, str], process: ProcessSpec,
                          opts: RunOptions) -> RunResult:
         outcome = await run_process(
-            self.launch_argv(argv, spec),
+            self.launch_argv(argv, process),
             env=env,
-            cwd=spec["process"]["cwd"],
+            cwd=process.cwd,
             stdin=opts.stdin,
             timeout_s=opts.timeout_ms / 1000,
             max_buffer=opts.max_buffer,
@@ -98,7 +96,7 @@ class HostProcessRuntime(SpecRuntime):
             keep_output=opts.keep_output,
             term_group=False,  # the shim ends the tree itself, then dies by the same signal
         )
-        return self.result(outcome, spec)
+        return self.result(outcome, process)
 
     async def dispose(self) -> None:
         if self._scratch is not None:

@@ -69,12 +69,15 @@ from typing import TYPE_CHECKING, Any
 
 from fusion_oci.errors import PolicyNotEnforceableError, SandboxSetupError
 from fusion_oci.models import NetworkMode, RunOptions, RunResult, SandboxCapabilities
+from fusion_oci.oci.model import ProcessSpec, TaskSpec
 from fusion_oci.oci.seccomp import compile_bpf
-from fusion_oci.oci.spec import ANN_IMAGE, SANDBOX_HOME, Spec, spec_network
+from fusion_oci.oci.spec import SANDBOX_HOME
 from fusion_oci.policy.layout import task_project
 from fusion_oci.process import reaper_argv, run_process
-from fusion_oci.runtimes.base import Availability, LaunchPlan, Requirement, own_plan
 from fusion_oci.runtimes.hostproc import HostProcessRuntime, native_env, native_rlimits
+from fusion_oci.runtimes.plans import ArgvPlan, Plan, own_plan
+from fusion_oci.runtimes.protocol import Availability
+from fusion_oci.runtimes.requirements import Requirement
 
 if TYPE_CHECKING:
     from fusion_oci.resolve import ResolvedTask
@@ -233,7 +236,7 @@ def filtered_socket_rules() -> list[dict[str, Any]]:
     return rules
 
 
-def landlock_rules(spec: Spec, home: str, tmp: str, proxy_port: int | None = None,
+def landlock_rules(spec: TaskSpec, home: str, tmp: str, proxy_port: int | None = None,
                    agent: str | None = None) -> LandlockRules:
     """The ruleset for a spec whose sandbox HOME and /tmp are the host dirs ``home``, ``tmp``
     (and, for ``network: filtered``, whose egress proxy listens on host ``proxy_port``, with
@@ -243,11 +246,11 @@ def landlock_rules(spec: Spec, home: str, tmp: str, proxy_port: int | None = Non
     later read-only bind beneath an earlier writable one is a carve-out Landlock cannot make.
     """
     grants: list[tuple[str, bool]] = []  # (host path, writable) in mount order
-    for mount in spec["mounts"]:
-        kind, dest = mount.get("type"), mount["destination"]
-        if kind == "bind":
-            writable = "rw" in mount.get("options", [])
-            grants.append((mount["source"], writable))
+    for mount in spec.mounts:
+        kind, dest = mount.type, mount.destination
+        if kind == "bind" and mount.source is not None:
+            writable = "rw" in (mount.options or [])
+            grants.append((mount.source, writable))
         elif kind == "tmpfs" and dest in (SANDBOX_HOME, "/tmp"):
             grants.append((home if dest == SANDBOX_HOME else tmp, True))
     restored: list[str] = []
@@ -261,7 +264,7 @@ def landlock_rules(spec: Spec, home: str, tmp: str, proxy_port: int | None = Non
         if path not in restored:
             restored.append(path)
             holes += [p for p, w in grants[i + 1:] if w and _beneath(p, path) and p != path]
-    network = spec_network(spec)
+    network = spec.network
     # filtered: the command's own unix sockets (beneath writable paths) work; elsewhere no
     # AF_UNIX socket can be opened, so making one is moot.
     writable_rights = (*RW, "make_sock") if network is NetworkMode.FILTERED else RW
@@ -278,8 +281,9 @@ def landlock_rules(spec: Spec, home: str, tmp: str, proxy_port: int | None = Non
     paths = [(p, tuple(sorted(a, key=order.index))) for p, a in sorted(rights.items())]
     if network is NetworkMode.EGRESS:
         network = NetworkMode.NONE  # not enforceable here (no netns): refused, else closed
-    profile = spec.get("linux", {}).get("seccomp") or {"defaultAction": "SCMP_ACT_ALLOW",
-                                                       "syscalls": []}
+    seccomp = spec.linux.seccomp
+    profile = (seccomp.to_oci() if seccomp is not None
+               else {"defaultAction": "SCMP_ACT_ALLOW", "syscalls": []})
     return LandlockRules(paths, network.value, seccomp=landlock_seccomp(profile, network),
                          restored=restored, holes=sorted(set(holes)),
                          proxy_port=proxy_port if network is NetworkMode.FILTERED else None)
@@ -426,7 +430,7 @@ def workload_note(abi: int) -> str:
 
 
 @dataclass(frozen=True)
-class LandlockPlan(LaunchPlan):
+class LandlockPlan(ArgvPlan):
     """A landlock launch plan, with the ruleset its launch file holds (execute writes that
     file, then runs the argv; neither is in :meth:`to_json`, the notes say it in words)."""
 
@@ -441,6 +445,8 @@ class LandlockRuntime(HostProcessRuntime):
     the one TCP destination a ``filtered`` command may connect to."""
     _proxy_port: int | None = None
     """``filtered``: that port, from prepare."""
+    _rules: LandlockRules | None = None
+    """The task's ruleset, made at prepare (it depends on the task spec only)."""
 
     def capabilities(self) -> SandboxCapabilities:
         return SandboxCapabilities(
@@ -495,7 +501,7 @@ class LandlockRuntime(HostProcessRuntime):
     def enforces(self) -> frozenset[Requirement]:
         return enforced_requirements(host_abi())
 
-    def rules(self, spec: Spec) -> LandlockRules:
+    def rules(self, spec: TaskSpec) -> LandlockRules:
         home, tmp = self._dirs()
         return landlock_rules(spec, home, tmp, self._proxy_port, self._agent())
 
@@ -514,19 +520,20 @@ class LandlockRuntime(HostProcessRuntime):
         where = str(self._scratch) if self._scratch is not None else "<task scratch>"
         return f"{where}/launch-{n}"
 
-    def launch_command(self, spec: Spec, launch: str) -> list[str]:
+    def launch_command(self, process: ProcessSpec, launch: str) -> list[str]:
         """What runs, for plan and execute alike: the command under the subreaper shim, with
-        the spec's rlimits and the launch file (the ruleset the child confines itself with
+        the process's rlimits and the launch file (the ruleset the child confines itself with
         before exec)."""
-        argv = reaper_argv(spec["process"]["args"], native_rlimits(spec))
+        argv = reaper_argv(process.args, native_rlimits(process))
         argv.insert(argv.index("--"), f"SANDBOX={launch}")
         return argv
 
-    def plan(self, spec: Spec) -> LandlockPlan:
+    def plan(self, process: ProcessSpec) -> LandlockPlan:
         """What :meth:`execute` runs, with the number of its launch file taken now (two
         commands planned before either runs never share one)."""
         home, tmp = self._dirs()
-        rules = self.rules(spec)
+        spec = self.task_spec
+        rules = self._rules if self._rules is not None else self.rules(spec)
         abi = host_abi()
         notes = [
             "runs on the host as the caller, confined before exec: capabilities dropped, "
@@ -541,7 +548,7 @@ class LandlockRuntime(HostProcessRuntime):
                             "denied; TCP and unix stream sockets only (no UDP, raw, packet, "
                             "netlink); unix connects only beneath writable paths",
             }[rules.network],
-            "rlimits: " + ", ".join(f"{n}={s}/{h}" for n, s, h in native_rlimits(spec)),
+            "rlimits: " + ", ".join(f"{n}={s}/{h}" for n, s, h in native_rlimits(process)),
         ]
         notes += [f"not read-only during the command (restored after it): {p}"
                   for p in rules.restored]
@@ -549,11 +556,11 @@ class LandlockRuntime(HostProcessRuntime):
         launch = self._launch_file(self._launches)
         return LandlockPlan(
             backend=self.id,
-            argv=self.launch_command(spec, launch),
-            env=landlock_env(native_env(spec, home, tmp), rules, self._agent()),
-            cwd=spec["process"]["cwd"],
+            argv=self.launch_command(process, launch),
+            env=landlock_env(native_env(spec, process, home, tmp), rules, self._agent()),
+            cwd=process.cwd,
             notes=notes,
-            spec=spec,
+            process=process,
             rules=rules,
             launch_file=launch,
         )
@@ -562,8 +569,7 @@ class LandlockRuntime(HostProcessRuntime):
         task = await super().prepare(task)
         ctx = task.ctx
         try:
-            assert self.task_spec is not None
-            if spec_network(self.task_spec) is NetworkMode.FILTERED:
+            if task.spec.network is NetworkMode.FILTERED:
                 if task.egress is None or task.egress.tcp_port is None:
                     raise SandboxSetupError(
                         "network filtered needs the task's egress proxy on host loopback",
@@ -571,14 +577,14 @@ class LandlockRuntime(HostProcessRuntime):
                         "TCP listener: egress_via_tcp)",
                         "prepare the task through fusion_oci.Sandbox")
                 self._proxy_port = task.egress.tcp_port
-            if self.task_spec["annotations"].get(ANN_IMAGE):
+            if task.spec.image:
                 raise SandboxSetupError(
                     "the landlock runtime cannot use an image",
                     "it runs the command on the host's own system directories",
                     "drop sandbox.image, or choose podman, docker or oci for images",
                 )
             # The carve-outs depend on the task's layout only: known before anything runs.
-            probe = self.rules(self.compile(["true"], RunOptions()))
+            probe = self._rules = self.rules(task.spec)
             fusion = str(task_project(ctx).resolve() / ".fusion")
             exposed = [p for p in probe.restored
                        if p == fusion or p.startswith(fusion + "/") or fusion.startswith(p + "/")]
@@ -600,21 +606,21 @@ class LandlockRuntime(HostProcessRuntime):
                               "command)" for p in probe.restored)
                 self.layout = replace(self.layout,
                                       unprotected=(*self.layout.unprotected, *extra))
-                self.resolved = task = replace(task, layout=self.layout)
+                task = replace(task, layout=self.layout)
+                self.adopt(task)
         except BaseException:
             await self.dispose()
             raise
         return task
 
-    async def execute(self, plan: LaunchPlan, opts: RunOptions) -> RunResult:
+    async def execute(self, plan: Plan, opts: RunOptions) -> RunResult:
         launch_plan = own_plan(self, plan, LandlockPlan)
-        spec, rules = launch_plan.spec, launch_plan.rules
+        process, rules = launch_plan.process, launch_plan.rules
         launch = Path(launch_plan.launch_file)
         if self._scratch is None or launch.parent != self._scratch:
             raise SandboxSetupError(f"runtime '{self.id}' was not prepared",
                                     "the plan was made before prepare()",
                                     "call prepare(ctx) first, then plan the command")
-        assert launch_plan.argv is not None and launch_plan.env is not None
         import platform
 
         from fusion_oci.runtimes.linux import snapshot
@@ -650,11 +656,11 @@ class LandlockRuntime(HostProcessRuntime):
                 outcome.stderr.decode("utf-8", "replace").strip()[-500:],
                 "see `fusion-oci doctor` for this kernel's Landlock ABI",
             )
-        return self.result(outcome, spec)
-
+        return self.result(outcome, process)
 
     async def dispose(self) -> None:
         self._proxy_port = None
+        self._rules = None
         await super().dispose()
 
 

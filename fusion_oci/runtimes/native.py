@@ -20,7 +20,6 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from fusion_oci.agent.client import BINARY_NAME, BUILD_HINT, Agent, agent_binary
-from fusion_oci.agent.protocol import Spawn
 from fusion_oci.errors import SandboxSetupError
 from fusion_oci.models import (
     RunOptions,
@@ -28,9 +27,12 @@ from fusion_oci.models import (
     SandboxCapabilities,
     SandboxPolicy,
 )
-from fusion_oci.oci.spec import Spec, allowed_env
-from fusion_oci.runtimes.base import Availability, LaunchPlan, Requirement
+from fusion_oci.oci.model import ProcessSpec
+from fusion_oci.oci.spec import allowed_env
 from fusion_oci.runtimes.hostproc import HostProcessRuntime, native_rlimits
+from fusion_oci.runtimes.plans import AgentPlan, ArgvPlan, Plan, own_plan, spawn_of
+from fusion_oci.runtimes.protocol import Availability
+from fusion_oci.runtimes.requirements import Requirement
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -57,16 +59,6 @@ def status_quo_env(policy: SandboxPolicy, source: Mapping[str, str]) -> dict[str
 
 AGENT_PLATFORM = sys.platform.startswith("linux")
 """Where the exec agent exists (the build hook compiles it only there)."""
-
-PLAN_RUN_ID = "<run>"
-"""The spawn frame's id in a plan (a counter per agent when it runs)."""
-
-
-def native_spawn(spec: Spec, env: Mapping[str, str], run_id: str = PLAN_RUN_ID) -> Spawn:
-    """What the agent is asked to run for this spec: argv, env, cwd, rlimits. Pure."""
-    return Spawn(id=run_id, argv=list(spec["process"]["args"]), env=dict(env),
-                 cwd=spec["process"]["cwd"], rlimits=native_rlimits(spec))
-
 
 class NativeRuntime(HostProcessRuntime):
     id = "native"
@@ -100,9 +92,9 @@ class NativeRuntime(HostProcessRuntime):
     def enforces(self) -> frozenset[Requirement]:
         return frozenset({Requirement.CPU_TIME, Requirement.FILE_SIZE})
 
-    def enforces_for(self, policy: SandboxPolicy) -> frozenset[Requirement]:
+    def enforces_for(self, task: ResolvedTask) -> frozenset[Requirement]:
         """The env allowlist is enforced only when the policy sets one (else: status quo)."""
-        extra = {Requirement.ENV} if policy.env_allowlist else set()
+        extra = {Requirement.ENV} if task.ctx.policy.env_allowlist else set()
         return self.enforces() | extra
 
     def _env(self, opts: RunOptions | None) -> dict[str, str]:
@@ -110,31 +102,26 @@ class NativeRuntime(HostProcessRuntime):
         policy = self.ctx.policy if self.ctx is not None else SandboxPolicy()
         return status_quo_env(policy, source)
 
-    def plan(self, spec: Spec) -> LaunchPlan:
+    def plan(self, process: ProcessSpec) -> Plan:
+        rlimits = "rlimits: " + ", ".join(f"{n}={s}/{h}" for n, s, h in native_rlimits(process))
         if not self.uses_agent:
-            return LaunchPlan(
-                backend=self.id, argv=self.launch_argv(spec["process"]["args"], spec),
-                env=self._env(None), cwd=spec["process"]["cwd"],
+            return ArgvPlan(
+                backend=self.id, argv=self.launch_argv(process.args, process),
+                env=self._env(None), cwd=process.cwd,
                 notes=["runs on the host as the caller (the status quo), under the reaper shim",
-                       "rlimits: " + ", ".join(f"{n}={s}/{h}" for n, s, h in
-                                               native_rlimits(spec))],
-                spec=spec)
-        spawn = native_spawn(spec, self._env(None))
-        return LaunchPlan(
+                       rlimits],
+                process=process)
+        return AgentPlan(
             backend=self.id,
-            argv=list(spawn.argv),
-            sdk_call=f"{BINARY_NAME} spawn",
-            sdk_kwargs={"fields": [f"{key}={value}" for key, value in spawn.fields()],
-                        "fds": ["stdin", "stdout", "stderr"]},
-            cwd=spawn.cwd,
+            spawn=spawn_of(process, env=self._env(None)),
             notes=[
                 "runs on the host as the caller (the status quo): no filesystem, network or "
                 "cgroup isolation; the caller's environment unless envAllowlist is set",
                 f"through the sandbox's exec agent ({BINARY_NAME} --fd N, started at prepare): "
                 "the spawn frame's fields above; a keeper per run ends the whole tree",
-                "rlimits: " + ", ".join(f"{n}={s}/{h}" for n, s, h in native_rlimits(spec)),
+                rlimits,
             ],
-            spec=spec,
+            process=process,
         )
 
     async def prepare(self, task: ResolvedTask) -> ResolvedTask:
@@ -143,20 +130,23 @@ class NativeRuntime(HostProcessRuntime):
             self._agent = await Agent.start_local()
         return task
 
-    async def execute(self, plan: LaunchPlan, opts: RunOptions) -> RunResult:
-        spec = plan.spec
+    async def execute(self, plan: Plan, opts: RunOptions) -> RunResult:
+        process = plan.process
         if not self.uses_agent:
-            return await self.run_reaped(spec["process"]["args"], self._env(opts), spec, opts)
+            own_plan(self, plan, ArgvPlan)
+            return await self.run_reaped(process.args, self._env(opts), process, opts)
+        own_plan(self, plan, AgentPlan)
         if self._agent is None:
             raise SandboxSetupError(f"runtime '{self.id}' was not prepared",
                                     "its exec agent is not running", "call prepare(ctx) first")
-        spawn = native_spawn(spec, self._env(opts))
+        # The environment is the caller's at run time (opts.env), as the status quo has it.
+        spawn = spawn_of(process, env=self._env(opts))
         outcome = await self._agent.run(
             spawn.argv, env=spawn.env, cwd=spawn.cwd, rlimits=spawn.rlimits,
             stdin=opts.stdin, timeout_s=opts.timeout_ms / 1000, max_buffer=opts.max_buffer,
             on_output=opts.on_output, keep_output=opts.keep_output,
         )
-        return self.result(outcome, spec)
+        return self.result(outcome, process)
 
     async def dispose(self) -> None:
         agent, self._agent = self._agent, None

@@ -33,19 +33,10 @@ from fusion_oci.agent.protocol import parse_exec_status
 from fusion_oci.errors import FusionOCIError, SandboxSetupError
 from fusion_oci.models import NetworkMode, RunOptions, RunResult, SandboxCapabilities
 from fusion_oci.oci.bundle import write_bundle
+from fusion_oci.oci.model import ANN_IMAGE, ANN_RUN, ANN_TASK, ProcessSpec, config_json
 from fusion_oci.oci.ops import EgressHook, with_init
-from fusion_oci.oci.spec import ANN_IMAGE, ANN_RUN, ANN_TASK, Spec
+from fusion_oci.oci.spec import Spec
 from fusion_oci.process import ProcessOutcome, run_process
-from fusion_oci.runtimes.base import (
-    Availability,
-    LaunchPlan,
-    LimitCounters,
-    Requirement,
-    SpecRuntime,
-    classify,
-    own_plan,
-    status_from_code,
-)
 from fusion_oci.runtimes.linux.cgroups import (
     Cgroup,
     CgroupEvents,
@@ -66,7 +57,6 @@ from fusion_oci.runtimes.ocicli.launch import (
     egress_launch_argv,
     exec_failure_status,
     is_gvisor,
-    network_of,
     run_argv,
     runtime_flags,
 )
@@ -83,6 +73,11 @@ from fusion_oci.runtimes.ocicli.state import (
     tail,
     task_dir_name,
 )
+from fusion_oci.runtimes.outcome import LimitCounters, classify, status_from_code
+from fusion_oci.runtimes.plans import Plan, own_plan
+from fusion_oci.runtimes.protocol import Availability
+from fusion_oci.runtimes.requirements import Requirement
+from fusion_oci.runtimes.skeleton import SpecRuntime
 
 __all__ = [  # the names other modules and tests import from here
     "EgressHook", "OciRuntime", "bundle_spec", "container_id", "egress_launch_argv",
@@ -324,12 +319,13 @@ class OciRuntime(SpecRuntime):
         )
         return _launch.build_launch(spec, host, seq)
 
-    def plan(self, spec: Spec) -> OciLaunchPlan:
-        """Exactly what :meth:`execute` writes and runs for ``spec``: the launch of the next
+    def plan(self, process: ProcessSpec) -> OciLaunchPlan:
+        """Exactly what :meth:`execute` writes and runs for ``process``: the launch of the next
         command number, taken now, so two commands planned before either runs never share a
         container id or bundle directory."""
         self._seq += 1
-        return self._launch(spec, self._seq).plan(self.id, spec)
+        spec = config_json(self.task_spec, process)
+        return self._launch(spec, self._seq).plan(self.id, process)
 
     def _find_unshare(self) -> str:
         if self._unshare is None:
@@ -354,16 +350,15 @@ class OciRuntime(SpecRuntime):
         final = self.state_base / task_dir_name(ctx.task_id, ctx.run_id, self.nonce)
         self._task = open_task_dir(final, self.nonce, {"task": ctx.task_id, "run": ctx.run_id,
                                                         "runtime": binary})
-        assert self.task_spec is not None
         try:
-            if network_of(self.task_spec) is NetworkMode.FILTERED:
+            if task.spec.network is NetworkMode.FILTERED:
                 if task.egress is None:
                     raise SandboxSetupError("network filtered needs the task's egress proxy",
                                             "none was started for this task",
                                             "prepare the task through fusion_oci.Sandbox")
                 self._egress_socket = str(task.egress.unix_socket)
             # The image the resolve step chose, read from the task spec (not the context).
-            if image := self.task_spec["annotations"].get(ANN_IMAGE):
+            if image := task.spec.image:
                 from fusion_oci.images.rootfs import export_image_rootfs, podman_url
 
                 url = podman_url(self.env, self.uid, self.settings.podman.url)
@@ -381,9 +376,9 @@ class OciRuntime(SpecRuntime):
                                     "run() came before prepare()", "call prepare(ctx) first")
         return self._task, self._binary
 
-    async def execute(self, plan: LaunchPlan, opts: RunOptions) -> RunResult:
+    async def execute(self, plan: Plan, opts: RunOptions) -> RunResult:
         task, binary = self._require_task()
-        spec, launch = plan.spec, own_plan(self, plan, OciLaunchPlan).launch
+        spec, launch = plan.process, own_plan(self, plan, OciLaunchPlan).launch
         if not launch.bundle_dir.is_relative_to(task.dir):
             raise SandboxSetupError(f"runtime '{self.id}' was not prepared",
                                     "the plan was made before prepare()",
@@ -449,7 +444,7 @@ class OciRuntime(SpecRuntime):
         else:
             task.leftovers.add(cid)  # dispose tries again; gc after that
 
-    def _result(self, outcome: ProcessOutcome, spec: Spec, counters: CgroupEvents,
+    def _result(self, outcome: ProcessOutcome, spec: ProcessSpec, counters: CgroupEvents,
                 started: bool) -> RunResult:
         if is_gvisor(self.runtime_name) and outcome.returncode == 128:
             # runsc reports a command it cannot exec as its own failure (status 128), after

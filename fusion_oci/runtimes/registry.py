@@ -4,9 +4,9 @@ Every backend id of the brief is known here. One whose module is not built, whos
 not installed, or whose tools are missing on this host is *unavailable* with its reason, so
 the settings' failure mode applies; no backend id is ever "unknown".
 
-A plugin is a class implementing :class:`~fusion_oci.runtimes.base.Runtime`, constructed as
+A plugin is a class implementing :class:`~fusion_oci.runtimes.protocol.Runtime`, constructed as
 ``cls(settings, env, cache_root=..., host=...)``. One that does not derive from
-:class:`~fusion_oci.runtimes.base.RuntimeDefaults` gets its optional members from it here
+:class:`~fusion_oci.runtimes.protocol.RuntimeDefaults` gets its optional members from it here
 (what the class defines wins). Whatever it derives from, the lifecycle's services reach it the
 same way as a built-in runtime: before ``prepare`` its declared ``audit`` attribute is the
 task's :class:`~fusion_oci.audit.AuditLog` and its ``ask`` attribute the gate callback
@@ -15,14 +15,15 @@ task's :class:`~fusion_oci.audit.AuditLog` and its ``ask`` attribute the gate ca
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping
-from importlib.metadata import entry_points
+from functools import cache
+from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fusion_oci.models import BACKEND_IDS
-from fusion_oci.runtimes.base import Runtime, RuntimeDefaults, UnavailableRuntime
+from fusion_oci.runtimes.protocol import Runtime, RuntimeDefaults
+from fusion_oci.runtimes.skeleton import UnavailableRuntime
 
 if TYPE_CHECKING:
     from fusion_oci.audit import AuditLog
@@ -31,21 +32,14 @@ if TYPE_CHECKING:
     from fusion_oci.policy.settings import SandboxSettings
 
 ENTRY_POINT_GROUP = "fusion_oci.runtimes"
-
-BUILTIN: dict[str, str] = {
-    "native": "fusion_oci.runtimes.native:NativeRuntime",
-    "bubblewrap": "fusion_oci.runtimes.bubblewrap:BubblewrapRuntime",
-    "landlock": "fusion_oci.runtimes.landlock:LandlockRuntime",
-    "oci": "fusion_oci.runtimes.oci:OciRuntime",
-    "podman": "fusion_oci.runtimes.podman:PodmanRuntime",
-    "docker": "fusion_oci.runtimes.docker:DockerRuntime",
-    "sandbox-exec": "fusion_oci.runtimes.sandbox_exec:SandboxExecRuntime",
-}
+BUILTIN_GROUP = "fusion_oci.builtin_runtimes"
+"""The built-ins are entry points too (pyproject.toml), loaded as a plugin is."""
 
 
-def _load(target: str) -> Any:
-    module, _, attr = target.partition(":")
-    return getattr(importlib.import_module(module), attr)
+@cache
+def builtin_entry_points() -> dict[str, EntryPoint]:
+    """The installed distribution's built-in runtimes, by backend id (read once)."""
+    return {ep.name: ep for ep in entry_points(group=BUILTIN_GROUP)}
 
 
 def with_defaults(cls: Any) -> Any:
@@ -75,12 +69,13 @@ def runtime_class(backend: str, settings: SandboxSettings) -> Any | UnavailableR
                 f"'{ENTRY_POINT_GROUP}'",
             )
         return with_defaults(found[0].load())
-    target = BUILTIN.get(backend)
+    target = builtin_entry_points().get(backend)
     if target is None:
         assert backend in BACKEND_IDS
-        return UnavailableRuntime(backend, "not built into this version of fusion-oci")
+        return UnavailableRuntime(backend, "not built into this version of fusion-oci",
+                                  "reinstall fusion-oci (its entry points name the built-ins)")
     try:
-        return with_defaults(_load(target))
+        return with_defaults(target.load())
     except (ImportError, AttributeError) as exc:
         return UnavailableRuntime(
             backend, f"not built into this version of fusion-oci ({exc})",

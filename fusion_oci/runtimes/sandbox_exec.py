@@ -21,10 +21,12 @@ from typing import TYPE_CHECKING
 
 from fusion_oci.errors import BundleError, RuntimeUnavailableError
 from fusion_oci.models import RunOptions, RunResult, SandboxCapabilities
-from fusion_oci.oci.spec import ANN_IMAGE, Spec
+from fusion_oci.oci.model import ProcessSpec, TaskSpec
 from fusion_oci.process import run_process
-from fusion_oci.runtimes.base import Availability, LaunchPlan, Requirement, own_plan
 from fusion_oci.runtimes.hostproc import HostProcessRuntime, native_env, native_rlimits
+from fusion_oci.runtimes.plans import ArgvPlan, Plan, own_plan
+from fusion_oci.runtimes.protocol import Availability
+from fusion_oci.runtimes.requirements import Requirement
 from fusion_oci.runtimes.seatbelt import SANDBOX_EXEC, SeatbeltProfile, seatbelt_profile
 
 if TYPE_CHECKING:
@@ -37,10 +39,10 @@ MAC_EXTRA_PATH = ("/opt/homebrew/bin", "/opt/homebrew/sbin")
 the sandbox PATH)."""
 
 
-def mac_env(spec: Spec, home: str, tmp: str) -> dict[str, str]:
+def mac_env(spec: TaskSpec, process: ProcessSpec, home: str, tmp: str) -> dict[str, str]:
     """The command's environment: native's mapping of sandbox paths to host paths, with
     Homebrew's bin directories appended to PATH. Pure."""
-    env = native_env(spec, home, tmp)
+    env = native_env(spec, process, home, tmp)
     parts = env.get("PATH", "").split(":")
     env["PATH"] = ":".join([*parts, *(p for p in MAC_EXTRA_PATH if p not in parts)])
     return env
@@ -62,7 +64,7 @@ def with_params(argv: Sequence[str], planned: SeatbeltProfile,
 
 
 @dataclass(frozen=True)
-class SeatbeltPlan(LaunchPlan):
+class SeatbeltPlan(ArgvPlan):
     """A sandbox-exec launch plan, with the profile whose parameters execute resolves."""
 
     profile: SeatbeltProfile = field(kw_only=True, repr=False, compare=False)
@@ -119,40 +121,41 @@ class SandboxExecRuntime(HostProcessRuntime):
 
     # -- the pure translation
 
-    def profile(self, spec: Spec) -> SeatbeltProfile:
+    def profile(self, spec: TaskSpec) -> SeatbeltProfile:
         """The Seatbelt profile and its ``-D`` parameters for ``spec``. Pure."""
         home, tmp = self._dirs()
         return seatbelt_profile(spec, caller_home=self.env.get("HOME"), scratch_home=home,
                                 scratch_tmp=tmp)
 
-    def plan(self, spec: Spec) -> SeatbeltPlan:
-        """argv is what :meth:`execute` runs (the subreaper shim with the spec's rlimits, then
+    def plan(self, process: ProcessSpec) -> SeatbeltPlan:
+        """argv is what :meth:`execute` runs (the subreaper shim with the process's rlimits, then
         sandbox-exec with the profile text as its ``-p`` word), but for one step: execute
         resolves the parameters' symlinks on the Mac, as Seatbelt matches resolved paths
         (:func:`with_params`). Notes hold the profile again, line by line. Pure: works on
         any platform."""
         home, tmp = self._dirs()
+        spec = self.task_spec
         profile = self.profile(spec)
         notes = [
             "runs on the host under a Seatbelt profile (sandbox-exec, deprecated by Apple, "
             "opt-in); paths reach the profile only as -D parameters",
             "not enforced here (the lifecycle refuses them): memoryLimitMb, pidsLimit, "
             "cpuLimit.maxCores",
-            "rlimits: " + ", ".join(f"{n}={s}/{h}" for n, s, h in native_rlimits(spec)),
+            "rlimits: " + ", ".join(f"{n}={s}/{h}" for n, s, h in native_rlimits(process)),
         ]
-        if spec.get("annotations", {}).get(ANN_IMAGE):
-            notes.append(f"REFUSED: image {spec['annotations'][ANN_IMAGE]} needs a container "
+        if spec.image:
+            notes.append(f"REFUSED: image {spec.image} needs a container "
                          "runtime; sandbox-exec runs the host's tools")
         notes += ["parameters (symlinks resolved at launch):",
                   *(f"  {k}={v}" for k, v in profile.params), "profile:",
                   *("  " + line for line in profile.text.splitlines())]
         return SeatbeltPlan(
             backend=self.id,
-            argv=self.launch_argv(profile.argv(list(spec["process"]["args"])), spec),
-            env=mac_env(spec, home, tmp),
-            cwd=spec["process"]["cwd"],
+            argv=self.launch_argv(profile.argv(list(process.args)), process),
+            env=mac_env(spec, process, home, tmp),
+            cwd=process.cwd,
             notes=notes,
-            spec=spec,
+            process=process,
             profile=profile,
         )
 
@@ -163,17 +166,15 @@ class SandboxExecRuntime(HostProcessRuntime):
         if not avail.available:
             raise RuntimeUnavailableError(self.id, avail.reason, avail.hint)
         task = await super().prepare(task)
-        assert self.task_spec is not None
-        if image := self.task_spec["annotations"].get(ANN_IMAGE):
+        if image := task.spec.image:
             await self.dispose()
             raise BundleError(f"sandbox-exec cannot run image {image}",
                               "it sandboxes the host's own tools; images need a container",
                               "drop sandbox.image, or choose docker or podman")
         return task
 
-    async def execute(self, plan: LaunchPlan, opts: RunOptions) -> RunResult:
+    async def execute(self, plan: Plan, opts: RunOptions) -> RunResult:
         launch = own_plan(self, plan, SeatbeltPlan)
-        assert launch.argv is not None and launch.env is not None
         # Seatbelt matches resolved paths: resolve any other symlinks now (plan() stays pure;
         # canonical_path already took /var, /tmp and /etc to /private).
         argv = with_params(launch.argv, launch.profile, launch.profile.resolved())
@@ -183,4 +184,4 @@ class SandboxExecRuntime(HostProcessRuntime):
             on_output=opts.on_output, keep_output=opts.keep_output,
             term_group=False,  # the shim ends the tree itself, then dies by the same signal
         )
-        return self.result(outcome, launch.spec)
+        return self.result(outcome, launch.process)

@@ -36,7 +36,8 @@ from dataclasses import dataclass
 
 from fusion_oci.errors import BundleError
 from fusion_oci.models import NetworkMode
-from fusion_oci.oci.spec import SANDBOX_HOME, Spec, spec_network
+from fusion_oci.oci.model import TaskSpec
+from fusion_oci.oci.spec import SANDBOX_HOME
 
 SANDBOX_EXEC = "/usr/bin/sandbox-exec"
 """Absolute, so a ``sandbox-exec`` earlier on PATH cannot stand in for it."""
@@ -203,27 +204,27 @@ class _Rule:
     what: str
 
 
-def _mount_rules(spec: Spec, scratch_home: str, scratch_tmp: str) -> Iterator[_Rule]:
+def _mount_rules(spec: TaskSpec, scratch_home: str, scratch_tmp: str) -> Iterator[_Rule]:
     """The spec's mounts as path rules, in order. Proc, sys and /dev mounts have no
     counterpart: without a mount namespace the base section covers those."""
-    for mount in spec["mounts"]:
-        kind, dest = mount.get("type"), mount["destination"]
-        if kind == "bind":
-            options = mount.get("options", [])
+    for mount in spec.mounts:
+        kind, dest = mount.type, mount.destination
+        if kind == "bind" and mount.source is not None:
+            options = mount.options or []
             writable = "rw" in options and "ro" not in options
             what = "read-write bind" if writable else "read-only bind"
-            if dest != mount["source"]:
+            if dest != mount.source:
                 what += " (shown inside the container elsewhere)"
-            yield _Rule(writable, mount["source"], what)
+            yield _Rule(writable, mount.source, what)
         elif kind == "tmpfs" and dest == "/tmp":
             yield _Rule(True, scratch_tmp, "the task's private TMPDIR")
         elif kind == "tmpfs" and dest == SANDBOX_HOME:
             yield _Rule(True, scratch_home, "the task's private HOME")
 
 
-def seatbelt_profile(spec: Spec, *, caller_home: str | None, scratch_home: str,
+def seatbelt_profile(spec: TaskSpec, *, caller_home: str | None, scratch_home: str,
                      scratch_tmp: str) -> SeatbeltProfile:
-    """The profile and parameters for one compiled spec. Pure.
+    """The profile and parameters for a task spec. Pure.
 
     ``caller_home``: the caller's home directory, made unreadable (None: not known, no rule);
     ``scratch_home`` / ``scratch_tmp``: the host directories standing in for the spec's
@@ -248,5 +249,5 @@ def seatbelt_profile(spec: Spec, *, caller_home: str | None, scratch_home: str,
             lines.append(f"; {index}: {rule.what}\n(allow {READ_OPS} {ref})\n"
                          f"(deny {WRITE_OPS} {ref})")
     lines.append("")
-    lines.append(NETWORK[spec_network(spec)])
+    lines.append(NETWORK[spec.network])
     return SeatbeltProfile("\n".join(lines), tuple(params))

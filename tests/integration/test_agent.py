@@ -462,7 +462,7 @@ async def test_the_reaper_path_stays_for_platforms_without_the_agent(worktree: P
     from fusion_oci.models import PrepareContext, RunOptions
     from fusion_oci.oci.host import probe_host
     from fusion_oci.policy.settings import SandboxSettings
-    from fusion_oci.resolve import compile_spec, resolve
+    from fusion_oci.resolve import resolve
     from fusion_oci.runtimes.native import NativeRuntime
 
     runtime = NativeRuntime(SandboxSettings(), dict(os.environ))
@@ -474,8 +474,7 @@ async def test_the_reaper_path_stays_for_platforms_without_the_agent(worktree: P
     try:
         assert runtime._agent is None
         opts = RunOptions()
-        r = await runtime.execute(runtime.plan(compile_spec(task, "echo shim; exit 3", opts)),
-                                  opts)
+        r = await runtime.execute(runtime.plan(task.process("echo shim; exit 3", opts)), opts)
         assert (r.stdout, r.exit_code) == ("shim\n", 3)
     finally:
         await runtime.dispose()

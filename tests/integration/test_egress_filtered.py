@@ -31,8 +31,8 @@ from fusion_oci.models import (
     SandboxPolicy,
 )
 from fusion_oci.policy.settings import DockerSettings, GateSettings, SandboxSettings
-from fusion_oci.runtimes.base import Requirement
 from fusion_oci.runtimes.registry import create_runtime
+from fusion_oci.runtimes.requirements import Requirement
 from fusion_oci.sandbox import Sandbox
 from tests.backends import require, require_runtime
 from tests.conftest import git_init
@@ -426,13 +426,13 @@ def test_a_filtered_task_without_its_proxy_is_refused_not_run_offline() -> None:
     from types import SimpleNamespace
 
     from fusion_oci.errors import SandboxSetupError
-    from fusion_oci.oci.spec import default_spec, with_network
     from fusion_oci.runtimes.linux.egress import proxy_socket
 
-    filtered = with_network(default_spec(), NetworkMode.FILTERED)
+    def task(network: NetworkMode, egress: object) -> object:
+        return SimpleNamespace(spec=SimpleNamespace(network=network), egress=egress)
+
     with pytest.raises(SandboxSetupError, match="egress proxy"):
-        proxy_socket(SimpleNamespace(egress=None), filtered)  # type: ignore[arg-type]
-    given = SimpleNamespace(egress=SimpleNamespace(unix_socket=Path("/tmp/x/egress.sock")))
-    assert proxy_socket(given, filtered) == "/tmp/x/egress.sock"  # type: ignore[arg-type]
-    egress = with_network(default_spec(), NetworkMode.EGRESS)
-    assert proxy_socket(given, egress) is None  # type: ignore[arg-type]
+        proxy_socket(task(NetworkMode.FILTERED, None))  # type: ignore[arg-type]
+    given = SimpleNamespace(unix_socket=Path("/tmp/x/egress.sock"))
+    assert proxy_socket(task(NetworkMode.FILTERED, given)) == "/tmp/x/egress.sock"  # type: ignore[arg-type]
+    assert proxy_socket(task(NetworkMode.EGRESS, given)) is None  # type: ignore[arg-type]

@@ -243,18 +243,20 @@ def test_a_confinement_that_fails_fails_the_command(worktree: Path,
 
 def test_plan_is_printable_and_says_what_is_granted(worktree: Path) -> None:
     from fusion_oci.oci.host import probe_host
-    from fusion_oci.oci.spec import compile_spec
     from fusion_oci.policy.layout import resolve_layout
+    from fusion_oci.resolve import ResolvedTask
 
     ctx = PrepareContext(task_id="ll", run_id="r1", worktree_path=str(worktree),
                          policy=SandboxPolicy(allow_network=False))
     host = probe_host()
     layout = resolve_layout(ctx, cache_root=worktree.parent / "cache", ca_bundle=None)
-    spec = compile_spec(ctx, layout, host, "true", RunOptions(), {})
+    task = ResolvedTask(ctx=ctx, layout=layout, host=host, env={})
     runtime = LandlockRuntime(SandboxSettings(backend="landlock"), {}, host=host)
-    plan = runtime.plan(spec).to_json()
+    runtime.adopt(task)
+    process = task.process("true", RunOptions())
+    plan = runtime.plan(process).to_json()
     # What execute runs: the shim, the launch file, the command (no placeholder for the shim).
-    assert plan["argv"] == runtime.launch_command(spec, "<task scratch>/launch-1")
+    assert plan["argv"] == runtime.launch_command(process, "<task scratch>/launch-1")
     assert plan["argv"][plan["argv"].index("--") - 1] == "SANDBOX=<task scratch>/launch-1"
     assert any(str(worktree) in n for n in plan["notes"])
 

@@ -201,8 +201,8 @@ def test_unavailable_backend_fallback_native(worktree: Path, tmp_path: Path) -> 
 
 def test_unenforceable_policy_is_refused_not_weakened(worktree: Path, tmp_path: Path) -> None:
     from fusion_oci.runtimes import registry
-    from fusion_oci.runtimes.base import Requirement
     from fusion_oci.runtimes.native import NativeRuntime
+    from fusion_oci.runtimes.requirements import Requirement
 
     class FsOnly(NativeRuntime):
         id = "fs-only"

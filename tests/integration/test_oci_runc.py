@@ -160,7 +160,8 @@ async def test_the_plan_is_exactly_what_execute_runs(worktree: Path, policy: Any
     monkeypatch.setattr(oci_module, "write_bundle", real_write)
     async with sandbox(worktree, **policy) as sb:
         rt = oci(sb)
-        plan = rt.plan(sb.spec_for("echo planned"))
+        assert sb.task is not None
+        plan = rt.plan(sb.task.process("echo planned", RunOptions()))
         r = await rt.execute(plan, RunOptions())
     assert (r.exit_code, r.stdout) == (0, "planned\n"), r.stderr
     assert ran == [{"argv": plan.argv, "env": plan.env, "cwd": plan.cwd,

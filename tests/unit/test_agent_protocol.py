@@ -16,12 +16,13 @@ from fusion_oci.agent.protocol import (
     encode_kill,
     encode_spawn,
 )
-from fusion_oci.models import CpuLimit, PrepareContext, RunOptions, SandboxPolicy
-from fusion_oci.oci.spec import compile_spec
+from fusion_oci.models import CpuLimit, PrepareContext, SandboxPolicy
 from fusion_oci.policy.layout import TaskLayout
 from fusion_oci.policy.settings import SandboxSettings
-from fusion_oci.runtimes.native import NativeRuntime, native_spawn
+from fusion_oci.runtimes.native import NativeRuntime
+from fusion_oci.runtimes.plans import AgentPlan, ArgvPlan, spawn_of
 from tests.golden import GOLDEN_HOST, assert_golden
+from tests.tasks import plan_for, resolved
 
 
 def test_spawn_frame_bytes() -> None:
@@ -91,25 +92,23 @@ CASES = {
 def test_golden_native_plan(name: str) -> None:
     ctx = PrepareContext(task_id="task-1", run_id="run-1", worktree_path=LAYOUT.worktree,
                          policy=CASES[name])
-    spec = compile_spec(ctx, LAYOUT, GOLDEN_HOST, "pnpm test", RunOptions(), CALLER_ENV)
+    task = resolved(ctx, LAYOUT, env=CALLER_ENV)
     runtime = NativeRuntime(SandboxSettings(), CALLER_ENV, host=GOLDEN_HOST)
-    runtime.ctx = ctx  # the plan reads the policy's allowlist, as a prepared runtime does
-    plan = runtime.plan(spec)
+    plan = plan_for(runtime, task)  # adopted: the plan reads the policy's allowlist
     assert_golden(f"native/plan-{name}.json", plan.to_json())
-    assert plan.sdk_kwargs is not None
-    assert plan.sdk_kwargs["fields"] == [f"{k}={v}" for k, v in
-                                        native_spawn(spec, runtime._env(None)).fields()]
+    assert isinstance(plan, AgentPlan)
+    assert plan.spawn == spawn_of(plan.process, env=runtime._env(None))
 
 
 def test_without_the_agent_platform_native_plans_the_reaper_shim() -> None:
     """macOS: no agent (Linux C); native keeps the per-command reaper shim there."""
     ctx = PrepareContext(task_id="task-1", run_id="run-1", worktree_path=LAYOUT.worktree)
-    spec = compile_spec(ctx, LAYOUT, GOLDEN_HOST, "pnpm test", RunOptions(), CALLER_ENV)
     runtime = NativeRuntime(SandboxSettings(), CALLER_ENV, host=GOLDEN_HOST)
     runtime.uses_agent = False
-    plan = runtime.plan(spec)
-    assert plan.argv is not None and plan.argv[-4:] == ["--", "/bin/sh", "-c", "pnpm test"]
-    assert plan.argv[4].endswith("reaper.py") and plan.sdk_call is None
+    plan = plan_for(runtime, resolved(ctx, LAYOUT, env=CALLER_ENV))
+    assert isinstance(plan, ArgvPlan)
+    assert plan.argv[-4:] == ["--", "/bin/sh", "-c", "pnpm test"]
+    assert plan.argv[4].endswith("reaper.py")
     assert runtime.availability().available
 
 

@@ -8,11 +8,12 @@ import pytest
 
 from fusion_oci.errors import BundleError
 from fusion_oci.models import CacheMode, CpuLimit, PrepareContext, RunOptions, SandboxPolicy
-from fusion_oci.oci.spec import Spec, compile_spec
+from fusion_oci.oci.model import Mount
 from fusion_oci.policy.layout import CacheMount, GitLayout, TaskLayout
 from fusion_oci.runtimes.bubblewrap import (
     BwrapHost,
     LaunchFds,
+    agent_rlimits,
     args_launch,
     bwrap_argv,
     bwrap_spawn,
@@ -20,12 +21,12 @@ from fusion_oci.runtimes.bubblewrap import (
     needs_launch_hooks,
     plan_notes,
     seccomp_program,
-    spec_rlimits,
     with_fds,
 )
 from fusion_oci.runtimes.linux import cgroups, egress, userns
 from fusion_oci.runtimes.linux.cgroups import CgroupLimits
 from tests.golden import GOLDEN_HOST, assert_golden
+from tests.tasks import Case, resolved
 
 HOST = GOLDEN_HOST
 CACHES = (
@@ -62,23 +63,27 @@ CASES: dict[str, tuple[SandboxPolicy, TaskLayout]] = {
 }
 
 
-def spec_for(name: str, command: str = "pnpm test") -> Spec:
+def spec_for(name: str, command: str = "pnpm test") -> Case:
     policy, layout = CASES[name]
     ctx = PrepareContext(task_id="task-1", run_id="run-1", worktree_path=layout.worktree,
                          policy=policy, cache_mode=CacheMode.SHARED)
-    return compile_spec(ctx, layout, HOST, command, RunOptions(), ENV)
+    return Case(resolved(ctx, layout, HOST, ENV), command)
+
+
+def argv_of(case: Case, host: BwrapHost, fds: LaunchFds | None = None) -> list[str]:
+    return bwrap_argv(case.spec, case.task.user, host, fds)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_golden_argv(name: str, oci_validator: Any) -> None:
     spec = spec_for(name)
-    oci_validator.validate(spec)
-    argv = bwrap_argv(spec, BWRAP_HOST)
-    spawn = bwrap_spawn(spec)
+    oci_validator.validate(spec.config())
+    argv = argv_of(spec, BWRAP_HOST)
+    spawn = bwrap_spawn(spec.process)
     assert_golden(f"bubblewrap/{name}.json",
                   {"argv": argv, "spawn": [f"{k}={v}" for k, v in spawn.fields()],
-                   "notes": plan_notes(spec, BWRAP_HOST)})
-    assert bwrap_argv(spec, BWRAP_HOST) == argv  # pure: same input, same argv
+                   "notes": plan_notes(spec.spec, spec.process, BWRAP_HOST)})
+    assert argv_of(spec, BWRAP_HOST) == argv  # pure: same input, same argv
 
 
 def _pairs(argv: list[str], flag: str) -> list[tuple[str, str]]:
@@ -87,7 +92,7 @@ def _pairs(argv: list[str], flag: str) -> list[tuple[str, str]]:
 
 def test_isolation_flags_always_present() -> None:
     for name in CASES:
-        argv = bwrap_argv(spec_for(name), BWRAP_HOST)
+        argv = argv_of(spec_for(name), BWRAP_HOST)
         head = argv[: argv.index("--clearenv")]
         for flag in ("--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
                      "--as-pid-1", "--disable-userns", "--seccomp"):
@@ -101,15 +106,15 @@ def test_isolation_flags_always_present() -> None:
         assert argv[-7 - len(forward):] == ["--clearenv", "--chdir", "/", "--",
                                             "/dev/fusion-oci-agent", *forward, "--fd",
                                             "<agent-fd>"]
-        assert list(bwrap_spawn(spec_for(name)).argv) == ["/bin/sh", "-c", "pnpm test"]
+        assert list(bwrap_spawn(spec_for(name).process).argv) == ["/bin/sh", "-c", "pnpm test"]
         assert ("--share-net" in head) == (name == "network-host")
 
 
 def test_env_is_exactly_the_spec_env() -> None:
     spec = spec_for("locked-down")
-    argv = bwrap_argv(spec, BWRAP_HOST)
+    argv = argv_of(spec, BWRAP_HOST)
     assert "--setenv" not in argv  # the agent starts with none; each command gets its own
-    spawn = bwrap_spawn(spec)
+    spawn = bwrap_spawn(spec.process)
     env = dict(spawn.env)
     assert env["HOME"] == "/home/sandbox" and env["CI"] == "true"
     assert "GITHUB_TOKEN" not in env
@@ -121,15 +126,15 @@ def test_nothing_of_the_command_is_in_the_sandbox_argv() -> None:
     policy, layout = CASES["locked-down"]
     ctx = PrepareContext(task_id="task-1", run_id="run-1", worktree_path=layout.worktree,
                          policy=policy, cache_mode=CacheMode.SHARED)
-    one = compile_spec(ctx, layout, HOST, "true", RunOptions(), ENV)
-    two = compile_spec(ctx, layout, HOST, ["make", "-j2"], RunOptions(cwd="sub"),
-                       {**ENV, "CI": "false"})
-    assert bwrap_argv(one, BWRAP_HOST) == bwrap_argv(two, BWRAP_HOST)
-    assert bwrap_spawn(one) != bwrap_spawn(two)
+    one = Case(resolved(ctx, layout, HOST, ENV), "true", RunOptions())
+    two = Case(resolved(ctx, layout, HOST, {**ENV, "CI": "false"}), ["make", "-j2"],
+               RunOptions(cwd="sub"))
+    assert argv_of(one, BWRAP_HOST) == argv_of(two, BWRAP_HOST)
+    assert bwrap_spawn(one.process) != bwrap_spawn(two.process)
 
 
 def test_mount_kinds_and_order() -> None:
-    argv = bwrap_argv(spec_for("locked-down"), BWRAP_HOST)
+    argv = argv_of(spec_for("locked-down"), BWRAP_HOST)
     ro, rw = _pairs(argv, "--ro-bind"), _pairs(argv, "--bind")
     assert ("/usr", "/usr") in ro and ("/usr/bin", "/bin") in ro
     assert ("/etc/passwd", "/etc/passwd") in ro
@@ -147,7 +152,7 @@ def test_mount_kinds_and_order() -> None:
 
 
 def test_linked_worktree_git_order_keeps_hooks_and_config_read_only_last() -> None:
-    argv = bwrap_argv(spec_for("linked-worktree"), BWRAP_HOST)
+    argv = argv_of(spec_for("linked-worktree"), BWRAP_HOST)
     binds = [(argv[i], argv[i + 2]) for i, a in enumerate(argv) if a in ("--bind", "--ro-bind")]
     where = {dest: n for n, (_, dest) in enumerate(binds)}
     common = "/work/repo/.git"
@@ -163,13 +168,13 @@ def test_linked_worktree_git_order_keeps_hooks_and_config_read_only_last() -> No
 
 def test_egress_gets_hooks_and_slirp_dns() -> None:
     spec = spec_for("default-egress")
-    argv = bwrap_argv(spec, BWRAP_HOST, LaunchFds(info=7, block=8, seccomp=9))
+    argv = argv_of(spec, BWRAP_HOST, LaunchFds(info=7, block=8, seccomp=9))
     assert argv[argv.index("--info-fd") + 1] == "7"
     assert argv[argv.index("--block-fd") + 1] == "8"
     assert argv[argv.index("--seccomp") + 1] == "9"
     assert _pairs(argv, "--ro-bind")[-1] == ("/run/fusion/resolv.conf", "/etc/resolv.conf")
     assert "--share-net" not in argv
-    none = bwrap_argv(spec_for("network-none"), BWRAP_HOST)
+    none = argv_of(spec_for("network-none"), BWRAP_HOST)
     assert "--info-fd" not in none and "/run/fusion/resolv.conf" not in none
 
 
@@ -177,7 +182,7 @@ def test_filtered_is_an_empty_netns_with_the_proxy_socket_and_the_forwarder() ->
     spec = spec_for("network-filtered")
     host = BwrapHost(bwrap="/usr/bin/bwrap", cgroup_mode="v1", agent="/opt/agent",
                      egress_socket="/tmp/fusion-oci-egress-x/egress.sock")
-    argv = bwrap_argv(spec, host, LaunchFds(info=7, block=8, seccomp=9, agent=6))
+    argv = argv_of(spec, host, LaunchFds(info=7, block=8, seccomp=9, agent=6))
     assert "--share-net" not in argv and "--unshare-all" in argv
     assert "--info-fd" not in argv  # no slirp4netns, nothing to attach
     assert "/run/fusion/resolv.conf" not in argv
@@ -186,7 +191,7 @@ def test_filtered_is_an_empty_netns_with_the_proxy_socket_and_the_forwarder() ->
     assert ("/opt/agent", "/run/fusion-oci/agent") in binds
     assert argv[-5:] == ["/dev/fusion-oci-agent", "--egress", "/run/fusion-oci/egress.sock",
                          "--fd", "6"]
-    env = dict(bwrap_spawn(spec).env)
+    env = dict(bwrap_spawn(spec.process).env)
     assert env["HTTPS_PROXY"] == env["http_proxy"] == "http://127.0.0.1:3128"
     assert env["NO_PROXY"] == ""
     assert "/run/fusion-oci/agent connect %h %p" in env["GIT_SSH_COMMAND"]
@@ -194,61 +199,61 @@ def test_filtered_is_an_empty_netns_with_the_proxy_socket_and_the_forwarder() ->
     assert launch[-5:] == ["/dev/fusion-oci-agent", "--egress", "/run/fusion-oci/egress.sock",
                            "--fd", "6"]
     # the proxy env is the filtered policy's only: none elsewhere
-    assert "HTTPS_PROXY" not in dict(bwrap_spawn(spec_for("default-egress")).env)
+    assert "HTTPS_PROXY" not in dict(bwrap_spawn(spec_for("default-egress").process).env)
 
 
 def test_limits_are_the_agents_setrlimit_and_launch_hooks() -> None:
     spec = spec_for("locked-down")
-    argv = bwrap_argv(spec, BWRAP_HOST)
+    argv = argv_of(spec, BWRAP_HOST)
     # rlimits: the agent's setrlimit(2) per command, not a prlimit exec in front
     assert argv[0] == "/usr/bin/bwrap"
-    assert [(n, s, h) for n, _, s, h in spec_rlimits(spec)] == [
+    assert [(n, s, h) for n, _, s, h in agent_rlimits(spec.process.rlimits)] == [
         ("RLIMIT_NOFILE", 20000, 20000), ("RLIMIT_CPU", 30, 31)]
-    assert list(bwrap_spawn(spec).rlimits) == [("RLIMIT_NOFILE", 20000, 20000),
+    assert list(bwrap_spawn(spec.process).rlimits) == [("RLIMIT_NOFILE", 20000, 20000),
                                                ("RLIMIT_CPU", 30, 31)]
-    assert needs_launch_hooks(spec, BWRAP_HOST)
+    assert needs_launch_hooks(spec.spec, BWRAP_HOST)
     # no usable cgroup: the limits are not the launcher's business (enforces() says so)
-    assert not needs_launch_hooks(spec, BwrapHost(cgroup_mode="none"))
+    assert not needs_launch_hooks(spec.spec, BwrapHost(cgroup_mode="none"))
     systemd = BwrapHost(cgroup_mode="systemd-run", systemd_run="/usr/bin/systemd-run")
-    sd = bwrap_argv(spec, systemd)
+    sd = argv_of(spec, systemd)
     assert sd[:6] == ["/usr/bin/systemd-run", "--user", "--scope", "--quiet", "--collect",
                       "--unit=fusion-oci-run-1"]
     assert "MemoryMax=268435456" in sd and "TasksMax=64" in sd and "CPUQuota=150%" in sd
 
 
 def test_mount_args_edge_cases() -> None:
-    assert mount_args({"destination": "/sys", "type": "sysfs", "source": "sysfs"})[1]
-    assert mount_args({"destination": "/dev/pts", "type": "devpts", "source": "devpts"}) \
+    assert mount_args(Mount(destination="/sys", type="sysfs", source="sysfs"))[1]
+    assert mount_args(Mount(destination="/dev/pts", type="devpts", source="devpts")) \
         == ([], None)
-    assert mount_args({"destination": "/s", "type": "tmpfs", "source": "tmpfs",
-                       "options": ["mode=755", "size=64k"]})[0] \
+    assert mount_args(Mount(destination="/s", type="tmpfs", source="tmpfs",
+                            options=["mode=755", "size=64k"]))[0] \
         == ["--perms", "0755", "--size", "65536", "--tmpfs", "/s"]
     with pytest.raises(BundleError):
-        mount_args({"destination": "/x", "type": "overlay", "source": "overlay"})
+        mount_args(Mount(destination="/x", type="overlay", source="overlay"))
 
 
 def test_image_reference_is_refused_but_rootfs_dir_is_bound() -> None:
     policy, layout = CASES["network-none"]
     ctx = PrepareContext(task_id="t", run_id="r", worktree_path=layout.worktree, policy=policy,
                          image="localhost/node:20")
-    spec = compile_spec(ctx, layout, HOST, "true", RunOptions(), ENV)
+    spec = Case(resolved(ctx, layout, HOST, ENV), "true", RunOptions())
     with pytest.raises(BundleError, match="cannot use image"):
-        bwrap_argv(spec, BWRAP_HOST)
+        argv_of(spec, BWRAP_HOST)
     ctx = ctx.model_copy(update={"image": "/srv/rootfs"})
-    spec = compile_spec(ctx, layout, HOST, "true", RunOptions(), ENV)
-    argv = bwrap_argv(spec, BWRAP_HOST)
+    spec = Case(resolved(ctx, layout, HOST, ENV), "true", RunOptions())
+    argv = argv_of(spec, BWRAP_HOST)
     assert _pairs(argv, "--ro-bind")[0] == ("/srv/rootfs", "/")
 
 
 def test_seccomp_program_compiles_from_the_spec() -> None:
-    program = seccomp_program(spec_for("default-egress"))
+    program = seccomp_program(spec_for("default-egress").spec)
     assert program and len(program) % 8 == 0
 
 
 # ---------------------------------------------------------------- linux helpers (pure parts)
 
 def test_cgroup_limits_and_writes() -> None:
-    limits = CgroupLimits.from_spec(spec_for("locked-down"))
+    limits = CgroupLimits.from_task(spec_for("locked-down").spec)
     assert limits.controllers() == {"memory", "pids", "cpu"}
     assert cgroups.v1_writes(limits, has_memsw=True) == [
         ("memory", "memory.limit_in_bytes", str(256 << 20)),
@@ -261,7 +266,7 @@ def test_cgroup_limits_and_writes() -> None:
         ("memory.max", str(256 << 20)), ("memory.swap.max", "0"), ("pids.max", "64"),
         ("cpu.max", "150000 100000"),
     ]
-    assert CgroupLimits.from_spec(spec_for("default-egress")).controllers() == frozenset()
+    assert CgroupLimits.from_task(spec_for("default-egress").spec).controllers() == frozenset()
 
 
 MOUNTINFO_V1 = """\
@@ -370,7 +375,7 @@ def test_args_launch_moves_the_options_to_the_args_fd() -> None:
     from fusion_oci.runtimes.bubblewrap import args_launch
 
     spec = spec_for("locked-down", command="echo --; true")
-    argv = bwrap_argv(spec, BWRAP_HOST, LaunchFds(info=7, block=8, seccomp=9, agent=6))
+    argv = argv_of(spec, BWRAP_HOST, LaunchFds(info=7, block=8, seccomp=9, agent=6))
     launch, payload = args_launch(argv, BWRAP_HOST, 5)
     assert launch == ["/usr/bin/bwrap", "--args", "5", "--", "/dev/fusion-oci-agent", "--fd",
                       "6"]
@@ -378,7 +383,7 @@ def test_args_launch_moves_the_options_to_the_args_fd() -> None:
     assert options[-1] == b"" and [o.decode() for o in options[:-1]] == argv[1:-4]
     systemd = BwrapHost(bwrap="/usr/bin/bwrap", cgroup_mode="systemd-run",
                         systemd_run="/usr/bin/systemd-run")
-    launch, _ = args_launch(bwrap_argv(spec, systemd), systemd, 5)
+    launch, _ = args_launch(argv_of(spec, systemd), systemd, 5)
     assert launch[0] == "/usr/bin/systemd-run" and launch[-7:-4] == ["/usr/bin/bwrap", "--args",
                                                                      "5"]
 
@@ -389,7 +394,7 @@ def test_execute_fills_the_planned_argv_with_its_fds(name: str) -> None:
     translation made with those fds, whatever the policy (hooks, seccomp or not)."""
     spec = spec_for(name)
     fds = LaunchFds(info=11, block=12, seccomp=13, agent=14)
-    assert with_fds(bwrap_argv(spec, BWRAP_HOST), fds) == bwrap_argv(spec, BWRAP_HOST, fds)
+    assert with_fds(argv_of(spec, BWRAP_HOST), fds) == argv_of(spec, BWRAP_HOST, fds)
 
 
 def test_fds_are_filled_by_position_never_in_paths() -> None:
@@ -397,8 +402,8 @@ def test_fds_are_filled_by_position_never_in_paths() -> None:
     policy = policy.model_copy(update={"allowed_paths": ["/opt/<seccomp-fd>", "/opt/<agent-fd>"]})
     ctx = PrepareContext(task_id="task-1", run_id="run-1", worktree_path=layout.worktree,
                          policy=policy, cache_mode=CacheMode.SHARED)
-    spec = compile_spec(ctx, layout, HOST, "true", RunOptions(), ENV)
-    argv = with_fds(bwrap_argv(spec, BWRAP_HOST), LaunchFds(info=7, block=8, seccomp=9,
+    spec = Case(resolved(ctx, layout, HOST, ENV), "true", RunOptions())
+    argv = with_fds(argv_of(spec, BWRAP_HOST), LaunchFds(info=7, block=8, seccomp=9,
                                                             agent=6))
     assert argv[argv.index("--seccomp") + 1] == "9"
     assert argv[argv.index("--info-fd") + 1] == "7"
@@ -406,4 +411,4 @@ def test_fds_are_filled_by_position_never_in_paths() -> None:
     assert ("/opt/<seccomp-fd>", "/opt/<seccomp-fd>") in _pairs(argv, "--ro-bind")
     assert ("/opt/<agent-fd>", "/opt/<agent-fd>") in _pairs(argv, "--ro-bind")
     with pytest.raises(ValueError):
-        with_fds(bwrap_argv(spec, BWRAP_HOST)[:-1], LaunchFds())
+        with_fds(argv_of(spec, BWRAP_HOST)[:-1], LaunchFds())

@@ -11,17 +11,16 @@ from fusion_oci.errors import BundleError
 from fusion_oci.models import CacheMode, CpuLimit, PrepareContext, RunOptions, SandboxPolicy
 from fusion_oci.oci.bundle import write_bundle
 from fusion_oci.oci.host import HostInfo, probe_host
-from fusion_oci.oci.spec import (
-    ANN_NETWORK,
-    ANN_POLICY,
-    ANN_TASK,
-    compile_spec,
-    spec_env,
-)
+from fusion_oci.oci.model import ANN_NETWORK, ANN_POLICY, ANN_TASK
+from fusion_oci.oci.spec import Spec, compile_spec
 from fusion_oci.policy.layout import CacheMount, GitLayout, TaskLayout, resolve_layout
 from tests.golden import GOLDEN_HOST, assert_golden
 
 HOST = GOLDEN_HOST
+
+
+def spec_env(spec: Spec) -> dict[str, str]:
+    return dict(item.split("=", 1) for item in spec["process"]["env"])
 LAYOUT = TaskLayout(
     worktree="/work/repo-wt/task-1",
     git=GitLayout("linked", "/work/repo/.git/worktrees/task-1", "/work/repo/.git"),

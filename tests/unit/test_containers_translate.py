@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from fusion_oci.agent.protocol import Spawn
 from fusion_oci.engines import Found
 from fusion_oci.errors import (
     BundleError,
@@ -28,8 +29,9 @@ from fusion_oci.models import (
     SandboxPolicy,
 )
 from fusion_oci.oci.host import HostInfo
-from fusion_oci.oci.spec import compile_spec
+from fusion_oci.oci.model import split
 from fusion_oci.policy.layout import CacheMount, GitLayout, TaskLayout
+from fusion_oci.resolve import ResolvedTask
 from fusion_oci.runtimes.containers import (
     AGENT_PATH,
     AGENT_RUN_DIR,
@@ -39,12 +41,15 @@ from fusion_oci.runtimes.containers import (
     Target,
     limit_reason,
     parse_limit_counters,
-    plan_container,
-    plan_exec,
     plan_limit_probe,
     seccomp_file,
     seccomp_json,
 )
+from fusion_oci.runtimes.containers import (
+    plan_container as _plan_container,
+)
+from fusion_oci.runtimes.plans import spawn_of
+from tests.tasks import Case, plan_for, resolved
 
 GOLDEN = Path(__file__).parent.parent / "data" / "containers"
 OWNER = Owner(pid=4242, start="123456", boot="boot-1", host="build-host")
@@ -69,13 +74,33 @@ def layout(isolated: bool = False) -> TaskLayout:
     return TaskLayout("/srv/wt", git, caches, "/etc/ssl/certs/ca-certificates.crt")
 
 
-def spec_for(policy: SandboxPolicy, *, command: str = "pnpm test", isolated: bool = False,
-             image: str | None = "localhost/fusion-oci/node:0123456789ab") -> dict[str, Any]:
+def task_for(policy: SandboxPolicy, *, isolated: bool = False,
+             image: str | None = "localhost/fusion-oci/node:0123456789ab") -> ResolvedTask:
     ctx = PrepareContext(task_id="t1", run_id="r1", worktree_path="/srv/wt", policy=policy,
                          image=image,
                          cache_mode=CacheMode.ISOLATED if isolated else CacheMode.SHARED)
-    return compile_spec(ctx, layout(isolated), HOST, command, RunOptions(cwd="pkg"),
-                        {"LANG": "C.UTF-8", "SECRET": "x", "NODE_ENV": "test"})
+    return resolved(ctx, layout(isolated), HOST,
+                    {"LANG": "C.UTF-8", "SECRET": "x", "NODE_ENV": "test"})
+
+
+def spec_for(policy: SandboxPolicy, *, command: str = "pnpm test", isolated: bool = False,
+             image: str | None = "localhost/fusion-oci/node:0123456789ab") -> dict[str, Any]:
+    """The whole config.json of one command (its process is the container's, here)."""
+    return Case(task_for(policy, isolated=isolated, image=image), command,
+                RunOptions(cwd="pkg")).config()
+
+
+def plan_container(spec: dict[str, Any], target: Target, **kwargs: Any) -> Any:
+    return _plan_container(*split(spec), target, **kwargs)
+
+
+def plan_exec(spec: dict[str, Any]) -> Spawn:
+    return spawn_of(split(spec)[1])
+
+
+def exec_json(spawn: Spawn) -> dict[str, Any]:
+    return {"argv": list(spawn.argv), "env": dict(spawn.env), "cwd": spawn.cwd,
+            "rlimits": [list(r) for r in spawn.rlimits]}
 
 
 POLICY = SandboxPolicy(
@@ -124,7 +149,7 @@ def test_create_kwargs_golden(case: str, oci_validator: Any) -> None:
         "volumes": [{"name": v.name, "destination": v.destination, "device": v.device,
                      "driver_opts": v.driver_opts, "labels": v.labels, "scope": v.scope}
                     for v in plan.volumes],
-        "exec": plan_exec(spec).to_json(),
+        "exec": exec_json(plan_exec(spec)),
     })
 
 
@@ -262,7 +287,7 @@ def test_exec_is_the_command_itself_with_its_env_cwd_and_rlimits() -> None:
     assert command.cwd == "/srv/wt/pkg"
     assert ("RLIMIT_CPU", 60, 61) in command.rlimits
     assert "SECRET" not in command.env and command.env["NODE_ENV"] == "test"
-    probe = plan_limit_probe(spec)
+    probe = plan_limit_probe(split(spec)[1])
     assert probe.argv == ["/bin/sh", "-c", LIMIT_PROBE] and probe.env.keys() == {"PATH"}
 
 
@@ -336,7 +361,7 @@ def test_both_engines_get_the_bundles_own_seccomp_profile_caps_and_nnp() -> None
 def test_limit_counters_name_the_limit_that_held() -> None:
     after = parse_limit_counters("pids 3\noom 0\n")
     assert after == {"pids": 3, "oom": 0}
-    from fusion_oci.runtimes.base import LimitCounters
+    from fusion_oci.runtimes.outcome import LimitCounters
 
     assert limit_reason({}, after).pids_max > 0
     assert limit_reason({"pids": 3}, {"pids": 3, "oom": 1}) == LimitCounters(oom_kills=1)
@@ -352,7 +377,7 @@ def test_the_runtime_takes_the_cache_scope_from_the_spec_not_the_context() -> No
 
     runtime = DockerRuntime(SandboxSettings(backend="docker"), {}, host=HOST)
     assert runtime.ctx is None
-    notes = runtime.plan(spec_for(POLICY, isolated=True)).notes
+    notes = plan_for(runtime, task_for(POLICY, isolated=True)).notes
     assert any(n.endswith("(task)") for n in notes if n.startswith("volume ")), notes
-    notes = runtime.plan(spec_for(POLICY)).notes
+    notes = plan_for(runtime, task_for(POLICY)).notes
     assert any(n.endswith("(project)") for n in notes if n.startswith("volume ")), notes

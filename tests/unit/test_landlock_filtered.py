@@ -18,11 +18,10 @@ from fusion_oci.landlock_child import (
     notify_program,
     parse,
 )
-from fusion_oci.models import CacheMode, PrepareContext, RunOptions, SandboxPolicy
+from fusion_oci.models import CacheMode, PrepareContext, SandboxPolicy
+from fusion_oci.oci.model import TaskSpec
 from fusion_oci.oci.seccomp import compile_bpf
-from fusion_oci.oci.spec import Spec, compile_spec
 from fusion_oci.policy.layout import TaskLayout
-from fusion_oci.runtimes.base import Requirement
 from fusion_oci.runtimes.landlock import (
     NET_RIGHTS,
     enforced_requirements,
@@ -31,20 +30,21 @@ from fusion_oci.runtimes.landlock import (
     launch_config,
     launch_text,
 )
+from fusion_oci.runtimes.requirements import Requirement
 from tests.bpf import run_bpf
 from tests.golden import GOLDEN_HOST, assert_golden
+from tests.tasks import resolved
 
 LAYOUT = TaskLayout("/work/wt/task-1", None, (), "/etc/ssl/certs/ca-certificates.crt")
 HOME, TMP, PORT, AGENT = "/run/scratch/home", "/run/scratch/tmp", 40123, "/opt/fo/agent"
 ERRNO_EPERM = 0x00050000 | 1
 
 
-def filtered_spec() -> Spec:
+def filtered_spec() -> TaskSpec:
     policy = SandboxPolicy(network="filtered", allowed_domains=["registry.npmjs.org"])
     ctx = PrepareContext(task_id="task-1", run_id="run-1", worktree_path=LAYOUT.worktree,
                          policy=policy, cache_mode=CacheMode.OFF)
-    return compile_spec(ctx, LAYOUT, GOLDEN_HOST, "pnpm install", RunOptions(),
-                        {"LANG": "C.UTF-8"})
+    return resolved(ctx, LAYOUT, GOLDEN_HOST, {"LANG": "C.UTF-8"}).spec
 
 
 def test_golden_ruleset() -> None:
@@ -76,7 +76,7 @@ def test_other_networks_leave_connect_to_the_kernel() -> None:
     for policy in (SandboxPolicy(allow_network=False), SandboxPolicy(network="host")):
         ctx = PrepareContext(task_id="t", run_id="r", worktree_path=LAYOUT.worktree,
                              policy=policy, cache_mode=CacheMode.OFF)
-        spec = compile_spec(ctx, LAYOUT, GOLDEN_HOST, "true", RunOptions(), {})
+        spec = resolved(ctx, LAYOUT, GOLDEN_HOST, {}).spec
         cfg = launch_config(landlock_rules(spec, HOME, TMP, PORT, AGENT), 7, "x86_64")
         assert cfg["connect_port"] == -1 and cfg["ports"] == []
         assert AGENT not in dict(landlock_rules(spec, HOME, TMP, PORT, AGENT).paths)

@@ -6,18 +6,20 @@ import struct
 
 import pytest
 
-from fusion_oci.models import CacheMode, CpuLimit, PrepareContext, RunOptions, SandboxPolicy
-from fusion_oci.oci.spec import Spec, compile_spec
+from fusion_oci.models import CacheMode, CpuLimit, PrepareContext, SandboxPolicy
+from fusion_oci.oci.model import TaskSpec
 from fusion_oci.policy.layout import GitLayout, TaskLayout
-from fusion_oci.runtimes.base import Requirement
+from fusion_oci.resolve import ResolvedTask
 from fusion_oci.runtimes.landlock import (
     FS_RIGHTS,
     enforced_requirements,
     landlock_rules,
     launch_config,
 )
+from fusion_oci.runtimes.requirements import Requirement
 from tests.bpf import run_bpf
 from tests.golden import GOLDEN_HOST, assert_golden
+from tests.tasks import plan_for, resolved
 
 HOST = GOLDEN_HOST
 PLAIN_DIR = TaskLayout("/work/wt/task-1", None, (), "/etc/ssl/certs/ca-certificates.crt")
@@ -42,11 +44,11 @@ CASES: dict[str, tuple[SandboxPolicy, TaskLayout]] = {
 }
 
 
-def spec_for(name: str) -> Spec:
+def spec_for(name: str) -> TaskSpec:
     policy, layout = CASES[name]
     ctx = PrepareContext(task_id="task-1", run_id="run-1", worktree_path=layout.worktree,
                          policy=policy, cache_mode=CacheMode.OFF)
-    return compile_spec(ctx, layout, HOST, "pnpm test", RunOptions(), {"LANG": "C.UTF-8"})
+    return resolved(ctx, layout, HOST, {"LANG": "C.UTF-8"}).spec
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -184,9 +186,12 @@ def test_plan_is_what_execute_runs() -> None:
 
     runtime = LandlockRuntime(SandboxSettings(backend="landlock"), {"PATH": "/usr/bin"},
                               cache_root=Path("/nonexistent-cache"), host=HOST)
-    spec = spec_for("locked-down")
-    plan = runtime.plan(spec)
-    assert plan.argv == runtime.launch_command(spec, "<task scratch>/launch-1")
+    policy, layout = CASES["locked-down"]
+    ctx = PrepareContext(task_id="task-1", run_id="run-1", worktree_path=layout.worktree,
+                         policy=policy, cache_mode=CacheMode.OFF)
+    task: ResolvedTask = resolved(ctx, layout, HOST, {"LANG": "C.UTF-8"})
+    plan = plan_for(runtime, task, "pnpm test")
+    assert plan.argv == runtime.launch_command(plan.process, "<task scratch>/launch-1")
     assert "<reaper>" not in plan.argv
     assert_golden("landlock/plan-locked-down.json",
                   {"argv": host_neutral(plan.argv), "env": plan.env, "cwd": plan.cwd})

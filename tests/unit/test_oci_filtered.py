@@ -12,31 +12,31 @@ from fusion_oci.errors import BundleError
 from fusion_oci.models import NetworkMode, SandboxPolicy
 from fusion_oci.oci.ops import EXEC_STATUS_IN_SANDBOX
 from fusion_oci.oci.spec import bind
-from fusion_oci.runtimes.base import Requirement
 from fusion_oci.runtimes.ocicli.filtered import SOCKET_PLACEHOLDER, with_egress_forwarder
 from fusion_oci.runtimes.ocicli.launch import network_of, runtime_flags
+from fusion_oci.runtimes.requirements import Requirement
 from tests.golden import assert_golden
-from tests.unit.test_oci_plan import runtime, spec_for
+from tests.unit.test_oci_plan import plan_of, runtime, spec_for
 
 FILTERED = SandboxPolicy(network="filtered", allowed_domains=["registry.npmjs.org"])
 
 
 @pytest.mark.parametrize("uid", [0, 1000], ids=["root", "rootless"])
 def test_golden_plan(uid: int) -> None:
-    plan = runtime(uid).plan(spec_for(FILTERED))
+    plan = plan_of(runtime(uid), FILTERED)
     assert_golden(f"oci/plan-filtered-{'root' if uid == 0 else 'rootless'}.json",
                   plan.to_json())
 
 
 def test_golden_plan_runsc() -> None:
-    plan = runtime(oci_runtime="runsc").plan(spec_for(FILTERED))
+    plan = plan_of(runtime(oci_runtime="runsc"), FILTERED)
     assert_golden("oci/plan-runsc-filtered.json", plan.to_json())
 
 
 def test_the_bundle_keeps_its_empty_netns_and_runs_the_forwarder(oci_validator: Any) -> None:
     rt = runtime()
     rt._egress_socket = "/run/scratch/egress-1/egress.sock"
-    plan = rt.plan(spec_for(FILTERED))
+    plan = plan_of(rt, FILTERED)
     bundle = plan.to_json()["bundle"]
     oci_validator.validate(bundle)
     assert network_of(spec_for(FILTERED)) is NetworkMode.FILTERED

@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
-from fusion_oci.models import CpuLimit, NetworkMode, PrepareContext, RunOptions, SandboxPolicy
-from fusion_oci.oci.spec import Spec, bind, compile_spec
+from fusion_oci.models import CpuLimit, NetworkMode, PrepareContext, SandboxPolicy
+from fusion_oci.oci.spec import Spec, bind
 from fusion_oci.policy.layout import GitLayout, TaskLayout
 from fusion_oci.policy.settings import SandboxSettings
 from fusion_oci.process import ProcessOutcome
-from fusion_oci.runtimes.base import Requirement
+from fusion_oci.resolve import ResolvedTask
 from fusion_oci.runtimes.linux.cgroups import CgroupEvents, Hierarchy
 from fusion_oci.runtimes.oci import OciRuntime, exit_status, limit_counters
 from fusion_oci.runtimes.ocicli.launch import (
@@ -27,7 +27,9 @@ from fusion_oci.runtimes.ocicli.launch import (
     runtime_flags,
 )
 from fusion_oci.runtimes.ocicli.state import container_id, state_base
+from fusion_oci.runtimes.requirements import Requirement
 from tests.golden import GOLDEN_HOST, assert_golden
+from tests.tasks import Case, plan_for, resolved
 
 HOST = GOLDEN_HOST
 LAYOUT = TaskLayout(
@@ -44,10 +46,18 @@ POLICIES = {
 }
 
 
-def spec_for(policy: SandboxPolicy, image: str | None = None) -> Spec:
+def task_for(policy: SandboxPolicy, image: str | None = None) -> ResolvedTask:
     ctx = PrepareContext(task_id="task-1", run_id="run-1", worktree_path=LAYOUT.worktree,
                          policy=policy, image=image)
-    return compile_spec(ctx, LAYOUT, HOST, "pnpm test", RunOptions(), {"PATH": "/usr/bin"})
+    return resolved(ctx, LAYOUT, HOST, {"PATH": "/usr/bin"})
+
+
+def spec_for(policy: SandboxPolicy, image: str | None = None) -> Spec:
+    return Case(task_for(policy, image)).config()
+
+
+def plan_of(rt: OciRuntime, policy: SandboxPolicy, image: str | None = None) -> Any:
+    return plan_for(rt, task_for(policy, image))
 
 
 def runtime(uid: int = 0, oci_runtime: str = "runc") -> OciRuntime:
@@ -68,12 +78,12 @@ def runtime(uid: int = 0, oci_runtime: str = "runc") -> OciRuntime:
 @pytest.mark.parametrize("name", sorted(POLICIES))
 @pytest.mark.parametrize("uid", [0, 1000], ids=["root", "rootless"])
 def test_golden_plan(name: str, uid: int) -> None:
-    plan = runtime(uid).plan(spec_for(POLICIES[name]))
+    plan = plan_of(runtime(uid), POLICIES[name])
     assert_golden(f"oci/plan-{name}-{'root' if uid == 0 else 'rootless'}.json", plan.to_json())
 
 
 def test_golden_plan_image() -> None:
-    plan = runtime().plan(spec_for(POLICIES["none-limits"], image="localhost/fusion-base:1"))
+    plan = plan_of(runtime(), POLICIES["none-limits"], image="localhost/fusion-base:1")
     assert_golden("oci/plan-image.json", plan.to_json())
 
 
@@ -91,7 +101,7 @@ def test_keep_only_with_counters_to_read_and_a_runtime_that_takes_it() -> None:
     assert runtime(oci_runtime="/usr/bin/crun").keep_for(limited)
     assert not runtime(oci_runtime="runsc").keep_for(limited)
     assert not runtime(oci_runtime="runc").keep_for(plain)
-    assert "--keep" not in runtime().plan(plain).argv  # type: ignore[operator]
+    assert "--keep" not in plan_of(runtime(), POLICIES["egress"]).argv
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
@@ -182,12 +192,12 @@ def outcome(rc: int | None = 0, sig: str | None = None, *, timed_out: bool = Fal
 
 
 def test_cgroup_counters_feed_the_one_classifier() -> None:
-    from fusion_oci.runtimes.base import classify
+    from fusion_oci.runtimes.outcome import classify
 
-    spec = spec_for(POLICIES["none-limits"])
+    spec = Case(task_for(POLICIES["none-limits"])).process
     oom = limit_counters(CgroupEvents(oom_kills=1, pids_max=0))
     pids = limit_counters(CgroupEvents(oom_kills=0, pids_max=3))
-    # One precedence for every runtime (base.classify): a limit that fired wins over the
+    # One precedence for every runtime (outcome.classify): a limit that fired wins over the
     # timeout that followed it, and over maxBuffer.
     assert classify(outcome(None, "SIGKILL", timed_out=True), spec, pids) == "pids"
     assert classify(outcome(None, "SIGTERM", truncated=True), spec, oom) == "oom"
@@ -199,7 +209,8 @@ def test_cgroup_counters_feed_the_one_classifier() -> None:
     # Counters unknown: no claim; RLIMIT_CPU in the spec makes a SIGKILL cpu-time.
     unknown = limit_counters(CgroupEvents())
     assert classify(outcome(None, "SIGKILL"), spec, unknown) == "cpu-time"
-    assert classify(outcome(None, "SIGKILL"), spec_for(POLICIES["egress"]), unknown) == "signal"
+    assert classify(outcome(None, "SIGKILL"), Case(task_for(POLICIES["egress"])).process,
+                    unknown) == "signal"
 
 
 def test_enforces_follows_controllers_and_rootless() -> None:
@@ -249,7 +260,7 @@ def test_signal_names_cover_the_common_deaths() -> None:
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_golden_plan_runsc(name: str) -> None:
-    plan = runtime(oci_runtime="runsc").plan(spec_for(POLICIES[name]))
+    plan = plan_of(runtime(oci_runtime="runsc"), POLICIES[name])
     assert_golden(f"oci/plan-runsc-{name}.json", plan.to_json())
 
 
@@ -315,23 +326,22 @@ def test_plan_is_the_launch_execute_runs() -> None:
     own (its number taken at plan time), so two planned commands never share a container."""
     rt = runtime()
     spec = spec_for(POLICIES["none-limits"])
-    plan = rt.plan(spec)
+    plan = plan_of(rt, POLICIES["none-limits"])
     launch = plan.launch
-    assert plan.spec is spec
     assert (plan.argv, plan.env, plan.cwd, plan.bundle) == (
         launch.argv, launch.env, launch.cwd, launch.bundle)
     assert launch == rt._launch(spec, 1)  # the builder is pure
     assert launch.cid == "task-1-run-1-ab12cd-1"
     assert launch.cwd == "/run/fusion-oci/oci/task-1-run-1-ab12cd/bundles/1"
     assert plan.env == {"PATH": "/usr/sbin:/usr/bin"}  # the CLI's own; the command's is inside
-    assert rt.plan(spec).launch.cid == "task-1-run-1-ab12cd-2"
+    assert rt.plan(plan.process).launch.cid == "task-1-run-1-ab12cd-2"
     assert "launch" not in plan.to_json() and "spec" not in plan.to_json()
 
 
 def test_the_bundle_in_the_plan_is_what_the_runtime_validates(oci_validator: Any) -> None:
     for name in sorted(POLICIES):
         for rt in (runtime(), runtime(uid=1000), runtime(oci_runtime="runsc")):
-            oci_validator.validate(rt.plan(spec_for(POLICIES[name])).bundle)
+            oci_validator.validate(plan_of(rt, POLICIES[name]).bundle)
 
 
 def test_runsc_limits_go_to_a_cgroup_of_ours_that_runsc_joins() -> None:
@@ -356,10 +366,10 @@ def test_check_names_egress_where_slirp_is_unusable() -> None:
     rt = runtime()
     rt._egress = (False, "no slirp4netns")
     egress = Requirement.NETWORK_EGRESS.value
-    assert egress in rt.check(spec_for(POLICIES["egress"]))
-    assert egress not in rt.check(spec_for(POLICIES["none-limits"]))
+    assert egress in rt.check(task_for(POLICIES["egress"]))
+    assert egress not in rt.check(task_for(POLICIES["none-limits"]))
     rt._egress = (True, "/usr/bin/slirp4netns")
-    assert egress not in rt.check(spec_for(POLICIES["egress"]))
+    assert egress not in rt.check(task_for(POLICIES["egress"]))
 
 
 def test_the_status_the_command_could_tamper_with_is_read_safely(tmp_path: Path) -> None:

@@ -1,17 +1,15 @@
-"""The one outcome classifier and the one 128+N rule every runtime uses (runtimes/base.py)."""
+"""The one outcome classifier and the one 128+N rule every runtime uses (runtimes/outcome.py)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
+from fusion_oci.oci.model import ProcessSpec, Rlimit, User
 from fusion_oci.process import ProcessOutcome
-from fusion_oci.runtimes.base import LimitCounters, classify, status_from_code
+from fusion_oci.runtimes.outcome import LimitCounters, classify, status_from_code
 
-SPEC: dict[str, Any] = {"process": {"rlimits": []}}
-CPU_SPEC: dict[str, Any] = {"process": {"rlimits": [{"type": "RLIMIT_CPU", "soft": 1,
-                                                     "hard": 2}]}}
+SPEC = ProcessSpec(user=User(uid=0, gid=0), args=["true"], cwd="/")
+CPU_SPEC = SPEC.model_copy(update={"rlimits": [Rlimit(type="RLIMIT_CPU", soft=1, hard=2)]})
 
 
 def outcome(code: int | None = None, signal: str | None = None, *, timed_out: bool = False,
@@ -32,7 +30,7 @@ def outcome(code: int | None = None, signal: str | None = None, *, timed_out: bo
     (outcome(None, "SIGKILL"), LimitCounters(), SPEC, "signal"),
     (outcome(3), LimitCounters(), SPEC, "exit"),
 ])
-def test_one_precedence(out: ProcessOutcome, counters: LimitCounters, spec: dict[str, Any],
+def test_one_precedence(out: ProcessOutcome, counters: LimitCounters, spec: ProcessSpec,
                         reason: str) -> None:
     assert classify(out, spec, counters) == reason
 

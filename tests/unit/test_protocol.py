@@ -1,6 +1,6 @@
-"""The runtime protocol as the lifecycle drives it: one resolve at prepare, then per command
-compile -> check -> plan -> execute of that very plan, for a runtime that implements only the
-protocol (it records the calls; nothing runs)."""
+"""The runtime protocol as the lifecycle drives it: one resolve and one check of the task spec
+at prepare, then per command compile -> plan -> execute of that very plan, for a runtime that
+implements only the protocol (it records the calls; nothing runs)."""
 
 from __future__ import annotations
 
@@ -17,19 +17,14 @@ from fusion_oci.models import (
     SandboxCapabilities,
     SandboxPolicy,
 )
-from fusion_oci.oci.spec import ANN_IMAGE, Spec
+from fusion_oci.oci.model import ANN_IMAGE, ProcessSpec, User
 from fusion_oci.policy.settings import SandboxSettings
 from fusion_oci.resolve import ResolvedTask
-from fusion_oci.runtimes.base import (
-    Availability,
-    LaunchPlan,
-    Requirement,
-    Runtime,
-    UnavailableRuntime,
-    own_plan,
-    unenforced_in,
-)
+from fusion_oci.runtimes.plans import ArgvPlan, Plan, own_plan
+from fusion_oci.runtimes.protocol import Availability, Runtime
 from fusion_oci.runtimes.registry import with_defaults
+from fusion_oci.runtimes.requirements import Requirement, task_requirements, unenforced
+from fusion_oci.runtimes.skeleton import UnavailableRuntime
 from fusion_oci.sandbox import Sandbox
 from tests.golden import GOLDEN_HOST
 
@@ -42,10 +37,10 @@ class Recording:
 
     id = "custom"
     default_image: str | None = "example/default:1"
+    refuse: tuple[str, ...] = ()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.calls: list[tuple[str, Any]] = []
-        self.refuse: list[str] = []
 
     def capabilities(self) -> SandboxCapabilities:
         return SandboxCapabilities(
@@ -59,23 +54,24 @@ class Recording:
     def enforces(self) -> frozenset[Requirement]:
         return CLAIMED
 
-    def check(self, spec: Spec) -> list[str]:
-        self.calls.append(("check", spec))
-        return [*self.refuse, *unenforced_in(spec, CLAIMED)]
+    def check(self, task: ResolvedTask) -> list[str]:
+        self.calls.append(("check", task))
+        return [*self.refuse, *unenforced(task_requirements(task), CLAIMED)]
 
-    def plan(self, spec: Spec) -> LaunchPlan:
-        self.calls.append(("plan", spec))
-        return LaunchPlan(self.id, argv=list(spec["process"]["args"]), spec=spec)
+    def plan(self, process: ProcessSpec) -> Plan:
+        self.calls.append(("plan", process))
+        return ArgvPlan(self.id, argv=list(process.args), env={}, cwd=process.cwd,
+                        process=process)
 
     async def prepare(self, task: ResolvedTask) -> ResolvedTask:
         self.calls.append(("prepare", task))
         return task.with_image("localhost/provisioned:1")  # as after a provision
 
-    async def execute(self, plan: LaunchPlan, opts: RunOptions) -> RunResult:
+    async def execute(self, plan: Plan, opts: RunOptions) -> RunResult:
         self.calls.append(("execute", plan))
-        own_plan(self, plan, LaunchPlan)
-        return RunResult(stdout=" ".join(plan.argv or []), stderr="", exit_code=0,
-                         duration_ms=0, backend=self.id)
+        argv = own_plan(self, plan, ArgvPlan).argv
+        return RunResult(stdout=" ".join(argv), stderr="", exit_code=0, duration_ms=0,
+                         backend=self.id)
 
     async def dispose(self) -> None:
         self.calls.append(("dispose", None))
@@ -113,29 +109,39 @@ async def test_the_lifecycle_drives_a_protocol_only_runtime(
 
         result = await sb.run(["echo", "hi"])
         assert result.stdout == "echo hi" and result.backend == "custom"
-        assert [name for name, _ in rt.calls] == ["check", "plan", "execute"]
-        checked, planned, plan = (value for _, value in rt.calls)
-        spec = sb.last_spec
-        assert spec is not None
-        assert checked is planned is plan.spec is spec  # one compile, recorded for replay
+        assert [name for name, _ in rt.calls] == ["plan", "execute"]  # checked once, at prepare
+        process, plan = (value for _, value in rt.calls)
+        assert plan.process is process and process.args == ["echo", "hi"]
         # Compiled from the task prepare returned (the provisioned image), not the resolved one.
-        assert spec["annotations"][ANN_IMAGE] == "localhost/provisioned:1"
-        assert sb.spec_for(["echo", "hi"]) == spec
-
-        rt.calls.clear()
-        rt.refuse = ["memoryLimitMb"]
-        with pytest.raises(PolicyNotEnforceableError) as refused:
-            await sb.run("true")
-        assert refused.value.unenforced == ["memoryLimitMb"]
-        assert [name for name, _ in rt.calls] == ["check"]  # nothing planned, nothing ran
+        assert sb.task is not None and sb.task.spec.annotations[ANN_IMAGE] == \
+            "localhost/provisioned:1"
+        assert sb.spec_for(["echo", "hi"])["process"] == process.to_oci()
     assert rt.calls[-1] == ("dispose", None) and sb.task is None
 
 
+async def test_a_task_the_runtime_cannot_enforce_is_refused_before_it_is_prepared(
+        recording: list[Recording], worktree: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Recording, "refuse", ("memoryLimitMb",))
+    settings = SandboxSettings(backend="custom", custom_runtime="recording")
+    ctx = PrepareContext(task_id="t", run_id="r", worktree_path=str(worktree),
+                         policy=SandboxPolicy(allow_network=False))
+    sb = Sandbox(settings, env={"PATH": "/usr/bin"}, cache_root=tmp_path / "cache",
+                 host=GOLDEN_HOST)
+    with pytest.raises(PolicyNotEnforceableError) as refused:
+        await sb.prepare(ctx)
+    assert refused.value.unenforced == ["memoryLimitMb"]
+    rt = recording[0]
+    assert [name for name, _ in rt.calls][:1] == ["check"]
+    assert "prepare" not in [name for name, _ in rt.calls]  # nothing set up, nothing ran
+    assert not (tmp_path / "cache").exists()  # resolved without creating the cache folders
+
+
 def test_a_runtime_refuses_a_plan_it_did_not_make() -> None:
-    spec: Spec = {"process": {"args": ["true"]}}
-    theirs = LaunchPlan("bubblewrap", argv=["true"], spec=spec)
+    process = ProcessSpec(user=User(uid=0, gid=0), args=["true"], cwd="/")
+    theirs = ArgvPlan("bubblewrap", argv=["true"], env={}, cwd="/", process=process)
     with pytest.raises(SandboxSetupError, match="did not make"):
-        own_plan(Recording(), theirs, LaunchPlan)
+        own_plan(Recording(), theirs, ArgvPlan)
 
 
 def test_an_unavailable_runtime_implements_the_protocol() -> None:

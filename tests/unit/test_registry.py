@@ -16,8 +16,10 @@ from fusion_oci.images.gates import GateRequest
 from fusion_oci.models import BACKEND_IDS, PrepareContext, SandboxCapabilities, SandboxPolicy
 from fusion_oci.policy.settings import GateSettings, SandboxSettings
 from fusion_oci.runtimes import registry
-from fusion_oci.runtimes.base import Requirement, Runtime, SpecRuntime, UnavailableRuntime
 from fusion_oci.runtimes.native import NativeRuntime
+from fusion_oci.runtimes.protocol import Runtime
+from fusion_oci.runtimes.requirements import Requirement
+from fusion_oci.runtimes.skeleton import SpecRuntime, UnavailableRuntime
 from fusion_oci.sandbox import Sandbox, SyncSandbox
 from tests import plugin_runtime
 
@@ -111,3 +113,19 @@ async def test_a_protocol_only_plugin_gets_the_audit_log_and_the_gate_callback(
     async with Sandbox(settings, audit=audit) as sb:
         with pytest.raises(GateDeniedError):
             await sb.prepare(ctx)
+
+
+def test_the_builtins_are_entry_points_of_the_distribution() -> None:
+    """Built-ins are found the way a plugin is: every backend id but ``custom`` is an entry
+    point of the built-in group in pyproject.toml (so a wheel carries them), and the
+    installed metadata agrees."""
+    import tomllib
+    from pathlib import Path
+
+    from fusion_oci.models import BACKEND_IDS
+    from fusion_oci.runtimes.registry import BUILTIN_GROUP, builtin_entry_points
+
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    declared = project["project"]["entry-points"][BUILTIN_GROUP]
+    assert set(declared) == set(BACKEND_IDS) - {"custom"}
+    assert {n: ep.value for n, ep in builtin_entry_points().items()} == declared

@@ -1,12 +1,14 @@
-"""The resolve step's choices, and what runtimes read back from the spec instead of the policy
-or the context."""
+"""The resolve step's choices, the two typed forms of the spec (TaskSpec, ProcessSpec), and
+what runtimes read back from the spec instead of the policy or the context."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from fusion_oci.models import (
     CacheMode,
@@ -16,19 +18,15 @@ from fusion_oci.models import (
     RunOptions,
     SandboxPolicy,
 )
-from fusion_oci.oci import spec as spec_module
-from fusion_oci.oci.spec import (
-    ANN_NETWORK,
-    Spec,
-    compile_spec,
-    spec_cache_mode,
-    spec_network,
-)
+from fusion_oci.oci import model as model_module
+from fusion_oci.oci.model import ANN_CACHE_MODE, ANN_NETWORK, ProcessSpec, TaskSpec, split
+from fusion_oci.oci.spec import compile_spec
 from fusion_oci.policy.layout import TaskLayout
 from fusion_oci.policy.settings import SandboxSettings
-from fusion_oci.resolve import resolve_ca_bundle, resolve_image
-from fusion_oci.runtimes.base import requirements, spec_requirements
+from fusion_oci.resolve import ResolvedTask, resolve_ca_bundle, resolve_image
+from fusion_oci.runtimes.requirements import Requirement, task_requirements
 from tests.golden import GOLDEN_HOST
+from tests.tasks import resolved
 
 DOCS = Path(__file__).parent.parent.parent / "docs" / "spec-annotations.md"
 LAYOUT = TaskLayout("/srv/wt", None, (), None)
@@ -49,32 +47,70 @@ def ctx(policy: SandboxPolicy, **kw: object) -> PrepareContext:
                           **kw)  # type: ignore[arg-type]
 
 
+R = Requirement
+BASE = {R.FILESYSTEM, R.PROC_PATHS, R.ENV}
+REQUIRED = {
+    "default": BASE | {R.NETWORK_EGRESS},
+    "none": BASE | {R.NETWORK_NONE},
+    "host": BASE,
+    "limits": BASE | {R.NETWORK_EGRESS, R.MEMORY, R.PIDS, R.TMP_SIZE, R.FILE_SIZE,
+                      R.CPU_QUOTA, R.CPU_TIME},
+    "cores-only": BASE | {R.NETWORK_EGRESS, R.CPU_QUOTA},
+}
+
+
+def task(policy: SandboxPolicy, **kw: object) -> ResolvedTask:
+    return resolved(ctx(policy, **kw), LAYOUT, GOLDEN_HOST)
+
+
 @pytest.mark.parametrize("name", sorted(POLICIES))
-def test_the_spec_says_what_the_policy_requires(name: str) -> None:
+def test_what_a_task_requires_is_read_from_its_spec(name: str) -> None:
+    """Once, from the task spec and its commands' rlimits (not from the policy again)."""
     policy = POLICIES[name]
-    spec = compile_spec(ctx(policy), LAYOUT, GOLDEN_HOST, "true", RunOptions(), {})
-    assert spec_requirements(spec) == requirements(policy)
-    assert spec_network(spec) is policy.network_mode
+    assert task_requirements(task(policy)) == REQUIRED[name]
+    assert task(policy).spec.network is policy.network_mode
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_the_two_typed_halves_are_the_whole_schema_valid_config(name: str,
+                                                                oci_validator: Any) -> None:
+    t = task(POLICIES[name])
+    process = t.process(["make", "-j2"], RunOptions(cwd="sub"))
+    config = compile_spec(ctx(POLICIES[name]), LAYOUT, GOLDEN_HOST, ["make", "-j2"],
+                          RunOptions(cwd="sub"), {})
+    oci_validator.validate(config)
+    assert t.spec.to_oci() | {"process": process.to_oci()} == config
+    back_task, back_process = split(config)
+    assert back_task == t.spec and back_process == process
+    assert process.cwd == "/srv/wt/sub" and process.rlimit("RLIMIT_NOFILE") is not None
+
+
+def test_a_misspelt_or_mistyped_field_is_refused() -> None:
+    config = compile_spec(ctx(SandboxPolicy()), LAYOUT, GOLDEN_HOST, "true", RunOptions(), {})
+    with pytest.raises(ValidationError, match="noNewPrivilege"):
+        ProcessSpec.model_validate({**config["process"], "noNewPrivilege": True})
+    with pytest.raises(ValidationError, match="mounts"):
+        TaskSpec.model_validate({**{k: v for k, v in config.items() if k != "process"},
+                                 "mounts": [{"destination": 1}]})
 
 
 def test_network_is_read_from_the_namespaces_first() -> None:
-    spec = compile_spec(ctx(SandboxPolicy()), LAYOUT, GOLDEN_HOST, "true", RunOptions(), {})
-    assert spec_network(spec) is NetworkMode.EGRESS
-    no_ns = {**spec, "linux": {**spec["linux"], "namespaces": [
-        n for n in spec["linux"]["namespaces"] if n["type"] != "network"]}}
-    assert spec_network(no_ns) is NetworkMode.HOST  # no namespace: the host's network
-    claims_host = {**spec, "annotations": {**spec["annotations"], ANN_NETWORK: "host"}}
-    assert spec_network(claims_host) is NetworkMode.NONE  # a namespace, an odd claim: closed
-    unannotated = {**spec, "annotations": {}}
-    assert spec_network(unannotated) is NetworkMode.NONE
+    spec = task(SandboxPolicy()).spec
+    assert spec.network is NetworkMode.EGRESS
+    no_ns = spec.model_copy(update={"linux": spec.linux.model_copy(update={"namespaces": [
+        n for n in spec.linux.namespaces if n.type != "network"]})})
+    assert no_ns.network is NetworkMode.HOST  # no namespace: the host's network
+    claims_host = spec.model_copy(update={"annotations": {**spec.annotations,
+                                                          ANN_NETWORK: "host"}})
+    assert claims_host.network is NetworkMode.NONE  # a namespace, an odd claim: closed
+    assert spec.model_copy(update={"annotations": {}}).network is NetworkMode.NONE
 
 
 def test_cache_mode_travels_in_the_spec() -> None:
-    spec = compile_spec(ctx(SandboxPolicy(), cache_mode=CacheMode.ISOLATED), LAYOUT,
-                        GOLDEN_HOST, "true", RunOptions(), {})
-    assert spec_cache_mode(spec) is CacheMode.ISOLATED
-    assert spec_cache_mode({"annotations": {}}) is CacheMode.SHARED
-    assert spec_cache_mode({"annotations": {spec_module.ANN_CACHE_MODE: "??"}}) \
+    spec = task(SandboxPolicy(), cache_mode=CacheMode.ISOLATED).spec
+    assert spec.cache_mode is CacheMode.ISOLATED
+    assert spec.model_copy(update={"annotations": {}}).cache_mode is CacheMode.SHARED
+    assert spec.model_copy(update={"annotations": {ANN_CACHE_MODE: "??"}}).cache_mode \
         is CacheMode.ISOLATED
 
 
@@ -95,33 +131,29 @@ def test_image_and_ca_are_chosen_in_one_place() -> None:
 
 def test_every_annotation_is_listed_in_the_docs_table() -> None:
     table = DOCS.read_text(encoding="utf-8")
-    names = {value for key, value in vars(spec_module).items()
+    names = {value for key, value in vars(model_module).items()
              if key.startswith("ANN_") and isinstance(value, str)}
     assert names, "no annotation constants found"
     listed = set(re.findall(r"^\| `(io\.fusion-oci\.[a-z-]+)` \|", table, re.M))
-    assert names == listed, f"docs/spec-annotations.md table vs oci/spec.py: {names ^ listed}"
+    assert names == listed, f"docs/spec-annotations.md table vs oci/model.py: {names ^ listed}"
 
 
 def test_the_lifecycle_refuses_a_task_spec_the_runtime_does_not_enforce() -> None:
-    """The check against the spec: a memory limit in the task spec that the runtime cannot
-    hold is refused (before prepare, and before each command), whatever the policy said."""
+    """The one check, against the task: a memory limit in the task spec that the runtime
+    cannot hold is refused before prepare, whatever the policy said."""
     from fusion_oci.errors import PolicyNotEnforceableError
-    from fusion_oci.runtimes.base import Requirement, unenforced_in
+    from fusion_oci.runtimes.protocol import RuntimeDefaults
     from fusion_oci.sandbox import Sandbox
 
-    spec = compile_spec(ctx(SandboxPolicy(allow_network=False, memory_limit_mb=64)), LAYOUT,
-                        GOLDEN_HOST, "true", RunOptions(), {})
-
-    class Holds:
+    class Holds(RuntimeDefaults):
         id = "fake"
-        isolates = True
 
-        def check(self, spec: Spec) -> list[str]:
-            return unenforced_in(spec, frozenset({Requirement.FILESYSTEM, Requirement.PROC_PATHS,
-                                                  Requirement.ENV, Requirement.NETWORK_NONE}))
+        def enforces(self) -> frozenset[Requirement]:
+            return frozenset({R.FILESYSTEM, R.PROC_PATHS, R.ENV, R.NETWORK_NONE})
 
+    limited = task(SandboxPolicy(allow_network=False, memory_limit_mb=64))
     with pytest.raises(PolicyNotEnforceableError) as refused:
-        Sandbox(SandboxSettings())._check_spec(Holds(), spec)  # type: ignore[arg-type]
+        Sandbox(SandboxSettings())._check(Holds(), limited)  # type: ignore[arg-type]
     assert refused.value.unenforced == ["memoryLimitMb"]
-    Sandbox(SandboxSettings())._check_spec(Holds(), compile_spec(  # type: ignore[arg-type]
-        ctx(SandboxPolicy(allow_network=False)), LAYOUT, GOLDEN_HOST, "true", RunOptions(), {}))
+    Sandbox(SandboxSettings())._check(  # type: ignore[arg-type]
+        Holds(), task(SandboxPolicy(allow_network=False)))

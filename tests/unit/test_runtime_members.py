@@ -10,10 +10,13 @@ from typing import Any
 
 import pytest
 
+from fusion_oci import resolve
 from fusion_oci.models import BACKEND_IDS
+from fusion_oci.oci import model
 from fusion_oci.policy.settings import SandboxSettings
-from fusion_oci.runtimes import base, registry
-from fusion_oci.runtimes.base import Runtime, RuntimeDefaults, UnavailableRuntime
+from fusion_oci.runtimes import plans, protocol, registry
+from fusion_oci.runtimes.protocol import Runtime, RuntimeDefaults
+from fusion_oci.runtimes.skeleton import UnavailableRuntime
 from tests import plugin_runtime
 
 METHODS = sorted(n for n, v in vars(Runtime).items()
@@ -36,7 +39,8 @@ CLASSES = _classes()
 
 
 def test_the_protocol_declares_the_optional_members() -> None:
-    assert {"enforces_for", "image_digest", "close", "check", "plan", "execute"} <= set(METHODS)
+    assert {"enforces_for", "image_digest", "close", "check", "adopt", "plan", "execute"} <= \
+        set(METHODS)
     assert {"isolates", "streams_stdin", "egress_via_tcp", "audit", "ask", "id"} <= set(DATA)
     assert all(not name.startswith("_") and hasattr(RuntimeDefaults, name) for name in FLAGS)
 
@@ -47,7 +51,8 @@ def _resolve(annotation: Any, func: Any) -> Any:
         return annotation
     module = sys.modules[func.__module__]
     try:
-        return eval(annotation, dict(vars(base)) | vars(module))
+        names = dict(vars(model)) | vars(resolve) | vars(plans) | vars(protocol)
+        return eval(annotation, names | vars(module))
     except NameError:
         return annotation
 

@@ -11,12 +11,11 @@ from pathlib import Path
 import pytest
 
 from fusion_oci.errors import BundleError
-from fusion_oci.models import CpuLimit, PrepareContext, RunOptions, SandboxPolicy
+from fusion_oci.models import CpuLimit, PrepareContext, SandboxPolicy
 from fusion_oci.oci.host import HostInfo
-from fusion_oci.oci.spec import Spec, compile_spec
 from fusion_oci.policy.layout import CacheMount, GitLayout, TaskLayout
 from fusion_oci.policy.settings import SandboxSettings
-from fusion_oci.runtimes.base import Requirement, requirements
+from fusion_oci.runtimes.requirements import Requirement, task_requirements
 from fusion_oci.runtimes.sandbox_exec import SandboxExecRuntime, mac_env
 from fusion_oci.runtimes.seatbelt import (
     SANDBOX_EXEC,
@@ -25,6 +24,7 @@ from fusion_oci.runtimes.seatbelt import (
     seatbelt_profile,
 )
 from tests.golden import DATA, assert_golden, host_neutral
+from tests.tasks import Case, plan_for, resolved
 
 MAC_HOST = HostInfo(
     uid=501, gid=20,
@@ -46,16 +46,16 @@ def layout(worktree: str = "/Users/me/src/wt-task", *, linked: bool = True,
     return TaskLayout(worktree, git, caches, "/etc/ssl/cert.pem")
 
 
-def spec_for(policy: SandboxPolicy, lay: TaskLayout | None = None) -> Spec:
+def spec_for(policy: SandboxPolicy, lay: TaskLayout | None = None) -> Case:
     lay = lay or layout()
     ctx = PrepareContext(task_id="task-1", run_id="run-1", worktree_path=lay.worktree,
                          policy=policy)
-    return compile_spec(ctx, lay, MAC_HOST, "pnpm install && pnpm test", RunOptions(),
-                        {"HOME": "/Users/me", "PATH": "/usr/bin"})
+    return Case(resolved(ctx, lay, MAC_HOST, {"HOME": "/Users/me", "PATH": "/usr/bin"}),
+                "pnpm install && pnpm test")
 
 
-def profile_for(spec: Spec, home: str | None = "/Users/me") -> SeatbeltProfile:
-    return seatbelt_profile(spec, caller_home=home, scratch_home="/private/var/folders/x/home",
+def profile_for(case: Case, home: str | None = "/Users/me") -> SeatbeltProfile:
+    return seatbelt_profile(case.spec, caller_home=home, scratch_home="/private/var/folders/x/home",
                             scratch_tmp="/private/var/folders/x/tmp")
 
 
@@ -366,9 +366,9 @@ def test_unavailable_off_macos_with_the_reason(platform: str, where: str) -> Non
 
 def test_plan_works_off_macos_without_touching_the_system() -> None:
     rt = runtime()
-    spec = spec_for(SandboxPolicy(allow_network=False))
-    plan = rt.plan(spec)
-    profile = rt.profile(spec)
+    case = spec_for(SandboxPolicy(allow_network=False))
+    plan = plan_for(rt, case.task, case.command)
+    profile = rt.profile(case.spec)
     assert plan.argv is not None
     # What really runs: the subreaper shim with the spec's rlimits, then sandbox-exec.
     shim, sandboxed = plan.argv[:plan.argv.index("--")], plan.argv[plan.argv.index("--") + 1:]
@@ -389,19 +389,23 @@ def test_plan_works_off_macos_without_touching_the_system() -> None:
 def test_plan_mentions_an_image_it_cannot_use() -> None:
     ctx = PrepareContext(task_id="t", run_id="r", worktree_path="/Users/me/wt",
                          image="node:20")
-    spec = compile_spec(ctx, layout("/Users/me/wt"), MAC_HOST, "true", RunOptions(), {})
-    assert any(n.startswith("REFUSED: image node:20") for n in runtime().plan(spec).notes)
+    task = resolved(ctx, layout("/Users/me/wt"), MAC_HOST)
+    assert any(n.startswith("REFUSED: image node:20")
+               for n in plan_for(runtime(), task, "true").notes)
 
 
 def test_homebrew_joins_the_path() -> None:
-    env = mac_env(spec_for(SandboxPolicy()), "/h", "/t")
+    case = spec_for(SandboxPolicy())
+    env = mac_env(case.spec, case.process, "/h", "/t")
     assert env["PATH"].split(":")[-2:] == ["/opt/homebrew/bin", "/opt/homebrew/sbin"]
 
 
 def test_memory_and_pids_are_not_claimed() -> None:
     rt = runtime("darwin")
     policy = SandboxPolicy(memory_limit_mb=512, pids_limit=64, cpu_limit=CpuLimit(max_cores=1))
-    missing = requirements(policy) - rt.enforces()
+    ctx = PrepareContext(task_id="t", run_id="r", worktree_path="/Users/me/wt", policy=policy)
+    missing = task_requirements(resolved(ctx, layout("/Users/me/wt"), MAC_HOST)) - \
+        rt.enforces()
     assert missing == {Requirement.MEMORY, Requirement.PIDS, Requirement.CPU_QUOTA}
     assert rt.capabilities().supports_mac and not rt.capabilities().supports_linux
 

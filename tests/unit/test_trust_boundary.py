@@ -121,10 +121,14 @@ def test_a_created_fusion_folder_is_excluded_not_committed(tmp_path: Path) -> No
 
 
 def test_bwrap_masks_and_readonly_binds_follow_the_host() -> None:
-    spec = {"mounts": [{"destination": "/proc", "type": "proc", "source": "proc"}],
-            "linux": {"maskedPaths": ["/proc/kcore", "/proc/acpi", "/proc/absent",
-                                      "/sys/firmware"],
-                      "readonlyPaths": ["/proc/sys"]}}
+    from fusion_oci.oci.model import TaskSpec
+
+    spec = TaskSpec.model_validate({
+        "ociVersion": "1.0.2", "root": {"path": "rootfs"},
+        "mounts": [{"destination": "/proc", "type": "proc", "source": "proc"}],
+        "linux": {"maskedPaths": ["/proc/kcore", "/proc/acpi", "/proc/absent",
+                                  "/sys/firmware"],
+                  "readonlyPaths": ["/proc/sys"]}})
     host = BwrapHost(path_kinds=(("/proc/kcore", "file"), ("/proc/acpi", "dir"),
                                  ("/proc/sys", "dir")))
     args, notes = proc_protection_args(spec, host)

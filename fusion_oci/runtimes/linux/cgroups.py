@@ -33,9 +33,12 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from fusion_oci.errors import SandboxSetupError
+
+if TYPE_CHECKING:
+    from fusion_oci.oci.model import TaskSpec
 
 V1_CONTROLLERS = ("memory", "pids", "cpu")
 LEAF_PREFIX = "fusion-oci."
@@ -59,16 +62,16 @@ class CgroupLimits:
     cpu_period_us: int = 100_000
 
     @classmethod
-    def from_spec(cls, spec: Mapping[str, Any]) -> CgroupLimits:
-        res = spec.get("linux", {}).get("resources", {})
-        mem = res.get("memory", {})
-        cpu = res.get("cpu", {})
+    def from_task(cls, task: TaskSpec) -> CgroupLimits:
+        """The limits of a task spec's ``linux.resources``."""
+        res = task.resources
+        mem, cpu = res.memory, res.cpu
         return cls(
-            memory_bytes=mem.get("limit"),
-            memory_swap_bytes=mem.get("swap"),
-            pids=res.get("pids", {}).get("limit"),
-            cpu_quota_us=cpu.get("quota"),
-            cpu_period_us=cpu.get("period", 100_000),
+            memory_bytes=mem.limit if mem else None,
+            memory_swap_bytes=mem.swap if mem else None,
+            pids=res.pids.limit if res.pids else None,
+            cpu_quota_us=cpu.quota if cpu else None,
+            cpu_period_us=cpu.period or 100_000 if cpu else 100_000,
         )
 
     def controllers(self) -> frozenset[str]:

@@ -37,7 +37,6 @@ from fusion_oci.models import NetworkMode
 from fusion_oci.runtimes.linux.pipes import close_all, read_byte
 
 if TYPE_CHECKING:
-    from fusion_oci.oci.spec import Spec
     from fusion_oci.resolve import ResolvedTask
 
 NS_GET_USERNS = 0xB701  # _IO(0xb7, 0x1), linux/nsfs.h
@@ -164,13 +163,11 @@ def _error(what: str, why: str) -> SandboxSetupError:
     )
 
 
-def proxy_socket(task: ResolvedTask, spec: Spec) -> str | None:
+def proxy_socket(task: ResolvedTask) -> str | None:
     """``network: filtered``: the host path of the task's egress proxy socket, which the
     runtime binds into the sandbox (its agent forwards 127.0.0.1:3128 to it); None for any
     other network. A filtered task without a proxy is refused: it would have no way out."""
-    from fusion_oci.oci.spec import spec_network
-
-    if spec_network(spec) is not NetworkMode.FILTERED:
+    if task.spec.network is not NetworkMode.FILTERED:
         return None
     if task.egress is None:
         raise SandboxSetupError("network filtered needs the task's egress proxy",

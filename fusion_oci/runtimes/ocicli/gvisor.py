@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fusion_oci.runtimes.base import Requirement
+from fusion_oci.runtimes.requirements import Requirement
 
 
 def gvisor_details(rootless: bool, limits: frozenset[Requirement]) -> dict[str, str]:

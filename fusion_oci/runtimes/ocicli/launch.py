@@ -17,14 +17,15 @@ from typing import Any
 
 from fusion_oci.models import NetworkMode
 from fusion_oci.oci import ops
+from fusion_oci.oci.model import ANN_NETWORK, ANN_RUN, ANN_TASK, ProcessSpec, TaskSpec
 from fusion_oci.oci.ops import EgressHook
 from fusion_oci.oci.seccomp import without_errno_ret
-from fusion_oci.oci.spec import ANN_NETWORK, ANN_RUN, ANN_TASK, Spec
-from fusion_oci.runtimes.base import LaunchPlan
+from fusion_oci.oci.spec import Spec
 from fusion_oci.runtimes.linux.cgroups import CgroupLimits, leaf_name
 from fusion_oci.runtimes.ocicli.filtered import RUNSC_FLAGS as RUNSC_FILTERED_FLAGS
 from fusion_oci.runtimes.ocicli.filtered import SOCKET_PLACEHOLDER, with_egress_forwarder
 from fusion_oci.runtimes.ocicli.state import cli_env, container_id
+from fusion_oci.runtimes.plans import ArgvPlan
 
 GRACE_S = 2.0
 """Between ``kill --all ID TERM`` and ``kill ID KILL`` on timeout, maxBuffer and abort."""
@@ -183,24 +184,21 @@ class Launch:
     keep: bool = False
     notes: list[str] = field(default_factory=list)
 
-    def plan(self, backend: str, spec: Spec) -> OciLaunchPlan:
+    def plan(self, backend: str, process: ProcessSpec) -> OciLaunchPlan:
         return OciLaunchPlan(backend=backend, argv=self.argv, env=self.env, cwd=self.cwd,
-                             notes=self.notes, bundle=self.bundle, spec=spec, launch=self)
+                             notes=self.notes, bundle=self.bundle, process=process, launch=self)
 
 
 @dataclass(frozen=True)
-class OciLaunchPlan(LaunchPlan):
+class OciLaunchPlan(ArgvPlan):
     """A launch plan that also carries the bundle (config.json) the runtime CLI gets, and the
     :class:`Launch` it renders (what execute sets up and runs; not in :meth:`to_json`)."""
 
-    bundle: Spec | None = None
+    bundle: Spec = field(kw_only=True)
     launch: Launch = field(kw_only=True, repr=False, compare=False)
 
-    def to_json(self) -> dict[str, Any]:
-        data = super().to_json()
-        if self.bundle is not None:
-            data["bundle"] = self.bundle
-        return data
+    def _body(self) -> dict[str, Any]:
+        return {**super()._body(), "bundle": self.bundle}
 
 
 def build_launch(spec: Spec, host: Host, seq: int) -> Launch:
@@ -223,7 +221,8 @@ def build_launch(spec: Spec, host: Host, seq: int) -> Launch:
         # runsc removes the cgroups it creates when the sandbox ends, taking the OOM counter
         # with them; one that already exists it only joins. pids stays out (gVisor's
         # processes are not host processes).
-        wanted = replace(CgroupLimits.from_spec(spec), pids=None)
+        wanted = replace(CgroupLimits.from_task(TaskSpec.model_validate(
+            {k: v for k, v in spec.items() if k != "process"})), pids=None)
         if wanted.controllers():  # Cgroup.create refuses (fail closed) what the host lacks
             limits, leaf = wanted, leaf_name(f"{host.nonce}{seq}", host.cgroup_pid)
     bundle = bundle_spec(spec, rootless_ids=host.rootless_ids, rootfs=host.rootfs,
@@ -275,7 +274,7 @@ _GVISOR_NETWORK_NOTES = {
 
 def notes(spec: Spec, host: Host, network: NetworkMode) -> list[str]:
     """What the plan says in words next to the argv and bundle. Pure."""
-    from fusion_oci.oci.spec import ANN_HOST_ROOTFS, ANN_IMAGE
+    from fusion_oci.oci.model import ANN_HOST_ROOTFS, ANN_IMAGE
 
     ann = spec["annotations"]
     if ann.get(ANN_IMAGE):

@@ -7,9 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fusion_oci.runtimes.base import Availability
 from fusion_oci.runtimes.linux.cgroups import Layout
 from fusion_oci.runtimes.ocicli.launch import is_gvisor
+from fusion_oci.runtimes.protocol import Availability
 
 
 def refusal(name: str, binary: str | None, layout: Layout, rootless: bool
