@@ -31,12 +31,15 @@ from fusion_oci.engines import (
     Found,
     engine_errors,
 )
+from fusion_oci.engines.base import ContainerPlan
+from fusion_oci.engines.labels import current_owner
 from fusion_oci.errors import (
     FusionOCIError,
     ProvisionError,
     RuntimeUnavailableError,
     SandboxSetupError,
 )
+from fusion_oci.gc import collect
 from fusion_oci.models import (
     CacheMode,
     PrepareContext,
@@ -55,7 +58,6 @@ from fusion_oci.runtimes.containers import (
     AGENT_SOCKET,
     AgentMounts,
     ContainerMode,
-    ContainerPlan,
     Engine,
     Target,
     container_name,
@@ -68,7 +70,7 @@ from fusion_oci.runtimes.containers import (
     seccomp_file,
     spec_image,
 )
-from fusion_oci.runtimes.engine_probe import EngineProbe, current_owner, nproc_limit
+from fusion_oci.runtimes.engine_probe import EngineProbe, nproc_limit
 from fusion_oci.runtimes.linux.egress import proxy_socket
 from fusion_oci.scratch import make_scratch
 
@@ -262,8 +264,6 @@ class ContainerRuntime(EngineProbe):
         return await provision_image(self, image, ctx)
 
     async def _collect_own_garbage(self, task_id: str) -> None:
-        from fusion_oci.gc import collect
-
         adapter = self._adapter
         assert adapter is not None
         await self._call("gc", lambda: collect(adapter, task_id=task_id))
@@ -454,4 +454,4 @@ async def provision_image(runtime: ContainerRuntime, image: str, ctx: PrepareCon
 
 
 __all__ = ["DEFAULT_IMAGE", "START_ATTEMPTS", "ContainerRuntime", "Endpoint", "EngineAdapter",
-           "EngineInfo", "Found", "current_owner", "nproc_limit", "provision_image"]
+           "EngineInfo", "Found", "nproc_limit", "provision_image"]

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from fusion_oci.engines import Found
+from fusion_oci.engines.labels import Owner
 from fusion_oci.errors import (
     BundleError,
 )
@@ -35,7 +36,6 @@ from fusion_oci.runtimes.containers import (
     AGENT_RUN_DIR,
     LIMIT_PROBE,
     AgentMounts,
-    Owner,
     Target,
     limit_reason,
     parse_limit_counters,
