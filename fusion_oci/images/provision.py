@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from fusion_oci.cachedir import default_cache_root
 from fusion_oci.errors import ProvisionError
 from fusion_oci.images.build import build_image, host_ca_for_build
 from fusion_oci.images.engine import (
@@ -191,7 +192,6 @@ def candidate_specs(name: str, images_dir: Path | None, base: str | None,
 def default_registry(env: Mapping[str, str], host_ca: str = "auto") -> Registry:
     """The npm registry from ``env``, its metadata and tarballs cached under the cache root."""
     from fusion_oci.images.npm_registry import Registry, registry_url
-    from fusion_oci.runtimes.base import default_cache_root
 
     return Registry(registry_url(env), default_cache_root(env) / "npm-registry",
                     ca=host_ca_for_build(host_ca))
@@ -249,8 +249,6 @@ class _Provisioner:
         if opts.lock_dir is not None:
             self.lock_dir = opts.lock_dir
         else:
-            from fusion_oci.runtimes.base import default_cache_root
-
             self.lock_dir = default_cache_root(env) / "locks"
 
     async def ensure(self, name: str) -> ProvisionedImage:
