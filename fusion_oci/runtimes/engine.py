@@ -25,10 +25,8 @@ from typing import TYPE_CHECKING, TypeVar
 
 from fusion_oci.agent.client import Agent, agent_binary, listen_socket
 from fusion_oci.engines import (
-    Endpoint,
     EngineAdapter,
     EngineInfo,
-    Found,
     engine_errors,
 )
 from fusion_oci.engines.base import ContainerPlan
@@ -453,5 +451,4 @@ async def provision_image(runtime: ContainerRuntime, image: str, ctx: PrepareCon
     return provisioned.ref
 
 
-__all__ = ["DEFAULT_IMAGE", "START_ATTEMPTS", "ContainerRuntime", "Endpoint", "EngineAdapter",
-           "EngineInfo", "Found", "nproc_limit", "provision_image"]
+__all__ = ["DEFAULT_IMAGE", "START_ATTEMPTS", "ContainerRuntime", "provision_image"]
