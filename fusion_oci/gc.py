@@ -29,8 +29,7 @@ from fusion_oci.engines import (
     engine_errors,
     podman_endpoints,
 )
-from fusion_oci.errors import FusionOCIError
-from fusion_oci.runtimes.containers import (
+from fusion_oci.engines.labels import (
     LABEL_CACHE_DIR,
     LABEL_CACHE_SCOPE,
     LABEL_KIND,
@@ -38,13 +37,13 @@ from fusion_oci.runtimes.containers import (
     LABEL_OWNER_HOST,
     LABEL_OWNER_PID,
     LABEL_OWNER_START,
+    LABEL_TASK,
 )
+from fusion_oci.errors import FusionOCIError
 from fusion_oci.scratch import boot_id, process_start
 
 if TYPE_CHECKING:
     from fusion_oci.policy.settings import SandboxSettings
-
-ANN_TASK = "io.fusion-oci.task-id"
 
 
 @dataclass(frozen=True)
@@ -82,7 +81,7 @@ def is_garbage(found: Found, at: Here, *, task_id: str | None = None,
     labels = found.labels
     if LABEL_KIND not in labels:
         return False
-    if task_id is not None and labels.get(ANN_TASK) != task_id:
+    if task_id is not None and labels.get(LABEL_TASK) != task_id:
         return False
     if labels[LABEL_KIND] == "cache" and labels.get(LABEL_CACHE_SCOPE) != "task":
         # A project's cache persists on purpose; it goes on request, or once the directory
@@ -117,7 +116,7 @@ def collect(adapter: EngineAdapter, *, task_id: str | None = None, include_cache
     """Remove the garbage of one engine: containers first (they hold the volumes)."""
     at = at or here()
     report = GcReport(engines=[f"{adapter.engine} at {adapter.endpoint.url}"])
-    selector = (ANN_TASK, task_id) if task_id is not None else (LABEL_KIND, None)
+    selector = (LABEL_TASK, task_id) if task_id is not None else (LABEL_KIND, None)
     with engine_errors(adapter.engine, "list labelled objects", adapter.endpoint):
         found = adapter.list_labelled(*selector)
     found.sort(key=lambda f: f.kind != "container")

@@ -6,6 +6,7 @@ each ``key=value`` ended by a NUL. Repeated keys (``argv``, ``env``, ``rlimit``)
 
 from __future__ import annotations
 
+import signal
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -143,14 +144,17 @@ class Decoder:
 
 def parse_exec_status(text: str) -> tuple[int | None, str | None] | None:
     """What ``fusion-oci-agent --exec-status`` wrote: ``exit N`` -> (N, None), ``signal N`` ->
-    (None, "SIGNAME"); None for anything else (nothing written: the agent was killed too)."""
-    from fusion_oci.runtimes.outcome import status_from_code
-
+    (None, "SIGNAME"); None for anything else (nothing written: the agent was killed too).
+    A signal without a name here (a real-time one) reads as a shell's 128+N, as
+    ``runtimes.outcome.status_from_code`` reads a launcher's status (the agent names no runtime)."""
     words = text.split()
     if len(words) != 2 or not words[1].isdigit():
         return None
     if words[0] == "exit":
         return int(words[1]), None
-    if words[0] == "signal" and 0 < int(words[1]) < 65:
-        return status_from_code(128 + int(words[1]))
+    if words[0] == "signal" and 0 < (number := int(words[1])) < 65:
+        try:
+            return None, signal.Signals(number).name
+        except ValueError:
+            return 128 + number, None
     return None

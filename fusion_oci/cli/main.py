@@ -141,11 +141,11 @@ def plan(
 def dry_run(task: Any, command: str | list[str], environ: dict[str, str]) -> dict[str, Any]:
     """Compile everything a run would, create nothing, start nothing: the same resolve step
     and compiler as a run (fusion_oci.resolve), with ``create=False``."""
+    from fusion_oci.cachedir import default_cache_root
     from fusion_oci.oci.host import probe_host
     from fusion_oci.oci.model import config_json
     from fusion_oci.resolve import resolve
     from fusion_oci.runtimes.registry import create_runtime
-    from fusion_oci.runtimes.skeleton import default_cache_root
 
     settings = task.effective.settings
     host = probe_host()
@@ -202,12 +202,12 @@ def bundle_create(
 ) -> None:
     """Write an OCI bundle (config.json + rootfs/) for COMMAND, atomically."""
     params = dict(locals())
+    from fusion_oci.cachedir import default_cache_root
     from fusion_oci.errors import FusionOCIError
     from fusion_oci.oci.bundle import write_bundle
     from fusion_oci.oci.host import probe_host
     from fusion_oci.resolve import compile_spec, resolve
     from fusion_oci.runtimes.registry import runtime_class
-    from fusion_oci.runtimes.skeleton import default_cache_root
     from fusion_oci.taskflags import caller_env, resolve_task
 
     try:

@@ -5,14 +5,16 @@
     endpoints.py   where the APIs are: settings, then DOCKER_HOST / Docker contexts /
                    DOCKER_TLS_VERIFY, CONTAINER_HOST / podman connections, then defaults
     errors.py      the one mapping of SDK exceptions (by type and status) to fusion-oci errors
-    base.py        EngineAdapter: containers, volumes and images over one SDK client
+    base.py        EngineAdapter: containers, volumes and images over one SDK client, and
+                   what it creates (ContainerPlan, CacheVolume)
+    labels.py      the labels on every object we create, and the owner they name
     docker.py      the docker SDK's adapter
     podman.py      the podman SDK's adapter
     connect.py     the first endpoint that answers
     service.py     a podman API service of our own when none answers
 
 The podman and docker runtimes, image provisioning and ``gc`` all use these; nothing here
-imports a runtime, the image pipeline or ``gc``.
+imports a runtime, the image pipeline or ``gc`` (tests/unit/test_rooms.py holds it).
 """
 
 from fusion_oci.engines.base import EngineAdapter, EngineInfo, Found, ImageInfo

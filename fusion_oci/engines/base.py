@@ -15,13 +15,10 @@ import json
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any, Literal
 
 from fusion_oci.engines.endpoints import Endpoint, EngineKind
 from fusion_oci.engines.errors import EngineOpError, classify, image_errors
-
-if TYPE_CHECKING:
-    from fusion_oci.runtimes.containers import CacheVolume, ContainerPlan
 
 EventSink = Callable[[dict[str, Any]], None]
 
@@ -67,6 +64,42 @@ class ImageInfo:
         return {"engine": self.engine, "id": self.id, "tags": self.tags,
                 "repoDigests": self.repo_digests, "labels": self.labels, "size": self.size,
                 "created": self.created}
+
+
+@dataclass(frozen=True)
+class CacheVolume:
+    """A named volume that replaces a cache bind mount of the spec.
+
+    It is a local-driver volume bound to the spec's host cache directory (``o=bind``): a
+    named, labelled object per project (or per task) that ``volume ls`` and gc see, whose
+    files are the caller's on the host like the worktree's, and which the native and
+    bubblewrap runtimes share. A plain engine-managed volume would be root-owned and need a
+    privileged chown container before a non-root sandbox user could write to it.
+    """
+
+    name: str
+    destination: str
+    device: str
+    labels: dict[str, str]
+    scope: Literal["project", "task"]
+
+    @property
+    def driver_opts(self) -> dict[str, str]:
+        return {"type": "none", "o": "bind", "device": self.device}
+
+
+@dataclass(frozen=True)
+class ContainerPlan:
+    """A task container as an adapter creates it (:meth:`EngineAdapter.create`); the
+    container translation (``runtimes/containers.py``) makes it. Here, with the adapter that
+    takes it, so the engines layer needs no runtime for its own argument types."""
+
+    name: str
+    image: str
+    create: dict[str, Any]
+    """Keyword arguments of ``client.containers.create(**create)`` for the target's SDK."""
+    volumes: tuple[CacheVolume, ...] = ()
+    notes: list[str] = field(default_factory=list)
 
 
 class EngineAdapter:

@@ -12,11 +12,13 @@ import json
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fusion_oci.engines.base import (
     LONG_TIMEOUT_S,
     PING_TIMEOUT_S,
+    CacheVolume,
+    ContainerPlan,
     EngineAdapter,
     EngineInfo,
     EventSink,
@@ -29,9 +31,6 @@ from fusion_oci.engines.base import (
 )
 from fusion_oci.engines.endpoints import Endpoint, EngineKind
 from fusion_oci.engines.errors import EngineOpError
-
-if TYPE_CHECKING:
-    from fusion_oci.runtimes.containers import CacheVolume, ContainerPlan
 
 
 class PodmanAdapter(EngineAdapter):

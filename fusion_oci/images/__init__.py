@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from fusion_oci.images.bootstrap import BootstrapResult, bootstrap_base
-    from fusion_oci.images.engine import EngineClient, EngineTarget, engine_targets, open_engine
+    from fusion_oci.images.engine import open_engine
     from fusion_oci.images.gates import AuditContext, GateRequest, ProvisionGate, tty_ask
     from fusion_oci.images.npm_registry import IntegrityError, Registry, RegistryError
     from fusion_oci.images.provision import (
@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 # and must not pay for the build, bootstrap and progress machinery.
 _WHERE = {
     "BootstrapResult": "bootstrap", "bootstrap_base": "bootstrap",
-    "EngineClient": "engine", "EngineTarget": "engine", "engine_targets": "engine",
     "open_engine": "engine",
     "AuditContext": "gates", "GateRequest": "gates", "ProvisionGate": "gates",
     "tty_ask": "gates",
@@ -67,8 +66,6 @@ __all__ = [
     "AuditContext",
     "BootstrapResult",
     "Engine",
-    "EngineClient",
-    "EngineTarget",
     "GateRequest",
     "ImageRecipe",
     "ImageSpec",
@@ -82,7 +79,6 @@ __all__ = [
     "RetryPolicy",
     "Toolchain",
     "bootstrap_base",
-    "engine_targets",
     "ensure_image",
     "open_engine",
     "read_project_files",

@@ -16,17 +16,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fusion_oci.engines import EngineAdapter, EngineOpError
+from fusion_oci.engines.errors import classify
 from fusion_oci.errors import ProvisionError
-from fusion_oci.images.engine import EngineClient, EngineOpError
 from fusion_oci.images.gates import AuditContext, GateRequest, ProvisionGate
 from fusion_oci.images.progress import NullReporter, Reporter
-from fusion_oci.images.retry import (
-    RetryPolicy,
-    audit_attempt,
-    classify,
-    is_transient_error,
-    run_attempts,
-)
+from fusion_oci.images.retry import RetryPolicy, audit_attempt, is_transient_error, run_attempts
 from fusion_oci.images.spec import BASE_REF, LABEL_MANAGED, LABEL_NAME
 
 DEFAULT_SUITE = "bookworm"
@@ -82,7 +77,7 @@ def _trim(rootfs: Path, suite: str, mirror: str) -> None:
 
 
 async def bootstrap_base(
-    engines: Sequence[EngineClient],
+    engines: Sequence[EngineAdapter],
     *,
     ctx: AuditContext,
     gate: ProvisionGate | None = None,
@@ -100,7 +95,7 @@ async def bootstrap_base(
 
     rep = reporter or NullReporter()
     result = BootstrapResult(ref)
-    missing: list[EngineClient] = []
+    missing: list[EngineAdapter] = []
     for engine in engines:
         info = None if force else await asyncio.to_thread(engine.image, ref)
         if info is not None:

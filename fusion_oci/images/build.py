@@ -20,14 +20,11 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from fusion_oci.engines import EngineAdapter, EngineOpError
+from fusion_oci.engines.errors import set_why
 from fusion_oci.errors import ProvisionError
 from fusion_oci.images.context import write_context_tar
-from fusion_oci.images.engine import (
-    EngineClient,
-    EngineOpError,
-    set_why,
-    strip_secret_mounts,
-)
+from fusion_oci.images.engine import strip_secret_mounts
 from fusion_oci.images.gates import AuditContext
 from fusion_oci.images.progress import NullReporter, Reporter
 from fusion_oci.images.retry import (
@@ -53,7 +50,7 @@ def host_ca_for_build(setting: str) -> Path | None:
 
 
 def build_image(
-    engine: EngineClient,
+    engine: EngineAdapter,
     spec: ImageSpec,
     *,
     ca: Path | None,

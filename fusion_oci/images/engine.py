@@ -12,27 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from fusion_oci.engines import (
-    Endpoint,
-    EngineAdapter,
-    EngineKind,
-    EngineOpError,
-    EngineTarget,
-    ImageInfo,
-    engine_targets,
-    image_errors,
-    open_adapter,
-    open_target,
-)
-from fusion_oci.engines.base import LONG_TIMEOUT_S, EventSink
-from fusion_oci.engines.errors import set_why
-
-EngineClient = EngineAdapter
-"""The image pipeline's name for an adapter."""
-
-__all__ = ["LONG_TIMEOUT_S", "EngineClient", "EngineKind", "EngineOpError", "EngineTarget",
-           "EventSink", "ImageInfo", "engine_targets", "open_engine", "open_target", "set_why",
-           "strip_secret_mounts"]
+from fusion_oci.engines import Endpoint, EngineAdapter, EngineKind, image_errors, open_adapter
 
 _SECRET_MOUNT = re.compile(r"--mount=type=secret\S*\s*")
 

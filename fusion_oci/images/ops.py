@@ -16,16 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from fusion_oci.audit import AuditLog
+from fusion_oci.engines import EngineAdapter, EngineTarget, ImageInfo, engine_targets, open_target
 from fusion_oci.errors import ProvisionError
 from fusion_oci.images.bootstrap import BootstrapResult, bootstrap_base
 from fusion_oci.images.context import context_hash as _context_hash
-from fusion_oci.images.engine import (
-    EngineClient,
-    EngineTarget,
-    ImageInfo,
-    engine_targets,
-    open_target,
-)
 from fusion_oci.images.gates import AuditContext, GateName, ProvisionGate
 from fusion_oci.images.npm_registry import Registry
 from fusion_oci.images.progress import Reporter
@@ -234,7 +228,7 @@ def _current_refs(images_dir: Path | None) -> tuple[set[str], dict[str, set[str]
     return refs, sources
 
 
-def _managed(client: EngineClient) -> list[ImageInfo]:
+def _managed(client: EngineAdapter) -> list[ImageInfo]:
     return client.images(label=f"{LABEL_MANAGED}=true")
 
 

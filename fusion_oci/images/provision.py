@@ -32,16 +32,17 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from fusion_oci.errors import ProvisionError
-from fusion_oci.images.build import build_image, host_ca_for_build
-from fusion_oci.images.engine import (
-    EngineClient,
+from fusion_oci.cachedir import default_cache_root
+from fusion_oci.engines import (
+    EngineAdapter,
     EngineOpError,
     EngineTarget,
     engine_targets,
-    open_engine,
     open_target,
 )
+from fusion_oci.errors import ProvisionError
+from fusion_oci.images.build import build_image, host_ca_for_build
+from fusion_oci.images.engine import open_engine
 from fusion_oci.images.gates import AuditContext, GateName, GateRequest, ProvisionGate
 from fusion_oci.images.progress import NullReporter, Reporter
 from fusion_oci.images.pull import pull_image
@@ -191,7 +192,6 @@ def candidate_specs(name: str, images_dir: Path | None, base: str | None,
 def default_registry(env: Mapping[str, str], host_ca: str = "auto") -> Registry:
     """The npm registry from ``env``, its metadata and tarballs cached under the cache root."""
     from fusion_oci.images.npm_registry import Registry, registry_url
-    from fusion_oci.runtimes.skeleton import default_cache_root
 
     return Registry(registry_url(env), default_cache_root(env) / "npm-registry",
                     ca=host_ca_for_build(host_ca))
@@ -233,7 +233,7 @@ def _file_lock(lock_dir: Path, key: str) -> Iterator[None]:
 
 
 class _Provisioner:
-    def __init__(self, target: EngineClient, settings: SandboxSettings, ctx: AuditContext,
+    def __init__(self, target: EngineAdapter, settings: SandboxSettings, ctx: AuditContext,
                  gate: ProvisionGate, mirrors: list[str], opts: ProvisionOptions,
                  env: dict[str, str]) -> None:
         self.target = target
@@ -249,8 +249,6 @@ class _Provisioner:
         if opts.lock_dir is not None:
             self.lock_dir = opts.lock_dir
         else:
-            from fusion_oci.runtimes.skeleton import default_cache_root
-
             self.lock_dir = default_cache_root(env) / "locks"
 
     async def ensure(self, name: str) -> ProvisionedImage:
@@ -298,7 +296,7 @@ class _Provisioner:
         return [t for t in targets.values()
                 if t.kind == "podman" and t.url.rstrip("/") != mine and t.name == "podman"]
 
-    def _reachable(self, target: EngineTarget) -> EngineClient | None:
+    def _reachable(self, target: EngineTarget) -> EngineAdapter | None:
         try:
             client = open_target(target)
             client.ping()
@@ -330,7 +328,7 @@ class _Provisioner:
             return builder[0], "build", builder[1]
         return self._local_base_spec(self.target, specs), "build", None
 
-    def _local_base_spec(self, builder: EngineClient, specs: Sequence[ImageSpec]) -> ImageSpec:
+    def _local_base_spec(self, builder: EngineAdapter, specs: Sequence[ImageSpec]) -> ImageSpec:
         """The spec for the base already on the builder, so the gate names the exact tag.
 
         When neither base is there the public one is tried at build time (after the gates:
@@ -370,7 +368,7 @@ class _Provisioner:
             info = self.target.image(built.ref)
             return self._done(built, info.id if info else "", "built", t0)
 
-    def _build_on(self, builder: EngineClient, spec: ImageSpec) -> ImageSpec:
+    def _build_on(self, builder: EngineAdapter, spec: ImageSpec) -> ImageSpec:
         if self.opts.base is None and spec.context is not None:
             base = self._choose_base(builder)
             spec = resolve_image(spec.name, images_dir=self.opts.images_dir, base=base,
@@ -393,7 +391,7 @@ class _Provisioner:
                     policy=self.opts.retry, sleep=self.opts.sleep, extra=extra)
         return spec
 
-    def _choose_base(self, builder: EngineClient) -> str | None:
+    def _choose_base(self, builder: EngineAdapter) -> str | None:
         """The public base when it is here or can be pulled, else the bootstrapped one."""
         if builder.image(PUBLIC_BASE) is not None:
             return None
@@ -431,7 +429,7 @@ class _Provisioner:
                                 spec.toolchain.why() if spec.toolchain else None)
 
 
-def transfer_image(source: EngineClient, dest: EngineClient, ref: str, *, ctx: AuditContext,
+def transfer_image(source: EngineAdapter, dest: EngineAdapter, ref: str, *, ctx: AuditContext,
                    reporter: Reporter | None = None, tmp_dir: Path | None = None) -> str:
     """Copy ``ref`` from one engine to another through a docker-archive (save → load)."""
     rep = reporter or NullReporter()

@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from fusion_oci.images.engine import EngineClient, EngineOpError, set_why
+from fusion_oci.engines import EngineAdapter, EngineOpError
+from fusion_oci.engines.errors import set_why
 from fusion_oci.images.gates import AuditContext
 from fusion_oci.images.progress import NullReporter, Reporter
 from fusion_oci.images.retry import RetryPolicy, audit_attempt, is_transient_error, run_attempts
@@ -18,7 +19,7 @@ def pull_sources(ref: str, mirrors: Sequence[str]) -> list[str]:
 
 
 def pull_image(
-    engine: EngineClient,
+    engine: EngineAdapter,
     ref: str,
     *,
     ctx: AuditContext,

@@ -1,8 +1,8 @@
 """Which provisioning failures are worth another try, and how long to wait between tries.
 
 Whether one engine failure is transient is decided where SDK errors are mapped
-(:func:`fusion_oci.engines.errors.classify`, re-exported here); this module adds the rule for
-failed build steps and the backoff.
+(:func:`fusion_oci.engines.errors.classify`); this module adds the rule for failed build steps
+and the backoff.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import tenacity
 
-from fusion_oci.engines.errors import EngineOpError
-from fusion_oci.engines.errors import classify as classify  # re-exported: one rule
+from fusion_oci.engines.errors import EngineOpError, classify
 
 if TYPE_CHECKING:
     from fusion_oci.images.gates import AuditContext

@@ -230,8 +230,7 @@ class _Export:
 
     def stream(self) -> Iterator[bytes]:
         """Create the (never started) container and stream its export, as tar chunks."""
-        from fusion_oci.runtimes.containers import LABEL_KIND
-        from fusion_oci.runtimes.engine_probe import current_owner
+        from fusion_oci.engines.labels import LABEL_KIND, current_owner
 
         labels = {LABEL_KIND: "container", **current_owner().labels()}
         with self._engine.call(f"create a container of {self._ref} to export its filesystem"):

@@ -55,6 +55,7 @@ from fusion_oci.errors import BundleError, SandboxSetupError
 from fusion_oci.models import NetworkMode, RunOptions, RunResult, SandboxCapabilities
 from fusion_oci.oci.model import ProcessSpec, TaskSpec
 from fusion_oci.oci.seccomp import LIBSECCOMP_HINT, libseccomp_problem
+from fusion_oci.process import probe
 
 # The translation, re-exported: callers and tests name it from here.
 from fusion_oci.runtimes.bubblewrap_argv import (
@@ -127,12 +128,10 @@ class HostProbe:
 
 
 def _version(tool: str) -> str | None:
-    try:
-        out = subprocess.run([tool, "--version"], capture_output=True, text=True, timeout=10,
-                             check=False, stdin=subprocess.DEVNULL).stdout
-    except (OSError, subprocess.TimeoutExpired):
+    done = probe([tool, "--version"])
+    if done.returncode is None:
         return None
-    m = re.search(r"(\d+\.\d+(?:\.\d+)?)", out)
+    m = re.search(r"(\d+\.\d+(?:\.\d+)?)", done.text())
     return m.group(1) if m else None
 
 

@@ -33,10 +33,21 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from fusion_oci.agent.protocol import EGRESS_AGENT, EGRESS_SOCKET, Spawn, forward_args
+from fusion_oci.engines.base import CacheVolume, ContainerPlan
+from fusion_oci.engines.labels import (
+    LABEL_CACHE,
+    LABEL_CACHE_DIR,
+    LABEL_CACHE_KEY,
+    LABEL_CACHE_SCOPE,
+    LABEL_KIND,
+    LABEL_MODE,
+    LABEL_OWNER_HOST,
+    Owner,
+)
 from fusion_oci.errors import BundleError
 from fusion_oci.models import NetworkMode
 from fusion_oci.oci.model import ANN, ANN_TASK, Mount, ProcessSpec, TaskSpec
@@ -46,21 +57,6 @@ from fusion_oci.runtimes.outcome import LimitCounters
 
 Engine = Literal["podman", "docker"]
 ContainerMode = Literal["warm", "oneshot"]
-
-LABEL_KIND = ANN + "kind"
-"""``container`` or ``cache``: what gc looks for (every object we create carries it)."""
-LABEL_MODE = ANN + "mode"
-LABEL_OWNER_PID = ANN + "owner-pid"
-LABEL_OWNER_START = ANN + "owner-start"
-"""Start time of the owner pid (clock ticks since boot), so a reused pid is not "alive"."""
-LABEL_OWNER_BOOT = ANN + "owner-boot"
-LABEL_OWNER_HOST = ANN + "owner-host"
-LABEL_CACHE = ANN + "cache"
-LABEL_CACHE_SCOPE = ANN + "cache-scope"
-"""``project`` (kept across tasks, gc keeps it unless asked) or ``task`` (removed with it)."""
-LABEL_CACHE_KEY = ANN + "cache-key"
-LABEL_CACHE_DIR = ANN + "cache-dir"
-"""The host directory a cache volume is bound to; gc drops the volume once it is gone."""
 
 AGENT_DIR = "/.fusion-oci"
 AGENT_PATH = AGENT_DIR + "/agent"
@@ -91,24 +87,6 @@ _RLIMIT_NAMES = {
 
 
 @dataclass(frozen=True)
-class Owner:
-    """The fusion-oci process that owns a container (gc removes what no live owner holds)."""
-
-    pid: int
-    start: str
-    boot: str
-    host: str
-
-    def labels(self) -> dict[str, str]:
-        return {
-            LABEL_OWNER_PID: str(self.pid),
-            LABEL_OWNER_START: self.start,
-            LABEL_OWNER_BOOT: self.boot,
-            LABEL_OWNER_HOST: self.host,
-        }
-
-
-@dataclass(frozen=True)
 class Target:
     """What the translation needs to know about the engine on the other end."""
 
@@ -122,38 +100,6 @@ class Target:
     """podman: the directory the bundle's seccomp profile is written to as a file (see
     :func:`seccomp_file`; the podman SDK takes a profile only by path). The runtime passes
     its own; the placeholder default is for plans only (podman refuses a missing file)."""
-
-
-@dataclass(frozen=True)
-class CacheVolume:
-    """A named volume that replaces a cache bind mount of the spec.
-
-    It is a local-driver volume bound to the spec's host cache directory (``o=bind``): a
-    named, labelled object per project (or per task) that ``volume ls`` and gc see, whose
-    files are the caller's on the host like the worktree's, and which the native and
-    bubblewrap runtimes share. A plain engine-managed volume would be root-owned and need a
-    privileged chown container before a non-root sandbox user could write to it.
-    """
-
-    name: str
-    destination: str
-    device: str
-    labels: dict[str, str]
-    scope: Literal["project", "task"]
-
-    @property
-    def driver_opts(self) -> dict[str, str]:
-        return {"type": "none", "o": "bind", "device": self.device}
-
-
-@dataclass(frozen=True)
-class ContainerPlan:
-    name: str
-    image: str
-    create: dict[str, Any]
-    """Keyword arguments of ``client.containers.create(**create)`` for the target's SDK."""
-    volumes: tuple[CacheVolume, ...] = ()
-    notes: list[str] = field(default_factory=list)
 
 
 def container_name(task_id: str, nonce: str) -> str:

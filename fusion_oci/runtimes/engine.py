@@ -25,18 +25,19 @@ from typing import TYPE_CHECKING, TypeVar
 
 from fusion_oci.agent.client import Agent, agent_binary, listen_socket
 from fusion_oci.engines import (
-    Endpoint,
     EngineAdapter,
     EngineInfo,
-    Found,
     engine_errors,
 )
+from fusion_oci.engines.base import ContainerPlan
+from fusion_oci.engines.labels import current_owner
 from fusion_oci.errors import (
     FusionOCIError,
     ProvisionError,
     RuntimeUnavailableError,
     SandboxSetupError,
 )
+from fusion_oci.gc import collect
 from fusion_oci.models import (
     CacheMode,
     PrepareContext,
@@ -49,7 +50,6 @@ from fusion_oci.runtimes.containers import (
     AGENT_SOCKET,
     AgentMounts,
     ContainerMode,
-    ContainerPlan,
     Engine,
     Target,
     container_name,
@@ -61,7 +61,7 @@ from fusion_oci.runtimes.containers import (
     seccomp_file,
     spec_image,
 )
-from fusion_oci.runtimes.engine_probe import EngineProbe, current_owner, nproc_limit
+from fusion_oci.runtimes.engine_probe import EngineProbe, nproc_limit
 from fusion_oci.runtimes.linux.egress import proxy_socket
 from fusion_oci.runtimes.outcome import LimitCounters, classify
 from fusion_oci.runtimes.plans import AgentPlan, Plan, SandboxLaunch, own_plan, spawn_of
@@ -261,8 +261,6 @@ class ContainerRuntime(EngineProbe):
         return await provision_image(self, image, ctx)
 
     async def _collect_own_garbage(self, task_id: str) -> None:
-        from fusion_oci.gc import collect
-
         adapter = self._adapter
         assert adapter is not None
         await self._call("gc", lambda: collect(adapter, task_id=task_id))
@@ -454,5 +452,4 @@ async def provision_image(runtime: ContainerRuntime, image: str, ctx: PrepareCon
     return provisioned.ref
 
 
-__all__ = ["DEFAULT_IMAGE", "START_ATTEMPTS", "ContainerRuntime", "Endpoint", "EngineAdapter",
-           "EngineInfo", "Found", "current_owner", "nproc_limit", "provision_image"]
+__all__ = ["DEFAULT_IMAGE", "START_ATTEMPTS", "ContainerRuntime", "provision_image"]

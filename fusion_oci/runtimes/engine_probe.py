@@ -5,7 +5,6 @@ docker runtimes that connects (through :mod:`fusion_oci.engines`) and answers
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -19,23 +18,10 @@ from fusion_oci.engines import (
 )
 from fusion_oci.errors import RuntimeUnavailableError, SandboxSetupError
 from fusion_oci.models import SandboxCapabilities
-from fusion_oci.runtimes.containers import ContainerMode, Engine, Owner
+from fusion_oci.runtimes.containers import ContainerMode, Engine
 from fusion_oci.runtimes.protocol import Availability
 from fusion_oci.runtimes.requirements import Requirement
 from fusion_oci.runtimes.skeleton import SpecRuntime
-from fusion_oci.scratch import boot_id, process_start
-
-# --------------------------------------------------------------------------- owner
-
-
-# boot_id and process_start live in fusion_oci.scratch: one owner check for containers,
-# volumes and scratch folders alike.
-
-
-def current_owner() -> Owner:
-    pid = os.getpid()
-    return Owner(pid=pid, start=process_start(pid) or "0", boot=boot_id(),
-                 host=os.uname().nodename)
 
 
 def nproc_limit(rlimits: Mapping[str, tuple[int, int]]) -> tuple[int, int] | None:

@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -73,7 +72,7 @@ from fusion_oci.oci.model import ProcessSpec, TaskSpec
 from fusion_oci.oci.seccomp import compile_bpf
 from fusion_oci.oci.spec import SANDBOX_HOME
 from fusion_oci.policy.layout import task_project
-from fusion_oci.process import reaper_argv, run_process
+from fusion_oci.process import probe, reaper_argv, run_process
 from fusion_oci.runtimes.hostproc import HostProcessRuntime, native_env, native_rlimits
 from fusion_oci.runtimes.plans import ArgvPlan, Plan, own_plan
 from fusion_oci.runtimes.protocol import Availability
@@ -398,13 +397,9 @@ def userns_problem() -> str:
             unshare = shutil.which("unshare")
             _USERNS = ""
             if unshare is not None:
-                try:
-                    done = subprocess.run([unshare, "--user", "true"], capture_output=True,
-                                          timeout=10, check=False, stdin=subprocess.DEVNULL)
-                except (OSError, subprocess.TimeoutExpired):
-                    done = None
-                if done is not None and done.returncode != 0:
-                    why = done.stderr.decode("utf-8", "replace").strip().splitlines()[-1:]
+                done = probe([unshare, "--user", "true"])
+                if done.returncode is not None and done.returncode != 0:
+                    why = done.text("stderr").strip().splitlines()[-1:]
                     _USERNS = "creating a user namespace fails (" + \
                         (why[0] if why else f"exit {done.returncode}") + ")"
     return _USERNS

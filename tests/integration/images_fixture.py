@@ -36,10 +36,9 @@ from typing import Any, TypeVar
 import pytest
 
 from fusion_oci.audit import AuditLog
-from fusion_oci.engines import Endpoint
+from fusion_oci.engines import Endpoint, EngineAdapter, EngineTarget, engine_targets, open_target
 from fusion_oci.errors import ProvisionError
 from fusion_oci.images.bootstrap import bootstrap_base
-from fusion_oci.images.engine import EngineClient, EngineTarget, engine_targets, open_target
 from fusion_oci.images.gates import AuditContext
 from fusion_oci.images.progress import PlainReporter
 from fusion_oci.images.provision import (
@@ -107,7 +106,7 @@ def target_of(name: str) -> EngineTarget:
     return EngineTarget(name, "docker", url, Endpoint(url, source, True))
 
 
-def _reachable(name: str) -> tuple[EngineClient | None, str]:
+def _reachable(name: str) -> tuple[EngineAdapter | None, str]:
     target = target_of(name)
     try:
         client = open_target(target)

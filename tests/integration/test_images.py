@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 from fusion_oci.audit import AuditEvent, AuditLog
+from fusion_oci.engines import EngineAdapter, engine_targets, open_target
 from fusion_oci.errors import GateDeniedError, ProvisionError
 from fusion_oci.images.bootstrap import bootstrap_base
-from fusion_oci.images.engine import EngineClient, engine_targets, open_target
 from fusion_oci.images.gates import AuditContext, GateRequest
 from fusion_oci.images.npm_registry import IntegrityError, Registry, RegistryError
 from fusion_oci.images.ops import Session, list_images, prune_images
@@ -77,14 +77,14 @@ def audit() -> tuple[AuditLog, list[AuditEvent]]:
 
 
 @pytest.fixture
-def podman() -> Iterator[EngineClient]:
+def podman() -> Iterator[EngineAdapter]:
     ensure_base("podman")
     with open_target(engine_targets(os.environ)["podman"]) as client:
         yield client
 
 
 @pytest.fixture
-def images_dir(tmp_path: Path, podman: EngineClient) -> Iterator[Path]:
+def images_dir(tmp_path: Path, podman: EngineAdapter) -> Iterator[Path]:
     """A private images/ folder; every image built from it is removed afterwards."""
     root = tmp_path / "images"
     root.mkdir()
@@ -147,7 +147,7 @@ def test_docker_and_podman_hold_the_same_image(node_image) -> None:  # type: ign
 
 @pytest.mark.podman
 def test_ca_secret_reaches_the_build_but_no_layer(tmp_path: Path, images_dir: Path,
-                                                  podman: EngineClient, audit: Any) -> None:
+                                                  podman: EngineAdapter, audit: Any) -> None:
     marker = f"FUSION-OCI-TEST-CA-{uuid.uuid4().hex}"
     ca = tmp_path / "ca.pem"
     ca.write_text(f"# {marker}\n")
@@ -177,7 +177,7 @@ def test_ca_secret_reaches_the_build_but_no_layer(tmp_path: Path, images_dir: Pa
 @pytest.mark.docker
 @pytest.mark.podman
 def test_docker_gets_its_ca_built_image_from_podman(tmp_path: Path, images_dir: Path,
-                                                    podman: EngineClient, audit: Any) -> None:
+                                                    podman: EngineAdapter, audit: Any) -> None:
     ca = tmp_path / "ca.pem"
     ca.write_text("# FUSION-OCI-TEST-CA\n")
     name = make_context(images_dir, "t-dca", (
@@ -314,7 +314,7 @@ def _leaked_build_mounts(before: set[str]) -> set[str]:
 
 
 @pytest.mark.podman
-def test_gates_on_a_real_build(tmp_path: Path, images_dir: Path, podman: EngineClient,
+def test_gates_on_a_real_build(tmp_path: Path, images_dir: Path, podman: EngineAdapter,
                                audit: Any) -> None:
     name = make_context(images_dir, "t-gate", f"RUN echo {uuid.uuid4().hex} > /u\n")
     log, events = audit
@@ -349,7 +349,7 @@ def test_gates_on_a_real_build(tmp_path: Path, images_dir: Path, podman: EngineC
 
 
 @pytest.mark.podman
-def test_bootstrap_base_is_idempotent(podman: EngineClient) -> None:
+def test_bootstrap_base_is_idempotent(podman: EngineAdapter) -> None:
     events: list[AuditEvent] = []
     log = AuditLog()
     log.subscribe(events.append)
@@ -402,7 +402,7 @@ def test_prebuild_provisions_what_the_project_settings_name(node_image, tmp_path
 
 
 @pytest.mark.podman
-def test_cli_images_list_json(podman: EngineClient) -> None:
+def test_cli_images_list_json(podman: EngineAdapter) -> None:
     import typer
     from typer.testing import CliRunner
 

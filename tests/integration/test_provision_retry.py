@@ -26,8 +26,8 @@ from typing import Any
 import pytest
 
 from fusion_oci.audit import AuditEvent, AuditLog
+from fusion_oci.engines import EngineAdapter, engine_targets, open_target
 from fusion_oci.errors import ProvisionError
-from fusion_oci.images.engine import EngineClient, engine_targets, open_target
 from fusion_oci.images.provision import ProvisionOptions, ensure_image
 from fusion_oci.images.retry import RetryPolicy
 from fusion_oci.policy.settings import GateSettings, SandboxSettings
@@ -95,7 +95,7 @@ def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
         log.close()
 
 
-def podman_client() -> EngineClient:
+def podman_client() -> EngineAdapter:
     target = engine_targets(os.environ)["podman"]
     client = open_target(target)
     try:
@@ -248,7 +248,7 @@ def settings() -> SandboxSettings:
     return SandboxSettings(gates=GateSettings(sandbox_provision="allow", network_api="allow"))
 
 
-def engine_client(engine: str) -> EngineClient:
+def engine_client(engine: str) -> EngineAdapter:
     target = engine_targets(os.environ)[engine]
     client = open_target(target)
     try:

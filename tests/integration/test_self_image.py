@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from fusion_oci.audit import AuditLog
-from fusion_oci.images.engine import engine_targets, open_target
+from fusion_oci.engines import engine_targets, open_target
 from fusion_oci.images.gates import AuditContext
 from fusion_oci.images.progress import PlainReporter
 from fusion_oci.images.provision import ProvisionOptions, ensure_image, transfer_image

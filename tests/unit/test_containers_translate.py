@@ -16,6 +16,7 @@ import pytest
 
 from fusion_oci.agent.protocol import Spawn
 from fusion_oci.engines import Found
+from fusion_oci.engines.labels import Owner
 from fusion_oci.errors import (
     BundleError,
 )
@@ -37,7 +38,6 @@ from fusion_oci.runtimes.containers import (
     AGENT_RUN_DIR,
     LIMIT_PROBE,
     AgentMounts,
-    Owner,
     Target,
     limit_reason,
     parse_limit_counters,

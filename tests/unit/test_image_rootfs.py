@@ -318,7 +318,7 @@ class FakeEngine:
         return None
 
     def image(self, ref: str) -> object:
-        from fusion_oci.images.engine import ImageInfo
+        from fusion_oci.engines import ImageInfo
 
         return ImageInfo(engine="podman", id="sha256:" + "d" * 64, tags=[ref])
 

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from fusion_oci.audit import AuditEvent, AuditLog
+from fusion_oci.engines import EngineAdapter, EngineOpError, EngineTarget, ImageInfo
 from fusion_oci.errors import GateDeniedError, ProvisionError
-from fusion_oci.images.engine import EngineClient, EngineOpError, EngineTarget, ImageInfo
 from fusion_oci.images.gates import GateRequest
 from fusion_oci.images.provision import ProvisionOptions, ensure_image
 from fusion_oci.images.retry import RetryPolicy
@@ -21,7 +21,7 @@ from fusion_oci.images.spec import BASE_REF
 from fusion_oci.policy.settings import GateSettings, SandboxSettings
 
 
-class FakeEngine(EngineClient):
+class FakeEngine(EngineAdapter):
     """Images in a dict; build/pull/load calls recorded; failures scripted."""
 
     def __init__(self, name: str = "podman", *, secrets: bool = True) -> None:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 
 from fusion_oci.audit import AuditEvent, AuditLog
-from fusion_oci.images.engine import EngineOpError
+from fusion_oci.engines import EngineOpError
+from fusion_oci.engines.errors import classify
 from fusion_oci.images.gates import AuditContext
 from fusion_oci.images.retry import (
     RetryPolicy,
     audit_attempt,
-    classify,
     classify_build,
     is_transient_error,
     run_attempts,

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
+from fusion_oci.process import probe
 from fusion_oci.runtimes.linux.cgroups import Layout
 from fusion_oci.runtimes.ocicli.launch import is_gvisor
 from fusion_oci.runtimes.protocol import Availability
@@ -81,10 +81,8 @@ def egress_status(runtime: str, rootless: bool, path: str | None) -> tuple[bool,
 
 def runtime_version(binary: str) -> str | None:
     """The first line of ``BINARY --version``."""
-    try:
-        done = subprocess.run([binary, "--version"], capture_output=True, text=True,
-                              timeout=10, check=False, stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.TimeoutExpired):
+    done = probe([binary, "--version"])
+    if done.returncode is None:
         return None
-    first = done.stdout.strip().splitlines()[:1]
+    first = done.text().strip().splitlines()[:1]
     return first[0] if first else None
