@@ -147,7 +147,7 @@ class SandboxPolicy(Model):
     @classmethod
     def _domains(cls, values: list[str], info: ValidationInfo) -> list[str]:
         # The egress proxy's own parser: a pattern it would reject never gets this far.
-        from fusion_oci.egress.rules import parse_pattern
+        from fusion_oci.hostpattern import parse_pattern
 
         key = to_camel(info.field_name or "allowedDomains")
         for i, value in enumerate(values):

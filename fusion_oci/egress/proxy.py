@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fusion_oci.egress.loop import on_proxy_loop
-from fusion_oci.egress.rules import ALLOW_KEY, DASHBOARD_PORT, Decision, EgressRules, normalize_host
+from fusion_oci.egress.rules import ALLOW_KEY, DASHBOARD_PORT, Decision, EgressRules
 from fusion_oci.egress.splice import Tunnel
+from fusion_oci.hostpattern import normalize_host
 
 if TYPE_CHECKING:
     from fusion_oci.audit import AuditLog

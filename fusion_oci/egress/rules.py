@@ -18,7 +18,6 @@ range names them. Port 4040 on a loopback address (the dashboard) is refused alw
 from __future__ import annotations
 
 import ipaddress
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -27,18 +26,22 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from fusion_oci.errors import SettingsError
+from fusion_oci.hostpattern import (
+    IPAddress,
+    IPNetwork,
+    Pattern,
+    normalize_host,
+    parse_pattern,
+    unmap,
+)
 
 if TYPE_CHECKING:
     from fusion_oci.models import SandboxPolicy
 
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 ALLOW_KEY = "sandbox.policy.allowedDomains"
 DENY_KEY = "sandbox.policy.deniedDomains"
 DASHBOARD_PORT = 4040
-
-_LABEL = re.compile(r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?")
 
 _FORBIDDEN: tuple[tuple[str, IPNetwork], ...] = tuple(
     (why, ipaddress.ip_network(net)) for why, net in (
@@ -70,125 +73,6 @@ class PatternError(SettingsError):
             "or range (10.0.0.0/24), each optionally with :PORT (github.com:22)")
 
 
-@dataclass(frozen=True)
-class Pattern:
-    """One parsed pattern: a name (``wildcard``: below it), or an address range."""
-
-    text: str
-    name: str | None = None
-    wildcard: bool = False
-    network: IPNetwork | None = None
-    port: int | None = None
-
-    def matches(self, host: str, port: int) -> bool:
-        if self.port is not None and self.port != port:
-            return False
-        if self.network is not None:
-            addr = _as_address(host)
-            return addr is not None and _unmap(addr) in self.network
-        assert self.name is not None
-        if self.wildcard:
-            return host.endswith("." + self.name)
-        return host == self.name
-
-
-def _as_address(text: str) -> IPAddress | None:
-    try:
-        return ipaddress.ip_address(text.strip("[]"))
-    except ValueError:
-        return None
-
-
-def _unmap(addr: IPAddress) -> IPAddress:
-    """The IPv4 address a v4-mapped (::ffff:a.b.c.d), 6to4 or NAT64 form carries."""
-    if isinstance(addr, ipaddress.IPv6Address):
-        if addr.ipv4_mapped is not None:
-            return addr.ipv4_mapped
-        if addr in _NAT64:
-            return ipaddress.IPv4Address(int(addr) & 0xFFFFFFFF)
-        if addr.sixtofour is not None:
-            return addr.sixtofour
-    return addr
-
-
-_NAT64 = ipaddress.ip_network("64:ff9b::/96")
-
-
-def normalize_host(host: str) -> str:
-    """The form rules compare: lower case, no trailing dot, IPv6 without brackets."""
-    host = host.strip().lower().rstrip(".")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    addr = _as_address(host)
-    return str(addr) if addr is not None else host
-
-
-def _check_name(name: str) -> str | None:
-    if not name or len(name) > 253:
-        return "a host name is 1 to 253 characters"
-    for label in name.split("."):
-        if not _LABEL.fullmatch(label):
-            return (f"the label '{label}' is not a DNS label (letters, digits, '-', '_'; "
-                    "1 to 63 characters; no leading or trailing '-')")
-    return None
-
-
-def parse_pattern(text: str) -> Pattern:
-    """One pattern; ValueError with the reason when it is not one."""
-    raw = text.strip().lower()
-    if not raw:
-        raise ValueError("the entry is empty")
-    if "://" in raw:
-        raise ValueError("write the host only, without a scheme or path (example.com:443, "
-                         "not https://example.com/)")
-    if "/" in raw:
-        try:
-            net = ipaddress.ip_network(raw, strict=False)
-        except ValueError as exc:
-            raise ValueError(f"'{raw}' is not an address range ({exc})") from None
-        return Pattern(text=raw, network=net)
-    port: int | None = None
-    host = raw
-    if raw.startswith("["):
-        end = raw.find("]")
-        if end < 0:
-            raise ValueError("an IPv6 address in brackets needs its closing ']'")
-        host, rest = raw[1:end], raw[end + 1:]
-        if rest:
-            if not rest.startswith(":"):
-                raise ValueError("only ':PORT' may follow ']'")
-            port = _port(rest[1:])
-        if _as_address(host) is None:
-            raise ValueError(f"'{host}' in brackets is not an IPv6 address")
-    elif raw.count(":") == 1:
-        host, port_text = raw.split(":")
-        port = _port(port_text)
-    elif raw.count(":") > 1 and _as_address(raw) is None:
-        raise ValueError("write an IPv6 address with a port as [ADDRESS]:PORT")
-    addr = _as_address(host)
-    if addr is not None:
-        net = ipaddress.ip_network(addr)
-        return Pattern(text=raw, network=net, port=port)
-    wildcard = host.startswith("*.")
-    name = host[2:] if wildcard else host
-    if "*" in name:
-        raise ValueError("'*' is allowed only as the whole first label ('*.example.com')")
-    name = name.rstrip(".")
-    why = _check_name(name)
-    if why:
-        raise ValueError(why)
-    if wildcard and "." not in name:
-        raise ValueError("a wildcard needs at least two labels after '*.' ('*.example.com'), "
-                         "not a whole top-level domain")
-    return Pattern(text=raw, name=name, wildcard=wildcard, port=port)
-
-
-def _port(text: str) -> int:
-    if not text.isdigit() or not 0 < int(text) < 65536:
-        raise ValueError(f"':{text}' is not a port (1 to 65535)")
-    return int(text)
-
-
 def validate_patterns(values: Sequence[str], key: str) -> list[str]:
     """Check every entry; the first bad one raises :class:`PatternError` naming ``key[i]``."""
     for i, value in enumerate(values):
@@ -201,7 +85,7 @@ def validate_patterns(values: Sequence[str], key: str) -> list[str]:
 
 def address_class(addr: IPAddress) -> str | None:
     """Why ``addr`` is refused by default (``'loopback'``...), or None for a public one."""
-    plain = _unmap(addr)
+    plain = unmap(addr)
     for why, net in _FORBIDDEN:
         if plain.version == net.version and plain in net:
             return why
@@ -290,7 +174,7 @@ class EgressRules(BaseModel):
             addr = ipaddress.ip_address(address.split("%", 1)[0])
         except ValueError:
             return Decision(False, f"'{address}' is not an IP address", ALLOW_KEY)
-        plain = _unmap(addr)
+        plain = unmap(addr)
         why = address_class(addr)
         if why in ("loopback", "unspecified") and port == DASHBOARD_PORT:
             # 0.0.0.0 connects to the host itself; the dashboard is never reachable.
