@@ -75,6 +75,15 @@ class ProcessSpec(OciModel):
         as in execve)."""
         return dict(item.split("=", 1) for item in self.env)
 
+    def limits(self) -> list[tuple[str, int, int]]:
+        """The rlimits as ``(RLIMIT_NAME, soft, hard)``: the one shape the agent's spawn frame
+        and the reaper shim take (-1: unlimited)."""
+        return [(r.type, r.soft, r.hard) for r in self.rlimits]
+
+    def shown_limits(self) -> str:
+        """The rlimits as a plan's note says them."""
+        return "rlimits: " + ", ".join(f"{n}={s}/{h}" for n, s, h in self.limits())
+
     def rlimit(self, kind: str) -> Rlimit | None:
         """The ``RLIMIT_*`` entry of that type, if the process sets one."""
         return next((r for r in self.rlimits if r.type == kind), None)

@@ -47,10 +47,6 @@ def native_env(task: TaskSpec, process: ProcessSpec, home: str, tmp: str) -> dic
     return env
 
 
-def native_rlimits(process: ProcessSpec) -> list[tuple[str, int, int]]:
-    return [(r.type, r.soft, r.hard) for r in process.rlimits]
-
-
 class HostProcessRuntime(SpecRuntime):
     """Base of runtimes whose command is a host process (under the reaper shim unless the
     runtime overrides :meth:`execute`, as native does with its exec agent)."""
@@ -81,7 +77,7 @@ class HostProcessRuntime(SpecRuntime):
 
     def launch_argv(self, argv: Sequence[str], process: ProcessSpec) -> list[str]:
         """What really runs: argv under the subreaper shim, with the process's rlimits."""
-        return reaper_argv(argv, native_rlimits(process))
+        return reaper_argv(argv, process.limits())
 
     async def run_reaped(self, argv: Sequence[str], env: dict[str, str], process: ProcessSpec,
                          opts: RunOptions) -> RunResult:

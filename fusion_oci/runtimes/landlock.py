@@ -73,7 +73,7 @@ from fusion_oci.oci.seccomp import compile_bpf
 from fusion_oci.oci.spec import SANDBOX_HOME
 from fusion_oci.policy.layout import task_project
 from fusion_oci.process import probe, reaper_argv, run_process
-from fusion_oci.runtimes.hostproc import HostProcessRuntime, native_env, native_rlimits
+from fusion_oci.runtimes.hostproc import HostProcessRuntime, native_env
 from fusion_oci.runtimes.plans import ArgvPlan, Plan, own_plan
 from fusion_oci.runtimes.protocol import Availability
 from fusion_oci.runtimes.requirements import Requirement
@@ -519,7 +519,7 @@ class LandlockRuntime(HostProcessRuntime):
         """What runs, for plan and execute alike: the command under the subreaper shim, with
         the process's rlimits and the launch file (the ruleset the child confines itself with
         before exec)."""
-        argv = reaper_argv(process.args, native_rlimits(process))
+        argv = reaper_argv(process.args, process.limits())
         argv.insert(argv.index("--"), f"SANDBOX={launch}")
         return argv
 
@@ -543,7 +543,7 @@ class LandlockRuntime(HostProcessRuntime):
                             "denied; TCP and unix stream sockets only (no UDP, raw, packet, "
                             "netlink); unix connects only beneath writable paths",
             }[rules.network],
-            "rlimits: " + ", ".join(f"{n}={s}/{h}" for n, s, h in native_rlimits(process)),
+            process.shown_limits(),
         ]
         notes += [f"not read-only during the command (restored after it): {p}"
                   for p in rules.restored]

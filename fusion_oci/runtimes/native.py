@@ -29,7 +29,7 @@ from fusion_oci.models import (
 )
 from fusion_oci.oci.model import ProcessSpec
 from fusion_oci.oci.spec import allowed_env
-from fusion_oci.runtimes.hostproc import HostProcessRuntime, native_rlimits
+from fusion_oci.runtimes.hostproc import HostProcessRuntime
 from fusion_oci.runtimes.plans import AgentPlan, ArgvPlan, Plan, own_plan, spawn_of
 from fusion_oci.runtimes.protocol import Availability
 from fusion_oci.runtimes.requirements import Requirement
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from fusion_oci.policy.settings import SandboxSettings
     from fusion_oci.resolve import ResolvedTask
 
-__all__ = ["NativeRuntime", "native_rlimits", "status_quo_env"]
+__all__ = ["NativeRuntime", "status_quo_env"]
 
 # What a login shell needs even when an allowlist narrows the rest of the environment.
 BASIC_ENV = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LC_ALL", "TERM", "TMPDIR")
@@ -103,7 +103,7 @@ class NativeRuntime(HostProcessRuntime):
         return status_quo_env(policy, source)
 
     def plan(self, process: ProcessSpec) -> Plan:
-        rlimits = "rlimits: " + ", ".join(f"{n}={s}/{h}" for n, s, h in native_rlimits(process))
+        rlimits = process.shown_limits()
         if not self.uses_agent:
             return ArgvPlan(
                 backend=self.id, argv=self.launch_argv(process.args, process),

@@ -123,7 +123,7 @@ def spawn_of(process: ProcessSpec, *, env: Mapping[str, str] | None = None,
     return Spawn(
         id=run_id, argv=list(process.args),
         env=dict(env) if env is not None else process.env_map(), cwd=process.cwd,
-        rlimits=[(r.type, r.soft, r.hard) for r in process.rlimits],
+        rlimits=process.limits(),
         uid=process.user.uid if as_user else None,
         gid=process.user.gid if as_user else None,
     )

@@ -23,7 +23,7 @@ from fusion_oci.errors import BundleError, RuntimeUnavailableError
 from fusion_oci.models import RunOptions, RunResult, SandboxCapabilities
 from fusion_oci.oci.model import ProcessSpec, TaskSpec
 from fusion_oci.process import run_process
-from fusion_oci.runtimes.hostproc import HostProcessRuntime, native_env, native_rlimits
+from fusion_oci.runtimes.hostproc import HostProcessRuntime, native_env
 from fusion_oci.runtimes.plans import ArgvPlan, Plan, own_plan
 from fusion_oci.runtimes.protocol import Availability
 from fusion_oci.runtimes.requirements import Requirement
@@ -141,7 +141,7 @@ class SandboxExecRuntime(HostProcessRuntime):
             "opt-in); paths reach the profile only as -D parameters",
             "not enforced here (the lifecycle refuses them): memoryLimitMb, pidsLimit, "
             "cpuLimit.maxCores",
-            "rlimits: " + ", ".join(f"{n}={s}/{h}" for n, s, h in native_rlimits(process)),
+            process.shown_limits(),
         ]
         if spec.image:
             notes.append(f"REFUSED: image {spec.image} needs a container "
