@@ -1,48 +1,66 @@
 """The ``oci`` runtime: an OCI runtime CLI (runc; crun, runsc, youki elsewhere) on the bundle.
 
-Each command is one container: the compiled spec goes through the spec operations this host
-needs (:mod:`fusion_oci.oci.ops`), is written as a bundle into the task's state directory and
-run with ``RUNTIME --root STATE run [--keep] --pid-file P --bundle DIR ID``; one builder
-(:func:`~fusion_oci.runtimes.ocicli.launch.build_launch`) makes that bundle and argv for both
-:meth:`OciRuntime.plan` and :meth:`OciRuntime.execute`. The runtime CLI is our child in its
-own process group; the container's processes live in their own pid namespace and session, so
-ending them goes through the CLI: ``kill --all ID TERM``, a grace period, ``kill ID KILL``
-(pid 1 dying ends the whole namespace), and ``delete --force ID`` on every path. ``--keep``
-leaves the stopped container's cgroup in place until that delete, so the OOM and pids
-counters can be read after the command ended.
+One container per task, whose init is the exec agent (fusion_oci/agent), as the bubblewrap
+and container-engine runtimes have one sandbox per task. At prepare the task spec goes through
+the spec operations this host needs (:mod:`fusion_oci.oci.ops`, the agent as init:
+:func:`~fusion_oci.runtimes.ocicli.launch.with_agent_init`), is written as the task's bundle
+and started with ``RUNTIME --root STATE run --detach --pid-file P --bundle DIR ID``; the
+runtime CLI is our child in its own process group, bounded by a timeout, and hands its stdin,
+our end of a socketpair, through to the agent (no socket path anywhere). One builder
+(:func:`~fusion_oci.runtimes.ocicli.launch.build_task`) makes that bundle and argv for both
+:meth:`OciRuntime.plan` and :meth:`OciRuntime.prepare`.
+
+Each command is a spawn frame to the agent (args, env, cwd, rlimits; the container's user,
+capabilities and seccomp profile are the agent's own), with our pipes passed along, so output
+comes straight here: no runtime CLI, no container set-up, no init per command. The agent's
+keeper per command ends the command's whole tree on timeout, maxBuffer and abort, and whatever
+the command left running when it exits; the container stays for the next command. The task's
+cgroup counters (OOM kills, pids-limit hits) are read after each command; their growth during
+the command is what :func:`~fusion_oci.runtimes.outcome.classify` gets. A command whose
+process the agent cannot give it (another user, capabilities, no-new-privileges, a terminal)
+is refused, never run in this container.
+
+At dispose the connection is closed (the agent ends every tree and exits, which ends the
+container), then ``delete --force ID``, the egress link and our cgroup (runsc) go, and the
+task's state directory is removed. A process of ours that dies leaves the agent without its
+connection, so it exits too; the state directory it leaves is unlocked, and the next prepare's
+gc (:mod:`fusion_oci.runtimes.ocicli.state`) deletes the container and the directory.
 
 Host-rootfs specs run on an empty ``rootfs/`` plus the spec's read-only binds of the system
 directories. Image specs run on the image's root filesystem, exported once per image digest
 by the engine (:mod:`fusion_oci.images.rootfs`) into a read-only cache shared by every
-container of that image. State directories and gc: :mod:`fusion_oci.runtimes.ocicli.state`.
+container of that image.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
 import shutil
-import stat
+import signal
+import socket
+import time
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fusion_oci.agent.protocol import parse_exec_status
-from fusion_oci.errors import FusionOCIError, SandboxSetupError
+from fusion_oci.agent.client import Agent
+from fusion_oci.errors import AgentLostError, FusionOCIError, SandboxSetupError
 from fusion_oci.models import NetworkMode, RunOptions, RunResult, SandboxCapabilities
 from fusion_oci.oci.bundle import write_bundle
-from fusion_oci.oci.model import ANN_IMAGE, ANN_RUN, ANN_TASK, ProcessSpec, config_json
+from fusion_oci.oci.model import ANN_RUN, ANN_TASK, ProcessSpec
 from fusion_oci.oci.ops import EgressHook, with_init
-from fusion_oci.oci.spec import Spec
-from fusion_oci.process import ProcessOutcome, run_process
+from fusion_oci.process import ProcessOutcome
 from fusion_oci.runtimes.linux.cgroups import (
     Cgroup,
     CgroupEvents,
     Hierarchy,
     detect,
     probe_hierarchy,
+    read_events,
 )
 from fusion_oci.runtimes.ocicli import launch as _launch
 from fusion_oci.runtimes.ocicli import probe
@@ -51,27 +69,30 @@ from fusion_oci.runtimes.ocicli.filtered import SOCKET_PLACEHOLDER
 from fusion_oci.runtimes.ocicli.gvisor import gvisor_details
 from fusion_oci.runtimes.ocicli.launch import (
     GRACE_S,
-    Launch,
-    OciLaunchPlan,
+    OciPlan,
+    TaskLaunch,
     bundle_spec,
     egress_launch_argv,
     exec_failure_status,
     is_gvisor,
+    process_key,
+    render,
     run_argv,
     runtime_flags,
 )
 from fusion_oci.runtimes.ocicli.state import (
     TaskState,
+    cgroup_paths,
     container_id,
     delete_container,
     gc_oci,
     list_containers,
     open_task_dir,
-    read_counters,
+    read_pid,
     state_base,
-    stop_container,
     tail,
     task_dir_name,
+    wait_exit,
 )
 from fusion_oci.runtimes.outcome import LimitCounters, classify, status_from_code
 from fusion_oci.runtimes.plans import Plan, own_plan
@@ -90,41 +111,43 @@ if TYPE_CHECKING:
     from fusion_oci.policy.settings import SandboxSettings
     from fusion_oci.resolve import ResolvedTask
 
-KEEP_FLAG_RUNTIMES = frozenset({"runc", "crun"})
-"""Runtimes whose ``run`` takes ``--keep`` (the others delete the cgroup before we can read it)
-and keep a container's state in ``ROOT/ID`` (so its absence proves nothing is left)."""
-
-
-def read_exec_status(status_dir: Path | None) -> tuple[int | None, str | None] | None:
-    """The command's own wait status, as the agent inside wrote it (None: not written)."""
-    if status_dir is None:
-        return None
-    # The folder is writable from inside: the command may have put a FIFO (a read would block
-    # us), a symlink to a host file or a huge file there. Only a regular file's first bytes.
-    try:
-        fd = os.open(status_dir / "status", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        text = os.read(fd, 64).decode("ascii", "replace")
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    return parse_exec_status(text)
+STATE_JSON_RUNTIMES = frozenset({"runc"})
+"""Runtimes whose ``ROOT/ID/state.json`` names the container's cgroup directories (the others'
+counters stay 0: unknown, no claim)."""
+START_TIMEOUT_S = 30.0
+"""How long the runtime CLI may take to start the task's container (a busy host's runsc), and
+then the agent to say hello."""
+STOP_WAIT_S = 2.0
+"""At dispose: how long the agent may take to end what runs and exit before delete --force."""
 
 
 def exit_status(returncode: int | None, sig: str | None) -> tuple[int | None, str | None]:
-    """The runtime's exit status -> (exit code, signal): runc reports a container whose
+    """A runtime's exit status -> (exit code, signal): runc reports a container whose
     process died by signal N as 128+N; the one rule is base.status_from_code. Pure."""
     return status_from_code(returncode, sig)
 
 
 def limit_counters(events: CgroupEvents) -> LimitCounters:
-    """The container cgroup's counters for the one classifier."""
+    """A cgroup's counters for the one classifier."""
     return LimitCounters(oom_kills=events.oom_kills, pids_max=events.pids_max)
+
+
+@dataclass
+class _Box:
+    """The task's running container."""
+
+    agent: Agent
+    launch: TaskLaunch
+    key: tuple[object, ...]
+    """:func:`process_key` of the init: what a command's process must share."""
+    pid: int | None
+    """The agent (the container's init) as this host sees it."""
+    cgroup: dict[str, str] = field(default_factory=dict)
+    """The container's cgroup directories (runc's, or ours that runsc joined); {}: none."""
+    group: Cgroup | None = None
+    link: EgressLink | None = None
+    events: CgroupEvents = field(default_factory=CgroupEvents)
+    """The cgroup's counters after the last command."""
 
 
 class OciRuntime(SpecRuntime):
@@ -141,16 +164,15 @@ class OciRuntime(SpecRuntime):
         self.gid = os.getegid()
         self.state_base = state_base(self.env, self.uid)
         self.nonce = secrets.token_hex(3)
-        """Names the next task directory (and the container ids in it): chosen now so a plan
-        made before prepare shows the paths the run will use."""
+        """Names the next task directory (and its container): chosen now so a plan made
+        before prepare shows the paths the run will use."""
         self.pid = os.getpid()
         """Names runsc cgroup leaves (see cgroups.leaf_name)."""
         self._task: TaskState | None = None
+        self._box: _Box | None = None
         self._rootfs: str | None = None
-        self._seq = 0
         self._binary: str | None = None
-        self._init: str | None = None
-        self._exec_status: str | None = None
+        self._agent: str | None = None
         self._unshare: str | None = None
         self._version: str | None = None
         self._cgroups: Hierarchy | None = None
@@ -166,45 +188,19 @@ class OciRuntime(SpecRuntime):
     def rootless(self) -> bool:
         return self.uid != 0
 
-    @property
-    def known_layout(self) -> bool:
-        return Path(self.runtime_name).name in KEEP_FLAG_RUNTIMES
-
-    def keep_for(self, spec: Spec) -> bool:
-        """``--keep`` only when there are cgroup counters worth reading (memory or pids
-        limits): keeping costs a second runtime call (the delete) per command. Pure."""
-        resources = spec.get("linux", {}).get("resources", {})
-        return self.known_layout and not self.rootless and (
-            "memory" in resources or "pids" in resources)
-
-    def _state_left(self, root: Path, cid: str) -> bool:
-        """Whether ``delete`` has anything to do: without --keep, a container that ended by
-        itself is already gone, state directory and all. Unknown runtimes: assume yes."""
-        if is_gvisor(self.runtime_name):
-            return (root / f"{cid}_sandbox:{cid}.state").exists()
-        return not self.known_layout or (root / cid).exists() or (root / cid).is_symlink()
-
     def _find_binary(self) -> str | None:
         if self._binary is None:
             self._binary = shutil.which(self.runtime_name, path=self.env.get("PATH"))
         return self._binary
 
-    def _find_init(self) -> str | None:
-        """A static init for the container's pid 1 (Debian's tini-static; docker.io's own
-        dependency), found once; None: the command is pid 1 (see with_init)."""
-        if self._init is None:
-            found = shutil.which("tini-static", path=self.env.get("PATH") or "/usr/bin:/bin")
-            self._init = found or ""
-        return self._init or None
-
-    def _find_exec_status(self) -> str:
-        """The static agent (fusion_oci.agent) that reports the command's own wait status;
-        a clear setup error when it is missing (never a silent 128+N reading)."""
-        if self._exec_status is None:
+    def _find_agent(self) -> str:
+        """The static exec agent (fusion_oci.agent), the task container's init; a clear setup
+        error when it is missing."""
+        if self._agent is None:
             from fusion_oci.agent.client import agent_binary
 
-            self._exec_status = str(agent_binary())
-        return self._exec_status
+            self._agent = str(agent_binary())
+        return self._agent
 
     def _cgroup_host(self) -> Hierarchy:
         if self._cgroups is None:
@@ -263,12 +259,14 @@ class OciRuntime(SpecRuntime):
             "cgroups": cgroups.layout,
             "controllers": ",".join(sorted(cgroups.controllers)) or "none",
             "state": str(self.state_base),
+            "commands": "one container per task, the exec agent its init; a spawn frame per "
+                        "command",
             "egress": (f"slirp4netns ({egress_why}) --disable-host-loopback, attached "
                        + ("before runsc starts (unshare --net)" if is_gvisor(binary) else
                           "by a createRuntime hook")
                        if egress_ok else f"not enforced: {egress_why}"),
-            "filtered": "the container's empty network namespace; the agent's forwarder "
-                        "(127.0.0.1:3128) to the task's egress proxy socket"
+            "filtered": "the container's empty network namespace; the agent's (init's) "
+                        "forwarder (127.0.0.1:3128) to the task's egress proxy socket"
                         + (", connectable from gVisor with --host-uds=open"
                            if is_gvisor(binary) else ""),
         }
@@ -283,8 +281,8 @@ class OciRuntime(SpecRuntime):
                             rootless=self.rootless, details=details)
 
     def enforces(self) -> frozenset[Requirement]:
-        # NETWORK_FILTERED: the container's own empty netns and the agent's forwarder
-        # (ocicli/filtered.py); the agent is required for every command anyway.
+        # NETWORK_FILTERED: the container's own empty netns and the agent's (init's)
+        # forwarder (ocicli/filtered.py).
         out = {Requirement.FILESYSTEM, Requirement.PROC_PATHS,
                Requirement.ENV, Requirement.NETWORK_NONE, Requirement.NETWORK_FILTERED,
                Requirement.CPU_TIME, Requirement.TMP_SIZE, Requirement.FILE_SIZE}
@@ -299,33 +297,46 @@ class OciRuntime(SpecRuntime):
 
     # -- the one translation
 
-    def _launch(self, spec: Spec, seq: int) -> Launch:
-        ann = spec["annotations"]
-        task_dir = self._task.dir if self._task is not None else self.state_base / \
-            task_dir_name(str(ann.get(ANN_TASK, "task")), str(ann.get(ANN_RUN, "run")),
-                          self.nonce)
-        rootfs = self._rootfs
-        if rootfs is None and ann.get(ANN_IMAGE):
-            # Not prepared: the digest is the engine's answer at prepare time.
-            rootfs = str(self.cache_root / "oci-rootfs" / "<image-digest>" / "rootfs")
-        host = _launch.Host(
-            binary=self._find_binary() or self.runtime_name, task_dir=task_dir,
-            nonce=self.nonce, env=self.env,
+    def _launch_host(self) -> _launch.Host:
+        task_dir = self._task.dir if self._task is not None else None
+        return _launch.Host(
+            binary=self._find_binary() or self.runtime_name,
+            task_dir=task_dir or self.state_base / "<task-dir>", nonce=self.nonce,
+            env=self.env, agent=self._find_agent(),
             rootless_ids=(self.uid, self.gid) if self.rootless else None,
-            init=self._find_init(), exec_status=self._find_exec_status(), rootfs=rootfs,
-            unshare=self._find_unshare(),
-            cgroup_pid=self.pid, keep=self.keep_for(spec),
+            rootfs=self._rootfs, unshare=self._find_unshare(), cgroup_pid=self.pid,
             egress_socket=self._egress_socket or SOCKET_PLACEHOLDER,
         )
-        return _launch.build_launch(spec, host, seq)
 
-    def plan(self, process: ProcessSpec) -> OciLaunchPlan:
-        """Exactly what :meth:`execute` writes and runs for ``process``: the launch of the next
-        command number, taken now, so two commands planned before either runs never share a
-        container id or bundle directory."""
-        self._seq += 1
-        spec = config_json(self.task_spec, process)
-        return self._launch(spec, self._seq).plan(self.id, process)
+    def init_process(self) -> ProcessSpec:
+        """The task container's init as the task's commands would run (its user,
+        capabilities, no-new-privileges, rlimits); :func:`~fusion_oci.runtimes.ocicli.launch.
+        with_agent_init` makes it the agent."""
+        return self.process(["true"], RunOptions(env={}))
+
+    def _task_launch(self) -> TaskLaunch:
+        """The adopted task's container (before prepare: the paths this runtime's next
+        prepare will use, the image's digest a placeholder)."""
+        task = self.task_spec
+        host = self._launch_host()
+        if self._task is None:
+            ann = task.annotations
+            task_dir = self.state_base / task_dir_name(ann.get(ANN_TASK, "task"),
+                                                       ann.get(ANN_RUN, "run"), self.nonce)
+            rootfs = None
+            if task.image:
+                # Not prepared: the digest is the engine's answer at prepare time.
+                rootfs = str(self.cache_root / "oci-rootfs" / "<image-digest>" / "rootfs")
+            host = replace(host, task_dir=task_dir, rootfs=rootfs)
+        return _launch.build_task(task, self.init_process(), host)
+
+    def plan(self, process: ProcessSpec) -> OciPlan:
+        """The command's spawn frame to the agent of the task's container, beside that
+        container (its ``run`` argv and bundle: started at prepare): exactly what execute
+        sends and prepare starts."""
+        box = self._box
+        launch = box.launch if box is not None else self._task_launch()
+        return render(self.id, process, launch)
 
     def _find_unshare(self) -> str:
         if self._unshare is None:
@@ -365,78 +376,175 @@ class OciRuntime(SpecRuntime):
                 rootfs = await asyncio.to_thread(
                     export_image_rootfs, str(image), self.cache_root / "oci-rootfs", url)
                 self._rootfs = str(rootfs)
+            self._box = await self._start(self._task, binary)
         except BaseException:
             await self.dispose()
             raise
         return task
 
-    def _require_task(self) -> tuple[TaskState, str]:
-        if self._task is None or self.ctx is None or self._binary is None:
-            raise SandboxSetupError(f"runtime '{self.id}' was not prepared",
-                                    "run() came before prepare()", "call prepare(ctx) first")
-        return self._task, self._binary
-
-    async def execute(self, plan: Plan, opts: RunOptions) -> RunResult:
-        task, binary = self._require_task()
-        spec, launch = plan.process, own_plan(self, plan, OciLaunchPlan).launch
-        if not launch.bundle_dir.is_relative_to(task.dir):
-            raise SandboxSetupError(f"runtime '{self.id}' was not prepared",
-                                    "the plan was made before prepare()",
-                                    "call prepare(ctx) first, then plan the command")
-        link = None
-        if launch.egress is not None:
-            link = EgressLink(launch.egress, launch.bundle_dir.with_suffix(".slirp.log"))
-        group = None
+    async def _start(self, task: TaskState, binary: str) -> _Box:
+        """Start the task's container, its init the agent on our socketpair; returns once the
+        agent said hello. Whatever fails, what was started is ended by the caller's dispose
+        (the container by its id) or here (the CLI's process group, the link, our cgroup)."""
+        launch = self._task_launch()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        link = group = proc = None
         try:
             if launch.egress is not None:
                 _write_resolv_conf(Path(launch.egress.resolv_conf))
             if launch.cgroup is not None:
                 group = Cgroup.create(detect(self.env), launch.cgroup, name=launch.cgroup_leaf)
             write_bundle(launch.bundle, launch.bundle_dir)
-            if launch.status_dir is not None:
-                launch.status_dir.mkdir(exist_ok=True)
-                # Written by the command's user, whatever the user namespace maps it to; only
-                # reachable through the task's own 0700 state folder and the bind mount.
-                launch.status_dir.chmod(0o777)
-
-            async def stop() -> None:
-                await stop_container(binary, task.root, launch.cid, launch.pid_file, self.env,
-                                     GRACE_S)
-
-            if link is not None:
+            if launch.egress is not None:
                 # Not enforceable here: check() said so and the lifecycle refused; if called
-                # anyway, slirp4netns fails to attach and the hook keeps the command from
+                # anyway, slirp4netns fails to attach and the hook keeps the agent from
                 # starting.
+                link = EgressLink(launch.egress, task.dir / "slirp.log")
                 link.start(self.egress_status()[1])
-            outcome = await run_process(
-                launch.argv, env=launch.env, cwd=launch.cwd, stdin=opts.stdin,
-                timeout_s=opts.timeout_ms / 1000, max_buffer=opts.max_buffer,
-                grace_s=GRACE_S, term_group=False, stop=stop, on_output=opts.on_output,
-                keep_output=opts.keep_output,
-            )
-            counters = read_counters(task.root, launch.cid) if launch.keep else CgroupEvents()
-            if group is not None:
-                counters = CgroupEvents(oom_kills=group.events().oom_kills)
-            started = launch.pid_file.exists()
-            said = read_exec_status(launch.status_dir)
-        finally:
-            if group is not None:
-                group.remove()
-            # Kept, killed or failed containers are deleted here; ended ones are gone.
-            if self._state_left(task.root, launch.cid):
-                await asyncio.shield(self._delete(task, binary, launch.cid))
+            proc = await self._spawn_cli(launch, theirs)
+            theirs.close()
+            pid = None
+            try:
+                if launch.detach:
+                    await self._wait_cli(launch, proc)
+                    if link is not None and link.error is not None:
+                        raise link.error
+                    pid = read_pid(launch.pid_file)
+                    agent = Agent(ours, peer_pid=pid)
+                    # The client's own greeting (version check, bounded); the agent is ours
+                    # already (a socketpair: nothing else can be on the other end).
+                    await agent._greeted(START_TIMEOUT_S)
+                else:
+                    # The CLI stays: the agent's close waits for it (and ends its group if it
+                    # hangs), as for bwrap.
+                    agent = await Agent.over(ours, proc, START_TIMEOUT_S)
+            except SandboxSetupError as exc:
+                if link is not None and link.error is not None:
+                    raise link.error from exc
+                if proc.returncode is None and not launch.detach:
+                    await self._end_cli(proc)
+                raise SandboxSetupError(
+                    f"{self.runtime_name} could not start the task's container, or its exec "
+                    "agent did not say hello", _log_tail(launch.log) or str(exc),
+                    "see the runtime's message above; `fusion-oci plan --backend oci` shows "
+                    "the command line and the bundle") from exc
+        except BaseException:
+            ours.close()
+            theirs.close()
+            if proc is not None and proc.returncode is None:
+                await self._end_cli(proc)
             if link is not None:
                 await asyncio.shield(link.close())
-            shutil.rmtree(launch.bundle_dir, ignore_errors=True)
-            if launch.status_dir is not None:
-                shutil.rmtree(launch.status_dir, ignore_errors=True)
-            launch.pid_file.unlink(missing_ok=True)
-        if link is not None and link.error is not None:
-            raise link.error
-        if said is not None:  # the command's own wait status, from inside
-            outcome = replace(outcome, returncode=said[0], signal=said[1])
-            return self.result(outcome, spec, classify(outcome, spec, limit_counters(counters)))
-        return self._result(outcome, spec, counters, started)
+            if group is not None:
+                await asyncio.shield(self._delete(task, binary, launch.cid))
+                group.remove()
+            raise
+        if group is not None:
+            dirs = {k: str(v) for k, v in group.dirs.items()}
+        elif Path(binary).name in STATE_JSON_RUNTIMES and not self.rootless:
+            dirs = cgroup_paths(task.root, launch.cid)
+        else:
+            dirs = {}
+        return _Box(agent=agent, launch=launch, key=process_key(self.init_process()), pid=pid,
+                    cgroup=dirs,
+                    group=group, link=link, events=read_events(dirs) if dirs else CgroupEvents())
+
+    async def _spawn_cli(self, launch: TaskLaunch, stdin: socket.socket
+                         ) -> asyncio.subprocess.Process:
+        """The runtime CLI's ``run``, in its own process group; its output (and the agent's
+        last words) to the task's log."""
+        log = os.open(launch.log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            return await asyncio.create_subprocess_exec(
+                *launch.argv, env=launch.env, cwd=launch.cwd, stdin=stdin.fileno(),
+                stdout=log, stderr=log, start_new_session=True)
+        except OSError as exc:
+            raise SandboxSetupError(f"{self.runtime_name} could not be started", str(exc),
+                                    "check the host's process and file limits (ulimit -a)"
+                                    ) from exc
+        finally:
+            os.close(log)
+
+    async def _wait_cli(self, launch: TaskLaunch, proc: asyncio.subprocess.Process) -> None:
+        """``run --detach`` to its end, bounded (a CLI that hangs is ended, group and all)."""
+        try:
+            code = await asyncio.wait_for(proc.wait(), START_TIMEOUT_S)
+        except BaseException:
+            await self._end_cli(proc)
+            raise
+        if code != 0:
+            raise SandboxSetupError(f"{self.runtime_name} run exited {code}",
+                                    _log_tail(launch.log) or "no output")
+
+    @staticmethod
+    async def _end_cli(proc: asyncio.subprocess.Process) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        await asyncio.shield(proc.wait())
+
+    def _require_box(self) -> _Box:
+        if self._box is None or self.ctx is None:
+            raise SandboxSetupError(f"runtime '{self.id}' was not prepared",
+                                    "its container is not running", "call prepare(ctx) first")
+        return self._box
+
+    async def execute(self, plan: Plan, opts: RunOptions) -> RunResult:
+        oci_plan = own_plan(self, plan, OciPlan)
+        box = self._require_box()
+        process, spawn = oci_plan.process, oci_plan.spawn
+        if oci_plan.launch is not box.launch and oci_plan.launch != box.launch:
+            raise SandboxSetupError(
+                "this command was planned for a container other than the task's",
+                "its plan was made before prepare(), or for another task",
+                "plan the command after prepare")
+        if process_key(process) != box.key:
+            raise SandboxSetupError(
+                "this command needs a container other than the task's",
+                "its process differs from the task's in more than args, env, cwd and rlimits "
+                "(user, capabilities, no-new-privileges or a terminal), which the agent cannot "
+                "give a command", "prepare a task with that policy for it")
+        start = time.monotonic()
+        try:
+            outcome = await box.agent.run(
+                spawn.argv, env=spawn.env, cwd=spawn.cwd, rlimits=spawn.rlimits,
+                stdin=opts.stdin, timeout_s=opts.timeout_ms / 1000, max_buffer=opts.max_buffer,
+                grace_s=GRACE_S, on_output=opts.on_output, keep_output=opts.keep_output,
+            )
+        except AgentLostError:
+            oom = self._oom_of_the_sandbox(box, start)
+            if oom is None:
+                raise
+            return self.result(oom, process, "oom")
+        counters = LimitCounters()
+        if box.cgroup:
+            # What the task's cgroup counted while this command ran (commands that run at
+            # once share it: a hit during both is given to both).
+            after = read_events(box.cgroup)
+            counters = LimitCounters(oom_kills=after.oom_kills - box.events.oom_kills,
+                                     pids_max=after.pids_max - box.events.pids_max)
+            box.events = after
+        return self.result(outcome, process, classify(outcome, process, counters))
+
+    def _oom_of_the_sandbox(self, box: _Box, start: float) -> ProcessOutcome | None:
+        """The command's outcome when the agent was lost because the host's OOM killer took
+        the whole sandbox (None: lost for another reason).
+
+        Under gVisor the task's memory is the sentry's, one host process: at the limit the
+        memory cgroup kills it, and every process of the sandbox with it. The command ends as
+        an OOM kill (its output so far is lost with the sandbox); later commands of the task
+        fail as agent-lost, the task's container is never silently replaced."""
+        if not box.cgroup:
+            return None
+        after = read_events(box.cgroup)
+        if after.oom_kills <= box.events.oom_kills:
+            return None
+        box.events = after
+        return ProcessOutcome(
+            stdout=b"", returncode=None, signal="SIGKILL", timed_out=False, truncated=False,
+            stderr=b"fusion-oci: the host's OOM killer ended the sandbox at its memory limit "
+                   b"(under gVisor that is the whole sandbox); the task's later commands "
+                   b"cannot run: prepare it again\n",
+            duration_ms=int((time.monotonic() - start) * 1000))
 
     async def _delete(self, task: TaskState, binary: str, cid: str) -> None:
         if await delete_container(binary, task.root, cid, self.env):
@@ -444,60 +552,60 @@ class OciRuntime(SpecRuntime):
         else:
             task.leftovers.add(cid)  # dispose tries again; gc after that
 
-    def _result(self, outcome: ProcessOutcome, spec: ProcessSpec, counters: CgroupEvents,
-                started: bool) -> RunResult:
-        if is_gvisor(self.runtime_name) and outcome.returncode == 128:
-            # runsc reports a command it cannot exec as its own failure (status 128), after
-            # the sandbox (and so the pid file) exists.
-            code = exec_failure_status(outcome.stderr.decode("utf-8", "replace"))
-            if code is not None:
-                return self.result(replace(outcome, returncode=code, signal=None), spec,
-                                   "exit")
-        if not started and not outcome.timed_out and not outcome.truncated \
-                and outcome.returncode != 0:
-            stderr = outcome.stderr.decode("utf-8", "replace")
-            code = exec_failure_status(stderr)
-            if code is None:
-                raise SandboxSetupError(
-                    f"{self.runtime_name} could not start the container", tail(stderr),
-                    "see the runtime's message above; `fusion-oci plan --backend oci` shows "
-                    "the command line and the bundle",
-                )
-            # As a shell reports a command it cannot run.
-            outcome = replace(outcome, returncode=code, signal=None)
-        else:
-            code_, sig = exit_status(outcome.returncode, outcome.signal)
-            outcome = replace(outcome, returncode=code_, signal=sig)
-        return self.result(outcome, spec,
-                           classify(outcome, spec, limit_counters(counters)))
-
     async def dispose(self) -> None:
+        box, self._box = self._box, None
         task, self._task = self._task, None
-        if task is not None:
-            binary = self._binary or self.runtime_name
-            try:
-                remaining = await list_containers(binary, task.root, self.env)
-            except (FusionOCIError, OSError, ValueError):
-                remaining = [{"id": c} for c in task.leftovers]
-            left = False
-            for container in remaining:
-                if not await delete_container(binary, task.root, str(container["id"]),
-                                              self.env):
-                    left = True
-            os.close(task.lock_fd)
-            if not left:
-                # Otherwise the unlocked directory is what gc_oci finds and retries.
-                shutil.rmtree(task.dir, ignore_errors=True)
-            self.nonce = secrets.token_hex(3)  # a next prepare gets a directory of its own
-            self._seq = 0
-        self._rootfs = None
-        self._egress_socket = None
-        await super().dispose()
+        binary = self._binary or self.runtime_name
+        try:
+            if box is not None:
+                await box.agent.close()  # the agent ends every tree and exits
+                if box.pid is not None and not is_gvisor(binary):
+                    # runc's pid file names the init; runsc's names the sandbox, which stays
+                    # until delete (which ends gVisor's every task at once).
+                    await wait_exit(box.pid, STOP_WAIT_S)
+                if box.link is not None:
+                    await box.link.close()
+            if task is not None:
+                try:
+                    # An empty runtime root holds no container (runsc removed its own when
+                    # the agent exited): no CLI call to ask.
+                    empty = not any(task.root.iterdir())
+                except OSError:
+                    empty = False
+                try:
+                    remaining = [] if empty else await list_containers(binary, task.root,
+                                                                        self.env)
+                except (FusionOCIError, OSError, ValueError):
+                    remaining = [{"id": c} for c in {*task.leftovers, *(
+                        [box.launch.cid] if box is not None else [])}]
+                left = False
+                for container in remaining:
+                    if not await delete_container(binary, task.root, str(container["id"]),
+                                                  self.env):
+                        left = True
+                os.close(task.lock_fd)
+                if not left:
+                    # Otherwise the unlocked directory is what gc_oci finds and retries.
+                    shutil.rmtree(task.dir, ignore_errors=True)
+                self.nonce = secrets.token_hex(3)  # a next prepare gets a directory of its own
+        finally:
+            if box is not None and box.group is not None:
+                box.group.remove()
+            self._rootfs = None
+            self._egress_socket = None
+            await super().dispose()
+
+
+def _log_tail(path: Path) -> str:
+    try:
+        return tail(path.read_text(encoding="utf-8", errors="replace"))
+    except OSError:
+        return ""
 
 
 def _write_resolv_conf(path: Path) -> None:
-    """slirp's DNS forwarder as the task's resolv.conf, written once per task."""
-    if not path.exists():
-        from fusion_oci.runtimes.linux.egress import RESOLV_CONF
+    """slirp's DNS forwarder as the task's resolv.conf."""
+    from fusion_oci.runtimes.linux.egress import RESOLV_CONF
 
-        path.write_text(RESOLV_CONF, encoding="utf-8")
+    path.write_text(RESOLV_CONF, encoding="utf-8")
+

@@ -145,27 +145,59 @@ def test_rootless_bundle_runs_under_an_unprivileged_runc(oci_validator: Any) -> 
 ], ids=["none-limits", "egress"])
 async def test_the_plan_is_exactly_what_execute_runs(worktree: Path, policy: Any,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """plan() before a command == the argv, env, cwd and config.json execute then used."""
-    from fusion_oci.runtimes import oci as oci_module
+    """plan() of a command == the argv, env, cwd and config.json prepare started the task's
+    container with, and the spawn frame execute then sent to its agent."""
+    from fusion_oci.agent.client import Agent
+    from fusion_oci.runtimes.ocicli.launch import TaskLaunch
 
-    ran: list[dict[str, Any]] = []
-    real_run, real_write = oci_module.run_process, oci_module.write_bundle
+    started: list[dict[str, Any]] = []
+    sent: list[dict[str, Any]] = []
+    real_cli, real_run = OciRuntime._spawn_cli, Agent.run
 
-    async def run_process(argv: list[str], **kw: Any) -> Any:
-        ran.append({"argv": argv, "env": kw["env"], "cwd": kw["cwd"],
-                    "bundle": json.loads((Path(kw["cwd"]) / "config.json").read_text())})
-        return await real_run(argv, **kw)
+    async def spawn_cli(self: OciRuntime, launch: TaskLaunch, stdin: Any) -> Any:
+        started.append({"argv": launch.argv, "env": launch.env, "cwd": launch.cwd,
+                        "bundle": json.loads((Path(launch.cwd) / "config.json").read_text())})
+        return await real_cli(self, launch, stdin)
 
-    monkeypatch.setattr(oci_module, "run_process", run_process)
-    monkeypatch.setattr(oci_module, "write_bundle", real_write)
+    async def agent_run(self: Agent, argv: Any, **kw: Any) -> Any:
+        sent.append({"argv": list(argv), "env": dict(kw["env"]), "cwd": kw["cwd"],
+                     "rlimits": list(kw["rlimits"])})
+        return await real_run(self, argv, **kw)
+
+    monkeypatch.setattr(OciRuntime, "_spawn_cli", spawn_cli)
+    monkeypatch.setattr(Agent, "run", agent_run)
     async with sandbox(worktree, **policy) as sb:
         rt = oci(sb)
         assert sb.task is not None
         plan = rt.plan(sb.task.process("echo planned", RunOptions()))
         r = await rt.execute(plan, RunOptions())
     assert (r.exit_code, r.stdout) == (0, "planned\n"), r.stderr
-    assert ran == [{"argv": plan.argv, "env": plan.env, "cwd": plan.cwd,
-                    "bundle": json.loads(json.dumps(plan.bundle))}]
+    assert plan.sandbox is not None
+    assert started == [{"argv": plan.sandbox.argv, "env": plan.sandbox.env,
+                        "cwd": plan.sandbox.cwd, "bundle": json.loads(json.dumps(plan.bundle))}]
+    assert sent == [{"argv": list(plan.spawn.argv), "env": dict(plan.spawn.env),
+                     "cwd": plan.spawn.cwd, "rlimits": list(plan.spawn.rlimits)}]
+
+
+async def test_a_command_that_needs_another_container_is_refused(worktree: Path) -> None:
+    from fusion_oci.errors import SandboxSetupError
+    from fusion_oci.oci.model import User
+
+    async with sandbox(worktree, allow_network=False) as sb:
+        rt = oci(sb)
+        assert sb.task is not None
+        process = sb.task.process("echo no", RunOptions())
+        other = process.model_copy(update={"user": User(uid=4242, gid=4242)})
+        with pytest.raises(SandboxSetupError, match="container other than the task's"):
+            await rt.execute(rt.plan(other), RunOptions())
+        assert (await sb.run("echo yes")).stdout == "yes\n"
+
+
+async def running(rt: OciRuntime) -> list[str]:
+    """The ids of the task's running containers (its one, between commands)."""
+    assert rt._task is not None
+    return [c["id"] for c in await list_containers("runc", rt._task.root, os.environ)
+            if c["status"] == "running"]
 
 
 # --- statuses ---------------------------------------------------------------------------------
@@ -187,9 +219,11 @@ async def test_timeout_leaves_no_process_and_no_runtime_state(worktree: Path) ->
         assert pids_with(marker) == []
         assert runtime._task is not None
         task_dir, root = runtime._task.dir, runtime._task.root
-        assert await list_containers("runc", root, os.environ) == []
-        assert list((task_dir / "bundles").iterdir()) == []
+        # The task's container stays, usable: the next command runs in it.
+        assert len(await running(runtime)) == 1
+        assert (await sb.run("echo next")).stdout == "next\n"
     assert not task_dir.exists()
+    assert not root.exists()
 
 
 async def test_max_buffer_ends_the_container(worktree: Path) -> None:
@@ -199,7 +233,8 @@ async def test_max_buffer_ends_the_container(worktree: Path) -> None:
         assert r.truncated and r.reason == "max-buffer"
         assert len(r.stdout) == 10_000
         assert pids_with(marker) == []
-        assert await list_containers("runc", oci(sb)._task.root, os.environ) == []  # type: ignore[union-attr]
+        assert len(await running(oci(sb))) == 1
+        assert (await sb.run("echo next")).stdout == "next\n"
 
 
 async def test_abort_ends_the_container(worktree: Path) -> None:
@@ -215,7 +250,8 @@ async def test_abort_ends_the_container(worktree: Path) -> None:
         with pytest.raises(asyncio.CancelledError):
             await task
         assert pids_with(marker) == []
-        assert await list_containers("runc", oci(sb)._task.root, os.environ) == []  # type: ignore[union-attr]
+        assert len(await running(oci(sb))) == 1
+        assert (await sb.run("echo next")).stdout == "next\n"
 
 
 # --- limits -----------------------------------------------------------------------------------
@@ -375,7 +411,13 @@ async def test_gc_removes_what_a_kill_9_left(worktree: Path, tmp_path: Path) -> 
         assert await gc_oci("runc", base) == []
         child.kill()
         await child.wait()
-        assert pids_with(marker), "the container is expected to outlive kill -9"
+        # The agent lost its connection: it ends the command's tree (TERM, 1 s, KILL) and
+        # exits, which stops the container; its state is what gc finds.
+        for _ in range(100):
+            if not pids_with(marker):
+                break
+            await asyncio.sleep(0.05)
+        assert pids_with(marker) == []
         removed = await gc_oci("runc", base)
         assert len(removed) == 1 and removed[0].startswith("crash-r1-")
         assert pids_with(marker) == []

@@ -92,16 +92,22 @@ async def test_memory_limit_ends_in_oom_and_leaves_no_cgroup(worktree: Path) -> 
     assert leaves() == set()
 
 
-async def test_timeout_ends_the_sandbox_and_leaves_no_container(worktree: Path) -> None:
+async def test_timeout_ends_the_tree_keeps_the_sandbox_and_dispose_leaves_nothing(
+        worktree: Path) -> None:
     marker = new_marker()
     async with sandbox(worktree, allow_network=False) as sb:
         runtime = sb.runtime
         assert isinstance(runtime, OciRuntime) and runtime._task is not None
-        root = runtime._task.root
+        root, task_dir = runtime._task.root, runtime._task.dir
         r = await sb.run(f"trap '' TERM; setsid sleep 600 & sleep 600 # {marker}",
                          RunOptions(timeout_ms=1500))
         assert r.timed_out and r.reason == "timeout", r
-        assert list(root.iterdir()) == []  # runsc's state files are gone
+        # Inside gVisor the tree is gone (the agent's keeper ended it); the sandbox runs on.
+        left = await sb.run("ps -eo args | grep -c '[s]leep 600' || true")
+        assert left.stdout.strip() == "0", left
+        assert (await sb.run("echo next")).stdout == "next\n"
+        assert list(root.iterdir()) != []
+    assert not task_dir.exists()  # runsc's state files went with it
     assert pids_with(marker) == []
 
 

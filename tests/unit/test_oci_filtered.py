@@ -10,13 +10,12 @@ import pytest
 from fusion_oci.agent.protocol import EGRESS_AGENT, EGRESS_SOCKET
 from fusion_oci.errors import BundleError
 from fusion_oci.models import NetworkMode, SandboxPolicy
-from fusion_oci.oci.ops import EXEC_STATUS_IN_SANDBOX
 from fusion_oci.oci.spec import bind
 from fusion_oci.runtimes.ocicli.filtered import SOCKET_PLACEHOLDER, with_egress_forwarder
-from fusion_oci.runtimes.ocicli.launch import network_of, runtime_flags
+from fusion_oci.runtimes.ocicli.launch import AGENT_IN_SANDBOX, runtime_flags
 from fusion_oci.runtimes.requirements import Requirement
 from tests.golden import assert_golden
-from tests.unit.test_oci_plan import plan_of, runtime, spec_for
+from tests.unit.test_oci_plan import plan_of, runtime, spec_for, task_for
 
 FILTERED = SandboxPolicy(network="filtered", allowed_domains=["registry.npmjs.org"])
 
@@ -39,17 +38,17 @@ def test_the_bundle_keeps_its_empty_netns_and_runs_the_forwarder(oci_validator: 
     plan = plan_of(rt, FILTERED)
     bundle = plan.to_json()["bundle"]
     oci_validator.validate(bundle)
-    assert network_of(spec_for(FILTERED)) is NetworkMode.FILTERED
+    assert task_for(FILTERED).spec.network is NetworkMode.FILTERED
     assert {"type": "network"} in bundle["linux"]["namespaces"]  # runc brings lo up, no more
     assert "hooks" not in bundle  # no slirp4netns
     assert bind(EGRESS_SOCKET, "/run/scratch/egress-1/egress.sock", writable=False) \
         in bundle["mounts"]
     assert bind(EGRESS_AGENT, "/usr/lib/fusion-oci/fusion-oci-agent", writable=False) \
         in bundle["mounts"]
-    args = bundle["process"]["args"]
-    agent = args.index(EXEC_STATUS_IN_SANDBOX)
-    assert args[agent + 1:agent + 4] == ["--egress", EGRESS_SOCKET, "--exec-status-file"]
-    env = dict(e.split("=", 1) for e in bundle["process"]["env"])
+    # The init is the agent with its forwarder, for the task's life.
+    assert bundle["process"]["args"] == [AGENT_IN_SANDBOX, "--egress", EGRESS_SOCKET,
+                                         "--fd", "0"]
+    env = dict(plan.spawn.env)  # the command's, in its frame
     assert env["HTTPS_PROXY"] == "http://127.0.0.1:3128"
     # The mount points are made in a /run of the container's own, never in an image rootfs.
     run = [m for m in bundle["mounts"] if m["destination"] == "/run"]

@@ -1,5 +1,6 @@
-"""The oci runtime's pure parts: golden launches (argv, env, cwd and the bundle: exactly what
-execute runs), the bundle ops it applies, statuses."""
+"""The oci runtime's pure parts: golden plans (the task container's argv, env, cwd and bundle:
+exactly what prepare starts; the command's spawn frame: exactly what execute sends), the
+bundle ops it applies, statuses."""
 
 from __future__ import annotations
 
@@ -18,11 +19,11 @@ from fusion_oci.resolve import ResolvedTask
 from fusion_oci.runtimes.linux.cgroups import CgroupEvents, Hierarchy
 from fusion_oci.runtimes.oci import OciRuntime, exit_status, limit_counters
 from fusion_oci.runtimes.ocicli.launch import (
+    AGENT_IN_SANDBOX,
     EgressHook,
     bundle_spec,
+    command_spawn,
     egress_launch_argv,
-    exec_failure_status,
-    network_of,
     run_argv,
     runtime_flags,
 )
@@ -53,10 +54,12 @@ def task_for(policy: SandboxPolicy, image: str | None = None) -> ResolvedTask:
 
 
 def spec_for(policy: SandboxPolicy, image: str | None = None) -> Spec:
+    """The whole config.json of `pnpm test` in the task (what the bundle ops take)."""
     return Case(task_for(policy, image)).config()
 
 
 def plan_of(rt: OciRuntime, policy: SandboxPolicy, image: str | None = None) -> Any:
+    """The runtime's plan of `pnpm test` in the task (adopted, not prepared)."""
     return plan_for(rt, task_for(policy, image))
 
 
@@ -68,8 +71,7 @@ def runtime(uid: int = 0, oci_runtime: str = "runc") -> OciRuntime:
     rt.uid, rt.gid = uid, uid
     rt.state_base = state_base(rt.env, uid)
     rt._binary = f"/usr/sbin/{Path(oci_runtime).name}"
-    rt._init = "/usr/bin/tini-static"
-    rt._exec_status = "/usr/lib/fusion-oci/fusion-oci-agent"
+    rt._agent = "/usr/lib/fusion-oci/fusion-oci-agent"
     rt._unshare = "/usr/bin/unshare"
     rt.nonce, rt.pid = "ab12cd", 4242
     return rt
@@ -88,20 +90,44 @@ def test_golden_plan_image() -> None:
 
 
 def test_run_argv_is_exact() -> None:
-    assert run_argv("runc", "/run/s", "/run/b/1", "t-r-ab12cd-1", "/run/b/1.pid") == [
-        "runc", "--root", "/run/s", "run", "--keep", "--pid-file", "/run/b/1.pid",
-        "--bundle", "/run/b/1", "t-r-ab12cd-1",
+    assert run_argv("runc", "/run/s", "/run/t/bundle", "t-r-ab12cd", "/run/t/init.pid") == [
+        "runc", "--root", "/run/s", "run", "--detach", "--pid-file", "/run/t/init.pid",
+        "--bundle", "/run/t/bundle", "t-r-ab12cd",
     ]
-    assert "--keep" not in run_argv("runsc", "/s", "/b", "id", "/p", keep=False)
 
 
-def test_keep_only_with_counters_to_read_and_a_runtime_that_takes_it() -> None:
-    limited, plain = spec_for(POLICIES["none-limits"]), spec_for(POLICIES["egress"])
-    assert runtime(oci_runtime="runc").keep_for(limited)
-    assert runtime(oci_runtime="/usr/bin/crun").keep_for(limited)
-    assert not runtime(oci_runtime="runsc").keep_for(limited)
-    assert not runtime(oci_runtime="runc").keep_for(plain)
-    assert "--keep" not in plan_of(runtime(), POLICIES["egress"]).argv
+def test_the_tasks_init_is_the_agent_on_its_stdin(oci_validator: Any) -> None:
+    """The task container's process is the agent on fd 0 (the socketpair runc hands through),
+    PATH only, cwd /, the spec's user and rlimits but RLIMIT_CPU (which would charge the
+    agent's own time over the whole task; the agent sets it per command)."""
+    spec = spec_for(POLICIES["none-limits"])
+    bundle = plan_of(runtime(), POLICIES["none-limits"]).bundle
+    oci_validator.validate(bundle)
+    proc = bundle["process"]
+    assert proc["args"] == [AGENT_IN_SANDBOX, "--fd", "0"]
+    assert proc["env"] == ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]
+    assert proc["cwd"] == "/"
+    assert proc["user"] == spec["process"]["user"]
+    assert proc["capabilities"] == spec["process"]["capabilities"]
+    assert proc["noNewPrivileges"] is True
+    assert [r["type"] for r in proc["rlimits"]] == ["RLIMIT_NOFILE"]
+    agent = next(m for m in bundle["mounts"] if m["destination"] == AGENT_IN_SANDBOX)
+    assert agent["source"] == "/usr/lib/fusion-oci/fusion-oci-agent" and "ro" in agent["options"]
+    assert {k: v for k, v in bundle.items() if k not in ("process", "mounts")} == \
+        {k: v for k, v in spec.items() if k not in ("process", "mounts")}
+
+
+def test_each_command_is_a_spawn_frame_of_its_own_process() -> None:
+    process = Case(task_for(POLICIES["none-limits"])).process
+    spawn = command_spawn(process)
+    assert list(spawn.argv) == ["/bin/sh", "-c", "pnpm test"]
+    assert spawn.cwd == "/work/repo-wt/task-1"
+    assert dict(spawn.env) == process.env_map()
+    assert list(spawn.rlimits) == [("RLIMIT_NOFILE", 20000, 20000), ("RLIMIT_CPU", 30, 31)]
+    assert spawn.uid is None  # the agent runs as the task's user already
+    plan = plan_of(runtime(), POLICIES["none-limits"])
+    assert plan.to_json()["spawn"] == {"fields": [f"{k}={v}" for k, v in spawn.fields()],
+                                       "fds": ["stdin", "stdout", "stderr"]}
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
@@ -151,11 +177,11 @@ def test_egress_bundle_has_the_hook_and_slirp_dns(oci_validator: Any) -> None:
     assert {"type": "network"} in out["linux"]["namespaces"]
 
 
-def test_container_ids_are_unique_per_command_and_name_safe() -> None:
-    assert container_id("t", "r", "ab12cd", 3) == "t-r-ab12cd-3"
-    long = container_id("a" * 128, "b" * 128, "ab12cd", 12345)
+def test_container_ids_are_unique_per_task_and_name_safe() -> None:
+    assert container_id("t", "r", "ab12cd") == "t-r-ab12cd"
+    long = container_id("a" * 128, "b" * 128, "ab12cd")
     assert len(long) < 200
-    assert long.endswith("-ab12cd-12345")
+    assert long.endswith("-ab12cd")
 
 
 def test_state_base() -> None:
@@ -175,15 +201,6 @@ def test_exit_status(rc: int, expected: tuple[int | None, str | None]) -> None:
 
 def test_exit_status_passes_a_signal_of_the_cli_itself() -> None:
     assert exit_status(None, "SIGKILL") == (None, "SIGKILL")
-
-
-def test_exec_failures_read_like_a_shell() -> None:
-    nf = ('level=error msg="runc run failed: unable to start container process: exec: '
-          '\\"/nope\\": stat /nope: no such file or directory"')
-    assert exec_failure_status(nf) == 127
-    assert exec_failure_status('exec: "x": executable file not found in $PATH') == 127
-    assert exec_failure_status('exec: "/etc/passwd": permission denied') == 126
-    assert exec_failure_status("error setting rlimits for ready process") is None
 
 
 def outcome(rc: int | None = 0, sig: str | None = None, *, timed_out: bool = False,
@@ -270,7 +287,7 @@ def test_runsc_network_flags_come_before_the_subcommand() -> None:
     # egress: host networking of the namespace the launch script prepared, never the host's
     assert runtime_flags("runsc", NetworkMode.EGRESS)[-1] == "--network=host"
     assert runtime_flags("runc", NetworkMode.NONE) == []
-    argv = run_argv("runsc", "/s", "/b", "id", "/p", keep=False, flags=["--network=none"])
+    argv = run_argv("runsc", "/s", "/b", "id", "/p", flags=["--network=none"])
     assert argv[:5] == ["runsc", "--root", "/s", "--network=none", "run"]
 
 
@@ -308,34 +325,27 @@ def test_runsc_never_claims_pids_and_is_unavailable_rootless() -> None:
     assert not avail.available and "unprivileged" in avail.reason
 
 
-def test_runsc_exec_failures_read_as_a_shell_would() -> None:
-    prefix = "running container: starting container: starting root container: starting sandbox: "
-    assert exec_failure_status(prefix + 'error finding executable "nope" in PATH [/usr/bin '
-                               "/bin]: no such file or directory\n") == 127
-    assert exec_failure_status(prefix + "creating process: failed to load /etc/passwd: "
-                               "permission denied\n") == 126
-    assert exec_failure_status("the command printed: failed to load x: permission denied") \
-        is None
-
-
 # --- plan is the launch -----------------------------------------------------------------------
 
 
-def test_plan_is_the_launch_execute_runs() -> None:
-    """The plan carries the one Launch execute writes and runs; each plan is a command of its
-    own (its number taken at plan time), so two planned commands never share a container."""
+def test_plan_is_the_launch_prepare_starts_and_the_frame_execute_sends() -> None:
+    """The plan carries the one TaskLaunch prepare writes and runs, and the command's Spawn;
+    every command of the task has the same container."""
     rt = runtime()
-    spec = spec_for(POLICIES["none-limits"])
     plan = plan_of(rt, POLICIES["none-limits"])
     launch = plan.launch
-    assert (plan.argv, plan.env, plan.cwd, plan.bundle) == (
+    assert plan.sandbox is not None
+    assert (plan.sandbox.argv, plan.sandbox.env, plan.sandbox.cwd, plan.bundle) == (
         launch.argv, launch.env, launch.cwd, launch.bundle)
-    assert launch == rt._launch(spec, 1)  # the builder is pure
-    assert launch.cid == "task-1-run-1-ab12cd-1"
-    assert launch.cwd == "/run/fusion-oci/oci/task-1-run-1-ab12cd/bundles/1"
-    assert plan.env == {"PATH": "/usr/sbin:/usr/bin"}  # the CLI's own; the command's is inside
-    assert rt.plan(plan.process).launch.cid == "task-1-run-1-ab12cd-2"
-    assert "launch" not in plan.to_json() and "spec" not in plan.to_json()
+    assert launch == rt._task_launch()  # the builder is pure
+    assert launch.cid == "task-1-run-1-ab12cd"
+    assert launch.cwd == "/run/fusion-oci/oci/task-1-run-1-ab12cd/bundle"
+    # the CLI's own environment; the command's is in its frame
+    assert plan.sandbox.env == {"PATH": "/usr/sbin:/usr/bin"}
+    other = rt.plan(Case(task_for(POLICIES["none-limits"]), "echo other").process)
+    assert other.launch == launch
+    assert plan.spawn == command_spawn(plan.process)
+    assert {"launch", "process"}.isdisjoint(plan.to_json())
 
 
 def test_the_bundle_in_the_plan_is_what_the_runtime_validates(oci_validator: Any) -> None:
@@ -345,21 +355,21 @@ def test_the_bundle_in_the_plan_is_what_the_runtime_validates(oci_validator: Any
 
 
 def test_runsc_limits_go_to_a_cgroup_of_ours_that_runsc_joins() -> None:
-    launch = runtime(oci_runtime="runsc")._launch(spec_for(POLICIES["none-limits"]), 3)
+    launch = plan_of(runtime(oci_runtime="runsc"), POLICIES["none-limits"]).launch
     assert launch.cgroup is not None and launch.cgroup.pids is None
     assert launch.cgroup.memory_bytes == 256 * 1024 * 1024
-    assert launch.cgroup_leaf == "fusion-oci.4242.ab12cd3"
+    assert launch.cgroup_leaf == "fusion-oci.4242.ab12cd"
     assert launch.bundle["linux"]["cgroupsPath"] == launch.cgroup_leaf
     assert not {"memory", "cpu", "pids"} & set(launch.bundle["linux"]["resources"])
     # runc makes its own cgroup from linux.resources
-    runc = runtime()._launch(spec_for(POLICIES["none-limits"]), 3)
+    runc = plan_of(runtime(), POLICIES["none-limits"]).launch
     assert runc.cgroup is None and "memory" in runc.bundle["linux"]["resources"]
 
 
 def test_network_is_read_from_the_namespaces_then_the_annotation() -> None:
-    assert network_of(spec_for(POLICIES["host"])) is NetworkMode.HOST
-    assert network_of(spec_for(POLICIES["egress"])) is NetworkMode.EGRESS
-    assert network_of(spec_for(POLICIES["none-limits"])) is NetworkMode.NONE
+    assert task_for(POLICIES["host"]).spec.network is NetworkMode.HOST
+    assert task_for(POLICIES["egress"]).spec.network is NetworkMode.EGRESS
+    assert task_for(POLICIES["none-limits"]).spec.network is NetworkMode.NONE
 
 
 def test_check_names_egress_where_slirp_is_unusable() -> None:
@@ -370,21 +380,3 @@ def test_check_names_egress_where_slirp_is_unusable() -> None:
     assert egress not in rt.check(task_for(POLICIES["none-limits"]))
     rt._egress = (True, "/usr/bin/slirp4netns")
     assert egress not in rt.check(task_for(POLICIES["egress"]))
-
-
-def test_the_status_the_command_could_tamper_with_is_read_safely(tmp_path: Path) -> None:
-    """The status folder is writable from inside: a FIFO must not block the host, a symlink
-    must not be followed to a host file; only a regular file's ``exit N`` counts."""
-    import os
-
-    from fusion_oci.runtimes.oci import read_exec_status
-
-    (tmp_path / "status").write_text("exit 130\n")
-    assert read_exec_status(tmp_path) == (130, None)
-    (tmp_path / "status").unlink()
-    os.mkfifo(tmp_path / "status")
-    assert read_exec_status(tmp_path) is None  # returns at once, no writer needed
-    (tmp_path / "status").unlink()
-    (tmp_path / "host").write_text("exit 7\n")
-    (tmp_path / "status").symlink_to(tmp_path / "host")
-    assert read_exec_status(tmp_path) is None

@@ -1,11 +1,11 @@
 """``network: filtered`` for the ``oci`` runtime (runc and runsc): the container's own empty
 network namespace, the task's egress proxy socket bound in, and the agent's forwarder.
 
-Each command is its own container (see fusion_oci.runtimes.oci), so the forwarder lives as
-long as the command: the agent that already wraps the command (``--exec-status-file``) gets
-``--egress SOCKET``, listens on 127.0.0.1:3128 in the container's namespace before the command
-starts, and serves in a child of its own until the command ends (agent.c, ``forward_beside``).
-The command's proxy variables (compiled into the spec, fusion_oci.oci.spec) name that port.
+The task's container has the agent as its init (see fusion_oci.runtimes.oci), so the forwarder
+lives as long as the task: the init gets ``--egress SOCKET``, listens on 127.0.0.1:3128 in the
+container's namespace before it says hello (before any command runs) and serves in its own
+poll loop (agent.c; PROTOCOL.md, "The egress forwarder"). The commands' proxy variables
+(compiled into the spec, fusion_oci.oci.spec) name that port.
 
 - runc: the spec's network namespace has only ``lo`` (runc brings it up); nothing routes out.
 - runsc (gVisor): ``--network=none`` is gVisor's own netstack with loopback only, so the
@@ -13,7 +13,7 @@ The command's proxy variables (compiled into the spec, fusion_oci.oci.spec) name
   inside gVisor unless the gofer may open host sockets, so runsc gets ``--host-uds=open``
   (connect only; the sandbox still cannot create host sockets). Chosen over a forwarder on the
   host side of a netns runsc joins (``--network=host`` in an ``unshare --net`` namespace, as
-  egress does): that path needs a second host process per command and hands gVisor a host
+  egress does): that path needs a second host process per task and hands gVisor a host
   network stack; this one keeps gVisor's netstack closed and reuses the runc wiring. Fail
   closed: a runsc without ``--host-uds`` refuses the flag and the container does not start;
   one whose gofer refuses the connect leaves the forwarder unable to reach the proxy, so
@@ -33,6 +33,9 @@ from fusion_oci.errors import BundleError
 from fusion_oci.oci.ops import EXEC_STATUS_IN_SANDBOX
 from fusion_oci.oci.spec import Spec, bind, tmpfs
 
+AGENT_INIT_IN_SANDBOX = "/dev/fusion-oci-agent"
+"""The agent as the task's init (ocicli/launch.py's AGENT_IN_SANDBOX)."""
+
 SOCKET_PLACEHOLDER = "<egress-proxy.sock>"
 """The host path of the task's proxy socket in a plan made before prepare started it."""
 RUNSC_FLAGS = ("--network=none", "--host-uds=open")
@@ -42,18 +45,19 @@ RUNSC_FLAGS = ("--network=none", "--host-uds=open")
 def with_egress_forwarder(spec: Spec, socket: str, agent: str) -> Spec:
     """The task's proxy socket (host path ``socket``) at /run/fusion-oci/egress.sock, the agent
     (host path ``agent``) at /run/fusion-oci/agent for ssh's ProxyCommand, and the forwarder
-    started by the agent that wraps the command (:func:`fusion_oci.oci.ops.with_exec_status`,
-    applied before this). Pure.
+    started by the agent that is the container's init (launch.with_agent_init) or wraps its
+    one command (:func:`fusion_oci.oci.ops.with_exec_status`), applied before this. Pure.
 
     /run gets a tmpfs of the container's own when the spec has none: the mount points are then
     made there, never in a shared image rootfs. Both binds are read-only: connect needs no
     write access to the mount, and neither file can be replaced from inside.
     """
     args = spec["process"]["args"]
-    if not args or args[0] != EXEC_STATUS_IN_SANDBOX:
-        raise BundleError("network filtered needs the exec agent around the command",
+    if not args or args[0] not in (AGENT_INIT_IN_SANDBOX, EXEC_STATUS_IN_SANDBOX):
+        raise BundleError("network filtered needs the exec agent as the container's process",
                           "the forwarder is the agent's (--egress); the bundle has no agent",
-                          "apply with_exec_status before with_egress_forwarder")
+                          "apply with_agent_init (or with_exec_status) before "
+                          "with_egress_forwarder")
     out = copy.deepcopy(spec)
     if not any(m["destination"] in ("/run", EGRESS_DIR) for m in out["mounts"]):
         out["mounts"].append(tmpfs("/run", mode="755"))

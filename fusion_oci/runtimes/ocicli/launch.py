@@ -1,10 +1,15 @@
-"""The one launch builder of the ``oci`` runtime: what ``plan`` shows is what ``execute`` runs.
+"""The one launch builder of the ``oci`` runtime: what ``plan`` shows is what runs.
 
-:func:`build_launch` is a pure function of the spec and the host facts the runtime found
-(binary, init, state directory, caller ids, image rootfs): it returns the bundle the runtime
-CLI gets, its argv, env and cwd, and the side parts execute must set up around it (egress
-rendezvous paths, a cgroup of ours for runsc). :meth:`OciRuntime.plan` renders it;
-:meth:`OciRuntime.execute` writes that bundle and runs that argv, nothing else.
+One container per task, whose init (pid 1) is the exec agent (fusion_oci/agent) on the other
+end of the host's socketpair, handed over as the runtime CLI's stdin (runc passes a detached
+container's stdio through; runsc passes it through in both modes): :func:`build_task` is a
+pure function of the task's spec and the host facts the runtime found (binary, agent, state
+directory, caller ids, image rootfs) and returns that container's bundle (``config.json``), the
+``RUNTIME run`` argv, its env and cwd, and the side parts prepare sets up around it (the
+egress rendezvous, a cgroup of ours for runsc). Each command is then a spawn frame to the
+agent (:func:`command_spawn`). :meth:`OciRuntime.plan` renders both;
+:meth:`OciRuntime.prepare` writes that bundle and runs that argv, :meth:`OciRuntime.execute`
+sends that frame, nothing else.
 """
 
 from __future__ import annotations
@@ -15,20 +20,30 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from fusion_oci.agent.protocol import Spawn
 from fusion_oci.models import NetworkMode
 from fusion_oci.oci import ops
-from fusion_oci.oci.model import ANN_NETWORK, ANN_RUN, ANN_TASK, ProcessSpec, TaskSpec
+from fusion_oci.oci.model import ANN_RUN, ANN_TASK, ProcessSpec, TaskSpec, config_json
 from fusion_oci.oci.ops import EgressHook
 from fusion_oci.oci.seccomp import without_errno_ret
-from fusion_oci.oci.spec import Spec
+from fusion_oci.oci.spec import Spec, bind
 from fusion_oci.runtimes.linux.cgroups import CgroupLimits, leaf_name
+from fusion_oci.runtimes.ocicli.filtered import (
+    AGENT_INIT_IN_SANDBOX,
+    SOCKET_PLACEHOLDER,
+    with_egress_forwarder,
+)
 from fusion_oci.runtimes.ocicli.filtered import RUNSC_FLAGS as RUNSC_FILTERED_FLAGS
-from fusion_oci.runtimes.ocicli.filtered import SOCKET_PLACEHOLDER, with_egress_forwarder
-from fusion_oci.runtimes.ocicli.state import cli_env, container_id
-from fusion_oci.runtimes.plans import ArgvPlan
+from fusion_oci.runtimes.ocicli.state import cli_env, task_dir_name
+from fusion_oci.runtimes.plans import PLAN_RUN_ID, AgentPlan, SandboxLaunch, spawn_of
 
 GRACE_S = 2.0
-"""Between ``kill --all ID TERM`` and ``kill ID KILL`` on timeout, maxBuffer and abort."""
+"""A command's timeout, maxBuffer and abort: SIGTERM to its whole tree, this grace, SIGKILL."""
+AGENT_IN_SANDBOX = AGENT_INIT_IN_SANDBOX
+"""Where the agent binary is bound: inside the container's own /dev tmpfs, so the mount point
+is made there and nothing is left in the (shared, read-only) rootfs or on the host."""
+AGENT_FD = "0"
+"""The agent's connection inside: its stdin, the host's socketpair end (see the docstring)."""
 GVISOR = "runsc"
 RUNSC_EGRESS_SCRIPT = (
     'ip link set lo up && printf \'{"pid": %s}\\n\' "$$" >"$1" && read -r answer <"$2" && '
@@ -44,21 +59,6 @@ then does it exec ``runsc --network=host``, whose sandbox uses that namespace as
 
 def is_gvisor(runtime: str) -> bool:
     return Path(runtime).name == GVISOR
-
-
-def network_of(spec: Spec) -> NetworkMode:
-    """The spec's network, in one place. Pure.
-
-    OCI says it first: no network namespace is the host's network. A namespace of its own is
-    ``none`` unless the ``io.fusion-oci.network`` annotation asks for ``egress`` (a path out
-    through slirp4netns, which OCI has no word for).
-    """
-    if not any(ns["type"] == "network" for ns in spec["linux"]["namespaces"]):
-        return NetworkMode.HOST
-    said = spec["annotations"].get(ANN_NETWORK)
-    if said in (NetworkMode.EGRESS.value, NetworkMode.FILTERED.value):
-        return NetworkMode(said)
-    return NetworkMode.NONE
 
 
 def runtime_flags(runtime: str, network: NetworkMode, *, rootless: bool = False) -> list[str]:
@@ -85,12 +85,15 @@ def runtime_flags(runtime: str, network: NetworkMode, *, rootless: bool = False)
 
 
 def run_argv(runtime: str, root: str, bundle: str, cid: str, pid_file: str, *,
-             keep: bool = True, flags: list[str] | None = None) -> list[str]:
-    """The one command line that runs a bundle. Pure (golden-tested)."""
-    argv = [runtime, "--root", root, *(flags or []), "run"]
-    if keep:
-        argv.append("--keep")
-    return [*argv, "--pid-file", pid_file, "--bundle", bundle, cid]
+             flags: list[str] | None = None, detach: bool = True) -> list[str]:
+    """The one command line that starts the task's container. Pure (golden-tested).
+
+    ``detach`` (runc): the CLI exits once its init, the agent, runs, and dispose deletes the
+    container. Without (runsc): the CLI stays for the task's life and tears the sandbox down
+    itself when the agent exits (in ~50 ms; a ``runsc delete`` of a detached sandbox takes
+    over a second)."""
+    return [runtime, "--root", root, *(flags or []), "run", *(["--detach"] if detach else []),
+            "--pid-file", pid_file, "--bundle", bundle, cid]
 
 
 def egress_launch_argv(unshare: str, hook: EgressHook, argv: list[str]) -> list[str]:
@@ -102,15 +105,18 @@ def egress_launch_argv(unshare: str, hook: EgressHook, argv: list[str]) -> list[
 def bundle_spec(spec: Spec, *, rootless_ids: tuple[int, int] | None = None,
                 rootfs: str | None = None, egress: EgressHook | None = None,
                 init: str | None = None, cgroup_leaf: str | None = None,
-                exec_status: tuple[str, str] | None = None,
+                exec_status: tuple[str, str] | None = None, agent: str | None = None,
                 egress_proxy: tuple[str, str] | None = None,
                 errno_ret: bool = True) -> Spec:
     """The spec as the runtime CLI gets it: the compiled one through the ops this host needs.
     Pure.
 
-    As root it is the compiled spec unchanged, apart from an image's unpacked rootfs, the init
-    and, for egress, the rendezvous (runc: a createRuntime hook; runsc: its launch script, so
-    no second network namespace) and slirp's DNS. ``cgroup_leaf``: limits held by a cgroup of
+    As root it is the compiled spec unchanged, apart from an image's unpacked rootfs, the agent
+    as init (``agent``: :func:`with_agent_init`, the task's container) and, for egress, the
+    rendezvous (runc: a createRuntime hook; runsc: its launch script, so no second network
+    namespace) and slirp's DNS. ``exec_status``/``init`` instead of ``agent``: a standalone
+    container of one command under the agent's ``--exec-status-file`` and tini (what a test
+    runs by hand, e.g. as another user). ``cgroup_leaf``: limits held by a cgroup of
     ours that the runtime joins (runsc). ``egress_proxy`` (``filtered``: the proxy's socket and
     the agent binary, host paths): :func:`~fusion_oci.runtimes.ocicli.filtered.
     with_egress_forwarder`. Rootless: :func:`fusion_oci.oci.ops.with_rootless`.
@@ -119,6 +125,8 @@ def bundle_spec(spec: Spec, *, rootless_ids: tuple[int, int] | None = None,
     (:func:`~fusion_oci.oci.seccomp.without_errno_ret`).
     """
     out = copy.deepcopy(spec)  # the ops copy too; this one guarantees a copy when none applies
+    if agent is not None:  # the task's container: the agent (host path) is its init
+        out = with_agent_init(out, agent)
     if exec_status is not None:  # (agent binary, status folder): inside the init
         out = ops.with_exec_status(out, *exec_status)
     if egress_proxy is not None:
@@ -141,6 +149,40 @@ def bundle_spec(spec: Spec, *, rootless_ids: tuple[int, int] | None = None,
     return out
 
 
+def with_agent_init(spec: Spec, agent: str) -> Spec:
+    """The task's container: the agent (host path ``agent``, bound read-only) is its init on
+    fd :data:`AGENT_FD`, under the spec's user, capabilities, no-new-privileges and seccomp
+    profile (every command it spawns runs under them too). Pure.
+
+    Its environment is PATH only and its cwd ``/``: each command carries its own (the spawn
+    frame). RLIMIT_CPU stays off the init, where it would charge the agent's own CPU time over
+    the whole task: the agent sets it, with the other rlimits, on each command.
+    """
+    out = copy.deepcopy(spec)
+    out["mounts"].append(bind(AGENT_IN_SANDBOX, agent, writable=False))
+    proc = out["process"]
+    proc["args"] = [AGENT_IN_SANDBOX, "--fd", AGENT_FD]
+    path = dict(e.split("=", 1) for e in proc.get("env", [])).get("PATH")
+    proc["env"] = [f"PATH={path}"] if path else []
+    proc["cwd"] = "/"
+    proc["rlimits"] = [r for r in proc.get("rlimits", []) if r["type"] != "RLIMIT_CPU"]
+    return out
+
+
+def command_spawn(process: ProcessSpec, run_id: str = PLAN_RUN_ID) -> Spawn:
+    """One command of the task, as the agent is asked to run it: its args, exactly its env,
+    its cwd and its rlimits (the agent sets them before exec). The user, capabilities and
+    seccomp profile are the container's (the agent runs under them). Pure."""
+    return spawn_of(process, run_id=run_id)
+
+
+def process_key(process: ProcessSpec) -> tuple[object, ...]:
+    """What a command's process must share with the task's init for the agent to run it: all
+    but its args, env, cwd and rlimits (the agent cannot change its own user, capabilities or
+    no-new-privileges for a command, nor give it a terminal). Pure."""
+    return (process.user, process.capabilities, process.no_new_privileges, process.terminal)
+
+
 @dataclass(frozen=True)
 class Host:
     """What the runtime found on this host and in its prepared task (the builder's input)."""
@@ -150,22 +192,20 @@ class Host:
     task_dir: Path
     nonce: str
     env: dict[str, str]
+    agent: str
+    """The static exec agent binary (the container's init)."""
     rootless_ids: tuple[int, int] | None = None
-    init: str | None = None
-    exec_status: str | None = None
-    """The static agent binary that reports the command's own wait status (ops.with_exec_status)."""
     rootfs: str | None = None
     unshare: str = "unshare"
     cgroup_pid: int = 0
     """The pid a runsc cgroup leaf is named after (:func:`leaf_name`): ours."""
-    keep: bool = False
     egress_socket: str = SOCKET_PLACEHOLDER
     """``filtered``: the host path of the task's egress proxy socket (from prepare)."""
 
 
 @dataclass(frozen=True)
-class Launch:
-    """One command's launch, exactly: what to write, what to run, what to set up around it."""
+class TaskLaunch:
+    """The task's container, exactly: what to write, what to run, what to set up around it."""
 
     argv: list[str]
     env: dict[str, str]
@@ -173,76 +213,77 @@ class Launch:
     bundle: Spec
     bundle_dir: Path
     pid_file: Path
+    log: Path
+    """The runtime CLI's and the agent's own stdout/stderr (read when the start fails)."""
     cid: str
     network: NetworkMode
-    status_dir: Path | None = None
-    """Where the command's own wait status is written (``exit N`` / ``signal N``)."""
+    detach: bool = True
+    """The CLI exits once the container runs (runc); False: it runs for the task (runsc)."""
     egress: EgressHook | None = None
     cgroup: CgroupLimits | None = None
     """runsc: limits of a cgroup of ours named ``cgroup_leaf``, which the runtime joins."""
     cgroup_leaf: str | None = None
-    keep: bool = False
     notes: list[str] = field(default_factory=list)
-
-    def plan(self, backend: str, process: ProcessSpec) -> OciLaunchPlan:
-        return OciLaunchPlan(backend=backend, argv=self.argv, env=self.env, cwd=self.cwd,
-                             notes=self.notes, bundle=self.bundle, process=process, launch=self)
 
 
 @dataclass(frozen=True)
-class OciLaunchPlan(ArgvPlan):
-    """A launch plan that also carries the bundle (config.json) the runtime CLI gets, and the
-    :class:`Launch` it renders (what execute sets up and runs; not in :meth:`to_json`)."""
+class OciPlan(AgentPlan):
+    """An oci plan: the command's spawn frame to the agent (``spawn``) of the task's container
+    (``sandbox``: the runtime CLI's argv, env and cwd, started at prepare; ``bundle``: its
+    config.json). The :class:`TaskLaunch` it renders rides along (not in :meth:`to_json`)."""
 
     bundle: Spec = field(kw_only=True)
-    launch: Launch = field(kw_only=True, repr=False, compare=False)
+    launch: TaskLaunch = field(kw_only=True, repr=False, compare=False)
 
     def _body(self) -> dict[str, Any]:
         return {**super()._body(), "bundle": self.bundle}
 
 
-def build_launch(spec: Spec, host: Host, seq: int) -> Launch:
-    """Spec + host facts → the launch of command number ``seq`` of the task. Pure."""
-    ann = spec["annotations"]
-    cid = container_id(str(ann.get(ANN_TASK, "task")), str(ann.get(ANN_RUN, "run")),
-                       host.nonce, seq)
-    bundles = host.task_dir / "bundles"
-    bundle_dir, pid_file = bundles / str(seq), bundles / f"{seq}.pid"
-    status_dir = bundles / f"{seq}.status" if host.exec_status else None
-    network = network_of(spec)
+def render(backend: str, process: ProcessSpec, launch: TaskLaunch) -> OciPlan:
+    """The plan of one command: the task's container and the command's frame. Pure."""
+    return OciPlan(backend=backend, spawn=command_spawn(process),
+                   sandbox=SandboxLaunch(argv=launch.argv, env=launch.env, cwd=launch.cwd),
+                   notes=launch.notes, bundle=launch.bundle, process=process, launch=launch)
+
+
+def build_task(task: TaskSpec, init: ProcessSpec, host: Host) -> TaskLaunch:
+    """Task spec + the init's process (the task's user, capabilities, rlimits: the args are
+    the agent's, :func:`with_agent_init`) + host facts → the launch of the task's container.
+    Pure."""
+    spec = config_json(task, init)
+    cid = task_dir_name(task.annotations.get(ANN_TASK, "task"),
+                        task.annotations.get(ANN_RUN, "run"), host.nonce)
+    bundle_dir, pid_file = host.task_dir / "bundle", host.task_dir / "init.pid"
+    network = task.network
     gvisor = is_gvisor(host.binary)
     egress = None
     if network is NetworkMode.EGRESS:
-        egress = EgressHook(str(bundles / f"{seq}.egress-request"),
-                            str(bundles / f"{seq}.egress-reply"),
+        egress = EgressHook(str(host.task_dir / "egress-request"),
+                            str(host.task_dir / "egress-reply"),
                             str(host.task_dir / "resolv.conf"), hook=not gvisor)
     limits = leaf = None
     if gvisor and host.rootless_ids is None:
         # runsc removes the cgroups it creates when the sandbox ends, taking the OOM counter
         # with them; one that already exists it only joins. pids stays out (gVisor's
         # processes are not host processes).
-        wanted = replace(CgroupLimits.from_task(TaskSpec.model_validate(
-            {k: v for k, v in spec.items() if k != "process"})), pids=None)
+        wanted = replace(CgroupLimits.from_task(task), pids=None)
         if wanted.controllers():  # Cgroup.create refuses (fail closed) what the host lacks
-            limits, leaf = wanted, leaf_name(f"{host.nonce}{seq}", host.cgroup_pid)
+            limits, leaf = wanted, leaf_name(host.nonce, host.cgroup_pid)
     bundle = bundle_spec(spec, rootless_ids=host.rootless_ids, rootfs=host.rootfs,
-                         egress=egress, init=host.init,
-                         cgroup_leaf=leaf,
-                         exec_status=(host.exec_status, str(status_dir))
-                         if host.exec_status and status_dir else None,
-                         egress_proxy=(host.egress_socket, host.exec_status or "")
+                         egress=egress, cgroup_leaf=leaf, agent=host.agent,
+                         egress_proxy=(host.egress_socket, host.agent)
                          if network is NetworkMode.FILTERED else None,
                          errno_ret=not gvisor)
     flags = runtime_flags(host.binary, network, rootless=host.rootless_ids is not None)
     argv = run_argv(host.binary, str(host.task_dir / "state"), str(bundle_dir), cid,
-                    str(pid_file), keep=host.keep, flags=flags)
+                    str(pid_file), flags=flags, detach=not gvisor)
     if egress is not None and gvisor:
         argv = egress_launch_argv(host.unshare, egress, argv)
-    return Launch(argv=argv, env=cli_env(host.env), cwd=str(bundle_dir), bundle=bundle,
-                  bundle_dir=bundle_dir, pid_file=pid_file, cid=cid, network=network,
-                  status_dir=status_dir,
-                  egress=egress, cgroup=limits, cgroup_leaf=leaf, keep=host.keep,
-                  notes=notes(spec, host, network))
+    return TaskLaunch(argv=argv, env=cli_env(host.env), cwd=str(bundle_dir), bundle=bundle,
+                      bundle_dir=bundle_dir, pid_file=pid_file,
+                      log=host.task_dir / "runtime.log", cid=cid, network=network,
+                      detach=not gvisor, egress=egress, cgroup=limits, cgroup_leaf=leaf,
+                      notes=notes(task, host, network))
 
 
 _NETWORK_NOTES = {
@@ -250,11 +291,11 @@ _NETWORK_NOTES = {
     NetworkMode.HOST: "network host: no network namespace",
     NetworkMode.EGRESS: "network egress: a createRuntime hook holds the container until "
                         "slirp4netns --disable-host-loopback is attached to its network "
-                        "namespace; /etc/resolv.conf names slirp's DNS (refused where "
-                        "slirp4netns or /dev/net/tun is unusable: see doctor)",
+                        "namespace (once per task); /etc/resolv.conf names slirp's DNS "
+                        "(refused where slirp4netns or /dev/net/tun is unusable: see doctor)",
     NetworkMode.FILTERED: "network filtered: an empty network namespace (loopback only); the "
-                          "agent's forwarder on 127.0.0.1:3128 for the command's life, to the "
-                          "task's egress proxy socket bound at /run/fusion-oci/egress.sock",
+                          "agent's (init's) forwarder on 127.0.0.1:3128 to the task's egress "
+                          "proxy socket bound at /run/fusion-oci/egress.sock",
 }
 _GVISOR_NETWORK_NOTES = {
     NetworkMode.NONE: "network none: gVisor's netstack with loopback only (--network=none)",
@@ -265,34 +306,37 @@ _GVISOR_NETWORK_NOTES = {
                         "attached, then --network=host uses that namespace; /etc/resolv.conf "
                         "names slirp's DNS",
     NetworkMode.FILTERED: "network filtered: gVisor's netstack with loopback only "
-                          "(--network=none); the agent's forwarder on 127.0.0.1:3128 inside "
+                          "(--network=none); the agent's (init's) forwarder on 127.0.0.1:3128 "
+                          "inside "
                           "it, to the task's egress proxy socket bound at "
                           "/run/fusion-oci/egress.sock (--host-uds=open: the gofer may "
                           "connect to host unix sockets)",
 }
 
 
-def notes(spec: Spec, host: Host, network: NetworkMode) -> list[str]:
+def notes(task: TaskSpec, host: Host, network: NetworkMode) -> list[str]:
     """What the plan says in words next to the argv and bundle. Pure."""
-    from fusion_oci.oci.model import ANN_HOST_ROOTFS, ANN_IMAGE
-
-    ann = spec["annotations"]
-    if ann.get(ANN_IMAGE):
-        rootfs = (f"image {ann[ANN_IMAGE]}: root filesystem exported by podman from a created "
+    if task.image:
+        rootfs = (f"image {task.image}: root filesystem exported by podman from a created "
                   "(never started) container, read-only and shared per image digest")
-    elif ann.get(ANN_HOST_ROOTFS):
+    elif task.host_rootfs:
         rootfs = "empty rootfs/ plus read-only binds of the host's system directories"
     else:
         rootfs = "rootfs/ of the bundle"
     gvisor = is_gvisor(host.binary)
-    resources = spec["linux"].get("resources", {})
-    limits = [k for k in ops.CGROUP_RESOURCES if k in resources]
+    resources = task.resources
+    limits = [k for k in ops.CGROUP_RESOURCES if getattr(resources, k) is not None]
+    start = ("run in the foreground for the task's life, which removes the sandbox when "
+             "the agent exits at dispose" if gvisor else
+             "run --detach; delete --force at dispose")
     out = [
-        f"one container per command; {rootfs}",
+        "one container per task, started at prepare with the exec agent as its init on a "
+        "socketpair (its stdin); each command is a spawn frame to it (sdkKwargs); "
+        f"{start}; {rootfs}",
         (_GVISOR_NETWORK_NOTES if gvisor else _NETWORK_NOTES)[network],
-        "timeout/maxBuffer/abort: kill --all ID TERM, "
-        f"{GRACE_S:g}s grace, kill ID KILL; delete --force ID whenever state is left",
-        "exit status 128+N (N a signal) is read as death by signal N, as a shell reports it",
+        "timeout/maxBuffer/abort: the agent ends the command's whole tree (SIGTERM, "
+        f"{GRACE_S:g}s grace, SIGKILL); the container stays for the next command",
+        "exit status: the command's own wait status, as the agent reports it",
     ]
     if host.rootless_ids is not None:
         out.append("rootless: user namespace mapping only the caller's uid/gid; cgroup "
@@ -301,6 +345,10 @@ def notes(spec: Spec, host: Host, network: NetworkMode) -> list[str]:
         out.append("cgroup limits held by a cgroup of ours that runsc joins (cgroupsPath): "
                    + ", ".join(k for k in limits if k != "pids")
                    + ("; pids not enforced under gVisor" if "pids" in limits else ""))
+        if "memory" in limits:
+            out.append("memory: the sandbox's memory is the sentry's (one host process), so an "
+                       "OOM kill ends the whole sandbox: the command reads oom, the task's "
+                       "later commands fail (agent-lost)")
     elif limits:
         out.append("cgroup limits applied by the runtime: " + ", ".join(limits))
     return out

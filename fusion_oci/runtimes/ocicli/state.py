@@ -1,9 +1,10 @@
 """State and gc of the ``oci`` runtime's containers.
 
 Each prepared task owns ``STATE_BASE/<task>-<run>-<nonce>/`` (the runtime's ``--root`` in
-``state/``, the bundles in ``bundles/``) and holds an ``flock`` on its ``lock`` file until
-dispose. :func:`gc_oci` (also run by every ``prepare``) deletes the containers of directories
-whose lock is free (their process is gone, ``kill -9`` included) and removes the directories.
+``state/``, the task container's bundle in ``bundle/``) and holds an ``flock`` on its ``lock``
+file until dispose. :func:`gc_oci` (also run by every ``prepare``) deletes the containers of
+directories whose lock is free (their process is gone, ``kill -9`` included) and removes the
+directories.
 """
 
 from __future__ import annotations
@@ -53,16 +54,17 @@ def _ids(task_id: str, run_id: str) -> str:
     return base
 
 
-def container_id(task_id: str, run_id: str, nonce: str, seq: int) -> str:
-    """``TASK-RUN-NONCE-SEQ``: unique per command, and short enough to name a cgroup. Pure.
+def task_dir_name(task_id: str, run_id: str, nonce: str) -> str:
+    """``TASK-RUN-NONCE``: the task's state directory and its one container's id; unique per
+    prepare, and short enough to name a cgroup. Pure.
 
     The nonce keeps two processes that reuse a task and run id from sharing a cgroup path.
     """
-    return f"{_ids(task_id, run_id)}-{nonce}-{seq}"
-
-
-def task_dir_name(task_id: str, run_id: str, nonce: str) -> str:
     return f"{_ids(task_id, run_id)}-{nonce}"
+
+
+container_id = task_dir_name
+"""The task's container is named as its state directory."""
 
 
 @dataclass
@@ -79,10 +81,6 @@ class TaskState:
         """The runtime's ``--root``: its state of this task's containers."""
         return self.dir / "state"
 
-    @property
-    def bundles(self) -> Path:
-        return self.dir / "bundles"
-
 
 def open_task_dir(final: Path, nonce: str, owner: Mapping[str, Any]) -> TaskState:
     """Create and lock the task's state directory ``final``; it appears under its name
@@ -96,7 +94,6 @@ def open_task_dir(final: Path, nonce: str, owner: Mapping[str, Any]) -> TaskStat
         data = {"pid": os.getpid(), **owner, "created": time.time()}
         (tmp / "owner.json").write_text(json.dumps(data) + "\n", encoding="utf-8")
         (tmp / "state").mkdir(mode=0o700)
-        (tmp / "bundles").mkdir(mode=0o700)
         tmp.rename(final)
     except BaseException:
         os.close(fd)
@@ -105,18 +102,20 @@ def open_task_dir(final: Path, nonce: str, owner: Mapping[str, Any]) -> TaskStat
     return TaskState(final, nonce, fd)
 
 
-def read_counters(state_root: Path, cid: str) -> CgroupEvents:
-    """The stopped (``--keep``) container's OOM kills and pids-limit hits.
-
-    The cgroup directories come from runc's ``state.json``; for a runtime that keeps no such
-    file the counters stay 0 (unknown: no claim) and the reason falls back to the exit status.
-    """
+def cgroup_paths(state_root: Path, cid: str) -> dict[str, str]:
+    """The container's cgroup directories, from runc's ``state.json`` (``{}`` for a runtime
+    that keeps no such file: its counters stay 0, unknown, no claim)."""
     try:
         state = json.loads((state_root / cid / "state.json").read_text(encoding="utf-8"))
         paths: dict[str, str] = state.get("cgroup_paths") or {}
     except (OSError, ValueError):
-        return CgroupEvents()
-    return read_events(paths)
+        return {}
+    return paths
+
+
+def read_counters(state_root: Path, cid: str) -> CgroupEvents:
+    """The container's OOM kills and pids-limit hits so far (see :func:`cgroup_paths`)."""
+    return read_events(cgroup_paths(state_root, cid))
 
 
 # --- the runtime CLI's bookkeeping ----------------------------------------------------------
@@ -150,12 +149,12 @@ async def stop_container(binary: str, root: Path, cid: str, pid_file: Path,
     if term.returncode != 0:
         # --all needs the cgroup (rootless without delegation has none): pid 1 only.
         await cli(binary, root, "kill", cid, "TERM", env=env)
-    pid = _read_pid(pid_file)
-    if pid is None or not await _wait_exit(pid, grace_s):
+    pid = read_pid(pid_file)
+    if pid is None or not await wait_exit(pid, grace_s):
         await cli(binary, root, "kill", cid, "KILL", env=env)
 
 
-async def _wait_exit(pid: int, timeout_s: float) -> bool:
+async def wait_exit(pid: int, timeout_s: float) -> bool:
     """Wait until ``pid`` (not our child: the container's pid 1) exits; False on timeout.
 
     A pidfd becomes readable when the process exits, child or not, so nothing polls.
@@ -177,7 +176,7 @@ async def _wait_exit(pid: int, timeout_s: float) -> bool:
     return True
 
 
-def _read_pid(path: Path) -> int | None:
+def read_pid(path: Path) -> int | None:
     try:
         text = path.read_text(encoding="ascii").strip()
     except OSError:
