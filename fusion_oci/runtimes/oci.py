@@ -283,14 +283,14 @@ class OciRuntime(SpecRuntime):
     def enforces(self) -> frozenset[Requirement]:
         # NETWORK_FILTERED: the container's own empty netns and the agent's (init's)
         # forwarder (ocicli/filtered.py).
+        # CPU_TIME: the agent's setrlimit on each command, inside the sandbox; under gVisor
+        # (20221219) only such a call arms RLIMIT_CPU (a spec rlimit shows in `ulimit -t` yet
+        # never fires), which the agent as the task's init makes for every command.
         out = {Requirement.FILESYSTEM, Requirement.PROC_PATHS,
                Requirement.ENV, Requirement.NETWORK_NONE, Requirement.NETWORK_FILTERED,
                Requirement.CPU_TIME, Requirement.TMP_SIZE, Requirement.FILE_SIZE}
         if is_gvisor(self.runtime_name):
             out.discard(Requirement.TMP_SIZE)  # gVisor's tmpfs ignores size= (seen: 20221219)
-            # gVisor (20221219) arms RLIMIT_CPU only on a setrlimit call inside the sandbox:
-            # the spec's rlimit shows in `ulimit -t` yet a busy loop runs on (tests/contract).
-            out.discard(Requirement.CPU_TIME)
         if self.egress_status()[0]:
             out.add(Requirement.NETWORK_EGRESS)
         return frozenset(out) | self._limits()

@@ -265,9 +265,6 @@ NOT_ENFORCED = {
     ("pids", "landlock"), ("oom", "landlock"),
     # gVisor's processes are tasks of its own kernel: a host pids cgroup cannot count them.
     ("pids", "oci-runsc"),
-    # gVisor 20221219 shows the spec's RLIMIT_CPU but never fires it (only a setrlimit made
-    # inside the sandbox arms it), so the oci runtime refuses cpuLimit.maxMs under runsc.
-    ("cpu-time", "oci-runsc"),
     # Rootless podman and rootless dockerd on a cgroup v1 host have no cgroup of their own.
     ("pids", ROOTLESS), ("oom", ROOTLESS), ("pids", DOCKERLESS), ("oom", DOCKERLESS),
 }

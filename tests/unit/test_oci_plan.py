@@ -317,7 +317,8 @@ def test_runsc_never_claims_pids_and_is_unavailable_rootless() -> None:
     rt = runtime(oci_runtime="runsc")
     rt._cgroups = Hierarchy("v1", frozenset({"memory", "pids", "cpu"}))
     assert Requirement.PIDS not in rt.enforces()
-    assert Requirement.CPU_TIME not in rt.enforces()  # gVisor never fires the spec's RLIMIT_CPU
+    # gVisor fires RLIMIT_CPU only when set inside: the agent's setrlimit per command does.
+    assert Requirement.CPU_TIME in rt.enforces()
     assert Requirement.MEMORY in rt.enforces()
     rootless = runtime(uid=1000, oci_runtime="runsc")
     rootless._binary = "/usr/bin/runsc"

@@ -26,6 +26,8 @@ def gvisor_details(rootless: bool, limits: frozenset[Requirement]) -> dict[str, 
                    "every errno rule with EPERM: clone3's ENOSYS (so that libc falls back to "
                    "clone) is said as SCMP_ACT_TRACE there",
         "tmpSizeMb": "not enforced: gVisor's tmpfs ignores size=",
+        "cpuLimit.maxMs": "RLIMIT_CPU set by the agent (the sandbox's init) inside gVisor on "
+                          "each command (a spec rlimit alone never fires there)",
         "memoryLimitMb": "the sandbox's cgroup: an OOM kill ends the whole sandbox (the "
                          "command reads oom; the task's later commands cannot run)",
         "rootless": "unavailable (see reason)" if rootless else "rootful",
