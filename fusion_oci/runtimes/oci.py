@@ -73,7 +73,6 @@ from fusion_oci.runtimes.ocicli.launch import (
     TaskLaunch,
     bundle_spec,
     egress_launch_argv,
-    exec_failure_status,
     is_gvisor,
     process_key,
     render,
@@ -102,8 +101,8 @@ from fusion_oci.runtimes.skeleton import SpecRuntime
 
 __all__ = [  # the names other modules and tests import from here
     "EgressHook", "OciRuntime", "bundle_spec", "container_id", "egress_launch_argv",
-    "exec_failure_status", "exit_status", "gc_oci", "list_containers", "run_argv",
-    "runtime_flags", "state_base", "with_init",
+    "exit_status", "gc_oci", "list_containers", "run_argv", "runtime_flags", "state_base",
+    "with_init",
 ]
 
 if TYPE_CHECKING:

@@ -15,7 +15,6 @@ sends that frame, nothing else.
 from __future__ import annotations
 
 import copy
-import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -352,23 +351,3 @@ def notes(task: TaskSpec, host: Host, network: NetworkMode) -> list[str]:
     elif limits:
         out.append("cgroup limits applied by the runtime: " + ", ".join(limits))
     return out
-
-
-# runc logs in logfmt, so the quotes around the command arrive escaped (\").
-_EXEC_FAILURE = re.compile(r'exec: \\?"(?P<cmd>.*?)\\?": (?P<why>[^"\n]*)')
-# runsc: 'error finding executable "X" in PATH [...]: no such file or directory' and
-# 'creating process: failed to load X: permission denied', after its own "running container:".
-_GVISOR_EXEC_FAILURE = re.compile(
-    r'^running container: .*starting sandbox: (?:error finding executable "(?P<cmd>.*?)" '
-    r'in PATH \[.*?\]|creating process: failed to load (?P<path>.*?)): (?P<why>.*)$',
-    re.MULTILINE)
-
-
-def exec_failure_status(stderr: str) -> int | None:
-    """127/126 when the runtime (runc or runsc) could not exec the command, as a shell would
-    say; else None. Pure."""
-    match = _EXEC_FAILURE.search(stderr) or _GVISOR_EXEC_FAILURE.search(stderr)
-    if match is None:
-        return None
-    why = match["why"].lower()
-    return 127 if ("no such file" in why or "not found" in why) else 126

@@ -28,7 +28,7 @@ from fusion_oci.process import ProcessOutcome, run_process
 from fusion_oci.runtimes.linux.cgroups import CgroupEvents, read_events
 
 CONTROL_TIMEOUT_S = 30.0
-"""For the runtime's own bookkeeping commands (kill, delete, list)."""
+"""For the runtime's own bookkeeping commands (delete, list)."""
 NEW_DIR_PREFIX = ".new-"
 
 
@@ -136,22 +136,6 @@ def tail(text: str, lines: int = 8) -> str:
 async def cli(binary: str, root: Path, *args: str, env: Mapping[str, str]) -> ProcessOutcome:
     return await run_process([binary, "--root", str(root), *args], env=cli_env(env),
                              timeout_s=CONTROL_TIMEOUT_S)
-
-
-async def stop_container(binary: str, root: Path, cid: str, pid_file: Path,
-                         env: Mapping[str, str], grace_s: float = 2.0) -> None:
-    """TERM to every process of the container, the grace period, then KILL to pid 1.
-
-    pid 1 of a pid namespace ignores signals it has no handler for, so TERM alone may
-    leave the container running; KILL to pid 1 tears the whole namespace down.
-    """
-    term = await cli(binary, root, "kill", "--all", cid, "TERM", env=env)
-    if term.returncode != 0:
-        # --all needs the cgroup (rootless without delegation has none): pid 1 only.
-        await cli(binary, root, "kill", cid, "TERM", env=env)
-    pid = read_pid(pid_file)
-    if pid is None or not await wait_exit(pid, grace_s):
-        await cli(binary, root, "kill", cid, "KILL", env=env)
 
 
 async def wait_exit(pid: int, timeout_s: float) -> bool:
