@@ -288,6 +288,16 @@ class Agent:
         await agent._greeted(timeout_s)
         return agent
 
+    @classmethod
+    async def connected(cls, sock: socket.socket, peer_pid: int | None,
+                        timeout_s: float) -> Agent:
+        """An agent on the other end of ``sock`` (a socketpair handed to a launcher that
+        detached, as ``runc run --detach`` does), whose pid as this host sees it is
+        ``peer_pid``: greeted (version checked, bounded) before it is returned."""
+        agent = cls(sock, peer_pid=peer_pid)
+        await agent._greeted(timeout_s)
+        return agent
+
     async def _greeted(self, timeout_s: float) -> None:
         try:
             hello = await asyncio.wait_for(asyncio.shield(self._hello), timeout_s)

@@ -409,10 +409,8 @@ class OciRuntime(SpecRuntime):
                     if link is not None and link.error is not None:
                         raise link.error
                     pid = read_pid(launch.pid_file)
-                    agent = Agent(ours, peer_pid=pid)
-                    # The client's own greeting (version check, bounded); the agent is ours
-                    # already (a socketpair: nothing else can be on the other end).
-                    await agent._greeted(START_TIMEOUT_S)
+                    # A socketpair: nothing else can be on the other end.
+                    agent = await Agent.connected(ours, pid, START_TIMEOUT_S)
                 else:
                     # The CLI stays: the agent's close waits for it (and ends its group if it
                     # hangs), as for bwrap.
