@@ -84,34 +84,40 @@ def read_spec(spec: Mapping[str, Any], *, name: str, image: str, image_digest: s
     ``system_dests``: destinations of the host's system directories (a host-rootfs spec);
     those are replaced by the image. ``env_names``: variables passed from the caller.
     """
-    from fusion_oci.oci.model import ANN, ANN_NETWORK
+    from pydantic import ValidationError
 
-    proc = spec["process"]
+    from fusion_oci.errors import BundleError
+    from fusion_oci.oci.model import ANN, ANN_NETWORK, split
+
+    try:
+        task, proc = split(spec)
+    except (ValidationError, KeyError) as exc:
+        raise BundleError("the recorded spec cannot be exported", str(exc).splitlines()[0],
+                          "export a run recorded by this version of fusion-oci") from exc
     passed = set(env_names)
     env: dict[str, str | None] = {}
-    for item in proc.get("env", []):
+    for item in proc.env:
         key, eq, value = item.partition("=")
         env[key] = None if (key in passed or not eq) else value
     skip = set(system_dests) | ENGINE_MOUNTS
     mounts: list[Mount] = []
-    for m in spec.get("mounts", []):
-        if m["destination"] in skip:
+    for m in task.mounts:
+        if m.destination in skip:
             continue
-        options = m.get("options", [])
-        if m.get("type") == "tmpfs":
-            mounts.append(Mount(m["destination"], "tmpfs", size=_bytes_size(options),
-                                mode=_opt(options, "mode"), uid=_opt(options, "uid"),
-                                gid=_opt(options, "gid")))
-        elif m.get("type") == "bind" or "bind" in options or "rbind" in options:
-            src = m.get("source", m["destination"])
-            mounts.append(Mount(m["destination"], "bind", src, "ro" in options,
+        options = m.options or []
+        if m.type == "tmpfs":
+            mounts.append(Mount(m.destination, "tmpfs", size=_bytes_size(options),
+                                mode=m.option("mode"), uid=m.option("uid"),
+                                gid=m.option("gid")))
+        elif m.type == "bind" or "bind" in options or "rbind" in options:
+            src = m.source or m.destination
+            mounts.append(Mount(m.destination, "bind", src, m.readonly,
                                 is_file=Path(src).is_file()))
-    linux = spec.get("linux", {})
-    res = linux.get("resources", {})
-    cpu = res.get("cpu") or {}
-    cpus = cpu["quota"] / cpu.get("period", 100_000) if cpu.get("quota") else None
-    rlimits = {RLIMIT_KEYS[r["type"]]: (int(r["soft"]), int(r["hard"]))
-               for r in proc.get("rlimits", []) if r["type"] in RLIMIT_KEYS}
+    res = task.resources
+    cpu = res.cpu
+    cpus = cpu.quota / (cpu.period or 100_000) if cpu is not None and cpu.quota else None
+    rlimits = {RLIMIT_KEYS[r.type]: (r.soft, r.hard) for r in proc.rlimits
+               if r.type in RLIMIT_KEYS}
     # A process the sandbox starts inherits the caller's RLIMIT_NPROC; an engine would apply
     # its own default instead (podman's for root exceeds some hosts' hard limit), so say it.
     if "nproc" not in rlimits and host_rlimits is not None:
@@ -119,20 +125,21 @@ def read_spec(spec: Mapping[str, Any], *, name: str, image: str, image_digest: s
 
         limits = {k: (int(v[0]), int(v[1])) for k, v in host_rlimits.items()}
         rlimits["nproc"] = nproc_limit(limits) or (-1, -1)
-    ann = spec.get("annotations", {})
+    ann = task.annotations
+    linux = task.linux
     return ExportSource(
-        name=name, image=image, image_digest=image_digest, argv=list(proc["args"]),
-        cwd=proc.get("cwd", "/"), env=env, uid=int(proc["user"]["uid"]),
-        gid=int(proc["user"]["gid"]), mounts=mounts,
+        name=name, image=image, image_digest=image_digest, argv=list(proc.args),
+        cwd=proc.cwd, env=env, uid=proc.user.uid, gid=proc.user.gid, mounts=mounts,
         network=ann.get(ANN_NETWORK, "none"),
-        memory_bytes=(res.get("memory") or {}).get("limit"), cpus=cpus,
-        pids=(res.get("pids") or {}).get("limit"), rlimits=rlimits,
-        read_only_root=bool(spec.get("root", {}).get("readonly", False)),
-        no_new_privileges=bool(proc.get("noNewPrivileges", False)),
-        capabilities=sorted(proc.get("capabilities", {}).get("bounding", [])),
-        seccomp=linux.get("seccomp"), masked_paths=list(linux.get("maskedPaths", [])),
-        readonly_paths=list(linux.get("readonlyPaths", [])), hostname=spec.get("hostname"),
-        labels={k: v for k, v in ann.items() if k.startswith(ANN) and isinstance(v, str)},
+        memory_bytes=res.memory.limit if res.memory else None, cpus=cpus,
+        pids=res.pids.limit if res.pids else None, rlimits=rlimits,
+        read_only_root=bool(task.root.readonly),
+        no_new_privileges=proc.no_new_privileges,
+        capabilities=proc.kept_capabilities(),
+        seccomp=linux.seccomp.to_oci() if linux.seccomp is not None else None,
+        masked_paths=list(linux.masked_paths or []),
+        readonly_paths=list(linux.readonly_paths or []), hostname=task.hostname,
+        labels={k: v for k, v in ann.items() if k.startswith(ANN)},
         notes=list(notes),
     )
 

@@ -12,6 +12,7 @@ from fusion_oci.export import EXPORT_FORMATS, Mount, export_run, podman_argv, re
 
 def _spec() -> dict:
     return {
+        "ociVersion": "1.0.2",
         "process": {"args": ["/bin/sh", "-c", "echo $HOME"], "cwd": "/w",
                     "env": ["PATH=/bin", "TOKEN"], "user": {"uid": 1000, "gid": 1000},
                     "rlimits": [{"type": "RLIMIT_NOFILE", "soft": 1024, "hard": 1024}],
