@@ -160,7 +160,9 @@ def gc(
     at every prepare.
     """
     from fusion_oci.policy.settings import SandboxSettings
+    from fusion_oci.runtimes.base import default_cache_root
     from fusion_oci.scratch import gc_scratch
+    from fusion_oci.store import prune_stores
 
     chosen = settings or SandboxSettings()
     source = dict(os.environ if env is None else env)
@@ -195,6 +197,7 @@ def gc(
                 service.stop()
     if not dry_run:
         report.removed += [f"scratch folder {path}" for path in gc_scratch()]
+    report.merge(GcReport(*prune_stores(default_cache_root(source), dry_run=dry_run)))
     return report
 
 

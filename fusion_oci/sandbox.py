@@ -333,6 +333,8 @@ class Sandbox:
                     replay["stderr_digest"] = "sha256:" + hashers["stderr"].hexdigest()
             except (OSError, FusionOCIError) as exc:
                 replay = {"details": {"replay_error": str(exc)}}
+        if self.linker is not None and (links := self.linker.last.audit()) is not None:
+            replay["details"] = {**replay.get("details", {}), "store_links": links}
         self._event(
             "sandbox:run",
             command=shown[:200],
