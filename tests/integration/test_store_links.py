@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from fusion_oci.audit import AuditLog, read_events
 from fusion_oci.models import NetworkMode, PrepareContext, RunOptions, SandboxPolicy
 from fusion_oci.policy.settings import GateSettings, SandboxSettings
 from fusion_oci.sandbox import Sandbox
@@ -58,7 +59,9 @@ async def install(backend: str, settings: SandboxSettings, tmp_path: Path, task:
     env = {"HOME": str(home), "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
            "LANG": "C.UTF-8", **{k: v for k, v in os.environ.items()
                                  if k in ("DOCKER_HOST", "FUSION_OCI_PODMAN_URL")}}
-    async with Sandbox(settings, env=env, cache_root=tmp_path / "cache") as sb:
+    audit_path = tmp_path / f"audit-{task}.jsonl"
+    async with Sandbox(settings, env=env, cache_root=tmp_path / "cache",
+                       audit=AuditLog(audit_path, key=b"")) as sb:
         await sb.prepare(PrepareContext(task_id=task, run_id="r1", worktree_path=str(wt),
                                         policy=settings.policy, project_dir=str(project),
                                         image=image))
@@ -72,6 +75,12 @@ async def install(backend: str, settings: SandboxSettings, tmp_path: Path, task:
         again = await sb.run("pnpm install --frozen-lockfile --offline && rm -rf node_modules "
                              "&& pnpm install --frozen-lockfile --offline", LONG)
         assert again.exit_code == 0, again.stderr + again.stdout
+    # The host's pass is in the install's audit event: what it linked, in how long.
+    runs = [e for e in read_events(audit_path) if e.type == "sandbox:run"
+            and e.command == "pnpm install --frozen-lockfile"]
+    assert runs and runs[-1].details, runs
+    links = runs[-1].details["store_links"]
+    assert links["linked"] > 0 and "stopped" not in links, links
     return wt, seen.stdout
 
 
