@@ -207,3 +207,23 @@ def test_a_failing_pass_is_reported_not_raised(tmp_path: Path) -> None:
     stats = StoreLinker(wt, root).after_command()
     assert stats.stopped.startswith("host pass failed") and stats.linked == 0
     assert (wt / PKG / "a.js").read_bytes() == b"abc"
+
+
+def test_the_swap_exchanges_names_and_leaves_none_of_its_own(tmp_path: Path) -> None:
+    """The file's name holds the old file or the new link at every moment (an exchange, not
+    an unlink then a link), and the old file goes after; a name that vanished meanwhile is an
+    error the pass counts as skipped (its temporary link is the caller's to remove)."""
+    (tmp_path / "blob").write_bytes(b"blob")
+    (tmp_path / "name").write_bytes(b"task's copy")
+    os.link(tmp_path / "blob", tmp_path / "tmp")
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        store._swap(fd, "tmp", "name")
+        assert (tmp_path / "name").samefile(tmp_path / "blob")
+        assert not (tmp_path / "tmp").exists()
+        os.link(tmp_path / "blob", tmp_path / "tmp")
+        with pytest.raises(FileNotFoundError):
+            store._swap(fd, "tmp", "gone")
+        assert (tmp_path / "tmp").exists() and not (tmp_path / "gone").exists()
+    finally:
+        os.close(fd)
