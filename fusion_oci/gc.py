@@ -159,8 +159,8 @@ def gc(
     Scratch folders in the temp dir whose owner is gone (a ``kill -9``'d run's) go too, as
     at every prepare.
     """
+    from fusion_oci.cachedir import default_cache_root
     from fusion_oci.policy.settings import SandboxSettings
-    from fusion_oci.runtimes.base import default_cache_root
     from fusion_oci.scratch import gc_scratch
     from fusion_oci.store import prune_stores
 
