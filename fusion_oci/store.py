@@ -72,6 +72,8 @@ MAX_DEPTH = 48
 """Deepest folder (below ``node_modules/.pnpm``) the walk enters: pnpm's own layout is 3-4
 deep (``NAME@VER/node_modules/@SCOPE/NAME``), tests/data/workload-project 7 in all; each
 level holds a directory fd while the walk is below it."""
+STAGING = "_tmp_"
+"""In a folder name: pnpm's staging folder of a package being imported (never walked)."""
 LOCK = ".lock"
 """The store's lock file (``flock``: shared by passes, exclusive for a prune)."""
 
@@ -335,6 +337,10 @@ def _walk(nm_fd: int, root: Path, stats: LinkStats) -> None:
                 if dirpath.count(os.sep) >= MAX_DEPTH and dirs:
                     run.count(too_deep=len(dirs))
                     dirs.clear()  # topdown: fwalk enters only what is left in the list
+                # pnpm imports a package into NAME_tmp_PID (then renames it into place): files
+                # there may be half-written by a command still running, and a blob of half a
+                # file swapped in would be what the package holds once renamed.
+                dirs[:] = [d for d in dirs if STAGING not in d]
                 if dirpath == VIRTUAL_STORE[1]:
                     # pnpm's own metadata (lock.yaml): rewritten by every install through
                     # write-file-atomic, which chowns its temporary file to the old owner.

@@ -227,3 +227,15 @@ def test_the_swap_exchanges_names_and_leaves_none_of_its_own(tmp_path: Path) -> 
         assert (tmp_path / "tmp").exists() and not (tmp_path / "gone").exists()
     finally:
         os.close(fd)
+
+
+def test_pnpms_staging_folders_are_not_walked(tmp_path: Path) -> None:
+    """A package pnpm is importing (``NAME_tmp_PID``, renamed into place when complete) may be
+    half-written by a command still running: its files stay as they are."""
+    wt, root = tmp_path / "wt", tmp_path / "blobs"
+    install(wt, {"index.js": b"done"})
+    stage = wt / "node_modules" / ".pnpm" / "other@1.0.0" / "node_modules" / "other_tmp_4242"
+    stage.mkdir(parents=True)
+    (stage / "index.js").write_bytes(b"half a fi")
+    assert dedup(wt, root).linked == 1
+    assert (stage / "index.js").stat().st_uid == os.getuid()
