@@ -128,7 +128,8 @@ def gc(
     as_json: AsJson = False,
 ) -> None:
     """Remove what crashed or killed fusion-oci processes left behind: containers and volumes
-    (podman, docker) and OCI runtime state (runc), each labelled with a dead owner."""
+    (podman, docker) and OCI runtime state (runc), each labelled with a dead owner; and the
+    package store's blobs no worktree links any more."""
     import asyncio
     import os
 
