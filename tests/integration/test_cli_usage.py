@@ -167,7 +167,7 @@ def test_json_keys_are_camel_case(worktree: Path) -> None:
     assert bad == set()
     p = cli("plan", "--json", "--backend", "docker", "--", "true", cwd=worktree)
     launch = json.loads(p.stdout)["launch"]
-    assert "sdkKwargs" in launch and "sdk_kwargs" not in launch
+    assert "sdkKwargs" in launch["sandbox"] and "sdk_kwargs" not in launch["sandbox"]
 
 
 def test_piped_plan_keeps_long_lines_whole(worktree: Path) -> None:
