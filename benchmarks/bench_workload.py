@@ -36,13 +36,23 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import markdown_table, write_markdown
+from benchmarks.workload_raw import (
+    host_node,
+    pin_project,
+    pinned_image,
+    raw_engine_for,
+    raw_runsc_argv,
+    split_times,
+    timed,
+    timed_script,
+)
 from fusion_oci.models import CacheMode, NetworkMode, RunOptions
 from fusion_oci.runtimes.landlock import host_abi, workload_network
 from tests.contract.harness import (
@@ -61,9 +71,13 @@ LOCAL = shutil.ignore_patterns("node_modules", "dist", ".pnpm-store")
 RUNTIMES = ["native", "bubblewrap", "landlock", "oci", "oci-runsc", "podman", ROOTLESS,
             "docker", DOCKERLESS]
 """The contract suite's runtimes but its test plugin (which runs commands natively)."""
-STEPS = (("install (cold store)", "pnpm install --frozen-lockfile"),
-         ("install (warm store)", "rm -rf node_modules && pnpm install --frozen-lockfile"),
-         ("tests", "pnpm test"), ("type check", "pnpm typecheck"), ("build", "pnpm build"))
+INSTALL = (("install (cold store)", "pnpm install --frozen-lockfile"),
+           ("install (warm store)", "rm -rf node_modules && pnpm install --frozen-lockfile"))
+WORK = (("tests", "pnpm test"), ("type check", "pnpm typecheck"), ("build", "pnpm build"))
+STEPS = INSTALL + WORK
+PIN: list[str] = []
+"""The Node.js version the project copy declares in ``.node-version`` (none: the image's
+default line), set by :func:`run`."""
 LONG = RunOptions(timeout_ms=600_000)
 TASK_LABEL = "io.fusion-oci.task-id"
 GIT_ENV = {"GIT_AUTHOR_NAME": "b", "GIT_AUTHOR_EMAIL": "b@e", "GIT_COMMITTER_NAME": "b",
@@ -79,6 +93,17 @@ class Figures:
     extra_disk: tuple[int, int] | None = None
     """(KiB a second task adds, KiB of one node_modules)."""
     idle_pss_kib: int | None = None
+    proxy_kib: int | None = None
+    """What a prepared sandbox under ``network: filtered`` holds more than one under ``egress``
+    (the running egress proxy), or None with ``proxy_note`` saying why."""
+    proxy_note: str = ""
+    node: str = ""
+    """``node --version`` and ``pnpm --version`` in the sandbox."""
+    raw: dict[str, list[float]] = field(default_factory=dict)
+    """The same WORK steps run by the raw tool (engine exec, runsc do) in the same worktree."""
+    raw_failed: str = ""
+    retries: list[str] = field(default_factory=list)
+    """Rounds run again after a set-up failure (the first attempt's error)."""
 
 
 def git(*args: str) -> None:
@@ -95,6 +120,8 @@ def linked_project(site: Path, task: str = "task") -> Path:
         repo.mkdir()
         git("init", "-q", "-b", "main", str(repo))
         shutil.copytree(PROJECT, repo, dirs_exist_ok=True, ignore=LOCAL)
+        if PIN:
+            pin_project(repo, PIN[0])
         git("-C", str(repo), "add", "-A")
         git("-C", str(repo), "commit", "-qm", "init")
     wt = site / f"wt-{task}"
@@ -155,17 +182,18 @@ class _Result:
     stderr: str = ""
 
 
-def open_box(name: str, rt: Runtime | None, site: Path, wt: Path
-             ) -> AbstractAsyncContextManager[Box]:
+def open_box(name: str, rt: Runtime | None, site: Path, wt: Path,
+             network: NetworkMode | None = None) -> AbstractAsyncContextManager[Box]:
     if rt is None:
         return Host(site).box(wt)
-    network = workload_network(host_abi()) if name == "landlock" else NetworkMode.EGRESS
+    if network is None:
+        network = workload_network(host_abi()) if name == "landlock" else NetworkMode.EGRESS
     return sandbox(rt, wt, network=network, cache_mode=CacheMode.SHARED,
                    cache_root=site / "cache", project_dir=site / "project")
 
 
-async def steps(box: Box, fig: Figures) -> bool:
-    for label, command in STEPS:
+async def steps(box: Box, fig: Figures, which: tuple[tuple[str, str], ...] = STEPS) -> bool:
+    for label, command in which:
         start = time.monotonic()
         r = await box.run(command, LONG)
         took = time.monotonic() - start
@@ -176,6 +204,48 @@ async def steps(box: Box, fig: Figures) -> bool:
             return False
         fig.seconds.setdefault(label, []).append(took)
     return True
+
+
+def has_raw(name: str, rt: Runtime | None) -> bool:
+    """The runtimes a raw tool is measured beside: the engines (their image) and runsc."""
+    return rt is not None and (rt.image is not None or name == "oci-runsc")
+
+
+def raw_steps(name: str, rt: Runtime, wt: Path, fig: Figures) -> None:
+    """The WORK steps in ``wt`` by the raw tool (blocking: run it in a thread)."""
+    if fig.raw_failed:
+        return
+    if rt.image is None:  # runsc: one sandbox, the steps timed inside it
+        marks = wt.parent / f"raw-marks-{uuid.uuid4().hex[:6]}"
+        script = "export CI=1 && " + timed_script([c for _, c in WORK], marks)
+        _, code, tail = timed(raw_runsc_argv(wt, script))
+        got = split_times(marks)
+        if code != 0 or len(got) != len(WORK):
+            fig.raw_failed = f"runsc do fails (exit {code}, {len(got)} steps): {tail[-160:]}"
+            return
+        for (label, _), took in zip(WORK, got, strict=True):
+            fig.raw.setdefault(label, []).append(took)
+        return
+    engine = raw_engine_for(name, rt.image, rt.user.xdg if rt.user else None)
+    try:
+        cid = engine.start(wt)
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        fig.raw_failed = str(exc)[:200]
+        return
+    try:
+        for label, command in WORK:
+            took, code, tail = timed(engine.exec_argv(cid, command))
+            if code != 0:
+                fig.raw_failed = f"raw {label} fails (exit {code}): {tail[-160:]}"
+                return
+            fig.raw.setdefault(label, []).append(took)
+    finally:
+        engine.stop(cid)
+
+
+async def versions(box: Box) -> str:
+    r = await box.run("echo node $(node --version) pnpm $(pnpm --version)", LONG)
+    return " ".join(r.stdout.split()) if r.exit_code == 0 else f"exit {r.exit_code}"
 
 
 def du_kib(*paths: Path) -> int:
@@ -269,15 +339,43 @@ def idle_pss(before: set[int], markers: list[str]) -> int:
     return counted
 
 
-async def measure_idle(name: str, rt: Runtime, site: Path, wt: Path) -> int:
+async def measure_idle(name: str, rt: Runtime, site: Path, wt: Path,
+                       network: NetworkMode = NetworkMode.EGRESS) -> tuple[int, int]:
+    """(PSS of the sandbox's processes, the same plus the library's owner process's growth:
+    this process's, or the rootless driver's whole PSS) of an idle prepared sandbox."""
     before = _pids()
-    async with open_box(name, rt, site, wt) as box:
+    mine = _pss_kib(os.getpid())
+    async with open_box(name, rt, site, wt, network) as box:
         await box.run("true")
         await asyncio.sleep(2)  # whatever prepare started settles
         markers = [f"contract-{name}"]
         if rt.image is not None:
             markers += container_ids(name, rt, f"contract-{name}")
-        return idle_pss(before, markers)
+        own = idle_pss(before, markers)
+        drivers = sum(_pss_kib(p) for p in _pids() - before
+                      if any(d in _cmdline(p) for d in DRIVERS[:1]))
+        return own, own + drivers + max(0, _pss_kib(os.getpid()) - mine)
+
+
+async def measure_proxy(name: str, rt: Runtime, base: Path, rootless: bool, fig: Figures
+                        ) -> None:
+    """A prepared sandbox under ``filtered`` (its egress proxy running) against one under
+    ``egress``, each measured the same way, egress first (what the first sandbox of a process
+    pays once, the event loop and its imports, falls on egress)."""
+    totals: list[int] = []
+    for network in (NetworkMode.EGRESS, NetworkMode.FILTERED):
+        site = new_site(base, name, rootless)
+        try:
+            _, total = await measure_idle(name, rt, site, linked_project(site, "proxy"),
+                                          network)
+        except Exception as exc:
+            fig.proxy_note = f"{network.value}: {type(exc).__name__}: {str(exc)[:120]}"
+            return
+        finally:
+            if rootless:
+                shutil.rmtree(site, ignore_errors=True)
+        totals.append(total)
+    fig.proxy_kib = max(0, totals[1] - totals[0])
 
 
 # ---------------------------------------------------------------------------- the run
@@ -300,28 +398,61 @@ def collect_rootless(rt: Runtime) -> None:
     subprocess.run(rt.user.argv("gc", args), capture_output=True, timeout=300, cwd="/")
 
 
-async def one(name: str, rt: Runtime | None, base: Path, fig: Figures, first: bool,
-              cleanups: list[Callable[[], Awaitable[None] | None]]) -> None:
+async def one(name: str, rt: Runtime | None, base: Path, fig: Figures, index: int,
+              cleanups: list[Callable[[], Awaitable[None] | None]], label: str = "",
+              extras: bool = True) -> None:
     if fig.failed:
         return
     rootless = rt is not None and rt.user is not None
+    for attempt in (1, 2):
+        try:
+            await one_round(name, rt, base, fig, index, rootless, cleanups, extras)
+            break
+        except Exception as exc:  # a runtime that breaks is reported, the others go on
+            why = f"{type(exc).__name__}: " + " ".join(str(exc).split())[:200]
+            for got in (*fig.seconds.values(), *fig.raw.values()):
+                del got[index:]  # what the broken attempt measured of this round
+            if attempt == 1 and not fig.failed:
+                # Once more: the shared engines flake under other helpers' load (a container
+                # another task removes while ours lists them); a second failure is the answer.
+                fig.retries.append(f"round {index + 1}: {why}")
+                continue
+            fig.failed = fig.failed or f"fails: {why}"
+    print(f"  {label or name}: " + (fig.failed or " ".join(
+        f"{k} {v[-1]:.1f}s" for k, v in fig.seconds.items())) + (
+        "; raw " + (fig.raw_failed or " ".join(f"{k} {v[-1]:.1f}s" for k, v in fig.raw.items()))
+        if fig.raw or fig.raw_failed else ""), flush=True)
+
+
+async def one_round(name: str, rt: Runtime | None, base: Path, fig: Figures, index: int,
+                    rootless: bool, cleanups: list[Callable[[], Awaitable[None] | None]],
+                    extras: bool = True) -> None:
+    first = index == 0
     site = new_site(base, name, rootless)
     if rootless:
         cleanups.append(lambda: shutil.rmtree(site, ignore_errors=True))
-    try:
-        wt = linked_project(site)
-        async with open_box(name, rt, site, wt) as box:
-            ok = await steps(box, fig)
+    wt = linked_project(site)
+    async with open_box(name, rt, site, wt) as box:
+        ok = await steps(box, fig, INSTALL)
         if ok and first:
-            fig.extra_disk = await second_task(name, rt, site, wt)
-            if rt is not None:
-                idle = site if rootless else new_site(base, name, False)
-                fig.idle_pss_kib = await measure_idle(name, rt, idle,
-                                                      linked_project(idle, "idle"))
-    except Exception as exc:  # a runtime that breaks is reported, the others go on
-        fig.failed = fig.failed or f"fails: {type(exc).__name__}: {str(exc)[:200]}"
-    print(f"  {name}: " + (fig.failed or " ".join(
-        f"{k} {v[-1]:.1f}s" for k, v in fig.seconds.items())), flush=True)
+            fig.node = await versions(box)
+        if ok and rt is not None and has_raw(name, rt):
+            # The raw tool works in the same worktree (its node_modules from our install)
+            # while our sandbox idles; who goes first alternates round by round.
+            if index % 2:
+                await asyncio.to_thread(raw_steps, name, rt, wt, fig)
+            ok = await steps(box, fig, WORK)
+            if ok and not index % 2:
+                await asyncio.to_thread(raw_steps, name, rt, wt, fig)
+        elif ok:
+            ok = await steps(box, fig, WORK)
+    if ok and first and extras:
+        fig.extra_disk = await second_task(name, rt, site, wt)
+        if rt is not None:
+            idle = site if rootless else new_site(base, name, False)
+            fig.idle_pss_kib, _ = await measure_idle(name, rt, idle,
+                                                     linked_project(idle, "idle"))
+            await measure_proxy(name, rt, base, rootless, fig)
 
 
 def med(values: list[float]) -> float:
@@ -346,6 +477,21 @@ def render(figs: dict[str, Figures], rounds: int) -> str:
         rows.append([name, *(f"{mine[k] / base[k]:.2f}x" for k in labels),
                      f"{sum(mine[k] for k in work) / sum(base[k] for k in work):.2f}x"])
     steps_table = markdown_table(headers, rows)
+    raw_rows: list[list[object]] = []
+    for name, fig in figs.items():
+        if name == "host" or fig.failed or not (fig.raw or fig.raw_failed):
+            continue
+        if fig.raw_failed:
+            raw_rows.append([name, fig.node, "-", "-", "-", "-", fig.raw_failed])
+            continue
+        mine = {k: med(v) for k, v in fig.seconds.items()}
+        raw = {k: med(v) for k, v in fig.raw.items()}
+        raw_rows.append([name, fig.node, *(f"{mine[k] / raw[k]:.2f}x" for k in work),
+                         f"{sum(mine[k] for k in work) / sum(raw[k] for k in work):.2f}x",
+                         f"{sum(raw[k] for k in work) / sum(base[k] for k in work):.2f}x"])
+    raw_table = markdown_table(
+        ["runtime", "in the sandbox", *(f"{k}: ours / raw" for k in work),
+         "tests + check + build: ours / raw", "raw / host"], raw_rows)
     res_rows: list[list[object]] = []
     for name, fig in figs.items():
         disk = "-"
@@ -353,13 +499,28 @@ def render(figs: dict[str, Figures], rounds: int) -> str:
             extra, nm = fig.extra_disk
             disk = f"{extra / 1024:.1f} MB ({100 * extra / nm:.0f}% of {nm / 1024:.0f} MB)"
         mem = "-" if fig.idle_pss_kib is None else f"{fig.idle_pss_kib / 1024:.1f} MB"
-        res_rows.append([name, disk, mem if name != "host" else "(none)"])
-    res_table = markdown_table(["runtime", "disk per additional task", "idle prepared sandbox "
-                                "(PSS)"], res_rows)
+        proxy = (f"{fig.proxy_kib / 1024:.1f} MB" if fig.proxy_kib is not None else
+                 fig.proxy_note or "-")
+        res_rows.append([name, fig.node or "-", disk, mem if name != "host" else "(none)",
+                         proxy if name != "host" else "(none)"])
+    res_table = markdown_table(["runtime", "in the sandbox", "disk per additional task",
+                                "idle prepared sandbox (PSS)", "running egress proxy "
+                                "(filtered minus egress)"], res_rows)
     return (f"**Steps: median of {rounds} interleaved rounds, as a ratio to the host's "
             "median of the same step** (first row: the host's seconds)\n\n" + steps_table +
-            "\n**Disk per additional task on the same lockfile, and memory per idle prepared "
-            "sandbox**\n\n" + res_table + "\n**Issue #23's targets**\n\n" + targets(figs))
+            "\n**The same tests, type check and build by the raw tool in the same worktree and "
+            "image** (`ENGINE run -d` + `ENGINE exec` per step; gVisor: `runsc do` on the "
+            "host's root, the steps timed inside it), medians of the same rounds\n\n"
+            + raw_table +
+            "\n**Disk per additional task on the same lockfile, memory per idle prepared "
+            "sandbox and per running egress proxy**\n\n" + res_table
+            + "\n**Issue #23's targets**\n\n" + targets(figs) + retried(figs))
+
+
+def retried(figs: dict[str, Figures]) -> str:
+    notes = [f"{name} {why}" for name, fig in figs.items() for why in fig.retries]
+    return ("\nRounds run again after a set-up failure (the first attempt's error): "
+            + "; ".join(notes) + "\n") if notes else ""
 
 
 def targets(figs: dict[str, Figures]) -> str:
@@ -391,15 +552,42 @@ def targets(figs: dict[str, Figures]) -> str:
                            "warm install within 1.3x", "second task under 10%"], rows)
 
 
-async def run(rounds: int, names: list[str]) -> dict[str, Figures]:
+def pinned(rt: Runtime, project: Path) -> Runtime:
+    """``rt`` on the node image built for ``project`` (its ``.node-version``)."""
+    ref = pinned_image(rt.name, project).ref
+    settings = rt.settings.model_copy(update={"image": ref}) if rt.settings.image else rt.settings
+    return replace(rt, image=ref, settings=settings)
+
+
+DEFAULT_SUFFIX = " (default image)"
+
+
+async def run(rounds: int, names: list[str], pin: bool = True,
+              default_too: tuple[str, ...] = ()) -> dict[str, Figures]:
     made: dict[str, Runtime | None] = {"host": None}
-    figs: dict[str, Figures] = {"host": Figures()}
-    for name in names:
-        got = make_runtime(name)
-        figs[name] = Figures()
-        if isinstance(got, str):
-            figs[name].failed = got
-        made[name] = got if isinstance(got, Runtime) else None
+    figs: dict[str, Figures] = {"host": Figures(node=f"node {host_node()}")}
+    PIN[:] = [host_node()] if pin else []
+    with tempfile.TemporaryDirectory(prefix="fusion-oci-bench-pin-") as pin_dir:
+        if PIN:
+            shutil.copy(PROJECT / "package.json", pin_dir)
+            pin_project(Path(pin_dir), PIN[0])
+        for name in names:
+            got = make_runtime(name)
+            figs[name] = Figures()
+            default = got if isinstance(got, Runtime) and PIN and name in default_too else None
+            if isinstance(got, Runtime) and got.image is not None and PIN:
+                try:
+                    got = await asyncio.to_thread(pinned, got, Path(pin_dir))
+                except Exception as exc:
+                    got = f"no image with node {PIN[0]}: {type(exc).__name__}: {exc}"[:200]
+            if isinstance(got, str):
+                figs[name].failed = got
+            made[name] = got if isinstance(got, Runtime) else None
+            if default is not None and default.image is not None:
+                # The same engine on the image an undeclared project gets, in the same rounds:
+                # what the Node.js line alone changes.
+                made[name + DEFAULT_SUFFIX] = default
+                figs[name + DEFAULT_SUFFIX] = Figures()
     cleanups: list[Callable[[], Awaitable[None] | None]] = []
     with tempfile.TemporaryDirectory(prefix="fusion-oci-bench-workload-") as tmp:
         try:
@@ -408,7 +596,8 @@ async def run(rounds: int, names: list[str]) -> dict[str, Figures]:
                 for name, rt in made.items():
                     if name != "host" and rt is None:
                         continue
-                    await one(name, rt, Path(tmp), figs[name], i == 0, cleanups)
+                    await one(rt.name if rt else name, rt, Path(tmp), figs[name], i, cleanups,
+                              label=name, extras=not name.endswith(DEFAULT_SUFFIX))
         finally:
             for clean in cleanups:
                 done = clean()
@@ -450,9 +639,16 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma list of runtimes (default: all)")
     parser.add_argument("--markdown", help="write this section of docs/performance.md here")
     parser.add_argument("--json", help="also write the raw figures (seconds per round) here")
+    parser.add_argument("--node", choices=("host", "default"), default="host",
+                        help="the engines' image: the host's Node.js version (pinned in the "
+                             "project copy's .node-version, default) or the image's default line")
+    parser.add_argument("--default-too", default="podman,docker",
+                        help="engines also run on the default image (its Node.js line), as "
+                             "rows 'NAME (default image)' of the same rounds")
     args = parser.parse_args()
     names = [n for n in RUNTIMES if not args.only or n in args.only.split(",")]
-    figs = asyncio.run(run(args.rounds, names))
+    figs = asyncio.run(run(args.rounds, names, pin=args.node == "host",
+                           default_too=tuple(filter(None, args.default_too.split(",")))))
     body = render(figs, args.rounds)
     if args.json:
         Path(args.json).write_text(json.dumps({k: asdict(v) for k, v in figs.items()}, indent=1))
