@@ -94,7 +94,7 @@ class Figures:
     """(KiB a second task adds, KiB of one node_modules)."""
     idle_pss_kib: int | None = None
     proxy_kib: int | None = None
-    """What a prepared sandbox under ``network: filtered`` holds more than one under ``egress``
+    """What a prepared sandbox under ``network: filtered`` holds more than one under ``none``
     (the running egress proxy), or None with ``proxy_note`` saying why."""
     proxy_note: str = ""
     node: str = ""
@@ -340,7 +340,7 @@ def idle_pss(before: set[int], markers: list[str]) -> int:
 
 
 async def measure_idle(name: str, rt: Runtime, site: Path, wt: Path,
-                       network: NetworkMode = NetworkMode.EGRESS) -> tuple[int, int]:
+                       network: NetworkMode | None = None) -> tuple[int, int]:
     """(PSS of the sandbox's processes, the same plus the library's owner process's growth:
     this process's, or the rootless driver's whole PSS) of an idle prepared sandbox."""
     before = _pids()
@@ -360,10 +360,11 @@ async def measure_idle(name: str, rt: Runtime, site: Path, wt: Path,
 async def measure_proxy(name: str, rt: Runtime, base: Path, rootless: bool, fig: Figures
                         ) -> None:
     """A prepared sandbox under ``filtered`` (its egress proxy running) against one under
-    ``egress``, each measured the same way, egress first (what the first sandbox of a process
-    pays once, the event loop and its imports, falls on egress)."""
+    ``none`` (no proxy, no network set-up), each measured the same way, after a first
+    ``filtered`` one whose figure is dropped (what the first proxy of a process pays once, the
+    egress modules' imports and the proxy's event loop thread, falls on it)."""
     totals: list[int] = []
-    for network in (NetworkMode.EGRESS, NetworkMode.FILTERED):
+    for network in (NetworkMode.FILTERED, NetworkMode.NONE, NetworkMode.FILTERED):
         site = new_site(base, name, rootless)
         try:
             _, total = await measure_idle(name, rt, site, linked_project(site, "proxy"),
@@ -375,7 +376,7 @@ async def measure_proxy(name: str, rt: Runtime, base: Path, rootless: bool, fig:
             if rootless:
                 shutil.rmtree(site, ignore_errors=True)
         totals.append(total)
-    fig.proxy_kib = max(0, totals[1] - totals[0])
+    fig.proxy_kib = max(0, totals[2] - totals[1])
 
 
 # ---------------------------------------------------------------------------- the run
@@ -499,13 +500,13 @@ def render(figs: dict[str, Figures], rounds: int) -> str:
             extra, nm = fig.extra_disk
             disk = f"{extra / 1024:.1f} MB ({100 * extra / nm:.0f}% of {nm / 1024:.0f} MB)"
         mem = "-" if fig.idle_pss_kib is None else f"{fig.idle_pss_kib / 1024:.1f} MB"
-        proxy = (f"{fig.proxy_kib / 1024:.1f} MB" if fig.proxy_kib is not None else
+        proxy = (f"{fig.proxy_kib} KiB" if fig.proxy_kib is not None else
                  fig.proxy_note or "-")
         res_rows.append([name, fig.node or "-", disk, mem if name != "host" else "(none)",
                          proxy if name != "host" else "(none)"])
     res_table = markdown_table(["runtime", "in the sandbox", "disk per additional task",
                                 "idle prepared sandbox (PSS)", "running egress proxy "
-                                "(filtered minus egress)"], res_rows)
+                                "(filtered minus none)"], res_rows)
     return (f"**Steps: median of {rounds} interleaved rounds, as a ratio to the host's "
             "median of the same step** (first row: the host's seconds)\n\n" + steps_table +
             "\n**The same tests, type check and build by the raw tool in the same worktree and "
