@@ -22,8 +22,8 @@ image instead); ``--default-too`` engines also run the default image as rows of 
 what the Node.js line alone changes is measured in the same rounds. Beside each engine (and
 runsc) the raw tool runs the same tests, type check and build in the same worktree, between or
 before our steps (alternating by round): ``ENGINE run -d`` of the same image and one
-``ENGINE exec`` per step; for runsc, ``runsc do`` on the host's root writing through to the
-worktree, the steps timed inside that sandbox.
+``ENGINE exec`` per step; for runsc, one ``runsc do`` per step on the host's root writing
+through to the worktree (ours, too, starts a container per command).
 
 Also, once per runtime: the disk a second task on the same lockfile adds (a second worktree
 installing from the same store: ``du`` of store and both ``node_modules``, hard links counted
@@ -64,9 +64,7 @@ from benchmarks.workload_raw import (
     pinned_image,
     raw_engine_for,
     raw_runsc_argv,
-    split_times,
     timed,
-    timed_script,
 )
 from fusion_oci.models import CacheMode, NetworkMode, RunOptions
 from fusion_oci.runtimes.landlock import host_abi, workload_network
@@ -230,15 +228,12 @@ def raw_steps(name: str, rt: Runtime, wt: Path, fig: Figures) -> None:
     """The WORK steps in ``wt`` by the raw tool (blocking: run it in a thread)."""
     if fig.raw_failed:
         return
-    if rt.image is None:  # runsc: one sandbox, the steps timed inside it
-        marks = wt.parent / f"raw-marks-{uuid.uuid4().hex[:6]}"
-        script = "export CI=1 && " + timed_script([c for _, c in WORK], marks)
-        _, code, tail = timed(raw_runsc_argv(wt, script))
-        got = split_times(marks)
-        if code != 0 or len(got) != len(WORK):
-            fig.raw_failed = f"runsc do fails (exit {code}, {len(got)} steps): {tail[-160:]}"
-            return
-        for (label, _), took in zip(WORK, got, strict=True):
+    if rt.image is None:  # runsc: a sandbox per step, as ours starts one per command
+        for label, command in WORK:
+            took, code, tail = timed(raw_runsc_argv(wt, f"export CI=1 && {command}"))
+            if code != 0:
+                fig.raw_failed = f"runsc do {label} fails (exit {code}): {tail[-160:]}"
+                return
             fig.raw.setdefault(label, []).append(took)
         return
     engine = raw_engine_for(name, rt.image, rt.user.xdg if rt.user else None)
@@ -525,8 +520,8 @@ def render(figs: dict[str, Figures], rounds: int) -> str:
     return (f"**Steps: median of {rounds} interleaved rounds, as a ratio to the host's "
             "median of the same step** (first row: the host's seconds)\n\n" + steps_table +
             "\n**The same tests, type check and build by the raw tool in the same worktree and "
-            "image** (`ENGINE run -d` + `ENGINE exec` per step; gVisor: `runsc do` on the "
-            "host's root, the steps timed inside it), medians of the same rounds\n\n"
+            "image** (`ENGINE run -d` + `ENGINE exec` per step; gVisor: `runsc do` per step on "
+            "the host's root), medians of the same rounds\n\n"
             + raw_table +
             "\n**Disk per additional task on the same lockfile, memory per idle prepared "
             "sandbox and per running egress proxy**\n\n" + res_table
@@ -690,7 +685,8 @@ def main() -> None:
         "Beside each engine and runsc the raw tool runs the same tests, type check and build "
         "in the same worktree and image, alternating with ours round by round: "
         "`ENGINE run -d` + one `ENGINE exec` per step, and for gVisor `runsc do` on the "
-        "host's root (the steps timed inside it, so its start is not counted). "
+        "host's root writing through to the worktree, one sandbox per step as ours (the oci "
+        "runtime starts a container per command). "
         "Targets (issue #23): every step within 1.05x of the host, the warm-store install "
         "within 1.3x, a second task on the same lockfile adding under 10% of its "
         "`node_modules`.", body,

@@ -14,7 +14,6 @@ so the report can say what is ours and what is the engine's.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import os
 import resource
 import shutil
@@ -141,25 +140,11 @@ def raw_engine_for(name: str, image: str, rootless_xdg: str | None) -> RawEngine
 def raw_runsc_argv(wt: Path, command: str) -> list[str]:
     """gVisor by itself: ``runsc do`` on the host's root (as fusion-oci's host-rootfs bundle),
     writing through to the worktree (no overlay, as ours), ptrace platform (runsc's default,
-    as ours), no network (the steps need none). Each call starts a sandbox: the steps are timed
-    inside it (see :func:`timed_script`), so the start is not counted."""
+    as ours), no network (the steps need none). Each call starts a sandbox, as the oci runtime
+    does for each command. (Its output to a pipe can be lost as the sandbox ends: only the
+    status is used.)"""
     return [shutil.which("runsc") or "runsc", "--network=none", "do",
             "--force-overlay=false", "--cwd", str(wt), "--", "/bin/sh", "-c", command]
-
-
-def timed_script(commands: list[str], marks: Path) -> str:
-    """One shell line running ``commands`` in turn, appending ``@@ NANOSECONDS`` to ``marks``
-    before, between and after them (the sandbox's clock), stopping at the first that fails.
-    A file, not stdout: ``runsc do`` loses output written to a pipe as the sandbox ends."""
-    mark = f"echo @@ $(date +%s%N) >> {marks}"
-    return " && ".join([mark, *(f"{{ {c}; }} >/dev/null 2>&1 && {mark}" for c in commands)])
-
-
-def split_times(marks: Path) -> list[float]:
-    """Seconds of each command from :func:`timed_script`'s marks."""
-    text = marks.read_text() if marks.exists() else ""
-    stamps = [int(line.split()[1]) for line in text.splitlines() if line.startswith("@@ ")]
-    return [(b - a) / 1e9 for a, b in itertools.pairwise(stamps)]
 
 
 def timed(argv: list[str], timeout: float = 600) -> tuple[float, int, str]:
