@@ -88,6 +88,9 @@ INSTALL = (("install (cold store)", "pnpm install --frozen-lockfile"),
            ("install (warm store)", "rm -rf node_modules && pnpm install --frozen-lockfile"))
 WORK = (("tests", "pnpm test"), ("type check", "pnpm typecheck"), ("build", "pnpm build"))
 STEPS = INSTALL + WORK
+NETWORK: list[str] = []
+"""``--network host``: the network of every sandbox but landlock's instead of ``egress`` (and
+``--network=host`` for the raw engines), for an engine whose network namespaces are broken."""
 PIN: list[str] = []
 """The Node.js version the project copy declares in ``.node-version`` (none: the image's
 default line), set by :func:`run`."""
@@ -200,7 +203,8 @@ def open_box(name: str, rt: Runtime | None, site: Path, wt: Path,
     if rt is None:
         return Host(site).box(wt)
     if network is None:
-        network = workload_network(host_abi()) if name == "landlock" else NetworkMode.EGRESS
+        network = (workload_network(host_abi()) if name == "landlock" else
+                   NetworkMode(NETWORK[0]) if NETWORK else NetworkMode.EGRESS)
     return sandbox(rt, wt, network=network, cache_mode=CacheMode.SHARED,
                    cache_root=site / "cache", project_dir=site / "project")
 
@@ -236,7 +240,8 @@ def raw_steps(name: str, rt: Runtime, wt: Path, fig: Figures) -> None:
                 return
             fig.raw.setdefault(label, []).append(took)
         return
-    engine = raw_engine_for(name, rt.image, rt.user.xdg if rt.user else None)
+    engine = raw_engine_for(name, rt.image, rt.user.xdg if rt.user else None,
+                            host_network=bool(NETWORK))
     try:
         cid = engine.start(wt)
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
@@ -656,7 +661,11 @@ def main() -> None:
     parser.add_argument("--default-too", default="podman,docker",
                         help="engines also run on the default image (its Node.js line), as "
                              "rows 'NAME (default image)' of the same rounds")
+    parser.add_argument("--network", choices=("egress", "host"), default="egress",
+                        help="the sandboxes' network (landlock's is its own): host where an "
+                             "engine cannot set up network namespaces")
     args = parser.parse_args()
+    NETWORK[:] = [args.network] if args.network != "egress" else []
     names = [n for n in RUNTIMES if not args.only or n in args.only.split(",")]
     figs = asyncio.run(run(args.rounds, names, pin=args.node == "host",
                            default_too=tuple(filter(None, args.default_too.split(",")))))

@@ -78,6 +78,7 @@ class RawEngine:
     """``podman --url URL`` / ``docker -H URL``."""
     image: str
     rootless: bool = False
+    host_network: bool = False
 
     def start(self, wt: Path) -> str:
         # The engine CLI's default nofile and nproc are above what its daemon may grant here
@@ -89,7 +90,8 @@ class RawEngine:
         st = wt.stat()
         user = "0:0" if self.rootless else f"{st.st_uid}:{st.st_gid}"
         argv = [*self.cli, "run", "-d", "--rm", "-v", f"{wt}:{wt}", "-w", str(wt),
-                "--user", user, *(a for lim in limits for a in ("--ulimit", lim)),
+                "--user", user, *(["--network=host"] if self.host_network else []),
+                *(a for lim in limits for a in ("--ulimit", lim)),
                 "-e", "CI=1", "-e", "HOME=/tmp", "--entrypoint", "sleep", self.image,
                 "infinity"]
         out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
@@ -127,14 +129,16 @@ def daemon_limits(url: str) -> dict[str, int]:
     return {k: v for k, v in limits.items() if v >= 0}
 
 
-def raw_engine_for(name: str, image: str, rootless_xdg: str | None) -> RawEngine:
+def raw_engine_for(name: str, image: str, rootless_xdg: str | None,
+                   host_network: bool = False) -> RawEngine:
     if name.startswith("podman"):
         url = (f"unix://{rootless_xdg}/podman/podman.sock" if rootless_xdg else
                os.environ.get("FUSION_OCI_PODMAN_URL", ""))
-        return RawEngine(["podman", "--url", url], image, rootless_xdg is not None)
+        return RawEngine(["podman", "--url", url], image, rootless_xdg is not None,
+                         host_network)
     url = (f"unix://{rootless_xdg}/docker.sock" if rootless_xdg else
            os.environ.get("DOCKER_HOST", "") or "unix:///var/run/docker.sock")
-    return RawEngine(["docker", "-H", url], image, rootless_xdg is not None)
+    return RawEngine(["docker", "-H", url], image, rootless_xdg is not None, host_network)
 
 
 def raw_runsc_argv(wt: Path, command: str) -> list[str]:
