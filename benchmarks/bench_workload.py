@@ -336,6 +336,15 @@ def container_ids(name: str, rt: Runtime, task: str) -> list[str]:
 DRIVERS = ("tests.integration.rootless_driver", "runuser ")
 
 
+def _descends(pid: int) -> bool:
+    me, hops = os.getpid(), 0
+    while pid > 1 and hops < 64:
+        if pid == me:
+            return True
+        pid, hops = _parent(pid), hops + 1
+    return False
+
+
 def idle_pss(before: set[int], markers: list[str]) -> int:
     """PSS (KiB) of the processes that appeared since ``before`` and descend from this one or
     from a process whose command line names one of ``markers``."""
@@ -356,20 +365,21 @@ def idle_pss(before: set[int], markers: list[str]) -> int:
 
 async def measure_idle(name: str, rt: Runtime, site: Path, wt: Path,
                        network: NetworkMode | None = None) -> tuple[int, int]:
-    """(PSS of the sandbox's processes, the same plus the library's owner process's growth:
-    this process's, or the rootless driver's whole PSS) of an idle prepared sandbox."""
+    """(PSS of the sandbox's processes, the same plus the rootless driver's, where the library
+    and its proxies live for a rootless runtime) of an idle prepared sandbox.
+
+    Only this process's descendants and the task's own containers count: other jobs on this
+    machine run the contract suite's tasks under the same task ids at the same time (a marker
+    by task id counted another job's gVisor sandbox: 38 MB)."""
     before = _pids()
-    mine = _pss_kib(os.getpid())
     async with open_box(name, rt, site, wt, network) as box:
         await box.run("true")
         await asyncio.sleep(2)  # whatever prepare started settles
-        markers = [f"contract-{name}"]
-        if rt.image is not None:
-            markers += container_ids(name, rt, f"contract-{name}")
+        markers = container_ids(name, rt, f"contract-{name}") if rt.image is not None else []
         own = idle_pss(before, markers)
         drivers = sum(_pss_kib(p) for p in _pids() - before
-                      if any(d in _cmdline(p) for d in DRIVERS[:1]))
-        return own, own + drivers + max(0, _pss_kib(os.getpid()) - mine)
+                      if DRIVERS[0] in _cmdline(p) and _descends(p))
+        return own, own + drivers
 
 
 async def measure_proxy(name: str, rt: Runtime, base: Path, rootless: bool, fig: Figures
@@ -377,7 +387,9 @@ async def measure_proxy(name: str, rt: Runtime, base: Path, rootless: bool, fig:
     """A prepared sandbox under ``filtered`` (its egress proxy running) against one under
     ``none`` (no proxy, no network set-up), each measured the same way, after a first
     ``filtered`` one whose figure is dropped (what the first proxy of a process pays once, the
-    egress modules' imports and the proxy's event loop thread, falls on it)."""
+    egress modules' imports and the proxy's event loop thread, falls on it). What runs in
+    this process (the in-process runtimes' proxies) is not in it: this process's heap moves
+    by several MB on its own (benchmarks/bench_egress.py measures a proxy there)."""
     totals: list[int] = []
     for network in (NetworkMode.FILTERED, NetworkMode.NONE, NetworkMode.FILTERED):
         site = new_site(base, name, rootless)
@@ -715,9 +727,12 @@ def main() -> None:
                 "- Idle memory is the PSS of the processes that came with a prepared sandbox "
                 "(its agent, the container and its shim); engine daemons are not counted. The "
                 "egress proxy's figure is a prepared sandbox under `network: filtered` minus "
-                "one under `none` (its processes and the owner process's heap growth, which "
-                "moves by about ±1 MB on its own): the proxy is a thread and sockets in the "
-                "library's process (`benchmarks/bench_egress.py` measures it per proxy).")
+                "one under `none`, the same processes counted (for the rootless runtimes the "
+                "driver process too, where their library and its proxy run). The proxy is a "
+                "thread and sockets in the library's process, so for the runtimes driven from "
+                "the benchmark's own process it is not in this figure: that heap moves by "
+                "several MB on its own; `benchmarks/bench_egress.py` measures the proxy there "
+                "(a few KiB per idle proxy).")
 
 
 if __name__ == "__main__":
