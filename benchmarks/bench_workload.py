@@ -676,13 +676,23 @@ def main() -> None:
     parser.add_argument("--network", choices=("egress", "host"), default="egress",
                         help="the sandboxes' network (landlock's is its own): host where an "
                              "engine cannot set up network namespaces")
+    parser.add_argument("--render", metavar="JSON",
+                        help="run nothing: write the tables of an earlier run's --json")
     args = parser.parse_args()
     NETWORK[:] = [args.network] if args.network != "egress" else []
     names = [n for n in RUNTIMES if not args.only or n in args.only.split(",")]
-    figs = asyncio.run(run(args.rounds, names, pin=args.node == "host",
-                           default_too=tuple(filter(None, args.default_too.split(",")))))
+    if args.render:  # the tables of an earlier run's --json, written again
+        figs = {k: Figures(**v) for k, v in json.loads(Path(args.render).read_text()).items()}
+        for fig in figs.values():
+            if fig.extra_disk is not None:
+                fig.extra_disk = (fig.extra_disk[0], fig.extra_disk[1])
+        PIN[:] = [host_node()] if args.node == "host" else []
+        args.rounds = max(len(v) for v in figs["host"].seconds.values())
+    else:
+        figs = asyncio.run(run(args.rounds, names, pin=args.node == "host",
+                               default_too=tuple(filter(None, args.default_too.split(",")))))
     body = render(figs, args.rounds)
-    if args.json:
+    if args.json and not args.render:
         Path(args.json).write_text(json.dumps({k: asdict(v) for k, v in figs.items()}, indent=1))
     print("\n" + body)
     write_markdown(
