@@ -28,8 +28,10 @@ def build_agent(force: bool = False) -> Path:
         return BINARY
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        raise SystemExit("fusion-oci: building the exec agent needs a C compiler "
-                         "(Debian: apt-get install gcc libc6-dev; see scripts/install.sh)")
+        raise SystemExit(
+            "fusion-oci: building the exec agent needs a C compiler "
+            "(Debian: apt-get install gcc libc6-dev; see scripts/install.sh)"
+        )
     tmp = BINARY.with_name(BINARY.name + ".tmp")
     # Written beside and renamed: a running agent's binary is never rewritten in place.
     subprocess.run([cc, *CFLAGS, "-o", str(tmp), str(SOURCE)], check=True)

@@ -39,8 +39,9 @@ from fusion_oci.sandbox import SyncSandbox
 
 NONE = SandboxPolicy(allow_network=False)
 EGRESS = SandboxPolicy(network="egress")
-LIMITED = SandboxPolicy(allow_network=False, memory_limit_mb=512, pids_limit=256,
-                        cpu_limit=CpuLimit(max_cores=1))
+LIMITED = SandboxPolicy(
+    allow_network=False, memory_limit_mb=512, pids_limit=256, cpu_limit=CpuLimit(max_cores=1)
+)
 PREPARE_TARGET_MS = 50.0
 RATIO_TARGET = 1.5
 
@@ -50,22 +51,31 @@ Case = Callable[[], object]
 def linked_worktree(base: Path) -> str:
     """A repository with one commit and a linked worktree of it (``git worktree add``)."""
     repo, wt = base / "repo", base / "wt"
-    env = {**os.environ, "GIT_AUTHOR_NAME": "b", "GIT_AUTHOR_EMAIL": "b@e",
-           "GIT_COMMITTER_NAME": "b", "GIT_COMMITTER_EMAIL": "b@e"}
-    for argv in (["init", "-q", str(repo)],
-                 ["-C", str(repo), "commit", "-q", "--allow-empty", "-m", "init"],
-                 ["-C", str(repo), "worktree", "add", "-q", str(wt)]):
+    env = {
+        **os.environ,
+        "GIT_AUTHOR_NAME": "b",
+        "GIT_AUTHOR_EMAIL": "b@e",
+        "GIT_COMMITTER_NAME": "b",
+        "GIT_COMMITTER_EMAIL": "b@e",
+    }
+    for argv in (
+        ["init", "-q", str(repo)],
+        ["-C", str(repo), "commit", "-q", "--allow-empty", "-m", "init"],
+        ["-C", str(repo), "worktree", "add", "-q", str(wt)],
+    ):
         subprocess.run(["git", *argv], check=True, env=env, capture_output=True)
     return str(wt)
 
 
 def context(wt: str, policy: SandboxPolicy) -> PrepareContext:
-    return PrepareContext(task_id="bench", run_id=uuid.uuid4().hex[:6], worktree_path=wt,
-                          policy=policy)
+    return PrepareContext(
+        task_id="bench", run_id=uuid.uuid4().hex[:6], worktree_path=wt, policy=policy
+    )
 
 
-def sandbox(policy: SandboxPolicy, wt: str, cache: Path, stack: contextlib.ExitStack
-            ) -> SyncSandbox:
+def sandbox(
+    policy: SandboxPolicy, wt: str, cache: Path, stack: contextlib.ExitStack
+) -> SyncSandbox:
     settings = SandboxSettings(backend="bubblewrap", policy=policy)
     sb = stack.enter_context(SyncSandbox(settings, env=dict(os.environ), cache_root=cache))
     sb.prepare(context(wt, policy))
@@ -86,7 +96,7 @@ def raw_case(sb: SyncSandbox) -> Case:
     # What the runtime plans (and so runs), the seccomp pipe's fd filled in as it does, and
     # `true` where the agent would be.
     planned = with_fds(runtime.sandbox_launch().argv or [], LaunchFds(seccomp="<fd>"))
-    planned = [*planned[:-len(sandbox_command())], "true"]
+    planned = [*planned[: -len(sandbox_command())], "true"]
 
     def go() -> None:
         r, w = os.pipe()
@@ -95,9 +105,16 @@ def raw_case(sb: SyncSandbox) -> Case:
                 os.write(w, program)
             os.close(w)
             argv = [str(r) if a == "<fd>" else a for a in planned]
-            subprocess.run(argv, check=True, pass_fds=(r,), stdin=subprocess.DEVNULL,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           start_new_session=True, cwd="/")
+            subprocess.run(
+                argv,
+                check=True,
+                pass_fds=(r,),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+                cwd="/",
+            )
         finally:
             os.close(r)
 
@@ -106,8 +123,13 @@ def raw_case(sb: SyncSandbox) -> Case:
 
 def minimal_bwrap() -> Case:
     argv = ["bwrap", "--unshare-all", "--die-with-parent", "--ro-bind", "/", "/", "--", "true"]
-    return lambda: subprocess.run(argv, check=True, stdin=subprocess.DEVNULL,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return lambda: subprocess.run(
+        argv,
+        check=True,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def rounds(cases: list[tuple[str, Case]], runs: int, warmup: int = 2) -> dict[str, float]:
@@ -161,8 +183,10 @@ def markdown(medians: dict[str, float], prep: float, runs: int) -> str:
         "|---|---:|---:|---:|",
     ]
     for key, label in ROWS:
-        lines.append(f"| {label} | {medians[key]:.1f} | {medians[key] / raw:.2f}x | "
-                     f"{medians[key] - raw:+.1f} |")
+        lines.append(
+            f"| {label} | {medians[key]:.1f} | {medians[key] / raw:.2f}x | "
+            f"{medians[key] - raw:+.1f} |"
+        )
     lines += [
         "",
         f"Prepare of a bubblewrap sandbox (`SyncSandbox.prepare`, network none): "
@@ -194,8 +218,11 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--markdown", help="write this section of docs/performance.md here")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as base, tempfile.TemporaryDirectory() as cachedir, \
-            contextlib.ExitStack() as stack:
+    with (
+        tempfile.TemporaryDirectory() as base,
+        tempfile.TemporaryDirectory() as cachedir,
+        contextlib.ExitStack() as stack,
+    ):
         wt, cache = linked_worktree(Path(base)), Path(cachedir)
         none = sandbox(NONE, wt, cache, stack)
         cases: list[tuple[str, Case]] = [
@@ -211,10 +238,13 @@ def main() -> None:
     print(f"\nbubblewrap: per-command overhead of `true` (Python API), medians of {args.runs}")
     print(f"{'case':<34} {'median ms':>10} {'x raw':>7} {'+ms':>7}")
     for key, _ in ROWS:
-        print(f"{key:<34} {medians[key]:>10.1f} {medians[key] / raw:>6.2f}x "
-              f"{medians[key] - raw:>+7.1f}")
-    print(f"{'prepare (SyncSandbox.prepare)':<34} {prep:>10.1f}   (target "
-          f"{PREPARE_TARGET_MS:.0f} ms)")
+        print(
+            f"{key:<34} {medians[key]:>10.1f} {medians[key] / raw:>6.2f}x "
+            f"{medians[key] - raw:>+7.1f}"
+        )
+    print(
+        f"{'prepare (SyncSandbox.prepare)':<34} {prep:>10.1f}   (target {PREPARE_TARGET_MS:.0f} ms)"
+    )
     if args.markdown:
         Path(args.markdown).write_text(markdown(medians, prep, args.runs), encoding="utf-8")
 

@@ -44,10 +44,23 @@ def engine_cli(engine: str) -> list[str]:
 
 
 def variants(engine: str, profile: Path) -> dict[str, list[str]]:
-    ours = ["--network", "none", "--cap-drop", "ALL", "--security-opt", "no-new-privileges",
-            "--read-only", "--tmpfs", "/tmp:nosuid,nodev,mode=1777",
-            "--ulimit", "nofile=20000:20000", "--ulimit", "nproc=32768:32768",
-            "--user", f"{os.getuid()}:{os.getgid()}"]
+    ours = [
+        "--network",
+        "none",
+        "--cap-drop",
+        "ALL",
+        "--security-opt",
+        "no-new-privileges",
+        "--read-only",
+        "--tmpfs",
+        "/tmp:nosuid,nodev,mode=1777",
+        "--ulimit",
+        "nofile=20000:20000",
+        "--ulimit",
+        "nproc=32768:32768",
+        "--user",
+        f"{os.getuid()}:{os.getgid()}",
+    ]
     seccomp = ["--security-opt", f"seccomp={profile}"]
     return {
         "ours": ours + seccomp,
@@ -66,23 +79,43 @@ def parse(out: str) -> dict[str, float]:
 
 def run_host(work: Path) -> dict[str, float]:
     env = {**os.environ, "OVERHEAD_STATIC": str(work / "static")}
-    out = subprocess.run(["node", str(work / "overhead.mjs"), str(work)], check=True,
-                         capture_output=True, text=True, env=env).stdout
+    out = subprocess.run(
+        ["node", str(work / "overhead.mjs"), str(work)],
+        check=True,
+        capture_output=True,
+        text=True,
+        env=env,
+    ).stdout
     return parse(out)
 
 
 def run_engine(engine: str, flags: list[str], image: str, work: Path) -> dict[str, float]:
-    argv = [*engine_cli(engine), "run", "--rm", *flags, "-v", f"{work}:{work}", "-w", str(work),
-            "-e", f"OVERHEAD_STATIC={work}/static", image, "node", str(work / "overhead.mjs"),
-            str(work)]
+    argv = [
+        *engine_cli(engine),
+        "run",
+        "--rm",
+        *flags,
+        "-v",
+        f"{work}:{work}",
+        "-w",
+        str(work),
+        "-e",
+        f"OVERHEAD_STATIC={work}/static",
+        image,
+        "node",
+        str(work / "overhead.mjs"),
+        str(work),
+    ]
     done = subprocess.run(argv, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     return parse(done.stdout)
 
 
 async def run_agent(sb: Sandbox, work: Path) -> dict[str, float]:
-    done = await sb.run(f"OVERHEAD_STATIC={work}/static node {work}/overhead.mjs {work}",
-                        RunOptions(timeout_ms=300_000))
+    done = await sb.run(
+        f"OVERHEAD_STATIC={work}/static node {work}/overhead.mjs {work}",
+        RunOptions(timeout_ms=300_000),
+    )
     assert done.exit_code == 0, done.stderr[-2000:]
     return parse(done.stdout)
 
@@ -109,9 +142,15 @@ async def main() -> None:
         for engine in engines:
             settings = engine_settings(engine, policy=SandboxPolicy(allow_network=False))
             sb = Sandbox(settings, env=dict(os.environ), cache_root=base / "cache")
-            await sb.prepare(PrepareContext(task_id=f"ovh-{engine}", run_id="r",
-                                            worktree_path=str(work), policy=settings.policy,
-                                            image=image(engine)))
+            await sb.prepare(
+                PrepareContext(
+                    task_id=f"ovh-{engine}",
+                    run_id="r",
+                    worktree_path=str(work),
+                    policy=settings.policy,
+                    image=image(engine),
+                )
+            )
             sandboxes[engine] = sb
         for _ in range(args.rounds):
             samples["host"].append(await asyncio.to_thread(run_host, work))
@@ -127,13 +166,18 @@ async def main() -> None:
             await sb.dispose()
         shutil.rmtree(base, ignore_errors=True)
     keys = [*PHASES, *(f"{p}_cpu" for p in PHASES)]
-    med = {case: {k: statistics.median(s[k] for s in runs) for k in keys}
-           for case, runs in samples.items()}
+    med = {
+        case: {k: statistics.median(s[k] for s in runs) for k in keys}
+        for case, runs in samples.items()
+    }
     host = med["host"]
-    rows = [[case, *(f"{phases[k] / max(host[k], 1):.2f}x" for k in keys)]
-            for case, phases in med.items()]
-    body = markdown_table(["case", *(f"{p} wall" for p in PHASES),
-                           *(f"{p} CPU" for p in PHASES)], rows)
+    rows = [
+        [case, *(f"{phases[k] / max(host[k], 1):.2f}x" for k in keys)]
+        for case, phases in med.items()
+    ]
+    body = markdown_table(
+        ["case", *(f"{p} wall" for p in PHASES), *(f"{p} CPU" for p in PHASES)], rows
+    )
     print(body)
     write_markdown(args.markdown, "Container overhead", (__doc__ or "").split("\n\n", 1)[-1], body)
 

@@ -63,20 +63,32 @@ def user_args(engine: str, rootless: bool) -> list[str]:
 
 
 def settings(engine: str, mode: str) -> SandboxSettings:
-    url: dict[str, Any] = {"docker_url": os.environ.get("DOCKER_HOST")} if engine == "docker" else {
-        "podman_url": podman_url()}
+    url: dict[str, Any] = (
+        {"docker_url": os.environ.get("DOCKER_HOST")}
+        if engine == "docker"
+        else {"podman_url": podman_url()}
+    )
     return SandboxSettings(backend=engine, container_mode=mode, **url)
 
 
 def retried(argv: list[str]) -> Any:
     """run_argv, tried again (up to 3 times) when a busy host's runc loses a race: the
     benchmark times the engine, it does not test it."""
+
     def go() -> None:
         for _ in range(3):
-            if subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              stdin=subprocess.DEVNULL).returncode == 0:
+            if (
+                subprocess.run(
+                    argv,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    stdin=subprocess.DEVNULL,
+                ).returncode
+                == 0
+            ):
                 return
         raise RuntimeError(f"{' '.join(argv)} failed 3 times")
+
     return go
 
 
@@ -91,6 +103,7 @@ def sdk_exec(engine: str, name: str) -> Any:
             exec_id = client.api.exec_create(name, ["true"])["Id"]
             client.api.exec_start(exec_id)
             assert client.api.exec_inspect(exec_id)["ExitCode"] == 0
+
         return go
     import podman
 
@@ -100,25 +113,43 @@ def sdk_exec(engine: str, name: str) -> Any:
     def pgo() -> None:
         code, _ = container.exec_run(["true"])
         assert code == 0
+
     return pgo
 
 
-def measure(engine: str, image: str, runs: int, *, rootless: bool = False
-            ) -> dict[str, float]:
+def measure(engine: str, image: str, runs: int, *, rootless: bool = False) -> dict[str, float]:
     """The figures of one engine (rootless: run as that user, see main)."""
     base = cli(engine)
     user = user_args(engine, rootless)
     out: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as wt:
         subprocess.run(["git", "init", "-q", wt], check=True)  # a worktree is a git top
-        ctx = PrepareContext(task_id=f"bench-{engine}", run_id="r", worktree_path=wt,
-                             image=image, cache_mode=CacheMode.OFF,
-                             policy=SandboxPolicy(allow_network=False))
+        ctx = PrepareContext(
+            task_id=f"bench-{engine}",
+            run_id="r",
+            worktree_path=wt,
+            image=image,
+            cache_mode=CacheMode.OFF,
+            policy=SandboxPolicy(allow_network=False),
+        )
         name = f"fusion-oci-bench-{os.getpid()}"
-        run_d = [*base, "run", "-d", "--network", "none", *LIMITS, *user, image, "sleep",
-                 "infinity"]
-        subprocess.run([*base, "run", "-d", "--name", name, *run_d[len(base) + 2:]],
-                       check=True, stdout=subprocess.DEVNULL)
+        run_d = [
+            *base,
+            "run",
+            "-d",
+            "--network",
+            "none",
+            *LIMITS,
+            *user,
+            image,
+            "sleep",
+            "infinity",
+        ]
+        subprocess.run(
+            [*base, "run", "-d", "--name", name, *run_d[len(base) + 2 :]],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         try:
             out["cli_exec"] = median_ms(retried([*base, "exec", name, "true"]), runs)
             out["sdk_exec"] = median_ms(sdk_exec(engine, name), runs)
@@ -130,7 +161,7 @@ def measure(engine: str, image: str, runs: int, *, rootless: bool = False
         def raw_run_d() -> None:
             for attempt in range(3):  # the race retried() is for; named, so rm finds a failed one
                 started.append(f"{name}-d{len(started)}")
-                argv = [*base, "run", "-d", "--name", started[-1], *run_d[len(base) + 2:]]
+                argv = [*base, "run", "-d", "--name", started[-1], *run_d[len(base) + 2 :]]
                 out = subprocess.run(argv, capture_output=True, text=True, check=False)
                 if out.returncode == 0:
                     return
@@ -141,10 +172,13 @@ def measure(engine: str, image: str, runs: int, *, rootless: bool = False
             out["run_d"] = median_ms(raw_run_d, max(5, runs // 3), warmup=1)
         finally:
             if started:
-                subprocess.run([*base, "rm", "-f", *started], stdout=subprocess.DEVNULL,
-                               check=False)
-        out["run_rm"] = median_ms(retried([*base, "run", "--rm", "--network", "none", *LIMITS,
-                                           *user, image, "true"]), max(5, runs // 3))
+                subprocess.run(
+                    [*base, "rm", "-f", *started], stdout=subprocess.DEVNULL, check=False
+                )
+        out["run_rm"] = median_ms(
+            retried([*base, "run", "--rm", "--network", "none", *LIMITS, *user, image, "true"]),
+            max(5, runs // 3),
+        )
         with SyncSandbox(settings(engine, "warm"), env=dict(os.environ)) as sb:
             sb.prepare(ctx)
             out["warm"] = median_ms(lambda: sb.run("true"), runs)
@@ -185,15 +219,43 @@ def measure_rootless(engine: str, runs: int) -> dict[str, float]:
     python = rootless_python()
     xdg = f"/run/user/{user.pw_uid}"
     kind = engine.removesuffix("-rootless")
-    socket = (f"FUSION_OCI_PODMAN_URL=unix://{xdg}/podman/podman.sock" if kind == "podman"
-              else f"DOCKER_HOST=unix://{xdg}/docker.sock")
-    env = ["env", "-i", f"HOME={user.pw_dir}", f"USER={user.pw_name}",
-           f"XDG_RUNTIME_DIR={xdg}", "PATH=/usr/local/bin:/usr/bin:/bin", "LANG=C.UTF-8",
-           socket, *python[1:-1]]
-    out = subprocess.run(["runuser", "-u", user.pw_name, "--", *env, python[-1],
-                          str(Path(__file__).resolve()), "--child", image,
-                          "--child-engine", kind, "--runs", str(runs)],
-                         capture_output=True, text=True, cwd="/", check=False)
+    socket = (
+        f"FUSION_OCI_PODMAN_URL=unix://{xdg}/podman/podman.sock"
+        if kind == "podman"
+        else f"DOCKER_HOST=unix://{xdg}/docker.sock"
+    )
+    env = [
+        "env",
+        "-i",
+        f"HOME={user.pw_dir}",
+        f"USER={user.pw_name}",
+        f"XDG_RUNTIME_DIR={xdg}",
+        "PATH=/usr/local/bin:/usr/bin:/bin",
+        "LANG=C.UTF-8",
+        socket,
+        *python[1:-1],
+    ]
+    out = subprocess.run(
+        [
+            "runuser",
+            "-u",
+            user.pw_name,
+            "--",
+            *env,
+            python[-1],
+            str(Path(__file__).resolve()),
+            "--child",
+            image,
+            "--child-engine",
+            kind,
+            "--runs",
+            str(runs),
+        ],
+        capture_output=True,
+        text=True,
+        cwd="/",
+        check=False,
+    )
     if out.returncode != 0:
         raise SystemExit(f"rootless run failed: {out.stderr[-2000:]}")
     result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -223,20 +285,39 @@ def main() -> None:
     rows = []
     for engine, r in results.items():
         tool = engine.removesuffix("-rootless")
-        rows.append((engine, f"{r['warm']:.1f} ms", f"{r['cli_exec']:.1f} ms",
-                     f"{r['cli_exec'] / r['warm']:.1f}x", f"{r['sdk_exec']:.1f} ms",
-                     f"{r['sdk_exec'] / r['warm']:.1f}x",
-                     f"{r['prepare'] / r['run_d']:.2f}x ({r['prepare']:.0f} / "
-                     f"{r['run_d']:.0f} ms)",
-                     f"{r['oneshot'] / r['run_rm']:.2f}x"))
-        print(f"{engine}: warm run('true') {r['warm']:.1f} ms; `{tool} exec` is "
-              f"{r['cli_exec'] / r['warm']:.1f}x that, SDK exec {r['sdk_exec'] / r['warm']:.1f}x; "
-              f"prepare / `{tool} run -d` {r['prepare'] / r['run_d']:.2f}x")
+        rows.append(
+            (
+                engine,
+                f"{r['warm']:.1f} ms",
+                f"{r['cli_exec']:.1f} ms",
+                f"{r['cli_exec'] / r['warm']:.1f}x",
+                f"{r['sdk_exec']:.1f} ms",
+                f"{r['sdk_exec'] / r['warm']:.1f}x",
+                f"{r['prepare'] / r['run_d']:.2f}x ({r['prepare']:.0f} / {r['run_d']:.0f} ms)",
+                f"{r['oneshot'] / r['run_rm']:.2f}x",
+            )
+        )
+        print(
+            f"{engine}: warm run('true') {r['warm']:.1f} ms; `{tool} exec` is "
+            f"{r['cli_exec'] / r['warm']:.1f}x that, SDK exec {r['sdk_exec'] / r['warm']:.1f}x; "
+            f"prepare / `{tool} run -d` {r['prepare'] / r['run_d']:.2f}x"
+        )
     body = markdown_table(
-        ["engine", "warm `run(\"true\")`", "`exec C true` (CLI)", "CLI exec / warm",
-         "SDK exec", "SDK exec / warm", "prepare / `run -d`", "one-shot / `run --rm`"], rows)
+        [
+            "engine",
+            'warm `run("true")`',
+            "`exec C true` (CLI)",
+            "CLI exec / warm",
+            "SDK exec",
+            "SDK exec / warm",
+            "prepare / `run -d`",
+            "one-shot / `run --rm`",
+        ],
+        rows,
+    )
     write_markdown(
-        args.markdown, "Warm containers: podman and docker on the exec agent",
+        args.markdown,
+        "Warm containers: podman and docker on the exec agent",
         "`benchmarks/bench_containers.py`: a prepared warm sandbox runs `true` through its exec "
         "agent (the container's init, on a unix socket only the host holds); beside it, on a "
         "container of the same image started with `run -d`: `docker|podman exec C true` from "
@@ -245,7 +326,8 @@ def main() -> None:
         "connection) against `run -d IMAGE sleep infinity`; the one-shot mode (a container per "
         f"command) against `run --rm IMAGE true`. Medians of {args.runs}; rootless podman and "
         "rootless docker (a rootless dockerd under rootlesskit) run as an unprivileged user, "
-        "each on that user's own socket.", body,
+        "each on that user's own socket.",
+        body,
         "- Targets: a warm command at most 10 ms and at least 6x faster than `exec` (the CLI "
         "and SDK columns are that factor); prepare at most 1.2x `run -d`.\n"
         "- No process is left on the host per command: an engine exec starts a `conmon` "
@@ -255,7 +337,8 @@ def main() -> None:
         "task's bind mounts, tmpfs, seccomp profile and a read-only root, and prepare checks "
         "the image and collects the task's garbage first. Docker's own start is most of it; "
         "its ratio moved between 1.2x and 1.9x from run to run here, podman's stayed at or "
-        "under 1.2x.")
+        "under 1.2x.",
+    )
 
 
 if __name__ == "__main__":

@@ -37,8 +37,12 @@ from fusion_oci.dashboard.tail import LogTail
 from tests.auditgen import task_events, write_log
 from tests.integration.dashboard_fixture import dashboard
 
-BUDGET_MS = {"summary after an append": 250.0, "summary (cached)": 50.0,
-             "events of one task": 100.0, "last 1,000 events": 150.0}
+BUDGET_MS = {
+    "summary after an append": 250.0,
+    "summary (cached)": 50.0,
+    "events of one task": 100.0,
+    "last 1,000 events": 150.0,
+}
 
 
 def make_log(path: Path, n_events: int) -> int:
@@ -70,8 +74,10 @@ def main() -> None:
         path = Path(tmp) / "audit.jsonl"
         t0 = time.perf_counter()
         make_log(path, args.events)
-        print(f"wrote {args.events} events ({path.stat().st_size / 1e6:.1f} MB) in "
-              f"{time.perf_counter() - t0:.1f} s")
+        print(
+            f"wrote {args.events} events ({path.stat().st_size / 1e6:.1f} MB) in "
+            f"{time.perf_counter() - t0:.1f} s"
+        )
         raw = median_ms(lambda: raw_read(path), max(3, args.runs // 3), warmup=1)
         key = host_key(os.environ)
         chain = median_ms(lambda: chain_status(path, key), 3, warmup=0)
@@ -86,44 +92,85 @@ def main() -> None:
             counter = iter(range(10**9))
 
             def append_then_summary() -> None:
-                log.emit(AuditEvent(type="sandbox:run", task_id="bench",
-                                    run_id=str(next(counter)), backend="oci", duration_ms=123,
-                                    exit_code=0, end_reason="exit", command="pnpm test"))
+                log.emit(
+                    AuditEvent(
+                        type="sandbox:run",
+                        task_id="bench",
+                        run_id=str(next(counter)),
+                        backend="oci",
+                        duration_ms=123,
+                        exit_code=0,
+                        end_reason="exit",
+                        command="pnpm test",
+                    )
+                )
                 d.json("/api/summary")
 
             after_append = median_ms(append_then_summary, args.runs)
             one_task = median_ms(lambda: d.json("/api/events?task=task-00777"), args.runs)
             cursor = summary["source"]["cursor"]
             last_1000 = median_ms(
-                lambda: d.json(f"/api/events?since={cursor - 1000}&limit=1000"), args.runs)
+                lambda: d.json(f"/api/events?since={cursor - 1000}&limit=1000"), args.runs
+            )
             stream = stream_latency(d, log, max(5, args.runs // 2))
-            rss_mb = int(next(line.split()[1] for line in
-                              Path(f"/proc/{d.proc.pid}/status").read_text().splitlines()
-                              if line.startswith("VmRSS:"))) / 1024
+            rss_mb = (
+                int(
+                    next(
+                        line.split()[1]
+                        for line in Path(f"/proc/{d.proc.pid}/status").read_text().splitlines()
+                        if line.startswith("VmRSS:")
+                    )
+                )
+                / 1024
+            )
             size_kb = len(json.dumps(d.json("/api/summary"))) / 1024
-        cli = median_ms(run_argv([sys.executable, "-m", "fusion_oci.cli.main", "audit",
-                                  "--summary", "--json", "--audit-log", str(path)]),
-                        max(3, args.runs // 5), warmup=1)
-    report(f"dashboard on {args.events:,} events", ("raw read + json.loads of every line", raw), [
-        ("server's first full read (LogTail.poll)", first),
-        ("first /api/summary from the server", first_answer),
-        ("fusion-oci audit --summary --json (CLI)", cli),
-        ("verify_chain with MACs (chain status)", chain),
-    ])
-    rows = [("summary (cached)", cached), ("summary after an append", after_append),
-            ("events of one task", one_task), ("last 1,000 events", last_1000)]
+        cli = median_ms(
+            run_argv(
+                [
+                    sys.executable,
+                    "-m",
+                    "fusion_oci.cli.main",
+                    "audit",
+                    "--summary",
+                    "--json",
+                    "--audit-log",
+                    str(path),
+                ]
+            ),
+            max(3, args.runs // 5),
+            warmup=1,
+        )
+    report(
+        f"dashboard on {args.events:,} events",
+        ("raw read + json.loads of every line", raw),
+        [
+            ("server's first full read (LogTail.poll)", first),
+            ("first /api/summary from the server", first_answer),
+            ("fusion-oci audit --summary --json (CLI)", cli),
+            ("verify_chain with MACs (chain status)", chain),
+        ],
+    )
+    rows = [
+        ("summary (cached)", cached),
+        ("summary after an append", after_append),
+        ("events of one task", one_task),
+        ("last 1,000 events", last_1000),
+    ]
     print("\nAPI requests on the loaded log (median ms; % of one raw read; budget)")
     for label, value in rows:
-        print(f"{label:<44} {value:>10.1f} {100 * value / raw:>7.1f}% "
-              f"{BUDGET_MS[label]:>8.0f} ms")
+        print(f"{label:<44} {value:>10.1f} {100 * value / raw:>7.1f}% {BUDGET_MS[label]:>8.0f} ms")
     print(f"\n/api/stream: appended event delivered after {stream:.0f} ms (median; poll 500 ms)")
-    print(f"server memory (RSS) with the log loaded: {rss_mb:.0f} MB; "
-          f"summary JSON {size_kb:.1f} KB")
+    print(
+        f"server memory (RSS) with the log loaded: {rss_mb:.0f} MB; summary JSON {size_kb:.1f} KB"
+    )
     over = [f"{k} {v:.1f} ms > {BUDGET_MS[k]:.0f} ms" for k, v in rows if v > BUDGET_MS[k]]
     print("budget: " + ("all within budget" if not over else "OVER: " + "; ".join(over)))
-    write_markdown(args.markdown, "Dashboard API",
-                   "`benchmarks/bench_dashboard.py`: the dashboard's requests on a large audit log "
-                   "beside a raw read of the file.")
+    write_markdown(
+        args.markdown,
+        "Dashboard API",
+        "`benchmarks/bench_dashboard.py`: the dashboard's requests on a large audit log "
+        "beside a raw read of the file.",
+    )
 
 
 def stream_latency(d: object, log: AuditLog, samples: int) -> float:
@@ -135,8 +182,15 @@ def stream_latency(d: object, log: AuditLog, samples: int) -> float:
     out = []
     for i in range(samples):
         start = time.perf_counter()
-        log.emit(AuditEvent(type="sandbox:dispose", task_id="stream", run_id=f"s{i}",
-                            backend="oci", duration_ms=1))
+        log.emit(
+            AuditEvent(
+                type="sandbox:dispose",
+                task_id="stream",
+                run_id=f"s{i}",
+                backend="oci",
+                duration_ms=1,
+            )
+        )
         while True:
             line = resp.readline().decode()
             if line.startswith("data: ") and f'"s{i}"' in line:

@@ -141,8 +141,14 @@ async def idle_memory(count: int, base: Path) -> tuple[float, float]:
     for i in range(count):
         d = base / f"p{i}"
         d.mkdir()
-        proxies.append(await start_proxy(task_id=f"task-{i}", rules=rules, state_dir=d,
-                                         audit=AuditLog(d / "audit.jsonl", key=b"k")))
+        proxies.append(
+            await start_proxy(
+                task_id=f"task-{i}",
+                rules=rules,
+                state_dir=d,
+                audit=AuditLog(d / "audit.jsonl", key=b"k"),
+            )
+        )
     gc.collect()
     after = rss_kib()
     for p in [first, *proxies]:
@@ -154,16 +160,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=200)
     parser.add_argument("--mb", type=int, default=100)
-    parser.add_argument("--downloads", type=int, default=15,
-                        help="downloads of each kind (taking turns)")
+    parser.add_argument(
+        "--downloads", type=int, default=15, help="downloads of each kind (taking turns)"
+    )
     parser.add_argument("--markdown", help="write the docs/performance.md section here")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="fusion-oci-bench-egress-") as tmp:
         base = Path(tmp)
         (base / "warm").mkdir()
-        server = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE,
-                                  text=True)
+        server = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True)
         try:
             assert server.stdout is not None
             port = int(server.stdout.readline())
@@ -171,15 +177,32 @@ def main() -> None:
             proxy_dir = base / "proxy"
             proxy_dir.mkdir()
             audit = AuditLog(proxy_dir / "audit.jsonl", key=b"k" * 32)
-            proxy = asyncio.run(start_proxy(task_id="bench", rules=rules, state_dir=proxy_dir,
-                                            audit=audit,
-                                            resolve_override={"bench.test": ["127.0.0.1"]}))
+            proxy = asyncio.run(
+                start_proxy(
+                    task_id="bench",
+                    rules=rules,
+                    state_dir=proxy_dir,
+                    audit=audit,
+                    resolve_override={"bench.test": ["127.0.0.1"]},
+                )
+            )
             cpu = resource.getrusage(resource.RUSAGE_SELF)
             try:
-                done = subprocess.run([sys.executable, "-c", CLIENT, str(port),
-                                       str(proxy.unix_socket), str(args.runs), str(args.mb),
-                                       str(args.downloads)],
-                                      check=True, capture_output=True, text=True)
+                done = subprocess.run(
+                    [
+                        sys.executable,
+                        "-c",
+                        CLIENT,
+                        str(port),
+                        str(proxy.unix_socket),
+                        str(args.runs),
+                        str(args.mb),
+                        str(args.downloads),
+                    ],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                )
             finally:
                 asyncio.run(proxy.stop())
             used = resource.getrusage(resource.RUSAGE_SELF)
@@ -203,47 +226,60 @@ def main() -> None:
     mbps_d, mbps_p = args.mb / dd, args.mb / dp
     # Each proxied download against the direct one just before it: the machine's load
     # changes between pairs more than within one.
-    pair = statistics.median(d / p for d, p in zip(data["dl_direct"], data["dl_proxy"],
-                                                     strict=True))
-    setup_rows = [("direct TCP to 127.0.0.1", f"{sd:.3f}", "1.00x"),
-                  ("through the proxy (unix socket, CONNECT)", f"{sp:.3f}", f"{sp / sd:.2f}x"),
-                  ("proxy's added time per connection", f"+{sp - sd:.3f}", "target: +1 ms")]
-    dl_rows = [("direct", round(mbps_d), "1.00x"),
-               ("through a CONNECT tunnel", round(mbps_p), f"{mbps_p / mbps_d:.2f}x"),
-               ("median of the paired ratios (tunnel / direct)", "", f"{pair:.2f}x")]
-    mem_rows = [("RSS of the owner with one proxy running (MiB)", round(before / 1024, 1)),
-                ("RSS growth per idle proxy, 50 started (KiB)", round(per_proxy, 1)),
-                ("RSS growth per idle proxy, 500 started (KiB)", round(per_proxy_500, 1))]
+    pair = statistics.median(
+        d / p for d, p in zip(data["dl_direct"], data["dl_proxy"], strict=True)
+    )
+    setup_rows = [
+        ("direct TCP to 127.0.0.1", f"{sd:.3f}", "1.00x"),
+        ("through the proxy (unix socket, CONNECT)", f"{sp:.3f}", f"{sp / sd:.2f}x"),
+        ("proxy's added time per connection", f"+{sp - sd:.3f}", "target: +1 ms"),
+    ]
+    dl_rows = [
+        ("direct", round(mbps_d), "1.00x"),
+        ("through a CONNECT tunnel", round(mbps_p), f"{mbps_p / mbps_d:.2f}x"),
+        ("median of the paired ratios (tunnel / direct)", "", f"{pair:.2f}x"),
+    ]
+    mem_rows = [
+        ("RSS of the owner with one proxy running (MiB)", round(before / 1024, 1)),
+        ("RSS growth per idle proxy, 50 started (KiB)", round(per_proxy, 1)),
+        ("RSS growth per idle proxy, 500 started (KiB)", round(per_proxy_500, 1)),
+    ]
     print(f"set-up: direct {sd:.3f} ms, proxy {sp:.3f} ms (+{sp - sd:.3f} ms)")
-    print(f"download {args.mb} MB: direct {mbps_d:.0f} MB/s, proxy {mbps_p:.0f} MB/s "
-          f"({mbps_p / mbps_d:.2f}x; paired {pair:.2f}x)")
+    print(
+        f"download {args.mb} MB: direct {mbps_d:.0f} MB/s, proxy {mbps_p:.0f} MB/s "
+        f"({mbps_p / mbps_d:.2f}x; paired {pair:.2f}x)"
+    )
     moved_gb = args.downloads * args.mb / 1000
-    print(f"idle proxy: {per_proxy:.1f} KiB each (of 50), {per_proxy_500:.1f} KiB (of 500); "
-          f"{events} audit events written; proxy CPU "
-          f"{proxy_cpu_s:.2f} s for {events} connections and {moved_gb:.1f} GB")
+    print(
+        f"idle proxy: {per_proxy:.1f} KiB each (of 50), {per_proxy_500:.1f} KiB (of 500); "
+        f"{events} audit events written; proxy CPU "
+        f"{proxy_cpu_s:.2f} s for {events} connections and {moved_gb:.1f} GB"
+    )
     if args.markdown:
-        text = ("## Egress proxy (`network: filtered`)\n\n"
-                f"`benchmarks/bench_egress.py --runs {args.runs} --mb {args.mb}`: a loopback "
-                "HTTP server and a client in their own processes, the proxy on its thread in "
-                "the benchmark's process with a real audit log (one chained event per "
-                f"connection: {events} written in this run).\n\n"
-                f"**connection set-up: connect, small GET, whole answer (median of "
-                f"{args.runs})**\n\n"
-                + markdown_table(["case", "median ms", "ratio"], setup_rows)
-                + f"\n**download of {args.mb} MB (median of {args.downloads} each, taking "
-                  "turns)**\n\n"
-                + markdown_table(["case", "MB/s", "ratio"], dl_rows)
-                + f"\nThe proxy's own CPU time over the whole client run ({events} connections, "
-                  f"{moved_gb:.1f} GB moved by splice(2)): {proxy_cpu_s:.2f} s, i.e. about "
-                  f"{proxy_cpu_s / moved_gb * 1000:.0f} ms per GB at most (the connections' "
-                  "share included): a load-independent view of the same cost.\n"
-                + "\n**memory of idle proxies (RSS of the owner process)**\n\n"
-                + markdown_table(["case", "value"], mem_rows)
-                + "\nReading it: targets are +1 ms median per connection, a download within "
-                  "10% of direct, and at most 5 MiB per idle task. The tunnel adds a third "
-                  "busy process (the proxy) to the download: on a machine whose cores are "
-                  "taken the ratio follows the load more than the proxy; its own CPU per GB "
-                  "above is the figure that does not.\n")
+        text = (
+            "## Egress proxy (`network: filtered`)\n\n"
+            f"`benchmarks/bench_egress.py --runs {args.runs} --mb {args.mb}`: a loopback "
+            "HTTP server and a client in their own processes, the proxy on its thread in "
+            "the benchmark's process with a real audit log (one chained event per "
+            f"connection: {events} written in this run).\n\n"
+            f"**connection set-up: connect, small GET, whole answer (median of "
+            f"{args.runs})**\n\n"
+            + markdown_table(["case", "median ms", "ratio"], setup_rows)
+            + f"\n**download of {args.mb} MB (median of {args.downloads} each, taking "
+            "turns)**\n\n"
+            + markdown_table(["case", "MB/s", "ratio"], dl_rows)
+            + f"\nThe proxy's own CPU time over the whole client run ({events} connections, "
+            f"{moved_gb:.1f} GB moved by splice(2)): {proxy_cpu_s:.2f} s, i.e. about "
+            f"{proxy_cpu_s / moved_gb * 1000:.0f} ms per GB at most (the connections' "
+            "share included): a load-independent view of the same cost.\n"
+            + "\n**memory of idle proxies (RSS of the owner process)**\n\n"
+            + markdown_table(["case", "value"], mem_rows)
+            + "\nReading it: targets are +1 ms median per connection, a download within "
+            "10% of direct, and at most 5 MiB per idle task. The tunnel adds a third "
+            "busy process (the proxy) to the download: on a machine whose cores are "
+            "taken the ratio follows the load more than the proxy; its own CPU per GB "
+            "above is the figure that does not.\n"
+        )
         Path(args.markdown).write_text(text, encoding="utf-8")
 
 

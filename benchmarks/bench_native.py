@@ -109,17 +109,21 @@ async def measure(wt: str, runs: int) -> dict[str, float]:
     # the run cancels out of the overhead.
     for name in cases:
         res[f"{name}-paired"] = statistics.median(
-            value - bare for value, bare in zip(samples[name], samples["bare"], strict=True))
+            value - bare for value, bare in zip(samples[name], samples["bare"], strict=True)
+        )
     return res
 
 
 def markdown(res: dict[str, float], runs: int, cli_runs: int) -> str:
     base = res["bare"]
     rows = [
-        ("`subprocess.run([\"/bin/sh\", \"-c\", \"true\"])` (baseline)", "bare"),
+        ('`subprocess.run(["/bin/sh", "-c", "true"])` (baseline)', "bare"),
         ("exec agent: `Agent.run` (spawn frame, keeper, exit status)", "agent"),
         ("native runtime: `NativeRuntime.run` (spec compile + agent)", "runtime"),
-        ("  of which: compiling the command's process spec (`ResolvedTask.process`), nothing run", "compile"),
+        (
+            "  of which: compiling the command's process spec (`ResolvedTask.process`), nothing run",
+            "compile",
+        ),
         ("Python API: `Sandbox.run` (prepared; lifecycle, audit event)", "sandbox"),
         ("before: a Python reaper shim per command (`run_process(reaper_argv(...))`)", "reaper"),
         ("CLI: `fusion-oci run -- true` (a fresh interpreter per command)", "cli"),
@@ -182,9 +186,22 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as wt:
         subprocess.run(["git", "init", "-q", wt], check=True)  # a worktree is a git top
         res = asyncio.run(measure(wt, args.runs))
-        res["cli"] = median_ms(run_argv([sys.executable, "-m", "fusion_oci.cli.main", "run",
-                                         "--audit-log", os.devnull, "--", "true"], cwd=wt),
-                               cli_runs)
+        res["cli"] = median_ms(
+            run_argv(
+                [
+                    sys.executable,
+                    "-m",
+                    "fusion_oci.cli.main",
+                    "run",
+                    "--audit-log",
+                    os.devnull,
+                    "--",
+                    "true",
+                ],
+                cwd=wt,
+            ),
+            cli_runs,
+        )
     base = res["bare"]
     print(f"\nnative runtime: per-command overhead ({args.runs} interleaved rounds)")
     print(f"{'case':<10} {'median ms':>10} {'overhead':>10} {'ratio':>8}")

@@ -114,23 +114,29 @@ def _processes() -> dict[int, tuple[int, str]]:
         try:
             stat = Path(f"/proc/{pid}/stat").read_text()
             ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(
-                errors="replace")
+            cmd = (
+                Path(f"/proc/{pid}/cmdline")
+                .read_bytes()
+                .replace(b"\0", b" ")
+                .decode(errors="replace")
+            )
         except (OSError, ValueError, IndexError):
             continue
         out[pid] = (ppid, cmd)
     return out
 
 
-def sandbox_processes(container_ids: Iterable[str], launcher_pids: Iterable[int] = ()
-                      ) -> set[int]:
+def sandbox_processes(container_ids: Iterable[str], launcher_pids: Iterable[int] = ()) -> set[int]:
     """Host pids that exist for these sandboxes: the engine's per-container monitor (conmon,
     containerd-shim) found by the container id in its argv, a bubblewrap sandbox's bwrap
     (``launcher_pids``), and everything below them."""
     ids = [c for c in container_ids if c]
     procs = _processes()
-    roots = {pid for pid, (_, cmd) in procs.items()
-             if any(cid in cmd for cid in ids) and ("conmon" in cmd or "shim" in cmd)}
+    roots = {
+        pid
+        for pid, (_, cmd) in procs.items()
+        if any(cid in cmd for cid in ids) and ("conmon" in cmd or "shim" in cmd)
+    }
     roots |= {pid for pid in launcher_pids if pid in procs}
     children: dict[int, list[int]] = {}
     for pid, (ppid, _) in procs.items():
@@ -192,13 +198,24 @@ def _worktree(base: Path, name: str) -> Path:
 
 
 def _ctx(runtime: str, task: str, wt: Path) -> PrepareContext:
-    return PrepareContext(task_id=task, run_id="r1", worktree_path=str(wt),
-                          image=image_for(runtime), cache_mode=CacheMode.OFF, policy=NONE)
+    return PrepareContext(
+        task_id=task,
+        run_id="r1",
+        worktree_path=str(wt),
+        image=image_for(runtime),
+        cache_mode=CacheMode.OFF,
+        policy=NONE,
+    )
 
 
-async def scale(runtime: str, n: int, seconds: float, base: Path,
-                command: Callable[[int, int], str] | None = None,
-                expect: Callable[[int, int], str] | None = None) -> ScaleResult:
+async def scale(
+    runtime: str,
+    n: int,
+    seconds: float,
+    base: Path,
+    command: Callable[[int, int], str] | None = None,
+    expect: Callable[[int, int], str] | None = None,
+) -> ScaleResult:
     """N sandboxes of ``runtime`` at once, each running a command every second.
 
     ``command(i, k)`` is the k-th command of sandbox i (default ``true``); ``expect(i, k)`` its
@@ -218,8 +235,9 @@ async def scale(runtime: str, n: int, seconds: float, base: Path,
         await asyncio.gather(*(prepare(i) for i in range(n)))
         await asyncio.sleep(1.0)  # idle: what a warm sandbox holds between commands
         pids = sandbox_processes(container_ids(boxes), launcher_pids(boxes))
-        result.idle_host_kib = (sum(_rss_kib(p) for p in pids)
-                                + max(0, _rss_kib(os.getpid()) - before_self))
+        result.idle_host_kib = sum(_rss_kib(p) for p in pids) + max(
+            0, _rss_kib(os.getpid()) - before_self
+        )
         t0 = time.monotonic() + 0.5
 
         async def load(i: int) -> None:
@@ -238,8 +256,10 @@ async def scale(runtime: str, n: int, seconds: float, base: Path,
                 else:
                     result.durations_ms.append((time.perf_counter() - start) * 1000)
                     if r.exit_code != 0:
-                        result.failures.append(f"sandbox {i} command {k}: exit {r.exit_code} "
-                                               f"{r.reason} {r.stderr[-200:]}")
+                        result.failures.append(
+                            f"sandbox {i} command {k}: exit {r.exit_code} "
+                            f"{r.reason} {r.stderr[-200:]}"
+                        )
                     elif expect is not None and r.stdout != expect(i, k):
                         result.outputs_ok = False
                         result.failures.append(f"sandbox {i} command {k}: stdout {r.stdout!r}")
@@ -285,30 +305,51 @@ def main() -> None:
             single = asyncio.run(single_median(runtime, base / f"{runtime}-1", args.runs))
             got = asyncio.run(scale(runtime, args.sandboxes, args.seconds, base / runtime))
             failures += [f"{runtime}: {f}" for f in got.failures[:5]]
-            print(f"\n{runtime}: {args.sandboxes} sandboxes x {args.seconds:.0f} s: "
-                  f"{got.commands} commands, {len(got.failures)} failures; single "
-                  f"{single:.1f} ms, under load median {got.median_ms:.1f} ms "
-                  f"({got.median_ms / single:.2f}x), p95 {got.p95_ms:.1f} ms; idle "
-                  f"{got.idle_mib_per_sandbox:.1f} MiB per sandbox; prepare (all at once) "
-                  f"median {statistics.median(got.prepare_ms):.0f} ms")
-            rows.append((runtime, f"{args.sandboxes}", f"{got.commands}",
-                         f"{len(got.failures)}", f"{single:.1f} ms",
-                         f"{got.median_ms / single:.2f}x", f"{got.p95_ms / single:.2f}x",
-                         f"{got.idle_mib_per_sandbox:.1f} MiB",
-                         f"{statistics.median(got.prepare_ms):.0f} ms"))
+            print(
+                f"\n{runtime}: {args.sandboxes} sandboxes x {args.seconds:.0f} s: "
+                f"{got.commands} commands, {len(got.failures)} failures; single "
+                f"{single:.1f} ms, under load median {got.median_ms:.1f} ms "
+                f"({got.median_ms / single:.2f}x), p95 {got.p95_ms:.1f} ms; idle "
+                f"{got.idle_mib_per_sandbox:.1f} MiB per sandbox; prepare (all at once) "
+                f"median {statistics.median(got.prepare_ms):.0f} ms"
+            )
+            rows.append(
+                (
+                    runtime,
+                    f"{args.sandboxes}",
+                    f"{got.commands}",
+                    f"{len(got.failures)}",
+                    f"{single:.1f} ms",
+                    f"{got.median_ms / single:.2f}x",
+                    f"{got.p95_ms / single:.2f}x",
+                    f"{got.idle_mib_per_sandbox:.1f} MiB",
+                    f"{statistics.median(got.prepare_ms):.0f} ms",
+                )
+            )
             if runtime == "bubblewrap":
                 prep = asyncio.run(bubblewrap_prepare_ms(base / "prep", max(5, args.runs // 2)))
                 print(f"bubblewrap: prepare of one sandbox, median {prep:.1f} ms")
     for line in failures:
         print("  " + line)
     body = markdown_table(
-        ["runtime", "sandboxes", "commands", "failures", "single sandbox (median)",
-         "under load: median / single", "p95 / single", "host memory per idle sandbox",
-         "prepare, all at once (median)"], rows)
+        [
+            "runtime",
+            "sandboxes",
+            "commands",
+            "failures",
+            "single sandbox (median)",
+            "under load: median / single",
+            "p95 / single",
+            "host memory per idle sandbox",
+            "prepare, all at once (median)",
+        ],
+        rows,
+    )
     if prep == prep:
         body += f"\nPrepare of one bubblewrap sandbox (alone, median): {prep:.1f} ms.\n"
     write_markdown(
-        args.markdown, "Scale: many warm sandboxes at once",
+        args.markdown,
+        "Scale: many warm sandboxes at once",
         f"`benchmarks/bench_scale.py`: {args.sandboxes} warm sandboxes of one runtime in one "
         f"process, prepared at once, then each running `true` once a second for "
         f"{args.seconds:.0f} s (starts spread over the second). The single-sandbox figure is "
@@ -316,14 +357,16 @@ def main() -> None:
         "per idle sandbox: the RSS of the host processes a sandbox adds (podman's conmon, "
         "docker's shim, bubblewrap's bwrap, the exec agent) plus this process's growth, over "
         "the number of "
-        "sandboxes; the engine's service is not counted.", body,
+        "sandboxes; the engine's service is not counted.",
+        body,
         "- Targets: no failure; under load within 2x of the single-sandbox figure; 10 MB or "
         "less per idle sandbox; prepare of one bubblewrap sandbox 50 ms or less.\n"
         "- The machine has 2 shared cores: 50 commands a second is a large part of them, so "
         "the ratio under load mostly measures the CPU left over. A command of either runtime is "
         "one spawn frame to the sandbox's exec agent (bubblewrap's sandbox is one `bwrap` per "
         "task with the agent as its PID 1, a container's init is the agent), so both stay "
-        "near their single-sandbox figure.")
+        "near their single-sandbox figure.",
+    )
 
 
 if __name__ == "__main__":

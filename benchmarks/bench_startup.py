@@ -40,13 +40,13 @@ if __name__ == "__main__":
 
 def _server_pid(folder: Path) -> int | None:
     for sock in folder.glob("*.sock"):
-        with contextlib.suppress(OSError, ValueError, KeyError), \
-                socket.socket(socket.AF_UNIX) as s:
+        with contextlib.suppress(OSError, ValueError, KeyError), socket.socket(socket.AF_UNIX) as s:
             s.settimeout(5)
             s.connect(str(sock))
             token = (folder / "token").read_text().strip()
-            body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize",
-                               "params": {"token": token}}).encode()
+            body = json.dumps(
+                {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"token": token}}
+            ).encode()
             s.sendall(b"Content-Length: %d\r\n\r\n" % len(body) + body)
             data = b""
             while b"}}" not in data:
@@ -74,26 +74,38 @@ def main() -> None:
     args = parser.parse_args()
     # Byte-compiled, as a wheel install is (this machine sets PYTHONDONTWRITEBYTECODE, so a
     # checkout would otherwise compile every module of ours on every start).
-    subprocess.run([sys.executable, "-m", "compileall", "-q", str(ROOT / "fusion_oci")],
-                   check=True, env={k: v for k, v in os.environ.items()
-                                    if k != "PYTHONDONTWRITEBYTECODE"})
+    subprocess.run(
+        [sys.executable, "-m", "compileall", "-q", str(ROOT / "fusion_oci")],
+        check=True,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"},
+    )
     with tempfile.TemporaryDirectory() as tmp:
         xdg = Path(tmp) / "xdg"
         xdg.mkdir(mode=0o700)
         script = Path(tmp) / "fusion-oci"
         script.write_text(SCRIPT.format(python=sys.executable))
         script.chmod(0o755)
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "XDG_RUNTIME_DIR": str(xdg),
-               "FUSION_OCI_SERVER_IDLE": "300"}
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "XDG_RUNTIME_DIR": str(xdg),
+            "FUSION_OCI_SERVER_IDLE": "300",
+        }
         env.pop("FUSION_OCI_NO_SERVER", None)
         wt = Path(tmp) / "wt"
         subprocess.run(["git", "init", "-q", str(wt)], check=True)
 
         def go(argv: list[str], extra: dict[str, str] | None = None) -> float:
             start = time.perf_counter()
-            subprocess.run(argv, cwd=wt, env={**env, **(extra or {})}, check=True,
-                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL)
+            subprocess.run(
+                argv,
+                cwd=wt,
+                env={**env, **(extra or {})},
+                check=True,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
             return (time.perf_counter() - start) * 1000
 
         on_path = shutil.which("python3") or "/usr/bin/python3"
@@ -107,8 +119,11 @@ def main() -> None:
             ("fusion-oci run -- true (warm server)", [cli, "run", "--", "true"], None),
         ]
         slow: list[tuple[str, list[str], dict[str, str] | None]] = [
-            ("fusion-oci run -- true (in-process)", [cli, "run", "--", "true"],
-             {"FUSION_OCI_NO_SERVER": "1"}),
+            (
+                "fusion-oci run -- true (in-process)",
+                [cli, "run", "--", "true"],
+                {"FUSION_OCI_NO_SERVER": "1"},
+            ),
             ("fusion-oci plan -- true (full CLI)", [cli, "plan", "--", "true"], None),
         ]
         samples: dict[str, list[float]] = {name: [] for name, _, _ in [*cases, *slow]}
@@ -125,13 +140,19 @@ def main() -> None:
                     samples[name].append(go(argv, extra))
                 _stop_server(folder)
                 samples["fusion-oci run -- true (first: starts server)"].append(
-                    go([cli, "run", "--", "true"]))
+                    go([cli, "run", "--", "true"])
+                )
         medians = {name: statistics.median(values) for name, values in samples.items()}
         system = medians.pop("/usr/bin/python3 -c pass")
-        order = [f"python3 -c pass ({on_path})", "fusion-oci --help", "fusion-oci --version",
-                 "fusion-oci run -- true (first: starts server)",
-                 "fusion-oci run -- true (warm server)", "fusion-oci run -- true (in-process)",
-                 "fusion-oci plan -- true (full CLI)"]
+        order = [
+            f"python3 -c pass ({on_path})",
+            "fusion-oci --help",
+            "fusion-oci --version",
+            "fusion-oci run -- true (first: starts server)",
+            "fusion-oci run -- true (warm server)",
+            "fusion-oci run -- true (in-process)",
+            "fusion-oci plan -- true (full CLI)",
+        ]
         rows = [(name, medians[name]) for name in order]
         _stop_server(folder)
     report("CLI start-up beside python3 -c pass", ("/usr/bin/python3 -c pass", system), rows)
@@ -170,8 +191,10 @@ def markdown(system: float, rows: list[tuple[str, float]]) -> str:
         "same load, on a shared, busy 2-core machine: quote the ratios of one run.",
         "",
     ]
-    return "\n".join(textwrap.fill(line, 95, break_on_hyphens=False)
-                     if not line.startswith("|") else line for line in lines)
+    return "\n".join(
+        textwrap.fill(line, 95, break_on_hyphens=False) if not line.startswith("|") else line
+        for line in lines
+    )
 
 
 if __name__ == "__main__":

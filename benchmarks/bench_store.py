@@ -54,8 +54,9 @@ READING = """
 
 def du_kib(*paths: Path) -> list[int]:
     """KiB each path adds, in order (du counts an inode once, at its first path)."""
-    out = subprocess.run(["du", "-sk", *map(str, paths)], capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run(
+        ["du", "-sk", *map(str, paths)], capture_output=True, text=True, check=True
+    ).stdout
     return [int(line.split()[0]) for line in out.splitlines()]
 
 
@@ -63,12 +64,14 @@ def settings(backend: str, network: NetworkMode) -> object:
     policy = SandboxPolicy(network=network)
     if backend in ("podman", "docker"):
         from tests.integration.container_cases import engine_settings
+
         return engine_settings(backend, policy=policy)
     return backend_settings(backend, policy=policy)
 
 
-async def task_install(backend: str, base: Path, name: str, command: str,
-                       network: NetworkMode) -> tuple[Path, float]:
+async def task_install(
+    backend: str, base: Path, name: str, command: str, network: NetworkMode
+) -> tuple[Path, float]:
     wt = base / f"wt-{backend}-{name}"
     shutil.copytree(PROJECT, wt)
     git_init(wt)
@@ -76,14 +79,25 @@ async def task_install(backend: str, base: Path, name: str, command: str,
     image = None
     if backend in ("podman", "docker"):
         from tests.integration.container_cases import image as node_image
+
         image = node_image(backend)
-    env = {"HOME": str(base / "home"), "PATH": os.environ["PATH"], "LANG": "C.UTF-8",
-           **{k: v for k, v in os.environ.items() if k in ("DOCKER_HOST",
-                                                            "FUSION_OCI_PODMAN_URL")}}
+    env = {
+        "HOME": str(base / "home"),
+        "PATH": os.environ["PATH"],
+        "LANG": "C.UTF-8",
+        **{k: v for k, v in os.environ.items() if k in ("DOCKER_HOST", "FUSION_OCI_PODMAN_URL")},
+    }
     async with Sandbox(chosen, env=env, cache_root=base / "cache") as sb:  # type: ignore[arg-type]
-        await sb.prepare(PrepareContext(task_id=name, run_id="r", worktree_path=str(wt),
-                                        policy=chosen.policy,  # type: ignore[attr-defined]
-                                        project_dir=str(base / "project"), image=image))
+        await sb.prepare(
+            PrepareContext(
+                task_id=name,
+                run_id="r",
+                worktree_path=str(wt),
+                policy=chosen.policy,  # type: ignore[attr-defined]
+                project_dir=str(base / "project"),
+                image=image,
+            )
+        )
         start = time.perf_counter()
         done = await sb.run(command, LONG)
         took = time.perf_counter() - start
@@ -115,8 +129,14 @@ async def main() -> None:
         env = {**os.environ, "npm_config_store_dir": str(base / "host-store")}
         warm = base / "wt-host-warm"
         shutil.copytree(PROJECT, warm)
-        await asyncio.to_thread(subprocess.run, ["pnpm", "install", "--frozen-lockfile"],
-                                cwd=warm, env=env, check=True, capture_output=True)
+        await asyncio.to_thread(
+            subprocess.run,
+            ["pnpm", "install", "--frozen-lockfile"],
+            cwd=warm,
+            env=env,
+            check=True,
+            capture_output=True,
+        )
         for backend in backends:
             # Landlock cannot confine egress: it warms its store with the host's network.
             net = NetworkMode.HOST if backend == "landlock" else NetworkMode.EGRESS
@@ -126,25 +146,43 @@ async def main() -> None:
         for i in range(args.rounds):
             times["host"].append(host_install(base, f"r{i}"))
             for backend in backends:
-                wt, took = await task_install(backend, base, f"r{i}", INSTALL,
-                                              NetworkMode.NONE)
+                wt, took = await task_install(backend, base, f"r{i}", INSTALL, NetworkMode.NONE)
                 times[backend].append(took)
                 worktrees[backend].append(wt)
         host = statistics.median(times["host"])
-        rows: list[list[object]] = [["host (its own pnpm, hard links)", f"{host:.2f} s",
-                                     "1.00x", "-"]]
+        rows: list[list[object]] = [
+            ["host (its own pnpm, hard links)", f"{host:.2f} s", "1.00x", "-"]
+        ]
         blobs = next((base / "cache" / "projects").glob("*/store-blobs"))
         for backend in backends:
             med = statistics.median(times[backend])
             full = du_kib(worktrees[backend][-1] / "node_modules")[0]
             adds = du_kib(blobs, *[w / "node_modules" for w in worktrees[backend]])[-1]
-            rows.append([backend, f"{med:.2f} s", f"{med / host:.2f}x",
-                         f"{adds} / {full} KiB ({100 * adds / full:.1f}%)"])
-        body = markdown_table(["case", "warm install (median)", "vs host",
-                               "extra disk of one more task / its node_modules"], rows)
+            rows.append(
+                [
+                    backend,
+                    f"{med:.2f} s",
+                    f"{med / host:.2f}x",
+                    f"{adds} / {full} KiB ({100 * adds / full:.1f}%)",
+                ]
+            )
+        body = markdown_table(
+            [
+                "case",
+                "warm install (median)",
+                "vs host",
+                "extra disk of one more task / its node_modules",
+            ],
+            rows,
+        )
         print(body)
-        write_markdown(args.markdown, "Package store links: warm install and disk per task",
-                       INTRO.format(rounds=args.rounds), body, READING)
+        write_markdown(
+            args.markdown,
+            "Package store links: warm install and disk per task",
+            INTRO.format(rounds=args.rounds),
+            body,
+            READING,
+        )
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

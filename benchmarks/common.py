@@ -22,8 +22,15 @@ def median_ms(fn: Callable[[], object], runs: int, warmup: int = 2) -> float:
 
 def run_argv(argv: Sequence[str], cwd: str | None = None) -> Callable[[], object]:
     def go() -> object:
-        return subprocess.run(argv, cwd=cwd, check=True, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+        return subprocess.run(
+            argv,
+            cwd=cwd,
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL,
+        )
+
     return go
 
 
@@ -43,15 +50,24 @@ def report(title: str, baseline: tuple[str, float], rows: list[tuple[str, float]
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A GitHub markdown table; numbers right-aligned."""
+
     def cell(value: object) -> str:
         return f"{value:.1f}" if isinstance(value, float) else str(value)
 
     def numeric(i: int) -> bool:
-        return all(isinstance(r[i], int | float) or str(r[i]).rstrip("x").replace(".", "", 1)
-                   .isdigit() for r in rows) if rows else False
+        return (
+            all(
+                isinstance(r[i], int | float) or str(r[i]).rstrip("x").replace(".", "", 1).isdigit()
+                for r in rows
+            )
+            if rows
+            else False
+        )
 
-    lines = ["| " + " | ".join(headers) + " |",
-             "|" + "|".join("---:" if numeric(i) else "---" for i in range(len(headers))) + "|"]
+    lines = [
+        "| " + " | ".join(headers) + " |",
+        "|" + "|".join("---:" if numeric(i) else "---" for i in range(len(headers))) + "|",
+    ]
     lines += ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
@@ -60,14 +76,16 @@ def recorded_markdown() -> str:
     """Every table report() printed, as markdown: case, median ms, ratio to the baseline."""
     out = []
     for title, (name, base), rows in RECORDED:
-        table = [(name, base, "1.00x")] + [(label, value, f"{value / base:.2f}x")
-                                           for label, value in rows]
+        table = [(name, base, "1.00x")] + [
+            (label, value, f"{value / base:.2f}x") for label, value in rows
+        ]
         out.append(f"**{title}**\n\n" + markdown_table(["case", "median ms", "ratio"], table))
     return "\n".join(out)
 
 
-def write_markdown(path: str | None, heading: str, intro: str = "", body: str | None = None,
-                   reading: str = "") -> None:
+def write_markdown(
+    path: str | None, heading: str, intro: str = "", body: str | None = None, reading: str = ""
+) -> None:
     """Write this benchmark's section of docs/performance.md (scripts/bench.sh assembles
     them): ``## heading``, an intro, the tables (default: every report() table), reading it."""
     if not path:

@@ -19,8 +19,17 @@ import platform
 import subprocess
 from pathlib import Path
 
-ORDER = ("native", "bubblewrap", "oci", "tiers", "containers", "scale", "serve", "startup",
-         "dashboard")
+ORDER = (
+    "native",
+    "bubblewrap",
+    "oci",
+    "tiers",
+    "containers",
+    "scale",
+    "serve",
+    "startup",
+    "dashboard",
+)
 """Sections in the order a reader wants them: the cheapest tier first, then scale, then the
 front ends."""
 
@@ -82,8 +91,10 @@ def engine_versions() -> dict[str, str]:
             client.close()
     except Exception:  # a header line never fails the report
         out["docker"] = "not reachable"
-    for name, url in (("podman", os.environ.get("FUSION_OCI_PODMAN_URL")),
-                      ("podman (rootless)", os.environ.get("FUSION_OCI_ROOTLESS_PODMAN_URL"))):
+    for name, url in (
+        ("podman", os.environ.get("FUSION_OCI_PODMAN_URL")),
+        ("podman (rootless)", os.environ.get("FUSION_OCI_ROOTLESS_PODMAN_URL")),
+    ):
         if not url:
             continue
         try:
@@ -115,9 +126,13 @@ def header(now: datetime.datetime | None = None) -> str:
         *((name, version) for name, version in tools.items()),
     ]
     table = "| | |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
-    return (INTRO + "\n## The machine of this run\n\n" + table +
-            "\nOne run on a shared, busy machine (other jobs ran beside it): absolute times "
-            "move between runs, the ratios much less. Quote ratios.\n")
+    return (
+        INTRO
+        + "\n## The machine of this run\n\n"
+        + table
+        + "\nOne run on a shared, busy machine (other jobs ran beside it): absolute times "
+        "move between runs, the ratios much less. Quote ratios.\n"
+    )
 
 
 def section_names(found: set[str], failed: list[str]) -> list[str]:
@@ -126,8 +141,7 @@ def section_names(found: set[str], failed: list[str]) -> list[str]:
     return [n for n in ORDER if n in found or n in failed] + extra
 
 
-def assemble(fragment_dir: Path, failed: list[str], now: datetime.datetime | None = None
-             ) -> str:
+def assemble(fragment_dir: Path, failed: list[str], now: datetime.datetime | None = None) -> str:
     found = {p.stem: p for p in fragment_dir.glob("*.md")}
     parts = [header(now)]
     for name in section_names(set(found), failed):
@@ -137,8 +151,10 @@ def assemble(fragment_dir: Path, failed: list[str], now: datetime.datetime | Non
                 text = f"## {name}\n\n{text}"
             parts.append(text + "\n")
         else:
-            parts.append(f"## {name}\n\n`benchmarks/bench_{name}.py` failed in this run: no "
-                         "figures (its output is in the log of `scripts/bench.sh`).\n")
+            parts.append(
+                f"## {name}\n\n`benchmarks/bench_{name}.py` failed in this run: no "
+                "figures (its output is in the log of `scripts/bench.sh`).\n"
+            )
     return "\n".join(parts)
 
 

@@ -34,8 +34,9 @@ from fusion_oci.policy.settings import GateSettings, SandboxSettings
 
 def host_node() -> str:
     """The host's ``node --version`` (``v20.20.2``)."""
-    return subprocess.run(["node", "--version"], capture_output=True, text=True,
-                          check=True).stdout.strip()
+    return subprocess.run(
+        ["node", "--version"], capture_output=True, text=True, check=True
+    ).stdout.strip()
 
 
 def pin_project(folder: Path, version: str) -> None:
@@ -53,15 +54,28 @@ async def _pinned(engine: str, project: Path) -> ProvisionedImage:
         builder, _ = _reachable(engine)
     assert builder is not None
     with builder:
-        await bootstrap_base([builder], ctx=AuditContext(audit, "bench", "node-image", "images"),
-                             reporter=reporter)
+        await bootstrap_base(
+            [builder], ctx=AuditContext(audit, "bench", "node-image", "images"), reporter=reporter
+        )
     target = target_of(engine)
     settings = SandboxSettings(gates=GateSettings(sandbox_provision="allow", network_api="allow"))
     with _machine_lock():
         return await ensure_image(
-            target.kind, target.url, "node", settings, audit, "bench", "node-image",
-            options=ProvisionOptions(engine_name=engine, base=BASE_REF, env=dict(os.environ),
-                                     reporter=reporter, project_dir=project))
+            target.kind,
+            target.url,
+            "node",
+            settings,
+            audit,
+            "bench",
+            "node-image",
+            options=ProvisionOptions(
+                engine_name=engine,
+                base=BASE_REF,
+                env=dict(os.environ),
+                reporter=reporter,
+                project_dir=project,
+            ),
+        )
 
 
 def pinned_image(engine: str, project: Path) -> ProvisionedImage:
@@ -89,11 +103,28 @@ class RawEngine:
         # rootless engine's container root is that owner.
         st = wt.stat()
         user = "0:0" if self.rootless else f"{st.st_uid}:{st.st_gid}"
-        argv = [*self.cli, "run", "-d", "--rm", "-v", f"{wt}:{wt}", "-w", str(wt),
-                "--user", user, *(["--network=host"] if self.host_network else []),
-                *(a for lim in limits for a in ("--ulimit", lim)),
-                "-e", "CI=1", "-e", "HOME=/tmp", "--entrypoint", "sleep", self.image,
-                "infinity"]
+        argv = [
+            *self.cli,
+            "run",
+            "-d",
+            "--rm",
+            "-v",
+            f"{wt}:{wt}",
+            "-w",
+            str(wt),
+            "--user",
+            user,
+            *(["--network=host"] if self.host_network else []),
+            *(a for lim in limits for a in ("--ulimit", lim)),
+            "-e",
+            "CI=1",
+            "-e",
+            "HOME=/tmp",
+            "--entrypoint",
+            "sleep",
+            self.image,
+            "infinity",
+        ]
         out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
         if out.returncode != 0:
             raise RuntimeError(f"{' '.join(argv[:3])} run fails: {out.stderr.strip()[-300:]}")
@@ -108,11 +139,16 @@ class RawEngine:
 
 def daemon_limits(url: str) -> dict[str, int]:
     """nofile and nproc hard limits of the process listening on ``unix://PATH``, else ours."""
-    limits = {"nofile": resource.getrlimit(resource.RLIMIT_NOFILE)[1],
-              "nproc": resource.getrlimit(resource.RLIMIT_NPROC)[1]}
+    limits = {
+        "nofile": resource.getrlimit(resource.RLIMIT_NOFILE)[1],
+        "nproc": resource.getrlimit(resource.RLIMIT_NPROC)[1],
+    }
     path = url.removeprefix("unix://")
-    inodes = {line.split()[6] for line in Path("/proc/net/unix").read_text().splitlines()[1:]
-              if line.split()[-1] == path}
+    inodes = {
+        line.split()[6]
+        for line in Path("/proc/net/unix").read_text().splitlines()[1:]
+        if line.split()[-1] == path
+    }
     for pid in (p for p in os.listdir("/proc") if p.isdigit()):
         try:
             fds = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
@@ -129,15 +165,21 @@ def daemon_limits(url: str) -> dict[str, int]:
     return {k: v for k, v in limits.items() if v >= 0}
 
 
-def raw_engine_for(name: str, image: str, rootless_xdg: str | None,
-                   host_network: bool = False) -> RawEngine:
+def raw_engine_for(
+    name: str, image: str, rootless_xdg: str | None, host_network: bool = False
+) -> RawEngine:
     if name.startswith("podman"):
-        url = (f"unix://{rootless_xdg}/podman/podman.sock" if rootless_xdg else
-               os.environ.get("FUSION_OCI_PODMAN_URL", ""))
-        return RawEngine(["podman", "--url", url], image, rootless_xdg is not None,
-                         host_network)
-    url = (f"unix://{rootless_xdg}/docker.sock" if rootless_xdg else
-           os.environ.get("DOCKER_HOST", "") or "unix:///var/run/docker.sock")
+        url = (
+            f"unix://{rootless_xdg}/podman/podman.sock"
+            if rootless_xdg
+            else os.environ.get("FUSION_OCI_PODMAN_URL", "")
+        )
+        return RawEngine(["podman", "--url", url], image, rootless_xdg is not None, host_network)
+    url = (
+        f"unix://{rootless_xdg}/docker.sock"
+        if rootless_xdg
+        else os.environ.get("DOCKER_HOST", "") or "unix:///var/run/docker.sock"
+    )
     return RawEngine(["docker", "-H", url], image, rootless_xdg is not None, host_network)
 
 
@@ -147,8 +189,18 @@ def raw_runsc_argv(wt: Path, command: str) -> list[str]:
     as ours), no network (the steps need none). Each call starts a sandbox, as the oci runtime
     does for each command. (Its output to a pipe can be lost as the sandbox ends: only the
     status is used.)"""
-    return [shutil.which("runsc") or "runsc", "--network=none", "do",
-            "--force-overlay=false", "--cwd", str(wt), "--", "/bin/sh", "-c", command]
+    return [
+        shutil.which("runsc") or "runsc",
+        "--network=none",
+        "do",
+        "--force-overlay=false",
+        "--cwd",
+        str(wt),
+        "--",
+        "/bin/sh",
+        "-c",
+        command,
+    ]
 
 
 def timed(argv: list[str], timeout: float = 600) -> tuple[float, int, str]:

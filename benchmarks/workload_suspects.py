@@ -45,15 +45,25 @@ def host(wt: Path) -> list[float]:
     out = []
     for _, command in WORK:
         start = time.monotonic()
-        subprocess.run(["/bin/sh", "-c", command], cwd=wt, check=True, capture_output=True,
-                       env={**os.environ, "CI": "1"})
+        subprocess.run(
+            ["/bin/sh", "-c", command],
+            cwd=wt,
+            check=True,
+            capture_output=True,
+            env={**os.environ, "CI": "1"},
+        )
         out.append(time.monotonic() - start)
     return out
 
 
 def install(wt: Path) -> None:
-    subprocess.run(["pnpm", "install", "--frozen-lockfile"], cwd=wt, check=True,
-                   capture_output=True, env={**os.environ, "CI": "1"})
+    subprocess.run(
+        ["pnpm", "install", "--frozen-lockfile"],
+        cwd=wt,
+        check=True,
+        capture_output=True,
+        env={**os.environ, "CI": "1"},
+    )
 
 
 def raw(wt: Path) -> list[float]:
@@ -77,10 +87,12 @@ async def main() -> None:
         install(wt)
         cases: dict[str, list[float]] = {}
         for i in range(args.rounds):
-            got = {"host": host(wt),
-                   "ours, egress": await ours(rt, wt, NetworkMode.EGRESS),
-                   "ours, none": await ours(rt, wt, NetworkMode.NONE),
-                   "raw runsc do": raw(wt)}
+            got = {
+                "host": host(wt),
+                "ours, egress": await ours(rt, wt, NetworkMode.EGRESS),
+                "ours, none": await ours(rt, wt, NetworkMode.NONE),
+                "raw runsc do": raw(wt),
+            }
             for k, v in got.items():
                 cases.setdefault(k, []).append(sum(v))
                 print(f"round {i + 1} {k}: " + " ".join(f"{x:.2f}" for x in v), flush=True)
@@ -88,8 +100,10 @@ async def main() -> None:
         print(f"\ntests + check + build, median of {args.rounds} rounds")
         for k, v in cases.items():
             m = statistics.median(v)
-            print(f"{k:<16} {m:6.2f} s {m / base:5.2f}x host "
-                  f"{m / statistics.median(cases['raw runsc do']):5.2f}x raw")
+            print(
+                f"{k:<16} {m:6.2f} s {m / base:5.2f}x host "
+                f"{m / statistics.median(cases['raw runsc do']):5.2f}x raw"
+            )
 
 
 if __name__ == "__main__":

@@ -154,7 +154,7 @@ def _last_line(fd: int) -> bytes | None:
         body = data.rstrip(b"\n")
         cut = body.rfind(b"\n")
         if cut >= 0:
-            return body[cut + 1:]
+            return body[cut + 1 :]
     return data.rstrip(b"\n")
 
 
@@ -189,8 +189,9 @@ class AuditLog:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
                 last = _last_line(fd)
-                chained = event.model_copy(update={
-                    "prev": GENESIS if last is None else line_hash(last), "mac": None})
+                chained = event.model_copy(
+                    update={"prev": GENESIS if last is None else line_hash(last), "mac": None}
+                )
                 body = chained.model_dump_json(by_alias=True, exclude_none=True)
                 if key:
                     body = body[:-1] + f',"mac":"{line_mac(key, body)}"}}'
@@ -263,23 +264,27 @@ def verify_chain(path: Path, key: bytes | None = None) -> ChainReport:
                 return bad(count, f"line {count} is not an audit event (edited or forged)")
             if "prev" not in data:
                 if chained:
-                    return bad(count, f"line {count} has no chain hash (forged, or written "
-                                      "around fusion-oci)")
+                    return bad(
+                        count,
+                        f"line {count} has no chain hash (forged, or written around fusion-oci)",
+                    )
                 prev_line = line
                 continue
             want = GENESIS if prev_line is None else line_hash(prev_line)
             if data["prev"] != want:
                 where = "the start of the log" if prev_line is None else f"line {count - 1}"
-                return bad(count, f"line {count} does not follow {where}: a line before it "
-                                  "was removed or edited, or this one was forged")
+                return bad(
+                    count,
+                    f"line {count} does not follow {where}: a line before it "
+                    "was removed or edited, or this one was forged",
+                )
             if key:
                 match = _MAC_TAIL.search(text)
                 if match is None:
                     return bad(count, f"line {count} has no MAC (forged)")
-                body = text[:match.start()] + "}"
+                body = text[: match.start()] + "}"
                 if not hmac.compare_digest(match.group(1), line_mac(key, body)):
-                    return bad(count, f"line {count} was edited or forged (its MAC does not "
-                                      "match)")
+                    return bad(count, f"line {count} was edited or forged (its MAC does not match)")
             chained = True
             prev_line = line
     return ChainReport(True, count, keyed=bool(key))

@@ -10,8 +10,9 @@ if TYPE_CHECKING:
     from fusion_oci.policy.settings import SandboxSettings
 
 
-def backend_rows(env: Mapping[str, str], base: SandboxSettings | None = None, *,
-                 oci_variants: bool = False) -> list[dict[str, Any]]:
+def backend_rows(
+    env: Mapping[str, str], base: SandboxSettings | None = None, *, oci_variants: bool = False
+) -> list[dict[str, Any]]:
     """One camelCase row per backend id (the JSON both report). ``base``: the effective
     settings (engine URLs, OCI runtime) each backend is probed with; None: the defaults.
     ``oci_variants`` (the CLI's table): after them, an ``oci`` row (with ``ociRuntime``) for
@@ -28,27 +29,30 @@ def backend_rows(env: Mapping[str, str], base: SandboxSettings | None = None, *,
     # differently from runc, and `ociRuntime: runsc` is how it is chosen.
     default_oci = base.oci.runtime if base is not None else "runc"
     if oci_variants:
-        variants += [("oci", {"backend": "oci", "oci": OciSettings(runtime=name)})
-                     for name in ("runsc", "crun")
-                     if name != default_oci and shutil.which(name, path=env.get("PATH"))]
+        variants += [
+            ("oci", {"backend": "oci", "oci": OciSettings(runtime=name)})
+            for name in ("runsc", "crun")
+            if name != default_oci and shutil.which(name, path=env.get("PATH"))
+        ]
     for backend, fields in variants:
-        settings = (base.model_copy(update=fields) if base is not None
-                    else SandboxSettings(**fields))
+        settings = base.model_copy(update=fields) if base is not None else SandboxSettings(**fields)
         runtime = create_runtime(backend, settings, env)
         avail = runtime.availability()
         runtime.close()  # probing starts nothing that outlives it
-        rows.append({
-            "backend": backend,
-            **({"ociRuntime": settings.oci.runtime} if backend == "oci" else {}),
-            "available": avail.available,
-            "version": avail.version,
-            "rootless": avail.rootless,
-            "reason": avail.reason or None,
-            "hint": avail.hint or None,
-            "enforces": sorted(r.value for r in runtime.enforces()) if avail.available else [],
-            "capabilities": runtime.capabilities().model_dump(by_alias=True),
-            "details": {_camel(k): v for k, v in avail.details.items()} or None,
-        })
+        rows.append(
+            {
+                "backend": backend,
+                **({"ociRuntime": settings.oci.runtime} if backend == "oci" else {}),
+                "available": avail.available,
+                "version": avail.version,
+                "rootless": avail.rootless,
+                "reason": avail.reason or None,
+                "hint": avail.hint or None,
+                "enforces": sorted(r.value for r in runtime.enforces()) if avail.available else [],
+                "capabilities": runtime.capabilities().model_dump(by_alias=True),
+                "details": {_camel(k): v for k, v in avail.details.items()} or None,
+            }
+        )
     return rows
 
 

@@ -53,16 +53,19 @@ class FusionOCIError(Exception):
 
     def to_json(self) -> dict[str, object]:
         """``{"error": {...}}``: what ``--json`` prints and the server sends for this error."""
-        return {"error": error_body(self.kind, self.what, self.why, self.hint,
-                                    getattr(self, "unenforced", None) or ())}
+        return {
+            "error": error_body(
+                self.kind, self.what, self.why, self.hint, getattr(self, "unenforced", None) or ()
+            )
+        }
 
 
-def error_body(kind: str, what: str, why: str = "", hint: str = "",
-               unenforced: Iterable[str] = ()) -> dict[str, object]:
+def error_body(
+    kind: str, what: str, why: str = "", hint: str = "", unenforced: Iterable[str] = ()
+) -> dict[str, object]:
     """The one error object: ``{kind, what, why, hint, unenforced}``, what ``--json`` prints
     under ``"error"`` and what the server sends as a JSON-RPC error's ``data``."""
-    return {"kind": kind, "what": what, "why": why, "hint": hint,
-            "unenforced": list(unenforced)}
+    return {"kind": kind, "what": what, "why": why, "hint": hint, "unenforced": list(unenforced)}
 
 
 def error_json(exc: BaseException) -> dict[str, object]:
@@ -74,8 +77,15 @@ def error_json(exc: BaseException) -> dict[str, object]:
 
 
 ERROR_KINDS = (
-    "bad-settings", "bad-flags", "backend-unavailable", "policy-unenforceable", "gate-denied",
-    "engine-error", "setup-failed", "timeout", "agent-lost",
+    "bad-settings",
+    "bad-flags",
+    "backend-unavailable",
+    "policy-unenforceable",
+    "gate-denied",
+    "engine-error",
+    "setup-failed",
+    "timeout",
+    "agent-lost",
 )
 
 

@@ -75,8 +75,9 @@ def owner_state(labels: Mapping[str, str], at: Here) -> str:
     return "live" if at.alive(int(pid), labels.get(LABEL_OWNER_START, "")) else "dead"
 
 
-def is_garbage(found: Found, at: Here, *, task_id: str | None = None,
-               include_caches: bool = False) -> bool:
+def is_garbage(
+    found: Found, at: Here, *, task_id: str | None = None, include_caches: bool = False
+) -> bool:
     """Whether gc removes this object. Pure given ``at``."""
     labels = found.labels
     if LABEL_KIND not in labels:
@@ -111,8 +112,14 @@ class GcReport:
         self.engines += other.engines
 
 
-def collect(adapter: EngineAdapter, *, task_id: str | None = None, include_caches: bool = False,
-            dry_run: bool = False, at: Here | None = None) -> GcReport:
+def collect(
+    adapter: EngineAdapter,
+    *,
+    task_id: str | None = None,
+    include_caches: bool = False,
+    dry_run: bool = False,
+    at: Here | None = None,
+) -> GcReport:
     """Remove the garbage of one engine: containers first (they hold the volumes)."""
     at = at or here()
     report = GcReport(engines=[f"{adapter.engine} at {adapter.endpoint.url}"])
@@ -129,8 +136,7 @@ def collect(adapter: EngineAdapter, *, task_id: str | None = None, include_cache
         if dry_run:
             continue
         try:
-            with engine_errors(adapter.engine, f"remove {item.kind} {item.name}",
-                               adapter.endpoint):
+            with engine_errors(adapter.engine, f"remove {item.kind} {item.name}", adapter.endpoint):
                 if item.kind == "container":
                     adapter.remove(item.id)
                 else:
@@ -185,8 +191,9 @@ def gc(
 
                 service = PodmanService(source)
                 adapter = service.start(exc.tried)
-            report.merge(collect(adapter, task_id=task_id, include_caches=include_caches,
-                                 dry_run=dry_run))
+            report.merge(
+                collect(adapter, task_id=task_id, include_caches=include_caches, dry_run=dry_run)
+            )
         except FusionOCIError as exc:
             report.errors.append(f"{kind}: {exc.render()}")
         finally:
@@ -201,8 +208,9 @@ def gc(
     return report
 
 
-def _endpoints(kind: EngineKind, settings: SandboxSettings, env: Mapping[str, str]
-               ) -> list[Endpoint]:
+def _endpoints(
+    kind: EngineKind, settings: SandboxSettings, env: Mapping[str, str]
+) -> list[Endpoint]:
     uid = os.getuid()
     if kind == "podman":
         return podman_endpoints(settings.podman.url, env, uid)

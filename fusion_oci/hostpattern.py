@@ -74,8 +74,10 @@ def _check_name(name: str) -> str | None:
         return "a host name is 1 to 253 characters"
     for label in name.split("."):
         if not _LABEL.fullmatch(label):
-            return (f"the label '{label}' is not a DNS label (letters, digits, '-', '_'; "
-                    "1 to 63 characters; no leading or trailing '-')")
+            return (
+                f"the label '{label}' is not a DNS label (letters, digits, '-', '_'; "
+                "1 to 63 characters; no leading or trailing '-')"
+            )
     return None
 
 
@@ -85,8 +87,10 @@ def parse_pattern(text: str) -> Pattern:
     if not raw:
         raise ValueError("the entry is empty")
     if "://" in raw:
-        raise ValueError("write the host only, without a scheme or path (example.com:443, "
-                         "not https://example.com/)")
+        raise ValueError(
+            "write the host only, without a scheme or path (example.com:443, "
+            "not https://example.com/)"
+        )
     if "/" in raw:
         try:
             net = ipaddress.ip_network(raw, strict=False)
@@ -99,7 +103,7 @@ def parse_pattern(text: str) -> Pattern:
         end = raw.find("]")
         if end < 0:
             raise ValueError("an IPv6 address in brackets needs its closing ']'")
-        host, rest = raw[1:end], raw[end + 1:]
+        host, rest = raw[1:end], raw[end + 1 :]
         if rest:
             if not rest.startswith(":"):
                 raise ValueError("only ':PORT' may follow ']'")
@@ -124,8 +128,10 @@ def parse_pattern(text: str) -> Pattern:
     if why:
         raise ValueError(why)
     if wildcard and "." not in name:
-        raise ValueError("a wildcard needs at least two labels after '*.' ('*.example.com'), "
-                         "not a whole top-level domain")
+        raise ValueError(
+            "a wildcard needs at least two labels after '*.' ('*.example.com'), "
+            "not a whole top-level domain"
+        )
     return Pattern(text=raw, name=name, wildcard=wildcard, port=port)
 
 

@@ -83,8 +83,9 @@ def _fail(what: str) -> OSError:
 
 def abi_version() -> int:
     """The Landlock ABI this kernel offers; 0 without Landlock (ENOSYS) or disabled at boot."""
-    rc = _libc.syscall(SYS_LANDLOCK[0], None, ctypes.c_size_t(0),
-                       ctypes.c_uint32(LANDLOCK_CREATE_RULESET_VERSION))
+    rc = _libc.syscall(
+        SYS_LANDLOCK[0], None, ctypes.c_size_t(0), ctypes.c_uint32(LANDLOCK_CREATE_RULESET_VERSION)
+    )
     return int(rc) if rc > 0 else 0
 
 
@@ -114,8 +115,9 @@ def restrict(cfg: dict) -> None:  # type: ignore[type-arg]
     if abi >= 6:
         fields.append(int(cfg["scoped"]))
     attr = struct.pack(f"={len(fields)}Q", *fields)
-    ruleset = _libc.syscall(SYS_LANDLOCK[0], ctypes.c_char_p(attr), ctypes.c_size_t(len(attr)),
-                            ctypes.c_uint32(0))
+    ruleset = _libc.syscall(
+        SYS_LANDLOCK[0], ctypes.c_char_p(attr), ctypes.c_size_t(len(attr)), ctypes.c_uint32(0)
+    )
     if ruleset < 0:
         raise _fail("landlock_create_ruleset")
     try:
@@ -131,16 +133,32 @@ def restrict(cfg: dict) -> None:  # type: ignore[type-arg]
                     continue
                 # struct landlock_path_beneath_attr is packed: u64 allowed_access, s32 fd.
                 rule = struct.pack("=Qi", allowed, fd)
-                if _libc.syscall(SYS_LANDLOCK[1], ruleset, LANDLOCK_RULE_PATH_BENEATH,
-                                 ctypes.c_char_p(rule), ctypes.c_uint32(0)) != 0:
+                if (
+                    _libc.syscall(
+                        SYS_LANDLOCK[1],
+                        ruleset,
+                        LANDLOCK_RULE_PATH_BENEATH,
+                        ctypes.c_char_p(rule),
+                        ctypes.c_uint32(0),
+                    )
+                    != 0
+                ):
                     raise _fail(f"landlock_add_rule({path})")
             finally:
                 os.close(fd)
         for port, access in cfg.get("ports", []):
             # struct landlock_net_port_attr is packed: u64 allowed_access, u64 port.
             rule = struct.pack("=QQ", int(access), int(port))
-            if _libc.syscall(SYS_LANDLOCK[1], ruleset, LANDLOCK_RULE_NET_PORT,
-                             ctypes.c_char_p(rule), ctypes.c_uint32(0)) != 0:
+            if (
+                _libc.syscall(
+                    SYS_LANDLOCK[1],
+                    ruleset,
+                    LANDLOCK_RULE_NET_PORT,
+                    ctypes.c_char_p(rule),
+                    ctypes.c_uint32(0),
+                )
+                != 0
+            ):
                 raise _fail(f"landlock_add_rule(port {port})")
         if _libc.syscall(SYS_LANDLOCK[2], ruleset, ctypes.c_uint32(0)) != 0:
             raise _fail("landlock_restrict_self")
@@ -168,20 +186,62 @@ CHMOD_CALLS = {"x86_64": (90, 91, 268, 452), "aarch64": (-1, 52, 53, 452)}
 # (open, openat); aarch64 has no plain open. openat2 is left alone (its flags sit in a struct;
 # a program that uses it reads its /proc/self as without the supervisor).
 OPEN_CALLS = {"x86_64": (2, 257), "aarch64": (-1, 56)}
-OWN_PROC = frozenset((
-    "status", "stat", "statm", "maps", "smaps", "smaps_rollup", "limits", "cgroup", "cmdline",
-    "environ", "comm", "auxv", "io", "mountinfo", "mounts", "oom_score", "oom_score_adj",
-    "sched", "schedstat", "wchan", "cpuset", "loginuid", "sessionid", "personality", "fd",
-    "fdinfo", "task", "attr", "ns",
-))
+OWN_PROC = frozenset(
+    (
+        "status",
+        "stat",
+        "statm",
+        "maps",
+        "smaps",
+        "smaps_rollup",
+        "limits",
+        "cgroup",
+        "cmdline",
+        "environ",
+        "comm",
+        "auxv",
+        "io",
+        "mountinfo",
+        "mounts",
+        "oom_score",
+        "oom_score_adj",
+        "sched",
+        "schedstat",
+        "wchan",
+        "cpuset",
+        "loginuid",
+        "sessionid",
+        "personality",
+        "fd",
+        "fdinfo",
+        "task",
+        "attr",
+        "ns",
+    )
+)
 """The entries of its own ``/proc/<pid>`` (and ``task/<tid>``) a command may open, read-only.
 Not the ones whose content depends on the opener's capabilities, which the supervisor has
 and the command does not: ``pagemap`` (frame numbers), ``stack``, ``syscall``; nor ``mem``;
 nor ``net`` (the host's sockets)."""
-SANDBOX_PROC = frozenset((
-    "status", "stat", "statm", "cmdline", "comm", "cgroup", "limits", "sched", "schedstat",
-    "oom_score", "oom_score_adj", "cpuset", "loginuid", "sessionid", "task",
-))
+SANDBOX_PROC = frozenset(
+    (
+        "status",
+        "stat",
+        "statm",
+        "cmdline",
+        "comm",
+        "cgroup",
+        "limits",
+        "sched",
+        "schedstat",
+        "oom_score",
+        "oom_score_adj",
+        "cpuset",
+        "loginuid",
+        "sessionid",
+        "task",
+    )
+)
 """The entries of the sandbox's *other* processes a command may open: those the kernel lets
 any process of the same user read (what ``ps`` reads). Not the ones it guards by a ptrace
 check (environ, maps, fd, auxv, io, ...), which the supervisor, opening with its own
@@ -217,8 +277,12 @@ def install_chmod_listener(arch: str, channel: int, connect: bool = False) -> No
 
     program = notify_program(arch, connect)
     prog = SockFprog(len(program) // 8, program)
-    listener = _libc.syscall(SYS_SECCOMP[arch], SECCOMP_SET_MODE_FILTER,
-                             SECCOMP_FILTER_FLAG_NEW_LISTENER, ctypes.byref(prog))
+    listener = _libc.syscall(
+        SYS_SECCOMP[arch],
+        SECCOMP_SET_MODE_FILTER,
+        SECCOMP_FILTER_FLAG_NEW_LISTENER,
+        ctypes.byref(prog),
+    )
     if listener < 0:
         raise _fail("seccomp(SECCOMP_FILTER_FLAG_NEW_LISTENER)")
     sock = _socket.socket(fileno=channel)
@@ -241,8 +305,12 @@ class Supervisor:
         self.writable = [str(p) for p in cfg.get("writable", [])]
         self.listener = listener
         chmod, fchmod, fchmodat, fchmodat2 = CHMOD_CALLS[self.arch]
-        self.calls = {"chmod": chmod, "fchmod": fchmod, "fchmodat": fchmodat,
-                      "fchmodat2": fchmodat2}
+        self.calls = {
+            "chmod": chmod,
+            "fchmod": fchmod,
+            "fchmodat": fchmodat,
+            "fchmodat2": fchmodat2,
+        }
         port = int(cfg.get("connect_port", -1))
         self.connects = ConnectSupervisor(self, port) if port >= 0 else None
         self.opens = {nr: i for i, nr in enumerate(OPEN_CALLS[self.arch]) if nr >= 0}
@@ -259,8 +327,10 @@ class Supervisor:
             except OSError:
                 return  # every confined process is gone
             nid, pid, _flags, nr, _arch, _ip, *args = struct.unpack("=QIIiIQ6Q", bytes(buf))
-            if self.connects is not None and nr in (CONNECT_CALL[self.arch],
-                                                    LISTEN_CALL[self.arch]):
+            if self.connects is not None and nr in (
+                CONNECT_CALL[self.arch],
+                LISTEN_CALL[self.arch],
+            ):
                 # Its own thread: a unix connect can block (a full backlog), chmod must not.
                 _thread.start_new_thread(self.connects.serve_one, (nid, pid, nr, args))
                 continue
@@ -296,16 +366,20 @@ class Supervisor:
         if fd is not None:
             try:
                 flags = O_CLOEXEC if args[self.opens[nr] + 1] & O_CLOEXEC else 0
-                fcntl.ioctl(self.listener, NOTIF_ADDFD,
-                            struct.pack("=QIIII", nid, ADDFD_FLAG_SEND, fd, 0, flags))
+                fcntl.ioctl(
+                    self.listener,
+                    NOTIF_ADDFD,
+                    struct.pack("=QIIII", nid, ADDFD_FLAG_SEND, fd, 0, flags),
+                )
                 return  # the caller's open returned that descriptor
             except OSError:
                 pass
             finally:
                 os.close(fd)
         with contextlib.suppress(OSError):  # the caller died meanwhile
-            fcntl.ioctl(self.listener, NOTIF_SEND,
-                        struct.pack("=QqiI", nid, 0, 0, USER_NOTIF_FLAG_CONTINUE))
+            fcntl.ioctl(
+                self.listener, NOTIF_SEND, struct.pack("=QqiI", nid, 0, 0, USER_NOTIF_FLAG_CONTINUE)
+            )
 
     def own_proc(self, nid: int, tid: int, nr: int, args: list) -> int | None:  # type: ignore[type-arg]
         """A descriptor of the /proc entry the open names when it is the sandbox's own (the
@@ -339,8 +413,12 @@ class Supervisor:
                 # The descriptor is bound to that very process: what is checked is what opens.
                 if pid != tgid and not _in_tree(top, os.getpid()):
                     return None
-                fd = _openat2(top, rest, (flags & ~O_CLOEXEC) | O_CLOEXEC,
-                              RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)
+                fd = _openat2(
+                    top,
+                    rest,
+                    (flags & ~O_CLOEXEC) | O_CLOEXEC,
+                    RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS,
+                )
             finally:
                 os.close(top)
         try:
@@ -472,8 +550,7 @@ class ConnectSupervisor:
         self.owner = owner
         self.port = port
 
-    def serve_one(self, nid: int, pid: int, nr: int,
-                  args: list) -> None:  # type: ignore[type-arg]
+    def serve_one(self, nid: int, pid: int, nr: int, args: list) -> None:  # type: ignore[type-arg]
         import errno
 
         try:
@@ -530,8 +607,12 @@ class ConnectSupervisor:
         try:
             domain = ctypes.c_int(0)
             size = ctypes.c_uint32(ctypes.sizeof(domain))
-            if _libc.getsockopt(theirs, SOL_SOCKET, SO_DOMAIN, ctypes.byref(domain),
-                                ctypes.byref(size)) != 0:
+            if (
+                _libc.getsockopt(
+                    theirs, SOL_SOCKET, SO_DOMAIN, ctypes.byref(domain), ctypes.byref(size)
+                )
+                != 0
+            ):
                 return ctypes.get_errno() or errno.ENOTSOCK
             if domain.value != AF_UNIX:
                 return errno.EACCES
@@ -671,8 +752,9 @@ def _tgid(tid: int) -> int:
 
 def _openat2(dirfd: int, path: str, flags: int, resolve: int) -> int:
     how = struct.pack("=QQQ", flags, 0, resolve)  # struct open_how
-    fd = _libc.syscall(SYS_OPENAT2, dirfd, os.fsencode(path), ctypes.c_char_p(how),
-                       ctypes.c_size_t(len(how)))
+    fd = _libc.syscall(
+        SYS_OPENAT2, dirfd, os.fsencode(path), ctypes.c_char_p(how), ctypes.c_size_t(len(how))
+    )
     if fd < 0:
         raise _fail(f"openat2({path})")
     return int(fd)
@@ -696,15 +778,17 @@ def supervise(cfg: dict, channel: _socket.socket) -> None:  # type: ignore[type-
     """In the reaper, after the fork: take the listener fd from the child and serve it."""
     _msg, ancdata, _flags, _addr = channel.recvmsg(1, _socket.CMSG_LEN(4))
     channel.close()
-    fds = [struct.unpack("i", data[:4])[0] for level, kind, data in ancdata
-           if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS]
+    fds = [
+        struct.unpack("i", data[:4])[0]
+        for level, kind, data in ancdata
+        if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS
+    ]
     if fds:  # none: the child failed before step 5 and exits 125
         # A bare thread: the reaper exits without joining it once the command is done.
         _thread.start_new_thread(Supervisor(cfg, fds[0]).serve, ())
 
 
-INT_FIELDS = ("abi", "handled_fs", "handled_net", "scoped", "drop_capabilities",
-              "connect_port")
+INT_FIELDS = ("abi", "handled_fs", "handled_net", "scoped", "drop_capabilities", "connect_port")
 
 
 def parse(text: str) -> dict:  # type: ignore[type-arg]
@@ -752,4 +836,3 @@ def apply(cfg: dict, channel: int | None = None) -> None:  # type: ignore[type-a
     install_seccomp(bytes.fromhex(cfg["seccomp"]))
     if channel is not None:
         install_chmod_listener(str(cfg["arch"]), channel, int(cfg.get("connect_port", -1)) >= 0)
-

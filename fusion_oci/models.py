@@ -26,8 +26,9 @@ from pydantic.alias_generators import to_camel
 
 from fusion_oci.stdin import StdinStream
 
-BackendId = Literal["native", "sandbox-exec", "bubblewrap", "landlock", "docker", "podman", "oci",
-                    "custom"]
+BackendId = Literal[
+    "native", "sandbox-exec", "bubblewrap", "landlock", "docker", "podman", "oci", "custom"
+]
 """Every backend id of the brief (plus ``oci``: any OCI runtime CLI run on the bundle)."""
 
 BACKEND_IDS: tuple[str, ...] = (
@@ -88,16 +89,16 @@ class CpuLimit(Model):
 
 
 DEFAULT_PROTECTED_PATHS: tuple[str, ...] = (
-    ".fusion/",      # the project's settings and audit log: the command must not rewrite its
-                     # own policy or forge its audit trail
-    ".git/hooks",    # a main worktree's hooks run on the host at the next git commit
-    ".git/config",   # core.hooksPath, core.fsmonitor, aliases: code the host's git runs
-    ".envrc",        # direnv runs it in the user's shell on `cd`
-    ".vscode/",      # tasks.json / settings.json run commands when the editor opens the folder
-    ".idea/",        # JetBrains run configurations and startup tasks
-    ".mcp.json",     # MCP servers an agent client starts on the host
-    ".claude/",      # agent settings and hooks run by the host's agent client
-    ".gitmodules",   # submodule URLs and update commands the host's git follows
+    ".fusion/",  # the project's settings and audit log: the command must not rewrite its
+    # own policy or forge its audit trail
+    ".git/hooks",  # a main worktree's hooks run on the host at the next git commit
+    ".git/config",  # core.hooksPath, core.fsmonitor, aliases: code the host's git runs
+    ".envrc",  # direnv runs it in the user's shell on `cd`
+    ".vscode/",  # tasks.json / settings.json run commands when the editor opens the folder
+    ".idea/",  # JetBrains run configurations and startup tasks
+    ".mcp.json",  # MCP servers an agent client starts on the host
+    ".claude/",  # agent settings and hooks run by the host's agent client
+    ".gitmodules",  # submodule URLs and update commands the host's git follows
 )
 """What stays read-only inside the sandbox even where the worktree is writable (relative to
 the worktree, or absolute). Each entry says why above; a project lifts one by listing
@@ -157,7 +158,8 @@ class SandboxPolicy(Model):
                 raise ValueError(
                     f"{key}[{i}] '{value}' is not a host pattern: {exc}; write an exact name "
                     "(registry.npmjs.org), a wildcard (*.example.com) or an address/range "
-                    "(10.0.0.0/24), optionally with :PORT (github.com:22)") from None
+                    "(10.0.0.0/24), optionally with :PORT (github.com:22)"
+                ) from None
         return values
 
     _check_allowed = field_validator("allowed_paths")(_absolute)

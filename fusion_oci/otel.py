@@ -33,13 +33,21 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
     from opentelemetry.trace import Span, TracerProvider
 
-SPANS = {"sandbox:prepare": "sandbox.prepare", "sandbox:run": "sandbox.run",
-         "sandbox:dispose": "sandbox.dispose"}
+SPANS = {
+    "sandbox:prepare": "sandbox.prepare",
+    "sandbox:run": "sandbox.run",
+    "sandbox:dispose": "sandbox.dispose",
+}
 CLI_EXPORT_TIMEOUT_S = 2.0
 """OTLP timeout of the CLI hook unless OTEL_EXPORTER_OTLP_*TIMEOUT says: a short-lived
 command must not wait the SDK's 10 s (plus retries) for a collector that is down."""
-ASKING_VARS = ("OTEL_TRACES_EXPORTER", "OTEL_METRICS_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT",
-               "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")
+ASKING_VARS = (
+    "OTEL_TRACES_EXPORTER",
+    "OTEL_METRICS_EXPORTER",
+    "OTEL_EXPORTER_OTLP_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+    "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT",
+)
 
 
 def _ns(ts: str) -> int | None:
@@ -83,8 +91,7 @@ def outcome(event: AuditEvent) -> str:
 class OtelSubscriber:
     """An AuditLog subscriber that turns lifecycle events into spans and run metrics."""
 
-    def __init__(self, tracer_provider: TracerProvider,
-                 meter_provider: MeterProvider) -> None:
+    def __init__(self, tracer_provider: TracerProvider, meter_provider: MeterProvider) -> None:
         from opentelemetry.trace import Status, StatusCode
 
         from fusion_oci import __version__
@@ -96,14 +103,20 @@ class OtelSubscriber:
         self.tracer = tracer_provider.get_tracer("fusion_oci", __version__)
         meter = meter_provider.get_meter("fusion_oci", __version__)
         self.run_duration = meter.create_histogram(
-            "fusion_oci.sandbox.run.duration", unit="ms",
-            description="Wall-clock time of one sandboxed command")
+            "fusion_oci.sandbox.run.duration",
+            unit="ms",
+            description="Wall-clock time of one sandboxed command",
+        )
         self.runs = meter.create_counter(
-            "fusion_oci.sandbox.runs", unit="{run}",
-            description="Sandboxed commands by backend and outcome")
+            "fusion_oci.sandbox.runs",
+            unit="{run}",
+            description="Sandboxed commands by backend and outcome",
+        )
         self.setup = meter.create_counter(
-            "fusion_oci.sandbox.setup_problems", unit="{event}",
-            description="Sandbox failures and fallbacks to the native runtime")
+            "fusion_oci.sandbox.setup_problems",
+            unit="{event}",
+            description="Sandbox failures and fallbacks to the native runtime",
+        )
 
     def __call__(self, event: AuditEvent) -> None:
         # AuditLog.emit calls subscribers inline: telemetry trouble must never fail a run.
@@ -112,8 +125,11 @@ class OtelSubscriber:
         except Exception as exc:
             if not self._warned:
                 self._warned = True
-                print(f"fusion-oci: OpenTelemetry: {type(exc).__name__}: {exc} (telemetry "
-                      "skipped; the sandbox is unaffected)", file=sys.stderr)
+                print(
+                    f"fusion-oci: OpenTelemetry: {type(exc).__name__}: {exc} (telemetry "
+                    "skipped; the sandbox is unaffected)",
+                    file=sys.stderr,
+                )
 
     def _record(self, event: AuditEvent) -> None:
         name = SPANS.get(event.type)
@@ -121,15 +137,22 @@ class OtelSubscriber:
             self._span(name, event)
         if event.type == "sandbox:run":
             labels: dict[str, str | bool] = {
-                "fusion_oci.backend": event.backend, "fusion_oci.outcome": outcome(event),
+                "fusion_oci.backend": event.backend,
+                "fusion_oci.outcome": outcome(event),
                 "fusion_oci.end_reason": event.end_reason or "exit",
-                "fusion_oci.fell_back": bool(event.fell_back)}
+                "fusion_oci.fell_back": bool(event.fell_back),
+            }
             self.runs.add(1, labels)
             if event.duration_ms is not None:
                 self.run_duration.record(event.duration_ms, labels)
         elif event.type in ("sandbox:failure", "sandbox:fallback"):
-            self.setup.add(1, {"fusion_oci.backend": event.backend,
-                               "fusion_oci.event": event.type.removeprefix("sandbox:")})
+            self.setup.add(
+                1,
+                {
+                    "fusion_oci.backend": event.backend,
+                    "fusion_oci.event": event.type.removeprefix("sandbox:"),
+                },
+            )
 
     def _span(self, name: str, event: AuditEvent) -> None:
         from opentelemetry import trace
@@ -141,13 +164,19 @@ class OtelSubscriber:
             # One trace per sandbox: a `sandbox` span from the start of prepare to the end
             # of dispose, parent of the lifecycle spans.
             self._sandboxes[key] = self.tracer.start_span(
-                "sandbox", start_time=start, attributes={
-                    "fusion_oci.task_id": event.task_id, "fusion_oci.run_id": event.run_id,
-                    "fusion_oci.backend": event.backend})
+                "sandbox",
+                start_time=start,
+                attributes={
+                    "fusion_oci.task_id": event.task_id,
+                    "fusion_oci.run_id": event.run_id,
+                    "fusion_oci.backend": event.backend,
+                },
+            )
         parent = self._sandboxes.get(key)
         context = trace.set_span_in_context(parent) if parent is not None else None
-        span = self.tracer.start_span(name, context=context, start_time=start,
-                                      attributes=attributes(event))
+        span = self.tracer.start_span(
+            name, context=context, start_time=start, attributes=attributes(event)
+        )
         if event.type == "sandbox:run" and outcome(event) != "ok":
             span.set_status(self._status(self._error, outcome(event)))
         span.end(end_time=end)
@@ -193,27 +222,33 @@ def _names(environ: Mapping[str, str], var: str) -> list[str]:
     names = [n.strip().lower() for n in environ.get(var, "otlp").split(",") if n.strip()]
     unknown = sorted(set(names) - {"otlp", "console", "none"})
     if unknown:
-        raise SettingsError(f"{var}={environ[var]!r}: unknown exporter {', '.join(unknown)}",
-                            "fusion-oci's otel extra knows otlp, console and none",
-                            f"set {var} to otlp, console or none")
+        raise SettingsError(
+            f"{var}={environ[var]!r}: unknown exporter {', '.join(unknown)}",
+            "fusion-oci's otel extra knows otlp, console and none",
+            f"set {var} to otlp, console or none",
+        )
     protocol = environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
     if "otlp" in names and protocol != "http/protobuf":
-        raise SettingsError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r} is not supported",
-                            "the otel extra ships the OTLP http/protobuf exporter only",
-                            "unset it, or set OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf")
+        raise SettingsError(
+            f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r} is not supported",
+            "the otel extra ships the OTLP http/protobuf exporter only",
+            "unset it, or set OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf",
+        )
     return names
 
 
 def _timeout(environ: Mapping[str, str], signal: str, default: float | None) -> float | None:
     """The OTLP timeout to pass: None (the SDK reads its variables) when one is set."""
     if environ.get("OTEL_EXPORTER_OTLP_TIMEOUT") or environ.get(
-            f"OTEL_EXPORTER_OTLP_{signal}_TIMEOUT"):
+        f"OTEL_EXPORTER_OTLP_{signal}_TIMEOUT"
+    ):
         return None
     return default
 
 
-def providers_from_env(environ: Mapping[str, str], *, default_timeout_s: float | None = None
-                       ) -> tuple[SdkTracerProvider, SdkMeterProvider]:
+def providers_from_env(
+    environ: Mapping[str, str], *, default_timeout_s: float | None = None
+) -> tuple[SdkTracerProvider, SdkMeterProvider]:
     """SDK providers exporting where the ``OTEL_*`` variables say. The SDK's own exporters
     read their endpoint/headers/timeout variables from the process environment;
     ``default_timeout_s`` replaces the SDK's 10 s OTLP timeout when no variable sets one."""
@@ -233,11 +268,15 @@ def providers_from_env(environ: Mapping[str, str], *, default_timeout_s: float |
         if name == "otlp":
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-            tracer_provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(
-                timeout=_timeout(environ, "TRACES", default_timeout_s))))
+            tracer_provider.add_span_processor(
+                BatchSpanProcessor(
+                    OTLPSpanExporter(timeout=_timeout(environ, "TRACES", default_timeout_s))
+                )
+            )
         elif name == "console":
-            tracer_provider.add_span_processor(BatchSpanProcessor(
-                ConsoleSpanExporter(out=sys.stderr)))
+            tracer_provider.add_span_processor(
+                BatchSpanProcessor(ConsoleSpanExporter(out=sys.stderr))
+            )
     readers: list[MetricReader] = []
     for name in _names(environ, "OTEL_METRICS_EXPORTER"):
         if name == "otlp":
@@ -245,15 +284,19 @@ def providers_from_env(environ: Mapping[str, str], *, default_timeout_s: float |
                 OTLPMetricExporter,
             )
 
-            readers.append(PeriodicExportingMetricReader(OTLPMetricExporter(
-                timeout=_timeout(environ, "METRICS", default_timeout_s))))
+            readers.append(
+                PeriodicExportingMetricReader(
+                    OTLPMetricExporter(timeout=_timeout(environ, "METRICS", default_timeout_s))
+                )
+            )
         elif name == "console":
             readers.append(PeriodicExportingMetricReader(ConsoleMetricExporter(out=sys.stderr)))
     return tracer_provider, SdkMeterProvider(resource=resource, metric_readers=readers)
 
 
-def attach(audit: AuditLog, tracer_provider: TracerProvider,
-           meter_provider: MeterProvider) -> Callable[[], None]:
+def attach(
+    audit: AuditLog, tracer_provider: TracerProvider, meter_provider: MeterProvider
+) -> Callable[[], None]:
     """Subscribe an :class:`OtelSubscriber`; returns the function that unsubscribes (and
     ends the spans of sandboxes still open)."""
     subscriber = OtelSubscriber(tracer_provider, meter_provider)
@@ -277,10 +320,14 @@ def attach_from_env(audit: AuditLog, environ: Mapping[str, str]) -> Callable[[],
         return None
     try:
         tracer_provider, meter_provider = providers_from_env(
-            environ, default_timeout_s=CLI_EXPORT_TIMEOUT_S)
+            environ, default_timeout_s=CLI_EXPORT_TIMEOUT_S
+        )
     except ImportError:
-        print("fusion-oci: OTEL_* is set but the otel extra is not installed "
-              "(pip install 'fusion-oci[otel]'); no telemetry exported", file=sys.stderr)
+        print(
+            "fusion-oci: OTEL_* is set but the otel extra is not installed "
+            "(pip install 'fusion-oci[otel]'); no telemetry exported",
+            file=sys.stderr,
+        )
         return None
     _quiet_sdk_logs()
     unsubscribe = attach(audit, tracer_provider, meter_provider)

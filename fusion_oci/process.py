@@ -45,8 +45,18 @@ def reaper_argv(
 ) -> list[str]:
     """Wrap argv in the subreaper shim so that the whole tree can be ended."""
     limits = [f"{name}={soft}:{hard}" for name, soft, hard in rlimits]
-    return [sys.executable, "-S", "-E", "-s", str(REAPER), str(grace_s), str(os.getpid()),
-            *limits, "--", *argv]
+    return [
+        sys.executable,
+        "-S",
+        "-E",
+        "-s",
+        str(REAPER),
+        str(grace_s),
+        str(os.getpid()),
+        *limits,
+        "--",
+        *argv,
+    ]
 
 
 PROBE_TIMEOUT_S = 10.0
@@ -75,8 +85,9 @@ class ProbeOutcome:
         return data.decode("utf-8", errors="replace")
 
 
-def probe(argv: Sequence[str], *, timeout_s: float = PROBE_TIMEOUT_S,
-          env: Mapping[str, str] | None = None) -> ProbeOutcome:
+def probe(
+    argv: Sequence[str], *, timeout_s: float = PROBE_TIMEOUT_S, env: Mapping[str, str] | None = None
+) -> ProbeOutcome:
     """Run a short synchronous probe (``tool --version``, ``unshare --user true``, a read-only
     ``git status``): argv list, stdin closed, output captured, its own session. A timeout
     SIGKILLs its whole group and drains the pipes with a bound, so a grandchild holding them
@@ -86,9 +97,14 @@ def probe(argv: Sequence[str], *, timeout_s: float = PROBE_TIMEOUT_S,
 
     args = tuple(argv)
     try:
-        proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, start_new_session=True,
-                                env=None if env is None else dict(env))
+        proc = subprocess.Popen(
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            env=None if env is None else dict(env),
+        )
     except OSError as exc:
         return ProbeOutcome(args, None, error=f"{args[0]} could not be run: {exc}")
     try:
@@ -123,8 +139,14 @@ class Flag(Protocol):
 
 
 class Capture:
-    def __init__(self, limit: int, overflow: Flag, name: OutputStream = "stdout",
-                 on_output: OutputCallback | None = None, keep: bool = True) -> None:
+    def __init__(
+        self,
+        limit: int,
+        overflow: Flag,
+        name: OutputStream = "stdout",
+        on_output: OutputCallback | None = None,
+        keep: bool = True,
+    ) -> None:
         self.keep = keep
         self.name: OutputStream = name
         self.on_output = on_output
@@ -159,8 +181,12 @@ class Capture:
         return b"".join(self.chunks)
 
 
-async def _terminate(proc: asyncio.subprocess.Process, grace_s: float, group: bool,
-                     stop: Callable[[], Awaitable[object]] | None = None) -> None:
+async def _terminate(
+    proc: asyncio.subprocess.Process,
+    grace_s: float,
+    group: bool,
+    stop: Callable[[], Awaitable[object]] | None = None,
+) -> None:
     """SIGTERM (the group, or only the leader when it ends the tree itself, or ``stop``),
     wait out the grace period, then SIGKILL the group."""
     if stop is not None:

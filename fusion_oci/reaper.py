@@ -132,8 +132,11 @@ def _confine(sandbox: tuple[dict, int]) -> None:  # type: ignore[type-arg]
         os._exit(125)
 
 
-def _exec_child(command: list[str], rlimits: list[tuple[int, int, int]],
-                sandbox: tuple[dict, int] | None = None) -> None:  # type: ignore[type-arg]
+def _exec_child(
+    command: list[str],
+    rlimits: list[tuple[int, int, int]],
+    sandbox: tuple[dict, int] | None = None,  # type: ignore[type-arg]
+) -> None:
     try:
         signal.pthread_sigmask(signal.SIG_SETMASK, set())
         inf = resource.RLIM_INFINITY

@@ -90,8 +90,9 @@ class ReplayRecord(Model):
 
 
 def _canonical(record: ReplayRecord) -> bytes:
-    return json.dumps(record.model_dump(mode="json", by_alias=True), sort_keys=True,
-                      separators=(",", ":")).encode()
+    return json.dumps(
+        record.model_dump(mode="json", by_alias=True), sort_keys=True, separators=(",", ":")
+    ).encode()
 
 
 def record_digest(record: ReplayRecord) -> str:
@@ -143,9 +144,13 @@ def build_record(
     from fusion_oci.oci.spec import allowed_env
 
     passed = sorted(allowed_env(ctx.policy.env_allowlist, env_source))
-    stdin = (None if opts.stdin is None
-             else opts.stdin.sha256() if isinstance(opts.stdin, StdinStream)
-             else "sha256:" + hashlib.sha256(opts.stdin).hexdigest())
+    stdin = (
+        None
+        if opts.stdin is None
+        else opts.stdin.sha256()
+        if isinstance(opts.stdin, StdinStream)
+        else "sha256:" + hashlib.sha256(opts.stdin).hexdigest()
+    )
     resolved = settings.model_copy(update={"policy": ctx.policy})
     return ReplayRecord(
         task_id=ctx.task_id,
@@ -194,45 +199,63 @@ def load_record(project_dir: Path, digest: str) -> ReplayRecord:
     try:
         data = path.read_bytes()
     except OSError as exc:
-        raise SettingsError(f"replay record {digest} is missing", f"{path}: {exc.strerror}",
-                            "replay on the machine (or a copy of the project's .fusion/) "
-                            "that recorded the run") from exc
+        raise SettingsError(
+            f"replay record {digest} is missing",
+            f"{path}: {exc.strerror}",
+            "replay on the machine (or a copy of the project's .fusion/) that recorded the run",
+        ) from exc
     if "sha256:" + hashlib.sha256(data).hexdigest() != digest:
-        raise SettingsError(f"replay record {path} was changed after the run",
-                            "its content does not hash to its name",
-                            "restore .fusion/replay from the recording machine")
+        raise SettingsError(
+            f"replay record {path} was changed after the run",
+            "its content does not hash to its name",
+            "restore .fusion/replay from the recording machine",
+        )
     return ReplayRecord.model_validate(json.loads(data))
 
 
 def _git(worktree: Path, *args: str) -> bytes | None:
     # The worktree is the command's: hooks and fsmonitor stay off for these reads.
-    argv = ["git", "-C", str(worktree), "-c", "core.fsmonitor=false",
-            "-c", "core.hooksPath=/dev/null", *args]
-    done = probe(argv, timeout_s=GIT_TIMEOUT_S,
-                 env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-                      "GIT_OPTIONAL_LOCKS": "0", "HOME": "/nonexistent"})
+    argv = [
+        "git",
+        "-C",
+        str(worktree),
+        "-c",
+        "core.fsmonitor=false",
+        "-c",
+        "core.hooksPath=/dev/null",
+        *args,
+    ]
+    done = probe(
+        argv,
+        timeout_s=GIT_TIMEOUT_S,
+        env={
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "GIT_OPTIONAL_LOCKS": "0",
+            "HOME": "/nonexistent",
+        },
+    )
     return done.stdout if done.ok else None
 
 
 def worktree_state(worktree: Path) -> WorktreeState:
     """HEAD and a digest of what differs from it. Blocking; read-only. One git call for a
     clean tree (``status --branch`` names HEAD too), a second for the diff of a dirty one."""
-    status = _git(worktree, "status", "--porcelain=v2", "--branch", "-z",
-                  "--untracked-files=all")
+    status = _git(worktree, "status", "--porcelain=v2", "--branch", "-z", "--untracked-files=all")
     if status is None:
         return WorktreeState()
     head: str | None = None
     changes: list[bytes] = []
     for entry in status.split(b"\0"):
         if entry.startswith(b"# branch.oid "):
-            oid = entry[len(b"# branch.oid "):].decode(errors="replace")
+            oid = entry[len(b"# branch.oid ") :].decode(errors="replace")
             head = None if oid == "(initial)" else oid
         elif entry and not entry.startswith(b"# "):
             changes.append(entry)
     body = b"\0".join(changes)
     if changes and head is not None:
-        body += b"\0" + (_git(worktree, "diff", "--no-ext-diff", "--no-textconv", "--binary",
-                                "HEAD") or b"")
+        body += b"\0" + (
+            _git(worktree, "diff", "--no-ext-diff", "--no-textconv", "--binary", "HEAD") or b""
+        )
     return WorktreeState(head=head, status="sha256:" + hashlib.sha256(body).hexdigest())
 
 
@@ -251,9 +274,18 @@ def output_digest(data: str) -> str:
     return "sha256:" + hashlib.sha256(data.encode("utf-8", errors="replace")).hexdigest()
 
 
-async def record_run(runtime: Runtime, task: ResolvedTask, spec: Spec, ctx: PrepareContext,
-                     settings: SandboxSettings, command: str | Sequence[str], opts: RunOptions,
-                     state: WorktreeState | None, stdout: str, stderr: str) -> dict[str, Any]:
+async def record_run(
+    runtime: Runtime,
+    task: ResolvedTask,
+    spec: Spec,
+    ctx: PrepareContext,
+    settings: SandboxSettings,
+    command: str | Sequence[str],
+    opts: RunOptions,
+    state: WorktreeState | None,
+    stdout: str,
+    stderr: str,
+) -> dict[str, Any]:
     """Store the record of the command ``runtime`` just ran from ``spec`` (compiled by the
     lifecycle from ``task``, whatever the runtime derives from); the ``sandbox:run`` fields
     that name it. ``ctx`` is the caller's context (the image it asked for)."""
@@ -261,18 +293,28 @@ async def record_run(runtime: Runtime, task: ResolvedTask, spec: Spec, ctx: Prep
 
     from fusion_oci.policy.layout import task_project
 
-    fields: dict[str, Any] = {"version": __version__, "cwd": opts.cwd,
-                              "stdout_digest": output_digest(stdout),
-                              "stderr_digest": output_digest(stderr)}
+    fields: dict[str, Any] = {
+        "version": __version__,
+        "cwd": opts.cwd,
+        "stdout_digest": output_digest(stdout),
+        "stderr_digest": output_digest(stderr),
+    }
     if state is not None:
         fields.update(worktree_head=state.head, worktree_status=state.status)
     fields["image_digest"] = await runtime.image_digest()
     project = task_project(ctx)
     record = build_record(
-        settings=settings, ctx=task.ctx, requested_image=ctx.image or settings.image,
-        backend=runtime.id, spec=spec, host=task.host,
-        command=command, opts=opts,
-        env_source=opts.env if opts.env is not None else task.env, project_dir=project)
+        settings=settings,
+        ctx=task.ctx,
+        requested_image=ctx.image or settings.image,
+        backend=runtime.id,
+        spec=spec,
+        host=task.host,
+        command=command,
+        opts=opts,
+        env_source=opts.env if opts.env is not None else task.env,
+        project_dir=project,
+    )
     fields["replay"] = await asyncio.to_thread(store_record, project, record)
     fields["env_names"] = record.env_names or None
     return fields

@@ -53,8 +53,12 @@ class ResolvedTask:
         """The rlimits every command of the task runs under (the policy's, clamped to the
         host's hard limits): with :attr:`spec`, all that the task asks a runtime to enforce."""
         cpu = self.ctx.policy.cpu_limit
-        return [Rlimit.model_validate(r) for r in process_rlimits(
-            self.host, cpu.max_ms if cpu else None, self.ctx.policy.file_size_limit_mb)]
+        return [
+            Rlimit.model_validate(r)
+            for r in process_rlimits(
+                self.host, cpu.max_ms if cpu else None, self.ctx.policy.file_size_limit_mb
+            )
+        ]
 
     @property
     def user(self) -> User:
@@ -98,15 +102,15 @@ class ResolvedTask:
         return replace(self, ctx=self.ctx.model_copy(update={"image": image}))
 
 
-def resolve_image(settings: SandboxSettings, ctx: PrepareContext,
-                  default_image: str | None = None) -> str | None:
+def resolve_image(
+    settings: SandboxSettings, ctx: PrepareContext, default_image: str | None = None
+) -> str | None:
     """The task's image: the context's, else the settings', else the backend's default
     (None for backends that run on the host's system directories)."""
     return ctx.image or settings.image or default_image
 
 
-def resolve_ca_bundle(settings: SandboxSettings, ctx: PrepareContext,
-                      host: HostInfo) -> str | None:
+def resolve_ca_bundle(settings: SandboxSettings, ctx: PrepareContext, host: HostInfo) -> str | None:
     """The host CA bundle shared read-only: the context's, else what ``sandbox.hostCa`` says
     (``auto``: the host's own bundle; ``off``: none; a path: that file)."""
     if ctx.host_ca_bundle is not None:
@@ -128,13 +132,16 @@ def resolve(
     else the cache directories, the project's ``.fusion/`` and git's mount points are made."""
     image = resolve_image(settings, ctx, default_image)
     resolved_ctx = ctx if image == ctx.image else ctx.model_copy(update={"image": image})
-    layout = resolve_layout(resolved_ctx, cache_root=cache_root,
-                            ca_bundle=resolve_ca_bundle(settings, ctx, host), create=create)
+    layout = resolve_layout(
+        resolved_ctx,
+        cache_root=cache_root,
+        ca_bundle=resolve_ca_bundle(settings, ctx, host),
+        create=create,
+    )
     return ResolvedTask(ctx=resolved_ctx, layout=layout, host=host, env=dict(env))
 
 
-def compile_spec(resolved: ResolvedTask, command: str | Sequence[str],
-                 opts: RunOptions) -> Spec:
+def compile_spec(resolved: ResolvedTask, command: str | Sequence[str], opts: RunOptions) -> Spec:
     """The whole ``config.json`` of one command of a resolved task (a bundle, ``fusion-oci
     plan``): its task spec and the command's process. Pure."""
     return config_json(resolved.spec, resolved.process(command, opts))

@@ -93,8 +93,9 @@ def error_lines(exc: Exception, as_json: bool) -> tuple[int, str, bool]:
     return code, f"fusion-oci: {exc}", True
 
 
-async def execute(req: RunRequest, io: RunIO, environ: dict[str, str], cwd: Path,
-                  control: Control) -> int:
+async def execute(
+    req: RunRequest, io: RunIO, environ: dict[str, str], cwd: Path, control: Control
+) -> int:
     """Resolve the task as the CLI does (from ``cwd`` and ``environ``), run it, report; the
     exit status. Signals arrive through ``control``."""
     import asyncio
@@ -128,18 +129,25 @@ async def execute(req: RunRequest, io: RunIO, environ: dict[str, str], cwd: Path
     try:
         flags = req.flags
         if req.interactive and flags.task_prompt is not None and str(flags.task_prompt) == "-":
-            raise FlagError("--interactive with --task-prompt -", "both read stdin",
-                            "pass the task prompt as a file")
+            raise FlagError(
+                "--interactive with --task-prompt -",
+                "both read stdin",
+                "pass the task prompt as a file",
+            )
         task = resolve_task(flags, environ, cwd=cwd)
-        audit_path = (host_path(req.audit_log, cwd, environ) if req.audit_log is not None
-                      else default_audit_path(task.project_dir))
+        audit_path = (
+            host_path(req.audit_log, cwd, environ)
+            if req.audit_log is not None
+            else default_audit_path(task.project_dir)
+        )
         audit = AuditLog(audit_path)
         attach_from_env(audit, environ)  # OpenTelemetry, when OTEL_* asks for it
         opts = task.opts
         if req.interactive:
             opts = opts.model_copy(update={"stdin": io.stdin()})
-        sandbox = Sandbox(task.effective.settings, audit=audit, env=environ,
-                          ask=io.ask(req.allow_provision))
+        sandbox = Sandbox(
+            task.effective.settings, audit=audit, env=environ, ask=io.ask(req.allow_provision)
+        )
 
         def pass_through(stream: str, chunk: bytes) -> Awaitable[None] | None:
             # Like a shell pipeline: the reader of our stdout gone ends the command (SIGPIPE).
@@ -150,18 +158,32 @@ async def execute(req: RunRequest, io: RunIO, environ: dict[str, str], cwd: Path
                 sandbox.abort()
             return None if isinstance(ok, bool) else ok
 
-        run_opts = opts if req.as_json else opts.model_copy(
-            update={"on_output": pass_through, "keep_output": False})
-        command: str | list[str] = (tty_command(req.command, io.terminal_size) if req.tty
-                                    else req.command[0] if len(req.command) == 1
-                                    else req.command)
+        run_opts = (
+            opts
+            if req.as_json
+            else opts.model_copy(update={"on_output": pass_through, "keep_output": False})
+        )
+        command: str | list[str] = (
+            tty_command(req.command, io.terminal_size)
+            if req.tty
+            else req.command[0]
+            if len(req.command) == 1
+            else req.command
+        )
         async with sandbox:
             await sandbox.prepare(task.ctx)
             preparing = False
-            if not req.as_json and sandbox.runtime is not None \
-                    and not sandbox.runtime.isolates and not sandbox.fell_back:
-                io.echo(f"fusion-oci: note: the {sandbox.runtime.id} backend isolates nothing "
-                        "(the command runs on the host as you)", err=True)
+            if (
+                not req.as_json
+                and sandbox.runtime is not None
+                and not sandbox.runtime.isolates
+                and not sandbox.fell_back
+            ):
+                io.echo(
+                    f"fusion-oci: note: the {sandbox.runtime.id} backend isolates nothing "
+                    "(the command runs on the host as you)",
+                    err=True,
+                )
             result: RunResult = await sandbox.run(command, run_opts)
     except FusionOCIError as exc:
         return fail(exc)

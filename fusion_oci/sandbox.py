@@ -106,21 +106,30 @@ class Sandbox:
 
     def _create(self, backend: str) -> Runtime:
         # Every runtime, a plugin's too, gets the audit log and the gate callback.
-        return create_runtime(backend, self.settings, self.env, cache_root=self.cache_root,
-                              host=self.host, audit=self.audit, ask=self.ask)
+        return create_runtime(
+            backend,
+            self.settings,
+            self.env,
+            cache_root=self.cache_root,
+            host=self.host,
+            audit=self.audit,
+            ask=self.ask,
+        )
 
     def _event(self, type_: Any, **fields: Any) -> None:
         ctx = self.ctx
         assert ctx is not None
-        self.audit.emit(AuditEvent(
-            type=type_,
-            task_id=ctx.task_id,
-            run_id=ctx.run_id,
-            backend=self.runtime.id if self.runtime else self.settings.backend,
-            policy_hash=ctx.policy.digest(),
-            policy_summary=ctx.policy.summary(),
-            **fields,
-        ))
+        self.audit.emit(
+            AuditEvent(
+                type=type_,
+                task_id=ctx.task_id,
+                run_id=ctx.run_id,
+                backend=self.runtime.id if self.runtime else self.settings.backend,
+                policy_hash=ctx.policy.digest(),
+                policy_summary=ctx.policy.summary(),
+                **fields,
+            )
+        )
 
     def _check(self, runtime: Runtime, task: ResolvedTask) -> None:
         """The one check, against the task spec (the spec is the contract): a part it asks
@@ -136,9 +145,15 @@ class Sandbox:
     def _resolve(self, runtime: Runtime, ctx: PrepareContext, *, create: bool) -> ResolvedTask:
         """The one resolve step, for the chosen runtime's default image."""
         assert self.host is not None
-        return resolve(self.settings, ctx, self.host, env=self.env,
-                       cache_root=self.cache_root or default_cache_root(self.env),
-                       default_image=runtime.default_image, create=create)
+        return resolve(
+            self.settings,
+            ctx,
+            self.host,
+            env=self.env,
+            cache_root=self.cache_root or default_cache_root(self.env),
+            default_image=runtime.default_image,
+            create=create,
+        )
 
     async def _start(self, backend: str, ctx: PrepareContext) -> Runtime:
         if self.host is None:
@@ -158,8 +173,13 @@ class Sandbox:
                 # Before prepare: the runtime binds the proxy's socket into the sandbox.
                 # landlock has no network namespace and reaches it over host TCP instead.
                 self.egress = await start_task_proxy(
-                    ctx, self.env, audit=self.audit, backend=runtime.id,
-                    tcp=runtime.egress_via_tcp, broker=broker)
+                    ctx,
+                    self.env,
+                    audit=self.audit,
+                    backend=runtime.id,
+                    tcp=runtime.egress_via_tcp,
+                    broker=broker,
+                )
                 resolved = resolved.with_egress(self.egress)
                 if broker is not None:
                     resolved = with_credentials(resolved, broker, self.egress.unix_socket.parent)
@@ -183,7 +203,8 @@ class Sandbox:
                 "settings error at sandbox.credentials",
                 f"credentials are brokered by the egress proxy, and the network is "
                 f"'{resolved.network.value}'",
-                "set sandbox.policy.network: filtered (and allow the credentials' hosts)")
+                "set sandbox.policy.network: filtered (and allow the credentials' hosts)",
+            )
         return await make_broker(self.settings.credentials, self.env)
 
     async def _stop_egress(self) -> None:
@@ -206,16 +227,23 @@ class Sandbox:
             runtime = await self._start(self.settings.backend, ctx)
         except (RuntimeUnavailableError, PolicyNotEnforceableError) as exc:
             unenforced = getattr(exc, "unenforced", None)
-            self._event("sandbox:failure", reason=exc.render(), unenforced=unenforced,
-                        details={"kind": exc.kind})
-            if self.settings.failure_mode != "fallback-native" or \
-                    self.settings.backend == "native":
+            self._event(
+                "sandbox:failure",
+                reason=exc.render(),
+                unenforced=unenforced,
+                details={"kind": exc.kind},
+            )
+            if self.settings.failure_mode != "fallback-native" or self.settings.backend == "native":
                 raise
             self.fell_back = True
             runtime = await self._start("native", ctx)
-            self._event("sandbox:fallback", reason=exc.render(), fell_back=True,
-                        unenforced=self.unenforced or None,
-                        details={"from": self.settings.backend, "kind": exc.kind})
+            self._event(
+                "sandbox:fallback",
+                reason=exc.render(),
+                fell_back=True,
+                unenforced=self.unenforced or None,
+                details={"from": self.settings.backend, "kind": exc.kind},
+            )
         except FusionOCIError as exc:
             self._event("sandbox:failure", reason=exc.render(), details={"kind": exc.kind})
             raise
@@ -225,9 +253,11 @@ class Sandbox:
             # point behind in the worktree.
             self.unenforced = self.task.unprotected()
         self.linker, links = task_linker(
-            blobs=self.task.layout.blobs, host_uid=os.getuid(),
+            blobs=self.task.layout.blobs,
+            host_uid=os.getuid(),
             isolating=runtime.capabilities().filesystem_isolation != "none",
-            worktree=Path(self.task.layout.worktree))
+            worktree=Path(self.task.layout.worktree),
+        )
         self._event(
             "sandbox:prepare",
             details={"store_links": "on" if links.ok else links.reason},
@@ -246,32 +276,51 @@ class Sandbox:
     def _aborted(self, shown: str, started: float) -> RunResult:
         duration = int((time.monotonic() - started) * 1000)
         backend = self.runtime.id if self.runtime else self.settings.backend
-        self._event("sandbox:run", command=shown[:200], duration_ms=duration,
-                    signal="SIGTERM", end_reason="aborted", fell_back=self.fell_back,
-                    unenforced=self.unenforced or None)
-        return RunResult(stdout="", stderr="", exit_code=None, signal="SIGTERM",
-                         duration_ms=duration, backend=backend, fell_back=self.fell_back,
-                         reason="aborted", unenforced=self.unenforced)
+        self._event(
+            "sandbox:run",
+            command=shown[:200],
+            duration_ms=duration,
+            signal="SIGTERM",
+            end_reason="aborted",
+            fell_back=self.fell_back,
+            unenforced=self.unenforced or None,
+        )
+        return RunResult(
+            stdout="",
+            stderr="",
+            exit_code=None,
+            signal="SIGTERM",
+            duration_ms=duration,
+            backend=backend,
+            fell_back=self.fell_back,
+            reason="aborted",
+            unenforced=self.unenforced,
+        )
 
     def spec_for(self, command: str | Sequence[str], opts: RunOptions | None = None) -> Spec:
         """The spec :meth:`run` would launch for ``command`` (the one compile step)."""
         if self.task is None:
-            raise SandboxSetupError("sandbox was not prepared", "run() came before prepare()",
-                                    "call prepare(ctx) first")
+            raise SandboxSetupError(
+                "sandbox was not prepared", "run() came before prepare()", "call prepare(ctx) first"
+            )
         return compile_spec(self.task, command, opts or RunOptions())
 
     async def run(self, command: str | Sequence[str], opts: RunOptions | None = None) -> RunResult:
         if self.runtime is None or self.ctx is None or self.task is None:
-            raise SandboxSetupError("sandbox was not prepared", "run() came before prepare()",
-                                    "call prepare(ctx) first")
+            raise SandboxSetupError(
+                "sandbox was not prepared", "run() came before prepare()", "call prepare(ctx) first"
+            )
         runtime, task_ = self.runtime, self.task
         opts = opts or RunOptions()
         shown = command if isinstance(command, str) else " ".join(command)
         # Replay records go beside a persistent audit log (fusion_oci.replay); the worktree's
         # state is read before the command can change it.
         recording = self.audit.path is not None
-        state = (await asyncio.to_thread(worktree_state, Path(self.ctx.worktree_path))
-                 if recording else None)
+        state = (
+            await asyncio.to_thread(worktree_state, Path(self.ctx.worktree_path))
+            if recording
+            else None
+        )
         hashers: dict[str, Any] | None = None
         if recording and not opts.keep_output:
             # Streamed and not kept (the CLI's pass-through): the record's output digests come
@@ -293,8 +342,13 @@ class Sandbox:
             process = task_.process(command, opts)
             plan = runtime.plan(process)
         except SandboxSetupError as exc:
-            self._event("sandbox:failure", reason=exc.render(), command=shown[:200],
-                        unenforced=getattr(exc, "unenforced", None), details={"kind": exc.kind})
+            self._event(
+                "sandbox:failure",
+                reason=exc.render(),
+                command=shown[:200],
+                unenforced=getattr(exc, "unenforced", None),
+                details={"kind": exc.kind},
+            )
             raise
         task = asyncio.ensure_future(runtime.execute(plan, opts))
         self._running.add(task)
@@ -309,8 +363,12 @@ class Sandbox:
                 raise
             return aborted
         except SandboxSetupError as exc:
-            self._event("sandbox:failure", reason=exc.render(), command=shown[:200],
-                        details={"kind": exc.kind})
+            self._event(
+                "sandbox:failure",
+                reason=exc.render(),
+                command=shown[:200],
+                details={"kind": exc.kind},
+            )
             raise
         finally:
             self._running.discard(task)
@@ -318,16 +376,28 @@ class Sandbox:
             # After the command, before its result: the next command (or task) sees links.
             with contextlib.suppress(OSError):
                 await asyncio.to_thread(self.linker.after_command)
-        result = result.model_copy(update={
-            "fell_back": self.fell_back,
-            "unenforced": self.unenforced,
-        })
+        result = result.model_copy(
+            update={
+                "fell_back": self.fell_back,
+                "unenforced": self.unenforced,
+            }
+        )
         replay: dict[str, Any] = {}
         if recording:
             try:
                 spec = config_json(task_.spec, process)
-                replay = await record_run(runtime, task_, spec, self.ctx, self.settings,
-                                          command, opts, state, result.stdout, result.stderr)
+                replay = await record_run(
+                    runtime,
+                    task_,
+                    spec,
+                    self.ctx,
+                    self.settings,
+                    command,
+                    opts,
+                    state,
+                    result.stdout,
+                    result.stderr,
+                )
                 if hashers is not None:
                     replay["stdout_digest"] = "sha256:" + hashers["stdout"].hexdigest()
                     replay["stderr_digest"] = "sha256:" + hashers["stderr"].hexdigest()
@@ -367,8 +437,12 @@ class Sandbox:
     async def __aenter__(self) -> Sandbox:
         return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None,
-                        exc: BaseException | None, tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         await asyncio.shield(self.dispose())
 
 

@@ -110,9 +110,12 @@ class LinkStats:
         """What the audit event says of this pass, or None when no pass ran."""
         if not self.ran:
             return None
-        out: dict[str, Any] = {"linked": self.linked, "adopted": self.adopted,
-                               "adopted_bytes": self.adopted_bytes,
-                               "seconds": round(self.seconds, 3)}
+        out: dict[str, Any] = {
+            "linked": self.linked,
+            "adopted": self.adopted,
+            "adopted_bytes": self.adopted_bytes,
+            "seconds": round(self.seconds, 3),
+        }
         if self.too_deep:
             out["too_deep"] = self.too_deep
         if self.stopped:
@@ -120,8 +123,7 @@ class LinkStats:
         return out
 
 
-def link_support(*, host_uid: int, isolating: bool, worktree: Path,
-                 blobs: Path) -> LinkSupport:
+def link_support(*, host_uid: int, isolating: bool, worktree: Path, blobs: Path) -> LinkSupport:
     """Can a task's node_modules share the host's blobs without write access to them?
 
     Needs a host process that can give the blobs another owner (root), a runtime that runs the
@@ -129,12 +131,17 @@ def link_support(*, host_uid: int, isolating: bool, worktree: Path,
     filesystem (a hard link cannot cross filesystems).
     """
     if not isolating:
-        return LinkSupport(False, "the runtime isolates nothing: the command could write "
-                                  "every blob (no shared links)")
+        return LinkSupport(
+            False,
+            "the runtime isolates nothing: the command could write every blob (no shared links)",
+        )
     if host_uid != 0:
-        return LinkSupport(False, "fusion-oci runs unprivileged: the blobs would be the "
-                                  "task's own uid's, which it could chmod and rewrite, so each "
-                                  "task keeps its own copies")
+        return LinkSupport(
+            False,
+            "fusion-oci runs unprivileged: the blobs would be the "
+            "task's own uid's, which it could chmod and rewrite, so each "
+            "task keeps its own copies",
+        )
     root = blobs
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -143,8 +150,11 @@ def link_support(*, host_uid: int, isolating: bool, worktree: Path,
     except OSError as exc:
         return LinkSupport(False, f"blob store {root} unusable: {exc.strerror}")
     if not same:
-        return LinkSupport(False, f"blob store {root} is on another filesystem than the "
-                                  "worktree (hard links cannot cross filesystems)")
+        return LinkSupport(
+            False,
+            f"blob store {root} is on another filesystem than the "
+            "worktree (hard links cannot cross filesystems)",
+        )
     return LinkSupport(True)
 
 
@@ -189,8 +199,12 @@ def _read_single(dir_fd: int, name: str, most: int) -> tuple[bytes, bool] | None
         return None
     try:
         st = os.fstat(fd)
-        if (not stat.S_ISREG(st.st_mode) or st.st_uid == STORE_UID
-                or st.st_mode & (stat.S_ISUID | stat.S_ISGID) or st.st_size > most):
+        if (
+            not stat.S_ISREG(st.st_mode)
+            or st.st_uid == STORE_UID
+            or st.st_mode & (stat.S_ISUID | stat.S_ISGID)
+            or st.st_size > most
+        ):
             return None  # ``most``: the bytes reserved for it (it grew since: left as is)
         # No further than the size fstat gave: a process the task left running may still be
         # appending (the blob holds exactly the bytes hashed, whatever the file holds after).
@@ -210,8 +224,7 @@ def dedup(worktree: Path, root: Path, stats: LinkStats | None = None) -> LinkSta
     stats = stats if stats is not None else LinkStats()
     try:
         # node_modules is the task's: a symlink there must not lead the walk off the worktree.
-        nm_fd = os.open(worktree / VIRTUAL_STORE[0],
-                        os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        nm_fd = os.open(worktree / VIRTUAL_STORE[0], os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError:
         return stats
     try:
@@ -261,9 +274,11 @@ class _Pass:
         they are not left."""
         with self.lock:
             if self.stats.hashed_bytes + size > MAX_PASS_BYTES:
-                self.stats.stopped = (f"more than {MAX_PASS_BYTES >> 20} MiB to hash under "
-                                      "node_modules/.pnpm: the rest stays the task's own "
-                                      "copies")
+                self.stats.stopped = (
+                    f"more than {MAX_PASS_BYTES >> 20} MiB to hash under "
+                    "node_modules/.pnpm: the rest stays the task's own "
+                    "copies"
+                )
                 self.stop.set()
                 return False
             self.stats.hashed_bytes += size
@@ -323,16 +338,19 @@ def _walk(nm_fd: int, root: Path, stats: LinkStats) -> None:
     with ThreadPoolExecutor(PASS_WORKERS, thread_name_prefix="fusion-store") as pool:
         pending: list[Future[None]] = []
         try:
-            for dirpath, dirs, files, dir_fd in os.fwalk(VIRTUAL_STORE[1], dir_fd=nm_fd,
-                                                         follow_symlinks=False):
+            for dirpath, dirs, files, dir_fd in os.fwalk(
+                VIRTUAL_STORE[1], dir_fd=nm_fd, follow_symlinks=False
+            ):
                 if run.stop.is_set():
                     break
                 with run.lock:
                     stats.entries += len(dirs) + len(files)
                     if stats.entries > MAX_PASS_ENTRIES:
-                        stats.stopped = (f"more than {MAX_PASS_ENTRIES} entries under "
-                                         "node_modules/.pnpm: the rest stays the task's own "
-                                         "copies")
+                        stats.stopped = (
+                            f"more than {MAX_PASS_ENTRIES} entries under "
+                            "node_modules/.pnpm: the rest stays the task's own "
+                            "copies"
+                        )
                         break
                 if dirpath.count(os.sep) >= MAX_DEPTH and dirs:
                     run.count(too_deep=len(dirs))
@@ -373,8 +391,13 @@ RENAME_EXCHANGE = 2
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _RENAMEAT2 = getattr(_LIBC, "renameat2", None)
 if _RENAMEAT2 is not None:
-    _RENAMEAT2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
-                           ctypes.c_uint]
+    _RENAMEAT2.argtypes = [
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_uint,
+    ]
     _RENAMEAT2.restype = ctypes.c_int
 
 
@@ -388,8 +411,7 @@ def _swap(dir_fd: int, tmp: str, name: str) -> None:
     the command's time, the blobs the previous pass added (50 MB for one install: 13,000
     pages per 1,000 files, measured; an exchange writes none)."""
     if _RENAMEAT2 is not None:
-        if _RENAMEAT2(dir_fd, os.fsencode(tmp), dir_fd, os.fsencode(name),
-                      RENAME_EXCHANGE) == 0:
+        if _RENAMEAT2(dir_fd, os.fsencode(tmp), dir_fd, os.fsencode(name), RENAME_EXCHANGE) == 0:
             # ``tmp`` now names the task's copy; a folder the task put there meanwhile stays.
             with contextlib.suppress(OSError):
                 os.unlink(tmp, dir_fd=dir_fd)
@@ -438,13 +460,15 @@ class StoreLinker:
         return self.last
 
 
-def task_linker(*, blobs: str | None, host_uid: int, isolating: bool,
-                worktree: Path) -> tuple[StoreLinker | None, LinkSupport]:
+def task_linker(
+    *, blobs: str | None, host_uid: int, isolating: bool, worktree: Path
+) -> tuple[StoreLinker | None, LinkSupport]:
     """The linker of a task (its layout's blob store), or None with the reason."""
     if blobs is None:
         return None, LinkSupport(False, "cacheMode off: no caches, no shared blobs")
-    support = link_support(host_uid=host_uid, isolating=isolating, worktree=worktree,
-                           blobs=Path(blobs))
+    support = link_support(
+        host_uid=host_uid, isolating=isolating, worktree=worktree, blobs=Path(blobs)
+    )
     if not support.ok:
         return None, support
     return StoreLinker(worktree, Path(blobs)), support
@@ -472,8 +496,11 @@ def _blob_dirs(root: Path) -> Iterator[os.DirEntry[str]]:
     folder that is not ours is not walked into)."""
     with os.scandir(root) as entries:
         for entry in entries:
-            if (len(entry.name) == 2 and all(c in "0123456789abcdef" for c in entry.name)
-                    and entry.is_dir(follow_symlinks=False)):
+            if (
+                len(entry.name) == 2
+                and all(c in "0123456789abcdef" for c in entry.name)
+                and entry.is_dir(follow_symlinks=False)
+            ):
                 yield entry
 
 
@@ -511,8 +538,9 @@ def prune(root: Path, *, dry_run: bool = False) -> PruneStats:
     return stats
 
 
-def prune_stores(cache_root: Path, *, dry_run: bool = False
-                 ) -> tuple[list[str], list[str], list[str]]:
+def prune_stores(
+    cache_root: Path, *, dry_run: bool = False
+) -> tuple[list[str], list[str], list[str]]:
     """``fusion-oci gc``'s part: prune every project's blob store under ``cache_root`` (the
     sandboxes'). Returns gc's (removed, kept, errors): a line per store that had blobs to
     remove, that a pass was using, or that could not be read."""
@@ -528,6 +556,8 @@ def prune_stores(cache_root: Path, *, dry_run: bool = False
         if done.busy:
             kept.append(f"blob store {root} (a pass is linking into it now)")
         elif done.removed:
-            removed.append(f"blob store {root}: {done.removed} blobs no worktree links "
-                           f"({done.freed_bytes / 1e6:.1f} MB)")
+            removed.append(
+                f"blob store {root}: {done.removed} blobs no worktree links "
+                f"({done.freed_bytes / 1e6:.1f} MB)"
+            )
     return removed, kept, errors

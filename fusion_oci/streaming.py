@@ -38,8 +38,9 @@ class OutputChunk:
     data: bytes
 
 
-async def stream_run(sandbox: Sandbox, command: str | Sequence[str],
-                     opts: RunOptions | None = None) -> AsyncIterator[OutputChunk | RunResult]:
+async def stream_run(
+    sandbox: Sandbox, command: str | Sequence[str], opts: RunOptions | None = None
+) -> AsyncIterator[OutputChunk | RunResult]:
     """Yield each chunk of output while ``command`` runs, then its RunResult."""
     opts = opts or RunOptions()
     queue: asyncio.Queue[OutputChunk | None] = asyncio.Queue()
@@ -50,8 +51,9 @@ async def stream_run(sandbox: Sandbox, command: str | Sequence[str],
         if also is not None:
             also(stream, chunk)
 
-    task = asyncio.ensure_future(sandbox.run(command, opts.model_copy(
-        update={"on_output": on_output})))
+    task = asyncio.ensure_future(
+        sandbox.run(command, opts.model_copy(update={"on_output": on_output}))
+    )
     task.add_done_callback(lambda _: queue.put_nowait(None))
     try:
         while (item := await queue.get()) is not None:

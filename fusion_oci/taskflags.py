@@ -73,18 +73,29 @@ def resolve_worktree(flags: TaskFlags, env: Mapping[str, str], cwd: Path | None 
     """The flag's folder, else the top of the git work tree holding the current directory;
     refused (exit 2) when unsafe unless --unsafe-worktree says so."""
     where = cwd if cwd is not None else Path.cwd().absolute()
-    worktree = (host_path(flags.worktree, where, env) if flags.worktree is not None
-                else default_worktree(where))
-    check_worktree(worktree, env, unsafe_ok=flags.unsafe_worktree,
-                   name="--worktree" if flags.worktree is not None else "worktree (current "
-                   "directory; pass --worktree DIR)")
+    worktree = (
+        host_path(flags.worktree, where, env)
+        if flags.worktree is not None
+        else default_worktree(where)
+    )
+    check_worktree(
+        worktree,
+        env,
+        unsafe_ok=flags.unsafe_worktree,
+        name="--worktree"
+        if flags.worktree is not None
+        else "worktree (current directory; pass --worktree DIR)",
+    )
     return worktree
 
 
 # Model fields whose values come from a flag: a validation error names the flag.
 _FLAG_OF = {
-    "timeout_ms": "--timeout-ms", "max_buffer": "--max-buffer", "task_id": "--task-id",
-    "run_id": "--run-id", "cwd": "--cwd",
+    "timeout_ms": "--timeout-ms",
+    "max_buffer": "--max-buffer",
+    "task_id": "--task-id",
+    "run_id": "--run-id",
+    "cwd": "--cwd",
 }
 
 
@@ -94,21 +105,29 @@ def flag_error(exc: ValidationError, values: Mapping[str, object]) -> FlagError:
     field = str(first["loc"][0]) if first["loc"] else ""
     flag = _FLAG_OF.get(field, field)
     msg = str(first["msg"]).removeprefix("Value error, ")
-    return FlagError(f"{flag} {values.get(field, first.get('input'))!r}", msg,
-                     f"see `fusion-oci run --help` for {flag}")
+    return FlagError(
+        f"{flag} {values.get(field, first.get('input'))!r}",
+        msg,
+        f"see `fusion-oci run --help` for {flag}",
+    )
 
 
-def _overrides(flags: TaskFlags, base: EffectiveSettings, cwd: Path,
-               env: Mapping[str, str]) -> dict[str, Any]:
+def _overrides(
+    flags: TaskFlags, base: EffectiveSettings, cwd: Path, env: Mapping[str, str]
+) -> dict[str, Any]:
     def _abs(paths: list[str]) -> list[str]:
         # On the command line a relative path means relative to where the user stands.
         return [str(host_path(p, cwd, env)) for p in paths]
 
     out: dict[str, Any] = {}
     policy: dict[str, Any] = {}
-    for key, value in (("backend", flags.backend), ("image", flags.image),
-                       ("failureMode", flags.failure_mode), ("cacheMode", flags.cache_mode),
-                       ("hostCa", flags.host_ca)):
+    for key, value in (
+        ("backend", flags.backend),
+        ("image", flags.image),
+        ("failureMode", flags.failure_mode),
+        ("cacheMode", flags.cache_mode),
+        ("hostCa", flags.host_ca),
+    ):
         if value is not None:
             out[key] = value
     if flags.network is not None:
@@ -154,11 +173,15 @@ def resolve_task(flags: TaskFlags, env: Mapping[str, str], cwd: Path | None = No
     """The task of these flags, for a caller standing in ``cwd`` (default: ours) with ``env``."""
     where = cwd if cwd is not None else Path.cwd().absolute()
     worktree = resolve_worktree(flags, env, where)
-    project = find_project_dir(worktree, None if flags.project_dir is None
-                               else host_path(flags.project_dir, where, env))
+    project = find_project_dir(
+        worktree, None if flags.project_dir is None else host_path(flags.project_dir, where, env)
+    )
     if not project.is_dir():
-        raise FlagError(f"--project-dir {project}", "it does not exist or is not a directory",
-                        "pass the project's root folder (the main repository)")
+        raise FlagError(
+            f"--project-dir {project}",
+            "it does not exist or is not a directory",
+            "pass the project's root folder (the main repository)",
+        )
     prompt = None
     if flags.task_prompt is not None and str(flags.task_prompt) == "-":
         import sys
@@ -168,15 +191,23 @@ def resolve_task(flags: TaskFlags, env: Mapping[str, str], cwd: Path | None = No
         try:
             prompt = host_path(flags.task_prompt, where, env).read_text(encoding="utf-8")
         except OSError as exc:
-            raise FlagError(f"--task-prompt {flags.task_prompt}", str(exc),
-                            "pass a readable file with the task's prompt") from exc
+            raise FlagError(
+                f"--task-prompt {flags.task_prompt}",
+                str(exc),
+                "pass a readable file with the task's prompt",
+            ) from exc
     base = load_settings(project_dir=project, env=env, task_prompt=prompt)
     overrides = _overrides(flags, base, where, env)
-    effective = load_settings(project_dir=project, env=env, task_prompt=prompt,
-                              overrides=overrides) if overrides else base
+    effective = (
+        load_settings(project_dir=project, env=env, task_prompt=prompt, overrides=overrides)
+        if overrides
+        else base
+    )
     settings = effective.settings
-    values: dict[str, Any] = {"task_id": flags.task_id or "adhoc",
-                              "run_id": flags.run_id or new_run_id()}
+    values: dict[str, Any] = {
+        "task_id": flags.task_id or "adhoc",
+        "run_id": flags.run_id or new_run_id(),
+    }
     if flags.timeout_ms is not None:
         values["timeout_ms"] = flags.timeout_ms
     if flags.max_buffer is not None:
@@ -194,8 +225,10 @@ def resolve_task(flags: TaskFlags, env: Mapping[str, str], cwd: Path | None = No
             project_dir=str(project),
             unsafe_worktree=flags.unsafe_worktree,
         )
-        opts = RunOptions(env=dict(env), **{k: v for k, v in values.items()
-                                             if k in ("timeout_ms", "max_buffer", "cwd")})
+        opts = RunOptions(
+            env=dict(env),
+            **{k: v for k, v in values.items() if k in ("timeout_ms", "max_buffer", "cwd")},
+        )
     except ValidationError as exc:
         raise flag_error(exc, values) from exc
     return Task(effective, ctx, opts, project)

@@ -5,7 +5,7 @@
 #                                    rootless test user, podman runtime drop-in
 #   2. scripts/services.sh start    dockerd, rootful and rootless podman API services, a rootless
 #                                    dockerd (the rootless ones as the unprivileged test user)
-#   3. ruff check + mypy             (skipped with FUSION_OCI_SKIP_LINT=1)
+#   3. ruff check, ruff format --check, mypy   (skipped with FUSION_OCI_SKIP_LINT=1)
 #   4. pytest "$@"                   with FUSION_OCI_REQUIRE_BACKENDS=all: a missing backend fails
 #   5. clients/typescript: tsc --strict, then `node --test` against the real server
 #      (skipped with FUSION_OCI_SKIP_TS=1, e.g. when running a few pytest files by hand)
@@ -55,6 +55,8 @@ say "  export FUSION_OCI_REQUIRE_BACKENDS=all"
 if [[ "${FUSION_OCI_SKIP_LINT:-0}" != 1 ]]; then
     say "== ruff check fusion_oci tests"
     .venv/bin/ruff check fusion_oci tests
+    say "== ruff format --check"
+    .venv/bin/ruff format --check fusion_oci tests benchmarks scripts hatch_build.py
     say "== mypy"
     .venv/bin/mypy
 else

@@ -19,8 +19,19 @@ from fusion_oci.runtimes.registry import create_runtime
 def required_backends() -> set[str]:
     value = os.environ.get("FUSION_OCI_REQUIRE_BACKENDS", "")
     if value.strip() == "all":
-        return {"native", "bubblewrap", "oci", "oci-runsc", "landlock", "podman",
-                "podman-rootless", "docker", "docker-rootless", "oci-schema", "libseccomp"}
+        return {
+            "native",
+            "bubblewrap",
+            "oci",
+            "oci-runsc",
+            "landlock",
+            "podman",
+            "podman-rootless",
+            "docker",
+            "docker-rootless",
+            "oci-schema",
+            "libseccomp",
+        }
     return {v.strip() for v in value.split(",") if v.strip()}
 
 

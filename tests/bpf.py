@@ -8,7 +8,7 @@ import struct
 def run_bpf(prog: bytes, nr: int, arch: int, args: tuple[int, ...] = ()) -> int:
     """The filter's raw return value for syscall ``nr`` on audit arch ``arch``: ld abs
     (seccomp_data), and, jeq, jge, jgt, ret."""
-    ins = [struct.unpack("<HBBI", prog[i:i + 8]) for i in range(0, len(prog), 8)]
+    ins = [struct.unpack("<HBBI", prog[i : i + 8]) for i in range(0, len(prog), 8)]
     data = struct.pack("<iIQ6Q", nr, arch, 0, *(list(args) + [0] * (6 - len(args))))
     acc, pc = 0, 0
     while True:

@@ -24,12 +24,16 @@ SCHEMA_DIR = Path(
 
 def git(cwd: Path, *args: str) -> str:
     env = {
-        "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.invalid",
-        "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.invalid",
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(cwd),
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@example.invalid",
+        "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@example.invalid",
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(cwd),
     }
-    return subprocess.run(["git", *args], cwd=cwd, env=env, check=True,
-                          capture_output=True, text=True).stdout
+    return subprocess.run(
+        ["git", *args], cwd=cwd, env=env, check=True, capture_output=True, text=True
+    ).stdout
 
 
 def git_init(path: Path) -> Path:
@@ -69,11 +73,16 @@ def oci_validator() -> Any:
 
     from tests.backends import require
 
-    require("oci-schema", (SCHEMA_DIR / "config-schema.json").is_file(),
-            f"no schemas in {SCHEMA_DIR}: apt-get install golang-github-opencontainers-specs-dev")
+    require(
+        "oci-schema",
+        (SCHEMA_DIR / "config-schema.json").is_file(),
+        f"no schemas in {SCHEMA_DIR}: apt-get install golang-github-opencontainers-specs-dev",
+    )
     registry: Registry[Any] = Registry().with_resources(
-        (path.resolve().as_uri(), Resource.from_contents(json.loads(path.read_text()),
-                                                          default_specification=DRAFT4))
+        (
+            path.resolve().as_uri(),
+            Resource.from_contents(json.loads(path.read_text()), default_specification=DRAFT4),
+        )
         for path in SCHEMA_DIR.glob("*.json")
     )
     schema = json.loads((SCHEMA_DIR / "config-schema.json").read_text())

@@ -17,8 +17,11 @@ DATA = Path(__file__).parent / "data"
 
 def assert_golden(name: str, value: Any) -> None:
     path = DATA / name
-    text = (json.dumps(value, indent=2, sort_keys=True) + "\n") if not isinstance(value, str) \
+    text = (
+        (json.dumps(value, indent=2, sort_keys=True) + "\n")
+        if not isinstance(value, str)
         else value
+    )
     if os.environ.get("FUSION_OCI_UPDATE_GOLDEN") == "1":
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
@@ -38,7 +41,8 @@ def host_neutral(argv: list[str]) -> list[str]:
 
 
 GOLDEN_HOST = HostInfo(
-    uid=1000, gid=1000,
+    uid=1000,
+    gid=1000,
     rlimits={"RLIMIT_NOFILE": (1024, 20000), "RLIMIT_CPU": (-1, -1)},
     system_mounts=(("/usr", "/usr"), ("/bin", "/usr/bin"), ("/lib", "/usr/lib")),
     etc_entries=("passwd", "ssl", "resolv.conf"),

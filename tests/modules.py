@@ -38,8 +38,10 @@ def _type_only_nodes(tree: ast.Module) -> set[int]:
     """The ids of every node under an ``if TYPE_CHECKING:`` (plain or ``typing.``)."""
     out: set[int] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING",
-                                                                    "typing.TYPE_CHECKING"):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in (
+            "TYPE_CHECKING",
+            "typing.TYPE_CHECKING",
+        ):
             for child in node.body:
                 out.update(id(n) for n in ast.walk(child))
     return out
@@ -64,7 +66,7 @@ def imports(module: str) -> tuple[Import, ...]:
         if isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                anchor = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                 base = ".".join([*anchor, *([base] if base else [])])
             for alias in node.names:
                 name = f"{base}.{alias.name}"

@@ -39,10 +39,12 @@ if TYPE_CHECKING:
     from fusion_oci.resolve import ResolvedTask
 
 NAME = "contract-host"
-ENTRY_POINT = EntryPoint(name=NAME, value=f"{__name__}:HostPluginRuntime",
-                         group="fusion_oci.runtimes")
-CLAIMED = frozenset({Requirement.FILESYSTEM, Requirement.PROC_PATHS, Requirement.ENV,
-                     Requirement.NETWORK_NONE})
+ENTRY_POINT = EntryPoint(
+    name=NAME, value=f"{__name__}:HostPluginRuntime", group="fusion_oci.runtimes"
+)
+CLAIMED = frozenset(
+    {Requirement.FILESYSTEM, Requirement.PROC_PATHS, Requirement.ENV, Requirement.NETWORK_NONE}
+)
 
 
 @dataclass(frozen=True)
@@ -62,8 +64,14 @@ class HostPluginRuntime:
     id = "custom"
     default_image: str | None = None
 
-    def __init__(self, settings: SandboxSettings, env: Mapping[str, str], *,
-                 cache_root: Path | None = None, host: HostInfo | None = None) -> None:
+    def __init__(
+        self,
+        settings: SandboxSettings,
+        env: Mapping[str, str],
+        *,
+        cache_root: Path | None = None,
+        host: HostInfo | None = None,
+    ) -> None:
         self.settings = settings
         self.audit: AuditLog | None = None
         self.ask: AskCallback | None = None
@@ -90,11 +98,17 @@ class HostPluginRuntime:
     async def prepare(self, task: ResolvedTask) -> ResolvedTask:
         ctx = task.ctx
         if ctx.image:
-            audit = AuditContext(self.audit or AuditLog(key=b""), ctx.task_id, ctx.run_id,
-                                 self.id)
+            audit = AuditContext(self.audit or AuditLog(key=b""), ctx.task_id, ctx.run_id, self.id)
             gate = ProvisionGate(self.settings.gates, audit, ask=self.ask)
-            await gate.check(GateRequest("sandbox_provision", "pull", ctx.image, self.id,
-                                         reason="the plugin fetches its image"))
+            await gate.check(
+                GateRequest(
+                    "sandbox_provision",
+                    "pull",
+                    ctx.image,
+                    self.id,
+                    reason="the plugin fetches its image",
+                )
+            )
         return await self._host.prepare(task)
 
     async def execute(self, plan: Plan, opts: RunOptions) -> RunResult:

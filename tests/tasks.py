@@ -15,14 +15,22 @@ from fusion_oci.resolve import ResolvedTask
 from tests.golden import GOLDEN_HOST
 
 
-def resolved(ctx: PrepareContext, layout: TaskLayout, host: HostInfo = GOLDEN_HOST,
-             env: Mapping[str, str] | None = None) -> ResolvedTask:
+def resolved(
+    ctx: PrepareContext,
+    layout: TaskLayout,
+    host: HostInfo = GOLDEN_HOST,
+    env: Mapping[str, str] | None = None,
+) -> ResolvedTask:
     """The task as the resolve step would give it for this layout (no host reads)."""
     return ResolvedTask(ctx=ctx, layout=layout, host=host, env=dict(env or {}))
 
 
-def plan_for(runtime: Any, task: ResolvedTask, command: str | Sequence[str] = "pnpm test",
-             opts: RunOptions | None = None) -> Any:
+def plan_for(
+    runtime: Any,
+    task: ResolvedTask,
+    command: str | Sequence[str] = "pnpm test",
+    opts: RunOptions | None = None,
+) -> Any:
     """``runtime``'s plan of ``command`` in ``task`` (adopted, not prepared)."""
     runtime.adopt(task)
     return runtime.plan(task.process(command, opts or RunOptions()))

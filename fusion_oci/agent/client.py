@@ -53,24 +53,32 @@ if TYPE_CHECKING:
     from fusion_oci.models import OutputCallback
 
 BINARY_NAME = "fusion-oci-agent"
-BUILD_HINT = ("build it with `python hatch_build.py` in the checkout (needs gcc and libc6-dev, "
-              "see scripts/install.sh), or reinstall the fusion-oci wheel")
+BUILD_HINT = (
+    "build it with `python hatch_build.py` in the checkout (needs gcc and libc6-dev, "
+    "see scripts/install.sh), or reinstall the fusion-oci wheel"
+)
 KILL_BACKSTOP_S = 12.0
 """Past the grace, how long the keeper may take to SIGKILL a tree (its loop stops at 10 s)."""
 CLOSE_WAIT_S = 15.0
 
 Stdin = bytes | AsyncIterable[bytes] | None
 
-_RLIMIT_NAMES = {str(getattr(resource, name)): name for name in dir(resource)
-                 if name.startswith("RLIMIT_") and name != "RLIMIT_OFILE"}  # NOFILE's alias
+_RLIMIT_NAMES = {
+    str(getattr(resource, name)): name
+    for name in dir(resource)
+    if name.startswith("RLIMIT_") and name != "RLIMIT_OFILE"
+}  # NOFILE's alias
 
 
 def agent_binary() -> Path:
     """The agent executable shipped beside this module; a clear setup error when missing."""
     path = Path(__file__).with_name(BINARY_NAME)
     if not os.access(path, os.X_OK):
-        raise SandboxSetupError("the fusion-oci exec agent is missing",
-                                f"{path} does not exist or is not executable", BUILD_HINT)
+        raise SandboxSetupError(
+            "the fusion-oci exec agent is missing",
+            f"{path} does not exist or is not executable",
+            BUILD_HINT,
+        )
     return path
 
 
@@ -200,8 +208,13 @@ class _Trigger:
 class Agent:
     """One connection to one running agent. Create with :meth:`start_local` or :meth:`accept`."""
 
-    def __init__(self, sock: socket.socket, *, peer_pid: int | None = None,
-                 proc: asyncio.subprocess.Process | None = None) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        *,
+        peer_pid: int | None = None,
+        proc: asyncio.subprocess.Process | None = None,
+    ) -> None:
         self._loop = asyncio.get_running_loop()
         sock.setblocking(False)
         self._sock = sock
@@ -222,8 +235,9 @@ class Agent:
     # --- starting ------------------------------------------------------------------------
 
     @classmethod
-    async def start_local(cls, binary: str | os.PathLike[str] | None = None, *,
-                          timeout_s: float = 5.0) -> Agent:
+    async def start_local(
+        cls, binary: str | os.PathLike[str] | None = None, *, timeout_s: float = 5.0
+    ) -> Agent:
         """Start the agent as a host process (its own session, so its own process group),
         connected by a socketpair. It ends every run's tree and exits when we close the
         connection or this process dies (``--parent``)."""
@@ -231,14 +245,23 @@ class Agent:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             proc = await asyncio.create_subprocess_exec(
-                path, "--fd", str(theirs.fileno()), "--parent", str(os.getpid()),
-                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-                pass_fds=(theirs.fileno(),), start_new_session=True,
+                path,
+                "--fd",
+                str(theirs.fileno()),
+                "--parent",
+                str(os.getpid()),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL,
+                pass_fds=(theirs.fileno(),),
+                start_new_session=True,
             )
         except OSError as exc:
             ours.close()
-            raise SandboxSetupError("cannot start the fusion-oci exec agent",
-                                    f"{path}: {exc.strerror or exc}", BUILD_HINT) from exc
+            raise SandboxSetupError(
+                "cannot start the fusion-oci exec agent",
+                f"{path}: {exc.strerror or exc}",
+                BUILD_HINT,
+            ) from exc
         finally:
             theirs.close()
         agent = cls(ours, proc=proc)
@@ -246,8 +269,12 @@ class Agent:
         return agent
 
     @classmethod
-    async def accept(cls, listen: str | os.PathLike[str] | socket.socket,
-                     expect_pid: int | None, timeout_s: float) -> Agent:
+    async def accept(
+        cls,
+        listen: str | os.PathLike[str] | socket.socket,
+        expect_pid: int | None,
+        timeout_s: float,
+    ) -> Agent:
         """Take exactly one connection on ``listen`` (a path: bound here; or a listening socket
         from :func:`listen_socket`), then close the listener and unlink its path, so nothing
         can reach the agent afterwards. ``expect_pid``: the peer's pid as this host sees it
@@ -259,28 +286,33 @@ class Agent:
         try:
             conn, _ = await asyncio.wait_for(loop.sock_accept(lsock), timeout_s)
         except TimeoutError:
-            raise SandboxSetupError("the exec agent did not connect",
-                                    f"nothing connected to {where} within {timeout_s:g} s",
-                                    "check that the container's init is the agent "
-                                    f"(`{BINARY_NAME} --connect PATH`)") from None
+            raise SandboxSetupError(
+                "the exec agent did not connect",
+                f"nothing connected to {where} within {timeout_s:g} s",
+                f"check that the container's init is the agent (`{BINARY_NAME} --connect PATH`)",
+            ) from None
         finally:
             lsock.close()
             if isinstance(where, str) and where:
                 _unlink(where)
-        pid, _uid, _gid = struct.unpack("3i", conn.getsockopt(
-            socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        pid, _uid, _gid = struct.unpack(
+            "3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        )
         if expect_pid is not None and pid != expect_pid:
             conn.close()
-            raise SandboxSetupError("a process other than the sandbox's agent connected",
-                                    f"peer pid {pid}, expected {expect_pid}",
-                                    "the sandbox is not used; dispose it and prepare again")
+            raise SandboxSetupError(
+                "a process other than the sandbox's agent connected",
+                f"peer pid {pid}, expected {expect_pid}",
+                "the sandbox is not used; dispose it and prepare again",
+            )
         agent = cls(conn, peer_pid=pid)
         await agent._greeted(timeout_s)
         return agent
 
     @classmethod
-    async def over(cls, sock: socket.socket, proc: asyncio.subprocess.Process,
-                   timeout_s: float) -> Agent:
+    async def over(
+        cls, sock: socket.socket, proc: asyncio.subprocess.Process, timeout_s: float
+    ) -> Agent:
         """An agent the caller started on the other end of ``sock`` (a socketpair), inside a
         launcher ``proc`` that ends with it (a bwrap sandbox whose PID 1 is the agent):
         :meth:`close` waits for ``proc`` as it does for a local agent."""
@@ -289,8 +321,7 @@ class Agent:
         return agent
 
     @classmethod
-    async def connected(cls, sock: socket.socket, peer_pid: int | None,
-                        timeout_s: float) -> Agent:
+    async def connected(cls, sock: socket.socket, peer_pid: int | None, timeout_s: float) -> Agent:
         """An agent on the other end of ``sock`` (a socketpair handed to a launcher that
         detached, as ``runc run --detach`` does), whose pid as this host sees it is
         ``peer_pid``: greeted (version checked, bounded) before it is returned."""
@@ -303,14 +334,18 @@ class Agent:
             hello = await asyncio.wait_for(asyncio.shield(self._hello), timeout_s)
         except (TimeoutError, AgentLostError) as exc:
             await self.close()
-            raise SandboxSetupError("the fusion-oci exec agent did not start",
-                                    str(exc) or f"no hello within {timeout_s:g} s",
-                                    BUILD_HINT) from exc
+            raise SandboxSetupError(
+                "the fusion-oci exec agent did not start",
+                str(exc) or f"no hello within {timeout_s:g} s",
+                BUILD_HINT,
+            ) from exc
         if hello.get("version") != PROTOCOL_VERSION:
             await self.close()
             raise SandboxSetupError(
                 "the fusion-oci exec agent speaks another protocol",
-                f"agent version {hello.get('version')!r}, host {PROTOCOL_VERSION!r}", BUILD_HINT)
+                f"agent version {hello.get('version')!r}, host {PROTOCOL_VERSION!r}",
+                BUILD_HINT,
+            )
         self.agent_pid = int(hello.get("pid", "0")) or None
 
     # --- the connection ------------------------------------------------------------------
@@ -323,8 +358,11 @@ class Agent:
         if self._lost is not None:
             raise self._lost
         if self._closed:
-            raise AgentLostError("the exec agent was closed", "close() came before run()",
-                                 "prepare the sandbox again")
+            raise AgentLostError(
+                "the exec agent was closed",
+                "close() came before run()",
+                "prepare the sandbox again",
+            )
 
     async def _read_loop(self) -> None:
         decoder = Decoder()
@@ -346,8 +384,10 @@ class Agent:
     def _mark_lost(self, why: str) -> None:
         if self._lost is None:
             self._lost = AgentLostError(
-                "the sandbox's exec agent is gone", why,
-                "the run's outcome is unknown; dispose the sandbox and prepare it again")
+                "the sandbox's exec agent is gone",
+                why,
+                "the run's outcome is unknown; dispose the sandbox and prepare it again",
+            )
         for run in self._runs.values():
             if not run.exited.done():
                 run.exited.set_exception(self._lost)
@@ -367,8 +407,7 @@ class Agent:
         elif kind == EXITED:
             run.exited.set_result(int(fields["status"]))
         elif kind == FAILED:
-            run.exited.set_exception(_Failed(int(fields.get("errno", "0")),
-                                             fields.get("what", "")))
+            run.exited.set_exception(_Failed(int(fields.get("errno", "0")), fields.get("what", "")))
 
     async def _send(self, data: bytes, fds: Sequence[int] = ()) -> None:
         async with self._send_lock:
@@ -380,8 +419,9 @@ class Agent:
                         if fds:
                             # The fds ride on the frame's first bytes (PROTOCOL.md).
                             sent = self._sock.sendmsg(
-                                [view], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                          array.array("i", fds))])
+                                [view],
+                                [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))],
+                            )
                             fds = ()
                         else:
                             sent = self._sock.send(view)
@@ -423,14 +463,26 @@ class Agent:
         """
         self._check()
         if asyncio.get_running_loop() is not self._loop:
-            raise SandboxSetupError("the sandbox's exec agent belongs to another event loop",
-                                    "run() was called from a loop other than prepare()'s",
-                                    "prepare, run and dispose a sandbox on one event loop")
+            raise SandboxSetupError(
+                "the sandbox's exec agent belongs to another event loop",
+                "run() was called from a loop other than prepare()'s",
+                "prepare, run and dispose a sandbox on one event loop",
+            )
         start = time.monotonic()
         run_id = str(next(self._ids))
-        frame = encode_spawn(Spawn(id=run_id, argv=list(argv), env=dict(env), cwd=cwd,
-                                   rlimits=list(rlimits), umask=umask, uid=uid, gid=gid,
-                                   groups=groups))
+        frame = encode_spawn(
+            Spawn(
+                id=run_id,
+                argv=list(argv),
+                env=dict(env),
+                cwd=cwd,
+                rlimits=list(rlimits),
+                umask=umask,
+                uid=uid,
+                gid=gid,
+                groups=groups,
+            )
+        )
         run = _Run(self._loop)
 
         def end() -> None:
@@ -500,9 +552,15 @@ class Agent:
             status = run.exited.result()
         except _Failed as failed:
             code = self._exec_failure(argv, failed, err)
-            return ProcessOutcome(stdout=out.data(), stderr=err.data(), returncode=code,
-                                  signal=None, timed_out=run.timed_out, truncated=False,
-                                  duration_ms=int((time.monotonic() - start) * 1000))
+            return ProcessOutcome(
+                stdout=out.data(),
+                stderr=err.data(),
+                returncode=code,
+                signal=None,
+                timed_out=run.timed_out,
+                truncated=False,
+                duration_ms=int((time.monotonic() - start) * 1000),
+            )
         rc = os.waitstatus_to_exitcode(status)
         return ProcessOutcome(
             stdout=out.data(),
@@ -532,9 +590,11 @@ class Agent:
         if what.startswith("setrlimit "):  # "setrlimit 7": name the limit as the spec does
             number = what.split(" ", 1)[1]
             what = "setrlimit " + _RLIMIT_NAMES.get(number, number)
-        raise SandboxSetupError(f"the exec agent could not start {argv[0]!r}",
-                                f"{what}: {reason}",
-                                "check the working directory, user and rlimits of the command")
+        raise SandboxSetupError(
+            f"the exec agent could not start {argv[0]!r}",
+            f"{what}: {reason}",
+            "check the working directory, user and rlimits of the command",
+        )
 
     async def _end(self, run_id: str, run: _Run, grace_s: float) -> None:
         """SIGTERM the whole tree, SIGKILL after the grace (the keeper does both); wait."""
@@ -580,7 +640,6 @@ class Agent:
             await proc.wait()
 
 
-
 class _Feeder:
     """Writes stdin without blocking the loop, then closes it (EOF for the command)."""
 
@@ -605,7 +664,7 @@ class _Feeder:
         view = memoryview(data)
         while view:
             try:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
             except BlockingIOError:
                 await _wait_writable(loop, fd)
 

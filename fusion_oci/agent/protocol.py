@@ -104,8 +104,15 @@ def encode_spawn(spawn: Spawn) -> bytes:
 
 
 def encode_kill(run_id: str, sig: int, tree: bool = True, grace_ms: int = 2000) -> bytes:
-    return encode(KILL, [("id", run_id), ("signal", str(sig)), ("tree", "1" if tree else "0"),
-                         ("grace_ms", str(max(0, grace_ms)))])
+    return encode(
+        KILL,
+        [
+            ("id", run_id),
+            ("signal", str(sig)),
+            ("tree", "1" if tree else "0"),
+            ("grace_ms", str(max(0, grace_ms))),
+        ],
+    )
 
 
 def decode_fields(body: bytes) -> dict[str, str]:

@@ -17,17 +17,29 @@ if TYPE_CHECKING:
 def audit(
     worktree: Worktree = None,
     project_dir: ProjectDir = None,
-    audit_log: Annotated[Path | None, typer.Option(
-        "--audit-log", help="Audit JSONL file (default: PROJECT/.fusion/sandbox-audit.jsonl).")
+    audit_log: Annotated[
+        Path | None,
+        typer.Option(
+            "--audit-log", help="Audit JSONL file (default: PROJECT/.fusion/sandbox-audit.jsonl)."
+        ),
     ] = None,
     task: Annotated[str | None, typer.Option("--task", help="Only this task id.")] = None,
     limit: Annotated[int, typer.Option("--limit", help="Most recent N events.")] = 50,
-    verify: Annotated[bool, typer.Option(
-        "--verify", help="Check the hash chain: report the first edited, removed or forged "
-        "line (exit 1).")] = False,
-    summary: Annotated[bool, typer.Option(
-        "--summary", help="The dashboard's summary (durations, end reasons, fallbacks, gates, "
-        "chain) instead of events.")] = False,
+    verify: Annotated[
+        bool,
+        typer.Option(
+            "--verify",
+            help="Check the hash chain: report the first edited, removed or forged line (exit 1).",
+        ),
+    ] = False,
+    summary: Annotated[
+        bool,
+        typer.Option(
+            "--summary",
+            help="The dashboard's summary (durations, end reasons, fallbacks, gates, "
+            "chain) instead of events.",
+        ),
+    ] = False,
     as_json: AsJson = False,
 ) -> None:
     """Show sandbox audit events as a table (``--json`` for machines)."""
@@ -38,8 +50,11 @@ def audit(
     from fusion_oci.policy.worktree import default_worktree
     from fusion_oci.taskflags import find_project_dir
 
-    where = (worktree.expanduser().absolute() if worktree is not None
-             else default_worktree(Path.cwd().absolute()))
+    where = (
+        worktree.expanduser().absolute()
+        if worktree is not None
+        else default_worktree(Path.cwd().absolute())
+    )
     path = audit_log or default_audit_path(find_project_dir(where, project_dir))
     if summary:
         from fusion_oci.dashboard.report import full_summary, render
@@ -55,9 +70,18 @@ def audit(
     report = check_chain(path, load_key(default_key_path(os.environ), create=False))
     if verify:
         if as_json:
-            typer.echo(json.dumps({"path": str(path), "ok": report.ok, "lines": report.lines,
-                                   "firstBadLine": report.first_bad_line,
-                                   "reason": report.reason, "keyed": report.keyed}))
+            typer.echo(
+                json.dumps(
+                    {
+                        "path": str(path),
+                        "ok": report.ok,
+                        "lines": report.lines,
+                        "firstBadLine": report.first_bad_line,
+                        "reason": report.reason,
+                        "keyed": report.keyed,
+                    }
+                )
+            )
         elif report.ok:
             keyed = "hashes and MACs" if report.keyed else "hashes only (no audit key here)"
             typer.echo(f"{path}: {report.lines} lines, chain intact ({keyed})")
@@ -65,9 +89,11 @@ def audit(
             typer.echo(f"{path}: chain broken at line {report.first_bad_line}: {report.reason}")
         raise typer.Exit(0 if report.ok else 1)
     if not report.ok:
-        typer.echo(f"fusion-oci: warning: the audit chain of {path} is broken at line "
-                   f"{report.first_bad_line}: {report.reason} (see `fusion-oci audit --verify`)",
-                   err=True)
+        typer.echo(
+            f"fusion-oci: warning: the audit chain of {path} is broken at line "
+            f"{report.first_bad_line}: {report.reason} (see `fusion-oci audit --verify`)",
+            err=True,
+        )
     events = [e for e in read_events(path) if task is None or e.task_id == task][-limit:]
     if as_json:
         for event in events:
@@ -80,25 +106,38 @@ def audit(
         table.add_column(col, overflow="fold")
     for e in events:
         status = e.end_reason if e.end_reason not in (None, "exit") else e.exit_code
-        table.add_row(e.ts[11:23], e.type.removeprefix("sandbox:"), e.task_id, e.run_id,
-                      e.backend, "" if status is None else str(status),
-                      "" if e.duration_ms is None else str(e.duration_ms),
-                      (e.reason or ", ".join(e.unenforced or []))[:120])
+        table.add_row(
+            e.ts[11:23],
+            e.type.removeprefix("sandbox:"),
+            e.task_id,
+            e.run_id,
+            e.backend,
+            "" if status is None else str(status),
+            "" if e.duration_ms is None else str(e.duration_ms),
+            (e.reason or ", ".join(e.unenforced or []))[:120],
+        )
     _console().print(table)
-
 
 
 def dashboard(
     worktree: Worktree = None,
     project_dir: ProjectDir = None,
-    audit_log: Annotated[Path | None, typer.Option(
-        "--audit-log", help="Audit JSONL file (default: PROJECT/.fusion/sandbox-audit.jsonl).")
+    audit_log: Annotated[
+        Path | None,
+        typer.Option(
+            "--audit-log", help="Audit JSONL file (default: PROJECT/.fusion/sandbox-audit.jsonl)."
+        ),
     ] = None,
-    host: Annotated[str, typer.Option(
-        "--host", help="Address to listen on; any but 127.0.0.1/localhost/::1 needs a token.")
+    host: Annotated[
+        str,
+        typer.Option(
+            "--host", help="Address to listen on; any but 127.0.0.1/localhost/::1 needs a token."
+        ),
     ] = "127.0.0.1",
-    port: Annotated[int, typer.Option(
-        "--port", help="TCP port (default 0: a free one). 4040 is always refused.")] = 0,
+    port: Annotated[
+        int,
+        typer.Option("--port", help="TCP port (default 0: a free one). 4040 is always refused."),
+    ] = 0,
 ) -> None:
     """Serve a live page and JSON API of the audit log (Ctrl-C stops it)."""
     import os
@@ -111,20 +150,24 @@ def dashboard(
     from fusion_oci.taskflags import find_project_dir
 
     try:
-        where = (worktree.expanduser().absolute() if worktree is not None
-                 else default_worktree(Path.cwd().absolute()))
+        where = (
+            worktree.expanduser().absolute()
+            if worktree is not None
+            else default_worktree(Path.cwd().absolute())
+        )
         path = audit_log or default_audit_path(find_project_dir(where, project_dir))
-        serve(path.absolute(), host=host, port=port, echo=typer.echo,
-              chain_key=host_key(os.environ))
+        serve(
+            path.absolute(), host=host, port=port, echo=typer.echo, chain_key=host_key(os.environ)
+        )
     except FusionOCIError as exc:
         _fail(exc)
 
 
-
 def gc(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only list what would go.")] = False,
-    include_caches: Annotated[bool, typer.Option(
-        "--include-caches", help="Also remove project cache volumes.")] = False,
+    include_caches: Annotated[
+        bool, typer.Option("--include-caches", help="Also remove project cache volumes.")
+    ] = False,
     as_json: AsJson = False,
 ) -> None:
     """Remove what crashed or killed fusion-oci processes left behind: containers and volumes
@@ -140,16 +183,27 @@ def gc(
     oci_removed: list[str] = [] if dry_run else asyncio.run(gc_oci(env=os.environ))
     removed = report.removed + [f"oci {name}" for name in oci_removed]
     if as_json:
-        typer.echo(json.dumps({"removed": removed, "kept": report.kept,
-                               "errors": report.errors, "engines": report.engines}, indent=2))
+        typer.echo(
+            json.dumps(
+                {
+                    "removed": removed,
+                    "kept": report.kept,
+                    "errors": report.errors,
+                    "engines": report.engines,
+                },
+                indent=2,
+            )
+        )
     else:
         verb = "would remove" if dry_run else "removed"
         for item in removed:
             typer.echo(f"{verb} {item}")
         for err in report.errors:
             typer.echo(f"error: {err}", err=True)
-        typer.echo(f"{len(removed)} {'to remove' if dry_run else 'removed'}; engines: "
-                   + ", ".join(report.engines))
+        typer.echo(
+            f"{len(removed)} {'to remove' if dry_run else 'removed'}; engines: "
+            + ", ".join(report.engines)
+        )
     raise typer.Exit(1 if report.errors else 0)
 
 
@@ -161,14 +215,32 @@ def render_egress(s: dict[str, Any], console: Console | None = None) -> None:
 
     console = console or Console()
     e = s["egress"]
-    console.print(_table(
-        f"egress per task ({e['allowed']} allowed, {e['denied']} denied; "
-        f"{e['bytesUp']} bytes up, {e['bytesDown']} down)",
-        ["task", "connections", "allowed", "denied", "bytes up", "bytes down", "hosts"],
-        [[r["taskId"], r["connections"], r["allowed"], r["denied"], r["bytesUp"],
-          r["bytesDown"], r["hosts"]] for r in e["byTask"]]))
-    console.print(_table("top denied hosts", ["host", "count", "rule"],
-                         [[r["host"], r["count"], r["rule"]] for r in e["topDenied"]]))
+    console.print(
+        _table(
+            f"egress per task ({e['allowed']} allowed, {e['denied']} denied; "
+            f"{e['bytesUp']} bytes up, {e['bytesDown']} down)",
+            ["task", "connections", "allowed", "denied", "bytes up", "bytes down", "hosts"],
+            [
+                [
+                    r["taskId"],
+                    r["connections"],
+                    r["allowed"],
+                    r["denied"],
+                    r["bytesUp"],
+                    r["bytesDown"],
+                    r["hosts"],
+                ]
+                for r in e["byTask"]
+            ],
+        )
+    )
+    console.print(
+        _table(
+            "top denied hosts",
+            ["host", "count", "rule"],
+            [[r["host"], r["count"], r["rule"]] for r in e["topDenied"]],
+        )
+    )
 
 
 def render_credentials(s: dict[str, Any], console: Console | None = None) -> None:
@@ -180,10 +252,17 @@ def render_credentials(s: dict[str, Any], console: Console | None = None) -> Non
 
     console = console or Console()
     c = s["credentials"]
-    console.print(_table(
-        f"brokered credentials ({c['swaps']} swapped, {c['leakAttempts']} leak attempts)",
-        ["task", "host", "credential", "swaps"],
-        [[r["taskId"], r["host"], r["credential"], r["swaps"]] for r in c["byTask"]]))
-    console.print(_table("credential refusals", ["task", "host", "credential", "reason"],
-                         [[r["taskId"], r["host"], r["credential"], r["reason"]]
-                          for r in c["recentRefused"]]))
+    console.print(
+        _table(
+            f"brokered credentials ({c['swaps']} swapped, {c['leakAttempts']} leak attempts)",
+            ["task", "host", "credential", "swaps"],
+            [[r["taskId"], r["host"], r["credential"], r["swaps"]] for r in c["byTask"]],
+        )
+    )
+    console.print(
+        _table(
+            "credential refusals",
+            ["task", "host", "credential", "reason"],
+            [[r["taskId"], r["host"], r["credential"], r["reason"]] for r in c["recentRefused"]],
+        )
+    )

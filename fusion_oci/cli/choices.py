@@ -17,8 +17,9 @@ def choice(flag: str, choices: tuple[str, ...]) -> dict[str, Any]:
             return value
         near = difflib.get_close_matches(value, choices, n=1, cutoff=0.5)
         hint = f" Did you mean {near[0]}?" if near else ""
-        raise typer.BadParameter(f"'{value}' is not one of {', '.join(choices)}.{hint}",
-                                 param_hint=flag)
+        raise typer.BadParameter(
+            f"'{value}' is not one of {', '.join(choices)}.{hint}", param_hint=flag
+        )
 
     def complete(incomplete: str) -> list[str]:
         return [c for c in choices if c.startswith(incomplete)]

@@ -20,8 +20,9 @@ from fusion_oci.cli.options import (
 )
 
 
-def doctor(worktree: Worktree = None, project_dir: ProjectDir = None,
-           as_json: AsJson = False) -> None:
+def doctor(
+    worktree: Worktree = None, project_dir: ProjectDir = None, as_json: AsJson = False
+) -> None:
     """For every known backend: available here?, version, rootless, capabilities, the fix.
 
     Reads the settings (global, project) and exits 1 when the configured backend is
@@ -35,8 +36,11 @@ def doctor(worktree: Worktree = None, project_dir: ProjectDir = None,
     from fusion_oci.policy.worktree import default_worktree
     from fusion_oci.taskflags import find_project_dir
 
-    where = (worktree.expanduser().absolute() if worktree is not None
-             else default_worktree(Path.cwd().absolute()))
+    where = (
+        worktree.expanduser().absolute()
+        if worktree is not None
+        else default_worktree(Path.cwd().absolute())
+    )
     project = find_project_dir(where, project_dir)
     try:
         effective = load_settings(project_dir=project, env=os.environ)
@@ -46,10 +50,12 @@ def doctor(worktree: Worktree = None, project_dir: ProjectDir = None,
     configured = effective.settings.backend
     rows = backend_rows(os.environ, effective.settings, oci_variants=True)
     chosen = next(r for r in rows if r["backend"] == configured)
-    summary = {"backend": configured,
-               "source": effective.provenance.get("backend", "default"),
-               "failureMode": effective.settings.failure_mode,
-               "available": chosen["available"]}
+    summary = {
+        "backend": configured,
+        "source": effective.provenance.get("backend", "default"),
+        "failureMode": effective.settings.failure_mode,
+        "available": chosen["available"],
+    }
     status = 0 if chosen["available"] else 1
     if as_json:
         typer.echo(json.dumps({"configured": summary, "backends": rows}, indent=2))
@@ -61,7 +67,8 @@ def doctor(worktree: Worktree = None, project_dir: ProjectDir = None,
         table.add_column(col, overflow="fold")
     for row in rows:
         table.add_row(
-            str(row["backend"]) + (f" ({row['ociRuntime']})" if row.get("ociRuntime") else "")
+            str(row["backend"])
+            + (f" ({row['ociRuntime']})" if row.get("ociRuntime") else "")
             + (" (configured)" if row is chosen else ""),
             "[green]yes[/]" if row["available"] else "[red]no[/]",
             str(row["version"] or "-"),
@@ -75,24 +82,37 @@ def doctor(worktree: Worktree = None, project_dir: ProjectDir = None,
         if (row["details"] or {}).get("recommendation"):
             _console().print(f"[bold]{row['backend']}[/]: {row['details']['recommendation']}")
     if status:
-        typer.echo(f"fusion-oci: the configured backend '{configured}' ({summary['source']}) "
-                   f"is unavailable here (failureMode {summary['failureMode']})", err=True)
+        typer.echo(
+            f"fusion-oci: the configured backend '{configured}' ({summary['source']}) "
+            f"is unavailable here (failureMode {summary['failureMode']})",
+            err=True,
+        )
     raise typer.Exit(status)
 
 
-
-def _load_for(worktree: Path | None, task_prompt: Path | None, project_dir: Path | None,
-              unsafe_worktree: bool) -> Any:
+def _load_for(
+    worktree: Path | None, task_prompt: Path | None, project_dir: Path | None, unsafe_worktree: bool
+) -> Any:
     from fusion_oci.taskflags import TaskFlags, caller_env, resolve_task
 
-    return resolve_task(TaskFlags(worktree=worktree, task_prompt=task_prompt,
-                                  project_dir=project_dir, unsafe_worktree=unsafe_worktree),
-                        caller_env())
+    return resolve_task(
+        TaskFlags(
+            worktree=worktree,
+            task_prompt=task_prompt,
+            project_dir=project_dir,
+            unsafe_worktree=unsafe_worktree,
+        ),
+        caller_env(),
+    )
 
 
-def settings_show(worktree: Worktree = None, task_prompt: TaskPrompt = None,
-                  project_dir: ProjectDir = None, unsafe_worktree: UnsafeWorktree = False,
-                  as_json: AsJson = False) -> None:
+def settings_show(
+    worktree: Worktree = None,
+    task_prompt: TaskPrompt = None,
+    project_dir: ProjectDir = None,
+    unsafe_worktree: UnsafeWorktree = False,
+    as_json: AsJson = False,
+) -> None:
     """The effective settings, and where each value came from."""
     from fusion_oci.errors import FusionOCIError
     from fusion_oci.policy.settings import flatten
@@ -104,8 +124,10 @@ def settings_show(worktree: Worktree = None, task_prompt: TaskPrompt = None,
     _warn(task.effective.warnings)
     values = flatten(task.effective.settings.model_dump(mode="json", by_alias=True))
     prov = task.effective.provenance
-    rows = [{"key": key, "value": value, "source": prov.get(key, "default")}
-            for key, value in values.items()]
+    rows = [
+        {"key": key, "value": value, "source": prov.get(key, "default")}
+        for key, value in values.items()
+    ]
     from fusion_oci.egress.show import egress_rows
     from fusion_oci.taskflags import caller_env
 
@@ -123,9 +145,12 @@ def settings_show(worktree: Worktree = None, task_prompt: TaskPrompt = None,
     _console().print(table)
 
 
-def settings_validate(worktree: Worktree = None, task_prompt: TaskPrompt = None,
-                      project_dir: ProjectDir = None,
-                      unsafe_worktree: UnsafeWorktree = False) -> None:
+def settings_validate(
+    worktree: Worktree = None,
+    task_prompt: TaskPrompt = None,
+    project_dir: ProjectDir = None,
+    unsafe_worktree: UnsafeWorktree = False,
+) -> None:
     """Check the global and project settings files (exit 2 with the error when bad)."""
     from fusion_oci.errors import FusionOCIError
 
@@ -136,4 +161,3 @@ def settings_validate(worktree: Worktree = None, task_prompt: TaskPrompt = None,
     _warn(task.effective.warnings)
     sources = sorted(set(task.effective.provenance.values())) or ["defaults only"]
     typer.echo("settings OK: " + ", ".join(sources))
-

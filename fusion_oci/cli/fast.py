@@ -67,14 +67,22 @@ def _own_dir(path: str, create: bool) -> str:
     except OSError as exc:
         raise Unusable(f"{path}: {exc.strerror}", warn=True) from None
     if (info.st_mode & 0o170000) != 0o040000:
-        raise Unusable(f"{path} is not a directory (a symlink?); the resident server is not "
-                       "used: remove it", warn=True)
+        raise Unusable(
+            f"{path} is not a directory (a symlink?); the resident server is not used: remove it",
+            warn=True,
+        )
     if info.st_uid != os.getuid():
-        raise Unusable(f"{path} is owned by uid {info.st_uid}, not by you; the resident "
-                       "server is not used: remove it", warn=True)
+        raise Unusable(
+            f"{path} is owned by uid {info.st_uid}, not by you; the resident "
+            "server is not used: remove it",
+            warn=True,
+        )
     if info.st_mode & 0o077:
-        raise Unusable(f"{path} is open to other users (mode {info.st_mode & 0o777:o}); "
-                       f"the resident server is not used: chmod 700 {path}", warn=True)
+        raise Unusable(
+            f"{path} is open to other users (mode {info.st_mode & 0o777:o}); "
+            f"the resident server is not used: chmod 700 {path}",
+            warn=True,
+        )
     return path
 
 
@@ -117,8 +125,11 @@ def _inherited() -> str:
 
     mask = os.umask(0)
     os.umask(mask)
-    limits = [resource.getrlimit(getattr(resource, name)) for name in sorted(dir(resource))
-              if name.startswith("RLIMIT_")]
+    limits = [
+        resource.getrlimit(getattr(resource, name))
+        for name in sorted(dir(resource))
+        if name.startswith("RLIMIT_")
+    ]
     try:
         with open("/proc/self/cgroup", "rb") as f:
             cgroup = f.read()
@@ -129,8 +140,10 @@ def _inherited() -> str:
     except OSError:
         nice = 0
     ignored = [n for n in range(1, _signal.NSIG) if _signal_ignored(n)]
-    return (f"{mask}|{limits}|{os.getgid()}|{sorted(os.getgroups())}|{nice}|{ignored}|"
-            f"{cgroup.decode(errors='replace')}")
+    return (
+        f"{mask}|{limits}|{os.getgid()}|{sorted(os.getgroups())}|{nice}|{ignored}|"
+        f"{cgroup.decode(errors='replace')}"
+    )
 
 
 def _signal_ignored(signum: int) -> bool:
@@ -140,8 +153,18 @@ def _signal_ignored(signum: int) -> bool:
         return False
 
 
-VOLATILE = frozenset({"PWD", "OLDPWD", "_", "SHLVL", "COLUMNS", "LINES",
-                      "FUSION_OCI_SERVER_IDLE", "FUSION_OCI_NO_SERVER"})
+VOLATILE = frozenset(
+    {
+        "PWD",
+        "OLDPWD",
+        "_",
+        "SHLVL",
+        "COLUMNS",
+        "LINES",
+        "FUSION_OCI_SERVER_IDLE",
+        "FUSION_OCI_NO_SERVER",
+    }
+)
 """Variables that change between calls of one shell and that nothing reads from the server's
 own environment (the command gets the client's, sent with each call)."""
 
@@ -215,19 +238,40 @@ def _start(folder: str, key: str, token_path: str, env: dict[str, str]) -> _sock
         sock = _connect(path)
         if sock is not None:
             return sock
-        log = os.open(os.path.join(folder, f"{key}.log"),
-                      os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        log = os.open(
+            os.path.join(folder, f"{key}.log"),
+            os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
+            0o600,
+        )
         devnull = os.open(os.devnull, os.O_RDWR)
         idle = env.get("FUSION_OCI_SERVER_IDLE") or str(IDLE_DEFAULT_S)
-        argv = [sys.executable, "-m", "fusion_oci.cli.main", "serve", "--socket", path,
-                "--idle-timeout", idle, "--token-file", token_path]
+        argv = [
+            sys.executable,
+            "-m",
+            "fusion_oci.cli.main",
+            "serve",
+            "--socket",
+            path,
+            "--idle-timeout",
+            idle,
+            "--token-file",
+            token_path,
+        ]
         # Our environment, cwd and interpreter: it imports the fusion_oci we were imported
         # from, and refuses to start if not (FUSION_OCI_SERVER_CODE; then we run in-process).
         server_env = {k: v for k, v in env.items() if k != "FUSION_OCI_NO_SERVER"}
         server_env["FUSION_OCI_SERVER_CODE"] = _code_root()
-        pid = os.posix_spawn(sys.executable, argv, server_env, setsid=True, file_actions=[
-            (os.POSIX_SPAWN_DUP2, devnull, 0), (os.POSIX_SPAWN_DUP2, devnull, 1),
-            (os.POSIX_SPAWN_DUP2, log, 2)])
+        pid = os.posix_spawn(
+            sys.executable,
+            argv,
+            server_env,
+            setsid=True,
+            file_actions=[
+                (os.POSIX_SPAWN_DUP2, devnull, 0),
+                (os.POSIX_SPAWN_DUP2, devnull, 1),
+                (os.POSIX_SPAWN_DUP2, log, 2),
+            ],
+        )
         os.close(devnull)
         os.close(log)
         import time
@@ -239,11 +283,14 @@ def _start(folder: str, key: str, token_path: str, env: dict[str, str]) -> _sock
                 return sock
             done, _status = os.waitpid(pid, os.WNOHANG)
             if done:
-                raise Unusable(f"the resident server did not start (see {folder}/{key}.log)",
-                               warn=True)
+                raise Unusable(
+                    f"the resident server did not start (see {folder}/{key}.log)", warn=True
+                )
             time.sleep(0.01)
-        raise Unusable(f"the resident server did not start in {START_WAIT_S:.0f} s (see "
-                       f"{folder}/{key}.log)", warn=True)
+        raise Unusable(
+            f"the resident server did not start in {START_WAIT_S:.0f} s (see {folder}/{key}.log)",
+            warn=True,
+        )
     finally:
         os.close(lock)
 
@@ -314,16 +361,16 @@ class Conn:
                     length = int(value)
             if len(self.buf) < end + 4 + length:
                 return out
-            message = loads(self.buf[end + 4:end + 4 + length].decode())
+            message = loads(self.buf[end + 4 : end + 4 + length].decode())
             if isinstance(message, dict):
                 out.append(message)
-            self.buf = self.buf[end + 4 + length:]
+            self.buf = self.buf[end + 4 + length :]
 
 
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 def _ask(question: str) -> bool:
@@ -381,16 +428,28 @@ def _session(conn: Conn, argv: list[str], env: dict[str, str], token: str) -> in
     state: dict[str, int] = {"started": 0, "signal": 0}
     try:
         conn.send({"id": 1, "method": "initialize", "params": {"token": token}})
-        conn.send({"id": 2, "method": "cli/run", "params": {
-            "argv": argv, "cwd": os.getcwd(), "env": env, "execId": exec_id,
-            "stdoutTty": os.isatty(1), "terminalSize": size}})
+        conn.send(
+            {
+                "id": 2,
+                "method": "cli/run",
+                "params": {
+                    "argv": argv,
+                    "cwd": os.getcwd(),
+                    "env": env,
+                    "execId": exec_id,
+                    "stdoutTty": os.isatty(1),
+                    "terminalSize": size,
+                },
+            }
+        )
         return _loop(conn, exec_id, sig_r, state)
     except (OSError, Unusable) as exc:
         if state["signal"]:  # we were told to stop: not the moment to run it here instead
             return 128 + state["signal"]
         if not state["started"]:  # nothing ran: the server answers before it runs anything
-            raise exc if isinstance(exc, Unusable) else Unusable(
-                f"the resident server failed: {exc}") from None
+            raise (
+                exc if isinstance(exc, Unusable) else Unusable(f"the resident server failed: {exc}")
+            ) from None
         os.write(2, f"fusion-oci: the resident server went away mid-run: {exc}\n".encode())
         return 125
     finally:
@@ -413,8 +472,9 @@ def _loop(conn: Conn, exec_id: str, sig_r: int, state: dict[str, int]) -> int:
             if fd == sig_r:
                 for signum in os.read(sig_r, 64):
                     state["signal"] = state["signal"] or signum
-                    conn.send({"method": "cli/signal", "params": {"execId": exec_id,
-                                                                  "signal": signum}})
+                    conn.send(
+                        {"method": "cli/signal", "params": {"execId": exec_id, "signal": signum}}
+                    )
                 continue
             if fd == 0:
                 chunk = os.read(0, CHUNK)
@@ -453,13 +513,16 @@ def _loop(conn: Conn, exec_id: str, sig_r: int, state: dict[str, int]) -> int:
                             devnull = os.open(os.devnull, os.O_WRONLY)
                             os.dup2(devnull, 1)
                             os.close(devnull)
-                            conn.send({"method": "cli/signal", "params": {
-                                "execId": exec_id, "signal": 13, "stdoutGone": True}})
+                            conn.send(
+                                {
+                                    "method": "cli/signal",
+                                    "params": {"execId": exec_id, "signal": 13, "stdoutGone": True},
+                                }
+                            )
                     else:
                         _write_all(2, data)
                 elif method == "cli/echo":
-                    _write_all(2 if params.get("err") else 1,
-                               (str(params["text"]) + "\n").encode())
+                    _write_all(2 if params.get("err") else 1, (str(params["text"]) + "\n").encode())
                 elif method == "cli/stdinWanted":
                     stdin_on = True
                     poller.register(0, select.POLLIN)
@@ -468,12 +531,18 @@ def _loop(conn: Conn, exec_id: str, sig_r: int, state: dict[str, int]) -> int:
                     if stdin_on and window == 1:
                         poller.register(0, select.POLLIN)
                 elif method == "ask":
-                    conn.send({"id": msg["id"], "result": {
-                        "allow": _ask(str(params.get("question", "")))}})
+                    conn.send(
+                        {
+                            "id": msg["id"],
+                            "result": {"allow": _ask(str(params.get("question", "")))},
+                        }
+                    )
                 elif msg.get("id") == 1 and "error" in msg:
                     state["started"] = 0  # refused before anything ran
-                    raise Unusable("the resident server refused our token (was the token "
-                                   "file replaced?)", warn=True)
+                    raise Unusable(
+                        "the resident server refused our token (was the token file replaced?)",
+                        warn=True,
+                    )
                 elif msg.get("id") == 2:
                     if "error" in msg:
                         error = msg["error"]
@@ -494,11 +563,11 @@ def _fast_run_ok(argv: list[str], env: dict[str, str]) -> bool:
     """Can the server run this? Help and a prompt read from our stdin stay here."""
     if env.get("FUSION_OCI_NO_SERVER") or not sys.platform.startswith("linux"):
         return False
-    head = argv[:argv.index("--")] if "--" in argv else argv
+    head = argv[: argv.index("--")] if "--" in argv else argv
     for i, arg in enumerate(head):
         if arg in ("-h", "--help", "--task-prompt=-"):
             return False
-        if arg == "--task-prompt" and head[i + 1:i + 2] == ["-"]:
+        if arg == "--task-prompt" and head[i + 1 : i + 2] == ["-"]:
             return False
         if arg.startswith("-") and not arg.startswith("--") and "h" in arg:
             return False

@@ -22,26 +22,51 @@ if TYPE_CHECKING:
     from fusion_oci.images.ops import Session
     from fusion_oci.images.provision import ProvisionedImage
 
-images_app = typer.Typer(help="Build, pull, list and prune task images.", no_args_is_help=True,
-                         context_settings={"help_option_names": ["-h", "--help"]},
-                         rich_markup_mode=None)
+images_app = typer.Typer(
+    help="Build, pull, list and prune task images.",
+    no_args_is_help=True,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    rich_markup_mode=None,
+)
 app = images_app
 """The name fusion_oci.cli.main mounts."""
 
 T = TypeVar("T")
 
-EngineOpt = Annotated[list[str] | None, typer.Option(
-    "--engine", help="An engine to use (repeatable; default: every engine that answers).",
-    **choice("--engine", ("podman", "podman-rootless", "docker", "docker-rootless")))]
-BaseOpt = Annotated[str | None, typer.Option(
-    "--base", help="BASE for images/ builds: a reference, or 'offline' for "
-    "localhost/fusion-oci/base:bookworm (default: the public base if it can be had).")]
-MirrorOpt = Annotated[list[str] | None, typer.Option(
-    "--mirror", help="Registry mirror tried before the image's own registry (repeatable).")]
-ProjectOpt = Annotated[Path | None, typer.Option(
-    "--project", help="Project directory whose .fusion/settings.yaml applies (default: cwd).")]
-ImagesDirOpt = Annotated[Path | None, typer.Option(
-    "--images-dir", help="Folder of image build contexts (default: fusion-oci's images/).")]
+EngineOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--engine",
+        help="An engine to use (repeatable; default: every engine that answers).",
+        **choice("--engine", ("podman", "podman-rootless", "docker", "docker-rootless")),
+    ),
+]
+BaseOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--base",
+        help="BASE for images/ builds: a reference, or 'offline' for "
+        "localhost/fusion-oci/base:bookworm (default: the public base if it can be had).",
+    ),
+]
+MirrorOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--mirror", help="Registry mirror tried before the image's own registry (repeatable)."
+    ),
+]
+ProjectOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--project", help="Project directory whose .fusion/settings.yaml applies (default: cwd)."
+    ),
+]
+ImagesDirOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--images-dir", help="Folder of image build contexts (default: fusion-oci's images/)."
+    ),
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
 
 
@@ -77,10 +102,14 @@ def _session(project: Path | None) -> Session:
     effective = _guarded(lambda: load_settings(project_dir=project_dir, env=env))
     has_project = (project_dir / ".fusion").is_dir()
     audit = AuditLog(default_audit_path(project_dir) if has_project else None)
-    return Session(env=env, settings=effective.settings, audit=audit,
-                   reporter=default_reporter(sys.stderr),
-                   settings_file=str(project_settings_path(project_dir)),
-                   project_dir=project_dir)
+    return Session(
+        env=env,
+        settings=effective.settings,
+        audit=audit,
+        reporter=default_reporter(sys.stderr),
+        settings_file=str(project_settings_path(project_dir)),
+        project_dir=project_dir,
+    )
 
 
 def _check_names(names: list[str], images_dir: Path | None) -> None:
@@ -89,16 +118,24 @@ def _check_names(names: list[str], images_dir: Path | None) -> None:
     from fusion_oci.images.spec import CONTAINERFILE, SELF_IMAGE, default_images_dir
 
     root = images_dir or default_images_dir()
-    known = sorted(p.name for p in root.iterdir() if (p / CONTAINERFILE).is_file()) \
-        if root.is_dir() else []
+    known = (
+        sorted(p.name for p in root.iterdir() if (p / CONTAINERFILE).is_file())
+        if root.is_dir()
+        else []
+    )
     for name in names:
         if name != SELF_IMAGE and name not in known:
             import difflib
 
             near = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
-            _fail(FlagError(f"images build {name}", f"there is no image folder {root / name}",
-                            (f"did you mean {near[0]}? " if near else "")
-                            + f"images here: {', '.join(known) or 'none'}"))
+            _fail(
+                FlagError(
+                    f"images build {name}",
+                    f"there is no image folder {root / name}",
+                    (f"did you mean {near[0]}? " if near else "")
+                    + f"images here: {', '.join(known) or 'none'}",
+                )
+            )
 
 
 def _base(value: str | None) -> str | None:
@@ -109,10 +146,22 @@ def _base(value: str | None) -> str | None:
 
 def _print_provisioned(rows: list[tuple[str, ProvisionedImage]], as_json: bool) -> None:
     if as_json:
-        typer.echo(json.dumps([{"engine": e, "reference": p.ref, "digest": p.digest,
-                                "action": p.action, "seconds": round(p.seconds, 3),
-                                **({"why": p.why} if p.why else {})}
-                               for e, p in rows], indent=2))
+        typer.echo(
+            json.dumps(
+                [
+                    {
+                        "engine": e,
+                        "reference": p.ref,
+                        "digest": p.digest,
+                        "action": p.action,
+                        "seconds": round(p.seconds, 3),
+                        **({"why": p.why} if p.why else {}),
+                    }
+                    for e, p in rows
+                ],
+                indent=2,
+            )
+        )
         return
     said: set[str] = set()
     for engine, p in rows:
@@ -124,13 +173,17 @@ def _print_provisioned(rows: list[tuple[str, ProvisionedImage]], as_json: bool) 
 
 @images_app.command("build")
 def build(
-    names: Annotated[list[str] | None, typer.Argument(
-        help="Folders under images/ (default: the node task image, with the Node.js and "
-        "package manager the project declares).", show_default=False)] = None,
+    names: Annotated[
+        list[str] | None,
+        typer.Argument(
+            help="Folders under images/ (default: the node task image, with the Node.js and "
+            "package manager the project declares).",
+            show_default=False,
+        ),
+    ] = None,
     engine: EngineOpt = None,
     base: BaseOpt = None,
-    force: Annotated[bool, typer.Option("--force", help="Build even when the tag exists.")]
-    = False,
+    force: Annotated[bool, typer.Option("--force", help="Build even when the tag exists.")] = False,
     mirror: MirrorOpt = None,
     project: ProjectOpt = None,
     images_dir: ImagesDirOpt = None,
@@ -146,9 +199,17 @@ def build(
 
     _check_names(names or [], images_dir)
     session = _session(project)
-    rows = _run(lambda: build_images(session, names or [], engine or [], base=_base(base),
-                                     force=force, mirrors=mirror or [],
-                                     images_dir=images_dir))
+    rows = _run(
+        lambda: build_images(
+            session,
+            names or [],
+            engine or [],
+            base=_base(base),
+            force=force,
+            mirrors=mirror or [],
+            images_dir=images_dir,
+        )
+    )
     _print_provisioned(rows, as_json)
 
 
@@ -168,8 +229,11 @@ def prebuild(
     from fusion_oci.images import ops
 
     session = _session(project)
-    rows = _run(lambda: ops.prebuild(session, engine or [], base=_base(base),
-                                     mirrors=mirror or [], images_dir=images_dir))
+    rows = _run(
+        lambda: ops.prebuild(
+            session, engine or [], base=_base(base), mirrors=mirror or [], images_dir=images_dir
+        )
+    )
     if not rows and not as_json:
         typer.echo("no image referenced by the settings (sandbox.image is unset)")
     _print_provisioned(rows, as_json)
@@ -208,16 +272,20 @@ def list_(
         return
     for r in rows:
         state = "current" if r.current else "stale"
-        typer.echo(f"{r.engine:16} {r.name:8} {r.ref:48} {r.digest[:19]}  {state:7} "
-                   f"{r.size >> 20} MiB")
+        typer.echo(
+            f"{r.engine:16} {r.name:8} {r.ref:48} {r.digest[:19]}  {state:7} {r.size >> 20} MiB"
+        )
 
 
 @images_app.command("prune")
 def prune(
     engine: EngineOpt = None,
-    everything: Annotated[bool, typer.Option(
-        "--all", help="Remove every image fusion-oci made, current ones and the base too.")]
-    = False,
+    everything: Annotated[
+        bool,
+        typer.Option(
+            "--all", help="Remove every image fusion-oci made, current ones and the base too."
+        ),
+    ] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only say what would go.")] = False,
     project: ProjectOpt = None,
     images_dir: ImagesDirOpt = None,
@@ -227,8 +295,11 @@ def prune(
     from fusion_oci.images.ops import prune_images
 
     session = _session(project)
-    rows = _guarded(lambda: prune_images(session, engine or [], everything=everything,
-                                         dry_run=dry_run, images_dir=images_dir))
+    rows = _guarded(
+        lambda: prune_images(
+            session, engine or [], everything=everything, dry_run=dry_run, images_dir=images_dir
+        )
+    )
     if as_json:
         typer.echo(json.dumps([r.to_json() for r in rows], indent=2))
         return
@@ -242,11 +313,13 @@ def prune(
 @images_app.command("bootstrap-base")
 def bootstrap_base(
     engine: EngineOpt = None,
-    force: Annotated[bool, typer.Option("--force", help="Make it again even if present.")]
-    = False,
-    mirror: Annotated[str | None, typer.Option(
-        "--debian-mirror", help="Debian archive (default http://deb.debian.org/debian).")]
-    = None,
+    force: Annotated[bool, typer.Option("--force", help="Make it again even if present.")] = False,
+    mirror: Annotated[
+        str | None,
+        typer.Option(
+            "--debian-mirror", help="Debian archive (default http://deb.debian.org/debian)."
+        ),
+    ] = None,
     project: ProjectOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -257,9 +330,17 @@ def bootstrap_base(
     session = _session(project)
     result = _run(lambda: bootstrap(session, engine or [], force=force, mirror=mirror))
     if as_json:
-        typer.echo(json.dumps({"reference": result.ref, "actions": result.actions,
-                               "digests": result.ids,
-                               "debootstrapSeconds": round(result.debootstrap_s, 1)}, indent=2))
+        typer.echo(
+            json.dumps(
+                {
+                    "reference": result.ref,
+                    "actions": result.actions,
+                    "digests": result.ids,
+                    "debootstrapSeconds": round(result.debootstrap_s, 1),
+                },
+                indent=2,
+            )
+        )
         return
     for name, action in result.actions.items():
         typer.echo(f"{name:16} {action:8} {result.ref}  {result.ids.get(name, '')[:19]}")

@@ -52,10 +52,18 @@ app = typer.Typer(
     context_settings=HELP_OPTIONS,
     rich_markup_mode=None,  # plain click help: rich's renderer alone doubles `--help`'s start-up
 )
-bundle_app = typer.Typer(help="Write OCI bundles.", no_args_is_help=True,
-                         context_settings=HELP_OPTIONS, rich_markup_mode=None)
-settings_app = typer.Typer(help="Show and check the effective settings.", no_args_is_help=True,
-                           context_settings=HELP_OPTIONS, rich_markup_mode=None)
+bundle_app = typer.Typer(
+    help="Write OCI bundles.",
+    no_args_is_help=True,
+    context_settings=HELP_OPTIONS,
+    rich_markup_mode=None,
+)
+settings_app = typer.Typer(
+    help="Show and check the effective settings.",
+    no_args_is_help=True,
+    context_settings=HELP_OPTIONS,
+    rich_markup_mode=None,
+)
 app.add_typer(bundle_app, name="bundle")
 app.add_typer(settings_app, name="settings")
 
@@ -70,12 +78,14 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: Annotated[bool, typer.Option(
-        "--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_version, is_eager=True, help="Print the version and exit."
+        ),
     ] = False,
 ) -> None:
     """Run coding-agent executor commands inside a sandbox around the task's worktree."""
-
 
 
 # --- run: its own module (the fast front end and the resident server share its core) ------
@@ -90,13 +100,27 @@ app.command(context_settings={"allow_interspersed_args": False})(run)
 @app.command(context_settings={"allow_interspersed_args": False})
 def plan(
     command: Command,
-    backend: Backend = None, worktree: Worktree = None, image: Image = None,
-    network: Network = None, allow_path: AllowPath = None, writable_path: WritablePath = None,
-    env: EnvName = None, memory_mb: MemoryMb = None, cpus: Cpus = None,
-    cpu_time_ms: CpuTime = None, pids: Pids = None, timeout_ms: TimeoutMs = None,
-    max_buffer: MaxBuffer = None, failure_mode: FailureMode = None, task_id: TaskId = None,
-    run_id: RunId = None, task_prompt: TaskPrompt = None, cache_mode: CacheMode = None,
-    host_ca: HostCa = None, project_dir: ProjectDir = None, unsafe_worktree: UnsafeWorktree = False,
+    backend: Backend = None,
+    worktree: Worktree = None,
+    image: Image = None,
+    network: Network = None,
+    allow_path: AllowPath = None,
+    writable_path: WritablePath = None,
+    env: EnvName = None,
+    memory_mb: MemoryMb = None,
+    cpus: Cpus = None,
+    cpu_time_ms: CpuTime = None,
+    pids: Pids = None,
+    timeout_ms: TimeoutMs = None,
+    max_buffer: MaxBuffer = None,
+    failure_mode: FailureMode = None,
+    task_id: TaskId = None,
+    run_id: RunId = None,
+    task_prompt: TaskPrompt = None,
+    cache_mode: CacheMode = None,
+    host_ca: HostCa = None,
+    project_dir: ProjectDir = None,
+    unsafe_worktree: UnsafeWorktree = False,
     as_json: AsJson = False,
 ) -> None:
     """Dry run: the resolved policy, the bundle's config.json and the runtime's launch plan."""
@@ -119,8 +143,11 @@ def plan(
 
     if not sys.stdout.isatty():
         # Piped: plain JSON sections, whole lines.
-        sections = ((f"policy ({data['policyHash']})", "policy"), ("config.json", "config"),
-                    (f"launch plan: {data['backend']}", "launch"))
+        sections = (
+            (f"policy ({data['policyHash']})", "policy"),
+            ("config.json", "config"),
+            (f"launch plan: {data['backend']}", "launch"),
+        )
         for title, key in sections:
             typer.echo(f"== {title}")
             typer.echo(json.dumps(data[key], indent=2))
@@ -150,9 +177,15 @@ def dry_run(task: Any, command: str | list[str], environ: dict[str, str]) -> dic
     settings = task.effective.settings
     host = probe_host()
     runtime = create_runtime(settings.backend, settings, environ, host=host)
-    resolved = resolve(settings, task.ctx, host, env=environ,
-                       cache_root=default_cache_root(environ),
-                       default_image=runtime.default_image, create=False)
+    resolved = resolve(
+        settings,
+        task.ctx,
+        host,
+        env=environ,
+        cache_root=default_cache_root(environ),
+        default_image=runtime.default_image,
+        create=False,
+    )
     process = resolved.process(command, task.opts)
     avail = runtime.availability()
     missing = runtime.check(resolved)  # what the lifecycle refuses (or lists, for native)
@@ -193,11 +226,21 @@ app.command("serve")(_serve)
 def bundle_create(
     command: Command,
     output: Annotated[Path, typer.Option("-o", "--output", help="Bundle directory to write.")],
-    worktree: Worktree = None, image: Image = None, network: Network = None,
-    allow_path: AllowPath = None, writable_path: WritablePath = None, env: EnvName = None,
-    memory_mb: MemoryMb = None, cpus: Cpus = None, cpu_time_ms: CpuTime = None,
-    pids: Pids = None, task_id: TaskId = None, run_id: RunId = None,
-    cache_mode: CacheMode = None, host_ca: HostCa = None, project_dir: ProjectDir = None,
+    worktree: Worktree = None,
+    image: Image = None,
+    network: Network = None,
+    allow_path: AllowPath = None,
+    writable_path: WritablePath = None,
+    env: EnvName = None,
+    memory_mb: MemoryMb = None,
+    cpus: Cpus = None,
+    cpu_time_ms: CpuTime = None,
+    pids: Pids = None,
+    task_id: TaskId = None,
+    run_id: RunId = None,
+    cache_mode: CacheMode = None,
+    host_ca: HostCa = None,
+    project_dir: ProjectDir = None,
     unsafe_worktree: UnsafeWorktree = False,
 ) -> None:
     """Write an OCI bundle (config.json + rootfs/) for COMMAND, atomically."""
@@ -215,8 +258,11 @@ def bundle_create(
         if target.exists() and (not target.is_dir() or any(target.iterdir())):
             from fusion_oci.errors import FlagError
 
-            raise FlagError(f"-o/--output {target}", "it exists and is not an empty directory",
-                            "choose a new directory, or remove the old bundle first")
+            raise FlagError(
+                f"-o/--output {target}",
+                "it exists and is not an empty directory",
+                "choose a new directory, or remove the old bundle first",
+            )
         flags = _flags(params)
         environ = caller_env()
         task = resolve_task(flags, environ)
@@ -224,13 +270,20 @@ def bundle_create(
         # The configured backend's default image, as `plan` and a run choose it: the bundle
         # written is the bundle that backend would run.
         default_image = getattr(runtime_class(settings.backend, settings), "default_image", None)
-        resolved = resolve(settings, task.ctx, probe_host(), env=environ,
-                           cache_root=default_cache_root(environ), default_image=default_image)
+        resolved = resolve(
+            settings,
+            task.ctx,
+            probe_host(),
+            env=environ,
+            cache_root=default_cache_root(environ),
+            default_image=default_image,
+        )
         spec = compile_spec(resolved, _command(command), task.opts)
         bundle = write_bundle(spec, output)
     except FusionOCIError as exc:
         _fail(exc)
     typer.echo(str(bundle.path))
+
 
 settings_app.command("show")(settings_show)
 settings_app.command("validate")(settings_validate)

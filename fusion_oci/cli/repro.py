@@ -14,13 +14,23 @@ import typer
 if TYPE_CHECKING:
     from fusion_oci.export import ExportSource
 
-Ident = Annotated[str, typer.Argument(help="A run id, or a task id (its last run).",
-                                      show_default=False)]
-ProjectDirOpt = Annotated[Path | None, typer.Option(
-    "--project-dir", help="Project whose .fusion/ holds the audit log and the replay records "
-    "(default: the project of the current directory's worktree).")]
-AuditLogOpt = Annotated[Path | None, typer.Option(
-    "--audit-log", help="Audit JSONL file (default: PROJECT/.fusion/sandbox-audit.jsonl).")]
+Ident = Annotated[
+    str, typer.Argument(help="A run id, or a task id (its last run).", show_default=False)
+]
+ProjectDirOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--project-dir",
+        help="Project whose .fusion/ holds the audit log and the replay records "
+        "(default: the project of the current directory's worktree).",
+    ),
+]
+AuditLogOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--audit-log", help="Audit JSONL file (default: PROJECT/.fusion/sandbox-audit.jsonl)."
+    ),
+]
 
 
 def _project(project_dir: Path | None) -> Path:
@@ -40,21 +50,35 @@ def _fail(exc: Exception, as_json: bool) -> None:
 
 def repro(
     ident: Ident,
-    worktree: Annotated[Path | None, typer.Option(
-        "--worktree", help="Worktree to replay against (default: the recorded path).")] = None,
-    backend: Annotated[str | None, typer.Option(
-        "--backend", help="Backend to replay on (default: the recorded one).")] = None,
-    image: Annotated[str | None, typer.Option(
-        "--image", help="Replay on this image instead of the recorded digest (reported).")
+    worktree: Annotated[
+        Path | None,
+        typer.Option("--worktree", help="Worktree to replay against (default: the recorded path)."),
+    ] = None,
+    backend: Annotated[
+        str | None,
+        typer.Option("--backend", help="Backend to replay on (default: the recorded one)."),
+    ] = None,
+    image: Annotated[
+        str | None,
+        typer.Option(
+            "--image", help="Replay on this image instead of the recorded digest (reported)."
+        ),
     ] = None,
     project_dir: ProjectDirOpt = None,
     audit_log: AuditLogOpt = None,
-    allow_provision: Annotated[bool, typer.Option(
-        "--allow-provision", help="Answer yes to `ask` gates (a backend's default image).")
+    allow_provision: Annotated[
+        bool,
+        typer.Option(
+            "--allow-provision", help="Answer yes to `ask` gates (a backend's default image)."
+        ),
     ] = False,
-    ignore_chain: Annotated[bool, typer.Option(
-        "--ignore-chain", help="Replay even when the audit log fails its integrity check "
-        "(reported).")] = False,
+    ignore_chain: Annotated[
+        bool,
+        typer.Option(
+            "--ignore-chain",
+            help="Replay even when the audit log fails its integrity check (reported).",
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable report.")] = False,
 ) -> None:
     """Replay a recorded run here: the recorded outcome beside the new one; exits with the
@@ -78,10 +102,18 @@ def repro(
                 raise
             note = f"audit log integrity check failed (--ignore-chain): {exc.why}"
         commands = find_run(log_path, ident, project)
-        report = asyncio.run(replay(
-            commands, worktree=worktree, backend=backend, project_dir=project_dir,
-            env=env, audit=AuditLog(log_path), image=image,
-            ask=tty_ask(assume_yes=allow_provision)))
+        report = asyncio.run(
+            replay(
+                commands,
+                worktree=worktree,
+                backend=backend,
+                project_dir=project_dir,
+                env=env,
+                audit=AuditLog(log_path),
+                image=image,
+                ask=tty_ask(assume_yes=allow_provision),
+            )
+        )
         if note:
             report.differences.insert(0, note)
     except FusionOCIError as exc:
@@ -99,21 +131,35 @@ def repro(
 
 
 def export(
-    ident: Annotated[str | None, typer.Argument(
-        help="A run id or task id; none: the current settings.", show_default=False)] = None,
-    fmt: Annotated[str, typer.Option(
-        "--format", help="compose|devcontainer|kube|script")] = "compose",
-    output: Annotated[Path | None, typer.Option(
-        "--output", "-o", help="File to write (default: stdout).")] = None,
-    worktree: Annotated[Path | None, typer.Option(
-        "--worktree", help="Worktree (default: the recorded one, or the current one).")
+    ident: Annotated[
+        str | None,
+        typer.Argument(help="A run id or task id; none: the current settings.", show_default=False),
     ] = None,
-    backend: Annotated[str | None, typer.Option(
-        "--backend", help="Without a run id: the backend whose settings to export.")] = None,
-    image: Annotated[str | None, typer.Option(
-        "--image", help="Image to name (default: the recorded digest's reference).")] = None,
-    command: Annotated[list[str] | None, typer.Option(
-        "--command", help="Without a run id: the command (default: an interactive shell).")
+    fmt: Annotated[
+        str, typer.Option("--format", help="compose|devcontainer|kube|script")
+    ] = "compose",
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="File to write (default: stdout).")
+    ] = None,
+    worktree: Annotated[
+        Path | None,
+        typer.Option(
+            "--worktree", help="Worktree (default: the recorded one, or the current one)."
+        ),
+    ] = None,
+    backend: Annotated[
+        str | None,
+        typer.Option("--backend", help="Without a run id: the backend whose settings to export."),
+    ] = None,
+    image: Annotated[
+        str | None,
+        typer.Option("--image", help="Image to name (default: the recorded digest's reference)."),
+    ] = None,
+    command: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--command", help="Without a run id: the command (default: an interactive shell)."
+        ),
     ] = None,
     project_dir: ProjectDirOpt = None,
     audit_log: AuditLogOpt = None,
@@ -128,20 +174,26 @@ def export(
         if fmt not in EXPORT_FORMATS:
             from fusion_oci.errors import FlagError
 
-            raise FlagError(f"--format {fmt}", "not a known format",
-                            "use one of " + ", ".join(EXPORT_FORMATS))
+            raise FlagError(
+                f"--format {fmt}", "not a known format", "use one of " + ", ".join(EXPORT_FORMATS)
+            )
         if ident is not None:
             from fusion_oci.audit import default_audit_path
             from fusion_oci.repro import find_run
 
             project = _project(project_dir)
             commands = find_run(audit_log or default_audit_path(project), ident, project)
-            source = source_from_record(commands[-1].record, commands[-1].event,
-                                        worktree=worktree, image=image)
+            source = source_from_record(
+                commands[-1].record, commands[-1].event, worktree=worktree, image=image
+            )
         else:
-            source = source_from_settings(worktree=worktree, backend=backend, image=image,
-                                          command=list(command or []),
-                                          project_dir=project_dir)
+            source = source_from_settings(
+                worktree=worktree,
+                backend=backend,
+                image=image,
+                command=list(command or []),
+                project_dir=project_dir,
+            )
         text, unexpressed = export_run(source, fmt)
     except FusionOCIError as exc:
         _fail(exc, False)
@@ -156,8 +208,14 @@ def export(
             output.chmod(0o755)
 
 
-def source_from_settings(*, worktree: Path | None, backend: str | None, image: str | None,
-                         command: list[str], project_dir: Path | None) -> ExportSource:
+def source_from_settings(
+    *,
+    worktree: Path | None,
+    backend: str | None,
+    image: str | None,
+    command: list[str],
+    project_dir: Path | None,
+) -> ExportSource:
     """The environment the current settings give a command (nothing is created or run)."""
     from fusion_oci.cli.main import dry_run
     from fusion_oci.export import default_image, read_spec, safe_name
@@ -167,21 +225,35 @@ def source_from_settings(*, worktree: Path | None, backend: str | None, image: s
     from fusion_oci.taskflags import TaskFlags, caller_env, resolve_task
 
     environ = caller_env()
-    task = resolve_task(TaskFlags(worktree=worktree, backend=backend, image=image,
-                                  project_dir=project_dir), environ)
+    task = resolve_task(
+        TaskFlags(worktree=worktree, backend=backend, image=image, project_dir=project_dir), environ
+    )
     argv: str | list[str] = command if len(command) != 1 else command[0]
     data = dry_run(task, argv or ["/bin/bash"], environ)
     spec = data["config"]
     host = probe_host()
     host_rootfs = spec.get("annotations", {}).get(ANN_HOST_ROOTFS) == "true"
     chosen = image or task.ctx.image or task.effective.settings.image or default_image()
-    notes = [f"root filesystem: backend {data['backend']} uses the host's system directories;"
-             f" the export runs image {chosen} instead"] if host_rootfs else []
+    notes = (
+        [
+            f"root filesystem: backend {data['backend']} uses the host's system directories;"
+            f" the export runs image {chosen} instead"
+        ]
+        if host_rootfs
+        else []
+    )
     system = [d for d, _ in host.system_mounts] + [f"/etc/{n}" for n in host.etc_entries]
     names = sorted(allowed_env(task.ctx.policy.env_allowlist, environ))
-    return read_spec(spec, name=safe_name(f"fusion-oci-{task.ctx.task_id}"), image=chosen,
-                     image_digest=None, system_dests=system if host_rootfs else [],
-                     env_names=names, notes=notes, host_rlimits=host.rlimits)
+    return read_spec(
+        spec,
+        name=safe_name(f"fusion-oci-{task.ctx.task_id}"),
+        image=chosen,
+        image_digest=None,
+        system_dests=system if host_rootfs else [],
+        env_names=names,
+        notes=notes,
+        host_rlimits=host.rlimits,
+    )
 
 
 def register(app: Any) -> None:

@@ -123,36 +123,74 @@ def run_here(req: RunRequest) -> int:
 
 # A parse of `run` whose request is taken, not run here (the resident server parses the
 # client's argv with this very command, so both read flags alike).
-capture: contextvars.ContextVar[Callable[[RunRequest], None] | None] = \
-    contextvars.ContextVar("fusion_oci_run_capture", default=None)
+capture: contextvars.ContextVar[Callable[[RunRequest], None] | None] = contextvars.ContextVar(
+    "fusion_oci_run_capture", default=None
+)
 
 
 def run(
     command: Command,
-    backend: Backend = None, worktree: Worktree = None, image: Image = None,
-    network: Network = None, allow_path: AllowPath = None, writable_path: WritablePath = None,
-    env: EnvName = None, memory_mb: MemoryMb = None, cpus: Cpus = None,
-    cpu_time_ms: CpuTime = None, pids: Pids = None, timeout_ms: TimeoutMs = None,
-    max_buffer: MaxBuffer = None, failure_mode: FailureMode = None, task_id: TaskId = None,
-    run_id: RunId = None, task_prompt: TaskPrompt = None, cache_mode: CacheMode = None,
-    host_ca: HostCa = None, project_dir: ProjectDir = None, unsafe_worktree: UnsafeWorktree = False,
-    allow_provision: Annotated[bool, typer.Option(
-        "--allow-provision",
-        help="Answer yes to `ask` gates (image build/pull); a `deny` in settings still wins.")
+    backend: Backend = None,
+    worktree: Worktree = None,
+    image: Image = None,
+    network: Network = None,
+    allow_path: AllowPath = None,
+    writable_path: WritablePath = None,
+    env: EnvName = None,
+    memory_mb: MemoryMb = None,
+    cpus: Cpus = None,
+    cpu_time_ms: CpuTime = None,
+    pids: Pids = None,
+    timeout_ms: TimeoutMs = None,
+    max_buffer: MaxBuffer = None,
+    failure_mode: FailureMode = None,
+    task_id: TaskId = None,
+    run_id: RunId = None,
+    task_prompt: TaskPrompt = None,
+    cache_mode: CacheMode = None,
+    host_ca: HostCa = None,
+    project_dir: ProjectDir = None,
+    unsafe_worktree: UnsafeWorktree = False,
+    allow_provision: Annotated[
+        bool,
+        typer.Option(
+            "--allow-provision",
+            help="Answer yes to `ask` gates (image build/pull); a `deny` in settings still wins.",
+        ),
     ] = False,
-    audit_log: Annotated[Path | None, typer.Option(
-        "--audit-log", help="Audit JSONL file (default: PROJECT/.fusion/sandbox-audit.jsonl).")
+    audit_log: Annotated[
+        Path | None,
+        typer.Option(
+            "--audit-log", help="Audit JSONL file (default: PROJECT/.fusion/sandbox-audit.jsonl)."
+        ),
     ] = None,
-    interactive: Annotated[bool, typer.Option(
-        "-i", "--interactive", help="Feed this process's stdin to the command as it comes "
-        "(container backends read it to its end first and take at most 96 KiB).")] = False,
-    tty: Annotated[bool, typer.Option(
-        "-t", "--tty", help="Give the command a pseudo-terminal (util-linux `script` inside "
-        "the sandbox): stdout and stderr then arrive merged, with CRLF line ends, as with "
-        "`docker run -t`.")] = False,
-    cwd: Annotated[str | None, typer.Option(
-        "--cwd", help="Working directory of the command: absolute inside the sandbox, or "
-        "relative to the worktree (default: the worktree).")] = None,
+    interactive: Annotated[
+        bool,
+        typer.Option(
+            "-i",
+            "--interactive",
+            help="Feed this process's stdin to the command as it comes "
+            "(container backends read it to its end first and take at most 96 KiB).",
+        ),
+    ] = False,
+    tty: Annotated[
+        bool,
+        typer.Option(
+            "-t",
+            "--tty",
+            help="Give the command a pseudo-terminal (util-linux `script` inside "
+            "the sandbox): stdout and stderr then arrive merged, with CRLF line ends, as with "
+            "`docker run -t`.",
+        ),
+    ] = False,
+    cwd: Annotated[
+        str | None,
+        typer.Option(
+            "--cwd",
+            help="Working directory of the command: absolute inside the sandbox, or "
+            "relative to the worktree (default: the worktree).",
+        ),
+    ] = None,
     as_json: AsJson = False,
 ) -> None:
     """Run COMMAND in the sandbox; its stdout/stderr pass through as they come, its exit
@@ -161,9 +199,15 @@ def run(
 
     SIGTERM, SIGINT or SIGHUP end the command's whole tree, audit it as aborted and exit 128+N.
     """
-    req = RunRequest(command=list(command), flags=_flags(dict(locals())),
-                     allow_provision=allow_provision, audit_log=audit_log,
-                     interactive=interactive, tty=tty, as_json=as_json)
+    req = RunRequest(
+        command=list(command),
+        flags=_flags(dict(locals())),
+        allow_provision=allow_provision,
+        audit_log=audit_log,
+        interactive=interactive,
+        tty=tty,
+        as_json=as_json,
+    )
     taker = capture.get()
     if taker is not None:
         taker(req)
@@ -197,8 +241,9 @@ def parse_run(argv: list[str]) -> RunRequest | tuple[int, str, str]:
         if "--json" in argv:
             fmt = getattr(exc, "format_message", None)
             message = fmt() if callable(fmt) else str(exc)
-            out.write(json.dumps(FlagError(message, "", "see `fusion-oci --help`").to_json())
-                      + "\n")
+            out.write(
+                json.dumps(FlagError(message, "", "see `fusion-oci --help`").to_json()) + "\n"
+            )
         elif callable(show):
             show(file=err)
         code = getattr(exc, "exit_code", 2)

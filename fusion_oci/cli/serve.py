@@ -9,19 +9,38 @@ import typer
 
 
 def serve(
-    socket: Annotated[Path | None, typer.Option(
-        "--socket", help="Listen on this unix socket (created mode 0600) instead of stdio; "
-                         "refused when the path exists and is not a stale socket.")] = None,
-    max_message_bytes: Annotated[int, typer.Option(
-        "--max-message-bytes", min=1024,
-        help="Largest JSON-RPC message accepted; a larger one gets an error.")] = 16 << 20,
-    idle_timeout: Annotated[float | None, typer.Option(
-        "--idle-timeout", min=0.1,
-        help="With --socket: exit after this many seconds with no client connected.")] = None,
-    token_file: Annotated[Path | None, typer.Option(
-        "--token-file",
-        help="With --socket: serve only clients of our uid that initialize with the token in "
-             "this file, and serve `cli/run` (the fast CLI's resident server).")] = None,
+    socket: Annotated[
+        Path | None,
+        typer.Option(
+            "--socket",
+            help="Listen on this unix socket (created mode 0600) instead of stdio; "
+            "refused when the path exists and is not a stale socket.",
+        ),
+    ] = None,
+    max_message_bytes: Annotated[
+        int,
+        typer.Option(
+            "--max-message-bytes",
+            min=1024,
+            help="Largest JSON-RPC message accepted; a larger one gets an error.",
+        ),
+    ] = 16 << 20,
+    idle_timeout: Annotated[
+        float | None,
+        typer.Option(
+            "--idle-timeout",
+            min=0.1,
+            help="With --socket: exit after this many seconds with no client connected.",
+        ),
+    ] = None,
+    token_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--token-file",
+            help="With --socket: serve only clients of our uid that initialize with the token in "
+            "this file, and serve `cli/run` (the fast CLI's resident server).",
+        ),
+    ] = None,
 ) -> None:
     """Serve the sandbox lifecycle as JSON-RPC 2.0 (docs/protocol.md) on stdio or a socket.
 
@@ -47,8 +66,9 @@ def serve(
                 check_code(os.environ.get("FUSION_OCI_SERVER_CODE"))
                 warm_up(parse_run)
                 os.chdir("/")  # a resident server holds no caller's directory busy
-            asyncio.run(serve_socket(socket.absolute(), max_message_bytes, idle_timeout, token,
-                                     parser))
+            asyncio.run(
+                serve_socket(socket.absolute(), max_message_bytes, idle_timeout, token, parser)
+            )
     except FusionOCIError as exc:
         typer.echo(f"fusion-oci: {exc}", err=True)
         raise typer.Exit(exc.exit_code) from None

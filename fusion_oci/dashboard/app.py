@@ -36,7 +36,7 @@ TOKEN_COOKIE = "fusion_oci_dashboard"  # noqa: S105 (the cookie's name, not a se
 SECURITY_HEADERS = {
     # Scripts only from this server (no inline script), so text from the log cannot run.
     "content-security-policy": "default-src 'self'; style-src 'self' 'unsafe-inline'; "
-                               "img-src 'self' data:; frame-ancestors 'none'",
+    "img-src 'self' data:; frame-ancestors 'none'",
     "x-content-type-options": "nosniff",
     # The token may be in the page's URL: never send it on as a referrer.
     "referrer-policy": "no-referrer",
@@ -54,8 +54,9 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 class DashboardState:
     """The tail of one audit log, its cached summary and its last chain verification."""
 
-    def __init__(self, path: Path, *, poll_interval: float = 0.5,
-                 chain_key: bytes | None = None) -> None:
+    def __init__(
+        self, path: Path, *, poll_interval: float = 0.5, chain_key: bytes | None = None
+    ) -> None:
         self.path = path
         self.chain_key = chain_key
         self.tail = LogTail(path)
@@ -63,8 +64,13 @@ class DashboardState:
         self._lock = asyncio.Lock()
         self._summary_key: tuple[int, int] | None = None
         self._summary: dict[str, Any] = {}
-        self.chain: dict[str, Any] = {"status": "pending", "lines": None, "firstBadLine": None,
-                                      "reason": "not checked yet", "keyed": bool(chain_key)}
+        self.chain: dict[str, Any] = {
+            "status": "pending",
+            "lines": None,
+            "firstBadLine": None,
+            "reason": "not checked yet",
+            "keyed": bool(chain_key),
+        }
         self.chain_version = 0
         self._chain_key: tuple[Any, ...] | None = None
         self._chain_task: asyncio.Task[None] | None = None
@@ -85,9 +91,9 @@ class DashboardState:
             return
         # A full verification reads the whole file: while lines keep coming, run it at most
         # every CHAIN_INTERVAL_S and never more than ~10% of the time.
-        if (self._chain_key is not None
-                and time.monotonic() - self._chain_at < max(CHAIN_INTERVAL_S,
-                                                            10 * self._chain_cost)):
+        if self._chain_key is not None and time.monotonic() - self._chain_at < max(
+            CHAIN_INTERVAL_S, 10 * self._chain_cost
+        ):
             return
         self._chain_key, self._chain_at = key, time.monotonic()
 
@@ -108,10 +114,17 @@ class DashboardState:
                 self._summary = await anyio.to_thread.run_sync(self.tail.summary.result)
                 self._summary_key = key
             tail = self.tail
-            return {**self._summary, "chain": self.chain,
-                    "source": {"path": str(self.path), "bytes": tail.offset,
-                               "cursor": tail.cursor, "generation": tail.generation,
-                               "error": tail.error}}
+            return {
+                **self._summary,
+                "chain": self.chain,
+                "source": {
+                    "path": str(self.path),
+                    "bytes": tail.offset,
+                    "cursor": tail.cursor,
+                    "generation": tail.generation,
+                    "error": tail.error,
+                },
+            }
 
     async def events(self, **kwargs: Any) -> tuple[list[dict[str, Any]], int]:
         await self.refresh()
@@ -156,7 +169,9 @@ def token_guard(app: ASGIApp, token: str) -> ASGIApp:
             response = PlainTextResponse(
                 "fusion-oci dashboard: a valid token is required (the one `fusion-oci "
                 "dashboard` printed): Authorization: Bearer TOKEN, or ?token=TOKEN\n",
-                status_code=401, headers={"www-authenticate": "Bearer", **SECURITY_HEADERS})
+                status_code=401,
+                headers={"www-authenticate": "Bearer", **SECURITY_HEADERS},
+            )
             await response(scope, receive, send)
             return
         if not from_query:
@@ -165,9 +180,8 @@ def token_guard(app: ASGIApp, token: str) -> ASGIApp:
 
         async def send_with_cookie(message: Message) -> None:
             if message["type"] == "http.response.start":
-                cookie = (f"{TOKEN_COOKIE}={token}; Path=/; HttpOnly; SameSite=Strict")
-                message["headers"] = [*message.get("headers", []),
-                                      (b"set-cookie", cookie.encode())]
+                cookie = f"{TOKEN_COOKIE}={token}; Path=/; HttpOnly; SameSite=Strict"
+                message["headers"] = [*message.get("headers", []), (b"set-cookie", cookie.encode())]
             await send(message)
 
         await app(scope, receive, send_with_cookie)
@@ -179,7 +193,7 @@ def host_name(header: bytes) -> str:
     """The host of a ``Host`` header, without its port (``[::1]:80`` -> ``::1``)."""
     text = header.decode("latin-1").strip().lower()
     if text.startswith("["):
-        return text[1:text.find("]")] if "]" in text else text
+        return text[1 : text.find("]")] if "]" in text else text
     return text.rsplit(":", 1)[0] if text.count(":") == 1 else text
 
 
@@ -191,8 +205,11 @@ def host_guard(app: ASGIApp, allowed: frozenset[str]) -> ASGIApp:
         if scope["type"] == "http":
             host = host_name(dict(scope.get("headers") or []).get(b"host", b""))
             if host not in allowed:
-                response = PlainTextResponse("fusion-oci dashboard: unexpected Host header\n",
-                                             status_code=400, headers=SECURITY_HEADERS)
+                response = PlainTextResponse(
+                    "fusion-oci dashboard: unexpected Host header\n",
+                    status_code=400,
+                    headers=SECURITY_HEADERS,
+                )
                 await response(scope, receive, send)
                 return
         await app(scope, receive, send)
@@ -227,8 +244,10 @@ def _since(value: str | None) -> int | float | None:
     try:
         return datetime.fromisoformat(value).timestamp()
     except ValueError as exc:
-        raise ValueError(f"since={value!r} is neither a line cursor (an integer) nor an "
-                         "ISO-8601 time such as 2026-12-01T09:00:00+00:00") from exc
+        raise ValueError(
+            f"since={value!r} is neither a line cursor (an integer) nor an "
+            "ISO-8601 time such as 2026-12-01T09:00:00+00:00"
+        ) from exc
 
 
 def _sse(event: str, data: Any, event_id: int | None = None) -> bytes:
@@ -236,9 +255,14 @@ def _sse(event: str, data: Any, event_id: int | None = None) -> bytes:
     return (head + "data: " + json.dumps(data, separators=(",", ":")) + "\n\n").encode()
 
 
-def create_app(audit_path: Path, *, token: str | None = None,
-               allowed_hosts: list[str] | None = None, poll_interval: float = 0.5,
-               chain_key: bytes | None = None) -> ASGIApp:
+def create_app(
+    audit_path: Path,
+    *,
+    token: str | None = None,
+    allowed_hosts: list[str] | None = None,
+    poll_interval: float = 0.5,
+    chain_key: bytes | None = None,
+) -> ASGIApp:
     """The dashboard for ``audit_path``. ``token``: required on every request when set.
     ``allowed_hosts``: the Host headers accepted (None: any), which stops DNS rebinding.
     ``chain_key``: the audit key, so the chain check covers MACs (None: hashes only)."""
@@ -251,12 +275,27 @@ def create_app(audit_path: Path, *, token: str | None = None,
     async def task_page(request: Request) -> Response:
         task_id = request.path_params["task_id"]
         events, cursor = await state.events(task=task_id, limit=10_000)
-        policy = next(((e.get("policyHash"), e.get("policySummary")) for e in reversed(events)
-                       if e.get("policyHash")), (None, None))
-        return templates.TemplateResponse(request, "task.html", {
-            "task_id": task_id, "events": events, "cursor": cursor,
-            "policy_hash": policy[0], "policy_summary": policy[1], "path": str(audit_path)},
-            status_code=200 if events else 404)
+        policy = next(
+            (
+                (e.get("policyHash"), e.get("policySummary"))
+                for e in reversed(events)
+                if e.get("policyHash")
+            ),
+            (None, None),
+        )
+        return templates.TemplateResponse(
+            request,
+            "task.html",
+            {
+                "task_id": task_id,
+                "events": events,
+                "cursor": cursor,
+                "policy_hash": policy[0],
+                "policy_summary": policy[1],
+                "path": str(audit_path),
+            },
+            status_code=200 if events else 404,
+        )
 
     async def api_summary(request: Request) -> Response:
         return JSONResponse(await state.summary())
@@ -269,10 +308,8 @@ def create_app(audit_path: Path, *, token: str | None = None,
             if not 1 <= limit <= 10_000:
                 raise ValueError("limit must be between 1 and 10000")
         except ValueError as exc:
-            return JSONResponse({"error": {"kind": "bad-flags", "what": str(exc)}},
-                                status_code=400)
-        events, cursor = await state.events(task=q.get("task") or None, since=since,
-                                            limit=limit)
+            return JSONResponse({"error": {"kind": "bad-flags", "what": str(exc)}}, status_code=400)
+        events, cursor = await state.events(task=q.get("task") or None, since=since, limit=limit)
         return JSONResponse({"events": events, "next": cursor})
 
     async def api_stream(request: Request) -> Response:
@@ -283,9 +320,10 @@ def create_app(audit_path: Path, *, token: str | None = None,
         # EventSource saw; else only events appended from now on.
         start = request.headers.get("last-event-id") or request.query_params.get("since")
         if start is not None and not start.isdigit():
-            return JSONResponse({"error": {"kind": "bad-flags",
-                                           "what": f"since={start!r} is not a line cursor"}},
-                                status_code=400)
+            return JSONResponse(
+                {"error": {"kind": "bad-flags", "what": f"since={start!r} is not a line cursor"}},
+                status_code=400,
+            )
 
         async def stream() -> AsyncIterator[bytes]:
             # The starting point is fixed before the first byte (and so the response
@@ -322,8 +360,9 @@ def create_app(audit_path: Path, *, token: str | None = None,
                 await asyncio.sleep(state.poll_interval)
                 idle += state.poll_interval
 
-        return StreamingResponse(stream(), media_type="text/event-stream",
-                                 headers={"x-accel-buffering": "no"})
+        return StreamingResponse(
+            stream(), media_type="text/event-stream", headers={"x-accel-buffering": "no"}
+        )
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: Starlette) -> AsyncIterator[None]:

@@ -23,12 +23,26 @@ def chain_status(path: Path, key: bytes | None = None) -> dict[str, Any]:
     ``keyed``: MACs were checked as well as the ``prev`` hashes."""
     try:
         if not path.exists() or path.stat().st_size == 0:
-            return {"status": "empty", "lines": 0, "firstBadLine": None, "reason": None,
-                    "keyed": bool(key)}
+            return {
+                "status": "empty",
+                "lines": 0,
+                "firstBadLine": None,
+                "reason": None,
+                "keyed": bool(key),
+            }
         report = verify_chain(path, key or None)
     except Exception as exc:  # a report, never a crash of the page
-        return {"status": "error", "lines": None, "firstBadLine": None,
-                "reason": f"{type(exc).__name__}: {exc}", "keyed": bool(key)}
-    return {"status": "ok" if report.ok else "broken", "lines": report.lines,
-            "firstBadLine": report.first_bad_line, "reason": report.reason,
-            "keyed": report.keyed}
+        return {
+            "status": "error",
+            "lines": None,
+            "firstBadLine": None,
+            "reason": f"{type(exc).__name__}: {exc}",
+            "keyed": bool(key),
+        }
+    return {
+        "status": "ok" if report.ok else "broken",
+        "lines": report.lines,
+        "firstBadLine": report.first_bad_line,
+        "reason": report.reason,
+        "keyed": report.keyed,
+    }

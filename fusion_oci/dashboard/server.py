@@ -24,12 +24,17 @@ alias: an explicit choice of address is treated as reachable by someone else (fa
 def check_port(port: int) -> None:
     """Refuse reserved and impossible ports (exit 2), before anything is bound."""
     if port in RESERVED_PORTS:
-        raise FlagError(f"--port {port} is refused: {RESERVED_PORTS[port]}",
-                        "fusion-oci never binds or probes it, whatever the flags say",
-                        "leave --port out for a free port, or pick another one")
+        raise FlagError(
+            f"--port {port} is refused: {RESERVED_PORTS[port]}",
+            "fusion-oci never binds or probes it, whatever the flags say",
+            "leave --port out for a free port, or pick another one",
+        )
     if not 0 <= port <= 65535:
-        raise FlagError(f"--port {port} is not a TCP port", "ports are 0..65535",
-                        "leave --port out for a free port")
+        raise FlagError(
+            f"--port {port} is not a TCP port",
+            "ports are 0..65535",
+            "leave --port out for a free port",
+        )
 
 
 def needs_token(host: str) -> bool:
@@ -40,11 +45,11 @@ def bind(host: str, port: int) -> socket.socket:
     """A bound socket on ``host``:``port`` (0: a free port, never a reserved one)."""
     check_port(port)
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                   flags=socket.AI_PASSIVE)
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
-        raise FlagError(f"--host {host!r} does not resolve", str(exc),
-                        "use an IP address such as 127.0.0.1") from exc
+        raise FlagError(
+            f"--host {host!r} does not resolve", str(exc), "use an IP address such as 127.0.0.1"
+        ) from exc
     # "localhost" may resolve to ::1 and 127.0.0.1: take IPv4 first, the address people type
     infos.sort(key=lambda info: info[0] != socket.AF_INET)
     family, kind, proto, _, address = infos[0]
@@ -55,8 +60,11 @@ def bind(host: str, port: int) -> socket.socket:
             sock.bind(address)
         except OSError as exc:
             sock.close()
-            raise FlagError(f"cannot listen on {host}:{port}", exc.strerror or str(exc),
-                            "leave --port out for a free port, or free that one") from exc
+            raise FlagError(
+                f"cannot listen on {host}:{port}",
+                exc.strerror or str(exc),
+                "leave --port out for a free port, or free that one",
+            ) from exc
         if sock.getsockname()[1] not in RESERVED_PORTS:
             sock.set_inheritable(False)
             return sock
@@ -70,9 +78,15 @@ def url_for(sock: socket.socket) -> str:
     return f"http://{shown}:{port}/"
 
 
-def serve(audit_path: Path, *, host: str = "127.0.0.1", port: int = 0,
-          echo: Callable[[str], None] = print, poll_interval: float = 0.5,
-          chain_key: bytes | None = None) -> None:
+def serve(
+    audit_path: Path,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    echo: Callable[[str], None] = print,
+    poll_interval: float = 0.5,
+    chain_key: bytes | None = None,
+) -> None:
     """Serve until interrupted (SIGINT/SIGTERM). Prints the address (and the token) once.
     ``chain_key``: the host's audit key, so the chain status covers MACs too."""
     check_port(port)  # before importing the web stack or touching the network
@@ -86,15 +100,26 @@ def serve(audit_path: Path, *, host: str = "127.0.0.1", port: int = 0,
     url = url_for(sock)
     # Loopback without a token: the Host header must name loopback too (DNS rebinding).
     allowed = sorted(NO_TOKEN_HOSTS) if token is None else None
-    app = create_app(audit_path, token=token, allowed_hosts=allowed,
-                     poll_interval=poll_interval, chain_key=chain_key)
+    app = create_app(
+        audit_path,
+        token=token,
+        allowed_hosts=allowed,
+        poll_interval=poll_interval,
+        chain_key=chain_key,
+    )
     echo(f"fusion-oci dashboard: {url}  (audit log {audit_path})")
     if token is not None:
         echo(f"token (printed only now): {token}")
         echo(f"open {url}?token={token}  or send 'Authorization: Bearer <token>'")
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=1, server_header=False,
-                            proxy_headers=False)
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=1,
+        server_header=False,
+        proxy_headers=False,
+    )
     try:
         uvicorn.Server(config).run(sockets=[sock])
     finally:

@@ -29,8 +29,23 @@ MAX_KEYS = 2000
 """Distinct commands / reasons tracked before the rest are counted under ``(other)``: a log
 whose every command is unique must not grow the summary without bound."""
 MAX_BUCKETS = 60
-BUCKET_SIZES = (1, 5, 15, 30, 60, 300, 900, 1800, 3600, 3 * 3600, 6 * 3600, 12 * 3600, 86400,
-                7 * 86400, 30 * 86400)
+BUCKET_SIZES = (
+    1,
+    5,
+    15,
+    30,
+    60,
+    300,
+    900,
+    1800,
+    3600,
+    3 * 3600,
+    6 * 3600,
+    12 * 3600,
+    86400,
+    7 * 86400,
+    30 * 86400,
+)
 OTHER = "(other)"
 END_REASONS: tuple[str, ...] = get_args(EndReason)
 """Every end reason, shown with its count even when that is 0 ("no OOM kill so far")."""
@@ -70,8 +85,12 @@ class _Durations:
 
     def row(self) -> dict[str, Any]:
         ordered = sorted(self.values)
-        return {"runs": len(ordered), "p50": percentile(ordered, 50),
-                "p95": percentile(ordered, 95), "max": ordered[-1] if ordered else None}
+        return {
+            "runs": len(ordered),
+            "p50": percentile(ordered, 50),
+            "p95": percentile(ordered, 95),
+            "max": ordered[-1] if ordered else None,
+        }
 
 
 @dataclass
@@ -88,10 +107,17 @@ class TaskInfo:
     policy_summary: str | None = None
 
     def row(self) -> dict[str, Any]:
-        return {"taskId": self.task_id, "events": self.events, "runs": self.runs,
-                "failing": self.failing, "firstTs": self.first_ts, "lastTs": self.last_ts,
-                "backends": sorted(self.backends), "policyHash": self.policy_hash,
-                "policySummary": self.policy_summary}
+        return {
+            "taskId": self.task_id,
+            "events": self.events,
+            "runs": self.runs,
+            "failing": self.failing,
+            "firstTs": self.first_ts,
+            "lastTs": self.last_ts,
+            "backends": sorted(self.backends),
+            "policyHash": self.policy_hash,
+            "policySummary": self.policy_summary,
+        }
 
 
 @dataclass
@@ -106,9 +132,15 @@ class _EgressTask:
     hosts: set[str] = field(default_factory=set)
 
     def row(self) -> dict[str, Any]:
-        return {"taskId": self.task_id, "connections": self.allowed + self.denied,
-                "allowed": self.allowed, "denied": self.denied, "bytesUp": self.bytes_up,
-                "bytesDown": self.bytes_down, "hosts": len(self.hosts)}
+        return {
+            "taskId": self.task_id,
+            "connections": self.allowed + self.denied,
+            "allowed": self.allowed,
+            "denied": self.denied,
+            "bytesUp": self.bytes_up,
+            "bytesDown": self.bytes_down,
+            "hosts": len(self.hosts),
+        }
 
 
 class _Capped(Counter[str]):
@@ -186,8 +218,13 @@ class SummaryBuilder:
         task.backends.add(e.backend)
         if e.policy_hash is not None:
             task.policy_hash, task.policy_summary = e.policy_hash, e.policy_summary
-        base = {"line": line_no, "ts": e.ts, "taskId": e.task_id, "runId": e.run_id,
-                "backend": e.backend}
+        base = {
+            "line": line_no,
+            "ts": e.ts,
+            "taskId": e.task_id,
+            "runId": e.run_id,
+            "backend": e.backend,
+        }
         if e.type == "sandbox:run":
             self._run(e, task, base)
         elif e.type == "sandbox:fallback":
@@ -196,14 +233,16 @@ class SummaryBuilder:
             self.fallback_recent.append({**base, "from": frm, "reason": key})
         elif e.type == "sandbox:failure":
             key = self.failure_reasons.bump(_first_line(e.reason))
-            self.failure_recent.append({**base, "reason": key, "command": e.command,
-                                        "unenforced": e.unenforced or []})
+            self.failure_recent.append(
+                {**base, "reason": key, "command": e.command, "unenforced": e.unenforced or []}
+            )
             for part in e.unenforced or []:
                 self.unenforced[part] += 1
         elif e.type == "sandbox:prepare":
             if e.duration_ms is not None:
                 self.prepare_by_backend.setdefault(e.backend, _Durations()).values.append(
-                    e.duration_ms)
+                    e.duration_ms
+                )
             for part in e.unenforced or []:
                 self.unenforced[part] += 1
         elif e.type == "sandbox:gate":
@@ -211,8 +250,16 @@ class SummaryBuilder:
             gate, decision = str(d.get("gate", "?")), str(d.get("decision", "?"))
             by = str(d.get("decided_by", "?"))
             self.gates[(gate, decision, by)] += 1
-            self.gate_recent.append({**base, "gate": gate, "decision": decision, "decidedBy": by,
-                                     "action": d.get("action"), "target": d.get("target")})
+            self.gate_recent.append(
+                {
+                    **base,
+                    "gate": gate,
+                    "decision": decision,
+                    "decidedBy": by,
+                    "action": d.get("action"),
+                    "target": d.get("target"),
+                }
+            )
         elif e.type == "sandbox:egress":
             self._egress(e, base)
         elif e.type == "sandbox:credential":
@@ -223,12 +270,19 @@ class SummaryBuilder:
             self.provision_outcomes[outcome] += 1
             if outcome == "retry":
                 self.provision_retries += 1
-            self.provision_recent.append({
-                **base, "action": d.get("action"), "outcome": outcome,
-                "ref": d.get("ref"), "engine": d.get("engine"),
-                "digest": d.get("digest") or d.get("repo_digest"),
-                "attempt": d.get("attempt"), "durationMs": e.duration_ms,
-                "reason": _first_line(e.reason)})
+            self.provision_recent.append(
+                {
+                    **base,
+                    "action": d.get("action"),
+                    "outcome": outcome,
+                    "ref": d.get("ref"),
+                    "engine": d.get("engine"),
+                    "digest": d.get("digest") or d.get("repo_digest"),
+                    "attempt": d.get("attempt"),
+                    "durationMs": e.duration_ms,
+                    "reason": _first_line(e.reason),
+                }
+            )
 
     def _egress(self, e: AuditEvent, base: dict[str, Any]) -> None:
         egress = self.egress_tasks.get(e.task_id)
@@ -245,9 +299,15 @@ class SummaryBuilder:
         egress.denied += 1
         key = self.egress_denied.bump(host)
         self.egress_denied_rule[key] = e.rule or _first_line(e.reason)
-        self.egress_denied_recent.append({**base, "host": host, "rule": e.rule,
-                                          "reason": _first_line(e.reason),
-                                          "protocol": (e.details or {}).get("protocol")})
+        self.egress_denied_recent.append(
+            {
+                **base,
+                "host": host,
+                "rule": e.rule,
+                "reason": _first_line(e.reason),
+                "protocol": (e.details or {}).get("protocol"),
+            }
+        )
 
     def _credential(self, e: AuditEvent, base: dict[str, Any]) -> None:
         d = e.details or {}
@@ -256,9 +316,15 @@ class SummaryBuilder:
             if d.get("swapped"):
                 self.credential_uses[(e.task_id, e.host or "?", name)] += 1
             return
-        self.credential_recent.append({**base, "host": e.host, "credential": name,
-                                       "leak": bool(d.get("leak")),
-                                       "reason": _first_line(e.reason)})
+        self.credential_recent.append(
+            {
+                **base,
+                "host": e.host,
+                "credential": name,
+                "leak": bool(d.get("leak")),
+                "reason": _first_line(e.reason),
+            }
+        )
 
     def _credential_result(self) -> dict[str, Any]:
         """``sandbox:credential``: swaps per task, host and credential; the latest refusals
@@ -268,8 +334,10 @@ class SummaryBuilder:
             "total": self.counts["sandbox:credential"],
             "swaps": sum(self.credential_uses.values()),
             "leakAttempts": sum(1 for r in refusals if r["leak"]),
-            "byTask": [{"taskId": t, "host": h, "credential": n, "swaps": c}
-                       for (t, h, n), c in self.credential_uses.most_common(50)],
+            "byTask": [
+                {"taskId": t, "host": h, "credential": n, "swaps": c}
+                for (t, h, n), c in self.credential_uses.most_common(50)
+            ],
             "recentRefused": refusals,
         }
 
@@ -282,8 +350,10 @@ class SummaryBuilder:
             "bytesUp": sum(t.bytes_up for t in rows),
             "bytesDown": sum(t.bytes_down for t in rows),
             "byTask": [t.row() for t in rows[:50]],
-            "topDenied": [{"host": h, "count": n, "rule": self.egress_denied_rule.get(h)}
-                          for h, n in self.egress_denied.most_common(TOP)],
+            "topDenied": [
+                {"host": h, "count": n, "rule": self.egress_denied_rule.get(h)}
+                for h, n in self.egress_denied.most_common(TOP)
+            ],
             "recentDenied": list(reversed(self.egress_denied_recent)),
         }
 
@@ -300,16 +370,24 @@ class SummaryBuilder:
             self.by_backend.setdefault(e.backend, _Durations()).values.append(e.duration_ms)
             command = self.command_keys.bump((e.command or "").strip() or "(none)")
             self.by_command.setdefault((command, e.backend), _Durations()).values.append(
-                e.duration_ms)
+                e.duration_ms
+            )
         if reason in LIMITS:
             self.limit_hits[(e.task_id, reason)] += 1
         if failing:
             task.failing += 1
             if reason == "exit" and e.exit_code is not None:
                 self.exit_codes[e.exit_code] += 1
-            self.failing_recent.append({**base, "command": e.command, "exitCode": e.exit_code,
-                                        "signal": e.signal, "endReason": reason,
-                                        "durationMs": e.duration_ms})
+            self.failing_recent.append(
+                {
+                    **base,
+                    "command": e.command,
+                    "exitCode": e.exit_code,
+                    "signal": e.signal,
+                    "endReason": reason,
+                    "durationMs": e.duration_ms,
+                }
+            )
 
     # --- reading ------------------------------------------------------------------------------
 
@@ -319,8 +397,7 @@ class SummaryBuilder:
         if not times:
             return {"bucketSeconds": None, "times": [], "series": {}, "failing": []}
         start, end = min(times), max(times)
-        size = next((s for s in BUCKET_SIZES if (end - start) / s < MAX_BUCKETS),
-                    BUCKET_SIZES[-1])
+        size = next((s for s in BUCKET_SIZES if (end - start) / s < MAX_BUCKETS), BUCKET_SIZES[-1])
         first = math.floor(start / size) * size
         count = int((end - first) // size) + 1
         series = [[0] * count for _ in names]
@@ -331,8 +408,12 @@ class SummaryBuilder:
             i = int((t - first) // size)
             series[b][i] += 1
             failing[i] += f
-        return {"bucketSeconds": size, "times": [first + i * size for i in range(count)],
-                "series": dict(zip(names, series, strict=True)), "failing": failing}
+        return {
+            "bucketSeconds": size,
+            "times": [first + i * size for i in range(count)],
+            "series": dict(zip(names, series, strict=True)),
+            "failing": failing,
+        }
 
     def result(self) -> dict[str, Any]:
         runs = len(self.run_times)
@@ -340,42 +421,71 @@ class SummaryBuilder:
         commands = sorted(self.by_command.items(), key=lambda kv: -len(kv[1].values))[:TOP]
         tasks = sorted(self.tasks.values(), key=lambda t: -t.last_line)[:50]
         return {
-            "log": {"lines": self.lines, "events": self.events, "malformed": self.malformed,
-                    "malformedLines": list(self.malformed_lines),
-                    "firstTs": self.first_ts, "lastTs": self.last_ts},
+            "log": {
+                "lines": self.lines,
+                "events": self.events,
+                "malformed": self.malformed,
+                "malformedLines": list(self.malformed_lines),
+                "firstTs": self.first_ts,
+                "lastTs": self.last_ts,
+            },
             "counts": dict(sorted(self.counts.items())),
-            "runs": {"total": runs, "failing": sum(self.run_failing),
-                     "byBackend": {name: per_backend[i] for name, i in self.backend_ids.items()}},
+            "runs": {
+                "total": runs,
+                "failing": sum(self.run_failing),
+                "byBackend": {name: per_backend[i] for name, i in self.backend_ids.items()},
+            },
             "timeline": self._timeline(),
             "durations": {
-                "byBackend": [{"backend": k, **v.row()}
-                              for k, v in sorted(self.by_backend.items())],
-                "byCommand": [{"command": c, "backend": b, **v.row()}
-                              for (c, b), v in commands],
-                "prepareByBackend": [{"backend": k, **v.row()}
-                                     for k, v in sorted(self.prepare_by_backend.items())],
+                "byBackend": [
+                    {"backend": k, **v.row()} for k, v in sorted(self.by_backend.items())
+                ],
+                "byCommand": [{"command": c, "backend": b, **v.row()} for (c, b), v in commands],
+                "prepareByBackend": [
+                    {"backend": k, **v.row()} for k, v in sorted(self.prepare_by_backend.items())
+                ],
             },
-            "endReasons": {**dict(self.end_reasons.most_common()),
-                           **{r: 0 for r in END_REASONS if r not in self.end_reasons}},
-            "limits": {"byTask": [{"taskId": t, "endReason": r, "runs": n}
-                                  for (t, r), n in self.limit_hits.most_common(TOP)]},
-            "failingExits": {"byCode": {str(k): v for k, v in self.exit_codes.most_common(TOP)},
-                             "recent": list(reversed(self.failing_recent))},
-            "fallbacks": {"total": self.counts["sandbox:fallback"],
-                          "byReason": [{"reason": r, "count": n}
-                                       for r, n in self.fallback_reasons.most_common(TOP)],
-                          "recent": list(reversed(self.fallback_recent))},
-            "failures": {"total": self.counts["sandbox:failure"],
-                         "byReason": [{"reason": r, "count": n}
-                                      for r, n in self.failure_reasons.most_common(TOP)],
-                         "recent": list(reversed(self.failure_recent))},
+            "endReasons": {
+                **dict(self.end_reasons.most_common()),
+                **{r: 0 for r in END_REASONS if r not in self.end_reasons},
+            },
+            "limits": {
+                "byTask": [
+                    {"taskId": t, "endReason": r, "runs": n}
+                    for (t, r), n in self.limit_hits.most_common(TOP)
+                ]
+            },
+            "failingExits": {
+                "byCode": {str(k): v for k, v in self.exit_codes.most_common(TOP)},
+                "recent": list(reversed(self.failing_recent)),
+            },
+            "fallbacks": {
+                "total": self.counts["sandbox:fallback"],
+                "byReason": [
+                    {"reason": r, "count": n} for r, n in self.fallback_reasons.most_common(TOP)
+                ],
+                "recent": list(reversed(self.fallback_recent)),
+            },
+            "failures": {
+                "total": self.counts["sandbox:failure"],
+                "byReason": [
+                    {"reason": r, "count": n} for r, n in self.failure_reasons.most_common(TOP)
+                ],
+                "recent": list(reversed(self.failure_recent)),
+            },
             "unenforced": dict(self.unenforced.most_common()),
-            "gates": {"byDecision": [{"gate": g, "decision": d, "decidedBy": by, "count": n}
-                                     for (g, d, by), n in self.gates.most_common()],
-                      "recent": list(reversed(self.gate_recent))},
-            "provisioning": {"byOutcome": dict(self.provision_outcomes.most_common()),
-                             "retries": self.provision_retries,
-                             "recent": list(reversed(self.provision_recent))},
+            "gates": {
+                "byDecision": [
+                    {"gate": g, "decision": d, "decidedBy": by, "count": n}
+                    for (g, d, by), n in self.gates.most_common()
+                ],
+                "recent": list(reversed(self.gate_recent)),
+            },
+            "provisioning": {
+                "byOutcome": dict(self.provision_outcomes.most_common()),
+                "retries": self.provision_retries,
+                "recent": list(reversed(self.provision_recent)),
+            },
             "egress": self._egress_result(),
             "credentials": self._credential_result(),
             "tasks": {"total": len(self.tasks), "recent": [t.row() for t in tasks]},

@@ -70,8 +70,9 @@ class LogTail:
             return True
         identity = (st.st_dev, st.st_ino)
         restarted = False
-        if self.identity is not None and (identity != self.identity or st.st_size < self.offset
-                                          + len(self._pending)):
+        if self.identity is not None and (
+            identity != self.identity or st.st_size < self.offset + len(self._pending)
+        ):
             self.generation += 1
             self._reset()
             restarted = True
@@ -140,8 +141,9 @@ class LogTail:
 
     # --- reading events back ------------------------------------------------------------------
 
-    def events(self, *, task: str | None = None, since: int | float | None = None,
-               limit: int = 1000) -> tuple[list[dict[str, Any]], int]:
+    def events(
+        self, *, task: str | None = None, since: int | float | None = None, limit: int = 1000
+    ) -> tuple[list[dict[str, Any]], int]:
         """Events in log order, each with its ``line``: after line ``since`` when it is an int,
         after that epoch time when it is a float; at most ``limit``. Returns them and the
         cursor to pass as ``since`` next time."""

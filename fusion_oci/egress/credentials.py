@@ -104,6 +104,7 @@ class Broker:
 
 # -- reading the values ------------------------------------------------------------------------
 
+
 async def read_value(spec: CredentialSpec, env: Mapping[str, str]) -> str:
     """The credential's value, read on the host; a SettingsError saying which source failed."""
     src = spec.source
@@ -111,19 +112,25 @@ async def read_value(spec: CredentialSpec, env: Mapping[str, str]) -> str:
     if src.env is not None:
         value = env.get(src.env, "")
         if not value:
-            raise SettingsError(f"settings error at {where}",
-                                f"the variable {src.env} is not set or empty",
-                                f"export {src.env} before starting fusion-oci")
+            raise SettingsError(
+                f"settings error at {where}",
+                f"the variable {src.env} is not set or empty",
+                f"export {src.env} before starting fusion-oci",
+            )
         return value
     if src.file is not None:
         try:
             value = _read_text(Path(src.file)).rstrip("\r\n")
         except OSError as exc:
-            raise SettingsError(f"settings error at {where}", str(exc),
-                                "point the credential's file at a readable file") from exc
+            raise SettingsError(
+                f"settings error at {where}",
+                str(exc),
+                "point the credential's file at a readable file",
+            ) from exc
         if not value:
-            raise SettingsError(f"settings error at {where}", "the file is empty",
-                                "write the token into it")
+            raise SettingsError(
+                f"settings error at {where}", "the file is empty", "write the token into it"
+            )
         return value
     from fusion_oci.process import run_process
 
@@ -131,20 +138,29 @@ async def read_value(spec: CredentialSpec, env: Mapping[str, str]) -> str:
     try:
         done = await run_process(src.command, env=dict(env), timeout_s=COMMAND_TIMEOUT_S)
     except OSError as exc:
-        raise SettingsError(f"settings error at {where}", f"cannot run it: {exc}",
-                            "install the program or fix the argv") from exc
+        raise SettingsError(
+            f"settings error at {where}",
+            f"cannot run it: {exc}",
+            "install the program or fix the argv",
+        ) from exc
     if done.timed_out or done.returncode != 0:
         # stderr may say why; stdout may hold a partial secret: never shown
-        why = (f"it did not finish in {COMMAND_TIMEOUT_S:.0f} s" if done.timed_out
-               else f"exit status {done.returncode}: "
-                    f"{done.stderr.decode(errors='replace').strip()[-300:]}")
-        raise SettingsError(f"settings error at {where}", why,
-                            "run the command yourself and fix what it says")
+        why = (
+            f"it did not finish in {COMMAND_TIMEOUT_S:.0f} s"
+            if done.timed_out
+            else f"exit status {done.returncode}: "
+            f"{done.stderr.decode(errors='replace').strip()[-300:]}"
+        )
+        raise SettingsError(
+            f"settings error at {where}", why, "run the command yourself and fix what it says"
+        )
     value = done.stdout.decode(errors="replace").strip()
     if not value or "\n" in value:
-        raise SettingsError(f"settings error at {where}",
-                            "its output is empty" if not value else "its output has several lines",
-                            "the command must print the token alone")
+        raise SettingsError(
+            f"settings error at {where}",
+            "its output is empty" if not value else "its output has several lines",
+            "the command must print the token alone",
+        )
     return value
 
 
@@ -165,10 +181,12 @@ async def make_broker(specs: Sequence[CredentialSpec], env: Mapping[str, str]) -
         value = await read_value(spec, env)
         if any(ord(c) < 0x20 or c == "\x7f" for c in value):
             # It goes into a header: a line break there would be a header of its own.
-            raise SettingsError(f"settings error at sandbox.credentials {spec.name} "
-                                f"(from {spec.source.describe()})",
-                                "the value has a control character (a line break?)",
-                                "store the token alone, on one line")
+            raise SettingsError(
+                f"settings error at sandbox.credentials {spec.name} "
+                f"(from {spec.source.describe()})",
+                "the value has a control character (a line break?)",
+                "store the token alone, on one line",
+            )
         creds.append(Brokered(spec, value, new_sentinel(spec.name)))
     key, cert, pem = _new_ca()
     return Broker(tuple(creds), pem, key, cert)
@@ -182,8 +200,11 @@ def write_bundle(broker: Broker, base_bundle: str | None, folder: Path) -> Path:
         try:
             parts.append(Path(base_bundle).read_bytes().rstrip(b"\n") + b"\n")
         except OSError as exc:
-            raise SandboxSetupError("the per-task CA bundle could not be made",
-                                    f"{base_bundle}: {exc}", "check sandbox.hostCa") from exc
+            raise SandboxSetupError(
+                "the per-task CA bundle could not be made",
+                f"{base_bundle}: {exc}",
+                "check sandbox.hostCa",
+            ) from exc
     parts.append(broker.ca_cert_pem)
     path = folder / BUNDLE_NAME
     path.write_bytes(b"".join(parts))
@@ -192,6 +213,7 @@ def write_bundle(broker: Broker, base_bundle: str | None, folder: Path) -> Path:
 
 
 # -- the checks on a request ---------------------------------------------------------------------
+
 
 def swap_authorization(value: str, cred: Brokered) -> str | None:
     """The header value with the sentinel replaced by the real value, or None when the
@@ -238,8 +260,9 @@ def repo_allowed(repo: str, allowed: Sequence[str] | None) -> bool:
     """Whether a push may go to ``repo`` (None: any)."""
     if allowed is None:
         return True
-    return any(fnmatch.fnmatchcase(repo, pattern.strip("/").removesuffix(".git"))
-               for pattern in allowed)
+    return any(
+        fnmatch.fnmatchcase(repo, pattern.strip("/").removesuffix(".git")) for pattern in allowed
+    )
 
 
 def ref_allowed(ref: str, allowed: Sequence[str] | None) -> bool:
@@ -251,6 +274,7 @@ def ref_allowed(ref: str, allowed: Sequence[str] | None) -> bool:
 
 # -- the CA ---------------------------------------------------------------------------------------
 
+
 def _new_ca() -> tuple[object, object, bytes]:
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
@@ -258,22 +282,36 @@ def _new_ca() -> tuple[object, object, bytes]:
     from cryptography.x509.oid import NameOID
 
     key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME,
-                                         f"fusion-oci task CA {secrets.token_hex(4)}")])
+    name = x509.Name(
+        [x509.NameAttribute(NameOID.COMMON_NAME, f"fusion-oci task CA {secrets.token_hex(4)}")]
+    )
     now = datetime.datetime.now(datetime.UTC)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=7))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True,
-                                         crl_sign=True, content_commitment=False,
-                                         key_encipherment=False, data_encipherment=False,
-                                         key_agreement=False, encipher_only=False,
-                                         decipher_only=False), critical=True)
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()),
-                           critical=False)
-            .sign(key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=7))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )
     return key, cert, cert.public_bytes(serialization.Encoding.PEM)
 
 
@@ -286,23 +324,25 @@ def _leaf_context(host: str, ca_key: object, ca_cert: object) -> ssl.SSLContext:
     assert isinstance(ca_cert, x509.Certificate) and isinstance(ca_key, ec.EllipticCurvePrivateKey)
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.UTC)
-    cert = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)]))
-            .issuer_name(ca_cert.subject).public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=7))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName(host)]), critical=False)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]),
-                           critical=False)
-            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(
-                ca_key.public_key()), critical=False)
-            .sign(ca_key, hashes.SHA256()))
-    pem = (cert.public_bytes(serialization.Encoding.PEM)
-           + key.private_bytes(serialization.Encoding.PEM,
-                               serialization.PrivateFormat.PKCS8,
-                               serialization.NoEncryption()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=7))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(host)]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    pem = cert.public_bytes(serialization.Encoding.PEM) + key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.set_alpn_protocols(["http/1.1"])  # the swap speaks HTTP/1.1 only
     # The leaf key goes to OpenSSL through an anonymous memory file: never onto a disk, and
@@ -323,9 +363,13 @@ def with_credentials(resolved: ResolvedTask, broker: Broker, folder: Path) -> Re
 
     base = resolved.layout.ca_bundle or resolved.host.ca_bundle
     bundle = write_bundle(broker, base, folder)
-    git = tuple((host, c.spec.username, c.spec.name) for c in broker.credentials
-                for host in c.spec.hosts)
-    layout = dataclasses.replace(resolved.layout, ca_bundle=str(bundle),
-                                 sentinels=tuple(broker.sentinels.items()),
-                                 git_credentials=git)
+    git = tuple(
+        (host, c.spec.username, c.spec.name) for c in broker.credentials for host in c.spec.hosts
+    )
+    layout = dataclasses.replace(
+        resolved.layout,
+        ca_bundle=str(bundle),
+        sentinels=tuple(broker.sentinels.items()),
+        git_credentials=git,
+    )
     return dataclasses.replace(resolved, layout=layout)

@@ -15,8 +15,9 @@ SANDBOX_SOCKET = "/run/fusion-oci/egress.sock"
 """Where the host proxy's unix socket is bound inside the sandbox."""
 
 
-def proxy_env(host: str = "127.0.0.1", port: int = PROXY_PORT,
-              agent: str = AGENT_PATH) -> dict[str, str]:
+def proxy_env(
+    host: str = "127.0.0.1", port: int = PROXY_PORT, agent: str = AGENT_PATH
+) -> dict[str, str]:
     """HTTP(S)_PROXY, ALL_PROXY (socks5h: names resolved by the proxy), an empty NO_PROXY
     (nothing bypasses it: a direct connection reaches nothing anyway), npm's own proxy
     settings, and GIT_SSH_COMMAND with the agent as ssh's ProxyCommand."""

@@ -31,8 +31,17 @@ from fusion_oci.egress.credentials import (
 
 CHUNK = 64 * 1024
 NO_BODY_STATUS = frozenset({204, 304})
-_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "proxy-authorization",
-                  "te", "trailer", "upgrade"})
+_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "upgrade",
+    }
+)
 
 
 class Leak(Exception):
@@ -72,8 +81,12 @@ class Head:
         return None
 
     def tokens(self, name: str) -> set[str]:
-        return {t.strip().lower() for k, v in self.headers if k.lower() == name.lower()
-                for t in v.split(",")}
+        return {
+            t.strip().lower()
+            for k, v in self.headers
+            if k.lower() == name.lower()
+            for t in v.split(",")
+        }
 
     def encode(self) -> bytes:
         lines = [self.first] + [f"{k}: {v}" for k, v in self.headers]
@@ -107,8 +120,14 @@ async def _exactly(reader: asyncio.StreamReader, size: int) -> AsyncIterator[byt
         yield data
 
 
-async def body_chunks(reader: asyncio.StreamReader, head: Head, *, response: bool,
-                      status: int = 200, method: str = "GET") -> AsyncIterator[bytes]:
+async def body_chunks(
+    reader: asyncio.StreamReader,
+    head: Head,
+    *,
+    response: bool,
+    status: int = 200,
+    method: str = "GET",
+) -> AsyncIterator[bytes]:
     """The body's bytes, de-chunked; ends at its framing (or the connection's end)."""
     if response and (method == "HEAD" or status in NO_BODY_STATUS or 100 <= status < 200):
         return
@@ -168,12 +187,12 @@ def parse_commands(data: bytes) -> tuple[list[str], set[str], bool]:
     caps: set[str] = set()
     pos = 0
     while pos + 4 <= len(data):
-        size = int(data[pos:pos + 4], 16)
+        size = int(data[pos : pos + 4], 16)
         if size == 0:
             return refs, caps, True
         if pos + size > len(data):
             break
-        line = data[pos + 4:pos + size].rstrip(b"\n")
+        line = data[pos + 4 : pos + size].rstrip(b"\n")
         pos += size
         text, _, cap_text = line.partition(b"\0")
         if cap_text:
@@ -197,23 +216,31 @@ def push_refusal(refs: list[str], bad: list[str], caps: set[str], reason: str) -
         step = 990 if "side-band" in caps and "side-band-64k" not in caps else 65000
         out = pkt_line(b"\x02" + f"{reason}\n".encode())
         for i in range(0, len(report), step):
-            out += pkt_line(b"\x01" + report[i:i + step])
+            out += pkt_line(b"\x01" + report[i : i + step])
         return out + b"0000"
     return report
 
 
 def http_text(status: int, text: str, reason: str = "Forbidden") -> bytes:
     body = (text + "\n").encode()
-    return (f"HTTP/1.1 {status} {reason}\r\nContent-Type: text/plain; charset=utf-8\r\n"
-            f"Content-Length: {len(body)}\r\nConnection: close\r\n"
-            "X-Fusion-OCI-Egress: refused\r\n\r\n").encode() + body
+    return (
+        f"HTTP/1.1 {status} {reason}\r\nContent-Type: text/plain; charset=utf-8\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n"
+        "X-Fusion-OCI-Egress: refused\r\n\r\n"
+    ).encode() + body
 
 
 class Session:
     """One intercepted connection (module docstring)."""
 
-    def __init__(self, broker: Broker, cred: Brokered, host: str, report: Report,
-                 idle_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        broker: Broker,
+        cred: Brokered,
+        host: str,
+        report: Report,
+        idle_timeout_s: float = 600.0,
+    ) -> None:
         self.idle_timeout_s = idle_timeout_s
         self.broker = broker
         self.cred = cred
@@ -229,21 +256,30 @@ class Session:
         for name, value in head.headers:
             if name.lower() == "authorization":
                 continue
-            found = self.broker.find_sentinel(value.encode("latin-1")) or \
-                basic_sentinel(value, self.broker)
+            found = self.broker.find_sentinel(value.encode("latin-1")) or basic_sentinel(
+                value, self.broker
+            )
             if found is not None:
                 return f"the sentinel of {found.spec.name} in the {name} header"
         auth = head.get("authorization")
         if auth is not None:
             for needle, other in self.broker.sentinel_bytes():
-                if other is not self.cred and (needle.decode() in auth or
-                                               basic_sentinel(auth, self.broker) is other):
-                    return (f"the sentinel of {other.spec.name} sent to {self.host}, "
-                            f"which it is not for")
+                if other is not self.cred and (
+                    needle.decode() in auth or basic_sentinel(auth, self.broker) is other
+                ):
+                    return (
+                        f"the sentinel of {other.spec.name} sent to {self.host}, "
+                        f"which it is not for"
+                    )
         return None
 
-    async def run(self, creader: asyncio.StreamReader, cwriter: asyncio.StreamWriter,
-                  ureader: asyncio.StreamReader, uwriter: asyncio.StreamWriter) -> None:
+    async def run(
+        self,
+        creader: asyncio.StreamReader,
+        cwriter: asyncio.StreamWriter,
+        ureader: asyncio.StreamReader,
+        uwriter: asyncio.StreamWriter,
+    ) -> None:
         while True:
             try:
                 head = await asyncio.wait_for(read_head(creader), self.idle_timeout_s)
@@ -260,9 +296,11 @@ class Session:
                 keep = await self._one(head, ex, creader, cwriter, ureader, uwriter)
             except Leak as leak:
                 ex.leak = str(leak)
-                text = (f"fusion-oci egress: request to {self.host} denied: {leak}; a "
-                        "credential's sentinel is swapped only in the Authorization header "
-                        "of requests to its hosts")
+                text = (
+                    f"fusion-oci egress: request to {self.host} denied: {leak}; a "
+                    "credential's sentinel is swapped only in the Authorization header "
+                    "of requests to its hosts"
+                )
                 self.report(ex)
                 with contextlib.suppress(ConnectionError, RuntimeError):
                     cwriter.write(http_text(403, text))
@@ -276,9 +314,15 @@ class Session:
             if not keep:
                 return
 
-    async def _one(self, head: Head, ex: Exchange, creader: asyncio.StreamReader,
-                   cwriter: asyncio.StreamWriter, ureader: asyncio.StreamReader,
-                   uwriter: asyncio.StreamWriter) -> bool:
+    async def _one(
+        self,
+        head: Head,
+        ex: Exchange,
+        creader: asyncio.StreamReader,
+        cwriter: asyncio.StreamWriter,
+        ureader: asyncio.StreamReader,
+        uwriter: asyncio.StreamWriter,
+    ) -> bool:
         leak = self._leak_in_head(head)
         if leak:
             raise Leak(leak)
@@ -307,10 +351,13 @@ class Session:
             if answer is not None:
                 async for _ in body:
                     pass  # the rest of the pack: read and dropped, then git reads the report
-                cwriter.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/x-git-receive-"
-                              b"pack-result\r\nCache-Control: no-cache\r\nContent-Length: "
-                              + str(len(answer)).encode() + b"\r\nConnection: close\r\n\r\n"
-                              + answer)
+                cwriter.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: application/x-git-receive-"
+                    b"pack-result\r\nCache-Control: no-cache\r\nContent-Length: "
+                    + str(len(answer)).encode()
+                    + b"\r\nConnection: close\r\n\r\n"
+                    + answer
+                )
                 await cwriter.drain()
                 ex.status = 200
                 return False
@@ -321,8 +368,9 @@ class Session:
             if found is not None:
                 uwriter.close()  # the request never completes upstream
                 owner = self.broker.find_sentinel(found)
-                raise Leak(f"the sentinel of {owner.spec.name if owner else '?'} in the "
-                           "request body")
+                raise Leak(
+                    f"the sentinel of {owner.spec.name if owner else '?'} in the request body"
+                )
             self._send(uwriter, safe, chunked)
         self._send(uwriter, scanner.flush(), chunked)
         if chunked:
@@ -336,8 +384,9 @@ class Session:
         self.bytes_up += len(data)
         writer.write(b"%x\r\n%s\r\n" % (len(data), data) if chunked else data)
 
-    async def _check_push(self, head: Head, ex: Exchange, body: AsyncIterator[bytes]
-                          ) -> tuple[bytes | None, AsyncIterator[bytes]]:
+    async def _check_push(
+        self, head: Head, ex: Exchange, body: AsyncIterator[bytes]
+    ) -> tuple[bytes | None, AsyncIterator[bytes]]:
         """Read the push's ref updates (the first pkt-lines) and decide: (git's refusal or
         None, the whole body again)."""
         gzip = "gzip" in head.tokens("content-encoding")
@@ -359,22 +408,31 @@ class Session:
         if not repo_allowed(repo, spec.allowed_repos):
             bad = list(refs)
             shown = ", ".join(spec.allowed_repos or []) or "none"
-            reason = (f"fusion-oci: {self.host}/{repo} is outside allowedRepos of {spec.name} "
-                      f"({shown}); push to a repository it allows, or add it to "
-                      "sandbox.credentials allowedRepos")
+            reason = (
+                f"fusion-oci: {self.host}/{repo} is outside allowedRepos of {spec.name} "
+                f"({shown}); push to a repository it allows, or add it to "
+                "sandbox.credentials allowedRepos"
+            )
         else:
             bad = [r for r in refs if not ref_allowed(r, spec.allowed_refs)]
             if not bad:
                 return None, rest
             shown = ", ".join(spec.allowed_refs or []) or "none (this credential may not push)"
-            reason = (f"fusion-oci: {bad[0]} is outside allowedRefs of {spec.name} "
-                      f"({shown}); push to a ref it allows, or add the ref to "
-                      "sandbox.credentials allowedRefs")
+            reason = (
+                f"fusion-oci: {bad[0]} is outside allowedRefs of {spec.name} "
+                f"({shown}); push to a ref it allows, or add the ref to "
+                "sandbox.credentials allowedRefs"
+            )
         ex.refused = reason
         return push_refusal(refs, bad, caps, reason), rest
 
-    async def _response(self, ex: Exchange, client_close: bool, cwriter: asyncio.StreamWriter,
-                        ureader: asyncio.StreamReader) -> bool:
+    async def _response(
+        self,
+        ex: Exchange,
+        client_close: bool,
+        cwriter: asyncio.StreamWriter,
+        ureader: asyncio.StreamReader,
+    ) -> bool:
         while True:
             head = await read_head(ureader)
             if head is None:
@@ -387,17 +445,21 @@ class Session:
         needles = [self.cred.value.encode(), *self.broker.echo_forms]
         if any(n in head.encode() for n in needles):
             raise Echo(f"{self.host} echoed the credential in a response header")
-        framed = (head.get("content-length") is not None
-                  or "chunked" in head.tokens("transfer-encoding")
-                  or ex.method == "HEAD" or status in NO_BODY_STATUS)
+        framed = (
+            head.get("content-length") is not None
+            or "chunked" in head.tokens("transfer-encoding")
+            or ex.method == "HEAD"
+            or status in NO_BODY_STATUS
+        )
         keep = framed and not client_close and "close" not in head.tokens("connection")
         chunked = "chunked" in head.tokens("transfer-encoding")
         headers = [(k, v) for k, v in head.headers if k.lower() not in _HOP]
         headers.append(("Connection", "keep-alive" if keep else "close"))
         cwriter.write(Head(head.first, headers).encode())
         scanner = Scanner(needles)
-        async for data in body_chunks(ureader, head, response=True, status=status,
-                                      method=ex.method):
+        async for data in body_chunks(
+            ureader, head, response=True, status=status, method=ex.method
+        ):
             safe, found = scanner.feed(data)
             if found is not None:
                 # Never forward the value: cut the connection mid-body.
@@ -422,4 +484,3 @@ async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[by
         yield first
     async for data in rest:
         yield data
-

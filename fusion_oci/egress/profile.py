@@ -31,8 +31,7 @@ import yaml
 from fusion_oci.process import run_process
 
 PROBE_TIMEOUT_S = 5.0
-DEFAULT_PORTS = {"https": 443, "http": 80, "ssh": 22, "git": 9418, "git+ssh": 22,
-                 "ssh+git": 22}
+DEFAULT_PORTS = {"https": 443, "http": 80, "ssh": 22, "git": 9418, "git+ssh": 22, "ssh+git": 22}
 NPM_DEFAULT = "https://registry.npmjs.org/"
 YARN_DEFAULT = "https://registry.yarnpkg.com/"
 
@@ -102,8 +101,7 @@ def parse_yarnrc(text: str) -> list[tuple[str, str]]:
     if isinstance(scopes, dict):
         for scope, conf in scopes.items():
             if isinstance(conf, dict) and isinstance(conf.get("npmRegistryServer"), str):
-                found.append((f"npmScopes.{scope}.npmRegistryServer",
-                              conf["npmRegistryServer"]))
+                found.append((f"npmScopes.{scope}.npmRegistryServer", conf["npmRegistryServer"]))
     return found
 
 
@@ -163,8 +161,9 @@ def file_hosts(worktree: Path, env: Mapping[str, str]) -> list[ProfileHost]:
 
 async def _probe(argv: list[str], cwd: Path, env: Mapping[str, str]) -> str | None:
     try:
-        outcome = await run_process(argv, cwd=str(cwd), env=env, timeout_s=PROBE_TIMEOUT_S,
-                                    max_buffer=1 << 20, grace_s=0.5)
+        outcome = await run_process(
+            argv, cwd=str(cwd), env=env, timeout_s=PROBE_TIMEOUT_S, max_buffer=1 << 20, grace_s=0.5
+        )
     except OSError:
         return None
     if outcome.returncode != 0 or outcome.timed_out:
@@ -206,6 +205,7 @@ def merge(hosts: Iterable[ProfileHost]) -> list[ProfileHost]:
 async def resolve_profile(worktree: Path, env: Mapping[str, str]) -> list[ProfileHost]:
     """The profile's hosts for a task (runs npm and git once each, short timeouts)."""
     # npm (a node start-up) and git run at once: this is on the prepare path.
-    npm, remotes = await asyncio.gather(npm_registry_host(worktree, env),
-                                        git_remote_hosts(worktree, env))
+    npm, remotes = await asyncio.gather(
+        npm_registry_host(worktree, env), git_remote_hosts(worktree, env)
+    )
     return merge([npm, *file_hosts(worktree, env), *remotes])

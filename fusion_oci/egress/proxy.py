@@ -47,10 +47,18 @@ SOCKS_TTL_EXPIRED = 0x06
 SOCKS_BAD_COMMAND = 0x07
 SOCKS_BAD_ADDRESS = 0x08
 
-HOP_BY_HOP = frozenset({
-    "connection", "keep-alive", "proxy-connection", "proxy-authorization",
-    "proxy-authenticate", "te", "trailer", "upgrade",
-})
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "proxy-authorization",
+        "proxy-authenticate",
+        "te",
+        "trailer",
+        "upgrade",
+    }
+)
 """Headers that belong to one hop (RFC 9110 7.6.1); Transfer-Encoding stays: the body is
 forwarded as the client framed it."""
 
@@ -100,18 +108,26 @@ class Connection:
     started: float = field(default_factory=time.monotonic)
 
 
-_REASONS = {400: "Bad Request", 403: "Forbidden", 408: "Request Timeout",
-            431: "Request Header Fields Too Large", 502: "Bad Gateway",
-            503: "Service Unavailable", 504: "Gateway Timeout"}
+_REASONS = {
+    400: "Bad Request",
+    403: "Forbidden",
+    408: "Request Timeout",
+    431: "Request Header Fields Too Large",
+    502: "Bad Gateway",
+    503: "Service Unavailable",
+    504: "Gateway Timeout",
+}
 
 
 def http_response(status: int, text: str) -> bytes:
     body = (text + "\n").encode()
-    head = (f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\n"
-            "Content-Type: text/plain; charset=utf-8\r\n"
-            f"Content-Length: {len(body)}\r\n"
-            "Connection: close\r\n"
-            "X-Fusion-OCI-Egress: refused\r\n\r\n")
+    head = (
+        f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\n"
+        "Content-Type: text/plain; charset=utf-8\r\n"
+        f"Content-Length: {len(body)}\r\n"
+        "Connection: close\r\n"
+        "X-Fusion-OCI-Egress: refused\r\n\r\n"
+    )
     return head.encode() + body
 
 
@@ -121,7 +137,7 @@ def split_host_port(target: str, default_port: int | None = None) -> tuple[str, 
         end = target.find("]")
         if end < 0:
             raise ValueError(target)
-        host, rest = target[1:end], target[end + 1:]
+        host, rest = target[1:end], target[end + 1 :]
         port_text = rest[1:] if rest.startswith(":") else ""
     else:
         host, sep, port_text = target.rpartition(":")
@@ -160,11 +176,20 @@ def rewrite_request(lines: list[str], path: str, netloc: str) -> bytes:
 class EgressProxy:
     """One task's proxy. Made by :func:`start_proxy`; serves on the proxy thread's loop."""
 
-    def __init__(self, *, task_id: str, rules: EgressRules, state_dir: Path,
-                 audit: AuditLog | None, tcp: bool,
-                 resolve_override: Mapping[str, list[str]] | None,
-                 limits: Limits, backend: str, policy_hash: str | None,
-                 broker: Broker | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        task_id: str,
+        rules: EgressRules,
+        state_dir: Path,
+        audit: AuditLog | None,
+        tcp: bool,
+        resolve_override: Mapping[str, list[str]] | None,
+        limits: Limits,
+        backend: str,
+        policy_hash: str | None,
+        broker: Broker | None = None,
+    ) -> None:
         self.task_id = task_id
         self.broker = broker
         """The task's brokered credentials (None: nothing is intercepted)."""
@@ -179,8 +204,11 @@ class EgressProxy:
         """The 127.0.0.1 port when started with ``tcp=True``; None otherwise."""
         self.run_id: str | None = None
         self._tcp = tcp
-        self._override = ({normalize_host(k): list(v) for k, v in resolve_override.items()}
-                          if resolve_override is not None else None)
+        self._override = (
+            {normalize_host(k): list(v) for k, v in resolve_override.items()}
+            if resolve_override is not None
+            else None
+        )
         self._servers: list[asyncio.AbstractServer] = []
         self._handlers: set[asyncio.Task[None]] = set()
         self._tunnels: set[Tunnel] = set()
@@ -199,16 +227,18 @@ class EgressProxy:
     async def _start(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.unix_socket.unlink()  # a stale socket of a dead owner in a reused folder
-        server = await asyncio.start_unix_server(self._accept, path=str(self.unix_socket),
-                                                 limit=self.limits.max_header_bytes)
+        server = await asyncio.start_unix_server(
+            self._accept, path=str(self.unix_socket), limit=self.limits.max_header_bytes
+        )
         self._servers.append(server)
         # The socket's folder is private (0700, the host's); the file itself is bound into
         # the sandbox, whose user may be any uid of its user namespace.
         self.unix_socket.chmod(0o666)
         if self._tcp:
             for _ in range(8):
-                tcp = await asyncio.start_server(self._accept, "127.0.0.1", 0,
-                                                 limit=self.limits.max_header_bytes)
+                tcp = await asyncio.start_server(
+                    self._accept, "127.0.0.1", 0, limit=self.limits.max_header_bytes
+                )
                 port = tcp.sockets[0].getsockname()[1]
                 if port != DASHBOARD_PORT:  # never listen there (a random port could be it)
                     self._servers.append(tcp)
@@ -264,12 +294,12 @@ class EgressProxy:
             if conn.host is not None or conn.reason is not None:
                 self._audit(conn)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                     conn: Connection) -> None:
+    async def _serve(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: Connection
+    ) -> None:
         over = self.open_connections > self.limits.max_connections
         try:
-            first = await asyncio.wait_for(reader.readexactly(1),
-                                           self.limits.handshake_timeout_s)
+            first = await asyncio.wait_for(reader.readexactly(1), self.limits.handshake_timeout_s)
         except TimeoutError:
             return
         if first == b"\x05":
@@ -279,24 +309,40 @@ class EgressProxy:
             conn.protocol = "http"
             await self._http(first, reader, writer, conn, over)
 
-    async def _http(self, first: bytes, reader: asyncio.StreamReader,
-                    writer: asyncio.StreamWriter, conn: Connection, over: bool) -> None:
+    async def _http(
+        self,
+        first: bytes,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        conn: Connection,
+        over: bool,
+    ) -> None:
         try:
-            rest = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"),
-                                          self.limits.handshake_timeout_s)
+            rest = await asyncio.wait_for(
+                reader.readuntil(b"\r\n\r\n"), self.limits.handshake_timeout_s
+            )
         except asyncio.LimitOverrunError:
-            return await self._http_refuse(writer, conn, Refused(
-                431, 0, "fusion-oci egress: request head larger than "
-                        f"{self.limits.max_header_bytes} bytes"))
+            return await self._http_refuse(
+                writer,
+                conn,
+                Refused(
+                    431,
+                    0,
+                    "fusion-oci egress: request head larger than "
+                    f"{self.limits.max_header_bytes} bytes",
+                ),
+            )
         except TimeoutError:
-            return await self._http_refuse(writer, conn, Refused(
-                408, 0, "fusion-oci egress: no complete request head in time"))
+            return await self._http_refuse(
+                writer, conn, Refused(408, 0, "fusion-oci egress: no complete request head in time")
+            )
         head = (first + rest).decode("latin-1")
         lines = head.split("\r\n")[:-2]
         parts = lines[0].split(" ") if lines else []
         if len(parts) != 3 or not parts[2].startswith("HTTP/"):
-            return await self._http_refuse(writer, conn, Refused(
-                400, 0, "fusion-oci egress: not an HTTP proxy request"))
+            return await self._http_refuse(
+                writer, conn, Refused(400, 0, "fusion-oci egress: not an HTTP proxy request")
+            )
         method, target, _ = parts
         try:
             if method.upper() == "CONNECT":
@@ -310,12 +356,22 @@ class EgressProxy:
                 path = (url.path or "/") + (f"?{url.query}" if url.query else "")
                 netloc = url.netloc.rpartition("@")[2]
         except ValueError:
-            return await self._http_refuse(writer, conn, Refused(
-                400, 0, f"fusion-oci egress: '{target}' is not host:port (CONNECT) or an "
-                        "http:// absolute URI"))
+            return await self._http_refuse(
+                writer,
+                conn,
+                Refused(
+                    400,
+                    0,
+                    f"fusion-oci egress: '{target}' is not host:port (CONNECT) or an "
+                    "http:// absolute URI",
+                ),
+            )
         if over:
-            return await self._http_refuse(writer, conn, Refused(
-                503, 0, "fusion-oci egress: too many open connections for this task"))
+            return await self._http_refuse(
+                writer,
+                conn,
+                Refused(503, 0, "fusion-oci egress: too many open connections for this task"),
+            )
         cred = None
         if self.broker is not None:
             leaked = self.broker.find_sentinel(head.encode("latin-1"))
@@ -324,10 +380,17 @@ class EgressProxy:
                 # A sentinel in a head the proxy forwards as is (plain HTTP, a CONNECT's own
                 # headers): never swapped there, and the attempt is on record.
                 self._leak(conn, leaked.spec.name, "in a request the proxy does not swap in")
-                return await self._http_refuse(writer, conn, Refused(
-                    403, 0, f"fusion-oci egress: request to {conn.host} denied: it carries "
-                            f"the sentinel of {leaked.spec.name}, which is swapped only in the "
-                            "Authorization header of HTTPS requests to its hosts"))
+                return await self._http_refuse(
+                    writer,
+                    conn,
+                    Refused(
+                        403,
+                        0,
+                        f"fusion-oci egress: request to {conn.host} denied: it carries "
+                        f"the sentinel of {leaked.spec.name}, which is swapped only in the "
+                        "Authorization header of HTTPS requests to its hosts",
+                    ),
+                )
         try:
             up = await self._open(conn)
         except Refused as refused:
@@ -335,25 +398,32 @@ class EgressProxy:
         if cred is not None and method.upper() == "CONNECT":
             return await self._intercept(up, reader, writer, conn, cred)
         if method.upper() == "CONNECT":
-            await self._splice(up, reader, writer, conn,
-                               answer=b"HTTP/1.1 200 Connection established\r\n\r\n")
+            await self._splice(
+                up, reader, writer, conn, answer=b"HTTP/1.1 200 Connection established\r\n\r\n"
+            )
         else:
-            await self._splice(up, reader, writer, conn,
-                               first=rewrite_request(lines, path, netloc))
+            await self._splice(up, reader, writer, conn, first=rewrite_request(lines, path, netloc))
 
-    async def _http_refuse(self, writer: asyncio.StreamWriter, conn: Connection,
-                           refused: Refused) -> None:
+    async def _http_refuse(
+        self, writer: asyncio.StreamWriter, conn: Connection, refused: Refused
+    ) -> None:
         conn.reason = refused.text
         conn.rule = conn.rule or refused.rule
         writer.write(http_response(refused.status, refused.text))
         with contextlib.suppress(ConnectionError):
             await writer.drain()
 
-    async def _socks(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                     conn: Connection, over: bool) -> None:
+    async def _socks(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        conn: Connection,
+        over: bool,
+    ) -> None:
         try:
-            refusal = await asyncio.wait_for(self._socks_request(reader, writer, conn),
-                                             self.limits.handshake_timeout_s)
+            refusal = await asyncio.wait_for(
+                self._socks_request(reader, writer, conn), self.limits.handshake_timeout_s
+            )
         except TimeoutError:
             conn.reason = "fusion-oci egress: no complete SOCKS5 request in time"
             return
@@ -362,17 +432,24 @@ class EgressProxy:
         if conn.host is None:
             return  # negotiation failed; the reason is set
         if over:
-            return self._socks_refuse(writer, conn, Refused(
-                0, SOCKS_FAILURE, "fusion-oci egress: too many open connections for this task"))
+            return self._socks_refuse(
+                writer,
+                conn,
+                Refused(
+                    0, SOCKS_FAILURE, "fusion-oci egress: too many open connections for this task"
+                ),
+            )
         try:
             up = await self._open(conn)
         except Refused as refused:
             return self._socks_refuse(writer, conn, refused)
-        await self._splice(up, reader, writer, conn,
-                           answer=bytes([5, SOCKS_OK, 0, 1, 0, 0, 0, 0, 0, 0]))
+        await self._splice(
+            up, reader, writer, conn, answer=bytes([5, SOCKS_OK, 0, 1, 0, 0, 0, 0, 0, 0])
+        )
 
-    async def _socks_request(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                             conn: Connection) -> Refused | None:
+    async def _socks_request(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: Connection
+    ) -> Refused | None:
         """The method negotiation and the request (RFC 1928 sections 3 and 4): sets
         ``conn.host``/``conn.port``, or returns the refusal for a request we do not serve."""
         count = (await reader.readexactly(1))[0]
@@ -395,16 +472,21 @@ class EgressProxy:
             host = (await reader.readexactly(size)).decode("ascii", errors="replace")
         else:
             conn.host = "?"
-            return Refused(0, SOCKS_BAD_ADDRESS,
-                           f"fusion-oci egress: SOCKS address type {atyp} unknown")
+            return Refused(
+                0, SOCKS_BAD_ADDRESS, f"fusion-oci egress: SOCKS address type {atyp} unknown"
+            )
         conn.host, conn.port = host, int.from_bytes(await reader.readexactly(2), "big")
         if cmd != 0x01:
-            return Refused(0, SOCKS_BAD_COMMAND, f"fusion-oci egress: SOCKS command {cmd} not "
-                                                 "supported (only CONNECT)")
+            return Refused(
+                0,
+                SOCKS_BAD_COMMAND,
+                f"fusion-oci egress: SOCKS command {cmd} not supported (only CONNECT)",
+            )
         return None
 
-    def _socks_refuse(self, writer: asyncio.StreamWriter, conn: Connection,
-                      refused: Refused) -> None:
+    def _socks_refuse(
+        self, writer: asyncio.StreamWriter, conn: Connection, refused: Refused
+    ) -> None:
         conn.reason = refused.text
         conn.rule = conn.rule or refused.rule
         writer.write(bytes([5, refused.socks, 0, 1, 0, 0, 0, 0, 0, 0]))
@@ -415,7 +497,8 @@ class EgressProxy:
         if self._override is not None:
             return list(self._override.get(host, []))
         infos = await asyncio.get_running_loop().getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
+            host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP
+        )
         return list(dict.fromkeys(str(info[4][0]) for info in infos))
 
     async def _open(self, conn: Connection) -> socket.socket:
@@ -425,21 +508,30 @@ class EgressProxy:
         decision = self.rules.decide(host, conn.port)
         conn.rule = decision.rule
         if not decision.allowed:
-            raise Refused(403, SOCKS_NOT_ALLOWED, decision.denial_text(host, conn.port),
-                          decision.rule)
+            raise Refused(
+                403, SOCKS_NOT_ALLOWED, decision.denial_text(host, conn.port), decision.rule
+            )
         if _is_address(host):
             addresses = [host]
         else:
             try:
-                addresses = await asyncio.wait_for(self._resolve(host, conn.port),
-                                                   self.limits.connect_timeout_s)
+                addresses = await asyncio.wait_for(
+                    self._resolve(host, conn.port), self.limits.connect_timeout_s
+                )
             except (OSError, TimeoutError) as exc:
-                raise Refused(502, SOCKS_HOST_UNREACHABLE,
-                              f"fusion-oci egress: {host} could not be resolved ({exc})",
-                              decision.rule) from None
+                raise Refused(
+                    502,
+                    SOCKS_HOST_UNREACHABLE,
+                    f"fusion-oci egress: {host} could not be resolved ({exc})",
+                    decision.rule,
+                ) from None
             if not addresses:
-                raise Refused(502, SOCKS_HOST_UNREACHABLE,
-                              f"fusion-oci egress: {host} could not be resolved", decision.rule)
+                raise Refused(
+                    502,
+                    SOCKS_HOST_UNREACHABLE,
+                    f"fusion-oci egress: {host} could not be resolved",
+                    decision.rule,
+                )
         checked: list[str] = []
         refusal: Decision | None = None
         for address in addresses:
@@ -452,8 +544,9 @@ class EgressProxy:
             assert refusal is not None
             conn.rule = refusal.rule
             conn.address = addresses[0]
-            raise Refused(403, SOCKS_NOT_ALLOWED, refusal.denial_text(host, conn.port),
-                          refusal.rule)
+            raise Refused(
+                403, SOCKS_NOT_ALLOWED, refusal.denial_text(host, conn.port), refusal.rule
+            )
         loop = asyncio.get_running_loop()
         last: BaseException | None = None
         for address in checked:
@@ -462,8 +555,9 @@ class EgressProxy:
             sock.setblocking(False)
             try:
                 # The checked address itself: nothing is resolved again (no rebinding window).
-                await asyncio.wait_for(loop.sock_connect(sock, (address, conn.port)),
-                                       self.limits.connect_timeout_s)
+                await asyncio.wait_for(
+                    loop.sock_connect(sock, (address, conn.port)), self.limits.connect_timeout_s
+                )
             except (OSError, TimeoutError) as exc:
                 sock.close()
                 last = exc
@@ -483,12 +577,23 @@ class EgressProxy:
         elif isinstance(last, TimeoutError):
             code = SOCKS_TTL_EXPIRED
         conn.address = checked[-1]
-        raise Refused(502, code, f"fusion-oci egress: {host}:{conn.port} could not be reached "
-                                 f"({last or 'no address'})", decision.rule)
+        raise Refused(
+            502,
+            code,
+            f"fusion-oci egress: {host}:{conn.port} could not be reached ({last or 'no address'})",
+            decision.rule,
+        )
 
-    async def _splice(self, up: socket.socket, reader: asyncio.StreamReader,
-                      writer: asyncio.StreamWriter, conn: Connection, *, answer: bytes = b"",
-                      first: bytes = b"") -> None:
+    async def _splice(
+        self,
+        up: socket.socket,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        conn: Connection,
+        *,
+        answer: bytes = b"",
+        first: bytes = b"",
+    ) -> None:
         """Take the sandbox's socket over from its stream, answer the handshake, and splice
         it to ``up`` until the tunnel is over. ``first``: bytes the destination gets first
         (a plain HTTP request's rewritten head)."""
@@ -535,8 +640,14 @@ class EgressProxy:
 
     # -- credentials: the intercepted connection (fusion_oci/egress/mitm.py) --------------------
 
-    async def _intercept(self, up: socket.socket, reader: asyncio.StreamReader,
-                         writer: asyncio.StreamWriter, conn: Connection, cred: Brokered) -> None:
+    async def _intercept(
+        self,
+        up: socket.socket,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        conn: Connection,
+        cred: Brokered,
+    ) -> None:
         from fusion_oci.egress.mitm import Session, http_text
 
         assert self.broker is not None and conn.host is not None
@@ -545,28 +656,47 @@ class EgressProxy:
         timeout = self.limits.handshake_timeout_s
         uwriter: asyncio.StreamWriter | None = None
         ureader: asyncio.StreamReader
-        session = Session(self.broker, cred, host, lambda ex: self._exchange(conn, cred, ex),
-                          self.limits.idle_timeout_s)
+        session = Session(
+            self.broker,
+            cred,
+            host,
+            lambda ex: self._exchange(conn, cred, ex),
+            self.limits.idle_timeout_s,
+        )
         try:
             writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
             await writer.drain()
             await asyncio.wait_for(writer.start_tls(self.broker.server_context(host)), timeout)
             try:
-                ureader, opened = await asyncio.wait_for(asyncio.open_connection(
-                    sock=up, ssl=self.broker.client_context(cred), server_hostname=host,
-                    limit=self.limits.max_header_bytes), timeout)
+                ureader, opened = await asyncio.wait_for(
+                    asyncio.open_connection(
+                        sock=up,
+                        ssl=self.broker.client_context(cred),
+                        server_hostname=host,
+                        limit=self.limits.max_header_bytes,
+                    ),
+                    timeout,
+                )
                 uwriter = opened
             except (OSError, TimeoutError, ssl.SSLError) as exc:
                 up.close()
-                conn.reason = (f"fusion-oci egress: TLS to {host} failed ({exc}); the real "
-                               "host's certificate is checked against the machine's trust "
-                               "store (or the credential's caFile)")
+                conn.reason = (
+                    f"fusion-oci egress: TLS to {host} failed ({exc}); the real "
+                    "host's certificate is checked against the machine's trust "
+                    "store (or the credential's caFile)"
+                )
                 writer.write(http_text(502, conn.reason, "Bad Gateway"))
                 await writer.drain()
                 return
             await session.run(reader, writer, ureader, opened)
-        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
-                ssl.SSLError, ValueError, TimeoutError) as exc:
+        except (
+            ConnectionError,
+            asyncio.IncompleteReadError,
+            asyncio.LimitOverrunError,
+            ssl.SSLError,
+            ValueError,
+            TimeoutError,
+        ) as exc:
             conn.reason = conn.reason or f"fusion-oci egress: intercepted connection ended ({exc})"
         finally:
             if uwriter is not None:
@@ -579,26 +709,57 @@ class EgressProxy:
         """One request of an intercepted connection: a ``sandbox:credential`` event."""
         ok = ex.leak is None and ex.refused is None
         reason = ex.refused or (f"leak attempt: {ex.leak}" if ex.leak else None)
-        self._credential_event(conn, cred.spec.name, allowed=ok, reason=reason, details={
-            "method": ex.method, "path": ex.path, "status": ex.status, "swapped": ex.swapped,
-            "leak": ex.leak is not None, **({"refs": ex.refs} if ex.refs else {})})
+        self._credential_event(
+            conn,
+            cred.spec.name,
+            allowed=ok,
+            reason=reason,
+            details={
+                "method": ex.method,
+                "path": ex.path,
+                "status": ex.status,
+                "swapped": ex.swapped,
+                "leak": ex.leak is not None,
+                **({"refs": ex.refs} if ex.refs else {}),
+            },
+        )
 
     def _leak(self, conn: Connection, name: str, where: str) -> None:
-        self._credential_event(conn, name, allowed=False,
-                               reason=f"leak attempt: the sentinel of {name} {where}",
-                               details={"leak": True, "protocol": conn.protocol})
+        self._credential_event(
+            conn,
+            name,
+            allowed=False,
+            reason=f"leak attempt: the sentinel of {name} {where}",
+            details={"leak": True, "protocol": conn.protocol},
+        )
 
-    def _credential_event(self, conn: Connection, name: str, *, allowed: bool,
-                          reason: str | None, details: dict[str, object]) -> None:
+    def _credential_event(
+        self,
+        conn: Connection,
+        name: str,
+        *,
+        allowed: bool,
+        reason: str | None,
+        details: dict[str, object],
+    ) -> None:
         if self.audit is None:
             return
         from fusion_oci.audit import AuditEvent
 
         event = AuditEvent(
-            type="sandbox:credential", task_id=self.task_id, run_id=self.run_id or "-",
-            backend=self.backend, policy_hash=self.policy_hash, host=conn.host, port=conn.port,
-            address=conn.address, allowed=allowed, rule=f"sandbox.credentials {name}",
-            reason=reason, details={"credential": name, **details})
+            type="sandbox:credential",
+            task_id=self.task_id,
+            run_id=self.run_id or "-",
+            backend=self.backend,
+            policy_hash=self.policy_hash,
+            host=conn.host,
+            port=conn.port,
+            address=conn.address,
+            allowed=allowed,
+            rule=f"sandbox.credentials {name}",
+            reason=reason,
+            details={"credential": name, **details},
+        )
         future = asyncio.ensure_future(asyncio.to_thread(self.audit.emit, event))
         self._emits.add(future)
         future.add_done_callback(self._emits.discard)
@@ -611,11 +772,19 @@ class EgressProxy:
         from fusion_oci.audit import AuditEvent
 
         event = AuditEvent(
-            type="sandbox:egress", task_id=self.task_id, run_id=self.run_id or "-",
-            backend=self.backend, policy_hash=self.policy_hash,
-            host=conn.host, port=conn.port, address=conn.address, allowed=conn.allowed,
-            rule=conn.rule, reason=None if conn.allowed else conn.reason,
-            bytes_up=conn.bytes_up, bytes_down=conn.bytes_down,
+            type="sandbox:egress",
+            task_id=self.task_id,
+            run_id=self.run_id or "-",
+            backend=self.backend,
+            policy_hash=self.policy_hash,
+            host=conn.host,
+            port=conn.port,
+            address=conn.address,
+            allowed=conn.allowed,
+            rule=conn.rule,
+            reason=None if conn.allowed else conn.reason,
+            bytes_up=conn.bytes_up,
+            bytes_down=conn.bytes_down,
             duration_ms=int((time.monotonic() - conn.started) * 1000),
             details={"protocol": conn.protocol},
         )
@@ -633,20 +802,36 @@ def _is_address(host: str) -> bool:
     return True
 
 
-async def start_proxy(*, task_id: str, rules: EgressRules, state_dir: Path,
-                      audit: AuditLog | None, tcp: bool = False,
-                      resolve_override: Mapping[str, list[str]] | None = None,
-                      limits: Limits | None = None, backend: str = "egress",
-                      policy_hash: str | None = None,
-                      broker: Broker | None = None) -> EgressProxy:
+async def start_proxy(
+    *,
+    task_id: str,
+    rules: EgressRules,
+    state_dir: Path,
+    audit: AuditLog | None,
+    tcp: bool = False,
+    resolve_override: Mapping[str, list[str]] | None = None,
+    limits: Limits | None = None,
+    backend: str = "egress",
+    policy_hash: str | None = None,
+    broker: Broker | None = None,
+) -> EgressProxy:
     """Start a task's proxy on the proxy thread (module docstring); listening when it returns.
 
     ``resolve_override``: names -> addresses, for tests only (a name it lacks does not
     resolve); None: the host's resolver. ``backend`` / ``policy_hash`` go into the audit.
     """
-    proxy = EgressProxy(task_id=task_id, rules=rules, state_dir=state_dir, audit=audit,
-                        tcp=tcp, resolve_override=resolve_override, limits=limits or Limits(),
-                        backend=backend, policy_hash=policy_hash, broker=broker)
+    proxy = EgressProxy(
+        task_id=task_id,
+        rules=rules,
+        state_dir=state_dir,
+        audit=audit,
+        tcp=tcp,
+        resolve_override=resolve_override,
+        limits=limits or Limits(),
+        backend=backend,
+        policy_hash=policy_hash,
+        broker=broker,
+    )
     await on_proxy_loop(proxy._start())
     return proxy
 

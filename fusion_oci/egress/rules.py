@@ -44,7 +44,8 @@ DENY_KEY = "sandbox.policy.deniedDomains"
 DASHBOARD_PORT = 4040
 
 _FORBIDDEN: tuple[tuple[str, IPNetwork], ...] = tuple(
-    (why, ipaddress.ip_network(net)) for why, net in (
+    (why, ipaddress.ip_network(net))
+    for why, net in (
         ("the metadata address", "169.254.169.254/32"),
         ("unspecified", "0.0.0.0/8"),
         ("loopback", "127.0.0.0/8"),
@@ -60,7 +61,8 @@ _FORBIDDEN: tuple[tuple[str, IPNetwork], ...] = tuple(
         ("link-local", "fe80::/10"),
         ("unique-local (ULA)", "fc00::/7"),
         ("multicast", "ff00::/8"),
-    ))
+    )
+)
 
 
 class PatternError(SettingsError):
@@ -68,9 +70,11 @@ class PatternError(SettingsError):
 
     def __init__(self, key: str, index: int, value: str, why: str) -> None:
         super().__init__(
-            f"settings error at {key}[{index}]: '{value}' is not a host pattern", why,
+            f"settings error at {key}[{index}]: '{value}' is not a host pattern",
+            why,
             "write an exact name (registry.npmjs.org), a wildcard (*.example.com), an address "
-            "or range (10.0.0.0/24), each optionally with :PORT (github.com:22)")
+            "or range (10.0.0.0/24), each optionally with :PORT (github.com:22)",
+        )
 
 
 def validate_patterns(values: Sequence[str], key: str) -> list[str]:
@@ -103,8 +107,10 @@ class Decision:
     def denial_text(self, host: str, port: int) -> str:
         """The one line a denied program reads (403 body, audit reason)."""
         change = "remove it from" if self.settings_key == DENY_KEY else "add it to"
-        return (f"fusion-oci egress: {host}:{port} denied by {self.rule}; to allow it, "
-                f"{change} {self.settings_key}")
+        return (
+            f"fusion-oci egress: {host}:{port} denied by {self.rule}; to allow it, "
+            f"{change} {self.settings_key}"
+        )
 
 
 class EgressRules(BaseModel):
@@ -138,10 +144,14 @@ class EgressRules(BaseModel):
         ``deniedDomains``; address entries of ``allowedDomains`` also lift the refusal of
         their range."""
         allowed = tuple(dict.fromkeys([*profile_hosts, *policy.allowed_domains]))
-        ranges = [p.network for p in map(parse_pattern, policy.allowed_domains)
-                  if p.network is not None]
-        return cls(allowed=allowed, denied=tuple(policy.denied_domains),
-                   allow_addresses=tuple(str(n) for n in ranges))
+        ranges = [
+            p.network for p in map(parse_pattern, policy.allowed_domains) if p.network is not None
+        ]
+        return cls(
+            allowed=allowed,
+            denied=tuple(policy.denied_domains),
+            allow_addresses=tuple(str(n) for n in ranges),
+        )
 
     @cached_property
     def _denied(self) -> list[Pattern]:
@@ -164,8 +174,9 @@ class EgressRules(BaseModel):
         for pattern in self._allowed:
             if pattern.matches(host, port):
                 return Decision(True, f"allowedDomains entry '{pattern.text}'", ALLOW_KEY)
-        return Decision(False, "no allowedDomains entry (or built-in profile host) matching it",
-                        ALLOW_KEY)
+        return Decision(
+            False, "no allowedDomains entry (or built-in profile host) matching it", ALLOW_KEY
+        )
 
     def check_address(self, address: str, port: int) -> Decision:
         """Whether the proxy may connect to ``address`` (what a name resolved to)."""
@@ -178,15 +189,22 @@ class EgressRules(BaseModel):
         why = address_class(addr)
         if why in ("loopback", "unspecified") and port == DASHBOARD_PORT:
             # 0.0.0.0 connects to the host itself; the dashboard is never reachable.
-            return Decision(False, f"address {address} is the host's own and port 4040 is "
-                                   "the dashboard's (never reachable)", ALLOW_KEY)
+            return Decision(
+                False,
+                f"address {address} is the host's own and port 4040 is "
+                "the dashboard's (never reachable)",
+                ALLOW_KEY,
+            )
         if why is None:
             return Decision(True, f"address {address} is public", ALLOW_KEY)
         for net in self._ranges_parsed:
             if plain.version == net.version and plain in net:
                 return Decision(True, f"allowed address range '{net}'", ALLOW_KEY)
-        return Decision(False, f"address {address} is {why} (refused unless the policy "
-                               "names its range)", ALLOW_KEY)
+        return Decision(
+            False,
+            f"address {address} is {why} (refused unless the policy names its range)",
+            ALLOW_KEY,
+        )
 
 
 def normalize_pattern(text: str) -> str:

@@ -20,12 +20,16 @@ def egress_rows(ctx: PrepareContext, env: Mapping[str, str]) -> list[dict[str, o
     if ctx.policy.network_mode is not NetworkMode.FILTERED:
         return []
     profile = asyncio.run(resolve_profile(Path(ctx.worktree_path), env))
-    allowed: list[tuple[str, str]] = [(h.pattern, f"built-in git/npm profile: {h.source}")
-                                      for h in profile]
+    allowed: list[tuple[str, str]] = [
+        (h.pattern, f"built-in git/npm profile: {h.source}") for h in profile
+    ]
     allowed += [(p, ALLOW_KEY) for p in ctx.policy.allowed_domains]
     rows: list[dict[str, object]] = [
         {"key": f"egress.allowed[{i}]", "value": value, "source": source}
-        for i, (value, source) in enumerate(allowed)]
-    rows += [{"key": f"egress.denied[{i}]", "value": value, "source": DENY_KEY}
-             for i, value in enumerate(ctx.policy.denied_domains)]
+        for i, (value, source) in enumerate(allowed)
+    ]
+    rows += [
+        {"key": f"egress.denied[{i}]", "value": value, "source": DENY_KEY}
+        for i, value in enumerate(ctx.policy.denied_domains)
+    ]
     return rows

@@ -26,8 +26,7 @@ _FLAGS = os.SPLICE_F_NONBLOCK | os.SPLICE_F_MOVE
 class _Pump:
     """One direction: ``src`` -> pipe -> ``dst``."""
 
-    def __init__(self, tunnel: Tunnel, src: socket.socket, dst: socket.socket,
-                 key: str) -> None:
+    def __init__(self, tunnel: Tunnel, src: socket.socket, dst: socket.socket, key: str) -> None:
         self.tunnel = tunnel
         self.loop = tunnel.loop
         self.src, self.dst = src.fileno(), dst.fileno()
@@ -115,8 +114,13 @@ class Tunnel:
     """The sandbox's socket (``down``) and the destination's (``up``) spliced together; owns
     both. ``done`` resolves when the tunnel is over."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, idle_timeout_s: float,
-                 down: socket.socket, up: socket.socket) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        idle_timeout_s: float,
+        down: socket.socket,
+        up: socket.socket,
+    ) -> None:
         self.loop = loop
         self.idle_timeout_s = idle_timeout_s
         self.socks = (down, up)

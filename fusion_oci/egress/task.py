@@ -29,29 +29,44 @@ if TYPE_CHECKING:
 _TASK_ID_IN_PATH = 24
 
 
-async def task_rules(ctx: PrepareContext, env: Mapping[str, str]) -> tuple[EgressRules,
-                                                                          list[ProfileHost]]:
+async def task_rules(
+    ctx: PrepareContext, env: Mapping[str, str]
+) -> tuple[EgressRules, list[ProfileHost]]:
     """The task's rules: its policy over the built-in profile's hosts (and those hosts)."""
     profile = await resolve_profile(Path(ctx.worktree_path), env)
     return EgressRules.from_policy(ctx.policy, [h.pattern for h in profile]), profile
 
 
-async def start_task_proxy(ctx: PrepareContext, env: Mapping[str, str], *,
-                           audit: AuditLog | None, tcp: bool, backend: str,
-                           broker: Broker | None = None) -> EgressProxy:
+async def start_task_proxy(
+    ctx: PrepareContext,
+    env: Mapping[str, str],
+    *,
+    audit: AuditLog | None,
+    tcp: bool,
+    backend: str,
+    broker: Broker | None = None,
+) -> EgressProxy:
     """Make the socket's folder, resolve the rules, start the proxy."""
     rules, _ = await task_rules(ctx, env)
     state_dir = make_scratch("egress", ctx.task_id[:_TASK_ID_IN_PATH])
     try:
-        proxy = await start_proxy(task_id=ctx.task_id, rules=rules, state_dir=state_dir,
-                                  audit=audit, tcp=tcp, backend=backend,
-                                  policy_hash=ctx.policy.digest(), broker=broker)
+        proxy = await start_proxy(
+            task_id=ctx.task_id,
+            rules=rules,
+            state_dir=state_dir,
+            audit=audit,
+            tcp=tcp,
+            backend=backend,
+            policy_hash=ctx.policy.digest(),
+            broker=broker,
+        )
     except OSError as exc:
         shutil.rmtree(state_dir, ignore_errors=True)
         raise SandboxSetupError(
-            "the task's egress proxy could not start", f"{state_dir / SOCKET_NAME}: {exc}",
-            "a unix socket path has at most 107 bytes: set TMPDIR to a short folder "
-            "(e.g. /tmp)") from exc
+            "the task's egress proxy could not start",
+            f"{state_dir / SOCKET_NAME}: {exc}",
+            "a unix socket path has at most 107 bytes: set TMPDIR to a short folder (e.g. /tmp)",
+        ) from exc
     except BaseException:
         shutil.rmtree(state_dir, ignore_errors=True)
         raise

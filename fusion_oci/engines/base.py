@@ -61,9 +61,15 @@ class ImageInfo:
     created: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        return {"engine": self.engine, "id": self.id, "tags": self.tags,
-                "repoDigests": self.repo_digests, "labels": self.labels, "size": self.size,
-                "created": self.created}
+        return {
+            "engine": self.engine,
+            "id": self.id,
+            "tags": self.tags,
+            "repoDigests": self.repo_digests,
+            "labels": self.labels,
+            "size": self.size,
+            "created": self.created,
+        }
 
 
 @dataclass(frozen=True)
@@ -110,8 +116,15 @@ class EngineAdapter:
 
     kind: EngineKind = "docker"
 
-    def __init__(self, name: str, url: str, client: Any, *, owned: bool = True,
-                 endpoint: Endpoint | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        url: str,
+        client: Any,
+        *,
+        owned: bool = True,
+        endpoint: Endpoint | None = None,
+    ) -> None:
         self.name = name
         self.url = url
         self.client = client
@@ -187,9 +200,17 @@ class EngineAdapter:
     def images(self, label: str | None = None) -> list[ImageInfo]:
         raise NotImplementedError
 
-    def build(self, context_tar: Path, *, containerfile: str, tag: str,
-              build_args: Mapping[str, str], labels: Mapping[str, str],
-              secrets: Mapping[str, str], on_event: EventSink) -> str:
+    def build(
+        self,
+        context_tar: Path,
+        *,
+        containerfile: str,
+        tag: str,
+        build_args: Mapping[str, str],
+        labels: Mapping[str, str],
+        secrets: Mapping[str, str],
+        on_event: EventSink,
+    ) -> str:
         """Build from an uploaded context tar; ``secrets``: secret id → file name in the tar."""
         raise NotImplementedError
 
@@ -208,8 +229,9 @@ class EngineAdapter:
     def tag(self, image: str, ref: str) -> None:
         raise NotImplementedError
 
-    def export_rootfs(self, ref: str, out: IO[bytes], *,
-                      labels: Mapping[str, str] | None = None) -> str:
+    def export_rootfs(
+        self, ref: str, out: IO[bytes], *, labels: Mapping[str, str] | None = None
+    ) -> str:
         """Write the image's root filesystem to ``out`` as a tar, laid out by the engine itself
         (layers applied, whiteouts resolved): the export of a container created from it and
         never started, removed afterwards. ``labels`` go on that container (owner labels,
@@ -217,9 +239,13 @@ class EngineAdapter:
         what = f"export the root filesystem of {ref} from {self.name}"
         info = self.image(ref)
         if info is None:
-            raise EngineOpError(what, f"image '{ref}' is not in {self.name}", transient=False,
-                                hint="provision it first (`fusion-oci images build`, a build "
-                                     "or a load on this engine)")
+            raise EngineOpError(
+                what,
+                f"image '{ref}' is not in {self.name}",
+                transient=False,
+                hint="provision it first (`fusion-oci images build`, a build "
+                "or a load on this engine)",
+            )
         with self.call(what):
             container = self.create_stopped(info.id, dict(labels or {}))
             try:
@@ -261,10 +287,12 @@ def image_info(engine: str, data: Mapping[str, Any]) -> ImageInfo:
         # docker's list answers epoch seconds, inspect and podman RFC 3339: say it one way
         created = datetime.fromtimestamp(int(created), UTC).isoformat()
     return ImageInfo(
-        engine=engine, id=image_id,
+        engine=engine,
+        id=image_id,
         tags=[t for t in (data.get("RepoTags") or []) if t and t != "<none>:<none>"],
         repo_digests=list(data.get("RepoDigests") or []),
-        labels=dict(labels or {}), size=int(data.get("Size") or 0),
+        labels=dict(labels or {}),
+        size=int(data.get("Size") or 0),
         created=str(created),
     )
 

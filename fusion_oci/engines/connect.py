@@ -24,8 +24,13 @@ class NotAnswering(Exception):
         self.tried = tried
 
 
-def open_adapter(kind: EngineKind, endpoint: Endpoint, *, name: str | None = None,
-                 timeout: float = LONG_TIMEOUT_S) -> EngineAdapter:
+def open_adapter(
+    kind: EngineKind,
+    endpoint: Endpoint,
+    *,
+    name: str | None = None,
+    timeout: float = LONG_TIMEOUT_S,
+) -> EngineAdapter:
     """An adapter on ``endpoint`` (no round trip yet); closed by its ``close()``."""
     if kind == "podman":
         from fusion_oci.engines.podman import PodmanAdapter
@@ -43,8 +48,9 @@ def open_target(target: EngineTarget) -> EngineAdapter:
         return open_adapter(target.kind, endpoint, name=target.name)
 
 
-def connect(kind: EngineKind, endpoints: Sequence[Endpoint], *,
-            timeout: float = API_TIMEOUT_S) -> EngineAdapter:
+def connect(
+    kind: EngineKind, endpoints: Sequence[Endpoint], *, timeout: float = API_TIMEOUT_S
+) -> EngineAdapter:
     """The first endpoint that answers. Raises the translated error of an explicit endpoint
     or a forbidden socket; :class:`NotAnswering` when none answers."""
     tried: list[Endpoint] = []

@@ -35,22 +35,24 @@ def _tls(endpoint: Endpoint) -> Any:
         return None
     import docker.tls
 
-    cert = (endpoint.tls.cert, endpoint.tls.key) if endpoint.tls.cert and endpoint.tls.key \
-        else None
-    return docker.tls.TLSConfig(client_cert=cert, ca_cert=endpoint.tls.ca,
-                                verify=endpoint.tls.verify)
+    cert = (endpoint.tls.cert, endpoint.tls.key) if endpoint.tls.cert and endpoint.tls.key else None
+    return docker.tls.TLSConfig(
+        client_cert=cert, ca_cert=endpoint.tls.ca, verify=endpoint.tls.verify
+    )
 
 
 class DockerAdapter(EngineAdapter):
     kind: EngineKind = "docker"
 
     @classmethod
-    def open(cls, endpoint: Endpoint, *, name: str = "docker",
-             timeout: float = LONG_TIMEOUT_S) -> DockerAdapter:
+    def open(
+        cls, endpoint: Endpoint, *, name: str = "docker", timeout: float = LONG_TIMEOUT_S
+    ) -> DockerAdapter:
         import docker
 
-        client = docker.DockerClient(base_url=endpoint.url, version=API_VERSION,
-                                     timeout=int(timeout), tls=_tls(endpoint))
+        client = docker.DockerClient(
+            base_url=endpoint.url, version=API_VERSION, timeout=int(timeout), tls=_tls(endpoint)
+        )
         return cls(name, endpoint.url, client, owned=True, endpoint=endpoint)
 
     @property
@@ -62,8 +64,12 @@ class DockerAdapter(EngineAdapter):
     def probe(self) -> str:
         import docker
 
-        quick = docker.APIClient(base_url=self.endpoint.url, version=API_VERSION,
-                                 timeout=PING_TIMEOUT_S, tls=_tls(self.endpoint))
+        quick = docker.APIClient(
+            base_url=self.endpoint.url,
+            version=API_VERSION,
+            timeout=PING_TIMEOUT_S,
+            tls=_tls(self.endpoint),
+        )
         try:
             return str(quick.version(api_version=False).get("Version", "?"))
         finally:
@@ -104,8 +110,9 @@ class DockerAdapter(EngineAdapter):
             return
         except docker.errors.NotFound:
             pass
-        self.api.create_volume(volume.name, driver="local", driver_opts=volume.driver_opts,
-                               labels=volume.labels)
+        self.api.create_volume(
+            volume.name, driver="local", driver_opts=volume.driver_opts, labels=volume.labels
+        )
 
     def remove_volume(self, name: str) -> None:
         import docker.errors
@@ -116,13 +123,19 @@ class DockerAdapter(EngineAdapter):
     def list_labelled(self, label: str, value: str | None = None) -> list[Found]:
         selector = label if value is None else f"{label}={value}"
         found = [
-            Found(str(c["Id"]), str((c.get("Names") or ["?"])[0]).lstrip("/"),
-                  dict(c.get("Labels") or {}), "container")
+            Found(
+                str(c["Id"]),
+                str((c.get("Names") or ["?"])[0]).lstrip("/"),
+                dict(c.get("Labels") or {}),
+                "container",
+            )
             for c in self.api.containers(all=True, filters={"label": selector})
         ]
         volumes = self.api.volumes(filters={"label": selector}).get("Volumes") or []
-        found += [Found(str(v["Name"]), str(v["Name"]), dict(v.get("Labels") or {}), "volume")
-                  for v in volumes]
+        found += [
+            Found(str(v["Name"]), str(v["Name"]), dict(v.get("Labels") or {}), "volume")
+            for v in volumes
+        ]
         return found
 
     # -- images ----------------------------------------------------------------------------
@@ -141,25 +154,42 @@ class DockerAdapter(EngineAdapter):
             found = self.api.images(filters={"label": label} if label else None)
             return [image_info(self.name, d) for d in found]
 
-    def build(self, context_tar: Path, *, containerfile: str, tag: str,
-              build_args: Mapping[str, str], labels: Mapping[str, str],
-              secrets: Mapping[str, str], on_event: EventSink) -> str:
+    def build(
+        self,
+        context_tar: Path,
+        *,
+        containerfile: str,
+        tag: str,
+        build_args: Mapping[str, str],
+        labels: Mapping[str, str],
+        secrets: Mapping[str, str],
+        on_event: EventSink,
+    ) -> str:
         if secrets:
             # Docker 20.10 takes build secrets only over a BuildKit session (a gRPC stream the
             # docker CLI serves); the SDK has no session, and BuildKit without one answers "no
             # active sessions". Callers build on podman and load the image instead.
             raise EngineOpError(
-                f"build {tag} on {self.name}", "the docker SDK cannot pass build secrets",
+                f"build {tag} on {self.name}",
+                "the docker SDK cannot pass build secrets",
                 transient=False,
-                hint="build on podman and load the image (the default when podman is up)")
+                hint="build on podman and load the image (the default when podman is up)",
+            )
         what = f"build {tag} on {self.name}"
         image_id = ""
         with self.call(what), context_tar.open("rb") as body:
             stream = self.api.build(
-                fileobj=body, custom_context=True, dockerfile=containerfile, tag=tag,
-                buildargs=dict(build_args), labels=dict(labels), rm=True, forcerm=True,
+                fileobj=body,
+                custom_context=True,
+                dockerfile=containerfile,
+                tag=tag,
+                buildargs=dict(build_args),
+                labels=dict(labels),
+                rm=True,
+                forcerm=True,
                 decode=True,
-                timeout=LONG_TIMEOUT_S)
+                timeout=LONG_TIMEOUT_S,
+            )
             for event in stream:
                 if "error" in event or "errorDetail" in event:
                     raise stream_error(what, event)
@@ -205,14 +235,15 @@ class DockerAdapter(EngineAdapter):
                 text = str(event.get("stream", ""))
                 for prefix in ("Loaded image: ", "Loaded image ID: "):
                     if text.startswith(prefix):
-                        names.append(text[len(prefix):].strip())
+                        names.append(text[len(prefix) :].strip())
         return names
 
     def import_rootfs(self, src: Path, ref: str, changes: Sequence[str]) -> str:
         repo, tag = ref_parts(ref)
         with self.call(f"import {ref} into {self.name}"), src.open("rb") as body:
-            out = self.api.import_image_from_data(body, repository=repo, tag=tag,
-                                                  changes=list(changes))
+            out = self.api.import_image_from_data(
+                body, repository=repo, tag=tag, changes=list(changes)
+            )
         try:
             return str(json.loads(out).get("status", ""))
         except (ValueError, AttributeError):

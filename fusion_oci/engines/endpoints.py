@@ -111,8 +111,12 @@ def docker_env_tls(env: Mapping[str, str], home: Path) -> TLSFiles | None:
     if not (cert_path or verify):
         return None
     base = Path(cert_path) if cert_path else home / ".docker"
-    return TLSFiles(ca=str(base / "ca.pem"), cert=str(base / "cert.pem"),
-                    key=str(base / "key.pem"), verify=verify)
+    return TLSFiles(
+        ca=str(base / "ca.pem"),
+        cert=str(base / "cert.pem"),
+        key=str(base / "key.pem"),
+        verify=verify,
+    )
 
 
 def docker_context(env: Mapping[str, str], home: Path) -> Endpoint | None:
@@ -132,27 +136,44 @@ def docker_context(env: Mapping[str, str], home: Path) -> Endpoint | None:
     host = str(docker.get("Host") or "")
     if not host:
         # The CLI refuses an unknown context; so do we, with an address that names it.
-        return Endpoint(f"context://{name}", f"docker context '{name}' ({source}) has no "
-                        f"endpoint in {meta_path}", explicit=True)
+        return Endpoint(
+            f"context://{name}",
+            f"docker context '{name}' ({source}) has no endpoint in {meta_path}",
+            explicit=True,
+        )
     tls_dir = config / "contexts" / "tls" / digest / "docker"
     tls = None
     if tls_dir.is_dir():
-        files = {n: str(tls_dir / f"{n}.pem") for n in ("ca", "cert", "key")
-                 if (tls_dir / f"{n}.pem").is_file()}
-        tls = TLSFiles(ca=files.get("ca"), cert=files.get("cert"), key=files.get("key"),
-                       verify=not bool(docker.get("SkipTLSVerify")))
+        files = {
+            n: str(tls_dir / f"{n}.pem")
+            for n in ("ca", "cert", "key")
+            if (tls_dir / f"{n}.pem").is_file()
+        }
+        tls = TLSFiles(
+            ca=files.get("ca"),
+            cert=files.get("cert"),
+            key=files.get("key"),
+            verify=not bool(docker.get("SkipTLSVerify")),
+        )
     return Endpoint(host, f"docker context '{name}' ({source})", explicit=True, tls=tls)
 
 
-def docker_endpoints(settings_url: str | None, env: Mapping[str, str], uid: int, *,
-                     home: Path | None = None) -> list[Endpoint]:
+def docker_endpoints(
+    settings_url: str | None, env: Mapping[str, str], uid: int, *, home: Path | None = None
+) -> list[Endpoint]:
     """settings ``docker.url``, DOCKER_HOST, the CLI's context, the system socket, then a
     rootless dockerd's. Pure over ``env`` and the files under ``home``."""
     home = home or home_of(env)
     tls = docker_env_tls(env, home)
     if settings_url:
-        return [Endpoint(settings_url, "settings docker.url", True,
-                         tls if settings_url.startswith("tcp://") else None)]
+        return [
+            Endpoint(
+                settings_url,
+                "settings docker.url",
+                True,
+                tls if settings_url.startswith("tcp://") else None,
+            )
+        ]
     if env.get("DOCKER_HOST"):
         host = env["DOCKER_HOST"]
         return [Endpoint(host, "DOCKER_HOST", True, tls if host.startswith("tcp://") else None)]
@@ -169,15 +190,18 @@ def docker_endpoints(settings_url: str | None, env: Mapping[str, str], uid: int,
 # --------------------------------------------------------------------------- podman
 
 
-def containers_conf_files(env: Mapping[str, str], uid: int, home: Path,
-                          root: Path = Path("/")) -> list[Path]:
+def containers_conf_files(
+    env: Mapping[str, str], uid: int, home: Path, root: Path = Path("/")
+) -> list[Path]:
     """containers.conf files in the order podman (containers/common) reads them, later ones
     overriding: ``$CONTAINERS_CONF`` alone when set; else /usr/share, /etc, /etc/...d/*.conf
     and, when not root, the user's file and its .d directory."""
     if env.get("CONTAINERS_CONF"):
         return [Path(env["CONTAINERS_CONF"])]
-    files = [_under(root, "/usr/share/containers/containers.conf"),
-             _under(root, "/etc/containers/containers.conf")]
+    files = [
+        _under(root, "/usr/share/containers/containers.conf"),
+        _under(root, "/etc/containers/containers.conf"),
+    ]
     dirs = [_under(root, "/etc/containers/containers.conf.d")]
     if uid != 0:
         user = _user_config(env, home) / "containers" / "containers.conf"
@@ -195,8 +219,9 @@ def _user_config(env: Mapping[str, str], home: Path) -> Path:
     return Path(env["XDG_CONFIG_HOME"]) if env.get("XDG_CONFIG_HOME") else home / ".config"
 
 
-def podman_connections(env: Mapping[str, str], uid: int, home: Path,
-                       root: Path = Path("/")) -> tuple[str, dict[str, Endpoint]]:
+def podman_connections(
+    env: Mapping[str, str], uid: int, home: Path, root: Path = Path("/")
+) -> tuple[str, dict[str, Endpoint]]:
     """(default connection name, name → endpoint) of podman's system connections.
 
     podman-connections.json (podman 5, ``podman system connection add``) wins over the
@@ -208,17 +233,28 @@ def podman_connections(env: Mapping[str, str], uid: int, home: Path,
         default = str(engine.get("active_service") or default)
         for name, dest in (engine.get("service_destinations") or {}).items():
             if isinstance(dest, dict) and dest.get("uri"):
-                found[name] = Endpoint(str(dest["uri"]), f"podman connection '{name}' ({path})",
-                                       True, identity=dest.get("identity") or None)
-    json_paths = [Path(env["PODMAN_CONNECTIONS_CONF"])] if env.get("PODMAN_CONNECTIONS_CONF") \
+                found[name] = Endpoint(
+                    str(dest["uri"]),
+                    f"podman connection '{name}' ({path})",
+                    True,
+                    identity=dest.get("identity") or None,
+                )
+    json_paths = (
+        [Path(env["PODMAN_CONNECTIONS_CONF"])]
+        if env.get("PODMAN_CONNECTIONS_CONF")
         else [_user_config(env, home) / "containers" / "podman-connections.json"]
+    )
     for path in json_paths:
         conn = (_read_json(path) or {}).get("Connection") or {}
         default = str(conn.get("Default") or default)
         for name, dest in (conn.get("Connections") or {}).items():
             if isinstance(dest, dict) and dest.get("URI"):
-                found[name] = Endpoint(str(dest["URI"]), f"podman connection '{name}' ({path})",
-                                       True, identity=dest.get("Identity") or None)
+                found[name] = Endpoint(
+                    str(dest["URI"]),
+                    f"podman connection '{name}' ({path})",
+                    True,
+                    identity=dest.get("Identity") or None,
+                )
     return default, found
 
 
@@ -226,12 +262,19 @@ def podman_default_socket(env: Mapping[str, str], uid: int) -> Endpoint:
     if uid == 0:
         return Endpoint("unix:///run/podman/podman.sock", "podman's default socket for root")
     xdg = env.get("XDG_RUNTIME_DIR") or f"/run/user/{uid}"
-    return Endpoint(f"unix://{xdg}/podman/podman.sock",
-                    "podman's default rootless socket ($XDG_RUNTIME_DIR)")
+    return Endpoint(
+        f"unix://{xdg}/podman/podman.sock", "podman's default rootless socket ($XDG_RUNTIME_DIR)"
+    )
 
 
-def podman_endpoints(settings_url: str | None, env: Mapping[str, str], uid: int, *,
-                     home: Path | None = None, root: Path = Path("/")) -> list[Endpoint]:
+def podman_endpoints(
+    settings_url: str | None,
+    env: Mapping[str, str],
+    uid: int,
+    *,
+    home: Path | None = None,
+    root: Path = Path("/"),
+) -> list[Endpoint]:
     """settings ``podman.url``, CONTAINER_HOST, the harness's FUSION_OCI_PODMAN_URL, a system
     connection (CONTAINER_CONNECTION, else the default one), then podman's own socket. Pure
     over ``env`` and the files under ``home`` and ``root``."""
@@ -247,17 +290,27 @@ def podman_endpoints(settings_url: str | None, env: Mapping[str, str], uid: int,
         if wanted in connections:
             return [connections[wanted]]
         where = "CONTAINER_CONNECTION" if env.get("CONTAINER_CONNECTION") else "the default"
-        return [Endpoint(f"connection://{wanted}",
-                         f"podman connection '{wanted}' ({where}) is not defined", True)]
+        return [
+            Endpoint(
+                f"connection://{wanted}",
+                f"podman connection '{wanted}' ({where}) is not defined",
+                True,
+            )
+        ]
     return [podman_default_socket(env, uid)]
 
 
 # --------------------------------------------------------------------------- image targets
 
 
-def engine_targets(env: Mapping[str, str], uid: int | None = None, *,
-                   podman_url: str | None = None, docker_url: str | None = None,
-                   home: Path | None = None) -> dict[str, EngineTarget]:
+def engine_targets(
+    env: Mapping[str, str],
+    uid: int | None = None,
+    *,
+    podman_url: str | None = None,
+    docker_url: str | None = None,
+    home: Path | None = None,
+) -> dict[str, EngineTarget]:
     """The engines image operations look at: podman (as this user resolves it), a rootless
     podman (``FUSION_OCI_ROOTLESS_PODMAN_URL``, else this uid's rootless socket), docker (as
     the runtime resolves it: of its candidates, the first whose socket exists) and a rootless
@@ -267,26 +320,29 @@ def engine_targets(env: Mapping[str, str], uid: int | None = None, *,
     podman = podman_endpoints(podman_url, env, uid, home=home)[0]
     xdg = (env.get("XDG_RUNTIME_DIR") if uid != 0 else None) or f"/run/user/{uid}"
     if env.get("FUSION_OCI_ROOTLESS_PODMAN_URL"):
-        rootless = Endpoint(env["FUSION_OCI_ROOTLESS_PODMAN_URL"],
-                            "FUSION_OCI_ROOTLESS_PODMAN_URL", True)
+        rootless = Endpoint(
+            env["FUSION_OCI_ROOTLESS_PODMAN_URL"], "FUSION_OCI_ROOTLESS_PODMAN_URL", True
+        )
     else:
-        rootless = Endpoint(f"unix://{xdg}/podman/podman.sock",
-                            "podman's default rootless socket")
+        rootless = Endpoint(f"unix://{xdg}/podman/podman.sock", "podman's default rootless socket")
     if env.get("FUSION_OCI_ROOTLESS_DOCKER_URL"):
-        rootless_docker = Endpoint(env["FUSION_OCI_ROOTLESS_DOCKER_URL"],
-                                   "FUSION_OCI_ROOTLESS_DOCKER_URL", True)
+        rootless_docker = Endpoint(
+            env["FUSION_OCI_ROOTLESS_DOCKER_URL"], "FUSION_OCI_ROOTLESS_DOCKER_URL", True
+        )
     else:
         rootless_docker = Endpoint(f"unix://{xdg}/docker.sock", "rootless dockerd's socket")
     candidates = docker_endpoints(docker_url, env, uid, home=home)
-    docker = next((e for e in candidates
-                   if (path := socket_path(e.url)) is not None and Path(path).exists()),
-                  candidates[0])
+    docker = next(
+        (e for e in candidates if (path := socket_path(e.url)) is not None and Path(path).exists()),
+        candidates[0],
+    )
     return {
         "podman": EngineTarget("podman", "podman", podman.url, podman),
         "podman-rootless": EngineTarget("podman-rootless", "podman", rootless.url, rootless),
         "docker": EngineTarget("docker", "docker", docker.url, docker),
-        "docker-rootless": EngineTarget("docker-rootless", "docker", rootless_docker.url,
-                                        rootless_docker),
+        "docker-rootless": EngineTarget(
+            "docker-rootless", "docker", rootless_docker.url, rootless_docker
+        ),
     }
 
 

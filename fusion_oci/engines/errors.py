@@ -38,8 +38,16 @@ from fusion_oci.errors import (
     SandboxSetupError,
 )
 
-FailureKind = Literal["unreachable", "forbidden", "reset", "timeout", "image-missing",
-                      "not-found", "conflict", "engine"]
+FailureKind = Literal[
+    "unreachable",
+    "forbidden",
+    "reset",
+    "timeout",
+    "image-missing",
+    "not-found",
+    "conflict",
+    "engine",
+]
 
 
 @dataclass(frozen=True)
@@ -66,8 +74,9 @@ class EngineForbiddenError(RuntimeUnavailableError):
 class EngineOpError(ProvisionError):
     """An image operation failed; ``transient`` says whether trying again may help."""
 
-    def __init__(self, what: str, message: str, *, transient: bool,
-                 status: int | None = None, hint: str = "") -> None:
+    def __init__(
+        self, what: str, message: str, *, transient: bool, status: int | None = None, hint: str = ""
+    ) -> None:
         self.engine_message = message
         self.transient = transient
         self.status = status
@@ -108,8 +117,11 @@ def _status(exc: BaseException) -> int | None:
     return status if isinstance(status, int) else None
 
 
-def _sdk_types() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...],
-                          tuple[type[BaseException], ...]]:
+def _sdk_types() -> tuple[
+    tuple[type[BaseException], ...],
+    tuple[type[BaseException], ...],
+    tuple[type[BaseException], ...],
+]:
     """(every SDK/transport error, image-not-found types, API-answer types)."""
     import requests
 
@@ -183,7 +195,8 @@ def describe(exc: BaseException) -> Failure | None:
     if isinstance(err, ConnectionResetError | BrokenPipeError | ConnectionAbortedError):
         return Failure("reset", message)
     if isinstance(err, FileNotFoundError | ConnectionRefusedError) or isinstance(
-            exc, requests.exceptions.ConnectionError):
+        exc, requests.exceptions.ConnectionError
+    ):
         return Failure("unreachable", message)
     if isinstance(err, TimeoutError):
         return Failure("timeout", message)
@@ -229,24 +242,34 @@ def classify(message: str, status: int | None = None) -> bool:
 
 # (pattern in the engine's text, why, hint): a hint only, for problems engines report as text.
 _HINTS: tuple[tuple[str, str, str], ...] = (
-    (r"cgroups? in hybrid mode not supported|crun.*cgroup",
-     "crun refuses this cgroup v1/hybrid host",
-     'use runc: put `[engine]` and `runtime = "runc"` in '
-     "/etc/containers/containers.conf.d/50-runc.conf (or ~/.config/containers/containers.conf)"),
-    (r"no subuid ranges|no subgid ranges|/etc/subuid|/etc/subgid",
-     "the user has no subordinate uid/gid range",
-     "add one: usermod --add-subuids 100000-165535 --add-subgids 100000-165535 $USER, "
-     "then `podman system migrate`"),
-    (r"newuidmap|newgidmap",
-     "rootless podman needs newuidmap/newgidmap",
-     "install them: apt-get install uidmap"),
-    (r"/dev/net/tun",
-     "rootless networking (slirp4netns) cannot open /dev/net/tun",
-     "make it accessible (chmod 0666 /dev/net/tun, or load the tun module), "
-     "or use network: none"),
-    (r"setting rlimit|setrlimit",
-     "the engine cannot apply a resource limit above its own hard limit",
-     "lower the limit in the policy, or raise the engine service's hard limits (ulimit -H)"),
+    (
+        r"cgroups? in hybrid mode not supported|crun.*cgroup",
+        "crun refuses this cgroup v1/hybrid host",
+        'use runc: put `[engine]` and `runtime = "runc"` in '
+        "/etc/containers/containers.conf.d/50-runc.conf (or ~/.config/containers/containers.conf)",
+    ),
+    (
+        r"no subuid ranges|no subgid ranges|/etc/subuid|/etc/subgid",
+        "the user has no subordinate uid/gid range",
+        "add one: usermod --add-subuids 100000-165535 --add-subgids 100000-165535 $USER, "
+        "then `podman system migrate`",
+    ),
+    (
+        r"newuidmap|newgidmap",
+        "rootless podman needs newuidmap/newgidmap",
+        "install them: apt-get install uidmap",
+    ),
+    (
+        r"/dev/net/tun",
+        "rootless networking (slirp4netns) cannot open /dev/net/tun",
+        "make it accessible (chmod 0666 /dev/net/tun, or load the tun module), "
+        "or use network: none",
+    ),
+    (
+        r"setting rlimit|setrlimit",
+        "the engine cannot apply a resource limit above its own hard limit",
+        "lower the limit in the policy, or raise the engine service's hard limits (ulimit -H)",
+    ),
 )
 
 
@@ -260,18 +283,23 @@ def known_problem(message: str) -> tuple[str, str] | None:
 
 def _socket_hint(engine: str, kind: FailureKind) -> str:
     if kind == "forbidden":
-        return ("add your user to the `docker` group (then log in again), or use rootless "
-                "docker/podman" if engine == "docker" else
-                "use your own rootless socket (unset CONTAINER_HOST / podman.url), "
-                "or run as the socket's owner")
-    return ("start it: `systemctl start docker` (or dockerd), or set DOCKER_HOST or docker.url"
-            if engine == "docker" else
-            "start it: `systemctl --user start podman.socket` (rootless) or "
-            "`podman system service --time=0 &`, or set CONTAINER_HOST or podman.url")
+        return (
+            "add your user to the `docker` group (then log in again), or use rootless docker/podman"
+            if engine == "docker"
+            else "use your own rootless socket (unset CONTAINER_HOST / podman.url), "
+            "or run as the socket's owner"
+        )
+    return (
+        "start it: `systemctl start docker` (or dockerd), or set DOCKER_HOST or docker.url"
+        if engine == "docker"
+        else "start it: `systemctl --user start podman.socket` (rootless) or "
+        "`podman system service --time=0 &`, or set CONTAINER_HOST or podman.url"
+    )
 
 
-def translate(exc: BaseException, engine: str, what: str, endpoint: Endpoint, *,
-              setup: bool = True) -> FusionOCIError | None:
+def translate(
+    exc: BaseException, engine: str, what: str, endpoint: Endpoint, *, setup: bool = True
+) -> FusionOCIError | None:
     """The fusion-oci error for an SDK exception raised by a container/volume call."""
     failure = describe(exc)
     if failure is None:
@@ -279,18 +307,27 @@ def translate(exc: BaseException, engine: str, what: str, endpoint: Endpoint, *,
     where = f"{endpoint.url} (from {endpoint.source})"
     message = failure.message
     if failure.kind == "forbidden":
-        return EngineForbiddenError(engine, f"permission denied on the API socket {where}",
-                                    _socket_hint(engine, failure.kind))
+        return EngineForbiddenError(
+            engine,
+            f"permission denied on the API socket {where}",
+            _socket_hint(engine, failure.kind),
+        )
     if failure.kind in ("unreachable", "reset"):
-        return EngineUnreachableError(engine, f"no {engine} service answers at {where}",
-                                      _socket_hint(engine, failure.kind))
+        return EngineUnreachableError(
+            engine, f"no {engine} service answers at {where}", _socket_hint(engine, failure.kind)
+        )
     if failure.kind == "image-missing":
         return ProvisionError(
-            f"{what}: the image is missing from {engine}", message,
-            "build it: `fusion-oci images build node` (or set sandbox.image to a local image)")
+            f"{what}: the image is missing from {engine}",
+            message,
+            "build it: `fusion-oci images build node` (or set sandbox.image to a local image)",
+        )
     if failure.kind in ("not-found", "conflict"):
-        return ContainerGoneError(f"{engine}: {what} failed", message[-500:],
-                                  "the task container stopped; prepare the task again")
+        return ContainerGoneError(
+            f"{engine}: {what} failed",
+            message[-500:],
+            "the task container stopped; prepare the task again",
+        )
     why, hint = message[-500:], f"check the {engine} service at {endpoint.url}"
     known = known_problem(message)
     if known is not None:
@@ -301,8 +338,9 @@ def translate(exc: BaseException, engine: str, what: str, endpoint: Endpoint, *,
 
 
 @contextlib.contextmanager
-def engine_errors(engine: str, what: str, endpoint: Endpoint, *,
-                  setup: bool = True) -> Iterator[None]:
+def engine_errors(
+    engine: str, what: str, endpoint: Endpoint, *, setup: bool = True
+) -> Iterator[None]:
     """THE boundary for container calls: only fusion-oci errors come out.
 
     ``setup``: failures become :class:`SandboxSetupError` subclasses (the failure mode
@@ -334,17 +372,25 @@ def image_errors(what: str, engine: str, url: str) -> Iterator[None]:
             # The engine's own socket: missing or refusing is a setup problem, not a blip.
             reset = failure.kind == "reset"
             raise EngineOpError(
-                what, f"cannot talk to {engine} at {url}: {failure.message}", transient=reset,
+                what,
+                f"cannot talk to {engine} at {url}: {failure.message}",
+                transient=reset,
                 hint="" if reset else f"start the {engine} API service (see `fusion-oci doctor`)",
             ) from exc
         if failure.kind == "timeout":
-            raise EngineOpError(what, f"{engine} did not answer in time: {failure.message}",
-                                transient=True) from exc
+            raise EngineOpError(
+                what, f"{engine} did not answer in time: {failure.message}", transient=True
+            ) from exc
         if failure.kind == "image-missing":
-            raise EngineOpError(what, f"the image is not in {engine}: {failure.message}",
-                                transient=False, status=failure.status,
-                                hint="provision it first (`fusion-oci images build`, or a "
-                                     "build, pull or load on this engine)") from exc
+            raise EngineOpError(
+                what,
+                f"the image is not in {engine}: {failure.message}",
+                transient=False,
+                status=failure.status,
+                hint="provision it first (`fusion-oci images build`, or a "
+                "build, pull or load on this engine)",
+            ) from exc
         transient = failure.kind == "engine" and classify(failure.message, failure.status)
-        raise EngineOpError(what, failure.message, transient=transient,
-                            status=failure.status) from exc
+        raise EngineOpError(
+            what, failure.message, transient=transient, status=failure.status
+        ) from exc

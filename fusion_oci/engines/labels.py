@@ -54,5 +54,4 @@ def current_owner() -> Owner:
     """This process. boot_id and process_start are fusion_oci.scratch's: one owner check for
     containers, volumes and scratch folders alike."""
     pid = os.getpid()
-    return Owner(pid=pid, start=process_start(pid) or "0", boot=boot_id(),
-                 host=os.uname().nodename)
+    return Owner(pid=pid, start=process_start(pid) or "0", boot=boot_id(), host=os.uname().nodename)

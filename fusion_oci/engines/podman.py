@@ -37,8 +37,9 @@ class PodmanAdapter(EngineAdapter):
     kind: EngineKind = "podman"
 
     @classmethod
-    def open(cls, endpoint: Endpoint, *, name: str = "podman",
-             timeout: float = LONG_TIMEOUT_S) -> PodmanAdapter:
+    def open(
+        cls, endpoint: Endpoint, *, name: str = "podman", timeout: float = LONG_TIMEOUT_S
+    ) -> PodmanAdapter:
         import podman
 
         kwargs: dict[str, Any] = {"identity": endpoint.identity} if endpoint.identity else {}
@@ -76,8 +77,9 @@ class PodmanAdapter(EngineAdapter):
         self.api.post(f"/containers/{container_id}/start").raise_for_status()
 
     def remove(self, container_id: str) -> None:
-        response = self.api.delete(f"/containers/{container_id}",
-                                   params={"force": True, "v": False})
+        response = self.api.delete(
+            f"/containers/{container_id}", params={"force": True, "v": False}
+        )
         if response.status_code != 404:
             response.raise_for_status()
 
@@ -87,8 +89,9 @@ class PodmanAdapter(EngineAdapter):
         if self.client.volumes.exists(volume.name):
             return
         try:
-            self.client.volumes.create(volume.name, driver="local",
-                                       driver_opts=volume.driver_opts, labels=volume.labels)
+            self.client.volumes.create(
+                volume.name, driver="local", driver_opts=volume.driver_opts, labels=volume.labels
+            )
         except podman.errors.APIError:
             # Another task of the same project created it a moment ago.
             if not self.client.volumes.exists(volume.name):
@@ -102,10 +105,14 @@ class PodmanAdapter(EngineAdapter):
 
     def list_labelled(self, label: str, value: str | None = None) -> list[Found]:
         selector = label if value is None else f"{label}={value}"
-        found = [Found(str(c.id), str(c.name), dict(c.labels or {}), "container")
-                 for c in self.client.containers.list(all=True, filters={"label": selector})]
-        found += [Found(str(v.name), str(v.name), dict(v.attrs.get("Labels") or {}), "volume")
-                  for v in self.client.volumes.list(filters={"label": selector})]
+        found = [
+            Found(str(c.id), str(c.name), dict(c.labels or {}), "container")
+            for c in self.client.containers.list(all=True, filters={"label": selector})
+        ]
+        found += [
+            Found(str(v.name), str(v.name), dict(v.attrs.get("Labels") or {}), "volume")
+            for v in self.client.volumes.list(filters={"label": selector})
+        ]
         return found
 
     # -- images ----------------------------------------------------------------------------
@@ -131,27 +138,46 @@ class PodmanAdapter(EngineAdapter):
             response.raise_for_status()
             return [image_info(self.name, d) for d in response.json() or []]
 
-    def build(self, context_tar: Path, *, containerfile: str, tag: str,
-              build_args: Mapping[str, str], labels: Mapping[str, str],
-              secrets: Mapping[str, str], on_event: EventSink) -> str:
+    def build(
+        self,
+        context_tar: Path,
+        *,
+        containerfile: str,
+        tag: str,
+        build_args: Mapping[str, str],
+        labels: Mapping[str, str],
+        secrets: Mapping[str, str],
+        on_event: EventSink,
+    ) -> str:
         # The SDK's images.build() takes `secrets` but reads the whole stream before it
         # returns; the same documented /build parameters through its API client let us show
         # progress while it runs.
         params: dict[str, Any] = {
             # forcerm: the build's containers go even when a step fails (rm alone keeps a
             # failed one, its rootfs mounted on the host, one per failed build).
-            "dockerfile": containerfile, "t": tag, "layers": True, "rm": True, "forcerm": True,
-            "buildargs": json.dumps(dict(build_args)), "labels": json.dumps(dict(labels)),
+            "dockerfile": containerfile,
+            "t": tag,
+            "layers": True,
+            "rm": True,
+            "forcerm": True,
+            "buildargs": json.dumps(dict(build_args)),
+            "labels": json.dumps(dict(labels)),
         }
         if secrets:
-            params["secrets"] = json.dumps([f"id={sid},src={name}"
-                                            for sid, name in secrets.items()])
+            params["secrets"] = json.dumps(
+                [f"id={sid},src={name}" for sid, name in secrets.items()]
+            )
         what = f"build {tag} on {self.name}"
         image_id = ""
         with self.call(what), context_tar.open("rb") as body:
             response = self.api.post(
-                "/build", params=params, data=body, stream=True, timeout=LONG_TIMEOUT_S,
-                headers={"Content-Type": "application/x-tar"})
+                "/build",
+                params=params,
+                data=body,
+                stream=True,
+                timeout=LONG_TIMEOUT_S,
+                headers={"Content-Type": "application/x-tar"},
+            )
             response.raise_for_status()
             for event in json_lines(response.iter_lines()):
                 if "error" in event or "errorDetail" in event:
@@ -172,8 +198,11 @@ class PodmanAdapter(EngineAdapter):
         image_id = ""
         with self.call(what):
             response = self.api.post(
-                "/images/pull", stream=True, timeout=LONG_TIMEOUT_S,
-                params={"reference": ref, "tlsVerify": tls_verify, "policy": "always"})
+                "/images/pull",
+                stream=True,
+                timeout=LONG_TIMEOUT_S,
+                params={"reference": ref, "tlsVerify": tls_verify, "policy": "always"},
+            )
             response.raise_for_status()
             for event in json_lines(response.iter_lines()):
                 if event.get("error"):
@@ -190,8 +219,11 @@ class PodmanAdapter(EngineAdapter):
 
         with self.call(f"save {ref} from {self.name}"), dest.open("wb") as out:
             response = self.api.get(
-                f"/images/{quote(ref, safe='')}/get", params={"format": "docker-archive"},
-                stream=True, timeout=LONG_TIMEOUT_S)
+                f"/images/{quote(ref, safe='')}/get",
+                params={"format": "docker-archive"},
+                stream=True,
+                timeout=LONG_TIMEOUT_S,
+            )
             response.raise_for_status()
             for chunk in response.iter_content(chunk_size=1 << 20):
                 out.write(chunk)
@@ -201,17 +233,23 @@ class PodmanAdapter(EngineAdapter):
         # documented endpoint.
         with self.call(f"load into {self.name}"), src.open("rb") as body:
             response = self.api.post(
-                "/images/load", data=body, timeout=LONG_TIMEOUT_S,
-                headers={"Content-Type": "application/x-tar"})
+                "/images/load",
+                data=body,
+                timeout=LONG_TIMEOUT_S,
+                headers={"Content-Type": "application/x-tar"},
+            )
             response.raise_for_status()
             return [str(n) for n in response.json().get("Names") or []]
 
     def import_rootfs(self, src: Path, ref: str, changes: Sequence[str]) -> str:
         with self.call(f"import {ref} into {self.name}"), src.open("rb") as body:
             response = self.api.post(
-                "/images/import", data=body, timeout=LONG_TIMEOUT_S,
+                "/images/import",
+                data=body,
+                timeout=LONG_TIMEOUT_S,
                 params={"reference": ref, "changes": list(changes)},
-                headers={"Content-Type": "application/x-tar"})
+                headers={"Content-Type": "application/x-tar"},
+            )
             response.raise_for_status()
             return str(response.json().get("Id", ""))
 
@@ -220,17 +258,18 @@ class PodmanAdapter(EngineAdapter):
 
         repo, tag = ref_parts(ref)
         with self.call(f"tag {image} as {ref} on {self.name}"):
-            self.api.post(f"/images/{quote(image, safe='')}/tag",
-                                 params={"repo": repo, "tag": tag}).raise_for_status()
+            self.api.post(
+                f"/images/{quote(image, safe='')}/tag", params={"repo": repo, "tag": tag}
+            ).raise_for_status()
 
     def create_stopped(self, image: str, labels: dict[str, str]) -> str:
         # The command never runs; an image without CMD (a debootstrap import) needs one.
-        return str(self.client.containers.create(image=image, command=["true"],
-                                                 labels=labels).id)
+        return str(self.client.containers.create(image=image, command=["true"], labels=labels).id)
 
     def export_container(self, container_id: str) -> Iterator[bytes]:
-        response = self.api.get(f"/containers/{container_id}/export", stream=True,
-                                timeout=LONG_TIMEOUT_S)
+        response = self.api.get(
+            f"/containers/{container_id}/export", stream=True, timeout=LONG_TIMEOUT_S
+        )
         response.raise_for_status()
         yield from response.iter_content(chunk_size=1 << 20)
 
@@ -238,7 +277,6 @@ class PodmanAdapter(EngineAdapter):
         from urllib.parse import quote
 
         with self.call(f"remove {image} from {self.name}"):
-            response = self.api.delete(f"/images/{quote(image, safe='')}",
-                                              params={"force": force})
+            response = self.api.delete(f"/images/{quote(image, safe='')}", params={"force": force})
             if response.status_code != 404:
                 response.raise_for_status()

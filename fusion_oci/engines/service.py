@@ -47,8 +47,10 @@ class PodmanService:
         podman_bin = shutil.which("podman", path=self.env.get("PATH"))
         if podman_bin is None:
             raise RuntimeUnavailableError(
-                "podman", f"podman is not installed and no API socket answers at {where}",
-                "install podman (apt-get install podman), or set podman.url")
+                "podman",
+                f"podman is not installed and no API socket answers at {where}",
+                "install podman (apt-get install podman), or set podman.url",
+            )
         folder = make_scratch("podman", "service")
         self.folder = str(folder)
         url = f"unix://{folder}/podman.sock"
@@ -58,14 +60,32 @@ class PodmanService:
             # Under the watchdog, in its own session: a Ctrl-C of the caller's group does not
             # hit it (dispose still needs it), stop() or the owner's death ends its group.
             self.process = subprocess.Popen(
-                [sys.executable, "-S", "-E", str(WATCHDOG), str(pid),
-                 process_start(pid) or "0", str(folder), "--",
-                 podman_bin, "system", "service", "--time=0", url],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                env=self.env, start_new_session=True,
+                [
+                    sys.executable,
+                    "-S",
+                    "-E",
+                    str(WATCHDOG),
+                    str(pid),
+                    process_start(pid) or "0",
+                    str(folder),
+                    "--",
+                    podman_bin,
+                    "system",
+                    "service",
+                    "--time=0",
+                    url,
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
             )
-        endpoint = Endpoint(url, f"`podman system service` started by fusion-oci "
-                                 f"(pid {self.process.pid}; no socket answered at {where})")
+        endpoint = Endpoint(
+            url,
+            f"`podman system service` started by fusion-oci "
+            f"(pid {self.process.pid}; no socket answered at {where})",
+        )
         deadline = time.monotonic() + SERVICE_START_S
         adapter = PodmanAdapter.open(endpoint, timeout=API_TIMEOUT_S)
         while True:
@@ -80,8 +100,10 @@ class PodmanService:
                     adapter.close()
                     self.stop()
                     raise RuntimeUnavailableError(
-                        "podman", f"`podman system service` did not come up: {tail}",
-                        "run `podman info` to see what is wrong with podman here") from None
+                        "podman",
+                        f"`podman system service` did not come up: {tail}",
+                        "run `podman info` to see what is wrong with podman here",
+                    ) from None
                 time.sleep(0.1)
 
     def stop(self) -> None:

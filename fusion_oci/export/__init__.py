@@ -25,13 +25,28 @@ from fusion_oci.export.source import (
     source_from_record,
 )
 
-__all__ = ["EXPORT_FORMATS", "ExportSource", "Mount", "default_image", "export_run",
-           "limit_flags", "podman_argv", "read_spec", "safe_name", "source_from_record",
-           "to_compose", "to_devcontainer", "to_kube", "to_script"]
+__all__ = [
+    "EXPORT_FORMATS",
+    "ExportSource",
+    "Mount",
+    "default_image",
+    "export_run",
+    "limit_flags",
+    "podman_argv",
+    "read_spec",
+    "safe_name",
+    "source_from_record",
+    "to_compose",
+    "to_devcontainer",
+    "to_kube",
+    "to_script",
+]
 
 EXPORT_FORMATS = ("compose", "devcontainer", "kube", "script")
 WRITERS: dict[str, Callable[[ExportSource], tuple[str, list[str]]]] = {
-    "compose": to_compose, "devcontainer": to_devcontainer, "kube": to_kube,
+    "compose": to_compose,
+    "devcontainer": to_devcontainer,
+    "kube": to_kube,
     "script": to_script,
 }
 

@@ -11,16 +11,23 @@ from fusion_oci.export.source import ExportSource, Mount
 
 def common_unexpressed(src: ExportSource) -> list[str]:
     out = list(src.notes)
-    out += [f"tmpfs {m.target} owner {m.uid}:{m.gid} (mode {m.mode}): tmpfs flags cannot set "
-            "an owner; it is mode 1777 instead" for m in src.mounts
-            if m.kind == "tmpfs" and m.uid not in (None, "0")]
+    out += [
+        f"tmpfs {m.target} owner {m.uid}:{m.gid} (mode {m.mode}): tmpfs flags cannot set "
+        "an owner; it is mode 1777 instead"
+        for m in src.mounts
+        if m.kind == "tmpfs" and m.uid not in (None, "0")
+    ]
     if src.image_digest:
-        out.append(f"image pinning by id: the file names {src.image}; the recorded image id "
-                   f"is {src.image_digest} (check with `podman image inspect` / "
-                   "`docker image inspect` before trusting a rebuilt tag)")
+        out.append(
+            f"image pinning by id: the file names {src.image}; the recorded image id "
+            f"is {src.image_digest} (check with `podman image inspect` / "
+            "`docker image inspect` before trusting a rebuilt tag)"
+        )
     if src.masked_paths or src.readonly_paths:
-        out.append("maskedPaths/readonlyPaths: not settable here; the engine's own defaults "
-                   "(the same /proc and /sys protections for docker and podman) apply")
+        out.append(
+            "maskedPaths/readonlyPaths: not settable here; the engine's own defaults "
+            "(the same /proc and /sys protections for docker and podman) apply"
+        )
     return out
 
 
@@ -28,16 +35,21 @@ def seccomp_note(src: ExportSource) -> list[str]:
     if not src.seccomp:
         return []
     n = sum(len(s.get("names", [])) for s in src.seccomp.get("syscalls", []))
-    return [f"seccomp: the recorded profile ({n} syscall rules) is not embedded; the engine's "
-            "default profile applies"]
+    return [
+        f"seccomp: the recorded profile ({n} syscall rules) is not embedded; the engine's "
+        "default profile applies"
+    ]
 
 
 def header(lines: Sequence[str], fmt: str, src: ExportSource, prefix: str) -> str:
-    head = [f"{prefix} fusion-oci export ({fmt}) of {src.name}: image {src.image}",
-            f"{prefix} command: {shlex.join(src.argv)}"]
+    head = [
+        f"{prefix} fusion-oci export ({fmt}) of {src.name}: image {src.image}",
+        f"{prefix} command: {shlex.join(src.argv)}",
+    ]
     if lines:
-        head.append(f"{prefix} NOT EXPRESSED in {fmt} (what the sandbox enforced but this "
-                    "file cannot):")
+        head.append(
+            f"{prefix} NOT EXPRESSED in {fmt} (what the sandbox enforced but this file cannot):"
+        )
         head += [f"{prefix}   - {line}" for line in lines]
     else:
         head.append(f"{prefix} every part of the sandbox's spec is expressed")
@@ -58,9 +70,11 @@ def tmpfs_opt(m: Mount) -> str:
 
 def loopback_note(src: ExportSource, fmt: str) -> list[str]:
     if src.network == "egress":
-        return [f"network egress without host loopback: {fmt}'s default network can reach "
-                "the host's published ports and the bridge gateway (fusion-oci runs "
-                "slirp4netns with --disable-host-loopback, or an isolated network)"]
+        return [
+            f"network egress without host loopback: {fmt}'s default network can reach "
+            "the host's published ports and the bridge gateway (fusion-oci runs "
+            "slirp4netns with --disable-host-loopback, or an isolated network)"
+        ]
     return []
 
 
@@ -75,6 +89,7 @@ def limit_flags(src: ExportSource) -> list[str]:
     if src.pids:
         flags.append(f"--pids-limit={src.pids}")
     for key, (soft, hard) in src.rlimits.items():
-        flags.append(f"--ulimit={key}={soft}:{hard}" if soft >= 0 and hard >= 0
-                     else f"--ulimit={key}=-1")
+        flags.append(
+            f"--ulimit={key}={soft}:{hard}" if soft >= 0 and hard >= 0 else f"--ulimit={key}=-1"
+        )
     return flags

@@ -28,10 +28,13 @@ def to_compose(src: ExportSource) -> tuple[str, list[str]]:
         "cap_drop": ["ALL"],
         "security_opt": ["no-new-privileges:true"] if src.no_new_privileges else [],
         "tmpfs": [f"{m.target}:{tmpfs_opt(m)}" for m in src.mounts if m.kind == "tmpfs"],
-        "volumes": [{"type": "bind", "source": m.source, "target": m.target,
-                     "read_only": m.read_only} for m in src.mounts if m.kind == "bind"],
-        "labels": src.labels | ({"io.fusion-oci.image-digest": src.image_digest}
-                                if src.image_digest else {}),
+        "volumes": [
+            {"type": "bind", "source": m.source, "target": m.target, "read_only": m.read_only}
+            for m in src.mounts
+            if m.kind == "bind"
+        ],
+        "labels": src.labels
+        | ({"io.fusion-oci.image-digest": src.image_digest} if src.image_digest else {}),
     }
     if src.capabilities:
         service["cap_add"] = [c.removeprefix("CAP_") for c in src.capabilities]
@@ -49,8 +52,9 @@ def to_compose(src: ExportSource) -> tuple[str, list[str]]:
     if src.pids:
         service["pids_limit"] = src.pids
     if src.rlimits:
-        service["ulimits"] = {k: {"soft": s, "hard": h} for k, (s, h) in src.rlimits.items()
-                              if s >= 0 and h >= 0}
+        service["ulimits"] = {
+            k: {"soft": s, "hard": h} for k, (s, h) in src.rlimits.items() if s >= 0 and h >= 0
+        }
         unlimited = [k for k, (s, h) in src.rlimits.items() if s < 0 or h < 0]
         if unlimited:
             service["ulimits"].update({k: -1 for k in unlimited})

@@ -17,10 +17,13 @@ from fusion_oci.export.source import ExportSource
 
 
 def to_devcontainer(src: ExportSource) -> tuple[str, list[str]]:
-    missing = [*common_unexpressed(src), *seccomp_note(src),
-               *loopback_note(src, "devcontainer"),
-               "the command is not run on start (a dev container starts a shell): run it "
-               "inside, as written above"]
+    missing = [
+        *common_unexpressed(src),
+        *seccomp_note(src),
+        *loopback_note(src, "devcontainer"),
+        "the command is not run on start (a dev container starts a shell): run it "
+        "inside, as written above",
+    ]
     run_args = [f"--user={src.uid}:{src.gid}", "--cap-drop=ALL"]
     run_args += [f"--cap-add={c.removeprefix('CAP_')}" for c in src.capabilities]
     if src.no_new_privileges:
@@ -33,10 +36,14 @@ def to_devcontainer(src: ExportSource) -> tuple[str, list[str]]:
     if src.hostname:
         run_args.append(f"--hostname={src.hostname}")
     binds = [m for m in src.mounts if m.kind == "bind"]
-    work = next((m for m in binds if m.target == src.cwd), None) or \
-        next((m for m in binds if src.cwd.startswith(m.target + "/")), None)
-    mounts = [f"type=bind,source={m.source},target={m.target}"
-              + (",readonly" if m.read_only else "") for m in binds if m is not work]
+    work = next((m for m in binds if m.target == src.cwd), None) or next(
+        (m for m in binds if src.cwd.startswith(m.target + "/")), None
+    )
+    mounts = [
+        f"type=bind,source={m.source},target={m.target}" + (",readonly" if m.read_only else "")
+        for m in binds
+        if m is not work
+    ]
     run_args += [f"--tmpfs={m.target}:{tmpfs_opt(m)}" for m in src.mounts if m.kind == "tmpfs"]
     doc: dict[str, Any] = {
         "name": src.name,

@@ -15,8 +15,13 @@ if TYPE_CHECKING:
 
 ENGINE_MOUNTS = frozenset({"/proc", "/dev", "/dev/pts", "/dev/shm", "/dev/mqueue", "/sys"})
 """Mounts every engine makes itself (from its own defaults)."""
-RLIMIT_KEYS = {"RLIMIT_NOFILE": "nofile", "RLIMIT_NPROC": "nproc", "RLIMIT_CPU": "cpu",
-               "RLIMIT_FSIZE": "fsize", "RLIMIT_CORE": "core"}
+RLIMIT_KEYS = {
+    "RLIMIT_NOFILE": "nofile",
+    "RLIMIT_NPROC": "nproc",
+    "RLIMIT_CPU": "cpu",
+    "RLIMIT_FSIZE": "fsize",
+    "RLIMIT_CORE": "core",
+}
 
 
 @dataclass(frozen=True)
@@ -75,10 +80,17 @@ def _opt(options: Sequence[str], key: str) -> str | None:
     return next((o.split("=", 1)[1] for o in options if o.startswith(key + "=")), None)
 
 
-def read_spec(spec: Mapping[str, Any], *, name: str, image: str, image_digest: str | None,
-              system_dests: Sequence[str], env_names: Sequence[str],
-              notes: Sequence[str] = (),
-              host_rlimits: Mapping[str, Sequence[int]] | None = None) -> ExportSource:
+def read_spec(
+    spec: Mapping[str, Any],
+    *,
+    name: str,
+    image: str,
+    image_digest: str | None,
+    system_dests: Sequence[str],
+    env_names: Sequence[str],
+    notes: Sequence[str] = (),
+    host_rlimits: Mapping[str, Sequence[int]] | None = None,
+) -> ExportSource:
     """The spec's parts that a foreign format can carry. Pure.
 
     ``system_dests``: destinations of the host's system directories (a host-rootfs spec);
@@ -92,8 +104,11 @@ def read_spec(spec: Mapping[str, Any], *, name: str, image: str, image_digest: s
     try:
         task, proc = split(spec)
     except (ValidationError, KeyError) as exc:
-        raise BundleError("the recorded spec cannot be exported", str(exc).splitlines()[0],
-                          "export a run recorded by this version of fusion-oci") from exc
+        raise BundleError(
+            "the recorded spec cannot be exported",
+            str(exc).splitlines()[0],
+            "export a run recorded by this version of fusion-oci",
+        ) from exc
     passed = set(env_names)
     env: dict[str, str | None] = {}
     for item in proc.env:
@@ -106,18 +121,25 @@ def read_spec(spec: Mapping[str, Any], *, name: str, image: str, image_digest: s
             continue
         options = m.options or []
         if m.type == "tmpfs":
-            mounts.append(Mount(m.destination, "tmpfs", size=_bytes_size(options),
-                                mode=m.option("mode"), uid=m.option("uid"),
-                                gid=m.option("gid")))
+            mounts.append(
+                Mount(
+                    m.destination,
+                    "tmpfs",
+                    size=_bytes_size(options),
+                    mode=m.option("mode"),
+                    uid=m.option("uid"),
+                    gid=m.option("gid"),
+                )
+            )
         elif m.type == "bind" or "bind" in options or "rbind" in options:
             src = m.source or m.destination
-            mounts.append(Mount(m.destination, "bind", src, m.readonly,
-                                is_file=Path(src).is_file()))
+            mounts.append(
+                Mount(m.destination, "bind", src, m.readonly, is_file=Path(src).is_file())
+            )
     res = task.resources
     cpu = res.cpu
     cpus = cpu.quota / (cpu.period or 100_000) if cpu is not None and cpu.quota else None
-    rlimits = {RLIMIT_KEYS[r.type]: (r.soft, r.hard) for r in proc.rlimits
-               if r.type in RLIMIT_KEYS}
+    rlimits = {RLIMIT_KEYS[r.type]: (r.soft, r.hard) for r in proc.rlimits if r.type in RLIMIT_KEYS}
     # A process the sandbox starts inherits the caller's RLIMIT_NPROC; an engine would apply
     # its own default instead (podman's for root exceeds some hosts' hard limit), so say it.
     if "nproc" not in rlimits and host_rlimits is not None:
@@ -128,17 +150,27 @@ def read_spec(spec: Mapping[str, Any], *, name: str, image: str, image_digest: s
     ann = task.annotations
     linux = task.linux
     return ExportSource(
-        name=name, image=image, image_digest=image_digest, argv=list(proc.args),
-        cwd=proc.cwd, env=env, uid=proc.user.uid, gid=proc.user.gid, mounts=mounts,
+        name=name,
+        image=image,
+        image_digest=image_digest,
+        argv=list(proc.args),
+        cwd=proc.cwd,
+        env=env,
+        uid=proc.user.uid,
+        gid=proc.user.gid,
+        mounts=mounts,
         network=ann.get(ANN_NETWORK, "none"),
-        memory_bytes=res.memory.limit if res.memory else None, cpus=cpus,
-        pids=res.pids.limit if res.pids else None, rlimits=rlimits,
+        memory_bytes=res.memory.limit if res.memory else None,
+        cpus=cpus,
+        pids=res.pids.limit if res.pids else None,
+        rlimits=rlimits,
         read_only_root=bool(task.root.readonly),
         no_new_privileges=proc.no_new_privileges,
         capabilities=proc.kept_capabilities(),
         seccomp=linux.seccomp.to_oci() if linux.seccomp is not None else None,
         masked_paths=list(linux.masked_paths or []),
-        readonly_paths=list(linux.readonly_paths or []), hostname=task.hostname,
+        readonly_paths=list(linux.readonly_paths or []),
+        hostname=task.hostname,
         labels={k: v for k, v in ann.items() if k.startswith(ANN)},
         notes=list(notes),
     )
@@ -151,8 +183,13 @@ def safe_name(text: str) -> str:
     return (out or "task")[:50].rstrip("-")
 
 
-def source_from_record(record: ReplayRecord, event: AuditEvent | None, *,
-                       worktree: Path | None = None, image: str | None = None) -> ExportSource:
+def source_from_record(
+    record: ReplayRecord,
+    event: AuditEvent | None,
+    *,
+    worktree: Path | None = None,
+    image: str | None = None,
+) -> ExportSource:
     """A recorded run's environment (its redacted spec; caller env by name)."""
     from fusion_oci.oci.model import ANN_HOST_ROOTFS
 
@@ -165,21 +202,28 @@ def source_from_record(record: ReplayRecord, event: AuditEvent | None, *,
     if chosen is None:
         chosen = default_image()
     if host_rootfs:
-        notes.append(f"root filesystem: the run used the host's system directories "
-                     f"(backend {record.backend}); the export runs image {chosen} instead")
+        notes.append(
+            f"root filesystem: the run used the host's system directories "
+            f"(backend {record.backend}); the export runs image {chosen} instead"
+        )
     if worktree is not None and str(worktree) != record.worktree:
         spec = _move_worktree(spec, record.worktree, str(worktree.absolute()))
     digest = event.image_digest if event is not None else None
-    return read_spec(spec, name=safe_name(f"fusion-oci-{record.task_id}"), image=chosen,
-                     image_digest=None if image else digest,
-                     system_dests=system if host_rootfs else [],
-                     env_names=record.env_names, notes=notes,
-                     host_rlimits=record.host.get("rlimits"))
+    return read_spec(
+        spec,
+        name=safe_name(f"fusion-oci-{record.task_id}"),
+        image=chosen,
+        image_digest=None if image else digest,
+        system_dests=system if host_rootfs else [],
+        env_names=record.env_names,
+        notes=notes,
+        host_rlimits=record.host.get("rlimits"),
+    )
 
 
 def _move_worktree(spec: dict[str, Any], old: str, new: str) -> dict[str, Any]:
     def move(path: str) -> str:
-        return new + path[len(old):] if path == old or path.startswith(old + "/") else path
+        return new + path[len(old) :] if path == old or path.startswith(old + "/") else path
 
     for m in spec.get("mounts", []):
         m["destination"] = move(m["destination"])

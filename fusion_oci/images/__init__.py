@@ -36,19 +36,31 @@ if TYPE_CHECKING:
 # Lazy, like the top-level package: `fusion-oci run` reaches the gates module on every command
 # and must not pay for the build, bootstrap and progress machinery.
 _WHERE = {
-    "BootstrapResult": "bootstrap", "bootstrap_base": "bootstrap",
+    "BootstrapResult": "bootstrap",
+    "bootstrap_base": "bootstrap",
     "open_engine": "engine",
-    "AuditContext": "gates", "GateRequest": "gates", "ProvisionGate": "gates",
+    "AuditContext": "gates",
+    "GateRequest": "gates",
+    "ProvisionGate": "gates",
     "tty_ask": "gates",
-    "Engine": "provision", "ProvisionedImage": "provision", "ProvisionOptions": "provision",
+    "Engine": "provision",
+    "ProvisionedImage": "provision",
+    "ProvisionOptions": "provision",
     "ensure_image": "provision",
     "RetryPolicy": "retry",
-    "IntegrityError": "npm_registry", "Registry": "npm_registry",
+    "IntegrityError": "npm_registry",
+    "Registry": "npm_registry",
     "RegistryError": "npm_registry",
-    "ImageRecipe": "recipe", "ProjectFiles": "recipe", "read_project_files": "recipe",
+    "ImageRecipe": "recipe",
+    "ProjectFiles": "recipe",
+    "read_project_files": "recipe",
     "recipe_for": "recipe",
-    "Toolchain": "toolchain", "resolve_toolchain": "toolchain",
-    "BASE_REF": "spec", "PUBLIC_BASE": "spec", "ImageSpec": "spec", "resolve_image": "spec",
+    "Toolchain": "toolchain",
+    "resolve_toolchain": "toolchain",
+    "BASE_REF": "spec",
+    "PUBLIC_BASE": "spec",
+    "ImageSpec": "spec",
+    "resolve_image": "spec",
 }
 
 

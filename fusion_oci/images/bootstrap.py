@@ -45,8 +45,9 @@ class BootstrapResult:
     import_s: dict[str, float] = field(default_factory=dict)
 
 
-def debootstrap_argv(rootfs: Path, suite: str = DEFAULT_SUITE,
-                     mirror: str = DEFAULT_MIRROR) -> list[str]:
+def debootstrap_argv(
+    rootfs: Path, suite: str = DEFAULT_SUITE, mirror: str = DEFAULT_MIRROR
+) -> list[str]:
     """The debootstrap command. Pure."""
     return ["debootstrap", "--variant=minbase", suite, str(rootfs), mirror]
 
@@ -54,22 +55,33 @@ def debootstrap_argv(rootfs: Path, suite: str = DEFAULT_SUITE,
 def tar_argv(rootfs: Path, dest: Path) -> list[str]:
     """Pack the root filesystem for import. Device nodes, /proc and /sys stay out: runtimes
     provide them, and rootless engines cannot create device nodes. Pure."""
-    return ["tar", "--numeric-owner", "-C", str(rootfs), "--exclude=./dev/*",
-            "--exclude=./proc/*", "--exclude=./sys/*", "-cf", str(dest), "."]
+    return [
+        "tar",
+        "--numeric-owner",
+        "-C",
+        str(rootfs),
+        "--exclude=./dev/*",
+        "--exclude=./proc/*",
+        "--exclude=./sys/*",
+        "-cf",
+        str(dest),
+        ".",
+    ]
 
 
 def sources_list(suite: str, mirror: str) -> str:
     """Debian's own layout (as in the public image): main, updates and security. Pure."""
     security = mirror.rstrip("/").removesuffix("/debian") + "/debian-security"
-    return (f"deb {mirror} {suite} main\n"
-            f"deb {mirror} {suite}-updates main\n"
-            f"deb {security} {suite}-security main\n")
+    return (
+        f"deb {mirror} {suite} main\n"
+        f"deb {mirror} {suite}-updates main\n"
+        f"deb {security} {suite}-security main\n"
+    )
 
 
 def _trim(rootfs: Path, suite: str, mirror: str) -> None:
     """Drop what a later ``apt-get update`` recreates anyway (about 80 MB)."""
-    for pattern in ("var/cache/apt/*.bin", "var/cache/apt/archives/*.deb",
-                    "var/lib/apt/lists/*"):
+    for pattern in ("var/cache/apt/*.bin", "var/cache/apt/archives/*.deb", "var/lib/apt/lists/*"):
         for path in rootfs.glob(pattern):
             if path.is_file() and not path.is_symlink():
                 path.unlink()
@@ -101,8 +113,15 @@ async def bootstrap_base(
         if info is not None:
             result.actions[engine.name] = "present"
             result.ids[engine.name] = info.id
-            ctx.emit("sandbox:provision", f"{ref} present on {engine.name}", action="present",
-                     outcome="ok", ref=ref, engine=engine.name, digest=info.id)
+            ctx.emit(
+                "sandbox:provision",
+                f"{ref} present on {engine.name}",
+                action="present",
+                outcome="ok",
+                ref=ref,
+                engine=engine.name,
+                digest=info.id,
+            )
         else:
             missing.append(engine)
     if not missing:
@@ -110,15 +129,26 @@ async def bootstrap_base(
     names = ", ".join(e.name for e in missing)
     if gate is not None:
         for name in ("sandbox_provision", "network_api"):
-            await gate.check(GateRequest(name, "bootstrap", ref, names,
-                                         f"debootstrap {suite} from {mirror}",
-                                         "fusion-oci images bootstrap-base"))
+            await gate.check(
+                GateRequest(
+                    name,
+                    "bootstrap",
+                    ref,
+                    names,
+                    f"debootstrap {suite} from {mirror}",
+                    "fusion-oci images bootstrap-base",
+                )
+            )
     if os.geteuid() != 0:
-        raise ProvisionError(f"cannot bootstrap {ref}", "debootstrap needs root",
-                             "run `sudo fusion-oci images bootstrap-base`")
+        raise ProvisionError(
+            f"cannot bootstrap {ref}",
+            "debootstrap needs root",
+            "run `sudo fusion-oci images bootstrap-base`",
+        )
     if shutil.which("debootstrap") is None:
-        raise ProvisionError(f"cannot bootstrap {ref}", "debootstrap is not installed",
-                             "apt-get install debootstrap")
+        raise ProvisionError(
+            f"cannot bootstrap {ref}", "debootstrap is not installed", "apt-get install debootstrap"
+        )
     tmp = Path(tempfile.mkdtemp(prefix="fusion-oci-base-", dir=work_dir or "/var/tmp"))
     try:
         rootfs = tmp / "rootfs"
@@ -132,17 +162,23 @@ async def bootstrap_base(
         for engine in missing:
             t1 = time.monotonic()
             rep.start(f"import {ref} into {engine.name}")
-            image_id = await asyncio.to_thread(engine.import_rootfs, archive, ref,
-                                               IMPORT_CHANGES)
+            image_id = await asyncio.to_thread(engine.import_rootfs, archive, ref, IMPORT_CHANGES)
             info = await asyncio.to_thread(engine.image, ref)
             seconds = time.monotonic() - t1
             result.actions[engine.name] = "imported"
             result.ids[engine.name] = info.id if info else image_id
             result.import_s[engine.name] = seconds
-            ctx.emit("sandbox:provision", f"{ref} imported into {engine.name}",
-                     duration_ms=int(seconds * 1000), action="import", outcome="ok",
-                     ref=ref, engine=engine.name, digest=result.ids[engine.name],
-                     bytes=archive.stat().st_size)
+            ctx.emit(
+                "sandbox:provision",
+                f"{ref} imported into {engine.name}",
+                duration_ms=int(seconds * 1000),
+                action="import",
+                outcome="ok",
+                ref=ref,
+                engine=engine.name,
+                digest=result.ids[engine.name],
+                bytes=archive.stat().st_size,
+            )
             rep.finish(f"imported {ref} into {engine.name} in {seconds:.1f}s")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -157,16 +193,24 @@ async def _run(argv: list[str], what: str, timeout_s: float) -> str:
     if outcome.timed_out or outcome.returncode != 0:
         status = "timed out" if outcome.timed_out else f"exit status {outcome.returncode}"
         tail = "\n".join(text.splitlines()[-15:])
-        raise EngineOpError(f"cannot {what}", f"`{' '.join(argv)}` failed ({status})\n{tail}",
-                            transient=outcome.timed_out or classify(tail))
+        raise EngineOpError(
+            f"cannot {what}",
+            f"`{' '.join(argv)}` failed ({status})\n{tail}",
+            transient=outcome.timed_out or classify(tail),
+        )
     return text
 
 
-async def _debootstrap(rootfs: Path, suite: str, mirror: str, ctx: AuditContext,
-                       rep: Reporter, policy: RetryPolicy,
-                       sleep: Callable[[float], None] | None) -> None:
+async def _debootstrap(
+    rootfs: Path,
+    suite: str,
+    mirror: str,
+    ctx: AuditContext,
+    rep: Reporter,
+    policy: RetryPolicy,
+    sleep: Callable[[float], None] | None,
+) -> None:
     import asyncio
-
 
     argv = debootstrap_argv(rootfs, suite, mirror)
 
@@ -177,11 +221,30 @@ async def _debootstrap(rootfs: Path, suite: str, mirror: str, ctx: AuditContext,
         asyncio.run(_run(argv, f"debootstrap {suite}", DEBOOTSTRAP_TIMEOUT_S))
         rep.finish(f"debootstrap {suite} done")
 
-    def on_attempt(number: int, outcome: str, exc: BaseException | None, seconds: float,
-                   wait: float | None) -> None:
-        audit_attempt(ctx, "bootstrap", BASE_REF, "host", number, policy.attempts, outcome,
-                       exc, seconds, wait, command=" ".join(argv))
+    def on_attempt(
+        number: int, outcome: str, exc: BaseException | None, seconds: float, wait: float | None
+    ) -> None:
+        audit_attempt(
+            ctx,
+            "bootstrap",
+            BASE_REF,
+            "host",
+            number,
+            policy.attempts,
+            outcome,
+            exc,
+            seconds,
+            wait,
+            command=" ".join(argv),
+        )
 
-    await asyncio.to_thread(run_attempts, attempt, action="bootstrap", target=suite,
-                            policy=policy, is_transient=is_transient_error, on_attempt=on_attempt,
-                            sleep=sleep)
+    await asyncio.to_thread(
+        run_attempts,
+        attempt,
+        action="bootstrap",
+        target=suite,
+        policy=policy,
+        is_transient=is_transient_error,
+        on_attempt=on_attempt,
+        sleep=sleep,
+    )

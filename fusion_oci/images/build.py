@@ -65,8 +65,9 @@ def build_image(
     ``extra``: files added to the context (tar name → path), the verified toolchain tarballs.
     """
     if spec.kind != "build" or spec.context is None:
-        raise ProvisionError(f"image {spec.ref} is not built from a folder", "it is a reference",
-                             "pull it instead")
+        raise ProvisionError(
+            f"image {spec.ref} is not built from a folder", "it is a reference", "pull it instead"
+        )
     rep = reporter or NullReporter()
     policy = policy or RetryPolicy()
     use_secret = ca is not None and engine.supports_build_secrets
@@ -79,19 +80,30 @@ def build_image(
     with tempfile.TemporaryDirectory(prefix="fusion-oci-build-") as tmp:
         tar = Path(tmp) / "context.tar"
         with tar.open("wb") as out:
-            write_context_tar(spec.context, out,
-                              secrets={secret_name: ca} if use_secret and ca else None,
-                              replace=replace, containerfile=spec.containerfile, extra=extra)
+            write_context_tar(
+                spec.context,
+                out,
+                secrets={secret_name: ca} if use_secret and ca else None,
+                replace=replace,
+                containerfile=spec.containerfile,
+                extra=extra,
+            )
 
         def attempt(number: int) -> str:
-            rep.start(f"build {spec.name} ({spec.ref}) on {engine.name}"
-                      + (f", attempt {number}" if number > 1 else ""))
+            rep.start(
+                f"build {spec.name} ({spec.ref}) on {engine.name}"
+                + (f", attempt {number}" if number > 1 else "")
+            )
             try:
                 return engine.build(
-                    tar, containerfile=spec.containerfile, tag=spec.ref,
-                    build_args=spec.build_args, labels=spec.labels,
+                    tar,
+                    containerfile=spec.containerfile,
+                    tag=spec.ref,
+                    build_args=spec.build_args,
+                    labels=spec.labels,
                     secrets={CA_SECRET_ID: secret_name} if use_secret else {},
-                    on_event=rep.event)
+                    on_event=rep.event,
+                )
             except EngineOpError as exc:
                 # A RUN step that failed on a network blip deserves another try; the step's
                 # output (not the engine's "exit status 100") says which it was.
@@ -100,15 +112,33 @@ def build_image(
                     set_why(exc, f"{exc.engine_message}\n{_indent(rep.tail())}")
                 raise
 
-        def on_attempt(number: int, outcome: str, exc: BaseException | None, seconds: float,
-                       wait: float | None) -> None:
-            audit_attempt(ctx, "build", spec.ref, engine.name, number, policy.attempts,
-                           outcome, exc, seconds, wait, ca_secret=use_secret)
+        def on_attempt(
+            number: int, outcome: str, exc: BaseException | None, seconds: float, wait: float | None
+        ) -> None:
+            audit_attempt(
+                ctx,
+                "build",
+                spec.ref,
+                engine.name,
+                number,
+                policy.attempts,
+                outcome,
+                exc,
+                seconds,
+                wait,
+                ca_secret=use_secret,
+            )
 
         t0 = time.monotonic()
-        image_id: str = run_attempts(attempt, action="build", target=spec.ref, policy=policy,
-                                     is_transient=is_transient_error, on_attempt=on_attempt,
-                                     sleep=sleep)
+        image_id: str = run_attempts(
+            attempt,
+            action="build",
+            target=spec.ref,
+            policy=policy,
+            is_transient=is_transient_error,
+            on_attempt=on_attempt,
+            sleep=sleep,
+        )
         rep.finish(f"built {spec.ref} on {engine.name} in {time.monotonic() - t0:.1f}s")
         return image_id
 

@@ -34,8 +34,9 @@ def ignore_patterns(context: Path) -> list[str]:
     return []
 
 
-def context_entries(context: Path, containerfile: str = "Containerfile"
-                    ) -> Iterator[tuple[str, Path]]:
+def context_entries(
+    context: Path, containerfile: str = "Containerfile"
+) -> Iterator[tuple[str, Path]]:
     """(posix relative path, absolute path) of every entry in the context, sorted, not ignored.
 
     What is sent is decided by the docker SDK's own build-context rules
@@ -49,8 +50,10 @@ def context_entries(context: Path, containerfile: str = "Containerfile"
     if not patterns:
         kept = None
     else:
-        kept = {Path(p).as_posix() for p in exclude_paths(str(context), patterns,
-                                                          dockerfile=containerfile)}
+        kept = {
+            Path(p).as_posix()
+            for p in exclude_paths(str(context), patterns, dockerfile=containerfile)
+        }
     found: list[tuple[str, Path]] = []
     for root, dirs, files in os.walk(context, followlinks=False):
         for name in dirs + files:
@@ -61,8 +64,9 @@ def context_entries(context: Path, containerfile: str = "Containerfile"
     yield from sorted(found)
 
 
-def context_hash(context: Path, containerfile: str = "Containerfile",
-                 build_args: Mapping[str, str] | None = None) -> str:
+def context_hash(
+    context: Path, containerfile: str = "Containerfile", build_args: Mapping[str, str] | None = None
+) -> str:
     """Full sha256 hex digest of the context, the Containerfile name and the build args."""
     h = hashlib.sha256()
 
@@ -96,11 +100,14 @@ def content_tag(digest: str) -> str:
     return digest[:TAG_LENGTH]
 
 
-def write_context_tar(context: Path, dest: IO[bytes],
-                      secrets: Mapping[str, Path] | None = None,
-                      replace: Mapping[str, bytes] | None = None,
-                      containerfile: str = "Containerfile",
-                      extra: Mapping[str, Path] | None = None) -> None:
+def write_context_tar(
+    context: Path,
+    dest: IO[bytes],
+    secrets: Mapping[str, Path] | None = None,
+    replace: Mapping[str, bytes] | None = None,
+    containerfile: str = "Containerfile",
+    extra: Mapping[str, Path] | None = None,
+) -> None:
     """Write the context as an uncompressed tar; ``secrets`` are extra files (tar name → path).
 
     ``replace`` swaps the content of some files (tar name → bytes), e.g. a rewritten

@@ -27,15 +27,16 @@ def strip_secret_mounts(containerfile: str) -> str:
     return _SECRET_MOUNT.sub("", containerfile)
 
 
-def open_engine(kind: EngineKind, client_or_url: Any, *, name: str | None = None
-                ) -> EngineAdapter:
+def open_engine(kind: EngineKind, client_or_url: Any, *, name: str | None = None) -> EngineAdapter:
     """An adapter: one already open (a runtime's, borrowed: closing it closes nothing), or a
     new one for a ``unix://`` / ``tcp://`` URL (closed on close())."""
     if isinstance(client_or_url, EngineAdapter):
         return client_or_url
     if not isinstance(client_or_url, str):
-        raise TypeError("open_engine takes an EngineAdapter (fusion_oci.engines) or a URL, "
-                        f"not {type(client_or_url).__name__}")
+        raise TypeError(
+            "open_engine takes an EngineAdapter (fusion_oci.engines) or a URL, "
+            f"not {type(client_or_url).__name__}"
+        )
     url = client_or_url
     label = name or kind
     with image_errors(f"connect to {label}", label, url):

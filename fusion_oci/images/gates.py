@@ -42,9 +42,11 @@ class GateRequest:
 
     def question(self) -> str:
         what = {"sandbox_provision": "provision", "network_api": "fetch from the network to"}
-        return (f"[{self.gate}] allow fusion-oci to {what[self.gate]} {self.action} "
-                f"{self.target} for the {self.backend} backend?"
-                + (f" ({self.reason})" if self.reason else ""))
+        return (
+            f"[{self.gate}] allow fusion-oci to {what[self.gate]} {self.action} "
+            f"{self.target} for the {self.backend} backend?"
+            + (f" ({self.reason})" if self.reason else "")
+        )
 
 
 AskCallback = Callable[[GateRequest], bool | Awaitable[bool]]
@@ -60,11 +62,22 @@ class AuditContext:
     run_id: str
     backend: str
 
-    def emit(self, type_: Literal["sandbox:provision", "sandbox:gate"], reason: str,
-             duration_ms: int | None = None, **details: object) -> AuditEvent:
-        event = AuditEvent(type=type_, task_id=self.task_id, run_id=self.run_id,
-                           backend=self.backend, reason=reason, duration_ms=duration_ms,
-                           details={k: v for k, v in details.items() if v is not None})
+    def emit(
+        self,
+        type_: Literal["sandbox:provision", "sandbox:gate"],
+        reason: str,
+        duration_ms: int | None = None,
+        **details: object,
+    ) -> AuditEvent:
+        event = AuditEvent(
+            type=type_,
+            task_id=self.task_id,
+            run_id=self.run_id,
+            backend=self.backend,
+            reason=reason,
+            duration_ms=duration_ms,
+            details={k: v for k, v in details.items() if v is not None},
+        )
         self.audit.emit(event)
         return event
 
@@ -101,14 +114,22 @@ class ProvisionGate:
                 answer = await answer
             allowed, by = bool(answer), "callback"
         decision = "allow" if allowed else "deny"
-        self.ctx.emit("sandbox:gate", f"{request.gate} {decision} ({by}): {request.action} "
-                      f"{request.target}", gate=request.gate, action=request.action,
-                      target=request.target, decision=decision, decided_by=by,
-                      configured=configured)
+        self.ctx.emit(
+            "sandbox:gate",
+            f"{request.gate} {decision} ({by}): {request.action} {request.target}",
+            gate=request.gate,
+            action=request.action,
+            target=request.target,
+            decision=decision,
+            decided_by=by,
+            configured=configured,
+        )
         if not allowed:
             raise GateDeniedError(
                 f"gate {request.gate} denied: {request.action} {request.target}",
-                _why(configured, by), deny_hint(request, configured, self.settings_file))
+                _why(configured, by),
+                deny_hint(request, configured, self.settings_file),
+            )
 
 
 def _why(configured: str, by: str) -> str:
@@ -130,8 +151,9 @@ def deny_hint(request: GateRequest, configured: str, settings_file: str) -> str:
     return ", ".join(parts)
 
 
-def tty_ask(*, stdin: IO[str] | None = None, stderr: IO[str] | None = None,
-            assume_yes: bool = False) -> AskCallback:
+def tty_ask(
+    *, stdin: IO[str] | None = None, stderr: IO[str] | None = None, assume_yes: bool = False
+) -> AskCallback:
     """The CLI's callback: ask on a terminal, say no when stdin is not one (unless told yes)."""
     inp = stdin or sys.stdin
     out = stderr or sys.stderr

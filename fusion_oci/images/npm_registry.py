@@ -102,8 +102,9 @@ class Registry:
                     raise
                 data = cached["packument"]  # the registry is down: the last answer stands
             else:
-                _write_atomic(path, json.dumps({"fetched": self.clock(), "packument": data})
-                              .encode())
+                _write_atomic(
+                    path, json.dumps({"fetched": self.clock(), "packument": data}).encode()
+                )
         out = _releases(package, data)
         self._memo[package] = out
         return out
@@ -116,15 +117,18 @@ class Registry:
         """The verified tarball of ``release`` on disk (downloaded once, checked each time)."""
         algo, _, b64 = release.integrity.partition("-")
         if algo != "sha512" or not b64:
-            raise IntegrityError(f"{release.package}@{release.version} has no sha512 integrity",
-                                 f"the registry says '{release.integrity}'",
-                                 "fusion-oci only installs tarballs it can check")
+            raise IntegrityError(
+                f"{release.package}@{release.version} has no sha512 integrity",
+                f"the registry says '{release.integrity}'",
+                "fusion-oci only installs tarballs it can check",
+            )
         key = base64.b64decode(b64).hex()
         path = self.cache_dir / "tarballs" / f"{key}.tgz"
         data = path.read_bytes() if path.is_file() else None
         if data is None or hashlib.sha512(data).hexdigest() != key:
-            data = self._get(release.tarball, "application/octet-stream",
-                             f"{release.package}@{release.version}")
+            data = self._get(
+                release.tarball, "application/octet-stream", f"{release.package}@{release.version}"
+            )
             got = hashlib.sha512(data).digest()
             if got.hex() != key:
                 raise IntegrityError(
@@ -132,7 +136,8 @@ class Registry:
                     f"{release.tarball} hashes to {sri_sha512(got)}, the registry's metadata "
                     f"says {release.integrity}",
                     "the tarball or the metadata was altered on the way (a proxy, a mirror); "
-                    "nothing was built. Check the registry setting, then retry")
+                    "nothing was built. Check the registry setting, then retry",
+                )
             _write_atomic(path, data)
         if corepack_hash is not None:
             check_corepack_hash(release, data, corepack_hash)
@@ -141,30 +146,40 @@ class Registry:
     def _get(self, url: str, accept: str, what: str) -> bytes:
         context = ssl.create_default_context(cafile=str(self.ca) if self.ca else None)
         if not url.startswith(("https://", "http://")):
-            raise RegistryError(f"cannot fetch {what}", f"'{url}' is not an http(s) URL",
-                                "set FUSION_OCI_NPM_REGISTRY to an https:// registry")
-        request = urllib.request.Request(url, headers={  # noqa: S310 (scheme checked above)
-            "Accept": accept, "User-Agent": "fusion-oci"})
+            raise RegistryError(
+                f"cannot fetch {what}",
+                f"'{url}' is not an http(s) URL",
+                "set FUSION_OCI_NPM_REGISTRY to an https:// registry",
+            )
+        # The scheme is checked above.
+        headers = {"Accept": accept, "User-Agent": "fusion-oci"}
+        request = urllib.request.Request(url, headers=headers)  # noqa: S310
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s,  # noqa: S310
-                                        context=context) as resp:
+            with urllib.request.urlopen(  # noqa: S310
+                request, timeout=self.timeout_s, context=context
+            ) as resp:
                 body: bytes = resp.read()
                 return body
         except urllib.error.HTTPError as exc:
             if exc.code == 404:
-                raise RegistryError(f"{what} is not in the npm registry",
-                                    f"{url} answered 404",
-                                    "check the name and version in the project files") from exc
-            raise RegistryError(f"the npm registry failed for {what}",
-                                f"{url} answered HTTP {exc.code}",
-                                "retry later, or point FUSION_OCI_NPM_REGISTRY at a mirror"
-                                ) from exc
+                raise RegistryError(
+                    f"{what} is not in the npm registry",
+                    f"{url} answered 404",
+                    "check the name and version in the project files",
+                ) from exc
+            raise RegistryError(
+                f"the npm registry failed for {what}",
+                f"{url} answered HTTP {exc.code}",
+                "retry later, or point FUSION_OCI_NPM_REGISTRY at a mirror",
+            ) from exc
         except (urllib.error.URLError, OSError, ssl.SSLError) as exc:
             reason = getattr(exc, "reason", exc)
-            raise RegistryError(f"the npm registry is unreachable (needed for {what})",
-                                f"{url}: {reason}",
-                                "check the network, the proxy and its CA (sandbox.hostCa), or "
-                                "point FUSION_OCI_NPM_REGISTRY at a reachable mirror") from exc
+            raise RegistryError(
+                f"the npm registry is unreachable (needed for {what})",
+                f"{url}: {reason}",
+                "check the network, the proxy and its CA (sandbox.hostCa), or "
+                "point FUSION_OCI_NPM_REGISTRY at a reachable mirror",
+            ) from exc
 
 
 def check_corepack_hash(release: Release, data: bytes, expected: tuple[str, str]) -> None:
@@ -180,7 +195,8 @@ def check_corepack_hash(release: Release, data: bytes, expected: tuple[str, str]
         f"{release.package}@{release.version} does not match packageManager's hash",
         f"{release.tarball} hashes to {algo}.{hashlib.new(algo, data).hexdigest()}, "
         f"package.json says {algo}.{hex_}",
-        "fix the hash in packageManager (corepack use NAME@VERSION writes it), or drop it")
+        "fix the hash in packageManager (corepack use NAME@VERSION writes it), or drop it",
+    )
 
 
 def _yarn_js(data: bytes) -> bytes | None:
@@ -198,8 +214,11 @@ def _yarn_js(data: bytes) -> bytes | None:
 def _releases(package: str, data: Any) -> dict[str, Release]:
     versions = data.get("versions") if isinstance(data, dict) else None
     if not isinstance(versions, dict):
-        raise RegistryError(f"the npm registry's answer for {package} has no versions", "",
-                            "check the registry setting (FUSION_OCI_NPM_REGISTRY)")
+        raise RegistryError(
+            f"the npm registry's answer for {package} has no versions",
+            "",
+            "check the registry setting (FUSION_OCI_NPM_REGISTRY)",
+        )
     out: dict[str, Release] = {}
     for version, meta in versions.items():
         dist = meta.get("dist") if isinstance(meta, dict) else None
@@ -207,11 +226,15 @@ def _releases(package: str, data: Any) -> dict[str, Release]:
             continue
         engines = meta.get("engines")
         node = engines.get("node") if isinstance(engines, dict) else None
-        out[version] = Release(package, version, str(dist["tarball"]),
-                               str(dist.get("integrity") or ""),
-                               node if isinstance(node, str) else None,
-                               _bins(package, meta.get("bin")),
-                               _pairs(meta.get("optionalDependencies")))
+        out[version] = Release(
+            package,
+            version,
+            str(dist["tarball"]),
+            str(dist.get("integrity") or ""),
+            node if isinstance(node, str) else None,
+            _bins(package, meta.get("bin")),
+            _pairs(meta.get("optionalDependencies")),
+        )
     return out
 
 

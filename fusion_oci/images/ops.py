@@ -86,8 +86,11 @@ def probe_engines(names: Sequence[str], env: Mapping[str, str]) -> list[EngineSt
     out: list[EngineStatus] = []
     for name in names or ENGINE_NAMES:
         if name not in targets:
-            raise ProvisionError(f"unknown engine '{name}'", "",
-                                 "use podman, podman-rootless, docker or docker-rootless")
+            raise ProvisionError(
+                f"unknown engine '{name}'",
+                "",
+                "use podman, podman-rootless, docker or docker-rootless",
+            )
         target = targets[name]
         try:
             with open_target(target) as client:
@@ -105,12 +108,15 @@ def select_targets(names: Sequence[str], env: Mapping[str, str]) -> list[EngineT
         raise ProvisionError(
             "engine not reachable: " + ", ".join(s.name for s in down),
             "; ".join(f"{s.name} at {s.url}: {s.error}" for s in down),
-            "start it (scripts/services.sh start), or choose another with --engine")
+            "start it (scripts/services.sh start), or choose another with --engine",
+        )
     up = [s for s in statuses if s.version is not None]
     if not up:
-        raise ProvisionError("no container engine answers",
-                             "; ".join(f"{s.name} at {s.url}: {s.error}" for s in statuses),
-                             "start podman or docker, or point podman.url / docker.url at it")
+        raise ProvisionError(
+            "no container engine answers",
+            "; ".join(f"{s.name} at {s.url}: {s.error}" for s in statuses),
+            "start podman or docker, or point podman.url / docker.url at it",
+        )
     targets = engine_targets(env)
     # rootful podman first: the others load what it builds.
     order = {n: i for i, n in enumerate(ENGINE_NAMES)}
@@ -134,8 +140,11 @@ async def build_images(
     wanted = list(names) or [PROJECT_IMAGE]
     if image_context(wanted[0], images_dir) is None and not names:
         root = images_dir or default_images_dir()
-        raise ProvisionError("nothing to build", f"no {PROJECT_IMAGE} folder under {root}",
-                             f"add images/{PROJECT_IMAGE}/Containerfile, or name an image")
+        raise ProvisionError(
+            "nothing to build",
+            f"no {PROJECT_IMAGE} folder under {root}",
+            f"add images/{PROJECT_IMAGE}/Containerfile, or name an image",
+        )
     targets = select_targets(engines, session.env)
     out: list[tuple[str, ProvisionedImage]] = []
     for name in wanted:
@@ -147,29 +156,61 @@ async def build_images(
                 with open_target(target) as client:
                     client.remove_image(first.ref, force=True)
             opts = ProvisionOptions(
-                engine_name=target.name, base=base, images_dir=images_dir, env=session.env,
-                reporter=session.reporter, allow=EXPLICIT, force=force and first is None,
-                settings_file=session.settings_file, project_dir=session.project_dir,
-                registry=session.registry)
-            image = await ensure_image(target.kind, target.url, name, session.settings,
-                                       session.audit, session.task_id, session.run_id,
-                                       mirrors=list(mirrors), options=opts)
+                engine_name=target.name,
+                base=base,
+                images_dir=images_dir,
+                env=session.env,
+                reporter=session.reporter,
+                allow=EXPLICIT,
+                force=force and first is None,
+                settings_file=session.settings_file,
+                project_dir=session.project_dir,
+                registry=session.registry,
+            )
+            image = await ensure_image(
+                target.kind,
+                target.url,
+                name,
+                session.settings,
+                session.audit,
+                session.task_id,
+                session.run_id,
+                mirrors=list(mirrors),
+                options=opts,
+            )
             first = first or image
             out.append((target.name, image))
     return out
 
 
-async def pull_images(session: Session, refs: Sequence[str], engines: Sequence[str] = (),
-                      *, mirrors: Sequence[str] = ()) -> list[tuple[str, ProvisionedImage]]:
+async def pull_images(
+    session: Session,
+    refs: Sequence[str],
+    engines: Sequence[str] = (),
+    *,
+    mirrors: Sequence[str] = (),
+) -> list[tuple[str, ProvisionedImage]]:
     out: list[tuple[str, ProvisionedImage]] = []
     for target in select_targets(engines, session.env):
         for ref in refs:
-            opts = ProvisionOptions(engine_name=target.name, env=session.env,
-                                    reporter=session.reporter, allow=EXPLICIT,
-                                    settings_file=session.settings_file)
-            image = await ensure_image(target.kind, target.url, ref, session.settings,
-                                       session.audit, session.task_id, session.run_id,
-                                       mirrors=list(mirrors), options=opts)
+            opts = ProvisionOptions(
+                engine_name=target.name,
+                env=session.env,
+                reporter=session.reporter,
+                allow=EXPLICIT,
+                settings_file=session.settings_file,
+            )
+            image = await ensure_image(
+                target.kind,
+                target.url,
+                ref,
+                session.settings,
+                session.audit,
+                session.task_id,
+                session.run_id,
+                mirrors=list(mirrors),
+                options=opts,
+            )
             out.append((target.name, image))
     return out
 
@@ -179,19 +220,27 @@ def referenced_images(settings: SandboxSettings) -> list[str]:
     return [settings.image] if settings.image else []
 
 
-async def prebuild(session: Session, engines: Sequence[str] = (), *, base: str | None = None,
-                   mirrors: Sequence[str] = (), images_dir: Path | None = None
-                   ) -> list[tuple[str, ProvisionedImage]]:
+async def prebuild(
+    session: Session,
+    engines: Sequence[str] = (),
+    *,
+    base: str | None = None,
+    mirrors: Sequence[str] = (),
+    images_dir: Path | None = None,
+) -> list[tuple[str, ProvisionedImage]]:
     """Provision every image the settings reference (for a CI job before the first task)."""
     refs = referenced_images(session.settings)
     if not refs:
         return []
-    default = {"podman": ("podman",) if os.geteuid() == 0 else ("podman-rootless",),
-               "docker": ("docker",)}.get(session.settings.backend, ())
+    default = {
+        "podman": ("podman",) if os.geteuid() == 0 else ("podman-rootless",),
+        "docker": ("docker",),
+    }.get(session.settings.backend, ())
     out: list[tuple[str, ProvisionedImage]] = []
     for name in refs:
-        out += await build_images(session, [name], engines or default, base=base,
-                                  mirrors=mirrors, images_dir=images_dir)
+        out += await build_images(
+            session, [name], engines or default, base=base, mirrors=mirrors, images_dir=images_dir
+        )
     return out
 
 
@@ -207,9 +256,15 @@ class ListedImage:
     created: str
 
     def to_json(self) -> dict[str, Any]:
-        return {"engine": self.engine, "name": self.name, "reference": self.ref,
-                "digest": self.digest, "current": self.current, "size": self.size,
-                "created": self.created}
+        return {
+            "engine": self.engine,
+            "name": self.name,
+            "reference": self.ref,
+            "digest": self.digest,
+            "current": self.current,
+            "size": self.size,
+            "created": self.created,
+        }
 
 
 def _current_refs(images_dir: Path | None) -> tuple[set[str], dict[str, set[str]]]:
@@ -220,8 +275,9 @@ def _current_refs(images_dir: Path | None) -> tuple[set[str], dict[str, set[str]
     for name in image_names(images_dir):
         context = image_context(name, images_dir)
         if context is not None and takes_toolchain(context):
-            sources[name] = {_context_hash(context, CONTAINERFILE, args)
-                             for args in ({}, {"BASE": BASE_REF})}
+            sources[name] = {
+                _context_hash(context, CONTAINERFILE, args) for args in ({}, {"BASE": BASE_REF})
+            }
             continue
         refs.add(resolve_image(name, images_dir=images_dir).ref)
         refs.add(resolve_image(name, images_dir=images_dir, base=BASE_REF).ref)
@@ -232,8 +288,9 @@ def _managed(client: EngineAdapter) -> list[ImageInfo]:
     return client.images(label=f"{LABEL_MANAGED}=true")
 
 
-def list_images(session: Session, engines: Sequence[str] = (), *,
-                images_dir: Path | None = None) -> list[ListedImage]:
+def list_images(
+    session: Session, engines: Sequence[str] = (), *, images_dir: Path | None = None
+) -> list[ListedImage]:
     """Every image fusion-oci made, per engine: name, reference, digest, current or stale."""
     current, sources = _current_refs(images_dir)
     out: list[ListedImage] = []
@@ -244,13 +301,28 @@ def list_images(session: Session, engines: Sequence[str] = (), *,
                 refs = [t for t in info.tags if t.startswith(LOCAL_REPO + "/")] or [info.id]
                 fresh = info.labels.get(LABEL_SOURCE, "") in sources.get(name, set())
                 for ref in refs:
-                    out.append(ListedImage(target.name, name, ref, info.id,
-                                           ref in current or fresh, info.size, info.created))
+                    out.append(
+                        ListedImage(
+                            target.name,
+                            name,
+                            ref,
+                            info.id,
+                            ref in current or fresh,
+                            info.size,
+                            info.created,
+                        )
+                    )
     return sorted(out, key=lambda i: (i.engine, i.name, i.ref))
 
 
-def prune_images(session: Session, engines: Sequence[str] = (), *, everything: bool = False,
-                 dry_run: bool = False, images_dir: Path | None = None) -> list[ListedImage]:
+def prune_images(
+    session: Session,
+    engines: Sequence[str] = (),
+    *,
+    everything: bool = False,
+    dry_run: bool = False,
+    images_dir: Path | None = None,
+) -> list[ListedImage]:
     """Remove stale builds (tags no context hashes to any more); ``everything``: all ours,
     the base included. Returns what was (or, with ``dry_run``, would be) removed."""
     listed = list_images(session, engines, images_dir=images_dir)
@@ -265,24 +337,44 @@ def prune_images(session: Session, engines: Sequence[str] = (), *, everything: b
             continue
         with open_target(targets[item.engine]) as client:
             client.remove_image(item.ref, force=False)
-        ctx.emit("sandbox:provision", f"pruned {item.ref} from {item.engine}", action="prune",
-                 ref=item.ref, engine=item.engine, digest=item.digest, outcome="ok")
+        ctx.emit(
+            "sandbox:provision",
+            f"pruned {item.ref} from {item.engine}",
+            action="prune",
+            ref=item.ref,
+            engine=item.engine,
+            digest=item.digest,
+            outcome="ok",
+        )
     return doomed
 
 
-async def bootstrap(session: Session, engines: Sequence[str] = (), *, force: bool = False,
-                    mirror: str | None = None, suite: str | None = None) -> BootstrapResult:
+async def bootstrap(
+    session: Session,
+    engines: Sequence[str] = (),
+    *,
+    force: bool = False,
+    mirror: str | None = None,
+    suite: str | None = None,
+) -> BootstrapResult:
     """``images bootstrap-base`` into the named (or every answering) engine."""
     from fusion_oci.images.bootstrap import DEFAULT_MIRROR, DEFAULT_SUITE
 
     clients = [open_target(t) for t in select_targets(engines, session.env)]
     ctx = session.ctx("images")
-    gate = ProvisionGate(session.settings.gates, ctx, None, allow=EXPLICIT,
-                         settings_file=session.settings_file)
+    gate = ProvisionGate(
+        session.settings.gates, ctx, None, allow=EXPLICIT, settings_file=session.settings_file
+    )
     try:
-        return await bootstrap_base(clients, ctx=ctx, gate=gate, force=force,
-                                    mirror=mirror or DEFAULT_MIRROR,
-                                    suite=suite or DEFAULT_SUITE, reporter=session.reporter)
+        return await bootstrap_base(
+            clients,
+            ctx=ctx,
+            gate=gate,
+            force=force,
+            mirror=mirror or DEFAULT_MIRROR,
+            suite=suite or DEFAULT_SUITE,
+            reporter=session.reporter,
+        )
     finally:
         for client in clients:
             client.close()

@@ -142,8 +142,13 @@ class RichReporter(NullReporter):
     def start(self, title: str) -> None:
         super().start(title)
         self._progress = Progress(
-            SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
-            DownloadColumn(), TimeElapsedColumn(), console=self.console, transient=False,
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            DownloadColumn(),
+            TimeElapsedColumn(),
+            console=self.console,
+            transient=False,
         )
         self._progress.start()
         self._main = self._progress.add_task(title, total=None)
@@ -164,8 +169,9 @@ class RichReporter(NullReporter):
             return
         step = _STEP.match(text)
         if step:
-            self._progress.console.print(f"[bold]{step.group(1)}[/bold] {step.group(2)[:120]}",
-                                         highlight=False)
+            self._progress.console.print(
+                f"[bold]{step.group(1)}[/bold] {step.group(2)[:120]}", highlight=False
+            )
             self._progress.update(self._main, description=f"{step.group(1)}")
         elif text:
             self._progress.update(self._main, description=text.splitlines()[-1][:80])

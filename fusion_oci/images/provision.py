@@ -148,17 +148,24 @@ async def ensure_image(
     if opts.engine_name is None:
         target.name = _guess_name(engine, target.url, env)
     ctx = AuditContext(audit, task_id, run_id, backend=target.name)
-    gate = ProvisionGate(settings.gates, ctx, ask, allow=opts.allow,
-                         settings_file=opts.settings_file)
+    gate = ProvisionGate(
+        settings.gates, ctx, ask, allow=opts.allow, settings_file=opts.settings_file
+    )
     try:
-        return await _Provisioner(target, settings, ctx, gate, list(mirrors or []), opts,
-                                  env).ensure(image_name)
+        return await _Provisioner(
+            target, settings, ctx, gate, list(mirrors or []), opts, env
+        ).ensure(image_name)
     finally:
         target.close()
 
 
-def default_image_ref(name: str, *, project_dir: Path | None = None,
-                      env: Mapping[str, str] | None = None, base: str | None = None) -> str:
+def default_image_ref(
+    name: str,
+    *,
+    project_dir: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    base: str | None = None,
+) -> str:
     """The reference ``name`` (a folder under ``images/``, e.g. ``node``) is built under for
     ``project_dir`` (None: the defaults), without an engine: registry metadata (cached) decides
     the toolchain. For callers that name the image in a file (``export``)."""
@@ -171,30 +178,34 @@ def default_image_ref(name: str, *, project_dir: Path | None = None,
 def _guess_name(engine: Engine, url: str, env: Mapping[str, str]) -> str:
     if engine == "docker":
         rootless = engine_targets(env)["docker-rootless"].url.rstrip("/")
-        return "docker-rootless" if url and (url.rstrip("/") == rootless
-                                            or "/run/user/" in url) else "docker"
+        return (
+            "docker-rootless"
+            if url and (url.rstrip("/") == rootless or "/run/user/" in url)
+            else "docker"
+        )
     rootless = engine_targets(env)["podman-rootless"].url.rstrip("/")
     if url.rstrip("/") == rootless or "/run/user/" in url:
         return "podman-rootless"
     return "podman"
 
 
-def candidate_specs(name: str, images_dir: Path | None, base: str | None,
-                    toolchain: Toolchain | None = None) -> list[ImageSpec]:
+def candidate_specs(
+    name: str, images_dir: Path | None, base: str | None, toolchain: Toolchain | None = None
+) -> list[ImageSpec]:
     """The specs an image name may already be present as (explicit base, or either base)."""
     first = resolve_image(name, images_dir=images_dir, base=base, toolchain=toolchain)
     if first.kind == "pull" or base is not None:
         return [first]
-    return [first, resolve_image(name, images_dir=images_dir, base=BASE_REF,
-                                 toolchain=toolchain)]
+    return [first, resolve_image(name, images_dir=images_dir, base=BASE_REF, toolchain=toolchain)]
 
 
 def default_registry(env: Mapping[str, str], host_ca: str = "auto") -> Registry:
     """The npm registry from ``env``, its metadata and tarballs cached under the cache root."""
     from fusion_oci.images.npm_registry import Registry, registry_url
 
-    return Registry(registry_url(env), default_cache_root(env) / "npm-registry",
-                    ca=host_ca_for_build(host_ca))
+    return Registry(
+        registry_url(env), default_cache_root(env) / "npm-registry", ca=host_ca_for_build(host_ca)
+    )
 
 
 def image_recipe(opts: ProvisionOptions) -> ImageRecipe:
@@ -233,9 +244,16 @@ def _file_lock(lock_dir: Path, key: str) -> Iterator[None]:
 
 
 class _Provisioner:
-    def __init__(self, target: EngineAdapter, settings: SandboxSettings, ctx: AuditContext,
-                 gate: ProvisionGate, mirrors: list[str], opts: ProvisionOptions,
-                 env: dict[str, str]) -> None:
+    def __init__(
+        self,
+        target: EngineAdapter,
+        settings: SandboxSettings,
+        ctx: AuditContext,
+        gate: ProvisionGate,
+        mirrors: list[str],
+        opts: ProvisionOptions,
+        env: dict[str, str],
+    ) -> None:
         self.target = target
         self.settings = settings
         self.ctx = ctx
@@ -254,25 +272,37 @@ class _Provisioner:
     async def ensure(self, name: str) -> ProvisionedImage:
         t0 = time.monotonic()
         self.toolchain = await asyncio.to_thread(toolchain_for, name, self.opts, self.registry)
-        specs = await asyncio.to_thread(candidate_specs, name, self.opts.images_dir,
-                                        self.opts.base, self.toolchain)
+        specs = await asyncio.to_thread(
+            candidate_specs, name, self.opts.images_dir, self.opts.base, self.toolchain
+        )
         if not self.opts.force:
             done = await asyncio.to_thread(self._present_done, specs, t0)
             if done is not None:
                 return done
         plan = await asyncio.to_thread(self._plan, specs)
         spec, action, peer = plan
-        alternative = (f"fusion-oci images build {spec.name} --engine {self.target.name}"
-                       if spec.kind == "build" else
-                       f"fusion-oci images pull {spec.ref} --engine {self.target.name}")
+        alternative = (
+            f"fusion-oci images build {spec.name} --engine {self.target.name}"
+            if spec.kind == "build"
+            else f"fusion-oci images pull {spec.ref} --engine {self.target.name}"
+        )
         reason = f"{spec.ref} is not present on {self.target.name}"
-        await self.gate.check(GateRequest("sandbox_provision", action, spec.ref,
-                                          self.target.name, reason, alternative))
+        await self.gate.check(
+            GateRequest(
+                "sandbox_provision", action, spec.ref, self.target.name, reason, alternative
+            )
+        )
         if action in ("build", "pull"):
-            await self.gate.check(GateRequest(
-                "network_api", action, spec.ref, self.target.name,
-                "the build downloads packages" if action == "build" else "from a registry",
-                alternative))
+            await self.gate.check(
+                GateRequest(
+                    "network_api",
+                    action,
+                    spec.ref,
+                    self.target.name,
+                    "the build downloads packages" if action == "build" else "from a registry",
+                    alternative,
+                )
+            )
         return await asyncio.to_thread(self._provision_locked, specs, spec, action, peer, t0)
 
     # -- blocking parts (worker thread)
@@ -291,10 +321,14 @@ class _Provisioner:
         if self.opts.peers is not None:
             return list(self.opts.peers)
         mine = self.target.url.rstrip("/")
-        targets = engine_targets(self.env, podman_url=self.settings.podman.url,
-                                 docker_url=self.settings.docker.url)
-        return [t for t in targets.values()
-                if t.kind == "podman" and t.url.rstrip("/") != mine and t.name == "podman"]
+        targets = engine_targets(
+            self.env, podman_url=self.settings.podman.url, docker_url=self.settings.docker.url
+        )
+        return [
+            t
+            for t in targets.values()
+            if t.kind == "podman" and t.url.rstrip("/") != mine and t.name == "podman"
+        ]
 
     def _reachable(self, target: EngineTarget) -> EngineAdapter | None:
         try:
@@ -310,8 +344,9 @@ class _Provisioner:
             return specs[0], "pull", None
         # docker cannot take the CA secret and rootless podman builds slowly on vfs: those
         # build on the first reachable rootful podman and load the result.
-        wants_builder = (not self.target.supports_build_secrets
-                         or self.target.name == "podman-rootless")
+        wants_builder = (
+            not self.target.supports_build_secrets or self.target.name == "podman-rootless"
+        )
         builder: tuple[ImageSpec, EngineTarget] | None = None
         for peer in self._peers():
             client = self._reachable(peer)
@@ -340,8 +375,14 @@ class _Provisioner:
             return specs[1]
         return specs[0]
 
-    def _provision_locked(self, specs: Sequence[ImageSpec], spec: ImageSpec, action: str,
-                          peer: EngineTarget | None, t0: float) -> ProvisionedImage:
+    def _provision_locked(
+        self,
+        specs: Sequence[ImageSpec],
+        spec: ImageSpec,
+        action: str,
+        peer: EngineTarget | None,
+        t0: float,
+    ) -> ProvisionedImage:
         with _file_lock(self.lock_dir, f"{self.target.url}|{spec.name}|{spec.ref}"):
             if not self.opts.force:
                 # Another task or process may have provisioned it while we waited.
@@ -349,20 +390,28 @@ class _Provisioner:
                 if done is not None:
                     return done
             if action == "pull":
-                image_id = pull_image(self.target, spec.ref, ctx=self.ctx, mirrors=self.mirrors,
-                                      reporter=self.reporter, policy=self.opts.retry,
-                                      sleep=self.opts.sleep)
+                image_id = pull_image(
+                    self.target,
+                    spec.ref,
+                    ctx=self.ctx,
+                    mirrors=self.mirrors,
+                    reporter=self.reporter,
+                    policy=self.opts.retry,
+                    sleep=self.opts.sleep,
+                )
                 return self._done(spec, image_id, "pulled", t0)
             if action == "load" and peer is not None:
                 with open_target(peer) as source:
-                    image_id = transfer_image(source, self.target, spec.ref, ctx=self.ctx,
-                                              reporter=self.reporter)
+                    image_id = transfer_image(
+                        source, self.target, spec.ref, ctx=self.ctx, reporter=self.reporter
+                    )
                 return self._done(spec, image_id, "loaded", t0, source=peer.name)
             if peer is not None:
                 with open_target(peer) as builder:
                     built = self._build_on(builder, spec)
-                    image_id = transfer_image(builder, self.target, built.ref, ctx=self.ctx,
-                                              reporter=self.reporter)
+                    image_id = transfer_image(
+                        builder, self.target, built.ref, ctx=self.ctx, reporter=self.reporter
+                    )
                 return self._done(built, image_id, "built", t0, built_on=peer.name)
             built = self._build_on(self.target, spec)
             info = self.target.image(built.ref)
@@ -371,10 +420,14 @@ class _Provisioner:
     def _build_on(self, builder: EngineAdapter, spec: ImageSpec) -> ImageSpec:
         if self.opts.base is None and spec.context is not None:
             base = self._choose_base(builder)
-            spec = resolve_image(spec.name, images_dir=self.opts.images_dir, base=base,
-                                 toolchain=spec.toolchain)
-            if builder is not self.target and builder.image(spec.ref) is not None \
-                    and not self.opts.force:
+            spec = resolve_image(
+                spec.name, images_dir=self.opts.images_dir, base=base, toolchain=spec.toolchain
+            )
+            if (
+                builder is not self.target
+                and builder.image(spec.ref) is not None
+                and not self.opts.force
+            ):
                 return spec
         ca = host_ca_for_build(self.settings.host_ca)
         extra = None
@@ -383,12 +436,19 @@ class _Provisioner:
 
             # After the gates, before the engine: a tarball that does not match its integrity
             # hash stops here, and nothing is built.
-            self.reporter.start(f"toolchain {spec.toolchain.why()}: fetch from "
-                                f"{self.registry.url}")
+            self.reporter.start(f"toolchain {spec.toolchain.why()}: fetch from {self.registry.url}")
             extra = fetch_toolchain(spec.toolchain, self.registry)
             self.reporter.finish(f"verified {len(extra)} tarballs against their integrity")
-        build_image(builder, spec, ca=ca, ctx=self.ctx, reporter=self.reporter,
-                    policy=self.opts.retry, sleep=self.opts.sleep, extra=extra)
+        build_image(
+            builder,
+            spec,
+            ca=ca,
+            ctx=self.ctx,
+            reporter=self.reporter,
+            policy=self.opts.retry,
+            sleep=self.opts.sleep,
+            extra=extra,
+        )
         return spec
 
     def _choose_base(self, builder: EngineAdapter) -> str | None:
@@ -398,8 +458,15 @@ class _Provisioner:
         if builder.image(BASE_REF) is not None:
             return BASE_REF
         try:
-            pull_image(builder, PUBLIC_BASE, ctx=self.ctx, mirrors=self.mirrors,
-                       reporter=self.reporter, policy=self.opts.retry, sleep=self.opts.sleep)
+            pull_image(
+                builder,
+                PUBLIC_BASE,
+                ctx=self.ctx,
+                mirrors=self.mirrors,
+                reporter=self.reporter,
+                policy=self.opts.retry,
+                sleep=self.opts.sleep,
+            )
         except EngineOpError as exc:
             raise ProvisionError(
                 f"no base image for builds on {builder.name}",
@@ -410,27 +477,54 @@ class _Provisioner:
             ) from exc
         return None
 
-    def _done(self, spec: ImageSpec, image_id: str, action: Literal[
-              "present", "built", "pulled", "loaded"], t0: float, **extra: object
-              ) -> ProvisionedImage:
+    def _done(
+        self,
+        spec: ImageSpec,
+        image_id: str,
+        action: Literal["present", "built", "pulled", "loaded"],
+        t0: float,
+        **extra: object,
+    ) -> ProvisionedImage:
         repo_digest = None
         if spec.kind == "pull":
             info = self.target.image(spec.ref)
             repo_digest = next(iter(info.repo_digests), None) if info else None
         seconds = time.monotonic() - t0
-        self.ctx.emit("sandbox:provision",
-                      f"{spec.ref} {action} on {self.target.name} ({image_id[:19]})",
-                      duration_ms=int(seconds * 1000), action=action, outcome="ok",
-                      image=spec.name, ref=spec.ref, digest=image_id, repo_digest=repo_digest,
-                      engine=self.target.name, base=spec.build_args.get("BASE"),
-                      context_hash=spec.context_hash,
-                      toolchain=spec.toolchain.why() if spec.toolchain else None, **extra)
-        return ProvisionedImage(spec.ref, image_id, action, repo_digest, seconds,
-                                spec.toolchain.why() if spec.toolchain else None)
+        self.ctx.emit(
+            "sandbox:provision",
+            f"{spec.ref} {action} on {self.target.name} ({image_id[:19]})",
+            duration_ms=int(seconds * 1000),
+            action=action,
+            outcome="ok",
+            image=spec.name,
+            ref=spec.ref,
+            digest=image_id,
+            repo_digest=repo_digest,
+            engine=self.target.name,
+            base=spec.build_args.get("BASE"),
+            context_hash=spec.context_hash,
+            toolchain=spec.toolchain.why() if spec.toolchain else None,
+            **extra,
+        )
+        return ProvisionedImage(
+            spec.ref,
+            image_id,
+            action,
+            repo_digest,
+            seconds,
+            spec.toolchain.why() if spec.toolchain else None,
+        )
 
 
-def transfer_image(source: EngineAdapter, dest: EngineAdapter, ref: str, *, ctx: AuditContext,
-                   reporter: Reporter | None = None, tmp_dir: Path | None = None) -> str:
+def transfer_image(
+    source: EngineAdapter,
+    dest: EngineAdapter,
+    ref: str,
+    *,
+    ctx: AuditContext,
+    reporter: Reporter | None = None,
+    tmp_dir: Path | None = None,
+) -> str:
     """Copy ``ref`` from one engine to another through a docker-archive (save → load)."""
     rep = reporter or NullReporter()
     rep.start(f"load {ref} from {source.name} into {dest.name}")
@@ -443,14 +537,26 @@ def transfer_image(source: EngineAdapter, dest: EngineAdapter, ref: str, *, ctx:
         size = archive.stat().st_size
     info = dest.image(ref)
     if info is None:
-        raise ProvisionError(f"loading {ref} into {dest.name} did not produce it",
-                             "the archive from " + source.name + " held another name",
-                             "rebuild with `fusion-oci images build --force`")
+        raise ProvisionError(
+            f"loading {ref} into {dest.name} did not produce it",
+            "the archive from " + source.name + " held another name",
+            "rebuild with `fusion-oci images build --force`",
+        )
     seconds = time.monotonic() - t0
-    ctx.emit("sandbox:provision", f"{ref} loaded from {source.name} into {dest.name}",
-             duration_ms=int(seconds * 1000), action="load", ref=ref, source=source.name,
-             engine=dest.name, attempt=1, outcome="ok", bytes=size,
-             save_ms=int(t_save * 1000), digest=info.id)
+    ctx.emit(
+        "sandbox:provision",
+        f"{ref} loaded from {source.name} into {dest.name}",
+        duration_ms=int(seconds * 1000),
+        action="load",
+        ref=ref,
+        source=source.name,
+        engine=dest.name,
+        attempt=1,
+        outcome="ok",
+        bytes=size,
+        save_ms=int(t_save * 1000),
+        digest=info.id,
+    )
     rep.finish(f"loaded {ref} into {dest.name} in {seconds:.1f}s ({size >> 20} MiB)")
     return info.id
 

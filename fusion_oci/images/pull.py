@@ -39,34 +39,66 @@ def pull_image(
     failures: list[str] = []
     sources = pull_sources(ref, mirrors)
     for index, source in enumerate(sources):
-        def attempt(number: int, source: str = source) -> str:
-            rep.start(f"pull {source} on {engine.name}"
-                      + (f", attempt {number}" if number > 1 else ""))
-            return engine.pull(source, tls_verify=not is_loopback_registry(source),
-                               on_event=rep.event)
 
-        def on_attempt(number: int, outcome: str, exc: BaseException | None, seconds: float,
-                       wait: float | None, source: str = source) -> None:
-            audit_attempt(ctx, "pull", ref, engine.name, number, policy.attempts, outcome,
-                           exc, seconds, wait, source=source if source != ref else None)
+        def attempt(number: int, source: str = source) -> str:
+            rep.start(
+                f"pull {source} on {engine.name}" + (f", attempt {number}" if number > 1 else "")
+            )
+            return engine.pull(
+                source, tls_verify=not is_loopback_registry(source), on_event=rep.event
+            )
+
+        def on_attempt(
+            number: int,
+            outcome: str,
+            exc: BaseException | None,
+            seconds: float,
+            wait: float | None,
+            source: str = source,
+        ) -> None:
+            audit_attempt(
+                ctx,
+                "pull",
+                ref,
+                engine.name,
+                number,
+                policy.attempts,
+                outcome,
+                exc,
+                seconds,
+                wait,
+                source=source if source != ref else None,
+            )
 
         t0 = time.monotonic()
         try:
-            image_id: str = run_attempts(attempt, action="pull", target=source, policy=policy,
-                                         is_transient=is_transient_error, on_attempt=on_attempt,
-                                         sleep=sleep)
+            image_id: str = run_attempts(
+                attempt,
+                action="pull",
+                target=source,
+                policy=policy,
+                is_transient=is_transient_error,
+                on_attempt=on_attempt,
+                sleep=sleep,
+            )
         except EngineOpError as exc:
             failures.append(f"{source}: {exc.engine_message.splitlines()[0]}")
             if index == len(sources) - 1:
                 if len(failures) > 1:
-                    set_why(exc, exc.engine_message + "\n" + "\n".join(
-                        f"  also tried {f}" for f in failures[:-1]))
+                    set_why(
+                        exc,
+                        exc.engine_message
+                        + "\n"
+                        + "\n".join(f"  also tried {f}" for f in failures[:-1]),
+                    )
                 raise
             rep.note(f"{source} failed; trying {sources[index + 1]}")
             continue
         if source != ref:
             engine.tag(image_id, ref)
-        rep.finish(f"pulled {ref} on {engine.name} in {time.monotonic() - t0:.1f}s"
-                   + (f" (from {source})" if source != ref else ""))
+        rep.finish(
+            f"pulled {ref} on {engine.name} in {time.monotonic() - t0:.1f}s"
+            + (f" (from {source})" if source != ref else "")
+        )
         return image_id
     raise AssertionError("unreachable")  # pragma: no cover

@@ -45,9 +45,19 @@ pnpm says so in ``packageManager``. The newest 9.x is taken at build time."""
 MAX_MAJOR = DEFAULT_NODE_MAJOR + 10
 """Majors a range is searched over (``>=30`` names the lowest one it allows)."""
 
-LTS_CODENAMES = {"argon": 4, "boron": 6, "carbon": 8, "dubnium": 10, "erbium": 12,
-                 "fermium": 14, "gallium": 16, "hydrogen": 18, "iron": 20, "jod": 22,
-                 "krypton": 24}
+LTS_CODENAMES = {
+    "argon": 4,
+    "boron": 6,
+    "carbon": 8,
+    "dubnium": 10,
+    "erbium": 12,
+    "fermium": 14,
+    "gallium": 16,
+    "hydrogen": 18,
+    "iron": 20,
+    "jod": 22,
+    "krypton": 24,
+}
 """nvm's ``lts/<codename>`` aliases (lower case), as Node.js named its LTS lines."""
 
 PackageManagerName = Literal["pnpm", "yarn", "npm"]
@@ -113,13 +123,16 @@ class ImageRecipe:
 
     def why(self) -> str:
         """One line: ``node 22 from .nvmrc, pnpm 9.15.0 from packageManager``."""
-        return (f"{self.node.label} from {self.node.source}, "
-                f"{self.package_manager.label} from {self.package_manager.source}")
+        return (
+            f"{self.node.label} from {self.node.source}, "
+            f"{self.package_manager.label} from {self.package_manager.source}"
+        )
 
 
 DEFAULT_RECIPE = ImageRecipe(
     NodeRequest(DEFAULT_NODE_MAJOR, str(DEFAULT_NODE_MAJOR), "default"),
-    PackageManagerRequest("pnpm", None, DEFAULT_PNPM_MAJOR))
+    PackageManagerRequest("pnpm", None, DEFAULT_PNPM_MAJOR),
+)
 """What a project that declares nothing gets (and the tests' shared node image)."""
 
 
@@ -136,8 +149,11 @@ def read_project_files(project: Path) -> ProjectFiles:
         except OSError as exc:
             raise RecipeError(f"cannot read {path}", str(exc), "check its permissions") from exc
         if len(data) > _MAX_FILE:
-            raise RecipeError(f"{path} is too large", f"more than {_MAX_FILE} bytes",
-                              "it should hold a version or a package manifest")
+            raise RecipeError(
+                f"{path} is too large",
+                f"more than {_MAX_FILE} bytes",
+                "it should hold a version or a package manifest",
+            )
         return data.decode("utf-8", errors="replace")
 
     return ProjectFiles(read(".nvmrc"), read(".node-version"), read("package.json"))
@@ -155,8 +171,9 @@ def _manifest(text: str | None) -> dict[str, object]:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise RecipeError("package.json is not valid JSON", str(exc),
-                          "fix it, or remove it") from exc
+        raise RecipeError(
+            "package.json is not valid JSON", str(exc), "fix it, or remove it"
+        ) from exc
     if not isinstance(data, dict):
         raise RecipeError("package.json is not a JSON object", "", "fix it")
     return data
@@ -169,8 +186,11 @@ def _node(files: ProjectFiles, manifest: dict[str, object]) -> NodeRequest:
             if line:
                 return node_request(line, source)
     engines = manifest.get("engines")
-    if isinstance(engines, dict) and isinstance(engines.get("node"), str) \
-            and engines["node"].strip():
+    if (
+        isinstance(engines, dict)
+        and isinstance(engines.get("node"), str)
+        and engines["node"].strip()
+    ):
         return node_request(engines["node"].strip(), "engines.node")
     return DEFAULT_RECIPE.node
 
@@ -202,16 +222,19 @@ def node_request(declared: str, source: str) -> NodeRequest:
         if name in LTS_CODENAMES:
             major = LTS_CODENAMES[name]
             return NodeRequest(major, str(major), source)
-        raise RecipeError(f"{source} asks for Node.js '{declared}'",
-                          f"'{name}' is not an LTS codename fusion-oci knows "
-                          f"({', '.join(LTS_CODENAMES)})",
-                          f"write the major instead, e.g. {DEFAULT_NODE_MAJOR}")
+        raise RecipeError(
+            f"{source} asks for Node.js '{declared}'",
+            f"'{name}' is not an LTS codename fusion-oci knows ({', '.join(LTS_CODENAMES)})",
+            f"write the major instead, e.g. {DEFAULT_NODE_MAJOR}",
+        )
     try:
         intervals = semver.parse_range(declared)
     except semver.SemverError as exc:
-        raise RecipeError(f"{source} asks for Node.js '{declared}'", str(exc),
-                          f"write a version or range such as {DEFAULT_NODE_MAJOR} or "
-                          f">={DEFAULT_NODE_MAJOR - 4}") from exc
+        raise RecipeError(
+            f"{source} asks for Node.js '{declared}'",
+            str(exc),
+            f"write a version or range such as {DEFAULT_NODE_MAJOR} or >={DEFAULT_NODE_MAJOR - 4}",
+        ) from exc
     return NodeRequest(major_for_range(intervals), declared, source)
 
 
@@ -224,8 +247,9 @@ def major_for_range(intervals: tuple[semver.Interval, ...]) -> int:
     """
     allowed = semver.majors(intervals, MAX_MAJOR)
     if not allowed:
-        raise RecipeError("no Node.js line satisfies the range", "",
-                          f"name a major between 0 and {MAX_MAJOR}")
+        raise RecipeError(
+            "no Node.js line satisfies the range", "", f"name a major between 0 and {MAX_MAJOR}"
+        )
     if DEFAULT_NODE_MAJOR in allowed:
         return DEFAULT_NODE_MAJOR
     lts = [m for m in allowed if m < DEFAULT_NODE_MAJOR and m % 2 == 0]
@@ -240,8 +264,9 @@ def _package_manager(manifest: dict[str, object]) -> PackageManagerRequest:
     if value is None:
         return DEFAULT_RECIPE.package_manager
     if not isinstance(value, str):
-        raise RecipeError("package.json packageManager is not a string", repr(value),
-                          'write it as "pnpm@9.15.0"')
+        raise RecipeError(
+            "package.json packageManager is not a string", repr(value), 'write it as "pnpm@9.15.0"'
+        )
     return package_manager_request(value)
 
 
@@ -250,22 +275,35 @@ def package_manager_request(value: str) -> PackageManagerRequest:
     what = f"package.json packageManager '{value}'"
     m = _PACKAGE_MANAGER.fullmatch(value.strip())
     if not m:
-        raise RecipeError(what, "it is not NAME@VERSION[+ALGORITHM.HEX]",
-                          'write it as corepack expects, e.g. "pnpm@9.15.0"')
+        raise RecipeError(
+            what,
+            "it is not NAME@VERSION[+ALGORITHM.HEX]",
+            'write it as corepack expects, e.g. "pnpm@9.15.0"',
+        )
     name, version, digest = m["name"], m["version"], m["hash"]
     if name not in PACKAGE_MANAGERS:
-        raise RecipeError(what, f"'{name}' is not pnpm, yarn or npm",
-                          "use one of those (corepack supports no others)")
+        raise RecipeError(
+            what,
+            f"'{name}' is not pnpm, yarn or npm",
+            "use one of those (corepack supports no others)",
+        )
     if not semver.is_release(version):
-        raise RecipeError(what, f"'{version}' is not an exact version",
-                          "corepack needs an exact MAJOR.MINOR.PATCH, e.g. "
-                          f'"{name}@{version.lstrip("^~v").split(".")[0] or "9"}.0.0"')
+        raise RecipeError(
+            what,
+            f"'{version}' is not an exact version",
+            "corepack needs an exact MAJOR.MINOR.PATCH, e.g. "
+            f'"{name}@{version.lstrip("^~v").split(".")[0] or "9"}.0.0"',
+        )
     hash_: tuple[str, str] | None = None
     if digest is not None:
         algo, _, hex_ = digest.partition(".")
         if algo not in HASH_ALGORITHMS or not re.fullmatch(r"[0-9a-f]+", hex_ or "-"):
-            raise RecipeError(what, f"'+{digest}' is not ALGORITHM.HEXDIGEST",
-                              f"use one of {', '.join(HASH_ALGORITHMS)}, or drop the hash")
+            raise RecipeError(
+                what,
+                f"'+{digest}' is not ALGORITHM.HEXDIGEST",
+                f"use one of {', '.join(HASH_ALGORITHMS)}, or drop the hash",
+            )
         hash_ = (algo, hex_)
-    return PackageManagerRequest(cast(PackageManagerName, name), version, hash=hash_,
-                                 source="packageManager")
+    return PackageManagerRequest(
+        cast(PackageManagerName, name), version, hash=hash_, source="packageManager"
+    )

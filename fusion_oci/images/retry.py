@@ -26,9 +26,11 @@ _BUILD_NETWORK = re.compile(
     r"\b(500|502|503|504|429)\b",
     re.IGNORECASE,
 )
-_BUILD_SYNTAX = re.compile(r"unknown instruction|parse error|requires buildkit|"
-                           r"no such file or directory|failed to compute cache key",
-                           re.IGNORECASE)
+_BUILD_SYNTAX = re.compile(
+    r"unknown instruction|parse error|requires buildkit|"
+    r"no such file or directory|failed to compute cache key",
+    re.IGNORECASE,
+)
 
 
 def classify_build(message: str, log_tail: str) -> bool:
@@ -62,10 +64,12 @@ class RetryPolicy:
         raw = self.initial_s * self.multiplier ** (attempt - 1) + jitter * self.jitter_s
         return max(0.0, min(self.max_s, raw))
 
-
-    def retrying(self, is_transient: Callable[[BaseException], bool],
-                 before_sleep: Callable[[tenacity.RetryCallState], Any] | None = None,
-                 sleep: Callable[[float], None] | None = None) -> tenacity.Retrying:
+    def retrying(
+        self,
+        is_transient: Callable[[BaseException], bool],
+        before_sleep: Callable[[tenacity.RetryCallState], Any] | None = None,
+        sleep: Callable[[float], None] | None = None,
+    ) -> tenacity.Retrying:
         """A tenacity loop that retries only what ``is_transient`` accepts, then re-raises."""
         kwargs: dict[str, Any] = {}
         if sleep is not None:
@@ -143,9 +147,19 @@ def is_transient_error(exc: BaseException) -> bool:
     return isinstance(exc, EngineOpError) and exc.transient
 
 
-def audit_attempt(ctx: AuditContext, action: str, ref: str, engine: str, number: int,
-                  attempts: int, outcome: str, exc: BaseException | None, seconds: float,
-                  wait: float | None, **extra: object) -> None:
+def audit_attempt(
+    ctx: AuditContext,
+    action: str,
+    ref: str,
+    engine: str,
+    number: int,
+    attempts: int,
+    outcome: str,
+    exc: BaseException | None,
+    seconds: float,
+    wait: float | None,
+    **extra: object,
+) -> None:
     """One ``sandbox:provision`` event per attempt: its number, outcome and reason."""
     message = ""
     if exc is not None:
@@ -154,13 +168,28 @@ def audit_attempt(ctx: AuditContext, action: str, ref: str, engine: str, number:
     if outcome == "ok":
         reason = f"{action} attempt {number} succeeded"
     elif outcome == "retry":
-        reason = (f"{action} attempt {number}/{attempts} failed (transient): "
-                  f"{message.splitlines()[0] if message else '?'}; retrying in {wait or 0:.1f}s")
+        reason = (
+            f"{action} attempt {number}/{attempts} failed (transient): "
+            f"{message.splitlines()[0] if message else '?'}; retrying in {wait or 0:.1f}s"
+        )
     else:
         kind = "transient, attempts exhausted" if transient else "permanent"
-        reason = (f"{action} attempt {number}/{attempts} failed ({kind}): "
-                  f"{message.splitlines()[0] if message else '?'}")
-    ctx.emit("sandbox:provision", reason, duration_ms=int(seconds * 1000), action=action,
-             ref=ref, engine=engine, attempt=number, max_attempts=attempts, outcome=outcome,
-             transient=transient if exc is not None else None, error=message or None,
-             next_wait_s=round(wait, 3) if wait is not None else None, **extra)
+        reason = (
+            f"{action} attempt {number}/{attempts} failed ({kind}): "
+            f"{message.splitlines()[0] if message else '?'}"
+        )
+    ctx.emit(
+        "sandbox:provision",
+        reason,
+        duration_ms=int(seconds * 1000),
+        action=action,
+        ref=ref,
+        engine=engine,
+        attempt=number,
+        max_attempts=attempts,
+        outcome=outcome,
+        transient=transient if exc is not None else None,
+        error=message or None,
+        next_wait_s=round(wait, 3) if wait is not None else None,
+        **extra,
+    )

@@ -120,8 +120,12 @@ def _own(path: Path, member: tarfile.TarInfo) -> None:
         os.chown(path, member.uid, member.gid, follow_symlinks=False)
 
 
-def _extract_member(tar: tarfile.TarFile, member: tarfile.TarInfo, root: Path,
-                    dirs: list[tuple[Path, tarfile.TarInfo]]) -> None:
+def _extract_member(
+    tar: tarfile.TarFile,
+    member: tarfile.TarInfo,
+    root: Path,
+    dirs: list[tuple[Path, tarfile.TarInfo]],
+) -> None:
     """One member of the export under ``root`` by the rules of :func:`extract_rootfs`."""
     parts = _member_parts(member.name)
     if member.ischr() or member.isblk() or member.isfifo():
@@ -139,7 +143,8 @@ def _extract_member(tar: tarfile.TarFile, member: tarfile.TarInfo, root: Path,
     elif member.issym():
         if not member.linkname.startswith("/") and _escapes(parts[:-1], member.linkname):
             raise UnsafeMemberError(
-                f"{member.name!r}: symlink to {member.linkname!r} climbs out of the root")
+                f"{member.name!r}: symlink to {member.linkname!r} climbs out of the root"
+            )
         path.symlink_to(member.linkname)
         _own(path, member)
     elif member.islnk():
@@ -149,7 +154,8 @@ def _extract_member(tar: tarfile.TarFile, member: tarfile.TarInfo, root: Path,
         target = _real_parent(root, target_parts, member.linkname, make=False) / target_parts[-1]
         if not os.path.lexists(target) or target.is_dir():
             raise tarfile.ExtractError(
-                f"broken hard link in the export: {member.name!r} -> {member.linkname!r}")
+                f"broken hard link in the export: {member.name!r} -> {member.linkname!r}"
+            )
         os.link(target, path, follow_symlinks=False)
     else:  # a regular file (tar extracts members of unknown types as regular files too)
         src = tar.extractfile(member)
@@ -235,7 +241,8 @@ class _Export:
         labels = {LABEL_KIND: "container", **current_owner().labels()}
         with self._engine.call(f"create a container of {self._ref} to export its filesystem"):
             self._container = self._engine.client.containers.create(
-                self.digest, command=EXPORT_COMMAND, labels=labels, network_mode="none")
+                self.digest, command=EXPORT_COMMAND, labels=labels, network_mode="none"
+            )
             chunks = self._container.export()
         while True:
             # Each read of the stream inside the SDK boundary: a broken connection mid-export
@@ -248,8 +255,10 @@ class _Export:
 
     def remove(self) -> None:
         if self._container is not None:
-            with contextlib.suppress(FusionOCIError), \
-                    self._engine.call(f"remove the export container of {self._ref}"):
+            with (
+                contextlib.suppress(FusionOCIError),
+                self._engine.call(f"remove the export container of {self._ref}"),
+            ):
                 self._container.remove(force=True, v=True)
             self._container = None
 
@@ -265,7 +274,8 @@ def _engine_export(ref: str, url: str) -> Iterator[_Export]:
         info = engine.image(ref)
         if info is None:
             raise ProvisionError(
-                f"image '{ref}' is not in podman's local storage", f"podman at {url}",
+                f"image '{ref}' is not in podman's local storage",
+                f"podman at {url}",
                 "provision it first (backend podman, `podman build`, or `podman load`)",
             )
         export = _Export(engine, ref, info.id)
@@ -318,8 +328,9 @@ def export_image_rootfs(ref: str, cache: Path, url: str) -> Path:
                 shutil.rmtree(tmp, ignore_errors=True)  # a concurrent prepare won the race
         except (OSError, tarfile.TarError) as exc:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise ProvisionError(f"cannot unpack image '{ref}'", str(exc),
-                                 f"check free space under {cache}") from exc
+            raise ProvisionError(
+                f"cannot unpack image '{ref}'", str(exc), f"check free space under {cache}"
+            ) from exc
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

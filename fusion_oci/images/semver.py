@@ -64,7 +64,7 @@ def _partial(text: str) -> tuple[int | None, int | None, int | None]:
     # "1.x.3" means "1.x": nothing after a wildcard counts
     for i, p in enumerate(parts):
         if p is None:
-            parts[i + 1:] = [None] * (2 - i)
+            parts[i + 1 :] = [None] * (2 - i)
             break
     return parts[0], parts[1], parts[2]
 
@@ -145,8 +145,9 @@ def satisfies(version: Version, intervals: tuple[Interval, ...]) -> bool:
 
 def majors(intervals: tuple[Interval, ...], up_to: int) -> list[int]:
     """The majors (0..``up_to``) that hold at least one version of the range, ascending."""
-    return [m for m in range(up_to + 1)
-            if any(i.overlaps((m, 0, 0), (m + 1, 0, 0)) for i in intervals)]
+    return [
+        m for m in range(up_to + 1) if any(i.overlaps((m, 0, 0), (m + 1, 0, 0)) for i in intervals)
+    ]
 
 
 def newest(candidates: list[str], intervals: tuple[Interval, ...]) -> str | None:

@@ -69,8 +69,12 @@ class ImageSpec:
         """Labels put on a built image so ``images list``/``prune`` can find it."""
         if self.kind != "build":
             return {}
-        return {LABEL_MANAGED: "true", LABEL_NAME: self.name, LABEL_HASH: self.context_hash or "",
-                LABEL_SOURCE: self.source_hash or ""}
+        return {
+            LABEL_MANAGED: "true",
+            LABEL_NAME: self.name,
+            LABEL_HASH: self.context_hash or "",
+            LABEL_SOURCE: self.source_hash or "",
+        }
 
 
 SELF_IMAGE = "fusion-oci"
@@ -81,8 +85,9 @@ PACKAGED_IMAGES = "_images"
 """Where a wheel carries the top-level ``images/`` (pyproject.toml's hatch force-include)."""
 
 
-def default_images_dir(env: Mapping[str, str] | None = None, *,
-                       package_root: Path | None = None) -> Path:
+def default_images_dir(
+    env: Mapping[str, str] | None = None, *, package_root: Path | None = None
+) -> Path:
     """``$FUSION_OCI_IMAGES_DIR``; else ``images/`` of the checkout this package was loaded
     from (the source of truth, so an edit there is what builds); else the copy shipped inside
     the package (a wheel or sdist install). Read when called, never at import.
@@ -112,8 +117,11 @@ def normalize_ref(ref: str) -> str:
     """
     ref = ref.strip()
     if not ref or any(c.isspace() for c in ref):
-        raise ProvisionError(f"image reference '{ref}' is not valid", "it is empty or has spaces",
-                             "write a reference like docker.io/library/debian:bookworm-slim")
+        raise ProvisionError(
+            f"image reference '{ref}' is not valid",
+            "it is empty or has spaces",
+            "write a reference like docker.io/library/debian:bookworm-slim",
+        )
     first, _, rest = ref.partition("/")
     if not rest or ("." not in first and ":" not in first and first != "localhost"):
         ref = f"docker.io/{ref}" if rest else f"docker.io/library/{ref}"
@@ -161,8 +169,13 @@ def image_context(name: str, images_dir: Path | None = None) -> Path | None:
     return context if (context / CONTAINERFILE).is_file() else None
 
 
-def resolve_image(name: str, *, images_dir: Path | None = None,
-                  base: str | None = None, toolchain: Toolchain | None = None) -> ImageSpec:
+def resolve_image(
+    name: str,
+    *,
+    images_dir: Path | None = None,
+    base: str | None = None,
+    toolchain: Toolchain | None = None,
+) -> ImageSpec:
     """Short name of a folder under ``images_dir`` → build spec; full reference → pull spec.
 
     ``base``: the ``BASE`` build argument (e.g. :data:`BASE_REF` on machines without a
@@ -177,8 +190,11 @@ def resolve_image(name: str, *, images_dir: Path | None = None,
         if name == SELF_IMAGE and not context.is_dir():
             context = root.parent
         if not (context / CONTAINERFILE).is_file():
-            known = sorted(p.name for p in root.iterdir() if (p / CONTAINERFILE).is_file()) \
-                if root.is_dir() else []
+            known = (
+                sorted(p.name for p in root.iterdir() if (p / CONTAINERFILE).is_file())
+                if root.is_dir()
+                else []
+            )
             raise ProvisionError(
                 f"image '{name}' is unknown",
                 f"there is no {context / CONTAINERFILE}"
@@ -195,11 +211,18 @@ def resolve_image(name: str, *, images_dir: Path | None = None,
                     f"image '{name}' needs its Node.js toolchain resolved",
                     "its Containerfile declares ARG NODE_VERSION, whose value comes from the "
                     "project and the npm registry",
-                    "provision it with `fusion-oci images build` or through a runtime")
+                    "provision it with `fusion-oci images build` or through a runtime",
+                )
             args.update(toolchain.build_args())
             digest = context_hash(context, CONTAINERFILE, args)
-        return ImageSpec(name=name, ref=f"{LOCAL_REPO}/{name}:{content_tag(digest)}",
-                         kind="build", context=context, build_args=args, context_hash=digest,
-                         toolchain=toolchain if takes_toolchain(context) else None,
-                         source_hash=source)
+        return ImageSpec(
+            name=name,
+            ref=f"{LOCAL_REPO}/{name}:{content_tag(digest)}",
+            kind="build",
+            context=context,
+            build_args=args,
+            context_hash=digest,
+            toolchain=toolchain if takes_toolchain(context) else None,
+            source_hash=source,
+        )
     return ImageSpec(name=name, ref=normalize_ref(name), kind="pull")

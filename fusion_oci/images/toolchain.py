@@ -53,11 +53,17 @@ class Toolchain:
     def build_args(self) -> dict[str, str]:
         """The Containerfile's ARGs; their values (integrities included) are hashed into the
         tag, so a tampered or changed tarball can never be found "present" under it."""
-        args = {"NODE_VERSION": self.node.version if self.node else "debian",
-                "PACKAGE_MANAGER": self.recipe.package_manager.name,
-                "PACKAGE_MANAGER_VERSION": self.package_manager_version}
-        for key, rel in (("NODE", self.node), ("NPM", self.npm), ("PM", self.package_manager),
-                         ("PM_NATIVE", self.native)):
+        args = {
+            "NODE_VERSION": self.node.version if self.node else "debian",
+            "PACKAGE_MANAGER": self.recipe.package_manager.name,
+            "PACKAGE_MANAGER_VERSION": self.package_manager_version,
+        }
+        for key, rel in (
+            ("NODE", self.node),
+            ("NPM", self.npm),
+            ("PM", self.package_manager),
+            ("PM_NATIVE", self.native),
+        ):
             if rel is not None:
                 args[f"{key}_PACKAGE"] = f"{rel.package}@{rel.version}"
                 args[f"{key}_INTEGRITY"] = rel.integrity
@@ -73,8 +79,10 @@ class Toolchain:
         node = self.recipe.node
         exact = f" (v{self.node.version})" if self.node else ""
         pm = self.recipe.package_manager
-        return (f"{node.label} from {node.source}{exact}, "
-                f"{pm.name} {self.package_manager_version} from {pm.source}")
+        return (
+            f"{node.label} from {node.source}{exact}, "
+            f"{pm.name} {self.package_manager_version} from {pm.source}"
+        )
 
 
 _BIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -85,25 +93,33 @@ def _bins(release: Release) -> str:
     """``command=path ...`` for install-toolchain.sh. The registry's words reach a shell
     there, so anything but plain names and relative paths inside the package is refused."""
     for name, path in release.bin:
-        if not _BIN_NAME.fullmatch(name) or not _BIN_PATH.fullmatch(path) \
-                or ".." in path.split("/"):
-            raise RegistryError(f"{release.package}@{release.version} declares a strange command",
-                                f"bin {name!r} -> {path!r}",
-                                "fusion-oci installs only plain command names and paths")
+        if (
+            not _BIN_NAME.fullmatch(name)
+            or not _BIN_PATH.fullmatch(path)
+            or ".." in path.split("/")
+        ):
+            raise RegistryError(
+                f"{release.package}@{release.version} declares a strange command",
+                f"bin {name!r} -> {path!r}",
+                "fusion-oci installs only plain command names and paths",
+            )
     return " ".join(f"{name}={path.removeprefix('./')}" for name, path in release.bin)
 
 
-def _pick(registry: Registry, package: str, range_: str, what: str,
-          node: str | None = None) -> Release:
+def _pick(
+    registry: Registry, package: str, range_: str, what: str, node: str | None = None
+) -> Release:
     releases = registry.releases(package)
     intervals = semver.parse_range(range_)
     candidates = [v for v, r in releases.items() if node is None or _runs_on(r, node)]
     version = semver.newest(candidates, intervals)
     if version is None:
-        raise RegistryError(f"no release of {package} satisfies {what}",
-                            f"the registry lists {len(releases)} versions, none matching "
-                            f"'{range_}'" + (f" that runs on Node.js {node}" if node else ""),
-                            "change the declaration in the project files")
+        raise RegistryError(
+            f"no release of {package} satisfies {what}",
+            f"the registry lists {len(releases)} versions, none matching "
+            f"'{range_}'" + (f" that runs on Node.js {node}" if node else ""),
+            "change the declaration in the project files",
+        )
     return releases[version]
 
 
@@ -111,8 +127,9 @@ def _runs_on(release: Release, node: str) -> bool:
     if not release.engines_node:
         return True
     try:
-        return semver.satisfies(semver.parse_version(node),
-                                semver.parse_range(release.engines_node))
+        return semver.satisfies(
+            semver.parse_version(node), semver.parse_range(release.engines_node)
+        )
     except semver.SemverError:
         return False
 
@@ -120,8 +137,11 @@ def _runs_on(release: Release, node: str) -> bool:
 def resolve_toolchain(recipe: ImageRecipe, registry: Registry) -> Toolchain:
     """The exact releases for ``recipe`` (registry metadata; cached, see npm_registry)."""
     req = recipe.node
-    node = None if req.debian else _pick(registry, NODE_PACKAGE, req.range,
-                                         f"Node.js '{req.range}' ({req.source})")
+    node = (
+        None
+        if req.debian
+        else _pick(registry, NODE_PACKAGE, req.range, f"Node.js '{req.range}' ({req.source})")
+    )
     node_version = node.version if node else DEBIAN_NODE_VERSION
     pm = recipe.package_manager
     npm: Release | None = None
@@ -130,16 +150,22 @@ def resolve_toolchain(recipe: ImageRecipe, registry: Registry) -> Toolchain:
         npm = _pick(registry, "npm", _pm_range(pm), f"npm {pm.version} ({pm.source})")
     else:
         if node is not None:
-            npm = _pick(registry, "npm", "*", f"an npm for Node.js {node_version}",
-                        node=node_version)
-        tool = _pick(registry, _pm_package(pm), _pm_range(pm),
-                     f"{pm.name} {pm.version or pm.major} ({pm.source})",
-                     node=node_version if pm.version is None else None)
+            npm = _pick(
+                registry, "npm", "*", f"an npm for Node.js {node_version}", node=node_version
+            )
+        tool = _pick(
+            registry,
+            _pm_package(pm),
+            _pm_range(pm),
+            f"{pm.name} {pm.version or pm.major} ({pm.source})",
+            node=node_version if pm.version is None else None,
+        )
     native = None
     wanted = dict(tool.optional).get(PNPM_NATIVE) if tool is not None else None
     if wanted is not None:
-        native = _pick(registry, PNPM_NATIVE, wanted, f"pnpm {tool.version if tool else ''}'s "
-                       "native binary")
+        native = _pick(
+            registry, PNPM_NATIVE, wanted, f"pnpm {tool.version if tool else ''}'s native binary"
+        )
     return Toolchain(recipe, node, npm, tool, native)
 
 
@@ -159,8 +185,12 @@ def fetch_toolchain(toolchain: Toolchain, registry: Registry) -> dict[str, Path]
     """Verified tarballs for the build context: ``fusion-oci-dist/NAME.tgz`` → file."""
     out: dict[str, Path] = {}
     pm_hash = toolchain.recipe.package_manager.hash
-    for name, rel in (("node", toolchain.node), ("npm", toolchain.npm),
-                      ("pm", toolchain.package_manager), ("pm-native", toolchain.native)):
+    for name, rel in (
+        ("node", toolchain.node),
+        ("npm", toolchain.npm),
+        ("pm", toolchain.package_manager),
+        ("pm-native", toolchain.native),
+    ):
         if rel is None:
             continue
         is_pm = name == "pm" or (name == "npm" and toolchain.package_manager is None)

@@ -23,8 +23,9 @@ class Bundle:
     @property
     def config_path(self) -> Path:
         if self.path is None:
-            raise BundleError("bundle has no directory", "it was never written",
-                              "call write_bundle() first")
+            raise BundleError(
+                "bundle has no directory", "it was never written", "call write_bundle() first"
+            )
         return self.path / "config.json"
 
 
@@ -64,7 +65,10 @@ def write_bundle(spec: Spec, target: Path, *, rootfs_from: Path | None = None) -
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, OSError):
-            raise BundleError(f"cannot write bundle to {target}", str(exc),
-                              "check the directory's permissions and free space") from exc
+            raise BundleError(
+                f"cannot write bundle to {target}",
+                str(exc),
+                "check the directory's permissions and free space",
+            ) from exc
         raise
     return Bundle(spec, target)

@@ -27,8 +27,9 @@ from fusion_oci.models import CacheMode, NetworkMode
 class OciModel(BaseModel):
     """OCI JSON names as aliases; unknown keys refused (a typo is not a silent no-op)."""
 
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid",
-                              frozen=True)
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
+    )
 
     def to_oci(self) -> dict[str, Any]:
         """The OCI JSON object (absent fields left out)."""
@@ -36,6 +37,7 @@ class OciModel(BaseModel):
 
 
 # ------------------------------------------------------------------------------ the process
+
 
 class User(OciModel):
     uid: int
@@ -98,6 +100,7 @@ class ProcessSpec(OciModel):
 
 # --------------------------------------------------------------------------------- the task
 
+
 class Root(OciModel):
     path: str
     readonly: bool | None = None
@@ -116,7 +119,7 @@ class Mount(OciModel):
     def option(self, prefix: str) -> str | None:
         """The value of the first ``prefix=value`` option (``size``, ``mode``), if any."""
         key = prefix + "="
-        return next((o[len(key):] for o in self.options or [] if o.startswith(key)), None)
+        return next((o[len(key) :] for o in self.options or [] if o.startswith(key)), None)
 
 
 class Namespace(OciModel):

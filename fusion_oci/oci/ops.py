@@ -77,8 +77,13 @@ def with_exec_status(spec: Spec, agent: str, status_dir: str) -> Spec:
     out = copy.deepcopy(spec)
     out["mounts"].append(bind(EXEC_STATUS_IN_SANDBOX, agent, writable=False))
     out["mounts"].append(bind(STATUS_DIR_IN_SANDBOX, status_dir, writable=True))
-    out["process"]["args"] = [EXEC_STATUS_IN_SANDBOX, "--exec-status-file",
-                              f"{STATUS_DIR_IN_SANDBOX}/status", "--", *out["process"]["args"]]
+    out["process"]["args"] = [
+        EXEC_STATUS_IN_SANDBOX,
+        "--exec-status-file",
+        f"{STATUS_DIR_IN_SANDBOX}/status",
+        "--",
+        *out["process"]["args"],
+    ]
     return out
 
 
@@ -92,12 +97,14 @@ def with_rootfs(spec: Spec, rootfs: str) -> Spec:
 def with_egress_hook(spec: Spec, hook: EgressHook) -> Spec:
     """Add the createRuntime hook that waits for slirp4netns (:data:`EGRESS_HOOK_SCRIPT`). Pure."""
     out = copy.deepcopy(spec)
-    out.setdefault("hooks", {}).setdefault("createRuntime", []).append({
-        "path": "/bin/sh",
-        "args": ["sh", "-c", EGRESS_HOOK_SCRIPT, "fusion-oci-egress", hook.request, hook.reply],
-        "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"],
-        "timeout": EGRESS_HOOK_TIMEOUT_S,
-    })
+    out.setdefault("hooks", {}).setdefault("createRuntime", []).append(
+        {
+            "path": "/bin/sh",
+            "args": ["sh", "-c", EGRESS_HOOK_SCRIPT, "fusion-oci-egress", hook.request, hook.reply],
+            "env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"],
+            "timeout": EGRESS_HOOK_TIMEOUT_S,
+        }
+    )
     return out
 
 
@@ -113,8 +120,9 @@ def with_resolv_conf(spec: Spec, resolv_conf: str) -> Spec:
 def without_network_namespace(spec: Spec) -> Spec:
     """Drop the network namespace: the CLI already runs in the task's own one. Pure."""
     out = copy.deepcopy(spec)
-    out["linux"]["namespaces"] = [ns for ns in out["linux"]["namespaces"]
-                                  if ns["type"] != "network"]
+    out["linux"]["namespaces"] = [
+        ns for ns in out["linux"]["namespaces"] if ns["type"] != "network"
+    ]
     return out
 
 
@@ -160,9 +168,14 @@ def with_rootless(spec: Spec, uid: int, gid: int) -> Spec:
     if not any(ns["type"] == "network" for ns in linux["namespaces"]):
         # A user namespace that does not own the network namespace may not mount sysfs.
         out["mounts"] = [
-            {"destination": "/sys", "type": "bind", "source": "/sys",
-             "options": ["rbind", "nosuid", "noexec", "nodev", "ro"]}
-            if m["destination"] == "/sys" else m
+            {
+                "destination": "/sys",
+                "type": "bind",
+                "source": "/sys",
+                "options": ["rbind", "nosuid", "noexec", "nodev", "ro"],
+            }
+            if m["destination"] == "/sys"
+            else m
             for m in out["mounts"]
         ]
     return out

@@ -23,24 +23,66 @@ if TYPE_CHECKING:
     from types import ModuleType
 
 DENIED = (
-    "mount", "umount2", "pivot_root", "chroot", "unshare", "setns",
-    "mount_setattr", "move_mount", "open_tree", "fsopen", "fsconfig", "fsmount", "fspick",
-    "ptrace", "process_vm_readv", "process_vm_writev",
-    "keyctl", "add_key", "request_key",
-    "bpf", "perf_event_open", "userfaultfd",
-    "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module",
-    "reboot", "swapon", "swapoff", "syslog", "vhangup", "acct", "quotactl",
-    "settimeofday", "clock_settime", "clock_adjtime", "adjtimex",
-    "open_by_handle_at", "name_to_handle_at", "lookup_dcookie", "nfsservctl", "uselib",
-    "iopl", "ioperm",
+    "mount",
+    "umount2",
+    "pivot_root",
+    "chroot",
+    "unshare",
+    "setns",
+    "mount_setattr",
+    "move_mount",
+    "open_tree",
+    "fsopen",
+    "fsconfig",
+    "fsmount",
+    "fspick",
+    "ptrace",
+    "process_vm_readv",
+    "process_vm_writev",
+    "keyctl",
+    "add_key",
+    "request_key",
+    "bpf",
+    "perf_event_open",
+    "userfaultfd",
+    "kexec_load",
+    "kexec_file_load",
+    "init_module",
+    "finit_module",
+    "delete_module",
+    "reboot",
+    "swapon",
+    "swapoff",
+    "syslog",
+    "vhangup",
+    "acct",
+    "quotactl",
+    "settimeofday",
+    "clock_settime",
+    "clock_adjtime",
+    "adjtimex",
+    "open_by_handle_at",
+    "name_to_handle_at",
+    "lookup_dcookie",
+    "nfsservctl",
+    "uselib",
+    "iopl",
+    "ioperm",
 )
 
 AF_PACKET = 17
 SOCK_RAW = 3
 SOCK_TYPE_MASK = 0xF
 # CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET
-CLONE_NEW_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000,
-                   0x40000000)
+CLONE_NEW_FLAGS = (
+    0x00020000,
+    0x02000000,
+    0x04000000,
+    0x08000000,
+    0x10000000,
+    0x20000000,
+    0x40000000,
+)
 
 AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 OCI_ARCHES = {"x86_64": ["SCMP_ARCH_X86_64"], "aarch64": ["SCMP_ARCH_AARCH64"]}
@@ -53,15 +95,33 @@ def default_profile(arch: str = "x86_64") -> dict[str, Any]:
     rules: list[dict[str, Any]] = [
         {"names": list(DENIED), "action": "SCMP_ACT_ERRNO", "errnoRet": eperm},
         {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.ENOSYS},
-        {"names": ["socket"], "action": "SCMP_ACT_ERRNO", "errnoRet": eperm,
-         "args": [{"index": 0, "value": AF_PACKET, "op": "SCMP_CMP_EQ"}]},
-        {"names": ["socket"], "action": "SCMP_ACT_ERRNO", "errnoRet": eperm,
-         "args": [{"index": 1, "value": SOCK_TYPE_MASK, "valueTwo": SOCK_RAW,
-                   "op": "SCMP_CMP_MASKED_EQ"}]},
+        {
+            "names": ["socket"],
+            "action": "SCMP_ACT_ERRNO",
+            "errnoRet": eperm,
+            "args": [{"index": 0, "value": AF_PACKET, "op": "SCMP_CMP_EQ"}],
+        },
+        {
+            "names": ["socket"],
+            "action": "SCMP_ACT_ERRNO",
+            "errnoRet": eperm,
+            "args": [
+                {
+                    "index": 1,
+                    "value": SOCK_TYPE_MASK,
+                    "valueTwo": SOCK_RAW,
+                    "op": "SCMP_CMP_MASKED_EQ",
+                }
+            ],
+        },
     ]
     rules += [
-        {"names": ["clone"], "action": "SCMP_ACT_ERRNO", "errnoRet": eperm,
-         "args": [{"index": 0, "value": flag, "valueTwo": flag, "op": "SCMP_CMP_MASKED_EQ"}]}
+        {
+            "names": ["clone"],
+            "action": "SCMP_ACT_ERRNO",
+            "errnoRet": eperm,
+            "args": [{"index": 0, "value": flag, "valueTwo": flag, "op": "SCMP_CMP_MASKED_EQ"}],
+        }
         for flag in CLONE_NEW_FLAGS
     ]
     return {
@@ -94,21 +154,37 @@ def without_errno_ret(profile: Mapping[str, Any]) -> dict[str, Any]:
             trace = {k: v for k, v in rule.items() if k != "errnoRet"}
             out["syscalls"].append({**trace, "action": "SCMP_ACT_TRACE"})
         else:
-            raise ValueError(f"errno {code} of {rule.get('names')} cannot be returned by a "
-                             "runtime that ignores errnoRet")
+            raise ValueError(
+                f"errno {code} of {rule.get('names')} cannot be returned by a "
+                "runtime that ignores errnoRet"
+            )
     return out
 
 
-LIBSECCOMP_HINT = ("install libseccomp (apt-get install libseccomp2, dnf install libseccomp) and "
-                   "the pyseccomp binding (pip install pyseccomp)")
+LIBSECCOMP_HINT = (
+    "install libseccomp (apt-get install libseccomp2, dnf install libseccomp) and "
+    "the pyseccomp binding (pip install pyseccomp)"
+)
 # OCI architecture names as pyseccomp's Arch attributes.
 _ARCH_ATTRS = {
-    "SCMP_ARCH_X86": "X86", "SCMP_ARCH_X86_64": "X86_64", "SCMP_ARCH_X32": "X32",
-    "SCMP_ARCH_ARM": "ARM", "SCMP_ARCH_AARCH64": "AARCH64", "SCMP_ARCH_PPC64LE": "PPC64LE",
-    "SCMP_ARCH_S390X": "S390X", "SCMP_ARCH_RISCV64": "RISCV64",
+    "SCMP_ARCH_X86": "X86",
+    "SCMP_ARCH_X86_64": "X86_64",
+    "SCMP_ARCH_X32": "X32",
+    "SCMP_ARCH_ARM": "ARM",
+    "SCMP_ARCH_AARCH64": "AARCH64",
+    "SCMP_ARCH_PPC64LE": "PPC64LE",
+    "SCMP_ARCH_S390X": "S390X",
+    "SCMP_ARCH_RISCV64": "RISCV64",
 }
-_OPS = {"SCMP_CMP_NE": "NE", "SCMP_CMP_LT": "LT", "SCMP_CMP_LE": "LE", "SCMP_CMP_EQ": "EQ",
-        "SCMP_CMP_GE": "GE", "SCMP_CMP_GT": "GT", "SCMP_CMP_MASKED_EQ": "MASKED_EQ"}
+_OPS = {
+    "SCMP_CMP_NE": "NE",
+    "SCMP_CMP_LT": "LT",
+    "SCMP_CMP_LE": "LE",
+    "SCMP_CMP_EQ": "EQ",
+    "SCMP_CMP_GE": "GE",
+    "SCMP_CMP_GT": "GT",
+    "SCMP_CMP_MASKED_EQ": "MASKED_EQ",
+}
 _PERMISSIVE = ("SCMP_ACT_ALLOW", "SCMP_ACT_LOG")
 _LOW32 = 0xFFFFFFFF
 _NR_SCMP_ERROR = -1
@@ -143,8 +219,11 @@ def libseccomp_problem() -> str | None:
 def _action(sc: ModuleType, name: str, errno_ret: int | None) -> int:
     code = errno.EPERM if errno_ret is None else int(errno_ret)
     actions: dict[str, int] = {
-        "SCMP_ACT_ALLOW": sc.ALLOW, "SCMP_ACT_LOG": sc.LOG, "SCMP_ACT_TRAP": sc.TRAP,
-        "SCMP_ACT_KILL": sc.KILL_THREAD, "SCMP_ACT_KILL_THREAD": sc.KILL_THREAD,
+        "SCMP_ACT_ALLOW": sc.ALLOW,
+        "SCMP_ACT_LOG": sc.LOG,
+        "SCMP_ACT_TRAP": sc.TRAP,
+        "SCMP_ACT_KILL": sc.KILL_THREAD,
+        "SCMP_ACT_KILL_THREAD": sc.KILL_THREAD,
         "SCMP_ACT_KILL_PROCESS": sc.KILL_PROCESS,
     }
     if name == "SCMP_ACT_ERRNO":
@@ -187,8 +266,7 @@ def compile_bpf(profile: Mapping[str, Any], arch: str) -> bytes:
     flt = sc.SyscallFilter(default)
     flt.set_attr(sc.Attr.ACT_BADARCH, sc.KILL_PROCESS)
     wanted = [*OCI_ARCHES[arch], *profile.get("architectures", [])]
-    tokens = [getattr(sc.Arch, _ARCH_ATTRS[a]) for a in dict.fromkeys(wanted)
-              if a in _ARCH_ATTRS]
+    tokens = [getattr(sc.Arch, _ARCH_ATTRS[a]) for a in dict.fromkeys(wanted) if a in _ARCH_ATTRS]
     for token in tokens:
         if not flt.exist_arch(token):
             flt.add_arch(token)

@@ -48,12 +48,24 @@ CA_ENV_VARS = (
 )
 
 MASKED_PATHS = (
-    "/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats",
-    "/proc/timer_list", "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi",
-    "/sys/firmware", "/sys/devices/virtual/powercap",
+    "/proc/acpi",
+    "/proc/asound",
+    "/proc/kcore",
+    "/proc/keys",
+    "/proc/latency_stats",
+    "/proc/timer_list",
+    "/proc/timer_stats",
+    "/proc/sched_debug",
+    "/proc/scsi",
+    "/sys/firmware",
+    "/sys/devices/virtual/powercap",
 )
 READONLY_PATHS = (
-    "/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger",
+    "/proc/bus",
+    "/proc/fs",
+    "/proc/irq",
+    "/proc/sys",
+    "/proc/sysrq-trigger",
 )
 
 DEFAULT_NOFILE = 65536
@@ -70,7 +82,11 @@ def default_spec() -> Spec:
             "env": [f"PATH={SANDBOX_PATH}"],
             "cwd": "/",
             "capabilities": {
-                "bounding": [], "effective": [], "inheritable": [], "permitted": [], "ambient": [],
+                "bounding": [],
+                "effective": [],
+                "inheritable": [],
+                "permitted": [],
+                "ambient": [],
             },
             "rlimits": [],
             "noNewPrivileges": True,
@@ -78,22 +94,49 @@ def default_spec() -> Spec:
         "root": {"path": "rootfs", "readonly": True},
         "hostname": "fusion-sandbox",
         "mounts": [
-            {"destination": "/proc", "type": "proc", "source": "proc",
-             "options": ["nosuid", "noexec", "nodev"]},
-            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
-             "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
-            {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
-             "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"]},
-            {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
-             "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
-            {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue",
-             "options": ["nosuid", "noexec", "nodev"]},
-            {"destination": "/sys", "type": "sysfs", "source": "sysfs",
-             "options": ["nosuid", "noexec", "nodev", "ro"]},
+            {
+                "destination": "/proc",
+                "type": "proc",
+                "source": "proc",
+                "options": ["nosuid", "noexec", "nodev"],
+            },
+            {
+                "destination": "/dev",
+                "type": "tmpfs",
+                "source": "tmpfs",
+                "options": ["nosuid", "strictatime", "mode=755", "size=65536k"],
+            },
+            {
+                "destination": "/dev/pts",
+                "type": "devpts",
+                "source": "devpts",
+                "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"],
+            },
+            {
+                "destination": "/dev/shm",
+                "type": "tmpfs",
+                "source": "shm",
+                "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"],
+            },
+            {
+                "destination": "/dev/mqueue",
+                "type": "mqueue",
+                "source": "mqueue",
+                "options": ["nosuid", "noexec", "nodev"],
+            },
+            {
+                "destination": "/sys",
+                "type": "sysfs",
+                "source": "sysfs",
+                "options": ["nosuid", "noexec", "nodev", "ro"],
+            },
         ],
         "linux": {
             "namespaces": [
-                {"type": "pid"}, {"type": "ipc"}, {"type": "uts"}, {"type": "mount"},
+                {"type": "pid"},
+                {"type": "ipc"},
+                {"type": "uts"},
+                {"type": "mount"},
                 {"type": "cgroup"},
             ],
             "resources": {"devices": [{"allow": False, "access": "rwm"}]},
@@ -124,8 +167,14 @@ def bind(dest: str, source: str, *, writable: bool) -> dict[str, Any]:
     return {"destination": dest, "type": "bind", "source": source, "options": opts}
 
 
-def tmpfs(dest: str, *, mode: str = "1777", uid: int | None = None, gid: int | None = None,
-          size: str | None = None) -> dict[str, Any]:
+def tmpfs(
+    dest: str,
+    *,
+    mode: str = "1777",
+    uid: int | None = None,
+    gid: int | None = None,
+    size: str | None = None,
+) -> dict[str, Any]:
     opts = ["nosuid", "nodev", f"mode={mode}"]
     if uid is not None:
         opts.append(f"uid={uid}")
@@ -203,8 +252,9 @@ def _within_hard(value: int, hard: int) -> int:
     return value if hard < 0 else min(value, hard)
 
 
-def process_rlimits(host: HostInfo, cpu_ms: int | None,
-                    file_size_mb: int | None = None) -> list[dict[str, Any]]:
+def process_rlimits(
+    host: HostInfo, cpu_ms: int | None, file_size_mb: int | None = None
+) -> list[dict[str, Any]]:
     """RLIMIT_NOFILE, RLIMIT_CPU and RLIMIT_FSIZE, never above the host's current hard limits.
 
     Raising a limit past the hard limit is refused by the kernel (and makes runc fail), so
@@ -220,11 +270,13 @@ def process_rlimits(host: HostInfo, cpu_ms: int | None,
         _, chard = host.rlimits.get("RLIMIT_CPU", (-1, -1))
         secs = max(1, math.ceil(cpu_ms / 1000))
         # SIGXCPU at the soft limit, SIGKILL one second later at the hard limit.
-        limits.append({
-            "type": "RLIMIT_CPU",
-            "soft": _within_hard(secs, chard),
-            "hard": _within_hard(secs + 1, chard),
-        })
+        limits.append(
+            {
+                "type": "RLIMIT_CPU",
+                "soft": _within_hard(secs, chard),
+                "hard": _within_hard(secs + 1, chard),
+            }
+        )
     if file_size_mb:
         _, fhard = host.rlimits.get("RLIMIT_FSIZE", (-1, -1))
         size = _within_hard(file_size_mb * 1024 * 1024, fhard)
@@ -286,8 +338,11 @@ def task_mounts(layout: TaskLayout, policy: SandboxPolicy, host: HostInfo) -> li
     protected = [p for p in layout.protected if p not in bound_ro]
     mounts += [bind(p, p, writable=False) for p in protected]
     # A writablePaths entry inside a protected path (e.g. .fusion/fusion.db) stays writable.
-    mounts += [bind(p, p, writable=True) for p in policy.writable_paths
-               if any(p.startswith(q.rstrip("/") + "/") for q in protected)]
+    mounts += [
+        bind(p, p, writable=True)
+        for p in policy.writable_paths
+        if any(p.startswith(q.rstrip("/") + "/") for q in protected)
+    ]
     return mounts
 
 
@@ -333,13 +388,16 @@ def credential_env(layout: TaskLayout, env: Mapping[str, str]) -> dict[str, str]
     out = dict(layout.sentinels)
     count = int(env.get("GIT_CONFIG_COUNT", "0"))
     for host, user, name in layout.git_credentials:
-        helper = (f'!f() {{ test "$1" = get && echo username={user} && '
-                  f'echo "password=${name}"; }}; f')
+        helper = (
+            f'!f() {{ test "$1" = get && echo username={user} && echo "password=${name}"; }}; f'
+        )
         # ssh remotes of the host go over https: there is no key inside to sign with, and
         # only https carries the brokered token.
-        for key, value in ((f"credential.https://{host}.helper", helper),
-                           (f"url.https://{host}/.insteadOf", f"git@{host}:"),
-                           (f"url.https://{host}/.insteadOf", f"ssh://git@{host}/")):
+        for key, value in (
+            (f"credential.https://{host}.helper", helper),
+            (f"url.https://{host}/.insteadOf", f"git@{host}:"),
+            (f"url.https://{host}/.insteadOf", f"ssh://git@{host}/"),
+        ):
             out[f"GIT_CONFIG_KEY_{count}"] = key
             out[f"GIT_CONFIG_VALUE_{count}"] = value
             count += 1
@@ -361,10 +419,28 @@ def filtered_env() -> dict[str, str]:
 # Names that look like credentials. They pass only when the allowlist names them exactly:
 # a glob such as `CI_*` or `*` never lets `CI_JOB_TOKEN` or `AWS_SECRET_ACCESS_KEY` through.
 SECRET_PATTERNS = (
-    "*TOKEN*", "*SECRET*", "*PASSWORD*", "*PASSWD*", "*CREDENTIAL*", "*PRIVATE*KEY*",
-    "*API*KEY*", "*ACCESS*KEY*", "*_KEY", "*SESSION*", "*COOKIE*", "*AUTH*",
-    "AWS_*", "AZURE_*", "GOOGLE_APPLICATION_CREDENTIALS", "GCP_*", "SSH_AUTH_SOCK",
-    "DOCKER_HOST", "CONTAINER_HOST", "KUBECONFIG", "VAULT_*", "NPM_CONFIG__AUTH*",
+    "*TOKEN*",
+    "*SECRET*",
+    "*PASSWORD*",
+    "*PASSWD*",
+    "*CREDENTIAL*",
+    "*PRIVATE*KEY*",
+    "*API*KEY*",
+    "*ACCESS*KEY*",
+    "*_KEY",
+    "*SESSION*",
+    "*COOKIE*",
+    "*AUTH*",
+    "AWS_*",
+    "AZURE_*",
+    "GOOGLE_APPLICATION_CREDENTIALS",
+    "GCP_*",
+    "SSH_AUTH_SOCK",
+    "DOCKER_HOST",
+    "CONTAINER_HOST",
+    "KUBECONFIG",
+    "VAULT_*",
+    "NPM_CONFIG__AUTH*",
 )
 
 
@@ -383,9 +459,7 @@ def allowed_env(allowlist: Sequence[str], source: Mapping[str, str]) -> dict[str
     globs = [name for name in allowlist if name not in exact]
     out = {}
     for name, value in source.items():
-        if name in exact or (
-            any(fnmatchcase(name, g) for g in globs) and not is_secret_name(name)
-        ):
+        if name in exact or (any(fnmatchcase(name, g) for g in globs) and not is_secret_name(name)):
             out[name] = value
     return out
 
@@ -416,12 +490,15 @@ def compile_task(ctx: PrepareContext, layout: TaskLayout, host: HostInfo) -> Tas
     cpu = policy.cpu_limit
     spec = with_cpu_quota(spec, cpu.max_cores if cpu else None)
     spec = with_pids_limit(spec, policy.pids_limit)
-    spec = with_annotations(spec, {
-        ANN_TASK: ctx.task_id,
-        ANN_RUN: ctx.run_id,
-        ANN_POLICY: policy.digest(),
-        ANN_CACHE_MODE: ctx.cache_mode.value,
-    })
+    spec = with_annotations(
+        spec,
+        {
+            ANN_TASK: ctx.task_id,
+            ANN_RUN: ctx.run_id,
+            ANN_POLICY: policy.digest(),
+            ANN_CACHE_MODE: ctx.cache_mode.value,
+        },
+    )
     spec = with_image(spec, ctx.image) if ctx.image else with_host_rootfs(spec, host)
     spec = with_mounts(spec, task_mounts(layout, policy, host))
     spec = with_seccomp(spec, host.arch)
@@ -446,8 +523,7 @@ def compile_process(
         args=command_argv(command),
         cwd=_cwd(opts.cwd, layout.worktree),
         env=[f"{k}={v}" for k, v in sorted(sandbox_env(policy, layout, env_source).items())],
-        rlimits=process_rlimits(host, cpu.max_ms if cpu else None,
-                                policy.file_size_limit_mb),
+        rlimits=process_rlimits(host, cpu.max_ms if cpu else None, policy.file_size_limit_mb),
     )
     return ProcessSpec.model_validate(process)
 
@@ -461,5 +537,7 @@ def compile_spec(
     env_source: Mapping[str, str],
 ) -> Spec:
     """The whole ``config.json`` for one command (a bundle, ``fusion-oci plan``). Pure."""
-    return config_json(compile_task(ctx, layout, host),
-                       compile_process(ctx, layout, host, command, opts, env_source))
+    return config_json(
+        compile_task(ctx, layout, host),
+        compile_process(ctx, layout, host, command, opts, env_source),
+    )

@@ -33,13 +33,13 @@ class CredentialSource(Model):
     def _exactly_one(self) -> CredentialSource:
         given = [k for k in ("env", "file", "command") if getattr(self, k) is not None]
         if len(given) != 1:
-            raise ValueError("write exactly one of env, file or command "
-                             f"(got {', '.join(given) or 'none'})")
+            raise ValueError(
+                f"write exactly one of env, file or command (got {', '.join(given) or 'none'})"
+            )
         if self.file is not None and not self.file.startswith("/"):
             raise ValueError(f"file '{self.file}' is not an absolute path")
         if self.command is not None and (not self.command or not self.command[0]):
-            raise ValueError("command is an empty argv: write it as a list, e.g. "
-                             "[gh, auth, token]")
+            raise ValueError("command is an empty argv: write it as a list, e.g. [gh, auth, token]")
         return self
 
     def describe(self) -> str:
@@ -89,8 +89,10 @@ class CredentialSpec(Model):
         for host in value:
             norm = host.strip().lower().rstrip(".")
             if not _HOST.match(norm):
-                raise ValueError(f"'{host}' is not a host name: write the name only "
-                                 "(github.com), without a scheme, port, path or wildcard")
+                raise ValueError(
+                    f"'{host}' is not a host name: write the name only "
+                    "(github.com), without a scheme, port, path or wildcard"
+                )
             out.append(norm)
         return out
 
@@ -99,8 +101,10 @@ class CredentialSpec(Model):
     def _refs(cls, value: list[str] | None) -> list[str] | None:
         for ref in value or []:
             if not ref.startswith("refs/"):
-                raise ValueError(f"allowedRefs entry '{ref}' is not a full ref: write "
-                                 "refs/heads/NAME (globs allowed: refs/heads/fusion/*)")
+                raise ValueError(
+                    f"allowedRefs entry '{ref}' is not a full ref: write "
+                    "refs/heads/NAME (globs allowed: refs/heads/fusion/*)"
+                )
         return value
 
 

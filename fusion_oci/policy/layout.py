@@ -75,7 +75,9 @@ def _inside(path: str, roots: Sequence[str]) -> bool:
 
 
 def resolve_protected(
-    worktree: str, patterns: Sequence[str], writable_roots: Sequence[str],
+    worktree: str,
+    patterns: Sequence[str],
+    writable_roots: Sequence[str],
     extra: Sequence[str] = (),
 ) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The protectedPaths globs as existing host paths to bind read-only, and the entries that
@@ -106,8 +108,7 @@ def resolve_protected(
             if not _inside(str(path), writable_roots):
                 continue
             if path.is_symlink():
-                missing.append(f"{pattern} ({path} is a symlink, which the command could "
-                               "replace)")
+                missing.append(f"{pattern} ({path} is a symlink, which the command could replace)")
             elif str(path) not in protected:
                 protected.append(str(path))
     return tuple(protected), tuple(missing)
@@ -202,8 +203,10 @@ def _cache_dirs(ctx: PrepareContext, cache_root: Path, create: bool) -> tuple[Ca
     specs = (
         # pnpm up to 10 reads npm_config_*, pnpm 11 and later only pnpm_config_*: both, or a
         # project on a newer pnpm would put its store inside the worktree (no cache, no links).
-        ("pnpm-store", (("npm_config_store_dir", "pnpm-store"),
-                        ("pnpm_config_store_dir", "pnpm-store"))),
+        (
+            "pnpm-store",
+            (("npm_config_store_dir", "pnpm-store"), ("pnpm_config_store_dir", "pnpm-store")),
+        ),
         ("npm-cache", (("npm_config_cache", "npm-cache"),)),
     )
     mounts = []
@@ -213,8 +216,9 @@ def _cache_dirs(ctx: PrepareContext, cache_root: Path, create: bool) -> tuple[Ca
             host.mkdir(parents=True, exist_ok=True)
         inside = f"{CACHE_ROOT_IN_SANDBOX}/{name}"
         mounts.append(
-            CacheMount(name, str(host), inside, tuple((k, f"{CACHE_ROOT_IN_SANDBOX}/{v}")
-                                                       for k, v in envs))
+            CacheMount(
+                name, str(host), inside, tuple((k, f"{CACHE_ROOT_IN_SANDBOX}/{v}") for k, v in envs)
+            )
         )
     return tuple(mounts)
 
@@ -258,8 +262,9 @@ def resolve_layout(
     # The project's own .fusion/ is protected wherever it lies inside something writable
     # (a main worktree, a project below the worktree), whatever protectedPaths says.
     extra = [str(project.resolve() / ".fusion")]
-    protected, unprotected = resolve_protected(resolved, ctx.policy.protected_paths, writable,
-                                               extra)
+    protected, unprotected = resolve_protected(
+        resolved, ctx.policy.protected_paths, writable, extra
+    )
     return TaskLayout(
         worktree=resolved,
         git=git,
@@ -270,6 +275,9 @@ def resolve_layout(
         # Per project, in isolated mode too: a blob's bytes never change (so sharing one gives
         # no task a way into another), and tasks of other projects cannot even learn, by a
         # link count, that some worktree holds the same file.
-        blobs=(None if ctx.cache_mode is CacheMode.OFF
-               else str(project_cache(ctx, cache_root) / "store-blobs")),
+        blobs=(
+            None
+            if ctx.cache_mode is CacheMode.OFF
+            else str(project_cache(ctx, cache_root) / "store-blobs")
+        ),
     )

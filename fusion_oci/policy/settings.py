@@ -60,14 +60,16 @@ class OciSettings(Model):
 
 MOVED_KEYS: dict[str, tuple[str, str]] = {
     # old flat key (either spelling) -> (section, key): every backend carried them before
-    "dockerUrl": ("docker", "url"), "docker_url": ("docker", "url"),
-    "podmanUrl": ("podman", "url"), "podman_url": ("podman", "url"),
-    "ociRuntime": ("oci", "runtime"), "oci_runtime": ("oci", "runtime"),
+    "dockerUrl": ("docker", "url"),
+    "docker_url": ("docker", "url"),
+    "podmanUrl": ("podman", "url"),
+    "podman_url": ("podman", "url"),
+    "ociRuntime": ("oci", "runtime"),
+    "oci_runtime": ("oci", "runtime"),
 }
 
 
-def migrate_flat_keys(data: Mapping[str, Any], source: str
-                      ) -> tuple[dict[str, Any], list[str]]:
+def migrate_flat_keys(data: Mapping[str, Any], source: str) -> tuple[dict[str, Any], list[str]]:
     """The layer with the old flat backend keys moved into their sections, and one
     deprecation warning per moved key naming the new spelling. Pure."""
     out = dict(data)
@@ -78,14 +80,17 @@ def migrate_flat_keys(data: Mapping[str, Any], source: str
         current = out.get(section)
         block = dict(current) if isinstance(current, Mapping) else {}
         if name in block and block[name] != value:
-            raise SettingsError(f"settings error in {source} at sandbox.{key}",
-                                f"both '{key}' and '{section}.{name}' are set",
-                                f"keep only `{section}: {{{name}: ...}}`")
+            raise SettingsError(
+                f"settings error in {source} at sandbox.{key}",
+                f"both '{key}' and '{section}.{name}' are set",
+                f"keep only `{section}: {{{name}: ...}}`",
+            )
         block[name] = value
         out[section] = block
         shown = value if isinstance(value, str) else json.dumps(value)
-        warnings.append(f"{source}: sandbox.{key} is deprecated; "
-                        f"write it as `{section}: {{{name}: {shown}}}`")
+        warnings.append(
+            f"{source}: sandbox.{key} is deprecated; write it as `{section}: {{{name}: {shown}}}`"
+        )
     return out, warnings
 
 
@@ -179,8 +184,10 @@ def ignored_warnings(paths: list[Path]) -> list[str]:
         if isinstance(doc, dict):
             stray = sorted(k for k in doc if k in OUR_KEYS)
             if stray:
-                out.append(f"{path}: {', '.join(stray)} at the top level is ignored; "
-                           "indent it under `sandbox:`")
+                out.append(
+                    f"{path}: {', '.join(stray)} at the top level is ignored; "
+                    "indent it under `sandbox:`"
+                )
     return out
 
 
@@ -233,8 +240,13 @@ def read_layer(path: Path) -> Layer | None:
     return layer
 
 
-def _merge(base: dict[str, Any], top: Mapping[str, Any], source: str,
-           prov: dict[str, str], prefix: str = "") -> None:
+def _merge(
+    base: dict[str, Any],
+    top: Mapping[str, Any],
+    source: str,
+    prov: dict[str, str],
+    prefix: str = "",
+) -> None:
     for key, value in top.items():
         path = f"{prefix}{key}"
         if isinstance(value, Mapping) and isinstance(base.get(key), dict):
@@ -256,9 +268,7 @@ def _field_hint(model: type[Model], loc: tuple[int | str, ...]) -> str:
         fields = getattr(current, "model_fields", None)
         if fields is None:
             return ""
-        match = next(
-            (f for n, f in fields.items() if part in (n, f.alias)), None
-        )
+        match = next((f for n, f in fields.items() if part in (n, f.alias)), None)
         if match is None:
             return ""
         current = match.annotation
@@ -325,8 +335,11 @@ def validate_layer(layer: Layer) -> None:
     data = migrate_flat_keys(layer.data, layer.source)[0]
     wrong, right = _python_names(SandboxSettings, data)
     if wrong:
-        raise SettingsError(f"settings error in {layer.source} at sandbox.{wrong}",
-                            f"unknown key '{wrong.rsplit('.', 1)[-1]}'", f"write it as {right}")
+        raise SettingsError(
+            f"settings error in {layer.source} at sandbox.{wrong}",
+            f"unknown key '{wrong.rsplit('.', 1)[-1]}'",
+            f"write it as {right}",
+        )
     try:
         SandboxSettings.model_validate(data)
     except ValidationError as exc:
@@ -372,10 +385,14 @@ def load_settings(
     if overrides:
         layers.append(Layer("command line", overrides))
     merged = merge_layers(layers)
-    files = [p for p in (gpath, project_settings_path(project_dir) if project_dir else None)
-             if p is not None]
-    return EffectiveSettings(merged.settings, merged.provenance,
-                             merged.warnings + ignored_warnings(files))
+    files = [
+        p
+        for p in (gpath, project_settings_path(project_dir) if project_dir else None)
+        if p is not None
+    ]
+    return EffectiveSettings(
+        merged.settings, merged.provenance, merged.warnings + ignored_warnings(files)
+    )
 
 
 def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -99,12 +99,32 @@ if TYPE_CHECKING:
     from fusion_oci.resolve import ResolvedTask
 
 __all__ = [
-    "AGENT_FD", "BLOCK_FD", "INFO_FD", "RESOLV_PLACEHOLDER", "RLIMITS", "SECCOMP_FD",
-    "USUAL_KINDS", "BubblewrapRuntime", "BwrapHost", "HostProbe", "LaunchFds", "agent_rlimits",
+    "AGENT_FD",
+    "BLOCK_FD",
+    "INFO_FD",
+    "RESOLV_PLACEHOLDER",
+    "RLIMITS",
+    "SECCOMP_FD",
+    "USUAL_KINDS",
+    "BubblewrapRuntime",
+    "BwrapHost",
+    "HostProbe",
+    "LaunchFds",
+    "agent_rlimits",
     "args_launch",
-    "bwrap_argv", "bwrap_spawn", "check_spec", "host_path_kinds", "make_task_scratch",
-    "mount_args", "needs_launch_hooks", "plan_notes", "probe_host_support",
-    "proc_protection_args", "protected_proc_paths", "seccomp_program", "with_fds",
+    "bwrap_argv",
+    "bwrap_spawn",
+    "check_spec",
+    "host_path_kinds",
+    "make_task_scratch",
+    "mount_args",
+    "needs_launch_hooks",
+    "plan_notes",
+    "probe_host_support",
+    "proc_protection_args",
+    "protected_proc_paths",
+    "seccomp_program",
+    "with_fds",
 ]
 
 START_TIMEOUT_S = 20.0
@@ -147,10 +167,14 @@ def probe_host_support(path: str, uid: int) -> HostProbe:
     process)."""
     bwrap = shutil.which("bwrap", path=path)
     if bwrap is None:
-        return HostProbe(None, problem=userns.Problem(
-            "bwrap is not installed",
-            "apt-get install bubblewrap (Debian/Ubuntu), dnf install bubblewrap (Fedora), "
-            "pacman -S bubblewrap (Arch)"))
+        return HostProbe(
+            None,
+            problem=userns.Problem(
+                "bwrap is not installed",
+                "apt-get install bubblewrap (Debian/Ubuntu), dnf install bubblewrap (Fedora), "
+                "pacman -S bubblewrap (Arch)",
+            ),
+        )
     version = _version(bwrap)
     disable = _at_least(version, (0, 8))
     result = userns.probe_bwrap(bwrap, uid=uid, disable_userns=disable)
@@ -161,9 +185,14 @@ def probe_host_support(path: str, uid: int) -> HostProbe:
     elif not egress.tun_usable():
         egress_problem = "/dev/net/tun is missing or not read-writable (chmod 666 /dev/net/tun)"
     return HostProbe(
-        bwrap=bwrap, version=version, problem=result.problem,
-        slirp4netns=slirp, egress_problem=egress_problem, cgroups=cgroups.detect(),
-        disable_userns=disable, seccomp_problem=libseccomp_problem(),
+        bwrap=bwrap,
+        version=version,
+        problem=result.problem,
+        slirp4netns=slirp,
+        egress_problem=egress_problem,
+        cgroups=cgroups.detect(),
+        disable_userns=disable,
+        seccomp_problem=libseccomp_problem(),
         slirp_version=_version(slirp) if slirp else None,
     )
 
@@ -173,15 +202,19 @@ def check_spec(task: TaskSpec) -> None:
     is not an unpacked rootfs, a bind mount whose host path is missing. Reads the spec only."""
     image = task.image
     if image and not Path(image).is_dir():
-        raise BundleError(f"bubblewrap cannot use image '{image}'",
-                          "it runs on the host's system directories or an unpacked rootfs",
-                          "leave sandbox.image unset for bubblewrap")
+        raise BundleError(
+            f"bubblewrap cannot use image '{image}'",
+            "it runs on the host's system directories or an unpacked rootfs",
+            "leave sandbox.image unset for bubblewrap",
+        )
     for mount in task.mounts:
         source = mount.source or ""
         if mount.type == "bind" and not os.path.lexists(source):
-            raise BundleError(f"policy path {source} does not exist",
-                              "allowedPaths/writablePaths are bound at their host paths",
-                              "create it first or remove it from the policy")
+            raise BundleError(
+                f"policy path {source} does not exist",
+                "allowedPaths/writablePaths are bound at their host paths",
+                "create it first or remove it from the policy",
+            )
 
 
 def make_task_scratch(task_id: str) -> Path:
@@ -248,8 +281,13 @@ class BubblewrapRuntime(SpecRuntime):
     id = "bubblewrap"
     streams_stdin = True  # the agent client writes a StdinStream's chunks as they come
 
-    def __init__(self, settings: SandboxSettings, env: Mapping[str, str],
-                 cache_root: Path | None = None, host: HostInfo | None = None) -> None:
+    def __init__(
+        self,
+        settings: SandboxSettings,
+        env: Mapping[str, str],
+        cache_root: Path | None = None,
+        host: HostInfo | None = None,
+    ) -> None:
         super().__init__(settings, env, cache_root=cache_root, host=host)
         self._scratch: Path | None = None
         self._box: _Box | None = None
@@ -269,9 +307,12 @@ class BubblewrapRuntime(SpecRuntime):
         p = self.probe
         resolv = str(self._scratch / "resolv.conf") if self._scratch else RESOLV_PLACEHOLDER
         return BwrapHost(
-            bwrap=p.bwrap or "bwrap", disable_userns=p.disable_userns,
-            cgroup_mode=p.cgroups.mode, systemd_run=p.cgroups.systemd_run,
-            egress_resolv_conf=resolv, agent=str(agent_binary()),
+            bwrap=p.bwrap or "bwrap",
+            disable_userns=p.disable_userns,
+            cgroup_mode=p.cgroups.mode,
+            systemd_run=p.cgroups.systemd_run,
+            egress_resolv_conf=resolv,
+            agent=str(agent_binary()),
             egress_socket=self._egress_socket or EGRESS_PLACEHOLDER,
         )
 
@@ -290,9 +331,11 @@ class BubblewrapRuntime(SpecRuntime):
         limits = "advanced" if self.probe.cgroups.controllers else "basic"
         return SandboxCapabilities(
             filesystem_isolation="strong",
-            network_policy="fine" if Requirement.NETWORK_FILTERED in self.enforces()
-            else "coarse", resource_limits=limits,
-            requires_install=True, supports_mac=False, supports_linux=True,
+            network_policy="fine" if Requirement.NETWORK_FILTERED in self.enforces() else "coarse",
+            resource_limits=limits,
+            requires_install=True,
+            supports_mac=False,
+            supports_linux=True,
             supports_windows=False,
         )
 
@@ -303,24 +346,36 @@ class BubblewrapRuntime(SpecRuntime):
             "userns": "ok" if p.problem is None else p.problem.reason,
             "cgroups": p.cgroups.describe(),
             # (versions come from the probe: availability() runs at every prepare)
-            "egress": (f"slirp4netns {p.slirp_version or '?'} --disable-host-loopback"
-                       if p.egress_problem is None and p.slirp4netns else
-                       f"unavailable: {p.egress_problem}"),
+            "egress": (
+                f"slirp4netns {p.slirp_version or '?'} --disable-host-loopback"
+                if p.egress_problem is None and p.slirp4netns
+                else f"unavailable: {p.egress_problem}"
+            ),
             "filtered": "an empty network namespace; the agent forwards 127.0.0.1:3128 to the "
-                        "task's egress proxy socket",
+            "task's egress proxy socket",
             "cpu-time": "RLIMIT_CPU, set with prlimit(2) on bwrap before it forks",
             "seccomp": p.seccomp_problem or "the bundle's profile, compiled by libseccomp",
             "enforces": ", ".join(sorted(r.value for r in self.enforces())),
         }
         if p.problem is not None:
-            return Availability(False, p.problem.reason, p.problem.hint, version=p.version,
-                                rootless=os.geteuid() != 0, details=details)
+            return Availability(
+                False,
+                p.problem.reason,
+                p.problem.hint,
+                version=p.version,
+                rootless=os.geteuid() != 0,
+                details=details,
+            )
         if p.seccomp_problem is not None:
-            return Availability(False, "the bundle's seccomp profile cannot be compiled here",
-                                LIBSECCOMP_HINT, version=p.version,
-                                rootless=os.geteuid() != 0, details=details)
-        return Availability(True, version=p.version, rootless=os.geteuid() != 0,
-                            details=details)
+            return Availability(
+                False,
+                "the bundle's seccomp profile cannot be compiled here",
+                LIBSECCOMP_HINT,
+                version=p.version,
+                rootless=os.geteuid() != 0,
+                details=details,
+            )
+        return Availability(True, version=p.version, rootless=os.geteuid() != 0, details=details)
 
     def enforces(self) -> frozenset[Requirement]:
         p = self.probe
@@ -329,14 +384,22 @@ class BubblewrapRuntime(SpecRuntime):
         # tmpfs sizes: bwrap --size.
         # filtered: an empty network namespace and the agent's forwarder to the task's proxy
         # (nothing of the host's beyond bwrap itself).
-        out = {Requirement.FILESYSTEM, Requirement.PROC_PATHS,
-               Requirement.ENV, Requirement.NETWORK_NONE, Requirement.NETWORK_FILTERED,
-               Requirement.TMP_SIZE}
+        out = {
+            Requirement.FILESYSTEM,
+            Requirement.PROC_PATHS,
+            Requirement.ENV,
+            Requirement.NETWORK_NONE,
+            Requirement.NETWORK_FILTERED,
+            Requirement.TMP_SIZE,
+        }
         if p.egress_problem is None and p.slirp4netns:
             out.add(Requirement.NETWORK_EGRESS)
         ctl = p.cgroups.controllers
-        for name, req in (("memory", Requirement.MEMORY), ("pids", Requirement.PIDS),
-                          ("cpu", Requirement.CPU_QUOTA)):
+        for name, req in (
+            ("memory", Requirement.MEMORY),
+            ("pids", Requirement.PIDS),
+            ("cpu", Requirement.CPU_QUOTA),
+        ):
             if name in ctl:
                 out.add(req)
         # RLIMIT_CPU and RLIMIT_FSIZE: prlimit(2), always there on Linux.
@@ -348,16 +411,24 @@ class BubblewrapRuntime(SpecRuntime):
         if self._box is not None:
             return self._box.launch
         task = self.adopted()
-        return SandboxLaunch(argv=bwrap_argv(task.spec, task.user, self.host_for(task.spec)),
-                             env=self._launcher_env(), cwd="/")
+        return SandboxLaunch(
+            argv=bwrap_argv(task.spec, task.user, self.host_for(task.spec)),
+            env=self._launcher_env(),
+            cwd="/",
+        )
 
     def plan(self, process: ProcessSpec) -> BwrapPlan:
         """The command's spawn frame to the agent (:func:`bwrap_spawn`), beside the task's
         sandbox (:func:`bwrap_argv`, made at prepare)."""
         task = self.task_spec
-        return BwrapPlan(backend=self.id, spawn=bwrap_spawn(process),
-                         sandbox=self.sandbox_launch(), process=process, task=task,
-                         host=self.host_for(task))
+        return BwrapPlan(
+            backend=self.id,
+            spawn=bwrap_spawn(process),
+            sandbox=self.sandbox_launch(),
+            process=process,
+            task=task,
+            host=self.host_for(task),
+        )
 
     # ------------------------------------------------------------------ lifecycle
     async def prepare(self, task: ResolvedTask) -> ResolvedTask:
@@ -403,17 +474,26 @@ class BubblewrapRuntime(SpecRuntime):
                 passed += [info_w, block_r]
             args_r, args_w = os.pipe()
             passed.append(args_r)
-            fds = LaunchFds(info=info_w if info_w is not None else INFO_FD,
-                            block=block_r if block_r is not None else BLOCK_FD,
-                            seccomp=seccomp_r if seccomp_r is not None else SECCOMP_FD,
-                            agent=theirs.fileno())
+            fds = LaunchFds(
+                info=info_w if info_w is not None else INFO_FD,
+                block=block_r if block_r is not None else BLOCK_FD,
+                seccomp=seccomp_r if seccomp_r is not None else SECCOMP_FD,
+                agent=theirs.fileno(),
+            )
             launch, options = args_launch(with_fds(planned, fds), host, args_r)
             # bwrap's errors, and the agent's own last words, go to a log read on failure.
             log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             try:
                 proc = await asyncio.create_subprocess_exec(
-                    *launch, env=self._launcher_env(), cwd="/", stdin=subprocess.DEVNULL,
-                    stdout=log, stderr=log, pass_fds=passed, start_new_session=True)
+                    *launch,
+                    env=self._launcher_env(),
+                    cwd="/",
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=log,
+                    pass_fds=passed,
+                    start_new_session=True,
+                )
             finally:
                 os.close(log)
             # bwrap (or systemd-run in front of it) waits for its options: nothing has forked
@@ -441,32 +521,43 @@ class BubblewrapRuntime(SpecRuntime):
             if group is not None:
                 await asyncio.to_thread(group.remove)
             if isinstance(exc, OSError):  # EMFILE, EAGAIN, ...: nothing ran
-                raise SandboxSetupError("bwrap could not be started", str(exc),
-                                        "check the host's process and file limits "
-                                        "(ulimit -a)") from exc
+                raise SandboxSetupError(
+                    "bwrap could not be started",
+                    str(exc),
+                    "check the host's process and file limits (ulimit -a)",
+                ) from exc
             if isinstance(exc, SandboxSetupError) and proc is not None:
                 said = _last_lines(log_path)
                 if said:
-                    raise SandboxSetupError("bwrap could not build the sandbox", said,
-                                            "check the policy's paths and this host's user "
-                                            "namespaces (fusion-oci doctor)") from exc
+                    raise SandboxSetupError(
+                        "bwrap could not build the sandbox",
+                        said,
+                        "check the policy's paths and this host's user "
+                        "namespaces (fusion-oci doctor)",
+                    ) from exc
             raise
         finally:
             theirs.close()  # idempotent
             close_all(info_r, info_w, block_r, block_w, seccomp_r, args_r, args_w)
         events = group.events() if group is not None else CgroupEvents()
-        return _Box(agent=agent, launch=SandboxLaunch(argv=planned, env=self._launcher_env(),
-                                                      cwd="/"),
-                    group=group, link=link, events=events)
+        return _Box(
+            agent=agent,
+            launch=SandboxLaunch(argv=planned, env=self._launcher_env(), cwd="/"),
+            group=group,
+            link=link,
+            events=events,
+        )
 
-    async def _setup(self, proc: asyncio.subprocess.Process, info_r: int, spec: TaskSpec,
-                     group: Cgroup | None) -> egress.Egress | None:
+    async def _setup(
+        self, proc: asyncio.subprocess.Process, info_r: int, spec: TaskSpec, group: Cgroup | None
+    ) -> egress.Egress | None:
         """Between bwrap's fork and the agent's exec: cgroup, then network."""
         reading = asyncio.ensure_future(read_json(info_r))
         waiting = asyncio.ensure_future(proc.wait())
         try:
-            done, _ = await asyncio.wait({reading, waiting}, timeout=START_TIMEOUT_S,
-                                         return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                {reading, waiting}, timeout=START_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED
+            )
         finally:
             waiting.cancel()
         if reading not in done:
@@ -481,8 +572,11 @@ class BubblewrapRuntime(SpecRuntime):
         if spec.network is NetworkMode.EGRESS:
             slirp = self.probe.slirp4netns
             if slirp is None:
-                raise SandboxSetupError("network egress needs slirp4netns", "it is not installed",
-                                        "apt-get install slirp4netns, or use network none")
+                raise SandboxSetupError(
+                    "network egress needs slirp4netns",
+                    "it is not installed",
+                    "apt-get install slirp4netns, or use network none",
+                )
             assert self._scratch is not None
             return await egress.Egress.attach(pid, slirp=slirp, log=self._scratch / "slirp.log")
         return None
@@ -507,8 +601,10 @@ class BubblewrapRuntime(SpecRuntime):
             await super().dispose()
 
     def _launcher_env(self) -> dict[str, str]:
-        env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-               "LANG": "C.UTF-8"}
+        env = {
+            "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "LANG": "C.UTF-8",
+        }
         if self.probe.cgroups.mode == "systemd-run":
             # systemd-run --user finds the user manager through these.
             for key in ("XDG_RUNTIME_DIR", "DBUS_SESSION_BUS_ADDRESS"):
@@ -520,20 +616,31 @@ class BubblewrapRuntime(SpecRuntime):
         own = own_plan(self, plan, BwrapPlan)
         process, spawn, box = own.process, own.spawn, self._box
         if box is None:
-            raise SandboxSetupError("runtime 'bubblewrap' was not prepared",
-                                    "its sandbox is not running", "call prepare(ctx) first")
+            raise SandboxSetupError(
+                "runtime 'bubblewrap' was not prepared",
+                "its sandbox is not running",
+                "call prepare(ctx) first",
+            )
         outcome = await box.agent.run(
-            spawn.argv, env=spawn.env, cwd=spawn.cwd, rlimits=spawn.rlimits,
-            stdin=opts.stdin, timeout_s=opts.timeout_ms / 1000, max_buffer=opts.max_buffer,
-            on_output=opts.on_output, keep_output=opts.keep_output,
+            spawn.argv,
+            env=spawn.env,
+            cwd=spawn.cwd,
+            rlimits=spawn.rlimits,
+            stdin=opts.stdin,
+            timeout_s=opts.timeout_ms / 1000,
+            max_buffer=opts.max_buffer,
+            on_output=opts.on_output,
+            keep_output=opts.keep_output,
         )
         counters = LimitCounters()
         if box.group is not None and (outcome.returncode != 0 or outcome.signal):
             # Did the sandbox's pids or memory limit hold this command? Its counters since
             # the last command that read them (concurrent commands share one cgroup).
             after = box.group.events()
-            counters = LimitCounters(oom_kills=after.oom_kills - box.events.oom_kills,
-                                     pids_max=after.pids_max - box.events.pids_max)
+            counters = LimitCounters(
+                oom_kills=after.oom_kills - box.events.oom_kills,
+                pids_max=after.pids_max - box.events.pids_max,
+            )
             box.events = after
         return self.result(outcome, process, classify(outcome, process, counters))
 
@@ -553,15 +660,20 @@ def _raise_hard_limits(pid: int, rlimits: list[tuple[str, int, int, int]]) -> No
     command's exact limits are the agent's setrlimit."""
     for name, res, _soft, hard in rlimits:
         cur_soft, cur_hard = resource.getrlimit(res)
-        if cur_hard == resource.RLIM_INFINITY or (0 <= hard <= cur_hard) \
-                or hard == resource.RLIM_INFINITY:
+        if (
+            cur_hard == resource.RLIM_INFINITY
+            or (0 <= hard <= cur_hard)
+            or hard == resource.RLIM_INFINITY
+        ):
             continue
         try:
             resource.prlimit(pid, res, (cur_soft, hard))
         except (OSError, ValueError) as exc:
-            raise SandboxSetupError(f"cannot raise {name}'s hard limit to {hard} for the "
-                                    "sandbox", str(exc), "lower the limit to at most this "
-                                    "process's hard limit (ulimit -H), or run as root") from exc
+            raise SandboxSetupError(
+                f"cannot raise {name}'s hard limit to {hard} for the sandbox",
+                str(exc),
+                "lower the limit to at most this process's hard limit (ulimit -H), or run as root",
+            ) from exc
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -570,7 +682,7 @@ def _write_all(fd: int, data: bytes) -> None:
     try:
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
     except BrokenPipeError:
         pass
     finally:

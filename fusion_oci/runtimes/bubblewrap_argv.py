@@ -95,8 +95,11 @@ class LaunchFds:
 def _size_bytes(value: str) -> int:
     m = re.fullmatch(r"(\d+)([kmg]?)", value.lower())
     if not m:
-        raise BundleError(f"tmpfs size '{value}' is not understood", "expected N, Nk, Nm or Ng",
-                          "fix the spec's tmpfs options")
+        raise BundleError(
+            f"tmpfs size '{value}' is not understood",
+            "expected N, Nk, Nm or Ng",
+            "fix the spec's tmpfs options",
+        )
     return int(m.group(1)) * {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3}[m.group(2)]
 
 
@@ -126,9 +129,11 @@ def mount_args(mount: Mount) -> tuple[list[str], str | None]:
     if kind == "bind" or "bind" in opts or "rbind" in opts:
         flag = "--ro-bind" if "ro" in opts else "--bind"
         return [flag, mount.source or dest, dest], None
-    raise BundleError(f"mount type '{kind}' at {dest} is not supported by bubblewrap",
-                      "bwrap can bind, tmpfs, proc, dev and mqueue",
-                      "use a container backend for this spec")
+    raise BundleError(
+        f"mount type '{kind}' at {dest} is not supported by bubblewrap",
+        "bwrap can bind, tmpfs, proc, dev and mqueue",
+        "use a container backend for this spec",
+    )
 
 
 def _rootfs_args(task: TaskSpec) -> list[str]:
@@ -151,16 +156,23 @@ def agent_rlimits(rlimits: Sequence[Rlimit]) -> list[tuple[str, int, int, int]]:
     for item in rlimits:
         res = RLIMITS.get(item.type)
         if res is None:
-            raise BundleError(f"rlimit {item.type} is not supported by bubblewrap",
-                              f"supported: {', '.join(RLIMITS)}", "drop it from the spec")
+            raise BundleError(
+                f"rlimit {item.type} is not supported by bubblewrap",
+                f"supported: {', '.join(RLIMITS)}",
+                "drop it from the spec",
+            )
         out.append((item.type, res, item.soft, item.hard))
     return out
 
 
 # The usual kind of the OCI default maskedPaths/readonlyPaths (see oci/spec.py).
 USUAL_KINDS = {
-    "/proc/kcore": "file", "/proc/keys": "file", "/proc/latency_stats": "file",
-    "/proc/timer_list": "file", "/proc/timer_stats": "file", "/proc/sched_debug": "file",
+    "/proc/kcore": "file",
+    "/proc/keys": "file",
+    "/proc/latency_stats": "file",
+    "/proc/timer_list": "file",
+    "/proc/timer_stats": "file",
+    "/proc/sched_debug": "file",
     "/proc/sysrq-trigger": "file",
 }
 
@@ -181,8 +193,11 @@ def proc_protection_args(task: TaskSpec, host: BwrapHost) -> tuple[list[str], li
     """
     masked = task.linux.masked_paths or []
     readonly = task.linux.readonly_paths or []
-    kinds = (dict(host.path_kinds) if host.path_kinds is not None
-             else {p: USUAL_KINDS.get(p, "dir") for p in (*masked, *readonly)})
+    kinds = (
+        dict(host.path_kinds)
+        if host.path_kinds is not None
+        else {p: USUAL_KINDS.get(p, "dir") for p in (*masked, *readonly)}
+    )
     # What bwrap really mounts (not sysfs: it cannot mount a fresh one, the host's stays out).
     mounted = {m.destination for m in task.mounts if mount_args(m)[0]}
     args: list[str] = []
@@ -207,11 +222,13 @@ def needs_launch_hooks(task: TaskSpec, host: BwrapHost) -> bool:
     """Whether bwrap must pause for us (cgroup move, slirp4netns) before the command runs."""
     direct_cgroup = host.cgroup_mode in ("v1", "v2")
     return task.network is NetworkMode.EGRESS or (
-        direct_cgroup and bool(CgroupLimits.from_task(task).controllers()))
+        direct_cgroup and bool(CgroupLimits.from_task(task).controllers())
+    )
 
 
-def bwrap_argv(task: TaskSpec, user: User, host: BwrapHost,
-               fds: LaunchFds | None = None) -> list[str]:
+def bwrap_argv(
+    task: TaskSpec, user: User, host: BwrapHost, fds: LaunchFds | None = None
+) -> list[str]:
     """The whole launch command of the task's sandbox, run as ``user`` (each command's args,
     env, cwd and rlimits are its spawn frame). Pure: same spec and host, same argv."""
     network = task.network
@@ -243,8 +260,14 @@ def bwrap_argv(task: TaskSpec, user: User, host: BwrapHost,
         # The network namespace stays empty (only lo, which bwrap brings up): the one way out
         # is the agent's forwarder to this socket, the task's proxy. Read-only binds: connect
         # needs no write access to the mount, and neither file can be replaced from inside.
-        argv += ["--ro-bind", host.egress_socket, EGRESS_SOCKET,
-                 "--ro-bind", host.agent, EGRESS_AGENT]
+        argv += [
+            "--ro-bind",
+            host.egress_socket,
+            EGRESS_SOCKET,
+            "--ro-bind",
+            host.agent,
+            EGRESS_AGENT,
+        ]
     if task.root.readonly is not False:
         # Last: mount points above were created in bwrap's tmpfs root; now nothing new can be.
         argv += ["--remount-ro", "/"]
@@ -256,8 +279,13 @@ def bwrap_argv(task: TaskSpec, user: User, host: BwrapHost,
         # under it (fork and exec keep a seccomp filter).
         argv += ["--seccomp", str(fds.seccomp)]
     # The agent gets no environment: each command's is its spawn frame's, whole.
-    argv += ["--clearenv", "--chdir", "/", "--",
-             *sandbox_command(fds.agent, filtered=network is NetworkMode.FILTERED)]
+    argv += [
+        "--clearenv",
+        "--chdir",
+        "/",
+        "--",
+        *sandbox_command(fds.agent, filtered=network is NetworkMode.FILTERED),
+    ]
     return argv
 
 
@@ -271,7 +299,7 @@ def _command_len(argv: Sequence[str]) -> int:
     """How many of ``argv``'s last arguments are :func:`sandbox_command` (with or without the
     forwarder's option)."""
     filtered = sandbox_command(filtered=True)
-    if len(argv) >= len(filtered) and list(argv[-len(filtered):-1]) == filtered[:-1]:
+    if len(argv) >= len(filtered) and list(argv[-len(filtered) : -1]) == filtered[:-1]:
         return len(filtered)
     return len(sandbox_command())
 
@@ -284,9 +312,11 @@ def bwrap_spawn(process: ProcessSpec, run_id: str = PLAN_RUN_ID) -> Spawn:
     if process.kept_capabilities():
         # The sandbox drops every capability (--cap-drop ALL) and a spawned process cannot
         # gain one: refused, never silently run without.
-        raise BundleError("a process that keeps capabilities cannot run in bubblewrap",
-                          f"it asks for {', '.join(process.kept_capabilities())}",
-                          "run it with no capabilities, or on a container backend")
+        raise BundleError(
+            "a process that keeps capabilities cannot run in bubblewrap",
+            f"it asks for {', '.join(process.kept_capabilities())}",
+            "run it with no capabilities, or on a container backend",
+        )
     return spawn_of(process, run_id=run_id)
 
 
@@ -302,16 +332,25 @@ def with_fds(argv: Sequence[str], fds: LaunchFds) -> list[str]:
     """
     out = list(argv)
     size = _command_len(out)
-    if len(out) < size + 4 or out[-size] != AGENT_IN_SANDBOX or out[-2] != "--fd" \
-            or out[-size - 4:-size] != ["--clearenv", "--chdir", "/", "--"]:
+    if (
+        len(out) < size + 4
+        or out[-size] != AGENT_IN_SANDBOX
+        or out[-2] != "--fd"
+        or out[-size - 4 : -size] != ["--clearenv", "--chdir", "/", "--"]
+    ):
         raise ValueError("the bwrap command line is not a sandbox launch")
     out[-1] = str(fds.agent)
     at = len(out) - size - 4
     if at >= 2 and out[at - 2] == "--seccomp" and out[at - 1] == SECCOMP_FD:
         out[at - 1] = str(fds.seccomp)
         at -= 2
-    if at >= 4 and out[at - 4] == "--info-fd" and out[at - 3] == INFO_FD \
-            and out[at - 2] == "--block-fd" and out[at - 1] == BLOCK_FD:
+    if (
+        at >= 4
+        and out[at - 4] == "--info-fd"
+        and out[at - 3] == INFO_FD
+        and out[at - 2] == "--block-fd"
+        and out[at - 1] == BLOCK_FD
+    ):
         out[at - 3], out[at - 1] = str(fds.info), str(fds.block)
     return out
 
@@ -325,54 +364,67 @@ def seccomp_program(task: TaskSpec) -> bytes | None:
     listed = task.linux.seccomp.architectures or []
     arches = [a for a, names in OCI_ARCHES.items() if set(names) & set(listed)]
     if not arches:
-        raise BundleError("the seccomp profile cannot be compiled for bubblewrap",
-                          f"no supported architecture in {listed}",
-                          f"list one of {', '.join(n for v in OCI_ARCHES.values() for n in v)}")
+        raise BundleError(
+            "the seccomp profile cannot be compiled for bubblewrap",
+            f"no supported architecture in {listed}",
+            f"list one of {', '.join(n for v in OCI_ARCHES.values() for n in v)}",
+        )
     try:
         return compile_bpf(profile, arches[0])
     except ValueError as exc:
-        raise BundleError("the seccomp profile cannot be compiled for bubblewrap", str(exc),
-                          "use a container backend for this seccomp profile") from exc
+        raise BundleError(
+            "the seccomp profile cannot be compiled for bubblewrap",
+            str(exc),
+            "use a container backend for this seccomp profile",
+        ) from exc
     except RuntimeError as exc:
-        raise SandboxSetupError("the seccomp profile cannot be compiled here", str(exc),
-                                LIBSECCOMP_HINT) from exc
+        raise SandboxSetupError(
+            "the seccomp profile cannot be compiled here", str(exc), LIBSECCOMP_HINT
+        ) from exc
 
 
 def plan_notes(task: TaskSpec, process: ProcessSpec, host: BwrapHost) -> list[str]:
     notes = [n for m in task.mounts if (n := mount_args(m)[1])]
     notes += proc_protection_args(task, host)[1]
     if task.linux.seccomp is not None:
-        notes.append("seccomp: the spec's profile compiled to classic BPF, read by bwrap from "
-                     "the seccomp fd")
+        notes.append(
+            "seccomp: the spec's profile compiled to classic BPF, read by bwrap from the seccomp fd"
+        )
     network = task.network
     if network is NetworkMode.EGRESS:
-        notes.append("egress: slirp4netns --configure --disable-host-loopback on the child's "
-                     "network namespace before the command starts")
+        notes.append(
+            "egress: slirp4netns --configure --disable-host-loopback on the child's "
+            "network namespace before the command starts"
+        )
     if network is NetworkMode.FILTERED:
-        notes.append("filtered: an empty network namespace (lo only); the agent forwards "
-                     "127.0.0.1:3128 to the task's egress proxy socket, bound at "
-                     f"{EGRESS_SOCKET}; the proxy allows or denies each connection")
+        notes.append(
+            "filtered: an empty network namespace (lo only); the agent forwards "
+            "127.0.0.1:3128 to the task's egress proxy socket, bound at "
+            f"{EGRESS_SOCKET}; the proxy allows or denies each connection"
+        )
     limits = CgroupLimits.from_task(task)
     if limits.controllers():
         notes.append(f"cgroup ({host.cgroup_mode}): " + ", ".join(sorted(limits.controllers())))
     if rlimits := agent_rlimits(process.rlimits):
-        notes.append("rlimits, set by the agent with setrlimit(2) before the command's exec: "
-                     + ", ".join(f"{name}={soft}:{hard}" for name, _, soft, hard in rlimits))
-    notes.append("one sandbox per task: this bwrap starts at prepare with the exec agent as its "
-                 "PID 1; each command is a spawn frame to it (spawn), whose keeper ends the "
-                 "command's whole tree")
+        notes.append(
+            "rlimits, set by the agent with setrlimit(2) before the command's exec: "
+            + ", ".join(f"{name}={soft}:{hard}" for name, _, soft, hard in rlimits)
+        )
+    notes.append(
+        "one sandbox per task: this bwrap starts at prepare with the exec agent as its "
+        "PID 1; each command is a spawn frame to it (spawn), whose keeper ends the "
+        "command's whole tree"
+    )
     return notes
 
 
-def args_launch(argv: Sequence[str], host: BwrapHost, fd: int | str
-                ) -> tuple[list[str], bytes]:
+def args_launch(argv: Sequence[str], host: BwrapHost, fd: int | str) -> tuple[list[str], bytes]:
     """:func:`bwrap_argv`'s command as launched: ``[prefix...] bwrap --args FD -- AGENT --fd
     N``, and the options bwrap reads from FD (NUL-separated). Pure."""
     start = list(argv).index(host.bwrap)
-    command = list(argv[-_command_len(argv):])
+    command = list(argv[-_command_len(argv) :])
     end = len(argv) - len(command) - 1
-    if end <= start or argv[end] != "--" or command[0] != AGENT_IN_SANDBOX \
-            or command[-2] != "--fd":
+    if end <= start or argv[end] != "--" or command[0] != AGENT_IN_SANDBOX or command[-2] != "--fd":
         raise ValueError("the bwrap command line does not end with -- and the agent")
-    payload = b"".join(a.encode() + b"\0" for a in argv[start + 1:end])
-    return [*argv[:start + 1], "--args", str(fd), "--", *command], payload
+    payload = b"".join(a.encode() + b"\0" for a in argv[start + 1 : end])
+    return [*argv[: start + 1], "--args", str(fd), "--", *command], payload

@@ -81,8 +81,12 @@ class AgentMounts:
 _ENGINE_MOUNTS = {"/proc", "/dev", "/dev/pts", "/dev/shm", "/dev/mqueue", "/sys"}
 
 _RLIMIT_NAMES = {
-    "RLIMIT_NOFILE": "nofile", "RLIMIT_CPU": "cpu", "RLIMIT_NPROC": "nproc",
-    "RLIMIT_CORE": "core", "RLIMIT_AS": "as", "RLIMIT_FSIZE": "fsize",
+    "RLIMIT_NOFILE": "nofile",
+    "RLIMIT_CPU": "cpu",
+    "RLIMIT_NPROC": "nproc",
+    "RLIMIT_CORE": "core",
+    "RLIMIT_AS": "as",
+    "RLIMIT_FSIZE": "fsize",
 }
 
 
@@ -125,10 +129,16 @@ def as_userns_root(task: TaskSpec, init: ProcessSpec) -> tuple[TaskSpec, Process
     uid, gid = sandbox_user(init)
     ids = {f"uid={uid}": "uid=0", f"gid={gid}": "gid=0"}
     # A copy of only what changes (the rest, the seccomp profile above all, is shared).
-    mounts = [m.model_copy(update={"options": [ids.get(o, o) for o in m.options or []]})
-              if m.type == "tmpfs" else m for m in task.mounts]
-    return (task.model_copy(update={"mounts": mounts}),
-            init.model_copy(update={"user": init.user.model_copy(update={"uid": 0, "gid": 0})}))
+    mounts = [
+        m.model_copy(update={"options": [ids.get(o, o) for o in m.options or []]})
+        if m.type == "tmpfs"
+        else m
+        for m in task.mounts
+    ]
+    return (
+        task.model_copy(update={"mounts": mounts}),
+        init.model_copy(update={"user": init.user.model_copy(update={"uid": 0, "gid": 0})}),
+    )
 
 
 def spec_image(spec: TaskSpec) -> str:
@@ -152,8 +162,11 @@ def labels_for(spec: TaskSpec, owner: Owner, mode: ContainerMode) -> dict[str, s
 
 
 def _is_cache(mount: Mount) -> bool:
-    return mount.type == "bind" and mount.source is not None and \
-        mount.destination.startswith(CACHE_ROOT_IN_SANDBOX + "/")
+    return (
+        mount.type == "bind"
+        and mount.source is not None
+        and mount.destination.startswith(CACHE_ROOT_IN_SANDBOX + "/")
+    )
 
 
 def cache_volumes(spec: TaskSpec, owner: Owner, *, isolated: bool) -> tuple[CacheVolume, ...]:
@@ -171,14 +184,26 @@ def cache_volumes(spec: TaskSpec, owner: Owner, *, isolated: bool) -> tuple[Cach
         source = mount.source or ""
         cache = mount.destination.rsplit("/", 1)[-1]
         key = hashlib.sha256(source.encode()).hexdigest()[:16]
-        labels = {LABEL_KIND: "cache", LABEL_CACHE: cache, LABEL_CACHE_KEY: key,
-                  LABEL_CACHE_SCOPE: "task" if isolated else "project",
-                  LABEL_CACHE_DIR: source, LABEL_OWNER_HOST: owner.host}
+        labels = {
+            LABEL_KIND: "cache",
+            LABEL_CACHE: cache,
+            LABEL_CACHE_KEY: key,
+            LABEL_CACHE_SCOPE: "task" if isolated else "project",
+            LABEL_CACHE_DIR: source,
+            LABEL_OWNER_HOST: owner.host,
+        }
         if isolated:
             labels[ANN_TASK] = task
             labels.update(owner.labels())
-        out.append(CacheVolume(f"fusion-oci-{cache}-{key}", mount.destination, source, labels,
-                               "task" if isolated else "project"))
+        out.append(
+            CacheVolume(
+                f"fusion-oci-{cache}-{key}",
+                mount.destination,
+                source,
+                labels,
+                "task" if isolated else "project",
+            )
+        )
     return tuple(out)
 
 
@@ -208,8 +233,12 @@ def _mounts(spec: TaskSpec, target: Target, volumes: Sequence[CacheVolume]) -> d
             if target.engine == "docker":
                 tmpfs[dest] = ",".join(opts)
             else:
-                entry: dict[str, Any] = {"type": "tmpfs", "source": "tmpfs", "target": dest,
-                                         "mode": _opt(opts, "mode=") or "1777"}
+                entry: dict[str, Any] = {
+                    "type": "tmpfs",
+                    "source": "tmpfs",
+                    "target": dest,
+                    "mode": _opt(opts, "mode=") or "1777",
+                }
                 if size := _opt(opts, "size="):
                     entry["size"] = size
                 if _opt(opts, "uid="):
@@ -220,15 +249,17 @@ def _mounts(spec: TaskSpec, target: Target, volumes: Sequence[CacheVolume]) -> d
         elif kind == "bind" and dest in by_dest:
             vol = by_dest[dest]
             if target.engine == "docker":
-                binds.append({"Target": dest, "Source": vol.name, "Type": "volume",
-                              "ReadOnly": False})
+                binds.append(
+                    {"Target": dest, "Source": vol.name, "Type": "volume", "ReadOnly": False}
+                )
             else:
                 podman_volumes[vol.name] = {"bind": dest, "extended_mode": ["rw"]}
         elif kind == "bind":
             ro = "ro" in options
             if target.engine == "docker":
-                binds.append({"Target": dest, "Source": mount.source or dest, "Type": "bind",
-                              "ReadOnly": ro})
+                binds.append(
+                    {"Target": dest, "Source": mount.source or dest, "Type": "bind", "ReadOnly": ro}
+                )
             else:
                 source = mount.source or dest
                 if source in podman_volumes:
@@ -273,8 +304,10 @@ def _network(spec: TaskSpec, target: Target) -> dict[str, Any]:
     if target.engine == "podman" and target.rootless:
         # slirp4netns gives outbound access; allow_host_loopback=false keeps 10.0.2.2 (the
         # host's loopback) closed.
-        return {"network_mode": "slirp4netns",
-                "network_options": {"slirp4netns": ["allow_host_loopback=false"]}}
+        return {
+            "network_mode": "slirp4netns",
+            "network_options": {"slirp4netns": ["allow_host_loopback=false"]},
+        }
     # A bridge: outbound is NATed; the host's 127.0.0.1 services are not reachable from it
     # (the bridge gateway is another address, and the container's own lo is its own).
     return {"network_mode": "bridge"}
@@ -312,8 +345,10 @@ def plan_container(
     if target.engine == "docker" and target.rootless:
         caller = sandbox_user(init)
         spec, init = as_userns_root(spec, init)
-        notes.append(f"rootless dockerd: the caller ({caller[0]}:{caller[1]} on the host) is "
-                     "0:0 inside, its user namespace's root without capabilities")
+        notes.append(
+            f"rootless dockerd: the caller ({caller[0]}:{caller[1]} on the host) is "
+            "0:0 inside, its user namespace's root without capabilities"
+        )
     image = spec_image(spec)
     uid, gid = sandbox_user(init)
     volumes = cache_volumes(spec, owner, isolated=isolated_caches)
@@ -349,8 +384,10 @@ def plan_container(
             # The docker CLI's --security-opt seccomp=FILE sends the file's JSON this way.
             security.append("seccomp=" + seccomp_json(profile))
         kwargs["security_opt"] = security
-        notes.append("masked/read-only /proc and /sys paths: the engine's defaults "
-                     "(a superset of the spec's)")
+        notes.append(
+            "masked/read-only /proc and /sys paths: the engine's defaults "
+            "(a superset of the spec's)"
+        )
     else:
         kwargs["no_new_privileges"] = nnp
         kwargs["masked_paths"] = list(spec.linux.masked_paths or [])
@@ -360,41 +397,62 @@ def plan_container(
             # keep-id: the caller's uid is the same number inside, so worktree files stay
             # the caller's on the host.
             kwargs["userns_mode"] = "keep-id"
-    notes.append(f"commands: spawned by the exec agent (pid 1) as {uid}:{gid}; a timeout or "
-                 "abort ends the command's whole tree")
+    notes.append(
+        f"commands: spawned by the exec agent (pid 1) as {uid}:{gid}; a timeout or "
+        "abort ends the command's whole tree"
+    )
     if spec.network is NetworkMode.FILTERED:
-        notes.append("filtered: network none; the agent forwards 127.0.0.1:3128 to the task's "
-                     f"egress proxy socket, bound read-only at {EGRESS_SOCKET}")
+        notes.append(
+            "filtered: network none; the agent forwards 127.0.0.1:3128 to the task's "
+            f"egress proxy socket, bound read-only at {EGRESS_SOCKET}"
+        )
     return ContainerPlan(name=name, image=image, create=kwargs, volumes=volumes, notes=notes)
 
 
-def _add_agent(kwargs: dict[str, Any], target: Target, agent: AgentMounts, *,
-               filtered: bool = False) -> None:
+def _add_agent(
+    kwargs: dict[str, Any], target: Target, agent: AgentMounts, *, filtered: bool = False
+) -> None:
     """The exec agent as the container's init, and its two read-only mounts (``filtered``:
     with its forwarder, the proxy's socket and the agent again for ssh's ProxyCommand)."""
     kwargs["entrypoint"] = [AGENT_PATH]
-    kwargs["command"] = [*(forward_args() if filtered else []),
-                         "--connect", f"{AGENT_RUN_DIR}/{AGENT_SOCKET}"]
+    kwargs["command"] = [
+        *(forward_args() if filtered else []),
+        "--connect",
+        f"{AGENT_RUN_DIR}/{AGENT_SOCKET}",
+    ]
     kwargs["init"] = False  # the agent is the init: it reaps, and ends trees on timeout
     # RLIMIT_CPU counts per process: on the container it would charge the agent's own CPU
     # time over the whole task; the agent sets it on each command (its spawn frame) instead.
     kwargs["ulimits"] = [u for u in kwargs["ulimits"] if u["Name"] != "cpu"]
     binds = ((agent.binary, AGENT_PATH), (agent.run_dir, AGENT_RUN_DIR))
-    egress = ((agent.egress_socket, EGRESS_SOCKET), (agent.binary, EGRESS_AGENT)) \
-        if filtered else ()
+    egress = (
+        ((agent.egress_socket, EGRESS_SOCKET), (agent.binary, EGRESS_AGENT)) if filtered else ()
+    )
     if target.engine == "docker":
-        kwargs["mounts"] = [*kwargs["mounts"], *({"Target": dest, "Source": source,
-                                                 "Type": "bind", "ReadOnly": True}
-                                                for source, dest in (*binds, *egress))]
+        kwargs["mounts"] = [
+            *kwargs["mounts"],
+            *(
+                {"Target": dest, "Source": source, "Type": "bind", "ReadOnly": True}
+                for source, dest in (*binds, *egress)
+            ),
+        ]
     else:
-        kwargs["volumes"] = {**kwargs["volumes"], **{
-            source: {"bind": dest, "extended_mode": ["ro", "rbind", "nosuid", "nodev"]}
-            for source, dest in binds}}
+        kwargs["volumes"] = {
+            **kwargs["volumes"],
+            **{
+                source: {"bind": dest, "extended_mode": ["ro", "rbind", "nosuid", "nodev"]}
+                for source, dest in binds
+            },
+        }
         # As mounts, not volumes: the SDK keys volumes by host path, and the agent's binary
         # is bound twice. Read-only: connecting to a socket needs no writable mount.
-        kwargs["mounts"] = [*kwargs["mounts"], *({"type": "bind", "source": source,
-                                                 "target": dest, "read_only": True}
-                                                for source, dest in egress)]
+        kwargs["mounts"] = [
+            *kwargs["mounts"],
+            *(
+                {"type": "bind", "source": source, "target": dest, "read_only": True}
+                for source, dest in egress
+            ),
+        ]
 
 
 # Which cgroup limit held a command: the container's own cgroup counters, as the sandbox user
@@ -411,8 +469,12 @@ LIMIT_PROBE = (
 
 def plan_limit_probe(process: ProcessSpec) -> Spawn:
     """Read the counters through the agent, as the sandbox user (no engine exec)."""
-    return Spawn(id="limits", argv=["/bin/sh", "-c", LIMIT_PROBE],
-                 env={"PATH": process.env_map().get("PATH", SANDBOX_PATH)}, cwd="/")
+    return Spawn(
+        id="limits",
+        argv=["/bin/sh", "-c", LIMIT_PROBE],
+        env={"PATH": process.env_map().get("PATH", SANDBOX_PATH)},
+        cwd="/",
+    )
 
 
 def parse_limit_counters(text: str) -> dict[str, int]:
@@ -427,8 +489,10 @@ def parse_limit_counters(text: str) -> dict[str, int]:
 
 def limit_reason(before: Mapping[str, int], after: Mapping[str, int]) -> LimitCounters:
     """How much the container's oom and pids counters grew during the run. Pure."""
-    return LimitCounters(oom_kills=max(0, after.get("oom", 0) - before.get("oom", 0)),
-                         pids_max=max(0, after.get("pids", 0) - before.get("pids", 0)))
+    return LimitCounters(
+        oom_kills=max(0, after.get("oom", 0) - before.get("oom", 0)),
+        pids_max=max(0, after.get("pids", 0) - before.get("pids", 0)),
+    )
 
 
 def engine_capabilities(process: ProcessSpec) -> list[str]:
@@ -449,4 +513,3 @@ def seccomp_file(profile: Mapping[str, Any], directory: str) -> tuple[str, str]:
     text = seccomp_json(profile)
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
     return f"{directory.rstrip('/')}/bundle-{digest}.json", text
-

@@ -101,8 +101,13 @@ class ContainerRuntime(EngineProbe):
 
     engine: Engine = "docker"
 
-    def __init__(self, settings: SandboxSettings, env: Mapping[str, str],
-                 cache_root: Path | None = None, host: HostInfo | None = None) -> None:
+    def __init__(
+        self,
+        settings: SandboxSettings,
+        env: Mapping[str, str],
+        cache_root: Path | None = None,
+        host: HostInfo | None = None,
+    ) -> None:
         super().__init__(settings, env, cache_root=cache_root, host=host)
         self.mode: ContainerMode = self.settings.container_mode
         self._adapter: EngineAdapter | None = None
@@ -128,22 +133,31 @@ class ContainerRuntime(EngineProbe):
 
     # -- engine-specific hooks (more in EngineProbe) ---------------------------------------
 
-
     def target(self) -> Target:
         info = self._info
         rootless = bool(info and info.rootless)
-        return Target(self.engine, rootless, nproc_limit(self.host.rlimits),
-                      cgroup_limits=not (rootless and info is not None
-                                         and info.cgroup_version == "v1"),
-                      seccomp_dir=str(self.cache_root / "seccomp"))
+        return Target(
+            self.engine,
+            rootless,
+            nproc_limit(self.host.rlimits),
+            cgroup_limits=not (rootless and info is not None and info.cgroup_version == "v1"),
+            seccomp_dir=str(self.cache_root / "seccomp"),
+        )
 
     def enforces(self) -> frozenset[Requirement]:
         # filtered: the engine's `none` network and the agent's forwarder to the task's proxy
         # socket, rootful or rootless alike.
-        need = {Requirement.FILESYSTEM, Requirement.PROC_PATHS,
-                Requirement.ENV, Requirement.NETWORK_NONE,
-                Requirement.NETWORK_EGRESS, Requirement.NETWORK_FILTERED,
-                Requirement.CPU_TIME, Requirement.TMP_SIZE, Requirement.FILE_SIZE}
+        need = {
+            Requirement.FILESYSTEM,
+            Requirement.PROC_PATHS,
+            Requirement.ENV,
+            Requirement.NETWORK_NONE,
+            Requirement.NETWORK_EGRESS,
+            Requirement.NETWORK_FILTERED,
+            Requirement.CPU_TIME,
+            Requirement.TMP_SIZE,
+            Requirement.FILE_SIZE,
+        }
         try:
             _, info = self._probe(start=False)
         except SandboxSetupError:
@@ -158,10 +172,16 @@ class ContainerRuntime(EngineProbe):
     def _plan(self, name: str, agent: AgentMounts | None = None) -> ContainerPlan:
         """The task's container: its spec, with the exec agent as the init process."""
         spec = self.task_spec
-        return plan_container(spec, self._init_process(), self.target(), name=name,
-                              owner=self._owner, mode=self.mode,
-                              isolated_caches=spec.cache_mode is CacheMode.ISOLATED,
-                              agent=agent or AgentMounts())
+        return plan_container(
+            spec,
+            self._init_process(),
+            self.target(),
+            name=name,
+            owner=self._owner,
+            mode=self.mode,
+            isolated_caches=spec.cache_mode is CacheMode.ISOLATED,
+            agent=agent or AgentMounts(),
+        )
 
     def _init_process(self) -> ProcessSpec:
         """The container's own process: the agent, as the sandbox user, with the task's
@@ -172,13 +192,16 @@ class ContainerRuntime(EngineProbe):
         """The command's spawn frame to the agent of the task's container (whose create
         arguments are beside it: made at prepare, or with a placeholder name before)."""
         container = self._container_plan or self._plan(
-            container_name(self.task_spec.task_id or "task", "<nonce>"))
+            container_name(self.task_spec.task_id or "task", "<nonce>")
+        )
         return AgentPlan(
             backend=self.id,
             spawn=spawn_of(process),
             sandbox=SandboxLaunch(sdk_call="containers.create", sdk_kwargs=container.create),
-            notes=[*container.notes, *(f"volume {v.name} -> {v.destination} ({v.scope})"
-                                       for v in container.volumes)],
+            notes=[
+                *container.notes,
+                *(f"volume {v.name} -> {v.destination} ({v.scope})" for v in container.volumes),
+            ],
             process=process,
         )
 
@@ -242,8 +265,11 @@ class ContainerRuntime(EngineProbe):
         if self._image_id is None:
             info = await self._call("image inspect", lambda: adapter.image(ref))
             if info is None:
-                raise ProvisionError(f"image '{ref}' is gone from {self.engine}",
-                                     "it was removed after prepare", "prepare the task again")
+                raise ProvisionError(
+                    f"image '{ref}' is gone from {self.engine}",
+                    "it was removed after prepare",
+                    "prepare the task again",
+                )
             self._image_id = info.id
         return self._image_id
 
@@ -274,18 +300,19 @@ class ContainerRuntime(EngineProbe):
         for attempt in range(1, START_ATTEMPTS + 1):
             nonce = secrets.token_hex(4)
             run_dir, listener = self._agent_listener(nonce)
-            plan = self._plan(container_name(self.ctx.task_id, nonce),
-                              AgentMounts(binary, str(run_dir),
-                                          self._egress_socket or AgentMounts.egress_socket))
+            plan = self._plan(
+                container_name(self.ctx.task_id, nonce),
+                AgentMounts(binary, str(run_dir), self._egress_socket or AgentMounts.egress_socket),
+            )
             cid: str | None = None
             try:
                 for volume in plan.volumes:
-                    await self._call("volume create",
-                                     functools.partial(adapter.ensure_volume, volume))
+                    await self._call(
+                        "volume create", functools.partial(adapter.ensure_volume, volume)
+                    )
                     if volume.scope == "task" and volume.name not in self._task_volumes:
                         self._task_volumes.append(volume.name)
-                cid = await self._call("container create", functools.partial(adapter.create,
-                                                                             plan))
+                cid = await self._call("container create", functools.partial(adapter.create, plan))
                 try:
                     await self._call("container start", functools.partial(adapter.start, cid))
                 except RuntimeUnavailableError:
@@ -296,10 +323,12 @@ class ContainerRuntime(EngineProbe):
                     await asyncio.shield(self._remove(cid))
                     await asyncio.sleep(0.2 * attempt)  # the race is with a busy host's runc
                     continue
-                pid = await self._call("container inspect",
-                                       functools.partial(_init_pid, adapter, cid))
-                self._agents[cid] = await Agent.accept(listener, expect_pid=pid,
-                                                       timeout_s=AGENT_CONNECT_S)
+                pid = await self._call(
+                    "container inspect", functools.partial(_init_pid, adapter, cid)
+                )
+                self._agents[cid] = await Agent.accept(
+                    listener, expect_pid=pid, timeout_s=AGENT_CONNECT_S
+                )
                 if self.mode == "warm":
                     self._container_plan = plan
                 return cid
@@ -347,9 +376,11 @@ class ContainerRuntime(EngineProbe):
         async with self._lock:
             if self.mode == "warm":
                 if self._container is None:
-                    raise SandboxSetupError(f"runtime '{self.id}' was not prepared",
-                                            "run() came before prepare()",
-                                            "call prepare(ctx) first")
+                    raise SandboxSetupError(
+                        f"runtime '{self.id}' was not prepared",
+                        "run() came before prepare()",
+                        "call prepare(ctx) first",
+                    )
                 # An agent that is gone fails this run and every later one (AgentLostError),
                 # never silently replaced: what the task's earlier commands left is gone too.
                 return await self._exec(self._container, process, opts)
@@ -365,9 +396,15 @@ class ContainerRuntime(EngineProbe):
         agent = self._agents[cid]
         command = spawn_of(process)
         outcome = await agent.run(
-            command.argv, env=command.env, cwd=command.cwd, rlimits=command.rlimits,
-            stdin=opts.stdin, timeout_s=opts.timeout_ms / 1000, max_buffer=opts.max_buffer,
-            on_output=opts.on_output, keep_output=opts.keep_output,
+            command.argv,
+            env=command.env,
+            cwd=command.cwd,
+            rlimits=command.rlimits,
+            stdin=opts.stdin,
+            timeout_s=opts.timeout_ms / 1000,
+            max_buffer=opts.max_buffer,
+            on_output=opts.on_output,
+            keep_output=opts.keep_output,
         )
         # The agent reports the command's own wait status: a real `exit 130` stays an exit,
         # death by SIGINT a signal (no launcher's 128+N in between to read back).
@@ -384,8 +421,9 @@ class ContainerRuntime(EngineProbe):
         """
         probe = plan_limit_probe(process)
         try:
-            outcome = await self._agents[cid].run(probe.argv, env=probe.env, cwd=probe.cwd,
-                                                  timeout_s=10.0, max_buffer=65536)
+            outcome = await self._agents[cid].run(
+                probe.argv, env=probe.env, cwd=probe.cwd, timeout_s=10.0, max_buffer=65536
+            )
         except FusionOCIError:
             return LimitCounters()  # unknown: no claim either way
         after = parse_limit_counters(outcome.stdout.decode(errors="replace"))
@@ -404,8 +442,9 @@ class ContainerRuntime(EngineProbe):
             if adapter is not None:
                 for name in self._task_volumes:
                     with contextlib.suppress(FusionOCIError):
-                        await self._call("volume remove",
-                                         functools.partial(adapter.remove_volume, name))
+                        await self._call(
+                            "volume remove", functools.partial(adapter.remove_volume, name)
+                        )
                 self._task_volumes = []
         finally:
             self._egress_socket = None
@@ -444,11 +483,17 @@ async def provision_image(runtime: ContainerRuntime, image: str, ctx: PrepareCon
     adapter = runtime._adapter
     assert adapter is not None
     # The worktree's .nvmrc / package.json choose the node image's Node.js and package manager.
-    provisioned = await ensure_image(runtime.engine, adapter.borrowed(), image,
-                                     runtime.settings, runtime.audit or AuditLog(),
-                                     ctx.task_id, ctx.run_id, ask=runtime.ask,
-                                     options=ProvisionOptions(
-                                         project_dir=Path(ctx.worktree_path)))
+    provisioned = await ensure_image(
+        runtime.engine,
+        adapter.borrowed(),
+        image,
+        runtime.settings,
+        runtime.audit or AuditLog(),
+        ctx.task_id,
+        ctx.run_id,
+        ask=runtime.ask,
+        options=ProvisionOptions(project_dir=Path(ctx.worktree_path)),
+    )
     return provisioned.ref
 
 

@@ -117,9 +117,13 @@ class EngineProbe(SpecRuntime):
     def capabilities(self) -> SandboxCapabilities:
         fine = Requirement.NETWORK_FILTERED in self.enforces()
         return SandboxCapabilities(
-            filesystem_isolation="strong", network_policy="fine" if fine else "coarse",
-            resource_limits="advanced", requires_install=True, supports_mac=True,
-            supports_linux=True, supports_windows=True,
+            filesystem_isolation="strong",
+            network_policy="fine" if fine else "coarse",
+            resource_limits="advanced",
+            requires_install=True,
+            supports_mac=True,
+            supports_linux=True,
+            supports_windows=True,
         )
 
     def availability(self) -> Availability:
@@ -129,8 +133,9 @@ class EngineProbe(SpecRuntime):
             return Availability(False, exc.why or exc.what, exc.hint)
         details = {
             "socket": adapter.endpoint.url if adapter else "none answers yet",
-            "socket source": adapter.endpoint.source if adapter else
-            f"`{self.engine} system service` is started for the task at prepare",
+            "socket source": adapter.endpoint.source
+            if adapter
+            else f"`{self.engine} system service` is started for the task at prepare",
             "rootless": "yes" if info.rootless else "no",
             "cgroup": info.cgroup_version,
             "mode": self.mode,

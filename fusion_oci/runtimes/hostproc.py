@@ -35,14 +35,17 @@ PLACEHOLDER_TMP = "<private-tmp>"
 def native_env(task: TaskSpec, process: ProcessSpec, home: str, tmp: str) -> dict[str, str]:
     """The process's env with sandbox-only paths mapped back to their host sources. Pure."""
     env = process.env_map()
-    binds = {m.destination: m.source for m in task.mounts
-             if m.type == "bind" and m.source is not None and m.destination != m.source}
+    binds = {
+        m.destination: m.source
+        for m in task.mounts
+        if m.type == "bind" and m.source is not None and m.destination != m.source
+    }
     binds[SANDBOX_HOME] = home
     binds["/tmp"] = tmp
     for key, value in env.items():
         for dest, src in binds.items():
             if value == dest or value.startswith(dest + "/"):
-                env[key] = src + value[len(dest):]
+                env[key] = src + value[len(dest) :]
                 break
     return env
 
@@ -55,8 +58,13 @@ class HostProcessRuntime(SpecRuntime):
     streams_stdin = True  # run_process writes a StdinStream's chunks as they come
     """Whether each task gets a scratch HOME and TMPDIR (native: no, the caller's own)."""
 
-    def __init__(self, settings: SandboxSettings, env: Mapping[str, str],
-                 cache_root: Path | None = None, host: HostInfo | None = None) -> None:
+    def __init__(
+        self,
+        settings: SandboxSettings,
+        env: Mapping[str, str],
+        cache_root: Path | None = None,
+        host: HostInfo | None = None,
+    ) -> None:
         super().__init__(settings, env, cache_root=cache_root, host=host)
         self._scratch: Path | None = None
 
@@ -79,8 +87,9 @@ class HostProcessRuntime(SpecRuntime):
         """What really runs: argv under the subreaper shim, with the process's rlimits."""
         return reaper_argv(argv, process.limits())
 
-    async def run_reaped(self, argv: Sequence[str], env: dict[str, str], process: ProcessSpec,
-                         opts: RunOptions) -> RunResult:
+    async def run_reaped(
+        self, argv: Sequence[str], env: dict[str, str], process: ProcessSpec, opts: RunOptions
+    ) -> RunResult:
         outcome = await run_process(
             self.launch_argv(argv, process),
             env=env,

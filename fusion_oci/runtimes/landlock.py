@@ -83,11 +83,21 @@ if TYPE_CHECKING:
 
 # Landlock access rights (include/uapi/linux/landlock.h), and the ABI that introduced each.
 FS_RIGHTS: dict[str, tuple[int, int]] = {
-    "execute": (1 << 0, 1), "write_file": (1 << 1, 1), "read_file": (1 << 2, 1),
-    "read_dir": (1 << 3, 1), "remove_dir": (1 << 4, 1), "remove_file": (1 << 5, 1),
-    "make_char": (1 << 6, 1), "make_dir": (1 << 7, 1), "make_reg": (1 << 8, 1),
-    "make_sock": (1 << 9, 1), "make_fifo": (1 << 10, 1), "make_block": (1 << 11, 1),
-    "make_sym": (1 << 12, 1), "refer": (1 << 13, 2), "truncate": (1 << 14, 3),
+    "execute": (1 << 0, 1),
+    "write_file": (1 << 1, 1),
+    "read_file": (1 << 2, 1),
+    "read_dir": (1 << 3, 1),
+    "remove_dir": (1 << 4, 1),
+    "remove_file": (1 << 5, 1),
+    "make_char": (1 << 6, 1),
+    "make_dir": (1 << 7, 1),
+    "make_reg": (1 << 8, 1),
+    "make_sock": (1 << 9, 1),
+    "make_fifo": (1 << 10, 1),
+    "make_block": (1 << 11, 1),
+    "make_sym": (1 << 12, 1),
+    "refer": (1 << 13, 2),
+    "truncate": (1 << 14, 3),
     "ioctl_dev": (1 << 15, 5),
 }
 NET_RIGHTS: dict[str, tuple[int, int]] = {"bind_tcp": (1 << 0, 4), "connect_tcp": (1 << 1, 4)}
@@ -96,8 +106,7 @@ SCOPES: dict[str, tuple[int, int]] = {"abstract_unix_socket": (1 << 0, 6), "sign
 ABI_FEATURES: dict[int, str] = {
     1: "filesystem: read, write, execute, create and remove beneath granted paths",
     2: "refer: links and renames across directories (ABI 1 refuses them all)",
-    3: "truncate: truncating a file needs write access (before ABI 3 any file could be "
-       "truncated)",
+    3: "truncate: truncating a file needs write access (before ABI 3 any file could be truncated)",
     4: "network: TCP bind and connect (network none denies both)",
     5: "ioctl on device files",
     6: "scoping: no signals to, no abstract unix sockets of, processes outside the sandbox",
@@ -105,15 +114,35 @@ ABI_FEATURES: dict[int, str] = {
 }
 
 RO = ("execute", "read_file", "read_dir")
-RW = (*RO, "write_file", "remove_dir", "remove_file", "make_dir", "make_reg", "make_fifo",
-      "make_sym", "refer", "truncate")
+RW = (
+    *RO,
+    "write_file",
+    "remove_dir",
+    "remove_file",
+    "make_dir",
+    "make_reg",
+    "make_fifo",
+    "make_sym",
+    "refer",
+    "truncate",
+)
 DEV_RW = ("read_file", "write_file", "truncate")
 DEVICES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("/dev/null", DEV_RW), ("/dev/zero", DEV_RW), ("/dev/full", DEV_RW),
-    ("/dev/random", ("read_file",)), ("/dev/urandom", ("read_file",)),
+    ("/dev/null", DEV_RW),
+    ("/dev/zero", DEV_RW),
+    ("/dev/full", DEV_RW),
+    ("/dev/random", ("read_file",)),
+    ("/dev/urandom", ("read_file",)),
 )
-PROC_FILES = ("/proc/cpuinfo", "/proc/meminfo", "/proc/stat", "/proc/loadavg", "/proc/uptime",
-              "/proc/version", "/proc/filesystems")
+PROC_FILES = (
+    "/proc/cpuinfo",
+    "/proc/meminfo",
+    "/proc/stat",
+    "/proc/loadavg",
+    "/proc/uptime",
+    "/proc/version",
+    "/proc/filesystems",
+)
 """Static /proc files that runtimes read (node's os.cpus(), free memory, load). Rules bind to
 inodes, so the per-process directories of the command's children cannot be granted by a rule:
 each process's own /proc/self (status, maps, fd, cgroup, limits, ...) is opened for it by the
@@ -131,8 +160,21 @@ FILTERED_FAMILIES = (AF_UNIX, AF_INET, AF_INET6)
 """The socket families a ``filtered`` command may open, stream sockets only: TCP (whose
 connect the supervisor checks, landlock_child.py) and unix sockets (likewise); no UDP, no
 raw, packet or netlink socket, none of the families Landlock does not govern."""
-SYSV_IPC = ("shmget", "shmat", "shmctl", "semget", "semop", "semtimedop", "semctl", "msgget",
-            "msgsnd", "msgrcv", "msgctl", "mq_open", "mq_unlink")
+SYSV_IPC = (
+    "shmget",
+    "shmat",
+    "shmctl",
+    "semget",
+    "semop",
+    "semtimedop",
+    "semctl",
+    "msgget",
+    "msgsnd",
+    "msgrcv",
+    "msgctl",
+    "mq_open",
+    "mq_unlink",
+)
 MIN_FS_ABI = 3
 """Below ABI 3 any file, read-only ones included, can be truncated: the filesystem view is not
 enforced there."""
@@ -169,9 +211,15 @@ class LandlockRules:
     """Writable paths the spec lays back inside a restored one (they are not restored)."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"paths": {p: " ".join(a) for p, a in self.paths}, "network": self.network,
-                "proxy_port": self.proxy_port, "scopes": list(self.scopes), "seccomp": self.seccomp,
-                "restored": self.restored, "holes": self.holes}
+        return {
+            "paths": {p: " ".join(a) for p, a in self.paths},
+            "network": self.network,
+            "proxy_port": self.proxy_port,
+            "scopes": list(self.scopes),
+            "seccomp": self.seccomp,
+            "restored": self.restored,
+            "holes": self.holes,
+        }
 
 
 def _beneath(path: str, parent: str) -> bool:
@@ -183,20 +231,29 @@ def landlock_seccomp(profile: dict[str, Any], network: NetworkMode) -> dict[str,
     import errno
 
     rules = [dict(r) for r in profile.get("syscalls", [])]
-    rules.append({"names": ["io_uring_setup", "io_uring_enter", "io_uring_register"],
-                  "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM})
+    rules.append(
+        {
+            "names": ["io_uring_setup", "io_uring_enter", "io_uring_register"],
+            "action": "SCMP_ACT_ERRNO",
+            "errnoRet": errno.EPERM,
+        }
+    )
     # No IPC namespace either: System V IPC and POSIX message queues of the caller's other
     # processes (a database's shared memory, say) are governed by uid alone.
-    rules.append({"names": list(SYSV_IPC), "action": "SCMP_ACT_ERRNO",
-                  "errnoRet": errno.EPERM})
+    rules.append({"names": list(SYSV_IPC), "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM})
     if network is NetworkMode.HOST:
-        rules.append({"names": ["socket"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM,
-                      "args": [{"index": 0, "value": AF_UNIX, "op": "SCMP_CMP_EQ"}]})
+        rules.append(
+            {
+                "names": ["socket"],
+                "action": "SCMP_ACT_ERRNO",
+                "errnoRet": errno.EPERM,
+                "args": [{"index": 0, "value": AF_UNIX, "op": "SCMP_CMP_EQ"}],
+            }
+        )
     elif network is NetworkMode.FILTERED:
         rules += filtered_socket_rules()
     else:
-        rules.append({"names": ["socket"], "action": "SCMP_ACT_ERRNO",
-                      "errnoRet": errno.EPERM})
+        rules.append({"names": ["socket"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM})
     return {**profile, "syscalls": rules}
 
 
@@ -214,29 +271,57 @@ def filtered_socket_rules() -> list[dict[str, Any]]:
     eperm = {"action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM}
     families = [v for v in range(max(FILTERED_FAMILIES) + 1) if v not in FILTERED_FAMILIES]
     rules: list[dict[str, Any]] = [
-        {"names": ["socket"], **eperm,
-         "args": [*({"index": 0, "value": v, "op": "SCMP_CMP_EQ"} for v in families),
-                  {"index": 0, "value": max(FILTERED_FAMILIES), "op": "SCMP_CMP_GT"}]},
-        {"names": ["socket"], **eperm,
-         "args": [{"index": 1, "value": SOCK_TYPE_MASK, "valueTwo": t,
-                   "op": "SCMP_CMP_MASKED_EQ"}
-                  for t in range(SOCK_TYPE_MASK + 1) if t != SOCK_STREAM]},
+        {
+            "names": ["socket"],
+            **eperm,
+            "args": [
+                *({"index": 0, "value": v, "op": "SCMP_CMP_EQ"} for v in families),
+                {"index": 0, "value": max(FILTERED_FAMILIES), "op": "SCMP_CMP_GT"},
+            ],
+        },
+        {
+            "names": ["socket"],
+            **eperm,
+            "args": [
+                {"index": 1, "value": SOCK_TYPE_MASK, "valueTwo": t, "op": "SCMP_CMP_MASKED_EQ"}
+                for t in range(SOCK_TYPE_MASK + 1)
+                if t != SOCK_STREAM
+            ],
+        },
     ]
     for family in (AF_INET, AF_INET6):  # protocol 0 or IPPROTO_TCP: not SCTP or MPTCP
-        rules += [{"names": ["socket"], **eperm,
-                   "args": [{"index": 0, "value": family, "op": "SCMP_CMP_EQ"}, other]}
-                  for other in [*({"index": 2, "value": p, "op": "SCMP_CMP_EQ"}
-                                  for p in range(1, IPPROTO_TCP)),
-                                {"index": 2, "value": IPPROTO_TCP, "op": "SCMP_CMP_GT"}]]
+        rules += [
+            {
+                "names": ["socket"],
+                **eperm,
+                "args": [{"index": 0, "value": family, "op": "SCMP_CMP_EQ"}, other],
+            }
+            for other in [
+                *({"index": 2, "value": p, "op": "SCMP_CMP_EQ"} for p in range(1, IPPROTO_TCP)),
+                {"index": 2, "value": IPPROTO_TCP, "op": "SCMP_CMP_GT"},
+            ]
+        ]
     for name, index in (("sendto", 3), ("sendmsg", 2), ("sendmmsg", 3)):
-        rules.append({"names": [name], **eperm,
-                      "args": [{"index": index, "value": MSG_FASTOPEN,
-                                "valueTwo": MSG_FASTOPEN, "op": "SCMP_CMP_MASKED_EQ"}]})
+        rules.append(
+            {
+                "names": [name],
+                **eperm,
+                "args": [
+                    {
+                        "index": index,
+                        "value": MSG_FASTOPEN,
+                        "valueTwo": MSG_FASTOPEN,
+                        "op": "SCMP_CMP_MASKED_EQ",
+                    }
+                ],
+            }
+        )
     return rules
 
 
-def landlock_rules(spec: TaskSpec, home: str, tmp: str, proxy_port: int | None = None,
-                   agent: str | None = None) -> LandlockRules:
+def landlock_rules(
+    spec: TaskSpec, home: str, tmp: str, proxy_port: int | None = None, agent: str | None = None
+) -> LandlockRules:
     """The ruleset for a spec whose sandbox HOME and /tmp are the host dirs ``home``, ``tmp``
     (and, for ``network: filtered``, whose egress proxy listens on host ``proxy_port``, with
     the exec agent at host path ``agent`` readable and executable: ssh's ProxyCommand).
@@ -258,11 +343,11 @@ def landlock_rules(spec: TaskSpec, home: str, tmp: str, proxy_port: int | None =
         if writable:
             continue
         covering = [p for p, w in grants[:i] if w and _beneath(path, p)]
-        if not covering or any(w and p == path for p, w in grants[i + 1:]):
+        if not covering or any(w and p == path for p, w in grants[i + 1 :]):
             continue  # not beneath anything writable, or made writable again later
         if path not in restored:
             restored.append(path)
-            holes += [p for p, w in grants[i + 1:] if w and _beneath(p, path) and p != path]
+            holes += [p for p, w in grants[i + 1 :] if w and _beneath(p, path) and p != path]
     network = spec.network
     # filtered: the command's own unix sockets (beneath writable paths) work; elsewhere no
     # AF_UNIX socket can be opened, so making one is moot.
@@ -281,11 +366,19 @@ def landlock_rules(spec: TaskSpec, home: str, tmp: str, proxy_port: int | None =
     if network is NetworkMode.EGRESS:
         network = NetworkMode.NONE  # not enforceable here (no netns): refused, else closed
     seccomp = spec.linux.seccomp
-    profile = (seccomp.to_oci() if seccomp is not None
-               else {"defaultAction": "SCMP_ACT_ALLOW", "syscalls": []})
-    return LandlockRules(paths, network.value, seccomp=landlock_seccomp(profile, network),
-                         restored=restored, holes=sorted(set(holes)),
-                         proxy_port=proxy_port if network is NetworkMode.FILTERED else None)
+    profile = (
+        seccomp.to_oci()
+        if seccomp is not None
+        else {"defaultAction": "SCMP_ACT_ALLOW", "syscalls": []}
+    )
+    return LandlockRules(
+        paths,
+        network.value,
+        seccomp=landlock_seccomp(profile, network),
+        restored=restored,
+        holes=sorted(set(holes)),
+        proxy_port=proxy_port if network is NetworkMode.FILTERED else None,
+    )
 
 
 def landlock_env(env: dict[str, str], rules: LandlockRules, agent: str) -> dict[str, str]:
@@ -338,16 +431,28 @@ def launch_text(config: dict[str, Any]) -> str:
     A path with a newline cannot be written in it; such a task is refused, never confined
     with that path left out or misread.
     """
-    lines = [f"{key} {int(config[key]) if isinstance(config[key], bool) else config[key]}"
-             for key in ("arch", "abi", "handled_fs", "handled_net", "scoped",
-                         "drop_capabilities", "connect_port", "seccomp")]
+    lines = [
+        f"{key} {int(config[key]) if isinstance(config[key], bool) else config[key]}"
+        for key in (
+            "arch",
+            "abi",
+            "handled_fs",
+            "handled_net",
+            "scoped",
+            "drop_capabilities",
+            "connect_port",
+            "seccomp",
+        )
+    ]
     lines += [f"port {mask} {port}" for port, mask in config["ports"]]
     lines += [f"path {mask} {path}" for path, mask in config["paths"]]
     lines += [f"writable {path}" for path in config["writable"]]
     if any("\n" in p for p, _ in config["paths"]):
-        raise SandboxSetupError("the landlock runtime cannot confine this task",
-                                "a granted path contains a newline",
-                                "rename the worktree or the configured paths")
+        raise SandboxSetupError(
+            "the landlock runtime cannot confine this task",
+            "a granted path contains a newline",
+            "rename the worktree or the configured paths",
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -357,8 +462,13 @@ def enforced_requirements(abi: int) -> frozenset[Requirement]:
         return frozenset()
     # PROC_PATHS: /proc and /sys are granted only as a few static files, none of them masked
     # or writable, so maskedPaths and readonlyPaths hold by omission.
-    out = {Requirement.ENV, Requirement.CPU_TIME, Requirement.FILE_SIZE,
-           Requirement.NETWORK_NONE, Requirement.PROC_PATHS}
+    out = {
+        Requirement.ENV,
+        Requirement.CPU_TIME,
+        Requirement.FILE_SIZE,
+        Requirement.NETWORK_NONE,
+        Requirement.PROC_PATHS,
+    }
     if abi >= MIN_FS_ABI:
         out.add(Requirement.FILESYSTEM)
     if abi >= MIN_NET_ABI:
@@ -400,12 +510,17 @@ def userns_problem() -> str:
                 done = probe([unshare, "--user", "true"])
                 if done.returncode is not None and done.returncode != 0:
                     why = done.text("stderr").strip().splitlines()[-1:]
-                    _USERNS = "creating a user namespace fails (" + \
-                        (why[0] if why else f"exit {done.returncode}") + ")"
+                    _USERNS = (
+                        "creating a user namespace fails ("
+                        + (why[0] if why else f"exit {done.returncode}")
+                        + ")"
+                    )
     return _USERNS
 
 
 CONFINE_FAILED = b"fusion-oci: cannot confine the command"
+
+
 def workload_network(abi: int) -> NetworkMode:
     """The network in which a command here reaches a package registry: ``egress`` without the
     host's loopback needs a network namespace, so it is refused; ``filtered`` (the task's
@@ -416,12 +531,16 @@ def workload_network(abi: int) -> NetworkMode:
 def workload_note(abi: int) -> str:
     """What ``fusion-oci doctor`` says about real projects (package installs) here."""
     if workload_network(abi) is NetworkMode.FILTERED:
-        return ("a real project (an install from a package registry) runs under network: "
-                "filtered (the task's proxy, the built-in git/npm hosts or allowedDomains); "
-                "egress is refused (no network namespace)")
-    return ("a real project (an install from a package registry) runs only under network: "
-            f"host (filtered needs ABI {MIN_NET_ABI}), where the host's loopback (every port) "
-            "is reachable too")
+        return (
+            "a real project (an install from a package registry) runs under network: "
+            "filtered (the task's proxy, the built-in git/npm hosts or allowedDomains); "
+            "egress is refused (no network namespace)"
+        )
+    return (
+        "a real project (an install from a package registry) runs only under network: "
+        f"host (filtered needs ABI {MIN_NET_ABI}), where the host's loopback (every port) "
+        "is reachable too"
+    )
 
 
 @dataclass(frozen=True)
@@ -448,18 +567,22 @@ class LandlockRuntime(HostProcessRuntime):
             filesystem_isolation="strong" if host_abi() >= MIN_FS_ABI else "none",
             network_policy="fine" if host_abi() >= MIN_NET_ABI else "coarse",
             resource_limits="basic",
-            requires_install=False, supports_mac=False, supports_linux=True,
+            requires_install=False,
+            supports_mac=False,
+            supports_linux=True,
             supports_windows=False,
         )
 
     def availability(self) -> Availability:
         if not sys.platform.startswith("linux"):
-            return Availability(False, "Landlock is a Linux security module",
-                                "use sandbox-exec on macOS")
+            return Availability(
+                False, "Landlock is a Linux security module", "use sandbox-exec on macOS"
+            )
         abi = host_abi()
         if abi < 1:
             return Availability(
-                False, "this kernel offers no Landlock (it needs Linux 5.13+ built with "
+                False,
+                "this kernel offers no Landlock (it needs Linux 5.13+ built with "
                 "CONFIG_SECURITY_LANDLOCK, and 'landlock' in the lsm= boot list)",
                 "boot with lsm=landlock,... or choose bubblewrap",
             )
@@ -467,31 +590,42 @@ class LandlockRuntime(HostProcessRuntime):
         for version, what in ABI_FEATURES.items():
             details[f"abi{version}"] = ("" if version <= abi else "missing: ") + what
         if abi < MIN_FS_ABI:
-            details["filesystem"] = (f"not enforced: ABI {abi} < {MIN_FS_ABI} lets read-only "
-                                     "files be truncated")
-        details["network"] = ("none: socket() refused by seccomp, TCP bind/connect denied"
-                              + (" by Landlock" if abi >= 4 else " (no Landlock TCP rules)")
-                              + "; egress without host loopback: not enforced (no network "
-                              "namespace); host: AF_UNIX refused; filtered: "
-                              + ("TCP connect only to the task's proxy on host loopback "
-                                 "(Landlock port rule, every connect() checked by the "
-                                 "supervisor), TCP and unix stream sockets only"
-                                 if abi >= MIN_NET_ABI else
-                                 f"not enforced (needs ABI {MIN_NET_ABI})"))
+            details["filesystem"] = (
+                f"not enforced: ABI {abi} < {MIN_FS_ABI} lets read-only files be truncated"
+            )
+        details["network"] = (
+            "none: socket() refused by seccomp, TCP bind/connect denied"
+            + (" by Landlock" if abi >= 4 else " (no Landlock TCP rules)")
+            + "; egress without host loopback: not enforced (no network "
+            "namespace); host: AF_UNIX refused; filtered: "
+            + (
+                "TCP connect only to the task's proxy on host loopback "
+                "(Landlock port rule, every connect() checked by the "
+                "supervisor), TCP and unix stream sockets only"
+                if abi >= MIN_NET_ABI
+                else f"not enforced (needs ABI {MIN_NET_ABI})"
+            )
+        )
         details["workloads"] = workload_note(abi)
-        details["limits"] = ("rlimits (CPU time, file size, open files) only; memory, pids, "
-                             "CPU quota and tmpSizeMb are not enforced (no cgroup)")
+        details["limits"] = (
+            "rlimits (CPU time, file size, open files) only; memory, pids, "
+            "CPU quota and tmpSizeMb are not enforced (no cgroup)"
+        )
         if abi < 6:
-            details["signals"] = ("not scoped: the command can signal the caller's other "
-                                  "processes (needs ABI 6)")
+            details["signals"] = (
+                "not scoped: the command can signal the caller's other processes (needs ABI 6)"
+            )
         problem = userns_problem()
         details["userns"] = problem or "ok"
         if problem:
-            details["recommendation"] = (f"user namespaces are forbidden here ({problem}): "
-                                         "bubblewrap and rootless engines cannot start; "
-                                         "landlock is the runtime that still isolates")
-        return Availability(True, version=f"landlock ABI {abi}", rootless=os.geteuid() != 0,
-                            details=details)
+            details["recommendation"] = (
+                f"user namespaces are forbidden here ({problem}): "
+                "bubblewrap and rootless engines cannot start; "
+                "landlock is the runtime that still isolates"
+            )
+        return Availability(
+            True, version=f"landlock ABI {abi}", rootless=os.geteuid() != 0, details=details
+        )
 
     def enforces(self) -> frozenset[Requirement]:
         return enforced_requirements(host_abi())
@@ -534,19 +668,22 @@ class LandlockRuntime(HostProcessRuntime):
             "runs on the host as the caller, confined before exec: capabilities dropped, "
             f"no_new_privs, Landlock ABI {abi} ruleset, seccomp",
             "read-write: " + ", ".join(p for p, a in rules.paths if "write_file" in a),
-            "network " + rules.network + {
+            "network "
+            + rules.network
+            + {
                 "none": ": every socket() refused",
                 "host": ": AF_UNIX sockets refused",
                 "filtered": f": TCP connect only to the task's egress proxy at 127.0.0.1:"
-                            f"{rules.proxy_port or '<port chosen at prepare>'} (Landlock port "
-                            "rule; every connect() checked by the supervisor), TCP bind "
-                            "denied; TCP and unix stream sockets only (no UDP, raw, packet, "
-                            "netlink); unix connects only beneath writable paths",
+                f"{rules.proxy_port or '<port chosen at prepare>'} (Landlock port "
+                "rule; every connect() checked by the supervisor), TCP bind "
+                "denied; TCP and unix stream sockets only (no UDP, raw, packet, "
+                "netlink); unix connects only beneath writable paths",
             }[rules.network],
             process.shown_limits(),
         ]
-        notes += [f"not read-only during the command (restored after it): {p}"
-                  for p in rules.restored]
+        notes += [
+            f"not read-only during the command (restored after it): {p}" for p in rules.restored
+        ]
         self._launches += 1
         launch = self._launch_file(self._launches)
         return LandlockPlan(
@@ -570,7 +707,8 @@ class LandlockRuntime(HostProcessRuntime):
                         "network filtered needs the task's egress proxy on host loopback",
                         "none was started for this task (the landlock runtime asks for a "
                         "TCP listener: egress_via_tcp)",
-                        "prepare the task through fusion_oci.Sandbox")
+                        "prepare the task through fusion_oci.Sandbox",
+                    )
                 self._proxy_port = task.egress.tcp_port
             if task.spec.image:
                 raise SandboxSetupError(
@@ -581,26 +719,35 @@ class LandlockRuntime(HostProcessRuntime):
             # The carve-outs depend on the task's layout only: known before anything runs.
             probe = self._rules = self.rules(task.spec)
             fusion = str(task_project(ctx).resolve() / ".fusion")
-            exposed = [p for p in probe.restored
-                       if p == fusion or p.startswith(fusion + "/") or fusion.startswith(p + "/")]
+            exposed = [
+                p
+                for p in probe.restored
+                if p == fusion or p.startswith(fusion + "/") or fusion.startswith(p + "/")
+            ]
             if exposed:
                 # Keep-and-restore is not enough here: the settings would be writable while the
                 # command runs, and restoring the folder would drop the audit lines the host
                 # appends for other commands meanwhile. Refused, never weakened.
                 raise PolicyNotEnforceableError(
-                    self.id, [f"protectedPaths: {fusion}/ (the project's settings and audit "
-                              "log, inside the writable worktree)"],
+                    self.id,
+                    [
+                        f"protectedPaths: {fusion}/ (the project's settings and audit "
+                        "log, inside the writable worktree)"
+                    ],
                     "use a linked worktree (git worktree add) or --project-dir outside the "
                     "worktree, whose .fusion/ the command cannot reach; or bubblewrap where "
-                    "user namespaces are allowed")
+                    "user namespaces are allowed",
+                )
             if probe.restored and self.layout is not None:
                 # Listed as not read-only (the lifecycle reports layout.unprotected), though
                 # put back after every command.
-                extra = tuple(f"{p} (writable during the command: Landlock cannot make it "
-                              "read-only inside the writable worktree; restored after each "
-                              "command)" for p in probe.restored)
-                self.layout = replace(self.layout,
-                                      unprotected=(*self.layout.unprotected, *extra))
+                extra = tuple(
+                    f"{p} (writable during the command: Landlock cannot make it "
+                    "read-only inside the writable worktree; restored after each "
+                    "command)"
+                    for p in probe.restored
+                )
+                self.layout = replace(self.layout, unprotected=(*self.layout.unprotected, *extra))
                 task = replace(task, layout=self.layout)
                 self.adopt(task)
         except BaseException:
@@ -613,9 +760,11 @@ class LandlockRuntime(HostProcessRuntime):
         process, rules = launch_plan.process, launch_plan.rules
         launch = Path(launch_plan.launch_file)
         if self._scratch is None or launch.parent != self._scratch:
-            raise SandboxSetupError(f"runtime '{self.id}' was not prepared",
-                                    "the plan was made before prepare()",
-                                    "call prepare(ctx) first, then plan the command")
+            raise SandboxSetupError(
+                f"runtime '{self.id}' was not prepared",
+                "the plan was made before prepare()",
+                "call prepare(ctx) first, then plan the command",
+            )
         import platform
 
         from fusion_oci.runtimes.linux import snapshot
@@ -626,10 +775,15 @@ class LandlockRuntime(HostProcessRuntime):
         _write_launch(launch, launch_text(config))
         try:
             outcome = await run_process(
-                launch_plan.argv, env=launch_plan.env, cwd=launch_plan.cwd,
-                stdin=opts.stdin, timeout_s=opts.timeout_ms / 1000,
-                max_buffer=opts.max_buffer, term_group=False,
-                on_output=opts.on_output, keep_output=opts.keep_output,
+                launch_plan.argv,
+                env=launch_plan.env,
+                cwd=launch_plan.cwd,
+                stdin=opts.stdin,
+                timeout_s=opts.timeout_ms / 1000,
+                max_buffer=opts.max_buffer,
+                term_group=False,
+                on_output=opts.on_output,
+                keep_output=opts.keep_output,
             )
         finally:
             _remove_launch(launch)
@@ -637,11 +791,16 @@ class LandlockRuntime(HostProcessRuntime):
             changed = snapshot.restore(kept)
         notes = []
         if changed:
-            notes.append("restored what the command changed in read-only paths: "
-                         + ", ".join(changed[:10]) + ("" if len(changed) <= 10 else ", ..."))
+            notes.append(
+                "restored what the command changed in read-only paths: "
+                + ", ".join(changed[:10])
+                + ("" if len(changed) <= 10 else ", ...")
+            )
         if kept.too_big:
-            notes.append("not kept, so not restored (too large to copy per command): "
-                         + ", ".join(kept.too_big[:10]))
+            notes.append(
+                "not kept, so not restored (too large to copy per command): "
+                + ", ".join(kept.too_big[:10])
+            )
         if notes:
             text = "".join(f"fusion-oci: {n}\n" for n in notes)
             outcome = replace(outcome, stderr=outcome.stderr + text.encode())

@@ -60,34 +60,52 @@ def status_quo_env(policy: SandboxPolicy, source: Mapping[str, str]) -> dict[str
 AGENT_PLATFORM = sys.platform.startswith("linux")
 """Where the exec agent exists (the build hook compiles it only there)."""
 
+
 class NativeRuntime(HostProcessRuntime):
     id = "native"
     isolates = False  # the status quo: what it leaves unenforced is listed, not refused
     private_dirs = False
     uses_agent = AGENT_PLATFORM
 
-    def __init__(self, settings: SandboxSettings, env: Mapping[str, str],
-                 cache_root: Path | None = None, host: HostInfo | None = None) -> None:
+    def __init__(
+        self,
+        settings: SandboxSettings,
+        env: Mapping[str, str],
+        cache_root: Path | None = None,
+        host: HostInfo | None = None,
+    ) -> None:
         super().__init__(settings, env, cache_root=cache_root, host=host)
         self._agent: Agent | None = None
 
     def capabilities(self) -> SandboxCapabilities:
         return SandboxCapabilities(
-            filesystem_isolation="none", network_policy="none", resource_limits="basic",
-            requires_install=False, supports_mac=True, supports_linux=True,
+            filesystem_isolation="none",
+            network_policy="none",
+            resource_limits="basic",
+            requires_install=False,
+            supports_mac=True,
+            supports_linux=True,
             supports_windows=False,
         )
 
     def availability(self) -> Availability:
         if not self.uses_agent:
-            return Availability(True, version=f"python {sys.version.split()[0]}",
-                                rootless=None, details={"isolation": "none"})
+            return Availability(
+                True,
+                version=f"python {sys.version.split()[0]}",
+                rootless=None,
+                details={"isolation": "none"},
+            )
         try:
             binary = agent_binary()
         except SandboxSetupError as exc:
             return Availability(False, f"the exec agent is missing: {exc.why}", BUILD_HINT)
-        return Availability(True, version=f"python {sys.version.split()[0]}", rootless=None,
-                            details={"isolation": "none", "agent": str(binary)})
+        return Availability(
+            True,
+            version=f"python {sys.version.split()[0]}",
+            rootless=None,
+            details={"isolation": "none", "agent": str(binary)},
+        )
 
     def enforces(self) -> frozenset[Requirement]:
         return frozenset({Requirement.CPU_TIME, Requirement.FILE_SIZE})
@@ -106,11 +124,16 @@ class NativeRuntime(HostProcessRuntime):
         rlimits = process.shown_limits()
         if not self.uses_agent:
             return ArgvPlan(
-                backend=self.id, argv=self.launch_argv(process.args, process),
-                env=self._env(None), cwd=process.cwd,
-                notes=["runs on the host as the caller (the status quo), under the reaper shim",
-                       rlimits],
-                process=process)
+                backend=self.id,
+                argv=self.launch_argv(process.args, process),
+                env=self._env(None),
+                cwd=process.cwd,
+                notes=[
+                    "runs on the host as the caller (the status quo), under the reaper shim",
+                    rlimits,
+                ],
+                process=process,
+            )
         return AgentPlan(
             backend=self.id,
             spawn=spawn_of(process, env=self._env(None)),
@@ -137,14 +160,23 @@ class NativeRuntime(HostProcessRuntime):
             return await self.run_reaped(process.args, self._env(opts), process, opts)
         own_plan(self, plan, AgentPlan)
         if self._agent is None:
-            raise SandboxSetupError(f"runtime '{self.id}' was not prepared",
-                                    "its exec agent is not running", "call prepare(ctx) first")
+            raise SandboxSetupError(
+                f"runtime '{self.id}' was not prepared",
+                "its exec agent is not running",
+                "call prepare(ctx) first",
+            )
         # The environment is the caller's at run time (opts.env), as the status quo has it.
         spawn = spawn_of(process, env=self._env(opts))
         outcome = await self._agent.run(
-            spawn.argv, env=spawn.env, cwd=spawn.cwd, rlimits=spawn.rlimits,
-            stdin=opts.stdin, timeout_s=opts.timeout_ms / 1000, max_buffer=opts.max_buffer,
-            on_output=opts.on_output, keep_output=opts.keep_output,
+            spawn.argv,
+            env=spawn.env,
+            cwd=spawn.cwd,
+            rlimits=spawn.rlimits,
+            stdin=opts.stdin,
+            timeout_s=opts.timeout_ms / 1000,
+            max_buffer=opts.max_buffer,
+            on_output=opts.on_output,
+            keep_output=opts.keep_output,
         )
         return self.result(outcome, process)
 

@@ -100,8 +100,17 @@ from fusion_oci.runtimes.requirements import Requirement
 from fusion_oci.runtimes.skeleton import SpecRuntime
 
 __all__ = [  # the names other modules and tests import from here
-    "EgressHook", "OciRuntime", "bundle_spec", "container_id", "egress_launch_argv",
-    "exit_status", "gc_oci", "list_containers", "run_argv", "runtime_flags", "state_base",
+    "EgressHook",
+    "OciRuntime",
+    "bundle_spec",
+    "container_id",
+    "egress_launch_argv",
+    "exit_status",
+    "gc_oci",
+    "list_containers",
+    "run_argv",
+    "runtime_flags",
+    "state_base",
     "with_init",
 ]
 
@@ -155,8 +164,13 @@ class OciRuntime(SpecRuntime):
     id = "oci"
     streams_stdin = True  # run_process writes a StdinStream's chunks as they come
 
-    def __init__(self, settings: SandboxSettings, env: Mapping[str, str],
-                 cache_root: Path | None = None, host: HostInfo | None = None) -> None:
+    def __init__(
+        self,
+        settings: SandboxSettings,
+        env: Mapping[str, str],
+        cache_root: Path | None = None,
+        host: HostInfo | None = None,
+    ) -> None:
         super().__init__(settings, env, cache_root=cache_root, host=host)
         self.runtime_name: str = settings.oci.runtime
         self.uid = os.geteuid()
@@ -229,16 +243,16 @@ class OciRuntime(SpecRuntime):
         policy: the command never runs offline or on the host's network in its place.
         """
         if self._egress is None:
-            self._egress = probe.egress_status(self.runtime_name, self.rootless,
-                                               self.env.get("PATH"))
+            self._egress = probe.egress_status(
+                self.runtime_name, self.rootless, self.env.get("PATH")
+            )
         return self._egress
 
     def capabilities(self) -> SandboxCapabilities:
         limits = self._limits()
         return SandboxCapabilities(
             filesystem_isolation="strong",
-            network_policy="fine" if Requirement.NETWORK_FILTERED in self.enforces()
-            else "coarse",
+            network_policy="fine" if Requirement.NETWORK_FILTERED in self.enforces() else "coarse",
             resource_limits="advanced" if limits else "basic",
             requires_install=True,
             supports_mac=False,
@@ -259,25 +273,32 @@ class OciRuntime(SpecRuntime):
             "controllers": ",".join(sorted(cgroups.controllers)) or "none",
             "state": str(self.state_base),
             "commands": "one container per task, the exec agent its init; a spawn frame per "
-                        "command",
-            "egress": (f"slirp4netns ({egress_why}) --disable-host-loopback, attached "
-                       + ("before runsc starts (unshare --net)" if is_gvisor(binary) else
-                          "by a createRuntime hook")
-                       if egress_ok else f"not enforced: {egress_why}"),
+            "command",
+            "egress": (
+                f"slirp4netns ({egress_why}) --disable-host-loopback, attached "
+                + (
+                    "before runsc starts (unshare --net)"
+                    if is_gvisor(binary)
+                    else "by a createRuntime hook"
+                )
+                if egress_ok
+                else f"not enforced: {egress_why}"
+            ),
             "filtered": "the container's empty network namespace; the agent's (init's) "
-                        "forwarder (127.0.0.1:3128) to the task's egress proxy socket"
-                        + (", connectable from gVisor with --host-uds=open"
-                           if is_gvisor(binary) else ""),
+            "forwarder (127.0.0.1:3128) to the task's egress proxy socket"
+            + (", connectable from gVisor with --host-uds=open" if is_gvisor(binary) else ""),
         }
         if self.rootless:
-            details["limits"] = ("memory, pids and cpu quota are not enforced: rootless, "
-                                 "no cgroup delegation")
+            details["limits"] = (
+                "memory, pids and cpu quota are not enforced: rootless, no cgroup delegation"
+            )
         if is_gvisor(binary):
             details.update(gvisor_details(self.rootless, self._limits()))
         if self._version is None:
             self._version = probe.runtime_version(binary) or ""
-        return Availability(True, version=self._version or None,
-                            rootless=self.rootless, details=details)
+        return Availability(
+            True, version=self._version or None, rootless=self.rootless, details=details
+        )
 
     def enforces(self) -> frozenset[Requirement]:
         # NETWORK_FILTERED: the container's own empty netns and the agent's (init's)
@@ -285,9 +306,16 @@ class OciRuntime(SpecRuntime):
         # CPU_TIME: the agent's setrlimit on each command, inside the sandbox; under gVisor
         # (20221219) only such a call arms RLIMIT_CPU (a spec rlimit shows in `ulimit -t` yet
         # never fires), which the agent as the task's init makes for every command.
-        out = {Requirement.FILESYSTEM, Requirement.PROC_PATHS,
-               Requirement.ENV, Requirement.NETWORK_NONE, Requirement.NETWORK_FILTERED,
-               Requirement.CPU_TIME, Requirement.TMP_SIZE, Requirement.FILE_SIZE}
+        out = {
+            Requirement.FILESYSTEM,
+            Requirement.PROC_PATHS,
+            Requirement.ENV,
+            Requirement.NETWORK_NONE,
+            Requirement.NETWORK_FILTERED,
+            Requirement.CPU_TIME,
+            Requirement.TMP_SIZE,
+            Requirement.FILE_SIZE,
+        }
         if is_gvisor(self.runtime_name):
             out.discard(Requirement.TMP_SIZE)  # gVisor's tmpfs ignores size= (seen: 20221219)
         if self.egress_status()[0]:
@@ -300,10 +328,14 @@ class OciRuntime(SpecRuntime):
         task_dir = self._task.dir if self._task is not None else None
         return _launch.Host(
             binary=self._find_binary() or self.runtime_name,
-            task_dir=task_dir or self.state_base / "<task-dir>", nonce=self.nonce,
-            env=self.env, agent=self._find_agent(),
+            task_dir=task_dir or self.state_base / "<task-dir>",
+            nonce=self.nonce,
+            env=self.env,
+            agent=self._find_agent(),
             rootless_ids=(self.uid, self.gid) if self.rootless else None,
-            rootfs=self._rootfs, unshare=self._find_unshare(), cgroup_pid=self.pid,
+            rootfs=self._rootfs,
+            unshare=self._find_unshare(),
+            cgroup_pid=self.pid,
             egress_socket=self._egress_socket or SOCKET_PLACEHOLDER,
         )
 
@@ -320,8 +352,9 @@ class OciRuntime(SpecRuntime):
         host = self._launch_host()
         if self._task is None:
             ann = task.annotations
-            task_dir = self.state_base / task_dir_name(ann.get(ANN_TASK, "task"),
-                                                       ann.get(ANN_RUN, "run"), self.nonce)
+            task_dir = self.state_base / task_dir_name(
+                ann.get(ANN_TASK, "task"), ann.get(ANN_RUN, "run"), self.nonce
+            )
             rootfs = None
             if task.image:
                 # Not prepared: the digest is the engine's answer at prepare time.
@@ -358,14 +391,17 @@ class OciRuntime(SpecRuntime):
         except (FusionOCIError, OSError):
             self.gc_removed = []  # someone else's leftovers must not block this task
         final = self.state_base / task_dir_name(ctx.task_id, ctx.run_id, self.nonce)
-        self._task = open_task_dir(final, self.nonce, {"task": ctx.task_id, "run": ctx.run_id,
-                                                        "runtime": binary})
+        self._task = open_task_dir(
+            final, self.nonce, {"task": ctx.task_id, "run": ctx.run_id, "runtime": binary}
+        )
         try:
             if task.spec.network is NetworkMode.FILTERED:
                 if task.egress is None:
-                    raise SandboxSetupError("network filtered needs the task's egress proxy",
-                                            "none was started for this task",
-                                            "prepare the task through fusion_oci.Sandbox")
+                    raise SandboxSetupError(
+                        "network filtered needs the task's egress proxy",
+                        "none was started for this task",
+                        "prepare the task through fusion_oci.Sandbox",
+                    )
                 self._egress_socket = str(task.egress.unix_socket)
             # The image the resolve step chose, read from the task spec (not the context).
             if image := task.spec.image:
@@ -373,7 +409,8 @@ class OciRuntime(SpecRuntime):
 
                 url = podman_url(self.env, self.uid, self.settings.podman.url)
                 rootfs = await asyncio.to_thread(
-                    export_image_rootfs, str(image), self.cache_root / "oci-rootfs", url)
+                    export_image_rootfs, str(image), self.cache_root / "oci-rootfs", url
+                )
                 self._rootfs = str(rootfs)
             self._box = await self._start(self._task, binary)
         except BaseException:
@@ -422,9 +459,11 @@ class OciRuntime(SpecRuntime):
                     await self._end_cli(proc)
                 raise SandboxSetupError(
                     f"{self.runtime_name} could not start the task's container, or its exec "
-                    "agent did not say hello", _log_tail(launch.log) or str(exc),
+                    "agent did not say hello",
+                    _log_tail(launch.log) or str(exc),
                     "see the runtime's message above; `fusion-oci plan --backend oci` shows "
-                    "the command line and the bundle") from exc
+                    "the command line and the bundle",
+                ) from exc
         except BaseException:
             ours.close()
             theirs.close()
@@ -442,23 +481,39 @@ class OciRuntime(SpecRuntime):
             dirs = cgroup_paths(task.root, launch.cid)
         else:
             dirs = {}
-        return _Box(agent=agent, launch=launch, key=process_key(self.init_process()), pid=pid,
-                    cgroup=dirs,
-                    group=group, link=link, events=read_events(dirs) if dirs else CgroupEvents())
+        return _Box(
+            agent=agent,
+            launch=launch,
+            key=process_key(self.init_process()),
+            pid=pid,
+            cgroup=dirs,
+            group=group,
+            link=link,
+            events=read_events(dirs) if dirs else CgroupEvents(),
+        )
 
-    async def _spawn_cli(self, launch: TaskLaunch, stdin: socket.socket
-                         ) -> asyncio.subprocess.Process:
+    async def _spawn_cli(
+        self, launch: TaskLaunch, stdin: socket.socket
+    ) -> asyncio.subprocess.Process:
         """The runtime CLI's ``run``, in its own process group; its output (and the agent's
         last words) to the task's log."""
         log = os.open(launch.log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
             return await asyncio.create_subprocess_exec(
-                *launch.argv, env=launch.env, cwd=launch.cwd, stdin=stdin.fileno(),
-                stdout=log, stderr=log, start_new_session=True)
+                *launch.argv,
+                env=launch.env,
+                cwd=launch.cwd,
+                stdin=stdin.fileno(),
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+            )
         except OSError as exc:
-            raise SandboxSetupError(f"{self.runtime_name} could not be started", str(exc),
-                                    "check the host's process and file limits (ulimit -a)"
-                                    ) from exc
+            raise SandboxSetupError(
+                f"{self.runtime_name} could not be started",
+                str(exc),
+                "check the host's process and file limits (ulimit -a)",
+            ) from exc
         finally:
             os.close(log)
 
@@ -470,8 +525,9 @@ class OciRuntime(SpecRuntime):
             await self._end_cli(proc)
             raise
         if code != 0:
-            raise SandboxSetupError(f"{self.runtime_name} run exited {code}",
-                                    _log_tail(launch.log) or "no output")
+            raise SandboxSetupError(
+                f"{self.runtime_name} run exited {code}", _log_tail(launch.log) or "no output"
+            )
 
     @staticmethod
     async def _end_cli(proc: asyncio.subprocess.Process) -> None:
@@ -481,8 +537,11 @@ class OciRuntime(SpecRuntime):
 
     def _require_box(self) -> _Box:
         if self._box is None or self.ctx is None:
-            raise SandboxSetupError(f"runtime '{self.id}' was not prepared",
-                                    "its container is not running", "call prepare(ctx) first")
+            raise SandboxSetupError(
+                f"runtime '{self.id}' was not prepared",
+                "its container is not running",
+                "call prepare(ctx) first",
+            )
         return self._box
 
     async def execute(self, plan: Plan, opts: RunOptions) -> RunResult:
@@ -493,19 +552,29 @@ class OciRuntime(SpecRuntime):
             raise SandboxSetupError(
                 "this command was planned for a container other than the task's",
                 "its plan was made before prepare(), or for another task",
-                "plan the command after prepare")
+                "plan the command after prepare",
+            )
         if process_key(process) != box.key:
             raise SandboxSetupError(
                 "this command needs a container other than the task's",
                 "its process differs from the task's in more than args, env, cwd and rlimits "
                 "(user, capabilities, no-new-privileges or a terminal), which the agent cannot "
-                "give a command", "prepare a task with that policy for it")
+                "give a command",
+                "prepare a task with that policy for it",
+            )
         start = time.monotonic()
         try:
             outcome = await box.agent.run(
-                spawn.argv, env=spawn.env, cwd=spawn.cwd, rlimits=spawn.rlimits,
-                stdin=opts.stdin, timeout_s=opts.timeout_ms / 1000, max_buffer=opts.max_buffer,
-                grace_s=GRACE_S, on_output=opts.on_output, keep_output=opts.keep_output,
+                spawn.argv,
+                env=spawn.env,
+                cwd=spawn.cwd,
+                rlimits=spawn.rlimits,
+                stdin=opts.stdin,
+                timeout_s=opts.timeout_ms / 1000,
+                max_buffer=opts.max_buffer,
+                grace_s=GRACE_S,
+                on_output=opts.on_output,
+                keep_output=opts.keep_output,
             )
         except AgentLostError:
             oom = self._oom_of_the_sandbox(box, start)
@@ -517,8 +586,10 @@ class OciRuntime(SpecRuntime):
             # What the task's cgroup counted while this command ran (commands that run at
             # once share it: a hit during both is given to both).
             after = read_events(box.cgroup)
-            counters = LimitCounters(oom_kills=after.oom_kills - box.events.oom_kills,
-                                     pids_max=after.pids_max - box.events.pids_max)
+            counters = LimitCounters(
+                oom_kills=after.oom_kills - box.events.oom_kills,
+                pids_max=after.pids_max - box.events.pids_max,
+            )
             box.events = after
         return self.result(outcome, process, classify(outcome, process, counters))
 
@@ -537,11 +608,16 @@ class OciRuntime(SpecRuntime):
             return None
         box.events = after
         return ProcessOutcome(
-            stdout=b"", returncode=None, signal="SIGKILL", timed_out=False, truncated=False,
+            stdout=b"",
+            returncode=None,
+            signal="SIGKILL",
+            timed_out=False,
+            truncated=False,
             stderr=b"fusion-oci: the host's OOM killer ended the sandbox at its memory limit "
-                   b"(under gVisor that is the whole sandbox); the task's later commands "
-                   b"cannot run: prepare it again\n",
-            duration_ms=int((time.monotonic() - start) * 1000))
+            b"(under gVisor that is the whole sandbox); the task's later commands "
+            b"cannot run: prepare it again\n",
+            duration_ms=int((time.monotonic() - start) * 1000),
+        )
 
     async def _delete(self, task: TaskState, binary: str, cid: str) -> None:
         if await delete_container(binary, task.root, cid, self.env):
@@ -570,15 +646,17 @@ class OciRuntime(SpecRuntime):
                 except OSError:
                     empty = False
                 try:
-                    remaining = [] if empty else await list_containers(binary, task.root,
-                                                                        self.env)
+                    remaining = [] if empty else await list_containers(binary, task.root, self.env)
                 except (FusionOCIError, OSError, ValueError):
-                    remaining = [{"id": c} for c in {*task.leftovers, *(
-                        [box.launch.cid] if box is not None else [])}]
+                    remaining = [
+                        {"id": c}
+                        for c in {*task.leftovers, *([box.launch.cid] if box is not None else [])}
+                    ]
                 left = False
                 for container in remaining:
-                    if not await delete_container(binary, task.root, str(container["id"]),
-                                                  self.env):
+                    if not await delete_container(
+                        binary, task.root, str(container["id"]), self.env
+                    ):
                         left = True
                 os.close(task.lock_fd)
                 if not left:
@@ -605,4 +683,3 @@ def _write_resolv_conf(path: Path) -> None:
     from fusion_oci.runtimes.linux.egress import RESOLV_CONF
 
     path.write_text(RESOLV_CONF, encoding="utf-8")
-

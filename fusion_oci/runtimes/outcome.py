@@ -21,8 +21,7 @@ class LimitCounters:
     """fork/clone calls refused at pidsLimit."""
 
 
-def status_from_code(code: int | None, signal: str | None = None
-                     ) -> tuple[int | None, str | None]:
+def status_from_code(code: int | None, signal: str | None = None) -> tuple[int | None, str | None]:
     """The one 128+N rule: a launcher's (bwrap, runc, an engine's exec) status 128+N, N a real
     signal (1..64), is death by that signal, as a shell reports it. Pure.
 
@@ -36,8 +35,9 @@ def status_from_code(code: int | None, signal: str | None = None
     return code, signal
 
 
-def classify(outcome: ProcessOutcome, process: ProcessSpec,
-             counters: LimitCounters = LimitCounters()) -> EndReason:
+def classify(
+    outcome: ProcessOutcome, process: ProcessSpec, counters: LimitCounters = LimitCounters()
+) -> EndReason:
     """Why a command ended: one precedence for every runtime (they only supply counters). Pure.
 
     A cgroup limit that fired names the reason whenever the command did not succeed, before
@@ -46,8 +46,12 @@ def classify(outcome: ProcessOutcome, process: ProcessSpec,
     exited 0 ended by its own exit. Then timeout, maxBuffer, CPU time (SIGXCPU, or SIGKILL
     with RLIMIT_CPU on the process), another signal, the command's own exit.
     """
-    succeeded = (outcome.returncode == 0 and outcome.signal is None and not outcome.timed_out
-                 and not outcome.truncated)
+    succeeded = (
+        outcome.returncode == 0
+        and outcome.signal is None
+        and not outcome.timed_out
+        and not outcome.truncated
+    )
     if not succeeded and counters.oom_kills:
         return "oom"
     if not succeeded and counters.pids_max:
@@ -59,9 +63,7 @@ def classify(outcome: ProcessOutcome, process: ProcessSpec,
     if outcome.signal is None:
         return "exit"
     has_cpu = process.rlimit("RLIMIT_CPU") is not None
-    if outcome.signal == _signal.Signals.SIGXCPU.name or (
-        has_cpu and outcome.signal == "SIGKILL"
-    ):
+    if outcome.signal == _signal.Signals.SIGXCPU.name or (has_cpu and outcome.signal == "SIGKILL"):
         return "cpu-time"
     return "signal"
 

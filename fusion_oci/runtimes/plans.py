@@ -86,8 +86,13 @@ class SandboxLaunch:
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {}
-        for key, name in (("argv", "argv"), ("env", "env"), ("cwd", "cwd"),
-                          ("sdk_call", "sdkCall"), ("sdk_kwargs", "sdkKwargs")):
+        for key, name in (
+            ("argv", "argv"),
+            ("env", "env"),
+            ("cwd", "cwd"),
+            ("sdk_call", "sdkCall"),
+            ("sdk_kwargs", "sdkKwargs"),
+        ):
             value = getattr(self, key)
             if value is not None:
                 data[name] = value
@@ -110,19 +115,28 @@ class AgentPlan(Plan):
         data: dict[str, Any] = {}
         if self.sandbox is not None:
             data["sandbox"] = self.sandbox.to_json()
-        data["spawn"] = {"fields": [f"{k}={v}" for k, v in self.spawn.fields()],
-                         "fds": list(STD_FDS)}
+        data["spawn"] = {
+            "fields": [f"{k}={v}" for k, v in self.spawn.fields()],
+            "fds": list(STD_FDS),
+        }
         return data
 
 
-def spawn_of(process: ProcessSpec, *, env: Mapping[str, str] | None = None,
-             run_id: str = PLAN_RUN_ID, as_user: bool = False) -> Spawn:
+def spawn_of(
+    process: ProcessSpec,
+    *,
+    env: Mapping[str, str] | None = None,
+    run_id: str = PLAN_RUN_ID,
+    as_user: bool = False,
+) -> Spawn:
     """The agent's spawn frame for ``process``: argv, env (``env`` overrides the process's,
     as native's status-quo environment does), cwd, rlimits, and with ``as_user`` the uid and
     gid (an agent that runs as root in its container drops to them). Pure."""
     return Spawn(
-        id=run_id, argv=list(process.args),
-        env=dict(env) if env is not None else process.env_map(), cwd=process.cwd,
+        id=run_id,
+        argv=list(process.args),
+        env=dict(env) if env is not None else process.env_map(),
+        cwd=process.cwd,
         rlimits=process.limits(),
         uid=process.user.uid if as_user else None,
         gid=process.user.gid if as_user else None,
@@ -143,8 +157,9 @@ def own_plan(runtime: _Named, plan: Plan, kind: type[P]) -> P:
     if not isinstance(plan, kind) or plan.backend != runtime.id:
         from fusion_oci.errors import SandboxSetupError
 
-        raise SandboxSetupError(f"runtime '{runtime.id}' was handed a plan it did not make",
-                                f"a {type(plan).__name__} of backend '{plan.backend}'",
-                                f"execute the plan that runtime '{runtime.id}'.plan(process) "
-                                "returns")
+        raise SandboxSetupError(
+            f"runtime '{runtime.id}' was handed a plan it did not make",
+            f"a {type(plan).__name__} of backend '{plan.backend}'",
+            f"execute the plan that runtime '{runtime.id}'.plan(process) returns",
+        )
     return plan

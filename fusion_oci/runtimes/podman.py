@@ -34,8 +34,13 @@ class PodmanRuntime(ContainerRuntime):
     id = "podman"
     engine = "podman"
 
-    def __init__(self, settings: SandboxSettings, env: Mapping[str, str],
-                 cache_root: Path | None = None, host: HostInfo | None = None) -> None:
+    def __init__(
+        self,
+        settings: SandboxSettings,
+        env: Mapping[str, str],
+        cache_root: Path | None = None,
+        host: HostInfo | None = None,
+    ) -> None:
         super().__init__(settings, env, cache_root=cache_root, host=host)
         self._service: PodmanService | None = None
 
@@ -53,8 +58,7 @@ class PodmanRuntime(ContainerRuntime):
         if shutil.which("podman", path=self.env.get("PATH")) is None:
             return None
         cgroup = "v2" if Path("/sys/fs/cgroup/cgroup.controllers").exists() else "v1"
-        return EngineInfo(version="not running", rootless=self.host.uid != 0,
-                          cgroup_version=cgroup)
+        return EngineInfo(version="not running", rootless=self.host.uid != 0, cgroup_version=cgroup)
 
     def release_endpoint(self) -> None:
         service, self._service = self._service, None

@@ -47,9 +47,15 @@ def with_defaults(cls: Any) -> Any:
     subclass of it and ``RuntimeDefaults`` (in that order: the plugin's own members win)."""
     if not isinstance(cls, type) or issubclass(cls, RuntimeDefaults):
         return cls
-    return type(cls.__name__, (cls, RuntimeDefaults),
-                {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
-                 "isolates": bool(getattr(cls, "isolates", True))})
+    return type(
+        cls.__name__,
+        (cls, RuntimeDefaults),
+        {
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "isolates": bool(getattr(cls, "isolates", True)),
+        },
+    )
 
 
 def runtime_class(backend: str, settings: SandboxSettings) -> Any | UnavailableRuntime:
@@ -58,13 +64,15 @@ def runtime_class(backend: str, settings: SandboxSettings) -> Any | UnavailableR
         name = settings.custom_runtime
         if not name:
             return UnavailableRuntime(
-                "custom", "no custom runtime is named",
+                "custom",
+                "no custom runtime is named",
                 "set sandbox.customRuntime to an entry point of group 'fusion_oci.runtimes'",
             )
         found = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
         if not found:
             return UnavailableRuntime(
-                "custom", f"no runtime plugin named '{name}' is installed",
+                "custom",
+                f"no runtime plugin named '{name}' is installed",
                 f"install the package that provides entry point '{name}' in group "
                 f"'{ENTRY_POINT_GROUP}'",
             )
@@ -72,13 +80,17 @@ def runtime_class(backend: str, settings: SandboxSettings) -> Any | UnavailableR
     target = builtin_entry_points().get(backend)
     if target is None:
         assert backend in BACKEND_IDS
-        return UnavailableRuntime(backend, "not built into this version of fusion-oci",
-                                  "reinstall fusion-oci (its entry points name the built-ins)")
+        return UnavailableRuntime(
+            backend,
+            "not built into this version of fusion-oci",
+            "reinstall fusion-oci (its entry points name the built-ins)",
+        )
     try:
         return with_defaults(target.load())
     except (ImportError, AttributeError) as exc:
         return UnavailableRuntime(
-            backend, f"not built into this version of fusion-oci ({exc})",
+            backend,
+            f"not built into this version of fusion-oci ({exc})",
             "upgrade fusion-oci, or choose another backend",
         )
 
@@ -107,8 +119,10 @@ def create_runtime(
 
         raise SandboxSetupError(
             f"runtime '{backend}' ({cls.__module__}.{cls.__qualname__}) cannot take the "
-            "lifecycle's audit log and gate callback", str(exc),
-            "let the runtime class accept the attributes 'audit' and 'ask'") from exc
+            "lifecycle's audit log and gate callback",
+            str(exc),
+            "let the runtime class accept the attributes 'audit' and 'ask'",
+        ) from exc
     return runtime
 
 

@@ -51,9 +51,11 @@ def spec_requirements(spec: TaskSpec, rlimits: Iterable[Rlimit] = ()) -> frozens
     if network is not None:
         need.add(network)
     resources = spec.resources
-    for present, req in ((resources.memory, Requirement.MEMORY),
-                         (resources.pids, Requirement.PIDS),
-                         (resources.cpu, Requirement.CPU_QUOTA)):
+    for present, req in (
+        (resources.memory, Requirement.MEMORY),
+        (resources.pids, Requirement.PIDS),
+        (resources.cpu, Requirement.CPU_QUOTA),
+    ):
         if present is not None:
             need.add(req)
     kinds = {r.type for r in rlimits}

@@ -48,18 +48,22 @@ def mac_env(spec: TaskSpec, process: ProcessSpec, home: str, tmp: str) -> dict[s
     return env
 
 
-def with_params(argv: Sequence[str], planned: SeatbeltProfile,
-                launched: SeatbeltProfile) -> list[str]:
+def with_params(
+    argv: Sequence[str], planned: SeatbeltProfile, launched: SeatbeltProfile
+) -> list[str]:
     """The planned argv with ``launched``'s ``-D`` parameters in place of ``planned``'s (the
     same names; values with their symlinks resolved). Pure; by position, right after
     ``sandbox-exec -p PROFILE``, so the command's own words are never touched."""
     out = list(argv)
     at = out.index(SANDBOX_EXEC) + 3
     old, new = planned.parameter_args(), launched.parameter_args()
-    if out[at - 2:at] != ["-p", planned.text] or out[at:at + len(old)] != old \
-            or len(new) != len(old):
+    if (
+        out[at - 2 : at] != ["-p", planned.text]
+        or out[at : at + len(old)] != old
+        or len(new) != len(old)
+    ):
         raise ValueError("the sandbox-exec command line does not match its profile")
-    out[at:at + len(old)] = new
+    out[at : at + len(old)] = new
     return out
 
 
@@ -73,9 +77,15 @@ class SeatbeltPlan(ArgvPlan):
 class SandboxExecRuntime(HostProcessRuntime):
     id = "sandbox-exec"
 
-    def __init__(self, settings: SandboxSettings, env: Mapping[str, str],
-                 cache_root: Path | None = None, host: HostInfo | None = None,
-                 *, platform: str | None = None) -> None:
+    def __init__(
+        self,
+        settings: SandboxSettings,
+        env: Mapping[str, str],
+        cache_root: Path | None = None,
+        host: HostInfo | None = None,
+        *,
+        platform: str | None = None,
+    ) -> None:
         super().__init__(settings, env, cache_root=cache_root, host=host)
         self.platform = platform or sys.platform
 
@@ -103,29 +113,42 @@ class SandboxExecRuntime(HostProcessRuntime):
             )
         if not Path(SANDBOX_EXEC).is_file():
             return Availability(
-                False, f"{SANDBOX_EXEC} is missing (Apple deprecated it; this macOS removed it)",
+                False,
+                f"{SANDBOX_EXEC} is missing (Apple deprecated it; this macOS removed it)",
                 "choose docker or podman (through their VM), or native",
             )
-        return Availability(True, version=None, rootless=True, details={
-            "binary": SANDBOX_EXEC,
-            "deprecated": "Apple marks sandbox-exec deprecated; it is opt-in here",
-            "not enforced": "memoryLimitMb, pidsLimit, cpuLimit.maxCores (refused)",
-        })
+        return Availability(
+            True,
+            version=None,
+            rootless=True,
+            details={
+                "binary": SANDBOX_EXEC,
+                "deprecated": "Apple marks sandbox-exec deprecated; it is opt-in here",
+                "not enforced": "memoryLimitMb, pidsLimit, cpuLimit.maxCores (refused)",
+            },
+        )
 
     def enforces(self) -> frozenset[Requirement]:
-        return frozenset({
-            Requirement.FILESYSTEM, Requirement.PROC_PATHS,
-            Requirement.ENV, Requirement.NETWORK_NONE,
-            Requirement.NETWORK_EGRESS, Requirement.CPU_TIME, Requirement.FILE_SIZE,
-        })
+        return frozenset(
+            {
+                Requirement.FILESYSTEM,
+                Requirement.PROC_PATHS,
+                Requirement.ENV,
+                Requirement.NETWORK_NONE,
+                Requirement.NETWORK_EGRESS,
+                Requirement.CPU_TIME,
+                Requirement.FILE_SIZE,
+            }
+        )
 
     # -- the pure translation
 
     def profile(self, spec: TaskSpec) -> SeatbeltProfile:
         """The Seatbelt profile and its ``-D`` parameters for ``spec``. Pure."""
         home, tmp = self._dirs()
-        return seatbelt_profile(spec, caller_home=self.env.get("HOME"), scratch_home=home,
-                                scratch_tmp=tmp)
+        return seatbelt_profile(
+            spec, caller_home=self.env.get("HOME"), scratch_home=home, scratch_tmp=tmp
+        )
 
     def plan(self, process: ProcessSpec) -> SeatbeltPlan:
         """argv is what :meth:`execute` runs (the subreaper shim with the process's rlimits, then
@@ -144,11 +167,16 @@ class SandboxExecRuntime(HostProcessRuntime):
             process.shown_limits(),
         ]
         if spec.image:
-            notes.append(f"REFUSED: image {spec.image} needs a container "
-                         "runtime; sandbox-exec runs the host's tools")
-        notes += ["parameters (symlinks resolved at launch):",
-                  *(f"  {k}={v}" for k, v in profile.params), "profile:",
-                  *("  " + line for line in profile.text.splitlines())]
+            notes.append(
+                f"REFUSED: image {spec.image} needs a container "
+                "runtime; sandbox-exec runs the host's tools"
+            )
+        notes += [
+            "parameters (symlinks resolved at launch):",
+            *(f"  {k}={v}" for k, v in profile.params),
+            "profile:",
+            *("  " + line for line in profile.text.splitlines()),
+        ]
         return SeatbeltPlan(
             backend=self.id,
             argv=self.launch_argv(profile.argv(list(process.args)), process),
@@ -168,9 +196,11 @@ class SandboxExecRuntime(HostProcessRuntime):
         task = await super().prepare(task)
         if image := task.spec.image:
             await self.dispose()
-            raise BundleError(f"sandbox-exec cannot run image {image}",
-                              "it sandboxes the host's own tools; images need a container",
-                              "drop sandbox.image, or choose docker or podman")
+            raise BundleError(
+                f"sandbox-exec cannot run image {image}",
+                "it sandboxes the host's own tools; images need a container",
+                "drop sandbox.image, or choose docker or podman",
+            )
         return task
 
     async def execute(self, plan: Plan, opts: RunOptions) -> RunResult:
@@ -179,9 +209,14 @@ class SandboxExecRuntime(HostProcessRuntime):
         # canonical_path already took /var, /tmp and /etc to /private).
         argv = with_params(launch.argv, launch.profile, launch.profile.resolved())
         outcome = await run_process(
-            argv, env=launch.env, cwd=launch.cwd, stdin=opts.stdin,
-            timeout_s=opts.timeout_ms / 1000, max_buffer=opts.max_buffer,
-            on_output=opts.on_output, keep_output=opts.keep_output,
+            argv,
+            env=launch.env,
+            cwd=launch.cwd,
+            stdin=opts.stdin,
+            timeout_s=opts.timeout_ms / 1000,
+            max_buffer=opts.max_buffer,
+            on_output=opts.on_output,
+            keep_output=opts.keep_output,
             term_group=False,  # the shim ends the tree itself, then dies by the same signal
         )
         return self.result(outcome, launch.process)

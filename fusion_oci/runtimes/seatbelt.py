@@ -142,11 +142,13 @@ NETWORK = {
 (allow network-outbound (remote ip "*:*"))
 (deny network-outbound (remote ip "localhost:*"))
 (deny network-bind network-inbound)
-""" + NETWORK_SERVICES,
+"""
+    + NETWORK_SERVICES,
     NetworkMode.HOST: """\
 ;; network host: the host's network as it is (chosen explicitly)
 (allow network*)
-""" + NETWORK_SERVICES,
+"""
+    + NETWORK_SERVICES,
 }
 
 
@@ -171,8 +173,7 @@ class SeatbeltProfile:
     def resolved(self) -> SeatbeltProfile:
         """The same profile with every parameter's symlinks resolved on this host (Seatbelt
         matches resolved paths). Reads the filesystem; the text does not change."""
-        return SeatbeltProfile(self.text,
-                               tuple((k, os.path.realpath(v)) for k, v in self.params))
+        return SeatbeltProfile(self.text, tuple((k, os.path.realpath(v)) for k, v in self.params))
 
 
 def canonical_path(path: str) -> str:
@@ -183,9 +184,11 @@ def canonical_path(path: str) -> str:
     if path.startswith("<") and path.endswith(">"):
         return path
     if not path.startswith("/"):
-        raise BundleError(f"sandbox-exec needs absolute paths, got {path!r}",
-                          "a relative path would be resolved against an unknown directory",
-                          "write the path as an absolute host path")
+        raise BundleError(
+            f"sandbox-exec needs absolute paths, got {path!r}",
+            "a relative path would be resolved against an unknown directory",
+            "write the path as an absolute host path",
+        )
     if "\0" in path:
         raise BundleError(f"path {path!r} contains a NUL byte", "no file can have that name")
     norm = posixpath.normpath(path)
@@ -222,8 +225,9 @@ def _mount_rules(spec: TaskSpec, scratch_home: str, scratch_tmp: str) -> Iterato
             yield _Rule(True, scratch_home, "the task's private HOME")
 
 
-def seatbelt_profile(spec: TaskSpec, *, caller_home: str | None, scratch_home: str,
-                     scratch_tmp: str) -> SeatbeltProfile:
+def seatbelt_profile(
+    spec: TaskSpec, *, caller_home: str | None, scratch_home: str, scratch_tmp: str
+) -> SeatbeltProfile:
     """The profile and parameters for a task spec. Pure.
 
     ``caller_home``: the caller's home directory, made unreadable (None: not known, no rule);
@@ -246,8 +250,9 @@ def seatbelt_profile(spec: TaskSpec, *, caller_home: str | None, scratch_home: s
         if rule.writable:
             lines.append(f"; {index}: {rule.what}\n(allow {READ_OPS} {WRITE_OPS} {ref})")
         else:
-            lines.append(f"; {index}: {rule.what}\n(allow {READ_OPS} {ref})\n"
-                         f"(deny {WRITE_OPS} {ref})")
+            lines.append(
+                f"; {index}: {rule.what}\n(allow {READ_OPS} {ref})\n(deny {WRITE_OPS} {ref})"
+            )
     lines.append("")
     lines.append(NETWORK[spec.network])
     return SeatbeltProfile("\n".join(lines), tuple(params))

@@ -37,8 +37,13 @@ class SpecRuntime(RuntimeDefaults):
     """Image used when neither the task nor the settings name one (None: the host's system
     directories)."""
 
-    def __init__(self, settings: SandboxSettings, env: Mapping[str, str],
-                 cache_root: Path | None = None, host: HostInfo | None = None) -> None:
+    def __init__(
+        self,
+        settings: SandboxSettings,
+        env: Mapping[str, str],
+        cache_root: Path | None = None,
+        host: HostInfo | None = None,
+    ) -> None:
         self.settings = settings
         self.env = dict(env)
         self.cache_root = cache_root or default_cache_root(self.env)
@@ -70,8 +75,11 @@ class SpecRuntime(RuntimeDefaults):
         if self.task is None:
             from fusion_oci.errors import SandboxSetupError
 
-            raise SandboxSetupError(f"runtime '{self.id}' was not prepared",
-                                    "run() came before prepare()", "call prepare(ctx) first")
+            raise SandboxSetupError(
+                f"runtime '{self.id}' was not prepared",
+                "run() came before prepare()",
+                "call prepare(ctx) first",
+            )
         return self.task
 
     def enforces(self) -> frozenset[Requirement]:
@@ -105,8 +113,9 @@ class SpecRuntime(RuntimeDefaults):
         self.layout = None
         self.task = None
 
-    def result(self, outcome: ProcessOutcome, process: ProcessSpec,
-               reason: EndReason | None = None) -> RunResult:
+    def result(
+        self, outcome: ProcessOutcome, process: ProcessSpec, reason: EndReason | None = None
+    ) -> RunResult:
         return run_result(self.id, outcome, reason or classify(outcome, process))
 
 
@@ -126,8 +135,12 @@ class UnavailableRuntime(RuntimeDefaults):
 
     def capabilities(self) -> SandboxCapabilities:
         return SandboxCapabilities(
-            filesystem_isolation="none", network_policy="none", resource_limits="none",
-            requires_install=True, supports_mac=False, supports_linux=False,
+            filesystem_isolation="none",
+            network_policy="none",
+            resource_limits="none",
+            requires_install=True,
+            supports_mac=False,
+            supports_linux=False,
             supports_windows=False,
         )
 
@@ -138,14 +151,12 @@ class UnavailableRuntime(RuntimeDefaults):
         return frozenset()
 
     def plan(self, process: ProcessSpec) -> Plan:
-        return Plan(self.id, notes=[f"unavailable: {self._availability.reason}"],
-                    process=process)
+        return Plan(self.id, notes=[f"unavailable: {self._availability.reason}"], process=process)
 
     def _unavailable(self) -> Exception:
         from fusion_oci.errors import RuntimeUnavailableError
 
-        return RuntimeUnavailableError(self.id, self._availability.reason,
-                                       self._availability.hint)
+        return RuntimeUnavailableError(self.id, self._availability.reason, self._availability.hint)
 
     async def prepare(self, task: ResolvedTask) -> ResolvedTask:
         raise self._unavailable()

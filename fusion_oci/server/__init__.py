@@ -30,8 +30,9 @@ DEFAULT_MAX_MESSAGE_BYTES = 16 << 20
 STREAM_LIMIT = 1 << 16  # longest header line asyncio's reader buffers
 
 
-async def _session(reader: asyncio.StreamReader, writer: Writer, max_bytes: int,
-                   session: Session | None = None) -> None:
+async def _session(
+    reader: asyncio.StreamReader, writer: Writer, max_bytes: int, session: Session | None = None
+) -> None:
     session = session or Session()
     conn = Connection(reader, writer, session.handlers(), max_bytes=max_bytes)
     session.conn = conn
@@ -62,10 +63,12 @@ async def serve_stdio(max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
     os.dup2(devnull, 0)  # nothing else reads the protocol's stdin
     os.close(devnull)
     reader = asyncio.StreamReader(limit=STREAM_LIMIT)
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader),
-                                 os.fdopen(in_fd, "rb", buffering=0))
+    await loop.connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(in_fd, "rb", buffering=0)
+    )
     transport, protocol = await loop.connect_write_pipe(
-        asyncio.streams.FlowControlMixin, os.fdopen(out_fd, "wb", buffering=0))
+        asyncio.streams.FlowControlMixin, os.fdopen(out_fd, "wb", buffering=0)
+    )
     stream = asyncio.StreamWriter(transport, protocol, reader, loop)
     task = asyncio.ensure_future(_session(reader, Writer(stream), max_bytes))
     _on_signals(task)
@@ -80,8 +83,11 @@ def _claim_socket_path(path: Path) -> None:
     except FileNotFoundError:
         return
     if not stat.S_ISSOCK(info.st_mode):
-        raise FlagError(f"--socket {path}", "the path exists and is not a socket",
-                        "choose a path that does not exist")
+        raise FlagError(
+            f"--socket {path}",
+            "the path exists and is not a socket",
+            "choose a path that does not exist",
+        )
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.connect(str(path))
@@ -90,13 +96,18 @@ def _claim_socket_path(path: Path) -> None:
         return
     finally:
         probe.close()
-    raise FlagError(f"--socket {path}", "a server is already listening there",
-                    "stop it, or choose another path")
+    raise FlagError(
+        f"--socket {path}", "a server is already listening there", "stop it, or choose another path"
+    )
 
 
-async def serve_socket(path: Path, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                       idle_timeout_s: float | None = None, token: str | None = None,
-                       parse_run: RunParser | None = None) -> None:
+async def serve_socket(
+    path: Path,
+    max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    idle_timeout_s: float | None = None,
+    token: str | None = None,
+    parse_run: RunParser | None = None,
+) -> None:
     """A session per connection on a unix socket created mode 0600, until SIGTERM/SIGINT, or
     until no client has been connected for ``idle_timeout_s``. With ``token`` (the resident
     server of the fast CLI) a client must be our uid and initialize with the token, and
@@ -118,8 +129,9 @@ async def serve_socket(path: Path, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                 from fusion_oci.server.resident import ResidentSession, peer_uid
 
                 assert parse_run is not None
-                session = ResidentSession(token, uid_ok=peer_uid(writer) == os.getuid(),
-                                          parse_run=parse_run)
+                session = ResidentSession(
+                    token, uid_ok=peer_uid(writer) == os.getuid(), parse_run=parse_run
+                )
             await _session(reader, Writer(writer), max_bytes, session)
         finally:
             sessions.discard(task)
@@ -132,8 +144,11 @@ async def serve_socket(path: Path, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         os.umask(old)
     os.chmod(path, 0o600)  # noqa: PTH101  (belt and braces; pathlib here trips ASYNC240)
     ours = os.lstat(path).st_ino  # at exit, remove only our socket, not a successor's
-    print(f"fusion-oci serve: listening on {path} (protocol {PROTOCOL_VERSION})",
-          file=sys.stderr, flush=True)
+    print(
+        f"fusion-oci serve: listening on {path} (protocol {PROTOCOL_VERSION})",
+        file=sys.stderr,
+        flush=True,
+    )
     main = asyncio.current_task()
     assert main is not None
     _on_signals(main)

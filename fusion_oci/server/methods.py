@@ -136,8 +136,11 @@ class Session:
         }
 
     async def initialize(self, params: Params, rid: RequestId | None) -> Any:
-        return {"protocolVersion": PROTOCOL_VERSION, "serverVersion": __version__,
-                "pid": os.getpid()}
+        return {
+            "protocolVersion": PROTOCOL_VERSION,
+            "serverVersion": __version__,
+            "pid": os.getpid(),
+        }
 
     # --- prepare ------------------------------------------------------------------------
 
@@ -155,26 +158,44 @@ class Session:
         settings = effective.settings
         try:
             ctx = PrepareContext(
-                task_id=p.context.task_id, run_id=p.context.run_id,
-                worktree_path=str(worktree), policy=settings.policy, image=settings.image,
-                cache_mode=settings.cache_mode, project_dir=str(project),
+                task_id=p.context.task_id,
+                run_id=p.context.run_id,
+                worktree_path=str(worktree),
+                policy=settings.policy,
+                image=settings.image,
+                cache_mode=settings.cache_mode,
+                project_dir=str(project),
                 unsafe_worktree=p.context.unsafe_worktree,
             )
         except ValueError as exc:  # an id or path of the context: the caller's argument
-            raise FlagError("prepare context", str(exc).splitlines()[-1].strip(),
-                            "see docs/protocol.md, method prepare") from exc
+            raise FlagError(
+                "prepare context",
+                str(exc).splitlines()[-1].strip(),
+                "see docs/protocol.md, method prepare",
+            ) from exc
         sandbox_id = p.sandbox_id or f"sb{next(self._ids)}"
         if sandbox_id in self.sandboxes:
-            raise FlagError(f"sandboxId '{sandbox_id}'", "it is already in use",
-                            "give each sandbox its own id, or leave it out")
+            raise FlagError(
+                f"sandboxId '{sandbox_id}'",
+                "it is already in use",
+                "give each sandbox its own id, or leave it out",
+            )
 
         async def ask(request: GateRequest) -> bool:
             assert self.conn is not None
             try:
-                answer = await self.conn.request("ask", {
-                    "sandboxId": sandbox_id, "gate": request.gate, "action": request.action,
-                    "target": request.target, "backend": request.backend,
-                    "reason": request.reason, "question": request.question()})
+                answer = await self.conn.request(
+                    "ask",
+                    {
+                        "sandboxId": sandbox_id,
+                        "gate": request.gate,
+                        "action": request.action,
+                        "target": request.target,
+                        "backend": request.backend,
+                        "reason": request.reason,
+                        "question": request.question(),
+                    },
+                )
             except (RpcError, ConnectionError):
                 return False
             return bool(answer.get("allow")) if isinstance(answer, dict) else bool(answer)
@@ -193,9 +214,13 @@ class Session:
             raise
         runtime = sandbox.runtime
         assert runtime is not None
-        return {"sandboxId": sandbox_id, "backend": runtime.id, "fellBack": sandbox.fell_back,
-                "unenforced": sandbox.unenforced,
-                "capabilities": runtime.capabilities().model_dump(by_alias=True)}
+        return {
+            "sandboxId": sandbox_id,
+            "backend": runtime.id,
+            "fellBack": sandbox.fell_back,
+            "unenforced": sandbox.unenforced,
+            "capabilities": runtime.capabilities().model_dump(by_alias=True),
+        }
 
     # --- run, cancel --------------------------------------------------------------------
 
@@ -204,9 +229,15 @@ class Session:
         sandbox = self._sandbox(p.sandbox_id)
         exec_id = p.exec_id or str(rid)
         if exec_id in self.runs:
-            raise RpcError(INVALID_PARAMS, f"execId '{exec_id}' is already running",
-                           error_body("bad-flags", f"execId '{exec_id}' is in use",
-                                      hint="give each run its own execId"))
+            raise RpcError(
+                INVALID_PARAMS,
+                f"execId '{exec_id}' is already running",
+                error_body(
+                    "bad-flags",
+                    f"execId '{exec_id}' is in use",
+                    hint="give each run its own execId",
+                ),
+            )
         o = p.options
         fields: dict[str, Any] = {"cwd": o.cwd, "env": o.env if o.env is not None else None}
         if o.timeout_ms is not None:
@@ -217,8 +248,9 @@ class Session:
             try:
                 fields["stdin"] = base64.b64decode(o.stdin, validate=True)
             except ValueError:
-                raise FlagError("options.stdin", "it is not base64",
-                                "send stdin's bytes base64-encoded") from None
+                raise FlagError(
+                    "options.stdin", "it is not base64", "send stdin's bytes base64-encoded"
+                ) from None
         probe = RunOptions(**fields)
         kept = _Kept(probe.max_buffer)
         conn = self.conn
@@ -226,8 +258,10 @@ class Session:
         def on_output(stream: OutputStream, chunk: bytes) -> asyncio.Future[None] | None:
             kept.add(stream, chunk)
             if o.stream and conn is not None:
-                conn.notify("output", {"execId": exec_id, "stream": stream,
-                                       "data": base64.b64encode(chunk).decode()})
+                conn.notify(
+                    "output",
+                    {"execId": exec_id, "stream": stream, "data": base64.b64encode(chunk).decode()},
+                )
                 return conn.writer.behind()  # a slow client: read no more until it catches up
             return None
 
@@ -247,10 +281,15 @@ class Session:
             # `cancel`: the runtime has ended the tree (and the sandbox audited the abort).
             runtime = sandbox.runtime
             result = RunResult(
-                stdout=kept.text("stdout"), stderr=kept.text("stderr"), exit_code=None,
-                signal="SIGTERM", duration_ms=int((time.monotonic() - start) * 1000),
-                backend=runtime.id if runtime else "native", fell_back=sandbox.fell_back,
-                reason="aborted", unenforced=sandbox.unenforced,
+                stdout=kept.text("stdout"),
+                stderr=kept.text("stderr"),
+                exit_code=None,
+                signal="SIGTERM",
+                duration_ms=int((time.monotonic() - start) * 1000),
+                backend=runtime.id if runtime else "native",
+                fell_back=sandbox.fell_back,
+                reason="aborted",
+                unenforced=sandbox.unenforced,
             )
         finally:
             self.runs.pop(exec_id, None)
@@ -314,18 +353,25 @@ class Session:
             try:
                 settings = SandboxSettings.model_validate({"backend": backend})
             except ValueError:
-                raise FlagError(f"backend {backend!r}", "not a known backend id",
-                                "see `fusion-oci doctor`") from None
+                raise FlagError(
+                    f"backend {backend!r}", "not a known backend id", "see `fusion-oci doctor`"
+                ) from None
             runtime = create_runtime(settings.backend, settings, self.env)
         return {"backend": runtime.id, **runtime.capabilities().model_dump(by_alias=True)}
 
     def _sandbox(self, sandbox_id: str) -> Any:
         sandbox = self.sandboxes.get(sandbox_id)
         if sandbox is None or sandbox.runtime is None:
-            raise RpcError(INVALID_PARAMS, f"no sandbox '{sandbox_id}'", error_body(
-                "bad-flags", f"no sandbox '{sandbox_id}'",
-                "it was never prepared here, or it was disposed",
-                "call prepare first and use the sandboxId it returned"))
+            raise RpcError(
+                INVALID_PARAMS,
+                f"no sandbox '{sandbox_id}'",
+                error_body(
+                    "bad-flags",
+                    f"no sandbox '{sandbox_id}'",
+                    "it was never prepared here, or it was disposed",
+                    "call prepare first and use the sandboxId it returned",
+                ),
+            )
         return sandbox
 
     async def close(self) -> None:
@@ -343,9 +389,11 @@ class Session:
 def _worktree(path: str) -> Path:
     worktree = Path(path)
     if not worktree.is_absolute() or not worktree.is_dir():
-        raise FlagError(f"context.worktreePath {worktree}",
-                        "it is not an existing absolute directory",
-                        "pass the task's worktree as an absolute path")
+        raise FlagError(
+            f"context.worktreePath {worktree}",
+            "it is not an existing absolute directory",
+            "pass the task's worktree as an absolute path",
+        )
     return worktree
 
 

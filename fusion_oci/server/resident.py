@@ -81,8 +81,9 @@ class ClientIO:
         self.exec_id = exec_id
         self.stdout_tty = bool(params.get("stdoutTty"))
         size = params.get("terminalSize")
-        self.terminal_size = (int(size[0]), int(size[1])) if isinstance(size, list) \
-            and len(size) == 2 else None
+        self.terminal_size = (
+            (int(size[0]), int(size[1])) if isinstance(size, list) and len(size) == 2 else None
+        )
         self.gone = False
         self.stream = StdinStream(max_chunks=STDIN_WINDOW)
 
@@ -97,8 +98,10 @@ class ClientIO:
         conn = self.session.conn
         if conn is None or conn.closed.is_set():
             return True
-        conn.notify("output", {"execId": self.exec_id, "stream": stream,
-                               "data": base64.b64encode(chunk).decode()})
+        conn.notify(
+            "output",
+            {"execId": self.exec_id, "stream": stream, "data": base64.b64encode(chunk).decode()},
+        )
         if self.gone and stream == "stdout":
             return False
         # Backpressure: a client behind stops the reading of the command's pipes.
@@ -117,8 +120,9 @@ class ClientIO:
             if conn is None:
                 return False
             try:
-                answer = await conn.request("ask", {"execId": self.exec_id,
-                                                    "question": request.question()})
+                answer = await conn.request(
+                    "ask", {"execId": self.exec_id, "question": request.question()}
+                )
             except (RpcError, ConnectionError):
                 return False
             return bool(answer.get("allow")) if isinstance(answer, dict) else bool(answer)
@@ -144,24 +148,42 @@ class ResidentSession(Session):
         self.cli_runs: dict[str, tuple[Control, ClientIO]] = {}
 
     def handlers(self) -> dict[str, Handler]:
-        table = {**super().handlers(), "cli/run": self.cli_run, "cli/signal": self.cli_signal,
-                 "cli/stdin": self.cli_stdin}
+        table = {
+            **super().handlers(),
+            "cli/run": self.cli_run,
+            "cli/signal": self.cli_signal,
+            "cli/stdin": self.cli_stdin,
+        }
         return {name: self._guard(name, handler) for name, handler in table.items()}
 
     def _guard(self, name: str, handler: Handler) -> Handler:
         async def guarded(params: Params, rid: RequestId | None) -> Any:
             if name == "initialize" and not self.authed:
                 given = params.get("token")
-                if not self.uid_ok or not isinstance(given, str) \
-                        or not hmac.compare_digest(given.encode(), self.token.encode()):
+                if (
+                    not self.uid_ok
+                    or not isinstance(given, str)
+                    or not hmac.compare_digest(given.encode(), self.token.encode())
+                ):
                     self._drop_soon()
-                    raise RpcError(INVALID_REQUEST, "not allowed", error_body(
-                        "bad-request", "wrong token or user",
-                        hint="the resident server serves only its own user's fast CLI"))
+                    raise RpcError(
+                        INVALID_REQUEST,
+                        "not allowed",
+                        error_body(
+                            "bad-request",
+                            "wrong token or user",
+                            hint="the resident server serves only its own user's fast CLI",
+                        ),
+                    )
                 self.authed = True
             elif not self.authed:
-                raise RpcError(INVALID_REQUEST, "initialize with the token first", error_body(
-                    "bad-request", "not initialized", hint="send initialize {token} first"))
+                raise RpcError(
+                    INVALID_REQUEST,
+                    "initialize with the token first",
+                    error_body(
+                        "bad-request", "not initialized", hint="send initialize {token} first"
+                    ),
+                )
             return await handler(params, rid)
 
         return guarded
@@ -173,8 +195,13 @@ class ResidentSession(Session):
 
     async def cli_run(self, params: Params, rid: RequestId | None) -> Any:
         argv, cwd, env = params.get("argv"), params.get("cwd"), params.get("env")
-        if not (isinstance(argv, list) and all(isinstance(a, str) for a in argv)
-                and isinstance(cwd, str) and Path(cwd).is_absolute() and isinstance(env, dict)):
+        if not (
+            isinstance(argv, list)
+            and all(isinstance(a, str) for a in argv)
+            and isinstance(cwd, str)
+            and Path(cwd).is_absolute()
+            and isinstance(env, dict)
+        ):
             raise RpcError(INVALID_REQUEST, "cli/run takes argv, an absolute cwd and env")
         parsed = self.parse_run(argv)
         if not isinstance(parsed, RunRequest):
@@ -185,8 +212,9 @@ class ResidentSession(Session):
         cio = ClientIO(self, exec_id, params)
         self.cli_runs[exec_id] = (control, cio)
         try:
-            code = await execute(parsed, cio, {str(k): str(v) for k, v in env.items()},
-                                 Path(cwd), control)
+            code = await execute(
+                parsed, cio, {str(k): str(v) for k, v in env.items()}, Path(cwd), control
+            )
         finally:
             self.cli_runs.pop(exec_id, None)
         return {"exitCode": code, "stdout": "", "stderr": ""}
@@ -231,12 +259,12 @@ def check_code(expected: str | None) -> None:
 
     ours = Path(fusion_oci.__file__).resolve().parent
     if expected is not None and Path(expected).resolve() != ours:
-        raise SandboxSetupError("the resident server would run other code than its client",
-                                f"it imports fusion_oci from {ours}, the client from {expected}",
-                                "run the CLI with the interpreter and PYTHONPATH it was "
-                                "installed with")
+        raise SandboxSetupError(
+            "the resident server would run other code than its client",
+            f"it imports fusion_oci from {ours}, the client from {expected}",
+            "run the CLI with the interpreter and PYTHONPATH it was installed with",
+        )
 
 
 def read_token(path: Path) -> str:
     return path.read_text(encoding="ascii").strip()
-

@@ -85,8 +85,14 @@ class Writer:
 
 
 class Connection:
-    def __init__(self, reader: asyncio.StreamReader, writer: Writer,
-                 handlers: Mapping[str, Handler], *, max_bytes: int) -> None:
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: Writer,
+        handlers: Mapping[str, Handler],
+        *,
+        max_bytes: int,
+    ) -> None:
         self.reader = reader
         self.writer = writer
         self.handlers = handlers
@@ -100,8 +106,9 @@ class Connection:
     # --- sending ------------------------------------------------------------------------
 
     def _send(self, message: Mapping[str, Any]) -> None:
-        body = json.dumps({"jsonrpc": "2.0", **message}, separators=(",", ":"),
-                          ensure_ascii=False).encode()
+        body = json.dumps(
+            {"jsonrpc": "2.0", **message}, separators=(",", ":"), ensure_ascii=False
+        ).encode()
         self.writer.write(frame(body))
 
     def notify(self, method: str, params: Params) -> None:
@@ -130,19 +137,32 @@ class Connection:
                 try:
                     body = await read_frame(self.reader, self.max_bytes)
                 except FrameError as exc:
-                    self._send({"id": None, "error": bad_request(
-                        "bad-request", f"unreadable message: {exc}", PARSE_ERROR).to_json()})
+                    self._send(
+                        {
+                            "id": None,
+                            "error": bad_request(
+                                "bad-request", f"unreadable message: {exc}", PARSE_ERROR
+                            ).to_json(),
+                        }
+                    )
                     return
                 except (ConnectionError, OSError):
                     return
                 if body is None:
                     return
                 if isinstance(body, Oversized):
-                    self._send({"id": None, "error": bad_request(
-                        "bad-request",
-                        f"message of {body.size} bytes is over the limit of {self.max_bytes}",
-                        hint="send less at once (stdin, settings), or start the server "
-                             "with a larger --max-message-bytes").to_json()})
+                    self._send(
+                        {
+                            "id": None,
+                            "error": bad_request(
+                                "bad-request",
+                                f"message of {body.size} bytes is over the limit of "
+                                f"{self.max_bytes}",
+                                hint="send less at once (stdin, settings), or start the server "
+                                "with a larger --max-message-bytes",
+                            ).to_json(),
+                        }
+                    )
                     continue
                 self._receive(body)
         finally:
@@ -152,15 +172,26 @@ class Connection:
         try:
             message = json.loads(body)
         except (ValueError, UnicodeDecodeError) as exc:
-            self._send({"id": None, "error": bad_request(
-                "bad-request", f"not JSON: {exc}", PARSE_ERROR).to_json()})
+            self._send(
+                {
+                    "id": None,
+                    "error": bad_request("bad-request", f"not JSON: {exc}", PARSE_ERROR).to_json(),
+                }
+            )
             return
         if not isinstance(message, dict) or message.get("jsonrpc") != "2.0":
-            what = ("batches are not supported" if isinstance(message, list)
-                    else "not a JSON-RPC 2.0 message")
+            what = (
+                "batches are not supported"
+                if isinstance(message, list)
+                else "not a JSON-RPC 2.0 message"
+            )
             rid = message.get("id") if isinstance(message, dict) else None
-            self._send({"id": rid if _valid_id(rid) else None,
-                        "error": bad_request("bad-request", what).to_json()})
+            self._send(
+                {
+                    "id": rid if _valid_id(rid) else None,
+                    "error": bad_request("bad-request", what).to_json(),
+                }
+            )
             return
         if "method" not in message:
             self._response(message)
@@ -168,17 +199,27 @@ class Connection:
         method, rid, params = message["method"], message.get("id"), message.get("params", {})
         is_request = "id" in message
         if not isinstance(method, str) or (is_request and not _valid_id(rid)):
-            self._send({"id": rid if _valid_id(rid) else None,
-                        "error": bad_request("bad-request", "bad method or id").to_json()})
+            self._send(
+                {
+                    "id": rid if _valid_id(rid) else None,
+                    "error": bad_request("bad-request", "bad method or id").to_json(),
+                }
+            )
             return
         if not isinstance(params, dict):
             if is_request:
-                self._send({"id": rid, "error": bad_request(
-                    "bad-flags", "params must be an object (by name)", INVALID_PARAMS
-                ).to_json()})
+                self._send(
+                    {
+                        "id": rid,
+                        "error": bad_request(
+                            "bad-flags", "params must be an object (by name)", INVALID_PARAMS
+                        ).to_json(),
+                    }
+                )
             return
-        task = asyncio.ensure_future(self._dispatch(method, params, rid if is_request else None,
-                                                    is_request))
+        task = asyncio.ensure_future(
+            self._dispatch(method, params, rid if is_request else None, is_request)
+        )
         self._tasks[task] = rid if is_request else None
         if is_request and _valid_id(rid):
             self._by_id[rid] = task
@@ -195,27 +236,45 @@ class Connection:
             return
         if "error" in message:
             err = message["error"] if isinstance(message["error"], dict) else {}
-            future.set_exception(RpcError(int(err.get("code", INTERNAL_ERROR)),
-                                          str(err.get("message", "")), err.get("data")))
+            future.set_exception(
+                RpcError(
+                    int(err.get("code", INTERNAL_ERROR)),
+                    str(err.get("message", "")),
+                    err.get("data"),
+                )
+            )
         else:
             future.set_result(message.get("result"))
 
-    async def _dispatch(self, method: str, params: Params, rid: RequestId | None,
-                        is_request: bool) -> None:
+    async def _dispatch(
+        self, method: str, params: Params, rid: RequestId | None, is_request: bool
+    ) -> None:
         handler = self.handlers.get(method)
         if handler is None:
             if is_request:  # unknown notifications are ignored, as JSON-RPC says
-                self._send({"id": rid, "error": bad_request(
-                    "bad-request", f"unknown method '{method}'", METHOD_NOT_FOUND,
-                    hint="methods: " + ", ".join(sorted(
-                        m for m in self.handlers if not m.startswith("$/")))).to_json()})
+                self._send(
+                    {
+                        "id": rid,
+                        "error": bad_request(
+                            "bad-request",
+                            f"unknown method '{method}'",
+                            METHOD_NOT_FOUND,
+                            hint="methods: "
+                            + ", ".join(sorted(m for m in self.handlers if not m.startswith("$/"))),
+                        ).to_json(),
+                    }
+                )
             return
         try:
             result = await handler(params, rid)
         except asyncio.CancelledError:
             if is_request and not self.closed.is_set():
-                self._send({"id": rid, "error": {"code": REQUEST_CANCELLED,
-                                                 "message": "request cancelled"}})
+                self._send(
+                    {
+                        "id": rid,
+                        "error": {"code": REQUEST_CANCELLED, "message": "request cancelled"},
+                    }
+                )
             raise
         except Exception as exc:
             if is_request:
@@ -264,8 +323,15 @@ def error_json(exc: BaseException) -> dict[str, Any]:
     if isinstance(exc, ValidationError):
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "params"
-        return bad_request("bad-flags", f"{where}: {first['msg']}", INVALID_PARAMS,
-                           hint="see docs/protocol.md for the method's params").to_json()
+        return bad_request(
+            "bad-flags",
+            f"{where}: {first['msg']}",
+            INVALID_PARAMS,
+            hint="see docs/protocol.md for the method's params",
+        ).to_json()
     print(f"fusion-oci serve: internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
-    return {"code": INTERNAL_ERROR, "message": f"internal error: {type(exc).__name__}: {exc}",
-            "data": error_body("internal", str(exc), type(exc).__name__)}
+    return {
+        "code": INTERNAL_ERROR,
+        "message": f"internal error: {type(exc).__name__}: {exc}",
+        "data": error_body("internal", str(exc), type(exc).__name__),
+    }

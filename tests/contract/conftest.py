@@ -41,8 +41,9 @@ def runtime(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     name: str = request.param
     if name == "plugin":
         plugin_runtime.install(monkeypatch)
-        return Runtime(name, SandboxSettings(backend="custom",
-                                             custom_runtime=plugin_runtime.NAME), None)
+        return Runtime(
+            name, SandboxSettings(backend="custom", custom_runtime=plugin_runtime.NAME), None
+        )
     user = {ROOTLESS: "rootless_user", DOCKERLESS: "dockerless_user"}.get(name)
     return runtime_for(name, request.getfixturevalue(user) if user else None)
 

@@ -27,14 +27,30 @@ from tests.backends import backend_settings, require_runtime
 ROOTLESS = "podman-rootless"
 DOCKERLESS = "docker-rootless"
 """The docker runtime driven as the CI user against that user's rootless dockerd."""
-RUNTIMES = ["native", "bubblewrap", "landlock", "oci", "oci-runsc", "podman", ROOTLESS,
-            "docker", DOCKERLESS, "plugin"]
-MARKS = {"native": pytest.mark.native, "bubblewrap": pytest.mark.bubblewrap,
-         "landlock": pytest.mark.landlock, "oci": pytest.mark.oci,
-         "oci-runsc": pytest.mark.runsc, "podman": pytest.mark.podman,
-         ROOTLESS: pytest.mark.podman_rootless, "docker": pytest.mark.docker,
-         DOCKERLESS: pytest.mark.docker_rootless,
-         "plugin": pytest.mark.native}  # the test plugin runs its commands natively
+RUNTIMES = [
+    "native",
+    "bubblewrap",
+    "landlock",
+    "oci",
+    "oci-runsc",
+    "podman",
+    ROOTLESS,
+    "docker",
+    DOCKERLESS,
+    "plugin",
+]
+MARKS = {
+    "native": pytest.mark.native,
+    "bubblewrap": pytest.mark.bubblewrap,
+    "landlock": pytest.mark.landlock,
+    "oci": pytest.mark.oci,
+    "oci-runsc": pytest.mark.runsc,
+    "podman": pytest.mark.podman,
+    ROOTLESS: pytest.mark.podman_rootless,
+    "docker": pytest.mark.docker,
+    DOCKERLESS: pytest.mark.docker_rootless,
+    "plugin": pytest.mark.native,
+}  # the test plugin runs its commands natively
 NO_CGROUP_V1 = {ROOTLESS, DOCKERLESS}
 """Rootless engines: no cgroup of their own on a cgroup v1 host (limits refused there)."""
 ENGINES = {"podman", "docker"}
@@ -52,11 +68,28 @@ class RootlessUser:
     """``env PYTHONPATH=... PYTHON`` the user can run (container_cases.rootless_python)."""
 
     def argv(self, scenario: str, args: dict[str, Any]) -> list[str]:
-        env = ["env", "-i", f"HOME={self.home}", f"USER={self.name}",
-               f"XDG_RUNTIME_DIR={self.xdg}", "PATH=/usr/local/bin:/usr/bin:/bin",
-               "LANG=C.UTF-8", *self.python[1:-1]]
-        return ["runuser", "-u", self.name, "--", *env, self.python[-1], "-m",
-                "tests.integration.rootless_driver", scenario, json.dumps(args)]
+        env = [
+            "env",
+            "-i",
+            f"HOME={self.home}",
+            f"USER={self.name}",
+            f"XDG_RUNTIME_DIR={self.xdg}",
+            "PATH=/usr/local/bin:/usr/bin:/bin",
+            "LANG=C.UTF-8",
+            *self.python[1:-1],
+        ]
+        return [
+            "runuser",
+            "-u",
+            self.name,
+            "--",
+            *env,
+            self.python[-1],
+            "-m",
+            "tests.integration.rootless_driver",
+            scenario,
+            json.dumps(args),
+        ]
 
     def hand_over(self, tree: Path) -> None:
         os.lchown(tree, self.uid, self.gid)
@@ -84,10 +117,10 @@ def rootless_user_for(backend: str) -> RootlessUser:
     dir) must be there (a missing setup fails where CI requires it)."""
     from tests.integration.container_cases import checked_rootless_user, rootless_python
 
-    user, xdg = checked_rootless_user(backend, SOCKETS[backend],
-                                      "the rootless runs switch user with runuser")
-    return RootlessUser(user.pw_name, user.pw_uid, user.pw_gid, user.pw_dir, xdg,
-                        rootless_python())
+    user, xdg = checked_rootless_user(
+        backend, SOCKETS[backend], "the rootless runs switch user with runuser"
+    )
+    return RootlessUser(user.pw_name, user.pw_uid, user.pw_gid, user.pw_dir, xdg, rootless_python())
 
 
 def runtime_for(name: str, user: RootlessUser | None = None) -> Runtime:
@@ -99,11 +132,17 @@ def runtime_for(name: str, user: RootlessUser | None = None) -> Runtime:
 
         assert user is not None, f"{name} needs its user"
         ref = ensure_node_image(name).ref
-        engine: dict[str, Any] = ({"backend": "podman"} if name == ROOTLESS else
-                                  {"backend": "docker", "docker": DockerSettings(
-                                      url=f"unix://{user.xdg}/docker.sock")})
-        settings = SandboxSettings(**engine, image=ref,
-                                   gates=GateSettings(sandbox_provision="allow"))
+        engine: dict[str, Any] = (
+            {"backend": "podman"}
+            if name == ROOTLESS
+            else {
+                "backend": "docker",
+                "docker": DockerSettings(url=f"unix://{user.xdg}/docker.sock"),
+            }
+        )
+        settings = SandboxSettings(
+            **engine, image=ref, gates=GateSettings(sandbox_provision="allow")
+        )
         return Runtime(name, settings, ref, user)
     if name in ENGINES:
         from tests.integration.container_cases import image, require_engine
@@ -115,8 +154,7 @@ def runtime_for(name: str, user: RootlessUser | None = None) -> Runtime:
 
 
 class Box(Protocol):
-    async def run(self, command: str | list[str], opts: RunOptions | None = None
-                  ) -> RunResult: ...
+    async def run(self, command: str | list[str], opts: RunOptions | None = None) -> RunResult: ...
 
     def abort(self) -> None: ...
 
@@ -127,11 +165,12 @@ class _Session:
     def __init__(self, proc: asyncio.subprocess.Process) -> None:
         self.proc = proc
 
-    async def run(self, command: str | list[str], opts: RunOptions | None = None
-                  ) -> RunResult:
+    async def run(self, command: str | list[str], opts: RunOptions | None = None) -> RunResult:
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        ask = {"command": command,
-               "opts": (opts or RunOptions()).model_dump(mode="json", by_alias=True)}
+        ask = {
+            "command": command,
+            "opts": (opts or RunOptions()).model_dump(mode="json", by_alias=True),
+        }
         self.proc.stdin.write((json.dumps(ask) + "\n").encode())
         await self.proc.stdin.drain()
         line = await self.proc.stdout.readline()
@@ -147,9 +186,15 @@ class _Session:
 
 
 @contextlib.asynccontextmanager
-async def sandbox(rt: Runtime, worktree: Path, *, cache_mode: CacheMode = CacheMode.OFF,
-                  cache_root: Path | None = None, project_dir: Path | None = None,
-                  **policy: Any) -> AsyncIterator[Box]:
+async def sandbox(
+    rt: Runtime,
+    worktree: Path,
+    *,
+    cache_mode: CacheMode = CacheMode.OFF,
+    cache_root: Path | None = None,
+    project_dir: Path | None = None,
+    **policy: Any,
+) -> AsyncIterator[Box]:
     """A prepared sandbox on ``rt`` (PolicyNotEnforceableError when it refuses the policy).
 
     Package caches are off unless ``cache_mode`` says otherwise; they live under
@@ -160,9 +205,15 @@ async def sandbox(rt: Runtime, worktree: Path, *, cache_mode: CacheMode = CacheM
     site = worktree.parent
     project = project_dir or site / "project"  # outside the worktree, as an executor's is
     project.mkdir(exist_ok=True)
-    ctx = PrepareContext(task_id=f"contract-{rt.name}", run_id="r1",
-                         worktree_path=str(worktree), policy=SandboxPolicy(**policy),
-                         image=rt.image, cache_mode=cache_mode, project_dir=str(project))
+    ctx = PrepareContext(
+        task_id=f"contract-{rt.name}",
+        run_id="r1",
+        worktree_path=str(worktree),
+        policy=SandboxPolicy(**policy),
+        image=rt.image,
+        cache_mode=cache_mode,
+        project_dir=str(project),
+    )
     cache = cache_root or site / "cache"
     if rt.user is not None:
         async with _rootless(rt, rt.user, ctx, cache) as box:
@@ -174,18 +225,30 @@ async def sandbox(rt: Runtime, worktree: Path, *, cache_mode: CacheMode = CacheM
 
 
 @contextlib.asynccontextmanager
-async def _rootless(rt: Runtime, user: RootlessUser, ctx: PrepareContext, cache: Path
-                    ) -> AsyncIterator[Box]:
+async def _rootless(
+    rt: Runtime, user: RootlessUser, ctx: PrepareContext, cache: Path
+) -> AsyncIterator[Box]:
     user.hand_over(Path(ctx.worktree_path).parent)
-    env = {"HOME": user.home, "PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
-           "XDG_RUNTIME_DIR": user.xdg}
-    args = {"settings": rt.settings.model_dump(mode="json", by_alias=True),
-            "ctx": ctx.model_dump(mode="json", by_alias=True), "env": env,
-            "cacheRoot": str(cache)}
+    env = {
+        "HOME": user.home,
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "LANG": "C.UTF-8",
+        "XDG_RUNTIME_DIR": user.xdg,
+    }
+    args = {
+        "settings": rt.settings.model_dump(mode="json", by_alias=True),
+        "ctx": ctx.model_dump(mode="json", by_alias=True),
+        "env": env,
+        "cacheRoot": str(cache),
+    }
     proc = await asyncio.create_subprocess_exec(
-        *user.argv("session", args), stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd="/",
-        limit=64 * 1024 * 1024)
+        *user.argv("session", args),
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        cwd="/",
+        limit=64 * 1024 * 1024,
+    )
     assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
     try:
         first = await asyncio.wait_for(proc.stdout.readline(), 300)

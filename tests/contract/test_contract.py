@@ -39,17 +39,16 @@ from tests.hostside import pids_with
 
 # ---------------------------------------------------------------------------- exit statuses
 
+
 async def test_exit_statuses(runtime: Runtime, worktree: Path) -> None:
     async with sandbox(runtime, worktree) as sb:
-        got = {code: (await sb.run(f"exit {code}")).exit_code
-               for code in (0, 1, 126, 127, 255)}
+        got = {code: (await sb.run(f"exit {code}")).exit_code for code in (0, 1, 126, 127, 255)}
         assert got == {0: 0, 1: 1, 126: 126, 127: 127, 255: 255}
         by_shell = await sb.run("nosuchcommand-contract")
         assert (by_shell.exit_code, by_shell.signal) == (127, None), by_shell
 
 
-async def test_death_by_signal_is_reported_as_the_signal(runtime: Runtime,
-                                                         worktree: Path) -> None:
+async def test_death_by_signal_is_reported_as_the_signal(runtime: Runtime, worktree: Path) -> None:
     async with sandbox(runtime, worktree) as sb:
         killed = await sb.run("kill -TERM $$")
         assert (killed.exit_code, killed.signal) == (None, "SIGTERM"), killed
@@ -58,8 +57,7 @@ async def test_death_by_signal_is_reported_as_the_signal(runtime: Runtime,
         assert (group.exit_code, group.signal) == (None, "SIGTERM"), group
 
 
-async def test_death_by_sigint_and_exit_130_both_read_130(runtime: Runtime,
-                                                          worktree: Path) -> None:
+async def test_death_by_sigint_and_exit_130_both_read_130(runtime: Runtime, worktree: Path) -> None:
     async with sandbox(runtime, worktree) as sb:
         interrupted = await sb.run("kill -INT $$")
         assert (interrupted.exit_code, interrupted.signal) == (None, "SIGINT"), interrupted
@@ -88,11 +86,12 @@ async def test_stdin_cwd_and_env_allowlist(runtime: Runtime, worktree: Path) -> 
     (worktree / "sub").mkdir()
     env = {"ALLOWED": "yes", "SECRET_TOKEN": "nope", "OTHER": "no", "PATH": "/usr/bin:/bin"}
     async with sandbox(runtime, worktree, env_allowlist=["ALLOWED"]) as sb:
-        r = await sb.run("pwd; echo $ALLOWED ${SECRET_TOKEN:-unset} ${OTHER:-unset}; cat",
-                         RunOptions(cwd="sub", env=env, stdin=b"from stdin\n"))
+        r = await sb.run(
+            "pwd; echo $ALLOWED ${SECRET_TOKEN:-unset} ${OTHER:-unset}; cat",
+            RunOptions(cwd="sub", env=env, stdin=b"from stdin\n"),
+        )
         assert r.exit_code == 0, r.stderr
-        assert r.stdout.splitlines() == [str(worktree / "sub"), "yes unset unset",
-                                         "from stdin"]
+        assert r.stdout.splitlines() == [str(worktree / "sub"), "yes unset unset", "from stdin"]
         closed = await sb.run("cat; echo done")
         assert closed.stdout == "done\n", "stdin is closed unless given"
         later = await sb.run("echo ${ALLOWED:-gone}", RunOptions(env={}))
@@ -113,8 +112,9 @@ async def test_ten_megabytes_of_stdin_arrive_whole(runtime: Runtime, worktree: P
 
 async def test_utf8_and_binary_output(runtime: Runtime, worktree: Path) -> None:
     async with sandbox(runtime, worktree) as sb:
-        text = await sb.run("printf 'h\\303\\251llo \\342\\234\\223\\n'; "
-                            "printf '\\342\\234\\227 err\\n' >&2")
+        text = await sb.run(
+            "printf 'h\\303\\251llo \\342\\234\\223\\n'; printf '\\342\\234\\227 err\\n' >&2"
+        )
         assert (text.stdout, text.stderr) == ("héllo ✓\n", "✗ err\n")
         binary = await sb.run("printf '\\377\\376\\000ok'")
         assert binary.exit_code == 0
@@ -122,7 +122,8 @@ async def test_utf8_and_binary_output(runtime: Runtime, worktree: Path) -> None:
 
 
 async def test_ten_megabytes_of_output_are_kept_whole_and_in_order(
-        runtime: Runtime, worktree: Path) -> None:
+    runtime: Runtime, worktree: Path
+) -> None:
     lines = 1_250_000  # 7 digits and a newline each: 10,000,000 bytes, under the default cut
     async with sandbox(runtime, worktree) as sb:
         r = await sb.run(f"seq -w 1 {lines}; echo end >&2", RunOptions(timeout_ms=120_000))
@@ -131,16 +132,21 @@ async def test_ten_megabytes_of_output_are_kept_whole_and_in_order(
     assert r.stdout == "".join(f"{i:07d}\n" for i in range(1, lines + 1))
 
 
-async def test_max_buffer_cuts_the_output_and_ends_the_command(runtime: Runtime,
-                                                               worktree: Path) -> None:
+async def test_max_buffer_cuts_the_output_and_ends_the_command(
+    runtime: Runtime, worktree: Path
+) -> None:
     async with sandbox(runtime, worktree) as sb:
-        r = await sb.run("head -c 1000000 /dev/zero | tr '\\0' x; sleep 30",
-                         RunOptions(max_buffer=4096, timeout_ms=60_000))
+        r = await sb.run(
+            "head -c 1000000 /dev/zero | tr '\\0' x; sleep 30",
+            RunOptions(max_buffer=4096, timeout_ms=60_000),
+        )
         assert r.truncated and r.reason == "max-buffer", r.model_dump(exclude={"stdout"})
         assert r.stdout == "x" * 4096
         assert r.duration_ms < 25_000, "the command was ended, not waited for"
-        err = await sb.run("head -c 1000000 /dev/zero | tr '\\0' y >&2; sleep 30",
-                           RunOptions(max_buffer=4096, timeout_ms=60_000))
+        err = await sb.run(
+            "head -c 1000000 /dev/zero | tr '\\0' y >&2; sleep 30",
+            RunOptions(max_buffer=4096, timeout_ms=60_000),
+        )
         assert err.truncated and err.reason == "max-buffer", err.model_dump(exclude={"stderr"})
         assert (err.stdout, err.stderr) == ("", "y" * 4096)
 
@@ -149,17 +155,22 @@ async def test_max_buffer_cuts_the_output_and_ends_the_command(runtime: Runtime,
 
 
 async def test_what_a_command_leaves_behind_is_ended_when_it_exits(
-        runtime: Runtime, worktree: Path) -> None:
+    runtime: Runtime, worktree: Path
+) -> None:
     """A daemon left running by a command that exits 0 (holding its stdout open) neither
     holds the result back nor outlives the command."""
     marker = new_marker()
-    daemon = (f'trap "" TERM HUP; n=0; while :; do n=$((n+1)); echo $n > heartbeat; '
-              f"sleep 0.1; done # {marker}")
+    daemon = (
+        f'trap "" TERM HUP; n=0; while :; do n=$((n+1)); echo $n > heartbeat; '
+        f"sleep 0.1; done # {marker}"
+    )
     async with sandbox(runtime, worktree) as sb:
         start = time.monotonic()
-        r = await sb.run(f"( ( setsid sh -c '{daemon}' & ) & ); "
-                         "while [ ! -s heartbeat ]; do sleep 0.05; done; echo hi",
-                         RunOptions(timeout_ms=60_000))
+        r = await sb.run(
+            f"( ( setsid sh -c '{daemon}' & ) & ); "
+            "while [ ! -s heartbeat ]; do sleep 0.05; done; echo hi",
+            RunOptions(timeout_ms=60_000),
+        )
         assert (r.exit_code, r.reason, r.stdout) == (0, "exit", "hi\n"), r
         assert time.monotonic() - start < 20, "the daemon's open stdout held the result"
     assert_tree_ended(worktree, marker, "its command")
@@ -172,18 +183,21 @@ def tree(marker: str) -> str:
     The heartbeat is seen from the host on every runtime, also where the sandbox's processes
     are not host processes (gVisor's are tasks of its own kernel, so no host pid shows them).
     """
-    daemon = (f'trap "" TERM HUP; n=0; while :; do n=$((n+1)); echo $n > heartbeat; '
-              f"sleep 0.1; done # {marker}")
-    return (f"( ( setsid sh -c '{daemon}' >/dev/null 2>&1 & ) & ); "
-            f"while [ ! -s heartbeat ]; do sleep 0.05; done; touch started; sleep {marker}")
+    daemon = (
+        f'trap "" TERM HUP; n=0; while :; do n=$((n+1)); echo $n > heartbeat; '
+        f"sleep 0.1; done # {marker}"
+    )
+    return (
+        f"( ( setsid sh -c '{daemon}' >/dev/null 2>&1 & ) & ); "
+        f"while [ ! -s heartbeat ]; do sleep 0.05; done; touch started; sleep {marker}"
+    )
 
 
 def new_marker() -> str:
     return f"{700 + secrets.randbelow(99)}.{secrets.randbelow(10**6)}"
 
 
-async def test_timeout_ends_a_setsid_double_forked_tree(runtime: Runtime,
-                                                        worktree: Path) -> None:
+async def test_timeout_ends_a_setsid_double_forked_tree(runtime: Runtime, worktree: Path) -> None:
     marker = new_marker()
     async with sandbox(runtime, worktree) as sb:
         start = time.monotonic()
@@ -251,30 +265,44 @@ LIMITS = {
     # A bomb held at the limit until the timeout ends it: the reason names the limit that
     # held it, not the timeout. The shell that waits forks once, before the bomb starts, then
     # execs (were it to fork at the limit, dash would exit "Cannot fork" before the timeout).
-    "pids": Limit({"pids_limit": 64}, "bomb() { bomb | bomb & }; (bomb) & exec sleep 600",
-                  3000, "pidsLimit"),
-    "oom": Limit({"memory_limit_mb": 64}, "head -c 512m /dev/zero | tail > /dev/null",
-                 60_000, "memoryLimitMb"),
-    "cpu-time": Limit({"cpu_limit": CpuLimit(max_ms=1000)}, "while :; do :; done", 30_000,
-                      "cpuLimit.maxMs"),
+    "pids": Limit(
+        {"pids_limit": 64}, "bomb() { bomb | bomb & }; (bomb) & exec sleep 600", 3000, "pidsLimit"
+    ),
+    "oom": Limit(
+        {"memory_limit_mb": 64},
+        "head -c 512m /dev/zero | tail > /dev/null",
+        60_000,
+        "memoryLimitMb",
+    ),
+    "cpu-time": Limit(
+        {"cpu_limit": CpuLimit(max_ms=1000)}, "while :; do :; done", 30_000, "cpuLimit.maxMs"
+    ),
 }
 
 NOT_ENFORCED = {
-    ("pids", "native"), ("oom", "native"), ("pids", "plugin"), ("oom", "plugin"),
+    ("pids", "native"),
+    ("oom", "native"),
+    ("pids", "plugin"),
+    ("oom", "plugin"),
     # landlock: no namespace and no cgroup.
-    ("pids", "landlock"), ("oom", "landlock"),
+    ("pids", "landlock"),
+    ("oom", "landlock"),
     # gVisor's processes are tasks of its own kernel: a host pids cgroup cannot count them.
     ("pids", "oci-runsc"),
     # Rootless podman and rootless dockerd on a cgroup v1 host have no cgroup of their own.
-    ("pids", ROOTLESS), ("oom", ROOTLESS), ("pids", DOCKERLESS), ("oom", DOCKERLESS),
+    ("pids", ROOTLESS),
+    ("oom", ROOTLESS),
+    ("pids", DOCKERLESS),
+    ("oom", DOCKERLESS),
 }
 """What each runtime does not enforce on this machine (cgroups v1): it says so (refused by the
 lifecycle; native runs and lists it) and the harmful command is never run."""
 
 
 @pytest.mark.parametrize("limit", sorted(LIMITS))
-async def test_each_limit_ends_with_its_own_reason(runtime: Runtime, worktree: Path,
-                                                   limit: str) -> None:
+async def test_each_limit_ends_with_its_own_reason(
+    runtime: Runtime, worktree: Path, limit: str
+) -> None:
     spec = LIMITS[limit]
     if (limit, runtime.name) in NOT_ENFORCED:
         await _assert_not_enforced(runtime, worktree, spec)
@@ -295,7 +323,8 @@ async def test_each_limit_ends_with_its_own_reason(runtime: Runtime, worktree: P
 
 
 async def test_one_precedence_when_a_child_is_oom_killed(
-        runtime: Runtime, worktree: Path, request: pytest.FixtureRequest) -> None:
+    runtime: Runtime, worktree: Path, request: pytest.FixtureRequest
+) -> None:
     """A limit that fired names the reason whenever the command did not succeed; a command
     that survived it (only a child was killed) ended by its own exit."""
     spec = LIMITS["oom"]
@@ -303,15 +332,21 @@ async def test_one_precedence_when_a_child_is_oom_killed(
         await _assert_not_enforced(runtime, worktree, spec)
         return
     if runtime.name == "oci-runsc":
-        request.applymarker(pytest.mark.xfail(
-            strict=True, reason="under gVisor the host's OOM killer ends the whole sandbox "
-            "(its memory is the sentry's), so no command survives a child's OOM"))
+        request.applymarker(
+            pytest.mark.xfail(
+                strict=True,
+                reason="under gVisor the host's OOM killer ends the whole sandbox "
+                "(its memory is the sentry's), so no command survives a child's OOM",
+            )
+        )
     async with sandbox(runtime, worktree, **spec.policy) as sb:
-        survived = await sb.run(f"({spec.command}); echo survived",
-                                RunOptions(timeout_ms=spec.timeout_ms))
+        survived = await sb.run(
+            f"({spec.command}); echo survived", RunOptions(timeout_ms=spec.timeout_ms)
+        )
         failed = await sb.run(f"({spec.command}); exit 3", RunOptions(timeout_ms=spec.timeout_ms))
-    assert (survived.exit_code, survived.reason, survived.stdout) == (0, "exit", "survived\n"), \
+    assert (survived.exit_code, survived.reason, survived.stdout) == (0, "exit", "survived\n"), (
         survived
+    )
     assert (failed.exit_code, failed.reason) == (3, "oom"), failed
 
 
@@ -322,8 +357,10 @@ async def _assert_not_enforced(runtime: Runtime, worktree: Path, spec: Limit) ->
         backend = runtime.settings.backend
         probe = create_runtime(backend, runtime.settings, os.environ)
         if spec.part in {r.value for r in probe.enforces()}:
-            pytest.fail(f"{runtime.name} enforces {spec.part} now: move it out of "
-                        "NOT_ENFORCED so that the contract holds it to the reason")
+            pytest.fail(
+                f"{runtime.name} enforces {spec.part} now: move it out of "
+                "NOT_ENFORCED so that the contract holds it to the reason"
+            )
     if runtime.name == "native":  # the status quo runs it and lists it, so run no harm
         async with sandbox(runtime, worktree, **spec.policy) as sb:
             r = await sb.run("true")
@@ -361,8 +398,9 @@ worker.on("error", (err) => { console.log("worker-error", err.message); process.
 """
 
 
-async def test_threads_start_and_names_resolve_on_a_thread(runtime: Runtime,
-                                                           worktree: Path) -> None:
+async def test_threads_start_and_names_resolve_on_a_thread(
+    runtime: Runtime, worktree: Path
+) -> None:
     """Python threads, a node worker thread and a name resolution on libuv's thread pool: a
     sandbox that refuses new threads (runsc once did: its seccomp answered clone3 with EPERM,
     so glibc never fell back to clone) breaks node, pnpm and curl in every step."""
@@ -389,5 +427,7 @@ async def test_a_command_reads_its_own_proc_self(runtime: Runtime, worktree: Pat
     /proc/self/fd: the landlock tests read those in full.)"""
     async with sandbox(runtime, worktree) as sb:
         r = await sb.run(OWN_PROC)
-    assert (r.exit_code, r.stdout.split("\n")) == (0, [
-        "Name:\tgrep", "cgroup", "maps", "0", "Name:\tgrep", "1", ""]), r
+    assert (r.exit_code, r.stdout.split("\n")) == (
+        0,
+        ["Name:\tgrep", "cgroup", "maps", "0", "Name:\tgrep", "1", ""],
+    ), r

@@ -43,9 +43,11 @@ INSTALL = RunOptions(timeout_ms=300_000)
 """A cold install downloads the project's dependencies from the registry."""
 STEP = RunOptions(timeout_ms=120_000)
 """Every other step takes seconds; one that hangs (a worker that cannot start) fails soon."""
-COMMIT = ("printf 'export const task = \"done\";\\n' > src/task.ts && git add -A && "
-          "git -c user.name=t -c user.email=t@example.invalid commit -qm 'workload from the "
-          "sandbox'")
+COMMIT = (
+    "printf 'export const task = \"done\";\\n' > src/task.ts && git add -A && "
+    "git -c user.name=t -c user.email=t@example.invalid commit -qm 'workload from the "
+    "sandbox'"
+)
 STEPS = (
     ("install", "pnpm install --frozen-lockfile"),
     ("test", "pnpm test"),
@@ -83,12 +85,16 @@ def warm_store(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 async def test_a_real_typescript_project_installs_tests_checks_builds_and_commits(
-        runtime: Runtime, site: Path, warm_store: tuple[Path, Path]) -> None:
+    runtime: Runtime, site: Path, warm_store: tuple[Path, Path]
+) -> None:
     repo, wt = linked_project(site)
     cache: dict[str, Any] = {}
     if runtime.user is None:
-        cache = {"cache_mode": CacheMode.SHARED, "cache_root": warm_store[0],
-                 "project_dir": warm_store[1]}
+        cache = {
+            "cache_mode": CacheMode.SHARED,
+            "cache_root": warm_store[0],
+            "project_dir": warm_store[1],
+        }
     network = NETWORK.get(runtime.name, NetworkMode.EGRESS)
     if runtime.name == "landlock":
         # The weaker policy is said where a user looks before choosing (fusion-oci doctor).
@@ -103,7 +109,8 @@ async def test_a_real_typescript_project_installs_tests_checks_builds_and_commit
             assert result.exit_code == 0, (
                 f"{runtime.name}: {name} ({command}) failed with {result.exit_code} "
                 f"{result.signal or ''} after {took[name]} s\n"
-                f"{result.stdout[-2000:]}\n{result.stderr[-3000:]}")
+                f"{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+            )
             if name == "test":
                 # native and the plugin keep the caller's env: under CI=true vitest colours its
                 # summary, so the words are read without the escapes
@@ -111,8 +118,11 @@ async def test_a_real_typescript_project_installs_tests_checks_builds_and_commit
                 assert re.search(r"Tests\s+4 passed", plain), plain[-2000:]
             if name == "build":
                 assert 'bundle ok: "bundle" x2' in result.stdout, result.stdout[-2000:]
-    print(f"\nworkload {runtime.name}: " + " ".join(f"{k} {v}s" for k, v in took.items())
-          + f" (total {sum(took.values()):.1f}s)")
+    print(
+        f"\nworkload {runtime.name}: "
+        + " ".join(f"{k} {v}s" for k, v in took.items())
+        + f" (total {sum(took.values()):.1f}s)"
+    )
     # A rootless runtime's repository is its user's: git refuses it to root unless told.
     mine = ("-c", f"safe.directory={repo}")
     assert "workload from the sandbox" in git(repo, *mine, "log", "--oneline", "-1", "task")

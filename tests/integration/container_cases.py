@@ -73,9 +73,12 @@ def engine_settings(engine: str, **extra: Any) -> SandboxSettings:
         urls["docker_url"] = os.environ.get("DOCKER_HOST")
     elif engine == "podman":
         urls["podman_url"] = os.environ.get("FUSION_OCI_PODMAN_URL")
-    return SandboxSettings(backend=engine, gates=GateSettings(sandbox_provision="allow",
-                                                            network_api="allow"),
-                           **urls, **extra)
+    return SandboxSettings(
+        backend=engine,
+        gates=GateSettings(sandbox_provision="allow", network_api="allow"),
+        **urls,
+        **extra,
+    )
 
 
 def require_engine(engine: str) -> SandboxSettings:
@@ -91,8 +94,9 @@ def image(engine: str) -> str:
 
 
 def ctx(task: str, worktree: Path, engine: str, **kw: Any) -> PrepareContext:
-    return PrepareContext(task_id=task, run_id="r1", worktree_path=str(worktree),
-                          image=image(engine), **kw)
+    return PrepareContext(
+        task_id=task, run_id="r1", worktree_path=str(worktree), image=image(engine), **kw
+    )
 
 
 def leftovers(engine: str, task: str) -> list[str]:
@@ -150,7 +154,9 @@ async def test_pnpm_project_installs_tests_builds_and_commits(
         assert build.exit_code == 0, build.stderr + build.stdout
         commit = await sb.run(
             "git add -A && git -c user.name=t -c user.email=t@example.invalid "
-            "commit -qm 'from the sandbox' && git log --oneline -1", LONG)
+            "commit -qm 'from the sandbox' && git log --oneline -1",
+            LONG,
+        )
         assert commit.exit_code == 0, commit.stderr
         hooks = await sb.run(f"echo evil > {repo}/.git/hooks/post-commit", LONG)
         assert hooks.exit_code != 0, "the common dir's hooks must be read-only"
@@ -167,8 +173,9 @@ async def test_pnpm_project_installs_tests_builds_and_commits(
 # ---------------------------------------------------------------------------- ownership
 
 
-async def test_files_belong_to_a_non_root_caller(engine: str, settings: SandboxSettings,
-                                                 tmp_path: Path) -> None:
+async def test_files_belong_to_a_non_root_caller(
+    engine: str, settings: SandboxSettings, tmp_path: Path
+) -> None:
     """A caller in the docker group (or with rootful podman access) is not root: files the
     command creates in the worktree must still be that caller's."""
     uid = gid = 1001
@@ -177,8 +184,15 @@ async def test_files_belong_to_a_non_root_caller(engine: str, settings: SandboxS
     cache = tmp_path / "cache"
     host = replace(probe_host(), uid=uid, gid=gid)
     async with Sandbox(settings, cache_root=cache, host=host) as sb:
-        await sb.prepare(ctx("owner", wt, engine, cache_mode=CacheMode.OFF,
-                             policy=SandboxPolicy(allow_network=False)))
+        await sb.prepare(
+            ctx(
+                "owner",
+                wt,
+                engine,
+                cache_mode=CacheMode.OFF,
+                policy=SandboxPolicy(allow_network=False),
+            )
+        )
         result = await sb.run("id -u; mkdir -p d && echo x > d/f && touch $HOME/h")
         assert result.exit_code == 0, result.stderr
         assert result.stdout.split()[0] == str(uid)
@@ -193,13 +207,21 @@ async def test_timeout_ends_everything_the_command_started(
     engine: str, settings: SandboxSettings, worktree: Path, tmp_path: Path
 ) -> None:
     async with Sandbox(settings, cache_root=tmp_path / "cache") as sb:
-        await sb.prepare(ctx("timeout", worktree, engine, cache_mode=CacheMode.OFF,
-                             policy=SandboxPolicy(allow_network=False)))
+        await sb.prepare(
+            ctx(
+                "timeout",
+                worktree,
+                engine,
+                cache_mode=CacheMode.OFF,
+                policy=SandboxPolicy(allow_network=False),
+            )
+        )
         start = time.monotonic()
         result = await sb.run(
             "setsid sh -c 'trap \"\" TERM; sleep 300' & (sleep 301 &) ; "
             "nohup sleep 302 >/dev/null 2>&1 & echo started; sleep 303",
-            RunOptions(timeout_ms=1500))
+            RunOptions(timeout_ms=1500),
+        )
         assert result.timed_out and result.reason == "timeout"
         assert result.shell_status == 124
         assert "started" in result.stdout
@@ -214,18 +236,24 @@ async def test_timeout_ends_everything_the_command_started(
     assert leftovers(engine, "timeout") == []
 
 
-
-
 # ---------------------------------------------------------------------------- modes, leftovers
 
 
-async def test_oneshot_mode_creates_and_removes_per_command(engine: str, worktree: Path,
-                                                            tmp_path: Path) -> None:
+async def test_oneshot_mode_creates_and_removes_per_command(
+    engine: str, worktree: Path, tmp_path: Path
+) -> None:
     require_engine(engine)
     settings = engine_settings(engine, container_mode="oneshot")
     async with Sandbox(settings, cache_root=tmp_path / "cache") as sb:
-        await sb.prepare(ctx("oneshot", worktree, engine, cache_mode=CacheMode.OFF,
-                             policy=SandboxPolicy(allow_network=False)))
+        await sb.prepare(
+            ctx(
+                "oneshot",
+                worktree,
+                engine,
+                cache_mode=CacheMode.OFF,
+                policy=SandboxPolicy(allow_network=False),
+            )
+        )
         assert leftovers(engine, "oneshot") == []
         first = await sb.run("echo one > f; hostname")
         second = await sb.run("cat f")
@@ -236,8 +264,9 @@ async def test_oneshot_mode_creates_and_removes_per_command(engine: str, worktre
         assert leftovers(engine, "oneshot") == []
 
 
-async def test_parallel_prepares_do_not_hang_or_leak(engine: str, settings: SandboxSettings,
-                                                     tmp_path: Path) -> None:
+async def test_parallel_prepares_do_not_hang_or_leak(
+    engine: str, settings: SandboxSettings, tmp_path: Path
+) -> None:
     n = 6
     worktrees = []
     for i in range(n):
@@ -246,8 +275,15 @@ async def test_parallel_prepares_do_not_hang_or_leak(engine: str, settings: Sand
 
     async def one(i: int) -> str:
         async with Sandbox(settings, cache_root=tmp_path / "cache") as sb:
-            await sb.prepare(ctx(f"par{i}", worktrees[i], engine, project_dir=str(tmp_path),
-                                 policy=SandboxPolicy(allow_network=False)))
+            await sb.prepare(
+                ctx(
+                    f"par{i}",
+                    worktrees[i],
+                    engine,
+                    project_dir=str(tmp_path),
+                    policy=SandboxPolicy(allow_network=False),
+                )
+            )
             result = await sb.run("echo $((6 * 7))")
             return result.stdout.strip()
 
@@ -283,11 +319,20 @@ async def test_kill_9_mid_run_leaves_only_what_gc_removes(
     engine: str, settings: SandboxSettings, worktree: Path, tmp_path: Path
 ) -> None:
     task = f"crash{os.getpid()}"
-    script = CRASHER.format(root=str(ROOT), engine=engine, cache=str(tmp_path / "cache"),
-                            task=task, wt=str(worktree), image=image(engine))
+    script = CRASHER.format(
+        root=str(ROOT),
+        engine=engine,
+        cache=str(tmp_path / "cache"),
+        task=task,
+        wt=str(worktree),
+        image=image(engine),
+    )
     proc = subprocess.Popen(  # noqa: ASYNC220  (returns at once; we read it in a thread)
-        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        start_new_session=True)
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         assert proc.stdout is not None
         line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 120)
@@ -309,8 +354,15 @@ async def test_kill_9_mid_run_leaves_only_what_gc_removes(
     assert any(name.startswith("fusion-oci-pnpm-store-") for name in left), "task volume"
     # A live owner's containers are never collected: this test process holds one open.
     async with Sandbox(settings, cache_root=tmp_path / "cache") as live:
-        await live.prepare(ctx(f"{task}-live", worktree, engine, cache_mode=CacheMode.OFF,
-                               policy=SandboxPolicy(allow_network=False)))
+        await live.prepare(
+            ctx(
+                f"{task}-live",
+                worktree,
+                engine,
+                cache_mode=CacheMode.OFF,
+                policy=SandboxPolicy(allow_network=False),
+            )
+        )
         report = gc(settings=settings, engines=[engine])
         assert not report.errors, report.errors
         assert any(task in r for r in report.removed), report
@@ -343,11 +395,12 @@ async def test_agent_cannot_be_reached_replaced_or_traced(
     through the same agent."""
     other_wt = git_init(tmp_path / "other")
     none = SandboxPolicy(allow_network=False)
-    async with Sandbox(settings, cache_root=tmp_path / "cache") as sb, \
-            Sandbox(settings, cache_root=tmp_path / "cache") as other:
+    async with (
+        Sandbox(settings, cache_root=tmp_path / "cache") as sb,
+        Sandbox(settings, cache_root=tmp_path / "cache") as other,
+    ):
         await sb.prepare(ctx("agent-a", worktree, engine, cache_mode=CacheMode.OFF, policy=none))
-        await other.prepare(ctx("agent-b", other_wt, engine, cache_mode=CacheMode.OFF,
-                                policy=none))
+        await other.prepare(ctx("agent-b", other_wt, engine, cache_mode=CacheMode.OFF, policy=none))
         before = agent_of(sb).peer_pid
         other_dir = str(other.runtime._scratch)  # type: ignore[union-attr]
         targets = ["/.fusion-oci/run/agent.sock", f"{other_dir}/agent.sock"]
@@ -361,8 +414,8 @@ async def test_agent_cannot_be_reached_replaced_or_traced(
             "replace binary": "cp /bin/sh /.fusion-oci/agent",
             "chmod binary": "chmod 777 /.fusion-oci/agent",
             "new socket": "node -e \"require('net').createServer().listen("
-                          "'/.fusion-oci/run/agent.sock').on('error',e=>{console.log(e.code);"
-                          "process.exit(1)})\"",
+            "'/.fusion-oci/run/agent.sock').on('error',e=>{console.log(e.code);"
+            'process.exit(1)})"',
             "file in folder": "touch /.fusion-oci/run/x",
             "trace the agent": "cat /proc/1/environ",
             "agent memory": "head -c 1 /proc/1/mem",
@@ -439,8 +492,15 @@ async def test_no_host_process_is_left_per_command(
     """20 commands start no engine exec: the host processes of the container (podman's
     conmon, docker's shim) are the same before and after, none lingering per command."""
     async with Sandbox(settings, cache_root=tmp_path / "cache") as sb:
-        await sb.prepare(ctx("no-conmon", worktree, engine, cache_mode=CacheMode.OFF,
-                             policy=SandboxPolicy(allow_network=False)))
+        await sb.prepare(
+            ctx(
+                "no-conmon",
+                worktree,
+                engine,
+                cache_mode=CacheMode.OFF,
+                policy=SandboxPolicy(allow_network=False),
+            )
+        )
         cid = sb.runtime._container  # type: ignore[union-attr]
         before = _monitor_processes(cid)
         assert before, "the container's own monitor is found by its id"
@@ -469,28 +529,46 @@ PROBE_JS = (
 
 
 def connect_cmd(host: str, port: int) -> str:
-    return f"node -e \"{PROBE_JS.format()}\" {host} {port}"
+    return f'node -e "{PROBE_JS.format()}" {host} {port}'
 
 
-async def network_matrix(engine: str, settings: SandboxSettings, worktree: Path,
-                         tmp_path: Path, port: int, canary: tuple[str, int] | None
-                         ) -> dict[str, dict[str, str]]:
+async def network_matrix(
+    engine: str,
+    settings: SandboxSettings,
+    worktree: Path,
+    tmp_path: Path,
+    port: int,
+    canary: tuple[str, int] | None,
+) -> dict[str, dict[str, str]]:
     """What each network mode reaches: host loopback (direct and through the gateway) and
     a canary service on a container network."""
     out: dict[str, dict[str, str]] = {}
     for mode in (NetworkMode.NONE, NetworkMode.EGRESS):
         async with Sandbox(settings, cache_root=tmp_path / "cache") as sb:
-            await sb.prepare(ctx(f"net-{mode.value}", worktree, engine, cache_mode=CacheMode.OFF,
-                                 policy=SandboxPolicy(network=mode)))
-            gw = await sb.run("ip route 2>/dev/null | awk '/default/ {print $3}' || true; "
-                              "awk '$2==\"00000000\" {print $3}' /proc/net/route")
+            await sb.prepare(
+                ctx(
+                    f"net-{mode.value}",
+                    worktree,
+                    engine,
+                    cache_mode=CacheMode.OFF,
+                    policy=SandboxPolicy(network=mode),
+                )
+            )
+            gw = await sb.run(
+                "ip route 2>/dev/null | awk '/default/ {print $3}' || true; "
+                "awk '$2==\"00000000\" {print $3}' /proc/net/route"
+            )
             gateway = next((w for w in gw.stdout.split() if "." in w), "")
             if not gateway:
                 hexgw = next((w for w in gw.stdout.split() if len(w) == 8), "")
-                gateway = ".".join(str(int(hexgw[i:i + 2], 16)) for i in (6, 4, 2, 0)) \
-                    if hexgw else ""
-            targets = {"127.0.0.1": "127.0.0.1", "gateway": gateway or "192.0.2.1",
-                       "slirp-host": "10.0.2.2"}
+                gateway = (
+                    ".".join(str(int(hexgw[i : i + 2], 16)) for i in (6, 4, 2, 0)) if hexgw else ""
+                )
+            targets = {
+                "127.0.0.1": "127.0.0.1",
+                "gateway": gateway or "192.0.2.1",
+                "slirp-host": "10.0.2.2",
+            }
             if canary is not None:
                 targets["canary"] = canary[0]
             row: dict[str, str] = {}
@@ -502,8 +580,7 @@ async def network_matrix(engine: str, settings: SandboxSettings, worktree: Path,
     return out
 
 
-def assert_network(matrix: dict[str, dict[str, str]], seen: list[str], with_canary: bool
-                   ) -> None:
+def assert_network(matrix: dict[str, dict[str, str]], seen: list[str], with_canary: bool) -> None:
     for name, outcome in matrix["none"].items():
         assert not outcome.startswith("open"), ("none", name, matrix)
     for name in ("127.0.0.1", "gateway", "slirp-host"):
@@ -523,14 +600,21 @@ _staged: list[Path] = []
 
 def _user_can(flag: str, path: Path) -> bool:
     try:
-        return subprocess.run(["runuser", "-u", ROOTLESS_USER, "--", "test", flag, str(path)],
-                              capture_output=True, timeout=30).returncode == 0
+        return (
+            subprocess.run(
+                ["runuser", "-u", ROOTLESS_USER, "--", "test", flag, str(path)],
+                capture_output=True,
+                timeout=30,
+            ).returncode
+            == 0
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
 
 
-def checked_rootless_user(backend: str, socket: str | None, why: str
-                          ) -> tuple[pwd.struct_passwd, str]:
+def checked_rootless_user(
+    backend: str, socket: str | None, why: str
+) -> tuple[pwd.struct_passwd, str]:
     """The CI user that drives ``backend`` and its runtime dir, checked (a missing setup fails
     where CI requires it): the user exists, we are root (``why``: we switch to it with
     runuser) and, unless ``socket`` is None, its engine's ``socket`` is under that dir."""
@@ -542,8 +626,11 @@ def checked_rootless_user(backend: str, socket: str | None, why: str
     require(backend, os.getuid() == 0, why)
     xdg = f"/run/user/{user.pw_uid}"
     if socket is not None:
-        require(backend, Path(xdg, socket).exists(),
-                f"no {backend} socket in {xdg} (scripts/services.sh start {backend})")
+        require(
+            backend,
+            Path(xdg, socket).exists(),
+            f"no {backend} socket in {xdg} (scripts/services.sh start {backend})",
+        )
     return user, xdg
 
 
@@ -561,7 +648,8 @@ def rootless_python() -> list[str]:
     venv_python = (venv / "bin" / "python").resolve()
     python = str(venv_python) if _user_can("-x", venv_python) else "/usr/bin/python3"
     if _user_can("-r", ROOT / "fusion_oci" / "__init__.py") and _user_can(
-            "-r", site / "pydantic" / "__init__.py"):
+        "-r", site / "pydantic" / "__init__.py"
+    ):
         return ["env", f"PYTHONPATH={ROOT}:{site}", python]
     if not _staged:
         import atexit
@@ -570,8 +658,11 @@ def rootless_python() -> list[str]:
         stage = Path(tempfile.mkdtemp(prefix="fusion-oci-rootless-py-"))
         shutil.copytree(ROOT / "fusion_oci", stage / "src" / "fusion_oci")
         (stage / "src" / "tests" / "integration").mkdir(parents=True)
-        for rel in ("tests/__init__.py", "tests/integration/__init__.py",
-                    "tests/integration/rootless_driver.py"):
+        for rel in (
+            "tests/__init__.py",
+            "tests/integration/__init__.py",
+            "tests/integration/rootless_driver.py",
+        ):
             shutil.copy(ROOT / rel, stage / "src" / rel)
         shutil.copytree(PNPM_PROJECT, stage / "pnpm-project")
         shutil.copytree(site, stage / "site-packages", symlinks=True)
@@ -589,9 +680,9 @@ def rootless_project() -> Path:
 
 
 @contextlib.contextmanager
-def rootless_user(backend: str, sock: str,
-                  settings: Callable[[str], SandboxSettings] | None = None
-                  ) -> Iterator[dict[str, Any]]:
+def rootless_user(
+    backend: str, sock: str, settings: Callable[[str], SandboxSettings] | None = None
+) -> Iterator[dict[str, Any]]:
     """The unprivileged CI user for ``backend``'s rootless cases: its runtime dir (where its
     engine's socket ``sock`` must answer), a scratch base it can use, an interpreter it can
     run, and (for an engine other than podman) the settings its driver gets, made from the
@@ -612,19 +703,42 @@ def rootless_user(backend: str, sock: str,
     assert report["errors"] == [], report
 
 
-def drive_rootless(rl: dict[str, Any], scenario: str, timeout: float = 300, **args: Any
-                   ) -> dict[str, Any]:
+def drive_rootless(
+    rl: dict[str, Any], scenario: str, timeout: float = 300, **args: Any
+) -> dict[str, Any]:
     """One ``rootless_driver`` scenario as the unprivileged user of ``rl`` (its ``user``,
     ``xdg`` and ``python``; with ``settings``, those of the engine it drives, else podman's):
     the scenario's last JSON line."""
     user = rl["user"]
-    env = ["env", "-i", f"HOME={user.pw_dir}", f"USER={user.pw_name}",
-           f"XDG_RUNTIME_DIR={rl['xdg']}", "PATH=/usr/local/bin:/usr/bin:/bin", "LANG=C.UTF-8",
-           *rl["python"][1:-1]]  # env PYTHONPATH=... PYTHON
+    env = [
+        "env",
+        "-i",
+        f"HOME={user.pw_dir}",
+        f"USER={user.pw_name}",
+        f"XDG_RUNTIME_DIR={rl['xdg']}",
+        "PATH=/usr/local/bin:/usr/bin:/bin",
+        "LANG=C.UTF-8",
+        *rl["python"][1:-1],
+    ]  # env PYTHONPATH=... PYTHON
     ask = {"settings": rl["settings"], **args} if "settings" in rl else args
-    out = subprocess.run(["runuser", "-u", user.pw_name, "--", *env, rl["python"][-1], "-m",
-                          "tests.integration.rootless_driver", scenario, json.dumps(ask)],
-                         capture_output=True, text=True, timeout=timeout, cwd="/")
+    out = subprocess.run(
+        [
+            "runuser",
+            "-u",
+            user.pw_name,
+            "--",
+            *env,
+            rl["python"][-1],
+            "-m",
+            "tests.integration.rootless_driver",
+            scenario,
+            json.dumps(ask),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd="/",
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return result

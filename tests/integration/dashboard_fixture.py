@@ -33,8 +33,9 @@ class Dashboard:
     def port(self) -> int:
         return urlsplit(self.url).port or 0
 
-    def request(self, path: str, headers: dict[str, str] | None = None,
-                timeout: float = 30) -> tuple[int, dict[str, str], bytes]:
+    def request(
+        self, path: str, headers: dict[str, str] | None = None, timeout: float = 30
+    ) -> tuple[int, dict[str, str], bytes]:
         # http.client, not urllib: a proxy from the environment must never be used
         conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
         try:
@@ -66,8 +67,7 @@ def _lines(proc: subprocess.Popen[str]) -> queue.Queue[str | None]:
     return lines
 
 
-def _read_line(lines: queue.Queue[str | None], proc: subprocess.Popen[str],
-               deadline: float) -> str:
+def _read_line(lines: queue.Queue[str | None], proc: subprocess.Popen[str], deadline: float) -> str:
     try:
         line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
     except queue.Empty:
@@ -79,14 +79,26 @@ def _read_line(lines: queue.Queue[str | None], proc: subprocess.Popen[str],
 
 
 @contextlib.contextmanager
-def dashboard(audit_log: Path, *args: str, expect_token: bool = False,
-              timeout: float = 30) -> Iterator[Dashboard]:
+def dashboard(
+    audit_log: Path, *args: str, expect_token: bool = False, timeout: float = 30
+) -> Iterator[Dashboard]:
     """`fusion-oci dashboard --audit-log FILE ARGS...`, stopped (by its pid) on exit."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fusion_oci.cli.main", "dashboard", "--audit-log",
-         str(audit_log), *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        [
+            sys.executable,
+            "-m",
+            "fusion_oci.cli.main",
+            "dashboard",
+            "--audit-log",
+            str(audit_log),
+            *args,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     try:
         deadline = time.monotonic() + timeout
         lines = _lines(proc)
@@ -123,6 +135,6 @@ def listening_addresses(pid: int) -> list[tuple[str, int]]:
         local, state, inode = fields[1], fields[3], fields[9]
         if state == "0A" and inode in inodes:  # 0A: LISTEN
             addr_hex, port_hex = local.split(":")
-            octets = [str(int(addr_hex[i:i + 2], 16)) for i in (6, 4, 2, 0)]
+            octets = [str(int(addr_hex[i : i + 2], 16)) for i in (6, 4, 2, 0)]
             found.append((".".join(octets), int(port_hex, 16)))
     return found

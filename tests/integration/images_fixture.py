@@ -150,13 +150,22 @@ async def _provision(engine: str) -> ProvisionedImage:
         builder, _ = _reachable(engine)
     assert builder is not None
     with builder:
-        await bootstrap_base([builder], ctx=AuditContext(audit, "tests", "node-image", "images"),
-                             reporter=reporter)
+        await bootstrap_base(
+            [builder], ctx=AuditContext(audit, "tests", "node-image", "images"), reporter=reporter
+        )
     target = target_of(engine)
     return await ensure_image(
-        target.kind, target.url, "node", _settings(), audit, "tests", "node-image",
-        options=ProvisionOptions(engine_name=engine, base=BASE_REF, env=dict(os.environ),
-                                 reporter=reporter))
+        target.kind,
+        target.url,
+        "node",
+        _settings(),
+        audit,
+        "tests",
+        "node-image",
+        options=ProvisionOptions(
+            engine_name=engine, base=BASE_REF, env=dict(os.environ), reporter=reporter
+        ),
+    )
 
 
 @pytest.fixture(scope="session")
@@ -180,11 +189,15 @@ def ensure_base(engine: str) -> str:
             if source is not None:
                 with source:
                     if source.image(BASE_REF) is None:
-                        _run_sync(lambda: bootstrap_base([source], ctx=_ctx(),
-                                                         reporter=PlainReporter(sys.stderr)))
+                        _run_sync(
+                            lambda: bootstrap_base(
+                                [source], ctx=_ctx(), reporter=PlainReporter(sys.stderr)
+                            )
+                        )
                     return transfer_image(source, client, BASE_REF, ctx=_ctx())
-            result = _run_sync(lambda: bootstrap_base([client], ctx=_ctx(),
-                                                      reporter=PlainReporter(sys.stderr)))
+            result = _run_sync(
+                lambda: bootstrap_base([client], ctx=_ctx(), reporter=PlainReporter(sys.stderr))
+            )
         return result.ids[engine]
 
 

@@ -28,13 +28,13 @@ LONG = RunOptions(timeout_ms=300_000)
 
 
 def settings(**extra: Any) -> SandboxSettings:
-    return SandboxSettings(backend="podman", gates=GateSettings(sandbox_provision="allow"),
-                           **extra)
+    return SandboxSettings(backend="podman", gates=GateSettings(sandbox_provision="allow"), **extra)
 
 
 def git(cwd: Path, *args: str) -> str:
-    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True,
-                          text=True).stdout
+    return subprocess.run(
+        ["git", *args], cwd=cwd, check=True, capture_output=True, text=True
+    ).stdout
 
 
 def procs(result_stdout: str) -> list[str]:
@@ -52,16 +52,26 @@ def given_settings(args: dict[str, Any]) -> SandboxSettings:
 async def availability(args: dict[str, Any]) -> dict[str, Any]:
     chosen = given_settings(args)
     avail = create_runtime(chosen.backend, chosen, os.environ).availability()
-    return {"available": avail.available, "reason": avail.reason, "details": avail.details,
-            "rootless": avail.rootless}
+    return {
+        "available": avail.available,
+        "reason": avail.reason,
+        "details": avail.details,
+        "rootless": avail.rootless,
+    }
 
 
 def make_repo(base: Path, project: Path) -> tuple[Path, Path]:
     """A repository with a linked worktree holding the pnpm project, made as this user."""
     repo, wt = base / "repo", base / "wt"
     repo.mkdir()
-    os.environ.update({"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.invalid",
-                       "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@example.invalid"})
+    os.environ.update(
+        {
+            "GIT_AUTHOR_NAME": "t",
+            "GIT_AUTHOR_EMAIL": "t@example.invalid",
+            "GIT_COMMITTER_NAME": "t",
+            "GIT_COMMITTER_EMAIL": "t@example.invalid",
+        }
+    )
     git(repo, "init", "-q", "-b", "main")
     (repo / "README").write_text("hello\n")
     git(repo, "add", "README")
@@ -78,15 +88,25 @@ async def pnpm(args: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     policy = SandboxPolicy(network=NetworkMode.EGRESS)
     async with Sandbox(given_settings(args), cache_root=base / "cache") as sb:
-        await sb.prepare(PrepareContext(task_id="rl-pnpm", run_id="r1", worktree_path=str(wt),
-                                        image=args["image"], policy=policy,
-                                        project_dir=str(repo)))
+        await sb.prepare(
+            PrepareContext(
+                task_id="rl-pnpm",
+                run_id="r1",
+                worktree_path=str(wt),
+                image=args["image"],
+                policy=policy,
+                project_dir=str(repo),
+            )
+        )
         for name, cmd in (
             ("install", "pnpm install --frozen-lockfile"),
             ("test", "pnpm test"),
             ("build", "pnpm build"),
-            ("commit", "git add -A && git -c user.name=t -c user.email=t@example.invalid "
-                       "commit -qm 'from the rootless sandbox'"),
+            (
+                "commit",
+                "git add -A && git -c user.name=t -c user.email=t@example.invalid "
+                "commit -qm 'from the rootless sandbox'",
+            ),
             ("hooks", f"echo evil > {repo}/.git/hooks/post-commit"),
             ("id", "id -u"),
         ):
@@ -106,18 +126,32 @@ async def timeout(args: dict[str, Any]) -> dict[str, Any]:
     wt.mkdir()
     git(wt, "init", "-q")  # a task worktree is the top of a git work tree
     async with Sandbox(given_settings(args), cache_root=Path(args["dir"]) / "cache") as sb:
-        await sb.prepare(PrepareContext(task_id="rl-timeout", run_id="r1", worktree_path=str(wt),
-                                        image=args["image"], cache_mode=CacheMode.OFF,
-                                        policy=SandboxPolicy(allow_network=False)))
+        await sb.prepare(
+            PrepareContext(
+                task_id="rl-timeout",
+                run_id="r1",
+                worktree_path=str(wt),
+                image=args["image"],
+                cache_mode=CacheMode.OFF,
+                policy=SandboxPolicy(allow_network=False),
+            )
+        )
         start = time.monotonic()
-        r = await sb.run("setsid sleep 300 & (sleep 301 &); echo started; sleep 302",
-                         RunOptions(timeout_ms=1500))
+        r = await sb.run(
+            "setsid sleep 300 & (sleep 301 &); echo started; sleep 302", RunOptions(timeout_ms=1500)
+        )
         took = time.monotonic() - start
         after = await sb.run("for f in /proc/[0-9]*/cmdline; do tr '\\0' ' ' < $f; echo; done")
         touch = await sb.run("touch made-here && stat -c %u made-here")
-    return {"timed_out": r.timed_out, "reason": r.reason, "took": took,
-            "procs": procs(after.stdout), "uid_inside": touch.stdout.strip(),
-            "owner": (wt / "made-here").stat().st_uid, "me": os.getuid()}
+    return {
+        "timed_out": r.timed_out,
+        "reason": r.reason,
+        "took": took,
+        "procs": procs(after.stdout),
+        "uid_inside": touch.stdout.strip(),
+        "owner": (wt / "made-here").stat().st_uid,
+        "me": os.getuid(),
+    }
 
 
 async def network(args: dict[str, Any]) -> dict[str, Any]:
@@ -125,21 +159,28 @@ async def network(args: dict[str, Any]) -> dict[str, Any]:
     wt.mkdir()
     git(wt, "init", "-q")  # a task worktree is the top of a git work tree
     port = int(args["port"])
-    js = ("const net=require('net');const [h,p]=process.argv.slice(1);"
-          "const s=net.connect({host:h,port:+p,timeout:2000},()=>{console.log('open');s.end()});"
-          "s.on('error',e=>console.log('closed '+e.code));"
-          "s.on('timeout',()=>{console.log('closed timeout');s.destroy()});")
+    js = (
+        "const net=require('net');const [h,p]=process.argv.slice(1);"
+        "const s=net.connect({host:h,port:+p,timeout:2000},()=>{console.log('open');s.end()});"
+        "s.on('error',e=>console.log('closed '+e.code));"
+        "s.on('timeout',()=>{console.log('closed timeout');s.destroy()});"
+    )
     out: dict[str, Any] = {}
     for mode in (NetworkMode.NONE, NetworkMode.EGRESS):
         async with Sandbox(given_settings(args), cache_root=Path(args["dir"]) / "cache") as sb:
-            await sb.prepare(PrepareContext(task_id=f"rl-net-{mode.value}", run_id="r1",
-                                            worktree_path=str(wt), image=args["image"],
-                                            cache_mode=CacheMode.OFF,
-                                            policy=SandboxPolicy(network=mode)))
+            await sb.prepare(
+                PrepareContext(
+                    task_id=f"rl-net-{mode.value}",
+                    run_id="r1",
+                    worktree_path=str(wt),
+                    image=args["image"],
+                    cache_mode=CacheMode.OFF,
+                    policy=SandboxPolicy(network=mode),
+                )
+            )
             row = {}
             for host in ("127.0.0.1", "10.0.2.2"):
-                r = await sb.run(["node", "-e", js, host, str(port)],
-                                 RunOptions(timeout_ms=15_000))
+                r = await sb.run(["node", "-e", js, host, str(port)], RunOptions(timeout_ms=15_000))
                 row[host] = (r.stdout.strip() or r.stderr.strip())[:80]
             out[mode.value] = row
     return out
@@ -152,24 +193,38 @@ async def agent(args: dict[str, Any]) -> dict[str, Any]:
     wt = Path(args["dir"]) / "wt"
     wt.mkdir()
     git(wt, "init", "-q")
-    js = ("const s=require('net').connect(process.argv[1]);"
-          "s.on('connect',()=>{console.log('open');process.exit(0)});"
-          "s.on('error',e=>{console.log('closed '+e.code);process.exit(0)})")
+    js = (
+        "const s=require('net').connect(process.argv[1]);"
+        "s.on('connect',()=>{console.log('open');process.exit(0)});"
+        "s.on('error',e=>{console.log('closed '+e.code);process.exit(0)})"
+    )
     out: dict[str, Any] = {}
     async with Sandbox(given_settings(args), cache_root=Path(args["dir"]) / "cache") as sb:
-        await sb.prepare(PrepareContext(task_id="rl-agent", run_id="r1", worktree_path=str(wt),
-                                        image=args["image"], cache_mode=CacheMode.OFF,
-                                        policy=SandboxPolicy(allow_network=False)))
+        await sb.prepare(
+            PrepareContext(
+                task_id="rl-agent",
+                run_id="r1",
+                worktree_path=str(wt),
+                image=args["image"],
+                cache_mode=CacheMode.OFF,
+                policy=SandboxPolicy(allow_network=False),
+            )
+        )
         r = await sb.run(["node", "-e", js, "/.fusion-oci/run/agent.sock"])
         out["connect"] = r.stdout.strip()
-        tamper = {"replace": "cp /bin/sh /.fusion-oci/agent", "file": "touch /.fusion-oci/run/x",
-                  "environ": "cat /proc/1/environ", "fd": "readlink /proc/1/fd/0"}
+        tamper = {
+            "replace": "cp /bin/sh /.fusion-oci/agent",
+            "file": "touch /.fusion-oci/run/x",
+            "environ": "cat /proc/1/environ",
+            "fd": "readlink /proc/1/fd/0",
+        }
         out["tamper"] = {k: (await sb.run(v)).exit_code for k, v in tamper.items()}
         cid = sb.runtime._container  # type: ignore[union-attr]
 
         def monitors() -> int:
-            return sum(1 for p in Path("/proc").iterdir() if p.name.isdigit()
-                       and _cmdline(p).count(cid))
+            return sum(
+                1 for p in Path("/proc").iterdir() if p.name.isdigit() and _cmdline(p).count(cid)
+            )
 
         before = monitors()
         outputs = [(await sb.run(f"echo {i}")).stdout for i in range(20)]
@@ -190,8 +245,11 @@ async def leftovers(args: dict[str, Any]) -> dict[str, Any]:
     runtime: Any = create_runtime(chosen.backend, chosen, os.environ)
     try:
         adapter = runtime._connect()
-        names = [f.name for f in adapter.list_labelled("io.fusion-oci.kind")
-                 if f.labels.get("io.fusion-oci.task-id", "").startswith("rl-")]
+        names = [
+            f.name
+            for f in adapter.list_labelled("io.fusion-oci.kind")
+            if f.labels.get("io.fusion-oci.task-id", "").startswith("rl-")
+        ]
     finally:
         runtime.close()
     return {"left": names}
@@ -222,8 +280,9 @@ async def probe(args: dict[str, Any]) -> dict[str, Any]:
     try:
         # egressNames: what the task's proxy resolves (the egress probes' test names).
         with resolving(args.get("egressNames")):
-            async with Sandbox(sandbox_settings, env=args["env"],
-                               cache_root=Path(args["cacheRoot"])) as sb:
+            async with Sandbox(
+                sandbox_settings, env=args["env"], cache_root=Path(args["cacheRoot"])
+            ) as sb:
                 await sb.prepare(ctx)
                 result = await sb.run(args["command"], opts)
     except PolicyNotEnforceableError as exc:
@@ -243,8 +302,7 @@ async def session(args: dict[str, Any]) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=64 * 1024 * 1024)  # a line carries a command's stdin
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    async with Sandbox(sandbox_settings, env=args["env"],
-                       cache_root=Path(args["cacheRoot"])) as sb:
+    async with Sandbox(sandbox_settings, env=args["env"], cache_root=Path(args["cacheRoot"])) as sb:
         try:
             await sb.prepare(ctx)
         except PolicyNotEnforceableError as exc:
@@ -256,7 +314,8 @@ async def session(args: dict[str, Any]) -> dict[str, Any]:
             if "command" not in ask:
                 continue  # an abort that came after its command ended
             run = asyncio.ensure_future(
-                sb.run(ask["command"], RunOptions.model_validate(ask["opts"])))
+                sb.run(ask["command"], RunOptions.model_validate(ask["opts"]))
+            )
             while not run.done() and not eof:
                 nxt = asyncio.ensure_future(reader.readline())
                 done, _ = await asyncio.wait({run, nxt}, return_when=asyncio.FIRST_COMPLETED)
@@ -268,14 +327,21 @@ async def session(args: dict[str, Any]) -> dict[str, Any]:
                 elif json.loads(got).get("abort"):
                     sb.abort()
             result = await run
-            print(json.dumps({"result": result.model_dump(mode="json", by_alias=True)}),
-                  flush=True)
+            print(json.dumps({"result": result.model_dump(mode="json", by_alias=True)}), flush=True)
     return {"done": True}
 
 
-SCENARIOS = {"availability": availability, "pnpm": pnpm, "timeout": timeout,
-             "network": network, "agent": agent, "leftovers": leftovers, "gc": collect,
-             "probe": probe, "session": session}
+SCENARIOS = {
+    "availability": availability,
+    "pnpm": pnpm,
+    "timeout": timeout,
+    "network": network,
+    "agent": agent,
+    "leftovers": leftovers,
+    "gc": collect,
+    "probe": probe,
+    "session": session,
+}
 
 
 def main() -> None:

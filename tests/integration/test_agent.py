@@ -86,8 +86,14 @@ def sh(script: str) -> list[str]:
 
 async def test_exit_status_stdout_stderr(agent: Agent) -> None:
     r = await agent.run(sh("echo out; echo err >&2; exit 7"), env=ENV)
-    assert (r.stdout, r.stderr, r.returncode, r.signal, r.timed_out, r.truncated) == \
-        (b"out\n", b"err\n", 7, None, False, False)
+    assert (r.stdout, r.stderr, r.returncode, r.signal, r.timed_out, r.truncated) == (
+        b"out\n",
+        b"err\n",
+        7,
+        None,
+        False,
+        False,
+    )
     assert (await agent.run(["true"], env=ENV)).returncode == 0
     assert (await agent.run(sh("exit 255"), env=ENV)).returncode == 255
 
@@ -149,12 +155,15 @@ async def test_env_is_exactly_the_given_one_and_cwd_umask(agent: Agent, tmp_path
 
 
 async def test_rlimits_apply_to_the_command(agent: Agent) -> None:
-    r = await agent.run(sh("ulimit -t; ulimit -f; ulimit -n"), env=ENV,
-                        rlimits=[("RLIMIT_CPU", 3, 4), ("RLIMIT_FSIZE", 1 << 20, -1),
-                                 ("RLIMIT_NOFILE", 64, 64)])
+    r = await agent.run(
+        sh("ulimit -t; ulimit -f; ulimit -n"),
+        env=ENV,
+        rlimits=[("RLIMIT_CPU", 3, 4), ("RLIMIT_FSIZE", 1 << 20, -1), ("RLIMIT_NOFILE", 64, 64)],
+    )
     assert r.stdout.decode().split() == ["3", str((1 << 20) // 512), "64"]
-    r = await agent.run(sh("while :; do :; done"), env=ENV, rlimits=[("RLIMIT_CPU", 1, 2)],
-                        timeout_s=20)
+    r = await agent.run(
+        sh("while :; do :; done"), env=ENV, rlimits=[("RLIMIT_CPU", 1, 2)], timeout_s=20
+    )
     assert r.signal in ("SIGXCPU", "SIGKILL")
 
 
@@ -173,9 +182,11 @@ async def test_the_command_holds_nothing_of_the_agent(agent: Agent) -> None:
 def escaping_tree(tag: str) -> list[str]:
     """A daemon in its own session, a double-forked one ignoring TERM, and a TERM-ignoring
     foreground child: everything a process-group kill would miss."""
-    return sh(f"setsid sh -c 'sleep 1000; :' {tag} & "
-              f"( ( sh -c 'trap \"\" TERM; sleep 1001; :' {tag} & ) & ) ; "
-              f"sh -c 'trap \"\" TERM; sleep 1002; :' {tag}")
+    return sh(
+        f"setsid sh -c 'sleep 1000; :' {tag} & "
+        f"( ( sh -c 'trap \"\" TERM; sleep 1001; :' {tag} & ) & ) ; "
+        f"sh -c 'trap \"\" TERM; sleep 1002; :' {tag}"
+    )
 
 
 async def test_timeout_ends_a_setsid_double_forked_tree(agent: Agent) -> None:
@@ -218,12 +229,16 @@ async def test_max_buffer_truncates_and_ends_the_tree(agent: Agent) -> None:
 
 async def test_output_streams_as_it_comes(agent: Agent) -> None:
     seen: list[tuple[str, bytes]] = []
-    r = await agent.run(sh("echo one; sleep 0.2; echo two >&2"), env=ENV,
-                        on_output=lambda name, chunk: seen.append((name, chunk)))
+    r = await agent.run(
+        sh("echo one; sleep 0.2; echo two >&2"),
+        env=ENV,
+        on_output=lambda name, chunk: seen.append((name, chunk)),
+    )
     assert seen == [("stdout", b"one\n"), ("stderr", b"two\n")]
     assert r.stdout == b"one\n"
-    r = await agent.run(["yes"], env=ENV, keep_output=False, timeout_s=0.3,
-                        on_output=lambda name, chunk: None)
+    r = await agent.run(
+        ["yes"], env=ENV, keep_output=False, timeout_s=0.3, on_output=lambda name, chunk: None
+    )
     assert r.timed_out and r.stdout == b"" and not r.truncated
 
 
@@ -231,8 +246,9 @@ async def test_twenty_concurrent_runs_each_get_their_own(agent: Agent) -> None:
     runs = [agent.run(sh(f"sleep 0.3; echo {i}; exit {i}"), env=ENV) for i in range(20)]
     start = time.monotonic()
     results = await asyncio.gather(*runs)
-    assert [(r.stdout, r.returncode) for r in results] == \
-        [(f"{i}\n".encode(), i) for i in range(20)]
+    assert [(r.stdout, r.returncode) for r in results] == [
+        (f"{i}\n".encode(), i) for i in range(20)
+    ]
     assert time.monotonic() - start < 5  # concurrent, not one after the other
 
 
@@ -296,10 +312,10 @@ def test_the_agent_dies_with_its_host(tmp_path: Path) -> None:
         "    a = await Agent.start_local()\n"
         "    print(a.peer_pid, flush=True)\n"
         f"    await a.run(['/bin/sh', '-c', \"sleep 1000; : {tag}\"], env={{'PATH': '/bin'}})\n"
-        "asyncio.run(main())\n")
+        "asyncio.run(main())\n"
+    )
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    with subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
-                          env=env) as host:
+    with subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, env=env) as host:
         assert host.stdout is not None
         agent_pid = int(host.stdout.readline())
         deadline = time.monotonic() + 5
@@ -319,8 +335,12 @@ def test_the_agent_dies_with_its_host(tmp_path: Path) -> None:
 async def connecting_agent(path: Path) -> asyncio.subprocess.Process:
     """The agent as a container's init would run it (here a host process)."""
     return await asyncio.create_subprocess_exec(
-        str(agent_binary()), "--connect", str(path), stdin=subprocess.DEVNULL,
-        start_new_session=True)
+        str(agent_binary()),
+        "--connect",
+        str(path),
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
 
 
 async def test_accept_takes_one_connection_then_nothing_can_reach_it(tmp_path: Path) -> None:
@@ -371,8 +391,9 @@ async def test_accept_times_out_with_a_setup_error(tmp_path: Path) -> None:
 # --- through the lifecycle -------------------------------------------------------------------
 
 
-async def test_a_killed_agent_fails_the_sandbox_loudly_then_it_disposes(worktree: Path,
-                                                                       tmp_path: Path) -> None:
+async def test_a_killed_agent_fails_the_sandbox_loudly_then_it_disposes(
+    worktree: Path, tmp_path: Path
+) -> None:
     from fusion_oci.audit import AuditLog, read_events
     from fusion_oci.models import PrepareContext
     from fusion_oci.policy.settings import SandboxSettings
@@ -392,8 +413,11 @@ async def test_a_killed_agent_fails_the_sandbox_loudly_then_it_disposes(worktree
             await asyncio.wait_for(sb.run("echo after"), 10)
     await asyncio.wait_for(sb.dispose(), 10)
     assert not alive(agent_pid)
-    kinds = [e.details.get("kind") for e in read_events(tmp_path / "audit.jsonl")
-             if e.type == "sandbox:failure" and e.details]
+    kinds = [
+        e.details.get("kind")
+        for e in read_events(tmp_path / "audit.jsonl")
+        if e.type == "sandbox:failure" and e.details
+    ]
     assert kinds == ["agent-lost", "agent-lost"]
 
 
@@ -423,8 +447,10 @@ async def test_large_argv_and_env_cross_many_reads(agent: Agent) -> None:
     """A frame far larger than one read: the fds ride its first bytes, the rest follows."""
     arg = "x" * 100_000
     env = {**ENV, **{f"BIG_{i}": "y" * 10_000 for i in range(50)}}
-    runs = [agent.run(sh('printf %s "$1" | wc -c; printf %s "$BIG_49" | wc -c'), env=env)
-            for _ in range(3)]
+    runs = [
+        agent.run(sh('printf %s "$1" | wc -c; printf %s "$BIG_49" | wc -c'), env=env)
+        for _ in range(3)
+    ]
     runs.append(agent.run([*sh('printf %s "$0" | wc -c'), arg], env=env))
     results = await asyncio.gather(*runs)
     assert [r.stdout.split() for r in results[:3]] == [[b"0", b"10000"]] * 3
@@ -438,9 +464,17 @@ async def test_as_pid_1_of_a_pid_namespace_it_reaps_and_ends_trees(tmp_path: Pat
     path = tmp_path / "agent.sock"
     listener = listen_socket(path)
     proc = await asyncio.create_subprocess_exec(
-        "unshare", "--pid", "--fork", "--mount-proc", "--kill-child",
-        str(agent_binary()), "--connect", str(path), stdin=subprocess.DEVNULL,
-        start_new_session=True)
+        "unshare",
+        "--pid",
+        "--fork",
+        "--mount-proc",
+        "--kill-child",
+        str(agent_binary()),
+        "--connect",
+        str(path),
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         a = await Agent.accept(listener, expect_pid=None, timeout_s=5)
         assert a.agent_pid == 1
@@ -457,8 +491,9 @@ async def test_as_pid_1_of_a_pid_namespace_it_reaps_and_ends_trees(tmp_path: Pat
             await proc.wait()
 
 
-async def test_the_reaper_path_stays_for_platforms_without_the_agent(worktree: Path,
-                                                                    tmp_path: Path) -> None:
+async def test_the_reaper_path_stays_for_platforms_without_the_agent(
+    worktree: Path, tmp_path: Path
+) -> None:
     from fusion_oci.models import PrepareContext, RunOptions
     from fusion_oci.oci.host import probe_host
     from fusion_oci.policy.settings import SandboxSettings
@@ -467,10 +502,18 @@ async def test_the_reaper_path_stays_for_platforms_without_the_agent(worktree: P
 
     runtime = NativeRuntime(SandboxSettings(), dict(os.environ))
     runtime.uses_agent = False  # what macOS gets
-    ctx = PrepareContext(task_id="t", run_id="r", worktree_path=str(worktree),
-                         project_dir=str(tmp_path / "project"))
-    task = await runtime.prepare(resolve(SandboxSettings(), ctx, probe_host(),
-                                         env=dict(os.environ), cache_root=tmp_path / "cache"))
+    ctx = PrepareContext(
+        task_id="t", run_id="r", worktree_path=str(worktree), project_dir=str(tmp_path / "project")
+    )
+    task = await runtime.prepare(
+        resolve(
+            SandboxSettings(),
+            ctx,
+            probe_host(),
+            env=dict(os.environ),
+            cache_root=tmp_path / "cache",
+        )
+    )
     try:
         assert runtime._agent is None
         opts = RunOptions()
@@ -487,14 +530,16 @@ async def test_an_output_callback_that_raises_ends_the_run_and_is_raised(agent: 
         raise RuntimeError("the caller's callback failed")
 
     with pytest.raises(RuntimeError, match="callback failed"):
-        await agent.run(sh(f"echo hi; sh -c 'sleep 1000; :' {tag}"), env=ENV, on_output=boom,
-                        grace_s=0.3)
+        await agent.run(
+            sh(f"echo hi; sh -c 'sleep 1000; :' {tag}"), env=ENV, on_output=boom, grace_s=0.3
+        )
     assert gone(tag, 1.0)
     assert (await agent.run(["true"], env=ENV)).returncode == 0
 
 
-@pytest.mark.parametrize("garbage", [b"\xff\xff\xff\xff", b"\0\0\0\x0aXid=1\0stat",
-                                     b"\0\0\0\x0fXid=1\0status=x\0"])
+@pytest.mark.parametrize(
+    "garbage", [b"\xff\xff\xff\xff", b"\0\0\0\x0aXid=1\0stat", b"\0\0\0\x0fXid=1\0status=x\0"]
+)
 async def test_a_stream_that_cannot_be_read_is_a_lost_agent_not_a_hang(garbage: bytes) -> None:
     from fusion_oci.agent.protocol import encode
 
@@ -515,7 +560,8 @@ async def test_a_stream_that_cannot_be_read_is_a_lost_agent_not_a_hang(garbage: 
 
 
 async def test_an_agent_that_stops_answering_is_lost_after_the_backstop(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Connected but silent (hung): the timeout's kill gets no answer; past grace and the
     backstop the run fails as agent-lost instead of waiting forever."""
     import fusion_oci.agent.client as client
@@ -538,7 +584,8 @@ async def test_an_agent_that_stops_answering_is_lost_after_the_backstop(
 
 
 async def test_close_of_a_hung_agent_kills_everything_below_it(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """An agent that ignores the closed connection (here a fake that greets, starts a child in
     a session of its own and hangs): past the wait, close() kills its whole tree."""
     import fusion_oci.agent.client as client
@@ -553,7 +600,8 @@ async def test_close_of_a_hung_agent_kills_everything_below_it(
         "s = socket.socket(fileno=fd)\n"
         "s.sendall(b'\\0\\0\\0\\x11Hversion=1\\0pid=1\\0')\n"
         f"subprocess.Popen(['sh', '-c', 'sleep 1000; : {tag}'], start_new_session=True)\n"
-        "time.sleep(1000)\n")
+        "time.sleep(1000)\n"
+    )
     fake.chmod(0o755)
     a = await Agent.start_local(fake)
     assert await asyncio.to_thread(appears, tag)

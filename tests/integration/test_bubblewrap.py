@@ -33,29 +33,44 @@ def _bwrap() -> None:
 
 
 def _env(home: Path) -> dict[str, str]:
-    return {"HOME": str(home), "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-            "LANG": "C.UTF-8"}
+    return {"HOME": str(home), "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"}
 
 
 @asynccontextmanager
-async def sandbox(tmp_path: Path, worktree: Path, policy: SandboxPolicy, *,
-                  task: str = "t1", cache_mode: CacheMode = CacheMode.SHARED,
-                  project: Path | None = None) -> AsyncIterator[Sandbox]:
+async def sandbox(
+    tmp_path: Path,
+    worktree: Path,
+    policy: SandboxPolicy,
+    *,
+    task: str = "t1",
+    cache_mode: CacheMode = CacheMode.SHARED,
+    project: Path | None = None,
+) -> AsyncIterator[Sandbox]:
     home = tmp_path / "home"
     home.mkdir(exist_ok=True)
     settings = SandboxSettings(backend="bubblewrap", policy=policy)
     async with Sandbox(settings, env=_env(home), cache_root=tmp_path / "cache") as sb:
-        await sb.prepare(PrepareContext(
-            task_id=task, run_id="r1", worktree_path=str(worktree), policy=policy,
-            cache_mode=cache_mode, project_dir=str(project) if project else None,
-        ))
+        await sb.prepare(
+            PrepareContext(
+                task_id=task,
+                run_id="r1",
+                worktree_path=str(worktree),
+                policy=policy,
+                cache_mode=cache_mode,
+                project_dir=str(project) if project else None,
+            )
+        )
         yield sb
 
 
 def _leaves() -> set[str]:
     out = set()
-    for root in ("/sys/fs/cgroup/memory", "/sys/fs/cgroup/pids", "/sys/fs/cgroup/cpu",
-                 "/sys/fs/cgroup/unified"):
+    for root in (
+        "/sys/fs/cgroup/memory",
+        "/sys/fs/cgroup/pids",
+        "/sys/fs/cgroup/cpu",
+        "/sys/fs/cgroup/unified",
+    ):
         for dirpath, dirnames, _ in os.walk(root):
             out.update(os.path.join(dirpath, d) for d in dirnames if d.startswith("fusion-oci."))
     return out
@@ -75,9 +90,13 @@ def _slirps() -> set[int]:
 
 # ---------------------------------------------------------------------------- pnpm + caches
 
+
 def _pnpm_available() -> None:
-    require("bubblewrap", shutil.which("pnpm") is not None,
-            "pnpm is not installed on the host (scripts/install.sh installs it)")
+    require(
+        "bubblewrap",
+        shutil.which("pnpm") is not None,
+        "pnpm is not installed on the host (scripts/install.sh installs it)",
+    )
 
 
 @pytest.mark.slow
@@ -117,22 +136,26 @@ async def test_pnpm_project_installs_tests_and_builds_with_egress(tmp_path: Path
     third = tmp_path / "task-c"
     shutil.copytree(PNPM_PROJECT, third)
     git_init(third)
-    async with sandbox(tmp_path, third, offline, task="c", project=project,
-                       cache_mode=CacheMode.ISOLATED) as sb:
+    async with sandbox(
+        tmp_path, third, offline, task="c", project=project, cache_mode=CacheMode.ISOLATED
+    ) as sb:
         cold = await sb.run("pnpm install --frozen-lockfile --offline", long)
         assert cold.exit_code != 0
 
 
 # ---------------------------------------------------------------------------- git
 
-async def test_git_commit_in_a_linked_worktree(tmp_path: Path,
-                                               linked_worktree: tuple[Path, Path]) -> None:
+
+async def test_git_commit_in_a_linked_worktree(
+    tmp_path: Path, linked_worktree: tuple[Path, Path]
+) -> None:
     repo, wt = linked_worktree
     async with sandbox(tmp_path, wt, SandboxPolicy(allow_network=False)) as sb:
         result = await sb.run(
             "git status --short && echo change > new.txt && git add new.txt && "
             "git -c user.name=bot -c user.email=bot@example.invalid commit -qm 'from sandbox'"
-            " && git log --oneline -1")
+            " && git log --oneline -1"
+        )
         assert result.exit_code == 0, result.stderr
         # ...and the common dir's hooks and config stay read-only meanwhile
         hooks = await sb.run(f"touch {repo}/.git/hooks/pre-commit || echo refused")
@@ -145,11 +168,15 @@ async def test_git_commit_in_a_linked_worktree(tmp_path: Path,
 
 # ---------------------------------------------------------------------------- lifecycle
 
-async def test_limits_live_in_a_leaf_cgroup_that_is_removed(tmp_path: Path,
-                                                            worktree: Path) -> None:
+
+async def test_limits_live_in_a_leaf_cgroup_that_is_removed(tmp_path: Path, worktree: Path) -> None:
     before = _leaves()
-    policy = SandboxPolicy(allow_network=False, memory_limit_mb=128, pids_limit=100,
-                           cpu_limit=CpuLimit(max_cores=0.5, max_ms=20_000))
+    policy = SandboxPolicy(
+        allow_network=False,
+        memory_limit_mb=128,
+        pids_limit=100,
+        cpu_limit=CpuLimit(max_cores=0.5, max_ms=20_000),
+    )
     async with sandbox(tmp_path, worktree, policy) as sb:
         result = await sb.run("cat /proc/self/cgroup; ulimit -t")
     assert result.exit_code == 0, result.stderr
@@ -158,10 +185,7 @@ async def test_limits_live_in_a_leaf_cgroup_that_is_removed(tmp_path: Path,
     assert not _leaves() - before
 
 
-
-
-async def test_abort_and_max_buffer_leave_nothing_behind(tmp_path: Path,
-                                                         worktree: Path) -> None:
+async def test_abort_and_max_buffer_leave_nothing_behind(tmp_path: Path, worktree: Path) -> None:
     slirps, leaves = _slirps(), _leaves()
     policy = SandboxPolicy(network="egress", pids_limit=50)  # type: ignore[arg-type]
     async with sandbox(tmp_path, worktree, policy) as sb:
@@ -176,8 +200,9 @@ async def test_abort_and_max_buffer_leave_nothing_behind(tmp_path: Path,
     assert not _leaves() - leaves
 
 
-async def test_network_none_has_no_route_and_egress_reaches_out(tmp_path: Path,
-                                                                worktree: Path) -> None:
+async def test_network_none_has_no_route_and_egress_reaches_out(
+    tmp_path: Path, worktree: Path
+) -> None:
     async with sandbox(tmp_path, worktree, SandboxPolicy(allow_network=False)) as sb:
         none = await sb.run("cat /proc/net/route | wc -l")
     assert none.stdout.strip() == "1"  # the header only: no route anywhere
@@ -189,6 +214,7 @@ async def test_network_none_has_no_route_and_egress_reaches_out(tmp_path: Path,
 
 # ---------------------------------------------------------------------------- honesty
 
+
 def test_availability_details_for_doctor() -> None:
     runtime = BubblewrapRuntime(SandboxSettings(backend="bubblewrap"), dict(os.environ))
     avail = runtime.availability()
@@ -198,7 +224,8 @@ def test_availability_details_for_doctor() -> None:
 
 
 async def test_lifecycle_refuses_limits_this_host_cannot_enforce(
-        tmp_path: Path, worktree: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, worktree: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     real = bubblewrap.probe_host_support(os.environ.get("PATH", os.defpath), os.geteuid())
     no_cgroups = dataclasses_replace(real, problem=None, cgroups=CgroupSupport("none"))
     monkeypatch.setattr(bubblewrap, "probe_host_support", lambda path, uid: no_cgroups)
@@ -231,8 +258,11 @@ async def test_planned_argv_runs_unprivileged(tmp_path: Path) -> None:
         pw = pwd.getpwnam(user)
     except KeyError:
         pw = None
-    require("bubblewrap", os.geteuid() == 0 and pw is not None,
-            f"needs root and the unprivileged user {user} (scripts/install.sh creates it)")
+    require(
+        "bubblewrap",
+        os.geteuid() == 0 and pw is not None,
+        f"needs root and the unprivileged user {user} (scripts/install.sh creates it)",
+    )
     assert pw is not None
     wt = Path(tempfile.mkdtemp(prefix="fusion-oci-rootless-"))
     try:
@@ -250,17 +280,30 @@ async def test_planned_argv_runs_unprivileged(tmp_path: Path) -> None:
         os.write(w, program)
         os.close(w)
         ours, theirs = socket.socketpair()
-        argv = bwrap_argv(spec, task.user, runtime.host_for(spec),
-                          LaunchFds(seccomp=r, agent=theirs.fileno()))
+        argv = bwrap_argv(
+            spec, task.user, runtime.host_for(spec), LaunchFds(seccomp=r, agent=theirs.fileno())
+        )
         proc = await asyncio.create_subprocess_exec(
-            "runuser", "-u", user, "--", *argv, pass_fds=(r, theirs.fileno()),
-            stdin=asyncio.subprocess.DEVNULL, start_new_session=True)
+            "runuser",
+            "-u",
+            user,
+            "--",
+            *argv,
+            pass_fds=(r, theirs.fileno()),
+            stdin=asyncio.subprocess.DEVNULL,
+            start_new_session=True,
+        )
         os.close(r)
         theirs.close()
         agent = await Agent.over(ours, proc, 20.0)
         try:
-            spawn = bwrap_spawn(task.process("id -u; echo ok > made-here; cat /proc/self/status"
-                                             " | grep -E '^(CapEff|Seccomp):'", RunOptions()))
+            spawn = bwrap_spawn(
+                task.process(
+                    "id -u; echo ok > made-here; cat /proc/self/status"
+                    " | grep -E '^(CapEff|Seccomp):'",
+                    RunOptions(),
+                )
+            )
             done = await agent.run(spawn.argv, env=spawn.env, cwd=spawn.cwd, timeout_s=30)
         finally:
             await agent.close()
@@ -276,16 +319,20 @@ async def test_planned_argv_runs_unprivileged(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------------------- the launch
 
+
 async def test_large_environments_reach_the_command_and_oversized_args_fail_as_in_a_shell(
-        tmp_path: Path, worktree: Path) -> None:
+    tmp_path: Path, worktree: Path
+) -> None:
     """200 KB of environment (more than a pipe holds) reaches the command through the agent;
     one argument over the kernel's 128 KiB fails its exec as a shell says it (126), and the
     sandbox goes on."""
     policy = SandboxPolicy(allow_network=False, env_allowlist=["BIG_A", "BIG_B"])
     env = {"BIG_A": "a" * 100_000, "BIG_B": "b" * 100_000}
     async with sandbox(tmp_path, worktree, policy) as sb:
-        out = await sb.run('echo "${#BIG_A} ${#BIG_B}"; ulimit -n',
-                           RunOptions(env={**_env(tmp_path / "home"), **env}))
+        out = await sb.run(
+            'echo "${#BIG_A} ${#BIG_B}"; ulimit -n',
+            RunOptions(env={**_env(tmp_path / "home"), **env}),
+        )
         assert out.exit_code == 0, out.stderr
         assert out.stdout.split() == ["100000", "100000", "20000"]
         big = await sb.run(["/bin/echo", "x" * 200_000])
@@ -294,7 +341,8 @@ async def test_large_environments_reach_the_command_and_oversized_args_fail_as_i
 
 
 async def test_seccomp_is_compiled_once_per_sandbox_and_high_bits_do_not_dodge_it(
-        tmp_path: Path, worktree: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, worktree: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """libseccomp compiles the bundle's profile at prepare, not per command; in the kernel,
     socket() with AF_PACKET in the low 32 bits of the family and junk above is refused."""
     from fusion_oci.runtimes import bubblewrap_argv
@@ -307,11 +355,13 @@ async def test_seccomp_is_compiled_once_per_sandbox_and_high_bits_do_not_dodge_i
         return real(profile, arch)
 
     monkeypatch.setattr(bubblewrap_argv, "compile_bpf", counting)
-    probe = ("import ctypes, errno\n"
-             "libc = ctypes.CDLL(None, use_errno=True)\n"
-             "libc.syscall.restype = ctypes.c_long\n"
-             "fd = libc.syscall(41, ctypes.c_ulong(0x100000011), 3, 0)\n"
-             "print(fd, errno.errorcode.get(ctypes.get_errno()))\n")
+    probe = (
+        "import ctypes, errno\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "libc.syscall.restype = ctypes.c_long\n"
+        "fd = libc.syscall(41, ctypes.c_ulong(0x100000011), 3, 0)\n"
+        "print(fd, errno.errorcode.get(ctypes.get_errno()))\n"
+    )
     policy = SandboxPolicy(allow_network=False)
     async with sandbox(tmp_path, worktree, policy) as sb:
         for _ in range(3):
@@ -323,7 +373,8 @@ async def test_seccomp_is_compiled_once_per_sandbox_and_high_bits_do_not_dodge_i
 
 
 async def test_an_rlimit_the_kernel_refuses_is_a_setup_error_and_the_sandbox_goes_on(
-        tmp_path: Path, worktree: Path) -> None:
+    tmp_path: Path, worktree: Path
+) -> None:
     """The agent sets each command's rlimits before its exec; when the kernel refuses one, the
     command never ran, the error names the limit, and the next command runs."""
     from fusion_oci.errors import SandboxSetupError
@@ -336,15 +387,17 @@ async def test_an_rlimit_the_kernel_refuses_is_a_setup_error_and_the_sandbox_goe
         assert isinstance(runtime, BubblewrapRuntime) and sb.task is not None
         process = sb.task.process("true", RunOptions())
         # above fs.nr_open: refused even to root
-        process = process.model_copy(update={"rlimits": [
-            Rlimit(type="RLIMIT_NOFILE", soft=2**31, hard=2**31)]})
+        process = process.model_copy(
+            update={"rlimits": [Rlimit(type="RLIMIT_NOFILE", soft=2**31, hard=2**31)]}
+        )
         with pytest.raises(SandboxSetupError, match="RLIMIT_NOFILE"):
             await runtime.execute(runtime.plan(process), RunOptions())
         assert (await sb.run("true")).exit_code == 0
 
 
 async def test_one_sandbox_per_task_and_nothing_left_after_dispose(
-        tmp_path: Path, worktree: Path) -> None:
+    tmp_path: Path, worktree: Path
+) -> None:
     """Commands share the task's sandbox (its /tmp lasts, as a container's does); after
     dispose no process, cgroup or slirp4netns of it is left."""
     slirps, leaves = _slirps(), _leaves()
@@ -363,8 +416,7 @@ async def test_one_sandbox_per_task_and_nothing_left_after_dispose(
     assert not _leaves() - leaves
 
 
-async def test_killing_the_agent_fails_the_sandbox_loudly(tmp_path: Path,
-                                                          worktree: Path) -> None:
+async def test_killing_the_agent_fails_the_sandbox_loudly(tmp_path: Path, worktree: Path) -> None:
     """The agent killed from outside: the run in flight and every later one raise
     AgentLostError (kind agent-lost), never a hang; dispose still cleans up."""
     import signal as _signal
@@ -372,8 +424,7 @@ async def test_killing_the_agent_fails_the_sandbox_loudly(tmp_path: Path,
     from fusion_oci.errors import AgentLostError
 
     leaves = _leaves()
-    async with sandbox(tmp_path, worktree, SandboxPolicy(allow_network=False,
-                                                         pids_limit=64)) as sb:
+    async with sandbox(tmp_path, worktree, SandboxPolicy(allow_network=False, pids_limit=64)) as sb:
         runtime = sb.runtime
         assert isinstance(runtime, BubblewrapRuntime) and runtime._box is not None
         bwrap_pid = runtime._box.agent.peer_pid
@@ -390,15 +441,18 @@ async def test_killing_the_agent_fails_the_sandbox_loudly(tmp_path: Path,
 
 
 async def test_agent_cannot_be_replaced_traced_or_ended_from_inside(
-        tmp_path: Path, worktree: Path) -> None:
+    tmp_path: Path, worktree: Path
+) -> None:
     """The agent is the sandbox's PID 1 on a socketpair (no path to reach, here or in another
     task's sandbox); its binary is a read-only bind; it cannot be traced or read through
     /proc; signals from inside do not end it; the command holds no fd of its connection.
     Later commands still run through the same agent, and the other task's is intact."""
     other_wt = git_init(tmp_path / "other")
     none = SandboxPolicy(allow_network=False)
-    async with sandbox(tmp_path, worktree, none) as sb, \
-            sandbox(tmp_path, other_wt, none, task="t2") as other:
+    async with (
+        sandbox(tmp_path, worktree, none) as sb,
+        sandbox(tmp_path, other_wt, none, task="t2") as other,
+    ):
         runtime = sb.runtime
         assert isinstance(runtime, BubblewrapRuntime) and runtime._box is not None
         before = runtime._box.agent.peer_pid
@@ -411,7 +465,7 @@ async def test_agent_cannot_be_replaced_traced_or_ended_from_inside(
             "agent memory": "head -c 1 /proc/1/mem",
             "agent fds": "readlink /proc/1/fd/3 || readlink /proc/1/exe",
             "kill the agent": "kill -9 1; kill -TERM 1; kill -HUP 1; sleep 1; kill -0 1 || exit 0;"
-                              " exit 1",
+            " exit 1",
         }
         for name, cmd in tamper.items():
             r = await sb.run(cmd, RunOptions(timeout_ms=20_000))
@@ -423,22 +477,27 @@ async def test_agent_cannot_be_replaced_traced_or_ended_from_inside(
 
 
 async def test_a_sandbox_bwrap_cannot_build_is_a_setup_error_with_its_words(
-        tmp_path: Path, worktree: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, worktree: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """bwrap refusing the sandbox at prepare (as a host without mount rights has it say) is
     a typed setup error carrying bwrap's own message, and nothing of it is left."""
     from fusion_oci.errors import SandboxSetupError
 
     fake = tmp_path / "bwrap"
-    fake.write_text("#!/bin/sh\necho 'bwrap: Can'\\''t mount proc on /newroot/proc: "
-                    "Operation not permitted' >&2\nexit 1\n")
+    fake.write_text(
+        "#!/bin/sh\necho 'bwrap: Can'\\''t mount proc on /newroot/proc: "
+        "Operation not permitted' >&2\nexit 1\n"
+    )
     fake.chmod(0o755)
     real = bubblewrap.probe_host_support(os.environ.get("PATH", os.defpath), os.geteuid())
-    monkeypatch.setattr(bubblewrap, "probe_host_support",
-                        lambda path, uid: dataclasses_replace(real, bwrap=str(fake)))
+    monkeypatch.setattr(
+        bubblewrap,
+        "probe_host_support",
+        lambda path, uid: dataclasses_replace(real, bwrap=str(fake)),
+    )
     leaves = _leaves()
     with pytest.raises(SandboxSetupError) as err:
-        async with sandbox(tmp_path, worktree, SandboxPolicy(allow_network=False,
-                                                             pids_limit=64)):
+        async with sandbox(tmp_path, worktree, SandboxPolicy(allow_network=False, pids_limit=64)):
             pass
     assert err.value.what == "bwrap could not build the sandbox"
     assert "Can't mount proc" in (err.value.why or ""), err.value

@@ -32,14 +32,26 @@ def shim_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     shim = bin_dir / "fusion-oci"
     shim.write_text(f'#!/bin/sh\nexec {sys.executable} -m fusion_oci.cli.main "$@"\n')
     shim.chmod(0o755)
-    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
-            "HOME": str(tmp_path / "home"), **extra}
+    return {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "HOME": str(tmp_path / "home"),
+        **extra,
+    }
 
 
 def test_workflow_is_valid_and_scripts_parse() -> None:
-    check = subprocess.run([tool("check-jsonschema"), "--builtin-schema",
-                            "vendor.github-workflows", str(EXAMPLES / "github-actions.yml")],
-                           capture_output=True, text=True, timeout=120)
+    check = subprocess.run(
+        [
+            tool("check-jsonschema"),
+            "--builtin-schema",
+            "vendor.github-workflows",
+            str(EXAMPLES / "github-actions.yml"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert check.returncode == 0, check.stdout + check.stderr
     for script in ("prebuild.sh", "reproduce.sh"):
         assert subprocess.run(["sh", "-n", str(EXAMPLES / script)]).returncode == 0
@@ -73,8 +85,18 @@ def test_reproduce_replays_a_failed_run_and_exports_it(tmp_path: Path) -> None:
     require_runtime("bubblewrap")
     wt = committed_worktree(tmp_path)
     failing = 'echo "the test failed"; exit 7'
-    p = cli("run", "--backend", "bubblewrap", "--network", "none", "--run-id", "ci-42",
-            "--", failing, cwd=wt)
+    p = cli(
+        "run",
+        "--backend",
+        "bubblewrap",
+        "--network",
+        "none",
+        "--run-id",
+        "ci-42",
+        "--",
+        failing,
+        cwd=wt,
+    )
     assert p.returncode == 7
     from tests.integration.images_fixture import ensure_node_image
 
@@ -82,8 +104,13 @@ def test_reproduce_replays_a_failed_run_and_exports_it(tmp_path: Path) -> None:
     out = tmp_path / "out"
     env = shim_env(tmp_path, FUSION_OCI_IMAGE=image)
     env["HOME"] = str(wt.parent / "home")  # the recording's audit key
-    r = subprocess.run(["sh", str(EXAMPLES / "reproduce.sh"), str(wt), "ci-42", "", str(out)],
-                       env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        ["sh", str(EXAMPLES / "reproduce.sh"), str(wt), "ci-42", "", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 7, r.stdout + r.stderr
     assert "recorded exit 7 on bubblewrap, replayed exit 7 on bubblewrap; stdout same" in r.stdout
     report = json.loads((out / "repro.json").read_text())
@@ -91,6 +118,7 @@ def test_reproduce_replays_a_failed_run_and_exports_it(tmp_path: Path) -> None:
     assert "root filesystem" in (out / "export-notes.txt").read_text()
     # the exported script runs the same command in podman, on the node image
     run_env = {k: v for k, v in os.environ.items() if k != "CONTAINER_HOST"}
-    s = subprocess.run(["sh", str(out / "repro.sh")], env=run_env, capture_output=True,
-                       text=True, timeout=300)
+    s = subprocess.run(
+        ["sh", str(out / "repro.sh")], env=run_env, capture_output=True, text=True, timeout=300
+    )
     assert (s.returncode, s.stdout) == (7, "the test failed\n"), s.stderr

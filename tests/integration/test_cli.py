@@ -17,13 +17,24 @@ from fusion_oci.models import BACKEND_IDS
 pytestmark = pytest.mark.native
 
 
-def cli(*args: str, cwd: Path, env: dict[str, str] | None = None,
-        timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    full_env = {**os.environ, "HOME": str(cwd.parent / "home"),
-                "XDG_CONFIG_HOME": str(cwd.parent / "home/.config"), **(env or {})}
-    return subprocess.run([sys.executable, "-m", "fusion_oci.cli.main", *args], cwd=cwd,
-                          env=full_env, capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
+def cli(
+    *args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    full_env = {
+        **os.environ,
+        "HOME": str(cwd.parent / "home"),
+        "XDG_CONFIG_HOME": str(cwd.parent / "home/.config"),
+        **(env or {}),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "fusion_oci.cli.main", *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def test_run_passes_output_and_status(worktree: Path) -> None:
@@ -50,8 +61,16 @@ def test_run_json(worktree: Path) -> None:
     result = json.loads(p.stdout)
     assert result["truncated"] is True
     assert result["reason"] == "max-buffer"
-    assert {"stdout", "stderr", "exitCode", "signal", "timedOut", "durationMs", "backend",
-            "fellBack"} <= set(result)
+    assert {
+        "stdout",
+        "stderr",
+        "exitCode",
+        "signal",
+        "timedOut",
+        "durationMs",
+        "backend",
+        "fellBack",
+    } <= set(result)
 
 
 def test_unavailable_backend_is_125_then_fallback_runs(worktree: Path) -> None:
@@ -59,22 +78,39 @@ def test_unavailable_backend_is_125_then_fallback_runs(worktree: Path) -> None:
     assert p.returncode == 125
     assert "unavailable" in p.stderr and "hint:" in p.stderr
     assert "Traceback" not in p.stderr
-    p = cli("run", "--backend", "custom", "--failure-mode", "fallback-native", "--",
-            "echo hi", cwd=worktree)
+    p = cli(
+        "run",
+        "--backend",
+        "custom",
+        "--failure-mode",
+        "fallback-native",
+        "--",
+        "echo hi",
+        cwd=worktree,
+    )
     assert (p.returncode, p.stdout) == (0, "hi\n")
     assert "fell back" in p.stderr
-    audit = [json.loads(line) for line in
-             (worktree / ".fusion/sandbox-audit.jsonl").read_text().splitlines()]
-    assert [e["type"] for e in audit][-5:] == ["sandbox:failure", "sandbox:fallback",
-                                                "sandbox:prepare", "sandbox:run",
-                                                "sandbox:dispose"]
+    audit = [
+        json.loads(line)
+        for line in (worktree / ".fusion/sandbox-audit.jsonl").read_text().splitlines()
+    ]
+    assert [e["type"] for e in audit][-5:] == [
+        "sandbox:failure",
+        "sandbox:fallback",
+        "sandbox:prepare",
+        "sandbox:run",
+        "sandbox:dispose",
+    ]
 
 
-@pytest.mark.parametrize(("content", "needle"), [
-    ("sandbox:\n  backend: lxc\n", "sandbox.backend"),
-    ("sandbox:\n  policy: {memoryLimitMb: -1}\n", "sandbox.policy.memoryLimitMb"),
-    ("sandbox: [\n", "not valid YAML"),
-])
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        ("sandbox:\n  backend: lxc\n", "sandbox.backend"),
+        ("sandbox:\n  policy: {memoryLimitMb: -1}\n", "sandbox.policy.memoryLimitMb"),
+        ("sandbox: [\n", "not valid YAML"),
+    ],
+)
 def test_bad_settings_exit_2_nothing_run(worktree: Path, content: str, needle: str) -> None:
     (worktree / ".fusion").mkdir()
     (worktree / ".fusion/settings.yaml").write_text(content)
@@ -106,8 +142,19 @@ def test_task_prompt_override(worktree: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize("backend", BACKEND_IDS)
 def test_plan_is_pure_for_every_backend(worktree: Path, backend: str, oci_validator: Any) -> None:
     before = sorted(worktree.parent.rglob("*"))
-    p = cli("plan", "--json", "--backend", backend, "--network", "none", "--memory-mb", "256",
-            "--", "pnpm test", cwd=worktree)
+    p = cli(
+        "plan",
+        "--json",
+        "--backend",
+        backend,
+        "--network",
+        "none",
+        "--memory-mb",
+        "256",
+        "--",
+        "pnpm test",
+        cwd=worktree,
+    )
     assert p.returncode == 0, p.stderr
     data = json.loads(p.stdout)
     oci_validator.validate(data["config"])
@@ -119,8 +166,7 @@ def test_plan_is_pure_for_every_backend(worktree: Path, backend: str, oci_valida
 
 def test_bundle_create(worktree: Path, tmp_path: Path, oci_validator: Any) -> None:
     out = tmp_path / "bundle"
-    p = cli("bundle", "create", "-o", str(out), "--pids", "64", "--", "make", "test",
-            cwd=worktree)
+    p = cli("bundle", "create", "-o", str(out), "--pids", "64", "--", "make", "test", cwd=worktree)
     assert p.returncode == 0, p.stderr
     config = json.loads((out / "config.json").read_text())
     oci_validator.validate(config)
@@ -164,8 +210,12 @@ def test_doctor_lists_every_backend(worktree: Path) -> None:
     p = cli("doctor", "--json", cwd=worktree)
     assert p.returncode == 0, p.stderr
     report = json.loads(p.stdout)
-    assert report["configured"] == {"backend": "native", "source": "default",
-                                    "failureMode": "fail-hard", "available": True}
+    assert report["configured"] == {
+        "backend": "native",
+        "source": "default",
+        "failureMode": "fail-hard",
+        "available": True,
+    }
     listed = report["backends"]
     rows = {r["backend"]: r for r in listed if r.get("ociRuntime") in (None, "runc")}
     assert set(rows) == set(BACKEND_IDS)
@@ -188,8 +238,10 @@ def test_missing_image_asks_the_gate_denies_non_interactive_and_audits(worktree:
     p = cli("run", "--backend", "docker", "--image", image, "--", "true", cwd=worktree)
     assert p.returncode == 125, p.stderr
     assert "sandbox_provision" in p.stderr and "--allow-provision" in p.stderr
-    events = [json.loads(line) for line in
-              (worktree / ".fusion/sandbox-audit.jsonl").read_text().splitlines()]
+    events = [
+        json.loads(line)
+        for line in (worktree / ".fusion/sandbox-audit.jsonl").read_text().splitlines()
+    ]
     gate = [e for e in events if e["type"] == "sandbox:gate"]
     assert gate, [e["type"] for e in events]
     assert gate[-1]["taskId"] == "adhoc"

@@ -22,8 +22,14 @@ pytestmark = pytest.mark.native
 
 
 def fast(*args: str, cwd: Path, env: dict[str, str], **kw: object) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "fusion_oci.cli.fast", *args], cwd=cwd,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "fusion_oci.cli.fast", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        **kw,
+    )
 
 
 def done(proc: subprocess.Popen[bytes], timeout: float = 60) -> tuple[int, str, str]:
@@ -104,8 +110,13 @@ def wt(tmp_path: Path) -> Path:
 def env(resident: Resident, tmp_path: Path) -> dict[str, str]:
     home = tmp_path / "home"
     home.mkdir(exist_ok=True)
-    return {**os.environ, "PYTHONPATH": str(ROOT), "XDG_RUNTIME_DIR": str(resident.base),
-            "HOME": str(home), "FUSION_OCI_SERVER_IDLE": "30"}
+    return {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "XDG_RUNTIME_DIR": str(resident.base),
+        "HOME": str(home),
+        "FUSION_OCI_SERVER_IDLE": "30",
+    }
 
 
 def test_help_lists_every_command_and_option(wt: Path, env: dict[str, str]) -> None:
@@ -130,10 +141,12 @@ def test_help_lists_every_command_and_option(wt: Path, env: dict[str, str]) -> N
     assert call("--version", cwd=wt, env=env)[1].startswith("fusion-oci ")
 
 
-def test_run_goes_through_the_resident_server(wt: Path, env: dict[str, str],
-                                              resident: Resident) -> None:
-    code, out, err = call("run", "--", "sh", "-c", "echo out; echo err >&2; exit 3",
-                          cwd=wt, env=env)
+def test_run_goes_through_the_resident_server(
+    wt: Path, env: dict[str, str], resident: Resident
+) -> None:
+    code, out, err = call(
+        "run", "--", "sh", "-c", "echo out; echo err >&2; exit 3", cwd=wt, env=env
+    )
     assert (code, out) == (3, "out\n")
     assert "err\n" in err and "native backend isolates nothing" in err
     [sock] = resident.sockets()
@@ -150,12 +163,28 @@ def test_same_results_as_in_process(wt: Path, env: dict[str, str], tmp_path: Pat
     environment and working directory, relative flags are the caller's."""
     (wt / "sub").mkdir()
     (wt / "sub" / "prompt.md").write_text("**Sandbox:** native\n")
-    cmd = ["run", "--cwd", "sub", "--task-prompt", "prompt.md", "--json", "--",
-           "sh", "-c", 'echo "$FUSION_FAST_PROBE:$(pwd)"; umask']
+    cmd = [
+        "run",
+        "--cwd",
+        "sub",
+        "--task-prompt",
+        "prompt.md",
+        "--json",
+        "--",
+        "sh",
+        "-c",
+        'echo "$FUSION_FAST_PROBE:$(pwd)"; umask',
+    ]
     env = {**env, "FUSION_FAST_PROBE": "seen"}
     code, out, _ = call(*cmd, cwd=wt / "sub", env=env)
-    here = subprocess.run([sys.executable, "-m", "fusion_oci.cli.main", *cmd], cwd=wt / "sub",
-                          env=env, capture_output=True, text=True, check=False)
+    here = subprocess.run(
+        [sys.executable, "-m", "fusion_oci.cli.main", *cmd],
+        cwd=wt / "sub",
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert code == here.returncode == 0
     assert json.loads(out)["stdout"] == json.loads(here.stdout)["stdout"]
     assert json.loads(out)["stdout"].startswith(f"seen:{wt / 'sub'}\n")
@@ -166,23 +195,49 @@ def test_exit_statuses(wt: Path, env: dict[str, str]) -> None:
     assert call("run", "--", "sh", "-c", "exit 3", cwd=wt, env=env)[0] == 3
     code, _, err = call("run", "--timeout-ms", "300", "--", "sleep", "5", cwd=wt, env=env)
     assert code == 124 and "timed out after 300 ms" in err
-    code, _, err = call("run", "--backend", "sandbox-exec", "--failure-mode", "fail-hard",
-                        "--", "true", cwd=wt, env=env)
+    code, _, err = call(
+        "run",
+        "--backend",
+        "sandbox-exec",
+        "--failure-mode",
+        "fail-hard",
+        "--",
+        "true",
+        cwd=wt,
+        env=env,
+    )
     assert code == 125 and err.startswith("fusion-oci: ")
     code, _, err = call("run", "--backend", "bubblewrp", "--", "true", cwd=wt, env=env)
     assert code == 2 and "Did you mean bubblewrap?" in err
-    code, out, _ = call("run", "--json", "--backend", "bubblewrp", "--", "true", cwd=wt,
-                        env=env)
+    code, out, _ = call("run", "--json", "--backend", "bubblewrp", "--", "true", cwd=wt, env=env)
     assert code == 2 and json.loads(out)["error"]["kind"] == "bad-flags"
-    code, out, _ = call("run", "--json", "--backend", "sandbox-exec", "--failure-mode",
-                        "fail-hard", "--", "true", cwd=wt, env=env)
+    code, out, _ = call(
+        "run",
+        "--json",
+        "--backend",
+        "sandbox-exec",
+        "--failure-mode",
+        "fail-hard",
+        "--",
+        "true",
+        cwd=wt,
+        env=env,
+    )
     error = json.loads(out)["error"]
     assert code == 125 and set(error) == {"kind", "what", "why", "hint", "unenforced"}
 
 
 def test_output_streams_as_it_comes(wt: Path, env: dict[str, str]) -> None:
-    proc = fast("run", "--", "sh", "-c", "echo first; sleep 3; echo second", cwd=wt, env=env,
-                stdin=subprocess.DEVNULL)
+    proc = fast(
+        "run",
+        "--",
+        "sh",
+        "-c",
+        "echo first; sleep 3; echo second",
+        cwd=wt,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
     assert proc.stdout is not None
     assert proc.stdout.readline() == b"first\n"
     first_at = time.monotonic()
@@ -195,18 +250,35 @@ def test_output_streams_as_it_comes(wt: Path, env: dict[str, str]) -> None:
 
 
 def test_binary_output_is_kept_byte_for_byte(wt: Path, env: dict[str, str]) -> None:
-    proc = fast("run", "--", "sh", "-c", r"printf '\377\000\n\351'", cwd=wt, env=env,
-                stdin=subprocess.DEVNULL)
+    proc = fast(
+        "run",
+        "--",
+        "sh",
+        "-c",
+        r"printf '\377\000\n\351'",
+        cwd=wt,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
     out, _ = proc.communicate(timeout=60)
     assert out == b"\xff\x00\n\xe9"
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
-def test_signal_ends_the_tree_and_exits_128_plus_n(wt: Path, env: dict[str, str],
-                                                   signum: int) -> None:
+def test_signal_ends_the_tree_and_exits_128_plus_n(
+    wt: Path, env: dict[str, str], signum: int
+) -> None:
     marker = f"fusion-fast-{signum}-{os.getpid()}"
-    proc = fast("run", "--", "sh", "-c", f"echo up; exec sleep 300 # {marker}", cwd=wt,
-                env=env, stdin=subprocess.DEVNULL)
+    proc = fast(
+        "run",
+        "--",
+        "sh",
+        "-c",
+        f"echo up; exec sleep 300 # {marker}",
+        cwd=wt,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
     assert proc.stdout is not None and proc.stdout.readline() == b"up\n"
     proc.send_signal(signum)
     code, _, _ = done(proc, 30)
@@ -235,8 +307,9 @@ def test_large_stdin_round_trips(wt: Path, env: dict[str, str]) -> None:
     assert proc.returncode == 0 and out.split()[0].decode() == hashlib.sha256(data).hexdigest()
 
 
-def test_server_exits_after_its_idle_timeout(wt: Path, env: dict[str, str],
-                                            resident: Resident) -> None:
+def test_server_exits_after_its_idle_timeout(
+    wt: Path, env: dict[str, str], resident: Resident
+) -> None:
     env = {**env, "FUSION_OCI_SERVER_IDLE": "1"}
     assert call("run", "--", "true", cwd=wt, env=env)[0] == 0
     [sock] = resident.sockets()
@@ -276,18 +349,19 @@ def test_stale_socket_is_recovered(wt: Path, env: dict[str, str], resident: Resi
     resident.pid(sock)  # a new server answers there
 
 
-def test_two_first_calls_start_one_server(wt: Path, env: dict[str, str],
-                                          resident: Resident) -> None:
-    procs = [fast("run", "--", "true", cwd=wt, env=env, stdin=subprocess.DEVNULL)
-             for _ in range(3)]
+def test_two_first_calls_start_one_server(
+    wt: Path, env: dict[str, str], resident: Resident
+) -> None:
+    procs = [fast("run", "--", "true", cwd=wt, env=env, stdin=subprocess.DEVNULL) for _ in range(3)]
     assert [done(p)[0] for p in procs] == [0, 0, 0]
     assert len(resident.sockets()) == 1
     log = next(resident.dir.glob("*.log")).read_text()
     assert log.count("listening on") == 1
 
 
-def test_a_folder_open_to_others_is_refused(wt: Path, env: dict[str, str],
-                                            resident: Resident) -> None:
+def test_a_folder_open_to_others_is_refused(
+    wt: Path, env: dict[str, str], resident: Resident
+) -> None:
     resident.dir.mkdir(mode=0o700)
     resident.dir.chmod(0o755)
     code, out, err = call("run", "--", "echo", "still", cwd=wt, env=env)
@@ -296,8 +370,9 @@ def test_a_folder_open_to_others_is_refused(wt: Path, env: dict[str, str],
     assert resident.sockets() == []
 
 
-def test_a_socket_not_a_socket_is_refused(wt: Path, env: dict[str, str],
-                                          resident: Resident) -> None:
+def test_a_socket_not_a_socket_is_refused(
+    wt: Path, env: dict[str, str], resident: Resident
+) -> None:
     assert call("run", "--", "true", cwd=wt, env=env)[0] == 0
     [sock] = resident.sockets()
     os.kill(resident.pid(sock), signal.SIGKILL)
@@ -312,16 +387,23 @@ def test_a_socket_not_a_socket_is_refused(wt: Path, env: dict[str, str],
 def test_the_server_wants_the_token(resident: Resident, wt: Path, env: dict[str, str]) -> None:
     assert call("run", "--", "true", cwd=wt, env=env)[0] == 0
     [sock] = resident.sockets()
-    [reply] = rpc(sock, {"id": 1, "method": "cli/run", "params": {
-        "argv": ["--", "touch", str(wt / "pwned")], "cwd": str(wt), "env": {}}})
+    [reply] = rpc(
+        sock,
+        {
+            "id": 1,
+            "method": "cli/run",
+            "params": {"argv": ["--", "touch", str(wt / "pwned")], "cwd": str(wt), "env": {}},
+        },
+    )
     assert "error" in reply
     [reply] = rpc(sock, {"id": 1, "method": "initialize", "params": {"token": "guess"}})
     assert "error" in reply
     assert not (wt / "pwned").exists()
 
 
-def test_backpressure_bounds_what_the_server_buffers(wt: Path, env: dict[str, str],
-                                                     resident: Resident) -> None:
+def test_backpressure_bounds_what_the_server_buffers(
+    wt: Path, env: dict[str, str], resident: Resident
+) -> None:
     """A client that does not read: the command is held (its pipe full), the server's memory
     does not grow with the output."""
     assert call("run", "--", "true", cwd=wt, env=env)[0] == 0
@@ -337,14 +419,26 @@ def test_backpressure_bounds_what_the_server_buffers(wt: Path, env: dict[str, st
     with socket.socket(socket.AF_UNIX) as conn:
         conn.connect(str(sock))
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
-        script = (f"i=0; while [ $i -lt 4000 ]; do head -c 65536 /dev/zero; i=$((i+1)); "
-                  f"echo $i > {counter}; done")
-        for m in ({"id": 1, "method": "initialize", "params": {"token": resident.token()}},
-                  {"id": 2, "method": "cli/run", "params": {
-                      "argv": ["--", "sh", "-c", script], "cwd": str(wt), "env": env,
-                      "execId": "slow"}}):
+        script = (
+            f"i=0; while [ $i -lt 4000 ]; do head -c 65536 /dev/zero; i=$((i+1)); "
+            f"echo $i > {counter}; done"
+        )
+        for m in (
+            {"id": 1, "method": "initialize", "params": {"token": resident.token()}},
+            {
+                "id": 2,
+                "method": "cli/run",
+                "params": {
+                    "argv": ["--", "sh", "-c", script],
+                    "cwd": str(wt),
+                    "env": env,
+                    "execId": "slow",
+                },
+            },
+        ):
             body = json.dumps({"jsonrpc": "2.0", **m}).encode()
             conn.sendall(b"Content-Length: %d\r\n\r\n" % len(body) + body)
+
         def count() -> int:  # the shell rewrites the file: retry a half-written read
             for _ in range(50):
                 text = counter.read_text().strip() if counter.exists() else "0"
@@ -370,9 +464,14 @@ def test_backpressure_bounds_what_the_server_buffers(wt: Path, env: dict[str, st
 def test_stdin_streams_in_process_too(wt: Path, env: dict[str, str]) -> None:
     """The full CLI (FUSION_OCI_NO_SERVER=1, or `python -m fusion_oci.cli.main`) forwards -i
     as it comes as well: a line arrives back before our stdin has ended."""
-    proc = subprocess.Popen([sys.executable, "-m", "fusion_oci.cli.main", "run", "-i", "--",
-                             "cat"], cwd=wt, env=env, stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fusion_oci.cli.main", "run", "-i", "--", "cat"],
+        cwd=wt,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write(b"one\n")
     proc.stdin.flush()
@@ -382,14 +481,16 @@ def test_stdin_streams_in_process_too(wt: Path, env: dict[str, str]) -> None:
 
 
 def test_no_server_runs_in_process(wt: Path, env: dict[str, str], resident: Resident) -> None:
-    code, out, _ = call("run", "--", "echo", "here", cwd=wt,
-                        env={**env, "FUSION_OCI_NO_SERVER": "1"})
+    code, out, _ = call(
+        "run", "--", "echo", "here", cwd=wt, env={**env, "FUSION_OCI_NO_SERVER": "1"}
+    )
     assert (code, out) == (0, "here\n")
     assert resident.sockets() == []
 
 
-def test_a_different_environment_gets_its_own_server(wt: Path, env: dict[str, str],
-                                                     resident: Resident, tmp_path: Path) -> None:
+def test_a_different_environment_gets_its_own_server(
+    wt: Path, env: dict[str, str], resident: Resident, tmp_path: Path
+) -> None:
     """What reads the process environment (the audit key's path under HOME) must see the
     caller's: a caller with another HOME does not share a server started with the first."""
     other = tmp_path / "other-home"
@@ -403,13 +504,22 @@ def test_a_different_environment_gets_its_own_server(wt: Path, env: dict[str, st
     assert len(resident.sockets()) == 2
 
 
-def test_a_client_killed_mid_run_leaves_no_process(wt: Path, env: dict[str, str],
-                                                   resident: Resident) -> None:
+def test_a_client_killed_mid_run_leaves_no_process(
+    wt: Path, env: dict[str, str], resident: Resident
+) -> None:
     """SIGKILL gives the client no chance to cancel: its connection closing is what ends the
     command's tree in the server."""
     marker = f"fusion-fast-killed-{os.getpid()}"
-    proc = fast("run", "--", "sh", "-c", f"echo up; exec sleep 300 # {marker}", cwd=wt,
-                env=env, stdin=subprocess.DEVNULL)
+    proc = fast(
+        "run",
+        "--",
+        "sh",
+        "-c",
+        f"echo up; exec sleep 300 # {marker}",
+        cwd=wt,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
     assert proc.stdout is not None and proc.stdout.readline() == b"up\n"
     proc.kill()
     proc.communicate(timeout=10)
@@ -432,11 +542,13 @@ def test_an_ask_gate_is_asked_of_the_client(wt: Path, env: dict[str, str]) -> No
 
     require_runtime("docker")
     image = "localhost/fusion-oci/never-built:1"
-    code, _, err = call("run", "--backend", "docker", "--image", image, "--", "true", cwd=wt,
-                        env=env)
+    code, _, err = call(
+        "run", "--backend", "docker", "--image", image, "--", "true", cwd=wt, env=env
+    )
     assert code == 125, err
     assert "sandbox_provision" in err and "--allow-provision" in err
     assert "the answer was no" in err  # asked (of us, not a terminal), as the CLI would
-    events = [json.loads(line) for line in
-              (wt / ".fusion/sandbox-audit.jsonl").read_text().splitlines()]
+    events = [
+        json.loads(line) for line in (wt / ".fusion/sandbox-audit.jsonl").read_text().splitlines()
+    ]
     assert any(e["type"] == "sandbox:gate" for e in events)

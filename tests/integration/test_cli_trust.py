@@ -25,16 +25,29 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def cli_env(home: Path, **extra: str) -> dict[str, str]:
-    env = {**os.environ, "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"),
-           "XDG_STATE_HOME": str(home / ".local/state"), "PYTHONPATH": str(ROOT), **extra}
+    env = {
+        **os.environ,
+        "HOME": str(home),
+        "XDG_CONFIG_HOME": str(home / ".config"),
+        "XDG_STATE_HOME": str(home / ".local/state"),
+        "PYTHONPATH": str(ROOT),
+        **extra,
+    }
     return env
 
 
-def cli(*args: str, cwd: Path, home: Path, timeout: float = 120,
-        env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "fusion_oci.cli.main", *args], cwd=cwd,
-                          env=env or cli_env(home), capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
+def cli(
+    *args: str, cwd: Path, home: Path, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fusion_oci.cli.main", *args],
+        cwd=cwd,
+        env=env or cli_env(home),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 @pytest.fixture
@@ -52,22 +65,34 @@ def test_from_a_sub_folder_the_worktree_is_the_git_top(worktree: Path, home: Pat
     git(worktree, "commit", "-q", "--allow-empty", "-m", "init")
     sub = worktree / "src" / "deep"
     sub.mkdir(parents=True)
-    p = cli("run", "--backend", "bubblewrap", "--network", "none", "--",
-            "pwd; git status --porcelain >/dev/null && echo git-ok", cwd=sub, home=home)
+    p = cli(
+        "run",
+        "--backend",
+        "bubblewrap",
+        "--network",
+        "none",
+        "--",
+        "pwd; git status --porcelain >/dev/null && echo git-ok",
+        cwd=sub,
+        home=home,
+    )
     assert p.returncode == 0, p.stderr
     assert p.stdout.splitlines() == [str(worktree), "git-ok"]
 
 
 @pytest.mark.native
 @pytest.mark.parametrize("where", ["root", "home", "not-git", "sub-folder-flag"])
-def test_unsafe_worktrees_are_refused_with_the_fix(tmp_path: Path, home: Path,
-                                                   where: str) -> None:
+def test_unsafe_worktrees_are_refused_with_the_fix(tmp_path: Path, home: Path, where: str) -> None:
     repo = git_init(home / "repo")
     (repo / "src").mkdir()
     plain = tmp_path / "plain"
     plain.mkdir()
-    cwd, extra = {"root": (Path("/"), []), "home": (home, []), "not-git": (plain, []),
-                  "sub-folder-flag": (home, ["--worktree", str(repo / "src")])}[where]
+    cwd, extra = {
+        "root": (Path("/"), []),
+        "home": (home, []),
+        "not-git": (plain, []),
+        "sub-folder-flag": (home, ["--worktree", str(repo / "src")]),
+    }[where]
     had_root_fusion = Path("/.fusion").exists()
     p = cli("run", "--json", *extra, "--", "touch ran-here", cwd=cwd, home=home)
     assert p.returncode == 2, p.stdout + p.stderr
@@ -92,8 +117,9 @@ def test_a_created_fusion_folder_is_git_excluded(worktree: Path, home: Path) -> 
 
 
 @pytest.mark.native
-def test_a_linked_worktrees_own_fusion_folder_is_never_read(linked_worktree: tuple[Path, Path],
-                                                            home: Path) -> None:
+def test_a_linked_worktrees_own_fusion_folder_is_never_read(
+    linked_worktree: tuple[Path, Path], home: Path
+) -> None:
     repo, wt = linked_worktree
     (repo / ".fusion").mkdir()
     (repo / ".fusion" / "settings.yaml").write_text("sandbox:\n  backend: bubblewrap\n")
@@ -114,8 +140,9 @@ def test_a_linked_worktrees_own_fusion_folder_is_never_read(linked_worktree: tup
 
 
 @pytest.mark.native
-@pytest.mark.parametrize("case", ["bad-flags", "bad-flags-usage", "bad-settings",
-                                  "backend-unavailable"])
+@pytest.mark.parametrize(
+    "case", ["bad-flags", "bad-flags-usage", "bad-settings", "backend-unavailable"]
+)
 def test_json_errors_have_a_kind(worktree: Path, home: Path, case: str) -> None:
     args: list[str] = {
         "bad-flags": ["--timeout-ms", "0"],
@@ -138,10 +165,13 @@ def test_json_errors_have_a_kind(worktree: Path, home: Path, case: str) -> None:
 
 
 @pytest.mark.native
-@pytest.mark.parametrize("flag,value", [("--timeout-ms", "0"), ("--max-buffer", "-1"),
-                                        ("--task-id", "no spaces allowed")])
-def test_flag_errors_name_the_flag_and_what_is_accepted(worktree: Path, home: Path, flag: str,
-                                                        value: str) -> None:
+@pytest.mark.parametrize(
+    "flag,value",
+    [("--timeout-ms", "0"), ("--max-buffer", "-1"), ("--task-id", "no spaces allowed")],
+)
+def test_flag_errors_name_the_flag_and_what_is_accepted(
+    worktree: Path, home: Path, flag: str, value: str
+) -> None:
     p = cli("run", flag, value, "--", "true", cwd=worktree, home=home)
     assert p.returncode == 2
     assert flag in p.stderr and "errors.pydantic.dev" not in p.stderr
@@ -169,9 +199,21 @@ def test_audit_verify_names_the_first_bad_line(worktree: Path, home: Path, tampe
         import hashlib
 
         prev = "sha256:" + hashlib.sha256(lines[2].encode()).hexdigest()
-        lines.insert(3, json.dumps({"type": "sandbox:run", "ts": "2026-01-01T00:00:00.000+00:00",
-                                    "taskId": "adhoc", "runId": "forged", "backend": "native",
-                                    "exitCode": 0, "prev": prev}, separators=(",", ":")))
+        lines.insert(
+            3,
+            json.dumps(
+                {
+                    "type": "sandbox:run",
+                    "ts": "2026-01-01T00:00:00.000+00:00",
+                    "taskId": "adhoc",
+                    "runId": "forged",
+                    "backend": "native",
+                    "exitCode": 0,
+                    "prev": prev,
+                },
+                separators=(",", ":"),
+            ),
+        )
     path.write_text("\n".join(lines) + "\n")
     bad = cli("audit", "--verify", "--json", cwd=worktree, home=home)
     assert bad.returncode == 1
@@ -214,8 +256,7 @@ def _containers(backend: str, task: str) -> list[str]:
 
         client = podman.PodmanClient(base_url=os.environ["FUSION_OCI_PODMAN_URL"])
     try:
-        found = client.containers.list(all=True,
-                                       filters={"label": f"io.fusion-oci.task-id={task}"})
+        found = client.containers.list(all=True, filters={"label": f"io.fusion-oci.task-id={task}"})
         return [c.name for c in found]
     finally:
         client.close()
@@ -234,7 +275,8 @@ def _wait_for(path: Path, timeout: float) -> None:
 
 @pytest.mark.parametrize("backend", ABORT_BACKENDS)
 def test_sigterm_to_the_cli_aborts_ends_the_tree_and_leaves_nothing(
-        backend: str, worktree: Path, home: Path) -> None:
+    backend: str, worktree: Path, home: Path
+) -> None:
     from tests.backends import require_runtime
 
     engine_args, engine_env = _engine_args(backend)  # requires the engine and its image
@@ -244,10 +286,27 @@ def test_sigterm_to_the_cli_aborts_ends_the_tree_and_leaves_nothing(
     marker = f"fusion-oci-abort-{task}"
     cmd = f"touch started; setsid sh -c 'sleep 1000; :' {marker} & sh -c 'sleep 999; :' {marker}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fusion_oci.cli.main", "run", "--backend", backend,
-         "--network", "none", "--task-id", task, *engine_args, "--", cmd],
-        cwd=worktree, env=cli_env(home, **engine_env), stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        [
+            sys.executable,
+            "-m",
+            "fusion_oci.cli.main",
+            "run",
+            "--backend",
+            backend,
+            "--network",
+            "none",
+            "--task-id",
+            task,
+            *engine_args,
+            "--",
+            cmd,
+        ],
+        cwd=worktree,
+        env=cli_env(home, **engine_env),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         _wait_for(worktree / "started", 240)
         time.sleep(0.3)
@@ -265,8 +324,10 @@ def test_sigterm_to_the_cli_aborts_ends_the_tree_and_leaves_nothing(
     assert _scratch(task) == []
     if backend in ("podman", "docker"):
         assert _containers(backend, task) == []
-    events = [json.loads(line) for line in
-              (worktree / ".fusion/sandbox-audit.jsonl").read_text().splitlines()]
+    events = [
+        json.loads(line)
+        for line in (worktree / ".fusion/sandbox-audit.jsonl").read_text().splitlines()
+    ]
     mine = [(e["type"], e.get("endReason")) for e in events if e["taskId"] == task]
     assert mine[-2:] == [("sandbox:run", "aborted"), ("sandbox:dispose", None)], mine
 
@@ -303,33 +364,38 @@ def no_podman_socket() -> Iterator[dict[str, str]]:
     from tests.backends import require
 
     require("podman", Path("/usr/bin/podman").exists(), "podman is not installed")
-    assert os.geteuid() == 0 and not Path("/run/podman/podman.sock").exists(), \
+    assert os.geteuid() == 0 and not Path("/run/podman/podman.sock").exists(), (
         "this test needs root without a system podman socket (CI has neither)"
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("CONTAINER_HOST", "FUSION_OCI_PODMAN_URL")}
+    )
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("CONTAINER_HOST", "FUSION_OCI_PODMAN_URL")
+    }
     yield env
 
 
 @pytest.mark.podman
-def test_plan_doctor_and_availability_start_nothing(worktree: Path, home: Path,
-                                                    no_podman_socket: dict[str, str]) -> None:
+def test_plan_doctor_and_availability_start_nothing(
+    worktree: Path, home: Path, no_podman_socket: dict[str, str]
+) -> None:
     from fusion_oci.models import BACKEND_IDS
     from fusion_oci.policy.settings import SandboxSettings
     from fusion_oci.runtimes.registry import create_runtime
 
-    env = {**cli_env(home), **{k: v for k, v in no_podman_socket.items()
-                               if k not in ("HOME", "PYTHONPATH")}}
+    env = {
+        **cli_env(home),
+        **{k: v for k, v in no_podman_socket.items() if k not in ("HOME", "PYTHONPATH")},
+    }
     env.pop("CONTAINER_HOST", None)
     env.pop("FUSION_OCI_PODMAN_URL", None)
     services, folders = _podman_services(), _own_folders()
     trees = {root: _tree(root) for root in (home, worktree)}
     assert cli("doctor", "--json", cwd=worktree, home=home, env=env).returncode == 0
     for backend in BACKEND_IDS:
-        p = cli("plan", "--json", "--backend", backend, "--", "true", cwd=worktree, home=home,
-                env=env)
+        p = cli(
+            "plan", "--json", "--backend", backend, "--", "true", cwd=worktree, home=home, env=env
+        )
         assert p.returncode == 0, p.stderr
-        runtime = create_runtime(backend, SandboxSettings.model_validate({"backend": backend}),
-                                 env)
+        runtime = create_runtime(backend, SandboxSettings.model_validate({"backend": backend}), env)
         runtime.availability()
         runtime.enforces()
     assert json.loads(cli("doctor", "--json", cwd=worktree, home=home, env=env).stdout)
@@ -342,31 +408,52 @@ def test_plan_doctor_and_availability_start_nothing(worktree: Path, home: Path,
 
 @pytest.mark.podman
 def test_kill_9_of_the_cli_during_a_podman_run_leaves_no_service(
-        worktree: Path, home: Path, no_podman_socket: dict[str, str]) -> None:
+    worktree: Path, home: Path, no_podman_socket: dict[str, str]
+) -> None:
     from tests.integration.images_fixture import ensure_node_image
 
     image = ensure_node_image("podman").ref
-    env = {**cli_env(home), **{k: v for k, v in no_podman_socket.items()
-                               if k not in ("HOME", "PYTHONPATH")}}
+    env = {
+        **cli_env(home),
+        **{k: v for k, v in no_podman_socket.items() if k not in ("HOME", "PYTHONPATH")},
+    }
     env.pop("CONTAINER_HOST", None)  # cli_env copies the harness's sockets back in
     env.pop("FUSION_OCI_PODMAN_URL", None)
     services, folders = _podman_services(), _own_folders()
     task = "kill9-" + secrets.token_hex(3)
     assert not _own_folders(task)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fusion_oci.cli.main", "run", "--backend", "podman",
-         "--network", "none", "--image", image, "--task-id", task, "--",
-         "touch started; sleep 120"],
-        cwd=worktree, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL)
+        [
+            sys.executable,
+            "-m",
+            "fusion_oci.cli.main",
+            "run",
+            "--backend",
+            "podman",
+            "--network",
+            "none",
+            "--image",
+            image,
+            "--task-id",
+            task,
+            "--",
+            "touch started; sleep 120",
+        ],
+        cwd=worktree,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         _wait_for(worktree / "started", 240)
         assert _podman_services() - services, "the run should have started its own service"
         proc.kill()
         proc.wait()
         deadline = time.monotonic() + 20
-        while (_podman_services() - services or _own_folders() - folders) and \
-                time.monotonic() < deadline:
+        while (
+            _podman_services() - services or _own_folders() - folders
+        ) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert _podman_services() - services == set(), "the service outlived its owner"
         assert _own_folders() - folders == set(), "the socket folder outlived its owner"
@@ -380,16 +467,30 @@ def test_kill_9_of_the_cli_during_a_podman_run_leaves_no_service(
     assert _own_folders(task) == set(), "gc removes the scratch folder a kill -9 left"
 
 
-
 @pytest.mark.bubblewrap
-def test_the_next_prepare_removes_scratch_folders_a_kill_9_left(worktree: Path,
-                                                               home: Path) -> None:
+def test_the_next_prepare_removes_scratch_folders_a_kill_9_left(worktree: Path, home: Path) -> None:
     task = "k9b-" + secrets.token_hex(3)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fusion_oci.cli.main", "run", "--backend", "bubblewrap",
-         "--network", "none", "--task-id", task, "--", "touch started; sleep 120"],
-        cwd=worktree, env=cli_env(home), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL)
+        [
+            sys.executable,
+            "-m",
+            "fusion_oci.cli.main",
+            "run",
+            "--backend",
+            "bubblewrap",
+            "--network",
+            "none",
+            "--task-id",
+            task,
+            "--",
+            "touch started; sleep 120",
+        ],
+        cwd=worktree,
+        env=cli_env(home),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         _wait_for(worktree / "started", 60)
         left = _scratch(task)
@@ -404,7 +505,8 @@ def test_the_next_prepare_removes_scratch_folders_a_kill_9_left(worktree: Path,
     while pids_with("sleep 120") and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _scratch(task) == left  # nobody cleaned up after a SIGKILL...
-    p = cli("run", "--backend", "bubblewrap", "--network", "none", "--", "true",
-            cwd=worktree, home=home)
+    p = cli(
+        "run", "--backend", "bubblewrap", "--network", "none", "--", "true", cwd=worktree, home=home
+    )
     assert p.returncode == 0, p.stderr
     assert _scratch(task) == []  # ...until the next prepare's gc

@@ -21,20 +21,34 @@ def fusion(*args: str, cwd: Path) -> list[str]:
 
 
 def env_for(cwd: Path) -> dict[str, str]:
-    return {**os.environ, "HOME": str(cwd.parent / "home"),
-            "XDG_CONFIG_HOME": str(cwd.parent / "home/.config")}
+    return {
+        **os.environ,
+        "HOME": str(cwd.parent / "home"),
+        "XDG_CONFIG_HOME": str(cwd.parent / "home/.config"),
+    }
 
 
 def cli(*args: str, cwd: Path, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(fusion(*args, cwd=cwd), cwd=cwd, env=env_for(cwd), input=stdin,
-                          capture_output=True, text=True, timeout=60,
-                          stdin=None if stdin is not None else subprocess.DEVNULL)
+    return subprocess.run(
+        fusion(*args, cwd=cwd),
+        cwd=cwd,
+        env=env_for(cwd),
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=None if stdin is not None else subprocess.DEVNULL,
+    )
 
 
 def test_run_streams_output_as_it_comes_and_in_order(worktree: Path) -> None:
-    proc = subprocess.Popen(fusion("run", "--", "echo a; sleep 2; echo b >&2; sleep 1; echo c",
-                                   cwd=worktree), cwd=worktree, env=env_for(worktree),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        fusion("run", "--", "echo a; sleep 2; echo b >&2; sleep 1; echo c", cwd=worktree),
+        cwd=worktree,
+        env=env_for(worktree),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     assert proc.stdout is not None
     start = time.monotonic()
     lines: list[tuple[bytes, float]] = []
@@ -49,11 +63,11 @@ def test_run_streams_output_as_it_comes_and_in_order(worktree: Path) -> None:
 
 
 def test_pass_through_is_not_capped_but_json_is(worktree: Path) -> None:
-    p = cli("run", "--max-buffer", "1000", "--", "head -c 200000 /dev/zero | tr '\\0' x",
-            cwd=worktree)
+    p = cli(
+        "run", "--max-buffer", "1000", "--", "head -c 200000 /dev/zero | tr '\\0' x", cwd=worktree
+    )
     assert (p.returncode, len(p.stdout)) == (0, 200000)
-    p = cli("run", "--json", "--max-buffer", "1000", "--", "head -c 200000 /dev/zero",
-            cwd=worktree)
+    p = cli("run", "--json", "--max-buffer", "1000", "--", "head -c 200000 /dev/zero", cwd=worktree)
     assert json.loads(p.stdout)["truncated"] is True
 
 
@@ -71,8 +85,15 @@ def test_cwd_inside_the_worktree(worktree: Path) -> None:
 
 
 def test_task_prompt_from_stdin(worktree: Path) -> None:
-    p = cli("run", "--task-prompt", "-", "--", "true", cwd=worktree,
-            stdin="# Task\n**Sandbox:** custom\n")
+    p = cli(
+        "run",
+        "--task-prompt",
+        "-",
+        "--",
+        "true",
+        cwd=worktree,
+        stdin="# Task\n**Sandbox:** custom\n",
+    )
     assert p.returncode == 125
     assert "'custom'" in p.stderr
     p = cli("run", "-i", "--task-prompt", "-", "--", "true", cwd=worktree, stdin="x")
@@ -91,11 +112,15 @@ def test_version_and_short_help(worktree: Path) -> None:
         assert "Usage" in p.stdout
 
 
-@pytest.mark.parametrize(("flag", "value", "meant"), [
-    ("--backend", "bubblewarp", "bubblewrap"), ("--network", "egres", "egress"),
-    ("--failure-mode", "fallback", "fallback-native")])
-def test_choices_suggest_what_was_meant(worktree: Path, flag: str, value: str,
-                                        meant: str) -> None:
+@pytest.mark.parametrize(
+    ("flag", "value", "meant"),
+    [
+        ("--backend", "bubblewarp", "bubblewrap"),
+        ("--network", "egres", "egress"),
+        ("--failure-mode", "fallback", "fallback-native"),
+    ],
+)
+def test_choices_suggest_what_was_meant(worktree: Path, flag: str, value: str, meant: str) -> None:
     p = cli("run", flag, value, "--", "true", cwd=worktree)
     assert p.returncode == 2
     assert f"Did you mean {meant}?" in p.stderr
@@ -103,9 +128,15 @@ def test_choices_suggest_what_was_meant(worktree: Path, flag: str, value: str,
 
 
 def test_help_lists_choices_and_every_option_has_help(worktree: Path) -> None:
-    p = subprocess.run(fusion("run", "-h", cwd=worktree), cwd=worktree, env={
-        **env_for(worktree), "COLUMNS": "200"}, capture_output=True, text=True, timeout=60,
-        check=True)
+    p = subprocess.run(
+        fusion("run", "-h", cwd=worktree),
+        cwd=worktree,
+        env={**env_for(worktree), "COLUMNS": "200"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     assert "native|bubblewrap|landlock|oci|podman|docker|sandbox-exec|custom" in p.stdout
     from typer.main import get_command
 
@@ -114,8 +145,11 @@ def test_help_lists_choices_and_every_option_has_help(worktree: Path) -> None:
     _mount_images(["images"])  # the images sub-app too (mounted only when asked for)
 
     def walk(command: object, path: str) -> list[str]:
-        missing = [f"{path} {p.opts[0]}" for p in getattr(command, "params", [])
-                   if getattr(p, "opts", [""])[0].startswith("-") and not getattr(p, "help", "x")]
+        missing = [
+            f"{path} {p.opts[0]}"
+            for p in getattr(command, "params", [])
+            if getattr(p, "opts", [""])[0].startswith("-") and not getattr(p, "help", "x")
+        ]
         for name, sub in getattr(command, "commands", {}).items():
             missing += walk(sub, f"{path} {name}")
         return missing
@@ -127,16 +161,21 @@ def test_usage_errors_exit_2(worktree: Path, tmp_path: Path) -> None:
     taken = tmp_path / "bundle"
     taken.mkdir()
     (taken / "config.json").write_text("{}")
-    for args in (("images", "build", "nosuch"), ("images", "list", "--engine", "dokcer"),
-                 ("bundle", "create", "-o", str(taken), "--", "true"), ("run",),
-                 ("nosuch",)):
+    for args in (
+        ("images", "build", "nosuch"),
+        ("images", "list", "--engine", "dokcer"),
+        ("bundle", "create", "-o", str(taken), "--", "true"),
+        ("run",),
+        ("nosuch",),
+    ):
         p = cli(*args, cwd=worktree)
         assert p.returncode == 2, (args, p.returncode, p.stderr)
         assert "Traceback" not in p.stderr
 
 
 def test_doctor_reads_the_settings_and_fails_when_the_backend_is_unavailable(
-        worktree: Path) -> None:
+    worktree: Path,
+) -> None:
     settings = worktree / ".fusion" / "settings.yaml"
     settings.parent.mkdir()
     settings.write_text("sandbox:\n  backend: custom\n")
@@ -187,28 +226,55 @@ def test_settings_show_warns_about_ignored_settings(worktree: Path) -> None:
     assert rows["backend"] == {"key": "backend", "value": "native", "source": "default"}
 
 
-@pytest.mark.parametrize("backend", ["native", pytest.param("bubblewrap",
-                                                            marks=pytest.mark.bubblewrap)])
+@pytest.mark.parametrize(
+    "backend", ["native", pytest.param("bubblewrap", marks=pytest.mark.bubblewrap)]
+)
 def test_tty_gives_the_command_a_terminal(worktree: Path, backend: str) -> None:
     from tests.backends import require_runtime
 
     require_runtime(backend)
-    p = cli("run", "--backend", backend, "--network", "none", "-t", "--",
-            "test -t 0 && test -t 1 && echo terminal; exit 4", cwd=worktree)
+    p = cli(
+        "run",
+        "--backend",
+        backend,
+        "--network",
+        "none",
+        "-t",
+        "--",
+        "test -t 0 && test -t 1 && echo terminal; exit 4",
+        cwd=worktree,
+    )
     assert p.returncode == 4, p.stderr
     assert p.stdout.splitlines() == ["terminal"]  # (text mode reads CRLF as a newline)
-    p = cli("run", "--backend", backend, "--network", "none", "--",
-            "test -t 1 || echo no-terminal", cwd=worktree)
+    p = cli(
+        "run",
+        "--backend",
+        backend,
+        "--network",
+        "none",
+        "--",
+        "test -t 1 || echo no-terminal",
+        cwd=worktree,
+    )
     assert p.stdout == "no-terminal\n"
 
 
 def test_reader_of_stdout_gone_ends_the_command_like_a_pipeline(worktree: Path) -> None:
     marker = f"fusion-oci-sigpipe-{os.getpid()}-{time.monotonic_ns()}"
-    script = (f"set -o pipefail; {' '.join(fusion('run', cwd=worktree))} -- "
-              f"\"sh -c 'yes' {marker}\" | head -2")
+    script = (
+        f"set -o pipefail; {' '.join(fusion('run', cwd=worktree))} -- "
+        f"\"sh -c 'yes' {marker}\" | head -2"
+    )
     start = time.monotonic()
-    p = subprocess.run(["bash", "-c", script], cwd=worktree, env=env_for(worktree),
-                       capture_output=True, text=True, timeout=60, check=False)
+    p = subprocess.run(
+        ["bash", "-c", script],
+        cwd=worktree,
+        env=env_for(worktree),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert p.stdout == "y\ny\n"
     assert p.returncode == 141  # 128 + SIGPIPE, as a shell pipeline reports it
     assert time.monotonic() - start < 30

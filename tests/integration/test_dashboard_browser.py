@@ -44,15 +44,26 @@ def browser() -> Iterator[WebDriver]:
         assert shutil.which(tool), f"{tool} missing: run scripts/install.sh"
     opts = webdriver.ChromeOptions()
     opts.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                "--window-size=1400,2800", "--hide-scrollbars", "--no-first-run",
-                "--disable-background-networking", "--disable-component-update",
-                "--disable-sync", "--disable-default-apps", "--disable-extensions",
-                # Traffic stays on loopback: no DNS at all, and anything not for loopback
-                # goes to a proxy address where nothing listens.
-                "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1, EXCLUDE 127.0.0.2, "
-                "EXCLUDE localhost",
-                "--proxy-server=http://127.0.0.1:9", "--force-device-scale-factor=1"):
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--window-size=1400,2800",
+        "--hide-scrollbars",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-default-apps",
+        "--disable-extensions",
+        # Traffic stays on loopback: no DNS at all, and anything not for loopback
+        # goes to a proxy address where nothing listens.
+        "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1, EXCLUDE 127.0.0.2, "
+        "EXCLUDE localhost",
+        "--proxy-server=http://127.0.0.1:9",
+        "--force-device-scale-factor=1",
+    ):
         opts.add_argument(arg)
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
     try:
@@ -71,15 +82,26 @@ def text(driver: WebDriver, element_id: str) -> str:
 
 
 def wait_text(driver: WebDriver, element_id: str, want: str, timeout: float = 20) -> None:
-    WebDriverWait(driver, timeout).until(lambda d: text(d, element_id) == want,
-                                         f"#{element_id} never became {want!r}")
+    WebDriverWait(driver, timeout).until(
+        lambda d: text(d, element_id) == want, f"#{element_id} never became {want!r}"
+    )
 
 
 def generated(path: Path) -> list[AuditEvent]:
     events = task_events(30)
-    events.append(AuditEvent(type="sandbox:run", ts=ts(7300), task_id="task-00029",
-                             run_id="run-00029", backend="bubblewrap", command=XSS,
-                             duration_ms=640, exit_code=127, end_reason="exit"))
+    events.append(
+        AuditEvent(
+            type="sandbox:run",
+            ts=ts(7300),
+            task_id="task-00029",
+            run_id="run-00029",
+            backend="bubblewrap",
+            command=XSS,
+            duration_ms=640,
+            exit_code=127,
+            end_reason="exit",
+        )
+    )
     write_log(path, events, malformed_at={17})
     return events
 
@@ -106,36 +128,52 @@ def test_page_numbers_live_updates_and_task_view(browser: WebDriver, demo_log: P
         assert text(browser, "n-events") == str(len(events))
         assert text(browser, "n-failing") == str(len(failing))
         assert text(browser, "n-fallbacks") == str(
-            sum(1 for e in events if e.type == "sandbox:fallback"))
+            sum(1 for e in events if e.type == "sandbox:fallback")
+        )
         assert text(browser, "n-failures") == str(
-            sum(1 for e in events if e.type == "sandbox:failure"))
+            sum(1 for e in events if e.type == "sandbox:failure")
+        )
         assert text(browser, "n-tasks") == str(len({e.task_id for e in events}))
         assert text(browser, "n-malformed") == "1"
         assert text(browser, "chain-status") == chain_status(path)["status"]
 
-        rows = {r.find_elements(By.TAG_NAME, "td")[0].text: r for r in
-                browser.find_elements(By.CSS_SELECTOR, "#durations-backend tbody tr")}
+        rows = {
+            r.find_elements(By.TAG_NAME, "td")[0].text: r
+            for r in browser.find_elements(By.CSS_SELECTOR, "#durations-backend tbody tr")
+        }
         for backend in {e.backend for e in runs}:
             ms = [e.duration_ms for e in runs if e.backend == backend and e.duration_ms]
             cells = [c.text for c in rows[backend].find_elements(By.TAG_NAME, "td")]
-            assert cells[1:4] == [str(len(ms)), str(nearest_rank(ms, 50)),
-                                  str(nearest_rank(ms, 95))], backend
+            assert cells[1:4] == [
+                str(len(ms)),
+                str(nearest_rank(ms, 50)),
+                str(nearest_rank(ms, 95)),
+            ], backend
         prepares = [e for e in events if e.type == "sandbox:prepare"]
-        rows = {r.find_elements(By.TAG_NAME, "td")[0].text: r for r in
-                browser.find_elements(By.CSS_SELECTOR, "#prepare-backend tbody tr")}
+        rows = {
+            r.find_elements(By.TAG_NAME, "td")[0].text: r
+            for r in browser.find_elements(By.CSS_SELECTOR, "#prepare-backend tbody tr")
+        }
         for backend in {e.backend for e in prepares}:
             ms = [e.duration_ms for e in prepares if e.backend == backend and e.duration_ms]
             cells = [c.text for c in rows[backend].find_elements(By.TAG_NAME, "td")]
-            assert cells[1:4] == [str(len(ms)), str(nearest_rank(ms, 50)),
-                                  str(nearest_rank(ms, 95))], backend
-        reasons = {r.find_elements(By.TAG_NAME, "td")[0].text:
-                   r.find_elements(By.TAG_NAME, "td")[1].text
-                   for r in browser.find_elements(By.CSS_SELECTOR, "#end-reasons tbody tr")}
-        assert reasons == {reason: str(sum(1 for e in runs if e.end_reason == reason))
-                           for reason in get_args(EndReason)}
+            assert cells[1:4] == [
+                str(len(ms)),
+                str(nearest_rank(ms, 50)),
+                str(nearest_rank(ms, 95)),
+            ], backend
+        reasons = {
+            r.find_elements(By.TAG_NAME, "td")[0].text: r.find_elements(By.TAG_NAME, "td")[1].text
+            for r in browser.find_elements(By.CSS_SELECTOR, "#end-reasons tbody tr")
+        }
+        assert reasons == {
+            reason: str(sum(1 for e in runs if e.end_reason == reason))
+            for reason in get_args(EndReason)
+        }
         limited = [r.text for r in browser.find_elements(By.CSS_SELECTOR, "#limits tbody tr")]
-        assert len(limited) == len({(e.task_id, e.end_reason) for e in runs
-                                    if e.end_reason not in ("exit", "signal")})
+        assert len(limited) == len(
+            {(e.task_id, e.end_reason) for e in runs if e.end_reason not in ("exit", "signal")}
+        )
         # text from the log is text: the command shows, its markup never runs
         assert XSS in browser.find_element(By.ID, "failing-recent").text
         assert browser.execute_script("return window.__xss") is None
@@ -147,9 +185,21 @@ def test_page_numbers_live_updates_and_task_view(browser: WebDriver, demo_log: P
 
         # appended lines arrive without a reload
         browser.execute_script("window.__sameDocument = 42")
-        write_log(path, [AuditEvent(type="sandbox:run", task_id="task-late", run_id="r-late",
-                                    backend="podman", command="pnpm test", duration_ms=9000,
-                                    exit_code=None, end_reason="oom")])
+        write_log(
+            path,
+            [
+                AuditEvent(
+                    type="sandbox:run",
+                    task_id="task-late",
+                    run_id="r-late",
+                    backend="podman",
+                    command="pnpm test",
+                    duration_ms=9000,
+                    exit_code=None,
+                    end_reason="oom",
+                )
+            ],
+        )
         append_raw(path, b"\x00 not an event\n")
         wait_text(browser, "n-runs", str(len(runs) + 1))
         wait_text(browser, "n-malformed", "2")
@@ -161,19 +211,34 @@ def test_page_numbers_live_updates_and_task_view(browser: WebDriver, demo_log: P
         mine = [e for e in events if e.task_id == task]
         browser.get(d.url + "task/" + task)
         body = "#task-events tbody tr"
-        lines = [int(r.get_attribute("data-line") or 0)
-                 for r in browser.find_elements(By.CSS_SELECTOR, body)]
+        lines = [
+            int(r.get_attribute("data-line") or 0)
+            for r in browser.find_elements(By.CSS_SELECTOR, body)
+        ]
         assert lines == sorted(lines) and len(lines) == len(mine)
-        kinds = [r.find_elements(By.TAG_NAME, "td")[2].text
-                 for r in browser.find_elements(By.CSS_SELECTOR, body)]
+        kinds = [
+            r.find_elements(By.TAG_NAME, "td")[2].text
+            for r in browser.find_elements(By.CSS_SELECTOR, body)
+        ]
         assert kinds == [e.type.removeprefix("sandbox:") for e in mine]
         assert text(browser, "policy-hash") == mine[-1].policy_hash
         assert text(browser, "policy-summary") == mine[-1].policy_summary
         WebDriverWait(browser, 20).until(lambda b: text(b, "live") == "live")
-        write_log(path, [AuditEvent(type="sandbox:dispose", task_id=task, run_id="run-again",
-                                    backend="oci", duration_ms=3)])
+        write_log(
+            path,
+            [
+                AuditEvent(
+                    type="sandbox:dispose",
+                    task_id=task,
+                    run_id="run-again",
+                    backend="oci",
+                    duration_ms=3,
+                )
+            ],
+        )
         WebDriverWait(browser, 20).until(
-            lambda b: len(b.find_elements(By.CSS_SELECTOR, body)) == len(mine) + 1)
+            lambda b: len(b.find_elements(By.CSS_SELECTOR, body)) == len(mine) + 1
+        )
         last = browser.find_elements(By.CSS_SELECTOR, body)[-1]
         assert "run-again" in last.text
         assert int(last.get_attribute("data-line") or 0) > lines[-1]
@@ -191,7 +256,8 @@ def test_an_empty_log_renders(browser: WebDriver, tmp_path: Path) -> None:
         assert text(browser, "n-malformed") == "0"
         assert "no runs yet" in text(browser, "timeline")
         assert browser.get_log("browser") == [] or all(
-            entry["level"] != "SEVERE" for entry in browser.get_log("browser"))
+            entry["level"] != "SEVERE" for entry in browser.get_log("browser")
+        )
 
 
 def test_the_token_link_opens_a_live_page(browser: WebDriver, tmp_path: Path) -> None:
@@ -205,8 +271,14 @@ def test_the_token_link_opens_a_live_page(browser: WebDriver, tmp_path: Path) ->
         browser.get(f"{d.url}?token={d.token}")
         wait_text(browser, "n-events", str(len(task_events(3))))
         WebDriverWait(browser, 20).until(lambda b: text(b, "live") == "live")
-        write_log(path, [AuditEvent(type="sandbox:dispose", task_id="t", run_id="r",
-                                    backend="oci", duration_ms=1)])
+        write_log(
+            path,
+            [
+                AuditEvent(
+                    type="sandbox:dispose", task_id="t", run_id="r", backend="oci", duration_ms=1
+                )
+            ],
+        )
         wait_text(browser, "n-events", str(len(task_events(3)) + 1))
         browser.delete_all_cookies()
 
@@ -215,26 +287,41 @@ def x_range(driver: WebDriver) -> tuple[float, float]:
     """The "Runs over time" chart's x scale (uPlot's, in seconds), once the chart is drawn."""
     WebDriverWait(driver, 20).until(
         lambda d: d.execute_script("return !!document.getElementById('timeline').uplot"),
-        "the timeline chart was never drawn")
+        "the timeline chart was never drawn",
+    )
     got = driver.execute_script(
         "const x = document.getElementById('timeline').uplot.scales.x;"
-        "return [x.min, x.max, x.time];")
+        "return [x.min, x.max, x.time];"
+    )
     assert got[2] is True, "the x axis is not a time axis"
     return float(got[0]), float(got[1])
 
 
 @pytest.mark.parametrize("spread_s", [0.4, 5400.0])
-def test_the_time_axis_spans_the_events(browser: WebDriver, tmp_path: Path,
-                                        spread_s: float) -> None:
+def test_the_time_axis_spans_the_events(
+    browser: WebDriver, tmp_path: Path, spread_s: float
+) -> None:
     """The axis shows when the runs happened: events within one second (one bucket) are not
     drawn on an axis of years, nor events over 90 minutes on one of seconds."""
     from datetime import datetime
 
     path = tmp_path / "audit.jsonl"
     stamps = [ts(100 + spread_s * i / 3) for i in range(4)]
-    write_log(path, [AuditEvent(type="sandbox:run", ts=s, task_id="t1", run_id=f"r{i}",
-                                backend="bubblewrap", exit_code=0, duration_ms=5)
-                     for i, s in enumerate(stamps)])
+    write_log(
+        path,
+        [
+            AuditEvent(
+                type="sandbox:run",
+                ts=s,
+                task_id="t1",
+                run_id=f"r{i}",
+                backend="bubblewrap",
+                exit_code=0,
+                duration_ms=5,
+            )
+            for i, s in enumerate(stamps)
+        ],
+    )
     first, last = (datetime.fromisoformat(s).timestamp() for s in (stamps[0], stamps[-1]))
     with dashboard(path) as d:
         browser.get(d.url)

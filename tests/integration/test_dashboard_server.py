@@ -34,8 +34,9 @@ def audit_log(tmp_path: Path) -> Path:
     return path
 
 
-def test_port_4040_is_refused_before_any_socket(monkeypatch: pytest.MonkeyPatch,
-                                                tmp_path: Path) -> None:
+def test_port_4040_is_refused_before_any_socket(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     def no_socket(*args: object, **kwargs: object) -> None:
         raise AssertionError("a socket was made for a refused port")
 
@@ -50,9 +51,21 @@ def test_port_4040_is_refused_before_any_socket(monkeypatch: pytest.MonkeyPatch,
 
 @pytest.mark.parametrize("args", [["--port", "4040"], ["--host", "127.0.0.2", "--port", "4040"]])
 def test_cli_refuses_4040_with_exit_2(args: list[str], audit_log: Path) -> None:
-    p = subprocess.run([sys.executable, "-m", "fusion_oci.cli.main", "dashboard",
-                        "--audit-log", str(audit_log), *args], capture_output=True, text=True,
-                       timeout=60, stdin=subprocess.DEVNULL)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fusion_oci.cli.main",
+            "dashboard",
+            "--audit-log",
+            str(audit_log),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
     assert p.returncode == 2
     assert "--port 4040 is refused" in p.stderr and "hint:" in p.stderr
     assert "Traceback" not in p.stderr and p.stdout == ""
@@ -63,9 +76,22 @@ def test_a_busy_port_is_a_clear_error(audit_log: Path) -> None:
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
         port = busy.getsockname()[1]
-        p = subprocess.run([sys.executable, "-m", "fusion_oci.cli.main", "dashboard",
-                            "--audit-log", str(audit_log), "--port", str(port)],
-                           capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+        p = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "fusion_oci.cli.main",
+                "dashboard",
+                "--audit-log",
+                str(audit_log),
+                "--port",
+                str(port),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            stdin=subprocess.DEVNULL,
+        )
     assert p.returncode == 2
     assert f"cannot listen on 127.0.0.1:{port}" in p.stderr
 
@@ -85,8 +111,7 @@ def test_binds_loopback_and_a_free_port_by_default(audit_log: Path) -> None:
 
 
 @pytest.mark.parametrize("host", ["::1", "localhost"])
-def test_other_loopback_names_need_no_token_but_the_right_host(host: str,
-                                                              audit_log: Path) -> None:
+def test_other_loopback_names_need_no_token_but_the_right_host(host: str, audit_log: Path) -> None:
     with dashboard(audit_log, "--host", host) as d:
         assert d.token is None and d.port not in (0, 4040)
         name = "[::1]" if host == "::1" else "127.0.0.1"
@@ -104,8 +129,14 @@ def test_non_loopback_bind_needs_the_token(audit_log: Path) -> None:
         assert d.host == "127.0.0.2"
         assert listening_addresses(d.proc.pid) == [("127.0.0.2", d.port)]
         assert d.token and len(d.token) >= 24
-        for path in ("/", "/api/summary", "/api/events", "/api/stream", "/task/x",
-                     "/static/dashboard.js"):
+        for path in (
+            "/",
+            "/api/summary",
+            "/api/events",
+            "/api/stream",
+            "/task/x",
+            "/static/dashboard.js",
+        ):
             assert d.request(path)[0] == 401, path
             assert d.request(path, {"authorization": "Bearer wrong"})[0] == 401, path
             assert d.request(f"{path}?token=wrong")[0] == 401, path
@@ -129,7 +160,8 @@ def test_api_summary_and_events(audit_log: Path) -> None:
         assert s["source"]["path"] == str(audit_log)
         mine = d.json("/api/events?task=task-00004")
         assert [e["type"] for e in mine["events"]] == [
-            e.type for e in events if e.task_id == "task-00004"]
+            e.type for e in events if e.task_id == "task-00004"
+        ]
         page = d.json("/api/events?limit=5")
         assert [e["line"] for e in page["events"]] == [1, 2, 3, 4, 5]
         rest = d.json(f"/api/events?since={page['next']}&limit=10000")
@@ -168,8 +200,18 @@ def test_stream_sends_appended_events_and_summaries(tmp_path: Path) -> None:
         name, first = next_event()
         assert name == "summary"
         assert first["log"]["events"] == len(task_events(2))  # type: ignore[index]
-        log.emit(AuditEvent(type="sandbox:run", task_id="late", run_id="r", backend="oci",
-                            duration_ms=5, exit_code=0, end_reason="exit", command="true"))
+        log.emit(
+            AuditEvent(
+                type="sandbox:run",
+                task_id="late",
+                run_id="r",
+                backend="oci",
+                duration_ms=5,
+                exit_code=0,
+                end_reason="exit",
+                command="true",
+            )
+        )
         append_raw(path, b"garbage\n")
         got: dict[str, dict[str, object]] = {}
         deadline = time.monotonic() + 15
@@ -193,9 +235,13 @@ def test_an_empty_or_missing_log_is_served(tmp_path: Path) -> None:
 
 def test_audit_summary_is_the_api_summary(audit_log: Path, tmp_path: Path) -> None:
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "fusion_oci.cli.main", "audit",
-                               "--summary", *args], capture_output=True, text=True, timeout=60,
-                              stdin=subprocess.DEVNULL)
+        return subprocess.run(
+            [sys.executable, "-m", "fusion_oci.cli.main", "audit", "--summary", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            stdin=subprocess.DEVNULL,
+        )
 
     p = cli("--json", "--audit-log", str(audit_log))
     assert p.returncode == 0, p.stderr
@@ -229,8 +275,13 @@ def test_chain_status_follows_the_log(tmp_path: Path) -> None:
 
     with dashboard(path) as d:
         ok = chain_when(d, lambda c: c["status"] != "pending")
-        assert ok == {"status": "ok", "lines": len(task_events(3)), "firstBadLine": None,
-                      "reason": None, "keyed": True}
+        assert ok == {
+            "status": "ok",
+            "lines": len(task_events(3)),
+            "firstBadLine": None,
+            "reason": None,
+            "keyed": True,
+        }
         append_raw(path, b'{"type": "sandbox:run", "forged": true}\n')
         broken = chain_when(d, lambda c: c["status"] == "broken")
         assert broken["firstBadLine"] == len(task_events(3)) + 1
@@ -250,7 +301,8 @@ def test_stream_without_events_sends_only_summaries(tmp_path: Path) -> None:
             if line.startswith("event: "):
                 names.append(line[7:].strip())
                 if names.count("summary") == 1 and names[-1] == "summary":
-                    log.emit(AuditEvent(type="sandbox:dispose", task_id="t", run_id="r",
-                                        backend="oci"))
+                    log.emit(
+                        AuditEvent(type="sandbox:dispose", task_id="t", run_id="r", backend="oci")
+                    )
         conn.close()
     assert names == ["ready", "summary", "summary"]

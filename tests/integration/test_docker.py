@@ -27,8 +27,11 @@ def engine() -> str:
 
 
 def test_missing_daemon_says_how_to_start_it(tmp_path: Path) -> None:
-    runtime = create_runtime("docker", SandboxSettings(
-        backend="docker", docker_url=f"unix://{tmp_path}/nothing.sock"), {})
+    runtime = create_runtime(
+        "docker",
+        SandboxSettings(backend="docker", docker_url=f"unix://{tmp_path}/nothing.sock"),
+        {},
+    )
     avail = runtime.availability()
     assert not avail.available
     assert "no docker service answers" in avail.reason and "nothing.sock" in avail.reason
@@ -50,9 +53,15 @@ def test_permission_denied_on_the_socket() -> None:
         "from fusion_oci.policy.settings import SandboxSettings\n"
         f"a = create_runtime('docker', SandboxSettings(backend='docker', "
         f"docker_url='unix://{sock_path}'), {{}}).availability()\n"
-        "print(a.reason); print(a.hint)\n")
-    out = subprocess.run(["runuser", "-u", "fusionci", "--", *cases.rootless_python(), "-c", code],
-                         capture_output=True, text=True, timeout=60, cwd="/")
+        "print(a.reason); print(a.hint)\n"
+    )
+    out = subprocess.run(
+        ["runuser", "-u", "fusionci", "--", *cases.rootless_python(), "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd="/",
+    )
     srv.close()
     sock_path.unlink()
     tmp.rmdir()
@@ -67,15 +76,15 @@ def test_availability_reports_socket_and_rootless(settings: SandboxSettings) -> 
 
 
 async def test_network_egress_reaches_a_container_network_not_host_loopback(
-    settings: SandboxSettings, worktree: Path, tmp_path: Path,
+    settings: SandboxSettings,
+    worktree: Path,
+    tmp_path: Path,
     host_loopback_server: tuple[int, list[str]],
     canary: tuple[str, int],
 ) -> None:
     port, seen = host_loopback_server
     matrix = await cases.network_matrix("docker", settings, worktree, tmp_path, port, canary)
     cases.assert_network(matrix, seen, with_canary=True)
-
-
 
 
 # ---------------------------------------------------------------------------- rootless
@@ -87,10 +96,13 @@ async def test_network_egress_reaches_a_container_network_not_host_loopback(
 @pytest.fixture(scope="module")
 def dockerless() -> Iterator[dict[str, Any]]:
     """The user, its rootless dockerd's socket, the settings that name it, an interpreter."""
+
     def settings(xdg: str) -> SandboxSettings:
-        return SandboxSettings(backend="docker",
-                               docker=DockerSettings(url=f"unix://{xdg}/docker.sock"),
-                               gates=GateSettings(sandbox_provision="allow"))
+        return SandboxSettings(
+            backend="docker",
+            docker=DockerSettings(url=f"unix://{xdg}/docker.sock"),
+            gates=GateSettings(sandbox_provision="allow"),
+        )
 
     with cases.rootless_user("docker-rootless", "docker.sock", settings) as rl:
         yield rl
@@ -101,8 +113,7 @@ workdir = cases.rootless_workdir
 
 
 @pytest.mark.docker_rootless
-def test_rootless_dockerd_is_seen_as_rootless_without_cgroups(
-        dockerless: dict[str, Any]) -> None:
+def test_rootless_dockerd_is_seen_as_rootless_without_cgroups(dockerless: dict[str, Any]) -> None:
     result = drive(dockerless, "availability")
     assert result["available"] and result["rootless"] is True, result
     assert result["details"]["socket"] == f"unix://{dockerless['xdg']}/docker.sock"
@@ -113,10 +124,16 @@ def test_rootless_dockerd_is_seen_as_rootless_without_cgroups(
 
 @pytest.mark.docker_rootless
 def test_rootless_pnpm_project_installs_tests_builds_and_commits(
-        dockerless: dict[str, Any]) -> None:
+    dockerless: dict[str, Any],
+) -> None:
     image = ensure_node_image("docker-rootless").ref
-    result = drive(dockerless, "pnpm", dir=str(workdir(dockerless, "pnpm")), image=image,
-                   project=str(cases.rootless_project()))
+    result = drive(
+        dockerless,
+        "pnpm",
+        dir=str(workdir(dockerless, "pnpm")),
+        image=image,
+        project=str(cases.rootless_project()),
+    )
     for step in ("install", "test", "build", "commit"):
         assert result[step]["exit"] == 0, (step, result[step])
     assert result["hooks"]["exit"] != 0, "the common dir's hooks are read-only"
@@ -128,7 +145,8 @@ def test_rootless_pnpm_project_installs_tests_builds_and_commits(
 
 @pytest.mark.docker_rootless
 def test_rootless_timeout_ends_the_tree_and_files_stay_the_users(
-        dockerless: dict[str, Any]) -> None:
+    dockerless: dict[str, Any],
+) -> None:
     image = ensure_node_image("docker-rootless").ref
     result = drive(dockerless, "timeout", dir=str(workdir(dockerless, "timeout")), image=image)
     assert result["timed_out"] and result["reason"] == "timeout"
@@ -141,11 +159,13 @@ def test_rootless_timeout_ends_the_tree_and_files_stay_the_users(
 
 @pytest.mark.docker_rootless
 def test_rootless_egress_keeps_host_loopback_closed(
-        dockerless: dict[str, Any], host_loopback_server: tuple[int, list[str]]) -> None:
+    dockerless: dict[str, Any], host_loopback_server: tuple[int, list[str]]
+) -> None:
     port, seen = host_loopback_server
     image = ensure_node_image("docker-rootless").ref
-    result = drive(dockerless, "network", dir=str(workdir(dockerless, "net")), image=image,
-                   port=port)
+    result = drive(
+        dockerless, "network", dir=str(workdir(dockerless, "net")), image=image, port=port
+    )
     for mode, row in result.items():
         for host, outcome in row.items():
             assert not outcome.startswith("open"), (mode, host, result)
@@ -154,7 +174,8 @@ def test_rootless_egress_keeps_host_loopback_closed(
 
 @pytest.mark.docker_rootless
 def test_rootless_agent_is_unreachable_and_leaves_no_process_per_command(
-        dockerless: dict[str, Any]) -> None:
+    dockerless: dict[str, Any],
+) -> None:
     """The agent runs as the same uid 0 as the commands here (both are the user on the
     host): still nothing can connect to it, replace it, or read its environment or fds."""
     image = ensure_node_image("docker-rootless").ref

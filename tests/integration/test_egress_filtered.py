@@ -85,9 +85,11 @@ class Runner:
             return SandboxSettings(backend="bubblewrap")
         if self.runtime == "docker-rootless":
             assert self.rl is not None
-            return SandboxSettings(backend="docker", gates=GateSettings(sandbox_provision="allow"),
-                                   docker=DockerSettings(url=f"unix://{self.rl['xdg']}/"
-                                                         "docker.sock"))
+            return SandboxSettings(
+                backend="docker",
+                gates=GateSettings(sandbox_provision="allow"),
+                docker=DockerSettings(url=f"unix://{self.rl['xdg']}/docker.sock"),
+            )
         if self.runtime == "podman-rootless":
             return SandboxSettings(backend="podman", gates=GateSettings(sandbox_provision="allow"))
         return cases.require_engine(self.engine)
@@ -107,13 +109,26 @@ class Runner:
                     os.lchown(item, self.rl["user"].pw_uid, self.rl["user"].pw_gid)
         return wt
 
-    async def run(self, command: str | list[str], policy: SandboxPolicy, *, worktree: Path,
-                  names: dict[str, list[str]] | None = None, opts: RunOptions = LONG,
-                  cache_mode: CacheMode = CacheMode.OFF, task: str = "egress"
-                  ) -> RunResult:
+    async def run(
+        self,
+        command: str | list[str],
+        policy: SandboxPolicy,
+        *,
+        worktree: Path,
+        names: dict[str, list[str]] | None = None,
+        opts: RunOptions = LONG,
+        cache_mode: CacheMode = CacheMode.OFF,
+        task: str = "egress",
+    ) -> RunResult:
         settings = self.settings()
-        ctx = PrepareContext(task_id=task, run_id="r1", worktree_path=str(worktree),
-                             policy=policy, image=self.image(), cache_mode=cache_mode)
+        ctx = PrepareContext(
+            task_id=task,
+            run_id="r1",
+            worktree_path=str(worktree),
+            policy=policy,
+            image=self.image(),
+            cache_mode=cache_mode,
+        )
         home = self.base / "home"
         home.mkdir(exist_ok=True)
         env = {"HOME": str(home), "PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
@@ -125,11 +140,17 @@ class Runner:
         if self.rl is not None:
             os.chown(home, self.rl["user"].pw_uid, self.rl["user"].pw_gid)
         answer = cases.drive_rootless(
-            self.rl, "probe", timeout=opts.timeout_ms / 1000 + 120,
+            self.rl,
+            "probe",
+            timeout=opts.timeout_ms / 1000 + 120,
             settings=settings.model_dump(mode="json", by_alias=True),
             ctx=ctx.model_dump(mode="json", by_alias=True),
-            opts=opts.model_dump(mode="json", by_alias=True), env=env,
-            cacheRoot=str(self.base / "cache"), command=command, egressNames=names)
+            opts=opts.model_dump(mode="json", by_alias=True),
+            env=env,
+            cacheRoot=str(self.base / "cache"),
+            command=command,
+            egressNames=names,
+        )
         assert "refused" not in answer, answer
         return RunResult.model_validate(answer["result"])
 
@@ -140,20 +161,24 @@ def _unprivileged_base(runtime: str) -> Iterator[dict[str, Any]]:
     owns."""
     if runtime == "bubblewrap-unprivileged":
         require_runtime("bubblewrap")
-        user, xdg = cases.checked_rootless_user(runtime, None,
-                                                "these tests switch user with runuser")
+        user, xdg = cases.checked_rootless_user(
+            runtime, None, "these tests switch user with runuser"
+        )
         base = Path(tempfile.mkdtemp(prefix="fusion-oci-egress-"))
         base.chmod(0o755)
         try:
-            yield {"user": user, "xdg": xdg, "base": base,
-                   "python": cases.rootless_python()}
+            yield {"user": user, "xdg": xdg, "base": base, "python": cases.rootless_python()}
         finally:
             shutil.rmtree(base, ignore_errors=True)
         return
     if runtime == "docker-rootless":
+
         def settings(xdg: str) -> SandboxSettings:
-            return SandboxSettings(backend="docker", docker=DockerSettings(
-                url=f"unix://{xdg}/docker.sock"), gates=GateSettings(sandbox_provision="allow"))
+            return SandboxSettings(
+                backend="docker",
+                docker=DockerSettings(url=f"unix://{xdg}/docker.sock"),
+                gates=GateSettings(sandbox_provision="allow"),
+            )
 
         with cases.rootless_user(runtime, "docker.sock", settings) as rl:
             yield rl
@@ -187,29 +212,32 @@ def _script(world: EgressWorld, host_port: int) -> str:
     ProxyCommand (the agent's connect mode) to an allowed and a denied host; curl where the
     sandbox has it (bubblewrap: the host's /usr)."""
     probe = f"node -e {_q(PROBE_JS)} {_q(world.config(host_port))}"
-    bind = ("node -e \"const s=require('net').createServer();"
-            "s.on('error',e=>console.log('BIND '+e.code));"
-            "s.listen(3128,'127.0.0.1',()=>{console.log('BIND bound');s.close()})\"")
+    bind = (
+        "node -e \"const s=require('net').createServer();"
+        "s.on('error',e=>console.log('BIND '+e.code));"
+        "s.listen(3128,'127.0.0.1',()=>{console.log('BIND bound');s.close()})\""
+    )
     get = "printf 'GET / HTTP/1.1\\r\\nHost: allowed.test\\r\\nConnection: close\\r\\n\\r\\n'"
-    return "\n".join([
-        "echo \"UID $(id -u)\"",
-        probe,
-        bind,
-        "kill -KILL 1 2>/dev/null; kill -TERM 1 2>/dev/null; sleep 0.2",
-        probe,
-        f"{get} | /run/fusion-oci/agent connect allowed.test 8080; echo \"CONNECT-EXIT $?\"",
-        "/run/fusion-oci/agent connect denied.test 8080 </dev/null 2>&1; "
-        "echo \"DENIED-EXIT $?\"",
-        "if command -v curl >/dev/null; then",
-        "  echo CURL-PLAIN $(curl -sS -m 10 http://allowed.test:8080/)",
-        "  echo CURL-TUNNEL $(curl -sS -m 10 -p http://allowed.test:8080/)",
-        "  echo CURL-SOCKS $(curl -sS -m 10 -x \"$ALL_PROXY\" http://allowed.test:8080/)",
-        "  echo CURL-DENIED $(curl -sS -m 10 -o /dev/null -w '%{http_code}' "
-        "http://denied.test:8080/)",
-        "  echo CURL-NOPROXY $(curl -sS -m 5 --noproxy '*' http://allowed.test:8080/ 2>&1)",
-        "fi",
-        "true",
-    ])
+    return "\n".join(
+        [
+            'echo "UID $(id -u)"',
+            probe,
+            bind,
+            "kill -KILL 1 2>/dev/null; kill -TERM 1 2>/dev/null; sleep 0.2",
+            probe,
+            f'{get} | /run/fusion-oci/agent connect allowed.test 8080; echo "CONNECT-EXIT $?"',
+            '/run/fusion-oci/agent connect denied.test 8080 </dev/null 2>&1; echo "DENIED-EXIT $?"',
+            "if command -v curl >/dev/null; then",
+            "  echo CURL-PLAIN $(curl -sS -m 10 http://allowed.test:8080/)",
+            "  echo CURL-TUNNEL $(curl -sS -m 10 -p http://allowed.test:8080/)",
+            '  echo CURL-SOCKS $(curl -sS -m 10 -x "$ALL_PROXY" http://allowed.test:8080/)',
+            "  echo CURL-DENIED $(curl -sS -m 10 -o /dev/null -w '%{http_code}' "
+            "http://denied.test:8080/)",
+            "  echo CURL-NOPROXY $(curl -sS -m 5 --noproxy '*' http://allowed.test:8080/ 2>&1)",
+            "fi",
+            "true",
+        ]
+    )
 
 
 def _q(text: str) -> str:
@@ -217,16 +245,21 @@ def _q(text: str) -> str:
 
 
 async def test_filtered_reaches_the_allowed_host_only_and_survives_the_command(
-        runner: Runner, world: EgressWorld) -> None:
+    runner: Runner, world: EgressWorld
+) -> None:
     wt = runner.worktree("wt")
     world.log.write_text("")
     with tcp_server() as (port, seen):
-        result = await runner.run(_script(world, port), world.policy(), worktree=wt,
-                                  names=world.names)
+        result = await runner.run(
+            _script(world, port), world.policy(), worktree=wt, names=world.names
+        )
     assert result.exit_code == 0, result.stderr[-2000:]
     out = result.stdout
-    answers = [json.loads(line.removeprefix("EGRESS-PROBE ")) for line in out.splitlines()
-               if line.startswith("EGRESS-PROBE ")]
+    answers = [
+        json.loads(line.removeprefix("EGRESS-PROBE "))
+        for line in out.splitlines()
+        if line.startswith("EGRESS-PROBE ")
+    ]
     assert len(answers) == 2, out[-3000:]
     for answer in answers:  # before and after the attempts on the forwarder
         assert allowed_answers(answer, world), answer
@@ -251,25 +284,31 @@ async def test_filtered_reaches_the_allowed_host_only_and_survives_the_command(
 
 
 @pytest.mark.docker
-async def test_a_oneshot_container_per_command_forwards_too(world: EgressWorld,
-                                                            tmp_path: Path) -> None:
+async def test_a_oneshot_container_per_command_forwards_too(
+    world: EgressWorld, tmp_path: Path
+) -> None:
     """container_mode oneshot: each command's own container gets the socket and the
     forwarder (the same AgentMounts as the warm one)."""
     settings = cases.require_engine("docker").model_copy(update={"container_mode": "oneshot"})
     wt = git_init(tmp_path / "wt")
     probe = ["node", "-e", PROBE_JS, world.config(1)]
-    ctx = PrepareContext(task_id="oneshot", run_id="r1", worktree_path=str(wt),
-                         policy=world.policy(), image=Runner("docker", tmp_path, None).image(),
-                         cache_mode=CacheMode.OFF)
+    ctx = PrepareContext(
+        task_id="oneshot",
+        run_id="r1",
+        worktree_path=str(wt),
+        policy=world.policy(),
+        image=Runner("docker", tmp_path, None).image(),
+        cache_mode=CacheMode.OFF,
+    )
     with resolving(world.names):
-        async with Sandbox(settings, env={"PATH": "/usr/bin:/bin"},
-                           cache_root=tmp_path / "cache") as sb:
+        async with Sandbox(
+            settings, env={"PATH": "/usr/bin:/bin"}, cache_root=tmp_path / "cache"
+        ) as sb:
             await sb.prepare(ctx)
             for _ in range(2):
                 result = await sb.run(probe, LONG)
                 assert result.exit_code == 0, result.stderr
-                line = next(x for x in result.stdout.splitlines()
-                            if x.startswith("EGRESS-PROBE "))
+                line = next(x for x in result.stdout.splitlines() if x.startswith("EGRESS-PROBE "))
                 assert allowed_answers(json.loads(line.removeprefix("EGRESS-PROBE ")), world)
 
 
@@ -289,11 +328,17 @@ def test_network_policy_is_fine_exactly_where_filtered_is_enforced(backend: str)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", [pytest.param("bubblewrap", marks=pytest.mark.bubblewrap),
-                                     pytest.param("podman", marks=pytest.mark.podman),
-                                     pytest.param("docker", marks=pytest.mark.docker)])
+@pytest.mark.parametrize(
+    "backend",
+    [
+        pytest.param("bubblewrap", marks=pytest.mark.bubblewrap),
+        pytest.param("podman", marks=pytest.mark.podman),
+        pytest.param("docker", marks=pytest.mark.docker),
+    ],
+)
 async def test_pnpm_install_and_git_fetch_through_the_built_in_profile(
-        backend: str, tmp_path: Path, world: EgressWorld) -> None:
+    backend: str, tmp_path: Path, world: EgressWorld
+) -> None:
     """The real npm registry, reached through the proxy because the built-in profile lists it
     (``npm config get registry``); a cold, task-private store, so every package is fetched.
     The project's git remote (a dumb-HTTP remote in the world's namespace: the profile lists
@@ -306,17 +351,26 @@ async def test_pnpm_install_and_git_fetch_through_the_built_in_profile(
     if backend != "bubblewrap":
         cases.require_engine(backend)
     served, wt = pnpm_worktree_with_remote(tmp_path, world, 8081)
-    policy = SandboxPolicy(network=NetworkMode.FILTERED,
-                           allowed_domains=[f"{world.allowed_addr}/32"])
-    command = ("git fetch -q origin && git log --oneline FETCH_HEAD && echo FETCHED; "
-               "pnpm install --frozen-lockfile && pnpm test && echo INSTALLED; "
-               "npm view is-number version --registry=https://registry.yarnpkg.com/ "
-               "--fetch-retries=0 2>&1 | tail -5; echo \"OTHER-EXIT ${PIPESTATUS:-$?}\"")
+    policy = SandboxPolicy(
+        network=NetworkMode.FILTERED, allowed_domains=[f"{world.allowed_addr}/32"]
+    )
+    command = (
+        "git fetch -q origin && git log --oneline FETCH_HEAD && echo FETCHED; "
+        "pnpm install --frozen-lockfile && pnpm test && echo INSTALLED; "
+        "npm view is-number version --registry=https://registry.yarnpkg.com/ "
+        '--fetch-retries=0 2>&1 | tail -5; echo "OTHER-EXIT ${PIPESTATUS:-$?}"'
+    )
     with serving(world, served, 8081):
-        result = await runner.run(["/bin/bash", "-c", command], policy, worktree=wt,
-                                  cache_mode=CacheMode.ISOLATED, task="pnpm-filtered")
-    assert "remote commit" in result.stdout and "FETCHED" in result.stdout, \
+        result = await runner.run(
+            ["/bin/bash", "-c", command],
+            policy,
+            worktree=wt,
+            cache_mode=CacheMode.ISOLATED,
+            task="pnpm-filtered",
+        )
+    assert "remote commit" in result.stdout and "FETCHED" in result.stdout, (
         result.stdout[-2000:] + result.stderr[-2000:]
+    )
     assert "INSTALLED" in result.stdout, result.stdout[-2000:] + result.stderr[-2000:]
     assert (wt / "node_modules" / "is-number" / "package.json").exists()
     other = result.stdout.split("INSTALLED", 1)[1]
@@ -398,20 +452,35 @@ async def test_the_agents_forwarder_carries_many_connections_whole(tmp_path: Pat
 
     from fusion_oci.agent.client import Agent, agent_binary
 
-    require("native", os.geteuid() == 0 and shutil.which("unshare") is not None,
-            "needs root for a network namespace (unshare --net)")
+    require(
+        "native",
+        os.geteuid() == 0 and shutil.which("unshare") is not None,
+        "needs root for a network namespace (unshare --net)",
+    )
     sock_path = tmp_path / "egress.sock"
     with echo_socket(sock_path) as served:
         ours, theirs = socket.socketpair()
         proc = await asyncio.create_subprocess_exec(
-            "unshare", "--net", "--", str(agent_binary()), "--egress", str(sock_path), "--fd",
-            str(theirs.fileno()), pass_fds=(theirs.fileno(),), start_new_session=True,
-            stdin=asyncio.subprocess.DEVNULL)
+            "unshare",
+            "--net",
+            "--",
+            str(agent_binary()),
+            "--egress",
+            str(sock_path),
+            "--fd",
+            str(theirs.fileno()),
+            pass_fds=(theirs.fileno(),),
+            start_new_session=True,
+            stdin=asyncio.subprocess.DEVNULL,
+        )
         theirs.close()
         agent = await Agent.over(ours, proc, 20.0)
         try:
-            done = await agent.run([sys.executable, "-c", CLIENT, "40", str(1 << 20)],
-                                   env={"PATH": "/usr/bin:/bin"}, timeout_s=120)
+            done = await agent.run(
+                [sys.executable, "-c", CLIENT, "40", str(1 << 20)],
+                env={"PATH": "/usr/bin:/bin"},
+                timeout_s=120,
+            )
         finally:
             await agent.close()
         assert done.returncode == 0, done.stderr

@@ -67,22 +67,27 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EgressWorld]:
 _NETNS_FD: dict[str, int] = {}
 
 
-def _in_world(world: EgressWorld, argv: list[str], stdout: int | IO[bytes],
-              stderr: int | IO[bytes]) -> subprocess.Popen[bytes]:
+def _in_world(
+    world: EgressWorld, argv: list[str], stdout: int | IO[bytes], stderr: int | IO[bytes]
+) -> subprocess.Popen[bytes]:
     """``argv`` started in the world's network namespace."""
     fd = _NETNS_FD[world.netns]
-    return subprocess.Popen(["nsenter", f"--net=/proc/self/fd/{fd}", "--", *argv],
-                            pass_fds=(fd,), stdout=stdout, stderr=stderr)
+    return subprocess.Popen(
+        ["nsenter", f"--net=/proc/self/fd/{fd}", "--", *argv],
+        pass_fds=(fd,),
+        stdout=stdout,
+        stderr=stderr,
+    )
 
 
 def _env(home: Path) -> dict[str, str]:
-    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home),
-            "LANG": "C.UTF-8"}
+    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "LANG": "C.UTF-8"}
 
 
 @contextlib.asynccontextmanager
-async def filtered(backend: str, worktree: Path, policy: SandboxPolicy,
-                   names: dict[str, list[str]] | None = None) -> AsyncIterator[Sandbox]:
+async def filtered(
+    backend: str, worktree: Path, policy: SandboxPolicy, names: dict[str, list[str]] | None = None
+) -> AsyncIterator[Sandbox]:
     """A prepared ``backend`` sandbox of ``policy`` (its proxy resolving ``names`` only, when
     given); the project folder outside the worktree, as landlock needs."""
     require_runtime(backend)
@@ -92,11 +97,16 @@ async def filtered(backend: str, worktree: Path, policy: SandboxPolicy,
     home = worktree.parent / "home"
     home.mkdir(exist_ok=True)
     with resolving(names):
-        async with Sandbox(settings, env=_env(home),
-                           cache_root=worktree.parent / "cache") as sb:
-            await sb.prepare(PrepareContext(task_id="filt", run_id="r1",
-                                            worktree_path=str(worktree), policy=policy,
-                                            project_dir=str(project)))
+        async with Sandbox(settings, env=_env(home), cache_root=worktree.parent / "cache") as sb:
+            await sb.prepare(
+                PrepareContext(
+                    task_id="filt",
+                    run_id="r1",
+                    worktree_path=str(worktree),
+                    policy=policy,
+                    project_dir=str(project),
+                )
+            )
             yield sb
 
 
@@ -105,17 +115,21 @@ async def run(sb: Sandbox, command: str | list[str], timeout_ms: int = 90_000) -
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-async def test_only_what_the_proxy_allows_is_reached(backend: str, world: EgressWorld,
-                                                     worktree: Path) -> None:
+async def test_only_what_the_proxy_allows_is_reached(
+    backend: str, world: EgressWorld, worktree: Path
+) -> None:
     world.log.write_text("")
     with tcp_server() as (port, seen):
         async with filtered(backend, worktree, world.policy(), world.names) as sb:
             assert sb.egress is not None
             result = await run(sb, probe_command(world, port))
             # A real tool, through the proxy variables the sandbox got.
-            curl = await run(sb, "curl -sS http://allowed.test:8080/; "
-                                 "curl -sS -p http://allowed.test:8080/; "
-                                 "curl -sS http://denied.test:8080/")
+            curl = await run(
+                sb,
+                "curl -sS http://allowed.test:8080/; "
+                "curl -sS -p http://allowed.test:8080/; "
+                "curl -sS http://denied.test:8080/",
+            )
     assert result.exit_code == 0, result.stderr[-2000:]
     out = parse(result.stdout)
     server = world.seen()
@@ -129,11 +143,14 @@ async def test_only_what_the_proxy_allows_is_reached(backend: str, world: Egress
     # A direct connect to its address, or by name (ignoring the proxy variables), fails.
     for key in ("direct_allowed", "direct_denied", "direct_name"):
         assert failed(out[key]), (key, out[key])
-    assert all(line.split()[1] == world.host_addr for line in server
-               if line.startswith("tcp ")), server  # only the proxy reached the world
+    assert all(line.split()[1] == world.host_addr for line in server if line.startswith("tcp ")), (
+        server
+    )  # only the proxy reached the world
     # No raw UDP, no DNS of its own.
-    assert failed(out["udp"]) and not any(line.startswith("udp ") for line in server), \
-        (out["udp"], server)
+    assert failed(out["udp"]) and not any(line.startswith("udp ") for line in server), (
+        out["udp"],
+        server,
+    )
     assert failed(out["dns_outside"]) and failed(out["dns_system"]), out
     # The host's loopback and the metadata address: neither directly nor through the proxy.
     assert OK not in out["direct_host_loopback"] and not seen, (out, seen)
@@ -143,8 +160,9 @@ async def test_only_what_the_proxy_allows_is_reached(backend: str, world: Egress
     assert refused(out["loop"], "loop.test"), out["loop"]
 
 
-async def test_landlock_connects_nowhere_else_on_the_proxys_port(world: EgressWorld,
-                                                                 worktree: Path) -> None:
+async def test_landlock_connects_nowhere_else_on_the_proxys_port(
+    world: EgressWorld, worktree: Path
+) -> None:
     """Landlock's TCP rules know ports, not addresses: a server on the proxy's own port on
     another host (here the world's allowed address) must still be unreachable, and so must
     the host's unix sockets (a path under /run, an abstract name) and other loopback ports;
@@ -164,10 +182,13 @@ async def test_landlock_connects_nowhere_else_on_the_proxys_port(world: EgressWo
                 proxy_port = sb.egress.tcp_port
                 with _listener_in(world, proxy_port) as hits:
                     script = _connects(
-                        [(world.allowed_addr, proxy_port), ("127.0.0.1", loop_port),
-                         ("127.0.0.1", proxy_port)],
-                        [str(run_dir / "host.sock"), f"@fusion-oci-test-{os.getpid()}",
-                         "own.sock"])
+                        [
+                            (world.allowed_addr, proxy_port),
+                            ("127.0.0.1", loop_port),
+                            ("127.0.0.1", proxy_port),
+                        ],
+                        [str(run_dir / "host.sock"), f"@fusion-oci-test-{os.getpid()}", "own.sock"],
+                    )
                     result = await run(sb, ["python3", "-c", script])
     finally:
         path_sock.close()
@@ -214,15 +235,26 @@ print("connected", ok)
 
 
 async def test_landlock_a_thread_rewriting_the_address_reaches_nothing(
-        world: EgressWorld, worktree: Path) -> None:
+    world: EgressWorld, worktree: Path
+) -> None:
     """The supervisor decides on its own copy of the address and connects that: a second
     thread flipping the caller's sockaddr between the proxy and another host (listening on
     the proxy's port) after the check reaches the other host never."""
     async with filtered("landlock", worktree, world.policy(), world.names) as sb:
         assert sb.egress is not None and sb.egress.tcp_port is not None
         with _listener_in(world, sb.egress.tcp_port) as hits:
-            result = await run(sb, ["python3", "-c", RACE, "127.0.0.1", world.allowed_addr,
-                                    str(sb.egress.tcp_port), "300"])
+            result = await run(
+                sb,
+                [
+                    "python3",
+                    "-c",
+                    RACE,
+                    "127.0.0.1",
+                    world.allowed_addr,
+                    str(sb.egress.tcp_port),
+                    "300",
+                ],
+            )
     assert result.exit_code == 0, result.stderr
     assert "LEAK" not in result.stdout and hits.read_text() == "", result.stdout
     # Most attempts still connect (to the proxy): the race did not just break connect.
@@ -265,18 +297,20 @@ def _listener_in(world: EgressWorld, port: int) -> Iterator[Path]:
     """A TCP server on ``port`` in the world's namespace that logs every connection."""
     hits = world.log.parent / f"hits-{port}"
     hits.write_text("")
-    code = ("import socket, sys\ns = socket.socket()\n"
-            "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
-            f"s.bind(('0.0.0.0', {port}))\ns.listen()\nprint('up', flush=True)\n"
-            "while True:\n    c, peer = s.accept()\n"
-            "    open(sys.argv[1], 'a').write(f'{peer}\\n')\n    c.close()\n")
+    code = (
+        "import socket, sys\ns = socket.socket()\n"
+        "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+        f"s.bind(('0.0.0.0', {port}))\ns.listen()\nprint('up', flush=True)\n"
+        "while True:\n    c, peer = s.accept()\n"
+        "    open(sys.argv[1], 'a').write(f'{peer}\\n')\n    c.close()\n"
+    )
     errors = world.log.parent / f"hits-{port}.err"
     with errors.open("wb") as err:
-        proc = _in_world(world, [sys.executable, "-c", code, str(hits)],
-                         stdout=subprocess.PIPE, stderr=err)
+        proc = _in_world(
+            world, [sys.executable, "-c", code, str(hits)], stdout=subprocess.PIPE, stderr=err
+        )
     try:
-        assert proc.stdout is not None and proc.stdout.readline() == b"up\n", \
-            errors.read_text()
+        assert proc.stdout is not None and proc.stdout.readline() == b"up\n", errors.read_text()
         yield hits
     finally:
         proc.kill()
@@ -287,7 +321,8 @@ def _listener_in(world: EgressWorld, port: int) -> Iterator[Path]:
 
 @pytest.mark.landlock
 async def test_pnpm_install_and_git_fetch_through_the_built_in_profile_on_landlock(
-        tmp_path: Path, world: EgressWorld) -> None:
+    tmp_path: Path, world: EgressWorld
+) -> None:
     """The profile allows the npm registry (npm config) and the project's git remote (here a
     dumb-HTTP remote in the world's namespace, named by address: the policy lifts the refusal
     of that private address, nothing else); a registry the profile does not list is denied."""
@@ -296,15 +331,17 @@ async def test_pnpm_install_and_git_fetch_through_the_built_in_profile_on_landlo
     served, worktree = pnpm_worktree_with_remote(tmp_path, world, 8081)
     profile = await resolve_profile(worktree, _env(tmp_path))
     assert any(h.pattern == f"{world.allowed_addr}:8081" for h in profile), profile
-    policy = SandboxPolicy(network="filtered",
-                           allowed_domains=[f"{world.allowed_addr}/32"])
+    policy = SandboxPolicy(network="filtered", allowed_domains=[f"{world.allowed_addr}/32"])
     with _http_server_in(world, served, 8081):
         async with filtered("landlock", worktree, policy) as sb:
             install = await run(sb, "pnpm install --frozen-lockfile && pnpm test", 180_000)
             fetch = await run(sb, "git fetch -q origin && git log --oneline FETCH_HEAD")
-            other = await run(sb, "curl -sS https://registry.npmmirror.com/is-number; "
-                                  "pnpm view is-number version "
-                                  "--registry https://registry.npmmirror.com/ 2>&1 | tail -3")
+            other = await run(
+                sb,
+                "curl -sS https://registry.npmmirror.com/is-number; "
+                "pnpm view is-number version "
+                "--registry https://registry.npmmirror.com/ 2>&1 | tail -3",
+            )
     assert install.exit_code == 0, install.stderr + install.stdout
     assert "fixture tests passed" in install.stdout
     assert (worktree / "node_modules" / "is-number" / "package.json").exists()
@@ -315,13 +352,27 @@ async def test_pnpm_install_and_git_fetch_through_the_built_in_profile_on_landlo
 
 @contextlib.contextmanager
 def _http_server_in(world: EgressWorld, root: Path, port: int) -> Iterator[None]:
-    proc = _in_world(world, [sys.executable, "-m", "http.server", str(port), "--bind",
-                             world.allowed_addr, "--directory", str(root)],
-                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = _in_world(
+        world,
+        [
+            sys.executable,
+            "-m",
+            "http.server",
+            str(port),
+            "--bind",
+            world.allowed_addr,
+            "--directory",
+            str(root),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         for _ in range(100):
-            with contextlib.suppress(OSError), \
-                    socket.create_connection((world.allowed_addr, port), timeout=1):
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection((world.allowed_addr, port), timeout=1),
+            ):
                 break
             assert proc.poll() is None
             time.sleep(0.1)
@@ -332,8 +383,9 @@ def _http_server_in(world: EgressWorld, root: Path, port: int) -> Iterator[None]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-async def test_nothing_of_the_proxy_is_left_after_dispose(backend: str, world: EgressWorld,
-                                                          worktree: Path) -> None:
+async def test_nothing_of_the_proxy_is_left_after_dispose(
+    backend: str, world: EgressWorld, worktree: Path
+) -> None:
     async with filtered(backend, worktree, world.policy(), world.names) as sb:
         assert sb.egress is not None
         socket_path, port = sb.egress.unix_socket, sb.egress.tcp_port
@@ -359,8 +411,9 @@ def test_rootless_runc_runs_the_filtered_bundle(world: EgressWorld) -> None:
     from fusion_oci.policy.layout import resolve_layout
     from fusion_oci.runtimes.ocicli.launch import bundle_spec
 
-    account, _ = checked_rootless_user("oci", None,
-                                       "switching to the rootless test user needs root")
+    account, _ = checked_rootless_user(
+        "oci", None, "switching to the rootless test user needs root"
+    )
     # Not tmp_path: pytest's base directory is 0700 root, which the user cannot traverse.
     base = Path(tempfile.mkdtemp(prefix="fusion-oci-filtered-", dir="/tmp"))
     base.chmod(0o755)
@@ -370,23 +423,39 @@ def test_rootless_runc_runs_the_filtered_bundle(world: EgressWorld) -> None:
         for folder in (wt, state, status):
             folder.mkdir()
         agent = shutil.copy(agent_binary(), base / "agent")
-        rules = EgressRules(allowed=("allowed.test",), denied=("denied.test",),
-                            allow_addresses=(f"{world.allowed_addr}/32",))
+        rules = EgressRules(
+            allowed=("allowed.test",),
+            denied=("denied.test",),
+            allow_addresses=(f"{world.allowed_addr}/32",),
+        )
         # The proxy serves on its own thread: it keeps serving after this loop returns.
-        proxy = asyncio.run(start_proxy(task_id="rootless", rules=rules, state_dir=state,
-                                        audit=None, resolve_override=world.names))
+        proxy = asyncio.run(
+            start_proxy(
+                task_id="rootless",
+                rules=rules,
+                state_dir=state,
+                audit=None,
+                resolve_override=world.names,
+            )
+        )
         host = replace(probe_host(), uid=account.pw_uid, gid=account.pw_gid)
         policy = SandboxPolicy(network="filtered", allowed_domains=["allowed.test"])
-        context = PrepareContext(task_id="rootless", run_id="r1", worktree_path=str(wt),
-                                 policy=policy)
+        context = PrepareContext(
+            task_id="rootless", run_id="r1", worktree_path=str(wt), policy=policy
+        )
         layout = resolve_layout(context, cache_root=base / "cache", ca_bundle=host.ca_bundle)
-        command = (f"curl -sS -m 10 http://allowed.test:8080/; "
-                   f"curl -sS -m 10 -o /dev/null -w '%{{http_code}}\\n' http://denied.test:8080/; "
-                   f"curl -sS -m 3 --noproxy '*' http://{world.allowed_addr}:8080/ 2>&1 | tail -1")
+        command = (
+            f"curl -sS -m 10 http://allowed.test:8080/; "
+            f"curl -sS -m 10 -o /dev/null -w '%{{http_code}}\\n' http://denied.test:8080/; "
+            f"curl -sS -m 3 --noproxy '*' http://{world.allowed_addr}:8080/ 2>&1 | tail -1"
+        )
         spec = compile_spec(context, layout, host, command, RunOptions(), {})
-        rootless = bundle_spec(spec, rootless_ids=(account.pw_uid, account.pw_gid),
-                               exec_status=(str(agent), str(status)),
-                               egress_proxy=(str(proxy.unix_socket), str(agent)))
+        rootless = bundle_spec(
+            spec,
+            rootless_ids=(account.pw_uid, account.pw_gid),
+            exec_status=(str(agent), str(status)),
+            egress_proxy=(str(proxy.unix_socket), str(agent)),
+        )
         bundle = write_bundle(rootless, base / "bundle")
         done = run_bundle_as(account, base, bundle.path, "filtered-1")
     finally:

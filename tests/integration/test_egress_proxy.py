@@ -84,8 +84,11 @@ def netns_server() -> Iterator[NetnsServer]:
         _ip("-n", netns, "addr", "add", f"{address}/30", "dev", ns_if)
         _ip("-n", netns, "link", "set", ns_if, "up")
         _ip("-n", netns, "link", "set", "lo", "up")
-        proc = subprocess.Popen(["ip", "netns", "exec", netns, sys.executable, "-c", SERVER,
-                                 address, "8080"], stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", netns, sys.executable, "-c", SERVER, address, "8080"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "ready"
         yield NetnsServer(netns, address, host_address, 8080, subnet)
@@ -115,9 +118,17 @@ def names(server: NetnsServer) -> dict[str, list[str]]:
 
 def rules(server: NetnsServer, **extra: tuple[str, ...]) -> EgressRules:
     return EgressRules(
-        allowed=("allowed.test", "*.allowed.test", "loopback.test", "mapped.test",
-                 "metadata.test", "dashboard.test", "mixed.test", "denied.test",
-                 "169.254.169.254"),
+        allowed=(
+            "allowed.test",
+            "*.allowed.test",
+            "loopback.test",
+            "mapped.test",
+            "metadata.test",
+            "dashboard.test",
+            "mixed.test",
+            "denied.test",
+            "169.254.169.254",
+        ),
         denied=("denied.test",),
         allow_addresses=(server.subnet, *extra.get("allow_addresses", ())),
     )
@@ -126,9 +137,15 @@ def rules(server: NetnsServer, **extra: tuple[str, ...]) -> EgressRules:
 @pytest.fixture
 async def proxy(netns_server: NetnsServer, tmp_path: Path) -> AsyncIterator[EgressProxy]:
     audit = AuditLog(tmp_path / "audit.jsonl", key=b"k" * 32)
-    p = await start_proxy(task_id="task-1", rules=rules(netns_server), state_dir=tmp_path,
-                          audit=audit, resolve_override=names(netns_server), tcp=True,
-                          backend="test")
+    p = await start_proxy(
+        task_id="task-1",
+        rules=rules(netns_server),
+        state_dir=tmp_path,
+        audit=audit,
+        resolve_override=names(netns_server),
+        tcp=True,
+        backend="test",
+    )
     p.set_run("run-1")
     yield p
     await p.stop()
@@ -153,8 +170,9 @@ async def connect(p: EgressProxy) -> tuple[asyncio.StreamReader, asyncio.StreamW
     return reader, writer
 
 
-async def http_connect(p: EgressProxy, target: str) -> tuple[bytes, asyncio.StreamReader,
-                                                             asyncio.StreamWriter]:
+async def http_connect(
+    p: EgressProxy, target: str
+) -> tuple[bytes, asyncio.StreamReader, asyncio.StreamWriter]:
     reader, writer = await connect(p)
     writer.write(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
     head = await reader.readuntil(b"\r\n\r\n")
@@ -163,13 +181,17 @@ async def http_connect(p: EgressProxy, target: str) -> tuple[bytes, asyncio.Stre
 
 async def read_response(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
     head = await reader.readuntil(b"\r\n\r\n")
-    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                  if line.lower().startswith(b"content-length:"))
+    length = next(
+        int(line.split(b":")[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
     return head, await reader.readexactly(length)
 
 
-async def socks(p: EgressProxy, request: bytes) -> tuple[bytes, asyncio.StreamReader,
-                                                        asyncio.StreamWriter]:
+async def socks(
+    p: EgressProxy, request: bytes
+) -> tuple[bytes, asyncio.StreamReader, asyncio.StreamWriter]:
     reader, writer = await connect(p)
     writer.write(b"\x05\x01\x00")
     assert await reader.readexactly(2) == b"\x05\x00"
@@ -191,8 +213,9 @@ async def events(p: EgressProxy, count: int) -> list[dict[str, object]]:
     raise AssertionError(f"wanted {count} audit events, have {found}")
 
 
-async def test_connect_to_an_allowed_name_answers(proxy: EgressProxy,
-                                                  netns_server: NetnsServer) -> None:
+async def test_connect_to_an_allowed_name_answers(
+    proxy: EgressProxy, netns_server: NetnsServer
+) -> None:
     head, reader, writer = await http_connect(proxy, f"allowed.test:{netns_server.port}")
     assert head.startswith(b"HTTP/1.1 200")
     writer.write(b"GET /hello HTTP/1.1\r\nHost: allowed.test\r\n\r\n")
@@ -210,12 +233,15 @@ async def test_connect_to_an_allowed_name_answers(proxy: EgressProxy,
 
 
 async def test_plain_http_absolute_uri_is_forwarded_without_hop_by_hop_headers(
-        proxy: EgressProxy, netns_server: NetnsServer) -> None:
+    proxy: EgressProxy, netns_server: NetnsServer
+) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", proxy.tcp_port)
     _CLIENTS.append(writer)
-    writer.write(f"GET http://www.allowed.test:{netns_server.port}/p?q=1 HTTP/1.1\r\n"
-                 "Host: www.allowed.test\r\nProxy-Connection: keep-alive\r\n"
-                 "Proxy-Authorization: Basic eDp5\r\nX-Keep: yes\r\n\r\n".encode())
+    writer.write(
+        f"GET http://www.allowed.test:{netns_server.port}/p?q=1 HTTP/1.1\r\n"
+        "Host: www.allowed.test\r\nProxy-Connection: keep-alive\r\n"
+        "Proxy-Authorization: Basic eDp5\r\nX-Keep: yes\r\n\r\n".encode()
+    )
     head, body = await read_response(reader)
     assert head.startswith(b"HTTP/1.1 200")
     seen = json.loads(body)
@@ -231,9 +257,11 @@ async def test_denied_connect_gets_403_naming_host_rule_and_key(proxy: EgressPro
     head, reader, _ = await http_connect(proxy, "denied.test:8080")
     body = await reader.read()
     assert head.startswith(b"HTTP/1.1 403")
-    assert body.decode() == ("fusion-oci egress: denied.test:8080 denied by deniedDomains "
-                             "entry 'denied.test'; to allow it, remove it from "
-                             "sandbox.policy.deniedDomains\n")
+    assert body.decode() == (
+        "fusion-oci egress: denied.test:8080 denied by deniedDomains "
+        "entry 'denied.test'; to allow it, remove it from "
+        "sandbox.policy.deniedDomains\n"
+    )
     head, reader, _ = await http_connect(proxy, "unlisted.test:443")
     text = (await reader.read()).decode()
     assert head.startswith(b"HTTP/1.1 403")
@@ -251,8 +279,9 @@ async def test_denied_plain_http_gets_403(proxy: EgressProxy) -> None:
     assert head.startswith(b"HTTP/1.1 403") and b"unlisted.test:80" in body
 
 
-async def test_socks5_allowed_domain_and_ipv4(proxy: EgressProxy,
-                                              netns_server: NetnsServer) -> None:
+async def test_socks5_allowed_domain_and_ipv4(
+    proxy: EgressProxy, netns_server: NetnsServer
+) -> None:
     reply, reader, writer = await socks(proxy, socks_domain("allowed.test", netns_server.port))
     assert reply[:2] == b"\x05\x00"
     writer.write(b"GET /s HTTP/1.1\r\nHost: allowed.test\r\n\r\n")
@@ -293,13 +322,17 @@ async def test_socks5_ipv6_literal_refused_unless_allowed(proxy: EgressProxy) ->
     assert event["host"] == "::1"
 
 
-@pytest.mark.parametrize(("name", "why"), [
-    ("loopback.test", "address 127.0.0.1 is loopback"),
-    ("mapped.test", "address ::ffff:127.0.0.1 is loopback"),
-    ("metadata.test", "address 169.254.169.254 is the metadata address"),
-])
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("loopback.test", "address 127.0.0.1 is loopback"),
+        ("mapped.test", "address ::ffff:127.0.0.1 is loopback"),
+        ("metadata.test", "address 169.254.169.254 is the metadata address"),
+    ],
+)
 async def test_allowed_name_resolving_to_a_forbidden_address_is_refused(
-        proxy: EgressProxy, name: str, why: str) -> None:
+    proxy: EgressProxy, name: str, why: str
+) -> None:
     head, reader, _ = await http_connect(proxy, f"{name}:80")
     assert head.startswith(b"HTTP/1.1 403")
     assert why in (await reader.read()).decode()
@@ -316,8 +349,13 @@ async def test_metadata_literal_refused_even_when_named(proxy: EgressProxy) -> N
 
 async def test_dashboard_port_never_reached(netns_server: NetnsServer, tmp_path: Path) -> None:
     """Loopback allowed by the policy, still never 4040 (refused before any connect)."""
-    p = await start_proxy(task_id="t", rules=rules(netns_server, allow_addresses=("127.0.0.0/8",)),
-                          state_dir=tmp_path, audit=None, resolve_override=names(netns_server))
+    p = await start_proxy(
+        task_id="t",
+        rules=rules(netns_server, allow_addresses=("127.0.0.0/8",)),
+        state_dir=tmp_path,
+        audit=None,
+        resolve_override=names(netns_server),
+    )
     try:
         head, reader, _ = await http_connect(p, "dashboard.test:4040")
         assert head.startswith(b"HTTP/1.1 403") and b"4040" in await reader.read()
@@ -326,7 +364,8 @@ async def test_dashboard_port_never_reached(netns_server: NetnsServer, tmp_path:
 
 
 async def test_mixed_answers_connect_to_the_checked_address_only(
-        proxy: EgressProxy, netns_server: NetnsServer) -> None:
+    proxy: EgressProxy, netns_server: NetnsServer
+) -> None:
     head, _, writer = await http_connect(proxy, f"mixed.test:{netns_server.port}")
     assert head.startswith(b"HTTP/1.1 200")
     writer.close()
@@ -346,7 +385,8 @@ async def test_audit_events_are_chained(proxy: EgressProxy, netns_server: NetnsS
 
 
 async def test_stop_closes_open_tunnels_and_removes_the_socket(
-        proxy: EgressProxy, netns_server: NetnsServer) -> None:
+    proxy: EgressProxy, netns_server: NetnsServer
+) -> None:
     tunnels = []
     for _ in range(3):
         head, reader, writer = await http_connect(proxy, f"allowed.test:{netns_server.port}")
@@ -366,12 +406,17 @@ async def test_stop_closes_open_tunnels_and_removes_the_socket(
     await proxy.stop()  # idempotent
 
 
-async def test_limits_connections_and_header_size(netns_server: NetnsServer,
-                                                  tmp_path: Path) -> None:
-    p = await start_proxy(task_id="t", rules=rules(netns_server), state_dir=tmp_path, audit=None,
-                          resolve_override=names(netns_server),
-                          limits=Limits(max_connections=2, max_header_bytes=1024,
-                                        idle_timeout_s=0.5))
+async def test_limits_connections_and_header_size(
+    netns_server: NetnsServer, tmp_path: Path
+) -> None:
+    p = await start_proxy(
+        task_id="t",
+        rules=rules(netns_server),
+        state_dir=tmp_path,
+        audit=None,
+        resolve_override=names(netns_server),
+        limits=Limits(max_connections=2, max_header_bytes=1024, idle_timeout_s=0.5),
+    )
     try:
         open_ = [await http_connect(p, f"allowed.test:{netns_server.port}") for _ in range(2)]
         head, _, _ = await http_connect(p, f"allowed.test:{netns_server.port}")
@@ -389,8 +434,9 @@ async def test_limits_connections_and_header_size(netns_server: NetnsServer,
         await p.stop()
 
 
-async def test_download_through_the_tunnel_is_complete(proxy: EgressProxy,
-                                                       netns_server: NetnsServer) -> None:
+async def test_download_through_the_tunnel_is_complete(
+    proxy: EgressProxy, netns_server: NetnsServer
+) -> None:
     size = 20 * 1024 * 1024
     _, reader, writer = await http_connect(proxy, f"allowed.test:{netns_server.port}")
     writer.write(f"GET /bytes/{size} HTTP/1.1\r\nHost: allowed.test\r\n\r\n".encode())
@@ -401,11 +447,19 @@ async def test_download_through_the_tunnel_is_complete(proxy: EgressProxy,
     assert event["bytes_down"] > size
 
 
-def test_sync_callers_keep_the_proxy_serving_between_calls(netns_server: NetnsServer,
-                                                           tmp_path: Path) -> None:
+def test_sync_callers_keep_the_proxy_serving_between_calls(
+    netns_server: NetnsServer, tmp_path: Path
+) -> None:
     """The proxy lives on the proxy thread: it answers while the starter's loop is idle."""
-    p = asyncio.run(start_proxy(task_id="t", rules=rules(netns_server), state_dir=tmp_path,
-                                audit=None, resolve_override=names(netns_server)))
+    p = asyncio.run(
+        start_proxy(
+            task_id="t",
+            rules=rules(netns_server),
+            state_dir=tmp_path,
+            audit=None,
+            resolve_override=names(netns_server),
+        )
+    )
     try:
         import socket
 
@@ -440,8 +494,9 @@ def test_socket_folder_removed_by_gc_after_kill_9(tmp_path: Path) -> None:
     from fusion_oci.scratch import gc_scratch
 
     subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
-    owner = subprocess.Popen([sys.executable, "-c", KILLED_OWNER, str(tmp_path)],
-                             stdout=subprocess.PIPE, text=True)
+    owner = subprocess.Popen(
+        [sys.executable, "-c", KILLED_OWNER, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
     assert owner.stdout is not None
     sock = Path(owner.stdout.readline().strip())
     assert sock.exists() and sock.parent.name.startswith("fusion-oci-egress-killed-task-")
@@ -472,7 +527,8 @@ def _egress_folders() -> set[Path]:
 
 
 def test_sandbox_starts_the_proxy_before_prepare_and_removes_it_at_dispose(
-        worktree: Path, tmp_path: Path) -> None:
+    worktree: Path, tmp_path: Path
+) -> None:
     """The lifecycle (native: filtered is listed unenforced there, the proxy still runs):
     started at prepare, handed to the runtime in ResolvedTask.egress, serving between
     SyncSandbox calls, audited with the task's ids, gone at dispose."""
@@ -484,9 +540,12 @@ def test_sandbox_starts_the_proxy_before_prepare_and_removes_it_at_dispose(
 
     before = _egress_folders()
     audit = AuditLog(tmp_path / "audit.jsonl", key=b"k" * 32)
-    ctx = PrepareContext(task_id="t-egress", run_id="r-egress", worktree_path=str(worktree),
-                         policy=SandboxPolicy(network="filtered",
-                                              denied_domains=["blocked.example.com"]))
+    ctx = PrepareContext(
+        task_id="t-egress",
+        run_id="r-egress",
+        worktree_path=str(worktree),
+        policy=SandboxPolicy(network="filtered", denied_domains=["blocked.example.com"]),
+    )
     with SyncSandbox(SandboxSettings(backend="native"), audit=audit, env=dict(os.environ)) as sb:
         sb.prepare(ctx)
         proxy = sb.sandbox.egress
@@ -509,7 +568,10 @@ def test_sandbox_starts_the_proxy_before_prepare_and_removes_it_at_dispose(
     egress = [e for e in read_events(tmp_path / "audit.jsonl") if e.type == "sandbox:egress"]
     assert len(egress) == 1
     assert (egress[0].task_id, egress[0].run_id, egress[0].backend) == (
-        "t-egress", "r-egress", "native")
+        "t-egress",
+        "r-egress",
+        "native",
+    )
     assert egress[0].allowed is False and egress[0].host == "blocked.example.com"
     assert verify_chain(tmp_path / "audit.jsonl", b"k" * 32).ok
 
@@ -530,22 +592,32 @@ def test_a_failed_prepare_stops_the_proxy(worktree: Path, monkeypatch: pytest.Mo
 
     monkeypatch.setattr(NativeRuntime, "prepare", failing_prepare)
     before = _egress_folders()
-    ctx = PrepareContext(task_id="t-fail", run_id="r", worktree_path=str(worktree),
-                         policy=SandboxPolicy(network="filtered"))
-    with SyncSandbox(SandboxSettings(backend="native"), env=dict(os.environ)) as sb, \
-            pytest.raises(OSError, match="on purpose"):
+    ctx = PrepareContext(
+        task_id="t-fail",
+        run_id="r",
+        worktree_path=str(worktree),
+        policy=SandboxPolicy(network="filtered"),
+    )
+    with (
+        SyncSandbox(SandboxSettings(backend="native"), env=dict(os.environ)) as sb,
+        pytest.raises(OSError, match="on purpose"),
+    ):
         sb.prepare(ctx)
     assert seen and not seen[0].parent.exists()
     assert sb.sandbox.egress is None
     assert _egress_folders() == before
 
 
-
 async def test_stalled_handshakes_are_closed(netns_server: NetnsServer, tmp_path: Path) -> None:
     """A client that never finishes its request head (HTTP or SOCKS) holds no slot for long."""
-    p = await start_proxy(task_id="t", rules=rules(netns_server), state_dir=tmp_path, audit=None,
-                          resolve_override=names(netns_server),
-                          limits=Limits(handshake_timeout_s=0.3))
+    p = await start_proxy(
+        task_id="t",
+        rules=rules(netns_server),
+        state_dir=tmp_path,
+        audit=None,
+        resolve_override=names(netns_server),
+        limits=Limits(handshake_timeout_s=0.3),
+    )
     try:
         reader, writer = await connect(p)
         writer.write(b"CONNECT allowed.test:80 HTTP/1.1\r\n")  # no blank line, ever

@@ -51,21 +51,26 @@ def _local_image(adapter: EngineAdapter) -> str:
 def test_real_engine_errors_map_by_status(adapter: EngineAdapter) -> None:
     image = _local_image(adapter)
     name = f"fusion-oci-engines-{secrets.token_hex(4)}"
-    container = adapter.client.containers.create(image=image, command=["sleep", "60"],
-                                                 name=name, labels={LABEL: "1"})
+    container = adapter.client.containers.create(
+        image=image, command=["sleep", "60"], name=name, labels={LABEL: "1"}
+    )
     cid = str(container.id)
     try:
         # created, never started: docker says 409 "is not running", podman 409 "container
         # state improper"; both are the same ContainerGoneError.
-        with pytest.raises(ContainerGoneError), engine_errors(adapter.kind, "exec",
-                                                              adapter.endpoint, setup=False):
+        with (
+            pytest.raises(ContainerGoneError),
+            engine_errors(adapter.kind, "exec", adapter.endpoint, setup=False),
+        ):
             adapter.client.containers.get(cid).exec_run(["true"])
     finally:
         with engine_errors(adapter.kind, "remove", adapter.endpoint):
             adapter.remove(cid)
     # gone: 404, the same error again
-    with pytest.raises(ContainerGoneError), engine_errors(adapter.kind, "exec",
-                                                          adapter.endpoint, setup=False):
+    with (
+        pytest.raises(ContainerGoneError),
+        engine_errors(adapter.kind, "exec", adapter.endpoint, setup=False),
+    ):
         adapter.client.containers.get(cid).exec_run(["true"])
     with engine_errors(adapter.kind, "remove", adapter.endpoint):
         adapter.remove(cid)  # already gone: not an error
@@ -73,8 +78,10 @@ def test_real_engine_errors_map_by_status(adapter: EngineAdapter) -> None:
     missing = f"localhost/fusion-oci/missing:{secrets.token_hex(4)}"
     assert adapter.image(missing) is None
     assert not adapter.image_exists(missing)
-    with pytest.raises(ProvisionError, match="image is missing"), \
-            engine_errors(adapter.kind, "container create", adapter.endpoint):
+    with (
+        pytest.raises(ProvisionError, match="image is missing"),
+        engine_errors(adapter.kind, "container create", adapter.endpoint),
+    ):
         adapter.client.containers.create(image=missing, command=["true"])
 
 
@@ -89,14 +96,16 @@ def test_connect_finds_the_services_by_their_own_conventions(tmp_path: Path) -> 
 
     meta = home / ".docker" / "contexts" / "meta" / hashlib.sha256(b"ci").hexdigest()
     meta.mkdir(parents=True)
-    (meta / "meta.json").write_text(json.dumps(
-        {"Name": "ci", "Metadata": {}, "Endpoints": {"docker": {"Host": docker_url}}}))
+    (meta / "meta.json").write_text(
+        json.dumps({"Name": "ci", "Metadata": {}, "Endpoints": {"docker": {"Host": docker_url}}})
+    )
     (home / ".docker" / "config.json").write_text(json.dumps({"currentContext": "ci"}))
     # a podman connection, as `podman system connection add ci unix://...` (podman 5) writes it
     conf = home / ".config" / "containers"
     conf.mkdir(parents=True)
-    (conf / "podman-connections.json").write_text(json.dumps(
-        {"Connection": {"Default": "ci", "Connections": {"ci": {"URI": podman_url}}}}))
+    (conf / "podman-connections.json").write_text(
+        json.dumps({"Connection": {"Default": "ci", "Connections": {"ci": {"URI": podman_url}}}})
+    )
     env = {"HOME": str(home)}
     cases = [
         ("docker", docker_endpoints(None, {"DOCKER_HOST": docker_url}, 0, home=home)),

@@ -28,9 +28,26 @@ DATA = Path(__file__).resolve().parents[1] / "data" / "schemas"
 def recorded(tmp_path: Path) -> Path:
     require_runtime("bubblewrap")
     wt = committed_worktree(tmp_path)
-    p = cli("run", "--backend", "bubblewrap", "--network", "none", "--env", "REPRO_FOO",
-            "--memory-mb", "256", "--pids", "200", "--run-id", "exp1", "--task-id", "t15",
-            "--", COMMAND, cwd=wt)
+    p = cli(
+        "run",
+        "--backend",
+        "bubblewrap",
+        "--network",
+        "none",
+        "--env",
+        "REPRO_FOO",
+        "--memory-mb",
+        "256",
+        "--pids",
+        "200",
+        "--run-id",
+        "exp1",
+        "--task-id",
+        "t15",
+        "--",
+        COMMAND,
+        cwd=wt,
+    )
     assert (p.returncode, p.stdout) == (3, "exported-bar\n"), p.stderr
     return wt
 
@@ -58,17 +75,22 @@ def test_compose_config_and_run(recorded: Path, tmp_path: Path) -> None:
     env = {**os.environ, "REPRO_FOO": "from-compose"}
     project = f"fo{uuid.uuid4().hex[:8]}"
     base = ["docker-compose", "-p", project, "-f", str(out)]
-    cfg = subprocess.run([*base, "config"], env=env, capture_output=True, text=True,
-                         timeout=60)
+    cfg = subprocess.run([*base, "config"], env=env, capture_output=True, text=True, timeout=60)
     assert cfg.returncode == 0, cfg.stderr
     assert "not set" not in cfg.stderr  # `$REPRO_FOO` is the command's, not compose's
     try:
-        run = subprocess.run([*base, "run", "--rm", "-T", "task"], env=env,
-                             capture_output=True, text=True, timeout=180)
+        run = subprocess.run(
+            [*base, "run", "--rm", "-T", "task"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
         assert (run.returncode, run.stdout) == (3, "exported-from-compose\n"), run.stderr
     finally:
-        subprocess.run([*base, "down", "--remove-orphans"], env=env, capture_output=True,
-                       timeout=120)
+        subprocess.run(
+            [*base, "down", "--remove-orphans"], env=env, capture_output=True, timeout=120
+        )
 
 
 @pytest.mark.podman
@@ -80,31 +102,47 @@ def test_kube_pod_validates_and_plays(recorded: Path, tmp_path: Path) -> None:
     stderr = export(recorded, "kube", out, image, "exp1")
     assert "pidsLimit 200" in stderr and "REPRO_FOO" in stderr
     validator = shutil.which("kubernetes-validate") or str(
-        Path(sys.executable).parent / "kubernetes-validate")
-    check = subprocess.run([validator, "--strict", str(out)], capture_output=True, text=True,
-                           timeout=120)
+        Path(sys.executable).parent / "kubernetes-validate"
+    )
+    check = subprocess.run(
+        [validator, "--strict", str(out)], capture_output=True, text=True, timeout=120
+    )
     assert check.returncode == 0, check.stdout + check.stderr
     assert "pod/" in check.stdout and "networkpolicy/" in check.stdout
     # podman's default ulimits for root exceed this host's hard limits (machine notes) and a
     # Pod cannot set rlimits: give kube play defaults within them.
     conf = tmp_path / "containers.conf"
-    conf.write_text('[containers]\ndefault_ulimits = ["nofile=1024:1024", '
-                    '"nproc=1024:1024"]\n[engine]\nruntime = "runc"\n')
+    conf.write_text(
+        '[containers]\ndefault_ulimits = ["nofile=1024:1024", '
+        '"nproc=1024:1024"]\n[engine]\nruntime = "runc"\n'
+    )
     env = {**os.environ, "CONTAINERS_CONF": str(conf)}
     env.pop("CONTAINER_HOST", None)
-    play = subprocess.run(["podman", "kube", "play", str(out)], env=env, capture_output=True,
-                          text=True, timeout=180)
+    play = subprocess.run(
+        ["podman", "kube", "play", str(out)], env=env, capture_output=True, text=True, timeout=180
+    )
     try:
         assert play.returncode == 0, play.stderr
-        wait = subprocess.run(["podman", "wait", "fusion-oci-t15-task"], env=env,
-                              capture_output=True, text=True, timeout=120)
+        wait = subprocess.run(
+            ["podman", "wait", "fusion-oci-t15-task"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert wait.stdout.strip() == "3", wait.stderr
-        logs = subprocess.run(["podman", "logs", "fusion-oci-t15-task"], env=env,
-                              capture_output=True, text=True, timeout=60)
+        logs = subprocess.run(
+            ["podman", "logs", "fusion-oci-t15-task"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert logs.stdout == "exported-\n"  # the Secret for REPRO_FOO does not exist here
     finally:
-        subprocess.run(["podman", "kube", "down", str(out)], env=env, capture_output=True,
-                       timeout=120)
+        subprocess.run(
+            ["podman", "kube", "down", str(out)], env=env, capture_output=True, timeout=120
+        )
 
 
 def test_devcontainer_matches_its_schema(recorded: Path, tmp_path: Path) -> None:
@@ -136,8 +174,18 @@ def test_script_runs_as_is(recorded: Path, tmp_path: Path) -> None:
 
 def test_export_from_current_settings(recorded: Path, tmp_path: Path) -> None:
     out = tmp_path / "now.yaml"
-    p = cli("export", "--format", "compose", "--command", "true", "--image", "localhost/x:1",
-            "-o", str(out), cwd=recorded)
+    p = cli(
+        "export",
+        "--format",
+        "compose",
+        "--command",
+        "true",
+        "--image",
+        "localhost/x:1",
+        "-o",
+        str(out),
+        cwd=recorded,
+    )
     assert p.returncode == 0, p.stderr
     text = out.read_text()
     assert "image: localhost/x:1" in text and "- 'true'" in text

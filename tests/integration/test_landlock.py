@@ -36,15 +36,25 @@ def run(worktree: Path, command: str, *, timeout_ms: int = 20_000, **policy: Any
     if "network" not in policy:
         policy.setdefault("allow_network", False)
     settings = SandboxSettings(backend="landlock", policy=SandboxPolicy(**policy))
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(worktree.parent),
-           "LANG": "C.UTF-8"}
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(worktree.parent),
+        "LANG": "C.UTF-8",
+    }
     # The project outside the worktree (an executor's layout): landlock refuses a project whose
     # .fusion/ the command could write (test_a_main_worktree_as_the_project_is_refused).
     project = worktree.parent / "project"
     project.mkdir(exist_ok=True)
     with SyncSandbox(settings, env=env, cache_root=worktree.parent / "cache") as sb:
-        sb.prepare(PrepareContext(task_id="ll", run_id="r1", worktree_path=str(worktree),
-                                  policy=settings.policy, project_dir=str(project)))
+        sb.prepare(
+            PrepareContext(
+                task_id="ll",
+                run_id="r1",
+                worktree_path=str(worktree),
+                policy=settings.policy,
+                project_dir=str(project),
+            )
+        )
         return sb.run(command, RunOptions(timeout_ms=timeout_ms, env=env))
 
 
@@ -54,47 +64,66 @@ def test_a_main_worktree_as_the_project_is_refused(worktree: Path) -> None:
     from fusion_oci.errors import PolicyNotEnforceableError
 
     settings = SandboxSettings(backend="landlock", policy=SandboxPolicy(allow_network=False))
-    with SyncSandbox(settings, env=dict(os.environ), cache_root=worktree.parent / "cache") as sb, \
-            pytest.raises(PolicyNotEnforceableError) as refused:
-        sb.prepare(PrepareContext(task_id="ll", run_id="r1", worktree_path=str(worktree),
-                                  policy=settings.policy))
+    with (
+        SyncSandbox(settings, env=dict(os.environ), cache_root=worktree.parent / "cache") as sb,
+        pytest.raises(PolicyNotEnforceableError) as refused,
+    ):
+        sb.prepare(
+            PrepareContext(
+                task_id="ll", run_id="r1", worktree_path=str(worktree), policy=settings.policy
+            )
+        )
     assert any(".fusion" in part for part in refused.value.unenforced)
     assert "linked worktree" in refused.value.hint
 
 
 def test_commit_in_a_linked_worktree_works_and_hooks_stay_read_only(
-        linked_worktree: tuple[Path, Path]) -> None:
+    linked_worktree: tuple[Path, Path],
+) -> None:
     repo, wt = linked_worktree
     hook = repo / ".git" / "hooks" / "pre-commit"
-    result = run(wt, "echo change > file.txt && git add file.txt && "
-                     "git -c user.name=t -c user.email=t@e commit -qm from-landlock && "
-                     f"echo pwn > {hook}; git config core.hooksPath /tmp/x; "
-                     "git log --oneline | head -1")
+    result = run(
+        wt,
+        "echo change > file.txt && git add file.txt && "
+        "git -c user.name=t -c user.email=t@e commit -qm from-landlock && "
+        f"echo pwn > {hook}; git config core.hooksPath /tmp/x; "
+        "git log --oneline | head -1",
+    )
     assert "from-landlock" in result.stdout, result.stderr
     assert not hook.exists()
     # The .git file names the git dir the host's next git call uses: put back after the run.
     pointer = (wt / ".git").read_text()
-    hijack = run(wt, "mkdir -p evil && cp -r " + str(repo / ".git") + "/. evil/ && "
-                     "rm .git && printf 'gitdir: evil\\n' > .git && cat .git")
+    hijack = run(
+        wt,
+        "mkdir -p evil && cp -r " + str(repo / ".git") + "/. evil/ && "
+        "rm .git && printf 'gitdir: evil\\n' > .git && cat .git",
+    )
     assert hijack.stdout == "gitdir: evil\n", hijack
     assert (wt / ".git").read_text() == pointer
     assert any(".git (writable during the command" in u for u in hijack.unenforced), hijack
     assert "hooksPath" not in (repo / ".git" / "config").read_text()
     assert git(repo, "log", "--oneline", "task").startswith(
-        git(wt, "rev-parse", "--short", "HEAD").strip())
+        git(wt, "rev-parse", "--short", "HEAD").strip()
+    )
 
 
 def test_the_tools_of_a_build_run(worktree: Path) -> None:
-    result = run(worktree, "node -e 'console.log(require(\"os\").cpus().length > 0)'; "
-                           "python3 -c 'import sys; print(sys.version_info >= (3,))'; "
-                           "echo data > out.txt && cat out.txt; ls -d \"$TMPDIR\" \"$HOME\"")
+    result = run(
+        worktree,
+        "node -e 'console.log(require(\"os\").cpus().length > 0)'; "
+        "python3 -c 'import sys; print(sys.version_info >= (3,))'; "
+        'echo data > out.txt && cat out.txt; ls -d "$TMPDIR" "$HOME"',
+    )
     assert result.exit_code == 0, result.stderr
     assert result.stdout.splitlines()[:3] == ["true", "True", "data"]
 
 
 def test_root_gains_nothing_by_being_root(worktree: Path) -> None:
-    result = run(worktree, "grep -E '^Cap(Eff|Prm|Bnd)' /proc/$$/status; cat /etc/shadow; "
-                           "ls /root; echo x > /usr/local/pwned; true")
+    result = run(
+        worktree,
+        "grep -E '^Cap(Eff|Prm|Bnd)' /proc/$$/status; cat /etc/shadow; "
+        "ls /root; echo x > /usr/local/pwned; true",
+    )
     assert "root" not in result.stdout and not Path("/usr/local/pwned").exists()
     for word in ("/etc/shadow", "/root", "/usr/local/pwned"):
         assert word in result.stderr  # each refused, with the tool's own message
@@ -102,20 +131,29 @@ def test_root_gains_nothing_by_being_root(worktree: Path) -> None:
 
 def test_network_host_reaches_tcp_but_no_unix_socket(worktree: Path) -> None:
     with tcp_server() as (port, seen):
-        result = run(worktree, f"python3 -c 'import socket; socket.create_connection("
-                               f"(\"127.0.0.1\", {port})).close(); print(\"tcp\")'; "
-                               "python3 -c 'import socket; socket.socket(socket.AF_UNIX)' "
-                               "2>&1 | tail -1", network="host")
+        result = run(
+            worktree,
+            f"python3 -c 'import socket; socket.create_connection("
+            f'("127.0.0.1", {port})).close(); print("tcp")\'; '
+            "python3 -c 'import socket; socket.socket(socket.AF_UNIX)' "
+            "2>&1 | tail -1",
+            network="host",
+        )
     assert result.stdout.splitlines()[0] == "tcp" and seen
     assert "Operation not permitted" in result.stdout
 
 
 def test_network_none_has_no_socket_but_pipes_between_processes_work(worktree: Path) -> None:
-    result = run(worktree, "python3 -c 'import socket; a, b = socket.socketpair(); "
-                           "a.send(b\"pair\"); print(b.recv(4).decode())'; "
-                           "python3 -c 'import socket; socket.socket()' 2>&1 | tail -1")
-    assert result.stdout.splitlines() == ["pair", "PermissionError: [Errno 1] Operation not "
-                                                  "permitted"]
+    result = run(
+        worktree,
+        "python3 -c 'import socket; a, b = socket.socketpair(); "
+        'a.send(b"pair"); print(b.recv(4).decode())\'; '
+        "python3 -c 'import socket; socket.socket()' 2>&1 | tail -1",
+    )
+    assert result.stdout.splitlines() == [
+        "pair",
+        "PermissionError: [Errno 1] Operation not permitted",
+    ]
 
 
 def test_chmod_works_in_the_worktree_and_nowhere_else(worktree: Path, tmp_path: Path) -> None:
@@ -124,10 +162,13 @@ def test_chmod_works_in_the_worktree_and_nowhere_else(worktree: Path, tmp_path: 
     outside.chmod(0o600)
     (worktree / "run.sh").write_text("#!/bin/sh\necho ran\n")
     (worktree / "out-link").symlink_to(outside)
-    result = run(worktree, "chmod +x run.sh && ./run.sh; mkdir -p d && chmod 700 d; "
-                           "chmod 644 out-link; chmod 666 " + str(outside) + "; chmod u+s run.sh;"
-                           " python3 -c 'import os; fd = os.open(\"/etc/passwd\", os.O_RDONLY)"
-                           "\ntry: os.fchmod(fd, 0o666)\nexcept OSError as e: print(e.errno)'")
+    result = run(
+        worktree,
+        "chmod +x run.sh && ./run.sh; mkdir -p d && chmod 700 d; "
+        "chmod 644 out-link; chmod 666 " + str(outside) + "; chmod u+s run.sh;"
+        ' python3 -c \'import os; fd = os.open("/etc/passwd", os.O_RDONLY)'
+        "\ntry: os.fchmod(fd, 0o666)\nexcept OSError as e: print(e.errno)'",
+    )
     assert result.stdout.splitlines() == ["ran", "1"], result
     assert (worktree / "d").stat().st_mode & 0o777 == 0o700
     assert outside.stat().st_mode & 0o777 == 0o600
@@ -138,8 +179,8 @@ def test_chmod_works_in_the_worktree_and_nowhere_else(worktree: Path, tmp_path: 
 OWN_PROC_SCRIPT = (
     "set -e; grep -q '^Name:.*grep' /proc/self/status && echo status; "
     "grep -q '^Max open files' /proc/self/limits && echo limits; "
-    "test -n \"$(cat /proc/self/cgroup)\" && echo cgroup; "
-    "test -n \"$(cat /proc/self/maps)\" && echo maps; "
+    'test -n "$(cat /proc/self/cgroup)" && echo cgroup; '
+    'test -n "$(cat /proc/self/maps)" && echo maps; '
     "ls /proc/self/fd | grep -qx 0 && echo fd; "
     "grep -q '^Name:' /proc/thread-self/status && echo thread-self; "
     "tr '\\0' ' ' < /proc/self/cmdline | grep -q '^tr' && echo cmdline; "
@@ -156,16 +197,32 @@ def test_each_process_reads_its_own_proc_self(worktree: Path) -> None:
     the sandbox's other processes (ps lists those, as in a pid namespace)."""
     result = run(worktree, OWN_PROC_SCRIPT)
     assert result.exit_code == 0, result.stderr
-    assert result.stdout.split() == ["status", "limits", "cgroup", "maps", "fd", "thread-self",
-                                     "cmdline", "relative", "own-pid", "parent-in-sandbox",
-                                     "ps"], result
-    threads = run(worktree, "python3 -c 'import threading\n"
-                            "def f(): print(open(\"/proc/thread-self/status\").readline())\n"
-                            "t = threading.Thread(target=f); t.start(); t.join()'")
+    assert result.stdout.split() == [
+        "status",
+        "limits",
+        "cgroup",
+        "maps",
+        "fd",
+        "thread-self",
+        "cmdline",
+        "relative",
+        "own-pid",
+        "parent-in-sandbox",
+        "ps",
+    ], result
+    threads = run(
+        worktree,
+        "python3 -c 'import threading\n"
+        'def f(): print(open("/proc/thread-self/status").readline())\n'
+        "t = threading.Thread(target=f); t.start(); t.join()'",
+    )
     assert threads.stdout.strip() == "Name:\tpython3", threads
     # Another process of the sandbox: what ps reads, not what the kernel guards by ptrace.
-    sibling = run(worktree, "sleep 5 & tr '\\0' ' ' < /proc/$!/cmdline; echo; "
-                            "cat /proc/$!/environ /proc/$!/maps 2>&1 | grep -c denied; kill $!")
+    sibling = run(
+        worktree,
+        "sleep 5 & tr '\\0' ' ' < /proc/$!/cmdline; echo; "
+        "cat /proc/$!/environ /proc/$!/maps 2>&1 | grep -c denied; kill $!",
+    )
     assert sibling.stdout.split("\n") == ["sleep 5 ", "2", ""], sibling
 
 
@@ -175,19 +232,32 @@ def test_other_processes_proc_and_the_hosts_sysctls_stay_out_of_reach(worktree: 
     refused; ps lists no host process."""
     canary = subprocess.Popen(
         [sys.executable, "-c", "import time; time.sleep(60)", "CANARY-ARG-7f3a"],
-        env={"CANARY": "CANARY-ENV-7f3a"}, stdin=subprocess.DEVNULL)
+        env={"CANARY": "CANARY-ENV-7f3a"},
+        stdin=subprocess.DEVNULL,
+    )
     try:
         pid = canary.pid
-        probes = [f"/proc/{pid}/environ", f"/proc/{pid}/cmdline", f"/proc/{pid}/status",
-                  f"/proc/{pid}/maps", "/proc/1/cmdline", "/proc/self/root/etc/hostname",
-                  "/proc/self/pagemap", "/proc/self/stack",
-                  "/proc/self/net/tcp", "/proc/keys", "/proc/timer_list",
-                  "/proc/sys/kernel/hostname"]
+        probes = [
+            f"/proc/{pid}/environ",
+            f"/proc/{pid}/cmdline",
+            f"/proc/{pid}/status",
+            f"/proc/{pid}/maps",
+            "/proc/1/cmdline",
+            "/proc/self/root/etc/hostname",
+            "/proc/self/pagemap",
+            "/proc/self/stack",
+            "/proc/self/net/tcp",
+            "/proc/keys",
+            "/proc/timer_list",
+            "/proc/sys/kernel/hostname",
+        ]
         script = "; ".join(f"cat {p} >/dev/null 2>&1 && echo READ {p}" for p in probes)
-        script += (f"; cat /proc/{pid}/environ /proc/{pid}/cmdline 2>/dev/null; "
-                   "echo x 2>/dev/null > /proc/self/comm && echo WROTE comm; "
-                   "echo 1 2>/dev/null > /proc/sys/vm/drop_caches && echo WROTE sysctl; "
-                   "ps -eo args; echo end")
+        script += (
+            f"; cat /proc/{pid}/environ /proc/{pid}/cmdline 2>/dev/null; "
+            "echo x 2>/dev/null > /proc/self/comm && echo WROTE comm; "
+            "echo 1 2>/dev/null > /proc/sys/vm/drop_caches && echo WROTE sysctl; "
+            "ps -eo args; echo end"
+        )
         result = run(worktree, script)
     finally:
         canary.kill()
@@ -199,17 +269,24 @@ def test_other_processes_proc_and_the_hosts_sysctls_stay_out_of_reach(worktree: 
 
 
 def test_egress_and_cgroup_limits_are_refused_not_weakened(worktree: Path) -> None:
-    for policy in ({"network": "egress"}, {"memory_limit_mb": 64}, {"pids_limit": 10},
-                   {"tmp_size_mb": 8}):
+    for policy in (
+        {"network": "egress"},
+        {"memory_limit_mb": 64},
+        {"pids_limit": 10},
+        {"tmp_size_mb": 8},
+    ):
         with pytest.raises(PolicyNotEnforceableError):
             run(worktree, "true", **policy)
 
 
 def test_a_plain_repositorys_hooks_and_config_are_put_back_and_listed(worktree: Path) -> None:
     config = (worktree / ".git" / "config").read_text()
-    result = run(worktree, "printf '#!/bin/sh\\necho owned\\n' > .git/hooks/pre-commit; "
-                           "git config core.fsmonitor 'touch /tmp/x'; "
-                           "echo ok > kept.txt")
+    result = run(
+        worktree,
+        "printf '#!/bin/sh\\necho owned\\n' > .git/hooks/pre-commit; "
+        "git config core.fsmonitor 'touch /tmp/x'; "
+        "echo ok > kept.txt",
+    )
     assert not (worktree / ".git" / "hooks" / "pre-commit").exists()
     assert (worktree / ".git" / "config").read_text() == config
     assert (worktree / "kept.txt").read_text() == "ok\n"  # the worktree itself is the command's
@@ -226,8 +303,9 @@ def test_nothing_left_behind(worktree: Path) -> None:
     assert set(Path("/tmp").glob("fusion-oci-ll-*")) == before
 
 
-def test_a_confinement_that_fails_fails_the_command(worktree: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_confinement_that_fails_fails_the_command(
+    worktree: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import fusion_oci.runtimes.landlock as mod
 
     real = mod.launch_config
@@ -246,8 +324,12 @@ def test_plan_is_printable_and_says_what_is_granted(worktree: Path) -> None:
     from fusion_oci.policy.layout import resolve_layout
     from fusion_oci.resolve import ResolvedTask
 
-    ctx = PrepareContext(task_id="ll", run_id="r1", worktree_path=str(worktree),
-                         policy=SandboxPolicy(allow_network=False))
+    ctx = PrepareContext(
+        task_id="ll",
+        run_id="r1",
+        worktree_path=str(worktree),
+        policy=SandboxPolicy(allow_network=False),
+    )
     host = probe_host()
     layout = resolve_layout(ctx, cache_root=worktree.parent / "cache", ca_bundle=None)
     task = ResolvedTask(ctx=ctx, layout=layout, host=host, env={})
@@ -298,7 +380,8 @@ print(json.dumps(out))
 
 
 def test_userns_forbidden_host_bubblewrap_unavailable_landlock_still_isolates(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     unshare = shutil.which("unshare")
     require("landlock", unshare is not None, "unshare (util-linux) is missing")
     assert unshare is not None
@@ -307,9 +390,20 @@ def test_userns_forbidden_host_bubblewrap_unavailable_landlock_still_isolates(
     (tmp_path / "home" / ".ssh" / "id_ed25519").write_text(canary)
     git_init(tmp_path / "wt")
     done = subprocess.run(
-        [unshare, "--user", "--map-root-user", "--", sys.executable, "-c", FORBIDDEN_HOST,
-         str(tmp_path)],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        [
+            unshare,
+            "--user",
+            "--map-root-user",
+            "--",
+            sys.executable,
+            "-c",
+            FORBIDDEN_HOST,
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     assert done.returncode == 0, done.stderr[-3000:]

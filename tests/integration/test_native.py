@@ -25,15 +25,21 @@ pytestmark = pytest.mark.native
 
 
 def ctx(worktree: Path, **policy: object) -> PrepareContext:
-    return PrepareContext(task_id="t1", run_id="r1", worktree_path=str(worktree),
-                          policy=SandboxPolicy(**policy))  # type: ignore[arg-type]
+    return PrepareContext(
+        task_id="t1", run_id="r1", worktree_path=str(worktree), policy=SandboxPolicy(**policy)
+    )  # type: ignore[arg-type]
 
 
-def run(worktree: Path, command: str | list[str], opts: RunOptions | None = None,
-        settings: SandboxSettings | None = None, env: dict[str, str] | None = None,
-        audit: AuditLog | None = None, **policy: object):  # type: ignore[no-untyped-def]
-    with SyncSandbox(settings or SandboxSettings(), env=env or dict(os.environ),
-                     audit=audit) as sb:
+def run(
+    worktree: Path,
+    command: str | list[str],
+    opts: RunOptions | None = None,
+    settings: SandboxSettings | None = None,
+    env: dict[str, str] | None = None,
+    audit: AuditLog | None = None,
+    **policy: object,
+):  # type: ignore[no-untyped-def]
+    with SyncSandbox(settings or SandboxSettings(), env=env or dict(os.environ), audit=audit) as sb:
         sb.prepare(ctx(worktree, **policy))
         return sb.run(command, opts)
 
@@ -62,16 +68,22 @@ def test_native_is_the_status_quo(worktree: Path, tmp_path: Path) -> None:
     """HOME, PATH, the whole env and git's identity are the caller's (brief Phase A)."""
     home = tmp_path / "caller-home"
     home.mkdir()
-    (home / ".gitconfig").write_text("[user]\n\tname = Caller Person\n"
-                                     "\temail = caller@example.invalid\n")
+    (home / ".gitconfig").write_text(
+        "[user]\n\tname = Caller Person\n\temail = caller@example.invalid\n"
+    )
     tools = tmp_path / "tools"
     tools.mkdir()
     (tools / "callers-tool").write_text("#!/bin/sh\necho tool ran\n")
     (tools / "callers-tool").chmod(0o755)
-    env = {**os.environ, "HOME": str(home), "PATH": f"{tools}:{os.environ['PATH']}",
-           "SOME_TOKEN": "t0k"}
-    r = run(worktree, 'env -0; printf "\\n--\\n"; callers-tool; git var GIT_AUTHOR_IDENT; pwd',
-            env=env)
+    env = {
+        **os.environ,
+        "HOME": str(home),
+        "PATH": f"{tools}:{os.environ['PATH']}",
+        "SOME_TOKEN": "t0k",
+    }
+    r = run(
+        worktree, 'env -0; printf "\\n--\\n"; callers-tool; git var GIT_AUTHOR_IDENT; pwd', env=env
+    )
     dumped, rest = r.stdout.split("\n--\n")
     seen = dict(item.split("=", 1) for item in dumped.split("\0") if "=" in item)
     for key in ("HOME", "PATH", "SOME_TOKEN"):
@@ -119,8 +131,10 @@ def test_cancelling_run_ends_the_tree_and_audits_aborted(worktree: Path, tmp_pat
     asyncio.run(go())
     assert _gone(marker)
     events = list(read_events(tmp_path / "audit.jsonl"))
-    assert [(e.type, e.end_reason) for e in events[-2:]] == [("sandbox:run", "aborted"),
-                                                             ("sandbox:dispose", None)]
+    assert [(e.type, e.end_reason) for e in events[-2:]] == [
+        ("sandbox:run", "aborted"),
+        ("sandbox:dispose", None),
+    ]
 
 
 def test_abort_returns_an_aborted_result(worktree: Path) -> None:
@@ -191,8 +205,13 @@ def test_unavailable_backend_fallback_native(worktree: Path, tmp_path: Path) -> 
     assert r.backend == "native"
     assert "network none" in r.unenforced
     types = [e.type for e in read_events(tmp_path / "audit.jsonl")]
-    assert types == ["sandbox:failure", "sandbox:fallback", "sandbox:prepare", "sandbox:run",
-                     "sandbox:dispose"]
+    assert types == [
+        "sandbox:failure",
+        "sandbox:fallback",
+        "sandbox:prepare",
+        "sandbox:run",
+        "sandbox:dispose",
+    ]
     fallback = list(read_events(tmp_path / "audit.jsonl"))[1]
     assert fallback.details == {"from": "custom", "kind": "backend-unavailable"}
     assert fallback.unenforced and "network none" in fallback.unenforced
@@ -208,17 +227,26 @@ def test_unenforceable_policy_is_refused_not_weakened(worktree: Path, tmp_path: 
         id = "fs-only"
 
         def enforces(self) -> frozenset[Requirement]:
-            return frozenset({Requirement.FILESYSTEM, Requirement.PROC_PATHS, Requirement.ENV,
-                              Requirement.NETWORK_EGRESS})
+            return frozenset(
+                {
+                    Requirement.FILESYSTEM,
+                    Requirement.PROC_PATHS,
+                    Requirement.ENV,
+                    Requirement.NETWORK_EGRESS,
+                }
+            )
 
     original = registry.runtime_class
     registry.runtime_class = (  # type: ignore[assignment]
-        lambda backend, settings: NativeRuntime if backend == "native" else FsOnly)
+        lambda backend, settings: NativeRuntime if backend == "native" else FsOnly
+    )
     try:
         audit = AuditLog(tmp_path / "a.jsonl")
         settings = SandboxSettings(backend="bubblewrap", failure_mode="fail-hard")
-        with SyncSandbox(settings, audit=audit) as sb, \
-                pytest.raises(PolicyNotEnforceableError) as info:
+        with (
+            SyncSandbox(settings, audit=audit) as sb,
+            pytest.raises(PolicyNotEnforceableError) as info,
+        ):
             sb.prepare(ctx(worktree, memory_limit_mb=64))
         assert info.value.unenforced == ["memoryLimitMb"]
         events = list(read_events(tmp_path / "a.jsonl"))
@@ -236,8 +264,9 @@ def test_unenforceable_policy_is_refused_not_weakened(worktree: Path, tmp_path: 
 
 
 @pytest.mark.parametrize("failure_mode", ["fail-hard", "fallback-native"])
-def test_a_bad_policy_path_is_exit_2_and_runs_nothing(worktree: Path, tmp_path: Path,
-                                                      failure_mode: str) -> None:
+def test_a_bad_policy_path_is_exit_2_and_runs_nothing(
+    worktree: Path, tmp_path: Path, failure_mode: str
+) -> None:
     from fusion_oci.errors import SettingsError
 
     audit = AuditLog(tmp_path / "a.jsonl")
@@ -270,8 +299,11 @@ def test_unsafe_worktrees_are_refused(tmp_path: Path, where: str) -> None:
     assert "--unsafe-worktree" in info.value.hint
     if where != "root":  # said explicitly: accepted (the root would get a /.fusion/)
         with SyncSandbox(SandboxSettings(), env=env) as sb:
-            sb.prepare(PrepareContext(task_id="t", run_id="r", worktree_path=str(path),
-                                      unsafe_worktree=True))
+            sb.prepare(
+                PrepareContext(
+                    task_id="t", run_id="r", worktree_path=str(path), unsafe_worktree=True
+                )
+            )
 
 
 # --- audit under concurrency ----------------------------------------------------------------
@@ -288,8 +320,7 @@ for i in range(200):
 
 def test_concurrent_writers_leave_whole_lines(tmp_path: Path) -> None:
     path = tmp_path / "audit.jsonl"
-    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(path), str(n)])
-             for n in range(6)]
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(path), str(n)]) for n in range(6)]
     assert all(p.wait(60) == 0 for p in procs)
     lines = path.read_text().splitlines()
     assert len(lines) == 1200

@@ -50,22 +50,30 @@ def _runc_available() -> None:
     require_runtime("oci", SETTINGS)
 
 
-def ctx(worktree: Path, task: str = "t1", image: str | None = None,
-        **policy: Any) -> PrepareContext:
-    return PrepareContext(task_id=task, run_id="r1", worktree_path=str(worktree),
-                          policy=SandboxPolicy(**policy), image=image)
+def ctx(
+    worktree: Path, task: str = "t1", image: str | None = None, **policy: Any
+) -> PrepareContext:
+    return PrepareContext(
+        task_id=task,
+        run_id="r1",
+        worktree_path=str(worktree),
+        policy=SandboxPolicy(**policy),
+        image=image,
+    )
 
 
 @contextlib.asynccontextmanager
-async def sandbox(worktree: Path, cache_root: Path | None = None, **kw: Any
-                  ) -> AsyncIterator[Sandbox]:
+async def sandbox(
+    worktree: Path, cache_root: Path | None = None, **kw: Any
+) -> AsyncIterator[Sandbox]:
     async with Sandbox(SETTINGS, env=dict(os.environ), cache_root=cache_root) as sb:
         await sb.prepare(ctx(worktree, **kw))
         yield sb
 
 
-async def run(worktree: Path, command: str | list[str], opts: RunOptions | None = None,
-              **kw: Any) -> RunResult:
+async def run(
+    worktree: Path, command: str | list[str], opts: RunOptions | None = None, **kw: Any
+) -> RunResult:
     async with sandbox(worktree, **kw) as sb:
         return await sb.run(command, opts)
 
@@ -82,29 +90,42 @@ def new_marker() -> str:
 # --- bundles ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy", [
-    {"allow_network": False, "memory_limit_mb": 128, "pids_limit": 64},
-    {"network": "host"},
-], ids=["none-limits", "host"])
-def test_compiled_bundle_runs_unchanged_under_runc(worktree: Path, tmp_path: Path,
-                                                   oci_validator: Any, policy: Any) -> None:
+@pytest.mark.parametrize(
+    "policy",
+    [
+        {"allow_network": False, "memory_limit_mb": 128, "pids_limit": 64},
+        {"network": "host"},
+    ],
+    ids=["none-limits", "host"],
+)
+def test_compiled_bundle_runs_unchanged_under_runc(
+    worktree: Path, tmp_path: Path, oci_validator: Any, policy: Any
+) -> None:
     host = probe_host()
     context = ctx(worktree, **policy)
     layout = resolve_layout(context, cache_root=tmp_path / "cache", ca_bundle=host.ca_bundle)
-    spec = compile_spec(context, layout, host, "echo hi; id -u; pwd; exit 5", RunOptions(),
-                        dict(os.environ))
+    spec = compile_spec(
+        context, layout, host, "echo hi; id -u; pwd; exit 5", RunOptions(), dict(os.environ)
+    )
     oci_validator.validate(spec)
     bundle = write_bundle(spec, tmp_path / "bundle")
     oci_validator.validate(json.loads(bundle.config_path.read_text()))
     cid = f"fusion-oci-test-{uuid.uuid4().hex[:8]}"
     root = tmp_path / "runc-state"
     try:
-        done = subprocess.run(["runc", "--root", str(root), "run", "--bundle", str(bundle.path),
-                               cid], capture_output=True, text=True, timeout=60,
-                              stdin=subprocess.DEVNULL)
+        done = subprocess.run(
+            ["runc", "--root", str(root), "run", "--bundle", str(bundle.path), cid],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            stdin=subprocess.DEVNULL,
+        )
     finally:
-        subprocess.run(["runc", "--root", str(root), "delete", "--force", cid],
-                       capture_output=True, check=False)
+        subprocess.run(
+            ["runc", "--root", str(root), "delete", "--force", cid],
+            capture_output=True,
+            check=False,
+        )
     assert done.returncode == 5, done.stderr
     assert done.stdout == f"hi\n{os.getuid()}\n{worktree.resolve()}\n"
 
@@ -112,8 +133,9 @@ def test_compiled_bundle_runs_unchanged_under_runc(worktree: Path, tmp_path: Pat
 def test_rootless_bundle_runs_under_an_unprivileged_runc(oci_validator: Any) -> None:
     """The rootless translation (one mapping: the caller to root inside, no cgroup limits)
     run by runc as an unprivileged user; what it writes is that user's on the host."""
-    account, _ = checked_rootless_user("oci", None,
-                                       "switching to the rootless test user needs root")
+    account, _ = checked_rootless_user(
+        "oci", None, "switching to the rootless test user needs root"
+    )
     # Not tmp_path: pytest's base directory is 0700 root, which the user cannot traverse.
     base = Path(tempfile.mkdtemp(prefix="fusion-oci-rootless-", dir="/tmp"))
     try:
@@ -122,8 +144,7 @@ def test_rootless_bundle_runs_under_an_unprivileged_runc(oci_validator: Any) -> 
         host = replace(probe_host(), uid=account.pw_uid, gid=account.pw_gid)
         context = ctx(wt, allow_network=False, memory_limit_mb=64)
         layout = resolve_layout(context, cache_root=base / "cache", ca_bundle=host.ca_bundle)
-        spec = compile_spec(context, layout, host, "id -u; echo hi > f; exit 4", RunOptions(),
-                            {})
+        spec = compile_spec(context, layout, host, "id -u; echo hi > f; exit 4", RunOptions(), {})
         rootless = bundle_spec(spec, rootless_ids=(account.pw_uid, account.pw_gid))
         oci_validator.validate(rootless)
         bundle = write_bundle(rootless, base / "bundle")
@@ -139,12 +160,17 @@ def test_rootless_bundle_runs_under_an_unprivileged_runc(oci_validator: Any) -> 
 # --- plan == launch ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy", [
-    {"allow_network": False, "memory_limit_mb": 128, "pids_limit": 64},
-    {"network": "egress"},
-], ids=["none-limits", "egress"])
-async def test_the_plan_is_exactly_what_execute_runs(worktree: Path, policy: Any,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    "policy",
+    [
+        {"allow_network": False, "memory_limit_mb": 128, "pids_limit": 64},
+        {"network": "egress"},
+    ],
+    ids=["none-limits", "egress"],
+)
+async def test_the_plan_is_exactly_what_execute_runs(
+    worktree: Path, policy: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """plan() of a command == the argv, env, cwd and config.json prepare started the task's
     container with, and the spawn frame execute then sent to its agent."""
     from fusion_oci.agent.client import Agent
@@ -155,13 +181,25 @@ async def test_the_plan_is_exactly_what_execute_runs(worktree: Path, policy: Any
     real_cli, real_run = OciRuntime._spawn_cli, Agent.run
 
     async def spawn_cli(self: OciRuntime, launch: TaskLaunch, stdin: Any) -> Any:
-        started.append({"argv": launch.argv, "env": launch.env, "cwd": launch.cwd,
-                        "bundle": json.loads((Path(launch.cwd) / "config.json").read_text())})
+        started.append(
+            {
+                "argv": launch.argv,
+                "env": launch.env,
+                "cwd": launch.cwd,
+                "bundle": json.loads((Path(launch.cwd) / "config.json").read_text()),
+            }
+        )
         return await real_cli(self, launch, stdin)
 
     async def agent_run(self: Agent, argv: Any, **kw: Any) -> Any:
-        sent.append({"argv": list(argv), "env": dict(kw["env"]), "cwd": kw["cwd"],
-                     "rlimits": list(kw["rlimits"])})
+        sent.append(
+            {
+                "argv": list(argv),
+                "env": dict(kw["env"]),
+                "cwd": kw["cwd"],
+                "rlimits": list(kw["rlimits"]),
+            }
+        )
         return await real_run(self, argv, **kw)
 
     monkeypatch.setattr(OciRuntime, "_spawn_cli", spawn_cli)
@@ -173,10 +211,22 @@ async def test_the_plan_is_exactly_what_execute_runs(worktree: Path, policy: Any
         r = await rt.execute(plan, RunOptions())
     assert (r.exit_code, r.stdout) == (0, "planned\n"), r.stderr
     assert plan.sandbox is not None
-    assert started == [{"argv": plan.sandbox.argv, "env": plan.sandbox.env,
-                        "cwd": plan.sandbox.cwd, "bundle": json.loads(json.dumps(plan.bundle))}]
-    assert sent == [{"argv": list(plan.spawn.argv), "env": dict(plan.spawn.env),
-                     "cwd": plan.spawn.cwd, "rlimits": list(plan.spawn.rlimits)}]
+    assert started == [
+        {
+            "argv": plan.sandbox.argv,
+            "env": plan.sandbox.env,
+            "cwd": plan.sandbox.cwd,
+            "bundle": json.loads(json.dumps(plan.bundle)),
+        }
+    ]
+    assert sent == [
+        {
+            "argv": list(plan.spawn.argv),
+            "env": dict(plan.spawn.env),
+            "cwd": plan.spawn.cwd,
+            "rlimits": list(plan.spawn.rlimits),
+        }
+    ]
 
 
 async def test_a_command_that_needs_another_container_is_refused(worktree: Path) -> None:
@@ -196,8 +246,11 @@ async def test_a_command_that_needs_another_container_is_refused(worktree: Path)
 async def running(rt: OciRuntime) -> list[str]:
     """The ids of the task's running containers (its one, between commands)."""
     assert rt._task is not None
-    return [c["id"] for c in await list_containers("runc", rt._task.root, os.environ)
-            if c["status"] == "running"]
+    return [
+        c["id"]
+        for c in await list_containers("runc", rt._task.root, os.environ)
+        if c["status"] == "running"
+    ]
 
 
 # --- statuses ---------------------------------------------------------------------------------
@@ -205,9 +258,11 @@ async def running(rt: OciRuntime) -> list[str]:
 
 async def test_timeout_leaves_no_process_and_no_runtime_state(worktree: Path) -> None:
     marker = new_marker()
-    command = (f"sh -c 'sleep 1000' {marker} & "
-               f"setsid sh -c 'sleep 1000' {marker}-setsid & "
-               f"trap '' TERM; sleep 1000")
+    command = (
+        f"sh -c 'sleep 1000' {marker} & "
+        f"setsid sh -c 'sleep 1000' {marker}-setsid & "
+        f"trap '' TERM; sleep 1000"
+    )
     async with sandbox(worktree) as sb:
         runtime = oci(sb)
         start = time.monotonic()
@@ -291,8 +346,9 @@ def test_network() -> Iterator[str]:
         pytest.skip("creating the test network (a veth pair) needs root")
     name = f"fo{uuid.uuid4().hex[:6]}"
     address = "10.213.77.1"
-    subprocess.run(["ip", "link", "add", f"{name}h", "type", "veth", "peer", "name",
-                    f"{name}p"], check=True)
+    subprocess.run(
+        ["ip", "link", "add", f"{name}h", "type", "veth", "peer", "name", f"{name}p"], check=True
+    )
     try:
         subprocess.run(["ip", "addr", "add", f"{address}/32", "dev", f"{name}h"], check=True)
         for end in ("h", "p"):
@@ -306,38 +362,51 @@ THREADED_FETCH = (
     "import socket, sys, threading\n"
     "got = []\n"
     "def fetch():\n"
-    "    socket.getaddrinfo(\"localhost\", 80)\n"
+    '    socket.getaddrinfo("localhost", 80)\n'
     "    got.append(socket.create_connection((sys.argv[1], int(sys.argv[2])), 3).recv(6))\n"
     "t = threading.Thread(target=fetch); t.start(); t.join(); print(got)"
 )
 
 
 async def assert_egress_without_host_loopback(
-        run_in: Callable[..., Awaitable[RunResult]], worktree: Path, test_network: str) -> None:
+    run_in: Callable[..., Awaitable[RunResult]], worktree: Path, test_network: str
+) -> None:
     """Egress reaches a server in a test-made namespace, never the host's loopback (directly
     or through slirp's gateway). Shared by the runc and runsc tests."""
-    with tcp_server("127.0.0.1", b"hello\n") as (lo_port, lo_seen), \
-            tcp_server(test_network, b"hello\n") as (out_port, out_seen):
-        r = await run_in(worktree, connect_script([
-            ("127.0.0.1", lo_port), ("10.0.2.2", lo_port), (test_network, out_port),
-        ]), allow_network=True)
+    with (
+        tcp_server("127.0.0.1", b"hello\n") as (lo_port, lo_seen),
+        tcp_server(test_network, b"hello\n") as (out_port, out_seen),
+    ):
+        r = await run_in(
+            worktree,
+            connect_script(
+                [
+                    ("127.0.0.1", lo_port),
+                    ("10.0.2.2", lo_port),
+                    (test_network, out_port),
+                ]
+            ),
+            allow_network=True,
+        )
         lines = r.stdout.splitlines()
         assert lines[0].startswith("127.0.0.1 closed"), r
         assert lines[1].startswith("10.0.2.2 closed"), r
         assert lines[2] == f"{test_network} open", r
         # Egress as a build uses it: curl, and a fetch on a thread of its own after a name
         # resolution (under runsc no thread could start once, so no resolver either).
-        c = await run_in(worktree, "curl -sS --http0.9 --max-time 5 "
-                         f"http://{test_network}:{out_port}/ && "
-                         f"{PYTHON3} -c '{THREADED_FETCH}' {test_network} {out_port}",
-                         allow_network=True)
+        c = await run_in(
+            worktree,
+            "curl -sS --http0.9 --max-time 5 "
+            f"http://{test_network}:{out_port}/ && "
+            f"{PYTHON3} -c '{THREADED_FETCH}' {test_network} {out_port}",
+            allow_network=True,
+        )
         assert c.stdout == "hello\n[b'hello\\n']\n", c
     assert lo_seen == []
     assert len(out_seen) == 3
 
 
-async def test_egress_reaches_out_but_not_host_loopback(worktree: Path,
-                                                        test_network: str) -> None:
+async def test_egress_reaches_out_but_not_host_loopback(worktree: Path, test_network: str) -> None:
     ok, why = OciRuntime(SETTINGS, dict(os.environ)).egress_status()
     require("oci", ok, f"egress: {why}")
     await assert_egress_without_host_loopback(run, worktree, test_network)
@@ -399,8 +468,14 @@ async def test_gc_removes_what_a_kill_9_left(worktree: Path, tmp_path: Path) -> 
     marker = new_marker()
     # The marker goes by env: in the crasher's argv its forks would show it before exec.
     child = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", CRASHER, str(base), str(worktree), cwd=REPO,
-        env={**os.environ, "MARKER": marker})
+        sys.executable,
+        "-c",
+        CRASHER,
+        str(base),
+        str(worktree),
+        cwd=REPO,
+        env={**os.environ, "MARKER": marker},
+    )
     try:
         for _ in range(200):
             if pids_with(marker):
@@ -467,28 +542,38 @@ def docker_archive(tag: str) -> bytes:
     """A two-layer image with dash and its libraries; the second layer whites out a file."""
     sh = Path("/usr/bin/dash").read_bytes()
     libs = {}
-    for line in subprocess.run(["ldd", "/usr/bin/dash"], capture_output=True, text=True,
-                               check=True).stdout.splitlines():
+    for line in subprocess.run(
+        ["ldd", "/usr/bin/dash"], capture_output=True, text=True, check=True
+    ).stdout.splitlines():
         path = next((p for p in line.split() if p.startswith("/")), None)
         if path:
             libs[path.lstrip("/")] = Path(path).read_bytes()
-    base = _layer({"bin/sh": sh, **libs, "etc/hello": b"hello from the image\n",
-                   "etc/gone": b"whited out\n"}, {name: 0o755 for name in ["bin/sh", *libs]})
+    base = _layer(
+        {"bin/sh": sh, **libs, "etc/hello": b"hello from the image\n", "etc/gone": b"whited out\n"},
+        {name: 0o755 for name in ["bin/sh", *libs]},
+    )
     top = _layer({"etc/.wh.gone": None})
     layers = [base, top]
     diff_ids = ["sha256:" + hashlib.sha256(layer).hexdigest() for layer in layers]
-    config = json.dumps({
-        "architecture": "amd64", "os": "linux", "config": {"Cmd": ["/bin/sh"]},
-        "rootfs": {"type": "layers", "diff_ids": diff_ids},
-        "history": [{"created_by": "fusion-oci test"}, {"created_by": "fusion-oci test"}],
-    }).encode()
+    config = json.dumps(
+        {
+            "architecture": "amd64",
+            "os": "linux",
+            "config": {"Cmd": ["/bin/sh"]},
+            "rootfs": {"type": "layers", "diff_ids": diff_ids},
+            "history": [{"created_by": "fusion-oci test"}, {"created_by": "fusion-oci test"}],
+        }
+    ).encode()
     config_name = hashlib.sha256(config).hexdigest() + ".json"
     names = [f"{d.removeprefix('sha256:')}/layer.tar" for d in diff_ids]
     manifest = json.dumps([{"Config": config_name, "RepoTags": [tag], "Layers": names}]).encode()
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
-        for name, data in [("manifest.json", manifest), (config_name, config),
-                           *zip(names, layers, strict=True)]:
+        for name, data in [
+            ("manifest.json", manifest),
+            (config_name, config),
+            *zip(names, layers, strict=True),
+        ]:
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
@@ -516,13 +601,14 @@ def podman_image() -> Iterator[str]:
         client.close()
 
 
-async def test_image_mode_runs_on_the_unpacked_image(worktree: Path, tmp_path: Path,
-                                                     podman_image: str) -> None:
+async def test_image_mode_runs_on_the_unpacked_image(
+    worktree: Path, tmp_path: Path, podman_image: str
+) -> None:
     cache = tmp_path / "cache"
-    async with sandbox(worktree, cache_root=cache, image=podman_image,
-                       allow_network=False) as sb:
-        r = await sb.run("while read -r l; do echo \"$l\"; done < /etc/hello; echo /etc/*; "
-                         "echo made > in-worktree")
+    async with sandbox(worktree, cache_root=cache, image=podman_image, allow_network=False) as sb:
+        r = await sb.run(
+            'while read -r l; do echo "$l"; done < /etc/hello; echo /etc/*; echo made > in-worktree'
+        )
         assert r.exit_code == 0, r.stderr
         lines = r.stdout.splitlines()
         assert lines[0] == "hello from the image"
@@ -538,6 +624,9 @@ async def test_image_mode_runs_on_the_unpacked_image(worktree: Path, tmp_path: P
 
     url = os.environ.get("FUSION_OCI_PODMAN_URL", "unix:///run/podman/podman.sock")
     with PodmanClient(base_url=url) as client:
-        left = [c.name for c in client.containers.list(all=True)
-                if (c.attrs.get("Command") or [])[:1] == EXPORT_COMMAND[:1]]
+        left = [
+            c.name
+            for c in client.containers.list(all=True)
+            if (c.attrs.get("Command") or [])[:1] == EXPORT_COMMAND[:1]
+        ]
     assert left == []

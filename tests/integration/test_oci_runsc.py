@@ -38,13 +38,20 @@ def _runsc_available() -> None:
 @contextlib.asynccontextmanager
 async def sandbox(worktree: Path, **policy: Any) -> AsyncIterator[Sandbox]:
     async with Sandbox(SETTINGS, env=dict(os.environ)) as sb:
-        await sb.prepare(PrepareContext(task_id="rs", run_id="r1", worktree_path=str(worktree),
-                                        policy=SandboxPolicy(**policy)))
+        await sb.prepare(
+            PrepareContext(
+                task_id="rs",
+                run_id="r1",
+                worktree_path=str(worktree),
+                policy=SandboxPolicy(**policy),
+            )
+        )
         yield sb
 
 
-async def run(worktree: Path, command: str | list[str], opts: RunOptions | None = None,
-              **policy: Any) -> RunResult:
+async def run(
+    worktree: Path, command: str | list[str], opts: RunOptions | None = None, **policy: Any
+) -> RunResult:
     async with sandbox(worktree, **policy) as sb:
         return await sb.run(command, opts)
 
@@ -59,14 +66,14 @@ async def test_the_command_runs_on_gvisors_kernel(worktree: Path) -> None:
 
 async def test_network_none_reaches_nothing_of_the_host(worktree: Path) -> None:
     with tcp_server("127.0.0.1", b"hello\n") as (port, seen):
-        r = await run(worktree, connect_script([("127.0.0.1", port), ("10.0.2.2", port)]),
-                      allow_network=False)
+        r = await run(
+            worktree, connect_script([("127.0.0.1", port), ("10.0.2.2", port)]), allow_network=False
+        )
     assert [line.split()[1] for line in r.stdout.splitlines()] == ["closed", "closed"], r
     assert seen == []
 
 
-async def test_egress_reaches_out_but_not_host_loopback(worktree: Path,
-                                                        test_network: str) -> None:
+async def test_egress_reaches_out_but_not_host_loopback(worktree: Path, test_network: str) -> None:
     ok, why = OciRuntime(SETTINGS, dict(os.environ)).egress_status()
     require("oci-runsc", ok, f"egress: {why}")
     await assert_egress_without_host_loopback(run, worktree, test_network)
@@ -85,22 +92,27 @@ async def test_memory_limit_ends_in_oom_and_leaves_no_cgroup(worktree: Path) -> 
     def leaves() -> set[Path]:
         return {p for p in Path("/sys/fs/cgroup").glob(f"*/**/{LEAF_PREFIX}{os.getpid()}.*")}
 
-    r = await run(worktree, ["/usr/bin/python3", "-c",
-                             "b = []\nwhile True: b.append(bytearray(8 << 20))"],
-                  allow_network=False, memory_limit_mb=64)
+    r = await run(
+        worktree,
+        ["/usr/bin/python3", "-c", "b = []\nwhile True: b.append(bytearray(8 << 20))"],
+        allow_network=False,
+        memory_limit_mb=64,
+    )
     assert r.reason == "oom" and r.signal == "SIGKILL", r
     assert leaves() == set()
 
 
 async def test_timeout_ends_the_tree_keeps_the_sandbox_and_dispose_leaves_nothing(
-        worktree: Path) -> None:
+    worktree: Path,
+) -> None:
     marker = new_marker()
     async with sandbox(worktree, allow_network=False) as sb:
         runtime = sb.runtime
         assert isinstance(runtime, OciRuntime) and runtime._task is not None
         root, task_dir = runtime._task.root, runtime._task.dir
-        r = await sb.run(f"trap '' TERM; setsid sleep 600 & sleep 600 # {marker}",
-                         RunOptions(timeout_ms=1500))
+        r = await sb.run(
+            f"trap '' TERM; setsid sleep 600 & sleep 600 # {marker}", RunOptions(timeout_ms=1500)
+        )
         assert r.timed_out and r.reason == "timeout", r
         # Inside gVisor the tree is gone (the agent's keeper ended it); the sandbox runs on.
         left = await sb.run("ps -eo args | grep -c '[s]leep 600' || true")
@@ -114,10 +126,14 @@ async def test_timeout_ends_the_tree_keeps_the_sandbox_and_dispose_leaves_nothin
 async def test_git_commit_in_a_linked_worktree(linked_worktree: tuple[Path, Path]) -> None:
     repo, wt = linked_worktree
     common = repo / ".git"
-    r = await run(wt, "echo change >> README && git add README && "
-                      "git -c user.name=s -c user.email=s@e commit -qm 'from gvisor' && "
-                      f"(touch {common}/hooks/post-commit 2>/dev/null && echo HOOKS-WRITABLE);"
-                      " true", allow_network=False)
+    r = await run(
+        wt,
+        "echo change >> README && git add README && "
+        "git -c user.name=s -c user.email=s@e commit -qm 'from gvisor' && "
+        f"(touch {common}/hooks/post-commit 2>/dev/null && echo HOOKS-WRITABLE);"
+        " true",
+        allow_network=False,
+    )
     assert r.exit_code == 0, r.stderr
     assert "WRITABLE" not in r.stdout
     assert git(wt, "log", "-1", "--format=%s").strip() == "from gvisor"

@@ -47,16 +47,30 @@ def collector() -> Iterator[tuple[str, list[tuple[str, bytes]]]]:
 
 def test_run_exports_lifecycle_spans_and_run_metrics(worktree: Path) -> None:
     with collector() as (endpoint, got):
-        p = cli("run", "--backend", "native", "--task-id", "otel-task", "--", "exit 3",
-                cwd=worktree, env={"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
-                                   "OTEL_SERVICE_NAME": "fusion-oci-test"})
+        p = cli(
+            "run",
+            "--backend",
+            "native",
+            "--task-id",
+            "otel-task",
+            "--",
+            "exit 3",
+            cwd=worktree,
+            env={"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_SERVICE_NAME": "fusion-oci-test"},
+        )
     assert p.returncode == 3, p.stderr
-    traces = [ExportTraceServiceRequest.FromString(body) for path, body in got
-              if path == "/v1/traces"]
-    spans = [s for req in traces for rs in req.resource_spans for ss in rs.scope_spans
-             for s in ss.spans]
-    assert sorted(s.name for s in spans) == ["sandbox", "sandbox.dispose", "sandbox.prepare",
-                                             "sandbox.run"]
+    traces = [
+        ExportTraceServiceRequest.FromString(body) for path, body in got if path == "/v1/traces"
+    ]
+    spans = [
+        s for req in traces for rs in req.resource_spans for ss in rs.scope_spans for s in ss.spans
+    ]
+    assert sorted(s.name for s in spans) == [
+        "sandbox",
+        "sandbox.dispose",
+        "sandbox.prepare",
+        "sandbox.run",
+    ]
     assert len({s.trace_id for s in spans}) == 1
     run = next(s for s in spans if s.name == "sandbox.run")
     attrs = {a.key: a.value for a in run.attributes}
@@ -64,20 +78,34 @@ def test_run_exports_lifecycle_spans_and_run_metrics(worktree: Path) -> None:
     assert attrs["fusion_oci.backend"].string_value == "native"
     assert attrs["fusion_oci.end_reason"].string_value == "exit"
     assert attrs["fusion_oci.exit_code"].int_value == 3
-    resource = {a.key: a.value.string_value
-                for a in traces[0].resource_spans[0].resource.attributes}
+    resource = {
+        a.key: a.value.string_value for a in traces[0].resource_spans[0].resource.attributes
+    }
     assert resource["service.name"] == "fusion-oci-test"
-    metrics = [ExportMetricsServiceRequest.FromString(body) for path, body in got
-               if path == "/v1/metrics"]
-    names = {m.name for req in metrics for rm in req.resource_metrics for sm in rm.scope_metrics
-             for m in sm.metrics}
+    metrics = [
+        ExportMetricsServiceRequest.FromString(body) for path, body in got if path == "/v1/metrics"
+    ]
+    names = {
+        m.name
+        for req in metrics
+        for rm in req.resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+    }
     assert {"fusion_oci.sandbox.runs", "fusion_oci.sandbox.run.duration"} <= names
 
 
 def test_otel_sdk_disabled_means_no_export(worktree: Path) -> None:
     with collector() as (endpoint, got):
-        p = cli("run", "--backend", "native", "--", "true", cwd=worktree,
-                env={"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_SDK_DISABLED": "true"})
+        p = cli(
+            "run",
+            "--backend",
+            "native",
+            "--",
+            "true",
+            cwd=worktree,
+            env={"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_SDK_DISABLED": "true"},
+        )
     assert p.returncode == 0
     assert got == []
 
@@ -85,8 +113,15 @@ def test_otel_sdk_disabled_means_no_export(worktree: Path) -> None:
 def test_a_collector_that_is_down_costs_one_stderr_line(worktree: Path) -> None:
     with collector() as (endpoint, _got):
         pass  # closed again: its port now refuses connections
-    p = cli("run", "--backend", "native", "--", "echo out", cwd=worktree,
-            env={"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint})
+    p = cli(
+        "run",
+        "--backend",
+        "native",
+        "--",
+        "echo out",
+        cwd=worktree,
+        env={"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint},
+    )
     assert (p.returncode, p.stdout) == (0, "out\n")
     # Beside the one-line note that native isolates nothing (issue 12), one line for OTel.
     lines = [line for line in p.stderr.splitlines() if "isolates nothing" not in line]

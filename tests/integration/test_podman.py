@@ -22,15 +22,17 @@ from tests.integration.images_fixture import ensure_node_image
 pytestmark = [pytest.mark.podman, pytest.mark.slow]
 
 
-
 @pytest.fixture
 def engine() -> str:
     return "podman"
 
 
 def test_missing_socket_without_podman_binary_says_what_to_do(tmp_path: Path) -> None:
-    runtime = create_runtime("podman", SandboxSettings(backend="podman"),
-                             {"PATH": str(tmp_path), "XDG_RUNTIME_DIR": str(tmp_path)})
+    runtime = create_runtime(
+        "podman",
+        SandboxSettings(backend="podman"),
+        {"PATH": str(tmp_path), "XDG_RUNTIME_DIR": str(tmp_path)},
+    )
     avail = runtime.availability()
     if os.getuid() == 0 and Path("/run/podman/podman.sock").exists():
         pytest.skip("a system podman socket answers here")
@@ -64,12 +66,14 @@ def test_starts_podman_system_service_when_no_socket_answers(tmp_path: Path) -> 
 
 
 async def test_network_egress_reaches_a_container_network_not_host_loopback(
-    settings: SandboxSettings, worktree: Path, tmp_path: Path,
-    host_loopback_server: tuple[int, list[str]], podman_canary: tuple[str, int],
+    settings: SandboxSettings,
+    worktree: Path,
+    tmp_path: Path,
+    host_loopback_server: tuple[int, list[str]],
+    podman_canary: tuple[str, int],
 ) -> None:
     port, seen = host_loopback_server
-    matrix = await cases.network_matrix("podman", settings, worktree, tmp_path, port,
-                                        podman_canary)
+    matrix = await cases.network_matrix("podman", settings, worktree, tmp_path, port, podman_canary)
     cases.assert_network(matrix, seen, with_canary=True)
 
 
@@ -81,11 +85,16 @@ def podman_canary(settings: SandboxSettings) -> Iterator[tuple[str, int]]:
     script = Path(__file__).resolve().parents[1] / "data" / "compose" / "canary.js"
     with podman.PodmanClient(base_url=settings.podman_url) as client:
         container = client.containers.create(
-            image=cases.image("podman"), command=["node", "/canary.js"], user="65534:65534",
-            labels={"io.fusion-oci.test": "canary"}, network_mode="bridge",
+            image=cases.image("podman"),
+            command=["node", "/canary.js"],
+            user="65534:65534",
+            labels={"io.fusion-oci.test": "canary"},
+            network_mode="bridge",
             volumes={str(script): {"bind": "/canary.js", "extended_mode": ["ro"]}},
-            ulimits=[{"Name": "nproc", "Soft": 4096, "Hard": 4096},
-                     {"Name": "nofile", "Soft": 1024, "Hard": 1024}],
+            ulimits=[
+                {"Name": "nproc", "Soft": 4096, "Hard": 4096},
+                {"Name": "nofile", "Soft": 1024, "Hard": 1024},
+            ],
         )
         try:
             container.start()
@@ -116,18 +125,22 @@ def test_rootless_availability_says_socket_and_rootless(rootless: dict[str, Any]
     result = drive(rootless, "availability")
     assert result["available"], result
     assert result["rootless"] is True
-    assert result["details"]["socket"].endswith(f"/run/user/{rootless['user'].pw_uid}"
-                                                "/podman/podman.sock")
+    assert result["details"]["socket"].endswith(
+        f"/run/user/{rootless['user'].pw_uid}/podman/podman.sock"
+    )
     assert "XDG_RUNTIME_DIR" in result["details"]["socket source"]
 
 
 @pytest.mark.podman_rootless
-def test_rootless_pnpm_project_installs_tests_builds_and_commits(
-    rootless: dict[str, Any]
-) -> None:
+def test_rootless_pnpm_project_installs_tests_builds_and_commits(rootless: dict[str, Any]) -> None:
     image = ensure_node_image("podman-rootless").ref
-    result = drive(rootless, "pnpm", dir=str(workdir(rootless, "pnpm")), image=image,
-                   project=str(cases.rootless_project()))
+    result = drive(
+        rootless,
+        "pnpm",
+        dir=str(workdir(rootless, "pnpm")),
+        image=image,
+        project=str(cases.rootless_project()),
+    )
     for step in ("install", "test", "build", "commit"):
         assert result[step]["exit"] == 0, (step, result[step])
     assert result["hooks"]["exit"] != 0, "the common dir's hooks are read-only"
@@ -137,9 +150,7 @@ def test_rootless_pnpm_project_installs_tests_builds_and_commits(
 
 
 @pytest.mark.podman_rootless
-def test_rootless_timeout_ends_the_tree_and_files_stay_the_users(
-    rootless: dict[str, Any]
-) -> None:
+def test_rootless_timeout_ends_the_tree_and_files_stay_the_users(rootless: dict[str, Any]) -> None:
     image = ensure_node_image("podman-rootless").ref
     result = drive(rootless, "timeout", dir=str(workdir(rootless, "timeout")), image=image)
     assert result["timed_out"] and result["reason"] == "timeout"
@@ -155,8 +166,7 @@ def test_rootless_egress_keeps_host_loopback_closed(
 ) -> None:
     port, seen = host_loopback_server
     image = ensure_node_image("podman-rootless").ref
-    result = drive(rootless, "network", dir=str(workdir(rootless, "net")), image=image,
-                   port=port)
+    result = drive(rootless, "network", dir=str(workdir(rootless, "net")), image=image, port=port)
     for mode, row in result.items():
         for host, outcome in row.items():
             assert not outcome.startswith("open"), (mode, host, result)

@@ -39,8 +39,10 @@ REGISTRY_BIN = shutil.which("docker-registry") or "/usr/bin/docker-registry"
 TINY = "localhost/fusion-oci-test/tiny:1"
 # Real backoff, kept short: 0.2 s, 0.4 s, … capped at 1 s, with up to 0.1 s of jitter.
 POLICY = RetryPolicy(attempts=5, initial_s=0.2, max_s=1.0, jitter_s=0.1)
-ENGINES = [pytest.param("podman", marks=pytest.mark.podman),
-           pytest.param("docker", marks=pytest.mark.docker)]
+ENGINES = [
+    pytest.param("podman", marks=pytest.mark.podman),
+    pytest.param("docker", marks=pytest.mark.docker),
+]
 
 
 def free_port() -> int:
@@ -55,19 +57,27 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     """docker-registry on 127.0.0.1:PORT with filesystem storage, stopped by its pid."""
-    require("podman", os.path.exists(REGISTRY_BIN),
-            f"{REGISTRY_BIN} is missing (apt-get install docker-registry)")
+    require(
+        "podman",
+        os.path.exists(REGISTRY_BIN),
+        f"{REGISTRY_BIN} is missing (apt-get install docker-registry)",
+    )
     root = tmp_path_factory.mktemp("registry")
     port = free_port()
     config = root / "config.yml"
     config.write_text(
         "version: 0.1\nlog:\n  level: warn\n"
         f"storage:\n  filesystem:\n    rootdirectory: {root / 'data'}\n"
-        f"http:\n  addr: 127.0.0.1:{port}\n")
+        f"http:\n  addr: 127.0.0.1:{port}\n"
+    )
     log = (root / "registry.log").open("wb")
-    proc = subprocess.Popen([REGISTRY_BIN, "serve", str(config)], stdout=log,
-                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [REGISTRY_BIN, "serve", str(config)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 15
         while True:
@@ -119,8 +129,9 @@ def tiny(registry: int, tmp_path_factory: pytest.TempPathFactory) -> str:
     with podman_client() as client:
         client.import_rootfs(archive, TINY, ['CMD ["/hello.txt"]'])
         # v2s2 manifests, which docker 20.10 and podman both pull
-        client.client.images.push(TINY, destination=f"127.0.0.1:{registry}/tiny:1",
-                                  tlsVerify=False, format="v2s2")
+        client.client.images.push(
+            TINY, destination=f"127.0.0.1:{registry}/tiny:1", tlsVerify=False, format="v2s2"
+        )
         info2 = client.image(TINY)
         assert info2 is not None
         return info2.id
@@ -168,8 +179,7 @@ class FaultProxy:
             try:
                 if mode == "reset":
                     # SO_LINGER 0: close() sends RST, a "connection reset by peer"
-                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
-                                    struct.pack("ii", 1, 0))
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 elif mode in ("503", "401"):
                     self._read_head(conn)
                     conn.sendall(self._answer(mode))
@@ -184,14 +194,17 @@ class FaultProxy:
             head = "HTTP/1.1 503 Service Unavailable\r\n"
             body = b"registry restarting\n"
         else:
-            head = ("HTTP/1.1 401 Unauthorized\r\n"
-                    'WWW-Authenticate: Basic realm="fusion-oci-test"\r\n'
-                    "Docker-Distribution-Api-Version: registry/2.0\r\n"
-                    "Content-Type: application/json\r\n")
-            body = (b'{"errors":[{"code":"UNAUTHORIZED",'
-                    b'"message":"authentication required","detail":null}]}')
-        return (f"{head}Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
-                + body)
+            head = (
+                "HTTP/1.1 401 Unauthorized\r\n"
+                'WWW-Authenticate: Basic realm="fusion-oci-test"\r\n'
+                "Docker-Distribution-Api-Version: registry/2.0\r\n"
+                "Content-Type: application/json\r\n"
+            )
+            body = (
+                b'{"errors":[{"code":"UNAUTHORIZED",'
+                b'"message":"authentication required","detail":null}]}'
+            )
+        return f"{head}Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body
 
     @staticmethod
     def _read_head(conn: socket.socket) -> None:
@@ -207,8 +220,10 @@ class FaultProxy:
                 raise OSError("TLS on a plain HTTP port")
 
     def _forward(self, conn: socket.socket) -> None:
-        with socket.create_connection(("127.0.0.1", self.upstream)) as up, \
-                selectors.DefaultSelector() as sel:
+        with (
+            socket.create_connection(("127.0.0.1", self.upstream)) as up,
+            selectors.DefaultSelector() as sel,
+        ):
             sel.register(conn, selectors.EVENT_READ, up)
             sel.register(up, selectors.EVENT_READ, conn)
             open_ends = 2
@@ -259,18 +274,33 @@ def engine_client(engine: str) -> EngineAdapter:
     return client
 
 
-def pull(engine: str, ref: str, log: AuditLog, tmp_path: Path,
-         mirrors: list[str] | None = None) -> Any:
+def pull(
+    engine: str, ref: str, log: AuditLog, tmp_path: Path, mirrors: list[str] | None = None
+) -> Any:
     target = engine_targets(os.environ)[engine]
-    return asyncio.run(ensure_image(
-        target.kind, target.url, ref, settings(), log, "t", "r", mirrors=mirrors,
-        options=ProvisionOptions(engine_name=engine, env=dict(os.environ), retry=POLICY,
-                                 lock_dir=tmp_path / "locks")))
+    return asyncio.run(
+        ensure_image(
+            target.kind,
+            target.url,
+            ref,
+            settings(),
+            log,
+            "t",
+            "r",
+            mirrors=mirrors,
+            options=ProvisionOptions(
+                engine_name=engine, env=dict(os.environ), retry=POLICY, lock_dir=tmp_path / "locks"
+            ),
+        )
+    )
 
 
 def attempts(events: list[AuditEvent]) -> list[dict[str, Any]]:
-    return [e.details for e in events
-            if e.type == "sandbox:provision" and e.details and e.details.get("action") == "pull"]
+    return [
+        e.details
+        for e in events
+        if e.type == "sandbox:provision" and e.details and e.details.get("action") == "pull"
+    ]
 
 
 @pytest.fixture
@@ -289,8 +319,14 @@ def cleanup() -> Iterator[list[tuple[str, str]]]:
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("fault", ["reset", "503"])
 def test_transient_errors_are_retried_until_the_registry_is_back(
-        engine: str, fault: str, tiny: str, proxy: Callable[[str], FaultProxy],
-        tmp_path: Path, cleanup: list[tuple[str, str]], record_property: Any) -> None:
+    engine: str,
+    fault: str,
+    tiny: str,
+    proxy: Callable[[str], FaultProxy],
+    tmp_path: Path,
+    cleanup: list[tuple[str, str]],
+    record_property: Any,
+) -> None:
     engine_client(engine).close()
     p = proxy(fault)
     ref = f"127.0.0.1:{p.port}/tiny:1"
@@ -304,8 +340,11 @@ def test_transient_errors_are_retried_until_the_registry_is_back(
 
     def registry_comes_back(event: AuditEvent) -> None:
         d = event.details or {}
-        if d.get("action") == "pull" and d.get("outcome") == "retry" and (
-                d.get("attempt") == down_for):
+        if (
+            d.get("action") == "pull"
+            and d.get("outcome") == "retry"
+            and (d.get("attempt") == down_for)
+        ):
             p.mode = "forward"
 
     log.subscribe(registry_comes_back)
@@ -314,7 +353,9 @@ def test_transient_errors_are_retried_until_the_registry_is_back(
     elapsed = time.perf_counter() - t0
     tries = attempts(events)
     assert [(a["attempt"], a["outcome"]) for a in tries] == [
-        *((n, "retry") for n in range(1, down_for + 1)), (down_for + 1, "ok")], tries
+        *((n, "retry") for n in range(1, down_for + 1)),
+        (down_for + 1, "ok"),
+    ], tries
     assert all(a["transient"] for a in tries[:down_for])
     assert got.action == "pulled" and got.digest == tiny
     final = [e.details for e in events if e.details and e.details.get("action") == "pulled"]
@@ -323,15 +364,17 @@ def test_transient_errors_are_retried_until_the_registry_is_back(
     for a in tries[:down_for]:
         assert a["error"] and 0.2 <= a["next_wait_s"] <= 1.0
     record_property(f"retry_{engine}_{fault}_s", round(elapsed, 2))
-    print(f"\n{engine} {fault}: {down_for} failed attempt(s) + success in {elapsed:.2f}s; "
-          f"engine said: {tries[0]['error'][:160]}")
+    print(
+        f"\n{engine} {fault}: {down_for} failed attempt(s) + success in {elapsed:.2f}s; "
+        f"engine said: {tries[0]['error'][:160]}"
+    )
 
 
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("case", ["unknown-image", "auth-denied"])
 def test_permanent_errors_fail_on_the_first_attempt(
-        engine: str, case: str, tiny: str, proxy: Callable[[str], FaultProxy],
-        tmp_path: Path) -> None:
+    engine: str, case: str, tiny: str, proxy: Callable[[str], FaultProxy], tmp_path: Path
+) -> None:
     engine_client(engine).close()
     p = proxy("forward" if case == "unknown-image" else "401")
     ref = f"127.0.0.1:{p.port}/tiny:" + ("does-not-exist" if case == "unknown-image" else "1")
@@ -344,28 +387,39 @@ def test_permanent_errors_fail_on_the_first_attempt(
     elapsed = time.perf_counter() - t0
     tries = attempts(events)
     assert [(a["attempt"], a["outcome"], a["transient"]) for a in tries] == [
-        (1, "failed", False)], tries
-    words = ("manifest unknown", "not found") if case == "unknown-image" else (
-        "unauthorized", "authentication required", "no basic auth credentials")
+        (1, "failed", False)
+    ], tries
+    words = (
+        ("manifest unknown", "not found")
+        if case == "unknown-image"
+        else ("unauthorized", "authentication required", "no basic auth credentials")
+    )
     assert any(w in str(err.value).lower() for w in words), str(err.value)
     assert elapsed < 10, elapsed
     print(f"\n{engine} {case}: failed once in {elapsed:.2f}s: {tries[0]['error'][:160]}")
 
 
 @pytest.mark.podman
-def test_mirrors_are_tried_in_order(registry: int, tiny: str, tmp_path: Path,
-                                    cleanup: list[tuple[str, str]]) -> None:
+def test_mirrors_are_tried_in_order(
+    registry: int, tiny: str, tmp_path: Path, cleanup: list[tuple[str, str]]
+) -> None:
     ref = "registry.fusion-oci.invalid/tiny:1"
     cleanup += [("podman", ref), ("podman", f"127.0.0.1:{registry}/tiny:1")]
     events: list[AuditEvent] = []
     log = AuditLog()
     log.subscribe(events.append)
-    got = pull("podman", ref, log, tmp_path,
-               mirrors=[f"127.0.0.1:{registry}/not-here", f"127.0.0.1:{registry}"])
+    got = pull(
+        "podman",
+        ref,
+        log,
+        tmp_path,
+        mirrors=[f"127.0.0.1:{registry}/not-here", f"127.0.0.1:{registry}"],
+    )
     assert got.ref == ref and got.digest == tiny and got.action == "pulled"
     tries = attempts(events)
     assert [(a["source"], a["outcome"]) for a in tries] == [
         (f"127.0.0.1:{registry}/not-here/tiny:1", "failed"),
-        (f"127.0.0.1:{registry}/tiny:1", "ok")]
+        (f"127.0.0.1:{registry}/tiny:1", "ok"),
+    ]
     with engine_client("podman") as client:
         assert client.image(ref) is not None

@@ -25,14 +25,26 @@ COMMAND = 'echo "replayed-$REPRO_FOO"; echo to-stderr >&2; exit 3'
 SECRET = "s3cr3t-value-never-stored"
 
 
-def cli(*args: str, cwd: Path, env: dict[str, str] | None = None,
-        timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    full_env = {**os.environ, "HOME": str(cwd.parent / "home"),
-                "XDG_CONFIG_HOME": str(cwd.parent / "home/.config"),
-                "REPRO_FOO": "bar", "REPRO_TOKEN": SECRET, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "fusion_oci.cli.main", *args], cwd=cwd,
-                          env=full_env, capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
+def cli(
+    *args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    full_env = {
+        **os.environ,
+        "HOME": str(cwd.parent / "home"),
+        "XDG_CONFIG_HOME": str(cwd.parent / "home/.config"),
+        "REPRO_FOO": "bar",
+        "REPRO_TOKEN": SECRET,
+        **(env or {}),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "fusion_oci.cli.main", *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def committed_worktree(tmp_path: Path) -> Path:
@@ -50,9 +62,24 @@ def recorded(tmp_path: Path) -> Path:
     """A worktree with run `rec1` recorded on bubblewrap."""
     require_runtime("bubblewrap")
     wt = committed_worktree(tmp_path)
-    p = cli("run", "--backend", "bubblewrap", "--network", "none", "--env", "REPRO_FOO",
-            "--env", "REPRO_TOKEN", "--run-id", "rec1", "--task-id", "t15", "--", COMMAND,
-            cwd=wt)
+    p = cli(
+        "run",
+        "--backend",
+        "bubblewrap",
+        "--network",
+        "none",
+        "--env",
+        "REPRO_FOO",
+        "--env",
+        "REPRO_TOKEN",
+        "--run-id",
+        "rec1",
+        "--task-id",
+        "t15",
+        "--",
+        COMMAND,
+        cwd=wt,
+    )
     assert (p.returncode, p.stdout) == (3, "replayed-bar\n"), p.stderr
     return wt
 
@@ -64,8 +91,11 @@ def engine_env(backend: str) -> dict[str, str]:
 
 
 def test_record_names_env_never_values(recorded: Path) -> None:
-    runs = [e for e in read_events(recorded / ".fusion" / "sandbox-audit.jsonl")
-            if e.type == "sandbox:run"]
+    runs = [
+        e
+        for e in read_events(recorded / ".fusion" / "sandbox-audit.jsonl")
+        if e.type == "sandbox:run"
+    ]
     assert len(runs) == 1 and runs[0].replay and runs[0].version
     assert runs[0].env_names == ["REPRO_FOO", "REPRO_TOKEN"]
     assert runs[0].worktree_head and runs[0].worktree_status
@@ -78,25 +108,36 @@ def test_record_names_env_never_values(recorded: Path) -> None:
             assert SECRET not in path.read_text(errors="replace"), path
 
 
-@pytest.mark.parametrize("backend", [
-    pytest.param("bubblewrap", marks=pytest.mark.bubblewrap),
-    pytest.param("oci", marks=pytest.mark.oci),
-    pytest.param("podman", marks=pytest.mark.podman),
-    pytest.param("docker", marks=pytest.mark.docker),
-])
+@pytest.mark.parametrize(
+    "backend",
+    [
+        pytest.param("bubblewrap", marks=pytest.mark.bubblewrap),
+        pytest.param("oci", marks=pytest.mark.oci),
+        pytest.param("podman", marks=pytest.mark.podman),
+        pytest.param("docker", marks=pytest.mark.docker),
+    ],
+)
 def test_bubblewrap_run_replays_everywhere(recorded: Path, backend: str) -> None:
     require_runtime(backend)
     if backend in ("podman", "docker"):
         from tests.integration.images_fixture import ensure_node_image
 
         ensure_node_image(backend)  # the backend's default image, present
-    p = cli("repro", "rec1", "--backend", backend, "--allow-provision", cwd=recorded,
-            env=engine_env(backend))
+    p = cli(
+        "repro",
+        "rec1",
+        "--backend",
+        backend,
+        "--allow-provision",
+        cwd=recorded,
+        env=engine_env(backend),
+    )
     assert p.returncode == 3, p.stderr
     assert p.stdout == "replayed-bar\n"
     assert "to-stderr" in p.stderr and "unchanged since the recording" in p.stderr
-    j = cli("repro", "t15", "--backend", backend, "--json", cwd=recorded,
-            env=engine_env(backend))   # a task id: its last run (which is rec1's replay)
+    j = cli(
+        "repro", "t15", "--backend", backend, "--json", cwd=recorded, env=engine_env(backend)
+    )  # a task id: its last run (which is rec1's replay)
     assert j.returncode == 3, j.stderr
     report = json.loads(j.stdout)
     assert report["worktreeChanged"] is False
@@ -124,8 +165,16 @@ def test_other_worktree_and_unknown_run(recorded: Path, tmp_path: Path) -> None:
     assert "Traceback" not in p.stderr
     other = tmp_path / "copy"
     subprocess.run(["git", "clone", "-q", str(recorded), str(other)], check=True)
-    p = cli("repro", "rec1", "--worktree", str(other), "--project-dir", str(recorded),
-            "--json", cwd=recorded)
+    p = cli(
+        "repro",
+        "rec1",
+        "--worktree",
+        str(other),
+        "--project-dir",
+        str(recorded),
+        "--json",
+        cwd=recorded,
+    )
     assert p.returncode == 3, p.stderr
     report = json.loads(p.stdout)
     assert report["worktree"] == str(other)
@@ -147,11 +196,26 @@ def test_gone_image_digest_fails_clearly(tmp_path: Path) -> None:
     image, _ = client.images.build(fileobj=io.BytesIO(dockerfile.encode()), tag=ref, rm=True)
     try:
         wt = committed_worktree(tmp_path)
-        p = cli("run", "--backend", "docker", "--image", ref, "--network", "none",
-                "--run-id", "gone1", "--", "echo from-image", cwd=wt)
+        p = cli(
+            "run",
+            "--backend",
+            "docker",
+            "--image",
+            ref,
+            "--network",
+            "none",
+            "--run-id",
+            "gone1",
+            "--",
+            "echo from-image",
+            cwd=wt,
+        )
         assert (p.returncode, p.stdout) == (0, "from-image\n"), p.stderr
-        [ev] = [e for e in read_events(wt / ".fusion" / "sandbox-audit.jsonl")
-                if e.type == "sandbox:run"]
+        [ev] = [
+            e
+            for e in read_events(wt / ".fusion" / "sandbox-audit.jsonl")
+            if e.type == "sandbox:run"
+        ]
         assert ev.image_digest == image.id
         ok = cli("repro", "gone1", "--json", cwd=wt)
         assert ok.returncode == 0, ok.stderr

@@ -28,8 +28,9 @@ from tests.hostside import tcp_server
 
 pytestmark = [
     pytest.mark.macos,
-    pytest.mark.skipif(sys.platform != "darwin",
-                       reason="macOS only: sandbox-exec (Seatbelt) exists only on darwin"),
+    pytest.mark.skipif(
+        sys.platform != "darwin", reason="macOS only: sandbox-exec (Seatbelt) exists only on darwin"
+    ),
 ]
 
 SETTINGS = SandboxSettings(backend="sandbox-exec")
@@ -40,11 +41,18 @@ def _sandbox_exec() -> None:
     require_runtime("sandbox-exec", SETTINGS)
 
 
-def run(worktree: Path, command: str | list[str], opts: RunOptions | None = None,
-        **policy: Any) -> RunResult:
+def run(
+    worktree: Path, command: str | list[str], opts: RunOptions | None = None, **policy: Any
+) -> RunResult:
     with SyncSandbox(SETTINGS, env=dict(os.environ)) as sb:
-        sb.prepare(PrepareContext(task_id="mac", run_id="r1", worktree_path=str(worktree),
-                                  policy=SandboxPolicy(**policy)))
+        sb.prepare(
+            PrepareContext(
+                task_id="mac",
+                run_id="r1",
+                worktree_path=str(worktree),
+                policy=SandboxPolicy(**policy),
+            )
+        )
         return sb.run(command, opts)
 
 
@@ -69,8 +77,11 @@ def test_exit_code_stdout_stderr(worktree: Path) -> None:
 
 def test_worktree_writable_home_and_outside_not(worktree: Path, home_secret: Path) -> None:
     outside = home_secret.parent / "planted"
-    r = run(worktree, f"echo made > made.txt; cat '{home_secret}'; ls '{home_secret.parent}'; "
-                      f"echo x > '{outside}'; echo done")
+    r = run(
+        worktree,
+        f"echo made > made.txt; cat '{home_secret}'; ls '{home_secret.parent}'; "
+        f"echo x > '{outside}'; echo done",
+    )
     assert (worktree / "made.txt").read_text() == "made\n"
     assert "do not read" not in r.stdout
     assert not outside.exists()
@@ -78,24 +89,31 @@ def test_worktree_writable_home_and_outside_not(worktree: Path, home_secret: Pat
 
 
 def test_git_commit_in_a_linked_worktree_with_hooks_read_only(
-        linked_worktree: tuple[Path, Path]) -> None:
+    linked_worktree: tuple[Path, Path],
+) -> None:
     repo, wt = linked_worktree
     common = repo / ".git"
-    r = run(wt, "echo change >> README && git add README && "
-                "git -c user.name=s -c user.email=s@example.invalid commit -qm 'from sandbox' && "
-                f"(touch {common}/hooks/post-commit 2>/dev/null && echo HOOKS-WRITABLE); "
-                f"(echo x >> {common}/config 2>/dev/null && echo CONFIG-WRITABLE); true")
+    r = run(
+        wt,
+        "echo change >> README && git add README && "
+        "git -c user.name=s -c user.email=s@example.invalid commit -qm 'from sandbox' && "
+        f"(touch {common}/hooks/post-commit 2>/dev/null && echo HOOKS-WRITABLE); "
+        f"(echo x >> {common}/config 2>/dev/null && echo CONFIG-WRITABLE); true",
+    )
     assert r.exit_code == 0, r.stderr
     assert "WRITABLE" not in r.stdout
     assert git(wt, "log", "-1", "--format=%s").strip() == "from sandbox"
 
 
-
 @pytest.mark.parametrize("network", ["none", "egress"])
 def test_host_loopback_is_closed(worktree: Path, network: str) -> None:
     with tcp_server() as (port, seen):
-        r = run(worktree, ["/usr/bin/nc", "-z", "-w", "2", "127.0.0.1", str(port)],
-                network=network, allow_network=network != "none")
+        r = run(
+            worktree,
+            ["/usr/bin/nc", "-z", "-w", "2", "127.0.0.1", str(port)],
+            network=network,
+            allow_network=network != "none",
+        )
         assert r.exit_code != 0
     assert seen == []
 
@@ -103,8 +121,7 @@ def test_host_loopback_is_closed(worktree: Path, network: str) -> None:
 def test_timeout_ends_the_tree(worktree: Path) -> None:
     marker = f"fusion-oci-mac-{uuid.uuid4().hex[:8]}"
     start = time.monotonic()
-    r = run(worktree, f"sh -c 'sleep 1000' {marker} & sleep 1000",
-            RunOptions(timeout_ms=1000))
+    r = run(worktree, f"sh -c 'sleep 1000' {marker} & sleep 1000", RunOptions(timeout_ms=1000))
     assert r.timed_out and time.monotonic() - start < 8
     import subprocess
 

@@ -19,13 +19,17 @@ SECONDS = 3.0
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("runtime", [
-    pytest.param("bubblewrap", marks=pytest.mark.bubblewrap),
-    pytest.param("podman", marks=pytest.mark.podman),
-    pytest.param("docker", marks=pytest.mark.docker),
-])
+@pytest.mark.parametrize(
+    "runtime",
+    [
+        pytest.param("bubblewrap", marks=pytest.mark.bubblewrap),
+        pytest.param("podman", marks=pytest.mark.podman),
+        pytest.param("docker", marks=pytest.mark.docker),
+    ],
+)
 async def test_five_warm_sandboxes_at_once_each_running_a_command_a_second(
-        runtime: str, tmp_path: Path) -> None:
+    runtime: str, tmp_path: Path
+) -> None:
     require_runtime(runtime, settings_for(runtime))
 
     # Each command writes a file of its own sandbox and reads back what that sandbox wrote so
@@ -37,11 +41,13 @@ async def test_five_warm_sandboxes_at_once_each_running_a_command_a_second(
         return "".join(f"{i}-{j} " for j in range(k + 1))
 
     result = await asyncio.wait_for(
-        scale(runtime, N, SECONDS, tmp_path, command=command, expect=expect), 240)
+        scale(runtime, N, SECONDS, tmp_path, command=command, expect=expect), 240
+    )
     assert result.failures == [], result.failures
     assert result.outputs_ok
     assert result.commands == N * int(SECONDS)
     assert len(result.prepare_ms) == N
     for i in range(N):
-        assert (tmp_path / f"wt{i}" / "mine").read_text().split() == \
-            [f"{i}-{k}" for k in range(int(SECONDS))]
+        assert (tmp_path / f"wt{i}" / "mine").read_text().split() == [
+            f"{i}-{k}" for k in range(int(SECONDS))
+        ]

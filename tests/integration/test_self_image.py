@@ -27,11 +27,25 @@ from tests.integration.images_fixture import _machine_lock, _reachable, ensure_b
 pytestmark = [pytest.mark.slow]
 
 PROBES = (Path(__file__).resolve().parents[1] / "data" / "incontainer" / "probes.sh").read_text()
-EXPECTED = {"home-canary", "write-outside-worktree", "secret-env", "loopback-tcp",
-            "outer-process", "git-hooks-config", "unshare-mount", "timeout-tree"}
+EXPECTED = {
+    "home-canary",
+    "write-outside-worktree",
+    "secret-env",
+    "loopback-tcp",
+    "outer-process",
+    "git-hooks-config",
+    "unshare-mount",
+    "timeout-tree",
+}
 # docs/ci.md: what each engine needs for bubblewrap's nested user namespaces.
-DOCKER_FLAGS = ["--security-opt", "seccomp=unconfined", "--security-opt", "apparmor=unconfined",
-                "--security-opt", "systempaths=unconfined"]
+DOCKER_FLAGS = [
+    "--security-opt",
+    "seccomp=unconfined",
+    "--security-opt",
+    "apparmor=unconfined",
+    "--security-opt",
+    "systempaths=unconfined",
+]
 PODMAN_FLAGS = ["--security-opt", "seccomp=unconfined", "--security-opt", "unmask=ALL"]
 _refs: dict[str, str] = {}
 
@@ -44,37 +58,70 @@ def self_image(engine: str) -> str:
     require(engine, client is not None, why)
     ensure_base("podman")
     audit = AuditLog()
-    settings = SandboxSettings(gates=GateSettings(sandbox_provision="allow",
-                                                  network_api="allow"))
+    settings = SandboxSettings(gates=GateSettings(sandbox_provision="allow", network_api="allow"))
     target = engine_targets(os.environ)["podman"]
     with _machine_lock():
-        built = asyncio.run(ensure_image(
-            "podman", target.url, SELF_IMAGE, settings, audit, "tests", "self-image",
-            options=ProvisionOptions(engine_name="podman", base=BASE_REF, env=dict(os.environ),
-                                     reporter=PlainReporter(sys.stderr))))
+        built = asyncio.run(
+            ensure_image(
+                "podman",
+                target.url,
+                SELF_IMAGE,
+                settings,
+                audit,
+                "tests",
+                "self-image",
+                options=ProvisionOptions(
+                    engine_name="podman",
+                    base=BASE_REF,
+                    env=dict(os.environ),
+                    reporter=PlainReporter(sys.stderr),
+                ),
+            )
+        )
         assert client is not None
         with client:
             if engine != "podman" and client.image(built.ref) is None:
                 with open_target(target) as source:
-                    transfer_image(source, client, built.ref,
-                                   ctx=AuditContext(audit, "tests", "self-image", "images"))
+                    transfer_image(
+                        source,
+                        client,
+                        built.ref,
+                        ctx=AuditContext(audit, "tests", "self-image", "images"),
+                    )
     _refs[engine] = built.ref
     return built.ref
 
 
-def run_in(engine: str, ref: str, flags: list[str], env: dict[str, str] | None = None
-           ) -> subprocess.CompletedProcess[str]:
+def run_in(
+    engine: str, ref: str, flags: list[str], env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     extra = [a for k, v in (env or {}).items() for a in ("--env", f"{k}={v}")]
-    argv = ["run", "--rm", "--network", "none", *flags, *extra, "--entrypoint", "/bin/sh",
-            ref, "-c", PROBES]
+    argv = [
+        "run",
+        "--rm",
+        "--network",
+        "none",
+        *flags,
+        *extra,
+        "--entrypoint",
+        "/bin/sh",
+        ref,
+        "-c",
+        PROBES,
+    ]
     if engine == "docker":
         return subprocess.run(["docker", *argv], capture_output=True, text=True, timeout=300)
     user = os.environ.get("FUSION_OCI_ROOTLESS_USER", "fusionci")
-    uid = subprocess.run(["id", "-u", user], capture_output=True, text=True,
-                         check=True).stdout.strip()
-    return subprocess.run(["runuser", "-u", user, "--", "env", f"XDG_RUNTIME_DIR=/run/user/{uid}",
-                           "podman", *argv], capture_output=True, text=True, timeout=300,
-                          cwd="/")
+    uid = subprocess.run(
+        ["id", "-u", user], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    return subprocess.run(
+        ["runuser", "-u", user, "--", "env", f"XDG_RUNTIME_DIR=/run/user/{uid}", "podman", *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd="/",
+    )
 
 
 def outcomes(stdout: str) -> dict[str, str]:
@@ -86,10 +133,13 @@ def outcomes(stdout: str) -> dict[str, str]:
     return out
 
 
-@pytest.mark.parametrize("engine", [
-    pytest.param("docker", marks=pytest.mark.docker),
-    pytest.param("podman-rootless", marks=pytest.mark.podman_rootless),
-])
+@pytest.mark.parametrize(
+    "engine",
+    [
+        pytest.param("docker", marks=pytest.mark.docker),
+        pytest.param("podman-rootless", marks=pytest.mark.podman_rootless),
+    ],
+)
 def test_bubblewrap_inside_the_image_passes_the_probes(engine: str) -> None:
     ref = self_image(engine)
     flags = DOCKER_FLAGS if engine == "docker" else PODMAN_FLAGS

@@ -36,8 +36,11 @@ class Client:
 
     def send(self, method: str, params: Any = None, rid: int | None = None) -> int:
         rid = next(self.ids) if rid is None else rid
-        self.raw(json.dumps({"jsonrpc": "2.0", "id": rid, "method": method,
-                             "params": params or {}}).encode())
+        self.raw(
+            json.dumps(
+                {"jsonrpc": "2.0", "id": rid, "method": method, "params": params or {}}
+            ).encode()
+        )
         return rid
 
     def recv(self) -> dict[str, Any]:
@@ -63,8 +66,10 @@ class Client:
         return self.reply(self.send(method, params))
 
     def prepare(self, worktree: Path, **extra: Any) -> str:
-        answer = self.call("prepare", {"context": {"taskId": "t1", "runId": "r1",
-                                                   "worktreePath": str(worktree)}, **extra})
+        answer = self.call(
+            "prepare",
+            {"context": {"taskId": "t1", "runId": "r1", "worktreePath": str(worktree)}, **extra},
+        )
         sandbox_id: str = answer["result"]["sandboxId"]
         return sandbox_id
 
@@ -77,7 +82,10 @@ def _env() -> dict[str, str]:
 def server() -> Iterator[tuple[subprocess.Popen[bytes], Client]]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "fusion_oci.cli.main", "serve", "--max-message-bytes", "4096"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=_env())
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=_env(),
+    )
     assert proc.stdin is not None and proc.stdout is not None
     try:
         yield proc, Client(proc.stdout, proc.stdin)
@@ -141,9 +149,13 @@ def test_not_jsonrpc_and_bad_params_are_errors(server: Any, worktree: Path) -> N
     answer = client.call("prepare", {"context": {"taskId": "t1"}})
     assert answer["error"]["code"] == -32602
     assert answer["error"]["data"]["kind"] == "bad-flags"
-    answer = client.call("prepare", {"context": {"taskId": "t", "runId": "r",
-                                                 "worktreePath": str(worktree)},
-                                     "settings": {"backend": "bubblewarp"}})
+    answer = client.call(
+        "prepare",
+        {
+            "context": {"taskId": "t", "runId": "r", "worktreePath": str(worktree)},
+            "settings": {"backend": "bubblewarp"},
+        },
+    )
     assert answer["error"]["code"] == -32000
     assert answer["error"]["data"]["kind"] == "bad-settings"
     _alive(client)
@@ -163,14 +175,23 @@ def test_run_on_a_disposed_sandbox_is_an_error(server: Any, worktree: Path) -> N
 def test_output_streams_as_notifications_with_bytes_kept(server: Any, worktree: Path) -> None:
     _, client = server
     sandbox = client.prepare(worktree)
-    rid = client.send("run", {"sandboxId": sandbox, "execId": "e1",
-                              "command": "printf 'a\\377'; cat >&2",
-                              "options": {"stdin": base64.b64encode(b"in\n").decode()}})
+    rid = client.send(
+        "run",
+        {
+            "sandboxId": sandbox,
+            "execId": "e1",
+            "command": "printf 'a\\377'; cat >&2",
+            "options": {"stdin": base64.b64encode(b"in\n").decode()},
+        },
+    )
     result = client.reply(rid)["result"]
     assert result["exitCode"] == 0
     assert result["stderr"] == "in\n"
-    chunks = [(n["params"]["stream"], base64.b64decode(n["params"]["data"]))
-              for n in client.notes if n["params"]["execId"] == "e1"]
+    chunks = [
+        (n["params"]["stream"], base64.b64decode(n["params"]["data"]))
+        for n in client.notes
+        if n["params"]["execId"] == "e1"
+    ]
     assert b"".join(c for s, c in chunks if s == "stdout") == b"a\xff"
 
 
@@ -193,15 +214,20 @@ def test_cancel_aborts_the_run_and_ends_its_tree(server: Any, worktree: Path) ->
     _, client = server
     marker = f"fusion-oci-serve-cancel-{os.getpid()}-{time.monotonic_ns()}"
     sandbox = client.prepare(worktree)
-    rid = client.send("run", {"sandboxId": sandbox, "execId": "e1",
-                              "command": f"echo started; sh -c 'sleep 100; :' {marker}"})
+    rid = client.send(
+        "run",
+        {
+            "sandboxId": sandbox,
+            "execId": "e1",
+            "command": f"echo started; sh -c 'sleep 100; :' {marker}",
+        },
+    )
     _wait_output(client)
     cancel = client.send("cancel", {"execId": "e1"})
     got = _responses(client, rid, cancel)
     assert got[cancel]["result"] == {"cancelled": True}
     result = got[rid]["result"]
-    assert (result["reason"], result["exitCode"], result["signal"]) == ("aborted", None,
-                                                                        "SIGTERM")
+    assert (result["reason"], result["exitCode"], result["signal"]) == ("aborted", None, "SIGTERM")
     assert result["stdout"] == "started\n"
     _assert_gone(marker)
     _alive(client)
@@ -210,11 +236,13 @@ def test_cancel_aborts_the_run_and_ends_its_tree(server: Any, worktree: Path) ->
 def test_cancel_request_of_a_run_aborts_it(server: Any, worktree: Path) -> None:
     _, client = server
     sandbox = client.prepare(worktree)
-    rid = client.send("run", {"sandboxId": sandbox, "execId": "named",
-                              "command": "echo started; sleep 100"})
+    rid = client.send(
+        "run", {"sandboxId": sandbox, "execId": "named", "command": "echo started; sleep 100"}
+    )
     _wait_output(client)
-    client.raw(json.dumps({"jsonrpc": "2.0", "method": "$/cancelRequest",
-                           "params": {"id": rid}}).encode())
+    client.raw(
+        json.dumps({"jsonrpc": "2.0", "method": "$/cancelRequest", "params": {"id": rid}}).encode()
+    )
     result = client.reply(rid)["result"]
     assert (result["reason"], result["stdout"]) == ("aborted", "started\n")
     _alive(client)
@@ -225,9 +253,15 @@ def test_client_gone_ends_every_tree_and_the_server(server: Any, worktree: Path)
     marker = f"fusion-oci-serve-eof-{os.getpid()}-{time.monotonic_ns()}"
     sandbox = client.prepare(worktree)
     for n in range(3):
-        client.send("run", {"sandboxId": sandbox, "execId": f"e{n}",
-                            "command": f"echo up; setsid sh -c 'sleep 100; :' {marker} & "
-                                       f"sh -c 'sleep 100; :' {marker}"})
+        client.send(
+            "run",
+            {
+                "sandboxId": sandbox,
+                "execId": f"e{n}",
+                "command": f"echo up; setsid sh -c 'sleep 100; :' {marker} & "
+                f"sh -c 'sleep 100; :' {marker}",
+            },
+        )
     while len({m["params"]["execId"] for m in client.notes}) < 3:
         client.notes.append(client.recv())
     assert len(pids_with(marker)) >= 3
@@ -240,8 +274,13 @@ def test_client_gone_ends_every_tree_and_the_server(server: Any, worktree: Path)
 def test_concurrent_runs_on_one_sandbox(server: Any, worktree: Path) -> None:
     _, client = server
     sandbox = client.prepare(worktree)
-    rids = [client.send("run", {"sandboxId": sandbox, "command": f"sleep 0.3; echo {n}",
-                                "options": {"stream": False}}) for n in range(8)]
+    rids = [
+        client.send(
+            "run",
+            {"sandboxId": sandbox, "command": f"sleep 0.3; echo {n}", "options": {"stream": False}},
+        )
+        for n in range(8)
+    ]
     got = _responses(client, *rids)
     assert [got[r]["result"]["stdout"] for r in rids] == [f"{n}\n" for n in range(8)]
     assert client.notes == []
@@ -250,17 +289,25 @@ def test_concurrent_runs_on_one_sandbox(server: Any, worktree: Path) -> None:
 def test_socket_is_0600_and_an_existing_path_is_refused(tmp_path: Path) -> None:
     taken = tmp_path / "file"
     taken.write_text("x")
-    refused = subprocess.run([sys.executable, "-m", "fusion_oci.cli.main", "serve", "--socket",
-                              str(taken)], env=_env(), capture_output=True, text=True,
-                             timeout=30, check=False)
+    refused = subprocess.run(
+        [sys.executable, "-m", "fusion_oci.cli.main", "serve", "--socket", str(taken)],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     assert refused.returncode == 2
     assert "not a socket" in refused.stderr
     path = tmp_path / "s.sock"
     stale = socket.socket(socket.AF_UNIX)
     stale.bind(str(path))
     stale.close()  # a socket file nobody listens on: replaced
-    proc = subprocess.Popen([sys.executable, "-m", "fusion_oci.cli.main", "serve", "--socket",
-                             str(path)], env=_env(), stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fusion_oci.cli.main", "serve", "--socket", str(path)],
+        env=_env(),
+        stderr=subprocess.PIPE,
+    )
     try:
         assert proc.stderr is not None
         assert b"listening" in proc.stderr.readline()
@@ -269,9 +316,14 @@ def test_socket_is_0600_and_an_existing_path_is_refused(tmp_path: Path) -> None:
         conn.connect(str(path))
         with conn, conn.makefile("rb") as rfile, conn.makefile("wb") as wfile:
             _alive(Client(rfile, wfile))
-        again = subprocess.run([sys.executable, "-m", "fusion_oci.cli.main", "serve",
-                                "--socket", str(path)], env=_env(), capture_output=True,
-                               text=True, timeout=30, check=False)
+        again = subprocess.run(
+            [sys.executable, "-m", "fusion_oci.cli.main", "serve", "--socket", str(path)],
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
         assert again.returncode == 2
         assert "already listening" in again.stderr
     finally:
@@ -296,38 +348,54 @@ def test_ask_gates_are_requests_to_the_client(server: Any, worktree: Path) -> No
 
     require_runtime("podman", engine_settings("podman"))
     _, client = server
-    rid = client.send("prepare", {
-        "context": {"taskId": "t1", "runId": "r1", "worktreePath": str(worktree)},
-        "sandboxId": "mine", "ask": True, "backend": "podman",
-        "settings": {"podmanUrl": os.environ.get("FUSION_OCI_PODMAN_URL"),
-                     "image": "localhost/fusion-oci-test/absent:1"}})
+    rid = client.send(
+        "prepare",
+        {
+            "context": {"taskId": "t1", "runId": "r1", "worktreePath": str(worktree)},
+            "sandboxId": "mine",
+            "ask": True,
+            "backend": "podman",
+            "settings": {
+                "podmanUrl": os.environ.get("FUSION_OCI_PODMAN_URL"),
+                "image": "localhost/fusion-oci-test/absent:1",
+            },
+        },
+    )
     asked: list[dict[str, Any]] = []
     while True:
         message = client.recv()
         if message.get("method") == "ask":
             asked.append(message["params"])
             allow = message["params"]["gate"] == "sandbox_provision"
-            client.raw(json.dumps({"jsonrpc": "2.0", "id": message["id"],
-                                   "result": {"allow": allow}}).encode())
+            client.raw(
+                json.dumps(
+                    {"jsonrpc": "2.0", "id": message["id"], "result": {"allow": allow}}
+                ).encode()
+            )
         elif message.get("id") == rid:
             break
     assert message["error"]["data"]["kind"] == "gate-denied"
-    assert [(a["sandboxId"], a["gate"]) for a in asked] == [("mine", "sandbox_provision"),
-                                                           ("mine", "network_api")]
+    assert [(a["sandboxId"], a["gate"]) for a in asked] == [
+        ("mine", "sandbox_provision"),
+        ("mine", "network_api"),
+    ]
     assert asked[0]["target"] == "localhost/fusion-oci-test/absent:1"
     _alive(client)
 
 
 def test_a_client_that_reads_slowly_holds_the_command_not_the_servers_memory(
-        server: Any, worktree: Path) -> None:
+    server: Any, worktree: Path
+) -> None:
     """Output notifications are bounded: past ~1 MiB unsent the server stops reading the
     command's pipes (so the command waits on its writes) until the client reads again."""
     proc, client = server
     sandbox = client.prepare(worktree)
     counter = worktree / "written"
     # 120 x 64 KiB: under the run's maxBuffer (10 MiB kept), far over what may wait unsent.
-    script = (f"i=0; while [ $i -lt 120 ]; do head -c 65536 /dev/zero; i=$((i+1)); "
-              f"echo $i > {counter}; done")
+    script = (
+        f"i=0; while [ $i -lt 120 ]; do head -c 65536 /dev/zero; i=$((i+1)); "
+        f"echo $i > {counter}; done"
+    )
 
     def count() -> int:  # the shell rewrites the file: retry a half-written read
         for _ in range(50):

@@ -40,12 +40,14 @@ def settings_for(backend: str) -> SandboxSettings:
     extra: dict[str, Any] = {"policy": SandboxPolicy(network=network)}
     if backend in ("podman", "docker"):
         from tests.integration.container_cases import engine_settings
+
         return engine_settings(backend, **extra)
     return backend_settings(backend, gates=GateSettings(sandbox_provision="allow"), **extra)
 
 
-async def install(backend: str, settings: SandboxSettings, tmp_path: Path, task: str,
-                  project: Path) -> tuple[Path, str]:
+async def install(
+    backend: str, settings: SandboxSettings, tmp_path: Path, task: str, project: Path
+) -> tuple[Path, str]:
     """Task ``task`` installs the project; returns its worktree and the in-sandbox ``stat``."""
     wt = tmp_path / f"wt-{task}"
     shutil.copytree(PNPM_PROJECT, wt)
@@ -53,31 +55,48 @@ async def install(backend: str, settings: SandboxSettings, tmp_path: Path, task:
     image = None
     if backend in ("podman", "docker"):
         from tests.integration.container_cases import image as node_image
+
         image = node_image(backend)
     home = tmp_path / "home"
     home.mkdir(exist_ok=True)
-    env = {"HOME": str(home), "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-           "LANG": "C.UTF-8", **{k: v for k, v in os.environ.items()
-                                 if k in ("DOCKER_HOST", "FUSION_OCI_PODMAN_URL")}}
+    env = {
+        "HOME": str(home),
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "LANG": "C.UTF-8",
+        **{k: v for k, v in os.environ.items() if k in ("DOCKER_HOST", "FUSION_OCI_PODMAN_URL")},
+    }
     audit_path = tmp_path / f"audit-{task}.jsonl"
-    async with Sandbox(settings, env=env, cache_root=tmp_path / "cache",
-                       audit=AuditLog(audit_path, key=b"")) as sb:
-        await sb.prepare(PrepareContext(task_id=task, run_id="r1", worktree_path=str(wt),
-                                        policy=settings.policy, project_dir=str(project),
-                                        image=image))
+    async with Sandbox(
+        settings, env=env, cache_root=tmp_path / "cache", audit=AuditLog(audit_path, key=b"")
+    ) as sb:
+        await sb.prepare(
+            PrepareContext(
+                task_id=task,
+                run_id="r1",
+                worktree_path=str(wt),
+                policy=settings.policy,
+                project_dir=str(project),
+                image=image,
+            )
+        )
         done = await sb.run("pnpm install --frozen-lockfile", LONG)
         assert done.exit_code == 0, done.stderr + done.stdout
-        seen = await sb.run(f"stat -c '%h %u' {INSTALLED} && head -c 40 {INSTALLED}",
-                            LONG)
+        seen = await sb.run(f"stat -c '%h %u' {INSTALLED} && head -c 40 {INSTALLED}", LONG)
         assert seen.exit_code == 0, seen.stderr
         # The links are read-only and not the task's: pnpm still re-installs over them, and
         # the task may throw node_modules away.
-        again = await sb.run("pnpm install --frozen-lockfile --offline && rm -rf node_modules "
-                             "&& pnpm install --frozen-lockfile --offline", LONG)
+        again = await sb.run(
+            "pnpm install --frozen-lockfile --offline && rm -rf node_modules "
+            "&& pnpm install --frozen-lockfile --offline",
+            LONG,
+        )
         assert again.exit_code == 0, again.stderr + again.stdout
     # The host's pass is in the install's audit event: what it linked, in how long.
-    runs = [e for e in read_events(audit_path) if e.type == "sandbox:run"
-            and e.command == "pnpm install --frozen-lockfile"]
+    runs = [
+        e
+        for e in read_events(audit_path)
+        if e.type == "sandbox:run" and e.command == "pnpm install --frozen-lockfile"
+    ]
     assert runs and runs[-1].details, runs
     links = runs[-1].details["store_links"]
     assert links["linked"] > 0 and "stopped" not in links, links
@@ -86,8 +105,9 @@ async def install(backend: str, settings: SandboxSettings, tmp_path: Path, task:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
-async def test_installed_files_are_links_to_one_read_only_blob(backend: str,
-                                                               tmp_path: Path) -> None:
+async def test_installed_files_are_links_to_one_read_only_blob(
+    backend: str, tmp_path: Path
+) -> None:
     settings = settings_for(backend)
     require_runtime(backend, settings)
     project = tmp_path / "project"

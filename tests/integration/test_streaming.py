@@ -15,13 +15,16 @@ from fusion_oci.policy.settings import SandboxSettings
 from fusion_oci.sandbox import Sandbox
 from tests.backends import require_runtime
 
-BACKENDS = [pytest.param("native", marks=pytest.mark.native),
-            pytest.param("bubblewrap", marks=pytest.mark.bubblewrap)]
+BACKENDS = [
+    pytest.param("native", marks=pytest.mark.native),
+    pytest.param("bubblewrap", marks=pytest.mark.bubblewrap),
+]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_chunks_arrive_before_the_command_ends_and_bytes_are_kept(
-        backend: str, worktree: Path) -> None:
+    backend: str, worktree: Path
+) -> None:
     require_runtime(backend)
     seen: list[tuple[OutputStream, bytes, float]] = []
 
@@ -31,11 +34,11 @@ def test_chunks_arrive_before_the_command_ends_and_bytes_are_kept(
     async def go() -> tuple[float, float]:
         settings = SandboxSettings(backend=backend)  # type: ignore[arg-type]
         async with Sandbox(settings, env=dict(os.environ)) as sb:
-            await sb.prepare(PrepareContext(task_id="t1", run_id="r1",
-                                            worktree_path=str(worktree)))
+            await sb.prepare(PrepareContext(task_id="t1", run_id="r1", worktree_path=str(worktree)))
             start = time.monotonic()
-            result = await sb.run("printf 'a\\377\\n'; sleep 1; echo b >&2",
-                                  RunOptions(on_output=on_output))
+            result = await sb.run(
+                "printf 'a\\377\\n'; sleep 1; echo b >&2", RunOptions(on_output=on_output)
+            )
             assert result.exit_code == 0
             return start, start + result.duration_ms / 1000
 
@@ -56,8 +59,7 @@ def test_stream_run_yields_chunks_then_the_result_and_leaving_aborts(worktree: P
     async def go() -> list[object]:
         items: list[object] = []
         async with Sandbox(SandboxSettings(), env=dict(os.environ)) as sb:
-            await sb.prepare(PrepareContext(task_id="t1", run_id="r1",
-                                            worktree_path=str(worktree)))
+            await sb.prepare(PrepareContext(task_id="t1", run_id="r1", worktree_path=str(worktree)))
             async for item in stream_run(sb, "echo a; echo b >&2"):
                 items.append(item)
             run = stream_run(sb, f"echo up; sh -c 'sleep 100; :' {marker}")

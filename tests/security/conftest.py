@@ -37,8 +37,17 @@ from fusion_oci.policy.settings import SandboxSettings
 from fusion_oci.sandbox import SyncSandbox
 from tests.backends import backend_settings, require, require_runtime
 
-BACKENDS = ["native", "bubblewrap", "landlock", "oci", "oci-runsc", "podman", "docker",
-            "podman-rootless", "docker-rootless"]
+BACKENDS = [
+    "native",
+    "bubblewrap",
+    "landlock",
+    "oci",
+    "oci-runsc",
+    "podman",
+    "docker",
+    "podman-rootless",
+    "docker-rootless",
+]
 ROOTLESS = "podman-rootless"
 DOCKERLESS = "docker-rootless"
 ROOTLESS_BACKENDS = {ROOTLESS: "rootless_user", DOCKERLESS: "dockerless_user"}
@@ -67,21 +76,36 @@ def engine_env(backend: str) -> dict[str, str]:
         return {"XDG_RUNTIME_DIR": xdg}
     return {}
 
+
 Expect = Literal["blocked", "leaks", "unenforced"]
 """blocked: the host is untouched. leaks: the probe gets through (asserted, to prove the probe
 works). unenforced: the backend cannot enforce it and says so (native: in
 RunResult.unenforced; a sandbox backend: it refuses the policy, PolicyNotEnforceableError); the
 harmful command is not run (a fork bomb on the bare host would harm the machine)."""
 
-EGRESS_PROBES = ("egress-denied-host", "egress-direct-connect", "egress-raw-udp",
-                 "egress-outside-dns", "egress-host-loopback", "egress-metadata",
-                 "egress-rebind-loopback", "egress-ignores-proxy")
+EGRESS_PROBES = (
+    "egress-denied-host",
+    "egress-direct-connect",
+    "egress-raw-udp",
+    "egress-outside-dns",
+    "egress-host-loopback",
+    "egress-metadata",
+    "egress-rebind-loopback",
+    "egress-ignores-proxy",
+)
 """test_egress.py's probes (one sandboxed program, egress_world.PROBE_JS, judged per probe)."""
-CREDENTIAL_PROBES = ("credential-push-disallowed-ref", "credential-sentinel-other-header",
-                     "credential-sentinel-in-url", "credential-sentinel-in-body",
-                     "credential-sentinel-wrong-host", "credential-sentinel-uncredentialed-host",
-                     "credential-echoed-value", "credential-value-in-output",
-                     "credential-value-in-sandbox", "credential-value-elsewhere")
+CREDENTIAL_PROBES = (
+    "credential-push-disallowed-ref",
+    "credential-sentinel-other-header",
+    "credential-sentinel-in-url",
+    "credential-sentinel-in-body",
+    "credential-sentinel-wrong-host",
+    "credential-sentinel-uncredentialed-host",
+    "credential-echoed-value",
+    "credential-value-in-output",
+    "credential-value-in-sandbox",
+    "credential-value-elsewhere",
+)
 """test_credentials_probes.py's probes (one sandboxed command, judged per probe)."""
 
 EXPECT: dict[tuple[str, str], Expect] = {
@@ -161,8 +185,11 @@ ROOTLESS_ENGINES: dict[str, dict[str, str]] = {}
 
 
 def expected(probe: str, backend: str) -> Expect:
-    if (backend in ROOTLESS_BACKENDS and probe in CGROUP_LIMIT_PROBES
-            and ROOTLESS_ENGINES.get(backend, {}).get("cgroup", "v1") != "v1"):
+    if (
+        backend in ROOTLESS_BACKENDS
+        and probe in CGROUP_LIMIT_PROBES
+        and ROOTLESS_ENGINES.get(backend, {}).get("cgroup", "v1") != "v1"
+    ):
         return "blocked"
     return EXPECT.get((probe, backend), "blocked")
 
@@ -198,11 +225,17 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         Path(out).write_text(json.dumps(rows, indent=2) + "\n")
 
 
-MARKS = {"native": pytest.mark.native, "bubblewrap": pytest.mark.bubblewrap,
-         "landlock": pytest.mark.landlock, "oci": pytest.mark.oci,
-         "oci-runsc": pytest.mark.runsc, "podman": pytest.mark.podman,
-         "docker": pytest.mark.docker, ROOTLESS: pytest.mark.podman_rootless,
-         DOCKERLESS: pytest.mark.docker_rootless}
+MARKS = {
+    "native": pytest.mark.native,
+    "bubblewrap": pytest.mark.bubblewrap,
+    "landlock": pytest.mark.landlock,
+    "oci": pytest.mark.oci,
+    "oci-runsc": pytest.mark.runsc,
+    "podman": pytest.mark.podman,
+    "docker": pytest.mark.docker,
+    ROOTLESS: pytest.mark.podman_rootless,
+    DOCKERLESS: pytest.mark.docker_rootless,
+}
 
 
 @dataclass(frozen=True)
@@ -224,12 +257,34 @@ class RootlessUser:
 
     def drive(self, scenario: str, args: dict[str, Any], timeout: float) -> dict[str, Any]:
         """Run a rootless_driver scenario as the user; its JSON answer."""
-        env = ["env", "-i", f"HOME={self.home}", f"USER={self.name}",
-               f"XDG_RUNTIME_DIR={self.xdg}", "PATH=/usr/local/bin:/usr/bin:/bin",
-               "LANG=C.UTF-8", *self.python[1:-1]]
-        out = subprocess.run(["runuser", "-u", self.name, "--", *env, self.python[-1], "-m",
-                              "tests.integration.rootless_driver", scenario, json.dumps(args)],
-                             capture_output=True, text=True, timeout=timeout, cwd="/")
+        env = [
+            "env",
+            "-i",
+            f"HOME={self.home}",
+            f"USER={self.name}",
+            f"XDG_RUNTIME_DIR={self.xdg}",
+            "PATH=/usr/local/bin:/usr/bin:/bin",
+            "LANG=C.UTF-8",
+            *self.python[1:-1],
+        ]
+        out = subprocess.run(
+            [
+                "runuser",
+                "-u",
+                self.name,
+                "--",
+                *env,
+                self.python[-1],
+                "-m",
+                "tests.integration.rootless_driver",
+                scenario,
+                json.dumps(args),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd="/",
+        )
         assert out.returncode == 0, f"rootless driver '{scenario}' failed:\n{out.stderr[-3000:]}"
         answer: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
         return answer
@@ -259,10 +314,18 @@ class Prober:
     """What the task's egress proxy resolves names to (egress_world.resolving); None: the
     host's resolver."""
 
-    def run(self, command: str | list[str], policy: SandboxPolicy | None = None, *,
-            timeout_ms: int = 20_000, worktree: Path | None = None,
-            max_buffer: int | None = None, cache_mode: CacheMode = CacheMode.OFF,
-            project_dir: Path | None = None, task_id: str = "probe") -> RunResult:
+    def run(
+        self,
+        command: str | list[str],
+        policy: SandboxPolicy | None = None,
+        *,
+        timeout_ms: int = 20_000,
+        worktree: Path | None = None,
+        max_buffer: int | None = None,
+        cache_mode: CacheMode = CacheMode.OFF,
+        project_dir: Path | None = None,
+        task_id: str = "probe",
+    ) -> RunResult:
         """Prepare, run ``command`` once, dispose. A policy the backend cannot enforce raises
         :class:`PolicyNotEnforceableError` (native runs it and lists it in ``unenforced``)."""
         policy = policy or SandboxPolicy(allow_network=False)
@@ -271,10 +334,14 @@ class Prober:
             # make it read-only there): the executor's layout, a project outside the worktree.
             project_dir = self.tmp / "project"
             project_dir.mkdir(exist_ok=True)
-        ctx = PrepareContext(task_id=task_id, run_id="run", policy=policy,
-                             worktree_path=str(worktree or self.worktree),
-                             cache_mode=cache_mode,
-                             project_dir=str(project_dir) if project_dir else None)
+        ctx = PrepareContext(
+            task_id=task_id,
+            run_id="run",
+            policy=policy,
+            worktree_path=str(worktree or self.worktree),
+            cache_mode=cache_mode,
+            project_dir=str(project_dir) if project_dir else None,
+        )
         extra = {"max_buffer": max_buffer} if max_buffer else {}
         opts = RunOptions(timeout_ms=timeout_ms, env=self.env, **extra)
         if self.rootless is not None:
@@ -282,29 +349,43 @@ class Prober:
         settings = backend_settings(self.backend, policy=policy)
         from tests.security.egress_world import resolving
 
-        with resolving(self.egress_names), \
-                SyncSandbox(settings, env=self.env, cache_root=self.tmp / "cache") as sb:
+        with (
+            resolving(self.egress_names),
+            SyncSandbox(settings, env=self.env, cache_root=self.tmp / "cache") as sb,
+        ):
             sb.prepare(ctx)
             return sb.run(command, opts)
 
-    def _run_rootless(self, user: RootlessUser, command: str | list[str],
-                      policy: SandboxPolicy,
-                      ctx: PrepareContext, opts: RunOptions) -> RunResult:
+    def _run_rootless(
+        self,
+        user: RootlessUser,
+        command: str | list[str],
+        policy: SandboxPolicy,
+        ctx: PrepareContext,
+        opts: RunOptions,
+    ) -> RunResult:
         if self.backend == ROOTLESS:
             settings = SandboxSettings(backend="podman", policy=policy, image=user.image)
         elif self.backend == DOCKERLESS:
-            settings = SandboxSettings(backend="docker", policy=policy, image=user.image,
-                                       **user.settings)
+            settings = SandboxSettings(
+                backend="docker", policy=policy, image=user.image, **user.settings
+            )
         else:  # a host-process runtime run by the unprivileged caller
             settings = SandboxSettings(backend=self.backend, policy=policy)  # type: ignore[arg-type]
         user.hand_over(self.tmp)  # whatever the test put there since the last run
-        answer = user.drive("probe", {
-            "settings": settings.model_dump(mode="json", by_alias=True),
-            "ctx": ctx.model_dump(mode="json", by_alias=True),
-            "opts": opts.model_dump(mode="json", by_alias=True),
-            "env": self.env, "cacheRoot": str(self.tmp / "cache"), "command": command,
-            "egressNames": self.egress_names,
-        }, timeout=opts.timeout_ms / 1000 + 120)
+        answer = user.drive(
+            "probe",
+            {
+                "settings": settings.model_dump(mode="json", by_alias=True),
+                "ctx": ctx.model_dump(mode="json", by_alias=True),
+                "opts": opts.model_dump(mode="json", by_alias=True),
+                "env": self.env,
+                "cacheRoot": str(self.tmp / "cache"),
+                "command": command,
+                "egressNames": self.egress_names,
+            },
+            timeout=opts.timeout_ms / 1000 + 120,
+        )
         if "refused" in answer:
             raise PolicyNotEnforceableError(settings.backend, answer["refused"])
         return RunResult.model_validate(answer["result"])
@@ -318,33 +399,55 @@ class Prober:
         """A host process for a probe to attack (signal, ptrace, read). Rootless: the
         sandbox user's own, which that user could reach natively; else this test's."""
         if self.rootless is None:
-            return subprocess.Popen(argv, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.DEVNULL)
-        return subprocess.Popen(argv, user=self.rootless.uid, group=self.rootless.gid,
-                                extra_groups=[], cwd=self.tmp, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
+            return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return subprocess.Popen(
+            argv,
+            user=self.rootless.uid,
+            group=self.rootless.gid,
+            extra_groups=[],
+            cwd=self.tmp,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
 
 
-def _rootless_session(backend: str, socket: str, engine: str,
-                      settings: dict[str, Any]) -> Iterator[RootlessUser]:
+def _rootless_session(
+    backend: str, socket: str, engine: str, settings: dict[str, Any]
+) -> Iterator[RootlessUser]:
     """The user that drives ``backend``, checked once (its engine's ``socket`` under its
     runtime dir answers and is rootless; a missing setup fails where CI requires it), with
     the node image in that engine; at the end, gc as the user."""
     from tests.integration.container_cases import checked_rootless_user, rootless_python
     from tests.integration.images_fixture import ensure_node_image
 
-    user, xdg = checked_rootless_user(backend, socket,
-                                      "the rootless probes switch user with runuser")
-    rl = RootlessUser(user.pw_name, user.pw_uid, user.pw_gid, user.pw_dir, xdg,
-                      rootless_python(), settings=settings)
+    user, xdg = checked_rootless_user(
+        backend, socket, "the rootless probes switch user with runuser"
+    )
+    rl = RootlessUser(
+        user.pw_name,
+        user.pw_uid,
+        user.pw_gid,
+        user.pw_dir,
+        xdg,
+        rootless_python(),
+        settings=settings,
+    )
     chosen = SandboxSettings(backend=engine, **settings)  # type: ignore[arg-type]
     ask = {"settings": chosen.model_dump(mode="json", by_alias=True)}
     avail = rl.drive("availability", ask, timeout=120)
     require(backend, bool(avail["available"]), str(avail["reason"]))
     require(backend, bool(avail["rootless"]), f"the {engine} at {xdg} is not rootless")
     ROOTLESS_ENGINES[backend] = {k: str(v) for k, v in (avail["details"] or {}).items()}
-    rl = RootlessUser(rl.name, rl.uid, rl.gid, rl.home, rl.xdg, rl.python,
-                      ensure_node_image(backend).ref, settings)
+    rl = RootlessUser(
+        rl.name,
+        rl.uid,
+        rl.gid,
+        rl.home,
+        rl.xdg,
+        rl.python,
+        ensure_node_image(backend).ref,
+        settings,
+    )
     yield rl
     # Shared-mode cache volumes outlive their task by design; their directories are gone
     # by now, so gc (as the user) removes them.
@@ -362,8 +465,7 @@ def rootless_user() -> Iterator[RootlessUser]:
 def dockerless_user() -> Iterator[RootlessUser]:
     """The same user with its rootless dockerd, reached as the docker backend on its socket."""
     url = f"unix://{_rootless_xdg()}/docker.sock"
-    yield from _rootless_session(DOCKERLESS, "docker.sock", "docker",
-                                 {"docker": {"url": url}})
+    yield from _rootless_session(DOCKERLESS, "docker.sock", "docker", {"docker": {"url": url}})
 
 
 @pytest.fixture(params=[pytest.param(b, marks=MARKS[b]) for b in BACKENDS])
@@ -375,8 +477,11 @@ def backend(request: pytest.FixtureRequest) -> str:
         from fusion_oci.runtimes.registry import create_runtime
         from tests.backends import require
 
-        avail = create_runtime(name, SandboxSettings(backend=name),  # type: ignore[arg-type]
-                               {**os.environ, **engine_env(name)}).availability()
+        avail = create_runtime(
+            name,
+            SandboxSettings(backend=name),  # type: ignore[arg-type]
+            {**os.environ, **engine_env(name)},
+        ).availability()
         require(name, avail.available, f"{avail.reason} {avail.hint}".strip())
     else:
         require_runtime(name)
@@ -398,8 +503,12 @@ def prober(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iter
     from tests.conftest import git_init
 
     worktree = git_init(base / "wt")  # a task worktree is the top of a git work tree
-    env = {"HOME": str(home), "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-           "LANG": "C.UTF-8", **engine_env(backend)}
+    env = {
+        "HOME": str(home),
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "LANG": "C.UTF-8",
+        **engine_env(backend),
+    }
     try:
         yield Prober(backend, base, worktree, home, env, rootless)
     finally:

@@ -92,9 +92,11 @@ def denied(answer: str) -> bool:
     return answer.startswith("HTTP/1.1 403") and "sentinel" in answer
 
 
-DUMP = ("env; for f in /proc/[0-9]*/environ /proc/[0-9]*/cmdline; do tr '\\0' '\\n' < $f; "
-        "done 2>/dev/null; git config -l; cat \"$SSL_CERT_FILE\" | tail -c 2000; "
-        "cat .npmrc; ls -la /run/fusion-oci 2>&1; cat /run/fusion-oci/* 2>/dev/null | head -c 100")
+DUMP = (
+    "env; for f in /proc/[0-9]*/environ /proc/[0-9]*/cmdline; do tr '\\0' '\\n' < $f; "
+    'done 2>/dev/null; git config -l; cat "$SSL_CERT_FILE" | tail -c 2000; '
+    "cat .npmrc; ls -la /run/fusion-oci 2>&1; cat /run/fusion-oci/* 2>/dev/null | head -c 100"
+)
 """What a command can read of its environment, every process's /proc and the files it sees:
 the host checks the real token is nowhere in it."""
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from tests.netns import drop_stale_namespaces, free_subnet, ip
 
-SERVER = r'''
+SERVER = r"""
 import http.server, json, os, socketserver, ssl, subprocess, sys, threading, base64, time
 def orphaned(parent=os.getppid()):
     # The world ends with the test process, even a killed one.
@@ -128,7 +128,7 @@ serve("other.test", other_addr, 443, True)
 serve("other.test", other_addr, 8080, False)
 log.write('{"ready": true}\n')
 threading.Event().wait()
-'''
+"""
 
 
 @dataclass(frozen=True)
@@ -145,8 +145,11 @@ class CredentialsWorld:
     @property
     def names(self) -> dict[str, list[str]]:
         """What the task's proxy resolves each test name to."""
-        return {"git.test": [f"{self.prefix}.2"], "registry.test": [f"{self.prefix}.3"],
-                "other.test": [f"{self.prefix}.4"]}
+        return {
+            "git.test": [f"{self.prefix}.2"],
+            "registry.test": [f"{self.prefix}.3"],
+            "other.test": [f"{self.prefix}.4"],
+        }
 
     @property
     def allowed_domains(self) -> list[str]:
@@ -155,12 +158,20 @@ class CredentialsWorld:
     def credentials(self, refs: list[str] | None = None) -> list[dict[str, object]]:
         """The settings' ``credentials`` entries (the value read from the env var)."""
         return [
-            {"name": "GITHUB_TOKEN", "hosts": ["git.test"], "from": {"env": "FUSION_TEST_TOKEN"},
-             "allowedRefs": refs if refs is not None else ["refs/heads/fusion/*"],
-             "allowedRepos": ["repo"],
-             "caFile": str(self.ca_file)},
-            {"name": "NPM_TOKEN", "hosts": ["registry.test"],
-             "from": {"command": ["printenv", "FUSION_TEST_TOKEN"]}, "caFile": str(self.ca_file)},
+            {
+                "name": "GITHUB_TOKEN",
+                "hosts": ["git.test"],
+                "from": {"env": "FUSION_TEST_TOKEN"},
+                "allowedRefs": refs if refs is not None else ["refs/heads/fusion/*"],
+                "allowedRepos": ["repo"],
+                "caFile": str(self.ca_file),
+            },
+            {
+                "name": "NPM_TOKEN",
+                "hosts": ["registry.test"],
+                "from": {"command": ["printenv", "FUSION_TEST_TOKEN"]},
+                "caFile": str(self.ca_file),
+            },
         ]
 
     def seen(self) -> str:
@@ -172,9 +183,12 @@ class CredentialsWorld:
 
     def ref(self, ref: str) -> str | None:
         """The commit a ref of the server's repository points to, or None."""
-        done = subprocess.run(["git", "-C", str(self.repo / "repo.git"), "rev-parse",
-                               "--verify", "-q", ref], capture_output=True, text=True,
-                              timeout=30)
+        done = subprocess.run(
+            ["git", "-C", str(self.repo / "repo.git"), "rev-parse", "--verify", "-q", ref],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         return done.stdout.strip() or None
 
 
@@ -187,18 +201,26 @@ def _cert(name: str, ca_key: object, ca_cert: object, out: Path) -> None:
     assert isinstance(ca_cert, x509.Certificate) and isinstance(ca_key, ec.EllipticCurvePrivateKey)
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.UTC)
-    cert = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-            .issuer_name(ca_cert.subject).public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(hours=1))
-            .not_valid_after(now + datetime.timedelta(days=2))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .sign(ca_key, hashes.SHA256()))
-    out.write_bytes(cert.public_bytes(serialization.Encoding.PEM) + key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(days=2))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    out.write_bytes(
+        cert.public_bytes(serialization.Encoding.PEM)
+        + key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
 
 
 def _test_ca(folder: Path) -> Path:
@@ -210,12 +232,17 @@ def _test_ca(folder: Path) -> Path:
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fusion-oci credentials test CA")])
     now = datetime.datetime.now(datetime.UTC)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(hours=1))
-            .not_valid_after(now + datetime.timedelta(days=2))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .sign(key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(days=2))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .sign(key, hashes.SHA256())
+    )
     ca_file = folder / "test-ca.pem"
     ca_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     for host in ("git.test", "registry.test", "other.test"):
@@ -224,9 +251,14 @@ def _test_ca(folder: Path) -> Path:
 
 
 def _git(*args: str, cwd: Path | None = None) -> None:
-    subprocess.run(["git", *args], check=True, capture_output=True, timeout=60,
-                   cwd=cwd, env={"PATH": "/usr/bin:/bin", "HOME": str(cwd or "/"),
-                                 "GIT_CONFIG_NOSYSTEM": "1"})
+    subprocess.run(
+        ["git", *args],
+        check=True,
+        capture_output=True,
+        timeout=60,
+        cwd=cwd,
+        env={"PATH": "/usr/bin:/bin", "HOME": str(cwd or "/"), "GIT_CONFIG_NOSYSTEM": "1"},
+    )
 
 
 @contextlib.contextmanager
@@ -266,13 +298,27 @@ def credentials_world(base: Path, token: str) -> Iterator[CredentialsWorld]:
         errors = base / "credentials-world-server.err"
         with errors.open("wb") as err:
             server = subprocess.Popen(
-                ["ip", "netns", "exec", netns, sys.executable, str(script), str(repos), token,
-                 str(log), str(certs), ",".join(f"{prefix}.{n}" for n in (2, 3, 4))],
-                stdout=subprocess.DEVNULL, stderr=err)
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    netns,
+                    sys.executable,
+                    str(script),
+                    str(repos),
+                    token,
+                    str(log),
+                    str(certs),
+                    ",".join(f"{prefix}.{n}" for n in (2, 3, 4)),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+            )
         deadline = time.monotonic() + 15
         while '"ready"' not in log.read_text():
-            assert server.poll() is None and time.monotonic() < deadline, \
+            assert server.poll() is None and time.monotonic() < deadline, (
                 f"the credentials world's server did not start: {errors.read_text()[-1000:]}"
+            )
             time.sleep(0.1)
         with contextlib.suppress(OSError), socket.create_connection((f"{prefix}.4", 8080), 2):
             pass

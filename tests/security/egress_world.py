@@ -102,26 +102,40 @@ class EgressWorld:
     @property
     def names(self) -> dict[str, list[str]]:
         """What the proxy resolves each test name to."""
-        return {"allowed.test": [self.allowed_addr], "denied.test": [self.denied_addr],
-                "other.test": [self.allowed_addr], "loop.test": ["127.0.0.1"],
-                "meta.test": [METADATA]}
+        return {
+            "allowed.test": [self.allowed_addr],
+            "denied.test": [self.denied_addr],
+            "other.test": [self.allowed_addr],
+            "loop.test": ["127.0.0.1"],
+            "meta.test": [METADATA],
+        }
 
     def policy(self) -> SandboxPolicy:
         """filtered: allowed.test (and its private address, which the proxy refuses unless
         named), loop.test and meta.test allowed by name (their addresses still refused),
         denied.test denied; other.test not listed."""
-        return SandboxPolicy(network=NetworkMode.FILTERED,
-                             allowed_domains=["allowed.test", f"{self.allowed_addr}/32",
-                                              "loop.test", "meta.test"],
-                             denied_domains=["denied.test"])
+        return SandboxPolicy(
+            network=NetworkMode.FILTERED,
+            allowed_domains=["allowed.test", f"{self.allowed_addr}/32", "loop.test", "meta.test"],
+            denied_domains=["denied.test"],
+        )
 
     def config(self, host_port: int) -> str:
         """The probe program's argument."""
-        return json.dumps({"allowed": "allowed.test", "denied": "denied.test",
-                           "unlisted": "other.test", "loop": "loop.test", "meta": "meta.test",
-                           "port": PORT, "allowedAddr": self.allowed_addr,
-                           "deniedAddr": self.denied_addr, "hostPort": host_port,
-                           "metadata": METADATA})
+        return json.dumps(
+            {
+                "allowed": "allowed.test",
+                "denied": "denied.test",
+                "unlisted": "other.test",
+                "loop": "loop.test",
+                "meta": "meta.test",
+                "port": PORT,
+                "allowedAddr": self.allowed_addr,
+                "deniedAddr": self.denied_addr,
+                "hostPort": host_port,
+                "metadata": METADATA,
+            }
+        )
 
     def seen(self) -> list[str]:
         """The server's log lines so far."""
@@ -136,8 +150,7 @@ def egress_world(base: Path) -> Iterator[EgressWorld]:
     """Create the namespace and its server; remove both at the end (and what a killed run of
     an earlier process left)."""
     drop_stale_namespaces("fusion-egress-")
-    netns, host_if, ns_if = f"fusion-egress-{os.getpid()}", f"fe{os.getpid()}h", \
-        f"fe{os.getpid()}n"
+    netns, host_if, ns_if = f"fusion-egress-{os.getpid()}", f"fe{os.getpid()}h", f"fe{os.getpid()}n"
     prefix = free_subnet("10.213", os.getpid())
     log = base / "egress-world.log"
     log.touch()
@@ -149,8 +162,11 @@ def egress_world(base: Path) -> Iterator[EgressWorld]:
     try:
         # The server makes the namespace (unshare execs it) and holds it: no name to lose.
         with errors.open("wb") as err:
-            server = subprocess.Popen(["unshare", "--net", "--", sys.executable, str(script),
-                                       str(log)], stdout=subprocess.DEVNULL, stderr=err)
+            server = subprocess.Popen(
+                ["unshare", "--net", "--", sys.executable, str(script), str(log)],
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+            )
         inside = ["nsenter", f"--net=/proc/{server.pid}/ns/net", "--", "ip"]
         ip("link", "add", host_if[:15], "type", "veth", "peer", "name", ns_if[:15])
         ip("link", "set", ns_if[:15], "netns", str(server.pid))
@@ -161,8 +177,12 @@ def egress_world(base: Path) -> Iterator[EgressWorld]:
         _run([*inside, "link", "set", ns_if[:15], "up"])
         _run([*inside, "link", "set", "lo", "up"])
         # A name as well, for `ip netns exec` (best effort: the pid is what this module uses).
-        subprocess.run(["ip", "netns", "attach", netns, str(server.pid)], capture_output=True,
-                       timeout=30, check=False)
+        subprocess.run(
+            ["ip", "netns", "attach", netns, str(server.pid)],
+            capture_output=True,
+            timeout=30,
+            check=False,
+        )
         deadline = time.monotonic() + 10
         while True:
             with contextlib.suppress(OSError):
@@ -172,8 +192,9 @@ def egress_world(base: Path) -> Iterator[EgressWorld]:
                     probe.sendall(b"GET /ready HTTP/1.0\r\n\r\n")
                     probe.recv(100)
                 break
-            assert server.poll() is None and time.monotonic() < deadline, \
+            assert server.poll() is None and time.monotonic() < deadline, (
                 f"the egress world's server did not start: {errors.read_text()[-1000:]}"
+            )
             time.sleep(0.1)
         log.write_text("")  # the readiness check is not a probe's connection
         yield EgressWorld(netns, f"{prefix}.1", f"{prefix}.2", f"{prefix}.3", log, server.pid)
@@ -310,42 +331,58 @@ def failed(answer: str) -> bool:
     return answer.startswith("error ")
 
 
-def judge(out: Mapping[str, str], world: EgressWorld, loopback_seen: list[str]
-          ) -> dict[str, tuple[bool, str]]:
+def judge(
+    out: Mapping[str, str], world: EgressWorld, loopback_seen: list[str]
+) -> dict[str, tuple[bool, str]]:
     """probe id -> (leaked, detail): what the sandbox's command got, what the world's server
     logged (every peer must be the host end, i.e. the proxy), what the host loopback server
     saw (nothing)."""
     log = world.seen()
-    strangers = [line for line in log if line.startswith("tcp ")
-                 and line.split()[1] != world.host_addr]
+    strangers = [
+        line for line in log if line.startswith("tcp ") and line.split()[1] != world.host_addr
+    ]
     datagrams = [line for line in log if line.startswith("udp ")]
     verdicts = {
         "egress-denied-host": not (
             refused(out["denied"], "denied.test", "deniedDomains")
             and refused(out["denied_plain"], "denied.test")
-            and refused(out["unlisted"], "other.test", "allowedDomains")),
-        "egress-direct-connect": not (failed(out["direct_allowed"])
-                                      and failed(out["direct_denied"])) or bool(strangers),
+            and refused(out["unlisted"], "other.test", "allowedDomains")
+        ),
+        "egress-direct-connect": not (
+            failed(out["direct_allowed"]) and failed(out["direct_denied"])
+        )
+        or bool(strangers),
         "egress-raw-udp": bool(datagrams),
-        "egress-outside-dns": not failed(out["dns_outside"]) or not failed(out["dns_system"])
+        "egress-outside-dns": not failed(out["dns_outside"])
+        or not failed(out["dns_system"])
         or bool(datagrams),
-        "egress-host-loopback": bool(loopback_seen) or not (
-            refused(out["host_loopback_proxy"]) and OK not in out["direct_host_loopback"]
-            and failed(out["direct_slirp_gateway"])),
-        "egress-metadata": not (refused(out["metadata_proxy"]) and refused(out["metadata_name"])
-                                and failed(out["direct_metadata"])),
+        "egress-host-loopback": bool(loopback_seen)
+        or not (
+            refused(out["host_loopback_proxy"])
+            and OK not in out["direct_host_loopback"]
+            and failed(out["direct_slirp_gateway"])
+        ),
+        "egress-metadata": not (
+            refused(out["metadata_proxy"])
+            and refused(out["metadata_name"])
+            and failed(out["direct_metadata"])
+        ),
         "egress-rebind-loopback": bool(loopback_seen) or not refused(out["loop"], "loop.test"),
         "egress-ignores-proxy": not (failed(out["direct_name"]) and failed(out["direct_allowed"])),
     }
-    detail = json.dumps({"answers": {k: v[:200] for k, v in out.items()}, "server": log[-20:],
-                         "loopback_seen": loopback_seen})
+    detail = json.dumps(
+        {
+            "answers": {k: v[:200] for k, v in out.items()},
+            "server": log[-20:],
+            "loopback_seen": loopback_seen,
+        }
+    )
     return {probe: (leaked, detail) for probe, leaked in verdicts.items()}
 
 
 def allowed_answers(out: Mapping[str, str], world: EgressWorld) -> bool:
     """The allowed host answered through the proxy (CONNECT and plain HTTP)."""
-    return all(f"{OK} {world.allowed_addr}" in out[k] for k in ("allowed_connect",
-                                                                "allowed_plain"))
+    return all(f"{OK} {world.allowed_addr}" in out[k] for k in ("allowed_connect", "allowed_plain"))
 
 
 def pnpm_worktree_with_remote(base: Path, world: EgressWorld, port: int) -> tuple[Path, Path]:
@@ -373,18 +410,33 @@ def serving(world: EgressWorld, root: Path, port: int) -> Iterator[None]:
 
     errors = root.parent / f"http-server-{port}.err"
     with errors.open("wb") as err:
-        proc = subprocess.Popen(world.inside([sys.executable, "-m", "http.server", str(port),
-                                              "--bind", world.allowed_addr,
-                                              "--directory", str(root)]),
-                                stdout=subprocess.DEVNULL, stderr=err)
+        proc = subprocess.Popen(
+            world.inside(
+                [
+                    sys.executable,
+                    "-m",
+                    "http.server",
+                    str(port),
+                    "--bind",
+                    world.allowed_addr,
+                    "--directory",
+                    str(root),
+                ]
+            ),
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
     try:
         deadline = time.monotonic() + 10
         while True:
-            with contextlib.suppress(OSError), \
-                    socket.create_connection((world.allowed_addr, port), timeout=1):
+            with (
+                contextlib.suppress(OSError),
+                socket.create_connection((world.allowed_addr, port), timeout=1),
+            ):
                 break
-            assert proc.poll() is None and time.monotonic() < deadline, \
+            assert proc.poll() is None and time.monotonic() < deadline, (
                 f"no http.server: {errors.read_text()[-1000:]}"
+            )
             time.sleep(0.1)
         yield
     finally:

@@ -35,8 +35,9 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EgressWorld]:
         yield made
 
 
-def test_filtered_network_reaches_only_what_the_proxy_allows(prober: Prober,
-                                                             world: EgressWorld) -> None:
+def test_filtered_network_reaches_only_what_the_proxy_allows(
+    prober: Prober, world: EgressWorld
+) -> None:
     policy = world.policy()
     if expected("egress-denied-host", prober.backend) == "unenforced":
         assert_unenforced("egress-denied-host", prober, policy, FILTERED)
@@ -56,15 +57,22 @@ def test_filtered_network_reaches_only_what_the_proxy_allows(prober: Prober,
         check(probe, prober.backend, leaked, detail)
 
 
-def test_the_egress_probe_program_is_one_file_of_the_world(world: EgressWorld,
-                                                           tmp_path: Path) -> None:
+def test_the_egress_probe_program_is_one_file_of_the_world(
+    world: EgressWorld, tmp_path: Path
+) -> None:
     """The probe sees a leak where there is one: run on the host itself (no sandbox, no
     proxy), the direct connection to the world's server gets through and is judged so."""
     import subprocess
 
     with tcp_server() as (port, seen):
-        done = subprocess.run(probe_command(world, port), capture_output=True, text=True,
-                              timeout=120, env={"PATH": "/usr/bin:/bin"}, check=True)
+        done = subprocess.run(
+            probe_command(world, port),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={"PATH": "/usr/bin:/bin"},
+            check=True,
+        )
     verdicts = judge(parse(done.stdout), world, list(seen))
     assert verdicts["egress-direct-connect"][0], verdicts["egress-direct-connect"][1]
     assert verdicts["egress-raw-udp"][0] and verdicts["egress-host-loopback"][0]

@@ -19,8 +19,10 @@ def check(probe: str, backend: str, leaked: bool, detail: str = "") -> None:
     want = expected(probe, backend)
     record(probe, backend, "leaks" if leaked else "blocked")
     if want == "leaks":
-        assert leaked, f"{probe}: expected a leak on {backend} (the probe must be able to see " \
-                       f"one) but saw none. {detail}"
+        assert leaked, (
+            f"{probe}: expected a leak on {backend} (the probe must be able to see "
+            f"one) but saw none. {detail}"
+        )
     else:
         assert not leaked, f"{probe}: LEAK on {backend}. {detail}"
 
@@ -43,18 +45,24 @@ def test_home_canary_is_unreadable(prober: Prober) -> None:
     key = prober.home / ".ssh" / "id_ed25519"
     key.write_text(canary + "\n")
     (prober.home / ".bashrc").write_text(f"export TOKEN={canary}\n")
-    result = prober.run(f"cat {key}; cat {prober.home}/.bashrc; ls -la {prober.home}; "
-                              "cat ~/.ssh/id_ed25519")
-    check("home-canary", prober.backend, canary in result.stdout + result.stderr,
-          result.stderr[-300:])
+    result = prober.run(
+        f"cat {key}; cat {prober.home}/.bashrc; ls -la {prober.home}; cat ~/.ssh/id_ed25519"
+    )
+    check(
+        "home-canary", prober.backend, canary in result.stdout + result.stderr, result.stderr[-300:]
+    )
 
 
 def test_write_outside_worktree_leaves_nothing_on_host(prober: Prober) -> None:
     outside = prober.tmp / "outside"
     outside.mkdir()
     tag = secrets.token_hex(6)
-    targets = [outside / "pwned", prober.home / ".bashrc-pwned",
-               Path(f"/tmp/fusion-probe-{tag}"), prober.tmp / f"sibling-{tag}"]
+    targets = [
+        outside / "pwned",
+        prober.home / ".bashrc-pwned",
+        Path(f"/tmp/fusion-probe-{tag}"),
+        prober.tmp / f"sibling-{tag}",
+    ]
     cmd = "; ".join(f"echo pwn > {t}" for t in targets)
     cmd += f"; mkdir -p {prober.home}/.config/autostart-{tag}"
     result = prober.run(cmd + "; echo ok > inside.txt")
@@ -77,17 +85,17 @@ def test_symlink_in_worktree_gives_no_read_or_write_outside(prober: Prober) -> N
     (wt / "read-link").symlink_to(outside / "secret.txt")
     (wt / "write-link").symlink_to(outside / "created.txt")
     (wt / "dir-link").symlink_to(outside)
-    result = prober.run("cat read-link; echo pwn > write-link; echo pwn > dir-link/new.txt;"
-                              " cat dir-link/secret.txt; ls dir-link")
+    result = prober.run(
+        "cat read-link; echo pwn > write-link; echo pwn > dir-link/new.txt;"
+        " cat dir-link/secret.txt; ls dir-link"
+    )
     wrote = (outside / "created.txt").exists() or (outside / "new.txt").exists()
     read = secret in result.stdout + result.stderr
     check("symlink-escape", prober.backend, read or wrote, f"read={read} wrote={wrote}")
 
 
-
 @pytest.mark.parametrize("network", ["none", "egress"])
-def test_tcp_server_on_host_loopback_sees_no_connection(prober: Prober,
-                                                              network: str) -> None:
+def test_tcp_server_on_host_loopback_sees_no_connection(prober: Prober, network: str) -> None:
     if expected(f"tcp-host-loopback-{network}", prober.backend) == "unenforced":
         # Refused before anything runs; the matrix cell keeps the `none` case's outcome.
         with pytest.raises(PolicyNotEnforceableError) as refused:
@@ -98,11 +106,16 @@ def test_tcp_server_on_host_loopback_sees_no_connection(prober: Prober,
         hosts = ["127.0.0.1", "localhost", "10.0.2.2"]  # 10.0.2.2: slirp's host gateway
         cmd = "; ".join(
             f"timeout 3 bash -c 'echo probe > /dev/tcp/{h}/{port}' 2>/dev/null && echo reached {h}"
-            for h in hosts)
+            for h in hosts
+        )
         result = prober.run(cmd, SandboxPolicy(network=network))  # type: ignore[arg-type]
         time.sleep(0.3)  # let the accept loop record a late connection
-    check("tcp-host-loopback", prober.backend, bool(seen),
-          f"server saw {seen}; sandbox said {result.stdout.strip()!r}")
+    check(
+        "tcp-host-loopback",
+        prober.backend,
+        bool(seen),
+        f"server saw {seen}; sandbox said {result.stdout.strip()!r}",
+    )
 
 
 def test_kill_of_a_host_process_fails(prober: Prober) -> None:
@@ -110,22 +123,29 @@ def test_kill_of_a_host_process_fails(prober: Prober) -> None:
     try:
         prober.run(f"kill -9 {victim.pid}; kill -TERM {victim.pid}")
         time.sleep(0.1)
-        check("kill-host-process", prober.backend, victim.poll() is not None,
-              f"victim status {victim.poll()}")
+        check(
+            "kill-host-process",
+            prober.backend,
+            victim.poll() is not None,
+            f"victim status {victim.poll()}",
+        )
     finally:
         victim.kill()
         victim.wait()
 
 
 def test_git_hooks_and_config_of_common_dir_are_read_only(
-        prober: Prober, linked_worktree: tuple[Path, Path]) -> None:
+    prober: Prober, linked_worktree: tuple[Path, Path]
+) -> None:
     repo, wt = linked_worktree
     common = repo / ".git"
     config_before = (common / "config").read_text()
     hook = common / "hooks" / "post-checkout"
-    cmd = (f"printf '#!/bin/sh\\necho owned\\n' > {hook}; chmod +x {hook}; "
-           "git config core.hooksPath /tmp/evil-hooks; git config core.fsmonitor 'touch /tmp/x';"
-           f" echo '[core] hooksPath = /tmp/evil' >> {common}/config")
+    cmd = (
+        f"printf '#!/bin/sh\\necho owned\\n' > {hook}; chmod +x {hook}; "
+        "git config core.hooksPath /tmp/evil-hooks; git config core.fsmonitor 'touch /tmp/x';"
+        f" echo '[core] hooksPath = /tmp/evil' >> {common}/config"
+    )
     prober.run(cmd, worktree=wt)
     try:
         changed = hook.exists() or (common / "config").read_text() != config_before
@@ -135,8 +155,9 @@ def test_git_hooks_and_config_of_common_dir_are_read_only(
 
 
 def _host_unharmed() -> None:
-    done = subprocess.run(["sh", "-c", "echo alive"], capture_output=True, text=True,
-                          timeout=10, check=True)
+    done = subprocess.run(
+        ["sh", "-c", "echo alive"], capture_output=True, text=True, timeout=10, check=True
+    )
     assert done.stdout == "alive\n"
 
 
@@ -167,11 +188,12 @@ def test_memory_hog_under_memory_limit(prober: Prober) -> None:
     _host_unharmed()
 
 
-
 def test_timeout_leaves_no_process_behind(prober: Prober) -> None:
     marker = f"{900 + secrets.randbelow(99)}.{secrets.randbelow(10**6)}"
-    cmd = (f"setsid sleep {marker} & (sleep {marker} &); nohup sleep {marker} >/dev/null 2>&1 &"
-           f" sleep {marker}")
+    cmd = (
+        f"setsid sleep {marker} & (sleep {marker} &); nohup sleep {marker} >/dev/null 2>&1 &"
+        f" sleep {marker}"
+    )
     result = prober.run(cmd, timeout_ms=1500)
     assert result.timed_out and result.reason == "timeout", result
     deadline = time.monotonic() + 3

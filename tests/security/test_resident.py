@@ -28,7 +28,7 @@ from tests.security.test_probes import check
 
 ROOT = Path(__file__).resolve().parents[2]
 
-PROBE = r'''
+PROBE = r"""
 import json, os, socket, sys
 folder, marker = sys.argv[1], sys.argv[2]
 names = os.listdir(folder)
@@ -47,7 +47,7 @@ s.settimeout(30)
 while s.recv(65536):
     if os.path.exists(marker):
         break
-'''
+"""
 
 
 @pytest.fixture
@@ -58,10 +58,20 @@ def resident_dir(tmp_path: Path) -> Iterator[Path]:
     wt = tmp_path / "host-wt"
     wt.mkdir()
     subprocess.run(["git", "init", "-q", str(wt)], check=True)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "XDG_RUNTIME_DIR": str(base),
-           "FUSION_OCI_SERVER_IDLE": "120"}
-    started = subprocess.run([sys.executable, "-m", "fusion_oci.cli.fast", "run", "--", "true"],
-                             cwd=wt, env=env, capture_output=True, text=True, check=False)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "XDG_RUNTIME_DIR": str(base),
+        "FUSION_OCI_SERVER_IDLE": "120",
+    }
+    started = subprocess.run(
+        [sys.executable, "-m", "fusion_oci.cli.fast", "run", "--", "true"],
+        cwd=wt,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert started.returncode == 0, started.stderr
     folder = base / "fusion-oci"
     assert list(folder.glob("*.sock"))
@@ -79,8 +89,9 @@ def _server_pid(sock_path: Path, token: str) -> int:
     with socket.socket(socket.AF_UNIX) as s:
         s.settimeout(10)
         s.connect(str(sock_path))
-        body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize",
-                           "params": {"token": token}}).encode()
+        body = json.dumps(
+            {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"token": token}}
+        ).encode()
         s.sendall(b"Content-Length: %d\r\n\r\n" % len(body) + body)
         data = b""
         while b"}}" not in data:
@@ -88,16 +99,23 @@ def _server_pid(sock_path: Path, token: str) -> int:
         return int(json.loads(data.split(b"\r\n\r\n", 1)[1])["result"]["pid"])
 
 
-def test_resident_server_is_out_of_reach(prober: Prober, resident_dir: Path,
-                                         tmp_path: Path) -> None:
+def test_resident_server_is_out_of_reach(
+    prober: Prober, resident_dir: Path, tmp_path: Path
+) -> None:
     marker = tmp_path / f"resident-pwned-{secrets.token_hex(4)}"
     token = resident_dir / "token"
     sock = next(resident_dir.glob("*.sock"))
-    script = (f"test -S {sock} && echo SOCKET-VISIBLE; "
-              f"cat {token} >/dev/null 2>&1 && echo TOKEN-READABLE; "
-              f"if command -v python3 >/dev/null; then python3 -c '{PROBE}' {resident_dir} "
-              f"{marker} 2>&1 | tail -3; fi; true")
+    script = (
+        f"test -S {sock} && echo SOCKET-VISIBLE; "
+        f"cat {token} >/dev/null 2>&1 && echo TOKEN-READABLE; "
+        f"if command -v python3 >/dev/null; then python3 -c '{PROBE}' {resident_dir} "
+        f"{marker} 2>&1 | tail -3; fi; true"
+    )
     result = prober.run(script, timeout_ms=60_000)
     reached = "SOCKET-VISIBLE" in result.stdout and "TOKEN-READABLE" in result.stdout
-    check("resident-server", prober.backend, reached or marker.exists(),
-          f"stdout: {result.stdout[-500:]!r}; host file created: {marker.exists()}")
+    check(
+        "resident-server",
+        prober.backend,
+        reached or marker.exists(),
+        f"stdout: {result.stdout[-500:]!r}; host file created: {marker.exists()}",
+    )

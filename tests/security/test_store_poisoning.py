@@ -19,13 +19,18 @@ from fusion_oci.store import STORE_UID
 from tests.security.conftest import Prober, record
 
 INSTALLED = "node_modules/.pnpm/victim@1.0.0/node_modules/victim/index.js"
-ATTACK = " ; ".join([
-    "f=" + INSTALLED,
-    "chmod u+w $f", "echo EVIL >> $f", "printf EVIL > $f", "truncate -s 0 $f",
-    "ln $f again && echo EVIL >> again",
-    "python3 -c \"open('$f', 'r+b').write(b'EVIL')\" 2>/dev/null",
-    "find $f -printf 'links=%n uid=%U mode=%m'",
-])
+ATTACK = " ; ".join(
+    [
+        "f=" + INSTALLED,
+        "chmod u+w $f",
+        "echo EVIL >> $f",
+        "printf EVIL > $f",
+        "truncate -s 0 $f",
+        "ln $f again && echo EVIL >> again",
+        "python3 -c \"open('$f', 'r+b').write(b'EVIL')\" 2>/dev/null",
+        "find $f -printf 'links=%n uid=%U mode=%m'",
+    ]
+)
 
 
 def _install(prober: Prober, task: str, project: Path, good: str) -> tuple[Path, str]:
@@ -33,14 +38,23 @@ def _install(prober: Prober, task: str, project: Path, good: str) -> tuple[Path,
 
     wt = git_init(prober.tmp / f"wt-{task}")
     folder = INSTALLED.rsplit("/", 1)[0]
-    made = prober.run(f"mkdir -p {folder} && printf '%s' '{good}' > {INSTALLED} && "
-                      "echo 'layoutVersion: 5' > node_modules/.modules.yaml",
-                      worktree=wt, cache_mode=CacheMode.SHARED, project_dir=project,
-                      task_id=task)
+    made = prober.run(
+        f"mkdir -p {folder} && printf '%s' '{good}' > {INSTALLED} && "
+        "echo 'layoutVersion: 5' > node_modules/.modules.yaml",
+        worktree=wt,
+        cache_mode=CacheMode.SHARED,
+        project_dir=project,
+        task_id=task,
+    )
     assert made.exit_code == 0, made.stderr
     # find, not stat: coreutils stat calls statx, which this gVisor release refuses.
-    seen = prober.run(f"find {INSTALLED} -printf %n", worktree=wt, cache_mode=CacheMode.SHARED,
-                      project_dir=project, task_id=task)
+    seen = prober.run(
+        f"find {INSTALLED} -printf %n",
+        worktree=wt,
+        cache_mode=CacheMode.SHARED,
+        project_dir=project,
+        task_id=task,
+    )
     assert seen.exit_code == 0, seen.stderr
     return wt, seen.stdout.strip()
 
@@ -53,10 +67,16 @@ def test_a_task_cannot_change_a_file_another_task_got_from_the_store(prober: Pro
     wt_b, _ = _install(prober, "store-b", project, good)
     a, b = wt_a / INSTALLED, wt_b / INSTALLED
     shared = a.stat().st_ino == b.stat().st_ino
-    attack = prober.run(ATTACK, worktree=wt_a, cache_mode=CacheMode.SHARED,
-                        project_dir=project, task_id="store-a")
-    seen = prober.run(f"cat {INSTALLED}", worktree=wt_b, cache_mode=CacheMode.SHARED,
-                      project_dir=project, task_id="store-b").stdout
+    attack = prober.run(
+        ATTACK, worktree=wt_a, cache_mode=CacheMode.SHARED, project_dir=project, task_id="store-a"
+    )
+    seen = prober.run(
+        f"cat {INSTALLED}",
+        worktree=wt_b,
+        cache_mode=CacheMode.SHARED,
+        project_dir=project,
+        task_id="store-b",
+    ).stdout
     leaked = seen != good or b.read_text() != good
     if shared:
         # The links are the store's: the count inside the sandbox says so, the blob is

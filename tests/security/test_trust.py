@@ -21,8 +21,10 @@ from tests.conftest import git_init
 from tests.security.conftest import Prober, RootlessUser, expected, record
 from tests.security.test_probes import check
 
-DOWNGRADE = ('mkdir -p .fusion; printf "sandbox:\\n  backend: native\\n  policy:\\n'
-             '    network: host\\n" > .fusion/settings.yaml')
+DOWNGRADE = (
+    'mkdir -p .fusion; printf "sandbox:\\n  backend: native\\n  policy:\\n'
+    '    network: host\\n" > .fusion/settings.yaml'
+)
 
 
 def _sysctl(name: str) -> str:
@@ -71,8 +73,11 @@ def test_masked_proc_paths_are_unreadable(prober: Prober) -> None:
         except OSError:
             continue
     assert readable, "nothing to probe: no masked path has content on this host"
-    cmd = "; ".join(f"echo '== {p}'; if [ -d {p} ]; then ls -A {p}; else head -c 200 {p}; fi "
-                    f"2>/dev/null | head -c 200; echo" for p in readable)
+    cmd = "; ".join(
+        f"echo '== {p}'; if [ -d {p} ]; then ls -A {p}; else head -c 200 {p}; fi "
+        f"2>/dev/null | head -c 200; echo"
+        for p in readable
+    )
     result = prober.run(cmd)
     sections = result.stdout.split("== ")[1:]
     leaked = [s.splitlines()[0] for s in sections if "".join(s.splitlines()[1:]).strip()]
@@ -112,13 +117,18 @@ def test_self_downgrade_in_a_main_worktree(prober: Prober, present: bool) -> Non
         return
     prober.run(DOWNGRADE, SandboxPolicy(allow_network=False), project_dir=wt)
     after = _host_settings(wt)
-    check("self-downgrade-main", prober.backend, after != before and after[0] == "native",
-          f"host settings went from {before} to {after}")
+    check(
+        "self-downgrade-main",
+        prober.backend,
+        after != before and after[0] == "native",
+        f"host settings went from {before} to {after}",
+    )
 
 
 @pytest.mark.parametrize("present", [True, False], ids=["fusion-present", "fusion-absent"])
-def test_self_downgrade_in_a_linked_worktree(prober: Prober, linked_worktree: tuple[Path, Path],
-                                             present: bool) -> None:
+def test_self_downgrade_in_a_linked_worktree(
+    prober: Prober, linked_worktree: tuple[Path, Path], present: bool
+) -> None:
     repo, wt = linked_worktree
     (repo / ".fusion").mkdir()
     (repo / ".fusion" / "settings.yaml").write_text("sandbox:\n  backend: bubblewrap\n")
@@ -130,8 +140,12 @@ def test_self_downgrade_in_a_linked_worktree(prober: Prober, linked_worktree: tu
     before = _host_settings(wt)
     prober.run(cmd, SandboxPolicy(allow_network=False), worktree=wt)
     after = _host_settings(wt)
-    check("self-downgrade-linked", prober.backend, after != before,
-          f"host settings went from {before} to {after}")
+    check(
+        "self-downgrade-linked",
+        prober.backend,
+        after != before,
+        f"host settings went from {before} to {after}",
+    )
 
 
 def test_audit_log_cannot_be_forged_or_edited(prober: Prober) -> None:
@@ -140,16 +154,23 @@ def test_audit_log_cannot_be_forged_or_edited(prober: Prober) -> None:
     wt = prober.worktree
     path = default_audit_path(wt)
     log = AuditLog(path, key=b"probe-key-" + secrets.token_bytes(8))
-    log.emit(AuditEvent(type="sandbox:run", task_id="earlier", run_id="r0", backend="bubblewrap",
-                        exit_code=1))
+    log.emit(
+        AuditEvent(
+            type="sandbox:run", task_id="earlier", run_id="r0", backend="bubblewrap", exit_code=1
+        )
+    )
     if prober.rootless is not None:
         prober.rootless.hand_over(path.parent)
     original = path.read_bytes()
     token = secrets.token_hex(6)
-    forged = ('{"type":"sandbox:run","taskId":"forged-' + token + '","runId":"r",'
-              '"backend":"native","exitCode":0}')
-    cmd = (f"echo '{forged}' >> {path}; sed -i 's/\"exitCode\":1/\"exitCode\":0/' {path}; "
-           f"cp {path} /tmp/x && cat /tmp/x > {path}.new && mv {path}.new {path}")
+    forged = (
+        '{"type":"sandbox:run","taskId":"forged-' + token + '","runId":"r",'
+        '"backend":"native","exitCode":0}'
+    )
+    cmd = (
+        f"echo '{forged}' >> {path}; sed -i 's/\"exitCode\":1/\"exitCode\":0/' {path}; "
+        f"cp {path} /tmp/x && cat /tmp/x > {path}.new && mv {path}.new {path}"
+    )
     if _refused("audit-forgery", prober, cmd, wt):
         return
     prober.run(cmd, project_dir=wt)
@@ -180,14 +201,16 @@ def test_host_sysctls_as_an_unprivileged_caller(name: str, rootless_user: Rootle
         home, wt = base / "home", base / "wt"
         home.mkdir()
         git_init(wt)
-        env = {"HOME": str(home), "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-               "LANG": "C.UTF-8"}
+        env = {
+            "HOME": str(home),
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "LANG": "C.UTF-8",
+        }
         prober = Prober(name, base, wt, home, env, rootless_user)
         tag = secrets.token_hex(4)
         before = _sysctl("kernel/core_pattern")
         try:
-            prober.run(f"echo 'core.fusion-probe-{tag}' > /proc/sys/kernel/core_pattern; "
-                       "id -u")
+            prober.run(f"echo 'core.fusion-probe-{tag}' > /proc/sys/kernel/core_pattern; id -u")
         finally:
             after = _sysctl("kernel/core_pattern")
             if after != before:

@@ -26,36 +26,58 @@ from tests.tasks import plan_for, resolved
 
 
 def test_spawn_frame_bytes() -> None:
-    frame = encode_spawn(Spawn(id="7", argv=["/bin/sh", "-c", "echo hi"], env={"A": "b=c"},
-                               cwd="/w", rlimits=[("RLIMIT_CPU", 30, -1)], umask=0o22))
-    body = (b"S" b"id=7\0" b"cwd=/w\0" b"umask=22\0" b"rlimit=RLIMIT_CPU:30:-1\0"
-            b"argv=/bin/sh\0" b"argv=-c\0" b"argv=echo hi\0" b"env=A=b=c\0")
+    frame = encode_spawn(
+        Spawn(
+            id="7",
+            argv=["/bin/sh", "-c", "echo hi"],
+            env={"A": "b=c"},
+            cwd="/w",
+            rlimits=[("RLIMIT_CPU", 30, -1)],
+            umask=0o22,
+        )
+    )
+    body = (
+        b"S"
+        b"id=7\0"
+        b"cwd=/w\0"
+        b"umask=22\0"
+        b"rlimit=RLIMIT_CPU:30:-1\0"
+        b"argv=/bin/sh\0"
+        b"argv=-c\0"
+        b"argv=echo hi\0"
+        b"env=A=b=c\0"
+    )
     assert frame == len(body).to_bytes(4, "big") + body
 
 
 def test_optional_identity_fields_come_before_the_command() -> None:
     fields = Spawn(id="1", argv=["id"], env={}, uid=1000, gid=1000, groups=[]).fields()
-    assert fields == [("id", "1"), ("uid", "1000"), ("gid", "1000"), ("groups", ""),
-                      ("argv", "id")]
+    assert fields == [("id", "1"), ("uid", "1000"), ("gid", "1000"), ("groups", ""), ("argv", "id")]
 
 
 def test_kill_frame() -> None:
-    body = b"K" b"id=3\0" b"signal=15\0" b"tree=1\0" b"grace_ms=2000\0"
+    body = b"Kid=3\0signal=15\0tree=1\0grace_ms=2000\0"
     assert encode_kill("3", 15) == len(body).to_bytes(4, "big") + body
     assert encode_kill("3", 9, tree=False, grace_ms=-5).endswith(b"tree=0\0grace_ms=0\0")
 
 
-@pytest.mark.parametrize("bad", [Spawn(id="1", argv=["a\0b"], env={}),
-                                 Spawn(id="1", argv=["a"], env={"K": "v\0"}),
-                                 Spawn(id="1", argv=[], env={})])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        Spawn(id="1", argv=["a\0b"], env={}),
+        Spawn(id="1", argv=["a"], env={"K": "v\0"}),
+        Spawn(id="1", argv=[], env={}),
+    ],
+)
 def test_what_the_agent_cannot_take_is_refused_here(bad: Spawn) -> None:
     with pytest.raises(ValueError):
         encode_spawn(bad)
 
 
 def test_decoder_splits_a_stream_fed_byte_by_byte() -> None:
-    stream = encode(b"H", [("version", "1"), ("pid", "1")]) + \
-        encode(b"X", [("id", "2"), ("status", "256")])
+    stream = encode(b"H", [("version", "1"), ("pid", "1")]) + encode(
+        b"X", [("id", "2"), ("status", "256")]
+    )
     decoder = Decoder()
     frames = [f for i in range(len(stream)) for f in decoder.feed(stream[i : i + 1])]
     assert frames == [(b"H", {"version": "1", "pid": "1"}), (b"X", {"id": "2", "status": "256"})]
@@ -72,15 +94,20 @@ def test_decoder_refuses_bad_lengths_and_fields() -> None:
 
 def test_non_utf8_survives_the_round_trip() -> None:
     raw = os.fsdecode(b"caf\xe9")
-    (_, fields), = Decoder().feed(encode(b"F", [("what", raw)]))
+    ((_, fields),) = Decoder().feed(encode(b"F", [("what", raw)]))
     assert os.fsencode(fields["what"]) == b"caf\xe9"
 
 
 # --- the native runtime's plan -------------------------------------------------------------
 
 LAYOUT = TaskLayout("/work/wt/task-1", None, (), None)
-CALLER_ENV = {"PATH": "/home/u/bin:/usr/bin", "HOME": "/home/u", "LANG": "C.UTF-8",
-              "GITHUB_TOKEN": "ghp_secret", "CI": "true"}
+CALLER_ENV = {
+    "PATH": "/home/u/bin:/usr/bin",
+    "HOME": "/home/u",
+    "LANG": "C.UTF-8",
+    "GITHUB_TOKEN": "ghp_secret",
+    "CI": "true",
+}
 CASES = {
     "default": SandboxPolicy(),
     "limits": SandboxPolicy(cpu_limit=CpuLimit(max_ms=30_000), file_size_limit_mb=100),
@@ -90,8 +117,9 @@ CASES = {
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_golden_native_plan(name: str) -> None:
-    ctx = PrepareContext(task_id="task-1", run_id="run-1", worktree_path=LAYOUT.worktree,
-                         policy=CASES[name])
+    ctx = PrepareContext(
+        task_id="task-1", run_id="run-1", worktree_path=LAYOUT.worktree, policy=CASES[name]
+    )
     task = resolved(ctx, LAYOUT, env=CALLER_ENV)
     runtime = NativeRuntime(SandboxSettings(), CALLER_ENV, host=GOLDEN_HOST)
     plan = plan_for(runtime, task)  # adopted: the plan reads the policy's allowlist

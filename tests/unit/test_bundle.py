@@ -21,31 +21,51 @@ HOST = GOLDEN_HOST
 
 def spec_env(spec: Spec) -> dict[str, str]:
     return dict(item.split("=", 1) for item in spec["process"]["env"])
+
+
 LAYOUT = TaskLayout(
     worktree="/work/repo-wt/task-1",
     git=GitLayout("linked", "/work/repo/.git/worktrees/task-1", "/work/repo/.git"),
-    caches=(CacheMount("pnpm-store", "/cache/p/pnpm-store", "/var/cache/fusion-oci/pnpm-store",
-                       (("npm_config_store_dir", "/var/cache/fusion-oci/pnpm-store"),)),),
+    caches=(
+        CacheMount(
+            "pnpm-store",
+            "/cache/p/pnpm-store",
+            "/var/cache/fusion-oci/pnpm-store",
+            (("npm_config_store_dir", "/var/cache/fusion-oci/pnpm-store"),),
+        ),
+    ),
     ca_bundle="/etc/ssl/certs/ca-certificates.crt",
 )
-ENV = {"PATH": "/home/u/bin:/usr/bin", "HOME": "/home/u", "LANG": "en_US.UTF-8",
-       "GITHUB_TOKEN": "ghp_secret", "AWS_SECRET_ACCESS_KEY": "aws_secret", "CI": "true"}
+ENV = {
+    "PATH": "/home/u/bin:/usr/bin",
+    "HOME": "/home/u",
+    "LANG": "en_US.UTF-8",
+    "GITHUB_TOKEN": "ghp_secret",
+    "AWS_SECRET_ACCESS_KEY": "aws_secret",
+    "CI": "true",
+}
 
 POLICIES = {
     "default": SandboxPolicy(),
     "locked-down": SandboxPolicy(
-        allow_network=False, memory_limit_mb=512, pids_limit=128,
+        allow_network=False,
+        memory_limit_mb=512,
+        pids_limit=128,
         cpu_limit=CpuLimit(max_cores=1.5, max_ms=60_000),
-        allowed_paths=["/opt/sdk"], writable_paths=["/work/shared-out"], env_allowlist=["CI"],
-        tmp_size_mb=256, file_size_limit_mb=100,
+        allowed_paths=["/opt/sdk"],
+        writable_paths=["/work/shared-out"],
+        env_allowlist=["CI"],
+        tmp_size_mb=256,
+        file_size_limit_mb=100,
     ),
     "host-network": SandboxPolicy(network="host"),
 }
 
 
 def ctx(policy: SandboxPolicy, image: str | None = None) -> PrepareContext:
-    return PrepareContext(task_id="task-1", run_id="run-1", worktree_path=LAYOUT.worktree,
-                          policy=policy, image=image)
+    return PrepareContext(
+        task_id="task-1", run_id="run-1", worktree_path=LAYOUT.worktree, policy=policy, image=image
+    )
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
@@ -56,8 +76,14 @@ def test_golden_spec_and_schema(name: str, oci_validator: Any) -> None:
 
 
 def test_image_spec_validates(oci_validator: Any) -> None:
-    spec = compile_spec(ctx(SandboxPolicy(), image="localhost/fusion-oci/node:abc"), LAYOUT,
-                        HOST, ["node", "-v"], RunOptions(), ENV)
+    spec = compile_spec(
+        ctx(SandboxPolicy(), image="localhost/fusion-oci/node:abc"),
+        LAYOUT,
+        HOST,
+        ["node", "-v"],
+        RunOptions(),
+        ENV,
+    )
     oci_validator.validate(spec)
     assert spec["annotations"]["io.fusion-oci.image"] == "localhost/fusion-oci/node:abc"
     assert not any(m["destination"] == "/usr" for m in spec["mounts"])
@@ -79,8 +105,14 @@ def test_env_reduced_to_fixed_set_plus_allowlist() -> None:
     assert env["HOME"] == "/home/sandbox"
     assert env["PATH"].startswith("/usr/local/sbin")
     assert env["NODE_EXTRA_CA_CERTS"] == "/etc/fusion-oci/host-ca.pem"
-    allowed = compile_spec(ctx(SandboxPolicy(env_allowlist=["GITHUB_TOKEN", "MISSING"])),
-                           LAYOUT, HOST, "env", RunOptions(), ENV)
+    allowed = compile_spec(
+        ctx(SandboxPolicy(env_allowlist=["GITHUB_TOKEN", "MISSING"])),
+        LAYOUT,
+        HOST,
+        "env",
+        RunOptions(),
+        ENV,
+    )
     env = spec_env(allowed)
     assert env["GITHUB_TOKEN"] == "ghp_secret"
     assert "MISSING" not in env
@@ -97,8 +129,11 @@ def test_rlimits_stay_within_host_hard_limits() -> None:
 
 
 def test_network_namespaces_and_annotations() -> None:
-    for name, has_netns, mode in (("default", True, "egress"), ("locked-down", True, "none"),
-                                  ("host-network", False, "host")):
+    for name, has_netns, mode in (
+        ("default", True, "egress"),
+        ("locked-down", True, "none"),
+        ("host-network", False, "host"),
+    ):
         spec = compile_spec(ctx(POLICIES[name]), LAYOUT, HOST, "true", RunOptions(), {})
         types = {n["type"] for n in spec["linux"]["namespaces"]}
         assert ("network" in types) is has_netns, name
@@ -114,8 +149,11 @@ def test_git_hooks_and_config_mounted_read_only_after_writable_parents() -> None
     assert hooks > dests.index("/work/repo/.git")
     assert hooks > dests.index("/work/repo/.git/worktrees/task-1")
     for m in spec["mounts"]:
-        if m["destination"] in ("/work/repo/.git/hooks", "/work/repo/.git/config",
-                                "/work/repo/.git"):
+        if m["destination"] in (
+            "/work/repo/.git/hooks",
+            "/work/repo/.git/config",
+            "/work/repo/.git",
+        ):
             assert "ro" in m["options"]
         if m["destination"] in ("/work/repo/.git/objects", LAYOUT.worktree):
             assert "rw" in m["options"]
@@ -134,11 +172,17 @@ def test_relative_cwd_is_inside_worktree() -> None:
     assert spec["process"]["cwd"] == "/work/repo-wt/task-1/pkg/a"
 
 
-def test_real_layout_of_linked_worktree(linked_worktree: tuple[Path, Path], tmp_path: Path,
-                                        oci_validator: Any) -> None:
+def test_real_layout_of_linked_worktree(
+    linked_worktree: tuple[Path, Path], tmp_path: Path, oci_validator: Any
+) -> None:
     repo, wt = linked_worktree
-    c = PrepareContext(task_id="t", run_id="r", worktree_path=str(wt),
-                       cache_mode=CacheMode.ISOLATED, project_dir=str(repo))
+    c = PrepareContext(
+        task_id="t",
+        run_id="r",
+        worktree_path=str(wt),
+        cache_mode=CacheMode.ISOLATED,
+        project_dir=str(repo),
+    )
     layout = resolve_layout(c, cache_root=tmp_path / "cache", ca_bundle=None)
     assert layout.git is not None
     assert layout.git.kind == "linked"
@@ -176,8 +220,16 @@ def test_write_bundle_failure_leaves_nothing(tmp_path: Path) -> None:
 def test_env_globs_never_pass_secret_names() -> None:
     from fusion_oci.oci.spec import allowed_env
 
-    source = {"CI": "1", "CI_JOB_ID": "7", "CI_JOB_TOKEN": "t", "NPM_TOKEN": "n",
-              "AWS_REGION": "eu", "GITHUB_TOKEN": "g", "LANGUAGE": "en", "SSH_AUTH_SOCK": "/s"}
+    source = {
+        "CI": "1",
+        "CI_JOB_ID": "7",
+        "CI_JOB_TOKEN": "t",
+        "NPM_TOKEN": "n",
+        "AWS_REGION": "eu",
+        "GITHUB_TOKEN": "g",
+        "LANGUAGE": "en",
+        "SSH_AUTH_SOCK": "/s",
+    }
     assert allowed_env(["CI*"], source) == {"CI": "1", "CI_JOB_ID": "7"}
     assert allowed_env(["*"], source) == {"CI": "1", "CI_JOB_ID": "7", "LANGUAGE": "en"}
     # Named exactly, a secret passes: the user asked for that one variable.
@@ -185,7 +237,8 @@ def test_env_globs_never_pass_secret_names() -> None:
 
 
 def test_worktree_config_is_read_only_when_the_extension_is_on(
-        linked_worktree: tuple[Path, Path], tmp_path: Path) -> None:
+    linked_worktree: tuple[Path, Path], tmp_path: Path
+) -> None:
     from tests.conftest import git
 
     repo, wt = linked_worktree

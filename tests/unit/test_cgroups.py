@@ -29,11 +29,13 @@ UNIFIED = "26 25 0:23 / /sys/fs/cgroup rw,relatime - cgroup2 cgroup2 rw,nsdelega
 
 def test_hierarchy_of_the_mounts() -> None:
     assert hierarchy_of(parse_mountinfo(HYBRID)) == Hierarchy(
-        "hybrid", frozenset({"memory", "pids", "cpu", "cpuacct"}))
+        "hybrid", frozenset({"memory", "pids", "cpu", "cpuacct"})
+    )
     v1_only = "\n".join(line for line in HYBRID.splitlines() if "cgroup2" not in line)
     assert hierarchy_of(parse_mountinfo(v1_only)).layout == "v1"
     assert hierarchy_of(parse_mountinfo(UNIFIED), "cpuset cpu io memory pids\n") == Hierarchy(
-        "v2", frozenset({"cpuset", "cpu", "io", "memory", "pids"}))
+        "v2", frozenset({"cpuset", "cpu", "io", "memory", "pids"})
+    )
     assert hierarchy_of([]).layout == "none"
 
 

@@ -12,7 +12,8 @@ def test_generated_help_matches_the_typer_app() -> None:
     checked_in = Path(helptext.__file__).with_name("_help.py").read_text()
     assert checked_in == helptext.module_source(), (
         "fusion_oci/cli/_help.py is stale: run "
-        "`python -m fusion_oci.cli.helptext > fusion_oci/cli/_help.py`")
+        "`python -m fusion_oci.cli.helptext > fusion_oci/cli/_help.py`"
+    )
 
 
 def test_help_is_answered_only_when_that_is_all_that_is_asked() -> None:
@@ -37,6 +38,6 @@ def test_run_flags_the_fast_client_leaves_to_the_full_cli() -> None:
 def test_json_of_the_client_round_trips() -> None:
     import json
 
-    value = {"a": ["é\n\"\\", 1, True, None, False], "b": {"c": "\u0000"}}
+    value = {"a": ['é\n"\\', 1, True, None, False], "b": {"c": "\u0000"}}
     assert json.loads(fast.dumps(value)) == value
     assert fast.loads(json.dumps(value)) == value

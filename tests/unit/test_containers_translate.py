@@ -54,9 +54,13 @@ from tests.tasks import Case, plan_for, resolved
 GOLDEN = Path(__file__).parent.parent / "data" / "containers"
 OWNER = Owner(pid=4242, start="123456", boot="boot-1", host="build-host")
 HOST = HostInfo(
-    uid=1000, gid=1000,
-    rlimits={"RLIMIT_NOFILE": (1024, 20000), "RLIMIT_CPU": (-1, -1),
-             "RLIMIT_NPROC": (96551, 96551)},
+    uid=1000,
+    gid=1000,
+    rlimits={
+        "RLIMIT_NOFILE": (1024, 20000),
+        "RLIMIT_CPU": (-1, -1),
+        "RLIMIT_NPROC": (96551, 96551),
+    },
     ca_bundle="/etc/ssl/certs/ca-certificates.crt",
 )
 
@@ -66,28 +70,48 @@ def layout(isolated: bool = False) -> TaskLayout:
     if isolated:
         base += "/tasks/t1"
     caches = tuple(
-        CacheMount(name, f"{base}/{name}", f"/var/cache/fusion-oci/{name}",
-                   ((env, f"/var/cache/fusion-oci/{name}"),))
+        CacheMount(
+            name,
+            f"{base}/{name}",
+            f"/var/cache/fusion-oci/{name}",
+            ((env, f"/var/cache/fusion-oci/{name}"),),
+        )
         for name, env in (("pnpm-store", "npm_config_store_dir"), ("npm-cache", "npm_config_cache"))
     )
     git = GitLayout("linked", "/srv/repo/.git/worktrees/wt", "/srv/repo/.git")
     return TaskLayout("/srv/wt", git, caches, "/etc/ssl/certs/ca-certificates.crt")
 
 
-def task_for(policy: SandboxPolicy, *, isolated: bool = False,
-             image: str | None = "localhost/fusion-oci/node:0123456789ab") -> ResolvedTask:
-    ctx = PrepareContext(task_id="t1", run_id="r1", worktree_path="/srv/wt", policy=policy,
-                         image=image,
-                         cache_mode=CacheMode.ISOLATED if isolated else CacheMode.SHARED)
-    return resolved(ctx, layout(isolated), HOST,
-                    {"LANG": "C.UTF-8", "SECRET": "x", "NODE_ENV": "test"})
+def task_for(
+    policy: SandboxPolicy,
+    *,
+    isolated: bool = False,
+    image: str | None = "localhost/fusion-oci/node:0123456789ab",
+) -> ResolvedTask:
+    ctx = PrepareContext(
+        task_id="t1",
+        run_id="r1",
+        worktree_path="/srv/wt",
+        policy=policy,
+        image=image,
+        cache_mode=CacheMode.ISOLATED if isolated else CacheMode.SHARED,
+    )
+    return resolved(
+        ctx, layout(isolated), HOST, {"LANG": "C.UTF-8", "SECRET": "x", "NODE_ENV": "test"}
+    )
 
 
-def spec_for(policy: SandboxPolicy, *, command: str = "pnpm test", isolated: bool = False,
-             image: str | None = "localhost/fusion-oci/node:0123456789ab") -> dict[str, Any]:
+def spec_for(
+    policy: SandboxPolicy,
+    *,
+    command: str = "pnpm test",
+    isolated: bool = False,
+    image: str | None = "localhost/fusion-oci/node:0123456789ab",
+) -> dict[str, Any]:
     """The whole config.json of one command (its process is the container's, here)."""
-    return Case(task_for(policy, isolated=isolated, image=image), command,
-                RunOptions(cwd="pkg")).config()
+    return Case(
+        task_for(policy, isolated=isolated, image=image), command, RunOptions(cwd="pkg")
+    ).config()
 
 
 def plan_container(spec: dict[str, Any], target: Target, **kwargs: Any) -> Any:
@@ -99,13 +123,21 @@ def plan_exec(spec: dict[str, Any]) -> Spawn:
 
 
 def exec_json(spawn: Spawn) -> dict[str, Any]:
-    return {"argv": list(spawn.argv), "env": dict(spawn.env), "cwd": spawn.cwd,
-            "rlimits": [list(r) for r in spawn.rlimits]}
+    return {
+        "argv": list(spawn.argv),
+        "env": dict(spawn.env),
+        "cwd": spawn.cwd,
+        "rlimits": [list(r) for r in spawn.rlimits],
+    }
 
 
 POLICY = SandboxPolicy(
-    memory_limit_mb=512, pids_limit=256, cpu_limit=CpuLimit(max_cores=1.5, max_ms=60_000),
-    env_allowlist=["NODE_ENV"], allowed_paths=["/opt/ref"], writable_paths=["/srv/out"],
+    memory_limit_mb=512,
+    pids_limit=256,
+    cpu_limit=CpuLimit(max_cores=1.5, max_ms=60_000),
+    env_allowlist=["NODE_ENV"],
+    allowed_paths=["/opt/ref"],
+    writable_paths=["/srv/out"],
 )
 
 FILTERED = SandboxPolicy(network=NetworkMode.FILTERED, allowed_domains=["example.com"])
@@ -114,11 +146,17 @@ CASES = {
     "docker-egress": (Target("docker", False, (96551, 96551)), POLICY, False),
     "podman-egress": (Target("podman", False, (32768, 32768)), POLICY, False),
     "podman-rootless-egress": (Target("podman", True, (32768, 32768)), POLICY, False),
-    "podman-rootless-cgroupv1": (Target("podman", True, (32768, 32768), cgroup_limits=False),
-                                 POLICY, False),
+    "podman-rootless-cgroupv1": (
+        Target("podman", True, (32768, 32768), cgroup_limits=False),
+        POLICY,
+        False,
+    ),
     "docker-none-isolated": (Target("docker"), SandboxPolicy(allow_network=False), True),
-    "docker-rootless-cgroupv1": (Target("docker", True, (96551, 96551), cgroup_limits=False),
-                                 POLICY, False),
+    "docker-rootless-cgroupv1": (
+        Target("docker", True, (96551, 96551), cgroup_limits=False),
+        POLICY,
+        False,
+    ),
     "podman-host": (Target("podman"), SandboxPolicy(network=NetworkMode.HOST), False),
     "podman-filtered": (Target("podman", False, (32768, 32768)), FILTERED, False),
     "podman-rootless-filtered": (Target("podman", True, (32768, 32768)), FILTERED, False),
@@ -142,15 +180,27 @@ def test_create_kwargs_golden(case: str, oci_validator: Any) -> None:
     target, policy, isolated = CASES[case]
     spec = spec_for(policy, isolated=isolated)
     oci_validator.validate(spec)
-    plan = plan_container(spec, target, name="fusion-oci-t1-abcd", owner=OWNER,
-                          isolated_caches=isolated)
-    golden(case, {
-        "create": plan.create,
-        "volumes": [{"name": v.name, "destination": v.destination, "device": v.device,
-                     "driver_opts": v.driver_opts, "labels": v.labels, "scope": v.scope}
-                    for v in plan.volumes],
-        "exec": exec_json(plan_exec(spec)),
-    })
+    plan = plan_container(
+        spec, target, name="fusion-oci-t1-abcd", owner=OWNER, isolated_caches=isolated
+    )
+    golden(
+        case,
+        {
+            "create": plan.create,
+            "volumes": [
+                {
+                    "name": v.name,
+                    "destination": v.destination,
+                    "device": v.device,
+                    "driver_opts": v.driver_opts,
+                    "labels": v.labels,
+                    "scope": v.scope,
+                }
+                for v in plan.volumes
+            ],
+            "exec": exec_json(plan_exec(spec)),
+        },
+    )
 
 
 def test_translation_essentials() -> None:
@@ -218,43 +268,58 @@ def test_rootless_dockerd_runs_the_caller_as_its_user_namespace_root() -> None:
 
 
 def test_rootless_slirp_keeps_host_loopback_closed() -> None:
-    create = plan_container(spec_for(POLICY), Target("podman", True), name="n",
-                            owner=OWNER).create
+    create = plan_container(spec_for(POLICY), Target("podman", True), name="n", owner=OWNER).create
     assert create["network_options"] == {"slirp4netns": ["allow_host_loopback=false"]}
 
 
 def test_network_none_and_host() -> None:
-    none = plan_container(spec_for(SandboxPolicy(allow_network=False)), Target("docker"),
-                          name="n", owner=OWNER).create
+    none = plan_container(
+        spec_for(SandboxPolicy(allow_network=False)), Target("docker"), name="n", owner=OWNER
+    ).create
     assert none["network_mode"] == "none"
-    host = plan_container(spec_for(SandboxPolicy(network=NetworkMode.HOST)), Target("podman"),
-                          name="n", owner=OWNER).create
+    host = plan_container(
+        spec_for(SandboxPolicy(network=NetworkMode.HOST)), Target("podman"), name="n", owner=OWNER
+    ).create
     assert host["network_mode"] == "host"
 
 
 def test_filtered_is_network_none_with_the_proxy_socket_and_the_forwarder() -> None:
     mounts = AgentMounts("/opt/agent", "/tmp/run-1", "/tmp/fusion-oci-egress-t1/egress.sock")
     spec = spec_for(FILTERED)
-    for target in (Target("docker"), Target("docker", True), Target("podman"),
-                   Target("podman", True)):
+    for target in (
+        Target("docker"),
+        Target("docker", True),
+        Target("podman"),
+        Target("podman", True),
+    ):
         create = plan_container(spec, target, name="n", owner=OWNER, agent=mounts).create
         assert create["network_mode"] == "none", target
         assert "network_options" not in create
-        assert create["command"] == ["--egress", "/run/fusion-oci/egress.sock", "--connect",
-                                     f"{AGENT_RUN_DIR}/agent.sock"]
+        assert create["command"] == [
+            "--egress",
+            "/run/fusion-oci/egress.sock",
+            "--connect",
+            f"{AGENT_RUN_DIR}/agent.sock",
+        ]
         if target.engine == "docker":
             binds = {m["Target"]: (m["Source"], m["ReadOnly"]) for m in create["mounts"]}
         else:
-            binds = {m["target"]: (m["source"], m["read_only"]) for m in create["mounts"]
-                     if m["type"] == "bind"}
+            binds = {
+                m["target"]: (m["source"], m["read_only"])
+                for m in create["mounts"]
+                if m["type"] == "bind"
+            }
         assert binds["/run/fusion-oci/egress.sock"] == (
-            "/tmp/fusion-oci-egress-t1/egress.sock", True)
+            "/tmp/fusion-oci-egress-t1/egress.sock",
+            True,
+        )
         assert binds["/run/fusion-oci/agent"] == ("/opt/agent", True)
     env = plan_exec(spec).env
     assert env["HTTPS_PROXY"] == "http://127.0.0.1:3128" and env["no_proxy"] == ""
     # other modes: no forwarder, no socket
-    create = plan_container(spec_for(POLICY), Target("docker"), name="n", owner=OWNER,
-                            agent=mounts).create
+    create = plan_container(
+        spec_for(POLICY), Target("docker"), name="n", owner=OWNER, agent=mounts
+    ).create
     assert "--egress" not in create["command"]
     assert all(m["Target"] != "/run/fusion-oci/egress.sock" for m in create["mounts"])
     assert "HTTPS_PROXY" not in plan_exec(spec_for(POLICY)).env
@@ -262,16 +327,20 @@ def test_filtered_is_network_none_with_the_proxy_socket_and_the_forwarder() -> N
 
 def test_cache_volumes_per_project_and_per_task() -> None:
     shared_a = plan_container(spec_for(POLICY), Target("docker"), name="a", owner=OWNER).volumes
-    shared_b = plan_container(spec_for(POLICY, command="true"), Target("docker"), name="b",
-                              owner=Owner(1, "1", "b", "h")).volumes
+    shared_b = plan_container(
+        spec_for(POLICY, command="true"), Target("docker"), name="b", owner=Owner(1, "1", "b", "h")
+    ).volumes
     assert [v.name for v in shared_a] == [v.name for v in shared_b], "same project, same volume"
-    assert all(v.scope == "project" and "io.fusion-oci.owner-pid" not in v.labels
-               for v in shared_a)
-    isolated = plan_container(spec_for(POLICY, isolated=True), Target("docker"), name="c",
-                              owner=OWNER, isolated_caches=True).volumes
+    assert all(v.scope == "project" and "io.fusion-oci.owner-pid" not in v.labels for v in shared_a)
+    isolated = plan_container(
+        spec_for(POLICY, isolated=True),
+        Target("docker"),
+        name="c",
+        owner=OWNER,
+        isolated_caches=True,
+    ).volumes
     assert {v.name for v in isolated}.isdisjoint(v.name for v in shared_a)
-    assert all(v.scope == "task" and v.labels["io.fusion-oci.task-id"] == "t1"
-               for v in isolated)
+    assert all(v.scope == "task" and v.labels["io.fusion-oci.task-id"] == "t1" for v in isolated)
     assert all(v.driver_opts["o"] == "bind" for v in isolated)
 
 
@@ -293,13 +362,15 @@ def test_exec_is_the_command_itself_with_its_env_cwd_and_rlimits() -> None:
 
 def test_agent_mounts_are_the_given_host_paths() -> None:
     mounts = AgentMounts("/opt/fusion/fusion-oci-agent", "/tmp/fusion-oci-docker-t1-x/agent-1")
-    docker = plan_container(spec_for(POLICY), Target("docker"), name="n", owner=OWNER,
-                            agent=mounts).create
+    docker = plan_container(
+        spec_for(POLICY), Target("docker"), name="n", owner=OWNER, agent=mounts
+    ).create
     binds = {m["Target"]: (m["Source"], m["ReadOnly"]) for m in docker["mounts"]}
     assert binds[AGENT_PATH] == ("/opt/fusion/fusion-oci-agent", True)
     assert binds[AGENT_RUN_DIR] == ("/tmp/fusion-oci-docker-t1-x/agent-1", True)
-    podman = plan_container(spec_for(POLICY), Target("podman", True), name="n", owner=OWNER,
-                            agent=mounts).create
+    podman = plan_container(
+        spec_for(POLICY), Target("podman", True), name="n", owner=OWNER, agent=mounts
+    ).create
     assert podman["volumes"]["/opt/fusion/fusion-oci-agent"]["bind"] == AGENT_PATH
 
 
@@ -312,21 +383,38 @@ def test_gc_rule() -> None:
     assert owner_state(dead.labels, at) == "dead" and is_garbage(dead, at)
     rebooted = Found("3", "c3", {**labels, "io.fusion-oci.owner-boot": "boot-0"}, "container")
     assert is_garbage(rebooted, at)
-    foreign = Found("4", "c4", {**labels, "io.fusion-oci.owner-host": "other",
-                                "io.fusion-oci.owner-start": "1"}, "container")
+    foreign = Found(
+        "4",
+        "c4",
+        {**labels, "io.fusion-oci.owner-host": "other", "io.fusion-oci.owner-start": "1"},
+        "container",
+    )
     assert owner_state(foreign.labels, at) == "foreign" and not is_garbage(foreign, at)
     assert not is_garbage(dead, at, task_id="t2")
     assert not is_garbage(Found("5", "x", {"other": "1"}, "container"), at)
-    cache = Found("v", "v", {"io.fusion-oci.kind": "cache",
-                             "io.fusion-oci.cache-scope": "project"}, "volume")
+    cache = Found(
+        "v", "v", {"io.fusion-oci.kind": "cache", "io.fusion-oci.cache-scope": "project"}, "volume"
+    )
     assert not is_garbage(cache, at) and is_garbage(cache, at, include_caches=True)
-    bound = Found("v", "v", {**cache.labels, "io.fusion-oci.cache-dir": "/gone",
-                             "io.fusion-oci.owner-host": "build-host"}, "volume")
+    bound = Found(
+        "v",
+        "v",
+        {
+            **cache.labels,
+            "io.fusion-oci.cache-dir": "/gone",
+            "io.fusion-oci.owner-host": "build-host",
+        },
+        "volume",
+    )
     assert not is_garbage(bound, replace(at, exists=lambda p: True))
     assert is_garbage(bound, replace(at, exists=lambda p: False))
     assert not is_garbage(bound, replace(at, exists=lambda p: False), task_id="t1")
-    task_cache = Found("w", "w", {"io.fusion-oci.kind": "cache", "io.fusion-oci.cache-scope":
-                                  "task", **dead.labels}, "volume")
+    task_cache = Found(
+        "w",
+        "w",
+        {"io.fusion-oci.kind": "cache", "io.fusion-oci.cache-scope": "task", **dead.labels},
+        "volume",
+    )
     assert is_garbage(task_cache, at)
 
 
@@ -336,8 +424,9 @@ def test_both_engines_get_the_bundles_own_seccomp_profile_caps_and_nnp() -> None
     docker = plan_container(spec, Target("docker"), name="n", owner=OWNER).create
     assert docker["security_opt"] == ["no-new-privileges", "seccomp=" + seccomp_json(profile)]
     assert json.loads(docker["security_opt"][1].removeprefix("seccomp=")) == profile
-    podman = plan_container(spec, Target("podman", seccomp_dir="/c/seccomp"), name="n",
-                            owner=OWNER).create
+    podman = plan_container(
+        spec, Target("podman", seccomp_dir="/c/seccomp"), name="n", owner=OWNER
+    ).create
     path, text = seccomp_file(profile, "/c/seccomp")
     assert podman["seccomp_profile_path"] == path and json.loads(text) == profile
     for create in (docker, podman):
@@ -349,8 +438,9 @@ def test_both_engines_get_the_bundles_own_seccomp_profile_caps_and_nnp() -> None
     changed["process"]["capabilities"]["bounding"] = ["CAP_NET_BIND_SERVICE"]
     changed["process"]["noNewPrivileges"] = False
     docker2 = plan_container(changed, Target("docker"), name="n", owner=OWNER).create
-    podman2 = plan_container(changed, Target("podman", seccomp_dir="/c/seccomp"), name="n",
-                             owner=OWNER).create
+    podman2 = plan_container(
+        changed, Target("podman", seccomp_dir="/c/seccomp"), name="n", owner=OWNER
+    ).create
     assert docker2["security_opt"] == ["seccomp=" + seccomp_json(changed["linux"]["seccomp"])]
     assert podman2["seccomp_profile_path"] != path
     assert podman2["no_new_privileges"] is False

@@ -24,25 +24,51 @@ def _audit_key_here(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
 
 
-def run(task: str, backend: str, ms: int, *, exit_code: int | None = 0, reason: str = "exit",
-        command: str = "pnpm test", ts: str = "2026-12-01T08:00:00.000+00:00") -> AuditEvent:
-    return AuditEvent(type="sandbox:run", ts=ts, task_id=task, run_id="r", backend=backend,
-                      duration_ms=ms, exit_code=exit_code, end_reason=reason, command=command)
+def run(
+    task: str,
+    backend: str,
+    ms: int,
+    *,
+    exit_code: int | None = 0,
+    reason: str = "exit",
+    command: str = "pnpm test",
+    ts: str = "2026-12-01T08:00:00.000+00:00",
+) -> AuditEvent:
+    return AuditEvent(
+        type="sandbox:run",
+        ts=ts,
+        task_id=task,
+        run_id="r",
+        backend=backend,
+        duration_ms=ms,
+        exit_code=exit_code,
+        end_reason=reason,
+        command=command,
+    )
 
 
 def test_percentile_is_nearest_rank() -> None:
     assert percentile([], 50) is None
     assert percentile([7], 95) == 7
     values = list(range(1, 101))
-    assert (percentile(values, 50), percentile(values, 95), percentile(values, 100)) == (50, 95,
-                                                                                        100)
+    assert (percentile(values, 50), percentile(values, 95), percentile(values, 100)) == (
+        50,
+        95,
+        100,
+    )
     assert percentile([10, 20, 30, 40], 50) == 20
 
 
 def test_an_empty_summary_is_complete() -> None:
     s = SummaryBuilder().result()
-    assert s["log"] == {"lines": 0, "events": 0, "malformed": 0, "malformedLines": [],
-                        "firstTs": None, "lastTs": None}
+    assert s["log"] == {
+        "lines": 0,
+        "events": 0,
+        "malformed": 0,
+        "malformedLines": [],
+        "firstTs": None,
+        "lastTs": None,
+    }
     assert s["runs"] == {"total": 0, "failing": 0, "byBackend": {}}
     assert s["timeline"]["times"] == []
     assert s["durations"] == {"byBackend": [], "byCommand": [], "prepareByBackend": []}
@@ -61,12 +87,24 @@ def test_durations_end_reasons_and_failing_exits() -> None:
     assert s["runs"] == {"total": 6, "failing": 2, "byBackend": {"bubblewrap": 4, "podman": 2}}
     assert s["durations"]["byBackend"] == [
         {"backend": "bubblewrap", "runs": 4, "p50": 200, "p95": 400, "max": 400},
-        {"backend": "podman", "runs": 2, "p50": 1000, "p95": 3000, "max": 3000}]
+        {"backend": "podman", "runs": 2, "p50": 1000, "p95": 3000, "max": 3000},
+    ]
     by_command = {(r["command"], r["backend"]): r["runs"] for r in s["durations"]["byCommand"]}
-    assert by_command == {("pnpm test", "bubblewrap"): 4, ("pnpm test", "podman"): 1,
-                          ("pnpm build", "podman"): 1}
-    assert s["endReasons"] == {"exit": 5, "timeout": 1, "signal": 0, "max-buffer": 0, "oom": 0,
-                               "pids": 0, "cpu-time": 0, "aborted": 0}
+    assert by_command == {
+        ("pnpm test", "bubblewrap"): 4,
+        ("pnpm test", "podman"): 1,
+        ("pnpm build", "podman"): 1,
+    }
+    assert s["endReasons"] == {
+        "exit": 5,
+        "timeout": 1,
+        "signal": 0,
+        "max-buffer": 0,
+        "oom": 0,
+        "pids": 0,
+        "cpu-time": 0,
+        "aborted": 0,
+    }
     assert s["limits"]["byTask"] == [{"taskId": "t2", "endReason": "timeout", "runs": 1}]
     assert s["failingExits"]["byCode"] == {"2": 1}
     assert [r["endReason"] for r in s["failingExits"]["recent"]] == ["timeout", "exit"]
@@ -82,8 +120,9 @@ def test_fallbacks_failures_gates_provisioning_and_unenforced() -> None:
     assert s["fallbacks"]["byReason"][0]["reason"] == "bubblewrap not found"
     # only the first line of a multi-line reason is the key
     assert s["failures"]["byReason"][0]["reason"] == "bubblewrap not found"
-    assert {"gate": "image-pull", "decision": "allow", "decidedBy": "settings"}.items() <= \
-        s["gates"]["byDecision"][0].items()
+    assert {"gate": "image-pull", "decision": "allow", "decidedBy": "settings"}.items() <= s[
+        "gates"
+    ]["byDecision"][0].items()
     assert s["provisioning"]["retries"] == s["provisioning"]["byOutcome"]["retry"] > 0
     assert any(r["digest"] for r in s["provisioning"]["recent"])
     assert set(s["unenforced"]) == {"cpu", "memory", "network", "pids"}
@@ -188,15 +227,18 @@ def test_summary_of_one_task(tmp_path: Path) -> None:
     assert s["tasks"]["total"] == 1
 
 
-def test_chain_status_from_verify_chain(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-                                        ) -> None:
+def test_chain_status_from_verify_chain(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "audit.jsonl"
     write_log(path, task_events(2))
     key = chain.host_key({"XDG_STATE_HOME": str(tmp_path / "state")})
     assert key
-    assert chain.chain_status(path, key) == {"status": "ok", "lines": len(task_events(2)),
-                                             "firstBadLine": None, "reason": None,
-                                             "keyed": True}
+    assert chain.chain_status(path, key) == {
+        "status": "ok",
+        "lines": len(task_events(2)),
+        "firstBadLine": None,
+        "reason": None,
+        "keyed": True,
+    }
     assert chain.chain_status(path)["keyed"] is False  # no key: the prev hashes only
     lines = path.read_bytes().splitlines(keepends=True)
     lines[3] = lines[3].replace(b'"durationMs":', b'"durationMs":1')  # an edited line
@@ -218,13 +260,15 @@ def test_the_page_files_are_package_data() -> None:
     import subprocess
 
     wheel = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["hatch"]["build"][
-        "targets"]["wheel"]
+        "targets"
+    ]["wheel"]
     assert wheel["packages"] == ["fusion_oci"]
     pkg = ROOT / "fusion_oci"
     files = [str(p) for sub in ("static", "templates") for p in (pkg / "dashboard" / sub).iterdir()]
     assert files
-    ignored = subprocess.run(["git", "check-ignore", *files], cwd=ROOT, capture_output=True,
-                             text=True).stdout.split()
+    ignored = subprocess.run(
+        ["git", "check-ignore", *files], cwd=ROOT, capture_output=True, text=True
+    ).stdout.split()
     assert ignored == []
 
 
@@ -234,11 +278,14 @@ def test_the_cli_imports_no_web_stack_or_otel() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, fusion_oci.cli.main, fusion_oci.otel, fusion_oci.dashboard; "
-            "print(sorted({m.split('.')[0] for m in sys.modules} & {'starlette', 'uvicorn', "
-            "'jinja2', 'opentelemetry', 'anyio'}))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, timeout=60).stdout
+    code = (
+        "import sys, fusion_oci.cli.main, fusion_oci.otel, fusion_oci.dashboard; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'starlette', 'uvicorn', "
+        "'jinja2', 'opentelemetry', 'anyio'}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
     assert out.strip() == "[]"
 
 

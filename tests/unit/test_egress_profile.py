@@ -20,26 +20,40 @@ from fusion_oci.egress.profile import (
 )
 
 
-@pytest.mark.parametrize(("url", "host"), [
-    ("https://registry.npmjs.org/", "registry.npmjs.org:443"),
-    ("https://npm.pkg.github.com", "npm.pkg.github.com:443"),
-    ("http://verdaccio.internal:4873/", "verdaccio.internal:4873"),
-    ("https://user:tok@GitLab.example.com/group/repo.git", "gitlab.example.com:443"),
-    ("git@github.com:org/repo.git", "github.com:22"),
-    ("github.com:org/repo.git", "github.com:22"),
-    ("ssh://git@git.example.com:2222/org/repo.git", "git.example.com:2222"),
-    ("ssh://git.example.com/org/repo.git", "git.example.com:22"),
-    ("git+ssh://git@github.com/org/repo.git", "github.com:22"),
-    ("git://git.kernel.org/pub/scm/git/git.git", "git.kernel.org:9418"),
-    ("https://[2001:db8::1]:8443/r.git", "[2001:db8::1]:8443"),
-    ("'https://quoted.example.com/'", "quoted.example.com:443"),
-])
+@pytest.mark.parametrize(
+    ("url", "host"),
+    [
+        ("https://registry.npmjs.org/", "registry.npmjs.org:443"),
+        ("https://npm.pkg.github.com", "npm.pkg.github.com:443"),
+        ("http://verdaccio.internal:4873/", "verdaccio.internal:4873"),
+        ("https://user:tok@GitLab.example.com/group/repo.git", "gitlab.example.com:443"),
+        ("git@github.com:org/repo.git", "github.com:22"),
+        ("github.com:org/repo.git", "github.com:22"),
+        ("ssh://git@git.example.com:2222/org/repo.git", "git.example.com:2222"),
+        ("ssh://git.example.com/org/repo.git", "git.example.com:22"),
+        ("git+ssh://git@github.com/org/repo.git", "github.com:22"),
+        ("git://git.kernel.org/pub/scm/git/git.git", "git.kernel.org:9418"),
+        ("https://[2001:db8::1]:8443/r.git", "[2001:db8::1]:8443"),
+        ("'https://quoted.example.com/'", "quoted.example.com:443"),
+    ],
+)
 def test_url_host(url: str, host: str) -> None:
     assert url_host(url) == host
 
 
-@pytest.mark.parametrize("url", ["/srv/git/repo.git", "./repo", "../repo.git", "~/repo",
-                                 "file:///srv/repo.git", "C:\\repo", "", "not a url"])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "/srv/git/repo.git",
+        "./repo",
+        "../repo.git",
+        "~/repo",
+        "file:///srv/repo.git",
+        "C:\\repo",
+        "",
+        "not a url",
+    ],
+)
 def test_url_host_ignores_local_paths(url: str) -> None:
     assert url_host(url) is None
 
@@ -53,8 +67,10 @@ registry=https://registry.example.com/
 //npm.acme.test/:_authToken=${TOKEN}
 strict-ssl=true
 """
-    assert parse_npmrc(text) == [("registry", "https://registry.example.com/"),
-                                 ("@acme:registry", "https://npm.acme.test/")]
+    assert parse_npmrc(text) == [
+        ("registry", "https://registry.example.com/"),
+        ("@acme:registry", "https://npm.acme.test/"),
+    ]
 
 
 def test_parse_yarnrc() -> None:
@@ -66,22 +82,34 @@ npmScopes:
   other:
     npmAlwaysAuth: true
 """
-    assert parse_yarnrc(text) == [("npmRegistryServer", "https://yarn.example.com"),
-                                  ("npmScopes.acme.npmRegistryServer", "https://npm.acme.test")]
+    assert parse_yarnrc(text) == [
+        ("npmRegistryServer", "https://yarn.example.com"),
+        ("npmScopes.acme.npmRegistryServer", "https://npm.acme.test"),
+    ]
     assert parse_yarnrc(": : not yaml [") == []
     assert parse_yarnrc("- a list") == []
 
 
 def test_parse_remotes() -> None:
-    text = ("origin\tgit@github.com:org/repo.git (fetch)\n"
-            "origin\thttps://github.com/org/repo.git (push)\n")
-    assert parse_remotes(text) == [("origin (fetch)", "git@github.com:org/repo.git"),
-                                   ("origin (push)", "https://github.com/org/repo.git")]
+    text = (
+        "origin\tgit@github.com:org/repo.git (fetch)\n"
+        "origin\thttps://github.com/org/repo.git (push)\n"
+    )
+    assert parse_remotes(text) == [
+        ("origin (fetch)", "git@github.com:org/repo.git"),
+        ("origin (push)", "https://github.com/org/repo.git"),
+    ]
 
 
 def test_merge_keeps_every_source() -> None:
-    merged = merge([ProfileHost("a:443", "one"), ProfileHost("b:443", "two"),
-                    ProfileHost("a:443", "three"), ProfileHost("a:443", "one")])
+    merged = merge(
+        [
+            ProfileHost("a:443", "one"),
+            ProfileHost("b:443", "two"),
+            ProfileHost("a:443", "three"),
+            ProfileHost("a:443", "one"),
+        ]
+    )
     assert merged == [ProfileHost("a:443", "one; three"), ProfileHost("b:443", "two")]
 
 
@@ -118,10 +146,13 @@ def test_resolve_profile_runs_npm_and_git(tmp_path: Path) -> None:
     wt, home = tmp_path / "wt", tmp_path / "home"
     home.mkdir()
     subprocess.run(["git", "init", "-q", str(wt)], check=True)
-    subprocess.run(["git", "-C", str(wt), "remote", "add", "origin",
-                    "git@github.com:org/repo.git"], check=True)
-    subprocess.run(["git", "-C", str(wt), "remote", "add", "mirror",
-                    "https://git.example.com/org/repo.git"], check=True)
+    subprocess.run(
+        ["git", "-C", str(wt), "remote", "add", "origin", "git@github.com:org/repo.git"], check=True
+    )
+    subprocess.run(
+        ["git", "-C", str(wt), "remote", "add", "mirror", "https://git.example.com/org/repo.git"],
+        check=True,
+    )
     (wt / ".npmrc").write_text("registry=https://registry.example.test/\n")
     import os
 

@@ -21,30 +21,45 @@ from fusion_oci.errors import SettingsError
 from fusion_oci.models import SandboxPolicy
 
 
-@pytest.mark.parametrize("text", [
-    "example.com", "*.example.com", "example.com:443", "*.npmjs.org:443", "EXAMPLE.com.",
-    "10.0.0.7", "10.0.0.0/24", "[fd00::1]:22", "fd00::/64", "::1", "my_host.internal",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "example.com",
+        "*.example.com",
+        "example.com:443",
+        "*.npmjs.org:443",
+        "EXAMPLE.com.",
+        "10.0.0.7",
+        "10.0.0.0/24",
+        "[fd00::1]:22",
+        "fd00::/64",
+        "::1",
+        "my_host.internal",
+    ],
+)
 def test_valid_patterns(text: str) -> None:
     parse_pattern(text)
 
 
-@pytest.mark.parametrize(("text", "why"), [
-    ("", "empty"),
-    ("*", "whole first label"),
-    ("*.com", "two labels"),
-    ("foo*.example.com", "whole first label"),
-    ("a.*.example.com", "whole first label"),
-    ("example.com:0", "port"),
-    ("example.com:99999", "port"),
-    ("example.com:http", "port"),
-    ("-bad.example.com", "DNS label"),
-    ("exa mple.com", "DNS label"),
-    ("https://example.com", "without a scheme"),
-    ("10.0.0.0/33", "range"),
-    ("fd00::zz:443", "[ADDRESS]:PORT"),
-    ("[fd00::1", "closing"),
-])
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ("", "empty"),
+        ("*", "whole first label"),
+        ("*.com", "two labels"),
+        ("foo*.example.com", "whole first label"),
+        ("a.*.example.com", "whole first label"),
+        ("example.com:0", "port"),
+        ("example.com:99999", "port"),
+        ("example.com:http", "port"),
+        ("-bad.example.com", "DNS label"),
+        ("exa mple.com", "DNS label"),
+        ("https://example.com", "without a scheme"),
+        ("10.0.0.0/33", "range"),
+        ("fd00::zz:443", "[ADDRESS]:PORT"),
+        ("[fd00::1", "closing"),
+    ],
+)
 def test_invalid_patterns(text: str, why: str) -> None:
     with pytest.raises(ValueError, match=re.escape(why)):
         parse_pattern(text)
@@ -97,16 +112,29 @@ def test_unlisted_host_names_the_allow_key() -> None:
     assert "add it to sandbox.policy.allowedDomains" in verdict.denial_text("pypi.org", 443)
 
 
-@pytest.mark.parametrize(("address", "why"), [
-    ("127.0.0.1", "loopback"), ("127.8.9.10", "loopback"), ("::1", "loopback"),
-    ("169.254.169.254", "the metadata address"), ("169.254.1.1", "link-local"),
-    ("fe80::1", "link-local"), ("10.1.2.3", "private (RFC 1918)"),
-    ("172.16.0.1", "private (RFC 1918)"), ("192.168.1.1", "private (RFC 1918)"),
-    ("100.64.0.1", "shared (CGNAT)"), ("fd12::1", "unique-local (ULA)"),
-    ("224.0.0.1", "multicast"), ("ff02::1", "multicast"), ("0.0.0.0", "unspecified"),
-    ("::", "unspecified"), ("::ffff:127.0.0.1", "loopback"),
-    ("::ffff:169.254.169.254", "the metadata address"), ("64:ff9b::a00:1", "private (RFC 1918)"),
-])
+@pytest.mark.parametrize(
+    ("address", "why"),
+    [
+        ("127.0.0.1", "loopback"),
+        ("127.8.9.10", "loopback"),
+        ("::1", "loopback"),
+        ("169.254.169.254", "the metadata address"),
+        ("169.254.1.1", "link-local"),
+        ("fe80::1", "link-local"),
+        ("10.1.2.3", "private (RFC 1918)"),
+        ("172.16.0.1", "private (RFC 1918)"),
+        ("192.168.1.1", "private (RFC 1918)"),
+        ("100.64.0.1", "shared (CGNAT)"),
+        ("fd12::1", "unique-local (ULA)"),
+        ("224.0.0.1", "multicast"),
+        ("ff02::1", "multicast"),
+        ("0.0.0.0", "unspecified"),
+        ("::", "unspecified"),
+        ("::ffff:127.0.0.1", "loopback"),
+        ("::ffff:169.254.169.254", "the metadata address"),
+        ("64:ff9b::a00:1", "private (RFC 1918)"),
+    ],
+)
 def test_forbidden_address_classes(address: str, why: str) -> None:
     import ipaddress
 
@@ -135,8 +163,11 @@ def test_dashboard_port_on_loopback_refused_even_when_loopback_is_allowed() -> N
 
 
 def test_from_policy_merges_profile_and_lifts_named_ranges() -> None:
-    policy = SandboxPolicy(network="filtered", allowed_domains=["api.example.com", "10.9.0.0/16"],
-                           denied_domains=["registry.yarnpkg.com"])
+    policy = SandboxPolicy(
+        network="filtered",
+        allowed_domains=["api.example.com", "10.9.0.0/16"],
+        denied_domains=["registry.yarnpkg.com"],
+    )
     rules = EgressRules.from_policy(policy, ["registry.npmjs.org:443", "registry.yarnpkg.com:443"])
     assert rules.decide("registry.npmjs.org", 443).allowed
     assert not rules.decide("registry.yarnpkg.com", 443).allowed  # deny wins over the profile
@@ -173,14 +204,27 @@ def test_split_host_port() -> None:
 
 
 def test_rewrite_request_drops_hop_by_hop_headers() -> None:
-    lines = ["GET http://a.test/x?y=1 HTTP/1.1", "Host: wrong", "Proxy-Connection: keep-alive",
-             "Connection: keep-alive, X-Trace", "X-Trace: 1", "Proxy-Authorization: Basic x",
-             "Accept: */*", "TE: trailers"]
+    lines = [
+        "GET http://a.test/x?y=1 HTTP/1.1",
+        "Host: wrong",
+        "Proxy-Connection: keep-alive",
+        "Connection: keep-alive, X-Trace",
+        "X-Trace: 1",
+        "Proxy-Authorization: Basic x",
+        "Accept: */*",
+        "TE: trailers",
+    ]
     head = rewrite_request(lines, "/x?y=1", "a.test").decode()
     assert head.startswith("GET /x?y=1 HTTP/1.1\r\nHost: a.test\r\n")
     assert "Accept: */*" in head and head.endswith("Connection: close\r\n\r\n")
-    for gone in ("Proxy-Connection", "keep-alive", "X-Trace", "Proxy-Authorization", "TE:",
-                 "wrong"):
+    for gone in (
+        "Proxy-Connection",
+        "keep-alive",
+        "X-Trace",
+        "Proxy-Authorization",
+        "TE:",
+        "wrong",
+    ):
         assert gone not in head
 
 

@@ -14,39 +14,77 @@ from fusion_oci.dashboard.summary import SummaryBuilder
 
 
 def egress(task: str, host: str, allowed: bool, up: int = 0, down: int = 0) -> AuditEvent:
-    return AuditEvent(type="sandbox:egress", task_id=task, run_id="r", backend="bubblewrap",
-                      host=host, port=443, allowed=allowed, bytes_up=up, bytes_down=down,
-                      rule="allowedDomains entry 'a.test'" if allowed else
-                      "no allowedDomains entry (or built-in profile host) matching it",
-                      reason=None if allowed else f"fusion-oci egress: {host}:443 denied")
+    return AuditEvent(
+        type="sandbox:egress",
+        task_id=task,
+        run_id="r",
+        backend="bubblewrap",
+        host=host,
+        port=443,
+        allowed=allowed,
+        bytes_up=up,
+        bytes_down=down,
+        rule="allowedDomains entry 'a.test'"
+        if allowed
+        else "no allowedDomains entry (or built-in profile host) matching it",
+        reason=None if allowed else f"fusion-oci egress: {host}:443 denied",
+    )
 
 
 def test_egress_per_task_and_top_denied() -> None:
     builder = SummaryBuilder()
-    events = [egress("t1", "a.test", True, 100, 5000), egress("t1", "evil.test", False),
-              egress("t2", "evil.test", False), egress("t2", "other.test", False),
-              egress("t2", "a.test", True, 10, 20)]
+    events = [
+        egress("t1", "a.test", True, 100, 5000),
+        egress("t1", "evil.test", False),
+        egress("t2", "evil.test", False),
+        egress("t2", "other.test", False),
+        egress("t2", "a.test", True, 10, 20),
+    ]
     for i, e in enumerate(events, start=1):
         builder.add(i, e)
     out = builder.result()["egress"]
     assert (out["total"], out["allowed"], out["denied"]) == (5, 2, 3)
     assert (out["bytesUp"], out["bytesDown"]) == (110, 5020)
     assert out["byTask"] == [
-        {"taskId": "t2", "connections": 3, "allowed": 1, "denied": 2, "bytesUp": 10,
-         "bytesDown": 20, "hosts": 3},
-        {"taskId": "t1", "connections": 2, "allowed": 1, "denied": 1, "bytesUp": 100,
-         "bytesDown": 5000, "hosts": 2},
+        {
+            "taskId": "t2",
+            "connections": 3,
+            "allowed": 1,
+            "denied": 2,
+            "bytesUp": 10,
+            "bytesDown": 20,
+            "hosts": 3,
+        },
+        {
+            "taskId": "t1",
+            "connections": 2,
+            "allowed": 1,
+            "denied": 1,
+            "bytesUp": 100,
+            "bytesDown": 5000,
+            "hosts": 2,
+        },
     ]
-    assert [(r["host"], r["count"]) for r in out["topDenied"]] == [("evil.test:443", 2),
-                                                                   ("other.test:443", 1)]
+    assert [(r["host"], r["count"]) for r in out["topDenied"]] == [
+        ("evil.test:443", 2),
+        ("other.test:443", 1),
+    ]
     assert out["topDenied"][0]["rule"].startswith("no allowedDomains entry")
     assert out["recentDenied"][0]["host"] == "other.test:443"
 
 
 def test_empty_summary_has_an_egress_part() -> None:
     out = SummaryBuilder().result()["egress"]
-    assert out == {"total": 0, "allowed": 0, "denied": 0, "bytesUp": 0, "bytesDown": 0,
-                   "byTask": [], "topDenied": [], "recentDenied": []}
+    assert out == {
+        "total": 0,
+        "allowed": 0,
+        "denied": 0,
+        "bytesUp": 0,
+        "bytesDown": 0,
+        "byTask": [],
+        "topDenied": [],
+        "recentDenied": [],
+    }
 
 
 def test_audit_summary_document_and_text(tmp_path: Path) -> None:

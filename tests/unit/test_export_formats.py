@@ -13,33 +13,57 @@ from fusion_oci.export import EXPORT_FORMATS, Mount, export_run, podman_argv, re
 def _spec() -> dict:
     return {
         "ociVersion": "1.0.2",
-        "process": {"args": ["/bin/sh", "-c", "echo $HOME"], "cwd": "/w",
-                    "env": ["PATH=/bin", "TOKEN"], "user": {"uid": 1000, "gid": 1000},
-                    "rlimits": [{"type": "RLIMIT_NOFILE", "soft": 1024, "hard": 1024}],
-                    "noNewPrivileges": True, "capabilities": {"bounding": []}},
+        "process": {
+            "args": ["/bin/sh", "-c", "echo $HOME"],
+            "cwd": "/w",
+            "env": ["PATH=/bin", "TOKEN"],
+            "user": {"uid": 1000, "gid": 1000},
+            "rlimits": [{"type": "RLIMIT_NOFILE", "soft": 1024, "hard": 1024}],
+            "noNewPrivileges": True,
+            "capabilities": {"bounding": []},
+        },
         "root": {"path": "rootfs", "readonly": True},
         "hostname": "fusion-sandbox",
         "mounts": [
             {"destination": "/proc", "type": "proc", "source": "proc", "options": []},
             {"destination": "/usr", "type": "bind", "source": "/usr", "options": ["rbind", "ro"]},
-            {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
-             "options": ["size=64m", "mode=1777"]},
-            {"destination": "/home/sandbox", "type": "tmpfs", "source": "tmpfs",
-             "options": ["mode=700", "uid=1000", "gid=1000"]},
+            {
+                "destination": "/tmp",
+                "type": "tmpfs",
+                "source": "tmpfs",
+                "options": ["size=64m", "mode=1777"],
+            },
+            {
+                "destination": "/home/sandbox",
+                "type": "tmpfs",
+                "source": "tmpfs",
+                "options": ["mode=700", "uid=1000", "gid=1000"],
+            },
             {"destination": "/w", "type": "bind", "source": "/w", "options": ["rbind", "rw"]},
         ],
-        "linux": {"resources": {"memory": {"limit": 256 * 1024 * 1024},
-                                "pids": {"limit": 100}, "cpu": {"quota": 50000,
-                                                                "period": 100000}},
-                  "maskedPaths": ["/proc/kcore"], "readonlyPaths": ["/proc/sys"],
-                  "seccomp": {"defaultAction": "SCMP_ACT_ALLOW", "syscalls": []}},
+        "linux": {
+            "resources": {
+                "memory": {"limit": 256 * 1024 * 1024},
+                "pids": {"limit": 100},
+                "cpu": {"quota": 50000, "period": 100000},
+            },
+            "maskedPaths": ["/proc/kcore"],
+            "readonlyPaths": ["/proc/sys"],
+            "seccomp": {"defaultAction": "SCMP_ACT_ALLOW", "syscalls": []},
+        },
         "annotations": {"io.fusion-oci.network": "egress", "io.fusion-oci.task-id": "t"},
     }
 
 
 def _src():
-    return read_spec(_spec(), name="fusion-oci-t", image="localhost/i:1", image_digest="sha256:ab",
-                     system_dests=["/usr"], env_names=["TOKEN"])
+    return read_spec(
+        _spec(),
+        name="fusion-oci-t",
+        image="localhost/i:1",
+        image_digest="sha256:ab",
+        system_dests=["/usr"],
+        env_names=["TOKEN"],
+    )
 
 
 def test_read_spec() -> None:
@@ -74,20 +98,31 @@ def test_kube_docs() -> None:
     c = pod["spec"]["containers"][0]
     assert c["resources"]["limits"] == {"memory": "256Mi", "cpu": "500m"}
     assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
-    assert pod["spec"]["volumes"][0] == {"name": "v0", "emptyDir": {"medium": "Memory",
-                                                                     "sizeLimit": "64Mi"}}
+    assert pod["spec"]["volumes"][0] == {
+        "name": "v0",
+        "emptyDir": {"medium": "Memory", "sizeLimit": "64Mi"},
+    }
     assert policy["kind"] == "NetworkPolicy" and policy["spec"]["egress"]
 
 
 def test_podman_argv_golden() -> None:
     argv = podman_argv(_src(), "/p.json")
-    assert argv[:9] == ["podman", "run", "--rm", "-i", "--user", "1000:1000", "--workdir", "/w",
-                        "--cap-drop=ALL"]
+    assert argv[:9] == [
+        "podman",
+        "run",
+        "--rm",
+        "-i",
+        "--user",
+        "1000:1000",
+        "--workdir",
+        "/w",
+        "--cap-drop=ALL",
+    ]
     assert "--network=slirp4netns:allow_host_loopback=false" in argv
     assert "--tmpfs=/home/sandbox:rw,mode=1777" in argv
     assert "--mount=type=bind,source=/w,destination=/w" in argv
     assert argv[-4:] == ["localhost/i:1", "/bin/sh", "-c", "echo $HOME"]
-    assert argv[argv.index("TOKEN") - 1:argv.index("TOKEN") + 1] == ["--env", "TOKEN"]
+    assert argv[argv.index("TOKEN") - 1 : argv.index("TOKEN") + 1] == ["--env", "TOKEN"]
 
 
 def test_devcontainer_is_json_after_comments() -> None:

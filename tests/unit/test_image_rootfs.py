@@ -49,16 +49,21 @@ def tar_bytes(entries: Sequence[tuple[str, str, str | bytes, int]]) -> bytes:
 
 def chunks(data: bytes, size: int = 7) -> Iterator[bytes]:
     for i in range(0, len(data), size):
-        yield data[i:i + size]
+        yield data[i : i + size]
 
 
 def test_extract_keeps_absolute_symlinks_and_drops_setuid_and_devices(tmp_path: Path) -> None:
-    data = tar_bytes([
-        ("dir", "usr", "", 0o755), ("dir", "usr/bin", "", 0o755),
-        ("file", "usr/bin/sudo", "x", 0o4755), ("symlink", "bin", "/usr/bin", 0o777),
-        ("dir", "dev", "", 0o755), ("chr", "dev/null", "", 0o666),
-        ("chr", "opt-disk", "", 0o666),
-    ])
+    data = tar_bytes(
+        [
+            ("dir", "usr", "", 0o755),
+            ("dir", "usr/bin", "", 0o755),
+            ("file", "usr/bin/sudo", "x", 0o4755),
+            ("symlink", "bin", "/usr/bin", 0o777),
+            ("dir", "dev", "", 0o755),
+            ("chr", "dev/null", "", 0o666),
+            ("chr", "opt-disk", "", 0o666),
+        ]
+    )
     root = tmp_path / "rootfs"
     extract_rootfs(_ChunkReader(chunks(data)), root)
     assert (root / "bin").is_symlink() and str((root / "bin").readlink()) == "/usr/bin"
@@ -83,47 +88,70 @@ def test_extract_refuses_what_would_land_outside(tmp_path: Path) -> None:
         root = tmp_path / f"rootfs-{i}"
         with pytest.raises(tarfile.TarError):
             extract_rootfs(io.BytesIO(tar_bytes(entries)), root)
-        assert not any(p.stat().st_ino == secret.stat().st_ino
-                       for p in root.rglob("*") if p.is_file() and not p.is_symlink())
+        assert not any(
+            p.stat().st_ino == secret.stat().st_ino
+            for p in root.rglob("*")
+            if p.is_file() and not p.is_symlink()
+        )
     assert not list(outside.iterdir())
     assert not (tmp_path / "escape").exists()
     assert secret.stat().st_nlink == 1
 
 
 def test_hard_links_inside_the_image_are_kept(tmp_path: Path) -> None:
-    data = tar_bytes([("dir", "usr", "", 0o755), ("file", "usr/perl", "p", 0o755),
-                      ("hardlink", "usr/perl5", "usr/perl", 0o755),
-                      ("hardlink", "usr/perl6", "/usr/perl", 0o755)])
+    data = tar_bytes(
+        [
+            ("dir", "usr", "", 0o755),
+            ("file", "usr/perl", "p", 0o755),
+            ("hardlink", "usr/perl5", "usr/perl", 0o755),
+            ("hardlink", "usr/perl6", "/usr/perl", 0o755),
+        ]
+    )
     root = tmp_path / "rootfs"
     extract_rootfs(io.BytesIO(data), root)
     assert (root / "usr/perl5").stat().st_ino == (root / "usr/perl").stat().st_ino
     assert (root / "usr/perl6").stat().st_ino == (root / "usr/perl").stat().st_ino
 
 
-def extract(tmp_path: Path, entries: Sequence[tuple[str, str, str | bytes, int]],
-            name: str = "rootfs") -> Path:
+def extract(
+    tmp_path: Path, entries: Sequence[tuple[str, str, str | bytes, int]], name: str = "rootfs"
+) -> Path:
     root = tmp_path / name
     extract_rootfs(io.BytesIO(tar_bytes(entries)), root)
     return root
 
 
-def test_our_rules_not_the_interpreters_filter(tmp_path: Path,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_our_rules_not_the_interpreters_filter(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """extractall's ``filter=`` is 3.11.4+ and its default changes in 3.14: never called, so
     every rule below holds the same on Debian 12's 3.11.2 and on newer interpreters."""
+
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("TarFile.extract/extractall called")
 
     monkeypatch.setattr(tarfile.TarFile, "extractall", refuse)
     monkeypatch.setattr(tarfile.TarFile, "extract", refuse)
-    root = extract(tmp_path, [("dir", "etc", "", 0o755), ("file", "etc/os", "deb", 0o644),
-                              ("symlink", "os", "/etc/os", 0o777)])
+    root = extract(
+        tmp_path,
+        [
+            ("dir", "etc", "", 0o755),
+            ("file", "etc/os", "deb", 0o644),
+            ("symlink", "os", "/etc/os", 0o777),
+        ],
+    )
     assert (root / "etc/os").read_text() == "deb"
 
 
 def test_absolute_names_land_under_the_root(tmp_path: Path) -> None:
-    root = extract(tmp_path, [("dir", "/etc", "", 0o755), ("file", "/etc/planted", "x", 0o644),
-                              ("file", "./etc/dotted", "y", 0o644)])
+    root = extract(
+        tmp_path,
+        [
+            ("dir", "/etc", "", 0o755),
+            ("file", "/etc/planted", "x", 0o644),
+            ("file", "./etc/dotted", "y", 0o644),
+        ],
+    )
     assert (root / "etc/planted").read_text() == "x" and (root / "etc/dotted").exists()
 
 
@@ -141,8 +169,11 @@ def test_no_member_is_written_through_a_symlink(tmp_path: Path) -> None:
     with pytest.raises(rootfs.UnsafeMemberError, match="not a directory"):
         extract(tmp_path, [("symlink", "etc", "/", 0o777), ("file", "etc/passwd", "x", 0o644)])
     # a later member of the same name replaces the symlink; the host file is left alone
-    root = extract(tmp_path, [("symlink", "f", str(outside / "file"), 0o777),
-                              ("file", "f", "image", 0o644)], "r2")
+    root = extract(
+        tmp_path,
+        [("symlink", "f", str(outside / "file"), 0o777), ("file", "f", "image", 0o644)],
+        "r2",
+    )
     assert not (root / "f").is_symlink() and (root / "f").read_text() == "image"
     assert (outside / "file").read_text() == "host"
     # a directory swapped for a symlink after it was made: its mode is not applied through it
@@ -152,10 +183,16 @@ def test_no_member_is_written_through_a_symlink(tmp_path: Path) -> None:
 
 
 def test_symlinks_absolute_kept_relative_must_stay_inside(tmp_path: Path) -> None:
-    root = extract(tmp_path, [("dir", "usr", "", 0o755), ("dir", "usr/lib", "", 0o755),
-                              ("symlink", "lib", "usr/lib", 0o777),
-                              ("symlink", "usr/lib/up", "../../etc", 0o777),
-                              ("symlink", "sh", "/bin/dash", 0o777)])
+    root = extract(
+        tmp_path,
+        [
+            ("dir", "usr", "", 0o755),
+            ("dir", "usr/lib", "", 0o755),
+            ("symlink", "lib", "usr/lib", 0o777),
+            ("symlink", "usr/lib/up", "../../etc", 0o777),
+            ("symlink", "sh", "/bin/dash", 0o777),
+        ],
+    )
     assert str((root / "lib").readlink()) == "usr/lib"
     assert str((root / "usr/lib/up").readlink()) == "../../etc"
     assert str((root / "sh").readlink()) == "/bin/dash"  # resolved inside the container
@@ -170,8 +207,10 @@ def test_hard_links_must_point_at_a_member_inside(tmp_path: Path) -> None:
     cases: list[tuple[list[tuple[str, str, str | bytes, int]], type[Exception]]] = [
         ([("hardlink", "shadow", str(secret), 0o644)], tarfile.ExtractError),  # root-relative
         ([("hardlink", "shadow", "../secret", 0o644)], rootfs.UnsafeMemberError),
-        ([("symlink", "up", str(tmp_path), 0o777), ("hardlink", "shadow", "up/secret", 0o644)],
-         rootfs.UnsafeMemberError),
+        (
+            [("symlink", "up", str(tmp_path), 0o777), ("hardlink", "shadow", "up/secret", 0o644)],
+            rootfs.UnsafeMemberError,
+        ),
         ([("dir", "etc", "", 0o755), ("hardlink", "etc2", "etc", 0o644)], tarfile.ExtractError),
     ]
     for i, (entries, error) in enumerate(cases):
@@ -182,22 +221,42 @@ def test_hard_links_must_point_at_a_member_inside(tmp_path: Path) -> None:
 
 
 def test_devices_and_fifos_are_not_made(tmp_path: Path) -> None:
-    root = extract(tmp_path, [("dir", "dev", "", 0o755), ("chr", "dev/null", "", 0o666),
-                              ("blk", "dev/sda", "", 0o660), ("fifo", "run-pipe", "", 0o666),
-                              ("file", "kept", "k", 0o644)])
+    root = extract(
+        tmp_path,
+        [
+            ("dir", "dev", "", 0o755),
+            ("chr", "dev/null", "", 0o666),
+            ("blk", "dev/sda", "", 0o660),
+            ("fifo", "run-pipe", "", 0o666),
+            ("file", "kept", "k", 0o644),
+        ],
+    )
     assert sorted(p.name for p in root.rglob("*")) == ["dev", "kept"]
 
 
 def test_mode_bits_masked_owners_numeric(tmp_path: Path) -> None:
     import os
 
-    root = extract(tmp_path, [("dir", "tmp", "", 0o1777), ("dir", "ro", "", 0o555),
-                              ("file", "ro/inside", "x", 0o644),
-                              ("file", "suid", "x", 0o4755), ("file", "sgid", "x", 0o2755),
-                              ("file", "gw", "x", 0o666)])
+    root = extract(
+        tmp_path,
+        [
+            ("dir", "tmp", "", 0o1777),
+            ("dir", "ro", "", 0o555),
+            ("file", "ro/inside", "x", 0o644),
+            ("file", "suid", "x", 0o4755),
+            ("file", "sgid", "x", 0o2755),
+            ("file", "gw", "x", 0o666),
+        ],
+    )
     modes = {p.name: stat.S_IMODE(p.lstat().st_mode) for p in root.rglob("*")}
-    assert modes == {"tmp": 0o755, "ro": 0o555, "inside": 0o644, "suid": 0o755,
-                     "sgid": 0o755, "gw": 0o644}
+    assert modes == {
+        "tmp": 0o755,
+        "ro": 0o555,
+        "inside": 0o644,
+        "suid": 0o755,
+        "sgid": 0o755,
+        "gw": 0o644,
+    }
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
         info = tarfile.TarInfo("owned")
@@ -236,8 +295,9 @@ def fake_engine(monkeypatch: pytest.MonkeyPatch, export: FakeExport) -> None:
 IMAGE = tar_bytes([("dir", "etc", "", 0o755), ("file", "etc/hello", "hi\n" * 100, 0o644)])
 
 
-def test_one_tree_per_digest_renamed_into_place(tmp_path: Path,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_tree_per_digest_renamed_into_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     export = FakeExport("sha256:" + "a" * 64, IMAGE)
     fake_engine(monkeypatch, export)
     got = export_image_rootfs("localhost/x:1", tmp_path / "cache", "unix:///p.sock")
@@ -249,8 +309,9 @@ def test_one_tree_per_digest_renamed_into_place(tmp_path: Path,
     assert [p.name for p in (tmp_path / "cache").iterdir()] == ["a" * 64]
 
 
-def test_a_failed_export_leaves_no_half_written_tree(tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_export_leaves_no_half_written_tree(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     fake_engine(monkeypatch, FakeExport("sha256:" + "b" * 64, IMAGE, fail_after=2))
     with pytest.raises(ProvisionError, match="export broke"):
         export_image_rootfs("localhost/x:1", tmp_path / "cache", "u")
@@ -273,8 +334,7 @@ def test_podman_url() -> None:
     assert podman_url({"FUSION_OCI_PODMAN_URL": "unix:///x.sock"}, 0) == "unix:///x.sock"
     assert podman_url({}, 0) == "unix:///run/podman/podman.sock"
     assert podman_url({}, 1000) == "unix:///run/user/1000/podman/podman.sock"
-    assert podman_url({"CONTAINER_HOST": "unix:///e.sock"}, 0, "unix:///s.sock") == \
-        "unix:///s.sock"
+    assert podman_url({"CONTAINER_HOST": "unix:///e.sock"}, 0, "unix:///s.sock") == "unix:///s.sock"
 
 
 class FakeContainer:
@@ -327,7 +387,8 @@ class FakeEngine:
 
 
 def test_the_export_container_is_created_once_and_always_removed(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from fusion_oci.images import engine as engine_module
 
     fake = FakeEngine(IMAGE, fail=True)

@@ -41,8 +41,9 @@ def test_hash_ignores_times_and_is_stable(ctx: Path) -> None:
     assert len(content_tag(first)) == 12
 
 
-@pytest.mark.parametrize("change", ["content", "exec-bit", "new-file", "rename", "symlink",
-                                    "empty-dir"])
+@pytest.mark.parametrize(
+    "change", ["content", "exec-bit", "new-file", "rename", "symlink", "empty-dir"]
+)
 def test_any_change_changes_the_hash(ctx: Path, change: str) -> None:
     before = context_hash(ctx)
     if change == "content":
@@ -64,7 +65,8 @@ def test_build_args_and_containerfile_name_are_part_of_the_hash(ctx: Path) -> No
     plain = context_hash(ctx)
     assert context_hash(ctx, build_args={"BASE": BASE_REF}) != plain
     assert context_hash(ctx, build_args={"BASE": "other"}) != context_hash(
-        ctx, build_args={"BASE": BASE_REF})
+        ctx, build_args={"BASE": BASE_REF}
+    )
     assert context_hash(ctx, containerfile="Dockerfile") != plain
 
 
@@ -79,20 +81,28 @@ def test_ignored_files_do_not_count(ctx: Path) -> None:
     assert context_hash(ctx) != before
 
 
-def test_context_tar_has_files_owned_by_root_and_the_secret_apart(ctx: Path, tmp_path: Path
-                                                                 ) -> None:
+def test_context_tar_has_files_owned_by_root_and_the_secret_apart(
+    ctx: Path, tmp_path: Path
+) -> None:
     ca = tmp_path / "ca.pem"
     ca.write_text("MARKER-CA\n")
     (ctx / ".containerignore").write_text("*.log\n")
     (ctx / "x.log").write_text("no")
     buf = io.BytesIO()
-    write_context_tar(ctx, buf, secrets={".secret-abc": ca},
-                      replace={"Containerfile": b"FROM scratch\n"})
+    write_context_tar(
+        ctx, buf, secrets={".secret-abc": ca}, replace={"Containerfile": b"FROM scratch\n"}
+    )
     buf.seek(0)
     with tarfile.open(fileobj=buf) as tar:
         members = {m.name: m for m in tar.getmembers()}
-        assert set(members) == {"Containerfile", "run.sh", "sub", "sub/data.txt",
-                                ".containerignore", ".secret-abc"}
+        assert set(members) == {
+            "Containerfile",
+            "run.sh",
+            "sub",
+            "sub/data.txt",
+            ".containerignore",
+            ".secret-abc",
+        }
         assert all(m.uid == 0 and m.uname == "root" for m in members.values())
         assert members[".secret-abc"].mode == 0o600
         cf = tar.extractfile("Containerfile")
@@ -135,16 +145,19 @@ def test_repository_images_resolve() -> None:
         resolve_image("node")
 
 
-@pytest.mark.parametrize(("given", "expected"), [
-    ("debian:bookworm", "docker.io/library/debian:bookworm"),
-    ("debian", "docker.io/library/debian:latest"),
-    ("library/debian:12", "docker.io/library/debian:12"),
-    ("quay.io/podman/stable", "quay.io/podman/stable:latest"),
-    ("127.0.0.1:5000/tiny:1", "127.0.0.1:5000/tiny:1"),
-    ("localhost/fusion-oci/node:abc", "localhost/fusion-oci/node:abc"),
-    ("localhost:5000/x", "localhost:5000/x:latest"),
-    ("ghcr.io/a/b@sha256:" + "0" * 64, "ghcr.io/a/b@sha256:" + "0" * 64),
-])
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        ("debian:bookworm", "docker.io/library/debian:bookworm"),
+        ("debian", "docker.io/library/debian:latest"),
+        ("library/debian:12", "docker.io/library/debian:12"),
+        ("quay.io/podman/stable", "quay.io/podman/stable:latest"),
+        ("127.0.0.1:5000/tiny:1", "127.0.0.1:5000/tiny:1"),
+        ("localhost/fusion-oci/node:abc", "localhost/fusion-oci/node:abc"),
+        ("localhost:5000/x", "localhost:5000/x:latest"),
+        ("ghcr.io/a/b@sha256:" + "0" * 64, "ghcr.io/a/b@sha256:" + "0" * 64),
+    ],
+)
 def test_normalize_ref(given: str, expected: str) -> None:
     assert normalize_ref(given) == expected
     if "/" in given or ":" in given:
@@ -164,8 +177,10 @@ def test_mirrors_and_loopback() -> None:
 
 
 def test_strip_secret_mounts_for_the_classic_builder() -> None:
-    text = ("FROM x\nRUN --mount=type=secret,id=hostca \\\n    if [ -s /run/secrets/hostca ]; "
-            "then echo y; fi\nRUN --mount=type=cache,target=/c echo keep\n")
+    text = (
+        "FROM x\nRUN --mount=type=secret,id=hostca \\\n    if [ -s /run/secrets/hostca ]; "
+        "then echo y; fi\nRUN --mount=type=cache,target=/c echo keep\n"
+    )
     out = strip_secret_mounts(text)
     assert "type=secret" not in out
     assert "RUN if [ -s /run/secrets/hostca ]" in out.replace("\\\n    ", "")
@@ -177,7 +192,8 @@ def test_ignore_rules_are_the_docker_sdks_with_reincludes(ctx: Path) -> None:
     excludes its contents, and the Containerfile is always sent: docker's own rules."""
     (ctx / ".containerignore").write_text(
         "# logs, but keep the one the build reads\n*.log\n!keep.log\n"
-        "sub\n!sub/data.txt\nContainerfile\n")
+        "sub\n!sub/data.txt\nContainerfile\n"
+    )
     (ctx / "debug.log").write_text("noise")
     (ctx / "keep.log").write_text("read by the build")
     (ctx / "sub" / "other.txt").write_text("ignored")

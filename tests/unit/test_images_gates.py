@@ -16,14 +16,23 @@ def gate_for(setting: str, ask=None, allow=frozenset()):  # type: ignore[no-unty
     events: list[AuditEvent] = []
     audit = AuditLog()
     audit.subscribe(events.append)
-    gate = ProvisionGate(GateSettings(sandbox_provision=setting, network_api=setting),
-                         AuditContext(audit, "t1", "r1", "podman"), ask, allow=allow,
-                         settings_file="/p/.fusion/settings.yaml")
+    gate = ProvisionGate(
+        GateSettings(sandbox_provision=setting, network_api=setting),
+        AuditContext(audit, "t1", "r1", "podman"),
+        ask,
+        allow=allow,
+        settings_file="/p/.fusion/settings.yaml",
+    )
     return gate, events
 
 
-REQ = GateRequest("sandbox_provision", "build", "localhost/fusion-oci/node:abc", "podman",
-                  alternative="fusion-oci images build node --engine podman")
+REQ = GateRequest(
+    "sandbox_provision",
+    "build",
+    "localhost/fusion-oci/node:abc",
+    "podman",
+    alternative="fusion-oci images build node --engine podman",
+)
 
 
 def only_gate_event(events: list[AuditEvent]) -> dict[str, object]:

@@ -51,5 +51,7 @@ def test_packaged_copy_hashes_like_the_checkout(tmp_path: Path) -> None:
     top = Path(__file__).resolve().parents[2]
     shutil.copytree(top / "images" / "node", tmp_path / "node")
     tc = _toolchain()
-    assert resolve_image("node", images_dir=tmp_path, toolchain=tc).ref == \
-        resolve_image("node", images_dir=top / "images", toolchain=tc).ref
+    assert (
+        resolve_image("node", images_dir=tmp_path, toolchain=tc).ref
+        == resolve_image("node", images_dir=top / "images", toolchain=tc).ref
+    )

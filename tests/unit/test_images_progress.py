@@ -8,14 +8,18 @@ from rich.console import Console
 
 from fusion_oci.images.progress import NullReporter, PlainReporter, RichReporter, default_reporter
 
-BUILD = [{"stream": "STEP 1/3: FROM localhost/fusion-oci/base:bookworm\n"},
-         {"stream": "Get:1 http://deb.debian.org/debian bookworm InRelease\n"},
-         {"stream": "STEP 2/3: RUN apt-get update\n"},
-         {"stream": "--> 2909eec86bd\n"}]
-PULL = [{"status": "Pulling fs layer", "id": "abc"},
-        {"status": "Downloading", "id": "abc", "progressDetail": {"current": 10, "total": 100}},
-        {"status": "Downloading", "id": "abc", "progressDetail": {"current": 90, "total": 100}},
-        {"status": "Pull complete", "id": "abc"}]
+BUILD = [
+    {"stream": "STEP 1/3: FROM localhost/fusion-oci/base:bookworm\n"},
+    {"stream": "Get:1 http://deb.debian.org/debian bookworm InRelease\n"},
+    {"stream": "STEP 2/3: RUN apt-get update\n"},
+    {"stream": "--> 2909eec86bd\n"},
+]
+PULL = [
+    {"status": "Pulling fs layer", "id": "abc"},
+    {"status": "Downloading", "id": "abc", "progressDetail": {"current": 10, "total": 100}},
+    {"status": "Downloading", "id": "abc", "progressDetail": {"current": 90, "total": 100}},
+    {"status": "Pull complete", "id": "abc"},
+]
 
 
 def test_plain_lines_show_steps_and_status_changes_only() -> None:

@@ -18,9 +18,9 @@ from fusion_oci.images.retry import (
 
 # Messages as podman 4.3 and docker 20.10 word them (seen in tests/integration).
 TRANSIENT = [
-    'initializing source docker://127.0.0.1:41234/tiny:1: pinging container registry '
+    "initializing source docker://127.0.0.1:41234/tiny:1: pinging container registry "
     '127.0.0.1:41234: Get "http://127.0.0.1:41234/v2/": read tcp 127.0.0.1:50612->'
-    '127.0.0.1:41234: read: connection reset by peer',
+    "127.0.0.1:41234: read: connection reset by peer",
     "reading manifest 1 in 127.0.0.1:41234/tiny: received unexpected HTTP status: "
     "503 Service Unavailable",
     'Get "http://127.0.0.1:41234/v2/": EOF',
@@ -40,7 +40,7 @@ PERMANENT = [
     "127.0.0.1:41234/tiny: unauthorized: authentication required",
     "pull access denied for nope, repository does not exist or may require 'docker login'",
     "invalid reference format",
-    'dial tcp: lookup registry-1.docker.io on 10.0.0.2:53: no such host',
+    "dial tcp: lookup registry-1.docker.io on 10.0.0.2:53: no such host",
     "x509: certificate signed by unknown authority",
     'Head "http://127.0.0.1:58597/v2/tiny/manifests/1": no basic auth credentials',
     "initializing source docker://127.0.0.1:42879/tiny:1: reading manifest 1 in "
@@ -72,12 +72,14 @@ def test_status_code_counts_unless_the_text_says_permanent() -> None:
 
 def test_build_failures_are_transient_only_for_network_blips() -> None:
     step = 'building at STEP "RUN apt-get update": while running runtime: exit status 100'
-    assert classify_build(step, "Err:1 http://deb.debian.org/debian bookworm InRelease\n"
-                                "  Temporary failure resolving 'deb.debian.org'")
+    assert classify_build(
+        step,
+        "Err:1 http://deb.debian.org/debian bookworm InRelease\n"
+        "  Temporary failure resolving 'deb.debian.org'",
+    )
     assert classify_build(step, "npm ERR! code ECONNRESET")
     assert not classify_build(step, "E: Unable to locate package nodejs-nope")
-    assert not classify_build("dockerfile parse error line 3: unknown instruction: RUNN",
-                              "503")
+    assert not classify_build("dockerfile parse error line 3: unknown instruction: RUNN", "503")
 
 
 def err(transient: bool, text: str = "connection reset by peer") -> EngineOpError:
@@ -93,12 +95,17 @@ def recorder() -> tuple[AuditContext, list[AuditEvent]]:
 
 def run(fn, policy: RetryPolicy, ctx: AuditContext, sleeps: list[float]):  # type: ignore[no-untyped-def]
     def on_attempt(n, outcome, exc, seconds, wait):  # type: ignore[no-untyped-def]
-        audit_attempt(ctx, "pull", "x", "podman", n, policy.attempts, outcome, exc, seconds,
-                      wait)
+        audit_attempt(ctx, "pull", "x", "podman", n, policy.attempts, outcome, exc, seconds, wait)
 
-    return run_attempts(fn, action="pull", target="x", policy=policy,
-                        is_transient=is_transient_error, on_attempt=on_attempt,
-                        sleep=sleeps.append)
+    return run_attempts(
+        fn,
+        action="pull",
+        target="x",
+        policy=policy,
+        is_transient=is_transient_error,
+        on_attempt=on_attempt,
+        sleep=sleeps.append,
+    )
 
 
 def test_transient_failures_are_retried_with_capped_jittered_backoff() -> None:
@@ -122,7 +129,8 @@ def test_transient_failures_are_retried_with_capped_jittered_backoff() -> None:
     assert [d["attempt"] for d in details if d] == [1, 2, 3, 4]
     assert [d["outcome"] for d in details if d] == ["retry", "retry", "retry", "ok"]
     assert "attempt 1/5 failed (transient): connection reset by peer; retrying in" in (
-        events[0].reason or "")
+        events[0].reason or ""
+    )
     assert all(e.type == "sandbox:provision" for e in events)
 
 

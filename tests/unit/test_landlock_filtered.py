@@ -42,8 +42,13 @@ ERRNO_EPERM = 0x00050000 | 1
 
 def filtered_spec() -> TaskSpec:
     policy = SandboxPolicy(network="filtered", allowed_domains=["registry.npmjs.org"])
-    ctx = PrepareContext(task_id="task-1", run_id="run-1", worktree_path=LAYOUT.worktree,
-                         policy=policy, cache_mode=CacheMode.OFF)
+    ctx = PrepareContext(
+        task_id="task-1",
+        run_id="run-1",
+        worktree_path=LAYOUT.worktree,
+        policy=policy,
+        cache_mode=CacheMode.OFF,
+    )
     return resolved(ctx, LAYOUT, GOLDEN_HOST, {"LANG": "C.UTF-8"}).spec
 
 
@@ -74,8 +79,13 @@ def test_launch_config_allows_tcp_connect_to_the_proxy_port_only() -> None:
 
 def test_other_networks_leave_connect_to_the_kernel() -> None:
     for policy in (SandboxPolicy(allow_network=False), SandboxPolicy(network="host")):
-        ctx = PrepareContext(task_id="t", run_id="r", worktree_path=LAYOUT.worktree,
-                             policy=policy, cache_mode=CacheMode.OFF)
+        ctx = PrepareContext(
+            task_id="t",
+            run_id="r",
+            worktree_path=LAYOUT.worktree,
+            policy=policy,
+            cache_mode=CacheMode.OFF,
+        )
         spec = resolved(ctx, LAYOUT, GOLDEN_HOST, {}).spec
         cfg = launch_config(landlock_rules(spec, HOME, TMP, PORT, AGENT), 7, "x86_64")
         assert cfg["connect_port"] == -1 and cfg["ports"] == []
@@ -85,8 +95,7 @@ def test_other_networks_leave_connect_to_the_kernel() -> None:
 @pytest.mark.parametrize("arch", ["x86_64", "aarch64"])
 def test_connect_and_listen_go_to_the_supervisor_only_when_filtered(arch: str) -> None:
     for nr in (CONNECT_CALL[arch], LISTEN_CALL[arch]):
-        assert run_bpf(notify_program(arch, connect=True), nr, AUDIT_ARCH[arch]) \
-            == RET_USER_NOTIF
+        assert run_bpf(notify_program(arch, connect=True), nr, AUDIT_ARCH[arch]) == RET_USER_NOTIF
         assert run_bpf(notify_program(arch), nr, AUDIT_ARCH[arch]) == RET_ALLOW
 
 
@@ -124,42 +133,49 @@ def test_the_socket_filter_as_the_kernel_runs_it(family: int, kind: int, proto: 
 
 
 def test_tcp_fast_open_is_refused_plain_sends_are_not() -> None:
-    program = compile_bpf(landlock_rules(filtered_spec(), HOME, TMP, PORT, AGENT).seccomp,
-                          "x86_64")
+    program = compile_bpf(landlock_rules(filtered_spec(), HOME, TMP, PORT, AGENT).seccomp, "x86_64")
     sendto, sendmsg = 44, 46
     fastopen = 0x20000000
-    assert run_bpf(program, sendto, AUDIT_ARCH["x86_64"], (3, 0, 10, fastopen, 1, 16)) \
-        == ERRNO_EPERM
+    assert (
+        run_bpf(program, sendto, AUDIT_ARCH["x86_64"], (3, 0, 10, fastopen, 1, 16)) == ERRNO_EPERM
+    )
     assert run_bpf(program, sendmsg, AUDIT_ARCH["x86_64"], (3, 0, fastopen)) == ERRNO_EPERM
     assert run_bpf(program, sendto, AUDIT_ARCH["x86_64"], (3, 0, 10, 0, 0, 0)) == RET_ALLOW
 
 
 def _in4(host: str, port: int) -> bytes:
-    return struct.pack("=H", AF_INET) + struct.pack("!H", port) + socket.inet_aton(host) \
-        + bytes(8)
+    return struct.pack("=H", AF_INET) + struct.pack("!H", port) + socket.inet_aton(host) + bytes(8)
 
 
 def _in6(host: str, port: int) -> bytes:
-    return struct.pack("=H", AF_INET6) + struct.pack("!H", port) + bytes(4) \
-        + socket.inet_pton(socket.AF_INET6, host) + bytes(4)
+    return (
+        struct.pack("=H", AF_INET6)
+        + struct.pack("!H", port)
+        + bytes(4)
+        + socket.inet_pton(socket.AF_INET6, host)
+        + bytes(4)
+    )
 
 
-@pytest.mark.parametrize(("addr", "verdict"), [
-    (_in4("127.0.0.1", PORT), "proxy"),
-    (_in6("::ffff:127.0.0.1", PORT), "proxy"),
-    (_in4("127.0.0.1", 4040), "deny"),  # the host's other loopback ports
-    (_in4("127.0.0.2", PORT), "deny"),
-    (_in4("10.1.2.3", PORT), "deny"),  # a remote host listening on the proxy's port
-    (_in4("169.254.169.254", 80), "deny"),
-    (_in6("::1", PORT), "deny"),
-    (_in6("2001:db8::1", PORT), "deny"),
-    (struct.pack("=H", AF_UNIX) + b"/run/docker.sock\0", "unix"),  # checked by path
-    (struct.pack("=H", AF_UNIX) + b"\0host-abstract", "deny"),
-    (struct.pack("=H", 0) + bytes(14), "unspec"),
-    (struct.pack("=H", AF_NETLINK) + bytes(10), "deny"),
-    (b"\x02", "deny"),
-    (_in4("127.0.0.1", PORT)[:6], "deny"),  # too short to name an address
-])
+@pytest.mark.parametrize(
+    ("addr", "verdict"),
+    [
+        (_in4("127.0.0.1", PORT), "proxy"),
+        (_in6("::ffff:127.0.0.1", PORT), "proxy"),
+        (_in4("127.0.0.1", 4040), "deny"),  # the host's other loopback ports
+        (_in4("127.0.0.2", PORT), "deny"),
+        (_in4("10.1.2.3", PORT), "deny"),  # a remote host listening on the proxy's port
+        (_in4("169.254.169.254", 80), "deny"),
+        (_in6("::1", PORT), "deny"),
+        (_in6("2001:db8::1", PORT), "deny"),
+        (struct.pack("=H", AF_UNIX) + b"/run/docker.sock\0", "unix"),  # checked by path
+        (struct.pack("=H", AF_UNIX) + b"\0host-abstract", "deny"),
+        (struct.pack("=H", 0) + bytes(14), "unspec"),
+        (struct.pack("=H", AF_NETLINK) + bytes(10), "deny"),
+        (b"\x02", "deny"),
+        (_in4("127.0.0.1", PORT)[:6], "deny"),  # too short to name an address
+    ],
+)
 def test_connect_verdicts(addr: bytes, verdict: str) -> None:
     assert connect_verdict(addr, PORT) == verdict
     if verdict == "proxy":

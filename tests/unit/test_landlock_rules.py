@@ -26,19 +26,28 @@ PLAIN_DIR = TaskLayout("/work/wt/task-1", None, (), "/etc/ssl/certs/ca-certifica
 LINKED = TaskLayout(
     "/work/wt/task-1",
     GitLayout("linked", "/work/repo/.git/worktrees/task-1", "/work/repo/.git"),
-    (), "/etc/ssl/certs/ca-certificates.crt",
+    (),
+    "/etc/ssl/certs/ca-certificates.crt",
 )
-MAIN_REPO = TaskLayout("/work/wt/task-1", GitLayout("main", "/work/wt/task-1/.git",
-                                                    "/work/wt/task-1/.git"), (), None)
+MAIN_REPO = TaskLayout(
+    "/work/wt/task-1", GitLayout("main", "/work/wt/task-1/.git", "/work/wt/task-1/.git"), (), None
+)
 HOME, TMP = "/run/scratch/home", "/run/scratch/tmp"
 
 CASES: dict[str, tuple[SandboxPolicy, TaskLayout]] = {
     "network-none": (SandboxPolicy(allow_network=False), PLAIN_DIR),
     "network-host": (SandboxPolicy(network="host"), PLAIN_DIR),
-    "locked-down": (SandboxPolicy(
-        allow_network=False, cpu_limit=CpuLimit(max_ms=30_000), file_size_limit_mb=64,
-        allowed_paths=["/opt/sdk"], writable_paths=["/work/out"], env_allowlist=["CI"],
-    ), PLAIN_DIR),
+    "locked-down": (
+        SandboxPolicy(
+            allow_network=False,
+            cpu_limit=CpuLimit(max_ms=30_000),
+            file_size_limit_mb=64,
+            allowed_paths=["/opt/sdk"],
+            writable_paths=["/work/out"],
+            env_allowlist=["CI"],
+        ),
+        PLAIN_DIR,
+    ),
     "linked-worktree": (SandboxPolicy(allow_network=False), LINKED),
     "main-repository": (SandboxPolicy(allow_network=False), MAIN_REPO),
 }
@@ -46,8 +55,13 @@ CASES: dict[str, tuple[SandboxPolicy, TaskLayout]] = {
 
 def spec_for(name: str) -> TaskSpec:
     policy, layout = CASES[name]
-    ctx = PrepareContext(task_id="task-1", run_id="run-1", worktree_path=layout.worktree,
-                         policy=policy, cache_mode=CacheMode.OFF)
+    ctx = PrepareContext(
+        task_id="task-1",
+        run_id="run-1",
+        worktree_path=layout.worktree,
+        policy=policy,
+        cache_mode=CacheMode.OFF,
+    )
     return resolved(ctx, layout, HOST, {"LANG": "C.UTF-8"}).spec
 
 
@@ -65,8 +79,11 @@ def _grants(name: str) -> dict[str, tuple[str, ...]]:
 
 
 def test_only_the_worktree_scratch_and_writable_paths_are_writable() -> None:
-    writable = {p for p, a in _grants("locked-down").items()
-                if "write_file" in a and not p.startswith("/dev/")}
+    writable = {
+        p
+        for p, a in _grants("locked-down").items()
+        if "write_file" in a and not p.startswith("/dev/")
+    }
     assert writable == {"/work/wt/task-1", "/work/out", HOME, TMP}
     assert "write_file" not in _grants("locked-down")["/opt/sdk"]
 
@@ -77,8 +94,11 @@ def test_linked_worktree_common_dir_hooks_and_config_stay_read_only() -> None:
     assert rules.restored == ["/work/wt/task-1/.git"]  # the .git file: kept and put back
     for path in ("/work/repo/.git", "/work/repo/.git/hooks", "/work/repo/.git/config"):
         assert "write_file" not in grants[path] and "make_reg" not in grants[path], path
-    for path in ("/work/repo/.git/objects", "/work/repo/.git/refs",
-                 "/work/repo/.git/worktrees/task-1"):
+    for path in (
+        "/work/repo/.git/objects",
+        "/work/repo/.git/refs",
+        "/work/repo/.git/worktrees/task-1",
+    ):
         assert "write_file" in grants[path], path
 
 
@@ -90,8 +110,9 @@ def test_main_repository_hooks_inside_the_worktree_are_kept_and_restored() -> No
 def test_nothing_else_of_the_host_is_granted() -> None:
     for name in CASES:
         for path in _grants(name):
-            assert not path.startswith(("/home", "/root", "/run/", "/var", "/tmp")) or \
-                path.startswith("/run/scratch/"), (name, path)
+            assert not path.startswith(
+                ("/home", "/root", "/run/", "/var", "/tmp")
+            ) or path.startswith("/run/scratch/"), (name, path)
             assert path != "/proc" and not path.startswith("/proc/self"), (name, path)
 
 
@@ -121,10 +142,14 @@ def test_enforced_requirements_per_abi() -> None:
     assert Requirement.FILESYSTEM not in enforced_requirements(2)
     seven = enforced_requirements(7)
     assert {Requirement.FILESYSTEM, Requirement.NETWORK_NONE, Requirement.ENV} <= seven
-    for never in (Requirement.NETWORK_EGRESS, Requirement.MEMORY, Requirement.PIDS,
-                  Requirement.CPU_QUOTA, Requirement.TMP_SIZE):
+    for never in (
+        Requirement.NETWORK_EGRESS,
+        Requirement.MEMORY,
+        Requirement.PIDS,
+        Requirement.CPU_QUOTA,
+        Requirement.TMP_SIZE,
+    ):
         assert never not in seven
-
 
 
 @pytest.mark.parametrize("arch", ["x86_64", "aarch64"])
@@ -184,55 +209,70 @@ def test_plan_is_what_execute_runs() -> None:
     from fusion_oci.runtimes.landlock import LandlockRuntime
     from tests.golden import host_neutral
 
-    runtime = LandlockRuntime(SandboxSettings(backend="landlock"), {"PATH": "/usr/bin"},
-                              cache_root=Path("/nonexistent-cache"), host=HOST)
+    runtime = LandlockRuntime(
+        SandboxSettings(backend="landlock"),
+        {"PATH": "/usr/bin"},
+        cache_root=Path("/nonexistent-cache"),
+        host=HOST,
+    )
     policy, layout = CASES["locked-down"]
-    ctx = PrepareContext(task_id="task-1", run_id="run-1", worktree_path=layout.worktree,
-                         policy=policy, cache_mode=CacheMode.OFF)
+    ctx = PrepareContext(
+        task_id="task-1",
+        run_id="run-1",
+        worktree_path=layout.worktree,
+        policy=policy,
+        cache_mode=CacheMode.OFF,
+    )
     task: ResolvedTask = resolved(ctx, layout, HOST, {"LANG": "C.UTF-8"})
     plan = plan_for(runtime, task, "pnpm test")
     assert plan.argv == runtime.launch_command(plan.process, "<task scratch>/launch-1")
     assert "<reaper>" not in plan.argv
-    assert_golden("landlock/plan-locked-down.json",
-                  {"argv": host_neutral(plan.argv), "env": plan.env, "cwd": plan.cwd})
+    assert_golden(
+        "landlock/plan-locked-down.json",
+        {"argv": host_neutral(plan.argv), "env": plan.env, "cwd": plan.cwd},
+    )
 
 
-@pytest.mark.parametrize(("path", "want"), [
-    ("/proc/self/status", (40, "status")),
-    ("/proc/self", (40, ".")),
-    ("/proc/self/", (40, ".")),
-    ("/proc/40/limits", (40, "limits")),
-    ("/proc/self/fd", (40, "fd")),
-    ("/proc/self/fdinfo/3", (40, "fdinfo/3")),
-    ("/proc/self/./maps", (40, "maps")),
-    ("/proc/thread-self/status", (40, "task/41/status")),
-    ("/proc/self/task/41/stat", (40, "task/41/stat")),
-    ("/proc/self/task", (40, "task")),
-    ("/proc/39/status", (39, "status")),  # another process: the supervisor asks whose
-    ("/proc/39/cmdline", (39, "cmdline")),
-    ("/proc/39/task/39/stat", (39, "task/39/stat")),
-    ("/proc/1/environ", None),  # ptrace-guarded entries: the caller's own only
-    ("/proc/39/maps", None),
-    ("/proc/39/fd", None),
-    ("/proc/39/task/39/environ", None),
-    ("/proc", (0, ".")),  # the listing
-    ("/proc/", (0, ".")),
-    ("/proc/self/pagemap", None),  # content depends on the opener's capabilities
-    ("/proc/self/stack", None),
-    ("/proc/self/mem", None),
-    ("/proc/self/net/tcp", None),  # the host's sockets
-    ("/proc/self/root", None),
-    ("/proc/self/task/41/pagemap", None),
-    ("/proc/self/../1/environ", None),
-    ("/proc/040/status", None),  # not how the kernel names a pid
-    ("/proc/0/status", None),
-    ("/proc/sys/kernel/hostname", None),
-    ("/proc/keys", None),
-    ("/proc/cpuinfo", None),  # granted by a Landlock rule, not by the supervisor
-    ("/etc/passwd", None),
-])
-def test_which_proc_entries_the_supervisor_may_open(path: str,
-                                                    want: tuple[int, str] | None) -> None:
+@pytest.mark.parametrize(
+    ("path", "want"),
+    [
+        ("/proc/self/status", (40, "status")),
+        ("/proc/self", (40, ".")),
+        ("/proc/self/", (40, ".")),
+        ("/proc/40/limits", (40, "limits")),
+        ("/proc/self/fd", (40, "fd")),
+        ("/proc/self/fdinfo/3", (40, "fdinfo/3")),
+        ("/proc/self/./maps", (40, "maps")),
+        ("/proc/thread-self/status", (40, "task/41/status")),
+        ("/proc/self/task/41/stat", (40, "task/41/stat")),
+        ("/proc/self/task", (40, "task")),
+        ("/proc/39/status", (39, "status")),  # another process: the supervisor asks whose
+        ("/proc/39/cmdline", (39, "cmdline")),
+        ("/proc/39/task/39/stat", (39, "task/39/stat")),
+        ("/proc/1/environ", None),  # ptrace-guarded entries: the caller's own only
+        ("/proc/39/maps", None),
+        ("/proc/39/fd", None),
+        ("/proc/39/task/39/environ", None),
+        ("/proc", (0, ".")),  # the listing
+        ("/proc/", (0, ".")),
+        ("/proc/self/pagemap", None),  # content depends on the opener's capabilities
+        ("/proc/self/stack", None),
+        ("/proc/self/mem", None),
+        ("/proc/self/net/tcp", None),  # the host's sockets
+        ("/proc/self/root", None),
+        ("/proc/self/task/41/pagemap", None),
+        ("/proc/self/../1/environ", None),
+        ("/proc/040/status", None),  # not how the kernel names a pid
+        ("/proc/0/status", None),
+        ("/proc/sys/kernel/hostname", None),
+        ("/proc/keys", None),
+        ("/proc/cpuinfo", None),  # granted by a Landlock rule, not by the supervisor
+        ("/etc/passwd", None),
+    ],
+)
+def test_which_proc_entries_the_supervisor_may_open(
+    path: str, want: tuple[int, str] | None
+) -> None:
     from fusion_oci.landlock_child import proc_entry
 
     assert proc_entry(path, tid=41, tgid=40) == want

@@ -23,8 +23,7 @@ FILTERED = SandboxPolicy(network="filtered", allowed_domains=["registry.npmjs.or
 @pytest.mark.parametrize("uid", [0, 1000], ids=["root", "rootless"])
 def test_golden_plan(uid: int) -> None:
     plan = plan_of(runtime(uid), FILTERED)
-    assert_golden(f"oci/plan-filtered-{'root' if uid == 0 else 'rootless'}.json",
-                  plan.to_json())
+    assert_golden(f"oci/plan-filtered-{'root' if uid == 0 else 'rootless'}.json", plan.to_json())
 
 
 def test_golden_plan_runsc() -> None:
@@ -41,20 +40,23 @@ def test_the_bundle_keeps_its_empty_netns_and_runs_the_forwarder(oci_validator: 
     assert task_for(FILTERED).spec.network is NetworkMode.FILTERED
     assert {"type": "network"} in bundle["linux"]["namespaces"]  # runc brings lo up, no more
     assert "hooks" not in bundle  # no slirp4netns
-    assert bind(EGRESS_SOCKET, "/run/scratch/egress-1/egress.sock", writable=False) \
+    assert (
+        bind(EGRESS_SOCKET, "/run/scratch/egress-1/egress.sock", writable=False) in bundle["mounts"]
+    )
+    assert (
+        bind(EGRESS_AGENT, "/usr/lib/fusion-oci/fusion-oci-agent", writable=False)
         in bundle["mounts"]
-    assert bind(EGRESS_AGENT, "/usr/lib/fusion-oci/fusion-oci-agent", writable=False) \
-        in bundle["mounts"]
+    )
     # The init is the agent with its forwarder, for the task's life.
-    assert bundle["process"]["args"] == [AGENT_IN_SANDBOX, "--egress", EGRESS_SOCKET,
-                                         "--fd", "0"]
+    assert bundle["process"]["args"] == [AGENT_IN_SANDBOX, "--egress", EGRESS_SOCKET, "--fd", "0"]
     env = dict(plan.spawn.env)  # the command's, in its frame
     assert env["HTTPS_PROXY"] == "http://127.0.0.1:3128"
     # The mount points are made in a /run of the container's own, never in an image rootfs.
     run = [m for m in bundle["mounts"] if m["destination"] == "/run"]
     assert run and run[0]["type"] == "tmpfs"
-    assert bundle["mounts"].index(run[0]) < [m["destination"] for m in bundle["mounts"]] \
-        .index(EGRESS_SOCKET)
+    assert bundle["mounts"].index(run[0]) < [m["destination"] for m in bundle["mounts"]].index(
+        EGRESS_SOCKET
+    )
 
 
 def test_the_forwarder_needs_the_agent_around_the_command() -> None:
@@ -65,7 +67,10 @@ def test_the_forwarder_needs_the_agent_around_the_command() -> None:
 
 def test_runsc_uses_its_closed_netstack_and_may_connect_the_host_socket() -> None:
     assert runtime_flags("runsc", NetworkMode.FILTERED) == [
-        "--oci-seccomp", "--network=none", "--host-uds=open"]
+        "--oci-seccomp",
+        "--network=none",
+        "--host-uds=open",
+    ]
     assert runtime_flags("runc", NetworkMode.FILTERED) == []
 
 

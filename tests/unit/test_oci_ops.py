@@ -36,8 +36,10 @@ def changed(before: Spec, after: Spec) -> dict[str, Any]:
         old, new = before.get(key), after.get(key)
         if key == "mounts" and old != new:
             # Mounts by value: which were added and which went (a changed one is both).
-            out[key] = {"added": [m for m in new if m not in old],
-                        "removed": [m for m in old if m not in new]}
+            out[key] = {
+                "added": [m for m in new if m not in old],
+                "removed": [m for m in old if m not in new],
+            }
         elif key in ("linux", "process") and isinstance(old, dict) and isinstance(new, dict):
             for sub in sorted(set(old) | set(new)):
                 if old.get(sub) != new.get(sub):

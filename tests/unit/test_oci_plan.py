@@ -40,16 +40,21 @@ LAYOUT = TaskLayout(
     ca_bundle="/etc/ssl/certs/ca-certificates.crt",
 )
 POLICIES = {
-    "none-limits": SandboxPolicy(allow_network=False, memory_limit_mb=256, pids_limit=64,
-                                 cpu_limit=CpuLimit(max_cores=1.0, max_ms=30_000)),
+    "none-limits": SandboxPolicy(
+        allow_network=False,
+        memory_limit_mb=256,
+        pids_limit=64,
+        cpu_limit=CpuLimit(max_cores=1.0, max_ms=30_000),
+    ),
     "egress": SandboxPolicy(),
     "host": SandboxPolicy(network="host"),
 }
 
 
 def task_for(policy: SandboxPolicy, image: str | None = None) -> ResolvedTask:
-    ctx = PrepareContext(task_id="task-1", run_id="run-1", worktree_path=LAYOUT.worktree,
-                         policy=policy, image=image)
+    ctx = PrepareContext(
+        task_id="task-1", run_id="run-1", worktree_path=LAYOUT.worktree, policy=policy, image=image
+    )
     return resolved(ctx, LAYOUT, HOST, {"PATH": "/usr/bin"})
 
 
@@ -65,9 +70,12 @@ def plan_of(rt: OciRuntime, policy: SandboxPolicy, image: str | None = None) -> 
 
 def runtime(uid: int = 0, oci_runtime: str = "runc") -> OciRuntime:
     """A runtime with fixed host facts (the tools it would find, its nonce and pid)."""
-    rt = OciRuntime(SandboxSettings(backend="oci", oci_runtime=oci_runtime),
-                    {"HOME": "/home/u", "PATH": "/usr/sbin:/usr/bin"},
-                    cache_root=Path("/home/u/.cache/fusion-oci"), host=HOST)
+    rt = OciRuntime(
+        SandboxSettings(backend="oci", oci_runtime=oci_runtime),
+        {"HOME": "/home/u", "PATH": "/usr/sbin:/usr/bin"},
+        cache_root=Path("/home/u/.cache/fusion-oci"),
+        host=HOST,
+    )
     rt.uid, rt.gid = uid, uid
     rt.state_base = state_base(rt.env, uid)
     rt._binary = f"/usr/sbin/{Path(oci_runtime).name}"
@@ -91,8 +99,16 @@ def test_golden_plan_image() -> None:
 
 def test_run_argv_is_exact() -> None:
     assert run_argv("runc", "/run/s", "/run/t/bundle", "t-r-ab12cd", "/run/t/init.pid") == [
-        "runc", "--root", "/run/s", "run", "--detach", "--pid-file", "/run/t/init.pid",
-        "--bundle", "/run/t/bundle", "t-r-ab12cd",
+        "runc",
+        "--root",
+        "/run/s",
+        "run",
+        "--detach",
+        "--pid-file",
+        "/run/t/init.pid",
+        "--bundle",
+        "/run/t/bundle",
+        "t-r-ab12cd",
     ]
 
 
@@ -113,8 +129,9 @@ def test_the_tasks_init_is_the_agent_on_its_stdin(oci_validator: Any) -> None:
     assert [r["type"] for r in proc["rlimits"]] == ["RLIMIT_NOFILE"]
     agent = next(m for m in bundle["mounts"] if m["destination"] == AGENT_IN_SANDBOX)
     assert agent["source"] == "/usr/lib/fusion-oci/fusion-oci-agent" and "ro" in agent["options"]
-    assert {k: v for k, v in bundle.items() if k not in ("process", "mounts")} == \
-        {k: v for k, v in spec.items() if k not in ("process", "mounts")}
+    assert {k: v for k, v in bundle.items() if k not in ("process", "mounts")} == {
+        k: v for k, v in spec.items() if k not in ("process", "mounts")
+    }
 
 
 def test_each_command_is_a_spawn_frame_of_its_own_process() -> None:
@@ -126,8 +143,10 @@ def test_each_command_is_a_spawn_frame_of_its_own_process() -> None:
     assert list(spawn.rlimits) == [("RLIMIT_NOFILE", 20000, 20000), ("RLIMIT_CPU", 30, 31)]
     assert spawn.uid is None  # the agent runs as the task's user already
     plan = plan_of(runtime(), POLICIES["none-limits"])
-    assert plan.to_json()["spawn"] == {"fields": [f"{k}={v}" for k, v in spawn.fields()],
-                                       "fds": ["stdin", "stdout", "stderr"]}
+    assert plan.to_json()["spawn"] == {
+        "fields": [f"{k}={v}" for k, v in spawn.fields()],
+        "fds": ["stdin", "stdout", "stderr"],
+    }
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
@@ -149,7 +168,8 @@ def test_image_bundle_points_at_the_shared_rootfs(oci_validator: Any) -> None:
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_rootless_bundle_maps_only_the_caller_and_drops_cgroup_limits(
-        name: str, oci_validator: Any) -> None:
+    name: str, oci_validator: Any
+) -> None:
     out = bundle_spec(spec_for(POLICIES[name]), rootless_ids=(1000, 1001))
     oci_validator.validate(out)
     linux = out["linux"]
@@ -170,9 +190,12 @@ def test_egress_bundle_has_the_hook_and_slirp_dns(oci_validator: Any) -> None:
     out = bundle_spec(spec_for(POLICIES["egress"]), egress=hook)
     oci_validator.validate(out)
     assert_golden("oci/egress-hooks.json", out["hooks"])
-    assert out["mounts"][-1] == {"destination": "/etc/resolv.conf", "type": "bind",
-                                 "source": "/s/resolv.conf",
-                                 "options": ["rbind", "ro", "nosuid", "nodev"]}
+    assert out["mounts"][-1] == {
+        "destination": "/etc/resolv.conf",
+        "type": "bind",
+        "source": "/s/resolv.conf",
+        "options": ["rbind", "ro", "nosuid", "nodev"],
+    }
     # The network namespace stays: slirp4netns is the only way out of it.
     assert {"type": "network"} in out["linux"]["namespaces"]
 
@@ -186,15 +209,23 @@ def test_container_ids_are_unique_per_task_and_name_safe() -> None:
 
 def test_state_base() -> None:
     assert state_base({}, 0) == Path("/run/fusion-oci/oci")
-    assert state_base({"XDG_RUNTIME_DIR": "/run/user/1000"}, 1000) == \
-        Path("/run/user/1000/fusion-oci/oci")
+    assert state_base({"XDG_RUNTIME_DIR": "/run/user/1000"}, 1000) == Path(
+        "/run/user/1000/fusion-oci/oci"
+    )
     assert state_base({}, 1000) == Path("/tmp/fusion-oci-1000/oci")
 
 
-@pytest.mark.parametrize(("rc", "expected"), [
-    (0, (0, None)), (3, (3, None)), (128, (128, None)),
-    (137, (None, "SIGKILL")), (143, (None, "SIGTERM")), (200, (200, None)),
-])
+@pytest.mark.parametrize(
+    ("rc", "expected"),
+    [
+        (0, (0, None)),
+        (3, (3, None)),
+        (128, (128, None)),
+        (137, (None, "SIGKILL")),
+        (143, (None, "SIGTERM")),
+        (200, (200, None)),
+    ],
+)
 def test_exit_status(rc: int, expected: tuple[int | None, str | None]) -> None:
     assert exit_status(rc, None) == expected
 
@@ -203,8 +234,9 @@ def test_exit_status_passes_a_signal_of_the_cli_itself() -> None:
     assert exit_status(None, "SIGKILL") == (None, "SIGKILL")
 
 
-def outcome(rc: int | None = 0, sig: str | None = None, *, timed_out: bool = False,
-            truncated: bool = False) -> ProcessOutcome:
+def outcome(
+    rc: int | None = 0, sig: str | None = None, *, timed_out: bool = False, truncated: bool = False
+) -> ProcessOutcome:
     return ProcessOutcome(b"", b"", rc, sig, timed_out, truncated, 1)
 
 
@@ -226,8 +258,10 @@ def test_cgroup_counters_feed_the_one_classifier() -> None:
     # Counters unknown: no claim; RLIMIT_CPU in the spec makes a SIGKILL cpu-time.
     unknown = limit_counters(CgroupEvents())
     assert classify(outcome(None, "SIGKILL"), spec, unknown) == "cpu-time"
-    assert classify(outcome(None, "SIGKILL"), Case(task_for(POLICIES["egress"])).process,
-                    unknown) == "signal"
+    assert (
+        classify(outcome(None, "SIGKILL"), Case(task_for(POLICIES["egress"])).process, unknown)
+        == "signal"
+    )
 
 
 def test_enforces_follows_controllers_and_rootless() -> None:
@@ -235,9 +269,16 @@ def test_enforces_follows_controllers_and_rootless() -> None:
     rt._cgroups = Hierarchy("hybrid", frozenset({"memory", "pids", "cpu"}))
     rt._egress = (False, "no slirp4netns")
     assert rt.enforces() == {
-        Requirement.FILESYSTEM, Requirement.PROC_PATHS, Requirement.ENV, Requirement.NETWORK_NONE,
-        Requirement.NETWORK_FILTERED, Requirement.CPU_TIME,
-        Requirement.MEMORY, Requirement.PIDS, Requirement.CPU_QUOTA, Requirement.TMP_SIZE,
+        Requirement.FILESYSTEM,
+        Requirement.PROC_PATHS,
+        Requirement.ENV,
+        Requirement.NETWORK_NONE,
+        Requirement.NETWORK_FILTERED,
+        Requirement.CPU_TIME,
+        Requirement.MEMORY,
+        Requirement.PIDS,
+        Requirement.CPU_QUOTA,
+        Requirement.TMP_SIZE,
         Requirement.FILE_SIZE,
     }
     rt._egress = (True, "/usr/bin/slirp4netns")
@@ -245,8 +286,7 @@ def test_enforces_follows_controllers_and_rootless() -> None:
     rootless = runtime(uid=1000)
     rootless._cgroups = rt._cgroups
     rootless._egress = (False, "x")
-    assert not {Requirement.MEMORY, Requirement.PIDS, Requirement.CPU_QUOTA} & \
-        rootless.enforces()
+    assert not {Requirement.MEMORY, Requirement.PIDS, Requirement.CPU_QUOTA} & rootless.enforces()
     assert rootless.capabilities().resource_limits == "basic"
 
 
@@ -261,8 +301,11 @@ def test_crun_on_a_hybrid_host_is_unavailable_with_the_fix() -> None:
 
 
 def test_missing_runtime_is_unavailable() -> None:
-    rt = OciRuntime(SandboxSettings(backend="oci", oci_runtime="no-such-runtime-xyz"),
-                    {"PATH": "/nonexistent"}, host=HOST)
+    rt = OciRuntime(
+        SandboxSettings(backend="oci", oci_runtime="no-such-runtime-xyz"),
+        {"PATH": "/nonexistent"},
+        host=HOST,
+    )
     avail = rt.availability()
     assert not avail.available
     assert "no-such-runtime-xyz" in avail.reason
@@ -337,7 +380,11 @@ def test_plan_is_the_launch_prepare_starts_and_the_frame_execute_sends() -> None
     launch = plan.launch
     assert plan.sandbox is not None
     assert (plan.sandbox.argv, plan.sandbox.env, plan.sandbox.cwd, plan.bundle) == (
-        launch.argv, launch.env, launch.cwd, launch.bundle)
+        launch.argv,
+        launch.env,
+        launch.cwd,
+        launch.bundle,
+    )
     assert launch == rt._task_launch()  # the builder is pure
     assert launch.cid == "task-1-run-1-ab12cd"
     assert launch.cwd == "/run/fusion-oci/oci/task-1-run-1-ab12cd/bundle"

@@ -22,13 +22,17 @@ from tests.golden import GOLDEN_HOST
 
 LAYOUT = TaskLayout("/srv/wt", None, (), None)
 OWNER = Owner(pid=1, start="1", boot="b", host="h")
-BWRAP = BwrapHost(bwrap="/usr/bin/bwrap", cgroup_mode="none",
-                  egress_resolv_conf="/r")
+BWRAP = BwrapHost(bwrap="/usr/bin/bwrap", cgroup_mode="none", egress_resolv_conf="/r")
 
 
 def spec(image: str | None = None) -> Spec:
-    ctx = PrepareContext(task_id="t", run_id="r", worktree_path="/srv/wt",
-                         policy=SandboxPolicy(allow_network=False), image=image)
+    ctx = PrepareContext(
+        task_id="t",
+        run_id="r",
+        worktree_path="/srv/wt",
+        policy=SandboxPolicy(allow_network=False),
+        image=image,
+    )
     return compile_spec(ctx, LAYOUT, GOLDEN_HOST, "true", RunOptions(), {})
 
 
@@ -36,20 +40,25 @@ def given(s: Spec) -> dict[str, object]:
     """What each runtime is handed of the spec's profile and capabilities."""
     task, process = split(s)
     docker = plan_container(task, process, Target("docker"), name="n", owner=OWNER).create
-    podman = plan_container(task, process, Target("podman", seccomp_dir="/c"), name="n",
-                            owner=OWNER).create
+    podman = plan_container(
+        task, process, Target("podman", seccomp_dir="/c"), name="n", owner=OWNER
+    ).create
     try:
         bwrap_spawn(process)
         caps: list[str] | str = []
     except BundleError:
         caps = "refused"  # bwrap drops every capability: a process keeping one is refused
     return {
-        "docker": ([o for o in docker["security_opt"] if o.startswith("seccomp=")],
-                   docker["cap_add"]),
+        "docker": (
+            [o for o in docker["security_opt"] if o.startswith("seccomp=")],
+            docker["cap_add"],
+        ),
         "podman": (podman["seccomp_profile_path"], podman["cap_add"]),
         "bubblewrap": (seccomp_program(task), caps),
-        "oci": (bundle_spec(s)["linux"]["seccomp"],
-                bundle_spec(s)["process"]["capabilities"]["bounding"]),
+        "oci": (
+            bundle_spec(s)["linux"]["seccomp"],
+            bundle_spec(s)["process"]["capabilities"]["bounding"],
+        ),
         "landlock": (landlock_rules(task, "/h", "/t").seccomp["syscalls"],),
     }
 
@@ -66,8 +75,9 @@ def test_each_runtime_is_given_the_specs_profile() -> None:
     s = spec("/srv/rootfs")
     profile = s["linux"]["seccomp"]
     got = given(s)
-    assert got["docker"][0] == ["seccomp=" + json.dumps(profile, sort_keys=True,
-                                                        separators=(",", ":"))]
+    assert got["docker"][0] == [
+        "seccomp=" + json.dumps(profile, sort_keys=True, separators=(",", ":"))
+    ]
     assert got["podman"][0] == seccomp_file(profile, "/c")[0]
     assert got["bubblewrap"][0] == compile_bpf(profile, "x86_64")
     assert got["oci"][0] == profile

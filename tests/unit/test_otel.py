@@ -31,22 +31,56 @@ def providers() -> Any:
 
 
 def lifecycle(log: AuditLog) -> None:
-    base = {"task_id": "task-1", "run_id": "run-1", "backend": "native",
-            "policy_hash": "ab" * 32}
-    log.emit(AuditEvent(type="sandbox:fallback", reason="bwrap missing", fell_back=True,
-                        ts="2026-12-01T09:00:00.000+00:00", **base))
-    log.emit(AuditEvent(type="sandbox:prepare", ts="2026-12-01T09:00:00.250+00:00",
-                        duration_ms=250, unenforced=["memory", "network"], fell_back=True,
-                        **base))
-    log.emit(AuditEvent(type="sandbox:run", ts="2026-12-01T09:00:02.000+00:00",
-                        duration_ms=1500, exit_code=0, end_reason="exit",
-                        command="pnpm test --filter secret=hunter2",
-                        unenforced=["memory", "network"], **base))
-    log.emit(AuditEvent(type="sandbox:run", ts="2026-12-01T09:00:05.000+00:00",
-                        duration_ms=3000, exit_code=None, end_reason="timeout", timed_out=True,
-                        signal="SIGKILL", command="pnpm build", **base))
-    log.emit(AuditEvent(type="sandbox:dispose", ts="2026-12-01T09:00:05.010+00:00",
-                        duration_ms=10, **base))
+    base = {"task_id": "task-1", "run_id": "run-1", "backend": "native", "policy_hash": "ab" * 32}
+    log.emit(
+        AuditEvent(
+            type="sandbox:fallback",
+            reason="bwrap missing",
+            fell_back=True,
+            ts="2026-12-01T09:00:00.000+00:00",
+            **base,
+        )
+    )
+    log.emit(
+        AuditEvent(
+            type="sandbox:prepare",
+            ts="2026-12-01T09:00:00.250+00:00",
+            duration_ms=250,
+            unenforced=["memory", "network"],
+            fell_back=True,
+            **base,
+        )
+    )
+    log.emit(
+        AuditEvent(
+            type="sandbox:run",
+            ts="2026-12-01T09:00:02.000+00:00",
+            duration_ms=1500,
+            exit_code=0,
+            end_reason="exit",
+            command="pnpm test --filter secret=hunter2",
+            unenforced=["memory", "network"],
+            **base,
+        )
+    )
+    log.emit(
+        AuditEvent(
+            type="sandbox:run",
+            ts="2026-12-01T09:00:05.000+00:00",
+            duration_ms=3000,
+            exit_code=None,
+            end_reason="timeout",
+            timed_out=True,
+            signal="SIGKILL",
+            command="pnpm build",
+            **base,
+        )
+    )
+    log.emit(
+        AuditEvent(
+            type="sandbox:dispose", ts="2026-12-01T09:00:05.010+00:00", duration_ms=10, **base
+        )
+    )
 
 
 def test_a_span_per_prepare_run_and_dispose(providers: Any) -> None:
@@ -55,8 +89,13 @@ def test_a_span_per_prepare_run_and_dispose(providers: Any) -> None:
     otel.attach(log, tracer_provider, meter_provider)
     lifecycle(log)
     got = spans.get_finished_spans()
-    assert [s.name for s in got] == ["sandbox.prepare", "sandbox.run", "sandbox.run",
-                                     "sandbox.dispose", "sandbox"]
+    assert [s.name for s in got] == [
+        "sandbox.prepare",
+        "sandbox.run",
+        "sandbox.run",
+        "sandbox.dispose",
+        "sandbox",
+    ]
     prepare, ok, timeout, dispose, root = got
     # one trace per sandbox: the lifecycle spans are children of the `sandbox` span
     assert root.parent is None and root.context is not None
@@ -91,17 +130,24 @@ def test_run_duration_and_outcome_metrics(providers: Any) -> None:
     lifecycle(log)
     data = reader.get_metrics_data()
     assert data is not None
-    metrics = {m.name: m for rm in data.resource_metrics for sm in rm.scope_metrics
-               for m in sm.metrics}
-    runs = {(p.attributes["fusion_oci.outcome"], p.attributes["fusion_oci.backend"]): p.value
-            for p in metrics["fusion_oci.sandbox.runs"].data.data_points}
+    metrics = {
+        m.name: m for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+    }
+    runs = {
+        (p.attributes["fusion_oci.outcome"], p.attributes["fusion_oci.backend"]): p.value
+        for p in metrics["fusion_oci.sandbox.runs"].data.data_points
+    }
     assert runs == {("ok", "native"): 1, ("timeout", "native"): 1}
-    durations = {p.attributes["fusion_oci.outcome"]: (p.count, p.sum)
-                 for p in metrics["fusion_oci.sandbox.run.duration"].data.data_points}
+    durations = {
+        p.attributes["fusion_oci.outcome"]: (p.count, p.sum)
+        for p in metrics["fusion_oci.sandbox.run.duration"].data.data_points
+    }
     assert durations == {"ok": (1, 1500), "timeout": (1, 3000)}
     assert metrics["fusion_oci.sandbox.run.duration"].unit == "ms"
-    setup = [p.attributes["fusion_oci.event"]
-             for p in metrics["fusion_oci.sandbox.setup_problems"].data.data_points]
+    setup = [
+        p.attributes["fusion_oci.event"]
+        for p in metrics["fusion_oci.sandbox.setup_problems"].data.data_points
+    ]
     assert setup == ["fallback"]
 
 
@@ -125,10 +171,12 @@ def test_exporter_names_are_checked() -> None:
     with pytest.raises(SettingsError, match="OTEL_TRACES_EXPORTER"):
         otel.providers_from_env({"OTEL_TRACES_EXPORTER": "zipkin"})
     with pytest.raises(SettingsError, match="http/protobuf"):
-        otel.providers_from_env({"OTEL_TRACES_EXPORTER": "otlp",
-                                 "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"})
+        otel.providers_from_env(
+            {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
+        )
     tracer_provider, meter_provider = otel.providers_from_env(
-        {"OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none"})
+        {"OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none"}
+    )
     tracer_provider.shutdown()
     meter_provider.shutdown()
 
@@ -137,8 +185,9 @@ def test_a_sandbox_never_disposed_is_ended_on_detach(providers: Any) -> None:
     tracer_provider, meter_provider, spans, _ = providers
     log = AuditLog()
     detach = otel.attach(log, tracer_provider, meter_provider)
-    log.emit(AuditEvent(type="sandbox:prepare", task_id="t", run_id="r", backend="oci",
-                        duration_ms=5))
+    log.emit(
+        AuditEvent(type="sandbox:prepare", task_id="t", run_id="r", backend="oci", duration_ms=5)
+    )
     assert [s.name for s in spans.get_finished_spans()] == ["sandbox.prepare"]
     detach()
     assert [s.name for s in spans.get_finished_spans()] == ["sandbox.prepare", "sandbox"]

@@ -10,8 +10,7 @@ from fusion_oci.process import probe
 
 def test_a_probe_gives_status_and_output() -> None:
     done = probe(["sh", "-c", "echo out; echo err >&2; exit 3"])
-    assert (done.returncode, done.stdout, done.stderr, done.error) == (3, b"out\n", b"err\n",
-                                                                        None)
+    assert (done.returncode, done.stdout, done.stderr, done.error) == (3, b"out\n", b"err\n", None)
     assert not done.ok
     assert probe(["true"]).ok
     assert probe(["printf", "\\377x"]).text() == "\ufffdx"
@@ -19,8 +18,10 @@ def test_a_probe_gives_status_and_output() -> None:
 
 def test_a_probe_reads_no_stdin_and_takes_the_env_given() -> None:
     assert probe(["cat"]).stdout == b""
-    assert probe(["sh", "-c", 'echo "$ONLY"'], env={"ONLY": "this", "PATH": "/usr/bin:/bin"}
-                 ).stdout == b"this\n"
+    assert (
+        probe(["sh", "-c", 'echo "$ONLY"'], env={"ONLY": "this", "PATH": "/usr/bin:/bin"}).stdout
+        == b"this\n"
+    )
 
 
 def test_a_missing_program_is_an_outcome_not_an_exception() -> None:

@@ -28,8 +28,9 @@ from fusion_oci.runtimes.skeleton import UnavailableRuntime
 from fusion_oci.sandbox import Sandbox
 from tests.golden import GOLDEN_HOST
 
-CLAIMED = frozenset({Requirement.FILESYSTEM, Requirement.PROC_PATHS, Requirement.ENV,
-                     Requirement.NETWORK_NONE})
+CLAIMED = frozenset(
+    {Requirement.FILESYSTEM, Requirement.PROC_PATHS, Requirement.ENV, Requirement.NETWORK_NONE}
+)
 
 
 class Recording:
@@ -44,9 +45,14 @@ class Recording:
 
     def capabilities(self) -> SandboxCapabilities:
         return SandboxCapabilities(
-            filesystem_isolation="strong", network_policy="coarse", resource_limits="none",
-            requires_install=False, supports_mac=False, supports_linux=True,
-            supports_windows=False)
+            filesystem_isolation="strong",
+            network_policy="coarse",
+            resource_limits="none",
+            requires_install=False,
+            supports_mac=False,
+            supports_linux=True,
+            supports_windows=False,
+        )
 
     def availability(self) -> Availability:
         return Availability(True)
@@ -60,8 +66,7 @@ class Recording:
 
     def plan(self, process: ProcessSpec) -> Plan:
         self.calls.append(("plan", process))
-        return ArgvPlan(self.id, argv=list(process.args), env={}, cwd=process.cwd,
-                        process=process)
+        return ArgvPlan(self.id, argv=list(process.args), env={}, cwd=process.cwd, process=process)
 
     async def prepare(self, task: ResolvedTask) -> ResolvedTask:
         self.calls.append(("prepare", task))
@@ -70,8 +75,9 @@ class Recording:
     async def execute(self, plan: Plan, opts: RunOptions) -> RunResult:
         self.calls.append(("execute", plan))
         argv = own_plan(self, plan, ArgvPlan).argv
-        return RunResult(stdout=" ".join(argv), stderr="", exit_code=0, duration_ms=0,
-                         backend=self.id)
+        return RunResult(
+            stdout=" ".join(argv), stderr="", exit_code=0, duration_ms=0, backend=self.id
+        )
 
     async def dispose(self) -> None:
         self.calls.append(("dispose", None))
@@ -91,12 +97,18 @@ def recording(monkeypatch: pytest.MonkeyPatch) -> list[Recording]:
 
 
 async def test_the_lifecycle_drives_a_protocol_only_runtime(
-        recording: list[Recording], worktree: Path, tmp_path: Path) -> None:
+    recording: list[Recording], worktree: Path, tmp_path: Path
+) -> None:
     settings = SandboxSettings(backend="custom", custom_runtime="recording")
-    ctx = PrepareContext(task_id="t", run_id="r", worktree_path=str(worktree),
-                         policy=SandboxPolicy(allow_network=False))
-    async with Sandbox(settings, env={"PATH": "/usr/bin"}, cache_root=tmp_path / "cache",
-                       host=GOLDEN_HOST) as sb:
+    ctx = PrepareContext(
+        task_id="t",
+        run_id="r",
+        worktree_path=str(worktree),
+        policy=SandboxPolicy(allow_network=False),
+    )
+    async with Sandbox(
+        settings, env={"PATH": "/usr/bin"}, cache_root=tmp_path / "cache", host=GOLDEN_HOST
+    ) as sb:
         await sb.prepare(ctx)
         rt = recording[0]
         assert isinstance(rt, Runtime)
@@ -113,21 +125,27 @@ async def test_the_lifecycle_drives_a_protocol_only_runtime(
         process, plan = (value for _, value in rt.calls)
         assert plan.process is process and process.args == ["echo", "hi"]
         # Compiled from the task prepare returned (the provisioned image), not the resolved one.
-        assert sb.task is not None and sb.task.spec.annotations[ANN_IMAGE] == \
-            "localhost/provisioned:1"
+        assert (
+            sb.task is not None and sb.task.spec.annotations[ANN_IMAGE] == "localhost/provisioned:1"
+        )
         assert sb.spec_for(["echo", "hi"])["process"] == process.to_oci()
     assert rt.calls[-1] == ("dispose", None) and sb.task is None
 
 
 async def test_a_task_the_runtime_cannot_enforce_is_refused_before_it_is_prepared(
-        recording: list[Recording], worktree: Path, tmp_path: Path,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    recording: list[Recording], worktree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(Recording, "refuse", ("memoryLimitMb",))
     settings = SandboxSettings(backend="custom", custom_runtime="recording")
-    ctx = PrepareContext(task_id="t", run_id="r", worktree_path=str(worktree),
-                         policy=SandboxPolicy(allow_network=False))
-    sb = Sandbox(settings, env={"PATH": "/usr/bin"}, cache_root=tmp_path / "cache",
-                 host=GOLDEN_HOST)
+    ctx = PrepareContext(
+        task_id="t",
+        run_id="r",
+        worktree_path=str(worktree),
+        policy=SandboxPolicy(allow_network=False),
+    )
+    sb = Sandbox(
+        settings, env={"PATH": "/usr/bin"}, cache_root=tmp_path / "cache", host=GOLDEN_HOST
+    )
     with pytest.raises(PolicyNotEnforceableError) as refused:
         await sb.prepare(ctx)
     assert refused.value.unenforced == ["memoryLimitMb"]

@@ -73,8 +73,9 @@ def test_custom_runtime_from_an_entry_point(plugin_installed: None, worktree: Pa
 
 
 def test_custom_runtime_not_installed_is_unavailable_with_the_fix(plugin_installed: None) -> None:
-    settings: Any = SandboxSettings.model_validate({"backend": "custom",
-                                                    "customRuntime": "missing"})
+    settings: Any = SandboxSettings.model_validate(
+        {"backend": "custom", "customRuntime": "missing"}
+    )
     runtime = registry.create_runtime("custom", settings, os.environ)
     avail = runtime.availability()
     assert not avail.available
@@ -82,10 +83,14 @@ def test_custom_runtime_not_installed_is_unavailable_with_the_fix(plugin_install
 
 
 async def test_a_protocol_only_plugin_gets_the_audit_log_and_the_gate_callback(
-        monkeypatch: pytest.MonkeyPatch, worktree: Path) -> None:
+    monkeypatch: pytest.MonkeyPatch, worktree: Path
+) -> None:
     plugin_runtime.install(monkeypatch)
-    settings = SandboxSettings(backend="custom", custom_runtime=plugin_runtime.NAME,
-                               gates=GateSettings(sandbox_provision="ask"))
+    settings = SandboxSettings(
+        backend="custom",
+        custom_runtime=plugin_runtime.NAME,
+        gates=GateSettings(sandbox_provision="ask"),
+    )
     asked: list[GateRequest] = []
 
     def ask(request: GateRequest) -> bool:
@@ -95,16 +100,21 @@ async def test_a_protocol_only_plugin_gets_the_audit_log_and_the_gate_callback(
     events: list[AuditEvent] = []
     audit = AuditLog(key=b"")
     audit.subscribe(events.append)
-    ctx = PrepareContext(task_id="t", run_id="r", worktree_path=str(worktree),
-                         image="localhost/plugin-image:1",
-                         policy=SandboxPolicy(allow_network=False))
+    ctx = PrepareContext(
+        task_id="t",
+        run_id="r",
+        worktree_path=str(worktree),
+        image="localhost/plugin-image:1",
+        policy=SandboxPolicy(allow_network=False),
+    )
     async with Sandbox(settings, audit=audit, ask=ask) as sb:
         await sb.prepare(ctx)
         assert not isinstance(sb.runtime, SpecRuntime), "the plugin derives from nothing"
         result = await sb.run("echo ran")
     assert result.stdout == "ran\n"
-    assert [(r.gate, r.target) for r in asked] == [("sandbox_provision",
-                                                     "localhost/plugin-image:1")]
+    assert [(r.gate, r.target) for r in asked] == [
+        ("sandbox_provision", "localhost/plugin-image:1")
+    ]
     gates = [e for e in events if e.type == "sandbox:gate"]
     assert len(gates) == 1 and (gates[0].details or {}).get("decided_by") == "callback"
     assert gates[0].backend == "custom"

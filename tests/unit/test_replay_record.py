@@ -22,8 +22,10 @@ from fusion_oci.replay import (
 
 
 def _spec() -> dict:
-    return {"process": {"env": ["PATH=/bin", "TOKEN=abc", "FOO=1"]},
-            "annotations": {"io.fusion-oci.run-id": "r1", "io.fusion-oci.task-id": "t"}}
+    return {
+        "process": {"env": ["PATH=/bin", "TOKEN=abc", "FOO=1"]},
+        "annotations": {"io.fusion-oci.run-id": "r1", "io.fusion-oci.task-id": "t"},
+    }
 
 
 def test_redact_cuts_passed_values_and_run_id() -> None:
@@ -33,14 +35,26 @@ def test_redact_cuts_passed_values_and_run_id() -> None:
 
 
 def _record(tmp_path: Path, run_id: str) -> object:
-    ctx = PrepareContext(task_id="t", run_id=run_id, worktree_path=str(tmp_path),
-                         policy=SandboxPolicy(env_allowlist=["TOKEN"]))
+    ctx = PrepareContext(
+        task_id="t",
+        run_id=run_id,
+        worktree_path=str(tmp_path),
+        policy=SandboxPolicy(env_allowlist=["TOKEN"]),
+    )
     spec = _spec()
     spec["annotations"]["io.fusion-oci.run-id"] = run_id
-    return build_record(settings=SandboxSettings(backend="bubblewrap"), ctx=ctx,
-                        requested_image=None, backend="bubblewrap", spec=spec,
-                        host=HostInfo(), command="echo", opts=RunOptions(),
-                        env_source={"TOKEN": "abc", "OTHER": "x"}, project_dir=tmp_path)
+    return build_record(
+        settings=SandboxSettings(backend="bubblewrap"),
+        ctx=ctx,
+        requested_image=None,
+        backend="bubblewrap",
+        spec=spec,
+        host=HostInfo(),
+        command="echo",
+        opts=RunOptions(),
+        env_source={"TOKEN": "abc", "OTHER": "x"},
+        project_dir=tmp_path,
+    )
 
 
 def test_same_command_of_two_runs_is_stored_once(tmp_path: Path) -> None:

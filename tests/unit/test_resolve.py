@@ -35,16 +35,19 @@ POLICIES = {
     "default": SandboxPolicy(),
     "none": SandboxPolicy(allow_network=False),
     "host": SandboxPolicy(network=NetworkMode.HOST),
-    "limits": SandboxPolicy(memory_limit_mb=256, pids_limit=64, tmp_size_mb=100,
-                            file_size_limit_mb=10,
-                            cpu_limit=CpuLimit(max_cores=1.5, max_ms=30_000)),
+    "limits": SandboxPolicy(
+        memory_limit_mb=256,
+        pids_limit=64,
+        tmp_size_mb=100,
+        file_size_limit_mb=10,
+        cpu_limit=CpuLimit(max_cores=1.5, max_ms=30_000),
+    ),
     "cores-only": SandboxPolicy(cpu_limit=CpuLimit(max_cores=2)),
 }
 
 
 def ctx(policy: SandboxPolicy, **kw: object) -> PrepareContext:
-    return PrepareContext(task_id="t", run_id="r", worktree_path="/srv/wt", policy=policy,
-                          **kw)  # type: ignore[arg-type]
+    return PrepareContext(task_id="t", run_id="r", worktree_path="/srv/wt", policy=policy, **kw)  # type: ignore[arg-type]
 
 
 R = Requirement
@@ -53,8 +56,8 @@ REQUIRED = {
     "default": BASE | {R.NETWORK_EGRESS},
     "none": BASE | {R.NETWORK_NONE},
     "host": BASE,
-    "limits": BASE | {R.NETWORK_EGRESS, R.MEMORY, R.PIDS, R.TMP_SIZE, R.FILE_SIZE,
-                      R.CPU_QUOTA, R.CPU_TIME},
+    "limits": BASE
+    | {R.NETWORK_EGRESS, R.MEMORY, R.PIDS, R.TMP_SIZE, R.FILE_SIZE, R.CPU_QUOTA, R.CPU_TIME},
     "cores-only": BASE | {R.NETWORK_EGRESS, R.CPU_QUOTA},
 }
 
@@ -72,12 +75,14 @@ def test_what_a_task_requires_is_read_from_its_spec(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
-def test_the_two_typed_halves_are_the_whole_schema_valid_config(name: str,
-                                                                oci_validator: Any) -> None:
+def test_the_two_typed_halves_are_the_whole_schema_valid_config(
+    name: str, oci_validator: Any
+) -> None:
     t = task(POLICIES[name])
     process = t.process(["make", "-j2"], RunOptions(cwd="sub"))
-    config = compile_spec(ctx(POLICIES[name]), LAYOUT, GOLDEN_HOST, ["make", "-j2"],
-                          RunOptions(cwd="sub"), {})
+    config = compile_spec(
+        ctx(POLICIES[name]), LAYOUT, GOLDEN_HOST, ["make", "-j2"], RunOptions(cwd="sub"), {}
+    )
     oci_validator.validate(config)
     assert t.spec.to_oci() | {"process": process.to_oci()} == config
     back_task, back_process = split(config)
@@ -90,18 +95,23 @@ def test_a_misspelt_or_mistyped_field_is_refused() -> None:
     with pytest.raises(ValidationError, match="noNewPrivilege"):
         ProcessSpec.model_validate({**config["process"], "noNewPrivilege": True})
     with pytest.raises(ValidationError, match="mounts"):
-        TaskSpec.model_validate({**{k: v for k, v in config.items() if k != "process"},
-                                 "mounts": [{"destination": 1}]})
+        TaskSpec.model_validate(
+            {**{k: v for k, v in config.items() if k != "process"}, "mounts": [{"destination": 1}]}
+        )
 
 
 def test_network_is_read_from_the_namespaces_first() -> None:
     spec = task(SandboxPolicy()).spec
     assert spec.network is NetworkMode.EGRESS
-    no_ns = spec.model_copy(update={"linux": spec.linux.model_copy(update={"namespaces": [
-        n for n in spec.linux.namespaces if n.type != "network"]})})
+    no_ns = spec.model_copy(
+        update={
+            "linux": spec.linux.model_copy(
+                update={"namespaces": [n for n in spec.linux.namespaces if n.type != "network"]}
+            )
+        }
+    )
     assert no_ns.network is NetworkMode.HOST  # no namespace: the host's network
-    claims_host = spec.model_copy(update={"annotations": {**spec.annotations,
-                                                          ANN_NETWORK: "host"}})
+    claims_host = spec.model_copy(update={"annotations": {**spec.annotations, ANN_NETWORK: "host"}})
     assert claims_host.network is NetworkMode.NONE  # a namespace, an odd claim: closed
     assert spec.model_copy(update={"annotations": {}}).network is NetworkMode.NONE
 
@@ -110,8 +120,10 @@ def test_cache_mode_travels_in_the_spec() -> None:
     spec = task(SandboxPolicy(), cache_mode=CacheMode.ISOLATED).spec
     assert spec.cache_mode is CacheMode.ISOLATED
     assert spec.model_copy(update={"annotations": {}}).cache_mode is CacheMode.SHARED
-    assert spec.model_copy(update={"annotations": {ANN_CACHE_MODE: "??"}}).cache_mode \
+    assert (
+        spec.model_copy(update={"annotations": {ANN_CACHE_MODE: "??"}}).cache_mode
         is CacheMode.ISOLATED
+    )
 
 
 def test_image_and_ca_are_chosen_in_one_place() -> None:
@@ -122,17 +134,26 @@ def test_image_and_ca_are_chosen_in_one_place() -> None:
     assert resolve_image(SandboxSettings(), ctx(SandboxPolicy()), None) is None
     host_ca = GOLDEN_HOST.ca_bundle
     assert resolve_ca_bundle(SandboxSettings(), ctx(SandboxPolicy()), GOLDEN_HOST) == host_ca
-    assert resolve_ca_bundle(SandboxSettings(host_ca="off"), ctx(SandboxPolicy()),
-                             GOLDEN_HOST) is None
-    assert resolve_ca_bundle(SandboxSettings(host_ca="off"),
-                             ctx(SandboxPolicy(), host_ca_bundle="/own.pem"),
-                             GOLDEN_HOST) == "/own.pem"
+    assert (
+        resolve_ca_bundle(SandboxSettings(host_ca="off"), ctx(SandboxPolicy()), GOLDEN_HOST) is None
+    )
+    assert (
+        resolve_ca_bundle(
+            SandboxSettings(host_ca="off"),
+            ctx(SandboxPolicy(), host_ca_bundle="/own.pem"),
+            GOLDEN_HOST,
+        )
+        == "/own.pem"
+    )
 
 
 def test_every_annotation_is_listed_in_the_docs_table() -> None:
     table = DOCS.read_text(encoding="utf-8")
-    names = {value for key, value in vars(model_module).items()
-             if key.startswith("ANN_") and isinstance(value, str)}
+    names = {
+        value
+        for key, value in vars(model_module).items()
+        if key.startswith("ANN_") and isinstance(value, str)
+    }
     assert names, "no annotation constants found"
     listed = set(re.findall(r"^\| `(io\.fusion-oci\.[a-z-]+)` \|", table, re.M))
     assert names == listed, f"docs/spec-annotations.md table vs oci/model.py: {names ^ listed}"
@@ -156,4 +177,5 @@ def test_the_lifecycle_refuses_a_task_spec_the_runtime_does_not_enforce() -> Non
         Sandbox(SandboxSettings())._check(Holds(), limited)  # type: ignore[arg-type]
     assert refused.value.unenforced == ["memoryLimitMb"]
     Sandbox(SandboxSettings())._check(  # type: ignore[arg-type]
-        Holds(), task(SandboxPolicy(allow_network=False)))
+        Holds(), task(SandboxPolicy(allow_network=False))
+    )

@@ -47,8 +47,18 @@ def _targets(module: str) -> set[str]:
 TIERS: tuple[tuple[str, ...], ...] = (
     # The package's __init__ runs before any of its modules: it holds the version and a lazy
     # map of the public names (strings), so it is a leaf whatever it exports.
-    ("fusion_oci", "errors", "stdin", "scratch", "reaper", "store", "watchdog",
-     "landlock_child", "cachedir", "hostpattern"),
+    (
+        "fusion_oci",
+        "errors",
+        "stdin",
+        "scratch",
+        "reaper",
+        "store",
+        "watchdog",
+        "landlock_child",
+        "cachedir",
+        "hostpattern",
+    ),
     ("process",),
     ("models",),
     ("audit", "policy", "agent"),
@@ -82,13 +92,26 @@ NEVER: Mapping[str, frozenset[str]] = {
 RUNTIME_FAMILIES: Mapping[str, tuple[str, ...]] = {
     # What every runtime may use: the protocol and skeleton, the host-process skeleton of
     # native, landlock and sandbox-exec, the Linux primitives.
-    "shared": ("runtimes", "runtimes.protocol", "runtimes.requirements", "runtimes.outcome",
-               "runtimes.plans", "runtimes.skeleton", "runtimes.hostproc", "runtimes.linux",
-               "runtimes.linux.*"),
+    "shared": (
+        "runtimes",
+        "runtimes.protocol",
+        "runtimes.requirements",
+        "runtimes.outcome",
+        "runtimes.plans",
+        "runtimes.skeleton",
+        "runtimes.hostproc",
+        "runtimes.linux",
+        "runtimes.linux.*",
+    ),
     "registry": ("runtimes.registry",),
     "bubblewrap": ("runtimes.bubblewrap", "runtimes.bubblewrap_argv"),
-    "containers": ("runtimes.containers", "runtimes.engine", "runtimes.engine_probe",
-                   "runtimes.docker", "runtimes.podman"),
+    "containers": (
+        "runtimes.containers",
+        "runtimes.engine",
+        "runtimes.engine_probe",
+        "runtimes.docker",
+        "runtimes.podman",
+    ),
     "landlock": ("runtimes.landlock",),
     "native": ("runtimes.native",),
     "oci": ("runtimes.oci", "runtimes.ocicli", "runtimes.ocicli.*"),
@@ -111,8 +134,11 @@ def room(module: str) -> str:
     return parts[1] if len(parts) > 1 else parts[0]
 
 
-def unplaced(modules: Iterable[str], tiers: Sequence[Sequence[str]] = TIERS,
-             families: Mapping[str, Sequence[str]] = RUNTIME_FAMILIES) -> list[str]:
+def unplaced(
+    modules: Iterable[str],
+    tiers: Sequence[Sequence[str]] = TIERS,
+    families: Mapping[str, Sequence[str]] = RUNTIME_FAMILIES,
+) -> list[str]:
     """The modules no table places: a room in no tier, a runtimes/ module in no family (or
     in two); and table entries that name no module."""
     modules = list(modules)
@@ -126,15 +152,17 @@ def unplaced(modules: Iterable[str], tiers: Sequence[Sequence[str]] = TIERS,
         if len(owners) != 1:
             out.append(f"{m} is in {len(owners)} runtime families {owners}")
     for family, patterns in families.items():
-        out += [f"family {family}: {p!r} names no module" for p in patterns
-                if not any(_family_has([p], m) for m in modules)]
+        out += [
+            f"family {family}: {p!r} names no module"
+            for p in patterns
+            if not any(_family_has([p], m) for m in modules)
+        ]
     return out
 
 
 def _family_has(patterns: Sequence[str], module: str) -> bool:
     short = module.removeprefix("fusion_oci.")
-    return any(short == p or (p.endswith(".*") and short.startswith(p[:-1]))
-               for p in patterns)
+    return any(short == p or (p.endswith(".*") and short.startswith(p[:-1])) for p in patterns)
 
 
 def _family(module: str, families: Mapping[str, Sequence[str]]) -> str | None:
@@ -150,8 +178,11 @@ def _say(edge: Edge) -> str:
     return f"{who}:{imp.line} imports {imp.target}" + (" (type-only)" if imp.type_only else "")
 
 
-def tier_breaks(edges: Iterable[Edge], tiers: Sequence[Sequence[str]] = TIERS,
-                pending: frozenset[tuple[str, str]] = PENDING) -> list[str]:
+def tier_breaks(
+    edges: Iterable[Edge],
+    tiers: Sequence[Sequence[str]] = TIERS,
+    pending: frozenset[tuple[str, str]] = PENDING,
+) -> list[str]:
     """Run-time imports of a room of the same or a higher tier."""
     level = {r: n for n, tier in enumerate(tiers) for r in tier}
     out = []
@@ -160,13 +191,11 @@ def tier_breaks(edges: Iterable[Edge], tiers: Sequence[Sequence[str]] = TIERS,
         if a == b or edge[1].type_only or _pending(edge, pending):
             continue
         if a in level and b in level and level[b] >= level[a]:
-            out.append(f"{_say(edge)}: {b} (tier {level[b]}) is not below {a} "
-                       f"(tier {level[a]})")
+            out.append(f"{_say(edge)}: {b} (tier {level[b]}) is not below {a} (tier {level[a]})")
     return out
 
 
-def never_breaks(edges: Iterable[Edge], never: Mapping[str, frozenset[str]] = NEVER
-                 ) -> list[str]:
+def never_breaks(edges: Iterable[Edge], never: Mapping[str, frozenset[str]] = NEVER) -> list[str]:
     """Imports the named rules forbid, type-only ones included."""
     out = []
     for edge in edges:
@@ -176,8 +205,9 @@ def never_breaks(edges: Iterable[Edge], never: Mapping[str, frozenset[str]] = NE
     return out
 
 
-def family_breaks(edges: Iterable[Edge],
-                  families: Mapping[str, Sequence[str]] = RUNTIME_FAMILIES) -> list[str]:
+def family_breaks(
+    edges: Iterable[Edge], families: Mapping[str, Sequence[str]] = RUNTIME_FAMILIES
+) -> list[str]:
     """A runtime importing another runtime's modules (or a shared module a runtime's)."""
     out = []
     for edge in edges:
@@ -189,8 +219,9 @@ def family_breaks(edges: Iterable[Edge],
     return out
 
 
-def room_circles(edges: Iterable[Edge], pending: frozenset[tuple[str, str]] = PENDING
-                 ) -> list[list[str]]:
+def room_circles(
+    edges: Iterable[Edge], pending: frozenset[tuple[str, str]] = PENDING
+) -> list[list[str]]:
     """The circles of the rooms' run-time import graph (its strongly connected components of
     more than one room), from the imports alone: the tiers are not trusted for it."""
     graph: dict[str, set[str]] = {}
@@ -286,32 +317,38 @@ def test_the_checks_catch_what_they_forbid() -> None:
     """Each check, fed a broken house, says so (the real one passes above)."""
     upward = _edge("fusion_oci.images.rootfs", "fusion_oci.runtimes.engine_probe")
     assert tier_breaks([upward]) and never_breaks([upward])
-    assert never_breaks([_edge("fusion_oci.engines.base", "fusion_oci.runtimes.containers",
-                               type_only=True)])
-    assert not tier_breaks([_edge("fusion_oci.engines.base", "fusion_oci.runtimes.containers",
-                                  type_only=True)])
+    assert never_breaks(
+        [_edge("fusion_oci.engines.base", "fusion_oci.runtimes.containers", type_only=True)]
+    )
+    assert not tier_breaks(
+        [_edge("fusion_oci.engines.base", "fusion_oci.runtimes.containers", type_only=True)]
+    )
     assert tier_breaks([_edge("fusion_oci.oci.spec", "fusion_oci.resolve")])
     assert tier_breaks([_edge("fusion_oci.resolve", "fusion_oci.engines")])  # same tier
     assert never_breaks([_edge("fusion_oci.runrequest", "fusion_oci.cli.run")])
     assert family_breaks([_edge("fusion_oci.runtimes.native", "fusion_oci.runtimes.oci")])
     assert family_breaks([_edge("fusion_oci.runtimes.skeleton", "fusion_oci.runtimes.engine")])
-    assert not family_breaks([_edge("fusion_oci.runtimes.ocicli.probe",
-                                    "fusion_oci.runtimes.linux.cgroups")])
-    loop = [_edge("fusion_oci.runtimes.engine", "fusion_oci.gc"),
-            _edge("fusion_oci.gc", "fusion_oci.runtimes.containers")]
+    assert not family_breaks(
+        [_edge("fusion_oci.runtimes.ocicli.probe", "fusion_oci.runtimes.linux.cgroups")]
+    )
+    loop = [
+        _edge("fusion_oci.runtimes.engine", "fusion_oci.gc"),
+        _edge("fusion_oci.gc", "fusion_oci.runtimes.containers"),
+    ]
     assert room_circles(loop) == [["gc", "runtimes"]]
     assert not room_circles([loop[0], _edge(*loop[1][:1], loop[1][1].target, type_only=True)])
     assert unplaced([*MODULES, "fusion_oci.newroom"]) == [
-        "fusion_oci.newroom: room 'newroom' is in no tier"]
+        "fusion_oci.newroom: room 'newroom' is in no tier"
+    ]
     assert unplaced([*MODULES, "fusion_oci.runtimes.brand_new"]) == [
-        "fusion_oci.runtimes.brand_new is in 0 runtime families []"]
+        "fusion_oci.runtimes.brand_new is in 0 runtime families []"
+    ]
     assert not unplaced(MODULES)
 
 
 # --------------------------------------------------------------------------- subprocesses
 
-SPAWNERS = {"run", "Popen", "check_output", "check_call", "call", "getoutput",
-            "getstatusoutput"}
+SPAWNERS = {"run", "Popen", "check_output", "check_call", "call", "getoutput", "getstatusoutput"}
 
 LONG_LIVED = {
     # Long-lived children, not probes: a detached watchdog and the engines' daemons, which
@@ -326,13 +363,16 @@ def _spawns(module: str) -> list[str]:
     """The ``subprocess.X(...)`` calls (and ``from subprocess import X``) of ``module``."""
     found: list[str] = []
     for node in ast.walk(TREES[module]):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-                and node.func.attr in SPAWNERS and isinstance(node.func.value, ast.Name) \
-                and node.func.value.id == "subprocess":
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in SPAWNERS
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "subprocess"
+        ):
             found.append(f"subprocess.{node.func.attr} at line {node.lineno}")
         elif isinstance(node, ast.ImportFrom) and node.module == "subprocess":
-            found += [f"from subprocess import {a.name}" for a in node.names
-                      if a.name in SPAWNERS]
+            found += [f"from subprocess import {a.name}" for a in node.names if a.name in SPAWNERS]
     return found
 
 
@@ -349,18 +389,26 @@ def test_only_process_py_starts_subprocesses() -> None:
 
 def test_one_function_builds_the_error_body() -> None:
     body = error_body("bad-flags", "--x 1", "too small", "pass 2", ["memoryLimitMb"])
-    assert body == {"kind": "bad-flags", "what": "--x 1", "why": "too small", "hint": "pass 2",
-                    "unenforced": ["memoryLimitMb"]}
+    assert body == {
+        "kind": "bad-flags",
+        "what": "--x 1",
+        "why": "too small",
+        "hint": "pass 2",
+        "unenforced": ["memoryLimitMb"],
+    }
     assert error_body("bad-request", "not initialized") == {
-        "kind": "bad-request", "what": "not initialized", "why": "", "hint": "",
-        "unenforced": []}
+        "kind": "bad-request",
+        "what": "not initialized",
+        "why": "",
+        "hint": "",
+        "unenforced": [],
+    }
     flag = FlagError("--x 1", "too small", "pass 2")
     assert flag.to_json() == {"error": error_body("bad-flags", "--x 1", "too small", "pass 2")}
     refused = PolicyNotEnforceableError("bubblewrap", ["memoryLimitMb"])
     assert refused.to_json()["error"]["unenforced"] == ["memoryLimitMb"]  # type: ignore[index]
     assert error_json(flag) == flag.to_json()
-    assert error_json(OSError("disk full")) == {"error": error_body("setup-failed",
-                                                                    "disk full")}
+    assert error_json(OSError("disk full")) == {"error": error_body("setup-failed", "disk full")}
     assert "setup-failed" in ERROR_KINDS
 
 

@@ -19,8 +19,9 @@ from fusion_oci.runtimes.protocol import Runtime, RuntimeDefaults
 from fusion_oci.runtimes.skeleton import UnavailableRuntime
 from tests import plugin_runtime
 
-METHODS = sorted(n for n, v in vars(Runtime).items()
-                 if inspect.isfunction(v) and not n.startswith("_"))
+METHODS = sorted(
+    n for n, v in vars(Runtime).items() if inspect.isfunction(v) and not n.startswith("_")
+)
 DATA = sorted(n for n in Runtime.__annotations__)
 FLAGS = ("isolates", "streams_stdin", "egress_via_tcp")
 
@@ -28,8 +29,7 @@ FLAGS = ("isolates", "streams_stdin", "egress_via_tcp")
 def _classes() -> dict[str, Any]:
     out: dict[str, Any] = {}
     for backend in BACKEND_IDS:
-        cls = registry.runtime_class(backend, SandboxSettings.model_validate(
-            {"backend": backend}))
+        cls = registry.runtime_class(backend, SandboxSettings.model_validate({"backend": backend}))
         out[backend] = cls if not isinstance(cls, UnavailableRuntime) else UnavailableRuntime
     out["plugin"] = registry.with_defaults(plugin_runtime.HostPluginRuntime)
     return out
@@ -39,8 +39,9 @@ CLASSES = _classes()
 
 
 def test_the_protocol_declares_the_optional_members() -> None:
-    assert {"enforces_for", "image_digest", "close", "check", "adopt", "plan", "execute"} <= \
-        set(METHODS)
+    assert {"enforces_for", "image_digest", "close", "check", "adopt", "plan", "execute"} <= set(
+        METHODS
+    )
     assert {"isolates", "streams_stdin", "egress_via_tcp", "audit", "ask", "id"} <= set(DATA)
     assert all(not name.startswith("_") and hasattr(RuntimeDefaults, name) for name in FLAGS)
 
@@ -62,17 +63,20 @@ def _resolve(annotation: Any, func: Any) -> Any:
 def test_every_runtime_method_has_the_protocol_signature(name: str, member: str) -> None:
     cls = CLASSES[name]
     want_fn, got_fn = getattr(Runtime, member), getattr(cls, member)
-    assert inspect.iscoroutinefunction(got_fn) == inspect.iscoroutinefunction(want_fn), \
+    assert inspect.iscoroutinefunction(got_fn) == inspect.iscoroutinefunction(want_fn), (
         f"{name}.{member}: async differs from the protocol"
+    )
     want, got = inspect.signature(want_fn), inspect.signature(got_fn)
-    assert [(p.name, p.kind) for p in got.parameters.values()] == \
-        [(p.name, p.kind) for p in want.parameters.values()], f"{name}.{member}{got}"
+    assert [(p.name, p.kind) for p in got.parameters.values()] == [
+        (p.name, p.kind) for p in want.parameters.values()
+    ], f"{name}.{member}{got}"
     for wp, gp in zip(want.parameters.values(), got.parameters.values(), strict=True):
         if wp.name != "self":
             assert gp.annotation == wp.annotation, f"{name}.{member}({gp.name})"
     wr, gr = _resolve(want.return_annotation, want_fn), _resolve(got.return_annotation, got_fn)
-    assert gr == wr or (isinstance(gr, type) and isinstance(wr, type) and issubclass(gr, wr)), \
+    assert gr == wr or (isinstance(gr, type) and isinstance(wr, type) and issubclass(gr, wr)), (
         f"{name}.{member} returns {got.return_annotation}, not {want.return_annotation}"
+    )
 
 
 @pytest.mark.parametrize("name", sorted(CLASSES))
@@ -82,8 +86,9 @@ def test_every_runtime_has_the_protocol_data_members(name: str) -> None:
         assert isinstance(getattr(cls, flag), bool), f"{name}.{flag}"
     assert issubclass(cls, RuntimeDefaults)
     settings = SandboxSettings.model_validate({"backend": "native"})
-    runtime = (cls(name, "why") if cls is UnavailableRuntime
-               else cls(settings, {"PATH": "/usr/bin:/bin"}))
+    runtime = (
+        cls(name, "why") if cls is UnavailableRuntime else cls(settings, {"PATH": "/usr/bin:/bin"})
+    )
     for member in DATA:
         assert hasattr(runtime, member), f"{name}.{member}"
     assert isinstance(runtime, Runtime)

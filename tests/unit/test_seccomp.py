@@ -42,8 +42,18 @@ def table(arch: str) -> dict[str, int]:
     """Syscall numbers of ``arch`` as libseccomp resolves them (only the real ones)."""
     sc = libseccomp()
     token = getattr(sc.Arch, {"x86_64": "X86_64", "aarch64": "AARCH64"}[arch])
-    names = [*DENIED, "clone3", "socket", "clone", "read", "write", "openat", "execve",
-             "exit_group", "mmap"]
+    names = [
+        *DENIED,
+        "clone3",
+        "socket",
+        "clone",
+        "read",
+        "write",
+        "openat",
+        "execve",
+        "exit_group",
+        "mmap",
+    ]
     nrs = {name: sc.resolve_syscall(token, name) for name in names}
     return {name: nr for name, nr in nrs.items() if nr >= 0}
 
@@ -59,12 +69,12 @@ def test_denied_and_allowed(arch: str) -> None:
     for name in ("read", "write", "openat", "execve", "exit_group", "mmap"):
         assert run_bpf(prog, nrs[name], audit) == ALLOW, name
     sock, clone = nrs["socket"], nrs["clone"]
-    assert run_bpf(prog, sock, audit, (2, 1)) == ALLOW            # AF_INET, SOCK_STREAM
+    assert run_bpf(prog, sock, audit, (2, 1)) == ALLOW  # AF_INET, SOCK_STREAM
     assert run_bpf(prog, sock, audit, (10, 2 | 0x80000)) == ALLOW  # AF_INET6, DGRAM|CLOEXEC
-    assert run_bpf(prog, sock, audit, (1, 1)) == ALLOW            # AF_UNIX
-    assert run_bpf(prog, sock, audit, (17, 2)) == EPERM           # AF_PACKET
-    assert run_bpf(prog, sock, audit, (2, 3 | 0x800)) == EPERM    # SOCK_RAW|NONBLOCK
-    assert run_bpf(prog, clone, audit, (0x01200011,)) == ALLOW    # fork-like clone
+    assert run_bpf(prog, sock, audit, (1, 1)) == ALLOW  # AF_UNIX
+    assert run_bpf(prog, sock, audit, (17, 2)) == EPERM  # AF_PACKET
+    assert run_bpf(prog, sock, audit, (2, 3 | 0x800)) == EPERM  # SOCK_RAW|NONBLOCK
+    assert run_bpf(prog, clone, audit, (0x01200011,)) == ALLOW  # fork-like clone
     assert run_bpf(prog, clone, audit, (0x10000000 | 17,)) == EPERM
     assert run_bpf(prog, clone, audit, (0x40000000 | 0x100,)) == EPERM
 
@@ -80,21 +90,27 @@ def test_high_bits_do_not_dodge_a_deny_rule(arch: str) -> None:
 
 def test_foreign_arch_and_x32_are_killed() -> None:
     prog = compile_bpf(default_profile("x86_64"), "x86_64")
-    assert run_bpf(prog, 0, 0x40000003) == KILL        # i386
+    assert run_bpf(prog, 0, 0x40000003) == KILL  # i386
     assert run_bpf(prog, 0x40000000 | 165, AUDIT_ARCH["x86_64"]) == KILL  # x32 mount
 
 
 def test_profile_features_beyond_the_default() -> None:
     """Deny-by-default with allowed syscalls, kill actions, argument alternatives."""
     profile = {
-        "defaultAction": "SCMP_ACT_ERRNO", "defaultErrnoRet": 38,
+        "defaultAction": "SCMP_ACT_ERRNO",
+        "defaultErrnoRet": 38,
         "architectures": ["SCMP_ARCH_X86_64"],
         "syscalls": [
             {"names": ["read", "write", "no_such_syscall"], "action": "SCMP_ACT_ALLOW"},
             {"names": ["ptrace"], "action": "SCMP_ACT_KILL_PROCESS"},
-            {"names": ["socket"], "action": "SCMP_ACT_ALLOW",
-             "args": [{"index": 0, "value": 1, "op": "SCMP_CMP_EQ"},
-                      {"index": 0, "value": 2, "op": "SCMP_CMP_EQ"}]},
+            {
+                "names": ["socket"],
+                "action": "SCMP_ACT_ALLOW",
+                "args": [
+                    {"index": 0, "value": 1, "op": "SCMP_CMP_EQ"},
+                    {"index": 0, "value": 2, "op": "SCMP_CMP_EQ"},
+                ],
+            },
         ],
     }
     prog = compile_bpf(profile, "x86_64")
@@ -115,8 +131,7 @@ def test_without_errno_ret_keeps_every_verdict_but_says_enosys_by_trace(arch: st
     in ENOSYS, or glibc never falls back to clone and no thread starts."""
     plain = compile_bpf(default_profile(arch), arch)
     blind_profile = without_errno_ret(default_profile(arch))
-    assert all("errnoRet" not in r or r["errnoRet"] == EPERM
-               for r in blind_profile["syscalls"])
+    assert all("errnoRet" not in r or r["errnoRet"] == EPERM for r in blind_profile["syscalls"])
     blind = compile_bpf(blind_profile, arch)
     audit = AUDIT_ARCH[arch]
     for name, nr in table(arch).items():
@@ -128,19 +143,25 @@ def test_without_errno_ret_keeps_every_verdict_but_says_enosys_by_trace(arch: st
 
 
 def test_without_errno_ret_refuses_an_errno_it_cannot_say() -> None:
-    profile = {"defaultAction": "SCMP_ACT_ALLOW",
-               "syscalls": [{"names": ["read"], "action": "SCMP_ACT_ERRNO", "errnoRet": 13}]}
+    profile = {
+        "defaultAction": "SCMP_ACT_ALLOW",
+        "syscalls": [{"names": ["read"], "action": "SCMP_ACT_ERRNO", "errnoRet": 13}],
+    }
     with pytest.raises(ValueError, match="errno 13"):
         without_errno_ret(profile)
 
 
 def test_what_a_filter_cannot_say_is_refused() -> None:
     with pytest.raises(ValueError, match="not supported"):
-        compile_bpf({"defaultAction": "SCMP_ACT_ALLOW",
-                     "syscalls": [{"names": ["read"], "action": "SCMP_ACT_NOTIFY"}]}, "x86_64")
+        compile_bpf(
+            {
+                "defaultAction": "SCMP_ACT_ALLOW",
+                "syscalls": [{"names": ["read"], "action": "SCMP_ACT_NOTIFY"}],
+            },
+            "x86_64",
+        )
     with pytest.raises(ValueError, match="listenerPath"):
-        compile_bpf({"defaultAction": "SCMP_ACT_ALLOW", "listenerPath": "/run/x.sock"},
-                    "x86_64")
+        compile_bpf({"defaultAction": "SCMP_ACT_ALLOW", "listenerPath": "/run/x.sock"}, "x86_64")
 
 
 def test_profile_in_every_bundle_is_schema_valid(oci_validator: Any) -> None:
@@ -149,8 +170,14 @@ def test_profile_in_every_bundle_is_schema_valid(oci_validator: Any) -> None:
     from fusion_oci.oci.spec import compile_spec
     from fusion_oci.policy.layout import TaskLayout
 
-    spec = compile_spec(PrepareContext(task_id="t", run_id="r", worktree_path="/w"),
-                        TaskLayout("/w", None, (), None), HostInfo(), "true", RunOptions(), {})
+    spec = compile_spec(
+        PrepareContext(task_id="t", run_id="r", worktree_path="/w"),
+        TaskLayout("/w", None, (), None),
+        HostInfo(),
+        "true",
+        RunOptions(),
+        {},
+    )
     assert spec["linux"]["seccomp"]["defaultAction"] == "SCMP_ACT_ALLOW"
     oci_validator.validate(spec)
     spec["linux"]["seccomp"] = without_errno_ret(spec["linux"]["seccomp"])

@@ -36,7 +36,9 @@ def test_defaults_when_no_files(dirs: tuple[Path, Path, dict[str, str]]) -> None
 
 def test_project_wins_and_policy_merges_key_by_key(dirs: tuple[Path, Path, dict[str, str]]) -> None:
     home, project, env = dirs
-    gpath = write(home / ".config/fusion/settings.yaml", """
+    gpath = write(
+        home / ".config/fusion/settings.yaml",
+        """
 sandbox:
   backend: bubblewrap
   failureMode: fallback-native
@@ -44,14 +46,18 @@ sandbox:
     memoryLimitMb: 512
     envAllowlist: [CI]
     cpuLimit: {maxCores: 2, maxMs: 1000}
-""")
-    ppath = write(project / ".fusion/settings.yaml", """
+""",
+    )
+    ppath = write(
+        project / ".fusion/settings.yaml",
+        """
 sandbox:
   backend: podman
   policy:
     allowNetwork: false
     cpuLimit: {maxMs: 5000}
-""")
+""",
+    )
     eff = load_settings(project_dir=project, env=env)
     s = eff.settings
     assert s.backend == "podman"
@@ -74,26 +80,49 @@ def test_prompt_then_cli_override(dirs: tuple[Path, Path, dict[str, str]]) -> No
     eff = load_settings(project_dir=project, env=env, task_prompt="Do it.\n**Sandbox:** podman\n")
     assert eff.settings.backend == "podman"
     assert eff.provenance["backend"] == "task prompt"
-    eff = load_settings(project_dir=project, env=env, task_prompt="**Sandbox:** podman",
-                        overrides={"backend": "docker"})
+    eff = load_settings(
+        project_dir=project,
+        env=env,
+        task_prompt="**Sandbox:** podman",
+        overrides={"backend": "docker"},
+    )
     assert eff.settings.backend == "docker"
     assert eff.provenance["backend"] == "command line"
 
 
-@pytest.mark.parametrize(("text", "keypath", "needle"), [
-    ("sandbox:\n  backend: lxc\n", "sandbox.backend", "'native'"),
-    ("sandbox:\n  policy:\n    allowedPaths: [relative/dir]\n", "sandbox.policy.allowedPaths",
-     "absolute"),
-    ("sandbox:\n  policy:\n    memoryLimitMb: -5\n", "sandbox.policy.memoryLimitMb",
-     "greater than 0"),
-    ("sandbox:\n  policy:\n    memoryLimit: 5\n", "sandbox.policy.memoryLimit", "memoryLimitMb"),
-    ("sandbox:\n  bakend: podman\n", "sandbox.bakend", "backend"),
-    ("sandbox:\n  failureMode: retry\n", "sandbox.failureMode", "fallback-native"),
-    ("sandbox:\n  policy:\n    cpuLimit: {maxCores: 0}\n", "sandbox.policy.cpuLimit.maxCores",
-     "greater than 0"),
-    ("sandbox:\n  policy:\n    allowNetwork: false\n    network: egress\n", "sandbox.policy",
-     "allowNetwork"),
-])
+@pytest.mark.parametrize(
+    ("text", "keypath", "needle"),
+    [
+        ("sandbox:\n  backend: lxc\n", "sandbox.backend", "'native'"),
+        (
+            "sandbox:\n  policy:\n    allowedPaths: [relative/dir]\n",
+            "sandbox.policy.allowedPaths",
+            "absolute",
+        ),
+        (
+            "sandbox:\n  policy:\n    memoryLimitMb: -5\n",
+            "sandbox.policy.memoryLimitMb",
+            "greater than 0",
+        ),
+        (
+            "sandbox:\n  policy:\n    memoryLimit: 5\n",
+            "sandbox.policy.memoryLimit",
+            "memoryLimitMb",
+        ),
+        ("sandbox:\n  bakend: podman\n", "sandbox.bakend", "backend"),
+        ("sandbox:\n  failureMode: retry\n", "sandbox.failureMode", "fallback-native"),
+        (
+            "sandbox:\n  policy:\n    cpuLimit: {maxCores: 0}\n",
+            "sandbox.policy.cpuLimit.maxCores",
+            "greater than 0",
+        ),
+        (
+            "sandbox:\n  policy:\n    allowNetwork: false\n    network: egress\n",
+            "sandbox.policy",
+            "allowNetwork",
+        ),
+    ],
+)
 def test_bad_file_names_file_key_value_and_fix(
     dirs: tuple[Path, Path, dict[str, str]], text: str, keypath: str, needle: str
 ) -> None:
@@ -135,22 +164,27 @@ def test_error_in_global_file_names_global_file(dirs: tuple[Path, Path, dict[str
 
 def test_cross_layer_conflict_is_reported() -> None:
     with pytest.raises(SettingsError, match="allowNetwork"):
-        merge_layers([
-            Layer("a.yaml", {"policy": {"network": "egress"}}),
-            Layer("b.yaml", {"policy": {"allowNetwork": False}}),
-        ])
+        merge_layers(
+            [
+                Layer("a.yaml", {"policy": {"network": "egress"}}),
+                Layer("b.yaml", {"policy": {"allowNetwork": False}}),
+            ]
+        )
 
 
-@pytest.mark.parametrize(("prompt", "expected"), [
-    ("**Sandbox:** podman", "podman"),
-    ("**sandbox:**   Bubblewrap  ", "bubblewrap"),
-    ("** SANDBOX ** : docker", "docker"),
-    ("**Sandbox**: `native`", "native"),
-    ("- **Sandbox:** sandbox-exec", "sandbox-exec"),
-    ("intro\n**Sandbox:** podman\nmore\n**Sandbox:** docker\n", "docker"),
-    ("no override here, Sandbox: podman", None),
-    ("", None),
-])
+@pytest.mark.parametrize(
+    ("prompt", "expected"),
+    [
+        ("**Sandbox:** podman", "podman"),
+        ("**sandbox:**   Bubblewrap  ", "bubblewrap"),
+        ("** SANDBOX ** : docker", "docker"),
+        ("**Sandbox**: `native`", "native"),
+        ("- **Sandbox:** sandbox-exec", "sandbox-exec"),
+        ("intro\n**Sandbox:** podman\nmore\n**Sandbox:** docker\n", "docker"),
+        ("no override here, Sandbox: podman", None),
+        ("", None),
+    ],
+)
 def test_prompt_override(prompt: str, expected: str | None) -> None:
     assert parse_prompt_override(prompt) == expected
 

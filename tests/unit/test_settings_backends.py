@@ -24,15 +24,22 @@ def env(tmp_path: Path) -> dict[str, str]:
 
 
 def test_sections_are_read_merged_and_shown(tmp_path: Path, env: dict[str, str]) -> None:
-    glob = write(tmp_path / "home" / ".config" / "fusion" / "settings.yaml",
-                 "sandbox:\n  docker: {url: 'tcp://build:2376'}\n  oci: {runtime: runsc}\n")
+    glob = write(
+        tmp_path / "home" / ".config" / "fusion" / "settings.yaml",
+        "sandbox:\n  docker: {url: 'tcp://build:2376'}\n  oci: {runtime: runsc}\n",
+    )
     project = tmp_path / "p"
-    proj = write(project / ".fusion" / "settings.yaml",
-                 "sandbox:\n  podman:\n    url: unix:///run/p.sock\n  oci: {runtime: crun}\n")
+    proj = write(
+        project / ".fusion" / "settings.yaml",
+        "sandbox:\n  podman:\n    url: unix:///run/p.sock\n  oci: {runtime: crun}\n",
+    )
     eff = load_settings(project_dir=project, env=env)
     s = eff.settings
     assert (s.docker.url, s.podman.url, s.oci.runtime) == (
-        "tcp://build:2376", "unix:///run/p.sock", "crun")
+        "tcp://build:2376",
+        "unix:///run/p.sock",
+        "crun",
+    )
     assert eff.provenance["docker.url"] == str(glob)
     assert eff.provenance["oci.runtime"] == str(proj)
     # what `fusion-oci settings show` lists
@@ -47,16 +54,26 @@ def test_defaults() -> None:
     assert (s.docker.url, s.podman.url, s.oci.runtime) == (None, None, "runc")
 
 
-@pytest.mark.parametrize(("yaml", "old", "new"), [
-    ("sandbox:\n  dockerUrl: unix:///d.sock\n", "sandbox.dockerUrl",
-     "`docker: {url: unix:///d.sock}`"),
-    ("sandbox:\n  podmanUrl: unix:///p.sock\n", "sandbox.podmanUrl",
-     "`podman: {url: unix:///p.sock}`"),
-    ("sandbox:\n  ociRuntime: runsc\n", "sandbox.ociRuntime", "`oci: {runtime: runsc}`"),
-    ("sandbox:\n  oci_runtime: runsc\n", "sandbox.oci_runtime", "`oci: {runtime: runsc}`"),
-])
+@pytest.mark.parametrize(
+    ("yaml", "old", "new"),
+    [
+        (
+            "sandbox:\n  dockerUrl: unix:///d.sock\n",
+            "sandbox.dockerUrl",
+            "`docker: {url: unix:///d.sock}`",
+        ),
+        (
+            "sandbox:\n  podmanUrl: unix:///p.sock\n",
+            "sandbox.podmanUrl",
+            "`podman: {url: unix:///p.sock}`",
+        ),
+        ("sandbox:\n  ociRuntime: runsc\n", "sandbox.ociRuntime", "`oci: {runtime: runsc}`"),
+        ("sandbox:\n  oci_runtime: runsc\n", "sandbox.oci_runtime", "`oci: {runtime: runsc}`"),
+    ],
+)
 def test_flat_keys_load_with_a_deprecation_naming_the_new_spelling(
-        tmp_path: Path, env: dict[str, str], yaml: str, old: str, new: str) -> None:
+    tmp_path: Path, env: dict[str, str], yaml: str, old: str, new: str
+) -> None:
     project = tmp_path / "p"
     path = write(project / ".fusion" / "settings.yaml", yaml)
     eff = load_settings(project_dir=project, env=env)
@@ -68,19 +85,23 @@ def test_flat_keys_load_with_a_deprecation_naming_the_new_spelling(
     assert value == new.split(": ")[-1].rstrip("}`")
 
 
-def test_flat_and_sectioned_spelling_that_disagree_is_an_error(tmp_path: Path,
-                                                               env: dict[str, str]) -> None:
+def test_flat_and_sectioned_spelling_that_disagree_is_an_error(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
     project = tmp_path / "p"
-    write(project / ".fusion" / "settings.yaml",
-          "sandbox:\n  dockerUrl: unix:///a.sock\n  docker: {url: unix:///b.sock}\n")
+    write(
+        project / ".fusion" / "settings.yaml",
+        "sandbox:\n  dockerUrl: unix:///a.sock\n  docker: {url: unix:///b.sock}\n",
+    )
     with pytest.raises(SettingsError) as info:
         load_settings(project_dir=project, env=env)
     assert "sandbox.dockerUrl" in info.value.what
     assert "docker: {url" in info.value.hint
 
 
-def test_unknown_key_in_a_section_names_the_accepted_ones(tmp_path: Path,
-                                                          env: dict[str, str]) -> None:
+def test_unknown_key_in_a_section_names_the_accepted_ones(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
     project = tmp_path / "p"
     write(project / ".fusion" / "settings.yaml", "sandbox:\n  docker: {host: x}\n")
     with pytest.raises(SettingsError) as info:

@@ -22,17 +22,30 @@ def env(tmp_path: Path) -> dict[str, str]:
     return {"HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config")}
 
 
-@pytest.mark.parametrize(("yaml", "wrong", "right"), [
-    ("sandbox:\n  failure_mode: fallback-native\n", "sandbox.failure_mode", "failureMode"),
-    ("sandbox:\n  policy:\n    allow_network: false\n", "sandbox.policy.allow_network",
-     "allowNetwork"),
-    ("sandbox:\n  policy:\n    cpuLimit: {max_cores: 1}\n", "sandbox.policy.cpuLimit.max_cores",
-     "maxCores"),
-    ("sandbox:\n  gates: {sandbox_provision: allow}\n", "sandbox.gates.sandbox_provision",
-     "sandboxProvision"),
-])
-def test_python_spelling_is_refused_with_the_right_one(tmp_path: Path, env: dict[str, str],
-                                                       yaml: str, wrong: str, right: str) -> None:
+@pytest.mark.parametrize(
+    ("yaml", "wrong", "right"),
+    [
+        ("sandbox:\n  failure_mode: fallback-native\n", "sandbox.failure_mode", "failureMode"),
+        (
+            "sandbox:\n  policy:\n    allow_network: false\n",
+            "sandbox.policy.allow_network",
+            "allowNetwork",
+        ),
+        (
+            "sandbox:\n  policy:\n    cpuLimit: {max_cores: 1}\n",
+            "sandbox.policy.cpuLimit.max_cores",
+            "maxCores",
+        ),
+        (
+            "sandbox:\n  gates: {sandbox_provision: allow}\n",
+            "sandbox.gates.sandbox_provision",
+            "sandboxProvision",
+        ),
+    ],
+)
+def test_python_spelling_is_refused_with_the_right_one(
+    tmp_path: Path, env: dict[str, str], yaml: str, wrong: str, right: str
+) -> None:
     project = tmp_path / "p"
     write(project / ".fusion" / "settings.yaml", yaml)
     with pytest.raises(SettingsError) as info:
@@ -43,16 +56,18 @@ def test_python_spelling_is_refused_with_the_right_one(tmp_path: Path, env: dict
 
 def test_camel_case_is_read_and_its_source_named(tmp_path: Path, env: dict[str, str]) -> None:
     project = tmp_path / "p"
-    path = write(project / ".fusion" / "settings.yaml",
-                 "sandbox:\n  policy:\n    allowNetwork: false\n")
+    path = write(
+        project / ".fusion" / "settings.yaml", "sandbox:\n  policy:\n    allowNetwork: false\n"
+    )
     eff = load_settings(project_dir=project, env=env)
     assert eff.settings.policy.allow_network is False
     assert eff.provenance["policy.allowNetwork"] == str(path)
     assert eff.warnings == []
 
 
-def test_ignored_files_and_top_level_keys_are_warned_about(tmp_path: Path,
-                                                           env: dict[str, str]) -> None:
+def test_ignored_files_and_top_level_keys_are_warned_about(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
     project = tmp_path / "p"
     write(project / ".fusion" / "settings.yml", "sandbox:\n  backend: bubblewrap\n")
     path = write(project / ".fusion" / "settings.yaml", "backend: bubblewrap\nother: 1\n")
@@ -60,5 +75,6 @@ def test_ignored_files_and_top_level_keys_are_warned_about(tmp_path: Path,
     assert eff.settings.backend == "native"
     assert len(eff.warnings) == 2
     assert "settings.yml is ignored" in eff.warnings[0]
-    assert eff.warnings[1] == (f"{path}: backend at the top level is ignored; indent it under "
-                               "`sandbox:`")
+    assert eff.warnings[1] == (
+        f"{path}: backend at the top level is ignored; indent it under `sandbox:`"
+    )

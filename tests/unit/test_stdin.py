@@ -42,8 +42,9 @@ async def test_the_command_reads_each_chunk_as_it_comes() -> None:
         seen.append(chunk)
         first.set()
 
-    run = asyncio.ensure_future(run_process(["cat"], stdin=stream, on_output=on_output,
-                                            timeout_s=30))
+    run = asyncio.ensure_future(
+        run_process(["cat"], stdin=stream, on_output=on_output, timeout_s=30)
+    )
     await stream.put(b"one\n")
     await asyncio.wait_for(first.wait(), 20)
     assert b"".join(seen) == b"one\n"

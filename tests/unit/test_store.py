@@ -102,6 +102,7 @@ def test_where_links_are_not_shared_the_reason_is_given(tmp_path: Path) -> None:
     assert "unprivileged" in link_support(host_uid=1000, isolating=True, **kw).reason
     linker, why = task_linker(blobs=None, host_uid=0, isolating=True, worktree=wt)
     assert linker is None and "cacheMode off" in why.reason
-    linker, why = task_linker(blobs=str(tmp_path / "blobs"), host_uid=0, isolating=True,
-                              worktree=wt)
+    linker, why = task_linker(
+        blobs=str(tmp_path / "blobs"), host_uid=0, isolating=True, worktree=wt
+    )
     assert linker is not None and why.ok

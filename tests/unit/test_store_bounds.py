@@ -148,8 +148,9 @@ def test_gc_prunes_the_stores_of_its_cache_root(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------- bounds
 
 
-def test_a_pass_stops_at_its_entry_bound_and_says_so(tmp_path: Path,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_pass_stops_at_its_entry_bound_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     wt, root = tmp_path / "wt", tmp_path / "blobs"
     install(wt, {f"f{i:03}.js": f"{i}".encode() for i in range(100)})
     monkeypatch.setattr(store, "MAX_PASS_ENTRIES", 50)
@@ -165,8 +166,7 @@ def test_a_pass_stops_at_its_entry_bound_and_says_so(tmp_path: Path,
     assert linker.after_command().audit() is None  # no install since: no second walk
 
 
-def test_a_pass_stops_at_its_byte_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-                                        ) -> None:
+def test_a_pass_stops_at_its_byte_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     wt, root = tmp_path / "wt", tmp_path / "blobs"
     install(wt, {f"f{i}.js": bytes([i]) * 1000 for i in range(10)})
     monkeypatch.setattr(store, "MAX_PASS_BYTES", 3500)

@@ -73,8 +73,12 @@ def test_protected_paths_resolve_to_existing_paths_inside_writable_ones(tmp_path
     outside.write_text("x")
     patterns = [*DEFAULT_PROTECTED_PATHS, str(outside), "docs/*.md"]
     protected, missing = resolve_protected(str(wt), patterns, [str(wt)])
-    assert set(protected) == {f"{wt}/.git/hooks", f"{wt}/.git/config", f"{wt}/.envrc",
-                              f"{wt}/.vscode"}
+    assert set(protected) == {
+        f"{wt}/.git/hooks",
+        f"{wt}/.git/config",
+        f"{wt}/.envrc",
+        f"{wt}/.vscode",
+    }
     # Outside anything writable: not bound (binding would make it visible).
     assert str(outside) not in protected
     joined = " | ".join(missing)
@@ -91,7 +95,8 @@ def test_dot_git_paths_of_a_linked_worktree_are_not_listed_as_missing(tmp_path: 
 
 
 def test_protected_paths_come_after_the_worktree_and_writable_paths_inside_them_stay_writable(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     wt = str(tmp_path / "wt")
     db = f"{wt}/.fusion/fusion.db"
     policy = SandboxPolicy(writable_paths=[db])
@@ -112,8 +117,9 @@ def test_a_created_fusion_folder_is_excluded_not_committed(tmp_path: Path) -> No
     assert "/.fusion/" in (repo / ".git/info/exclude").read_text().splitlines()
     ensure_project_dir(repo)  # once only
     assert (repo / ".git/info/exclude").read_text().count("/.fusion/") == 1
-    status = subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True,
-                            text=True, check=True).stdout
+    status = subprocess.run(
+        ["git", "status", "--porcelain"], cwd=repo, capture_output=True, text=True, check=True
+    ).stdout
     assert status == ""
 
 
@@ -123,18 +129,35 @@ def test_a_created_fusion_folder_is_excluded_not_committed(tmp_path: Path) -> No
 def test_bwrap_masks_and_readonly_binds_follow_the_host() -> None:
     from fusion_oci.oci.model import TaskSpec
 
-    spec = TaskSpec.model_validate({
-        "ociVersion": "1.0.2", "root": {"path": "rootfs"},
-        "mounts": [{"destination": "/proc", "type": "proc", "source": "proc"}],
-        "linux": {"maskedPaths": ["/proc/kcore", "/proc/acpi", "/proc/absent",
-                                  "/sys/firmware"],
-                  "readonlyPaths": ["/proc/sys"]}})
-    host = BwrapHost(path_kinds=(("/proc/kcore", "file"), ("/proc/acpi", "dir"),
-                                 ("/proc/sys", "dir")))
+    spec = TaskSpec.model_validate(
+        {
+            "ociVersion": "1.0.2",
+            "root": {"path": "rootfs"},
+            "mounts": [{"destination": "/proc", "type": "proc", "source": "proc"}],
+            "linux": {
+                "maskedPaths": ["/proc/kcore", "/proc/acpi", "/proc/absent", "/sys/firmware"],
+                "readonlyPaths": ["/proc/sys"],
+            },
+        }
+    )
+    host = BwrapHost(
+        path_kinds=(("/proc/kcore", "file"), ("/proc/acpi", "dir"), ("/proc/sys", "dir"))
+    )
     args, notes = proc_protection_args(spec, host)
-    assert args == ["--ro-bind", "/dev/null", "/proc/kcore",
-                    "--perms", "0555", "--tmpfs", "/proc/acpi", "--remount-ro", "/proc/acpi",
-                    "--ro-bind", "/proc/sys", "/proc/sys"]
+    assert args == [
+        "--ro-bind",
+        "/dev/null",
+        "/proc/kcore",
+        "--perms",
+        "0555",
+        "--tmpfs",
+        "/proc/acpi",
+        "--remount-ro",
+        "/proc/acpi",
+        "--ro-bind",
+        "/proc/sys",
+        "/proc/sys",
+    ]
     assert any("/proc/absent: absent" in n for n in notes)
     assert any("/sys/firmware: hidden" in n for n in notes)
 
@@ -156,8 +179,11 @@ def _log(tmp_path: Path, n: int, key: bytes = b"k" * 32) -> tuple[Path, list[str
     path = tmp_path / "audit.jsonl"
     log = AuditLog(path, key=key)
     for i in range(n):
-        log.emit(AuditEvent(type="sandbox:run", task_id="t", run_id=f"r{i}", backend="native",
-                            exit_code=i))
+        log.emit(
+            AuditEvent(
+                type="sandbox:run", task_id="t", run_id=f"r{i}", backend="native", exit_code=i
+            )
+        )
     return path, path.read_text().splitlines()
 
 
@@ -167,8 +193,10 @@ def test_chain_links_every_line_to_the_one_before(tmp_path: Path) -> None:
     assert verify_chain(path, b"k" * 32).ok and verify_chain(path).ok
 
 
-@pytest.mark.parametrize("tamper,bad_line", [("edit", 2), ("remove", 2), ("forge", 4),
-                                             ("garbage", 3), ("strip-chain", 2)])
+@pytest.mark.parametrize(
+    "tamper,bad_line",
+    [("edit", 2), ("remove", 2), ("forge", 4), ("garbage", 3), ("strip-chain", 2)],
+)
 def test_chain_names_the_first_bad_line(tmp_path: Path, tamper: str, bad_line: int) -> None:
     path, lines = _log(tmp_path, 3)
     if tamper == "edit":
@@ -190,11 +218,11 @@ def test_chain_names_the_first_bad_line(tmp_path: Path, tamper: str, bad_line: i
 
 def test_lines_from_before_the_chain_are_accepted_only_at_the_start(tmp_path: Path) -> None:
     path = tmp_path / "audit.jsonl"
-    legacy = json.dumps({"type": "sandbox:run", "taskId": "old", "runId": "r",
-                         "backend": "native"})
+    legacy = json.dumps({"type": "sandbox:run", "taskId": "old", "runId": "r", "backend": "native"})
     path.write_text(legacy + "\n")
-    AuditLog(path, key=b"k").emit(AuditEvent(type="sandbox:run", task_id="t", run_id="r",
-                                             backend="native"))
+    AuditLog(path, key=b"k").emit(
+        AuditEvent(type="sandbox:run", task_id="t", run_id="r", backend="native")
+    )
     assert verify_chain(path, b"k").ok
     path.write_text(path.read_text() + legacy + "\n")
     assert verify_chain(path, b"k").first_bad_line == 3
@@ -204,17 +232,34 @@ def test_lines_from_before_the_chain_are_accepted_only_at_the_start(tmp_path: Pa
 
 
 def test_every_error_has_a_kind_and_a_json_form() -> None:
-    errors = [SettingsError("s"), FlagError("f"), SandboxSetupError("x"),
-              RuntimeUnavailableError("podman", "gone"),
-              PolicyNotEnforceableError("oci", ["memoryLimitMb"]), GateDeniedError("g"),
-              EngineError("e")]
+    errors = [
+        SettingsError("s"),
+        FlagError("f"),
+        SandboxSetupError("x"),
+        RuntimeUnavailableError("podman", "gone"),
+        PolicyNotEnforceableError("oci", ["memoryLimitMb"]),
+        GateDeniedError("g"),
+        EngineError("e"),
+    ]
     kinds = [e.kind for e in errors]
-    assert kinds == ["bad-settings", "bad-flags", "setup-failed", "backend-unavailable",
-                     "policy-unenforceable", "gate-denied", "engine-error"]
+    assert kinds == [
+        "bad-settings",
+        "bad-flags",
+        "setup-failed",
+        "backend-unavailable",
+        "policy-unenforceable",
+        "gate-denied",
+        "engine-error",
+    ]
     assert set(kinds) <= set(ERROR_KINDS)
     body = errors[4].to_json()["error"]
-    assert body == {"kind": "policy-unenforceable", "what": errors[4].what, "why": errors[4].why,
-                    "hint": errors[4].hint, "unenforced": ["memoryLimitMb"]}
+    assert body == {
+        "kind": "policy-unenforceable",
+        "what": errors[4].what,
+        "why": errors[4].why,
+        "hint": errors[4].hint,
+        "unenforced": ["memoryLimitMb"],
+    }
     assert [e.exit_code for e in errors] == [2, 2, 125, 125, 125, 125, 125]
 
 
@@ -229,7 +274,8 @@ def test_scratch_gc_removes_only_folders_of_dead_owners(tmp_path: Path) -> None:
     for folder in (mine, gone, foreign):
         folder.mkdir()
     (mine / OWNER_FILE).write_text(owner_stamp())
-    (gone / OWNER_FILE).write_text(owner_stamp(os.getpid()).replace(
-        str(os.getpid()), str(dead.pid), 1))
+    (gone / OWNER_FILE).write_text(
+        owner_stamp(os.getpid()).replace(str(os.getpid()), str(dead.pid), 1)
+    )
     assert gc_scratch(tmp_path) == [str(gone)]
     assert mine.exists() and foreign.exists() and not gone.exists()

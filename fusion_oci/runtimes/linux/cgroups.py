@@ -110,8 +110,9 @@ def v2_writes(limits: CgroupLimits) -> list[tuple[str, str]]:
         out.append(("memory.max", str(limits.memory_bytes)))
         if limits.memory_swap_bytes is not None:
             # v2 counts swap separately from memory.
-            out.append(("memory.swap.max",
-                        str(max(0, limits.memory_swap_bytes - limits.memory_bytes))))
+            out.append(
+                ("memory.swap.max", str(max(0, limits.memory_swap_bytes - limits.memory_bytes)))
+            )
     if limits.pids:
         out.append(("pids.max", str(limits.pids)))
     if limits.cpu_quota_us:
@@ -125,8 +126,7 @@ def systemd_properties(limits: CgroupLimits) -> list[str]:
     if limits.memory_bytes:
         out.append(f"MemoryMax={limits.memory_bytes}")
         if limits.memory_swap_bytes is not None:
-            out.append(
-                f"MemorySwapMax={max(0, limits.memory_swap_bytes - limits.memory_bytes)}")
+            out.append(f"MemorySwapMax={max(0, limits.memory_swap_bytes - limits.memory_bytes)}")
     if limits.pids:
         out.append(f"TasksMax={limits.pids}")
     if limits.cpu_quota_us:
@@ -195,8 +195,24 @@ def parse_mountinfo(text: str) -> list[tuple[str, str, frozenset[str]]]:
     return out
 
 
-_KNOWN_V1 = frozenset({"memory", "pids", "cpu", "cpuacct", "cpuset", "blkio", "devices",
-                       "freezer", "net_cls", "net_prio", "perf_event", "hugetlb", "rdma", "misc"})
+_KNOWN_V1 = frozenset(
+    {
+        "memory",
+        "pids",
+        "cpu",
+        "cpuacct",
+        "cpuset",
+        "blkio",
+        "devices",
+        "freezer",
+        "net_cls",
+        "net_prio",
+        "perf_event",
+        "hugetlb",
+        "rdma",
+        "misc",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -207,8 +223,9 @@ class Hierarchy:
     controllers: frozenset[str]
 
 
-def hierarchy_of(mounts: Iterable[tuple[str, str, frozenset[str]]],
-                 v2_controllers: str = "") -> Hierarchy:
+def hierarchy_of(
+    mounts: Iterable[tuple[str, str, frozenset[str]]], v2_controllers: str = ""
+) -> Hierarchy:
     """:func:`parse_mountinfo` output (+ the root ``cgroup.controllers`` text) → Hierarchy.
     Pure."""
     v1: set[str] = set()
@@ -227,8 +244,10 @@ def hierarchy_of(mounts: Iterable[tuple[str, str, frozenset[str]]],
 
 def probe_hierarchy() -> Hierarchy:
     """This host's :class:`Hierarchy` (mountinfo and the root cgroup.controllers)."""
-    return hierarchy_of(parse_mountinfo(_read("/proc/self/mountinfo") or ""),
-                        _read("/sys/fs/cgroup/cgroup.controllers") or "")
+    return hierarchy_of(
+        parse_mountinfo(_read("/proc/self/mountinfo") or ""),
+        _read("/sys/fs/cgroup/cgroup.controllers") or "",
+    )
 
 
 def parse_proc_cgroup(text: str) -> dict[str, str]:
@@ -270,8 +289,7 @@ def plan_support(
             offered |= set((read(_join(parent, "cgroup.controllers")) or "").split())
         usable = frozenset(offered & set(V1_CONTROLLERS))
         if usable and writable(parent):
-            return CgroupSupport("v2", usable, {"unified": parent},
-                                 f"leaves under {parent}")
+            return CgroupSupport("v2", usable, {"unified": parent}, f"leaves under {parent}")
     parents: dict[str, str] = {}
     for name in V1_CONTROLLERS:
         mount = next((m for m, t, opts in mounts if t == "cgroup" and name in opts), None)
@@ -281,15 +299,28 @@ def plan_support(
         if writable(parent):
             parents[name] = parent
     if parents:
-        return CgroupSupport("v1", frozenset(parents), parents,
-                             "leaves inside our own cgroup of each hierarchy")
+        return CgroupSupport(
+            "v1", frozenset(parents), parents, "leaves inside our own cgroup of each hierarchy"
+        )
     if systemd_run and uid != 0 and user_manager and unified is not None:
-        delegated = read(_join(unified, f"user.slice/user-{uid}.slice/user@{uid}.service/"
-                                         "cgroup.subtree_control")) or ""
+        delegated = (
+            read(
+                _join(
+                    unified,
+                    f"user.slice/user-{uid}.slice/user@{uid}.service/cgroup.subtree_control",
+                )
+            )
+            or ""
+        )
         delegated_ctl = frozenset(set(delegated.split()) & set(V1_CONTROLLERS))
         if delegated_ctl:
-            return CgroupSupport("systemd-run", delegated_ctl, {}, "scope via the user's systemd",
-                                 systemd_run=systemd_run)
+            return CgroupSupport(
+                "systemd-run",
+                delegated_ctl,
+                {},
+                "scope via the user's systemd",
+                systemd_run=systemd_run,
+            )
     why = "no writable cgroup v2 subtree with controllers, no writable v1 hierarchy"
     if uid != 0:
         why += ", no systemd user manager with delegated controllers"
@@ -335,8 +366,9 @@ class Cgroup:
         self.dirs = dict(dirs)
 
     @classmethod
-    def create(cls, support: CgroupSupport, limits: CgroupLimits, *, name: str | None = None
-               ) -> Cgroup:
+    def create(
+        cls, support: CgroupSupport, limits: CgroupLimits, *, name: str | None = None
+    ) -> Cgroup:
         """Make the leaf and write the limits; on any failure nothing is left behind.
 
         ``name``: the leaf's name (from :func:`leaf_name`), when the caller must know it in
@@ -366,14 +398,18 @@ class Cgroup:
                     if (dirs["unified"] / fname).exists():
                         (dirs["unified"] / fname).write_text(value)
             else:
-                has_memsw = "memory" in dirs and (dirs["memory"] / "memory.memsw.limit_in_bytes"
-                                                  ).exists()
+                has_memsw = (
+                    "memory" in dirs and (dirs["memory"] / "memory.memsw.limit_in_bytes").exists()
+                )
                 for ctl, fname, value in v1_writes(limits, has_memsw=has_memsw):
                     (dirs[ctl] / fname).write_text(value)
         except OSError as exc:
             group.remove()
-            raise SandboxSetupError("cannot set up the command's cgroup", str(exc),
-                                    "check that the cgroup controllers are writable") from exc
+            raise SandboxSetupError(
+                "cannot set up the command's cgroup",
+                str(exc),
+                "check that the cgroup controllers are writable",
+            ) from exc
         return group
 
     def add(self, pid: int) -> None:
@@ -382,8 +418,11 @@ class Cgroup:
             for d in self.dirs.values():
                 (d / "cgroup.procs").write_text(str(pid))
         except OSError as exc:
-            raise SandboxSetupError(f"cannot move pid {pid} into its cgroup", str(exc),
-                                    "check that the cgroup controllers are writable") from exc
+            raise SandboxSetupError(
+                f"cannot move pid {pid} into its cgroup",
+                str(exc),
+                "check that the cgroup controllers are writable",
+            ) from exc
 
     def events(self) -> CgroupEvents:
         return read_events(self.dirs)
@@ -426,6 +465,7 @@ class Cgroup:
 def read_events(dirs: Mapping[str, str | Path]) -> CgroupEvents:
     """What a cgroup counted, from its directories: v1 ``memory``/``pids`` entries first, then
     the v2 one (``unified``, or ``""`` as runc's state.json names it). Unreadable counts 0."""
+
     def counter(candidates: tuple[tuple[str, str], ...], key: str) -> int:
         for ctl, fname in candidates:
             base = dirs.get(ctl)
@@ -437,10 +477,13 @@ def read_events(dirs: Mapping[str, str | Path]) -> CgroupEvents:
         return 0
 
     return CgroupEvents(
-        oom_kills=counter((("memory", "memory.oom_control"), ("unified", "memory.events"),
-                           ("", "memory.events")), "oom_kill"),
-        pids_max=counter((("pids", "pids.events"), ("unified", "pids.events"),
-                          ("", "pids.events")), "max"),
+        oom_kills=counter(
+            (("memory", "memory.oom_control"), ("unified", "memory.events"), ("", "memory.events")),
+            "oom_kill",
+        ),
+        pids_max=counter(
+            (("pids", "pids.events"), ("unified", "pids.events"), ("", "pids.events")), "max"
+        ),
     )
 
 

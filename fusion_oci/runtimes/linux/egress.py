@@ -49,8 +49,17 @@ RESOLV_CONF = f"nameserver {SLIRP_DNS}\n"
 host uses (a 127.0.0.53 stub resolver would be unreachable from inside)."""
 
 
-def slirp_argv(slirp: str, *, netns: str, userns: str, ready_fd: int, exit_fd: int,
-               as_root: bool, mtu: int = SLIRP_MTU, tap: str = TAP) -> list[str]:
+def slirp_argv(
+    slirp: str,
+    *,
+    netns: str,
+    userns: str,
+    ready_fd: int,
+    exit_fd: int,
+    as_root: bool,
+    mtu: int = SLIRP_MTU,
+    tap: str = TAP,
+) -> list[str]:
     """The slirp4netns command line. Pure.
 
     ``--enable-sandbox`` (its own mount namespace, capabilities dropped) only as root: run by
@@ -58,9 +67,17 @@ def slirp_argv(slirp: str, *, netns: str, userns: str, ready_fd: int, exit_fd: i
     """
     hardening = ["--enable-sandbox", "--enable-seccomp"] if as_root else ["--enable-seccomp"]
     return [
-        slirp, "--configure", f"--mtu={mtu}", "--disable-host-loopback", *hardening,
-        f"--ready-fd={ready_fd}", f"--exit-fd={exit_fd}",
-        f"--userns-path={userns}", "--netns-type=path", netns, tap,
+        slirp,
+        "--configure",
+        f"--mtu={mtu}",
+        "--disable-host-loopback",
+        *hardening,
+        f"--ready-fd={ready_fd}",
+        f"--exit-fd={exit_fd}",
+        f"--userns-path={userns}",
+        "--netns-type=path",
+        netns,
+        tap,
     ]
 
 
@@ -85,13 +102,14 @@ class Egress:
     log: Path
 
     @classmethod
-    async def attach(cls, pid: int, *, slirp: str, log: Path, timeout_s: float = 10.0
-                     ) -> Egress:
+    async def attach(cls, pid: int, *, slirp: str, log: Path, timeout_s: float = 10.0) -> Egress:
         deadline = time.monotonic() + timeout_s
         while not loopback_ready(pid):
             if time.monotonic() > deadline or not _alive(pid):
-                raise _error("the sandbox's network namespace never came up",
-                             f"no loopback in /proc/{pid}/net after {timeout_s:.0f}s")
+                raise _error(
+                    "the sandbox's network namespace never came up",
+                    f"no loopback in /proc/{pid}/net after {timeout_s:.0f}s",
+                )
             await asyncio.sleep(0.0005)
         netns = userns = ready_r = ready_w = exit_r = exit_w = None
         try:
@@ -101,12 +119,18 @@ class Egress:
             exit_r, exit_w = os.pipe()
             with log.open("wb") as log_fh:
                 process = await asyncio.create_subprocess_exec(
-                    *slirp_argv(slirp, netns=f"/proc/self/fd/{netns}",
-                                userns=f"/proc/self/fd/{userns}",
-                                ready_fd=ready_w, exit_fd=exit_r,
-                                as_root=os.geteuid() == 0),
-                    stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-                    stderr=log_fh, pass_fds=(netns, userns, ready_w, exit_r),
+                    *slirp_argv(
+                        slirp,
+                        netns=f"/proc/self/fd/{netns}",
+                        userns=f"/proc/self/fd/{userns}",
+                        ready_fd=ready_w,
+                        exit_fd=exit_r,
+                        as_root=os.geteuid() == 0,
+                    ),
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.DEVNULL,
+                    stderr=log_fh,
+                    pass_fds=(netns, userns, ready_w, exit_r),
                     start_new_session=True,
                 )
         except OSError as exc:
@@ -122,8 +146,9 @@ class Egress:
             close_all(ready_r)
         if ready != b"1":
             await egress.stop()
-            raise _error("slirp4netns did not configure the sandbox's network",
-                         _tail(log) or "no output")
+            raise _error(
+                "slirp4netns did not configure the sandbox's network", _tail(log) or "no output"
+            )
         return egress
 
     def kill(self) -> None:
@@ -157,7 +182,8 @@ def _tail(log: Path) -> str:
 
 def _error(what: str, why: str) -> SandboxSetupError:
     return SandboxSetupError(
-        what, why,
+        what,
+        why,
         "check `slirp4netns --version` and that /dev/net/tun is readable and writable; "
         "or use network none/host",
     )
@@ -170,7 +196,9 @@ def proxy_socket(task: ResolvedTask) -> str | None:
     if task.spec.network is not NetworkMode.FILTERED:
         return None
     if task.egress is None:
-        raise SandboxSetupError("network filtered needs the task's egress proxy",
-                                "none was started for this task",
-                                "prepare the task through fusion_oci.Sandbox")
+        raise SandboxSetupError(
+            "network filtered needs the task's egress proxy",
+            "none was started for this task",
+            "prepare the task through fusion_oci.Sandbox",
+        )
     return str(task.egress.unix_socket)

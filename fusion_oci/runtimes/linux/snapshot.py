@@ -87,8 +87,12 @@ def _remove(path: str) -> None:
 def _same_file(path: str, data: bytes, mode: int) -> bool:
     try:
         st = os.lstat(path)
-        return (stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == mode
-                and st.st_size == len(data) and Path(path).read_bytes() == data)
+        return (
+            stat.S_ISREG(st.st_mode)
+            and stat.S_IMODE(st.st_mode) == mode
+            and st.st_size == len(data)
+            and Path(path).read_bytes() == data
+        )
     except OSError:
         return False
 
@@ -115,8 +119,12 @@ def restore(snap: Snapshot) -> list[str]:
             changed.append(path)
         for name in os.listdir(path):
             child = os.path.join(path, name)
-            if child not in snap.files and child not in snap.dirs and \
-                    child not in snap.links and child not in kept:
+            if (
+                child not in snap.files
+                and child not in snap.dirs
+                and child not in snap.links
+                and child not in kept
+            ):
                 _remove(child)
                 changed.append(child)
     for path, target in snap.links.items():
@@ -135,8 +143,13 @@ def restore(snap: Snapshot) -> list[str]:
                 os.close(fd)
             changed.append(path)
     for root in snap.roots:  # a root that was absent must stay absent
-        if root not in snap.files and root not in snap.dirs and root not in snap.links \
-                and root not in kept and (os.path.lexists(root)):
+        if (
+            root not in snap.files
+            and root not in snap.dirs
+            and root not in snap.links
+            and root not in kept
+            and (os.path.lexists(root))
+        ):
             _remove(root)
             changed.append(root)
     return changed

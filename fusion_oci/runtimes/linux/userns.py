@@ -55,8 +55,7 @@ def diagnose_sysctls(sysctls: dict[str, int], *, uid: int) -> Problem | None:
         return None
     if sysctls.get("kernel.unprivileged_userns_clone") == 0:
         return Problem(
-            "unprivileged user namespaces are disabled "
-            "(sysctl kernel.unprivileged_userns_clone=0)",
+            "unprivileged user namespaces are disabled (sysctl kernel.unprivileged_userns_clone=0)",
             "sysctl -w kernel.unprivileged_userns_clone=1 (persist it in /etc/sysctl.d/)",
         )
     if sysctls.get("kernel.apparmor_restrict_unprivileged_userns") == 1:
@@ -91,8 +90,10 @@ def classify_probe_failure(stderr: str, sysctls: dict[str, int], *, uid: int) ->
             "(docker/podman: --security-opt seccomp=unconfined, or --privileged), or choose "
             "the podman/docker backend on the host instead",
         )
-    return Problem(f"bwrap cannot create its namespaces ({text})",
-                   "run `bwrap --unshare-all --ro-bind / / true` to see the full error")
+    return Problem(
+        f"bwrap cannot create its namespaces ({text})",
+        "run `bwrap --unshare-all --ro-bind / / true` to see the full error",
+    )
 
 
 @dataclass(frozen=True)
@@ -101,18 +102,32 @@ class ProbeResult:
     problem: Problem | None = None
 
 
-def probe_bwrap(bwrap: str, *, uid: int, disable_userns: bool, timeout_s: float = 10.0,
-                proc_sys: Path = PROC_SYS) -> ProbeResult:
+def probe_bwrap(
+    bwrap: str,
+    *,
+    uid: int,
+    disable_userns: bool,
+    timeout_s: float = 10.0,
+    proc_sys: Path = PROC_SYS,
+) -> ProbeResult:
     """Run the smallest sandbox with every namespace the runtime uses; explain a failure."""
-    argv = [bwrap, "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session",
-            "--cap-drop", "ALL"]
+    argv = [
+        bwrap,
+        "--unshare-all",
+        "--unshare-user",
+        "--die-with-parent",
+        "--new-session",
+        "--cap-drop",
+        "ALL",
+    ]
     if disable_userns:
         argv.append("--disable-userns")
     argv += ["--ro-bind", "/", "/", "--proc", "/proc", "--", "true"]
     done = probe(argv, timeout_s=timeout_s, env={"PATH": "/usr/bin:/bin"})
     if done.returncode is None:
-        return ProbeResult(False, Problem(f"bwrap could not be run ({done.error})",
-                                          "check the bwrap installation"))
+        return ProbeResult(
+            False, Problem(f"bwrap could not be run ({done.error})", "check the bwrap installation")
+        )
     if done.ok:
         return ProbeResult(True)
     stderr = done.text("stderr")

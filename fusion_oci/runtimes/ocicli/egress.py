@@ -43,8 +43,9 @@ class EgressLink:
         state = await read_json(self._fds[0])
         try:
             if not state or not isinstance(state.get("pid"), int):
-                raise SandboxSetupError("the egress hook sent no container pid",
-                                        f"state: {state!r}")
+                raise SandboxSetupError(
+                    "the egress hook sent no container pid", f"state: {state!r}"
+                )
             link = await Egress.attach(state["pid"], slirp=slirp, log=self.log)
         except SandboxSetupError as exc:
             self.error = exc

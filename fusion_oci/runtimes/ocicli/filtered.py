@@ -54,14 +54,17 @@ def with_egress_forwarder(spec: Spec, socket: str, agent: str) -> Spec:
     """
     args = spec["process"]["args"]
     if not args or args[0] not in (AGENT_INIT_IN_SANDBOX, EXEC_STATUS_IN_SANDBOX):
-        raise BundleError("network filtered needs the exec agent as the container's process",
-                          "the forwarder is the agent's (--egress); the bundle has no agent",
-                          "apply with_agent_init (or with_exec_status) before "
-                          "with_egress_forwarder")
+        raise BundleError(
+            "network filtered needs the exec agent as the container's process",
+            "the forwarder is the agent's (--egress); the bundle has no agent",
+            "apply with_agent_init (or with_exec_status) before with_egress_forwarder",
+        )
     out = copy.deepcopy(spec)
     if not any(m["destination"] in ("/run", EGRESS_DIR) for m in out["mounts"]):
         out["mounts"].append(tmpfs("/run", mode="755"))
-    out["mounts"] += [bind(EGRESS_SOCKET, socket, writable=False),
-                      bind(EGRESS_AGENT, agent, writable=False)]
+    out["mounts"] += [
+        bind(EGRESS_SOCKET, socket, writable=False),
+        bind(EGRESS_AGENT, agent, writable=False),
+    ]
     out["process"]["args"] = [args[0], *forward_args(EGRESS_SOCKET), *args[1:]]
     return out

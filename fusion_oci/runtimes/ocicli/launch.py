@@ -83,30 +83,66 @@ def runtime_flags(runtime: str, network: NetworkMode, *, rootless: bool = False)
     return flags
 
 
-def run_argv(runtime: str, root: str, bundle: str, cid: str, pid_file: str, *,
-             flags: list[str] | None = None, detach: bool = True) -> list[str]:
+def run_argv(
+    runtime: str,
+    root: str,
+    bundle: str,
+    cid: str,
+    pid_file: str,
+    *,
+    flags: list[str] | None = None,
+    detach: bool = True,
+) -> list[str]:
     """The one command line that starts the task's container. Pure (golden-tested).
 
     ``detach`` (runc): the CLI exits once its init, the agent, runs, and dispose deletes the
     container. Without (runsc): the CLI stays for the task's life and tears the sandbox down
     itself when the agent exits (in ~50 ms; a ``runsc delete`` of a detached sandbox takes
     over a second)."""
-    return [runtime, "--root", root, *(flags or []), "run", *(["--detach"] if detach else []),
-            "--pid-file", pid_file, "--bundle", bundle, cid]
+    return [
+        runtime,
+        "--root",
+        root,
+        *(flags or []),
+        "run",
+        *(["--detach"] if detach else []),
+        "--pid-file",
+        pid_file,
+        "--bundle",
+        bundle,
+        cid,
+    ]
 
 
 def egress_launch_argv(unshare: str, hook: EgressHook, argv: list[str]) -> list[str]:
     """gVisor's egress launch (:data:`RUNSC_EGRESS_SCRIPT`) around ``argv``. Pure."""
-    return [unshare, "--net", "--", "/bin/sh", "-c", RUNSC_EGRESS_SCRIPT, "fusion-oci-egress",
-            hook.request, hook.reply, *argv]
+    return [
+        unshare,
+        "--net",
+        "--",
+        "/bin/sh",
+        "-c",
+        RUNSC_EGRESS_SCRIPT,
+        "fusion-oci-egress",
+        hook.request,
+        hook.reply,
+        *argv,
+    ]
 
 
-def bundle_spec(spec: Spec, *, rootless_ids: tuple[int, int] | None = None,
-                rootfs: str | None = None, egress: EgressHook | None = None,
-                init: str | None = None, cgroup_leaf: str | None = None,
-                exec_status: tuple[str, str] | None = None, agent: str | None = None,
-                egress_proxy: tuple[str, str] | None = None,
-                errno_ret: bool = True) -> Spec:
+def bundle_spec(
+    spec: Spec,
+    *,
+    rootless_ids: tuple[int, int] | None = None,
+    rootfs: str | None = None,
+    egress: EgressHook | None = None,
+    init: str | None = None,
+    cgroup_leaf: str | None = None,
+    exec_status: tuple[str, str] | None = None,
+    agent: str | None = None,
+    egress_proxy: tuple[str, str] | None = None,
+    errno_ret: bool = True,
+) -> Spec:
     """The spec as the runtime CLI gets it: the compiled one through the ops this host needs.
     Pure.
 
@@ -240,9 +276,15 @@ class OciPlan(AgentPlan):
 
 def render(backend: str, process: ProcessSpec, launch: TaskLaunch) -> OciPlan:
     """The plan of one command: the task's container and the command's frame. Pure."""
-    return OciPlan(backend=backend, spawn=command_spawn(process),
-                   sandbox=SandboxLaunch(argv=launch.argv, env=launch.env, cwd=launch.cwd),
-                   notes=launch.notes, bundle=launch.bundle, process=process, launch=launch)
+    return OciPlan(
+        backend=backend,
+        spawn=command_spawn(process),
+        sandbox=SandboxLaunch(argv=launch.argv, env=launch.env, cwd=launch.cwd),
+        notes=launch.notes,
+        bundle=launch.bundle,
+        process=process,
+        launch=launch,
+    )
 
 
 def build_task(task: TaskSpec, init: ProcessSpec, host: Host) -> TaskLaunch:
@@ -250,16 +292,20 @@ def build_task(task: TaskSpec, init: ProcessSpec, host: Host) -> TaskLaunch:
     the agent's, :func:`with_agent_init`) + host facts → the launch of the task's container.
     Pure."""
     spec = config_json(task, init)
-    cid = task_dir_name(task.annotations.get(ANN_TASK, "task"),
-                        task.annotations.get(ANN_RUN, "run"), host.nonce)
+    cid = task_dir_name(
+        task.annotations.get(ANN_TASK, "task"), task.annotations.get(ANN_RUN, "run"), host.nonce
+    )
     bundle_dir, pid_file = host.task_dir / "bundle", host.task_dir / "init.pid"
     network = task.network
     gvisor = is_gvisor(host.binary)
     egress = None
     if network is NetworkMode.EGRESS:
-        egress = EgressHook(str(host.task_dir / "egress-request"),
-                            str(host.task_dir / "egress-reply"),
-                            str(host.task_dir / "resolv.conf"), hook=not gvisor)
+        egress = EgressHook(
+            str(host.task_dir / "egress-request"),
+            str(host.task_dir / "egress-reply"),
+            str(host.task_dir / "resolv.conf"),
+            hook=not gvisor,
+        )
     limits = leaf = None
     if gvisor and host.rootless_ids is None:
         # runsc removes the cgroups it creates when the sandbox ends, taking the OOM counter
@@ -268,56 +314,80 @@ def build_task(task: TaskSpec, init: ProcessSpec, host: Host) -> TaskLaunch:
         wanted = replace(CgroupLimits.from_task(task), pids=None)
         if wanted.controllers():  # Cgroup.create refuses (fail closed) what the host lacks
             limits, leaf = wanted, leaf_name(host.nonce, host.cgroup_pid)
-    bundle = bundle_spec(spec, rootless_ids=host.rootless_ids, rootfs=host.rootfs,
-                         egress=egress, cgroup_leaf=leaf, agent=host.agent,
-                         egress_proxy=(host.egress_socket, host.agent)
-                         if network is NetworkMode.FILTERED else None,
-                         errno_ret=not gvisor)
+    bundle = bundle_spec(
+        spec,
+        rootless_ids=host.rootless_ids,
+        rootfs=host.rootfs,
+        egress=egress,
+        cgroup_leaf=leaf,
+        agent=host.agent,
+        egress_proxy=(host.egress_socket, host.agent) if network is NetworkMode.FILTERED else None,
+        errno_ret=not gvisor,
+    )
     flags = runtime_flags(host.binary, network, rootless=host.rootless_ids is not None)
-    argv = run_argv(host.binary, str(host.task_dir / "state"), str(bundle_dir), cid,
-                    str(pid_file), flags=flags, detach=not gvisor)
+    argv = run_argv(
+        host.binary,
+        str(host.task_dir / "state"),
+        str(bundle_dir),
+        cid,
+        str(pid_file),
+        flags=flags,
+        detach=not gvisor,
+    )
     if egress is not None and gvisor:
         argv = egress_launch_argv(host.unshare, egress, argv)
-    return TaskLaunch(argv=argv, env=cli_env(host.env), cwd=str(bundle_dir), bundle=bundle,
-                      bundle_dir=bundle_dir, pid_file=pid_file,
-                      log=host.task_dir / "runtime.log", cid=cid, network=network,
-                      detach=not gvisor, egress=egress, cgroup=limits, cgroup_leaf=leaf,
-                      notes=notes(task, host, network))
+    return TaskLaunch(
+        argv=argv,
+        env=cli_env(host.env),
+        cwd=str(bundle_dir),
+        bundle=bundle,
+        bundle_dir=bundle_dir,
+        pid_file=pid_file,
+        log=host.task_dir / "runtime.log",
+        cid=cid,
+        network=network,
+        detach=not gvisor,
+        egress=egress,
+        cgroup=limits,
+        cgroup_leaf=leaf,
+        notes=notes(task, host, network),
+    )
 
 
 _NETWORK_NOTES = {
     NetworkMode.NONE: "network none: an empty network namespace (loopback only)",
     NetworkMode.HOST: "network host: no network namespace",
     NetworkMode.EGRESS: "network egress: a createRuntime hook holds the container until "
-                        "slirp4netns --disable-host-loopback is attached to its network "
-                        "namespace (once per task); /etc/resolv.conf names slirp's DNS "
-                        "(refused where slirp4netns or /dev/net/tun is unusable: see doctor)",
+    "slirp4netns --disable-host-loopback is attached to its network "
+    "namespace (once per task); /etc/resolv.conf names slirp's DNS "
+    "(refused where slirp4netns or /dev/net/tun is unusable: see doctor)",
     NetworkMode.FILTERED: "network filtered: an empty network namespace (loopback only); the "
-                          "agent's (init's) forwarder on 127.0.0.1:3128 to the task's egress "
-                          "proxy socket bound at /run/fusion-oci/egress.sock",
+    "agent's (init's) forwarder on 127.0.0.1:3128 to the task's egress "
+    "proxy socket bound at /run/fusion-oci/egress.sock",
 }
 _GVISOR_NETWORK_NOTES = {
     NetworkMode.NONE: "network none: gVisor's netstack with loopback only (--network=none)",
-    NetworkMode.HOST: "network host: gVisor passes the host's sockets through "
-                      "(--network=host)",
+    NetworkMode.HOST: "network host: gVisor passes the host's sockets through (--network=host)",
     NetworkMode.EGRESS: "network egress: runsc runs in a fresh network namespace "
-                        "(unshare --net) held until slirp4netns --disable-host-loopback is "
-                        "attached, then --network=host uses that namespace; /etc/resolv.conf "
-                        "names slirp's DNS",
+    "(unshare --net) held until slirp4netns --disable-host-loopback is "
+    "attached, then --network=host uses that namespace; /etc/resolv.conf "
+    "names slirp's DNS",
     NetworkMode.FILTERED: "network filtered: gVisor's netstack with loopback only "
-                          "(--network=none); the agent's (init's) forwarder on 127.0.0.1:3128 "
-                          "inside "
-                          "it, to the task's egress proxy socket bound at "
-                          "/run/fusion-oci/egress.sock (--host-uds=open: the gofer may "
-                          "connect to host unix sockets)",
+    "(--network=none); the agent's (init's) forwarder on 127.0.0.1:3128 "
+    "inside "
+    "it, to the task's egress proxy socket bound at "
+    "/run/fusion-oci/egress.sock (--host-uds=open: the gofer may "
+    "connect to host unix sockets)",
 }
 
 
 def notes(task: TaskSpec, host: Host, network: NetworkMode) -> list[str]:
     """What the plan says in words next to the argv and bundle. Pure."""
     if task.image:
-        rootfs = (f"image {task.image}: root filesystem exported by podman from a created "
-                  "(never started) container, read-only and shared per image digest")
+        rootfs = (
+            f"image {task.image}: root filesystem exported by podman from a created "
+            "(never started) container, read-only and shared per image digest"
+        )
     elif task.host_rootfs:
         rootfs = "empty rootfs/ plus read-only binds of the host's system directories"
     else:
@@ -325,9 +395,12 @@ def notes(task: TaskSpec, host: Host, network: NetworkMode) -> list[str]:
     gvisor = is_gvisor(host.binary)
     resources = task.resources
     limits = [k for k in ops.CGROUP_RESOURCES if getattr(resources, k) is not None]
-    start = ("run in the foreground for the task's life, which removes the sandbox when "
-             "the agent exits at dispose" if gvisor else
-             "run --detach; delete --force at dispose")
+    start = (
+        "run in the foreground for the task's life, which removes the sandbox when "
+        "the agent exits at dispose"
+        if gvisor
+        else "run --detach; delete --force at dispose"
+    )
     out = [
         "one container per task, started at prepare with the exec agent as its init on a "
         "socketpair (its stdin); each command is a spawn frame to it (sdkKwargs); "
@@ -338,16 +411,22 @@ def notes(task: TaskSpec, host: Host, network: NetworkMode) -> list[str]:
         "exit status: the command's own wait status, as the agent reports it",
     ]
     if host.rootless_ids is not None:
-        out.append("rootless: user namespace mapping only the caller's uid/gid; cgroup "
-                   "limits dropped (" + (", ".join(limits) or "none set") + ")")
+        out.append(
+            "rootless: user namespace mapping only the caller's uid/gid; cgroup "
+            "limits dropped (" + (", ".join(limits) or "none set") + ")"
+        )
     elif gvisor and limits:
-        out.append("cgroup limits held by a cgroup of ours that runsc joins (cgroupsPath): "
-                   + ", ".join(k for k in limits if k != "pids")
-                   + ("; pids not enforced under gVisor" if "pids" in limits else ""))
+        out.append(
+            "cgroup limits held by a cgroup of ours that runsc joins (cgroupsPath): "
+            + ", ".join(k for k in limits if k != "pids")
+            + ("; pids not enforced under gVisor" if "pids" in limits else "")
+        )
         if "memory" in limits:
-            out.append("memory: the sandbox's memory is the sentry's (one host process), so an "
-                       "OOM kill ends the whole sandbox: the command reads oom, the task's "
-                       "later commands fail (agent-lost)")
+            out.append(
+                "memory: the sandbox's memory is the sentry's (one host process), so an "
+                "OOM kill ends the whole sandbox: the command reads oom, the task's "
+                "later commands fail (agent-lost)"
+            )
     elif limits:
         out.append("cgroup limits applied by the runtime: " + ", ".join(limits))
     return out

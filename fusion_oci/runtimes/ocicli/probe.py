@@ -12,35 +12,37 @@ from fusion_oci.runtimes.ocicli.launch import is_gvisor
 from fusion_oci.runtimes.protocol import Availability
 
 
-def refusal(name: str, binary: str | None, layout: Layout, rootless: bool
-            ) -> Availability | None:
+def refusal(name: str, binary: str | None, layout: Layout, rootless: bool) -> Availability | None:
     """Why ``name`` (found at ``binary``) cannot run here, with the fix; None: it can."""
     if not sys.platform.startswith("linux"):
         return Availability(
-            False, f"OCI runtimes such as {name} run Linux containers on a Linux host only",
+            False,
+            f"OCI runtimes such as {name} run Linux containers on a Linux host only",
             "use backend podman or docker (through their VM) on this platform",
         )
     if binary is None:
         return Availability(
-            False, f"'{name}' was not found on PATH",
+            False,
+            f"'{name}' was not found on PATH",
             f"install it (Debian/Ubuntu: apt-get install {Path(name).name}), or set "
             "sandbox.ociRuntime to an installed OCI runtime (runc, crun, runsc, youki)",
         )
     if Path(binary).name == "crun" and layout == "hybrid":
         return Availability(
-            False, "crun refuses cgroup v1/hybrid hosts ('cgroups in hybrid mode not "
+            False,
+            "crun refuses cgroup v1/hybrid hosts ('cgroups in hybrid mode not "
             "supported'), and this host is hybrid",
             "set sandbox.ociRuntime: runc, or boot the host with the unified cgroup v2 "
             "hierarchy (systemd.unified_cgroup_hierarchy=1)",
         )
     if is_gvisor(binary) and rootless:
         return Availability(
-            False, "runsc (gVisor) cannot start a sandbox for an unprivileged caller here: "
+            False,
+            "runsc (gVisor) cannot start a sandbox for an unprivileged caller here: "
             "with a user namespace its gofer fails ('fork/exec /proc/self/exe: operation "
             "not permitted'), without one the sandbox never starts (seen with runsc "
             "release 20221219)",
-            "run fusion-oci as root for runsc, or choose bubblewrap, landlock or rootless "
-            "podman",
+            "run fusion-oci as root for runsc, or choose bubblewrap, landlock or rootless podman",
             rootless=True,
         )
     if rootless:
@@ -50,8 +52,8 @@ def refusal(name: str, binary: str | None, layout: Layout, rootless: bool
             userns = ""
         if userns == "0":
             return Availability(
-                False, "rootless OCI runtimes need user namespaces, and "
-                "user.max_user_namespaces is 0",
+                False,
+                "rootless OCI runtimes need user namespaces, and user.max_user_namespaces is 0",
                 "sysctl -w user.max_user_namespaces=15000, or run as root",
             )
     return None
@@ -67,10 +69,14 @@ def egress_status(runtime: str, rootless: bool, path: str | None) -> tuple[bool,
 
     slirp = shutil.which("slirp4netns", path=path)
     if is_gvisor(runtime) and rootless:
-        return (False, "rootless runsc: its network namespace cannot be prepared without "
-                "privilege (unshare --net needs root)")
-    if is_gvisor(runtime) and not (shutil.which("unshare", path=path)
-                                   and shutil.which("ip", path=path)):
+        return (
+            False,
+            "rootless runsc: its network namespace cannot be prepared without "
+            "privilege (unshare --net needs root)",
+        )
+    if is_gvisor(runtime) and not (
+        shutil.which("unshare", path=path) and shutil.which("ip", path=path)
+    ):
         return (False, "unshare (util-linux) or ip (iproute2) is missing")
     if slirp is None:
         return (False, "slirp4netns is not installed (apt-get install slirp4netns)")

@@ -134,8 +134,9 @@ def tail(text: str, lines: int = 8) -> str:
 
 
 async def cli(binary: str, root: Path, *args: str, env: Mapping[str, str]) -> ProcessOutcome:
-    return await run_process([binary, "--root", str(root), *args], env=cli_env(env),
-                             timeout_s=CONTROL_TIMEOUT_S)
+    return await run_process(
+        [binary, "--root", str(root), *args], env=cli_env(env), timeout_s=CONTROL_TIMEOUT_S
+    )
 
 
 async def wait_exit(pid: int, timeout_s: float) -> bool:
@@ -168,8 +169,7 @@ def read_pid(path: Path) -> int | None:
     return int(text) if text.isdigit() else None
 
 
-async def list_containers(binary: str, root: Path, env: Mapping[str, str]
-                          ) -> list[dict[str, Any]]:
+async def list_containers(binary: str, root: Path, env: Mapping[str, str]) -> list[dict[str, Any]]:
     """``RUNTIME --root ROOT list --format json`` (``null`` when empty or absent)."""
     outcome = await cli(binary, root, "list", "--format", "json", env=env)
     if outcome.returncode != 0:
