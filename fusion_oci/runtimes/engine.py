@@ -289,7 +289,15 @@ class ContainerRuntime(EngineProbe):
     async def _collect_own_garbage(self, task_id: str) -> None:
         adapter = self._adapter
         assert adapter is not None
-        await self._call("gc", lambda: collect(adapter, task_id=task_id))
+        try:
+            await self._call("gc", lambda: collect(adapter, task_id=task_id))
+        except RuntimeUnavailableError:
+            raise
+        except SandboxSetupError:
+            # Someone else's broken object (podman cannot list at all while one container's
+            # network namespace is gone) must not block this task: gc is tidying, not a
+            # precondition (as for the oci runtime's state gc); `fusion-oci gc` says why.
+            pass
 
     async def _start_container(self) -> str:
         """Create and start a task container whose init is the exec agent, and take the
