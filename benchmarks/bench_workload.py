@@ -23,7 +23,7 @@ what the Node.js line alone changes is measured in the same rounds. Beside each 
 runsc) the raw tool runs the same tests, type check and build in the same worktree, between or
 before our steps (alternating by round): ``ENGINE run -d`` of the same image and one
 ``ENGINE exec`` per step; for runsc, one ``runsc do`` per step on the host's root writing
-through to the worktree (ours, too, starts a container per command).
+through to the worktree (a sandbox per step, where ours keeps one per task).
 
 Also, once per runtime: the disk a second task on the same lockfile adds (a second worktree
 installing from the same store: ``du`` of store and both ``node_modules``, hard links counted
@@ -877,8 +877,8 @@ def main() -> None:
         + "Beside each engine and runsc the raw tool runs the same tests, type check and build "
         "in the same worktree and image, alternating with ours round by round: "
         "`ENGINE run -d` + one `ENGINE exec` per step, and for gVisor `runsc do` on the "
-        "host's root writing through to the worktree, one sandbox per step as ours (the oci "
-        "runtime starts a container per command). "
+        "host's root writing through to the worktree, a sandbox per step (ours keeps one per "
+        "task). "
         "Targets (issue #23): every step within 1.05x of the host, the warm-store install "
         "within 1.3x, a second task on the same lockfile adding under 10% of its "
         "`node_modules`.",
