@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
@@ -132,6 +132,8 @@ def plan(
         flags = _flags(params)
         environ = caller_env()
         task = resolve_task(flags, environ)
+        from fusion_oci.cli.dryrun import dry_run
+
         data = dry_run(task, _command(command), environ)
     except FusionOCIError as exc:
         _fail(exc, as_json)
@@ -163,47 +165,6 @@ def plan(
     console.print(Syntax(json.dumps(data["config"], indent=2), "json"))
     console.rule(f"launch plan: {data['backend']}")
     console.print(Syntax(json.dumps(data["launch"], indent=2), "json"))
-
-
-def dry_run(task: Any, command: str | list[str], environ: dict[str, str]) -> dict[str, Any]:
-    """Compile everything a run would, create nothing, start nothing: the same resolve step
-    and compiler as a run (fusion_oci.resolve), with ``create=False``."""
-    from fusion_oci.cachedir import default_cache_root
-    from fusion_oci.oci.host import probe_host
-    from fusion_oci.oci.model import config_json
-    from fusion_oci.resolve import resolve
-    from fusion_oci.runtimes.registry import create_runtime
-
-    settings = task.effective.settings
-    host = probe_host()
-    runtime = create_runtime(settings.backend, settings, environ, host=host)
-    resolved = resolve(
-        settings,
-        task.ctx,
-        host,
-        env=environ,
-        cache_root=default_cache_root(environ),
-        default_image=runtime.default_image,
-        create=False,
-    )
-    process = resolved.process(command, task.opts)
-    avail = runtime.availability()
-    missing = runtime.check(resolved)  # what the lifecycle refuses (or lists, for native)
-    if runtime.isolates:
-        missing += resolved.unprotected()
-    runtime.adopt(resolved)
-    launch = runtime.plan(process).to_json()
-    runtime.close()  # a probed engine client is dropped now, not whenever it is collected
-    return {
-        "backend": runtime.id,
-        "available": avail.available,
-        "availability": avail.reason or None,
-        "policy": task.ctx.policy.model_dump(mode="json", by_alias=True),
-        "policyHash": task.ctx.policy.digest(),
-        "unenforced": missing,
-        "config": config_json(resolved.spec, process),
-        "launch": launch,
-    }
 
 
 # --- doctor, settings -----------------------------------------------------------------------

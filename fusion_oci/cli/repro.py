@@ -217,7 +217,7 @@ def source_from_settings(
     project_dir: Path | None,
 ) -> ExportSource:
     """The environment the current settings give a command (nothing is created or run)."""
-    from fusion_oci.cli.main import dry_run
+    from fusion_oci.cli.dryrun import dry_run
     from fusion_oci.export import default_image, read_spec, safe_name
     from fusion_oci.oci.host import probe_host
     from fusion_oci.oci.model import ANN_HOST_ROOTFS

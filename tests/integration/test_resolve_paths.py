@@ -89,7 +89,7 @@ def test_run_plan_and_bundle_create_give_the_same_spec(
 
 def test_plan_honours_the_contexts_host_ca_bundle(project: tuple[Path, str]) -> None:
     """A library or server context may name its own CA bundle: plan shows what run mounts."""
-    from fusion_oci.cli.main import dry_run
+    from fusion_oci.cli.dryrun import dry_run
 
     worktree, ca = project
     env = environ(worktree)
