@@ -97,6 +97,10 @@ class ResolvedTask:
         object.__setattr__(out, "spec", self.spec)
         return out
 
+    def with_layout(self, layout: TaskLayout) -> ResolvedTask:
+        """The same task on another layout (its spec compiled again: mounts and env follow)."""
+        return replace(self, layout=layout)
+
     def with_image(self, image: str | None) -> ResolvedTask:
         """The same task on another image reference (a provisioned image's local name)."""
         return replace(self, ctx=self.ctx.model_copy(update={"image": image}))

@@ -37,7 +37,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from fusion_oci.audit import AuditEvent, AuditLog
-from fusion_oci.egress.credentials import Broker, make_broker, with_credentials
+from fusion_oci.egress.credentials import Broker, credential_layout, make_broker
 from fusion_oci.egress.task import start_task_proxy, stop_task_proxy
 from fusion_oci.errors import (
     FusionOCIError,
@@ -182,7 +182,14 @@ class Sandbox:
                 )
                 resolved = resolved.with_egress(self.egress)
                 if broker is not None:
-                    resolved = with_credentials(resolved, broker, self.egress.unix_socket.parent)
+                    resolved = resolved.with_layout(
+                        credential_layout(
+                            resolved.layout,
+                            resolved.host.ca_bundle,
+                            broker,
+                            self.egress.unix_socket.parent,
+                        )
+                    )
             self.task = await runtime.prepare(resolved)
         except BaseException:
             self.runtime = None

@@ -25,7 +25,7 @@ from fusion_oci.errors import SandboxSetupError, SettingsError
 from fusion_oci.policy.credentials import CredentialSpec
 
 if TYPE_CHECKING:
-    from fusion_oci.resolve import ResolvedTask
+    from fusion_oci.policy.layout import TaskLayout
 
 SYSTEM_TRUST = "/etc/ssl/certs/ca-certificates.crt"
 """What verifies the real hosts unless a credential names its own ``caFile``."""
@@ -356,20 +356,21 @@ def _leaf_context(host: str, ca_key: object, ca_cert: object) -> ssl.SSLContext:
     return ctx
 
 
-def with_credentials(resolved: ResolvedTask, broker: Broker, folder: Path) -> ResolvedTask:
-    """The task as its sandbox sees the credentials: the per-task CA bundle in place of the
-    host's (written to ``folder``, the host's), the sentinels and git's helper in the env."""
+def credential_layout(
+    layout: TaskLayout, host_ca: str | None, broker: Broker, folder: Path
+) -> TaskLayout:
+    """A task's layout as its sandbox sees the credentials: the per-task CA bundle in place of
+    the host's (``host_ca`` when the layout shares none; written to ``folder``, the host's), the
+    sentinels and git's helper in the env."""
     import dataclasses
 
-    base = resolved.layout.ca_bundle or resolved.host.ca_bundle
-    bundle = write_bundle(broker, base, folder)
+    bundle = write_bundle(broker, layout.ca_bundle or host_ca, folder)
     git = tuple(
         (host, c.spec.username, c.spec.name) for c in broker.credentials for host in c.spec.hosts
     )
-    layout = dataclasses.replace(
-        resolved.layout,
+    return dataclasses.replace(
+        layout,
         ca_bundle=str(bundle),
         sentinels=tuple(broker.sentinels.items()),
         git_credentials=git,
     )
-    return dataclasses.replace(resolved, layout=layout)
