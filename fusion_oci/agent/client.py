@@ -50,7 +50,7 @@ from fusion_oci.process import DRAIN_LIMIT_S, Capture, ProcessOutcome, signal_na
 from fusion_oci.reaper import _descendants as descendants  # one /proc walk
 
 if TYPE_CHECKING:
-    from fusion_oci.models import OutputCallback
+    from fusion_oci.models import OutputCallback, RunOptions
 
 BINARY_NAME = "fusion-oci-agent"
 BUILD_HINT = (
@@ -435,6 +435,27 @@ class Agent:
                 raise self._lost from exc
 
     # --- running -------------------------------------------------------------------------
+
+    async def run_command(
+        self, spawn: Spawn, opts: RunOptions, *, grace_s: float = 2.0
+    ) -> ProcessOutcome:
+        """Run one command's spawn frame with the caller's I/O options (stdin, output
+        callbacks, timeout, maxBuffer): what every runtime on the agent does per command."""
+        return await self.run(
+            spawn.argv,
+            env=spawn.env,
+            cwd=spawn.cwd,
+            rlimits=spawn.rlimits,
+            uid=spawn.uid,
+            gid=spawn.gid,
+            groups=spawn.groups,
+            stdin=opts.stdin,
+            timeout_s=opts.timeout_ms / 1000,
+            max_buffer=opts.max_buffer,
+            grace_s=grace_s,
+            on_output=opts.on_output,
+            keep_output=opts.keep_output,
+        )
 
     async def run(
         self,

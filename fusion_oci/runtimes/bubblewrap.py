@@ -621,17 +621,7 @@ class BubblewrapRuntime(SpecRuntime):
                 "its sandbox is not running",
                 "call prepare(ctx) first",
             )
-        outcome = await box.agent.run(
-            spawn.argv,
-            env=spawn.env,
-            cwd=spawn.cwd,
-            rlimits=spawn.rlimits,
-            stdin=opts.stdin,
-            timeout_s=opts.timeout_ms / 1000,
-            max_buffer=opts.max_buffer,
-            on_output=opts.on_output,
-            keep_output=opts.keep_output,
-        )
+        outcome = await box.agent.run_command(spawn, opts)
         counters = LimitCounters()
         if box.group is not None and (outcome.returncode != 0 or outcome.signal):
             # Did the sandbox's pids or memory limit hold this command? Its counters since

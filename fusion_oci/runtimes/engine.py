@@ -403,17 +403,7 @@ class ContainerRuntime(EngineProbe):
         stdin and the whole-tree kill are the agent client's (Agent.run)."""
         agent = self._agents[cid]
         command = spawn_of(process)
-        outcome = await agent.run(
-            command.argv,
-            env=command.env,
-            cwd=command.cwd,
-            rlimits=command.rlimits,
-            stdin=opts.stdin,
-            timeout_s=opts.timeout_ms / 1000,
-            max_buffer=opts.max_buffer,
-            on_output=opts.on_output,
-            keep_output=opts.keep_output,
-        )
+        outcome = await agent.run_command(command, opts)
         # The agent reports the command's own wait status: a real `exit 130` stays an exit,
         # death by SIGINT a signal (no launcher's 128+N in between to read back).
         counters = LimitCounters()

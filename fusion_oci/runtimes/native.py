@@ -167,17 +167,7 @@ class NativeRuntime(HostProcessRuntime):
             )
         # The environment is the caller's at run time (opts.env), as the status quo has it.
         spawn = spawn_of(process, env=self._env(opts))
-        outcome = await self._agent.run(
-            spawn.argv,
-            env=spawn.env,
-            cwd=spawn.cwd,
-            rlimits=spawn.rlimits,
-            stdin=opts.stdin,
-            timeout_s=opts.timeout_ms / 1000,
-            max_buffer=opts.max_buffer,
-            on_output=opts.on_output,
-            keep_output=opts.keep_output,
-        )
+        outcome = await self._agent.run_command(spawn, opts)
         return self.result(outcome, process)
 
     async def dispose(self) -> None:

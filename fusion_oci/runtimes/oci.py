@@ -564,18 +564,7 @@ class OciRuntime(SpecRuntime):
             )
         start = time.monotonic()
         try:
-            outcome = await box.agent.run(
-                spawn.argv,
-                env=spawn.env,
-                cwd=spawn.cwd,
-                rlimits=spawn.rlimits,
-                stdin=opts.stdin,
-                timeout_s=opts.timeout_ms / 1000,
-                max_buffer=opts.max_buffer,
-                grace_s=GRACE_S,
-                on_output=opts.on_output,
-                keep_output=opts.keep_output,
-            )
+            outcome = await box.agent.run_command(spawn, opts, grace_s=GRACE_S)
         except AgentLostError:
             oom = self._oom_of_the_sandbox(box, start)
             if oom is None:

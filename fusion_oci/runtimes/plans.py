@@ -127,19 +127,16 @@ def spawn_of(
     *,
     env: Mapping[str, str] | None = None,
     run_id: str = PLAN_RUN_ID,
-    as_user: bool = False,
 ) -> Spawn:
     """The agent's spawn frame for ``process``: argv, env (``env`` overrides the process's,
-    as native's status-quo environment does), cwd, rlimits, and with ``as_user`` the uid and
-    gid (an agent that runs as root in its container drops to them). Pure."""
+    as native's status-quo environment does), cwd, rlimits. The user is the sandbox's: every
+    runtime starts its agent as the task's user. Pure."""
     return Spawn(
         id=run_id,
         argv=list(process.args),
         env=dict(env) if env is not None else process.env_map(),
         cwd=process.cwd,
         rlimits=process.limits(),
-        uid=process.user.uid if as_user else None,
-        gid=process.user.gid if as_user else None,
     )
 
 
