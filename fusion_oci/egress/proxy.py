@@ -22,7 +22,7 @@ import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fusion_oci.egress.loop import on_proxy_loop
 from fusion_oci.egress.rules import ALLOW_KEY, DASHBOARD_PORT, Decision, EgressRules
@@ -742,44 +742,21 @@ class EgressProxy:
         reason: str | None,
         details: dict[str, object],
     ) -> None:
-        if self.audit is None:
-            return
-        from fusion_oci.audit import AuditEvent
-
-        event = AuditEvent(
+        self._emit(
+            conn,
             type="sandbox:credential",
-            task_id=self.task_id,
-            run_id=self.run_id or "-",
-            backend=self.backend,
-            policy_hash=self.policy_hash,
-            host=conn.host,
-            port=conn.port,
-            address=conn.address,
             allowed=allowed,
             rule=f"sandbox.credentials {name}",
             reason=reason,
             details={"credential": name, **details},
         )
-        future = asyncio.ensure_future(asyncio.to_thread(self.audit.emit, event))
-        self._emits.add(future)
-        future.add_done_callback(self._emits.discard)
 
     # -- audit -----------------------------------------------------------------------------
 
     def _audit(self, conn: Connection) -> None:
-        if self.audit is None:
-            return
-        from fusion_oci.audit import AuditEvent
-
-        event = AuditEvent(
+        self._emit(
+            conn,
             type="sandbox:egress",
-            task_id=self.task_id,
-            run_id=self.run_id or "-",
-            backend=self.backend,
-            policy_hash=self.policy_hash,
-            host=conn.host,
-            port=conn.port,
-            address=conn.address,
             allowed=conn.allowed,
             rule=conn.rule,
             reason=None if conn.allowed else conn.reason,
@@ -787,6 +764,24 @@ class EgressProxy:
             bytes_down=conn.bytes_down,
             duration_ms=int((time.monotonic() - conn.started) * 1000),
             details={"protocol": conn.protocol},
+        )
+
+    def _emit(self, conn: Connection, **fields: Any) -> None:
+        """One event about ``conn`` (the task's and the connection's own fields, plus
+        ``fields``), appended off the proxy loop."""
+        if self.audit is None:
+            return
+        from fusion_oci.audit import AuditEvent
+
+        event = AuditEvent(
+            task_id=self.task_id,
+            run_id=self.run_id or "-",
+            backend=self.backend,
+            policy_hash=self.policy_hash,
+            host=conn.host,
+            port=conn.port,
+            address=conn.address,
+            **fields,
         )
         # The file append takes a flock: off the proxy loop, so a slow disk stalls no tunnel.
         future = asyncio.ensure_future(asyncio.to_thread(self.audit.emit, event))
