@@ -46,7 +46,14 @@ from fusion_oci.errors import (
     SandboxSetupError,
     SettingsError,
 )
-from fusion_oci.models import NetworkMode, OutputStream, PrepareContext, RunOptions, RunResult
+from fusion_oci.models import (
+    CacheMode,
+    NetworkMode,
+    OutputStream,
+    PrepareContext,
+    RunOptions,
+    RunResult,
+)
 from fusion_oci.oci.host import HostInfo, probe_host
 from fusion_oci.oci.model import config_json
 from fusion_oci.oci.spec import Spec
@@ -59,7 +66,7 @@ from fusion_oci.runtimes.registry import create_runtime
 from fusion_oci.runtimes.skeleton import default_cache_root
 from fusion_oci.scratch import gc_scratch
 from fusion_oci.stdin import StdinStream
-from fusion_oci.store import StoreLinker, task_linker
+from fusion_oci.store_tree import StoreLinker, task_linker
 
 if TYPE_CHECKING:
     from fusion_oci.egress import EgressProxy
@@ -264,10 +271,20 @@ class Sandbox:
             host_uid=os.getuid(),
             isolating=runtime.capabilities().filesystem_isolation != "none",
             worktree=Path(self.task.layout.worktree),
+            # A tree is shared like the pnpm store it stands for: per project with
+            # ``cacheMode: shared``, never from another task with ``isolated``.
+            tree_context=(
+                f"{runtime.id}\0{self.task.image or ''}"
+                if self.task.cache_mode is CacheMode.SHARED
+                else None
+            ),
         )
+        details: dict[str, Any] = {"store_links": "on" if links.ok else links.reason}
+        if self.linker is not None:
+            details["store_tree"] = (await asyncio.to_thread(self.linker.place)).audit()
         self._event(
             "sandbox:prepare",
-            details={"store_links": "on" if links.ok else links.reason},
+            details=details,
             duration_ms=int((time.monotonic() - start) * 1000),
             fell_back=self.fell_back,
             unenforced=self.unenforced or None,

@@ -10,13 +10,16 @@ executable), while every isolating runtime runs the task as the caller without
 
 The blob store (one per project: ``TaskLayout.blobs``) is content-addressed like pnpm's own
 CAFS: a blob's name is the SHA-512 of its bytes (``-exec`` appended when executable). After a
-command (:meth:`StoreLinker.after_command`) the host walks the worktree's
+command (``fusion_oci.store_tree.StoreLinker.after_command``) the host walks the worktree's
 ``node_modules/.pnpm`` (pnpm's virtual store, which pnpm never edits in place) and, for every
 regular file that is not a blob yet, hashes the bytes it reads, writes those bytes as the blob
 of that hash if it is new (a copy: the task's inode never enters the store), and replaces the
-file with a link to the blob. A task can add blobs, but only under the hash of their own bytes:
-it cannot change what any name in the store holds, nor any byte of a file another task got from
-it. What it can do is stated in docs/security.md ("the poisoning model").
+file with a link to the blob. Files pnpm changes after import stay the task's own (bin targets,
+which every install that links bins ``chmod``-s, and the ``node_modules/.bin`` shims it
+rewrites: fusion_oci/pnpm_layout.py; one an older pass linked becomes a copy again), or the
+next ``pnpm add`` fails with EPERM. A task can add blobs, but only under the hash of their own
+bytes: it cannot change what any name in the store holds, nor any byte of a file another task got
+from it. What it can do is stated in docs/security.md ("the poisoning model").
 
 Bounds: one pass looks at most at :data:`MAX_PASS_ENTRIES` directory entries, hashes at most
 :data:`MAX_PASS_BYTES` and descends at most :data:`MAX_DEPTH` directories: a task that fills
@@ -47,12 +50,20 @@ import os
 import secrets
 import stat
 import threading
-import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from fusion_oci.pnpm_layout import (
+    MAX_MANIFEST,
+    PATCHED,
+    PackageFacts,
+    is_shim_folder,
+    package_facts,
+    package_root,
+)
 
 STORE_UID = 65534
 """Owner of every blob (the overflow uid, ``nobody``): a uid no task runs as, so a task holds
@@ -86,6 +97,16 @@ class LinkSupport:
     reason: str = ""
 
 
+@dataclass(frozen=True)
+class TreeFile:
+    """What one package file of a worktree is in the blob store: the blob (``SUB/NAME``)
+    it is a link to, or, with ``copy``, the blob of its bytes (a file pnpm changes after
+    import, which stays the task's own: placed as a copy)."""
+
+    blob: str
+    copy: bool = False
+
+
 @dataclass
 class LinkStats:
     """What one pass did: files replaced by a link, blobs added, bytes those blobs hold."""
@@ -94,6 +115,12 @@ class LinkStats:
     adopted: int = 0
     adopted_bytes: int = 0
     skipped: int = 0
+    unlinked: int = 0
+    """Files an older pass linked that pnpm changes (bin targets, shims): the task's own
+    copies again."""
+    recorded: int = 0
+    """Packages of the tree this pass kept for the next task on the same lockfile
+    (fusion_oci/store_tree.py), 0 when it kept none."""
     seconds: float = 0.0
     entries: int = 0
     """Directory entries the walk looked at (bounded by :data:`MAX_PASS_ENTRIES`)."""
@@ -116,6 +143,10 @@ class LinkStats:
             "adopted_bytes": self.adopted_bytes,
             "seconds": round(self.seconds, 3),
         }
+        if self.unlinked:
+            out["unlinked"] = self.unlinked
+        if self.recorded:
+            out["recorded"] = self.recorded
         if self.too_deep:
             out["too_deep"] = self.too_deep
         if self.stopped:
@@ -217,29 +248,56 @@ def _read_single(dir_fd: int, name: str, most: int) -> tuple[bytes, bool] | None
         os.close(fd)
 
 
+@dataclass
+class PassTree:
+    """What a recording pass saw of each package folder (see :func:`dedup`)."""
+
+    files: dict[str, dict[str, TreeFile]] = field(default_factory=dict)
+    """Package folder (relative to ``node_modules``) -> its files (relative to it)."""
+    unplaceable: set[str] = field(default_factory=set)
+    """Package folders with a file that is no blob, or built or patched after import."""
+
+
 def dedup(worktree: Path, root: Path, stats: LinkStats | None = None) -> LinkStats:
     """Replace every file of the worktree's pnpm virtual store by a link to the
     blob of its bytes (adopting the blob first when new), counting into ``stats``. See the
     module docstring."""
+    return linking_pass(worktree, root, stats)[0]
+
+
+def linking_pass(
+    worktree: Path,
+    root: Path,
+    stats: LinkStats | None = None,
+    *,
+    record: bool = False,
+    known: Mapping[str, str] | None = None,
+) -> tuple[LinkStats, PassTree | None]:
+    """:func:`dedup`, and with ``record`` also what each package file became (the tree
+    :mod:`fusion_oci.store_tree` keeps; None when the pass stopped early); ``known`` names
+    the blobs of files already linked (path below ``node_modules`` -> ``SUB/NAME``), each
+    checked by inode before it is believed."""
     stats = stats if stats is not None else LinkStats()
     try:
         # node_modules is the task's: a symlink there must not lead the walk off the worktree.
         nm_fd = os.open(worktree / VIRTUAL_STORE[0], os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError:
-        return stats
+        return stats, None
     try:
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        with _locked(root, fcntl.LOCK_SH) as held:
+        with locked(root, fcntl.LOCK_SH) as held:
             assert held  # a shared request waits: it always gets the lock
-            _walk(nm_fd, root, stats)
+            run = _walk(nm_fd, root, stats, record, known or {})
     finally:
         os.close(nm_fd)
     stats.ran = True
-    return stats
+    if not record or stats.stopped:
+        return stats, None
+    return stats, PassTree(run.files, run.unplaceable)
 
 
 @contextlib.contextmanager
-def _locked(root: Path, how: int) -> Iterator[bool]:
+def locked(root: Path, how: int) -> Iterator[bool]:
     """Hold the store's lock (``how``: LOCK_SH waits, LOCK_EX|LOCK_NB does not); yields
     whether it is held."""
     fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -254,20 +312,60 @@ def _locked(root: Path, how: int) -> Iterator[bool]:
         os.close(fd)  # closing the only fd of this open file releases the flock
 
 
+@dataclass(frozen=True)
+class _Folder:
+    """One folder of the virtual store as the walk found it: what its files are to pnpm."""
+
+    path: str
+    """Relative to ``node_modules`` (``.pnpm/DEP/node_modules/NAME/lib``)."""
+    package: str | None = None
+    """The package folder it is in (relative to ``node_modules``), or None."""
+    inside: str = ""
+    """Its path relative to that package folder ('' for the package folder itself)."""
+    facts: PackageFacts | None = None
+    shims: bool = False
+    """A ``node_modules/.bin`` folder: every file stays the task's own."""
+
+    def rel(self, name: str) -> str:
+        return f"{self.inside}/{name}" if self.inside else name
+
+    def kept(self, name: str) -> bool:
+        """A file pnpm changes after import (see fusion_oci/pnpm_layout.py): never linked."""
+        return self.shims or (self.facts is not None and self.facts.is_bin(self.rel(name)))
+
+
 class _Pass:
     """One pass's shared state: its counters (under a lock: folders are linked by several
-    threads), its byte budget and its stop flag."""
+    threads), its byte budget and its stop flag, and, when the pass records the tree, what
+    each package file became (:attr:`files`) and which packages cannot be placed from it."""
 
-    def __init__(self, root: Path, stats: LinkStats) -> None:
+    def __init__(
+        self, root: Path, stats: LinkStats, record: bool, known: Mapping[str, str]
+    ) -> None:
         self.root = root
         self.stats = stats
         self.lock = threading.Lock()
         self.stop = threading.Event()
+        self.record = record
+        self.known = known
+        self.files: dict[str, dict[str, TreeFile]] = {}
+        self.unplaceable: set[str] = set()
+        self.inodes: dict[int, str] | None = None
 
     def count(self, **add: int) -> None:
         with self.lock:
             for key, value in add.items():
                 setattr(self.stats, key, getattr(self.stats, key) + value)
+
+    def note(self, folder: _Folder, name: str, file: TreeFile | None) -> None:
+        """What a package file became, for the tree (None: the package is not placeable)."""
+        if not self.record or folder.package is None or folder.shims:
+            return
+        with self.lock:
+            if file is None:
+                self.unplaceable.add(folder.package)
+            else:
+                self.files.setdefault(folder.package, {})[folder.rel(name)] = file
 
     def reserve(self, size: int) -> bool:
         """Take ``size`` bytes of the pass's hashing budget; False (and the pass stops) when
@@ -284,32 +382,56 @@ class _Pass:
             self.stats.hashed_bytes += size
             return True
 
-    def folder(self, dir_fd: int, names: list[str]) -> None:
+    def folder(self, dir_fd: int, folder: _Folder, names: list[str]) -> None:
         """Link every file of one folder (``dir_fd`` is this call's own: it closes it)."""
         try:
             for name in names:
                 if self.stop.is_set():
                     return
-                self.count(**self._one(dir_fd, name))
+                if folder.kept(name):
+                    self.count(**self._keep(dir_fd, folder, name))
+                else:
+                    self.count(**self._one(dir_fd, folder, name))
         except BaseException:
             self.stop.set()  # the other folders stop too; the walk re-raises this
             raise
         finally:
             os.close(dir_fd)
 
-    def _one(self, dir_fd: int, name: str) -> dict[str, int]:
+    def _known_blob(self, folder: _Folder, name: str, st: os.stat_result) -> TreeFile | None:
+        """The blob a file that is one already is: named by ``known`` (what placement linked)
+        and checked by inode, else found by inode in the store (an index of it made once per
+        pass, when first needed); None when it is no blob of this store."""
+        blob = self.known.get(f"{folder.path}/{name}")
+        if blob is not None:
+            with contextlib.suppress(OSError):
+                if (self.root / blob).lstat().st_ino == st.st_ino:
+                    return TreeFile(blob)
+        with self.lock:
+            if self.inodes is None:
+                self.inodes = _inode_index(self.root)
+            found = self.inodes.get(st.st_ino)
+        return TreeFile(found) if found is not None else None
+
+    def _one(self, dir_fd: int, folder: _Folder, name: str) -> dict[str, int]:
         try:
             st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         except OSError:
             return {}
-        if st.st_uid == STORE_UID or not stat.S_ISREG(st.st_mode):
-            return {"skipped": 1}  # a blob already, a symlink, a socket: no open at all
+        if not stat.S_ISREG(st.st_mode):
+            return {"skipped": 1}  # a symlink, a socket: no open at all
+        if st.st_uid == STORE_UID:
+            if self.record:
+                self.note(folder, name, self._known_blob(folder, name, st))
+            return {"skipped": 1}  # a blob already
         if st.st_size > MAX_BLOB:
+            self.note(folder, name, None)
             return {"skipped": 1}
         if not self.reserve(st.st_size):
             return {}
         read = _read_single(dir_fd, name, st.st_size)
         if read is None:
+            self.note(folder, name, None)
             return {"skipped": 1}
         data, executable = read
         sub, blob = _blob_name(hashlib.sha512(data).hexdigest(), executable)
@@ -320,20 +442,139 @@ class _Pass:
         try:
             os.link(self.root / sub / blob, tmp, dst_dir_fd=dir_fd)
         except OSError:
+            self.note(folder, name, None)
             return {**added, "skipped": 1}
         try:
             _swap(dir_fd, tmp, name)
         except OSError:
             with contextlib.suppress(OSError):
                 os.unlink(tmp, dir_fd=dir_fd)
+            self.note(folder, name, None)
             return {**added, "skipped": 1}
+        self.note(folder, name, TreeFile(f"{sub}/{blob}"))
         return {**added, "linked": 1}
 
+    def _keep(self, dir_fd: int, folder: _Folder, name: str) -> dict[str, int]:
+        """A file pnpm changes after import: it stays (or, linked by an older pass, becomes
+        again) the task's own file; for the tree its bytes are a blob, placed as a copy."""
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except OSError:
+            return {}
+        if not stat.S_ISREG(st.st_mode):
+            return {"skipped": 1}
+        wanted = self.record and not folder.shims
+        if st.st_uid != STORE_UID and not wanted:
+            return {"skipped": 1}
+        if st.st_size > MAX_BLOB or not self.reserve(st.st_size):
+            self.note(folder, name, None)
+            return {"skipped": 1}
+        data, executable = _read_any(dir_fd, name, st.st_size)
+        if data is None:
+            self.note(folder, name, None)
+            return {"skipped": 1}
+        out = {"skipped": 1}
+        if st.st_uid == STORE_UID:
+            try:
+                _own_copy(dir_fd, name, data, executable)
+                out = {"unlinked": 1}
+            except OSError:
+                self.note(folder, name, None)
+                return {"skipped": 1}
+        if wanted:
+            sub, blob = _blob_name(hashlib.sha512(data).hexdigest(), executable)
+            if _write_blob(self.root, sub, blob, data, executable):
+                out |= {"adopted": 1, "adopted_bytes": len(data)}
+            self.note(folder, name, TreeFile(f"{sub}/{blob}", copy=True))
+        return out
 
-def _walk(nm_fd: int, root: Path, stats: LinkStats) -> None:
+
+def _inode_index(root: Path) -> dict[int, str]:
+    """Every blob of the store by inode (``SUB/NAME``)."""
+    out: dict[int, str] = {}
+    for folder in _blob_dirs(root):
+        with os.scandir(folder.path) as blobs:
+            for blob in blobs:
+                if not blob.name.startswith("."):
+                    with contextlib.suppress(OSError):
+                        out[blob.inode()] = f"{folder.name}/{blob.name}"
+    return out
+
+
+def _read_any(dir_fd: int, name: str, most: int) -> tuple[bytes | None, bool]:
+    """The bytes (at most ``most``) and exec bit of a plain file, blob or not."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+    except OSError:
+        return None, False
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > most:
+            return None, False
+        chunks, left = [], st.st_size
+        while left > 0 and (chunk := os.read(fd, min(left, 1 << 20))):
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks), bool(st.st_mode & 0o111)
+    finally:
+        os.close(fd)
+
+
+def _own_copy(dir_fd: int, name: str, data: bytes, executable: bool) -> None:
+    """Put a file of the folder's owner holding ``data`` in the place of ``name``."""
+    owner = os.fstat(dir_fd)
+    tmp = f".fusion-copy-{secrets.token_hex(6)}"
+    fd = os.open(
+        tmp,
+        os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+        0o600,
+        dir_fd=dir_fd,
+    )
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fchown(fd, owner.st_uid, owner.st_gid)
+            os.fchmod(fd, 0o755 if executable else 0o644)
+        finally:
+            os.close(fd)
+        _swap(dir_fd, tmp, name)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise
+
+
+def _folder_of(
+    dirpath: str, files: list[str], dir_fd: int, packages: dict[str, PackageFacts]
+) -> _Folder:
+    """What a folder of the walk is to pnpm (reads a package folder's manifest once: the walk
+    is top-down, so a package's folder comes before its subfolders)."""
+    parts = dirpath.split("/")  # fwalk's relative path: not a Path
+    shims = is_shim_folder(parts)
+    depth = package_root(parts)
+    if not depth:
+        return _Folder(dirpath, shims=shims)
+    package = "/".join(parts[:depth])
+    inside = "/".join(parts[depth:])
+    facts = packages.get(package)
+    if facts is None:
+        manifest = None
+        if "package.json" in files:
+            manifest, _ = _read_any(dir_fd, "package.json", MAX_MANIFEST)
+        facts = package_facts(manifest, files) if not inside else PackageFacts(readable=False)
+        packages[package] = facts
+    return _Folder(dirpath, package, inside, facts, shims)
+
+
+def _walk(
+    nm_fd: int, root: Path, stats: LinkStats, record: bool, known: Mapping[str, str]
+) -> _Pass:
     """Walk the virtual store in this thread (the bounds on entries and depth are counted
     here), and link each folder's files in a pool of :data:`PASS_WORKERS` threads."""
-    run = _Pass(root, stats)
+    run = _Pass(root, stats, record, known)
+    packages: dict[str, PackageFacts] = {}
     slots = threading.BoundedSemaphore(PASS_WORKERS * 4)  # folders (dup'd fds) in flight
     with ThreadPoolExecutor(PASS_WORKERS, thread_name_prefix="fusion-store") as pool:
         pending: list[Future[None]] = []
@@ -352,8 +593,18 @@ def _walk(nm_fd: int, root: Path, stats: LinkStats) -> None:
                             "copies"
                         )
                         break
+                folder = _folder_of(dirpath, files, dir_fd, packages)
+                if folder.package is not None and (
+                    PATCHED in folder.package
+                    or folder.facts is None
+                    or folder.facts.builds
+                    or not folder.facts.readable
+                ):
+                    run.note(folder, "", None)  # built or patched after import: not placed
                 if dirpath.count(os.sep) >= MAX_DEPTH and dirs:
                     run.count(too_deep=len(dirs))
+                    if folder.package is not None:
+                        run.note(folder, "", None)
                     dirs.clear()  # topdown: fwalk enters only what is left in the list
                 # pnpm imports a package into NAME_tmp_PID (then renames it into place): files
                 # there may be half-written by a command still running, and a blob of half a
@@ -368,7 +619,7 @@ def _walk(nm_fd: int, root: Path, stats: LinkStats) -> None:
                     continue
                 slots.acquire()
                 try:
-                    job = pool.submit(run.folder, os.dup(dir_fd), files)
+                    job = pool.submit(run.folder, os.dup(dir_fd), folder, files)
                 except BaseException:
                     slots.release()
                     raise
@@ -377,6 +628,7 @@ def _walk(nm_fd: int, root: Path, stats: LinkStats) -> None:
         finally:
             for job in pending:
                 job.result()  # a folder's OSError ends the pass (after every folder ended)
+    return run
 
 
 PASS_WORKERS = 4
@@ -422,58 +674,6 @@ def _swap(dir_fd: int, tmp: str, name: str) -> None:
     os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)  # no exchange on this fs
 
 
-class StoreLinker:
-    """One task's host-side linking: a pass after each command that changed its install.
-
-    A pass runs only when pnpm rewrote ``node_modules/.modules.yaml`` (every install does), so
-    a command that installs nothing costs one ``stat``.
-    """
-
-    def __init__(self, worktree: Path, root: Path) -> None:
-        self.worktree = worktree
-        self.root = root
-        self._seen: tuple[int, int] | None = None
-        self.last = LinkStats()
-
-    def _marker(self) -> tuple[int, int] | None:
-        try:
-            st = os.lstat(self.worktree / "node_modules" / ".modules.yaml")
-        except OSError:
-            return None
-        return st.st_mtime_ns, st.st_ino
-
-    def after_command(self) -> LinkStats:
-        marker = self._marker()
-        if marker is None or marker == self._seen:
-            self.last = LinkStats()
-            return self.last
-        start = time.monotonic()
-        self.last = LinkStats(ran=True)
-        try:
-            dedup(self.worktree, self.root, self.last)
-        except OSError as exc:
-            # The store's disk full, a folder the task made unreadable: what was linked stays
-            # linked, the rest the task's own copies, and the audit says why.
-            self.last.stopped = f"host pass failed: {exc}"
-        self.last.seconds = time.monotonic() - start
-        self._seen = marker
-        return self.last
-
-
-def task_linker(
-    *, blobs: str | None, host_uid: int, isolating: bool, worktree: Path
-) -> tuple[StoreLinker | None, LinkSupport]:
-    """The linker of a task (its layout's blob store), or None with the reason."""
-    if blobs is None:
-        return None, LinkSupport(False, "cacheMode off: no caches, no shared blobs")
-    support = link_support(
-        host_uid=host_uid, isolating=isolating, worktree=worktree, blobs=Path(blobs)
-    )
-    if not support.ok:
-        return None, support
-    return StoreLinker(worktree, Path(blobs)), support
-
-
 # ---------------------------------------------------------------------------- pruning
 
 STORES_GLOB = "projects/*/store-blobs"
@@ -489,6 +689,8 @@ class PruneStats:
     kept: int = 0
     busy: bool = False
     """A pass held the lock: nothing was looked at (the next gc will)."""
+    trees: int = 0
+    """Trees removed after the blobs (fusion_oci/store_tree.py: ``prune_trees``)."""
 
 
 def _blob_dirs(root: Path) -> Iterator[os.DirEntry[str]]:
@@ -504,14 +706,15 @@ def _blob_dirs(root: Path) -> Iterator[os.DirEntry[str]]:
                 yield entry
 
 
-def prune(root: Path, *, dry_run: bool = False) -> PruneStats:
-    """Remove the blobs of one store that no worktree links any more (link count 1), and the
-    temporary files of a pass that died mid-write. A store a pass is using is left alone
+def prune(root: Path, *, dry_run: bool = False, keep: frozenset[str] = frozenset()) -> PruneStats:
+    """Remove the blobs of one store that no worktree links any more (link count 1), but
+    those in ``keep`` (``SUB/NAME``: what a kept tree copies, fusion_oci/store_tree.py), and
+    the temporary files of a pass that died mid-write. A store a pass is using is left alone
     (see the module docstring): the lock is not waited for."""
     stats = PruneStats()
     if not root.is_dir() or root.is_symlink():
         return stats
-    with _locked(root, fcntl.LOCK_EX | fcntl.LOCK_NB) as held:
+    with locked(root, fcntl.LOCK_EX | fcntl.LOCK_NB) as held:
         if not held:
             stats.busy = True
             return stats
@@ -525,7 +728,11 @@ def prune(root: Path, *, dry_run: bool = False) -> PruneStats:
                     # A temporary name: a pass writes one only while it holds the lock, so
                     # one seen now is a dead pass's.
                     orphan_tmp = blob.name.startswith(".tmp-")
-                    if not orphan_tmp and (st.st_nlink > 1 or not stat.S_ISREG(st.st_mode)):
+                    if not orphan_tmp and (
+                        st.st_nlink > 1
+                        or not stat.S_ISREG(st.st_mode)
+                        or f"{folder.name}/{blob.name}" in keep
+                    ):
                         stats.kept += 1
                         continue
                     stats.removed += 1
@@ -536,28 +743,3 @@ def prune(root: Path, *, dry_run: bool = False) -> PruneStats:
                 with contextlib.suppress(OSError):
                     Path(folder.path).rmdir()  # only when it emptied: rmdir refuses otherwise
     return stats
-
-
-def prune_stores(
-    cache_root: Path, *, dry_run: bool = False
-) -> tuple[list[str], list[str], list[str]]:
-    """``fusion-oci gc``'s part: prune every project's blob store under ``cache_root`` (the
-    sandboxes'). Returns gc's (removed, kept, errors): a line per store that had blobs to
-    remove, that a pass was using, or that could not be read."""
-    removed: list[str] = []
-    kept: list[str] = []
-    errors: list[str] = []
-    for root in sorted(cache_root.glob(STORES_GLOB)):
-        try:
-            done = prune(root, dry_run=dry_run)
-        except OSError as exc:
-            errors.append(f"blob store {root}: not pruned ({exc.strerror})")
-            continue
-        if done.busy:
-            kept.append(f"blob store {root} (a pass is linking into it now)")
-        elif done.removed:
-            removed.append(
-                f"blob store {root}: {done.removed} blobs no worktree links "
-                f"({done.freed_bytes / 1e6:.1f} MB)"
-            )
-    return removed, kept, errors

@@ -6,7 +6,9 @@ The project (tests/data/workload-project) is a small TypeScript package with rea
 from the npm registry at pinned versions (its pnpm-lock.yaml): vitest on its ``threads`` pool,
 a test that spawns ``worker_threads`` Workers, tsc, and esbuild (Go threads) as the bundler.
 Each runtime takes it through ``pnpm install``, ``pnpm test``, the type check, the build and a
-``git commit`` in a linked worktree made on the host, the executor's layout.
+``git commit`` in a linked worktree made on the host, the executor's layout; then a second task
+on the same lockfile installs (over the packages the host placed, where it links), tests,
+``pnpm add``-s a dependency and type-checks.
 
 The runtimes that run as this process's user share one warm pnpm store (``cacheMode:
 shared``, one cache root and project for the module), so only the first install downloads; the
@@ -129,3 +131,41 @@ async def test_a_real_typescript_project_installs_tests_checks_builds_and_commit
     committed = git(repo, *mine, "ls-tree", "-r", "--name-only", "task").split()
     assert {"src/digest.ts", "src/task.ts", "pnpm-lock.yaml"} <= set(committed)
     assert not [p for p in committed if p.startswith(("node_modules/", "dist/", ".pnpm"))]
+    if runtime.user is None:
+        await second_task(runtime, repo, site, network, cache)
+
+
+SECOND = (
+    ("install", "pnpm install --frozen-lockfile"),
+    ("test", "pnpm test"),
+    # Every install that links bins chmods each bin target (typescript's tsc, vitest's
+    # vitest.mjs): one the host had linked to a blob (nobody's) failed it with EPERM.
+    ("add", "pnpm add is-number@7.0.0"),
+    ("typecheck", "pnpm typecheck"),
+)
+
+
+async def second_task(
+    runtime: Runtime, repo: Path, site: Path, network: NetworkMode, cache: dict[str, Any]
+) -> None:
+    """A second task on the same lockfile and warm store: where the host links (the isolating
+    runtimes), its packages are placed before its first command (fusion_oci/store_tree.py),
+    and pnpm still installs, tests, adds a dependency and type-checks over them."""
+    from fusion_oci.store import STORE_UID
+
+    wt = site / "wt-task2"
+    git(repo, "worktree", "add", "-q", "-b", "task2", str(wt))
+    async with sandbox(runtime, wt, network=network, **cache) as sb:
+        linking = getattr(sb, "linker", None) is not None
+        typescript = next((wt / "node_modules" / ".pnpm").glob("typescript@*"), None)
+        assert (typescript is not None) == linking, (runtime.name, linking)
+        if typescript is not None:
+            package = typescript / "node_modules" / "typescript"
+            assert (package / "lib" / "typescript.js").stat().st_uid == STORE_UID
+            assert (package / "bin" / "tsc").stat().st_uid == wt.stat().st_uid  # its own
+        for name, command in SECOND:
+            result = await sb.run(command, INSTALL)
+            assert result.exit_code == 0, (
+                f"{runtime.name}: second task's {name} ({command}) failed with "
+                f"{result.exit_code}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+            )

@@ -1,5 +1,6 @@
 """pnpm's files are hard links to the host's blob store inside every isolating runtime, and
-a second task on the same lockfile shares them (fusion_oci/store.py).
+a second task on the same lockfile shares them (fusion_oci/store.py), placed before its first
+command (fusion_oci/store_tree.py).
 
 Each case: task a installs tests/data/pnpm-project (a real dependency from the npm registry),
 the link count of an installed file is read *inside* the sandbox, then task b of the same
@@ -99,7 +100,17 @@ async def install(
     ]
     assert runs and runs[-1].details, runs
     links = runs[-1].details["store_links"]
-    assert links["linked"] > 0 and "stopped" not in links, links
+    assert "stopped" not in links, links
+    (prepared,) = [e for e in read_events(audit_path) if e.type == "sandbox:prepare"]
+    assert prepared.details is not None
+    placed = prepared.details["store_tree"]["placed"]
+    if task == "store-a":
+        # The first task: pnpm copies, the pass links and keeps the tree of what it linked.
+        assert links["linked"] > 0 and links["recorded"] > 0 and not placed, (links, placed)
+    else:
+        # Same lockfile: its packages were placed as links at prepare (store_tree.py), so
+        # pnpm imported none of them and its pass has nothing left to link.
+        assert placed > 0 and links["linked"] == 0, (links, prepared.details)
     return wt, seen.stdout
 
 

@@ -6,7 +6,8 @@ import hashlib
 import os
 from pathlib import Path
 
-from fusion_oci.store import STORE_UID, StoreLinker, dedup, link_support, task_linker
+from fusion_oci.store import STORE_UID, dedup, link_support
+from fusion_oci.store_tree import StoreLinker, task_linker
 
 PKG = Path("node_modules/.pnpm/pkg@1.0.0/node_modules/pkg")
 

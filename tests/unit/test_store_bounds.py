@@ -13,7 +13,8 @@ import pytest
 
 from fusion_oci import store
 from fusion_oci.gc import gc
-from fusion_oci.store import STORE_UID, StoreLinker, dedup, prune, prune_stores
+from fusion_oci.store import STORE_UID, dedup, prune
+from fusion_oci.store_tree import StoreLinker, prune_stores
 
 PKG = Path("node_modules/.pnpm/pkg@1.0.0/node_modules/pkg")
 
