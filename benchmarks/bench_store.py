@@ -1,13 +1,16 @@
 """Warm-store ``pnpm install`` and disk per extra task with the host-side store links
-(fusion_oci/store.py), against the host's own pnpm on its own warm store, interleaved.
+(fusion_oci/store.py) and placed trees (fusion_oci/store_tree.py), against the host's own pnpm
+on its own warm store, interleaved.
 
     .venv/bin/python -m benchmarks.bench_store [--rounds 3] [--backends bubblewrap,oci,...]
 
-Per round and backend a new task (worktree) of one project installs
-tests/data/workload-project offline from the project's warm store; the time is the whole
-``Sandbox.run`` (the install and the host's link pass after it). Disk: ``du`` of the task's
-``node_modules`` counted after the blob store and the earlier tasks (what this task adds),
-over its full size.
+Per round and backend two new tasks (worktrees) of one project install
+tests/data/workload-project offline from the project's warm store: one whose packages the host
+placed at prepare from the tree the earlier installs left, and one with the project's trees
+removed first (pnpm copies every file, as before trees), in alternating order. The time is the
+placement (at prepare) plus the whole ``Sandbox.run`` (the install and the host's link pass
+after it). Disk: ``du`` of the placed tasks' ``node_modules`` counted after the blob store and
+the earlier tasks (what the last one adds), over its full size.
 """
 
 from __future__ import annotations
@@ -33,22 +36,25 @@ PROJECT = ROOT / "tests" / "data" / "workload-project"
 INSTALL = "pnpm install --frozen-lockfile --offline"
 LONG = RunOptions(timeout_ms=600_000)
 INTRO = """`benchmarks/bench_store.py --rounds {rounds}`: tests/data/workload-project installed
-offline
-from a warm store, each round a new task (worktree) of one project per backend and a new
-directory for the host's own pnpm on its own warm store, interleaved; a sandbox's time is
-its whole `run` (pnpm, which copies inside the sandbox, then the host's pass that links
-`node_modules/.pnpm` to the project's blob store, fusion_oci/store.py). Disk: what the last
-task's `node_modules` adds to `du` after the blob store and the earlier tasks, against its
-full size."""
+offline from a warm store, each round two new tasks (worktrees) of one project per backend and
+a new directory for the host's own pnpm on its own warm store, interleaved. One task's
+packages are placed by the host at prepare from the tree earlier installs of the lockfile
+left (fusion_oci/store_tree.py: links to the blobs, bin targets its own copies), so pnpm
+imports none; the other's project trees are removed first, so pnpm copies every file inside
+the sandbox (its store is another mount) and the host's pass links them after
+(fusion_oci/store.py), as before trees. A sandbox's time is the placement plus its whole
+`run` (pnpm, then the pass). Disk: what the last placed task's `node_modules` adds to `du`
+after the blob store and the earlier tasks, against its full size."""
 READING = """
 - Targets: warm install within 1.3x of the host's; one more task on the same lockfile adds
-  under 10% of its `node_modules` (what it adds is directories, symlinks and pnpm's own
-  metadata; every package file is a link to a blob).
+  under 10% of its `node_modules` (what it adds is directories, symlinks, bin targets and
+  pnpm's own metadata; every other package file is a link to a blob).
 - Inside bubblewrap, oci and the containers pnpm cannot link (the store is another mount, and a
-  task may link only files it could rewrite): it copies, and the host links after. Landlock
-  sees the host's filesystem, so pnpm links its store itself and the pass re-links to blobs.
-- Where fusion-oci runs unprivileged (rootless engines) there are no shared links (each task
-  keeps its copies): docs/security.md, "the poisoning model".
+  task may link only files it could rewrite): without a tree it copies, and the host links
+  after. Landlock sees the host's filesystem, so pnpm links its store itself and the pass
+  re-links to blobs.
+- Where fusion-oci runs unprivileged (rootless engines) there are no shared links and no trees
+  (each task keeps its copies): docs/security.md, "the poisoning model".
 """
 
 
@@ -71,7 +77,8 @@ def settings(backend: str, network: NetworkMode) -> object:
 
 async def task_install(
     backend: str, base: Path, name: str, command: str, network: NetworkMode
-) -> tuple[Path, float]:
+) -> tuple[Path, float, int]:
+    """A new task's install: (its worktree, placement + run seconds, packages placed)."""
     wt = base / f"wt-{backend}-{name}"
     shutil.copytree(PROJECT, wt)
     git_init(wt)
@@ -98,11 +105,14 @@ async def task_install(
                 image=image,
             )
         )
+        placed = sb.linker.placed if sb.linker is not None else None
         start = time.perf_counter()
         done = await sb.run(command, LONG)
         took = time.perf_counter() - start
         assert done.exit_code == 0, done.stderr[-2000:] + done.stdout[-2000:]
-    return wt, took
+    if placed is None:
+        return wt, took, 0
+    return wt, took + placed.seconds, placed.packages
 
 
 def host_install(base: Path, name: str) -> float:
@@ -140,35 +150,55 @@ async def main() -> None:
         for backend in backends:
             # Landlock cannot confine egress: it warms its store with the host's network.
             net = NetworkMode.HOST if backend == "landlock" else NetworkMode.EGRESS
-            await task_install(backend, base, "warm", "pnpm install --frozen-lockfile", net)
-        times: dict[str, list[float]] = {"host": [], **{b: [] for b in backends}}
+            await task_install(
+                backend, base, f"warm-{backend}", "pnpm install --frozen-lockfile", net
+            )
+        times: dict[str, list[float]] = {"host": []}
+        placed: dict[str, list[int]] = {}
         worktrees: dict[str, list[Path]] = {b: [] for b in backends}
+        trees = base / "cache" / "projects"
         for i in range(args.rounds):
             times["host"].append(host_install(base, f"r{i}"))
             for backend in backends:
-                wt, took = await task_install(backend, base, f"r{i}", INSTALL, NetworkMode.NONE)
-                times[backend].append(took)
-                worktrees[backend].append(wt)
+                for case in ("placed", "copying") if i % 2 == 0 else ("copying", "placed"):
+                    kept = next(trees.glob("*/store-blobs/trees"))
+                    if case == "copying":  # no tree for this task; the others' stay kept
+                        kept.rename(kept.with_name("trees-kept"))
+                    wt, took, packages = await task_install(
+                        backend, base, f"r{i}-{case}", INSTALL, NetworkMode.NONE
+                    )
+                    if case == "copying":
+                        shutil.rmtree(kept, ignore_errors=True)  # what its own pass kept
+                        kept.with_name("trees-kept").rename(kept)
+                    times.setdefault(f"{backend} {case}", []).append(took)
+                    placed.setdefault(f"{backend} {case}", []).append(packages)
+                    if case == "placed":
+                        worktrees[backend].append(wt)
         host = statistics.median(times["host"])
         rows: list[list[object]] = [
-            ["host (its own pnpm, hard links)", f"{host:.2f} s", "1.00x", "-"]
+            ["host (its own pnpm, hard links)", "-", f"{host:.2f} s", "1.00x", "-"]
         ]
-        blobs = next((base / "cache" / "projects").glob("*/store-blobs"))
+        blobs = next(trees.glob("*/store-blobs"))
         for backend in backends:
-            med = statistics.median(times[backend])
             full = du_kib(worktrees[backend][-1] / "node_modules")[0]
             adds = du_kib(blobs, *[w / "node_modules" for w in worktrees[backend]])[-1]
-            rows.append(
-                [
-                    backend,
-                    f"{med:.2f} s",
-                    f"{med / host:.2f}x",
-                    f"{adds} / {full} KiB ({100 * adds / full:.1f}%)",
-                ]
-            )
+            for case in ("placed", "copying"):
+                med = statistics.median(times[f"{backend} {case}"])
+                rows.append(
+                    [
+                        f"{backend}, {case}",
+                        min(placed[f"{backend} {case}"]),
+                        f"{med:.2f} s",
+                        f"{med / host:.2f}x",
+                        f"{adds} / {full} KiB ({100 * adds / full:.1f}%)"
+                        if case == "placed"
+                        else "-",
+                    ]
+                )
         body = markdown_table(
             [
                 "case",
+                "packages placed",
                 "warm install (median)",
                 "vs host",
                 "extra disk of one more task / its node_modules",

@@ -95,10 +95,15 @@ RUNTIMES = [
 """The contract suite's runtimes but its test plugin (which runs commands natively)."""
 INSTALL = (
     ("install (cold store)", "pnpm install --frozen-lockfile"),
-    ("install (warm store)", "rm -rf node_modules && pnpm install --frozen-lockfile"),
+    ("install (warm, same task)", "rm -rf node_modules && pnpm install --frozen-lockfile"),
 )
 WORK = (("tests", "pnpm test"), ("type check", "pnpm typecheck"), ("build", "pnpm build"))
 STEPS = INSTALL + WORK
+NEW_TASK = "install (warm, new task)"
+"""A new task on the same lockfile and warm store: a fresh linked worktree whose first command
+is ``pnpm install`` (the host's: a fresh worktree too). Where the host links, the packages were
+placed at its prepare (fusion_oci/store_tree.py): that time is added to the install's."""
+LABELS = [label for label, _ in INSTALL] + [NEW_TASK] + [label for label, _ in WORK]
 NETWORK: list[str] = []
 """``--network host``: the network of every sandbox but landlock's instead of ``egress`` (and
 ``--network=host`` for the raw engines), for an engine whose network namespaces are broken."""
@@ -315,6 +320,25 @@ def du_kib(*paths: Path) -> int:
 
 def stores(site: Path) -> list[Path]:
     return sorted(p for p in (site / "cache").rglob("pnpm-store") if p.is_dir())
+
+
+async def new_task_install(name: str, rt: Runtime | None, site: Path, fig: Figures) -> bool:
+    """:data:`NEW_TASK`'s seconds: the install, plus the placement its prepare made."""
+    wt = linked_project(site, f"next-{len(fig.seconds.get(NEW_TASK, []))}")
+    async with open_box(name, rt, site, wt) as box:
+        start = time.monotonic()
+        r = await box.run("pnpm install --frozen-lockfile", LONG)
+        took = time.monotonic() - start
+        linker = getattr(box, "linker", None)
+        placed = float(getattr(getattr(linker, "placed", None), "seconds", 0.0))
+    if r.exit_code != 0:
+        tail = (r.stderr or r.stdout).strip().splitlines()
+        fig.failed = f"{NEW_TASK} fails (exit {r.exit_code})" + (
+            f": {tail[-1][:160]}" if tail else ""
+        )
+        return False
+    fig.seconds.setdefault(NEW_TASK, []).append(took + placed)
+    return True
 
 
 async def second_task(name: str, rt: Runtime | None, site: Path, wt: Path) -> tuple[int, int]:
@@ -546,6 +570,8 @@ async def one_round(
                 await asyncio.to_thread(raw_steps, name, rt, wt, fig)
         elif ok:
             ok = await steps(box, fig, WORK)
+    if ok:
+        ok = await new_task_install(name, rt, site, fig)
     if ok and first and extras:
         fig.extra_disk = await second_task(name, rt, site, wt)
         if rt is not None:
@@ -560,7 +586,7 @@ def med(values: list[float]) -> float:
 
 def render(figs: dict[str, Figures], rounds: int) -> str:
     host = figs["host"]
-    labels = [label for label, _ in STEPS]
+    labels = LABELS
     headers = ["runtime", *labels, "tests + check + build"]
     base = {k: med(v) for k, v in host.seconds.items()}
     work = ("tests", "type check", "build")
@@ -684,7 +710,7 @@ def targets(figs: dict[str, Figures]) -> str:
             continue
         worst = max(("tests", "type check", "build"), key=lambda k: med(fig.seconds[k]) / base[k])
         step = med(fig.seconds[worst]) / base[worst]
-        warm = med(fig.seconds["install (warm store)"]) / base["install (warm store)"]
+        warm = med(fig.seconds[NEW_TASK]) / base[NEW_TASK]
         disk = "-"
         if fig.extra_disk is not None:
             share = fig.extra_disk[0] / fig.extra_disk[1]
@@ -701,7 +727,7 @@ def targets(figs: dict[str, Figures]) -> str:
         [
             "runtime",
             "steps within 1.05x (slowest)",
-            "warm install within 1.3x",
+            "warm install (new task) within 1.3x",
             "second task under 10%",
         ],
         rows,

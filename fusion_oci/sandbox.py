@@ -360,6 +360,11 @@ class Sandbox:
         if isinstance(opts.stdin, StdinStream) and not self.runtime.streams_stdin:
             # This runtime takes stdin as one value (containers: an env var): read it all.
             opts = opts.model_copy(update={"stdin": await opts.stdin.read_all()})
+        placed = None
+        if self.linker is not None and self.linker.wants_placement():
+            # node_modules went since prepare (``rm -rf node_modules``, then an install):
+            # placed again, as at prepare, before the command that will install.
+            placed = await asyncio.to_thread(self.linker.place)
         started = time.monotonic()
         try:
             # compile -> plan; execute runs that plan (plan == what runs).
@@ -429,6 +434,8 @@ class Sandbox:
                 replay = {"details": {"replay_error": str(exc)}}
         if self.linker is not None and (links := self.linker.last.audit()) is not None:
             replay["details"] = {**replay.get("details", {}), "store_links": links}
+        if placed is not None and placed.packages:
+            replay["details"] = {**replay.get("details", {}), "store_tree": placed.audit()}
         self._event(
             "sandbox:run",
             command=shown[:200],

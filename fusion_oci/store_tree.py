@@ -411,6 +411,7 @@ class StoreLinker:
         self._seen: tuple[int, int] | None = None
         self.last = LinkStats()
         self.known: dict[str, str] = {}
+        self.placed = PlaceStats(reason="not placed yet")
 
     def _marker(self) -> tuple[int, int] | None:
         try:
@@ -422,8 +423,17 @@ class StoreLinker:
     def _key(self) -> str | None:
         return None if self.context is None else tree_key(self.worktree, self.context)
 
+    def wants_placement(self) -> bool:
+        """Whether a placement could do anything now: trees are shared and the worktree has
+        no ``node_modules`` (one ``lstat``; the command that follows is likely an install)."""
+        return self.context is not None and not os.path.lexists(self.worktree / "node_modules")
+
     def place(self) -> PlaceStats:
         """Place the worktree's packages from the project's tree of its lockfile, if any."""
+        self.placed = self._place()
+        return self.placed
+
+    def _place(self) -> PlaceStats:
         if self.context is None:
             return PlaceStats(reason="cacheMode isolated: no tree of another task is placed")
         key = self._key()

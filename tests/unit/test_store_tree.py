@@ -236,3 +236,20 @@ def test_a_fuller_tree_replaces_a_thinner_one(tmp_path: Path, fewer: bool) -> No
     else:
         assert record_tree(root, key, tree) == 0  # as many: kept as it is
     assert len(load_tree(root, key) or {}) == 2
+
+
+def test_a_worktree_whose_node_modules_went_is_placed_again(tmp_path: Path) -> None:
+    """``rm -rf node_modules`` as one command, ``pnpm install`` as the next: Sandbox.run
+    places again before it (``wants_placement``: one lstat)."""
+    import shutil
+
+    _, root, _ = recorded(tmp_path)
+    b = tmp_path / "b"
+    b.mkdir()
+    (b / "pnpm-lock.yaml").write_bytes(LOCK)
+    linker = StoreLinker(b, root, CONTEXT)
+    assert linker.wants_placement() and linker.place().packages == 2
+    assert not linker.wants_placement()
+    shutil.rmtree(b / "node_modules")
+    assert not StoreLinker(b, root, None).wants_placement()  # isolated: never
+    assert linker.wants_placement() and linker.place().packages == 2
