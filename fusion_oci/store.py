@@ -50,7 +50,7 @@ import os
 import secrets
 import stat
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -224,28 +224,13 @@ def _read_single(dir_fd: int, name: str, most: int) -> tuple[bytes, bool] | None
     A file with other links is taken too: where the store and the worktree share a mount
     (landlock), pnpm links the task-writable pnpm store's inode itself, which is exactly the
     sharing a task could rewrite for others; the blob link replaces it."""
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        if (
-            not stat.S_ISREG(st.st_mode)
-            or st.st_uid == STORE_UID
-            or st.st_mode & (stat.S_ISUID | stat.S_ISGID)
-            or st.st_size > most
-        ):
-            return None  # ``most``: the bytes reserved for it (it grew since: left as is)
-        # No further than the size fstat gave: a process the task left running may still be
-        # appending (the blob holds exactly the bytes hashed, whatever the file holds after).
-        chunks, left = [], st.st_size
-        while left > 0 and (chunk := os.read(fd, min(left, 1 << 20))):
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks), bool(st.st_mode & 0o111)
-    finally:
-        os.close(fd)
+    data, executable = read_file(
+        dir_fd,
+        name,
+        most,  # the bytes reserved for it (it grew since: left as is)
+        lambda st: st.st_uid != STORE_UID and not st.st_mode & (stat.S_ISUID | stat.S_ISGID),
+    )
+    return None if data is None else (data, executable)
 
 
 @dataclass
@@ -469,7 +454,7 @@ class _Pass:
         if st.st_size > MAX_BLOB or not self.reserve(st.st_size):
             self.note(folder, name, None)
             return {"skipped": 1}
-        data, executable = _read_any(dir_fd, name, st.st_size)
+        data, executable = read_file(dir_fd, name, st.st_size)
         if data is None:
             self.note(folder, name, None)
             return {"skipped": 1}
@@ -501,15 +486,23 @@ def _inode_index(root: Path) -> dict[int, str]:
     return out
 
 
-def _read_any(dir_fd: int, name: str, most: int) -> tuple[bytes | None, bool]:
-    """The bytes (at most ``most``) and exec bit of a plain file, blob or not."""
+def read_file(
+    dir_fd: int,
+    name: str,
+    most: int,
+    accept: Callable[[os.stat_result], bool] = lambda st: True,
+) -> tuple[bytes | None, bool]:
+    """The bytes and exec bit of a plain file (no symlink followed) that ``accept``-s its
+    ``fstat`` and holds at most ``most`` bytes; (None, False) otherwise. No further than the
+    size ``fstat`` gave: a process the task left running may still be appending (a blob holds
+    exactly the bytes hashed, whatever the file holds after)."""
     try:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
     except OSError:
         return None, False
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > most:
+        if not stat.S_ISREG(st.st_mode) or st.st_size > most or not accept(st):
             return None, False
         chunks, left = [], st.st_size
         while left > 0 and (chunk := os.read(fd, min(left, 1 << 20))):
@@ -520,25 +513,32 @@ def _read_any(dir_fd: int, name: str, most: int) -> tuple[bytes | None, bool]:
         os.close(fd)
 
 
-def _own_copy(dir_fd: int, name: str, data: bytes, executable: bool) -> None:
-    """Put a file of the folder's owner holding ``data`` in the place of ``name``."""
-    owner = os.fstat(dir_fd)
-    tmp = f".fusion-copy-{secrets.token_hex(6)}"
+def write_own_file(
+    dir_fd: int, name: str, data: bytes, owner: os.stat_result, executable: bool
+) -> None:
+    """Create ``name`` (it must not exist) holding ``data``, owned by ``owner``'s uid and gid
+    (the folder's: a file the task may ``chmod``), mode 0755 or 0644."""
     fd = os.open(
-        tmp,
+        name,
         os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
         0o600,
         dir_fd=dir_fd,
     )
     try:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fchown(fd, owner.st_uid, owner.st_gid)
-            os.fchmod(fd, 0o755 if executable else 0o644)
-        finally:
-            os.close(fd)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fchown(fd, owner.st_uid, owner.st_gid)
+        os.fchmod(fd, 0o755 if executable else 0o644)
+    finally:
+        os.close(fd)
+
+
+def _own_copy(dir_fd: int, name: str, data: bytes, executable: bool) -> None:
+    """Put a file of the folder's owner holding ``data`` in the place of ``name``."""
+    tmp = f".fusion-copy-{secrets.token_hex(6)}"
+    write_own_file(dir_fd, tmp, data, os.fstat(dir_fd), executable)
+    try:
         _swap(dir_fd, tmp, name)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -562,7 +562,7 @@ def _folder_of(
     if facts is None:
         manifest = None
         if "package.json" in files:
-            manifest, _ = _read_any(dir_fd, "package.json", MAX_MANIFEST)
+            manifest, _ = read_file(dir_fd, "package.json", MAX_MANIFEST)
         facts = package_facts(manifest, files) if not inside else PackageFacts(readable=False)
         packages[package] = facts
     return _Folder(dirpath, package, inside, facts, shims)

@@ -55,6 +55,8 @@ from fusion_oci.store import (
     linking_pass,
     locked,
     prune,
+    read_file,
+    write_own_file,
 )
 
 TREES = "trees"
@@ -240,27 +242,15 @@ class _Folders:
 
 def _copy_blob(root: Path, blob: str, dir_fd: int, name: str, owner: os.stat_result) -> None:
     """A file of the owner's holding the blob's bytes (a bin target: pnpm ``chmod``-s it)."""
-    src = os.open(root / blob, os.O_RDONLY | os.O_NOFOLLOW)
+    folder, _, blob_name = blob.partition("/")
+    blob_fd = os.open(root / folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
-        if os.fstat(src).st_size > MAX_BLOB:
-            raise OSError(f"blob {blob} larger than {MAX_BLOB}")
-        dst = os.open(
-            name,
-            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-            0o600,
-            dir_fd=dir_fd,
-        )
-        try:
-            while chunk := os.read(src, 1 << 20):
-                view = memoryview(chunk)
-                while view:
-                    view = view[os.write(dst, view) :]
-            os.fchown(dst, owner.st_uid, owner.st_gid)
-            os.fchmod(dst, 0o755 if blob.endswith("-exec") else 0o644)
-        finally:
-            os.close(dst)
+        data, _ = read_file(blob_fd, blob_name, MAX_BLOB)
     finally:
-        os.close(src)
+        os.close(blob_fd)
+    if data is None:
+        raise FileNotFoundError(f"blob {blob}")
+    write_own_file(dir_fd, name, data, owner, blob.endswith("-exec"))
 
 
 def _place_package(
