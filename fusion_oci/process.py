@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Protocol
 from fusion_oci.stdin import StdinStream
 
 if TYPE_CHECKING:
+    import subprocess
+
     from fusion_oci.models import OutputCallback, OutputStream
 
 REAPER = Path(__file__).with_name("reaper.py")
@@ -122,6 +124,21 @@ def probe(
             proc.wait()
         return ProbeOutcome(args, None, out, err, f"timed out after {timeout_s:g} s")
     return ProbeOutcome(args, proc.returncode, out, err)
+
+
+def start_piped(argv: Sequence[str]) -> subprocess.Popen[bytes]:
+    """Start a child that talks over its pipes (stdin, stdout, stderr), in its own session,
+    from ``/``: the caller bounds its reads and ends the group (fusion_oci/store_ns.py)."""
+    import subprocess
+
+    return subprocess.Popen(
+        list(argv),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        cwd="/",
+    )
 
 
 def signal_name(returncode: int) -> str:

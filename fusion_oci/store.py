@@ -154,22 +154,31 @@ class LinkStats:
         return out
 
 
-def link_support(*, host_uid: int, isolating: bool, worktree: Path, blobs: Path) -> LinkSupport:
+def link_support(
+    *,
+    host_uid: int,
+    isolating: bool,
+    worktree: Path,
+    blobs: Path,
+    no_namespace: str = "it has no subordinate uid range",
+) -> LinkSupport:
     """Can a task's node_modules share the host's blobs without write access to them?
 
-    Needs a host process that can give the blobs another owner (root), a runtime that runs the
-    command without capabilities (every isolating one), and the store on the worktree's
-    filesystem (a hard link cannot cross filesystems).
+    Needs a host process that can give the blobs another owner (root, or an unprivileged
+    caller in its store namespace: fusion_oci/store_ns.py; ``no_namespace`` says why it has
+    none, '' when it has one), a runtime that runs the command without capabilities (every
+    isolating one), and the store on the worktree's filesystem (a hard link cannot cross
+    filesystems).
     """
     if not isolating:
         return LinkSupport(
             False,
             "the runtime isolates nothing: the command could write every blob (no shared links)",
         )
-    if host_uid != 0:
+    if host_uid != 0 and no_namespace:
         return LinkSupport(
             False,
-            "fusion-oci runs unprivileged: the blobs would be the "
+            f"fusion-oci runs unprivileged and {no_namespace}: the blobs would be the "
             "task's own uid's, which it could chmod and rewrite, so each "
             "task keeps its own copies",
         )
@@ -193,8 +202,10 @@ def _blob_name(digest: str, executable: bool) -> tuple[str, str]:
     return digest[:2], digest[2:] + ("-exec" if executable else "")
 
 
-def _write_blob(root: Path, sub: str, name: str, data: bytes, executable: bool) -> bool:
-    """Write ``data`` as a blob unless it exists; True when this call added it."""
+def _write_blob(
+    root: Path, sub: str, name: str, data: bytes, executable: bool, owner: int = STORE_UID
+) -> bool:
+    """Write ``data`` as a blob of ``owner`` unless it exists; True when this call added it."""
     folder = root / sub
     target = folder / name
     if target.exists():
@@ -205,7 +216,7 @@ def _write_blob(root: Path, sub: str, name: str, data: bytes, executable: bool) 
     try:
         with os.fdopen(fd, "wb", closefd=False) as fh:
             fh.write(data)
-        os.fchown(fd, STORE_UID, STORE_UID)
+        os.fchown(fd, owner, owner)
         os.fchmod(fd, 0o555 if executable else 0o444)
     finally:
         os.close(fd)
@@ -218,7 +229,7 @@ def _write_blob(root: Path, sub: str, name: str, data: bytes, executable: bool) 
     return True
 
 
-def _read_single(dir_fd: int, name: str, most: int) -> tuple[bytes, bool] | None:
+def _read_single(dir_fd: int, name: str, most: int, owner: int) -> tuple[bytes, bool] | None:
     """The bytes and exec bit of ``name`` if it is a plain file that is not a blob yet.
 
     A file with other links is taken too: where the store and the worktree share a mount
@@ -228,7 +239,7 @@ def _read_single(dir_fd: int, name: str, most: int) -> tuple[bytes, bool] | None
         dir_fd,
         name,
         most,  # the bytes reserved for it (it grew since: left as is)
-        lambda st: st.st_uid != STORE_UID and not st.st_mode & (stat.S_ISUID | stat.S_ISGID),
+        lambda st: st.st_uid != owner and not st.st_mode & (stat.S_ISUID | stat.S_ISGID),
     )
     return None if data is None else (data, executable)
 
@@ -243,11 +254,13 @@ class PassTree:
     """Package folders with a file that is no blob, or built or patched after import."""
 
 
-def dedup(worktree: Path, root: Path, stats: LinkStats | None = None) -> LinkStats:
+def dedup(
+    worktree: Path, root: Path, stats: LinkStats | None = None, *, owner: int = STORE_UID
+) -> LinkStats:
     """Replace every file of the worktree's pnpm virtual store by a link to the
     blob of its bytes (adopting the blob first when new), counting into ``stats``. See the
     module docstring."""
-    return linking_pass(worktree, root, stats)[0]
+    return linking_pass(worktree, root, stats, owner=owner)[0]
 
 
 def linking_pass(
@@ -257,11 +270,13 @@ def linking_pass(
     *,
     record: bool = False,
     known: Mapping[str, str] | None = None,
+    owner: int = STORE_UID,
 ) -> tuple[LinkStats, PassTree | None]:
     """:func:`dedup`, and with ``record`` also what each package file became (the tree
     :mod:`fusion_oci.store_tree` keeps; None when the pass stopped early); ``known`` names
     the blobs of files already linked (path below ``node_modules`` -> ``SUB/NAME``), each
-    checked by inode before it is believed."""
+    checked by inode before it is believed; ``owner`` is the blobs' uid as this process
+    sees it (:data:`STORE_UID`, or 1 in a store namespace: fusion_oci/store_ns.py)."""
     stats = stats if stats is not None else LinkStats()
     try:
         # node_modules is the task's: a symlink there must not lead the walk off the worktree.
@@ -272,7 +287,7 @@ def linking_pass(
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
         with locked(root, fcntl.LOCK_SH) as held:
             assert held  # a shared request waits: it always gets the lock
-            run = _walk(nm_fd, root, stats, record, known or {})
+            run = _walk(nm_fd, root, stats, record, known or {}, owner)
     finally:
         os.close(nm_fd)
     stats.ran = True
@@ -325,9 +340,10 @@ class _Pass:
     each package file became (:attr:`files`) and which packages cannot be placed from it."""
 
     def __init__(
-        self, root: Path, stats: LinkStats, record: bool, known: Mapping[str, str]
+        self, root: Path, stats: LinkStats, record: bool, known: Mapping[str, str], owner: int
     ) -> None:
         self.root = root
+        self.owner = owner
         self.stats = stats
         self.lock = threading.Lock()
         self.stop = threading.Event()
@@ -405,7 +421,7 @@ class _Pass:
             return {}
         if not stat.S_ISREG(st.st_mode):
             return {"skipped": 1}  # a symlink, a socket: no open at all
-        if st.st_uid == STORE_UID:
+        if st.st_uid == self.owner:
             if self.record:
                 self.note(folder, name, self._known_blob(folder, name, st))
             return {"skipped": 1}  # a blob already
@@ -414,14 +430,14 @@ class _Pass:
             return {"skipped": 1}
         if not self.reserve(st.st_size):
             return {}
-        read = _read_single(dir_fd, name, st.st_size)
+        read = _read_single(dir_fd, name, st.st_size, self.owner)
         if read is None:
             self.note(folder, name, None)
             return {"skipped": 1}
         data, executable = read
         sub, blob = _blob_name(hashlib.sha512(data).hexdigest(), executable)
         added = {}
-        if _write_blob(self.root, sub, blob, data, executable):
+        if _write_blob(self.root, sub, blob, data, executable, self.owner):
             added = {"adopted": 1, "adopted_bytes": len(data)}
         tmp = f".fusion-link-{secrets.token_hex(6)}"
         try:
@@ -449,7 +465,7 @@ class _Pass:
         if not stat.S_ISREG(st.st_mode):
             return {"skipped": 1}
         wanted = self.record and not folder.shims
-        if st.st_uid != STORE_UID and not wanted:
+        if st.st_uid != self.owner and not wanted:
             return {"skipped": 1}
         if st.st_size > MAX_BLOB or not self.reserve(st.st_size):
             self.note(folder, name, None)
@@ -459,7 +475,7 @@ class _Pass:
             self.note(folder, name, None)
             return {"skipped": 1}
         out = {"skipped": 1}
-        if st.st_uid == STORE_UID:
+        if st.st_uid == self.owner:
             try:
                 _own_copy(dir_fd, name, data, executable)
                 out = {"unlinked": 1}
@@ -468,7 +484,7 @@ class _Pass:
                 return {"skipped": 1}
         if wanted:
             sub, blob = _blob_name(hashlib.sha512(data).hexdigest(), executable)
-            if _write_blob(self.root, sub, blob, data, executable):
+            if _write_blob(self.root, sub, blob, data, executable, self.owner):
                 out |= {"adopted": 1, "adopted_bytes": len(data)}
             self.note(folder, name, TreeFile(f"{sub}/{blob}", copy=True))
         return out
@@ -569,11 +585,16 @@ def _folder_of(
 
 
 def _walk(
-    nm_fd: int, root: Path, stats: LinkStats, record: bool, known: Mapping[str, str]
+    nm_fd: int,
+    root: Path,
+    stats: LinkStats,
+    record: bool,
+    known: Mapping[str, str],
+    owner: int,
 ) -> _Pass:
     """Walk the virtual store in this thread (the bounds on entries and depth are counted
     here), and link each folder's files in a pool of :data:`PASS_WORKERS` threads."""
-    run = _Pass(root, stats, record, known)
+    run = _Pass(root, stats, record, known, owner)
     packages: dict[str, PackageFacts] = {}
     slots = threading.BoundedSemaphore(PASS_WORKERS * 4)  # folders (dup'd fds) in flight
     with ThreadPoolExecutor(PASS_WORKERS, thread_name_prefix="fusion-store") as pool:

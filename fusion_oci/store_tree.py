@@ -38,14 +38,15 @@ import re
 import secrets
 import stat
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from fusion_oci.pnpm_layout import package_root
 from fusion_oci.store import (
     MAX_BLOB,
+    STORE_UID,
     STORES_GLOB,
     LinkStats,
     LinkSupport,
@@ -58,6 +59,7 @@ from fusion_oci.store import (
     read_file,
     write_own_file,
 )
+from fusion_oci.store_ns import NS_OWNER, StoreNamespace, caller_namespace, run_in_namespace
 
 TREES = "trees"
 """The folder of a blob store that holds its trees (``KEY.json``)."""
@@ -385,6 +387,47 @@ def prune_stores(
     return removed, kept, errors
 
 
+def _pass(
+    worktree: Path,
+    root: Path,
+    key: str | None,
+    known: Mapping[str, str],
+    stats: LinkStats,
+    owner: int,
+) -> None:
+    """One pass over the worktree (recording its tree as ``key``, when given), into
+    ``stats``; a failure is in ``stats.stopped``."""
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # Held from the pass's first blob to the tree naming them: a blob only a tree
+        # will hold (a bin target's bytes) must not meet a prune before it is named.
+        with locked(root, fcntl.LOCK_SH):
+            _, tree = linking_pass(
+                worktree, root, stats, record=key is not None, known=known, owner=owner
+            )
+            if key is not None and tree is not None:
+                stats.recorded = record_tree(root, key, tree)
+    except OSError as exc:
+        # The store's disk full, a folder the task made unreadable: what was linked stays
+        # linked, the rest the task's own copies, and the audit says why.
+        stats.stopped = f"host pass failed: {exc}"
+
+
+def namespace_job(job: dict[str, Any]) -> dict[str, Any]:
+    """A job of fusion_oci/store_ns.py, run in the store namespace (blobs are
+    :data:`~fusion_oci.store_ns.NS_OWNER`'s there): ``pass`` or ``place``."""
+    worktree, root, key = Path(job["worktree"]), Path(job["root"]), job["key"]
+    if job["op"] == "place":
+        try:
+            placed, known = place_tree(worktree, root, key)
+        except OSError as exc:
+            placed, known = PlaceStats(reason=f"not placed: {exc}"), {}
+        return {"stats": asdict(placed), "known": known}
+    stats = LinkStats(ran=True)
+    _pass(worktree, root, key, job["known"], stats, NS_OWNER)
+    return {"stats": asdict(stats)}
+
+
 class StoreLinker:
     """One task's host-side store work: placement at prepare (:meth:`place`) and a pass
     after each command that changed its install (:meth:`after_command`).
@@ -392,12 +435,21 @@ class StoreLinker:
     A pass runs only when pnpm rewrote ``node_modules/.modules.yaml`` (every install does), so
     a command that installs nothing costs one ``stat``. ``context`` is the runtime and image
     a tree is kept for, or None where trees are not shared (``cacheMode: isolated``).
+    ``namespace``: fusion-oci runs unprivileged, and both run in that store namespace
+    (fusion_oci/store_ns.py); None: as root, here.
     """
 
-    def __init__(self, worktree: Path, root: Path, context: str | None = None) -> None:
+    def __init__(
+        self,
+        worktree: Path,
+        root: Path,
+        context: str | None = None,
+        namespace: StoreNamespace | None = None,
+    ) -> None:
         self.worktree = worktree
         self.root = root
         self.context = context
+        self.namespace = namespace
         self._seen: tuple[int, int] | None = None
         self.last = LinkStats()
         self.known: dict[str, str] = {}
@@ -409,6 +461,16 @@ class StoreLinker:
         except OSError:
             return None
         return st.st_mtime_ns, st.st_ino
+
+    @property
+    def owner(self) -> int:
+        """The blobs' uid as the host sees it."""
+        return STORE_UID if self.namespace is None else self.namespace.subuid
+
+    def _job(self, op: str, key: str | None) -> dict[str, Any]:
+        assert self.namespace is not None
+        job = {"op": op, "worktree": str(self.worktree), "root": str(self.root), "key": key}
+        return run_in_namespace(self.namespace, job | {"known": self.known})
 
     def _key(self) -> str | None:
         return None if self.context is None else tree_key(self.worktree, self.context)
@@ -430,6 +492,10 @@ class StoreLinker:
         if key is None:
             return PlaceStats(reason=f"no {LOCKFILE}")
         try:
+            if self.namespace is not None:
+                answer = self._job("place", key)
+                self.known = answer["known"]
+                return PlaceStats(**answer["stats"])
             stats, self.known = place_tree(self.worktree, self.root, key)
         except OSError as exc:
             return PlaceStats(reason=f"not placed: {exc}")
@@ -443,20 +509,13 @@ class StoreLinker:
         start = time.monotonic()
         self.last = LinkStats(ran=True)
         key = self._key()
-        try:
-            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-            # Held from the pass's first blob to the tree naming them: a blob only a tree
-            # will hold (a bin target's bytes) must not meet a prune before it is named.
-            with locked(self.root, fcntl.LOCK_SH):
-                _, tree = linking_pass(
-                    self.worktree, self.root, self.last, record=key is not None, known=self.known
-                )
-                if key is not None and tree is not None:
-                    self.last.recorded = record_tree(self.root, key, tree)
-        except OSError as exc:
-            # The store's disk full, a folder the task made unreadable: what was linked stays
-            # linked, the rest the task's own copies, and the audit says why.
-            self.last.stopped = f"host pass failed: {exc}"
+        if self.namespace is None:
+            _pass(self.worktree, self.root, key, self.known, self.last, STORE_UID)
+        else:
+            try:
+                self.last = LinkStats(**self._job("pass", key)["stats"])
+            except OSError as exc:
+                self.last.stopped = f"host pass failed: {exc}"
         self.last.seconds = time.monotonic() - start
         self._seen = marker
         return self.last
@@ -469,14 +528,21 @@ def task_linker(
     isolating: bool,
     worktree: Path,
     tree_context: str | None = None,
+    namespace: Callable[[int], tuple[StoreNamespace | None, str]] = caller_namespace,
 ) -> tuple[StoreLinker | None, LinkSupport]:
     """The linker of a task (its layout's blob store), or None with the reason;
-    ``tree_context`` as :class:`StoreLinker`'s ``context``."""
+    ``tree_context`` as :class:`StoreLinker`'s ``context``; ``namespace`` finds an
+    unprivileged caller's store namespace (fusion_oci/store_ns.py)."""
     if blobs is None:
         return None, LinkSupport(False, "cacheMode off: no caches, no shared blobs")
+    ns, why = (None, "") if host_uid == 0 or not isolating else namespace(host_uid)
     support = link_support(
-        host_uid=host_uid, isolating=isolating, worktree=worktree, blobs=Path(blobs)
+        host_uid=host_uid,
+        isolating=isolating,
+        worktree=worktree,
+        blobs=Path(blobs),
+        no_namespace=why,
     )
     if not support.ok:
         return None, support
-    return StoreLinker(worktree, Path(blobs), tree_context), support
+    return StoreLinker(worktree, Path(blobs), tree_context, ns), support

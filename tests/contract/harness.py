@@ -95,7 +95,11 @@ class RootlessUser:
         os.lchown(tree, self.uid, self.gid)
         for parent, dirs, files in os.walk(tree):
             for name in dirs + files:
-                os.lchown(os.path.join(parent, name), self.uid, self.gid)
+                path = os.path.join(parent, name)
+                # Only what root made: a blob belongs to the user's subordinate uid
+                # (fusion_oci/store_ns.py), and must stay so.
+                if os.lstat(path).st_uid == 0:
+                    os.lchown(path, self.uid, self.gid)
 
 
 @dataclass(frozen=True)

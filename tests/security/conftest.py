@@ -295,7 +295,11 @@ class RootlessUser:
         os.lchown(tree, self.uid, self.gid)
         for parent, dirs, files in os.walk(tree):
             for name in dirs + files:
-                os.lchown(os.path.join(parent, name), self.uid, self.gid)
+                path = os.path.join(parent, name)
+                # Only what root made: a blob belongs to the user's subordinate uid
+                # (fusion_oci/store_ns.py), and must stay so.
+                if os.lstat(path).st_uid == 0:
+                    os.lchown(path, self.uid, self.gid)
 
 
 @dataclass
@@ -389,6 +393,26 @@ class Prober:
         if "refused" in answer:
             raise PolicyNotEnforceableError(settings.backend, answer["refused"])
         return RunResult.model_validate(answer["result"])
+
+    @property
+    def store_owner(self) -> int:
+        """The owner (host view) of the blobs this prober's tasks are linked: the nobody uid
+        as root, the user's store namespace's subordinate uid when rootless."""
+        from fusion_oci.store import STORE_UID
+        from fusion_oci.store_ns import SUBGID, SUBUID, store_namespace
+
+        if self.rootless is None:
+            return STORE_UID
+        ns, why = store_namespace(
+            self.rootless.uid,
+            self.rootless.gid,
+            self.rootless.name,
+            SUBUID.read_text(),
+            SUBGID.read_text(),
+            ("newuidmap", "newgidmap"),
+        )
+        assert ns is not None, why
+        return ns.subuid
 
     @property
     def host_python(self) -> str:

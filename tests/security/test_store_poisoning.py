@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
+import tempfile
 from pathlib import Path
 
+import pytest
+
 from fusion_oci.models import CacheMode
-from fusion_oci.store import STORE_UID
-from tests.security.conftest import Prober, record
+from tests.conftest import git_init
+from tests.security.conftest import Prober, RootlessUser, record
 
 INSTALLED = "node_modules/.pnpm/victim@1.0.0/node_modules/victim/index.js"
 ATTACK = " ; ".join(
@@ -59,7 +63,10 @@ def _install(prober: Prober, task: str, project: Path, good: str) -> tuple[Path,
     return wt, seen.stdout.strip()
 
 
-def test_a_task_cannot_change_a_file_another_task_got_from_the_store(prober: Prober) -> None:
+def _poisoning(prober: Prober, tag: str = "") -> tuple[Path, Path]:
+    """Task a attacks a file it shares with task b (both installed the same bytes); returns
+    both files (host paths) once task b looked at its own. ``tag``: after the probe's name
+    in the matrix."""
     good = "GOOD-" + secrets.token_hex(8)
     project = prober.tmp / "project"
     project.mkdir()
@@ -80,16 +87,113 @@ def test_a_task_cannot_change_a_file_another_task_got_from_the_store(prober: Pro
     leaked = seen != good or b.read_text() != good
     if shared:
         # The links are the store's: the count inside the sandbox says so, the blob is
-        # nobody's and read-only, and nothing task a did reached task b's bytes.
+        # the store owner's (nobody as root, a subordinate uid of the caller's rootless)
+        # and read-only, and nothing task a did reached task b's bytes.
         assert int(links_a) > 1, f"link count inside {prober.backend}: {links_a}"
-        assert b.stat().st_uid == STORE_UID and b.stat().st_mode & 0o222 == 0
-        record("store-link-poisoning", prober.backend, "leaks" if leaked else "blocked")
+        assert b.stat().st_uid == prober.store_owner and b.stat().st_mode & 0o222 == 0
+        record("store-link-poisoning" + tag, prober.backend, "leaks" if leaked else "blocked")
         assert not leaked, f"task a changed task b's file on {prober.backend}: {attack.stdout}"
     else:
-        # No shared links here (native, or fusion-oci unprivileged: rootless engines): each
-        # task keeps its own copies, so there is nothing to poison through them.
-        record("store-link-poisoning", prober.backend, "copies")
+        # No shared links here (native isolates nothing): each task keeps its own copies, so
+        # there is nothing to poison through them.
+        assert prober.backend == "native", f"no shared links on {prober.backend}"
+        record("store-link-poisoning" + tag, prober.backend, "copies")
         assert not leaked
+    return a, b
+
+
+def test_a_task_cannot_change_a_file_another_task_got_from_the_store(prober: Prober) -> None:
+    _poisoning(prober)
+
+
+ESCAPE = " ; ".join(
+    [
+        "f=" + INSTALLED,
+        "me=$(id -u)",
+        "grep -E '^(NoNewPrivs|CapEff)' /proc/self/status",
+        # The setuid helper, on a namespace of the task's own that waits to be mapped: with
+        # no_new_privs it runs as the task, which may map nothing but its own uid.
+        "if command -v newuidmap >/dev/null; then "
+        "(unshare -U sleep 5 & c=$!; sleep 0.5; "
+        "newuidmap $c 0 $me 1 1 $SUB 1 && echo MAPPED-BY-HELPER; "
+        "cat /proc/$c/uid_map; kill $c) ; else echo NO-NEWUIDMAP; fi",
+        # By hand: a namespace of its own, the subordinate uid written into its map.
+        "unshare -U sh -c \"echo '0 $SUB 1' > /proc/self/uid_map && echo MAPPED-BY-HAND; "
+        'chmod u+w $f; echo EVIL >> $f"',
+        # Root of a namespace that maps only its own uid: every attack from there.
+        'unshare -U -r sh -c "id -u; chmod u+w $f; echo EVIL >> $f; truncate -s 0 $f; '
+        'ln $f again2 && echo EVIL >> again2"',
+        "find $f -printf 'links=%n uid=%U mode=%m'",
+    ]
+)
+"""The task tries to become capable over the blobs' subordinate uid by itself."""
+
+
+def test_a_task_cannot_become_capable_over_the_store_owner(prober: Prober, tag: str = "") -> None:
+    """``subuid-escape``: the blobs' owner is a uid of the caller's own subordinate range
+    where fusion-oci runs unprivileged (fusion_oci/store_ns.py), which the setuid
+    ``newuidmap`` maps for the caller. A task must not get that: it runs with no_new_privs and
+    no capabilities, so the helper, or a user namespace of its own, maps it nothing but its
+    own uid."""
+    a, b = _poisoning(prober, tag)
+    if prober.backend == "native":
+        record("subuid-escape" + tag, prober.backend, "copies")
+        return
+    good = b.read_text()
+    project = prober.tmp / "project"
+    wt_a = a.parents[len(INSTALLED.split("/")) - 1]
+    prober.env["SUB"] = str(prober.store_owner)
+    try:
+        out = prober.run(
+            ESCAPE,
+            worktree=wt_a,
+            cache_mode=CacheMode.SHARED,
+            project_dir=project,
+            task_id="store-a",
+        )
+    finally:
+        del prober.env["SUB"]
+    text = out.stdout + out.stderr
+    status = dict(
+        line.split(":\t", 1)
+        for line in out.stdout.splitlines()
+        if line.startswith(("NoNew", "CapEff"))
+    )
+    leaked = (
+        "MAPPED-BY" in out.stdout
+        or b.read_text() != good
+        or b.stat().st_mode & 0o222 != 0
+        or b.stat().st_uid != prober.store_owner
+    )
+    record("subuid-escape" + tag, prober.backend, "leaks" if leaked else "blocked")
+    assert not leaked, f"the task mapped the store owner on {prober.backend}: {text}"
+    assert status.get("NoNewPrivs") == "1" and int(status.get("CapEff", "1"), 16) == 0, text
+
+
+@pytest.mark.parametrize("name", ["bubblewrap", "landlock"])
+def test_an_unprivileged_caller_shares_blobs_no_task_can_change(
+    name: str, rootless_user: RootlessUser
+) -> None:
+    """bubblewrap and landlock run by the unprivileged user (the rootless engines are
+    backends of their own): the store namespace's blobs, and both probes above."""
+    from tests.backends import require_runtime
+
+    require_runtime(name)
+    base = Path(tempfile.mkdtemp(prefix="fusion-oci-probe-"))
+    base.chmod(0o755)
+    try:
+        home, wt = base / "home", base / "wt"
+        (home / ".ssh").mkdir(parents=True)
+        git_init(wt)
+        env = {
+            "HOME": str(home),
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "LANG": "C.UTF-8",
+        }
+        prober = Prober(name, base, wt, home, env, rootless_user)
+        test_a_task_cannot_become_capable_over_the_store_owner(prober, "-unprivileged")
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def test_control_the_same_attack_on_a_task_owned_shared_inode_leaks(prober: Prober) -> None:

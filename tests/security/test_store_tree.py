@@ -20,7 +20,6 @@ import secrets
 from pathlib import Path
 
 from fusion_oci.models import CacheMode
-from fusion_oci.store import STORE_UID
 from tests.security.conftest import Prober, record
 from tests.security.test_store_poisoning import ATTACK, INSTALLED
 
@@ -72,14 +71,14 @@ def test_a_placed_file_cannot_be_changed_for_the_next_task(prober: Prober) -> No
     wt_a = _install(prober, project, "tree-a", good, CacheMode.SHARED)
     wt_b, seen_b = _first_look(prober, project, "tree-b", CacheMode.SHARED)
     if seen_b == "ABSENT":
-        # No trees where no links are made (native, fusion-oci unprivileged): each task
-        # installs its own copies.
+        # No trees where no links are made (native): each task installs its own copies.
+        assert prober.backend == "native", f"nothing placed on {prober.backend}"
         assert not (wt_b / "node_modules").exists()
         record("store-tree-placement", prober.backend, "copies")
         return
     assert seen_b == good
     placed = wt_b / INSTALLED
-    assert placed.stat().st_uid == STORE_UID and placed.samefile(wt_a / INSTALLED)
+    assert placed.stat().st_uid == prober.store_owner and placed.samefile(wt_a / INSTALLED)
     attack = prober.run(
         ATTACK,
         worktree=wt_b,

@@ -60,6 +60,7 @@ TIERS: tuple[tuple[str, ...], ...] = (
         "hostpattern",
     ),
     ("process", "store"),
+    ("store_ns",),
     ("models", "store_tree"),
     ("audit", "policy", "agent"),
     ("egress",),
