@@ -68,6 +68,7 @@ LOCKFILE = "pnpm-lock.yaml"
 MAX_LOCKFILE = 64 << 20
 MAX_TREE = 256 << 20
 """Most bytes of a tree file read (tests/data/workload-project's: about 200 KB)."""
+NO_TREE = "no tree of this lockfile, runtime and image yet"
 _BLOB = re.compile(r"[0-9a-f]{2}/[0-9a-f]{126}(-exec)?")
 
 
@@ -297,7 +298,7 @@ def place_tree(worktree: Path, root: Path, key: str) -> tuple[PlaceStats, dict[s
     known: dict[str, str] = {}
     tree = load_tree(root, key)
     if tree is None:
-        return PlaceStats(reason="no tree of this lockfile, runtime and image yet"), known
+        return PlaceStats(reason=NO_TREE), known
     stats = PlaceStats()
     wt_fd = os.open(worktree, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
@@ -491,6 +492,10 @@ class StoreLinker:
         key = self._key()
         if key is None:
             return PlaceStats(reason=f"no {LOCKFILE}")
+        if not _tree_path(self.root, key).is_file():
+            # Said here, not by a job: before a first install every command would otherwise
+            # start the store namespace's process (rootless) only to learn there is no tree.
+            return PlaceStats(reason=NO_TREE)
         try:
             if self.namespace is not None:
                 answer = self._job("place", key)
