@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import markdown_table, write_markdown
+from benchmarks.disk_usage import extent_kib
 from fusion_oci.models import NetworkMode, PrepareContext, RunOptions, SandboxPolicy
 from fusion_oci.sandbox import Sandbox
 from tests.backends import backend_settings
@@ -44,7 +45,9 @@ imports none; the other's project trees are removed first, so pnpm copies every 
 the sandbox (its store is another mount) and the host's pass links them after
 (fusion_oci/store.py), as before trees. A sandbox's time is the placement plus its whole
 `run` (pnpm, then the pass). Disk: what the last placed task's `node_modules` adds to `du`
-after the blob store and the earlier tasks, against its full size."""
+after the blob store and the earlier tasks (each physical extent counted once:
+benchmarks/disk_usage.py, so a clone of a blob adds nothing), against its full size.
+Filesystem: {fs}."""
 READING = """
 - Targets: warm install within 1.3x of the host's; one more task on the same lockfile adds
   under 10% of its `node_modules` (what it adds is directories, symlinks, bin targets and
@@ -56,6 +59,12 @@ READING = """
 - Where fusion-oci runs unprivileged (rootless engines) there are no shared links and no trees
   (each task keeps its copies): docs/security.md, "the poisoning model".
 """
+
+
+def filesystem(path: Path) -> str:
+    return subprocess.run(
+        ["stat", "-f", "-c", "%T", str(path)], capture_output=True, text=True, check=True
+    ).stdout.strip()
 
 
 def du_kib(*paths: Path) -> list[int]:
@@ -129,9 +138,14 @@ async def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--backends", default="bubblewrap,landlock,oci,podman,docker")
     parser.add_argument("--markdown", help="write this section of docs/performance.md here")
+    parser.add_argument(
+        "--scratch",
+        help="make the project, its cache and the worktrees here (a folder on the filesystem "
+        "to measure, e.g. an XFS with reflink: bin targets are clones there)",
+    )
     args, _ = parser.parse_known_args()  # scripts/bench.sh passes --runs to every benchmark
     backends = args.backends.split(",")
-    base = Path(tempfile.mkdtemp(prefix="fusion-oci-bench-store-"))
+    base = Path(tempfile.mkdtemp(prefix="fusion-oci-bench-store-", dir=args.scratch))
     (base / "home").mkdir()
     (base / "project").mkdir()
     try:
@@ -181,7 +195,7 @@ async def main() -> None:
         blobs = next(trees.glob("*/store-blobs"))
         for backend in backends:
             full = du_kib(worktrees[backend][-1] / "node_modules")[0]
-            adds = du_kib(blobs, *[w / "node_modules" for w in worktrees[backend]])[-1]
+            adds = extent_kib(blobs, *[w / "node_modules" for w in worktrees[backend]])[-1]
             for case in ("placed", "copying"):
                 med = statistics.median(times[f"{backend} {case}"])
                 rows.append(
@@ -209,7 +223,7 @@ async def main() -> None:
         write_markdown(
             args.markdown,
             "Package store links: warm install and disk per task",
-            INTRO.format(rounds=args.rounds),
+            INTRO.format(rounds=args.rounds, fs=filesystem(base)),
             body,
             READING,
         )

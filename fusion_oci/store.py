@@ -87,6 +87,12 @@ STAGING = "_tmp_"
 """In a folder name: pnpm's staging folder of a package being imported (never walked)."""
 LOCK = ".lock"
 """The store's lock file (``flock``: shared by passes, exclusive for a prune)."""
+FICLONE = 0x40049409
+"""``ioctl(2)`` FICLONE: a new file shares another's blocks, copy on write (XFS with reflink,
+btrfs). The task's own copies of blobs (bin targets) are clones where the filesystem has them,
+so they cost no blocks; ext4 has none, and there an own copy is a copy."""
+_NO_CLONE: set[int] = set()
+"""Filesystems (``st_dev``) that answered a clone with "not supported": not asked again."""
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,9 @@ class LinkStats:
     unlinked: int = 0
     """Files an older pass linked that pnpm changes (bin targets, shims): the task's own
     copies again."""
+    cloned: int = 0
+    """Own copies (bin targets) made clones of their blob: they share its blocks
+    (:data:`FICLONE`)."""
     recorded: int = 0
     """Packages of the tree this pass kept for the next task on the same lockfile
     (fusion_oci/store_tree.py), 0 when it kept none."""
@@ -147,6 +156,8 @@ class LinkStats:
             out["unlinked"] = self.unlinked
         if self.recorded:
             out["recorded"] = self.recorded
+        if self.cloned:
+            out["cloned"] = self.cloned
         if self.too_deep:
             out["too_deep"] = self.too_deep
         if self.stopped:
@@ -475,17 +486,30 @@ class _Pass:
             self.note(folder, name, None)
             return {"skipped": 1}
         out = {"skipped": 1}
-        if st.st_uid == self.owner:
-            try:
-                _own_copy(dir_fd, name, data, executable)
-                out = {"unlinked": 1}
-            except OSError:
-                self.note(folder, name, None)
-                return {"skipped": 1}
+        sub, blob = _blob_name(hashlib.sha512(data).hexdigest(), executable)
+        if wanted and _write_blob(self.root, sub, blob, data, executable, self.owner):
+            out |= {"adopted": 1, "adopted_bytes": len(data)}
+        source = self.root / sub / blob
+        try:
+            if st.st_uid == self.owner:
+                # A link an older pass made: the task's own file again (a clone where the
+                # filesystem clones).
+                if _own_copy(dir_fd, name, data, executable, source):
+                    out["cloned"] = 1
+                out = {k: v for k, v in out.items() if k != "skipped"} | {"unlinked": 1}
+            elif (
+                wanted
+                and st.st_nlink == 1
+                and clones(st.st_dev)
+                and _own_copy(dir_fd, name, None, executable, source)
+            ):
+                # pnpm's copy became a clone of its blob, where the filesystem clones (same
+                # bytes, same owner: the task may chmod it, and a write copies what it changes).
+                out["cloned"] = 1
+        except OSError:
+            self.note(folder, name, None)
+            return {"skipped": 1}
         if wanted:
-            sub, blob = _blob_name(hashlib.sha512(data).hexdigest(), executable)
-            if _write_blob(self.root, sub, blob, data, executable, self.owner):
-                out |= {"adopted": 1, "adopted_bytes": len(data)}
             self.note(folder, name, TreeFile(f"{sub}/{blob}", copy=True))
         return out
 
@@ -550,16 +574,72 @@ def write_own_file(
         os.close(fd)
 
 
-def _own_copy(dir_fd: int, name: str, data: bytes, executable: bool) -> None:
-    """Put a file of the folder's owner holding ``data`` in the place of ``name``."""
+def clones(dev: int) -> bool:
+    """Whether files on the filesystem ``dev`` may still be cloned (none refused yet)."""
+    return dev not in _NO_CLONE
+
+
+def clone_own_file(
+    dir_fd: int, name: str, source: Path, owner: os.stat_result, executable: bool
+) -> bool:
+    """Create ``name`` (it must not exist) as a clone of the blob ``source`` (:data:`FICLONE`),
+    owned and moded as :func:`write_own_file` makes it; False, with nothing created, where the
+    filesystem cannot clone (the caller writes the bytes instead)."""
+    if not clones(owner.st_dev):
+        return False
+    try:
+        src = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False  # pruned meanwhile: the caller writes the bytes it holds
+    try:
+        if not stat.S_ISREG(os.fstat(src).st_mode):
+            return False
+        fd = os.open(
+            name,
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+            0o600,
+            dir_fd=dir_fd,
+        )
+        try:
+            fcntl.ioctl(fd, FICLONE, src)
+            os.fchown(fd, owner.st_uid, owner.st_gid)
+            os.fchmod(fd, 0o755 if executable else 0o644)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=dir_fd)
+            if exc.errno in (errno.EOPNOTSUPP, errno.ENOTTY, errno.ENOSYS):
+                _NO_CLONE.add(owner.st_dev)
+                return False
+            if exc.errno in (errno.EXDEV, errno.EINVAL):
+                return False  # another filesystem, or a file this one cannot clone
+            raise
+        finally:
+            os.close(fd)
+    finally:
+        os.close(src)
+    return True
+
+
+def _own_copy(
+    dir_fd: int, name: str, data: bytes | None, executable: bool, blob: Path | None = None
+) -> bool:
+    """Put a file of the folder's owner holding ``data`` in the place of ``name``: a clone of
+    ``blob`` (which holds ``data``) where the filesystem clones. True when it is one; with
+    ``data`` None, nothing changes where it cannot clone."""
     tmp = f".fusion-copy-{secrets.token_hex(6)}"
-    write_own_file(dir_fd, tmp, data, os.fstat(dir_fd), executable)
+    owner = os.fstat(dir_fd)
+    cloned = blob is not None and clone_own_file(dir_fd, tmp, blob, owner, executable)
+    if not cloned:
+        if data is None:
+            return False
+        write_own_file(dir_fd, tmp, data, owner, executable)
     try:
         _swap(dir_fd, tmp, name)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp, dir_fd=dir_fd)
         raise
+    return cloned
 
 
 def _folder_of(

@@ -52,6 +52,7 @@ from fusion_oci.store import (
     LinkSupport,
     PassTree,
     TreeFile,
+    clone_own_file,
     link_support,
     linking_pass,
     locked,
@@ -244,8 +245,11 @@ class _Folders:
 
 
 def _copy_blob(root: Path, blob: str, dir_fd: int, name: str, owner: os.stat_result) -> None:
-    """A file of the owner's holding the blob's bytes (a bin target: pnpm ``chmod``-s it)."""
+    """A file of the owner's holding the blob's bytes (a bin target: pnpm ``chmod``-s it):
+    a clone of the blob where the filesystem clones, else a copy."""
     folder, _, blob_name = blob.partition("/")
+    if clone_own_file(dir_fd, name, root / folder / blob_name, owner, blob.endswith("-exec")):
+        return
     blob_fd = os.open(root / folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         data, _ = read_file(blob_fd, blob_name, MAX_BLOB)

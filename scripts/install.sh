@@ -58,6 +58,8 @@ APT_PACKAGES=(
     # a C compiler and a static libc: the wheel's build hook (hatch_build.py) compiles the exec
     # agent (fusion_oci/agent/agent.c) into a static binary
     gcc libc6-dev
+    # mkfs.xfs: tests/integration/test_store_reflink.py makes an XFS (reflink) on a loop device
+    xfsprogs
 )
 
 missing=()

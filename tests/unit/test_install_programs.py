@@ -54,6 +54,7 @@ PROGRAMS: dict[str, str] = {
     "ip": "iproute2",
     "docker-registry": "docker-registry",
     "runsc": "runsc",
+    "mkfs.xfs": "xfsprogs",
     "docker-compose": "docker-compose",
     "chromium": "chromium",
     "chromedriver": "chromium-driver",
