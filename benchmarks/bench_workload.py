@@ -26,14 +26,15 @@ before our steps (alternating by round): ``ENGINE run -d`` of the same image and
 through to the worktree (a sandbox per step, where ours keeps one per task).
 
 Also, once per runtime: the disk a second task on the same lockfile adds (a second worktree
-installing from the same store: ``du`` of store and both ``node_modules``, hard links counted
-once, minus the same without the second task), as a share of one ``node_modules``; and the
-memory an idle prepared sandbox holds (PSS of the processes that appeared with it: its own
-and, for the engines, the container's and its shim's, found by the task's container ids;
-the engine daemons' own growth is not counted); and the memory a running egress proxy holds
-(a prepared sandbox under ``network: filtered`` against one under ``none``: its processes and
-the library's owner process's growth, after a first filtered sandbox that pays the process's
-one-off imports). Medians of the rounds, as ratios to the host and to the raw tool.
+installing from the same store: ``du`` of store and both ``node_modules``, hard links (and
+clones' extents) counted once, minus the same without the second task), as a share of one
+``node_modules``; and the memory an idle prepared sandbox holds (PSS of the processes that
+appeared with it: its own and, for the engines, the container's and its shim's, found by the
+task's container ids; the engine daemons' own growth is not counted); and the memory a running
+egress proxy holds (a prepared sandbox under ``network: filtered`` against one under ``none``:
+its processes and the library's owner process's growth, after a first filtered sandbox that
+pays the process's one-off imports).
+Medians of the rounds, as ratios to the host and to the raw tool.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import markdown_table, write_markdown
+from benchmarks.disk_usage import extent_kib
 from benchmarks.workload_raw import (
     host_node,
     pin_project,
@@ -311,11 +313,10 @@ async def versions(box: Box) -> str:
 
 
 def du_kib(*paths: Path) -> int:
-    """KiB of ``paths`` together, each hard-linked file counted once (du's own rule)."""
-    out = subprocess.run(
-        ["du", "-skc", *map(str, paths)], capture_output=True, text=True, check=True
-    ).stdout
-    return int(out.strip().splitlines()[-1].split()[0])
+    """KiB of ``paths`` together, each hard-linked file and each physical extent counted once
+    (benchmarks/disk_usage.py: a clone of a blob on XFS or btrfs adds nothing; on ext4 this
+    is ``du -skc``)."""
+    return sum(extent_kib(*paths))
 
 
 def stores(site: Path) -> list[Path]:
