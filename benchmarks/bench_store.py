@@ -40,7 +40,7 @@ INTRO = """`benchmarks/bench_store.py --rounds {rounds}`: tests/data/workload-pr
 offline from a warm store, each round two new tasks (worktrees) of one project per backend and
 a new directory for the host's own pnpm on its own warm store, interleaved. One task's
 packages are placed by the host at prepare from the tree earlier installs of the lockfile
-left (fusion_oci/store_tree.py: links to the blobs, bin targets its own copies), so pnpm
+left (fusion_oci/store_tree.py: links to the blobs, bin targets its own copies or clones), so pnpm
 imports none; the other's project trees are removed first, so pnpm copies every file inside
 the sandbox (its store is another mount) and the host's pass links them after
 (fusion_oci/store.py), as before trees. A sandbox's time is the placement plus its whole
@@ -56,8 +56,11 @@ READING = """
   task may link only files it could rewrite): without a tree it copies, and the host links
   after. Landlock sees the host's filesystem, so pnpm links its store itself and the pass
   re-links to blobs.
-- Where fusion-oci runs unprivileged (rootless engines) there are no shared links and no trees
-  (each task keeps its copies): docs/security.md, "the poisoning model".
+- A bin target is the task's own file (pnpm `chmod`-s it): on ext4 a copy (esbuild's is its
+  9.5 MB native binary), on XFS with reflink or btrfs a clone of its blob (no data blocks).
+- Where fusion-oci runs unprivileged (rootless engines) the pass and the placement run in a
+  user namespace of their own (fusion_oci/store_ns.py); this benchmark drives the runtimes in
+  its own process, as root: bench_workload has the rootless rows.
 """
 
 
