@@ -136,11 +136,14 @@ def resolve(
     else the cache directories, the project's ``.fusion/`` and git's mount points are made."""
     image = resolve_image(settings, ctx, default_image)
     resolved_ctx = ctx if image == ctx.image else ctx.model_copy(update={"image": image})
+    ca_bundle = resolve_ca_bundle(settings, ctx, host)
     layout = resolve_layout(
         resolved_ctx,
         cache_root=cache_root,
-        ca_bundle=resolve_ca_bundle(settings, ctx, host),
+        ca_bundle=ca_bundle,
         create=create,
+        # The host's own system bundle (hostCa: auto, or a path naming it) is a whole store.
+        ca_complete=ca_bundle is not None and ca_bundle == host.ca_bundle,
     )
     return ResolvedTask(ctx=resolved_ctx, layout=layout, host=host, env=dict(env))
 

@@ -371,6 +371,8 @@ def credential_layout(
     return dataclasses.replace(
         layout,
         ca_bundle=str(bundle),
+        # The broker's CA added to what the task trusted: as whole a store as that was.
+        ca_complete=layout.ca_complete if layout.ca_bundle else host_ca is not None,
         sentinels=tuple(broker.sentinels.items()),
         git_credentials=git,
     )

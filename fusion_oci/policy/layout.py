@@ -51,6 +51,11 @@ class TaskLayout:
     caches: tuple[CacheMount, ...]
     ca_bundle: str | None
     """Host CA bundle to share read-only, or None."""
+    ca_complete: bool = False
+    """Whether ``ca_bundle`` is a whole trust store (the host's own system bundle, maybe with
+    the credential broker's CA added), so that Node.js may trust it in place of its own roots
+    (fusion_oci/oci/spec.py: ``NODE_OPENSSL_CA``); False for a bundle the settings name, which
+    may hold a company's CA only and so is added to Node.js's roots."""
     protected: tuple[str, ...] = ()
     """Existing host paths inside what the sandbox may write that stay read-only there."""
     unprotected: tuple[str, ...] = field(default=())
@@ -238,7 +243,12 @@ def resolve_ca(setting: str, host_ca: str | None) -> str | None:
 
 
 def resolve_layout(
-    ctx: PrepareContext, *, cache_root: Path, ca_bundle: str | None, create: bool = True
+    ctx: PrepareContext,
+    *,
+    cache_root: Path,
+    ca_bundle: str | None,
+    create: bool = True,
+    ca_complete: bool = False,
 ) -> TaskLayout:
     """Read the task's host paths. ``create=False`` (dry runs) creates nothing on the host."""
     worktree = Path(ctx.worktree_path)
@@ -270,6 +280,7 @@ def resolve_layout(
         git=git,
         caches=_cache_dirs(ctx, cache_root, create),
         ca_bundle=ca_bundle,
+        ca_complete=ca_bundle is not None and ca_complete,
         protected=protected,
         unprotected=unprotected,
         # Per project, in isolated mode too: a blob's bytes never change (so sharing one gives

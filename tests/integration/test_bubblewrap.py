@@ -113,7 +113,12 @@ async def test_pnpm_project_installs_tests_and_builds_with_egress(tmp_path: Path
     long = RunOptions(timeout_ms=180_000)
     async with sandbox(tmp_path, first, egress, task="a", project=project) as sb:
         env = await sb.run("env", long)
-        assert "NODE_EXTRA_CA_CERTS=/etc/fusion-oci/host-ca.pem" in env.stdout
+        # The host's whole store, read by Node.js through OpenSSL (no NODE_EXTRA_CA_CERTS,
+        # whose parse every Node.js start pays): the install below goes through the
+        # TLS-intercepting proxy on it.
+        assert "NODE_OPTIONS=--use-openssl-ca" in env.stdout
+        assert "SSL_CERT_FILE=/etc/fusion-oci/host-ca.pem" in env.stdout
+        assert "NODE_EXTRA_CA_CERTS" not in env.stdout
         install = await sb.run("pnpm install --frozen-lockfile", long)
         assert install.exit_code == 0, install.stderr + install.stdout
         test = await sb.run("pnpm test", long)

@@ -43,12 +43,15 @@ CACHES = (
         (("npm_config_cache", "/var/cache/fusion-oci/npm-cache"),),
     ),
 )
-PLAIN = TaskLayout("/work/wt/task-1", None, CACHES, "/etc/ssl/certs/ca-certificates.crt")
+PLAIN = TaskLayout(
+    "/work/wt/task-1", None, CACHES, "/etc/ssl/certs/ca-certificates.crt", ca_complete=True
+)
 LINKED = TaskLayout(
     "/work/wt/task-1",
     GitLayout("linked", "/work/repo/.git/worktrees/task-1", "/work/repo/.git"),
     CACHES,
     "/etc/ssl/certs/ca-certificates.crt",
+    ca_complete=True,
 )
 ENV = {
     "PATH": "/home/u/bin:/usr/bin",

@@ -3,7 +3,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -35,6 +35,7 @@ LAYOUT = TaskLayout(
         ),
     ),
     ca_bundle="/etc/ssl/certs/ca-certificates.crt",
+    ca_complete=True,  # the host's own bundle, as hostCa: auto resolves
 )
 ENV = {
     "PATH": "/home/u/bin:/usr/bin",
@@ -104,7 +105,9 @@ def test_env_reduced_to_fixed_set_plus_allowlist() -> None:
     assert "CI" not in env
     assert env["HOME"] == "/home/sandbox"
     assert env["PATH"].startswith("/usr/local/sbin")
-    assert env["NODE_EXTRA_CA_CERTS"] == "/etc/fusion-oci/host-ca.pem"
+    # The host's whole store: Node.js reads it through OpenSSL, at its first handshake.
+    assert env["SSL_CERT_FILE"] == "/etc/fusion-oci/host-ca.pem"
+    assert env["NODE_OPTIONS"] == "--use-openssl-ca" and "NODE_EXTRA_CA_CERTS" not in env
     allowed = compile_spec(
         ctx(SandboxPolicy(env_allowlist=["GITHUB_TOKEN", "MISSING"])),
         LAYOUT,
@@ -251,3 +254,86 @@ def test_worktree_config_is_read_only_when_the_extension_is_on(
     last = [m for m in spec["mounts"] if m["destination"] == layout.git.worktree_config][-1]
     assert "ro" in last["options"]
     assert spec["mounts"][-1] is not None
+
+
+# ------------------------------------------------------------ how Node.js trusts the bundle
+
+
+def test_a_bundle_the_settings_name_is_added_to_nodes_roots() -> None:
+    """A bundle that may hold a company's CA only: NODE_EXTRA_CA_CERTS (added to Node.js's
+    own roots), as before; the host's whole store (LAYOUT): OpenSSL's store in their place."""
+    import dataclasses
+
+    partial = dataclasses.replace(LAYOUT, ca_complete=False)
+    env = spec_env(compile_spec(ctx(SandboxPolicy()), partial, HOST, "env", RunOptions(), ENV))
+    assert env["NODE_EXTRA_CA_CERTS"] == "/etc/fusion-oci/host-ca.pem"
+    assert "NODE_OPTIONS" not in env
+    none = dataclasses.replace(LAYOUT, ca_bundle=None)
+    env = spec_env(compile_spec(ctx(SandboxPolicy()), none, HOST, "env", RunOptions(), ENV))
+    assert "NODE_OPTIONS" not in env and "SSL_CERT_FILE" not in env
+
+
+@pytest.mark.parametrize(
+    ("theirs", "options", "extra"),
+    [
+        ("--max-old-space-size=4096", "--use-openssl-ca --max-old-space-size=4096", None),
+        ("--use-openssl-ca --inspect", "--use-openssl-ca --inspect", None),
+        # Node.js refuses both stores at once: theirs stands, the bundle is added instead.
+        ("--use-bundled-ca", "--use-bundled-ca", "/etc/fusion-oci/host-ca.pem"),
+    ],
+)
+def test_an_allow_listed_node_options_keeps_the_store(
+    theirs: str, options: str, extra: str | None
+) -> None:
+    policy = SandboxPolicy(env_allowlist=["NODE_OPTIONS"])
+    caller = {**ENV, "NODE_OPTIONS": theirs}
+    env = spec_env(compile_spec(ctx(policy), LAYOUT, HOST, "env", RunOptions(), caller))
+    assert env["NODE_OPTIONS"] == options
+    assert env.get("NODE_EXTRA_CA_CERTS") == extra
+
+
+def test_only_the_hosts_own_bundle_is_a_whole_store(tmp_path: Path) -> None:
+    from fusion_oci.policy.settings import SandboxSettings
+    from fusion_oci.resolve import resolve
+
+    wt = tmp_path / "wt"
+    wt.mkdir()
+    own = tmp_path / "company.pem"
+    own.write_text("-----BEGIN CERTIFICATE-----\n")
+    host = HostInfo(ca_bundle=str(own))
+    context = PrepareContext(task_id="t", run_id="r", worktree_path=str(wt))
+    for setting, complete in (("auto", True), (str(own), True), ("off", False)):
+        task = resolve(
+            SandboxSettings(host_ca=setting), context, host, env={}, cache_root=tmp_path / "c"
+        )
+        assert task.layout.ca_complete is complete, setting
+    other = HostInfo(ca_bundle="/etc/ssl/certs/ca-certificates.crt")
+    task = resolve(
+        SandboxSettings(host_ca=str(own)), context, other, env={}, cache_root=tmp_path / "c"
+    )
+    assert task.layout.ca_bundle == str(own) and not task.layout.ca_complete
+
+
+def test_the_credential_bundle_is_as_whole_as_what_it_adds_to(tmp_path: Path) -> None:
+    import dataclasses
+
+    from fusion_oci.egress.credentials import credential_layout
+
+    class Broker:  # what credential_layout reads of one
+        credentials: tuple[()] = ()
+        sentinels: ClassVar[dict[str, str]] = {}
+        ca_cert_pem = b"-----BEGIN CERTIFICATE-----\nB\n-----END CERTIFICATE-----\n"
+
+    host_ca = tmp_path / "host.pem"
+    host_ca.write_text("-----BEGIN CERTIFICATE-----\nA\n-----END CERTIFICATE-----\n")
+    partial = dataclasses.replace(LAYOUT, ca_bundle=str(host_ca), ca_complete=False)
+    whole = dataclasses.replace(partial, ca_complete=True)
+    none = dataclasses.replace(LAYOUT, ca_bundle=None, ca_complete=False)
+    for layout, base, complete in (
+        (partial, str(host_ca), False),
+        (whole, str(host_ca), True),
+        (none, str(host_ca), True),  # the host's own store, with the broker's CA
+        (none, None, False),
+    ):
+        out = credential_layout(layout, base, Broker(), tmp_path)  # type: ignore[arg-type]
+        assert out.ca_complete is complete, (layout.ca_complete, base)

@@ -79,7 +79,9 @@ def layout(isolated: bool = False) -> TaskLayout:
         for name, env in (("pnpm-store", "npm_config_store_dir"), ("npm-cache", "npm_config_cache"))
     )
     git = GitLayout("linked", "/srv/repo/.git/worktrees/wt", "/srv/repo/.git")
-    return TaskLayout("/srv/wt", git, caches, "/etc/ssl/certs/ca-certificates.crt")
+    return TaskLayout(
+        "/srv/wt", git, caches, "/etc/ssl/certs/ca-certificates.crt", ca_complete=True
+    )
 
 
 def task_for(
@@ -242,7 +244,8 @@ def test_translation_essentials() -> None:
     env = plan_exec(spec).env
     assert "SECRET" not in env and env["NODE_ENV"] == "test"
     assert env["GIT_CONFIG_VALUE_0"] == "*"
-    assert env["NODE_EXTRA_CA_CERTS"] == "/etc/fusion-oci/host-ca.pem"
+    assert env["SSL_CERT_FILE"] == "/etc/fusion-oci/host-ca.pem"
+    assert env["NODE_OPTIONS"] == "--use-openssl-ca"
 
 
 def test_rootless_dockerd_runs_the_caller_as_its_user_namespace_root() -> None:

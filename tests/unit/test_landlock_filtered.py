@@ -35,7 +35,9 @@ from tests.bpf import run_bpf
 from tests.golden import GOLDEN_HOST, assert_golden
 from tests.tasks import resolved
 
-LAYOUT = TaskLayout("/work/wt/task-1", None, (), "/etc/ssl/certs/ca-certificates.crt")
+LAYOUT = TaskLayout(
+    "/work/wt/task-1", None, (), "/etc/ssl/certs/ca-certificates.crt", ca_complete=True
+)
 HOME, TMP, PORT, AGENT = "/run/scratch/home", "/run/scratch/tmp", 40123, "/opt/fo/agent"
 ERRNO_EPERM = 0x00050000 | 1
 

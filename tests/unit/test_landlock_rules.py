@@ -22,12 +22,15 @@ from tests.golden import GOLDEN_HOST, assert_golden
 from tests.tasks import plan_for, resolved
 
 HOST = GOLDEN_HOST
-PLAIN_DIR = TaskLayout("/work/wt/task-1", None, (), "/etc/ssl/certs/ca-certificates.crt")
+PLAIN_DIR = TaskLayout(
+    "/work/wt/task-1", None, (), "/etc/ssl/certs/ca-certificates.crt", ca_complete=True
+)
 LINKED = TaskLayout(
     "/work/wt/task-1",
     GitLayout("linked", "/work/repo/.git/worktrees/task-1", "/work/repo/.git"),
     (),
     "/etc/ssl/certs/ca-certificates.crt",
+    ca_complete=True,
 )
 MAIN_REPO = TaskLayout(
     "/work/wt/task-1", GitLayout("main", "/work/wt/task-1/.git", "/work/wt/task-1/.git"), (), None

@@ -38,6 +38,7 @@ LAYOUT = TaskLayout(
     git=GitLayout("linked", "/work/repo/.git/worktrees/task-1", "/work/repo/.git"),
     caches=(),
     ca_bundle="/etc/ssl/certs/ca-certificates.crt",
+    ca_complete=True,  # the host's own bundle, as hostCa: auto resolves
 )
 POLICIES = {
     "none-limits": SandboxPolicy(
