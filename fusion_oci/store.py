@@ -553,11 +553,12 @@ def read_file(
         os.close(fd)
 
 
-def write_own_file(
-    dir_fd: int, name: str, data: bytes, owner: os.stat_result, executable: bool
+def _new_own_file(
+    dir_fd: int, name: str, fill: Callable[[int], None], owner: os.stat_result, executable: bool
 ) -> None:
-    """Create ``name`` (it must not exist) holding ``data``, owned by ``owner``'s uid and gid
-    (the folder's: a file the task may ``chmod``), mode 0755 or 0644."""
+    """Create ``name`` (it must not exist), ``fill`` its fd, own it as ``owner``'s uid and gid
+    (the folder's: a file the task may ``chmod``), mode 0755 or 0644; on any failure the
+    name is removed again (no half-made file stays)."""
     fd = os.open(
         name,
         os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
@@ -565,13 +566,29 @@ def write_own_file(
         dir_fd=dir_fd,
     )
     try:
+        fill(fd)
+        os.fchown(fd, owner.st_uid, owner.st_gid)
+        os.fchmod(fd, 0o755 if executable else 0o644)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(name, dir_fd=dir_fd)
+        raise
+    finally:
+        os.close(fd)
+
+
+def write_own_file(
+    dir_fd: int, name: str, data: bytes, owner: os.stat_result, executable: bool
+) -> None:
+    """Create ``name`` (it must not exist) holding ``data``, owned by ``owner``'s uid and gid
+    (the folder's: a file the task may ``chmod``), mode 0755 or 0644."""
+
+    def write(fd: int) -> None:
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view) :]
-        os.fchown(fd, owner.st_uid, owner.st_gid)
-        os.fchmod(fd, 0o755 if executable else 0o644)
-    finally:
-        os.close(fd)
+
+    _new_own_file(dir_fd, name, write, owner, executable)
 
 
 def clones(dev: int) -> bool:
@@ -594,27 +611,18 @@ def clone_own_file(
     try:
         if not stat.S_ISREG(os.fstat(src).st_mode):
             return False
-        fd = os.open(
-            name,
-            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-            0o600,
-            dir_fd=dir_fd,
-        )
-        try:
+
+        def clone(fd: int) -> None:
             fcntl.ioctl(fd, FICLONE, src)
-            os.fchown(fd, owner.st_uid, owner.st_gid)
-            os.fchmod(fd, 0o755 if executable else 0o644)
-        except OSError as exc:
-            with contextlib.suppress(OSError):
-                os.unlink(name, dir_fd=dir_fd)
-            if exc.errno in (errno.EOPNOTSUPP, errno.ENOTTY, errno.ENOSYS):
-                _NO_CLONE.add(owner.st_dev)
-                return False
-            if exc.errno in (errno.EXDEV, errno.EINVAL):
-                return False  # another filesystem, or a file this one cannot clone
-            raise
-        finally:
-            os.close(fd)
+
+        _new_own_file(dir_fd, name, clone, owner, executable)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.ENOTTY, errno.ENOSYS):
+            _NO_CLONE.add(owner.st_dev)
+            return False
+        if exc.errno in (errno.EXDEV, errno.EINVAL):
+            return False  # another filesystem, or a file this one cannot clone
+        raise
     finally:
         os.close(src)
     return True
