@@ -187,8 +187,9 @@ def host_trust(env: Mapping[str, str]) -> dict[str, str]:
     """The caller's environment, its Node.js trusting the CA this machine needs (its
     TLS-intercepting proxy's, in ``NODE_EXTRA_CA_CERTS``) as the sandboxes trust the host's
     store: through OpenSSL (fusion_oci/oci/spec.py: ``NODE_OPENSSL_CA``). With the variable,
-    every Node.js start on the host would pay a parse the sandboxes do not (45 ms here), which
-    a host without such a proxy does not pay either."""
+    every Node.js start on the host and under native would pay a parse the sandboxes do not
+    (45 ms here), which a host without such a proxy does not pay either. Set for the whole
+    benchmark process at its start (the rootless drivers get their own fixed environment)."""
     out = dict(env)
     extra = out.pop("NODE_EXTRA_CA_CERTS", None)
     if extra is not None:
@@ -202,7 +203,7 @@ class Host:
 
     def __init__(self, site: Path) -> None:
         self.env = {
-            **host_trust(os.environ),
+            **os.environ,
             "npm_config_store_dir": str(site / "cache" / "pnpm-store"),
             "XDG_CACHE_HOME": str(site / "xdg-cache"),
             "CI": "1",
@@ -840,6 +841,11 @@ def drop_volumes(base: str) -> None:
 
 
 def main() -> None:
+    # The host, native (the caller's environment) and every sandbox's caller trust this
+    # machine's CA one way: the sandboxes' (host_trust).
+    trusted = host_trust(os.environ)
+    os.environ.clear()
+    os.environ.update(trusted)
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     # scripts/bench.sh hands its arguments to every benchmark: the others' --runs (commands
