@@ -46,10 +46,8 @@ APT_PACKAGES=(
     docker-registry
     # libseccomp: pyseccomp (pyproject.toml) loads it to compile the seccomp profile to BPF
     libseccomp2
-    # gVisor's runsc is not here: install_pinned_deb below installs trixie's (see there).
-    # What that step verifies with: gpgv and Debian's archive keys (the suite's signed
-    # InRelease), xz (its Packages.xz)
-    gpgv debian-archive-keyring xz-utils
+    # gVisor: the oci backend with ociRuntime runsc (a userspace kernel boundary)
+    runsc
     # pytest-docker drives compose.yaml (the egress canary) with `docker-compose` when the
     # docker CLI has no compose plugin
     docker-compose
@@ -79,78 +77,6 @@ if ((${#missing[@]})); then
 else
     log "apt: all ${#APT_PACKAGES[@]} packages already installed, skipping apt-get"
 fi
-
-# --------------------------------------------------------------------------- pinned .debs
-# install_pinned_deb PACKAGE VERSION SUITE POOL_PATH SHA256: installs one .deb of another
-# Debian suite, verified end to end before dpkg sees it: the suite's InRelease must carry a good
-# signature by a key of Debian's archive keyring (gpgv; only the text gpgv verified is read),
-# that text's SHA256 of main/binary-amd64/Packages.xz must match the download, that index must
-# list PACKAGE at exactly VERSION with exactly POOL_PATH and SHA256, and the .deb must hash to
-# the SHA256 pinned here. Any mismatch stops the install (nothing is installed). Quick when
-# dpkg already has PACKAGE at VERSION (no download).
-DEBIAN_MIRROR=http://deb.debian.org/debian
-DEBIAN_KEYRING=/usr/share/keyrings/debian-archive-keyring.gpg
-# (A subshell: its EXIT trap removes the downloads, and a die ends the install.)
-install_pinned_deb() (
-    local package="$1" version="$2" suite="$3" pool_path="$4" sha256="$5"
-    local have index_sha stanza got tmp
-    have="$(dpkg-query -W -f='${Status} ${Version}' "$package" 2>/dev/null || true)"
-    if [[ "$have" == "install ok installed $version" ]]; then
-        log "deb: $package $version already installed (pinned, from $suite)"
-        return 0
-    fi
-    log "deb: $package: installing $version from $suite (installed: ${have:-none})"
-    tmp="$(mktemp -d)"
-    # shellcheck disable=SC2064
-    trap "rm -rf '$tmp'" EXIT
-    curl -fsSL -o "$tmp/InRelease" "$DEBIAN_MIRROR/dists/$suite/InRelease" \
-        || die "deb: cannot download $DEBIAN_MIRROR/dists/$suite/InRelease"
-    gpgv --keyring "$DEBIAN_KEYRING" --output "$tmp/Release" "$tmp/InRelease" 2>"$tmp/gpgv.log" \
-        || die "deb: $suite's InRelease has no good signature by a key of $DEBIAN_KEYRING" \
-            "($(tail -n 2 "$tmp/gpgv.log" | tr '\n' ' ')); hint: is debian-archive-keyring" \
-            "up to date (apt-get install debian-archive-keyring)?"
-    grep -qx "Codename: $suite" "$tmp/Release" \
-        || die "deb: the signed Release is not $suite's (no 'Codename: $suite')"
-    index_sha="$(awk '/^SHA256:/ {on = 1; next} /^[^ ]/ {on = 0}
-        on && $3 == "main/binary-amd64/Packages.xz" {print $1}' "$tmp/Release")"
-    [[ -n "$index_sha" ]] || die "deb: $suite's Release names no main/binary-amd64/Packages.xz"
-    curl -fsSL -o "$tmp/Packages.xz" "$DEBIAN_MIRROR/dists/$suite/main/binary-amd64/Packages.xz" \
-        || die "deb: cannot download $suite's Packages.xz"
-    got="$(sha256sum "$tmp/Packages.xz" | cut -d' ' -f1)"
-    [[ "$got" == "$index_sha" ]] \
-        || die "deb: $suite's Packages.xz hashes to $got, its signed Release says $index_sha"
-    xz -dc "$tmp/Packages.xz" >"$tmp/Packages"  # a file: awk's early exit breaks no pipe
-    stanza="$(awk -v p="$package" -v v="$version" '
-        /^$/ {if (pk == p && ve == v) exit; blk = pk = ve = ""; next}
-        {blk = blk $0 "\n"} /^Package: / {pk = $2} /^Version: / {ve = $2}
-        END {if (pk == p && ve == v) printf "%s", blk}' "$tmp/Packages")"
-    [[ -n "$stanza" ]] || die "deb: $suite no longer lists $package $version; hint: review" \
-        "the release it lists now and update the pin (version, pool path, SHA256) in install.sh"
-    grep -qx "Filename: $pool_path" <<<"$stanza" \
-        || die "deb: $suite lists $package $version at another path than $pool_path"
-    grep -qx "SHA256: $sha256" <<<"$stanza" \
-        || die "deb: $suite's signed index gives $package $version another SHA256 than the" \
-            "pinned $sha256: $(grep '^SHA256:' <<<"$stanza")"
-    curl -fsSL -o "$tmp/$package.deb" "$DEBIAN_MIRROR/$pool_path" \
-        || die "deb: cannot download $DEBIAN_MIRROR/$pool_path"
-    got="$(sha256sum "$tmp/$package.deb" | cut -d' ' -f1)"
-    [[ "$got" == "$sha256" ]] \
-        || die "deb: $pool_path hashes to $got, not the pinned (and signed) $sha256"
-    as_root dpkg -i "$tmp/$package.deb" >/dev/null
-    have="$(dpkg-query -W -f='${Status} ${Version}' "$package" 2>/dev/null || true)"
-    [[ "$have" == "install ok installed $version" ]] \
-        || die "deb: dpkg -i $package.deb left '$have', not '$version'"
-    log "deb: $package $version installed (verified: signed InRelease, Packages.xz, .deb)"
-)
-
-# gVisor: the oci backend with ociRuntime runsc (a userspace kernel boundary). Bookworm's
-# runsc (0.0~20221219) has only ptrace here (its kvm hangs), 2.7x the host on the workload;
-# trixie's release has systrap, which fusion-oci selects (runtimes/ocicli/launch.py). A static
-# binary with no Depends, so it installs on Debian 12 as it is. To go back to bookworm's:
-#   apt-get install --reinstall --allow-downgrades runsc=0.0~20221219.0-2+b3
-install_pinned_deb runsc 0.0~20240729.0-4+b7 trixie \
-    pool/main/g/golang-gvisor-gvisor/runsc_0.0~20240729.0-4+b7_amd64.deb \
-    3c25a5130dfac2f71237d5baad56ac86a255de87a0400f11b36a555156dc325a
 
 # --------------------------------------------------------------------------- pnpm
 # The bubblewrap tests run the host's pnpm inside the sandbox (tests/data/pnpm-project).

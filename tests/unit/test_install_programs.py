@@ -4,9 +4,8 @@ scripts/install.sh: a fresh Debian 12 with only the README's two commands passes
 The programs are found in the code (argv literals, ``shutil.which``, ``/usr/bin/...`` paths,
 the shell scripts' commands) plus the ones other programs run (podman kube play's pause binary
 ``catatonit``, rootless engines' helpers). Each is either in :data:`PROGRAMS` with the package
-that ships it, which install.sh must install (APT_PACKAGES, a pinned .deb of its
-``install_pinned_deb`` step, or its npm / pip step), or comes with a Debian 12 base system (an
-Essential or Priority: required package, as dpkg says here).
+that ships it, which install.sh must install (APT_PACKAGES, or its npm / pip step), or comes
+with a Debian 12 base system (an Essential or Priority: required package, as dpkg says here).
 The table itself is checked against dpkg on this machine, so a wrong package name fails too.
 """
 
@@ -55,8 +54,6 @@ PROGRAMS: dict[str, str] = {
     "ip": "iproute2",
     "docker-registry": "docker-registry",
     "runsc": "runsc",
-    "gpgv": "gpgv",
-    "xz": "xz-utils",
     "docker-compose": "docker-compose",
     "chromium": "chromium",
     "chromedriver": "chromium-driver",
@@ -133,12 +130,6 @@ def apt_packages(install_sh: str) -> set[str]:
     return {w for line in block.group(1).splitlines() for w in line.split("#")[0].split()}
 
 
-def pinned_debs(install_sh: str) -> set[str]:
-    """The packages install.sh installs as a verified .deb of another suite
-    (``install_pinned_deb PACKAGE VERSION ...`` at the start of a line). Pure."""
-    return set(re.findall(r"^install_pinned_deb (\S+) ", install_sh, re.M))
-
-
 def npm_globals(install_sh: str) -> set[str]:
     """The packages install.sh installs with ``npm install -g`` (versions dropped). Pure."""
     return {m.split("@")[0] for m in re.findall(r"npm install -g (\S+)", install_sh)}
@@ -146,8 +137,7 @@ def npm_globals(install_sh: str) -> set[str]:
 
 def unprovided(table: Mapping[str, str], install_sh: str) -> list[str]:
     """The programs of ``table`` whose package ``install_sh`` does not install. Pure."""
-    apt = apt_packages(install_sh) | pinned_debs(install_sh)
-    npm = npm_globals(install_sh)
+    apt, npm = apt_packages(install_sh), npm_globals(install_sh)
     pip = "pip install" in install_sh and "-e '.[dev]'" in install_sh
     missing = []
     for program, package in sorted(table.items()):
@@ -362,9 +352,6 @@ def test_the_check_fails_when_install_sh_drops_a_package() -> None:
     assert list(classify({"catatonit": {"(indirect)"}}, no_catatonit)) == ["catatonit"]
     no_pnpm = real.replace("npm install -g pnpm@9", "true")
     assert unprovided(PROGRAMS, no_pnpm) == ["pnpm"]
-    no_runsc = re.sub(r"^install_pinned_deb runsc ", "true ", real, flags=re.M)
-    assert no_runsc != real
-    assert unprovided(PROGRAMS, no_runsc) == ["runsc"]
     fake = "APT_PACKAGES=(\n    git  # a comment: podman\n    nodejs\n)\n"
     assert apt_packages(fake) == {"git", "nodejs"}
     assert unprovided({"git": "git", "podman": "podman"}, fake) == ["podman"]
