@@ -66,7 +66,7 @@ from fusion_oci.runtimes.ocicli import launch as _launch
 from fusion_oci.runtimes.ocicli import probe
 from fusion_oci.runtimes.ocicli.egress import EgressLink
 from fusion_oci.runtimes.ocicli.filtered import SOCKET_PLACEHOLDER
-from fusion_oci.runtimes.ocicli.gvisor import gvisor_details
+from fusion_oci.runtimes.ocicli.gvisor import GvisorFlags, gvisor_details
 from fusion_oci.runtimes.ocicli.launch import (
     GRACE_S,
     OciPlan,
@@ -188,6 +188,7 @@ class OciRuntime(SpecRuntime):
         self._agent: str | None = None
         self._unshare: str | None = None
         self._version: str | None = None
+        self._gvisor_flags: GvisorFlags | None = None
         self._cgroups: Hierarchy | None = None
         self._egress: tuple[bool, str] | None = None
         self._egress_socket: str | None = None
@@ -205,6 +206,12 @@ class OciRuntime(SpecRuntime):
         if self._binary is None:
             self._binary = shutil.which(self.runtime_name, path=self.env.get("PATH"))
         return self._binary
+
+    def _gvisor(self, binary: str) -> GvisorFlags:
+        """What the runsc at ``binary`` offers (one ``runsc flags`` per runtime object)."""
+        if self._gvisor_flags is None:
+            self._gvisor_flags = probe.gvisor_flags(binary)
+        return self._gvisor_flags
 
     def _find_agent(self) -> str:
         """The static exec agent (fusion_oci.agent), the task container's init; a clear setup
@@ -293,7 +300,7 @@ class OciRuntime(SpecRuntime):
                 "memory, pids and cpu quota are not enforced: rootless, no cgroup delegation"
             )
         if is_gvisor(binary):
-            details.update(gvisor_details(self.rootless, self._limits()))
+            details.update(gvisor_details(self.rootless, self._limits(), self._gvisor(binary)))
         if self._version is None:
             self._version = probe.runtime_version(binary) or ""
         return Availability(
@@ -326,8 +333,9 @@ class OciRuntime(SpecRuntime):
 
     def _launch_host(self) -> _launch.Host:
         task_dir = self._task.dir if self._task is not None else None
+        binary = self._find_binary()
         return _launch.Host(
-            binary=self._find_binary() or self.runtime_name,
+            binary=binary or self.runtime_name,
             task_dir=task_dir or self.state_base / "<task-dir>",
             nonce=self.nonce,
             env=self.env,
@@ -337,6 +345,9 @@ class OciRuntime(SpecRuntime):
             unshare=self._find_unshare(),
             cgroup_pid=self.pid,
             egress_socket=self._egress_socket or SOCKET_PLACEHOLDER,
+            gvisor_directfs=binary is not None
+            and is_gvisor(binary)
+            and self._gvisor(binary).directfs,
         )
 
     def init_process(self) -> ProcessSpec:

@@ -137,3 +137,28 @@ async def test_git_commit_in_a_linked_worktree(linked_worktree: tuple[Path, Path
     assert r.exit_code == 0, r.stderr
     assert "WRITABLE" not in r.stdout
     assert git(wt, "log", "-1", "--format=%s").strip() == "from gvisor"
+
+
+TRUNCATE = """import errno, os, sys
+for flags in (os.O_WRONLY | os.O_CREAT | os.O_TRUNC, os.O_RDONLY | os.O_TRUNC):
+    try:
+        os.close(os.open(sys.argv[1], flags))
+        print("opened")
+    except OSError as e:
+        print(errno.errorcode[e.errno])
+"""
+
+
+async def test_a_file_under_a_read_only_bind_survives_an_open_with_o_trunc(
+    worktree: Path,
+) -> None:
+    """The shell's ``>`` and O_RDONLY|O_TRUNC on a file of the read-only hooks folder. With
+    directfs, runsc 20240729 empties the file (the first even answers EROFS); through the
+    gofer (``--directfs=false``, what fusion-oci passes a runsc that has it) both are EROFS
+    and the file is whole."""
+    hook = worktree / ".git" / "hooks" / "pre-commit.sample"
+    before = hook.read_bytes()
+    assert before
+    r = await run(worktree, ["python3", "-c", TRUNCATE, str(hook)], allow_network=False)
+    assert (r.exit_code, r.stdout.split()) == (0, ["EROFS", "EROFS"]), r
+    assert hook.read_bytes() == before

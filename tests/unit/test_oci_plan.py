@@ -18,6 +18,7 @@ from fusion_oci.process import ProcessOutcome
 from fusion_oci.resolve import ResolvedTask
 from fusion_oci.runtimes.linux.cgroups import CgroupEvents, Hierarchy
 from fusion_oci.runtimes.oci import OciRuntime, exit_status, limit_counters
+from fusion_oci.runtimes.ocicli.gvisor import UNKNOWN_FLAGS, GvisorFlags, parse_flags
 from fusion_oci.runtimes.ocicli.launch import (
     AGENT_IN_SANDBOX,
     EgressHook,
@@ -82,6 +83,7 @@ def runtime(uid: int = 0, oci_runtime: str = "runc") -> OciRuntime:
     rt._binary = f"/usr/sbin/{Path(oci_runtime).name}"
     rt._agent = "/usr/lib/fusion-oci/fusion-oci-agent"
     rt._unshare = "/usr/bin/unshare"
+    rt._gvisor_flags = GvisorFlags(directfs=False, platform="ptrace")  # Debian 12's 20221219
     rt.nonce, rt.pid = "ab12cd", 4242
     return rt
 
@@ -323,6 +325,47 @@ def test_signal_names_cover_the_common_deaths() -> None:
 def test_golden_plan_runsc(name: str) -> None:
     plan = plan_of(runtime(oci_runtime="runsc"), POLICIES[name])
     assert_golden(f"oci/plan-runsc-{name}.json", plan.to_json())
+
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "oci"
+
+
+@pytest.mark.parametrize(
+    ("release", "facts"),
+    [
+        ("20221219", GvisorFlags(directfs=False, platform="ptrace")),
+        ("20240729", GvisorFlags(directfs=True, platform="systrap")),
+    ],
+)
+def test_runsc_flags_listing_says_directfs_and_the_default_platform(
+    release: str, facts: GvisorFlags
+) -> None:
+    """``runsc flags`` of Debian 12's release and of trixie's, as they print it."""
+    listing = (DATA / f"runsc-flags-{release}.txt").read_text(encoding="utf-8")
+    assert parse_flags(listing) == facts
+
+
+def test_a_runsc_with_directfs_runs_with_it_off() -> None:
+    """With directfs, runsc 20240729 truncates files under read-only binds on O_TRUNC: the
+    gofer must serve them (--directfs=false); a runsc whose flags cannot be read gets it too
+    (an old one then refuses to start: fail closed)."""
+    assert runtime_flags("runsc", NetworkMode.NONE, directfs=True) == [
+        "--oci-seccomp",
+        "--directfs=false",
+        "--network=none",
+    ]
+    assert runtime_flags("runc", NetworkMode.NONE, directfs=True) == []
+    assert UNKNOWN_FLAGS.directfs
+    rt = runtime(oci_runtime="runsc")
+    rt._gvisor_flags = GvisorFlags(directfs=True, platform="systrap")
+    argv = plan_of(rt, POLICIES["none-limits"]).launch.argv
+    assert argv[argv.index("--oci-seccomp") + 1] == "--directfs=false"
+    assert argv.index("--directfs=false") < argv.index("run")
+    old = plan_of(runtime(oci_runtime="runsc"), POLICIES["none-limits"]).launch.argv
+    assert "--directfs=false" not in old
+    runc = runtime()
+    runc._gvisor_flags = GvisorFlags(directfs=True, platform="systrap")
+    assert "--directfs=false" not in plan_of(runc, POLICIES["none-limits"]).launch.argv
 
 
 def test_runsc_network_flags_come_before_the_subcommand() -> None:

@@ -2,20 +2,62 @@
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from fusion_oci.runtimes.requirements import Requirement
 
 
-def gvisor_details(rootless: bool, limits: frozenset[Requirement]) -> dict[str, str]:
+@dataclass(frozen=True)
+class GvisorFlags:
+    """What this runsc build offers, from its ``runsc flags`` listing (:func:`parse_flags`)."""
+
+    directfs: bool
+    """It has ``--directfs`` (releases since 2023, on by default): the Sentry opens the
+    host's files itself instead of asking the gofer. fusion-oci turns it off
+    (``--directfs=false``): with it, release 20240729 truncates a file under a read-only bind
+    when the command opens it with O_TRUNC (even O_RDONLY|O_TRUNC, and the shell's ``>``,
+    which is refused with EROFS only after the truncation), so a task could empty its
+    protected ``.fusion/`` settings or git hooks. Through the gofer every such open is EROFS."""
+    platform: str
+    """The platform runsc runs on when none is given: ptrace (20221219) or systrap (since
+    2023); "" when the listing does not say."""
+
+
+UNKNOWN_FLAGS = GvisorFlags(directfs=True, platform="")
+"""When ``runsc flags`` cannot be read: assume the newer build, so ``--directfs=false`` is
+passed (an older runsc then refuses the flag and the task does not start: fail closed)."""
+
+
+def parse_flags(listing: str) -> GvisorFlags:
+    """The facts of a ``runsc flags`` listing (it prints to stderr). Pure."""
+    default = re.search(r"specifies which platform to use:.*?\(default \"(\w+)\"\)", listing)
+    return GvisorFlags(
+        directfs=re.search(r"^\s*-directfs\b", listing, re.M) is not None,
+        platform=default.group(1) if default else "",
+    )
+
+
+def gvisor_details(
+    rootless: bool, limits: frozenset[Requirement], flags: GvisorFlags
+) -> dict[str, str]:
     """What runsc (gVisor) enforces, for doctor."""
     kvm = Path("/dev/kvm").exists()
+    # The platform stays runsc's default: on this project's 2-core VM neither 20221219's
+    # ptrace nor 20240729's systrap ran the workload faster than the other (docs/performance.md),
+    # and kvm hangs there although /dev/kvm exists (nested virtualisation).
     return {
         "kernel": "gVisor: the command's system calls are served by a userspace kernel (the "
         "Sentry), not the host's",
-        "platform": "ptrace (runsc's default; /dev/kvm is "
+        "platform": (flags.platform or "unknown")
+        + " (runsc's default; /dev/kvm is "
         + ("present" if kvm else "absent")
         + ", --platform=kvm is not used)",
+        "files": "through the gofer: --directfs=false (directfs truncates files under "
+        "read-only binds on O_TRUNC)"
+        if flags.directfs
+        else "through the gofer (this runsc has no directfs)",
         "network": "none: gVisor's own netstack, loopback only; host: --network=host; egress: "
         "a fresh network namespace with slirp4netns --disable-host-loopback, "
         "runsc --network=host inside it",

@@ -60,8 +60,13 @@ def is_gvisor(runtime: str) -> bool:
     return Path(runtime).name == GVISOR
 
 
-def runtime_flags(runtime: str, network: NetworkMode, *, rootless: bool = False) -> list[str]:
+def runtime_flags(
+    runtime: str, network: NetworkMode, *, rootless: bool = False, directfs: bool = False
+) -> list[str]:
     """Global flags the runtime needs for this spec (before the subcommand). Pure.
+
+    ``directfs``: this runsc has ``--directfs``, which is turned off (the gofer serves every
+    file: see :class:`~fusion_oci.runtimes.ocicli.gvisor.GvisorFlags`).
 
     runsc decides networking by flag, not from the spec: ``none`` is its empty netstack;
     ``host`` and ``egress`` pass the sockets of the namespace it runs in through (for egress
@@ -74,6 +79,9 @@ def runtime_flags(runtime: str, network: NetworkMode, *, rootless: bool = False)
     # --oci-seccomp: without it runsc ignores linux.seccomp (unshare, raw and packet sockets
     # would work inside its kernel).
     flags = ["--oci-seccomp"]
+    if directfs:
+        # Read-only binds (.fusion/, git hooks and config) hold only through the gofer.
+        flags.append("--directfs=false")
     if network is NetworkMode.FILTERED:
         flags += RUNSC_FILTERED_FLAGS
     else:
@@ -236,6 +244,9 @@ class Host:
     """The pid a runsc cgroup leaf is named after (:func:`leaf_name`): ours."""
     egress_socket: str = SOCKET_PLACEHOLDER
     """``filtered``: the host path of the task's egress proxy socket (from prepare)."""
+    gvisor_directfs: bool = False
+    """runsc: the binary has ``--directfs`` (probe.gvisor_flags), so it gets
+    ``--directfs=false``."""
 
 
 @dataclass(frozen=True)
@@ -324,7 +335,12 @@ def build_task(task: TaskSpec, init: ProcessSpec, host: Host) -> TaskLaunch:
         egress_proxy=(host.egress_socket, host.agent) if network is NetworkMode.FILTERED else None,
         errno_ret=not gvisor,
     )
-    flags = runtime_flags(host.binary, network, rootless=host.rootless_ids is not None)
+    flags = runtime_flags(
+        host.binary,
+        network,
+        rootless=host.rootless_ids is not None,
+        directfs=gvisor and host.gvisor_directfs,
+    )
     argv = run_argv(
         host.binary,
         str(host.task_dir / "state"),

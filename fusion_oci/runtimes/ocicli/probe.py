@@ -8,6 +8,7 @@ from pathlib import Path
 
 from fusion_oci.process import probe
 from fusion_oci.runtimes.linux.cgroups import Layout
+from fusion_oci.runtimes.ocicli.gvisor import UNKNOWN_FLAGS, GvisorFlags, parse_flags
 from fusion_oci.runtimes.ocicli.launch import is_gvisor
 from fusion_oci.runtimes.protocol import Availability
 
@@ -92,3 +93,13 @@ def runtime_version(binary: str) -> str | None:
         return None
     first = done.text().strip().splitlines()[:1]
     return first[0] if first else None
+
+
+def gvisor_flags(binary: str) -> GvisorFlags:
+    """What this runsc build offers (``runsc flags``, printed to stderr); UNKNOWN_FLAGS when
+    it cannot be read (fail closed: see there)."""
+    done = probe([binary, "flags"])
+    listing = done.text("stderr") + done.text()
+    if done.returncode is None or "-platform" not in listing:
+        return UNKNOWN_FLAGS
+    return parse_flags(listing)
