@@ -187,7 +187,12 @@ OWN_PROC_SCRIPT = (
     "(cd /proc/self && grep -q '^Pid:' status) && echo relative; "
     "sh -c 'exec grep -q ^Pid: /proc/$$/status' && echo own-pid; "
     "sh -c 'grep -q ^PPid: /proc/$PPID/status' && echo parent-in-sandbox; "
-    "sleep 5 & ps -o comm= | tr '\\n' ' ' | grep -qx 'sh sleep ps tr grep ' && echo ps; kill $!"
+    # The task's agent and this run's keeper are the sandbox's too (as a bwrap sandbox's PID 1
+    # is): the supervisor's tree is the reaper's, of which every command is a grandchild.
+    # ps writes a file, not a pipe, once sleep has exec'd: a child that has not yet is "sh".
+    'sleep 5 & until [ "$(cat /proc/$!/comm)" = sleep ]; do :; done; '
+    "ps -o comm= > \"$TMPDIR/ps\"; tr '\\n' ' ' < \"$TMPDIR/ps\" "
+    "| grep -qx 'fusion-agent fusion-agent sh sleep ps ' && echo ps; kill $!"
 )
 
 
@@ -337,9 +342,12 @@ def test_plan_is_printable_and_says_what_is_granted(worktree: Path) -> None:
     runtime.adopt(task)
     process = task.process("true", RunOptions())
     plan = runtime.plan(process).to_json()
-    # What execute runs: the shim, the launch file, the command (no placeholder for the shim).
-    assert plan["argv"] == runtime.launch_command(process, "<task scratch>/launch-1")
-    assert plan["argv"][plan["argv"].index("--") - 1] == "SANDBOX=<task scratch>/launch-1"
+    # What runs: the command as a spawn frame, beside the task's launch (the shim with the
+    # launch file, its confined child the agent; no placeholder for the shim).
+    launch = plan["sandbox"]["argv"]
+    assert launch == runtime.launch_command("<task scratch>/launch", "N")
+    assert launch[launch.index("--") - 2 :][:2] == ["SANDBOX=<task scratch>/launch", "AGENT=N"]
+    assert "argv=true" in plan["spawn"]["fields"] or "argv=/bin/sh" in plan["spawn"]["fields"]
     assert any(str(worktree) in n for n in plan["notes"])
 
 
