@@ -64,10 +64,14 @@ spawn frame to that agent, as on every other runtime (:meth:`LandlockRuntime.pla
 frame and the launch): its keeper ends the command's whole tree; no interpreter starts per
 command. The launch file lies in the task's scratch beside HOME and TMPDIR (not granted to any
 command) and is removed once the agent greeted; the agent's connection is CLOEXEC and closed
-before every command's exec, and the agent is not dumpable (the profile refuses ``ptrace`` and
-``process_vm_*`` anyway). A confinement that fails, fails prepare (exit 125 of the shim, its
-message in a log in the scratch): no command ever runs unconfined. Per command, still on the
-host: the read-only paths Landlock cannot express are kept before and restored after it.
+before every command's exec. The agent stays dumpable (``--dumpable``: its /proc walk, which
+every whole-tree kill needs, goes through the supervisor, and an unprivileged one cannot read
+a non-dumpable process's memory); the profile refuses ``ptrace``, ``process_vm_readv/writev``
+and ``pidfd_getfd`` instead, and neither a rule nor the supervisor grants another process's
+``/proc`` ``mem``, ``fd`` or ``environ``. A confinement that fails, fails prepare (exit 125
+of the shim, its message in a log in the scratch): no command ever runs unconfined. Per
+command, still on the host: the read-only paths Landlock cannot express are kept before and
+restored after it.
 """
 
 from __future__ import annotations
@@ -258,6 +262,11 @@ def landlock_seccomp(profile: dict[str, Any], network: NetworkMode) -> dict[str,
             "errnoRet": errno.EPERM,
         }
     )
+    # The task's exec agent is dumpable (its /proc walk goes through the supervisor, which
+    # reads the path from its memory; agent.c --dumpable) and shares the commands' uid and
+    # Landlock domain: no command may take its connection (or any process's fd) from it. The
+    # profile already refuses ptrace and process_vm_readv/writev.
+    rules.append({"names": ["pidfd_getfd"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM})
     # No IPC namespace either: System V IPC and POSIX message queues of the caller's other
     # processes (a database's shared memory, say) are governed by uid alone.
     rules.append({"names": list(SYSV_IPC), "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM})
@@ -691,7 +700,7 @@ class LandlockRuntime(HostProcessRuntime):
         """The task's launch, for plan and prepare alike: the subreaper shim (the seccomp
         supervisor, outside the sandbox) with the launch file, whose confined child execs the
         exec agent on the connection ``fd`` (the shim adds ``--parent``, its own pid)."""
-        argv = reaper_argv([self._agent(), "--fd", str(fd)])
+        argv = reaper_argv([self._agent(), "--fd", str(fd), "--dumpable"])
         at = argv.index("--")
         argv[at:at] = [f"SANDBOX={launch}", f"AGENT={fd}"]
         return argv

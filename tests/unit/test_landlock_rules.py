@@ -116,6 +116,19 @@ def test_nothing_else_of_the_host_is_granted() -> None:
             assert path != "/proc" and not path.startswith("/proc/self"), (name, path)
 
 
+def test_no_command_takes_a_descriptor_from_another_process() -> None:
+    """The task's agent is dumpable and shares the commands' uid and domain: pidfd_getfd is
+    refused (its connection stays its own), as ptrace and process_vm_* are by the profile."""
+    for name in CASES:
+        refused = {
+            n
+            for r in landlock_rules(spec_for(name), HOME, TMP).seccomp["syscalls"]
+            if r["action"] == "SCMP_ACT_ERRNO" and not r.get("args")
+            for n in r["names"]
+        }
+        assert {"pidfd_getfd", "ptrace", "process_vm_readv", "process_vm_writev"} <= refused
+
+
 def test_network_none_refuses_every_socket_host_refuses_unix() -> None:
     none = landlock_rules(spec_for("network-none"), HOME, TMP).seccomp["syscalls"][-1]
     host = landlock_rules(spec_for("network-host"), HOME, TMP).seccomp["syscalls"][-1]
