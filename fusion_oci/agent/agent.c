@@ -1,7 +1,7 @@
 /* fusion-oci-agent: the resident exec agent of one sandbox (see PROTOCOL.md next to this file).
  *
- *   fusion-oci-agent --fd N [--parent PID] [--dumpable]   native, landlock: N is our end
- *                                            of a socketpair
+ *   fusion-oci-agent --fd N [--parent PID] [--dumpable] [--scope-runs]   native, landlock:
+ *                                            N is our end of a socketpair
  *   fusion-oci-agent --connect PATH          a container's init: connect once to PATH
  *   fusion-oci-agent --exec-status FD -- ARGV one command, its wait status written to FD
  *   fusion-oci-agent --exec-status-file PATH -- ARGV   the same, into a file it creates
@@ -429,6 +429,23 @@ static void exec_search(char **argv, char **env) {
     errno = seen_eacces ? EACCES : ENOENT;
 }
 
+/* --scope-runs (landlock, ABI 6+): each command in a Landlock domain of its own, nested in
+ * ours, that scopes signals and abstract unix sockets. A nested domain may not signal its
+ * parent's: no command can stop or kill the agent or a keeper (ours can still signal it). */
+static int scope_runs;
+
+static void scope_run(int errfd) {
+    struct {
+        uint64_t handled_access_fs, handled_access_net, scoped;
+    } attr = {0, 0, 1 /* ABSTRACT_UNIX_SOCKET */ | 2 /* SIGNAL */};
+    int ruleset = (int)syscall(SYS_landlock_create_ruleset, &attr, sizeof attr, 0);
+    if (ruleset < 0)
+        fail_exec(errfd, "landlock_create_ruleset");
+    if (syscall(SYS_landlock_restrict_self, ruleset, 0) < 0)
+        fail_exec(errfd, "landlock_restrict_self");
+    close(ruleset);
+}
+
 static void child_exec(struct spawn *sp, int fds[3], int errfd) {
     sigset_t none;
     sigemptyset(&none);
@@ -467,6 +484,8 @@ static void child_exec(struct spawn *sp, int fds[3], int errfd) {
         fail_exec(errfd, "setuid");
     if (sp->cwd && chdir(sp->cwd) < 0)
         fail_exec(errfd, "chdir");
+    if (scope_runs)
+        scope_run(errfd);
     exec_search(sp->argv, sp->env);
     fail_exec(errfd, "execve");
 }
@@ -1413,6 +1432,8 @@ int main(int argc, char **argv) {
             parent = (pid_t)atoi(argv[++i]);
         else if (!strcmp(argv[i], "--dumpable"))
             dumpable = 1;
+        else if (!strcmp(argv[i], "--scope-runs"))
+            scope_runs = 1;
         else if (!strcmp(argv[i], "--version")) {
             puts("fusion-oci-agent protocol " PROTOCOL_VERSION);
             return 0;

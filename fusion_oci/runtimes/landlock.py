@@ -68,10 +68,12 @@ before every command's exec. The agent stays dumpable (``--dumpable``: its /proc
 every whole-tree kill needs, goes through the supervisor, and an unprivileged one cannot read
 a non-dumpable process's memory); the profile refuses ``ptrace``, ``process_vm_readv/writev``
 and ``pidfd_getfd`` instead, and neither a rule nor the supervisor grants another process's
-``/proc`` ``mem``, ``fd`` or ``environ``. A confinement that fails, fails prepare (exit 125
-of the shim, its message in a log in the scratch): no command ever runs unconfined. Per
-command, still on the host: the read-only paths Landlock cannot express are kept before and
-restored after it.
+``/proc`` ``mem``, ``fd`` or ``environ``. On ABI 6+ the agent puts each run in a Landlock
+domain nested in its own that scopes signals (``--scope-runs``), so no command can stop or
+kill the agent or a keeper (below ABI 6 nothing scopes signals at all). A confinement that
+fails, fails prepare (exit 125 of the shim, its message in a log in the scratch): no command
+ever runs unconfined. Per command, still on the host: the read-only paths Landlock cannot
+express are kept before and restored after it.
 """
 
 from __future__ import annotations
@@ -202,6 +204,8 @@ SYSV_IPC = (
 MIN_FS_ABI = 3
 """Below ABI 3 any file, read-only ones included, can be truncated: the filesystem view is not
 enforced there."""
+MIN_SCOPE_ABI = 6
+"""Signal and abstract-socket scoping (ABI 6): the agent puts each run in a nested domain."""
 MIN_NET_ABI = 4
 """Landlock's TCP rules (ABI 4): ``network: filtered`` denies TCP bind and allows TCP connect
 to the proxy's port only; below it TCP bind would be open and every connect the supervisor's
@@ -700,7 +704,12 @@ class LandlockRuntime(HostProcessRuntime):
         """The task's launch, for plan and prepare alike: the subreaper shim (the seccomp
         supervisor, outside the sandbox) with the launch file, whose confined child execs the
         exec agent on the connection ``fd`` (the shim adds ``--parent``, its own pid)."""
-        argv = reaper_argv([self._agent(), "--fd", str(fd), "--dumpable"])
+        agent = [self._agent(), "--fd", str(fd), "--dumpable"]
+        if host_abi() >= MIN_SCOPE_ABI:
+            # Each run in a domain nested in the agent's: no command signals the agent or a
+            # keeper (Landlock lets a domain signal its own and nested ones only).
+            agent.append("--scope-runs")
+        argv = reaper_argv(agent)
         at = argv.index("--")
         argv[at:at] = [f"SANDBOX={launch}", f"AGENT={fd}"]
         return argv

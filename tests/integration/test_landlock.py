@@ -361,6 +361,12 @@ def test_one_confined_agent_runs_every_command_and_keeps_its_connection(worktree
             assert fds == "['0', '1', '2', '3']", result.stdout  # 3: the listing itself
             assert int(got) == -1 and int(err) == errno.EPERM, result.stdout
         assert seen[0] == seen[1]
+        from fusion_oci.runtimes.landlock import MIN_SCOPE_ABI, host_abi
+
+        if host_abi() >= MIN_SCOPE_ABI:  # each run's domain is nested in the agent's
+            stop = sb.run(f"kill -STOP {seen[0]}", RunOptions(env=env))
+            assert stop.exit_code != 0 and "not permitted" in stop.stderr, stop
+            assert sb.run("echo alive", RunOptions(env=env)).stdout == "alive\n"
         # A setsid'd, double-forked leftover ends with its run, not at dispose.
         left = sb.run(f"setsid sh -c 'sleep 300; : {tag}' & echo started", RunOptions(env=env))
         assert left.exit_code == 0, left.stderr
