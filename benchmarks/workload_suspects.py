@@ -20,10 +20,11 @@ each round, so load from other processes and the order fall on all of them alike
   Raw bwrap builds the sandbox for every command (ours does once, at prepare): its trivial
   command's time is that cost, to take off its steps.
 - ``landlock``: the host; the host with our command's environment; ours under ``filtered``
-  (as benchmarked) and ``none``; the runtime's own argv (the reaper shim, the same launch
-  file) with benchmarks/landlock_unsupervised.py in the reaper's place, which skips the
-  seccomp user-notify supervisor (every open, chmod and connect handed to the reaper), with
-  and without the bundle's seccomp filter.
+  (as benchmarked: a spawn frame to the task's confined exec agent) and ``none``; the spawn
+  frame's command under one reaper shim per command (as the runtime ran before its agent),
+  with the task's launch file and benchmarks/landlock_unsupervised.py in the reaper's place,
+  which skips the seccomp user-notify supervisor (every open, chmod and connect handed to the
+  reaper), with and without the bundle's seccomp filter.
 
 Not part of scripts/bench.sh (a diagnosis, not a table of the report).
 """
@@ -52,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_workload import LONG, WORK, linked_project, make_runtime
 from benchmarks.workload_raw import raw_runsc_argv, timed
 from fusion_oci.models import NetworkMode
-from fusion_oci.process import REAPER
+from fusion_oci.process import REAPER, reaper_argv
 from fusion_oci.runtimes.bubblewrap import BubblewrapRuntime, bwrap_spawn
 from fusion_oci.runtimes.bubblewrap_argv import SECCOMP_FD
 from fusion_oci.runtimes.landlock import (
@@ -238,7 +239,8 @@ def ours_env_case(rt: Runtime, wt: Path) -> Case:
                     own_dirs(env, Path(tmp))
                 else:
                     plan = runtime.plan(runtime.process("true", LONG))
-                    env = dict(plan.env or {})
+                    assert isinstance(plan, LandlockPlan)
+                    env = dict(plan.spawn.env)
 
                 async def run(command: str) -> float:
                     return _run_host(["/bin/sh", "-c", command], wt, env)
@@ -249,9 +251,10 @@ def ours_env_case(rt: Runtime, wt: Path) -> Case:
 
 
 def raw_landlock_case(rt: Runtime, wt: Path, network: NetworkMode, seccomp: bool) -> Case:
-    """The landlock runtime's own plan (reaper shim, launch file, environment, cwd) run from
-    here with benchmarks/landlock_unsupervised.py as the shim: no supervisor, and with or
-    without the bundle's seccomp filter."""
+    """The landlock runtime's own plan (the spawn frame's argv, environment, cwd and rlimits,
+    the task's launch file) run from here as one shim per command (what the runtime did before
+    its exec agent) with benchmarks/landlock_unsupervised.py as the shim: no supervisor, and
+    with or without the bundle's seccomp filter."""
 
     @contextlib.asynccontextmanager
     async def case() -> AsyncIterator[Run]:
@@ -263,10 +266,12 @@ def raw_landlock_case(rt: Runtime, wt: Path, network: NetworkMode, seccomp: bool
                 if any(step in command for step in SUPERVISED_ONLY):
                     return math.nan
                 plan = runtime.plan(runtime.process(command, LONG))
-                assert isinstance(plan, LandlockPlan)
+                assert isinstance(plan, LandlockPlan) and plan.scratch is not None
                 config = launch_config(plan.rules, host_abi(), platform.machine())
-                write_text(plan.launch_file, launch_text(config))
-                argv = list(plan.argv or [])
+                launch_file = f"{plan.scratch}/launch-raw"
+                write_text(launch_file, launch_text(config))
+                argv = reaper_argv(plan.spawn.argv, plan.spawn.rlimits)
+                argv.insert(argv.index("--"), f"SANDBOX={launch_file}")
                 at = argv.index(str(REAPER))
                 argv[at : at + 1] = [
                     str(UNSUPERVISED),
@@ -275,12 +280,12 @@ def raw_landlock_case(rt: Runtime, wt: Path, network: NetworkMode, seccomp: bool
                 try:
                     return _run_host(
                         argv,
-                        plan.cwd or str(wt),
-                        dict(plan.env or {}),
+                        plan.spawn.cwd or str(wt),
+                        dict(plan.spawn.env),
                         stdin=subprocess.DEVNULL,
                     )
                 finally:
-                    write_text(plan.launch_file, None)
+                    write_text(launch_file, None)
 
             yield run
 

@@ -1,17 +1,23 @@
 """A child subreaper that ends a whole process tree, including setsid'd and double-forked
 descendants: ``python -S -E reaper.py GRACE PARENT [RLIMIT=SOFT:HARD ...] [SANDBOX=FILE]
--- ARGV...``.
+[AGENT=FD] -- ARGV...``.
 
 ``SANDBOX=FILE`` (the landlock runtime): after the rlimits and before exec, the child confines
 itself as FILE says (capabilities, no_new_privs, Landlock, seccomp; see landlock_child.py);
 anything failing there fails the command with 125 rather than run it unconfined.
 
+``AGENT=FD`` (the landlock runtime): the command is the task's exec agent on connection FD.
+The shim closes its own copy of FD after the fork (the host sees the connection end when the
+agent does) and gives the agent ``--parent <the shim's pid>``, so the agent ends its runs'
+trees and exits if the shim, whose thread is the seccomp supervisor of that whole tree, dies.
+
 Why a separate process: making the caller's own process a subreaper would change the host
 application's process state (orphans would re-parent to it). The shim owns that instead.
 It runs with ``-S -E`` and imports only C-level standard modules (no json, no enum-based
-``signal``): its start-up is paid by every command of the runtimes that use it (sandbox-exec,
-landlock). The native runtime no longer does: its exec agent (fusion_oci/agent/agent.c) keeps
-the same semantics in a keeper per run, without an interpreter per command.
+``signal``): its start-up is paid by every command of sandbox-exec (and of native off Linux).
+Native on Linux and landlock no longer pay it per command: native's exec agent
+(fusion_oci/agent/agent.c) keeps the same semantics in a keeper per run; landlock starts one
+shim per task, at prepare, whose confined child is that agent.
 
 Behaviour: the command runs in the shim's process group. When the command exits, the shim
 kills whatever it left running and exits with the command's status (or dies by its signal).
@@ -165,14 +171,20 @@ def main(argv: list[str]) -> int:
     grace, parent = float(argv[1]), int(argv[2])
     rlimits = []
     sandbox = ""
+    agent_fd = -1
     for item in argv[3:sep]:
         name, _, values = item.partition("=")
         if name == "SANDBOX":
             sandbox = values
             continue
+        if name == "AGENT":
+            agent_fd = int(values)
+            continue
         soft, _, hard = values.partition(":")
         rlimits.append((getattr(resource, name), int(soft), int(hard)))
     command = argv[sep + 1 :]
+    if agent_fd >= 0:
+        command += ["--parent", str(os.getpid())]
     # Signals are blocked and taken synchronously with sigwaitinfo: no handler can interrupt
     # the bookkeeping of who exited how.
     signal.pthread_sigmask(signal.SIG_BLOCK, _WAIT)
@@ -200,6 +212,8 @@ def main(argv: list[str]) -> int:
         if channel is not None:
             channel.close()
         _exec_child(command, rlimits, confine)
+    if agent_fd >= 0:
+        os.close(agent_fd)  # the agent's alone: its end of the host's connection
     if channel is not None and confine is not None:
         os.close(confine[1])
         landlock_child.supervise(confine[0], channel)

@@ -1,6 +1,7 @@
 /* fusion-oci-agent: the resident exec agent of one sandbox (see PROTOCOL.md next to this file).
  *
- *   fusion-oci-agent --fd N [--parent PID]   native: N is our end of a socketpair
+ *   fusion-oci-agent --fd N [--parent PID] [--dumpable] [--scope-runs]   native, landlock:
+ *                                            N is our end of a socketpair
  *   fusion-oci-agent --connect PATH          a container's init: connect once to PATH
  *   fusion-oci-agent --exec-status FD -- ARGV one command, its wait status written to FD
  *   fusion-oci-agent --exec-status-file PATH -- ARGV   the same, into a file it creates
@@ -12,7 +13,8 @@
  * On `kill` (or when the agent goes away) the keeper ends the whole tree: the command's process
  * group and every descendant, which all re-parent to the keeper. When the connection closes the
  * agent ends every run's tree and exits. Nothing here trusts the command: it never sees the
- * connection (CLOEXEC everywhere, every fd above 2 closed at exec) and we are not dumpable.
+ * connection (CLOEXEC everywhere, every fd above 2 closed at exec) and we are not dumpable
+ * (but with --dumpable: landlock, see there).
  *
  * Why one file of ~1,000 lines: it is one static binary built by one `cc` call (hatch_build.py)
  * on every install, with no build system; its parts (framing, the spawn parser, the keeper, the
@@ -427,6 +429,23 @@ static void exec_search(char **argv, char **env) {
     errno = seen_eacces ? EACCES : ENOENT;
 }
 
+/* --scope-runs (landlock, ABI 6+): each command in a Landlock domain of its own, nested in
+ * ours, that scopes signals and abstract unix sockets. A nested domain may not signal its
+ * parent's: no command can stop or kill the agent or a keeper (ours can still signal it). */
+static int scope_runs;
+
+static void scope_run(int errfd) {
+    struct {
+        uint64_t handled_access_fs, handled_access_net, scoped;
+    } attr = {0, 0, 1 /* ABSTRACT_UNIX_SOCKET */ | 2 /* SIGNAL */};
+    int ruleset = (int)syscall(SYS_landlock_create_ruleset, &attr, sizeof attr, 0);
+    if (ruleset < 0)
+        fail_exec(errfd, "landlock_create_ruleset");
+    if (syscall(SYS_landlock_restrict_self, ruleset, 0) < 0)
+        fail_exec(errfd, "landlock_restrict_self");
+    close(ruleset);
+}
+
 static void child_exec(struct spawn *sp, int fds[3], int errfd) {
     sigset_t none;
     sigemptyset(&none);
@@ -465,6 +484,8 @@ static void child_exec(struct spawn *sp, int fds[3], int errfd) {
         fail_exec(errfd, "setuid");
     if (sp->cwd && chdir(sp->cwd) < 0)
         fail_exec(errfd, "chdir");
+    if (scope_runs)
+        scope_run(errfd);
     exec_search(sp->argv, sp->env);
     fail_exec(errfd, "execve");
 }
@@ -1377,6 +1398,7 @@ __attribute__((noreturn)) static void forward_loop(void) {
 
 int main(int argc, char **argv) {
     pid_t parent = 0;
+    int dumpable = 0;
     const char *connect_path = NULL;
     if (argc > 6 && !strcmp(argv[1], "--egress") && !strcmp(argv[3], "--exec-status-file")) {
         forward_beside(argv[2]);
@@ -1408,6 +1430,10 @@ int main(int argc, char **argv) {
             fwd_path = argv[++i];
         else if (!strcmp(argv[i], "--parent") && i + 1 < argc)
             parent = (pid_t)atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--dumpable"))
+            dumpable = 1;
+        else if (!strcmp(argv[i], "--scope-runs"))
+            scope_runs = 1;
         else if (!strcmp(argv[i], "--version")) {
             puts("fusion-oci-agent protocol " PROTOCOL_VERSION);
             return 0;
@@ -1419,8 +1445,14 @@ int main(int argc, char **argv) {
      * (we take our own signals through a signalfd, never a handler). */
     for (int s = 1; s < NSIG; s++)
         signal(s, SIG_DFL);
-    /* Nothing in the sandbox may ptrace us or read our memory through /proc. */
-    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+    /* Nothing in the sandbox may ptrace us or read our memory through /proc. --dumpable
+     * (landlock): our opens of /proc go to a seccomp supervisor that reads their paths from
+     * our memory, which an unprivileged one cannot do in a non-dumpable process (our /proc
+     * walk, hence every whole-tree kill, would see nothing); there the sandbox's own profile
+     * refuses ptrace, process_vm_readv/writev and pidfd_getfd, and its Landlock ruleset and
+     * supervisor keep our /proc entries (mem, fd, environ) out of the commands' reach. */
+    if (!dumpable)
+        prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
     /* Orphans of a keeper that died come to us, not to whoever is above. */
     prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
     prctl(PR_SET_NAME, "fusion-agent", 0, 0, 0);

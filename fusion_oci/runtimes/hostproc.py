@@ -3,8 +3,9 @@ landlock).
 
 A private scratch HOME and TMPDIR per task, the spec's sandbox paths mapped back to host
 paths, and the run itself inside the subreaper shim (timeout, whole-tree kill, rlimits) for the
-runtimes that still need a per-command wrapper (sandbox-exec's profile, landlock's confinement);
-native runs every command through the sandbox's exec agent instead (fusion_oci/agent).
+runtime that still needs a per-command wrapper (sandbox-exec's profile); native and landlock run
+every command through the task's exec agent instead (fusion_oci/agent; landlock's is the
+confined child of one shim per task).
 """
 
 from __future__ import annotations

@@ -37,8 +37,8 @@ open go on as Landlock decides except a read-only one of the caller's own ``/pro
 entries, which it opens for it (no rule can grant a process tree its own ``/proc/<pid>``);
 Landlock's TCP rules deny every bind and connect in ``none`` (ABI 4+); signal and
 abstract-socket scoping keep the command from signalling or reaching host processes (ABI
-6+); capabilities dropped and ``no_new_privs``; the rlimits; the reaper shim ends the whole
-tree on timeout. Not enforceable without namespaces or
+6+); capabilities dropped and ``no_new_privs``; the rlimits; the keeper of each run ends the
+whole tree on timeout. Not enforceable without namespaces or
 cgroups, so listed as unenforced (refused under ``fail-hard``): ``egress`` without host
 loopback (Landlock's TCP rules know ports, not addresses), memory, pids, CPU quota,
 ``tmpSizeMb``.
@@ -54,12 +54,37 @@ that connect itself on the command's socket (``pidfd_getfd``); ``listen()`` too,
 unix sockets only (a TCP listen autobinds on every address). seccomp leaves only TCP and
 unix stream sockets (UDP, which Landlock does not govern, raw, packet, netlink, SCTP refused)
 and refuses TCP Fast Open (a connect inside ``sendto``).
+
+How a command runs: prepare starts, once per task, the reaper shim (fusion_oci/reaper.py) with
+the task's launch file (``SANDBOX=``, the ruleset above as integers) and ``AGENT=``; its child
+confines itself (landlock_child.py) and execs the exec agent (fusion_oci/agent) on a
+socketpair, and the reaper stays outside the sandbox as the seccomp supervisor of the agent's
+whole tree (every command is a grandchild of it) for the task's life. Each command is then a
+spawn frame to that agent, as on every other runtime (:meth:`LandlockRuntime.plan` shows the
+frame and the launch): its keeper ends the command's whole tree; no interpreter starts per
+command. The launch file lies in the task's scratch beside HOME and TMPDIR (not granted to any
+command) and is removed once the agent greeted; the agent's connection is CLOEXEC and closed
+before every command's exec. The agent stays dumpable (``--dumpable``: its /proc walk, which
+every whole-tree kill needs, goes through the supervisor, and an unprivileged one cannot read
+a non-dumpable process's memory); the profile refuses ``ptrace``, ``process_vm_readv/writev``
+and ``pidfd_getfd`` instead, and neither a rule nor the supervisor grants another process's
+``/proc`` ``mem``, ``fd`` or ``environ``. On ABI 6+ the agent puts each run in a Landlock
+domain nested in its own that scopes signals (``--scope-runs``), so no command can stop or
+kill the agent or a keeper (below ABI 6 nothing scopes signals at all). A confinement that
+fails, fails prepare (exit 125 of the shim, its message in a log in the scratch): no command
+ever runs unconfined. Per command, still on the host: the read-only paths Landlock cannot
+express are kept before and restored after it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import shutil
+import signal
+import socket
+import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -72,13 +97,14 @@ from fusion_oci.oci.model import ProcessSpec, TaskSpec
 from fusion_oci.oci.seccomp import compile_bpf
 from fusion_oci.oci.spec import SANDBOX_HOME
 from fusion_oci.policy.layout import task_project
-from fusion_oci.process import probe, reaper_argv, run_process
+from fusion_oci.process import probe, reaper_argv
 from fusion_oci.runtimes.hostproc import HostProcessRuntime, native_env
-from fusion_oci.runtimes.plans import ArgvPlan, Plan, own_plan
+from fusion_oci.runtimes.plans import AgentPlan, Plan, SandboxLaunch, own_plan, spawn_of
 from fusion_oci.runtimes.protocol import Availability
 from fusion_oci.runtimes.requirements import Requirement
 
 if TYPE_CHECKING:
+    from fusion_oci.agent.client import Agent
     from fusion_oci.resolve import ResolvedTask
 
 # Landlock access rights (include/uapi/linux/landlock.h), and the ABI that introduced each.
@@ -178,6 +204,8 @@ SYSV_IPC = (
 MIN_FS_ABI = 3
 """Below ABI 3 any file, read-only ones included, can be truncated: the filesystem view is not
 enforced there."""
+MIN_SCOPE_ABI = 6
+"""Signal and abstract-socket scoping (ABI 6): the agent puts each run in a nested domain."""
 MIN_NET_ABI = 4
 """Landlock's TCP rules (ABI 4): ``network: filtered`` denies TCP bind and allows TCP connect
 to the proxy's port only; below it TCP bind would be open and every connect the supervisor's
@@ -238,6 +266,11 @@ def landlock_seccomp(profile: dict[str, Any], network: NetworkMode) -> dict[str,
             "errnoRet": errno.EPERM,
         }
     )
+    # The task's exec agent is dumpable (its /proc walk goes through the supervisor, which
+    # reads the path from its memory; agent.c --dumpable) and shares the commands' uid and
+    # Landlock domain: no command may take its connection (or any process's fd) from it. The
+    # profile already refuses ptrace and process_vm_readv/writev.
+    rules.append({"names": ["pidfd_getfd"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM})
     # No IPC namespace either: System V IPC and POSIX message queues of the caller's other
     # processes (a database's shared memory, say) are governed by uid alone.
     rules.append({"names": list(SYSV_IPC), "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM})
@@ -323,8 +356,9 @@ def landlock_rules(
     spec: TaskSpec, home: str, tmp: str, proxy_port: int | None = None, agent: str | None = None
 ) -> LandlockRules:
     """The ruleset for a spec whose sandbox HOME and /tmp are the host dirs ``home``, ``tmp``
-    (and, for ``network: filtered``, whose egress proxy listens on host ``proxy_port``, with
-    the exec agent at host path ``agent`` readable and executable: ssh's ProxyCommand).
+    (and, for ``network: filtered``, whose egress proxy listens on host ``proxy_port``), with
+    the exec agent at host path ``agent`` readable and executable (the confined child execs
+    it; under ``filtered`` it is ssh's ProxyCommand too).
 
     Mounts are read in order, as the spec means them: a later mount covers an earlier one. A
     later read-only bind beneath an earlier writable one is a carve-out Landlock cannot make.
@@ -359,7 +393,7 @@ def landlock_rules(
         rights.setdefault(path, set()).update(access)
     for path in (*PROC_FILES, *SYS_DIRS):
         rights.setdefault(path, set()).update(RO)
-    if network is NetworkMode.FILTERED and agent is not None:
+    if agent is not None:  # what the confined child execs; ssh's ProxyCommand too (filtered)
         rights.setdefault(agent, set()).update(("execute", "read_file"))
     order = list(FS_RIGHTS)
     paths = [(p, tuple(sorted(a, key=order.index))) for p, a in sorted(rights.items())]
@@ -543,13 +577,23 @@ def workload_note(abi: int) -> str:
     )
 
 
+START_TIMEOUT_S = 10.0
+"""How long prepare waits for the confined agent's hello."""
+LAUNCH_ENV: dict[str, str] = {}
+"""The shim's and the agent's own environment: nothing of the caller's (each command's comes
+in its spawn frame)."""
+PLAN_FD = "N"
+"""The connection's fd number in a plan made before prepare (chosen when the agent starts)."""
+
+
 @dataclass(frozen=True)
-class LandlockPlan(ArgvPlan):
-    """A landlock launch plan, with the ruleset its launch file holds (execute writes that
-    file, then runs the argv; neither is in :meth:`to_json`, the notes say it in words)."""
+class LandlockPlan(AgentPlan):
+    """A spawn frame to the task's confined exec agent, with the ruleset its launch held
+    (not in :meth:`to_json`: the notes say it in words) and the scratch it was planned for."""
 
     rules: LandlockRules = field(kw_only=True, repr=False, compare=False)
-    launch_file: str = field(kw_only=True, repr=False, compare=False)
+    scratch: str | None = field(kw_only=True, repr=False, compare=False)
+    """The task scratch of the prepare the plan was made after (None: before any)."""
 
 
 class LandlockRuntime(HostProcessRuntime):
@@ -561,6 +605,10 @@ class LandlockRuntime(HostProcessRuntime):
     """``filtered``: that port, from prepare."""
     _rules: LandlockRules | None = None
     """The task's ruleset, made at prepare (it depends on the task spec only)."""
+    _exec: Agent | None = None
+    """The task's confined exec agent, started at prepare."""
+    _launch: SandboxLaunch | None = None
+    """How prepare started it (the shim's argv with its real fd)."""
 
     def capabilities(self) -> SandboxCapabilities:
         return SandboxCapabilities(
@@ -607,6 +655,12 @@ class LandlockRuntime(HostProcessRuntime):
             )
         )
         details["workloads"] = workload_note(abi)
+        from fusion_oci.agent.client import BUILD_HINT, agent_binary
+
+        try:
+            details["agent"] = str(agent_binary())
+        except SandboxSetupError as exc:
+            return Availability(False, f"the exec agent is missing: {exc.why}", BUILD_HINT)
         details["limits"] = (
             "rlimits (CPU time, file size, open files) only; memory, pids, "
             "CPU quota and tmpSizeMb are not enforced (no cgroup)"
@@ -636,37 +690,44 @@ class LandlockRuntime(HostProcessRuntime):
 
     @staticmethod
     def _agent() -> str:
-        """The shipped agent's host path (not checked here: a missing one fails ssh's
-        ProxyCommand only, and plans need none)."""
+        """The shipped agent's host path (not checked here, so plans need none; prepare
+        checks it)."""
         from fusion_oci.agent import client
 
         return str(Path(client.__file__).with_name(client.BINARY_NAME))
 
-    _launches = 0
-    """Launch files written so far (each command's is ``launch-N`` beside HOME and TMPDIR)."""
-
-    def _launch_file(self, n: int) -> str:
+    def _launch_path(self) -> str:
         where = str(self._scratch) if self._scratch is not None else "<task scratch>"
-        return f"{where}/launch-{n}"
+        return f"{where}/launch"
 
-    def launch_command(self, process: ProcessSpec, launch: str) -> list[str]:
-        """What runs, for plan and execute alike: the command under the subreaper shim, with
-        the process's rlimits and the launch file (the ruleset the child confines itself with
-        before exec)."""
-        argv = reaper_argv(process.args, process.limits())
-        argv.insert(argv.index("--"), f"SANDBOX={launch}")
+    def launch_command(self, launch: str, fd: int | str) -> list[str]:
+        """The task's launch, for plan and prepare alike: the subreaper shim (the seccomp
+        supervisor, outside the sandbox) with the launch file, whose confined child execs the
+        exec agent on the connection ``fd`` (the shim adds ``--parent``, its own pid)."""
+        agent = [self._agent(), "--fd", str(fd), "--dumpable"]
+        if host_abi() >= MIN_SCOPE_ABI:
+            # Each run in a domain nested in the agent's: no command signals the agent or a
+            # keeper (Landlock lets a domain signal its own and nested ones only).
+            agent.append("--scope-runs")
+        argv = reaper_argv(agent)
+        at = argv.index("--")
+        argv[at:at] = [f"SANDBOX={launch}", f"AGENT={fd}"]
         return argv
 
     def plan(self, process: ProcessSpec) -> LandlockPlan:
-        """What :meth:`execute` runs, with the number of its launch file taken now (two
-        commands planned before either runs never share one)."""
+        """The spawn frame :meth:`execute` sends, beside the launch prepare made (or would
+        make: its fd and scratch as placeholders before prepare)."""
         home, tmp = self._dirs()
         spec = self.task_spec
         rules = self._rules if self._rules is not None else self.rules(spec)
         abi = host_abi()
         notes = [
-            "runs on the host as the caller, confined before exec: capabilities dropped, "
-            f"no_new_privs, Landlock ABI {abi} ruleset, seccomp",
+            "runs on the host as the caller, confined before the agent's exec: capabilities "
+            f"dropped, no_new_privs, Landlock ABI {abi} ruleset, seccomp",
+            "through the task's exec agent (started at prepare under the reaper shim, whose "
+            "child confines itself and execs it; the reaper stays outside as the seccomp "
+            "supervisor of its whole tree): the spawn frame's fields above; a keeper per run "
+            "ends the whole tree",
             "read-write: " + ", ".join(p for p, a in rules.paths if "write_file" in a),
             "network "
             + rules.network
@@ -684,17 +745,18 @@ class LandlockRuntime(HostProcessRuntime):
         notes += [
             f"not read-only during the command (restored after it): {p}" for p in rules.restored
         ]
-        self._launches += 1
-        launch = self._launch_file(self._launches)
+        launch = self._launch or SandboxLaunch(
+            argv=self.launch_command(self._launch_path(), PLAN_FD), env=LAUNCH_ENV, cwd="/"
+        )
+        env = landlock_env(native_env(spec, process, home, tmp), rules, self._agent())
         return LandlockPlan(
             backend=self.id,
-            argv=self.launch_command(process, launch),
-            env=landlock_env(native_env(spec, process, home, tmp), rules, self._agent()),
-            cwd=process.cwd,
+            spawn=spawn_of(process, env=env),
+            sandbox=launch,
             notes=notes,
             process=process,
             rules=rules,
-            launch_file=launch,
+            scratch=str(self._scratch) if self._scratch is not None else None,
         )
 
     async def prepare(self, task: ResolvedTask) -> ResolvedTask:
@@ -750,44 +812,92 @@ class LandlockRuntime(HostProcessRuntime):
                 self.layout = replace(self.layout, unprotected=(*self.layout.unprotected, *extra))
                 task = replace(task, layout=self.layout)
                 self.adopt(task)
+            # Last: a task refused above starts nothing.
+            self._exec = await self._start_agent(probe)
         except BaseException:
             await self.dispose()
             raise
         return task
 
-    async def execute(self, plan: Plan, opts: RunOptions) -> RunResult:
-        launch_plan = own_plan(self, plan, LandlockPlan)
-        process, rules = launch_plan.process, launch_plan.rules
-        launch = Path(launch_plan.launch_file)
-        if self._scratch is None or launch.parent != self._scratch:
-            raise SandboxSetupError(
-                f"runtime '{self.id}' was not prepared",
-                "the plan was made before prepare()",
-                "call prepare(ctx) first, then plan the command",
-            )
+    async def _start_agent(self, rules: LandlockRules) -> Agent:
+        """The shim and, as its confined child, the task's exec agent; greeted before this
+        returns. The launch file is gone afterwards, whatever happened."""
         import platform
 
+        from fusion_oci.agent.client import Agent, agent_binary
+
+        agent_binary()  # a clear setup error (how to build it) when it is missing
+        assert self._scratch is not None
+        launch = self._scratch / "launch"
+        log_path = self._scratch / "agent.log"
+        # Beside HOME and TMPDIR, not in them: no command can read or change it.
+        _write_launch(launch, launch_text(launch_config(rules, host_abi(), platform.machine())))
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        argv = self.launch_command(str(launch), theirs.fileno())
+        proc: asyncio.subprocess.Process | None = None
+        try:
+            # The shim's errors and the agent's last words go to a log read on failure (not a
+            # pipe: nobody would drain it for the task's life).
+            log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    *argv,
+                    env=LAUNCH_ENV,
+                    cwd="/",
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=log,
+                    pass_fds=(theirs.fileno(),),
+                    start_new_session=True,
+                )
+            finally:
+                os.close(log)
+            theirs.close()
+            agent = await Agent.over(ours, proc, START_TIMEOUT_S)
+        except BaseException as exc:
+            ours.close()
+            if proc is not None and proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                await proc.wait()
+            said = _tail(log_path)
+            if CONFINE_FAILED.decode() in said:
+                raise SandboxSetupError(
+                    "the landlock runtime could not confine the task's commands",
+                    said,
+                    "see `fusion-oci doctor` for this kernel's Landlock ABI",
+                ) from exc
+            if isinstance(exc, OSError):
+                raise SandboxSetupError(
+                    "the landlock runtime could not start its exec agent",
+                    str(exc),
+                    "check the host's process and file limits (ulimit -a)",
+                ) from exc
+            raise
+        finally:
+            theirs.close()  # idempotent
+            _remove_launch(launch)
+        self._launch = SandboxLaunch(argv=argv, env=LAUNCH_ENV, cwd="/")
+        return agent
+
+    async def execute(self, plan: Plan, opts: RunOptions) -> RunResult:
+        landlock_plan = own_plan(self, plan, LandlockPlan)
+        process, rules = landlock_plan.process, landlock_plan.rules
+        agent = self._exec
+        if agent is None or self._scratch is None or landlock_plan.scratch != str(self._scratch):
+            raise SandboxSetupError(
+                f"runtime '{self.id}' was not prepared",
+                "its exec agent is not running, or the plan was made before prepare()",
+                "call prepare(ctx) first, then plan the command",
+            )
         from fusion_oci.runtimes.linux import snapshot
 
-        config = launch_config(rules, host_abi(), platform.machine())
         kept = snapshot.take(rules.restored, holes=rules.holes)
-        # Beside HOME and TMPDIR, not in them: the command cannot read or change it.
-        _write_launch(launch, launch_text(config))
         try:
-            outcome = await run_process(
-                launch_plan.argv,
-                env=launch_plan.env,
-                cwd=launch_plan.cwd,
-                stdin=opts.stdin,
-                timeout_s=opts.timeout_ms / 1000,
-                max_buffer=opts.max_buffer,
-                term_group=False,
-                on_output=opts.on_output,
-                keep_output=opts.keep_output,
-            )
+            outcome = await agent.run_command(landlock_plan.spawn, opts)
         finally:
-            _remove_launch(launch)
-            # The command's whole tree has ended: nothing can race the restore.
+            # The run's keeper ended the command's whole tree before it reported: nothing of
+            # it can race the restore.
             changed = snapshot.restore(kept)
         notes = []
         if changed:
@@ -804,18 +914,18 @@ class LandlockRuntime(HostProcessRuntime):
         if notes:
             text = "".join(f"fusion-oci: {n}\n" for n in notes)
             outcome = replace(outcome, stderr=outcome.stderr + text.encode())
-        if outcome.returncode == 125 and outcome.stderr.startswith(CONFINE_FAILED):
-            raise SandboxSetupError(
-                "the landlock runtime could not confine the command",
-                outcome.stderr.decode("utf-8", "replace").strip()[-500:],
-                "see `fusion-oci doctor` for this kernel's Landlock ABI",
-            )
         return self.result(outcome, process)
 
     async def dispose(self) -> None:
+        agent, self._exec = self._exec, None
+        self._launch = None
         self._proxy_port = None
         self._rules = None
-        await super().dispose()
+        try:
+            if agent is not None:
+                await agent.close()
+        finally:
+            await super().dispose()
 
 
 def _write_launch(path: Path, text: str) -> None:
@@ -824,3 +934,11 @@ def _write_launch(path: Path, text: str) -> None:
 
 def _remove_launch(path: Path) -> None:
     path.unlink(missing_ok=True)
+
+
+def _tail(path: Path, limit: int = 500) -> str:
+    """The last words of the shim and the agent (empty when they left none)."""
+    try:
+        return path.read_text(encoding="utf-8", errors="replace").strip()[-limit:]
+    except OSError:
+        return ""

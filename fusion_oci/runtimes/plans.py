@@ -4,11 +4,12 @@ runs for one command, printable and golden.
 Two kinds, as there are two ways a command runs:
 
 * :class:`ArgvPlan` — the command is a host process of its own (native without its agent,
-  landlock, sandbox-exec): this argv, in this environment and folder.
+  sandbox-exec): this argv, in this environment and folder.
 * :class:`AgentPlan` — the command is a *spawn frame* sent to the exec agent inside the
-  sandbox that prepare started once for the task (bubblewrap, oci, podman, docker, native with
-  its agent): the frame's fields, and beside it the task's sandbox launch
-  (:class:`SandboxLaunch`: a bwrap or runc argv, or an engine SDK call).
+  sandbox that prepare started once for the task (bubblewrap, oci, landlock, podman, docker,
+  native with its agent): the frame's fields, and beside it the task's sandbox launch
+  (:class:`SandboxLaunch`: a bwrap or runc argv, landlock's reaper shim, or an engine SDK
+  call).
 
 Each carries the :class:`~fusion_oci.oci.model.ProcessSpec` it runs (not part of
 :meth:`Plan.to_json`: ``fusion-oci plan`` prints the spec beside it).

@@ -187,7 +187,12 @@ OWN_PROC_SCRIPT = (
     "(cd /proc/self && grep -q '^Pid:' status) && echo relative; "
     "sh -c 'exec grep -q ^Pid: /proc/$$/status' && echo own-pid; "
     "sh -c 'grep -q ^PPid: /proc/$PPID/status' && echo parent-in-sandbox; "
-    "sleep 5 & ps -o comm= | tr '\\n' ' ' | grep -qx 'sh sleep ps tr grep ' && echo ps; kill $!"
+    # The task's agent and this run's keeper are the sandbox's too (as a bwrap sandbox's PID 1
+    # is): the supervisor's tree is the reaper's, of which every command is a grandchild.
+    # ps writes a file, not a pipe, once sleep has exec'd: a child that has not yet is "sh".
+    'sleep 5 & until [ "$(cat /proc/$!/comm)" = sleep ]; do :; done; '
+    "ps -o comm= > \"$TMPDIR/ps\"; tr '\\n' ' ' < \"$TMPDIR/ps\" "
+    "| grep -qx 'fusion-agent fusion-agent sh sleep ps ' && echo ps; kill $!"
 )
 
 
@@ -303,6 +308,103 @@ def test_nothing_left_behind(worktree: Path) -> None:
     assert set(Path("/tmp").glob("fusion-oci-ll-*")) == before
 
 
+AGENT_PROBE = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+def up(pid):
+    status = open(f"/proc/{pid}/status").read()
+    return status.split()[1], int(status.split("PPid:")[1].split()[0])
+name, parent = up(os.getpid())
+while name != "fusion-agent":  # the keeper of this run, its parent the agent
+    name, parent = up(parent)
+agent = parent
+fds = sorted(os.listdir("/proc/self/fd"))
+pidfd = libc.syscall(434, agent, 0)  # pidfd_open: allowed; pidfd_getfd (438): refused
+got = libc.syscall(438, pidfd, 3, 0) if pidfd >= 0 else -1
+print(agent, fds, got, ctypes.get_errno(), sep="|")
+"""
+
+
+def test_one_confined_agent_runs_every_command_and_keeps_its_connection(worktree: Path) -> None:
+    """Both commands are spawn frames to the same agent (a keeper's child, the keeper its
+    child), which holds no fd of the command's, and none can take its connection; the launch
+    file is gone once it started."""
+    import errno
+
+    from tests.integration.test_agent import marker, pids_with
+
+    settings = SandboxSettings(backend="landlock", policy=SandboxPolicy(allow_network=False))
+    project = worktree.parent / "project"
+    project.mkdir(exist_ok=True)
+    tag = marker("ll-leftover")
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"}
+    with SyncSandbox(settings, env=env, cache_root=worktree.parent / "cache") as sb:
+        sb.prepare(
+            PrepareContext(
+                task_id="ll-agent",
+                run_id="r1",
+                worktree_path=str(worktree),
+                policy=settings.policy,
+                project_dir=str(project),
+            )
+        )
+        runtime = sb.sandbox.runtime
+        assert isinstance(runtime, LandlockRuntime)
+        scratch = Path(runtime._dirs()[0]).parent
+        assert not (scratch / "launch").exists()
+        seen = []
+        for _ in range(2):
+            result = sb.run(f"python3 -c '{AGENT_PROBE}'", RunOptions(env=env))
+            assert result.exit_code == 0, result.stderr
+            agent, fds, got, err = result.stdout.strip().split("|")
+            seen.append(int(agent))
+            assert fds == "['0', '1', '2', '3']", result.stdout  # 3: the listing itself
+            assert int(got) == -1 and int(err) == errno.EPERM, result.stdout
+        assert seen[0] == seen[1]
+        from fusion_oci.runtimes.landlock import MIN_SCOPE_ABI, host_abi
+
+        if host_abi() >= MIN_SCOPE_ABI:  # each run's domain is nested in the agent's
+            stop = sb.run(f"kill -STOP {seen[0]}", RunOptions(env=env))
+            assert stop.exit_code != 0 and "not permitted" in stop.stderr, stop
+            assert sb.run("echo alive", RunOptions(env=env)).stdout == "alive\n"
+        # A setsid'd, double-forked leftover ends with its run, not at dispose.
+        left = sb.run(f"setsid sh -c 'sleep 300; : {tag}' & echo started", RunOptions(env=env))
+        assert left.exit_code == 0, left.stderr
+        assert pids_with(tag) == []
+    from tests.integration.test_agent import alive
+
+    assert not alive(seen[0])  # dispose ended the agent (and the reaper with it)
+
+
+def test_the_task_ends_with_its_caller(worktree: Path, tmp_path: Path) -> None:
+    """A caller killed outright (no dispose) mid-run: the reaper (PDEATHSIG) ends the agent
+    and the command's whole tree, a setsid'd part included."""
+    from tests.integration.test_agent import appears, gone, marker
+
+    tag = marker("ll-caller-dies")
+    project = worktree.parent / "project"
+    project.mkdir(exist_ok=True)
+    script = tmp_path / "caller.py"
+    script.write_text(
+        "import os\n"
+        "from pathlib import Path\n"
+        "from fusion_oci.models import PrepareContext, SandboxPolicy\n"
+        "from fusion_oci.policy.settings import SandboxSettings\n"
+        "from fusion_oci.sandbox import SyncSandbox\n"
+        "p = SandboxPolicy(allow_network=False)\n"
+        "sb = SyncSandbox(SandboxSettings(backend='landlock', policy=p), env=dict(os.environ),\n"
+        f"                cache_root=Path({str(worktree.parent / 'cache')!r}))\n"
+        "sb.prepare(PrepareContext(task_id='ll-dies', run_id='r1', policy=p,\n"
+        f"           worktree_path={str(worktree)!r}, project_dir={str(project)!r}))\n"
+        f"sb.run(\"setsid sh -c 'sleep 1000; : {tag}' & sleep 1000; : {tag}\")\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with subprocess.Popen([sys.executable, str(script)], env=env) as caller:
+        assert appears(tag, 10.0)
+        caller.kill()
+    assert gone(tag, 5.0)
+
+
 def test_a_confinement_that_fails_fails_the_command(
     worktree: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -337,9 +439,12 @@ def test_plan_is_printable_and_says_what_is_granted(worktree: Path) -> None:
     runtime.adopt(task)
     process = task.process("true", RunOptions())
     plan = runtime.plan(process).to_json()
-    # What execute runs: the shim, the launch file, the command (no placeholder for the shim).
-    assert plan["argv"] == runtime.launch_command(process, "<task scratch>/launch-1")
-    assert plan["argv"][plan["argv"].index("--") - 1] == "SANDBOX=<task scratch>/launch-1"
+    # What runs: the command as a spawn frame, beside the task's launch (the shim with the
+    # launch file, its confined child the agent; no placeholder for the shim).
+    launch = plan["sandbox"]["argv"]
+    assert launch == runtime.launch_command("<task scratch>/launch", "N")
+    assert launch[launch.index("--") - 2 :][:2] == ["SANDBOX=<task scratch>/launch", "AGENT=N"]
+    assert "argv=true" in plan["spawn"]["fields"] or "argv=/bin/sh" in plan["spawn"]["fields"]
     assert any(str(worktree) in n for n in plan["notes"])
 
 

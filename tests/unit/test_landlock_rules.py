@@ -119,6 +119,19 @@ def test_nothing_else_of_the_host_is_granted() -> None:
             assert path != "/proc" and not path.startswith("/proc/self"), (name, path)
 
 
+def test_no_command_takes_a_descriptor_from_another_process() -> None:
+    """The task's agent is dumpable and shares the commands' uid and domain: pidfd_getfd is
+    refused (its connection stays its own), as ptrace and process_vm_* are by the profile."""
+    for name in CASES:
+        refused = {
+            n
+            for r in landlock_rules(spec_for(name), HOME, TMP).seccomp["syscalls"]
+            if r["action"] == "SCMP_ACT_ERRNO" and not r.get("args")
+            for n in r["names"]
+        }
+        assert {"pidfd_getfd", "ptrace", "process_vm_readv", "process_vm_writev"} <= refused
+
+
 def test_network_none_refuses_every_socket_host_refuses_unix() -> None:
     none = landlock_rules(spec_for("network-none"), HOME, TMP).seccomp["syscalls"][-1]
     host = landlock_rules(spec_for("network-host"), HOME, TMP).seccomp["syscalls"][-1]
@@ -203,15 +216,18 @@ def test_a_path_with_a_newline_is_refused_not_misread() -> None:
         launch_text(launch_config(rules, 7, "x86_64"))
 
 
-def test_plan_is_what_execute_runs() -> None:
-    """The plan's argv is the launch command execute builds (the shim with the spec's
-    rlimits and the launch file), not a placeholder; golden without this host's facts."""
+def test_plan_is_what_execute_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan is the spawn frame execute sends to the task's confined agent, beside the
+    launch prepare makes (the shim with the launch file and the agent on its connection; the
+    fd and the scratch as placeholders before prepare); golden without this host's facts."""
     from pathlib import Path
 
+    import fusion_oci.runtimes.landlock as mod
     from fusion_oci.policy.settings import SandboxSettings
     from fusion_oci.runtimes.landlock import LandlockRuntime
     from tests.golden import host_neutral
 
+    monkeypatch.setattr(mod, "_ABI", 7)  # the notes name it: not this host's
     runtime = LandlockRuntime(
         SandboxSettings(backend="landlock"),
         {"PATH": "/usr/bin"},
@@ -228,12 +244,18 @@ def test_plan_is_what_execute_runs() -> None:
     )
     task: ResolvedTask = resolved(ctx, layout, HOST, {"LANG": "C.UTF-8"})
     plan = plan_for(runtime, task, "pnpm test")
-    assert plan.argv == runtime.launch_command(plan.process, "<task scratch>/launch-1")
-    assert "<reaper>" not in plan.argv
-    assert_golden(
-        "landlock/plan-locked-down.json",
-        {"argv": host_neutral(plan.argv), "env": plan.env, "cwd": plan.cwd},
-    )
+    assert plan.sandbox is not None and plan.sandbox.argv is not None
+    launch = plan.sandbox.argv
+    assert launch == runtime.launch_command("<task scratch>/launch", "N")
+    assert "<reaper>" not in launch
+    # The agent's own environment is not the caller's; the command's is in the frame.
+    assert plan.sandbox.env == {} and plan.spawn.rlimits == plan.process.limits()
+    agent = runtime._agent()
+    data = plan.to_json()
+    data["sandbox"]["argv"] = [
+        "<agent>" if a == agent else a for a in host_neutral(data["sandbox"]["argv"])
+    ]
+    assert_golden("landlock/plan-locked-down.json", data)
 
 
 @pytest.mark.parametrize(
