@@ -381,7 +381,14 @@ def sandbox_env(
         env["GIT_CONFIG_COUNT"] = "1"
         env["GIT_CONFIG_KEY_0"] = "safe.directory"
         env["GIT_CONFIG_VALUE_0"] = "*"
-    env.update(node_options(env, allowed_env(policy.env_allowlist, source)))
+    allowed = allowed_env(policy.env_allowlist, source)
+    if "NODE_OPTIONS" in allowed and env.get("NODE_OPTIONS") == NODE_OPENSSL_CA:
+        merged = node_options(allowed["NODE_OPTIONS"])
+        if merged is None:  # theirs stands; the bundle is added as a partial one would be
+            env["NODE_EXTRA_CA_CERTS"] = CA_IN_SANDBOX
+        else:
+            allowed["NODE_OPTIONS"] = merged
+    env.update(allowed)
     # After the allowlist: a brokered variable holds its sentinel even where the allowlist
     # names it (the value must never pass).
     env.update(credential_env(layout, env))
@@ -392,21 +399,14 @@ def sandbox_env(
     return env
 
 
-def node_options(env: dict[str, str], allowed: dict[str, str]) -> dict[str, str]:
-    """The allow-listed variables, with the caller's ``NODE_OPTIONS`` after
-    :data:`NODE_OPENSSL_CA` where ``env`` has that; where theirs names Node.js's own store
-    (``--use-bundled-ca``, which Node.js refuses beside it) theirs stands and ``env`` gets
-    ``NODE_EXTRA_CA_CERTS`` instead, as with a partial bundle. Pure but for ``env``."""
-    theirs = allowed.get("NODE_OPTIONS")
-    if theirs is None or env.get("NODE_OPTIONS") != NODE_OPENSSL_CA:
-        return allowed
+def node_options(theirs: str) -> str | None:
+    """The caller's allow-listed ``NODE_OPTIONS`` after :data:`NODE_OPENSSL_CA`, or None where
+    theirs names Node.js's own store (``--use-bundled-ca``, which Node.js refuses beside it).
+    Pure."""
     words = theirs.split()
     if "--use-bundled-ca" in words:
-        del env["NODE_OPTIONS"]
-        env["NODE_EXTRA_CA_CERTS"] = CA_IN_SANDBOX
-        return allowed
-    mine = " ".join([NODE_OPENSSL_CA, *(w for w in words if w != NODE_OPENSSL_CA)])
-    return {**allowed, "NODE_OPTIONS": mine}
+        return None
+    return " ".join([NODE_OPENSSL_CA, *(w for w in words if w != NODE_OPENSSL_CA)])
 
 
 def credential_env(layout: TaskLayout, env: Mapping[str, str]) -> dict[str, str]:
