@@ -46,6 +46,18 @@ CA_ENV_VARS = (
     "REQUESTS_CA_BUNDLE",
     "CURL_CA_BUNDLE",
 )
+NO_UPDATE_CHECKS = {
+    "npm_config_update_notifier": "false",
+    "pnpm_config_update_notifier": "false",
+    "NO_UPDATE_NOTIFIER": "1",
+}
+"""No package manager asks its registry for a newer version of itself. They remember the
+last check in ``$HOME/.local/state`` and ask once a day, but a sandbox's home is new with each
+task, so pnpm asked at every task's first command: a request for its whole registry document
+(~120 ms of each new task's ``pnpm install`` here, measured) and an egress event, for a version
+the image pins anyway. npm and pnpm up to 10 read ``npm_config_*``, pnpm 11 ``pnpm_config_*``,
+the ``update-notifier`` package of other CLIs ``NO_UPDATE_NOTIFIER``. The allowlist can pass
+the caller's own value."""
 NODE_OPENSSL_CA = "--use-openssl-ca"
 """Node.js trusts OpenSSL's store (``SSL_CERT_FILE``: the shared bundle) in place of its own
 roots. Used instead of ``NODE_EXTRA_CA_CERTS`` when the bundle is the host's whole trust store
@@ -368,6 +380,7 @@ def sandbox_env(
         "TMPDIR": "/tmp",
         "LANG": source.get("LANG", "C.UTF-8"),
         "TERM": source.get("TERM", "dumb"),
+        **NO_UPDATE_CHECKS,
     }
     for cache in layout.caches:
         env.update(dict(cache.env))

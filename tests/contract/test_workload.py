@@ -120,6 +120,11 @@ async def test_a_real_typescript_project_installs_tests_checks_builds_and_commit
                 assert re.search(r"Tests\s+4 passed", plain), plain[-2000:]
             if name == "build":
                 assert 'bundle ok: "bundle" x2' in result.stdout, result.stdout[-2000:]
+        if runtime.name not in ("native", "plugin"):  # they keep the caller's HOME and env
+            # Four pnpm commands, and none asked the registry for a newer pnpm: a sandbox's
+            # home is new with each task, so its once-a-day state would never hold.
+            state = await sb.run("ls $HOME/.local/state/pnpm/pnpm-state.json", STEP)
+            assert state.exit_code != 0, (runtime.name, state.stdout)
     print(
         f"\nworkload {runtime.name}: "
         + " ".join(f"{k} {v}s" for k, v in took.items())

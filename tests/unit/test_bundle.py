@@ -292,6 +292,19 @@ def test_an_allow_listed_node_options_keeps_the_store(
     assert env.get("NODE_EXTRA_CA_CERTS") == extra
 
 
+def test_no_package_manager_checks_for_updates_unless_the_caller_says() -> None:
+    """A sandbox's home is new with each task, so a notifier's once-a-day state never holds:
+    pnpm asked its registry at every task's first command. The allowlist may pass theirs."""
+    env = spec_env(compile_spec(ctx(SandboxPolicy()), LAYOUT, HOST, "env", RunOptions(), ENV))
+    assert env["npm_config_update_notifier"] == "false"
+    assert env["pnpm_config_update_notifier"] == "false"
+    assert env["NO_UPDATE_NOTIFIER"] == "1"
+    policy = SandboxPolicy(env_allowlist=["npm_config_update_notifier"])
+    caller = {**ENV, "npm_config_update_notifier": "true"}
+    env = spec_env(compile_spec(ctx(policy), LAYOUT, HOST, "env", RunOptions(), caller))
+    assert env["npm_config_update_notifier"] == "true"
+
+
 def test_only_the_hosts_own_bundle_is_a_whole_store(tmp_path: Path) -> None:
     from fusion_oci.policy.settings import SandboxSettings
     from fusion_oci.resolve import resolve
