@@ -198,6 +198,17 @@ class Capture:
         return b"".join(self.chunks)
 
 
+async def kill_group(proc: asyncio.subprocess.Process | None) -> None:
+    """SIGKILL the process group of a child started in a session of its own (a launcher, an
+    engine's CLI) and reap it; nothing when it never started or is already reaped. The wait
+    is shielded: a cancelled caller still leaves no zombie and no group behind."""
+    if proc is None or proc.returncode is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    await asyncio.shield(proc.wait())
+
+
 async def _terminate(
     proc: asyncio.subprocess.Process,
     grace_s: float,

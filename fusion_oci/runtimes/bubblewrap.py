@@ -42,7 +42,6 @@ import os
 import re
 import resource
 import shutil
-import signal
 import socket
 import subprocess
 from dataclasses import dataclass, field
@@ -55,7 +54,7 @@ from fusion_oci.errors import BundleError, SandboxSetupError
 from fusion_oci.models import NetworkMode, RunOptions, RunResult, SandboxCapabilities
 from fusion_oci.oci.model import ProcessSpec, TaskSpec
 from fusion_oci.oci.seccomp import LIBSECCOMP_HINT, libseccomp_problem
-from fusion_oci.process import probe
+from fusion_oci.process import kill_group, probe
 
 # The translation, re-exported: callers and tests name it from here.
 from fusion_oci.runtimes.bubblewrap_argv import (
@@ -512,10 +511,7 @@ class BubblewrapRuntime(SpecRuntime):
             agent = await Agent.over(ours, proc, START_TIMEOUT_S)
         except BaseException as exc:
             ours.close()
-            if proc is not None and proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                await proc.wait()
+            await kill_group(proc)
             if link is not None:
                 await link.stop()
             if group is not None:

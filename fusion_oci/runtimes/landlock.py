@@ -79,10 +79,8 @@ express are kept before and restored after it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -97,7 +95,7 @@ from fusion_oci.oci.model import ProcessSpec, TaskSpec
 from fusion_oci.oci.seccomp import compile_bpf
 from fusion_oci.oci.spec import SANDBOX_HOME
 from fusion_oci.policy.layout import task_project
-from fusion_oci.process import probe, reaper_argv
+from fusion_oci.process import kill_group, probe, reaper_argv
 from fusion_oci.runtimes.hostproc import HostProcessRuntime, native_env
 from fusion_oci.runtimes.plans import AgentPlan, Plan, SandboxLaunch, own_plan, spawn_of
 from fusion_oci.runtimes.protocol import Availability
@@ -856,10 +854,7 @@ class LandlockRuntime(HostProcessRuntime):
             agent = await Agent.over(ours, proc, START_TIMEOUT_S)
         except BaseException as exc:
             ours.close()
-            if proc is not None and proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                await proc.wait()
+            await kill_group(proc)
             said = _tail(log_path)
             if CONFINE_FAILED.decode() in said:
                 raise SandboxSetupError(

@@ -35,11 +35,9 @@ container of that image.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import secrets
 import shutil
-import signal
 import socket
 import time
 from collections.abc import Mapping
@@ -53,7 +51,7 @@ from fusion_oci.models import NetworkMode, RunOptions, RunResult, SandboxCapabil
 from fusion_oci.oci.bundle import write_bundle
 from fusion_oci.oci.model import ANN_RUN, ANN_TASK, ProcessSpec
 from fusion_oci.oci.ops import EgressHook, with_init
-from fusion_oci.process import ProcessOutcome
+from fusion_oci.process import ProcessOutcome, kill_group
 from fusion_oci.runtimes.linux.cgroups import (
     Cgroup,
     CgroupEvents,
@@ -467,7 +465,7 @@ class OciRuntime(SpecRuntime):
                 if link is not None and link.error is not None:
                     raise link.error from exc
                 if proc.returncode is None and not launch.detach:
-                    await self._end_cli(proc)
+                    await kill_group(proc)
                 raise SandboxSetupError(
                     f"{self.runtime_name} could not start the task's container, or its exec "
                     "agent did not say hello",
@@ -478,8 +476,7 @@ class OciRuntime(SpecRuntime):
         except BaseException:
             ours.close()
             theirs.close()
-            if proc is not None and proc.returncode is None:
-                await self._end_cli(proc)
+            await kill_group(proc)
             if link is not None:
                 await asyncio.shield(link.close())
             if group is not None:
@@ -533,18 +530,12 @@ class OciRuntime(SpecRuntime):
         try:
             code = await asyncio.wait_for(proc.wait(), START_TIMEOUT_S)
         except BaseException:
-            await self._end_cli(proc)
+            await kill_group(proc)
             raise
         if code != 0:
             raise SandboxSetupError(
                 f"{self.runtime_name} run exited {code}", _log_tail(launch.log) or "no output"
             )
-
-    @staticmethod
-    async def _end_cli(proc: asyncio.subprocess.Process) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        await asyncio.shield(proc.wait())
 
     def _require_box(self) -> _Box:
         if self._box is None or self.ctx is None:
