@@ -53,9 +53,9 @@ NO_UPDATE_CHECKS = {
 }
 """No package manager asks its registry for a newer version of itself. They remember the
 last check in ``$HOME/.local/state`` and ask once a day, but a sandbox's home is new with each
-task, so pnpm asked at every task's first command: a request for its whole registry document
-(~120 ms of each new task's ``pnpm install`` here, measured) and an egress event, for a version
-the image pins anyway. npm and pnpm up to 10 read ``npm_config_*``, pnpm 11 ``pnpm_config_*``,
+task, so pnpm asked at every task's first command: a request to its registry (~120 ms of
+each new task's ``pnpm install`` here, measured) and an egress event, for a version the image
+pins anyway. npm and pnpm up to 10 read ``npm_config_*``, pnpm 11 ``pnpm_config_*``,
 the ``update-notifier`` package of other CLIs ``NO_UPDATE_NOTIFIER``. The allowlist can pass
 the caller's own value."""
 NODE_OPENSSL_CA = "--use-openssl-ca"

@@ -464,7 +464,7 @@ class OciRuntime(SpecRuntime):
             except SandboxSetupError as exc:
                 if link is not None and link.error is not None:
                     raise link.error from exc
-                if proc.returncode is None and not launch.detach:
+                if not launch.detach:
                     await kill_group(proc)
                 raise SandboxSetupError(
                     f"{self.runtime_name} could not start the task's container, or its exec "
