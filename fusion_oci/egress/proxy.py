@@ -20,6 +20,7 @@ import ssl
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -768,7 +769,7 @@ class EgressProxy:
 
     def _emit(self, conn: Connection, **fields: Any) -> None:
         """One event about ``conn`` (the task's and the connection's own fields, plus
-        ``fields``), appended off the proxy loop."""
+        ``fields``), appended by :data:`_AUDIT_WRITER` after every event before it."""
         if self.audit is None:
             return
         from fusion_oci.audit import AuditEvent
@@ -783,10 +784,16 @@ class EgressProxy:
             address=conn.address,
             **fields,
         )
-        # The file append takes a flock: off the proxy loop, so a slow disk stalls no tunnel.
-        future = asyncio.ensure_future(asyncio.to_thread(self.audit.emit, event))
+        loop = asyncio.get_running_loop()
+        future = asyncio.ensure_future(loop.run_in_executor(_AUDIT_WRITER, self.audit.emit, event))
         self._emits.add(future)
         future.add_done_callback(self._emits.discard)
+
+
+_AUDIT_WRITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fusion-oci-egress-audit")
+"""Where every proxy's audit appends run: off the proxy loop (the append takes a flock, so a
+slow disk stalls no tunnel), one at a time, in the order they were made. A thread per event
+(``asyncio.to_thread``) let a later event land before an earlier one."""
 
 
 def _is_address(host: str) -> bool:

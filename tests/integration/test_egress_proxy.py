@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from fusion_oci.audit import AuditLog, read_events, verify_chain
+from fusion_oci.audit import AuditEvent, AuditLog, read_events, verify_chain
 from fusion_oci.egress import EgressRules, Limits, start_proxy
 from fusion_oci.egress.proxy import EgressProxy
 
@@ -251,6 +251,34 @@ async def test_plain_http_absolute_uri_is_forwarded_without_hop_by_hop_headers(
     assert headers["connection"] == "close" and headers["x-keep"] == "yes"
     assert "proxy-connection" not in headers and "proxy-authorization" not in headers
     assert await reader.read() == b""  # one request per connection
+
+
+async def test_audit_events_land_in_the_order_they_happened(
+    proxy: EgressProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first append is slow (a busy disk, a contended flock): the second still lands
+    after it. A thread per event wrote the later one first (seen in CI as a SOCKS BIND's
+    refusal before the denied CONNECT that came before it)."""
+    import threading
+
+    assert proxy.audit is not None
+    emit = proxy.audit.emit
+    writing = threading.Event()
+
+    def slow_first(event: AuditEvent) -> None:
+        if not writing.is_set():
+            writing.set()
+            time.sleep(0.3)
+        emit(event)
+
+    monkeypatch.setattr(proxy.audit, "emit", slow_first)
+    _, reader, _ = await http_connect(proxy, "denied.test:8080")
+    await reader.read()
+    assert await asyncio.to_thread(writing.wait, 5)  # the first event is being written, slowly
+    _, reader, _ = await http_connect(proxy, "unlisted.test:443")
+    await reader.read()
+    found = await events(proxy, 2)
+    assert [e["host"] for e in found] == ["denied.test", "unlisted.test"], found
 
 
 async def test_denied_connect_gets_403_naming_host_rule_and_key(proxy: EgressProxy) -> None:
