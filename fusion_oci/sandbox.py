@@ -107,6 +107,8 @@ class Sandbox:
         self.egress: EgressProxy | None = None
         """The task's egress proxy while prepared with ``network: filtered``."""
         self._running: set[asyncio.Task[RunResult]] = set()
+        self._profile: dict[str, object] | None = None
+        """The egress profile's pin as the prepare event records it (filtered only)."""
         self.linker: StoreLinker | None = None
         """Host-side hard links of node_modules to the shared blob store (fusion_oci.store),
         or None where they cannot be shared safely (``store_links`` in the prepare event)."""
@@ -179,7 +181,7 @@ class Sandbox:
             if resolved.network is NetworkMode.FILTERED:
                 # Before prepare: the runtime binds the proxy's socket into the sandbox.
                 # landlock has no network namespace and reaches it over host TCP instead.
-                self.egress = await start_task_proxy(
+                self.egress, profile = await start_task_proxy(
                     ctx,
                     self.env,
                     audit=self.audit,
@@ -187,6 +189,7 @@ class Sandbox:
                     tcp=runtime.egress_via_tcp,
                     broker=broker,
                 )
+                self._profile = profile.audit()
                 resolved = resolved.with_egress(self.egress)
                 if broker is not None:
                     resolved = resolved.with_layout(
@@ -280,6 +283,8 @@ class Sandbox:
             ),
         )
         details: dict[str, Any] = {"store_links": "on" if links.ok else links.reason}
+        if self._profile is not None:
+            details["egress_profile"] = self._profile
         if self.linker is not None:
             details["store_tree"] = (await asyncio.to_thread(self.linker.place)).audit()
         self._event(

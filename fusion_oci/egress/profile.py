@@ -1,8 +1,8 @@
 """The built-in git/npm egress profile: exactly the hosts a task's package manager and git
 need, each with where it came from.
 
-- npm's registry as ``npm config get registry`` answers it (run on the host, in the
-  worktree, with the caller's environment: project and user ``.npmrc`` and ``npm_config_*``);
+- npm's registry as ``npm config get registry`` answers it (run on the host outside the
+  worktree, with the caller's environment: the user's and global ``.npmrc``, ``npm_config_*``);
 - every ``registry=`` and ``@scope:registry=`` of the worktree's ``.npmrc``, the user's
   (``$NPM_CONFIG_USERCONFIG`` or ``~/.npmrc``) and pnpm's own rc
   (``$XDG_CONFIG_HOME/pnpm/rc``);
@@ -12,7 +12,9 @@ need, each with where it came from.
 - the worktree's git remotes (``git remote -v``): https / http, ``ssh://`` and scp-like
   ``git@host:path``, ``git://``.
 
-Nothing else. Each host is pinned to the port its URL uses (443 for https, 22 for ssh).
+Nothing else. Each host is pinned to the port its URL uses (443 for https, 22 for ssh). What
+the worktree's own files name is allowed only as :mod:`fusion_oci.egress.pin` pinned it: a
+command writes those files.
 The parsers are pure; :func:`resolve_profile` is the one step that reads files and runs
 ``npm`` and ``git`` (each with a short timeout).
 """
@@ -20,7 +22,9 @@ The parsers are pure; :func:`resolve_profile` is the one step that reads files a
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import stat
 import urllib.parse
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -44,6 +48,9 @@ class ProfileHost:
 
     pattern: str
     source: str
+    worktree: bool = False
+    """Named by a file of the worktree, which commands write: allowed only as pinned
+    (:mod:`fusion_oci.egress.pin`)."""
 
 
 def url_host(url: str) -> str | None:
@@ -116,11 +123,22 @@ def parse_remotes(text: str) -> list[tuple[str, str]]:
     return found
 
 
-def _read(path: Path) -> str | None:
+RC_MAX_BYTES = 1 << 20
+"""More than this of an rc file is not read: a worktree file is the command's to make."""
+
+
+def _read(path: Path, *, follow: bool = True) -> str | None:
+    """A regular file's text (at most RC_MAX_BYTES), or None. Never blocks on a FIFO or reads
+    a device; ``follow=False`` (a worktree's file, the command's to make) takes no symlink."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
     try:
-        return path.read_text(encoding="utf-8", errors="replace")
+        fd = os.open(path, flags)
     except OSError:
         return None
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return fh.read(RC_MAX_BYTES).decode("utf-8", errors="replace")
 
 
 def npmrc_paths(worktree: Path, env: Mapping[str, str]) -> list[Path]:
@@ -139,24 +157,31 @@ def file_hosts(worktree: Path, env: Mapping[str, str]) -> list[ProfileHost]:
     """The registries the rc files name (no process runs)."""
     hosts: list[ProfileHost] = []
     for path in npmrc_paths(worktree, env):
-        text = _read(path)
-        for key, url in parse_npmrc(text or ""):
+        inside = _inside(path, worktree)
+        for key, url in parse_npmrc(_read(path, follow=not inside) or ""):
             host = url_host(url)
             if host:
-                hosts.append(ProfileHost(host, f"{path} ({key})"))
+                hosts.append(ProfileHost(host, f"{path} ({key})", inside))
     named_yarn = False
     for path in yarnrc_paths(worktree, env):
-        text = _read(path)
-        for key, url in parse_yarnrc(text or ""):
+        inside = _inside(path, worktree)
+        for key, url in parse_yarnrc(_read(path, follow=not inside) or ""):
             host = url_host(url)
             if host:
                 named_yarn = named_yarn or key == "npmRegistryServer"
-                hosts.append(ProfileHost(host, f"{path} ({key})"))
+                hosts.append(ProfileHost(host, f"{path} ({key})", inside))
     if (worktree / "yarn.lock").exists() and not named_yarn:
         host = url_host(YARN_DEFAULT)
         assert host is not None
-        hosts.append(ProfileHost(host, f"yarn's default registry ({worktree / 'yarn.lock'})"))
+        hosts.append(ProfileHost(host, f"yarn's default registry ({worktree / 'yarn.lock'})", True))
     return hosts
+
+
+def _inside(path: Path, worktree: Path) -> bool:
+    # The user's rc paths come from the caller's environment and could name a file in the
+    # worktree: what a command can write is pinned, wherever the path came from.
+    parent, top = path.parent.resolve(), worktree.resolve()
+    return parent == top or top in parent.parents
 
 
 async def _probe(argv: list[str], cwd: Path, env: Mapping[str, str]) -> str | None:
@@ -172,8 +197,10 @@ async def _probe(argv: list[str], cwd: Path, env: Mapping[str, str]) -> str | No
 
 
 async def npm_registry_host(worktree: Path, env: Mapping[str, str]) -> ProfileHost:
-    """npm's registry for this worktree; npm's default when npm cannot say."""
-    out = await _probe(["npm", "config", "get", "registry"], worktree, env)
+    """npm's registry for this user; npm's default when npm cannot say. Run outside the
+    worktree, so that npm reads the user's and the global config, not the worktree's
+    ``.npmrc`` (which :func:`file_hosts` reads, for the pin)."""
+    out = await _probe(["npm", "config", "get", "registry"], Path("/"), env)
     host = url_host(out.strip()) if out else None
     if host:
         return ProfileHost(host, "npm config get registry")
@@ -195,11 +222,17 @@ async def git_remote_hosts(worktree: Path, env: Mapping[str, str]) -> list[Profi
 def merge(hosts: Iterable[ProfileHost]) -> list[ProfileHost]:
     """One entry per pattern, the first source kept (the others after it, '; ')."""
     by: dict[str, list[str]] = {}
+    trusted: set[str] = set()
     for host in hosts:
         sources = by.setdefault(host.pattern, [])
         if host.source not in sources:
             sources.append(host.source)
-    return [ProfileHost(pattern, "; ".join(sources)) for pattern, sources in by.items()]
+        if not host.worktree:
+            trusted.add(host.pattern)
+    return [
+        ProfileHost(pattern, "; ".join(sources), pattern not in trusted)
+        for pattern, sources in by.items()
+    ]
 
 
 async def resolve_profile(worktree: Path, env: Mapping[str, str]) -> list[ProfileHost]:

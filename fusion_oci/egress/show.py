@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
-from pathlib import Path
 
-from fusion_oci.egress.profile import resolve_profile
 from fusion_oci.egress.rules import ALLOW_KEY, DENY_KEY
+from fusion_oci.egress.task import task_profile
 from fusion_oci.models import NetworkMode, PrepareContext
 
 
@@ -19,9 +18,9 @@ def egress_rows(ctx: PrepareContext, env: Mapping[str, str]) -> list[dict[str, o
     Nothing when the network is not filtered (npm and git are not even run then)."""
     if ctx.policy.network_mode is not NetworkMode.FILTERED:
         return []
-    profile = asyncio.run(resolve_profile(Path(ctx.worktree_path), env))
+    profile = asyncio.run(task_profile(ctx, env, create=False))
     allowed: list[tuple[str, str]] = [
-        (h.pattern, f"built-in git/npm profile: {h.source}") for h in profile
+        (h.pattern, f"built-in git/npm profile: {h.source}") for h in profile.hosts
     ]
     allowed += [(p, ALLOW_KEY) for p in ctx.policy.allowed_domains]
     rows: list[dict[str, object]] = [
@@ -31,5 +30,14 @@ def egress_rows(ctx: PrepareContext, env: Mapping[str, str]) -> list[dict[str, o
     rows += [
         {"key": f"egress.denied[{i}]", "value": value, "source": DENY_KEY}
         for i, value in enumerate(ctx.policy.denied_domains)
+    ]
+    rows += [
+        {
+            "key": f"egress.leftOut[{i}]",
+            "value": h.pattern,
+            "source": f"{h.source}: not in the pin {profile.pin} (a command may have written "
+            f"it); allow it in {ALLOW_KEY}, or remove the pin to pin the worktree anew",
+        }
+        for i, h in enumerate(profile.left_out)
     ]
     return rows

@@ -9,12 +9,14 @@ folder and the socket file in it.
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fusion_oci.egress.profile import ProfileHost, resolve_profile
+from fusion_oci.egress.pin import PinnedProfile, pin_profile
+from fusion_oci.egress.profile import resolve_profile
 from fusion_oci.egress.proxy import SOCKET_NAME, EgressProxy, start_proxy
 from fusion_oci.egress.rules import EgressRules
 from fusion_oci.errors import SandboxSetupError
@@ -29,12 +31,23 @@ if TYPE_CHECKING:
 _TASK_ID_IN_PATH = 24
 
 
-async def task_rules(
-    ctx: PrepareContext, env: Mapping[str, str]
-) -> tuple[EgressRules, list[ProfileHost]]:
-    """The task's rules: its policy over the built-in profile's hosts (and those hosts)."""
-    profile = await resolve_profile(Path(ctx.worktree_path), env)
-    return EgressRules.from_policy(ctx.policy, [h.pattern for h in profile]), profile
+async def task_profile(
+    ctx: PrepareContext, env: Mapping[str, str], *, create: bool
+) -> PinnedProfile:
+    """The built-in profile's hosts the task may use: what the worktree's files name only as
+    pinned (:mod:`fusion_oci.egress.pin`). ``create=False`` makes no pin (dry runs)."""
+    from fusion_oci.policy.layout import task_project
+
+    worktree = Path(ctx.worktree_path)
+    hosts = await resolve_profile(worktree, env)
+    return await asyncio.to_thread(
+        pin_profile,
+        hosts,
+        project=task_project(ctx),
+        worktree=worktree,
+        task_id=ctx.task_id,
+        create=create,
+    )
 
 
 async def start_task_proxy(
@@ -45,9 +58,11 @@ async def start_task_proxy(
     tcp: bool,
     backend: str,
     broker: Broker | None = None,
-) -> EgressProxy:
-    """Make the socket's folder, resolve the rules, start the proxy."""
-    rules, _ = await task_rules(ctx, env)
+) -> tuple[EgressProxy, PinnedProfile]:
+    """Make the socket's folder, resolve the rules, start the proxy; the proxy and the
+    profile it allows (for the prepare's audit event)."""
+    profile = await task_profile(ctx, env, create=True)
+    rules = EgressRules.from_policy(ctx.policy, [h.pattern for h in profile.hosts])
     state_dir = make_scratch("egress", ctx.task_id[:_TASK_ID_IN_PATH])
     try:
         proxy = await start_proxy(
@@ -71,7 +86,7 @@ async def start_task_proxy(
         shutil.rmtree(state_dir, ignore_errors=True)
         raise
     proxy.set_run(ctx.run_id)
-    return proxy
+    return proxy, profile
 
 
 async def stop_task_proxy(proxy: EgressProxy) -> None:

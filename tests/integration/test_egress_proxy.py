@@ -512,7 +512,7 @@ KILLED_OWNER = textwrap.dedent("""
     async def main():
         ctx = PrepareContext(task_id="killed-task", run_id="r", worktree_path=sys.argv[1],
                              policy=SandboxPolicy(network="filtered"))
-        proxy = await start_task_proxy(ctx, {"PATH": "/usr/bin:/bin", "HOME": sys.argv[1]},
+        proxy, _ = await start_task_proxy(ctx, {"PATH": "/usr/bin:/bin", "HOME": sys.argv[1]},
                                        audit=None, tcp=False, backend="test")
         print(proxy.unix_socket, flush=True)
         await asyncio.sleep(3600)

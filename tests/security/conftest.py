@@ -172,6 +172,9 @@ EXPECT: dict[tuple[str, str], Expect] = {
     # namespace); landlock enforces it with Landlock's TCP rules and the connect supervisor,
     # oci (runc, runsc) with the container's empty netns and the agent's forwarder.
     **{(probe, "native"): "unenforced" for probe in EGRESS_PROBES},
+    # test_policy_inputs.py: filtered, so native lists it unenforced like the egress probes.
+    ("profile-widening", "native"): "unenforced",
+    ("prepare-input-planted", "native"): "unenforced",
     **{(probe, "native"): "unenforced" for probe in CREDENTIAL_PROBES},
 }
 

@@ -141,8 +141,8 @@ def test_file_hosts_userconfig_env_and_nothing_without_files(tmp_path: Path) -> 
 
 
 def test_resolve_profile_runs_npm_and_git(tmp_path: Path) -> None:
-    """Real npm and git: the registry npm is configured with (the worktree's .npmrc wins over
-    the default) and both remotes."""
+    """Real npm and git: the registry npm is configured with for the user (run outside the
+    worktree: its .npmrc is read as a file, for the pin), the worktree's, and both remotes."""
     wt, home = tmp_path / "wt", tmp_path / "home"
     home.mkdir()
     subprocess.run(["git", "init", "-q", str(wt)], check=True)
@@ -157,12 +157,15 @@ def test_resolve_profile_runs_npm_and_git(tmp_path: Path) -> None:
     import os
 
     env = {"HOME": str(home), "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
-    hosts = {h.pattern: h.source for h in asyncio.run(resolve_profile(wt, env))}
+    found = asyncio.run(resolve_profile(wt, env))
+    hosts = {h.pattern: h.source for h in found}
     assert hosts == {
-        "registry.example.test:443": f"npm config get registry; {wt / '.npmrc'} (registry)",
+        "registry.npmjs.org:443": "npm config get registry",
+        "registry.example.test:443": f"{wt / '.npmrc'} (registry)",
         "github.com:22": "git remote origin (fetch); git remote origin (push)",
         "git.example.com:443": "git remote mirror (fetch); git remote mirror (push)",
     }
+    assert [h.pattern for h in found if h.worktree] == ["registry.example.test:443"]
 
 
 async def test_resolve_profile_defaults_to_npmjs(tmp_path: Path) -> None:
