@@ -19,8 +19,11 @@ resolves them against the registry at build or provision time.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, cast
@@ -141,10 +144,27 @@ def read_project_files(project: Path) -> ProjectFiles:
 
     def read(name: str) -> str | None:
         path = project / name
+        # The worktree's files are the command's to make: a symlink to a host file would put
+        # that file's first line into the error below (and so before the agent), a FIFO would
+        # stall the prepare. Only a regular file of the worktree itself is read.
         try:
-            if not path.is_file():
-                return None
-            with path.open("rb") as f:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise RecipeError(
+                    f"cannot read {path}",
+                    "it is a symlink, and fusion-oci reads the worktree's files without "
+                    "following one (a command could point it at a file of the host)",
+                    f"make {name} a regular file",
+                ) from exc
+            raise RecipeError(f"cannot read {path}", str(exc), "check its permissions") from exc
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                return None  # a folder or a device by that name declares nothing
+            with os.fdopen(fd, "rb") as f:
                 data = f.read(_MAX_FILE + 1)
         except OSError as exc:
             raise RecipeError(f"cannot read {path}", str(exc), "check its permissions") from exc

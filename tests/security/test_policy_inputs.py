@@ -138,3 +138,28 @@ def test_files_read_at_prepare_cannot_stall_or_redirect_it(
         stalled or OK in answer,
         f"prepare+run took {took:.1f} s; answer {answer[:200]!r}",
     )
+
+
+def test_a_planted_symlink_brings_no_host_file_into_an_answer(prober: Prober) -> None:
+    """The worktree's .nvmrc / .node-version / package.json choose an engine's image: planted
+    as symlinks to a host file, the old code read it and quoted its first line in the
+    prepare's error, which the agent reads."""
+    from fusion_oci.errors import FusionOCIError
+
+    canary = "CANARY-" + os.urandom(6).hex()
+    secret = prober.home / ".ssh" / "id_ed25519"
+    secret.write_text(canary + "\n")
+    prober.run(
+        f"ln -s {secret} .nvmrc; ln -s {secret} .node-version; echo planted",
+        task_id="plant-c",
+    )
+    try:
+        try:
+            result = prober.run("true", task_id="plant-d")
+            seen = result.stdout + result.stderr + " ".join(result.unenforced)
+        except FusionOCIError as exc:
+            seen = exc.render()
+    finally:
+        for name in (".nvmrc", ".node-version"):
+            (prober.worktree / name).unlink(missing_ok=True)
+    check("prepare-input-symlink", prober.backend, canary in seen, seen[-300:])

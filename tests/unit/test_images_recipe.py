@@ -179,3 +179,23 @@ def test_newest_skips_prereleases() -> None:
     versions = ["22.1.0", "22.23.5", "23.0.0-rc.1", "22.3.0", "21.0.0"]
     assert semver.newest(versions, semver.parse_range("22")) == "22.23.5"
     assert semver.newest(versions, semver.parse_range(">=23")) is None
+
+
+def test_a_symlinked_declaration_is_refused_without_reading_its_target(tmp_path: Path) -> None:
+    import os
+
+    from fusion_oci.images.recipe import read_project_files
+
+    secret = tmp_path / "secret"
+    secret.write_text("SECRET-VALUE\n")
+    wt = tmp_path / "wt"
+    wt.mkdir()
+    (wt / ".nvmrc").symlink_to(secret)
+    with pytest.raises(RecipeError) as refused:
+        read_project_files(wt)
+    assert "symlink" in refused.value.render() and "SECRET" not in refused.value.render()
+    (wt / ".nvmrc").unlink()
+    os.mkfifo(wt / ".nvmrc")  # never waited on
+    (wt / "package.json").mkdir()
+    assert read_project_files(wt).nvmrc is None
+    assert read_project_files(wt).package_json is None
