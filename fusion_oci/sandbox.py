@@ -57,6 +57,8 @@ from fusion_oci.models import (
 from fusion_oci.oci.host import HostInfo, probe_host
 from fusion_oci.oci.model import config_json
 from fusion_oci.oci.spec import Spec
+from fusion_oci.policy.gitlinks import QUARANTINE_DIR, GitGuard
+from fusion_oci.policy.layout import task_project
 from fusion_oci.policy.settings import SandboxSettings
 from fusion_oci.policy.worktree import check_inputs
 from fusion_oci.replay import record_run, worktree_state
@@ -107,6 +109,9 @@ class Sandbox:
         self.egress: EgressProxy | None = None
         """The task's egress proxy while prepared with ``network: filtered``."""
         self._running: set[asyncio.Task[RunResult]] = set()
+        self._gitguard: GitGuard | None = None
+        """The watch over repositories inside the worktree that the host's git would enter
+        (fusion_oci.policy.gitlinks); None where nothing is isolated."""
         self._profile: dict[str, object] | None = None
         """The egress profile's pin as the prepare event records it (filtered only)."""
         self.linker: StoreLinker | None = None
@@ -282,6 +287,14 @@ class Sandbox:
                 else None
             ),
         )
+        if runtime.isolates and self.task.layout.git is not None:
+            self._gitguard = GitGuard(
+                Path(self.task.layout.worktree),
+                self.task.layout.git,
+                task_project(ctx) / ".fusion" / QUARANTINE_DIR,
+                self.env,
+            )
+            await self._gitguard.prepare()
         details: dict[str, Any] = {"store_links": "on" if links.ok else links.reason}
         if self._profile is not None:
             details["egress_profile"] = self._profile
@@ -391,6 +404,9 @@ class Sandbox:
             # grace, SIGKILL) before the task finishes.
             result = await task
         except asyncio.CancelledError:
+            # The tree is ended: what it left for the host's git is looked at all the same.
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._guard_git())
             aborted = self._aborted(shown, started)
             current = asyncio.current_task()
             if current is not None and current.cancelling():
@@ -410,10 +426,17 @@ class Sandbox:
             # After the command, before its result: the next command (or task) sees links.
             with contextlib.suppress(OSError):
                 await asyncio.to_thread(self.linker.after_command)
+        quarantined = await self._guard_git()
+        note = _quarantine_note(quarantined) if quarantined else ""
+        if note and opts.on_output is not None:  # a streamed run: its reader sees it too
+            pending = opts.on_output("stderr", note.encode())
+            if pending is not None:
+                await pending
         result = result.model_copy(
             update={
                 "fell_back": self.fell_back,
                 "unenforced": self.unenforced,
+                "stderr": result.stderr + note,
             }
         )
         replay: dict[str, Any] = {}
@@ -441,6 +464,9 @@ class Sandbox:
             replay["details"] = {**replay.get("details", {}), "store_links": links}
         if placed is not None and placed.packages:
             replay["details"] = {**replay.get("details", {}), "store_tree": placed.audit()}
+        if quarantined:
+            moved = [{"path": what, "to": where} for what, where in quarantined]
+            replay["details"] = {**replay.get("details", {}), "git_quarantined": moved}
         self._event(
             "sandbox:run",
             command=shown[:200],
@@ -454,6 +480,13 @@ class Sandbox:
             **replay,
         )
         return result
+
+    async def _guard_git(self) -> list[tuple[str, str]]:
+        """After a command: repositories the host's git would enter, new or changed, moved to
+        the quarantine (fusion_oci.policy.gitlinks)."""
+        if self._gitguard is None or self.ctx is None:
+            return []
+        return await self._gitguard.after_command(self.ctx.run_id)
 
     async def dispose(self) -> None:
         if self.runtime is None:
@@ -515,3 +548,12 @@ class SyncSandbox:
 
     def __exit__(self, *exc: object) -> None:
         self.dispose()
+
+
+def _quarantine_note(moved: list[tuple[str, str]]) -> str:
+    lines = [
+        f"fusion-oci: moved {what} to {where}: a git repository the host's git would enter "
+        "(its config and hooks run outside the sandbox) was made or changed by this command"
+        for what, where in moved
+    ]
+    return "\n" + "\n".join(lines) + "\n"

@@ -175,6 +175,9 @@ EXPECT: dict[tuple[str, str], Expect] = {
     # test_policy_inputs.py: filtered, so native lists it unenforced like the egress probes.
     ("profile-widening", "native"): "unenforced",
     ("prepare-input-planted", "native"): "unenforced",
+    # test_host_git.py: native runs as the caller on the host; nothing stands between.
+    ("git-nested-repo", "native"): "leaks",
+    ("git-submodule-rewrite", "native"): "leaks",
     **{(probe, "native"): "unenforced" for probe in CREDENTIAL_PROBES},
 }
 
