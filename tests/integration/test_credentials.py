@@ -257,7 +257,8 @@ def test_the_proxy_swaps_only_in_authorization_of_the_credentials_hosts(
                         f"@{upload}",
                         "-w",
                         "took=%{time_total}\n",
-                        "https://registry.test/upload",
+                        # a POST in the credential's (default) scope: npm's audit
+                        "https://registry.test/-/npm/v1/security/advisories/bulk",
                     ],
                 ),
                 (
