@@ -357,15 +357,18 @@ def in_scope(spec: CredentialSpec, method: str, target: str) -> bool:
     return False
 
 
-ECHO_WINDOWS = 32
-"""How many pieces of the value the response scan looks for (besides the whole value)."""
+ECHO_WINDOWS = 16
+"""How many pieces of the value the response scan looks for (besides the whole value): each
+is one more search over every response byte (about 40 needles: ~110 MiB/s on one core,
+measured, against ~3 GiB/s for the value alone)."""
 
 
 def echo_needles(value: str) -> list[bytes]:
     """What the response scan looks for besides the swapped header forms: the value, reversed,
     hex, base64 (standard and URL-safe, at each of the three byte alignments, so also inside a
-    longer base64 text), and its pieces of a third of its length or more, forwards and
-    reversed (a value echoed in parts, over several responses). A value sent otherwise
+    longer base64 text), and its pieces of a third of its length (12 bytes at least) at a
+    stride, so that any piece of it a little longer than a third holds one (a value echoed in
+    halves over two responses). A value sent otherwise
     (compressed by the host itself in a format not read here, encrypted, in smaller pieces)
     is not found: the credential's scope is what keeps it from endpoints that echo."""
     raw = value.encode()
@@ -382,9 +385,7 @@ def echo_needles(value: str) -> list[bytes]:
     if size < len(raw):
         step = max(1, -(-(len(raw) - size + 1) // ECHO_WINDOWS))
         # A piece of at least size + step - 1 bytes holds one of these windows.
-        for start in range(0, len(raw) - size + 1, step):
-            piece = raw[start : start + size]
-            out.update((piece, piece[::-1]))
+        out.update(raw[start : start + size] for start in range(0, len(raw) - size + 1, step))
     return sorted(out, key=len, reverse=True)
 
 

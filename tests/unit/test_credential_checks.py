@@ -160,10 +160,11 @@ def test_the_response_scan_reads_the_value_in_its_echoed_forms() -> None:
         base64.urlsafe_b64encode(b"ab" + raw),
         b'{"a": "' + raw[:half] + b'"}',  # one half of a value sent in two responses
         b'{"b": "' + raw[half:] + b'"}',
-        raw[5:25][::-1],
+        raw[7:22],  # any piece of 15 of a 40-byte value
     ):
         assert _found(needles, b"<<" + text + b">>"), text
     assert not _found(needles, b"ghp_ and other text, 0123456789, abcdefghijk")
+    assert not _found(needles, raw[::-1][3:])  # a reversed piece: not looked for
     assert len(needles) < 100  # a long value: windows at a stride, not each offset
     long = echo_needles("x" * 3 + TOKEN * 30)
     assert len(long) < 80 and max(map(len, long)) == 2 * (3 + 30 * len(TOKEN))  # hex
