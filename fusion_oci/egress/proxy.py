@@ -434,14 +434,18 @@ class EgressProxy:
         try:
             leaked = sentinel_in_head(head, self.broker)
             if leaked is None:
+                dropped = set()
                 if "100-continue" in head.tokens("expect"):
                     # Answered here: the body is read (and scanned) before the host answers.
                     writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-                    lines = [x for x in lines if _header(x)[0].lower() != "expect"]
+                    dropped.add("expect")
+                chunked = "chunked" in head.tokens("transfer-encoding")
+                if chunked:
+                    dropped.add("content-length")  # beside chunked framing: never both on
+                lines = [x for x in lines if _header(x)[0].lower() not in dropped]
                 rewritten = rewrite_request(lines, path, netloc)
                 uwriter.write(rewritten)
                 conn.bytes_up += len(rewritten)
-                chunked = "chunked" in head.tokens("transfer-encoding")
                 scanner = Scanner([n for n, _ in self.broker.sentinel_bytes()])
                 async for data in body_chunks(reader, head, response=False):
                     safe, found = scanner.feed(data)

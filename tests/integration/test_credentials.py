@@ -292,6 +292,32 @@ def test_the_proxy_swaps_only_in_authorization_of_the_credentials_hosts(
                         "https://registry.test/private-pkg",
                     ],
                 ),
+                # plain HTTP on a task with credentials: read request by request, bodies
+                # scanned as they stream (Expect answered by the proxy, chunked kept)
+                (
+                    "plain_post",
+                    [
+                        "curl",
+                        "-sS",
+                        "--data-binary",
+                        f"@{upload}",
+                        "-w",
+                        "took=%{time_total}\n",
+                        "http://other.test:8080/",
+                    ],
+                ),
+                (
+                    "plain_chunked",
+                    [
+                        "curl",
+                        "-sS",
+                        "-H",
+                        "Transfer-Encoding: chunked",
+                        "--data-binary",
+                        f"@{upload}",
+                        "http://other.test:8080/",
+                    ],
+                ),
                 (
                     "uncredentialed",
                     [
@@ -353,6 +379,11 @@ def test_the_proxy_swaps_only_in_authorization_of_the_credentials_hosts(
     assert out["twice"].stdout.count('"dist-tags"') == 2, out["twice"]
     assert "connects=1" in out["twice"].stdout and "connects=0" in out["twice"].stdout
     assert "the sentinel of NPM_TOKEN in the X-Key header" in out["header"].stdout
+    assert "other-ok" in out["plain_post"].stdout, out["plain_post"]
+    assert float(out["plain_post"].stdout.rpartition("took=")[2]) < 0.9, out["plain_post"].stdout
+    assert "other-ok" in out["plain_chunked"].stdout, out["plain_chunked"]
+    posted = [json.loads(line) for line in world.seen().splitlines() if '"POST / ' in line]
+    assert len(posted) >= 2 and all(len(p["body"]) == 4096 for p in posted), posted[-1:]
     assert "sentinel of GITHUB_TOKEN" in out["uncredentialed"].stdout
     assert out["push_ok"].returncode == 0, out["push_ok"].stderr
     assert world.ref("refs/heads/fusion/proxy") is not None
