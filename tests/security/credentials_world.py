@@ -10,7 +10,8 @@ proxy maps to them.
   attacker's endpoint would: ``/echo`` and ``/echo/headers`` as JSON, ``/echo-gzip``
   gzip-compressed (``Content-Encoding: gzip``, whatever the request accepts),
   ``/echo-base64`` base64-encoded, ``/echo-reversed`` reversed, ``/echo-half1`` and
-  ``/echo-half2`` each one half of the ``Authorization`` header.
+  ``/echo-half2`` each one half of the ``Authorization`` header. ``/gz-pkg`` and ``/br-pkg``:
+  the package document gzip- or (not really) brotli-encoded, whatever the request accepts.
 - ``other.test`` (10.214.N.4): allowed but no credential's host: plain HTTP on 8080 and TLS on
   443; it answers ``other-ok``. ``/pipelined-first`` keeps the connection open even when
   asked to close (a server that answers requests pipelined after it).
@@ -95,6 +96,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
             doc = {"name": "private-pkg", "dist-tags": {"latest": "4.2.0"},
                    "versions": {"4.2.0": {"name": "private-pkg", "version": "4.2.0",
                    "dist": {"tarball": "https://registry.test/private-pkg/-/private-pkg-4.2.0.tgz"}}}}
+            if self.path in ("/gz-pkg", "/br-pkg"):  # encoded whatever the request accepts
+                coded = self.path == "/gz-pkg"
+                body = gzip.compress(json.dumps(doc).encode()) if coded else b"\x0b\x02\x80{}\x03"
+                return self.answer(200, body, "application/json",
+                                   [("Content-Encoding", "gzip" if coded else "br")])
             return self.answer(200, json.dumps(doc).encode(), "application/json")
         self.answer(200, b"other-ok\n")
         if self.path == "/pipelined-first":
