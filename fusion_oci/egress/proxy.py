@@ -19,7 +19,7 @@ import socket
 import ssl
 import time
 import urllib.parse
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -447,7 +447,8 @@ class EgressProxy:
                 uwriter.write(rewritten)
                 conn.bytes_up += len(rewritten)
                 scanner = Scanner([n for n, _ in self.broker.sentinel_bytes()])
-                async for data in body_chunks(reader, head, response=False):
+                idle = self.limits.idle_timeout_s
+                async for data in _idle(body_chunks(reader, head, response=False), idle):
                     safe, found = scanner.feed(data)
                     if found is not None:
                         leaked = self.broker.find_sentinel(found)
@@ -462,9 +463,7 @@ class EgressProxy:
             if leaked is not None:
                 return await self._plain_leak(writer, conn, leaked, "request")
             method = lines[0].split(" ", 1)[0].upper()
-            await asyncio.wait_for(
-                self._plain_answer(ureader, writer, conn, method), self.limits.idle_timeout_s
-            )
+            await self._plain_answer(ureader, writer, conn, method)
         finally:
             uwriter.close()
         await self._plain_pipelined(reader, writer, conn)
@@ -479,8 +478,9 @@ class EgressProxy:
         """The destination's answer to a plain request, with ``Connection: close``."""
         from fusion_oci.egress.mitm import Head, body_chunks, read_head
 
+        idle = self.limits.idle_timeout_s
         while True:
-            head = await read_head(ureader)
+            head = await asyncio.wait_for(read_head(ureader), idle)
             if head is None:
                 raise ConnectionError(f"{conn.host} closed the connection without an answer")
             status = int(head.first.split(" ")[1])
@@ -490,7 +490,8 @@ class EgressProxy:
         headers = [(k, v) for k, v in head.headers if k.lower() not in HOP_BY_HOP]
         headers.append(("Connection", "close"))
         writer.write(Head(head.first, headers).encode())
-        async for data in body_chunks(ureader, head, response=True, status=status, method=method):
+        body = body_chunks(ureader, head, response=True, status=status, method=method)
+        async for data in _idle(body, idle):
             _send_piece(writer, data, chunked, conn, "down")
             await writer.drain()
         if chunked:
@@ -500,8 +501,8 @@ class EgressProxy:
     async def _plain_pipelined(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: Connection
     ) -> None:
-        """Requests the client sent after the one answered (module docstring of
-        :meth:`_plain`): each checked, head and body, until the client closes or waits."""
+        """Requests the client sent after the one answered (see :meth:`_plain`): each
+        checked, head and body, until the client closes or sends nothing more."""
         from fusion_oci.egress.mitm import Scanner, body_chunks, read_head, sentinel_in_head
 
         assert self.broker is not None
@@ -950,6 +951,18 @@ was told ``Connection: close``, so it closes at once or sends nothing more."""
 def _header(line: str) -> tuple[str, str]:
     name, _, value = line.partition(":")
     return name.strip(), value.strip()
+
+
+async def _idle(pieces: AsyncIterator[bytes], timeout_s: float) -> AsyncIterator[bytes]:
+    """``pieces``, ended by TimeoutError when none comes for ``timeout_s`` (a tunnel's idle
+    limit: a long transfer that keeps moving is never cut)."""
+    it = aiter(pieces)
+    while True:
+        try:
+            piece = await asyncio.wait_for(anext(it), timeout_s)
+        except StopAsyncIteration:
+            return
+        yield piece
 
 
 def _send_piece(
