@@ -2,13 +2,19 @@
 each HTTP/1.1 request checked and its ``Authorization`` sentinel swapped for the value, then
 re-encrypted to the real host with normal certificate checks.
 
-Per request, in order (the first failure ends the connection with a 403 and a leak event):
+Per request, in order (the first failure ends the connection with a 403 and an event):
 the sentinel anywhere but the ``Authorization`` header (request line, another header, the
-body: scanned as it streams, never buffered whole) is a leak attempt; a ``git push``
-(``POST .../git-receive-pack``) to a ref outside the credential's ``allowedRefs`` is refused
-with git's own report-status (``! [remote rejected] ... (fusion-oci: ...)``); the real value
-in the response (a host that echoes headers) cuts the connection. Keep-alive holds across
-requests; bodies stream in both directions.
+body: scanned as it streams, never buffered whole) is a leak attempt; so is the sentinel in
+a request for another origin (its ``Host`` or absolute-form authority not the CONNECTed
+host and port: a shared front end routes by those); a request outside the credential's
+``scope`` / ``allowedRequests`` that carries the sentinel is refused, never swapped; a ``git
+push`` (``POST .../git-receive-pack``) to a ref outside the credential's ``allowedRefs`` is
+refused with git's own report-status (``! [remote rejected] ... (fusion-oci: ...)``).
+Every request asks for ``Accept-Encoding: identity``; a response body the host encoded
+anyway is decoded (gzip, deflate) and sent on decoded, or refused (502) when it is in an
+encoding not read here. The value in a response (its header or body, in the forms of
+:func:`echo_needles`) cuts the connection. Keep-alive holds across requests; bodies stream
+in both directions.
 """
 
 from __future__ import annotations
@@ -23,9 +29,11 @@ from fusion_oci.egress.credentials import (
     Broker,
     Brokered,
     basic_sentinel,
+    in_scope,
     push_repo,
     ref_allowed,
     repo_allowed,
+    request_origin,
     swap_authorization,
 )
 
@@ -46,6 +54,10 @@ _HOP = frozenset(
 
 class Leak(Exception):
     """A sentinel where it must not go: the reason a program reads (never the value)."""
+
+
+class OutOfScope(Leak):
+    """The sentinel in a request the credential is not for (its scope): refused, not a leak."""
 
 
 class Echo(ConnectionError):
@@ -177,6 +189,15 @@ class Scanner:
         return out
 
 
+def sentinel_in_head(head: Head, broker: Broker) -> Brokered | None:
+    """The credential whose sentinel a head carries anywhere (plain, or base64 in a basic
+    ``Authorization`` / ``Proxy-Authorization``), or None."""
+    found = broker.find_sentinel(head.encode())
+    for _, value in head.headers:
+        found = found or basic_sentinel(value, broker)
+    return found
+
+
 def pkt_line(payload: bytes) -> bytes:
     return b"%04x" % (len(payload) + 4) + payload
 
@@ -240,11 +261,14 @@ class Session:
         host: str,
         report: Report,
         idle_timeout_s: float = 600.0,
+        port: int = 443,
     ) -> None:
         self.idle_timeout_s = idle_timeout_s
         self.broker = broker
         self.cred = cred
         self.host = host
+        self.port = port
+        """The CONNECTed port: a request's Host and authority must name it too."""
         self.report = report
         self.bytes_up = 0
         self.bytes_down = 0
@@ -294,6 +318,14 @@ class Session:
             ex.path = target.split("?", 1)[0]
             try:
                 keep = await self._one(head, ex, creader, cwriter, ureader, uwriter)
+            except OutOfScope as refused:
+                ex.refused = f"fusion-oci egress: {refused}"
+                text = f"fusion-oci egress: request to {self.host} denied: {refused}"
+                self.report(ex)
+                with contextlib.suppress(ConnectionError, RuntimeError):
+                    cwriter.write(http_text(403, text))
+                    await cwriter.drain()
+                return
             except Leak as leak:
                 ex.leak = str(leak)
                 text = (
@@ -326,6 +358,9 @@ class Session:
         leak = self._leak_in_head(head)
         if leak:
             raise Leak(leak)
+        auth = head.get("authorization")
+        if auth is not None and swap_authorization(auth, self.cred) is not None:
+            self._check_swap(head, ex)
         client_close = "close" in head.tokens("connection")
         chunked = "chunked" in head.tokens("transfer-encoding")
         if "100-continue" in head.tokens("expect"):
@@ -338,12 +373,16 @@ class Session:
             low = name.lower()
             if low in _HOP or low == "expect" or (chunked and low == "content-length"):
                 continue  # (a length beside chunked framing: never both to the host)
+            if low == "accept-encoding":
+                continue  # identity, below
             if low == "authorization":
                 swapped = swap_authorization(value, self.cred)
                 if swapped is not None:
                     value, ex.swapped = swapped, True
                     self.broker.echo_forms.add(swapped.partition(" ")[2].strip().encode())
             out_headers.append((name, value))
+        # A body the host does not encode is one the response scan reads as sent.
+        out_headers.append(("Accept-Encoding", "identity"))
         out = Head(head.first, out_headers)
         body = body_chunks(creader, head, response=False)
         if ex.method == "POST" and ex.path.endswith("/git-receive-pack"):
@@ -377,6 +416,30 @@ class Session:
             uwriter.write(b"0\r\n\r\n")
         await uwriter.drain()
         return await self._response(ex, client_close, cwriter, ureader)
+
+    def _check_swap(self, head: Head, ex: Exchange) -> None:
+        """The request would get the value: it must be for the CONNECTed origin (else a leak
+        attempt) and within the credential's scope (else refused)."""
+        parts = head.first.split(" ")
+        target = parts[1] if len(parts) > 1 else ""
+        hosts = [v for k, v in head.headers if k.lower() == "host"]
+        path, why = request_origin(target, hosts, self.host, self.port)
+        spec = self.cred.spec
+        if why is not None:
+            raise Leak(
+                f"the sentinel of {spec.name} in a request for another origin than "
+                f"{self.host}:{self.port} ({why})"
+            )
+        ex.path = path.split("?", 1)[0]
+        if not in_scope(spec, ex.method, path):
+            shown = ", ".join(spec.scope) or "none"
+            raise OutOfScope(
+                f"{ex.method} {ex.path[:200]} is outside the scope of {spec.name} "
+                f"(scope: {shown}; allowedRequests: {len(spec.allowed_requests)}), so its "
+                "sentinel is not swapped for the value there; if the request is one the "
+                f"credential is for, add '{ex.method} <path glob>' to sandbox.credentials "
+                f"{spec.name} allowedRequests, or set its scope"
+            )
 
     def _send(self, writer: asyncio.StreamWriter, data: bytes, chunked: bool) -> None:
         if not data:
@@ -442,9 +505,22 @@ class Session:
             if 100 <= status < 200:  # answered already (Expect) or informational: dropped
                 continue
             break
-        needles = [self.cred.value.encode(), *self.broker.echo_forms]
+        needles = [*self.broker.echo_needles(), *self.broker.echo_forms]
         if any(n in head.encode() for n in needles):
             raise Echo(f"{self.host} echoed the credential in a response header")
+        has_body = not (ex.method == "HEAD" or status in NO_BODY_STATUS or 100 <= status < 200)
+        encoding = ",".join(sorted(head.tokens("content-encoding") - {"identity", ""}))
+        if encoding and has_body and encoding not in _DECODED:
+            # Asked for identity; what came is a format the scan cannot read.
+            ex.refused = (
+                f"fusion-oci egress: {self.host} answered in Content-Encoding {encoding}, "
+                "which the response scan cannot read (it reads gzip and deflate); the "
+                "response was not forwarded"
+            )
+            cwriter.write(http_text(502, ex.refused, "Bad Gateway"))
+            await cwriter.drain()
+            return False
+        decode = bool(encoding) and has_body
         framed = (
             head.get("content-length") is not None
             or "chunked" in head.tokens("transfer-encoding")
@@ -452,14 +528,19 @@ class Session:
             or status in NO_BODY_STATUS
         )
         keep = framed and not client_close and "close" not in head.tokens("connection")
-        chunked = "chunked" in head.tokens("transfer-encoding")
-        headers = [(k, v) for k, v in head.headers if k.lower() not in _HOP]
+        chunked = "chunked" in head.tokens("transfer-encoding") or decode
+        dropped = _HOP | (_ENCODED if decode else frozenset())
+        headers = [(k, v) for k, v in head.headers if k.lower() not in dropped]
+        if decode:
+            # Sent on decoded (what was scanned is what the client gets), framed anew.
+            headers.append(("Transfer-Encoding", "chunked"))
         headers.append(("Connection", "keep-alive" if keep else "close"))
         cwriter.write(Head(head.first, headers).encode())
         scanner = Scanner(needles)
-        async for data in body_chunks(
-            ureader, head, response=True, status=status, method=ex.method
-        ):
+        body = body_chunks(ureader, head, response=True, status=status, method=ex.method)
+        if decode:
+            body = decoded(body)
+        async for data in body:
             safe, found = scanner.feed(data)
             if found is not None:
                 # Never forward the value: cut the connection mid-body.
@@ -477,6 +558,47 @@ class Session:
             return
         self.bytes_down += len(data)
         writer.write(b"%x\r\n%s\r\n" % (len(data), data) if chunked else data)
+
+
+_DECODED = frozenset({"gzip", "x-gzip", "deflate"})
+"""Content-Encodings the response scan reads (decoded, then sent on decoded)."""
+_ENCODED = frozenset({"content-encoding", "content-length", "transfer-encoding"})
+
+
+async def decoded(body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """A gzip or deflate body decoded, in pieces of at most CHUNK (a small body that inflates
+    to much is never held whole); gzip members one after another, zlib or raw deflate."""
+    inflate: zlib._Decompress | None = None
+    data = b""
+    async for more in body:
+        data += more
+        while data:
+            if inflate is None:
+                if len(data) < 2:
+                    break  # the format is told by two bytes
+                # gzip or zlib by their header; a raw deflate stream (what some servers send
+                # as "deflate") has neither.
+                zlib_head = (data[0] & 0x0F) == 8 and int.from_bytes(data[:2], "big") % 31 == 0
+                raw = data[:2] != b"\x1f\x8b" and not zlib_head
+                inflate = zlib.decompressobj(-zlib.MAX_WBITS if raw else 32 + zlib.MAX_WBITS)
+            try:
+                out = inflate.decompress(data, CHUNK)
+            except zlib.error as exc:
+                raise ConnectionError(f"a response body that does not decode ({exc})") from None
+            if out:
+                yield out
+            if inflate.eof:
+                data, inflate = inflate.unused_data, None
+            else:
+                data = inflate.unconsumed_tail
+    if inflate is not None:
+        while True:
+            out = inflate.decompress(inflate.unconsumed_tail, CHUNK)
+            if not out:
+                break
+            yield out
+    elif data:
+        raise ConnectionError("a response body that does not decode (truncated)")
 
 
 async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

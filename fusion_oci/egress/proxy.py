@@ -19,7 +19,7 @@ import socket
 import ssl
 import time
 import urllib.parse
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -402,8 +402,151 @@ class EgressProxy:
             await self._splice(
                 up, reader, writer, conn, answer=b"HTTP/1.1 200 Connection established\r\n\r\n"
             )
-        else:
+        elif self.broker is None:
             await self._splice(up, reader, writer, conn, first=rewrite_request(lines, path, netloc))
+        else:
+            await self._plain(up, reader, writer, conn, lines, path, netloc)
+
+    async def _plain(
+        self,
+        up: socket.socket,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        conn: Connection,
+        lines: list[str],
+        path: str,
+        netloc: str,
+    ) -> None:
+        """Plain HTTP when the task has a broker: the request checked whole, its body scanned
+        as it streams (a sentinel there: 403 and a leak event, the request never completes
+        upstream), the answer sent back with ``Connection: close``; then each request the
+        client sent after it on the connection (pipelined) is read and checked the same way,
+        refused if it carries a sentinel, else dropped (the client sends it again on a new
+        connection, as it must after ``Connection: close``). Never spliced: what passes is
+        what was read."""
+        from fusion_oci.egress.mitm import Head, Scanner, body_chunks, sentinel_in_head
+
+        assert self.broker is not None
+        head = Head(lines[0], [_header(line) for line in lines[1:]])
+        ureader, uwriter = await asyncio.open_connection(
+            sock=up, limit=self.limits.max_header_bytes
+        )
+        try:
+            leaked = sentinel_in_head(head, self.broker)
+            if leaked is None:
+                dropped = set()
+                if "100-continue" in head.tokens("expect"):
+                    # Answered here: the body is read (and scanned) before the host answers.
+                    writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                    dropped.add("expect")
+                chunked = "chunked" in head.tokens("transfer-encoding")
+                if chunked:
+                    dropped.add("content-length")  # beside chunked framing: never both on
+                lines = [x for x in lines if _header(x)[0].lower() not in dropped]
+                rewritten = rewrite_request(lines, path, netloc)
+                uwriter.write(rewritten)
+                conn.bytes_up += len(rewritten)
+                scanner = Scanner([n for n, _ in self.broker.sentinel_bytes()])
+                idle = self.limits.idle_timeout_s
+                async for data in _idle(body_chunks(reader, head, response=False), idle):
+                    safe, found = scanner.feed(data)
+                    if found is not None:
+                        leaked = self.broker.find_sentinel(found)
+                        break
+                    _send_piece(uwriter, safe, chunked, conn, "up")
+                    await uwriter.drain()
+                else:
+                    _send_piece(uwriter, scanner.flush(), chunked, conn, "up")
+                    if chunked:
+                        uwriter.write(b"0\r\n\r\n")
+                    await uwriter.drain()
+            if leaked is not None:
+                return await self._plain_leak(writer, conn, leaked, "request")
+            method = lines[0].split(" ", 1)[0].upper()
+            await self._plain_answer(ureader, writer, conn, method)
+        finally:
+            uwriter.close()
+        await self._plain_pipelined(reader, writer, conn)
+
+    async def _plain_answer(
+        self,
+        ureader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        conn: Connection,
+        method: str,
+    ) -> None:
+        """The destination's answer to a plain request, with ``Connection: close``."""
+        from fusion_oci.egress.mitm import Head, body_chunks, read_head
+
+        idle = self.limits.idle_timeout_s
+        while True:
+            head = await asyncio.wait_for(read_head(ureader), idle)
+            if head is None:
+                raise ConnectionError(f"{conn.host} closed the connection without an answer")
+            status = int(head.first.split(" ")[1])
+            if not 100 <= status < 200:  # (a 100 was answered here already)
+                break
+        chunked = "chunked" in head.tokens("transfer-encoding")
+        headers = [(k, v) for k, v in head.headers if k.lower() not in HOP_BY_HOP]
+        headers.append(("Connection", "close"))
+        writer.write(Head(head.first, headers).encode())
+        body = body_chunks(ureader, head, response=True, status=status, method=method)
+        async for data in _idle(body, idle):
+            _send_piece(writer, data, chunked, conn, "down")
+            await writer.drain()
+        if chunked:
+            writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    async def _plain_pipelined(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: Connection
+    ) -> None:
+        """Requests the client sent after the one answered (see :meth:`_plain`): each
+        checked, head and body, until the client closes or sends nothing more."""
+        from fusion_oci.egress.mitm import Scanner, body_chunks, read_head, sentinel_in_head
+
+        assert self.broker is not None
+        for _ in range(PIPELINED_CHECKED):
+            try:
+                head = await asyncio.wait_for(read_head(reader), PIPELINED_WAIT_S)
+                if head is None:
+                    return
+                leaked = sentinel_in_head(head, self.broker)
+                scanner = Scanner([n for n, _ in self.broker.sentinel_bytes()])
+                if leaked is None:
+                    async with asyncio.timeout(self.limits.handshake_timeout_s):
+                        async for data in body_chunks(reader, head, response=False):
+                            found = scanner.feed(data)[1]
+                            if found is not None:
+                                leaked = self.broker.find_sentinel(found)
+                                break
+            except (
+                TimeoutError,
+                ValueError,
+                asyncio.IncompleteReadError,
+                asyncio.LimitOverrunError,
+            ):
+                return
+            if leaked is not None:
+                return await self._plain_leak(
+                    writer, conn, leaked, "request pipelined after another"
+                )
+
+    async def _plain_leak(
+        self, writer: asyncio.StreamWriter, conn: Connection, leaked: Brokered, what: str
+    ) -> None:
+        self._leak(conn, leaked.spec.name, f"in a plain HTTP {what} (its body or head)")
+        await self._http_refuse(
+            writer,
+            conn,
+            Refused(
+                403,
+                0,
+                f"fusion-oci egress: request to {conn.host} denied: a plain HTTP {what} "
+                f"carries the sentinel of {leaked.spec.name}, which is swapped only in the "
+                "Authorization header of HTTPS requests to its hosts",
+            ),
+        )
 
     async def _http_refuse(
         self, writer: asyncio.StreamWriter, conn: Connection, refused: Refused
@@ -663,6 +806,7 @@ class EgressProxy:
             host,
             lambda ex: self._exchange(conn, cred, ex),
             self.limits.idle_timeout_s,
+            port=conn.port or 443,
         )
         try:
             writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
@@ -794,6 +938,44 @@ _AUDIT_WRITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fusion-oci
 """Where every proxy's audit appends run: off the proxy loop (the append takes a flock, so a
 slow disk stalls no tunnel), one at a time, in the order they were made. A thread per event
 (``asyncio.to_thread``) let a later event land before an earlier one."""
+
+
+PIPELINED_CHECKED = 16
+"""Requests read and checked after a plain request's answer, at most (then the connection
+ends)."""
+PIPELINED_WAIT_S = 1.0
+"""How long a plain connection waits for a pipelined request after its answer: the client
+was told ``Connection: close``, so it closes at once or sends nothing more."""
+
+
+def _header(line: str) -> tuple[str, str]:
+    name, _, value = line.partition(":")
+    return name.strip(), value.strip()
+
+
+async def _idle(pieces: AsyncIterator[bytes], timeout_s: float) -> AsyncIterator[bytes]:
+    """``pieces``, ended by TimeoutError when none comes for ``timeout_s`` (a tunnel's idle
+    limit: a long transfer that keeps moving is never cut)."""
+    it = aiter(pieces)
+    while True:
+        try:
+            piece = await asyncio.wait_for(anext(it), timeout_s)
+        except StopAsyncIteration:
+            return
+        yield piece
+
+
+def _send_piece(
+    writer: asyncio.StreamWriter, data: bytes, chunked: bool, conn: Connection, way: str
+) -> None:
+    """Body bytes on, framed as they came (chunked: one chunk), counted for the audit."""
+    if not data:
+        return
+    if way == "up":
+        conn.bytes_up += len(data)
+    else:
+        conn.bytes_down += len(data)
+    writer.write(b"%x\r\n%s\r\n" % (len(data), data) if chunked else data)
 
 
 def _is_address(host: str) -> bool:

@@ -9,6 +9,7 @@ for the value in the ``Authorization`` header of requests to those hosts only.
 from __future__ import annotations
 
 import re
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -16,6 +17,15 @@ from fusion_oci.models import Model
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _HOST = re.compile(r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*$")
+_METHOD = re.compile(r"^(\*|[A-Z]+)$")
+
+Scope = Literal["git", "npm", "any"]
+"""What a credential is for. ``git``: git's smart-HTTP endpoints (``GET .../info/refs?service=
+git-upload-pack|git-receive-pack``, ``POST .../git-upload-pack|git-receive-pack``, git LFS's
+``.../info/lfs/objects/batch`` and ``locks``). ``npm``: a registry's package paths (``GET``/
+``HEAD`` of ``/<name>``, ``/@scope/<name>`` and their ``/-/*.tgz`` tarballs; ``POST
+/-/npm/v1/security/*``, the audit npm runs at install). ``any``: every request to its hosts."""
+DEFAULT_SCOPE: list[Scope] = ["git", "npm"]
 
 
 class CredentialSource(Model):
@@ -69,6 +79,15 @@ class CredentialSpec(Model):
     allowed_repos: list[str] | None = None
     """Repositories a ``git push`` through this credential may update: globs over the URL's
     path without ``.git`` (``acme/*``, ``acme/widget``). None: any repository of its hosts."""
+    scope: list[Scope] = Field(default_factory=lambda: list(DEFAULT_SCOPE))
+    """The requests the value is swapped into (presets, :data:`Scope`; a single name is
+    read as a list of one). Default: git's and npm's (either's requests). Empty: only
+    ``allowedRequests``. A request outside the scope that carries the sentinel is refused
+    (403) and audited; it never reaches the host."""
+    allowed_requests: list[str] = Field(default_factory=list)
+    """More requests the value may go into, beyond the scope: ``METHOD /path-glob``
+    (``PUT /my-pkg``, ``GET /api/v4/projects/*``; ``*`` for any method; ``*`` in the path
+    crosses ``/``; the query is not matched)."""
     ca_file: str | None = None
     """A PEM bundle that verifies the real hosts (a private registry's own CA). None: the
     machine's trust store."""
@@ -95,6 +114,37 @@ class CredentialSpec(Model):
                 )
             out.append(norm)
         return out
+
+    @field_validator("scope", mode="before")
+    @classmethod
+    def _scope(cls, value: object) -> object:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("allowed_requests")
+    @classmethod
+    def _requests(cls, value: list[str]) -> list[str]:
+        out = []
+        for entry in value:
+            method, _, path = entry.strip().partition(" ")
+            path = path.strip()
+            if not _METHOD.match(method) or not path.startswith("/") or " " in path:
+                raise ValueError(
+                    f"allowedRequests entry '{entry}' is not 'METHOD /path': write the method "
+                    "in capitals (or *) and a path glob from its first /, e.g. 'PUT /my-pkg' "
+                    "or 'GET /api/v4/projects/*'"
+                )
+            out.append(f"{method} {path}")
+        return out
+
+    @model_validator(mode="after")
+    def _some_request(self) -> CredentialSpec:
+        if not self.scope and not self.allowed_requests:
+            raise ValueError(
+                f"credential {self.name}: scope is empty and allowedRequests is not set, so "
+                "the value would never be sent; write scope: [git], [npm] or [any], or list "
+                "allowedRequests"
+            )
+        return self
 
     @field_validator("allowed_refs")
     @classmethod

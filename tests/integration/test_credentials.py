@@ -257,7 +257,8 @@ def test_the_proxy_swaps_only_in_authorization_of_the_credentials_hosts(
                         f"@{upload}",
                         "-w",
                         "took=%{time_total}\n",
-                        "https://registry.test/upload",
+                        # a POST in the credential's (default) scope: npm's audit
+                        "https://registry.test/-/npm/v1/security/advisories/bulk",
                     ],
                 ),
                 (
@@ -267,6 +268,19 @@ def test_the_proxy_swaps_only_in_authorization_of_the_credentials_hosts(
                         "-H",
                         f"Authorization: Bearer {broker.sentinels['NPM_TOKEN']}",
                         "https://registry.test/private-pkg",
+                    ],
+                ),
+                # a host that encodes whatever was asked: decoded for the scan, sent decoded;
+                # an encoding the scan cannot read: refused
+                (
+                    "gzip",
+                    [
+                        *curl,
+                        "--compressed",
+                        "-H",
+                        f"Authorization: Bearer {broker.sentinels['NPM_TOKEN']}",
+                        "https://registry.test/gz-pkg",
+                        "https://registry.test/br-pkg",
                     ],
                 ),
                 # keep-alive: two requests on one intercepted connection
@@ -289,6 +303,32 @@ def test_the_proxy_swaps_only_in_authorization_of_the_credentials_hosts(
                         "-H",
                         f"X-Key: {broker.sentinels['NPM_TOKEN']}",
                         "https://registry.test/private-pkg",
+                    ],
+                ),
+                # plain HTTP on a task with credentials: read request by request, bodies
+                # scanned as they stream (Expect answered by the proxy, chunked kept)
+                (
+                    "plain_post",
+                    [
+                        "curl",
+                        "-sS",
+                        "--data-binary",
+                        f"@{upload}",
+                        "-w",
+                        "took=%{time_total}\n",
+                        "http://other.test:8080/",
+                    ],
+                ),
+                (
+                    "plain_chunked",
+                    [
+                        "curl",
+                        "-sS",
+                        "-H",
+                        "Transfer-Encoding: chunked",
+                        "--data-binary",
+                        f"@{upload}",
+                        "http://other.test:8080/",
                     ],
                 ),
                 (
@@ -350,8 +390,17 @@ def test_the_proxy_swaps_only_in_authorization_of_the_credentials_hosts(
     # the proxy answers the 100-continue itself: no 1 s wait of curl's for it
     assert float(out["post_big"].stdout.rpartition("took=")[2]) < 0.9, out["post_big"].stdout
     assert out["twice"].stdout.count('"dist-tags"') == 2, out["twice"]
+    assert '"dist-tags"' in out["gzip"].stdout, out["gzip"]
+    assert "Content-Encoding br, which the response scan cannot read" in out["gzip"].stdout
+    asked = [json.loads(line) for line in world.seen().splitlines() if "gz-pkg" in line]
+    assert asked and asked[-1]["headers"]["Accept-Encoding"] == "identity", asked
     assert "connects=1" in out["twice"].stdout and "connects=0" in out["twice"].stdout
     assert "the sentinel of NPM_TOKEN in the X-Key header" in out["header"].stdout
+    assert "other-ok" in out["plain_post"].stdout, out["plain_post"]
+    assert float(out["plain_post"].stdout.rpartition("took=")[2]) < 0.9, out["plain_post"].stdout
+    assert "other-ok" in out["plain_chunked"].stdout, out["plain_chunked"]
+    posted = [json.loads(line) for line in world.seen().splitlines() if '"POST / ' in line]
+    assert len(posted) >= 2 and all(len(p["body"]) == 4096 for p in posted), posted[-1:]
     assert "sentinel of GITHUB_TOKEN" in out["uncredentialed"].stdout
     assert out["push_ok"].returncode == 0, out["push_ok"].stderr
     assert world.ref("refs/heads/fusion/proxy") is not None
@@ -539,6 +588,13 @@ def test_a_task_pushes_and_installs_with_a_token_it_never_sees(
     assert any("X-Api-Key" in (r or "") for r in leaks), leaks
     assert any("request body" in (r or "") for r in leaks), leaks
     assert any("echoed the credential" in (e.reason or "") for e in events)
+    # issue #31: another origin is a leak attempt; outside the scope, a refusal
+    assert any("request for another origin" in (r or "") for r in leaks), leaks
+    assert any("in a plain HTTP request" in (r or "") for r in leaks), leaks
+    assert any("pipelined" in (r or "") for r in leaks), leaks
+    assert any(
+        "outside the scope of NPM_TOKEN" in (e.reason or "") and not e.allowed for e in events
+    )
     assert any(
         "other.test" in (e.host or "") for e in events if e.details and e.details.get("leak")
     )

@@ -105,6 +105,13 @@ CREDENTIAL_PROBES = (
     "credential-value-in-output",
     "credential-value-in-sandbox",
     "credential-value-elsewhere",
+    # issue #31: the origin, the scope, encoded echoes, plain HTTP request by request
+    "credential-sentinel-host-mismatch",
+    "credential-sentinel-absolute-form",
+    "credential-out-of-scope-echo",
+    "credential-echo-encoded",
+    "credential-plain-body",
+    "credential-plain-pipelined",
 )
 """test_credentials_probes.py's probes (one sandboxed command, judged per probe)."""
 

@@ -6,9 +6,15 @@ proxy maps to them.
   Python TLS server (repositories ``repo.git`` and ``other.git``); it answers 401 until a
   request's basic auth is the real token.
 - ``registry.test`` (10.214.N.3:443): registry-like; a package document for ``Bearer <real>``,
-  401 otherwise.
+  401 otherwise. With the real token, ``/echo...`` echoes the request's headers as an
+  attacker's endpoint would: ``/echo`` and ``/echo/headers`` as JSON, ``/echo-gzip``
+  gzip-compressed (``Content-Encoding: gzip``, whatever the request accepts),
+  ``/echo-base64`` base64-encoded, ``/echo-reversed`` reversed, ``/echo-half1`` and
+  ``/echo-half2`` each one half of the ``Authorization`` header. ``/gz-pkg`` and ``/br-pkg``:
+  the package document gzip- or (not really) brotli-encoded, whatever the request accepts.
 - ``other.test`` (10.214.N.4): allowed but no credential's host: plain HTTP on 8080 and TLS on
-  443; it answers ``other-ok``.
+  443; it answers ``other-ok``. ``/pipelined-first`` keeps the connection open even when
+  asked to close (a server that answers requests pipelined after it).
 
 Every server logs each request's line and headers (``log``), so a test sees on the far side
 what arrived: the real token only where it belongs, a sentinel never swapped elsewhere.
@@ -31,7 +37,7 @@ from pathlib import Path
 from tests.netns import drop_stale_namespaces, free_subnet, ip
 
 SERVER = r"""
-import http.server, json, os, socketserver, ssl, subprocess, sys, threading, base64, time
+import http.server, json, os, socketserver, ssl, subprocess, sys, threading, base64, time, gzip
 def orphaned(parent=os.getppid()):
     # The world ends with the test process, even a killed one.
     while os.getppid() == parent:
@@ -80,12 +86,25 @@ class Handler(http.server.BaseHTTPRequestHandler):
             if auth not in (f"Bearer {token}", basic):
                 return self.answer(401, b'{"error":"unauthorized"}', "application/json")
             if self.path.startswith("/echo"):
-                return self.answer(200, json.dumps(dict(self.headers)).encode(), "application/json")
+                seen = json.dumps(dict(self.headers)).encode()
+                half = len(auth) // 2
+                forms = {"/echo-gzip": gzip.compress(seen), "/echo-base64": base64.b64encode(seen),
+                         "/echo-reversed": seen[::-1], "/echo-half1": auth[:half].encode(),
+                         "/echo-half2": auth[half:].encode()}
+                extra = [("Content-Encoding", "gzip")] if self.path == "/echo-gzip" else []
+                return self.answer(200, forms.get(self.path, seen), "application/json", extra)
             doc = {"name": "private-pkg", "dist-tags": {"latest": "4.2.0"},
                    "versions": {"4.2.0": {"name": "private-pkg", "version": "4.2.0",
                    "dist": {"tarball": "https://registry.test/private-pkg/-/private-pkg-4.2.0.tgz"}}}}
+            if self.path in ("/gz-pkg", "/br-pkg"):  # encoded whatever the request accepts
+                coded = self.path == "/gz-pkg"
+                body = gzip.compress(json.dumps(doc).encode()) if coded else b"\x0b\x02\x80{}\x03"
+                return self.answer(200, body, "application/json",
+                                   [("Content-Encoding", "gzip" if coded else "br")])
             return self.answer(200, json.dumps(doc).encode(), "application/json")
-        return self.answer(200, b"other-ok\n")
+        self.answer(200, b"other-ok\n")
+        if self.path == "/pipelined-first":
+            self.close_connection = False
     do_GET = do_POST = do_PUT = handle_any
     def git(self, data):
         path, _, query = self.path.partition("?")

@@ -160,6 +160,10 @@ def test_brokered_credentials_stay_on_the_host(
         ),
         "\n".join(far_side[-5:]),
     )
+    # The far side too: the value never reached an endpoint outside the credential's scope.
+    out_of_scope = [line for line in far_side if "/echo/headers" in line]
+    if out_of_scope:
+        verdicts["credential-out-of-scope-echo"] = (True, out_of_scope[-1])
     for probe in CREDENTIAL_PROBES:
         leaked, detail = verdicts[probe]
         check(probe, prober.backend, leaked, detail)
@@ -217,5 +221,11 @@ def test_the_credential_probe_sees_a_leak_where_there_is_one(
         "credential-sentinel-in-body",
         "credential-sentinel-uncredentialed-host",
         "credential-echoed-value",
+        "credential-sentinel-host-mismatch",
+        "credential-sentinel-absolute-form",
+        "credential-out-of-scope-echo",
+        "credential-echo-encoded",
+        "credential-plain-body",
+        "credential-plain-pipelined",
     ):
         assert verdicts[probe][0], (probe, verdicts[probe][1])
