@@ -288,6 +288,16 @@ class SummaryBuilder:
         egress = self.egress_tasks.get(e.task_id)
         if egress is None:
             egress = self.egress_tasks[e.task_id] = _EgressTask(e.task_id)
+        held = (e.details or {}).get("suppressed")
+        if isinstance(held, dict):
+            # The proxy's audit budget (fusion_oci/egress/budget.py): counts, not connections.
+            for kind, count in held.items():
+                if str(kind).startswith("sandbox:egress") and isinstance(count, int):
+                    if str(kind).endswith(" allowed"):
+                        egress.allowed += count
+                    else:
+                        egress.denied += count
+            return
         host = f"{e.host or '?'}:{e.port if e.port is not None else '?'}"
         if len(egress.hosts) < MAX_KEYS:
             egress.hosts.add(host)

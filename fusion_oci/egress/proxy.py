@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fusion_oci.egress.budget import AuditBudget
 from fusion_oci.egress.loop import on_proxy_loop
 from fusion_oci.egress.rules import ALLOW_KEY, DASHBOARD_PORT, Decision, EgressRules
 from fusion_oci.egress.splice import Tunnel
@@ -214,6 +215,7 @@ class EgressProxy:
         self._handlers: set[asyncio.Task[None]] = set()
         self._tunnels: set[Tunnel] = set()
         self._emits: set[asyncio.Future[None]] = set()
+        self._budget = AuditBudget()
         self._stopped = False
 
     def set_run(self, run_id: str | None) -> None:
@@ -266,6 +268,8 @@ class EgressProxy:
         for server in self._servers:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(server.wait_closed(), 2.0)
+        if self.audit is not None:
+            self._flush_held(force=True)
         if self._emits:
             await asyncio.gather(*self._emits, return_exceptions=True)
         with contextlib.suppress(FileNotFoundError):
@@ -913,9 +917,36 @@ class EgressProxy:
 
     def _emit(self, conn: Connection, **fields: Any) -> None:
         """One event about ``conn`` (the task's and the connection's own fields, plus
-        ``fields``), appended by :data:`_AUDIT_WRITER` after every event before it."""
+        ``fields``), appended by :data:`_AUDIT_WRITER` after every event before it, within
+        the task's :class:`~fusion_oci.egress.budget.AuditBudget`."""
         if self.audit is None:
             return
+        if self._budget.take():
+            self._write(host=conn.host, port=conn.port, address=conn.address, **fields)
+        else:
+            outcome = "allowed" if fields.get("allowed") else "refused"
+            self._budget.hold(f"{fields.get('type')} {outcome}")
+        self._flush_held()
+
+    def _flush_held(self, *, force: bool = False) -> None:
+        """The summary of what the budget held back, if anything was (module budget.py)."""
+        held = self._budget.summary(force=force)
+        if held is None:
+            return
+        count = sum(held.values())
+        self._write(
+            type="sandbox:egress",
+            allowed=False,
+            reason=(
+                f"{count} events of this task's proxy were not written one by one: over the "
+                f"audit budget ({self._budget.burst} at once, then "
+                f"{self._budget.rate:g} a second)"
+            ),
+            details={"suppressed": held},
+        )
+
+    def _write(self, **fields: Any) -> None:
+        assert self.audit is not None
         from fusion_oci.audit import AuditEvent
 
         event = AuditEvent(
@@ -923,9 +954,6 @@ class EgressProxy:
             run_id=self.run_id or "-",
             backend=self.backend,
             policy_hash=self.policy_hash,
-            host=conn.host,
-            port=conn.port,
-            address=conn.address,
             **fields,
         )
         loop = asyncio.get_running_loop()

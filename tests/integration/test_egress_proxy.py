@@ -664,3 +664,30 @@ async def test_stalled_handshakes_are_closed(netns_server: NetnsServer, tmp_path
         assert p.open_connections == 0
     finally:
         await p.stop()
+
+
+async def test_a_flood_of_refused_connections_is_audited_within_its_budget(
+    proxy: EgressProxy, tmp_path: Path
+) -> None:
+    """9,000 refused CONNECTs in 5 s wrote 6 MB of audit log before the budget: now the burst
+    is written one by one, the rest as counts (fusion_oci/egress/budget.py)."""
+    from fusion_oci.egress.budget import BURST
+
+    floods = 1200
+
+    async def one() -> None:
+        reader, writer = await asyncio.open_unix_connection(str(proxy.unix_socket))
+        writer.write(b"CONNECT nope.invalid:443 HTTP/1.1\r\n\r\n")
+        assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 403")
+        writer.close()
+
+    for start in range(0, floods, 32):
+        await asyncio.gather(*(one() for _ in range(min(32, floods - start))))
+    await proxy.stop()
+    events = list(read_events(tmp_path / "audit.jsonl"))
+    one_by_one = [e for e in events if e.host == "nope.invalid"]
+    summaries = [e for e in events if e.details and "suppressed" in e.details]
+    held = sum(n for e in summaries for n in e.details["suppressed"].values())  # type: ignore[union-attr]
+    assert BURST <= len(one_by_one) < BURST + 100, len(one_by_one)
+    assert summaries and len(one_by_one) + held == floods, (len(one_by_one), held)
+    assert verify_chain(tmp_path / "audit.jsonl", key=b"k" * 32).ok
