@@ -58,6 +58,7 @@ TIERS: tuple[tuple[str, ...], ...] = (
         "landlock_child",
         "cachedir",
         "hostpattern",
+        "hardening",
     ),
     ("process", "store"),
     ("store_ns",),
