@@ -181,8 +181,14 @@ def pkt_line(payload: bytes) -> bytes:
     return b"%04x" % (len(payload) + 4) + payload
 
 
+PUSH_COMMANDS_MAX = 1024 * 1024
+"""The most bytes of a push's ref-update pkt-lines read (inflated) before deciding; a push
+whose commands run longer is refused whole."""
+
+
 def parse_commands(data: bytes) -> tuple[list[str], set[str], bool]:
-    """(refs updated, capabilities, complete) from the start of a receive-pack request."""
+    """(refs updated, capabilities, complete) from the start of a receive-pack request.
+    Linear in ``data``; callers bound its size (:data:`PUSH_COMMANDS_MAX`)."""
     refs: list[str] = []
     caps: set[str] = set()
     pos = 0
@@ -391,19 +397,44 @@ class Session:
         None, the whole body again)."""
         gzip = "gzip" in head.tokens("content-encoding")
         inflate = zlib.decompressobj(16 + zlib.MAX_WBITS) if gzip else None
-        raw = b""
-        plain = b""
-        refs: list[str] = []
-        caps: set[str] = set()
+        raw = bytearray()
+        plain = bytearray()
+        pos = 0  # the end of the complete pkt-lines in ``plain``: each byte is framed once
+        complete = False
+        size = 4
+        # Bounded work on the loop every task shares: at most PUSH_COMMANDS_MAX bytes are
+        # inflated (max_length; a 16 KB gzip body inflates to 16 MB otherwise) and framed
+        # once each, and the commands are parsed once, at the end.
         async for data in body:
             raw += data
-            plain += inflate.decompress(data) if inflate else data
-            refs, caps, complete = parse_commands(plain)
-            if complete or len(plain) > 1024 * 1024:
+            if inflate is None:
+                plain += data
+            else:
+                # Input beyond the budget stays in unconsumed_tail, never inflated.
+                plain += inflate.decompress(data, PUSH_COMMANDS_MAX + 1 - len(plain))
+            while pos + 4 <= len(plain):
+                size = int(plain[pos : pos + 4], 16)
+                if size == 0:
+                    complete = True
+                    break
+                if size < 4 or pos + size > len(plain):
+                    break
+                pos += size
+            if complete or size < 4 or len(plain) > PUSH_COMMANDS_MAX:
                 break
+        refs, caps, complete = parse_commands(bytes(plain[: pos + 4 if complete else pos]))
+        if not complete:
+            # Refs past the cap would go unchecked: the whole push is refused instead.
+            ex.refs = refs
+            reason = (
+                f"fusion-oci: the push's ref updates did not end within "
+                f"{PUSH_COMMANDS_MAX // 1024} KiB (inflated); push fewer refs at once"
+            )
+            ex.refused = reason
+            return push_refusal(refs, list(refs), caps, reason), _prepend(bytes(raw), body)
         ex.refs = refs
         spec = self.cred.spec
-        rest = _prepend(raw, body)
+        rest = _prepend(bytes(raw), body)
         repo = push_repo(ex.path)
         if not repo_allowed(repo, spec.allowed_repos):
             bad = list(refs)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from fusion_oci.egress.loop import on_proxy_loop
 from fusion_oci.egress.rules import ALLOW_KEY, DASHBOARD_PORT, Decision, EgressRules
 from fusion_oci.egress.splice import Tunnel
-from fusion_oci.hostpattern import normalize_host
+from fusion_oci.hostpattern import name_problem, normalize_host
 
 if TYPE_CHECKING:
     from fusion_oci.audit import AuditLog
@@ -36,6 +36,8 @@ if TYPE_CHECKING:
     from fusion_oci.egress.mitm import Exchange
 
 SOCKET_NAME = "egress.sock"
+_BACKLOG = 100
+"""Connections the kernel holds for a listener while the task's accept rate waits."""
 
 # SOCKS5 reply codes (RFC 1928 section 6).
 SOCKS_OK = 0x00
@@ -71,7 +73,16 @@ class Limits:
     """What one task's proxy allows itself."""
 
     max_connections: int = 64
-    """Connections open at once (tunnels and handshakes); more are refused (503 / SOCKS 0x01)."""
+    """Connections open at once (tunnels and handshakes). Counted at accept: one more is
+    closed at once, before a byte of it is read, so a task holds at most this many
+    connections (two descriptors each once a tunnel is open) whatever it sends or withholds."""
+    accept_rate_per_s: float = 100.0
+    """New connections accepted per second, sustained (a token bucket of ``accept_burst``).
+    Beyond it the listener waits and the kernel's backlog holds the rest: a task's flood of
+    connections (each refused one still costs the shared loop a parse, a decision and an
+    audit event) takes a bounded share of the loop every task's tunnels run on."""
+    accept_burst: int = 200
+    """Connections accepted at once before ``accept_rate_per_s`` applies."""
     idle_timeout_s: float = 600.0
     """A tunnel with no byte either way for this long is closed."""
     handshake_timeout_s: float = 30.0
@@ -210,7 +221,11 @@ class EgressProxy:
             if resolve_override is not None
             else None
         )
-        self._servers: list[asyncio.AbstractServer] = []
+        self._listeners: list[socket.socket] = []
+        self._acceptors: list[asyncio.Task[None]] = []
+        self._closed_at_accept = 0
+        """Connections closed at accept (over ``max_connections``) since the last event."""
+        self._last_cap_event = 0.0
         self._handlers: set[asyncio.Task[None]] = set()
         self._tunnels: set[Tunnel] = set()
         self._emits: set[asyncio.Future[None]] = set()
@@ -228,24 +243,99 @@ class EgressProxy:
     async def _start(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.unix_socket.unlink()  # a stale socket of a dead owner in a reused folder
-        server = await asyncio.start_unix_server(
-            self._accept, path=str(self.unix_socket), limit=self.limits.max_header_bytes
-        )
-        self._servers.append(server)
-        # The socket's folder is private (0700, the host's); the file itself is bound into
-        # the sandbox, whose user may be any uid of its user namespace.
-        self.unix_socket.chmod(0o666)
+        unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            unix.bind(str(self.unix_socket))
+            # The socket's folder is private (0700, the host's); the file itself is bound
+            # into the sandbox, whose user may be any uid of its user namespace.
+            self.unix_socket.chmod(0o666)
+        except BaseException:
+            unix.close()
+            raise
+        self._listen(unix)
         if self._tcp:
             for _ in range(8):
-                tcp = await asyncio.start_server(
-                    self._accept, "127.0.0.1", 0, limit=self.limits.max_header_bytes
-                )
-                port = tcp.sockets[0].getsockname()[1]
+                tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                tcp.bind(("127.0.0.1", 0))
+                port = tcp.getsockname()[1]
                 if port != DASHBOARD_PORT:  # never listen there (a random port could be it)
-                    self._servers.append(tcp)
+                    self._listen(tcp)
                     self.tcp_port = port
                     break
                 tcp.close()
+
+    def _listen(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        sock.listen(_BACKLOG)
+        self._listeners.append(sock)
+        self._acceptors.append(asyncio.get_running_loop().create_task(self._accept_loop(sock)))
+
+    async def _accept_loop(self, listener: socket.socket) -> None:
+        """Accept for one listener, the task's limits applied before a byte is read: the
+        rate first (waiting here leaves connections in the kernel's backlog, costing the
+        loop nothing), then the cap (one over it is closed at once)."""
+        loop = asyncio.get_running_loop()
+        rate, burst = self.limits.accept_rate_per_s, float(self.limits.accept_burst)
+        tokens, last = burst, time.monotonic()
+        while True:
+            now = time.monotonic()
+            tokens = min(burst, tokens + (now - last) * rate)
+            last = now
+            if tokens < 1:
+                await asyncio.sleep((1 - tokens) / rate)
+                continue
+            try:
+                sock, _ = await loop.sock_accept(listener)
+            except OSError:
+                # EMFILE / ENFILE / ENOBUFS: the process is out of something; the backlog
+                # keeps the connection until it is back (asyncio's own server does the same).
+                await asyncio.sleep(0.1)
+                continue
+            tokens -= 1
+            if self._stopped or len(self._handlers) >= self.limits.max_connections:
+                sock.close()
+                self._note_closed_at_accept()
+                continue
+            task = loop.create_task(self._accepted(sock))
+            # Counted now, not when the task first runs: a burst of accepts sees every one.
+            self._handlers.add(task)
+
+    def _note_closed_at_accept(self) -> None:
+        """One audit event per second at most for connections closed at accept: a flood of
+        them must not become a flood of events (each costs the loop and the audit writer)."""
+        self._closed_at_accept += 1
+        now = time.monotonic()
+        if now - self._last_cap_event >= 1.0:
+            self._audit(
+                Connection(
+                    protocol="?",
+                    reason=f"fusion-oci egress: {self._closed_at_accept} connection(s) closed "
+                    f"at accept: this task already has {self.limits.max_connections} open "
+                    "(Limits.max_connections)",
+                )
+            )
+            self._closed_at_accept, self._last_cap_event = 0, now
+
+    async def _accepted(self, sock: socket.socket) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        try:
+            # A server-side stream, as asyncio.start_server makes it: the protocol has a
+            # connected callback, which is what StreamWriter.start_tls reads as "server
+            # side" (the intercepted connection's TLS).
+            reader = asyncio.StreamReader(limit=self.limits.max_header_bytes, loop=loop)
+            made: asyncio.Future[asyncio.StreamWriter] = loop.create_future()
+            protocol = asyncio.StreamReaderProtocol(
+                reader, lambda _, w: made.set_result(w), loop=loop
+            )
+            await loop.connect_accepted_socket(lambda: protocol, sock)
+            writer = await made
+        except BaseException:
+            sock.close()
+            self._handlers.discard(task)
+            raise
+        await self._accept(reader, writer)
 
     async def stop(self) -> None:
         """Close the listeners and every open connection; remove the socket. Idempotent."""
@@ -255,17 +345,17 @@ class EgressProxy:
         if self._stopped:
             return
         self._stopped = True
-        for server in self._servers:
-            server.close()
+        for acceptor in self._acceptors:
+            acceptor.cancel()
+        await asyncio.gather(*self._acceptors, return_exceptions=True)
+        for listener in self._listeners:
+            listener.close()
         for tunnel in list(self._tunnels):
             tunnel.close()
         for task in list(self._handlers):
             task.cancel()
         if self._handlers:
             await asyncio.gather(*self._handlers, return_exceptions=True)
-        for server in self._servers:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(server.wait_closed(), 2.0)
         if self._emits:
             await asyncio.gather(*self._emits, return_exceptions=True)
         with contextlib.suppress(FileNotFoundError):
@@ -298,7 +388,7 @@ class EgressProxy:
     async def _serve(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: Connection
     ) -> None:
-        over = self.open_connections > self.limits.max_connections
+        over = False  # the cap is applied at accept (_accept_loop), before any read
         try:
             first = await asyncio.wait_for(reader.readexactly(1), self.limits.handshake_timeout_s)
         except TimeoutError:
@@ -353,9 +443,11 @@ class EgressProxy:
                 url = urllib.parse.urlsplit(target)
                 if url.scheme.lower() != "http" or not url.hostname:
                     raise ValueError(target)
-                conn.host, conn.port = url.hostname, url.port or 80
                 path = (url.path or "/") + (f"?{url.query}" if url.query else "")
                 netloc = url.netloc.rpartition("@")[2]
+                # The host as written (urlsplit's hostname is str.lower()ed, which folds
+                # the Kelvin sign into 'k'): the name check below sees what came.
+                conn.host, conn.port = split_host_port(netloc, 80)
         except ValueError:
             return await self._http_refuse(
                 writer,
@@ -367,6 +459,9 @@ class EgressProxy:
                     "http:// absolute URI",
                 ),
             )
+        problem = name_problem(conn.host)
+        if problem is not None:
+            return await self._http_refuse(writer, conn, _bad_name(problem))
         if over:
             return await self._http_refuse(
                 writer,
@@ -470,13 +565,17 @@ class EgressProxy:
             host = socket.inet_ntop(socket.AF_INET6, await reader.readexactly(16))
         elif atyp == 0x03:
             size = (await reader.readexactly(1))[0]
-            host = (await reader.readexactly(size)).decode("ascii", errors="replace")
+            # latin-1: every byte stays itself (and visible to the name check below).
+            host = (await reader.readexactly(size)).decode("latin-1")
         else:
             conn.host = "?"
             return Refused(
                 0, SOCKS_BAD_ADDRESS, f"fusion-oci egress: SOCKS address type {atyp} unknown"
             )
         conn.host, conn.port = host, int.from_bytes(await reader.readexactly(2), "big")
+        problem = name_problem(host)
+        if problem is not None:
+            return _bad_name(problem)
         if cmd != 0x01:
             return Refused(
                 0,
@@ -497,8 +596,11 @@ class EgressProxy:
     async def _resolve(self, host: str, port: int) -> list[str]:
         if self._override is not None:
             return list(self._override.get(host, []))
+        # Bytes: a str host is IDNA-encoded by getaddrinfo first (a second spelling of the
+        # name); the resolver gets exactly the string that was decided on (plain ASCII,
+        # checked by name_problem before the decision).
         infos = await asyncio.get_running_loop().getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP
+            host.encode("ascii"), port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP
         )
         return list(dict.fromkeys(str(info[4][0]) for info in infos))
 
@@ -794,6 +896,13 @@ _AUDIT_WRITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fusion-oci
 """Where every proxy's audit appends run: off the proxy loop (the append takes a flock, so a
 slow disk stalls no tunnel), one at a time, in the order they were made. A thread per event
 (``asyncio.to_thread``) let a later event land before an earlier one."""
+
+
+def _bad_name(problem: str) -> Refused:
+    """The refusal of a name the proxy will not decide on (HTTP 403, SOCKS 0x02)."""
+    return Refused(
+        403, SOCKS_NOT_ALLOWED, f"fusion-oci egress: refused: {problem}", "the host name check"
+    )
 
 
 def _is_address(host: str) -> bool:
