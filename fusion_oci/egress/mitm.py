@@ -213,17 +213,20 @@ def parse_commands(data: bytes) -> tuple[list[str], set[str], bool]:
 
 def push_refusal(refs: list[str], bad: list[str], caps: set[str], reason: str) -> bytes:
     """A receive-pack result refusing every ref, as git prints it (``! [remote rejected]``)."""
-    report = pkt_line(b"unpack ok\n")
+    # Linear in the refs (a set, one join): it runs on the loop every task shares, for up
+    # to PUSH_COMMANDS_MAX bytes of ref updates.
+    bad_set = set(bad)
+    lines = [pkt_line(b"unpack ok\n")]
     for ref in refs:
-        why = reason if ref in bad else "fusion-oci: refused with the rest of this push"
-        report += pkt_line(f"ng {ref} {why}\n".encode())
-    report += b"0000"
+        why = reason if ref in bad_set else "fusion-oci: refused with the rest of this push"
+        lines.append(pkt_line(f"ng {ref} {why}\n".encode()))
+    report = b"".join(lines) + b"0000"
     if "side-band-64k" in caps or "side-band" in caps:
         step = 990 if "side-band" in caps and "side-band-64k" not in caps else 65000
-        out = pkt_line(b"\x02" + f"{reason}\n".encode())
+        out = [pkt_line(b"\x02" + f"{reason}\n".encode())]
         for i in range(0, len(report), step):
-            out += pkt_line(b"\x01" + report[i : i + step])
-        return out + b"0000"
+            out.append(pkt_line(b"\x01" + report[i : i + step]))
+        return b"".join(out) + b"0000"
     return report
 
 
