@@ -186,6 +186,10 @@ PUSH_COMMANDS_MAX = 1024 * 1024
 whose commands run longer is refused whole."""
 
 
+_PUSH_STEP = 64 * 1024
+"""Bytes of a push's commands inflated and framed per loop step."""
+
+
 def parse_commands(data: bytes) -> tuple[list[str], set[str], bool]:
     """(refs updated, capabilities, complete) from the start of a receive-pack request.
     Linear in ``data``; callers bound its size (:data:`PUSH_COMMANDS_MAX`)."""
@@ -407,23 +411,33 @@ class Session:
         size = 4
         # Bounded work on the loop every task shares: at most PUSH_COMMANDS_MAX bytes are
         # inflated (max_length; a 16 KB gzip body inflates to 16 MB otherwise) and framed
-        # once each, and the commands are parsed once, at the end.
+        # once each, a slice of 64 KiB per loop step (other tasks' steps run between), and
+        # the commands are parsed once, at the end.
+        done = False
         async for data in body:
             raw += data
-            if inflate is None:
-                plain += data
-            else:
-                # Input beyond the budget stays in unconsumed_tail, never inflated.
-                plain += inflate.decompress(data, PUSH_COMMANDS_MAX + 1 - len(plain))
-            while pos + 4 <= len(plain):
-                size = int(plain[pos : pos + 4], 16)
-                if size == 0:
-                    complete = True
+            pending = data
+            while not done:
+                if inflate is None:
+                    piece, pending = pending[:_PUSH_STEP], pending[_PUSH_STEP:]
+                else:
+                    # Input beyond the slice stays in unconsumed_tail, not inflated yet.
+                    room = min(_PUSH_STEP, PUSH_COMMANDS_MAX + 1 - len(plain))
+                    piece, pending = inflate.decompress(pending, room), inflate.unconsumed_tail
+                plain += piece
+                while pos + 4 <= len(plain):
+                    size = int(plain[pos : pos + 4], 16)
+                    if size == 0:
+                        complete = True
+                        break
+                    if size < 4 or pos + size > len(plain):
+                        break
+                    pos += size
+                done = complete or size < 4 or len(plain) > PUSH_COMMANDS_MAX
+                if not pending:
                     break
-                if size < 4 or pos + size > len(plain):
-                    break
-                pos += size
-            if complete or size < 4 or len(plain) > PUSH_COMMANDS_MAX:
+                await asyncio.sleep(0)
+            if done:
                 break
         refs, caps, complete = parse_commands(bytes(plain[: pos + 4 if complete else pos]))
         if not complete:

@@ -19,7 +19,8 @@ import socket
 import ssl
 import time
 import urllib.parse
-from collections.abc import Awaitable, Callable, Mapping
+import weakref
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,13 +77,21 @@ class Limits:
     """Connections open at once (tunnels and handshakes). Counted at accept: one more is
     closed at once, before a byte of it is read, so a task holds at most this many
     connections (two descriptors each once a tunnel is open) whatever it sends or withholds."""
-    accept_rate_per_s: float = 100.0
+    accept_rate_per_s: float = 500.0
     """New connections accepted per second, sustained (a token bucket of ``accept_burst``).
-    Beyond it the listener waits and the kernel's backlog holds the rest: a task's flood of
-    connections (each refused one still costs the shared loop a parse, a decision and an
-    audit event) takes a bounded share of the loop every task's tunnels run on."""
-    accept_burst: int = 200
+    Beyond it the listener waits and the kernel's backlog holds the rest. A bound on what
+    ``loop_share`` does not time: each connection's audit event, written on the one audit
+    thread every task shares."""
+    accept_burst: int = 500
     """Connections accepted at once before ``accept_rate_per_s`` applies."""
+    loop_share: float = 0.05
+    """The share of the proxy loop's time this task's connections may use, sustained: every
+    step of its handlers (head parsing, decisions, audit events, TLS of brokered hosts,
+    push checks) is timed, and while the task is over budget and another task's proxy has
+    connections open, its listener waits (alone on the loop, a task is never held back).
+    Tunnels already open are not slowed (their bytes move in the kernel: splice)."""
+    loop_burst_s: float = 0.5
+    """Loop time a task may use at once before ``loop_share`` applies."""
     idle_timeout_s: float = 600.0
     """A tunnel with no byte either way for this long is closed."""
     handshake_timeout_s: float = 30.0
@@ -223,6 +232,11 @@ class EgressProxy:
         )
         self._listeners: list[socket.socket] = []
         self._acceptors: list[asyncio.Task[None]] = []
+        self.loop_seconds = 0.0
+        """Time on the proxy loop this task's connections have used in all (measured)."""
+        self._loop_debt = 0.0
+        """Loop seconds used beyond the budget (repaid at ``loop_share`` per second)."""
+        self._debt_at = time.monotonic()
         self._closed_at_accept = 0
         """Connections closed at accept (over ``max_connections``) since the last event."""
         self._last_cap_event = 0.0
@@ -253,6 +267,7 @@ class EgressProxy:
             unix.close()
             raise
         self._listen(unix)
+        _PROXIES.add(self)
         if self._tcp:
             for _ in range(8):
                 tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -268,7 +283,25 @@ class EgressProxy:
         sock.setblocking(False)
         sock.listen(_BACKLOG)
         self._listeners.append(sock)
-        self._acceptors.append(asyncio.get_running_loop().create_task(self._accept_loop(sock)))
+        loop = asyncio.get_running_loop()
+        self._acceptors.append(loop.create_task(_Metered(self._accept_loop(sock), self._charge)))
+
+    def _charge(self, seconds: float) -> None:
+        self._loop_debt += seconds
+        self.loop_seconds += seconds
+
+    def _over_budget(self) -> float:
+        """Seconds to wait before the task's loop time is back within its budget (0: it is)."""
+        now = time.monotonic()
+        share, burst = self.limits.loop_share, self.limits.loop_burst_s
+        self._loop_debt = max(0.0, self._loop_debt - (now - self._debt_at) * share)
+        self._debt_at = now
+        if not any(p is not self and p._handlers for p in _PROXIES):
+            # Work-conserving: nobody else wants the loop. The debt kept is at most the
+            # burst, so a neighbour that starts now waits for no more than that.
+            self._loop_debt = min(self._loop_debt, burst)
+            return 0.0
+        return max(0.0, self._loop_debt - burst) / share
 
     async def _accept_loop(self, listener: socket.socket) -> None:
         """Accept for one listener, the task's limits applied before a byte is read: the
@@ -284,6 +317,10 @@ class EgressProxy:
             if tokens < 1:
                 await asyncio.sleep((1 - tokens) / rate)
                 continue
+            wait = self._over_budget()
+            if wait > 0:
+                await asyncio.sleep(wait)
+                continue
             try:
                 sock, _ = await loop.sock_accept(listener)
             except OSError:
@@ -296,7 +333,7 @@ class EgressProxy:
                 sock.close()
                 self._note_closed_at_accept()
                 continue
-            task = loop.create_task(self._accepted(sock))
+            task = loop.create_task(_Metered(self._accepted(sock), self._charge))
             # Counted now, not when the task first runs: a burst of accepts sees every one.
             self._handlers.add(task)
 
@@ -345,6 +382,7 @@ class EgressProxy:
         if self._stopped:
             return
         self._stopped = True
+        _PROXIES.discard(self)
         for acceptor in self._acceptors:
             acceptor.cancel()
         await asyncio.gather(*self._acceptors, return_exceptions=True)
@@ -892,10 +930,46 @@ class EgressProxy:
         future.add_done_callback(self._emits.discard)
 
 
+_PROXIES: weakref.WeakSet[EgressProxy] = weakref.WeakSet()
+"""Every proxy started in this process (all on the one proxy loop): whom a task over its
+loop budget would hold up."""
+
 _AUDIT_WRITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fusion-oci-egress-audit")
 """Where every proxy's audit appends run: off the proxy loop (the append takes a flock, so a
 slow disk stalls no tunnel), one at a time, in the order they were made. A thread per event
 (``asyncio.to_thread``) let a later event land before an earlier one."""
+
+
+class _Metered(Coroutine[Any, Any, None]):
+    """A coroutine whose every step's time on the loop is charged (``charge(seconds)``): a
+    task's share of the loop every task shares is measured, not guessed
+    (:attr:`Limits.loop_share`)."""
+
+    __slots__ = ("_charge", "_coro")
+
+    def __init__(self, coro: Coroutine[Any, Any, None], charge: Callable[[float], None]) -> None:
+        self._coro = coro
+        self._charge = charge
+
+    def send(self, value: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return self._coro.send(value)
+        finally:
+            self._charge(time.perf_counter() - start)
+
+    def throw(self, *args: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return self._coro.throw(*args)
+        finally:
+            self._charge(time.perf_counter() - start)
+
+    def close(self) -> None:
+        self._coro.close()
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return self._coro.__await__()
 
 
 def _bad_name(problem: str) -> Refused:
