@@ -3,15 +3,17 @@
     .venv/bin/python benchmarks/bench_egress_isolation.py [--rounds N] [--markdown PATH]
 
 Two task proxies (A and B) run on the one proxy loop of this process, as in a resident server.
-Task B's workload, a stand-in for a package install (its own process, as a sandboxed program
-is): 8 parallel workers, each opening CONNECT tunnels through B's proxy to a loopback HTTP
-server (its own process) and fetching 16 KB per tunnel, 100 tunnels each. It runs alone and
-beside each of task A's floods, taking turns, ``--rounds`` times:
+Task B's workload (its own process, as a sandboxed program is): 8 parallel workers opening
+CONNECT tunnels through B's proxy to a loopback HTTP server (its own process), one request
+each: "install" (40 tunnels per worker, each answer of 64 KB 20 ms late: a registry's round
+trip, as a package install meets it) and "heavy" (100 per worker, 16 KB, no delay: B itself
+keeps the loop busy). Each runs alone and beside each of task A's floods, taking turns,
+``--rounds`` times:
 
 - idle: 1,500 connections to A's proxy that never send a byte (held by another process);
 - refused: two processes opening connections to A's proxy as fast as they can, each a
   ``CONNECT`` to a denied name (parse, decide, 403, audit event);
-- push bombs: connections as fast as one process can open them, each made to do the work of a
+- push bombs: 16 connections at a time (one process, 16 threads), each made to do the work of a
   credentialed ``git push`` whose 64 KB gzip body inflates to 16 MB of ref updates
   (``Session._check_push`` run in A's connection handler in place of the HTTP parsing: the TLS
   of a real brokered push is left out).
@@ -119,19 +121,25 @@ IDLE = textwrap.dedent("""
 """)
 
 HAMMER = textwrap.dedent("""
-    import socket, sys
+    import socket, sys, threading
     first = sys.argv[2].encode()
-    while True:
-        s = socket.socket(socket.AF_UNIX)
-        try:
-            s.connect(sys.argv[1])
-            s.sendall(first)
-            while s.recv(65536):
+
+    def hammer():
+        while True:
+            s = socket.socket(socket.AF_UNIX)
+            try:
+                s.connect(sys.argv[1])
+                s.sendall(first)
+                while s.recv(65536):
+                    pass
+            except OSError:
                 pass
-        except OSError:
-            pass
-        finally:
-            s.close()
+            finally:
+                s.close()
+
+    for _ in range(int(sys.argv[3])):
+        threading.Thread(target=hammer, daemon=True).start()
+    threading.Event().wait()
 """)
 
 
@@ -193,9 +201,9 @@ def _measure(
         flood.append(_spawn(IDLE, a_sock))
     elif mode == "refused":
         request = "CONNECT denied.test:443 HTTP/1.1\r\nHost: denied.test\r\n\r\n"
-        flood += [_spawn(HAMMER, a_sock, request) for _ in range(2)]
+        flood += [_spawn(HAMMER, a_sock, request, "1") for _ in range(2)]
     elif mode == "bombs":
-        flood.append(_spawn(HAMMER, a_sock, "x"))
+        flood.append(_spawn(HAMMER, a_sock, "x", "16"))
     try:
         if flood:
             time.sleep(1.5)  # the flood is under way (and past its burst) before B starts
@@ -297,7 +305,7 @@ def main() -> None:
         "alone": "alone",
         "idle": "beside A's 1,500 idle connections",
         "refused": "beside A's refused-CONNECT flood (2 processes)",
-        "bombs": "beside A's gzip push bombs (16 MB each)",
+        "bombs": "beside A's gzip push bombs (16 at a time)",
     }
 
     def med(workload: str, mode: str, key: str) -> float:

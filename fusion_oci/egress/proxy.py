@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import socket
 import ssl
@@ -84,14 +85,14 @@ class Limits:
     thread every task shares."""
     accept_burst: int = 500
     """Connections accepted at once before ``accept_rate_per_s`` applies."""
-    loop_share: float = 0.05
-    """The share of the proxy loop's time this task's connections may use, sustained: every
-    step of its handlers (head parsing, decisions, audit events, TLS of brokered hosts,
-    push checks) is timed, and while the task is over budget and another task's proxy has
-    connections open, its listener waits (alone on the loop, a task is never held back).
-    Tunnels already open are not slowed (their bytes move in the kernel: splice)."""
-    loop_burst_s: float = 0.5
-    """Loop time a task may use at once before ``loop_share`` applies."""
+    loop_share: float = 0.10
+    """The share of the proxy loop's time a task may use while another task has a
+    connection under way (past its first byte): every step of its handlers (head parsing,
+    decisions, audit events, TLS of brokered hosts, push checks) is timed, and a task whose
+    recent share (over about a second) is above it waits at accept until it is back under.
+    Work-conserving: alone, or beside tasks with nothing under way (idle connections
+    included), a task is never held back. Tunnels already open are not slowed (their bytes
+    move in the kernel: splice)."""
     idle_timeout_s: float = 600.0
     """A tunnel with no byte either way for this long is closed."""
     handshake_timeout_s: float = 30.0
@@ -234,9 +235,12 @@ class EgressProxy:
         self._acceptors: list[asyncio.Task[None]] = []
         self.loop_seconds = 0.0
         """Time on the proxy loop this task's connections have used in all (measured)."""
-        self._loop_debt = 0.0
-        """Loop seconds used beyond the budget (repaid at ``loop_share`` per second)."""
-        self._debt_at = time.monotonic()
+        self._working = 0
+        """Connections past their first byte and not yet over."""
+        self._recent = 0.0
+        """Loop seconds used lately: each charge added, the sum decaying with
+        :data:`_SHARE_WINDOW_S` (its share of the loop: this over the window)."""
+        self._recent_at = time.monotonic()
         self._closed_at_accept = 0
         """Connections closed at accept (over ``max_connections``) since the last event."""
         self._last_cap_event = 0.0
@@ -287,21 +291,26 @@ class EgressProxy:
         self._acceptors.append(loop.create_task(_Metered(self._accept_loop(sock), self._charge)))
 
     def _charge(self, seconds: float) -> None:
-        self._loop_debt += seconds
+        self._recent_share()  # decayed up to now, then this step added
+        self._recent += seconds
         self.loop_seconds += seconds
 
-    def _over_budget(self) -> float:
-        """Seconds to wait before the task's loop time is back within its budget (0: it is)."""
+    def _recent_share(self) -> float:
         now = time.monotonic()
-        share, burst = self.limits.loop_share, self.limits.loop_burst_s
-        self._loop_debt = max(0.0, self._loop_debt - (now - self._debt_at) * share)
-        self._debt_at = now
-        if not any(p is not self and p._handlers for p in _PROXIES):
-            # Work-conserving: nobody else wants the loop. The debt kept is at most the
-            # burst, so a neighbour that starts now waits for no more than that.
-            self._loop_debt = min(self._loop_debt, burst)
+        self._recent *= math.exp(-(now - self._recent_at) / _SHARE_WINDOW_S)
+        self._recent_at = now
+        return self._recent / _SHARE_WINDOW_S
+
+    def _over_budget(self) -> float:
+        """Seconds to wait before the task's loop share is back within ``loop_share`` (0: it
+        is, or no other task has a connection under way: then nobody is held up)."""
+        share, budget = self._recent_share(), self.limits.loop_share
+        if share <= budget:
             return 0.0
-        return max(0.0, self._loop_debt - burst) / share
+        # Demand, not use: a neighbour this task starves uses little of the loop.
+        if not any(p is not self and p._working for p in _PROXIES):
+            return 0.0
+        return _SHARE_WINDOW_S * math.log(share / budget)
 
     async def _accept_loop(self, listener: socket.socket) -> None:
         """Accept for one listener, the task's limits applied before a byte is read: the
@@ -431,12 +440,18 @@ class EgressProxy:
             first = await asyncio.wait_for(reader.readexactly(1), self.limits.handshake_timeout_s)
         except TimeoutError:
             return
-        if first == b"\x05":
-            conn.protocol = "socks5"
-            await self._socks(reader, writer, conn, over)
-        else:
-            conn.protocol = "http"
-            await self._http(first, reader, writer, conn, over)
+        # From its first byte to its end a connection is the task's wanting the loop (a
+        # connection that sends nothing is not): what holds a neighbour to its budget.
+        self._working += 1
+        try:
+            if first == b"\x05":
+                conn.protocol = "socks5"
+                await self._socks(reader, writer, conn, over)
+            else:
+                conn.protocol = "http"
+                await self._http(first, reader, writer, conn, over)
+        finally:
+            self._working -= 1
 
     async def _http(
         self,
@@ -929,6 +944,9 @@ class EgressProxy:
         self._emits.add(future)
         future.add_done_callback(self._emits.discard)
 
+
+_SHARE_WINDOW_S = 1.0
+"""The time constant of a task's measured loop share."""
 
 _PROXIES: weakref.WeakSet[EgressProxy] = weakref.WeakSet()
 """Every proxy started in this process (all on the one proxy loop): whom a task over its

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
 from fusion_oci.egress import EgressRules, proxy_env
-from fusion_oci.egress.proxy import http_response, rewrite_request, split_host_port
+from fusion_oci.egress.proxy import (
+    EgressProxy,
+    Limits,
+    http_response,
+    rewrite_request,
+    split_host_port,
+)
 from fusion_oci.egress.rules import (
     ALLOW_KEY,
     DENY_KEY,
@@ -207,7 +214,14 @@ def test_a_name_that_is_not_plain_ascii_is_refused_before_any_pattern(host: str)
 
 @pytest.mark.parametrize(
     "host",
-    ["allowed.corp.example", "ALLOWED.Corp.Example.", "my_host.corp.example", "x-1.corp.example", "127.1", "0x7f.1"],
+    [
+        "allowed.corp.example",
+        "ALLOWED.Corp.Example.",
+        "my_host.corp.example",
+        "x-1.corp.example",
+        "127.1",
+        "0x7f.1",
+    ],
 )
 def test_plain_names_and_address_forms_pass_the_name_check(host: str) -> None:
     assert name_problem(host) is None
@@ -312,3 +326,38 @@ def test_scoped_and_bad_addresses_are_refused() -> None:
     rules = EgressRules(allowed=("x.test",))
     assert "link-local" in rules.check_address("fe80::1%eth0", 443).rule
     assert not rules.check_address("not-an-address", 443).allowed
+
+
+def test_a_task_over_its_loop_share_waits_only_while_another_has_work_under_way(
+    tmp_path: Path,
+) -> None:
+    """Work-conserving: the over-budget task waits at accept only while a neighbour has a
+    connection past its first byte (idle connections are no demand)."""
+    from fusion_oci.egress import proxy as egress_proxy
+
+    def made(name: str) -> EgressProxy:
+        return EgressProxy(
+            task_id=name,
+            rules=EgressRules(allowed=("x.test",)),
+            state_dir=tmp_path,
+            audit=None,
+            tcp=False,
+            resolve_override=None,
+            limits=Limits(loop_share=0.10),
+            backend="test",
+            policy_hash=None,
+        )
+
+    hog, other = made("hog"), made("other")
+    egress_proxy._PROXIES.update((hog, other))
+    try:
+        hog._charge(0.5)  # half of the last second on the loop
+        assert hog._over_budget() == 0.0  # the neighbour wants nothing
+        other._working = 1
+        wait = hog._over_budget()
+        assert 1.0 < wait < 2.0  # ln(0.5 / 0.1): back under 10% in about 1.6 s
+        other._charge(0.01)
+        assert other._over_budget() == 0.0  # under its own share
+    finally:
+        egress_proxy._PROXIES.discard(hog)
+        egress_proxy._PROXIES.discard(other)
