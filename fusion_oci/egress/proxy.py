@@ -241,6 +241,7 @@ class EgressProxy:
         """Loop seconds used lately: each charge added, the sum decaying with
         :data:`_SHARE_WINDOW_S` (its share of the loop: this over the window)."""
         self._recent_at = time.monotonic()
+        self._admitted_at = 0.0
         self._closed_at_accept = 0
         """Connections closed at accept (over ``max_connections``) since the last event."""
         self._last_cap_event = 0.0
@@ -288,7 +289,9 @@ class EgressProxy:
         sock.listen(_BACKLOG)
         self._listeners.append(sock)
         loop = asyncio.get_running_loop()
-        self._acceptors.append(loop.create_task(_Metered(self._accept_loop(sock), self._charge)))
+        self._acceptors.append(
+            loop.create_task(_Metered(self._accept_loop(sock), self._charge, None))
+        )
 
     def _charge(self, seconds: float) -> None:
         self._recent_share()  # decayed up to now, then this step added
@@ -301,16 +304,29 @@ class EgressProxy:
         self._recent_at = now
         return self._recent / _SHARE_WINDOW_S
 
+    def _step_wait(self) -> float:
+        """Seconds a step of this task's handlers waits before it runs: while the task is
+        over its share and another has work under way (0 otherwise). Connections admitted
+        before the share showed their cost are held here, not only new ones at accept."""
+        share, budget = self._recent_share(), self.limits.loop_share
+        if share <= budget or not any(p is not self and p._working for p in _PROXIES):
+            return 0.0
+        return min(_SHARE_WINDOW_S * math.log(share / budget), _SHARE_WINDOW_S)
+
     def _over_budget(self) -> float:
         """Seconds to wait before the task's loop share is back within ``loop_share`` (0: it
         is, or no other task has a connection under way: then nobody is held up)."""
         share, budget = self._recent_share(), self.limits.loop_share
-        if share <= budget:
+        if share <= budget / 2:
             return 0.0
         # Demand, not use: a neighbour this task starves uses little of the loop.
         if not any(p is not self and p._working for p in _PROXIES):
             return 0.0
-        return _SHARE_WINDOW_S * math.log(share / budget)
+        if share > budget:
+            return _SHARE_WINDOW_S * math.log(share / budget)
+        # Near the budget, one connection per _NEAR_BUDGET_GAP_S: a connection's cost shows
+        # in the share only as it runs, and many admitted at once overshoot it.
+        return max(0.0, self._admitted_at + _NEAR_BUDGET_GAP_S - time.monotonic())
 
     async def _accept_loop(self, listener: socket.socket) -> None:
         """Accept for one listener, the task's limits applied before a byte is read: the
@@ -342,7 +358,8 @@ class EgressProxy:
                 sock.close()
                 self._note_closed_at_accept()
                 continue
-            task = loop.create_task(_Metered(self._accepted(sock), self._charge))
+            task = loop.create_task(_Metered(self._accepted(sock), self._charge, self._step_wait))
+            self._admitted_at = time.monotonic()
             # Counted now, not when the task first runs: a burst of accepts sees every one.
             self._handlers.add(task)
 
@@ -947,6 +964,9 @@ class EgressProxy:
 
 _SHARE_WINDOW_S = 1.0
 """The time constant of a task's measured loop share."""
+_NEAR_BUDGET_GAP_S = 0.01
+"""Between two connections a task admits while its share is past half its budget and
+another task has work under way."""
 
 _PROXIES: weakref.WeakSet[EgressProxy] = weakref.WeakSet()
 """Every proxy started in this process (all on the one proxy loop): whom a task over its
@@ -961,15 +981,41 @@ slow disk stalls no tunnel), one at a time, in the order they were made. A threa
 class _Metered(Coroutine[Any, Any, None]):
     """A coroutine whose every step's time on the loop is charged (``charge(seconds)``): a
     task's share of the loop every task shares is measured, not guessed
-    (:attr:`Limits.loop_share`)."""
+    (:attr:`Limits.loop_share`). With ``gate``, a step waits first while ``gate()`` says so
+    (a future handed to the Task, as an ``await`` would): the task's steps, not only its new
+    connections, are held back while it is over its share."""
 
-    __slots__ = ("_charge", "_coro")
+    __slots__ = ("_charge", "_coro", "_gate", "_held")
 
-    def __init__(self, coro: Coroutine[Any, Any, None], charge: Callable[[float], None]) -> None:
+    def __init__(
+        self,
+        coro: Coroutine[Any, Any, None],
+        charge: Callable[[float], None],
+        gate: Callable[[], float] | None,
+    ) -> None:
         self._coro = coro
         self._charge = charge
+        self._gate = gate
+        self._held: list[Any] = []
+        """The value a held step was to be resumed with (one at most)."""
 
     def send(self, value: Any) -> Any:
+        if self._held:
+            value = self._held.pop()
+        elif self._gate is not None:
+            wait = self._gate()
+            if wait > 0:
+                self._held.append(value)
+                loop = asyncio.get_running_loop()
+                later: asyncio.Future[None] = loop.create_future()
+                later._asyncio_future_blocking = True  # what a Task waits on
+
+                def wake() -> None:
+                    if not later.done():
+                        later.set_result(None)
+
+                loop.call_later(wait, wake)
+                return later
         start = time.perf_counter()
         try:
             return self._coro.send(value)
@@ -977,6 +1023,7 @@ class _Metered(Coroutine[Any, Any, None]):
             self._charge(time.perf_counter() - start)
 
     def throw(self, *args: Any) -> Any:
+        self._held.clear()  # a held step is not resumed: the exception goes in instead
         start = time.perf_counter()
         try:
             return self._coro.throw(*args)

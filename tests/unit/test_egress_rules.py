@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -357,7 +358,11 @@ def test_a_task_over_its_loop_share_waits_only_while_another_has_work_under_way(
         wait = hog._over_budget()
         assert 1.0 < wait < 2.0  # ln(0.5 / 0.1): back under 10% in about 1.6 s
         other._charge(0.01)
-        assert other._over_budget() == 0.0  # under its own share
+        assert other._over_budget() == 0.0  # under half its share
+        other._charge(0.07)
+        other._admitted_at = time.monotonic()
+        hog._working = 1
+        assert 0.0 < other._over_budget() <= 0.01  # near it: one connection per 10 ms
     finally:
         egress_proxy._PROXIES.discard(hog)
         egress_proxy._PROXIES.discard(other)
