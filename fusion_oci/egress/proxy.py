@@ -89,7 +89,8 @@ class Limits:
     """The share of the proxy loop's time a task may use while another task has a
     connection under way (past its first byte): every step of its handlers (head parsing,
     decisions, audit events, TLS of brokered hosts, push checks) is timed, and a task whose
-    recent share (over about a second) is above it waits at accept until it is back under.
+    recent share (over about a second) is above it waits, at accept and before each step of
+    its handlers, until it is back under (near it: one new connection per 10 ms).
     Work-conserving: alone, or beside tasks with nothing under way (idle connections
     included), a task is never held back. Tunnels already open are not slowed (their bytes
     move in the kernel: splice)."""
