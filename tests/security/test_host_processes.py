@@ -24,7 +24,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -70,15 +71,23 @@ def state(pid: int) -> dict[str, Any]:
 
 def restore(pid: int, before: dict[str, Any], limits: list[tuple[int, int]]) -> None:
     """Undo a leak: priorities as root (CAP_SYS_NICE), the limits of this process (the
-    owner) itself; the victims' limits go with them."""
-    with contextlib.suppress(OSError):
-        if pid == os.getpid():
-            for r, value in zip(LIMITS, limits, strict=True):
-                resource.setrlimit(r, value)
-        os.setpriority(os.PRIO_PROCESS, pid, before["nice"])
-        _ioprio(pid, before["ioprio"])
-        os.sched_setaffinity(pid, before["affinity"])
-        os.sched_setscheduler(pid, before["policy"], os.sched_param(0))
+    owner) itself; the victims' limits go with them. Each step on its own: a limit that
+    cannot be set back (a hard core limit of 0 since a Sandbox hardened this process) must
+    not leave the owner at nice 7, idle I/O and one CPU for the rest of the session."""
+    steps: list[Callable[[], object]] = []
+    if pid == os.getpid():
+        steps += [
+            partial(resource.setrlimit, r, value) for r, value in zip(LIMITS, limits, strict=True)
+        ]
+    steps += [
+        partial(os.setpriority, os.PRIO_PROCESS, pid, before["nice"]),
+        partial(_ioprio, pid, before["ioprio"]),
+        partial(os.sched_setaffinity, pid, before["affinity"]),
+        partial(os.sched_setscheduler, pid, before["policy"], os.sched_param(0)),
+    ]
+    for step in steps:
+        with contextlib.suppress(OSError, ValueError):
+            step()
 
 
 OWN_LIMITS = [resource.getrlimit(r) for r in LIMITS]
