@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 from fusion_oci.audit import AuditEvent, AuditLog
 from fusion_oci.egress.credentials import Broker, credential_layout, make_broker
 from fusion_oci.egress.task import start_task_proxy, stop_task_proxy
+from fusion_oci.services import TaskRelays, start_relays, stop_relays
 from fusion_oci.errors import (
     FusionOCIError,
     PolicyNotEnforceableError,
@@ -108,6 +109,8 @@ class Sandbox:
         self.unenforced: list[str] = []
         self.egress: EgressProxy | None = None
         """The task's egress proxy while prepared with ``network: filtered``."""
+        self.services: TaskRelays | None = None
+        """The task's host-service relays while prepared with ``hostServices``."""
         self._running: set[asyncio.Task[RunResult]] = set()
         self._gitguard: GitGuard | None = None
         """The watch over repositories inside the worktree that the host's git would enter
@@ -205,6 +208,19 @@ class Sandbox:
                             self.egress.unix_socket.parent,
                         )
                     )
+            if resolved.spec.host_services and runtime.isolates:
+                # Before prepare too: the runtime binds the relays' sockets into the sandbox
+                # (landlock's connect supervisor redirects to their host listeners).
+                self.services = await start_relays(
+                    task_id=ctx.task_id,
+                    grants=ctx.policy.grants(),
+                    audit=self.audit,
+                    tcp=runtime.egress_via_tcp,
+                    backend=runtime.id,
+                    policy_hash=ctx.policy.digest(),
+                    run_id=ctx.run_id,
+                )
+                resolved = resolved.with_services(self.services)
             self.task = await runtime.prepare(resolved)
         except BaseException:
             self.runtime = None
@@ -231,8 +247,13 @@ class Sandbox:
 
     async def _stop_egress(self) -> None:
         proxy, self.egress = self.egress, None
-        if proxy is not None:
-            await stop_task_proxy(proxy)
+        relays, self.services = self.services, None
+        try:
+            if proxy is not None:
+                await stop_task_proxy(proxy)
+        finally:
+            if relays is not None:
+                await stop_relays(relays)
 
     async def prepare(self, ctx: PrepareContext) -> None:
         """Check the inputs, choose and check the runtime, prepare it (the failure mode

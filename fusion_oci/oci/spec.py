@@ -10,12 +10,14 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from fusion_oci.hostservice import HostService
 from fusion_oci.models import NetworkMode, PrepareContext, RunOptions, SandboxPolicy
 from fusion_oci.oci.host import HostInfo
 from fusion_oci.oci.model import (
     ANN_CACHE_MODE,
     ANN_HOST_ROOTFS,
     ANN_IMAGE,
+    ANN_HOST_SERVICES,
     ANN_NETWORK,
     ANN_POLICY,
     ANN_RUN,
@@ -238,6 +240,16 @@ def with_network(spec: Spec, mode: NetworkMode) -> Spec:
         ns.append({"type": "network"})
     out["linux"]["namespaces"] = ns
     out["annotations"][ANN_NETWORK] = mode.value
+    return out
+
+
+def with_host_services(spec: Spec, grants: Sequence[HostService]) -> Spec:
+    """The host services granted to the task, space-separated canonical forms (OCI has no
+    field for them: each runtime serves them, or its check lists them unenforced)."""
+    if not grants:
+        return spec
+    out = _copy(spec)
+    out["annotations"][ANN_HOST_SERVICES] = " ".join(str(g) for g in grants)
     return out
 
 
@@ -526,6 +538,7 @@ def compile_task(ctx: PrepareContext, layout: TaskLayout, host: HostInfo) -> Tas
     spec = default_spec()
     del spec["process"]
     spec = with_network(spec, policy.network_mode)
+    spec = with_host_services(spec, [g for g, _ in policy.grants()])
     spec = with_memory_limit(spec, policy.memory_limit_mb)
     cpu = policy.cpu_limit
     spec = with_cpu_quota(spec, cpu.max_cores if cpu else None)
