@@ -253,7 +253,10 @@ class SandboxPolicy(Model):
 
     def digest(self) -> str:
         """A short stable hash of the policy, for audit events and annotations."""
-        canon = json.dumps(self.model_dump(mode="json", by_alias=True), sort_keys=True)
+        data = self.model_dump(mode="json", by_alias=True)
+        if not self.host_services:
+            del data["hostServices"]  # the hash of every policy without grants stays as it was
+        canon = json.dumps(data, sort_keys=True)
         return "sha256:" + hashlib.sha256(canon.encode()).hexdigest()[:16]
 
     def summary(self) -> str:

@@ -493,7 +493,7 @@ def launch_config(rules: LandlockRules, abi: int, arch: str) -> dict[str, Any]:
         # host services (to their relays) and unix sockets beneath writable paths; -1: connect
         # is left to the kernel (none, host), where every socket() is refused.
         "connect_port": (port or 0) if rules.network == "filtered" or rules.services else -1,
-        "services": list(rules.services),
+        **({"services": [list(r) for r in rules.services]} if rules.services else {}),
         "ports": [[port, _mask(["connect_tcp"], NET_RIGHTS, abi)]] if port and abi >= 4 else [],
     }
 
