@@ -1,0 +1,114 @@
+"""Host services by grant (issue #35) for real: Debian's PostgreSQL started by the test on the
+host's loopback (a free port, 127.0.0.1 and ::1) and a unix socket, granted by
+``policy.hostServices``, and reached from inside every runtime by real clients: a PostgreSQL
+wire-protocol client in Node.js (tests/services_world.py; the task images have node, not psql)
+over each grant, and ``psql`` and ``pg_isready`` where the sandbox has the host's /usr.
+
+Every backend of tests/security (rootful and rootless) through its ``prober``: the same
+command, the same judge. Native runs it too and lists ``hostServices`` as unenforced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fusion_oci.audit import AuditEvent, AuditLog
+from fusion_oci.errors import PolicyNotEnforceableError
+from fusion_oci.models import PrepareContext, RunOptions, SandboxPolicy
+from fusion_oci.runtimes.requirements import Requirement
+from fusion_oci.sandbox import SyncSandbox
+from tests.backends import backend_settings, require_runtime
+from tests.security.conftest import (  # noqa: F401 - the fixtures, shared with the probes
+    Prober,
+    backend,
+    dockerless_user,
+    prober,
+    rootless_user,
+)
+from tests.services_world import PG_CLIENT_JS, Postgres, postgres_available, postgres_server
+
+NETWORKS = ["none", "egress", "filtered"]
+
+
+@pytest.fixture(scope="module")
+def pg() -> Iterator[Postgres]:
+    why = postgres_available()
+    if why is not None:
+        pytest.fail(f"PostgreSQL cannot be started here: {why} (scripts/install.sh installs it)")
+    with postgres_server() as server:
+        yield server
+
+
+def grants(pg: Postgres) -> list[str]:
+    return [f"127.0.0.1:{pg.port}", f"[::1]:{pg.port}", f"unix:{pg.unix_socket}"]
+
+
+def client_script(pg: Postgres) -> str:
+    """Each grant by the node client, then psql and pg_isready where they exist."""
+    node = "node pg.js"
+    return "; ".join(
+        [
+            f"{node} 127.0.0.1:{pg.port} 'select 40+2 as v4'",
+            f"{node} '[::1]:{pg.port}' 'select 43'",
+            f"{node} {pg.unix_socket} 'select 44'",
+            f"{node} 127.0.0.1:{pg.port} 'select count(*) from generate_series(1,5000)'",
+            "if command -v psql >/dev/null; then "
+            f"psql -h 127.0.0.1 -p {pg.port} -U postgres -Atc 'select 45'; "
+            f"psql -h {pg.socket_dir} -p {pg.port} -U postgres -Atc 'select 46'; "
+            f"pg_isready -h 127.0.0.1 -p {pg.port} -q && echo ready; "
+            "else echo 45; echo 46; echo ready; fi",
+        ]
+    )
+
+
+@pytest.mark.parametrize("network", NETWORKS)
+def test_a_granted_postgres_answers_real_clients_inside(
+    prober: Prober, pg: Postgres, network: str
+) -> None:
+    (prober.worktree / "pg.js").write_text(PG_CLIENT_JS)
+    policy = SandboxPolicy(network=network, host_services=grants(pg))  # type: ignore[arg-type]
+    if prober.backend == "landlock" and network == "egress":
+        # landlock has no egress without host loopback (no network namespace): refused as
+        # before, grants or not.
+        with pytest.raises(PolicyNotEnforceableError):
+            prober.run("true", policy)
+        return
+    result = prober.run(client_script(pg), policy, timeout_ms=90_000)
+    assert result.exit_code == 0, (result.stdout, result.stderr[-2000:])
+    assert result.stdout.split() == ["42", "43", "44", "5000", "45", "46", "ready"], result
+    hosted = Requirement.HOST_SERVICES.value
+    assert (hosted in result.unenforced) == (prober.backend == "native")
+
+
+def test_every_connection_is_an_audit_event_with_its_service(pg: Postgres, tmp_path: Path) -> None:
+    """One runtime is enough for what the host side writes (the relay is the same code)."""
+    require_runtime("bubblewrap")
+    from tests.conftest import git_init
+
+    wt = git_init(tmp_path / "wt")
+    (wt / "pg.js").write_text(PG_CLIENT_JS)
+    events: list[AuditEvent] = []
+    audit = AuditLog()
+    audit.subscribe(events.append)
+    policy = SandboxPolicy(allow_network=False, host_services=grants(pg))
+    ctx = PrepareContext(task_id="svc", run_id="r1", policy=policy, worktree_path=str(wt))
+    with SyncSandbox(
+        backend_settings("bubblewrap", policy=policy), audit=audit, cache_root=tmp_path / "c"
+    ) as sb:
+        sb.prepare(ctx)
+        result = sb.run(
+            f"node pg.js 127.0.0.1:{pg.port} 'select 1'; node pg.js {pg.unix_socket} 'select 2'",
+            RunOptions(timeout_ms=60_000),
+        )
+    assert result.stdout.split() == ["1", "2"], result
+    seen = [e for e in events if e.type == "sandbox:egress" and (e.details or {}).get("service")]
+    assert [(e.details or {})["service"] for e in seen] == [
+        f"127.0.0.1:{pg.port}",
+        f"unix:{pg.unix_socket}",
+    ]
+    for e in seen:
+        assert e.allowed and e.task_id == "svc" and (e.bytes_up or 0) > 0
+        assert (e.bytes_down or 0) > 0 and (e.rule or "").startswith("policy.hostServices[")
