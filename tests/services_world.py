@@ -153,3 +153,88 @@ def postgres_server() -> Iterator[Postgres]:
             proc.wait()
         log.close()
         shutil.rmtree(base, ignore_errors=True)
+
+
+@dataclass
+class Listening:
+    """Servers of the test's own that record every connection: TCP on 127.0.0.1 and ::1 at one
+    port, and unix sockets by path. ``seen``: ``"tcp4"``, ``"tcp6"`` or the socket's path, one
+    per connection accepted."""
+
+    port: int
+    sockets: list[str]
+    seen: list[str]
+
+
+@contextlib.contextmanager
+def listening(unix: list[Path] = ()) -> Iterator[Listening]:  # type: ignore[assignment]
+    """Record connections to 127.0.0.1:P, [::1]:P (one free P) and each path of ``unix``
+    (made world-connectable: a rootless task's relay runs as the CI user)."""
+    import threading
+
+    servers: list[tuple[socket.socket, str]] = []
+    for _ in range(20):
+        port = free_port()
+        try:
+            v4 = socket.socket(socket.AF_INET)
+            v4.bind(("127.0.0.1", port))
+            v6 = socket.socket(socket.AF_INET6)
+            v6.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            v6.bind(("::1", port))
+        except OSError:
+            continue
+        servers += [(v4, "tcp4"), (v6, "tcp6")]
+        break
+    for path in unix:
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(str(path))
+        os.chmod(path, 0o777)
+        servers.append((s, str(path)))
+    seen: list[str] = []
+    stop = threading.Event()
+
+    def serve(srv: socket.socket, label: str) -> None:
+        srv.listen(16)
+        srv.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                continue
+            seen.append(label)
+            with contextlib.suppress(OSError):
+                conn.sendall(b"hello\n")
+            conn.close()
+
+    threads = [threading.Thread(target=serve, args=s, daemon=True) for s in servers]
+    for t in threads:
+        t.start()
+    try:
+        yield Listening(port, [str(p) for p in unix], seen)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(2)
+        for srv, _ in servers:
+            srv.close()
+
+
+PROBE_JS = r"""
+// node probe.js JSON: connect to each target ({host, port} or {path}), send `send`, and print
+// "LABEL connected" or "LABEL CODE". The host decides what got through (its servers' logs).
+const net = require('net');
+const cfg = JSON.parse(process.argv[2]);
+(async () => {
+  for (const t of cfg.targets) {
+    const label = t.path || `${t.host}:${t.port}`;
+    const r = await new Promise((res) => {
+      const c = net.connect(t.path ? { path: t.path } : { host: t.host, port: t.port });
+      const done = (x) => { c.destroy(); res(x); };
+      c.setTimeout(3000, () => done('timeout'));
+      c.on('connect', () => { c.write(cfg.send || 'probe\n'); setTimeout(() => done('connected'), 300); });
+      c.on('error', (e) => done(e.code));
+    });
+    console.log(label + ' ' + r);
+  }
+})();
+"""
