@@ -103,9 +103,10 @@ def _loopback(host: str) -> str:
         raise ValueError(
             f"{host} is an IPv4 address in IPv6 form; write it as {ip.ipv4_mapped}:PORT"
         )
-    if isinstance(ip, ipaddress.IPv6Address) and ip != ipaddress.IPv6Address("::1"):
-        if ip.sixtofour is not None or ip.teredo is not None or ip in _NAT64:
-            raise ValueError(f"{host} is an IPv4 address in an IPv6 form; write the IPv4 one")
+    if isinstance(ip, ipaddress.IPv6Address) and (
+        ip.sixtofour is not None or ip.teredo is not None or ip in _NAT64
+    ):
+        raise ValueError(f"{host} is an IPv4 address in an IPv6 form; write the IPv4 one")
     if not ip.is_loopback:
         raise ValueError(
             f"{host} is not the host's loopback: host services are services on this machine "
@@ -124,7 +125,9 @@ def _unix_path(path: str) -> str:
             f"'{path}' is not an absolute path; write unix:/ABSOLUTE/PATH of the socket"
         )
     if "\0" in path or "//" in path or path.endswith("/"):
-        raise ValueError(f"'{path}' is not a plain socket path; write it without '//' or a '/' at the end")
+        raise ValueError(
+            f"'{path}' is not a plain socket path; write it without '//' or a '/' at the end"
+        )
     parts = path.split("/")[1:]
     if any(p in (".", "..") for p in parts):
         raise ValueError(
@@ -132,7 +135,9 @@ def _unix_path(path: str) -> str:
             "one socket, not a way to another)"
         )
     if len(os.fsencode(path)) > UNIX_PATH_MAX:
-        raise ValueError(f"'{path}' is longer than a unix socket path can be ({UNIX_PATH_MAX} bytes)")
+        raise ValueError(
+            f"'{path}' is longer than a unix socket path can be ({UNIX_PATH_MAX} bytes)"
+        )
     return path
 
 

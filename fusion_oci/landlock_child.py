@@ -314,9 +314,7 @@ class Supervisor:
             "fchmodat2": fchmodat2,
         }
         port = int(cfg.get("connect_port", -1))
-        self.connects = (
-            ConnectSupervisor(self, port, service_table(cfg)) if port >= 0 else None
-        )
+        self.connects = ConnectSupervisor(self, port, service_table(cfg)) if port >= 0 else None
         self.opens = {nr: i for i, nr in enumerate(OPEN_CALLS[self.arch]) if nr >= 0}
 
     def serve(self) -> None:

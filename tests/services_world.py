@@ -45,11 +45,20 @@ c.on('data', (d) => {
     const type = String.fromCharCode(buf[0]), len = buf.readInt32BE(1);
     if (buf.length < 1 + len) break;
     const msg = buf.subarray(5, 1 + len); buf = buf.subarray(1 + len);
-    if (type === 'E') { console.log('pg error ' + msg.toString().replace(/\0/g, ' ')); process.exit(3); }
-    if (type === 'D') { const n = msg.readInt32BE(2); rows.push(msg.subarray(6, 6 + n).toString()); }
+    if (type === 'E') {
+      console.log('pg error ' + msg.toString().replace(/\0/g, ' '));
+      process.exit(3);
+    }
+    if (type === 'D') {
+      const n = msg.readInt32BE(2);
+      rows.push(msg.subarray(6, 6 + n).toString());
+    }
     if (type === 'Z' && !sent) {
       sent = true;
-      const q = Buffer.from(sql + '\0'); const h = Buffer.alloc(5); h.write('Q'); h.writeInt32BE(4 + q.length, 1);
+      const q = Buffer.from(sql + '\0');
+      const h = Buffer.alloc(5);
+      h.write('Q');
+      h.writeInt32BE(4 + q.length, 1);
       c.write(Buffer.concat([h, q]));
     } else if (type === 'Z') {
       rows.forEach((r) => console.log(r)); c.end(Buffer.from([88, 0, 0, 0, 4])); process.exit(0);
@@ -231,7 +240,10 @@ const cfg = JSON.parse(process.argv[2]);
       const c = net.connect(t.path ? { path: t.path } : { host: t.host, port: t.port });
       const done = (x) => { c.destroy(); res(x); };
       c.setTimeout(3000, () => done('timeout'));
-      c.on('connect', () => { c.write(cfg.send || 'probe\n'); setTimeout(() => done('connected'), 300); });
+      c.on('connect', () => {
+        c.write(cfg.send || 'probe\n');
+        setTimeout(() => done('connected'), 300);
+      });
       c.on('error', (e) => done(e.code));
     });
     console.log(label + ' ' + r);

@@ -37,8 +37,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from fusion_oci.agent.protocol import EGRESS_AGENT, EGRESS_SOCKET, Spawn, forward_args
-from fusion_oci.runtimes.linux.egress import split_relays
-from fusion_oci.services.inside import ServiceWiring, service_notes, service_wiring
 from fusion_oci.engines.base import CacheVolume, ContainerPlan
 from fusion_oci.engines.labels import (
     LABEL_CACHE,
@@ -55,7 +53,9 @@ from fusion_oci.models import NetworkMode
 from fusion_oci.oci.model import ANN, ANN_TASK, Mount, ProcessSpec, TaskSpec
 from fusion_oci.oci.spec import SANDBOX_PATH
 from fusion_oci.policy.layout import CACHE_ROOT_IN_SANDBOX
+from fusion_oci.runtimes.linux.egress import split_relays
 from fusion_oci.runtimes.outcome import LimitCounters
+from fusion_oci.services.inside import ServiceWiring, service_notes, service_wiring
 
 Engine = Literal["podman", "docker"]
 ContainerMode = Literal["warm", "oneshot"]
@@ -429,7 +429,7 @@ def _add_agent(
     agent: AgentMounts,
     *,
     filtered: bool = False,
-    services: ServiceWiring = ServiceWiring(),
+    services: ServiceWiring | None = None,
 ) -> None:
     """The exec agent as the container's init, and its two read-only mounts (``filtered``:
     with its forwarder, the proxy's socket and the agent again for ssh's ProxyCommand;
@@ -437,7 +437,7 @@ def _add_agent(
     kwargs["entrypoint"] = [AGENT_PATH]
     kwargs["command"] = [
         *(forward_args() if filtered else []),
-        *services.agent_args,
+        *(services.agent_args if services else ()),
         "--connect",
         f"{AGENT_RUN_DIR}/{AGENT_SOCKET}",
     ]
@@ -448,7 +448,7 @@ def _add_agent(
     binds = ((agent.binary, AGENT_PATH), (agent.run_dir, AGENT_RUN_DIR))
     egress = (
         ((agent.egress_socket, EGRESS_SOCKET), (agent.binary, EGRESS_AGENT)) if filtered else ()
-    ) + services.binds
+    ) + (services.binds if services else ())
     if target.engine == "docker":
         kwargs["mounts"] = [
             *kwargs["mounts"],

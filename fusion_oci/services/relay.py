@@ -27,6 +27,7 @@ import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from socket import socket as Socket
 from typing import TYPE_CHECKING, Any
 
 from fusion_oci.egress.budget import AuditBudget
@@ -69,7 +70,7 @@ class Relay:
     the command's connect to; None elsewhere."""
     servers: list[asyncio.Future[None]] = field(default_factory=list)
     """The accept loops."""
-    listeners: list[socket.socket] = field(default_factory=list)
+    listeners: list[Socket] = field(default_factory=list)
 
 
 def resolve_unix(grant: HostService, dangerous: bool) -> str:
@@ -97,7 +98,9 @@ def open_unix_target(path: str) -> int:
     fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         for part in parts[:-1]:
-            nxt = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            nxt = os.open(
+                part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd
+            )
             os.close(fd)
             fd = nxt
         last = os.open(parts[-1], os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)

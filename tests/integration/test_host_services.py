@@ -66,7 +66,9 @@ def client_script(pg: Postgres) -> str:
 
 @pytest.mark.parametrize("network", NETWORKS)
 def test_a_granted_postgres_answers_real_clients_inside(
-    prober: Prober, pg: Postgres, network: str
+    prober: Prober,  # noqa: F811 - the fixture imported above
+    pg: Postgres,
+    network: str,
 ) -> None:
     (prober.worktree / "pg.js").write_text(PG_CLIENT_JS)
     policy = SandboxPolicy(network=network, host_services=grants(pg))  # type: ignore[arg-type]

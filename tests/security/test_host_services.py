@@ -26,7 +26,9 @@ from tests.security.test_probes import check
 from tests.services_world import PROBE_JS, Listening, listening
 
 
-def _run(prober: Prober, targets: list[dict[str, object]], policy: SandboxPolicy, send: str = "") -> str:
+def _run(
+    prober: Prober, targets: list[dict[str, object]], policy: SandboxPolicy, send: str = ""
+) -> str:
     (prober.worktree / "probe.js").write_text(PROBE_JS)
     cfg = json.dumps({"targets": targets, "send": send})
     result = prober.run(f"node probe.js {shlex.quote(cfg)}", policy, timeout_ms=90_000)
@@ -70,7 +72,9 @@ def test_an_ungranted_port_or_address_form_stays_closed(prober: Prober) -> None:
         )
     assert "tcp4" in a.seen, f"the granted service did not answer: {out}"
     leaked = bool(b.seen) or "tcp6" in a.seen or "4040 connected" in out
-    check("service-ungranted-port", prober.backend, leaked, f"A saw {a.seen}, B saw {b.seen}; {out}")
+    check(
+        "service-ungranted-port", prober.backend, leaked, f"A saw {a.seen}, B saw {b.seen}; {out}"
+    )
 
 
 def test_the_relay_connects_only_to_its_grant(prober: Prober) -> None:
@@ -91,8 +95,10 @@ def test_the_relay_connects_only_to_its_grant(prober: Prober) -> None:
         try:
             other.state_dir.chmod(0o755)  # reachable to the caller on the host (native)
             ask = f"CONNECT 127.0.0.1:{b.port} HTTP/1.1\r\nHost: 127.0.0.1:{b.port}\r\n\r\n"
-            socks = "\x05\x01\x00\x05\x01\x00\x01\x7f\x00\x00\x01" + chr(b.port >> 8) + chr(
-                b.port & 0xFF
+            socks = (
+                "\x05\x01\x00\x05\x01\x00\x01\x7f\x00\x00\x01"
+                + chr(b.port >> 8)
+                + chr(b.port & 0xFF)
             )
             targets: list[dict[str, object]] = [
                 {"host": "127.0.0.1", "port": a.port},

@@ -15,7 +15,7 @@ from fusion_oci.hostservice import HostService, hands_over, parse_grant
 from fusion_oci.landlock_child import parse, service_redirect, service_table
 from fusion_oci.models import SandboxPolicy
 from fusion_oci.policy.settings import SandboxSettings
-from fusion_oci.runtimes.landlock import launch_config, launch_text, landlock_rules
+from fusion_oci.runtimes.landlock import landlock_rules, launch_config, launch_text
 from fusion_oci.services.inside import service_wiring
 from fusion_oci.services.relay import open_unix_target
 
@@ -56,7 +56,9 @@ def test_the_three_forms_parse_to_what_programs_name() -> None:
         ("unix:/" + "a" * 120, "longer than a unix socket path"),
     ],
 )
-def test_a_bad_entry_is_a_settings_error_naming_the_field_and_the_fix(entry: str, says: str) -> None:
+def test_a_bad_entry_is_a_settings_error_naming_the_field_and_the_fix(
+    entry: str, says: str
+) -> None:
     with pytest.raises(ValidationError) as err:
         SandboxPolicy(host_services=["127.0.0.1:1", entry])
     assert "hostServices[1]" in str(err.value) and says in str(err.value)
@@ -85,9 +87,7 @@ def test_a_grant_that_hands_over_the_host_needs_dangerous_true(entry: str) -> No
     with pytest.raises(ValidationError, match="hands over the host") as err:
         SandboxPolicy(host_services=[entry])
     assert "dangerous: true" in str(err.value)
-    policy = SandboxPolicy.model_validate(
-        {"hostServices": [{"address": entry, "dangerous": True}]}
-    )
+    policy = SandboxPolicy.model_validate({"hostServices": [{"address": entry, "dangerous": True}]})
     assert policy.grants() == [(parse_grant(entry), True)]
 
 
@@ -143,7 +143,12 @@ SERVICES = (
 
 
 def _in4(ip: str, port: int) -> bytes:
-    return struct.pack("=H", socket.AF_INET) + struct.pack("!H", port) + socket.inet_aton(ip) + bytes(8)
+    return (
+        struct.pack("=H", socket.AF_INET)
+        + struct.pack("!H", port)
+        + socket.inet_aton(ip)
+        + bytes(8)
+    )
 
 
 def _in6(ip: str, port: int) -> bytes:

@@ -56,7 +56,11 @@ CASES: dict[str, tuple[SandboxPolicy, TaskLayout]] = {
     "host-services": (
         SandboxPolicy(
             allow_network=False,
-            host_services=["127.0.0.1:5432", "[::1]:6379", "unix:/var/run/postgresql/.s.PGSQL.5432"],
+            host_services=[
+                "127.0.0.1:5432",
+                "[::1]:6379",
+                "unix:/var/run/postgresql/.s.PGSQL.5432",
+            ],
         ),
         LINKED,
     ),

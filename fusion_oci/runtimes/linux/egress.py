@@ -218,7 +218,9 @@ def service_relays(task: ResolvedTask) -> tuple[tuple[str, str], ...] | None:
             "prepare the task through fusion_oci.Sandbox",
         )
     out = [(str(r.grant), str(r.socket)) for r in task.services.relays]
-    out += [(TARGET + str(r.grant), r.target) for r in task.services.relays if r.grant.kind == "unix"]
+    out += [
+        (TARGET + str(r.grant), r.target) for r in task.services.relays if r.grant.kind == "unix"
+    ]
     return tuple(out)
 
 
