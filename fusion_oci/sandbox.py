@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING, Any
 from fusion_oci.audit import AuditEvent, AuditLog
 from fusion_oci.egress.credentials import Broker, credential_layout, make_broker
 from fusion_oci.egress.task import start_task_proxy, stop_task_proxy
-from fusion_oci.services import TaskRelays, start_relays, stop_relays
 from fusion_oci.errors import (
     FusionOCIError,
     PolicyNotEnforceableError,
@@ -68,6 +67,7 @@ from fusion_oci.runtimes.protocol import Runtime
 from fusion_oci.runtimes.registry import create_runtime
 from fusion_oci.runtimes.skeleton import default_cache_root
 from fusion_oci.scratch import gc_scratch
+from fusion_oci.services import TaskRelays, start_relays, stop_relays
 from fusion_oci.stdin import StdinStream
 from fusion_oci.store_tree import StoreLinker, task_linker
 

@@ -16,8 +16,8 @@ from fusion_oci.oci.host import HostInfo
 from fusion_oci.oci.model import (
     ANN_CACHE_MODE,
     ANN_HOST_ROOTFS,
-    ANN_IMAGE,
     ANN_HOST_SERVICES,
+    ANN_IMAGE,
     ANN_NETWORK,
     ANN_POLICY,
     ANN_RUN,

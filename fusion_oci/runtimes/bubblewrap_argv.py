@@ -27,15 +27,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fusion_oci.agent.protocol import EGRESS_AGENT, EGRESS_SOCKET, Spawn, forward_args
-from fusion_oci.runtimes.linux.egress import split_relays
-from fusion_oci.services.inside import ServiceWiring, service_notes, service_wiring
 from fusion_oci.errors import BundleError, SandboxSetupError
 from fusion_oci.models import NetworkMode
 from fusion_oci.oci.model import Mount, ProcessSpec, Rlimit, TaskSpec, User
 from fusion_oci.oci.seccomp import LIBSECCOMP_HINT, OCI_ARCHES, compile_bpf
 from fusion_oci.runtimes.linux import cgroups
 from fusion_oci.runtimes.linux.cgroups import CgroupLimits
+from fusion_oci.runtimes.linux.egress import split_relays
 from fusion_oci.runtimes.plans import PLAN_RUN_ID, spawn_of
+from fusion_oci.services.inside import ServiceWiring, service_notes, service_wiring
 
 INFO_FD = "<info-fd>"
 BLOCK_FD = "<block-fd>"

@@ -103,8 +103,8 @@ from fusion_oci.runtimes.requirements import Requirement
 
 if TYPE_CHECKING:
     from fusion_oci.agent.client import Agent
-    from fusion_oci.services import TaskRelays
     from fusion_oci.resolve import ResolvedTask
+    from fusion_oci.services import TaskRelays
 
 # Landlock access rights (include/uapi/linux/landlock.h), and the ABI that introduced each.
 FS_RIGHTS: dict[str, tuple[int, int]] = {

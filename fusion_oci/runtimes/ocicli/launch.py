@@ -27,17 +27,18 @@ from fusion_oci.oci.ops import EgressHook
 from fusion_oci.oci.seccomp import without_errno_ret
 from fusion_oci.oci.spec import Spec, bind
 from fusion_oci.runtimes.linux.cgroups import CgroupLimits, leaf_name
+from fusion_oci.runtimes.linux.egress import split_relays
 from fusion_oci.runtimes.ocicli.filtered import (
     AGENT_INIT_IN_SANDBOX,
     SOCKET_PLACEHOLDER,
+    runsc_service_flags,
     with_egress_forwarder,
+    with_service_relays,
 )
 from fusion_oci.runtimes.ocicli.filtered import RUNSC_FLAGS as RUNSC_FILTERED_FLAGS
-from fusion_oci.runtimes.ocicli.filtered import runsc_service_flags, with_service_relays
-from fusion_oci.runtimes.linux.egress import split_relays
-from fusion_oci.services.inside import ServiceWiring, service_notes, service_wiring
 from fusion_oci.runtimes.ocicli.state import cli_env, task_dir_name
 from fusion_oci.runtimes.plans import PLAN_RUN_ID, AgentPlan, SandboxLaunch, spawn_of
+from fusion_oci.services.inside import ServiceWiring, service_notes, service_wiring
 
 GRACE_S = 2.0
 """A command's timeout, maxBuffer and abort: SIGTERM to its whole tree, this grace, SIGKILL."""
