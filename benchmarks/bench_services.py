@@ -45,6 +45,13 @@ SERVER = textwrap.dedent("""
             op = conn.recv(1)
             if op == b"p":
                 conn.sendall(b"o")
+            elif op == b"r":  # round trips on one connection: echo each byte until EOF
+                conn.sendall(b"r")
+                while True:
+                    b = conn.recv(1)
+                    if not b:
+                        break
+                    conn.sendall(b)
             elif op == b"d":
                 size = struct.unpack("!Q", conn.recv(8))[0]
                 while size > 0:
@@ -80,6 +87,17 @@ CLIENT = textwrap.dedent("""
         t = time.perf_counter()
         ping()
         lat.append((time.perf_counter() - t) * 1000)
+    s = socket.create_connection(("127.0.0.1", port))
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    s.sendall(b"r")
+    assert s.recv(1) == b"r"
+    rtt = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        s.sendall(b"q")
+        assert s.recv(1) == b"q"
+        rtt.append((time.perf_counter() - t) * 1000)
+    s.close()
     size = mb * 1000 * 1000
     s = socket.create_connection(("127.0.0.1", port))
     t = time.perf_counter()
@@ -93,7 +111,7 @@ CLIENT = textwrap.dedent("""
     dl = time.perf_counter() - t
     s.close()
     assert got == size, got
-    print(json.dumps({"lat": lat, "dl": dl}))
+    print(json.dumps({"lat": lat, "rtt": rtt, "dl": dl}))
 """)
 
 
@@ -141,7 +159,10 @@ def main() -> None:
                 sandboxes[b] = sb
             host_client = base / "client.py"
             host_client.write_text(CLIENT)
-            results: dict[str, list[dict[str, object]]] = {"direct": [], **{b: [] for b in backends}}
+            results: dict[str, list[dict[str, object]]] = {
+                "direct": [],
+                **{b: [] for b in backends},
+            }
             argv = [str(port), str(args.runs), str(args.mb)]
             for _ in range(args.rounds):
                 done = subprocess.run(
@@ -164,8 +185,8 @@ def main() -> None:
                 server.stdout.close()
         events = {b: sum(1 for _ in audits[b].open()) for b in backends}
 
-    def lat(case: str) -> float:
-        return statistics.median(x for r in results[case] for x in r["lat"])  # type: ignore[attr-defined]
+    def lat(case: str, key: str = "lat") -> float:
+        return statistics.median(x for r in results[case] for x in r[key])  # type: ignore[attr-defined]
 
     def mbps(case: str) -> float:
         return args.mb / statistics.median(float(r["dl"]) for r in results[case])  # type: ignore[arg-type]
@@ -177,20 +198,28 @@ def main() -> None:
             for d, g in zip(results["direct"], results[case], strict=True)
         )
 
-    ld, md = lat("direct"), mbps("direct")
+    ld, md, rd = lat("direct"), mbps("direct"), lat("direct", "rtt")
     lat_rows = [("direct, on the host", f"{ld:.3f}", "", "")]
+    rtt_rows = [("direct, on the host", f"{rd:.3f}", "")]
     dl_rows = [("direct, on the host", round(md), "1.00x", "")]
     for b in backends:
         lb = lat(b)
         lat_rows.append(
             (f"through the grant, inside {b}", f"{lb:.3f}", f"+{lb - ld:.3f}", "+0.1 ms")
         )
+        rb = lat(b, "rtt")
+        rtt_rows.append((f"through the grant, inside {b}", f"{rb:.3f}", f"+{rb - rd:.3f}"))
         dl_rows.append(
-            (f"through the grant, inside {b}", round(mbps(b)), f"{mbps(b) / md:.2f}x", f"{paired(b):.2f}x")
+            (
+                f"through the grant, inside {b}",
+                round(mbps(b)),
+                f"{mbps(b) / md:.2f}x",
+                f"{paired(b):.2f}x",
+            )
         )
     for row in lat_rows:
         print(" | ".join(str(c) for c in row))
-    for row in dl_rows:
+    for row in [*rtt_rows, *dl_rows]:
         print(" | ".join(str(c) for c in row))
     print("audit events:", events)
     if args.markdown:
@@ -206,6 +235,9 @@ def main() -> None:
             f"**per connection: connect, one byte each way, close (median of "
             f"{args.runs} x {args.rounds})**\n\n"
             + markdown_table(["case", "median ms", "added", "target"], lat_rows)
+            + f"\n**a round trip on an open connection (one byte each way; median of "
+            f"{args.runs} x {args.rounds}): what each query of a database client pays**\n\n"
+            + markdown_table(["case", "median ms", "added"], rtt_rows)
             + f"\n**one connection downloading {args.mb} MB (median of {args.rounds})**\n\n"
             + markdown_table(["case", "MB/s", "ratio", "paired ratio"], dl_rows)
         )
