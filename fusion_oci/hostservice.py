@@ -200,11 +200,24 @@ def describe(grant: HostService) -> str:
     )
 
 
+def no_proxy(grants: list[HostService]) -> str:
+    """``NO_PROXY`` of a ``filtered`` sandbox with TCP grants: their addresses (and
+    ``localhost`` with 127.0.0.1), so an HTTP client that honours the proxy variables talks to
+    a granted service directly instead of asking the proxy, which refuses loopback. Nothing
+    else is reachable there either way: the sandbox's loopback holds only the grants'
+    listeners and the forwarder. Empty without TCP grants. Pure."""
+    addresses = list(dict.fromkeys(g.address for g in grants if g.kind == "tcp"))
+    if "127.0.0.1" in addresses:
+        addresses.append("localhost")
+    return ",".join(addresses)
+
+
 __all__ = [
     "DASHBOARD_PORT",
     "HANDS_OVER",
     "HostService",
     "describe",
     "hands_over",
+    "no_proxy",
     "parse_grant",
 ]

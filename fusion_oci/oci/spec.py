@@ -10,7 +10,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fusion_oci.hostservice import HostService
+from fusion_oci.hostservice import HostService, no_proxy
 from fusion_oci.models import NetworkMode, PrepareContext, RunOptions, SandboxPolicy
 from fusion_oci.oci.host import HostInfo
 from fusion_oci.oci.model import (
@@ -421,6 +421,8 @@ def sandbox_env(
         # Last: the allowlist cannot point a tool past the proxy (it could not reach anything
         # anyway: the sandbox's only way out is the forwarder on 127.0.0.1:3128).
         env.update(filtered_env())
+        if bypass := no_proxy([g for g, _ in policy.grants()]):
+            env["NO_PROXY"] = env["no_proxy"] = bypass  # granted services, directly
     return env
 
 

@@ -461,7 +461,11 @@ def landlock_env(env: dict[str, str], rules: LandlockRules, agent: str) -> dict[
         return env
     from fusion_oci.egress import proxy_env
 
-    return {**env, **proxy_env("127.0.0.1", rules.proxy_port or 0, agent=agent)}
+    out = {**env, **proxy_env("127.0.0.1", rules.proxy_port or 0, agent=agent)}
+    for key in ("NO_PROXY", "no_proxy"):  # the granted services' addresses (oci/spec.py)
+        if env.get(key):
+            out[key] = env[key]
+    return out
 
 
 def _mask(names: Sequence[str], table: dict[str, tuple[int, int]], abi: int) -> int:

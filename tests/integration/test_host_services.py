@@ -114,3 +114,98 @@ def test_every_connection_is_an_audit_event_with_its_service(pg: Postgres, tmp_p
     for e in seen:
         assert e.allowed and e.task_id == "svc" and (e.bytes_up or 0) > 0
         assert (e.bytes_down or 0) > 0 and (e.rule or "").startswith("policy.hostServices[")
+
+
+def test_a_flood_through_a_grant_is_capped_and_audited(tmp_path: Path) -> None:
+    """The relay's per-task bound: connections past it are closed at once, each refusal is
+    audited (within the task's audit budget), and the ones held keep working."""
+    import asyncio
+    import socket
+
+    from fusion_oci.hostservice import parse_grant
+    from fusion_oci.services import Limits, start_relays, stop_relays
+    from tests.services_world import listening
+
+    events: list[AuditEvent] = []
+    audit = AuditLog()
+    audit.subscribe(events.append)
+    with listening() as a:
+        relays = asyncio.run(
+            start_relays(
+                task_id="flood",
+                grants=[(parse_grant(f"127.0.0.1:{a.port}"), False)],
+                audit=audit,
+                tcp=False,
+                backend="test",
+                policy_hash=None,
+                limits=Limits(max_connections=4),
+            )
+        )
+        held: list[socket.socket] = []
+        try:
+            path = str(relays.relays[0].socket)
+            for _ in range(4):
+                s = socket.socket(socket.AF_UNIX)
+                s.connect(path)
+                assert s.recv(6) == b"hello\n"  # through to the service
+                held.append(s)
+            refused = 0
+            for _ in range(20):
+                s = socket.socket(socket.AF_UNIX)
+                s.settimeout(5)
+                s.connect(path)
+                refused += s.recv(6) == b""  # closed by the relay, the service never saw it
+                s.close()
+        finally:
+            for s in held:
+                s.close()
+            asyncio.run(stop_relays(relays))
+    assert refused == 20 and len(a.seen) == 4, (refused, a.seen)
+    over = [e for e in events if e.allowed is False and "too many connections" in (e.reason or "")]
+    assert len(over) == 20 and all((e.details or {}).get("service") for e in over)
+
+
+def test_a_unix_grant_swapped_for_a_symlink_after_prepare_is_refused(tmp_path: Path) -> None:
+    """The path resolved at prepare is walked again, without following a symlink, at every
+    connect: a socket replaced by a symlink to another is refused and audited; the other
+    socket sees nothing."""
+    import asyncio
+    import socket
+
+    from fusion_oci.hostservice import parse_grant
+    from fusion_oci.services import start_relays, stop_relays
+    from tests.services_world import listening
+
+    events: list[AuditEvent] = []
+    audit = AuditLog()
+    audit.subscribe(events.append)
+    granted, other = tmp_path / "db.sock", tmp_path / "other.sock"
+    with listening([granted, other]) as a:
+        relays = asyncio.run(
+            start_relays(
+                task_id="swap",
+                grants=[(parse_grant(f"unix:{granted}"), False)],
+                audit=audit,
+                tcp=False,
+                backend="test",
+                policy_hash=None,
+            )
+        )
+        try:
+            path = str(relays.relays[0].socket)
+
+            def through() -> bytes:
+                with socket.socket(socket.AF_UNIX) as s:
+                    s.settimeout(5)
+                    s.connect(path)
+                    return s.recv(6)
+
+            assert through() == b"hello\n"
+            granted.rename(tmp_path / "db-moved.sock")
+            granted.symlink_to(other)
+            assert through() == b""
+        finally:
+            asyncio.run(stop_relays(relays))
+    assert a.seen == [str(granted)], a.seen  # the first connection only; other.sock: nothing
+    refused = [e for e in events if e.allowed is False]
+    assert refused and "refused the connection" in (refused[-1].reason or ""), events

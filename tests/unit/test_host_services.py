@@ -244,3 +244,17 @@ def test_the_relay_opens_the_granted_socket_without_following_a_symlink(tmp_path
         other.close()
     finally:
         srv.close()
+
+
+def test_filtered_lets_http_clients_reach_the_granted_services_directly() -> None:
+    """NO_PROXY names the granted addresses (the proxy refuses loopback); nothing else."""
+    from fusion_oci.oci.spec import sandbox_env
+    from tests.unit.test_bubblewrap_argv import PLAIN
+
+    env = sandbox_env(SandboxPolicy(network="filtered", host_services=GRANTS), PLAIN, {})
+    assert env["NO_PROXY"] == env["no_proxy"] == "127.0.0.1,::1,localhost"
+    assert env["HTTP_PROXY"] == "http://127.0.0.1:3128"
+    plain = sandbox_env(SandboxPolicy(network="filtered"), PLAIN, {})
+    assert plain["NO_PROXY"] == ""
+    unix_only = sandbox_env(SandboxPolicy(network="filtered", host_services=GRANTS[2:]), PLAIN, {})
+    assert unix_only["NO_PROXY"] == ""
