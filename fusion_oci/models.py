@@ -237,6 +237,14 @@ class SandboxPolicy(Model):
                 f"allowNetwork is false but network is '{self.network}'; "
                 "set allowNetwork: true or network: none"
             )
+        if self.network is NetworkMode.FILTERED and any(
+            g.kind == "tcp" and g.port == 3128 and g.family == 2 for g, _ in self.grants()
+        ):
+            raise ValueError(
+                "hostServices grants port 3128 with network filtered: inside, 127.0.0.1:3128 "
+                "is the proxy's forwarder; move the service to another port or use network "
+                "none or egress"
+            )
         if self.host_services and self.network is NetworkMode.HOST:
             raise ValueError(
                 "hostServices with network host: the host's network reaches every service "

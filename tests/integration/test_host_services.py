@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -209,3 +210,47 @@ def test_a_unix_grant_swapped_for_a_symlink_after_prepare_is_refused(tmp_path: P
     assert a.seen == [str(granted)], a.seen  # the first connection only; other.sock: nothing
     refused = [e for e in events if e.allowed is False]
     assert refused and "refused the connection" in (refused[-1].reason or ""), events
+
+
+@pytest.mark.parametrize(
+    "runtime",
+    [
+        pytest.param("bubblewrap", marks=pytest.mark.bubblewrap),
+        pytest.param("landlock", marks=pytest.mark.landlock),
+    ],
+)
+def test_an_unprivileged_caller_gets_its_grants_too(
+    runtime: str,
+    pg: Postgres,
+    rootless_user: Any,  # noqa: F811 - the fixture imported above: the CI user
+) -> None:
+    """bubblewrap and landlock run by the unprivileged CI user (the relays are that user's):
+    the same client, the same answers, under none and filtered."""
+    import shutil
+    import tempfile
+
+    from tests.conftest import git_init
+
+    require_runtime(runtime)
+    base = Path(tempfile.mkdtemp(prefix="fusion-oci-svc-"))
+    base.chmod(0o755)
+    try:
+        prober_ = Prober(
+            runtime,
+            base,
+            git_init(base / "wt"),
+            base / "home",
+            {"HOME": str(base / "home"), "PATH": "/usr/local/bin:/usr/bin:/bin"},
+            rootless_user,
+        )
+        (base / "home").mkdir()
+        (prober_.worktree / "pg.js").write_text(PG_CLIENT_JS)
+        for network in ("none", "filtered"):
+            policy = SandboxPolicy(network=network, host_services=grants(pg))  # type: ignore[arg-type]
+            result = prober_.run(client_script(pg), policy, timeout_ms=90_000)
+            assert result.stdout.split() == ["42", "43", "44", "5000", "45", "46", "ready"], (
+                network,
+                result,
+            )
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

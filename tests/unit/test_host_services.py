@@ -102,6 +102,9 @@ def test_settings_take_the_camel_case_key_and_refuse_host_network_and_duplicates
     assert [str(g) for g, _ in settings.policy.grants()] == GRANTS
     with pytest.raises(ValidationError, match="network host"):
         SandboxPolicy(network="host", host_services=["127.0.0.1:5432"])
+    with pytest.raises(ValidationError, match="port 3128 with network filtered"):
+        SandboxPolicy(network="filtered", host_services=["127.0.0.1:3128"])
+    SandboxPolicy(network="none", host_services=["127.0.0.1:3128"])
     with pytest.raises(ValidationError, match=r"granted already \(hostServices\[0\]\)"):
         SandboxPolicy(host_services=["127.0.0.1:5432", "127.0.0.1:5432"])
 
