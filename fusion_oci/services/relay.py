@@ -283,6 +283,9 @@ class TaskRelays:
         except (OSError, TimeoutError) as exc:
             reason = f"fusion-oci services: {relay.grant} refused the connection ({_why(exc)})"
             down.close()
+        except Exception as exc:  # a bug here must end this connection, never the relay
+            reason = f"fusion-oci services: internal error ({exc!r})"
+            down.close()
         finally:
             self._open -= 1
             self._audit(
