@@ -13,7 +13,7 @@ from dataclasses import dataclass
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
-_LABEL = re.compile(r"[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?")
+_LABEL = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
 
 
 @dataclass(frozen=True)
@@ -61,12 +61,54 @@ _NAT64 = ipaddress.ip_network("64:ff9b::/96")
 
 
 def normalize_host(host: str) -> str:
-    """The form rules compare: lower case, no trailing dot, IPv6 without brackets."""
-    host = host.strip().lower().rstrip(".")
+    """The form rules compare: lower case, no trailing dot, IPv6 without brackets. Only
+    ASCII is lowered: ``str.lower`` folds some other letters into ASCII (the Kelvin sign
+    into ``k``), and a name that is not plain ASCII must stay visibly so for
+    :func:`name_problem`."""
+    host = host.strip()
+    if host.isascii():
+        host = host.lower()
+    host = host.rstrip(".")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     addr = as_address(host)
     return str(addr) if addr is not None else host
+
+
+NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-.")
+"""What a host name may be made of, in a pattern and in a request alike: the bytes every
+resolver on the path (glibc's files and DNS backends; Python's getaddrinfo is given bytes,
+so no IDNA step) passes through unchanged, and no more: a host name's own alphabet (RFC 1123:
+letters, digits, hyphens, dots). '_' is refused too: no host name carries it (``_acme-
+challenge`` names a record, not a host), and one rule with no exception is easier to trust."""
+
+
+def shown(host: str) -> str:
+    """``host`` printable on one line whatever it holds (soft hyphens, newlines, escapes)."""
+    return host.encode("unicode_escape").decode("ascii")
+
+
+def name_problem(host: str) -> str | None:
+    """Why the proxy must not decide on (nor resolve) the requested ``host``, or None.
+
+    The proxy decides on a name and then resolves it; a resolver folds some spellings into
+    another name (IDNA nameprep drops a soft hyphen and maps 'º' to 'o'; glibc's DNS
+    backend reads ``\\100`` and ``\\n`` as escapes), so a name that is not plain ASCII
+    letters, digits, '-' and dots, in DNS labels, would be decided as one name and
+    resolved as another. An IP literal (any form ``ipaddress`` reads) is not a name: None.
+    """
+    name = host[:-1] if host.endswith(".") else host
+    # ASCII first: ipaddress reads any text after an IPv6 '%' as a scope.
+    if name.isascii() and as_address(name) is not None:
+        return None
+    if not name.isascii() or not set(name) <= NAME_CHARS:
+        return (
+            f"'{shown(host)}' is not a plain host name (only ASCII letters, digits, '-' "
+            "and '.'; a resolver would fold other characters and escapes into another name); "
+            "write an international name in its ASCII form (xn--...)"
+        )
+    why = _check_name(name.lower())
+    return f"'{shown(host)}' is not a host name: {why}" if why else None
 
 
 def _check_name(name: str) -> str | None:
@@ -75,7 +117,7 @@ def _check_name(name: str) -> str | None:
     for label in name.split("."):
         if not _LABEL.fullmatch(label):
             return (
-                f"the label '{label}' is not a DNS label (letters, digits, '-', '_'; "
+                f"the label '{label}' is not a DNS label (letters, digits, '-'; "
                 "1 to 63 characters; no leading or trailing '-')"
             )
     return None

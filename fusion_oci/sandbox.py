@@ -46,6 +46,7 @@ from fusion_oci.errors import (
     SandboxSetupError,
     SettingsError,
 )
+from fusion_oci.hardening import harden_owner
 from fusion_oci.models import (
     CacheMode,
     NetworkMode,
@@ -185,6 +186,10 @@ class Sandbox:
             # spec asks for, resolved without creating anything.
             self._check(runtime, self._resolve(runtime, ctx, create=False))
             resolved = self._resolve(runtime, ctx, create=True)
+            if self.settings.credentials or resolved.network is NetworkMode.FILTERED:
+                # Before a token or the task's CA key is in this process: no core of it, no
+                # /proc/PID/mem of it for the caller's other processes (issue #31).
+                harden_owner()
             broker = await self._broker(resolved)
             if resolved.network is NetworkMode.FILTERED:
                 # Before prepare: the runtime binds the proxy's socket into the sandbox.

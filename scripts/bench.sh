@@ -18,6 +18,8 @@
 # so host and engines run the same Node.js; ~30 s on rootful podman, loaded into the others)
 # and runs the raw engines and `runsc do` beside ours: the engines and runsc must be usable.
 # bench_egress (the filtered network's proxy vs direct: set-up, 100 MB download, idle RSS) uses loopback only.
+# bench_egress_isolation (one task's floods beside another task's tunnels on one proxy loop)
+# uses loopback only.
 # bench_services (host services through a grant vs direct loopback: per connection, per round trip, download) uses loopback only and runs bubblewrap, landlock and oci.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -43,7 +43,13 @@ ENTRY_POINT = EntryPoint(
     name=NAME, value=f"{__name__}:HostPluginRuntime", group="fusion_oci.runtimes"
 )
 CLAIMED = frozenset(
-    {Requirement.FILESYSTEM, Requirement.PROC_PATHS, Requirement.ENV, Requirement.NETWORK_NONE}
+    {
+        Requirement.FILESYSTEM,
+        Requirement.PROC_PATHS,
+        Requirement.ENV,
+        Requirement.NETWORK_NONE,
+        Requirement.HOST_PROCESSES,
+    }
 )
 
 

@@ -105,8 +105,12 @@ def run_here(req: RunRequest) -> int:
     import asyncio
     import signal
 
+    from fusion_oci.hardening import harden_owner
     from fusion_oci.taskflags import caller_env
 
+    # This process holds the caller's environment and, under network filtered, the task's
+    # proxy, CA key and brokered tokens: no core of it, no /proc/PID/mem (issue #31).
+    harden_owner()
     control = Control()
 
     async def go() -> int:

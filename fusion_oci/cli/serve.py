@@ -51,8 +51,12 @@ def serve(
     import os
 
     from fusion_oci.errors import FusionOCIError
+    from fusion_oci.hardening import harden_owner
     from fusion_oci.server import serve_socket, serve_stdio
 
+    # Every task it serves has its proxy, CA key and brokered tokens here, and a resident
+    # server its clients' environments: no core of it, no /proc/PID/mem (issue #31).
+    harden_owner()
     try:
         if socket is None:
             asyncio.run(serve_stdio(max_message_bytes))

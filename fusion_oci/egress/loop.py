@@ -10,7 +10,9 @@ one, a daemon thread's: it dies with the owner process, which is what ``kill -9`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import resource
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -36,10 +38,24 @@ def proxy_loop() -> asyncio.AbstractEventLoop:
                 loop.call_soon(ready.set)
                 loop.run_forever()
 
+            _raise_descriptor_limit()
             threading.Thread(target=serve, name="fusion-oci-egress", daemon=True).start()
             ready.wait()
             _loop, _pid = loop, os.getpid()
         return _loop
+
+
+def _raise_descriptor_limit() -> None:
+    """The soft RLIMIT_NOFILE up to the hard one (at most 65,536): every task's proxy lives in
+    this process, each may hold up to six descriptors per connection (two sockets, two
+    pipes of splice) times ``Limits.max_connections``, and the usual soft 1,024 would be met
+    by a few busy tasks long before the hard limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        # Refused: kept as it is (the per-task caps still hold).
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
 
 
 async def on_proxy_loop(coro: Coroutine[Any, Any, T]) -> T:

@@ -202,8 +202,18 @@ def pkt_line(payload: bytes) -> bytes:
     return b"%04x" % (len(payload) + 4) + payload
 
 
+PUSH_COMMANDS_MAX = 1024 * 1024
+"""The most bytes of a push's ref-update pkt-lines read (inflated) before deciding; a push
+whose commands run longer is refused whole."""
+
+
+_PUSH_STEP = 64 * 1024
+"""Bytes of a push's commands inflated and framed per loop step."""
+
+
 def parse_commands(data: bytes) -> tuple[list[str], set[str], bool]:
-    """(refs updated, capabilities, complete) from the start of a receive-pack request."""
+    """(refs updated, capabilities, complete) from the start of a receive-pack request.
+    Linear in ``data``; callers bound its size (:data:`PUSH_COMMANDS_MAX`)."""
     refs: list[str] = []
     caps: set[str] = set()
     pos = 0
@@ -228,17 +238,20 @@ def parse_commands(data: bytes) -> tuple[list[str], set[str], bool]:
 
 def push_refusal(refs: list[str], bad: list[str], caps: set[str], reason: str) -> bytes:
     """A receive-pack result refusing every ref, as git prints it (``! [remote rejected]``)."""
-    report = pkt_line(b"unpack ok\n")
+    # Linear in the refs (a set, one join): it runs on the loop every task shares, for up
+    # to PUSH_COMMANDS_MAX bytes of ref updates.
+    bad_set = set(bad)
+    lines = [pkt_line(b"unpack ok\n")]
     for ref in refs:
-        why = reason if ref in bad else "fusion-oci: refused with the rest of this push"
-        report += pkt_line(f"ng {ref} {why}\n".encode())
-    report += b"0000"
+        why = reason if ref in bad_set else "fusion-oci: refused with the rest of this push"
+        lines.append(pkt_line(f"ng {ref} {why}\n".encode()))
+    report = b"".join(lines) + b"0000"
     if "side-band-64k" in caps or "side-band" in caps:
         step = 990 if "side-band" in caps and "side-band-64k" not in caps else 65000
-        out = pkt_line(b"\x02" + f"{reason}\n".encode())
+        out = [pkt_line(b"\x02" + f"{reason}\n".encode())]
         for i in range(0, len(report), step):
-            out += pkt_line(b"\x01" + report[i : i + step])
-        return out + b"0000"
+            out.append(pkt_line(b"\x01" + report[i : i + step]))
+        return b"".join(out) + b"0000"
     return report
 
 
@@ -454,19 +467,54 @@ class Session:
         None, the whole body again)."""
         gzip = "gzip" in head.tokens("content-encoding")
         inflate = zlib.decompressobj(16 + zlib.MAX_WBITS) if gzip else None
-        raw = b""
-        plain = b""
-        refs: list[str] = []
-        caps: set[str] = set()
+        raw = bytearray()
+        plain = bytearray()
+        pos = 0  # the end of the complete pkt-lines in ``plain``: each byte is framed once
+        complete = False
+        size = 4
+        # Bounded work on the loop every task shares: at most PUSH_COMMANDS_MAX bytes are
+        # inflated (max_length; a 16 KB gzip body inflates to 16 MB otherwise) and framed
+        # once each, a slice of 64 KiB per loop step (other tasks' steps run between), and
+        # the commands are parsed once, at the end.
+        done = False
         async for data in body:
             raw += data
-            plain += inflate.decompress(data) if inflate else data
-            refs, caps, complete = parse_commands(plain)
-            if complete or len(plain) > 1024 * 1024:
+            pending = data
+            while not done:
+                if inflate is None:
+                    piece, pending = pending[:_PUSH_STEP], pending[_PUSH_STEP:]
+                else:
+                    # Input beyond the slice stays in unconsumed_tail, not inflated yet.
+                    room = min(_PUSH_STEP, PUSH_COMMANDS_MAX + 1 - len(plain))
+                    piece, pending = inflate.decompress(pending, room), inflate.unconsumed_tail
+                plain += piece
+                while pos + 4 <= len(plain):
+                    size = int(plain[pos : pos + 4], 16)
+                    if size == 0:
+                        complete = True
+                        break
+                    if size < 4 or pos + size > len(plain):
+                        break
+                    pos += size
+                done = complete or size < 4 or len(plain) > PUSH_COMMANDS_MAX
+                if not pending:
+                    break
+                await asyncio.sleep(0)
+            if done:
                 break
+        refs, caps, complete = parse_commands(bytes(plain[: pos + 4 if complete else pos]))
+        if not complete:
+            # Refs past the cap would go unchecked: the whole push is refused instead.
+            ex.refs = refs
+            reason = (
+                f"fusion-oci: the push's ref updates did not end within "
+                f"{PUSH_COMMANDS_MAX // 1024} KiB (inflated); push fewer refs at once"
+            )
+            ex.refused = reason
+            return push_refusal(refs, list(refs), caps, reason), _prepend(bytes(raw), body)
         ex.refs = refs
         spec = self.cred.spec
-        rest = _prepend(raw, body)
+        rest = _prepend(bytes(raw), body)
         repo = push_repo(ex.path)
         if not repo_allowed(repo, spec.allowed_repos):
             bad = list(refs)

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import socket
 import ssl
 import time
 import urllib.parse
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +31,7 @@ from fusion_oci.egress.budget import AuditBudget
 from fusion_oci.egress.loop import on_proxy_loop
 from fusion_oci.egress.rules import ALLOW_KEY, DASHBOARD_PORT, Decision, EgressRules
 from fusion_oci.egress.splice import Tunnel
-from fusion_oci.hostpattern import normalize_host
+from fusion_oci.hostpattern import name_problem, normalize_host
 
 if TYPE_CHECKING:
     from fusion_oci.audit import AuditLog
@@ -37,6 +39,8 @@ if TYPE_CHECKING:
     from fusion_oci.egress.mitm import Exchange
 
 SOCKET_NAME = "egress.sock"
+_BACKLOG = 100
+"""Connections the kernel holds for a listener while the task's accept rate waits."""
 
 # SOCKS5 reply codes (RFC 1928 section 6).
 SOCKS_OK = 0x00
@@ -72,7 +76,27 @@ class Limits:
     """What one task's proxy allows itself."""
 
     max_connections: int = 64
-    """Connections open at once (tunnels and handshakes); more are refused (503 / SOCKS 0x01)."""
+    """Connections open at once (tunnels and handshakes). Counted at accept: one more is
+    closed at once, before a byte of it is read, so a task holds at most this many
+    connections (two descriptors each once a tunnel is open) whatever it sends or withholds."""
+    accept_rate_per_s: float = 500.0
+    """New connections accepted per second, sustained (a token bucket of ``accept_burst``).
+    Beyond it the listener waits and the kernel's backlog holds the rest. A bound on what
+    ``loop_share`` does not time: each connection's audit event, written on the one audit
+    thread every task shares."""
+    accept_burst: int = 500
+    """Connections accepted at once before ``accept_rate_per_s`` applies."""
+    loop_share: float = 0.10
+    """The least share of the proxy loop's time a task may use while another task has a
+    connection under way (past its first byte); its fair share is an equal part among the
+    tasks with work under way, if larger (two busy tasks: half each). Every step of its
+    handlers (head parsing, decisions, audit events, TLS of brokered hosts, push checks) is
+    timed, and a task whose recent share (over about a second) is above it waits, at accept
+    and before each step of its handlers, until it is back under (near it: one new
+    connection per 10 ms).
+    Work-conserving: alone, or beside tasks with nothing under way (idle connections
+    included), a task is never held back. Tunnels already open are not slowed (their bytes
+    move in the kernel: splice)."""
     idle_timeout_s: float = 600.0
     """A tunnel with no byte either way for this long is closed."""
     handshake_timeout_s: float = 30.0
@@ -211,7 +235,20 @@ class EgressProxy:
             if resolve_override is not None
             else None
         )
-        self._servers: list[asyncio.AbstractServer] = []
+        self._listeners: list[socket.socket] = []
+        self._acceptors: list[asyncio.Task[None]] = []
+        self.loop_seconds = 0.0
+        """Time on the proxy loop this task's connections have used in all (measured)."""
+        self._working = 0
+        """Connections past their first byte and not yet over."""
+        self._recent = 0.0
+        """Loop seconds used lately: each charge added, the sum decaying with
+        :data:`_SHARE_WINDOW_S` (its share of the loop: this over the window)."""
+        self._recent_at = time.monotonic()
+        self._admitted_at = 0.0
+        self._closed_at_accept = 0
+        """Connections closed at accept (over ``max_connections``) since the last event."""
+        self._last_cap_event = 0.0
         self._handlers: set[asyncio.Task[None]] = set()
         self._tunnels: set[Tunnel] = set()
         self._emits: set[asyncio.Future[None]] = set()
@@ -230,24 +267,150 @@ class EgressProxy:
     async def _start(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.unix_socket.unlink()  # a stale socket of a dead owner in a reused folder
-        server = await asyncio.start_unix_server(
-            self._accept, path=str(self.unix_socket), limit=self.limits.max_header_bytes
-        )
-        self._servers.append(server)
-        # The socket's folder is private (0700, the host's); the file itself is bound into
-        # the sandbox, whose user may be any uid of its user namespace.
-        self.unix_socket.chmod(0o666)
+        unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            unix.bind(str(self.unix_socket))
+            # The socket's folder is private (0700, the host's); the file itself is bound
+            # into the sandbox, whose user may be any uid of its user namespace.
+            self.unix_socket.chmod(0o666)
+        except BaseException:
+            unix.close()
+            raise
+        self._listen(unix)
+        _PROXIES.add(self)
         if self._tcp:
             for _ in range(8):
-                tcp = await asyncio.start_server(
-                    self._accept, "127.0.0.1", 0, limit=self.limits.max_header_bytes
-                )
-                port = tcp.sockets[0].getsockname()[1]
+                tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                tcp.bind(("127.0.0.1", 0))
+                port = tcp.getsockname()[1]
                 if port != DASHBOARD_PORT:  # never listen there (a random port could be it)
-                    self._servers.append(tcp)
+                    self._listen(tcp)
                     self.tcp_port = port
                     break
                 tcp.close()
+
+    def _listen(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        sock.listen(_BACKLOG)
+        self._listeners.append(sock)
+        loop = asyncio.get_running_loop()
+        self._acceptors.append(
+            loop.create_task(_Metered(self._accept_loop(sock), self._charge, None))
+        )
+
+    def _charge(self, seconds: float) -> None:
+        self._recent_share()  # decayed up to now, then this step added
+        self._recent += seconds
+        self.loop_seconds += seconds
+
+    def _recent_share(self) -> float:
+        now = time.monotonic()
+        self._recent *= math.exp(-(now - self._recent_at) / _SHARE_WINDOW_S)
+        self._recent_at = now
+        return self._recent / _SHARE_WINDOW_S
+
+    def _step_wait(self) -> float:
+        """Seconds a step of this task's handlers waits before it runs: while the task is
+        over its share and another has work under way (0 otherwise). Connections admitted
+        before the share showed their cost are held here, not only new ones at accept."""
+        share, budget = self._recent_share(), self._fair_share()
+        if share <= budget or not any(p is not self and p._working for p in _PROXIES):
+            return 0.0
+        return min(_SHARE_WINDOW_S * math.log(share / budget), _SHARE_WINDOW_S)
+
+    def _fair_share(self) -> float:
+        """The loop share this task may use now: an equal part among the tasks with work
+        under way, and never less than ``loop_share``. A task that needs much of the loop
+        (TLS of a brokered registry) is held back only as far as others need it too."""
+        working = sum(1 for p in _PROXIES if p._working or p is self)
+        return max(self.limits.loop_share, 1.0 / max(working, 1))
+
+    def _over_budget(self) -> float:
+        """Seconds to wait before the task's loop share is back within ``loop_share`` (0: it
+        is, or no other task has a connection under way: then nobody is held up)."""
+        share, budget = self._recent_share(), self._fair_share()
+        if share <= budget / 2:
+            return 0.0
+        # Demand, not use: a neighbour this task starves uses little of the loop.
+        if not any(p is not self and p._working for p in _PROXIES):
+            return 0.0
+        if share > budget:
+            return _SHARE_WINDOW_S * math.log(share / budget)
+        # Near the budget, one connection per _NEAR_BUDGET_GAP_S: a connection's cost shows
+        # in the share only as it runs, and many admitted at once overshoot it.
+        return max(0.0, self._admitted_at + _NEAR_BUDGET_GAP_S - time.monotonic())
+
+    async def _accept_loop(self, listener: socket.socket) -> None:
+        """Accept for one listener, the task's limits applied before a byte is read: the
+        rate first (waiting here leaves connections in the kernel's backlog, costing the
+        loop nothing), then the cap (one over it is closed at once)."""
+        loop = asyncio.get_running_loop()
+        rate, burst = self.limits.accept_rate_per_s, float(self.limits.accept_burst)
+        tokens, last = burst, time.monotonic()
+        while True:
+            now = time.monotonic()
+            tokens = min(burst, tokens + (now - last) * rate)
+            last = now
+            if tokens < 1:
+                await asyncio.sleep((1 - tokens) / rate)
+                continue
+            wait = self._over_budget()
+            if wait > 0:
+                await asyncio.sleep(wait)
+                continue
+            try:
+                sock, _ = await loop.sock_accept(listener)
+            except OSError:
+                # EMFILE / ENFILE / ENOBUFS: the process is out of something; the backlog
+                # keeps the connection until it is back (asyncio's own server does the same).
+                await asyncio.sleep(0.1)
+                continue
+            tokens -= 1
+            if self._stopped or len(self._handlers) >= self.limits.max_connections:
+                sock.close()
+                self._note_closed_at_accept()
+                continue
+            task = loop.create_task(_Metered(self._accepted(sock), self._charge, self._step_wait))
+            self._admitted_at = time.monotonic()
+            # Counted now, not when the task first runs: a burst of accepts sees every one.
+            self._handlers.add(task)
+
+    def _note_closed_at_accept(self) -> None:
+        """One audit event per second at most for connections closed at accept: a flood of
+        them must not become a flood of events (each costs the loop and the audit writer)."""
+        self._closed_at_accept += 1
+        now = time.monotonic()
+        if now - self._last_cap_event >= 1.0:
+            self._audit(
+                Connection(
+                    protocol="?",
+                    reason=f"fusion-oci egress: {self._closed_at_accept} connection(s) closed "
+                    f"at accept: this task already has {self.limits.max_connections} open "
+                    "(Limits.max_connections)",
+                )
+            )
+            self._closed_at_accept, self._last_cap_event = 0, now
+
+    async def _accepted(self, sock: socket.socket) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        try:
+            # A server-side stream, as asyncio.start_server makes it: the protocol has a
+            # connected callback, which is what StreamWriter.start_tls reads as "server
+            # side" (the intercepted connection's TLS).
+            reader = asyncio.StreamReader(limit=self.limits.max_header_bytes, loop=loop)
+            made: asyncio.Future[asyncio.StreamWriter] = loop.create_future()
+            protocol = asyncio.StreamReaderProtocol(
+                reader, lambda _, w: made.set_result(w), loop=loop
+            )
+            await loop.connect_accepted_socket(lambda: protocol, sock)
+            writer = await made
+        except BaseException:
+            sock.close()
+            self._handlers.discard(task)
+            raise
+        await self._accept(reader, writer)
 
     async def stop(self) -> None:
         """Close the listeners and every open connection; remove the socket. Idempotent."""
@@ -257,17 +420,18 @@ class EgressProxy:
         if self._stopped:
             return
         self._stopped = True
-        for server in self._servers:
-            server.close()
+        _PROXIES.discard(self)
+        for acceptor in self._acceptors:
+            acceptor.cancel()
+        await asyncio.gather(*self._acceptors, return_exceptions=True)
+        for listener in self._listeners:
+            listener.close()
         for tunnel in list(self._tunnels):
             tunnel.close()
         for task in list(self._handlers):
             task.cancel()
         if self._handlers:
             await asyncio.gather(*self._handlers, return_exceptions=True)
-        for server in self._servers:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(server.wait_closed(), 2.0)
         if self.audit is not None:
             self._flush_held(force=True)
         if self._emits:
@@ -302,17 +466,23 @@ class EgressProxy:
     async def _serve(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: Connection
     ) -> None:
-        over = self.open_connections > self.limits.max_connections
+        over = False  # the cap is applied at accept (_accept_loop), before any read
         try:
             first = await asyncio.wait_for(reader.readexactly(1), self.limits.handshake_timeout_s)
         except TimeoutError:
             return
-        if first == b"\x05":
-            conn.protocol = "socks5"
-            await self._socks(reader, writer, conn, over)
-        else:
-            conn.protocol = "http"
-            await self._http(first, reader, writer, conn, over)
+        # From its first byte to its end a connection is the task's wanting the loop (a
+        # connection that sends nothing is not): what holds a neighbour to its budget.
+        self._working += 1
+        try:
+            if first == b"\x05":
+                conn.protocol = "socks5"
+                await self._socks(reader, writer, conn, over)
+            else:
+                conn.protocol = "http"
+                await self._http(first, reader, writer, conn, over)
+        finally:
+            self._working -= 1
 
     async def _http(
         self,
@@ -357,9 +527,11 @@ class EgressProxy:
                 url = urllib.parse.urlsplit(target)
                 if url.scheme.lower() != "http" or not url.hostname:
                     raise ValueError(target)
-                conn.host, conn.port = url.hostname, url.port or 80
                 path = (url.path or "/") + (f"?{url.query}" if url.query else "")
                 netloc = url.netloc.rpartition("@")[2]
+                # The host as written (urlsplit's hostname is str.lower()ed, which folds
+                # the Kelvin sign into 'k'): the name check below sees what came.
+                conn.host, conn.port = split_host_port(netloc, 80)
         except ValueError:
             return await self._http_refuse(
                 writer,
@@ -371,6 +543,9 @@ class EgressProxy:
                     "http:// absolute URI",
                 ),
             )
+        problem = name_problem(conn.host)
+        if problem is not None:
+            return await self._http_refuse(writer, conn, _bad_name(problem))
         if over:
             return await self._http_refuse(
                 writer,
@@ -617,13 +792,17 @@ class EgressProxy:
             host = socket.inet_ntop(socket.AF_INET6, await reader.readexactly(16))
         elif atyp == 0x03:
             size = (await reader.readexactly(1))[0]
-            host = (await reader.readexactly(size)).decode("ascii", errors="replace")
+            # latin-1: every byte stays itself (and visible to the name check below).
+            host = (await reader.readexactly(size)).decode("latin-1")
         else:
             conn.host = "?"
             return Refused(
                 0, SOCKS_BAD_ADDRESS, f"fusion-oci egress: SOCKS address type {atyp} unknown"
             )
         conn.host, conn.port = host, int.from_bytes(await reader.readexactly(2), "big")
+        problem = name_problem(host)
+        if problem is not None:
+            return _bad_name(problem)
         if cmd != 0x01:
             return Refused(
                 0,
@@ -644,8 +823,11 @@ class EgressProxy:
     async def _resolve(self, host: str, port: int) -> list[str]:
         if self._override is not None:
             return list(self._override.get(host, []))
+        # Bytes: a str host is IDNA-encoded by getaddrinfo first (a second spelling of the
+        # name); the resolver gets exactly the string that was decided on (plain ASCII,
+        # checked by name_problem before the decision).
         infos = await asyncio.get_running_loop().getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP
+            host.encode("ascii"), port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP
         )
         return list(dict.fromkeys(str(info[4][0]) for info in infos))
 
@@ -962,6 +1144,16 @@ class EgressProxy:
         future.add_done_callback(self._emits.discard)
 
 
+_SHARE_WINDOW_S = 1.0
+"""The time constant of a task's measured loop share."""
+_NEAR_BUDGET_GAP_S = 0.01
+"""Between two connections a task admits while its share is past half its budget and
+another task has work under way."""
+
+_PROXIES: weakref.WeakSet[EgressProxy] = weakref.WeakSet()
+"""Every proxy started in this process (all on the one proxy loop): whom a task over its
+loop budget would hold up."""
+
 _AUDIT_WRITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fusion-oci-egress-audit")
 """Where every proxy's audit appends run: off the proxy loop (the append takes a flock, so a
 slow disk stalls no tunnel), one at a time, in the order they were made. A thread per event
@@ -1004,6 +1196,72 @@ def _send_piece(
     else:
         conn.bytes_down += len(data)
     writer.write(b"%x\r\n%s\r\n" % (len(data), data) if chunked else data)
+
+
+class _Metered(Coroutine[Any, Any, None]):
+    """A coroutine whose every step's time on the loop is charged (``charge(seconds)``): a
+    task's share of the loop every task shares is measured, not guessed
+    (:attr:`Limits.loop_share`). With ``gate``, a step waits first while ``gate()`` says so
+    (a future handed to the Task, as an ``await`` would): the task's steps, not only its new
+    connections, are held back while it is over its share."""
+
+    __slots__ = ("_charge", "_coro", "_gate", "_held")
+
+    def __init__(
+        self,
+        coro: Coroutine[Any, Any, None],
+        charge: Callable[[float], None],
+        gate: Callable[[], float] | None,
+    ) -> None:
+        self._coro = coro
+        self._charge = charge
+        self._gate = gate
+        self._held: list[Any] = []
+        """The value a held step was to be resumed with (one at most)."""
+
+    def send(self, value: Any) -> Any:
+        if self._held:
+            value = self._held.pop()
+        elif self._gate is not None:
+            wait = self._gate()
+            if wait > 0:
+                self._held.append(value)
+                loop = asyncio.get_running_loop()
+                later: asyncio.Future[None] = loop.create_future()
+                later._asyncio_future_blocking = True  # what a Task waits on
+
+                def wake() -> None:
+                    if not later.done():
+                        later.set_result(None)
+
+                loop.call_later(wait, wake)
+                return later
+        start = time.perf_counter()
+        try:
+            return self._coro.send(value)
+        finally:
+            self._charge(time.perf_counter() - start)
+
+    def throw(self, *args: Any) -> Any:
+        self._held.clear()  # a held step is not resumed: the exception goes in instead
+        start = time.perf_counter()
+        try:
+            return self._coro.throw(*args)
+        finally:
+            self._charge(time.perf_counter() - start)
+
+    def close(self) -> None:
+        self._coro.close()
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return self._coro.__await__()
+
+
+def _bad_name(problem: str) -> Refused:
+    """The refusal of a name the proxy will not decide on (HTTP 403, SOCKS 0x02)."""
+    return Refused(
+        403, SOCKS_NOT_ALLOWED, f"fusion-oci egress: refused: {problem}", "the host name check"
+    )
 
 
 def _is_address(host: str) -> bool:

@@ -12,7 +12,13 @@ Deny wins over allow. A name is checked first (:meth:`EgressRules.decide`); then
 it resolves to (:meth:`EgressRules.check_address`): loopback, link-local (with the metadata
 address 169.254.169.254), RFC 1918, CGNAT (100.64/10), ULA (fc00::/7), multicast, the
 unspecified address and the v4-mapped / NAT64 forms of those are refused unless an allowed
-range names them. Port 4040 on a loopback address (the dashboard) is refused always.
+range names them. Port 4040 (the dashboard's) is refused on every address: the host's own
+addresses are not a fixed list (every interface, v4 and v6, mapped forms, a public address
+that NATs back to the host, interfaces added later), so no destination may have it.
+
+A requested name that is not plain ASCII letters, digits, '-', '_' and dots
+(:func:`fusion_oci.hostpattern.name_problem`) is refused before any pattern is compared: a
+resolver would fold it into another name than the one decided on.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from fusion_oci.hostpattern import (
     IPAddress,
     IPNetwork,
     Pattern,
+    name_problem,
     normalize_host,
     parse_pattern,
     unmap,
@@ -103,9 +110,14 @@ class Decision:
     allowed: bool
     rule: str
     settings_key: str
+    text: str | None = None
+    """The whole denial line when no setting would change it (a malformed name); None: the
+    line names the rule and the settings key."""
 
     def denial_text(self, host: str, port: int) -> str:
         """The one line a denied program reads (403 body, audit reason)."""
+        if self.text is not None:
+            return self.text
         change = "remove it from" if self.settings_key == DENY_KEY else "add it to"
         return (
             f"fusion-oci egress: {host}:{port} denied by {self.rule}; to allow it, "
@@ -168,6 +180,15 @@ class EgressRules(BaseModel):
     def decide(self, host: str, port: int) -> Decision:
         """Whether the *name* (or address literal) ``host`` may be reached on ``port``."""
         host = normalize_host(host)
+        problem = name_problem(host)
+        if problem is not None:
+            # Decided before any pattern: a folded spelling must not slip past a deny entry.
+            return Decision(
+                False,
+                "the host name check",
+                ALLOW_KEY,
+                text=f"fusion-oci egress: refused: {problem}",
+            )
         for pattern in self._denied:
             if pattern.matches(host, port):
                 return Decision(False, f"deniedDomains entry '{pattern.text}'", DENY_KEY)
@@ -187,13 +208,17 @@ class EgressRules(BaseModel):
             return Decision(False, f"'{address}' is not an IP address", ALLOW_KEY)
         plain = unmap(addr)
         why = address_class(addr)
-        if why in ("loopback", "unspecified") and port == DASHBOARD_PORT:
-            # 0.0.0.0 connects to the host itself; the dashboard is never reachable.
+        if port == DASHBOARD_PORT:
+            where = f"[{address}]:4040" if ":" in address else f"{address}:4040"
+            # Every address, not only loopback: the host answers on each of its interfaces
+            # (and 0.0.0.0, and a public address NATed back to it), a set no pure rule knows.
             return Decision(
                 False,
-                f"address {address} is the host's own and port 4040 is "
-                "the dashboard's (never reachable)",
+                f"port 4040 is the dashboard's and is never reached, on any address "
+                f"({address} included)",
                 ALLOW_KEY,
+                text=f"fusion-oci egress: {where} refused: port 4040 (the dashboard's) "
+                "is never reached through the proxy, on any address; no setting changes this",
             )
         if why is None:
             return Decision(True, f"address {address} is public", ALLOW_KEY)

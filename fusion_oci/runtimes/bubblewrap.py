@@ -386,10 +386,12 @@ class BubblewrapRuntime(SpecRuntime):
         # tmpfs sizes: bwrap --size.
         # filtered: an empty network namespace and the agent's forwarder to the task's proxy
         # (nothing of the host's beyond bwrap itself).
+        # HOST_PROCESSES: --unshare-all's pid namespace hides every host process.
         out = {
             Requirement.FILESYSTEM,
             Requirement.PROC_PATHS,
             Requirement.ENV,
+            Requirement.HOST_PROCESSES,
             Requirement.NETWORK_NONE,
             Requirement.NETWORK_FILTERED,
             Requirement.HOST_SERVICES,

@@ -149,10 +149,12 @@ class ContainerRuntime(EngineProbe):
     def enforces(self) -> frozenset[Requirement]:
         # filtered: the engine's `none` network and the agent's forwarder to the task's proxy
         # socket, rootful or rootless alike.
+        # HOST_PROCESSES: the container's pid namespace hides every host process.
         need = {
             Requirement.FILESYSTEM,
             Requirement.PROC_PATHS,
             Requirement.ENV,
+            Requirement.HOST_PROCESSES,
             Requirement.NETWORK_NONE,
             Requirement.NETWORK_EGRESS,
             Requirement.NETWORK_FILTERED,

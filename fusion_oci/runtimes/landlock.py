@@ -37,7 +37,10 @@ open go on as Landlock decides except a read-only one of the caller's own ``/pro
 entries, which it opens for it (no rule can grant a process tree its own ``/proc/<pid>``);
 Landlock's TCP rules deny every bind and connect in ``none`` (ABI 4+); signal and
 abstract-socket scoping keep the command from signalling or reaching host processes (ABI
-6+); capabilities dropped and ``no_new_privs``; the rlimits; the keeper of each run ends the
+6+; below it ``host processes`` is listed as unenforced); ``prlimit64``, ``setpriority``,
+``ioprio_set`` and the ``sched_set*`` calls allowed on the command itself only (the kernel
+lets them reach every process of the uid, and Landlock does not govern them: issue #31);
+capabilities dropped and ``no_new_privs``; the rlimits; the keeper of each run ends the
 whole tree on timeout. Not enforceable without namespaces or
 cgroups, so listed as unenforced (refused under ``fail-hard``): ``egress`` without host
 loopback (Landlock's TCP rules know ports, not addresses), memory, pids, CPU quota,
@@ -279,6 +282,7 @@ def landlock_seccomp(profile: dict[str, Any], network: NetworkMode) -> dict[str,
     # No IPC namespace either: System V IPC and POSIX message queues of the caller's other
     # processes (a database's shared memory, say) are governed by uid alone.
     rules.append({"names": list(SYSV_IPC), "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM})
+    rules += other_process_rules()
     if network is NetworkMode.HOST:
         rules.append(
             {
@@ -293,6 +297,52 @@ def landlock_seccomp(profile: dict[str, Any], network: NetworkMode) -> dict[str,
     else:
         rules.append({"names": ["socket"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM})
     return {**profile, "syscalls": rules}
+
+
+SELF_ONLY = (
+    "prlimit64",
+    "sched_setaffinity",
+    "sched_setscheduler",
+    "sched_setparam",
+    "sched_setattr",
+    "migrate_pages",
+    "move_pages",
+)
+"""Syscalls whose first argument names the process they act on, allowed on the caller only
+(pid 0). The kernel lets a process change another's rlimits, affinity and scheduling by uid
+alone, and neither Landlock nor a namespace stands between a command and the caller's other
+processes here: ``prlimit64`` raised the owner's ``RLIMIT_CORE`` and set its ``RLIMIT_CPU``
+to 1 s (issue #31). migrate_pages and move_pages are also behind Landlock's ptrace scoping."""
+PRIO_PROCESS = 0
+IOPRIO_WHO_PROCESS = 1
+
+
+def other_process_rules() -> list[dict[str, Any]]:
+    """seccomp rules (OCI JSON) that keep a command's rlimit, priority, I/O priority, affinity
+    and scheduling changes to itself. Pure.
+
+    Written as deny rules on the full 64-bit argument: anything but exactly 0 (or exactly
+    ``PRIO_PROCESS``/``IOPRIO_WHO_PROCESS``) is refused, so high bits can only make a call
+    refused that the kernel would have aimed at the caller. ``setpriority``/``ioprio_set`` with
+    a process group or a user (``PRIO_USER`` reaches every process of the uid) are refused
+    whatever ``who`` is. The cost: a command cannot aim these at its own children or threads
+    by id (``renice -p``, ``taskset -p``, ``pthread_setaffinity_np``), only at itself (``nice``,
+    ``ionice -c3 CMD``, ``taskset -c 0 CMD`` and ``ulimit`` all do).
+    """
+    import errno
+
+    eperm = {"action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM}
+
+    def not_equal(index: int, value: int) -> dict[str, Any]:
+        return {"index": index, "value": value, "op": "SCMP_CMP_NE"}
+
+    return [
+        {"names": list(SELF_ONLY), **eperm, "args": [not_equal(0, 0)]},
+        {"names": ["setpriority"], **eperm, "args": [not_equal(0, PRIO_PROCESS)]},
+        {"names": ["setpriority"], **eperm, "args": [not_equal(1, 0)]},
+        {"names": ["ioprio_set"], **eperm, "args": [not_equal(0, IOPRIO_WHO_PROCESS)]},
+        {"names": ["ioprio_set"], **eperm, "args": [not_equal(1, 0)]},
+    ]
 
 
 def filtered_socket_rules() -> list[dict[str, Any]]:
@@ -561,6 +611,10 @@ def enforced_requirements(abi: int) -> frozenset[Requirement]:
         # The connect supervisor redirects a grant's address to its relay; every other
         # connect is checked as under filtered (TCP to nothing else, Landlock's port rules).
         out.add(Requirement.HOST_SERVICES)
+    if abi >= MIN_SCOPE_ABI:
+        # rlimits, priorities, affinity and scheduling: the seccomp rules on any ABI
+        # (other_process_rules); signals: Landlock's scoping, which ABI 6 brought.
+        out.add(Requirement.HOST_PROCESSES)
     return frozenset(out)
 
 
@@ -721,9 +775,15 @@ class LandlockRuntime(HostProcessRuntime):
             "rlimits (CPU time, file size, open files) only; memory, pids, "
             "CPU quota and tmpSizeMb are not enforced (no cgroup)"
         )
-        if abi < 6:
+        details["processes"] = (
+            "rlimits, priorities, I/O priorities, affinity and scheduling of other "
+            "processes: refused (seccomp; a command changes only its own)"
+        )
+        if abi < MIN_SCOPE_ABI:
             details["signals"] = (
-                "not scoped: the command can signal the caller's other processes (needs ABI 6)"
+                "not scoped: the command can signal the caller's other processes, the task's "
+                f"owner among them (needs ABI {MIN_SCOPE_ABI}); 'host processes' is listed "
+                "as not enforced (refused under fail-hard)"
             )
         problem = userns_problem()
         details["userns"] = problem or "ok"

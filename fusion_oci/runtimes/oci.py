@@ -314,10 +314,12 @@ class OciRuntime(SpecRuntime):
         # CPU_TIME: the agent's setrlimit on each command, inside the sandbox; under gVisor
         # (20221219) only such a call arms RLIMIT_CPU (a spec rlimit shows in `ulimit -t` yet
         # never fires), which the agent as the task's init makes for every command.
+        # HOST_PROCESSES: the spec's pid namespace hides every host process.
         out = {
             Requirement.FILESYSTEM,
             Requirement.PROC_PATHS,
             Requirement.ENV,
+            Requirement.HOST_PROCESSES,
             Requirement.NETWORK_NONE,
             Requirement.NETWORK_FILTERED,
             Requirement.HOST_SERVICES,

@@ -24,6 +24,11 @@ class Requirement(StrEnum):
     FILESYSTEM = "filesystem isolation"
     PROC_PATHS = "maskedPaths/readonlyPaths"
     """The bundle's /proc and /sys protections (a writable /proc/sys is a root escape)."""
+    HOST_PROCESSES = "host processes (signals, rlimits, priorities)"
+    """No command signals, or changes the rlimits, scheduling or I/O priority of, a process
+    outside the sandbox: hidden by a pid namespace, or refused (Landlock signal scoping, ABI
+    6+, and the landlock runtime's seccomp rules). The task's owner holds the egress proxy and
+    the credential broker (issue #31)."""
     NETWORK_NONE = "network none"
     NETWORK_EGRESS = "network egress without host loopback"
     NETWORK_FILTERED = "network filtered (egress only through the task's proxy)"
@@ -49,7 +54,12 @@ NETWORK_REQUIREMENT = {
 def spec_requirements(spec: TaskSpec, rlimits: Iterable[Rlimit] = ()) -> frozenset[Requirement]:
     """What enforcing ``spec`` takes (with the rlimits its commands get), read from its OCI
     fields (the network annotation only for egress/filtered versus none). Pure."""
-    need = {Requirement.FILESYSTEM, Requirement.PROC_PATHS, Requirement.ENV}
+    need = {
+        Requirement.FILESYSTEM,
+        Requirement.PROC_PATHS,
+        Requirement.ENV,
+        Requirement.HOST_PROCESSES,
+    }
     network = NETWORK_REQUIREMENT.get(spec.network)
     if network is not None:
         need.add(network)

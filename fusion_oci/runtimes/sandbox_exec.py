@@ -134,6 +134,9 @@ class SandboxExecRuntime(HostProcessRuntime):
                 Requirement.FILESYSTEM,
                 Requirement.PROC_PATHS,
                 Requirement.ENV,
+                # (allow signal/process-info* (target same-sandbox)) and nothing wider;
+                # macOS has no call that changes another process's rlimits.
+                Requirement.HOST_PROCESSES,
                 Requirement.NETWORK_NONE,
                 Requirement.NETWORK_EGRESS,
                 Requirement.CPU_TIME,

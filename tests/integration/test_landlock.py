@@ -129,6 +129,34 @@ def test_root_gains_nothing_by_being_root(worktree: Path) -> None:
         assert word in result.stderr  # each refused, with the tool's own message
 
 
+def test_a_command_changes_its_own_limits_and_priorities_but_no_other_process_s(
+    worktree: Path,
+) -> None:
+    """Issue #31: rlimits, nice, I/O class, affinity and policy of the command itself (pid 0,
+    which every tool uses on itself) are its own to change; by pid, even its own child's,
+    they are refused (the cost of a profile that cannot tell its tree from the host)."""
+    cpu = min(os.sched_getaffinity(0))
+    result = run(
+        worktree,
+        "ulimit -n 100; ulimit -n; nice -n 5 nice; ionice -c 3 ionice; "
+        f"taskset -c {cpu} sh -c 'taskset -cp $$' | sed 's/.*: //'; chrt -b 0 chrt -p 0 | "
+        "head -1 | sed 's/.*: //'; sleep 5 & "
+        "renice -n 1 -p $! >/dev/null 2>&1 || echo renice refused; "
+        "prlimit --pid $! --nofile=10: 2>/dev/null || echo prlimit refused; kill $!",
+    )
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    assert result.stdout.split("\n") == [
+        "100",
+        str(min(base + 5, 19)),
+        "idle",
+        str(cpu),
+        "SCHED_BATCH",
+        "renice refused",
+        "prlimit refused",
+        "",
+    ], result
+
+
 def test_network_host_reaches_tcp_but_no_unix_socket(worktree: Path) -> None:
     with tcp_server() as (port, seen):
         result = run(

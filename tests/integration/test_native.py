@@ -232,6 +232,7 @@ def test_unenforceable_policy_is_refused_not_weakened(worktree: Path, tmp_path: 
                     Requirement.FILESYSTEM,
                     Requirement.PROC_PATHS,
                     Requirement.ENV,
+                    Requirement.HOST_PROCESSES,
                     Requirement.NETWORK_EGRESS,
                 }
             )

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import re
+import time
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
 from fusion_oci.egress import EgressRules, proxy_env
-from fusion_oci.egress.proxy import http_response, rewrite_request, split_host_port
+from fusion_oci.egress.proxy import (
+    EgressProxy,
+    Limits,
+    http_response,
+    rewrite_request,
+    split_host_port,
+)
 from fusion_oci.egress.rules import (
     ALLOW_KEY,
     DENY_KEY,
@@ -18,6 +26,7 @@ from fusion_oci.egress.rules import (
     validate_patterns,
 )
 from fusion_oci.errors import SettingsError
+from fusion_oci.hostpattern import name_problem, normalize_host
 from fusion_oci.models import SandboxPolicy
 
 
@@ -34,7 +43,6 @@ from fusion_oci.models import SandboxPolicy
         "[fd00::1]:22",
         "fd00::/64",
         "::1",
-        "my_host.internal",
     ],
 )
 def test_valid_patterns(text: str) -> None:
@@ -54,6 +62,7 @@ def test_valid_patterns(text: str) -> None:
         ("example.com:http", "port"),
         ("-bad.example.com", "DNS label"),
         ("exa mple.com", "DNS label"),
+        ("my_host.internal", "DNS label"),
         ("https://example.com", "without a scheme"),
         ("10.0.0.0/33", "range"),
         ("fd00::zz:443", "[ADDRESS]:PORT"),
@@ -162,6 +171,76 @@ def test_dashboard_port_on_loopback_refused_even_when_loopback_is_allowed() -> N
         assert not verdict.allowed and "4040" in verdict.rule
 
 
+@pytest.mark.parametrize(
+    "address",
+    ["192.0.2.10", "10.1.2.3", "8.8.8.8", "2001:db8::10", "::ffff:192.0.2.10", "fd00::1"],
+)
+def test_dashboard_port_refused_on_every_address(address: str) -> None:
+    """The host's own addresses are no fixed list (every interface, mapped forms, a public
+    address NATed back to it): 4040 is refused on all, whatever the ranges allow."""
+    rules = EgressRules(allowed=("x.test",), allow_addresses=("0.0.0.0/0", "::/0"))
+    assert rules.check_address(address, 8080).allowed
+    verdict = rules.check_address(address, 4040)
+    assert not verdict.allowed and "4040" in verdict.rule
+    text = verdict.denial_text("x.test", 4040)
+    assert "4040" in text and "no setting changes this" in text
+
+
+@pytest.mark.parametrize(
+    "host",
+    [
+        "de\xadnied.example",  # soft hyphen: IDNA nameprep drops it
+        "fo\xba.example",  # 'º': nameprep maps it to 'o'
+        "b\xaar.corp.example",  # 'ª' -> 'a'
+        "\\100enied.corp.example",  # glibc's DNS backend reads \100 as 'd'
+        "de\\nied.corp.example",  # ... and \n as 'n'
+        "\u212aenied.corp.example",  # the Kelvin sign: str.lower() makes it 'k'
+        "denied.example\x00.evil",
+        "de nied.corp.example",
+        "de%6Eied.corp.example",
+        "a..corp.example",
+        "-x.corp.example",
+        "my_host.corp.example",  # not a host name's alphabet (the issue's letter: #31)
+    ],
+)
+def test_a_name_that_is_not_plain_ascii_is_refused_before_any_pattern(host: str) -> None:
+    """Deny must win over every spelling a resolver folds: such names never reach a
+    pattern, whatever allows them, and the line says why (not a setting to change)."""
+    rules = EgressRules(allowed=("*.corp.example",), denied=("denied.corp.example",))
+    verdict = rules.decide(host, 443)
+    assert not verdict.allowed and verdict.rule == "the host name check"
+    assert name_problem(host) is not None
+    text = verdict.denial_text(host, 443)
+    assert text.startswith("fusion-oci egress: refused: ") and "\n" not in text.rstrip()
+
+
+@pytest.mark.parametrize(
+    "host",
+    [
+        "allowed.corp.example",
+        "ALLOWED.Corp.Example.",
+        "x-1.corp.example",
+        "127.1",
+        "0x7f.1",
+    ],
+)
+def test_plain_names_and_address_forms_pass_the_name_check(host: str) -> None:
+    assert name_problem(host) is None
+    assert EgressRules(allowed=("*.corp.example", "127.1", "0x7f.1")).decide(host, 443).allowed
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1", "[::1]", "::ffff:127.0.0.1", "fe80::1%eth0"])
+def test_ip_literals_are_not_names(host: str) -> None:
+    assert name_problem(host) is None
+
+
+def test_normalize_host_lowers_ascii_only() -> None:
+    """str.lower() folds the Kelvin sign into 'k': a non-ASCII host stays as it came, so the
+    name check sees it."""
+    assert normalize_host("Registry.NPMjs.org.") == "registry.npmjs.org"
+    assert normalize_host("\u212aA.example") == "\u212aA.example"
+
+
 def test_from_policy_merges_profile_and_lifts_named_ranges() -> None:
     policy = SandboxPolicy(
         network="filtered",
@@ -248,3 +327,44 @@ def test_scoped_and_bad_addresses_are_refused() -> None:
     rules = EgressRules(allowed=("x.test",))
     assert "link-local" in rules.check_address("fe80::1%eth0", 443).rule
     assert not rules.check_address("not-an-address", 443).allowed
+
+
+def test_a_task_over_its_loop_share_waits_only_while_another_has_work_under_way(
+    tmp_path: Path,
+) -> None:
+    """Work-conserving and fair: the over-budget task waits at accept only while a neighbour
+    has a connection past its first byte (idle connections are no demand), and only past an
+    equal part of the loop among the tasks with work (never below loop_share)."""
+    from fusion_oci.egress import proxy as egress_proxy
+
+    def made(name: str) -> EgressProxy:
+        return EgressProxy(
+            task_id=name,
+            rules=EgressRules(allowed=("x.test",)),
+            state_dir=tmp_path,
+            audit=None,
+            tcp=False,
+            resolve_override=None,
+            limits=Limits(loop_share=0.10),
+            backend="test",
+            policy_hash=None,
+        )
+
+    hog, other = made("hog"), made("other")
+    egress_proxy._PROXIES.update((hog, other))
+    try:
+        hog._charge(0.9)  # 90% of the last second on the loop
+        assert hog._over_budget() == 0.0  # the neighbour wants nothing
+        other._working = 1
+        assert hog._fair_share() == 0.5  # two tasks with work: half each
+        wait = hog._over_budget()
+        assert 0.4 < wait < 0.8  # ln(0.9 / 0.5): back under half in about 0.6 s
+        other._charge(0.01)
+        assert other._over_budget() == 0.0  # under half its share
+        other._charge(0.29)
+        other._admitted_at = time.monotonic()
+        hog._working = 1
+        assert 0.0 < other._over_budget() <= 0.01  # near it: one connection per 10 ms
+    finally:
+        egress_proxy._PROXIES.discard(hog)
+        egress_proxy._PROXIES.discard(other)

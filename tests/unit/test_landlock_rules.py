@@ -169,6 +169,9 @@ def test_enforced_requirements_per_abi() -> None:
     assert Requirement.FILESYSTEM not in enforced_requirements(2)
     seven = enforced_requirements(7)
     assert {Requirement.FILESYSTEM, Requirement.NETWORK_NONE, Requirement.ENV} <= seven
+    # Below ABI 6 nothing scopes signals: the caller's other processes can be killed.
+    assert Requirement.HOST_PROCESSES not in enforced_requirements(5)
+    assert Requirement.HOST_PROCESSES in enforced_requirements(6)
     for never in (
         Requirement.NETWORK_EGRESS,
         Requirement.MEMORY,
@@ -312,3 +315,23 @@ def test_which_proc_entries_the_supervisor_may_open(
     from fusion_oci.landlock_child import proc_entry
 
     assert proc_entry(path, tid=41, tgid=40) == want
+
+
+def test_no_command_changes_another_process_s_limits_or_priorities() -> None:
+    """Issue #31: no pid namespace, and Landlock does not govern these calls, so the profile
+    allows each on the caller only; setpriority/ioprio_set on a group or a user never."""
+    ne = "SCMP_CMP_NE"
+    for name in CASES:
+        rules = landlock_rules(spec_for(name), HOME, TMP).seccomp["syscalls"]
+        denied: dict[str, list[list[tuple[int, int]]]] = {}
+        for r in rules:
+            if r["action"] == "SCMP_ACT_ERRNO" and r.get("args"):
+                for n in r["names"]:
+                    denied.setdefault(n, []).append(
+                        [(a["index"], a["value"]) for a in r["args"] if a["op"] == ne]
+                    )
+        for call in ("prlimit64", "sched_setaffinity", "sched_setscheduler", "sched_setparam"):
+            assert [(0, 0)] in denied[call], (name, call)
+        assert [(0, 0)] in denied["sched_setattr"] and [(0, 0)] in denied["move_pages"]
+        assert {(0, 0), (1, 0)} <= {c for g in denied["setpriority"] for c in g}  # PRIO_PROCESS
+        assert {(0, 1), (1, 0)} <= {c for g in denied["ioprio_set"] for c in g}  # WHO_PROCESS

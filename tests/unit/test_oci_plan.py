@@ -279,6 +279,7 @@ def test_enforces_follows_controllers_and_rootless() -> None:
         Requirement.FILESYSTEM,
         Requirement.PROC_PATHS,
         Requirement.ENV,
+        Requirement.HOST_PROCESSES,
         Requirement.NETWORK_NONE,
         Requirement.NETWORK_FILTERED,
         Requirement.HOST_SERVICES,

@@ -29,7 +29,13 @@ from fusion_oci.sandbox import Sandbox
 from tests.golden import GOLDEN_HOST
 
 CLAIMED = frozenset(
-    {Requirement.FILESYSTEM, Requirement.PROC_PATHS, Requirement.ENV, Requirement.NETWORK_NONE}
+    {
+        Requirement.FILESYSTEM,
+        Requirement.PROC_PATHS,
+        Requirement.ENV,
+        Requirement.NETWORK_NONE,
+        Requirement.HOST_PROCESSES,
+    }
 )
 
 

@@ -51,7 +51,7 @@ def ctx(policy: SandboxPolicy, **kw: object) -> PrepareContext:
 
 
 R = Requirement
-BASE = {R.FILESYSTEM, R.PROC_PATHS, R.ENV}
+BASE = {R.FILESYSTEM, R.PROC_PATHS, R.ENV, R.HOST_PROCESSES}
 REQUIRED = {
     "default": BASE | {R.NETWORK_EGRESS},
     "none": BASE | {R.NETWORK_NONE},
@@ -170,7 +170,7 @@ def test_the_lifecycle_refuses_a_task_spec_the_runtime_does_not_enforce() -> Non
         id = "fake"
 
         def enforces(self) -> frozenset[Requirement]:
-            return frozenset({R.FILESYSTEM, R.PROC_PATHS, R.ENV, R.NETWORK_NONE})
+            return frozenset({*BASE, R.NETWORK_NONE})
 
     limited = task(SandboxPolicy(allow_network=False, memory_limit_mb=64))
     with pytest.raises(PolicyNotEnforceableError) as refused:

@@ -59,6 +59,7 @@ TIERS: tuple[tuple[str, ...], ...] = (
         "cachedir",
         "hostpattern",
         "hostservice",
+        "hardening",
     ),
     ("process", "store"),
     ("store_ns",),
