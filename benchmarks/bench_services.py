@@ -1,7 +1,7 @@
 """Host services by grant (``policy.hostServices``) against direct loopback, in the same run.
 
     .venv/bin/python benchmarks/bench_services.py [--runs N] [--mb M] [--rounds R]
-        [--backends bubblewrap,landlock,oci] [--markdown PATH]
+        [--backends bubblewrap,landlock,oci,podman,docker] [--markdown PATH]
 
 A TCP server (its own process) listens on the host's 127.0.0.1. One client program (Python,
 its own process) measures, taking turns round by round:
@@ -115,12 +115,66 @@ CLIENT = textwrap.dedent("""
 """)
 
 
+NODE_CLIENT = textwrap.dedent("""
+    // The same client in Node.js (the container images have node, not python3).
+    const net = require('net');
+    const [port, runs, mb] = process.argv.slice(2).map(Number);
+    const open = () => new Promise((res, rej) => {
+      const s = net.connect({ host: '127.0.0.1', port, noDelay: true }, () => res(s));
+      s.on('error', rej);
+    });
+    const once = (s, n) => new Promise((res) => {
+      let got = Buffer.alloc(0);
+      const on = (d) => {
+        got = Buffer.concat([got, d]);
+        if (got.length >= n) { s.off('data', on); res(got); }
+      };
+      s.on('data', on);
+    });
+    (async () => {
+      const ping = async () => {
+        const s = await open(); const r = once(s, 1); s.write('p'); await r; s.destroy();
+      };
+      for (let i = 0; i < 10; i++) await ping();
+      const lat = [];
+      for (let i = 0; i < runs; i++) {
+        const t = process.hrtime.bigint(); await ping();
+        lat.push(Number(process.hrtime.bigint() - t) / 1e6);
+      }
+      const s = await open();
+      let r = once(s, 1); s.write('r'); await r;
+      const rtt = [];
+      for (let i = 0; i < runs; i++) {
+        const t = process.hrtime.bigint(); r = once(s, 1); s.write('q'); await r;
+        rtt.push(Number(process.hrtime.bigint() - t) / 1e6);
+      }
+      s.destroy();
+      const size = mb * 1000 * 1000;
+      const d = await open();
+      const head = Buffer.alloc(9); head.write('d'); head.writeBigUInt64BE(BigInt(size), 1);
+      const t = process.hrtime.bigint();
+      let got = 0;
+      await new Promise((res) => {
+        d.on('data', (b) => { got += b.length; if (got >= size) res(); });
+        d.on('end', res);
+        d.write(head);
+      });
+      const dl = Number(process.hrtime.bigint() - t) / 1e9;
+      d.destroy();
+      console.log(JSON.stringify({ lat, rtt, dl }));
+    })();
+""")
+CONTAINERS = {"podman", "docker"}
+"""Backends whose sandbox runs the task image (node, no python3): the Node.js client, against
+its own direct run on the host."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=200)
     parser.add_argument("--mb", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--backends", default="bubblewrap,landlock,oci")
+    parser.add_argument("--backends", default="bubblewrap,landlock,oci,podman,docker")
     parser.add_argument("--markdown", help="write the docs/performance.md section here")
     args = parser.parse_args()
     backends = [b for b in args.backends.split(",") if b]
@@ -139,6 +193,7 @@ def main() -> None:
             for b in backends:
                 wt = git_init(base / f"wt-{b}")
                 (wt / "client.py").write_text(CLIENT)
+                (wt / "client.js").write_text(NODE_CLIENT)
                 project = base / f"project-{b}"
                 project.mkdir()
                 audits[b] = base / f"audit-{b}.jsonl"
@@ -159,8 +214,11 @@ def main() -> None:
                 sandboxes[b] = sb
             host_client = base / "client.py"
             host_client.write_text(CLIENT)
+            (base / "client.js").write_text(NODE_CLIENT)
+            node = any(b in CONTAINERS for b in backends)
             results: dict[str, list[dict[str, object]]] = {
                 "direct": [],
+                "direct-node": [],
                 **{b: [] for b in backends},
             }
             argv = [str(port), str(args.runs), str(args.mb)]
@@ -172,8 +230,17 @@ def main() -> None:
                     text=True,
                 )
                 results["direct"].append(json.loads(done.stdout))
+                if node:
+                    done = subprocess.run(
+                        ["node", str(base / "client.js"), *argv],
+                        check=True,
+                        capture_output=True,
+                        text=True,
+                    )
+                    results["direct-node"].append(json.loads(done.stdout))
                 for b, sb in sandboxes.items():
-                    r = sb.run(["python3", "client.py", *argv], RunOptions(timeout_ms=600_000))
+                    client = ["node", "client.js"] if b in CONTAINERS else ["python3", "client.py"]
+                    r = sb.run([*client, *argv], RunOptions(timeout_ms=600_000))
                     assert r.exit_code == 0, (b, r.stderr[-2000:])
                     results[b].append(json.loads(r.stdout))
         finally:
@@ -191,32 +258,42 @@ def main() -> None:
     def mbps(case: str) -> float:
         return args.mb / statistics.median(float(r["dl"]) for r in results[case])  # type: ignore[arg-type]
 
+    def base_of(case: str) -> str:
+        return "direct-node" if case in CONTAINERS else "direct"
+
     def paired(case: str) -> float:
         # each round's grant download against the direct one of the same round
         return statistics.median(
             float(d["dl"]) / float(g["dl"])  # type: ignore[arg-type]
-            for d, g in zip(results["direct"], results[case], strict=True)
+            for d, g in zip(results[base_of(case)], results[case], strict=True)
         )
 
-    ld, md, rd = lat("direct"), mbps("direct"), lat("direct", "rtt")
-    lat_rows = [("direct, on the host", f"{ld:.3f}", "", "")]
-    rtt_rows = [("direct, on the host", f"{rd:.3f}", "")]
-    dl_rows = [("direct, on the host", round(md), "1.00x", "")]
-    for b in backends:
-        lb = lat(b)
-        lat_rows.append(
-            (f"through the grant, inside {b}", f"{lb:.3f}", f"+{lb - ld:.3f}", "+0.1 ms")
-        )
-        rb = lat(b, "rtt")
-        rtt_rows.append((f"through the grant, inside {b}", f"{rb:.3f}", f"+{rb - rd:.3f}"))
-        dl_rows.append(
-            (
-                f"through the grant, inside {b}",
-                round(mbps(b)),
-                f"{mbps(b) / md:.2f}x",
-                f"{paired(b):.2f}x",
+    lat_rows: list[tuple[str, str, str, str]] = []
+    rtt_rows: list[tuple[str, str, str]] = []
+    dl_rows: list[tuple[str, object, str, str]] = []
+    groups = [("python", "direct", [b for b in backends if b not in CONTAINERS])]
+    groups.append(("node", "direct-node", [b for b in backends if b in CONTAINERS]))
+    for lang, direct, members in groups:
+        if not members:
+            continue
+        ld, md, rd = lat(direct), mbps(direct), lat(direct, "rtt")
+        lat_rows.append((f"direct, on the host ({lang} client)", f"{ld:.3f}", "", ""))
+        rtt_rows.append((f"direct, on the host ({lang} client)", f"{rd:.3f}", ""))
+        dl_rows.append((f"direct, on the host ({lang} client)", round(md), "1.00x", ""))
+        for b in members:
+            lb, rb = lat(b), lat(b, "rtt")
+            lat_rows.append(
+                (f"through the grant, inside {b}", f"{lb:.3f}", f"+{lb - ld:.3f}", "+0.1 ms")
             )
-        )
+            rtt_rows.append((f"through the grant, inside {b}", f"{rb:.3f}", f"+{rb - rd:.3f}"))
+            dl_rows.append(
+                (
+                    f"through the grant, inside {b}",
+                    round(mbps(b)),
+                    f"{mbps(b) / md:.2f}x",
+                    f"{paired(b):.2f}x",
+                )
+            )
     for row in lat_rows:
         print(" | ".join(str(c) for c in row))
     for row in [*rtt_rows, *dl_rows]:
@@ -226,8 +303,10 @@ def main() -> None:
         text = (
             "## Host services by grant (`policy.hostServices`)\n\n"
             f"`benchmarks/bench_services.py --runs {args.runs} --mb {args.mb} --rounds "
-            f"{args.rounds}`: a loopback TCP server; the same Python client on the host "
-            "(direct) and inside a `network: none` sandbox granted exactly that address, "
+            f"{args.rounds}`: a loopback TCP server; the same client on the host "
+            "(direct) and inside a `network: none` sandbox granted exactly that address "
+            "(Python; Node.js for podman and docker, whose task image has no python3, against "
+            "a direct Node.js run), "
             "taking turns, round by round. The relays run in the benchmark's process with a "
             "real audit log (one chained event per connection: "
             + ", ".join(f"{b} {n}" for b, n in events.items())
