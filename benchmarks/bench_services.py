@@ -271,8 +271,8 @@ def main() -> None:
     lat_rows: list[tuple[str, str, str, str]] = []
     rtt_rows: list[tuple[str, str, str]] = []
     dl_rows: list[tuple[str, object, str, str]] = []
-    groups = [("python", "direct", [b for b in backends if b not in CONTAINERS])]
-    groups.append(("node", "direct-node", [b for b in backends if b in CONTAINERS]))
+    groups = [("Python", "direct", [b for b in backends if b not in CONTAINERS])]
+    groups.append(("Node.js", "direct-node", [b for b in backends if b in CONTAINERS]))
     for lang, direct, members in groups:
         if not members:
             continue
