@@ -314,7 +314,7 @@ class Supervisor:
             "fchmodat2": fchmodat2,
         }
         port = int(cfg.get("connect_port", -1))
-        self.connects = ConnectSupervisor(self, port) if port >= 0 else None
+        self.connects = ConnectSupervisor(self, port, service_table(cfg)) if port >= 0 else None
         self.opens = {nr: i for i, nr in enumerate(OPEN_CALLS[self.arch]) if nr >= 0}
 
     def serve(self) -> None:
@@ -504,6 +504,7 @@ SYS_PIDFD_OPEN, SYS_PIDFD_GETFD = 434, 438  # the generic numbers, on both archi
 AF_UNSPEC, AF_UNIX, AF_INET, AF_INET6 = 0, 1, 2, 10
 LOOPBACK4 = bytes([127, 0, 0, 1])
 LOOPBACK4_MAPPED = bytes(10) + b"\xff\xff" + LOOPBACK4
+LOOPBACK6 = bytes(15) + b"\x01"
 
 
 def sync_wake_up(listener: int) -> bool:
@@ -553,6 +554,60 @@ def connect_verdict(addr: bytes, port: int) -> str:
     return "deny"
 
 
+def service_table(cfg: dict) -> dict:  # type: ignore[type-arg]
+    """The launch file's granted host services: ``(family, address bytes, port)`` → the relay's
+    sockaddr (TCP), and an absolute path → the relay's socket path (unix)."""
+    out: dict = {}  # type: ignore[type-arg]
+    for line in cfg.get("svctcp", []):
+        family, address, port, relay = line.split(" ")
+        fam = AF_INET6 if family == "6" else AF_INET
+        packed = _socket.inet_pton(fam, address)
+        out[(fam, packed, int(port))] = int(relay)
+    for granted, relay in cfg.get("svcunix", []):
+        out[granted] = relay
+    return out
+
+
+def _sockaddr(family: int, address: bytes, port: int) -> bytes:
+    if family == AF_INET:
+        return struct.pack("=H", AF_INET) + struct.pack("!H", port) + address + bytes(8)
+    return struct.pack("=H", AF_INET6) + struct.pack("!H", port) + bytes(4) + address + bytes(4)
+
+
+def _cwd(pid: int) -> str:
+    return os.readlink(f"/proc/{pid}/cwd")  # noqa: PTH115 - pathlib costs start-up
+
+
+def service_redirect(addr: bytes, services: dict, cwd) -> bytes | str | None:  # type: ignore[type-arg,no-untyped-def]
+    """Where a connect to the sockaddr ``addr`` goes when it names a granted host service:
+    the relay's sockaddr (TCP: its listener on the host's loopback, in the caller's family;
+    an IPv4 grant asked for by its v4-mapped form gets the mapped relay address), or its
+    unix socket's path; None when ``addr`` names no grant. ``cwd()``: the caller's working
+    directory (a relative unix path). Pure but for ``cwd``."""
+    if not services or len(addr) < 2:
+        return None
+    family = struct.unpack("=H", addr[:2])[0]
+    if family == AF_INET and len(addr) >= 8:
+        port = struct.unpack("!H", addr[2:4])[0]
+        relay = services.get((AF_INET, addr[4:8], port))
+        return None if relay is None else _sockaddr(AF_INET, LOOPBACK4, relay)
+    if family == AF_INET6 and len(addr) >= 24:
+        port = struct.unpack("!H", addr[2:4])[0]
+        ip6 = addr[8:24]
+        if ip6[:12] == LOOPBACK4_MAPPED[:12]:
+            relay = services.get((AF_INET, ip6[12:], port))
+            return None if relay is None else _sockaddr(AF_INET6, LOOPBACK4_MAPPED, relay)
+        relay = services.get((AF_INET6, ip6, port))
+        return None if relay is None else _sockaddr(AF_INET6, LOOPBACK6, relay)
+    if family == AF_UNIX and len(addr) > 2 and addr[2] != 0:
+        path = os.fsdecode(addr[2:].split(b"\0", 1)[0])
+        if not path.startswith("/"):
+            path = cwd().rstrip("/") + "/" + path
+        relay = services.get(os.path.normpath(path))
+        return relay if isinstance(relay, str) else None
+    return None
+
+
 class ConnectSupervisor:
     """Answers a ``filtered`` command's connect() and listen() calls, in threads of the
     reaper (listen: unix sockets only, see :data:`LISTEN_CALL`).
@@ -564,9 +619,12 @@ class ConnectSupervisor:
     Landlock's port rule (ABI 4) still holds for any connect made without us.
     """
 
-    def __init__(self, owner: Supervisor, port: int) -> None:
+    def __init__(self, owner: Supervisor, port: int, services: dict | None = None) -> None:  # type: ignore[type-arg]
         self.owner = owner
         self.port = port
+        self.services = services or {}
+        """Granted host services (:func:`service_table`): a connect to one goes to its
+        relay instead, whatever else the verdict would say."""
 
     def serve_one(self, nid: int, pid: int, nr: int, args: list) -> None:  # type: ignore[type-arg]
         import errno
@@ -590,12 +648,21 @@ class ConnectSupervisor:
         if fd >= 1 << 31 or length > 128:
             return errno.EINVAL if fd < 1 << 31 else errno.EBADF
         addr = self._bytes(pid, addr_ptr, length)
-        verdict = connect_verdict(addr, self.port)
+        redirect = service_redirect(addr, self.services, lambda: _cwd(pid))
+        verdict = "service" if redirect is not None else connect_verdict(addr, self.port)
         if verdict == "deny":
             return errno.EACCES
         target = addr
         opened = -1
-        if verdict == "unix":
+        if isinstance(redirect, str):  # a unix grant: its relay's socket (ours, by O_PATH)
+            try:
+                opened = os.open(redirect, os.O_PATH | os.O_CLOEXEC | os.O_NOFOLLOW)
+            except OSError as exc:
+                return exc.errno or errno.ECONNREFUSED
+            target = struct.pack("=H", AF_UNIX) + f"/proc/self/fd/{opened}".encode() + b"\0"
+        elif redirect is not None:
+            target = redirect
+        elif verdict == "unix":
             path = addr[2:].split(b"\0", 1)[0]
             opened = self._unix_socket(pid, os.fsdecode(path))
             if opened < 0:
@@ -828,6 +895,12 @@ def parse(text: str) -> dict:  # type: ignore[type-arg]
             cfg["paths"].append([path, int(mask)])
         elif key == "writable":
             cfg["writable"].append(value)
+        elif key == "svctcp":
+            cfg.setdefault("svctcp", []).append(value)
+        elif key == "svcunix":
+            cfg.setdefault("svcunix", []).append([value, ""])
+        elif key == "svcto":
+            cfg["svcunix"][-1][1] = value
         elif key in INT_FIELDS:
             cfg[key] = int(value)
         else:

@@ -11,7 +11,7 @@ import json
 from collections.abc import Awaitable, Callable
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import (
     BaseModel,
@@ -25,6 +25,9 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 
 from fusion_oci.stdin import StdinStream
+
+if TYPE_CHECKING:
+    from fusion_oci.hostservice import HostService
 
 BackendId = Literal[
     "native", "sandbox-exec", "bubblewrap", "landlock", "docker", "podman", "oci", "custom"
@@ -106,6 +109,18 @@ the worktree, or absolute). Each entry says why above; a project lifts one by li
 settings are themselves protected)."""
 
 
+class HostServiceGrant(Model):
+    """A ``hostServices`` entry written as a mapping: the grant and whether it is meant even
+    though it hands over the host (:func:`fusion_oci.hostservice.hands_over`)."""
+
+    address: str
+    """``127.0.0.1:PORT``, ``[::1]:PORT`` or ``unix:/PATH`` (as a plain string entry)."""
+    dangerous: bool = False
+    """True: grant it even though it gives away more than one service (an engine's API
+    socket, an ssh or gpg agent, fusion-oci's own server, port 4040). False: such a grant is
+    refused at load."""
+
+
 class SandboxPolicy(Model):
     """What the sandboxed command may touch."""
 
@@ -118,6 +133,12 @@ class SandboxPolicy(Model):
     optional ``:port``). Empty: only the built-in git/npm profile's hosts."""
     denied_domains: list[str] = Field(default_factory=list)
     """Host names the ``filtered`` network never reaches, whatever allows them (deny wins)."""
+    host_services: list[str | HostServiceGrant] = Field(default_factory=list)
+    """Services on the host's loopback or unix sockets the task may use, each where programs
+    expect it inside (the same port on the sandbox's own 127.0.0.1 or ::1, the same socket
+    path), through a per-task relay that connects to exactly that service
+    (fusion_oci.services). Works with every network but ``host``. Empty: none; the host's
+    loopback stays closed."""
     allowed_paths: list[str] = Field(default_factory=list)
     """Absolute host paths visible read-only inside the sandbox. Empty: only the worktree."""
     writable_paths: list[str] = Field(default_factory=list)
@@ -162,6 +183,42 @@ class SandboxPolicy(Model):
                 ) from None
         return values
 
+    @field_validator("host_services")
+    @classmethod
+    def _host_services(cls, values: list[str | HostServiceGrant]) -> list[str | HostServiceGrant]:
+        from fusion_oci.hostservice import hands_over, parse_grant
+
+        seen: dict[str, int] = {}
+        for i, value in enumerate(values):
+            text = value if isinstance(value, str) else value.address
+            dangerous = not isinstance(value, str) and value.dangerous
+            try:
+                grant = parse_grant(text)
+            except ValueError as exc:
+                raise ValueError(f"hostServices[{i}] {text!r}: {exc}") from None
+            what = hands_over(grant)
+            if what is not None and not dangerous:
+                raise ValueError(
+                    f"hostServices[{i}] {text!r} hands over the host ({what}); if that is "
+                    f"meant, write it as {{address: {text!r}, dangerous: true}}"
+                )
+            where = str(grant)
+            if where in seen:
+                raise ValueError(
+                    f"hostServices[{i}] {text!r} is granted already (hostServices[{seen[where]}])"
+                )
+            seen[where] = i
+        return values
+
+    def grants(self) -> list[tuple[HostService, bool]]:
+        """The parsed ``hostServices``: each grant and its ``dangerous`` flag."""
+        from fusion_oci.hostservice import parse_grant
+
+        return [
+            (parse_grant(v), False) if isinstance(v, str) else (parse_grant(v.address), v.dangerous)
+            for v in self.host_services
+        ]
+
     _check_allowed = field_validator("allowed_paths")(_absolute)
     _check_writable = field_validator("writable_paths")(_absolute)
 
@@ -180,6 +237,20 @@ class SandboxPolicy(Model):
                 f"allowNetwork is false but network is '{self.network}'; "
                 "set allowNetwork: true or network: none"
             )
+        if self.network is NetworkMode.FILTERED and any(
+            g.kind == "tcp" and g.port == 3128 and g.family == 2 for g, _ in self.grants()
+        ):
+            raise ValueError(
+                "hostServices grants port 3128 with network filtered: inside, 127.0.0.1:3128 "
+                "is the proxy's forwarder; move the service to another port or use network "
+                "none or egress"
+            )
+        if self.host_services and self.network is NetworkMode.HOST:
+            raise ValueError(
+                "hostServices with network host: the host's network reaches every service "
+                "already, so the grants would limit nothing; use network none, egress or "
+                "filtered with hostServices"
+            )
         return self
 
     @property
@@ -190,7 +261,10 @@ class SandboxPolicy(Model):
 
     def digest(self) -> str:
         """A short stable hash of the policy, for audit events and annotations."""
-        canon = json.dumps(self.model_dump(mode="json", by_alias=True), sort_keys=True)
+        data = self.model_dump(mode="json", by_alias=True)
+        if not self.host_services:
+            del data["hostServices"]  # the hash of every policy without grants stays as it was
+        canon = json.dumps(data, sort_keys=True)
         return "sha256:" + hashlib.sha256(canon.encode()).hexdigest()[:16]
 
     def summary(self) -> str:
@@ -211,6 +285,8 @@ class SandboxPolicy(Model):
             parts.append(f"pids={self.pids_limit}")
         if self.file_size_limit_mb:
             parts.append(f"fsize={self.file_size_limit_mb}MiB")
+        if self.host_services:
+            parts.append(f"services={len(self.host_services)}")
         if self.protected_paths != list(DEFAULT_PROTECTED_PATHS):
             parts.append(f"protected={len(self.protected_paths)}")
         return " ".join(parts)

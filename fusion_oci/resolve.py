@@ -24,6 +24,7 @@ from fusion_oci.policy.settings import SandboxSettings
 
 if TYPE_CHECKING:
     from fusion_oci.egress import EgressProxy
+    from fusion_oci.services import TaskRelays
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,10 @@ class ResolvedTask:
     """The task's egress proxy (``network: filtered``; started by the sandbox before the
     runtime's prepare, which binds ``egress.unix_socket`` into the sandbox). None: the
     network is not filtered, or nothing started one (plan, bundle create)."""
+    services: TaskRelays | None = None
+    """The task's host-service relays (``policy.hostServices``; started by the sandbox before
+    the runtime's prepare, which makes each appear inside). None: no grants, or nothing
+    started them (plan, bundle create)."""
     spec: TaskSpec = field(init=False, repr=False, compare=False)
     """The task's sandbox (the OCI config without ``process``), compiled once here."""
 
@@ -94,6 +99,12 @@ class ResolvedTask:
     def with_egress(self, proxy: EgressProxy | None) -> ResolvedTask:
         """The same task with its egress proxy (the spec is the same: kept, not compiled)."""
         out = replace(self, egress=proxy)
+        object.__setattr__(out, "spec", self.spec)
+        return out
+
+    def with_services(self, relays: TaskRelays | None) -> ResolvedTask:
+        """The same task with its host-service relays (the spec is kept)."""
+        out = replace(self, services=relays)
         object.__setattr__(out, "spec", self.spec)
         return out
 

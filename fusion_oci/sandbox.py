@@ -68,6 +68,7 @@ from fusion_oci.runtimes.protocol import Runtime
 from fusion_oci.runtimes.registry import create_runtime
 from fusion_oci.runtimes.skeleton import default_cache_root
 from fusion_oci.scratch import gc_scratch
+from fusion_oci.services import TaskRelays, start_relays, stop_relays
 from fusion_oci.stdin import StdinStream
 from fusion_oci.store_tree import StoreLinker, task_linker
 
@@ -109,6 +110,8 @@ class Sandbox:
         self.unenforced: list[str] = []
         self.egress: EgressProxy | None = None
         """The task's egress proxy while prepared with ``network: filtered``."""
+        self.services: TaskRelays | None = None
+        """The task's host-service relays while prepared with ``hostServices``."""
         self._running: set[asyncio.Task[RunResult]] = set()
         self._gitguard: GitGuard | None = None
         """The watch over repositories inside the worktree that the host's git would enter
@@ -210,6 +213,19 @@ class Sandbox:
                             self.egress.unix_socket.parent,
                         )
                     )
+            if resolved.spec.host_services and runtime.isolates:
+                # Before prepare too: the runtime binds the relays' sockets into the sandbox
+                # (landlock's connect supervisor redirects to their host listeners).
+                self.services = await start_relays(
+                    task_id=ctx.task_id,
+                    grants=ctx.policy.grants(),
+                    audit=self.audit,
+                    tcp=runtime.egress_via_tcp,
+                    backend=runtime.id,
+                    policy_hash=ctx.policy.digest(),
+                    run_id=ctx.run_id,
+                )
+                resolved = resolved.with_services(self.services)
             self.task = await runtime.prepare(resolved)
         except BaseException:
             self.runtime = None
@@ -236,8 +252,13 @@ class Sandbox:
 
     async def _stop_egress(self) -> None:
         proxy, self.egress = self.egress, None
-        if proxy is not None:
-            await stop_task_proxy(proxy)
+        relays, self.services = self.services, None
+        try:
+            if proxy is not None:
+                await stop_task_proxy(proxy)
+        finally:
+            if relays is not None:
+                await stop_relays(relays)
 
     async def prepare(self, ctx: PrepareContext) -> None:
         """Check the inputs, choose and check the runtime, prepare it (the failure mode

@@ -44,6 +44,9 @@ APT_PACKAGES=(
     golang-github-opencontainers-specs-dev git nodejs npm iproute2
     # the registry tests/integration/test_provision_retry.py starts on a loopback port
     docker-registry
+    # the host service tests/integration/test_host_services.py starts on loopback (initdb and
+    # postgres of postgresql-15) and reaches from inside each runtime (psql, pg_isready)
+    postgresql postgresql-client-common
     # libseccomp: pyseccomp (pyproject.toml) loads it to compile the seccomp profile to BPF
     libseccomp2
     # gVisor: the oci backend with ociRuntime runsc (a userspace kernel boundary)

@@ -684,6 +684,18 @@ static void keeper_main(struct spawn *sp, int fds[3], int chan) {
 #define FWD_MAX 512
 #define FWD_BUF 65536
 #define FWD_CONNECT_MS 5000
+#define FWD_LISTENERS 65 /* the egress forwarder and up to 64 host services */
+
+/* `--service ADDR=PATH` (policy.hostServices): the same forwarder on another loopback
+ * address of the sandbox's own (127.0.0.1:5432, [::1]:6379), spliced to PATH, the relay of
+ * that one host service (a unix socket bound into the sandbox). Each listener has its own
+ * PATH; a connection goes to its listener's PATH and nowhere else. */
+struct listener {
+    int fd;
+    const char *path;
+};
+static struct listener lis[FWD_LISTENERS];
+static size_t nlis;
 
 struct half {
     char *buf; /* what was read from this side, not yet written to the other */
@@ -693,14 +705,13 @@ struct half {
 };
 
 struct pair {
+    const char *path;   /* where fd[1] goes: its listener's PATH */
     int fd[2];          /* 0: the command's TCP connection, 1: the proxy's unix socket */
     struct half h[2];   /* h[i]: from fd[i] to fd[1 - i] */
     long long deadline; /* while > 0: fd[1] is still connecting (the proxy's backlog was full) */
     int dead;
 };
 
-static const char *fwd_path;
-static int fwd_listen = -1;
 static struct pair *pairs;
 static size_t npairs;
 
@@ -723,20 +734,74 @@ static void lo_up(void) {
     close(s);
 }
 
-/* Listen on 127.0.0.1:port (no SO_REUSEADDR/SO_REUSEPORT: nothing can share the port). */
-static int fwd_start(int port) {
+/* Listen on the sandbox's own loopback, `addr` (an IPv4 or IPv6 literal) port `port` (no
+ * SO_REUSEADDR/SO_REUSEPORT: nothing can share the port). */
+static int listen_at(const char *addr, int port) {
     lo_up();
-    int s = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    int v6 = strchr(addr, ':') != NULL;
+    int s = socket(v6 ? AF_INET6 : AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (s < 0)
-        die("egress forwarder: socket: %s", strerror(errno));
-    struct sockaddr_in sa;
-    memset(&sa, 0, sizeof sa);
-    sa.sin_family = AF_INET;
-    sa.sin_port = htons((uint16_t)port);
-    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    if (bind(s, (struct sockaddr *)&sa, sizeof sa) < 0 || listen(s, 128) < 0)
-        die("egress forwarder: listen on 127.0.0.1:%d: %s", port, strerror(errno));
+        die("forwarder: socket: %s", strerror(errno));
+    struct sockaddr_storage ss;
+    socklen_t len;
+    memset(&ss, 0, sizeof ss);
+    if (v6) {
+        struct sockaddr_in6 *sa = (struct sockaddr_in6 *)&ss;
+        int one = 1;
+        setsockopt(s, IPPROTO_IPV6, IPV6_V6ONLY, &one, sizeof one);
+        sa->sin6_family = AF_INET6;
+        sa->sin6_port = htons((uint16_t)port);
+        if (inet_pton(AF_INET6, addr, &sa->sin6_addr) != 1)
+            die("forwarder: %s is not an address", addr);
+        len = sizeof *sa;
+    } else {
+        struct sockaddr_in *sa = (struct sockaddr_in *)&ss;
+        sa->sin_family = AF_INET;
+        sa->sin_port = htons((uint16_t)port);
+        if (inet_pton(AF_INET, addr, &sa->sin_addr) != 1)
+            die("forwarder: %s is not an address", addr);
+        len = sizeof *sa;
+    }
+    if (bind(s, (struct sockaddr *)&ss, len) < 0 || listen(s, 128) < 0)
+        die("forwarder: listen on %s%s%s:%d: %s", v6 ? "[" : "", addr, v6 ? "]" : "", port,
+            strerror(errno));
     return s;
+}
+
+static void add_listener(const char *addr, int port, const char *path) {
+    if (nlis >= FWD_LISTENERS)
+        die("forwarder: more than %d listeners", FWD_LISTENERS);
+    lis[nlis].fd = listen_at(addr, port);
+    lis[nlis].path = path;
+    nlis++;
+}
+
+/* `ADDR:PORT=PATH` or `[ADDR6]:PORT=PATH`: a listener on the sandbox's loopback spliced to
+ * PATH. The spec is ours (argv): it is split in place. */
+static void add_service(char *spec) {
+    char *eq = strchr(spec, '=');
+    if (!eq || eq[1] != '/')
+        die("--service %s: want ADDR:PORT=PATH", spec);
+    *eq = 0;
+    char *addr = spec, *colon;
+    if (*addr == '[') {
+        char *close = strchr(addr, ']');
+        if (!close || close[1] != ':')
+            die("--service: want [ADDR]:PORT=PATH");
+        *close = 0;
+        addr++;
+        colon = close + 1;
+    } else {
+        colon = strrchr(addr, ':');
+        if (!colon)
+            die("--service: want ADDR:PORT=PATH");
+        *colon = 0;
+    }
+    char *end;
+    long port = strtol(colon + 1, &end, 10);
+    if (*end || port <= 0 || port > 65535)
+        die("--service: bad port %s", colon + 1);
+    add_listener(addr, (int)port, eq + 1);
 }
 
 /* A new connection to the proxy's socket at `path`: its fd (maybe still connecting: *busy),
@@ -771,7 +836,7 @@ static int fwd_retry_connect(struct pair *c) {
     struct sockaddr_un sa;
     memset(&sa, 0, sizeof sa);
     sa.sun_family = AF_UNIX;
-    strcpy(sa.sun_path, fwd_path);
+    strcpy(sa.sun_path, c->path);
     if (connect(c->fd[1], (struct sockaddr *)&sa, sizeof sa) == 0 || errno == EISCONN) {
         c->deadline = 0;
         return 0;
@@ -779,13 +844,13 @@ static int fwd_retry_connect(struct pair *c) {
     return errno == EAGAIN && now_ms() < c->deadline ? 0 : -1;
 }
 
-static void fwd_accept(void) {
+static void fwd_accept(const struct listener *l) {
     while (npairs < FWD_MAX) {
-        int c = accept4(fwd_listen, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        int c = accept4(l->fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (c < 0)
             return; /* EAGAIN, or a connection that went away: nothing to do */
         int busy;
-        int u = unix_dial(fwd_path, 1, &busy);
+        int u = unix_dial(l->path, 1, &busy);
         if (u < 0) {
             close(c); /* the proxy is gone: the command sees its connection closed */
             continue;
@@ -793,6 +858,7 @@ static void fwd_accept(void) {
         pairs = xrealloc(pairs, (npairs + 1) * sizeof *pairs);
         struct pair *pr = &pairs[npairs++];
         memset(pr, 0, sizeof *pr);
+        pr->path = l->path;
         pr->fd[0] = c;
         pr->fd[1] = u;
         pr->deadline = busy ? now_ms() + FWD_CONNECT_MS : 0;
@@ -842,13 +908,15 @@ static void fwd_close(struct pair *c) {
     c->dead = 1;
 }
 
-/* The forwarder's pollfds (listener, then two per connection) into p; returns how many. A
- * side with nothing to wait for is left out (fd -1), so a hang-up cannot spin the loop. */
+/* The forwarder's pollfds (the listeners, then two per connection) into p; returns how
+ * many. A side with nothing to wait for is left out (fd -1), so a hang-up cannot spin the
+ * loop. */
 static size_t fwd_fill(struct pollfd *p) {
     size_t n = 0;
-    if (fwd_listen < 0)
+    if (nlis == 0)
         return 0;
-    p[n++] = (struct pollfd){npairs < FWD_MAX ? fwd_listen : -1, POLLIN, 0};
+    for (size_t i = 0; i < nlis; i++)
+        p[n++] = (struct pollfd){npairs < FWD_MAX ? lis[i].fd : -1, POLLIN, 0};
     for (size_t k = 0; k < npairs; k++) {
         struct pair *c = &pairs[k];
         for (int i = 0; i < 2; i++) {
@@ -867,7 +935,7 @@ static size_t fwd_fill(struct pollfd *p) {
 
 /* After poll: accept, retry connects, move data, drop finished connections. */
 static void fwd_handle(struct pollfd *p) {
-    if (fwd_listen < 0)
+    if (nlis == 0)
         return;
     size_t had = npairs;
     for (size_t k = 0; k < had; k++) {
@@ -877,7 +945,7 @@ static void fwd_handle(struct pollfd *p) {
                 fwd_close(c);
             continue;
         }
-        if (!(p[1 + 2 * k].revents | p[2 + 2 * k].revents))
+        if (!(p[nlis + 2 * k].revents | p[nlis + 1 + 2 * k].revents))
             continue;
         if (fwd_flow(c, 0) < 0 || fwd_flow(c, 1) < 0 || (c->h[0].shut && c->h[1].shut))
             fwd_close(c);
@@ -887,8 +955,9 @@ static void fwd_handle(struct pollfd *p) {
         if (!pairs[k].dead)
             pairs[j++] = pairs[k];
     npairs = j;
-    if (p[0].revents)
-        fwd_accept();
+    for (size_t i = 0; i < nlis; i++)
+        if (p[i].revents)
+            fwd_accept(&lis[i]);
 }
 
 static int fwd_waiting(void) {
@@ -900,12 +969,12 @@ static int fwd_waiting(void) {
 
 /* In a keeper: none of the forwarder's sockets is ours to hold. */
 static void fwd_drop_inherited(void) {
-    if (fwd_listen >= 0)
-        close(fwd_listen);
+    for (size_t i = 0; i < nlis; i++)
+        close(lis[i].fd);
     for (size_t k = 0; k < npairs; k++)
         for (int i = 0; i < 2; i++)
             close(pairs[k].fd[i]);
-    fwd_listen = -1;
+    nlis = 0;
     npairs = 0;
 }
 
@@ -1358,8 +1427,7 @@ static int connect_main(const char *host, const char *port_s) {
  * container per command): until killed. */
 __attribute__((noreturn)) static void forward_loop(void);
 __attribute__((noreturn)) static void forward_main(const char *path) {
-    fwd_path = path;
-    fwd_listen = fwd_start(FWD_PORT);
+    add_listener("127.0.0.1", FWD_PORT, path);
     forward_loop();
 }
 
@@ -1367,9 +1435,7 @@ __attribute__((noreturn)) static void forward_main(const char *path) {
  * not the agent): the forwarder listens before the command starts (no command can take the
  * port first, none connects before it listens), then serves in a child of ours for the
  * command's life: it dies with us (PDEATHSIG) and with the container's pid namespace. */
-static void forward_beside(const char *path) {
-    fwd_path = path;
-    fwd_listen = fwd_start(FWD_PORT);
+static void forward_beside(void) {
     pid_t parent = getpid();
     pid_t pid = fork();
     if (pid < 0)
@@ -1381,14 +1447,15 @@ static void forward_beside(const char *path) {
         prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
         forward_loop();
     }
-    close(fwd_listen);
-    fwd_listen = -1;
+    for (size_t i = 0; i < nlis; i++)
+        close(lis[i].fd);
+    nlis = 0;
 }
 
 __attribute__((noreturn)) static void forward_loop(void) {
     struct pollfd *p = NULL;
     for (;;) {
-        p = xrealloc(p, (1 + 2 * npairs) * sizeof *p);
+        p = xrealloc(p, (nlis + 2 * npairs) * sizeof *p);
         size_t np = fwd_fill(p);
         if (poll(p, np, fwd_waiting() ? 10 : -1) < 0 && errno != EINTR)
             die("poll: %s", strerror(errno));
@@ -1400,10 +1467,25 @@ int main(int argc, char **argv) {
     pid_t parent = 0;
     int dumpable = 0;
     const char *connect_path = NULL;
-    if (argc > 6 && !strcmp(argv[1], "--egress") && !strcmp(argv[3], "--exec-status-file")) {
-        forward_beside(argv[2]);
-        argv += 2;
-        argc -= 2;
+    const char *egress_path = NULL;
+    char *services[FWD_LISTENERS];
+    int nservices = 0;
+    /* `--egress PATH` and `--service SPEC`s before `--exec-status-file F -- ARGV`. */
+    int lead = 1;
+    while (lead + 1 < argc &&
+           (!strcmp(argv[lead], "--egress") || !strcmp(argv[lead], "--service")))
+        lead += 2;
+    if (lead > 1 && argc > lead + 3 && !strcmp(argv[lead], "--exec-status-file")) {
+        for (int i = 1; i < lead; i += 2) {
+            if (!strcmp(argv[i], "--egress"))
+                add_listener("127.0.0.1", FWD_PORT, argv[i + 1]);
+            else
+                add_service(argv[i + 1]);
+        }
+        forward_beside();
+        argv[lead - 1] = argv[0];
+        argv += lead - 1;
+        argc -= lead - 1;
     }
     if (argc > 4 && !strcmp(argv[3], "--") && (!strcmp(argv[1], "--exec-status") ||
                                                 !strcmp(argv[1], "--exec-status-file"))) {
@@ -1427,7 +1509,9 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--connect") && i + 1 < argc)
             connect_path = argv[++i];
         else if (!strcmp(argv[i], "--egress") && i + 1 < argc)
-            fwd_path = argv[++i];
+            egress_path = argv[++i];
+        else if (!strcmp(argv[i], "--service") && i + 1 < argc && nservices < FWD_LISTENERS - 1)
+            services[nservices++] = argv[++i];
         else if (!strcmp(argv[i], "--parent") && i + 1 < argc)
             parent = (pid_t)atoi(argv[++i]);
         else if (!strcmp(argv[i], "--dumpable"))
@@ -1438,7 +1522,7 @@ int main(int argc, char **argv) {
             puts("fusion-oci-agent protocol " PROTOCOL_VERSION);
             return 0;
         } else
-            die("usage: fusion-oci-agent [--egress PATH] (--fd N [--parent PID] | --connect PATH)");
+            die("usage: fusion-oci-agent [--egress PATH] [--service ADDR:PORT=PATH]... (--fd N [--parent PID] | --connect PATH)");
     }
     /* An ignored signal stays ignored across exec: whatever our parent ignored (SIGPIPE...)
      * goes back to default here, once, so every command starts with default dispositions
@@ -1459,15 +1543,17 @@ int main(int argc, char **argv) {
     if (connect_path)
         connect_to(connect_path);
     if (conn < 0)
-        die("usage: fusion-oci-agent [--egress PATH] (--fd N [--parent PID] | --connect PATH)");
+        die("usage: fusion-oci-agent [--egress PATH] [--service ADDR:PORT=PATH]... (--fd N [--parent PID] | --connect PATH)");
     if (fcntl(conn, F_SETFD, FD_CLOEXEC) < 0)
         die("fd %d: %s", conn, strerror(errno));
     if (parent && getppid() != parent)
         return 125; /* the host died before we started */
     sigfd = make_sigfd();
     /* Listening before hello: before any command runs, so none can take the port first. */
-    if (fwd_path)
-        fwd_listen = fwd_start(FWD_PORT);
+    if (egress_path)
+        add_listener("127.0.0.1", FWD_PORT, egress_path);
+    for (int i = 0; i < nservices; i++)
+        add_service(services[i]);
     struct out o;
     out_begin(&o, 'H');
     out_field(&o, "version", "%s", PROTOCOL_VERSION);
@@ -1476,7 +1562,7 @@ int main(int argc, char **argv) {
         shutdown_all();
     struct pollfd *p = NULL;
     for (;;) {
-        p = xrealloc(p, (nruns + 3 + 2 * npairs) * sizeof *p);
+        p = xrealloc(p, (nruns + 2 + nlis + 2 * npairs) * sizeof *p);
         p[0] = (struct pollfd){conn, POLLIN, 0};
         p[1] = (struct pollfd){sigfd, POLLIN, 0};
         for (size_t i = 0; i < nruns; i++)

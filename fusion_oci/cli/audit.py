@@ -219,7 +219,16 @@ def render_egress(s: dict[str, Any], console: Console | None = None) -> None:
         _table(
             f"egress per task ({e['allowed']} allowed, {e['denied']} denied; "
             f"{e['bytesUp']} bytes up, {e['bytesDown']} down)",
-            ["task", "connections", "allowed", "denied", "bytes up", "bytes down", "hosts"],
+            [
+                "task",
+                "connections",
+                "allowed",
+                "denied",
+                "bytes up",
+                "bytes down",
+                "hosts",
+                "host services",
+            ],
             [
                 [
                     r["taskId"],
@@ -229,6 +238,7 @@ def render_egress(s: dict[str, Any], console: Console | None = None) -> None:
                     r["bytesUp"],
                     r["bytesDown"],
                     r["hosts"],
+                    r.get("services", 0),
                 ]
                 for r in e["byTask"]
             ],

@@ -34,6 +34,7 @@ def doctor(
     from fusion_oci.errors import FusionOCIError
     from fusion_oci.policy.settings import load_settings
     from fusion_oci.policy.worktree import default_worktree
+    from fusion_oci.services.show import grant_summary
     from fusion_oci.taskflags import find_project_dir
 
     where = (
@@ -55,6 +56,7 @@ def doctor(
         "source": effective.provenance.get("backend", "default"),
         "failureMode": effective.settings.failure_mode,
         "available": chosen["available"],
+        "hostServices": grant_summary(effective.settings.policy),
     }
     status = 0 if chosen["available"] else 1
     if as_json:
@@ -77,6 +79,11 @@ def doctor(
             "" if row["available"] else f"{row['reason']}\n{row['hint'] or ''}".strip(),
         )
     _console().print(table)
+    for entry in summary["hostServices"]:
+        _console().print(
+            f"[bold]hostServices[/] {entry['grant']}: gives {entry['gives']}"
+            + (f"; [red]hands over the host[/]: {entry['handsOver']}" if entry["handsOver"] else "")
+        )
     for row in rows:
         # landlock's: user namespaces are forbidden here, and landlock still isolates.
         if (row["details"] or {}).get("recommendation"):
@@ -132,6 +139,9 @@ def settings_show(
     from fusion_oci.taskflags import caller_env
 
     rows += egress_rows(task.ctx, caller_env())  # network filtered: the proxy's hosts, and why
+    from fusion_oci.services.show import grant_rows
+
+    rows += grant_rows(task.ctx.policy)  # hostServices: what each grant gives away
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return

@@ -14,6 +14,7 @@ def dry_run(task: Any, command: str | list[str], environ: dict[str, str]) -> dic
     from fusion_oci.oci.model import config_json
     from fusion_oci.resolve import resolve
     from fusion_oci.runtimes.registry import create_runtime
+    from fusion_oci.services.show import grant_summary
 
     settings = task.effective.settings
     host = probe_host()
@@ -44,6 +45,7 @@ def dry_run(task: Any, command: str | list[str], environ: dict[str, str]) -> dic
         "policy": task.ctx.policy.model_dump(mode="json", by_alias=True),
         "policyHash": task.ctx.policy.digest(),
         "unenforced": missing,
+        "hostServices": grant_summary(task.ctx.policy),
         "config": config_json(resolved.spec, process),
         "launch": launch,
     }

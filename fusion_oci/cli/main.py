@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -97,6 +97,15 @@ app.command(context_settings={"allow_interspersed_args": False})(run)
 # --- plan -----------------------------------------------------------------------------------
 
 
+def _grant_lines(grants: list[dict[str, Any]]) -> list[str]:
+    """``plan``'s lines about the host services granted: what each gives away."""
+    return [
+        f"hostServices {g['grant']}: gives {g['gives']}"
+        + (f"; HANDS OVER THE HOST: {g['handsOver']}" if g["handsOver"] else "")
+        for g in grants
+    ]
+
+
 @app.command(context_settings={"allow_interspersed_args": False})
 def plan(
     command: Command,
@@ -155,12 +164,17 @@ def plan(
             typer.echo(json.dumps(data[key], indent=2))
             if key == "policy" and data["unenforced"]:
                 typer.echo("not enforced by this backend: " + ", ".join(data["unenforced"]))
+            if key == "policy":
+                for line in _grant_lines(data["hostServices"]):
+                    typer.echo(line)
         return
     console = Console()
     console.rule(f"policy ({data['policyHash']})")
     console.print(Syntax(json.dumps(data["policy"], indent=2), "json"))
     if data["unenforced"]:
         console.print("[yellow]not enforced by this backend:[/] " + ", ".join(data["unenforced"]))
+    for line in _grant_lines(data["hostServices"]):
+        console.print(line, markup=False)
     console.rule("config.json")
     console.print(Syntax(json.dumps(data["config"], indent=2), "json"))
     console.rule(f"launch plan: {data['backend']}")

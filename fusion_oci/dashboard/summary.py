@@ -130,6 +130,8 @@ class _EgressTask:
     bytes_up: int = 0
     bytes_down: int = 0
     hosts: set[str] = field(default_factory=set)
+    services: int = 0
+    """Connections through a granted host service (``details.service``: policy.hostServices)."""
 
     def row(self) -> dict[str, Any]:
         return {
@@ -140,6 +142,7 @@ class _EgressTask:
             "bytesUp": self.bytes_up,
             "bytesDown": self.bytes_down,
             "hosts": len(self.hosts),
+            "services": self.services,
         }
 
 
@@ -303,6 +306,8 @@ class SummaryBuilder:
             egress.hosts.add(host)
         egress.bytes_up += e.bytes_up or 0
         egress.bytes_down += e.bytes_down or 0
+        if (e.details or {}).get("service"):
+            egress.services += 1
         if e.allowed:
             egress.allowed += 1
             return
@@ -359,6 +364,7 @@ class SummaryBuilder:
             "denied": sum(t.denied for t in rows),
             "bytesUp": sum(t.bytes_up for t in rows),
             "bytesDown": sum(t.bytes_down for t in rows),
+            "services": sum(t.services for t in rows),
             "byTask": [t.row() for t in rows[:50]],
             "topDenied": [
                 {"host": h, "count": n, "rule": self.egress_denied_rule.get(h)}

@@ -172,7 +172,20 @@ def read_spec(
         readonly_paths=list(linux.readonly_paths or []),
         hostname=task.hostname,
         labels={k: v for k, v in ann.items() if k.startswith(ANN)},
-        notes=list(notes),
+        notes=[
+            *notes,
+            # The grants are served by fusion-oci's per-task relays, which no format has.
+            *(
+                [
+                    "hostServices: the run was granted "
+                    + ", ".join(str(g) for g in task.host_services)
+                    + " (fusion-oci's per-task relays); the export grants none, so its "
+                    "sandbox reaches no host service"
+                ]
+                if task.host_services
+                else []
+            ),
+        ],
     )
 
 

@@ -16,12 +16,15 @@ Every field an OCI document may leave out is ``None`` here and left out of the J
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from fusion_oci.models import CacheMode, NetworkMode
+
+if TYPE_CHECKING:
+    from fusion_oci.hostservice import HostService
 
 
 class OciModel(BaseModel):
@@ -224,6 +227,7 @@ ANN_NETWORK = ANN + "network"
 ANN_IMAGE = ANN + "image"
 ANN_HOST_ROOTFS = ANN + "host-rootfs"
 ANN_CACHE_MODE = ANN + "cache-mode"
+ANN_HOST_SERVICES = ANN + "host-services"
 
 
 class TaskSpec(OciModel):
@@ -250,6 +254,20 @@ class TaskSpec(OciModel):
         if said in (NetworkMode.EGRESS.value, NetworkMode.FILTERED.value):
             return NetworkMode(said)
         return NetworkMode.NONE
+
+    @property
+    def host_services(self) -> tuple[HostService, ...]:
+        """The host services the task is granted (``policy.hostServices``, canonical forms);
+        empty: none. An entry that does not parse is dropped: closed, never open."""
+        from fusion_oci.hostservice import parse_grant
+
+        out = []
+        for text in filter(None, self.annotations.get(ANN_HOST_SERVICES, "").split(" ")):
+            try:
+                out.append(parse_grant(text))
+            except ValueError:
+                continue
+        return tuple(out)
 
     @property
     def image(self) -> str | None:

@@ -10,11 +10,13 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from fusion_oci.hostservice import HostService, no_proxy
 from fusion_oci.models import NetworkMode, PrepareContext, RunOptions, SandboxPolicy
 from fusion_oci.oci.host import HostInfo
 from fusion_oci.oci.model import (
     ANN_CACHE_MODE,
     ANN_HOST_ROOTFS,
+    ANN_HOST_SERVICES,
     ANN_IMAGE,
     ANN_NETWORK,
     ANN_POLICY,
@@ -241,6 +243,16 @@ def with_network(spec: Spec, mode: NetworkMode) -> Spec:
     return out
 
 
+def with_host_services(spec: Spec, grants: Sequence[HostService]) -> Spec:
+    """The host services granted to the task, space-separated canonical forms (OCI has no
+    field for them: each runtime serves them, or its check lists them unenforced)."""
+    if not grants:
+        return spec
+    out = _copy(spec)
+    out["annotations"][ANN_HOST_SERVICES] = " ".join(str(g) for g in grants)
+    return out
+
+
 def with_memory_limit(spec: Spec, mib: int | None) -> Spec:
     out = _copy(spec)
     if mib:
@@ -409,6 +421,8 @@ def sandbox_env(
         # Last: the allowlist cannot point a tool past the proxy (it could not reach anything
         # anyway: the sandbox's only way out is the forwarder on 127.0.0.1:3128).
         env.update(filtered_env())
+        if bypass := no_proxy([g for g, _ in policy.grants()]):
+            env["NO_PROXY"] = env["no_proxy"] = bypass  # granted services, directly
     return env
 
 
@@ -526,6 +540,7 @@ def compile_task(ctx: PrepareContext, layout: TaskLayout, host: HostInfo) -> Tas
     spec = default_spec()
     del spec["process"]
     spec = with_network(spec, policy.network_mode)
+    spec = with_host_services(spec, [g for g, _ in policy.grants()])
     spec = with_memory_limit(spec, policy.memory_limit_mb)
     cpu = policy.cpu_limit
     spec = with_cpu_quota(spec, cpu.max_cores if cpu else None)

@@ -294,6 +294,8 @@ class BubblewrapRuntime(SpecRuntime):
         """The BPF of the task's seccomp profile: compiled once at prepare."""
         self._egress_socket: str | None = None
         """``filtered``: the host path of the task's egress proxy socket (from prepare)."""
+        self._service_relays: tuple[tuple[str, str], ...] | None = None
+        """``hostServices``: the relays' sockets (from prepare)."""
 
     # ------------------------------------------------------------------ host facts
     @property
@@ -313,6 +315,7 @@ class BubblewrapRuntime(SpecRuntime):
             egress_resolv_conf=resolv,
             agent=str(agent_binary()),
             egress_socket=self._egress_socket or EGRESS_PLACEHOLDER,
+            service_relays=self._service_relays,
         )
 
     def host_for(self, task: TaskSpec) -> BwrapHost:
@@ -391,6 +394,7 @@ class BubblewrapRuntime(SpecRuntime):
             Requirement.HOST_PROCESSES,
             Requirement.NETWORK_NONE,
             Requirement.NETWORK_FILTERED,
+            Requirement.HOST_SERVICES,
             Requirement.TMP_SIZE,
         }
         if p.egress_problem is None and p.slirp4netns:
@@ -436,6 +440,7 @@ class BubblewrapRuntime(SpecRuntime):
         task = await super().prepare(task)
         check_spec(task.spec)
         self._egress_socket = egress.proxy_socket(task)
+        self._service_relays = egress.service_relays(task)
         self._scratch = make_task_scratch(task.ctx.task_id)
         try:
             self._bpf = seccomp_program(task.spec)
@@ -593,6 +598,7 @@ class BubblewrapRuntime(SpecRuntime):
         finally:
             self._bpf = None
             self._egress_socket = None
+            self._service_relays = None
             if self._scratch is not None:
                 shutil.rmtree(self._scratch, ignore_errors=True)
                 self._scratch = None

@@ -33,7 +33,9 @@ from fusion_oci.oci.model import Mount, ProcessSpec, Rlimit, TaskSpec, User
 from fusion_oci.oci.seccomp import LIBSECCOMP_HINT, OCI_ARCHES, compile_bpf
 from fusion_oci.runtimes.linux import cgroups
 from fusion_oci.runtimes.linux.cgroups import CgroupLimits
+from fusion_oci.runtimes.linux.egress import split_relays
 from fusion_oci.runtimes.plans import PLAN_RUN_ID, spawn_of
+from fusion_oci.services.inside import ServiceWiring, service_notes, service_wiring
 
 INFO_FD = "<info-fd>"
 BLOCK_FD = "<block-fd>"
@@ -79,6 +81,9 @@ class BwrapHost:
     """The host path of the agent binary (fusion_oci.agent), the sandbox's PID 1."""
     egress_socket: str = EGRESS_PLACEHOLDER
     """``filtered``: the host path of the task's egress proxy socket (fusion_oci.egress)."""
+    service_relays: tuple[tuple[str, str], ...] | None = None
+    """``hostServices``: the relays' host sockets and unix grants' resolved paths
+    (fusion_oci.runtimes.linux.egress.service_relays). None: placeholders (a plan)."""
 
 
 @dataclass(frozen=True)
@@ -268,6 +273,11 @@ def bwrap_argv(
             host.agent,
             EGRESS_AGENT,
         ]
+    services = host_services(task, host)
+    for source, dest in services.binds:
+        # Each grant's relay socket: at /run/fusion-oci/services/N.sock for the agent's
+        # listener on the sandbox's own loopback, or at the granted unix path itself.
+        argv += ["--ro-bind", source, dest]
     if task.root.readonly is not False:
         # Last: mount points above were created in bwrap's tmpfs root; now nothing new can be.
         argv += ["--remount-ro", "/"]
@@ -284,23 +294,40 @@ def bwrap_argv(
         "--chdir",
         "/",
         "--",
-        *sandbox_command(fds.agent, filtered=network is NetworkMode.FILTERED),
+        *sandbox_command(
+            fds.agent, filtered=network is NetworkMode.FILTERED, services=services.agent_args
+        ),
     ]
     return argv
 
 
-def sandbox_command(agent: int | str = AGENT_FD, *, filtered: bool = False) -> list[str]:
+def host_services(task: TaskSpec, host: BwrapHost) -> ServiceWiring:
+    """The task's granted host services as binds and agent listeners (placeholders in a
+    plan). Pure."""
+    sockets, targets = split_relays(host.service_relays)
+    return service_wiring(task.host_services, sockets, targets)
+
+
+def sandbox_command(
+    agent: int | str = AGENT_FD, *, filtered: bool = False, services: Sequence[str] = ()
+) -> list[str]:
     """What bwrap execs: the agent on its end of the socketpair, with its egress forwarder
-    when the network is ``filtered``. Pure."""
-    return [AGENT_IN_SANDBOX, *(forward_args() if filtered else []), "--fd", str(agent)]
+    when the network is ``filtered`` and a listener per granted TCP host service. Pure."""
+    return [
+        AGENT_IN_SANDBOX,
+        *(forward_args() if filtered else []),
+        *services,
+        "--fd",
+        str(agent),
+    ]
 
 
 def _command_len(argv: Sequence[str]) -> int:
-    """How many of ``argv``'s last arguments are :func:`sandbox_command` (with or without the
-    forwarder's option)."""
-    filtered = sandbox_command(filtered=True)
-    if len(argv) >= len(filtered) and list(argv[-len(filtered) : -1]) == filtered[:-1]:
-        return len(filtered)
+    """How many of ``argv``'s last arguments are :func:`sandbox_command` (whatever options the
+    agent got): everything after the last ``-- AGENT``."""
+    for i in range(len(argv) - 2, -1, -1):
+        if argv[i] == "--" and argv[i + 1] == AGENT_IN_SANDBOX:
+            return len(argv) - i - 1
     return len(sandbox_command())
 
 
@@ -396,6 +423,7 @@ def plan_notes(task: TaskSpec, process: ProcessSpec, host: BwrapHost) -> list[st
             "egress: slirp4netns --configure --disable-host-loopback on the child's "
             "network namespace before the command starts"
         )
+    notes += service_notes(task)
     if network is NetworkMode.FILTERED:
         notes.append(
             "filtered: an empty network namespace (lo only); the agent forwards "

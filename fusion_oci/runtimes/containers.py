@@ -53,7 +53,9 @@ from fusion_oci.models import NetworkMode
 from fusion_oci.oci.model import ANN, ANN_TASK, Mount, ProcessSpec, TaskSpec
 from fusion_oci.oci.spec import SANDBOX_PATH
 from fusion_oci.policy.layout import CACHE_ROOT_IN_SANDBOX
+from fusion_oci.runtimes.linux.egress import split_relays
 from fusion_oci.runtimes.outcome import LimitCounters
+from fusion_oci.services.inside import ServiceWiring, service_notes, service_wiring
 
 Engine = Literal["podman", "docker"]
 ContainerMode = Literal["warm", "oneshot"]
@@ -75,6 +77,9 @@ class AgentMounts:
     """Placeholders: what a plan (``--dry-run``, goldens) shows before prepare made them."""
     egress_socket: str = "<egress-proxy.sock>"
     """``filtered``: the host path of the task's egress proxy socket (started at prepare)."""
+    service_relays: tuple[tuple[str, str], ...] | None = None
+    """``hostServices``: the relays' host sockets and unix grants' resolved paths
+    (fusion_oci.runtimes.linux.egress.service_relays); None: placeholders (a plan)."""
 
 
 # Mounts every engine makes itself (with the same or stricter options than the spec's).
@@ -370,8 +375,16 @@ def plan_container(
         "ulimits": _ulimits(init, target),
     }
     kwargs.update(_mounts(spec, target, volumes))
-    _add_agent(kwargs, target, agent, filtered=spec.network is NetworkMode.FILTERED)
+    sockets, targets = split_relays(agent.service_relays)
+    services = service_wiring(spec.host_services, sockets, targets)
+    _add_agent(
+        kwargs, target, agent, filtered=spec.network is NetworkMode.FILTERED, services=services
+    )
     kwargs.update(_network(spec, target))
+    if target.engine == "docker" and any(g.family == 10 for g in spec.host_services):
+        # Docker turns IPv6 off in a container's network namespace by default: the agent's
+        # listener on the sandbox's own ::1 for a [::1] grant needs it on (its own lo only).
+        kwargs["sysctls"] = {"net.ipv6.conf.lo.disable_ipv6": "0"}
     if target.cgroup_limits:
         kwargs.update(_resources(spec))
     nnp = init.no_new_privileges
@@ -406,17 +419,25 @@ def plan_container(
             "filtered: network none; the agent forwards 127.0.0.1:3128 to the task's "
             f"egress proxy socket, bound read-only at {EGRESS_SOCKET}"
         )
+    notes += service_notes(spec)
     return ContainerPlan(name=name, image=image, create=kwargs, volumes=volumes, notes=notes)
 
 
 def _add_agent(
-    kwargs: dict[str, Any], target: Target, agent: AgentMounts, *, filtered: bool = False
+    kwargs: dict[str, Any],
+    target: Target,
+    agent: AgentMounts,
+    *,
+    filtered: bool = False,
+    services: ServiceWiring | None = None,
 ) -> None:
     """The exec agent as the container's init, and its two read-only mounts (``filtered``:
-    with its forwarder, the proxy's socket and the agent again for ssh's ProxyCommand)."""
+    with its forwarder, the proxy's socket and the agent again for ssh's ProxyCommand;
+    ``services``: a listener per granted TCP host service, and each relay's socket)."""
     kwargs["entrypoint"] = [AGENT_PATH]
     kwargs["command"] = [
         *(forward_args() if filtered else []),
+        *(services.agent_args if services else ()),
         "--connect",
         f"{AGENT_RUN_DIR}/{AGENT_SOCKET}",
     ]
@@ -427,7 +448,7 @@ def _add_agent(
     binds = ((agent.binary, AGENT_PATH), (agent.run_dir, AGENT_RUN_DIR))
     egress = (
         ((agent.egress_socket, EGRESS_SOCKET), (agent.binary, EGRESS_AGENT)) if filtered else ()
-    )
+    ) + (services.binds if services else ())
     if target.engine == "docker":
         kwargs["mounts"] = [
             *kwargs["mounts"],

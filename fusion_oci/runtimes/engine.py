@@ -62,7 +62,7 @@ from fusion_oci.runtimes.containers import (
     spec_image,
 )
 from fusion_oci.runtimes.engine_probe import EngineProbe, nproc_limit
-from fusion_oci.runtimes.linux.egress import proxy_socket
+from fusion_oci.runtimes.linux.egress import proxy_socket, service_relays
 from fusion_oci.runtimes.outcome import LimitCounters, classify
 from fusion_oci.runtimes.plans import AgentPlan, Plan, SandboxLaunch, own_plan, spawn_of
 from fusion_oci.runtimes.requirements import Requirement
@@ -130,6 +130,8 @@ class ContainerRuntime(EngineProbe):
         self._image_id: str | None = None
         self._egress_socket: str | None = None
         """``filtered``: the host path of the task's egress proxy socket (from prepare)."""
+        self._service_relays: tuple[tuple[str, str], ...] | None = None
+        """``hostServices``: the relays' sockets (from prepare)."""
 
     # -- engine-specific hooks (more in EngineProbe) ---------------------------------------
 
@@ -156,6 +158,7 @@ class ContainerRuntime(EngineProbe):
             Requirement.NETWORK_NONE,
             Requirement.NETWORK_EGRESS,
             Requirement.NETWORK_FILTERED,
+            Requirement.HOST_SERVICES,
             Requirement.CPU_TIME,
             Requirement.TMP_SIZE,
             Requirement.FILE_SIZE,
@@ -232,6 +235,7 @@ class ContainerRuntime(EngineProbe):
         await super().prepare(task)
         ctx = task.ctx
         self._egress_socket = proxy_socket(task)
+        self._service_relays = service_relays(task)
         # The image the resolve step chose (context, settings, else this backend's default),
         # provisioned; the task then runs on its local reference.
         self.image_ref = await self._provision(spec_image(task.spec), ctx)
@@ -312,7 +316,12 @@ class ContainerRuntime(EngineProbe):
             run_dir, listener = self._agent_listener(nonce)
             plan = self._plan(
                 container_name(self.ctx.task_id, nonce),
-                AgentMounts(binary, str(run_dir), self._egress_socket or AgentMounts.egress_socket),
+                AgentMounts(
+                    binary,
+                    str(run_dir),
+                    self._egress_socket or AgentMounts.egress_socket,
+                    self._service_relays,
+                ),
             )
             cid: str | None = None
             try:
@@ -448,6 +457,7 @@ class ContainerRuntime(EngineProbe):
                 self._task_volumes = []
         finally:
             self._egress_socket = None
+            self._service_relays = None
             self._container_plan = None
             if self._scratch is not None:
                 shutil.rmtree(self._scratch, ignore_errors=True)

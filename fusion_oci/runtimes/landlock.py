@@ -107,6 +107,7 @@ from fusion_oci.runtimes.requirements import Requirement
 if TYPE_CHECKING:
     from fusion_oci.agent.client import Agent
     from fusion_oci.resolve import ResolvedTask
+    from fusion_oci.services import TaskRelays
 
 # Landlock access rights (include/uapi/linux/landlock.h), and the ABI that introduced each.
 FS_RIGHTS: dict[str, tuple[int, int]] = {
@@ -227,6 +228,11 @@ class LandlockRules:
     proxy_port: int | None = None
     """``filtered``: the host loopback port of the task's egress proxy (None before prepare
     started it: nothing can connect then)."""
+    services: tuple[tuple[str, str], ...] = ()
+    """``hostServices``: each grant and its relay on the host, as the connect supervisor
+    redirects to it: ``("tcp 4 127.0.0.1 5432", "PORT")`` (the relay's loopback port; family
+    4 or 6) and ``("unix /granted/path", "/relay.sock")`` (also for the path it resolved to).
+    Empty: none (or a plan before prepare started the relays)."""
     scopes: tuple[str, ...] = ("abstract_unix_socket", "signal")
     seccomp: dict[str, Any] = field(default_factory=dict)
     """The bundle's profile plus the rules above (OCI JSON)."""
@@ -244,6 +250,7 @@ class LandlockRules:
             "paths": {p: " ".join(a) for p, a in self.paths},
             "network": self.network,
             "proxy_port": self.proxy_port,
+            **({"services": dict(self.services)} if self.services else {}),
             "scopes": list(self.scopes),
             "seccomp": self.seccomp,
             "restored": self.restored,
@@ -401,7 +408,12 @@ def filtered_socket_rules() -> list[dict[str, Any]]:
 
 
 def landlock_rules(
-    spec: TaskSpec, home: str, tmp: str, proxy_port: int | None = None, agent: str | None = None
+    spec: TaskSpec,
+    home: str,
+    tmp: str,
+    proxy_port: int | None = None,
+    agent: str | None = None,
+    services: tuple[tuple[str, str], ...] = (),
 ) -> LandlockRules:
     """The ruleset for a spec whose sandbox HOME and /tmp are the host dirs ``home``, ``tmp``
     (and, for ``network: filtered``, whose egress proxy listens on host ``proxy_port``), with
@@ -456,11 +468,38 @@ def landlock_rules(
     return LandlockRules(
         paths,
         network.value,
-        seccomp=landlock_seccomp(profile, network),
+        services=services,
+        seccomp=landlock_seccomp(profile, service_socket_network(network, spec)),
         restored=restored,
         holes=sorted(set(holes)),
         proxy_port=proxy_port if network is NetworkMode.FILTERED else None,
     )
+
+
+def service_socket_network(network: NetworkMode, spec: TaskSpec) -> NetworkMode:
+    """The network whose socket rules a task gets: ``none`` with granted host services needs
+    TCP and unix stream sockets (those of ``filtered``, every connect going to the
+    supervisor, which lets only the grants through: :func:`launch_config`). Pure."""
+    if network is NetworkMode.NONE and spec.host_services:
+        return NetworkMode.FILTERED
+    return network
+
+
+def service_redirects(relays: TaskRelays | None) -> tuple[tuple[str, str], ...]:
+    """The connect supervisor's redirects (:attr:`LandlockRules.services`) to a task's
+    relays. Pure."""
+    if relays is None:
+        return ()
+    out: list[tuple[str, str]] = []
+    for relay in relays.relays:
+        grant = relay.grant
+        if grant.kind == "tcp":
+            family = "6" if grant.family == 10 else "4"
+            out.append((f"tcp {family} {grant.address} {grant.port}", str(relay.tcp_port or 0)))
+        else:
+            for path in dict.fromkeys((grant.path, relay.target)):
+                out.append((f"unix {path}", str(relay.socket)))
+    return tuple(out)
 
 
 def landlock_env(env: dict[str, str], rules: LandlockRules, agent: str) -> dict[str, str]:
@@ -472,7 +511,11 @@ def landlock_env(env: dict[str, str], rules: LandlockRules, agent: str) -> dict[
         return env
     from fusion_oci.egress import proxy_env
 
-    return {**env, **proxy_env("127.0.0.1", rules.proxy_port or 0, agent=agent)}
+    out = {**env, **proxy_env("127.0.0.1", rules.proxy_port or 0, agent=agent)}
+    for key in ("NO_PROXY", "no_proxy"):  # the granted services' addresses (oci/spec.py)
+        if env.get(key):
+            out[key] = env[key]
+    return out
 
 
 def _mask(names: Sequence[str], table: dict[str, tuple[int, int]], abi: int) -> int:
@@ -500,9 +543,11 @@ def launch_config(rules: LandlockRules, abi: int, arch: str) -> dict[str, Any]:
         # Where the chmod supervisor may change modes: the writable directories, never a
         # device node such as /dev/null.
         "writable": [p for p, a in rules.paths if "make_reg" in a],
-        # 0: every connect() goes to the supervisor, which allows 127.0.0.1:PORT and unix
-        # sockets beneath writable paths; -1: connect is left to the kernel (none, host).
-        "connect_port": (port or 0) if rules.network == "filtered" else -1,
+        # 0: every connect() goes to the supervisor, which allows 127.0.0.1:PORT, the granted
+        # host services (to their relays) and unix sockets beneath writable paths; -1: connect
+        # is left to the kernel (none, host), where every socket() is refused.
+        "connect_port": (port or 0) if rules.network == "filtered" or rules.services else -1,
+        **({"services": [list(r) for r in rules.services]} if rules.services else {}),
         "ports": [[port, _mask(["connect_tcp"], NET_RIGHTS, abi)]] if port and abi >= 4 else [],
     }
 
@@ -529,7 +574,15 @@ def launch_text(config: dict[str, Any]) -> str:
     lines += [f"port {mask} {port}" for port, mask in config["ports"]]
     lines += [f"path {mask} {path}" for path, mask in config["paths"]]
     lines += [f"writable {path}" for path in config["writable"]]
-    if any("\n" in p for p, _ in config["paths"]):
+    for grant, relay in config.get("services", []):
+        kind, _, rest = grant.partition(" ")
+        if kind == "tcp":
+            lines.append(f"svctcp {rest} {relay}")
+        else:
+            lines += [f"svcunix {rest}", f"svcto {relay}"]
+    if any("\n" in p for p, _ in config["paths"]) or any(
+        "\n" in g + r for g, r in config.get("services", [])
+    ):
         raise SandboxSetupError(
             "the landlock runtime cannot confine this task",
             "a granted path contains a newline",
@@ -555,6 +608,9 @@ def enforced_requirements(abi: int) -> frozenset[Requirement]:
         out.add(Requirement.FILESYSTEM)
     if abi >= MIN_NET_ABI:
         out.add(Requirement.NETWORK_FILTERED)
+        # The connect supervisor redirects a grant's address to its relay; every other
+        # connect is checked as under filtered (TCP to nothing else, Landlock's port rules).
+        out.add(Requirement.HOST_SERVICES)
     if abi >= MIN_SCOPE_ABI:
         # rlimits, priorities, affinity and scheduling: the seccomp rules on any ABI
         # (other_process_rules); signals: Landlock's scoping, which ABI 6 brought.
@@ -655,6 +711,8 @@ class LandlockRuntime(HostProcessRuntime):
     the one TCP destination a ``filtered`` command may connect to."""
     _proxy_port: int | None = None
     """``filtered``: that port, from prepare."""
+    _services: tuple[tuple[str, str], ...] = ()
+    """``hostServices``: the connect supervisor's redirects to the relays, from prepare."""
     _rules: LandlockRules | None = None
     """The task's ruleset, made at prepare (it depends on the task spec only)."""
     _exec: Agent | None = None
@@ -744,7 +802,9 @@ class LandlockRuntime(HostProcessRuntime):
 
     def rules(self, spec: TaskSpec) -> LandlockRules:
         home, tmp = self._dirs()
-        return landlock_rules(spec, home, tmp, self._proxy_port, self._agent())
+        return landlock_rules(
+            spec, home, tmp, self._proxy_port, self._agent(), services=self._services
+        )
 
     @staticmethod
     def _agent() -> str:
@@ -830,6 +890,7 @@ class LandlockRuntime(HostProcessRuntime):
                         "prepare the task through fusion_oci.Sandbox",
                     )
                 self._proxy_port = task.egress.tcp_port
+            self._services = service_redirects(task.services)
             if task.spec.image:
                 raise SandboxSetupError(
                     "the landlock runtime cannot use an image",
@@ -975,6 +1036,7 @@ class LandlockRuntime(HostProcessRuntime):
         agent, self._exec = self._exec, None
         self._launch = None
         self._proxy_port = None
+        self._services = ()
         self._rules = None
         try:
             if agent is not None:

@@ -60,6 +60,7 @@ from fusion_oci.runtimes.linux.cgroups import (
     probe_hierarchy,
     read_events,
 )
+from fusion_oci.runtimes.linux.egress import service_relays
 from fusion_oci.runtimes.ocicli import launch as _launch
 from fusion_oci.runtimes.ocicli import probe
 from fusion_oci.runtimes.ocicli.egress import EgressLink
@@ -191,6 +192,8 @@ class OciRuntime(SpecRuntime):
         self._egress: tuple[bool, str] | None = None
         self._egress_socket: str | None = None
         """``filtered``: the host path of the task's egress proxy socket (from prepare)."""
+        self._service_relays: tuple[tuple[str, str], ...] | None = None
+        """``hostServices``: the relays' sockets (from prepare)."""
         self.gc_removed: list[str] = []
         """Containers of dead tasks that the last prepare removed (for the audit)."""
 
@@ -319,6 +322,7 @@ class OciRuntime(SpecRuntime):
             Requirement.HOST_PROCESSES,
             Requirement.NETWORK_NONE,
             Requirement.NETWORK_FILTERED,
+            Requirement.HOST_SERVICES,
             Requirement.CPU_TIME,
             Requirement.TMP_SIZE,
             Requirement.FILE_SIZE,
@@ -345,6 +349,7 @@ class OciRuntime(SpecRuntime):
             unshare=self._find_unshare(),
             cgroup_pid=self.pid,
             egress_socket=self._egress_socket or SOCKET_PLACEHOLDER,
+            service_relays=self._service_relays,
             gvisor_directfs=binary is not None
             and is_gvisor(binary)
             and self._gvisor(binary).directfs,
@@ -414,6 +419,7 @@ class OciRuntime(SpecRuntime):
                         "prepare the task through fusion_oci.Sandbox",
                     )
                 self._egress_socket = str(task.egress.unix_socket)
+            self._service_relays = service_relays(task)
             # The image the resolve step chose, read from the task spec (not the context).
             if image := task.spec.image:
                 from fusion_oci.images.rootfs import export_image_rootfs, podman_url
@@ -661,6 +667,7 @@ class OciRuntime(SpecRuntime):
                 box.group.remove()
             self._rootfs = None
             self._egress_socket = None
+            self._service_relays = None
             await super().dispose()
 
 

@@ -39,6 +39,9 @@ class Requirement(StrEnum):
     ENV = "envAllowlist"
     TMP_SIZE = "tmpSizeMb"
     FILE_SIZE = "fileSizeLimitMb"
+    HOST_SERVICES = "hostServices (granted host services only, through the task's relays)"
+    """Each granted host service where programs expect it inside, and nothing else of the
+    host's loopback (fusion_oci.services)."""
 
 
 NETWORK_REQUIREMENT = {
@@ -75,6 +78,8 @@ def spec_requirements(spec: TaskSpec, rlimits: Iterable[Rlimit] = ()) -> frozens
         need.add(Requirement.FILE_SIZE)
     if spec.tmpfs_sizes():
         need.add(Requirement.TMP_SIZE)
+    if spec.host_services:
+        need.add(Requirement.HOST_SERVICES)
     return frozenset(need)
 
 

@@ -64,6 +64,14 @@ BWRAP_HOST = BwrapHost(
     bwrap="/usr/bin/bwrap", cgroup_mode="v1", egress_resolv_conf="/run/fusion/resolv.conf"
 )
 
+GRANTS = ("127.0.0.1:5432", "[::1]:6379", "unix:/var/run/postgresql/.s.PGSQL.5432")
+SERVICE_ARGS = [
+    "--service",
+    "127.0.0.1:5432=/run/fusion-oci/services/0.sock",
+    "--service",
+    "[::1]:6379=/run/fusion-oci/services/1.sock",
+]
+
 CASES: dict[str, tuple[SandboxPolicy, TaskLayout]] = {
     "default-egress": (SandboxPolicy(), PLAIN),
     "network-none": (SandboxPolicy(allow_network=False), PLAIN),
@@ -82,6 +90,7 @@ CASES: dict[str, tuple[SandboxPolicy, TaskLayout]] = {
         PLAIN,
     ),
     "linked-worktree": (SandboxPolicy(), LINKED),
+    "host-services": (SandboxPolicy(host_services=list(GRANTS)), PLAIN),
 }
 
 
@@ -141,6 +150,7 @@ def test_isolation_flags_always_present() -> None:
         assert "--dev" in head and head[-1] != "/"
         # the sandbox runs the agent; the command is the spawn frame's
         forward = ["--egress", "/run/fusion-oci/egress.sock"] if name == "network-filtered" else []
+        forward += SERVICE_ARGS if name == "host-services" else []
         assert argv[-7 - len(forward) :] == [
             "--clearenv",
             "--chdir",

@@ -143,6 +143,9 @@ POLICY = SandboxPolicy(
 )
 
 FILTERED = SandboxPolicy(network=NetworkMode.FILTERED, allowed_domains=["example.com"])
+SERVICES = SandboxPolicy(
+    host_services=["127.0.0.1:5432", "[::1]:6379", "unix:/var/run/postgresql/.s.PGSQL.5432"]
+)
 
 CASES = {
     "docker-egress": (Target("docker", False, (96551, 96551)), POLICY, False),
@@ -164,6 +167,8 @@ CASES = {
     "podman-rootless-filtered": (Target("podman", True, (32768, 32768)), FILTERED, False),
     "docker-filtered": (Target("docker", False, (96551, 96551)), FILTERED, False),
     "docker-rootless-filtered": (Target("docker", True, (96551, 96551)), FILTERED, False),
+    "podman-services": (Target("podman", False, (32768, 32768)), SERVICES, False),
+    "docker-services": (Target("docker", False, (96551, 96551)), SERVICES, False),
 }
 
 

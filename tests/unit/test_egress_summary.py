@@ -54,6 +54,7 @@ def test_egress_per_task_and_top_denied() -> None:
             "bytesUp": 10,
             "bytesDown": 20,
             "hosts": 3,
+            "services": 0,
         },
         {
             "taskId": "t1",
@@ -63,6 +64,7 @@ def test_egress_per_task_and_top_denied() -> None:
             "bytesUp": 100,
             "bytesDown": 5000,
             "hosts": 2,
+            "services": 0,
         },
     ]
     assert [(r["host"], r["count"]) for r in out["topDenied"]] == [
@@ -81,6 +83,7 @@ def test_empty_summary_has_an_egress_part() -> None:
         "denied": 0,
         "bytesUp": 0,
         "bytesDown": 0,
+        "services": 0,
         "byTask": [],
         "topDenied": [],
         "recentDenied": [],
@@ -98,3 +101,16 @@ def test_audit_summary_document_and_text(tmp_path: Path) -> None:
     text = buf.getvalue()
     assert "egress per task (1 allowed, 1 denied" in text
     assert "top denied hosts" in text and "evil.test:443" in text
+
+
+def test_host_service_connections_are_counted_per_task() -> None:
+    """policy.hostServices connections are sandbox:egress events with details.service."""
+    builder = SummaryBuilder()
+    granted = egress("t1", "127.0.0.1", True, 7, 9).model_copy(
+        update={"details": {"service": "127.0.0.1:5432", "protocol": "tcp"}}
+    )
+    for i, e in enumerate([granted, granted, egress("t1", "a.test", True)], start=1):
+        builder.add(i, e)
+    out = builder.result()["egress"]
+    assert out["services"] == 2 and out["byTask"][0]["services"] == 2
+    assert out["byTask"][0]["connections"] == 3

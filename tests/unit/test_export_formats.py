@@ -129,3 +129,15 @@ def test_devcontainer_is_json_after_comments() -> None:
     text, _ = export_run(_src(), "devcontainer")
     doc = json.loads("\n".join(x for x in text.splitlines() if not x.startswith("//")))
     assert doc["remoteEnv"] == {"TOKEN": "${localEnv:TOKEN}"}
+
+
+@pytest.mark.parametrize("fmt", EXPORT_FORMATS)
+def test_a_grant_the_export_cannot_carry_is_named_in_the_header(fmt: str) -> None:
+    spec = _spec()
+    spec["annotations"]["io.fusion-oci.host-services"] = "127.0.0.1:5432 unix:/run/pg.sock"
+    src = read_spec(
+        spec, name="t", image="localhost/i:1", image_digest=None, system_dests=[], env_names=[]
+    )
+    text, missing = export_run(src, fmt)
+    note = next(m for m in missing if m.startswith("hostServices"))
+    assert "127.0.0.1:5432, unix:/run/pg.sock" in note and note in text

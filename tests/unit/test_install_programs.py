@@ -53,6 +53,8 @@ PROGRAMS: dict[str, str] = {
     "npm": "npm",
     "ip": "iproute2",
     "docker-registry": "docker-registry",
+    "psql": "postgresql-client-common",
+    "pg_isready": "postgresql-client-common",
     "runsc": "runsc",
     "mkfs.xfs": "xfsprogs",
     "docker-compose": "docker-compose",

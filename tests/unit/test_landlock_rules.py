@@ -53,6 +53,17 @@ CASES: dict[str, tuple[SandboxPolicy, TaskLayout]] = {
     ),
     "linked-worktree": (SandboxPolicy(allow_network=False), LINKED),
     "main-repository": (SandboxPolicy(allow_network=False), MAIN_REPO),
+    "host-services": (
+        SandboxPolicy(
+            allow_network=False,
+            host_services=[
+                "127.0.0.1:5432",
+                "[::1]:6379",
+                "unix:/var/run/postgresql/.s.PGSQL.5432",
+            ],
+        ),
+        LINKED,
+    ),
 }
 
 

@@ -50,6 +50,10 @@ POLICIES = {
     ),
     "egress": SandboxPolicy(),
     "host": SandboxPolicy(network="host"),
+    "services": SandboxPolicy(
+        allow_network=False,
+        host_services=["127.0.0.1:5432", "[::1]:6379", "unix:/var/run/postgresql/.s.PGSQL.5432"],
+    ),
 }
 
 
@@ -278,6 +282,7 @@ def test_enforces_follows_controllers_and_rootless() -> None:
         Requirement.HOST_PROCESSES,
         Requirement.NETWORK_NONE,
         Requirement.NETWORK_FILTERED,
+        Requirement.HOST_SERVICES,
         Requirement.CPU_TIME,
         Requirement.MEMORY,
         Requirement.PIDS,

@@ -236,7 +236,8 @@
       { label: "bytes up", get: (r) => r.bytesUp, num: true },
       { label: "bytes down", get: (r) => r.bytesDown, num: true },
       { label: "hosts", get: (r) => r.hosts, num: true },
-    ], e.byTask, "no egress (no task with network: filtered)");
+      { label: "host services", get: (r) => r.services || 0, num: true },
+    ], e.byTask, "no egress (no task with network: filtered or hostServices)");
     table("egress-denied", [
       { label: "host", get: (r) => el("code", r.host) },
       { label: "count", get: (r) => r.count, num: true },

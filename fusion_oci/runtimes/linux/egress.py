@@ -202,3 +202,38 @@ def proxy_socket(task: ResolvedTask) -> str | None:
             "prepare the task through fusion_oci.Sandbox",
         )
     return str(task.egress.unix_socket)
+
+
+def service_relays(task: ResolvedTask) -> tuple[tuple[str, str], ...] | None:
+    """``policy.hostServices``: each grant (canonical) and its relay's host socket, which the
+    runtime binds into the sandbox (fusion_oci.services.inside); then each unix grant and the
+    path it resolved to on the host (``unix-target:`` + grant). None without grants. A task
+    with grants but no relays is refused: its services would not be there."""
+    if not task.spec.host_services:
+        return None
+    if task.services is None:
+        raise SandboxSetupError(
+            "hostServices needs the task's relays",
+            "none were started for this task",
+            "prepare the task through fusion_oci.Sandbox",
+        )
+    out = [(str(r.grant), str(r.socket)) for r in task.services.relays]
+    out += [
+        (TARGET + str(r.grant), r.target) for r in task.services.relays if r.grant.kind == "unix"
+    ]
+    return tuple(out)
+
+
+TARGET = "unix-target:"
+"""Prefix of a unix grant's resolved-path entry in :func:`service_relays`."""
+
+
+def split_relays(
+    relays: tuple[tuple[str, str], ...] | None,
+) -> tuple[dict[str, str] | None, dict[str, str]]:
+    """:func:`service_relays` as (grant → socket, unix grant → resolved path). Pure."""
+    if relays is None:
+        return None, {}
+    sockets = {k: v for k, v in relays if not k.startswith(TARGET)}
+    targets = {k[len(TARGET) :]: v for k, v in relays if k.startswith(TARGET)}
+    return sockets, targets

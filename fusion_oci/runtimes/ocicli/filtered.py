@@ -32,6 +32,7 @@ from fusion_oci.agent.protocol import EGRESS_AGENT, EGRESS_DIR, EGRESS_SOCKET, f
 from fusion_oci.errors import BundleError
 from fusion_oci.oci.ops import EXEC_STATUS_IN_SANDBOX
 from fusion_oci.oci.spec import Spec, bind, tmpfs
+from fusion_oci.services.inside import ServiceWiring
 
 AGENT_INIT_IN_SANDBOX = "/dev/fusion-oci-agent"
 """The agent as the task's init (ocicli/launch.py's AGENT_IN_SANDBOX)."""
@@ -68,3 +69,32 @@ def with_egress_forwarder(spec: Spec, socket: str, agent: str) -> Spec:
     ]
     out["process"]["args"] = [args[0], *forward_args(EGRESS_SOCKET), *args[1:]]
     return out
+
+
+def with_service_relays(spec: Spec, services: ServiceWiring) -> Spec:
+    """``hostServices``: each relay's socket bound read-only (at /run/fusion-oci/services/N.sock
+    for a TCP grant, at the granted path for a unix one) and a listener per TCP grant on the
+    container's own loopback, started by the agent that is its init before hello (the same
+    forwarder as ``--egress``). /run gets a tmpfs of the container's own, as for filtered.
+    runsc needs ``--host-uds=open`` to connect the bound sockets (:func:`runsc_service_flags`).
+    Pure."""
+    if not services:
+        return spec
+    args = spec["process"]["args"]
+    if not args or args[0] not in (AGENT_INIT_IN_SANDBOX, EXEC_STATUS_IN_SANDBOX):
+        raise BundleError(
+            "hostServices needs the exec agent as the container's process",
+            "the listeners are the agent's (--service); the bundle has no agent",
+            "apply with_agent_init (or with_exec_status) before with_service_relays",
+        )
+    out = copy.deepcopy(spec)
+    if not any(m["destination"] in ("/run", EGRESS_DIR) for m in out["mounts"]):
+        out["mounts"].append(tmpfs("/run", mode="755"))
+    out["mounts"] += [bind(dest, source, writable=False) for source, dest in services.binds]
+    out["process"]["args"] = [args[0], *services.agent_args, *args[1:]]
+    return out
+
+
+def runsc_service_flags(flags: list[str]) -> list[str]:
+    """runsc's flags with ``--host-uds=open`` once (the relays' bound sockets). Pure."""
+    return flags if "--host-uds=open" in flags else [*flags, "--host-uds=open"]

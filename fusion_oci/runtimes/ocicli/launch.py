@@ -27,14 +27,18 @@ from fusion_oci.oci.ops import EgressHook
 from fusion_oci.oci.seccomp import without_errno_ret
 from fusion_oci.oci.spec import Spec, bind
 from fusion_oci.runtimes.linux.cgroups import CgroupLimits, leaf_name
+from fusion_oci.runtimes.linux.egress import split_relays
 from fusion_oci.runtimes.ocicli.filtered import (
     AGENT_INIT_IN_SANDBOX,
     SOCKET_PLACEHOLDER,
+    runsc_service_flags,
     with_egress_forwarder,
+    with_service_relays,
 )
 from fusion_oci.runtimes.ocicli.filtered import RUNSC_FLAGS as RUNSC_FILTERED_FLAGS
 from fusion_oci.runtimes.ocicli.state import cli_env, task_dir_name
 from fusion_oci.runtimes.plans import PLAN_RUN_ID, AgentPlan, SandboxLaunch, spawn_of
+from fusion_oci.services.inside import ServiceWiring, service_notes, service_wiring
 
 GRACE_S = 2.0
 """A command's timeout, maxBuffer and abort: SIGTERM to its whole tree, this grace, SIGKILL."""
@@ -149,6 +153,7 @@ def bundle_spec(
     exec_status: tuple[str, str] | None = None,
     agent: str | None = None,
     egress_proxy: tuple[str, str] | None = None,
+    services: ServiceWiring | None = None,
     errno_ret: bool = True,
 ) -> Spec:
     """The spec as the runtime CLI gets it: the compiled one through the ops this host needs.
@@ -174,6 +179,8 @@ def bundle_spec(
         out = ops.with_exec_status(out, *exec_status)
     if egress_proxy is not None:
         out = with_egress_forwarder(out, *egress_proxy)
+    if services:
+        out = with_service_relays(out, services)
     if init is not None:
         out = ops.with_init(out, init)
     if rootfs is not None:
@@ -244,6 +251,9 @@ class Host:
     """The pid a runsc cgroup leaf is named after (:func:`leaf_name`): ours."""
     egress_socket: str = SOCKET_PLACEHOLDER
     """``filtered``: the host path of the task's egress proxy socket (from prepare)."""
+    service_relays: tuple[tuple[str, str], ...] | None = None
+    """``hostServices``: the relays' sockets and unix grants' resolved paths (from prepare);
+    None: placeholders."""
     gvisor_directfs: bool = False
     """runsc: the binary has ``--directfs`` (probe.gvisor_flags), so it gets
     ``--directfs=false``."""
@@ -333,6 +343,7 @@ def build_task(task: TaskSpec, init: ProcessSpec, host: Host) -> TaskLaunch:
         cgroup_leaf=leaf,
         agent=host.agent,
         egress_proxy=(host.egress_socket, host.agent) if network is NetworkMode.FILTERED else None,
+        services=service_wiring(task.host_services, *split_relays(host.service_relays)),
         errno_ret=not gvisor,
     )
     flags = runtime_flags(
@@ -341,6 +352,8 @@ def build_task(task: TaskSpec, init: ProcessSpec, host: Host) -> TaskLaunch:
         rootless=host.rootless_ids is not None,
         directfs=gvisor and host.gvisor_directfs,
     )
+    if gvisor and task.host_services:
+        flags = runsc_service_flags(flags)
     argv = run_argv(
         host.binary,
         str(host.task_dir / "state"),
@@ -366,7 +379,7 @@ def build_task(task: TaskSpec, init: ProcessSpec, host: Host) -> TaskLaunch:
         egress=egress,
         cgroup=limits,
         cgroup_leaf=leaf,
-        notes=notes(task, host, network),
+        notes=notes(task, host, network) + service_notes(task),
     )
 
 

@@ -1,0 +1,256 @@
+"""Host services by grant (issue #35) for real: Debian's PostgreSQL started by the test on the
+host's loopback (a free port, 127.0.0.1 and ::1) and a unix socket, granted by
+``policy.hostServices``, and reached from inside every runtime by real clients: a PostgreSQL
+wire-protocol client in Node.js (tests/services_world.py; the task images have node, not psql)
+over each grant, and ``psql`` and ``pg_isready`` where the sandbox has the host's /usr.
+
+Every backend of tests/security (rootful and rootless) through its ``prober``: the same
+command, the same judge. Native runs it too and lists ``hostServices`` as unenforced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fusion_oci.audit import AuditEvent, AuditLog
+from fusion_oci.errors import PolicyNotEnforceableError
+from fusion_oci.models import PrepareContext, RunOptions, SandboxPolicy
+from fusion_oci.runtimes.requirements import Requirement
+from fusion_oci.sandbox import SyncSandbox
+from tests.backends import backend_settings, require_runtime
+from tests.security.conftest import (  # noqa: F401 - the fixtures, shared with the probes
+    Prober,
+    backend,
+    dockerless_user,
+    prober,
+    rootless_user,
+)
+from tests.services_world import PG_CLIENT_JS, Postgres, postgres_available, postgres_server
+
+NETWORKS = ["none", "egress", "filtered"]
+
+
+@pytest.fixture(scope="module")
+def pg() -> Iterator[Postgres]:
+    why = postgres_available()
+    if why is not None:
+        pytest.fail(f"PostgreSQL cannot be started here: {why} (scripts/install.sh installs it)")
+    with postgres_server() as server:
+        yield server
+
+
+def grants(pg: Postgres) -> list[str]:
+    return [f"127.0.0.1:{pg.port}", f"[::1]:{pg.port}", f"unix:{pg.unix_socket}"]
+
+
+def client_script(pg: Postgres) -> str:
+    """Each grant by the node client, then psql and pg_isready where they exist."""
+    node = "node pg.js"
+    return "; ".join(
+        [
+            f"{node} 127.0.0.1:{pg.port} 'select 40+2 as v4'",
+            f"{node} '[::1]:{pg.port}' 'select 43'",
+            f"{node} {pg.unix_socket} 'select 44'",
+            f"{node} 127.0.0.1:{pg.port} 'select count(*) from generate_series(1,5000)'",
+            "if command -v psql >/dev/null; then "
+            f"psql -h 127.0.0.1 -p {pg.port} -U postgres -Atc 'select 45'; "
+            f"psql -h {pg.socket_dir} -p {pg.port} -U postgres -Atc 'select 46'; "
+            f"pg_isready -h 127.0.0.1 -p {pg.port} -q && echo ready; "
+            "else echo 45; echo 46; echo ready; fi",
+        ]
+    )
+
+
+@pytest.mark.parametrize("network", NETWORKS)
+def test_a_granted_postgres_answers_real_clients_inside(
+    prober: Prober,  # noqa: F811 - the fixture imported above
+    pg: Postgres,
+    network: str,
+) -> None:
+    (prober.worktree / "pg.js").write_text(PG_CLIENT_JS)
+    policy = SandboxPolicy(network=network, host_services=grants(pg))  # type: ignore[arg-type]
+    if prober.backend == "landlock" and network == "egress":
+        # landlock has no egress without host loopback (no network namespace): refused as
+        # before, grants or not.
+        with pytest.raises(PolicyNotEnforceableError):
+            prober.run("true", policy)
+        return
+    result = prober.run(client_script(pg), policy, timeout_ms=90_000)
+    assert result.exit_code == 0, (result.stdout, result.stderr[-2000:])
+    assert result.stdout.split() == ["42", "43", "44", "5000", "45", "46", "ready"], result
+    hosted = Requirement.HOST_SERVICES.value
+    assert (hosted in result.unenforced) == (prober.backend == "native")
+
+
+def test_every_connection_is_an_audit_event_with_its_service(pg: Postgres, tmp_path: Path) -> None:
+    """One runtime is enough for what the host side writes (the relay is the same code)."""
+    require_runtime("bubblewrap")
+    from tests.conftest import git_init
+
+    wt = git_init(tmp_path / "wt")
+    (wt / "pg.js").write_text(PG_CLIENT_JS)
+    events: list[AuditEvent] = []
+    audit = AuditLog()
+    audit.subscribe(events.append)
+    policy = SandboxPolicy(allow_network=False, host_services=grants(pg))
+    ctx = PrepareContext(task_id="svc", run_id="r1", policy=policy, worktree_path=str(wt))
+    with SyncSandbox(
+        backend_settings("bubblewrap", policy=policy), audit=audit, cache_root=tmp_path / "c"
+    ) as sb:
+        sb.prepare(ctx)
+        result = sb.run(
+            f"node pg.js 127.0.0.1:{pg.port} 'select 1'; node pg.js {pg.unix_socket} 'select 2'",
+            RunOptions(timeout_ms=60_000),
+        )
+    assert result.stdout.split() == ["1", "2"], result
+    seen = [e for e in events if e.type == "sandbox:egress" and (e.details or {}).get("service")]
+    assert [(e.details or {})["service"] for e in seen] == [
+        f"127.0.0.1:{pg.port}",
+        f"unix:{pg.unix_socket}",
+    ]
+    for e in seen:
+        assert e.allowed and e.task_id == "svc" and (e.bytes_up or 0) > 0
+        assert (e.bytes_down or 0) > 0 and (e.rule or "").startswith("policy.hostServices[")
+
+
+def test_a_flood_through_a_grant_is_capped_and_audited(tmp_path: Path) -> None:
+    """The relay's per-task bound: connections past it are closed at once, each refusal is
+    audited (within the task's audit budget), and the ones held keep working."""
+    import asyncio
+    import socket
+
+    from fusion_oci.hostservice import parse_grant
+    from fusion_oci.services import Limits, start_relays, stop_relays
+    from tests.services_world import listening
+
+    events: list[AuditEvent] = []
+    audit = AuditLog()
+    audit.subscribe(events.append)
+    with listening() as a:
+        relays = asyncio.run(
+            start_relays(
+                task_id="flood",
+                grants=[(parse_grant(f"127.0.0.1:{a.port}"), False)],
+                audit=audit,
+                tcp=False,
+                backend="test",
+                policy_hash=None,
+                limits=Limits(max_connections=4),
+            )
+        )
+        held: list[socket.socket] = []
+        try:
+            path = str(relays.relays[0].socket)
+            for _ in range(4):
+                s = socket.socket(socket.AF_UNIX)
+                s.connect(path)
+                assert s.recv(6) == b"hello\n"  # through to the service
+                held.append(s)
+            refused = 0
+            for _ in range(20):
+                s = socket.socket(socket.AF_UNIX)
+                s.settimeout(5)
+                s.connect(path)
+                refused += s.recv(6) == b""  # closed by the relay, the service never saw it
+                s.close()
+        finally:
+            for s in held:
+                s.close()
+            asyncio.run(stop_relays(relays))
+    assert refused == 20 and len(a.seen) == 4, (refused, a.seen)
+    over = [e for e in events if e.allowed is False and "too many connections" in (e.reason or "")]
+    assert len(over) == 20 and all((e.details or {}).get("service") for e in over)
+
+
+def test_a_unix_grant_swapped_for_a_symlink_after_prepare_is_refused(tmp_path: Path) -> None:
+    """The path resolved at prepare is walked again, without following a symlink, at every
+    connect: a socket replaced by a symlink to another is refused and audited; the other
+    socket sees nothing."""
+    import asyncio
+    import socket
+
+    from fusion_oci.hostservice import parse_grant
+    from fusion_oci.services import start_relays, stop_relays
+    from tests.services_world import listening
+
+    events: list[AuditEvent] = []
+    audit = AuditLog()
+    audit.subscribe(events.append)
+    granted, other = tmp_path / "db.sock", tmp_path / "other.sock"
+    with listening([granted, other]) as a:
+        relays = asyncio.run(
+            start_relays(
+                task_id="swap",
+                grants=[(parse_grant(f"unix:{granted}"), False)],
+                audit=audit,
+                tcp=False,
+                backend="test",
+                policy_hash=None,
+            )
+        )
+        try:
+            path = str(relays.relays[0].socket)
+
+            def through() -> bytes:
+                with socket.socket(socket.AF_UNIX) as s:
+                    s.settimeout(5)
+                    s.connect(path)
+                    return s.recv(6)
+
+            assert through() == b"hello\n"
+            granted.rename(tmp_path / "db-moved.sock")
+            granted.symlink_to(other)
+            assert through() == b""
+        finally:
+            asyncio.run(stop_relays(relays))
+    assert a.seen == [str(granted)], a.seen  # the first connection only; other.sock: nothing
+    refused = [e for e in events if e.allowed is False]
+    assert refused and "refused the connection" in (refused[-1].reason or ""), events
+
+
+@pytest.mark.parametrize(
+    "runtime",
+    [
+        pytest.param("bubblewrap", marks=pytest.mark.bubblewrap),
+        pytest.param("landlock", marks=pytest.mark.landlock),
+    ],
+)
+def test_an_unprivileged_caller_gets_its_grants_too(
+    runtime: str,
+    pg: Postgres,
+    rootless_user: Any,  # noqa: F811 - the fixture imported above: the CI user
+) -> None:
+    """bubblewrap and landlock run by the unprivileged CI user (the relays are that user's):
+    the same client, the same answers, under none and filtered."""
+    import shutil
+    import tempfile
+
+    from tests.conftest import git_init
+
+    require_runtime(runtime)
+    base = Path(tempfile.mkdtemp(prefix="fusion-oci-svc-"))
+    base.chmod(0o755)
+    try:
+        prober_ = Prober(
+            runtime,
+            base,
+            git_init(base / "wt"),
+            base / "home",
+            {"HOME": str(base / "home"), "PATH": "/usr/local/bin:/usr/bin:/bin"},
+            rootless_user,
+        )
+        (base / "home").mkdir()
+        (prober_.worktree / "pg.js").write_text(PG_CLIENT_JS)
+        for network in ("none", "filtered"):
+            policy = SandboxPolicy(network=network, host_services=grants(pg))  # type: ignore[arg-type]
+            result = prober_.run(client_script(pg), policy, timeout_ms=90_000)
+            assert result.stdout.split() == ["42", "43", "44", "5000", "45", "46", "ready"], (
+                network,
+                result,
+            )
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

@@ -1,0 +1,142 @@
+"""Host services by grant (issue #35): what a grant must not open, on every backend.
+
+Each probe grants one TCP service (127.0.0.1:A) and one unix socket of servers the test owns,
+and beside them runs servers that are *not* granted (the same ports on ::1, port B on
+127.0.0.1 and ::1, a sibling unix socket; another task's relay to B). The sandboxed command
+(tests/services_world.py's PROBE_JS: plain Node.js) tries every way to them; the host's
+servers say what got through. The granted ones must answer (or the probe fails: a sandbox
+that closes everything proves nothing), the others must see nothing. Native isolates
+nothing: there each probe leaks, which shows it can see a leak (and that the same program
+gets through without the grant machinery in the way).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shlex
+import time
+from pathlib import Path
+
+from fusion_oci.hostservice import parse_grant
+from fusion_oci.models import SandboxPolicy
+from fusion_oci.services import start_relays, stop_relays
+from tests.security.conftest import Prober
+from tests.security.test_probes import check
+from tests.services_world import PROBE_JS, Listening, listening
+
+
+def _run(
+    prober: Prober, targets: list[dict[str, object]], policy: SandboxPolicy, send: str = ""
+) -> str:
+    (prober.worktree / "probe.js").write_text(PROBE_JS)
+    cfg = json.dumps({"targets": targets, "send": send})
+    result = prober.run(f"node probe.js {shlex.quote(cfg)}", policy, timeout_ms=90_000)
+    time.sleep(0.3)  # a late accept is still recorded
+    return result.stdout + result.stderr[-500:]
+
+
+def _grants(granted: Listening) -> SandboxPolicy:
+    return SandboxPolicy(
+        allow_network=False,
+        host_services=[f"127.0.0.1:{granted.port}", f"unix:{granted.sockets[0]}"],
+    )
+
+
+def _svc_dir(prober: Prober) -> Path:
+    d = prober.tmp / "svc"
+    d.mkdir(exist_ok=True)
+    d.chmod(0o755)
+    return d
+
+
+def test_an_ungranted_port_or_address_form_stays_closed(prober: Prober) -> None:
+    """Port B (127.0.0.1 and ::1), the granted port on ::1, by name, v4-mapped, slirp's
+    gateway and 4040: nothing but 127.0.0.1:A."""
+    d = _svc_dir(prober)
+    with listening([d / "granted.sock"]) as a, listening() as b:
+        out = _run(
+            prober,
+            [
+                {"host": "127.0.0.1", "port": a.port},  # granted: must answer
+                {"host": "127.0.0.1", "port": b.port},
+                {"host": "localhost", "port": b.port},
+                {"host": "::1", "port": b.port},
+                {"host": "::ffff:127.0.0.1", "port": b.port},
+                {"host": "::1", "port": a.port},  # the granted port, in another family
+                {"host": "10.0.2.2", "port": b.port},
+                {"host": "127.0.0.1", "port": 4040},
+                {"host": "localhost", "port": 4040},
+            ],
+            _grants(a),
+        )
+    assert "tcp4" in a.seen, f"the granted service did not answer: {out}"
+    leaked = bool(b.seen) or "tcp6" in a.seen or "4040 connected" in out
+    check(
+        "service-ungranted-port", prober.backend, leaked, f"A saw {a.seen}, B saw {b.seen}; {out}"
+    )
+
+
+def test_the_relay_connects_only_to_its_grant(prober: Prober) -> None:
+    """The relay's own socket inside (and the agent's listener) asked, in HTTP CONNECT and
+    SOCKS5, for port B; another task's relay (to B) looked for under /tmp: B sees nothing."""
+    d = _svc_dir(prober)
+    with listening([d / "granted.sock"]) as a, listening() as b:
+        other = asyncio.run(
+            start_relays(
+                task_id="other-task",
+                grants=[(parse_grant(f"127.0.0.1:{b.port}"), False)],
+                audit=None,
+                tcp=False,
+                backend="probe",
+                policy_hash=None,
+            )
+        )
+        try:
+            other.state_dir.chmod(0o755)  # reachable to the caller on the host (native)
+            ask = f"CONNECT 127.0.0.1:{b.port} HTTP/1.1\r\nHost: 127.0.0.1:{b.port}\r\n\r\n"
+            socks = (
+                "\x05\x01\x00\x05\x01\x00\x01\x7f\x00\x00\x01"
+                + chr(b.port >> 8)
+                + chr(b.port & 0xFF)
+            )
+            targets: list[dict[str, object]] = [
+                {"host": "127.0.0.1", "port": a.port},
+                {"path": "/run/fusion-oci/services/0.sock"},
+                {"path": a.sockets[0]},
+                {"path": str(other.relays[0].socket)},  # another task's relay, by its host path
+            ]
+            out = _run(prober, targets, _grants(a), send=ask)
+            out += _run(prober, targets, _grants(a), send=socks)
+        finally:
+            asyncio.run(stop_relays(other))
+    assert "tcp4" in a.seen, f"the granted service did not answer: {out}"
+    check("service-through-relay", prober.backend, bool(b.seen), f"B saw {b.seen}; {out}")
+
+
+def test_a_unix_grant_is_that_socket_only(prober: Prober) -> None:
+    """A sibling socket beside the granted one, the granted path with `..`, and a symlink the
+    command makes to the sibling: only the granted socket answers."""
+    d = _svc_dir(prober)
+    granted, sibling = d / "granted.sock", d / "sibling.sock"
+    with listening([granted, sibling]) as a:
+        link = prober.worktree / "link.sock"
+        (prober.worktree / "mklink.js").write_text(
+            f"require('fs').symlinkSync({json.dumps(str(sibling))}, {json.dumps(str(link))})"
+        )
+        policy = _grants(a)
+        out = prober.run("node mklink.js", policy).stderr[-300:]
+        out += _run(
+            prober,
+            [
+                {"path": str(granted)},  # granted: must answer
+                {"path": str(sibling)},
+                {"path": f"{granted}/../sibling.sock"},
+                {"path": f"{d}/./sibling.sock"},
+                {"path": str(link)},
+            ],
+            policy,
+        )
+    assert str(granted) in a.seen, f"the granted socket did not answer: {out}"
+    leaked = str(sibling) in a.seen
+    check("service-unix-path", prober.backend, leaked, f"seen {a.seen}; {out}")
