@@ -8,6 +8,8 @@
 #                                       of the cluster; keeps $STATE (logs, PKI, imported images)
 #   scripts/cluster.sh status           say what runs (exit 1 when the cluster is not up)
 #   scripts/cluster.sh env              the `export` lines (KUBECONFIG, the kubectl folder, ...)
+#   scripts/cluster.sh load-image REF   import podman's image REF into both nodes (the tests
+#                                       import the node task image the suite builds)
 #   scripts/cluster.sh kill-node NODE   SIGKILL one worker (kubelet, containerd, its shims and pods)
 #                                       as a crashed machine would lose them (tests/cluster)
 #   scripts/cluster.sh clean            stop, then remove $STATE entirely
@@ -19,7 +21,7 @@
 #                                                            br0 10.231.0.1/24 (the nodes' LAN)
 #        netns foci-k8s-cp  eth0 10.231.0.10  etcd (loopback only), kube-apiserver :6443,
 #                                             controller-manager, scheduler, agent-sandbox
-#        netns foci-k8s-n1  eth0 10.231.0.11  containerd, kubelet, kube-network-policies;
+#        netns foci-k8s-n1  eth0 10.231.0.11  containerd, kubelet, kube-router (NetworkPolicy);
 #                                             pods 10.232.1.0/24 on its bridge cni0
 #        netns foci-k8s-n2  eth0 10.231.0.12  the same; pods 10.232.2.0/24
 #
@@ -75,7 +77,25 @@ if [[ "$(id -u)" -ne 0 && "${1:-}" != env ]]; then
 fi
 
 bin_dir() { bash "$ROOT/tools/k8s/build.sh"; }
-in_ns() { local ns="$1"; shift; nsenter --net="/run/netns/$ns" -- "$@"; }
+# The cluster's network namespaces are bind-mounted in $RUN/netns, not /run/netns: other
+# programs on a shared machine remount /run/netns (seen here: the netns mounts of a running
+# cluster vanished under it), and `ip netns exec` does not work here anyway.
+NETNS_DIR="$RUN/netns"
+ns_path() { echo "$NETNS_DIR/$1"; }
+in_ns() { local ns="$1"; shift; nsenter --net="$(ns_path "$ns")" -- "$@"; }
+ns_add() {  # a new network namespace, held by a bind mount of ours
+    mkdir -p "$NETNS_DIR"
+    touch "$(ns_path "$1")"
+    unshare --net="$(ns_path "$1")" true
+}
+ns_del() {
+    local p
+    p="$(ns_path "$1")"
+    if [[ -e "$p" ]]; then
+        umount "$p" 2>/dev/null || umount -l "$p" 2>/dev/null || true
+        rm -f "$p"
+    fi
+}
 kubectl_() { "$BIN/kubectl" --kubeconfig "$STATE/admin.kubeconfig" "$@"; }
 
 # ------------------------------------------------------------------ cgroups
@@ -112,7 +132,7 @@ cg_join() {  # cg_join REL PID: move PID into REL in every hierarchy
 cg_pids() {  # every pid in the cluster's cgroups (any hierarchy), once
     local h
     for h in $(cg_hierarchies); do
-        [[ -d "$h/$CG" ]] && find "$h/$CG" -name cgroup.procs -exec cat {} + 2>/dev/null
+        if [[ -d "$h/$CG" ]]; then find "$h/$CG" -name cgroup.procs -exec cat {} + 2>/dev/null || true; fi
     done | sort -un
 }
 cg_remove() {
@@ -127,6 +147,8 @@ cg_remove() {
 # ------------------------------------------------------------------ processes
 pidfile_pid() { if [[ -s "$1" ]]; then tr -dc '0-9' <"$1"; fi; }
 alive() { [[ "$1" =~ ^[0-9]+$ ]] && kill -0 "$1" 2>/dev/null && ! grep -q '^State:.*Z' "/proc/$1/status" 2>/dev/null; }
+# ours PID: alive and in the cluster's cgroup (a recorded pid reused by another process is not)
+ours() { alive "$1" && grep -q ":/$CG/" "/proc/$1/cgroup" 2>/dev/null; }
 
 # launch NAME NETNS CGROUP CMD...: run CMD in NETNS as its own session, in the cgroup
 # $CG/CGROUP, stdio to $LOGS/NAME.log, pid to $RUN/NAME.pid
@@ -137,7 +159,7 @@ launch() {
     (
         cg_join "$CG/$cg" "$BASHPID"
         cd /
-        exec nsenter --net="/run/netns/$ns" -- setsid "$@" </dev/null >>"$LOGS/$name.log" 2>&1
+        exec nsenter --net="$(ns_path "$ns")" -- setsid "$@" </dev/null >>"$LOGS/$name.log" 2>&1
     ) &
     echo "$!" >"$RUN/$name.pid"
     log "$name: pid $! (log $LOGS/$name.log)"
@@ -146,7 +168,7 @@ launch() {
 stop_pidfile() {  # stop_pidfile NAME [TIMEOUT_S]: SIGTERM the recorded pid, then SIGKILL
     local name="$1" timeout="${2:-20}" pid i
     pid="$(pidfile_pid "$RUN/$name.pid")"
-    if [[ -n "$pid" ]] && alive "$pid"; then
+    if [[ -n "$pid" ]] && ours "$pid"; then
         kill -TERM "$pid" 2>/dev/null || true
         for ((i = 0; i < timeout * 10; i++)); do alive "$pid" || break; sleep 0.1; done
         if alive "$pid"; then
@@ -176,16 +198,16 @@ net_up() {
     [[ -n "$dev" ]] || die "no default route on this machine: pods could not reach the registries"
     echo "$dev" >"$RUN/uplink"
     for ns in "$HUB_NS" "$CP_NS" "${NODES[@]/#/foci-k8s-}"; do
-        [[ -e "/run/netns/$ns" ]] && die "netns $ns exists: run '$0 stop' first"
+        [[ -e "$(ns_path "$ns")" ]] && die "netns $ns exists: run '$0 stop' first"
     done
     ip route show | grep -qE '^10\.23[123]\.' && die "routes for 10.231-233 exist on this machine: another cluster or network uses them"
 
-    ip netns add "$HUB_NS"
+    ns_add "$HUB_NS"
     in_ns "$HUB_NS" ip link set lo up
     in_ns "$HUB_NS" ip link add br0 type bridge
     in_ns "$HUB_NS" ip addr add "$HUB_IP/24" dev br0
     in_ns "$HUB_NS" ip link set br0 up
-    ip link add "$HOST_IF" type veth peer name up0 netns "/run/netns/$HUB_NS"
+    ip link add "$HOST_IF" type veth peer name up0 netns "$(ns_path "$HUB_NS")"
     ip addr add "$HOST_IP/30" dev "$HOST_IF"
     ip link set "$HOST_IF" up
     in_ns "$HUB_NS" ip addr add "$HUB_UP_IP/30" dev up0
@@ -196,9 +218,9 @@ net_up() {
     ip route add "$POD_NET" via "$HUB_UP_IP" dev "$HOST_IF"
 
     attach() {  # attach NS IP: a netns on the hub's bridge
-        ip netns add "$1"
+        ns_add "$1"
         in_ns "$1" ip link set lo up
-        in_ns "$HUB_NS" ip link add "v-${1#foci-k8s-}" type veth peer name eth0 netns "/run/netns/$1"
+        in_ns "$HUB_NS" ip link add "v-${1#foci-k8s-}" type veth peer name eth0 netns "$(ns_path "$1")"
         in_ns "$HUB_NS" ip link set "v-${1#foci-k8s-}" master br0 up
         in_ns "$1" ip addr add "$2/24" dev eth0
         in_ns "$1" ip link set eth0 up
@@ -256,7 +278,7 @@ net_down() {
     fi
     ip link del "$HOST_IF" 2>/dev/null || true   # its routes go with it
     for ns in "${NODES[@]/#/foci-k8s-}" "$CP_NS" "$HUB_NS"; do
-        [[ -e "/run/netns/$ns" ]] && ip netns del "$ns"
+        ns_del "$ns"
     done
     return 0
 }
@@ -317,8 +339,10 @@ pki() {
     cert admin fusion-oci-admin system:masters
     cert controller-manager system:kube-controller-manager
     cert scheduler system:kube-scheduler
-    # the agent-sandbox controller (a test cluster: it gets cluster-admin through its group)
+    # the agent-sandbox controller and kube-router (a test cluster: they get cluster-admin
+    # through their group)
     cert agent-sandbox agent-sandbox-controller system:masters
+    cert netpol kube-router system:masters
     local n
     for n in "${NODES[@]}"; do
         cert "kubelet-$n" "system:node:$(node_name "$n")" system:nodes
@@ -328,6 +352,7 @@ pki() {
     kubeconfig "$RUN/controller-manager.kubeconfig" controller-manager
     kubeconfig "$RUN/scheduler.kubeconfig" scheduler
     kubeconfig "$RUN/agent-sandbox.kubeconfig" agent-sandbox
+    kubeconfig "$RUN/netpol.kubeconfig" netpol
     for n in "${NODES[@]}"; do kubeconfig "$RUN/kubelet-$n.kubeconfig" "kubelet-$n"; done
 }
 
@@ -337,24 +362,29 @@ pki() {
 images_prepare() {
     mkdir -p "$IMAGES"
     if [[ ! -s "$IMAGES/pause.tar" ]]; then
-        local src tmp
-        # shellcheck source=tools/k8s/goenv.sh
-        src="$(cd "$ROOT/tools/k8s" && . ./goenv.sh && go list -m -f '{{.Dir}}' k8s.io/kubernetes)/build/pause/linux/pause.c"
+        local tmp
         tmp="$(mktemp -d "$STATE/pause.XXXXXX")"
-        gcc -Os -static -DVERSION=v3.10-fusion-oci -o "$tmp/pause" "$src"
-        strip "$tmp/pause" 2>/dev/null || true
+        gcc -Os -s -static -DVERSION=v3.10-fusion-oci -o "$tmp/pause" "$BIN/pause.c"
         tar -C "$tmp" -cf "$tmp/rootfs.tar" pause
         podman import --change 'ENTRYPOINT ["/pause"]' "$tmp/rootfs.tar" "$PAUSE_IMAGE" >/dev/null
         podman save -o "$IMAGES/pause.tar.tmp" "$PAUSE_IMAGE" >/dev/null 2>&1
         mv "$IMAGES/pause.tar.tmp" "$IMAGES/pause.tar"
         rm -rf "$tmp"
     fi
-    local ref id
+    local ref
     ref="${FUSION_OCI_CLUSTER_NODE_IMAGE:-$(podman images --sort created --format '{{.Repository}}:{{.Tag}}' \
         --filter reference='localhost/fusion-oci/node:*' 2>/dev/null | head -1)}"
-    [[ -n "$ref" && "$ref" != *"<none>"* ]] \
-        || die "no localhost/fusion-oci/node image in podman: build it with 'fusion-oci images build node --engine podman' (scripts/services.sh start podman first)"
-    id="$(podman image inspect --format '{{.Id}}' "$ref")"
+    if [[ -z "$ref" || "$ref" == *"<none>"* ]]; then
+        log "images: no localhost/fusion-oci/node image in podman yet: the cluster starts without" \
+            "a task image ('$0 load-image REF' imports one later; the cluster tests do)"
+        return 0
+    fi
+    save_node_image "$ref"
+}
+
+save_node_image() {  # save_node_image REF: the podman image REF as an archive, once per image id
+    local ref="$1" id
+    id="$(podman image inspect --format '{{.Id}}' "$ref")" || die "no image $ref in podman"
     if [[ ! -s "$IMAGES/node-$id.tar" ]]; then
         rm -f "$IMAGES"/node-*.tar
         log "images: saving $ref from podman"
@@ -367,13 +397,14 @@ images_prepare() {
 
 images_import() {  # images_import NODE: import both archives unless this node already has them
     local n="$1" sock="$RUN/$1/containerd.sock" ref archive
-    ref="$(cat "$RUN/node-image")"
-    archive="$(cat "$RUN/node-image-archive")"
+    ref="$(cat "$RUN/node-image" 2>/dev/null || true)"
+    archive="$(cat "$RUN/node-image-archive" 2>/dev/null || true)"
     local have
     have="$(ctr -a "$sock" -n k8s.io images ls -q 2>/dev/null || true)"
     if ! grep -qxF "$PAUSE_IMAGE" <<<"$have"; then
         ctr -a "$sock" -n k8s.io images import "$IMAGES/pause.tar" >/dev/null
     fi
+    [[ -n "$ref" ]] || return 0
     if ! grep -qxF "$ref" <<<"$have" || [[ "$(cat "$STATE/$n/node-image-archive" 2>/dev/null)" != "$archive" ]]; then
         log "$n: importing $ref"
         ctr -a "$sock" -n k8s.io images import "$archive" >/dev/null
@@ -537,53 +568,12 @@ start_node_agents() {
         --config "$RUN/$n/kubelet.yaml" --kubeconfig "$RUN/kubelet-$n.kubeconfig" \
         --root-dir "$RUN/$n/kubelet" --cert-dir "$RUN/$n/kubelet/pki" \
         --hostname-override "$(node_name "$n")" --node-ip "$(node_ip "$n")" --v=1
-    # kube-network-policies reads the in-cluster config from its fixed paths: give it a
-    # private mount namespace with its service account's token and the CA there
-    local sa="$RUN/$n/knp-sa"
-    # (/var/run is /run here: a tmpfs over /run in that namespace only, nothing on the host)
-    # shellcheck disable=SC2016
-    launch "knp-$n" "$ns" "$n-knp" unshare --mount --propagation private -- sh -c '
-        d=/run/secrets/kubernetes.io/serviceaccount
-        mount -t tmpfs -o size=1m,mode=755 fusion-oci-knp /run && mkdir -p "$d" \
-          && mount --bind "$1" "$d" || exit 1
-        shift; exec "$@"' sh "$sa" \
-        env KUBERNETES_SERVICE_HOST="$CP_IP" KUBERNETES_SERVICE_PORT=6443 \
-        "$BIN/kube-network-policies" --hostname-override "$(node_name "$n")" --disable-nri \
-        --netfilter-bug-1766-fix=false --metrics-bind-address 127.0.0.1:9080 --v=1
-}
-
-knp_token() {  # the service account kube-network-policies runs as, and its token files
-    kubectl_ apply -f - >/dev/null <<'EOF'
-apiVersion: v1
-kind: ServiceAccount
-metadata: {name: kube-network-policies, namespace: kube-system}
----
-apiVersion: rbac.authorization.k8s.io/v1
-kind: ClusterRole
-metadata: {name: kube-network-policies}
-rules:
-- apiGroups: [""]
-  resources: [pods, namespaces, nodes]
-  verbs: [get, list, watch]
-- apiGroups: [networking.k8s.io]
-  resources: [networkpolicies]
-  verbs: [get, list, watch]
----
-apiVersion: rbac.authorization.k8s.io/v1
-kind: ClusterRoleBinding
-metadata: {name: kube-network-policies}
-roleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: kube-network-policies}
-subjects:
-- {kind: ServiceAccount, name: kube-network-policies, namespace: kube-system}
-EOF
-    local token n
-    token="$(kubectl_ -n kube-system create token kube-network-policies --duration=720h)"
-    for n in "${NODES[@]}"; do
-        mkdir -p "$RUN/$n/knp-sa"
-        printf '%s' "$token" >"$RUN/$n/knp-sa/token"
-        cp "$PKI/ca.crt" "$RUN/$n/knp-sa/ca.crt"
-        echo kube-system >"$RUN/$n/knp-sa/namespace"
-    done
+    # NetworkPolicy: kube-router's firewall only (iptables + ipset in the node's netns)
+    launch "netpol-$n" "$ns" "$n-netpol" "$BIN/kube-router" --kubeconfig "$RUN/netpol.kubeconfig" \
+        --run-firewall=true --run-router=false --run-service-proxy=false \
+        --hostname-override "$(node_name "$n")" --service-cluster-ip-range "$SERVICE_CIDR" \
+        --enable-ipv4=true --enable-ipv6=false --enable-cni=false \
+        --iptables-sync-period 1m --metrics-port 0 --health-port 20244 --v=1
 }
 
 cmd_start() {
@@ -603,6 +593,14 @@ cmd_start() {
         mkdir -p "$LOGS"
     fi
     echo "$BIN" >"$RUN/bin"
+    # folders the kubelet and the CNI library make in fixed places: removed by stop (when
+    # empty) if they did not exist before the cluster's first start
+    local d
+    for d in /var/lib/cni /var/lib/cni/results /var/log/containers; do
+        if [[ ! -e "$d" ]] && ! grep -qxF "$d" "$STATE/created-dirs" 2>/dev/null; then
+            echo "$d" >>"$STATE/created-dirs"
+        fi
+    done
     cg_make "$CG"
     net_up
     pki
@@ -647,10 +645,11 @@ cmd_start() {
     # (SandboxTemplate, SandboxClaim, SandboxWarmPool)
     kubectl_ apply --server-side -f "$BIN/agent-sandbox/" >"$LOGS/agent-sandbox-apply.log" 2>&1 \
         || { tail -n 20 "$LOGS/agent-sandbox-apply.log" >&2; die "could not apply agent-sandbox's CRDs"; }
+    kubectl_ wait --for condition=Established --timeout 60s crd --all >/dev/null \
+        || die "agent-sandbox's CRDs were not established"
     launch agent-sandbox "$CP_NS" agent-sandbox "$BIN/agent-sandbox-controller" \
         --kubeconfig "$RUN/agent-sandbox.kubeconfig" --extensions --leader-elect=false \
         --metrics-bind-address 127.0.0.1:8080 --health-probe-bind-address 127.0.0.1:8081
-    knp_token
 
     wait "$images_pid" || die "could not prepare the images"
     for n in "${NODES[@]}"; do
@@ -669,7 +668,7 @@ cmd_start() {
         in_ns "$CP_NS" curl -sf http://127.0.0.1:8081/readyz || die "agent-sandbox did not come up"
     echo "$((SECONDS - t0))" >"$RUN/start-seconds"
     log "cluster up in $((SECONDS - t0)) s: $(kubectl_ get nodes --no-headers | awk '{print $1 "=" $2}' | tr '\n' ' ')"
-    log "use it: eval \"\$($0 env)\"; kubectl get nodes"
+    log "use it: eval \"\$($0 env)\", then \$FUSION_OCI_K8S_BIN/kubectl get nodes"
 }
 
 # ------------------------------------------------------------------ stop
@@ -678,13 +677,13 @@ cmd_start() {
 cleanup_all() {
     local n name pid addr
     # 1. graceful: nodes' agents first, then the control plane
-    for n in "${NODES[@]}"; do stop_pidfile "kubelet-$n" 20; stop_pidfile "knp-$n" 10; done
+    for n in "${NODES[@]}"; do stop_pidfile "kubelet-$n" 20; stop_pidfile "netpol-$n" 10; done
     for name in agent-sandbox scheduler controller-manager; do stop_pidfile "$name" 10; done
     # 2. the containers, through their containerd while it answers (so shims exit cleanly)
     for n in "${NODES[@]}"; do
         local sock="$RUN/$n/containerd.sock" ids
         pid="$(pidfile_pid "$RUN/containerd-$n.pid")"
-        if [[ -n "$pid" ]] && alive "$pid" && ctr -a "$sock" version >/dev/null 2>&1; then
+        if [[ -n "$pid" ]] && ours "$pid" && ctr -a "$sock" version >/dev/null 2>&1; then
             ids="$(ctr -a "$sock" -n k8s.io tasks ls -q 2>/dev/null || true)"
             for name in $ids; do ctr -a "$sock" -n k8s.io tasks kill -s SIGKILL "$name" >/dev/null 2>&1 || true; done
             for name in $ids; do
@@ -699,7 +698,7 @@ cleanup_all() {
         done
         stop_pidfile "containerd-$n" 20
     done
-    stop_pidfile apiserver 20
+    stop_pidfile apiserver 10
     stop_pidfile etcd 10
     # 3. whatever is left in the cluster's cgroups: shims, containers, a killed node's pods
     sweep_cgroups
@@ -724,6 +723,10 @@ cleanup_all() {
     # 6. network (netns, veths, routes, iptables), 7. cgroups
     net_down
     cg_remove
+    if [[ -f "$STATE/created-dirs" ]]; then
+        tac "$STATE/created-dirs" | while read -r d; do rmdir "$d" 2>/dev/null || true; done
+        rm -f "$STATE/created-dirs"
+    fi
     [[ "${1:-}" == quiet ]] || log "stopped; logs kept in $LOGS"
     # the per-start state (etcd data, kubelet dirs, sockets): a fresh cluster on every start
     rm -rf "$RUN"
@@ -732,12 +735,12 @@ cleanup_all() {
 cmd_kill_node() {
     local n="${1:-}" h pids
     [[ " ${NODES[*]} " == *" $n "* ]] || die "kill-node: want one of: ${NODES[*]}"
-    # everything of that node: kubelet, containerd (with its shims), kube-network-policies,
+    # everything of that node: kubelet, containerd (with its shims), kube-router,
     # and its pods, all at once with SIGKILL, as when the machine behind it dies
     for ((round = 0; round < 20; round++)); do
         pids="$(for h in $(cg_hierarchies); do
-            for c in "$h/$CG/$n" "$h/$CG/$n-kubelet" "$h/$CG/$n-containerd" "$h/$CG/$n-knp"; do
-                [[ -d "$c" ]] && find "$c" -name cgroup.procs -exec cat {} + 2>/dev/null
+            for c in "$h/$CG/$n" "$h/$CG/$n-kubelet" "$h/$CG/$n-containerd" "$h/$CG/$n-netpol"; do
+                if [[ -d "$c" ]]; then find "$c" -name cgroup.procs -exec cat {} + 2>/dev/null || true; fi
             done
         done | sort -un)"
         [[ -n "$pids" ]] || break
@@ -745,14 +748,26 @@ cmd_kill_node() {
         kill -KILL $pids 2>/dev/null || true
         sleep 0.2
     done
-    log "node $n killed (kubelet, containerd, kube-network-policies, shims and pods)"
+    log "node $n killed (kubelet, containerd, kube-router, shims and pods)"
+}
+
+cmd_load_image() {  # load-image REF: import a podman image into both nodes (once)
+    local ref="${1:-}" n
+    [[ -n "$ref" ]] || die "load-image: want an image reference (a localhost/fusion-oci/node:TAG of podman's)"
+    [[ -d "$RUN" ]] || die "the cluster is not running"
+    mkdir -p "$IMAGES"
+    save_node_image "$ref"
+    local pids=()
+    for n in "${NODES[@]}"; do images_import "$n" & pids+=("$!"); done
+    for n in "${pids[@]}"; do wait "$n" || die "image import failed"; done
+    log "$ref is in both nodes"
 }
 
 cmd_status() {
     local name pid rc=0
     [[ -d "$RUN" ]] || { echo "cluster: down"; return 1; }
     for name in etcd apiserver controller-manager scheduler agent-sandbox \
-        containerd-n1 kubelet-n1 knp-n1 containerd-n2 kubelet-n2 knp-n2; do
+        containerd-n1 kubelet-n1 netpol-n1 containerd-n2 kubelet-n2 netpol-n2; do
         pid="$(pidfile_pid "$RUN/$name.pid")"
         if [[ -n "$pid" ]] && alive "$pid"; then echo "$name: running (pid $pid)"
         else echo "$name: not running"; rc=1; fi
@@ -769,7 +784,7 @@ cmd_env() {
     echo "export FUSION_OCI_CLUSTER_STATE=$STATE"
     echo "export FUSION_OCI_K8S_BIN=$bin"
     echo "export FUSION_OCI_K8S_NODE_IMAGE=$(cat "$RUN/node-image" 2>/dev/null || true)"
-    echo "export FUSION_OCI_K8S_HUB_NETNS=$HUB_NS"
+    echo "export FUSION_OCI_K8S_HUB_NETNS=$(ns_path "$HUB_NS")"
     echo "export FUSION_OCI_K8S_HUB_IP=$HUB_IP"
     echo "export FUSION_OCI_K8S_HOST_IP=$HOST_IP"
 }
@@ -780,6 +795,7 @@ case "${1:-}" in
     status) cmd_status ;;
     env) cmd_env ;;
     kill-node) shift; cmd_kill_node "$@" ;;
+    load-image) shift; cmd_load_image "$@" ;;
     clean) cleanup_all quiet; rm -rf "$STATE"; log "removed $STATE" ;;
-    *) echo "usage: $0 start|stop|status|env|kill-node NODE|clean" >&2; exit 2 ;;
+    *) echo "usage: $0 start|stop|status|env|kill-node NODE|load-image REF|clean" >&2; exit 2 ;;
 esac

@@ -7,34 +7,46 @@ does). A failing test's components' logs are in ``$FUSION_OCI_CLUSTER_STATE/logs
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
+from fusion_oci.images.provision import ProvisionedImage
 from tests.backends import require
-from tests.cluster.kube import Kube, KubectlError, cluster_env
+from tests.cluster.kube import CLUSTER_SH, Kube, KubectlError, cluster_env
+from tests.integration.images_fixture import node_image  # noqa: F401  (fixture)
 
 NODES = ("fusion-oci-n1", "fusion-oci-n2")
 
 
 @pytest.fixture(scope="session")
-def kube() -> Kube:
+def kube(node_image: Callable[[str], ProvisionedImage]) -> Kube:  # noqa: F811
+    """The running cluster, with the suite's node task image (built in podman by the images
+    fixture, as every container test has it) imported into both nodes."""
     try:
         env = cluster_env()
     except (OSError, subprocess.SubprocessError) as exc:
         require("kubernetes", False, f"scripts/cluster.sh env failed: {exc}")
         raise
     bin_dir = env.get("FUSION_OCI_K8S_BIN", "")
-    if not bin_dir or not env.get("FUSION_OCI_K8S_NODE_IMAGE"):
+    if not bin_dir:
         require("kubernetes", False, "the cluster is not running: scripts/cluster.sh start")
     k = Kube.from_env(env)
     try:
         k.run("get", "--raw", "/readyz", timeout=20)
-    except KubectlError as exc:
-        require("kubernetes", False, f"the cluster's API server does not answer: {exc}")
-    return k
+    except (KubectlError, OSError) as exc:
+        require(
+            "kubernetes", False, f"the cluster does not answer (scripts/cluster.sh start): {exc}"
+        )
+    ref = node_image("podman").ref
+    subprocess.run(
+        ["bash", str(CLUSTER_SH), "load-image", ref],
+        check=True, stdin=subprocess.DEVNULL, capture_output=True, timeout=600,
+    )  # fmt: skip
+    return dataclasses.replace(k, node_image=ref)
 
 
 @pytest.fixture

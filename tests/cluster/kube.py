@@ -70,7 +70,7 @@ class Kube:
             kubectl=Path(env["FUSION_OCI_K8S_BIN"]) / "kubectl",
             kubeconfig=Path(env["KUBECONFIG"]),
             state=Path(env["FUSION_OCI_CLUSTER_STATE"]),
-            node_image=env["FUSION_OCI_K8S_NODE_IMAGE"],
+            node_image=env.get("FUSION_OCI_K8S_NODE_IMAGE", ""),
             hub_netns=env["FUSION_OCI_K8S_HUB_NETNS"],
             hub_ip=env["FUSION_OCI_K8S_HUB_IP"],
             host_ip=env["FUSION_OCI_K8S_HOST_IP"],

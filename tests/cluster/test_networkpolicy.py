@@ -21,7 +21,7 @@ hub's address, the gateway every node routes through)."""
 def host_server(kube: Kube) -> Iterator[str]:
     """An HTTP server of the host's, reachable from the pods (in the hub's namespace)."""
     proc = subprocess.Popen(
-        ["nsenter", f"--net=/run/netns/{kube.hub_netns}", "--", "python3", "-m", "http.server",
+        ["nsenter", f"--net={kube.hub_netns}", "--", "python3", "-m", "http.server",
          "--bind", kube.hub_ip, str(HOST_PORT)],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         cwd="/",
