@@ -561,6 +561,17 @@ start_node() {
     launch "containerd-$n" "$ns" "$n-containerd" containerd --config "$RUN/$n/containerd.toml"
 }
 
+start_netpol() {  # after the node registered: kube-router looks its node up once, at start
+    local n="$1" ns
+    ns="$(node_ns "$n")"
+    # NetworkPolicy: kube-router's firewall only (iptables + ipset in the node's netns)
+    launch "netpol-$n" "$ns" "$n-netpol" "$BIN/kube-router" --kubeconfig "$RUN/netpol.kubeconfig" \
+        --run-firewall=true --run-router=false --run-service-proxy=false \
+        --hostname-override "$(node_name "$n")" --service-cluster-ip-range "$SERVICE_CIDR" \
+        --enable-ipv4=true --enable-ipv6=false --enable-cni=false \
+        --iptables-sync-period 1m --metrics-port 0 --health-port 20244 --v=1
+}
+
 start_node_agents() {
     local n="$1" ns
     ns="$(node_ns "$n")"
@@ -568,12 +579,6 @@ start_node_agents() {
         --config "$RUN/$n/kubelet.yaml" --kubeconfig "$RUN/kubelet-$n.kubeconfig" \
         --root-dir "$RUN/$n/kubelet" --cert-dir "$RUN/$n/kubelet/pki" \
         --hostname-override "$(node_name "$n")" --node-ip "$(node_ip "$n")" --v=1
-    # NetworkPolicy: kube-router's firewall only (iptables + ipset in the node's netns)
-    launch "netpol-$n" "$ns" "$n-netpol" "$BIN/kube-router" --kubeconfig "$RUN/netpol.kubeconfig" \
-        --run-firewall=true --run-router=false --run-service-proxy=false \
-        --hostname-override "$(node_name "$n")" --service-cluster-ip-range "$SERVICE_CIDR" \
-        --enable-ipv4=true --enable-ipv6=false --enable-cni=false \
-        --iptables-sync-period 1m --metrics-port 0 --health-port 20244 --v=1
 }
 
 cmd_start() {
@@ -664,6 +669,12 @@ cmd_start() {
         for n in "${NODES[@]}"; do tail -n 20 "$LOGS/kubelet-$n.log" >&2 || true; done
         die "the nodes did not become Ready"
     }
+    for n in "${NODES[@]}"; do start_netpol "$n"; done
+    for n in "${NODES[@]}"; do
+        wait_until "kube-router on $n healthy" 60 "netpol-$n" \
+            in_ns "$(node_ns "$n")" curl -sf http://127.0.0.1:20244/healthz \
+            || die "kube-router on $n did not come up"
+    done
     wait_until "agent-sandbox controller healthy" 60 agent-sandbox \
         in_ns "$CP_NS" curl -sf http://127.0.0.1:8081/readyz || die "agent-sandbox did not come up"
     echo "$((SECONDS - t0))" >"$RUN/start-seconds"
