@@ -728,15 +728,21 @@ cleanup_all() {
     for addr in /var/log/containers/*.log; do
         [[ -L "$addr" && "$(readlink "$addr")" == "$STATE/"* ]] && rm -f "$addr"
     done
-    for n in "${NODES[@]}"; do
-        rm -f /var/lib/cni/results/"foci-k8s-$n"-* 2>/dev/null || true
+    # the CNI library's cache of each pod sandbox's networks (ours name a netns under $STATE):
+    # a sandbox removed without CNI DEL (a killed node, stop's direct removal) leaves them
+    local f
+    for f in /var/lib/cni/results/*; do
+        if [[ -f "$f" ]] && grep -qF "$STATE/" "$f"; then rm -f "$f"; fi
     done
     # 6. network (netns, veths, routes, iptables), 7. cgroups
     net_down
     cg_remove
     if [[ -f "$STATE/created-dirs" ]]; then
+        # the ones not empty yet (another program's files in them) stay listed for next time
         tac "$STATE/created-dirs" | while read -r d; do rmdir "$d" 2>/dev/null || true; done
-        rm -f "$STATE/created-dirs"
+        local kept
+        kept="$(while read -r d; do if [[ -e "$d" ]]; then echo "$d"; fi; done <"$STATE/created-dirs")"
+        if [[ -n "$kept" ]]; then echo "$kept" >"$STATE/created-dirs"; else rm -f "$STATE/created-dirs"; fi
     fi
     [[ "${1:-}" == quiet ]] || log "stopped; logs kept in $LOGS"
     # the per-start state (etcd data, kubelet dirs, sockets): a fresh cluster on every start

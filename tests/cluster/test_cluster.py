@@ -86,3 +86,28 @@ def test_memory_limit_oom_kills(kube: Kube, ns: str) -> None:
     term = wait_for("the container to be OOM-killed", terminated, 120)
     assert term["reason"] == "OOMKilled", term
     assert term["exitCode"] == 137
+
+
+def test_pnpm_install_in_a_pod(kube: Kube, ns: str) -> None:
+    """Pods reach the npm registry through the machine's outbound path (the host's CA bundle
+    mounted, as the engines' containers get it: the machine may sit behind a TLS proxy)."""
+    ca = "/etc/ssl/certs/ca-certificates.crt"
+    pod = kube.pod("pnpm", ["sleep", "infinity"])
+    pod["spec"]["volumes"] = [{"name": "ca", "hostPath": {"path": ca, "type": "File"}}]
+    main = pod["spec"]["containers"][0]
+    main["volumeMounts"] = [{"name": "ca", "mountPath": "/run/host-ca.crt", "readOnly": True}]
+    main["env"] = [
+        {"name": name, "value": "/run/host-ca.crt"}
+        for name in ("NODE_EXTRA_CA_CERTS", "npm_config_cafile", "SSL_CERT_FILE")
+    ]
+    kube.apply(pod, namespace=ns)
+    kube.wait_ready(ns, "pnpm")
+    script = (
+        "set -e; mkdir -p /tmp/p && cd /tmp/p; "
+        'echo \'{"name": "p", "version": "1.0.0", "dependencies": {"is-number": "7.0.0"}}\' '
+        "> package.json; pnpm install --reporter=silent; "
+        "node -e \"console.log(require('is-number')(5))\""
+    )
+    res = kube.exec(ns, "pnpm", "sh", "-c", script, timeout=240)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert res.stdout.strip().splitlines()[-1] == "true"

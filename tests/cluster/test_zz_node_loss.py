@@ -62,7 +62,13 @@ def leftovers(state: Path) -> dict[str, Any]:
         str(p) for p in Path("/var/log/containers").glob("*.log")
         if p.is_symlink() and str(p.readlink()).startswith(f"{state}/")
     ] if Path("/var/log/containers").is_dir() else []  # fmt: skip
+    results = Path("/var/lib/cni/results")
+    cni_cache = [
+        str(p) for p in (results.glob("*") if results.is_dir() else [])
+        if f"{state}/" in p.read_text(errors="replace")
+    ]  # fmt: skip
     found = {
+        "cni cache": cni_cache,
         "cgroups": cgroups,
         "mounts": mounts,
         "netns": netns,
