@@ -113,7 +113,7 @@ def main() -> None:
         f"`benchmarks/bench_cluster.py --rounds {args.rounds}`: the two-node cluster the "
         "cluster tests run against (kubelet + containerd 1.6 + runc per node, in network "
         "namespaces on this machine); medians. Each timing includes kubectl's own start "
-        "(a Go binary, ~40 ms here).",
+        "(a Go binary: `kubectl version --client` takes ~64 ms here).",
         body,
         "",
     )

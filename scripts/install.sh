@@ -61,8 +61,9 @@ APT_PACKAGES=(
     # mkfs.xfs: tests/integration/test_store_reflink.py makes an XFS (reflink) on a loop device
     xfsprogs
     # the test cluster (scripts/cluster.sh): each node's container runtime and its `ctr`, the
-    # pods' network (bridge, host-local, portmap), the host's NAT, the cluster's PKI
-    containerd containernetworking-plugins iptables openssl
+    # pods' network (bridge, host-local, portmap), the host's NAT, the cluster's PKI, the
+    # ipset tool kube-router's NetworkPolicy firewall runs
+    containerd containernetworking-plugins iptables openssl ipset
 )
 
 missing=()

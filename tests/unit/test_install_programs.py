@@ -71,6 +71,7 @@ PROGRAMS: dict[str, str] = {
     "iptables": "iptables",
     "iptables-save": "iptables",
     "openssl": "openssl",
+    "ipset": "ipset",
     "sysctl": "procps",
     "kubernetes-validate": "pip",
     "ruff": "pip",
@@ -89,6 +90,7 @@ INDIRECT = {
     "chromedriver": "selenium drives chromium through it",
     "tini": "the docker engine's --init",
     "gcc": "hatch_build.py compiles the exec agent",
+    "ipset": "kube-router (the test cluster's NetworkPolicy firewall, scripts/cluster.sh) runs it",
 }
 """Programs no line of ours names in an argv, run by the programs we run."""
 
