@@ -73,10 +73,17 @@ die() { printf '[cluster] ERROR: %s\n' "$*" >&2; exit 1; }
 
 if [[ "$(id -u)" -ne 0 && "${1:-}" != env ]]; then
     command -v sudo >/dev/null 2>&1 || die "must run as root"
-    exec sudo --preserve-env=FUSION_OCI_CLUSTER_STATE,FUSION_OCI_K8S_CACHE bash "${BASH_SOURCE[0]}" "$@"
+    exec sudo --preserve-env=FUSION_OCI_CLUSTER_STATE,FUSION_OCI_K8S_CACHE,FUSION_OCI_CLUSTER_BUILD bash "${BASH_SOURCE[0]}" "$@"
 fi
 
-bin_dir() { bash "$ROOT/tools/k8s/build.sh"; }
+# the binaries: built when missing (FUSION_OCI_CLUSTER_BUILD=0: only a complete cached build)
+bin_dir() {
+    if [[ "${FUSION_OCI_CLUSTER_BUILD:-1}" == 0 ]]; then
+        bash "$ROOT/tools/k8s/build.sh" --path
+    else
+        bash "$ROOT/tools/k8s/build.sh"
+    fi
+}
 # The cluster's network namespaces are bind-mounted in $RUN/netns, not /run/netns: other
 # programs on a shared machine remount /run/netns (seen here: the netns mounts of a running
 # cluster vanished under it), and `ip netns exec` does not work here anyway.
