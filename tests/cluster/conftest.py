@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -58,3 +59,21 @@ def ns(kube: Kube) -> Iterator[str]:
     kube.run("-n", name, "wait", "--for=create", "serviceaccount/default", "--timeout=60s")
     yield name
     kube.run("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failed cluster test's report ends with where every component's log is, and the last
+    lines of each (the logs themselves stay in the state folder after `stop`)."""
+    report: pytest.TestReport = yield
+    if report.failed and call.when == "call":
+        logs = Path(cluster_env().get("FUSION_OCI_CLUSTER_STATE", "/nonexistent")) / "logs"
+        tails = []
+        for log in sorted(logs.glob("*.log")):
+            lines = log.read_text(errors="replace").splitlines()[-5:]
+            tails.append(f"== {log}\n" + "\n".join(line[:300] for line in lines))
+        if tails:
+            report.sections.append(("cluster logs (last lines)", "\n".join(tails)))
+    return report
