@@ -366,16 +366,17 @@ pki() {
 # ------------------------------------------------------------------ images
 # The pause image: Kubernetes' own pause.c (in the k8s.io/kubernetes module), compiled static.
 # The task image: the project's node image (images/node) as the podman engine holds it.
+# Both go to the nodes as OCI archives (`podman save --format oci-archive`, `ctr images import`).
 images_prepare() {
     mkdir -p "$IMAGES"
-    if [[ ! -s "$IMAGES/pause.tar" ]]; then
+    if [[ ! -s "$IMAGES/pause.oci.tar" ]]; then
         local tmp
         tmp="$(mktemp -d "$STATE/pause.XXXXXX")"
         gcc -Os -s -static -DVERSION=v3.10-fusion-oci -o "$tmp/pause" "$BIN/pause.c"
         tar -C "$tmp" -cf "$tmp/rootfs.tar" pause
         podman import --change 'ENTRYPOINT ["/pause"]' "$tmp/rootfs.tar" "$PAUSE_IMAGE" >/dev/null
-        podman save -o "$IMAGES/pause.tar.tmp" "$PAUSE_IMAGE" >/dev/null 2>&1
-        mv "$IMAGES/pause.tar.tmp" "$IMAGES/pause.tar"
+        podman save --format oci-archive -o "$IMAGES/pause.oci.tar.tmp" "$PAUSE_IMAGE" >/dev/null 2>&1
+        mv "$IMAGES/pause.oci.tar.tmp" "$IMAGES/pause.oci.tar"
         rm -rf "$tmp"
     fi
     local ref
@@ -392,14 +393,14 @@ images_prepare() {
 save_node_image() {  # save_node_image REF: the podman image REF as an archive, once per image id
     local ref="$1" id
     id="$(podman image inspect --format '{{.Id}}' "$ref")" || die "no image $ref in podman"
-    if [[ ! -s "$IMAGES/node-$id.tar" ]]; then
+    if [[ ! -s "$IMAGES/node-$id.oci.tar" ]]; then
         rm -f "$IMAGES"/node-*.tar
         log "images: saving $ref from podman"
-        podman save -o "$IMAGES/node-$id.tar.tmp" "$ref" >/dev/null 2>&1
-        mv "$IMAGES/node-$id.tar.tmp" "$IMAGES/node-$id.tar"
+        podman save --format oci-archive -o "$IMAGES/node-$id.oci.tar.tmp" "$ref" >/dev/null 2>&1
+        mv "$IMAGES/node-$id.oci.tar.tmp" "$IMAGES/node-$id.oci.tar"
     fi
     echo "$ref" >"$RUN/node-image"
-    echo "$IMAGES/node-$id.tar" >"$RUN/node-image-archive"
+    echo "$IMAGES/node-$id.oci.tar" >"$RUN/node-image-archive"
 }
 
 images_import() {  # images_import NODE: import both archives unless this node already has them
@@ -409,12 +410,13 @@ images_import() {  # images_import NODE: import both archives unless this node a
     local have
     have="$(ctr -a "$sock" -n k8s.io images ls -q 2>/dev/null || true)"
     if ! grep -qxF "$PAUSE_IMAGE" <<<"$have"; then
-        ctr -a "$sock" -n k8s.io images import "$IMAGES/pause.tar" >/dev/null
+        ctr -a "$sock" -n k8s.io images import --base-name "${PAUSE_IMAGE%:*}" \
+            "$IMAGES/pause.oci.tar" >/dev/null
     fi
     [[ -n "$ref" ]] || return 0
     if ! grep -qxF "$ref" <<<"$have" || [[ "$(cat "$STATE/$n/node-image-archive" 2>/dev/null)" != "$archive" ]]; then
         log "$n: importing $ref"
-        ctr -a "$sock" -n k8s.io images import "$archive" >/dev/null
+        ctr -a "$sock" -n k8s.io images import --base-name "${ref%:*}" "$archive" >/dev/null
         echo "$archive" >"$STATE/$n/node-image-archive"
     fi
 }
