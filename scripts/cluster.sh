@@ -597,6 +597,10 @@ cmd_start() {
     fi
     command -v containerd >/dev/null || die "containerd not found: run scripts/install.sh"
     BIN="$(bin_dir)" || die "the Kubernetes build failed (see above)"
+    # a start that fails half-way leaves nothing running (its logs stay for the diagnosis)
+    trap 'rc=$?; trap - EXIT; if ((rc != 0)); then
+        log "start failed: stopping what it started (logs in $LOGS)"; cleanup_all quiet; fi
+        exit $rc' EXIT
     # leftovers of a crashed run (processes are gone: cmd_stop ends them all)
     cleanup_all quiet
     mkdir -p "$RUN" "$LOGS"
@@ -686,6 +690,7 @@ cmd_start() {
     done
     wait_until "agent-sandbox controller healthy" 60 agent-sandbox \
         in_ns "$CP_NS" curl -sf http://127.0.0.1:8081/readyz || die "agent-sandbox did not come up"
+    trap - EXIT
     echo "$((SECONDS - t0))" >"$RUN/start-seconds"
     log "cluster up in $((SECONDS - t0)) s: $(kubectl_ get nodes --no-headers | awk '{print $1 "=" $2}' | tr '\n' ' ')"
     log "use it: eval \"\$($0 env)\", then \$FUSION_OCI_K8S_BIN/kubectl get nodes"
