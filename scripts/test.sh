@@ -5,6 +5,10 @@
 #                                    rootless test user, podman runtime drop-in
 #   2. scripts/services.sh start    dockerd, rootful and rootless podman API services, a rootless
 #                                    dockerd (the rootless ones as the unprivileged test user)
+#   2b. scripts/cluster.sh start   the two-node Kubernetes cluster tests/cluster/ runs against
+#                                    (its binaries were built by install.sh; a cluster that
+#                                    already runs is used and left running; skipped, with
+#                                    tests/cluster/ left out, with FUSION_OCI_SKIP_CLUSTER=1)
 #   3. ruff check, ruff format --check, mypy   (skipped with FUSION_OCI_SKIP_LINT=1)
 #   4. pytest "$@"                   with FUSION_OCI_REQUIRE_BACKENDS=all: a missing backend fails
 #   5. clients/typescript: tsc --strict, then `node --test` against the real server
@@ -26,6 +30,7 @@ say "== install ($(date -u +%H:%M:%S))"
 bash scripts/install.sh
 
 STARTED_FILE="$(mktemp "${TMPDIR:-/tmp}/fusion-oci-started.XXXXXX")"
+CLUSTER_STARTED=0
 cleanup() {
     local rc=$?
     trap - EXIT INT TERM
@@ -35,6 +40,10 @@ cleanup() {
         "${SUDO[@]}" bash "$ROOT/scripts/services.sh" stop $(sort -u "$STARTED_FILE") || true
     fi
     rm -f "$STARTED_FILE"
+    if [[ "$CLUSTER_STARTED" == 1 ]]; then
+        say "== stopping the cluster this run started (logs stay in /var/lib/fusion-oci-cluster/logs)"
+        "${SUDO[@]}" bash "$ROOT/scripts/cluster.sh" stop || true
+    fi
     say "total time $((SECONDS - t0)) s, exit status $rc"
     exit "$rc"
 }
@@ -47,6 +56,26 @@ t1=$SECONDS
 "${SUDO[@]}" env FUSION_OCI_STARTED_FILE="$STARTED_FILE" bash scripts/services.sh start
 say "services ready in $((SECONDS - t1)) s"
 eval "$(bash scripts/services.sh env)"
+
+PYTEST_EXTRA=()
+if [[ "${FUSION_OCI_SKIP_CLUSTER:-0}" == 1 ]]; then
+    say "== cluster skipped (FUSION_OCI_SKIP_CLUSTER=1): tests/cluster left out"
+    PYTEST_EXTRA+=(--ignore=tests/cluster)
+elif "${SUDO[@]}" bash scripts/cluster.sh status >/dev/null 2>&1; then
+    say "== cluster: already running, using it (and leaving it running)"
+else
+    say "== cluster"
+    t1=$SECONDS
+    CLUSTER_STARTED=1
+    # a cluster that does not come up fails its tests (required below), not the whole run
+    # (install.sh built the binaries: a build that failed there is not tried a third time)
+    if "${SUDO[@]}" env FUSION_OCI_CLUSTER_BUILD=0 bash scripts/cluster.sh start; then
+        say "cluster ready in $((SECONDS - t1)) s"
+    else
+        say "FAILED: scripts/cluster.sh start (logs in /var/lib/fusion-oci-cluster/logs)"
+    fi
+fi
+eval "$(bash scripts/cluster.sh env)"
 export FUSION_OCI_REQUIRE_BACKENDS=all
 export PATH="$ROOT/.venv/bin:$PATH"
 bash scripts/services.sh env | sed 's/^/[test]   /'
@@ -65,7 +94,7 @@ fi
 
 say "== pytest $*"
 rc=0
-.venv/bin/python -m pytest "$@" || rc=$?
+.venv/bin/python -m pytest ${PYTEST_EXTRA[@]+"${PYTEST_EXTRA[@]}"} "$@" || rc=$?
 if ((rc == 5)); then
     say "FAILED: pytest collected no tests (exit 5)"
 elif ((rc != 0)); then

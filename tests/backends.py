@@ -31,6 +31,7 @@ def required_backends() -> set[str]:
             "docker-rootless",
             "oci-schema",
             "libseccomp",
+            "kubernetes",
         }
     return {v.strip() for v in value.split(",") if v.strip()}
 

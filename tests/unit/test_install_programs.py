@@ -69,6 +69,12 @@ PROGRAMS: dict[str, str] = {
     "gcc": "gcc",
     "cc": "gcc",
     "pnpm": "npm -g",
+    "ctr": "containerd",
+    "iptables": "iptables",
+    "iptables-save": "iptables",
+    "openssl": "openssl",
+    "ipset": "ipset",
+    "sysctl": "procps",
     "kubernetes-validate": "pip",
     "ruff": "pip",
     "mypy": "pip",
@@ -86,6 +92,7 @@ INDIRECT = {
     "chromedriver": "selenium drives chromium through it",
     "tini": "the docker engine's --init",
     "gcc": "hatch_build.py compiles the exec agent",
+    "ipset": "kube-router (the test cluster's NetworkPolicy firewall, scripts/cluster.sh) runs it",
 }
 """Programs no line of ours names in an argv, run by the programs we run."""
 
