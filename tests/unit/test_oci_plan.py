@@ -478,3 +478,21 @@ def test_check_names_egress_where_slirp_is_unusable() -> None:
     assert egress not in rt.check(task_for(POLICIES["none-limits"]))
     rt._egress = (True, "/usr/bin/slirp4netns")
     assert egress not in rt.check(task_for(POLICIES["egress"]))
+
+
+def test_doctor_says_whether_a_cluster_here_could_run_gvisor_pods(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """#33: gVisor as a RuntimeClass needs runsc's containerd shim, which sets its OOM score
+    (CAP_SYS_RESOURCE): doctor's runsc row says which of the two is missing."""
+    import shutil
+
+    from fusion_oci.runtimes.ocicli import gvisor
+
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None)
+    assert gvisor.kubernetes_runtime_class().startswith("no RuntimeClass: this runsc comes")
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: f"/usr/bin/{name}")
+    monkeypatch.setattr(gvisor, "_has_sys_resource", lambda: False)
+    assert "CAP_SYS_RESOURCE" in gvisor.kubernetes_runtime_class()
+    monkeypatch.setattr(gvisor, "_has_sys_resource", lambda: True)
+    assert gvisor.kubernetes_runtime_class().startswith("a RuntimeClass can use")

@@ -74,4 +74,38 @@ def gvisor_details(
         "memoryLimitMb": "the sandbox's cgroup: an OOM kill ends the whole sandbox (the "
         "command reads oom; the task's later commands cannot run)",
         "rootless": "unavailable (see reason)" if rootless else "rootful",
+        "kubernetes": kubernetes_runtime_class(),
     }
+
+
+SHIM = "containerd-shim-runsc-v1"
+
+
+def kubernetes_runtime_class() -> str:
+    """Whether a Kubernetes node on this machine could offer gVisor as a RuntimeClass."""
+    import shutil
+
+    if shutil.which(SHIM) is None:
+        return (
+            f"no RuntimeClass: this runsc comes without {SHIM}, which containerd needs for "
+            "gVisor pods (Debian's package ships none; docs/kubernetes-cluster.md)"
+        )
+    if not _has_sys_resource():
+        return (
+            f"no RuntimeClass: {SHIM} is there, but it sets its own OOM score to -999, which "
+            "needs CAP_SYS_RESOURCE, and this machine's root lacks it: every gVisor pod fails "
+            "(docs/kubernetes-cluster.md)"
+        )
+    return f"a RuntimeClass can use {SHIM} (handler runsc)"
+
+
+def _has_sys_resource() -> bool:
+    """CAP_SYS_RESOURCE (24) in this process's effective set."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> 24 & 1)
+    except OSError:
+        pass
+    return False
