@@ -164,6 +164,11 @@ def _bombing(proxy: EgressProxy, bomb: bytes) -> None:
         head = Head("POST /a/b.git/git-receive-pack HTTP/1.1", [("Content-Encoding", "gzip")])
         ex = Exchange(method="POST", path="/a/b.git/git-receive-pack")
         await session._check_push(head, ex, body())
+        # As an intercepted request's end does (EgressProxy._exchange): its audit event,
+        # which counts a refusal against the task.
+        proxy._credential_event(
+            conn, "gh", allowed=ex.refused is None, reason=ex.refused, details={}
+        )
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
 
     proxy._serve = serve  # type: ignore[method-assign]

@@ -245,6 +245,10 @@ class EgressProxy:
         """Loop seconds used lately: each charge added, the sum decaying with
         :data:`_SHARE_WINDOW_S` (its share of the loop: this over the window)."""
         self._recent_at = time.monotonic()
+        self._refusals = 0.0
+        """Refusals lately (connections, requests, pushes), decaying like ``_recent``: a task
+        that keeps being refused gets no more than ``loop_share`` (see :meth:`_fair_share`)."""
+        self._refusals_at = time.monotonic()
         self._admitted_at = 0.0
         self._closed_at_accept = 0
         """Connections closed at accept (over ``max_connections``) since the last event."""
@@ -321,9 +325,23 @@ class EgressProxy:
     def _fair_share(self) -> float:
         """The loop share this task may use now: an equal part among the tasks with work
         under way, and never less than ``loop_share``. A task that needs much of the loop
-        (TLS of a brokered registry) is held back only as far as others need it too."""
+        (TLS of a brokered registry) is held back only as far as others need it too; one
+        that keeps being refused (a flood of denied CONNECTs, push bombs: work nobody asked
+        for) is held to ``loop_share``."""
+        if self._refusal_rate() > _REFUSALS_PER_S:
+            return self.limits.loop_share
         working = sum(1 for p in _PROXIES if p._working or p is self)
         return max(self.limits.loop_share, 1.0 / max(working, 1))
+
+    def _refused(self) -> None:
+        self._refusal_rate()  # decayed up to now, then this one added
+        self._refusals += 1.0
+
+    def _refusal_rate(self) -> float:
+        now = time.monotonic()
+        self._refusals *= math.exp(-(now - self._refusals_at) / _SHARE_WINDOW_S)
+        self._refusals_at = now
+        return self._refusals / _SHARE_WINDOW_S
 
     def _over_budget(self) -> float:
         """Seconds to wait before the task's loop share is back within ``loop_share`` (0: it
@@ -1101,6 +1119,8 @@ class EgressProxy:
         """One event about ``conn`` (the task's and the connection's own fields, plus
         ``fields``), appended by :data:`_AUDIT_WRITER` after every event before it, within
         the task's :class:`~fusion_oci.egress.budget.AuditBudget`."""
+        if not fields.get("allowed"):
+            self._refused()
         if self.audit is None:
             return
         if self._budget.take():
@@ -1145,6 +1165,9 @@ class EgressProxy:
 
 
 _SHARE_WINDOW_S = 1.0
+_REFUSALS_PER_S = 5.0
+"""Refusals a second above which a task's loop share is the floor: a build that meets a
+denied host now and then stays far below it."""
 """The time constant of a task's measured loop share."""
 _NEAR_BUDGET_GAP_S = 0.01
 """Between two connections a task admits while its share is past half its budget and

@@ -368,3 +368,22 @@ def test_a_task_over_its_loop_share_waits_only_while_another_has_work_under_way(
     finally:
         egress_proxy._PROXIES.discard(hog)
         egress_proxy._PROXIES.discard(other)
+
+
+def test_a_task_that_keeps_being_refused_gets_only_the_floor(tmp_path: Path) -> None:
+    """Work nobody asked for (denied CONNECTs, refused pushes) earns no fair share."""
+    proxy = EgressProxy(
+        task_id="flood",
+        rules=EgressRules(allowed=("x.test",)),
+        state_dir=tmp_path,
+        audit=None,
+        tcp=False,
+        resolve_override=None,
+        limits=Limits(loop_share=0.10),
+        backend="test",
+        policy_hash=None,
+    )
+    assert proxy._fair_share() == 1.0  # alone
+    for _ in range(20):
+        proxy._refused()
+    assert proxy._fair_share() == 0.10
