@@ -89,7 +89,8 @@ class Limits:
     loop_share: float = 0.10
     """The least share of the proxy loop's time a task may use while another task has a
     connection under way (past its first byte); its fair share is an equal part among the
-    tasks with work under way, if larger (two busy tasks: half each). Every step of its
+    tasks with work under way, if larger (two busy tasks: half each), except for a task that
+    keeps being refused, which gets this and no more. Every step of its
     handlers (head parsing, decisions, audit events, TLS of brokered hosts, push checks) is
     timed, and a task whose recent share (over about a second) is above it waits, at accept
     and before each step of its handlers, until it is back under (near it: one new
