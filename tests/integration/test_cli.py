@@ -215,6 +215,7 @@ def test_doctor_lists_every_backend(worktree: Path) -> None:
         "source": "default",
         "failureMode": "fail-hard",
         "available": True,
+        "hostServices": [],  # the grants, with what each gives away (none configured)
     }
     listed = report["backends"]
     rows = {r["backend"]: r for r in listed if r.get("ociRuntime") in (None, "runc")}
