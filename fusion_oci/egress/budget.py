@@ -13,9 +13,16 @@ lines a second.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fusion_oci.audit import AuditLog
 
 BURST = 256
 RATE_PER_S = 8.0
@@ -60,4 +67,83 @@ class AuditBudget:
         return out
 
 
-__all__ = ["BURST", "RATE_PER_S", "SUMMARY_EVERY_S", "AuditBudget"]
+AUDIT_WRITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fusion-oci-egress-audit")
+"""Where every proxy's and relay's audit appends run: off the proxy loop (the append takes a
+flock, so a slow disk stalls no tunnel), one at a time, in the order they were made. A thread
+per event (``asyncio.to_thread``) let a later event land before an earlier one."""
+
+
+class BudgetedEvents:
+    """One task part's audit events (a proxy's, the service relays'), written by
+    :data:`AUDIT_WRITER` in the order they were made, within an :class:`AuditBudget`. Used on
+    the proxy loop only. ``base``: the task's fields at the time of writing (its run id
+    changes); ``what``: who held events back, for the summary's text; ``summary``: details the
+    summary carries besides the counts."""
+
+    def __init__(
+        self,
+        audit: AuditLog | None,
+        base: Callable[[], dict[str, Any]],
+        what: str,
+        summary: dict[str, Any] | None = None,
+    ) -> None:
+        self.audit = audit
+        self.budget = AuditBudget()
+        self._base = base
+        self._what = what
+        self._summary = summary or {}
+        self._pending: set[asyncio.Future[None]] = set()
+
+    def emit(self, **fields: Any) -> None:
+        """One event, or its count when the budget holds it back (then a summary, at most
+        once a second)."""
+        if self.audit is None:
+            return
+        if self.budget.take():
+            self._write(**fields)
+        else:
+            outcome = "allowed" if fields.get("allowed") else "refused"
+            self.budget.hold(f"{fields.get('type')} {outcome}")
+        self.flush()
+
+    def flush(self, *, force: bool = False) -> None:
+        """The summary of what the budget held back, if anything was."""
+        held = self.budget.summary(force=force) if self.audit is not None else None
+        if held is None:
+            return
+        self._write(
+            type="sandbox:egress",
+            allowed=False,
+            reason=(
+                f"{sum(held.values())} events of this task's {self._what} were not written one "
+                f"by one: over the audit budget ({self.budget.burst} at once, then "
+                f"{self.budget.rate:g} a second)"
+            ),
+            details={"suppressed": held, **self._summary},
+        )
+
+    async def drain(self) -> None:
+        """The last summary, then every append made so far, done."""
+        self.flush(force=True)
+        if self._pending:
+            await asyncio.gather(*self._pending, return_exceptions=True)
+
+    def _write(self, **fields: Any) -> None:
+        assert self.audit is not None
+        from fusion_oci.audit import AuditEvent
+
+        event = AuditEvent(**self._base(), **fields)
+        loop = asyncio.get_running_loop()
+        future = asyncio.ensure_future(loop.run_in_executor(AUDIT_WRITER, self.audit.emit, event))
+        self._pending.add(future)
+        future.add_done_callback(self._pending.discard)
+
+
+__all__ = [
+    "AUDIT_WRITER",
+    "BURST",
+    "RATE_PER_S",
+    "SUMMARY_EVERY_S",
+    "AuditBudget",
+    "BudgetedEvents",
+]

@@ -22,12 +22,11 @@ import time
 import urllib.parse
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fusion_oci.egress.budget import AuditBudget
+from fusion_oci.egress.budget import BudgetedEvents
 from fusion_oci.egress.loop import on_proxy_loop
 from fusion_oci.egress.rules import ALLOW_KEY, DASHBOARD_PORT, Decision, EgressRules
 from fusion_oci.egress.splice import Tunnel
@@ -256,8 +255,7 @@ class EgressProxy:
         self._last_cap_event = 0.0
         self._handlers: set[asyncio.Task[None]] = set()
         self._tunnels: set[Tunnel] = set()
-        self._emits: set[asyncio.Future[None]] = set()
-        self._budget = AuditBudget()
+        self._events = BudgetedEvents(audit, self._task_fields, "proxy")
         self._stopped = False
 
     def set_run(self, run_id: str | None) -> None:
@@ -451,10 +449,7 @@ class EgressProxy:
             task.cancel()
         if self._handlers:
             await asyncio.gather(*self._handlers, return_exceptions=True)
-        if self.audit is not None:
-            self._flush_held(force=True)
-        if self._emits:
-            await asyncio.gather(*self._emits, return_exceptions=True)
+        await self._events.drain()
         with contextlib.suppress(FileNotFoundError):
             self.unix_socket.unlink()
 
@@ -1118,51 +1113,18 @@ class EgressProxy:
 
     def _emit(self, conn: Connection, **fields: Any) -> None:
         """One event about ``conn`` (the task's and the connection's own fields, plus
-        ``fields``), appended by :data:`_AUDIT_WRITER` after every event before it, within
-        the task's :class:`~fusion_oci.egress.budget.AuditBudget`."""
+        ``fields``), within the task's audit budget (:class:`BudgetedEvents`)."""
         if not fields.get("allowed"):
             self._refused()
-        if self.audit is None:
-            return
-        if self._budget.take():
-            self._write(host=conn.host, port=conn.port, address=conn.address, **fields)
-        else:
-            outcome = "allowed" if fields.get("allowed") else "refused"
-            self._budget.hold(f"{fields.get('type')} {outcome}")
-        self._flush_held()
+        self._events.emit(host=conn.host, port=conn.port, address=conn.address, **fields)
 
-    def _flush_held(self, *, force: bool = False) -> None:
-        """The summary of what the budget held back, if anything was (module budget.py)."""
-        held = self._budget.summary(force=force)
-        if held is None:
-            return
-        count = sum(held.values())
-        self._write(
-            type="sandbox:egress",
-            allowed=False,
-            reason=(
-                f"{count} events of this task's proxy were not written one by one: over the "
-                f"audit budget ({self._budget.burst} at once, then "
-                f"{self._budget.rate:g} a second)"
-            ),
-            details={"suppressed": held},
-        )
-
-    def _write(self, **fields: Any) -> None:
-        assert self.audit is not None
-        from fusion_oci.audit import AuditEvent
-
-        event = AuditEvent(
-            task_id=self.task_id,
-            run_id=self.run_id or "-",
-            backend=self.backend,
-            policy_hash=self.policy_hash,
-            **fields,
-        )
-        loop = asyncio.get_running_loop()
-        future = asyncio.ensure_future(loop.run_in_executor(_AUDIT_WRITER, self.audit.emit, event))
-        self._emits.add(future)
-        future.add_done_callback(self._emits.discard)
+    def _task_fields(self) -> dict[str, Any]:
+        return {
+            "task_id": self.task_id,
+            "run_id": self.run_id or "-",
+            "backend": self.backend,
+            "policy_hash": self.policy_hash,
+        }
 
 
 _SHARE_WINDOW_S = 1.0
@@ -1177,11 +1139,6 @@ another task has work under way."""
 _PROXIES: weakref.WeakSet[EgressProxy] = weakref.WeakSet()
 """Every proxy started in this process (all on the one proxy loop): whom a task over its
 loop budget would hold up."""
-
-_AUDIT_WRITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fusion-oci-egress-audit")
-"""Where every proxy's audit appends run: off the proxy loop (the append takes a flock, so a
-slow disk stalls no tunnel), one at a time, in the order they were made. A thread per event
-(``asyncio.to_thread``) let a later event land before an earlier one."""
 
 
 PIPELINED_CHECKED = 16

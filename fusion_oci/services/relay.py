@@ -30,7 +30,7 @@ from pathlib import Path
 from socket import socket as Socket
 from typing import TYPE_CHECKING, Any
 
-from fusion_oci.egress.budget import AuditBudget
+from fusion_oci.egress.budget import BudgetedEvents
 from fusion_oci.egress.loop import on_proxy_loop
 from fusion_oci.egress.splice import Tunnel
 from fusion_oci.errors import SandboxSetupError, SettingsError
@@ -152,8 +152,9 @@ class TaskRelays:
         self._open = 0
         self._handlers: set[asyncio.Future[None]] = set()
         self._tunnels: set[Tunnel] = set()
-        self._emits: set[asyncio.Future[None]] = set()
-        self._budget = AuditBudget()
+        self._events = BudgetedEvents(
+            audit, self._task_fields, "service relays", summary={"service": "*"}
+        )
         self._stopped = False
 
     def set_run(self, run_id: str | None) -> None:
@@ -237,10 +238,7 @@ class TaskRelays:
             task.cancel()
         if self._handlers:
             await asyncio.gather(*self._handlers, return_exceptions=True)
-        if self.audit is not None:
-            self._flush_held(force=True)
-        if self._emits:
-            await asyncio.gather(*self._emits, return_exceptions=True)
+        await self._events.drain()
 
     # -- one connection -------------------------------------------------------------------
 
@@ -345,43 +343,15 @@ class TaskRelays:
             "details": {"service": str(grant), "protocol": grant.kind},
             **fields,
         }
-        if self._budget.take():
-            self._write(**event)
-        else:
-            self._budget.hold(f"sandbox:egress {'allowed' if fields.get('allowed') else 'refused'}")
-        self._flush_held()
+        self._events.emit(**event)
 
-    def _flush_held(self, *, force: bool = False) -> None:
-        held = self._budget.summary(force=force)
-        if held is None:
-            return
-        self._write(
-            type="sandbox:egress",
-            allowed=False,
-            reason=(
-                f"{sum(held.values())} events of this task's service relays were not written "
-                f"one by one: over the audit budget ({self._budget.burst} at once, then "
-                f"{self._budget.rate:g} a second)"
-            ),
-            details={"suppressed": held, "service": "*"},
-        )
-
-    def _write(self, **fields: Any) -> None:
-        assert self.audit is not None
-        from fusion_oci.audit import AuditEvent
-        from fusion_oci.egress.proxy import _AUDIT_WRITER
-
-        event = AuditEvent(
-            task_id=self.task_id,
-            run_id=self.run_id or "-",
-            backend=self.backend,
-            policy_hash=self.policy_hash,
-            **fields,
-        )
-        loop = asyncio.get_running_loop()
-        future = asyncio.ensure_future(loop.run_in_executor(_AUDIT_WRITER, self.audit.emit, event))
-        self._emits.add(future)
-        future.add_done_callback(self._emits.discard)
+    def _task_fields(self) -> dict[str, Any]:
+        return {
+            "task_id": self.task_id,
+            "run_id": self.run_id or "-",
+            "backend": self.backend,
+            "policy_hash": self.policy_hash,
+        }
 
 
 def _why(exc: BaseException) -> str:
