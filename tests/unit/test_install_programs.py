@@ -97,13 +97,6 @@ INDIRECT = {
 """Programs no line of ours names in an argv, run by the programs we run."""
 
 NOT_RUN = {
-    "dir": "a tar member kind (tests/unit/test_image_rootfs.py)",
-    "file": "a tar member kind (tests/unit/test_image_rootfs.py)",
-    "hardlink": "a tar member kind (tests/unit/test_image_rootfs.py)",
-    "time": "a table column / audit field",
-    "timeout": "an end reason",
-    "init": "a git subcommand's argv in the benchmarks (`git init`), as a list's first word",
-    "make": "a command in a pure argv test (test_bubblewrap_argv), never run",
     "sandbox-exec": "macOS's own /usr/bin/sandbox-exec (the seatbelt tier), never on Linux",
     "systemd-run": "the systemd-run cgroup mode is chosen only when the host has systemd "
     "(runtimes/linux/cgroups.py); the tests name it in pure argv tests",
@@ -173,19 +166,72 @@ def _program(word: object) -> str | None:
     return word if word in PROGRAMS or shutil.which(word) else None
 
 
-def _python_programs(source: str) -> set[str]:
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(source)):
-        if (
-            isinstance(node, ast.List | ast.Tuple)
-            and node.elts
-            and isinstance(node.elts[0], ast.Constant)
+ARGV_NAME = re.compile(r"argv|cmd|command|args|prog", re.I)
+"""A variable, keyword or function named like this holds (or returns) a command's argv."""
+RUNNER_NAME = re.compile(
+    r"run|exec|popen|spawn|call|output|argv|cmd|command|start|sudo|ctl|probe", re.I
+)
+"""A function named like this takes a command's argv (subprocess.run, check_output, _kubectl)."""
+RUNNERS = {"which", "create_subprocess_exec", "execvp", "execv", "execvpe", "Popen"}
+"""Calls whose first argument is a program's name or path."""
+
+
+def _argv_lists(tree: ast.AST) -> Iterable[ast.List | ast.Tuple]:
+    """The list and tuple displays in argv position (the leftmost operand of ``[...] + rest``
+    too): given to a runner-named call, or as an argv-named keyword; bound to an argv-named
+    variable or dict key; returned by an argv-named function; or an item of such a list (a
+    table of commands). A list that is only data (``["dir", "file"]``, a table's column names)
+    is not one, whatever programs the machine has."""
+
+    def leftmost(node: ast.AST | None) -> ast.AST | None:
+        while isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+            node = node.left
+        return node
+
+    def starred(node: ast.AST | None) -> Iterable[ast.AST | None]:
+        yield node
+        if isinstance(node, ast.List | ast.Tuple):  # [["git", "init"], ["git", "add"]]
+            yield from (leftmost(e) for e in node.elts)
+
+    positions: list[ast.AST | None] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            callee = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if RUNNER_NAME.search(callee):
+                positions += [leftmost(a) for a in node.args]
+            positions += [leftmost(k.value) for k in node.keywords if ARGV_NAME.search(k.arg or "")]
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names = [t.id if isinstance(t, ast.Name) else getattr(t, "attr", "") for t in targets]
+            if any(ARGV_NAME.search(n) for n in names):
+                positions += starred(leftmost(node.value))
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and ARGV_NAME.search(
+            node.name
         ):
-            found.add(_program(node.elts[0].value) or "")
-        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            positions += [leftmost(r.value) for r in ast.walk(node) if isinstance(r, ast.Return)]
+        elif isinstance(node, ast.Dict):  # {"command": ["printenv", "TOKEN"]}
+            positions += [
+                leftmost(v)
+                for k, v in zip(node.keys, node.values, strict=True)
+                if isinstance(k, ast.Constant) and ARGV_NAME.search(str(k.value))
+            ]
+    for node in positions:
+        if isinstance(node, ast.List | ast.Tuple):
+            yield node
+
+
+def _python_programs(source: str) -> set[str]:
+    tree = ast.parse(source)
+    found: set[str] = set()
+    for argv in _argv_lists(tree):
+        if argv.elts and isinstance(argv.elts[0], ast.Constant):
+            found.add(_program(argv.elts[0].value) or "")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
             func = node.func
             name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
-            if name in {"which", "create_subprocess_exec", "execvp", "execv", "Popen"}:
+            if name in RUNNERS:
                 found.add(_program(node.args[0].value) or "")
         elif (
             isinstance(node, ast.Constant)
@@ -423,3 +469,33 @@ def test_ci_runs_the_suite_on_debians_own_python() -> None:
         base = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
         assert base == "/usr/bin/python3.11", f"the suite runs on {base}, not Debian's python"
         assert sys.version_info[:3] == (3, 11, 2), sys.version
+
+
+def test_data_that_looks_like_a_program_is_not_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only argv positions count: a machine with a ``project`` (or ``backend``) program on
+    PATH does not fail the check because a list of the code's data starts with that word."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("project", "backend", "fusion-oci-fake-tool"):
+        (bin_dir / name).write_text("#!/bin/sh\n")
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    (tmp_path / "fusion_oci").mkdir()
+    (tmp_path / "fusion_oci" / "m.py").write_text(
+        "KEYS = ['project', 'worktree']\n"
+        "table(['backend', 'runs', 'p50'], rows)\n"
+        "fields = [('project', 'x')]\n"
+        "argv = ['fusion-oci-fake-tool', '--flag'] + rest\n"
+    )
+    used = programs_used(tmp_path, ["fusion_oci"])
+    assert set(used) == {"fusion-oci-fake-tool"}
+    for code, program in [
+        ("subprocess.check_output(['backend', '-x'])", "backend"),
+        ("run(command=['project'])", "project"),
+        ("spec = {'command': ['project', 'x']}", "project"),
+        ("def kubectl_argv():\n    return ['project', 'get']\n", "project"),
+        ("cmds = [['project', 'a'], ['backend', 'b']]", "backend"),
+    ]:
+        assert program in _python_programs(code), code
