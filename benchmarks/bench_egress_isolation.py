@@ -215,8 +215,7 @@ def _measure(
         stop = asyncio.Event()
         lags: list[float] = []
         loop = call_on_proxy_loop(_start_probe(stop, lags))
-        used = getattr(proxy_a, "loop_seconds", None)
-        used_b = getattr(proxy_b, "loop_seconds", None)
+        used, used_b = proxy_a.meter.loop_seconds, proxy_b.meter.loop_seconds
         started = time.monotonic()
         done = subprocess.run(
             [
@@ -233,9 +232,9 @@ def _measure(
         )
         loop.call_soon_threadsafe(stop.set)
         elapsed = time.monotonic() - started
-        # A's measured loop time over B's run (-1: a proxy without the meter).
-        share = -1.0 if used is None else (proxy_a.loop_seconds - used) / elapsed
-        share_b = -1.0 if used_b is None else (proxy_b.loop_seconds - used_b) / elapsed
+        # A's (and B's) measured loop time over B's run.
+        share = (proxy_a.meter.loop_seconds - used) / elapsed
+        share_b = (proxy_b.meter.loop_seconds - used_b) / elapsed
     finally:
         for proc in flood:
             proc.kill()

@@ -4,19 +4,13 @@ from __future__ import annotations
 
 import re
 import time
-from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
 from fusion_oci.egress import EgressRules, proxy_env
-from fusion_oci.egress.proxy import (
-    EgressProxy,
-    Limits,
-    http_response,
-    rewrite_request,
-    split_host_port,
-)
+from fusion_oci.egress.http_front import http_response, rewrite_request, split_host_port
+from fusion_oci.egress.meter import LoopMeter
 from fusion_oci.egress.rules import (
     ALLOW_KEY,
     DENY_KEY,
@@ -329,61 +323,37 @@ def test_scoped_and_bad_addresses_are_refused() -> None:
     assert not rules.check_address("not-an-address", 443).allowed
 
 
-def test_a_task_over_its_loop_share_waits_only_while_another_has_work_under_way(
-    tmp_path: Path,
-) -> None:
+def test_a_task_over_its_loop_share_waits_only_while_another_has_work_under_way() -> None:
     """Work-conserving and fair: the over-budget task waits at accept only while a neighbour
     has a connection past its first byte (idle connections are no demand), and only past an
-    equal part of the loop among the tasks with work (never below loop_share)."""
-    from fusion_oci.egress import proxy as egress_proxy
-
-    def made(name: str) -> EgressProxy:
-        return EgressProxy(
-            task_id=name,
-            rules=EgressRules(allowed=("x.test",)),
-            state_dir=tmp_path,
-            audit=None,
-            tcp=False,
-            resolve_override=None,
-            limits=Limits(loop_share=0.10),
-            backend="test",
-            policy_hash=None,
-        )
-
-    hog, other = made("hog"), made("other")
-    egress_proxy._PROXIES.update((hog, other))
+    equal part of the loop among the tasks with work (never below the floor, loop_share)."""
+    hog, other = LoopMeter(0.10), LoopMeter(0.10)
+    hog.register()
+    other.register()
     try:
-        hog._charge(0.9)  # 90% of the last second on the loop
-        assert hog._over_budget() == 0.0  # the neighbour wants nothing
-        other._working = 1
-        assert hog._fair_share() == 0.5  # two tasks with work: half each
-        wait = hog._over_budget()
+        hog.charge(0.9)  # 90% of the last second on the loop
+        assert hog.over_budget() == 0.0  # the neighbour wants nothing
+        assert hog.step_wait() == 0.0
+        other.working = 1
+        assert hog.fair_share() == 0.5  # two tasks with work: half each
+        wait = hog.over_budget()
         assert 0.4 < wait < 0.8  # ln(0.9 / 0.5): back under half in about 0.6 s
-        other._charge(0.01)
-        assert other._over_budget() == 0.0  # under half its share
-        other._charge(0.29)
-        other._admitted_at = time.monotonic()
-        hog._working = 1
-        assert 0.0 < other._over_budget() <= 0.01  # near it: one connection per 10 ms
+        assert 0.4 < hog.step_wait() < 0.8
+        other.charge(0.01)
+        assert other.over_budget() == 0.0  # under half its share
+        other.charge(0.29)
+        other.admitted_at = time.monotonic()
+        hog.working = 1
+        assert 0.0 < other.over_budget() <= 0.01  # near it: one connection per 10 ms
     finally:
-        egress_proxy._PROXIES.discard(hog)
-        egress_proxy._PROXIES.discard(other)
+        hog.unregister()
+        other.unregister()
 
 
-def test_a_task_that_keeps_being_refused_gets_only_the_floor(tmp_path: Path) -> None:
+def test_a_task_that_keeps_being_refused_gets_only_the_floor() -> None:
     """Work nobody asked for (denied CONNECTs, refused pushes) earns no fair share."""
-    proxy = EgressProxy(
-        task_id="flood",
-        rules=EgressRules(allowed=("x.test",)),
-        state_dir=tmp_path,
-        audit=None,
-        tcp=False,
-        resolve_override=None,
-        limits=Limits(loop_share=0.10),
-        backend="test",
-        policy_hash=None,
-    )
-    assert proxy._fair_share() == 1.0  # alone
+    meter = LoopMeter(0.10)
+    assert meter.fair_share() == 1.0  # alone
     for _ in range(20):
-        proxy._refused()
-    assert proxy._fair_share() == 0.10
+        meter.refused()
+    assert meter.fair_share() == 0.10
