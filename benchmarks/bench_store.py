@@ -1,6 +1,6 @@
 """Warm-store ``pnpm install`` and disk per extra task with the host-side store links
-(fusion_oci/store.py) and placed trees (fusion_oci/store_tree.py), against the host's own pnpm
-on its own warm store, interleaved.
+(fusion_oci/store/linking.py) and placed trees (fusion_oci/store/tree.py), against the host's
+own pnpm on its own warm store, interleaved.
 
     .venv/bin/python -m benchmarks.bench_store [--rounds 3] [--backends bubblewrap,oci,...]
 
@@ -40,10 +40,10 @@ INTRO = """`benchmarks/bench_store.py --rounds {rounds}`: tests/data/workload-pr
 offline from a warm store, each round two new tasks (worktrees) of one project per backend and
 a new directory for the host's own pnpm on its own warm store, interleaved. One task's
 packages are placed by the host at prepare from the tree earlier installs of the lockfile
-left (fusion_oci/store_tree.py: links to the blobs, bin targets its own copies or clones), so pnpm
+left (fusion_oci/store/tree.py: links to the blobs, bin targets its own copies or clones), so pnpm
 imports none; the other's project trees are removed first, so pnpm copies every file inside
 the sandbox (its store is another mount) and the host's pass links them after
-(fusion_oci/store.py), as before trees. A sandbox's time is the placement plus its whole
+(fusion_oci/store/linking.py), as before trees. A sandbox's time is the placement plus its whole
 `run` (pnpm, then the pass). Disk: what the last placed task's `node_modules` adds to `du`
 after the blob store and the earlier tasks (each physical extent counted once:
 benchmarks/disk_usage.py, so a clone of a blob adds nothing), against its full size.
@@ -59,7 +59,7 @@ READING = """
 - A bin target is the task's own file (pnpm `chmod`-s it): on ext4 a copy (esbuild's is its
   9.5 MB native binary), on XFS with reflink or btrfs a clone of its blob (no data blocks).
 - Where fusion-oci runs unprivileged (rootless engines) the pass and the placement run in a
-  user namespace of their own (fusion_oci/store_ns.py); this benchmark drives the runtimes in
+  user namespace of their own (fusion_oci/store/namespace.py); this benchmark drives the runtimes in
   its own process, as root: bench_workload has the rootless rows.
 """
 

@@ -104,7 +104,7 @@ STEPS = INSTALL + WORK
 NEW_TASK = "install (warm, new task)"
 """A new task on the same lockfile and warm store: a fresh linked worktree whose first command
 is ``pnpm install`` (the host's: a fresh worktree too). Where the host links, the packages were
-placed at its prepare (fusion_oci/store_tree.py): that time is added to the install's."""
+placed at its prepare (fusion_oci/store/tree.py): that time is added to the install's."""
 LABELS = [label for label, _ in INSTALL] + [NEW_TASK] + [label for label, _ in WORK]
 NETWORK: list[str] = []
 """``--network host``: the network of every sandbox but landlock's instead of ``egress`` (and

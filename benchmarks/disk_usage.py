@@ -2,7 +2,7 @@
 extent once (``FS_IOC_FIEMAP``), as ``du`` counts every inode once.
 
 Why: on a filesystem with reflinks (XFS, btrfs) a task's own copy of a blob
-(fusion_oci/store.py: ``FICLONE``) is a new inode on the blob's blocks, which ``du`` counts
+(fusion_oci/store/files.py: ``FICLONE``) is a new inode on the blob's blocks, which ``du`` counts
 again in full. Here an extent already counted (the blob's, at its first path) adds nothing.
 On ext4 no two inodes share an extent, and this equals ``du -sk``.
 """

@@ -168,7 +168,7 @@ def gc(
     from fusion_oci.cachedir import default_cache_root
     from fusion_oci.policy.settings import SandboxSettings
     from fusion_oci.scratch import gc_scratch
-    from fusion_oci.store_tree import prune_stores
+    from fusion_oci.store import prune_stores
 
     chosen = settings or SandboxSettings()
     source = dict(os.environ if env is None else env)

@@ -128,7 +128,7 @@ def probe(
 
 def start_piped(argv: Sequence[str]) -> subprocess.Popen[bytes]:
     """Start a child that talks over its pipes (stdin, stdout, stderr), in its own session,
-    from ``/``: the caller bounds its reads and ends the group (fusion_oci/store_ns.py)."""
+    from ``/``: the caller bounds its reads and ends the group (fusion_oci/store/namespace.py)."""
     import subprocess
 
     return subprocess.Popen(

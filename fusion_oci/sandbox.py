@@ -70,7 +70,7 @@ from fusion_oci.runtimes.skeleton import default_cache_root
 from fusion_oci.scratch import gc_scratch
 from fusion_oci.services import TaskRelays, start_relays, stop_relays
 from fusion_oci.stdin import StdinStream
-from fusion_oci.store_tree import StoreLinker, task_linker
+from fusion_oci.store import StoreLinker, task_linker
 
 if TYPE_CHECKING:
     from fusion_oci.egress import EgressProxy

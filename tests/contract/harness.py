@@ -97,7 +97,7 @@ class RootlessUser:
             for name in dirs + files:
                 path = os.path.join(parent, name)
                 # Only what root made: a blob belongs to the user's subordinate uid
-                # (fusion_oci/store_ns.py), and must stay so.
+                # (fusion_oci/store/namespace.py), and must stay so.
                 if os.lstat(path).st_uid == 0:
                     os.lchown(path, self.uid, self.gid)
 

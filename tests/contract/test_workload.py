@@ -154,9 +154,9 @@ async def second_task(
     runtime: Runtime, repo: Path, site: Path, network: NetworkMode, cache: dict[str, Any]
 ) -> None:
     """A second task on the same lockfile and warm store: where the host links (the isolating
-    runtimes), its packages are placed before its first command (fusion_oci/store_tree.py),
+    runtimes), its packages are placed before its first command (fusion_oci/store/tree.py),
     and pnpm still installs, tests, adds a dependency and type-checks over them."""
-    from fusion_oci.store import STORE_UID
+    from fusion_oci.store.blobs import STORE_UID
 
     wt = site / "wt-task2"
     git(repo, "worktree", "add", "-q", "-b", "task2", str(wt))

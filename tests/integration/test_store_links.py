@@ -1,6 +1,6 @@
 """pnpm's files are hard links to the host's blob store inside every isolating runtime, and
-a second task on the same lockfile shares them (fusion_oci/store.py), placed before its first
-command (fusion_oci/store_tree.py).
+a second task on the same lockfile shares them (fusion_oci/store/linking.py), placed before its
+first command (fusion_oci/store/tree.py).
 
 Each case: task a installs tests/data/pnpm-project (a real dependency from the npm registry),
 the link count of an installed file is read *inside* the sandbox, then task b of the same
@@ -21,7 +21,7 @@ from fusion_oci.audit import AuditLog, read_events
 from fusion_oci.models import NetworkMode, PrepareContext, RunOptions, SandboxPolicy
 from fusion_oci.policy.settings import GateSettings, SandboxSettings
 from fusion_oci.sandbox import Sandbox
-from fusion_oci.store import STORE_UID
+from fusion_oci.store.blobs import STORE_UID
 from tests.backends import backend_settings, require_runtime
 from tests.conftest import git_init
 

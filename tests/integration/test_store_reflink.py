@@ -1,5 +1,5 @@
 """The task's own copies of blobs (bin targets) share the blob's blocks where the filesystem
-clones (fusion_oci/store.py: ``FICLONE``), on a real XFS made for the test.
+clones (fusion_oci/store/files.py: ``FICLONE``), on a real XFS made for the test.
 
 A bin target must be the task's own file (every install that links bins ``chmod``-s it), so on
 ext4 each task holds a full copy: esbuild's is its 9.5 MB native binary. On XFS (reflink) and
@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 
 from benchmarks.disk_usage import extent_kib
-from fusion_oci import store
-from fusion_oci.store import STORE_UID, linking_pass
-from fusion_oci.store_tree import load_tree, place_tree, record_tree, tree_key
+from fusion_oci.store import files as store_files
+from fusion_oci.store.blobs import STORE_UID
+from fusion_oci.store.linking import linking_pass
+from fusion_oci.store.tree import load_tree, place_tree, record_tree, tree_key
 from tests.unit.test_store_tree import CLI, CONTEXT, pnpm_install
 
 pytestmark = pytest.mark.skipif(
@@ -119,7 +120,7 @@ def test_where_the_filesystem_cannot_clone_the_copy_is_a_copy(tmp_path: Path) ->
         pytest.fail(f"tmp_path is on {fs}: this case needs a filesystem without reflinks")
     stats, _ = linking_pass(a, root, record=True)
     assert stats.cloned == 0
-    assert not store.clones(os.stat(a).st_dev)
+    assert not store_files.clones(os.stat(a).st_dev)
     du = subprocess.run(["du", "-sk", str(root), str(a)], capture_output=True, text=True)
     assert extent_kib(root, a) == [int(line.split()[0]) for line in du.stdout.splitlines()]
     assert (a / CLI / "bin/cli.js").read_bytes() == data

@@ -319,7 +319,7 @@ class RootlessUser:
             for name in dirs + files:
                 path = os.path.join(parent, name)
                 # Only what root made: a blob belongs to the user's subordinate uid
-                # (fusion_oci/store_ns.py), and must stay so.
+                # (fusion_oci/store/namespace.py), and must stay so.
                 if os.lstat(path).st_uid == 0:
                     os.lchown(path, self.uid, self.gid)
 
@@ -420,8 +420,8 @@ class Prober:
     def store_owner(self) -> int:
         """The owner (host view) of the blobs this prober's tasks are linked: the nobody uid
         as root, the user's store namespace's subordinate uid when rootless."""
-        from fusion_oci.store import STORE_UID
-        from fusion_oci.store_ns import SUBGID, SUBUID, store_namespace
+        from fusion_oci.store.blobs import STORE_UID
+        from fusion_oci.store.namespace import SUBGID, SUBUID, store_namespace
 
         if self.rootless is None:
             return STORE_UID

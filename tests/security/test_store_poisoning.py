@@ -1,6 +1,6 @@
-"""Poisoning through shared store links (fusion_oci/store.py, docs/security.md "the poisoning
-model"): task a tries every way to change the bytes of an installed file it shares with task b,
-then task b checks its own copy.
+"""Poisoning through shared store links (fusion_oci/store/linking.py, docs/security.md "the
+poisoning model"): task a tries every way to change the bytes of an installed file it shares
+with task b, then task b checks its own copy.
 
 The install is made by shell (what pnpm leaves: files under ``node_modules/.pnpm`` and a
 ``.modules.yaml``), so the probe needs no network and runs on every backend, gVisor too. A
@@ -131,7 +131,7 @@ ESCAPE = " ; ".join(
 
 def test_a_task_cannot_become_capable_over_the_store_owner(prober: Prober, tag: str = "") -> None:
     """``subuid-escape``: the blobs' owner is a uid of the caller's own subordinate range
-    where fusion-oci runs unprivileged (fusion_oci/store_ns.py), which the setuid
+    where fusion-oci runs unprivileged (fusion_oci/store/namespace.py), which the setuid
     ``newuidmap`` maps for the caller. A task must not get that: it runs with no_new_privs and
     no capabilities, so the helper, or a user namespace of its own, maps it nothing but its
     own uid."""

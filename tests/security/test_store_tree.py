@@ -1,4 +1,4 @@
-"""Poisoning through placed trees (fusion_oci/store_tree.py, docs/security.md "the poisoning
+"""Poisoning through placed trees (fusion_oci/store/tree.py, docs/security.md "the poisoning
 model"): a task's packages placed at prepare from what an earlier task installed.
 
 - ``store-tree-placement``: task b gets task a's package placed before its first command, and

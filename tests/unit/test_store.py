@@ -1,4 +1,4 @@
-"""fusion_oci/store.py on a temporary directory: blobs, links, and what the walk refuses."""
+"""fusion_oci/store/linking.py on a temporary directory: blobs, links, and what the walk refuses."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import hashlib
 import os
 from pathlib import Path
 
-from fusion_oci.store import STORE_UID, dedup, link_support
-from fusion_oci.store_tree import StoreLinker, task_linker
+from fusion_oci.store.blobs import STORE_UID, link_support
+from fusion_oci.store.linking import dedup
+from fusion_oci.store.tree import StoreLinker, task_linker
 
 PKG = Path("node_modules/.pnpm/pkg@1.0.0/node_modules/pkg")
 

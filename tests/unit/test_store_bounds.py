@@ -1,4 +1,4 @@
-"""fusion_oci/store.py's limits: the blob store's prune (``fusion-oci gc``) against a
+"""fusion_oci/store/linking.py's limits: the blob store's prune (``fusion-oci gc``) against a
 concurrent pass, and the bounds of one host pass (entries, bytes, depth), on a temporary
 directory. Run as root, as the suite does (blobs are chowned to STORE_UID)."""
 
@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from fusion_oci import store
 from fusion_oci.gc import gc
-from fusion_oci.store import STORE_UID, dedup, prune
-from fusion_oci.store_tree import StoreLinker, prune_stores
+from fusion_oci.store import blobs, files, linking
+from fusion_oci.store.blobs import STORE_UID, prune
+from fusion_oci.store.linking import dedup
+from fusion_oci.store.tree import StoreLinker, prune_stores
 
 PKG = Path("node_modules/.pnpm/pkg@1.0.0/node_modules/pkg")
 
@@ -57,7 +58,7 @@ def test_prune_leaves_a_store_a_pass_holds(tmp_path: Path) -> None:
     (a / PKG / "x.js").unlink()
     # A pass in another process holds the lock shared (flock: per open file, so a second
     # open of the lock file here conflicts just as another process's would).
-    fd = os.open(root / store.LOCK, os.O_RDWR)
+    fd = os.open(root / blobs.LOCK, os.O_RDWR)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
         busy = prune(root)
@@ -136,7 +137,7 @@ def test_gc_prunes_the_stores_of_its_cache_root(tmp_path: Path) -> None:
     (wt / PKG / "y.js").write_bytes(b"y")
     dedup(wt, root)
     (wt / PKG / "y.js").unlink()
-    fd = os.open(root / store.LOCK, os.O_RDWR)
+    fd = os.open(root / blobs.LOCK, os.O_RDWR)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
         busy = gc(env=env, engines=())
@@ -154,7 +155,7 @@ def test_a_pass_stops_at_its_entry_bound_and_says_so(
 ) -> None:
     wt, root = tmp_path / "wt", tmp_path / "blobs"
     install(wt, {f"f{i:03}.js": f"{i}".encode() for i in range(100)})
-    monkeypatch.setattr(store, "MAX_PASS_ENTRIES", 50)
+    monkeypatch.setattr(linking, "MAX_PASS_ENTRIES", 50)
     linker = StoreLinker(wt, root)
     stats = linker.after_command()
     assert stats.stopped.startswith("more than 50 entries") and stats.linked < 50
@@ -170,7 +171,7 @@ def test_a_pass_stops_at_its_entry_bound_and_says_so(
 def test_a_pass_stops_at_its_byte_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     wt, root = tmp_path / "wt", tmp_path / "blobs"
     install(wt, {f"f{i}.js": bytes([i]) * 1000 for i in range(10)})
-    monkeypatch.setattr(store, "MAX_PASS_BYTES", 3500)
+    monkeypatch.setattr(linking, "MAX_PASS_BYTES", 3500)
     stats = dedup(wt, root)
     assert stats.linked == 3 and stats.hashed_bytes == 3000
     assert "MiB to hash" in stats.stopped
@@ -180,7 +181,7 @@ def test_the_walk_does_not_descend_past_its_depth(tmp_path: Path) -> None:
     wt, root = tmp_path / "wt", tmp_path / "blobs"
     install(wt, {"index.js": b"top"})
     deep = wt / "node_modules" / ".pnpm" / "deep"
-    for _ in range(store.MAX_DEPTH + 5):
+    for _ in range(linking.MAX_DEPTH + 5):
         deep = deep / "d"
     deep.mkdir(parents=True)
     (deep / "bottom.js").write_bytes(b"bottom")
@@ -219,12 +220,12 @@ def test_the_swap_exchanges_names_and_leaves_none_of_its_own(tmp_path: Path) -> 
     os.link(tmp_path / "blob", tmp_path / "tmp")
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        store._swap(fd, "tmp", "name")
+        files.swap(fd, "tmp", "name")
         assert (tmp_path / "name").samefile(tmp_path / "blob")
         assert not (tmp_path / "tmp").exists()
         os.link(tmp_path / "blob", tmp_path / "tmp")
         with pytest.raises(FileNotFoundError):
-            store._swap(fd, "tmp", "gone")
+            files.swap(fd, "tmp", "gone")
         assert (tmp_path / "tmp").exists() and not (tmp_path / "gone").exists()
     finally:
         os.close(fd)

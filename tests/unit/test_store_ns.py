@@ -1,20 +1,21 @@
-"""fusion_oci/store_ns.py's pure parts: the subordinate range read from /etc/subuid's text, the
-helpers' argv, why there is no namespace; and the blobs' owner threaded through a pass (run as
-root, as the suite does: a pass chowns its blobs to the owner it is given)."""
+"""fusion_oci/store/namespace.py's pure parts: the subordinate range read from /etc/subuid's
+text, the helpers' argv, why there is no namespace; and the blobs' owner threaded through a pass
+(run as root, as the suite does: a pass chowns its blobs to the owner it is given)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from fusion_oci.store import STORE_UID, dedup, link_support
-from fusion_oci.store_ns import (
+from fusion_oci.store.blobs import STORE_UID, link_support
+from fusion_oci.store.linking import dedup
+from fusion_oci.store.namespace import (
     NS_OWNER,
     StoreNamespace,
     SubRange,
     store_namespace,
     subordinate_range,
 )
-from fusion_oci.store_tree import task_linker
+from fusion_oci.store.tree import task_linker
 from tests.unit.test_store import PKG, install
 
 SUBUID = """\

@@ -1,5 +1,5 @@
-"""What pnpm changes after import stays the task's (fusion_oci/pnpm_layout.py), and a new
-worktree's packages placed from the tree an earlier task's pass kept (fusion_oci/store_tree.py).
+"""What pnpm changes after import stays the task's (fusion_oci/store/pnpm_layout.py), and a new
+worktree's packages placed from the tree an earlier task's pass kept (fusion_oci/store/tree.py).
 
 These run as root, as the suite does: blobs are chowned to STORE_UID.
 """
@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from fusion_oci.pnpm_layout import package_facts, package_root
-from fusion_oci.store import STORE_UID, dedup, linking_pass, prune
-from fusion_oci.store_tree import (
+from fusion_oci.store.blobs import STORE_UID, prune
+from fusion_oci.store.linking import dedup, linking_pass
+from fusion_oci.store.pnpm_layout import package_facts, package_root
+from fusion_oci.store.tree import (
     TREES,
     StoreLinker,
     load_tree,
@@ -58,7 +59,7 @@ def pnpm_install(wt: Path) -> None:
 
 
 def prune_stores_of(root: Path) -> None:
-    from fusion_oci.store_tree import copied_blobs
+    from fusion_oci.store.tree import copied_blobs
 
     prune(root, keep=copied_blobs(root))
 

@@ -10,13 +10,13 @@ executable), while every isolating runtime runs the task as the caller without
 
 The blob store (one per project: ``TaskLayout.blobs``) is content-addressed like pnpm's own
 CAFS: a blob's name is the SHA-512 of its bytes (``-exec`` appended when executable). After a
-command (``fusion_oci.store_tree.StoreLinker.after_command``) the host walks the worktree's
+command (:meth:`fusion_oci.store.tree.StoreLinker.after_command`) the host walks the worktree's
 ``node_modules/.pnpm`` (pnpm's virtual store, which pnpm never edits in place) and, for every
 regular file that is not a blob yet, hashes the bytes it reads, writes those bytes as the blob
 of that hash if it is new (a copy: the task's inode never enters the store), and replaces the
 file with a link to the blob. Files pnpm changes after import stay the task's own (bin targets,
 which every install that links bins ``chmod``-s, and the ``node_modules/.bin`` shims it
-rewrites: fusion_oci/pnpm_layout.py; one an older pass linked becomes a copy again), or the
+rewrites: fusion_oci/store/pnpm_layout.py; one an older pass linked becomes a copy again), or the
 next ``pnpm add`` fails with EPERM. A task can add blobs, but only under the hash of their own
 bytes: it cannot change what any name in the store holds, nor any byte of a file another task got
 from it. What it can do is stated in docs/security.md ("the poisoning model").
@@ -36,27 +36,34 @@ link count of 1 only while that pass holds the lock, so the prune never sees it.
 Nothing here trusts paths in the worktree: the walk holds directory fds (``os.fwalk``, which
 follows no symlink), files are opened with ``O_NOFOLLOW|O_NONBLOCK`` and checked with
 ``fstat``, and the swap is ``link`` to a temporary name then an exchange of the two names
-(:func:`_swap`), all relative to the directory fd.
+(:func:`swap`), all relative to the directory fd.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import errno
 import fcntl
 import hashlib
 import os
 import secrets
 import stat
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fusion_oci.pnpm_layout import (
+from fusion_oci.store.blobs import (
+    MAX_BLOB,
+    STORE_UID,
+    blob_name,
+    inode_index,
+    locked,
+    write_blob,
+)
+from fusion_oci.store.files import clones, own_copy, read_file, swap
+from fusion_oci.store.pnpm_layout import (
     MAX_MANIFEST,
     PATCHED,
     PackageFacts,
@@ -65,11 +72,6 @@ from fusion_oci.pnpm_layout import (
     package_root,
 )
 
-STORE_UID = 65534
-"""Owner of every blob (the overflow uid, ``nobody``): a uid no task runs as, so a task holds
-no owner rights (chmod) over what it shares."""
-MAX_BLOB = 64 * 1024 * 1024
-"""Files larger than this are left as they are (read whole into memory to hash and copy)."""
 VIRTUAL_STORE = ("node_modules", ".pnpm")
 MAX_PASS_ENTRIES = 250_000
 """Most directory entries (files and folders) one pass looks at. pnpm's virtual store holds one
@@ -85,22 +87,6 @@ deep (``NAME@VER/node_modules/@SCOPE/NAME``), tests/data/workload-project 7 in a
 level holds a directory fd while the walk is below it."""
 STAGING = "_tmp_"
 """In a folder name: pnpm's staging folder of a package being imported (never walked)."""
-LOCK = ".lock"
-"""The store's lock file (``flock``: shared by passes, exclusive for a prune)."""
-FICLONE = 0x40049409
-"""``ioctl(2)`` FICLONE: a new file shares another's blocks, copy on write (XFS with reflink,
-btrfs). The task's own copies of blobs (bin targets) are clones where the filesystem has them,
-so they cost no blocks; ext4 has none, and there an own copy is a copy."""
-_NO_CLONE: set[int] = set()
-"""Filesystems (``st_dev``) that answered a clone with "not supported": not asked again."""
-
-
-@dataclass(frozen=True)
-class LinkSupport:
-    """Whether host-side links can be shared safely for a task, and why not."""
-
-    ok: bool
-    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -129,7 +115,7 @@ class LinkStats:
     (:data:`FICLONE`)."""
     recorded: int = 0
     """Packages of the tree this pass kept for the next task on the same lockfile
-    (fusion_oci/store_tree.py), 0 when it kept none."""
+    (fusion_oci/store/tree.py), 0 when it kept none."""
     seconds: float = 0.0
     entries: int = 0
     """Directory entries the walk looked at (bounded by :data:`MAX_PASS_ENTRIES`)."""
@@ -163,81 +149,6 @@ class LinkStats:
         if self.stopped:
             out["stopped"] = self.stopped
         return out
-
-
-def link_support(
-    *,
-    host_uid: int,
-    isolating: bool,
-    worktree: Path,
-    blobs: Path,
-    no_namespace: str = "it has no subordinate uid range",
-) -> LinkSupport:
-    """Can a task's node_modules share the host's blobs without write access to them?
-
-    Needs a host process that can give the blobs another owner (root, or an unprivileged
-    caller in its store namespace: fusion_oci/store_ns.py; ``no_namespace`` says why it has
-    none, '' when it has one), a runtime that runs the command without capabilities (every
-    isolating one), and the store on the worktree's filesystem (a hard link cannot cross
-    filesystems).
-    """
-    if not isolating:
-        return LinkSupport(
-            False,
-            "the runtime isolates nothing: the command could write every blob (no shared links)",
-        )
-    if host_uid != 0 and no_namespace:
-        return LinkSupport(
-            False,
-            f"fusion-oci runs unprivileged and {no_namespace}: the blobs would be the "
-            "task's own uid's, which it could chmod and rewrite, so each "
-            "task keeps its own copies",
-        )
-    root = blobs
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        root.chmod(0o700)
-        same = root.stat().st_dev == worktree.stat().st_dev
-    except OSError as exc:
-        return LinkSupport(False, f"blob store {root} unusable: {exc.strerror}")
-    if not same:
-        return LinkSupport(
-            False,
-            f"blob store {root} is on another filesystem than the "
-            "worktree (hard links cannot cross filesystems)",
-        )
-    return LinkSupport(True)
-
-
-def _blob_name(digest: str, executable: bool) -> tuple[str, str]:
-    return digest[:2], digest[2:] + ("-exec" if executable else "")
-
-
-def _write_blob(
-    root: Path, sub: str, name: str, data: bytes, executable: bool, owner: int = STORE_UID
-) -> bool:
-    """Write ``data`` as a blob of ``owner`` unless it exists; True when this call added it."""
-    folder = root / sub
-    target = folder / name
-    if target.exists():
-        return False
-    folder.mkdir(mode=0o700, exist_ok=True)
-    tmp = folder / f".tmp-{secrets.token_hex(8)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o400)
-    try:
-        with os.fdopen(fd, "wb", closefd=False) as fh:
-            fh.write(data)
-        os.fchown(fd, owner, owner)
-        os.fchmod(fd, 0o555 if executable else 0o444)
-    finally:
-        os.close(fd)
-    try:
-        os.link(tmp, target)  # never replaces: a blob, once named, holds its bytes for good
-    except FileExistsError:
-        return False
-    finally:
-        tmp.unlink()
-    return True
 
 
 def _read_single(dir_fd: int, name: str, most: int, owner: int) -> tuple[bytes, bool] | None:
@@ -284,10 +195,10 @@ def linking_pass(
     owner: int = STORE_UID,
 ) -> tuple[LinkStats, PassTree | None]:
     """:func:`dedup`, and with ``record`` also what each package file became (the tree
-    :mod:`fusion_oci.store_tree` keeps; None when the pass stopped early); ``known`` names
+    :mod:`fusion_oci.store.tree` keeps; None when the pass stopped early); ``known`` names
     the blobs of files already linked (path below ``node_modules`` -> ``SUB/NAME``), each
     checked by inode before it is believed; ``owner`` is the blobs' uid as this process
-    sees it (:data:`STORE_UID`, or 1 in a store namespace: fusion_oci/store_ns.py)."""
+    sees it (:data:`STORE_UID`, or 1 in a store namespace: fusion_oci/store/namespace.py)."""
     stats = stats if stats is not None else LinkStats()
     try:
         # node_modules is the task's: a symlink there must not lead the walk off the worktree.
@@ -305,22 +216,6 @@ def linking_pass(
     if not record or stats.stopped:
         return stats, None
     return stats, PassTree(run.files, run.unplaceable)
-
-
-@contextlib.contextmanager
-def locked(root: Path, how: int) -> Iterator[bool]:
-    """Hold the store's lock (``how``: LOCK_SH waits, LOCK_EX|LOCK_NB does not); yields
-    whether it is held."""
-    fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        try:
-            fcntl.flock(fd, how)
-        except BlockingIOError:
-            yield False
-            return
-        yield True
-    finally:
-        os.close(fd)  # closing the only fd of this open file releases the flock
 
 
 @dataclass(frozen=True)
@@ -341,7 +236,7 @@ class _Folder:
         return f"{self.inside}/{name}" if self.inside else name
 
     def kept(self, name: str) -> bool:
-        """A file pnpm changes after import (see fusion_oci/pnpm_layout.py): never linked."""
+        """A file pnpm changes after import (see fusion_oci/store/pnpm_layout.py): never linked."""
         return self.shims or (self.facts is not None and self.facts.is_bin(self.rel(name)))
 
 
@@ -421,7 +316,7 @@ class _Pass:
                     return TreeFile(blob)
         with self.lock:
             if self.inodes is None:
-                self.inodes = _inode_index(self.root)
+                self.inodes = inode_index(self.root)
             found = self.inodes.get(st.st_ino)
         return TreeFile(found) if found is not None else None
 
@@ -446,9 +341,9 @@ class _Pass:
             self.note(folder, name, None)
             return {"skipped": 1}
         data, executable = read
-        sub, blob = _blob_name(hashlib.sha512(data).hexdigest(), executable)
+        sub, blob = blob_name(hashlib.sha512(data).hexdigest(), executable)
         added = {}
-        if _write_blob(self.root, sub, blob, data, executable, self.owner):
+        if write_blob(self.root, sub, blob, data, executable, self.owner):
             added = {"adopted": 1, "adopted_bytes": len(data)}
         tmp = f".fusion-link-{secrets.token_hex(6)}"
         try:
@@ -457,7 +352,7 @@ class _Pass:
             self.note(folder, name, None)
             return {**added, "skipped": 1}
         try:
-            _swap(dir_fd, tmp, name)
+            swap(dir_fd, tmp, name)
         except OSError:
             with contextlib.suppress(OSError):
                 os.unlink(tmp, dir_fd=dir_fd)
@@ -486,22 +381,22 @@ class _Pass:
             self.note(folder, name, None)
             return {"skipped": 1}
         out = {"skipped": 1}
-        sub, blob = _blob_name(hashlib.sha512(data).hexdigest(), executable)
-        if wanted and _write_blob(self.root, sub, blob, data, executable, self.owner):
+        sub, blob = blob_name(hashlib.sha512(data).hexdigest(), executable)
+        if wanted and write_blob(self.root, sub, blob, data, executable, self.owner):
             out |= {"adopted": 1, "adopted_bytes": len(data)}
         source = self.root / sub / blob
         try:
             if st.st_uid == self.owner:
                 # A link an older pass made: the task's own file again (a clone where the
                 # filesystem clones).
-                if _own_copy(dir_fd, name, data, executable, source):
+                if own_copy(dir_fd, name, data, executable, source):
                     out["cloned"] = 1
                 out = {k: v for k, v in out.items() if k != "skipped"} | {"unlinked": 1}
             elif (
                 wanted
                 and st.st_nlink == 1
                 and clones(st.st_dev)
-                and _own_copy(dir_fd, name, None, executable, source)
+                and own_copy(dir_fd, name, None, executable, source)
             ):
                 # pnpm's copy became a clone of its blob, where the filesystem clones (same
                 # bytes, same owner: the task may chmod it, and a write copies what it changes).
@@ -512,142 +407,6 @@ class _Pass:
         if wanted:
             self.note(folder, name, TreeFile(f"{sub}/{blob}", copy=True))
         return out
-
-
-def _inode_index(root: Path) -> dict[int, str]:
-    """Every blob of the store by inode (``SUB/NAME``)."""
-    out: dict[int, str] = {}
-    for folder in _blob_dirs(root):
-        with os.scandir(folder.path) as blobs:
-            for blob in blobs:
-                if not blob.name.startswith("."):
-                    with contextlib.suppress(OSError):
-                        out[blob.inode()] = f"{folder.name}/{blob.name}"
-    return out
-
-
-def read_file(
-    dir_fd: int,
-    name: str,
-    most: int,
-    accept: Callable[[os.stat_result], bool] = lambda st: True,
-) -> tuple[bytes | None, bool]:
-    """The bytes and exec bit of a plain file (no symlink followed) that ``accept``-s its
-    ``fstat`` and holds at most ``most`` bytes; (None, False) otherwise. No further than the
-    size ``fstat`` gave: a process the task left running may still be appending (a blob holds
-    exactly the bytes hashed, whatever the file holds after)."""
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
-    except OSError:
-        return None, False
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > most or not accept(st):
-            return None, False
-        chunks, left = [], st.st_size
-        while left > 0 and (chunk := os.read(fd, min(left, 1 << 20))):
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks), bool(st.st_mode & 0o111)
-    finally:
-        os.close(fd)
-
-
-def _new_own_file(
-    dir_fd: int, name: str, fill: Callable[[int], None], owner: os.stat_result, executable: bool
-) -> None:
-    """Create ``name`` (it must not exist), ``fill`` its fd, own it as ``owner``'s uid and gid
-    (the folder's: a file the task may ``chmod``), mode 0755 or 0644; on any failure the
-    name is removed again (no half-made file stays)."""
-    fd = os.open(
-        name,
-        os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-        0o600,
-        dir_fd=dir_fd,
-    )
-    try:
-        fill(fd)
-        os.fchown(fd, owner.st_uid, owner.st_gid)
-        os.fchmod(fd, 0o755 if executable else 0o644)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(name, dir_fd=dir_fd)
-        raise
-    finally:
-        os.close(fd)
-
-
-def write_own_file(
-    dir_fd: int, name: str, data: bytes, owner: os.stat_result, executable: bool
-) -> None:
-    """Create ``name`` (it must not exist) holding ``data``, owned by ``owner``'s uid and gid
-    (the folder's: a file the task may ``chmod``), mode 0755 or 0644."""
-
-    def write(fd: int) -> None:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-
-    _new_own_file(dir_fd, name, write, owner, executable)
-
-
-def clones(dev: int) -> bool:
-    """Whether files on the filesystem ``dev`` may still be cloned (none refused yet)."""
-    return dev not in _NO_CLONE
-
-
-def clone_own_file(
-    dir_fd: int, name: str, source: Path, owner: os.stat_result, executable: bool
-) -> bool:
-    """Create ``name`` (it must not exist) as a clone of the blob ``source`` (:data:`FICLONE`),
-    owned and moded as :func:`write_own_file` makes it; False, with nothing created, where the
-    filesystem cannot clone (the caller writes the bytes instead)."""
-    if not clones(owner.st_dev):
-        return False
-    try:
-        src = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return False  # pruned meanwhile: the caller writes the bytes it holds
-    try:
-        if not stat.S_ISREG(os.fstat(src).st_mode):
-            return False
-
-        def clone(fd: int) -> None:
-            fcntl.ioctl(fd, FICLONE, src)
-
-        _new_own_file(dir_fd, name, clone, owner, executable)
-    except OSError as exc:
-        if exc.errno in (errno.EOPNOTSUPP, errno.ENOTTY, errno.ENOSYS):
-            _NO_CLONE.add(owner.st_dev)
-            return False
-        if exc.errno in (errno.EXDEV, errno.EINVAL):
-            return False  # another filesystem, or a file this one cannot clone
-        raise
-    finally:
-        os.close(src)
-    return True
-
-
-def _own_copy(
-    dir_fd: int, name: str, data: bytes | None, executable: bool, blob: Path | None = None
-) -> bool:
-    """Put a file of the folder's owner holding ``data`` in the place of ``name``: a clone of
-    ``blob`` (which holds ``data``) where the filesystem clones. True when it is one; with
-    ``data`` None, nothing changes where it cannot clone."""
-    tmp = f".fusion-copy-{secrets.token_hex(6)}"
-    owner = os.fstat(dir_fd)
-    cloned = blob is not None and clone_own_file(dir_fd, tmp, blob, owner, executable)
-    if not cloned:
-        if data is None:
-            return False
-        write_own_file(dir_fd, tmp, data, owner, executable)
-    try:
-        _swap(dir_fd, tmp, name)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp, dir_fd=dir_fd)
-        raise
-    return cloned
 
 
 def _folder_of(
@@ -745,110 +504,3 @@ PASS_WORKERS = 4
 unlink) and hashing, which all run without the GIL; most of a pass's time is waiting on the
 filesystem's journal, which several threads overlap (tests/data/workload-project's warm pass,
 962 files: 1.37 s in one thread, 0.39 s in four, the same CPU)."""
-
-
-RENAME_EXCHANGE = 2
-"""renameat2(2)'s flag: swap two names atomically."""
-_LIBC = ctypes.CDLL(None, use_errno=True)
-_RENAMEAT2 = getattr(_LIBC, "renameat2", None)
-if _RENAMEAT2 is not None:
-    _RENAMEAT2.argtypes = [
-        ctypes.c_int,
-        ctypes.c_char_p,
-        ctypes.c_int,
-        ctypes.c_char_p,
-        ctypes.c_uint,
-    ]
-    _RENAMEAT2.restype = ctypes.c_int
-
-
-def _swap(dir_fd: int, tmp: str, name: str) -> None:
-    """Put the link ``tmp`` in the place of ``name`` (both in ``dir_fd``), atomically: the
-    name always holds the task's file or the blob.
-
-    Exchanged, then the old file unlinked, rather than renamed over: ext4 (``auto_da_alloc``)
-    treats a rename over an existing file as "replace a file by a new version" and starts
-    writing the new one's data out at once, so a rename-over makes every pass write out, in
-    the command's time, the blobs the previous pass added (50 MB for one install: 13,000
-    pages per 1,000 files, measured; an exchange writes none)."""
-    if _RENAMEAT2 is not None:
-        if _RENAMEAT2(dir_fd, os.fsencode(tmp), dir_fd, os.fsencode(name), RENAME_EXCHANGE) == 0:
-            # ``tmp`` now names the task's copy; a folder the task put there meanwhile stays.
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=dir_fd)
-            return
-        err = ctypes.get_errno()
-        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-            raise OSError(err, os.strerror(err), name)
-    os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)  # no exchange on this fs
-
-
-# ---------------------------------------------------------------------------- pruning
-
-STORES_GLOB = "projects/*/store-blobs"
-"""Where the blob stores are under a cache root (policy/layout.py: ``TaskLayout.blobs``)."""
-
-
-@dataclass
-class PruneStats:
-    """What one prune of one store did (or, dry, would do)."""
-
-    removed: int = 0
-    freed_bytes: int = 0
-    kept: int = 0
-    busy: bool = False
-    """A pass held the lock: nothing was looked at (the next gc will)."""
-    trees: int = 0
-    """Trees removed after the blobs (fusion_oci/store_tree.py: ``prune_trees``)."""
-
-
-def _blob_dirs(root: Path) -> Iterator[os.DirEntry[str]]:
-    """The two-hex-digit folders of a store (never a symlink: the store is the host's, but a
-    folder that is not ours is not walked into)."""
-    with os.scandir(root) as entries:
-        for entry in entries:
-            if (
-                len(entry.name) == 2
-                and all(c in "0123456789abcdef" for c in entry.name)
-                and entry.is_dir(follow_symlinks=False)
-            ):
-                yield entry
-
-
-def prune(root: Path, *, dry_run: bool = False, keep: frozenset[str] = frozenset()) -> PruneStats:
-    """Remove the blobs of one store that no worktree links any more (link count 1), but
-    those in ``keep`` (``SUB/NAME``: what a kept tree copies, fusion_oci/store_tree.py), and
-    the temporary files of a pass that died mid-write. A store a pass is using is left alone
-    (see the module docstring): the lock is not waited for."""
-    stats = PruneStats()
-    if not root.is_dir() or root.is_symlink():
-        return stats
-    with locked(root, fcntl.LOCK_EX | fcntl.LOCK_NB) as held:
-        if not held:
-            stats.busy = True
-            return stats
-        for folder in _blob_dirs(root):
-            with os.scandir(folder.path) as blobs:
-                for blob in blobs:
-                    try:
-                        st = blob.stat(follow_symlinks=False)
-                    except OSError:
-                        continue
-                    # A temporary name: a pass writes one only while it holds the lock, so
-                    # one seen now is a dead pass's.
-                    orphan_tmp = blob.name.startswith(".tmp-")
-                    if not orphan_tmp and (
-                        st.st_nlink > 1
-                        or not stat.S_ISREG(st.st_mode)
-                        or f"{folder.name}/{blob.name}" in keep
-                    ):
-                        stats.kept += 1
-                        continue
-                    stats.removed += 1
-                    stats.freed_bytes += st.st_size
-                    if not dry_run:
-                        Path(blob.path).unlink(missing_ok=True)
-            if not dry_run:
-                with contextlib.suppress(OSError):
-                    Path(folder.path).rmdir()  # only when it emptied: rmdir refuses otherwise
-    return stats

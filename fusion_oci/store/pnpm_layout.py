@@ -1,7 +1,7 @@
 """What pnpm's virtual store (``node_modules/.pnpm``) holds, read as pnpm reads it: pure.
 
-The host-side store pass (fusion_oci/store.py) and the placement of a recorded tree
-(fusion_oci/store_tree.py) need three facts about a folder of the virtual store, and take
+The host-side store pass (fusion_oci/store/linking.py) and the placement of a recorded tree
+(fusion_oci/store/tree.py) need three facts about a folder of the virtual store, and take
 them from pnpm's own rules (pnpm 9: ``@pnpm/link-bins``, ``@pnpm/exec.pkg-requires-build``):
 
 - where a package's own folder is (``.pnpm/NAME@VER/node_modules/NAME``, scoped

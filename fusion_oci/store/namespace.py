@@ -1,6 +1,6 @@
 """The store work of an unprivileged fusion-oci, run in a user namespace of its own.
 
-Why: a blob must belong to a uid no task runs as (fusion_oci/store.py), and an unprivileged
+Why: a blob must belong to a uid no task runs as (fusion_oci/store/linking.py), and an unprivileged
 process cannot ``chown`` on the host: every file it makes is its own uid's, which is exactly
 the task's on the rootless tiers, and the owner of an inode may ``chmod`` and rewrite it. A
 caller with a subordinate range (``/etc/subuid``, ``/etc/subgid``) can do what ``podman
@@ -20,7 +20,7 @@ the first one to a container's uid 1 (podman's default, a rootless dockerd) or t
 (podman's ``keep-id``), which images run things as; the last is container uid 65536 there, which
 none does.
 
-A job (:func:`run_in_namespace`) is the pass or the placement of fusion_oci/store_tree.py, named
+A job (:func:`run_in_namespace`) is the pass or the placement of fusion_oci/store/tree.py, named
 by ``op`` and given as JSON; the child (:func:`child`, a fresh interpreter: ``unshare`` needs a
 single-threaded process) answers JSON on stdout. It runs in its own process group and is killed
 with it past a timeout; the helpers are argv lists run through :func:`fusion_oci.process.probe`.
@@ -60,7 +60,8 @@ MAX_ANSWER = 64 << 20
 UNSHARED = b"unshared\n"
 _BOOT = (
     "import sys; sys.path.insert(0, sys.argv[1]); "
-    "from fusion_oci.store_ns import child; from fusion_oci.store_tree import namespace_job; "
+    "from fusion_oci.store.namespace import child; "
+    "from fusion_oci.store.tree import namespace_job; "
     "child(namespace_job)"
 )
 """The child's program: store_tree's jobs (named here as text: this module is below it)."""
@@ -204,7 +205,7 @@ def run_in_namespace(
 ) -> dict[str, Any]:
     """Run ``job`` (store_tree.py's ``namespace_job``) in a fresh store namespace; its JSON
     answer."""
-    package = str(Path(__file__).resolve().parent.parent)
+    package = str(Path(__file__).resolve().parents[2])  # the folder that holds fusion_oci/
     proc = start_piped([sys.executable, "-I", "-c", _BOOT, package])
     assert proc.stdin is not None
     try:

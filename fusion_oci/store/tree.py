@@ -43,24 +43,19 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from fusion_oci.pnpm_layout import package_root
-from fusion_oci.store import (
+from fusion_oci.store.blobs import (
     MAX_BLOB,
     STORE_UID,
     STORES_GLOB,
-    LinkStats,
     LinkSupport,
-    PassTree,
-    TreeFile,
-    clone_own_file,
     link_support,
-    linking_pass,
     locked,
     prune,
-    read_file,
-    write_own_file,
 )
-from fusion_oci.store_ns import NS_OWNER, StoreNamespace, caller_namespace, run_in_namespace
+from fusion_oci.store.files import clone_own_file, read_file, write_own_file
+from fusion_oci.store.linking import LinkStats, PassTree, TreeFile, linking_pass
+from fusion_oci.store.namespace import NS_OWNER, StoreNamespace, caller_namespace, run_in_namespace
+from fusion_oci.store.pnpm_layout import package_root
 
 TREES = "trees"
 """The folder of a blob store that holds its trees (``KEY.json``)."""
@@ -419,8 +414,8 @@ def _pass(
 
 
 def namespace_job(job: dict[str, Any]) -> dict[str, Any]:
-    """A job of fusion_oci/store_ns.py, run in the store namespace (blobs are
-    :data:`~fusion_oci.store_ns.NS_OWNER`'s there): ``pass`` or ``place``."""
+    """A job of fusion_oci/store/namespace.py, run in the store namespace (blobs are
+    :data:`~fusion_oci.store.namespace.NS_OWNER`'s there): ``pass`` or ``place``."""
     worktree, root, key = Path(job["worktree"]), Path(job["root"]), job["key"]
     if job["op"] == "place":
         try:
@@ -441,7 +436,7 @@ class StoreLinker:
     a command that installs nothing costs one ``stat``. ``context`` is the runtime and image
     a tree is kept for, or None where trees are not shared (``cacheMode: isolated``).
     ``namespace``: fusion-oci runs unprivileged, and both run in that store namespace
-    (fusion_oci/store_ns.py); None: as root, here.
+    (fusion_oci/store/namespace.py); None: as root, here.
     """
 
     def __init__(
@@ -541,7 +536,7 @@ def task_linker(
 ) -> tuple[StoreLinker | None, LinkSupport]:
     """The linker of a task (its layout's blob store), or None with the reason;
     ``tree_context`` as :class:`StoreLinker`'s ``context``; ``namespace`` finds an
-    unprivileged caller's store namespace (fusion_oci/store_ns.py)."""
+    unprivileged caller's store namespace (fusion_oci/store/namespace.py)."""
     if blobs is None:
         return None, LinkSupport(False, "cacheMode off: no caches, no shared blobs")
     ns, why = (None, "") if host_uid == 0 or not isolating else namespace(host_uid)
