@@ -39,7 +39,28 @@ LIMITS = (resource.RLIMIT_CORE, resource.RLIMIT_CPU, resource.RLIMIT_NOFILE)
 LIMIT_ROWS = ("Max core file size", "Max cpu time", "Max open files")
 SYS_IOPRIO_SET, SYS_IOPRIO_GET, IOPRIO_WHO_PROCESS = 251, 252, 1
 ROOT = Path(__file__).resolve().parents[2]
-NOBODY = 65534
+
+
+def _lonely_uid() -> int:
+    """A uid no account names and no process runs as: ``PRIO_USER``/``IOPRIO_WHO_USER`` from
+    it reach only the probe's own victim (``nobody`` may run a container's processes)."""
+    import pwd
+
+    taken = set()
+    for status in Path("/proc").glob("[0-9]*/status"):
+        with contextlib.suppress(OSError):
+            for line in status.read_text().splitlines():
+                if line.startswith("Uid:"):
+                    taken.update(int(u) for u in line.split()[1:])
+    for uid in range(61_184, 61_284):
+        with contextlib.suppress(KeyError):
+            pwd.getpwuid(uid)
+            continue
+        if uid not in taken:
+            return uid
+    raise RuntimeError("no unused uid in 61184-61283")
+
+
 IDLE_CPU_SECONDS = 10_000_000
 """The RLIMIT_CPU the probe sets: visible, and harmless to the test process it may reach."""
 
@@ -213,11 +234,13 @@ prog = Prog(len(program) // 8, ctypes.cast(buf, ctypes.c_void_p))
 if sys.argv[2] == "confined":
     assert libc.prctl(38, 1, 0, 0, 0) == 0  # PR_SET_NO_NEW_PRIVS
     assert libc.prctl(22, 2, ctypes.byref(prog), 0, 0) == 0  # the landlock command's filter
+# The uid by number: who=0 ("this user") reads as uid 0 in ioprio_set on some kernels (6.18:
+# EPERM without any filter), which would pass the confined case for the wrong reason.
 try:
-    os.setpriority(os.PRIO_USER, 0, 7)  # every process of this uid
+    os.setpriority(os.PRIO_USER, os.getuid(), 7)  # every process of this uid
 except PermissionError:
     print("setpriority refused")
-if libc.syscall(251, 3, 0, (3 << 13)) != 0:  # ioprio_set(IOPRIO_WHO_USER, 0, IDLE)
+if libc.syscall(251, 3, os.getuid(), (3 << 13)) != 0:  # ioprio_set(IOPRIO_WHO_USER, uid, IDLE)
     print("ioprio_set refused")
 """
 
@@ -227,17 +250,19 @@ if libc.syscall(251, 3, 0, (3 << 13)) != 0:  # ioprio_set(IOPRIO_WHO_USER, 0, ID
 def test_the_landlock_profile_refuses_prio_user_and_ioprio_who_user(mode: str) -> None:
     """``PRIO_USER``/``IOPRIO_WHO_USER`` reach every process of the uid (the caller's
     engines, editors, the owner): tried under the landlock command's seccomp filter by a uid
-    of its own (nobody), against that uid's one other process, so that a regression touches
+    of its own (one no account names and no process runs as), against that uid's one other
+    process, so that a regression touches
     nothing else. The control, without the filter, shows the calls reach the victim."""
     if os.geteuid() != 0:
         pytest.fail("needs root to run the probe as a uid of its own")
-    victim = subprocess.Popen(["sleep", "60"], user=NOBODY, group=NOBODY, extra_groups=[])
+    lonely = _lonely_uid()
+    victim = subprocess.Popen(["sleep", "60"], user=lonely, group=lonely, extra_groups=[])
     try:
         before = state(victim.pid)
         done = subprocess.run(
             [sys.executable, "-c", USER_WIDE, str(ROOT), mode],
-            user=NOBODY,
-            group=NOBODY,
+            user=lonely,
+            group=lonely,
             extra_groups=[],
             capture_output=True,
             text=True,
