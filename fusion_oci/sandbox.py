@@ -69,6 +69,7 @@ from fusion_oci.runtimes.registry import create_runtime
 from fusion_oci.runtimes.skeleton import default_cache_root
 from fusion_oci.scratch import gc_scratch
 from fusion_oci.services import TaskRelays, start_relays, stop_relays
+from fusion_oci.sidecars import TaskServices, services_unavailable
 from fusion_oci.stdin import StdinStream
 from fusion_oci.store_tree import StoreLinker, task_linker
 
@@ -111,7 +112,10 @@ class Sandbox:
         self.egress: EgressProxy | None = None
         """The task's egress proxy while prepared with ``network: filtered``."""
         self.services: TaskRelays | None = None
-        """The task's host-service relays while prepared with ``hostServices``."""
+        """The task's host-service relays while prepared with ``hostServices`` or
+        ``services``."""
+        self.sidecars: TaskServices | None = None
+        """The task's service containers while prepared with ``services``."""
         self._running: set[asyncio.Task[RunResult]] = set()
         self._gitguard: GitGuard | None = None
         """The watch over repositories inside the worktree that the host's git would enter
@@ -154,11 +158,24 @@ class Sandbox:
         for that the runtime does not enforce is refused. A runtime that does not isolate
         (native) lists what it leaves out instead."""
         missing = runtime.check(task)
+        if task.spec.service_containers:
+            missing = sorted([*missing, *self._services_check(runtime)])
         if not runtime.isolates:
             self.unenforced = missing
             return
         if missing:
             raise PolicyNotEnforceableError(runtime.id, missing)
+
+    def _services_check(self, runtime: Runtime) -> list[str]:
+        """``services``: what keeps this runtime from giving the task its service
+        containers here (empty: nothing)."""
+        if not runtime.isolates:
+            return [
+                "services (per-task service containers): not started: the command runs on "
+                "the host's network, which has no loopback of the task's own to put them on"
+            ]
+        why = services_unavailable(self.settings, self.env, runtime.id)
+        return [f"services (per-task service containers): {why}"] if why else []
 
     def _resolve(self, runtime: Runtime, ctx: PrepareContext, *, create: bool) -> ResolvedTask:
         """The one resolve step, for the chosen runtime's default image."""
@@ -213,12 +230,29 @@ class Sandbox:
                             self.egress.unix_socket.parent,
                         )
                     )
+            if resolved.spec.service_containers and runtime.isolates:
+                # Before the relays: each service's relay connects into its container.
+                self.sidecars = TaskServices(
+                    list(ctx.policy.services),
+                    task_id=ctx.task_id,
+                    run_id=ctx.run_id,
+                    settings=self.settings,
+                    env=self.env,
+                    audit=self.audit,
+                    ask=self.ask,
+                    prefer=runtime.id,
+                )
+                await self.sidecars.start()
             if resolved.spec.host_services and runtime.isolates:
                 # Before prepare too: the runtime binds the relays' sockets into the sandbox
                 # (landlock's connect supervisor redirects to their host listeners).
                 self.services = await start_relays(
                     task_id=ctx.task_id,
-                    grants=ctx.policy.grants(),
+                    grants=[
+                        *ctx.policy.grants(),
+                        *((e, False) for e in ctx.policy.service_endpoints()),
+                    ],
+                    upstreams=self.sidecars.upstreams() if self.sidecars else None,
                     audit=self.audit,
                     tcp=runtime.egress_via_tcp,
                     backend=runtime.id,
@@ -253,12 +287,18 @@ class Sandbox:
     async def _stop_egress(self) -> None:
         proxy, self.egress = self.egress, None
         relays, self.services = self.services, None
+        sidecars, self.sidecars = self.sidecars, None
         try:
             if proxy is not None:
                 await stop_task_proxy(proxy)
         finally:
-            if relays is not None:
-                await stop_relays(relays)
+            try:
+                if relays is not None:
+                    await stop_relays(relays)
+            finally:
+                # After the relays: no connection into a container outlives it.
+                if sidecars is not None:
+                    await sidecars.stop()
 
     async def prepare(self, ctx: PrepareContext) -> None:
         """Check the inputs, choose and check the runtime, prepare it (the failure mode
@@ -324,6 +364,8 @@ class Sandbox:
         details: dict[str, Any] = {"store_links": "on" if links.ok else links.reason}
         if self._profile is not None:
             details["egress_profile"] = self._profile
+        if self.sidecars is not None:
+            details["services"] = [one.audit() for one in self.sidecars.started]
         if self.linker is not None:
             details["store_tree"] = (await asyncio.to_thread(self.linker.place)).audit()
         self._event(

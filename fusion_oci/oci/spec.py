@@ -21,6 +21,7 @@ from fusion_oci.oci.model import (
     ANN_NETWORK,
     ANN_POLICY,
     ANN_RUN,
+    ANN_SERVICES,
     ANN_TASK,
     ProcessSpec,
     TaskSpec,
@@ -250,6 +251,16 @@ def with_host_services(spec: Spec, grants: Sequence[HostService]) -> Spec:
         return spec
     out = _copy(spec)
     out["annotations"][ANN_HOST_SERVICES] = " ".join(str(g) for g in grants)
+    return out
+
+
+def with_service_containers(spec: Spec, services: Sequence[tuple[str, int]]) -> Spec:
+    """The task's service containers, ``NAME=PORT`` space-separated (OCI has no field for
+    them: the lifecycle starts them, each runtime's relays make them appear inside)."""
+    if not services:
+        return spec
+    out = _copy(spec)
+    out["annotations"][ANN_SERVICES] = " ".join(f"{name}={port}" for name, port in services)
     return out
 
 
@@ -540,7 +551,10 @@ def compile_task(ctx: PrepareContext, layout: TaskLayout, host: HostInfo) -> Tas
     spec = default_spec()
     del spec["process"]
     spec = with_network(spec, policy.network_mode)
-    spec = with_host_services(spec, [g for g, _ in policy.grants()])
+    # Service containers are served by relays as host services are: one annotation lists
+    # every endpoint a relay serves inside; the services annotation names the containers.
+    spec = with_host_services(spec, policy.relayed())
+    spec = with_service_containers(spec, [(s.name, s.port) for s in policy.services])
     spec = with_memory_limit(spec, policy.memory_limit_mb)
     cpu = policy.cpu_limit
     spec = with_cpu_quota(spec, cpu.max_cores if cpu else None)
