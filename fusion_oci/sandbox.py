@@ -32,6 +32,7 @@ import os
 import threading
 import time
 from collections.abc import Awaitable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -69,7 +70,7 @@ from fusion_oci.runtimes.registry import create_runtime
 from fusion_oci.runtimes.skeleton import default_cache_root
 from fusion_oci.scratch import gc_scratch
 from fusion_oci.services import TaskRelays, start_relays, stop_relays
-from fusion_oci.sidecars import TaskServices, services_unavailable
+from fusion_oci.sidecars import TaskServices, services_missing
 from fusion_oci.stdin import StdinStream
 from fusion_oci.store_tree import StoreLinker, task_linker
 
@@ -159,23 +160,13 @@ class Sandbox:
         (native) lists what it leaves out instead."""
         missing = runtime.check(task)
         if task.spec.service_containers:
-            missing = sorted([*missing, *self._services_check(runtime)])
+            wanted = services_missing(True, runtime.isolates, self.settings, self.env, runtime.id)
+            missing = sorted([*missing, *wanted])
         if not runtime.isolates:
             self.unenforced = missing
             return
         if missing:
             raise PolicyNotEnforceableError(runtime.id, missing)
-
-    def _services_check(self, runtime: Runtime) -> list[str]:
-        """``services``: what keeps this runtime from giving the task its service
-        containers here (empty: nothing)."""
-        if not runtime.isolates:
-            return [
-                "services (per-task service containers): not started: the command runs on "
-                "the host's network, which has no loopback of the task's own to put them on"
-            ]
-        why = services_unavailable(self.settings, self.env, runtime.id)
-        return [f"services (per-task service containers): {why}"] if why else []
 
     def _resolve(self, runtime: Runtime, ctx: PrepareContext, *, create: bool) -> ResolvedTask:
         """The one resolve step, for the chosen runtime's default image."""
@@ -243,6 +234,10 @@ class Sandbox:
                     prefer=runtime.id,
                 )
                 await self.sidecars.start()
+                # Their names on the task's own 127.0.0.1 (the runtimes with a mount
+                # namespace bind it at /etc/hosts; landlock keeps the host's).
+                hosts = self.sidecars.write_hosts(resolved.spec.hostname or "localhost")
+                resolved = resolved.with_layout(replace(resolved.layout, hosts_file=hosts))
             if resolved.spec.host_services and runtime.isolates:
                 # Before prepare too: the runtime binds the relays' sockets into the sandbox
                 # (landlock's connect supervisor redirects to their host listeners).

@@ -353,6 +353,9 @@ def task_mounts(layout: TaskLayout, policy: SandboxPolicy, host: HostInfo) -> li
     mounts += [bind(c.sandbox_path, c.host_path, writable=True) for c in layout.caches]
     if layout.ca_bundle:
         mounts.append(bind(CA_IN_SANDBOX, layout.ca_bundle, writable=False))
+    if layout.hosts_file:
+        # After the system's /etc entries (with_host_rootfs): the services' names win.
+        mounts.append(bind("/etc/hosts", layout.hosts_file, writable=False))
     mounts.append(bind(layout.worktree, layout.worktree, writable=True))
     git = layout.git
     dotgit = f"{layout.worktree.rstrip('/')}/.git"

@@ -14,6 +14,18 @@ upstream sockets inside the container's network namespace. So the service is on 
 own 127.0.0.1:PORT on every runtime that serves host services, and on nothing else.
 """
 
-from fusion_oci.sidecars.run import TaskServices, open_services_engine, services_unavailable
+from fusion_oci.sidecars.run import (
+    SERVICES_PART,
+    TaskServices,
+    open_services_engine,
+    services_missing,
+    services_unavailable,
+)
 
-__all__ = ["TaskServices", "open_services_engine", "services_unavailable"]
+__all__ = [
+    "SERVICES_PART",
+    "TaskServices",
+    "open_services_engine",
+    "services_missing",
+    "services_unavailable",
+]

@@ -23,10 +23,12 @@ import functools
 import os
 import resource
 import secrets
+import shutil
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TypeVar
 
 from fusion_oci.engines import (
@@ -40,6 +42,7 @@ from fusion_oci.engines import (
 from fusion_oci.engines.labels import current_owner
 from fusion_oci.errors import FusionOCIError, SandboxSetupError
 from fusion_oci.models import ServiceContainer
+from fusion_oci.scratch import make_scratch
 from fusion_oci.services import ContainerUpstream
 from fusion_oci.services.netns import NetnsSockets
 from fusion_oci.sidecars.plan import plan_service, ready_argv
@@ -107,6 +110,7 @@ class TaskServices:
     _kind: EngineKind = "podman"
     _service: PodmanService | None = None
     _pool: ThreadPoolExecutor | None = None
+    _scratch: Path | None = None
 
     # -- engine ---------------------------------------------------------------------------
 
@@ -269,6 +273,16 @@ class TaskServices:
             f"`{self._kind} logs` shows more while the task lives",
         )
 
+    def write_hosts(self, hostname: str) -> str:
+        """The task's ``/etc/hosts`` (its service names on its own 127.0.0.1), in a private
+        scratch folder of the task's, removed by :meth:`stop`; its host path."""
+        self._scratch = make_scratch("sidecars", self.task_id[:24])
+        path = self._scratch / "hosts"
+        path.write_text(hosts_text([s.name for s in self.services], hostname), encoding="utf-8")
+        path.chmod(0o644)
+        self._scratch.chmod(0o755)  # the sandbox's user (any uid of its namespace) reads it
+        return str(path)
+
     def upstreams(self) -> dict[str, ContainerUpstream]:
         """Canonical endpoint (``127.0.0.1:PORT``) → where its relay connects."""
         out: dict[str, ContainerUpstream] = {}
@@ -310,6 +324,9 @@ class TaskServices:
             )
 
     def _release(self) -> None:
+        scratch, self._scratch = self._scratch, None
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
         adapter, self._adapter = self._adapter, None
         if adapter is not None:
             with contextlib.suppress(Exception):
@@ -321,6 +338,16 @@ class TaskServices:
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
+
+
+def hosts_text(names: list[str], hostname: str) -> str:
+    """An ``/etc/hosts`` with the loopback names and each service's name on 127.0.0.1 (where
+    its relay listens inside the sandbox). Pure."""
+    return (
+        f"127.0.0.1\tlocalhost {hostname}\n"
+        "::1\tlocalhost ip6-localhost ip6-loopback\n"
+        f"127.0.0.1\t{' '.join(names)}\n"
+    )
 
 
 def host_rlimits() -> dict[str, tuple[int, int]]:
@@ -354,7 +381,6 @@ def open_services_engine(
             return connect(kind, _endpoints(kind, settings, env)), kind, None
         except NotAnswering as exc:
             tried += exc.tried
-    import shutil
 
     if shutil.which("podman") is None:
         raise SandboxSetupError(
@@ -369,12 +395,34 @@ def open_services_engine(
     return service.start(podman_tried or tried), "podman", service
 
 
+SERVICES_PART = "services (per-task service containers)"
+
+
+def services_missing(
+    wanted: bool,
+    isolates: bool,
+    settings: SandboxSettings,
+    env: Mapping[str, str],
+    runtime_id: str | None = None,
+) -> list[str]:
+    """What keeps a runtime from giving a task its service containers here, as the
+    unenforced parts ``check`` lists (empty: nothing, or no services ``wanted``)."""
+    if not wanted:
+        return []
+    if not isolates:
+        return [
+            f"{SERVICES_PART}: not started: the command runs on the host's network, which has "
+            "no loopback of the task's own to put them on"
+        ]
+    why = services_unavailable(settings, env, runtime_id)
+    return [f"{SERVICES_PART}: {why}"] if why else []
+
+
 def services_unavailable(
     settings: SandboxSettings, env: Mapping[str, str], prefer: str | None = None
 ) -> str | None:
     """Why service containers cannot run here, or None: they can (an engine answers, or
     podman is installed and a service of its own can be started). Starts nothing."""
-    import shutil
 
     if os.geteuid() != 0:
         return (
@@ -394,4 +442,10 @@ def services_unavailable(
     return "neither podman nor docker is here to run them"
 
 
-__all__ = ["TaskServices", "open_services_engine", "services_unavailable"]
+__all__ = [
+    "SERVICES_PART",
+    "TaskServices",
+    "open_services_engine",
+    "services_missing",
+    "services_unavailable",
+]

@@ -23,13 +23,14 @@ def service_summary(policy: SandboxPolicy) -> list[dict[str, object]]:
     ]
 
 
-def service_lines(policy: SandboxPolicy) -> list[str]:
-    """One line a service, for the plan and doctor. Pure."""
+def service_lines(summary: list[dict[str, object]]) -> list[str]:
+    """One line a service of :func:`service_summary`, for the plan and doctor. Pure."""
     return [
         f"services {entry['name']}: image {entry['image']}, reached by the task only at "
-        f"127.0.0.1:{entry['port']} (and {entry['name']}:{entry['port']} where the runtime "
-        "gives the sandbox its own /etc/hosts); the container has no network of its own"
-        for entry in service_summary(policy)
+        f"127.0.0.1:{entry['port']} and {entry['name']}:{entry['port']} (by name on every "
+        "runtime but landlock, which keeps the host's /etc/hosts); the container has no "
+        "network of its own"
+        for entry in summary
     ]
 
 

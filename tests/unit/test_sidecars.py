@@ -42,7 +42,7 @@ def test_the_issue_spelling_is_read_at_sandbox_services_and_at_policy_services()
         HostService("tcp", address="127.0.0.1", port=5432),
         HostService("tcp", address="127.0.0.1", port=6379),
     ]
-    with pytest.raises(ValidationError, match="both sandbox.services and sandbox.policy"):
+    with pytest.raises(ValidationError, match=r"both sandbox\.services and sandbox\.policy"):
         SandboxSettings.model_validate({"services": [DB], "policy": {"services": [CACHE]}})
 
 
@@ -120,6 +120,26 @@ def test_a_service_container_has_no_network_and_carries_its_owner(engine: str) -
     assert "secret" not in " ".join(plan.notes)
 
 
+def test_the_task_resolves_each_service_name_to_its_own_loopback(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from fusion_oci.sidecars.run import hosts_text
+
+    assert hosts_text(["db", "cache"], "fusion-sandbox") == (
+        "127.0.0.1\tlocalhost fusion-sandbox\n"
+        "::1\tlocalhost ip6-localhost ip6-loopback\n"
+        "127.0.0.1\tdb cache\n"
+    )
+    policy = SandboxPolicy.model_validate({"network": "none", "services": [DB]})
+    ctx = PrepareContext(task_id="t1", run_id="r1", worktree_path=str(tmp_path), policy=policy)
+    layout = resolve_layout(ctx, cache_root=tmp_path / "c", ca_bundle=None, create=False)
+    spec = compile_task(ctx, replace(layout, hosts_file="/h/hosts"), GOLDEN_HOST)
+    (hosts,) = [m for m in spec.mounts if m.destination == "/etc/hosts"]
+    assert hosts.source == "/h/hosts" and "ro" in (hosts.options or [])
+    plain = compile_task(ctx, layout, GOLDEN_HOST)
+    assert not [m for m in plain.mounts if m.destination == "/etc/hosts"]
+
+
 def test_ready_is_a_shell_command_line_or_the_port_alone() -> None:
     assert ready_argv(ServiceContainer.model_validate(DB)) == ["/bin/sh", "-c", "pg_isready"]
     assert ready_argv(ServiceContainer(name="x", image="i", port=1)) is None
@@ -133,7 +153,7 @@ def test_settings_show_plan_and_doctor_name_each_service_without_env_values() ->
     rows = service_rows(policy)
     assert [r["key"] for r in rows] == ["services.container[0]", "services.container[1]"]
     assert rows[0]["value"] == "db=postgres"
-    text = repr(summary) + repr(rows) + "".join(service_lines(policy))
+    text = repr(summary) + repr(rows) + "".join(service_lines(summary))
     assert "secret" not in text and "POSTGRES_PASSWORD" in text
 
 
