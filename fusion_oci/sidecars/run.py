@@ -351,12 +351,20 @@ def hosts_text(names: list[str], hostname: str) -> str:
 
 
 def host_rlimits() -> dict[str, tuple[int, int]]:
-    """``nofile`` and ``nproc`` for a podman service container: the caller's hard limits
-    (podman's defaults for root exceed them here)."""
+    """``nofile`` and ``nproc`` for a podman service container: within the caller's hard
+    limits (podman's defaults for root exceed them here), ``nproc`` also within pid_max
+    (the engine's service caps itself there, as the task containers' do)."""
+    try:
+        pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    except (OSError, ValueError):
+        pid_max = 32768
     out = {}
-    for name, which in (("nofile", resource.RLIMIT_NOFILE), ("nproc", resource.RLIMIT_NPROC)):
+    for name, which, cap in (
+        ("nofile", resource.RLIMIT_NOFILE, 1024 * 1024),
+        ("nproc", resource.RLIMIT_NPROC, pid_max),
+    ):
         _, hard = resource.getrlimit(which)
-        limit = 1024 * 1024 if hard == resource.RLIM_INFINITY else hard
+        limit = cap if hard == resource.RLIM_INFINITY else min(hard, cap)
         out[name] = (min(limit, 65536), limit)
     return out
 
