@@ -70,6 +70,10 @@ def service_engine(backend_id: str) -> str:
 
 
 def with_images(prober: Prober) -> None:  # noqa: F811 - the fixture's value
+    if prober.backend in ("podman", "docker"):
+        from tests.integration.images_fixture import ensure_node_image
+
+        ensure_node_image(prober.backend)  # the task's own image
     if prober.backend not in ROOTLESS_BACKENDS and prober.backend != "native":
         ensure_service_image(service_engine(prober.backend), "postgres")
         prober.env.update(services_env(prober.backend))
@@ -203,13 +207,14 @@ def test_a_service_that_never_gets_ready_fails_prepare_and_is_removed(
 CRASHING = textwrap.dedent(
     """
     import json, os, signal, sys
+    from pathlib import Path
     from fusion_oci.models import PrepareContext, SandboxPolicy
     from fusion_oci.policy.settings import SandboxSettings
     from fusion_oci.sandbox import SyncSandbox
     cfg = json.loads(sys.argv[1])
     policy = SandboxPolicy.model_validate(cfg["policy"])
     sb = SyncSandbox(SandboxSettings(backend="bubblewrap", policy=policy), env=cfg["env"],
-                     cache_root=cfg["cache"])
+                     cache_root=Path(cfg["cache"]))
     sb.prepare(PrepareContext(task_id="svc-crash", run_id="r1", policy=policy,
                               worktree_path=cfg["wt"]))
     print("prepared", flush=True)
