@@ -124,7 +124,11 @@ def _ours(task_id: str) -> list[str]:
     env = services_env("bubblewrap")
     adapter = connect("podman", _endpoints("podman", SandboxSettings(), env))
     try:
-        return [f.name for f in adapter.list_labelled(LABEL_TASK, task_id) if f.kind == "container"]
+        return [
+            f.name
+            for f in adapter.list_labelled(LABEL_TASK, task_id)
+            if f.kind == "container" and f.labels.get("io.fusion-oci.kind") == "service"
+        ]
     finally:
         adapter.close()
 

@@ -126,7 +126,7 @@ def test_the_hosts_network_cannot_reach_the_tasks_service(prober: Prober) -> Non
             found = [
                 f
                 for f in adapter.list_labelled("io.fusion-oci.task-id", "svc-host-net")
-                if f.kind == "container"
+                if f.kind == "container" and f.labels.get("io.fusion-oci.kind") == "service"
             ]
             seen["containers"] = len(found)
             _, pid, _ = adapter.container_state(found[0].id)
