@@ -76,6 +76,7 @@ class Started:
     sockets: NetnsSockets | None = None
     ready_ms: int | None = None
     image_action: str = "present"
+    removed: bool = False
 
     def audit(self) -> dict[str, object]:
         """What the prepare event records (env by name only)."""
@@ -298,23 +299,35 @@ class TaskServices:
         return out
 
     async def stop(self) -> None:
-        """Remove every container and let go of its namespace. Idempotent; errors are
-        collected, not raised, past the first (each container is tried)."""
+        """Remove every container (side by side) and let go of its namespace. Idempotent;
+        each container is tried, and the ones that could not be removed are raised at the
+        end (``gc`` removes them once this process has ended)."""
         adapter = self._adapter
         errors: list[str] = []
+
+        async def remove(cid: str) -> None:
+            assert adapter is not None
+            try:
+                await self._call(
+                    f"remove service container {cid}", functools.partial(adapter.remove, cid)
+                )
+            except FusionOCIError as exc:
+                errors.append(f"{cid}: {exc.why or exc.what}")
+
+        doomed: list[str] = []
         for one in self.started:
             if one.sockets is not None:
                 one.sockets.close()
                 one.sockets = None
-            cid, one.container = one.container, None
-            if cid is None or adapter is None:
+            if one.removed:
                 continue
-            try:
-                await self._call(
-                    f"remove service container {one.name}", functools.partial(adapter.remove, cid)
-                )
-            except FusionOCIError as exc:
-                errors.append(f"{one.name}: {exc.why or exc.what}")
+            one.removed = True
+            # By name when the create's answer never came (cancelled, timed out): the
+            # container may exist all the same. A name never created is a 404, ignored.
+            cid = one.container or one.name
+            if cid and adapter is not None:
+                doomed.append(cid)
+        await asyncio.gather(*(remove(cid) for cid in doomed))
         self._release()
         if errors:
             raise SandboxSetupError(

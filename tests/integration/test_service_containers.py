@@ -273,3 +273,36 @@ def test_a_warm_postgres_is_ready_within_two_seconds_of_prepare(
         ready.append(int((prepared.details or {})["services"][0]["ready_ms"]))
         print(f"postgres ready {ready[-1]} ms; prepare {whole * 1000:.0f} ms")
     assert sorted(ready)[1] < 2000, ready
+
+
+def test_a_prepare_cancelled_while_services_start_leaves_no_container(
+    bwrap_task: dict[str, Any],
+) -> None:
+    """An abort of the task while its services are still starting (the caller cancels
+    prepare): what was created is removed before the cancellation ends."""
+    import asyncio
+
+    from fusion_oci.sandbox import Sandbox
+
+    # A ready command that never succeeds keeps prepare waiting for the services.
+    policy = SandboxPolicy.model_validate(
+        {"network": "none", "services": [{**DB, "ready": "exit 1"}]}
+    )
+
+    async def main() -> None:
+        sb = Sandbox(
+            _settings("bubblewrap", policy), env=bwrap_task["env"], cache_root=bwrap_task["cache"]
+        )
+        task = asyncio.ensure_future(sb.prepare(_ctx(bwrap_task, "svc-cancel", policy)))
+        for _ in range(200):  # until its container exists
+            await asyncio.sleep(0.05)
+            if await asyncio.to_thread(_ours, "svc-cancel"):
+                break
+        assert await asyncio.to_thread(_ours, "svc-cancel"), "the service never started"
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await sb.dispose()
+
+    asyncio.run(main())
+    assert _ours("svc-cancel") == []
