@@ -20,7 +20,7 @@ import ctypes
 import errno
 import os
 import socket
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import BrokenExecutor, ThreadPoolExecutor
 
 CLONE_NEWNET = 0x40000000
 
@@ -46,6 +46,13 @@ class NetnsSockets:
             initargs=(fd,),
         )
         self._closed = False
+        # The thread (and its setns) starts with the first job: start it now, so that a
+        # namespace that cannot be entered is an error here, not at the first connection.
+        try:
+            self._pool.submit(int).result(timeout=10)
+        except BrokenExecutor as exc:
+            self.close()
+            raise OSError(errno.EPERM, "cannot enter the network namespace (setns)") from exc
 
     @classmethod
     def of_pid(cls, pid: int, name: str = "service") -> NetnsSockets:
@@ -60,10 +67,6 @@ class NetnsSockets:
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setblocking(False)
         return sock
-
-    def socket_now(self, family: int = socket.AF_INET) -> socket.socket:
-        """A socket in the namespace, from any thread (blocks until the helper made it)."""
-        return self._pool.submit(self._make, family).result(timeout=10)
 
     async def new_socket(self, family: int = socket.AF_INET) -> socket.socket:
         """A non-blocking stream socket in the namespace (made on the helper thread)."""

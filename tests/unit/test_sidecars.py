@@ -177,3 +177,14 @@ def test_netns_sockets_connect_inside_the_namespace_they_were_given(tmp_path: Pa
     finally:
         sockets.close()
         server.close()
+
+
+def test_a_namespace_that_cannot_be_entered_is_an_error_at_once(tmp_path: Path) -> None:
+    """setns of something that is no network namespace fails in the helper thread's start:
+    an OSError from the constructor, not a broken pool at the first connection."""
+    from fusion_oci.services.netns import NetnsSockets
+
+    plain = tmp_path / "not-a-namespace"
+    plain.write_text("")
+    with pytest.raises(OSError, match="cannot enter the network namespace"):
+        NetnsSockets(os.open(plain, os.O_RDONLY))
