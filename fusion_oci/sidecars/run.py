@@ -60,8 +60,9 @@ CALL_TIMEOUT_S = 60.0
 """One container call (create, start, inspect, exec, remove)."""
 POLL_S = 0.02
 """Between two looks at a starting service's port."""
-READY_POLL_S = 0.1
-"""Between two runs of its ``ready`` command (each is an exec: ~0.1 s on podman here)."""
+READY_POLL_S = 0.25
+"""Between two runs of its ``ready`` command (each is an exec: ~0.1 s on podman here, which
+holds the container's lock: others' calls on the engine get their turn in between)."""
 
 
 @dataclass

@@ -26,13 +26,16 @@ if [ -n "${POSTGRES_PASSWORD:-}" ]; then
 "
 fi
 if [ "$db" != postgres ]; then
-    sql="${sql}CREATE DATABASE $(ident "$db") OWNER $(ident "$user");
+    # FILE_COPY: a copy of the template's files, not its pages through the WAL (0.1 s
+    # instead of 0.5 s here, with fsync off).
+    sql="${sql}CREATE DATABASE $(ident "$db") OWNER $(ident "$user") STRATEGY = FILE_COPY;
 "
 fi
 if [ -n "$sql" ]; then
     # Single-user mode: one statement a line, before the server listens (so "ready" means
     # the user and database are there).
-    printf '%s' "$sql" | postgres --single -D "$PGDATA" postgres >/dev/null
+    printf '%s' "$sql" | postgres --single -D "$PGDATA" -c fsync=off -c full_page_writes=off \
+        postgres >/dev/null
 fi
 # A throwaway database per task: durability traded for speed, as CI services do.
 exec postgres -D "$PGDATA" -c listen_addresses=127.0.0.1 -c fsync=off \

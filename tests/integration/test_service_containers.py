@@ -294,11 +294,14 @@ def test_a_prepare_cancelled_while_services_start_leaves_no_container(
             _settings("bubblewrap", policy), env=bwrap_task["env"], cache_root=bwrap_task["cache"]
         )
         task = asyncio.ensure_future(sb.prepare(_ctx(bwrap_task, "svc-cancel", policy)))
-        for _ in range(200):  # until its container exists
+        # Until its container exists (read in-process: podman's list waits for the locks of
+        # a container that is being exec'd into, as its ready command is here).
+        for _ in range(600):
             await asyncio.sleep(0.05)
-            if await asyncio.to_thread(_ours, "svc-cancel"):
+            if sb.sidecars is not None and any(s.container for s in sb.sidecars.started):
                 break
-        assert await asyncio.to_thread(_ours, "svc-cancel"), "the service never started"
+        assert sb.sidecars is not None and sb.sidecars.started[0].container, "never started"
+        await asyncio.sleep(0.5)  # in the ready loop
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
