@@ -309,3 +309,40 @@ def test_a_prepare_cancelled_while_services_start_leaves_no_container(
 
     asyncio.run(main())
     assert _ours("svc-cancel") == []
+
+
+REDIS_JS = r"""
+// node redis.js HOST: AUTH with $1's password, PING, SET/GET; prints the replies' first lines.
+const c = require('net').connect(6379, process.argv[2]);
+c.setTimeout(8000, () => { console.log('timeout'); process.exit(2); });
+c.on('error', (e) => { console.log('error ' + e.code); process.exit(2); });
+c.write('AUTH ' + process.argv[3] + '\r\nPING\r\nSET k fusion\r\nGET k\r\n');
+let out = '';
+c.on('data', (d) => {
+  out += d;
+  if (out.split('\r\n').length > 5) {
+    console.log(out.split('\r\n').filter(Boolean).join(' '));
+    process.exit(0);
+  }
+});
+"""
+
+
+def test_a_task_reaches_its_own_redis_by_address_and_by_name(bwrap_task: dict[str, Any]) -> None:
+    ensure_service_image("podman", "redis")
+    (bwrap_task["wt"] / "redis.js").write_text(REDIS_JS)
+    cache = {
+        "name": "cache",
+        "image": "redis",
+        "env": {"REDIS_PASSWORD": "pw"},
+        "port": 6379,
+        "ready": "redis-cli -a pw ping | grep -q PONG",
+    }
+    policy = SandboxPolicy.model_validate({"network": "none", "services": [cache]})
+    with _sandbox(bwrap_task, policy) as sb:
+        sb.prepare(_ctx(bwrap_task, "svc-redis", policy))
+        result = sb.run(
+            "node redis.js 127.0.0.1 pw; node redis.js cache pw", RunOptions(timeout_ms=30_000)
+        )
+    assert result.stdout.splitlines() == ["+OK +PONG +OK $6 fusion"] * 2, result
+    assert _ours("svc-redis") == []
