@@ -346,3 +346,53 @@ def test_a_task_reaches_its_own_redis_by_address_and_by_name(bwrap_task: dict[st
         )
     assert result.stdout.splitlines() == ["+OK +PONG +OK $6 fusion"] * 2, result
     assert _ours("svc-redis") == []
+
+
+def test_settings_show_plan_and_doctor_list_the_services(worktree: Path) -> None:
+    """The CLI as a user runs it, with the issue's spelling (``sandbox.services``): each
+    service, where the task reaches it, and its env by name only."""
+    import json
+
+    from tests.integration.test_cli import cli
+
+    (worktree / ".fusion").mkdir(exist_ok=True)
+    (worktree / ".fusion/settings.yaml").write_text(
+        "sandbox:\n  backend: bubblewrap\n  policy: {network: none}\n  services:\n"
+        "    - {name: db, image: postgres, env: {POSTGRES_PASSWORD: hunter2}, port: 5432,"
+        " ready: pg_isready}\n"
+    )
+    env = {"FUSION_OCI_NO_SERVER": "1"}
+    shown = cli("settings", "show", "--json", cwd=worktree, env=env)
+    assert shown.returncode == 0, shown.stderr
+    rows = {r["key"]: r for r in json.loads(shown.stdout)}
+    assert rows["services.container[0]"]["value"] == "db=postgres"
+    assert "POSTGRES_PASSWORD" in rows["services.container[0]"]["source"]
+    plan = cli("plan", "--", "psql", cwd=worktree, env=env)
+    assert plan.returncode == 0, plan.stderr
+    assert "services db: image postgres, reached by the task only at 127.0.0.1:5432" in plan.stdout
+    data = json.loads(cli("plan", "--json", "--", "psql", cwd=worktree, env=env).stdout)
+    assert data["services"][0]["reachedAt"] == ["127.0.0.1:5432", "db:5432"]
+    doctor = cli("doctor", "--json", cwd=worktree, env=env)
+    assert json.loads(doctor.stdout)["configured"]["services"][0]["name"] == "db"
+    # The values are the settings' own (settings show and the plan's policy print the
+    # settings, as for every key); the lines about the services and doctor name them only.
+    lines = [line for line in plan.stdout.splitlines() if line.startswith("services ")]
+    assert lines and "hunter2" not in " ".join(lines) and "hunter2" not in doctor.stdout
+
+
+def test_a_full_image_reference_and_a_port_only_readiness(bwrap_task: dict[str, Any]) -> None:
+    """A user's own reference (here the built image by its full name: no registry is
+    reachable on these machines, so nothing else can be pulled) is used as the engine has
+    it; without ``ready``, the port accepting a connection is ready."""
+    ref = ensure_service_image("podman", "postgres").ref
+    svc = {
+        "name": "pg",
+        "image": ref,
+        "port": 5433,
+        "command": ["/usr/local/bin/fusion-postgres", "-p", "5433"],
+    }
+    policy = SandboxPolicy.model_validate({"network": "none", "services": [svc]})
+    with _sandbox(bwrap_task, policy) as sb:
+        sb.prepare(_ctx(bwrap_task, "svc-ref", policy))
+        result = sb.run("node pg.js pg:5433 'select 9'", RunOptions(timeout_ms=30_000))
+    assert result.stdout.split() == ["9"], result
