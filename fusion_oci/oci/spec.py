@@ -435,8 +435,11 @@ def sandbox_env(
         # Last: the allowlist cannot point a tool past the proxy (it could not reach anything
         # anyway: the sandbox's only way out is the forwarder on 127.0.0.1:3128).
         env.update(filtered_env())
-        if bypass := no_proxy([g for g, _ in policy.grants()]):
-            env["NO_PROXY"] = env["no_proxy"] = bypass  # granted services, directly
+        if bypass := no_proxy(policy.relayed()):
+            # Granted services and service containers, directly (by their names too).
+            names = ",".join(s.name for s in policy.services)
+            bypass = f"{bypass},{names}" if names else bypass
+            env["NO_PROXY"] = env["no_proxy"] = bypass
     return env
 
 

@@ -188,3 +188,25 @@ def test_a_namespace_that_cannot_be_entered_is_an_error_at_once(tmp_path: Path) 
     plain.write_text("")
     with pytest.raises(OSError, match="cannot enter the network namespace"):
         NetnsSockets(os.open(plain, os.O_RDONLY))
+
+
+def test_filtered_lets_http_clients_reach_the_services_directly(tmp_path: Path) -> None:
+    from fusion_oci.models import RunOptions
+    from fusion_oci.oci.spec import compile_process
+
+    policy = SandboxPolicy.model_validate(
+        {"network": "filtered", "hostServices": ["[::1]:6380"], "services": [DB, CACHE]}
+    )
+    ctx = PrepareContext(task_id="t1", run_id="r1", worktree_path=str(tmp_path), policy=policy)
+    layout = resolve_layout(ctx, cache_root=tmp_path / "c", ca_bundle=None, create=False)
+    process = compile_process(ctx, layout, GOLDEN_HOST, "true", RunOptions(), {})
+    env = dict(e.split("=", 1) for e in process.env)
+    assert env["NO_PROXY"] == "::1,127.0.0.1,localhost,db,cache"
+
+
+def test_what_keeps_a_runtime_from_running_services_is_said_at_check() -> None:
+    from fusion_oci.sidecars import SERVICES_PART, services_missing
+
+    assert services_missing(False, True, SandboxSettings(), {}) == []
+    (native,) = services_missing(True, False, SandboxSettings(), {})
+    assert native.startswith(SERVICES_PART) and "host's network" in native
