@@ -396,3 +396,52 @@ def test_a_full_image_reference_and_a_port_only_readiness(bwrap_task: dict[str, 
         sb.prepare(_ctx(bwrap_task, "svc-ref", policy))
         result = sb.run("node pg.js pg:5433 'select 9'", RunOptions(timeout_ms=30_000))
     assert result.stdout.split() == ["9"], result
+
+
+@pytest.mark.parametrize("runtime", ["bubblewrap", "landlock", "podman"])
+def test_a_host_grant_and_a_service_side_by_side(
+    bwrap_task: dict[str, Any], tmp_path: Path, runtime: str
+) -> None:
+    """The relays serve the grants first, then the services: each endpoint reaches its own
+    upstream (the host's server for the grant, the container for the service)."""
+    from tests.services_world import listening
+
+    require_runtime(runtime)
+    if runtime == "podman":
+        from tests.integration.images_fixture import ensure_node_image
+
+        ensure_node_image("podman")
+    sock = tmp_path / "svc"
+    sock.mkdir()
+    sock.chmod(0o755)
+    with listening([sock / "host.sock"]) as host:
+        policy = SandboxPolicy.model_validate(
+            {
+                "network": "none",
+                "hostServices": [f"127.0.0.1:{host.port}", f"unix:{sock / 'host.sock'}"],
+                "services": [DB],
+            }
+        )
+        project = tmp_path / "project"  # landlock: the project's .fusion/ outside the worktree
+        project.mkdir()
+        ctx = PrepareContext(
+            task_id=f"svc-mixed-{runtime}",
+            run_id="r1",
+            policy=policy,
+            worktree_path=str(bwrap_task["wt"]),
+            project_dir=str(project),
+        )
+        settings = _settings(runtime, policy)
+        with SyncSandbox(settings, env=bwrap_task["env"], cache_root=bwrap_task["cache"]) as sb:
+            sb.prepare(ctx)
+            # landlock keeps the host's /etc/hosts: the service by its address only there.
+            by_name = "127.0.0.1" if runtime == "landlock" else "db"
+            result = sb.run(
+                f"node pg.js 127.0.0.1:5432 'select 5'; node pg.js {by_name}:5432 'select 6'; "
+                f"node -e \"require('net').connect({host.port}, '127.0.0.1')"
+                ".on('connect', () => process.exit(0))\" && echo host",
+                RunOptions(timeout_ms=60_000),
+            )
+        time.sleep(0.3)
+    assert result.stdout.split() == ["5", "6", "host"], result
+    assert "tcp4" in host.seen, host.seen
