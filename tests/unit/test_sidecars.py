@@ -210,3 +210,12 @@ def test_what_keeps_a_runtime_from_running_services_is_said_at_check() -> None:
     assert services_missing(False, True, SandboxSettings(), {}) == []
     (native,) = services_missing(True, False, SandboxSettings(), {})
     assert native.startswith(SERVICES_PART) and "host's network" in native
+
+
+def test_prebuild_provisions_the_services_images_too() -> None:
+    from fusion_oci.images.ops import referenced_images
+
+    settings = SandboxSettings.model_validate(
+        {"image": "node", "services": [DB, CACHE, {**DB, "name": "db2", "port": 5433}]}
+    )
+    assert referenced_images(settings) == ["node", "postgres", "redis"]
