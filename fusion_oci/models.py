@@ -121,6 +121,55 @@ class HostServiceGrant(Model):
     refused at load."""
 
 
+class ServiceContainer(Model):
+    """A ``services`` entry: a container the task's commands use, as a CI system's services
+    (``{name: db, image: postgres, env: {...}, port: 5432, ready: pg_isready}``). Started at
+    prepare, one per task, on no network of its own; the task reaches it at
+    ``127.0.0.1:PORT`` (and ``NAME:PORT``) through its relay, nothing else reaches it
+    (fusion_oci.sidecars)."""
+
+    name: str
+    """The service's host name inside the sandbox (a DNS label: lower case, digits, '-')."""
+    image: Annotated[str, Field(min_length=1)]
+    """A folder under ``images/`` (``postgres``, ``redis``: built from Debian's packages,
+    behind the sandbox_provision gate) or a full reference the engine can pull."""
+    port: Annotated[int, Field(gt=0, lt=65536)]
+    """The TCP port the service listens on inside its container; the task sees it at the
+    same port of its own 127.0.0.1."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """The service container's environment (``POSTGRES_PASSWORD``...). Audited by name only.
+    Empty: the image's defaults."""
+    ready: str | None = None
+    """A shell command run inside the service container until it exits 0 (``pg_isready``,
+    ``redis-cli ping``). None: ready once the port accepts a connection."""
+    command: list[str] | None = None
+    """The container's command (argv). None: the image's."""
+    ready_timeout_s: Annotated[float, Field(gt=0, le=600)] = 60.0
+    """How long prepare waits for ``ready`` before it fails (the container is removed)."""
+
+    @field_validator("name")
+    @classmethod
+    def _dns_label(cls, name: str) -> str:
+        import re
+
+        if not re.fullmatch(r"[a-z][a-z0-9-]{0,62}", name) or name.endswith("-"):
+            raise ValueError(
+                f"service name {name!r} is not a host name: write a DNS label of lower-case "
+                "letters, digits and '-', starting with a letter (db, cache, pg-main)"
+            )
+        if name == "localhost":
+            raise ValueError("'localhost' is the sandbox's own name; call the service db or so")
+        return name
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
+        for name, value in env.items():
+            if not name or "=" in name or "\0" in name or "\0" in value:
+                raise ValueError(f"env name {name!r} is not an environment variable name")
+        return env
+
+
 class SandboxPolicy(Model):
     """What the sandboxed command may touch."""
 
@@ -139,6 +188,10 @@ class SandboxPolicy(Model):
     path), through a per-task relay that connects to exactly that service
     (fusion_oci.services). Works with every network but ``host``. Empty: none; the host's
     loopback stays closed."""
+    services: list[ServiceContainer] = Field(default_factory=list)
+    """Per-task service containers (a database, a cache) the task's commands reach at
+    ``127.0.0.1:PORT`` and by name, each on no network but the task's relay (see
+    :class:`ServiceContainer`). Works with every network but ``host``. Empty: none."""
     allowed_paths: list[str] = Field(default_factory=list)
     """Absolute host paths visible read-only inside the sandbox. Empty: only the worktree."""
     writable_paths: list[str] = Field(default_factory=list)
@@ -210,6 +263,17 @@ class SandboxPolicy(Model):
             seen[where] = i
         return values
 
+    def service_endpoints(self) -> list[HostService]:
+        """Where each of :attr:`services` appears inside: ``127.0.0.1:PORT``, in order."""
+        from fusion_oci.hostservice import HostService
+
+        return [HostService("tcp", address="127.0.0.1", port=s.port) for s in self.services]
+
+    def relayed(self) -> list[HostService]:
+        """Every endpoint a relay serves inside the sandbox: the host-service grants, then
+        the service containers' endpoints (the spec's host-services annotation)."""
+        return [g for g, _ in self.grants()] + self.service_endpoints()
+
     def grants(self) -> list[tuple[HostService, bool]]:
         """The parsed ``hostServices``: each grant and its ``dangerous`` flag."""
         from fusion_oci.hostservice import parse_grant
@@ -245,6 +309,7 @@ class SandboxPolicy(Model):
                 "is the proxy's forwarder; move the service to another port or use network "
                 "none or egress"
             )
+        self._services_consistent()
         if self.host_services and self.network is NetworkMode.HOST:
             raise ValueError(
                 "hostServices with network host: the host's network reaches every service "
@@ -252,6 +317,45 @@ class SandboxPolicy(Model):
                 "filtered with hostServices"
             )
         return self
+
+    def _services_consistent(self) -> None:
+        from fusion_oci.hostservice import DASHBOARD_PORT
+
+        if not self.services:
+            return
+        if self.network is NetworkMode.HOST:
+            raise ValueError(
+                "services with network host: a service container is reached through the "
+                "task's own loopback, which network host does not have; use network none, "
+                "egress or filtered with services"
+            )
+        granted = {str(g): i for i, (g, _) in enumerate(self.grants())}
+        names: dict[str, int] = {}
+        ports: dict[int, int] = {}
+        for i, svc in enumerate(self.services):
+            where = f"services[{i}] '{svc.name}'"
+            if svc.name in names:
+                raise ValueError(f"{where}: the name is taken by services[{names[svc.name]}]")
+            if svc.port in ports:
+                raise ValueError(
+                    f"{where}: port {svc.port} is taken by services[{ports[svc.port]}]; each "
+                    "service needs its own port on the task's 127.0.0.1"
+                )
+            if svc.port == DASHBOARD_PORT:
+                raise ValueError(f"{where}: port {DASHBOARD_PORT} is the dashboard's; use another")
+            if svc.port == 3128 and self.network is NetworkMode.FILTERED:
+                raise ValueError(
+                    f"{where}: with network filtered, 127.0.0.1:3128 is the proxy's forwarder; "
+                    "move the service to another port"
+                )
+            endpoint = f"127.0.0.1:{svc.port}"
+            if endpoint in granted:
+                raise ValueError(
+                    f"{where}: {endpoint} is granted already as a host service "
+                    f"(hostServices[{granted[endpoint]}]); drop one of the two"
+                )
+            names[svc.name] = i
+            ports[svc.port] = i
 
     @property
     def network_mode(self) -> NetworkMode:
@@ -264,6 +368,8 @@ class SandboxPolicy(Model):
         data = self.model_dump(mode="json", by_alias=True)
         if not self.host_services:
             del data["hostServices"]  # the hash of every policy without grants stays as it was
+        if not self.services:
+            del data["services"]
         canon = json.dumps(data, sort_keys=True)
         return "sha256:" + hashlib.sha256(canon.encode()).hexdigest()[:16]
 
@@ -287,6 +393,8 @@ class SandboxPolicy(Model):
             parts.append(f"fsize={self.file_size_limit_mb}MiB")
         if self.host_services:
             parts.append(f"services={len(self.host_services)}")
+        if self.services:
+            parts.append("containers=" + ",".join(s.name for s in self.services))
         if self.protected_paths != list(DEFAULT_PROTECTED_PATHS):
             parts.append(f"protected={len(self.protected_paths)}")
         return " ".join(parts)

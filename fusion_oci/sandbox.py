@@ -32,6 +32,7 @@ import os
 import threading
 import time
 from collections.abc import Awaitable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -69,6 +70,7 @@ from fusion_oci.runtimes.registry import create_runtime
 from fusion_oci.runtimes.skeleton import default_cache_root
 from fusion_oci.scratch import gc_scratch
 from fusion_oci.services import TaskRelays, start_relays, stop_relays
+from fusion_oci.sidecars import TaskServices, services_missing
 from fusion_oci.stdin import StdinStream
 from fusion_oci.store import StoreLinker, task_linker
 
@@ -111,7 +113,10 @@ class Sandbox:
         self.egress: EgressProxy | None = None
         """The task's egress proxy while prepared with ``network: filtered``."""
         self.services: TaskRelays | None = None
-        """The task's host-service relays while prepared with ``hostServices``."""
+        """The task's host-service relays while prepared with ``hostServices`` or
+        ``services``."""
+        self.sidecars: TaskServices | None = None
+        """The task's service containers while prepared with ``services``."""
         self._running: set[asyncio.Task[RunResult]] = set()
         self._gitguard: GitGuard | None = None
         """The watch over repositories inside the worktree that the host's git would enter
@@ -154,6 +159,9 @@ class Sandbox:
         for that the runtime does not enforce is refused. A runtime that does not isolate
         (native) lists what it leaves out instead."""
         missing = runtime.check(task)
+        if task.spec.service_containers:
+            wanted = services_missing(True, runtime.isolates, self.settings, self.env, runtime.id)
+            missing = sorted([*missing, *wanted])
         if not runtime.isolates:
             self.unenforced = missing
             return
@@ -213,12 +221,33 @@ class Sandbox:
                             self.egress.unix_socket.parent,
                         )
                     )
+            if resolved.spec.service_containers and runtime.isolates:
+                # Before the relays: each service's relay connects into its container.
+                self.sidecars = TaskServices(
+                    list(ctx.policy.services),
+                    task_id=ctx.task_id,
+                    run_id=ctx.run_id,
+                    settings=self.settings,
+                    env=self.env,
+                    audit=self.audit,
+                    ask=self.ask,
+                    prefer=runtime.id,
+                )
+                await self.sidecars.start()
+                # Their names on the task's own 127.0.0.1 (the runtimes with a mount
+                # namespace bind it at /etc/hosts; landlock keeps the host's).
+                hosts = self.sidecars.write_hosts(resolved.spec.hostname or "localhost")
+                resolved = resolved.with_layout(replace(resolved.layout, hosts_file=hosts))
             if resolved.spec.host_services and runtime.isolates:
                 # Before prepare too: the runtime binds the relays' sockets into the sandbox
                 # (landlock's connect supervisor redirects to their host listeners).
                 self.services = await start_relays(
                     task_id=ctx.task_id,
-                    grants=ctx.policy.grants(),
+                    grants=[
+                        *ctx.policy.grants(),
+                        *((e, False) for e in ctx.policy.service_endpoints()),
+                    ],
+                    upstreams=self.sidecars.upstreams() if self.sidecars else None,
                     audit=self.audit,
                     tcp=runtime.egress_via_tcp,
                     backend=runtime.id,
@@ -253,12 +282,18 @@ class Sandbox:
     async def _stop_egress(self) -> None:
         proxy, self.egress = self.egress, None
         relays, self.services = self.services, None
+        sidecars, self.sidecars = self.sidecars, None
         try:
             if proxy is not None:
                 await stop_task_proxy(proxy)
         finally:
-            if relays is not None:
-                await stop_relays(relays)
+            try:
+                if relays is not None:
+                    await stop_relays(relays)
+            finally:
+                # After the relays: no connection into a container outlives it.
+                if sidecars is not None:
+                    await sidecars.stop()
 
     async def prepare(self, ctx: PrepareContext) -> None:
         """Check the inputs, choose and check the runtime, prepare it (the failure mode
@@ -324,6 +359,8 @@ class Sandbox:
         details: dict[str, Any] = {"store_links": "on" if links.ok else links.reason}
         if self._profile is not None:
             details["egress_profile"] = self._profile
+        if self.sidecars is not None:
+            details["services"] = [one.audit() for one in self.sidecars.started]
         if self.linker is not None:
             details["store_tree"] = (await asyncio.to_thread(self.linker.place)).audit()
         self._event(

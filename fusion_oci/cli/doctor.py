@@ -35,6 +35,7 @@ def doctor(
     from fusion_oci.policy.settings import load_settings
     from fusion_oci.policy.worktree import default_worktree
     from fusion_oci.services.show import grant_summary
+    from fusion_oci.sidecars.show import service_lines, service_summary
     from fusion_oci.taskflags import find_project_dir
 
     where = (
@@ -57,6 +58,7 @@ def doctor(
         "failureMode": effective.settings.failure_mode,
         "available": chosen["available"],
         "hostServices": grant_summary(effective.settings.policy),
+        "services": service_summary(effective.settings.policy),
     }
     status = 0 if chosen["available"] else 1
     if as_json:
@@ -84,6 +86,8 @@ def doctor(
             f"[bold]hostServices[/] {entry['grant']}: gives {entry['gives']}"
             + (f"; [red]hands over the host[/]: {entry['handsOver']}" if entry["handsOver"] else "")
         )
+    for line in service_lines(summary["services"]):
+        _console().print(line, markup=False)
     for row in rows:
         # landlock's: user namespaces are forbidden here, and landlock still isolates.
         if (row["details"] or {}).get("recommendation"):
@@ -142,6 +146,9 @@ def settings_show(
     from fusion_oci.services.show import grant_rows
 
     rows += grant_rows(task.ctx.policy)  # hostServices: what each grant gives away
+    from fusion_oci.sidecars.show import service_rows
+
+    rows += service_rows(task.ctx.policy)  # services: each container and where it is reached
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return

@@ -15,6 +15,8 @@ def dry_run(task: Any, command: str | list[str], environ: dict[str, str]) -> dic
     from fusion_oci.resolve import resolve
     from fusion_oci.runtimes.registry import create_runtime
     from fusion_oci.services.show import grant_summary
+    from fusion_oci.sidecars import services_missing
+    from fusion_oci.sidecars.show import service_summary
 
     settings = task.effective.settings
     host = probe_host()
@@ -31,6 +33,9 @@ def dry_run(task: Any, command: str | list[str], environ: dict[str, str]) -> dic
     process = resolved.process(command, task.opts)
     avail = runtime.availability()
     missing = runtime.check(resolved)  # what the lifecycle refuses (or lists, for native)
+    missing += services_missing(
+        bool(resolved.spec.service_containers), runtime.isolates, settings, environ, runtime.id
+    )
     if runtime.isolates:
         missing += resolved.unprotected()
     try:
@@ -46,6 +51,7 @@ def dry_run(task: Any, command: str | list[str], environ: dict[str, str]) -> dic
         "policyHash": task.ctx.policy.digest(),
         "unenforced": missing,
         "hostServices": grant_summary(task.ctx.policy),
+        "services": service_summary(task.ctx.policy),
         "config": config_json(resolved.spec, process),
         "launch": launch,
     }

@@ -222,7 +222,8 @@ def prebuild(
     images_dir: ImagesDirOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Provision every image the project's settings reference (sandbox.image), e.g. in CI.
+    """Provision every image the project's settings reference (sandbox.image, and each of
+    sandbox.services), e.g. in CI.
 
     The node image is fitted to the project's files; when nothing changed, nothing is built.
     """
@@ -235,7 +236,7 @@ def prebuild(
         )
     )
     if not rows and not as_json:
-        typer.echo("no image referenced by the settings (sandbox.image is unset)")
+        typer.echo("no image referenced by the settings (sandbox.image and services are unset)")
     _print_provisioned(rows, as_json)
 
 

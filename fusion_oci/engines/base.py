@@ -184,6 +184,26 @@ class EngineAdapter:
     def ensure_volume(self, volume: CacheVolume) -> None:
         raise NotImplementedError
 
+    # Both SDKs offer the same high-level calls for these (docker-py's API, which podman-py
+    # follows): one implementation, for the service containers (fusion_oci.sidecars).
+    def container_state(self, container_id: str) -> tuple[bool, int, int | None]:
+        """(running, pid of its process on the host (0: none), exit code once exited)."""
+        state = self.client.containers.get(container_id).attrs.get("State") or {}
+        code = state.get("ExitCode")
+        return bool(state.get("Running")), int(state.get("Pid") or 0), code
+
+    def exec_status(self, container_id: str, argv: Sequence[str]) -> tuple[int, bytes]:
+        """Run ``argv`` in the running container; its exit code and (merged) output."""
+        code, output = self.client.containers.get(container_id).exec_run(list(argv))
+        return int(code if code is not None else -1), bytes(output or b"")
+
+    def logs_tail(self, container_id: str, lines: int = 20) -> str:
+        """The last ``lines`` of the container's output."""
+        raw = self.client.containers.get(container_id).logs(tail=lines)
+        if not isinstance(raw, bytes | bytearray):
+            raw = b"".join(raw)
+        return bytes(raw).decode("utf-8", errors="replace")
+
     def remove_volume(self, name: str) -> None:
         raise NotImplementedError
 

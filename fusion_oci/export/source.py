@@ -148,6 +148,10 @@ def read_spec(
         limits = {k: (int(v[0]), int(v[1])) for k, v in host_rlimits.items()}
         rlimits["nproc"] = nproc_limit(limits) or (-1, -1)
     ann = task.annotations
+    containers = task.service_containers
+    # The services' own endpoints are relayed as grants are: named apart from the grants.
+    ours = {f"127.0.0.1:{port}" for _, port in containers}
+    granted = [str(g) for g in task.host_services if str(g) not in ours]
     linux = task.linux
     return ExportSource(
         name=name,
@@ -178,11 +182,20 @@ def read_spec(
             *(
                 [
                     "hostServices: the run was granted "
-                    + ", ".join(str(g) for g in task.host_services)
+                    + ", ".join(granted)
                     + " (fusion-oci's per-task relays); the export grants none, so its "
                     "sandbox reaches no host service"
                 ]
-                if task.host_services
+                if granted
+                else []
+            ),
+            *(
+                [
+                    "services: the run had service containers "
+                    + ", ".join(f"{name} on 127.0.0.1:{port}" for name, port in containers)
+                    + " (fusion-oci starts them per task); the export starts none"
+                ]
+                if containers
                 else []
             ),
         ],

@@ -216,8 +216,11 @@ async def pull_images(
 
 
 def referenced_images(settings: SandboxSettings) -> list[str]:
-    """The images a project's effective settings name (today: ``sandbox.image``)."""
-    return [settings.image] if settings.image else []
+    """The images a project's effective settings name: ``sandbox.image``, then each
+    service container's (``sandbox.policy.services``), once each."""
+    named = [settings.image] if settings.image else []
+    named += [s.image for s in settings.policy.services]
+    return list(dict.fromkeys(named))
 
 
 async def prebuild(

@@ -228,6 +228,7 @@ ANN_IMAGE = ANN + "image"
 ANN_HOST_ROOTFS = ANN + "host-rootfs"
 ANN_CACHE_MODE = ANN + "cache-mode"
 ANN_HOST_SERVICES = ANN + "host-services"
+ANN_SERVICES = ANN + "services"
 
 
 class TaskSpec(OciModel):
@@ -257,8 +258,10 @@ class TaskSpec(OciModel):
 
     @property
     def host_services(self) -> tuple[HostService, ...]:
-        """The host services the task is granted (``policy.hostServices``, canonical forms);
-        empty: none. An entry that does not parse is dropped: closed, never open."""
+        """Every endpoint a relay of the task serves inside, canonical forms: the granted host
+        services (``policy.hostServices``), then the service containers' ``127.0.0.1:PORT``
+        (``policy.services``); empty: none. An entry that does not parse is dropped: closed,
+        never open."""
         from fusion_oci.hostservice import parse_grant
 
         out = []
@@ -267,6 +270,17 @@ class TaskSpec(OciModel):
                 out.append(parse_grant(text))
             except ValueError:
                 continue
+        return tuple(out)
+
+    @property
+    def service_containers(self) -> tuple[tuple[str, int], ...]:
+        """The task's service containers (``policy.services``): (name, port) each, reached
+        at 127.0.0.1:PORT through the relays of :attr:`host_services`; empty: none."""
+        out = []
+        for text in filter(None, self.annotations.get(ANN_SERVICES, "").split(" ")):
+            name, _, port = text.partition("=")
+            if name and port.isdigit():
+                out.append((name, int(port)))
         return tuple(out)
 
     @property

@@ -21,6 +21,7 @@ from fusion_oci.oci.model import (
     ANN_NETWORK,
     ANN_POLICY,
     ANN_RUN,
+    ANN_SERVICES,
     ANN_TASK,
     ProcessSpec,
     TaskSpec,
@@ -253,6 +254,16 @@ def with_host_services(spec: Spec, grants: Sequence[HostService]) -> Spec:
     return out
 
 
+def with_service_containers(spec: Spec, services: Sequence[tuple[str, int]]) -> Spec:
+    """The task's service containers, ``NAME=PORT`` space-separated (OCI has no field for
+    them: the lifecycle starts them, each runtime's relays make them appear inside)."""
+    if not services:
+        return spec
+    out = _copy(spec)
+    out["annotations"][ANN_SERVICES] = " ".join(f"{name}={port}" for name, port in services)
+    return out
+
+
 def with_memory_limit(spec: Spec, mib: int | None) -> Spec:
     out = _copy(spec)
     if mib:
@@ -342,6 +353,9 @@ def task_mounts(layout: TaskLayout, policy: SandboxPolicy, host: HostInfo) -> li
     mounts += [bind(c.sandbox_path, c.host_path, writable=True) for c in layout.caches]
     if layout.ca_bundle:
         mounts.append(bind(CA_IN_SANDBOX, layout.ca_bundle, writable=False))
+    if layout.hosts_file:
+        # After the system's /etc entries (with_host_rootfs): the services' names win.
+        mounts.append(bind("/etc/hosts", layout.hosts_file, writable=False))
     mounts.append(bind(layout.worktree, layout.worktree, writable=True))
     git = layout.git
     dotgit = f"{layout.worktree.rstrip('/')}/.git"
@@ -421,8 +435,11 @@ def sandbox_env(
         # Last: the allowlist cannot point a tool past the proxy (it could not reach anything
         # anyway: the sandbox's only way out is the forwarder on 127.0.0.1:3128).
         env.update(filtered_env())
-        if bypass := no_proxy([g for g, _ in policy.grants()]):
-            env["NO_PROXY"] = env["no_proxy"] = bypass  # granted services, directly
+        if bypass := no_proxy(policy.relayed()):
+            # Granted services and service containers, directly (by their names too).
+            names = ",".join(s.name for s in policy.services)
+            bypass = f"{bypass},{names}" if names else bypass
+            env["NO_PROXY"] = env["no_proxy"] = bypass
     return env
 
 
@@ -540,7 +557,10 @@ def compile_task(ctx: PrepareContext, layout: TaskLayout, host: HostInfo) -> Tas
     spec = default_spec()
     del spec["process"]
     spec = with_network(spec, policy.network_mode)
-    spec = with_host_services(spec, [g for g, _ in policy.grants()])
+    # Service containers are served by relays as host services are: one annotation lists
+    # every endpoint a relay serves inside; the services annotation names the containers.
+    spec = with_host_services(spec, policy.relayed())
+    spec = with_service_containers(spec, [(s.name, s.port) for s in policy.services])
     spec = with_memory_limit(spec, policy.memory_limit_mb)
     cpu = policy.cpu_limit
     spec = with_cpu_quota(spec, cpu.max_cores if cpu else None)

@@ -70,6 +70,10 @@ class TaskLayout:
     git_credentials: tuple[tuple[str, str, str], ...] = ()
     """(host, user name, variable): git's credential helper answers the sentinel for https
     remotes of that host."""
+    hosts_file: str | None = None
+    """A host file bound read-only at ``/etc/hosts``: the task's service containers' names
+    on its own 127.0.0.1 (``policy.services``; written at prepare). None: the host's or the
+    image's ``/etc/hosts``."""
 
 
 GLOB_CHARS = frozenset("*?[")

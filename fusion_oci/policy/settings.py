@@ -94,6 +94,23 @@ def migrate_flat_keys(data: Mapping[str, Any], source: str) -> tuple[dict[str, A
     return out, warnings
 
 
+def services_into_policy(data: Mapping[str, Any]) -> dict[str, Any]:
+    """``sandbox.services`` (the spelling of CI systems and of issue #35) is
+    ``sandbox.policy.services``: moved there, an error when both are set. Pure."""
+    out = dict(data)
+    services = out.pop("services")
+    policy = out.get("policy")
+    block = dict(policy) if isinstance(policy, Mapping) else {}
+    if block.get("services") not in (None, [], services):
+        raise ValueError(
+            "both sandbox.services and sandbox.policy.services are set; keep one of the two "
+            "(they are the same setting)"
+        )
+    block["services"] = services
+    out["policy"] = block
+    return out
+
+
 class SandboxSettings(Model):
     """The effective ``sandbox:`` settings."""
 
@@ -103,7 +120,9 @@ class SandboxSettings(Model):
         # Python callers written against the flat keys (``podman_url=...``) keep working;
         # settings files get a deprecation warning instead (see migrate_flat_keys).
         if isinstance(data, Mapping) and any(k in MOVED_KEYS for k in data):
-            return migrate_flat_keys(data, "SandboxSettings")[0]
+            data = migrate_flat_keys(data, "SandboxSettings")[0]
+        if isinstance(data, Mapping) and "services" in data:
+            data = services_into_policy(data)
         return data
 
     backend: BackendId = "native"

@@ -4,6 +4,8 @@
   parsed, and what it hands over;
 - :mod:`~fusion_oci.services.relay`: one relay per grant per task, connecting to exactly the
   granted address or socket, audited;
+- :mod:`~fusion_oci.services.netns`: sockets made inside a service container's network
+  namespace, for the relays of ``policy.services`` (started by :mod:`fusion_oci.sidecars`);
 - :mod:`~fusion_oci.services.inside`: where each grant appears inside the sandbox (pure: the
   agent's listeners, the binds), for every runtime's translation.
 
@@ -12,6 +14,12 @@ spliced to the relay's socket), a bind of the relay's socket at the granted path
 landlock the connect supervisor's redirect; see docs/egress.md, "Host services".
 """
 
-from fusion_oci.services.relay import Limits, TaskRelays, start_relays, stop_relays
+from fusion_oci.services.relay import (
+    ContainerUpstream,
+    Limits,
+    TaskRelays,
+    start_relays,
+    stop_relays,
+)
 
-__all__ = ["Limits", "TaskRelays", "start_relays", "stop_relays"]
+__all__ = ["ContainerUpstream", "Limits", "TaskRelays", "start_relays", "stop_relays"]

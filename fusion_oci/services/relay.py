@@ -25,6 +25,7 @@ import shutil
 import socket
 import stat
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from socket import socket as Socket
@@ -36,6 +37,7 @@ from fusion_oci.egress.splice import Tunnel
 from fusion_oci.errors import SandboxSetupError, SettingsError
 from fusion_oci.hostservice import DASHBOARD_PORT, HostService, hands_over
 from fusion_oci.scratch import make_scratch
+from fusion_oci.services.netns import NetnsSockets
 
 if TYPE_CHECKING:
     from fusion_oci.audit import AuditLog
@@ -55,6 +57,18 @@ class Limits:
     connections live long; a test run rarely idles an hour)."""
 
 
+@dataclass(frozen=True)
+class ContainerUpstream:
+    """Where a service container's relay connects: 127.0.0.1 of the container's own
+    network namespace (fusion_oci.sidecars starts it)."""
+
+    sockets: NetnsSockets
+    rule: str
+    """What the audit names as the rule (``policy.services[0] 'db'``)."""
+    target: str
+    """What the audit names as the address (``db (container NAME)``)."""
+
+
 @dataclass
 class Relay:
     """One grant's listener."""
@@ -70,6 +84,9 @@ class Relay:
     the command's connect to; None elsewhere."""
     servers: list[asyncio.Future[None]] = field(default_factory=list)
     """The accept loops."""
+    upstream: ContainerUpstream | None = None
+    """A service container's (``policy.services``): connect inside its network namespace
+    instead of to the host; None: a host service."""
     listeners: list[Socket] = field(default_factory=list)
 
 
@@ -131,7 +148,10 @@ class TaskRelays:
         backend: str,
         policy_hash: str | None,
         limits: Limits | None = None,
+        upstreams: Mapping[str, ContainerUpstream] | None = None,
     ) -> None:
+        """``upstreams``: canonical endpoint → the service container a relay of that
+        endpoint connects into (its grant is then one of ``grants``, never dangerous)."""
         self.task_id = task_id
         self.state_dir = state_dir
         self.audit = audit
@@ -149,6 +169,8 @@ class TaskRelays:
             )
             for i, (grant, dangerous) in enumerate(grants)
         ]
+        for relay in self.relays:
+            relay.upstream = (upstreams or {}).get(str(relay.grant))
         self._open = 0
         self._handlers: set[asyncio.Future[None]] = set()
         self._tunnels: set[Tunnel] = set()
@@ -298,6 +320,8 @@ class TaskRelays:
     async def _connect(self, relay: Relay) -> socket.socket:
         loop = asyncio.get_running_loop()
         grant = relay.grant
+        if relay.upstream is not None:
+            return await relay.upstream.sockets.connect(grant.port, self.limits.connect_timeout_s)
         if grant.kind == "unix":
             fd = open_unix_target(relay.target)
             try:
@@ -337,10 +361,18 @@ class TaskRelays:
             "type": "sandbox:egress",
             "host": grant.path if grant.kind == "unix" else grant.address,
             "port": grant.port if grant.kind == "tcp" else None,
-            "address": relay.target,
-            "rule": f"policy.hostServices[{relay.index}] '{grant}'",
+            "address": relay.upstream.target if relay.upstream else relay.target,
+            "rule": (
+                relay.upstream.rule
+                if relay.upstream
+                else f"policy.hostServices[{relay.index}] '{grant}'"
+            ),
             "duration_ms": int((time.monotonic() - started) * 1000),
-            "details": {"service": str(grant), "protocol": grant.kind},
+            "details": {
+                "service": str(grant),
+                "protocol": grant.kind,
+                **({"container": relay.upstream.target} if relay.upstream else {}),
+            },
             **fields,
         }
         self._events.emit(**event)
@@ -372,6 +404,7 @@ async def start_relays(
     policy_hash: str | None,
     run_id: str | None = None,
     limits: Limits | None = None,
+    upstreams: Mapping[str, ContainerUpstream] | None = None,
 ) -> TaskRelays:
     """Make the task's scratch folder and start one relay per grant on the proxy thread;
     listening when it returns."""
@@ -386,6 +419,7 @@ async def start_relays(
             backend=backend,
             policy_hash=policy_hash,
             limits=limits,
+            upstreams=upstreams,
         )
         relays.set_run(run_id)
         await on_proxy_loop(relays._start())

@@ -216,6 +216,7 @@ def test_doctor_lists_every_backend(worktree: Path) -> None:
         "failureMode": "fail-hard",
         "available": True,
         "hostServices": [],  # the grants, with what each gives away (none configured)
+        "services": [],  # the service containers, and where the task reaches each (none)
     }
     listed = report["backends"]
     rows = {r["backend"]: r for r in listed if r.get("ociRuntime") in (None, "runc")}

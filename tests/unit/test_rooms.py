@@ -68,7 +68,7 @@ TIERS: tuple[tuple[str, ...], ...] = (
     ("oci",),
     ("resolve", "engines"),
     ("images", "gc", "replay"),
-    ("runtimes",),
+    ("runtimes", "sidecars"),
     ("sandbox", "doctor"),
     ("streaming", "taskflags", "otel", "dashboard", "export", "repro"),
     ("runrequest",),
