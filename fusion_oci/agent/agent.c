@@ -44,6 +44,7 @@
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/types.h>
+#include <sys/uio.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -687,12 +688,25 @@ static void keeper_main(struct spawn *sp, int fds[3], int chan) {
 #define FWD_LISTENERS 65 /* the egress forwarder and up to 64 host services */
 
 /* `--service ADDR=PATH` (policy.hostServices): the same forwarder on another loopback
- * address of the sandbox's own (127.0.0.1:5432, [::1]:6379), spliced to PATH, the relay of
- * that one host service (a unix socket bound into the sandbox). Each listener has its own
- * PATH; a connection goes to its listener's PATH and nowhere else. */
+ * address of the sandbox's own (127.0.0.1:5432, [::1]:6379), to PATH, the relay of that one
+ * host service (a unix socket bound into the sandbox). Each listener has its own PATH; a
+ * connection goes to its listener's PATH and nowhere else.
+ *
+ * The relay connects to its grant and hands us that connected socket (SCM_RIGHTS, with one
+ * byte): we answer 'K' and move the bytes between the command's connection and it ourselves
+ * (splice(2) through a pipe: no copy through user memory, no host process in the data path),
+ * keeping the relay's connection open only to report the byte counts at the end (two u64
+ * big-endian: to the service, from it) for its audit event, and closing the command's
+ * connection when the relay closes it (the task stops). A byte without an fd (a runtime that
+ * drops SCM_RIGHTS on a host socket) is answered 'S': the relay then splices for us, as
+ * before. The socket we get is connected and never reconnected by us: it reaches its grant
+ * and nothing else, and no command can take it (we are not dumpable, not ptraceable). */
+#define FWD_PIPE (1024 * 1024)
+#define FWD_SLOTS 3 /* pollfds per connection: the command's side, the other, the report */
 struct listener {
     int fd;
     const char *path;
+    int handoff; /* a host service's relay: it hands over the connected socket */
 };
 static struct listener lis[FWD_LISTENERS];
 static size_t nlis;
@@ -702,6 +716,10 @@ struct half {
     size_t len, off;
     int eof;  /* this side will send no more */
     int shut; /* the other side was told (shutdown SHUT_WR) */
+    int pipe[2]; /* splice(2) mode (both sides sockets of ours): len counts what the pipe
+                  * holds, cap its size; -1: through buf */
+    size_t cap;
+    unsigned long long moved; /* bytes written to the other side */
 };
 
 struct pair {
@@ -709,6 +727,8 @@ struct pair {
     int fd[2];          /* 0: the command's TCP connection, 1: the proxy's unix socket */
     struct half h[2];   /* h[i]: from fd[i] to fd[1 - i] */
     long long deadline; /* while > 0: fd[1] is still connecting (the proxy's backlog was full) */
+    int awaiting;       /* a relay's connection that has not yet handed over its socket */
+    int report;         /* the relay's connection once fd[1] is the handed socket; else -1 */
     int dead;
 };
 
@@ -768,11 +788,12 @@ static int listen_at(const char *addr, int port) {
     return s;
 }
 
-static void add_listener(const char *addr, int port, const char *path) {
+static void add_listener(const char *addr, int port, const char *path, int handoff) {
     if (nlis >= FWD_LISTENERS)
         die("forwarder: more than %d listeners", FWD_LISTENERS);
     lis[nlis].fd = listen_at(addr, port);
     lis[nlis].path = path;
+    lis[nlis].handoff = handoff;
     nlis++;
 }
 
@@ -801,7 +822,7 @@ static void add_service(char *spec) {
     long port = strtol(colon + 1, &end, 10);
     if (*end || port <= 0 || port > 65535)
         die("--service: bad port %s", colon + 1);
-    add_listener(addr, (int)port, eq + 1);
+    add_listener(addr, (int)port, eq + 1, 1);
 }
 
 /* A new connection to the proxy's socket at `path`: its fd (maybe still connecting: *busy),
@@ -862,13 +883,120 @@ static void fwd_accept(const struct listener *l) {
         pr->fd[0] = c;
         pr->fd[1] = u;
         pr->deadline = busy ? now_ms() + FWD_CONNECT_MS : 0;
+        pr->awaiting = l->handoff;
+        pr->report = -1;
+        for (int i = 0; i < 2; i++)
+            pr->h[i].pipe[0] = pr->h[i].pipe[1] = -1;
     }
+}
+
+/* A relay's first byte, with its connected socket (module comment above the listeners):
+ * 0 when done (handed over, or the relay splices), -1 when the relay refused (it closed: the
+ * grant's service did not answer). */
+static int fwd_take(struct pair *c) {
+    char byte;
+    union {
+        char buf[CMSG_SPACE(sizeof(int) * 4)];
+        struct cmsghdr align;
+    } ctl;
+    struct iovec iov = {&byte, 1};
+    struct msghdr mh = {0};
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = ctl.buf;
+    mh.msg_controllen = sizeof ctl.buf;
+    ssize_t n = recvmsg(c->fd[1], &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+    if (n < 0)
+        return errno == EAGAIN || errno == EINTR ? 0 : -1;
+    int got = -1;
+    for (struct cmsghdr *h = CMSG_FIRSTHDR(&mh); h; h = CMSG_NXTHDR(&mh, h)) {
+        if (h->cmsg_level != SOL_SOCKET || h->cmsg_type != SCM_RIGHTS)
+            continue;
+        size_t k = (h->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        int fds[4];
+        memcpy(fds, CMSG_DATA(h), k * sizeof(int));
+        for (size_t j = 0; j < k; j++) {
+            if (got < 0)
+                got = fds[j];
+            else
+                close(fds[j]); /* one socket per connection: anything more is not ours */
+        }
+    }
+    if (n == 0) {
+        if (got >= 0)
+            close(got);
+        return -1;
+    }
+    c->awaiting = 0;
+    int type = 0;
+    socklen_t tl = sizeof type;
+    if (got >= 0 && (mh.msg_flags & MSG_CTRUNC || getsockopt(got, SOL_SOCKET, SO_TYPE, &type, &tl) < 0 ||
+                     type != SOCK_STREAM)) {
+        close(got);
+        got = -1;
+    }
+    if (got < 0 || fcntl(got, F_SETFL, O_NONBLOCK) < 0) {
+        if (got >= 0)
+            close(got);
+        /* No socket came through: the relay splices this connection. */
+        return send(c->fd[1], "S", 1, MSG_DONTWAIT | MSG_NOSIGNAL) == 1 ? 0 : -1;
+    }
+    if (send(c->fd[1], "K", 1, MSG_DONTWAIT | MSG_NOSIGNAL) != 1) {
+        close(got);
+        return -1;
+    }
+    c->report = c->fd[1];
+    c->fd[1] = got;
+    for (int i = 0; i < 2; i++) {
+        if (pipe2(c->h[i].pipe, O_NONBLOCK | O_CLOEXEC) < 0) {
+            c->h[i].pipe[0] = c->h[i].pipe[1] = -1; /* through buf: slower, as correct */
+            continue;
+        }
+        /* A larger pipe takes more per call (fewer wake-ups); where the user's pipe budget
+         * is spent it stays at the default. */
+        int size = fcntl(c->h[i].pipe[1], F_SETPIPE_SZ, FWD_PIPE);
+        if (size < 0)
+            size = fcntl(c->h[i].pipe[1], F_GETPIPE_SZ);
+        c->h[i].cap = size > 0 ? (size_t)size : 65536;
+    }
+    return 0;
+}
+
+/* fwd_flow through the half's pipe (splice: pages move, bytes are not copied). */
+static int fwd_splice(struct half *h, int src, int dst) {
+    if (!h->eof && h->len < h->cap) {
+        ssize_t n = splice(src, NULL, h->pipe[1], NULL, h->cap - h->len,
+                           SPLICE_F_MOVE | SPLICE_F_NONBLOCK);
+        if (n > 0)
+            h->len += (size_t)n;
+        else if (n == 0)
+            h->eof = 1;
+        else if (errno != EAGAIN && errno != EINTR)
+            return -1;
+    }
+    while (h->len > 0) {
+        ssize_t w = splice(h->pipe[0], NULL, dst, NULL, h->len, SPLICE_F_MOVE | SPLICE_F_NONBLOCK);
+        if (w < 0) {
+            if (errno == EAGAIN || errno == EINTR)
+                break;
+            return -1;
+        }
+        h->len -= (size_t)w;
+        h->moved += (unsigned long long)w;
+    }
+    if (h->eof && h->len == 0 && !h->shut) {
+        shutdown(dst, SHUT_WR);
+        h->shut = 1;
+    }
+    return 0;
 }
 
 /* Move what can move from fd[i] to fd[1-i], without blocking. Returns -1 on a broken side. */
 static int fwd_flow(struct pair *c, int i) {
     struct half *h = &c->h[i];
     int src = c->fd[i], dst = c->fd[1 - i];
+    if (h->pipe[0] >= 0)
+        return fwd_splice(h, src, dst);
     if (!h->buf)
         h->buf = xrealloc(NULL, FWD_BUF);
     if (!h->eof && h->len == 0) {
@@ -890,6 +1018,7 @@ static int fwd_flow(struct pair *c, int i) {
             return -1;
         }
         h->off += (size_t)w;
+        h->moved += (unsigned long long)w;
     }
     if (h->off == h->len)
         h->len = h->off = 0;
@@ -901,9 +1030,23 @@ static int fwd_flow(struct pair *c, int i) {
 }
 
 static void fwd_close(struct pair *c) {
+    if (c->report >= 0) {
+        /* The counts for the relay's audit event: 16 bytes into an otherwise idle socket. */
+        unsigned char counts[16];
+        for (int i = 0; i < 2; i++)
+            for (int b = 0; b < 8; b++)
+                counts[8 * i + b] = (unsigned char)(c->h[i].moved >> (56 - 8 * b));
+        if (send(c->report, counts, sizeof counts, MSG_DONTWAIT | MSG_NOSIGNAL) < 0) {
+            /* the relay is gone: nobody to tell */
+        }
+        close(c->report);
+    }
     for (int i = 0; i < 2; i++) {
         close(c->fd[i]);
         free(c->h[i].buf);
+        for (int j = 0; j < 2; j++)
+            if (c->h[i].pipe[j] >= 0)
+                close(c->h[i].pipe[j]);
     }
     c->dead = 1;
 }
@@ -919,16 +1062,26 @@ static size_t fwd_fill(struct pollfd *p) {
         p[n++] = (struct pollfd){npairs < FWD_MAX ? lis[i].fd : -1, POLLIN, 0};
     for (size_t k = 0; k < npairs; k++) {
         struct pair *c = &pairs[k];
+        if (c->awaiting) {
+            /* Nothing moves before the relay's answer: only its socket is watched. */
+            p[n++] = (struct pollfd){-1, 0, 0};
+            p[n++] = (struct pollfd){c->deadline ? -1 : c->fd[1], POLLIN, 0};
+            p[n++] = (struct pollfd){-1, 0, 0};
+            continue;
+        }
         for (int i = 0; i < 2; i++) {
             short ev = 0;
             if (!c->deadline) {
-                if (!c->h[i].eof && c->h[i].len == 0)
+                struct half *h = &c->h[i];
+                if (!h->eof && (h->pipe[0] >= 0 ? h->len < h->cap : h->len == 0))
                     ev |= POLLIN;
                 if (c->h[1 - i].len > c->h[1 - i].off)
                     ev |= POLLOUT;
             }
             p[n++] = (struct pollfd){ev ? c->fd[i] : -1, ev, 0};
         }
+        /* The relay says nothing after 'K' but its close (the task stops). */
+        p[n++] = (struct pollfd){c->report, POLLIN, 0};
     }
     return n;
 }
@@ -945,8 +1098,18 @@ static void fwd_handle(struct pollfd *p) {
                 fwd_close(c);
             continue;
         }
-        if (!(p[nlis + 2 * k].revents | p[nlis + 1 + 2 * k].revents))
+        struct pollfd *q = &p[nlis + FWD_SLOTS * k];
+        if (!(q[0].revents | q[1].revents | q[2].revents))
             continue;
+        if (c->awaiting) {
+            if (fwd_take(c) < 0)
+                fwd_close(c);
+            continue;
+        }
+        if (q[2].revents) {
+            fwd_close(c);
+            continue;
+        }
         if (fwd_flow(c, 0) < 0 || fwd_flow(c, 1) < 0 || (c->h[0].shut && c->h[1].shut))
             fwd_close(c);
     }
@@ -971,9 +1134,16 @@ static int fwd_waiting(void) {
 static void fwd_drop_inherited(void) {
     for (size_t i = 0; i < nlis; i++)
         close(lis[i].fd);
-    for (size_t k = 0; k < npairs; k++)
-        for (int i = 0; i < 2; i++)
+    for (size_t k = 0; k < npairs; k++) {
+        for (int i = 0; i < 2; i++) {
             close(pairs[k].fd[i]);
+            for (int j = 0; j < 2; j++)
+                if (pairs[k].h[i].pipe[j] >= 0)
+                    close(pairs[k].h[i].pipe[j]);
+        }
+        if (pairs[k].report >= 0)
+            close(pairs[k].report);
+    }
     nlis = 0;
     npairs = 0;
 }
@@ -1427,7 +1597,7 @@ static int connect_main(const char *host, const char *port_s) {
  * container per command): until killed. */
 __attribute__((noreturn)) static void forward_loop(void);
 __attribute__((noreturn)) static void forward_main(const char *path) {
-    add_listener("127.0.0.1", FWD_PORT, path);
+    add_listener("127.0.0.1", FWD_PORT, path, 0);
     forward_loop();
 }
 
@@ -1455,7 +1625,7 @@ static void forward_beside(void) {
 __attribute__((noreturn)) static void forward_loop(void) {
     struct pollfd *p = NULL;
     for (;;) {
-        p = xrealloc(p, (nlis + 2 * npairs) * sizeof *p);
+        p = xrealloc(p, (nlis + FWD_SLOTS * npairs) * sizeof *p);
         size_t np = fwd_fill(p);
         if (poll(p, np, fwd_waiting() ? 10 : -1) < 0 && errno != EINTR)
             die("poll: %s", strerror(errno));
@@ -1478,7 +1648,7 @@ int main(int argc, char **argv) {
     if (lead > 1 && argc > lead + 3 && !strcmp(argv[lead], "--exec-status-file")) {
         for (int i = 1; i < lead; i += 2) {
             if (!strcmp(argv[i], "--egress"))
-                add_listener("127.0.0.1", FWD_PORT, argv[i + 1]);
+                add_listener("127.0.0.1", FWD_PORT, argv[i + 1], 0);
             else
                 add_service(argv[i + 1]);
         }
@@ -1551,7 +1721,7 @@ int main(int argc, char **argv) {
     sigfd = make_sigfd();
     /* Listening before hello: before any command runs, so none can take the port first. */
     if (egress_path)
-        add_listener("127.0.0.1", FWD_PORT, egress_path);
+        add_listener("127.0.0.1", FWD_PORT, egress_path, 0);
     for (int i = 0; i < nservices; i++)
         add_service(services[i]);
     struct out o;
@@ -1562,7 +1732,7 @@ int main(int argc, char **argv) {
         shutdown_all();
     struct pollfd *p = NULL;
     for (;;) {
-        p = xrealloc(p, (nruns + 2 + nlis + 2 * npairs) * sizeof *p);
+        p = xrealloc(p, (nruns + 2 + nlis + FWD_SLOTS * npairs) * sizeof *p);
         p[0] = (struct pollfd){conn, POLLIN, 0};
         p[1] = (struct pollfd){sigfd, POLLIN, 0};
         for (size_t i = 0; i < nruns; i++)

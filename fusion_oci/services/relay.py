@@ -6,10 +6,27 @@ to the grant's relay socket, in the task's scratch folder. The relay picks nothi
 the sandbox sends: it connects to the one address the settings name, by number (no name is
 resolved, so no rebinding), or to the granted unix socket by its path resolved at prepare,
 walked again at every connect without following a symlink (a path replaced by a symlink
-between prepare and a connect is refused, not followed), and splices the two
-(:mod:`fusion_oci.egress.splice`). Every connection is one ``sandbox:egress`` audit event with
-``details.service``; a task has at most :attr:`Limits.max_connections` open at once across its
-grants (more are closed at once, audited within the task's audit budget).
+between prepare and a connect is refused, not followed). Every connection is one
+``sandbox:egress`` audit event with ``details.service``; a task has at most
+:attr:`Limits.max_connections` open at once across its grants (more are closed at once,
+audited within the task's audit budget).
+
+What happens to the bytes then depends on who dialled:
+
+- a TCP grant's socket (bound in a sandbox with its own network namespace for the exec
+  agent's listener): the relay sends one byte first. When the dialer is the sandbox's init,
+  the agent (:func:`dialled_by_sandbox_init`), the byte carries the **connected socket**
+  (``SCM_RIGHTS``) and the agent moves the bytes itself (``splice(2)``, no host process in
+  the data path: the issue's speed target); it answers ``K`` and, when the connection ends,
+  sends the byte counts (two u64, big-endian) for the audit event. Anyone else (a command
+  that dials the bound socket itself), or an agent whose runtime drops ``SCM_RIGHTS`` on a
+  host socket (gVisor), gets the byte alone and answers ``S``: the relay splices, as for
+  the next case. The socket goes only to the agent because a host socket in a sandbox is a
+  way out if a command holds it: ``connect(AF_UNSPEC)`` disconnects a TCP socket, which can
+  then connect anywhere on the host's loopback; the agent, a non-dumpable PID 1, never does
+  and cannot be made to give it away;
+- a command itself (a unix grant's socket; landlock's TCP listener): the relay splices the two
+  (:mod:`fusion_oci.egress.splice`).
 
 Relays are served on the egress proxy's thread (:mod:`fusion_oci.egress.loop`): they keep
 serving between a :class:`~fusion_oci.sandbox.SyncSandbox`'s calls and die with the owner.
@@ -17,6 +34,7 @@ serving between a :class:`~fusion_oci.sandbox.SyncSandbox`'s calls and die with 
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
 import errno
@@ -24,6 +42,7 @@ import os
 import shutil
 import socket
 import stat
+import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,6 +104,34 @@ def resolve_unix(grant: HostService, dangerous: bool) -> str:
             f"grant the service's own socket, or write {{address: '{grant}', dangerous: true}}",
         )
     return resolved
+
+
+def _nspid(pid: int | str) -> list[int] | None:
+    """``pid``'s ids from its own pid namespace up to ours (``NSpid``), outermost first."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("NSpid:"):
+            return [int(x) for x in line.split()[1:]]
+    return None
+
+
+def dialled_by_sandbox_init(sock: socket.socket) -> bool:
+    """Whether the peer of the connected unix socket ``sock`` is PID 1 of a pid namespace
+    one level below ours: a sandbox's exec agent (bubblewrap ``--as-pid-1``, a container's
+    init). A command never is: it is not its sandbox's init, and a pid namespace a command
+    makes is a level further down. Checked while the peer holds the connection open (its
+    pid cannot be reused meanwhile)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid = struct.unpack("3i", creds)[0]
+    if pid <= 0:  # the dialer is in a pid namespace we cannot see (gVisor's sentry)
+        return False
+    theirs, ours = _nspid(pid), _nspid("self")
+    return (
+        theirs is not None and ours is not None and len(theirs) == len(ours) + 1 and theirs[-1] == 1
+    )
 
 
 def open_unix_target(path: str) -> int:
@@ -180,21 +227,25 @@ class TaskRelays:
                 # The folder is private (0700, the host's); the file is bound into the
                 # sandbox, whose user may be any uid of its user namespace.
                 relay.socket.chmod(0o666)
-                self._serve(relay, listener)
+                # A TCP grant's socket is dialled by the agent only (the sandbox's own
+                # loopback listener); a unix grant's by the command itself.
+                self._serve(relay, listener, handoff=relay.grant.kind == "tcp")
             except BaseException:
                 listener.close()
                 raise
             if self._tcp and relay.grant.kind == "tcp":
                 relay.tcp_port = self._tcp_listener(relay)
 
-    def _serve(self, relay: Relay, listener: socket.socket) -> None:
-        """Accept on ``listener`` (a raw socket: no stream reads a byte before the splice)."""
+    def _serve(self, relay: Relay, listener: socket.socket, handoff: bool = False) -> None:
+        """Accept on ``listener`` (a raw socket: no stream reads a byte before the splice).
+        ``handoff``: its only client is the exec agent, to which the connected socket goes
+        (module docstring)."""
         listener.listen(128)
         listener.setblocking(False)
         relay.listeners.append(listener)
-        relay.servers.append(asyncio.ensure_future(self._accept_loop(relay, listener)))
+        relay.servers.append(asyncio.ensure_future(self._accept_loop(relay, listener, handoff)))
 
-    async def _accept_loop(self, relay: Relay, listener: socket.socket) -> None:
+    async def _accept_loop(self, relay: Relay, listener: socket.socket, handoff: bool) -> None:
         loop = asyncio.get_running_loop()
         while True:
             try:
@@ -202,7 +253,7 @@ class TaskRelays:
             except OSError:
                 await asyncio.sleep(0.05)  # EMFILE and kin: let connections end first
                 continue
-            task = asyncio.ensure_future(self._accept(relay, conn))
+            task = asyncio.ensure_future(self._accept(relay, conn, handoff))
             self._handlers.add(task)
             task.add_done_callback(self._handlers.discard)
 
@@ -242,7 +293,7 @@ class TaskRelays:
 
     # -- one connection -------------------------------------------------------------------
 
-    async def _accept(self, relay: Relay, down: socket.socket) -> None:
+    async def _accept(self, relay: Relay, down: socket.socket, handoff: bool = False) -> None:
         started = time.monotonic()
         down.setblocking(False)
         if self._stopped:
@@ -262,11 +313,18 @@ class TaskRelays:
             return
         self._open += 1
         moved = {"up": 0, "down": 0}
+        via = "relay"
         reason: str | None = None
         connected = False
         try:
             up = await self._connect(relay)
             connected = True
+            if handoff:
+                handed = await self._hand_over(down, up)
+                if handed is not None:
+                    moved = handed
+                    via = "agent"
+                    return
             tunnel = Tunnel(asyncio.get_running_loop(), self.limits.idle_timeout_s, down, up)
             self._tunnels.add(tunnel)
             tunnel.start()
@@ -293,10 +351,78 @@ class TaskRelays:
                 reason=None if connected else reason,
                 bytes_up=moved["up"],
                 bytes_down=moved["down"],
+                via=via,
             )
 
-    async def _connect(self, relay: Relay) -> socket.socket:
+    async def _hand_over(self, down: socket.socket, up: socket.socket) -> dict[str, int] | None:
+        """Give ``up`` (connected to the grant) to the agent at ``down``; once it has it, wait
+        for the connection's end and return its byte counts. None when the agent asks the
+        relay to splice (no fd arrived); OSError when it went away."""
         loop = asyncio.get_running_loop()
+        try:
+            fds = []
+            if dialled_by_sandbox_init(down):
+                fds = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [up.fileno()]))]
+            down.sendmsg([b"\x01"], fds)
+            # No timeout of its own: the agent answers at once, or its sandbox ended (EOF);
+            # the task's stop cancels this like any connection.
+            answer = await loop.sock_recv(down, 1)
+        except BaseException:
+            up.close()
+            down.close()
+            raise
+        if answer == b"S":
+            return None
+        # Ours is a second reference to the agent's socket: the connection is the agent's now.
+        up.close()
+        if answer != b"K" or not fds:
+            down.close()
+            raise OSError(errno.EPROTO, "the dialer neither took the socket nor asked to splice")
+        counts = b""
+        try:
+            while len(counts) < 16:
+                part = await loop.sock_recv(down, 16 - len(counts))
+                if not part:
+                    break
+                counts += part
+        finally:
+            down.close()
+        if len(counts) < 16:  # the sandbox ended before the agent could say
+            return {"up": 0, "down": 0}
+        return {"up": int.from_bytes(counts[:8], "big"), "down": int.from_bytes(counts[8:], "big")}
+
+    async def _connected(self, sock: socket.socket, address: Any) -> None:
+        """Connect the non-blocking ``sock`` within the connect timeout. Spelled out rather
+        than ``wait_for(sock_connect())``: a loopback connect is done at the first writable
+        wake-up, and the wrapper's task per connection was a measurable part of what a
+        granted connection adds (docs/performance.md)."""
+        err = sock.connect_ex(address)
+        if err == errno.EINPROGRESS:
+            loop = asyncio.get_running_loop()
+            ready: asyncio.Future[None] = loop.create_future()
+
+            def settle(exc: BaseException | None) -> None:
+                if ready.done():
+                    return
+                if exc is None:
+                    ready.set_result(None)
+                else:
+                    ready.set_exception(exc)
+
+            loop.add_writer(sock.fileno(), settle, None)
+            timer = loop.call_later(
+                self.limits.connect_timeout_s, settle, TimeoutError("no answer in time")
+            )
+            try:
+                await ready
+            finally:
+                loop.remove_writer(sock.fileno())
+                timer.cancel()
+            err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if err:
+            raise OSError(err, os.strerror(err))
+
+    async def _connect(self, relay: Relay) -> socket.socket:
         grant = relay.grant
         if grant.kind == "unix":
             fd = open_unix_target(relay.target)
@@ -304,10 +430,7 @@ class TaskRelays:
                 up = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 up.setblocking(False)
                 try:
-                    await asyncio.wait_for(
-                        loop.sock_connect(up, f"/proc/self/fd/{fd}"),
-                        self.limits.connect_timeout_s,
-                    )
+                    await self._connected(up, f"/proc/self/fd/{fd}")
                 except BaseException:
                     up.close()
                     raise
@@ -319,9 +442,7 @@ class TaskRelays:
         up.setblocking(False)
         up.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            await asyncio.wait_for(
-                loop.sock_connect(up, (grant.address, grant.port)), self.limits.connect_timeout_s
-            )
+            await self._connected(up, (grant.address, grant.port))
         except BaseException:
             up.close()
             raise
@@ -329,7 +450,9 @@ class TaskRelays:
 
     # -- audit ----------------------------------------------------------------------------
 
-    def _audit(self, relay: Relay, started: float, **fields: Any) -> None:
+    def _audit(self, relay: Relay, started: float, via: str = "relay", **fields: Any) -> None:
+        """``via``: who moved the bytes, ``agent`` (it holds the connected socket) or
+        ``relay`` (this process spliced them)."""
         if self.audit is None:
             return
         grant = relay.grant
@@ -340,7 +463,7 @@ class TaskRelays:
             "address": relay.target,
             "rule": f"policy.hostServices[{relay.index}] '{grant}'",
             "duration_ms": int((time.monotonic() - started) * 1000),
-            "details": {"service": str(grant), "protocol": grant.kind},
+            "details": {"service": str(grant), "protocol": grant.kind, "via": via},
             **fields,
         }
         self._events.emit(**event)

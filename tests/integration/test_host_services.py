@@ -115,6 +115,9 @@ def test_every_connection_is_an_audit_event_with_its_service(pg: Postgres, tmp_p
     for e in seen:
         assert e.allowed and e.task_id == "svc" and (e.bytes_up or 0) > 0
         assert (e.bytes_down or 0) > 0 and (e.rule or "").startswith("policy.hostServices[")
+    # The TCP grant's connection was the agent's own socket (its counts reported back); the
+    # unix grant's, dialled by the command itself, spliced by the relay.
+    assert [(e.details or {})["via"] for e in seen] == ["agent", "relay"]
 
 
 def test_a_flood_through_a_grant_is_capped_and_audited(tmp_path: Path) -> None:
@@ -148,7 +151,13 @@ def test_a_flood_through_a_grant_is_capped_and_audited(tmp_path: Path) -> None:
             for _ in range(4):
                 s = socket.socket(socket.AF_UNIX)
                 s.connect(path)
-                assert s.recv(6) == b"hello\n"  # through to the service
+                # Dialled by a process that is not a sandbox's init (this one): the relay's
+                # byte carries no socket (only the agent gets the connected socket), and the
+                # dialer asks the relay to splice.
+                byte, fds, _, _ = socket.recv_fds(s, 1, 1)
+                assert (byte, fds) == (b"\x01", [])
+                s.sendall(b"S")
+                assert s.recv(6) == b"hello\n"  # through the relay to the service
                 held.append(s)
             refused = 0
             for _ in range(20):
