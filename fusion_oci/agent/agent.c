@@ -700,13 +700,33 @@ static void keeper_main(struct spawn *sp, int fds[3], int chan) {
  * connection when the relay closes it (the task stops). A byte without an fd (a runtime that
  * drops SCM_RIGHTS on a host socket) is answered 'S': the relay then splices for us, as
  * before. The socket we get is connected and never reconnected by us: it reaches its grant
- * and nothing else, and no command can take it (we are not dumpable, not ptraceable). */
+ * and nothing else, and no command can take it (we are not dumpable, not ptraceable).
+ *
+ * Faster still, and what a new connection normally takes: before hello we open one more
+ * connection to each relay, its pool ('P'), over which the relay keeps FWD_POOL fresh,
+ * unconnected TCP sockets of the host's network namespace in our hands ('p' + SCM_RIGHTS).
+ * A command's connection takes one and we connect it to the grant's address (our --service
+ * ADDR:PORT, the grant itself): no host process between accept and connect. On that same
+ * connection we tell the relay each socket taken ('O', it sends another) and each
+ * connection's end ('D': its counts, or the connect's errno), records of FWD_REC bytes, for
+ * its audit event. An empty pool (none yet, the relay's connection bound reached, gVisor)
+ * falls back to the dial above ('C'). Holding an unconnected host socket is no more than
+ * holding a connected one (either can connect anywhere on the host's loopback), and we
+ * connect ours to the grant only. */
 #define FWD_PIPE (1024 * 1024)
 #define FWD_SLOTS 3 /* pollfds per connection: the command's side, the other, the report */
+#define FWD_POOL 8
+#define FWD_REC 32 /* type, 3 zero bytes, u32 id, u64 to the service, u64 from it, u32 errno, 0 */
 struct listener {
     int fd;
     const char *path;
     int handoff; /* a host service's relay: it hands over the connected socket */
+    int ctl;     /* the relay's pool connection, or -1 */
+    int pool[FWD_POOL];
+    int npool;
+    unsigned next_id;
+    struct sockaddr_storage to; /* the grant's address: where a pool socket is connected */
+    socklen_t tolen;
 };
 static struct listener lis[FWD_LISTENERS];
 static size_t nlis;
@@ -729,6 +749,11 @@ struct pair {
     long long deadline; /* while > 0: fd[1] is still connecting (the proxy's backlog was full) */
     int awaiting;       /* a relay's connection that has not yet handed over its socket */
     int report;         /* the relay's connection once fd[1] is the handed socket; else -1 */
+    int pooled;         /* fd[1] came from the pool of listener li, reported as id */
+    int connecting;     /* fd[1] (pooled) is still connecting to the grant */
+    int err;            /* why fd[1] did not connect (pooled), for the relay's record */
+    size_t li;
+    unsigned id;
     int dead;
 };
 
@@ -756,7 +781,7 @@ static void lo_up(void) {
 
 /* Listen on the sandbox's own loopback, `addr` (an IPv4 or IPv6 literal) port `port` (no
  * SO_REUSEADDR/SO_REUSEPORT: nothing can share the port). */
-static int listen_at(const char *addr, int port) {
+static int listen_at(const char *addr, int port, struct sockaddr_storage *out, socklen_t *outlen) {
     lo_up();
     int v6 = strchr(addr, ':') != NULL;
     int s = socket(v6 ? AF_INET6 : AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
@@ -785,15 +810,21 @@ static int listen_at(const char *addr, int port) {
     if (bind(s, (struct sockaddr *)&ss, len) < 0 || listen(s, 128) < 0)
         die("forwarder: listen on %s%s%s:%d: %s", v6 ? "[" : "", addr, v6 ? "]" : "", port,
             strerror(errno));
+    *out = ss;
+    *outlen = len;
     return s;
 }
 
 static void add_listener(const char *addr, int port, const char *path, int handoff) {
     if (nlis >= FWD_LISTENERS)
         die("forwarder: more than %d listeners", FWD_LISTENERS);
-    lis[nlis].fd = listen_at(addr, port);
-    lis[nlis].path = path;
-    lis[nlis].handoff = handoff;
+    struct listener *l = &lis[nlis];
+    l->fd = listen_at(addr, port, &l->to, &l->tolen);
+    l->path = path;
+    l->handoff = handoff;
+    l->ctl = -1;
+    l->npool = 0;
+    l->next_id = 0;
     nlis++;
 }
 
@@ -865,28 +896,183 @@ static int fwd_retry_connect(struct pair *c) {
     return errno == EAGAIN && now_ms() < c->deadline ? 0 : -1;
 }
 
-static void fwd_accept(const struct listener *l) {
+static void fwd_pipes(struct pair *c) {
+    for (int i = 0; i < 2; i++) {
+        if (pipe2(c->h[i].pipe, O_NONBLOCK | O_CLOEXEC) < 0) {
+            c->h[i].pipe[0] = c->h[i].pipe[1] = -1; /* through buf: slower, as correct */
+            continue;
+        }
+        /* A larger pipe takes more per call (fewer wake-ups); where the user's pipe budget
+         * is spent it stays at the default. */
+        int size = fcntl(c->h[i].pipe[1], F_SETPIPE_SZ, FWD_PIPE);
+        if (size < 0)
+            size = fcntl(c->h[i].pipe[1], F_GETPIPE_SZ);
+        c->h[i].cap = size > 0 ? (size_t)size : 65536;
+    }
+}
+
+/* A record to listener li's relay on its pool connection (lost if the relay does not read:
+ * the connection's buffer holds thousands). */
+static void fwd_record(size_t li, char type, unsigned id, unsigned long long up,
+                       unsigned long long down, int err) {
+    if (lis[li].ctl < 0)
+        return;
+    unsigned char r[FWD_REC];
+    memset(r, 0, sizeof r);
+    r[0] = (unsigned char)type;
+    for (int b = 0; b < 4; b++) {
+        r[4 + b] = (unsigned char)(id >> (24 - 8 * b));
+        r[24 + b] = (unsigned char)((unsigned)err >> (24 - 8 * b));
+    }
+    for (int b = 0; b < 8; b++) {
+        r[8 + b] = (unsigned char)(up >> (56 - 8 * b));
+        r[16 + b] = (unsigned char)(down >> (56 - 8 * b));
+    }
+    if (send(lis[li].ctl, r, sizeof r, MSG_DONTWAIT | MSG_NOSIGNAL) < 0) {
+        /* the relay is gone or not reading: its audit misses this one */
+    }
+}
+
+static struct pair *fwd_new_pair(int c, int u, const struct listener *l) {
+    pairs = xrealloc(pairs, (npairs + 1) * sizeof *pairs);
+    struct pair *pr = &pairs[npairs++];
+    memset(pr, 0, sizeof *pr);
+    pr->path = l->path;
+    pr->fd[0] = c;
+    pr->fd[1] = u;
+    pr->report = -1;
+    pr->li = (size_t)(l - lis);
+    for (int i = 0; i < 2; i++)
+        pr->h[i].pipe[0] = pr->h[i].pipe[1] = -1;
+    return pr;
+}
+
+static void fwd_accept(struct listener *l) {
     while (npairs < FWD_MAX) {
         int c = accept4(l->fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (c < 0)
             return; /* EAGAIN, or a connection that went away: nothing to do */
+        if (l->handoff && l->ctl >= 0 && l->npool > 0) {
+            /* A socket of the pool, connected by us to the grant's own address. */
+            int s = l->pool[--l->npool];
+            unsigned id = l->next_id++;
+            fwd_record((size_t)(l - lis), 'O', id, 0, 0, 0);
+            int r = connect(s, (struct sockaddr *)&l->to, l->tolen);
+            if (r < 0 && errno != EINPROGRESS) {
+                fwd_record((size_t)(l - lis), 'D', id, 0, 0, errno ? errno : ECONNREFUSED);
+                close(s);
+                close(c); /* refused: the command sees its connection closed */
+                continue;
+            }
+            if (r < 0) {
+                /* A loopback connect is usually done by now: look once, without waiting,
+                 * rather than a round of the loop. */
+                struct pollfd w = {s, POLLOUT, 0};
+                int err = 0;
+                socklen_t el = sizeof err;
+                if (poll(&w, 1, 0) == 1 && getsockopt(s, SOL_SOCKET, SO_ERROR, &err, &el) == 0) {
+                    if (err) {
+                        fwd_record((size_t)(l - lis), 'D', id, 0, 0, err);
+                        close(s);
+                        close(c);
+                        continue;
+                    }
+                    r = 0;
+                }
+            }
+            struct pair *pr = fwd_new_pair(c, s, l);
+            pr->pooled = 1;
+            pr->id = id;
+            pr->connecting = r < 0;
+            fwd_pipes(pr);
+            continue;
+        }
         int busy;
         int u = unix_dial(l->path, 1, &busy);
         if (u < 0) {
             close(c); /* the proxy is gone: the command sees its connection closed */
             continue;
         }
-        pairs = xrealloc(pairs, (npairs + 1) * sizeof *pairs);
-        struct pair *pr = &pairs[npairs++];
-        memset(pr, 0, sizeof *pr);
-        pr->path = l->path;
-        pr->fd[0] = c;
-        pr->fd[1] = u;
+        if (l->handoff && !busy && send(u, "C", 1, MSG_DONTWAIT | MSG_NOSIGNAL) != 1) {
+            close(u);
+            close(c);
+            continue;
+        }
+        struct pair *pr = fwd_new_pair(c, u, l);
         pr->deadline = busy ? now_ms() + FWD_CONNECT_MS : 0;
         pr->awaiting = l->handoff;
-        pr->report = -1;
-        for (int i = 0; i < 2; i++)
-            pr->h[i].pipe[0] = pr->h[i].pipe[1] = -1;
+    }
+}
+
+static void fwd_close(struct pair *c);
+
+/* The relay's pool connection: fresh sockets ('p' + one fd each), or its end (the task
+ * stops: every connection of this listener's pool is closed). */
+static void fwd_ctl(struct listener *l) {
+    for (;;) {
+        char byte;
+        union {
+            char buf[CMSG_SPACE(sizeof(int) * 4)];
+            struct cmsghdr align;
+        } cm;
+        struct iovec iov = {&byte, 1};
+        struct msghdr mh = {0};
+        mh.msg_iov = &iov;
+        mh.msg_iovlen = 1;
+        mh.msg_control = cm.buf;
+        mh.msg_controllen = sizeof cm.buf;
+        ssize_t n = recvmsg(l->ctl, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+        if (n < 0 && (errno == EAGAIN || errno == EINTR))
+            return;
+        for (struct cmsghdr *h = CMSG_FIRSTHDR(&mh); n > 0 && h; h = CMSG_NXTHDR(&mh, h)) {
+            if (h->cmsg_level != SOL_SOCKET || h->cmsg_type != SCM_RIGHTS)
+                continue;
+            size_t k = (h->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+            int fds[4];
+            memcpy(fds, CMSG_DATA(h), k * sizeof(int));
+            for (size_t j = 0; j < k; j++) {
+                int type = 0;
+                socklen_t tl = sizeof type;
+                if (byte == 'p' && l->npool < FWD_POOL &&
+                    getsockopt(fds[j], SOL_SOCKET, SO_TYPE, &type, &tl) == 0 &&
+                    type == SOCK_STREAM && fcntl(fds[j], F_SETFL, O_NONBLOCK) == 0)
+                    l->pool[l->npool++] = fds[j];
+                else
+                    close(fds[j]);
+            }
+        }
+        if (n > 0)
+            continue;
+        close(l->ctl);
+        l->ctl = -1;
+        while (l->npool > 0)
+            close(l->pool[--l->npool]);
+        for (size_t k = 0; k < npairs; k++)
+            if (pairs[k].pooled && pairs[k].li == (size_t)(l - lis) && !pairs[k].dead) {
+                pairs[k].pooled = 0; /* nobody to report to */
+                fwd_close(&pairs[k]);
+            }
+        return;
+    }
+}
+
+/* Before hello: each service listener's pool connection to its relay ('P'). Without one
+ * (the relay refused it, or it is not there) every connection dials the relay. */
+static void fwd_pools_open(void) {
+    for (size_t i = 0; i < nlis; i++) {
+        if (!lis[i].handoff)
+            continue;
+        int busy;
+        int u = unix_dial(lis[i].path, 0, &busy);
+        if (u < 0)
+            continue;
+        int size = 1 << 20;
+        setsockopt(u, SOL_SOCKET, SO_SNDBUF, &size, sizeof size);
+        if (send(u, "P", 1, MSG_NOSIGNAL) != 1 || fcntl(u, F_SETFL, O_NONBLOCK) < 0) {
+            close(u);
+            continue;
+        }
+        lis[i].ctl = u;
     }
 }
 
@@ -947,18 +1133,7 @@ static int fwd_take(struct pair *c) {
     }
     c->report = c->fd[1];
     c->fd[1] = got;
-    for (int i = 0; i < 2; i++) {
-        if (pipe2(c->h[i].pipe, O_NONBLOCK | O_CLOEXEC) < 0) {
-            c->h[i].pipe[0] = c->h[i].pipe[1] = -1; /* through buf: slower, as correct */
-            continue;
-        }
-        /* A larger pipe takes more per call (fewer wake-ups); where the user's pipe budget
-         * is spent it stays at the default. */
-        int size = fcntl(c->h[i].pipe[1], F_SETPIPE_SZ, FWD_PIPE);
-        if (size < 0)
-            size = fcntl(c->h[i].pipe[1], F_GETPIPE_SZ);
-        c->h[i].cap = size > 0 ? (size_t)size : 65536;
-    }
+    fwd_pipes(c);
     return 0;
 }
 
@@ -1041,6 +1216,8 @@ static void fwd_close(struct pair *c) {
         }
         close(c->report);
     }
+    if (c->pooled)
+        fwd_record(c->li, 'D', c->id, c->h[0].moved, c->h[1].moved, c->err);
     for (int i = 0; i < 2; i++) {
         close(c->fd[i]);
         free(c->h[i].buf);
@@ -1051,17 +1228,26 @@ static void fwd_close(struct pair *c) {
     c->dead = 1;
 }
 
-/* The forwarder's pollfds (the listeners, then two per connection) into p; returns how
- * many. A side with nothing to wait for is left out (fd -1), so a hang-up cannot spin the
- * loop. */
+/* The forwarder's pollfds (two per listener: it and its pool connection; then FWD_SLOTS per
+ * connection) into p; returns how many. A side with nothing to wait for is left out (fd -1),
+ * so a hang-up cannot spin the loop. */
 static size_t fwd_fill(struct pollfd *p) {
     size_t n = 0;
     if (nlis == 0)
         return 0;
-    for (size_t i = 0; i < nlis; i++)
+    for (size_t i = 0; i < nlis; i++) {
         p[n++] = (struct pollfd){npairs < FWD_MAX ? lis[i].fd : -1, POLLIN, 0};
+        p[n++] = (struct pollfd){lis[i].ctl, POLLIN, 0};
+    }
     for (size_t k = 0; k < npairs; k++) {
         struct pair *c = &pairs[k];
+        if (c->connecting) {
+            /* A pool socket's connect to the grant: writable when done either way. */
+            p[n++] = (struct pollfd){-1, 0, 0};
+            p[n++] = (struct pollfd){c->fd[1], POLLOUT, 0};
+            p[n++] = (struct pollfd){-1, 0, 0};
+            continue;
+        }
         if (c->awaiting) {
             /* Nothing moves before the relay's answer: only its socket is watched. */
             p[n++] = (struct pollfd){-1, 0, 0};
@@ -1090,17 +1276,37 @@ static size_t fwd_fill(struct pollfd *p) {
 static void fwd_handle(struct pollfd *p) {
     if (nlis == 0)
         return;
+    for (size_t i = 0; i < nlis; i++)
+        if (p[2 * i + 1].revents && lis[i].ctl >= 0)
+            fwd_ctl(&lis[i]);
     size_t had = npairs;
     for (size_t k = 0; k < had; k++) {
         struct pair *c = &pairs[k];
+        if (c->dead)
+            continue;
         if (c->deadline) {
             if (fwd_retry_connect(c) < 0)
                 fwd_close(c);
+            else if (!c->deadline && c->awaiting &&
+                     send(c->fd[1], "C", 1, MSG_DONTWAIT | MSG_NOSIGNAL) != 1)
+                fwd_close(c);
             continue;
         }
-        struct pollfd *q = &p[nlis + FWD_SLOTS * k];
+        struct pollfd *q = &p[2 * nlis + FWD_SLOTS * k];
         if (!(q[0].revents | q[1].revents | q[2].revents))
             continue;
+        if (c->connecting) {
+            int err = 0;
+            socklen_t el = sizeof err;
+            if (getsockopt(c->fd[1], SOL_SOCKET, SO_ERROR, &err, &el) < 0)
+                err = errno;
+            c->connecting = 0;
+            if (err) {
+                c->err = err;
+                fwd_close(c);
+            }
+            continue;
+        }
         if (c->awaiting) {
             if (fwd_take(c) < 0)
                 fwd_close(c);
@@ -1119,7 +1325,7 @@ static void fwd_handle(struct pollfd *p) {
             pairs[j++] = pairs[k];
     npairs = j;
     for (size_t i = 0; i < nlis; i++)
-        if (p[i].revents)
+        if (p[2 * i].revents)
             fwd_accept(&lis[i]);
 }
 
@@ -1132,8 +1338,13 @@ static int fwd_waiting(void) {
 
 /* In a keeper: none of the forwarder's sockets is ours to hold. */
 static void fwd_drop_inherited(void) {
-    for (size_t i = 0; i < nlis; i++)
+    for (size_t i = 0; i < nlis; i++) {
         close(lis[i].fd);
+        if (lis[i].ctl >= 0)
+            close(lis[i].ctl);
+        for (int j = 0; j < lis[i].npool; j++)
+            close(lis[i].pool[j]);
+    }
     for (size_t k = 0; k < npairs; k++) {
         for (int i = 0; i < 2; i++) {
             close(pairs[k].fd[i]);
@@ -1617,15 +1828,18 @@ static void forward_beside(void) {
         prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
         forward_loop();
     }
-    for (size_t i = 0; i < nlis; i++)
+    for (size_t i = 0; i < nlis; i++) {
         close(lis[i].fd);
+        if (lis[i].ctl >= 0)
+            close(lis[i].ctl);
+    }
     nlis = 0;
 }
 
 __attribute__((noreturn)) static void forward_loop(void) {
     struct pollfd *p = NULL;
     for (;;) {
-        p = xrealloc(p, (nlis + FWD_SLOTS * npairs) * sizeof *p);
+        p = xrealloc(p, (2 * nlis + FWD_SLOTS * npairs) * sizeof *p);
         size_t np = fwd_fill(p);
         if (poll(p, np, fwd_waiting() ? 10 : -1) < 0 && errno != EINTR)
             die("poll: %s", strerror(errno));
@@ -1652,6 +1866,7 @@ int main(int argc, char **argv) {
             else
                 add_service(argv[i + 1]);
         }
+        fwd_pools_open();
         forward_beside();
         argv[lead - 1] = argv[0];
         argv += lead - 1;
@@ -1724,6 +1939,7 @@ int main(int argc, char **argv) {
         add_listener("127.0.0.1", FWD_PORT, egress_path, 0);
     for (int i = 0; i < nservices; i++)
         add_service(services[i]);
+    fwd_pools_open();
     struct out o;
     out_begin(&o, 'H');
     out_field(&o, "version", "%s", PROTOCOL_VERSION);
@@ -1732,7 +1948,7 @@ int main(int argc, char **argv) {
         shutdown_all();
     struct pollfd *p = NULL;
     for (;;) {
-        p = xrealloc(p, (nruns + 2 + nlis + FWD_SLOTS * npairs) * sizeof *p);
+        p = xrealloc(p, (nruns + 2 + 2 * nlis + FWD_SLOTS * npairs) * sizeof *p);
         p[0] = (struct pollfd){conn, POLLIN, 0};
         p[1] = (struct pollfd){sigfd, POLLIN, 0};
         for (size_t i = 0; i < nruns; i++)

@@ -14,17 +14,24 @@ audited within the task's audit budget).
 What happens to the bytes then depends on who dialled:
 
 - a TCP grant's socket (bound in a sandbox with its own network namespace for the exec
-  agent's listener): the relay sends one byte first. When the dialer is the sandbox's init,
+  agent's listener) is dialled by the agent with a first byte. ``P``, once before any
+  command runs: its **pool** (:meth:`TaskRelays._pool`), over which the relay keeps
+  :data:`POOL` unconnected sockets of the host's network namespace in the agent's hands; the
+  agent connects one to the grant for each new connection (no host process between the
+  command's connect and the service) and reports each connection's end (:data:`_RECORD`)
+  for its audit event. ``C``: one connection (the pool is empty), where the relay sends one
+  byte first. When the dialer is the sandbox's init,
   the agent (:func:`dialled_by_sandbox_init`), the byte carries the **connected socket**
   (``SCM_RIGHTS``) and the agent moves the bytes itself (``splice(2)``, no host process in
   the data path: the issue's speed target); it answers ``K`` and, when the connection ends,
   sends the byte counts (two u64, big-endian) for the audit event. Anyone else (a command
   that dials the bound socket itself), or an agent whose runtime drops ``SCM_RIGHTS`` on a
   host socket (gVisor), gets the byte alone and answers ``S``: the relay splices, as for
-  the next case. The socket goes only to the agent because a host socket in a sandbox is a
-  way out if a command holds it: ``connect(AF_UNSPEC)`` disconnects a TCP socket, which can
-  then connect anywhere on the host's loopback; the agent, a non-dumpable PID 1, never does
-  and cannot be made to give it away;
+  the next case. Host sockets go only to the agent (a pool asked for by anyone else is
+  closed) because a host socket in a sandbox is a way out if a command holds it: an
+  unconnected one connects anywhere on the host's loopback, and ``connect(AF_UNSPEC)``
+  disconnects a connected one; the agent, a non-dumpable PID 1, connects them to its grant
+  only and cannot be made to give them away;
 - a command itself (a unix grant's socket; landlock's TCP listener): the relay splices the two
   (:mod:`fusion_oci.egress.splice`).
 
@@ -60,6 +67,12 @@ if TYPE_CHECKING:
     from fusion_oci.audit import AuditLog
 
 _TASK_ID_IN_PATH = 24
+POOL = 8
+"""Unconnected sockets a sandbox's agent holds per TCP grant (agent.c's FWD_POOL)."""
+RECORD = 32
+_RECORD = struct.Struct("!c3xIQQI4x")
+"""The agent's record on its pool connection: type (``O`` a socket taken, ``D`` a connection
+done), id, bytes to the service, bytes from it, the connect's errno (0: it connected)."""
 
 
 @dataclass(frozen=True)
@@ -299,6 +312,18 @@ class TaskRelays:
         if self._stopped:
             down.close()
             return
+        if handoff:
+            # The agent says which: 'C' one connection now, 'P' its pool connection.
+            try:
+                first = await asyncio.get_running_loop().sock_recv(down, 1)
+            except (OSError, asyncio.CancelledError):
+                first = b""
+            if first == b"P" and dialled_by_sandbox_init(down):
+                await self._pool(relay, down)
+                return
+            if first != b"C":
+                down.close()
+                return
         if self._open >= self.limits.max_connections:
             down.close()
             self._audit(
@@ -353,6 +378,82 @@ class TaskRelays:
                 bytes_down=moved["down"],
                 via=via,
             )
+
+    async def _pool(self, relay: Relay, down: socket.socket) -> None:
+        """The agent's pool connection (module docstring): keep :data:`POOL` unconnected
+        sockets of the grant's family in its hands, one more for each it takes while the
+        task's bound allows, and audit each connection from its records."""
+        loop = asyncio.get_running_loop()
+        family = socket.AF_INET6 if relay.grant.family == 10 else socket.AF_INET
+        opened: dict[int, float] = {}
+        owed = 0
+
+        def give() -> bool:
+            fresh = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                fresh.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                rights = array.array("i", [fresh.fileno()])
+                down.sendmsg([b"p"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, rights)])
+                return True
+            except OSError:
+                return False
+            finally:
+                fresh.close()
+
+        for _ in range(POOL):
+            owed += not give()
+        buf = b""
+        try:
+            while True:
+                part = await loop.sock_recv(down, 64 * RECORD)
+                if not part:
+                    return
+                buf += part
+                while len(buf) >= RECORD:
+                    kind, ident, up, dn, err = _RECORD.unpack_from(buf)
+                    buf = buf[RECORD:]
+                    if kind == b"O":
+                        opened[ident] = time.monotonic()
+                        self._open += 1
+                        owed += 1
+                    elif kind == b"D" and ident in opened:
+                        self._open -= 1
+                        self._audit(
+                            relay,
+                            opened.pop(ident),
+                            allowed=not err,
+                            reason=(
+                                f"fusion-oci services: {relay.grant} refused the connection "
+                                f"({os.strerror(err)})"
+                                if err
+                                else None
+                            ),
+                            bytes_up=up,
+                            bytes_down=dn,
+                            via="agent",
+                        )
+                    # The pool counts against the task's bound: the agent holds at most
+                    # max_connections sockets, connected or not.
+                    while owed and self._open + POOL <= self.limits.max_connections:
+                        owed -= 1
+                        if not give():
+                            break
+        except (OSError, asyncio.CancelledError):
+            return
+        finally:
+            down.close()  # the agent closes every connection of this pool
+            for since in opened.values():
+                self._open -= 1
+                self._audit(
+                    relay,
+                    since,
+                    allowed=True,
+                    reason=None,
+                    bytes_up=None,
+                    bytes_down=None,
+                    via="agent",
+                )
+            opened.clear()
 
     async def _hand_over(self, down: socket.socket, up: socket.socket) -> dict[str, int] | None:
         """Give ``up`` (connected to the grant) to the agent at ``down``; once it has it, wait

@@ -120,6 +120,43 @@ def test_every_connection_is_an_audit_event_with_its_service(pg: Postgres, tmp_p
     assert [(e.details or {})["via"] for e in seen] == ["agent", "relay"]
 
 
+def test_a_grant_whose_service_is_down_is_a_refused_event(tmp_path: Path) -> None:
+    """The agent connects its pool socket to the grant itself; a refused connect is reported
+    to the relay and audited as refused, with the reason; the command sees its connection
+    closed."""
+    import socket
+
+    require_runtime("bubblewrap")
+    from tests.conftest import git_init
+
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()  # nothing listens there now
+    wt = git_init(tmp_path / "wt")
+    events: list[AuditEvent] = []
+    audit = AuditLog()
+    audit.subscribe(events.append)
+    policy = SandboxPolicy(allow_network=False, host_services=[f"127.0.0.1:{port}"])
+    ctx = PrepareContext(task_id="down", run_id="r1", policy=policy, worktree_path=str(wt))
+    js = (
+        f"const c = require('net').connect({port}, '127.0.0.1');"
+        "c.on('data', () => console.log('data'));"
+        "c.on('close', () => console.log('closed'));"
+        "c.on('error', () => {});"
+    )
+    with SyncSandbox(
+        backend_settings("bubblewrap", policy=policy), audit=audit, cache_root=tmp_path / "c"
+    ) as sb:
+        sb.prepare(ctx)
+        result = sb.run(f'node -e "{js}"', RunOptions(timeout_ms=30_000))
+    assert result.stdout.split() == ["closed"], result
+    seen = [e for e in events if e.type == "sandbox:egress" and (e.details or {}).get("service")]
+    assert len(seen) == 1 and seen[0].allowed is False, seen
+    assert "Connection refused" in (seen[0].reason or ""), seen
+    assert (seen[0].details or {})["via"] == "agent"
+
+
 def test_a_flood_through_a_grant_is_capped_and_audited(tmp_path: Path) -> None:
     """The relay's per-task bound: connections past it are closed at once, each refusal is
     audited (within the task's audit budget), and the ones held keep working."""
@@ -151,6 +188,7 @@ def test_a_flood_through_a_grant_is_capped_and_audited(tmp_path: Path) -> None:
             for _ in range(4):
                 s = socket.socket(socket.AF_UNIX)
                 s.connect(path)
+                s.sendall(b"C")  # one connection, as the agent asks when its pool is empty
                 # Dialled by a process that is not a sandbox's init (this one): the relay's
                 # byte carries no socket (only the agent gets the connected socket), and the
                 # dialer asks the relay to splice.
@@ -164,6 +202,7 @@ def test_a_flood_through_a_grant_is_capped_and_audited(tmp_path: Path) -> None:
                 s = socket.socket(socket.AF_UNIX)
                 s.settimeout(5)
                 s.connect(path)
+                s.sendall(b"C")
                 refused += s.recv(6) == b""  # closed by the relay, the service never saw it
                 s.close()
         finally:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shlex
 import time
 from pathlib import Path
@@ -145,16 +146,26 @@ def test_a_unix_grant_is_that_socket_only(prober: Prober) -> None:
 HANDOVER_PY = r"""
 import array, socket, sys
 b = int(sys.argv[1])
-try:  # the relay's socket of the TCP grant, dialled by the command itself
+def ask(first):  # the relay's socket of the TCP grant, dialled by the command itself
     u = socket.socket(socket.AF_UNIX)
-    u.settimeout(5)
+    u.settimeout(3)
     u.connect("/run/fusion-oci/services/0.sock")
+    u.sendall(first)  # C: one connection; P: the agent's pool of host sockets
     fds = array.array("i")
-    msg, anc, _, _ = u.recvmsg(1, socket.CMSG_SPACE(4 * fds.itemsize))
-    for level, kind, data in anc:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
-    print("relay-byte", msg, "fds", len(fds))
+    try:
+        while True:
+            msg, anc, _, _ = u.recvmsg(1, socket.CMSG_SPACE(4 * fds.itemsize))
+            for level, kind, data in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+            if not msg or first == b"C":
+                break
+    except OSError:
+        pass
+    print("asked", first, "fds", len(fds))
+    return fds
+try:
+    fds = ask(b"C") + ask(b"P")
     for fd in fds:  # a host socket: disconnect it, then aim it at port B
         s = socket.socket(fileno=fd)
         s.setblocking(True)
@@ -195,7 +206,7 @@ def test_only_the_agent_is_handed_a_service_socket(prober: Prober) -> None:
                     {"path": "/run/fusion-oci/services/0.sock"},
                     {"host": "127.0.0.1", "port": b.port},
                 ],
-                "send": "K",
+                "send": "C",
             }
         )
         result = prober.run(
@@ -208,5 +219,5 @@ def test_only_the_agent_is_handed_a_service_socket(prober: Prober) -> None:
         time.sleep(0.3)  # a late accept is still recorded
         out = result.stdout + result.stderr[-500:]
     assert "tcp4" in a.seen, f"the granted service did not answer: {out}"
-    assert "fds 1" not in out or prober.backend == "native", out
+    assert re.search(r"fds [1-9]", out) is None, out  # no host socket reached the command
     check("service-socket-handover", prober.backend, bool(b.seen), f"B saw {b.seen}; {out}")
