@@ -60,7 +60,7 @@ from fusion_oci.egress.budget import BudgetedEvents
 from fusion_oci.egress.loop import on_proxy_loop
 from fusion_oci.egress.splice import Tunnel
 from fusion_oci.errors import SandboxSetupError, SettingsError
-from fusion_oci.hostservice import DASHBOARD_PORT, HostService, hands_over
+from fusion_oci.hostservice import HostService, hands_over
 from fusion_oci.scratch import make_scratch
 
 if TYPE_CHECKING:
@@ -97,9 +97,11 @@ class Relay:
     """The relay's unix socket on the host (bound into the sandbox, or dialled by its agent)."""
     target: str
     """What the relay connects to: the address, or the unix path resolved at prepare."""
-    tcp_port: int | None = None
-    """landlock, TCP grants: the relay's host 127.0.0.1 port the connect supervisor redirects
-    the command's connect to; None elsewhere."""
+    report: Path | None = None
+    """landlock, TCP grants: the relay's datagram socket, on which the connect supervisor
+    (the task's shim, :attr:`TaskRelays.reporter_pid`) reports each connect it made to the
+    grant for the command; None elsewhere."""
+    report_socket: Socket | None = None
     servers: list[asyncio.Future[None]] = field(default_factory=list)
     """The accept loops."""
     listeners: list[Socket] = field(default_factory=list)
@@ -199,6 +201,9 @@ class TaskRelays:
         self.policy_hash = policy_hash
         self.limits = limits or Limits()
         self.run_id: str | None = None
+        self.reporter_pid: int | None = None
+        """landlock: the pid of the task's shim, whose connect supervisor reports the TCP
+        grants' connects (:meth:`_report_socket`); set once it started."""
         self._tcp = tcp
         self.relays = [
             Relay(
@@ -247,7 +252,7 @@ class TaskRelays:
                 listener.close()
                 raise
             if self._tcp and relay.grant.kind == "tcp":
-                relay.tcp_port = self._tcp_listener(relay)
+                self._report_socket(relay)
 
     def _serve(self, relay: Relay, listener: socket.socket, handoff: bool = False) -> None:
         """Accept on ``listener`` (a raw socket: no stream reads a byte before the splice).
@@ -270,18 +275,51 @@ class TaskRelays:
             self._handlers.add(task)
             task.add_done_callback(self._handlers.discard)
 
-    def _tcp_listener(self, relay: Relay) -> int:
-        for _ in range(8):
-            # The grant's own family: the command's socket is of it (an AF_INET6 one to ::1).
-            v6 = relay.grant.family == 10
-            listener = socket.socket(socket.AF_INET6 if v6 else socket.AF_INET)
-            listener.bind(("::1" if v6 else "127.0.0.1", 0))
-            port = int(listener.getsockname()[1])
-            if port != DASHBOARD_PORT:  # never listen there
-                self._serve(relay, listener)
-                return port
-            listener.close()
-        raise OSError(errno.EADDRINUSE, "no port for the relay's TCP listener")
+    def _report_socket(self, relay: Relay) -> None:
+        """landlock: the command's socket is connected to the grant by the connect supervisor
+        itself (the command is on the host's network: no hop), which reports each connect
+        here; each report is the connection's audit event (no byte counts: the bytes never
+        pass through fusion-oci)."""
+        path = self.state_dir / f"{relay.index}.report"
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            sock.bind(str(path))
+            path.chmod(0o600)  # the owner's processes only: the shim is one
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+            sock.setblocking(False)
+            asyncio.get_running_loop().add_reader(sock.fileno(), self._reported, relay, sock)
+        except BaseException:
+            sock.close()
+            raise
+        relay.report, relay.report_socket = path, sock
+
+    def _reported(self, relay: Relay, sock: socket.socket) -> None:
+        creds = struct.calcsize("3i")
+        while True:
+            try:
+                data, ancillary, _, _ = sock.recvmsg(32, socket.CMSG_SPACE(creds))
+            except OSError:  # drained (or closed at stop)
+                return
+            pid = None
+            for level, kind, payload in ancillary:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+                    pid = struct.unpack("3i", payload[:creds])[0]
+            # The kernel vouches for the sender's pid: only the task's supervisor reports.
+            if pid is None or pid != self.reporter_pid or data[:1] not in (b"O", b"E"):
+                continue
+            err = int(data[1:]) if data[:1] == b"E" and data[1:].isdigit() else 0
+            self._audit(
+                relay,
+                time.monotonic(),
+                via="command",
+                allowed=not err,
+                reason=(
+                    f"fusion-oci services: {relay.grant} refused the connection "
+                    f"({os.strerror(err)})"
+                    if err
+                    else None
+                ),
+            )
 
     async def stop(self) -> None:
         """Close the listeners and every open connection; remove the sockets. Idempotent."""
@@ -296,6 +334,9 @@ class TaskRelays:
                 server.cancel()
             for listener in relay.listeners:
                 listener.close()
+            if relay.report_socket is not None:
+                asyncio.get_running_loop().remove_reader(relay.report_socket.fileno())
+                relay.report_socket.close()
         for tunnel in list(self._tunnels):
             tunnel.close()
         for task in list(self._handlers):
@@ -552,8 +593,9 @@ class TaskRelays:
     # -- audit ----------------------------------------------------------------------------
 
     def _audit(self, relay: Relay, started: float, via: str = "relay", **fields: Any) -> None:
-        """``via``: who moved the bytes, ``agent`` (it holds the connected socket) or
-        ``relay`` (this process spliced them)."""
+        """``via``: who moved the bytes, ``agent`` (it holds the connected socket),
+        ``relay`` (this process spliced them) or ``command`` (landlock: its own socket,
+        connected to the grant by the connect supervisor)."""
         if self.audit is None:
             return
         grant = relay.grant

@@ -120,6 +120,52 @@ def test_every_connection_is_an_audit_event_with_its_service(pg: Postgres, tmp_p
     assert [(e.details or {})["via"] for e in seen] == ["agent", "relay"]
 
 
+def test_landlock_connects_the_commands_own_socket_and_audits_it(
+    pg: Postgres, tmp_path: Path
+) -> None:
+    """landlock: the connect supervisor connects the command's own socket to the TCP grant
+    (no hop) and reports it to the relay, which audits it (no byte counts: no bytes pass
+    through fusion-oci); a report from anyone but the task's supervisor is not taken."""
+    import socket
+
+    require_runtime("landlock")
+    from tests.conftest import git_init
+
+    wt = git_init(tmp_path / "wt")
+    project = tmp_path / "project"
+    project.mkdir()
+    (wt / "pg.js").write_text(PG_CLIENT_JS)
+    events: list[AuditEvent] = []
+    audit = AuditLog()
+    audit.subscribe(events.append)
+    policy = SandboxPolicy(allow_network=False, host_services=grants(pg))
+    ctx = PrepareContext(
+        task_id="ll", run_id="r1", policy=policy, worktree_path=str(wt), project_dir=str(project)
+    )
+    with SyncSandbox(
+        backend_settings("landlock", policy=policy), audit=audit, cache_root=tmp_path / "c"
+    ) as sb:
+        sb.prepare(ctx)
+        assert sb.sandbox.services is not None
+        report = sb.sandbox.services.relays[0].report
+        assert report is not None
+        forged = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        forged.sendto(b"O", str(report))  # this process is not the task's supervisor
+        forged.close()
+        result = sb.run(
+            f"node pg.js 127.0.0.1:{pg.port} 'select 1'; node pg.js '[::1]:{pg.port}' 'select 2'",
+            RunOptions(timeout_ms=60_000),
+        )
+    assert result.stdout.split() == ["1", "2"], result
+    seen = [e for e in events if e.type == "sandbox:egress" and (e.details or {}).get("service")]
+    assert [(e.details or {})["service"] for e in seen] == [
+        f"127.0.0.1:{pg.port}",
+        f"[::1]:{pg.port}",
+    ], seen
+    for e in seen:
+        assert e.allowed and e.task_id == "ll" and (e.details or {})["via"] == "command"
+
+
 def test_a_grant_whose_service_is_down_is_a_refused_event(tmp_path: Path) -> None:
     """The agent connects its pool socket to the grant itself; a refused connect is reported
     to the relay and audited as refused, with the reason; the command sees its connection
