@@ -166,6 +166,45 @@ def test_landlock_connects_the_commands_own_socket_and_audits_it(
         assert e.allowed and e.task_id == "ll" and (e.details or {})["via"] == "command"
 
 
+def test_a_burst_past_the_agents_pool_is_served_whole_and_audited(tmp_path: Path) -> None:
+    """40 connections at once: the first take the agent's pool of 8 host sockets, the rest
+    dial the relay one by one (the socket handed over) while the pool refills; each one
+    reaches the service and is one audit event from the agent's counts."""
+    from tests.conftest import git_init
+    from tests.services_world import listening
+
+    require_runtime("bubblewrap")
+    wt = git_init(tmp_path / "wt")
+    events: list[AuditEvent] = []
+    audit = AuditLog()
+    audit.subscribe(events.append)
+    with listening() as a:
+        policy = SandboxPolicy(allow_network=False, host_services=[f"127.0.0.1:{a.port}"])
+        ctx = PrepareContext(task_id="burst", run_id="r1", policy=policy, worktree_path=str(wt))
+        js = (
+            "const net = require('net'); let ok = 0, done = 0;"
+            "for (let i = 0; i < 40; i++) {"
+            f"  const c = net.connect({a.port}, '127.0.0.1'); let got = '';"
+            "  c.on('data', (d) => { got += d; });"
+            "  c.on('close', () => { if (got === 'hello\\n') ok++;"
+            "    if (++done === 40) console.log(ok); });"
+            "  c.on('error', () => {});"
+            "}"
+        )
+        (wt / "burst.js").write_text(js)
+        with SyncSandbox(
+            backend_settings("bubblewrap", policy=policy), audit=audit, cache_root=tmp_path / "c"
+        ) as sb:
+            sb.prepare(ctx)
+            result = sb.run("node burst.js", RunOptions(timeout_ms=30_000))
+        assert result.stdout.split() == ["40"], result
+        assert len(a.seen) == 40, a.seen
+    seen = [e for e in events if e.type == "sandbox:egress" and (e.details or {}).get("service")]
+    assert len(seen) == 40, seen
+    assert all(e.allowed and (e.details or {})["via"] == "agent" for e in seen), seen
+    assert all(e.bytes_down == len(b"hello\n") for e in seen), seen
+
+
 def test_a_grant_whose_service_is_down_is_a_refused_event(tmp_path: Path) -> None:
     """The agent connects its pool socket to the grant itself; a refused connect is reported
     to the relay and audited as refused, with the reason; the command sees its connection
