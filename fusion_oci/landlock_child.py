@@ -555,14 +555,16 @@ def connect_verdict(addr: bytes, port: int) -> str:
 
 
 def service_table(cfg: dict) -> dict:  # type: ignore[type-arg]
-    """The launch file's granted host services: ``(family, address bytes, port)`` → the relay's
-    sockaddr (TCP), and an absolute path → the relay's socket path (unix)."""
+    """The launch file's granted host services: ``(family, address bytes, port)`` → the
+    relay's report socket (TCP: a host grant) or its loopback port (TCP: a service container's
+    endpoint), and an absolute path → the relay's socket path (unix)."""
     out: dict = {}  # type: ignore[type-arg]
     for line in cfg.get("svctcp", []):
-        family, address, port, relay = line.split(" ")
+        family, address, port, report = line.split(" ", 3)
         fam = AF_INET6 if family == "6" else AF_INET
         packed = _socket.inet_pton(fam, address)
-        out[(fam, packed, int(port))] = int(relay)
+        # A port: a service container's endpoint, redirected to the relay's loopback listener.
+        out[(fam, packed, int(port))] = int(report) if report.isdigit() else ("report", report)
     for granted, relay in cfg.get("svcunix", []):
         out[granted] = relay
     return out
@@ -578,27 +580,35 @@ def _cwd(pid: int) -> str:
     return os.readlink(f"/proc/{pid}/cwd")  # noqa: PTH115 - pathlib costs start-up
 
 
-def service_redirect(addr: bytes, services: dict, cwd) -> bytes | str | None:  # type: ignore[type-arg,no-untyped-def]
+def service_redirect(addr: bytes, services: dict, cwd) -> tuple | bytes | str | None:  # type: ignore[type-arg,no-untyped-def]
     """Where a connect to the sockaddr ``addr`` goes when it names a granted host service:
-    the relay's sockaddr (TCP: its listener on the host's loopback, in the caller's family;
-    an IPv4 grant asked for by its v4-mapped form gets the mapped relay address), or its
-    unix socket's path; None when ``addr`` names no grant. ``cwd()``: the caller's working
-    directory (a relative unix path). Pure but for ``cwd``."""
+    TCP, ``(sockaddr, report)``: the grant itself, the address made of the grant's own bytes
+    (an IPv4 grant asked for by its v4-mapped form: the mapped grant), and the relay's report
+    socket; a service container's endpoint: the relay's loopback sockaddr (bytes, in the
+    caller's family); unix: the relay's socket path. None when ``addr`` names no grant.
+    ``cwd()``: the caller's working directory (a relative unix path). Pure but for ``cwd``."""
     if not services or len(addr) < 2:
         return None
     family = struct.unpack("=H", addr[:2])[0]
     if family == AF_INET and len(addr) >= 8:
         port = struct.unpack("!H", addr[2:4])[0]
-        relay = services.get((AF_INET, addr[4:8], port))
-        return None if relay is None else _sockaddr(AF_INET, LOOPBACK4, relay)
+        found = services.get((AF_INET, addr[4:8], port))
+        if found is None:
+            return None
+        if isinstance(found, int):
+            return _sockaddr(AF_INET, LOOPBACK4, found)
+        return _sockaddr(AF_INET, addr[4:8], port), found[1]
     if family == AF_INET6 and len(addr) >= 24:
         port = struct.unpack("!H", addr[2:4])[0]
         ip6 = addr[8:24]
-        if ip6[:12] == LOOPBACK4_MAPPED[:12]:
-            relay = services.get((AF_INET, ip6[12:], port))
-            return None if relay is None else _sockaddr(AF_INET6, LOOPBACK4_MAPPED, relay)
-        relay = services.get((AF_INET6, ip6, port))
-        return None if relay is None else _sockaddr(AF_INET6, LOOPBACK6, relay)
+        mapped = ip6[:12] == LOOPBACK4_MAPPED[:12]
+        found = services.get((AF_INET, ip6[12:], port) if mapped else (AF_INET6, ip6, port))
+        if found is None:
+            return None
+        if isinstance(found, int):  # the relay's listener, in the caller's family
+            return _sockaddr(AF_INET6, LOOPBACK4_MAPPED if mapped else LOOPBACK6, found)
+        # Rebuilt from the matched bytes: no flow label or scope id of the caller's passes.
+        return _sockaddr(AF_INET6, ip6, port), found[1]
     if family == AF_UNIX and len(addr) > 2 and addr[2] != 0:
         path = os.fsdecode(addr[2:].split(b"\0", 1)[0])
         if not path.startswith("/"):
@@ -606,6 +616,20 @@ def service_redirect(addr: bytes, services: dict, cwd) -> bytes | str | None:  #
         relay = services.get(os.path.normpath(path))
         return relay if isinstance(relay, str) else None
     return None
+
+
+def report_connect(sock, path: str, error: int) -> None:  # type: ignore[no-untyped-def]
+    """Tell the grant's relay (its datagram socket at ``path``) of a connect made to the grant
+    for the command (``error``: the connect's errno, 0 or EINPROGRESS when it connected or
+    goes on): the relay writes the audit event. Best effort: a full queue loses the event,
+    never the connect."""
+    import errno
+
+    message = b"O" if error in (0, errno.EINPROGRESS) else b"E%d" % error
+    try:  # noqa: SIM105 - contextlib costs every command's start-up
+        sock.sendto(message, path)
+    except OSError:
+        pass
 
 
 class ConnectSupervisor:
@@ -623,8 +647,15 @@ class ConnectSupervisor:
         self.owner = owner
         self.port = port
         self.services = services or {}
-        """Granted host services (:func:`service_table`): a connect to one goes to its
-        relay instead, whatever else the verdict would say."""
+        """Granted host services (:func:`service_table`): a connect to one goes to the grant
+        (TCP, reported to its relay) or to its relay (unix), whatever else the verdict would
+        say."""
+        self.reporter = (
+            _socket.socket(AF_UNIX, _socket.SOCK_DGRAM | _socket.SOCK_CLOEXEC)
+            if any(isinstance(v, tuple) for v in self.services.values())
+            else None
+        )
+        """The socket the TCP grants' connects are reported from (to each relay)."""
 
     def serve_one(self, nid: int, pid: int, nr: int, args: list) -> None:  # type: ignore[type-arg]
         import errno
@@ -654,14 +685,20 @@ class ConnectSupervisor:
             return errno.EACCES
         target = addr
         opened = -1
-        if isinstance(redirect, str):  # a unix grant: its relay's socket (ours, by O_PATH)
+        report = None
+        if isinstance(redirect, tuple):
+            # A TCP grant: the command's own socket connected to the grant itself (no hop:
+            # the command is on the host's network already), the connect reported to the
+            # grant's relay for the audit.
+            target, report = redirect
+        elif isinstance(redirect, bytes):  # a service container's: the relay's listener
+            target = redirect
+        elif isinstance(redirect, str):  # a unix grant: its relay's socket (ours, by O_PATH)
             try:
                 opened = os.open(redirect, os.O_PATH | os.O_CLOEXEC | os.O_NOFOLLOW)
             except OSError as exc:
                 return exc.errno or errno.ECONNREFUSED
             target = struct.pack("=H", AF_UNIX) + f"/proc/self/fd/{opened}".encode() + b"\0"
-        elif redirect is not None:
-            target = redirect
         elif verdict == "unix":
             path = addr[2:].split(b"\0", 1)[0]
             opened = self._unix_socket(pid, os.fsdecode(path))
@@ -672,8 +709,12 @@ class ConnectSupervisor:
             theirs = self._their_fd(nid, pid, fd)
             try:
                 if _libc.connect(theirs, ctypes.c_char_p(target), len(target)) == 0:
-                    return 0
-                return ctypes.get_errno() or errno.EACCES
+                    error = 0
+                else:
+                    error = ctypes.get_errno() or errno.EACCES
+                if report is not None and self.reporter is not None:
+                    report_connect(self.reporter, report, error)
+                return error
             finally:
                 os.close(theirs)
         finally:

@@ -44,6 +44,7 @@
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/types.h>
+#include <sys/uio.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -687,12 +688,45 @@ static void keeper_main(struct spawn *sp, int fds[3], int chan) {
 #define FWD_LISTENERS 65 /* the egress forwarder and up to 64 host services */
 
 /* `--service ADDR=PATH` (policy.hostServices): the same forwarder on another loopback
- * address of the sandbox's own (127.0.0.1:5432, [::1]:6379), spliced to PATH, the relay of
- * that one host service (a unix socket bound into the sandbox). Each listener has its own
- * PATH; a connection goes to its listener's PATH and nowhere else. */
+ * address of the sandbox's own (127.0.0.1:5432, [::1]:6379), to PATH, the relay of that one
+ * host service (a unix socket bound into the sandbox). Each listener has its own PATH; a
+ * connection goes to its listener's PATH and nowhere else.
+ *
+ * The relay connects to its grant and hands us that connected socket (SCM_RIGHTS, with one
+ * byte): we answer 'K' and move the bytes between the command's connection and it ourselves
+ * (splice(2) through a pipe: no copy through user memory, no host process in the data path),
+ * keeping the relay's connection open only to report the byte counts at the end (two u64
+ * big-endian: to the service, from it) for its audit event, and closing the command's
+ * connection when the relay closes it (the task stops). A byte without an fd (a runtime that
+ * drops SCM_RIGHTS on a host socket) is answered 'S': the relay then splices for us, as
+ * before. The socket we get is connected and never reconnected by us: it reaches its grant
+ * and nothing else, and no command can take it (we are not dumpable, not ptraceable).
+ *
+ * Faster still, and what a new connection normally takes: before hello we open one more
+ * connection to each relay, its pool ('P'), over which the relay keeps FWD_POOL fresh,
+ * unconnected TCP sockets of the host's network namespace in our hands ('p' + SCM_RIGHTS).
+ * A command's connection takes one and we connect it to the grant's address (our --service
+ * ADDR:PORT, the grant itself): no host process between accept and connect. On that same
+ * connection we tell the relay each socket taken ('O', it sends another) and each
+ * connection's end ('D': its counts, or the connect's errno), records of FWD_REC bytes, for
+ * its audit event. An empty pool (none yet, the relay's connection bound reached, gVisor)
+ * falls back to the dial above ('C'). Holding an unconnected host socket is no more than
+ * holding a connected one (either can connect anywhere on the host's loopback), and we
+ * connect ours to the grant only. */
+#define FWD_PIPE (1024 * 1024)
+#define FWD_SLOTS 3 /* pollfds per connection: the command's side, the other, the report */
+#define FWD_POOL 8
+#define FWD_REC 32 /* type, 3 zero bytes, u32 id, u64 to the service, u64 from it, u32 errno, 0 */
 struct listener {
     int fd;
     const char *path;
+    int handoff; /* a host service's relay: it hands over the connected socket */
+    int ctl;     /* the relay's pool connection, or -1 */
+    int pool[FWD_POOL];
+    int npool;
+    unsigned next_id;
+    struct sockaddr_storage to; /* the grant's address: where a pool socket is connected */
+    socklen_t tolen;
 };
 static struct listener lis[FWD_LISTENERS];
 static size_t nlis;
@@ -702,6 +736,10 @@ struct half {
     size_t len, off;
     int eof;  /* this side will send no more */
     int shut; /* the other side was told (shutdown SHUT_WR) */
+    int pipe[2]; /* splice(2) mode (both sides sockets of ours): len counts what the pipe
+                  * holds, cap its size; -1: through buf */
+    size_t cap;
+    unsigned long long moved; /* bytes written to the other side */
 };
 
 struct pair {
@@ -709,6 +747,13 @@ struct pair {
     int fd[2];          /* 0: the command's TCP connection, 1: the proxy's unix socket */
     struct half h[2];   /* h[i]: from fd[i] to fd[1 - i] */
     long long deadline; /* while > 0: fd[1] is still connecting (the proxy's backlog was full) */
+    int awaiting;       /* a relay's connection that has not yet handed over its socket */
+    int report;         /* the relay's connection once fd[1] is the handed socket; else -1 */
+    int pooled;         /* fd[1] came from the pool of listener li, reported as id */
+    int connecting;     /* fd[1] (pooled) is still connecting to the grant */
+    int err;            /* why fd[1] did not connect (pooled), for the relay's record */
+    size_t li;
+    unsigned id;
     int dead;
 };
 
@@ -736,7 +781,7 @@ static void lo_up(void) {
 
 /* Listen on the sandbox's own loopback, `addr` (an IPv4 or IPv6 literal) port `port` (no
  * SO_REUSEADDR/SO_REUSEPORT: nothing can share the port). */
-static int listen_at(const char *addr, int port) {
+static int listen_at(const char *addr, int port, struct sockaddr_storage *out, socklen_t *outlen) {
     lo_up();
     int v6 = strchr(addr, ':') != NULL;
     int s = socket(v6 ? AF_INET6 : AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
@@ -765,14 +810,21 @@ static int listen_at(const char *addr, int port) {
     if (bind(s, (struct sockaddr *)&ss, len) < 0 || listen(s, 128) < 0)
         die("forwarder: listen on %s%s%s:%d: %s", v6 ? "[" : "", addr, v6 ? "]" : "", port,
             strerror(errno));
+    *out = ss;
+    *outlen = len;
     return s;
 }
 
-static void add_listener(const char *addr, int port, const char *path) {
+static void add_listener(const char *addr, int port, const char *path, int handoff) {
     if (nlis >= FWD_LISTENERS)
         die("forwarder: more than %d listeners", FWD_LISTENERS);
-    lis[nlis].fd = listen_at(addr, port);
-    lis[nlis].path = path;
+    struct listener *l = &lis[nlis];
+    l->fd = listen_at(addr, port, &l->to, &l->tolen);
+    l->path = path;
+    l->handoff = handoff;
+    l->ctl = -1;
+    l->npool = 0;
+    l->next_id = 0;
     nlis++;
 }
 
@@ -801,7 +853,7 @@ static void add_service(char *spec) {
     long port = strtol(colon + 1, &end, 10);
     if (*end || port <= 0 || port > 65535)
         die("--service: bad port %s", colon + 1);
-    add_listener(addr, (int)port, eq + 1);
+    add_listener(addr, (int)port, eq + 1, 1);
 }
 
 /* A new connection to the proxy's socket at `path`: its fd (maybe still connecting: *busy),
@@ -844,31 +896,282 @@ static int fwd_retry_connect(struct pair *c) {
     return errno == EAGAIN && now_ms() < c->deadline ? 0 : -1;
 }
 
-static void fwd_accept(const struct listener *l) {
+static void fwd_pipes(struct pair *c) {
+    for (int i = 0; i < 2; i++) {
+        if (pipe2(c->h[i].pipe, O_NONBLOCK | O_CLOEXEC) < 0) {
+            c->h[i].pipe[0] = c->h[i].pipe[1] = -1; /* through buf: slower, as correct */
+            continue;
+        }
+        /* A larger pipe takes more per call (fewer wake-ups); where the user's pipe budget
+         * is spent it stays at the default. */
+        int size = fcntl(c->h[i].pipe[1], F_SETPIPE_SZ, FWD_PIPE);
+        if (size < 0)
+            size = fcntl(c->h[i].pipe[1], F_GETPIPE_SZ);
+        c->h[i].cap = size > 0 ? (size_t)size : 65536;
+    }
+}
+
+/* A record to listener li's relay on its pool connection (lost if the relay does not read:
+ * the connection's buffer holds thousands). */
+static void fwd_record(size_t li, char type, unsigned id, unsigned long long up,
+                       unsigned long long down, int err) {
+    if (lis[li].ctl < 0)
+        return;
+    unsigned char r[FWD_REC];
+    memset(r, 0, sizeof r);
+    r[0] = (unsigned char)type;
+    for (int b = 0; b < 4; b++) {
+        r[4 + b] = (unsigned char)(id >> (24 - 8 * b));
+        r[24 + b] = (unsigned char)((unsigned)err >> (24 - 8 * b));
+    }
+    for (int b = 0; b < 8; b++) {
+        r[8 + b] = (unsigned char)(up >> (56 - 8 * b));
+        r[16 + b] = (unsigned char)(down >> (56 - 8 * b));
+    }
+    if (send(lis[li].ctl, r, sizeof r, MSG_DONTWAIT | MSG_NOSIGNAL) < 0) {
+        /* the relay is gone or not reading: its audit misses this one */
+    }
+}
+
+static struct pair *fwd_new_pair(int c, int u, const struct listener *l) {
+    pairs = xrealloc(pairs, (npairs + 1) * sizeof *pairs);
+    struct pair *pr = &pairs[npairs++];
+    memset(pr, 0, sizeof *pr);
+    pr->path = l->path;
+    pr->fd[0] = c;
+    pr->fd[1] = u;
+    pr->report = -1;
+    pr->li = (size_t)(l - lis);
+    for (int i = 0; i < 2; i++)
+        pr->h[i].pipe[0] = pr->h[i].pipe[1] = -1;
+    return pr;
+}
+
+static void fwd_accept(struct listener *l) {
     while (npairs < FWD_MAX) {
         int c = accept4(l->fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (c < 0)
             return; /* EAGAIN, or a connection that went away: nothing to do */
+        if (l->handoff && l->ctl >= 0 && l->npool > 0) {
+            /* A socket of the pool, connected by us to the grant's own address. */
+            int s = l->pool[--l->npool];
+            unsigned id = l->next_id++;
+            fwd_record((size_t)(l - lis), 'O', id, 0, 0, 0);
+            int r = connect(s, (struct sockaddr *)&l->to, l->tolen);
+            if (r < 0 && errno != EINPROGRESS) {
+                fwd_record((size_t)(l - lis), 'D', id, 0, 0, errno ? errno : ECONNREFUSED);
+                close(s);
+                close(c); /* refused: the command sees its connection closed */
+                continue;
+            }
+            if (r < 0) {
+                /* A loopback connect is usually done by now: look once, without waiting,
+                 * rather than a round of the loop. */
+                struct pollfd w = {s, POLLOUT, 0};
+                int err = 0;
+                socklen_t el = sizeof err;
+                if (poll(&w, 1, 0) == 1 && getsockopt(s, SOL_SOCKET, SO_ERROR, &err, &el) == 0) {
+                    if (err) {
+                        fwd_record((size_t)(l - lis), 'D', id, 0, 0, err);
+                        close(s);
+                        close(c);
+                        continue;
+                    }
+                    r = 0;
+                }
+            }
+            struct pair *pr = fwd_new_pair(c, s, l);
+            pr->pooled = 1;
+            pr->id = id;
+            pr->connecting = r < 0;
+            fwd_pipes(pr);
+            continue;
+        }
         int busy;
         int u = unix_dial(l->path, 1, &busy);
         if (u < 0) {
             close(c); /* the proxy is gone: the command sees its connection closed */
             continue;
         }
-        pairs = xrealloc(pairs, (npairs + 1) * sizeof *pairs);
-        struct pair *pr = &pairs[npairs++];
-        memset(pr, 0, sizeof *pr);
-        pr->path = l->path;
-        pr->fd[0] = c;
-        pr->fd[1] = u;
+        if (l->handoff && !busy && send(u, "C", 1, MSG_DONTWAIT | MSG_NOSIGNAL) != 1) {
+            close(u);
+            close(c);
+            continue;
+        }
+        struct pair *pr = fwd_new_pair(c, u, l);
         pr->deadline = busy ? now_ms() + FWD_CONNECT_MS : 0;
+        pr->awaiting = l->handoff;
     }
+}
+
+static void fwd_close(struct pair *c);
+
+/* The relay's pool connection: fresh sockets ('p' + one fd each), or its end (the task
+ * stops: every connection of this listener's pool is closed). */
+static void fwd_ctl(struct listener *l) {
+    for (;;) {
+        char byte;
+        union {
+            char buf[CMSG_SPACE(sizeof(int) * 4)];
+            struct cmsghdr align;
+        } cm;
+        struct iovec iov = {&byte, 1};
+        struct msghdr mh = {0};
+        mh.msg_iov = &iov;
+        mh.msg_iovlen = 1;
+        mh.msg_control = cm.buf;
+        mh.msg_controllen = sizeof cm.buf;
+        ssize_t n = recvmsg(l->ctl, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+        if (n < 0 && (errno == EAGAIN || errno == EINTR))
+            return;
+        for (struct cmsghdr *h = CMSG_FIRSTHDR(&mh); n > 0 && h; h = CMSG_NXTHDR(&mh, h)) {
+            if (h->cmsg_level != SOL_SOCKET || h->cmsg_type != SCM_RIGHTS)
+                continue;
+            size_t k = (h->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+            int fds[4];
+            memcpy(fds, CMSG_DATA(h), k * sizeof(int));
+            for (size_t j = 0; j < k; j++) {
+                int type = 0;
+                socklen_t tl = sizeof type;
+                if (byte == 'p' && l->npool < FWD_POOL &&
+                    getsockopt(fds[j], SOL_SOCKET, SO_TYPE, &type, &tl) == 0 &&
+                    type == SOCK_STREAM && fcntl(fds[j], F_SETFL, O_NONBLOCK) == 0)
+                    l->pool[l->npool++] = fds[j];
+                else
+                    close(fds[j]);
+            }
+        }
+        if (n > 0)
+            continue;
+        close(l->ctl);
+        l->ctl = -1;
+        while (l->npool > 0)
+            close(l->pool[--l->npool]);
+        for (size_t k = 0; k < npairs; k++)
+            if (pairs[k].pooled && pairs[k].li == (size_t)(l - lis) && !pairs[k].dead) {
+                pairs[k].pooled = 0; /* nobody to report to */
+                fwd_close(&pairs[k]);
+            }
+        return;
+    }
+}
+
+/* Before hello: each service listener's pool connection to its relay ('P'). Without one
+ * (the relay refused it, or it is not there) every connection dials the relay. */
+static void fwd_pools_open(void) {
+    for (size_t i = 0; i < nlis; i++) {
+        if (!lis[i].handoff)
+            continue;
+        int busy;
+        int u = unix_dial(lis[i].path, 0, &busy);
+        if (u < 0)
+            continue;
+        int size = 1 << 20;
+        setsockopt(u, SOL_SOCKET, SO_SNDBUF, &size, sizeof size);
+        if (send(u, "P", 1, MSG_NOSIGNAL) != 1 || fcntl(u, F_SETFL, O_NONBLOCK) < 0) {
+            close(u);
+            continue;
+        }
+        lis[i].ctl = u;
+    }
+}
+
+/* A relay's first byte, with its connected socket (module comment above the listeners):
+ * 0 when done (handed over, or the relay splices), -1 when the relay refused (it closed: the
+ * grant's service did not answer). */
+static int fwd_take(struct pair *c) {
+    char byte;
+    union {
+        char buf[CMSG_SPACE(sizeof(int) * 4)];
+        struct cmsghdr align;
+    } ctl;
+    struct iovec iov = {&byte, 1};
+    struct msghdr mh = {0};
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = ctl.buf;
+    mh.msg_controllen = sizeof ctl.buf;
+    ssize_t n = recvmsg(c->fd[1], &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+    if (n < 0)
+        return errno == EAGAIN || errno == EINTR ? 0 : -1;
+    int got = -1;
+    for (struct cmsghdr *h = CMSG_FIRSTHDR(&mh); h; h = CMSG_NXTHDR(&mh, h)) {
+        if (h->cmsg_level != SOL_SOCKET || h->cmsg_type != SCM_RIGHTS)
+            continue;
+        size_t k = (h->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        int fds[4];
+        memcpy(fds, CMSG_DATA(h), k * sizeof(int));
+        for (size_t j = 0; j < k; j++) {
+            if (got < 0)
+                got = fds[j];
+            else
+                close(fds[j]); /* one socket per connection: anything more is not ours */
+        }
+    }
+    if (n == 0) {
+        if (got >= 0)
+            close(got);
+        return -1;
+    }
+    c->awaiting = 0;
+    int type = 0;
+    socklen_t tl = sizeof type;
+    if (got >= 0 && (mh.msg_flags & MSG_CTRUNC || getsockopt(got, SOL_SOCKET, SO_TYPE, &type, &tl) < 0 ||
+                     type != SOCK_STREAM)) {
+        close(got);
+        got = -1;
+    }
+    if (got < 0 || fcntl(got, F_SETFL, O_NONBLOCK) < 0) {
+        if (got >= 0)
+            close(got);
+        /* No socket came through: the relay splices this connection. */
+        return send(c->fd[1], "S", 1, MSG_DONTWAIT | MSG_NOSIGNAL) == 1 ? 0 : -1;
+    }
+    if (send(c->fd[1], "K", 1, MSG_DONTWAIT | MSG_NOSIGNAL) != 1) {
+        close(got);
+        return -1;
+    }
+    c->report = c->fd[1];
+    c->fd[1] = got;
+    fwd_pipes(c);
+    return 0;
+}
+
+/* fwd_flow through the half's pipe (splice: pages move, bytes are not copied). */
+static int fwd_splice(struct half *h, int src, int dst) {
+    if (!h->eof && h->len < h->cap) {
+        ssize_t n = splice(src, NULL, h->pipe[1], NULL, h->cap - h->len,
+                           SPLICE_F_MOVE | SPLICE_F_NONBLOCK);
+        if (n > 0)
+            h->len += (size_t)n;
+        else if (n == 0)
+            h->eof = 1;
+        else if (errno != EAGAIN && errno != EINTR)
+            return -1;
+    }
+    while (h->len > 0) {
+        ssize_t w = splice(h->pipe[0], NULL, dst, NULL, h->len, SPLICE_F_MOVE | SPLICE_F_NONBLOCK);
+        if (w < 0) {
+            if (errno == EAGAIN || errno == EINTR)
+                break;
+            return -1;
+        }
+        h->len -= (size_t)w;
+        h->moved += (unsigned long long)w;
+    }
+    if (h->eof && h->len == 0 && !h->shut) {
+        shutdown(dst, SHUT_WR);
+        h->shut = 1;
+    }
+    return 0;
 }
 
 /* Move what can move from fd[i] to fd[1-i], without blocking. Returns -1 on a broken side. */
 static int fwd_flow(struct pair *c, int i) {
     struct half *h = &c->h[i];
     int src = c->fd[i], dst = c->fd[1 - i];
+    if (h->pipe[0] >= 0)
+        return fwd_splice(h, src, dst);
     if (!h->buf)
         h->buf = xrealloc(NULL, FWD_BUF);
     if (!h->eof && h->len == 0) {
@@ -890,6 +1193,7 @@ static int fwd_flow(struct pair *c, int i) {
             return -1;
         }
         h->off += (size_t)w;
+        h->moved += (unsigned long long)w;
     }
     if (h->off == h->len)
         h->len = h->off = 0;
@@ -901,34 +1205,69 @@ static int fwd_flow(struct pair *c, int i) {
 }
 
 static void fwd_close(struct pair *c) {
+    if (c->report >= 0) {
+        /* The counts for the relay's audit event: 16 bytes into an otherwise idle socket. */
+        unsigned char counts[16];
+        for (int i = 0; i < 2; i++)
+            for (int b = 0; b < 8; b++)
+                counts[8 * i + b] = (unsigned char)(c->h[i].moved >> (56 - 8 * b));
+        if (send(c->report, counts, sizeof counts, MSG_DONTWAIT | MSG_NOSIGNAL) < 0) {
+            /* the relay is gone: nobody to tell */
+        }
+        close(c->report);
+    }
+    if (c->pooled)
+        fwd_record(c->li, 'D', c->id, c->h[0].moved, c->h[1].moved, c->err);
     for (int i = 0; i < 2; i++) {
         close(c->fd[i]);
         free(c->h[i].buf);
+        for (int j = 0; j < 2; j++)
+            if (c->h[i].pipe[j] >= 0)
+                close(c->h[i].pipe[j]);
     }
     c->dead = 1;
 }
 
-/* The forwarder's pollfds (the listeners, then two per connection) into p; returns how
- * many. A side with nothing to wait for is left out (fd -1), so a hang-up cannot spin the
- * loop. */
+/* The forwarder's pollfds (two per listener: it and its pool connection; then FWD_SLOTS per
+ * connection) into p; returns how many. A side with nothing to wait for is left out (fd -1),
+ * so a hang-up cannot spin the loop. */
 static size_t fwd_fill(struct pollfd *p) {
     size_t n = 0;
     if (nlis == 0)
         return 0;
-    for (size_t i = 0; i < nlis; i++)
+    for (size_t i = 0; i < nlis; i++) {
         p[n++] = (struct pollfd){npairs < FWD_MAX ? lis[i].fd : -1, POLLIN, 0};
+        p[n++] = (struct pollfd){lis[i].ctl, POLLIN, 0};
+    }
     for (size_t k = 0; k < npairs; k++) {
         struct pair *c = &pairs[k];
+        if (c->connecting) {
+            /* A pool socket's connect to the grant: writable when done either way. */
+            p[n++] = (struct pollfd){-1, 0, 0};
+            p[n++] = (struct pollfd){c->fd[1], POLLOUT, 0};
+            p[n++] = (struct pollfd){-1, 0, 0};
+            continue;
+        }
+        if (c->awaiting) {
+            /* Nothing moves before the relay's answer: only its socket is watched. */
+            p[n++] = (struct pollfd){-1, 0, 0};
+            p[n++] = (struct pollfd){c->deadline ? -1 : c->fd[1], POLLIN, 0};
+            p[n++] = (struct pollfd){-1, 0, 0};
+            continue;
+        }
         for (int i = 0; i < 2; i++) {
             short ev = 0;
             if (!c->deadline) {
-                if (!c->h[i].eof && c->h[i].len == 0)
+                struct half *h = &c->h[i];
+                if (!h->eof && (h->pipe[0] >= 0 ? h->len < h->cap : h->len == 0))
                     ev |= POLLIN;
                 if (c->h[1 - i].len > c->h[1 - i].off)
                     ev |= POLLOUT;
             }
             p[n++] = (struct pollfd){ev ? c->fd[i] : -1, ev, 0};
         }
+        /* The relay says nothing after 'K' but its close (the task stops). */
+        p[n++] = (struct pollfd){c->report, POLLIN, 0};
     }
     return n;
 }
@@ -937,16 +1276,46 @@ static size_t fwd_fill(struct pollfd *p) {
 static void fwd_handle(struct pollfd *p) {
     if (nlis == 0)
         return;
+    for (size_t i = 0; i < nlis; i++)
+        if (p[2 * i + 1].revents && lis[i].ctl >= 0)
+            fwd_ctl(&lis[i]);
     size_t had = npairs;
     for (size_t k = 0; k < had; k++) {
         struct pair *c = &pairs[k];
+        if (c->dead)
+            continue;
         if (c->deadline) {
             if (fwd_retry_connect(c) < 0)
                 fwd_close(c);
+            else if (!c->deadline && c->awaiting &&
+                     send(c->fd[1], "C", 1, MSG_DONTWAIT | MSG_NOSIGNAL) != 1)
+                fwd_close(c);
             continue;
         }
-        if (!(p[nlis + 2 * k].revents | p[nlis + 1 + 2 * k].revents))
+        struct pollfd *q = &p[2 * nlis + FWD_SLOTS * k];
+        if (!(q[0].revents | q[1].revents | q[2].revents))
             continue;
+        if (c->connecting) {
+            int err = 0;
+            socklen_t el = sizeof err;
+            if (getsockopt(c->fd[1], SOL_SOCKET, SO_ERROR, &err, &el) < 0)
+                err = errno;
+            c->connecting = 0;
+            if (err) {
+                c->err = err;
+                fwd_close(c);
+            }
+            continue;
+        }
+        if (c->awaiting) {
+            if (fwd_take(c) < 0)
+                fwd_close(c);
+            continue;
+        }
+        if (q[2].revents) {
+            fwd_close(c);
+            continue;
+        }
         if (fwd_flow(c, 0) < 0 || fwd_flow(c, 1) < 0 || (c->h[0].shut && c->h[1].shut))
             fwd_close(c);
     }
@@ -956,7 +1325,7 @@ static void fwd_handle(struct pollfd *p) {
             pairs[j++] = pairs[k];
     npairs = j;
     for (size_t i = 0; i < nlis; i++)
-        if (p[i].revents)
+        if (p[2 * i].revents)
             fwd_accept(&lis[i]);
 }
 
@@ -969,11 +1338,23 @@ static int fwd_waiting(void) {
 
 /* In a keeper: none of the forwarder's sockets is ours to hold. */
 static void fwd_drop_inherited(void) {
-    for (size_t i = 0; i < nlis; i++)
+    for (size_t i = 0; i < nlis; i++) {
         close(lis[i].fd);
-    for (size_t k = 0; k < npairs; k++)
-        for (int i = 0; i < 2; i++)
+        if (lis[i].ctl >= 0)
+            close(lis[i].ctl);
+        for (int j = 0; j < lis[i].npool; j++)
+            close(lis[i].pool[j]);
+    }
+    for (size_t k = 0; k < npairs; k++) {
+        for (int i = 0; i < 2; i++) {
             close(pairs[k].fd[i]);
+            for (int j = 0; j < 2; j++)
+                if (pairs[k].h[i].pipe[j] >= 0)
+                    close(pairs[k].h[i].pipe[j]);
+        }
+        if (pairs[k].report >= 0)
+            close(pairs[k].report);
+    }
     nlis = 0;
     npairs = 0;
 }
@@ -1427,7 +1808,7 @@ static int connect_main(const char *host, const char *port_s) {
  * container per command): until killed. */
 __attribute__((noreturn)) static void forward_loop(void);
 __attribute__((noreturn)) static void forward_main(const char *path) {
-    add_listener("127.0.0.1", FWD_PORT, path);
+    add_listener("127.0.0.1", FWD_PORT, path, 0);
     forward_loop();
 }
 
@@ -1447,15 +1828,18 @@ static void forward_beside(void) {
         prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
         forward_loop();
     }
-    for (size_t i = 0; i < nlis; i++)
+    for (size_t i = 0; i < nlis; i++) {
         close(lis[i].fd);
+        if (lis[i].ctl >= 0)
+            close(lis[i].ctl);
+    }
     nlis = 0;
 }
 
 __attribute__((noreturn)) static void forward_loop(void) {
     struct pollfd *p = NULL;
     for (;;) {
-        p = xrealloc(p, (nlis + 2 * npairs) * sizeof *p);
+        p = xrealloc(p, (2 * nlis + FWD_SLOTS * npairs) * sizeof *p);
         size_t np = fwd_fill(p);
         if (poll(p, np, fwd_waiting() ? 10 : -1) < 0 && errno != EINTR)
             die("poll: %s", strerror(errno));
@@ -1478,10 +1862,11 @@ int main(int argc, char **argv) {
     if (lead > 1 && argc > lead + 3 && !strcmp(argv[lead], "--exec-status-file")) {
         for (int i = 1; i < lead; i += 2) {
             if (!strcmp(argv[i], "--egress"))
-                add_listener("127.0.0.1", FWD_PORT, argv[i + 1]);
+                add_listener("127.0.0.1", FWD_PORT, argv[i + 1], 0);
             else
                 add_service(argv[i + 1]);
         }
+        fwd_pools_open();
         forward_beside();
         argv[lead - 1] = argv[0];
         argv += lead - 1;
@@ -1551,9 +1936,10 @@ int main(int argc, char **argv) {
     sigfd = make_sigfd();
     /* Listening before hello: before any command runs, so none can take the port first. */
     if (egress_path)
-        add_listener("127.0.0.1", FWD_PORT, egress_path);
+        add_listener("127.0.0.1", FWD_PORT, egress_path, 0);
     for (int i = 0; i < nservices; i++)
         add_service(services[i]);
+    fwd_pools_open();
     struct out o;
     out_begin(&o, 'H');
     out_field(&o, "version", "%s", PROTOCOL_VERSION);
@@ -1562,7 +1948,7 @@ int main(int argc, char **argv) {
         shutdown_all();
     struct pollfd *p = NULL;
     for (;;) {
-        p = xrealloc(p, (nruns + 2 + nlis + 2 * npairs) * sizeof *p);
+        p = xrealloc(p, (nruns + 2 + 2 * nlis + FWD_SLOTS * npairs) * sizeof *p);
         p[0] = (struct pollfd){conn, POLLIN, 0};
         p[1] = (struct pollfd){sigfd, POLLIN, 0};
         for (size_t i = 0; i < nruns; i++)

@@ -230,9 +230,11 @@ class LandlockRules:
     started it: nothing can connect then)."""
     services: tuple[tuple[str, str], ...] = ()
     """``hostServices``: each grant and its relay on the host, as the connect supervisor
-    redirects to it: ``("tcp 4 127.0.0.1 5432", "PORT")`` (the relay's loopback port; family
-    4 or 6) and ``("unix /granted/path", "/relay.sock")`` (also for the path it resolved to).
-    Empty: none (or a plan before prepare started the relays)."""
+    redirects to it: ``("tcp 4 127.0.0.1 5432", "/relay/0.report")`` (the grant, connected
+    to as it is, and the relay's report socket; family 4 or 6), ``("tcp 4 127.0.0.1 5432",
+    "PORT")`` (a service container's endpoint: the relay's loopback port) and
+    ``("unix /granted/path", "/relay.sock")`` (also for the path it resolved to). Empty: none
+    (or a plan before prepare started the relays)."""
     scopes: tuple[str, ...] = ("abstract_unix_socket", "signal")
     seccomp: dict[str, Any] = field(default_factory=dict)
     """The bundle's profile plus the rules above (OCI JSON)."""
@@ -495,7 +497,10 @@ def service_redirects(relays: TaskRelays | None) -> tuple[tuple[str, str], ...]:
         grant = relay.grant
         if grant.kind == "tcp":
             family = "6" if grant.family == 10 else "4"
-            out.append((f"tcp {family} {grant.address} {grant.port}", str(relay.tcp_port or 0)))
+            # A host grant: the command's socket connected to it, reported to the relay; a
+            # service container's endpoint: redirected to the relay's loopback port.
+            to = str(relay.tcp_port) if relay.tcp_port is not None else str(relay.report or "")
+            out.append((f"tcp {family} {grant.address} {grant.port}", to))
         else:
             for path in dict.fromkeys((grant.path, relay.target)):
                 out.append((f"unix {path}", str(relay.socket)))
@@ -933,6 +938,10 @@ class LandlockRuntime(HostProcessRuntime):
                 self.adopt(task)
             # Last: a task refused above starts nothing.
             self._exec = await self._start_agent(probe)
+            if task.services is not None:
+                # The shim is the connect supervisor: its reports of the TCP grants'
+                # connects are the only ones the relays take.
+                task.services.reporter_pid = self._exec.peer_pid
         except BaseException:
             await self.dispose()
             raise

@@ -6,10 +6,34 @@ to the grant's relay socket, in the task's scratch folder. The relay picks nothi
 the sandbox sends: it connects to the one address the settings name, by number (no name is
 resolved, so no rebinding), or to the granted unix socket by its path resolved at prepare,
 walked again at every connect without following a symlink (a path replaced by a symlink
-between prepare and a connect is refused, not followed), and splices the two
-(:mod:`fusion_oci.egress.splice`). Every connection is one ``sandbox:egress`` audit event with
-``details.service``; a task has at most :attr:`Limits.max_connections` open at once across its
-grants (more are closed at once, audited within the task's audit budget).
+between prepare and a connect is refused, not followed). Every connection is one
+``sandbox:egress`` audit event with ``details.service``; a task has at most
+:attr:`Limits.max_connections` open at once across its grants (more are closed at once,
+audited within the task's audit budget).
+
+What happens to the bytes then depends on who dialled:
+
+- a TCP grant's socket (bound in a sandbox with its own network namespace for the exec
+  agent's listener) is dialled by the agent with a first byte. ``P``, once before any
+  command runs: its **pool** (:meth:`TaskRelays._pool`), over which the relay keeps
+  :data:`POOL` unconnected sockets of the host's network namespace in the agent's hands; the
+  agent connects one to the grant for each new connection (no host process between the
+  command's connect and the service) and reports each connection's end (:data:`_RECORD`)
+  for its audit event. ``C``: one connection (the pool is empty), where the relay sends one
+  byte first. When the dialer is the sandbox's init,
+  the agent (:func:`dialled_by_sandbox_init`), the byte carries the **connected socket**
+  (``SCM_RIGHTS``) and the agent moves the bytes itself (``splice(2)``, no host process in
+  the data path: the issue's speed target); it answers ``K`` and, when the connection ends,
+  sends the byte counts (two u64, big-endian) for the audit event. Anyone else (a command
+  that dials the bound socket itself), or an agent whose runtime drops ``SCM_RIGHTS`` on a
+  host socket (gVisor), gets the byte alone and answers ``S``: the relay splices, as for
+  the next case. Host sockets go only to the agent (a pool asked for by anyone else is
+  closed) because a host socket in a sandbox is a way out if a command holds it: an
+  unconnected one connects anywhere on the host's loopback, and ``connect(AF_UNSPEC)``
+  disconnects a connected one; the agent, a non-dumpable PID 1, connects them to its grant
+  only and cannot be made to give them away;
+- a command itself (a unix grant's socket; landlock's TCP listener): the relay splices the two
+  (:mod:`fusion_oci.egress.splice`).
 
 Relays are served on the egress proxy's thread (:mod:`fusion_oci.egress.loop`): they keep
 serving between a :class:`~fusion_oci.sandbox.SyncSandbox`'s calls and die with the owner.
@@ -17,6 +41,7 @@ serving between a :class:`~fusion_oci.sandbox.SyncSandbox`'s calls and die with 
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
 import errno
@@ -24,6 +49,7 @@ import os
 import shutil
 import socket
 import stat
+import struct
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -43,6 +69,12 @@ if TYPE_CHECKING:
     from fusion_oci.audit import AuditLog
 
 _TASK_ID_IN_PATH = 24
+POOL = 8
+"""Unconnected sockets a sandbox's agent holds per TCP grant (agent.c's FWD_POOL)."""
+RECORD = 32
+_RECORD = struct.Struct("!c3xIQQI4x")
+"""The agent's record on its pool connection: type (``O`` a socket taken, ``D`` a connection
+done), id, bytes to the service, bytes from it, the connect's errno (0: it connected)."""
 
 
 @dataclass(frozen=True)
@@ -79,9 +111,15 @@ class Relay:
     """The relay's unix socket on the host (bound into the sandbox, or dialled by its agent)."""
     target: str
     """What the relay connects to: the address, or the unix path resolved at prepare."""
+    report: Path | None = None
+    """landlock, TCP grants: the relay's datagram socket, on which the connect supervisor
+    (the task's shim, :attr:`TaskRelays.reporter_pid`) reports each connect it made to the
+    grant for the command; None elsewhere."""
+    report_socket: Socket | None = None
     tcp_port: int | None = None
-    """landlock, TCP grants: the relay's host 127.0.0.1 port the connect supervisor redirects
-    the command's connect to; None elsewhere."""
+    """landlock, a service container's TCP endpoint: the relay's host loopback port the
+    connect supervisor redirects the command's connect to (the service is in the container's
+    network namespace, not on the host's loopback); None elsewhere."""
     servers: list[asyncio.Future[None]] = field(default_factory=list)
     """The accept loops."""
     upstream: ContainerUpstream | None = None
@@ -102,6 +140,34 @@ def resolve_unix(grant: HostService, dangerous: bool) -> str:
             f"grant the service's own socket, or write {{address: '{grant}', dangerous: true}}",
         )
     return resolved
+
+
+def _nspid(pid: int | str) -> list[int] | None:
+    """``pid``'s ids from its own pid namespace up to ours (``NSpid``), outermost first."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("NSpid:"):
+            return [int(x) for x in line.split()[1:]]
+    return None
+
+
+def dialled_by_sandbox_init(sock: socket.socket) -> bool:
+    """Whether the peer of the connected unix socket ``sock`` is PID 1 of a pid namespace
+    one level below ours: a sandbox's exec agent (bubblewrap ``--as-pid-1``, a container's
+    init). A command never is: it is not its sandbox's init, and a pid namespace a command
+    makes is a level further down. Checked while the peer holds the connection open (its
+    pid cannot be reused meanwhile)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid = struct.unpack("3i", creds)[0]
+    if pid <= 0:  # the dialer is in a pid namespace we cannot see (gVisor's sentry)
+        return False
+    theirs, ours = _nspid(pid), _nspid("self")
+    return (
+        theirs is not None and ours is not None and len(theirs) == len(ours) + 1 and theirs[-1] == 1
+    )
 
 
 def open_unix_target(path: str) -> int:
@@ -159,6 +225,9 @@ class TaskRelays:
         self.policy_hash = policy_hash
         self.limits = limits or Limits()
         self.run_id: str | None = None
+        self.reporter_pid: int | None = None
+        """landlock: the pid of the task's shim, whose connect supervisor reports the TCP
+        grants' connects (:meth:`_report_socket`); set once it started."""
         self._tcp = tcp
         self.relays = [
             Relay(
@@ -202,21 +271,28 @@ class TaskRelays:
                 # The folder is private (0700, the host's); the file is bound into the
                 # sandbox, whose user may be any uid of its user namespace.
                 relay.socket.chmod(0o666)
-                self._serve(relay, listener)
+                # A TCP grant's socket is dialled by the agent only (the sandbox's own
+                # loopback listener); a unix grant's by the command itself.
+                self._serve(relay, listener, handoff=relay.grant.kind == "tcp")
             except BaseException:
                 listener.close()
                 raise
             if self._tcp and relay.grant.kind == "tcp":
-                relay.tcp_port = self._tcp_listener(relay)
+                if relay.upstream is not None:
+                    relay.tcp_port = self._tcp_listener(relay)
+                else:
+                    self._report_socket(relay)
 
-    def _serve(self, relay: Relay, listener: socket.socket) -> None:
-        """Accept on ``listener`` (a raw socket: no stream reads a byte before the splice)."""
+    def _serve(self, relay: Relay, listener: socket.socket, handoff: bool = False) -> None:
+        """Accept on ``listener`` (a raw socket: no stream reads a byte before the splice).
+        ``handoff``: its only client is the exec agent, to which the connected socket goes
+        (module docstring)."""
         listener.listen(128)
         listener.setblocking(False)
         relay.listeners.append(listener)
-        relay.servers.append(asyncio.ensure_future(self._accept_loop(relay, listener)))
+        relay.servers.append(asyncio.ensure_future(self._accept_loop(relay, listener, handoff)))
 
-    async def _accept_loop(self, relay: Relay, listener: socket.socket) -> None:
+    async def _accept_loop(self, relay: Relay, listener: socket.socket, handoff: bool) -> None:
         loop = asyncio.get_running_loop()
         while True:
             try:
@@ -224,7 +300,7 @@ class TaskRelays:
             except OSError:
                 await asyncio.sleep(0.05)  # EMFILE and kin: let connections end first
                 continue
-            task = asyncio.ensure_future(self._accept(relay, conn))
+            task = asyncio.ensure_future(self._accept(relay, conn, handoff))
             self._handlers.add(task)
             task.add_done_callback(self._handlers.discard)
 
@@ -241,6 +317,52 @@ class TaskRelays:
             listener.close()
         raise OSError(errno.EADDRINUSE, "no port for the relay's TCP listener")
 
+    def _report_socket(self, relay: Relay) -> None:
+        """landlock: the command's socket is connected to the grant by the connect supervisor
+        itself (the command is on the host's network: no hop), which reports each connect
+        here; each report is the connection's audit event (no byte counts: the bytes never
+        pass through fusion-oci)."""
+        path = self.state_dir / f"{relay.index}.report"
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            sock.bind(str(path))
+            path.chmod(0o600)  # the owner's processes only: the shim is one
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+            sock.setblocking(False)
+            asyncio.get_running_loop().add_reader(sock.fileno(), self._reported, relay, sock)
+        except BaseException:
+            sock.close()
+            raise
+        relay.report, relay.report_socket = path, sock
+
+    def _reported(self, relay: Relay, sock: socket.socket) -> None:
+        creds = struct.calcsize("3i")
+        while True:
+            try:
+                data, ancillary, _, _ = sock.recvmsg(32, socket.CMSG_SPACE(creds))
+            except OSError:  # drained (or closed at stop)
+                return
+            pid = None
+            for level, kind, payload in ancillary:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+                    pid = struct.unpack("3i", payload[:creds])[0]
+            # The kernel vouches for the sender's pid: only the task's supervisor reports.
+            if pid is None or pid != self.reporter_pid or data[:1] not in (b"O", b"E"):
+                continue
+            err = int(data[1:]) if data[:1] == b"E" and data[1:].isdigit() else 0
+            self._audit(
+                relay,
+                time.monotonic(),
+                via="command",
+                allowed=not err,
+                reason=(
+                    f"fusion-oci services: {relay.grant} refused the connection "
+                    f"({os.strerror(err)})"
+                    if err
+                    else None
+                ),
+            )
+
     async def stop(self) -> None:
         """Close the listeners and every open connection; remove the sockets. Idempotent."""
         await on_proxy_loop(self._stop())
@@ -254,6 +376,9 @@ class TaskRelays:
                 server.cancel()
             for listener in relay.listeners:
                 listener.close()
+            if relay.report_socket is not None:
+                asyncio.get_running_loop().remove_reader(relay.report_socket.fileno())
+                relay.report_socket.close()
         for tunnel in list(self._tunnels):
             tunnel.close()
         for task in list(self._handlers):
@@ -264,12 +389,27 @@ class TaskRelays:
 
     # -- one connection -------------------------------------------------------------------
 
-    async def _accept(self, relay: Relay, down: socket.socket) -> None:
+    async def _accept(self, relay: Relay, down: socket.socket, handoff: bool = False) -> None:
         started = time.monotonic()
         down.setblocking(False)
         if self._stopped:
             down.close()
             return
+        if handoff:
+            # The agent says which: 'C' one connection now, 'P' its pool connection.
+            try:
+                first = await asyncio.get_running_loop().sock_recv(down, 1)
+            except (OSError, asyncio.CancelledError):
+                first = b""
+            # A service container's pool would be of sockets in its network namespace, which
+            # this relay makes only on its helper thread: its connections are handed over
+            # connected (the agent dials 'C' once the pool connection is closed).
+            if first == b"P" and relay.upstream is None and dialled_by_sandbox_init(down):
+                await self._pool(relay, down)
+                return
+            if first != b"C":
+                down.close()
+                return
         if self._open >= self.limits.max_connections:
             down.close()
             self._audit(
@@ -284,11 +424,18 @@ class TaskRelays:
             return
         self._open += 1
         moved = {"up": 0, "down": 0}
+        via = "relay"
         reason: str | None = None
         connected = False
         try:
             up = await self._connect(relay)
             connected = True
+            if handoff:
+                handed = await self._hand_over(down, up)
+                if handed is not None:
+                    moved = handed
+                    via = "agent"
+                    return
             tunnel = Tunnel(asyncio.get_running_loop(), self.limits.idle_timeout_s, down, up)
             self._tunnels.add(tunnel)
             tunnel.start()
@@ -315,10 +462,154 @@ class TaskRelays:
                 reason=None if connected else reason,
                 bytes_up=moved["up"],
                 bytes_down=moved["down"],
+                via=via,
             )
 
-    async def _connect(self, relay: Relay) -> socket.socket:
+    async def _pool(self, relay: Relay, down: socket.socket) -> None:
+        """The agent's pool connection (module docstring): keep :data:`POOL` unconnected
+        sockets of the grant's family in its hands, one more for each it takes while the
+        task's bound allows, and audit each connection from its records."""
         loop = asyncio.get_running_loop()
+        family = socket.AF_INET6 if relay.grant.family == 10 else socket.AF_INET
+        opened: dict[int, float] = {}
+        owed = 0
+
+        def give() -> bool:
+            fresh = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                fresh.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                rights = array.array("i", [fresh.fileno()])
+                down.sendmsg([b"p"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, rights)])
+                return True
+            except OSError:
+                return False
+            finally:
+                fresh.close()
+
+        for _ in range(POOL):
+            owed += not give()
+        buf = b""
+        try:
+            while True:
+                part = await loop.sock_recv(down, 64 * RECORD)
+                if not part:
+                    return
+                buf += part
+                while len(buf) >= RECORD:
+                    kind, ident, up, dn, err = _RECORD.unpack_from(buf)
+                    buf = buf[RECORD:]
+                    if kind == b"O":
+                        opened[ident] = time.monotonic()
+                        self._open += 1
+                        owed += 1
+                    elif kind == b"D" and ident in opened:
+                        self._open -= 1
+                        self._audit(
+                            relay,
+                            opened.pop(ident),
+                            allowed=not err,
+                            reason=(
+                                f"fusion-oci services: {relay.grant} refused the connection "
+                                f"({os.strerror(err)})"
+                                if err
+                                else None
+                            ),
+                            bytes_up=up,
+                            bytes_down=dn,
+                            via="agent",
+                        )
+                    # The pool counts against the task's bound: the agent holds at most
+                    # max_connections sockets, connected or not.
+                    while owed and self._open + POOL <= self.limits.max_connections:
+                        owed -= 1
+                        if not give():
+                            break
+        except (OSError, asyncio.CancelledError):
+            return
+        finally:
+            down.close()  # the agent closes every connection of this pool
+            for since in opened.values():
+                self._open -= 1
+                self._audit(
+                    relay,
+                    since,
+                    allowed=True,
+                    reason=None,
+                    bytes_up=None,
+                    bytes_down=None,
+                    via="agent",
+                )
+            opened.clear()
+
+    async def _hand_over(self, down: socket.socket, up: socket.socket) -> dict[str, int] | None:
+        """Give ``up`` (connected to the grant) to the agent at ``down``; once it has it, wait
+        for the connection's end and return its byte counts. None when the agent asks the
+        relay to splice (no fd arrived); OSError when it went away."""
+        loop = asyncio.get_running_loop()
+        try:
+            fds = []
+            if dialled_by_sandbox_init(down):
+                fds = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [up.fileno()]))]
+            down.sendmsg([b"\x01"], fds)
+            # No timeout of its own: the agent answers at once, or its sandbox ended (EOF);
+            # the task's stop cancels this like any connection.
+            answer = await loop.sock_recv(down, 1)
+        except BaseException:
+            up.close()
+            down.close()
+            raise
+        if answer == b"S":
+            return None
+        # Ours is a second reference to the agent's socket: the connection is the agent's now.
+        up.close()
+        if answer != b"K" or not fds:
+            down.close()
+            raise OSError(errno.EPROTO, "the dialer neither took the socket nor asked to splice")
+        counts = b""
+        try:
+            while len(counts) < 16:
+                part = await loop.sock_recv(down, 16 - len(counts))
+                if not part:
+                    break
+                counts += part
+        finally:
+            down.close()
+        if len(counts) < 16:  # the sandbox ended before the agent could say
+            return {"up": 0, "down": 0}
+        return {"up": int.from_bytes(counts[:8], "big"), "down": int.from_bytes(counts[8:], "big")}
+
+    async def _connected(self, sock: socket.socket, address: Any) -> None:
+        """Connect the non-blocking ``sock`` within the connect timeout. Spelled out rather
+        than ``wait_for(sock_connect())``: a loopback connect is done at the first writable
+        wake-up, and the wrapper's task per connection was a measurable part of what a
+        granted connection adds (docs/performance.md)."""
+        err = sock.connect_ex(address)
+        if err == errno.EINPROGRESS:
+            loop = asyncio.get_running_loop()
+            ready: asyncio.Future[None] = loop.create_future()
+
+            def settle(exc: BaseException | None) -> None:
+                if ready.done():
+                    return
+                if exc is None:
+                    ready.set_result(None)
+                else:
+                    ready.set_exception(exc)
+
+            loop.add_writer(sock.fileno(), settle, None)
+            timer = loop.call_later(
+                self.limits.connect_timeout_s, settle, TimeoutError("no answer in time")
+            )
+            try:
+                await ready
+            finally:
+                loop.remove_writer(sock.fileno())
+                timer.cancel()
+            err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if err:
+            raise OSError(err, os.strerror(err))
+
+    async def _connect(self, relay: Relay) -> socket.socket:
         grant = relay.grant
         if relay.upstream is not None:
             return await relay.upstream.sockets.connect(grant.port, self.limits.connect_timeout_s)
@@ -328,10 +619,7 @@ class TaskRelays:
                 up = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 up.setblocking(False)
                 try:
-                    await asyncio.wait_for(
-                        loop.sock_connect(up, f"/proc/self/fd/{fd}"),
-                        self.limits.connect_timeout_s,
-                    )
+                    await self._connected(up, f"/proc/self/fd/{fd}")
                 except BaseException:
                     up.close()
                     raise
@@ -343,9 +631,7 @@ class TaskRelays:
         up.setblocking(False)
         up.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            await asyncio.wait_for(
-                loop.sock_connect(up, (grant.address, grant.port)), self.limits.connect_timeout_s
-            )
+            await self._connected(up, (grant.address, grant.port))
         except BaseException:
             up.close()
             raise
@@ -353,7 +639,10 @@ class TaskRelays:
 
     # -- audit ----------------------------------------------------------------------------
 
-    def _audit(self, relay: Relay, started: float, **fields: Any) -> None:
+    def _audit(self, relay: Relay, started: float, via: str = "relay", **fields: Any) -> None:
+        """``via``: who moved the bytes, ``agent`` (it holds the connected socket),
+        ``relay`` (this process spliced them) or ``command`` (landlock: its own socket,
+        connected to the grant by the connect supervisor)."""
         if self.audit is None:
             return
         grant = relay.grant
@@ -371,6 +660,7 @@ class TaskRelays:
             "details": {
                 "service": str(grant),
                 "protocol": grant.kind,
+                "via": via,
                 **({"container": relay.upstream.target} if relay.upstream else {}),
             },
             **fields,

@@ -115,6 +115,131 @@ def test_every_connection_is_an_audit_event_with_its_service(pg: Postgres, tmp_p
     for e in seen:
         assert e.allowed and e.task_id == "svc" and (e.bytes_up or 0) > 0
         assert (e.bytes_down or 0) > 0 and (e.rule or "").startswith("policy.hostServices[")
+    # The TCP grant's connection was the agent's own socket (its counts reported back); the
+    # unix grant's, dialled by the command itself, spliced by the relay.
+    assert [(e.details or {})["via"] for e in seen] == ["agent", "relay"]
+
+
+def test_landlock_connects_the_commands_own_socket_and_audits_it(
+    pg: Postgres, tmp_path: Path
+) -> None:
+    """landlock: the connect supervisor connects the command's own socket to the TCP grant
+    (no hop) and reports it to the relay, which audits it (no byte counts: no bytes pass
+    through fusion-oci); a report from anyone but the task's supervisor is not taken."""
+    import socket
+
+    require_runtime("landlock")
+    from tests.conftest import git_init
+
+    wt = git_init(tmp_path / "wt")
+    project = tmp_path / "project"
+    project.mkdir()
+    (wt / "pg.js").write_text(PG_CLIENT_JS)
+    events: list[AuditEvent] = []
+    audit = AuditLog()
+    audit.subscribe(events.append)
+    policy = SandboxPolicy(allow_network=False, host_services=grants(pg))
+    ctx = PrepareContext(
+        task_id="ll", run_id="r1", policy=policy, worktree_path=str(wt), project_dir=str(project)
+    )
+    with SyncSandbox(
+        backend_settings("landlock", policy=policy), audit=audit, cache_root=tmp_path / "c"
+    ) as sb:
+        sb.prepare(ctx)
+        assert sb.sandbox.services is not None
+        report = sb.sandbox.services.relays[0].report
+        assert report is not None
+        forged = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        forged.sendto(b"O", str(report))  # this process is not the task's supervisor
+        forged.close()
+        result = sb.run(
+            f"node pg.js 127.0.0.1:{pg.port} 'select 1'; node pg.js '[::1]:{pg.port}' 'select 2'",
+            RunOptions(timeout_ms=60_000),
+        )
+    assert result.stdout.split() == ["1", "2"], result
+    seen = [e for e in events if e.type == "sandbox:egress" and (e.details or {}).get("service")]
+    assert [(e.details or {})["service"] for e in seen] == [
+        f"127.0.0.1:{pg.port}",
+        f"[::1]:{pg.port}",
+    ], seen
+    for e in seen:
+        assert e.allowed and e.task_id == "ll" and (e.details or {})["via"] == "command"
+
+
+def test_a_burst_past_the_agents_pool_is_served_whole_and_audited(tmp_path: Path) -> None:
+    """40 connections at once: the first take the agent's pool of 8 host sockets, the rest
+    dial the relay one by one (the socket handed over) while the pool refills; each one
+    reaches the service and is one audit event from the agent's counts."""
+    from tests.conftest import git_init
+    from tests.services_world import listening
+
+    require_runtime("bubblewrap")
+    wt = git_init(tmp_path / "wt")
+    events: list[AuditEvent] = []
+    audit = AuditLog()
+    audit.subscribe(events.append)
+    with listening() as a:
+        policy = SandboxPolicy(allow_network=False, host_services=[f"127.0.0.1:{a.port}"])
+        ctx = PrepareContext(task_id="burst", run_id="r1", policy=policy, worktree_path=str(wt))
+        js = (
+            "const net = require('net'); let ok = 0, done = 0;"
+            "for (let i = 0; i < 40; i++) {"
+            f"  const c = net.connect({a.port}, '127.0.0.1'); let got = '';"
+            "  c.on('data', (d) => { got += d; });"
+            "  c.on('close', () => { if (got === 'hello\\n') ok++;"
+            "    if (++done === 40) console.log(ok); });"
+            "  c.on('error', () => {});"
+            "}"
+        )
+        (wt / "burst.js").write_text(js)
+        with SyncSandbox(
+            backend_settings("bubblewrap", policy=policy), audit=audit, cache_root=tmp_path / "c"
+        ) as sb:
+            sb.prepare(ctx)
+            result = sb.run("node burst.js", RunOptions(timeout_ms=30_000))
+        assert result.stdout.split() == ["40"], result
+        assert len(a.seen) == 40, a.seen
+    seen = [e for e in events if e.type == "sandbox:egress" and (e.details or {}).get("service")]
+    assert len(seen) == 40, seen
+    assert all(e.allowed and (e.details or {})["via"] == "agent" for e in seen), seen
+    assert all(e.bytes_down == len(b"hello\n") for e in seen), seen
+
+
+def test_a_grant_whose_service_is_down_is_a_refused_event(tmp_path: Path) -> None:
+    """The agent connects its pool socket to the grant itself; a refused connect is reported
+    to the relay and audited as refused, with the reason; the command sees its connection
+    closed."""
+    import socket
+
+    require_runtime("bubblewrap")
+    from tests.conftest import git_init
+
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()  # nothing listens there now
+    wt = git_init(tmp_path / "wt")
+    events: list[AuditEvent] = []
+    audit = AuditLog()
+    audit.subscribe(events.append)
+    policy = SandboxPolicy(allow_network=False, host_services=[f"127.0.0.1:{port}"])
+    ctx = PrepareContext(task_id="down", run_id="r1", policy=policy, worktree_path=str(wt))
+    js = (
+        f"const c = require('net').connect({port}, '127.0.0.1');"
+        "c.on('data', () => console.log('data'));"
+        "c.on('close', () => console.log('closed'));"
+        "c.on('error', () => {});"
+    )
+    with SyncSandbox(
+        backend_settings("bubblewrap", policy=policy), audit=audit, cache_root=tmp_path / "c"
+    ) as sb:
+        sb.prepare(ctx)
+        result = sb.run(f'node -e "{js}"', RunOptions(timeout_ms=30_000))
+    assert result.stdout.split() == ["closed"], result
+    seen = [e for e in events if e.type == "sandbox:egress" and (e.details or {}).get("service")]
+    assert len(seen) == 1 and seen[0].allowed is False, seen
+    assert "Connection refused" in (seen[0].reason or ""), seen
+    assert (seen[0].details or {})["via"] == "agent"
 
 
 def test_a_flood_through_a_grant_is_capped_and_audited(tmp_path: Path) -> None:
@@ -148,13 +273,21 @@ def test_a_flood_through_a_grant_is_capped_and_audited(tmp_path: Path) -> None:
             for _ in range(4):
                 s = socket.socket(socket.AF_UNIX)
                 s.connect(path)
-                assert s.recv(6) == b"hello\n"  # through to the service
+                s.sendall(b"C")  # one connection, as the agent asks when its pool is empty
+                # Dialled by a process that is not a sandbox's init (this one): the relay's
+                # byte carries no socket (only the agent gets the connected socket), and the
+                # dialer asks the relay to splice.
+                byte, fds, _, _ = socket.recv_fds(s, 1, 1)
+                assert (byte, fds) == (b"\x01", [])
+                s.sendall(b"S")
+                assert s.recv(6) == b"hello\n"  # through the relay to the service
                 held.append(s)
             refused = 0
             for _ in range(20):
                 s = socket.socket(socket.AF_UNIX)
                 s.settimeout(5)
                 s.connect(path)
+                s.sendall(b"C")
                 refused += s.recv(6) == b""  # closed by the relay, the service never saw it
                 s.close()
         finally:

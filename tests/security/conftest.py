@@ -114,7 +114,12 @@ CREDENTIAL_PROBES = (
     "credential-plain-pipelined",
 )
 """test_credentials_probes.py's probes (one sandboxed command, judged per probe)."""
-SERVICE_PROBES = ("service-ungranted-port", "service-through-relay", "service-unix-path")
+SERVICE_PROBES = (
+    "service-ungranted-port",
+    "service-through-relay",
+    "service-unix-path",
+    "service-socket-handover",
+)
 """test_host_services.py's probes (policy.hostServices)."""
 
 EXPECT: dict[tuple[str, str], Expect] = {

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shlex
 import time
 from pathlib import Path
@@ -140,3 +141,83 @@ def test_a_unix_grant_is_that_socket_only(prober: Prober) -> None:
     assert str(granted) in a.seen, f"the granted socket did not answer: {out}"
     leaked = str(sibling) in a.seen
     check("service-unix-path", prober.backend, leaked, f"seen {a.seen}; {out}")
+
+
+HANDOVER_PY = r"""
+import array, socket, sys
+b = int(sys.argv[1])
+def ask(first):  # the relay's socket of the TCP grant, dialled by the command itself
+    u = socket.socket(socket.AF_UNIX)
+    u.settimeout(3)
+    u.connect("/run/fusion-oci/services/0.sock")
+    u.sendall(first)  # C: one connection; P: the agent's pool of host sockets
+    fds = array.array("i")
+    try:
+        while True:
+            msg, anc, _, _ = u.recvmsg(1, socket.CMSG_SPACE(4 * fds.itemsize))
+            for level, kind, data in anc:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+            if not msg or first == b"C":
+                break
+    except OSError:
+        pass
+    print("asked", first, "fds", len(fds))
+    return fds
+try:
+    fds = ask(b"C") + ask(b"P")
+    for fd in fds:  # a host socket: disconnect it, then aim it at port B
+        s = socket.socket(fileno=fd)
+        s.setblocking(True)
+        s.settimeout(3)
+        try:
+            import ctypes
+            unspec = (ctypes.c_ushort * 8)(0)
+            ctypes.CDLL(None, use_errno=True).connect(fd, unspec, 16)
+            s.connect(("127.0.0.1", b))
+            s.sendall(b"probe\n")
+            print("reconnected to B")
+        except OSError as e:
+            print("reconnect", e)
+except OSError as e:
+    print("relay", e)
+try:  # the baseline: B directly (what native shows)
+    socket.create_connection(("127.0.0.1", b), timeout=3).sendall(b"probe\n")
+    print("direct B connected")
+except OSError as e:
+    print("direct B", e)
+"""
+
+
+def test_only_the_agent_is_handed_a_service_socket(prober: Prober) -> None:
+    """The relay hands its connected host socket (SCM_RIGHTS) to the sandbox's agent only: a
+    command that dials the relay's socket itself gets the byte alone. Were it handed the
+    socket, ``connect(AF_UNSPEC)`` would disconnect it and it could connect anywhere on the
+    host's loopback (here port B). Python where the sandbox has it (host-process runtimes,
+    oci); the task images have none, and their command is no sandbox's init either."""
+    d = _svc_dir(prober)
+    with listening([d / "granted.sock"]) as a, listening() as b:
+        (prober.worktree / "handover.py").write_text(HANDOVER_PY)
+        (prober.worktree / "probe.js").write_text(PROBE_JS)
+        granted = json.dumps({"targets": [{"host": "127.0.0.1", "port": a.port}]})
+        by_node = json.dumps(
+            {
+                "targets": [
+                    {"path": "/run/fusion-oci/services/0.sock"},
+                    {"host": "127.0.0.1", "port": b.port},
+                ],
+                "send": "C",
+            }
+        )
+        result = prober.run(
+            f"node probe.js {shlex.quote(granted)}; "
+            f"if command -v python3 >/dev/null; then python3 handover.py {b.port}; "
+            f"else node probe.js {shlex.quote(by_node)}; fi",
+            _grants(a),
+            timeout_ms=90_000,
+        )
+        time.sleep(0.3)  # a late accept is still recorded
+        out = result.stdout + result.stderr[-500:]
+    assert "tcp4" in a.seen, f"the granted service did not answer: {out}"
+    assert re.search(r"fds [1-9]", out) is None, out  # no host socket reached the command
+    check("service-socket-handover", prober.backend, bool(b.seen), f"B saw {b.seen}; {out}")

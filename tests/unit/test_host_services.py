@@ -139,8 +139,8 @@ def test_inside_a_tcp_grant_is_an_agent_listener_and_a_unix_grant_a_bind() -> No
 # --- landlock: the connect supervisor's redirect --------------------------------------------
 
 SERVICES = (
-    ("tcp 4 127.0.0.1 5432", "41000"),
-    ("tcp 6 ::1 6379", "41001"),
+    ("tcp 4 127.0.0.1 5432", "/tmp/relay dir/0.report"),
+    ("tcp 6 ::1 6379", "/tmp/relay dir/1.report"),
     ("unix /var/run/postgresql/.s.PGSQL.5432", "/tmp/relay/2.sock"),
 )
 
@@ -180,13 +180,23 @@ def _spec():  # type: ignore[no-untyped-def]
 
 
 def test_landlock_redirects_exactly_the_granted_addresses_to_their_relays() -> None:
+    """TCP: the command's socket goes to the grant itself (rebuilt from the grant's bytes),
+    reported to the relay's socket; unix: to the relay's socket."""
     table = _table()
     cwd = "/var/run/postgresql"
-    assert service_redirect(_in4("127.0.0.1", 5432), table, lambda: cwd) == _in4("127.0.0.1", 41000)
-    assert service_redirect(_in6("::1", 6379), table, lambda: cwd) == _in6("::1", 41001)
-    # the v4 grant asked for by its v4-mapped form: the same service, through the relay
+    assert service_redirect(_in4("127.0.0.1", 5432), table, lambda: cwd) == (
+        _in4("127.0.0.1", 5432),
+        "/tmp/relay dir/0.report",
+    )
+    flow_label = bytearray(_in6("::1", 6379))
+    flow_label[4:8] = b"\x00\x0a\xbc\xde"  # the caller's extras are not passed on
+    assert service_redirect(bytes(flow_label), table, lambda: cwd) == (
+        _in6("::1", 6379),
+        "/tmp/relay dir/1.report",
+    )
+    # the v4 grant asked for by its v4-mapped form: the same service
     mapped = service_redirect(_in6("::ffff:127.0.0.1", 5432), table, lambda: cwd)
-    assert mapped == _in6("::ffff:127.0.0.1", 41000)
+    assert mapped == (_in6("::ffff:127.0.0.1", 5432), "/tmp/relay dir/0.report")
     assert service_redirect(_un("/var/run/postgresql/.s.PGSQL.5432"), table, lambda: cwd) == (
         "/tmp/relay/2.sock"
     )
