@@ -65,7 +65,11 @@ def sandbox_objects(
     # The template is shared by every task of the shape: nothing that names one task (its
     # pod name, its policy selector label, its owner) goes into it or into its hash.
     spec = json.loads(json.dumps(pod["spec"]))
-    labels = {k: v for k, v in pod["metadata"]["labels"].items() if k != LABEL_POD}
+    labels = {
+        k: v
+        for k, v in pod["metadata"]["labels"].items()
+        if k != LABEL_POD and k not in owner_labels
+    }
     pod_template = {"metadata": {"labels": labels}, "spec": spec}
     shape = shape_of(pod_template)
     name = f"fusion-oci-{shape}"

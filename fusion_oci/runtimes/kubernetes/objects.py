@@ -30,6 +30,10 @@ class TaskObjects:
     def unenforced(self) -> list[str]:
         return self.mapping.unenforced
 
+    @property
+    def not_carried(self) -> list[str]:
+        return self.mapping.not_carried
+
     def manifests(self) -> list[dict[str, Any]]:
         """In creation order: a pod's policy before the pod (never a moment without it); a
         template before its pool before the claim."""

@@ -98,8 +98,14 @@ class PodMapping:
 
     @property
     def unenforced(self) -> list[str]:
-        """What ``check`` reports: the gaps nothing enforces here, sorted."""
-        return sorted(g.text() for g in self.gaps if g.handling != "in-pod")
+        """What ``check`` reports: the restrictions nothing enforces here, sorted."""
+        return sorted(g.text() for g in self.gaps if g.handling == "unenforced")
+
+    @property
+    def not_carried(self) -> list[str]:
+        """Host resources the pod does not get (less access, not less isolation), sorted:
+        shown by ``plan``, not refused."""
+        return sorted(g.text() for g in self.gaps if g.handling == "not-carried")
 
 
 def label_value(text: str) -> str:
