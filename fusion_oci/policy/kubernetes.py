@@ -35,8 +35,8 @@ class KubernetesSettings(Model):
     runtime_class: str | None = None
     """The pods' RuntimeClass (e.g. ``gvisor``). None: the cluster's default runtime."""
     warm_pool: int = Field(default=2, ge=0, le=100)
-    """Sandbox mode: ready pods a SandboxWarmPool keeps per task shape (template). 0: no pool;
-    each claim waits for a new pod."""
+    """Sandbox mode: ready pods the SandboxWarmPool keeps per task shape (template). 0: none
+    kept; each claim waits for a new pod."""
     mode: KubernetesMode = "auto"
     """``sandbox``: agent-sandbox's v1beta1 CRDs (SandboxTemplate, SandboxWarmPool,
     SandboxClaim); ``pods``: plain Pods; ``auto``: sandbox when the cluster serves the CRDs."""

@@ -36,8 +36,8 @@ LABEL_SHAPE = "io.fusion-oci/shape"
 @dataclass(frozen=True)
 class SandboxObjects:
     template: dict[str, Any]
-    pool: dict[str, Any] | None
-    """None when ``kubernetes.warmPool`` is 0 (claims then name the template)."""
+    pool: dict[str, Any]
+    """Its ``replicas`` is ``kubernetes.warmPool`` (0: no ready pods kept)."""
     claim: dict[str, Any]
     shape: str
     """The content hash naming the template and the pool."""
@@ -86,17 +86,19 @@ def sandbox_objects(
         "metadata": {"name": name, "labels": kept},
         "spec": template_spec,
     }
-    pool = None
-    if warm_pool > 0:
-        pool = {
-            "apiVersion": EXTENSIONS_API,
-            "kind": "SandboxWarmPool",
-            "metadata": {"name": name, "labels": kept},
-            "spec": {"replicas": warm_pool, "sandboxTemplateRef": {"name": name}},
-        }
-    claim_spec: dict[str, Any] = (
-        {"warmPoolRef": {"name": name}} if pool else {"sandboxTemplateRef": {"name": name}}
-    )
+    # v1beta1 claims name a pool, never a template: the pool exists even with no ready pods.
+    pool = {
+        "apiVersion": EXTENSIONS_API,
+        "kind": "SandboxWarmPool",
+        "metadata": {"name": name, "labels": kept},
+        "spec": {"replicas": warm_pool, "sandboxTemplateRef": {"name": name}},
+    }
+    owner = {k: label_value(v) for k, v in owner_labels.items()}
+    # The claimed pod gets the task's owner labels too: gc finds a pod without its claim.
+    claim_spec: dict[str, Any] = {
+        "warmPoolRef": {"name": name},
+        "additionalPodMetadata": {"labels": owner},
+    }
     if shutdown_time:
         claim_spec["lifecycle"] = {"shutdownTime": shutdown_time, "shutdownPolicy": "Delete"}
     claim = {
@@ -104,7 +106,7 @@ def sandbox_objects(
         "kind": "SandboxClaim",
         "metadata": {
             "name": claim_name,
-            "labels": {**kept, **{k: label_value(v) for k, v in owner_labels.items()}},
+            "labels": {**kept, **owner},
         },
         "spec": claim_spec,
     }

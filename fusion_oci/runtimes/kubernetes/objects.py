@@ -39,7 +39,7 @@ class TaskObjects:
         template before its pool before the claim."""
         if self.sandbox is not None:
             s = self.sandbox
-            return [s.template, *([s.pool] if s.pool else []), s.claim]
+            return [s.template, s.pool, s.claim]
         policy = self.mapping.network_policy
         return [*([policy] if policy else []), self.mapping.pod]
 
