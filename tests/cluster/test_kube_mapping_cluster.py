@@ -190,3 +190,37 @@ def _admin_env(kube: Kube) -> dict[str, Any]:
 
 def _never() -> Any:
     raise AssertionError("the admin kubeconfig names no cluster")
+
+
+async def test_a_shape_is_provisioned_once_behind_the_gate(kube: Kube, ns: str) -> None:
+    from fusion_oci.audit import AuditEvent, AuditLog
+    from fusion_oci.errors import GateDeniedError
+    from fusion_oci.images.gates import AuditContext, ProvisionGate
+    from fusion_oci.policy.settings import GateSettings
+    from fusion_oci.runtimes.kubernetes.provision import ensure_shape
+
+    client = KubeClient(find_access(KubernetesSettings(), _admin_env(kube)) or _never())
+    objs = _objects(kube, "sandbox", warm_pool=0).sandbox
+    assert objs is not None
+    events: list[AuditEvent] = []
+    audit = AuditLog()
+    audit.subscribe(events.append)
+
+    def gate(setting: str) -> ProvisionGate:
+        return ProvisionGate(
+            GateSettings(sandbox_provision=setting),  # type: ignore[arg-type]
+            AuditContext(audit, "t1", "r1", "kubernetes"),
+        )
+
+    with pytest.raises(GateDeniedError):
+        await ensure_shape(client, objs, ns, gate("deny"))
+    assert kube.get("sandboxtemplates", namespace=ns)["items"] == []
+    assert await ensure_shape(client, objs, ns, gate("allow")) is True
+    made = [e.details["ref"] for e in events if e.type == "sandbox:provision" and e.details]
+    assert made == [f"SandboxTemplate/{objs.template['metadata']['name']}",
+                    f"SandboxWarmPool/{objs.pool['metadata']['name']}"]  # fmt: skip
+    # the second task of the shape finds it: no gate asked, nothing made
+    before = len(events)
+    assert await ensure_shape(client, objs, ns, gate("deny")) is False
+    assert len(events) == before
+    assert kube.get("sandboxwarmpools", objs.pool["metadata"]["name"], ns)["spec"]["replicas"] == 0

@@ -264,3 +264,32 @@ def test_bad_kubernetes_settings_name_the_field_and_the_fix(
     with pytest.raises(ValueError, match=field) as info:
         SandboxSettings.model_validate({"kubernetes": {field: value}})
     assert says in str(info.value)
+
+
+def test_an_unreachable_api_server_is_retried_then_a_typed_error(tmp_path: Path) -> None:
+    import socket
+
+    from fusion_oci.runtimes.kubernetes.client import ApiError, KubeClient, retrying
+    from fusion_oci.runtimes.kubernetes.kubeconfig import ClusterAccess
+
+    # a port nobody listens on: a real refused connection, no mock
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = KubeClient(
+        ClusterAccess(server=f"https://127.0.0.1:{port}", namespace="default", source="test"),
+        timeout_s=2,
+    )
+    calls: list[int] = []
+    waits: list[float] = []
+
+    def call() -> dict[str, Any]:
+        calls.append(1)
+        return client.get("/version")
+
+    with pytest.raises(ApiError) as info:
+        retrying(call, attempts=3, wait_s=0.5, sleep=waits.append)
+    assert len(calls) == 3 and len(waits) == 2  # tenacity's waits, not slept here
+    err = info.value
+    assert (err.status, err.transient, err.kind) == (0, True, "engine-error")
+    assert "kubectl cluster-info" in err.hint
