@@ -293,3 +293,11 @@ def test_an_unreachable_api_server_is_retried_then_a_typed_error(tmp_path: Path)
     err = info.value
     assert (err.status, err.transient, err.kind) == (0, True, "engine-error")
     assert "kubectl cluster-info" in err.hint
+
+
+def test_the_docs_print_the_role_the_code_checks() -> None:
+    import re
+
+    text = (Path(__file__).parents[2] / "docs" / "kubernetes.md").read_text()
+    block = next(b for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if "kind: Role" in b)
+    assert yaml.safe_load(block) == role("agents")
