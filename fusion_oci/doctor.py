@@ -71,6 +71,13 @@ def kubernetes_facts(
     with ``sandbox.image``; see :mod:`fusion_oci.runtimes.kubernetes.facts`)."""
     from fusion_oci.runtimes.kubernetes.facts import cluster_facts
 
-    return cluster_facts(
+    facts = cluster_facts(
         settings.kubernetes, env, probe_image=settings.image if probe_network else None
     )
+    if not probe_network and "networkPolicy" in facts:
+        facts["networkPolicy"] = {
+            "enforced": None,
+            "how": "not probed: doctor makes a probe pod only when the settings have a "
+            "kubernetes: section (and sandbox.image, an image the nodes have)",
+        }
+    return facts
