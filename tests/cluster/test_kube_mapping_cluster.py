@@ -26,8 +26,9 @@ import yaml
 from fusion_oci.models import RunOptions, SandboxPolicy
 from fusion_oci.policy.kubernetes import KubernetesSettings
 from fusion_oci.runtimes.kubernetes.client import ApiError, KubeClient, path_of
-from fusion_oci.runtimes.kubernetes.facts import cluster_facts, probe_network_policy
+from fusion_oci.runtimes.kubernetes.facts import cluster_facts
 from fusion_oci.runtimes.kubernetes.kubeconfig import find_access
+from fusion_oci.runtimes.kubernetes.netprobe import probe_network_policy
 from fusion_oci.runtimes.kubernetes.objects import TaskObjects, task_objects
 from fusion_oci.runtimes.kubernetes.rbac import role, role_binding
 from tests.cluster.kube import Kube, wait_for

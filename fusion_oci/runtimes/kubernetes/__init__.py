@@ -9,6 +9,7 @@
 - :mod:`.kubeconfig` — where the cluster is, found as kubectl finds it
 - :mod:`.client` — a small JSON-over-HTTPS client of the API server, every call bounded
 - :mod:`.facts` — what ``fusion-oci doctor`` says about the cluster
+- :mod:`.netprobe` — whether the cluster enforces NetworkPolicy (a probe pod)
 
 No runtime class is registered yet: the ``kubernetes`` backend id comes with the command path
 (the exec agent over ``pods/exec``) and the worktree transfer.
