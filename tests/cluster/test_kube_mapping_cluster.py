@@ -225,3 +225,51 @@ async def test_a_shape_is_provisioned_once_behind_the_gate(kube: Kube, ns: str) 
     assert await ensure_shape(client, objs, ns, gate("deny")) is False
     assert len(events) == before
     assert kube.get("sandboxwarmpools", objs.pool["metadata"]["name"], ns)["spec"]["replicas"] == 0
+
+
+@pytest.mark.parametrize("warm_pool", [1, 0])
+def test_a_claim_binds_a_pod_of_the_shape(kube: Kube, ns: str, warm_pool: int) -> None:
+    """The objects do what they say, not only pass the schemas: the claim binds a warm pod of
+    the pool (or, with none kept, a new one), which runs as the mapping says; the template's
+    managed NetworkPolicy exists; deleting the claim deletes the pod."""
+    client = KubeClient(find_access(KubernetesSettings(), _admin_env(kube)) or _never())
+    # no CPU quota: two nodes of this 2-core machine hold a warm pod and a claimed one
+    objs = _objects(kube, "sandbox", SandboxPolicy(memory_limit_mb=256), warm_pool=warm_pool)
+    assert objs.sandbox is not None
+    s = objs.sandbox
+    for obj in (s.template, s.pool):
+        client.create(path_of(obj, ns), obj)
+
+    def ready_pods() -> list[str]:
+        return sorted(
+            p["metadata"]["name"]
+            for p in kube.get("pods", namespace=ns)["items"]
+            if p["metadata"].get("labels", {}).get("io.fusion-oci/shape") == s.shape
+            and not p["metadata"].get("deletionTimestamp")
+            and any(c["type"] == "Ready" and c["status"] == "True"
+                    for c in p.get("status", {}).get("conditions", []))
+        )  # fmt: skip
+
+    warm = wait_for("a warm pod", lambda: ready_pods() or None, 180) if warm_pool else []
+    client.create(path_of(s.claim, ns), s.claim)
+    claim = s.claim["metadata"]["name"]
+
+    def bound() -> str | None:
+        st = kube.get("sandboxclaim", claim, namespace=ns).get("status", {})
+        ready = any(
+            c["type"] == "Ready" and c["status"] == "True" for c in st.get("conditions", [])
+        )
+        name = st.get("sandbox", {}).get("name")
+        return str(name) if ready and name else None
+
+    sandbox = wait_for("the claim bound", bound, 180)
+    if warm_pool:
+        assert sandbox in warm, (sandbox, warm)  # adopted from the pool, not made anew
+    claimed = kube.get("sandboxclaim", claim, ns)["metadata"]["labels"]
+    assert claimed["io.fusion-oci/owner-pid"] == "4242"  # gc finds the claim; it owns the rest
+    assert kube.get("pod", sandbox, ns)["metadata"]["labels"]["io.fusion-oci/shape"] == s.shape
+    assert kube.exec(ns, sandbox, "id", "-u").stdout.strip() == "1000"
+    assert kube.exec(ns, sandbox, "sh", "-c", "touch /x").returncode != 0  # read-only root
+    assert kube.get("networkpolicies", namespace=ns)["items"], "no managed NetworkPolicy"
+    kube.run("-n", ns, "delete", "sandboxclaim", claim, "--wait=true", timeout=120)
+    wait_for("the claimed pod deleted", lambda: not kube.exists("pod", sandbox, ns), 120)

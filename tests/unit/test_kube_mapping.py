@@ -113,7 +113,7 @@ def test_the_pod_is_locked_down() -> None:
         }
     )
     assert "hostPath" not in str(spec["volumes"])  # a node has none of the executor's paths
-    assert pod["metadata"]["labels"]["io.fusion-oci.owner-pid"] == "4242"
+    assert pod["metadata"]["labels"]["io.fusion-oci/owner-pid"] == "4242"  # a prefixed key
 
 
 def test_what_a_pod_cannot_say_is_listed_never_dropped() -> None:

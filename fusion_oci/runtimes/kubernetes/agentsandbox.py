@@ -24,9 +24,9 @@ from fusion_oci.runtimes.kubernetes.pod import (
     LABEL_POD,
     MANAGED_BY,
     PodMapping,
-    label_value,
     policy_rules,
 )
+from fusion_oci.runtimes.kubernetes.pod import owner_labels as kube_labels
 
 EXTENSIONS_API = "extensions.agents.x-k8s.io/v1beta1"
 LABEL_SHAPE = "io.fusion-oci/shape"
@@ -68,7 +68,7 @@ def sandbox_objects(
     labels = {
         k: v
         for k, v in pod["metadata"]["labels"].items()
-        if k != LABEL_POD and k not in owner_labels
+        if k != LABEL_POD and k not in kube_labels(owner_labels)
     }
     pod_template = {"metadata": {"labels": labels}, "spec": spec}
     shape = shape_of(pod_template)
@@ -93,12 +93,12 @@ def sandbox_objects(
         "metadata": {"name": name, "labels": kept},
         "spec": {"replicas": warm_pool, "sandboxTemplateRef": {"name": name}},
     }
-    owner = {k: label_value(v) for k, v in owner_labels.items()}
-    # The claimed pod gets the task's owner labels too: gc finds a pod without its claim.
-    claim_spec: dict[str, Any] = {
-        "warmPoolRef": {"name": name},
-        "additionalPodMetadata": {"labels": owner},
-    }
+    owner = kube_labels(owner_labels)
+    # The claim owns its Sandbox, which owns the pod: gc deletes the claim (it carries the
+    # owner labels) and the controller the rest. No additionalPodMetadata: a claim that asks
+    # for extra pod metadata is not given a warm pod (the controller makes a new one), and
+    # extra pod labels are taken only in domains the cluster admin allowlists.
+    claim_spec: dict[str, Any] = {"warmPoolRef": {"name": name}}
     if shutdown_time:
         claim_spec["lifecycle"] = {"shutdownTime": shutdown_time, "shutdownPolicy": "Delete"}
     claim = {

@@ -18,6 +18,7 @@ from fusion_oci.runtimes.kubernetes.agentsandbox import SandboxObjects, sandbox_
 from fusion_oci.runtimes.kubernetes.pod import PodMapping, PodOptions, pod_manifest
 
 Mode = Literal["sandbox", "pods"]
+GRACE_S = 2
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,9 @@ def task_objects(
         labels=owner_labels,
         runtime_class=settings.runtime_class,
         seccomp_profile=settings.seccomp_profile,
+        # The agent is the pod's PID 1 and ends the task's commands itself at dispose; a
+        # disposed task's pod should be gone in seconds, not the default 30.
+        grace_s=GRACE_S,
     )
     mapping = pod_manifest(task, agent, opts)
     if mode == "pods":

@@ -83,6 +83,8 @@ class PodOptions:
     seccomp_profile: str | None = None
     """A Localhost profile path on the nodes holding the bundle's profile; None:
     RuntimeDefault."""
+    grace_s: int | None = None
+    """``terminationGracePeriodSeconds``; None: the cluster's default (30 s)."""
     image_pull_policy: str = "Never"
     """Never: the image is on the nodes already (no registry is needed)."""
 
@@ -108,6 +110,15 @@ class PodMapping:
         return sorted(g.text() for g in self.gaps if g.handling == "not-carried")
 
 
+def label_key(key: str) -> str:
+    """An engine label key as a Kubernetes one: ``io.fusion-oci.owner-pid`` →
+    ``io.fusion-oci/owner-pid``. Prefixed with our domain, because agent-sandbox (and policy
+    tooling) refuse an unprefixed key on pods: it could opt into someone else's policy. Pure."""
+    if "/" in key:
+        return key
+    return "io.fusion-oci/" + key.removeprefix("io.fusion-oci.")
+
+
 def label_value(text: str) -> str:
     """``text`` as a label value (at most 63 of ``[A-Za-z0-9-_.]``, alphanumeric at both ends);
     changed text gets a short hash so two values never meet. Pure."""
@@ -118,6 +129,11 @@ def label_value(text: str) -> str:
     return f"{clean[:54].rstrip('-_.')}-{digest}".lstrip("-")
 
 
+def owner_labels(labels: Mapping[str, str]) -> dict[str, str]:
+    """Labels with Kubernetes keys and values (:func:`label_key`, :func:`label_value`). Pure."""
+    return {label_key(k): label_value(v) for k, v in labels.items()}
+
+
 def pod_manifest(task: TaskSpec, process: ProcessSpec, opts: PodOptions) -> PodMapping:
     """The Pod (and its NetworkPolicy) of ``task`` running ``process`` as its one container's
     process (the runtime's exec agent; export's command). Pure."""
@@ -126,7 +142,7 @@ def pod_manifest(task: TaskSpec, process: ProcessSpec, opts: PodOptions) -> PodM
     env = _env(process, opts, gaps)
     gaps += _process_gaps(task, process)
     security, pod_security = _security(task, process, opts, gaps)
-    labels = {**MANAGED_BY, **{k: label_value(v) for k, v in opts.labels.items()}}
+    labels = {**MANAGED_BY, **owner_labels(opts.labels)}
     labels[LABEL_POD] = label_value(opts.name)
     container: dict[str, Any] = {
         "name": "task",
@@ -149,6 +165,8 @@ def pod_manifest(task: TaskSpec, process: ProcessSpec, opts: PodOptions) -> PodM
         "containers": [container],
         "volumes": volumes,
     }
+    if opts.grace_s is not None:
+        spec["terminationGracePeriodSeconds"] = opts.grace_s
     if task.hostname:
         spec["hostname"] = task.hostname
     if opts.runtime_class:
