@@ -301,3 +301,37 @@ def test_the_docs_print_the_role_the_code_checks() -> None:
     text = (Path(__file__).parents[2] / "docs" / "kubernetes.md").read_text()
     block = next(b for b in re.findall(r"```yaml\n(.*?)```", text, re.S) if "kind: Role" in b)
     assert yaml.safe_load(block) == role("agents")
+
+
+def test_doctor_lines_mark_each_cluster_fact() -> None:
+    from fusion_oci.cli.doctor import kubernetes_lines
+
+    assert kubernetes_lines({"configured": False, "why": "no kubeconfig"}) == [
+        "[bold]kubernetes[/]: - not configured (no kubeconfig)"
+    ]
+    down = kubernetes_lines(
+        {"configured": True, "reachable": False, "source": "k (context c)", "why": "a\nhint: b"}
+    )
+    assert down == [
+        "[bold]kubernetes[/]: [red]x[/] k (context c) unreachable",
+        "    a\n    hint: b",
+    ]
+    up = kubernetes_lines(
+        {
+            "configured": True,
+            "reachable": True,
+            "server": "https://s:6443",
+            "version": "v1.34.4",
+            "namespace": "agents",
+            "source": "k (context c)",
+            "mode": "pods",
+            "agentSandbox": {"extensions.agents.x-k8s.io/sandboxclaims": False},
+            "rbac": {"ok": False, "missing": ["create pods"], "hint": "bind the Role"},
+            "networkPolicy": {"enforced": None, "how": "not probed"},
+            "runtimeClass": {"name": "gvisor", "exists": False, "why": "HTTP 404"},
+        }
+    )
+    assert up[1] == "  [green]ok[/] mode: pods (agent-sandbox APIs: sandboxclaims no)"
+    assert up[2] == "  [red]x[/] RBAC: missing create pods\n    hint: bind the Role"
+    assert up[3] == "  [yellow]?[/] NetworkPolicy enforced: not probed"
+    assert up[4] == "  [red]x[/] RuntimeClass gvisor: HTTP 404"
