@@ -68,8 +68,8 @@ class PodOptions:
     """True: bind mounts become ``hostPath`` volumes (export, run where the host is); False:
     the pod runs on a cluster node, where host paths do not exist."""
     transferred: tuple[str, ...] = ()
-    """Destinations the runtime's transfer fills (the worktree, its git folders): each an
-    ``emptyDir``; bind mounts beneath them are part of the transfer, not volumes."""
+    """Destinations the runtime's transfer fills (the worktree, its git folders): each a
+    writable ``emptyDir``; bind mounts beneath them are part of the transfer, not volumes."""
     files: frozenset[str] = frozenset()
     """Destinations whose source is a file (the caller looked; this function reads no disk)."""
     passed_env: frozenset[str] = frozenset()
@@ -285,7 +285,12 @@ def _volumes(
             if dest not in opts.transferred:
                 carried.append(dest)
                 continue
+            # Writable in the pod, even where the host's bind is read-only (a git common
+            # dir): the read-only parts are protected on the host, where the transfer checks
+            # what comes back and never writes hooks, config or protected paths.
             volumes.append({"name": vol, "emptyDir": {}})
+            mounts.append({"name": vol, "mountPath": dest, "readOnly": False})
+            continue
         elif opts.host_paths:
             src = m.source or dest
             kind = "File" if dest in opts.files else "Directory"
