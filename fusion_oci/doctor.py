@@ -60,3 +60,24 @@ def _camel(key: str) -> str:
     """'socket source' / 'socket_source' -> 'socketSource': one JSON spelling for every key."""
     words = key.replace("_", " ").replace("-", " ").split()
     return words[0] + "".join(w.capitalize() for w in words[1:]) if words else key
+
+
+def kubernetes_facts(
+    env: Mapping[str, str], settings: SandboxSettings, *, probe_network: bool
+) -> dict[str, Any]:
+    """The cluster the ``kubernetes:`` settings point at (found as kubectl finds it): reachable,
+    the mode a task would use, agent-sandbox's APIs, the executor's missing permissions, and,
+    when ``probe_network``, whether NetworkPolicy is enforced (a short-lived probe pod made
+    with ``sandbox.image``; see :mod:`fusion_oci.runtimes.kubernetes.facts`)."""
+    from fusion_oci.runtimes.kubernetes.facts import cluster_facts
+
+    facts = cluster_facts(
+        settings.kubernetes, env, probe_image=settings.image if probe_network else None
+    )
+    if not probe_network and "networkPolicy" in facts:
+        facts["networkPolicy"] = {
+            "enforced": None,
+            "how": "not probed: doctor makes a probe pod only when the settings have a "
+            "kubernetes: section (and sandbox.image, an image the nodes have)",
+        }
+    return facts

@@ -30,7 +30,7 @@ def doctor(
     """
     import os
 
-    from fusion_oci.doctor import backend_rows
+    from fusion_oci.doctor import backend_rows, kubernetes_facts
     from fusion_oci.errors import FusionOCIError
     from fusion_oci.policy.settings import load_settings
     from fusion_oci.policy.worktree import default_worktree
@@ -61,8 +61,14 @@ def doctor(
         "services": service_summary(effective.settings.policy),
     }
     status = 0 if chosen["available"] else 1
+    # The probe pod is made only for a user who wrote a kubernetes: section (never in a
+    # cluster a kubeconfig merely happens to name).
+    opted_in = any(k.startswith("kubernetes.") for k in effective.provenance)
+    kube = kubernetes_facts(os.environ, effective.settings, probe_network=opted_in)
     if as_json:
-        typer.echo(json.dumps({"configured": summary, "backends": rows}, indent=2))
+        typer.echo(
+            json.dumps({"configured": summary, "backends": rows, "kubernetes": kube}, indent=2)
+        )
         raise typer.Exit(status)
     from rich.table import Table
 
@@ -88,6 +94,8 @@ def doctor(
         )
     for line in service_lines(summary["services"]):
         _console().print(line, markup=False)
+    for line in kubernetes_lines(kube):
+        _console().print(line, highlight=False)
     for row in rows:
         # landlock's: user namespaces are forbidden here, and landlock still isolates.
         if (row["details"] or {}).get("recommendation"):
@@ -99,6 +107,47 @@ def doctor(
             err=True,
         )
     raise typer.Exit(status)
+
+
+def kubernetes_lines(kube: dict[str, Any]) -> list[str]:
+    """The doctor's cluster facts as a mark and a line each, details indented."""
+    if not kube.get("configured"):
+        return [f"[bold]kubernetes[/]: - not configured ({kube['why']})"]
+    if not kube.get("reachable"):
+        why = str(kube["why"]).replace("\n", "\n    ")
+        return [
+            f"[bold]kubernetes[/]: [red]x[/] {kube.get('source', '')} unreachable",
+            f"    {why}",
+        ]
+    ok, bad = "[green]ok[/]", "[red]x[/]"
+    out = [
+        f"[bold]kubernetes[/]: {ok} {kube['server']} {kube['version']} "
+        f"(namespace {kube['namespace']}, {kube['source']})",
+        f"  {ok} mode: {kube['mode']} (agent-sandbox APIs: "
+        + ", ".join(
+            f"{k.split('/')[1]} {'yes' if v else 'no'}" for k, v in kube["agentSandbox"].items()
+        )
+        + ")",
+    ]
+    if kube.get("modeProblem"):
+        out.append(f"  {bad} {kube['modeProblem']}")
+    rbac = kube["rbac"]
+    out.append(
+        f"  {ok} RBAC: every permission of docs/kubernetes.md's Role"
+        if rbac["ok"]
+        else f"  {bad} RBAC: missing " + ", ".join(rbac["missing"]) + f"\n    hint: {rbac['hint']}"
+    )
+    net = kube["networkPolicy"]
+    mark = {True: ok, False: bad, None: "[yellow]?[/]"}[net["enforced"]]
+    out.append(f"  {mark} NetworkPolicy enforced: {net['how']}")
+    if "runtimeClass" in kube:
+        rc = kube["runtimeClass"]
+        out.append(
+            f"  {ok} RuntimeClass {rc['name']} (handler {rc['handler']})"
+            if rc["exists"]
+            else f"  {bad} RuntimeClass {rc['name']}: {rc['why']}"
+        )
+    return out
 
 
 def _load_for(

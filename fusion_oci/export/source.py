@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from fusion_oci.audit import AuditEvent
+    from fusion_oci.oci.model import ProcessSpec, TaskSpec
     from fusion_oci.replay import ReplayRecord
 
 ENGINE_MOUNTS = frozenset({"/proc", "/dev", "/dev/pts", "/dev/shm", "/dev/mqueue", "/sys"})
@@ -67,6 +68,11 @@ class ExportSource:
     labels: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     """Already known differences (e.g. a host-rootfs run exported onto an image)."""
+    typed: tuple[TaskSpec, ProcessSpec] | None = None
+    """The spec itself, for a writer that translates it whole (kube: the Pod mapping the
+    kubernetes runtime uses). None: built by hand, without a spec."""
+    skipped: tuple[str, ...] = ()
+    """Destinations of the spec the image replaces (``system_dests``)."""
 
 
 def _bytes_size(options: Sequence[str]) -> str | None:
@@ -175,6 +181,8 @@ def read_spec(
         masked_paths=list(linux.masked_paths or []),
         readonly_paths=list(linux.readonly_paths or []),
         hostname=task.hostname,
+        typed=(task, proc),
+        skipped=tuple(system_dests),
         labels={k: v for k, v in ann.items() if k.startswith(ANN)},
         notes=[
             *notes,

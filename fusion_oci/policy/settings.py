@@ -19,6 +19,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from fusion_oci.errors import SettingsError
 from fusion_oci.models import BackendId, CacheMode, FailureMode, Model, SandboxPolicy
 from fusion_oci.policy.credentials import CredentialSpec, check_unique
+from fusion_oci.policy.kubernetes import KubernetesSettings
 
 GateDecision = Literal["allow", "deny", "ask"]
 
@@ -138,6 +139,7 @@ class SandboxSettings(Model):
     docker: DockerSettings = Field(default_factory=DockerSettings)
     podman: PodmanSettings = Field(default_factory=PodmanSettings)
     oci: OciSettings = Field(default_factory=OciSettings)
+    kubernetes: KubernetesSettings = Field(default_factory=KubernetesSettings)
     container_mode: Literal["warm", "oneshot"] = "warm"
     """podman/docker: ``warm`` keeps one container per task and execs each command in it;
     ``oneshot`` creates and removes a container per command."""

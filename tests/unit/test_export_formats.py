@@ -42,6 +42,8 @@ def _spec() -> dict:
             {"destination": "/w", "type": "bind", "source": "/w", "options": ["rbind", "rw"]},
         ],
         "linux": {
+            # a network namespace: the annotation's egress is read only with one (TaskSpec)
+            "namespaces": [{"type": "pid"}, {"type": "mount"}, {"type": "network"}],
             "resources": {
                 "memory": {"limit": 256 * 1024 * 1024},
                 "pids": {"limit": 100},

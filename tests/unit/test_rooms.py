@@ -114,6 +114,7 @@ RUNTIME_FAMILIES: Mapping[str, tuple[str, ...]] = {
         "runtimes.docker",
         "runtimes.podman",
     ),
+    "kubernetes": ("runtimes.kubernetes", "runtimes.kubernetes.*"),
     "landlock": ("runtimes.landlock",),
     "native": ("runtimes.native",),
     "oci": ("runtimes.oci", "runtimes.ocicli", "runtimes.ocicli.*"),

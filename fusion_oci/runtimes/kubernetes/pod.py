@@ -1,0 +1,460 @@
+"""TaskSpec → Pod: the one translation of a task's sandbox into Kubernetes objects. Pure.
+
+The same function serves the ``kubernetes`` runtime (the agent's pod on a cluster) and
+``fusion-oci export --format kube`` (a Pod for ``podman kube play`` or a cluster, from a
+recorded run). They differ only in :class:`PodOptions`: whether host paths exist where the pod
+runs (export on the same machine: ``hostPath``; a cluster's nodes: they do not, so the
+worktree and the git folders become empty folders the runtime's transfer fills).
+
+Security choices, each because Pod Security Admission's ``restricted`` level asks for it and
+a sandbox wants it anyway: no service-account token (``automountServiceAccountToken: false``:
+a task has no business with the API server), no privilege and no privilege escalation, every
+capability dropped, ``runAsNonRoot``, a read-only root with an ``emptyDir`` wherever the spec
+has a writable tmpfs, the bundle's seccomp profile as a ``Localhost`` profile when the nodes
+have it (``kubernetes.seccompProfile``) and the runtime's ``RuntimeDefault`` otherwise, and
+requests equal to limits (a task is not squeezed by a neighbour's burst).
+
+What a Pod cannot say is never dropped: each is a :class:`Gap` with how it is handled —
+enforced by the exec agent inside the pod (per-command rlimits), or reported unenforced (the
+runtime's ``check`` lists them, export prints them in the file's header).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from fusion_oci.models import NetworkMode
+from fusion_oci.oci.model import Mount, ProcessSpec, TaskSpec
+
+MANAGED_BY = {"app.kubernetes.io/managed-by": "fusion-oci"}
+LABEL_POD = "io.fusion-oci/task"
+"""The label a pod's NetworkPolicy selects it by (its own name: one policy per pod)."""
+ENGINE_MOUNTS = frozenset({"/proc", "/dev", "/dev/pts", "/dev/shm", "/dev/mqueue", "/sys"})
+"""Mounts every container runtime makes itself: the pod gets them without asking."""
+RESTRICTED_CAPS = frozenset({"NET_BIND_SERVICE"})
+"""The only capability the ``restricted`` level lets a container add."""
+
+Handling = Literal["in-pod", "unenforced", "not-carried"]
+
+
+@dataclass(frozen=True)
+class Gap:
+    """A part of the spec the Pod does not express, and how it is handled instead.
+
+    ``in-pod``: the exec agent enforces it inside the pod, per command (rlimits); ``unenforced``:
+    nothing does here, so ``check`` reports it; ``not-carried``: a host resource the pod does
+    not get (a host path is not on a cluster node)."""
+
+    item: str
+    handling: Handling
+    detail: str
+
+    def text(self) -> str:
+        return f"{self.item}: {self.detail}"
+
+
+@dataclass(frozen=True)
+class PodOptions:
+    """What the translation needs beyond the spec (all values, no I/O)."""
+
+    name: str
+    """The pod's name (a DNS label); its NetworkPolicy is ``NAME-net``."""
+    image: str
+    host_paths: bool = False
+    """True: bind mounts become ``hostPath`` volumes (export, run where the host is); False:
+    the pod runs on a cluster node, where host paths do not exist."""
+    transferred: tuple[str, ...] = ()
+    """Destinations the runtime's transfer fills (the worktree, its git folders): each a
+    writable ``emptyDir``; bind mounts beneath them are part of the transfer, not volumes."""
+    files: frozenset[str] = frozenset()
+    """Destinations whose source is a file (the caller looked; this function reads no disk)."""
+    passed_env: frozenset[str] = frozenset()
+    """Caller variables passed by name: read from the optional Secret ``NAME-env``."""
+    skip: frozenset[str] = frozenset()
+    """Destinations the image replaces (a host-rootfs run's system directories)."""
+    labels: Mapping[str, str] = field(default_factory=dict)
+    """Extra labels (the owner, for gc), made label-safe here."""
+    annotations: Mapping[str, str] = field(default_factory=dict)
+    runtime_class: str | None = None
+    seccomp_profile: str | None = None
+    """A Localhost profile path on the nodes holding the bundle's profile; None:
+    RuntimeDefault."""
+    grace_s: int | None = None
+    """``terminationGracePeriodSeconds``; None: the cluster's default (30 s)."""
+    image_pull_policy: str = "Never"
+    """Never: the image is on the nodes already (no registry is needed)."""
+
+
+@dataclass(frozen=True)
+class PodMapping:
+    pod: dict[str, Any]
+    network_policy: dict[str, Any] | None
+    """None for ``network: host`` (nothing to restrict)."""
+    gaps: tuple[Gap, ...]
+    transferred: tuple[str, ...] = ()
+    """The bind mounts the transfer carries instead of a volume (shown, not gaps)."""
+
+    @property
+    def unenforced(self) -> list[str]:
+        """What ``check`` reports: the restrictions nothing enforces here, sorted."""
+        return sorted(g.text() for g in self.gaps if g.handling == "unenforced")
+
+    @property
+    def not_carried(self) -> list[str]:
+        """Host resources the pod does not get (less access, not less isolation), sorted:
+        shown by ``plan``, not refused."""
+        return sorted(g.text() for g in self.gaps if g.handling == "not-carried")
+
+
+def label_key(key: str) -> str:
+    """An engine label key as a Kubernetes one: ``io.fusion-oci.owner-pid`` →
+    ``io.fusion-oci/owner-pid``. Prefixed with our domain, because agent-sandbox (and policy
+    tooling) refuse an unprefixed key on pods: it could opt into someone else's policy. Pure."""
+    if "/" in key:
+        return key
+    return "io.fusion-oci/" + key.removeprefix("io.fusion-oci.")
+
+
+def label_value(text: str) -> str:
+    """``text`` as a label value (at most 63 of ``[A-Za-z0-9-_.]``, alphanumeric at both ends);
+    changed text gets a short hash so two values never meet. Pure."""
+    clean = re.sub(r"[^A-Za-z0-9_.-]", "-", text).strip("-_.")
+    if clean == text and len(text) <= 63:
+        return text
+    digest = hashlib.sha256(text.encode()).hexdigest()[:8]
+    return f"{clean[:54].rstrip('-_.')}-{digest}".lstrip("-")
+
+
+def owner_labels(labels: Mapping[str, str]) -> dict[str, str]:
+    """Labels with Kubernetes keys and values (:func:`label_key`, :func:`label_value`). Pure."""
+    return {label_key(k): label_value(v) for k, v in labels.items()}
+
+
+def pod_manifest(task: TaskSpec, process: ProcessSpec, opts: PodOptions) -> PodMapping:
+    """The Pod (and its NetworkPolicy) of ``task`` running ``process`` as its one container's
+    process (the runtime's exec agent; export's command). Pure."""
+    gaps: list[Gap] = []
+    volumes, mounts, carried = _volumes(task, opts, gaps)
+    env = _env(process, opts, gaps)
+    gaps += _process_gaps(task, process)
+    security, pod_security = _security(task, process, opts, gaps)
+    labels = {**MANAGED_BY, **owner_labels(opts.labels)}
+    labels[LABEL_POD] = label_value(opts.name)
+    container: dict[str, Any] = {
+        "name": "task",
+        "image": opts.image,
+        "imagePullPolicy": opts.image_pull_policy,
+        "command": list(process.args),
+        "workingDir": process.cwd,
+        "env": env,
+        "securityContext": security,
+        "volumeMounts": mounts,
+    }
+    resources = _resources(task)
+    if resources:
+        container["resources"] = resources
+    spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": pod_security,
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if opts.grace_s is not None:
+        spec["terminationGracePeriodSeconds"] = opts.grace_s
+    if task.hostname:
+        spec["hostname"] = task.hostname
+    if opts.runtime_class:
+        spec["runtimeClassName"] = opts.runtime_class
+    network = task.network
+    if network == NetworkMode.HOST:
+        spec["hostNetwork"] = True
+        gaps.append(
+            Gap(
+                "network host",
+                "unenforced",
+                "hostNetwork gives the pod the node's network (the `restricted` level refuses it)",
+            )
+        )
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": opts.name,
+            "labels": labels,
+            "annotations": dict(opts.annotations),
+        },
+        "spec": spec,
+    }
+    policy = None
+    if network != NetworkMode.HOST:
+        policy = {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": {"name": f"{opts.name}-net", "labels": labels},
+            "spec": {
+                "podSelector": {"matchLabels": {LABEL_POD: labels[LABEL_POD]}},
+                "policyTypes": ["Ingress", "Egress"],
+                **policy_rules(network),
+            },
+        }
+        gaps += _network_gaps(network)
+    return PodMapping(pod, policy, tuple(gaps), tuple(carried))
+
+
+def policy_rules(network: NetworkMode) -> dict[str, Any]:
+    """The NetworkPolicy's rules for a network mode: no ingress ever; egress only for
+    ``egress`` (anywhere but loopback and link-local, where node and cloud metadata services
+    answer). ``none`` and ``filtered`` allow no egress (filtered's proxy is the task's)."""
+    if network != NetworkMode.EGRESS:
+        return {}
+    return {
+        "egress": [
+            {
+                "to": [
+                    {"ipBlock": {"cidr": "0.0.0.0/0", "except": ["127.0.0.0/8", "169.254.0.0/16"]}}
+                ]
+            }
+        ]
+    }
+
+
+def _network_gaps(network: NetworkMode) -> list[Gap]:
+    gaps = [
+        Gap(
+            "NetworkPolicy",
+            "unenforced",
+            "enforced only by a CNI plugin that implements NetworkPolicy (podman kube play "
+            "ignores it; `fusion-oci doctor` says whether the cluster has one)",
+        )
+    ]
+    if network == NetworkMode.EGRESS:
+        gaps.append(
+            Gap(
+                "network egress without host loopback",
+                "unenforced",
+                "the NetworkPolicy allows egress except loopback and link-local; the node's "
+                "own addresses depend on the cluster and are not excluded",
+            )
+        )
+    if network == NetworkMode.FILTERED:
+        gaps.append(
+            Gap(
+                "network filtered",
+                "unenforced",
+                "no egress proxy runs beside the pod: the NetworkPolicy denies all egress, so "
+                "the allowed domains are unreachable too",
+            )
+        )
+    return gaps
+
+
+def _volumes(
+    task: TaskSpec, opts: PodOptions, gaps: list[Gap]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
+    volumes: list[dict[str, Any]] = []
+    mounts: list[dict[str, Any]] = []
+    carried: list[str] = []
+    skip = ENGINE_MOUNTS | opts.skip
+    for m in task.mounts:
+        dest = m.destination
+        if dest in skip:
+            continue
+        vol = f"v{len(volumes)}"
+        if m.type == "tmpfs":
+            volumes.append({"name": vol, "emptyDir": _empty_dir(m)})
+            mode, uid = m.option("mode"), m.option("uid")
+            if mode or uid not in (None, "0"):
+                gaps.append(
+                    Gap(
+                        f"tmpfs {dest}",
+                        "unenforced",
+                        f"mode {mode or '-'}, owner {uid or '0'}:{m.option('gid') or '0'}: an "
+                        "emptyDir is mode 0777, owned by root",
+                    )
+                )
+        elif not _is_bind(m):
+            gaps.append(Gap(f"mount {dest}", "not-carried", f"a {m.type} mount has no volume"))
+            continue
+        elif _under(dest, opts.transferred):
+            if dest not in opts.transferred:
+                carried.append(dest)
+                continue
+            # Writable in the pod, even where the host's bind is read-only (a git common
+            # dir): the read-only parts are protected on the host, where the transfer checks
+            # what comes back and never writes hooks, config or protected paths.
+            volumes.append({"name": vol, "emptyDir": {}})
+            mounts.append({"name": vol, "mountPath": dest, "readOnly": False})
+            continue
+        elif opts.host_paths:
+            src = m.source or dest
+            kind = "File" if dest in opts.files else "Directory"
+            volumes.append({"name": vol, "hostPath": {"path": src, "type": kind}})
+        else:
+            gaps.append(
+                Gap(
+                    f"host path {m.source or dest}",
+                    "not-carried",
+                    f"not on the cluster's nodes; the pod has an empty folder at {dest}",
+                )
+            )
+            volumes.append({"name": vol, "emptyDir": {}})
+        mounts.append({"name": vol, "mountPath": dest, "readOnly": m.readonly})
+    return volumes, mounts, carried
+
+
+def _empty_dir(m: Mount) -> dict[str, Any]:
+    out: dict[str, Any] = {"medium": "Memory"}
+    size = m.option("size")
+    if size:
+        out["sizeLimit"] = quantity(size)
+    return out
+
+
+def _is_bind(m: Mount) -> bool:
+    return m.type == "bind" or bool({"bind", "rbind"} & set(m.options or []))
+
+
+def _under(dest: str, roots: Sequence[str]) -> bool:
+    return any(dest == r or dest.startswith(r.rstrip("/") + "/") for r in roots)
+
+
+def quantity(size: str) -> str:
+    """A tmpfs ``size=`` (``64m``, ``65536k``, bytes) as a Kubernetes quantity. Pure."""
+    units = {"k": "Ki", "m": "Mi", "g": "Gi"}
+    last = size[-1].lower()
+    return size[:-1] + units[last] if last in units else size
+
+
+def _env(process: ProcessSpec, opts: PodOptions, gaps: list[Gap]) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = []
+    passed: list[str] = []
+    for item in process.env:
+        key, eq, value = item.partition("=")
+        if key in opts.passed_env or not eq:
+            passed.append(key)
+            ref = {"name": f"{opts.name}-env", "key": key, "optional": True}
+            env.append({"name": key, "valueFrom": {"secretKeyRef": ref}})
+        else:
+            env.append({"name": key, "value": value})
+    if passed:
+        gaps.append(
+            Gap(
+                "caller env (" + ", ".join(passed) + ")",
+                "not-carried",
+                f"read from Secret {opts.name}-env (create it; keys are optional)",
+            )
+        )
+    return env
+
+
+def _process_gaps(task: TaskSpec, process: ProcessSpec) -> list[Gap]:
+    gaps: list[Gap] = []
+    if process.rlimits:
+        shown = ", ".join(f"{n}={s}/{h}" for n, s, h in process.limits())
+        gaps.append(
+            Gap(
+                f"rlimits ({shown})",
+                "in-pod",
+                "a Pod cannot set them: the exec agent sets them on each command it spawns "
+                "(a process started another way gets the container runtime's defaults)",
+            )
+        )
+    res = task.resources
+    if res.pids is not None:
+        gaps.append(
+            Gap(
+                f"pidsLimit {res.pids.limit}",
+                "unenforced",
+                "a Pod cannot set it (the kubelet's podPidsLimit does, node-wide)",
+            )
+        )
+    if task.linux.masked_paths or task.linux.readonly_paths:
+        gaps.append(
+            Gap(
+                "maskedPaths/readonlyPaths",
+                "unenforced",
+                "not settable in a Pod; the container runtime's defaults (procMount Default: "
+                "the same /proc and /sys protections) apply",
+            )
+        )
+    return gaps
+
+
+def _security(
+    task: TaskSpec, process: ProcessSpec, opts: PodOptions, gaps: list[Gap]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    uid, gid = process.user.uid, process.user.gid
+    if uid == 0:
+        gaps.append(
+            Gap(
+                "user 0",
+                "unenforced",
+                "the process runs as root: runAsNonRoot cannot be set, and a namespace "
+                "enforcing the `restricted` level refuses the pod",
+            )
+        )
+    if not process.no_new_privileges:
+        gaps.append(
+            Gap(
+                "noNewPrivileges false",
+                "unenforced",
+                "the Pod sets allowPrivilegeEscalation: false anyway (`restricted` asks it)",
+            )
+        )
+    kept = [c.removeprefix("CAP_") for c in process.kept_capabilities()]
+    beyond = sorted(set(kept) - RESTRICTED_CAPS)
+    if beyond:
+        gaps.append(
+            Gap(
+                "capabilities " + ", ".join(beyond),
+                "unenforced",
+                "added, but a namespace enforcing the `restricted` level refuses them",
+            )
+        )
+    seccomp: dict[str, Any] = {"type": "RuntimeDefault"}
+    if opts.seccomp_profile:
+        seccomp = {"type": "Localhost", "localhostProfile": opts.seccomp_profile}
+    elif task.linux.seccomp is not None:
+        rules = sum(len(s.names) for s in task.linux.seccomp.syscalls or [])
+        gaps.append(
+            Gap(
+                "seccomp",
+                "unenforced",
+                f"the bundle's profile ({rules} syscall rules) is not on the nodes; the Pod "
+                "asks for RuntimeDefault (kubernetes.seccompProfile names a Localhost copy)",
+            )
+        )
+    caps: dict[str, Any] = {"drop": ["ALL"]}
+    if kept:
+        caps["add"] = kept
+    container = {
+        "privileged": False,
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": bool(task.root.readonly),
+        "capabilities": caps,
+    }
+    pod: dict[str, Any] = {
+        "runAsUser": uid,
+        "runAsGroup": gid,
+        "runAsNonRoot": uid != 0,
+        "seccompProfile": seccomp,
+    }
+    return container, pod
+
+
+def _resources(task: TaskSpec) -> dict[str, Any]:
+    res = task.resources
+    limits: dict[str, str] = {}
+    if res.memory is not None and res.memory.limit:
+        mib, rest = divmod(res.memory.limit, 1024 * 1024)
+        limits["memory"] = f"{mib}Mi" if not rest and mib else str(res.memory.limit)
+    cpu = res.cpu
+    if cpu is not None and cpu.quota:
+        limits["cpu"] = f"{cpu.quota * 1000 // (cpu.period or 100_000)}m"
+    return {"limits": limits, "requests": dict(limits)} if limits else {}
