@@ -26,7 +26,7 @@ def backend_rows(
     rows: list[dict[str, Any]] = []
     variants: list[tuple[str, dict[str, Any]]] = [(b, {"backend": b}) for b in BACKEND_IDS]
     # The oci backend once more per other OCI runtime installed: gVisor's runsc enforces
-    # differently from runc, and `ociRuntime: runsc` is how it is chosen.
+    # differently from runc, and `oci: {runtime: runsc}` is how it is chosen.
     default_oci = base.oci.runtime if base is not None else "runc"
     if oci_variants:
         variants += [

@@ -70,23 +70,11 @@ def doctor(
             json.dumps({"configured": summary, "backends": rows, "kubernetes": kube}, indent=2)
         )
         raise typer.Exit(status)
-    from rich.table import Table
+    import shutil
 
-    table = Table(title="fusion-oci backends on this host")
-    for col in ("backend", "available", "version", "rootless", "enforces", "fix"):
-        table.add_column(col, overflow="fold")
-    for row in rows:
-        table.add_row(
-            str(row["backend"])
-            + (f" ({row['ociRuntime']})" if row.get("ociRuntime") else "")
-            + (" (configured)" if row is chosen else ""),
-            "[green]yes[/]" if row["available"] else "[red]no[/]",
-            str(row["version"] or "-"),
-            "-" if row["rootless"] is None else ("yes" if row["rootless"] else "no"),
-            ", ".join(row["enforces"]) or "-",
-            "" if row["available"] else f"{row['reason']}\n{row['hint'] or ''}".strip(),
-        )
-    _console().print(table)
+    width = shutil.get_terminal_size((100, 24)).columns
+    for line in backend_lines(rows, configured, width):
+        _console().print(line, highlight=False, soft_wrap=True)
     for entry in summary["hostServices"]:
         _console().print(
             f"[bold]hostServices[/] {entry['grant']}: gives {entry['gives']}"
@@ -107,6 +95,43 @@ def doctor(
             err=True,
         )
     raise typer.Exit(status)
+
+
+def backend_lines(rows: list[dict[str, Any]], configured: str, width: int) -> list[str]:
+    """The backends as ``flutter doctor`` shows its checks: a mark, the name and version on one
+    line, then what it enforces or why it is unavailable and the fix, indented and wrapped at
+    word boundaries to ``width`` (never a name broken in the middle). Pure."""
+    import textwrap
+
+    def detail(label: str, text: str) -> list[str]:
+        indent = " " * 6
+        return textwrap.wrap(
+            f"{label}: {text}",
+            width=max(width, 40),
+            initial_indent=indent,
+            subsequent_indent=indent + "  ",
+            break_long_words=False,
+            break_on_hyphens=False,
+        )
+
+    out = ["[bold]fusion-oci backends on this host[/]"]
+    chosen = next((r for r in rows if r["backend"] == configured), None)
+    for row in rows:
+        name = str(row["backend"]) + (f" ({row['ociRuntime']})" if row.get("ociRuntime") else "")
+        facts = [str(row["version"])] if row["version"] else []
+        if row["rootless"] is not None:
+            facts.append("rootless" if row["rootless"] else "rootful")
+        if row is chosen:
+            facts.append("[bold]configured[/]")
+        mark = "[green]ok[/]" if row["available"] else "[red] x[/]"
+        out.append(f"  {mark} [bold]{name}[/]" + (f"  {', '.join(facts)}" if facts else ""))
+        if row["available"]:
+            out += detail("enforces", ", ".join(row["enforces"]) or "-")
+        else:
+            out += detail("why", str(row["reason"]))
+            if row.get("hint"):
+                out += detail("fix", str(row["hint"]))
+    return out
 
 
 def kubernetes_lines(kube: dict[str, Any]) -> list[str]:

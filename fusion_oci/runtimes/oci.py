@@ -158,7 +158,7 @@ class _Box:
 
 
 class OciRuntime(SpecRuntime):
-    """Any OCI runtime CLI (``sandbox.ociRuntime``: runc, crun, runsc, youki) on the bundle."""
+    """Any OCI runtime CLI (``sandbox.oci.runtime``: runc, crun, runsc, youki) on the bundle."""
 
     id = "oci"
     streams_stdin = True  # run_process writes a StdinStream's chunks as they come

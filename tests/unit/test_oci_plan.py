@@ -306,7 +306,7 @@ def test_crun_on_a_hybrid_host_is_unavailable_with_the_fix() -> None:
     avail = rt.availability()
     assert not avail.available
     assert "hybrid" in avail.reason
-    assert "ociRuntime: runc" in avail.hint
+    assert "sandbox.oci.runtime: runc" in avail.hint  # the current key, not the deprecated one
 
 
 def test_missing_runtime_is_unavailable() -> None:

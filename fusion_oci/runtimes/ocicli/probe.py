@@ -26,14 +26,14 @@ def refusal(name: str, binary: str | None, layout: Layout, rootless: bool) -> Av
             False,
             f"'{name}' was not found on PATH",
             f"install it (Debian/Ubuntu: apt-get install {Path(name).name}), or set "
-            "sandbox.ociRuntime to an installed OCI runtime (runc, crun, runsc, youki)",
+            "sandbox.oci.runtime to an installed OCI runtime (runc, crun, runsc, youki)",
         )
     if Path(binary).name == "crun" and layout == "hybrid":
         return Availability(
             False,
             "crun refuses cgroup v1/hybrid hosts ('cgroups in hybrid mode not "
             "supported'), and this host is hybrid",
-            "set sandbox.ociRuntime: runc, or boot the host with the unified cgroup v2 "
+            "set sandbox.oci.runtime: runc, or boot the host with the unified cgroup v2 "
             "hierarchy (systemd.unified_cgroup_hierarchy=1)",
         )
     if is_gvisor(binary) and rootless:
