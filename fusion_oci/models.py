@@ -24,26 +24,13 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
+# Re-exported (the one list is fusion_oci/backends.py).
+from fusion_oci.backends import BACKEND_IDS as BACKEND_IDS
+from fusion_oci.backends import BackendId as BackendId
 from fusion_oci.stdin import StdinStream
 
 if TYPE_CHECKING:
     from fusion_oci.hostservice import HostService
-
-BackendId = Literal[
-    "native", "sandbox-exec", "bubblewrap", "landlock", "docker", "podman", "oci", "custom"
-]
-"""Every backend id of the brief (plus ``oci``: any OCI runtime CLI run on the bundle)."""
-
-BACKEND_IDS: tuple[str, ...] = (
-    "native",
-    "sandbox-exec",
-    "bubblewrap",
-    "landlock",
-    "docker",
-    "podman",
-    "oci",
-    "custom",
-)
 
 FailureMode = Literal["fail-hard", "fallback-native"]
 

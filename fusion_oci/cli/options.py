@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 
+from fusion_oci.backends import BACKEND_IDS
 from fusion_oci.cli.choices import choice as _choice
 
 if TYPE_CHECKING:
@@ -16,16 +17,7 @@ if TYPE_CHECKING:
 
 HELP_OPTIONS = {"help_option_names": ["-h", "--help"]}
 
-BACKEND_CHOICES = (
-    "native",
-    "bubblewrap",
-    "landlock",
-    "oci",
-    "podman",
-    "docker",
-    "sandbox-exec",
-    "custom",
-)
+BACKEND_CHOICES = BACKEND_IDS
 
 # --- shared options -------------------------------------------------------------------------
 

@@ -49,6 +49,7 @@ TIERS: tuple[tuple[str, ...], ...] = (
     # map of the public names (strings), so it is a leaf whatever it exports.
     (
         "fusion_oci",
+        "backends",
         "errors",
         "stdin",
         "scratch",
