@@ -3,6 +3,7 @@ the program."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -182,3 +183,21 @@ def test_profile_in_every_bundle_is_schema_valid(oci_validator: Any) -> None:
     oci_validator.validate(spec)
     spec["linux"]["seccomp"] = without_errno_ret(spec["linux"]["seccomp"])
     oci_validator.validate(spec)
+
+
+def test_a_profile_is_compiled_once_per_content_and_the_memo_is_bounded() -> None:
+    """Every bubblewrap and landlock prepare compiles its profile (~20 ms): the resident server
+    compiles each distinct profile once; a changed profile is compiled again."""
+    from fusion_oci.oci import seccomp
+
+    profile = default_profile()
+    first = seccomp.compile_bpf(profile, "x86_64")
+    assert seccomp.compile_bpf(copy.deepcopy(profile), "x86_64") is first
+    other = copy.deepcopy(profile)
+    other["syscalls"] = other["syscalls"][:-1]
+    assert seccomp.compile_bpf(other, "x86_64") != first
+    for n in range(seccomp._COMPILED_MAX + 5):
+        changed = copy.deepcopy(profile)
+        changed["defaultErrnoRet"] = n + 100
+        seccomp.compile_bpf(changed, "x86_64")
+    assert len(seccomp._COMPILED) <= seccomp._COMPILED_MAX
