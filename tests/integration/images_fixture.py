@@ -136,11 +136,13 @@ def ensure_node_image(engine: str) -> ProvisionedImage:
                 _cache[engine] = ProvisionedImage(spec.ref, info.id, "present")
                 return _cache[engine]
         with _machine_lock():
-            _cache[engine] = _run_sync(lambda: _provision(engine))
+            _cache[engine] = _run_sync(lambda: provision(engine, "node"))
         return _cache[engine]
 
 
-async def _provision(engine: str) -> ProvisionedImage:
+async def provision(engine: str, name: str) -> ProvisionedImage:
+    """``images/NAME`` built on the offline base into ``engine`` (the node image, or a service
+    image: tests/integration/service_images.py)."""
     audit = AuditLog()
     reporter = PlainReporter(sys.stderr)
     # The base goes where the build happens: rootful podman when it answers (it builds for
@@ -150,18 +152,17 @@ async def _provision(engine: str) -> ProvisionedImage:
         builder, _ = _reachable(engine)
     assert builder is not None
     with builder:
-        await bootstrap_base(
-            [builder], ctx=AuditContext(audit, "tests", "node-image", "images"), reporter=reporter
-        )
+        ctx = AuditContext(audit, "tests", f"{name}-image", "images")
+        await bootstrap_base([builder], ctx=ctx, reporter=reporter)
     target = target_of(engine)
     return await ensure_image(
         target.kind,
         target.url,
-        "node",
+        name,
         _settings(),
         audit,
         "tests",
-        "node-image",
+        f"{name}-image",
         options=ProvisionOptions(
             engine_name=engine, base=BASE_REF, env=dict(os.environ), reporter=reporter
         ),

@@ -8,24 +8,12 @@ when present.
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
 
-from fusion_oci.audit import AuditLog
-from fusion_oci.images.bootstrap import bootstrap_base
-from fusion_oci.images.gates import AuditContext
-from fusion_oci.images.progress import PlainReporter
-from fusion_oci.images.provision import ProvisionedImage, ProvisionOptions, ensure_image
+from fusion_oci.images.provision import ProvisionedImage
 from fusion_oci.images.spec import BASE_REF, resolve_image
 from tests.backends import require
-from tests.integration.images_fixture import (
-    _machine_lock,
-    _reachable,
-    _run_sync,
-    _settings,
-    target_of,
-)
+from tests.integration.images_fixture import _machine_lock, _reachable, _run_sync, provision
 
 _cache: dict[tuple[str, str], ProvisionedImage] = {}
 _guard = threading.Lock()
@@ -47,33 +35,5 @@ def ensure_service_image(engine: str, name: str) -> ProvisionedImage:
             _cache[key] = ProvisionedImage(ref, info.id, "present")
             return _cache[key]
         with _machine_lock():
-            _cache[key] = _run_sync(lambda: _provision(engine, name))
+            _cache[key] = _run_sync(lambda: provision(engine, name))
         return _cache[key]
-
-
-async def _provision(engine: str, name: str) -> ProvisionedImage:
-    audit = AuditLog()
-    reporter = PlainReporter(sys.stderr)
-    builder, _ = _reachable("podman")
-    if builder is None:
-        builder, _ = _reachable(engine)
-    assert builder is not None
-    with builder:
-        await bootstrap_base(
-            [builder],
-            ctx=AuditContext(audit, "tests", f"{name}-image", "images"),
-            reporter=reporter,
-        )
-    target = target_of(engine)
-    return await ensure_image(
-        target.kind,
-        target.url,
-        name,
-        _settings(),
-        audit,
-        "tests",
-        f"{name}-image",
-        options=ProvisionOptions(
-            engine_name=engine, base=BASE_REF, env=dict(os.environ), reporter=reporter
-        ),
-    )
