@@ -105,7 +105,13 @@ def postgres_available() -> str | None:
 @contextlib.contextmanager
 def postgres_server() -> Iterator[Postgres]:
     """A PostgreSQL of the test's own: trust authentication, loopback and a unix socket only,
-    fsync off; stopped (its pid, which we started) and removed after."""
+    fsync off; stopped (its pid, which we started) and removed after. Fails the test (never
+    skips it) where it cannot start."""
+    why = postgres_available()
+    if why is not None:
+        import pytest
+
+        pytest.fail(f"PostgreSQL cannot be started here: {why} (scripts/install.sh installs it)")
     user = pwd.getpwnam("postgres")
     base = Path(tempfile.mkdtemp(prefix="fusion-oci-pg-"))
     base.chmod(0o755)

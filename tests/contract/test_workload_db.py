@@ -24,16 +24,13 @@ from tests.contract.test_workload import INSTALL, LOCAL, NETWORK, STEP
 
 # Engine volumes bound under this session's temporary directory go at the module's end.
 from tests.integration.container_cases import drop_test_cache_volumes  # noqa: F401
-from tests.services_world import Postgres, postgres_available, postgres_server
+from tests.services_world import Postgres, postgres_server
 
 PROJECT = Path(__file__).resolve().parents[1] / "data" / "workload-db-project"
 
 
 @pytest.fixture(scope="module")
 def pg() -> Iterator[Postgres]:
-    why = postgres_available()
-    if why is not None:
-        pytest.fail(f"PostgreSQL cannot be started here: {why} (scripts/install.sh installs it)")
     with postgres_server() as server:
         yield server
 
