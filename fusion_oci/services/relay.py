@@ -18,7 +18,7 @@ What happens to the bytes then depends on who dialled:
   command runs: its **pool** (:meth:`TaskRelays._pool`), over which the relay keeps
   :data:`POOL` unconnected sockets of the host's network namespace in the agent's hands; the
   agent connects one to the grant for each new connection (no host process between the
-  command's connect and the service) and reports each connection's end (:data:`_RECORD`)
+  command's connect and the service) and reports each connection's end (:data:`RECORD_FORMAT`)
   for its audit event. ``C``: one connection (the pool is empty), where the relay sends one
   byte first. When the dialer is the sandbox's init,
   the agent (:func:`dialled_by_sandbox_init`), the byte carries the **connected socket**
@@ -63,18 +63,19 @@ from fusion_oci.egress.splice import Tunnel
 from fusion_oci.errors import SandboxSetupError, SettingsError
 from fusion_oci.hostservice import DASHBOARD_PORT, HostService, hands_over
 from fusion_oci.scratch import make_scratch
+from fusion_oci.services.handover import (
+    POOL,
+    RECORD,
+    RECORD_FORMAT,
+    dialled_by_sandbox_init,
+    hand_over,
+)
 from fusion_oci.services.netns import NetnsSockets
 
 if TYPE_CHECKING:
     from fusion_oci.audit import AuditLog
 
 _TASK_ID_IN_PATH = 24
-POOL = 8
-"""Unconnected sockets a sandbox's agent holds per TCP grant (agent.c's FWD_POOL)."""
-RECORD = 32
-_RECORD = struct.Struct("!c3xIQQI4x")
-"""The agent's record on its pool connection: type (``O`` a socket taken, ``D`` a connection
-done), id, bytes to the service, bytes from it, the connect's errno (0: it connected)."""
 
 
 @dataclass(frozen=True)
@@ -140,34 +141,6 @@ def resolve_unix(grant: HostService, dangerous: bool) -> str:
             f"grant the service's own socket, or write {{address: '{grant}', dangerous: true}}",
         )
     return resolved
-
-
-def _nspid(pid: int | str) -> list[int] | None:
-    """``pid``'s ids from its own pid namespace up to ours (``NSpid``), outermost first."""
-    try:
-        text = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        if line.startswith("NSpid:"):
-            return [int(x) for x in line.split()[1:]]
-    return None
-
-
-def dialled_by_sandbox_init(sock: socket.socket) -> bool:
-    """Whether the peer of the connected unix socket ``sock`` is PID 1 of a pid namespace
-    one level below ours: a sandbox's exec agent (bubblewrap ``--as-pid-1``, a container's
-    init). A command never is: it is not its sandbox's init, and a pid namespace a command
-    makes is a level further down. Checked while the peer holds the connection open (its
-    pid cannot be reused meanwhile)."""
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid = struct.unpack("3i", creds)[0]
-    if pid <= 0:  # the dialer is in a pid namespace we cannot see (gVisor's sentry)
-        return False
-    theirs, ours = _nspid(pid), _nspid("self")
-    return (
-        theirs is not None and ours is not None and len(theirs) == len(ours) + 1 and theirs[-1] == 1
-    )
 
 
 def open_unix_target(path: str) -> int:
@@ -431,7 +404,7 @@ class TaskRelays:
             up = await self._connect(relay)
             connected = True
             if handoff:
-                handed = await self._hand_over(down, up)
+                handed = await hand_over(down, up)
                 if handed is not None:
                     moved = handed
                     via = "agent"
@@ -496,7 +469,7 @@ class TaskRelays:
                     return
                 buf += part
                 while len(buf) >= RECORD:
-                    kind, ident, up, dn, err = _RECORD.unpack_from(buf)
+                    kind, ident, up, dn, err = RECORD_FORMAT.unpack_from(buf)
                     buf = buf[RECORD:]
                     if kind == b"O":
                         opened[ident] = time.monotonic()
@@ -540,43 +513,6 @@ class TaskRelays:
                     via="agent",
                 )
             opened.clear()
-
-    async def _hand_over(self, down: socket.socket, up: socket.socket) -> dict[str, int] | None:
-        """Give ``up`` (connected to the grant) to the agent at ``down``; once it has it, wait
-        for the connection's end and return its byte counts. None when the agent asks the
-        relay to splice (no fd arrived); OSError when it went away."""
-        loop = asyncio.get_running_loop()
-        try:
-            fds = []
-            if dialled_by_sandbox_init(down):
-                fds = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [up.fileno()]))]
-            down.sendmsg([b"\x01"], fds)
-            # No timeout of its own: the agent answers at once, or its sandbox ended (EOF);
-            # the task's stop cancels this like any connection.
-            answer = await loop.sock_recv(down, 1)
-        except BaseException:
-            up.close()
-            down.close()
-            raise
-        if answer == b"S":
-            return None
-        # Ours is a second reference to the agent's socket: the connection is the agent's now.
-        up.close()
-        if answer != b"K" or not fds:
-            down.close()
-            raise OSError(errno.EPROTO, "the dialer neither took the socket nor asked to splice")
-        counts = b""
-        try:
-            while len(counts) < 16:
-                part = await loop.sock_recv(down, 16 - len(counts))
-                if not part:
-                    break
-                counts += part
-        finally:
-            down.close()
-        if len(counts) < 16:  # the sandbox ended before the agent could say
-            return {"up": 0, "down": 0}
-        return {"up": int.from_bytes(counts[:8], "big"), "down": int.from_bytes(counts[8:], "big")}
 
     async def _connected(self, sock: socket.socket, address: Any) -> None:
         """Connect the non-blocking ``sock`` within the connect timeout. Spelled out rather

@@ -1,0 +1,92 @@
+"""Host sockets handed to a sandbox's exec agent (``SCM_RIGHTS``), and to whom.
+
+A TCP grant's connection is moved by the agent itself when it can (no host process in the data
+path): the relay hands it the socket connected to the grant (:func:`hand_over`), or keeps a
+pool of unconnected host sockets in its hands (:data:`POOL`; :meth:`TaskRelays._pool
+<fusion_oci.services.relay.TaskRelays._pool>`). A host socket in a sandbox is a way out if a
+command holds it (an unconnected one connects anywhere on the host's loopback, and
+``connect(AF_UNSPEC)`` disconnects a connected one), so sockets go only to the sandbox's init,
+the agent (:func:`dialled_by_sandbox_init`).
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import errno
+import socket
+import struct
+from pathlib import Path
+
+POOL = 8
+"""Unconnected sockets a sandbox's agent holds per TCP grant (agent.c's FWD_POOL)."""
+RECORD = 32
+RECORD_FORMAT = struct.Struct("!c3xIQQI4x")
+"""The agent's record on its pool connection: type (``O`` a socket taken, ``D`` a connection
+done), id, bytes to the service, bytes from it, the connect's errno (0: it connected)."""
+
+
+def _nspid(pid: int | str) -> list[int] | None:
+    """``pid``'s ids from its own pid namespace up to ours (``NSpid``), outermost first."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("NSpid:"):
+            return [int(x) for x in line.split()[1:]]
+    return None
+
+
+def dialled_by_sandbox_init(sock: socket.socket) -> bool:
+    """Whether the peer of the connected unix socket ``sock`` is PID 1 of a pid namespace
+    one level below ours: a sandbox's exec agent (bubblewrap ``--as-pid-1``, a container's
+    init). A command never is: it is not its sandbox's init, and a pid namespace a command
+    makes is a level further down. Checked while the peer holds the connection open (its
+    pid cannot be reused meanwhile)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid = struct.unpack("3i", creds)[0]
+    if pid <= 0:  # the dialer is in a pid namespace we cannot see (gVisor's sentry)
+        return False
+    theirs, ours = _nspid(pid), _nspid("self")
+    return (
+        theirs is not None and ours is not None and len(theirs) == len(ours) + 1 and theirs[-1] == 1
+    )
+
+
+async def hand_over(down: socket.socket, up: socket.socket) -> dict[str, int] | None:
+    """Give ``up`` (connected to the grant) to the agent at ``down``; once it has it, wait
+    for the connection's end and return its byte counts. None when the agent asks the
+    relay to splice (no fd arrived); OSError when it went away."""
+    loop = asyncio.get_running_loop()
+    try:
+        fds = []
+        if dialled_by_sandbox_init(down):
+            fds = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [up.fileno()]))]
+        down.sendmsg([b"\x01"], fds)
+        # No timeout of its own: the agent answers at once, or its sandbox ended (EOF);
+        # the task's stop cancels this like any connection.
+        answer = await loop.sock_recv(down, 1)
+    except BaseException:
+        up.close()
+        down.close()
+        raise
+    if answer == b"S":
+        return None
+    # Ours is a second reference to the agent's socket: the connection is the agent's now.
+    up.close()
+    if answer != b"K" or not fds:
+        down.close()
+        raise OSError(errno.EPROTO, "the dialer neither took the socket nor asked to splice")
+    counts = b""
+    try:
+        while len(counts) < 16:
+            part = await loop.sock_recv(down, 16 - len(counts))
+            if not part:
+                break
+            counts += part
+    finally:
+        down.close()
+    if len(counts) < 16:  # the sandbox ended before the agent could say
+        return {"up": 0, "down": 0}
+    return {"up": int.from_bytes(counts[:8], "big"), "down": int.from_bytes(counts[8:], "big")}
