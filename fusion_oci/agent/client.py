@@ -21,7 +21,6 @@ import array
 import asyncio
 import contextlib
 import errno as _errno
-import functools
 import itertools
 import os
 import resource
@@ -33,6 +32,7 @@ from collections.abc import AsyncIterable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fusion_oci.agent.pipes import CommandPipes, StdinFeeder, wait_writable
 from fusion_oci.agent.protocol import (
     EXITED,
     FAILED,
@@ -96,20 +96,6 @@ def listen_socket(path: str | os.PathLike[str], mode: int = 0o600) -> socket.soc
     return sock
 
 
-def _wake(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
-
-async def _wait_writable(loop: asyncio.AbstractEventLoop, fd: int) -> None:
-    fut: asyncio.Future[None] = loop.create_future()
-    loop.add_writer(fd, _wake, fut)
-    try:
-        await fut
-    finally:
-        loop.remove_writer(fd)
-
-
 def _unlink(path: str) -> None:
     """Gone from the folder: nothing can connect to the agent's socket afterwards."""
     with contextlib.suppress(OSError):
@@ -121,75 +107,6 @@ class _Failed(Exception):
         super().__init__(what)
         self.err = err
         self.what = what
-
-
-class _Run:
-    """One run's state, driven by loop callbacks (no task per pipe: a short command costs few
-    turns of the loop)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.pid: int | None = None
-        self.exited: asyncio.Future[int] = loop.create_future()
-        self.drained: asyncio.Future[None] = loop.create_future()
-        self.ending: asyncio.Task[None] | None = None
-        self.timed_out = False
-        self.error: BaseException | None = None
-        """What an on_output callback raised: the run is ended and run() raises it."""
-        self.on_error: Callable[[], None] = lambda: None
-        self._open: dict[int, Capture] = {}
-
-    def watch(self, fd: int, capture: Capture) -> None:
-        os.set_blocking(fd, False)
-        self._open[fd] = capture
-        self.loop.add_reader(fd, self._readable, fd)
-
-    def _readable(self, fd: int) -> None:
-        try:
-            chunk = os.read(fd, 65536)
-        except BlockingIOError:
-            return
-        except OSError:
-            chunk = b""
-        if not chunk:
-            self._close(fd)
-            return
-        try:
-            wait = self._open[fd].feed(chunk)
-        except Exception as exc:  # the caller's on_output: end the run, raise it from run()
-            self._failed(fd, exc)
-            return
-        if wait is not None:
-            # The consumer is behind (a slow client of serve): stop reading this pipe until it
-            # catches up, so the command blocks on a full pipe instead of us buffering.
-            self.loop.remove_reader(fd)
-            asyncio.ensure_future(wait).add_done_callback(functools.partial(self._resume, fd))
-
-    def _resume(self, fd: int, done: asyncio.Future[object]) -> None:
-        if fd not in self._open:
-            return
-        if not done.cancelled() and (exc := done.exception()) is not None:
-            self._failed(fd, exc)
-            return
-        self.loop.add_reader(fd, self._readable, fd)
-
-    def _failed(self, fd: int, exc: BaseException) -> None:
-        if self.error is None:
-            self.error = exc
-            self.on_error()
-        self._close(fd)
-
-    def _close(self, fd: int) -> None:
-        if self._open.pop(fd, None) is not None:
-            self.loop.remove_reader(fd)  # False (no error) when paused for backpressure
-            os.close(fd)
-        if not self._open and not self.drained.done():
-            self.drained.set_result(None)
-
-    def close_all(self) -> None:
-        """Stop reading (a grandchild may keep a pipe open past the bound)."""
-        for fd in list(self._open):
-            self._close(fd)
 
 
 class _Trigger:
@@ -224,7 +141,7 @@ class Agent:
         self.agent_pid: int | None = None
         """The agent's pid as it sees itself (1 as a container's init)."""
         self._send_lock = asyncio.Lock()
-        self._runs: dict[str, _Run] = {}
+        self._runs: dict[str, CommandPipes] = {}
         self._ids = itertools.count(1)
         self._lost: AgentLostError | None = None
         self._closed = False
@@ -426,7 +343,7 @@ class Agent:
                         else:
                             sent = self._sock.send(view)
                     except BlockingIOError:
-                        await _wait_writable(self._loop, self._sock.fileno())
+                        await wait_writable(self._loop, self._sock.fileno())
                         continue
                     view = view[sent:]
             except OSError as exc:
@@ -504,7 +421,7 @@ class Agent:
                 groups=groups,
             )
         )
-        run = _Run(self._loop)
+        run = CommandPipes(self._loop)
 
         def end() -> None:
             if run.ending is None and not run.exited.done():
@@ -539,7 +456,7 @@ class Agent:
                     os.close(fd)
         run.watch(out_r, out)
         run.watch(err_r, err)
-        feeder = _Feeder(in_w, stdin) if stdin is not None else None
+        feeder = StdinFeeder(in_w, stdin) if stdin is not None else None
         timer = self._loop.call_later(timeout_s, expire) if timeout_s is not None else None
         try:
             try:
@@ -617,7 +534,7 @@ class Agent:
             "check the working directory, user and rlimits of the command",
         )
 
-    async def _end(self, run_id: str, run: _Run, grace_s: float) -> None:
+    async def _end(self, run_id: str, run: CommandPipes, grace_s: float) -> None:
         """SIGTERM the whole tree, SIGKILL after the grace (the keeper does both); wait."""
         if run.exited.done():
             return
@@ -659,44 +576,3 @@ class Agent:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             await proc.wait()
-
-
-class _Feeder:
-    """Writes stdin without blocking the loop, then closes it (EOF for the command)."""
-
-    def __init__(self, fd: int, source: bytes | AsyncIterable[bytes]) -> None:
-        self.fd = fd
-        os.set_blocking(fd, False)
-        self.task = asyncio.ensure_future(self._feed(source))
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-    async def stop(self) -> None:
-        self.task.cancel()
-        await asyncio.gather(self.task, return_exceptions=True)
-        self.close()  # even when the task never got to run
-
-    async def _write(self, data: bytes) -> None:
-        loop = asyncio.get_running_loop()
-        fd = self.fd
-        view = memoryview(data)
-        while view:
-            try:
-                view = view[os.write(fd, view) :]
-            except BlockingIOError:
-                await _wait_writable(loop, fd)
-
-    async def _feed(self, source: bytes | AsyncIterable[bytes]) -> None:
-        try:
-            if isinstance(source, bytes | bytearray | memoryview):
-                await self._write(bytes(source))
-            else:
-                async for chunk in source:
-                    await self._write(chunk)
-        except (BrokenPipeError, ConnectionResetError):
-            pass
-        finally:
-            self.close()
