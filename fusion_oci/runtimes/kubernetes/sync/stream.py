@@ -113,12 +113,23 @@ class ProcessStream:
         if self._proc.stdin is not None:
             with contextlib.suppress(OSError):
                 self._proc.stdin.close()
+        # Read out what is left (a reply the host refused to read, say): asyncio reaps the
+        # child only once its pipes are closed, and a paused pipe never would be.
+        discard = asyncio.ensure_future(self._discard())
         try:
-            await asyncio.wait_for(self._proc.wait(), 2.0)
+            await asyncio.wait_for(asyncio.shield(self._proc.wait()), 2.0)
         except TimeoutError:
             await kill_group(self._proc)
+        finally:
+            discard.cancel()
         with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
             await asyncio.wait_for(self._drain, 1.0)
+
+    async def _discard(self) -> None:
+        assert self._proc.stdout is not None
+        with contextlib.suppress(OSError):
+            while await self._proc.stdout.read(1 << 20):
+                pass
 
 
 async def request(
