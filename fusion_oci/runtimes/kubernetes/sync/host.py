@@ -65,6 +65,9 @@ HOST_GIT = (
 )
 """The host's git reads the user's config (it is theirs) but runs none of a worktree's
 programs: no fsmonitor, no hooks, no automatic gc while a quarantine is open."""
+STRICT = "--strict=badFilemode=error,zeroPaddedFilemode=error,fullPathname=error"
+"""fsck's checks with the ones it only reports (a mode other than 644, 755, link, folder,
+gitlink; a zero-padded mode; a name with a slash) made errors: --strict alone passes them."""
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,9 @@ class WorktreeSync:
         self._index_stamp: tuple[int, int, int] | None = None
         self._index_tree: str | None = None
         self._broken = False
+        self._stale = False
+        """A pull was refused: the remote holds what the host did not take, so the next
+        push sends the host's state even if the host did not change."""
 
     # -- git on the host -------------------------------------------------------------------
 
@@ -242,7 +248,7 @@ class WorktreeSync:
         since the last transfer, and nothing crossed."""
         self._check_usable()
         state = await self.snapshot()
-        if state == self.base:
+        if state == self.base and not self._stale:
             return False
         have = self.base.oids() if self.base is not None else {}
         wanted = [v for k, v in state.oids().items() if have.get(k) != v]
@@ -266,6 +272,7 @@ class WorktreeSync:
                 "the sandbox could not take the worktree", str(reply.get("error"))[:600]
             )
         self.base = state
+        self._stale = False
         return True
 
     async def _exchange(self, meta: dict[str, Any], pack: bytes) -> tuple[dict[str, Any], bytes]:
@@ -326,10 +333,12 @@ class WorktreeSync:
             "bringBack": self.settings.bring_back,
             "base": vars(base),
         }
+        self._stale = True
         reply, pack = await self._exchange(meta, b"")
         new, head_ref = self._remote_state(reply)
         report = PullReport(pack_bytes=len(pack))
         if new == base and not pack:
+            self._stale = False
             return report
         if pack:
             self._check_pack(pack)
@@ -339,6 +348,7 @@ class WorktreeSync:
         finally:
             await asyncio.to_thread(shutil.rmtree, quarantine, True)
         self.base = new
+        self._stale = False
         return report
 
     def _qenv(self, quarantine: Path) -> dict[str, str]:
@@ -385,7 +395,7 @@ class WorktreeSync:
         # --strict: every object fsck-checked (names like .GIT, bad modes, broken trees and
         # commits) and every link present; --fix-thin: the deltas' bases come from the host.
         done = await run_process(
-            ["git", *HOST_GIT, "-C", str(self.root), "index-pack", "--stdin", "--strict",
+            ["git", *HOST_GIT, "-C", str(self.root), "index-pack", "--stdin", STRICT,
              "--fix-thin", f"--max-input-size={len(pack)}"],
             env={**self._env, **qenv}, stdin=pack, timeout_s=GIT_TIMEOUT_S,
         )  # fmt: skip

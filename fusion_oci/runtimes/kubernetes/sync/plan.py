@@ -111,6 +111,11 @@ def check_changes(changes: Sequence[Change], max_paths: int) -> None:
                 raise SyncRefusedError(f"path {change.path!r}: mode {mode} (only 644, 755, links)")
 
 
+def _below(path: str, folders: set[str]) -> bool:
+    parts = path.split("/")
+    return any("/".join(parts[:i]) in folders for i in range(1, len(parts)))
+
+
 def build_plan(
     changes: Sequence[Change],
     host: Mapping[str, HostEntry],
@@ -121,8 +126,13 @@ def build_plan(
     check_changes(changes, max_paths)
     plan = Plan()
     folded = collisions(c.path for c in changes if c.new is not None)
+    # A file or symlink the plan removes (the host's is the one that was sent) may be a
+    # folder's place in the new tree: below it, the host will have nothing.
+    removed = {c.path for c in changes if c.new is None and host.get(c.path) == c.old}
     for change in changes:
         now = host.get(change.path)
+        if now is not None and now[0] == "blocked" and _below(change.path, removed):
+            now = None
         if now is not None and now[0] == "dir" and change.old is None:
             now = None  # a folder the deletions empty (else the write is refused when made)
         if change.new_mode == GITLINK:
