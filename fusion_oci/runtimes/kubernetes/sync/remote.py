@@ -123,6 +123,24 @@ class Repo:
     def sync_index(self) -> str:
         return str(Path(self.git_dir) / SYNC_INDEX)
 
+    def index_stamp(self) -> list[int] | None:
+        try:
+            st = (Path(self.git_dir) / "index").stat()
+        except OSError:
+            return None
+        return [st.st_ino, st.st_size, st.st_mtime_ns]
+
+    def loose_ref(self, branch: str) -> str | None:
+        """The branch's commit from its loose ref file; None when it is packed or odd (then
+        git answers). Only the host checks what this side says, so a shortcut is fine."""
+        try:
+            text = (Path(self.git_dir) / "refs" / "heads" / branch).read_text("ascii").strip()
+        except (OSError, ValueError):
+            return None
+        return (
+            text if len(text) in (40, 64) and all(c in "0123456789abcdef" for c in text) else None
+        )
+
     def head_ref(self) -> str | None:
         try:
             with (Path(self.git_dir) / "HEAD").open(encoding="utf-8") as fh:
@@ -147,7 +165,7 @@ def push(repo: Repo, meta: dict[str, Any], pack: bytes) -> tuple[dict[str, Any],
         git(repo.path, "read-tree", "--reset", str(index))
     if meta.get("head") and meta["head"] != repo.last.get("head"):
         git(repo.path, "update-ref", f"refs/heads/{branch}", str(meta["head"]))
-    repo.last = {"index": index, "head": meta.get("head")}
+    repo.last = {"index": index, "head": meta.get("head"), "stamp": repo.index_stamp()}
     return {"ok": True}, b""
 
 
@@ -159,18 +177,25 @@ def pull(repo: Repo, meta: dict[str, Any], _payload: bytes) -> tuple[dict[str, A
     branch = str(meta["branch"])
     if not repo.git_dir:
         raise Failure("pull before the first push")
-    # The three snapshots are independent: run them side by side.
-    index_tree = _start(repo.path, "write-tree")
-    head = _start(repo.path, "rev-parse", "-q", "--verify", f"refs/heads/{branch}^{{commit}}")
-    git(repo.path, "add", "-A", index=repo.sync_index)
+    # The three snapshots are independent: run them side by side, and skip the index's and
+    # the branch's when their files say they did not change.
+    stamp = repo.index_stamp()
+    index_tree = None if stamp == repo.last.get("stamp") else _start(repo.path, "write-tree")
+    loose = repo.loose_ref(branch)
+    head = (
+        None if loose else _start(repo.path, "rev-parse", "-q", "--verify", f"refs/heads/{branch}")
+    )
+    git(repo.path, "-c", "core.untrackedCache=true", "add", "-A", index=repo.sync_index)
     back = _existing(repo.path, [str(p) for p in meta.get("bringBack") or []])
     if back:
         git(repo.path, "add", "-A", "-f", "--", *back, index=repo.sync_index)
     worktree = git(repo.path, "write-tree", index=repo.sync_index).decode().strip()
     state = {
         "worktree": worktree,
-        "index": _finish(index_tree, "write-tree", check=False),
-        "head": _finish(head, "rev-parse", check=False),
+        "index": repo.last.get("index")
+        if index_tree is None
+        else _finish(index_tree, "write-tree", False),
+        "head": loose or (_finish(head, "rev-parse", check=False) if head else None),
     }
     base = meta.get("base") or {}
     wanted = [v for k, v in state.items() if v and v != base.get(k)]
@@ -181,7 +206,7 @@ def pull(repo: Repo, meta: dict[str, Any], _payload: bytes) -> tuple[dict[str, A
         payload = git(
             repo.path, "pack-objects", "--revs", "--thin", "--stdout", "-q", stdin=revs.encode()
         )
-    repo.last = dict(state)
+    repo.last = {**state, "stamp": stamp}
     return {"ok": True, "headRef": repo.head_ref(), **state}, payload
 
 
