@@ -156,7 +156,7 @@ async def test_sync_path_escape(pushed: tuple[World, Guard], name: bytes) -> Non
     assert not (world.host.parent / "pwned").exists()
 
 
-async def test_sync_absolute_and_nul_in_meta(pushed: tuple[World, Guard]) -> None:
+async def test_sync_oid_injection(pushed: tuple[World, Guard]) -> None:
     """sync-oid-injection: object names that are options, refs or paths, never passed on."""
     world, guard = pushed
     base = world.sync.base
@@ -177,7 +177,7 @@ async def test_sync_absolute_and_nul_in_meta(pushed: tuple[World, Guard]) -> Non
         assert not marker.exists()
 
 
-async def test_sync_symlinked_parent_on_the_host(pushed: tuple[World, Guard]) -> None:
+async def test_sync_symlink_parent(pushed: tuple[World, Guard]) -> None:
     """sync-symlink-parent: the host has an (ignored) symlink to a folder outside; the remote
     sends a file below it. Nothing is written through the link."""
     world, guard = pushed
@@ -192,7 +192,7 @@ async def test_sync_symlinked_parent_on_the_host(pushed: tuple[World, Guard]) ->
     guard.held()
 
 
-async def test_sync_symlink_swapped_for_a_file(pushed: tuple[World, Guard]) -> None:
+async def test_sync_symlink_swap(pushed: tuple[World, Guard]) -> None:
     """sync-symlink-swap: the remote makes a symlink to a host file outside, then replaces it
     with a file (and a folder with a link in it with a file below): the host replaces the
     links, never writes through them."""
@@ -210,7 +210,7 @@ async def test_sync_symlink_swapped_for_a_file(pushed: tuple[World, Guard]) -> N
     guard.held()
 
 
-async def test_sync_link_then_file_below_in_one_tree(pushed: tuple[World, Guard]) -> None:
+async def test_sync_symlink_parent_one_tree(pushed: tuple[World, Guard]) -> None:
     """sync-symlink-parent, crafted: one tree holds ``d`` as a symlink to outside and
     ``d/x`` (two entries named ``d``): git's checks refuse it before anything is written."""
     world, guard = pushed
@@ -238,7 +238,7 @@ async def test_sync_bad_mode(pushed: tuple[World, Guard], mode: str) -> None:
     await refused(world, guard)
 
 
-async def test_sync_modes_are_exactly_644_or_755(pushed: tuple[World, Guard]) -> None:
+async def test_sync_bad_mode_from_an_honest_git(pushed: tuple[World, Guard]) -> None:
     """sync-bad-mode, honest git: setuid, group- and world-writable files come back 755/644."""
     world, guard = pushed
     sh(world.remote, "echo a > suid && chmod 4777 suid && echo b > ww && chmod 666 ww")
@@ -275,7 +275,7 @@ async def test_sync_fsck(pushed: tuple[World, Guard]) -> None:
     assert not list(world.sync.objects.glob("incoming-*"))  # the quarantine is gone
 
 
-async def test_sync_frames_and_counts_are_bounded(tmp_path: Path) -> None:
+async def test_sync_size(tmp_path: Path) -> None:
     """sync-size: a frame that announces more than the limit is refused unread; a header
     without its newline, a pack claiming more objects than allowed, meta that is not JSON."""
     cases: list[tuple[bytes, str]] = [
@@ -349,7 +349,7 @@ async def test_sync_refs(pushed: tuple[World, Guard]) -> None:
     await refused(world, guard, "not a commit")
 
 
-async def test_sync_git_dir_of_the_remote_stays_there(pushed: tuple[World, Guard]) -> None:
+async def test_sync_git_dir(pushed: tuple[World, Guard]) -> None:
     """sync-git-dir: a command rewrites its .git (hooks, config, info/attributes,
     packed-refs, other branches and tags): the host's .git gets none of it."""
     world, guard = pushed
@@ -372,7 +372,7 @@ async def test_sync_git_dir_of_the_remote_stays_there(pushed: tuple[World, Guard
     assert not marker.exists()
 
 
-async def test_sync_protected_paths(pushed: tuple[World, Guard]) -> None:
+async def test_sync_protected(pushed: tuple[World, Guard]) -> None:
     """sync-protected: protectedPaths (and folded spellings of them) never come back."""
     world, guard = pushed
     sh(
@@ -396,7 +396,7 @@ async def test_sync_protected_paths(pushed: tuple[World, Guard]) -> None:
     assert report.index.startswith("kept: it stages protected paths"), report
 
 
-async def test_sync_nested_repository(pushed: tuple[World, Guard]) -> None:
+async def test_sync_gitlink(pushed: tuple[World, Guard]) -> None:
     """sync-gitlink: a repository the command makes, with an fsmonitor and a hook, staged as
     a gitlink: it stays in the sandbox; the host's git runs nothing of it."""
     world, guard = pushed
@@ -418,7 +418,7 @@ async def test_sync_nested_repository(pushed: tuple[World, Guard]) -> None:
     guard.held()
 
 
-async def test_sync_case_folding(pushed: tuple[World, Guard]) -> None:
+async def test_sync_case_fold(pushed: tuple[World, Guard]) -> None:
     """sync-case-fold: a name that folds onto an existing host file, or onto another new
     one, is not written (on a case-insensitive host it would replace the other)."""
     world, guard = pushed
@@ -430,7 +430,7 @@ async def test_sync_case_folding(pushed: tuple[World, Guard]) -> None:
     guard.held()
 
 
-async def test_sync_conflict_never_overwrites(pushed: tuple[World, Guard]) -> None:
+async def test_sync_conflict(pushed: tuple[World, Guard]) -> None:
     """sync-conflict: the agent changed a file on the host during the command; the remote
     changed or deleted it too: the host's stays."""
     world, guard = pushed
