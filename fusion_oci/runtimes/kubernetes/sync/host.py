@@ -134,6 +134,8 @@ class WorktreeSync:
         self.objects = Path()
         self.algo = "sha1"
         self._index_stamp: tuple[int, int, int] | None = None
+        self._wt_stamp: tuple[int, int, int] | None = None
+        self._wt_tree: str | None = None
         self._index_tree: str | None = None
         self._broken = False
         self._stale = False
@@ -209,7 +211,13 @@ class WorktreeSync:
         back = [p for p in self.settings.bring_back if _lexists(self.root / p)]
         if back:
             await self._git("add", "-A", "-f", "--", *back, env=env)
-        return (await self._git("write-tree", env=env)).decode().strip()
+        # git rewrites an index only when something in it changed (a new file each time):
+        # the same file means the same tree, and write-tree is skipped.
+        if self._wt_tree is not None and _stamp(private) == self._wt_stamp:
+            return self._wt_tree
+        tree = (await self._git("write-tree", env=env)).decode().strip()
+        self._wt_stamp, self._wt_tree = _stamp(private), tree
+        return tree
 
     async def _index_tree_now(self) -> str | None:
         """The tree of the user's index, written from a copy (the user's file is not
@@ -535,6 +543,14 @@ class WorktreeSync:
 
     async def close(self) -> None:
         await self.stream.close()
+
+
+def _stamp(path: Path) -> tuple[int, int, int] | None:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def _lexists(path: Path) -> bool:

@@ -101,6 +101,8 @@ class Repo:
     def __init__(self, path: str) -> None:
         self.path = path
         self.git_dir = ""
+        self.worktree: tuple[str, list[int] | None] = ("", None)
+        """The worktree tree last written or read, and the private index's stamp then."""
         self.last: dict[str, Any] = {}
         """The state both sides had after the last exchange: what needs no rewrite."""
 
@@ -124,8 +126,12 @@ class Repo:
         return str(Path(self.git_dir) / SYNC_INDEX)
 
     def index_stamp(self) -> list[int] | None:
+        return self.stamp(str(Path(self.git_dir) / "index"))
+
+    @staticmethod
+    def stamp(path: str) -> list[int] | None:
         try:
-            st = (Path(self.git_dir) / "index").stat()
+            st = Path(path).stat()
         except OSError:
             return None
         return [st.st_ino, st.st_size, st.st_mtime_ns]
@@ -159,6 +165,7 @@ def push(repo: Repo, meta: dict[str, Any], pack: bytes) -> tuple[dict[str, Any],
     # rewrites only those whose content changed, removes those gone, and never sees ignored
     # files (they are not in this index), so node_modules and build output stay.
     git(repo.path, "read-tree", "--reset", "-u", str(meta["worktree"]), index=repo.sync_index)
+    repo.worktree = (str(meta["worktree"]), repo.stamp(repo.sync_index))
     index = meta.get("index")
     if index and index != repo.last.get("index"):
         # --reset without -u: stat data kept where the content is the same
@@ -189,7 +196,12 @@ def pull(repo: Repo, meta: dict[str, Any], _payload: bytes) -> tuple[dict[str, A
     back = _existing(repo.path, [str(p) for p in meta.get("bringBack") or []])
     if back:
         git(repo.path, "add", "-A", "-f", "--", *back, index=repo.sync_index)
-    worktree = git(repo.path, "write-tree", index=repo.sync_index).decode().strip()
+    # git rewrites an index only when something in it changed: the same file, the same tree.
+    if repo.worktree[1] is not None and repo.stamp(repo.sync_index) == repo.worktree[1]:
+        worktree = repo.worktree[0]
+    else:
+        worktree = git(repo.path, "write-tree", index=repo.sync_index).decode().strip()
+        repo.worktree = (worktree, repo.stamp(repo.sync_index))
     state = {
         "worktree": worktree,
         "index": repo.last.get("index")
