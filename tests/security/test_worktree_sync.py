@@ -137,7 +137,7 @@ async def refused(world: World, guard: Guard, match: str | None = None) -> None:
 @pytest.mark.parametrize(
     "name",
     [b"..", b".", b".git", b".GIT", b".Git", b".git ", b".git.", b"git~1", b".g\xe2\x80\x8cit",
-     b"a\\..\\..\\x", b"..\\x"],
+     b"a\\..\\..\\x", b"..\\x", b"", b"/etc", b"../../x"],
 )  # fmt: skip
 async def test_sync_path_escape(pushed: tuple[World, Guard], name: bytes) -> None:
     """sync-path-escape and sync-dotgit: a tree entry that is ``..``, ``.``, ``.git`` in any
@@ -150,7 +150,7 @@ async def test_sync_path_escape(pushed: tuple[World, Guard], name: bytes) -> Non
     assert base is not None
     entries = [("40000", "tree", inner, name), ("100644", "blob", blob, b"zzz-fine")]
     tree = world.mktree(sorted(entries, key=lambda e: e[3]))
-    reply_tree(world, tree)
+    reply_objects(world, tree, [tree, inner, hooks, blob])  # listed: "" cannot be walked
     await refused(world, guard)
     assert not (world.host / "hooks").exists() and not (world.host / "zzz-fine").exists()
     assert not (world.host.parent / "pwned").exists()
