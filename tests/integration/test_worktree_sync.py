@@ -213,3 +213,29 @@ async def test_a_detached_host_head_is_refused_at_open(tmp_path: Path) -> None:
 
     with pytest.raises(WorktreeSyncError, match="detached"):
         await WorktreeSync(w.host, w.sync.stream, tmp_path / "s2").open()
+
+
+async def test_a_sha256_repository(tmp_path: Path) -> None:
+    from fusion_oci.runtimes.kubernetes.sync import ProcessStream, WorktreeSync, remote_argv
+    from fusion_oci.runtimes.kubernetes.sync.stream import local_python
+    from tests.sync_world import GIT_ENV, git
+
+    host = tmp_path / "host"
+    host.mkdir()
+    git(host, "init", "-q", "-b", "task", "--object-format=sha256")
+    (host / "a.txt").write_text("a\n")
+    git(host, "add", "-A")
+    git(host, "commit", "-qm", "init")
+    argv = remote_argv(str(tmp_path / "remote"), python=local_python())
+    stream = await ProcessStream.start(argv, env=GIT_ENV)
+    sync = WorktreeSync(host, stream, tmp_path / "state", env=GIT_ENV)
+    try:
+        await sync.open()
+        assert sync.hex_len == 64
+        assert await sync.push()
+        sh(tmp_path / "remote", "echo b > b.txt && git add b.txt && git commit -qm b")
+        report = await sync.pull()
+        assert report.written == ["b.txt"] and report.branch.startswith("updated"), report
+        assert git(host, "log", "-1", "--format=%s") == "b\n"
+    finally:
+        await sync.close()

@@ -280,6 +280,7 @@ class WorktreeSync:
         meta: dict[str, Any] = {
             "op": "push",
             "branch": self.branch,
+            "objectFormat": self.algo,
             "bringBack": self.settings.bring_back,
             **vars(state),
         }

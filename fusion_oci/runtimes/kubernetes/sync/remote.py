@@ -106,11 +106,14 @@ class Repo:
         self.last: dict[str, Any] = {}
         """The state both sides had after the last exchange: what needs no rewrite."""
 
-    def ensure(self, branch: str) -> None:
+    def ensure(self, branch: str, object_format: str = "sha1") -> None:
         if not self.git_dir:
             if not (Path(self.path) / ".git").is_dir():
                 Path(self.path).mkdir(parents=True, exist_ok=True)
-                git(self.path, "init", "-q", f"--initial-branch={branch}")
+                git(
+                    self.path, "init", "-q", f"--initial-branch={branch}",
+                    f"--object-format={object_format}",
+                )  # fmt: skip
             self.git_dir = git(self.path, "rev-parse", "--absolute-git-dir").decode().strip()
         want = f"ref: refs/heads/{branch}\n"
         try:
@@ -158,7 +161,7 @@ class Repo:
 
 def push(repo: Repo, meta: dict[str, Any], pack: bytes) -> tuple[dict[str, Any], bytes]:
     branch = str(meta["branch"])
-    repo.ensure(branch)
+    repo.ensure(branch, str(meta.get("objectFormat") or "sha1"))
     if pack:
         git(repo.path, "index-pack", "--stdin", "--fix-thin", stdin=pack)
     # --reset -u through the private index: a one-way merge that stats every file it knows,
