@@ -20,6 +20,8 @@
 # bench_egress (the filtered network's proxy vs direct: set-up, 100 MB download, idle RSS) uses loopback only.
 # bench_egress_isolation (one task's floods beside another task's tunnels on one proxy loop)
 # uses loopback only.
+# bench_worktree_sync (the kubernetes runtime's worktree transfer, one command's push + pull,
+# between two local repositories over a pipe) needs git and python3 only.
 # bench_services (host services through a grant vs direct loopback: per connection, per round trip, download) uses loopback only and runs bubblewrap, landlock, oci, podman and docker.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
