@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from fusion_oci.process import kill_group
-from fusion_oci.runtimes.kubernetes.sync import remote
 from fusion_oci.runtimes.kubernetes.sync.errors import SyncRefusedError, WorktreeSyncError
+from fusion_oci.runtimes.kubernetes.sync.remote import MAX_HEAD, MAX_META, frame, parse_head
 
-REMOTE_SCRIPT = Path(remote.__file__)
+REMOTE_SCRIPT = Path(__file__).with_name("remote.py")
 STDERR_TAIL = 4096
 
 
@@ -73,7 +73,7 @@ class ProcessStream:
             stderr=asyncio.subprocess.PIPE,
             env=dict(env) if env is not None else None,
             start_new_session=True,
-            limit=remote.MAX_HEAD,
+            limit=MAX_HEAD,
         )
         shown = [a if len(a) < 80 else "<script>" for a in argv]
         return cls(proc, " ".join(shown))
@@ -144,17 +144,17 @@ async def request(
     its bound. A failure leaves the stream unusable (the caller closes it)."""
 
     async def exchange() -> tuple[dict[str, Any], bytes]:
-        await stream.write(remote.frame(meta, payload))
-        line = await stream.readline(remote.MAX_HEAD)
+        await stream.write(frame(meta, payload))
+        line = await stream.readline(MAX_HEAD)
         if not line:
             raise WorktreeSyncError(
                 "the sandbox's transfer script ended", f"it said: {stream.describe()}"
             )
         try:
-            meta_size, payload_size = remote.parse_head(line)
+            meta_size, payload_size = parse_head(line)
         except ValueError as exc:
             raise SyncRefusedError(str(exc)) from exc
-        if meta_size > remote.MAX_META:
+        if meta_size > MAX_META:
             raise SyncRefusedError(f"a reply of {meta_size} bytes of metadata")
         if payload_size > max_payload:
             raise SyncRefusedError(
