@@ -436,7 +436,7 @@ def test_the_task_ends_with_its_caller(worktree: Path, tmp_path: Path) -> None:
 def test_a_confinement_that_fails_fails_the_command(
     worktree: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import fusion_oci.runtimes.landlock as mod
+    import fusion_oci.runtimes.landlock.runtime as mod  # where launch_config is used
 
     real = mod.launch_config
 

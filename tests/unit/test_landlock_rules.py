@@ -236,7 +236,7 @@ def test_plan_is_what_execute_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     fd and the scratch as placeholders before prepare); golden without this host's facts."""
     from pathlib import Path
 
-    import fusion_oci.runtimes.landlock as mod
+    import fusion_oci.runtimes.landlock.host as mod
     from fusion_oci.policy.settings import SandboxSettings
     from fusion_oci.runtimes.landlock import LandlockRuntime
     from tests.golden import host_neutral

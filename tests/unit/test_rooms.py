@@ -116,7 +116,7 @@ RUNTIME_FAMILIES: Mapping[str, tuple[str, ...]] = {
         "runtimes.podman",
     ),
     "kubernetes": ("runtimes.kubernetes", "runtimes.kubernetes.*"),
-    "landlock": ("runtimes.landlock",),
+    "landlock": ("runtimes.landlock", "runtimes.landlock.*"),
     "native": ("runtimes.native",),
     "oci": ("runtimes.oci", "runtimes.ocicli", "runtimes.ocicli.*"),
     "sandbox_exec": ("runtimes.sandbox_exec", "runtimes.seatbelt"),
