@@ -462,12 +462,3 @@ def services_unavailable(
     if shutil.which("podman") is not None:
         return None
     return "neither podman nor docker is here to run them"
-
-
-__all__ = [
-    "SERVICES_PART",
-    "TaskServices",
-    "open_services_engine",
-    "services_missing",
-    "services_unavailable",
-]
