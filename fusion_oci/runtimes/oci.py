@@ -329,6 +329,10 @@ class OciRuntime(SpecRuntime):
         }
         if is_gvisor(self.runtime_name):
             out.discard(Requirement.TMP_SIZE)  # gVisor's tmpfs ignores size= (seen: 20221219)
+        elif os.geteuid() == 0:
+            # publishPorts: setns into the container's network namespace (services.publish;
+            # CAP_SYS_ADMIN). gVisor's loopback is its sentry's, in no namespace at all.
+            out.add(Requirement.PUBLISHED_PORTS)
         if self.egress_status()[0]:
             out.add(Requirement.NETWORK_EGRESS)
         return frozenset(out) | self._limits()
@@ -623,6 +627,13 @@ class OciRuntime(SpecRuntime):
             task.leftovers.discard(cid)
         else:
             task.leftovers.add(cid)  # dispose tries again; gc after that
+
+    def netns_pid(self) -> int | None:
+        """The task container's init, or the runtime CLI that stays for it (runsc)."""
+        box = self._box
+        if box is None:
+            return None
+        return box.pid if box.pid is not None else box.agent.peer_pid
 
     async def dispose(self) -> None:
         box, self._box = self._box, None

@@ -1,0 +1,179 @@
+"""Published ports (``policy.publishPorts``, issue #35) for real, on every runtime: a dev server
+inside (node's http server: the host has node, the task images too) reached from the host by a
+real HTTP client at the published port, the named one and a free one reported at prepare; and
+the probes: a port the command listens on but that is not published stays unreachable, nothing
+listens on a non-loopback host address, every connection is a ``sandbox:inbound`` audit event,
+and the host ports are closed once the sandbox is disposed.
+
+Runtimes without a network namespace the owner can enter refuse the policy at check
+(landlock: the command is on the host's own loopback; gVisor: its loopback is in its
+sentry); native runs it and lists it unenforced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from fusion_oci.audit import AuditEvent, AuditLog
+from fusion_oci.errors import PolicyNotEnforceableError
+from fusion_oci.models import PrepareContext, RunOptions, SandboxPolicy
+from fusion_oci.runtimes.requirements import Requirement
+from fusion_oci.sandbox import Sandbox
+from tests.backends import backend_settings, require_runtime
+from tests.security.conftest import engine_env
+
+RUNTIMES = ["native", "bubblewrap", "landlock", "oci", "oci-runsc", "podman", "docker"]
+REFUSED = {"landlock", "oci-runsc"}
+INSIDE = (8080, 8081, 8082)
+"""The dev server's ports inside: 8080 published on a named host port, 8082 on a free one,
+8081 not published."""
+
+SERVER_JS = (
+    "const http=require('http');"
+    "for (const p of [8080,8081,8082]) http.createServer((q,r)=>r.end('hello '+p))"
+    ".listen(p,'127.0.0.1');"
+    "setTimeout(()=>{},600000)"
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _get(host: str, port: int, timeout: float = 2.0) -> str:
+    with urllib.request.urlopen(f"http://{host}:{port}/", timeout=timeout) as r:  # noqa: S310
+        return str(r.read().decode())
+
+
+def _refused(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=2) as s:
+            s.settimeout(2)
+            # A listener that accepts and closes (nothing inside at that port) counts too.
+            return s.recv(1) == b""
+    except OSError:
+        return True
+
+
+def _outside_address() -> str | None:
+    """A non-loopback address of this host (None: there is none)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: a route lookup
+            addr = str(s.getsockname()[0])
+        except OSError:
+            return None
+    return None if addr.startswith("127.") else addr
+
+
+async def _serve_and_probe(
+    backend: str, wt: Path, cache: Path, network: str
+) -> tuple[list[dict[str, object]], dict[str, object], list[AuditEvent], list[str]]:
+    named = _free_port()
+    policy = SandboxPolicy(
+        network=network,  # type: ignore[arg-type]
+        publish_ports=[f"{named}:8080", "8082"],
+    )
+    events: list[AuditEvent] = []
+    audit = AuditLog()
+    audit.subscribe(events.append)
+    ctx = PrepareContext(task_id="pub", run_id="r1", policy=policy, worktree_path=str(wt))
+    env = engine_env(backend)
+    seen: dict[str, object] = {}
+    sb = Sandbox(
+        backend_settings(backend, policy=policy), audit=audit, env=None, cache_root=cache
+    )
+    if env:
+        sb.env.update(env)
+    try:
+        await sb.prepare(ctx)
+        published = sb.published()
+        seen["unenforced"] = list(sb.unenforced)
+        if not published:  # native: nothing published, listed unenforced
+            return published, seen, events, list(sb.unenforced)
+        run = asyncio.ensure_future(
+            sb.run(["node", "-e", SERVER_JS], RunOptions(timeout_ms=120_000))
+        )
+        try:
+            loop = asyncio.get_running_loop()
+            for _ in range(200):
+                with contextlib.suppress(OSError):
+                    seen["named"] = await loop.run_in_executor(None, _get, "127.0.0.1", named)
+                    break
+                if run.done():
+                    break
+                await asyncio.sleep(0.1)
+            free = next(int(str(p["hostPort"])) for p in published if p["port"] == 8082)
+            seen["free"] = await loop.run_in_executor(None, _get, "127.0.0.1", free)
+            seen["other_ports"] = [
+                await loop.run_in_executor(None, _refused, "127.0.0.1", p) for p in INSIDE
+            ]
+            outside = _outside_address()
+            seen["outside"] = (
+                None
+                if outside is None
+                else await loop.run_in_executor(None, _refused, outside, named)
+            )
+            seen["ports"] = (named, free)
+        finally:
+            sb.abort()
+            with contextlib.suppress(BaseException):
+                await run
+    finally:
+        await sb.dispose()
+    return published, seen, events, list(sb.unenforced)
+
+
+@pytest.mark.parametrize("backend", RUNTIMES)
+def test_a_dev_server_inside_is_reached_on_the_published_ports_only(
+    backend: str, tmp_path: Path
+) -> None:
+    require_runtime(backend, backend_settings(backend))
+    if backend in ("podman", "docker"):
+        from tests.integration.images_fixture import ensure_node_image
+
+        ensure_node_image(backend)
+    from tests.conftest import git_init
+
+    wt = git_init(tmp_path / "wt")
+    coro = _serve_and_probe(backend, wt, tmp_path / "c", "egress" if backend != "landlock" else "none")
+    if backend in REFUSED:
+        with pytest.raises(PolicyNotEnforceableError) as info:
+            asyncio.run(coro)
+        assert Requirement.PUBLISHED_PORTS.value in info.value.unenforced
+        return
+    published, seen, events, _ = asyncio.run(coro)
+    if backend == "native":
+        assert Requirement.PUBLISHED_PORTS.value in seen["unenforced"]  # type: ignore[operator]
+        assert published == []
+        return
+    named, free = seen["ports"]  # type: ignore[misc]
+    # The named host port and a free one, reported.
+    assert [(p["port"], p["hostPort"], p["address"]) for p in published] == [
+        (8080, named, "127.0.0.1"),
+        (8082, free, "127.0.0.1"),
+    ]
+    assert free not in (0, 4040)
+    assert seen["named"] == "hello 8080" and seen["free"] == "hello 8082", seen
+    # The sandbox's own ports are not the host's: 8080-8082 on the host's loopback are
+    # nothing of the sandbox's (the unpublished 8081 above all).
+    assert seen["other_ports"] == [True, True, True], seen
+    # Nothing on another address of the host.
+    assert seen["outside"] in (None, True), seen
+    # One sandbox:inbound event per connection, each naming its published port.
+    inbound = [e for e in events if e.type == "sandbox:inbound"]
+    assert {e.port for e in inbound} >= {8080, 8082}, inbound
+    ok = [e for e in inbound if e.allowed]
+    assert ok and all((e.bytes_down or 0) > 0 and (e.bytes_up or 0) > 0 for e in ok), ok
+    prepare = next(e for e in events if e.type == "sandbox:prepare")
+    assert (prepare.details or {})["published"] == published
+    # Closed at dispose.
+    assert _refused("127.0.0.1", named) and _refused("127.0.0.1", free)
