@@ -329,7 +329,7 @@ class OciRuntime(SpecRuntime):
         }
         if is_gvisor(self.runtime_name):
             out.discard(Requirement.TMP_SIZE)  # gVisor's tmpfs ignores size= (seen: 20221219)
-        elif os.geteuid() == 0:
+        elif not self.rootless:
             # publishPorts: setns into the container's network namespace (services.publish;
             # CAP_SYS_ADMIN). gVisor's loopback is its sentry's, in no namespace at all.
             out.add(Requirement.PUBLISHED_PORTS)

@@ -49,7 +49,7 @@ def _free_port() -> int:
 
 
 def _get(host: str, port: int, timeout: float = 2.0) -> str:
-    with urllib.request.urlopen(f"http://{host}:{port}/", timeout=timeout) as r:  # noqa: S310
+    with urllib.request.urlopen(f"http://{host}:{port}/", timeout=timeout) as r:
         return str(r.read().decode())
 
 
@@ -88,9 +88,7 @@ async def _serve_and_probe(
     ctx = PrepareContext(task_id="pub", run_id="r1", policy=policy, worktree_path=str(wt))
     env = engine_env(backend)
     seen: dict[str, object] = {}
-    sb = Sandbox(
-        backend_settings(backend, policy=policy), audit=audit, env=None, cache_root=cache
-    )
+    sb = Sandbox(backend_settings(backend, policy=policy), audit=audit, env=None, cache_root=cache)
     if env:
         sb.env.update(env)
     try:
@@ -144,7 +142,9 @@ def test_a_dev_server_inside_is_reached_on_the_published_ports_only(
     from tests.conftest import git_init
 
     wt = git_init(tmp_path / "wt")
-    coro = _serve_and_probe(backend, wt, tmp_path / "c", "egress" if backend != "landlock" else "none")
+    coro = _serve_and_probe(
+        backend, wt, tmp_path / "c", "egress" if backend != "landlock" else "none"
+    )
     if backend in REFUSED:
         with pytest.raises(PolicyNotEnforceableError) as info:
             asyncio.run(coro)

@@ -283,6 +283,7 @@ def test_enforces_follows_controllers_and_rootless() -> None:
         Requirement.NETWORK_NONE,
         Requirement.NETWORK_FILTERED,
         Requirement.HOST_SERVICES,
+        Requirement.PUBLISHED_PORTS,
         Requirement.CPU_TIME,
         Requirement.MEMORY,
         Requirement.PIDS,
@@ -296,6 +297,8 @@ def test_enforces_follows_controllers_and_rootless() -> None:
     rootless._cgroups = rt._cgroups
     rootless._egress = (False, "x")
     assert not {Requirement.MEMORY, Requirement.PIDS, Requirement.CPU_QUOTA} & rootless.enforces()
+    # publishPorts: setns into the container's network namespace needs root.
+    assert Requirement.PUBLISHED_PORTS not in rootless.enforces()
     assert rootless.capabilities().resource_limits == "basic"
 
 
