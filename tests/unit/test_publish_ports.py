@@ -98,3 +98,25 @@ def test_an_annotation_that_does_not_parse_publishes_nothing() -> None:
     del spec["process"]
     spec["annotations"]["io.fusion-oci.publish-ports"] = "127.0.0.1:4040:80 nonsense ::"
     assert TaskSpec.model_validate(spec).published_ports == ()
+
+
+def test_settings_show_plan_and_doctor_say_what_each_published_port_gives() -> None:
+    from fusion_oci.services.show import publish_lines, publish_rows, publish_summary
+
+    policy = SandboxPolicy.model_validate(
+        {"publishPorts": ["3000", {"port": 80, "hostPort": 8080, "address": "0.0.0.0"}]}
+    )
+    summary = publish_summary(policy)
+    assert [(e["port"], e["hostPort"], e["address"], e["loopback"]) for e in summary] == [
+        (3000, None, "127.0.0.1", True),
+        (80, 8080, "0.0.0.0", False),
+    ]
+    assert "a free port, reported at prepare" in str(summary[0]["gives"])
+    assert "EVERY HOST" in str(summary[1]["gives"])
+    rows = publish_rows(policy)
+    assert [(r["key"], r["value"]) for r in rows] == [
+        ("ports.published[0]", "127.0.0.1:* -> 3000"),
+        ("ports.published[1]", "0.0.0.0:8080 -> 80"),
+    ]
+    assert str(rows[1]["source"]).startswith("sandbox.policy.publishPorts[1]: gives")
+    assert publish_lines(summary)[0].startswith("publishPorts 3000: gives this host's")
