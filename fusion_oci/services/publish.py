@@ -48,6 +48,10 @@ from fusion_oci.services.netns import NetnsSockets
 if TYPE_CHECKING:
     from fusion_oci.audit import AuditLog
 
+SPARE = 8
+"""Unconnected sockets made in the sandbox's namespace ahead of need: a connection takes one
+instead of waiting for the namespace's thread (measured: that hop was most of what a
+connection added, docs/performance.md)."""
 MAX_CONNECTIONS = 128
 """Open inbound connections per task at once; more are closed as they come (and audited)."""
 CONNECT_TIMEOUT_S = 5.0
@@ -129,6 +133,8 @@ class TaskPorts:
         self.run_id = run_id
         self.ports: list[Published] = []
         self._netns: NetnsSockets | None = None
+        self._spare: list[socket.socket] = []
+        self._refilling: asyncio.Future[None] | None = None
         self._open = _Open()
         self._events = BudgetedEvents(
             audit, self._task_fields, "published ports", summary={"published": "*"}
@@ -160,6 +166,7 @@ class TaskPorts:
         # Accepting starts only with the namespace held: no connection is ever served by
         # anything but the sandbox's own loopback.
         self._netns = NetnsSockets.of_pid(pid, "publish")
+        await self._refill()
         for p in self.ports:
             p.server = asyncio.ensure_future(self._accept_loop(p))
 
@@ -182,9 +189,65 @@ class TaskPorts:
             task.cancel()
         if self._open.handlers:
             await asyncio.gather(*self._open.handlers, return_exceptions=True)
+        if self._refilling is not None:
+            self._refilling.cancel()
+            with contextlib.suppress(BaseException):
+                await self._refilling
+        for sock in self._spare:
+            sock.close()
+        self._spare.clear()
         if self._netns is not None:
             self._netns.close()
         await self._events.drain()
+
+    async def _refill(self) -> None:
+        assert self._netns is not None
+        while len(self._spare) < SPARE and not self._stopped:
+            fresh = await self._netns.new_socket()
+            if self._stopped:
+                fresh.close()
+                return
+            fresh.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._spare.append(fresh)
+
+    async def _socket(self) -> socket.socket:
+        """An unconnected socket of the sandbox's namespace: a spare one (the spares are
+        made again in the background), else one made now."""
+        assert self._netns is not None
+        if self._refilling is None or self._refilling.done():
+            self._refilling = asyncio.ensure_future(self._refill())
+        if self._spare:
+            return self._spare.pop()
+        sock = await self._netns.new_socket()
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    async def _connect(self, port: int) -> socket.socket:
+        """A socket connected to the sandbox's ``127.0.0.1:port``, within the timeout. A
+        loopback connect completes at once or is refused: no task per connection for it."""
+        sock = await self._socket()
+        try:
+            err = sock.connect_ex(("127.0.0.1", port))
+            if err == errno.EINPROGRESS:
+                loop = asyncio.get_running_loop()
+                ready: asyncio.Future[None] = loop.create_future()
+
+                def settle() -> None:
+                    if not ready.done():
+                        ready.set_result(None)
+
+                loop.add_writer(sock.fileno(), settle)
+                try:
+                    await asyncio.wait_for(ready, CONNECT_TIMEOUT_S)
+                finally:
+                    loop.remove_writer(sock.fileno())
+                err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            if err:
+                raise OSError(err, os.strerror(err))
+        except BaseException:
+            sock.close()
+            raise
+        return sock
 
     # -- one connection -------------------------------------------------------------------
 
@@ -222,7 +285,7 @@ class TaskPorts:
         reason: str | None = None
         connected = False
         try:
-            up = await self._netns.connect(p.entry.port, CONNECT_TIMEOUT_S)
+            up = await self._connect(p.entry.port)
             connected = True
             tunnel = Tunnel(asyncio.get_running_loop(), IDLE_TIMEOUT_S, down, up)
             self._open.tunnels.add(tunnel)
