@@ -70,7 +70,7 @@ from fusion_oci.runtimes.registry import create_runtime
 from fusion_oci.runtimes.skeleton import default_cache_root
 from fusion_oci.scratch import gc_scratch
 from fusion_oci.services import TaskRelays, start_relays, stop_relays
-from fusion_oci.services.publish import TaskPorts, attach_ports, bind_ports
+from fusion_oci.services.publish import TaskPorts, attach_ports, bind_ports, stop_ports
 from fusion_oci.sidecars import TaskServices, services_missing
 from fusion_oci.stdin import StdinStream
 from fusion_oci.store import StoreLinker, task_linker
@@ -261,7 +261,8 @@ class Sandbox:
                 resolved = resolved.with_services(self.services)
             if resolved.spec.published_ports and runtime.isolates:
                 # Listening before the sandbox exists: a named host port that is taken fails
-                # prepare before anything starts; served only once the sandbox is there.
+                # prepare before anything starts; the runtime binds each port's relay into the
+                # sandbox, whose agent takes it before any command runs.
                 self.ports = await bind_ports(
                     task_id=ctx.task_id,
                     entries=list(resolved.spec.published_ports),
@@ -270,17 +271,10 @@ class Sandbox:
                     policy_hash=ctx.policy.digest(),
                     run_id=ctx.run_id,
                 )
+                resolved = resolved.with_ports(self.ports)
             self.task = await runtime.prepare(resolved)
             if self.ports is not None:
-                pid = runtime.netns_pid()
-                if pid is None:
-                    raise SandboxSetupError(
-                        "the task's published ports have no sandbox to reach",
-                        f"{runtime.id} reported no process in the sandbox's network namespace",
-                        "drop sandbox.policy.publishPorts, or use bubblewrap, oci, podman or "
-                        "docker (warm)",
-                    )
-                await attach_ports(self.ports, pid)
+                await attach_ports(self.ports)
         except BaseException:
             self.runtime = None
             self.task = None
@@ -312,7 +306,7 @@ class Sandbox:
     async def _stop_ports(self) -> None:
         ports, self.ports = self.ports, None
         if ports is not None:
-            await ports.stop()
+            await stop_ports(ports)
 
     async def _stop_egress(self) -> None:
         await self._stop_ports()

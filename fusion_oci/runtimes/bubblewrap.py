@@ -399,10 +399,8 @@ class BubblewrapRuntime(SpecRuntime):
         }
         if p.egress_problem is None and p.slirp4netns:
             out.add(Requirement.NETWORK_EGRESS)
-        if os.geteuid() == 0:
-            # The owner connects inside the sandbox's network namespace (services.publish):
-            # setns needs CAP_SYS_ADMIN in its own user namespace.
-            out.add(Requirement.PUBLISHED_PORTS)
+        # publishPorts: the agent (the sandbox's init) is handed each inbound connection.
+        out.add(Requirement.PUBLISHED_PORTS)
         ctl = p.cgroups.controllers
         for name, req in (
             ("memory", Requirement.MEMORY),
@@ -587,10 +585,6 @@ class BubblewrapRuntime(SpecRuntime):
             assert self._scratch is not None
             return await egress.Egress.attach(pid, slirp=slirp, log=self._scratch / "slirp.log")
         return None
-
-    def netns_pid(self) -> int | None:
-        """bwrap (its child, the agent, is in the sandbox's namespaces)."""
-        return self._box.agent.peer_pid if self._box is not None else None
 
     async def dispose(self) -> None:
         box, self._box = self._box, None

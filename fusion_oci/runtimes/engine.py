@@ -159,9 +159,9 @@ class ContainerRuntime(EngineProbe):
             Requirement.NETWORK_EGRESS,
             Requirement.NETWORK_FILTERED,
             Requirement.HOST_SERVICES,
-            # publishPorts: setns into the task's one container (CAP_SYS_ADMIN); oneshot has
-            # none between commands.
-            *((Requirement.PUBLISHED_PORTS,) if self.mode == "warm" and os.geteuid() == 0 else ()),
+            # publishPorts: handed to the agent of the task's one container; oneshot has none
+            # between commands.
+            *((Requirement.PUBLISHED_PORTS,) if self.mode == "warm" else ()),
             Requirement.CPU_TIME,
             Requirement.TMP_SIZE,
             Requirement.FILE_SIZE,
@@ -442,11 +442,6 @@ class ContainerRuntime(EngineProbe):
         before = self._counters.get(cid, {})
         self._counters[cid] = after
         return limit_reason(before, after)
-
-    def netns_pid(self) -> int | None:
-        """The warm container's init (its agent, as the host sees it)."""
-        agent = self._agents.get(self._container) if self._container else None
-        return agent.peer_pid if agent is not None else None
 
     async def dispose(self) -> None:
         adapter = self._adapter

@@ -329,9 +329,9 @@ class OciRuntime(SpecRuntime):
         }
         if is_gvisor(self.runtime_name):
             out.discard(Requirement.TMP_SIZE)  # gVisor's tmpfs ignores size= (seen: 20221219)
-        elif not self.rootless:
-            # publishPorts: setns into the container's network namespace (services.publish;
-            # CAP_SYS_ADMIN). gVisor's loopback is its sentry's, in no namespace at all.
+        else:
+            # publishPorts: the agent (the container's init) is handed each inbound connection;
+            # gVisor drops SCM_RIGHTS from the host, and its loopback is its sentry's.
             out.add(Requirement.PUBLISHED_PORTS)
         if self.egress_status()[0]:
             out.add(Requirement.NETWORK_EGRESS)
@@ -627,13 +627,6 @@ class OciRuntime(SpecRuntime):
             task.leftovers.discard(cid)
         else:
             task.leftovers.add(cid)  # dispose tries again; gc after that
-
-    def netns_pid(self) -> int | None:
-        """The task container's init, or the runtime CLI that stays for it (runsc)."""
-        box = self._box
-        if box is None:
-            return None
-        return box.pid if box.pid is not None else box.agent.peer_pid
 
     async def dispose(self) -> None:
         box, self._box = self._box, None

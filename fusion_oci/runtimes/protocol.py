@@ -109,12 +109,6 @@ class Runtime(Protocol):
 
     async def dispose(self) -> None: ...
 
-    def netns_pid(self) -> int | None:
-        """A process (as the host sees it) whose descendants, or itself, are in the prepared
-        sandbox's own network namespace: where ``publishPorts`` connect (None: no such
-        sandbox, e.g. before prepare, or a runtime without one)."""
-        ...
-
     async def image_digest(self) -> str | None:
         """The digest of the image the prepared task runs on (None: no image, or unknown)."""
         ...
@@ -159,10 +153,6 @@ class RuntimeDefaults:
     def adopt(self, task: ResolvedTask) -> None:
         """Keep the task (nothing is created)."""
         self.task = task
-
-    def netns_pid(self) -> int | None:
-        """No network namespace of its own: None."""
-        return None
 
     async def image_digest(self) -> str | None:
         """No image of its own: None."""

@@ -2,72 +2,87 @@
 
 For each entry the task's owner listens on the host at ``ADDRESS:HOSTPORT`` (the host's
 127.0.0.1 unless the settings' mapping names another address; a free port when the entry
-names none, never 4040) from prepare to dispose. Each accepted connection is connected to
-``127.0.0.1:PORT`` **inside the sandbox's own network namespace** — the socket is made by a
-thread that entered it (:class:`~fusion_oci.services.netns.NetnsSockets`, ``setns(2)`` on the
-``/proc/PID/ns/net`` of the sandbox's init, held open from prepare) — and the two are spliced
-in the kernel (:class:`~fusion_oci.egress.splice.Tunnel`). So:
+names none, never 4040) from prepare to dispose, and binds a unix socket, the port's
+**relay**, into the sandbox (``/run/fusion-oci/publish/N.sock``). Before any command runs the
+sandbox's exec agent dials it and sends ``I`` (agent.c, ``--publish PORT=PATH``); the relay
+keeps that connection only when the dialer is the sandbox's init
+(:func:`~fusion_oci.services.relay.dialled_by_sandbox_init`: a command never is). Then each
+connection a host client makes to the published port is **handed to the agent** (``a`` +
+``SCM_RIGHTS``, the accepted socket itself), which connects to ``127.0.0.1:PORT`` in the
+sandbox's own network namespace and splices the two with ``splice(2)`` in C: no host process
+in the data path, no privilege needed (no ``setns``). The agent reports each connection on
+the same connection (records ``O``: taken, ``D``: its end, the bytes each way, the connect's
+errno; :data:`~fusion_oci.services.relay.RECORD` bytes, as a host service's pool), and each
+is one ``sandbox:inbound`` audit event, within the task's audit budget.
 
-- only the named ports are reachable: the owner connects to ``PORT`` of the entry its
-  listener serves, nothing the client sends picks another; nothing inside the sandbox gets
-  any socket or address of the host (the command sees a connection from its own
-  127.0.0.1);
-- it works wherever the sandbox has a network namespace the owner may enter (bubblewrap,
-  oci/runc, podman, docker: a container engine's ``-p`` could not reach a server bound to
-  the container's own loopback, which is where dev servers listen); gVisor's loopback is in
-  its sentry, not in a namespace of the host, and landlock has no namespace of its own:
-  their checks refuse ``publishPorts`` with the reason (docs/security.md);
-- every connection is one ``sandbox:inbound`` audit event (the peer, the published port,
-  the bytes each way), within the task's audit budget.
+So only the named ports are reachable: the agent connects the published port's own
+``PORT`` (its argv), nothing a client sends picks another; and nothing of the host reaches a
+command: it only accepts a connection on its own loopback (the peer it sees is its own
+127.0.0.1), the host's socket stays in the agent, a non-dumpable PID 1.
+
+Works wherever the agent is the sandbox's init with a network namespace of its own
+(bubblewrap, oci/runc, podman and docker warm, rootful and rootless alike). gVisor drops
+``SCM_RIGHTS`` from the host and landlock has no network namespace: their checks refuse
+``publishPorts`` with the reason (docs/security.md).
 
 Served on the egress proxy's thread (:mod:`fusion_oci.egress.loop`), as the relays are: they
 keep serving between a :class:`~fusion_oci.sandbox.SyncSandbox`'s calls and die with the
-owner (a listener is a socket of this process: nothing is left after a crash).
+owner (listeners are sockets of this process; the scratch folder carries its owner for
+``gc``).
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
 import errno
 import os
+import shutil
 import socket
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fusion_oci.egress.budget import BudgetedEvents
 from fusion_oci.egress.loop import on_proxy_loop
-from fusion_oci.egress.splice import Tunnel
 from fusion_oci.errors import SandboxSetupError
 from fusion_oci.hostservice import DASHBOARD_PORT
 from fusion_oci.publishport import PublishedPort
-from fusion_oci.services.netns import NetnsSockets
+from fusion_oci.scratch import make_scratch
+from fusion_oci.services.relay import _RECORD, RECORD, dialled_by_sandbox_init
 
 if TYPE_CHECKING:
     from fusion_oci.audit import AuditLog
 
-SPARE = 8
-"""Unconnected sockets made in the sandbox's namespace ahead of need: a connection takes one
-instead of waiting for the namespace's thread (measured: that hop was most of what a
-connection added, docs/performance.md)."""
 MAX_CONNECTIONS = 128
 """Open inbound connections per task at once; more are closed as they come (and audited)."""
-CONNECT_TIMEOUT_S = 5.0
-IDLE_TIMEOUT_S = 3600.0
+AGENT_WAIT_S = 5.0
+"""How long prepare waits for the agent to take every published port (it dials before its
+hello, so normally it has when the runtime's prepare returns)."""
+_TASK_ID_IN_PATH = 24
 
 
 @dataclass
 class Published:
-    """One entry's listener on the host."""
+    """One entry's listener on the host and its relay."""
 
     index: int
     entry: PublishedPort
     host_port: int
     """The port it listens on (the named one, or the free one chosen)."""
     listener: socket.socket
-    server: asyncio.Future[None] | None = None
+    relay: socket.socket
+    relay_path: Path
+    agent: socket.socket | None = None
+    """The agent's connection (``I``), once it dialled; None before."""
+    waiting: deque[tuple[float, str]] = field(default_factory=deque)
+    """Connections handed over, not yet taken (``O``), in order: (start, peer)."""
+    opened: dict[int, tuple[float, str]] = field(default_factory=dict)
+    tasks: list[asyncio.Future[None]] = field(default_factory=list)
+    taken: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def where(self) -> str:
@@ -81,13 +96,6 @@ class Published:
             "address": self.entry.address,
             "url": f"http://{self.where}/",
         }
-
-
-@dataclass
-class _Open:
-    tunnels: set[Tunnel] = field(default_factory=set)
-    handlers: set[asyncio.Future[None]] = field(default_factory=set)
-    count: int = 0
 
 
 def _listen(entry: PublishedPort) -> tuple[socket.socket, int]:
@@ -120,6 +128,7 @@ class TaskPorts:
         *,
         task_id: str,
         entries: list[PublishedPort],
+        state_dir: Path,
         audit: AuditLog | None,
         backend: str,
         policy_hash: str | None,
@@ -127,15 +136,13 @@ class TaskPorts:
     ) -> None:
         self.task_id = task_id
         self.entries = entries
+        self.state_dir = state_dir
         self.audit = audit
         self.backend = backend
         self.policy_hash = policy_hash
         self.run_id = run_id
         self.ports: list[Published] = []
-        self._netns: NetnsSockets | None = None
-        self._spare: list[socket.socket] = []
-        self._refilling: asyncio.Future[None] | None = None
-        self._open = _Open()
+        self._open = 0
         self._events = BudgetedEvents(
             audit, self._task_fields, "published ports", summary={"published": "*"}
         )
@@ -148,31 +155,52 @@ class TaskPorts:
         """Each published port: ``port`` (inside), ``hostPort``, ``address``, ``url``."""
         return [p.report() for p in self.ports]
 
+    def sockets(self) -> dict[int, str]:
+        """Index of each entry → its relay's host socket (bound into the sandbox)."""
+        return {p.index: str(p.relay_path) for p in self.ports}
+
     # -- life -----------------------------------------------------------------------------
 
-    def _bind(self) -> None:
-        """Listen on every entry's host address and port, or on none (a port taken)."""
+    async def _start(self) -> None:
+        """Listen on every entry's host address and port and bind its relay, or on none."""
         try:
             for i, entry in enumerate(self.entries):
                 sock, port = _listen(entry)
-                self.ports.append(Published(i, entry, port, sock))
+                path = self.state_dir / f"{i}.sock"
+                relay = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    relay.bind(str(path))
+                    # The folder is private (0700); the file is bound into the sandbox, whose
+                    # agent may be any uid of its user namespace.
+                    path.chmod(0o666)
+                    relay.listen(8)
+                    relay.setblocking(False)
+                except BaseException:
+                    sock.close()
+                    relay.close()
+                    raise
+                self.ports.append(Published(i, entry, port, sock, relay, path))
         except OSError:
             for p in self.ports:
                 p.listener.close()
+                p.relay.close()
             self.ports.clear()
             raise
-
-    async def _attach(self, pid: int) -> None:
-        # Accepting starts only with the namespace held: no connection is ever served by
-        # anything but the sandbox's own loopback.
-        self._netns = NetnsSockets.of_pid(pid, "publish")
-        await self._refill()
         for p in self.ports:
-            p.server = asyncio.ensure_future(self._accept_loop(p))
+            p.tasks += [
+                asyncio.ensure_future(self._relay_loop(p)),
+                asyncio.ensure_future(self._accept_loop(p)),
+            ]
+
+    async def _wait_agent(self, within_s: float) -> list[str]:
+        """The entries whose relay the agent has not dialled within ``within_s``."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*(p.taken.wait() for p in self.ports)), within_s)
+        return [p.entry.host(p.host_port) for p in self.ports if p.agent is None]
 
     async def stop(self) -> None:
-        """Close the listeners and every open connection; let go of the namespace.
-        Idempotent."""
+        """Close the listeners and the agent's connections (the agent closes every inbound
+        connection then). Idempotent."""
         await on_proxy_loop(self._stop())
 
     async def _stop(self) -> None:
@@ -180,74 +208,87 @@ class TaskPorts:
             return
         self._stopped = True
         for p in self.ports:
-            if p.server is not None:
-                p.server.cancel()
+            for task in p.tasks:
+                task.cancel()
             p.listener.close()
-        for tunnel in list(self._open.tunnels):
-            tunnel.close()
-        for task in list(self._open.handlers):
-            task.cancel()
-        if self._open.handlers:
-            await asyncio.gather(*self._open.handlers, return_exceptions=True)
-        if self._refilling is not None:
-            self._refilling.cancel()
-            with contextlib.suppress(BaseException):
-                await self._refilling
-        for sock in self._spare:
-            sock.close()
-        self._spare.clear()
-        if self._netns is not None:
-            self._netns.close()
+            p.relay.close()
+        for p in self.ports:
+            if p.tasks:
+                await asyncio.gather(*p.tasks, return_exceptions=True)
+            if p.agent is not None:
+                p.agent.close()
+            for started, peer in [*p.waiting, *p.opened.values()]:
+                self._audit(p, started, peer, allowed=True, reason="the task stopped")
+            p.waiting.clear()
+            p.opened.clear()
         await self._events.drain()
 
-    async def _refill(self) -> None:
-        assert self._netns is not None
-        while len(self._spare) < SPARE and not self._stopped:
-            fresh = await self._netns.new_socket()
-            if self._stopped:
-                fresh.close()
-                return
-            fresh.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._spare.append(fresh)
+    # -- the agent's side -----------------------------------------------------------------
 
-    async def _socket(self) -> socket.socket:
-        """An unconnected socket of the sandbox's namespace: a spare one (the spares are
-        made again in the background), else one made now."""
-        assert self._netns is not None
-        if self._refilling is None or self._refilling.done():
-            self._refilling = asyncio.ensure_future(self._refill())
-        if self._spare:
-            return self._spare.pop()
-        sock = await self._netns.new_socket()
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return sock
+    async def _relay_loop(self, p: Published) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(p.relay)
+            except OSError:
+                await asyncio.sleep(0.05)
+                continue
+            conn.setblocking(False)
+            try:
+                first = await asyncio.wait_for(loop.sock_recv(conn, 1), AGENT_WAIT_S)
+            except (OSError, TimeoutError):
+                first = b""
+            except BaseException:
+                conn.close()
+                raise
+            # Host sockets go to the sandbox's init only (relay.dialled_by_sandbox_init): a
+            # command that dials the bound socket itself is closed.
+            if first != b"I" or p.agent is not None or not dialled_by_sandbox_init(conn):
+                conn.close()
+                continue
+            p.agent = conn
+            p.taken.set()
+            p.tasks.append(asyncio.ensure_future(self._records(p, conn)))
 
-    async def _connect(self, port: int) -> socket.socket:
-        """A socket connected to the sandbox's ``127.0.0.1:port``, within the timeout. A
-        loopback connect completes at once or is refused: no task per connection for it."""
-        sock = await self._socket()
+    async def _records(self, p: Published, conn: socket.socket) -> None:
+        """The agent's records: ``O`` a handed connection taken, ``D`` its end."""
+        loop = asyncio.get_running_loop()
+        buf = b""
         try:
-            err = sock.connect_ex(("127.0.0.1", port))
-            if err == errno.EINPROGRESS:
-                loop = asyncio.get_running_loop()
-                ready: asyncio.Future[None] = loop.create_future()
-
-                def settle() -> None:
-                    if not ready.done():
-                        ready.set_result(None)
-
-                loop.add_writer(sock.fileno(), settle)
-                try:
-                    await asyncio.wait_for(ready, CONNECT_TIMEOUT_S)
-                finally:
-                    loop.remove_writer(sock.fileno())
-                err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-            if err:
-                raise OSError(err, os.strerror(err))
-        except BaseException:
-            sock.close()
-            raise
-        return sock
+            while True:
+                part = await loop.sock_recv(conn, 64 * RECORD)
+                if not part:
+                    return
+                buf += part
+                while len(buf) >= RECORD:
+                    kind, ident, up, down, err = _RECORD.unpack_from(buf)
+                    buf = buf[RECORD:]
+                    if kind == b"O" and p.waiting:
+                        p.opened[ident] = p.waiting.popleft()
+                    elif kind == b"D" and ident in p.opened:
+                        started, peer = p.opened.pop(ident)
+                        self._open -= 1
+                        self._audit(
+                            p,
+                            started,
+                            peer,
+                            allowed=not err,
+                            reason=(
+                                f"fusion-oci publishPorts: nothing accepted the connection at "
+                                f"the sandbox's 127.0.0.1:{p.entry.port} ({os.strerror(err)})"
+                                if err
+                                else None
+                            ),
+                            bytes_up=up,
+                            bytes_down=down,
+                        )
+        except (OSError, asyncio.CancelledError):
+            return
+        finally:
+            # The sandbox ended (or the task stops): no connection can be handed any more.
+            if p.agent is conn:
+                p.agent = None
+            conn.close()
 
     # -- one connection -------------------------------------------------------------------
 
@@ -259,72 +300,29 @@ class TaskPorts:
             except OSError:
                 await asyncio.sleep(0.05)  # EMFILE and kin: let connections end first
                 continue
-            task = asyncio.ensure_future(self._serve(p, conn, peer))
-            self._open.handlers.add(task)
-            task.add_done_callback(self._open.handlers.discard)
+            self._hand(p, conn, f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer))
 
-    async def _serve(self, p: Published, down: socket.socket, peer: Any) -> None:
+    def _hand(self, p: Published, conn: socket.socket, peer: str) -> None:
         started = time.monotonic()
-        down.setblocking(False)
-        peer_text = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
-        if self._open.count >= MAX_CONNECTIONS or self._stopped or self._netns is None:
-            down.close()
-            self._audit(
-                p,
-                started,
-                peer_text,
-                allowed=False,
-                reason=(
-                    "fusion-oci publishPorts: too many inbound connections for this task "
-                    f"({MAX_CONNECTIONS} open at once)"
-                ),
-            )
-            return
-        self._open.count += 1
-        moved = {"up": 0, "down": 0}
-        reason: str | None = None
-        connected = False
         try:
-            up = await self._connect(p.entry.port)
-            connected = True
-            tunnel = Tunnel(asyncio.get_running_loop(), IDLE_TIMEOUT_S, down, up)
-            self._open.tunnels.add(tunnel)
-            tunnel.start()
-            try:
-                await tunnel.done
-            finally:
-                self._open.tunnels.discard(tunnel)
-                moved = tunnel.bytes
-        except asyncio.CancelledError:
-            reason = "the task's published ports closed"
-            down.close()
-        except (OSError, TimeoutError) as exc:
-            why = (
-                "no answer in time"
-                if isinstance(exc, TimeoutError)
-                else os.strerror(exc.errno)
-                if exc.errno
-                else str(exc)
-            )
-            reason = (
-                f"fusion-oci publishPorts: nothing accepted the connection at the sandbox's "
-                f"127.0.0.1:{p.entry.port} ({why})"
-            )
-            down.close()
-        except Exception as exc:  # a bug here must end this connection, never the listener
-            reason = f"fusion-oci publishPorts: internal error ({exc!r})"
-            down.close()
+            if self._open >= MAX_CONNECTIONS:
+                why = f"too many inbound connections for this task ({MAX_CONNECTIONS} at once)"
+            elif p.agent is None:
+                why = "the sandbox's agent is not there (the sandbox ended)"
+            else:
+                try:
+                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    rights = array.array("i", [conn.fileno()])
+                    p.agent.sendmsg([b"a"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, rights)])
+                except OSError as exc:
+                    why = f"the sandbox's agent did not take it ({os.strerror(exc.errno or 0)})"
+                else:
+                    self._open += 1
+                    p.waiting.append((started, peer))
+                    return
         finally:
-            self._open.count -= 1
-            self._audit(
-                p,
-                started,
-                peer_text,
-                allowed=connected,
-                reason=None if connected else reason,
-                bytes_up=moved["up"],
-                bytes_down=moved["down"],
-            )
+            conn.close()  # ours: the agent has its own reference now, or nobody does
+        self._audit(p, started, peer, allowed=False, reason=f"fusion-oci publishPorts: {why}")
 
     # -- audit ----------------------------------------------------------------------------
 
@@ -353,25 +351,6 @@ class TaskPorts:
         }
 
 
-def in_sandbox_netns(root: int) -> int:
-    """``root`` or the first of its descendants (breadth first) in another network namespace
-    than this process's: the sandbox's (bwrap's child; a container's init is one itself).
-    OSError ESRCH when there is none (the sandbox is gone)."""
-    ours = Path("/proc/self/ns/net").stat().st_ino
-    queue, seen = [root], set()
-    while queue:
-        pid = queue.pop(0)
-        if pid in seen:
-            continue
-        seen.add(pid)
-        with contextlib.suppress(OSError, ValueError):
-            if Path(f"/proc/{pid}/ns/net").stat().st_ino != ours:
-                return pid
-            for task in Path(f"/proc/{pid}/task").iterdir():
-                queue += [int(c) for c in (task / "children").read_text().split()]
-    raise OSError(errno.ESRCH, f"no process of the sandbox under pid {root}")
-
-
 async def bind_ports(
     *,
     task_id: str,
@@ -381,20 +360,23 @@ async def bind_ports(
     policy_hash: str | None,
     run_id: str | None = None,
 ) -> TaskPorts:
-    """Listen on every entry's host port (before the sandbox starts: a named port another
-    process holds fails prepare before anything is made). Nothing is accepted until
-    :func:`attach_ports`."""
+    """Listen on every entry's host port and bind its relay (before the sandbox starts: a
+    named port another process holds fails prepare before anything is made; the runtime
+    binds the relays into the sandbox)."""
+    state_dir = make_scratch("publish", task_id[:_TASK_ID_IN_PATH])
     ports = TaskPorts(
         task_id=task_id,
         entries=entries,
+        state_dir=state_dir,
         audit=audit,
         backend=backend,
         policy_hash=policy_hash,
         run_id=run_id,
     )
     try:
-        await on_proxy_loop(_bind_on_loop(ports))
+        await on_proxy_loop(ports._start())
     except OSError as exc:
+        shutil.rmtree(state_dir, ignore_errors=True)
         raise SandboxSetupError(
             "the task's published ports could not listen on the host",
             f"{exc}",
@@ -402,27 +384,31 @@ async def bind_ports(
             "sandbox.policy.publishPorts ('8081:80'), or only the sandbox's port ('80') for a "
             "free one",
         ) from exc
+    except BaseException:
+        shutil.rmtree(state_dir, ignore_errors=True)
+        raise
     return ports
 
 
-async def _bind_on_loop(ports: TaskPorts) -> None:
-    ports._bind()
-
-
-async def attach_ports(ports: TaskPorts, pid: int) -> None:
-    """Start serving: each connection into the sandbox's network namespace (``pid`` or its
-    first descendant in one, :func:`in_sandbox_netns`)."""
-    try:
-        await on_proxy_loop(ports._attach(in_sandbox_netns(pid)))
-    except OSError as exc:
-        with contextlib.suppress(Exception):
-            await ports.stop()
+async def attach_ports(ports: TaskPorts, within_s: float = AGENT_WAIT_S) -> None:
+    """After the runtime's prepare: every published port taken by the sandbox's agent, or a
+    setup error (nothing would reach the sandbox)."""
+    missing = await on_proxy_loop(ports._wait_agent(within_s))
+    if missing:
         raise SandboxSetupError(
-            "the task's published ports cannot reach the sandbox's network namespace",
-            f"/proc/{pid}/ns/net: {exc}",
-            "entering a sandbox's network namespace needs CAP_SYS_ADMIN (run fusion-oci as "
-            "root), or drop sandbox.policy.publishPorts",
-        ) from exc
+            "the sandbox's exec agent did not take the task's published ports",
+            f"no agent connection for {', '.join(missing)} within {within_s:g} s",
+            "publishPorts needs the agent as the sandbox's init (bubblewrap, oci with runc, "
+            "podman or docker with containerMode: warm)",
+        )
 
 
-__all__ = ["Published", "TaskPorts", "attach_ports", "bind_ports", "in_sandbox_netns"]
+async def stop_ports(ports: TaskPorts) -> None:
+    """Stop serving (every inbound connection closed) and remove the folder."""
+    try:
+        await ports.stop()
+    finally:
+        shutil.rmtree(ports.state_dir, ignore_errors=True)
+
+
+__all__ = ["Published", "TaskPorts", "attach_ports", "bind_ports", "stop_ports"]

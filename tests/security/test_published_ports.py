@@ -2,8 +2,9 @@
 inside (node's http server: the host has node, the task images too) reached from the host by a
 real HTTP client at the published port, the named one and a free one reported at prepare; and
 the probes: a port the command listens on but that is not published stays unreachable, nothing
-listens on a non-loopback host address, every connection is a ``sandbox:inbound`` audit event,
-and the host ports are closed once the sandbox is disposed.
+listens on a non-loopback host address, a command that dials the port's relay socket itself
+(to be handed the host's connections) is closed, every connection is a ``sandbox:inbound``
+audit event, and the host ports are closed once the sandbox is disposed.
 
 Runtimes without a network namespace the owner can enter refuse the policy at check
 (landlock: the command is on the host's own loopback; gVisor: its loopback is in its
@@ -34,8 +35,21 @@ INSIDE = (8080, 8081, 8082)
 """The dev server's ports inside: 8080 published on a named host port, 8082 on a free one,
 8081 not published."""
 
+HIJACK_JS = (
+    "const c=require('net').connect('/run/fusion-oci/publish/0.sock');let got=0;"
+    "let said=0;const say=(w)=>{if(!said++)require('fs').writeFileSync('hijack.txt',w)};"
+    "c.on('connect',()=>c.write('I'));c.on('data',(d)=>{got+=d.length});"
+    "c.on('error',(e)=>say('error '+e.code));"
+    "c.on('close',()=>say(got?'GOT '+got:'closed'));"
+    "setTimeout(()=>say(got?'GOT '+got:'open'),3000);"
+)
+"""Run beside the servers (one command: the engines run a task's commands one at a time): the
+command dials its published port's relay socket itself and asks to be the agent (``I``); the
+relay closes it (only the sandbox's init is handed host connections). Its verdict goes to
+``hijack.txt`` in the worktree."""
+
 SERVER_JS = (
-    "const http=require('http');"
+    HIJACK_JS + "const http=require('http');"
     "for (const p of [8080,8081,8082]) http.createServer((q,r)=>r.end('hello '+p))"
     ".listen(p,'127.0.0.1');"
     "setTimeout(()=>{},600000)"
@@ -121,6 +135,13 @@ async def _serve_and_probe(
                 else await loop.run_in_executor(None, _refused, outside, named)
             )
             seen["ports"] = (named, free)
+            verdict = wt / "hijack.txt"
+            for _ in range(50):
+                if verdict.exists():
+                    break
+                await asyncio.sleep(0.1)
+            seen["hijack"] = verdict.read_text() if verdict.exists() else None
+            seen["after"] = await loop.run_in_executor(None, _get, "127.0.0.1", named)
         finally:
             sb.abort()
             with contextlib.suppress(BaseException):
@@ -166,6 +187,9 @@ def test_a_dev_server_inside_is_reached_on_the_published_ports_only(
     # The sandbox's own ports are not the host's: 8080-8082 on the host's loopback are
     # nothing of the sandbox's (the unpublished 8081 above all).
     assert seen["other_ports"] == [True, True, True], seen
+    # A command that dials the port's relay itself gets nothing of the host's, and the
+    # published port still goes to the server.
+    assert seen["hijack"] == "closed" and seen["after"] == "hello 8080", seen
     # Nothing on another address of the host.
     assert seen["outside"] in (None, True), seen
     # One sandbox:inbound event per connection, each naming its published port.

@@ -120,3 +120,32 @@ def test_settings_show_plan_and_doctor_say_what_each_published_port_gives() -> N
     ]
     assert str(rows[1]["source"]).startswith("sandbox.policy.publishPorts[1]: gives")
     assert publish_lines(summary)[0].startswith("publishPorts 3000: gives this host's")
+
+
+def test_the_agents_wiring_is_golden() -> None:
+    """Each published port: its relay's socket bound read-only at
+    /run/fusion-oci/publish/N.sock and ``--publish PORT=PATH`` for the agent (placeholders in
+    a plan), after the host services' own; the same for every runtime's translation."""
+    from fusion_oci.hostservice import parse_grant
+    from fusion_oci.services.inside import service_wiring
+
+    ports = SandboxPolicy(publish_ports=["3000", "8080:80"]).published()
+    grants = [parse_grant("127.0.0.1:5432")]
+    planned = service_wiring(grants, None, None, ports)
+    prepared = service_wiring(
+        grants,
+        {
+            "127.0.0.1:5432": "/tmp/s/0.sock",
+            "publish:0": "/tmp/p/0.sock",
+            "publish:1": "/tmp/p/1.sock",
+        },
+        None,
+        ports,
+    )
+    assert_golden(
+        "publish_ports_wiring.json",
+        {
+            "plan": {"binds": planned.binds, "agent": planned.agent_args},
+            "prepared": {"binds": prepared.binds, "agent": prepared.agent_args},
+        },
+    )
