@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 import socket
+import tempfile
 import urllib.request
 from pathlib import Path
 
@@ -24,10 +26,19 @@ import pytest
 from fusion_oci.audit import AuditEvent, AuditLog
 from fusion_oci.errors import PolicyNotEnforceableError
 from fusion_oci.models import PrepareContext, RunOptions, SandboxPolicy
+from fusion_oci.policy.settings import SandboxSettings
 from fusion_oci.runtimes.requirements import Requirement
 from fusion_oci.sandbox import Sandbox
 from tests.backends import backend_settings, require_runtime
-from tests.security.conftest import engine_env
+from tests.security.conftest import (  # noqa: F401 - the fixtures, shared with the probes
+    DOCKERLESS,
+    ROOTLESS,
+    ROOTLESS_BACKENDS,
+    RootlessUser,
+    dockerless_user,
+    engine_env,
+    rootless_user,
+)
 
 RUNTIMES = ["native", "bubblewrap", "landlock", "oci", "oci-runsc", "podman", "docker"]
 REFUSED = {"landlock", "oci-runsc"}
@@ -201,3 +212,43 @@ def test_a_dev_server_inside_is_reached_on_the_published_ports_only(
     assert (prepare.details or {})["published"] == published
     # Closed at dispose.
     assert _refused("127.0.0.1", named) and _refused("127.0.0.1", free)
+
+
+UNPRIVILEGED = {"bubblewrap-unprivileged": "bubblewrap", ROOTLESS: "podman", DOCKERLESS: "docker"}
+"""Driven as the unprivileged CI user (tests/integration/rootless_driver.py ``publish``): no
+root needed, the agent is handed the connections."""
+
+
+@pytest.mark.parametrize("backend", list(UNPRIVILEGED))
+def test_published_ports_work_without_root(backend: str, request: pytest.FixtureRequest) -> None:
+    from tests.conftest import git_init
+
+    # The same unprivileged user for the three; bubblewrap needs no engine of it.
+    user: RootlessUser = request.getfixturevalue(ROOTLESS_BACKENDS.get(backend, "rootless_user"))
+    # A folder the user can reach (pytest's tmp_path is under root's private one).
+    base = Path(tempfile.mkdtemp(prefix="fusion-oci-test-publish-"))
+    request.addfinalizer(lambda: shutil.rmtree(base, ignore_errors=True))
+    wt = git_init(base / "wt")
+    user.hand_over(base)
+    policy = SandboxPolicy(network="none", publish_ports=["8080", "8082"])  # type: ignore[arg-type]
+    settings = SandboxSettings(
+        backend=UNPRIVILEGED[backend],  # type: ignore[arg-type]
+        policy=policy,
+        **(user.settings if backend != "bubblewrap-unprivileged" else {}),
+    )
+    ctx = PrepareContext(task_id="pub", run_id="r1", policy=policy, worktree_path=str(wt))
+    answer = user.drive(
+        "publish",
+        {
+            "settings": settings.model_dump(mode="json", by_alias=True),
+            "ctx": ctx.model_dump(mode="json", by_alias=True),
+            "env": {},
+            "cacheRoot": str(base / "cache"),
+            "command": ["node", "-e", SERVER_JS],
+        },
+        timeout=300,
+    )
+    assert "refused" not in answer, answer
+    assert answer["answers"] == ["hello 8080", "hello 8082"], answer
+    assert answer["hijack"] == "closed", answer
+    assert answer["closedAfter"] == [True, True], answer
