@@ -252,3 +252,58 @@ def test_published_ports_work_without_root(backend: str, request: pytest.Fixture
     assert answer["answers"] == ["hello 8080", "hello 8082"], answer
     assert answer["hijack"] == "closed", answer
     assert answer["closedAfter"] == [True, True], answer
+
+
+CRASHING = """
+import json, os, signal, sys
+from pathlib import Path
+from fusion_oci.models import PrepareContext, SandboxPolicy
+from fusion_oci.policy.settings import SandboxSettings
+from fusion_oci.sandbox import SyncSandbox
+cfg = json.loads(sys.argv[1])
+policy = SandboxPolicy.model_validate(cfg["policy"])
+sb = SyncSandbox(SandboxSettings(backend="bubblewrap", policy=policy),
+                 cache_root=Path(cfg["cache"]))
+sb.prepare(PrepareContext(task_id="pub-crash", run_id="r1", policy=policy,
+                          worktree_path=cfg["wt"]))
+ports = sb.sandbox.ports
+print(json.dumps({"port": sb.sandbox.published()[0]["hostPort"],
+                  "dir": str(ports.state_dir)}), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_crashed_owner_leaves_no_port_and_gc_takes_its_folder(tmp_path: Path) -> None:
+    """kill -9 of the task's owner: the kernel closes its listeners (nothing answers at the
+    published port), and the relay sockets' folder, stamped with the dead owner, goes at the
+    next gc (every prepare runs it)."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from fusion_oci.scratch import gc_scratch
+    from tests.conftest import git_init
+
+    require_runtime("bubblewrap")
+    wt = git_init(tmp_path / "wt")
+    policy = SandboxPolicy(network="none", publish_ports=["3000"])  # type: ignore[arg-type]
+    cfg = {
+        "policy": policy.model_dump(mode="json", by_alias=True),
+        "cache": str(tmp_path / "cache"),
+        "wt": str(wt),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", CRASHING, json.dumps(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    left = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert _refused("127.0.0.1", int(left["port"]))
+    assert Path(left["dir"]).is_dir()  # what the crash left
+    gc_scratch()
+    assert not Path(left["dir"]).exists()
