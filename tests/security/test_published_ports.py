@@ -162,9 +162,10 @@ async def _serve_and_probe(
     return published, seen, events, list(sb.unenforced)
 
 
+@pytest.mark.parametrize("network", ["none", "egress", "filtered"])
 @pytest.mark.parametrize("backend", RUNTIMES)
 def test_a_dev_server_inside_is_reached_on_the_published_ports_only(
-    backend: str, tmp_path: Path
+    backend: str, network: str, tmp_path: Path
 ) -> None:
     require_runtime(backend, backend_settings(backend))
     if backend in ("podman", "docker"):
@@ -174,9 +175,7 @@ def test_a_dev_server_inside_is_reached_on_the_published_ports_only(
     from tests.conftest import git_init
 
     wt = git_init(tmp_path / "wt")
-    coro = _serve_and_probe(
-        backend, wt, tmp_path / "c", "egress" if backend != "landlock" else "none"
-    )
+    coro = _serve_and_probe(backend, wt, tmp_path / "c", network)
     if backend in REFUSED:
         with pytest.raises(PolicyNotEnforceableError) as info:
             asyncio.run(coro)
