@@ -306,3 +306,37 @@ def test_a_crashed_owner_leaves_no_port_and_gc_takes_its_folder(tmp_path: Path) 
     assert Path(left["dir"]).is_dir()  # what the crash left
     gc_scratch()
     assert not Path(left["dir"]).exists()
+
+
+def test_host_port_4040_is_refused_by_the_settings_with_the_field_and_the_fix(
+    tmp_path: Path,
+) -> None:
+    """The dashboard's port is never published: a project's settings that ask for it fail at
+    load, naming the field and what to write instead (the CLI as a user runs it)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import git_init
+
+    wt = git_init(tmp_path / "wt")
+    (wt / ".fusion").mkdir()
+    (wt / ".fusion" / "settings.yaml").write_text(
+        'sandbox:\n  backend: bubblewrap\n  policy:\n    publishPorts: ["4040:3000"]\n'
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "fusion_oci.cli.main", "run", "--", "true"],
+        cwd=wt,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={
+            **os.environ,
+            "FUSION_OCI_NO_SERVER": "1",
+            "PYTHONPATH": str(Path(__file__).parents[2]),
+        },
+    )
+    assert out.returncode != 0
+    assert "sandbox.policy.publishPorts" in out.stderr, out.stderr
+    assert "4040 is fusion-oci's dashboard" in out.stderr
+    assert "('8080:3000') or a free one ('3000')" in out.stderr
