@@ -1043,8 +1043,13 @@ static void fwd_close(struct pair *c);
  * connected here to 127.0.0.1:PORT and spliced like a pool connection. */
 static void fwd_inbound(struct listener *l, int h) {
     size_t li = (size_t)(l - lis);
+    /* 'O' for every socket handed to us, in order (the relay pairs them with its clients),
+     * then 'D' however it ends. */
+    unsigned id = l->next_id++;
+    fwd_record(li, 'O', id, 0, 0, 0);
     int s = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (s < 0 || npairs >= FWD_MAX || fcntl(h, F_SETFL, O_NONBLOCK) < 0) {
+        fwd_record(li, 'D', id, 0, 0, s < 0 ? errno : EMFILE);
         if (s >= 0)
             close(s);
         close(h); /* the host client sees its connection closed */
@@ -1052,8 +1057,6 @@ static void fwd_inbound(struct listener *l, int h) {
     }
     int one = 1;
     setsockopt(s, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    unsigned id = l->next_id++;
-    fwd_record(li, 'O', id, 0, 0, 0);
     int r = connect(s, (struct sockaddr *)&l->to, l->tolen);
     if (r < 0 && errno != EINPROGRESS) {
         fwd_record(li, 'D', id, 0, 0, errno ? errno : ECONNREFUSED);

@@ -62,6 +62,9 @@ MAX_CONNECTIONS = 128
 AGENT_WAIT_S = 5.0
 """How long prepare waits for the agent to take every published port (it dials before its
 hello, so normally it has when the runtime's prepare returns)."""
+STOP_DRAIN_S = 1.0
+"""At stop: how long the agent's last records are waited for (it answers at once; a sandbox
+that is gone has closed its end already)."""
 _TASK_ID_IN_PATH = 24
 
 
@@ -82,6 +85,8 @@ class Published:
     """Connections handed over, not yet taken (``O``), in order: (start, peer)."""
     opened: dict[int, tuple[float, str]] = field(default_factory=dict)
     tasks: list[asyncio.Future[None]] = field(default_factory=list)
+    records: asyncio.Future[None] | None = None
+    """The reader of the agent's records, once it dialled."""
     taken: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -209,18 +214,25 @@ class TaskPorts:
         self._stopped = True
         for p in self.ports:
             for task in p.tasks:
-                task.cancel()
+                if task is not p.records:
+                    task.cancel()
             p.listener.close()
             p.relay.close()
+            if p.agent is not None:
+                # The agent closes every inbound connection at our EOF, then its end: the
+                # records it wrote before are read to the end first (their audit events).
+                with contextlib.suppress(OSError):
+                    p.agent.shutdown(socket.SHUT_WR)
+        records = [p.records for p in self.ports if p.records is not None]
+        if records:
+            await asyncio.wait(records, timeout=STOP_DRAIN_S)
         for p in self.ports:
+            for task in p.tasks:
+                task.cancel()
             if p.tasks:
                 await asyncio.gather(*p.tasks, return_exceptions=True)
             if p.agent is not None:
                 p.agent.close()
-            for started, peer in [*p.waiting, *p.opened.values()]:
-                self._audit(p, started, peer, allowed=True, reason="the task stopped")
-            p.waiting.clear()
-            p.opened.clear()
         await self._events.drain()
 
     # -- the agent's side -----------------------------------------------------------------
@@ -248,7 +260,8 @@ class TaskPorts:
                 continue
             p.agent = conn
             p.taken.set()
-            p.tasks.append(asyncio.ensure_future(self._records(p, conn)))
+            p.records = asyncio.ensure_future(self._records(p, conn))
+            p.tasks.append(p.records)
 
     async def _records(self, p: Published, conn: socket.socket) -> None:
         """The agent's records: ``O`` a handed connection taken, ``D`` its end."""
@@ -285,10 +298,16 @@ class TaskPorts:
         except (OSError, asyncio.CancelledError):
             return
         finally:
-            # The sandbox ended (or the task stops): no connection can be handed any more.
+            # The sandbox ended (or the task stops): no connection can be handed any more, and
+            # the agent closed those it had.
             if p.agent is conn:
                 p.agent = None
             conn.close()
+            for started, peer in [*p.waiting, *p.opened.values()]:
+                self._open -= 1
+                self._audit(p, started, peer, allowed=True, reason="the sandbox or the task ended")
+            p.waiting.clear()
+            p.opened.clear()
 
     # -- one connection -------------------------------------------------------------------
 

@@ -157,6 +157,11 @@ async def _serve_and_probe(
             sb.abort()
             with contextlib.suppress(BaseException):
                 await run
+        # The sandbox is still there, its servers are not: the host's client is closed.
+        if "ports" in seen:
+            seen["no_server"] = await asyncio.get_running_loop().run_in_executor(
+                None, _refused, "127.0.0.1", seen["ports"][0]
+            )
     finally:
         await sb.dispose()
     return published, seen, events, list(sb.unenforced)
@@ -205,10 +210,14 @@ def test_a_dev_server_inside_is_reached_on_the_published_ports_only(
     # One sandbox:inbound event per connection, each naming its published port.
     inbound = [e for e in events if e.type == "sandbox:inbound"]
     assert {e.port for e in inbound} >= {8080, 8082}, inbound
-    ok = [e for e in inbound if e.allowed]
+    ok = [e for e in inbound if e.allowed and e.reason is None]  # ended on their own
     assert ok and all((e.bytes_down or 0) > 0 and (e.bytes_up or 0) > 0 for e in ok), ok
     prepare = next(e for e in events if e.type == "sandbox:prepare")
     assert (prepare.details or {})["published"] == published
+    # With nothing listening inside any more: closed, and audited as refused with the reason.
+    assert seen["no_server"] is True
+    refused = [e for e in inbound if not e.allowed]
+    assert any("nothing accepted the connection" in (e.reason or "") for e in refused), inbound
     # Closed at dispose.
     assert _refused("127.0.0.1", named) and _refused("127.0.0.1", free)
 
