@@ -6,13 +6,13 @@ names none, never 4040) from prepare to dispose, and binds a unix socket, the po
 **relay**, into the sandbox (``/run/fusion-oci/publish/N.sock``). Before any command runs the
 sandbox's exec agent dials it and sends ``I`` (agent.c, ``--publish PORT=PATH``); the relay
 keeps that connection only when the dialer is the sandbox's init
-(:func:`~fusion_oci.services.relay.dialled_by_sandbox_init`: a command never is). Then each
+(:func:`~fusion_oci.services.handover.dialled_by_sandbox_init`: a command never is). Then each
 connection a host client makes to the published port is **handed to the agent** (``a`` +
 ``SCM_RIGHTS``, the accepted socket itself), which connects to ``127.0.0.1:PORT`` in the
 sandbox's own network namespace and splices the two with ``splice(2)`` in C: no host process
 in the data path, no privilege needed (no ``setns``). The agent reports each connection on
 the same connection (records ``O``: taken, ``D``: its end, the bytes each way, the connect's
-errno; :data:`~fusion_oci.services.relay.RECORD` bytes, as a host service's pool), and each
+errno; :data:`~fusion_oci.services.handover.RECORD` bytes, as a host service's pool), and each
 is one ``sandbox:inbound`` audit event, within the task's audit budget.
 
 So only the named ports are reachable: the agent connects the published port's own
@@ -52,7 +52,7 @@ from fusion_oci.errors import SandboxSetupError
 from fusion_oci.hostservice import DASHBOARD_PORT
 from fusion_oci.publishport import PublishedPort
 from fusion_oci.scratch import make_scratch
-from fusion_oci.services.relay import _RECORD, RECORD, dialled_by_sandbox_init
+from fusion_oci.services.handover import RECORD, RECORD_FORMAT, dialled_by_sandbox_init
 
 if TYPE_CHECKING:
     from fusion_oci.audit import AuditLog
@@ -253,7 +253,7 @@ class TaskPorts:
             except BaseException:
                 conn.close()
                 raise
-            # Host sockets go to the sandbox's init only (relay.dialled_by_sandbox_init): a
+            # Host sockets go to the sandbox's init only (handover.dialled_by_sandbox_init): a
             # command that dials the bound socket itself is closed.
             if first != b"I" or p.agent is not None or not dialled_by_sandbox_init(conn):
                 conn.close()
@@ -274,7 +274,7 @@ class TaskPorts:
                     return
                 buf += part
                 while len(buf) >= RECORD:
-                    kind, ident, up, down, err = _RECORD.unpack_from(buf)
+                    kind, ident, up, down, err = RECORD_FORMAT.unpack_from(buf)
                     buf = buf[RECORD:]
                     if kind == b"O" and p.waiting:
                         p.opened[ident] = p.waiting.popleft()
