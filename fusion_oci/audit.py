@@ -41,6 +41,7 @@ EventType = Literal[
     "sandbox:gate",
     "sandbox:egress",
     "sandbox:credential",
+    "sandbox:inbound",
 ]
 
 

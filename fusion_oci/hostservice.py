@@ -159,6 +159,7 @@ HANDS_OVER: tuple[tuple[str, str], ...] = (
     ("*/fusion-oci.[0-9]*/*.sock", "fusion-oci's own resident server: commands run unsandboxed"),
     ("*/fusion-oci-egress-*", "another task's egress proxy"),
     ("*/fusion-oci-services-*", "another task's host-service relay"),
+    ("*/fusion-oci-publish-*", "a task's published-port relay (host clients' connections)"),
     ("*/fusion-oci-bwrap-*", "a task's sandbox scratch (its agent's socket)"),
     ("*/fusion-oci-podman-*", "a fusion-oci podman service socket: every container it may make"),
     ("*/ssh-*/agent.*", "an ssh agent: signs as the user for every host their keys open"),

@@ -31,6 +31,7 @@ from fusion_oci.stdin import StdinStream
 
 if TYPE_CHECKING:
     from fusion_oci.hostservice import HostService
+    from fusion_oci.publishport import PublishedPort
 
 FailureMode = Literal["fail-hard", "fallback-native"]
 
@@ -108,6 +109,19 @@ class HostServiceGrant(Model):
     refused at load."""
 
 
+class PublishPort(Model):
+    """A ``publishPorts`` entry written as a mapping (fusion_oci.publishport): the only form
+    that may name an address off the host's loopback."""
+
+    port: Annotated[int, Field(gt=0, lt=65536)]
+    """The TCP port a command listens on inside the sandbox (its own 127.0.0.1)."""
+    host_port: Annotated[int, Field(gt=0, lt=65536)] | None = None
+    """The host port it is published on. None: a free one, chosen at prepare and reported."""
+    address: str = "127.0.0.1"
+    """The host address the published port listens on: the loopback unless this says
+    otherwise (``0.0.0.0``: every address of the host, the LAN included)."""
+
+
 class ServiceContainer(Model):
     """A ``services`` entry: a container the task's commands use, as a CI system's services
     (``{name: db, image: postgres, env: {...}, port: 5432, ready: pg_isready}``). Started at
@@ -179,6 +193,12 @@ class SandboxPolicy(Model):
     """Per-task service containers (a database, a cache) the task's commands reach at
     ``127.0.0.1:PORT`` and by name, each on no network but the task's relay (see
     :class:`ServiceContainer`). Works with every network but ``host``. Empty: none."""
+    publish_ports: list[str | PublishPort] = Field(default_factory=list)
+    """Ports commands listen on inside the sandbox, published on the host as ``docker run
+    -p`` writes them, host before sandbox (``"3000"``: a free host port; ``"8080:80"``),
+    on the host's 127.0.0.1 unless a mapping's ``address`` says otherwise; never port 4040
+    (fusion_oci.publishport, fusion_oci.services.publish). Empty: nothing inside is
+    reachable from the host."""
     allowed_paths: list[str] = Field(default_factory=list)
     """Absolute host paths visible read-only inside the sandbox. Empty: only the worktree."""
     writable_paths: list[str] = Field(default_factory=list)
@@ -250,6 +270,42 @@ class SandboxPolicy(Model):
             seen[where] = i
         return values
 
+    @field_validator("publish_ports")
+    @classmethod
+    def _publish_ports(cls, values: list[str | PublishPort]) -> list[str | PublishPort]:
+        from fusion_oci.publishport import make_published, parse_publish
+
+        seen: dict[str, int] = {}
+        for i, value in enumerate(values):
+            try:
+                entry = (
+                    parse_publish(value)
+                    if isinstance(value, str)
+                    else make_published(value.port, value.host_port, value.address)
+                )
+            except ValueError as exc:
+                raise ValueError(f"publishPorts[{i}] {value!r}: {exc}") from None
+            if entry.host_port:
+                where = entry.host()
+                if where in seen:
+                    raise ValueError(
+                        f"publishPorts[{i}] {value!r}: host port {where} is taken by "
+                        f"publishPorts[{seen[where]}]; publish on another one"
+                    )
+                seen[where] = i
+        return values
+
+    def published(self) -> list[PublishedPort]:
+        """The parsed ``publishPorts``, in order."""
+        from fusion_oci.publishport import make_published, parse_publish
+
+        return [
+            parse_publish(v)
+            if isinstance(v, str)
+            else make_published(v.port, v.host_port, v.address)
+            for v in self.publish_ports
+        ]
+
     def service_endpoints(self) -> list[HostService]:
         """Where each of :attr:`services` appears inside: ``127.0.0.1:PORT``, in order."""
         from fusion_oci.hostservice import HostService
@@ -297,6 +353,12 @@ class SandboxPolicy(Model):
                 "none or egress"
             )
         self._services_consistent()
+        if self.publish_ports and self.network_mode is NetworkMode.HOST:
+            raise ValueError(
+                "publishPorts with network host: a command's listener is on the host's network "
+                "already, so there is nothing to publish; use network none, egress or filtered "
+                "with publishPorts"
+            )
         if self.host_services and self.network is NetworkMode.HOST:
             raise ValueError(
                 "hostServices with network host: the host's network reaches every service "
@@ -357,6 +419,8 @@ class SandboxPolicy(Model):
             del data["hostServices"]  # the hash of every policy without grants stays as it was
         if not self.services:
             del data["services"]
+        if not self.publish_ports:
+            del data["publishPorts"]
         canon = json.dumps(data, sort_keys=True)
         return "sha256:" + hashlib.sha256(canon.encode()).hexdigest()[:16]
 
@@ -380,6 +444,8 @@ class SandboxPolicy(Model):
             parts.append(f"fsize={self.file_size_limit_mb}MiB")
         if self.host_services:
             parts.append(f"services={len(self.host_services)}")
+        if self.publish_ports:
+            parts.append("publish=" + ",".join(str(p) for p in self.published()))
         if self.services:
             parts.append("containers=" + ",".join(s.name for s in self.services))
         if self.protected_paths != list(DEFAULT_PROTECTED_PATHS):

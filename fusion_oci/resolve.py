@@ -25,6 +25,7 @@ from fusion_oci.policy.settings import SandboxSettings
 if TYPE_CHECKING:
     from fusion_oci.egress import EgressProxy
     from fusion_oci.services import TaskRelays
+    from fusion_oci.services.publish import TaskPorts
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,10 @@ class ResolvedTask:
     """The task's host-service relays (``policy.hostServices``; started by the sandbox before
     the runtime's prepare, which makes each appear inside). None: no grants, or nothing
     started them (plan, bundle create)."""
+    ports: TaskPorts | None = None
+    """The task's published ports (``policy.publishPorts``; bound by the sandbox before the
+    runtime's prepare, which binds each port's relay into the sandbox for its agent). None:
+    none, or nothing bound them (plan, bundle create)."""
     spec: TaskSpec = field(init=False, repr=False, compare=False)
     """The task's sandbox (the OCI config without ``process``), compiled once here."""
 
@@ -105,6 +110,12 @@ class ResolvedTask:
     def with_services(self, relays: TaskRelays | None) -> ResolvedTask:
         """The same task with its host-service relays (the spec is kept)."""
         out = replace(self, services=relays)
+        object.__setattr__(out, "spec", self.spec)
+        return out
+
+    def with_ports(self, ports: TaskPorts | None) -> ResolvedTask:
+        """The same task with its published ports (the spec is kept)."""
+        out = replace(self, ports=ports)
         object.__setattr__(out, "spec", self.spec)
         return out
 

@@ -184,6 +184,12 @@ async def execute(
                     "(the command runs on the host as you)",
                     err=True,
                 )
+            for port in sandbox.published():
+                # Before the command starts: a dev server's user needs the free port chosen.
+                io.echo(
+                    f"fusion-oci: published the sandbox's port {port['port']} on {port['url']}",
+                    err=True,
+                )
             result: RunResult = await sandbox.run(command, run_opts)
     except FusionOCIError as exc:
         return fail(exc)

@@ -70,6 +70,7 @@ from fusion_oci.runtimes.registry import create_runtime
 from fusion_oci.runtimes.skeleton import default_cache_root
 from fusion_oci.scratch import gc_scratch
 from fusion_oci.services import TaskRelays, start_relays, stop_relays
+from fusion_oci.services.publish import TaskPorts, attach_ports, bind_ports, stop_ports
 from fusion_oci.sidecars import TaskServices, services_missing
 from fusion_oci.stdin import StdinStream
 from fusion_oci.store import StoreLinker, task_linker
@@ -117,6 +118,9 @@ class Sandbox:
         ``services``."""
         self.sidecars: TaskServices | None = None
         """The task's service containers while prepared with ``services``."""
+        self.ports: TaskPorts | None = None
+        """The task's published ports while prepared with ``publishPorts``
+        (:meth:`published` reports them)."""
         self._running: set[asyncio.Task[RunResult]] = set()
         self._gitguard: GitGuard | None = None
         """The watch over repositories inside the worktree that the host's git would enter
@@ -255,7 +259,22 @@ class Sandbox:
                     run_id=ctx.run_id,
                 )
                 resolved = resolved.with_services(self.services)
+            if resolved.spec.published_ports and runtime.isolates:
+                # Listening before the sandbox exists: a named host port that is taken fails
+                # prepare before anything starts; the runtime binds each port's relay into the
+                # sandbox, whose agent takes it before any command runs.
+                self.ports = await bind_ports(
+                    task_id=ctx.task_id,
+                    entries=list(resolved.spec.published_ports),
+                    audit=self.audit,
+                    backend=runtime.id,
+                    policy_hash=ctx.policy.digest(),
+                    run_id=ctx.run_id,
+                )
+                resolved = resolved.with_ports(self.ports)
             self.task = await runtime.prepare(resolved)
+            if self.ports is not None:
+                await attach_ports(self.ports)
         except BaseException:
             self.runtime = None
             self.task = None
@@ -279,7 +298,18 @@ class Sandbox:
             )
         return await make_broker(self.settings.credentials, self.env)
 
+    def published(self) -> list[dict[str, Any]]:
+        """The task's published ports while prepared: ``port`` (inside), ``hostPort`` (the
+        named or chosen one), ``address``, ``url``; empty: none."""
+        return self.ports.report() if self.ports is not None else []
+
+    async def _stop_ports(self) -> None:
+        ports, self.ports = self.ports, None
+        if ports is not None:
+            await stop_ports(ports)
+
     async def _stop_egress(self) -> None:
+        await self._stop_ports()
         proxy, self.egress = self.egress, None
         relays, self.services = self.services, None
         sidecars, self.sidecars = self.sidecars, None
@@ -361,6 +391,8 @@ class Sandbox:
             details["egress_profile"] = self._profile
         if self.sidecars is not None:
             details["services"] = [one.audit() for one in self.sidecars.started]
+        if self.ports is not None:
+            details["published"] = self.ports.report()
         if self.linker is not None:
             details["store_tree"] = (await asyncio.to_thread(self.linker.place)).audit()
         self._event(
@@ -558,6 +590,7 @@ class Sandbox:
         self.task = None
         start = time.monotonic()
         try:
+            await self._stop_ports()  # before the sandbox: no connection comes in meanwhile
             await runtime.dispose()
         finally:
             await self._stop_egress()  # after the sandbox: nothing is left to connect

@@ -29,6 +29,7 @@
 #include <limits.h>
 #include <net/if.h>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -718,9 +719,10 @@ static void keeper_main(struct spawn *sp, int fds[3], int chan) {
 #define FWD_POOL 8
 #define FWD_REC 32 /* type, 3 zero bytes, u32 id, u64 to the service, u64 from it, u32 errno, 0 */
 struct listener {
-    int fd;
+    int fd;      /* the listening socket on the sandbox's loopback; -1: a published port's */
     const char *path;
-    int handoff; /* a host service's relay: it hands over the connected socket */
+    int handoff; /* 1: a host service's relay (it hands over the connected socket); 2: a
+                  * published port's (its relay hands us each inbound connection) */
     int ctl;     /* the relay's pool connection, or -1 */
     int pool[FWD_POOL];
     int npool;
@@ -856,6 +858,37 @@ static void add_service(char *spec) {
     add_listener(addr, (int)port, eq + 1, 1);
 }
 
+/* `--publish PORT=PATH` (policy.publishPorts): no listener of ours. Before hello we dial
+ * PATH, the task's published port on the host, and send 'I'; its relay (which accepts only
+ * the sandbox's init) then hands us each connection a host client made to the published port
+ * ('a' + SCM_RIGHTS, the accepted socket), which we connect to 127.0.0.1:PORT here, in the
+ * sandbox's own network namespace, and splice as a pool connection (records 'O'/'D' on the
+ * same connection for its audit event). Nothing of the host's reaches a command: it only
+ * accepts a connection on its own loopback; the host socket stays ours. */
+static void add_publish(char *spec) {
+    char *eq = strchr(spec, '=');
+    if (!eq || eq[1] != '/')
+        die("--publish %s: want PORT=PATH", spec);
+    *eq = 0;
+    char *end;
+    long port = strtol(spec, &end, 10);
+    if (*end || port <= 0 || port > 65535)
+        die("--publish: bad port %s", spec);
+    if (nlis >= FWD_LISTENERS)
+        die("forwarder: more than %d listeners", FWD_LISTENERS);
+    struct listener *l = &lis[nlis++];
+    memset(l, 0, sizeof *l);
+    l->fd = -1;
+    l->path = eq + 1;
+    l->handoff = 2;
+    l->ctl = -1;
+    struct sockaddr_in *sa = (struct sockaddr_in *)&l->to;
+    sa->sin_family = AF_INET;
+    sa->sin_port = htons((uint16_t)port);
+    sa->sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    l->tolen = sizeof *sa;
+}
+
 /* A new connection to the proxy's socket at `path`: its fd (maybe still connecting: *busy),
  * or -1. */
 static int unix_dial(const char *path, int nonblock, int *busy) {
@@ -952,7 +985,7 @@ static void fwd_accept(struct listener *l) {
         int c = accept4(l->fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (c < 0)
             return; /* EAGAIN, or a connection that went away: nothing to do */
-        if (l->handoff && l->ctl >= 0 && l->npool > 0) {
+        if (l->handoff == 1 && l->ctl >= 0 && l->npool > 0) {
             /* A socket of the pool, connected by us to the grant's own address. */
             int s = l->pool[--l->npool];
             unsigned id = l->next_id++;
@@ -1006,6 +1039,38 @@ static void fwd_accept(struct listener *l) {
 
 static void fwd_close(struct pair *c);
 
+/* A published port's inbound connection `h` (the host client's, handed by its relay):
+ * connected here to 127.0.0.1:PORT and spliced like a pool connection. */
+static void fwd_inbound(struct listener *l, int h) {
+    size_t li = (size_t)(l - lis);
+    /* 'O' for every socket handed to us, in order (the relay pairs them with its clients),
+     * then 'D' however it ends. */
+    unsigned id = l->next_id++;
+    fwd_record(li, 'O', id, 0, 0, 0);
+    int s = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (s < 0 || npairs >= FWD_MAX || fcntl(h, F_SETFL, O_NONBLOCK) < 0) {
+        fwd_record(li, 'D', id, 0, 0, s < 0 ? errno : EMFILE);
+        if (s >= 0)
+            close(s);
+        close(h); /* the host client sees its connection closed */
+        return;
+    }
+    int one = 1;
+    setsockopt(s, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    int r = connect(s, (struct sockaddr *)&l->to, l->tolen);
+    if (r < 0 && errno != EINPROGRESS) {
+        fwd_record(li, 'D', id, 0, 0, errno ? errno : ECONNREFUSED);
+        close(s);
+        close(h);
+        return;
+    }
+    struct pair *pr = fwd_new_pair(h, s, l);
+    pr->pooled = 1;
+    pr->id = id;
+    pr->connecting = r < 0;
+    fwd_pipes(pr);
+}
+
 /* The relay's pool connection: fresh sockets ('p' + one fd each), or its end (the task
  * stops: every connection of this listener's pool is closed). */
 static void fwd_ctl(struct listener *l) {
@@ -1033,6 +1098,14 @@ static void fwd_ctl(struct listener *l) {
             for (size_t j = 0; j < k; j++) {
                 int type = 0;
                 socklen_t tl = sizeof type;
+                if (l->handoff == 2) {
+                    if (byte == 'a' && getsockopt(fds[j], SOL_SOCKET, SO_TYPE, &type, &tl) == 0 &&
+                        type == SOCK_STREAM)
+                        fwd_inbound(l, fds[j]);
+                    else
+                        close(fds[j]);
+                    continue;
+                }
                 if (byte == 'p' && l->npool < FWD_POOL &&
                     getsockopt(fds[j], SOL_SOCKET, SO_TYPE, &type, &tl) == 0 &&
                     type == SOCK_STREAM && fcntl(fds[j], F_SETFL, O_NONBLOCK) == 0)
@@ -1068,7 +1141,8 @@ static void fwd_pools_open(void) {
             continue;
         int size = 1 << 20;
         setsockopt(u, SOL_SOCKET, SO_SNDBUF, &size, sizeof size);
-        if (send(u, "P", 1, MSG_NOSIGNAL) != 1 || fcntl(u, F_SETFL, O_NONBLOCK) < 0) {
+        if (send(u, lis[i].handoff == 2 ? "I" : "P", 1, MSG_NOSIGNAL) != 1 ||
+            fcntl(u, F_SETFL, O_NONBLOCK) < 0) {
             close(u);
             continue;
         }
@@ -1854,6 +1928,8 @@ int main(int argc, char **argv) {
     const char *egress_path = NULL;
     char *services[FWD_LISTENERS];
     int nservices = 0;
+    char *publish[FWD_LISTENERS];
+    int npublish = 0;
     /* `--egress PATH` and `--service SPEC`s before `--exec-status-file F -- ARGV`. */
     int lead = 1;
     while (lead + 1 < argc &&
@@ -1897,6 +1973,8 @@ int main(int argc, char **argv) {
             egress_path = argv[++i];
         else if (!strcmp(argv[i], "--service") && i + 1 < argc && nservices < FWD_LISTENERS - 1)
             services[nservices++] = argv[++i];
+        else if (!strcmp(argv[i], "--publish") && i + 1 < argc && npublish < FWD_LISTENERS - 1)
+            publish[npublish++] = argv[++i];
         else if (!strcmp(argv[i], "--parent") && i + 1 < argc)
             parent = (pid_t)atoi(argv[++i]);
         else if (!strcmp(argv[i], "--dumpable"))
@@ -1907,7 +1985,7 @@ int main(int argc, char **argv) {
             puts("fusion-oci-agent protocol " PROTOCOL_VERSION);
             return 0;
         } else
-            die("usage: fusion-oci-agent [--egress PATH] [--service ADDR:PORT=PATH]... (--fd N [--parent PID] | --connect PATH)");
+            die("usage: fusion-oci-agent [--egress PATH] [--service ADDR:PORT=PATH]... [--publish PORT=PATH]... (--fd N [--parent PID] | --connect PATH)");
     }
     /* An ignored signal stays ignored across exec: whatever our parent ignored (SIGPIPE...)
      * goes back to default here, once, so every command starts with default dispositions
@@ -1928,7 +2006,7 @@ int main(int argc, char **argv) {
     if (connect_path)
         connect_to(connect_path);
     if (conn < 0)
-        die("usage: fusion-oci-agent [--egress PATH] [--service ADDR:PORT=PATH]... (--fd N [--parent PID] | --connect PATH)");
+        die("usage: fusion-oci-agent [--egress PATH] [--service ADDR:PORT=PATH]... [--publish PORT=PATH]... (--fd N [--parent PID] | --connect PATH)");
     if (fcntl(conn, F_SETFD, FD_CLOEXEC) < 0)
         die("fd %d: %s", conn, strerror(errno));
     if (parent && getppid() != parent)
@@ -1939,6 +2017,8 @@ int main(int argc, char **argv) {
         add_listener("127.0.0.1", FWD_PORT, egress_path, 0);
     for (int i = 0; i < nservices; i++)
         add_service(services[i]);
+    for (int i = 0; i < npublish; i++)
+        add_publish(publish[i]);
     fwd_pools_open();
     struct out o;
     out_begin(&o, 'H');

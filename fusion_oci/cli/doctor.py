@@ -34,7 +34,7 @@ def doctor(
     from fusion_oci.errors import FusionOCIError
     from fusion_oci.policy.settings import load_settings
     from fusion_oci.policy.worktree import default_worktree
-    from fusion_oci.services.show import grant_summary
+    from fusion_oci.services.show import grant_summary, publish_lines, publish_summary
     from fusion_oci.sidecars.show import service_lines, service_summary
     from fusion_oci.taskflags import find_project_dir
 
@@ -59,6 +59,7 @@ def doctor(
         "available": chosen["available"],
         "hostServices": grant_summary(effective.settings.policy),
         "services": service_summary(effective.settings.policy),
+        "publishPorts": publish_summary(effective.settings.policy),
     }
     status = 0 if chosen["available"] else 1
     # The probe pod is made only for a user who wrote a kubernetes: section (never in a
@@ -81,6 +82,8 @@ def doctor(
             + (f"; [red]hands over the host[/]: {entry['handsOver']}" if entry["handsOver"] else "")
         )
     for line in service_lines(summary["services"]):
+        _console().print(line, markup=False)
+    for line in publish_lines(summary["publishPorts"]):
         _console().print(line, markup=False)
     for line in kubernetes_lines(kube):
         _console().print(line, highlight=False)
@@ -220,6 +223,9 @@ def settings_show(
     from fusion_oci.services.show import grant_rows
 
     rows += grant_rows(task.ctx.policy)  # hostServices: what each grant gives away
+    from fusion_oci.services.show import publish_rows
+
+    rows += publish_rows(task.ctx.policy)  # publishPorts: what each gives the host
     from fusion_oci.sidecars.show import service_rows
 
     rows += service_rows(task.ctx.policy)  # services: each container and where it is reached

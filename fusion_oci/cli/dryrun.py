@@ -14,7 +14,7 @@ def dry_run(task: Any, command: str | list[str], environ: dict[str, str]) -> dic
     from fusion_oci.oci.model import config_json
     from fusion_oci.resolve import resolve
     from fusion_oci.runtimes.registry import create_runtime
-    from fusion_oci.services.show import grant_summary
+    from fusion_oci.services.show import grant_summary, publish_summary
     from fusion_oci.sidecars import services_missing
     from fusion_oci.sidecars.show import service_summary
 
@@ -52,6 +52,7 @@ def dry_run(task: Any, command: str | list[str], environ: dict[str, str]) -> dic
         "unenforced": missing,
         "hostServices": grant_summary(task.ctx.policy),
         "services": service_summary(task.ctx.policy),
+        "publishPorts": publish_summary(task.ctx.policy),
         "config": config_json(resolved.spec, process),
         "launch": launch,
     }

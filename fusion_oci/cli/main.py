@@ -97,16 +97,25 @@ app.command(context_settings={"allow_interspersed_args": False})(run)
 # --- plan -----------------------------------------------------------------------------------
 
 
-def _grant_lines(grants: list[dict[str, Any]], services: list[dict[str, Any]]) -> list[str]:
-    """``plan``'s lines about the host services granted (what each gives away) and the
-    service containers (where the task reaches each)."""
+def _grant_lines(
+    grants: list[dict[str, Any]],
+    services: list[dict[str, Any]],
+    published: list[dict[str, Any]] | None = None,
+) -> list[str]:
+    """``plan``'s lines about the host services granted (what each gives away), the
+    service containers (where the task reaches each) and the published ports."""
+    from fusion_oci.services.show import publish_lines
     from fusion_oci.sidecars.show import service_lines
 
-    return service_lines(services) + [
-        f"hostServices {g['grant']}: gives {g['gives']}"
-        + (f"; HANDS OVER THE HOST: {g['handsOver']}" if g["handsOver"] else "")
-        for g in grants
-    ]
+    return (
+        service_lines(services)
+        + [
+            f"hostServices {g['grant']}: gives {g['gives']}"
+            + (f"; HANDS OVER THE HOST: {g['handsOver']}" if g["handsOver"] else "")
+            for g in grants
+        ]
+        + publish_lines(published or [])
+    )
 
 
 @app.command(context_settings={"allow_interspersed_args": False})
@@ -168,7 +177,9 @@ def plan(
             if key == "policy" and data["unenforced"]:
                 typer.echo("not enforced by this backend: " + ", ".join(data["unenforced"]))
             if key == "policy":
-                for line in _grant_lines(data["hostServices"], data["services"]):
+                for line in _grant_lines(
+                    data["hostServices"], data["services"], data["publishPorts"]
+                ):
                     typer.echo(line)
         return
     console = Console()
@@ -176,7 +187,7 @@ def plan(
     console.print(Syntax(json.dumps(data["policy"], indent=2), "json"))
     if data["unenforced"]:
         console.print("[yellow]not enforced by this backend:[/] " + ", ".join(data["unenforced"]))
-    for line in _grant_lines(data["hostServices"], data["services"]):
+    for line in _grant_lines(data["hostServices"], data["services"], data["publishPorts"]):
         console.print(line, markup=False)
     console.rule("config.json")
     console.print(Syntax(json.dumps(data["config"], indent=2), "json"))

@@ -132,6 +132,8 @@ class _EgressTask:
     hosts: set[str] = field(default_factory=set)
     services: int = 0
     """Connections through a granted host service (``details.service``: policy.hostServices)."""
+    inbound: int = 0
+    """Connections from the host to a published port (``sandbox:inbound``: publishPorts)."""
 
     def row(self) -> dict[str, Any]:
         return {
@@ -143,6 +145,7 @@ class _EgressTask:
             "bytesDown": self.bytes_down,
             "hosts": len(self.hosts),
             "services": self.services,
+            "inbound": self.inbound,
         }
 
 
@@ -267,6 +270,12 @@ class SummaryBuilder:
             self._egress(e, base)
         elif e.type == "sandbox:credential":
             self._credential(e, base)
+        elif e.type == "sandbox:inbound":
+            # publishPorts: counted beside the task's outbound connections, not among them.
+            inbound = self.egress_tasks.get(e.task_id)
+            if inbound is None:
+                inbound = self.egress_tasks[e.task_id] = _EgressTask(e.task_id)
+            inbound.inbound += 1
         elif e.type == "sandbox:provision":
             d = e.details or {}
             outcome = str(d.get("outcome", d.get("action", "?")))
@@ -357,7 +366,7 @@ class SummaryBuilder:
         }
 
     def _egress_result(self) -> dict[str, Any]:
-        rows = sorted(self.egress_tasks.values(), key=lambda t: -(t.allowed + t.denied))
+        rows = sorted(self.egress_tasks.values(), key=lambda t: -(t.allowed + t.denied + t.inbound))
         return {
             "total": self.counts["sandbox:egress"],
             "allowed": sum(t.allowed for t in rows),
@@ -365,6 +374,7 @@ class SummaryBuilder:
             "bytesUp": sum(t.bytes_up for t in rows),
             "bytesDown": sum(t.bytes_down for t in rows),
             "services": sum(t.services for t in rows),
+            "inbound": sum(t.inbound for t in rows),
             "byTask": [t.row() for t in rows[:50]],
             "topDenied": [
                 {"host": h, "count": n, "rule": self.egress_denied_rule.get(h)}

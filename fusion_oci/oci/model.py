@@ -25,6 +25,7 @@ from fusion_oci.models import CacheMode, NetworkMode
 
 if TYPE_CHECKING:
     from fusion_oci.hostservice import HostService
+    from fusion_oci.publishport import PublishedPort
 
 
 class OciModel(BaseModel):
@@ -229,6 +230,7 @@ ANN_HOST_ROOTFS = ANN + "host-rootfs"
 ANN_CACHE_MODE = ANN + "cache-mode"
 ANN_HOST_SERVICES = ANN + "host-services"
 ANN_SERVICES = ANN + "services"
+ANN_PUBLISH = ANN + "publish-ports"
 
 
 class TaskSpec(OciModel):
@@ -268,6 +270,24 @@ class TaskSpec(OciModel):
         for text in filter(None, self.annotations.get(ANN_HOST_SERVICES, "").split(" ")):
             try:
                 out.append(parse_grant(text))
+            except ValueError:
+                continue
+        return tuple(out)
+
+    @property
+    def published_ports(self) -> tuple[PublishedPort, ...]:
+        """The ports published on the host (``policy.publishPorts``), canonical forms; empty:
+        none. An entry that does not parse is dropped: closed, never open."""
+        from fusion_oci.publishport import make_published
+
+        out = []
+        for text in filter(None, self.annotations.get(ANN_PUBLISH, "").split(" ")):
+            address, _, ports = (
+                text.rpartition("]:") if text.startswith("[") else (text.partition(":"))
+            )
+            host, _, port = ports.partition(":")
+            try:
+                out.append(make_published(int(port), int(host or 0) or None, address.lstrip("[")))
             except ValueError:
                 continue
         return tuple(out)

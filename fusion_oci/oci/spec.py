@@ -20,6 +20,7 @@ from fusion_oci.oci.model import (
     ANN_IMAGE,
     ANN_NETWORK,
     ANN_POLICY,
+    ANN_PUBLISH,
     ANN_RUN,
     ANN_SERVICES,
     ANN_TASK,
@@ -28,6 +29,7 @@ from fusion_oci.oci.model import (
     config_json,
 )
 from fusion_oci.policy.layout import CA_IN_SANDBOX, TaskLayout
+from fusion_oci.publishport import PublishedPort
 
 Spec = dict[str, Any]
 
@@ -251,6 +253,18 @@ def with_host_services(spec: Spec, grants: Sequence[HostService]) -> Spec:
         return spec
     out = _copy(spec)
     out["annotations"][ANN_HOST_SERVICES] = " ".join(str(g) for g in grants)
+    return out
+
+
+def with_published_ports(spec: Spec, ports: Sequence[PublishedPort]) -> Spec:
+    """The ports published on the host, space-separated canonical forms
+    (``127.0.0.1:8080:80``, ``127.0.0.1::3000`` for a free host port). OCI's ``ports`` are
+    an engine's, not the runtime spec's: each runtime serves them, or its check lists them
+    unenforced."""
+    if not ports:
+        return spec
+    out = _copy(spec)
+    out["annotations"][ANN_PUBLISH] = " ".join(str(p) for p in ports)
     return out
 
 
@@ -561,6 +575,7 @@ def compile_task(ctx: PrepareContext, layout: TaskLayout, host: HostInfo) -> Tas
     # every endpoint a relay serves inside; the services annotation names the containers.
     spec = with_host_services(spec, policy.relayed())
     spec = with_service_containers(spec, [(s.name, s.port) for s in policy.services])
+    spec = with_published_ports(spec, policy.published())
     spec = with_memory_limit(spec, policy.memory_limit_mb)
     cpu = policy.cpu_limit
     spec = with_cpu_quota(spec, cpu.max_cores if cpu else None)

@@ -399,6 +399,8 @@ class BubblewrapRuntime(SpecRuntime):
         }
         if p.egress_problem is None and p.slirp4netns:
             out.add(Requirement.NETWORK_EGRESS)
+        # publishPorts: the agent (the sandbox's init) is handed each inbound connection.
+        out.add(Requirement.PUBLISHED_PORTS)
         ctl = p.cgroups.controllers
         for name, req in (
             ("memory", Requirement.MEMORY),

@@ -305,7 +305,7 @@ def host_services(task: TaskSpec, host: BwrapHost) -> ServiceWiring:
     """The task's granted host services as binds and agent listeners (placeholders in a
     plan). Pure."""
     sockets, targets = split_relays(host.service_relays)
-    return service_wiring(task.host_services, sockets, targets)
+    return service_wiring(task.host_services, sockets, targets, task.published_ports)
 
 
 def sandbox_command(

@@ -376,7 +376,7 @@ def plan_container(
     }
     kwargs.update(_mounts(spec, target, volumes))
     sockets, targets = split_relays(agent.service_relays)
-    services = service_wiring(spec.host_services, sockets, targets)
+    services = service_wiring(spec.host_services, sockets, targets, spec.published_ports)
     _add_agent(
         kwargs, target, agent, filtered=spec.network is NetworkMode.FILTERED, services=services
     )

@@ -159,6 +159,9 @@ class ContainerRuntime(EngineProbe):
             Requirement.NETWORK_EGRESS,
             Requirement.NETWORK_FILTERED,
             Requirement.HOST_SERVICES,
+            # publishPorts: handed to the agent of the task's one container; oneshot has none
+            # between commands.
+            *((Requirement.PUBLISHED_PORTS,) if self.mode == "warm" else ()),
             Requirement.CPU_TIME,
             Requirement.TMP_SIZE,
             Requirement.FILE_SIZE,

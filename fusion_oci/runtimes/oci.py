@@ -329,6 +329,10 @@ class OciRuntime(SpecRuntime):
         }
         if is_gvisor(self.runtime_name):
             out.discard(Requirement.TMP_SIZE)  # gVisor's tmpfs ignores size= (seen: 20221219)
+        else:
+            # publishPorts: the agent (the container's init) is handed each inbound connection;
+            # gVisor drops SCM_RIGHTS from the host, and its loopback is its sentry's.
+            out.add(Requirement.PUBLISHED_PORTS)
         if self.egress_status()[0]:
             out.add(Requirement.NETWORK_EGRESS)
         return frozenset(out) | self._limits()

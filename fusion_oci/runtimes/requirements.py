@@ -42,6 +42,9 @@ class Requirement(StrEnum):
     HOST_SERVICES = "hostServices (granted host services only, through the task's relays)"
     """Each granted host service where programs expect it inside, and nothing else of the
     host's loopback (fusion_oci.services)."""
+    PUBLISHED_PORTS = "publishPorts (the named ports inside, on the host's loopback)"
+    """Each published port of the sandbox's own loopback reachable on the host at its host
+    port, and nothing else inside (fusion_oci.services.publish)."""
 
 
 NETWORK_REQUIREMENT = {
@@ -80,6 +83,8 @@ def spec_requirements(spec: TaskSpec, rlimits: Iterable[Rlimit] = ()) -> frozens
         need.add(Requirement.TMP_SIZE)
     if spec.host_services:
         need.add(Requirement.HOST_SERVICES)
+    if spec.published_ports:
+        need.add(Requirement.PUBLISHED_PORTS)
     return frozenset(need)
 
 

@@ -220,6 +220,8 @@ class Session:
             "fellBack": sandbox.fell_back,
             "unenforced": sandbox.unenforced,
             "capabilities": runtime.capabilities().model_dump(by_alias=True),
+            # publishPorts: where each is reachable on the host (a free port chosen now).
+            "published": sandbox.published(),
         }
 
     # --- run, cancel --------------------------------------------------------------------

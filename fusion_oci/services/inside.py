@@ -24,8 +24,14 @@ from fusion_oci.hostservice import HostService
 
 if TYPE_CHECKING:
     from fusion_oci.oci.model import TaskSpec
+    from fusion_oci.publishport import PublishedPort
 
 SERVICES_DIR = "/run/fusion-oci/services"
+PUBLISH_DIR = "/run/fusion-oci/publish"
+"""Where each published port's relay socket is bound inside (``N.sock``,
+fusion_oci.services.publish)."""
+PUBLISH_KEY = "publish:"
+"""Prefix of a published port's entry (``publish:N``) among the relays' sockets."""
 
 
 def placeholder(index: int) -> str:
@@ -48,10 +54,14 @@ def service_wiring(
     grants: Sequence[HostService],
     sockets: Mapping[str, str] | None = None,
     resolved: Mapping[str, str] | None = None,
+    published: Sequence[PublishedPort] = (),
 ) -> ServiceWiring:
-    """The binds and agent arguments for ``grants``. ``sockets``: canonical grant → its
-    relay's host socket (None: placeholders); ``resolved``: a unix grant → the path it
-    resolves to on the host (the relay's ``target``). Pure."""
+    """The binds and agent arguments for ``grants`` and the ``published`` ports.
+    ``sockets``: canonical grant (``publish:N``: the N-th published port) → its relay's host
+    socket (None: placeholders); ``resolved``: a unix grant → the path it resolves to on the
+    host (the relay's ``target``). A published port: its relay's socket bound read-only at
+    ``/run/fusion-oci/publish/N.sock``, which the agent dials before hello (``--publish
+    PORT=PATH``) to be handed the host's connections. Pure."""
     binds: list[tuple[str, str]] = []
     args: list[str] = []
     for i, grant in enumerate(grants):
@@ -66,6 +76,10 @@ def service_wiring(
         binds.append((source, inside))
         address = f"[{grant.address}]" if grant.family == 10 else grant.address
         args += ["--service", f"{address}:{grant.port}={inside}"]
+    for i, entry in enumerate(published):
+        inside = f"{PUBLISH_DIR}/{i}.sock"
+        binds.append(((sockets or {}).get(f"{PUBLISH_KEY}{i}", f"<publish-{i}.sock>"), inside))
+        args += ["--publish", f"{entry.port}={inside}"]
     return ServiceWiring(tuple(binds), tuple(args))
 
 

@@ -32,3 +32,50 @@ def grant_rows(policy: SandboxPolicy) -> list[dict[str, object]]:
             source += f"; HANDS OVER THE HOST: {entry['handsOver']} (dangerous: true)"
         rows.append({"key": f"services.granted[{i}]", "value": entry["grant"], "source": source})
     return rows
+
+
+PUBLISH_KEY = "sandbox.policy.publishPorts"
+
+
+def publish_summary(policy: SandboxPolicy) -> list[dict[str, object]]:
+    """One entry a published port: ``port`` (inside), ``hostPort`` (None: a free one, chosen
+    at prepare), ``address`` (the host's), ``loopback`` (False: reachable from other hosts
+    too), ``gives``. Pure."""
+    out: list[dict[str, object]] = []
+    for entry in policy.published():
+        reach = (
+            "this host's processes"
+            if entry.loopback
+            else "EVERY HOST THAT CAN REACH THIS ONE (not the loopback)"
+        )
+        out.append(
+            {
+                "port": entry.port,
+                "hostPort": entry.host_port or None,
+                "address": entry.address,
+                "loopback": entry.loopback,
+                "gives": (
+                    f"{reach} a connection to what a command listens on at the sandbox's "
+                    f"127.0.0.1:{entry.port}, on {entry.host()}"
+                    + ("" if entry.host_port else " (a free port, reported at prepare)")
+                ),
+            }
+        )
+    return out
+
+
+def publish_lines(summary: list[dict[str, object]]) -> list[str]:
+    """``plan``'s and ``doctor``'s lines, one a published port."""
+    return [f"publishPorts {e['port']}: gives {e['gives']}" for e in summary]
+
+
+def publish_rows(policy: SandboxPolicy) -> list[dict[str, object]]:
+    """Rows ``{"key", "value", "source"}`` for ``settings show``, one a published port. Pure."""
+    return [
+        {
+            "key": f"ports.published[{i}]",
+            "value": f"{e['address']}:{e['hostPort'] or '*'} -> {e['port']}",
+            "source": f"{PUBLISH_KEY}[{i}]: gives {e['gives']}",
+        }
+        for i, e in enumerate(publish_summary(policy))
+    ]

@@ -331,7 +331,66 @@ async def session(args: dict[str, Any]) -> dict[str, Any]:
     return {"done": True}
 
 
+async def publish(args: dict[str, Any]) -> dict[str, Any]:
+    """``policy.publishPorts`` as this user (tests/security/test_published_ports.py): prepare
+    with the caller's settings and context, start ``command`` (the dev servers) beside, reach
+    each published port from here (the host's network, as this user) until the first answers,
+    read the command's ``hijack.txt`` verdict, abort, dispose, and look again."""
+    import socket
+    import urllib.request
+
+    from fusion_oci.errors import PolicyNotEnforceableError
+
+    def get(port: int) -> str:
+        url = f"http://127.0.0.1:{port}/"
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return str(r.read().decode())
+
+    def refused(port: int) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+                s.settimeout(2)
+                return s.recv(1) == b""
+        except OSError:
+            return True
+
+    sandbox_settings = SandboxSettings.model_validate(args["settings"])
+    ctx = PrepareContext.model_validate(args["ctx"])
+    wt = Path(ctx.worktree_path)
+    seen: dict[str, Any] = {}
+    async with Sandbox(sandbox_settings, env=args["env"], cache_root=Path(args["cacheRoot"])) as sb:
+        try:
+            await sb.prepare(ctx)
+        except PolicyNotEnforceableError as exc:
+            return {"refused": exc.unenforced, "message": exc.render()}
+        seen["published"] = sb.published()
+        run = asyncio.ensure_future(sb.run(args["command"], RunOptions(timeout_ms=120_000)))
+        ports = [int(p["hostPort"]) for p in seen["published"]]
+        try:
+            for _ in range(300):
+                try:
+                    seen["answers"] = [await asyncio.to_thread(get, p) for p in ports]
+                    break
+                except OSError:
+                    if run.done():
+                        break
+                    await asyncio.sleep(0.1)
+            for _ in range(50):
+                if (wt / "hijack.txt").exists():
+                    break
+                await asyncio.sleep(0.1)
+            seen["hijack"] = (
+                (wt / "hijack.txt").read_text() if (wt / "hijack.txt").exists() else None
+            )
+        finally:
+            sb.abort()
+            await asyncio.wait({run})
+    seen["closedAfter"] = [refused(p) for p in ports]
+    return seen
+
+
 SCENARIOS = {
+    "publish": publish,
     "availability": availability,
     "pnpm": pnpm,
     "timeout": timeout,

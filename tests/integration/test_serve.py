@@ -418,3 +418,36 @@ def test_a_client_that_reads_slowly_holds_the_command_not_the_servers_memory(
     answer = client.reply(rid)  # reading resumes the command, to its end
     assert answer["result"]["exitCode"] == 0, answer
     assert count() == 120
+
+
+def test_prepare_reports_the_published_ports(server: Any, worktree: Path) -> None:
+    """policy.publishPorts: the host port chosen for an entry that named none is in
+    prepare's answer (bubblewrap, by the task prompt's line), listening until dispose."""
+    import socket
+
+    _, client = server
+    answer = client.call(
+        "prepare",
+        {
+            "context": {
+                "taskId": "t-pub",
+                "runId": "r1",
+                "worktreePath": str(worktree),
+                "policy": {"network": "none", "publishPorts": ["3000"]},
+            },
+            "taskPrompt": "**Sandbox:** bubblewrap",
+        },
+    )
+    result = answer["result"]
+    assert result["backend"] == "bubblewrap", answer
+    [published] = result["published"]
+    assert published["port"] == 3000 and published["address"] == "127.0.0.1"
+    assert published["url"] == f"http://127.0.0.1:{published['hostPort']}/"
+    with socket.create_connection(("127.0.0.1", published["hostPort"]), timeout=2):
+        pass  # listening (nothing inside answers: the agent closes the connection)
+    assert client.call("dispose", {"sandboxId": result["sandboxId"]})["result"] == {
+        "disposed": True
+    }
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", published["hostPort"]), timeout=2).close()
+    _alive(client)

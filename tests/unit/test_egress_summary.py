@@ -55,6 +55,7 @@ def test_egress_per_task_and_top_denied() -> None:
             "bytesDown": 20,
             "hosts": 3,
             "services": 0,
+            "inbound": 0,
         },
         {
             "taskId": "t1",
@@ -65,6 +66,7 @@ def test_egress_per_task_and_top_denied() -> None:
             "bytesDown": 5000,
             "hosts": 2,
             "services": 0,
+            "inbound": 0,
         },
     ]
     assert [(r["host"], r["count"]) for r in out["topDenied"]] == [
@@ -84,6 +86,7 @@ def test_empty_summary_has_an_egress_part() -> None:
         "bytesUp": 0,
         "bytesDown": 0,
         "services": 0,
+        "inbound": 0,
         "byTask": [],
         "topDenied": [],
         "recentDenied": [],
@@ -114,3 +117,29 @@ def test_host_service_connections_are_counted_per_task() -> None:
     out = builder.result()["egress"]
     assert out["services"] == 2 and out["byTask"][0]["services"] == 2
     assert out["byTask"][0]["connections"] == 3
+
+
+def test_inbound_connections_to_published_ports_count_per_task() -> None:
+    """publishPorts: each ``sandbox:inbound`` event counts in its task's row, beside (not
+    among) the outbound connections."""
+    builder = SummaryBuilder()
+    builder.add(1, egress("t1", "a.test", True, 1, 2))
+    for i in range(2):
+        builder.add(
+            2 + i,
+            AuditEvent(
+                type="sandbox:inbound",
+                task_id="t1",
+                run_id="r",
+                backend="bubblewrap",
+                host="127.0.0.1",
+                port=3000,
+                address="127.0.0.1:8080",
+                allowed=True,
+                bytes_up=10,
+                bytes_down=20,
+            ),
+        )
+    out = builder.result()["egress"]
+    assert out["inbound"] == 2 and out["allowed"] == 1
+    assert out["byTask"][0]["inbound"] == 2 and out["byTask"][0]["connections"] == 1

@@ -61,7 +61,7 @@ TIERS: tuple[tuple[str, ...], ...] = (
         "hostservice",
         "hardening",
     ),
-    ("process",),
+    ("process", "publishport"),
     ("models", "store"),
     ("audit", "policy", "agent"),
     ("egress",),

@@ -237,7 +237,8 @@
       { label: "bytes down", get: (r) => r.bytesDown, num: true },
       { label: "hosts", get: (r) => r.hosts, num: true },
       { label: "host services", get: (r) => r.services || 0, num: true },
-    ], e.byTask, "no egress (no task with network: filtered or hostServices)");
+      { label: "published (inbound)", get: (r) => r.inbound || 0, num: true },
+    ], e.byTask, "no egress (no task with network: filtered, hostServices or publishPorts)");
     table("egress-denied", [
       { label: "host", get: (r) => el("code", r.host) },
       { label: "count", get: (r) => r.count, num: true },

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 from fusion_oci.errors import SandboxSetupError
 from fusion_oci.models import NetworkMode
 from fusion_oci.runtimes.linux.pipes import close_all, read_byte
+from fusion_oci.services.inside import PUBLISH_KEY
 
 if TYPE_CHECKING:
     from fusion_oci.resolve import ResolvedTask
@@ -209,18 +210,26 @@ def service_relays(task: ResolvedTask) -> tuple[tuple[str, str], ...] | None:
     runtime binds into the sandbox (fusion_oci.services.inside); then each unix grant and the
     path it resolved to on the host (``unix-target:`` + grant). None without grants. A task
     with grants but no relays is refused: its services would not be there."""
-    if not task.spec.host_services:
+    if not task.spec.host_services and not task.spec.published_ports:
         return None
-    if task.services is None:
+    if (task.services is None and task.spec.host_services) or (
+        task.ports is None and task.spec.published_ports
+    ):
         raise SandboxSetupError(
-            "hostServices needs the task's relays",
+            "hostServices and publishPorts need the task's relays",
             "none were started for this task",
             "prepare the task through fusion_oci.Sandbox",
         )
-    out = [(str(r.grant), str(r.socket)) for r in task.services.relays]
-    out += [
-        (TARGET + str(r.grant), r.target) for r in task.services.relays if r.grant.kind == "unix"
-    ]
+    out: list[tuple[str, str]] = []
+    if task.services is not None:
+        out += [(str(r.grant), str(r.socket)) for r in task.services.relays]
+        out += [
+            (TARGET + str(r.grant), r.target)
+            for r in task.services.relays
+            if r.grant.kind == "unix"
+        ]
+    if task.ports is not None:  # publishPorts: each port's relay, as publish:N
+        out += [(f"{PUBLISH_KEY}{i}", path) for i, path in task.ports.sockets().items()]
     return tuple(out)
 
 

@@ -343,7 +343,9 @@ def build_task(task: TaskSpec, init: ProcessSpec, host: Host) -> TaskLaunch:
         cgroup_leaf=leaf,
         agent=host.agent,
         egress_proxy=(host.egress_socket, host.agent) if network is NetworkMode.FILTERED else None,
-        services=service_wiring(task.host_services, *split_relays(host.service_relays)),
+        services=service_wiring(
+            task.host_services, *split_relays(host.service_relays), task.published_ports
+        ),
         errno_ret=not gvisor,
     )
     flags = runtime_flags(

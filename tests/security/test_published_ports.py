@@ -1,0 +1,351 @@
+"""Published ports (``policy.publishPorts``, issue #35) for real, on every runtime: a dev server
+inside (node's http server: the host has node, the task images too) reached from the host by a
+real HTTP client at the published port, the named one and a free one reported at prepare; and
+the probes: a port the command listens on but that is not published stays unreachable, nothing
+listens on a non-loopback host address, a command that dials the port's relay socket itself
+(to be handed the host's connections) is closed, every connection is a ``sandbox:inbound``
+audit event, and the host ports are closed once the sandbox is disposed.
+
+Runtimes without a network namespace the owner can enter refuse the policy at check
+(landlock: the command is on the host's own loopback; gVisor: its loopback is in its
+sentry); native runs it and lists it unenforced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import socket
+import tempfile
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from fusion_oci.audit import AuditEvent, AuditLog
+from fusion_oci.errors import PolicyNotEnforceableError
+from fusion_oci.models import PrepareContext, RunOptions, SandboxPolicy
+from fusion_oci.policy.settings import SandboxSettings
+from fusion_oci.runtimes.requirements import Requirement
+from fusion_oci.sandbox import Sandbox
+from tests.backends import backend_settings, require_runtime
+from tests.security.conftest import (  # noqa: F401 - the fixtures, shared with the probes
+    DOCKERLESS,
+    ROOTLESS,
+    ROOTLESS_BACKENDS,
+    RootlessUser,
+    dockerless_user,
+    engine_env,
+    rootless_user,
+)
+
+RUNTIMES = ["native", "bubblewrap", "landlock", "oci", "oci-runsc", "podman", "docker"]
+REFUSED = {"landlock", "oci-runsc"}
+INSIDE = (8080, 8081, 8082)
+"""The dev server's ports inside: 8080 published on a named host port, 8082 on a free one,
+8081 not published."""
+
+HIJACK_JS = (
+    "const c=require('net').connect('/run/fusion-oci/publish/0.sock');let got=0;"
+    "let said=0;const say=(w)=>{if(!said++)require('fs').writeFileSync('hijack.txt',w)};"
+    "c.on('connect',()=>c.write('I'));c.on('data',(d)=>{got+=d.length});"
+    "c.on('error',(e)=>say('error '+e.code));"
+    "c.on('close',()=>say(got?'GOT '+got:'closed'));"
+    "setTimeout(()=>say(got?'GOT '+got:'open'),3000);"
+)
+"""Run beside the servers (one command: the engines run a task's commands one at a time): the
+command dials its published port's relay socket itself and asks to be the agent (``I``); the
+relay closes it (only the sandbox's init is handed host connections). Its verdict goes to
+``hijack.txt`` in the worktree."""
+
+SERVER_JS = (
+    HIJACK_JS + "const http=require('http');"
+    "for (const p of [8080,8081,8082]) http.createServer((q,r)=>r.end('hello '+p))"
+    ".listen(p,'127.0.0.1');"
+    "setTimeout(()=>{},600000)"
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _get(host: str, port: int, timeout: float = 2.0) -> str:
+    with urllib.request.urlopen(f"http://{host}:{port}/", timeout=timeout) as r:
+        return str(r.read().decode())
+
+
+def _refused(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=2) as s:
+            s.settimeout(2)
+            # A listener that accepts and closes (nothing inside at that port) counts too.
+            return s.recv(1) == b""
+    except OSError:
+        return True
+
+
+def _outside_address() -> str | None:
+    """A non-loopback address of this host (None: there is none)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: a route lookup
+            addr = str(s.getsockname()[0])
+        except OSError:
+            return None
+    return None if addr.startswith("127.") else addr
+
+
+async def _serve_and_probe(
+    backend: str, wt: Path, cache: Path, network: str
+) -> tuple[list[dict[str, object]], dict[str, object], list[AuditEvent], list[str]]:
+    named = _free_port()
+    policy = SandboxPolicy(
+        network=network,  # type: ignore[arg-type]
+        publish_ports=[f"{named}:8080", "8082"],
+    )
+    events: list[AuditEvent] = []
+    audit = AuditLog()
+    audit.subscribe(events.append)
+    ctx = PrepareContext(task_id="pub", run_id="r1", policy=policy, worktree_path=str(wt))
+    env = engine_env(backend)
+    seen: dict[str, object] = {}
+    sb = Sandbox(backend_settings(backend, policy=policy), audit=audit, env=None, cache_root=cache)
+    if env:
+        sb.env.update(env)
+    try:
+        await sb.prepare(ctx)
+        published = sb.published()
+        seen["unenforced"] = list(sb.unenforced)
+        if not published:  # native: nothing published, listed unenforced
+            return published, seen, events, list(sb.unenforced)
+        run = asyncio.ensure_future(
+            sb.run(["node", "-e", SERVER_JS], RunOptions(timeout_ms=120_000))
+        )
+        try:
+            loop = asyncio.get_running_loop()
+            for _ in range(200):
+                with contextlib.suppress(OSError):
+                    seen["named"] = await loop.run_in_executor(None, _get, "127.0.0.1", named)
+                    break
+                if run.done():
+                    break
+                await asyncio.sleep(0.1)
+            free = next(int(str(p["hostPort"])) for p in published if p["port"] == 8082)
+            seen["free"] = await loop.run_in_executor(None, _get, "127.0.0.1", free)
+            seen["other_ports"] = [
+                await loop.run_in_executor(None, _refused, "127.0.0.1", p) for p in INSIDE
+            ]
+            outside = _outside_address()
+            seen["outside"] = (
+                None
+                if outside is None
+                else await loop.run_in_executor(None, _refused, outside, named)
+            )
+            seen["ports"] = (named, free)
+            verdict = wt / "hijack.txt"
+            for _ in range(50):
+                if verdict.exists():
+                    break
+                await asyncio.sleep(0.1)
+            seen["hijack"] = verdict.read_text() if verdict.exists() else None
+            seen["after"] = await loop.run_in_executor(None, _get, "127.0.0.1", named)
+        finally:
+            sb.abort()
+            with contextlib.suppress(BaseException):
+                await run
+        # The sandbox is still there, its servers are not: the host's client is closed.
+        if "ports" in seen:
+            seen["no_server"] = await asyncio.get_running_loop().run_in_executor(
+                None, _refused, "127.0.0.1", seen["ports"][0]
+            )
+    finally:
+        await sb.dispose()
+    return published, seen, events, list(sb.unenforced)
+
+
+@pytest.mark.parametrize("network", ["none", "egress", "filtered"])
+@pytest.mark.parametrize("backend", RUNTIMES)
+def test_a_dev_server_inside_is_reached_on_the_published_ports_only(
+    backend: str, network: str, tmp_path: Path
+) -> None:
+    require_runtime(backend, backend_settings(backend))
+    if backend in ("podman", "docker"):
+        from tests.integration.images_fixture import ensure_node_image
+
+        ensure_node_image(backend)
+    from tests.conftest import git_init
+
+    wt = git_init(tmp_path / "wt")
+    coro = _serve_and_probe(backend, wt, tmp_path / "c", network)
+    if backend in REFUSED:
+        with pytest.raises(PolicyNotEnforceableError) as info:
+            asyncio.run(coro)
+        assert Requirement.PUBLISHED_PORTS.value in info.value.unenforced
+        return
+    published, seen, events, _ = asyncio.run(coro)
+    if backend == "native":
+        assert Requirement.PUBLISHED_PORTS.value in seen["unenforced"]  # type: ignore[operator]
+        assert published == []
+        return
+    named, free = seen["ports"]  # type: ignore[misc]
+    # The named host port and a free one, reported.
+    assert [(p["port"], p["hostPort"], p["address"]) for p in published] == [
+        (8080, named, "127.0.0.1"),
+        (8082, free, "127.0.0.1"),
+    ]
+    assert free not in (0, 4040)
+    assert seen["named"] == "hello 8080" and seen["free"] == "hello 8082", seen
+    # The sandbox's own ports are not the host's: 8080-8082 on the host's loopback are
+    # nothing of the sandbox's (the unpublished 8081 above all).
+    assert seen["other_ports"] == [True, True, True], seen
+    # A command that dials the port's relay itself gets nothing of the host's, and the
+    # published port still goes to the server.
+    assert seen["hijack"] == "closed" and seen["after"] == "hello 8080", seen
+    # Nothing on another address of the host.
+    assert seen["outside"] in (None, True), seen
+    # One sandbox:inbound event per connection, each naming its published port.
+    inbound = [e for e in events if e.type == "sandbox:inbound"]
+    assert {e.port for e in inbound} >= {8080, 8082}, inbound
+    ok = [e for e in inbound if e.allowed and e.reason is None]  # ended on their own
+    assert ok and all((e.bytes_down or 0) > 0 and (e.bytes_up or 0) > 0 for e in ok), ok
+    prepare = next(e for e in events if e.type == "sandbox:prepare")
+    assert (prepare.details or {})["published"] == published
+    # With nothing listening inside any more: closed, and audited as refused with the reason.
+    assert seen["no_server"] is True
+    refused = [e for e in inbound if not e.allowed]
+    assert any("nothing accepted the connection" in (e.reason or "") for e in refused), inbound
+    # Closed at dispose.
+    assert _refused("127.0.0.1", named) and _refused("127.0.0.1", free)
+
+
+UNPRIVILEGED = {"bubblewrap-unprivileged": "bubblewrap", ROOTLESS: "podman", DOCKERLESS: "docker"}
+"""Driven as the unprivileged CI user (tests/integration/rootless_driver.py ``publish``): no
+root needed, the agent is handed the connections."""
+
+
+@pytest.mark.parametrize("backend", list(UNPRIVILEGED))
+def test_published_ports_work_without_root(backend: str, request: pytest.FixtureRequest) -> None:
+    from tests.conftest import git_init
+
+    # The same unprivileged user for the three; bubblewrap needs no engine of it.
+    user: RootlessUser = request.getfixturevalue(ROOTLESS_BACKENDS.get(backend, "rootless_user"))
+    # A folder the user can reach (pytest's tmp_path is under root's private one).
+    base = Path(tempfile.mkdtemp(prefix="fusion-oci-test-publish-"))
+    request.addfinalizer(lambda: shutil.rmtree(base, ignore_errors=True))
+    wt = git_init(base / "wt")
+    user.hand_over(base)
+    policy = SandboxPolicy(network="none", publish_ports=["8080", "8082"])  # type: ignore[arg-type]
+    settings = SandboxSettings(
+        backend=UNPRIVILEGED[backend],  # type: ignore[arg-type]
+        policy=policy,
+        **(user.settings if backend != "bubblewrap-unprivileged" else {}),
+    )
+    ctx = PrepareContext(task_id="pub", run_id="r1", policy=policy, worktree_path=str(wt))
+    answer = user.drive(
+        "publish",
+        {
+            "settings": settings.model_dump(mode="json", by_alias=True),
+            "ctx": ctx.model_dump(mode="json", by_alias=True),
+            "env": {},
+            "cacheRoot": str(base / "cache"),
+            "command": ["node", "-e", SERVER_JS],
+        },
+        timeout=300,
+    )
+    assert "refused" not in answer, answer
+    assert answer["answers"] == ["hello 8080", "hello 8082"], answer
+    assert answer["hijack"] == "closed", answer
+    assert answer["closedAfter"] == [True, True], answer
+
+
+CRASHING = """
+import json, os, signal, sys
+from pathlib import Path
+from fusion_oci.models import PrepareContext, SandboxPolicy
+from fusion_oci.policy.settings import SandboxSettings
+from fusion_oci.sandbox import SyncSandbox
+cfg = json.loads(sys.argv[1])
+policy = SandboxPolicy.model_validate(cfg["policy"])
+sb = SyncSandbox(SandboxSettings(backend="bubblewrap", policy=policy),
+                 cache_root=Path(cfg["cache"]))
+sb.prepare(PrepareContext(task_id="pub-crash", run_id="r1", policy=policy,
+                          worktree_path=cfg["wt"]))
+ports = sb.sandbox.ports
+print(json.dumps({"port": sb.sandbox.published()[0]["hostPort"],
+                  "dir": str(ports.state_dir)}), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_crashed_owner_leaves_no_port_and_gc_takes_its_folder(tmp_path: Path) -> None:
+    """kill -9 of the task's owner: the kernel closes its listeners (nothing answers at the
+    published port), and the relay sockets' folder, stamped with the dead owner, goes at the
+    next gc (every prepare runs it)."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from fusion_oci.scratch import gc_scratch
+    from tests.conftest import git_init
+
+    require_runtime("bubblewrap")
+    wt = git_init(tmp_path / "wt")
+    policy = SandboxPolicy(network="none", publish_ports=["3000"])  # type: ignore[arg-type]
+    cfg = {
+        "policy": policy.model_dump(mode="json", by_alias=True),
+        "cache": str(tmp_path / "cache"),
+        "wt": str(wt),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", CRASHING, json.dumps(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    left = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert _refused("127.0.0.1", int(left["port"]))
+    assert Path(left["dir"]).is_dir()  # what the crash left
+    gc_scratch()
+    assert not Path(left["dir"]).exists()
+
+
+def test_host_port_4040_is_refused_by_the_settings_with_the_field_and_the_fix(
+    tmp_path: Path,
+) -> None:
+    """The dashboard's port is never published: a project's settings that ask for it fail at
+    load, naming the field and what to write instead (the CLI as a user runs it)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import git_init
+
+    wt = git_init(tmp_path / "wt")
+    (wt / ".fusion").mkdir()
+    (wt / ".fusion" / "settings.yaml").write_text(
+        'sandbox:\n  backend: bubblewrap\n  policy:\n    publishPorts: ["4040:3000"]\n'
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "fusion_oci.cli.main", "run", "--", "true"],
+        cwd=wt,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={
+            **os.environ,
+            "FUSION_OCI_NO_SERVER": "1",
+            "PYTHONPATH": str(Path(__file__).parents[2]),
+        },
+    )
+    assert out.returncode != 0
+    assert "sandbox.policy.publishPorts" in out.stderr, out.stderr
+    assert "4040 is fusion-oci's dashboard" in out.stderr
+    assert "('8080:3000') or a free one ('3000')" in out.stderr
