@@ -16,6 +16,7 @@ import asyncio
 import errno
 import socket
 import struct
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 POOL = 8
@@ -90,3 +91,23 @@ async def hand_over(down: socket.socket, up: socket.socket) -> dict[str, int] | 
     if len(counts) < 16:  # the sandbox ended before the agent could say
         return {"up": 0, "down": 0}
     return {"up": int.from_bytes(counts[:8], "big"), "down": int.from_bytes(counts[8:], "big")}
+
+
+Record = tuple[bytes, int, int, int, int]
+"""One agent record: kind, id, bytes to the far side, bytes back, the connect's errno."""
+
+
+async def agent_records(sock: socket.socket) -> AsyncIterator[Record]:
+    """The agent's records on a pool or inbound connection (:data:`RECORD_FORMAT`), in order,
+    until it closes the connection; OSError when it breaks."""
+    loop = asyncio.get_running_loop()
+    buf = b""
+    while True:
+        part = await loop.sock_recv(sock, 64 * RECORD)
+        if not part:
+            return
+        buf += part
+        while len(buf) >= RECORD:
+            kind, ident, up, down, err = RECORD_FORMAT.unpack_from(buf)
+            buf = buf[RECORD:]
+            yield kind, ident, up, down, err

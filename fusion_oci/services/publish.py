@@ -52,7 +52,10 @@ from fusion_oci.errors import SandboxSetupError
 from fusion_oci.hostservice import DASHBOARD_PORT
 from fusion_oci.publishport import PublishedPort
 from fusion_oci.scratch import make_scratch
-from fusion_oci.services.handover import RECORD, RECORD_FORMAT, dialled_by_sandbox_init
+from fusion_oci.services.handover import (
+    agent_records,
+    dialled_by_sandbox_init,
+)
 
 if TYPE_CHECKING:
     from fusion_oci.audit import AuditLog
@@ -265,36 +268,27 @@ class TaskPorts:
 
     async def _records(self, p: Published, conn: socket.socket) -> None:
         """The agent's records: ``O`` a handed connection taken, ``D`` its end."""
-        loop = asyncio.get_running_loop()
-        buf = b""
         try:
-            while True:
-                part = await loop.sock_recv(conn, 64 * RECORD)
-                if not part:
-                    return
-                buf += part
-                while len(buf) >= RECORD:
-                    kind, ident, up, down, err = RECORD_FORMAT.unpack_from(buf)
-                    buf = buf[RECORD:]
-                    if kind == b"O" and p.waiting:
-                        p.opened[ident] = p.waiting.popleft()
-                    elif kind == b"D" and ident in p.opened:
-                        started, peer = p.opened.pop(ident)
-                        self._open -= 1
-                        self._audit(
-                            p,
-                            started,
-                            peer,
-                            allowed=not err,
-                            reason=(
-                                f"fusion-oci publishPorts: nothing accepted the connection at "
-                                f"the sandbox's 127.0.0.1:{p.entry.port} ({os.strerror(err)})"
-                                if err
-                                else None
-                            ),
-                            bytes_up=up,
-                            bytes_down=down,
-                        )
+            async for kind, ident, up, down, err in agent_records(conn):
+                if kind == b"O" and p.waiting:
+                    p.opened[ident] = p.waiting.popleft()
+                elif kind == b"D" and ident in p.opened:
+                    started, peer = p.opened.pop(ident)
+                    self._open -= 1
+                    self._audit(
+                        p,
+                        started,
+                        peer,
+                        allowed=not err,
+                        reason=(
+                            f"fusion-oci publishPorts: nothing accepted the connection at "
+                            f"the sandbox's 127.0.0.1:{p.entry.port} ({os.strerror(err)})"
+                            if err
+                            else None
+                        ),
+                        bytes_up=up,
+                        bytes_down=down,
+                    )
         except (OSError, asyncio.CancelledError):
             return
         finally:

@@ -65,8 +65,7 @@ from fusion_oci.hostservice import DASHBOARD_PORT, HostService, hands_over
 from fusion_oci.scratch import make_scratch
 from fusion_oci.services.handover import (
     POOL,
-    RECORD,
-    RECORD_FORMAT,
+    agent_records,
     dialled_by_sandbox_init,
     hand_over,
 )
@@ -76,6 +75,8 @@ if TYPE_CHECKING:
     from fusion_oci.audit import AuditLog
 
 _TASK_ID_IN_PATH = 24
+STOP_DRAIN_S = 0.5
+"""At stop, how long connections may take to end by themselves (their last records read)."""
 
 
 @dataclass(frozen=True)
@@ -354,6 +355,11 @@ class TaskRelays:
                 relay.report_socket.close()
         for tunnel in list(self._tunnels):
             tunnel.close()
+        if self._handlers:
+            # The sandbox is gone by now (the runtime is disposed first): its agent's pool and
+            # handed-over connections are at EOF, and the records the agent wrote before it
+            # ended are read to the end (their audit events keep their byte counts).
+            await asyncio.wait(list(self._handlers), timeout=STOP_DRAIN_S)
         for task in list(self._handlers):
             task.cancel()
         if self._handlers:
@@ -442,7 +448,6 @@ class TaskRelays:
         """The agent's pool connection (module docstring): keep :data:`POOL` unconnected
         sockets of the grant's family in its hands, one more for each it takes while the
         task's bound allows, and audit each connection from its records."""
-        loop = asyncio.get_running_loop()
         family = socket.AF_INET6 if relay.grant.family == 10 else socket.AF_INET
         opened: dict[int, float] = {}
         owed = 0
@@ -461,42 +466,34 @@ class TaskRelays:
 
         for _ in range(POOL):
             owed += not give()
-        buf = b""
         try:
-            while True:
-                part = await loop.sock_recv(down, 64 * RECORD)
-                if not part:
-                    return
-                buf += part
-                while len(buf) >= RECORD:
-                    kind, ident, up, dn, err = RECORD_FORMAT.unpack_from(buf)
-                    buf = buf[RECORD:]
-                    if kind == b"O":
-                        opened[ident] = time.monotonic()
-                        self._open += 1
-                        owed += 1
-                    elif kind == b"D" and ident in opened:
-                        self._open -= 1
-                        self._audit(
-                            relay,
-                            opened.pop(ident),
-                            allowed=not err,
-                            reason=(
-                                f"fusion-oci services: {relay.grant} refused the connection "
-                                f"({os.strerror(err)})"
-                                if err
-                                else None
-                            ),
-                            bytes_up=up,
-                            bytes_down=dn,
-                            via="agent",
-                        )
-                    # The pool counts against the task's bound: the agent holds at most
-                    # max_connections sockets, connected or not.
-                    while owed and self._open + POOL <= self.limits.max_connections:
-                        owed -= 1
-                        if not give():
-                            break
+            async for kind, ident, up, dn, err in agent_records(down):
+                if kind == b"O":
+                    opened[ident] = time.monotonic()
+                    self._open += 1
+                    owed += 1
+                elif kind == b"D" and ident in opened:
+                    self._open -= 1
+                    self._audit(
+                        relay,
+                        opened.pop(ident),
+                        allowed=not err,
+                        reason=(
+                            f"fusion-oci services: {relay.grant} refused the connection "
+                            f"({os.strerror(err)})"
+                            if err
+                            else None
+                        ),
+                        bytes_up=up,
+                        bytes_down=dn,
+                        via="agent",
+                    )
+                # The pool counts against the task's bound: the agent holds at most
+                # max_connections sockets, connected or not.
+                while owed and self._open + POOL <= self.limits.max_connections:
+                    owed -= 1
+                    if not give():
+                        break
         except (OSError, asyncio.CancelledError):
             return
         finally:
