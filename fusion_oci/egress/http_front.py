@@ -1,5 +1,5 @@
 """The proxy's HTTP front: a CONNECT or a plain ``http://`` request, read and checked, then
-handed to the core (:class:`fusion_oci.egress.proxy.EgressProxy`) to decide and connect.
+handed to the core (:class:`~fusion_oci.egress.wire.Core`) to decide and connect.
 
 With a broker (``sandbox.credentials``), plain requests are never spliced: each is checked
 whole, head and body, and so is every request pipelined after it (:func:`_plain`).
@@ -14,12 +14,11 @@ import urllib.parse
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from fusion_oci.egress.wire import Connection, Refused, bad_name
+from fusion_oci.egress.wire import Connection, Core, Refused, bad_name
 from fusion_oci.hostpattern import name_problem, normalize_host
 
 if TYPE_CHECKING:
     from fusion_oci.egress.credentials import Brokered
-    from fusion_oci.egress.proxy import EgressProxy
 
 HOP_BY_HOP = frozenset(
     {
@@ -102,7 +101,7 @@ def rewrite_request(lines: list[str], path: str, netloc: str) -> bytes:
 
 
 async def serve_http(
-    proxy: EgressProxy,
+    proxy: Core,
     first: bytes,
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
@@ -198,7 +197,7 @@ async def serve_http(
 
 
 async def _plain(
-    proxy: EgressProxy,
+    proxy: Core,
     up: socket.socket,
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
@@ -258,7 +257,7 @@ async def _plain(
 
 
 async def _plain_answer(
-    proxy: EgressProxy,
+    proxy: Core,
     ureader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
     conn: Connection,
@@ -289,7 +288,7 @@ async def _plain_answer(
 
 
 async def _plain_pipelined(
-    proxy: EgressProxy, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: Connection
+    proxy: Core, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: Connection
 ) -> None:
     """Requests the client sent after the one answered (see :func:`_plain`): each
     checked, head and body, until the client closes or sends nothing more."""
@@ -322,7 +321,7 @@ async def _plain_pipelined(
 
 
 async def _plain_leak(
-    proxy: EgressProxy, writer: asyncio.StreamWriter, conn: Connection, leaked: Brokered, what: str
+    proxy: Core, writer: asyncio.StreamWriter, conn: Connection, leaked: Brokered, what: str
 ) -> None:
     proxy.leak(conn, leaked.spec.name, f"in a plain HTTP {what} (its body or head)")
     await refuse(

@@ -22,7 +22,6 @@ import socket
 import ssl
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +39,7 @@ from fusion_oci.egress.wire import (
     SOCKS_REFUSED,
     SOCKS_TTL_EXPIRED,
     Connection,
+    Limits,
     Refused,
 )
 from fusion_oci.hostpattern import normalize_host
@@ -54,43 +54,6 @@ _BACKLOG = 100
 """Connections the kernel holds for a listener while the task's accept rate waits."""
 
 Resolver = Callable[[str, int], Awaitable[list[str]]]
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What one task's proxy allows itself."""
-
-    max_connections: int = 64
-    """Connections open at once (tunnels and handshakes). Counted at accept: one more is
-    closed at once, before a byte of it is read, so a task holds at most this many
-    connections (two descriptors each once a tunnel is open) whatever it sends or withholds."""
-    accept_rate_per_s: float = 500.0
-    """New connections accepted per second, sustained (a token bucket of ``accept_burst``).
-    Beyond it the listener waits and the kernel's backlog holds the rest. A bound on what
-    ``loop_share`` does not time: each connection's audit event, written on the one audit
-    thread every task shares."""
-    accept_burst: int = 500
-    """Connections accepted at once before ``accept_rate_per_s`` applies."""
-    loop_share: float = 0.10
-    """The least share of the proxy loop's time a task may use while another task has a
-    connection under way (past its first byte); its fair share is an equal part among the
-    tasks with work under way, if larger (two busy tasks: half each), except for a task that
-    keeps being refused, which gets this and no more. Every step of its
-    handlers (head parsing, decisions, audit events, TLS of brokered hosts, push checks) is
-    timed, and a task whose recent share (over about a second) is above it waits, at accept
-    and before each step of its handlers, until it is back under (near it: one new
-    connection per 10 ms).
-    Work-conserving: alone, or beside tasks with nothing under way (idle connections
-    included), a task is never held back. Tunnels already open are not slowed (their bytes
-    move in the kernel: splice)."""
-    idle_timeout_s: float = 600.0
-    """A tunnel with no byte either way for this long is closed."""
-    handshake_timeout_s: float = 30.0
-    """Time for a request's head (or a SOCKS greeting) to arrive."""
-    connect_timeout_s: float = 15.0
-    """Time for the connection to the destination."""
-    max_header_bytes: int = 64 * 1024
-    """Largest request head; more gets 431."""
 
 
 class EgressProxy:

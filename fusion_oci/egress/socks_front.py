@@ -1,28 +1,25 @@
 """The proxy's SOCKS5 front (RFC 1928): "no authentication" and CONNECT only, the name or
-address handed to the core (:class:`fusion_oci.egress.proxy.EgressProxy`) to decide and connect."""
+address handed to the core (:class:`~fusion_oci.egress.wire.Core`) to decide and connect."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
-from typing import TYPE_CHECKING
 
 from fusion_oci.egress.wire import (
     SOCKS_BAD_ADDRESS,
     SOCKS_BAD_COMMAND,
     SOCKS_OK,
     Connection,
+    Core,
     Refused,
     bad_name,
 )
 from fusion_oci.hostpattern import name_problem
 
-if TYPE_CHECKING:
-    from fusion_oci.egress.proxy import EgressProxy
-
 
 async def serve_socks(
-    proxy: EgressProxy,
+    proxy: Core,
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
     conn: Connection,
@@ -48,7 +45,7 @@ async def serve_socks(
 
 
 async def _request(
-    proxy: EgressProxy, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: Connection
+    proxy: Core, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: Connection
 ) -> Refused | None:
     """The method negotiation and the request (RFC 1928 sections 3 and 4): sets
     ``conn.host``/``conn.port``, or returns the refusal for a request we do not serve."""
