@@ -217,6 +217,7 @@ def test_doctor_lists_every_backend(worktree: Path) -> None:
         "available": True,
         "hostServices": [],  # the grants, with what each gives away (none configured)
         "services": [],  # the service containers, and where the task reaches each (none)
+        "publishPorts": [],  # the ports published on the host, and what each gives (none)
     }
     listed = report["backends"]
     rows = {r["backend"]: r for r in listed if r.get("ociRuntime") in (None, "runc")}
