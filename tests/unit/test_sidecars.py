@@ -161,7 +161,7 @@ def test_netns_sockets_connect_inside_the_namespace_they_were_given(tmp_path: Pa
     """The current namespace stands in for a container's: a socket made on the helper thread
     connects to a listener of this namespace (the integration tests use real containers)."""
     if os.geteuid() != 0:
-        pytest.skip("setns needs CAP_SYS_ADMIN")
+        pytest.fail("setns needs CAP_SYS_ADMIN: the suite runs as root (scripts/test.sh)")
     from fusion_oci.services.netns import NetnsSockets
 
     server = socket.socket()
