@@ -24,6 +24,30 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from fusion_oci.audit import AuditLog
 
+
+class TaskStamped:
+    """Who a task's events are about: the fields every event of its proxy, service relays and
+    published ports carries (:class:`BudgetedEvents` takes :meth:`task_fields`); the run id is
+    the one :meth:`set_run` last named."""
+
+    task_id: str
+    backend: str
+    policy_hash: str | None
+    run_id: str | None
+
+    def set_run(self, run_id: str | None) -> None:
+        """Events from now on are audited with this run id."""
+        self.run_id = run_id
+
+    def task_fields(self) -> dict[str, Any]:
+        return {
+            "task_id": self.task_id,
+            "run_id": self.run_id or "-",
+            "backend": self.backend,
+            "policy_hash": self.policy_hash,
+        }
+
+
 BURST = 256
 RATE_PER_S = 8.0
 SUMMARY_EVERY_S = 1.0

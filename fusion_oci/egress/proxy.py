@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fusion_oci.egress import http_front, socks_front
-from fusion_oci.egress.budget import BudgetedEvents
+from fusion_oci.egress.budget import BudgetedEvents, TaskStamped
 from fusion_oci.egress.loop import on_proxy_loop
 from fusion_oci.egress.meter import LoopMeter, Metered
 from fusion_oci.egress.rules import ALLOW_KEY, DASHBOARD_PORT, Decision, EgressRules
@@ -56,7 +56,7 @@ _BACKLOG = 100
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 
 
-class EgressProxy:
+class EgressProxy(TaskStamped):
     """One task's proxy. Made by :func:`start_proxy`; serves on the proxy thread's loop."""
 
     def __init__(
@@ -101,12 +101,8 @@ class EgressProxy:
         self._last_cap_event = 0.0
         self._handlers: set[asyncio.Task[None]] = set()
         self._tunnels: set[Tunnel] = set()
-        self._events = BudgetedEvents(audit, self._task_fields, "proxy")
+        self._events = BudgetedEvents(audit, self.task_fields, "proxy")
         self._stopped = False
-
-    def set_run(self, run_id: str | None) -> None:
-        """Connections from now on are audited with this run id."""
-        self.run_id = run_id
 
     @property
     def open_connections(self) -> int:
@@ -574,14 +570,6 @@ class EgressProxy:
         if not fields.get("allowed"):
             self.meter.refused()
         self._events.emit(host=conn.host, port=conn.port, address=conn.address, **fields)
-
-    def _task_fields(self) -> dict[str, Any]:
-        return {
-            "task_id": self.task_id,
-            "run_id": self.run_id or "-",
-            "backend": self.backend,
-            "policy_hash": self.policy_hash,
-        }
 
 
 def _is_address(host: str) -> bool:

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fusion_oci.egress.budget import BudgetedEvents
+from fusion_oci.egress.budget import BudgetedEvents, TaskStamped
 from fusion_oci.egress.loop import on_proxy_loop
 from fusion_oci.errors import SandboxSetupError
 from fusion_oci.hostservice import DASHBOARD_PORT
@@ -128,7 +128,7 @@ def _listen(entry: PublishedPort) -> tuple[socket.socket, int]:
     raise OSError(errno.EADDRINUSE, "no free port")
 
 
-class TaskPorts:
+class TaskPorts(TaskStamped):
     """Every published port of one task (module docstring)."""
 
     def __init__(
@@ -152,12 +152,9 @@ class TaskPorts:
         self.ports: list[Published] = []
         self._open = 0
         self._events = BudgetedEvents(
-            audit, self._task_fields, "published ports", summary={"published": "*"}
+            audit, self.task_fields, "published ports", summary={"published": "*"}
         )
         self._stopped = False
-
-    def set_run(self, run_id: str | None) -> None:
-        self.run_id = run_id
 
     def report(self) -> list[dict[str, Any]]:
         """Each published port: ``port`` (inside), ``hostPort``, ``address``, ``url``."""
@@ -354,14 +351,6 @@ class TaskPorts:
             details={"published": p.where, "peer": peer},
             **fields,
         )
-
-    def _task_fields(self) -> dict[str, Any]:
-        return {
-            "task_id": self.task_id,
-            "run_id": self.run_id or "-",
-            "backend": self.backend,
-            "policy_hash": self.policy_hash,
-        }
 
 
 async def bind_ports(

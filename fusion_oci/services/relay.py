@@ -57,7 +57,7 @@ from pathlib import Path
 from socket import socket as Socket
 from typing import TYPE_CHECKING, Any
 
-from fusion_oci.egress.budget import BudgetedEvents
+from fusion_oci.egress.budget import BudgetedEvents, TaskStamped
 from fusion_oci.egress.loop import on_proxy_loop
 from fusion_oci.egress.splice import Tunnel
 from fusion_oci.errors import SandboxSetupError, SettingsError
@@ -174,7 +174,7 @@ def open_unix_target(path: str) -> int:
     return last
 
 
-class TaskRelays:
+class TaskRelays(TaskStamped):
     """Every relay of one task (module docstring)."""
 
     def __init__(
@@ -218,12 +218,9 @@ class TaskRelays:
         self._handlers: set[asyncio.Future[None]] = set()
         self._tunnels: set[Tunnel] = set()
         self._events = BudgetedEvents(
-            audit, self._task_fields, "service relays", summary={"service": "*"}
+            audit, self.task_fields, "service relays", summary={"service": "*"}
         )
         self._stopped = False
-
-    def set_run(self, run_id: str | None) -> None:
-        self.run_id = run_id
 
     @property
     def open_connections(self) -> int:
@@ -599,14 +596,6 @@ class TaskRelays:
             **fields,
         }
         self._events.emit(**event)
-
-    def _task_fields(self) -> dict[str, Any]:
-        return {
-            "task_id": self.task_id,
-            "run_id": self.run_id or "-",
-            "backend": self.backend,
-            "policy_hash": self.policy_hash,
-        }
 
 
 def _why(exc: BaseException) -> str:
