@@ -9,7 +9,15 @@ from __future__ import annotations
 from typing import Literal, get_args
 
 BackendId = Literal[
-    "native", "bubblewrap", "landlock", "oci", "podman", "docker", "sandbox-exec", "custom"
+    "native",
+    "bubblewrap",
+    "landlock",
+    "oci",
+    "podman",
+    "docker",
+    "kubernetes",
+    "sandbox-exec",
+    "custom",
 ]
 """Every backend id of the brief (plus ``oci``: any OCI runtime CLI run on the bundle, and
 ``landlock``: where user namespaces are forbidden), in the order ``--help`` lists them."""

@@ -171,15 +171,19 @@ def gc(
     as_json: AsJson = False,
 ) -> None:
     """Remove what crashed or killed fusion-oci processes left behind: containers and volumes
-    (podman, docker) and OCI runtime state (runc), each labelled with a dead owner; and the
+    (podman, docker), pods and their objects on the cluster of ``KUBECONFIG`` (kubernetes) and
+    OCI runtime state (runc), each labelled with a dead owner; and the
     package store's blobs no worktree links any more."""
     import asyncio
     import os
 
     from fusion_oci.gc import gc as gc_engines
+    from fusion_oci.policy.settings import SandboxSettings
+    from fusion_oci.runtimes.kubernetes.gc import gc_cluster
     from fusion_oci.runtimes.oci import gc_oci
 
     report = gc_engines(env=os.environ, include_caches=include_caches, dry_run=dry_run)
+    report.merge(gc_cluster(SandboxSettings(), os.environ, task_id=None, dry_run=dry_run))
     oci_removed: list[str] = [] if dry_run else asyncio.run(gc_oci(env=os.environ))
     removed = report.removed + [f"oci {name}" for name in oci_removed]
     if as_json:

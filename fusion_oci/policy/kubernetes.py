@@ -46,6 +46,29 @@ class KubernetesSettings(Model):
     RuntimeDefault profile, and the bundle's own is reported as not enforced."""
     request_timeout_s: float = Field(default=10.0, gt=0, le=300)
     """The bound on every call to the API server, in seconds."""
+    start_timeout_s: float = Field(default=120.0, gt=0, le=3600)
+    """How long prepare waits for the task's pod to run (scheduling, the image, the volumes)."""
+    node_networks: list[str] = Field(default_factory=list)
+    """CIDRs of the cluster's nodes (and anything else a pod must not reach under ``network:
+    egress``, as a local sandbox may not reach the host's loopback): the pod's NetworkPolicy
+    excepts them. Empty: ``egress`` is reported unenforced (the runtime cannot know the nodes'
+    addresses without a cluster-wide permission), so such tasks are refused."""
+
+    @field_validator("node_networks")
+    @classmethod
+    def _cidrs(cls, values: list[str]) -> list[str]:
+        import ipaddress
+
+        out = []
+        for value in values:
+            try:
+                out.append(str(ipaddress.ip_network(value, strict=False)))
+            except ValueError:
+                raise ValueError(
+                    f"'{value}' is not a network; set kubernetes.nodeNetworks to CIDRs like "
+                    "10.0.0.0/16"
+                ) from None
+        return out
 
     @field_validator("namespace")
     @classmethod

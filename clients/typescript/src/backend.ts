@@ -44,6 +44,7 @@ const CAPABILITIES: Record<SandboxBackendId, SandboxCapabilities> = {
   custom: caps("none", "none", "none", true, false, false, false),
   oci: caps("strong", "coarse", "advanced", true, false, true, false),
   landlock: caps("strong", "coarse", "basic", false, false, true, false),
+  kubernetes: caps("strong", "coarse", "advanced", true, true, true, false),
 };
 
 function caps(fs: SandboxCapabilities["filesystemIsolation"],

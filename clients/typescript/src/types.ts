@@ -13,7 +13,9 @@ export type SandboxBackendId =
   // bundle, and Landlock where user namespaces are forbidden). The id after prepare() is the
   // backend that really runs, so it can be one of these.
   | "oci"
-  | "landlock";
+  | "landlock"
+  // A pod on the team's Kubernetes cluster (the same contract, another machine).
+  | "kubernetes";
 
 export type SandboxFailureMode = "fail-hard" | "fallback-native";
 

@@ -156,6 +156,7 @@ def collection(api_version: str, plural: str, namespace: str | None = None) -> s
 PLURALS = {
     "Pod": "pods",
     "Secret": "secrets",
+    "ConfigMap": "configmaps",
     "NetworkPolicy": "networkpolicies",
     "SandboxTemplate": "sandboxtemplates",
     "SandboxWarmPool": "sandboxwarmpools",

@@ -56,6 +56,8 @@ def task_objects(
     owner_labels: Mapping[str, str],
     transferred: Sequence[str] = (),
     shutdown_time: str | None = None,
+    tools: str | None = None,
+    skip: frozenset[str] = frozenset(),
 ) -> TaskObjects:
     """The objects of one task. ``agent``: the process the pod's one container runs (the exec
     agent); ``transferred``: the destinations the worktree transfer fills; ``mode``: already
@@ -70,6 +72,9 @@ def task_objects(
         # The agent is the pod's PID 1 and ends the task's commands itself at dispose; a
         # disposed task's pod should be gone in seconds, not the default 30.
         grace_s=GRACE_S,
+        tools=tools,
+        skip=skip,
+        blocked_networks=tuple(settings.node_networks),
     )
     mapping = pod_manifest(task, agent, opts)
     if mode == "pods":

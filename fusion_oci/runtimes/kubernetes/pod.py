@@ -36,6 +36,9 @@ LABEL_POD = "io.fusion-oci/task"
 ENGINE_MOUNTS = frozenset({"/proc", "/dev", "/dev/pts", "/dev/shm", "/dev/mqueue", "/sys"})
 """Mounts every container runtime makes itself: the pod gets them without asking."""
 RESTRICTED_CAPS = frozenset({"NET_BIND_SERVICE"})
+TOOLS_DIR = "/run/fusion-oci-tools"
+"""Where the runtime's own programs for the pod are mounted, read-only (`PodOptions.tools`)."""
+TOOLS_VOLUME = "fusion-oci-tools"
 """The only capability the ``restricted`` level lets a container add."""
 
 Handling = Literal["in-pod", "unenforced", "not-carried"]
@@ -87,6 +90,13 @@ class PodOptions:
     """``terminationGracePeriodSeconds``; None: the cluster's default (30 s)."""
     image_pull_policy: str = "Never"
     """Never: the image is on the nodes already (no registry is needed)."""
+    blocked_networks: tuple[str, ...] = ()
+    """CIDRs ``egress`` may not reach besides loopback and link-local (the nodes')."""
+    tools: str | None = None
+    """A ConfigMap holding the runtime's programs for the pod (the exec agent, its stream
+    relay, the worktree transfer's remote side), mounted read-only at :data:`TOOLS_DIR`:
+    nothing to bake into the image, no registry, nothing a command can rewrite. None: none
+    (export)."""
 
 
 @dataclass(frozen=True)
@@ -139,6 +149,11 @@ def pod_manifest(task: TaskSpec, process: ProcessSpec, opts: PodOptions) -> PodM
     process (the runtime's exec agent; export's command). Pure."""
     gaps: list[Gap] = []
     volumes, mounts, carried = _volumes(task, opts, gaps)
+    if opts.tools is not None:
+        volumes.append(
+            {"name": TOOLS_VOLUME, "configMap": {"name": opts.tools, "defaultMode": 0o555}}
+        )
+        mounts.append({"name": TOOLS_VOLUME, "mountPath": TOOLS_DIR, "readOnly": True})
     env = _env(process, opts, gaps)
     gaps += _process_gaps(task, process)
     security, pod_security = _security(task, process, opts, gaps)
@@ -200,28 +215,22 @@ def pod_manifest(task: TaskSpec, process: ProcessSpec, opts: PodOptions) -> PodM
             "spec": {
                 "podSelector": {"matchLabels": {LABEL_POD: labels[LABEL_POD]}},
                 "policyTypes": ["Ingress", "Egress"],
-                **policy_rules(network),
+                **policy_rules(network, opts.blocked_networks),
             },
         }
         gaps += _network_gaps(network)
     return PodMapping(pod, policy, tuple(gaps), tuple(carried))
 
 
-def policy_rules(network: NetworkMode) -> dict[str, Any]:
+def policy_rules(network: NetworkMode, blocked: Sequence[str] = ()) -> dict[str, Any]:
     """The NetworkPolicy's rules for a network mode: no ingress ever; egress only for
     ``egress`` (anywhere but loopback and link-local, where node and cloud metadata services
     answer). ``none`` and ``filtered`` allow no egress (filtered's proxy is the task's)."""
     if network != NetworkMode.EGRESS:
         return {}
-    return {
-        "egress": [
-            {
-                "to": [
-                    {"ipBlock": {"cidr": "0.0.0.0/0", "except": ["127.0.0.0/8", "169.254.0.0/16"]}}
-                ]
-            }
-        ]
-    }
+    v4 = [b for b in blocked if ":" not in b]
+    block = {"cidr": "0.0.0.0/0", "except": ["127.0.0.0/8", "169.254.0.0/16", *v4]}
+    return {"egress": [{"to": [{"ipBlock": block}]}]}
 
 
 def _network_gaps(network: NetworkMode) -> list[Gap]:

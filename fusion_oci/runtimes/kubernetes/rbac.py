@@ -32,6 +32,8 @@ RULES: tuple[Rule, ...] = (
     Rule("", "pods/exec", ("create", "get"), "commands through the exec agent"),
     Rule("", "secrets", ("create", "get", "list", "delete"), "caller variables passed by name "
          "(the pod reads its Secret NAME-env); gc"),
+    Rule("", "configmaps", ("create", "get", "list", "delete"), "the runtime's tools for the "
+         "pod (one immutable ConfigMap per fusion-oci build, shared); gc"),
     Rule("networking.k8s.io", "networkpolicies", ("create", "get", "list", "delete"),
          "the pod's NetworkPolicy (pods mode), the doctor's probe policy; gc"),
     Rule("extensions.agents.x-k8s.io", "sandboxtemplates", ("create", "get", "list", "delete"),

@@ -1,0 +1,381 @@
+"""The ``kubernetes`` runtime: a task's sandbox is a pod on the team's cluster.
+
+prepare, once per task:
+
+1. the cluster, found as kubectl finds it (:mod:`.kubeconfig`), and the namespace;
+2. this build's tools ConfigMap (the exec agent, its stream relay, the transfer's remote
+   side: :mod:`.tools`), made once per build and shared;
+3. the task's NetworkPolicy, then its Pod (:func:`.pod.pod_manifest`, the same translation
+   ``fusion-oci export --format kube`` uses), labelled with their owner for ``gc``;
+4. the pod running (:func:`.taskpod.wait_running`);
+5. two ``pods/exec`` streams kept open for the task's life: the exec agent's (through its
+   relay, ``mux.py``: a stream cannot pass descriptors) and the worktree transfer's.
+
+Per command: the host worktree is pushed (only what changed since the last exchange), the
+spawn frame runs through the agent (timeout, abort, whole-tree kill, stdin, streaming, output
+caps and end reasons exactly as on the local runtimes: the same agent keeps them), and the
+command's changes are pulled back, checked as coming from a hostile side
+(docs/worktree-sync.md). dispose closes both streams (the agent ends every tree) and deletes
+what prepare made.
+
+What a Pod cannot express is either enforced another way or refused at ``check``: rlimits are
+the agent's per command; NetworkPolicy enforcement is not readable from the API, so prepare
+probes it once per cluster (:mod:`.netprobe`) and fails closed; ``egress`` needs the nodes'
+networks (``kubernetes.nodeNetworks``); the bundle's seccomp profile needs a Localhost copy on
+the nodes (``kubernetes.seccompProfile``); ``pidsLimit``, ``filtered`` egress, host services
+and published ports are refused (not yet carried to a pod).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import secrets
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fusion_oci.errors import SandboxSetupError
+from fusion_oci.models import NetworkMode, RunOptions, RunResult, SandboxCapabilities
+from fusion_oci.runtimes.kubernetes import taskpod
+from fusion_oci.runtimes.kubernetes.client import ApiError, KubeClient
+from fusion_oci.runtimes.kubernetes.kubeconfig import ClusterAccess, find_access
+from fusion_oci.runtimes.kubernetes.netprobe import probe_network_policy
+from fusion_oci.runtimes.kubernetes.objects import TaskObjects, task_objects
+from fusion_oci.runtimes.kubernetes.sync.host import PullReport
+from fusion_oci.runtimes.kubernetes.tools import AGENT, MUX, REMOTE, Tools, load_tools, path
+from fusion_oci.runtimes.plans import AgentPlan, Plan, SandboxLaunch, own_plan, spawn_of
+from fusion_oci.runtimes.protocol import Availability
+from fusion_oci.runtimes.requirements import Requirement
+from fusion_oci.runtimes.skeleton import SpecRuntime
+
+if TYPE_CHECKING:
+    from fusion_oci.oci.host import HostInfo
+    from fusion_oci.oci.model import ProcessSpec, TaskSpec
+    from fusion_oci.policy.settings import SandboxSettings
+    from fusion_oci.resolve import ResolvedTask
+    from fusion_oci.runtimes.kubernetes.sync import WorktreeSync
+
+POLICY_TTL_S = 24 * 3600.0
+HOLD = ["sleep", "infinity"]
+"""The pod's own process: it only keeps the pod up. Commands run under the exec agent, which
+the agent stream starts (an exec'd process is a child of the container runtime, not of it)."""
+
+ENFORCED = frozenset(
+    {
+        # the pod's own root (read-only) and volumes; nothing of the executor's host
+        Requirement.FILESYSTEM,
+        # procMount Default: the container runtime masks the same /proc and /sys paths
+        # (containerd's and CRI-O's defaults are the OCI list the bundle carries)
+        Requirement.PROC_PATHS,
+        # another machine's pid namespace: no process of the executor is visible
+        Requirement.HOST_PROCESSES,
+        Requirement.ENV,
+        Requirement.NETWORK_NONE,
+        Requirement.MEMORY,
+        Requirement.CPU_QUOTA,
+        Requirement.CPU_TIME,  # rlimits: the agent's setrlimit per command
+        Requirement.FILE_SIZE,
+        Requirement.TMP_SIZE,  # a memory emptyDir's sizeLimit is its tmpfs size
+    }
+)
+
+
+class KubernetesRuntime(SpecRuntime):
+    id = "kubernetes"
+    streams_stdin = True
+
+    def __init__(
+        self,
+        settings: SandboxSettings,
+        env: Mapping[str, str],
+        cache_root: Path | None = None,
+        host: HostInfo | None = None,
+    ) -> None:
+        super().__init__(settings, env, cache_root=cache_root, host=host)
+        self.kube = settings.kubernetes
+        self._access: ClusterAccess | None = None
+        self._client: KubeClient | None = None
+        self._namespace = ""
+        self._objects: TaskObjects | None = None
+        self._made: list[dict[str, Any]] = []
+        self._agent: Any = None
+        self._agent_stream: Any = None
+        self._sync: WorktreeSync | None = None
+        self._sync_stream: Any = None
+        self._pod = ""
+        self._image = ""
+
+    # -- what it is ---------------------------------------------------------------------------
+
+    def capabilities(self) -> SandboxCapabilities:
+        return SandboxCapabilities(
+            filesystem_isolation="strong",
+            network_policy="coarse",
+            resource_limits="advanced",
+            requires_install=True,
+            supports_mac=True,
+            supports_linux=True,
+            supports_windows=False,
+        )
+
+    def _cluster(self) -> tuple[ClusterAccess, KubeClient]:
+        if self._client is None or self._access is None:
+            access = find_access(self.kube, self.env)
+            if access is None:
+                raise SandboxSetupError(
+                    "no Kubernetes cluster is configured",
+                    "no kubeconfig (kubernetes.kubeconfig, KUBECONFIG, ~/.kube/config) and not "
+                    "in a pod",
+                    "set kubernetes.kubeconfig, or KUBECONFIG, to the team cluster's kubeconfig "
+                    "(docs/kubernetes.md)",
+                )
+            self._access = access
+            self._client = KubeClient(access, self.kube.request_timeout_s)
+            self._namespace = access.namespace
+        return self._access, self._client
+
+    def availability(self) -> Availability:
+        try:
+            access, client = self._cluster()
+            version = client.get("/version")
+        except SandboxSetupError as exc:
+            return Availability(False, exc.why, exc.hint)
+        except ApiError as exc:
+            return Availability(False, exc.why, exc.hint)
+        return Availability(
+            True,
+            version=str(version.get("gitVersion", "")),
+            rootless=True,
+            details={"server": access.server, "namespace": access.namespace},
+        )
+
+    def enforces(self) -> frozenset[Requirement]:
+        extra = {Requirement.NETWORK_EGRESS} if self.kube.node_networks else set()
+        return ENFORCED | extra
+
+    def check(self, task: ResolvedTask) -> list[str]:
+        missing = super().check(task)
+        if self.kube.seccomp_profile is None:
+            missing.append(
+                "seccomp: the bundle's profile is not on the nodes and RuntimeDefault is not "
+                "it; set kubernetes.seccompProfile to a Localhost copy (docs/kubernetes.md)"
+            )
+        if task.spec.service_containers:
+            missing.append("services: service containers do not run beside a pod yet")
+        return sorted(missing)
+
+    # -- the pod ------------------------------------------------------------------------------
+
+    def _task_objects(
+        self, spec: TaskSpec, name: str, image: str, tools: str | None
+    ) -> TaskObjects:
+        from fusion_oci.engines.labels import LABEL_KIND, current_owner
+
+        assert self.layout is not None
+        hold = self.process(HOLD, RunOptions())
+        worktree = self.layout.worktree
+        # The pod's repository is the transfer's own (a plain clone-like repo in the
+        # worktree); the host's git folders are neither mounted nor wanted there.
+        git_dirs = frozenset(
+            m.destination
+            for m in spec.mounts
+            if m.destination != worktree
+            and m.type == "bind"
+            and not m.destination.startswith(worktree.rstrip("/") + "/")
+            and "/.git" in m.destination
+        )
+        labels = {LABEL_KIND: "pod", **current_owner().labels(), "io.fusion-oci.task": spec.task_id}
+        return task_objects(
+            spec,
+            hold,
+            self.kube,
+            mode="pods",
+            name=name,
+            image=image,
+            owner_labels=labels,
+            transferred=(worktree,),
+            tools=tools,
+            skip=git_dirs,
+        )
+
+    def _image_ref(self, spec: TaskSpec) -> str:
+        image = spec.image or ""
+        if image and "/" not in image and ":" not in image:
+            # a recipe under images/ (the default `node`): its content-hashed local name,
+            # which is what a cluster without a registry has imported
+            from fusion_oci.images.provision import default_image_ref
+
+            assert self.layout is not None
+            return default_image_ref(image, project_dir=Path(self.layout.worktree), env=self.env)
+        if not image:
+            raise SandboxSetupError(
+                "the kubernetes runtime needs an image",
+                "the task names none",
+                "set sandbox.image to an image the cluster's nodes have",
+            )
+        return image
+
+    async def prepare(self, task: ResolvedTask) -> ResolvedTask:
+        task = await super().prepare(task)
+        _access, client = self._cluster()
+        spec = task.spec
+        tools = load_tools()
+        self._image = self._image_ref(spec)
+        self._pod = f"fusion-oci-{spec.task_id[:20].lower().strip('-')}-{secrets.token_hex(4)}"
+        self._pod = "".join(c if c.isalnum() or c == "-" else "-" for c in self._pod)
+        objs = self._task_objects(spec, self._pod, self._image, tools.name)
+        self._objects = objs
+        try:
+            if spec.network != NetworkMode.HOST:
+                await self._check_policy_enforced(client, _access)
+            await taskpod.ensure(client, tools.manifest(), self._namespace)
+            made = objs.manifests()
+            for obj in made:
+                await taskpod.create(client, [obj], self._namespace)
+                self._made.append(obj)
+            await taskpod.wait_running(
+                client, self._namespace, self._pod, self.kube.start_timeout_s,
+                f"that the nodes have the image {self._image}",
+            )  # fmt: skip
+            await self._open_streams(task, tools)
+        except BaseException:
+            await self._teardown()
+            raise
+        return task
+
+    async def _open_streams(self, task: ResolvedTask, tools: Tools) -> None:
+        from fusion_oci.agent.streamed import StreamedAgent
+        from fusion_oci.runtimes.kubernetes.execstream import ExecStream
+        from fusion_oci.runtimes.kubernetes.sync import WorktreeSync, remote_argv
+
+        access, _client = self._cluster()
+        assert self.layout is not None
+        mux = ["python3", "-S", "-E", "-s", path(MUX), "--agent", path(AGENT)]
+        self._agent_stream = await ExecStream.open(
+            access, self._namespace, self._pod, mux, container="task",
+            timeout_s=self.kube.request_timeout_s,
+        )  # fmt: skip
+        self._agent = await StreamedAgent.over(self._agent_stream, timeout_s=30.0)
+        worktree = self.layout.worktree
+        self._sync_stream = await ExecStream.open(
+            access, self._namespace, self._pod, remote_argv(worktree, by_path=path(REMOTE)),
+            container="task", timeout_s=self.kube.request_timeout_s,
+        )  # fmt: skip
+        state = self.cache_root / "kubernetes" / "sync" / f"{task.spec.task_id}-{self._pod}"
+        self._sync = WorktreeSync(Path(worktree), self._sync_stream, state, env=self.env)
+        await self._sync.open()
+
+    def plan(self, process: ProcessSpec) -> Plan:
+        where = self._pod or "<pod>"
+        return AgentPlan(
+            backend=self.id,
+            spawn=spawn_of(process),
+            sandbox=SandboxLaunch(
+                sdk_call="kubernetes pods/exec",
+                sdk_kwargs={
+                    "namespace": self._namespace or "<namespace>",
+                    "pod": where,
+                    "container": "task",
+                    "command": ["python3", "-S", "-E", "-s", path(MUX), "--agent", path(AGENT)],
+                    "image": self._image or "<image>",
+                },
+            ),
+            notes=[
+                "the task's pod on the cluster; the exec agent runs in it, reached over the API "
+                "server (pods/exec) through its stream relay, one stream for the task",
+                "before the command the host worktree's changes are pushed to the pod, after it "
+                "the command's changes come back, checked (docs/worktree-sync.md)",
+                process.shown_limits(),
+            ],
+            process=process,
+        )
+
+    async def execute(self, plan: Plan, opts: RunOptions) -> RunResult:
+        own = own_plan(self, plan, AgentPlan)
+        if self._agent is None or self._sync is None:
+            raise SandboxSetupError(
+                "runtime 'kubernetes' was not prepared",
+                "its pod is not running",
+                "call prepare(ctx) first",
+            )
+        await self._sync.push()
+        outcome = await self._agent.run_command(own.spawn, opts)
+        report = await self._sync.pull()
+        result = self.result(outcome, own.process)
+        note = kept_out(report)
+        if note:
+            # The caller must learn what did not come back; stderr is where a command's
+            # words about itself go (the agent's own setup errors go there too).
+            result = result.model_copy(update={"stderr": result.stderr + note})
+        return result
+
+    async def _check_policy_enforced(self, client: KubeClient, access: ClusterAccess) -> None:
+        """NetworkPolicy is what keeps a pod's network to its policy; the API cannot say
+        whether the cluster enforces it, so a probe does, once a day per cluster and
+        namespace (its answer is kept in the cache folder). Not enforced, or unknown: the
+        task is refused (fail closed)."""
+        key = hashlib.sha256(f"{access.server}\0{self._namespace}".encode()).hexdigest()[:16]
+        stamp = self.cache_root / "kubernetes" / f"netpolicy-{key}.json"
+        with contextlib.suppress(OSError, ValueError):
+            seen = json.loads(stamp.read_text())
+            if seen.get("enforced") is True and time.time() - float(seen["at"]) < POLICY_TTL_S:
+                return
+        facts = await asyncio.to_thread(
+            probe_network_policy, client, self._namespace, self._image, settings=self.kube
+        )
+        if facts.get("enforced") is not True:
+            raise SandboxSetupError(
+                "the cluster does not enforce NetworkPolicy",
+                str(facts.get("how", "unknown")),
+                "install a CNI plugin or enforcer that implements NetworkPolicy (Calico, "
+                "Cilium, kube-router), or run tasks with network: host (no isolation)",
+            )
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        tmp = stamp.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"enforced": True, "at": time.time()}))
+        tmp.replace(stamp)
+
+    async def _teardown(self) -> None:
+        for closer in (self._agent, self._agent_stream, self._sync_stream):
+            if closer is not None:
+                with contextlib.suppress(Exception):
+                    await closer.close()
+        self._agent = self._agent_stream = self._sync_stream = None
+        if self._sync is not None:
+            with contextlib.suppress(Exception):
+                await self._sync.close()
+        self._sync = None
+        if self._made and self._client is not None:
+            made, self._made = self._made, []
+            await taskpod.remove(self._client, made, self._namespace)
+
+    async def dispose(self) -> None:
+        try:
+            await self._teardown()
+        finally:
+            await super().dispose()
+
+
+def kept_out(report: PullReport) -> str:
+    """The lines a command's stderr gets for what its pull kept out of the host worktree. Pure."""
+    lines = [
+        f"fusion-oci: {p}: changed on the host during the command; the host's version stays "
+        f"(the sandbox's is object {oid})"
+        for p, oid in report.conflicts
+    ]
+    lines += [f"fusion-oci: {p}: not brought back: {why}" for p, why in report.refused]
+    lines += [
+        f"fusion-oci: {p}: a repository made in the sandbox stays there ({c})"
+        for p, c in report.gitlinks
+    ]
+    if report.branch not in ("unchanged",) and not report.branch.startswith("updated"):
+        lines.append(f"fusion-oci: the task branch was not moved: {report.branch}")
+    return "".join(line + "\n" for line in lines)
+
+
+__all__ = ["KubernetesRuntime", "kept_out"]

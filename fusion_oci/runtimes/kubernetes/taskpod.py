@@ -1,0 +1,141 @@
+"""A task's objects on the cluster: made, watched until the pod runs, and removed.
+
+Every call is one bounded request of :class:`~.client.KubeClient` run off the event loop;
+creates are retried on transient answers (no answer, 429, 5xx) with tenacity, as
+provisioning is, then fail with the API server's words. Waiting for the pod reads its status
+until the container runs, and stops at once, with the kubelet's reason, on a state that will
+not get better by waiting (an image the node does not have, a config the runtime refuses).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from fusion_oci.errors import SandboxSetupError
+from fusion_oci.runtimes.kubernetes.client import ApiError, KubeClient, path_of, retrying
+
+HOPELESS = frozenset(
+    {
+        "ErrImageNeverPull",
+        "ErrImagePull",
+        "ImagePullBackOff",
+        "InvalidImageName",
+        "CreateContainerConfigError",
+        "CreateContainerError",
+        "RunContainerError",
+        "CrashLoopBackOff",
+    }
+)
+"""Container waiting reasons that do not resolve by waiting (for a task's pod)."""
+
+
+async def ensure(client: KubeClient, obj: Mapping[str, Any], namespace: str) -> bool:
+    """``obj`` exists afterwards (a shared object: made by whoever came first). True when
+    this call made it."""
+    path = path_of(obj, namespace)
+    name = obj["metadata"]["name"]
+
+    def make() -> bool:
+        try:
+            client.get(f"{path}/{name}")
+            return False
+        except ApiError as exc:
+            if exc.status != 404:
+                raise
+        try:
+            client.create(path, obj)
+        except ApiError as exc:
+            if exc.status == 409:  # made meanwhile by another task
+                return False
+            raise
+        return True
+
+    return await asyncio.to_thread(retrying, make)
+
+
+async def create(client: KubeClient, objs: Sequence[Mapping[str, Any]], namespace: str) -> None:
+    """Create ``objs`` in order (a pod's NetworkPolicy before the pod)."""
+    for obj in objs:
+        path = path_of(obj, namespace)
+
+        def make(obj: Mapping[str, Any] = obj, path: str = path) -> None:
+            client.create(path, obj)
+
+        await asyncio.to_thread(retrying, make)
+
+
+async def remove(
+    client: KubeClient, objs: Sequence[Mapping[str, Any]], namespace: str
+) -> list[str]:
+    """Delete ``objs`` (last made, first gone); an object already gone is fine. The errors,
+    as text (the caller reports them; gc finds what is left by its labels)."""
+    errors: list[str] = []
+    for obj in reversed(objs):
+        name = obj["metadata"]["name"]
+        path = f"{path_of(obj, namespace)}/{name}"
+        try:
+            await asyncio.to_thread(retrying, lambda path=path: client.delete(path))
+        except ApiError as exc:
+            if exc.status != 404:
+                errors.append(f"{obj['kind']} {name}: {exc.why}")
+    return errors
+
+
+async def wait_running(
+    client: KubeClient, namespace: str, name: str, timeout_s: float, what: str
+) -> dict[str, Any]:
+    """The pod once its container runs; a setup error naming the kubelet's reason when it
+    cannot, or after ``timeout_s``."""
+    path = f"/api/v1/namespaces/{namespace}/pods/{name}"
+    deadline = time.monotonic() + timeout_s
+    delay = 0.02
+    last = "not scheduled yet"
+    while True:
+        pod = await asyncio.to_thread(client.get, path)
+        state, detail = pod_state(pod)
+        if state == "running":
+            return pod
+        last = detail
+        if state == "failed":
+            raise SandboxSetupError(
+                f"the task's pod {name} could not start",
+                detail,
+                f"check {what}; `kubectl -n {namespace} describe pod {name}` says more",
+            )
+        if time.monotonic() >= deadline:
+            raise SandboxSetupError(
+                f"the task's pod {name} did not start within {timeout_s:.0f} s",
+                last,
+                "check that the cluster has room for it (`kubectl describe pod`), or raise "
+                "kubernetes.startTimeoutS",
+            )
+        await asyncio.sleep(delay)
+        delay = min(delay * 1.5, 0.5)
+
+
+def pod_state(pod: Mapping[str, Any]) -> tuple[str, str]:
+    """``running``, ``failed`` or ``waiting``, with the kubelet's words. Pure."""
+    status = pod.get("status") or {}
+    phase = status.get("phase", "Pending")
+    if phase in ("Failed", "Succeeded"):
+        return "failed", f"phase {phase}: {status.get('reason', '')} {status.get('message', '')}"
+    for c in status.get("containerStatuses") or []:
+        st = c.get("state") or {}
+        if "running" in st:
+            return "running", "running"
+        if "terminated" in st:
+            t = st["terminated"]
+            return "failed", f"container ended: {t.get('reason', '')} (exit {t.get('exitCode')})"
+        waiting = st.get("waiting") or {}
+        reason = waiting.get("reason", "")
+        if reason in HOPELESS:
+            return "failed", f"{reason}: {waiting.get('message', '')}".strip()
+        if reason:
+            return "waiting", f"{reason}: {waiting.get('message', '')}".strip()
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+            return "waiting", f"not scheduled: {cond.get('message', '')}"
+    return "waiting", f"phase {phase}"
