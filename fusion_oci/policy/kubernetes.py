@@ -48,6 +48,9 @@ class KubernetesSettings(Model):
     """The bound on every call to the API server, in seconds."""
     start_timeout_s: float = Field(default=120.0, gt=0, le=3600)
     """How long prepare waits for the task's pod to run (scheduling, the image, the volumes)."""
+    task_lifetime_s: float = Field(default=86400.0, gt=60)
+    """Sandbox mode: the claim's ``shutdownTime`` is this far after prepare, so the controller
+    ends a task whose executor died without disposing it (gc does it sooner)."""
     node_networks: list[str] = Field(default_factory=list)
     """CIDRs of the cluster's nodes (and anything else a pod must not reach under ``network:
     egress``, as a local sandbox may not reach the host's loopback): the pod's NetworkPolicy

@@ -20,6 +20,7 @@ import pytest
 
 from fusion_oci.errors import PolicyNotEnforceableError
 from fusion_oci.models import CacheMode, PrepareContext, RunOptions, RunResult, SandboxPolicy
+from fusion_oci.policy.kubernetes import KubernetesSettings
 from fusion_oci.policy.settings import DockerSettings, GateSettings, SandboxSettings
 from fusion_oci.sandbox import Sandbox
 from tests.backends import backend_settings, require_runtime
@@ -37,6 +38,7 @@ RUNTIMES = [
     ROOTLESS,
     "docker",
     DOCKERLESS,
+    "kubernetes",
     "plugin",
 ]
 MARKS = {
@@ -49,6 +51,7 @@ MARKS = {
     ROOTLESS: pytest.mark.podman_rootless,
     "docker": pytest.mark.docker,
     DOCKERLESS: pytest.mark.docker_rootless,
+    "kubernetes": pytest.mark.kubernetes,
     "plugin": pytest.mark.native,
 }  # the test plugin runs its commands natively
 NO_CGROUP_V1 = {ROOTLESS, DOCKERLESS}
@@ -148,6 +151,8 @@ def runtime_for(name: str, user: RootlessUser | None = None) -> Runtime:
             **engine, image=ref, gates=GateSettings(sandbox_provision="allow")
         )
         return Runtime(name, settings, ref, user)
+    if name == "kubernetes":
+        return kubernetes_runtime()
     if name in ENGINES:
         from tests.integration.container_cases import image, require_engine
 
@@ -155,6 +160,49 @@ def runtime_for(name: str, user: RootlessUser | None = None) -> Runtime:
     settings = backend_settings(name)
     require_runtime(name, settings)
     return Runtime(name, settings, None)
+
+
+CONTRACT_NAMESPACE = "fusion-oci-contract"
+_KUBE: list[Runtime] = []
+
+
+def kubernetes_runtime() -> Runtime:
+    """The test cluster (scripts/cluster.sh, started by scripts/test.sh) in a namespace of
+    the suite's, with the node task image imported into both nodes; made once a session."""
+    if _KUBE:
+        return _KUBE[0]
+    import subprocess
+
+    from tests.backends import require
+    from tests.cluster.kube import CLUSTER_SH, Kube, cluster_env
+    from tests.integration.images_fixture import ensure_node_image
+
+    env = cluster_env()
+    if not env.get("FUSION_OCI_K8S_BIN") or not env.get("KUBECONFIG"):
+        require("kubernetes", False, "the cluster is not running: scripts/cluster.sh start")
+    kube = Kube.from_env(env)
+    ref = ensure_node_image("podman").ref
+    subprocess.run(
+        ["bash", str(CLUSTER_SH), "load-image", ref],
+        check=True, stdin=subprocess.DEVNULL, capture_output=True, timeout=600,
+    )  # fmt: skip
+    if kube.run("get", "namespace", CONTRACT_NAMESPACE, check=False).returncode != 0:
+        kube.run("create", "namespace", CONTRACT_NAMESPACE, check=False)
+        kube.run("-n", CONTRACT_NAMESPACE, "wait", "--for=create", "serviceaccount/default",
+                 "--timeout=60s")  # fmt: skip
+    settings = SandboxSettings(
+        backend="kubernetes",
+        image=ref,
+        kubernetes=KubernetesSettings(
+            kubeconfig=env["KUBECONFIG"],
+            namespace=CONTRACT_NAMESPACE,
+            # the profile scripts/cluster.sh puts on each node, and the nodes' network
+            seccomp_profile="fusion-oci/task.json",
+            node_networks=["10.231.0.0/16"],
+        ),
+    )
+    _KUBE.append(Runtime("kubernetes", settings, ref))
+    return _KUBE[0]
 
 
 class Box(Protocol):

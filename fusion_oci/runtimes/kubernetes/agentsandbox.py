@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +57,7 @@ def sandbox_objects(
     owner_labels: Mapping[str, str],
     warm_pool: int,
     shutdown_time: str | None = None,
+    blocked: Sequence[str] = (),
 ) -> SandboxObjects:
     """The template, warm pool and claim for the pod of ``mapping``. ``shutdown_time`` (RFC
     3339): when the controller deletes the claim's sandbox even if nobody disposes it (a
@@ -79,7 +80,7 @@ def sandbox_objects(
     if network != NetworkMode.HOST:
         # Managed: the controller makes the policy for the template's pods, no ingress ever.
         template_spec["networkPolicyManagement"] = "Managed"
-        template_spec["networkPolicy"] = {"ingress": [], **_egress(network)}
+        template_spec["networkPolicy"] = {"ingress": [], **_egress(network, blocked)}
     template = {
         "apiVersion": EXTENSIONS_API,
         "kind": "SandboxTemplate",
@@ -113,5 +114,5 @@ def sandbox_objects(
     return SandboxObjects(template, pool, claim, shape)
 
 
-def _egress(network: NetworkMode) -> dict[str, Any]:
-    return {"egress": policy_rules(network).get("egress", [])}
+def _egress(network: NetworkMode, blocked: Sequence[str]) -> dict[str, Any]:
+    return {"egress": policy_rules(network, blocked).get("egress", [])}

@@ -18,7 +18,7 @@ from fusion_oci.gc import GcReport, Here, here, owner_state
 from fusion_oci.policy.settings import SandboxSettings
 from fusion_oci.runtimes.kubernetes.client import KubeClient, collection
 from fusion_oci.runtimes.kubernetes.kubeconfig import find_access
-from fusion_oci.runtimes.kubernetes.pod import TOOLS_VOLUME, label_key, label_value
+from fusion_oci.runtimes.kubernetes.pod import label_key, label_value
 from fusion_oci.runtimes.kubernetes.tools import LABEL_TOOLS
 
 KINDS = (
@@ -114,9 +114,7 @@ def collect_cluster(
 
 def _tools_of(pod: Mapping[str, Any]) -> set[str]:
     return {
-        v["configMap"]["name"]
-        for v in pod.get("spec", {}).get("volumes") or []
-        if v.get("name") == TOOLS_VOLUME and "configMap" in v
+        v["configMap"]["name"] for v in pod.get("spec", {}).get("volumes") or [] if "configMap" in v
     }
 
 

@@ -58,6 +58,7 @@ def task_objects(
     shutdown_time: str | None = None,
     tools: str | None = None,
     skip: frozenset[str] = frozenset(),
+    files_from: Mapping[str, tuple[str, str]] | None = None,
 ) -> TaskObjects:
     """The objects of one task. ``agent``: the process the pod's one container runs (the exec
     agent); ``transferred``: the destinations the worktree transfer fills; ``mode``: already
@@ -74,6 +75,7 @@ def task_objects(
         grace_s=GRACE_S,
         tools=tools,
         skip=skip,
+        files_from=dict(files_from or {}),
         blocked_networks=tuple(settings.node_networks),
     )
     mapping = pod_manifest(task, agent, opts)
@@ -86,5 +88,6 @@ def task_objects(
         owner_labels=owner_labels,
         warm_pool=settings.warm_pool,
         shutdown_time=shutdown_time,
+        blocked=tuple(settings.node_networks),
     )
     return TaskObjects(mode, mapping, objs)

@@ -90,6 +90,10 @@ class PodOptions:
     """``terminationGracePeriodSeconds``; None: the cluster's default (30 s)."""
     image_pull_policy: str = "Never"
     """Never: the image is on the nodes already (no registry is needed)."""
+    files_from: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+    """Bind-mounted host files the runtime carries to the nodes in a ConfigMap: destination →
+    (ConfigMap name, key). Read-only, as the bind is (the host's CA bundle: without it no
+    TLS client in the pod trusts an intercepting proxy the host trusts)."""
     blocked_networks: tuple[str, ...] = ()
     """CIDRs ``egress`` may not reach besides loopback and link-local (the nodes')."""
     tools: str | None = None
@@ -299,6 +303,12 @@ def _volumes(
             # what comes back and never writes hooks, config or protected paths.
             volumes.append({"name": vol, "emptyDir": {}})
             mounts.append({"name": vol, "mountPath": dest, "readOnly": False})
+            continue
+        elif dest in opts.files_from:
+            config_map, key = opts.files_from[dest]
+            item = {"key": key, "path": key}
+            volumes.append({"name": vol, "configMap": {"name": config_map, "items": [item]}})
+            mounts.append({"name": vol, "mountPath": dest, "subPath": key, "readOnly": True})
             continue
         elif opts.host_paths:
             src = m.source or dest

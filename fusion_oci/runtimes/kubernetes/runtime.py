@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import hashlib
 import json
 import os
@@ -40,14 +41,27 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fusion_oci.errors import SandboxSetupError
+from fusion_oci.images.gates import ProvisionGate
 from fusion_oci.models import NetworkMode, RunOptions, RunResult, SandboxCapabilities
+from fusion_oci.policy.layout import CA_IN_SANDBOX
 from fusion_oci.runtimes.kubernetes import taskpod
+from fusion_oci.runtimes.kubernetes.agentsandbox import EXTENSIONS_API
 from fusion_oci.runtimes.kubernetes.client import ApiError, KubeClient
+from fusion_oci.runtimes.kubernetes.facts import served_sandbox_apis
 from fusion_oci.runtimes.kubernetes.kubeconfig import ClusterAccess, find_access
 from fusion_oci.runtimes.kubernetes.netprobe import probe_network_policy
-from fusion_oci.runtimes.kubernetes.objects import TaskObjects, task_objects
+from fusion_oci.runtimes.kubernetes.objects import Mode, TaskObjects, task_objects
+from fusion_oci.runtimes.kubernetes.provision import ensure_shape
 from fusion_oci.runtimes.kubernetes.sync.host import PullReport
-from fusion_oci.runtimes.kubernetes.tools import AGENT, MUX, REMOTE, Tools, load_tools, path
+from fusion_oci.runtimes.kubernetes.tools import (
+    AGENT,
+    MUX,
+    REMOTE,
+    Tools,
+    host_ca,
+    load_tools,
+    path,
+)
 from fusion_oci.runtimes.plans import AgentPlan, Plan, SandboxLaunch, own_plan, spawn_of
 from fusion_oci.runtimes.protocol import Availability
 from fusion_oci.runtimes.requirements import Requirement
@@ -172,7 +186,13 @@ class KubernetesRuntime(SpecRuntime):
     # -- the pod ------------------------------------------------------------------------------
 
     def _task_objects(
-        self, spec: TaskSpec, name: str, image: str, tools: str | None
+        self,
+        spec: TaskSpec,
+        name: str,
+        image: str,
+        tools: str | None,
+        mode: Mode = "pods",
+        ca: str | None = None,
     ) -> TaskObjects:
         from fusion_oci.engines.labels import LABEL_KIND, current_owner
 
@@ -190,17 +210,20 @@ class KubernetesRuntime(SpecRuntime):
             and "/.git" in m.destination
         )
         labels = {LABEL_KIND: "pod", **current_owner().labels(), "io.fusion-oci.task": spec.task_id}
+        lifetime = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=self.kube.task_lifetime_s)
         return task_objects(
             spec,
             hold,
             self.kube,
-            mode="pods",
+            mode=mode,
+            shutdown_time=lifetime.strftime("%Y-%m-%dT%H:%M:%SZ"),
             name=name,
             image=image,
             owner_labels=labels,
             transferred=(worktree,),
             tools=tools,
             skip=git_dirs,
+            files_from={CA_IN_SANDBOX: (ca, "host-ca.pem")} if ca else None,
         )
 
     def _image_ref(self, spec: TaskSpec) -> str:
@@ -228,16 +251,31 @@ class KubernetesRuntime(SpecRuntime):
         self._image = self._image_ref(spec)
         self._pod = f"fusion-oci-{spec.task_id[:20].lower().strip('-')}-{secrets.token_hex(4)}"
         self._pod = "".join(c if c.isalnum() or c == "-" else "-" for c in self._pod)
-        objs = self._task_objects(spec, self._pod, self._image, tools.name)
-        self._objects = objs
+        ca_mount = next((m for m in spec.mounts if m.destination == CA_IN_SANDBOX), None)
+        ca = host_ca(Path(ca_mount.source)) if ca_mount is not None and ca_mount.source else None
         try:
+            mode = await self._mode(client)
+            objs = self._task_objects(
+                spec, self._pod, self._image, tools.name, mode, ca.name if ca else None
+            )
+            self._objects = objs
             if spec.network != NetworkMode.HOST:
                 await self._check_policy_enforced(client, _access)
             await taskpod.ensure(client, tools.manifest(), self._namespace)
-            made = objs.manifests()
-            for obj in made:
-                await taskpod.create(client, [obj], self._namespace)
-                self._made.append(obj)
+            if ca is not None:
+                await taskpod.ensure(client, ca.manifest(), self._namespace)
+            if objs.sandbox is None:
+                for obj in objs.manifests():
+                    await taskpod.create(client, [obj], self._namespace)
+                    self._made.append(obj)
+            else:
+                await ensure_shape(client, objs.sandbox, self._namespace, self._gate(task))
+                claim = objs.sandbox.claim
+                await taskpod.create(client, [claim], self._namespace)
+                self._made.append(claim)
+                self._pod = await taskpod.wait_claimed(
+                    client, self._namespace, self._pod, EXTENSIONS_API, self.kube.start_timeout_s
+                )
             await taskpod.wait_running(
                 client, self._namespace, self._pod, self.kube.start_timeout_s,
                 f"that the nodes have the image {self._image}",
@@ -247,6 +285,29 @@ class KubernetesRuntime(SpecRuntime):
             await self._teardown()
             raise
         return task
+
+    async def _mode(self, client: KubeClient) -> Mode:
+        """``kubernetes.mode``, with ``auto`` asked of the cluster (agent-sandbox's APIs)."""
+        if self.kube.mode == "pods":
+            return "pods"
+        served = await asyncio.to_thread(served_sandbox_apis, client)
+        if all(served.values()):
+            return "sandbox"
+        if self.kube.mode == "sandbox":
+            raise SandboxSetupError(
+                "kubernetes.mode is sandbox but the cluster does not serve agent-sandbox",
+                "missing: " + ", ".join(k for k, v in served.items() if not v),
+                "install agent-sandbox v1.0+ on the cluster, or set kubernetes.mode: pods",
+            )
+        return "pods"
+
+    def _gate(self, task: ResolvedTask) -> ProvisionGate:
+        from fusion_oci.audit import AuditLog
+        from fusion_oci.images.gates import AuditContext
+
+        audit = self.audit if self.audit is not None else AuditLog()
+        ctx = AuditContext(audit, task.spec.task_id, task.ctx.run_id, backend=self.id)
+        return ProvisionGate(self.settings.gates, ctx, self.ask)
 
     async def _open_streams(self, task: ResolvedTask, tools: Tools) -> None:
         from fusion_oci.agent.streamed import StreamedAgent

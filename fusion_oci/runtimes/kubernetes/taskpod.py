@@ -139,3 +139,31 @@ def pod_state(pod: Mapping[str, Any]) -> tuple[str, str]:
         if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
             return "waiting", f"not scheduled: {cond.get('message', '')}"
     return "waiting", f"phase {phase}"
+
+
+async def wait_claimed(
+    client: KubeClient, namespace: str, claim: str, api: str, timeout_s: float
+) -> str:
+    """The name of the sandbox (and its pod) agent-sandbox bound to ``claim``, once Ready."""
+    path = f"/apis/{api}/namespaces/{namespace}/sandboxclaims/{claim}"
+    deadline = time.monotonic() + timeout_s
+    delay = 0.01
+    last = "no status yet"
+    while True:
+        status = (await asyncio.to_thread(client.get, path)).get("status") or {}
+        name = (status.get("sandbox") or {}).get("name")
+        for cond in status.get("conditions") or []:
+            if cond.get("type") == "Ready":
+                if cond.get("status") == "True" and name:
+                    return str(name)
+                last = f"{cond.get('reason', '')}: {cond.get('message', '')}"
+        if time.monotonic() >= deadline:
+            raise SandboxSetupError(
+                f"the task's SandboxClaim {claim} was not bound within {timeout_s:.0f} s",
+                last,
+                "check the agent-sandbox controller and the warm pool "
+                f"(`kubectl -n {namespace} describe sandboxclaim {claim}`), or raise "
+                "kubernetes.startTimeoutS",
+            )
+        await asyncio.sleep(delay)
+        delay = min(delay * 1.5, 0.25)

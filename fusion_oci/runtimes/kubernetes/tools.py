@@ -30,7 +30,10 @@ LABEL_TOOLS = "io.fusion-oci/kind"
 
 @dataclass(frozen=True)
 class Tools:
+    """Files for the pod in one immutable ConfigMap named by their content."""
+
     files: tuple[tuple[str, bytes], ...]
+    prefix: str = "fusion-oci-tools"
 
     @property
     def digest(self) -> str:
@@ -42,7 +45,7 @@ class Tools:
 
     @property
     def name(self) -> str:
-        return f"fusion-oci-tools-{self.digest[:16]}"
+        return f"{self.prefix}-{self.digest[:16]}"
 
     def manifest(self) -> dict[str, Any]:
         """The ConfigMap. Pure."""
@@ -53,6 +56,22 @@ class Tools:
             "immutable": True,
             "binaryData": {n: base64.b64encode(d).decode("ascii") for n, d in self.files},
         }
+
+
+def host_ca(path: Path, limit: int = 900 << 10) -> Tools:
+    """The host's CA bundle (what the spec binds at ``CA_IN_SANDBOX``) for the pod: the pod's
+    TLS clients must trust what the host's do (an intercepting proxy's CA, a company's)."""
+    with path.open("rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        from fusion_oci.errors import SandboxSetupError
+
+        raise SandboxSetupError(
+            "the host's CA bundle is too large to carry to the pod",
+            f"{path} is over {limit >> 10} KiB (a ConfigMap holds at most 1 MiB)",
+            "set sandbox.caBundle to a bundle with only the certificates the tasks need",
+        )
+    return Tools((("host-ca.pem", data),), prefix="fusion-oci-ca")
 
 
 def path(name: str) -> str:
