@@ -75,6 +75,8 @@ if TYPE_CHECKING:
     from fusion_oci.runtimes.kubernetes.sync import WorktreeSync
 
 POLICY_TTL_S = 24 * 3600.0
+MUX_ARGV = ["python3", "-S", "-E", "-s", path(MUX), "--agent", path(AGENT)]
+"""The exec agent's stream relay in the pod (stdlib only), which starts the agent itself."""
 HOLD = ["sleep", "infinity"]
 """The pod's own process: it only keeps the pod up. Commands run under the exec agent, which
 the agent stream starts (an exec'd process is a child of the container runtime, not of it)."""
@@ -311,21 +313,20 @@ class KubernetesRuntime(SpecRuntime):
 
     async def _open_streams(self, task: ResolvedTask, tools: Tools) -> None:
         from fusion_oci.agent.streamed import StreamedAgent
-        from fusion_oci.runtimes.kubernetes.execstream import ExecStream
+        from fusion_oci.runtimes.kubernetes.agentpipe import AgentPipe
+        from fusion_oci.runtimes.kubernetes.execstream import PodExec
         from fusion_oci.runtimes.kubernetes.sync import WorktreeSync, remote_argv
 
         access, _client = self._cluster()
         assert self.layout is not None
-        mux = ["python3", "-S", "-E", "-s", path(MUX), "--agent", path(AGENT)]
-        self._agent_stream = await ExecStream.open(
-            access, self._namespace, self._pod, mux, container="task",
-            timeout_s=self.kube.request_timeout_s,
-        )  # fmt: skip
+        pods = PodExec(access, self.kube.request_timeout_s)
+        stream = await pods.open(self._namespace, self._pod, MUX_ARGV, container="task")
+        self._agent_stream = AgentPipe(stream)
         self._agent = await StreamedAgent.over(self._agent_stream, timeout_s=30.0)
         worktree = self.layout.worktree
-        self._sync_stream = await ExecStream.open(
-            access, self._namespace, self._pod, remote_argv(worktree, by_path=path(REMOTE)),
-            container="task", timeout_s=self.kube.request_timeout_s,
+        self._sync_stream = await pods.open(
+            self._namespace, self._pod, remote_argv(worktree, by_path=path(REMOTE)),
+            container="task",
         )  # fmt: skip
         state = self.cache_root / "kubernetes" / "sync" / f"{task.spec.task_id}-{self._pod}"
         self._sync = WorktreeSync(Path(worktree), self._sync_stream, state, env=self.env)
@@ -342,7 +343,7 @@ class KubernetesRuntime(SpecRuntime):
                     "namespace": self._namespace or "<namespace>",
                     "pod": where,
                     "container": "task",
-                    "command": ["python3", "-S", "-E", "-s", path(MUX), "--agent", path(AGENT)],
+                    "command": MUX_ARGV,
                     "image": self._image or "<image>",
                 },
             ),
