@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 from fusion_oci.errors import SandboxSetupError
 from fusion_oci.images.gates import ProvisionGate
 from fusion_oci.models import NetworkMode, RunOptions, RunResult, SandboxCapabilities
+from fusion_oci.oci.model import User
 from fusion_oci.policy.layout import CA_IN_SANDBOX
 from fusion_oci.runtimes.kubernetes import taskpod
 from fusion_oci.runtimes.kubernetes.agentsandbox import EXTENSIONS_API
@@ -75,6 +76,8 @@ if TYPE_CHECKING:
     from fusion_oci.runtimes.kubernetes.sync import WorktreeSync
 
 POLICY_TTL_S = 24 * 3600.0
+POD_UID = 1000
+"""The pod's user when the executor runs as root."""
 MUX_ARGV = ["python3", "-S", "-E", "-s", path(MUX), "--agent", path(AGENT)]
 """The exec agent's stream relay in the pod (stdlib only), which starts the agent itself."""
 HOLD = ["sleep", "infinity"]
@@ -200,6 +203,10 @@ class KubernetesRuntime(SpecRuntime):
 
         assert self.layout is not None
         hold = self.process(HOLD, RunOptions())
+        if hold.user.uid == 0:
+            # Root on the executor's host is not root in the pod: a pod never runs as root
+            # (`restricted` refuses it, and the pod's root would be the node's root).
+            hold = hold.model_copy(update={"user": User(uid=POD_UID, gid=POD_UID)})
         worktree = self.layout.worktree
         # The pod's repository is the transfer's own (a plain clone-like repo in the
         # worktree); the host's git folders are neither mounted nor wanted there.
