@@ -207,6 +207,9 @@ class KubernetesRuntime(SpecRuntime):
             # Root on the executor's host is not root in the pod: a pod never runs as root
             # (`restricted` refuses it, and the pod's root would be the node's root).
             hold = hold.model_copy(update={"user": User(uid=POD_UID, gid=POD_UID)})
+        # The pod's own process starts in /: the worktree does not exist until the first
+        # push makes it (a working directory the container runtime made would be root's).
+        hold = hold.model_copy(update={"cwd": "/"})
         worktree = self.layout.worktree
         # The pod's repository is the transfer's own (a plain clone-like repo in the
         # worktree); the host's git folders are neither mounted nor wanted there.
@@ -229,7 +232,10 @@ class KubernetesRuntime(SpecRuntime):
             name=name,
             image=image,
             owner_labels=labels,
-            transferred=(worktree,),
+            # The worktree's parent is the pod's empty folder: the transfer makes the worktree
+            # in it, owned by the pod's user (git refuses a repository in a folder another
+            # user owns), and tasks whose worktrees share a parent share a shape.
+            transferred=(str(Path(worktree).parent),),
             tools=tools,
             skip=git_dirs,
             files_from={CA_IN_SANDBOX: (ca, "host-ca.pem")} if ca else None,
