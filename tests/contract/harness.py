@@ -196,6 +196,9 @@ def kubernetes_runtime() -> Runtime:
         kubernetes=KubernetesSettings(
             kubeconfig=env["KUBECONFIG"],
             namespace=CONTRACT_NAMESPACE,
+            # every test has a worktree folder of its own, so a shape of its own: plain pods
+            # (sandbox mode, warm pools and claims: tests/cluster/test_kube_runtime.py)
+            mode="pods",
             # the profile scripts/cluster.sh puts on each node, and the nodes' network
             seccomp_profile="fusion-oci/task.json",
             node_networks=["10.231.0.0/16"],
