@@ -63,6 +63,7 @@ from fusion_oci.runtimes.kubernetes.tools import (
     load_tools,
     path,
 )
+from fusion_oci.runtimes.outcome import LimitCounters, classify
 from fusion_oci.runtimes.plans import AgentPlan, Plan, SandboxLaunch, own_plan, spawn_of
 from fusion_oci.runtimes.protocol import Availability
 from fusion_oci.runtimes.requirements import Requirement
@@ -128,6 +129,7 @@ class KubernetesRuntime(SpecRuntime):
         self._sync_stream: Any = None
         self._pod = ""
         self._image = ""
+        self._oom_seen = 0
 
     # -- what it is ---------------------------------------------------------------------------
 
@@ -296,6 +298,7 @@ class KubernetesRuntime(SpecRuntime):
                 f"that the nodes have the image {self._image}",
             )  # fmt: skip
             await self._open_streams(task, tools)
+            self._oom_seen = await self._oom_kills() or 0
         except BaseException:
             await self._teardown()
             raise
@@ -372,22 +375,54 @@ class KubernetesRuntime(SpecRuntime):
 
     async def execute(self, plan: Plan, opts: RunOptions) -> RunResult:
         own = own_plan(self, plan, AgentPlan)
-        if self._agent is None or self._sync is None:
+        agent, sync = self._agent, self._sync
+        if agent is None or sync is None or self.layout is None:
             raise SandboxSetupError(
                 "runtime 'kubernetes' was not prepared",
                 "its pod is not running",
                 "call prepare(ctx) first",
             )
-        await self._sync.push()
-        outcome = await self._agent.run_command(own.spawn, opts)
-        report = await self._sync.pull()
-        result = self.result(outcome, own.process)
+        await sync.push(dirs=_folders_for(own.spawn.cwd or "", self.layout.worktree))
+        try:
+            outcome = await agent.run_command(own.spawn, opts)
+        except BaseException:
+            # An aborted command's changes come back too: on a local runtime they are in the
+            # worktree as it writes them. The agent ended its tree before this.
+            with contextlib.suppress(Exception):
+                await asyncio.shield(sync.pull())
+            raise
+        report = await sync.pull()
+        counters = LimitCounters()
+        if outcome.returncode != 0 or outcome.signal:
+            counters = LimitCounters(oom_kills=await self._oom_kills_since())
+        result = self.result(outcome, own.process, classify(outcome, own.process, counters))
         note = kept_out(report)
         if note:
             # The caller must learn what did not come back; stderr is where a command's
             # words about itself go (the agent's own setup errors go there too).
             result = result.model_copy(update={"stderr": result.stderr + note})
         return result
+
+    async def _oom_kills_since(self) -> int:
+        """The pod's OOM kills since the last look (its memory cgroup's ``oom_kill``, read in
+        the pod through the agent): whether the memory limit ended a command."""
+        seen = await self._oom_kills()
+        if seen is None:
+            return 0
+        before, self._oom_seen = self._oom_seen, seen
+        return max(0, seen - before)
+
+    async def _oom_kills(self) -> int | None:
+        if self._agent is None:
+            return None
+        process = self.process(["/bin/sh", "-c", OOM_COUNTER], RunOptions())
+        try:
+            out = await self._agent.run_command(
+                spawn_of(process, env={"PATH": "/usr/bin:/bin"}), RunOptions(timeout_ms=10_000)
+            )
+        except Exception:
+            return None
+        return oom_kill_count(out.stdout.decode(errors="replace"))
 
     async def _check_policy_enforced(self, client: KubeClient, access: ClusterAccess) -> None:
         """NetworkPolicy is what keeps a pod's network to its policy; the API cannot say
@@ -434,6 +469,31 @@ class KubernetesRuntime(SpecRuntime):
             await self._teardown()
         finally:
             await super().dispose()
+
+
+OOM_COUNTER = (
+    "cat /sys/fs/cgroup/memory.events 2>/dev/null || "
+    "cat /sys/fs/cgroup/memory/memory.oom_control 2>/dev/null"
+)
+"""The container's memory cgroup's OOM kill counter: cgroup v2, else v1."""
+
+
+def oom_kill_count(text: str) -> int | None:
+    """``oom_kill N`` of memory.events / memory.oom_control. Pure."""
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "oom_kill" and value.strip().isdigit():
+            return int(value)
+    return None
+
+
+def _folders_for(cwd: str, worktree: str) -> list[str]:
+    """A command's working directory inside the worktree, relative, for the push (git does
+    not carry an empty folder, so the remote may lack it). Pure."""
+    root = worktree.rstrip("/")
+    if cwd.startswith(root + "/"):
+        return [cwd[len(root) + 1 :].rstrip("/")]
+    return []
 
 
 def kept_out(report: PullReport) -> str:

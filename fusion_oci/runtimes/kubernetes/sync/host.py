@@ -34,6 +34,7 @@ from fusion_oci.runtimes.kubernetes.sync.errors import SyncRefusedError, Worktre
 from fusion_oci.runtimes.kubernetes.sync.paths import (
     check_branch,
     check_link_target,
+    check_path,
     is_oid,
     protected_by,
     relative_patterns,
@@ -138,6 +139,8 @@ class WorktreeSync:
         self._wt_tree: str | None = None
         self._index_tree: str | None = None
         self._broken = False
+        self._dirs: set[str] = set()
+        """Folders the remote was asked to make (``push(dirs=...)``)."""
         self._stale = False
         """A pull was refused: the remote holds what the host did not take, so the next
         push sends the host's state even if the host did not change."""
@@ -261,12 +264,19 @@ class WorktreeSync:
                 "dispose of the task and prepare it again",
             )
 
-    async def push(self) -> bool:
+    async def push(self, dirs: Sequence[str] = ()) -> bool:
         """Make the remote worktree, index and branch the host's. False: nothing had changed
-        since the last transfer, and nothing crossed."""
+        since the last transfer, and nothing crossed. ``dirs``: folders (relative to the
+        worktree) the remote must have even when empty, which git does not carry: a
+        command's working directory."""
         self._check_usable()
         state = await self.snapshot()
-        if state == self.base and not self._stale:
+        wanted_dirs = sorted(d for d in dirs if d not in self._dirs)
+        for d in wanted_dirs:
+            why = check_path(d)
+            if why is not None:
+                raise WorktreeSyncError(f"the folder {d!r} cannot cross to the sandbox", why)
+        if state == self.base and not self._stale and not wanted_dirs:
             return False
         have = self.base.oids() if self.base is not None else {}
         wanted = [v for k, v in state.oids().items() if have.get(k) != v]
@@ -282,6 +292,7 @@ class WorktreeSync:
             "branch": self.branch,
             "objectFormat": self.algo,
             "bringBack": self.settings.bring_back,
+            "dirs": wanted_dirs,
             **vars(state),
         }
         self.base = None  # until the remote says it has it
@@ -292,6 +303,7 @@ class WorktreeSync:
             )
         self.base = state
         self._stale = False
+        self._dirs.update(wanted_dirs)
         return True
 
     async def _exchange(self, meta: dict[str, Any], pack: bytes) -> tuple[dict[str, Any], bytes]:

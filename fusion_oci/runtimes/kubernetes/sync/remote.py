@@ -169,6 +169,9 @@ def push(repo: Repo, meta: dict[str, Any], pack: bytes) -> tuple[dict[str, Any],
     # files (they are not in this index), so node_modules and build output stay.
     git(repo.path, "read-tree", "--reset", "-u", str(meta["worktree"]), index=repo.sync_index)
     repo.worktree = (str(meta["worktree"]), repo.stamp(repo.sync_index))
+    for folder in meta.get("dirs") or []:
+        # folders git does not carry (empty ones), named by the host, which checked them
+        (Path(repo.path) / folder).mkdir(parents=True, exist_ok=True)
     index = meta.get("index")
     if index and index != repo.last.get("index"):
         # --reset without -u: stat data kept where the content is the same
