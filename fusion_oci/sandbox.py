@@ -366,7 +366,8 @@ class Sandbox:
             # point behind in the worktree.
             self.unenforced = self.task.unprotected()
         self.linker, links = task_linker(
-            blobs=self.task.layout.blobs,
+            # a remote sandbox (kubernetes) has no view of the host's store or worktree files
+            blobs=self.task.layout.blobs if runtime.shares_host_files else None,
             host_uid=os.getuid(),
             isolating=runtime.capabilities().filesystem_isolation != "none",
             worktree=Path(self.task.layout.worktree),

@@ -57,6 +57,10 @@ class Runtime(Protocol):
     streams_stdin: bool
     """True: :meth:`execute` writes a StdinStream's chunks as they come; False: the lifecycle
     reads it to its end first and hands over bytes."""
+    shares_host_files: bool
+    """False: the sandbox runs on another machine (kubernetes): it sees none of the host's
+    files but what the runtime carries (the worktree's transfer), so the host-side package
+    store linking (fusion_oci/store) does not apply."""
     egress_via_tcp: bool
     """True: the filtering proxy is reached over host TCP (no network namespace to bind its
     socket into, as with landlock)."""
@@ -126,6 +130,7 @@ class RuntimeDefaults:
 
     isolates: bool = True
     streams_stdin: bool = False
+    shares_host_files: bool = True
     egress_via_tcp: bool = False
     audit: AuditLog | None = None
     ask: AskCallback | None = None

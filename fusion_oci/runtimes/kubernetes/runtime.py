@@ -108,6 +108,7 @@ ENFORCED = frozenset(
 class KubernetesRuntime(SpecRuntime):
     id = "kubernetes"
     streams_stdin = True
+    shares_host_files = False
 
     def __init__(
         self,
