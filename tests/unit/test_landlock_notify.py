@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from fusion_oci import landlock_child
-from fusion_oci.landlock_child import sync_wake_up
+from fusion_oci.shims import landlock_child
+from fusion_oci.shims.landlock_child import sync_wake_up
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="seccomp is Linux's")
 

@@ -58,8 +58,8 @@ unix sockets only (a TCP listen autobinds on every address). seccomp leaves only
 unix stream sockets (UDP, which Landlock does not govern, raw, packet, netlink, SCTP refused)
 and refuses TCP Fast Open (a connect inside ``sendto``).
 
-How a command runs: prepare starts, once per task, the reaper shim (fusion_oci/reaper.py) with
-the task's launch file (``SANDBOX=``, the ruleset above as integers) and ``AGENT=``; its child
+How a command runs: prepare starts, once per task, the reaper shim (fusion_oci/shims/reaper.py)
+with the task's launch file (``SANDBOX=``, the ruleset above as integers) and ``AGENT=``; its child
 confines itself (landlock_child.py) and execs the exec agent (fusion_oci/agent) on a
 socketpair, and the reaper stays outside the sandbox as the seccomp supervisor of the agent's
 whole tree (every command is a grandchild of it) for the task's life. Each command is then a

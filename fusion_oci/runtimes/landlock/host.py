@@ -26,7 +26,7 @@ def host_abi() -> int:
         if not sys.platform.startswith("linux"):
             _ABI = 0
         else:
-            from fusion_oci import landlock_child
+            from fusion_oci.shims import landlock_child
 
             _ABI = landlock_child.abi_version()
     return _ABI

@@ -36,52 +36,18 @@ import resource
 import sys
 import time
 
+if __package__:  # fusion_oci.shims.reaper (see fusion_oci/shims/__init__.py)
+    from . import proctree
+else:  # run by path: the siblings are on sys.path[0]
+    import proctree  # type: ignore[import-not-found,no-redef]
+
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
-LINUX = sys.platform.startswith("linux")
-
-
-def _parent_map() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    if not LINUX:
-        # No subreaper here: orphans re-parent to launchd, but they keep our process group,
-        # so group members count as ours too.
-        me, group = os.getpid(), os.getpgid(0)
-        out = os.popen("ps -axo pid=,ppid=,pgid=").read()  # noqa: S605 - fixed argv, no input
-        for line in out.splitlines():
-            fields = line.split()
-            if len(fields) == 3 and all(f.isdigit() for f in fields):
-                pid, ppid, pgid = (int(f) for f in fields)
-                parent = me if pgid == group and pid != me else ppid
-                children.setdefault(parent, []).append(pid)
-        return children
-    for name in os.listdir("/proc"):  # noqa: PTH208 - pathlib costs start-up time here
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        after_comm = stat.rsplit(b")", 1)[-1].split()
-        if len(after_comm) > 2:
-            children.setdefault(int(after_comm[1]), []).append(int(name))
-    return children
-
-
-def _descendants(root: int) -> list[int]:
-    children = _parent_map()
-    out: list[int] = []
-    todo = list(children.get(root, []))
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo.extend(children.get(pid, []))
-    return out
+LINUX = proctree.LINUX
 
 
 def _signal_all(sig: int) -> int:
-    pids = _descendants(os.getpid())
+    pids = proctree.descendants(os.getpid())
     for pid in pids:
         try:  # noqa: SIM105 - contextlib costs start-up time here
             os.kill(pid, sig)
@@ -111,7 +77,7 @@ def _end_tree(grace: float) -> None:
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline:
             _reap()
-            if not _descendants(os.getpid()):
+            if not proctree.descendants(os.getpid()):
                 return
             time.sleep(0.02)
     # SIGKILL until nothing is left; a fork bomb cannot outrun this for long.
@@ -130,7 +96,10 @@ def _wait_signal() -> int:
 
 def _confine(sandbox: tuple[dict, int]) -> None:  # type: ignore[type-arg]
     try:
-        import landlock_child  # type: ignore[import-not-found]  # sibling of this script
+        if __package__:
+            from . import landlock_child
+        else:  # run by path (imported before the fork: nothing is read from disk here)
+            import landlock_child  # type: ignore[import-not-found,no-redef]
 
         landlock_child.apply(*sandbox)
     except BaseException as exc:  # fail closed, whatever went wrong
@@ -198,7 +167,10 @@ def main(argv: list[str]) -> int:
     if sandbox:
         # The confinement's chmod supervisor lives here, outside the sandbox: the child hands
         # its seccomp listener back over this socket pair (landlock_child.py, step 5).
-        import landlock_child  # sibling of this script (mypy knows it as fusion_oci's)
+        if __package__:
+            from . import landlock_child
+        else:  # run by path: only the landlock runtime pays for importing it
+            import landlock_child  # type: ignore[no-redef]
 
         try:
             cfg = landlock_child.load(sandbox)
