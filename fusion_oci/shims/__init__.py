@@ -1,8 +1,9 @@
 """The shims: small programs that fusion-oci starts by path between itself and a command.
 
 - ``reaper.py``: the child subreaper that ends a command's whole tree (sandbox-exec, native off
-  Linux) and, for the landlock runtime, the seccomp supervisor outside the sandbox whose
-  child confines itself (``landlock_child.py``) and execs the task's exec agent;
+  Linux) and, for the landlock runtime, the seccomp supervisor outside the sandbox
+  (``supervisor.py``, ``connects.py``) whose child confines itself (``confine.py``) and execs
+  the task's exec agent; ``seccomp_notify.py`` is what those two sides agree on;
 - ``watchdog.py``: runs a helper service (a ``podman system service`` of our own) for exactly
   as long as its owner lives.
 

@@ -3,7 +3,7 @@ descendants: ``python -S -E reaper.py GRACE PARENT [RLIMIT=SOFT:HARD ...] [SANDB
 [AGENT=FD] -- ARGV...``.
 
 ``SANDBOX=FILE`` (the landlock runtime): after the rlimits and before exec, the child confines
-itself as FILE says (capabilities, no_new_privs, Landlock, seccomp; see landlock_child.py);
+itself as FILE says (capabilities, no_new_privs, Landlock, seccomp; see confine.py);
 anything failing there fails the command with 125 rather than run it unconfined.
 
 ``AGENT=FD`` (the landlock runtime): the command is the task's exec agent on connection FD.
@@ -97,11 +97,11 @@ def _wait_signal() -> int:
 def _confine(sandbox: tuple[dict, int]) -> None:  # type: ignore[type-arg]
     try:
         if __package__:
-            from . import landlock_child
+            from . import confine
         else:  # run by path (imported before the fork: nothing is read from disk here)
-            import landlock_child  # type: ignore[import-not-found,no-redef]
+            import confine  # type: ignore[import-not-found,no-redef]
 
-        landlock_child.apply(*sandbox)
+        confine.apply(*sandbox)
     except BaseException as exc:  # fail closed, whatever went wrong
         os.write(2, f"fusion-oci: cannot confine the command: {exc}\n".encode())
         os._exit(125)
@@ -163,32 +163,34 @@ def main(argv: list[str]) -> int:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     if parent and os.getppid() != parent:
         return 125  # the caller died before PDEATHSIG was armed
-    confine = channel = None
+    confining = channel = None
     if sandbox:
         # The confinement's chmod supervisor lives here, outside the sandbox: the child hands
-        # its seccomp listener back over this socket pair (landlock_child.py, step 5).
+        # its seccomp listener back over this socket pair (confine.py, step 5).
         if __package__:
-            from . import landlock_child
-        else:  # run by path: only the landlock runtime pays for importing it
-            import landlock_child  # type: ignore[no-redef]
+            from . import confine, seccomp_notify, supervisor
+        else:  # run by path: only the landlock runtime pays for importing them
+            import confine  # type: ignore[no-redef]
+            import seccomp_notify  # type: ignore[import-not-found,no-redef]
+            import supervisor  # type: ignore[import-not-found,no-redef]
 
         try:
-            cfg = landlock_child.load(sandbox)
+            cfg = confine.load(sandbox)
         except (OSError, ValueError) as exc:
             os.write(2, f"fusion-oci: cannot confine the command: {exc}\n".encode())
             return 125
-        channel, child_end = landlock_child.socketpair()
-        confine = (cfg, child_end)
+        channel, child_end = seccomp_notify.socketpair()
+        confining = (cfg, child_end)
     pid = os.fork()
     if pid == 0:
         if channel is not None:
             channel.close()
-        _exec_child(command, rlimits, confine)
+        _exec_child(command, rlimits, confining)
     if agent_fd >= 0:
         os.close(agent_fd)  # the agent's alone: its end of the host's connection
-    if channel is not None and confine is not None:
-        os.close(confine[1])
-        landlock_child.supervise(confine[0], channel)
+    if channel is not None and confining is not None:
+        os.close(confining[1])
+        supervisor.supervise(confining[0], channel)
     while True:
         _reap()
         if pid in _statuses:

@@ -41,6 +41,8 @@ def import_problems(source: str, name: str, sibs: set[str]) -> list[str]:
                 relative |= found & sibs
             elif node.level == 1 and node.module in sibs:
                 relative.add(node.module)
+            elif node.level == 0 and node.module in sibs:
+                bare.add(node.module)
             elif node.level or (node.module or "").split(".")[0] not in sys.stdlib_module_names:
                 where = "." * node.level + (node.module or "")
                 out.append(f"{name}:{node.lineno}: from {where} import")
@@ -96,6 +98,9 @@ def test_the_check_catches_what_it_forbids() -> None:
     assert import_problems("from .. import process\n", "m", sibs) == ["m:1: from .. import"]
     assert import_problems("from . import nothere\n", "m", sibs) == ["m:1: from . import nothere"]
     assert import_problems("import confine\n", "m", sibs) == ["m: imports confine by path only"]
+    assert import_problems("from confine import apply\n", "m", sibs) == [
+        "m: imports confine by path only"
+    ]
     assert import_problems("from .confine import apply\n", "m", sibs) == [
         "m: imports confine from the package only"
     ]
