@@ -48,7 +48,8 @@ class ApiError(EngineError):
         super().__init__(f"Kubernetes API call {call} failed", why, hint)
 
 
-def _hint(status: int) -> str:
+def status_hint(status: int) -> str:
+    """The fix for an API server's answer ``status`` (0: no answer)."""
     if status == 0:
         return (
             "check that the API server in the kubeconfig answers (`kubectl cluster-info`) and "
@@ -76,7 +77,7 @@ class KubeClient:
         self._host = split.hostname or ""
         self._port = split.port or 443
         self._prefix = split.path.rstrip("/")
-        self._ssl = _ssl_context(access)
+        self._ssl = ssl_context(access)
 
     def request(
         self,
@@ -106,7 +107,7 @@ class KubeClient:
             raw = resp.read(64 << 20)
         except (OSError, http.client.HTTPException) as exc:  # TimeoutError is an OSError
             raise ApiError(
-                call, 0, f"no answer from {self.access.server}: {exc}", _hint(0)
+                call, 0, f"no answer from {self.access.server}: {exc}", status_hint(0)
             ) from exc
         finally:
             conn.close()
@@ -118,7 +119,7 @@ class KubeClient:
             message = str(doc.get("message") or resp.reason) if isinstance(doc, dict) else ""
             reason = str(doc.get("reason") or "") if isinstance(doc, dict) else ""
             raise ApiError(
-                call, resp.status, f"HTTP {resp.status}: {message}", _hint(resp.status),
+                call, resp.status, f"HTTP {resp.status}: {message}", status_hint(resp.status),
                 reason=reason,
             )  # fmt: skip
         return doc if isinstance(doc, dict) else {"items": doc}
@@ -194,7 +195,9 @@ def retrying(
     raise AssertionError("unreachable: tenacity re-raises the last error")  # pragma: no cover
 
 
-def _ssl_context(access: ClusterAccess) -> ssl.SSLContext:
+def ssl_context(access: ClusterAccess) -> ssl.SSLContext:
+    """TLS as the kubeconfig says (CA, client certificate, skip-verify); shared with the
+    ``pods/exec`` stream (:mod:`.execstream`)."""
     ctx = ssl.create_default_context()
     if access.insecure:
         ctx.check_hostname = False
