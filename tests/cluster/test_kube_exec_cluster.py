@@ -51,6 +51,8 @@ class Target:
     kube: Kube
     ns: str
     access: ClusterAccess
+    pod_exec: PodExec
+    """Built once: its TLS context (CA, client certificate) costs tens of ms to load."""
 
 
 def restricted_pod(kube: Kube, name: str) -> dict[str, Any]:
@@ -91,14 +93,14 @@ def target(kube: Kube) -> Iterator[Target]:
         kube.wait_ready(ns, POD)
         access = find_access(KubernetesSettings(), {"KUBECONFIG": str(kube.kubeconfig)})
         assert access is not None
-        yield Target(kube, ns, access)
+        yield Target(kube, ns, access, PodExec(access))
     finally:
         kube.run("delete", "namespace", ns, "--wait=false", check=False)
 
 
 @pytest_asyncio.fixture
 async def cat(target: Target) -> AsyncIterator[ExecStream]:
-    stream = await PodExec(target.access).open(target.ns, POD, ["cat"])
+    stream = await target.pod_exec.open(target.ns, POD, ["cat"])
     try:
         yield stream
     finally:
@@ -107,7 +109,7 @@ async def cat(target: Target) -> AsyncIterator[ExecStream]:
 
 async def run(target: Target, *argv: str, **kwargs: Any) -> tuple[int, bytes, ExecStream]:
     """``argv`` without stdin: its exit code and stdout."""
-    async with await PodExec(target.access).open(
+    async with await target.pod_exec.open(
         target.ns, POD, list(argv), stdin=False, **kwargs
     ) as stream:
         out = b""
@@ -151,7 +153,7 @@ async def test_twenty_megabytes_both_ways(cat: ExecStream) -> None:
 
 async def test_stdout_is_not_buffered_without_bound(target: Target) -> None:
     total = 24 * MB
-    async with await PodExec(target.access).open(
+    async with await target.pod_exec.open(
         target.ns, POD, ["head", "-c", str(total), "/dev/zero"], stdin=False,
         buffer_limit=MB,
     ) as stream:  # fmt: skip
@@ -164,7 +166,7 @@ async def test_stdout_is_not_buffered_without_bound(target: Target) -> None:
             size += len(chunk)
         assert size == total and await stream.wait(20) == 0
     # readexactly may ask for more than the limit: the buffer grows to that, no further
-    async with await PodExec(target.access).open(
+    async with await target.pod_exec.open(
         target.ns, POD, ["head", "-c", str(4 * MB), "/dev/zero"], stdin=False,
         buffer_limit=MB,
     ) as stream:  # fmt: skip
@@ -205,7 +207,7 @@ async def test_a_command_that_cannot_start_is_an_error(target: Target) -> None:
 
 
 async def test_three_streams_at_once(target: Target) -> None:
-    pod_exec = PodExec(target.access)
+    pod_exec = target.pod_exec
 
     async def echo(n: int) -> bytes:
         async with await pod_exec.open(target.ns, POD, ["cat"]) as stream:
@@ -244,7 +246,7 @@ async def test_v4_works_but_cannot_end_stdin_alone(
     target: Target, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(execstream, "PROTOCOLS", (V4,))
-    async with await PodExec(target.access).open(target.ns, POD, ["cat"]) as stream:
+    async with await target.pod_exec.open(target.ns, POD, ["cat"]) as stream:
         assert stream.protocol == V4
         await stream.write(b"four\n")
         assert await asyncio.wait_for(stream.readline(100), 20) == b"four\n"
@@ -259,7 +261,7 @@ async def test_the_pod_deleted_mid_stream_ends_it(target: Target) -> None:
     kube, ns = target.kube, target.ns
     kube.apply(restricted_pod(kube, "doomed"), namespace=ns)
     kube.wait_ready(ns, "doomed")
-    pod_exec = PodExec(target.access)
+    pod_exec = target.pod_exec
     async with await pod_exec.open(ns, "doomed", ["cat"]) as stream:
         await stream.write(b"alive\n")
         assert await asyncio.wait_for(stream.readline(100), 20) == b"alive\n"
@@ -292,7 +294,7 @@ async def test_the_worktree_transfer_runs_over_an_exec_stream(
 
     host = tmp_path / "host"
     make_host(host)
-    pod_exec = PodExec(target.access)
+    pod_exec = target.pod_exec
     await run(target, "rm", "-rf", REPO)
     stream = await pod_exec.open(target.ns, POD, remote_argv(REPO))
     sync = WorktreeSync(host, stream, tmp_path / "state", env=GIT_ENV)
@@ -322,7 +324,7 @@ async def test_the_worktree_transfer_runs_over_an_exec_stream(
 async def test_measure(target: Target, capsys: pytest.CaptureFixture[str]) -> None:
     """Medians: a fresh exec of ``true`` (ours, ``kubectl exec``; 20 each) and one small
     frame through an open ``cat`` (200)."""
-    pod_exec = PodExec(target.access)
+    pod_exec = target.pod_exec
     ours = []
     for _ in range(20):
         started = time.perf_counter()

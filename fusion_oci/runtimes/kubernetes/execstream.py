@@ -216,7 +216,7 @@ class PodExec:
         try:
             protocol = await self._handshake(reader, writer, target, call)
         except BaseException:  # a refusal, a timeout, a cancellation: no socket left open
-            writer.transport.abort()
+            _abort(writer)
             raise
         return reader, writer, protocol
 
@@ -640,7 +640,7 @@ class ExecStream:
                 continue  # our own choice not to read: silence proves nothing
             if loop.time() - self._last_heard > 2 * self._ping_s:
                 self._lose(f"nothing heard from the API server for {2 * self._ping_s:.0f} s")
-                self._writer.transport.abort()  # the pump sees the end and finishes
+                _abort(self._writer)  # the pump sees the end and finishes
                 return
             with contextlib.suppress(ExecError, OSError):
                 self._send(OP_PING, b"")
@@ -666,8 +666,17 @@ class ExecStream:
         self._writer.close()
         try:
             await asyncio.wait_for(self._writer.wait_closed(), self._close_s)
-        except (TimeoutError, OSError):
-            self._writer.transport.abort()
+        except TimeoutError:
+            _abort(self._writer)
+        except OSError:
+            pass  # the server had already dropped the connection: nothing is left open
+
+
+def _abort(writer: asyncio.StreamWriter) -> None:
+    """Drop the connection now. Python 3.11's SSL transport raises AttributeError when it
+    was already closed underneath (its protocol is gone): then there is nothing to drop."""
+    with contextlib.suppress(AttributeError, OSError):
+        writer.transport.abort()
 
 
 __all__ = [
