@@ -4,6 +4,7 @@ against the real cluster (tests/cluster/test_kube_exec_cluster.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -11,11 +12,15 @@ import pytest
 from fusion_oci.runtimes.kubernetes.execstream import (
     ExecError,
     ExecStreamLost,
-    accept_key,
-    client_frame,
     exec_path,
     exit_status,
+)
+from fusion_oci.runtimes.kubernetes.websocket import (
+    WebSocketError,
+    accept_key,
+    client_frame,
     mask,
+    read_frame,
 )
 
 
@@ -89,3 +94,29 @@ def test_a_lost_stream_is_a_connection_error_of_the_engine_kind() -> None:
     lost = ExecStreamLost("the exec stream x ended", "the connection broke", "retry")
     assert isinstance(lost, ConnectionError) and isinstance(lost, ExecError)
     assert lost.kind == "engine-error" and "hint: retry" in str(lost)
+
+
+async def _frames(data: bytes, max_size: int = 1 << 20) -> list[tuple[bool, int, bytes]]:
+    reader = asyncio.StreamReader()
+    reader.feed_data(data)
+    reader.feed_eof()
+    out = []
+    while not reader.at_eof():
+        out.append(await read_frame(reader, max_size, "t"))
+    return out
+
+
+async def test_server_frames_are_read_with_their_sizes_checked_first() -> None:
+    # RFC 6455 5.7: "Hel" then "lo" (a fragmented text message), a ping, 256 bytes binary
+    data = bytes.fromhex("010348656c80026c6f890548656c6c6f827e0100") + bytes(256)
+    assert await _frames(data) == [
+        (False, 1, b"Hel"), (True, 0, b"lo"), (True, 9, b"Hello"), (True, 2, bytes(256)),
+    ]  # fmt: skip
+    with pytest.raises(WebSocketError, match="a frame of 65536 bytes"):
+        await _frames(bytes.fromhex("827f0000000000010000"), max_size=1000)
+    with pytest.raises(WebSocketError, match="malformed WebSocket frame"):
+        await _frames(bytes.fromhex("8185") + b"mask" + b"hello")  # servers must not mask
+    with pytest.raises(WebSocketError, match="malformed control frame"):
+        await _frames(bytes.fromhex("0900"))  # a fragmented ping
+    with pytest.raises(asyncio.IncompleteReadError):
+        await _frames(bytes.fromhex("8205") + b"ab")  # the connection ended mid-frame

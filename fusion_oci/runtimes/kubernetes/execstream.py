@@ -2,17 +2,17 @@
 
 A command in a Pod's container, its stdin, stdout and stderr carried over the API server's
 WebSocket endpoint (``GET .../pods/NAME/exec?command=...``), as ``kubectl exec`` does since
-Kubernetes 1.30. The WebSocket client is the part of RFC 6455 a client needs: the upgrade with
-its ``Sec-WebSocket-Key``/``Accept`` check, masked frames out, fragmented messages in,
-ping/pong, the closing handshake. On it runs Kubernetes' channel protocol: every message starts
+Kubernetes 1.30. :mod:`.websocket` does the upgrade and the framing; this module joins
+fragmented messages, answers pings, closes with the closing handshake, and runs Kubernetes'
+channel protocol on top: every message starts
 with its channel byte — 0 stdin, 1 stdout, 2 stderr, 3 the final ``Status`` (JSON: ``Success``,
 or the exit code in ``details.causes[reason=ExitCode]``) and, in ``v5.channel.k8s.io``, 255
 "close channel N" (stdin's end of file). When the server picks ``v4.channel.k8s.io`` (before
 1.30) everything works the same except that stdin cannot be ended while stdout stays open.
 
 Why not SPDY (kubectl before 1.30) or a package (``kubernetes``, ``websockets``): SPDY is
-deprecated upstream and has no stdlib implementation; the WebSocket client is ~150 lines of
-framing we can read, and the credentials and TLS are exactly :class:`~.client.KubeClient`'s
+deprecated upstream and has no stdlib implementation; the WebSocket client is ~200 lines we
+can read, and the credentials and TLS are exactly :class:`~.client.KubeClient`'s
 (:func:`~.client.ssl_context`).
 
 Bounds: the connection and the upgrade share one timeout; a write waits for the socket at most
@@ -25,7 +25,8 @@ without closing its connections ends the stream instead of hanging it.
 
 Errors (all :class:`~fusion_oci.errors.EngineError`, kind ``engine-error``):
 :class:`~.client.ApiError` when the upgrade is refused (a 403 has the hint every API call has),
-:class:`ExecError` when the command could not run or the server broke the protocol, and
+:class:`ExecError` when the command could not run, :class:`~.websocket.WebSocketError` when the
+server broke the protocol during the upgrade, and
 :class:`ExecStreamLost` (also a :class:`ConnectionError`) when the stream ended before the
 command's status.
 """
@@ -33,9 +34,7 @@ command's status.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
-import hashlib
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -44,27 +43,34 @@ from urllib.parse import quote, urlencode, urlsplit
 from fusion_oci.errors import CommandTimeoutError, EngineError
 from fusion_oci.runtimes.kubernetes.client import ApiError, ssl_context, status_hint
 from fusion_oci.runtimes.kubernetes.kubeconfig import ClusterAccess
+from fusion_oci.runtimes.kubernetes.websocket import (
+    OP_BINARY,
+    OP_CLOSE,
+    OP_CONT,
+    OP_PING,
+    OP_PONG,
+    Target,
+    WebSocketError,
+    abort,
+    client_frame,
+    read_frame,
+    upgrade,
+)
 
 V5 = "v5.channel.k8s.io"
 V4 = "v4.channel.k8s.io"
 PROTOCOLS = (V5, V4)
 """Offered in this order: the server picks the first it speaks."""
 STDIN, STDOUT, STDERR, STATUS, CLOSE = 0, 1, 2, 3, 255
-OP_CONT, OP_TEXT, OP_BINARY, OP_CLOSE, OP_PING, OP_PONG = 0, 1, 2, 8, 9, 10
-WS_GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
 MAX_MESSAGE = 16 << 20
 """Largest message taken from the server (the API server sends 32 KiB pieces)."""
-MAX_HEADERS = 64 << 10
-MAX_ERROR_BODY = 1 << 20
 MAX_STATUS = 64 << 10
 STDIN_CHUNK = 64 << 10
 """stdin goes out in frames of at most this much, so a pong is never stuck behind megabytes."""
-READ_LIMIT = 256 << 10
-"""asyncio's own buffer under us: it stops reading the socket past twice this."""
 
 
 class ExecError(EngineError):
-    """A ``pods/exec`` command could not run, or the stream broke the protocol."""
+    """A ``pods/exec`` command could not run, or its stream cannot do what was asked."""
 
     def __init__(self, what: str, why: str = "", hint: str = "") -> None:
         super().__init__(
@@ -81,33 +87,6 @@ class ExecStreamLost(ExecError, ConnectionError):
 
 class LineTooLongError(ExecError, ValueError):
     """``readline`` found no newline within its limit."""
-
-
-def accept_key(key: str) -> str:
-    """The ``Sec-WebSocket-Accept`` a server must answer to ``key`` (RFC 6455 4.2.2). Pure."""
-    digest = hashlib.sha1(key.encode() + WS_GUID, usedforsecurity=False).digest()
-    return base64.b64encode(digest).decode()
-
-
-def mask(data: bytes | memoryview, key: bytes) -> bytes:
-    """``data`` XOR the 4-byte ``key`` repeated (one big-integer XOR, not a byte loop). Pure."""
-    n = len(data)
-    if not n:
-        return b""
-    pad = (key * (n // 4 + 1))[:n]
-    return (int.from_bytes(data, "little") ^ int.from_bytes(pad, "little")).to_bytes(n, "little")
-
-
-def client_frame(opcode: int, payload: bytes | memoryview, key: bytes) -> bytes:
-    """One final, masked client frame (clients must mask every frame, RFC 6455 5.3). Pure."""
-    n = len(payload)
-    if n < 126:
-        head = bytes([0x80 | opcode, 0x80 | n])
-    elif n < 1 << 16:
-        head = bytes([0x80 | opcode, 0x80 | 126]) + n.to_bytes(2, "big")
-    else:
-        head = bytes([0x80 | opcode, 0x80 | 127]) + n.to_bytes(8, "big")
-    return head + key + mask(payload, key)
 
 
 def exec_path(
@@ -161,10 +140,11 @@ class PodExec:
         self.access = access
         self.timeout_s = timeout_s
         split = urlsplit(access.server)
-        self._host = split.hostname or ""
-        self._port = split.port or 443
         self._prefix = split.path.rstrip("/")
-        self._ssl = ssl_context(access)
+        self._target = Target(
+            split.hostname or "", split.port or 443, ssl_context(access), access.token,
+            access.server,
+        )  # fmt: skip
 
     async def open(
         self,
@@ -186,8 +166,9 @@ class PodExec:
         call = f"GET {path.partition('?')[0]}"
         label = f"{namespace}/{pod}{f' [{container}]' if container else ''} -- {_shown(argv)}"
         try:
+            # PROTOCOLS read here, not bound at import: the tests make the server pick v4
             reader, writer, protocol = await asyncio.wait_for(
-                self._upgrade(self._prefix + path, call), self.timeout_s
+                upgrade(self._target, self._prefix + path, PROTOCOLS, call), self.timeout_s
             )
         except TimeoutError as exc:
             raise ApiError(
@@ -200,106 +181,6 @@ class PodExec:
             ping_interval_s=ping_interval_s, write_timeout_s=write_timeout_s,
             close_timeout_s=min(self.timeout_s, 5.0),
         )  # fmt: skip
-
-    async def _upgrade(
-        self, target: str, call: str
-    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, str]:
-        try:
-            reader, writer = await asyncio.open_connection(
-                self._host, self._port, ssl=self._ssl, server_hostname=self._host,
-                limit=READ_LIMIT,
-            )  # fmt: skip
-        except OSError as exc:  # ssl.SSLError is one too
-            raise ApiError(
-                call, 0, f"no answer from {self.access.server}: {exc}", status_hint(0)
-            ) from exc
-        try:
-            protocol = await self._handshake(reader, writer, target, call)
-        except BaseException:  # a refusal, a timeout, a cancellation: no socket left open
-            _abort(writer)
-            raise
-        return reader, writer, protocol
-
-    async def _handshake(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, target: str, call: str
-    ) -> str:
-        key = base64.b64encode(os.urandom(16)).decode()
-        host = f"[{self._host}]" if ":" in self._host else self._host
-        lines = [
-            f"GET {target} HTTP/1.1",
-            f"Host: {host}:{self._port}",
-            "Upgrade: websocket",
-            "Connection: Upgrade",
-            f"Sec-WebSocket-Key: {key}",
-            "Sec-WebSocket-Version: 13",
-            f"Sec-WebSocket-Protocol: {', '.join(PROTOCOLS)}",
-            "User-Agent: fusion-oci",
-        ]
-        if self.access.token:
-            lines.append(f"Authorization: Bearer {self.access.token}")
-        try:
-            writer.write(("\r\n".join(lines) + "\r\n\r\n").encode())
-            await writer.drain()
-            head = await reader.readuntil(b"\r\n\r\n")
-        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
-            raise ApiError(
-                call, 0, f"the upgrade to a WebSocket broke: {exc!r}", status_hint(0)
-            ) from exc
-        status, headers = _parse_head(head, call)
-        if status != 101:
-            body = await _error_body(reader, headers)
-            raise _refused(call, status, body)
-        if headers.get("upgrade", "").lower() != "websocket" or "upgrade" not in (
-            headers.get("connection", "").lower()
-        ):
-            raise ExecError(f"{call}: the API server answered 101 without a WebSocket upgrade")
-        if headers.get("sec-websocket-accept") != accept_key(key):
-            raise ExecError(f"{call}: the API server's Sec-WebSocket-Accept does not match")
-        protocol = headers.get("sec-websocket-protocol", "")
-        if protocol not in PROTOCOLS:
-            raise ExecError(
-                f"{call}: the API server chose subprotocol {protocol!r}",
-                f"only {', '.join(PROTOCOLS)} are spoken",
-                "use a cluster of Kubernetes 1.30 or later (v5.channel.k8s.io)",
-            )
-        return protocol
-
-
-def _parse_head(head: bytes, call: str) -> tuple[int, dict[str, str]]:
-    lines = head.decode("latin-1").split("\r\n")
-    parts = lines[0].split(" ", 2)
-    if len(parts) < 2 or not parts[0].startswith("HTTP/") or not parts[1].isdigit():
-        raise ApiError(call, 0, f"not an HTTP answer: {lines[0][:100]!r}", status_hint(0))
-    headers: dict[str, str] = {}
-    for line in lines[1:]:
-        name, sep, value = line.partition(":")
-        if sep:
-            headers[name.strip().lower()] = value.strip()
-    return int(parts[1]), headers
-
-
-async def _error_body(reader: asyncio.StreamReader, headers: dict[str, str]) -> bytes:
-    """The body of a refused upgrade, bounded (it is the API server's Status JSON)."""
-    length = headers.get("content-length", "")
-    with contextlib.suppress(OSError, asyncio.IncompleteReadError, TimeoutError):
-        if length.isdigit():
-            return await asyncio.wait_for(reader.readexactly(min(int(length), MAX_ERROR_BODY)), 5.0)
-        return await asyncio.wait_for(reader.read(MAX_ERROR_BODY), 5.0)
-    return b""
-
-
-def _refused(call: str, status: int, body: bytes) -> ApiError:
-    """The same error a JSON call refused with ``status`` raises (client.py's hint)."""
-    try:
-        doc = json.loads(body) if body else {}
-    except ValueError:
-        doc = {"message": body[:500].decode(errors="replace")}
-    doc = doc if isinstance(doc, dict) else {}
-    message = str(doc.get("message") or body[:200].decode(errors="replace") or "no message")
-    return ApiError(
-        call, status, f"HTTP {status}: {message}", status_hint(status),
-        reason=str(doc.get("reason") or ""),
-    )  # fmt: skip
 
 
 class ExecStream:
@@ -537,7 +418,7 @@ class ExecStream:
             why = "the connection was closed without a WebSocket close"
         except OSError as exc:
             why = f"the connection broke: {exc!r}"
-        except ExecError as exc:
+        except (ExecError, WebSocketError) as exc:
             why = exc.what
         except asyncio.CancelledError:
             why = "closed by the caller"
@@ -570,7 +451,7 @@ class ExecStream:
         size = 0
         first: int | None = None
         while True:
-            fin, opcode, payload = await self._frame()
+            fin, opcode, payload = await read_frame(self._reader, MAX_MESSAGE, self.label)
             self._last_heard = asyncio.get_running_loop().time()
             if opcode == OP_PING:
                 with contextlib.suppress(ExecError, OSError):
@@ -581,30 +462,14 @@ class ExecStream:
             if opcode == OP_CLOSE:
                 return OP_CLOSE, payload
             if (opcode == OP_CONT) == (first is None):
-                raise ExecError(f"{self.label}: a fragmented message out of order from the server")
+                raise WebSocketError(f"{self.label}: a fragment out of order from the server")
             first = opcode if first is None else first
             size += len(payload)
             if size > MAX_MESSAGE:
-                raise ExecError(f"{self.label}: a message over {MAX_MESSAGE} bytes from the server")
+                raise WebSocketError(f"{self.label}: a message over {MAX_MESSAGE} bytes")
             parts.append(payload)
             if fin:
                 return first, b"".join(parts)
-
-    async def _frame(self) -> tuple[bool, int, bytes]:
-        b0, b1 = await self._reader.readexactly(2)
-        opcode, size = b0 & 0x0F, b1 & 0x7F
-        if b0 & 0x70 or b1 & 0x80 or opcode not in (0, 1, 2, 8, 9, 10):
-            # reserved bits (no extension was offered), a masked server frame, an unknown op
-            raise ExecError(f"{self.label}: a malformed WebSocket frame from the server")
-        if size == 126:
-            size = int.from_bytes(await self._reader.readexactly(2), "big")
-        elif size == 127:
-            size = int.from_bytes(await self._reader.readexactly(8), "big")
-        if opcode >= OP_CLOSE and (size > 125 or not b0 & 0x80):
-            raise ExecError(f"{self.label}: a malformed control frame from the server")
-        if size > MAX_MESSAGE:
-            raise ExecError(f"{self.label}: a frame of {size} bytes from the server")
-        return bool(b0 & 0x80), opcode, await self._reader.readexactly(size) if size else b""
 
     async def _deliver(self, message: bytes) -> None:
         if not message:
@@ -640,7 +505,7 @@ class ExecStream:
                 continue  # our own choice not to read: silence proves nothing
             if loop.time() - self._last_heard > 2 * self._ping_s:
                 self._lose(f"nothing heard from the API server for {2 * self._ping_s:.0f} s")
-                _abort(self._writer)  # the pump sees the end and finishes
+                abort(self._writer)  # the pump sees the end and finishes
                 return
             with contextlib.suppress(ExecError, OSError):
                 self._send(OP_PING, b"")
@@ -667,16 +532,9 @@ class ExecStream:
         try:
             await asyncio.wait_for(self._writer.wait_closed(), self._close_s)
         except TimeoutError:
-            _abort(self._writer)
+            abort(self._writer)
         except OSError:
             pass  # the server had already dropped the connection: nothing is left open
-
-
-def _abort(writer: asyncio.StreamWriter) -> None:
-    """Drop the connection now. Python 3.11's SSL transport raises AttributeError when it
-    was already closed underneath (its protocol is gone): then there is nothing to drop."""
-    with contextlib.suppress(AttributeError, OSError):
-        writer.transport.abort()
 
 
 __all__ = [
