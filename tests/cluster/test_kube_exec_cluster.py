@@ -132,9 +132,9 @@ async def test_a_line_round_trips_through_cat_and_stdin_end_ends_it(cat: ExecStr
 
 
 async def test_a_quiet_stream_stays_open_on_pings(target: Target) -> None:
-    # nothing but pings for 8 intervals: the API server's pongs keep it from being lost
-    async with await target.pod_exec.open(target.ns, POD, ["cat"], ping_interval_s=0.25) as stream:
-        await asyncio.sleep(2)
+    # nothing but pings for 6 intervals: the API server's pongs keep it from being lost
+    async with await target.pod_exec.open(target.ns, POD, ["cat"], ping_interval_s=0.5) as stream:
+        await asyncio.sleep(3)
         await stream.write(b"still here\n")
         assert await asyncio.wait_for(stream.readline(100), 20) == b"still here\n"
         assert "running" in stream.describe()

@@ -6,9 +6,9 @@ handful of REST calls (discovery, access reviews, create/get/delete of a few kin
 run), which ``http.client`` and ``ssl`` do in ~150 lines we can read; the official client
 would add ~40 MB of generated models, a slow import on every ``doctor``, its own kubeconfig
 loader (which runs ``exec`` credential plugins: we refuse those, :mod:`.kubeconfig`) and its
-own exception tree to translate. ``pods/exec`` (the next slice) is a WebSocket upgrade on the
-same connection, which this client can grow without a dependency. Output of ``kubectl`` is
-never read.
+own exception tree to translate. ``pods/exec`` is a WebSocket upgrade with the same
+credentials and TLS (:mod:`.execstream`, :mod:`.websocket`). Output of ``kubectl`` is never
+read.
 
 Errors leave this module as :class:`ApiError` (an :class:`~fusion_oci.errors.EngineError`,
 kind ``engine-error``) with the call, the HTTP status, the API server's own message and a
