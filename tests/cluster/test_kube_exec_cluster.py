@@ -5,14 +5,17 @@ One pod (passing Pod Security Admission's ``restricted`` level, enforced on its 
 ``sleep``; each test opens streams into it: stdin to stdout through ``cat`` (a line, 20 MB both
 ways with checksums), exit codes and stderr, stdin's end ending ``cat``, three streams at once,
 backpressure (stdout not read: the buffer stays bounded), a 403 for an identity without
-``pods/exec``, the ``v4.channel.k8s.io`` fallback, a pod deleted mid-stream, and the worktree
-transfer (``WorktreeSync`` against ``remote.py`` in the pod). ``test_measure`` prints the
-medians: a fresh exec of ``true`` (ours and ``kubectl exec``) and a one-frame round trip.
+``pods/exec``, the ``v4.channel.k8s.io`` fallback, a pod deleted mid-stream, a connection
+through a relay that goes silent or is cut (lost, not hung), and the worktree transfer
+(``WorktreeSync`` against ``remote.py`` in the pod). ``test_measure`` prints the medians: a
+fresh exec of ``true`` (ours and ``kubectl exec``) and a one-frame round trip.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import hashlib
 import os
 import statistics
@@ -23,6 +26,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import pytest_asyncio
@@ -293,6 +297,84 @@ async def test_the_pod_deleted_mid_stream_ends_it(target: Target) -> None:
     with pytest.raises(ApiError) as info:
         await pod_exec.open(ns, "doomed", ["true"])
     assert info.value.status == 404
+
+
+class Relay:
+    """A TCP relay on loopback to the API server that can freeze (hold both sockets, pass
+    nothing: a node or network gone silent) or cut (drop every connection)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.upstream = (host, port)
+        self.frozen = asyncio.Event()
+        self.writers: list[asyncio.StreamWriter] = []
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(*self.upstream)
+        self.writers += [writer, up_writer]
+        for src, dst in ((reader, up_writer), (up_reader, writer)):
+            task = asyncio.ensure_future(self._pipe(src, dst))
+            self.tasks.add(task)
+
+    async def _pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError):
+            while data := await src.read(65536):
+                if self.frozen.is_set():
+                    await asyncio.Event().wait()  # hold on, pass nothing, until cancelled
+                dst.write(data)
+                await dst.drain()
+        dst.close()
+
+    def cut(self) -> None:
+        for writer in self.writers:
+            writer.transport.abort()
+
+    async def close(self) -> None:
+        self.server.close()
+        for task in self.tasks:
+            task.cancel()
+        self.cut()
+        await self.server.wait_closed()
+
+
+async def test_a_connection_gone_silent_or_cut_is_lost_not_hung(target: Target) -> None:
+    server = urlsplit(target.access.server)
+    assert server.hostname and server.port
+    relay = Relay(server.hostname, server.port)
+    port = await relay.start()
+    pod_exec = PodExec(target.access)
+    # through the relay, TLS still checks the API server's own name
+    pod_exec._target = dataclasses.replace(
+        pod_exec._target, host="127.0.0.1", port=port, server_name=server.hostname
+    )
+    try:
+        for fault in ("freeze", "cut"):
+            stream = await pod_exec.open(target.ns, POD, ["cat"], ping_interval_s=0.5)
+            await stream.write(b"before\n")
+            assert await asyncio.wait_for(stream.readline(100), 20) == b"before\n"
+            started = time.monotonic()
+            if fault == "freeze":
+                relay.frozen.set()
+            else:
+                relay.cut()
+            with pytest.raises(ExecStreamLost) as lost:
+                await asyncio.wait_for(stream.read(), 20)
+            assert time.monotonic() - started < 5
+            if fault == "freeze":
+                assert "nothing heard from the API server" in lost.value.why
+            else:
+                assert "closed without a WebSocket close" in lost.value.why
+            assert "lost:" in stream.describe()
+            with pytest.raises(ExecStreamLost):
+                await stream.wait(5)
+            await stream.close()
+            relay.frozen.clear()
+    finally:
+        await relay.close()
 
 
 async def test_the_worktree_transfer_runs_over_an_exec_stream(

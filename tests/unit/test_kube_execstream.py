@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Mapping
 
 import pytest
 
@@ -68,7 +69,7 @@ def test_exec_path() -> None:
     )
 
 
-def _status(doc: dict[str, object]) -> bytes:
+def _status(doc: Mapping[str, object]) -> bytes:
     return json.dumps(doc).encode()
 
 

@@ -55,6 +55,9 @@ class Target:
     token: str | None
     server: str
     """``https://host:port`` as the kubeconfig says, for error messages."""
+    server_name: str = ""
+    """The name TLS checks the certificate against and ``Host`` names, when it is not
+    ``host`` (a connection through a relay; kubeconfig's ``tls-server-name``)."""
 
 
 def accept_key(key: str) -> str:
@@ -112,7 +115,8 @@ async def upgrade(
     Unbounded: the caller puts its timeout around it (a cancellation leaves no socket)."""
     try:
         reader, writer = await asyncio.open_connection(
-            target.host, target.port, ssl=target.ssl, server_hostname=target.host,
+            target.host, target.port, ssl=target.ssl,
+            server_hostname=target.server_name or target.host,
             limit=READ_LIMIT,
         )  # fmt: skip
     except OSError as exc:  # ssl.SSLError is one too
@@ -134,7 +138,8 @@ async def _handshake(
     call: str,
 ) -> str:
     key = base64.b64encode(os.urandom(16)).decode()
-    host = f"[{target.host}]" if ":" in target.host else target.host
+    name = target.server_name or target.host
+    host = f"[{name}]" if ":" in name else name
     lines = [
         f"GET {path} HTTP/1.1",
         f"Host: {host}:{target.port}",
