@@ -16,9 +16,9 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from fusion_oci.shims import REAPER
 from fusion_oci.stdin import StdinStream
 
 if TYPE_CHECKING:
@@ -26,7 +26,6 @@ if TYPE_CHECKING:
 
     from fusion_oci.models import OutputCallback, OutputStream
 
-REAPER = Path(__file__).with_name("reaper.py")
 DRAIN_LIMIT_S = 2.0
 
 

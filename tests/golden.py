@@ -34,7 +34,7 @@ def host_neutral(argv: list[str]) -> list[str]:
     as placeholders, so that a golden of what really runs is the same on every machine."""
     import sys
 
-    from fusion_oci.process import REAPER
+    from fusion_oci.shims import REAPER
 
     facts = {sys.executable: "<python>", str(REAPER): "<reaper.py>", str(os.getpid()): "<pid>"}
     return [facts.get(a, a) for a in argv]

@@ -47,7 +47,7 @@ from fusion_oci.agent.protocol import (
 )
 from fusion_oci.errors import AgentLostError, SandboxSetupError
 from fusion_oci.process import DRAIN_LIMIT_S, Capture, ProcessOutcome, signal_name
-from fusion_oci.reaper import _descendants as descendants  # one /proc walk
+from fusion_oci.shims.proctree import descendants  # one /proc walk, shared with the reaper
 
 if TYPE_CHECKING:
     from fusion_oci.models import OutputCallback, RunOptions

@@ -1,8 +1,8 @@
 """A ``podman system service`` of fusion-oci's own, for when no podman socket answers.
 
 Started only when a task (or ``gc``) needs the engine, never to answer ``availability()``: on
-a private socket in an owner-stamped scratch folder, under :mod:`fusion_oci.watchdog`, so the
-service ends and its folder goes when :meth:`PodmanService.stop` runs or when the owning
+a private socket in an owner-stamped scratch folder, under :mod:`fusion_oci.shims.watchdog`, so
+the service ends and its folder goes when :meth:`PodmanService.stop` runs or when the owning
 process dies, ``kill -9`` included (podman is daemonless: this is what `podman` itself does
 per command, kept alive for the task). A user who runs the socket unit
 (``systemctl --user enable --now podman.socket``) never gets one.
@@ -18,15 +18,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
 from fusion_oci.engines.base import API_TIMEOUT_S, EngineAdapter
 from fusion_oci.engines.endpoints import Endpoint, preflight
 from fusion_oci.engines.errors import engine_errors
 from fusion_oci.errors import RuntimeUnavailableError
 from fusion_oci.scratch import make_scratch, process_start
+from fusion_oci.shims import WATCHDOG
 
-WATCHDOG = Path(__file__).resolve().parent.parent / "watchdog.py"
 SERVICE_START_S = 20.0
 
 

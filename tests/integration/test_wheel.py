@@ -16,6 +16,7 @@ import pytest
 
 from fusion_oci.images.provision import default_image_ref
 from fusion_oci.images.spec import BASE_REF
+from fusion_oci.shims import REAPER
 from tests.integration.images_fixture import ensure_base
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
@@ -59,11 +60,14 @@ def test_build_makes_wheel_and_sdist_with_images(dist: Path) -> None:
         agent = zf.getinfo("fusion_oci/agent/fusion-oci-agent")
     assert (agent.external_attr >> 16) & 0o111
     assert not wheel.name.endswith("-none-any.whl"), wheel.name
+    # The shims run by path (python -S -E -s .../fusion_oci/shims/reaper.py): all of them ship.
+    shims = {f"fusion_oci/shims/{p.name}" for p in REAPER.parent.glob("*.py")}
+    assert {"fusion_oci/shims/reaper.py", "fusion_oci/shims/confine.py"} <= shims <= names
     with tarfile.open(sdist) as tf:
         members = {m.name.split("/", 1)[1] for m in tf.getmembers() if "/" in m.name}
     assert "images/node/Containerfile" in members
     assert "pyproject.toml" in members
-    assert {"fusion_oci/agent/agent.c", "hatch_build.py"} <= members
+    assert {"fusion_oci/agent/agent.c", "hatch_build.py", "fusion_oci/shims/reaper.py"} <= members
     assert "fusion_oci/agent/fusion-oci-agent" not in members
 
 
@@ -120,6 +124,19 @@ def test_install_in_fresh_venv_lists_builds_and_prebuilds_node(
         text=True,
     ).stdout.split()
     assert Path(ran[0]).is_relative_to(venv) and ran[1] == "agent-ok", ran
+    # The installed reaper runs by path as the package runs it: no site-packages, no env.
+    reaper = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "from fusion_oci.shims import REAPER; print(REAPER)"],
+        cwd=project,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    assert Path(reaper).is_relative_to(venv), reaper
+    shim = [str(venv / "bin" / "python"), "-S", "-E", "-s", reaper, "2.0", str(os.getpid())]
+    done = subprocess.run([*shim, "--", "/bin/sh", "-c", "exit 3"], cwd=project, timeout=60)
+    assert done.returncode == 3
 
     cli = str(venv / "bin" / "fusion-oci")
     # On a machine without the image this is a real build from the wheel's copy; where the

@@ -12,12 +12,13 @@ import pytest
 from pydantic import ValidationError
 
 from fusion_oci.hostservice import HostService, hands_over, parse_grant
-from fusion_oci.landlock_child import parse, service_redirect, service_table
 from fusion_oci.models import SandboxPolicy
 from fusion_oci.policy.settings import SandboxSettings
 from fusion_oci.runtimes.landlock import landlock_rules, launch_config, launch_text
 from fusion_oci.services.inside import service_wiring
 from fusion_oci.services.relay import open_unix_target
+from fusion_oci.shims.confine import parse
+from fusion_oci.shims.connects import service_redirect, service_table
 
 GRANTS = ["127.0.0.1:5432", "[::1]:6379", "unix:/var/run/postgresql/.s.PGSQL.5432"]
 

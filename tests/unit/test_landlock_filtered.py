@@ -8,16 +8,6 @@ import struct
 
 import pytest
 
-from fusion_oci.landlock_child import (
-    AUDIT_ARCH,
-    CONNECT_CALL,
-    LISTEN_CALL,
-    RET_ALLOW,
-    RET_USER_NOTIF,
-    connect_verdict,
-    notify_program,
-    parse,
-)
 from fusion_oci.models import CacheMode, PrepareContext, SandboxPolicy
 from fusion_oci.oci.model import TaskSpec
 from fusion_oci.oci.seccomp import compile_bpf
@@ -31,6 +21,15 @@ from fusion_oci.runtimes.landlock import (
     launch_text,
 )
 from fusion_oci.runtimes.requirements import Requirement
+from fusion_oci.shims.confine import (
+    AUDIT_ARCH,
+    RET_ALLOW,
+    RET_USER_NOTIF,
+    notify_program,
+    parse,
+)
+from fusion_oci.shims.connects import connect_verdict
+from fusion_oci.shims.seccomp_notify import CONNECT_CALL, LISTEN_CALL
 from tests.bpf import run_bpf
 from tests.golden import GOLDEN_HOST, assert_golden
 from tests.tasks import resolved

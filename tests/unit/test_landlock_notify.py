@@ -14,8 +14,9 @@ import sys
 
 import pytest
 
-from fusion_oci import landlock_child
-from fusion_oci.landlock_child import sync_wake_up
+from fusion_oci.shims import confine, seccomp_notify
+from fusion_oci.shims.seccomp_notify import sync_wake_up
+from fusion_oci.shims.supervisor import Supervisor
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="seccomp is Linux's")
 
@@ -38,18 +39,18 @@ def test_sync_wake_up_is_refused_quietly_by_what_is_not_a_listener() -> None:
 
 
 @pytest.mark.skipif(
-    platform.machine() not in landlock_child.OPEN_CALLS or not _kernel_at_least(6, 6),
+    platform.machine() not in seccomp_notify.OPEN_CALLS or not _kernel_at_least(6, 6),
     reason="SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP is Linux 6.6's",
 )
 def test_a_listener_takes_sync_wake_up_and_its_opens_are_still_answered() -> None:
-    mine, theirs = landlock_child.socketpair()
+    mine, theirs = seccomp_notify.socketpair()
     pid = os.fork()
     if pid == 0:  # the confined side: only syscalls, then _exit
         code = 1
         try:
             mine.close()
-            landlock_child.no_new_privs()
-            landlock_child.install_chmod_listener(platform.machine(), theirs)
+            confine.no_new_privs()
+            confine.install_chmod_listener(platform.machine(), theirs)
             for _ in range(50):
                 os.close(os.open("/dev/null", os.O_RDONLY))
             code = 0
@@ -60,7 +61,7 @@ def test_a_listener_takes_sync_wake_up_and_its_opens_are_still_answered() -> Non
         _msg, ancdata, _flags, _addr = mine.recvmsg(1, socket.CMSG_LEN(4))
         listener = struct.unpack("i", ancdata[0][2][:4])[0]
         assert sync_wake_up(listener) is True
-        supervisor = landlock_child.Supervisor({"arch": platform.machine()}, listener)
+        supervisor = Supervisor({"arch": platform.machine()}, listener)
         _thread.start_new_thread(supervisor.serve, ())
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0  # every open went on (CONTINUE)

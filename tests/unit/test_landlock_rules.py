@@ -186,14 +186,8 @@ def test_enforced_requirements_per_abi() -> None:
 def test_every_chmod_and_open_call_and_only_those_go_to_the_supervisor(arch: str) -> None:
     """chmod (Landlock does not govern metadata) and open/openat (the caller's own /proc
     entries, which no rule can grant a process tree)."""
-    from fusion_oci.landlock_child import (
-        AUDIT_ARCH,
-        CHMOD_CALLS,
-        OPEN_CALLS,
-        RET_ALLOW,
-        RET_USER_NOTIF,
-        notify_program,
-    )
+    from fusion_oci.shims.confine import AUDIT_ARCH, RET_ALLOW, RET_USER_NOTIF, notify_program
+    from fusion_oci.shims.seccomp_notify import CHMOD_CALLS, OPEN_CALLS
 
     program = notify_program(arch)
     calls = {nr for nr in (*CHMOD_CALLS[arch], *OPEN_CALLS[arch]) if nr >= 0}
@@ -212,8 +206,8 @@ def test_chmod_is_supervised_only_beneath_writable_directories() -> None:
 
 
 def test_the_launch_file_reads_back_as_it_was_written() -> None:
-    from fusion_oci.landlock_child import parse
     from fusion_oci.runtimes.landlock import launch_text
+    from fusion_oci.shims.confine import parse
 
     rules = landlock_rules(spec_for("linked-worktree"), HOME, "/run/scratch/a dir with spaces")
     cfg = launch_config(rules, 7, "x86_64")
@@ -312,7 +306,7 @@ def test_plan_is_what_execute_runs(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_which_proc_entries_the_supervisor_may_open(
     path: str, want: tuple[int, str] | None
 ) -> None:
-    from fusion_oci.landlock_child import proc_entry
+    from fusion_oci.shims.supervisor import proc_entry
 
     assert proc_entry(path, tid=41, tgid=40) == want
 

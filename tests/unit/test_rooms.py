@@ -53,9 +53,7 @@ TIERS: tuple[tuple[str, ...], ...] = (
         "errors",
         "stdin",
         "scratch",
-        "reaper",
-        "watchdog",
-        "landlock_child",
+        "shims",
         "cachedir",
         "hostpattern",
         "hostservice",
@@ -357,7 +355,7 @@ SPAWNERS = {"run", "Popen", "check_output", "check_call", "call", "getoutput", "
 LONG_LIVED = {
     # Long-lived children, not probes: a detached watchdog and the engines' daemons, which
     # outlive the call that starts them (process.py's helpers wait for their child).
-    "fusion_oci.watchdog",
+    "fusion_oci.shims.watchdog",
     "fusion_oci.engines.service",
 }
 """Not short probes. Every short one goes through process.probe: no module is left out."""

@@ -6,9 +6,9 @@ handful of REST calls (discovery, access reviews, create/get/delete of a few kin
 run), which ``http.client`` and ``ssl`` do in ~150 lines we can read; the official client
 would add ~40 MB of generated models, a slow import on every ``doctor``, its own kubeconfig
 loader (which runs ``exec`` credential plugins: we refuse those, :mod:`.kubeconfig`) and its
-own exception tree to translate. ``pods/exec`` (the next slice) is a WebSocket upgrade on the
-same connection, which this client can grow without a dependency. Output of ``kubectl`` is
-never read.
+own exception tree to translate. ``pods/exec`` is a WebSocket upgrade with the same
+credentials and TLS (:mod:`.execstream`, :mod:`.websocket`). Output of ``kubectl`` is never
+read.
 
 Errors leave this module as :class:`ApiError` (an :class:`~fusion_oci.errors.EngineError`,
 kind ``engine-error``) with the call, the HTTP status, the API server's own message and a
@@ -48,7 +48,8 @@ class ApiError(EngineError):
         super().__init__(f"Kubernetes API call {call} failed", why, hint)
 
 
-def _hint(status: int) -> str:
+def status_hint(status: int) -> str:
+    """The fix for an API server's answer ``status`` (0: no answer)."""
     if status == 0:
         return (
             "check that the API server in the kubeconfig answers (`kubectl cluster-info`) and "
@@ -76,7 +77,7 @@ class KubeClient:
         self._host = split.hostname or ""
         self._port = split.port or 443
         self._prefix = split.path.rstrip("/")
-        self._ssl = _ssl_context(access)
+        self._ssl = ssl_context(access)
 
     def request(
         self,
@@ -106,7 +107,7 @@ class KubeClient:
             raw = resp.read(64 << 20)
         except (OSError, http.client.HTTPException) as exc:  # TimeoutError is an OSError
             raise ApiError(
-                call, 0, f"no answer from {self.access.server}: {exc}", _hint(0)
+                call, 0, f"no answer from {self.access.server}: {exc}", status_hint(0)
             ) from exc
         finally:
             conn.close()
@@ -118,7 +119,7 @@ class KubeClient:
             message = str(doc.get("message") or resp.reason) if isinstance(doc, dict) else ""
             reason = str(doc.get("reason") or "") if isinstance(doc, dict) else ""
             raise ApiError(
-                call, resp.status, f"HTTP {resp.status}: {message}", _hint(resp.status),
+                call, resp.status, f"HTTP {resp.status}: {message}", status_hint(resp.status),
                 reason=reason,
             )  # fmt: skip
         return doc if isinstance(doc, dict) else {"items": doc}
@@ -195,7 +196,9 @@ def retrying(
     raise AssertionError("unreachable: tenacity re-raises the last error")  # pragma: no cover
 
 
-def _ssl_context(access: ClusterAccess) -> ssl.SSLContext:
+def ssl_context(access: ClusterAccess) -> ssl.SSLContext:
+    """TLS as the kubeconfig says (CA, client certificate, skip-verify); shared with the
+    ``pods/exec`` stream (:mod:`.execstream`)."""
     ctx = ssl.create_default_context()
     if access.insecure:
         ctx.check_hostname = False

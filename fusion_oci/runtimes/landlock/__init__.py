@@ -32,7 +32,7 @@ network ``none`` (``socketpair`` still works, so pipes between processes do) and
 and ``/run/docker.sock`` must stay out of reach), ``io_uring`` refused (it opens sockets past
 seccomp), System V IPC and POSIX message queues refused (no IPC namespace); every ``chmod``
 handed to a supervisor in the reaper that allows it only beneath writable directories (Landlock
-does not govern metadata; see landlock_child.py), and every open shown to it, which lets each
+does not govern metadata; see shims/supervisor.py), and every open shown to it, which lets each
 open go on as Landlock decides except a read-only one of the caller's own ``/proc/self``
 entries, which it opens for it (no rule can grant a process tree its own ``/proc/<pid>``);
 Landlock's TCP rules deny every bind and connect in ``none`` (ABI 4+); signal and
@@ -51,16 +51,16 @@ loopback: the task's egress proxy also listens on host ``127.0.0.1:<random port>
 (``egress_via_tcp``), the command's proxy variables name it, and nothing else is reachable.
 Landlock (ABI 4+) denies every TCP bind and allows TCP connect to that port only; since its
 rules know ports and not addresses (a remote host could listen on the same port), every
-``connect()`` also goes to the reaper's supervisor (landlock_child.py), which reads the
+``connect()`` also goes to the reaper's supervisor (shims/connects.py), which reads the
 address once, allows ``127.0.0.1:<port>`` and unix sockets beneath writable paths, and makes
 that connect itself on the command's socket (``pidfd_getfd``); ``listen()`` too, allowed for
 unix sockets only (a TCP listen autobinds on every address). seccomp leaves only TCP and
 unix stream sockets (UDP, which Landlock does not govern, raw, packet, netlink, SCTP refused)
 and refuses TCP Fast Open (a connect inside ``sendto``).
 
-How a command runs: prepare starts, once per task, the reaper shim (fusion_oci/reaper.py) with
-the task's launch file (``SANDBOX=``, the ruleset above as integers) and ``AGENT=``; its child
-confines itself (landlock_child.py) and execs the exec agent (fusion_oci/agent) on a
+How a command runs: prepare starts, once per task, the reaper shim (fusion_oci/shims/reaper.py)
+with the task's launch file (``SANDBOX=``, the ruleset above as integers) and ``AGENT=``; its child
+confines itself (shims/confine.py) and execs the exec agent (fusion_oci/agent) on a
 socketpair, and the reaper stays outside the sandbox as the seccomp supervisor of the agent's
 whole tree (every command is a grandchild of it) for the task's life. Each command is then a
 spawn frame to that agent, as on every other runtime (:meth:`LandlockRuntime.plan` shows the

@@ -26,9 +26,9 @@ def host_abi() -> int:
         if not sys.platform.startswith("linux"):
             _ABI = 0
         else:
-            from fusion_oci import landlock_child
+            from fusion_oci.shims import confine
 
-            _ABI = landlock_child.abi_version()
+            _ABI = confine.abi_version()
     return _ABI
 
 

@@ -83,7 +83,7 @@ PROC_FILES = (
 """Static /proc files that runtimes read (node's os.cpus(), free memory, load). Rules bind to
 inodes, so the per-process directories of the command's children cannot be granted by a rule:
 each process's own /proc/self (status, maps, fd, cgroup, limits, ...) is opened for it by the
-reaper's supervisor (landlock_child.py, step 5); other processes' entries stay unreadable."""
+reaper's supervisor (shims/supervisor.py); other processes' entries stay unreadable."""
 SYS_DIRS = ("/sys/devices/system/cpu",)
 
 AF_UNIX = 1
@@ -95,7 +95,7 @@ IPPROTO_TCP = 6
 MSG_FASTOPEN = 0x20000000
 FILTERED_FAMILIES = (AF_UNIX, AF_INET, AF_INET6)
 """The socket families a ``filtered`` command may open, stream sockets only: TCP (whose
-connect the supervisor checks, landlock_child.py) and unix sockets (likewise); no UDP, no
+connect the supervisor checks, shims/connects.py) and unix sockets (likewise); no UDP, no
 raw, packet or netlink socket, none of the families Landlock does not govern."""
 SYSV_IPC = (
     "shmget",
@@ -437,7 +437,7 @@ def _mask(names: Sequence[str], table: dict[str, tuple[int, int]], abi: int) -> 
 
 
 def launch_config(rules: LandlockRules, abi: int, arch: str) -> dict[str, Any]:
-    """What the child applies (landlock_child.py): integers for this kernel's ABI. Pure.
+    """What the child applies (shims/confine.py): integers for this kernel's ABI. Pure.
 
     Every right the ABI knows is handled, so whatever no rule grants is denied.
     """
@@ -467,7 +467,7 @@ def launch_config(rules: LandlockRules, abi: int, arch: str) -> dict[str, Any]:
 
 
 def launch_text(config: dict[str, Any]) -> str:
-    """The launch file landlock_child.parse() reads (not JSON: see there). Pure.
+    """The launch file shims/confine.py's parse() reads (not JSON: see there). Pure.
 
     A path with a newline cannot be written in it; such a task is refused, never confined
     with that path left out or misread.

@@ -1,5 +1,5 @@
 """The landlock runtime's lifecycle: a confined exec agent started at prepare (the shim of
-fusion_oci/landlock_child.py), commands through it, read-only paths restored after each."""
+fusion_oci/shims/confine.py), commands through it, read-only paths restored after each."""
 
 from __future__ import annotations
 

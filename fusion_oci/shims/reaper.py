@@ -3,7 +3,7 @@ descendants: ``python -S -E reaper.py GRACE PARENT [RLIMIT=SOFT:HARD ...] [SANDB
 [AGENT=FD] -- ARGV...``.
 
 ``SANDBOX=FILE`` (the landlock runtime): after the rlimits and before exec, the child confines
-itself as FILE says (capabilities, no_new_privs, Landlock, seccomp; see landlock_child.py);
+itself as FILE says (capabilities, no_new_privs, Landlock, seccomp; see confine.py);
 anything failing there fails the command with 125 rather than run it unconfined.
 
 ``AGENT=FD`` (the landlock runtime): the command is the task's exec agent on connection FD.
@@ -36,52 +36,18 @@ import resource
 import sys
 import time
 
+if __package__:  # fusion_oci.shims.reaper (see fusion_oci/shims/__init__.py)
+    from . import proctree
+else:  # run by path: the siblings are on sys.path[0]
+    import proctree  # type: ignore[import-not-found,no-redef]
+
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
-LINUX = sys.platform.startswith("linux")
-
-
-def _parent_map() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    if not LINUX:
-        # No subreaper here: orphans re-parent to launchd, but they keep our process group,
-        # so group members count as ours too.
-        me, group = os.getpid(), os.getpgid(0)
-        out = os.popen("ps -axo pid=,ppid=,pgid=").read()  # noqa: S605 - fixed argv, no input
-        for line in out.splitlines():
-            fields = line.split()
-            if len(fields) == 3 and all(f.isdigit() for f in fields):
-                pid, ppid, pgid = (int(f) for f in fields)
-                parent = me if pgid == group and pid != me else ppid
-                children.setdefault(parent, []).append(pid)
-        return children
-    for name in os.listdir("/proc"):  # noqa: PTH208 - pathlib costs start-up time here
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        after_comm = stat.rsplit(b")", 1)[-1].split()
-        if len(after_comm) > 2:
-            children.setdefault(int(after_comm[1]), []).append(int(name))
-    return children
-
-
-def _descendants(root: int) -> list[int]:
-    children = _parent_map()
-    out: list[int] = []
-    todo = list(children.get(root, []))
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo.extend(children.get(pid, []))
-    return out
+LINUX = proctree.LINUX
 
 
 def _signal_all(sig: int) -> int:
-    pids = _descendants(os.getpid())
+    pids = proctree.descendants(os.getpid())
     for pid in pids:
         try:  # noqa: SIM105 - contextlib costs start-up time here
             os.kill(pid, sig)
@@ -111,7 +77,7 @@ def _end_tree(grace: float) -> None:
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline:
             _reap()
-            if not _descendants(os.getpid()):
+            if not proctree.descendants(os.getpid()):
                 return
             time.sleep(0.02)
     # SIGKILL until nothing is left; a fork bomb cannot outrun this for long.
@@ -130,9 +96,12 @@ def _wait_signal() -> int:
 
 def _confine(sandbox: tuple[dict, int]) -> None:  # type: ignore[type-arg]
     try:
-        import landlock_child  # type: ignore[import-not-found]  # sibling of this script
+        if __package__:
+            from . import confine
+        else:  # run by path (imported before the fork: nothing is read from disk here)
+            import confine  # type: ignore[import-not-found,no-redef]
 
-        landlock_child.apply(*sandbox)
+        confine.apply(*sandbox)
     except BaseException as exc:  # fail closed, whatever went wrong
         os.write(2, f"fusion-oci: cannot confine the command: {exc}\n".encode())
         os._exit(125)
@@ -194,29 +163,34 @@ def main(argv: list[str]) -> int:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     if parent and os.getppid() != parent:
         return 125  # the caller died before PDEATHSIG was armed
-    confine = channel = None
+    confining = channel = None
     if sandbox:
         # The confinement's chmod supervisor lives here, outside the sandbox: the child hands
-        # its seccomp listener back over this socket pair (landlock_child.py, step 5).
-        import landlock_child  # sibling of this script (mypy knows it as fusion_oci's)
+        # its seccomp listener back over this socket pair (confine.py, step 5).
+        if __package__:
+            from . import confine, seccomp_notify, supervisor
+        else:  # run by path: only the landlock runtime pays for importing them
+            import confine  # type: ignore[no-redef]
+            import seccomp_notify  # type: ignore[import-not-found,no-redef]
+            import supervisor  # type: ignore[import-not-found,no-redef]
 
         try:
-            cfg = landlock_child.load(sandbox)
+            cfg = confine.load(sandbox)
         except (OSError, ValueError) as exc:
             os.write(2, f"fusion-oci: cannot confine the command: {exc}\n".encode())
             return 125
-        channel, child_end = landlock_child.socketpair()
-        confine = (cfg, child_end)
+        channel, child_end = seccomp_notify.socketpair()
+        confining = (cfg, child_end)
     pid = os.fork()
     if pid == 0:
         if channel is not None:
             channel.close()
-        _exec_child(command, rlimits, confine)
+        _exec_child(command, rlimits, confining)
     if agent_fd >= 0:
         os.close(agent_fd)  # the agent's alone: its end of the host's connection
-    if channel is not None and confine is not None:
-        os.close(confine[1])
-        landlock_child.supervise(confine[0], channel)
+    if channel is not None and confining is not None:
+        os.close(confining[1])
+        supervisor.supervise(confining[0], channel)
     while True:
         _reap()
         if pid in _statuses:

@@ -1,0 +1,305 @@
+"""The reaper's answers to a confined command's ``connect()`` and ``listen()`` calls, for
+``network: filtered`` and granted host services (step 5 of confine.py; the chmod and open
+calls of the same notifications are supervisor.py's, which hands these on): every connect is
+decided on the supervisor's own copy of the address and made by the supervisor on the
+command's socket. The verdicts and the service table are pure, tested without a kernel.
+"""
+
+import _socket
+import _stat as stat
+import _struct as struct
+import ctypes
+import os
+
+if __package__:  # fusion_oci.shims.connects (see fusion_oci/shims/__init__.py)
+    from . import seccomp_notify as notify
+else:  # run by path: the siblings are on sys.path[0]
+    import seccomp_notify as notify  # type: ignore[import-not-found,no-redef]
+
+SOL_SOCKET, SO_DOMAIN = 1, 39
+SYS_PIDFD_OPEN, SYS_PIDFD_GETFD = 434, 438  # the generic numbers, on both architectures
+AF_UNSPEC, AF_UNIX, AF_INET, AF_INET6 = 0, 1, 2, 10
+LOOPBACK4 = bytes([127, 0, 0, 1])
+LOOPBACK4_MAPPED = bytes(10) + b"\xff\xff" + LOOPBACK4
+LOOPBACK6 = bytes(15) + b"\x01"
+
+
+def connect_verdict(addr: bytes, port: int) -> str:
+    """What a ``filtered`` command's connect to the sockaddr ``addr`` gets. Pure.
+
+    ``proxy``: the task's egress proxy (127.0.0.1:PORT, or its v4-mapped IPv6 form);
+    ``unix``: a named unix socket (allowed when it lies beneath a writable path);
+    ``unspec``: AF_UNSPEC (a disconnect); ``deny``: anything else (every other address, the
+    host's loopback included, and abstract unix sockets: the host's are not the command's).
+    """
+    if len(addr) < 2:
+        return "deny"
+    family = struct.unpack("=H", addr[:2])[0]
+    if family == AF_UNSPEC:
+        return "unspec"
+    if family == AF_INET and len(addr) >= 8:
+        to_port = struct.unpack("!H", addr[2:4])[0]
+        return "proxy" if port > 0 and to_port == port and addr[4:8] == LOOPBACK4 else "deny"
+    if family == AF_INET6 and len(addr) >= 24:
+        to_port = struct.unpack("!H", addr[2:4])[0]
+        ok = port > 0 and to_port == port and addr[8:24] == LOOPBACK4_MAPPED
+        return "proxy" if ok else "deny"
+    if family == AF_UNIX and len(addr) > 2 and addr[2] != 0:
+        return "unix"
+    return "deny"
+
+
+def service_table(cfg: dict) -> dict:  # type: ignore[type-arg]
+    """The launch file's granted host services: ``(family, address bytes, port)`` → the
+    relay's report socket (TCP: a host grant) or its loopback port (TCP: a service container's
+    endpoint), and an absolute path → the relay's socket path (unix)."""
+    out: dict = {}  # type: ignore[type-arg]
+    for line in cfg.get("svctcp", []):
+        family, address, port, report = line.split(" ", 3)
+        fam = AF_INET6 if family == "6" else AF_INET
+        packed = _socket.inet_pton(fam, address)
+        # A port: a service container's endpoint, redirected to the relay's loopback listener.
+        out[(fam, packed, int(port))] = int(report) if report.isdigit() else ("report", report)
+    for granted, relay in cfg.get("svcunix", []):
+        out[granted] = relay
+    return out
+
+
+def _sockaddr(family: int, address: bytes, port: int) -> bytes:
+    if family == AF_INET:
+        return struct.pack("=H", AF_INET) + struct.pack("!H", port) + address + bytes(8)
+    return struct.pack("=H", AF_INET6) + struct.pack("!H", port) + bytes(4) + address + bytes(4)
+
+
+def _cwd(pid: int) -> str:
+    return os.readlink(f"/proc/{pid}/cwd")  # noqa: PTH115 - pathlib costs start-up
+
+
+def service_redirect(addr: bytes, services: dict, cwd) -> tuple | bytes | str | None:  # type: ignore[type-arg,no-untyped-def]
+    """Where a connect to the sockaddr ``addr`` goes when it names a granted host service:
+    TCP, ``(sockaddr, report)``: the grant itself, the address made of the grant's own bytes
+    (an IPv4 grant asked for by its v4-mapped form: the mapped grant), and the relay's report
+    socket; a service container's endpoint: the relay's loopback sockaddr (bytes, in the
+    caller's family); unix: the relay's socket path. None when ``addr`` names no grant.
+    ``cwd()``: the caller's working directory (a relative unix path). Pure but for ``cwd``."""
+    if not services or len(addr) < 2:
+        return None
+    family = struct.unpack("=H", addr[:2])[0]
+    if family == AF_INET and len(addr) >= 8:
+        port = struct.unpack("!H", addr[2:4])[0]
+        found = services.get((AF_INET, addr[4:8], port))
+        if found is None:
+            return None
+        if isinstance(found, int):
+            return _sockaddr(AF_INET, LOOPBACK4, found)
+        return _sockaddr(AF_INET, addr[4:8], port), found[1]
+    if family == AF_INET6 and len(addr) >= 24:
+        port = struct.unpack("!H", addr[2:4])[0]
+        ip6 = addr[8:24]
+        mapped = ip6[:12] == LOOPBACK4_MAPPED[:12]
+        found = services.get((AF_INET, ip6[12:], port) if mapped else (AF_INET6, ip6, port))
+        if found is None:
+            return None
+        if isinstance(found, int):  # the relay's listener, in the caller's family
+            return _sockaddr(AF_INET6, LOOPBACK4_MAPPED if mapped else LOOPBACK6, found)
+        # Rebuilt from the matched bytes: no flow label or scope id of the caller's passes.
+        return _sockaddr(AF_INET6, ip6, port), found[1]
+    if family == AF_UNIX and len(addr) > 2 and addr[2] != 0:
+        path = os.fsdecode(addr[2:].split(b"\0", 1)[0])
+        if not path.startswith("/"):
+            path = cwd().rstrip("/") + "/" + path
+        relay = services.get(os.path.normpath(path))
+        return relay if isinstance(relay, str) else None
+    return None
+
+
+def report_connect(sock, path: str, error: int) -> None:  # type: ignore[no-untyped-def]
+    """Tell the grant's relay (its datagram socket at ``path``) of a connect made to the grant
+    for the command (``error``: the connect's errno, 0 or EINPROGRESS when it connected or
+    goes on): the relay writes the audit event. Best effort: a full queue loses the event,
+    never the connect."""
+    import errno
+
+    message = b"O" if error in (0, errno.EINPROGRESS) else b"E%d" % error
+    try:  # noqa: SIM105 - contextlib costs every command's start-up
+        sock.sendto(message, path)
+    except OSError:
+        pass
+
+
+class ConnectSupervisor:
+    """Answers a ``filtered`` command's connect() and listen() calls, in threads of the
+    reaper (listen: unix sockets only, see :data:`seccomp_notify.LISTEN_CALL`).
+
+    The supervisor reads the address once, decides on its own copy, and makes the connect
+    itself on the command's socket (the same open file, taken with ``pidfd_getfd``), so a
+    thread changing the address after the check changes nothing (the kernel warns against
+    letting the call continue: ``SECCOMP_USER_NOTIF_FLAG_CONTINUE`` re-reads user memory).
+    Landlock's port rule (ABI 4) still holds for any connect made without us.
+    """
+
+    def __init__(
+        self,
+        listener: int,
+        arch: str,
+        writable: list[str],
+        port: int,
+        services: dict | None = None,  # type: ignore[type-arg]
+    ) -> None:
+        self.listener = listener
+        """The seccomp listener the notifications came from (the reply goes back on it)."""
+        self.arch = arch
+        self.writable = writable
+        """Where a unix socket the command connects to may lie (its writable paths)."""
+        self.port = port
+        self.services = services or {}
+        """Granted host services (:func:`service_table`): a connect to one goes to the grant
+        (TCP, reported to its relay) or to its relay (unix), whatever else the verdict would
+        say."""
+        self.reporter = (
+            _socket.socket(AF_UNIX, _socket.SOCK_DGRAM | _socket.SOCK_CLOEXEC)
+            if any(isinstance(v, tuple) for v in self.services.values())
+            else None
+        )
+        """The socket the TCP grants' connects are reported from (to each relay)."""
+
+    def serve_one(self, nid: int, pid: int, nr: int, args: list) -> None:  # type: ignore[type-arg]
+        import errno
+
+        try:
+            if nr == notify.LISTEN_CALL[self.arch]:
+                error = self.listen(nid, pid, args)
+            else:
+                error = self.answer(nid, pid, args)
+        except OSError as exc:
+            error = exc.errno or errno.EACCES
+        except Exception:  # never let the command's call hang
+            error = errno.EACCES
+        notify.reply(self.listener, nid, error)
+
+    def answer(self, nid: int, pid: int, args: list) -> int:  # type: ignore[type-arg]
+        """0 when connected (or in progress: EINPROGRESS), else the errno the call returns."""
+        import errno
+
+        fd, addr_ptr, length = int(args[0]) & 0xFFFFFFFF, args[1], int(args[2]) & 0xFFFFFFFF
+        if fd >= 1 << 31 or length > 128:
+            return errno.EINVAL if fd < 1 << 31 else errno.EBADF
+        addr = self._bytes(pid, addr_ptr, length)
+        redirect = service_redirect(addr, self.services, lambda: _cwd(pid))
+        verdict = "service" if redirect is not None else connect_verdict(addr, self.port)
+        if verdict == "deny":
+            return errno.EACCES
+        target = addr
+        opened = -1
+        report = None
+        if isinstance(redirect, tuple):
+            # A TCP grant: the command's own socket connected to the grant itself (no hop:
+            # the command is on the host's network already), the connect reported to the
+            # grant's relay for the audit.
+            target, report = redirect
+        elif isinstance(redirect, bytes):  # a service container's: the relay's listener
+            target = redirect
+        elif isinstance(redirect, str):  # a unix grant: its relay's socket (ours, by O_PATH)
+            try:
+                opened = os.open(redirect, os.O_PATH | os.O_CLOEXEC | os.O_NOFOLLOW)
+            except OSError as exc:
+                return exc.errno or errno.ECONNREFUSED
+            target = struct.pack("=H", AF_UNIX) + f"/proc/self/fd/{opened}".encode() + b"\0"
+        elif verdict == "unix":
+            path = addr[2:].split(b"\0", 1)[0]
+            opened = self._unix_socket(pid, os.fsdecode(path))
+            if opened < 0:
+                return -opened
+            target = struct.pack("=H", AF_UNIX) + f"/proc/self/fd/{opened}".encode() + b"\0"
+        try:
+            theirs = self._their_fd(nid, pid, fd)
+            try:
+                if notify.libc.connect(theirs, ctypes.c_char_p(target), len(target)) == 0:
+                    error = 0
+                else:
+                    error = ctypes.get_errno() or errno.EACCES
+                if report is not None and self.reporter is not None:
+                    report_connect(self.reporter, report, error)
+                return error
+            finally:
+                os.close(theirs)
+        finally:
+            if opened >= 0:
+                os.close(opened)
+
+    def listen(self, nid: int, pid: int, args: list) -> int:  # type: ignore[type-arg]
+        """A unix socket's listen, made on the caller's socket; any other is EACCES. The
+        family is read from the socket object itself, which the listen then acts on."""
+        import errno
+
+        fd, backlog = int(args[0]) & 0xFFFFFFFF, int(args[1]) & 0xFFFFFFFF
+        if fd >= 1 << 31:
+            return errno.EBADF
+        theirs = self._their_fd(nid, pid, fd)
+        try:
+            domain = ctypes.c_int(0)
+            size = ctypes.c_uint32(ctypes.sizeof(domain))
+            if (
+                notify.libc.getsockopt(
+                    theirs, SOL_SOCKET, SO_DOMAIN, ctypes.byref(domain), ctypes.byref(size)
+                )
+                != 0
+            ):
+                return ctypes.get_errno() or errno.ENOTSOCK
+            if domain.value != AF_UNIX:
+                return errno.EACCES
+            backlog = backlog - (1 << 32) if backlog >= 1 << 31 else backlog
+            if notify.libc.listen(theirs, backlog) == 0:
+                return 0
+            return ctypes.get_errno() or errno.EACCES
+        finally:
+            os.close(theirs)
+
+    def _bytes(self, pid: int, addr: int, length: int) -> bytes:
+        fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            data = os.pread(fd, length, addr)
+        finally:
+            os.close(fd)
+        if len(data) != length:
+            raise OSError(14, "bad address")
+        return data
+
+    def _unix_socket(self, pid: int, path: str) -> int:
+        """An O_PATH fd of the socket ``path`` names (from the command's cwd), or -errno:
+        only a socket beneath a writable path (the command's own), never a host one such as
+        an engine's socket under /run."""
+        import errno
+
+        dfd = os.open(f"/proc/{pid}/cwd", os.O_PATH | os.O_CLOEXEC | os.O_DIRECTORY)
+        try:
+            fd = os.open(path, os.O_PATH | os.O_CLOEXEC, dir_fd=dfd)
+        except OSError as exc:
+            return -(exc.errno or errno.ENOENT)
+        finally:
+            os.close(dfd)
+        real = os.readlink(f"/proc/self/fd/{fd}")  # noqa: PTH115 - pathlib costs start-up
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            os.close(fd)
+            return -errno.ECONNREFUSED
+        if not notify.beneath(real, self.writable):
+            os.close(fd)
+            return -errno.EACCES
+        return fd
+
+    def _their_fd(self, nid: int, tid: int, fd: int) -> int:
+        """Our copy of the caller's ``fd`` (the same socket). The caller is a thread: its
+        process (whose fd table threads share) is taken, and the notification checked still
+        live after the pidfd names it, so the thread id was not reused meanwhile."""
+        tgid = notify.tgid(tid)
+        pidfd = notify.libc.syscall(SYS_PIDFD_OPEN, tgid, 0)
+        if pidfd < 0:
+            raise notify.fail("pidfd_open")
+        try:
+            notify.fcntl_ioctl(self.listener, notify.NOTIF_ID_VALID, struct.pack("=Q", nid))
+            theirs = notify.libc.syscall(SYS_PIDFD_GETFD, pidfd, fd, 0)
+            if theirs < 0:
+                raise notify.fail("pidfd_getfd")
+            return int(theirs)
+        finally:
+            os.close(pidfd)
