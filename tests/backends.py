@@ -55,6 +55,11 @@ gVisor's runsc as its OCI runtime."""
 
 def backend_settings(backend: str, **fields: Any) -> SandboxSettings:
     """The settings that select ``backend`` (a backend id or a name in VARIANTS)."""
+    if backend == "kubernetes":
+        # the test cluster, its namespace and the node image (tests/contract/harness.py)
+        from tests.contract.harness import kubernetes_runtime
+
+        return kubernetes_runtime().settings.model_copy(update=fields)
     base: dict[str, Any] = dict(VARIANTS.get(backend, {"backend": backend}))
     return SandboxSettings(**{**base, **fields})
 

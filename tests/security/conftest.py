@@ -47,6 +47,7 @@ BACKENDS = [
     "docker",
     "podman-rootless",
     "docker-rootless",
+    "kubernetes",
 ]
 ROOTLESS = "podman-rootless"
 DOCKERLESS = "docker-rootless"
@@ -262,6 +263,7 @@ MARKS = {
     "docker": pytest.mark.docker,
     ROOTLESS: pytest.mark.podman_rootless,
     DOCKERLESS: pytest.mark.docker_rootless,
+    "kubernetes": pytest.mark.kubernetes,
 }
 
 
