@@ -324,6 +324,13 @@ def _volumes(
             )
             volumes.append({"name": vol, "emptyDir": {}})
         mounts.append({"name": vol, "mountPath": dest, "readOnly": m.readonly})
+    made = {m["mountPath"] for m in mounts}
+    for dest in opts.transferred:
+        if dest not in made:
+            # a folder the transfer fills that is no mount of the spec (the worktree's parent)
+            vol = f"v{len(volumes)}"
+            volumes.append({"name": vol, "emptyDir": {}})
+            mounts.append({"name": vol, "mountPath": dest, "readOnly": False})
     return volumes, mounts, carried
 
 
