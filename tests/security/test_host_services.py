@@ -21,9 +21,10 @@ from pathlib import Path
 
 from fusion_oci.hostservice import parse_grant
 from fusion_oci.models import SandboxPolicy
+from fusion_oci.runtimes.requirements import Requirement
 from fusion_oci.services import start_relays, stop_relays
-from tests.security.conftest import Prober
-from tests.security.test_probes import check
+from tests.security.conftest import Prober, expected
+from tests.security.test_probes import assert_unenforced, check
 from tests.services_world import PROBE_JS, Listening, listening
 
 
@@ -44,6 +45,19 @@ def _grants(granted: Listening) -> SandboxPolicy:
     )
 
 
+def _refused(prober: Prober, probe: str) -> bool:
+    """A backend that cannot carry a grant (kubernetes: the executor's loopback is not on a
+    cluster node) refuses it, and the probe is recorded as unenforced there."""
+    if expected(probe, prober.backend) != "unenforced" or prober.backend == "native":
+        return False
+    assert_unenforced(probe, prober, _grants_to(1), Requirement.HOST_SERVICES.value)
+    return True
+
+
+def _grants_to(port: int) -> SandboxPolicy:
+    return SandboxPolicy(allow_network=False, host_services=[f"127.0.0.1:{port}"])
+
+
 def _svc_dir(prober: Prober) -> Path:
     d = prober.tmp / "svc"
     d.mkdir(exist_ok=True)
@@ -54,6 +68,8 @@ def _svc_dir(prober: Prober) -> Path:
 def test_an_ungranted_port_or_address_form_stays_closed(prober: Prober) -> None:
     """Port B (127.0.0.1 and ::1), the granted port on ::1, by name, v4-mapped, slirp's
     gateway and 4040: nothing but 127.0.0.1:A."""
+    if _refused(prober, "service-ungranted-port"):
+        return
     d = _svc_dir(prober)
     with listening([d / "granted.sock"]) as a, listening() as b:
         out = _run(
@@ -81,6 +97,8 @@ def test_an_ungranted_port_or_address_form_stays_closed(prober: Prober) -> None:
 def test_the_relay_connects_only_to_its_grant(prober: Prober) -> None:
     """The relay's own socket inside (and the agent's listener) asked, in HTTP CONNECT and
     SOCKS5, for port B; another task's relay (to B) looked for under /tmp: B sees nothing."""
+    if _refused(prober, "service-through-relay"):
+        return
     d = _svc_dir(prober)
     with listening([d / "granted.sock"]) as a, listening() as b:
         other = asyncio.run(
@@ -118,6 +136,8 @@ def test_the_relay_connects_only_to_its_grant(prober: Prober) -> None:
 def test_a_unix_grant_is_that_socket_only(prober: Prober) -> None:
     """A sibling socket beside the granted one, the granted path with `..`, and a symlink the
     command makes to the sibling: only the granted socket answers."""
+    if _refused(prober, "service-unix-path"):
+        return
     d = _svc_dir(prober)
     granted, sibling = d / "granted.sock", d / "sibling.sock"
     with listening([granted, sibling]) as a:
@@ -195,6 +215,8 @@ def test_only_the_agent_is_handed_a_service_socket(prober: Prober) -> None:
     socket, ``connect(AF_UNSPEC)`` would disconnect it and it could connect anywhere on the
     host's loopback (here port B). Python where the sandbox has it (host-process runtimes,
     oci); the task images have none, and their command is no sandbox's init either."""
+    if _refused(prober, "service-socket-handover"):
+        return
     d = _svc_dir(prober)
     with listening([d / "granted.sock"]) as a, listening() as b:
         (prober.worktree / "handover.py").write_text(HANDOVER_PY)

@@ -31,7 +31,7 @@ from tests.integration.test_service_containers import (
     services_env,
     with_images,
 )
-from tests.security.conftest import ROOTLESS_BACKENDS, Prober, record
+from tests.security.conftest import REMOTE, ROOTLESS_BACKENDS, Prober, record
 from tests.security.test_probes import check
 from tests.services_world import PG_CLIENT_JS
 
@@ -45,7 +45,7 @@ def _cannot(prober: Prober, probe: str) -> bool:
     if prober.backend == "native":
         result = prober.run("true", policy)
         assert any(SERVICES_PART in u for u in result.unenforced), result
-    elif prober.backend in ROOTLESS_BACKENDS:
+    elif prober.backend in ROOTLESS_BACKENDS or prober.backend in REMOTE:
         with pytest.raises(PolicyNotEnforceableError) as refused:
             prober.run("true", policy)
         assert any(SERVICES_PART in u for u in refused.value.unenforced), refused.value

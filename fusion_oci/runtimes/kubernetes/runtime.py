@@ -188,7 +188,9 @@ class KubernetesRuntime(SpecRuntime):
                 "it; set kubernetes.seccompProfile to a Localhost copy (docs/kubernetes.md)"
             )
         if task.spec.service_containers:
-            missing.append("services: service containers do not run beside a pod yet")
+            from fusion_oci.sidecars.run import SERVICES_PART
+
+            missing.append(f"{SERVICES_PART}: service containers do not run beside a pod yet")
         return sorted(missing)
 
     # -- the pod ------------------------------------------------------------------------------
