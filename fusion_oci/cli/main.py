@@ -146,8 +146,8 @@ def plan(
 ) -> None:
     """Dry run: the resolved policy, the bundle's config.json and the runtime's launch plan."""
     params = dict(locals())
+    from fusion_oci.caller import caller_env, resolve_task
     from fusion_oci.errors import FusionOCIError
-    from fusion_oci.taskflags import caller_env, resolve_task
 
     try:
         flags = _flags(params)
@@ -234,12 +234,12 @@ def bundle_create(
 ) -> None:
     """Write an OCI bundle (config.json + rootfs/) for COMMAND, atomically."""
     params = dict(locals())
+    from fusion_oci.caller import caller_env, resolve_task
     from fusion_oci.errors import FusionOCIError
     from fusion_oci.oci.bundle import write_bundle
     from fusion_oci.oci.host import probe_host
     from fusion_oci.resolve import compile_spec, resolve_for
     from fusion_oci.runtimes.registry import runtime_class
-    from fusion_oci.taskflags import caller_env, resolve_task
 
     try:
         target = output.absolute()

@@ -146,9 +146,9 @@ class Session:
 
     async def prepare(self, params: Params, rid: RequestId | None) -> Any:
         from fusion_oci.audit import AuditLog, default_audit_path
+        from fusion_oci.caller import find_project_dir
         from fusion_oci.images.gates import GateRequest
         from fusion_oci.sandbox import Sandbox
-        from fusion_oci.taskflags import find_project_dir
 
         p = PrepareParams.model_validate(params)
         worktree = _worktree(p.context.worktree_path)
