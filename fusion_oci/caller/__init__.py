@@ -1,7 +1,9 @@
 """The caller side that the CLI (``cli/``) and the server (``server/``) share.
 
-- :mod:`~fusion_oci.caller.flags`: the CLI's task flags, resolved from a caller's cwd and
-  environment (the resident server resolves a client's the same way).
+- :mod:`~fusion_oci.caller.frontdoor`: the one front door, a task as a caller asks for it →
+  the settings layers → the worktree check → the ``PrepareContext``.
+- :mod:`~fusion_oci.caller.flags`: the CLI's task flags, resolved through the front door from
+  a caller's cwd and environment (the resident server resolves a client's the same way).
 - :mod:`~fusion_oci.caller.runrequest`: one CLI ``run`` request, run in this process or in the
   resident server, reported as the CLI does.
 """
@@ -14,20 +16,26 @@ TYPE_CHECKING = False
 
 __all__ = [
     "Control",
+    "Entry",
     "RunIO",
     "RunParser",
     "RunRequest",
     "Task",
     "TaskFlags",
+    "TaskRequest",
     "caller_env",
     "execute",
     "find_project_dir",
+    "front_door",
     "host_path",
     "resolve_task",
 ]
 
 _LAZY = {
-    "find_project_dir": "fusion_oci.caller.flags",
+    "Entry": "fusion_oci.caller.frontdoor",
+    "TaskRequest": "fusion_oci.caller.frontdoor",
+    "find_project_dir": "fusion_oci.caller.frontdoor",
+    "front_door": "fusion_oci.caller.frontdoor",
     "Task": "fusion_oci.caller.flags",
     "TaskFlags": "fusion_oci.caller.flags",
     "caller_env": "fusion_oci.caller.flags",
@@ -43,14 +51,8 @@ _LAZY = {
 if TYPE_CHECKING:
     from typing import Any
 
-    from fusion_oci.caller.flags import (
-        Task,
-        TaskFlags,
-        caller_env,
-        find_project_dir,
-        host_path,
-        resolve_task,
-    )
+    from fusion_oci.caller.flags import Task, TaskFlags, caller_env, host_path, resolve_task
+    from fusion_oci.caller.frontdoor import Entry, TaskRequest, find_project_dir, front_door
     from fusion_oci.caller.runrequest import Control, RunIO, RunParser, RunRequest, execute
 
 
