@@ -64,10 +64,9 @@ from fusion_oci.policy.layout import task_project
 from fusion_oci.policy.settings import SandboxSettings
 from fusion_oci.policy.worktree import check_inputs
 from fusion_oci.replay import record_run, worktree_state
-from fusion_oci.resolve import ResolvedTask, compile_spec, resolve
+from fusion_oci.resolve import ResolvedTask, compile_spec, resolve_for
 from fusion_oci.runtimes.protocol import Runtime
 from fusion_oci.runtimes.registry import create_runtime
-from fusion_oci.runtimes.skeleton import default_cache_root
 from fusion_oci.scratch import gc_scratch
 from fusion_oci.services import TaskRelays, start_relays, stop_relays
 from fusion_oci.services.publish import TaskPorts, attach_ports, bind_ports, stop_ports
@@ -175,13 +174,13 @@ class Sandbox:
     def _resolve(self, runtime: Runtime, ctx: PrepareContext, *, create: bool) -> ResolvedTask:
         """The one resolve step, for the chosen runtime's default image."""
         assert self.host is not None
-        return resolve(
+        return resolve_for(
+            runtime,
             self.settings,
             ctx,
             self.host,
             env=self.env,
-            cache_root=self.cache_root or default_cache_root(self.env),
-            default_image=runtime.default_image,
+            cache_root=self.cache_root,
             create=create,
         )
 

@@ -47,8 +47,8 @@ def audit(
 
     from fusion_oci.audit import default_audit_path, default_key_path, load_key, read_events
     from fusion_oci.audit import verify_chain as check_chain
+    from fusion_oci.caller import find_project_dir
     from fusion_oci.policy.worktree import default_worktree
-    from fusion_oci.taskflags import find_project_dir
 
     where = (
         worktree.expanduser().absolute()
@@ -143,11 +143,11 @@ def dashboard(
     import os
 
     from fusion_oci.audit import default_audit_path
+    from fusion_oci.caller import find_project_dir
     from fusion_oci.dashboard.chain import host_key
     from fusion_oci.dashboard.server import serve
     from fusion_oci.errors import FusionOCIError
     from fusion_oci.policy.worktree import default_worktree
-    from fusion_oci.taskflags import find_project_dir
 
     try:
         where = (

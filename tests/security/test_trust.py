@@ -98,7 +98,7 @@ def _refused(probe: str, prober: Prober, command: str, project: Path) -> bool:
 
 def _host_settings(worktree: Path) -> tuple[str, str | None]:
     """What the host resolves for this worktree next time, as `fusion-oci run` would."""
-    from fusion_oci.taskflags import TaskFlags, resolve_task
+    from fusion_oci.caller import TaskFlags, resolve_task
 
     task = resolve_task(TaskFlags(worktree=worktree), dict(os.environ))
     settings = task.effective.settings
