@@ -37,7 +37,15 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from fusion_oci.audit import AuditEvent, AuditLog
+from fusion_oci.audit import (
+    AuditLog,
+    DisposeEvent,
+    FailureEvent,
+    FallbackEvent,
+    PrepareEvent,
+    RunEvent,
+    SandboxEvent,
+)
 from fusion_oci.egress.credentials import Broker, credential_layout, make_broker
 from fusion_oci.egress.task import start_task_proxy, stop_task_proxy
 from fusion_oci.errors import (
@@ -142,12 +150,11 @@ class Sandbox:
             ask=self.ask,
         )
 
-    def _event(self, type_: Any, **fields: Any) -> None:
+    def _event(self, kind: type[SandboxEvent], **fields: Any) -> None:
         ctx = self.ctx
         assert ctx is not None
         self.audit.emit(
-            AuditEvent(
-                type=type_,
+            kind(
                 task_id=ctx.task_id,
                 run_id=ctx.run_id,
                 backend=self.runtime.id if self.runtime else self.settings.backend,
@@ -332,7 +339,7 @@ class Sandbox:
         try:
             check_inputs(ctx, self.settings.host_ca, self.env)
         except FusionOCIError as exc:
-            self._event("sandbox:failure", reason=exc.render(), details={"kind": exc.kind})
+            self._event(FailureEvent, reason=exc.render(), details={"kind": exc.kind})
             raise
         await asyncio.to_thread(gc_scratch)  # what a kill -9'd owner left in the temp dir
         try:
@@ -340,7 +347,7 @@ class Sandbox:
         except (RuntimeUnavailableError, PolicyNotEnforceableError) as exc:
             unenforced = getattr(exc, "unenforced", None)
             self._event(
-                "sandbox:failure",
+                FailureEvent,
                 reason=exc.render(),
                 unenforced=unenforced,
                 details={"kind": exc.kind},
@@ -350,14 +357,14 @@ class Sandbox:
             self.fell_back = True
             runtime = await self._start("native", ctx)
             self._event(
-                "sandbox:fallback",
+                FallbackEvent,
                 reason=exc.render(),
                 fell_back=True,
                 unenforced=self.unenforced or None,
                 details={"from": self.settings.backend, "kind": exc.kind},
             )
         except FusionOCIError as exc:
-            self._event("sandbox:failure", reason=exc.render(), details={"kind": exc.kind})
+            self._event(FailureEvent, reason=exc.render(), details={"kind": exc.kind})
             raise
         assert self.task is not None
         if runtime.isolates and self.task.layout.unprotected:
@@ -395,7 +402,7 @@ class Sandbox:
         if self.linker is not None:
             details["store_tree"] = (await asyncio.to_thread(self.linker.place)).audit()
         self._event(
-            "sandbox:prepare",
+            PrepareEvent,
             details=details,
             duration_ms=int((time.monotonic() - start) * 1000),
             fell_back=self.fell_back,
@@ -413,7 +420,7 @@ class Sandbox:
         duration = int((time.monotonic() - started) * 1000)
         backend = self.runtime.id if self.runtime else self.settings.backend
         self._event(
-            "sandbox:run",
+            RunEvent,
             command=shown[:200],
             duration_ms=duration,
             signal="SIGTERM",
@@ -484,7 +491,7 @@ class Sandbox:
             plan = runtime.plan(process)
         except SandboxSetupError as exc:
             self._event(
-                "sandbox:failure",
+                FailureEvent,
                 reason=exc.render(),
                 command=shown[:200],
                 unenforced=getattr(exc, "unenforced", None),
@@ -508,7 +515,7 @@ class Sandbox:
             return aborted
         except SandboxSetupError as exc:
             self._event(
-                "sandbox:failure",
+                FailureEvent,
                 reason=exc.render(),
                 command=shown[:200],
                 details={"kind": exc.kind},
@@ -562,7 +569,7 @@ class Sandbox:
             moved = [{"path": what, "to": where} for what, where in quarantined]
             replay["details"] = {**replay.get("details", {}), "git_quarantined": moved}
         self._event(
-            "sandbox:run",
+            RunEvent,
             command=shown[:200],
             duration_ms=result.duration_ms,
             exit_code=result.exit_code,
@@ -595,7 +602,7 @@ class Sandbox:
             await self._stop_egress()  # after the sandbox: nothing is left to connect
         if self.ctx is not None:
             self.runtime = runtime  # for the event's backend id
-            self._event("sandbox:dispose", duration_ms=int((time.monotonic() - start) * 1000))
+            self._event(DisposeEvent, duration_ms=int((time.monotonic() - start) * 1000))
             self.runtime = None
 
     async def __aenter__(self) -> Sandbox:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from fusion_oci.audit import AuditEvent
+    from fusion_oci.audit import RunEvent
     from fusion_oci.oci.model import ProcessSpec, TaskSpec
     from fusion_oci.replay import ReplayRecord
 
@@ -219,7 +219,7 @@ def safe_name(text: str) -> str:
 
 def source_from_record(
     record: ReplayRecord,
-    event: AuditEvent | None,
+    event: RunEvent | None,
     *,
     worktree: Path | None = None,
     image: str | None = None,
