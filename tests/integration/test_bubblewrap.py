@@ -15,8 +15,8 @@ import pytest
 from fusion_oci.errors import PolicyNotEnforceableError
 from fusion_oci.models import CacheMode, CpuLimit, PrepareContext, RunOptions, SandboxPolicy
 from fusion_oci.policy.settings import SandboxSettings
-from fusion_oci.runtimes import bubblewrap
 from fusion_oci.runtimes.bubblewrap import BubblewrapRuntime
+from fusion_oci.runtimes.bubblewrap import runtime as bubblewrap
 from fusion_oci.runtimes.linux.cgroups import CgroupSupport
 from fusion_oci.sandbox import Sandbox
 from tests.backends import require, require_runtime
@@ -350,7 +350,7 @@ async def test_seccomp_is_compiled_once_per_sandbox_and_high_bits_do_not_dodge_i
 ) -> None:
     """libseccomp compiles the bundle's profile at prepare, not per command; in the kernel,
     socket() with AF_PACKET in the low 32 bits of the family and junk above is refused."""
-    from fusion_oci.runtimes import bubblewrap_argv
+    from fusion_oci.runtimes.bubblewrap import argv as bubblewrap_argv
 
     compiled: list[int] = []
     real = bubblewrap_argv.compile_bpf

@@ -17,7 +17,7 @@ from fusion_oci.policy.layout import CacheMount, GitLayout, TaskLayout
 from fusion_oci.policy.settings import SandboxSettings
 from fusion_oci.runtimes.requirements import Requirement, task_requirements
 from fusion_oci.runtimes.sandbox_exec import SandboxExecRuntime, mac_env
-from fusion_oci.runtimes.seatbelt import (
+from fusion_oci.runtimes.sandbox_exec.seatbelt import (
     SANDBOX_EXEC,
     SeatbeltProfile,
     canonical_path,

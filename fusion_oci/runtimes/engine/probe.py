@@ -18,7 +18,7 @@ from fusion_oci.engines import (
 )
 from fusion_oci.errors import RuntimeUnavailableError, SandboxSetupError
 from fusion_oci.models import SandboxCapabilities
-from fusion_oci.runtimes.containers import ContainerMode, Engine
+from fusion_oci.runtimes.engine.containers import ContainerMode, Engine
 from fusion_oci.runtimes.protocol import Availability
 from fusion_oci.runtimes.requirements import Requirement
 from fusion_oci.runtimes.skeleton import SpecRuntime

@@ -45,7 +45,7 @@ from fusion_oci.models import (
     RunResult,
 )
 from fusion_oci.oci.model import ProcessSpec, TaskSpec
-from fusion_oci.runtimes.containers import (
+from fusion_oci.runtimes.engine.containers import (
     AGENT_PATH,
     AGENT_SOCKET,
     AgentMounts,
@@ -61,7 +61,7 @@ from fusion_oci.runtimes.containers import (
     seccomp_file,
     spec_image,
 )
-from fusion_oci.runtimes.engine_probe import EngineProbe, nproc_limit
+from fusion_oci.runtimes.engine.probe import EngineProbe, nproc_limit
 from fusion_oci.runtimes.linux.egress import proxy_socket, service_relays
 from fusion_oci.runtimes.outcome import LimitCounters, classify
 from fusion_oci.runtimes.plans import AgentPlan, Plan, SandboxLaunch, own_plan, spawn_of

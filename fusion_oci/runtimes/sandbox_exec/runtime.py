@@ -1,7 +1,7 @@
 """The ``sandbox-exec`` runtime: macOS Seatbelt around the command, on the host.
 
 ``sandbox-exec -p PROFILE -D NAME=PATH ... /bin/sh -c COMMAND``, with the profile generated
-from the compiled spec by :mod:`fusion_oci.runtimes.seatbelt`, run inside the same subreaper
+from the compiled spec by :mod:`.seatbelt`, run inside the same subreaper
 shim as native (timeout, process-group kill, rlimits). Opt-in: Apple marks ``sandbox-exec``
 deprecated, though it ships with current macOS.
 
@@ -27,7 +27,11 @@ from fusion_oci.runtimes.hostproc import HostProcessRuntime, native_env
 from fusion_oci.runtimes.plans import ArgvPlan, Plan, own_plan
 from fusion_oci.runtimes.protocol import Availability
 from fusion_oci.runtimes.requirements import Requirement
-from fusion_oci.runtimes.seatbelt import SANDBOX_EXEC, SeatbeltProfile, seatbelt_profile
+from fusion_oci.runtimes.sandbox_exec.seatbelt import (
+    SANDBOX_EXEC,
+    SeatbeltProfile,
+    seatbelt_profile,
+)
 
 if TYPE_CHECKING:
     from fusion_oci.oci.host import HostInfo

@@ -3,11 +3,11 @@
 One container per task, whose init is the exec agent (fusion_oci/agent), as the bubblewrap
 and container-engine runtimes have one sandbox per task. At prepare the task spec goes through
 the spec operations this host needs (:mod:`fusion_oci.oci.ops`, the agent as init:
-:func:`~fusion_oci.runtimes.ocicli.launch.with_agent_init`), is written as the task's bundle
+:func:`~fusion_oci.runtimes.oci.launch.with_agent_init`), is written as the task's bundle
 and started with ``RUNTIME --root STATE run --detach --pid-file P --bundle DIR ID``; the
 runtime CLI is our child in its own process group, bounded by a timeout, and hands its stdin,
 our end of a socketpair, through to the agent (no socket path anywhere). One builder
-(:func:`~fusion_oci.runtimes.ocicli.launch.build_task`) makes that bundle and argv for both
+(:func:`~fusion_oci.runtimes.oci.launch.build_task`) makes that bundle and argv for both
 :meth:`OciRuntime.plan` and :meth:`OciRuntime.prepare`.
 
 Each command is a spawn frame to the agent (args, env, cwd, rlimits; the container's user,
@@ -24,7 +24,7 @@ At dispose the connection is closed (the agent ends every tree and exits, which 
 container), then ``delete --force ID``, the egress link and our cgroup (runsc) go, and the
 task's state directory is removed. A process of ours that dies leaves the agent without its
 connection, so it exits too; the state directory it leaves is unlocked, and the next prepare's
-gc (:mod:`fusion_oci.runtimes.ocicli.state`) deletes the container and the directory.
+gc (:mod:`fusion_oci.runtimes.oci.state`) deletes the container and the directory.
 
 Host-rootfs specs run on an empty ``rootfs/`` plus the spec's read-only binds of the system
 directories. Image specs run on the image's root filesystem, exported once per image digest
@@ -45,6 +45,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import fusion_oci.runtimes.oci.launch as _launch
+import fusion_oci.runtimes.oci.probe as probe
 from fusion_oci.agent.client import Agent
 from fusion_oci.errors import AgentLostError, FusionOCIError, SandboxSetupError
 from fusion_oci.models import NetworkMode, RunOptions, RunResult, SandboxCapabilities
@@ -61,12 +63,10 @@ from fusion_oci.runtimes.linux.cgroups import (
     read_events,
 )
 from fusion_oci.runtimes.linux.egress import service_relays
-from fusion_oci.runtimes.ocicli import launch as _launch
-from fusion_oci.runtimes.ocicli import probe
-from fusion_oci.runtimes.ocicli.egress import EgressLink
-from fusion_oci.runtimes.ocicli.filtered import SOCKET_PLACEHOLDER
-from fusion_oci.runtimes.ocicli.gvisor import GvisorFlags, gvisor_details
-from fusion_oci.runtimes.ocicli.launch import (
+from fusion_oci.runtimes.oci.egress import EgressLink
+from fusion_oci.runtimes.oci.filtered import SOCKET_PLACEHOLDER
+from fusion_oci.runtimes.oci.gvisor import GvisorFlags, gvisor_details
+from fusion_oci.runtimes.oci.launch import (
     GRACE_S,
     OciPlan,
     TaskLaunch,
@@ -78,7 +78,7 @@ from fusion_oci.runtimes.ocicli.launch import (
     run_argv,
     runtime_flags,
 )
-from fusion_oci.runtimes.ocicli.state import (
+from fusion_oci.runtimes.oci.state import (
     TaskState,
     cgroup_paths,
     container_id,
@@ -106,6 +106,7 @@ __all__ = [  # the names other modules and tests import from here
     "egress_launch_argv",
     "exit_status",
     "gc_oci",
+    "limit_counters",
     "list_containers",
     "run_argv",
     "runtime_flags",
@@ -310,7 +311,7 @@ class OciRuntime(SpecRuntime):
 
     def enforces(self) -> frozenset[Requirement]:
         # NETWORK_FILTERED: the container's own empty netns and the agent's (init's)
-        # forwarder (ocicli/filtered.py).
+        # forwarder (filtered.py).
         # CPU_TIME: the agent's setrlimit on each command, inside the sandbox; under gVisor
         # (20221219) only such a call arms RLIMIT_CPU (a spec rlimit shows in `ulimit -t` yet
         # never fires), which the agent as the task's init makes for every command.
@@ -361,7 +362,7 @@ class OciRuntime(SpecRuntime):
 
     def init_process(self) -> ProcessSpec:
         """The task container's init as the task's commands would run (its user,
-        capabilities, no-new-privileges, rlimits); :func:`~fusion_oci.runtimes.ocicli.launch.
+        capabilities, no-new-privileges, rlimits); :func:`~fusion_oci.runtimes.oci.launch.
         with_agent_init` makes it the agent."""
         return self.process(["true"], RunOptions(env={}))
 

@@ -1,7 +1,7 @@
 """The bubblewrap runtime: one sandbox per task, Linux namespaces built by ``bwrap``, and each
 command run in it by the exec agent (fusion_oci/agent) that is the sandbox's PID 1.
 
-The translation is :mod:`.bubblewrap_argv` (:func:`bwrap_argv` for the sandbox,
+The translation is :mod:`.argv` (:func:`bwrap_argv` for the sandbox,
 :func:`bwrap_spawn` for each command: pure functions of the spec, golden-tested per policy);
 this module is the runtime around it: host probes, prepare, launch, clean-up.
 
@@ -57,7 +57,7 @@ from fusion_oci.oci.seccomp import LIBSECCOMP_HINT, libseccomp_problem
 from fusion_oci.process import kill_group, probe
 
 # The translation, re-exported: callers and tests name it from here.
-from fusion_oci.runtimes.bubblewrap_argv import (
+from fusion_oci.runtimes.bubblewrap.argv import (
     AGENT_FD,
     BLOCK_FD,
     EGRESS_PLACEHOLDER,

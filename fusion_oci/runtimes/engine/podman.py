@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from fusion_oci.engines import Endpoint, EngineAdapter, EngineInfo, podman_endpoints
 from fusion_oci.engines.service import PodmanService
-from fusion_oci.runtimes.engine import ContainerRuntime
+from fusion_oci.runtimes.engine.runtime import ContainerRuntime
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
