@@ -79,7 +79,7 @@ class HostProcessRuntime(SpecRuntime):
         task = await super().prepare(task)
         if not self.private_dirs:
             return task
-        self._scratch = make_scratch(self.id, task.ctx.task_id)
+        self._scratch = make_scratch(self.id, task.spec.task_id)
         for sub in ("home", "tmp"):
             (self._scratch / sub).mkdir(mode=0o700)
         return task
