@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fusion_oci.backends import CAPABILITIES, NOTHING
 from fusion_oci.models import EndReason, RunOptions, RunResult, SandboxCapabilities
 from fusion_oci.runtimes.outcome import classify, run_result
 from fusion_oci.runtimes.plans import AgentPlan, Plan, own_plan
@@ -100,6 +101,20 @@ class SpecRuntime(RuntimeDefaults):
     def enforces(self) -> frozenset[Requirement]:
         raise NotImplementedError
 
+    def capabilities(self) -> SandboxCapabilities:
+        """The backend's row of :data:`fusion_oci.backends.CAPABILITIES` as this host has it:
+        ``fine`` network policy where ``network: filtered`` is enforced here, and what
+        :meth:`host_capabilities` says (a plugin of another id: :data:`NOTHING`)."""
+        offers = CAPABILITIES.get(self.id, NOTHING)._asdict()
+        if Requirement.NETWORK_FILTERED in self.enforces():
+            offers["network_policy"] = "fine"
+        return SandboxCapabilities(**(offers | self.host_capabilities()))
+
+    def host_capabilities(self) -> dict[str, str]:
+        """The fields of :meth:`capabilities` this host decides beyond the network policy
+        (default: none)."""
+        return {}
+
     def adopt(self, task: ResolvedTask) -> None:
         self.task = task
         self.layout = task.layout
@@ -173,15 +188,7 @@ class UnavailableRuntime(RuntimeDefaults):
         self._availability = Availability(False, reason, hint)
 
     def capabilities(self) -> SandboxCapabilities:
-        return SandboxCapabilities(
-            filesystem_isolation="none",
-            network_policy="none",
-            resource_limits="none",
-            requires_install=True,
-            supports_mac=False,
-            supports_linux=False,
-            supports_windows=False,
-        )
+        return SandboxCapabilities(**NOTHING._asdict())
 
     def availability(self) -> Availability:
         return self._availability

@@ -404,13 +404,14 @@ def test_canonical_path_refuses(bad: str) -> None:
 
 
 def runtime(platform: str = "linux") -> SandboxExecRuntime:
-    return SandboxExecRuntime(
+    rt = SandboxExecRuntime(
         SandboxSettings(backend="sandbox-exec"),
         {"HOME": "/Users/me", "PATH": "/usr/bin"},
         cache_root=Path("/nonexistent-cache"),
         host=MAC_HOST,
-        platform=platform,
     )
+    rt.platform = platform
+    return rt
 
 
 @pytest.mark.parametrize(("platform", "where"), [("linux", "linux"), ("win32", "Windows")])

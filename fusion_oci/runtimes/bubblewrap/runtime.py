@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING
 
 from fusion_oci.agent.client import Agent, agent_binary
 from fusion_oci.errors import BundleError, SandboxSetupError
-from fusion_oci.models import NetworkMode, SandboxCapabilities
+from fusion_oci.models import NetworkMode
 from fusion_oci.oci.model import ProcessSpec, TaskSpec
 from fusion_oci.oci.seccomp import LIBSECCOMP_HINT, libseccomp_problem
 from fusion_oci.process import kill_group, probe
@@ -306,17 +306,8 @@ class BubblewrapRuntime(SpecRuntime):
         the spec has no profile)."""
         return self._bpf
 
-    def capabilities(self) -> SandboxCapabilities:
-        limits = "advanced" if self.probe.cgroups.controllers else "basic"
-        return SandboxCapabilities(
-            filesystem_isolation="strong",
-            network_policy="fine" if Requirement.NETWORK_FILTERED in self.enforces() else "coarse",
-            resource_limits=limits,
-            requires_install=True,
-            supports_mac=False,
-            supports_linux=True,
-            supports_windows=False,
-        )
+    def host_capabilities(self) -> dict[str, str]:
+        return {} if self.probe.cgroups.controllers else {"resource_limits": "basic"}
 
     def availability(self) -> Availability:
         p = self.probe

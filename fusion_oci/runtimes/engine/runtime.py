@@ -68,10 +68,6 @@ from fusion_oci.runtimes.requirements import Requirement
 from fusion_oci.scratch import make_scratch
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
-
-    from fusion_oci.oci.host import HostInfo
-    from fusion_oci.policy.settings import SandboxSettings
     from fusion_oci.resolve import ResolvedTask
 
 T = TypeVar("T")
@@ -100,14 +96,7 @@ class ContainerRuntime(EngineProbe):
 
     engine: Engine = "docker"
 
-    def __init__(
-        self,
-        settings: SandboxSettings,
-        env: Mapping[str, str],
-        cache_root: Path | None = None,
-        host: HostInfo | None = None,
-    ) -> None:
-        super().__init__(settings, env, cache_root=cache_root, host=host)
+    def setup(self) -> None:
         self.mode: ContainerMode = self.settings.container_mode
         self._adapter: EngineAdapter | None = None
         self._info: EngineInfo | None = None

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fusion_oci.errors import PolicyNotEnforceableError, SandboxSetupError
-from fusion_oci.models import NetworkMode, RunOptions, SandboxCapabilities
+from fusion_oci.models import NetworkMode, RunOptions
 from fusion_oci.oci.model import ProcessSpec, TaskSpec
 from fusion_oci.policy.layout import task_project
 from fusion_oci.process import kill_group, reaper_argv
@@ -79,16 +79,9 @@ class LandlockRuntime(HostProcessRuntime):
     """The task's confined exec agent, and how prepare started it (the shim's argv with its
     real fd)."""
 
-    def capabilities(self) -> SandboxCapabilities:
-        return SandboxCapabilities(
-            filesystem_isolation="strong" if host_abi() >= MIN_FS_ABI else "none",
-            network_policy="fine" if host_abi() >= MIN_NET_ABI else "coarse",
-            resource_limits="basic",
-            requires_install=False,
-            supports_mac=False,
-            supports_linux=True,
-            supports_windows=False,
-        )
+    def host_capabilities(self) -> dict[str, str]:
+        # Below MIN_FS_ABI Landlock governs no file access at all.
+        return {} if Requirement.FILESYSTEM in self.enforces() else {"filesystem_isolation": "none"}
 
     def availability(self) -> Availability:
         if not sys.platform.startswith("linux"):

@@ -24,7 +24,6 @@ from fusion_oci.errors import SandboxSetupError
 from fusion_oci.models import (
     RunOptions,
     RunResult,
-    SandboxCapabilities,
     SandboxPolicy,
 )
 from fusion_oci.oci.model import ProcessSpec
@@ -67,17 +66,6 @@ class NativeRuntime(HostProcessRuntime):
 
     box: Box[None, None] | None
     """The task's exec agent on the host (Linux), started at prepare."""
-
-    def capabilities(self) -> SandboxCapabilities:
-        return SandboxCapabilities(
-            filesystem_isolation="none",
-            network_policy="none",
-            resource_limits="basic",
-            requires_install=False,
-            supports_mac=True,
-            supports_linux=True,
-            supports_windows=False,
-        )
 
     def availability(self) -> Availability:
         if not self.uses_agent:

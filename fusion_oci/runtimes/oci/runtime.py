@@ -48,7 +48,7 @@ import fusion_oci.runtimes.oci.launch as _launch
 import fusion_oci.runtimes.oci.probe as probe
 from fusion_oci.agent.client import Agent
 from fusion_oci.errors import AgentLostError, FusionOCIError, SandboxSetupError
-from fusion_oci.models import NetworkMode, RunOptions, SandboxCapabilities
+from fusion_oci.models import NetworkMode, RunOptions
 from fusion_oci.oci.bundle import write_bundle
 from fusion_oci.oci.model import ANN_RUN, ANN_TASK, ProcessSpec
 from fusion_oci.oci.ops import EgressHook, with_init
@@ -243,17 +243,8 @@ class OciRuntime(SpecRuntime):
             )
         return self._egress
 
-    def capabilities(self) -> SandboxCapabilities:
-        limits = self._limits()
-        return SandboxCapabilities(
-            filesystem_isolation="strong",
-            network_policy="fine" if Requirement.NETWORK_FILTERED in self.enforces() else "coarse",
-            resource_limits="advanced" if limits else "basic",
-            requires_install=True,
-            supports_mac=False,
-            supports_linux=True,
-            supports_windows=False,
-        )
+    def host_capabilities(self) -> dict[str, str]:
+        return {} if self._limits() else {"resource_limits": "basic"}
 
     def availability(self) -> Availability:
         binary = self._find_binary()
