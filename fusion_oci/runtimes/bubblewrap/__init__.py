@@ -5,7 +5,8 @@
 - :mod:`.runtime` — the runtime around it: host probes, prepare, launch, clean-up
 """
 
-from fusion_oci.runtimes.bubblewrap.runtime import (
+# The translation and the runtime: callers and tests name them from here.
+from fusion_oci.runtimes.bubblewrap.argv import (
     AGENT_FD,
     BLOCK_FD,
     INFO_FD,
@@ -13,25 +14,27 @@ from fusion_oci.runtimes.bubblewrap.runtime import (
     RLIMITS,
     SECCOMP_FD,
     USUAL_KINDS,
-    BubblewrapRuntime,
     BwrapHost,
-    HostProbe,
     LaunchFds,
     agent_rlimits,
     args_launch,
     bwrap_argv,
     bwrap_spawn,
-    check_spec,
-    host_path_kinds,
-    make_task_scratch,
     mount_args,
     needs_launch_hooks,
     plan_notes,
-    probe_host_support,
     proc_protection_args,
     protected_proc_paths,
     seccomp_program,
     with_fds,
+)
+from fusion_oci.runtimes.bubblewrap.runtime import (
+    BubblewrapRuntime,
+    HostProbe,
+    check_spec,
+    host_path_kinds,
+    make_task_scratch,
+    probe_host_support,
 )
 
 __all__ = [

@@ -56,27 +56,20 @@ from fusion_oci.oci.model import ProcessSpec, TaskSpec
 from fusion_oci.oci.seccomp import LIBSECCOMP_HINT, libseccomp_problem
 from fusion_oci.process import kill_group, probe
 from fusion_oci.runtimes.box import Box, group_dirs
-
-# The translation, re-exported: callers and tests name it from here.
 from fusion_oci.runtimes.bubblewrap.argv import (
-    AGENT_FD,
     BLOCK_FD,
     EGRESS_PLACEHOLDER,
     INFO_FD,
     RESOLV_PLACEHOLDER,
-    RLIMITS,
     SECCOMP_FD,
-    USUAL_KINDS,
     BwrapHost,
     LaunchFds,
     agent_rlimits,
     args_launch,
     bwrap_argv,
     bwrap_spawn,
-    mount_args,
     needs_launch_hooks,
     plan_notes,
-    proc_protection_args,
     protected_proc_paths,
     seccomp_program,
     with_fds,
@@ -94,32 +87,12 @@ if TYPE_CHECKING:
     from fusion_oci.resolve import ResolvedTask
 
 __all__ = [
-    "AGENT_FD",
-    "BLOCK_FD",
-    "INFO_FD",
-    "RESOLV_PLACEHOLDER",
-    "RLIMITS",
-    "SECCOMP_FD",
-    "USUAL_KINDS",
     "BubblewrapRuntime",
-    "BwrapHost",
     "HostProbe",
-    "LaunchFds",
-    "agent_rlimits",
-    "args_launch",
-    "bwrap_argv",
-    "bwrap_spawn",
     "check_spec",
     "host_path_kinds",
     "make_task_scratch",
-    "mount_args",
-    "needs_launch_hooks",
-    "plan_notes",
     "probe_host_support",
-    "proc_protection_args",
-    "protected_proc_paths",
-    "seccomp_program",
-    "with_fds",
 ]
 
 START_TIMEOUT_S = 20.0

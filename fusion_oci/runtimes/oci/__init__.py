@@ -9,21 +9,11 @@
 * :mod:`.probe` — what this host allows: refusals with their fix, egress, the version.
 """
 
-from fusion_oci.runtimes.oci.runtime import (
-    EgressHook,
-    OciRuntime,
-    bundle_spec,
-    container_id,
-    egress_launch_argv,
-    exit_status,
-    gc_oci,
-    limit_counters,
-    list_containers,
-    run_argv,
-    runtime_flags,
-    state_base,
-    with_init,
-)
+# The runtime and the parts callers and tests name from here.
+from fusion_oci.oci.ops import EgressHook, with_init
+from fusion_oci.runtimes.oci.launch import bundle_spec, egress_launch_argv, run_argv, runtime_flags
+from fusion_oci.runtimes.oci.runtime import OciRuntime, exit_status, limit_counters
+from fusion_oci.runtimes.oci.state import container_id, gc_oci, list_containers, state_base
 
 __all__ = [
     "EgressHook",

@@ -51,7 +51,6 @@ from fusion_oci.errors import AgentLostError, FusionOCIError, SandboxSetupError
 from fusion_oci.models import NetworkMode, RunOptions
 from fusion_oci.oci.bundle import write_bundle
 from fusion_oci.oci.model import ANN_RUN, ANN_TASK, ProcessSpec
-from fusion_oci.oci.ops import EgressHook, with_init
 from fusion_oci.process import ProcessOutcome, kill_group
 from fusion_oci.runtimes.box import Box
 from fusion_oci.runtimes.linux.cgroups import (
@@ -70,18 +69,13 @@ from fusion_oci.runtimes.oci.launch import (
     GRACE_S,
     OciPlan,
     TaskLaunch,
-    bundle_spec,
-    egress_launch_argv,
     is_gvisor,
     process_key,
     render,
-    run_argv,
-    runtime_flags,
 )
 from fusion_oci.runtimes.oci.state import (
     TaskState,
     cgroup_paths,
-    container_id,
     delete_container,
     gc_oci,
     list_containers,
@@ -98,21 +92,7 @@ from fusion_oci.runtimes.protocol import Availability
 from fusion_oci.runtimes.requirements import Requirement
 from fusion_oci.runtimes.skeleton import SpecRuntime
 
-__all__ = [  # the names other modules and tests import from here
-    "EgressHook",
-    "OciRuntime",
-    "bundle_spec",
-    "container_id",
-    "egress_launch_argv",
-    "exit_status",
-    "gc_oci",
-    "limit_counters",
-    "list_containers",
-    "run_argv",
-    "runtime_flags",
-    "state_base",
-    "with_init",
-]
+__all__ = ["OciRuntime", "exit_status", "limit_counters"]
 
 if TYPE_CHECKING:
     from fusion_oci.resolve import ResolvedTask
