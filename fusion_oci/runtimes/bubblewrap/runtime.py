@@ -79,7 +79,7 @@ from fusion_oci.runtimes.linux.cgroups import Cgroup, CgroupEvents, CgroupLimits
 from fusion_oci.runtimes.linux.pipes import close_all, read_json
 from fusion_oci.runtimes.plans import AgentPlan, SandboxLaunch
 from fusion_oci.runtimes.protocol import Availability
-from fusion_oci.runtimes.requirements import Requirement
+from fusion_oci.runtimes.requirements import SANDBOXED, Requirement
 from fusion_oci.runtimes.skeleton import SpecRuntime
 from fusion_oci.scratch import make_scratch
 
@@ -328,16 +328,8 @@ class BubblewrapRuntime(SpecRuntime):
         # filtered: an empty network namespace and the agent's forwarder to the task's proxy
         # (nothing of the host's beyond bwrap itself).
         # HOST_PROCESSES: --unshare-all's pid namespace hides every host process.
-        out = {
-            Requirement.FILESYSTEM,
-            Requirement.PROC_PATHS,
-            Requirement.ENV,
-            Requirement.HOST_PROCESSES,
-            Requirement.NETWORK_NONE,
-            Requirement.NETWORK_FILTERED,
-            Requirement.HOST_SERVICES,
-            Requirement.TMP_SIZE,
-        }
+        # RLIMIT_CPU and RLIMIT_FSIZE: prlimit(2), always there on Linux.
+        out = set(SANDBOXED)
         if p.egress_problem is None and p.slirp4netns:
             out.add(Requirement.NETWORK_EGRESS)
         # publishPorts: the agent (the sandbox's init) is handed each inbound connection.
@@ -350,8 +342,6 @@ class BubblewrapRuntime(SpecRuntime):
         ):
             if name in ctl:
                 out.add(req)
-        # RLIMIT_CPU and RLIMIT_FSIZE: prlimit(2), always there on Linux.
-        out |= {Requirement.CPU_TIME, Requirement.FILE_SIZE}
         return frozenset(out)
 
     def sandbox_launch(self) -> SandboxLaunch:

@@ -64,7 +64,7 @@ from fusion_oci.runtimes.engine.probe import EngineProbe, nproc_limit
 from fusion_oci.runtimes.linux.egress import proxy_socket, service_relays
 from fusion_oci.runtimes.outcome import LimitCounters, classify
 from fusion_oci.runtimes.plans import AgentPlan, Plan, SandboxLaunch, own_plan, spawn_of
-from fusion_oci.runtimes.requirements import Requirement
+from fusion_oci.runtimes.requirements import SANDBOXED, Requirement
 from fusion_oci.scratch import make_scratch
 
 if TYPE_CHECKING:
@@ -139,20 +139,11 @@ class ContainerRuntime(EngineProbe):
         # socket, rootful or rootless alike.
         # HOST_PROCESSES: the container's pid namespace hides every host process.
         need = {
-            Requirement.FILESYSTEM,
-            Requirement.PROC_PATHS,
-            Requirement.ENV,
-            Requirement.HOST_PROCESSES,
-            Requirement.NETWORK_NONE,
+            *SANDBOXED,
             Requirement.NETWORK_EGRESS,
-            Requirement.NETWORK_FILTERED,
-            Requirement.HOST_SERVICES,
             # publishPorts: handed to the agent of the task's one container; oneshot has none
             # between commands.
             *((Requirement.PUBLISHED_PORTS,) if self.mode == "warm" else ()),
-            Requirement.CPU_TIME,
-            Requirement.TMP_SIZE,
-            Requirement.FILE_SIZE,
         }
         try:
             _, info = self._probe(start=False)

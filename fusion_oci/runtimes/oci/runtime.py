@@ -89,7 +89,7 @@ from fusion_oci.runtimes.oci.state import (
 from fusion_oci.runtimes.outcome import LimitCounters, status_from_code
 from fusion_oci.runtimes.plans import AgentPlan
 from fusion_oci.runtimes.protocol import Availability
-from fusion_oci.runtimes.requirements import Requirement
+from fusion_oci.runtimes.requirements import SANDBOXED, Requirement
 from fusion_oci.runtimes.skeleton import SpecRuntime
 
 __all__ = ["OciRuntime", "exit_status", "limit_counters"]
@@ -273,18 +273,7 @@ class OciRuntime(SpecRuntime):
         # (20221219) only such a call arms RLIMIT_CPU (a spec rlimit shows in `ulimit -t` yet
         # never fires), which the agent as the task's init makes for every command.
         # HOST_PROCESSES: the spec's pid namespace hides every host process.
-        out = {
-            Requirement.FILESYSTEM,
-            Requirement.PROC_PATHS,
-            Requirement.ENV,
-            Requirement.HOST_PROCESSES,
-            Requirement.NETWORK_NONE,
-            Requirement.NETWORK_FILTERED,
-            Requirement.HOST_SERVICES,
-            Requirement.CPU_TIME,
-            Requirement.TMP_SIZE,
-            Requirement.FILE_SIZE,
-        }
+        out = set(SANDBOXED)
         if is_gvisor(self.runtime_name):
             out.discard(Requirement.TMP_SIZE)  # gVisor's tmpfs ignores size= (seen: 20221219)
         else:
