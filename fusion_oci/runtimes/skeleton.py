@@ -29,9 +29,11 @@ if TYPE_CHECKING:
 class SpecRuntime(RuntimeDefaults):
     """Skeleton of the built-in runtimes.
 
-    Subclasses provide ``id``, :meth:`capabilities`, :meth:`availability`, :meth:`enforces`
-    and :meth:`plan`; they may extend :meth:`check`, :meth:`prepare` and :meth:`dispose`, and
-    set up their own state in :meth:`setup` (the constructor is this one). A runtime whose
+    Subclasses provide ``id`` (with its row of :data:`fusion_oci.backends.CAPABILITIES`),
+    :meth:`availability`, :meth:`enforces` and :meth:`plan`; they may extend :meth:`check`,
+    :meth:`prepare` and :meth:`dispose`, say what their host changes of their capabilities
+    (:meth:`host_capabilities`), and make their own state in :meth:`setup` (the constructor is
+    this one). A runtime whose
     commands go through the task's exec agent keeps its running sandbox in :attr:`box` and
     uses :meth:`execute` as it is, with its hooks (:meth:`check_plan`, :meth:`run_spawn`); the
     others override :meth:`execute`.
