@@ -149,7 +149,7 @@ def read_spec(
     # A process the sandbox starts inherits the caller's RLIMIT_NPROC; an engine would apply
     # its own default instead (podman's for root exceeds some hosts' hard limit), so say it.
     if "nproc" not in rlimits and host_rlimits is not None:
-        from fusion_oci.runtimes.engine_probe import nproc_limit
+        from fusion_oci.runtimes.engine.probe import nproc_limit
 
         limits = {k: (int(v[0]), int(v[1])) for k, v in host_rlimits.items()}
         rlimits["nproc"] = nproc_limit(limits) or (-1, -1)
