@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from fusion_oci.models import CpuLimit, PrepareContext, RunOptions, SandboxPolicy
 from fusion_oci.policy.settings import SandboxSettings
 from fusion_oci.runtimes.bubblewrap import BubblewrapRuntime, LaunchFds, with_fds
-from fusion_oci.runtimes.bubblewrap_argv import sandbox_command
+from fusion_oci.runtimes.bubblewrap.argv import sandbox_command
 from fusion_oci.sandbox import SyncSandbox
 
 NONE = SandboxPolicy(allow_network=False)

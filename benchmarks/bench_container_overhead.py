@@ -26,7 +26,7 @@ from pathlib import Path
 from benchmarks.common import markdown_table, write_markdown
 from fusion_oci.models import PrepareContext, RunOptions, SandboxPolicy
 from fusion_oci.oci.seccomp import default_profile
-from fusion_oci.runtimes.containers import seccomp_json
+from fusion_oci.runtimes.engine.containers import seccomp_json
 from fusion_oci.sandbox import Sandbox
 from tests.conftest import git_init
 

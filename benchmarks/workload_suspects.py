@@ -55,7 +55,7 @@ from benchmarks.workload_raw import raw_runsc_argv, timed
 from fusion_oci.models import NetworkMode
 from fusion_oci.process import REAPER, reaper_argv
 from fusion_oci.runtimes.bubblewrap import BubblewrapRuntime, bwrap_spawn
-from fusion_oci.runtimes.bubblewrap_argv import SECCOMP_FD
+from fusion_oci.runtimes.bubblewrap.argv import SECCOMP_FD
 from fusion_oci.runtimes.landlock import (
     LandlockPlan,
     LandlockRuntime,

@@ -18,6 +18,7 @@ from pydantic import (
     ConfigDict,
     Field,
     InstanceOf,
+    PrivateAttr,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -514,6 +515,20 @@ class PrepareContext(Model):
     unsafe_worktree: bool = False
     """True: accept a worktree that is ``/``, ``$HOME`` or an ancestor of it, or not the top of
     a git work tree. False (default): such a worktree is refused before anything runs."""
+    _worktree_checked: tuple[str, bool] | None = PrivateAttr(default=None)
+    """(worktree_path, unsafe_worktree) as the front door (fusion_oci.caller) checked them,
+    naming them as its caller does: ``prepare`` does not check that worktree again. Private:
+    no field, never read from the wire."""
+
+    def mark_worktree_checked(self) -> PrepareContext:
+        """This context (just built by the one who checked its worktree), so marked."""
+        self._worktree_checked = (self.worktree_path, self.unsafe_worktree)
+        return self
+
+    @property
+    def worktree_checked(self) -> bool:
+        """True: this worktree, with this unsafe_worktree, was checked by the front door."""
+        return self._worktree_checked == (self.worktree_path, self.unsafe_worktree)
 
     @field_validator("worktree_path")
     @classmethod

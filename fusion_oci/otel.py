@@ -22,9 +22,22 @@ import logging
 import sys
 from collections.abc import Callable, Mapping
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, assert_never
 
-from fusion_oci.audit import AuditEvent, AuditLog
+from fusion_oci.audit import (
+    AuditEvent,
+    AuditLog,
+    CredentialEvent,
+    DisposeEvent,
+    EgressEvent,
+    FailureEvent,
+    FallbackEvent,
+    GateEvent,
+    InboundEvent,
+    PrepareEvent,
+    ProvisionEvent,
+    RunEvent,
+)
 from fusion_oci.errors import SettingsError
 
 if TYPE_CHECKING:
@@ -57,30 +70,52 @@ def _ns(ts: str) -> int | None:
         return None
 
 
-def attributes(event: AuditEvent) -> dict[str, Any]:
+Spanned = PrepareEvent | RunEvent | DisposeEvent
+"""The lifecycle events that become spans."""
+
+
+def attributes(event: Spanned) -> dict[str, Any]:
     """The span attributes of one event. The command is reduced to its program name: a
     command line can carry secrets, and exported telemetry leaves the host."""
     attrs: dict[str, Any] = {
         "fusion_oci.task_id": event.task_id,
         "fusion_oci.run_id": event.run_id,
         "fusion_oci.backend": event.backend,
-        "fusion_oci.unenforced": list(event.unenforced or []),
+        "fusion_oci.unenforced": [],
     }
-    optional = {
-        "fusion_oci.end_reason": event.end_reason,
-        "fusion_oci.exit_code": event.exit_code,
-        "fusion_oci.signal": event.signal,
-        "fusion_oci.timed_out": event.timed_out,
-        "fusion_oci.fell_back": event.fell_back,
-        "fusion_oci.policy_hash": event.policy_hash,
-        "fusion_oci.duration_ms": event.duration_ms,
-        "fusion_oci.program": next(iter((event.command or "").split()), None),
-    }
+    optional: dict[str, Any]
+    match event:
+        case RunEvent():
+            attrs["fusion_oci.unenforced"] = list(event.unenforced or [])
+            optional = {
+                "fusion_oci.end_reason": event.end_reason,
+                "fusion_oci.exit_code": event.exit_code,
+                "fusion_oci.signal": event.signal,
+                "fusion_oci.timed_out": event.timed_out,
+                "fusion_oci.fell_back": event.fell_back,
+                "fusion_oci.policy_hash": event.policy_hash,
+                "fusion_oci.duration_ms": event.duration_ms,
+                "fusion_oci.program": next(iter((event.command or "").split()), None),
+            }
+        case PrepareEvent():
+            attrs["fusion_oci.unenforced"] = list(event.unenforced or [])
+            optional = {
+                "fusion_oci.fell_back": event.fell_back,
+                "fusion_oci.policy_hash": event.policy_hash,
+                "fusion_oci.duration_ms": event.duration_ms,
+            }
+        case DisposeEvent():
+            optional = {
+                "fusion_oci.policy_hash": event.policy_hash,
+                "fusion_oci.duration_ms": event.duration_ms,
+            }
+        case _:
+            assert_never(event)
     attrs.update({k: v for k, v in optional.items() if v is not None})
     return attrs
 
 
-def outcome(event: AuditEvent) -> str:
+def outcome(event: RunEvent) -> str:
     """``ok`` for exit 0; else the end reason, ``exit`` meaning a non-zero exit."""
     reason = event.end_reason or "exit"
     if reason == "exit" and (event.exit_code or 0) == 0:
@@ -132,35 +167,42 @@ class OtelSubscriber:
                 )
 
     def _record(self, event: AuditEvent) -> None:
-        name = SPANS.get(event.type)
-        if name is not None:
-            self._span(name, event)
-        if event.type == "sandbox:run":
-            labels: dict[str, str | bool] = {
-                "fusion_oci.backend": event.backend,
-                "fusion_oci.outcome": outcome(event),
-                "fusion_oci.end_reason": event.end_reason or "exit",
-                "fusion_oci.fell_back": bool(event.fell_back),
-            }
-            self.runs.add(1, labels)
-            if event.duration_ms is not None:
-                self.run_duration.record(event.duration_ms, labels)
-        elif event.type in ("sandbox:failure", "sandbox:fallback"):
-            self.setup.add(
-                1,
-                {
+        match event:
+            case PrepareEvent() | DisposeEvent():
+                self._span(event)
+            case RunEvent():
+                self._span(event)
+                labels: dict[str, str | bool] = {
                     "fusion_oci.backend": event.backend,
-                    "fusion_oci.event": event.type.removeprefix("sandbox:"),
-                },
-            )
+                    "fusion_oci.outcome": outcome(event),
+                    "fusion_oci.end_reason": event.end_reason or "exit",
+                    "fusion_oci.fell_back": bool(event.fell_back),
+                }
+                self.runs.add(1, labels)
+                if event.duration_ms is not None:
+                    self.run_duration.record(event.duration_ms, labels)
+            case FailureEvent() | FallbackEvent():
+                self.setup.add(
+                    1,
+                    {
+                        "fusion_oci.backend": event.backend,
+                        "fusion_oci.event": event.type.removeprefix("sandbox:"),
+                    },
+                )
+            case (
+                ProvisionEvent() | GateEvent() | EgressEvent() | CredentialEvent() | InboundEvent()
+            ):
+                pass  # not a step of the sandbox's lifecycle: no span, no metric
+            case _:
+                assert_never(event)
 
-    def _span(self, name: str, event: AuditEvent) -> None:
+    def _span(self, event: Spanned) -> None:
         from opentelemetry import trace
 
         end = _ns(event.ts)
         start = None if end is None else end - (event.duration_ms or 0) * 1_000_000
         key = (event.task_id, event.run_id)
-        if event.type == "sandbox:prepare" and key not in self._sandboxes:
+        if isinstance(event, PrepareEvent) and key not in self._sandboxes:
             # One trace per sandbox: a `sandbox` span from the start of prepare to the end
             # of dispose, parent of the lifecycle spans.
             self._sandboxes[key] = self.tracer.start_span(
@@ -175,12 +217,12 @@ class OtelSubscriber:
         parent = self._sandboxes.get(key)
         context = trace.set_span_in_context(parent) if parent is not None else None
         span = self.tracer.start_span(
-            name, context=context, start_time=start, attributes=attributes(event)
+            SPANS[event.type], context=context, start_time=start, attributes=attributes(event)
         )
-        if event.type == "sandbox:run" and outcome(event) != "ok":
+        if isinstance(event, RunEvent) and outcome(event) != "ok":
             span.set_status(self._status(self._error, outcome(event)))
         span.end(end_time=end)
-        if event.type == "sandbox:dispose" and parent is not None:
+        if isinstance(event, DisposeEvent) and parent is not None:
             del self._sandboxes[key]
             parent.end(end_time=end)
 

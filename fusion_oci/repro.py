@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from fusion_oci.audit import AuditEvent, read_events
+from fusion_oci.audit import RunEvent, read_events
 from fusion_oci.errors import FlagError, ProvisionError, SettingsError
 from fusion_oci.models import PrepareContext, RunOptions, RunResult
 from fusion_oci.replay import (
@@ -38,7 +38,7 @@ CONTAINER_BACKENDS = ("podman", "docker")
 
 @dataclass(frozen=True)
 class RecordedCommand:
-    event: AuditEvent
+    event: RunEvent
     record: ReplayRecord
 
 
@@ -62,7 +62,7 @@ def check_log(audit_path: Path, env: Mapping[str, str]) -> str | None:
 
 def find_run(audit_path: Path, ident: str, project_dir: Path) -> list[RecordedCommand]:
     """The recorded commands of run ``ident`` (or of the last run of task ``ident``)."""
-    runs = [e for e in read_events(audit_path) if e.type == "sandbox:run"]
+    runs = [e for e in read_events(audit_path) if isinstance(e, RunEvent)]
     chosen = [e for e in runs if e.run_id == ident]
     if not chosen:
         of_task = [e for e in runs if e.task_id == ident]
@@ -130,7 +130,7 @@ def pin_image(
 @dataclass
 class CommandReplay:
     record: ReplayRecord
-    event: AuditEvent
+    event: RunEvent
     result: RunResult
     image: str | None
     image_digest: str | None

@@ -13,8 +13,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
+from fusion_oci.cachedir import default_cache_root
 from fusion_oci.models import CacheMode, NetworkMode, PrepareContext, RunOptions
 from fusion_oci.oci.host import HostInfo
 from fusion_oci.oci.model import ProcessSpec, Rlimit, TaskSpec, User, config_json
@@ -168,6 +169,37 @@ def resolve(
         ca_complete=ca_bundle is not None and ca_bundle == host.ca_bundle,
     )
     return ResolvedTask(ctx=resolved_ctx, layout=layout, host=host, env=dict(env))
+
+
+class ImageDefault(Protocol):
+    """A runtime, or its class: the image its backend runs when nobody names one."""
+
+    @property
+    def default_image(self) -> str | None: ...
+
+
+def resolve_for(
+    runtime: ImageDefault,
+    settings: SandboxSettings,
+    ctx: PrepareContext,
+    host: HostInfo,
+    *,
+    env: Mapping[str, str],
+    cache_root: Path | None = None,
+    create: bool = True,
+) -> ResolvedTask:
+    """:func:`resolve` for this backend's default image: the task a run prepares, the one
+    ``plan`` shows and the bundle ``bundle create`` writes are the task that backend would
+    run. ``cache_root`` None: the default one of ``env``."""
+    return resolve(
+        settings,
+        ctx,
+        host,
+        env=env,
+        cache_root=cache_root or default_cache_root(env),
+        default_image=runtime.default_image,
+        create=create,
+    )
 
 
 def compile_spec(resolved: ResolvedTask, command: str | Sequence[str], opts: RunOptions) -> Spec:

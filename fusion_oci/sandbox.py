@@ -37,7 +37,15 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from fusion_oci.audit import AuditEvent, AuditLog
+from fusion_oci.audit import (
+    AuditLog,
+    DisposeEvent,
+    FailureEvent,
+    FallbackEvent,
+    PrepareEvent,
+    RunEvent,
+    SandboxEvent,
+)
 from fusion_oci.egress.credentials import Broker, credential_layout, make_broker
 from fusion_oci.egress.task import start_task_proxy, stop_task_proxy
 from fusion_oci.errors import (
@@ -64,10 +72,9 @@ from fusion_oci.policy.layout import task_project
 from fusion_oci.policy.settings import SandboxSettings
 from fusion_oci.policy.worktree import check_inputs
 from fusion_oci.replay import record_run, worktree_state
-from fusion_oci.resolve import ResolvedTask, compile_spec, resolve
+from fusion_oci.resolve import ResolvedTask, compile_spec, resolve_for
 from fusion_oci.runtimes.protocol import Runtime
 from fusion_oci.runtimes.registry import create_runtime
-from fusion_oci.runtimes.skeleton import default_cache_root
 from fusion_oci.scratch import gc_scratch
 from fusion_oci.services import TaskRelays, start_relays, stop_relays
 from fusion_oci.services.publish import TaskPorts, attach_ports, bind_ports, stop_ports
@@ -143,12 +150,11 @@ class Sandbox:
             ask=self.ask,
         )
 
-    def _event(self, type_: Any, **fields: Any) -> None:
+    def _event(self, kind: type[SandboxEvent], **fields: Any) -> None:
         ctx = self.ctx
         assert ctx is not None
         self.audit.emit(
-            AuditEvent(
-                type=type_,
+            kind(
                 task_id=ctx.task_id,
                 run_id=ctx.run_id,
                 backend=self.runtime.id if self.runtime else self.settings.backend,
@@ -175,13 +181,13 @@ class Sandbox:
     def _resolve(self, runtime: Runtime, ctx: PrepareContext, *, create: bool) -> ResolvedTask:
         """The one resolve step, for the chosen runtime's default image."""
         assert self.host is not None
-        return resolve(
+        return resolve_for(
+            runtime,
             self.settings,
             ctx,
             self.host,
             env=self.env,
-            cache_root=self.cache_root or default_cache_root(self.env),
-            default_image=runtime.default_image,
+            cache_root=self.cache_root,
             create=create,
         )
 
@@ -333,7 +339,7 @@ class Sandbox:
         try:
             check_inputs(ctx, self.settings.host_ca, self.env)
         except FusionOCIError as exc:
-            self._event("sandbox:failure", reason=exc.render(), details={"kind": exc.kind})
+            self._event(FailureEvent, reason=exc.render(), details={"kind": exc.kind})
             raise
         await asyncio.to_thread(gc_scratch)  # what a kill -9'd owner left in the temp dir
         try:
@@ -341,7 +347,7 @@ class Sandbox:
         except (RuntimeUnavailableError, PolicyNotEnforceableError) as exc:
             unenforced = getattr(exc, "unenforced", None)
             self._event(
-                "sandbox:failure",
+                FailureEvent,
                 reason=exc.render(),
                 unenforced=unenforced,
                 details={"kind": exc.kind},
@@ -351,14 +357,14 @@ class Sandbox:
             self.fell_back = True
             runtime = await self._start("native", ctx)
             self._event(
-                "sandbox:fallback",
+                FallbackEvent,
                 reason=exc.render(),
                 fell_back=True,
                 unenforced=self.unenforced or None,
                 details={"from": self.settings.backend, "kind": exc.kind},
             )
         except FusionOCIError as exc:
-            self._event("sandbox:failure", reason=exc.render(), details={"kind": exc.kind})
+            self._event(FailureEvent, reason=exc.render(), details={"kind": exc.kind})
             raise
         assert self.task is not None
         if runtime.isolates and self.task.layout.unprotected:
@@ -397,7 +403,7 @@ class Sandbox:
         if self.linker is not None:
             details["store_tree"] = (await asyncio.to_thread(self.linker.place)).audit()
         self._event(
-            "sandbox:prepare",
+            PrepareEvent,
             details=details,
             duration_ms=int((time.monotonic() - start) * 1000),
             fell_back=self.fell_back,
@@ -415,7 +421,7 @@ class Sandbox:
         duration = int((time.monotonic() - started) * 1000)
         backend = self.runtime.id if self.runtime else self.settings.backend
         self._event(
-            "sandbox:run",
+            RunEvent,
             command=shown[:200],
             duration_ms=duration,
             signal="SIGTERM",
@@ -486,7 +492,7 @@ class Sandbox:
             plan = runtime.plan(process)
         except SandboxSetupError as exc:
             self._event(
-                "sandbox:failure",
+                FailureEvent,
                 reason=exc.render(),
                 command=shown[:200],
                 unenforced=getattr(exc, "unenforced", None),
@@ -510,7 +516,7 @@ class Sandbox:
             return aborted
         except SandboxSetupError as exc:
             self._event(
-                "sandbox:failure",
+                FailureEvent,
                 reason=exc.render(),
                 command=shown[:200],
                 details={"kind": exc.kind},
@@ -564,7 +570,7 @@ class Sandbox:
             moved = [{"path": what, "to": where} for what, where in quarantined]
             replay["details"] = {**replay.get("details", {}), "git_quarantined": moved}
         self._event(
-            "sandbox:run",
+            RunEvent,
             command=shown[:200],
             duration_ms=result.duration_ms,
             exit_code=result.exit_code,
@@ -597,7 +603,7 @@ class Sandbox:
             await self._stop_egress()  # after the sandbox: nothing is left to connect
         if self.ctx is not None:
             self.runtime = runtime  # for the event's backend id
-            self._event("sandbox:dispose", duration_ms=int((time.monotonic() - start) * 1000))
+            self._event(DisposeEvent, duration_ms=int((time.monotonic() - start) * 1000))
             self.runtime = None
 
     async def __aenter__(self) -> Sandbox:

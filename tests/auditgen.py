@@ -9,7 +9,17 @@ import random
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from fusion_oci.audit import AuditEvent, AuditLog
+from fusion_oci.audit import (
+    AuditEvent,
+    AuditLog,
+    DisposeEvent,
+    FailureEvent,
+    FallbackEvent,
+    GateEvent,
+    PrepareEvent,
+    ProvisionEvent,
+    RunEvent,
+)
 
 START = datetime(2026, 12, 1, 8, 0, tzinfo=UTC)
 BACKENDS = ("bubblewrap", "podman", "oci")
@@ -37,10 +47,11 @@ def task_events(
             "policy_hash": f"{t:04x}" * 16,
             "policy_summary": POLICY,
         }
+        # Provisioning and gates are about an image, not a policy: they name none.
+        who = {"task_id": task, "run_id": run}
         if t % 7 == 3:  # bubblewrap missing: fall back to native, losing the limits
             out.append(
-                AuditEvent(
-                    type="sandbox:failure",
+                FailureEvent(
                     ts=ts(clock),
                     backend=backend,
                     reason="bubblewrap not found\nhint: apt-get install bubblewrap",
@@ -48,8 +59,7 @@ def task_events(
                 )
             )
             out.append(
-                AuditEvent(
-                    type="sandbox:fallback",
+                FallbackEvent(
                     ts=ts(clock),
                     backend="native",
                     reason="bubblewrap not found",
@@ -62,8 +72,7 @@ def task_events(
         if backend == "podman" and t % 6 == 1:
             decision = "deny" if t % 12 == 7 else "allow"
             out.append(
-                AuditEvent(
-                    type="sandbox:gate",
+                GateEvent(
                     ts=ts(clock),
                     backend=backend,
                     reason=f"image-pull {decision} (settings): pull fusion-node",
@@ -74,13 +83,12 @@ def task_events(
                         "action": "pull",
                         "target": "fusion-node:22",
                     },
-                    **base,
+                    **who,
                 )
             )
             for attempt, outcome in ((1, "retry"), (2, "ok")):
                 out.append(
-                    AuditEvent(
-                        type="sandbox:provision",
+                    ProvisionEvent(
                         ts=ts(clock + attempt),
                         backend=backend,
                         reason=f"pull attempt {attempt}",
@@ -93,13 +101,12 @@ def task_events(
                             "attempt": attempt,
                             **({"digest": f"sha256:{t:064x}"} if outcome == "ok" else {}),
                         },
-                        **base,
+                        **who,
                     )
                 )
         unenforced = ["cpu", "memory", "network", "pids"] if backend == "native" else None
         out.append(
-            AuditEvent(
-                type="sandbox:prepare",
+            PrepareEvent(
                 ts=ts(clock + 2),
                 backend=backend,
                 duration_ms=rnd.randint(5, 400),
@@ -122,8 +129,7 @@ def task_events(
             scale = {"native": 1, "bubblewrap": 1.2, "oci": 1.6, "podman": 3}[backend]
             duration = int(scale * (200 + 800 * abs(math.sin(t * 7 + r))))
             out.append(
-                AuditEvent(
-                    type="sandbox:run",
+                RunEvent(
                     ts=ts(clock + 2),
                     backend=backend,
                     command=command,
@@ -138,8 +144,7 @@ def task_events(
                 )
             )
         out.append(
-            AuditEvent(
-                type="sandbox:dispose",
+            DisposeEvent(
                 ts=ts(clock + 3),
                 backend=backend,
                 duration_ms=rnd.randint(1, 50),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, assert_never
 
 import typer
 
@@ -12,6 +12,8 @@ from fusion_oci.cli.options import AsJson, ProjectDir, Worktree, _console, _fail
 
 if TYPE_CHECKING:
     from rich.console import Console
+
+    from fusion_oci.audit import AuditEvent
 
 
 def audit(
@@ -47,8 +49,8 @@ def audit(
 
     from fusion_oci.audit import default_audit_path, default_key_path, load_key, read_events
     from fusion_oci.audit import verify_chain as check_chain
+    from fusion_oci.caller import find_project_dir
     from fusion_oci.policy.worktree import default_worktree
-    from fusion_oci.taskflags import find_project_dir
 
     where = (
         worktree.expanduser().absolute()
@@ -105,7 +107,7 @@ def audit(
     for col in ("time", "event", "task", "run", "backend", "exit", "ms", "reason"):
         table.add_column(col, overflow="fold")
     for e in events:
-        status = e.end_reason if e.end_reason not in (None, "exit") else e.exit_code
+        status, ms, reason = _columns(e)
         table.add_row(
             e.ts[11:23],
             e.type.removeprefix("sandbox:"),
@@ -113,10 +115,43 @@ def audit(
             e.run_id,
             e.backend,
             "" if status is None else str(status),
-            "" if e.duration_ms is None else str(e.duration_ms),
-            (e.reason or ", ".join(e.unenforced or []))[:120],
+            "" if ms is None else str(ms),
+            reason[:120],
         )
     _console().print(table)
+
+
+def _columns(e: AuditEvent) -> tuple[str | int | None, int | None, str]:
+    """The table's exit, ms and reason cells of one event: how a run ended (its end reason
+    unless it exited, then its exit code), how long the step took, and why (or, without a
+    reason, what the sandbox did not enforce)."""
+    from fusion_oci.audit import (
+        CredentialEvent,
+        DisposeEvent,
+        EgressEvent,
+        FailureEvent,
+        FallbackEvent,
+        GateEvent,
+        InboundEvent,
+        PrepareEvent,
+        ProvisionEvent,
+        RunEvent,
+    )
+
+    match e:
+        case RunEvent():
+            status = e.end_reason if e.end_reason not in (None, "exit") else e.exit_code
+            return status, e.duration_ms, ", ".join(e.unenforced or [])
+        case PrepareEvent():
+            return None, e.duration_ms, ", ".join(e.unenforced or [])
+        case FailureEvent() | FallbackEvent():
+            return None, None, e.reason or ", ".join(e.unenforced or [])
+        case DisposeEvent():
+            return None, e.duration_ms, ""
+        case ProvisionEvent() | GateEvent() | EgressEvent() | CredentialEvent() | InboundEvent():
+            return None, e.duration_ms, e.reason or ""
+        case _:
+            assert_never(e)
 
 
 def dashboard(
@@ -143,11 +178,11 @@ def dashboard(
     import os
 
     from fusion_oci.audit import default_audit_path
+    from fusion_oci.caller import find_project_dir
     from fusion_oci.dashboard.chain import host_key
     from fusion_oci.dashboard.server import serve
     from fusion_oci.errors import FusionOCIError
     from fusion_oci.policy.worktree import default_worktree
-    from fusion_oci.taskflags import find_project_dir
 
     try:
         where = (

@@ -30,13 +30,13 @@ def doctor(
     """
     import os
 
+    from fusion_oci.caller import find_project_dir
     from fusion_oci.doctor import backend_rows, kubernetes_facts
     from fusion_oci.errors import FusionOCIError
     from fusion_oci.policy.settings import load_settings
     from fusion_oci.policy.worktree import default_worktree
     from fusion_oci.services.show import grant_summary, publish_lines, publish_summary
     from fusion_oci.sidecars.show import service_lines, service_summary
-    from fusion_oci.taskflags import find_project_dir
 
     where = (
         worktree.expanduser().absolute()
@@ -181,7 +181,7 @@ def kubernetes_lines(kube: dict[str, Any]) -> list[str]:
 def _load_for(
     worktree: Path | None, task_prompt: Path | None, project_dir: Path | None, unsafe_worktree: bool
 ) -> Any:
-    from fusion_oci.taskflags import TaskFlags, caller_env, resolve_task
+    from fusion_oci.caller import TaskFlags, caller_env, resolve_task
 
     return resolve_task(
         TaskFlags(
@@ -216,8 +216,8 @@ def settings_show(
         {"key": key, "value": value, "source": prov.get(key, "default")}
         for key, value in values.items()
     ]
+    from fusion_oci.caller import caller_env
     from fusion_oci.egress.show import egress_rows
-    from fusion_oci.taskflags import caller_env
 
     rows += egress_rows(task.ctx, caller_env())  # network filtered: the proxy's hosts, and why
     from fusion_oci.services.show import grant_rows

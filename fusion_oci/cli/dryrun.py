@@ -8,11 +8,10 @@ from typing import Any
 
 def dry_run(task: Any, command: str | list[str], environ: dict[str, str]) -> dict[str, Any]:
     """Compile everything a run would, create nothing, start nothing: the same resolve step
-    and compiler as a run (fusion_oci.resolve), with ``create=False``."""
-    from fusion_oci.cachedir import default_cache_root
+    and compiler as a run (fusion_oci.resolve.resolve_for), with ``create=False``."""
     from fusion_oci.oci.host import probe_host
     from fusion_oci.oci.model import config_json
-    from fusion_oci.resolve import resolve
+    from fusion_oci.resolve import resolve_for
     from fusion_oci.runtimes.registry import create_runtime
     from fusion_oci.services.show import grant_summary, publish_summary
     from fusion_oci.sidecars import services_missing
@@ -21,15 +20,7 @@ def dry_run(task: Any, command: str | list[str], environ: dict[str, str]) -> dic
     settings = task.effective.settings
     host = probe_host()
     runtime = create_runtime(settings.backend, settings, environ, host=host)
-    resolved = resolve(
-        settings,
-        task.ctx,
-        host,
-        env=environ,
-        cache_root=default_cache_root(environ),
-        default_image=runtime.default_image,
-        create=False,
-    )
+    resolved = resolve_for(runtime, settings, task.ctx, host, env=environ, create=False)
     process = resolved.process(command, task.opts)
     avail = runtime.availability()
     missing = runtime.check(resolved)  # what the lifecycle refuses (or lists, for native)

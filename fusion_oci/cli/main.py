@@ -146,8 +146,8 @@ def plan(
 ) -> None:
     """Dry run: the resolved policy, the bundle's config.json and the runtime's launch plan."""
     params = dict(locals())
+    from fusion_oci.caller import caller_env, resolve_task
     from fusion_oci.errors import FusionOCIError
-    from fusion_oci.taskflags import caller_env, resolve_task
 
     try:
         flags = _flags(params)
@@ -234,13 +234,12 @@ def bundle_create(
 ) -> None:
     """Write an OCI bundle (config.json + rootfs/) for COMMAND, atomically."""
     params = dict(locals())
-    from fusion_oci.cachedir import default_cache_root
+    from fusion_oci.caller import caller_env, resolve_task
     from fusion_oci.errors import FusionOCIError
     from fusion_oci.oci.bundle import write_bundle
     from fusion_oci.oci.host import probe_host
-    from fusion_oci.resolve import compile_spec, resolve
+    from fusion_oci.resolve import compile_spec, resolve_for
     from fusion_oci.runtimes.registry import runtime_class
-    from fusion_oci.taskflags import caller_env, resolve_task
 
     try:
         target = output.absolute()
@@ -256,17 +255,9 @@ def bundle_create(
         environ = caller_env()
         task = resolve_task(flags, environ)
         settings = task.effective.settings
-        # The configured backend's default image, as `plan` and a run choose it: the bundle
-        # written is the bundle that backend would run.
-        default_image = getattr(runtime_class(settings.backend, settings), "default_image", None)
-        resolved = resolve(
-            settings,
-            task.ctx,
-            probe_host(),
-            env=environ,
-            cache_root=default_cache_root(environ),
-            default_image=default_image,
-        )
+        # The runtime's class is enough: the bundle written is the one that backend would run.
+        runtime = runtime_class(settings.backend, settings)
+        resolved = resolve_for(runtime, settings, task.ctx, probe_host(), env=environ)
         spec = compile_spec(resolved, _command(command), task.opts)
         bundle = write_bundle(spec, output)
     except FusionOCIError as exc:

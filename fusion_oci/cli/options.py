@@ -13,7 +13,7 @@ from fusion_oci.backends import BACKEND_IDS
 from fusion_oci.cli.choices import choice as _choice
 
 if TYPE_CHECKING:
-    from fusion_oci.taskflags import TaskFlags
+    from fusion_oci.caller import TaskFlags
 
 HELP_OPTIONS = {"help_option_names": ["-h", "--help"]}
 
@@ -146,7 +146,7 @@ def _flags(params: dict[str, Any]) -> TaskFlags:
     """The command's own parameters (its ``locals()``) that are task flags."""
     import dataclasses
 
-    from fusion_oci.taskflags import TaskFlags
+    from fusion_oci.caller import TaskFlags
 
     names = {f.name for f in dataclasses.fields(TaskFlags)}
     return TaskFlags(**{k: v for k, v in params.items() if k in names})

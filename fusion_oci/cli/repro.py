@@ -34,8 +34,8 @@ AuditLogOpt = Annotated[
 
 
 def _project(project_dir: Path | None) -> Path:
+    from fusion_oci.caller import find_project_dir
     from fusion_oci.policy.worktree import default_worktree
-    from fusion_oci.taskflags import find_project_dir
 
     if project_dir is not None:
         return project_dir.expanduser().absolute()
@@ -86,10 +86,10 @@ def repro(
     import asyncio
 
     from fusion_oci.audit import AuditLog, default_audit_path
+    from fusion_oci.caller import caller_env
     from fusion_oci.errors import FusionOCIError
     from fusion_oci.images.gates import tty_ask
     from fusion_oci.repro import check_log, find_run, render, replay
-    from fusion_oci.taskflags import caller_env
 
     try:
         project = _project(project_dir)
@@ -217,12 +217,12 @@ def source_from_settings(
     project_dir: Path | None,
 ) -> ExportSource:
     """The environment the current settings give a command (nothing is created or run)."""
+    from fusion_oci.caller import TaskFlags, caller_env, resolve_task
     from fusion_oci.cli.dryrun import dry_run
     from fusion_oci.export import default_image, read_spec, safe_name
     from fusion_oci.oci.host import probe_host
     from fusion_oci.oci.model import ANN_HOST_ROOTFS
     from fusion_oci.oci.spec import allowed_env
-    from fusion_oci.taskflags import TaskFlags, caller_env, resolve_task
 
     environ = caller_env()
     task = resolve_task(

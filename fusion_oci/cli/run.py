@@ -1,7 +1,7 @@
 """``fusion-oci run``: one command in the sandbox, its output passed through as it comes.
 
-The run itself is :func:`fusion_oci.runrequest.execute`, shared with the per-user resident
-server; here are the typer command, this process's I/O (:class:`LocalIO`) and
+The run itself is :func:`fusion_oci.caller.runrequest.execute`, shared with the per-user
+resident server; here are the typer command, this process's I/O (:class:`LocalIO`) and
 :func:`parse_run`, the parser the resident server is handed for its clients' argv.
 """
 
@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from fusion_oci.caller import Control, RunRequest, execute
 from fusion_oci.cli.options import (
     AllowPath,
     AsJson,
@@ -43,7 +44,6 @@ from fusion_oci.cli.options import (
     WritablePath,
     _flags,
 )
-from fusion_oci.runrequest import Control, RunRequest, execute
 
 if TYPE_CHECKING:
     from fusion_oci.images.gates import AskCallback
@@ -105,8 +105,8 @@ def run_here(req: RunRequest) -> int:
     import asyncio
     import signal
 
+    from fusion_oci.caller import caller_env
     from fusion_oci.hardening import harden_owner
-    from fusion_oci.taskflags import caller_env
 
     # This process holds the caller's environment and, under network filtered, the task's
     # proxy, CA key and brokered tokens: no core of it, no /proc/PID/mem (issue #31).
@@ -224,8 +224,8 @@ _COMMAND: Any = None
 
 def parse_run(argv: list[str]) -> RunRequest | tuple[int, str, str]:
     """``fusion-oci run ARGV`` parsed by the CLI's own command (a
-    :data:`fusion_oci.runrequest.RunParser`): the request, or what the CLI would have printed
-    and its exit status (a usage error: 2)."""
+    :data:`fusion_oci.caller.runrequest.RunParser`): the request, or what the CLI would have
+    printed and its exit status (a usage error: 2)."""
     from fusion_oci.cli.main import app
     from fusion_oci.errors import FlagError
 

@@ -16,9 +16,21 @@ from array import array
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, get_args
+from typing import Any, assert_never, get_args
 
-from fusion_oci.audit import AuditEvent
+from fusion_oci.audit import (
+    AuditEvent,
+    CredentialEvent,
+    DisposeEvent,
+    EgressEvent,
+    FailureEvent,
+    FallbackEvent,
+    GateEvent,
+    InboundEvent,
+    PrepareEvent,
+    ProvisionEvent,
+    RunEvent,
+)
 from fusion_oci.models import EndReason
 
 RECENT = 25
@@ -73,7 +85,20 @@ def _first_line(text: str | None, limit: int = 160) -> str:
     return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
-def is_failing(event: AuditEvent) -> bool:
+def _policy(event: AuditEvent) -> tuple[str | None, str | None]:
+    """The policy hash and summary an event names (a connection event names no summary)."""
+    match event:
+        case PrepareEvent() | RunEvent() | FailureEvent() | FallbackEvent() | DisposeEvent():
+            return event.policy_hash, event.policy_summary
+        case EgressEvent() | CredentialEvent() | InboundEvent():
+            return event.policy_hash, None
+        case ProvisionEvent() | GateEvent():
+            return None, None
+        case _:
+            assert_never(event)
+
+
+def is_failing(event: RunEvent) -> bool:
     """A run that did not end by exiting 0: a non-zero exit, a signal or a limit."""
     reason = event.end_reason or "exit"
     return reason != "exit" or (event.exit_code is not None and event.exit_code != 0)
@@ -222,8 +247,9 @@ class SummaryBuilder:
         task.events += 1
         task.last_ts, task.last_line = e.ts, line_no
         task.backends.add(e.backend)
-        if e.policy_hash is not None:
-            task.policy_hash, task.policy_summary = e.policy_hash, e.policy_summary
+        policy_hash, policy_summary = _policy(e)
+        if policy_hash is not None:
+            task.policy_hash, task.policy_summary = policy_hash, policy_summary
         base = {
             "line": line_no,
             "ts": e.ts,
@@ -231,72 +257,83 @@ class SummaryBuilder:
             "runId": e.run_id,
             "backend": e.backend,
         }
-        if e.type == "sandbox:run":
-            self._run(e, task, base)
-        elif e.type == "sandbox:fallback":
-            key = self.fallback_reasons.bump(_first_line(e.reason))
-            frm = (e.details or {}).get("from")
-            self.fallback_recent.append({**base, "from": frm, "reason": key})
-        elif e.type == "sandbox:failure":
-            key = self.failure_reasons.bump(_first_line(e.reason))
-            self.failure_recent.append(
-                {**base, "reason": key, "command": e.command, "unenforced": e.unenforced or []}
-            )
-            for part in e.unenforced or []:
-                self.unenforced[part] += 1
-        elif e.type == "sandbox:prepare":
-            if e.duration_ms is not None:
-                self.prepare_by_backend.setdefault(e.backend, _Durations()).values.append(
-                    e.duration_ms
+        match e:
+            case RunEvent():
+                self._run(e, task, base)
+            case FallbackEvent():
+                key = self.fallback_reasons.bump(_first_line(e.reason))
+                frm = (e.details or {}).get("from")
+                self.fallback_recent.append({**base, "from": frm, "reason": key})
+            case FailureEvent():
+                key = self.failure_reasons.bump(_first_line(e.reason))
+                self.failure_recent.append(
+                    {**base, "reason": key, "command": e.command, "unenforced": e.unenforced or []}
                 )
-            for part in e.unenforced or []:
-                self.unenforced[part] += 1
-        elif e.type == "sandbox:gate":
-            d = e.details or {}
-            gate, decision = str(d.get("gate", "?")), str(d.get("decision", "?"))
-            by = str(d.get("decided_by", "?"))
-            self.gates[(gate, decision, by)] += 1
-            self.gate_recent.append(
-                {
-                    **base,
-                    "gate": gate,
-                    "decision": decision,
-                    "decidedBy": by,
-                    "action": d.get("action"),
-                    "target": d.get("target"),
-                }
-            )
-        elif e.type == "sandbox:egress":
-            self._egress(e, base)
-        elif e.type == "sandbox:credential":
-            self._credential(e, base)
-        elif e.type == "sandbox:inbound":
-            # publishPorts: counted beside the task's outbound connections, not among them.
-            inbound = self.egress_tasks.get(e.task_id)
-            if inbound is None:
-                inbound = self.egress_tasks[e.task_id] = _EgressTask(e.task_id)
-            inbound.inbound += 1
-        elif e.type == "sandbox:provision":
-            d = e.details or {}
-            outcome = str(d.get("outcome", d.get("action", "?")))
-            self.provision_outcomes[outcome] += 1
-            if outcome == "retry":
-                self.provision_retries += 1
-            self.provision_recent.append(
-                {
-                    **base,
-                    "action": d.get("action"),
-                    "outcome": outcome,
-                    "ref": d.get("ref"),
-                    "engine": d.get("engine"),
-                    "digest": d.get("digest") or d.get("repo_digest"),
-                    "attempt": d.get("attempt"),
-                    "durationMs": e.duration_ms,
-                    "reason": _first_line(e.reason),
-                }
-            )
+                for part in e.unenforced or []:
+                    self.unenforced[part] += 1
+            case PrepareEvent():
+                if e.duration_ms is not None:
+                    self.prepare_by_backend.setdefault(e.backend, _Durations()).values.append(
+                        e.duration_ms
+                    )
+                for part in e.unenforced or []:
+                    self.unenforced[part] += 1
+            case DisposeEvent():
+                pass  # counted with the task's events above; nothing of its own to sum
+            case GateEvent():
+                self._gate(e, base)
+            case EgressEvent():
+                self._egress(e, base)
+            case CredentialEvent():
+                self._credential(e, base)
+            case InboundEvent():
+                # publishPorts: counted beside the task's outbound connections, not among them.
+                inbound = self.egress_tasks.get(e.task_id)
+                if inbound is None:
+                    inbound = self.egress_tasks[e.task_id] = _EgressTask(e.task_id)
+                inbound.inbound += 1
+            case ProvisionEvent():
+                self._provision(e, base)
+            case _:
+                assert_never(e)
 
-    def _egress(self, e: AuditEvent, base: dict[str, Any]) -> None:
+    def _gate(self, e: GateEvent, base: dict[str, Any]) -> None:
+        d = e.details or {}
+        gate, decision = str(d.get("gate", "?")), str(d.get("decision", "?"))
+        by = str(d.get("decided_by", "?"))
+        self.gates[(gate, decision, by)] += 1
+        self.gate_recent.append(
+            {
+                **base,
+                "gate": gate,
+                "decision": decision,
+                "decidedBy": by,
+                "action": d.get("action"),
+                "target": d.get("target"),
+            }
+        )
+
+    def _provision(self, e: ProvisionEvent, base: dict[str, Any]) -> None:
+        d = e.details or {}
+        outcome = str(d.get("outcome", d.get("action", "?")))
+        self.provision_outcomes[outcome] += 1
+        if outcome == "retry":
+            self.provision_retries += 1
+        self.provision_recent.append(
+            {
+                **base,
+                "action": d.get("action"),
+                "outcome": outcome,
+                "ref": d.get("ref"),
+                "engine": d.get("engine"),
+                "digest": d.get("digest") or d.get("repo_digest"),
+                "attempt": d.get("attempt"),
+                "durationMs": e.duration_ms,
+                "reason": _first_line(e.reason),
+            }
+        )
+
+    def _egress(self, e: EgressEvent, base: dict[str, Any]) -> None:
         egress = self.egress_tasks.get(e.task_id)
         if egress is None:
             egress = self.egress_tasks[e.task_id] = _EgressTask(e.task_id)
@@ -333,7 +370,7 @@ class SummaryBuilder:
             }
         )
 
-    def _credential(self, e: AuditEvent, base: dict[str, Any]) -> None:
+    def _credential(self, e: CredentialEvent, base: dict[str, Any]) -> None:
         d = e.details or {}
         name = str(d.get("credential", "?"))
         if e.allowed:
@@ -383,7 +420,7 @@ class SummaryBuilder:
             "recentDenied": list(reversed(self.egress_denied_recent)),
         }
 
-    def _run(self, e: AuditEvent, task: TaskInfo, base: dict[str, Any]) -> None:
+    def _run(self, e: RunEvent, task: TaskInfo, base: dict[str, Any]) -> None:
         task.runs += 1
         backend_id = self.backend_ids.setdefault(e.backend, len(self.backend_ids))
         failing = is_failing(e)

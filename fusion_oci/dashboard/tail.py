@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from fusion_oci.audit import AuditEvent
+from fusion_oci.audit import parse_event
 from fusion_oci.dashboard.summary import SummaryBuilder, _epoch
 
 CHUNK = 1 << 20
@@ -125,7 +125,7 @@ class LogTail:
         if not line.strip():
             return
         try:
-            event = AuditEvent.model_validate_json(line)
+            event = parse_event(line)
         except (ValidationError, ValueError):
             self.summary.add_malformed(self.line_no)
             return

@@ -154,9 +154,9 @@ class BudgetedEvents:
 
     def _write(self, **fields: Any) -> None:
         assert self.audit is not None
-        from fusion_oci.audit import AuditEvent
+        from fusion_oci.audit import CONNECTION_EVENTS
 
-        event = AuditEvent(**self._base(), **fields)
+        event = CONNECTION_EVENTS[fields.pop("type")](**self._base(), **fields)
         loop = asyncio.get_running_loop()
         future = asyncio.ensure_future(loop.run_in_executor(AUDIT_WRITER, self.audit.emit, event))
         self._pending.add(future)

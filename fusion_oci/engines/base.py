@@ -97,7 +97,7 @@ class CacheVolume:
 @dataclass(frozen=True)
 class ContainerPlan:
     """A task container as an adapter creates it (:meth:`EngineAdapter.create`); the
-    container translation (``runtimes/containers.py``) makes it. Here, with the adapter that
+    container translation (``runtimes/engine/containers.py``) makes it. Here, with the adapter that
     takes it, so the engines layer needs no runtime for its own argument types."""
 
     name: str

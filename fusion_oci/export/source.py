@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from fusion_oci.audit import AuditEvent
+    from fusion_oci.audit import RunEvent
     from fusion_oci.oci.model import ProcessSpec, TaskSpec
     from fusion_oci.replay import ReplayRecord
 
@@ -149,7 +149,7 @@ def read_spec(
     # A process the sandbox starts inherits the caller's RLIMIT_NPROC; an engine would apply
     # its own default instead (podman's for root exceeds some hosts' hard limit), so say it.
     if "nproc" not in rlimits and host_rlimits is not None:
-        from fusion_oci.runtimes.engine_probe import nproc_limit
+        from fusion_oci.runtimes.engine.probe import nproc_limit
 
         limits = {k: (int(v[0]), int(v[1])) for k, v in host_rlimits.items()}
         rlimits["nproc"] = nproc_limit(limits) or (-1, -1)
@@ -219,7 +219,7 @@ def safe_name(text: str) -> str:
 
 def source_from_record(
     record: ReplayRecord,
-    event: AuditEvent | None,
+    event: RunEvent | None,
     *,
     worktree: Path | None = None,
     image: str | None = None,

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import IO, Literal
 
-from fusion_oci.audit import AuditEvent, AuditLog
+from fusion_oci.audit import AuditLog, GateEvent, ProvisionEvent
 from fusion_oci.errors import GateDeniedError
 from fusion_oci.policy.settings import GateSettings
 
@@ -68,9 +68,9 @@ class AuditContext:
         reason: str,
         duration_ms: int | None = None,
         **details: object,
-    ) -> AuditEvent:
-        event = AuditEvent(
-            type=type_,
+    ) -> ProvisionEvent | GateEvent:
+        kind = GateEvent if type_ == "sandbox:gate" else ProvisionEvent
+        event = kind(
             task_id=self.task_id,
             run_id=self.run_id,
             backend=self.backend,

@@ -189,26 +189,21 @@ OUR_KEYS = frozenset(f.alias or n for n, f in SandboxSettings.model_fields.items
 IGNORED_NAMES = ("settings.yml", "settings.json", "sandbox.yaml")
 
 
-def ignored_warnings(paths: list[Path]) -> list[str]:
-    """Files beside a settings path that look like settings but are not read, and sandbox
-    keys written outside ``sandbox:``. Reads the disk; never raises."""
+def _ignored(path: Path, doc: object) -> list[str]:
+    """Files beside the settings file ``path`` that look like settings but are not read, and
+    sandbox keys its document ``doc`` writes outside ``sandbox:``. Never raises."""
     out: list[str] = []
-    for path in paths:
-        for name in IGNORED_NAMES:
-            other = path.with_name(name)
-            if other.is_file():
-                out.append(f"{other} is ignored: fusion-oci reads {path.name} (rename it)")
-        try:
-            doc = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except (OSError, yaml.YAMLError):
-            continue
-        if isinstance(doc, dict):
-            stray = sorted(k for k in doc if k in OUR_KEYS)
-            if stray:
-                out.append(
-                    f"{path}: {', '.join(stray)} at the top level is ignored; "
-                    "indent it under `sandbox:`"
-                )
+    for name in IGNORED_NAMES:
+        other = path.with_name(name)
+        if other.is_file():
+            out.append(f"{other} is ignored: fusion-oci reads {path.name} (rename it)")
+    if isinstance(doc, dict):
+        stray = sorted(k for k in doc if k in OUR_KEYS)
+        if stray:
+            out.append(
+                f"{path}: {', '.join(stray)} at the top level is ignored; "
+                "indent it under `sandbox:`"
+            )
     return out
 
 
@@ -222,18 +217,21 @@ def project_settings_path(project_dir: Path) -> Path:
     return project_dir / ".fusion" / "settings.yaml"
 
 
-def read_layer(path: Path) -> Layer | None:
-    """Read one YAML settings file; None when it does not exist."""
+_MISSING = object()
+
+
+def _read_doc(path: Path) -> object:
+    """The YAML document of a settings file; ``_MISSING`` when there is no such file."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        return None
+        return _MISSING
     except OSError as exc:
         raise SettingsError(
             f"cannot read settings file {path}", str(exc), "fix its permissions"
         ) from exc
     try:
-        doc = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
@@ -242,6 +240,11 @@ def read_layer(path: Path) -> Layer | None:
             str(getattr(exc, "problem", exc)),
             "fix the YAML syntax",
         ) from exc
+
+
+def _layer_of(path: Path, doc: object) -> Layer | None:
+    if doc is _MISSING:
+        return None
     if doc is None:
         return Layer(str(path), {})
     if not isinstance(doc, dict):
@@ -259,6 +262,29 @@ def read_layer(path: Path) -> Layer | None:
     layer = Layer(str(path), sandbox)
     validate_layer(layer)
     return layer
+
+
+def read_layer(path: Path) -> Layer | None:
+    """Read one YAML settings file; None when it does not exist."""
+    return _layer_of(path, _read_doc(path))
+
+
+def file_layers(
+    project_dir: Path | None, env: Mapping[str, str], global_path: Path | None = None
+) -> tuple[list[Layer], list[str]]:
+    """The global, then the project settings file, each read once: the layers of those that
+    exist, and what is ignored in or beside them."""
+    layers: list[Layer] = []
+    warnings: list[str] = []
+    gpath = global_path or global_settings_path(env)
+    for path in [gpath, project_settings_path(project_dir) if project_dir else None]:
+        if path is None:
+            continue
+        doc = _read_doc(path)  # raises on a bad file, before its warnings are looked for
+        if (layer := _layer_of(path, doc)) is not None:
+            layers.append(layer)
+        warnings += _ignored(path, None if doc is _MISSING else doc)
+    return layers, warnings
 
 
 def _merge(
@@ -396,24 +422,13 @@ def load_settings(
     """Global file, project file, task-prompt override, then CLI overrides (in that order)."""
     from fusion_oci.policy.prompt import parse_prompt_override
 
-    layers: list[Layer] = []
-    gpath = global_path or global_settings_path(env)
-    for path in [gpath, project_settings_path(project_dir) if project_dir else None]:
-        if path is not None and (layer := read_layer(path)) is not None:
-            layers.append(layer)
+    layers, ignored = file_layers(project_dir, env, global_path)
     if task_prompt and (backend := parse_prompt_override(task_prompt)):
         layers.append(Layer("task prompt", {"backend": backend}))
     if overrides:
         layers.append(Layer("command line", overrides))
     merged = merge_layers(layers)
-    files = [
-        p
-        for p in (gpath, project_settings_path(project_dir) if project_dir else None)
-        if p is not None
-    ]
-    return EffectiveSettings(
-        merged.settings, merged.provenance, merged.warnings + ignored_warnings(files)
-    )
+    return EffectiveSettings(merged.settings, merged.provenance, merged.warnings + ignored)
 
 
 def flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

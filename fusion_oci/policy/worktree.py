@@ -106,7 +106,10 @@ def check_worktree(
 def check_inputs(ctx: PrepareContext, host_ca: str, env: Mapping[str, str]) -> None:
     """Everything about a task that is the caller's mistake, checked before any runtime is
     chosen: a bad value is exit 2 in every failure mode and never a reason to fall back."""
-    check_worktree(Path(ctx.worktree_path), env, unsafe_ok=ctx.unsafe_worktree, name="worktreePath")
+    if not ctx.worktree_checked:  # else the front door checked it, in its caller's words
+        check_worktree(
+            Path(ctx.worktree_path), env, unsafe_ok=ctx.unsafe_worktree, name="worktreePath"
+        )
     if ctx.project_dir is not None and not Path(ctx.project_dir).is_dir():
         raise FlagError(
             f"projectDir {ctx.project_dir}",

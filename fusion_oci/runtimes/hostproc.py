@@ -23,10 +23,6 @@ from fusion_oci.runtimes.skeleton import SpecRuntime
 from fusion_oci.scratch import make_scratch
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
-
-    from fusion_oci.oci.host import HostInfo
-    from fusion_oci.policy.settings import SandboxSettings
     from fusion_oci.resolve import ResolvedTask
 
 PLACEHOLDER_HOME = "<private-home>"
@@ -59,15 +55,8 @@ class HostProcessRuntime(SpecRuntime):
     streams_stdin = True  # run_process writes a StdinStream's chunks as they come
     """Whether each task gets a scratch HOME and TMPDIR (native: no, the caller's own)."""
 
-    def __init__(
-        self,
-        settings: SandboxSettings,
-        env: Mapping[str, str],
-        cache_root: Path | None = None,
-        host: HostInfo | None = None,
-    ) -> None:
-        super().__init__(settings, env, cache_root=cache_root, host=host)
-        self._scratch: Path | None = None
+    _scratch: Path | None = None
+    """The task's private HOME and TMPDIR (from prepare)."""
 
     def _dirs(self) -> tuple[str, str]:
         """(HOME, TMPDIR) on the host; placeholders before prepare, so plans stay pure."""
@@ -79,7 +68,7 @@ class HostProcessRuntime(SpecRuntime):
         task = await super().prepare(task)
         if not self.private_dirs:
             return task
-        self._scratch = make_scratch(self.id, task.ctx.task_id)
+        self._scratch = make_scratch(self.id, task.spec.task_id)
         for sub in ("home", "tmp"):
             (self._scratch / sub).mkdir(mode=0o700)
         return task

@@ -47,6 +47,26 @@ class Requirement(StrEnum):
     port, and nothing else inside (fusion_oci.services.publish)."""
 
 
+SANDBOXED = frozenset(
+    {
+        Requirement.FILESYSTEM,
+        Requirement.PROC_PATHS,
+        Requirement.ENV,
+        Requirement.HOST_PROCESSES,
+        Requirement.NETWORK_NONE,
+        Requirement.NETWORK_FILTERED,
+        Requirement.HOST_SERVICES,
+        Requirement.TMP_SIZE,
+        Requirement.CPU_TIME,
+        Requirement.FILE_SIZE,
+    }
+)
+"""What every runtime that gives the task a sandbox of its own namespaces, with the exec agent
+inside, enforces (bubblewrap, oci, podman, docker): its mount, pid and network namespaces (an
+empty one for ``filtered``, the agent forwarding to the task's proxy), the spec's environment,
+/proc masks and tmpfs sizes, and the agent's setrlimit for each command. Each adds what its
+host allows (egress, cgroup limits, published ports)."""
+
 NETWORK_REQUIREMENT = {
     NetworkMode.NONE: Requirement.NETWORK_NONE,
     NetworkMode.EGRESS: Requirement.NETWORK_EGRESS,

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from fusion_oci.models import EndReason, PrepareContext, RunOptions, RunResult, SandboxCapabilities
+from fusion_oci.backends import CAPABILITIES, NOTHING
+from fusion_oci.models import EndReason, RunOptions, RunResult, SandboxCapabilities
 from fusion_oci.runtimes.outcome import classify, run_result
-from fusion_oci.runtimes.plans import Plan
+from fusion_oci.runtimes.plans import AgentPlan, Plan, own_plan
 from fusion_oci.runtimes.protocol import Availability, RuntimeDefaults
 from fusion_oci.runtimes.requirements import Requirement
 
@@ -22,20 +23,30 @@ if TYPE_CHECKING:
     from fusion_oci.policy.settings import SandboxSettings
     from fusion_oci.process import ProcessOutcome
     from fusion_oci.resolve import ResolvedTask
+    from fusion_oci.runtimes.box import Box
 
 
 class SpecRuntime(RuntimeDefaults):
     """Skeleton of the built-in runtimes.
 
-    Subclasses provide ``id``, :meth:`capabilities`, :meth:`availability`, :meth:`enforces`,
-    :meth:`plan` and :meth:`execute`; they may extend :meth:`check`, :meth:`prepare` and
-    :meth:`dispose`.
+    Subclasses provide ``id`` (with its row of :data:`fusion_oci.backends.CAPABILITIES`),
+    :meth:`availability`, :meth:`enforces` and :meth:`plan`; they may extend :meth:`check`,
+    :meth:`prepare` and :meth:`dispose`, say what their host changes of their capabilities
+    (:meth:`host_capabilities`), and make their own state in :meth:`setup` (the constructor is
+    this one). A runtime whose
+    commands go through the task's exec agent keeps its running sandbox in :attr:`box` and
+    uses :meth:`execute` as it is, with its hooks (:meth:`check_plan`, :meth:`run_spawn`); the
+    others override :meth:`execute`.
     """
 
     id: str = "abstract"
     default_image: str | None = None
     """Image used when neither the task nor the settings name one (None: the host's system
     directories)."""
+    plan_type: type[AgentPlan] = AgentPlan
+    """The type of this runtime's own plans (:meth:`execute` refuses any other)."""
+    runs_in: str = "its exec agent"
+    """What prepare starts, as the error for a command run before it names it."""
 
     def __init__(
         self,
@@ -48,7 +59,6 @@ class SpecRuntime(RuntimeDefaults):
         self.env = dict(env)
         self.cache_root = cache_root or default_cache_root(self.env)
         self._host = host
-        self.ctx: PrepareContext | None = None
         self.layout: TaskLayout | None = None
         # Services the lifecycle hands over (Sandbox sets them): where provisioning and other
         # runtime-side events are audited, and who answers an `ask` gate.
@@ -56,6 +66,14 @@ class SpecRuntime(RuntimeDefaults):
         self.ask: AskCallback | None = None
         self.task: ResolvedTask | None = None
         """The task as adopted or prepared (changed by :meth:`set_image`)."""
+        self.box: Box[Any, Any] | None = None
+        """The task's running sandbox, for a runtime whose commands go through its exec agent
+        (prepare starts it, dispose ends it); None: not prepared, or no agent of its own."""
+        self.setup()
+
+    def setup(self) -> None:
+        """A runtime's own state, made from :attr:`settings` and :attr:`env` at construction
+        (default: none)."""
 
     @property
     def host(self) -> HostInfo:
@@ -85,9 +103,22 @@ class SpecRuntime(RuntimeDefaults):
     def enforces(self) -> frozenset[Requirement]:
         raise NotImplementedError
 
+    def capabilities(self) -> SandboxCapabilities:
+        """The backend's row of :data:`fusion_oci.backends.CAPABILITIES` as this host has it:
+        ``fine`` network policy where ``network: filtered`` is enforced here, and what
+        :meth:`host_capabilities` says (a plugin of another id: :data:`NOTHING`)."""
+        offers = CAPABILITIES.get(self.id, NOTHING)._asdict()
+        if Requirement.NETWORK_FILTERED in self.enforces():
+            offers["network_policy"] = "fine"
+        return SandboxCapabilities(**(offers | self.host_capabilities()))
+
+    def host_capabilities(self) -> dict[str, str]:
+        """The fields of :meth:`capabilities` this host decides beyond the network policy
+        (default: none)."""
+        return {}
+
     def adopt(self, task: ResolvedTask) -> None:
         self.task = task
-        self.ctx = task.ctx
         self.layout = task.layout
 
     async def prepare(self, task: ResolvedTask) -> ResolvedTask:
@@ -106,10 +137,35 @@ class SpecRuntime(RuntimeDefaults):
         return self.adopted().process(command, opts)
 
     async def execute(self, plan: Plan, opts: RunOptions) -> RunResult:
-        raise NotImplementedError
+        """The one agent-backed execute: one of this runtime's own plans, its spawn frame to
+        the box's agent; a command that failed is classified with the counters of the box's
+        cgroup."""
+        own = own_plan(self, plan, self.plan_type)
+        box = self.box
+        if box is None:
+            from fusion_oci.errors import SandboxSetupError
+
+            raise SandboxSetupError(
+                f"runtime '{self.id}' was not prepared",
+                f"{self.runs_in} is not running",
+                "call prepare(ctx) first",
+            )
+        self.check_plan(own, box)
+        outcome = await self.run_spawn(box, own, opts)
+        return self.result(
+            outcome, own.process, classify(outcome, own.process, box.counters(outcome))
+        )
+
+    def check_plan(self, plan: AgentPlan, box: Box[Any, Any]) -> None:
+        """Refuse a plan the running box cannot run (default: any of its own plans runs)."""
+
+    async def run_spawn(
+        self, box: Box[Any, Any], plan: AgentPlan, opts: RunOptions
+    ) -> ProcessOutcome:
+        """Run the plan's spawn frame on the box's agent with the command's I/O."""
+        return await box.agent.run_command(plan.spawn, opts)
 
     async def dispose(self) -> None:
-        self.ctx = None
         self.layout = None
         self.task = None
 
@@ -134,15 +190,7 @@ class UnavailableRuntime(RuntimeDefaults):
         self._availability = Availability(False, reason, hint)
 
     def capabilities(self) -> SandboxCapabilities:
-        return SandboxCapabilities(
-            filesystem_isolation="none",
-            network_policy="none",
-            resource_limits="none",
-            requires_install=True,
-            supports_mac=False,
-            supports_linux=False,
-            supports_windows=False,
-        )
+        return SandboxCapabilities(**NOTHING._asdict())
 
     def availability(self) -> Availability:
         return self._availability

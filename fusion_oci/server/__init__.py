@@ -22,7 +22,7 @@ from fusion_oci.server.methods import PROTOCOL_VERSION, Session
 from fusion_oci.server.rpc import Connection, Writer
 
 if TYPE_CHECKING:
-    from fusion_oci.runrequest import RunParser
+    from fusion_oci.caller import RunParser
 
 __all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "PROTOCOL_VERSION", "serve_socket", "serve_stdio"]
 

@@ -13,7 +13,7 @@ import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
@@ -24,11 +24,13 @@ from fusion_oci.models import (
     FailureMode,
     Model,
     OutputStream,
-    PrepareContext,
     RunOptions,
     RunResult,
 )
 from fusion_oci.server.rpc import INVALID_PARAMS, Connection, Handler, Params, RequestId, RpcError
+
+if TYPE_CHECKING:
+    from fusion_oci.policy.settings import Layer
 
 PROTOCOL_VERSION = "1.0"
 """major.minor: a client refuses a server of another major version (docs/protocol.md)."""
@@ -146,33 +148,32 @@ class Session:
 
     async def prepare(self, params: Params, rid: RequestId | None) -> Any:
         from fusion_oci.audit import AuditLog, default_audit_path
+        from fusion_oci.caller import TaskRequest, front_door
         from fusion_oci.images.gates import GateRequest
+        from fusion_oci.policy.settings import Layer
         from fusion_oci.sandbox import Sandbox
-        from fusion_oci.taskflags import find_project_dir
 
         p = PrepareParams.model_validate(params)
-        worktree = _worktree(p.context.worktree_path)
-        project = find_project_dir(worktree, Path(p.project_dir) if p.project_dir else None)
         env = dict(self.env if p.env is None else p.env)
-        effective = _settings(project, env, p)
-        settings = effective.settings
-        try:
-            ctx = PrepareContext(
+        entry = front_door(
+            TaskRequest(
+                worktree=_worktree(p.context.worktree_path),
                 task_id=p.context.task_id,
                 run_id=p.context.run_id,
-                worktree_path=str(worktree),
-                policy=settings.policy,
-                image=settings.image,
-                cache_mode=settings.cache_mode,
-                project_dir=str(project),
+                env=env,
+                context_error=_context_error,
                 unsafe_worktree=p.context.unsafe_worktree,
+                project_dir=Path(p.project_dir) if p.project_dir else None,
+                prompt=lambda: p.task_prompt,
+                layers=_client_layers(p),
+                top=(
+                    Layer("prepare context", {"policy": p.context.policy})
+                    if p.context.policy
+                    else None
+                ),
             )
-        except ValueError as exc:  # an id or path of the context: the caller's argument
-            raise FlagError(
-                "prepare context",
-                str(exc).splitlines()[-1].strip(),
-                "see docs/protocol.md, method prepare",
-            ) from exc
+        )
+        settings, ctx, project = entry.effective.settings, entry.ctx, entry.project_dir
         sandbox_id = p.sandbox_id or f"sb{next(self._ids)}"
         if sandbox_id in self.sandboxes:
             raise FlagError(
@@ -399,30 +400,22 @@ def _worktree(path: str) -> Path:
     return worktree
 
 
-def _settings(project: Path, env: Mapping[str, str], p: PrepareParams) -> Any:
-    """Global file, project file, the client's settings, task prompt, the context's policy."""
-    from fusion_oci.policy.prompt import parse_prompt_override
-    from fusion_oci.policy.settings import (
-        Layer,
-        global_settings_path,
-        merge_layers,
-        project_settings_path,
-        read_layer,
-    )
+def _client_layers(p: PrepareParams) -> list[Layer]:
+    """The client's settings: above the files, below the task prompt."""
+    from fusion_oci.policy.settings import Layer
 
-    layers: list[Layer] = []
-    for path in (global_settings_path(env), project_settings_path(project)):
-        if (layer := read_layer(path)) is not None:
-            layers.append(layer)
     client: dict[str, Any] = dict(p.settings)
     if p.backend is not None:
         client["backend"] = p.backend
     if p.failure_mode is not None:
         client["failureMode"] = p.failure_mode
-    if client:
-        layers.append(Layer("client settings", client))
-    if p.task_prompt and (backend := parse_prompt_override(p.task_prompt)):
-        layers.append(Layer("task prompt", {"backend": backend}))
-    if p.context.policy:
-        layers.append(Layer("prepare context", {"policy": p.context.policy}))
-    return merge_layers(layers)
+    return [Layer("client settings", client)] if client else []
+
+
+def _context_error(exc: ValueError) -> FlagError:
+    """An id or path of the context: the caller's argument."""
+    return FlagError(
+        "prepare context",
+        str(exc).splitlines()[-1].strip(),
+        "see docs/protocol.md, method prepare",
+    )

@@ -4,11 +4,11 @@
 it: besides the protocol's methods it serves ``cli/run``, which is ``fusion-oci run`` for a
 client that stands elsewhere. The client sends its argv, cwd and environment; the argv is parsed
 by the parser the server is handed (the CLI's own typer command, ``fusion_oci.cli.run.parse_run``:
-``server/`` never imports ``cli/``) and the run is :func:`fusion_oci.runrequest.execute`, so
-the settings, notes, errors and exit status are the in-process CLI's. Output goes back as
-``output`` notifications (bytes base64), our lines as ``cli/echo``, gates as ``ask`` requests;
-the client sends ``cli/stdin`` chunks (acknowledged by ``cli/stdinTaken``, at most a few in
-flight) and ``cli/signal``.
+``server/`` never imports ``cli/``) and the run is
+:func:`fusion_oci.caller.runrequest.execute`, so the settings, notes, errors and exit status are
+the in-process CLI's. Output goes back as ``output`` notifications (bytes base64), our lines as
+``cli/echo``, gates as ``ask`` requests; the client sends ``cli/stdin`` chunks (acknowledged
+by ``cli/stdinTaken``, at most a few in flight) and ``cli/signal``.
 
 Who may connect: the socket is 0600 in a 0700 directory of the user's; the peer's uid is
 checked (SO_PEERCRED); and the first request must be ``initialize`` with the token from the
@@ -29,9 +29,9 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from fusion_oci.caller import Control, RunParser, RunRequest, execute
 from fusion_oci.errors import error_body
 from fusion_oci.images.gates import AskCallback, GateRequest
-from fusion_oci.runrequest import Control, RunParser, RunRequest, execute
 from fusion_oci.server.methods import Session
 from fusion_oci.server.rpc import INVALID_REQUEST, Handler, Params, RequestId, RpcError
 from fusion_oci.stdin import StdinStream

@@ -403,8 +403,8 @@ async def test_a_killed_agent_fails_the_sandbox_loudly_then_it_disposes(
     audit = AuditLog(tmp_path / "audit.jsonl")
     sb = Sandbox(SandboxSettings(), env=dict(os.environ), audit=audit)
     await sb.prepare(PrepareContext(task_id="t", run_id="r", worktree_path=str(worktree)))
-    assert isinstance(sb.runtime, NativeRuntime) and sb.runtime._agent is not None
-    agent_pid = sb.runtime._agent.peer_pid
+    assert isinstance(sb.runtime, NativeRuntime) and sb.runtime.box is not None
+    agent_pid = sb.runtime.box.agent.peer_pid
     assert agent_pid is not None
     assert (await sb.run("echo before")).stdout == "before\n"
     os.kill(agent_pid, signal.SIGKILL)
@@ -430,8 +430,8 @@ async def test_dispose_leaves_no_process_of_the_sandbox(worktree: Path) -> None:
     tag = marker("dispose")
     sb = Sandbox(SandboxSettings(), env=dict(os.environ))
     await sb.prepare(PrepareContext(task_id="t", run_id="r", worktree_path=str(worktree)))
-    assert isinstance(sb.runtime, NativeRuntime) and sb.runtime._agent is not None
-    agent_pid = sb.runtime._agent.peer_pid
+    assert isinstance(sb.runtime, NativeRuntime) and sb.runtime.box is not None
+    agent_pid = sb.runtime.box.agent.peer_pid
     assert agent_pid is not None
     running = asyncio.ensure_future(sb.run(f"sh -c 'sleep 1000; :' {tag}"))
     await asyncio.sleep(0.3)
@@ -515,7 +515,7 @@ async def test_the_reaper_path_stays_for_platforms_without_the_agent(
         )
     )
     try:
-        assert runtime._agent is None
+        assert runtime.box is None
         opts = RunOptions()
         r = await runtime.execute(runtime.plan(task.process("echo shim; exit 3", opts)), opts)
         assert (r.stdout, r.exit_code) == ("shim\n", 3)

@@ -15,8 +15,8 @@ import pytest
 from fusion_oci.errors import PolicyNotEnforceableError
 from fusion_oci.models import CacheMode, CpuLimit, PrepareContext, RunOptions, SandboxPolicy
 from fusion_oci.policy.settings import SandboxSettings
-from fusion_oci.runtimes import bubblewrap
 from fusion_oci.runtimes.bubblewrap import BubblewrapRuntime
+from fusion_oci.runtimes.bubblewrap import runtime as bubblewrap
 from fusion_oci.runtimes.linux.cgroups import CgroupSupport
 from fusion_oci.sandbox import Sandbox
 from tests.backends import require, require_runtime
@@ -350,7 +350,7 @@ async def test_seccomp_is_compiled_once_per_sandbox_and_high_bits_do_not_dodge_i
 ) -> None:
     """libseccomp compiles the bundle's profile at prepare, not per command; in the kernel,
     socket() with AF_PACKET in the low 32 bits of the family and junk above is refused."""
-    from fusion_oci.runtimes import bubblewrap_argv
+    from fusion_oci.runtimes.bubblewrap import argv as bubblewrap_argv
 
     compiled: list[int] = []
     real = bubblewrap_argv.compile_bpf
@@ -409,8 +409,8 @@ async def test_one_sandbox_per_task_and_nothing_left_after_dispose(
     policy = SandboxPolicy(network="egress", pids_limit=64)  # type: ignore[arg-type]
     async with sandbox(tmp_path, worktree, policy) as sb:
         runtime = sb.runtime
-        assert isinstance(runtime, BubblewrapRuntime) and runtime._box is not None
-        bwrap_pid = runtime._box.agent.peer_pid
+        assert isinstance(runtime, BubblewrapRuntime) and runtime.box is not None
+        bwrap_pid = runtime.box.agent.peer_pid
         assert (await sb.run("echo kept > /tmp/x; (sleep 600 &) ; true")).exit_code == 0
         again = await sb.run("cat /tmp/x; ps -e -o comm= | grep -c sleep || true")
         assert again.stdout.split() == ["kept", "0"]  # the daemon went with its command
@@ -431,8 +431,8 @@ async def test_killing_the_agent_fails_the_sandbox_loudly(tmp_path: Path, worktr
     leaves = _leaves()
     async with sandbox(tmp_path, worktree, SandboxPolicy(allow_network=False, pids_limit=64)) as sb:
         runtime = sb.runtime
-        assert isinstance(runtime, BubblewrapRuntime) and runtime._box is not None
-        bwrap_pid = runtime._box.agent.peer_pid
+        assert isinstance(runtime, BubblewrapRuntime) and runtime.box is not None
+        bwrap_pid = runtime.box.agent.peer_pid
         assert bwrap_pid is not None
         running = asyncio.ensure_future(sb.run("sleep 600"))
         await asyncio.sleep(0.5)
@@ -459,8 +459,8 @@ async def test_agent_cannot_be_replaced_traced_or_ended_from_inside(
         sandbox(tmp_path, other_wt, none, task="t2") as other,
     ):
         runtime = sb.runtime
-        assert isinstance(runtime, BubblewrapRuntime) and runtime._box is not None
-        before = runtime._box.agent.peer_pid
+        assert isinstance(runtime, BubblewrapRuntime) and runtime.box is not None
+        before = runtime.box.agent.peer_pid
         fds = await sb.run("ls /proc/self/fd")
         assert fds.stdout.split() == ["0", "1", "2", "3"], "only stdio (and ls's own dir)"
         tamper = {
@@ -477,7 +477,7 @@ async def test_agent_cannot_be_replaced_traced_or_ended_from_inside(
             assert r.exit_code not in (0, None), (name, r)
         again = await sb.run("echo still here")
         assert again.stdout == "still here\n", again
-        assert runtime._box.agent.peer_pid == before and not runtime._box.agent.lost
+        assert runtime.box.agent.peer_pid == before and not runtime.box.agent.lost
         assert (await other.run("echo b")).stdout == "b\n", "the other task's agent is intact"
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from fusion_oci.audit import AuditLog, read_events
+from fusion_oci.audit import AuditLog, CredentialEvent, read_events
 from fusion_oci.egress import EgressRules, start_proxy
 from fusion_oci.egress.credentials import (
     Brokered,
@@ -615,8 +615,7 @@ def test_the_summary_lists_swaps_and_refusals_by_name() -> None:
     from fusion_oci.dashboard.summary import SummaryBuilder
 
     def event(host: str, allowed: bool, **details: Any) -> AuditEvent:
-        return AuditEvent(
-            type="sandbox:credential",
+        return CredentialEvent(
             task_id="t1",
             run_id="r",
             backend="bwrap",

@@ -19,7 +19,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
 
-from fusion_oci.audit import AuditEvent
+from fusion_oci.audit import AuditEvent, DisposeEvent, RunEvent
 from fusion_oci.dashboard.chain import chain_status
 from fusion_oci.models import EndReason
 from tests.auditgen import append_raw, task_events, ts, write_log
@@ -90,8 +90,7 @@ def wait_text(driver: WebDriver, element_id: str, want: str, timeout: float = 20
 def generated(path: Path) -> list[AuditEvent]:
     events = task_events(30)
     events.append(
-        AuditEvent(
-            type="sandbox:run",
+        RunEvent(
             ts=ts(7300),
             task_id="task-00029",
             run_id="run-00029",
@@ -188,8 +187,7 @@ def test_page_numbers_live_updates_and_task_view(browser: WebDriver, demo_log: P
         write_log(
             path,
             [
-                AuditEvent(
-                    type="sandbox:run",
+                RunEvent(
                     task_id="task-late",
                     run_id="r-late",
                     backend="podman",
@@ -227,8 +225,7 @@ def test_page_numbers_live_updates_and_task_view(browser: WebDriver, demo_log: P
         write_log(
             path,
             [
-                AuditEvent(
-                    type="sandbox:dispose",
+                DisposeEvent(
                     task_id=task,
                     run_id="run-again",
                     backend="oci",
@@ -273,11 +270,7 @@ def test_the_token_link_opens_a_live_page(browser: WebDriver, tmp_path: Path) ->
         WebDriverWait(browser, 20).until(lambda b: text(b, "live") == "live")
         write_log(
             path,
-            [
-                AuditEvent(
-                    type="sandbox:dispose", task_id="t", run_id="r", backend="oci", duration_ms=1
-                )
-            ],
+            [DisposeEvent(task_id="t", run_id="r", backend="oci", duration_ms=1)],
         )
         wait_text(browser, "n-events", str(len(task_events(3)) + 1))
         browser.delete_all_cookies()
@@ -310,8 +303,7 @@ def test_the_time_axis_spans_the_events(
     write_log(
         path,
         [
-            AuditEvent(
-                type="sandbox:run",
+            RunEvent(
                 ts=s,
                 task_id="t1",
                 run_id=f"r{i}",

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fusion_oci.audit import AuditEvent
+from fusion_oci.audit import DisposeEvent, RunEvent
 from fusion_oci.dashboard import server
 from fusion_oci.errors import FlagError
 from tests.auditgen import append_raw, task_events, write_log
@@ -201,8 +201,7 @@ def test_stream_sends_appended_events_and_summaries(tmp_path: Path) -> None:
         assert name == "summary"
         assert first["log"]["events"] == len(task_events(2))  # type: ignore[index]
         log.emit(
-            AuditEvent(
-                type="sandbox:run",
+            RunEvent(
                 task_id="late",
                 run_id="r",
                 backend="oci",
@@ -301,8 +300,6 @@ def test_stream_without_events_sends_only_summaries(tmp_path: Path) -> None:
             if line.startswith("event: "):
                 names.append(line[7:].strip())
                 if names.count("summary") == 1 and names[-1] == "summary":
-                    log.emit(
-                        AuditEvent(type="sandbox:dispose", task_id="t", run_id="r", backend="oci")
-                    )
+                    log.emit(DisposeEvent(task_id="t", run_id="r", backend="oci"))
         conn.close()
     assert names == ["ready", "summary", "summary"]

@@ -409,7 +409,7 @@ def test_rootless_runc_runs_the_filtered_bundle(world: EgressWorld) -> None:
     from fusion_oci.oci.host import probe_host
     from fusion_oci.oci.spec import compile_spec
     from fusion_oci.policy.layout import resolve_layout
-    from fusion_oci.runtimes.ocicli.launch import bundle_spec
+    from fusion_oci.runtimes.oci.launch import bundle_spec
 
     account, _ = checked_rootless_user(
         "oci", None, "switching to the rootless test user needs root"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fusion_oci.audit import AuditEvent, AuditLog, read_events
+from fusion_oci.audit import AuditEvent, AuditLog, DisposeEvent, RunEvent, read_events
 from fusion_oci.errors import PolicyNotEnforceableError, RuntimeUnavailableError
 from fusion_oci.models import PrepareContext, RunOptions, SandboxPolicy
 from fusion_oci.policy.settings import SandboxSettings
@@ -131,10 +131,9 @@ def test_cancelling_run_ends_the_tree_and_audits_aborted(worktree: Path, tmp_pat
     asyncio.run(go())
     assert _gone(marker)
     events = list(read_events(tmp_path / "audit.jsonl"))
-    assert [(e.type, e.end_reason) for e in events[-2:]] == [
-        ("sandbox:run", "aborted"),
-        ("sandbox:dispose", None),
-    ]
+    run, dispose = events[-2:]
+    assert isinstance(run, RunEvent) and run.end_reason == "aborted", run
+    assert isinstance(dispose, DisposeEvent), dispose
 
 
 def test_abort_returns_an_aborted_result(worktree: Path) -> None:
@@ -311,11 +310,11 @@ def test_unsafe_worktrees_are_refused(tmp_path: Path, where: str) -> None:
 
 WRITER = """
 import sys
-from fusion_oci.audit import AuditEvent, AuditLog
+from fusion_oci.audit import AuditLog, RunEvent
 log = AuditLog(__import__("pathlib").Path(sys.argv[1]))
 for i in range(200):
-    log.emit(AuditEvent(type="sandbox:run", task_id="w" + sys.argv[2], run_id=str(i),
-                        backend="native", reason="x" * (i * 37 % 3000)))
+    log.emit(RunEvent(task_id="w" + sys.argv[2], run_id=str(i),
+                        backend="native", command="x" * (i * 37 % 3000)))
 """
 
 

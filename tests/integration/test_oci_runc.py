@@ -174,7 +174,7 @@ async def test_the_plan_is_exactly_what_execute_runs(
     """plan() of a command == the argv, env, cwd and config.json prepare started the task's
     container with, and the spawn frame execute then sent to its agent."""
     from fusion_oci.agent.client import Agent
-    from fusion_oci.runtimes.ocicli.launch import TaskLaunch
+    from fusion_oci.runtimes.oci.launch import TaskLaunch
 
     started: list[dict[str, Any]] = []
     sent: list[dict[str, Any]] = []
@@ -450,7 +450,7 @@ import asyncio, os, sys
 from pathlib import Path
 from fusion_oci.models import PrepareContext, RunOptions
 from fusion_oci.policy.settings import SandboxSettings
-from fusion_oci.runtimes import oci
+from fusion_oci.runtimes.oci import runtime as oci
 from fusion_oci.sandbox import Sandbox
 
 async def main():

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
+from fusion_oci.caller import TaskFlags, resolve_task
 from fusion_oci.models import RunOptions
 from fusion_oci.sandbox import Sandbox
-from fusion_oci.taskflags import TaskFlags, resolve_task
 
 pytestmark = pytest.mark.bubblewrap
 

@@ -98,7 +98,7 @@ def _refused(probe: str, prober: Prober, command: str, project: Path) -> bool:
 
 def _host_settings(worktree: Path) -> tuple[str, str | None]:
     """What the host resolves for this worktree next time, as `fusion-oci run` would."""
-    from fusion_oci.taskflags import TaskFlags, resolve_task
+    from fusion_oci.caller import TaskFlags, resolve_task
 
     task = resolve_task(TaskFlags(worktree=worktree), dict(os.environ))
     settings = task.effective.settings
@@ -149,16 +149,12 @@ def test_self_downgrade_in_a_linked_worktree(
 
 
 def test_audit_log_cannot_be_forged_or_edited(prober: Prober) -> None:
-    from fusion_oci.audit import AuditEvent, AuditLog, default_audit_path, verify_chain
+    from fusion_oci.audit import AuditLog, RunEvent, default_audit_path, verify_chain
 
     wt = prober.worktree
     path = default_audit_path(wt)
     log = AuditLog(path, key=b"probe-key-" + secrets.token_bytes(8))
-    log.emit(
-        AuditEvent(
-            type="sandbox:run", task_id="earlier", run_id="r0", backend="bubblewrap", exit_code=1
-        )
-    )
+    log.emit(RunEvent(task_id="earlier", run_id="r0", backend="bubblewrap", exit_code=1))
     if prober.rootless is not None:
         prober.rootless.hand_over(path.parent)
     original = path.read_bytes()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fusion_oci.audit import AuditEvent
+from fusion_oci.audit import EgressEvent
 from fusion_oci.dashboard.summary import SummaryBuilder
 from fusion_oci.egress.budget import AuditBudget
 
@@ -23,8 +23,7 @@ def test_the_dashboard_counts_what_was_held_back() -> None:
     summary = SummaryBuilder()
     summary.add(
         1,
-        AuditEvent(
-            type="sandbox:egress",
+        EgressEvent(
             task_id="t",
             run_id="r",
             backend="bubblewrap",

@@ -1,14 +1,16 @@
 """The backend ids have one source (fusion_oci/backends.py); what cannot import it is checked
-against it here: the TypeScript client's ``SandboxBackendId`` and its capabilities table, the
-built-in runtimes' entry points, and the contract suite's runtimes."""
+against it here: the TypeScript client's ``SandboxBackendId`` and its capabilities table (a
+copy of ``CAPABILITIES``), the built-in runtimes' entry points, and the contract suite's
+runtimes."""
 
 from __future__ import annotations
 
+import json
 import re
 import tomllib
 from pathlib import Path
 
-from fusion_oci.backends import BACKEND_IDS
+from fusion_oci.backends import BACKEND_IDS, CAPABILITIES
 from fusion_oci.cli.options import BACKEND_CHOICES
 from fusion_oci.models import BACKEND_IDS as MODELS_IDS
 from tests.contract.harness import RUNTIMES
@@ -32,8 +34,12 @@ def test_the_typescript_client_names_every_backend_and_no_other() -> None:
     backend = (TS / "backend.ts").read_text(encoding="utf-8")
     table = re.search(r"const CAPABILITIES[^{]*\{(.*?)\n\};", backend, re.S)
     assert table, "no CAPABILITIES table in backend.ts"
-    keys = re.findall(r'^\s*"?([a-z-]+)"?:\s*caps\(', table.group(1), re.M)
-    assert sorted(keys) == sorted(BACKEND_IDS)
+    rows = re.findall(r'^\s*"?([a-z-]+)"?:\s*caps\((.*?)\),?$', table.group(1), re.M)
+    assert sorted(k for k, _ in rows) == sorted(BACKEND_IDS)
+    # The client's copy of every backend's capabilities is the Python table's, field for field.
+    for backend, args in rows:
+        values = [json.loads(a) for a in args.split(",")]
+        assert tuple(values) == CAPABILITIES[backend], backend
 
 
 def test_every_backend_but_custom_is_a_built_in_runtime() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fusion_oci.audit import AuditEvent, AuditLog
+from fusion_oci.audit import AuditEvent, AuditLog, RunEvent
 from fusion_oci.dashboard import chain
 from fusion_oci.dashboard.summary import SummaryBuilder, percentile
 from fusion_oci.dashboard.tail import MAX_LINE, LogTail, summarize_file
@@ -34,8 +34,7 @@ def run(
     command: str = "pnpm test",
     ts: str = "2026-12-01T08:00:00.000+00:00",
 ) -> AuditEvent:
-    return AuditEvent(
-        type="sandbox:run",
+    return RunEvent(
         ts=ts,
         task_id=task,
         run_id="r",

@@ -7,15 +7,14 @@ from pathlib import Path
 
 from rich.console import Console
 
-from fusion_oci.audit import AuditEvent, AuditLog
+from fusion_oci.audit import AuditEvent, AuditLog, EgressEvent, InboundEvent
 from fusion_oci.cli.audit import render_egress
 from fusion_oci.dashboard.report import full_summary
 from fusion_oci.dashboard.summary import SummaryBuilder
 
 
 def egress(task: str, host: str, allowed: bool, up: int = 0, down: int = 0) -> AuditEvent:
-    return AuditEvent(
-        type="sandbox:egress",
+    return EgressEvent(
         task_id=task,
         run_id="r",
         backend="bubblewrap",
@@ -127,8 +126,7 @@ def test_inbound_connections_to_published_ports_count_per_task() -> None:
     for i in range(2):
         builder.add(
             2 + i,
-            AuditEvent(
-                type="sandbox:inbound",
+            InboundEvent(
                 task_id="t1",
                 run_id="r",
                 backend="bubblewrap",

@@ -455,7 +455,7 @@ def test_the_layered_set_is_every_module_of_its_packages() -> None:
         "fusion_oci.images.provision",
         "fusion_oci.images.rootfs",
         "fusion_oci.runtimes.oci",
-        "fusion_oci.runtimes.ocicli",
+        "fusion_oci.runtimes.oci.runtime",
         "fusion_oci.gc",
         "fusion_oci.engines.endpoints",
     ]:
@@ -500,8 +500,8 @@ def test_no_import_circle_between_engines_runtimes_images_and_gc() -> None:
             if i.startswith(
                 (
                     "fusion_oci.runtimes.engine",
-                    "fusion_oci.runtimes.docker",
-                    "fusion_oci.runtimes.podman",
+                    "fusion_oci.runtimes.engine.docker",
+                    "fusion_oci.runtimes.engine.podman",
                     "fusion_oci.images",
                     "fusion_oci.gc",
                 )

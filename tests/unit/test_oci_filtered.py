@@ -11,8 +11,8 @@ from fusion_oci.agent.protocol import EGRESS_AGENT, EGRESS_SOCKET
 from fusion_oci.errors import BundleError
 from fusion_oci.models import NetworkMode, SandboxPolicy
 from fusion_oci.oci.spec import bind
-from fusion_oci.runtimes.ocicli.filtered import SOCKET_PLACEHOLDER, with_egress_forwarder
-from fusion_oci.runtimes.ocicli.launch import AGENT_IN_SANDBOX, runtime_flags
+from fusion_oci.runtimes.oci.filtered import SOCKET_PLACEHOLDER, with_egress_forwarder
+from fusion_oci.runtimes.oci.launch import AGENT_IN_SANDBOX, runtime_flags
 from fusion_oci.runtimes.requirements import Requirement
 from tests.golden import assert_golden
 from tests.unit.test_oci_plan import plan_of, runtime, spec_for, task_for

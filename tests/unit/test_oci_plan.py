@@ -18,8 +18,8 @@ from fusion_oci.process import ProcessOutcome
 from fusion_oci.resolve import ResolvedTask
 from fusion_oci.runtimes.linux.cgroups import CgroupEvents, Hierarchy
 from fusion_oci.runtimes.oci import OciRuntime, exit_status, limit_counters
-from fusion_oci.runtimes.ocicli.gvisor import UNKNOWN_FLAGS, GvisorFlags, parse_flags
-from fusion_oci.runtimes.ocicli.launch import (
+from fusion_oci.runtimes.oci.gvisor import UNKNOWN_FLAGS, GvisorFlags, parse_flags
+from fusion_oci.runtimes.oci.launch import (
     AGENT_IN_SANDBOX,
     EgressHook,
     bundle_spec,
@@ -28,7 +28,7 @@ from fusion_oci.runtimes.ocicli.launch import (
     run_argv,
     runtime_flags,
 )
-from fusion_oci.runtimes.ocicli.state import container_id, state_base
+from fusion_oci.runtimes.oci.state import container_id, state_base
 from fusion_oci.runtimes.requirements import Requirement
 from tests.golden import GOLDEN_HOST, assert_golden
 from tests.tasks import Case, plan_for, resolved
@@ -494,7 +494,7 @@ def test_doctor_says_whether_a_cluster_here_could_run_gvisor_pods(
     (CAP_SYS_RESOURCE): doctor's runsc row says which of the two is missing."""
     import shutil
 
-    from fusion_oci.runtimes.ocicli import gvisor
+    from fusion_oci.runtimes.oci import gvisor
 
     monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None)
     assert gvisor.kubernetes_runtime_class().startswith("no RuntimeClass: this runsc comes")

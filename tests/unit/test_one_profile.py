@@ -15,7 +15,7 @@ from fusion_oci.oci.seccomp import compile_bpf
 from fusion_oci.oci.spec import Spec, compile_spec
 from fusion_oci.policy.layout import TaskLayout
 from fusion_oci.runtimes.bubblewrap import BwrapHost, bwrap_spawn, seccomp_program
-from fusion_oci.runtimes.containers import Target, plan_container, seccomp_file
+from fusion_oci.runtimes.engine.containers import Target, plan_container, seccomp_file
 from fusion_oci.runtimes.landlock import landlock_rules
 from fusion_oci.runtimes.oci import bundle_spec
 from tests.golden import GOLDEN_HOST

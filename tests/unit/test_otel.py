@@ -14,7 +14,13 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 from fusion_oci import otel
-from fusion_oci.audit import AuditEvent, AuditLog
+from fusion_oci.audit import (
+    AuditLog,
+    DisposeEvent,
+    FallbackEvent,
+    PrepareEvent,
+    RunEvent,
+)
 from fusion_oci.errors import SettingsError
 
 
@@ -33,8 +39,7 @@ def providers() -> Any:
 def lifecycle(log: AuditLog) -> None:
     base = {"task_id": "task-1", "run_id": "run-1", "backend": "native", "policy_hash": "ab" * 32}
     log.emit(
-        AuditEvent(
-            type="sandbox:fallback",
+        FallbackEvent(
             reason="bwrap missing",
             fell_back=True,
             ts="2026-12-01T09:00:00.000+00:00",
@@ -42,8 +47,7 @@ def lifecycle(log: AuditLog) -> None:
         )
     )
     log.emit(
-        AuditEvent(
-            type="sandbox:prepare",
+        PrepareEvent(
             ts="2026-12-01T09:00:00.250+00:00",
             duration_ms=250,
             unenforced=["memory", "network"],
@@ -52,8 +56,7 @@ def lifecycle(log: AuditLog) -> None:
         )
     )
     log.emit(
-        AuditEvent(
-            type="sandbox:run",
+        RunEvent(
             ts="2026-12-01T09:00:02.000+00:00",
             duration_ms=1500,
             exit_code=0,
@@ -64,8 +67,7 @@ def lifecycle(log: AuditLog) -> None:
         )
     )
     log.emit(
-        AuditEvent(
-            type="sandbox:run",
+        RunEvent(
             ts="2026-12-01T09:00:05.000+00:00",
             duration_ms=3000,
             exit_code=None,
@@ -76,11 +78,7 @@ def lifecycle(log: AuditLog) -> None:
             **base,
         )
     )
-    log.emit(
-        AuditEvent(
-            type="sandbox:dispose", ts="2026-12-01T09:00:05.010+00:00", duration_ms=10, **base
-        )
-    )
+    log.emit(DisposeEvent(ts="2026-12-01T09:00:05.010+00:00", duration_ms=10, **base))
 
 
 def test_a_span_per_prepare_run_and_dispose(providers: Any) -> None:
@@ -185,9 +183,7 @@ def test_a_sandbox_never_disposed_is_ended_on_detach(providers: Any) -> None:
     tracer_provider, meter_provider, spans, _ = providers
     log = AuditLog()
     detach = otel.attach(log, tracer_provider, meter_provider)
-    log.emit(
-        AuditEvent(type="sandbox:prepare", task_id="t", run_id="r", backend="oci", duration_ms=5)
-    )
+    log.emit(PrepareEvent(task_id="t", run_id="r", backend="oci", duration_ms=5))
     assert [s.name for s in spans.get_finished_spans()] == ["sandbox.prepare"]
     detach()
     assert [s.name for s in spans.get_finished_spans()] == ["sandbox.prepare", "sandbox"]

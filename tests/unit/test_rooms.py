@@ -5,13 +5,14 @@ and one the tables do not place fails until it is placed.
 A room is a subpackage (``runtimes``, ``oci``, ...) or a top-level module (``resolve``, ...).
 Imports count wherever they are written, inside functions too: a lazy import is a dependency
 all the same, and a circle is a circle even when it works. Imports under TYPE_CHECKING are
-annotations, never run: they are held to the named rules (NEVER, the runtime families) but not
-to the tiers nor the circle check.
+annotations, never run: they are held to the named rules (NEVER, the runtime families: a
+folder of runtimes/ each) but not to the tiers nor the circle check.
 """
 
 from __future__ import annotations
 
 import ast
+import tomllib
 from collections.abc import Iterable, Mapping, Sequence
 
 from fusion_oci.errors import (
@@ -21,7 +22,7 @@ from fusion_oci.errors import (
     error_body,
     error_json,
 )
-from tests.modules import Import, imports, package_modules
+from tests.modules import ROOT, Import, imports, package_modules
 
 MODULES = package_modules()
 
@@ -69,8 +70,8 @@ TIERS: tuple[tuple[str, ...], ...] = (
     ("images", "gc", "replay"),
     ("runtimes", "sidecars"),
     ("sandbox", "doctor"),
-    ("streaming", "taskflags", "otel", "dashboard", "export", "repro"),
-    ("runrequest",),
+    ("streaming", "otel", "dashboard", "export", "repro"),
+    ("caller",),
     ("server",),
     ("cli",),
 )
@@ -90,37 +91,34 @@ NEVER: Mapping[str, frozenset[str]] = {
 """Rules that hold for every import, type-only ones included (on top of the tiers, and of
 "nothing imports cli/ but cli/"): the ones issue #21 named."""
 
-RUNTIME_FAMILIES: Mapping[str, tuple[str, ...]] = {
-    # What every runtime may use: the protocol and skeleton, the host-process skeleton of
-    # native, landlock and sandbox-exec, the Linux primitives.
-    "shared": (
-        "runtimes",
-        "runtimes.protocol",
-        "runtimes.requirements",
-        "runtimes.outcome",
-        "runtimes.plans",
-        "runtimes.skeleton",
-        "runtimes.hostproc",
-        "runtimes.linux",
-        "runtimes.linux.*",
-    ),
-    "registry": ("runtimes.registry",),
-    "bubblewrap": ("runtimes.bubblewrap", "runtimes.bubblewrap_argv"),
-    "containers": (
-        "runtimes.containers",
-        "runtimes.engine",
-        "runtimes.engine_probe",
-        "runtimes.docker",
-        "runtimes.podman",
-    ),
-    "kubernetes": ("runtimes.kubernetes", "runtimes.kubernetes.*"),
-    "landlock": ("runtimes.landlock", "runtimes.landlock.*"),
-    "native": ("runtimes.native",),
-    "oci": ("runtimes.oci", "runtimes.ocicli", "runtimes.ocicli.*"),
-    "sandbox_exec": ("runtimes.sandbox_exec", "runtimes.seatbelt"),
-}
-"""Every module of runtimes/, by runtime: a family imports its own modules and the shared
-ones, never another runtime's (the shared ones import only shared ones)."""
+SHARED_FOLDERS = frozenset({"linux"})
+"""Folders of runtimes/ that are no runtime: the Linux primitives every runtime may use."""
+
+
+def runtime_families(modules: Iterable[str] = MODULES) -> dict[str, str]:
+    """Every module of runtimes/ by its runtime family, read from the folders: a runtime is a
+    folder ``runtimes/X/`` (its runtime class beside its pure translation), family X; what
+    lies loose in runtimes/ (the protocol, the skeleton, the registry, ...) and in the
+    SHARED_FOLDERS is ``shared``, what every runtime may use."""
+    modules = list(modules)
+    folders = {
+        m.split(".")[2]
+        for m in modules
+        if m.startswith("fusion_oci.runtimes.") and m.count(".") > 2
+    }
+    out = {}
+    for m in modules:
+        parts = m.split(".")
+        if parts[:2] != ["fusion_oci", "runtimes"]:
+            continue
+        family = parts[2] if len(parts) > 2 and parts[2] in folders else "shared"
+        out[m] = "shared" if family in SHARED_FOLDERS else family
+    return out
+
+
+RUNTIME_FAMILIES = runtime_families()
+"""A family imports its own modules and the shared ones, never another runtime's (the shared
+ones import only shared ones)."""
 
 PENDING: frozenset[tuple[str, str]] = frozenset()
 """Known breaks of the tiers and the circle check, each to leave when it is fixed (the test
@@ -136,39 +134,16 @@ def room(module: str) -> str:
     return parts[1] if len(parts) > 1 else parts[0]
 
 
-def unplaced(
-    modules: Iterable[str],
-    tiers: Sequence[Sequence[str]] = TIERS,
-    families: Mapping[str, Sequence[str]] = RUNTIME_FAMILIES,
-) -> list[str]:
-    """The modules no table places: a room in no tier, a runtimes/ module in no family (or
-    in two); and table entries that name no module."""
+def unplaced(modules: Iterable[str], tiers: Sequence[Sequence[str]] = TIERS) -> list[str]:
+    """The modules no table places: a room in no tier; and tier entries that name no module.
+    (A runtimes/ module's family is its folder: it is always placed.)"""
     modules = list(modules)
     placed = [r for tier in tiers for r in tier]
     out = [f"{r} is in {placed.count(r)} tiers" for r in set(placed) if placed.count(r) > 1]
     out += [f"{m}: room {room(m)!r} is in no tier" for m in modules if room(m) not in placed]
     rooms = {room(m) for m in modules}
     out += [f"tier entry {r!r} names no module" for r in placed if r not in rooms]
-    for m in (m for m in modules if room(m) == "runtimes"):
-        owners = [f for f in families if _family_has(families[f], m)]
-        if len(owners) != 1:
-            out.append(f"{m} is in {len(owners)} runtime families {owners}")
-    for family, patterns in families.items():
-        out += [
-            f"family {family}: {p!r} names no module"
-            for p in patterns
-            if not any(_family_has([p], m) for m in modules)
-        ]
     return out
-
-
-def _family_has(patterns: Sequence[str], module: str) -> bool:
-    short = module.removeprefix("fusion_oci.")
-    return any(short == p or (p.endswith(".*") and short.startswith(p[:-1])) for p in patterns)
-
-
-def _family(module: str, families: Mapping[str, Sequence[str]]) -> str | None:
-    return next((f for f in families if _family_has(families[f], module)), None)
 
 
 def _pending(edge: Edge, pending: frozenset[tuple[str, str]]) -> bool:
@@ -208,14 +183,14 @@ def never_breaks(edges: Iterable[Edge], never: Mapping[str, frozenset[str]] = NE
 
 
 def family_breaks(
-    edges: Iterable[Edge], families: Mapping[str, Sequence[str]] = RUNTIME_FAMILIES
+    edges: Iterable[Edge], families: Mapping[str, str] = RUNTIME_FAMILIES
 ) -> list[str]:
     """A runtime importing another runtime's modules (or a shared module a runtime's)."""
     out = []
     for edge in edges:
         if room(edge[0]) != "runtimes" or room(edge[1].target) != "runtimes":
             continue
-        mine, theirs = _family(edge[0], families), _family(edge[1].target, families)
+        mine, theirs = families.get(edge[0]), families.get(edge[1].target)
         if theirs not in (mine, "shared"):
             out.append(f"{_say(edge)}: runtime family {mine} reaches into {theirs}")
     return out
@@ -272,7 +247,7 @@ def test_the_walk_sees_function_level_and_type_only_imports() -> None:
     typed = [i for i in imports("fusion_oci.streaming") if i.target == "fusion_oci.sandbox"]
     assert typed and all(i.type_only for i in typed)
     # relative imports resolve; `from pkg import module` names the module
-    assert "fusion_oci.runtimes.linux.cgroups" in _targets("fusion_oci.runtimes.bubblewrap")
+    assert "fusion_oci.runtimes.linux.cgroups" in _targets("fusion_oci.runtimes.bubblewrap.runtime")
 
 
 def test_every_module_is_placed() -> None:
@@ -294,6 +269,26 @@ def test_a_runtime_imports_no_other_runtime() -> None:
     assert not family_breaks(EDGES)
 
 
+def test_every_runtime_is_a_folder() -> None:
+    """The families are the folders of runtimes/, and each built-in runtime (its entry point)
+    lives in one of its own, not among the shared modules."""
+    assert set(RUNTIME_FAMILIES.values()) >= {
+        "shared",
+        "bubblewrap",
+        "engine",
+        "kubernetes",
+        "landlock",
+        "native",
+        "oci",
+        "sandbox_exec",
+    }
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    built_in = project["project"]["entry-points"]["fusion_oci.builtin_runtimes"]
+    for backend, target in built_in.items():
+        module = target.partition(":")[0]
+        assert RUNTIME_FAMILIES.get(module) not in (None, "shared"), backend
+
+
 def test_no_circle_between_rooms() -> None:
     assert not room_circles(EDGES)
 
@@ -305,7 +300,7 @@ def test_pending_breaks_still_exist() -> None:
 
 
 def test_server_never_imports_cli() -> None:
-    """The resident server is handed the CLI's parser; the run is fusion_oci.runrequest."""
+    """The resident server is handed the CLI's parser; the run is fusion_oci.caller.runrequest."""
     server = [m for m in MODULES if room(m) == "server"]
     assert len(server) >= 5
     assert not [e for e in EDGES if e[0] in server and room(e[1].target) == "cli"]
@@ -317,34 +312,41 @@ def _edge(who: str, target: str, *, type_only: bool = False) -> Edge:
 
 def test_the_checks_catch_what_they_forbid() -> None:
     """Each check, fed a broken house, says so (the real one passes above)."""
-    upward = _edge("fusion_oci.images.rootfs", "fusion_oci.runtimes.engine_probe")
+    upward = _edge("fusion_oci.images.rootfs", "fusion_oci.runtimes.engine.probe")
     assert tier_breaks([upward]) and never_breaks([upward])
     assert never_breaks(
-        [_edge("fusion_oci.engines.base", "fusion_oci.runtimes.containers", type_only=True)]
+        [_edge("fusion_oci.engines.base", "fusion_oci.runtimes.engine.containers", type_only=True)]
     )
     assert not tier_breaks(
-        [_edge("fusion_oci.engines.base", "fusion_oci.runtimes.containers", type_only=True)]
+        [_edge("fusion_oci.engines.base", "fusion_oci.runtimes.engine.containers", type_only=True)]
     )
     assert tier_breaks([_edge("fusion_oci.oci.spec", "fusion_oci.resolve")])
     assert tier_breaks([_edge("fusion_oci.resolve", "fusion_oci.engines")])  # same tier
-    assert never_breaks([_edge("fusion_oci.runrequest", "fusion_oci.cli.run")])
+    assert never_breaks([_edge("fusion_oci.caller.runrequest", "fusion_oci.cli.run")])
     assert family_breaks([_edge("fusion_oci.runtimes.native", "fusion_oci.runtimes.oci")])
     assert family_breaks([_edge("fusion_oci.runtimes.skeleton", "fusion_oci.runtimes.engine")])
     assert not family_breaks(
-        [_edge("fusion_oci.runtimes.ocicli.probe", "fusion_oci.runtimes.linux.cgroups")]
+        [_edge("fusion_oci.runtimes.oci.probe", "fusion_oci.runtimes.linux.cgroups")]
     )
     loop = [
         _edge("fusion_oci.runtimes.engine", "fusion_oci.gc"),
-        _edge("fusion_oci.gc", "fusion_oci.runtimes.containers"),
+        _edge("fusion_oci.gc", "fusion_oci.runtimes.engine.containers"),
     ]
     assert room_circles(loop) == [["gc", "runtimes"]]
     assert not room_circles([loop[0], _edge(*loop[1][:1], loop[1][1].target, type_only=True)])
     assert unplaced([*MODULES, "fusion_oci.newroom"]) == [
         "fusion_oci.newroom: room 'newroom' is in no tier"
     ]
-    assert unplaced([*MODULES, "fusion_oci.runtimes.brand_new"]) == [
-        "fusion_oci.runtimes.brand_new is in 0 runtime families []"
-    ]
+    grown = runtime_families(
+        [*MODULES, "fusion_oci.runtimes.new", "fusion_oci.runtimes.new.runtime"]
+    )
+    assert grown["fusion_oci.runtimes.new.runtime"] == grown["fusion_oci.runtimes.new"] == "new"
+    assert family_breaks(
+        [_edge("fusion_oci.runtimes.new.runtime", "fusion_oci.runtimes.oci")], grown
+    )
+    assert runtime_families([*MODULES, "fusion_oci.runtimes.loose"])[
+        "fusion_oci.runtimes.loose"
+    ] == ("shared")
     assert not unplaced(MODULES)
 
 

@@ -17,7 +17,7 @@ from fusion_oci.policy.layout import CacheMount, GitLayout, TaskLayout
 from fusion_oci.policy.settings import SandboxSettings
 from fusion_oci.runtimes.requirements import Requirement, task_requirements
 from fusion_oci.runtimes.sandbox_exec import SandboxExecRuntime, mac_env
-from fusion_oci.runtimes.seatbelt import (
+from fusion_oci.runtimes.sandbox_exec.seatbelt import (
     SANDBOX_EXEC,
     SeatbeltProfile,
     canonical_path,
@@ -404,13 +404,14 @@ def test_canonical_path_refuses(bad: str) -> None:
 
 
 def runtime(platform: str = "linux") -> SandboxExecRuntime:
-    return SandboxExecRuntime(
+    rt = SandboxExecRuntime(
         SandboxSettings(backend="sandbox-exec"),
         {"HOME": "/Users/me", "PATH": "/usr/bin"},
         cache_root=Path("/nonexistent-cache"),
         host=MAC_HOST,
-        platform=platform,
     )
+    rt.platform = platform
+    return rt
 
 
 @pytest.mark.parametrize(("platform", "where"), [("linux", "linux"), ("win32", "Windows")])

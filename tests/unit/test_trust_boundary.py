@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fusion_oci.audit import GENESIS, AuditEvent, AuditLog, verify_chain
+from fusion_oci.audit import GENESIS, AuditLog, RunEvent, verify_chain
 from fusion_oci.errors import (
     ERROR_KINDS,
     EngineError,
@@ -179,11 +179,7 @@ def _log(tmp_path: Path, n: int, key: bytes = b"k" * 32) -> tuple[Path, list[str
     path = tmp_path / "audit.jsonl"
     log = AuditLog(path, key=key)
     for i in range(n):
-        log.emit(
-            AuditEvent(
-                type="sandbox:run", task_id="t", run_id=f"r{i}", backend="native", exit_code=i
-            )
-        )
+        log.emit(RunEvent(task_id="t", run_id=f"r{i}", backend="native", exit_code=i))
     return path, path.read_text().splitlines()
 
 
@@ -220,9 +216,7 @@ def test_lines_from_before_the_chain_are_accepted_only_at_the_start(tmp_path: Pa
     path = tmp_path / "audit.jsonl"
     legacy = json.dumps({"type": "sandbox:run", "taskId": "old", "runId": "r", "backend": "native"})
     path.write_text(legacy + "\n")
-    AuditLog(path, key=b"k").emit(
-        AuditEvent(type="sandbox:run", task_id="t", run_id="r", backend="native")
-    )
+    AuditLog(path, key=b"k").emit(RunEvent(task_id="t", run_id="r", backend="native"))
     assert verify_chain(path, b"k").ok
     path.write_text(path.read_text() + legacy + "\n")
     assert verify_chain(path, b"k").first_bad_line == 3

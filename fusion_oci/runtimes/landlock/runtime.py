@@ -10,13 +10,14 @@ import subprocess
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fusion_oci.errors import PolicyNotEnforceableError, SandboxSetupError
-from fusion_oci.models import NetworkMode, RunOptions, RunResult, SandboxCapabilities
+from fusion_oci.models import NetworkMode, RunOptions
 from fusion_oci.oci.model import ProcessSpec, TaskSpec
 from fusion_oci.policy.layout import task_project
 from fusion_oci.process import kill_group, reaper_argv
+from fusion_oci.runtimes.box import Box
 from fusion_oci.runtimes.hostproc import HostProcessRuntime, native_env
 from fusion_oci.runtimes.landlock.host import host_abi, userns_problem, workload_note
 from fusion_oci.runtimes.landlock.rules import (
@@ -32,12 +33,12 @@ from fusion_oci.runtimes.landlock.rules import (
     launch_text,
     service_redirects,
 )
-from fusion_oci.runtimes.plans import AgentPlan, Plan, SandboxLaunch, own_plan, spawn_of
+from fusion_oci.runtimes.plans import AgentPlan, SandboxLaunch, spawn_of
 from fusion_oci.runtimes.protocol import Availability
 from fusion_oci.runtimes.requirements import Requirement
 
 if TYPE_CHECKING:
-    from fusion_oci.agent.client import Agent
+    from fusion_oci.process import ProcessOutcome
     from fusion_oci.resolve import ResolvedTask
 
 CONFINE_FAILED = b"fusion-oci: cannot confine the command"
@@ -73,21 +74,14 @@ class LandlockRuntime(HostProcessRuntime):
     """``hostServices``: the connect supervisor's redirects to the relays, from prepare."""
     _rules: LandlockRules | None = None
     """The task's ruleset, made at prepare (it depends on the task spec only)."""
-    _exec: Agent | None = None
-    """The task's confined exec agent, started at prepare."""
-    _launch: SandboxLaunch | None = None
-    """How prepare started it (the shim's argv with its real fd)."""
+    plan_type = LandlockPlan
+    box: Box[SandboxLaunch, None] | None
+    """The task's confined exec agent, and how prepare started it (the shim's argv with its
+    real fd)."""
 
-    def capabilities(self) -> SandboxCapabilities:
-        return SandboxCapabilities(
-            filesystem_isolation="strong" if host_abi() >= MIN_FS_ABI else "none",
-            network_policy="fine" if host_abi() >= MIN_NET_ABI else "coarse",
-            resource_limits="basic",
-            requires_install=False,
-            supports_mac=False,
-            supports_linux=True,
-            supports_windows=False,
-        )
+    def host_capabilities(self) -> dict[str, str]:
+        # Below MIN_FS_ABI Landlock governs no file access at all.
+        return {} if Requirement.FILESYSTEM in self.enforces() else {"filesystem_isolation": "none"}
 
     def availability(self) -> Availability:
         if not sys.platform.startswith("linux"):
@@ -221,8 +215,12 @@ class LandlockRuntime(HostProcessRuntime):
         notes += [
             f"not read-only during the command (restored after it): {p}" for p in rules.restored
         ]
-        launch = self._launch or SandboxLaunch(
-            argv=self.launch_command(self._launch_path(), PLAN_FD), env=LAUNCH_ENV, cwd="/"
+        launch = (
+            self.box.launch
+            if self.box is not None
+            else SandboxLaunch(
+                argv=self.launch_command(self._launch_path(), PLAN_FD), env=LAUNCH_ENV, cwd="/"
+            )
         )
         env = landlock_env(native_env(spec, process, home, tmp), rules, self._agent())
         return LandlockPlan(
@@ -290,17 +288,17 @@ class LandlockRuntime(HostProcessRuntime):
                 task = replace(task, layout=self.layout)
                 self.adopt(task)
             # Last: a task refused above starts nothing.
-            self._exec = await self._start_agent(probe)
+            self.box = await self._start_agent(probe)
             if task.services is not None:
                 # The shim is the connect supervisor: its reports of the TCP grants'
                 # connects are the only ones the relays take.
-                task.services.reporter_pid = self._exec.peer_pid
+                task.services.reporter_pid = self.box.agent.peer_pid
         except BaseException:
             await self.dispose()
             raise
         return task
 
-    async def _start_agent(self, rules: LandlockRules) -> Agent:
+    async def _start_agent(self, rules: LandlockRules) -> Box[SandboxLaunch, None]:
         """The shim and, as its confined child, the task's exec agent; greeted before this
         returns. The launch file is gone afterwards, whatever happened."""
         import platform
@@ -355,24 +353,29 @@ class LandlockRuntime(HostProcessRuntime):
         finally:
             theirs.close()  # idempotent
             _remove_launch(launch)
-        self._launch = SandboxLaunch(argv=argv, env=LAUNCH_ENV, cwd="/")
-        return agent
+        return Box(agent=agent, launch=SandboxLaunch(argv=argv, env=LAUNCH_ENV, cwd="/"))
 
-    async def execute(self, plan: Plan, opts: RunOptions) -> RunResult:
-        landlock_plan = own_plan(self, plan, LandlockPlan)
-        process, rules = landlock_plan.process, landlock_plan.rules
-        agent = self._exec
-        if agent is None or self._scratch is None or landlock_plan.scratch != str(self._scratch):
+    def check_plan(self, plan: AgentPlan, box: Box[Any, Any]) -> None:
+        scratch = plan.scratch if isinstance(plan, LandlockPlan) else None
+        if self._scratch is None or scratch != str(self._scratch):
             raise SandboxSetupError(
                 f"runtime '{self.id}' was not prepared",
                 "its exec agent is not running, or the plan was made before prepare()",
                 "call prepare(ctx) first, then plan the command",
             )
+
+    async def run_spawn(
+        self, box: Box[Any, Any], plan: AgentPlan, opts: RunOptions
+    ) -> ProcessOutcome:
+        """The spawn on the confined agent, with the read-only paths Landlock cannot express
+        kept before and restored after it."""
+        assert isinstance(plan, LandlockPlan)  # execute's own
+        rules = plan.rules
         from fusion_oci.runtimes.linux import snapshot
 
         kept = snapshot.take(rules.restored, holes=rules.holes)
         try:
-            outcome = await agent.run_command(landlock_plan.spawn, opts)
+            outcome = await box.agent.run_command(plan.spawn, opts)
         finally:
             # The run's keeper ended the command's whole tree before it reported: nothing of
             # it can race the restore.
@@ -392,17 +395,16 @@ class LandlockRuntime(HostProcessRuntime):
         if notes:
             text = "".join(f"fusion-oci: {n}\n" for n in notes)
             outcome = replace(outcome, stderr=outcome.stderr + text.encode())
-        return self.result(outcome, process)
+        return outcome
 
     async def dispose(self) -> None:
-        agent, self._exec = self._exec, None
-        self._launch = None
+        box, self.box = self.box, None
         self._proxy_port = None
         self._services = ()
         self._rules = None
         try:
-            if agent is not None:
-                await agent.close()
+            if box is not None:
+                await box.agent.close()
         finally:
             await super().dispose()
 

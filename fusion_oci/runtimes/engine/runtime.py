@@ -40,12 +40,11 @@ from fusion_oci.errors import (
 from fusion_oci.gc import collect
 from fusion_oci.models import (
     CacheMode,
-    PrepareContext,
     RunOptions,
     RunResult,
 )
-from fusion_oci.oci.model import ProcessSpec, TaskSpec
-from fusion_oci.runtimes.containers import (
+from fusion_oci.oci.model import ANN_RUN, ProcessSpec, TaskSpec
+from fusion_oci.runtimes.engine.containers import (
     AGENT_PATH,
     AGENT_SOCKET,
     AgentMounts,
@@ -61,18 +60,14 @@ from fusion_oci.runtimes.containers import (
     seccomp_file,
     spec_image,
 )
-from fusion_oci.runtimes.engine_probe import EngineProbe, nproc_limit
+from fusion_oci.runtimes.engine.probe import EngineProbe, nproc_limit
 from fusion_oci.runtimes.linux.egress import proxy_socket, service_relays
 from fusion_oci.runtimes.outcome import LimitCounters, classify
 from fusion_oci.runtimes.plans import AgentPlan, Plan, SandboxLaunch, own_plan, spawn_of
-from fusion_oci.runtimes.requirements import Requirement
+from fusion_oci.runtimes.requirements import SANDBOXED, Requirement
 from fusion_oci.scratch import make_scratch
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
-
-    from fusion_oci.oci.host import HostInfo
-    from fusion_oci.policy.settings import SandboxSettings
     from fusion_oci.resolve import ResolvedTask
 
 T = TypeVar("T")
@@ -101,14 +96,7 @@ class ContainerRuntime(EngineProbe):
 
     engine: Engine = "docker"
 
-    def __init__(
-        self,
-        settings: SandboxSettings,
-        env: Mapping[str, str],
-        cache_root: Path | None = None,
-        host: HostInfo | None = None,
-    ) -> None:
-        super().__init__(settings, env, cache_root=cache_root, host=host)
+    def setup(self) -> None:
         self.mode: ContainerMode = self.settings.container_mode
         self._adapter: EngineAdapter | None = None
         self._info: EngineInfo | None = None
@@ -151,20 +139,11 @@ class ContainerRuntime(EngineProbe):
         # socket, rootful or rootless alike.
         # HOST_PROCESSES: the container's pid namespace hides every host process.
         need = {
-            Requirement.FILESYSTEM,
-            Requirement.PROC_PATHS,
-            Requirement.ENV,
-            Requirement.HOST_PROCESSES,
-            Requirement.NETWORK_NONE,
+            *SANDBOXED,
             Requirement.NETWORK_EGRESS,
-            Requirement.NETWORK_FILTERED,
-            Requirement.HOST_SERVICES,
             # publishPorts: handed to the agent of the task's one container; oneshot has none
             # between commands.
             *((Requirement.PUBLISHED_PORTS,) if self.mode == "warm" else ()),
-            Requirement.CPU_TIME,
-            Requirement.TMP_SIZE,
-            Requirement.FILE_SIZE,
         }
         try:
             _, info = self._probe(start=False)
@@ -236,15 +215,14 @@ class ContainerRuntime(EngineProbe):
     async def prepare(self, task: ResolvedTask) -> ResolvedTask:
         await self._call_probe()
         await super().prepare(task)
-        ctx = task.ctx
         self._egress_socket = proxy_socket(task)
         self._service_relays = service_relays(task)
         # The image the resolve step chose (context, settings, else this backend's default),
         # provisioned; the task then runs on its local reference.
-        self.image_ref = await self._provision(spec_image(task.spec), ctx)
+        self.image_ref = await self._provision(spec_image(task.spec), task)
         self.set_image(self.image_ref)
         await asyncio.to_thread(self._write_seccomp, self.task_spec)
-        await self._collect_own_garbage(ctx.task_id)
+        await self._collect_own_garbage(task.spec.task_id)
         if self.mode == "warm":
             self._container = await self._start_container()
         return self.adopted()  # on the provisioned image
@@ -288,12 +266,12 @@ class ContainerRuntime(EngineProbe):
 
         await asyncio.get_running_loop().run_in_executor(self._executor(), probe)
 
-    async def _provision(self, image: str, ctx: PrepareContext) -> str:
+    async def _provision(self, image: str, task: ResolvedTask) -> str:
         adapter = self._adapter
         assert adapter is not None
         if await self._call("image lookup", lambda: adapter.image_exists(image)):
             return image
-        return await provision_image(self, image, ctx)
+        return await provision_image(self, image, task)
 
     async def _collect_own_garbage(self, task_id: str) -> None:
         adapter = self._adapter
@@ -312,13 +290,14 @@ class ContainerRuntime(EngineProbe):
         """Create and start a task container whose init is the exec agent, and take the
         agent's one connection (see containers.py for the layout)."""
         adapter = self._adapter
-        assert adapter is not None and self.ctx is not None
+        assert adapter is not None
+        task_id = self.task_spec.task_id
         binary = str(agent_binary())
         for attempt in range(1, START_ATTEMPTS + 1):
             nonce = secrets.token_hex(4)
             run_dir, listener = self._agent_listener(nonce)
             plan = self._plan(
-                container_name(self.ctx.task_id, nonce),
+                container_name(task_id, nonce),
                 AgentMounts(
                     binary,
                     str(run_dir),
@@ -371,8 +350,7 @@ class ContainerRuntime(EngineProbe):
         container has it mounted, and accept() removes the socket once the agent is in.
         """
         if self._scratch is None:
-            assert self.ctx is not None
-            self._scratch = make_scratch(self.id, self.ctx.task_id)
+            self._scratch = make_scratch(self.id, self.task_spec.task_id)
         run_dir = self._scratch / f"agent-{nonce}"
         run_dir.mkdir(mode=0o700)
         listener = listen_socket(run_dir / AGENT_SOCKET, mode=0o600)
@@ -488,8 +466,9 @@ def _init_pid(adapter: EngineAdapter, cid: str) -> int | None:
     return int(pid) if pid else None
 
 
-async def provision_image(runtime: ContainerRuntime, image: str, ctx: PrepareContext) -> str:
-    """The image is not in the engine: provision it (gates, retries, audit; issue 5)."""
+async def provision_image(runtime: ContainerRuntime, image: str, task: ResolvedTask) -> str:
+    """The image is not in the engine: provision it (gates, retries, audit; issue 5), for the
+    task its spec names."""
     from fusion_oci.audit import AuditLog
     from fusion_oci.images.provision import ProvisionOptions, ensure_image
 
@@ -502,10 +481,10 @@ async def provision_image(runtime: ContainerRuntime, image: str, ctx: PrepareCon
         image,
         runtime.settings,
         runtime.audit or AuditLog(),
-        ctx.task_id,
-        ctx.run_id,
+        task.spec.task_id,
+        task.spec.annotations.get(ANN_RUN, ""),
         ask=runtime.ask,
-        options=ProvisionOptions(project_dir=Path(ctx.worktree_path)),
+        options=ProvisionOptions(project_dir=Path(task.layout.worktree)),
     )
     return provisioned.ref
 

@@ -1,4 +1,4 @@
-"""Run-audit events (brief 4.2): typed, appended as JSON lines, delivered to subscribers.
+"""The audit log (brief 4.2): events appended as JSON lines, delivered to subscribers.
 
 Events record env var *names*, never values. Each event is one ``write()`` of one line to a file
 opened with O_APPEND, under an exclusive ``flock``, so concurrent writers never tear a line.
@@ -23,84 +23,9 @@ import re
 import secrets
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal
 
-from pydantic import Field
-
-from fusion_oci.models import Model
-
-EventType = Literal[
-    "sandbox:prepare",
-    "sandbox:run",
-    "sandbox:failure",
-    "sandbox:fallback",
-    "sandbox:dispose",
-    "sandbox:provision",
-    "sandbox:gate",
-    "sandbox:egress",
-    "sandbox:credential",
-    "sandbox:inbound",
-]
-
-
-def _now() -> str:
-    return datetime.now(UTC).isoformat(timespec="milliseconds")
-
-
-class AuditEvent(Model):
-    type: EventType
-    ts: str = Field(default_factory=_now)
-    task_id: str
-    run_id: str
-    backend: str
-    policy_hash: str | None = None
-    policy_summary: str | None = None
-    reason: str | None = None
-    duration_ms: int | None = None
-    exit_code: int | None = None
-    signal: str | None = None
-    timed_out: bool | None = None
-    end_reason: str | None = None
-    fell_back: bool | None = None
-    unenforced: list[str] | None = None
-    env_names: list[str] | None = None
-    command: str | None = None
-    details: dict[str, Any] | None = None
-    replay: str | None = None
-    """``sandbox:run``: id of the stored :class:`fusion_oci.replay.ReplayRecord`."""
-    image_digest: str | None = None
-    """``sandbox:run``: id of the image the command ran in (container runtimes)."""
-    cwd: str | None = None
-    version: str | None = None
-    """fusion-oci version that wrote the event (``sandbox:run``)."""
-    worktree_head: str | None = None
-    """``sandbox:run``: commit checked out in the worktree before the command."""
-    worktree_status: str | None = None
-    """``sandbox:run``: digest of the worktree's uncommitted state before the command."""
-    stdout_digest: str | None = None
-    stderr_digest: str | None = None
-    host: str | None = None
-    """``sandbox:egress`` / ``sandbox:credential``: the name (or address literal) the sandbox
-    asked for."""
-    port: int | None = None
-    """``sandbox:egress``: the destination port."""
-    address: str | None = None
-    """``sandbox:egress``: the address the proxy connected to (None: it connected nowhere)."""
-    allowed: bool | None = None
-    """``sandbox:egress``: whether the connection was let through."""
-    rule: str | None = None
-    """``sandbox:egress``: the rule that decided (``allowedDomains entry '*.npmjs.org'``)."""
-    bytes_up: int | None = None
-    """``sandbox:egress``: bytes from the sandbox to the destination."""
-    bytes_down: int | None = None
-    """``sandbox:egress``: bytes from the destination to the sandbox."""
-    prev: str | None = None
-    """SHA-256 of the line before this one in the file (set when written)."""
-    mac: str | None = None
-    """HMAC-SHA256 of this line under the host's audit key (set when written)."""
-
+from fusion_oci.audit.events import AuditEvent, parse_event
 
 Subscriber = Callable[[AuditEvent], None]
 
@@ -215,7 +140,7 @@ def read_events(path: Path) -> Iterator[AuditEvent]:
     with fh:
         for line in fh:
             try:
-                yield AuditEvent.model_validate(json.loads(line))
+                yield parse_event(json.loads(line))
             except ValueError:
                 continue
 

@@ -35,7 +35,7 @@ from fusion_oci.oci.spec import Spec, bind, tmpfs
 from fusion_oci.services.inside import ServiceWiring
 
 AGENT_INIT_IN_SANDBOX = "/dev/fusion-oci-agent"
-"""The agent as the task's init (ocicli/launch.py's AGENT_IN_SANDBOX)."""
+"""The agent as the task's init (launch.py's AGENT_IN_SANDBOX)."""
 
 SOCKET_PLACEHOLDER = "<egress-proxy.sock>"
 """The host path of the task's proxy socket in a plan made before prepare started it."""

@@ -28,15 +28,15 @@ from fusion_oci.oci.seccomp import without_errno_ret
 from fusion_oci.oci.spec import Spec, bind
 from fusion_oci.runtimes.linux.cgroups import CgroupLimits, leaf_name
 from fusion_oci.runtimes.linux.egress import split_relays
-from fusion_oci.runtimes.ocicli.filtered import (
+from fusion_oci.runtimes.oci.filtered import (
     AGENT_INIT_IN_SANDBOX,
     SOCKET_PLACEHOLDER,
     runsc_service_flags,
     with_egress_forwarder,
     with_service_relays,
 )
-from fusion_oci.runtimes.ocicli.filtered import RUNSC_FLAGS as RUNSC_FILTERED_FLAGS
-from fusion_oci.runtimes.ocicli.state import cli_env, task_dir_name
+from fusion_oci.runtimes.oci.filtered import RUNSC_FLAGS as RUNSC_FILTERED_FLAGS
+from fusion_oci.runtimes.oci.state import cli_env, task_dir_name
 from fusion_oci.runtimes.plans import PLAN_RUN_ID, AgentPlan, SandboxLaunch, spawn_of
 from fusion_oci.services.inside import ServiceWiring, service_notes, service_wiring
 
@@ -70,13 +70,13 @@ def runtime_flags(
     """Global flags the runtime needs for this spec (before the subcommand). Pure.
 
     ``directfs``: this runsc has ``--directfs``, which is turned off (the gofer serves every
-    file: see :class:`~fusion_oci.runtimes.ocicli.gvisor.GvisorFlags`).
+    file: see :class:`~fusion_oci.runtimes.oci.gvisor.GvisorFlags`).
 
     runsc decides networking by flag, not from the spec: ``none`` is its empty netstack;
     ``host`` and ``egress`` pass the sockets of the namespace it runs in through (for egress
     that is the namespace :data:`RUNSC_EGRESS_SCRIPT` prepared, never the host's); ``filtered``
     is the empty netstack with host unix sockets connectable (the proxy's, bound in: see
-    :mod:`fusion_oci.runtimes.ocicli.filtered`).
+    :mod:`fusion_oci.runtimes.oci.filtered`).
     """
     if not is_gvisor(runtime):
         return []
@@ -166,7 +166,7 @@ def bundle_spec(
     container of one command under the agent's ``--exec-status-file`` and tini (what a test
     runs by hand, e.g. as another user). ``cgroup_leaf``: limits held by a cgroup of
     ours that the runtime joins (runsc). ``egress_proxy`` (``filtered``: the proxy's socket and
-    the agent binary, host paths): :func:`~fusion_oci.runtimes.ocicli.filtered.
+    the agent binary, host paths): :func:`~fusion_oci.runtimes.oci.filtered.
     with_egress_forwarder`. Rootless: :func:`fusion_oci.oci.ops.with_rootless`.
     ``errno_ret=False``: the runtime answers every errno rule with EPERM (runsc), so the
     seccomp profile is said without ``errnoRet``

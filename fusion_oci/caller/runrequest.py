@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from fusion_oci.caller.flags import TaskFlags
     from fusion_oci.errors import FusionOCIError
     from fusion_oci.images.gates import AskCallback
     from fusion_oci.models import RunResult
     from fusion_oci.stdin import StdinStream
-    from fusion_oci.taskflags import TaskFlags
 
 
 @dataclass
@@ -102,10 +102,10 @@ async def execute(
     import signal
 
     from fusion_oci.audit import AuditLog, default_audit_path
+    from fusion_oci.caller.flags import host_path, resolve_task
     from fusion_oci.errors import FlagError, FusionOCIError
     from fusion_oci.otel import attach_from_env
     from fusion_oci.sandbox import Sandbox
-    from fusion_oci.taskflags import host_path, resolve_task
 
     received = control.received
     main = asyncio.current_task()

@@ -1,6 +1,6 @@
 """The docker runtime: the task container through the ``docker`` Python SDK.
 
-Thin: the translation is :mod:`fusion_oci.runtimes.containers`, the lifecycle
+Thin: the translation is :mod:`fusion_oci.runtimes.engine.containers`, the lifecycle
 :class:`~fusion_oci.runtimes.engine.ContainerRuntime`, the SDK client
 :class:`~fusion_oci.engines.docker.DockerAdapter`. The daemon is found as the Docker CLI
 finds it (:func:`~fusion_oci.engines.docker_endpoints`: ``docker.url``, ``DOCKER_HOST``, the
@@ -11,7 +11,7 @@ dockerd itself (it needs root and owns the host's iptables), it says how to star
 from __future__ import annotations
 
 from fusion_oci.engines import Endpoint, docker_endpoints
-from fusion_oci.runtimes.engine import ContainerRuntime
+from fusion_oci.runtimes.engine.runtime import ContainerRuntime
 
 
 class DockerRuntime(ContainerRuntime):

@@ -21,28 +21,18 @@ from typing import TYPE_CHECKING
 
 from fusion_oci.engines import Endpoint, EngineAdapter, EngineInfo, podman_endpoints
 from fusion_oci.engines.service import PodmanService
-from fusion_oci.runtimes.engine import ContainerRuntime
+from fusion_oci.runtimes.engine.runtime import ContainerRuntime
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
-
-    from fusion_oci.oci.host import HostInfo
-    from fusion_oci.policy.settings import SandboxSettings
+    pass
 
 
 class PodmanRuntime(ContainerRuntime):
     id = "podman"
     engine = "podman"
 
-    def __init__(
-        self,
-        settings: SandboxSettings,
-        env: Mapping[str, str],
-        cache_root: Path | None = None,
-        host: HostInfo | None = None,
-    ) -> None:
-        super().__init__(settings, env, cache_root=cache_root, host=host)
-        self._service: PodmanService | None = None
+    _service: PodmanService | None = None
+    """The ``podman system service`` this runtime started (None: a socket answered)."""
 
     def endpoints(self) -> list[Endpoint]:
         return podman_endpoints(self.settings.podman.url, self.env, self.host.uid)

@@ -1,7 +1,7 @@
 """The bubblewrap runtime: one sandbox per task, Linux namespaces built by ``bwrap``, and each
 command run in it by the exec agent (fusion_oci/agent) that is the sandbox's PID 1.
 
-The translation is :mod:`.bubblewrap_argv` (:func:`bwrap_argv` for the sandbox,
+The translation is :mod:`.argv` (:func:`bwrap_argv` for the sandbox,
 :func:`bwrap_spawn` for each command: pure functions of the spec, golden-tested per policy);
 this module is the runtime around it: host probes, prepare, launch, clean-up.
 
@@ -51,31 +51,25 @@ from typing import TYPE_CHECKING
 
 from fusion_oci.agent.client import Agent, agent_binary
 from fusion_oci.errors import BundleError, SandboxSetupError
-from fusion_oci.models import NetworkMode, RunOptions, RunResult, SandboxCapabilities
+from fusion_oci.models import NetworkMode
 from fusion_oci.oci.model import ProcessSpec, TaskSpec
 from fusion_oci.oci.seccomp import LIBSECCOMP_HINT, libseccomp_problem
 from fusion_oci.process import kill_group, probe
-
-# The translation, re-exported: callers and tests name it from here.
-from fusion_oci.runtimes.bubblewrap_argv import (
-    AGENT_FD,
+from fusion_oci.runtimes.box import Box, group_dirs
+from fusion_oci.runtimes.bubblewrap.argv import (
     BLOCK_FD,
     EGRESS_PLACEHOLDER,
     INFO_FD,
     RESOLV_PLACEHOLDER,
-    RLIMITS,
     SECCOMP_FD,
-    USUAL_KINDS,
     BwrapHost,
     LaunchFds,
     agent_rlimits,
     args_launch,
     bwrap_argv,
     bwrap_spawn,
-    mount_args,
     needs_launch_hooks,
     plan_notes,
-    proc_protection_args,
     protected_proc_paths,
     seccomp_program,
     with_fds,
@@ -83,47 +77,22 @@ from fusion_oci.runtimes.bubblewrap_argv import (
 from fusion_oci.runtimes.linux import cgroups, egress, userns
 from fusion_oci.runtimes.linux.cgroups import Cgroup, CgroupEvents, CgroupLimits, CgroupSupport
 from fusion_oci.runtimes.linux.pipes import close_all, read_json
-from fusion_oci.runtimes.outcome import LimitCounters, classify
-from fusion_oci.runtimes.plans import AgentPlan, Plan, SandboxLaunch, own_plan
+from fusion_oci.runtimes.plans import AgentPlan, SandboxLaunch
 from fusion_oci.runtimes.protocol import Availability
-from fusion_oci.runtimes.requirements import Requirement
+from fusion_oci.runtimes.requirements import SANDBOXED, Requirement
 from fusion_oci.runtimes.skeleton import SpecRuntime
 from fusion_oci.scratch import make_scratch
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
-
-    from fusion_oci.oci.host import HostInfo
-    from fusion_oci.policy.settings import SandboxSettings
     from fusion_oci.resolve import ResolvedTask
 
 __all__ = [
-    "AGENT_FD",
-    "BLOCK_FD",
-    "INFO_FD",
-    "RESOLV_PLACEHOLDER",
-    "RLIMITS",
-    "SECCOMP_FD",
-    "USUAL_KINDS",
     "BubblewrapRuntime",
-    "BwrapHost",
     "HostProbe",
-    "LaunchFds",
-    "agent_rlimits",
-    "args_launch",
-    "bwrap_argv",
-    "bwrap_spawn",
     "check_spec",
     "host_path_kinds",
     "make_task_scratch",
-    "mount_args",
-    "needs_launch_hooks",
-    "plan_notes",
     "probe_host_support",
-    "proc_protection_args",
-    "protected_proc_paths",
-    "seccomp_program",
-    "with_fds",
 ]
 
 START_TIMEOUT_S = 20.0
@@ -249,19 +218,6 @@ class BwrapPlan(AgentPlan):
         return [*self.notes, *plan_notes(self.task, self.process, self.host)]
 
 
-@dataclass
-class _Box:
-    """The task's running sandbox."""
-
-    agent: Agent
-    launch: SandboxLaunch
-    """Its planned launch (placeholder fds), as each command's plan shows it."""
-    group: Cgroup | None
-    link: egress.Egress | None
-    events: CgroupEvents = field(default_factory=CgroupEvents)
-    """The cgroup's counters after the last command that read them."""
-
-
 def _pipe_with(data: bytes) -> int:
     """A pipe already holding ``data`` (write end closed); returns the read end."""
     r, w = os.pipe()
@@ -280,22 +236,16 @@ class BubblewrapRuntime(SpecRuntime):
     id = "bubblewrap"
     streams_stdin = True  # the agent client writes a StdinStream's chunks as they come
 
-    def __init__(
-        self,
-        settings: SandboxSettings,
-        env: Mapping[str, str],
-        cache_root: Path | None = None,
-        host: HostInfo | None = None,
-    ) -> None:
-        super().__init__(settings, env, cache_root=cache_root, host=host)
-        self._scratch: Path | None = None
-        self._box: _Box | None = None
-        self._bpf: bytes | None = None
-        """The BPF of the task's seccomp profile: compiled once at prepare."""
-        self._egress_socket: str | None = None
-        """``filtered``: the host path of the task's egress proxy socket (from prepare)."""
-        self._service_relays: tuple[tuple[str, str], ...] | None = None
-        """``hostServices``: the relays' sockets (from prepare)."""
+    plan_type = BwrapPlan
+    runs_in = "its sandbox"
+    box: Box[SandboxLaunch, egress.Egress] | None
+    _scratch: Path | None = None
+    _bpf: bytes | None = None
+    """The BPF of the task's seccomp profile: compiled once at prepare."""
+    _egress_socket: str | None = None
+    """``filtered``: the host path of the task's egress proxy socket (from prepare)."""
+    _service_relays: tuple[tuple[str, str], ...] | None = None
+    """``hostServices``: the relays' sockets (from prepare)."""
 
     # ------------------------------------------------------------------ host facts
     @property
@@ -329,17 +279,8 @@ class BubblewrapRuntime(SpecRuntime):
         the spec has no profile)."""
         return self._bpf
 
-    def capabilities(self) -> SandboxCapabilities:
-        limits = "advanced" if self.probe.cgroups.controllers else "basic"
-        return SandboxCapabilities(
-            filesystem_isolation="strong",
-            network_policy="fine" if Requirement.NETWORK_FILTERED in self.enforces() else "coarse",
-            resource_limits=limits,
-            requires_install=True,
-            supports_mac=False,
-            supports_linux=True,
-            supports_windows=False,
-        )
+    def host_capabilities(self) -> dict[str, str]:
+        return {} if self.probe.cgroups.controllers else {"resource_limits": "basic"}
 
     def availability(self) -> Availability:
         p = self.probe
@@ -387,16 +328,8 @@ class BubblewrapRuntime(SpecRuntime):
         # filtered: an empty network namespace and the agent's forwarder to the task's proxy
         # (nothing of the host's beyond bwrap itself).
         # HOST_PROCESSES: --unshare-all's pid namespace hides every host process.
-        out = {
-            Requirement.FILESYSTEM,
-            Requirement.PROC_PATHS,
-            Requirement.ENV,
-            Requirement.HOST_PROCESSES,
-            Requirement.NETWORK_NONE,
-            Requirement.NETWORK_FILTERED,
-            Requirement.HOST_SERVICES,
-            Requirement.TMP_SIZE,
-        }
+        # RLIMIT_CPU and RLIMIT_FSIZE: prlimit(2), always there on Linux.
+        out = set(SANDBOXED)
         if p.egress_problem is None and p.slirp4netns:
             out.add(Requirement.NETWORK_EGRESS)
         # publishPorts: the agent (the sandbox's init) is handed each inbound connection.
@@ -409,14 +342,12 @@ class BubblewrapRuntime(SpecRuntime):
         ):
             if name in ctl:
                 out.add(req)
-        # RLIMIT_CPU and RLIMIT_FSIZE: prlimit(2), always there on Linux.
-        out |= {Requirement.CPU_TIME, Requirement.FILE_SIZE}
         return frozenset(out)
 
     def sandbox_launch(self) -> SandboxLaunch:
         """The adopted task's sandbox: its bwrap argv (placeholder fds), environment, cwd."""
-        if self._box is not None:
-            return self._box.launch
+        if self.box is not None:
+            return self.box.launch
         task = self.adopted()
         return SandboxLaunch(
             argv=bwrap_argv(task.spec, task.user, self.host_for(task.spec)),
@@ -443,17 +374,17 @@ class BubblewrapRuntime(SpecRuntime):
         check_spec(task.spec)
         self._egress_socket = egress.proxy_socket(task)
         self._service_relays = egress.service_relays(task)
-        self._scratch = make_task_scratch(task.ctx.task_id)
+        self._scratch = make_task_scratch(task.spec.task_id)
         try:
             self._bpf = seccomp_program(task.spec)
-            self._box = await self._start(task)
+            self.box = await self._start(task)
         except BaseException:
             shutil.rmtree(self._scratch, ignore_errors=True)
             self._scratch = None
             raise
         return task
 
-    async def _start(self, task: ResolvedTask) -> _Box:
+    async def _start(self, task: ResolvedTask) -> Box[SandboxLaunch, egress.Egress]:
         """Start the task's sandbox: bwrap with the agent as its PID 1, moved into its cgroup
         and given its network before the agent runs; returns once the agent said hello."""
         assert self._scratch is not None
@@ -545,12 +476,16 @@ class BubblewrapRuntime(SpecRuntime):
             theirs.close()  # idempotent
             close_all(info_r, info_w, block_r, block_w, seccomp_r, args_r, args_w)
         events = group.events() if group is not None else CgroupEvents()
-        return _Box(
+        return Box(
             agent=agent,
             launch=SandboxLaunch(argv=planned, env=self._launcher_env(), cwd="/"),
             group=group,
             link=link,
+            cgroup=group_dirs(group),
             events=events,
+            # Did the sandbox's pids or memory limit hold a command? Asked of a command that
+            # failed only: a success leaves the counters' baseline where it was.
+            every_command=False,
         )
 
     async def _setup(
@@ -587,7 +522,7 @@ class BubblewrapRuntime(SpecRuntime):
         return None
 
     async def dispose(self) -> None:
-        box, self._box = self._box, None
+        box, self.box = self.box, None
         try:
             if box is not None:
                 try:
@@ -617,28 +552,6 @@ class BubblewrapRuntime(SpecRuntime):
                 if key in self.env:
                     env[key] = self.env[key]
         return env
-
-    async def execute(self, plan: Plan, opts: RunOptions) -> RunResult:
-        own = own_plan(self, plan, BwrapPlan)
-        process, spawn, box = own.process, own.spawn, self._box
-        if box is None:
-            raise SandboxSetupError(
-                "runtime 'bubblewrap' was not prepared",
-                "its sandbox is not running",
-                "call prepare(ctx) first",
-            )
-        outcome = await box.agent.run_command(spawn, opts)
-        counters = LimitCounters()
-        if box.group is not None and (outcome.returncode != 0 or outcome.signal):
-            # Did the sandbox's pids or memory limit hold this command? Its counters since
-            # the last command that read them (concurrent commands share one cgroup).
-            after = box.group.events()
-            counters = LimitCounters(
-                oom_kills=after.oom_kills - box.events.oom_kills,
-                pids_max=after.pids_max - box.events.pids_max,
-            )
-            box.events = after
-        return self.result(outcome, process, classify(outcome, process, counters))
 
 
 def _last_lines(path: Path, n: int = 5) -> str:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from fusion_oci.process import probe
 from fusion_oci.runtimes.linux.cgroups import Layout
-from fusion_oci.runtimes.ocicli.gvisor import UNKNOWN_FLAGS, GvisorFlags, parse_flags
-from fusion_oci.runtimes.ocicli.launch import is_gvisor
+from fusion_oci.runtimes.oci.gvisor import UNKNOWN_FLAGS, GvisorFlags, parse_flags
+from fusion_oci.runtimes.oci.launch import is_gvisor
 from fusion_oci.runtimes.protocol import Availability
 
 

@@ -3,11 +3,11 @@
 One container per task, whose init is the exec agent (fusion_oci/agent), as the bubblewrap
 and container-engine runtimes have one sandbox per task. At prepare the task spec goes through
 the spec operations this host needs (:mod:`fusion_oci.oci.ops`, the agent as init:
-:func:`~fusion_oci.runtimes.ocicli.launch.with_agent_init`), is written as the task's bundle
+:func:`~fusion_oci.runtimes.oci.launch.with_agent_init`), is written as the task's bundle
 and started with ``RUNTIME --root STATE run --detach --pid-file P --bundle DIR ID``; the
 runtime CLI is our child in its own process group, bounded by a timeout, and hands its stdin,
 our end of a socketpair, through to the agent (no socket path anywhere). One builder
-(:func:`~fusion_oci.runtimes.ocicli.launch.build_task`) makes that bundle and argv for both
+(:func:`~fusion_oci.runtimes.oci.launch.build_task`) makes that bundle and argv for both
 :meth:`OciRuntime.plan` and :meth:`OciRuntime.prepare`.
 
 Each command is a spawn frame to the agent (args, env, cwd, rlimits; the container's user,
@@ -24,7 +24,7 @@ At dispose the connection is closed (the agent ends every tree and exits, which 
 container), then ``delete --force ID``, the egress link and our cgroup (runsc) go, and the
 task's state directory is removed. A process of ours that dies leaves the agent without its
 connection, so it exits too; the state directory it leaves is unlocked, and the next prepare's
-gc (:mod:`fusion_oci.runtimes.ocicli.state`) deletes the container and the directory.
+gc (:mod:`fusion_oci.runtimes.oci.state`) deletes the container and the directory.
 
 Host-rootfs specs run on an empty ``rootfs/`` plus the spec's read-only binds of the system
 directories. Image specs run on the image's root filesystem, exported once per image digest
@@ -40,18 +40,19 @@ import secrets
 import shutil
 import socket
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import fusion_oci.runtimes.oci.launch as _launch
+import fusion_oci.runtimes.oci.probe as probe
 from fusion_oci.agent.client import Agent
 from fusion_oci.errors import AgentLostError, FusionOCIError, SandboxSetupError
-from fusion_oci.models import NetworkMode, RunOptions, RunResult, SandboxCapabilities
+from fusion_oci.models import NetworkMode, RunOptions
 from fusion_oci.oci.bundle import write_bundle
 from fusion_oci.oci.model import ANN_RUN, ANN_TASK, ProcessSpec
-from fusion_oci.oci.ops import EgressHook, with_init
 from fusion_oci.process import ProcessOutcome, kill_group
+from fusion_oci.runtimes.box import Box
 from fusion_oci.runtimes.linux.cgroups import (
     Cgroup,
     CgroupEvents,
@@ -61,27 +62,20 @@ from fusion_oci.runtimes.linux.cgroups import (
     read_events,
 )
 from fusion_oci.runtimes.linux.egress import service_relays
-from fusion_oci.runtimes.ocicli import launch as _launch
-from fusion_oci.runtimes.ocicli import probe
-from fusion_oci.runtimes.ocicli.egress import EgressLink
-from fusion_oci.runtimes.ocicli.filtered import SOCKET_PLACEHOLDER
-from fusion_oci.runtimes.ocicli.gvisor import GvisorFlags, gvisor_details
-from fusion_oci.runtimes.ocicli.launch import (
+from fusion_oci.runtimes.oci.egress import EgressLink
+from fusion_oci.runtimes.oci.filtered import SOCKET_PLACEHOLDER
+from fusion_oci.runtimes.oci.gvisor import GvisorFlags, gvisor_details
+from fusion_oci.runtimes.oci.launch import (
     GRACE_S,
     OciPlan,
     TaskLaunch,
-    bundle_spec,
-    egress_launch_argv,
     is_gvisor,
     process_key,
     render,
-    run_argv,
-    runtime_flags,
 )
-from fusion_oci.runtimes.ocicli.state import (
+from fusion_oci.runtimes.oci.state import (
     TaskState,
     cgroup_paths,
-    container_id,
     delete_container,
     gc_oci,
     list_containers,
@@ -92,30 +86,15 @@ from fusion_oci.runtimes.ocicli.state import (
     task_dir_name,
     wait_exit,
 )
-from fusion_oci.runtimes.outcome import LimitCounters, classify, status_from_code
-from fusion_oci.runtimes.plans import Plan, own_plan
+from fusion_oci.runtimes.outcome import LimitCounters, status_from_code
+from fusion_oci.runtimes.plans import AgentPlan
 from fusion_oci.runtimes.protocol import Availability
-from fusion_oci.runtimes.requirements import Requirement
+from fusion_oci.runtimes.requirements import SANDBOXED, Requirement
 from fusion_oci.runtimes.skeleton import SpecRuntime
 
-__all__ = [  # the names other modules and tests import from here
-    "EgressHook",
-    "OciRuntime",
-    "bundle_spec",
-    "container_id",
-    "egress_launch_argv",
-    "exit_status",
-    "gc_oci",
-    "list_containers",
-    "run_argv",
-    "runtime_flags",
-    "state_base",
-    "with_init",
-]
+__all__ = ["OciRuntime", "exit_status", "limit_counters"]
 
 if TYPE_CHECKING:
-    from fusion_oci.oci.host import HostInfo
-    from fusion_oci.policy.settings import SandboxSettings
     from fusion_oci.resolve import ResolvedTask
 
 STATE_JSON_RUNTIMES = frozenset({"runc"})
@@ -139,22 +118,14 @@ def limit_counters(events: CgroupEvents) -> LimitCounters:
     return LimitCounters(oom_kills=events.oom_kills, pids_max=events.pids_max)
 
 
-@dataclass
-class _Box:
+@dataclass(kw_only=True)
+class _Box(Box[TaskLaunch, EgressLink]):
     """The task's running container."""
 
-    agent: Agent
-    launch: TaskLaunch
     key: tuple[object, ...]
     """:func:`process_key` of the init: what a command's process must share."""
     pid: int | None
     """The agent (the container's init) as this host sees it."""
-    cgroup: dict[str, str] = field(default_factory=dict)
-    """The container's cgroup directories (runc's, or ours that runsc joined); {}: none."""
-    group: Cgroup | None = None
-    link: EgressLink | None = None
-    events: CgroupEvents = field(default_factory=CgroupEvents)
-    """The cgroup's counters after the last command."""
 
 
 class OciRuntime(SpecRuntime):
@@ -163,15 +134,25 @@ class OciRuntime(SpecRuntime):
     id = "oci"
     streams_stdin = True  # run_process writes a StdinStream's chunks as they come
 
-    def __init__(
-        self,
-        settings: SandboxSettings,
-        env: Mapping[str, str],
-        cache_root: Path | None = None,
-        host: HostInfo | None = None,
-    ) -> None:
-        super().__init__(settings, env, cache_root=cache_root, host=host)
-        self.runtime_name: str = settings.oci.runtime
+    plan_type = OciPlan
+    runs_in = "its container"
+    box: _Box | None
+    _task: TaskState | None = None
+    _rootfs: str | None = None
+    _binary: str | None = None
+    _agent: str | None = None
+    _unshare: str | None = None
+    _version: str | None = None
+    _gvisor_flags: GvisorFlags | None = None
+    _cgroups: Hierarchy | None = None
+    _egress: tuple[bool, str] | None = None
+    _egress_socket: str | None = None
+    """``filtered``: the host path of the task's egress proxy socket (from prepare)."""
+    _service_relays: tuple[tuple[str, str], ...] | None = None
+    """``hostServices``: the relays' sockets (from prepare)."""
+
+    def setup(self) -> None:
+        self.runtime_name: str = self.settings.oci.runtime
         self.uid = os.geteuid()
         self.gid = os.getegid()
         self.state_base = state_base(self.env, self.uid)
@@ -180,20 +161,6 @@ class OciRuntime(SpecRuntime):
         before prepare shows the paths the run will use."""
         self.pid = os.getpid()
         """Names runsc cgroup leaves (see cgroups.leaf_name)."""
-        self._task: TaskState | None = None
-        self._box: _Box | None = None
-        self._rootfs: str | None = None
-        self._binary: str | None = None
-        self._agent: str | None = None
-        self._unshare: str | None = None
-        self._version: str | None = None
-        self._gvisor_flags: GvisorFlags | None = None
-        self._cgroups: Hierarchy | None = None
-        self._egress: tuple[bool, str] | None = None
-        self._egress_socket: str | None = None
-        """``filtered``: the host path of the task's egress proxy socket (from prepare)."""
-        self._service_relays: tuple[tuple[str, str], ...] | None = None
-        """``hostServices``: the relays' sockets (from prepare)."""
         self.gc_removed: list[str] = []
         """Containers of dead tasks that the last prepare removed (for the audit)."""
 
@@ -256,17 +223,8 @@ class OciRuntime(SpecRuntime):
             )
         return self._egress
 
-    def capabilities(self) -> SandboxCapabilities:
-        limits = self._limits()
-        return SandboxCapabilities(
-            filesystem_isolation="strong",
-            network_policy="fine" if Requirement.NETWORK_FILTERED in self.enforces() else "coarse",
-            resource_limits="advanced" if limits else "basic",
-            requires_install=True,
-            supports_mac=False,
-            supports_linux=True,
-            supports_windows=False,
-        )
+    def host_capabilities(self) -> dict[str, str]:
+        return {} if self._limits() else {"resource_limits": "basic"}
 
     def availability(self) -> Availability:
         binary = self._find_binary()
@@ -310,23 +268,12 @@ class OciRuntime(SpecRuntime):
 
     def enforces(self) -> frozenset[Requirement]:
         # NETWORK_FILTERED: the container's own empty netns and the agent's (init's)
-        # forwarder (ocicli/filtered.py).
+        # forwarder (filtered.py).
         # CPU_TIME: the agent's setrlimit on each command, inside the sandbox; under gVisor
         # (20221219) only such a call arms RLIMIT_CPU (a spec rlimit shows in `ulimit -t` yet
         # never fires), which the agent as the task's init makes for every command.
         # HOST_PROCESSES: the spec's pid namespace hides every host process.
-        out = {
-            Requirement.FILESYSTEM,
-            Requirement.PROC_PATHS,
-            Requirement.ENV,
-            Requirement.HOST_PROCESSES,
-            Requirement.NETWORK_NONE,
-            Requirement.NETWORK_FILTERED,
-            Requirement.HOST_SERVICES,
-            Requirement.CPU_TIME,
-            Requirement.TMP_SIZE,
-            Requirement.FILE_SIZE,
-        }
+        out = set(SANDBOXED)
         if is_gvisor(self.runtime_name):
             out.discard(Requirement.TMP_SIZE)  # gVisor's tmpfs ignores size= (seen: 20221219)
         else:
@@ -361,7 +308,7 @@ class OciRuntime(SpecRuntime):
 
     def init_process(self) -> ProcessSpec:
         """The task container's init as the task's commands would run (its user,
-        capabilities, no-new-privileges, rlimits); :func:`~fusion_oci.runtimes.ocicli.launch.
+        capabilities, no-new-privileges, rlimits); :func:`~fusion_oci.runtimes.oci.launch.
         with_agent_init` makes it the agent."""
         return self.process(["true"], RunOptions(env={}))
 
@@ -386,7 +333,7 @@ class OciRuntime(SpecRuntime):
         """The command's spawn frame to the agent of the task's container, beside that
         container (its ``run`` argv and bundle: started at prepare): exactly what execute
         sends and prepare starts."""
-        box = self._box
+        box = self.box
         launch = box.launch if box is not None else self._task_launch()
         return render(self.id, process, launch)
 
@@ -399,7 +346,8 @@ class OciRuntime(SpecRuntime):
 
     async def prepare(self, task: ResolvedTask) -> ResolvedTask:
         task = await super().prepare(task)
-        ctx = task.ctx
+        spec = task.spec
+        task_id, run_id = spec.task_id, spec.annotations.get(ANN_RUN, "")
         binary = self._find_binary()
         if binary is None:
             avail = self.availability()
@@ -410,9 +358,9 @@ class OciRuntime(SpecRuntime):
             self.gc_removed = await gc_oci(binary, self.state_base, env=self.env)
         except (FusionOCIError, OSError):
             self.gc_removed = []  # someone else's leftovers must not block this task
-        final = self.state_base / task_dir_name(ctx.task_id, ctx.run_id, self.nonce)
+        final = self.state_base / task_dir_name(task_id, run_id, self.nonce)
         self._task = open_task_dir(
-            final, self.nonce, {"task": ctx.task_id, "run": ctx.run_id, "runtime": binary}
+            final, self.nonce, {"task": task_id, "run": run_id, "runtime": binary}
         )
         try:
             if task.spec.network is NetworkMode.FILTERED:
@@ -433,7 +381,7 @@ class OciRuntime(SpecRuntime):
                     export_image_rootfs, str(image), self.cache_root / "oci-rootfs", url
                 )
                 self._rootfs = str(rootfs)
-            self._box = await self._start(self._task, binary)
+            self.box = await self._start(self._task, binary)
         except BaseException:
             await self.dispose()
             raise
@@ -549,26 +497,16 @@ class OciRuntime(SpecRuntime):
                 f"{self.runtime_name} run exited {code}", _log_tail(launch.log) or "no output"
             )
 
-    def _require_box(self) -> _Box:
-        if self._box is None or self.ctx is None:
-            raise SandboxSetupError(
-                f"runtime '{self.id}' was not prepared",
-                "its container is not running",
-                "call prepare(ctx) first",
-            )
-        return self._box
-
-    async def execute(self, plan: Plan, opts: RunOptions) -> RunResult:
-        oci_plan = own_plan(self, plan, OciPlan)
-        box = self._require_box()
-        process, spawn = oci_plan.process, oci_plan.spawn
-        if oci_plan.launch is not box.launch and oci_plan.launch != box.launch:
+    def check_plan(self, plan: AgentPlan, box: Box[Any, Any]) -> None:
+        assert isinstance(plan, OciPlan) and isinstance(box, _Box)  # execute's own
+        launch = plan.launch
+        if launch is not box.launch and launch != box.launch:
             raise SandboxSetupError(
                 "this command was planned for a container other than the task's",
                 "its plan was made before prepare(), or for another task",
                 "plan the command after prepare",
             )
-        if process_key(process) != box.key:
+        if process_key(plan.process) != box.key:
             raise SandboxSetupError(
                 "this command needs a container other than the task's",
                 "its process differs from the task's in more than args, env, cwd and rlimits "
@@ -576,25 +514,19 @@ class OciRuntime(SpecRuntime):
                 "give a command",
                 "prepare a task with that policy for it",
             )
+
+    async def run_spawn(
+        self, box: Box[Any, Any], plan: AgentPlan, opts: RunOptions
+    ) -> ProcessOutcome:
+        assert isinstance(box, _Box)  # execute's own
         start = time.monotonic()
         try:
-            outcome = await box.agent.run_command(spawn, opts, grace_s=GRACE_S)
+            return await box.agent.run_command(plan.spawn, opts, grace_s=GRACE_S)
         except AgentLostError:
             oom = self._oom_of_the_sandbox(box, start)
             if oom is None:
                 raise
-            return self.result(oom, process, "oom")
-        counters = LimitCounters()
-        if box.cgroup:
-            # What the task's cgroup counted while this command ran (commands that run at
-            # once share it: a hit during both is given to both).
-            after = read_events(box.cgroup)
-            counters = LimitCounters(
-                oom_kills=after.oom_kills - box.events.oom_kills,
-                pids_max=after.pids_max - box.events.pids_max,
-            )
-            box.events = after
-        return self.result(outcome, process, classify(outcome, process, counters))
+            return oom  # classified by the counters that saw it: oom
 
     def _oom_of_the_sandbox(self, box: _Box, start: float) -> ProcessOutcome | None:
         """The command's outcome when the agent was lost because the host's OOM killer took
@@ -606,10 +538,8 @@ class OciRuntime(SpecRuntime):
         fail as agent-lost, the task's container is never silently replaced."""
         if not box.cgroup:
             return None
-        after = read_events(box.cgroup)
-        if after.oom_kills <= box.events.oom_kills:
+        if read_events(box.cgroup).oom_kills <= box.events.oom_kills:
             return None
-        box.events = after
         return ProcessOutcome(
             stdout=b"",
             returncode=None,
@@ -629,7 +559,7 @@ class OciRuntime(SpecRuntime):
             task.leftovers.add(cid)  # dispose tries again; gc after that
 
     async def dispose(self) -> None:
-        box, self._box = self._box, None
+        box, self.box = self.box, None
         task, self._task = self._task, None
         binary = self._binary or self.runtime_name
         try:

@@ -1,7 +1,7 @@
 """The ``sandbox-exec`` runtime: macOS Seatbelt around the command, on the host.
 
 ``sandbox-exec -p PROFILE -D NAME=PATH ... /bin/sh -c COMMAND``, with the profile generated
-from the compiled spec by :mod:`fusion_oci.runtimes.seatbelt`, run inside the same subreaper
+from the compiled spec by :mod:`.seatbelt`, run inside the same subreaper
 shim as native (timeout, process-group kill, rlimits). Opt-in: Apple marks ``sandbox-exec``
 deprecated, though it ships with current macOS.
 
@@ -14,24 +14,26 @@ so ``fusion-oci plan --backend sandbox-exec`` can show the profile anywhere.
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fusion_oci.errors import BundleError, RuntimeUnavailableError
-from fusion_oci.models import RunOptions, RunResult, SandboxCapabilities
+from fusion_oci.models import RunOptions, RunResult
 from fusion_oci.oci.model import ProcessSpec, TaskSpec
 from fusion_oci.process import run_process
 from fusion_oci.runtimes.hostproc import HostProcessRuntime, native_env
 from fusion_oci.runtimes.plans import ArgvPlan, Plan, own_plan
 from fusion_oci.runtimes.protocol import Availability
 from fusion_oci.runtimes.requirements import Requirement
-from fusion_oci.runtimes.seatbelt import SANDBOX_EXEC, SeatbeltProfile, seatbelt_profile
+from fusion_oci.runtimes.sandbox_exec.seatbelt import (
+    SANDBOX_EXEC,
+    SeatbeltProfile,
+    seatbelt_profile,
+)
 
 if TYPE_CHECKING:
-    from fusion_oci.oci.host import HostInfo
-    from fusion_oci.policy.settings import SandboxSettings
     from fusion_oci.resolve import ResolvedTask
 
 MAC_EXTRA_PATH = ("/opt/homebrew/bin", "/opt/homebrew/sbin")
@@ -77,29 +79,8 @@ class SeatbeltPlan(ArgvPlan):
 class SandboxExecRuntime(HostProcessRuntime):
     id = "sandbox-exec"
 
-    def __init__(
-        self,
-        settings: SandboxSettings,
-        env: Mapping[str, str],
-        cache_root: Path | None = None,
-        host: HostInfo | None = None,
-        *,
-        platform: str | None = None,
-    ) -> None:
-        super().__init__(settings, env, cache_root=cache_root, host=host)
-        self.platform = platform or sys.platform
-
-    def capabilities(self) -> SandboxCapabilities:
-        return SandboxCapabilities(
-            # Path rules, not a separate filesystem view: stat() still sees the host.
-            filesystem_isolation="basic",
-            network_policy="coarse",
-            resource_limits="basic",
-            requires_install=False,
-            supports_mac=True,
-            supports_linux=False,
-            supports_windows=False,
-        )
+    platform: str = sys.platform
+    """The host's platform (a test sets another to see the runtime away from a Mac)."""
 
     def availability(self) -> Availability:
         if self.platform != "darwin":

@@ -1,5 +1,6 @@
-"""Flags → effective settings → task context: shared by the CLI's run, plan and bundle and by
-the resident server (which resolves a client's flags from its cwd and environment)."""
+"""The CLI's task flags → the front door (:mod:`fusion_oci.caller.frontdoor`) → the task:
+shared by the CLI's run, plan, bundle and settings commands and by the resident server (which
+resolves a client's flags from its cwd and environment)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from fusion_oci.caller import frontdoor
 from fusion_oci.errors import FlagError
 from fusion_oci.models import PrepareContext, RunOptions
-from fusion_oci.policy.settings import EffectiveSettings, load_settings
-from fusion_oci.policy.worktree import check_worktree, default_worktree, project_root
+from fusion_oci.policy.settings import EffectiveSettings, Layer, SandboxSettings
+from fusion_oci.policy.worktree import default_worktree
 
 
 @dataclass
@@ -48,14 +50,6 @@ class TaskFlags:
     unsafe_worktree: bool = False
 
 
-def find_project_dir(worktree: Path, explicit: Path | None = None) -> Path:
-    """The explicit project root, else the project of ``worktree`` (its main repository when
-    linked); never a ``.fusion`` folder the sandboxed command could have planted."""
-    if explicit is not None:
-        return explicit.expanduser().absolute()
-    return project_root(worktree)
-
-
 def host_path(path: Path | str, cwd: Path, env: Mapping[str, str]) -> Path:
     """A path given on the command line, as the caller meant it: ``~`` is the caller's HOME,
     a relative path is relative to the caller's cwd (the resident server resolves flags for a
@@ -67,26 +61,6 @@ def host_path(path: Path | str, cwd: Path, env: Mapping[str, str]) -> Path:
         text = str(Path(text).expanduser())
     out = Path(text)
     return out if out.is_absolute() else cwd / out
-
-
-def resolve_worktree(flags: TaskFlags, env: Mapping[str, str], cwd: Path | None = None) -> Path:
-    """The flag's folder, else the top of the git work tree holding the current directory;
-    refused (exit 2) when unsafe unless --unsafe-worktree says so."""
-    where = cwd if cwd is not None else Path.cwd().absolute()
-    worktree = (
-        host_path(flags.worktree, where, env)
-        if flags.worktree is not None
-        else default_worktree(where)
-    )
-    check_worktree(
-        worktree,
-        env,
-        unsafe_ok=flags.unsafe_worktree,
-        name="--worktree"
-        if flags.worktree is not None
-        else "worktree (current directory; pass --worktree DIR)",
-    )
-    return worktree
 
 
 # Model fields whose values come from a flag: a validation error names the flag.
@@ -112,9 +86,11 @@ def flag_error(exc: ValidationError, values: Mapping[str, object]) -> FlagError:
     )
 
 
-def _overrides(
-    flags: TaskFlags, base: EffectiveSettings, cwd: Path, env: Mapping[str, str]
-) -> dict[str, Any]:
+def _flag_layer(
+    flags: TaskFlags, below: SandboxSettings, cwd: Path, env: Mapping[str, str]
+) -> Layer | None:
+    """The flags as the top settings layer ("command line"); None: no flag sets a setting."""
+
     def _abs(paths: list[str]) -> list[str]:
         # On the command line a relative path means relative to where the user stands.
         return [str(host_path(p, cwd, env)) for p in paths]
@@ -133,7 +109,7 @@ def _overrides(
     if flags.network is not None:
         policy["network"] = flags.network
         policy["allowNetwork"] = flags.network != "none"
-    current = base.settings.policy
+    current = below.policy
     # List flags add to what the settings files already allow.
     if flags.allow_path:
         policy["allowedPaths"] = [*current.allowed_paths, *_abs(flags.allow_path)]
@@ -154,7 +130,7 @@ def _overrides(
         policy["cpuLimit"] = cpu
     if policy:
         out["policy"] = policy
-    return out
+    return Layer("command line", out) if out else None
 
 
 def new_run_id() -> str:
@@ -172,38 +148,6 @@ class Task:
 def resolve_task(flags: TaskFlags, env: Mapping[str, str], cwd: Path | None = None) -> Task:
     """The task of these flags, for a caller standing in ``cwd`` (default: ours) with ``env``."""
     where = cwd if cwd is not None else Path.cwd().absolute()
-    worktree = resolve_worktree(flags, env, where)
-    project = find_project_dir(
-        worktree, None if flags.project_dir is None else host_path(flags.project_dir, where, env)
-    )
-    if not project.is_dir():
-        raise FlagError(
-            f"--project-dir {project}",
-            "it does not exist or is not a directory",
-            "pass the project's root folder (the main repository)",
-        )
-    prompt = None
-    if flags.task_prompt is not None and str(flags.task_prompt) == "-":
-        import sys
-
-        prompt = sys.stdin.read()
-    elif flags.task_prompt is not None:
-        try:
-            prompt = host_path(flags.task_prompt, where, env).read_text(encoding="utf-8")
-        except OSError as exc:
-            raise FlagError(
-                f"--task-prompt {flags.task_prompt}",
-                str(exc),
-                "pass a readable file with the task's prompt",
-            ) from exc
-    base = load_settings(project_dir=project, env=env, task_prompt=prompt)
-    overrides = _overrides(flags, base, where, env)
-    effective = (
-        load_settings(project_dir=project, env=env, task_prompt=prompt, overrides=overrides)
-        if overrides
-        else base
-    )
-    settings = effective.settings
     values: dict[str, Any] = {
         "task_id": flags.task_id or "adhoc",
         "run_id": flags.run_id or new_run_id(),
@@ -214,24 +158,55 @@ def resolve_task(flags: TaskFlags, env: Mapping[str, str], cwd: Path | None = No
         values["max_buffer"] = flags.max_buffer
     if flags.cwd is not None:
         values["cwd"] = flags.cwd
-    try:
-        ctx = PrepareContext(
+    entry = frontdoor.front_door(
+        frontdoor.TaskRequest(
+            worktree=(
+                host_path(flags.worktree, where, env)
+                if flags.worktree is not None
+                else default_worktree(where)
+            ),
             task_id=values["task_id"],
             run_id=values["run_id"],
-            worktree_path=str(worktree),
-            policy=settings.policy,
-            image=settings.image,
-            cache_mode=settings.cache_mode,
-            project_dir=str(project),
+            env=env,
+            context_error=lambda exc: flag_error(exc, values),
             unsafe_worktree=flags.unsafe_worktree,
+            project_dir=(
+                None if flags.project_dir is None else host_path(flags.project_dir, where, env)
+            ),
+            prompt=lambda: _prompt(flags, where, env),
+            top=lambda below: _flag_layer(flags, below, where, env),
+            worktree_name="--worktree"
+            if flags.worktree is not None
+            else "worktree (current directory; pass --worktree DIR)",
+            project_name="--project-dir",
         )
+    )
+    try:
         opts = RunOptions(
             env=dict(env),
             **{k: v for k, v in values.items() if k in ("timeout_ms", "max_buffer", "cwd")},
         )
     except ValidationError as exc:
         raise flag_error(exc, values) from exc
-    return Task(effective, ctx, opts, project)
+    return Task(entry.effective, entry.ctx, opts, entry.project_dir)
+
+
+def _prompt(flags: TaskFlags, cwd: Path, env: Mapping[str, str]) -> str | None:
+    """The text of --task-prompt (``-``: stdin); None: not given."""
+    if flags.task_prompt is None:
+        return None
+    if str(flags.task_prompt) == "-":
+        import sys
+
+        return sys.stdin.read()
+    try:
+        return host_path(flags.task_prompt, cwd, env).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise FlagError(
+            f"--task-prompt {flags.task_prompt}",
+            str(exc),
+            "pass a readable file with the task's prompt",
+        ) from exc
 
 
 def caller_env() -> dict[str, str]:

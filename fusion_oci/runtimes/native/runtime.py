@@ -17,28 +17,25 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fusion_oci.agent.client import BINARY_NAME, BUILD_HINT, Agent, agent_binary
 from fusion_oci.errors import SandboxSetupError
 from fusion_oci.models import (
     RunOptions,
     RunResult,
-    SandboxCapabilities,
     SandboxPolicy,
 )
 from fusion_oci.oci.model import ProcessSpec
 from fusion_oci.oci.spec import allowed_env
+from fusion_oci.runtimes.box import Box
 from fusion_oci.runtimes.hostproc import HostProcessRuntime
 from fusion_oci.runtimes.plans import AgentPlan, ArgvPlan, Plan, own_plan, spawn_of
 from fusion_oci.runtimes.protocol import Availability
 from fusion_oci.runtimes.requirements import Requirement
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
-    from fusion_oci.oci.host import HostInfo
-    from fusion_oci.policy.settings import SandboxSettings
+    from fusion_oci.process import ProcessOutcome
     from fusion_oci.resolve import ResolvedTask
 
 __all__ = ["NativeRuntime", "status_quo_env"]
@@ -67,26 +64,8 @@ class NativeRuntime(HostProcessRuntime):
     private_dirs = False
     uses_agent = AGENT_PLATFORM
 
-    def __init__(
-        self,
-        settings: SandboxSettings,
-        env: Mapping[str, str],
-        cache_root: Path | None = None,
-        host: HostInfo | None = None,
-    ) -> None:
-        super().__init__(settings, env, cache_root=cache_root, host=host)
-        self._agent: Agent | None = None
-
-    def capabilities(self) -> SandboxCapabilities:
-        return SandboxCapabilities(
-            filesystem_isolation="none",
-            network_policy="none",
-            resource_limits="basic",
-            requires_install=False,
-            supports_mac=True,
-            supports_linux=True,
-            supports_windows=False,
-        )
+    box: Box[None, None] | None
+    """The task's exec agent on the host (Linux), started at prepare."""
 
     def availability(self) -> Availability:
         if not self.uses_agent:
@@ -117,7 +96,8 @@ class NativeRuntime(HostProcessRuntime):
 
     def _env(self, opts: RunOptions | None) -> dict[str, str]:
         source = opts.env if opts is not None and opts.env is not None else self.env
-        policy = self.ctx.policy if self.ctx is not None else SandboxPolicy()
+        # The status quo is the caller's: its policy's allowlist, not the sandbox spec's env.
+        policy = self.task.ctx.policy if self.task is not None else SandboxPolicy()
         return status_quo_env(policy, source)
 
     def plan(self, process: ProcessSpec) -> Plan:
@@ -149,31 +129,26 @@ class NativeRuntime(HostProcessRuntime):
 
     async def prepare(self, task: ResolvedTask) -> ResolvedTask:
         task = await super().prepare(task)
-        if self.uses_agent and self._agent is None:
-            self._agent = await Agent.start_local()
+        if self.uses_agent and self.box is None:
+            self.box = Box(agent=await Agent.start_local(), launch=None)
         return task
 
     async def execute(self, plan: Plan, opts: RunOptions) -> RunResult:
-        process = plan.process
         if not self.uses_agent:
-            own_plan(self, plan, ArgvPlan)
+            process = own_plan(self, plan, ArgvPlan).process
             return await self.run_reaped(process.args, self._env(opts), process, opts)
-        own_plan(self, plan, AgentPlan)
-        if self._agent is None:
-            raise SandboxSetupError(
-                f"runtime '{self.id}' was not prepared",
-                "its exec agent is not running",
-                "call prepare(ctx) first",
-            )
+        return await super().execute(plan, opts)
+
+    async def run_spawn(
+        self, box: Box[Any, Any], plan: AgentPlan, opts: RunOptions
+    ) -> ProcessOutcome:
         # The environment is the caller's at run time (opts.env), as the status quo has it.
-        spawn = spawn_of(process, env=self._env(opts))
-        outcome = await self._agent.run_command(spawn, opts)
-        return self.result(outcome, process)
+        return await box.agent.run_command(spawn_of(plan.process, env=self._env(opts)), opts)
 
     async def dispose(self) -> None:
-        agent, self._agent = self._agent, None
+        box, self.box = self.box, None
         try:
-            if agent is not None:
-                await agent.close()
+            if box is not None:
+                await box.agent.close()
         finally:
             await super().dispose()

@@ -17,10 +17,8 @@ from fusion_oci.engines import (
     engine_errors,
 )
 from fusion_oci.errors import RuntimeUnavailableError, SandboxSetupError
-from fusion_oci.models import SandboxCapabilities
-from fusion_oci.runtimes.containers import ContainerMode, Engine
+from fusion_oci.runtimes.engine.containers import ContainerMode, Engine
 from fusion_oci.runtimes.protocol import Availability
-from fusion_oci.runtimes.requirements import Requirement
 from fusion_oci.runtimes.skeleton import SpecRuntime
 
 
@@ -113,18 +111,6 @@ class EngineProbe(SpecRuntime):
                 with engine_errors(self.engine, "info", adapter.endpoint):
                     self._info = _ENGINE_INFO[key] = adapter.info()
         return adapter, self._info
-
-    def capabilities(self) -> SandboxCapabilities:
-        fine = Requirement.NETWORK_FILTERED in self.enforces()
-        return SandboxCapabilities(
-            filesystem_isolation="strong",
-            network_policy="fine" if fine else "coarse",
-            resource_limits="advanced",
-            requires_install=True,
-            supports_mac=True,
-            supports_linux=True,
-            supports_windows=True,
-        )
 
     def availability(self) -> Availability:
         try:
