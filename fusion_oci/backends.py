@@ -51,6 +51,7 @@ CAPABILITIES: dict[str, Offers] = {
     "oci": Offers("strong", "coarse", "advanced", True, False, True, False),
     "podman": Offers("strong", "coarse", "advanced", True, True, True, True),
     "docker": Offers("strong", "coarse", "advanced", True, True, True, True),
+    "kubernetes": Offers("strong", "coarse", "advanced", True, True, True, False),
     "sandbox-exec": Offers("basic", "coarse", "basic", False, True, False, False),
     "custom": NOTHING,
 }

@@ -36,14 +36,13 @@ import json
 import os
 import secrets
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fusion_oci.errors import SandboxSetupError
 from fusion_oci.images.gates import ProvisionGate
-from fusion_oci.models import NetworkMode, RunOptions, RunResult, SandboxCapabilities
-from fusion_oci.oci.model import User
+from fusion_oci.models import NetworkMode, RunOptions, RunResult
+from fusion_oci.oci.model import ANN_RUN, User
 from fusion_oci.policy.layout import CA_IN_SANDBOX
 from fusion_oci.runtimes.kubernetes import taskpod
 from fusion_oci.runtimes.kubernetes.agentsandbox import EXTENSIONS_API
@@ -70,9 +69,7 @@ from fusion_oci.runtimes.requirements import Requirement
 from fusion_oci.runtimes.skeleton import SpecRuntime
 
 if TYPE_CHECKING:
-    from fusion_oci.oci.host import HostInfo
     from fusion_oci.oci.model import ProcessSpec, TaskSpec
-    from fusion_oci.policy.settings import SandboxSettings
     from fusion_oci.resolve import ResolvedTask
     from fusion_oci.runtimes.kubernetes.sync import WorktreeSync
 
@@ -110,15 +107,8 @@ class KubernetesRuntime(SpecRuntime):
     streams_stdin = True
     shares_host_files = False
 
-    def __init__(
-        self,
-        settings: SandboxSettings,
-        env: Mapping[str, str],
-        cache_root: Path | None = None,
-        host: HostInfo | None = None,
-    ) -> None:
-        super().__init__(settings, env, cache_root=cache_root, host=host)
-        self.kube = settings.kubernetes
+    def setup(self) -> None:
+        self.kube = self.settings.kubernetes
         self._access: ClusterAccess | None = None
         self._client: KubeClient | None = None
         self._namespace = ""
@@ -131,19 +121,6 @@ class KubernetesRuntime(SpecRuntime):
         self._pod = ""
         self._image = ""
         self._oom_seen = 0
-
-    # -- what it is ---------------------------------------------------------------------------
-
-    def capabilities(self) -> SandboxCapabilities:
-        return SandboxCapabilities(
-            filesystem_isolation="strong",
-            network_policy="coarse",
-            resource_limits="advanced",
-            requires_install=True,
-            supports_mac=True,
-            supports_linux=True,
-            supports_windows=False,
-        )
 
     def _cluster(self) -> tuple[ClusterAccess, KubeClient]:
         if self._client is None or self._access is None:
@@ -187,10 +164,6 @@ class KubernetesRuntime(SpecRuntime):
                 "seccomp: the bundle's profile is not on the nodes and RuntimeDefault is not "
                 "it; set kubernetes.seccompProfile to a Localhost copy (docs/kubernetes.md)"
             )
-        if task.spec.service_containers:
-            from fusion_oci.sidecars.run import SERVICES_PART
-
-            missing.append(f"{SERVICES_PART}: service containers do not run beside a pod yet")
         return sorted(missing)
 
     # -- the pod ------------------------------------------------------------------------------
@@ -327,7 +300,8 @@ class KubernetesRuntime(SpecRuntime):
         from fusion_oci.images.gates import AuditContext
 
         audit = self.audit if self.audit is not None else AuditLog()
-        ctx = AuditContext(audit, task.spec.task_id, task.ctx.run_id, backend=self.id)
+        run_id = task.spec.annotations.get(ANN_RUN, "")
+        ctx = AuditContext(audit, task.spec.task_id, run_id, backend=self.id)
         return ProvisionGate(self.settings.gates, ctx, self.ask)
 
     async def _open_streams(self, task: ResolvedTask, tools: Tools) -> None:
