@@ -20,18 +20,17 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
-import errno as _errno
 import itertools
 import os
-import resource
 import signal
 import socket
 import struct
 import time
-from collections.abc import AsyncIterable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fusion_oci.agent.outcome import Failed, RunsCommands, Stdin, Trigger, outcome_of
 from fusion_oci.agent.pipes import CommandPipes, StdinFeeder, wait_writable
 from fusion_oci.agent.protocol import (
     EXITED,
@@ -46,11 +45,11 @@ from fusion_oci.agent.protocol import (
     encode_spawn,
 )
 from fusion_oci.errors import AgentLostError, SandboxSetupError
-from fusion_oci.process import DRAIN_LIMIT_S, Capture, ProcessOutcome, signal_name
+from fusion_oci.process import DRAIN_LIMIT_S, Capture, ProcessOutcome
 from fusion_oci.shims.proctree import descendants  # one /proc walk, shared with the reaper
 
 if TYPE_CHECKING:
-    from fusion_oci.models import OutputCallback, RunOptions
+    from fusion_oci.models import OutputCallback
 
 BINARY_NAME = "fusion-oci-agent"
 BUILD_HINT = (
@@ -60,14 +59,6 @@ BUILD_HINT = (
 KILL_BACKSTOP_S = 12.0
 """Past the grace, how long the keeper may take to SIGKILL a tree (its loop stops at 10 s)."""
 CLOSE_WAIT_S = 15.0
-
-Stdin = bytes | AsyncIterable[bytes] | None
-
-_RLIMIT_NAMES = {
-    str(getattr(resource, name)): name
-    for name in dir(resource)
-    if name.startswith("RLIMIT_") and name != "RLIMIT_OFILE"
-}  # NOFILE's alias
 
 
 def agent_binary() -> Path:
@@ -102,27 +93,7 @@ def _unlink(path: str) -> None:
         Path(path).unlink()
 
 
-class _Failed(Exception):
-    def __init__(self, err: int, what: str) -> None:
-        super().__init__(what)
-        self.err = err
-        self.what = what
-
-
-class _Trigger:
-    """What a Capture sets past maxBuffer: it starts ending the run's tree."""
-
-    def __init__(self, fire: Callable[[], None]) -> None:
-        self.fire = fire
-        self.fired = False
-
-    def set(self) -> None:
-        if not self.fired:
-            self.fired = True
-            self.fire()
-
-
-class Agent:
+class Agent(RunsCommands):
     """One connection to one running agent. Create with :meth:`start_local` or :meth:`accept`."""
 
     def __init__(
@@ -324,7 +295,7 @@ class Agent:
         elif kind == EXITED:
             run.exited.set_result(int(fields["status"]))
         elif kind == FAILED:
-            run.exited.set_exception(_Failed(int(fields.get("errno", "0")), fields.get("what", "")))
+            run.exited.set_exception(Failed(int(fields.get("errno", "0")), fields.get("what", "")))
 
     async def _send(self, data: bytes, fds: Sequence[int] = ()) -> None:
         async with self._send_lock:
@@ -352,27 +323,6 @@ class Agent:
                 raise self._lost from exc
 
     # --- running -------------------------------------------------------------------------
-
-    async def run_command(
-        self, spawn: Spawn, opts: RunOptions, *, grace_s: float = 2.0
-    ) -> ProcessOutcome:
-        """Run one command's spawn frame with the caller's I/O options (stdin, output
-        callbacks, timeout, maxBuffer): what every runtime on the agent does per command."""
-        return await self.run(
-            spawn.argv,
-            env=spawn.env,
-            cwd=spawn.cwd,
-            rlimits=spawn.rlimits,
-            uid=spawn.uid,
-            gid=spawn.gid,
-            groups=spawn.groups,
-            stdin=opts.stdin,
-            timeout_s=opts.timeout_ms / 1000,
-            max_buffer=opts.max_buffer,
-            grace_s=grace_s,
-            on_output=opts.on_output,
-            keep_output=opts.keep_output,
-        )
 
     async def run(
         self,
@@ -432,7 +382,7 @@ class Agent:
             end()
 
         run.on_error = end
-        overflow = _Trigger(end)
+        overflow = Trigger(end)
         out = Capture(max_buffer, overflow, "stdout", on_output, keep_output)
         err = Capture(max_buffer, overflow, "stderr", on_output, keep_output)
         out_r, out_w = os.pipe()
@@ -466,7 +416,7 @@ class Agent:
                 if run.ending is not None:
                     await asyncio.shield(run.ending)
                 raise
-            except (_Failed, AgentLostError):
+            except (Failed, AgentLostError):
                 pass
             if not run.drained.done():
                 # The tree is gone when `exited` comes; a pipe still open is held by something
@@ -486,53 +436,13 @@ class Agent:
                 run.exited.exception()  # retrieved, even when we leave by a cancellation
         if run.error is not None:
             raise run.error
-        try:
-            status = run.exited.result()
-        except _Failed as failed:
-            code = self._exec_failure(argv, failed, err)
-            return ProcessOutcome(
-                stdout=out.data(),
-                stderr=err.data(),
-                returncode=code,
-                signal=None,
-                timed_out=run.timed_out,
-                truncated=False,
-                duration_ms=int((time.monotonic() - start) * 1000),
-            )
-        rc = os.waitstatus_to_exitcode(status)
-        return ProcessOutcome(
-            stdout=out.data(),
-            stderr=err.data(),
-            returncode=rc if rc >= 0 else None,
-            signal=signal_name(rc) if rc < 0 else None,
-            timed_out=run.timed_out,
-            truncated=out.truncated or err.truncated,
-            duration_ms=int((time.monotonic() - start) * 1000),
-        )
+        return outcome_of(argv, run.exited, out, err, run.timed_out, start)
 
     def _devnull(self) -> int:
         """/dev/null for a command without stdin, opened once (the agent gets its own copy)."""
         if self._null < 0:
             self._null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         return self._null
-
-    @staticmethod
-    def _exec_failure(argv: Sequence[str], failed: _Failed, err: Capture) -> int:
-        reason = os.strerror(failed.err) if failed.err else "failed"
-        if failed.what == "execve":
-            code = 127 if failed.err == _errno.ENOENT else 126
-            text = "command not found" if code == 127 else reason
-            err.feed(f"fusion-oci: {argv[0]}: {text}\n".encode())
-            return code
-        what = failed.what
-        if what.startswith("setrlimit "):  # "setrlimit 7": name the limit as the spec does
-            number = what.split(" ", 1)[1]
-            what = "setrlimit " + _RLIMIT_NAMES.get(number, number)
-        raise SandboxSetupError(
-            f"the exec agent could not start {argv[0]!r}",
-            f"{what}: {reason}",
-            "check the working directory, user and rlimits of the command",
-        )
 
     async def _end(self, run_id: str, run: CommandPipes, grace_s: float) -> None:
         """SIGTERM the whole tree, SIGKILL after the grace (the keeper does both); wait."""
@@ -544,7 +454,7 @@ class Agent:
             await asyncio.wait_for(asyncio.shield(run.exited), grace_s + KILL_BACKSTOP_S)
         except TimeoutError:
             self._mark_lost(f"run {run_id} outlived its kill by {KILL_BACKSTOP_S:g} s")
-        except (AgentLostError, _Failed):
+        except (AgentLostError, Failed):
             pass
 
     # --- closing -------------------------------------------------------------------------
