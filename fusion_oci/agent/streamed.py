@@ -1,0 +1,544 @@
+"""The host side of the exec agent over any byte stream (PROTOCOL.md, "Over a byte stream").
+
+A pod's exec stream (the stdin and stdout of one exec'd process) carries no descriptors, so the
+command's pipes are made at the far end by ``mux.py``, which relays their bytes as ``D`` frames.
+:class:`StreamedAgent` keeps :class:`~fusion_oci.agent.client.Agent`'s ``run`` contract
+(timeout, maxBuffer, streamed output with backpressure, stdin, whole-tree kill, cancellation,
+exit statuses, ``F``, concurrent runs, ``AgentLostError`` instead of a hang) over anything
+that offers a :class:`ByteStream`: a subprocess's pipes (the mux run here, ``kubectl exec``)
+or a pods/exec websocket.
+
+Flow control both ways: a run's output is acknowledged (``A``) only once the caller's
+``on_output`` took it, so a slow consumer stops the mux reading that command's pipes; stdin is
+sent only within the credit the mux gives back as it writes into the command's pipe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import functools
+import itertools
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from fusion_oci.agent.client import BUILD_HINT, CLOSE_WAIT_S, KILL_BACKSTOP_S, agent_binary
+from fusion_oci.agent.outcome import Failed, RunsCommands, Stdin, Trigger, outcome_of
+from fusion_oci.agent.protocol import (
+    ACK,
+    DATA,
+    EXITED,
+    FAILED,
+    HELLO,
+    PROTOCOL_VERSION,
+    SPAWN,
+    SPAWN_PIPED,
+    STARTED,
+    STDERR,
+    STDIN,
+    STDOUT,
+    Framer,
+    ProtocolError,
+    Spawn,
+    decode_data,
+    decode_fields,
+    encode,
+    encode_data,
+    encode_kill,
+    encode_spawn,
+)
+from fusion_oci.errors import AgentLostError, SandboxSetupError
+from fusion_oci.process import DRAIN_LIMIT_S, Capture, ProcessOutcome
+
+if TYPE_CHECKING:
+    from fusion_oci.models import OutputCallback
+
+MUX = Path(__file__).with_name("mux.py")
+"""The far end: a stdlib-only script, copied into a pod and run by path."""
+READ_SIZE = 1 << 18
+STDIN_CHUNK = 1 << 16
+STDERR_TAIL = 4096
+
+
+class ByteStream(Protocol):
+    """What :class:`StreamedAgent` needs of its stream: asyncio's StreamReader/StreamWriter
+    pair in the smallest form (a pods/exec websocket offers the same four)."""
+
+    async def read(self, n: int) -> bytes:
+        """Up to ``n`` bytes as they come; b"" at the end of the stream."""
+        ...
+
+    def write(self, data: bytes) -> None:
+        """Queue ``data`` (one whole frame: frames never interleave); OSError when broken."""
+        ...
+
+    async def drain(self) -> None:
+        """Wait until the queued bytes are down to the transport's low mark."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class PipeStream:
+    """A :class:`ByteStream` over an asyncio reader and writer (a subprocess's stdout and
+    stdin, a socket's two halves)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+
+    async def read(self, n: int) -> bytes:
+        return await self.reader.read(n)
+
+    def write(self, data: bytes) -> None:
+        if self.writer.is_closing():
+            raise ConnectionResetError("the stream is closed")
+        self.writer.write(data)
+
+    async def drain(self) -> None:
+        await self.writer.drain()
+
+    async def close(self) -> None:
+        self.writer.close()
+        with contextlib.suppress(OSError, ConnectionError):
+            await self.writer.wait_closed()
+
+
+def mux_argv(
+    agent: str | os.PathLike[str] | None = None,
+    agent_args: Sequence[str] = (),
+    *,
+    python: str = "python3",
+    mux: str | os.PathLike[str] = MUX,
+) -> list[str]:
+    """How the far end is started (in a pod: after ``kubectl exec -i POD --``). Pure."""
+    path = os.fspath(agent) if agent is not None else str(agent_binary())
+    return [python, "-S", "-E", "-s", os.fspath(mux), "--agent", path, *agent_args]
+
+
+class _Run:
+    """One run's state on the host: its captures fed in order from the ``D`` frames (never a
+    chunk to ``on_output`` before the last one's awaitable is done), its stdin credit."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, out: Capture, err: Capture) -> None:
+        self.exited: asyncio.Future[int] = loop.create_future()
+        self.drained: asyncio.Future[None] = loop.create_future()
+        self.captures = {STDOUT: out, STDERR: err}
+        self.queue: collections.deque[tuple[bytes, bytes]] = collections.deque()
+        self.waiting = False
+        self.unacked = 0
+        self.credit = 0
+        self.credit_given = asyncio.Event()
+        self.stdin_closed = False
+        self.ending: asyncio.Task[None] | None = None
+        self.timed_out = False
+        self.pid: int | None = None
+        self.error: BaseException | None = None
+        self.on_error: Callable[[], None] = lambda: None
+
+    def fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+            self.on_error()
+
+
+class StreamedAgent(RunsCommands):
+    """One agent behind ``mux.py`` at the far end of a byte stream. Create with
+    :meth:`start` (a process whose stdin/stdout is the stream) or :meth:`over`."""
+
+    def __init__(
+        self, stream: ByteStream, *, proc: asyncio.subprocess.Process | None = None
+    ) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stream = stream
+        self._proc = proc
+        self.peer_pid = proc.pid if proc is not None else None
+        """The stream's process as this host sees it (the mux, or ``kubectl``)."""
+        self.agent_pid: int | None = None
+        self._window = 0
+        self._runs: dict[str, _Run] = {}
+        self._ids = itertools.count(1)
+        self._lost: AgentLostError | None = None
+        self._closed = False
+        self._stderr = bytearray()
+        self._hello: asyncio.Future[dict[str, str]] = self._loop.create_future()
+        self._tasks: list[asyncio.Task[None]] = [self._loop.create_task(self._read_loop())]
+        if proc is not None and proc.stderr is not None:
+            self._tasks.append(self._loop.create_task(self._keep_stderr(proc.stderr)))
+
+    # --- starting ------------------------------------------------------------------------
+
+    @classmethod
+    async def start(
+        cls, argv: Sequence[str] | None = None, *, timeout_s: float = 10.0
+    ) -> StreamedAgent:
+        """Start ``argv`` (default: :func:`mux_argv` here, with this Python) in a session of its
+        own, its stdin and stdout the stream: ``kubectl exec -i POD -- python3 ... mux.py``
+        is the same thing one hop further."""
+        command = list(argv) if argv is not None else mux_argv(python=sys.executable)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *command,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                start_new_session=True,
+                limit=READ_SIZE,
+            )
+        except OSError as exc:
+            raise SandboxSetupError(
+                "cannot start the exec agent's stream",
+                f"{command[0]}: {exc.strerror or exc}",
+                BUILD_HINT,
+            ) from exc
+        assert proc.stdout is not None and proc.stdin is not None
+        agent = cls(PipeStream(proc.stdout, proc.stdin), proc=proc)
+        await agent._greeted(timeout_s)
+        return agent
+
+    @classmethod
+    async def over(cls, stream: ByteStream, timeout_s: float) -> StreamedAgent:
+        """An agent behind a mux already started at the far end of ``stream``."""
+        agent = cls(stream)
+        await agent._greeted(timeout_s)
+        return agent
+
+    async def _greeted(self, timeout_s: float) -> None:
+        try:
+            hello = await asyncio.wait_for(asyncio.shield(self._hello), timeout_s)
+        except (TimeoutError, AgentLostError) as exc:
+            await self.close()
+            raise SandboxSetupError(
+                "the fusion-oci exec agent did not start",
+                (str(exc) or f"no hello within {timeout_s:g} s") + self._stderr_tail(),
+                BUILD_HINT,
+            ) from exc
+        if hello.get("version") != PROTOCOL_VERSION or not hello.get("window", "").isdigit():
+            await self.close()
+            raise SandboxSetupError(
+                "the fusion-oci exec agent speaks another protocol",
+                f"agent version {hello.get('version')!r} (window {hello.get('window')!r}), "
+                f"host {PROTOCOL_VERSION!r} over a stream",
+                BUILD_HINT,
+            )
+        self._window = int(hello["window"])
+        self.agent_pid = int(hello.get("pid", "0")) or None
+
+    async def _keep_stderr(self, stderr: asyncio.StreamReader) -> None:
+        """The far end's stderr (a mux that could not start, kubectl's reason), its tail kept
+        for the error that says the agent is lost."""
+        while chunk := await stderr.read(65536):
+            self._stderr += chunk
+            del self._stderr[:-STDERR_TAIL]
+
+    def _stderr_tail(self) -> str:
+        text = self._stderr.decode(errors="replace").strip()
+        return f"; its stderr: {text[-400:]}" if text else ""
+
+    # --- the stream ----------------------------------------------------------------------
+
+    @property
+    def lost(self) -> bool:
+        return self._lost is not None
+
+    def _check(self) -> None:
+        if self._lost is not None:
+            raise self._lost
+        if self._closed:
+            raise AgentLostError(
+                "the exec agent was closed",
+                "close() came before run()",
+                "prepare the sandbox again",
+            )
+
+    async def _read_loop(self) -> None:
+        framer = Framer()
+        why = "the agent's stream ended (the far end died or the stream was cut)"
+        try:
+            while data := await self._stream.read(READ_SIZE):
+                for kind, body in framer.feed(data):
+                    self._dispatch(kind, body)
+        except asyncio.CancelledError:
+            why = "the stream was closed"
+        except (OSError, ConnectionError, ProtocolError, KeyError, ValueError) as exc:
+            why = f"the stream broke: {exc!r}"
+        # Give the stderr reader a moment: a far end that died says why there.
+        if len(self._tasks) > 1 and not self._closed:
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(self._tasks[1]), 0.2)
+        self._mark_lost(why + self._stderr_tail())
+
+    def _mark_lost(self, why: str) -> None:
+        if self._lost is None:
+            self._lost = AgentLostError(
+                "the sandbox's exec agent is gone",
+                why,
+                "the run's outcome is unknown; dispose the sandbox and prepare it again",
+            )
+        for run in self._runs.values():
+            if not run.exited.done():
+                run.exited.set_exception(self._lost)
+            run.credit_given.set()
+        if not self._hello.done():
+            self._hello.set_exception(self._lost)
+
+    def _dispatch(self, kind: bytes, body: bytes) -> None:
+        if kind == DATA:
+            run_id, stream, data = decode_data(body)
+            if (run := self._runs.get(run_id)) is not None and stream in run.captures:
+                run.queue.append((stream, data))
+                self._consume(run_id, run)
+            return
+        fields = decode_fields(body)
+        if kind == HELLO:
+            if not self._hello.done():
+                self._hello.set_result(fields)
+            return
+        run = self._runs.get(fields.get("id", ""))
+        if run is None:
+            return
+        if kind == ACK:
+            run.credit += int(fields["bytes"])
+            run.stdin_closed = run.stdin_closed or fields.get("closed") == "1"
+            run.credit_given.set()
+        elif run.exited.done():
+            return
+        elif kind == STARTED:
+            run.pid = int(fields["pid"])
+        elif kind == EXITED:
+            run.exited.set_result(int(fields["status"]))
+            self._consume(fields["id"], run)
+        elif kind == FAILED:
+            run.exited.set_exception(Failed(int(fields.get("errno", "0")), fields.get("what", "")))
+
+    def _consume(self, run_id: str, run: _Run) -> None:
+        """Feed the queued chunks to their captures in order; stop at a consumer that asked to
+        wait; give the mux its credit back for what was taken."""
+        while run.queue and not run.waiting:
+            stream, data = run.queue.popleft()
+            run.unacked += len(data)
+            if run.error is not None:
+                continue  # the run is being ended: take the rest, keep nothing
+            try:
+                wait = run.captures[stream].feed(data)
+            except Exception as exc:  # the caller's on_output: end the run, raise it from run()
+                run.fail(exc)
+                continue
+            if wait is not None:
+                run.waiting = True
+                done = asyncio.ensure_future(wait)
+                done.add_done_callback(functools.partial(self._resumed, run_id, run))
+        if run.unacked and (run.unacked >= self._window // 4 or not run.waiting):
+            self._write(encode(ACK, [("id", run_id), ("bytes", str(run.unacked))]))
+            run.unacked = 0
+        if not run.queue and not run.waiting and run.exited.done() and not run.drained.done():
+            run.drained.set_result(None)
+
+    def _resumed(self, run_id: str, run: _Run, done: asyncio.Future[object]) -> None:
+        run.waiting = False
+        if not done.cancelled() and (exc := done.exception()) is not None:
+            run.fail(exc)
+        self._consume(run_id, run)
+
+    def _write(self, data: bytes) -> None:
+        if self._lost is not None:
+            return
+        try:
+            self._stream.write(data)
+        except (OSError, ConnectionError) as exc:
+            self._mark_lost(f"writing to the agent's stream failed: {exc}")
+
+    async def _send(self, data: bytes) -> None:
+        self._check()
+        self._write(data)
+        try:
+            await self._stream.drain()
+        except (OSError, ConnectionError) as exc:
+            self._mark_lost(f"writing to the agent's stream failed: {exc}")
+        self._check()
+
+    # --- running -------------------------------------------------------------------------
+
+    async def run(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str],
+        cwd: str | None = None,
+        rlimits: Sequence[tuple[str, int, int]] = (),
+        umask: int | None = None,
+        uid: int | None = None,
+        gid: int | None = None,
+        groups: Sequence[int] | None = None,
+        stdin: Stdin = None,
+        timeout_s: float | None = None,
+        max_buffer: int = 10 * 1024 * 1024,
+        grace_s: float = 2.0,
+        on_output: OutputCallback | None = None,
+        keep_output: bool = True,
+    ) -> ProcessOutcome:
+        """Run argv to completion through the agent: :meth:`Agent.run`'s contract."""
+        self._check()
+        if asyncio.get_running_loop() is not self._loop:
+            raise SandboxSetupError(
+                "the sandbox's exec agent belongs to another event loop",
+                "run() was called from a loop other than prepare()'s",
+                "prepare, run and dispose a sandbox on one event loop",
+            )
+        start = time.monotonic()
+        run_id = str(next(self._ids))
+        frame = encode_spawn(
+            Spawn(
+                id=run_id,
+                argv=list(argv),
+                env=dict(env),
+                cwd=cwd,
+                rlimits=list(rlimits),
+                umask=umask,
+                uid=uid,
+                gid=gid,
+                groups=groups,
+            )
+        )
+        if stdin is not None:  # the same frame, typed P: the mux makes a pipe for stdin
+            frame = frame[:4] + SPAWN_PIPED + frame[5:]
+        assert frame[4:5] in (SPAWN, SPAWN_PIPED)
+
+        def end() -> None:
+            if run.ending is None and not run.exited.done():
+                run.ending = self._loop.create_task(self._end(run_id, run, grace_s))
+
+        def expire() -> None:
+            run.timed_out = not run.exited.done()
+            end()
+
+        overflow = Trigger(end)
+        out = Capture(max_buffer, overflow, "stdout", on_output, keep_output)
+        err = Capture(max_buffer, overflow, "stderr", on_output, keep_output)
+        run = _Run(self._loop, out, err)
+        run.on_error = end
+        run.credit = self._window
+        self._runs[run_id] = run
+        try:
+            await self._send(frame)
+        except BaseException:
+            self._runs.pop(run_id, None)
+            raise
+        feeder = (
+            self._loop.create_task(self._feed(run_id, run, stdin)) if stdin is not None else None
+        )
+        timer = self._loop.call_later(timeout_s, expire) if timeout_s is not None else None
+        try:
+            try:
+                await asyncio.shield(run.exited)
+            except asyncio.CancelledError:
+                end()
+                if run.ending is not None:
+                    await asyncio.shield(run.ending)
+                raise
+            except (Failed, AgentLostError):
+                pass
+            if not run.drained.done() and not run.exited.exception():
+                # Every byte came before X; what is left waits for a slow consumer (bounded).
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(run.drained), DRAIN_LIMIT_S)
+        finally:
+            if timer is not None:
+                timer.cancel()
+            if run.ending is not None and not run.ending.done():
+                run.ending.cancel()
+            if feeder is not None:
+                feeder.cancel()
+                await asyncio.gather(feeder, return_exceptions=True)
+            self._runs.pop(run_id, None)
+            if run.exited.done() and not run.exited.cancelled():
+                run.exited.exception()  # retrieved, even when we leave by a cancellation
+        if run.error is not None:
+            raise run.error
+        return outcome_of(argv, run.exited, out, err, run.timed_out, start)
+
+    async def _feed(self, run_id: str, run: _Run, source: Stdin) -> None:
+        """Send stdin within the credit the mux gives back, then its end (an empty ``D``)."""
+        try:
+            if isinstance(source, bytes | bytearray | memoryview):
+                await self._feed_chunk(run_id, run, bytes(source))
+            elif source is not None:
+                async for chunk in source:
+                    await self._feed_chunk(run_id, run, chunk)
+            if not run.stdin_closed:
+                await self._send(encode_data(run_id, STDIN, b""))
+        except (AgentLostError, _StdinClosed):
+            pass
+
+    async def _feed_chunk(self, run_id: str, run: _Run, chunk: bytes) -> None:
+        view = memoryview(chunk)
+        while view:
+            while run.credit <= 0 and not run.stdin_closed and self._lost is None:
+                run.credit_given.clear()
+                await run.credit_given.wait()
+            self._check()
+            if run.stdin_closed:
+                raise _StdinClosed
+            n = min(len(view), run.credit, STDIN_CHUNK)
+            run.credit -= n
+            await self._send(encode_data(run_id, STDIN, bytes(view[:n])))
+            view = view[n:]
+
+    async def _end(self, run_id: str, run: _Run, grace_s: float) -> None:
+        """SIGTERM the whole tree, SIGKILL after the grace (the keeper does both); wait."""
+        if run.exited.done():
+            return
+        with contextlib.suppress(AgentLostError):
+            await self._send(encode_kill(run_id, signal.SIGTERM, True, int(grace_s * 1000)))
+        try:
+            await asyncio.wait_for(asyncio.shield(run.exited), grace_s + KILL_BACKSTOP_S)
+        except TimeoutError:
+            self._mark_lost(f"run {run_id} outlived its kill by {KILL_BACKSTOP_S:g} s")
+        except (AgentLostError, Failed):
+            pass
+
+    # --- closing -------------------------------------------------------------------------
+
+    async def close(self) -> None:
+        """Close the stream: the mux closes the agent's socket, the agent ends every tree and
+        exits, then the mux. Idempotent; a process of ours is waited for (bounded)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._tasks[0].cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._tasks[0]
+        with contextlib.suppress(OSError, ConnectionError):
+            await self._stream.close()
+        proc = self._proc
+        if proc is not None:
+            try:
+                await asyncio.wait_for(proc.wait(), CLOSE_WAIT_S)
+            except TimeoutError:
+                # A hung far end: its group goes; the agent below it (a session of its own)
+                # follows by --parent, ending its trees.
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                await proc.wait()
+        for task in self._tasks[1:]:
+            task.cancel()
+        await asyncio.gather(*self._tasks[1:], return_exceptions=True)
+
+
+class _StdinClosed(Exception):
+    """The command closed its stdin: nothing more is sent."""
+
+
+if TYPE_CHECKING:
+    from fusion_oci.agent.client import Agent
+    from fusion_oci.agent.outcome import AgentLike
+
+    def _one_interface(local: Agent, streamed: StreamedAgent) -> tuple[AgentLike, AgentLike]:
+        """mypy's proof that runtimes need not care which transport they hold."""
+        return local, streamed
