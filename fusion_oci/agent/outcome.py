@@ -1,7 +1,7 @@
 """What a run through the exec agent ends as, whatever carried it (a local socket with the pipes
 passed, or a byte stream with the output relayed): the agent's ``F`` and ``X`` read as a
-:class:`~fusion_oci.process.ProcessOutcome`, the maxBuffer trigger, and ``run_command``, one
-spelling for every transport (PROTOCOL.md, "Frames" and "Over a byte stream")."""
+:class:`~fusion_oci.process.ProcessOutcome`, the maxBuffer trigger, and :class:`AgentLike`,
+what a runtime holds (PROTOCOL.md, "Frames" and "Over a byte stream")."""
 
 from __future__ import annotations
 
@@ -139,48 +139,3 @@ class AgentLike(Protocol):
     ) -> ProcessOutcome: ...
 
     async def close(self) -> None: ...
-
-
-class RunsCommands:
-    """``run_command`` written once over a transport's ``run``."""
-
-    async def run(  # pragma: no cover - every transport defines it
-        self,
-        argv: Sequence[str],
-        *,
-        env: Mapping[str, str],
-        cwd: str | None = None,
-        rlimits: Sequence[tuple[str, int, int]] = (),
-        umask: int | None = None,
-        uid: int | None = None,
-        gid: int | None = None,
-        groups: Sequence[int] | None = None,
-        stdin: Stdin = None,
-        timeout_s: float | None = None,
-        max_buffer: int = 10 * 1024 * 1024,
-        grace_s: float = 2.0,
-        on_output: OutputCallback | None = None,
-        keep_output: bool = True,
-    ) -> ProcessOutcome:
-        raise NotImplementedError
-
-    async def run_command(
-        self, spawn: Spawn, opts: RunOptions, *, grace_s: float = 2.0
-    ) -> ProcessOutcome:
-        """Run one command's spawn frame with the caller's I/O options (stdin, output
-        callbacks, timeout, maxBuffer): what every runtime on the agent does per command."""
-        return await self.run(
-            spawn.argv,
-            env=spawn.env,
-            cwd=spawn.cwd,
-            rlimits=spawn.rlimits,
-            uid=spawn.uid,
-            gid=spawn.gid,
-            groups=spawn.groups,
-            stdin=opts.stdin,
-            timeout_s=opts.timeout_ms / 1000,
-            max_buffer=opts.max_buffer,
-            grace_s=grace_s,
-            on_output=opts.on_output,
-            keep_output=opts.keep_output,
-        )

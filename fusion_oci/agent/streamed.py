@@ -19,45 +19,35 @@ import asyncio
 import collections
 import contextlib
 import functools
-import itertools
 import os
 import signal
 import sys
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from fusion_oci.agent.client import BUILD_HINT, CLOSE_WAIT_S, KILL_BACKSTOP_S, agent_binary
-from fusion_oci.agent.outcome import Failed, RunsCommands, Stdin, Trigger, outcome_of
+from fusion_oci.agent.client import CLOSE_WAIT_S, agent_binary
+from fusion_oci.agent.outcome import Stdin
 from fusion_oci.agent.protocol import (
     ACK,
     DATA,
     EXITED,
     FAILED,
-    HELLO,
-    PROTOCOL_VERSION,
     SPAWN,
     SPAWN_PIPED,
-    STARTED,
     STDERR,
     STDIN,
     STDOUT,
     Framer,
     ProtocolError,
-    Spawn,
     decode_data,
     decode_fields,
     encode,
     encode_data,
-    encode_kill,
-    encode_spawn,
 )
+from fusion_oci.agent.session import BUILD_HINT, AgentSession
 from fusion_oci.errors import AgentLostError, SandboxSetupError
-from fusion_oci.process import DRAIN_LIMIT_S, Capture, ProcessOutcome
-
-if TYPE_CHECKING:
-    from fusion_oci.models import OutputCallback
+from fusion_oci.process import Capture
 
 MUX = Path(__file__).with_name("mux.py")
 """The far end: a stdlib-only script, copied into a pod and run by path."""
@@ -148,26 +138,20 @@ class _Run:
             self.on_error()
 
 
-class StreamedAgent(RunsCommands):
+class StreamedAgent(AgentSession[_Run]):
     """One agent behind ``mux.py`` at the far end of a byte stream. Create with
     :meth:`start` (a process whose stdin/stdout is the stream) or :meth:`over`."""
 
     def __init__(
         self, stream: ByteStream, *, proc: asyncio.subprocess.Process | None = None
     ) -> None:
-        self._loop = asyncio.get_running_loop()
+        super().__init__()
         self._stream = stream
         self._proc = proc
         self.peer_pid = proc.pid if proc is not None else None
         """The stream's process as this host sees it (the mux, or ``kubectl``)."""
-        self.agent_pid: int | None = None
         self._window = 0
-        self._runs: dict[str, _Run] = {}
-        self._ids = itertools.count(1)
-        self._lost: AgentLostError | None = None
-        self._closed = False
         self._stderr = bytearray()
-        self._hello: asyncio.Future[dict[str, str]] = self._loop.create_future()
         self._tasks: list[asyncio.Task[None]] = [self._loop.create_task(self._read_loop())]
         if proc is not None and proc.stderr is not None:
             self._tasks.append(self._loop.create_task(self._keep_stderr(proc.stderr)))
@@ -209,26 +193,17 @@ class StreamedAgent(RunsCommands):
         await agent._greeted(timeout_s)
         return agent
 
-    async def _greeted(self, timeout_s: float) -> None:
-        try:
-            hello = await asyncio.wait_for(asyncio.shield(self._hello), timeout_s)
-        except (TimeoutError, AgentLostError) as exc:
+    async def _greeted(self, timeout_s: float) -> dict[str, str]:
+        hello = await super()._greeted(timeout_s)
+        if not hello.get("window", "").isdigit():
             await self.close()
             raise SandboxSetupError(
-                "the fusion-oci exec agent did not start",
-                (str(exc) or f"no hello within {timeout_s:g} s") + self._stderr_tail(),
-                BUILD_HINT,
-            ) from exc
-        if hello.get("version") != PROTOCOL_VERSION or not hello.get("window", "").isdigit():
-            await self.close()
-            raise SandboxSetupError(
-                "the fusion-oci exec agent speaks another protocol",
-                f"agent version {hello.get('version')!r} (window {hello.get('window')!r}), "
-                f"host {PROTOCOL_VERSION!r} over a stream",
-                BUILD_HINT,
+                "the far end of the agent's stream is not mux.py",
+                f"its hello has no window: {sorted(hello)}",
+                f"start the far end as {' '.join(mux_argv('AGENT'))}",
             )
         self._window = int(hello["window"])
-        self.agent_pid = int(hello.get("pid", "0")) or None
+        return hello
 
     async def _keep_stderr(self, stderr: asyncio.StreamReader) -> None:
         """The far end's stderr (a mux that could not start, kubectl's reason), its tail kept
@@ -237,25 +212,11 @@ class StreamedAgent(RunsCommands):
             self._stderr += chunk
             del self._stderr[:-STDERR_TAIL]
 
-    def _stderr_tail(self) -> str:
+    def _setup_detail(self) -> str:
         text = self._stderr.decode(errors="replace").strip()
         return f"; its stderr: {text[-400:]}" if text else ""
 
     # --- the stream ----------------------------------------------------------------------
-
-    @property
-    def lost(self) -> bool:
-        return self._lost is not None
-
-    def _check(self) -> None:
-        if self._lost is not None:
-            raise self._lost
-        if self._closed:
-            raise AgentLostError(
-                "the exec agent was closed",
-                "close() came before run()",
-                "prepare the sandbox again",
-            )
 
     async def _read_loop(self) -> None:
         framer = Framer()
@@ -272,21 +233,14 @@ class StreamedAgent(RunsCommands):
         if len(self._tasks) > 1 and not self._closed:
             with contextlib.suppress(TimeoutError, asyncio.CancelledError):
                 await asyncio.wait_for(asyncio.shield(self._tasks[1]), 0.2)
-        self._mark_lost(why + self._stderr_tail())
+        self._mark_lost(why + self._setup_detail())
 
     def _mark_lost(self, why: str) -> None:
-        if self._lost is None:
-            self._lost = AgentLostError(
-                "the sandbox's exec agent is gone",
-                why,
-                "the run's outcome is unknown; dispose the sandbox and prepare it again",
-            )
+        super()._mark_lost(why)
         for run in self._runs.values():
-            if not run.exited.done():
-                run.exited.set_exception(self._lost)
-            run.credit_given.set()
-        if not self._hello.done():
-            self._hello.set_exception(self._lost)
+            run.credit_given.set()  # a sender waiting for credit sees the loss
+            if not run.drained.done():
+                run.drained.set_result(None)  # nothing more comes
 
     def _dispatch(self, kind: bytes, body: bytes) -> None:
         if kind == DATA:
@@ -296,26 +250,13 @@ class StreamedAgent(RunsCommands):
                 self._consume(run_id, run)
             return
         fields = decode_fields(body)
-        if kind == HELLO:
-            if not self._hello.done():
-                self._hello.set_result(fields)
-            return
-        run = self._runs.get(fields.get("id", ""))
-        if run is None:
-            return
         if kind == ACK:
-            run.credit += int(fields["bytes"])
-            run.stdin_closed = run.stdin_closed or fields.get("closed") == "1"
-            run.credit_given.set()
-        elif run.exited.done():
-            return
-        elif kind == STARTED:
-            run.pid = int(fields["pid"])
-        elif kind == EXITED:
-            run.exited.set_result(int(fields["status"]))
-            self._consume(fields["id"], run)
-        elif kind == FAILED:
-            run.exited.set_exception(Failed(int(fields.get("errno", "0")), fields.get("what", "")))
+            if (run := self._runs.get(fields.get("id", ""))) is not None:
+                run.credit += int(fields["bytes"])
+                run.stdin_closed = run.stdin_closed or fields.get("closed") == "1"
+                run.credit_given.set()
+        elif (run := self._agent_frame(kind, fields)) is not None and kind in (EXITED, FAILED):
+            self._consume(fields["id"], run)  # drained once the queue is empty
 
     def _consume(self, run_id: str, run: _Run) -> None:
         """Feed the queued chunks to their captures in order; stop at a consumer that asked to
@@ -365,103 +306,28 @@ class StreamedAgent(RunsCommands):
 
     # --- running -------------------------------------------------------------------------
 
-    async def run(
-        self,
-        argv: Sequence[str],
-        *,
-        env: Mapping[str, str],
-        cwd: str | None = None,
-        rlimits: Sequence[tuple[str, int, int]] = (),
-        umask: int | None = None,
-        uid: int | None = None,
-        gid: int | None = None,
-        groups: Sequence[int] | None = None,
-        stdin: Stdin = None,
-        timeout_s: float | None = None,
-        max_buffer: int = 10 * 1024 * 1024,
-        grace_s: float = 2.0,
-        on_output: OutputCallback | None = None,
-        keep_output: bool = True,
-    ) -> ProcessOutcome:
-        """Run argv to completion through the agent: :meth:`Agent.run`'s contract."""
-        self._check()
-        if asyncio.get_running_loop() is not self._loop:
-            raise SandboxSetupError(
-                "the sandbox's exec agent belongs to another event loop",
-                "run() was called from a loop other than prepare()'s",
-                "prepare, run and dispose a sandbox on one event loop",
-            )
-        start = time.monotonic()
-        run_id = str(next(self._ids))
-        frame = encode_spawn(
-            Spawn(
-                id=run_id,
-                argv=list(argv),
-                env=dict(env),
-                cwd=cwd,
-                rlimits=list(rlimits),
-                umask=umask,
-                uid=uid,
-                gid=gid,
-                groups=groups,
-            )
-        )
-        if stdin is not None:  # the same frame, typed P: the mux makes a pipe for stdin
-            frame = frame[:4] + SPAWN_PIPED + frame[5:]
-        assert frame[4:5] in (SPAWN, SPAWN_PIPED)
-
-        def end() -> None:
-            if run.ending is None and not run.exited.done():
-                run.ending = self._loop.create_task(self._end(run_id, run, grace_s))
-
-        def expire() -> None:
-            run.timed_out = not run.exited.done()
-            end()
-
-        overflow = Trigger(end)
-        out = Capture(max_buffer, overflow, "stdout", on_output, keep_output)
-        err = Capture(max_buffer, overflow, "stderr", on_output, keep_output)
+    def _new_run(self, out: Capture, err: Capture) -> _Run:
         run = _Run(self._loop, out, err)
-        run.on_error = end
         run.credit = self._window
-        self._runs[run_id] = run
-        try:
-            await self._send(frame)
-        except BaseException:
-            self._runs.pop(run_id, None)
-            raise
-        feeder = (
-            self._loop.create_task(self._feed(run_id, run, stdin)) if stdin is not None else None
-        )
-        timer = self._loop.call_later(timeout_s, expire) if timeout_s is not None else None
-        try:
-            try:
-                await asyncio.shield(run.exited)
-            except asyncio.CancelledError:
-                end()
-                if run.ending is not None:
-                    await asyncio.shield(run.ending)
-                raise
-            except (Failed, AgentLostError):
-                pass
-            if not run.drained.done() and not run.exited.exception():
-                # Every byte came before X; what is left waits for a slow consumer (bounded).
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(run.drained), DRAIN_LIMIT_S)
-        finally:
-            if timer is not None:
-                timer.cancel()
-            if run.ending is not None and not run.ending.done():
-                run.ending.cancel()
+        return run
+
+    async def _begin(
+        self, run_id: str, run: _Run, frame: bytes, stdin: Stdin, out: Capture, err: Capture
+    ) -> Callable[[], Awaitable[None]]:
+        """Send the spawn frame (typed P when the host streams stdin: the mux makes a pipe
+        for it, else /dev/null); the output comes as D frames."""
+        assert frame[4:5] == SPAWN
+        if stdin is not None:
+            frame = frame[:4] + SPAWN_PIPED + frame[5:]
+        await self._send(frame)
+        feeder = None if stdin is None else self._loop.create_task(self._feed(run_id, run, stdin))
+
+        async def stop() -> None:
             if feeder is not None:
                 feeder.cancel()
                 await asyncio.gather(feeder, return_exceptions=True)
-            self._runs.pop(run_id, None)
-            if run.exited.done() and not run.exited.cancelled():
-                run.exited.exception()  # retrieved, even when we leave by a cancellation
-        if run.error is not None:
-            raise run.error
-        return outcome_of(argv, run.exited, out, err, run.timed_out, start)
+
+        return stop
 
     async def _feed(self, run_id: str, run: _Run, source: Stdin) -> None:
         """Send stdin within the credit the mux gives back, then its end (an empty ``D``)."""
@@ -489,19 +355,6 @@ class StreamedAgent(RunsCommands):
             run.credit -= n
             await self._send(encode_data(run_id, STDIN, bytes(view[:n])))
             view = view[n:]
-
-    async def _end(self, run_id: str, run: _Run, grace_s: float) -> None:
-        """SIGTERM the whole tree, SIGKILL after the grace (the keeper does both); wait."""
-        if run.exited.done():
-            return
-        with contextlib.suppress(AgentLostError):
-            await self._send(encode_kill(run_id, signal.SIGTERM, True, int(grace_s * 1000)))
-        try:
-            await asyncio.wait_for(asyncio.shield(run.exited), grace_s + KILL_BACKSTOP_S)
-        except TimeoutError:
-            self._mark_lost(f"run {run_id} outlived its kill by {KILL_BACKSTOP_S:g} s")
-        except (AgentLostError, Failed):
-            pass
 
     # --- closing -------------------------------------------------------------------------
 

@@ -582,10 +582,10 @@ async def test_an_agent_that_stops_answering_is_lost_after_the_backstop(
 ) -> None:
     """Connected but silent (hung): the timeout's kill gets no answer; past grace and the
     backstop the run fails as agent-lost instead of waiting forever."""
-    import fusion_oci.agent.client as client
+    import fusion_oci.agent.session as session
     from fusion_oci.agent.protocol import encode
 
-    monkeypatch.setattr(client, "KILL_BACKSTOP_S", 0.3)
+    monkeypatch.setattr(session, "KILL_BACKSTOP_S", 0.3)
     ours, theirs = socket.socketpair()
     a = Agent(ours)
     theirs.sendall(encode(b"H", [("version", "1"), ("pid", "1")]))
