@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import array
 import collections
+import contextlib
+import fcntl
 import itertools
 import os
 import select
@@ -31,6 +33,7 @@ WINDOW = 1 << 20
 """Per run and direction: output bytes sent and not yet acknowledged by the host, stdin bytes
 the host may send before this side has written them into the command's pipe."""
 CHUNK = 1 << 16
+F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ, named only from Python 3.10
 HIGH_WATER = 4 << 20
 """Bytes waiting for the stream past which no pipe is read (the stream is backed up)."""
 DRAIN_S = 2.0
@@ -47,6 +50,23 @@ IN, OUT = select.POLLIN, select.POLLOUT
 
 def frame(kind: bytes, body: bytes) -> bytes:
     return HEADER.pack(len(body) + 1) + kind + body
+
+
+def split(buf: bytearray) -> list[tuple[bytes, bytes]] | None:
+    """The whole frames at the front of ``buf`` as (type, body), taken off it; None for a
+    length no peer of ours sends (the stream cannot be trusted any more)."""
+    frames: list[tuple[bytes, bytes]] = []
+    at = 0
+    while len(buf) - at >= 4:
+        (size,) = HEADER.unpack_from(buf, at)
+        if size == 0 or size > MAX_FRAME:
+            return None
+        if len(buf) - at < 4 + size:
+            break
+        frames.append((bytes(buf[at + 4 : at + 5]), bytes(buf[at + 5 : at + 4 + size])))
+        at += 4 + size
+    del buf[:at]
+    return frames
 
 
 def first_field(body: bytes, key: bytes) -> bytes:
@@ -100,6 +120,9 @@ class Mux:
         self.host_open = True
         os.set_blocking(0, False)
         os.set_blocking(1, False)
+        for fd in (0, 1):  # a pipe (kubectl, a container's exec): fewer, larger writes
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(fd, F_SETPIPE_SZ, WINDOW)
 
     # --- the poll set ----------------------------------------------------------------------
 
@@ -165,19 +188,12 @@ class Mux:
             return True
         if not data:
             return False
-        buf = self.host_buf
-        buf += data
-        at = 0
-        while len(buf) - at >= 4:
-            (size,) = HEADER.unpack_from(buf, at)
-            if size == 0 or size > MAX_FRAME:
-                return False  # not our host: end everything, as a closed stream does
-            if len(buf) - at < 4 + size:
-                break
-            kind, body = bytes(buf[at + 4 : at + 5]), bytes(buf[at + 5 : at + 4 + size])
-            at += 4 + size
+        self.host_buf += data
+        frames = split(self.host_buf)
+        if frames is None:
+            return False  # not our host: end everything, as a closed stream does
+        for kind, body in frames:
             self.host_frame(kind, body)
-        del buf[:at]
         return True
 
     def host_frame(self, kind: bytes, body: bytes) -> None:
@@ -278,23 +294,16 @@ class Mux:
             return False
         if not data:
             return False
-        buf = self.agent_buf
-        buf += data
-        at = 0
-        while len(buf) - at >= 4:
-            (size,) = HEADER.unpack_from(buf, at)
-            if size == 0 or size > MAX_FRAME:
-                return False
-            if len(buf) - at < 4 + size:
-                break
-            raw = bytes(buf[at : at + 4 + size])
-            at += 4 + size
-            self.agent_frame(raw)
-        del buf[:at]
+        self.agent_buf += data
+        frames = split(self.agent_buf)
+        if frames is None:
+            return False
+        for kind, body in frames:
+            self.agent_frame(kind, body)
         return True
 
-    def agent_frame(self, raw: bytes) -> None:
-        kind, body = raw[4:5], raw[5:]
+    def agent_frame(self, kind: bytes, body: bytes) -> None:
+        raw = frame(kind, body)
         if kind == b"H":
             self.send(frame(b"H", body + b"window=" + str(WINDOW).encode() + b"\0"))
             return
@@ -325,7 +334,10 @@ class Mux:
         if run.exit_frame:
             run.tail -= len(data)
         run.credit -= len(data)
-        self.send(frame(b"D", run.id + b"\0" + run.outs[fd] + data))
+        # Header and bytes apart (writev joins them): the chunk is never copied here.
+        head = b"D" + run.id + b"\0" + run.outs[fd]
+        self.send(HEADER.pack(len(head) + len(data)) + head)
+        self.send(data)
 
     def close_pipe(self, run: Run, fd: int) -> None:
         self.want(fd, 0)

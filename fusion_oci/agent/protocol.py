@@ -143,10 +143,11 @@ def encode_data(run_id: str, stream: bytes, data: bytes) -> bytes:
 
 def decode_data(body: bytes) -> tuple[str, bytes, bytes]:
     """(run id, stream, bytes) of a ``D`` frame's body (after its type byte)."""
-    run_id, sep, rest = body.partition(b"\0")
-    if not sep or not rest:
+    end = body.find(b"\0")
+    if end < 0 or end + 1 >= len(body):
         raise ProtocolError(f"a data frame without id or stream: {body[:40]!r}")
-    return run_id.decode("utf-8", "surrogateescape"), rest[:1], rest[1:]
+    # One copy of the bytes (slices of bytes are copies): this runs per chunk of output.
+    return body[:end].decode("utf-8", "surrogateescape"), body[end + 1 : end + 2], body[end + 2 :]
 
 
 class Framer:
