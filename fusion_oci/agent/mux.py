@@ -52,6 +52,19 @@ def frame(kind: bytes, body: bytes) -> bytes:
     return HEADER.pack(len(body) + 1) + kind + body
 
 
+def undumpable() -> bool:
+    """PR_SET_DUMPABLE 0, as the agent does: a command of the same uid cannot ptrace the mux
+    nor open its stream through /proc/PID/fd (and so cannot forge another run's frames).
+    False where this Python has no ctypes (a minimal image): said, not hidden."""
+    try:
+        import ctypes  # optional: not every python3 in an image has it
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return bool(libc.prctl(4, 0, 0, 0, 0) == 0)  # PR_SET_DUMPABLE
+    except (ImportError, OSError, AttributeError):
+        return False
+
+
 def split(buf: bytearray) -> list[tuple[bytes, bytes]] | None:
     """The whole frames at the front of ``buf`` as (type, body), taken off it; None for a
     length no peer of ours sends (the stream cannot be trusted any more)."""
@@ -421,6 +434,8 @@ def main(argv: list[str]) -> int:
     if len(argv) < 2 or argv[0] != "--agent":
         sys.stderr.write("usage: mux.py --agent PATH [agent args]\n")
         return 2
+    if not undumpable():
+        sys.stderr.write("mux.py: cannot set PR_SET_DUMPABLE 0 (no ctypes); going on\n")
     return Mux(argv[1:]).serve()
 
 

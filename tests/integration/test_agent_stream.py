@@ -8,13 +8,14 @@ import asyncio
 import os
 import signal
 import socket
+import subprocess
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
-from fusion_oci.agent.streamed import PipeStream, StreamedAgent, mux_argv
+from fusion_oci.agent.streamed import MUX, PipeStream, StreamedAgent, mux_argv
 from fusion_oci.errors import AgentLostError, SandboxSetupError
 from tests.hostside import pids_with
 from tests.integration.test_agent import ENV, MUX_ARGV, alive, appears, gone, marker, sh
@@ -210,3 +211,15 @@ async def test_closing_the_stream_ends_running_trees() -> None:
         await task
     assert await asyncio.to_thread(gone, tag, 3.0)
     assert a.agent_pid is not None and not alive(a.agent_pid)
+
+
+def test_the_mux_is_not_dumpable() -> None:
+    """As the agent: a command of the mux's uid can neither ptrace it nor open its stream."""
+    probe = (
+        f"import sys, ctypes; sys.path.insert(0, {str(MUX.parent)!r}); import mux; "
+        "print(mux.undumpable(), ctypes.CDLL(None).prctl(3, 0, 0, 0, 0))"  # PR_GET_DUMPABLE
+    )
+    out = subprocess.run(
+        ["python3", "-S", "-E", "-s", "-c", probe], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split() == ["True", "0"], out
