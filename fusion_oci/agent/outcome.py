@@ -112,6 +112,11 @@ class AgentLike(Protocol):
     :class:`~fusion_oci.agent.client.Agent` (a socket, the pipes passed) and the
     :class:`~fusion_oci.agent.streamed.StreamedAgent` (any byte stream) both are one."""
 
+    peer_pid: int | None
+    """The process at this host's end (the agent, a launcher, the mux or kubectl), if any."""
+    agent_pid: int | None
+    """The agent's pid as it sees itself (1 as a container's init)."""
+
     @property
     def lost(self) -> bool: ...
 

@@ -39,7 +39,6 @@ from fusion_oci.agent.protocol import (
     STDIN,
     STDOUT,
     Framer,
-    ProtocolError,
     decode_data,
     decode_fields,
     encode,
@@ -227,7 +226,9 @@ class StreamedAgent(AgentSession[_Run]):
                     self._dispatch(kind, body)
         except asyncio.CancelledError:
             why = "the stream was closed"
-        except (OSError, ConnectionError, ProtocolError, KeyError, ValueError) as exc:
+        except Exception as exc:
+            # Whatever a stream raises (a websocket has errors of its own) or a frame we cannot
+            # read: the stream cannot be trusted, the agent is lost, never a hang.
             why = f"the stream broke: {exc!r}"
         # Give the stderr reader a moment: a far end that died says why there.
         if len(self._tasks) > 1 and not self._closed:
@@ -294,7 +295,7 @@ class StreamedAgent(AgentSession[_Run]):
             return
         try:
             self._stream.write(data)
-        except (OSError, ConnectionError) as exc:
+        except Exception as exc:  # any stream's own error: lost, as in _read_loop
             self._mark_lost(f"writing to the agent's stream failed: {exc}")
 
     async def _send(self, data: bytes) -> None:
@@ -302,7 +303,7 @@ class StreamedAgent(AgentSession[_Run]):
         self._write(data)
         try:
             await self._stream.drain()
-        except (OSError, ConnectionError) as exc:
+        except Exception as exc:  # any stream's own error: lost, as in _read_loop
             self._mark_lost(f"writing to the agent's stream failed: {exc}")
         self._check()
 

@@ -223,3 +223,53 @@ def test_the_mux_is_not_dumpable() -> None:
         ["python3", "-S", "-E", "-s", "-c", probe], capture_output=True, text=True, check=True
     )
     assert out.stdout.split() == ["True", "0"], out
+
+
+class _ScriptedStream:
+    """A ByteStream of another kind (as a websocket is): it says hello, then fails with an
+    error of its own, not an OSError."""
+
+    def __init__(self, hello: bytes) -> None:
+        self.incoming: asyncio.Queue[bytes | BaseException] = asyncio.Queue()
+        self.incoming.put_nowait(hello)
+        self.written: list[bytes] = []
+
+    async def read(self, n: int) -> bytes:
+        item = await self.incoming.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+    async def drain(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+async def test_a_stream_failing_its_own_way_is_a_lost_agent_not_a_hang() -> None:
+    from fusion_oci.agent.protocol import encode
+
+    stream = _ScriptedStream(encode(b"H", [("version", "1"), ("pid", "9"), ("window", "65536")]))
+    a = await StreamedAgent.over(stream, timeout_s=5)
+    assert a.agent_pid == 9
+    task = asyncio.ensure_future(a.run(["true"], env=ENV))
+    await asyncio.sleep(0.05)
+    assert stream.written and stream.written[0][4:5] == b"S"  # the spawn went out
+    stream.incoming.put_nowait(RuntimeError("websocket: close 1006 (abnormal closure)"))
+    with pytest.raises(AgentLostError) as info:
+        await asyncio.wait_for(task, 5)
+    assert "1006" in info.value.why
+    await a.close()
+
+
+async def test_a_far_end_that_is_not_the_mux_is_refused() -> None:
+    from fusion_oci.agent.protocol import encode
+
+    stream = _ScriptedStream(encode(b"H", [("version", "1"), ("pid", "1")]))  # an agent's own
+    with pytest.raises(SandboxSetupError) as info:
+        await StreamedAgent.over(stream, timeout_s=5)
+    assert "not mux.py" in info.value.what
