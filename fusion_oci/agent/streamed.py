@@ -5,8 +5,8 @@ command's pipes are made at the far end by ``mux.py``, which relays their bytes 
 :class:`StreamedAgent` keeps :class:`~fusion_oci.agent.client.Agent`'s ``run`` contract
 (timeout, maxBuffer, streamed output with backpressure, stdin, whole-tree kill, cancellation,
 exit statuses, ``F``, concurrent runs, ``AgentLostError`` instead of a hang) over anything
-that offers a :class:`ByteStream`: a subprocess's pipes (the mux run here, ``kubectl exec``)
-or a pods/exec websocket.
+that offers a :class:`~fusion_oci.agent.bytestream.ByteStream`: a process's pipes (the mux run
+here, ``kubectl exec -i``) or a pods/exec WebSocket (``ExecStream``).
 
 Flow control both ways: a run's output is acknowledged (``A``) only once the caller's
 ``on_output`` took it, so a slow consumer stops the mux reading that command's pipes; stdin is
@@ -20,12 +20,12 @@ import collections
 import contextlib
 import functools
 import os
-import signal
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
+from fusion_oci.agent.bytestream import ByteStream, ProcessStream
 from fusion_oci.agent.client import CLOSE_WAIT_S, agent_binary
 from fusion_oci.agent.outcome import Stdin
 from fusion_oci.agent.protocol import (
@@ -44,7 +44,7 @@ from fusion_oci.agent.protocol import (
     encode,
     encode_data,
 )
-from fusion_oci.agent.session import BUILD_HINT, AgentSession
+from fusion_oci.agent.session import AgentSession
 from fusion_oci.errors import AgentLostError, SandboxSetupError
 from fusion_oci.process import Capture
 
@@ -52,51 +52,9 @@ MUX = Path(__file__).with_name("mux.py")
 """The far end: a stdlib-only script, copied into a pod and run by path."""
 READ_SIZE = 1 << 18
 STDIN_CHUNK = 1 << 16
-STDERR_TAIL = 4096
-
-
-class ByteStream(Protocol):
-    """What :class:`StreamedAgent` needs of its stream: asyncio's StreamReader/StreamWriter
-    pair in the smallest form (a pods/exec websocket offers the same four)."""
-
-    async def read(self, n: int) -> bytes:
-        """Up to ``n`` bytes as they come; b"" at the end of the stream."""
-        ...
-
-    def write(self, data: bytes) -> None:
-        """Queue ``data`` (one whole frame: frames never interleave); OSError when broken."""
-        ...
-
-    async def drain(self) -> None:
-        """Wait until the queued bytes are down to the transport's low mark."""
-        ...
-
-    async def close(self) -> None: ...
-
-
-class PipeStream:
-    """A :class:`ByteStream` over an asyncio reader and writer (a subprocess's stdout and
-    stdin, a socket's two halves)."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader = reader
-        self.writer = writer
-
-    async def read(self, n: int) -> bytes:
-        return await self.reader.read(n)
-
-    def write(self, data: bytes) -> None:
-        if self.writer.is_closing():
-            raise ConnectionResetError("the stream is closed")
-        self.writer.write(data)
-
-    async def drain(self) -> None:
-        await self.writer.drain()
-
-    async def close(self) -> None:
-        self.writer.close()
-        with contextlib.suppress(OSError, ConnectionError):
-            await self.writer.wait_closed()
+WRITE_HIGH = 1 << 20
+"""Bytes queued for the stream past which a sender (a spawn, stdin) waits."""
+WRITE_BATCH = 1 << 18
 
 
 def mux_argv(
@@ -141,19 +99,21 @@ class StreamedAgent(AgentSession[_Run]):
     """One agent behind ``mux.py`` at the far end of a byte stream. Create with
     :meth:`start` (a process whose stdin/stdout is the stream) or :meth:`over`."""
 
-    def __init__(
-        self, stream: ByteStream, *, proc: asyncio.subprocess.Process | None = None
-    ) -> None:
+    def __init__(self, stream: ByteStream, *, peer_pid: int | None = None) -> None:
         super().__init__()
         self._stream = stream
-        self._proc = proc
-        self.peer_pid = proc.pid if proc is not None else None
-        """The stream's process as this host sees it (the mux, or ``kubectl``)."""
+        self.peer_pid = peer_pid
+        """The stream's process as this host sees it (the mux, or ``kubectl``), if any."""
         self._window = 0
-        self._stderr = bytearray()
-        self._tasks: list[asyncio.Task[None]] = [self._loop.create_task(self._read_loop())]
-        if proc is not None and proc.stderr is not None:
-            self._tasks.append(self._loop.create_task(self._keep_stderr(proc.stderr)))
+        # One writer: a frame larger than a stream's own frames (a WebSocket sends 64 KiB
+        # pieces) must not have an ack land inside it.
+        self._out: collections.deque[bytes] = collections.deque()
+        self._out_size = 0
+        self._out_ready = asyncio.Event()
+        self._out_room = asyncio.Event()
+        self._out_room.set()
+        self._reader = self._loop.create_task(self._read_loop())
+        self._writer = self._loop.create_task(self._write_loop())
 
     # --- starting ------------------------------------------------------------------------
 
@@ -165,23 +125,8 @@ class StreamedAgent(AgentSession[_Run]):
         own, its stdin and stdout the stream: ``kubectl exec -i POD -- python3 ... mux.py``
         is the same thing one hop further."""
         command = list(argv) if argv is not None else mux_argv(python=sys.executable)
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                *command,
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                start_new_session=True,
-                limit=READ_SIZE,
-            )
-        except OSError as exc:
-            raise SandboxSetupError(
-                "cannot start the exec agent's stream",
-                f"{command[0]}: {exc.strerror or exc}",
-                BUILD_HINT,
-            ) from exc
-        assert proc.stdout is not None and proc.stdin is not None
-        agent = cls(PipeStream(proc.stdout, proc.stdin), proc=proc)
+        stream = await ProcessStream.start(command, CLOSE_WAIT_S)
+        agent = cls(stream, peer_pid=stream.proc.pid)
         await agent._greeted(timeout_s)
         return agent
 
@@ -204,16 +149,9 @@ class StreamedAgent(AgentSession[_Run]):
         self._window = int(hello["window"])
         return hello
 
-    async def _keep_stderr(self, stderr: asyncio.StreamReader) -> None:
-        """The far end's stderr (a mux that could not start, kubectl's reason), its tail kept
-        for the error that says the agent is lost."""
-        while chunk := await stderr.read(65536):
-            self._stderr += chunk
-            del self._stderr[:-STDERR_TAIL]
-
     def _setup_detail(self) -> str:
-        text = self._stderr.decode(errors="replace").strip()
-        return f"; its stderr: {text[-400:]}" if text else ""
+        described = self._stream.describe()
+        return f"; {described}" if described else ""
 
     # --- the stream ----------------------------------------------------------------------
 
@@ -230,14 +168,11 @@ class StreamedAgent(AgentSession[_Run]):
             # Whatever a stream raises (a websocket has errors of its own) or a frame we cannot
             # read: the stream cannot be trusted, the agent is lost, never a hang.
             why = f"the stream broke: {exc!r}"
-        # Give the stderr reader a moment: a far end that died says why there.
-        if len(self._tasks) > 1 and not self._closed:
-            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-                await asyncio.wait_for(asyncio.shield(self._tasks[1]), 0.2)
         self._mark_lost(why + self._setup_detail())
 
     def _mark_lost(self, why: str) -> None:
         super()._mark_lost(why)
+        self._out_room.set()  # a sender waiting for room sees the loss
         for run in self._runs.values():
             run.credit_given.set()  # a sender waiting for credit sees the loss
             if not run.drained.done():
@@ -291,20 +226,39 @@ class StreamedAgent(AgentSession[_Run]):
         self._consume(run_id, run)
 
     def _write(self, data: bytes) -> None:
+        """Queue one whole frame for the writer (from a callback too: acks)."""
         if self._lost is not None:
             return
+        self._out.append(data)
+        self._out_size += len(data)
+        self._out_ready.set()
+        if self._out_size > WRITE_HIGH:
+            self._out_room.clear()
+
+    async def _write_loop(self) -> None:
         try:
-            self._stream.write(data)
+            while True:
+                await self._out_ready.wait()
+                self._out_ready.clear()
+                while self._out:
+                    batch = [self._out.popleft()]
+                    size = len(batch[0])
+                    while self._out and size < WRITE_BATCH:
+                        batch.append(self._out.popleft())
+                        size += len(batch[-1])
+                    await self._stream.write(b"".join(batch) if len(batch) > 1 else batch[0])
+                    self._out_size -= size
+                    if self._out_size <= WRITE_HIGH:
+                        self._out_room.set()
+        except asyncio.CancelledError:
+            raise
         except Exception as exc:  # any stream's own error: lost, as in _read_loop
-            self._mark_lost(f"writing to the agent's stream failed: {exc}")
+            self._mark_lost(f"writing to the agent's stream failed: {exc!r}")
 
     async def _send(self, data: bytes) -> None:
         self._check()
         self._write(data)
-        try:
-            await self._stream.drain()
-        except Exception as exc:  # any stream's own error: lost, as in _read_loop
-            self._mark_lost(f"writing to the agent's stream failed: {exc}")
+        await self._out_room.wait()
         self._check()
 
     # --- running -------------------------------------------------------------------------
@@ -367,24 +321,11 @@ class StreamedAgent(AgentSession[_Run]):
         if self._closed:
             return
         self._closed = True
-        self._tasks[0].cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._tasks[0]
-        with contextlib.suppress(OSError, ConnectionError):
-            await self._stream.close()
-        proc = self._proc
-        if proc is not None:
-            try:
-                await asyncio.wait_for(proc.wait(), CLOSE_WAIT_S)
-            except TimeoutError:
-                # A hung far end: its group goes; the agent below it (a session of its own)
-                # follows by --parent, ending its trees.
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                await proc.wait()
-        for task in self._tasks[1:]:
+        for task in (self._reader, self._writer):
             task.cancel()
-        await asyncio.gather(*self._tasks[1:], return_exceptions=True)
+        await asyncio.gather(self._reader, self._writer, return_exceptions=True)
+        with contextlib.suppress(Exception):  # closing a broken stream may fail its own way
+            await self._stream.close()
 
 
 class _StdinClosed(Exception):

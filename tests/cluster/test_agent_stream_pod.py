@@ -1,5 +1,6 @@
 """The exec agent over a real pod's exec stream: mux.py and the static agent copied into a pod of
-the task image, reached with ``kubectl exec -i`` (pods/exec through the API server), and the
+the task image, reached with ``kubectl exec -i`` and with the runtime's own pods/exec WebSocket
+(``ExecStream``, through the API server), and the
 run contract holding there: output, exit statuses, stdin, a timeout that ends the whole tree,
 the stream cut (kubectl killed) ending every tree in the pod; and the round trip measured
 beside a bare ``kubectl exec`` of the same command."""
@@ -20,6 +21,9 @@ import pytest
 from fusion_oci.agent.client import agent_binary
 from fusion_oci.agent.streamed import MUX, StreamedAgent, mux_argv
 from fusion_oci.errors import AgentLostError
+from fusion_oci.policy.kubernetes import KubernetesSettings
+from fusion_oci.runtimes.kubernetes.execstream import PodExec
+from fusion_oci.runtimes.kubernetes.kubeconfig import find_access
 from tests.cluster.kube import Kube, wait_for
 
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C"}
@@ -127,3 +131,42 @@ async def test_per_command_round_trip_against_a_bare_kubectl_exec(
     ours_ms, bare_ms = statistics.median(ours) * 1000, statistics.median(bare) * 1000
     print(f"true over the agent's stream: {ours_ms:.2f} ms; bare kubectl exec: {bare_ms:.1f} ms")
     assert ours_ms * 5 <= bare_ms
+
+
+async def test_over_the_api_servers_websocket_as_the_runtime_reaches_it(
+    far: list[str], kube: Kube, ns: str
+) -> None:
+    """``ExecStream`` is a ByteStream as it is: no kubectl, the runtime's own client."""
+    access = find_access(KubernetesSettings(), {"KUBECONFIG": str(kube.kubeconfig)})
+    assert access is not None
+    stream = await PodExec(access).open(ns, POD, mux_argv(f"{FAR}/agent", mux=f"{FAR}/mux.py"))
+    a = await StreamedAgent.over(stream, timeout_s=30)
+    try:
+        r = await a.run(["/bin/sh", "-c", "echo out; echo err >&2; exit 3"], env=ENV)
+        assert (r.stdout, r.stderr, r.returncode) == (b"out\n", b"err\n", 3)
+        payload = os.urandom(8 << 20)
+        r = await a.run(["cat"], env=ENV, stdin=payload)
+        assert r.stdout == payload
+        tag = f"foci-ws-{time.monotonic_ns()}"
+        r = await a.run(["/bin/sh", "-c", f"sleep 1000; : {tag}"], env=ENV, timeout_s=0.5)
+        assert r.timed_out and not await asyncio.to_thread(_pod_has, kube, ns, tag)
+        times = []
+        for _ in range(50):
+            start = time.perf_counter()
+            await a.run(["true"], env=ENV)
+            times.append(time.perf_counter() - start)
+        print(f"true over ExecStream: {statistics.median(times) * 1000:.2f} ms (median of 50)")
+    finally:
+        await a.close()
+    tag = f"foci-wsclose-{time.monotonic_ns()}"
+    b = await StreamedAgent.over(
+        await PodExec(access).open(ns, POD, mux_argv(f"{FAR}/agent", mux=f"{FAR}/mux.py")), 30
+    )
+    running = asyncio.ensure_future(b.run(["/bin/sh", "-c", f"sleep 1000; : {tag}"], env=ENV))
+    await asyncio.to_thread(wait_for, "the command", lambda: _pod_has(kube, ns, tag) or None, 30)
+    await b.close()  # the WebSocket's close: the mux's stdin ends, every tree with it
+    with pytest.raises(AgentLostError):
+        await running
+    await asyncio.to_thread(
+        wait_for, "the tree to end", lambda: (not _pod_has(kube, ns, tag)) or None, 30
+    )

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from fusion_oci.agent.streamed import MUX, PipeStream, StreamedAgent, mux_argv
+from fusion_oci.agent.bytestream import PipeStream
+from fusion_oci.agent.streamed import MUX, StreamedAgent, mux_argv
 from fusion_oci.errors import AgentLostError, SandboxSetupError
 from tests.hostside import pids_with
 from tests.integration.test_agent import ENV, MUX_ARGV, alive, appears, gone, marker, sh
@@ -240,11 +241,11 @@ class _ScriptedStream:
             raise item
         return item
 
-    def write(self, data: bytes) -> None:
+    async def write(self, data: bytes) -> None:
         self.written.append(data)
 
-    async def drain(self) -> None:
-        return None
+    def describe(self) -> str:
+        return "a scripted stream"
 
     async def close(self) -> None:
         return None
