@@ -1071,48 +1071,75 @@ static void fwd_inbound(struct listener *l, int h) {
     fwd_pipes(pr);
 }
 
+/* A relay's one byte and the fds riding on it (CLOEXEC; at most FDS_PER_BYTE, the control
+ * buffer's room: MSG_CTRUNC in *flags says more were cut). Returns recvmsg's result, errno
+ * kept; the *nfds fds are the caller's whatever it returns. */
+#define FDS_PER_BYTE 4
+static ssize_t recv_byte_fds(int sock, char *byte, int fds[FDS_PER_BYTE], size_t *nfds,
+                             int *flags) {
+    union {
+        char buf[CMSG_SPACE(sizeof(int) * FDS_PER_BYTE)];
+        struct cmsghdr align;
+    } cm;
+    struct iovec iov = {byte, 1};
+    struct msghdr mh = {0};
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = cm.buf;
+    mh.msg_controllen = sizeof cm.buf;
+    *nfds = 0;
+    *flags = 0;
+    ssize_t n = recvmsg(sock, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+    if (n < 0)
+        return n;
+    for (struct cmsghdr *h = CMSG_FIRSTHDR(&mh); h; h = CMSG_NXTHDR(&mh, h)) {
+        if (h->cmsg_level != SOL_SOCKET || h->cmsg_type != SCM_RIGHTS)
+            continue;
+        size_t k = (h->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        for (size_t j = 0; j < k; j++) {
+            int fd;
+            memcpy(&fd, CMSG_DATA(h) + j * sizeof(int), sizeof fd);
+            if (*nfds < FDS_PER_BYTE)
+                fds[(*nfds)++] = fd;
+            else
+                close(fd);
+        }
+    }
+    *flags = mh.msg_flags;
+    return n;
+}
+
 /* The relay's pool connection: fresh sockets ('p' + one fd each), or its end (the task
  * stops: every connection of this listener's pool is closed). */
 static void fwd_ctl(struct listener *l) {
     for (;;) {
         char byte;
-        union {
-            char buf[CMSG_SPACE(sizeof(int) * 4)];
-            struct cmsghdr align;
-        } cm;
-        struct iovec iov = {&byte, 1};
-        struct msghdr mh = {0};
-        mh.msg_iov = &iov;
-        mh.msg_iovlen = 1;
-        mh.msg_control = cm.buf;
-        mh.msg_controllen = sizeof cm.buf;
-        ssize_t n = recvmsg(l->ctl, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+        int fds[FDS_PER_BYTE], flags;
+        size_t k;
+        ssize_t n = recv_byte_fds(l->ctl, &byte, fds, &k, &flags);
         if (n < 0 && (errno == EAGAIN || errno == EINTR))
             return;
-        for (struct cmsghdr *h = CMSG_FIRSTHDR(&mh); n > 0 && h; h = CMSG_NXTHDR(&mh, h)) {
-            if (h->cmsg_level != SOL_SOCKET || h->cmsg_type != SCM_RIGHTS)
+        for (size_t j = 0; j < k; j++) {
+            int type = 0;
+            socklen_t tl = sizeof type;
+            if (n <= 0) {
+                close(fds[j]);
                 continue;
-            size_t k = (h->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-            int fds[4];
-            memcpy(fds, CMSG_DATA(h), k * sizeof(int));
-            for (size_t j = 0; j < k; j++) {
-                int type = 0;
-                socklen_t tl = sizeof type;
-                if (l->handoff == 2) {
-                    if (byte == 'a' && getsockopt(fds[j], SOL_SOCKET, SO_TYPE, &type, &tl) == 0 &&
-                        type == SOCK_STREAM)
-                        fwd_inbound(l, fds[j]);
-                    else
-                        close(fds[j]);
-                    continue;
-                }
-                if (byte == 'p' && l->npool < FWD_POOL &&
-                    getsockopt(fds[j], SOL_SOCKET, SO_TYPE, &type, &tl) == 0 &&
-                    type == SOCK_STREAM && fcntl(fds[j], F_SETFL, O_NONBLOCK) == 0)
-                    l->pool[l->npool++] = fds[j];
+            }
+            if (l->handoff == 2) {
+                if (byte == 'a' && getsockopt(fds[j], SOL_SOCKET, SO_TYPE, &type, &tl) == 0 &&
+                    type == SOCK_STREAM)
+                    fwd_inbound(l, fds[j]);
                 else
                     close(fds[j]);
+                continue;
             }
+            if (byte == 'p' && l->npool < FWD_POOL &&
+                getsockopt(fds[j], SOL_SOCKET, SO_TYPE, &type, &tl) == 0 &&
+                type == SOCK_STREAM && fcntl(fds[j], F_SETFL, O_NONBLOCK) == 0)
+                l->pool[l->npool++] = fds[j];
+            else
+                close(fds[j]);
         }
         if (n > 0)
             continue;
@@ -1155,32 +1182,17 @@ static void fwd_pools_open(void) {
  * grant's service did not answer). */
 static int fwd_take(struct pair *c) {
     char byte;
-    union {
-        char buf[CMSG_SPACE(sizeof(int) * 4)];
-        struct cmsghdr align;
-    } ctl;
-    struct iovec iov = {&byte, 1};
-    struct msghdr mh = {0};
-    mh.msg_iov = &iov;
-    mh.msg_iovlen = 1;
-    mh.msg_control = ctl.buf;
-    mh.msg_controllen = sizeof ctl.buf;
-    ssize_t n = recvmsg(c->fd[1], &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+    int fds[FDS_PER_BYTE], flags;
+    size_t k;
+    ssize_t n = recv_byte_fds(c->fd[1], &byte, fds, &k, &flags);
     if (n < 0)
         return errno == EAGAIN || errno == EINTR ? 0 : -1;
     int got = -1;
-    for (struct cmsghdr *h = CMSG_FIRSTHDR(&mh); h; h = CMSG_NXTHDR(&mh, h)) {
-        if (h->cmsg_level != SOL_SOCKET || h->cmsg_type != SCM_RIGHTS)
-            continue;
-        size_t k = (h->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-        int fds[4];
-        memcpy(fds, CMSG_DATA(h), k * sizeof(int));
-        for (size_t j = 0; j < k; j++) {
-            if (got < 0)
-                got = fds[j];
-            else
-                close(fds[j]); /* one socket per connection: anything more is not ours */
-        }
+    for (size_t j = 0; j < k; j++) {
+        if (got < 0)
+            got = fds[j];
+        else
+            close(fds[j]); /* one socket per connection: anything more is not ours */
     }
     if (n == 0) {
         if (got >= 0)
@@ -1190,7 +1202,7 @@ static int fwd_take(struct pair *c) {
     c->awaiting = 0;
     int type = 0;
     socklen_t tl = sizeof type;
-    if (got >= 0 && (mh.msg_flags & MSG_CTRUNC || getsockopt(got, SOL_SOCKET, SO_TYPE, &type, &tl) < 0 ||
+    if (got >= 0 && (flags & MSG_CTRUNC || getsockopt(got, SOL_SOCKET, SO_TYPE, &type, &tl) < 0 ||
                      type != SOCK_STREAM)) {
         close(got);
         got = -1;

@@ -10,9 +10,9 @@ stdin, whole-tree kill with a grace period, duration.
 If the agent dies or the connection breaks, the run in flight and every later run raise
 :class:`~fusion_oci.errors.AgentLostError`: never a hang. Standard library and asyncio only.
 
-Why one module of ~600 lines: the connection reader, the per-run state it completes and the
-run function share one set of invariants (which frames may arrive for which run, when a run's
-pipes are done, what a lost agent fails); the wire format is apart, in protocol.py.
+What does not depend on the socket (the hello, ``run``'s skeleton, the kill, the lost state) is
+:class:`~fusion_oci.agent.session.AgentSession`'s, shared with the agent over a byte stream
+(streamed.py); this module is how a socket starts it, sends to it, and hands the pipes over.
 """
 
 from __future__ import annotations
@@ -20,54 +20,23 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
-import errno as _errno
-import itertools
 import os
-import resource
 import signal
 import socket
 import struct
-import time
-from collections.abc import AsyncIterable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from fusion_oci.agent.outcome import Stdin
 from fusion_oci.agent.pipes import CommandPipes, StdinFeeder, wait_writable
-from fusion_oci.agent.protocol import (
-    EXITED,
-    FAILED,
-    HELLO,
-    PROTOCOL_VERSION,
-    STARTED,
-    Decoder,
-    ProtocolError,
-    Spawn,
-    encode_kill,
-    encode_spawn,
-)
-from fusion_oci.errors import AgentLostError, SandboxSetupError
-from fusion_oci.process import DRAIN_LIMIT_S, Capture, ProcessOutcome, signal_name
+from fusion_oci.agent.protocol import Decoder, ProtocolError
+from fusion_oci.agent.session import BINARY_NAME, BUILD_HINT, AgentSession
+from fusion_oci.errors import SandboxSetupError
+from fusion_oci.process import Capture
 from fusion_oci.shims.proctree import descendants  # one /proc walk, shared with the reaper
 
-if TYPE_CHECKING:
-    from fusion_oci.models import OutputCallback, RunOptions
-
-BINARY_NAME = "fusion-oci-agent"
-BUILD_HINT = (
-    "build it with `python hatch_build.py` in the checkout (needs gcc and libc6-dev, "
-    "see scripts/install.sh), or reinstall the fusion-oci wheel"
-)
-KILL_BACKSTOP_S = 12.0
-"""Past the grace, how long the keeper may take to SIGKILL a tree (its loop stops at 10 s)."""
+__all__ = ["BINARY_NAME", "BUILD_HINT", "Agent", "agent_binary", "listen_socket"]
 CLOSE_WAIT_S = 15.0
-
-Stdin = bytes | AsyncIterable[bytes] | None
-
-_RLIMIT_NAMES = {
-    str(getattr(resource, name)): name
-    for name in dir(resource)
-    if name.startswith("RLIMIT_") and name != "RLIMIT_OFILE"
-}  # NOFILE's alias
 
 
 def agent_binary() -> Path:
@@ -102,27 +71,7 @@ def _unlink(path: str) -> None:
         Path(path).unlink()
 
 
-class _Failed(Exception):
-    def __init__(self, err: int, what: str) -> None:
-        super().__init__(what)
-        self.err = err
-        self.what = what
-
-
-class _Trigger:
-    """What a Capture sets past maxBuffer: it starts ending the run's tree."""
-
-    def __init__(self, fire: Callable[[], None]) -> None:
-        self.fire = fire
-        self.fired = False
-
-    def set(self) -> None:
-        if not self.fired:
-            self.fired = True
-            self.fire()
-
-
-class Agent:
+class Agent(AgentSession[CommandPipes]):
     """One connection to one running agent. Create with :meth:`start_local` or :meth:`accept`."""
 
     def __init__(
@@ -132,21 +81,14 @@ class Agent:
         peer_pid: int | None = None,
         proc: asyncio.subprocess.Process | None = None,
     ) -> None:
-        self._loop = asyncio.get_running_loop()
+        super().__init__()
         sock.setblocking(False)
         self._sock = sock
         self._proc = proc
         self.peer_pid = peer_pid if peer_pid is not None else (proc.pid if proc else None)
         """The agent's pid as this host sees it."""
-        self.agent_pid: int | None = None
-        """The agent's pid as it sees itself (1 as a container's init)."""
         self._send_lock = asyncio.Lock()
-        self._runs: dict[str, CommandPipes] = {}
-        self._ids = itertools.count(1)
-        self._lost: AgentLostError | None = None
-        self._closed = False
         self._null = -1
-        self._hello: asyncio.Future[dict[str, str]] = self._loop.create_future()
         self._reader = self._loop.create_task(self._read_loop())
 
     # --- starting ------------------------------------------------------------------------
@@ -246,40 +188,7 @@ class Agent:
         await agent._greeted(timeout_s)
         return agent
 
-    async def _greeted(self, timeout_s: float) -> None:
-        try:
-            hello = await asyncio.wait_for(asyncio.shield(self._hello), timeout_s)
-        except (TimeoutError, AgentLostError) as exc:
-            await self.close()
-            raise SandboxSetupError(
-                "the fusion-oci exec agent did not start",
-                str(exc) or f"no hello within {timeout_s:g} s",
-                BUILD_HINT,
-            ) from exc
-        if hello.get("version") != PROTOCOL_VERSION:
-            await self.close()
-            raise SandboxSetupError(
-                "the fusion-oci exec agent speaks another protocol",
-                f"agent version {hello.get('version')!r}, host {PROTOCOL_VERSION!r}",
-                BUILD_HINT,
-            )
-        self.agent_pid = int(hello.get("pid", "0")) or None
-
     # --- the connection ------------------------------------------------------------------
-
-    @property
-    def lost(self) -> bool:
-        return self._lost is not None
-
-    def _check(self) -> None:
-        if self._lost is not None:
-            raise self._lost
-        if self._closed:
-            raise AgentLostError(
-                "the exec agent was closed",
-                "close() came before run()",
-                "prepare the sandbox again",
-            )
 
     async def _read_loop(self) -> None:
         decoder = Decoder()
@@ -290,41 +199,13 @@ class Agent:
                 if not data:
                     break
                 for kind, fields in decoder.feed(data):
-                    self._dispatch(kind, fields)
+                    self._agent_frame(kind, fields)
         except asyncio.CancelledError:
             why = "the connection was closed"
         except (OSError, ProtocolError, KeyError, ValueError) as exc:
             # A frame we cannot read means the stream cannot be trusted: lost, never a hang.
             why = f"the connection broke: {exc!r}"
         self._mark_lost(why)
-
-    def _mark_lost(self, why: str) -> None:
-        if self._lost is None:
-            self._lost = AgentLostError(
-                "the sandbox's exec agent is gone",
-                why,
-                "the run's outcome is unknown; dispose the sandbox and prepare it again",
-            )
-        for run in self._runs.values():
-            if not run.exited.done():
-                run.exited.set_exception(self._lost)
-        if not self._hello.done():
-            self._hello.set_exception(self._lost)
-
-    def _dispatch(self, kind: bytes, fields: dict[str, str]) -> None:
-        if kind == HELLO:
-            if not self._hello.done():
-                self._hello.set_result(fields)
-            return
-        run = self._runs.get(fields.get("id", ""))
-        if run is None or run.exited.done():
-            return
-        if kind == STARTED:
-            run.pid = int(fields["pid"])
-        elif kind == EXITED:
-            run.exited.set_result(int(fields["status"]))
-        elif kind == FAILED:
-            run.exited.set_exception(_Failed(int(fields.get("errno", "0")), fields.get("what", "")))
 
     async def _send(self, data: bytes, fds: Sequence[int] = ()) -> None:
         async with self._send_lock:
@@ -353,102 +234,32 @@ class Agent:
 
     # --- running -------------------------------------------------------------------------
 
-    async def run_command(
-        self, spawn: Spawn, opts: RunOptions, *, grace_s: float = 2.0
-    ) -> ProcessOutcome:
-        """Run one command's spawn frame with the caller's I/O options (stdin, output
-        callbacks, timeout, maxBuffer): what every runtime on the agent does per command."""
-        return await self.run(
-            spawn.argv,
-            env=spawn.env,
-            cwd=spawn.cwd,
-            rlimits=spawn.rlimits,
-            uid=spawn.uid,
-            gid=spawn.gid,
-            groups=spawn.groups,
-            stdin=opts.stdin,
-            timeout_s=opts.timeout_ms / 1000,
-            max_buffer=opts.max_buffer,
-            grace_s=grace_s,
-            on_output=opts.on_output,
-            keep_output=opts.keep_output,
-        )
+    def _new_run(self, out: Capture, err: Capture) -> CommandPipes:
+        return CommandPipes(self._loop)
 
-    async def run(
+    async def _begin(
         self,
-        argv: Sequence[str],
-        *,
-        env: Mapping[str, str],
-        cwd: str | None = None,
-        rlimits: Sequence[tuple[str, int, int]] = (),
-        umask: int | None = None,
-        uid: int | None = None,
-        gid: int | None = None,
-        groups: Sequence[int] | None = None,
-        stdin: Stdin = None,
-        timeout_s: float | None = None,
-        max_buffer: int = 10 * 1024 * 1024,
-        grace_s: float = 2.0,
-        on_output: OutputCallback | None = None,
-        keep_output: bool = True,
-    ) -> ProcessOutcome:
-        """Run argv to completion through the agent (the contract of ``run_process``).
-
-        stdin None: /dev/null; bytes: fed then closed; an async iterable: streamed then
-        closed. A timeout, a maxBuffer overflow or a cancellation ends the whole tree (SIGTERM,
-        ``grace_s``, SIGKILL). An exec failure is exit 127 (not found) or 126, with the reason
-        on stderr, as a shell says it; any other failure to start is a SandboxSetupError.
-        """
-        self._check()
-        if asyncio.get_running_loop() is not self._loop:
-            raise SandboxSetupError(
-                "the sandbox's exec agent belongs to another event loop",
-                "run() was called from a loop other than prepare()'s",
-                "prepare, run and dispose a sandbox on one event loop",
-            )
-        start = time.monotonic()
-        run_id = str(next(self._ids))
-        frame = encode_spawn(
-            Spawn(
-                id=run_id,
-                argv=list(argv),
-                env=dict(env),
-                cwd=cwd,
-                rlimits=list(rlimits),
-                umask=umask,
-                uid=uid,
-                gid=gid,
-                groups=groups,
-            )
-        )
-        run = CommandPipes(self._loop)
-
-        def end() -> None:
-            if run.ending is None and not run.exited.done():
-                run.ending = self._loop.create_task(self._end(run_id, run, grace_s))
-
-        def expire() -> None:
-            run.timed_out = not run.exited.done()
-            end()
-
-        run.on_error = end
-        overflow = _Trigger(end)
-        out = Capture(max_buffer, overflow, "stdout", on_output, keep_output)
-        err = Capture(max_buffer, overflow, "stderr", on_output, keep_output)
+        run_id: str,
+        run: CommandPipes,
+        frame: bytes,
+        stdin: Stdin,
+        out: Capture,
+        err: Capture,
+    ) -> Callable[[], Awaitable[None]]:
+        """Make the command's pipes here and hand their far ends over with the spawn frame:
+        the output comes straight into this process, never through the agent."""
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         if stdin is None:
             in_r, in_w = self._devnull(), -1
         else:
             in_r, in_w = os.pipe()
-        self._runs[run_id] = run
         try:
             await self._send(frame, [in_r, out_w, err_w])
         except BaseException:
             for fd in (out_r, err_r, in_w):
                 if fd >= 0:
                     os.close(fd)
-            self._runs.pop(run_id, None)
             raise
         finally:
             for fd in (in_r, out_w, err_w):
@@ -457,95 +268,19 @@ class Agent:
         run.watch(out_r, out)
         run.watch(err_r, err)
         feeder = StdinFeeder(in_w, stdin) if stdin is not None else None
-        timer = self._loop.call_later(timeout_s, expire) if timeout_s is not None else None
-        try:
-            try:
-                await asyncio.shield(run.exited)
-            except asyncio.CancelledError:
-                end()
-                if run.ending is not None:
-                    await asyncio.shield(run.ending)
-                raise
-            except (_Failed, AgentLostError):
-                pass
-            if not run.drained.done():
-                # The tree is gone when `exited` comes; a pipe still open is held by something
-                # outside it (bounded, like run_process).
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(run.drained), DRAIN_LIMIT_S)
-        finally:
-            if timer is not None:
-                timer.cancel()
-            if run.ending is not None and not run.ending.done():
-                run.ending.cancel()
+
+        async def stop() -> None:
             run.close_all()
             if feeder is not None:
                 await feeder.stop()
-            self._runs.pop(run_id, None)
-            if run.exited.done() and not run.exited.cancelled():
-                run.exited.exception()  # retrieved, even when we leave by a cancellation
-        if run.error is not None:
-            raise run.error
-        try:
-            status = run.exited.result()
-        except _Failed as failed:
-            code = self._exec_failure(argv, failed, err)
-            return ProcessOutcome(
-                stdout=out.data(),
-                stderr=err.data(),
-                returncode=code,
-                signal=None,
-                timed_out=run.timed_out,
-                truncated=False,
-                duration_ms=int((time.monotonic() - start) * 1000),
-            )
-        rc = os.waitstatus_to_exitcode(status)
-        return ProcessOutcome(
-            stdout=out.data(),
-            stderr=err.data(),
-            returncode=rc if rc >= 0 else None,
-            signal=signal_name(rc) if rc < 0 else None,
-            timed_out=run.timed_out,
-            truncated=out.truncated or err.truncated,
-            duration_ms=int((time.monotonic() - start) * 1000),
-        )
+
+        return stop
 
     def _devnull(self) -> int:
         """/dev/null for a command without stdin, opened once (the agent gets its own copy)."""
         if self._null < 0:
             self._null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         return self._null
-
-    @staticmethod
-    def _exec_failure(argv: Sequence[str], failed: _Failed, err: Capture) -> int:
-        reason = os.strerror(failed.err) if failed.err else "failed"
-        if failed.what == "execve":
-            code = 127 if failed.err == _errno.ENOENT else 126
-            text = "command not found" if code == 127 else reason
-            err.feed(f"fusion-oci: {argv[0]}: {text}\n".encode())
-            return code
-        what = failed.what
-        if what.startswith("setrlimit "):  # "setrlimit 7": name the limit as the spec does
-            number = what.split(" ", 1)[1]
-            what = "setrlimit " + _RLIMIT_NAMES.get(number, number)
-        raise SandboxSetupError(
-            f"the exec agent could not start {argv[0]!r}",
-            f"{what}: {reason}",
-            "check the working directory, user and rlimits of the command",
-        )
-
-    async def _end(self, run_id: str, run: CommandPipes, grace_s: float) -> None:
-        """SIGTERM the whole tree, SIGKILL after the grace (the keeper does both); wait."""
-        if run.exited.done():
-            return
-        with contextlib.suppress(AgentLostError):
-            await self._send(encode_kill(run_id, signal.SIGTERM, True, int(grace_s * 1000)))
-        try:
-            await asyncio.wait_for(asyncio.shield(run.exited), grace_s + KILL_BACKSTOP_S)
-        except TimeoutError:
-            self._mark_lost(f"run {run_id} outlived its kill by {KILL_BACKSTOP_S:g} s")
-        except (AgentLostError, _Failed):
-            pass
 
     # --- closing -------------------------------------------------------------------------
 

@@ -21,6 +21,12 @@ HELLO = b"H"
 STARTED = b"T"
 FAILED = b"F"
 EXITED = b"X"
+# Over a byte stream only (PROTOCOL.md, "Over a byte stream"): mux.py's frames beside these.
+SPAWN_PIPED = b"P"
+"""A spawn whose stdin the host streams (``D`` frames); ``S`` over a stream means /dev/null."""
+DATA = b"D"
+ACK = b"A"
+STDIN, STDOUT, STDERR = b"0", b"1", b"2"
 
 _HEADER = struct.Struct(">I")
 
@@ -128,25 +134,54 @@ def decode_fields(body: bytes) -> dict[str, str]:
     return out
 
 
-class Decoder:
-    """Splits a byte stream into (type, fields) frames."""
+def encode_data(run_id: str, stream: bytes, data: bytes) -> bytes:
+    """A ``D`` frame: ``id`` NUL, the stream (``0`` stdin, ``1`` stdout, ``2`` stderr), the
+    bytes as they are (none: that stream's end)."""
+    body = b"".join((DATA, run_id.encode(), b"\0", stream, data))
+    return _HEADER.pack(len(body)) + body
+
+
+def decode_data(body: bytes) -> tuple[str, bytes, bytes]:
+    """(run id, stream, bytes) of a ``D`` frame's body (after its type byte)."""
+    end = body.find(b"\0")
+    if end < 0 or end + 1 >= len(body):
+        raise ProtocolError(f"a data frame without id or stream: {body[:40]!r}")
+    # One copy of the bytes (slices of bytes are copies): this runs per chunk of output.
+    return body[:end].decode("utf-8", "surrogateescape"), body[end + 1 : end + 2], body[end + 2 :]
+
+
+class Framer:
+    """Splits a byte stream into (type, body) frames, the body still raw (a ``D`` frame's
+    bytes are not fields)."""
 
     def __init__(self) -> None:
         self._buf = bytearray()
 
-    def feed(self, data: bytes) -> list[tuple[bytes, dict[str, str]]]:
-        self._buf += data
-        frames: list[tuple[bytes, dict[str, str]]] = []
-        while len(self._buf) >= 4:
-            (size,) = _HEADER.unpack_from(self._buf)
+    def feed(self, data: bytes) -> list[tuple[bytes, bytes]]:
+        buf = self._buf
+        buf += data
+        frames: list[tuple[bytes, bytes]] = []
+        at = 0
+        while len(buf) - at >= 4:
+            (size,) = _HEADER.unpack_from(buf, at)
             if size == 0 or size > MAX_FRAME:
                 raise ProtocolError(f"bad frame length {size}")
-            if len(self._buf) < 4 + size:
+            if len(buf) - at < 4 + size:
                 break
-            frame = bytes(self._buf[4 : 4 + size])
-            del self._buf[: 4 + size]
-            frames.append((frame[:1], decode_fields(frame[1:])))
+            frames.append((bytes(buf[at + 4 : at + 5]), bytes(buf[at + 5 : at + 4 + size])))
+            at += 4 + size
+        del buf[:at]  # once per feed, not per frame: many small frames in one read stay cheap
         return frames
+
+
+class Decoder:
+    """Splits a byte stream into (type, fields) frames."""
+
+    def __init__(self) -> None:
+        self._framer = Framer()
+
+    def feed(self, data: bytes) -> list[tuple[bytes, dict[str, str]]]:
+        return [(kind, decode_fields(body)) for kind, body in self._framer.feed(data)]
 
 
 def parse_exec_status(text: str) -> tuple[int | None, str | None] | None:

@@ -16,12 +16,15 @@ from pathlib import Path
 import pytest
 
 from fusion_oci.agent.client import Agent, agent_binary, listen_socket
+from fusion_oci.agent.streamed import MUX, StreamedAgent
 from fusion_oci.errors import AgentLostError, SandboxSetupError
 from tests.hostside import pids_with
 
 pytestmark = pytest.mark.native
 
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C"}
+MUX_ARGV = ["python3", "-S", "-E", "-s", str(MUX), "--agent", str(agent_binary())]
+"""The far end as a pod's exec starts it: the system's python3, no site, no environment."""
 
 
 def marker(tag: str) -> str:
@@ -67,14 +70,21 @@ def gone(tag: str, within_s: float = 5.0) -> bool:
     return pids_with(tag) == []
 
 
-@pytest.fixture
-async def agent() -> AsyncIterator[Agent]:
-    a = await Agent.start_local()
+@pytest.fixture(params=["local", "streamed"])
+async def agent(request: pytest.FixtureRequest) -> AsyncIterator[Agent | StreamedAgent]:
+    """The agent over each transport: a socket with the pipes passed, and a byte stream (the
+    mux on a subprocess's stdin/stdout, exactly what a pod's exec gives)."""
+    a: Agent | StreamedAgent
+    if request.param == "local":
+        a = await Agent.start_local()
+    else:
+        a = await StreamedAgent.start(MUX_ARGV)
     try:
         yield a
     finally:
         await a.close()
     assert a.peer_pid is not None and not alive(a.peer_pid)
+    assert a.agent_pid is not None and not alive(a.agent_pid)
 
 
 def sh(script: str) -> list[str]:
@@ -84,7 +94,7 @@ def sh(script: str) -> list[str]:
 # --- what a command gets ---------------------------------------------------------------------
 
 
-async def test_exit_status_stdout_stderr(agent: Agent) -> None:
+async def test_exit_status_stdout_stderr(agent: Agent | StreamedAgent) -> None:
     r = await agent.run(sh("echo out; echo err >&2; exit 7"), env=ENV)
     assert (r.stdout, r.stderr, r.returncode, r.signal, r.timed_out, r.truncated) == (
         b"out\n",
@@ -98,7 +108,7 @@ async def test_exit_status_stdout_stderr(agent: Agent) -> None:
     assert (await agent.run(sh("exit 255"), env=ENV)).returncode == 255
 
 
-async def test_death_by_sigint_is_not_exit_130(agent: Agent) -> None:
+async def test_death_by_sigint_is_not_exit_130(agent: Agent | StreamedAgent) -> None:
     died = await agent.run(sh("kill -INT $$"), env=ENV)
     exited = await agent.run(sh("exit 130"), env=ENV)
     assert (died.returncode, died.signal) == (None, "SIGINT")
@@ -107,7 +117,9 @@ async def test_death_by_sigint_is_not_exit_130(agent: Agent) -> None:
     assert segv.signal == "SIGSEGV"
 
 
-async def test_not_found_is_127_and_not_executable_is_126(agent: Agent, tmp_path: Path) -> None:
+async def test_not_found_is_127_and_not_executable_is_126(
+    agent: Agent | StreamedAgent, tmp_path: Path
+) -> None:
     r = await agent.run(["no-such-command-xyz"], env=ENV)
     assert r.returncode == 127
     assert r.stderr == b"fusion-oci: no-such-command-xyz: command not found\n"
@@ -126,14 +138,16 @@ async def test_not_found_is_127_and_not_executable_is_126(agent: Agent, tmp_path
     assert r.stdout == b"found\n"
 
 
-async def test_a_bad_cwd_is_a_setup_error_that_names_it(agent: Agent, tmp_path: Path) -> None:
+async def test_a_bad_cwd_is_a_setup_error_that_names_it(
+    agent: Agent | StreamedAgent, tmp_path: Path
+) -> None:
     with pytest.raises(SandboxSetupError) as info:
         await agent.run(["true"], env=ENV, cwd=str(tmp_path / "missing"))
     assert "chdir" in info.value.why
     assert (await agent.run(["true"], env=ENV)).returncode == 0  # the agent is still fine
 
 
-async def test_stdin_dev_null_bytes_and_stream(agent: Agent) -> None:
+async def test_stdin_dev_null_bytes_and_stream(agent: Agent | StreamedAgent) -> None:
     assert (await agent.run(sh("cat; echo done"), env=ENV)).stdout == b"done\n"
     assert (await agent.run(["cat"], env=ENV, stdin=b"fed")).stdout == b"fed"
     big = os.urandom(1 << 20)  # more than a pipe holds: written as the command reads
@@ -147,14 +161,16 @@ async def test_stdin_dev_null_bytes_and_stream(agent: Agent) -> None:
     assert (await agent.run(["cat"], env=ENV, stdin=chunks())).stdout == b"a\nb\nc\n"
 
 
-async def test_env_is_exactly_the_given_one_and_cwd_umask(agent: Agent, tmp_path: Path) -> None:
+async def test_env_is_exactly_the_given_one_and_cwd_umask(
+    agent: Agent | StreamedAgent, tmp_path: Path
+) -> None:
     r = await agent.run(["/usr/bin/env"], env={"ONLY": "this", "PATH": "/bin"})
     assert sorted(r.stdout.decode().splitlines()) == ["ONLY=this", "PATH=/bin"]
     r = await agent.run(sh("pwd; umask"), env=ENV, cwd=str(tmp_path), umask=0o027)
     assert r.stdout.decode().splitlines() == [str(tmp_path), "0027"]
 
 
-async def test_rlimits_apply_to_the_command(agent: Agent) -> None:
+async def test_rlimits_apply_to_the_command(agent: Agent | StreamedAgent) -> None:
     r = await agent.run(
         sh("ulimit -t; ulimit -f; ulimit -n"),
         env=ENV,
@@ -167,7 +183,7 @@ async def test_rlimits_apply_to_the_command(agent: Agent) -> None:
     assert r.signal in ("SIGXCPU", "SIGKILL")
 
 
-async def test_the_command_holds_nothing_of_the_agent(agent: Agent) -> None:
+async def test_the_command_holds_nothing_of_the_agent(agent: Agent | StreamedAgent) -> None:
     """Only its stdin, stdout and stderr: no socket to the agent, no other run's pipe."""
     r = await agent.run(sh("ls /proc/$$/fd"), env=ENV)
     assert sorted(r.stdout.decode().split()) == ["0", "1", "2"]
@@ -189,7 +205,7 @@ def escaping_tree(tag: str) -> list[str]:
     )
 
 
-async def test_timeout_ends_a_setsid_double_forked_tree(agent: Agent) -> None:
+async def test_timeout_ends_a_setsid_double_forked_tree(agent: Agent | StreamedAgent) -> None:
     tag = marker("timeout")
     start = time.monotonic()
     r = await agent.run(escaping_tree(tag), env=ENV, timeout_s=0.5, grace_s=0.5)
@@ -199,7 +215,7 @@ async def test_timeout_ends_a_setsid_double_forked_tree(agent: Agent) -> None:
     assert gone(tag, 1.0)
 
 
-async def test_abort_ends_the_tree(agent: Agent) -> None:
+async def test_abort_ends_the_tree(agent: Agent | StreamedAgent) -> None:
     tag = marker("abort")
     task = asyncio.ensure_future(agent.run(escaping_tree(tag), env=ENV, grace_s=0.5))
     await asyncio.sleep(0.5)
@@ -210,7 +226,7 @@ async def test_abort_ends_the_tree(agent: Agent) -> None:
     assert gone(tag, 1.0)
 
 
-async def test_leftovers_after_a_normal_exit_are_ended(agent: Agent) -> None:
+async def test_leftovers_after_a_normal_exit_are_ended(agent: Agent | StreamedAgent) -> None:
     tag = marker("leftover")
     start = time.monotonic()
     # The daemon keeps stdout open: the run must not wait for it.
@@ -220,14 +236,14 @@ async def test_leftovers_after_a_normal_exit_are_ended(agent: Agent) -> None:
     assert gone(tag, 1.0)
 
 
-async def test_max_buffer_truncates_and_ends_the_tree(agent: Agent) -> None:
+async def test_max_buffer_truncates_and_ends_the_tree(agent: Agent | StreamedAgent) -> None:
     r = await agent.run(["yes", "fusion"], env=ENV, max_buffer=4096, timeout_s=20)
     assert r.truncated and not r.timed_out
     assert len(r.stdout) == 4096 and r.stdout.startswith(b"fusion\nfusion\n")
     assert r.signal in ("SIGTERM", "SIGPIPE")
 
 
-async def test_output_streams_as_it_comes(agent: Agent) -> None:
+async def test_output_streams_as_it_comes(agent: Agent | StreamedAgent) -> None:
     seen: list[tuple[str, bytes]] = []
     r = await agent.run(
         sh("echo one; sleep 0.2; echo two >&2"),
@@ -242,7 +258,7 @@ async def test_output_streams_as_it_comes(agent: Agent) -> None:
     assert r.timed_out and r.stdout == b"" and not r.truncated
 
 
-async def test_twenty_concurrent_runs_each_get_their_own(agent: Agent) -> None:
+async def test_twenty_concurrent_runs_each_get_their_own(agent: Agent | StreamedAgent) -> None:
     runs = [agent.run(sh(f"sleep 0.3; echo {i}; exit {i}"), env=ENV) for i in range(20)]
     start = time.monotonic()
     results = await asyncio.gather(*runs)
@@ -252,7 +268,7 @@ async def test_twenty_concurrent_runs_each_get_their_own(agent: Agent) -> None:
     assert time.monotonic() - start < 5  # concurrent, not one after the other
 
 
-async def test_a_timeout_in_one_run_leaves_the_others_alone(agent: Agent) -> None:
+async def test_a_timeout_in_one_run_leaves_the_others_alone(agent: Agent | StreamedAgent) -> None:
     slow = agent.run(sh("sleep 5"), env=ENV, timeout_s=0.3)
     fine = agent.run(sh("sleep 0.6; echo ok"), env=ENV)
     a, b = await asyncio.gather(slow, fine)
@@ -443,7 +459,7 @@ async def test_dispose_leaves_no_process_of_the_sandbox(worktree: Path) -> None:
     assert gone(tag, 1.0)
 
 
-async def test_large_argv_and_env_cross_many_reads(agent: Agent) -> None:
+async def test_large_argv_and_env_cross_many_reads(agent: Agent | StreamedAgent) -> None:
     """A frame far larger than one read: the fds ride its first bytes, the rest follows."""
     arg = "x" * 100_000
     env = {**ENV, **{f"BIG_{i}": "y" * 10_000 for i in range(50)}}
@@ -523,7 +539,9 @@ async def test_the_reaper_path_stays_for_platforms_without_the_agent(
         await runtime.dispose()
 
 
-async def test_an_output_callback_that_raises_ends_the_run_and_is_raised(agent: Agent) -> None:
+async def test_an_output_callback_that_raises_ends_the_run_and_is_raised(
+    agent: Agent | StreamedAgent,
+) -> None:
     tag = marker("callback")
 
     def boom(name: str, chunk: bytes) -> None:
@@ -564,10 +582,10 @@ async def test_an_agent_that_stops_answering_is_lost_after_the_backstop(
 ) -> None:
     """Connected but silent (hung): the timeout's kill gets no answer; past grace and the
     backstop the run fails as agent-lost instead of waiting forever."""
-    import fusion_oci.agent.client as client
+    import fusion_oci.agent.session as session
     from fusion_oci.agent.protocol import encode
 
-    monkeypatch.setattr(client, "KILL_BACKSTOP_S", 0.3)
+    monkeypatch.setattr(session, "KILL_BACKSTOP_S", 0.3)
     ours, theirs = socket.socketpair()
     a = Agent(ours)
     theirs.sendall(encode(b"H", [("version", "1"), ("pid", "1")]))

@@ -98,6 +98,59 @@ def test_non_utf8_survives_the_round_trip() -> None:
     assert os.fsencode(fields["what"]) == b"caf\xe9"
 
 
+# --- over a byte stream (mux.py) -----------------------------------------------------------
+
+
+def test_data_frame_bytes_and_round_trip() -> None:
+    from fusion_oci.agent.protocol import STDOUT, decode_data, encode_data
+
+    frame = encode_data("12", STDOUT, b"\0\xffraw")
+    body = b"D12\x001\x00\xffraw"
+    assert frame == len(body).to_bytes(4, "big") + body
+    assert decode_data(body[1:]) == ("12", b"1", b"\0\xffraw")
+    assert decode_data(b"3\x000") == ("3", b"0", b"")  # an empty D: the stream's end
+    with pytest.raises(ProtocolError):
+        decode_data(b"no-separator")
+
+
+def test_framer_keeps_bodies_raw_and_splits_any_feed() -> None:
+    from fusion_oci.agent.protocol import STDERR, Framer, encode_data
+
+    stream = encode_data("1", STDERR, b"a=b\0c") + encode(b"X", [("id", "1"), ("status", "0")])
+    framer = Framer()
+    frames = [f for i in range(len(stream)) for f in framer.feed(stream[i : i + 1])]
+    assert frames == [(b"D", b"1\x002a=b\x00c"), (b"X", b"id=1\0status=0\0")]
+    assert Framer().feed(stream) == frames
+
+
+def test_the_mux_speaks_the_frame_layout_of_protocol_py() -> None:
+    """mux.py travels alone (no fusion_oci import), so its copy of the layout is checked here."""
+    from fusion_oci.agent import mux, protocol
+
+    assert mux.MAX_FRAME == protocol.MAX_FRAME
+    assert mux.frame(b"D", b"1\x001x") == protocol.encode_data("1", protocol.STDOUT, b"x")
+    assert mux.first_field(b"id=7\0bytes=9\0", b"bytes") == b"9"
+    assert mux.first_field(b"id=7\0", b"closed") == b""
+
+
+def test_mux_argv_is_how_a_pod_exec_starts_the_far_end() -> None:
+    from fusion_oci.agent.streamed import MUX, mux_argv
+
+    argv = mux_argv("/run/fusion-oci/agent", ["--egress", "/run/fusion-oci/egress.sock"])
+    assert argv == [
+        "python3",
+        "-S",
+        "-E",
+        "-s",
+        str(MUX),
+        "--agent",
+        "/run/fusion-oci/agent",
+        "--egress",
+        "/run/fusion-oci/egress.sock",
+    ]
+    assert MUX.name == "mux.py" and MUX.is_file()
+
+
 # --- the native runtime's plan -------------------------------------------------------------
 
 LAYOUT = TaskLayout("/work/wt/task-1", None, (), None)

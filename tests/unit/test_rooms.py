@@ -366,6 +366,7 @@ IN_THE_SANDBOX = {
     # Stdlib-only scripts that run inside the task's image (where fusion_oci is not
     # installed), never on the host: they cannot use process.py, and import nothing of ours.
     "fusion_oci.runtimes.kubernetes.sync.remote",
+    "fusion_oci.agent.mux",
 }
 
 

@@ -1,0 +1,276 @@
+"""The exec agent over a byte stream (fusion_oci/agent/mux.py and streamed.py), run for real:
+what the socket transport cannot show (flow control both ways, the stream cut, the far end
+killed). The run contract itself is tests/integration/test_agent.py, over both transports."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from fusion_oci.agent.bytestream import PipeStream
+from fusion_oci.agent.streamed import MUX, StreamedAgent, mux_argv
+from fusion_oci.errors import AgentLostError, SandboxSetupError
+from tests.hostside import pids_with
+from tests.integration.test_agent import ENV, MUX_ARGV, alive, appears, gone, marker, sh
+
+pytestmark = pytest.mark.native
+
+MB = 1 << 20
+MUX_MEMORY_BOUND = 40 * MB
+"""The mux's peak RSS while 50 MB cross it: a Python at rest is ~10 MB, the windows a few MB;
+without flow control the 50 MB would pile up in it."""
+
+
+def ends(pid: int, within_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not alive(pid)
+
+
+def peak_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmHWM for {pid}")
+
+
+@pytest.fixture
+async def streamed() -> AsyncIterator[StreamedAgent]:
+    a = await StreamedAgent.start(MUX_ARGV)
+    try:
+        yield a
+    finally:
+        await a.close()
+    assert a.peer_pid is not None and not alive(a.peer_pid)
+    assert a.agent_pid is not None and not alive(a.agent_pid)
+
+
+async def test_fifty_mb_of_output_to_a_slow_reader_stays_bounded_in_the_mux(
+    streamed: StreamedAgent,
+) -> None:
+    got = 0
+
+    async def slow(name: str, chunk: bytes) -> None:
+        nonlocal got
+        got += len(chunk)
+        await asyncio.sleep(0.002)  # a consumer behind the command: the mux must wait for it
+
+    r = await streamed.run(
+        ["head", "-c", str(50 * MB), "/dev/zero"],
+        env=ENV,
+        on_output=slow,
+        keep_output=False,
+        timeout_s=120,
+    )
+    assert (r.returncode, got) == (0, 50 * MB)  # all of it, before X
+    assert streamed.peer_pid is not None
+    assert peak_rss(streamed.peer_pid) < MUX_MEMORY_BOUND
+
+
+async def test_output_is_complete_when_the_run_ends(streamed: StreamedAgent) -> None:
+    """X goes out after the run's last data frame: every byte, in order, also with a
+    consumer that keeps the mux waiting."""
+    payload = os.urandom(3 * MB)
+    seen = bytearray()
+
+    async def slow(name: str, chunk: bytes) -> None:
+        seen.extend(chunk)
+        await asyncio.sleep(0)
+
+    r = await streamed.run(["cat"], env=ENV, stdin=payload, on_output=slow)
+    assert (r.returncode, r.stdout, bytes(seen)) == (0, payload, payload)
+
+
+async def test_fifty_mb_of_stdin_is_sent_within_the_window(streamed: StreamedAgent) -> None:
+    sent = 0
+
+    async def source() -> AsyncIterator[bytes]:
+        nonlocal sent
+        chunk = b"\0" * (64 << 10)
+        while sent < 50 * MB:
+            sent += len(chunk)
+            yield chunk
+
+    # The command reads nothing for a second: only the window (and a pipe) may cross.
+    task = asyncio.ensure_future(
+        streamed.run(sh("sleep 1; cat >/dev/null; echo done"), env=ENV, stdin=source())
+    )
+    await asyncio.sleep(0.7)
+    assert sent <= 2 * MB + (64 << 10)
+    r = await asyncio.wait_for(task, 60)
+    assert (r.returncode, r.stdout, sent) == (0, b"done\n", 50 * MB)
+    assert streamed.peer_pid is not None
+    assert peak_rss(streamed.peer_pid) < MUX_MEMORY_BOUND
+
+
+async def test_a_command_that_closes_its_stdin_stops_the_sender(streamed: StreamedAgent) -> None:
+    r = await asyncio.wait_for(
+        streamed.run(sh("exec 0<&-; sleep 0.2; echo closed"), env=ENV, stdin=os.urandom(20 * MB)),
+        20,
+    )
+    assert (r.returncode, r.stdout) == (0, b"closed\n")
+    r = await streamed.run(["head", "-c", "5"], env=ENV, stdin=b"x" * (8 * MB))
+    assert (r.returncode, r.stdout) == (0, b"xxxxx")
+
+
+async def test_a_stalled_consumer_holds_up_only_its_own_run(streamed: StreamedAgent) -> None:
+    release = asyncio.Event()
+
+    async def stalled(name: str, chunk: bytes) -> None:
+        await release.wait()
+
+    blocked = asyncio.ensure_future(
+        streamed.run(["head", "-c", str(5 * MB), "/dev/zero"], env=ENV, on_output=stalled)
+    )
+    await asyncio.sleep(0.3)
+    start = time.monotonic()
+    r = await asyncio.wait_for(streamed.run(sh("echo free"), env=ENV), 5)
+    assert r.stdout == b"free\n" and time.monotonic() - start < 1
+    assert not blocked.done()
+    release.set()
+    done = await asyncio.wait_for(blocked, 30)
+    assert (done.returncode, done.stdout, done.truncated) == (0, b"\0" * 5 * MB, False)
+
+
+async def test_truncation_at_max_buffer_over_the_stream(streamed: StreamedAgent) -> None:
+    r = await streamed.run(["head", "-c", str(8 * MB), "/dev/zero"], env=ENV, max_buffer=MB)
+    assert r.truncated and len(r.stdout) == MB
+    assert r.returncode == 0 or r.signal in ("SIGTERM", "SIGPIPE")
+
+
+async def test_the_stream_cut_mid_run_is_a_lost_agent_and_the_tree_goes() -> None:
+    """The stream is a socket here (as a websocket would be, not a pipe): cut both ways, the
+    run fails as agent-lost, and the far end ends the command's whole tree."""
+    tag = marker("cut")
+    ours, theirs = socket.socketpair()
+    mux = await asyncio.create_subprocess_exec(
+        *MUX_ARGV, stdin=theirs.fileno(), stdout=theirs.fileno(), start_new_session=True
+    )
+    theirs.close()
+    try:
+        reader, writer = await asyncio.open_unix_connection(sock=ours)
+        a = await StreamedAgent.over(PipeStream(reader, writer), timeout_s=10)
+        task = asyncio.ensure_future(a.run(sh(f"sh -c 'sleep 1000; :' {tag}"), env=ENV))
+        assert await asyncio.to_thread(appears, tag)
+        ours.shutdown(socket.SHUT_RDWR)
+        with pytest.raises(AgentLostError) as info:
+            await asyncio.wait_for(task, 10)
+        assert info.value.kind == "agent-lost"
+        with pytest.raises(AgentLostError):
+            await a.run(["true"], env=ENV)
+        assert await asyncio.to_thread(gone, tag, 5.0)
+        assert await asyncio.wait_for(mux.wait(), 10) == 0
+        assert a.agent_pid is not None and not alive(a.agent_pid)
+        await a.close()
+    finally:
+        if mux.returncode is None:
+            mux.kill()
+            await mux.wait()
+
+
+async def test_the_mux_killed_is_a_lost_agent_and_the_tree_goes() -> None:
+    tag = marker("muxkill")
+    a = await StreamedAgent.start(MUX_ARGV)
+    assert a.peer_pid is not None and a.agent_pid is not None
+    task = asyncio.ensure_future(a.run(sh(f"sh -c 'sleep 1000; :' {tag}"), env=ENV))
+    await asyncio.sleep(0.4)
+    assert pids_with(tag)
+    os.kill(a.peer_pid, signal.SIGKILL)
+    with pytest.raises(AgentLostError):
+        await asyncio.wait_for(task, 10)
+    await asyncio.wait_for(a.close(), 10)
+    assert await asyncio.to_thread(gone, tag, 5.0)  # the agent saw its socket close
+    assert await asyncio.to_thread(ends, a.agent_pid)
+
+
+async def test_a_far_end_that_cannot_start_is_a_setup_error_with_its_reason(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(SandboxSetupError) as info:
+        await StreamedAgent.start(mux_argv(tmp_path / "no-agent", python="python3"))
+    assert "no-agent" in info.value.why  # the mux's traceback tail, from its stderr
+    with pytest.raises(SandboxSetupError):
+        await StreamedAgent.start([str(tmp_path / "no-such-program")])
+
+
+async def test_closing_the_stream_ends_running_trees() -> None:
+    tag = marker("close")
+    a = await StreamedAgent.start(MUX_ARGV)
+    task = asyncio.ensure_future(a.run(sh(f"sh -c 'sleep 1000; :' {tag}"), env=ENV))
+    await asyncio.sleep(0.4)
+    await asyncio.wait_for(a.close(), 20)
+    with pytest.raises(AgentLostError):
+        await task
+    assert await asyncio.to_thread(gone, tag, 3.0)
+    assert a.agent_pid is not None and not alive(a.agent_pid)
+
+
+def test_the_mux_is_not_dumpable() -> None:
+    """As the agent: a command of the mux's uid can neither ptrace it nor open its stream."""
+    probe = (
+        f"import sys, ctypes; sys.path.insert(0, {str(MUX.parent)!r}); import mux; "
+        "print(mux.undumpable(), ctypes.CDLL(None).prctl(3, 0, 0, 0, 0))"  # PR_GET_DUMPABLE
+    )
+    out = subprocess.run(
+        ["python3", "-S", "-E", "-s", "-c", probe], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split() == ["True", "0"], out
+
+
+class _ScriptedStream:
+    """A ByteStream of another kind (as a websocket is): it says hello, then fails with an
+    error of its own, not an OSError."""
+
+    def __init__(self, hello: bytes) -> None:
+        self.incoming: asyncio.Queue[bytes | BaseException] = asyncio.Queue()
+        self.incoming.put_nowait(hello)
+        self.written: list[bytes] = []
+
+    async def read(self, n: int) -> bytes:
+        item = await self.incoming.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+    def describe(self) -> str:
+        return "a scripted stream"
+
+    async def close(self) -> None:
+        return None
+
+
+async def test_a_stream_failing_its_own_way_is_a_lost_agent_not_a_hang() -> None:
+    from fusion_oci.agent.protocol import encode
+
+    stream = _ScriptedStream(encode(b"H", [("version", "1"), ("pid", "9"), ("window", "65536")]))
+    a = await StreamedAgent.over(stream, timeout_s=5)
+    assert a.agent_pid == 9
+    task = asyncio.ensure_future(a.run(["true"], env=ENV))
+    await asyncio.sleep(0.05)
+    assert stream.written and stream.written[0][4:5] == b"S"  # the spawn went out
+    stream.incoming.put_nowait(RuntimeError("websocket: close 1006 (abnormal closure)"))
+    with pytest.raises(AgentLostError) as info:
+        await asyncio.wait_for(task, 5)
+    assert "1006" in info.value.why
+    await a.close()
+
+
+async def test_a_far_end_that_is_not_the_mux_is_refused() -> None:
+    from fusion_oci.agent.protocol import encode
+
+    stream = _ScriptedStream(encode(b"H", [("version", "1"), ("pid", "1")]))  # an agent's own
+    with pytest.raises(SandboxSetupError) as info:
+        await StreamedAgent.over(stream, timeout_s=5)
+    assert "not mux.py" in info.value.what
