@@ -69,8 +69,10 @@ from fusion_oci.runtimes.requirements import Requirement
 from fusion_oci.runtimes.skeleton import SpecRuntime
 
 if TYPE_CHECKING:
+    from fusion_oci.agent.streamed import StreamedAgent
     from fusion_oci.oci.model import ProcessSpec, TaskSpec
     from fusion_oci.resolve import ResolvedTask
+    from fusion_oci.runtimes.kubernetes.execstream import ExecStream
     from fusion_oci.runtimes.kubernetes.sync import WorktreeSync
 
 POLICY_TTL_S = 24 * 3600.0
@@ -114,10 +116,10 @@ class KubernetesRuntime(SpecRuntime):
         self._namespace = ""
         self._objects: TaskObjects | None = None
         self._made: list[dict[str, Any]] = []
-        self._agent: Any = None
-        self._agent_stream: Any = None
+        self._agent: StreamedAgent | None = None
+        self._agent_stream: ExecStream | None = None
         self._sync: WorktreeSync | None = None
-        self._sync_stream: Any = None
+        self._sync_stream: ExecStream | None = None
         self._pod = ""
         self._image = ""
         self._oom_seen = 0
@@ -306,7 +308,6 @@ class KubernetesRuntime(SpecRuntime):
 
     async def _open_streams(self, task: ResolvedTask, tools: Tools) -> None:
         from fusion_oci.agent.streamed import StreamedAgent
-        from fusion_oci.runtimes.kubernetes.agentpipe import AgentPipe
         from fusion_oci.runtimes.kubernetes.execstream import PodExec
         from fusion_oci.runtimes.kubernetes.sync import WorktreeSync, remote_argv
 
@@ -314,8 +315,8 @@ class KubernetesRuntime(SpecRuntime):
         assert self.layout is not None
         pods = PodExec(access, self.kube.request_timeout_s)
         stream = await pods.open(self._namespace, self._pod, MUX_ARGV, container="task")
-        self._agent_stream = AgentPipe(stream)
-        self._agent = await StreamedAgent.over(self._agent_stream, timeout_s=30.0)
+        self._agent_stream = stream
+        self._agent = await StreamedAgent.over(stream, timeout_s=30.0)
         worktree = self.layout.worktree
         self._sync_stream = await pods.open(
             self._namespace, self._pod, remote_argv(worktree, by_path=path(REMOTE)),
