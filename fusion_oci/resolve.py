@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 
 from fusion_oci.models import CacheMode, NetworkMode, PrepareContext, RunOptions
 from fusion_oci.oci.host import HostInfo
-from fusion_oci.oci.model import ProcessSpec, Rlimit, TaskSpec, User, config_json
-from fusion_oci.oci.spec import Spec, compile_process, compile_task, process_rlimits
+from fusion_oci.oci.model import ConfigSpec, ProcessSpec, Rlimit, TaskSpec, User
+from fusion_oci.oci.spec import compile_process, compile_task, process_rlimits
 from fusion_oci.policy.layout import TaskLayout, resolve_ca, resolve_layout
 from fusion_oci.policy.settings import SandboxSettings
 
@@ -63,12 +63,9 @@ class ResolvedTask:
         """The rlimits every command of the task runs under (the policy's, clamped to the
         host's hard limits): with :attr:`spec`, all that the task asks a runtime to enforce."""
         cpu = self.ctx.policy.cpu_limit
-        return [
-            Rlimit.model_validate(r)
-            for r in process_rlimits(
-                self.host, cpu.max_ms if cpu else None, self.ctx.policy.file_size_limit_mb
-            )
-        ]
+        return process_rlimits(
+            self.host, cpu.max_ms if cpu else None, self.ctx.policy.file_size_limit_mb
+        )
 
     @property
     def user(self) -> User:
@@ -170,7 +167,9 @@ def resolve(
     return ResolvedTask(ctx=resolved_ctx, layout=layout, host=host, env=dict(env))
 
 
-def compile_spec(resolved: ResolvedTask, command: str | Sequence[str], opts: RunOptions) -> Spec:
-    """The whole ``config.json`` of one command of a resolved task (a bundle, ``fusion-oci
-    plan``): its task spec and the command's process. Pure."""
-    return config_json(resolved.spec, resolved.process(command, opts))
+def compile_spec(
+    resolved: ResolvedTask, command: str | Sequence[str], opts: RunOptions
+) -> ConfigSpec:
+    """The whole config of one command of a resolved task (a bundle, ``fusion-oci plan``): its
+    task spec and the command's process (``.to_oci()``: the ``config.json``). Pure."""
+    return ConfigSpec(resolved.spec, resolved.process(command, opts))

@@ -58,7 +58,6 @@ from fusion_oci.models import (
 )
 from fusion_oci.oci.host import HostInfo, probe_host
 from fusion_oci.oci.model import config_json
-from fusion_oci.oci.spec import Spec
 from fusion_oci.policy.gitlinks import QUARANTINE_DIR, GitGuard
 from fusion_oci.policy.layout import task_project
 from fusion_oci.policy.settings import SandboxSettings
@@ -434,13 +433,16 @@ class Sandbox:
             unenforced=self.unenforced,
         )
 
-    def spec_for(self, command: str | Sequence[str], opts: RunOptions | None = None) -> Spec:
-        """The spec :meth:`run` would launch for ``command`` (the one compile step)."""
+    def spec_for(
+        self, command: str | Sequence[str], opts: RunOptions | None = None
+    ) -> dict[str, Any]:
+        """The ``config.json`` :meth:`run` would launch for ``command`` (the one compile
+        step)."""
         if self.task is None:
             raise SandboxSetupError(
                 "sandbox was not prepared", "run() came before prepare()", "call prepare(ctx) first"
             )
-        return compile_spec(self.task, command, opts or RunOptions())
+        return compile_spec(self.task, command, opts or RunOptions()).to_oci()
 
     async def run(self, command: str | Sequence[str], opts: RunOptions | None = None) -> RunResult:
         if self.runtime is None or self.ctx is None or self.task is None:

@@ -27,8 +27,8 @@ from fusion_oci.models import (
     SandboxCapabilities,
     SandboxPolicy,
 )
+from fusion_oci.oci.environment import allowed_env
 from fusion_oci.oci.model import ProcessSpec
-from fusion_oci.oci.spec import allowed_env
 from fusion_oci.runtimes.hostproc import HostProcessRuntime
 from fusion_oci.runtimes.plans import AgentPlan, ArgvPlan, Plan, own_plan, spawn_of
 from fusion_oci.runtimes.protocol import Availability

@@ -20,13 +20,12 @@ from fusion_oci.models import (
 )
 from fusion_oci.oci import model as model_module
 from fusion_oci.oci.model import ANN_CACHE_MODE, ANN_NETWORK, ProcessSpec, TaskSpec, split
-from fusion_oci.oci.spec import compile_spec
 from fusion_oci.policy.layout import TaskLayout
 from fusion_oci.policy.settings import SandboxSettings
 from fusion_oci.resolve import ResolvedTask, resolve_ca_bundle, resolve_image
 from fusion_oci.runtimes.requirements import Requirement, task_requirements
 from tests.golden import GOLDEN_HOST
-from tests.tasks import resolved
+from tests.tasks import config_for, resolved
 
 DOCS = Path(__file__).parent.parent.parent / "docs" / "spec-annotations.md"
 LAYOUT = TaskLayout("/srv/wt", None, (), None)
@@ -80,7 +79,7 @@ def test_the_two_typed_halves_are_the_whole_schema_valid_config(
 ) -> None:
     t = task(POLICIES[name])
     process = t.process(["make", "-j2"], RunOptions(cwd="sub"))
-    config = compile_spec(
+    config = config_for(
         ctx(POLICIES[name]), LAYOUT, GOLDEN_HOST, ["make", "-j2"], RunOptions(cwd="sub"), {}
     )
     oci_validator.validate(config)
@@ -91,7 +90,7 @@ def test_the_two_typed_halves_are_the_whole_schema_valid_config(
 
 
 def test_a_misspelt_or_mistyped_field_is_refused() -> None:
-    config = compile_spec(ctx(SandboxPolicy()), LAYOUT, GOLDEN_HOST, "true", RunOptions(), {})
+    config = config_for(ctx(SandboxPolicy()), LAYOUT, GOLDEN_HOST, "true", RunOptions(), {})
     with pytest.raises(ValidationError, match="noNewPrivilege"):
         ProcessSpec.model_validate({**config["process"], "noNewPrivilege": True})
     with pytest.raises(ValidationError, match="mounts"):

@@ -168,10 +168,10 @@ def test_what_a_filter_cannot_say_is_refused() -> None:
 def test_profile_in_every_bundle_is_schema_valid(oci_validator: Any) -> None:
     from fusion_oci.models import PrepareContext, RunOptions
     from fusion_oci.oci.host import HostInfo
-    from fusion_oci.oci.spec import compile_spec
     from fusion_oci.policy.layout import TaskLayout
+    from tests.tasks import config_for
 
-    spec = compile_spec(
+    spec = config_for(
         PrepareContext(task_id="t", run_id="r", worktree_path="/w"),
         TaskLayout("/w", None, (), None),
         HostInfo(),

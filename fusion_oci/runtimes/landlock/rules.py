@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 from fusion_oci.errors import SandboxSetupError
 from fusion_oci.models import NetworkMode
+from fusion_oci.oci.environment import SANDBOX_HOME
 from fusion_oci.oci.model import TaskSpec
 from fusion_oci.oci.seccomp import compile_bpf
-from fusion_oci.oci.spec import SANDBOX_HOME
 from fusion_oci.runtimes.requirements import Requirement
 
 if TYPE_CHECKING:
