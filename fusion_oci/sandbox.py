@@ -171,8 +171,16 @@ class Sandbox:
         if missing:
             raise PolicyNotEnforceableError(runtime.id, missing)
 
-    def _resolve(self, runtime: Runtime, ctx: PrepareContext, *, create: bool) -> ResolvedTask:
-        """The one resolve step, for the chosen runtime's default image."""
+    def _resolve(
+        self,
+        runtime: Runtime,
+        ctx: PrepareContext,
+        *,
+        create: bool,
+        checked: ResolvedTask | None = None,
+    ) -> ResolvedTask:
+        """The one resolve step, for the chosen runtime's default image (``checked``: the
+        dry resolve the check read, whose spec is kept where nothing changed)."""
         assert self.host is not None
         return resolve(
             self.settings,
@@ -182,6 +190,7 @@ class Sandbox:
             cache_root=self.cache_root or default_cache_root(self.env),
             default_image=runtime.default_image,
             create=create,
+            checked=checked,
         )
 
     async def _start(self, backend: str, ctx: PrepareContext) -> Runtime:
@@ -195,8 +204,9 @@ class Sandbox:
                 raise RuntimeUnavailableError(runtime.id, availability.reason, availability.hint)
             # Before anything is made (a cache folder, an image provisioned): what the task
             # spec asks for, resolved without creating anything.
-            self._check(runtime, self._resolve(runtime, ctx, create=False))
-            resolved = self._resolve(runtime, ctx, create=True)
+            checked = self._resolve(runtime, ctx, create=False)
+            self._check(runtime, checked)
+            resolved = self._resolve(runtime, ctx, create=True, checked=checked)
             if self.settings.credentials or resolved.network is NetworkMode.FILTERED:
                 # Before a token or the task's CA key is in this process: no core of it, no
                 # /proc/PID/mem of it for the caller's other processes (issue #31).
