@@ -25,7 +25,7 @@ EXITED = b"X"
 _HEADER = struct.Struct(">I")
 
 # Egress in a ``network: filtered`` sandbox (PROTOCOL.md, "The egress forwarder"): the same
-# paths in every runtime's sandbox, so the proxy environment is one pure thing (oci/spec.py).
+# paths in every runtime's sandbox, so the proxy environment is one pure thing (oci/environment.py).
 EGRESS_DIR = "/run/fusion-oci"
 EGRESS_SOCKET = EGRESS_DIR + "/egress.sock"
 """The host's egress proxy socket, bound into the sandbox (agent.c's EGRESS_SOCKET)."""

@@ -426,7 +426,7 @@ def landlock_env(env: dict[str, str], rules: LandlockRules, agent: str) -> dict[
     from fusion_oci.egress import proxy_env
 
     out = {**env, **proxy_env("127.0.0.1", rules.proxy_port or 0, agent=agent)}
-    for key in ("NO_PROXY", "no_proxy"):  # the granted services' addresses (oci/spec.py)
+    for key in ("NO_PROXY", "no_proxy"):  # the granted services' addresses (oci/environment.py)
         if env.get(key):
             out[key] = env[key]
     return out
