@@ -32,10 +32,11 @@ from benchmarks.common import median_ms, run_argv
 from fusion_oci.models import NetworkMode, PrepareContext, RunOptions, SandboxPolicy
 from fusion_oci.oci.bundle import write_bundle
 from fusion_oci.oci.host import probe_host
-from fusion_oci.oci.spec import Spec, compile_spec
+from fusion_oci.oci.model import ConfigSpec
 from fusion_oci.policy.layout import resolve_layout
 from fusion_oci.policy.settings import SandboxSettings
-from fusion_oci.runtimes.oci import OciRuntime, runtime_flags
+from fusion_oci.resolve import ResolvedTask, compile_spec
+from fusion_oci.runtimes.oci import OciRuntime, bundle_spec, runtime_flags
 from fusion_oci.sandbox import SyncSandbox
 
 
@@ -53,17 +54,16 @@ def sandbox_case(
         return median_ms(lambda: sb.run("true", RunOptions()), runs)
 
 
-def raw_spec(runtime: str, wt: str, tmp: Path, command: str) -> Spec:
+def raw_spec(runtime: str, wt: str, tmp: Path, command: str) -> ConfigSpec:
     host = probe_host()
     ctx = PrepareContext(
         task_id="bench", run_id="raw", worktree_path=wt, policy=SandboxPolicy(allow_network=False)
     )
     layout = resolve_layout(ctx, cache_root=tmp / "cache", ca_bundle=host.ca_bundle)
-    spec = compile_spec(ctx, layout, host, command, RunOptions(), dict(os.environ))
+    task = ResolvedTask(ctx=ctx, layout=layout, host=host, env=dict(os.environ))
+    spec = compile_spec(task, command, RunOptions())
     if Path(runtime).name == "runsc":
-        from fusion_oci.oci.seccomp import without_errno_ret
-
-        spec["linux"]["seccomp"] = without_errno_ret(spec["linux"]["seccomp"])
+        spec = bundle_spec(spec, errno_ret=False)  # runsc answers every errno rule with EPERM
     return spec
 
 

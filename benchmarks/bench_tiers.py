@@ -33,9 +33,9 @@ from benchmarks.common import markdown_table, run_argv, write_markdown
 from fusion_oci.models import PrepareContext, RunOptions, SandboxPolicy
 from fusion_oci.oci.bundle import write_bundle
 from fusion_oci.oci.host import probe_host
-from fusion_oci.oci.spec import compile_spec
 from fusion_oci.policy.layout import resolve_layout
 from fusion_oci.policy.settings import SandboxSettings
+from fusion_oci.resolve import ResolvedTask, compile_spec
 from fusion_oci.runtimes.registry import create_runtime
 from fusion_oci.sandbox import SyncSandbox
 
@@ -73,7 +73,8 @@ def raw_runsc(wt: str, tmp: Path) -> Case:
     host = probe_host()
     ctx = PrepareContext(task_id="bench", run_id="raw", worktree_path=wt, policy=NONE)
     layout = resolve_layout(ctx, cache_root=tmp / "cache", ca_bundle=host.ca_bundle)
-    spec = compile_spec(ctx, layout, host, "true", RunOptions(), dict(os.environ))
+    task = ResolvedTask(ctx=ctx, layout=layout, host=host, env=dict(os.environ))
+    spec = compile_spec(task, "true", RunOptions())
     bundle = write_bundle(spec, tmp / "raw-bundle")
     counter = iter(range(10**9))
 

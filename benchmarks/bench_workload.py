@@ -186,7 +186,7 @@ def new_site(base: Path, label: str, rootless: bool) -> Path:
 def host_trust(env: Mapping[str, str]) -> dict[str, str]:
     """The caller's environment, its Node.js trusting the CA this machine needs (its
     TLS-intercepting proxy's, in ``NODE_EXTRA_CA_CERTS``) as the sandboxes trust the host's
-    store: through OpenSSL (fusion_oci/oci/spec.py: ``NODE_OPENSSL_CA``). With the variable,
+    store: through OpenSSL (fusion_oci/oci/environment.py: ``NODE_OPENSSL_CA``). With the variable,
     every Node.js start on the host and under native would pay a parse the sandboxes do not
     (45 ms here), which a host without such a proxy does not pay either. Set for the whole
     benchmark process at its start (the rootless drivers get their own fixed environment)."""

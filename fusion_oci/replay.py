@@ -34,7 +34,6 @@ from fusion_oci.stdin import StdinStream
 if TYPE_CHECKING:
     from fusion_oci.models import PrepareContext
     from fusion_oci.oci.host import HostInfo
-    from fusion_oci.oci.spec import Spec
     from fusion_oci.policy.settings import SandboxSettings
     from fusion_oci.resolve import ResolvedTask
     from fusion_oci.runtimes.protocol import Runtime
@@ -103,7 +102,7 @@ def record_path(project_dir: Path, digest: str) -> Path:
     return project_dir / ".fusion" / REPLAY_DIR / (digest.replace(":", "-") + ".json")
 
 
-def redact_spec(spec: Spec, passed: Sequence[str]) -> dict[str, Any]:
+def redact_spec(spec: dict[str, Any], passed: Sequence[str]) -> dict[str, Any]:
     """The spec with the values of the caller's variables cut and the run id dropped. Pure."""
     from fusion_oci.oci.model import ANN_RUN
 
@@ -133,7 +132,7 @@ def build_record(
     ctx: PrepareContext,
     requested_image: str | None,
     backend: str,
-    spec: Spec,
+    spec: dict[str, Any],
     host: HostInfo,
     command: str | Sequence[str],
     opts: RunOptions,
@@ -141,7 +140,7 @@ def build_record(
     project_dir: Path,
 ) -> ReplayRecord:
     """The record of one command. Pure but for reading ``platform.release()``."""
-    from fusion_oci.oci.spec import allowed_env
+    from fusion_oci.oci.environment import allowed_env
 
     passed = sorted(allowed_env(ctx.policy.env_allowlist, env_source))
     stdin = (
@@ -277,7 +276,7 @@ def output_digest(data: str) -> str:
 async def record_run(
     runtime: Runtime,
     task: ResolvedTask,
-    spec: Spec,
+    spec: dict[str, Any],
     ctx: PrepareContext,
     settings: SandboxSettings,
     command: str | Sequence[str],

@@ -357,8 +357,13 @@ async def replay(
     async with Sandbox(settings, audit=audit, env=env, ask=ask) as sandbox:
         await sandbox.prepare(ctx)
         runtime = sandbox.runtime
-        used_image = getattr(runtime, "image_ref", None) or (
-            ctx.image if settings.backend == "oci" else None
+        task = sandbox.task
+        # The image the task runs on, as its spec says (podman/docker: the provisioned local
+        # reference); the other backends take no image reference.
+        used_image = (
+            task.spec.image
+            if task is not None and settings.backend in (*CONTAINER_BACKENDS, "oci")
+            else None
         )
         for cmd in commands:
             opts = RunOptions(

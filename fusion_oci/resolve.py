@@ -11,15 +11,16 @@ functions, so the bundle one of them shows is the bundle another runs.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from fusion_oci.cachedir import default_cache_root
 from fusion_oci.models import CacheMode, NetworkMode, PrepareContext, RunOptions
 from fusion_oci.oci.host import HostInfo
-from fusion_oci.oci.model import ProcessSpec, Rlimit, TaskSpec, User, config_json
-from fusion_oci.oci.spec import Spec, compile_process, compile_task, process_rlimits
+from fusion_oci.oci.model import ConfigSpec, ProcessSpec, Rlimit, TaskSpec, User
+from fusion_oci.oci.spec import compile_process, compile_task, process_rlimits, with_image
 from fusion_oci.policy.layout import TaskLayout, resolve_ca, resolve_layout
 from fusion_oci.policy.settings import SandboxSettings
 
@@ -53,23 +54,31 @@ class ResolvedTask:
     """The task's published ports (``policy.publishPorts``; bound by the sandbox before the
     runtime's prepare, which binds each port's relay into the sandbox for its agent). None:
     none, or nothing bound them (plan, bundle create)."""
-    spec: TaskSpec = field(init=False, repr=False, compare=False)
-    """The task's sandbox (the OCI config without ``process``), compiled once here."""
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "spec", compile_task(self.ctx, self.layout, self.host))
+    @cached_property
+    def spec(self) -> TaskSpec:
+        """The task's sandbox (the OCI config without ``process``), compiled once, when first
+        read, and carried by every copy that leaves it as it is (:meth:`_keeping`)."""
+        return compile_task(self.ctx, self.layout, self.host)
+
+    def _keeping(self, out: ResolvedTask, spec: TaskSpec | None = None) -> ResolvedTask:
+        """``out`` (a copy of this task) with ``spec``, else this task's spec if it was
+        compiled: a copy that changes nothing the spec is made of does not compile it again."""
+        if spec is None and "spec" in self.__dict__:
+            spec = self.spec
+        if spec is not None:
+            # cached_property keeps its value in the instance's __dict__ (frozen or not).
+            out.__dict__["spec"] = spec
+        return out
 
     @property
     def rlimits(self) -> list[Rlimit]:
         """The rlimits every command of the task runs under (the policy's, clamped to the
         host's hard limits): with :attr:`spec`, all that the task asks a runtime to enforce."""
         cpu = self.ctx.policy.cpu_limit
-        return [
-            Rlimit.model_validate(r)
-            for r in process_rlimits(
-                self.host, cpu.max_ms if cpu else None, self.ctx.policy.file_size_limit_mb
-            )
-        ]
+        return process_rlimits(
+            self.host, cpu.max_ms if cpu else None, self.ctx.policy.file_size_limit_mb
+        )
 
     @property
     def user(self) -> User:
@@ -104,29 +113,29 @@ class ResolvedTask:
 
     def with_egress(self, proxy: EgressProxy | None) -> ResolvedTask:
         """The same task with its egress proxy (the spec is the same: kept, not compiled)."""
-        out = replace(self, egress=proxy)
-        object.__setattr__(out, "spec", self.spec)
-        return out
+        return self._keeping(replace(self, egress=proxy))
 
     def with_services(self, relays: TaskRelays | None) -> ResolvedTask:
         """The same task with its host-service relays (the spec is kept)."""
-        out = replace(self, services=relays)
-        object.__setattr__(out, "spec", self.spec)
-        return out
+        return self._keeping(replace(self, services=relays))
 
     def with_ports(self, ports: TaskPorts | None) -> ResolvedTask:
         """The same task with its published ports (the spec is kept)."""
-        out = replace(self, ports=ports)
-        object.__setattr__(out, "spec", self.spec)
-        return out
+        return self._keeping(replace(self, ports=ports))
 
     def with_layout(self, layout: TaskLayout) -> ResolvedTask:
-        """The same task on another layout (its spec compiled again: mounts and env follow)."""
-        return replace(self, layout=layout)
+        """The same task on another layout (its spec compiled again, where the layout differs:
+        mounts and env follow)."""
+        out = replace(self, layout=layout)
+        return self._keeping(out) if layout == self.layout else out
 
     def with_image(self, image: str | None) -> ResolvedTask:
-        """The same task on another image reference (a provisioned image's local name)."""
-        return replace(self, ctx=self.ctx.model_copy(update={"image": image}))
+        """The same task on another image reference (a provisioned image's local name). From
+        one image to another only the image annotation changes: the spec's op, no compile."""
+        out = replace(self, ctx=self.ctx.model_copy(update={"image": image}))
+        if image and self.ctx.image and "spec" in self.__dict__:
+            return self._keeping(out, with_image(self.spec, image))
+        return out
 
 
 def resolve_image(
@@ -154,9 +163,15 @@ def resolve(
     cache_root: Path,
     default_image: str | None = None,
     create: bool = True,
+    checked: ResolvedTask | None = None,
 ) -> ResolvedTask:
     """Resolve a task once. Reads the host's paths; ``create=False`` (plan) creates nothing,
-    else the cache directories, the project's ``.fusion/`` and git's mount points are made."""
+    else the cache directories, the project's ``.fusion/`` and git's mount points are made.
+
+    ``checked``: the same task resolved before with ``create=False`` (the lifecycle checks it
+    before making anything): its spec is kept where the context and layout came out the same,
+    so a prepare compiles once (a ``.fusion/`` made just now is a new protected path, and
+    a new spec)."""
     image = resolve_image(settings, ctx, default_image)
     resolved_ctx = ctx if image == ctx.image else ctx.model_copy(update={"image": image})
     ca_bundle = resolve_ca_bundle(settings, ctx, host)
@@ -168,7 +183,14 @@ def resolve(
         # The host's own system bundle (hostCa: auto, or a path naming it) is a whole store.
         ca_complete=ca_bundle is not None and ca_bundle == host.ca_bundle,
     )
-    return ResolvedTask(ctx=resolved_ctx, layout=layout, host=host, env=dict(env))
+    task = ResolvedTask(ctx=resolved_ctx, layout=layout, host=host, env=dict(env))
+    if checked is not None and (checked.ctx, checked.layout, checked.host) == (
+        task.ctx,
+        task.layout,
+        task.host,
+    ):
+        return checked._keeping(task)
+    return task
 
 
 class ImageDefault(Protocol):
@@ -187,10 +209,11 @@ def resolve_for(
     env: Mapping[str, str],
     cache_root: Path | None = None,
     create: bool = True,
+    checked: ResolvedTask | None = None,
 ) -> ResolvedTask:
     """:func:`resolve` for this backend's default image: the task a run prepares, the one
     ``plan`` shows and the bundle ``bundle create`` writes are the task that backend would
-    run. ``cache_root`` None: the default one of ``env``."""
+    run. ``cache_root`` None: the default one of ``env``; ``checked``: as :func:`resolve`'s."""
     return resolve(
         settings,
         ctx,
@@ -199,10 +222,13 @@ def resolve_for(
         cache_root=cache_root or default_cache_root(env),
         default_image=runtime.default_image,
         create=create,
+        checked=checked,
     )
 
 
-def compile_spec(resolved: ResolvedTask, command: str | Sequence[str], opts: RunOptions) -> Spec:
-    """The whole ``config.json`` of one command of a resolved task (a bundle, ``fusion-oci
-    plan``): its task spec and the command's process. Pure."""
-    return config_json(resolved.spec, resolved.process(command, opts))
+def compile_spec(
+    resolved: ResolvedTask, command: str | Sequence[str], opts: RunOptions
+) -> ConfigSpec:
+    """The whole config of one command of a resolved task (a bundle, ``fusion-oci plan``): its
+    task spec and the command's process (``.to_oci()``: the ``config.json``). Pure."""
+    return ConfigSpec(resolved.spec, resolved.process(command, opts))

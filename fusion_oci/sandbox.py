@@ -66,7 +66,6 @@ from fusion_oci.models import (
 )
 from fusion_oci.oci.host import HostInfo, probe_host
 from fusion_oci.oci.model import config_json
-from fusion_oci.oci.spec import Spec
 from fusion_oci.policy.gitlinks import QUARANTINE_DIR, GitGuard
 from fusion_oci.policy.layout import task_project
 from fusion_oci.policy.settings import SandboxSettings
@@ -178,8 +177,16 @@ class Sandbox:
         if missing:
             raise PolicyNotEnforceableError(runtime.id, missing)
 
-    def _resolve(self, runtime: Runtime, ctx: PrepareContext, *, create: bool) -> ResolvedTask:
-        """The one resolve step, for the chosen runtime's default image."""
+    def _resolve(
+        self,
+        runtime: Runtime,
+        ctx: PrepareContext,
+        *,
+        create: bool,
+        checked: ResolvedTask | None = None,
+    ) -> ResolvedTask:
+        """The one resolve step, for the chosen runtime's default image (``checked``: the
+        dry resolve the check read, whose spec is kept where nothing changed)."""
         assert self.host is not None
         return resolve_for(
             runtime,
@@ -189,6 +196,7 @@ class Sandbox:
             env=self.env,
             cache_root=self.cache_root,
             create=create,
+            checked=checked,
         )
 
     async def _start(self, backend: str, ctx: PrepareContext) -> Runtime:
@@ -202,8 +210,9 @@ class Sandbox:
                 raise RuntimeUnavailableError(runtime.id, availability.reason, availability.hint)
             # Before anything is made (a cache folder, an image provisioned): what the task
             # spec asks for, resolved without creating anything.
-            self._check(runtime, self._resolve(runtime, ctx, create=False))
-            resolved = self._resolve(runtime, ctx, create=True)
+            checked = self._resolve(runtime, ctx, create=False)
+            self._check(runtime, checked)
+            resolved = self._resolve(runtime, ctx, create=True, checked=checked)
             if self.settings.credentials or resolved.network is NetworkMode.FILTERED:
                 # Before a token or the task's CA key is in this process: no core of it, no
                 # /proc/PID/mem of it for the caller's other processes (issue #31).
@@ -441,13 +450,16 @@ class Sandbox:
             unenforced=self.unenforced,
         )
 
-    def spec_for(self, command: str | Sequence[str], opts: RunOptions | None = None) -> Spec:
-        """The spec :meth:`run` would launch for ``command`` (the one compile step)."""
+    def spec_for(
+        self, command: str | Sequence[str], opts: RunOptions | None = None
+    ) -> dict[str, Any]:
+        """The ``config.json`` :meth:`run` would launch for ``command`` (the one compile
+        step)."""
         if self.task is None:
             raise SandboxSetupError(
                 "sandbox was not prepared", "run() came before prepare()", "call prepare(ctx) first"
             )
-        return compile_spec(self.task, command, opts or RunOptions())
+        return compile_spec(self.task, command, opts or RunOptions()).to_oci()
 
     async def run(self, command: str | Sequence[str], opts: RunOptions | None = None) -> RunResult:
         if self.runtime is None or self.ctx is None or self.task is None:

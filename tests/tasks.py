@@ -11,7 +11,7 @@ from fusion_oci.models import PrepareContext, RunOptions
 from fusion_oci.oci.host import HostInfo
 from fusion_oci.oci.model import ProcessSpec, TaskSpec, config_json
 from fusion_oci.policy.layout import TaskLayout
-from fusion_oci.resolve import ResolvedTask
+from fusion_oci.resolve import ResolvedTask, compile_spec
 from tests.golden import GOLDEN_HOST
 
 
@@ -23,6 +23,19 @@ def resolved(
 ) -> ResolvedTask:
     """The task as the resolve step would give it for this layout (no host reads)."""
     return ResolvedTask(ctx=ctx, layout=layout, host=host, env=dict(env or {}))
+
+
+def config_for(
+    ctx: PrepareContext,
+    layout: TaskLayout,
+    host: HostInfo,
+    command: str | Sequence[str],
+    opts: RunOptions,
+    env: Mapping[str, str],
+) -> dict[str, Any]:
+    """The ``config.json`` of one command (:func:`fusion_oci.resolve.compile_spec`, the one
+    compile step) of the task this layout resolves to, drawing on ``env`` (no host reads)."""
+    return compile_spec(resolved(ctx, layout, host, env), command, opts).to_oci()
 
 
 def plan_for(

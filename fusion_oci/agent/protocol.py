@@ -31,7 +31,7 @@ STDIN, STDOUT, STDERR = b"0", b"1", b"2"
 _HEADER = struct.Struct(">I")
 
 # Egress in a ``network: filtered`` sandbox (PROTOCOL.md, "The egress forwarder"): the same
-# paths in every runtime's sandbox, so the proxy environment is one pure thing (oci/spec.py).
+# paths in every runtime's sandbox, so the proxy environment is one pure thing (oci/environment.py).
 EGRESS_DIR = "/run/fusion-oci"
 EGRESS_SOCKET = EGRESS_DIR + "/egress.sock"
 """The host's egress proxy socket, bound into the sandbox (agent.c's EGRESS_SOCKET)."""

@@ -220,9 +220,9 @@ def source_from_settings(
     from fusion_oci.caller import TaskFlags, caller_env, resolve_task
     from fusion_oci.cli.dryrun import dry_run
     from fusion_oci.export import default_image, read_spec, safe_name
+    from fusion_oci.oci.environment import allowed_env
     from fusion_oci.oci.host import probe_host
     from fusion_oci.oci.model import ANN_HOST_ROOTFS
-    from fusion_oci.oci.spec import allowed_env
 
     environ = caller_env()
     task = resolve_task(

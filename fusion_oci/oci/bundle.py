@@ -10,14 +10,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fusion_oci.errors import BundleError
-from fusion_oci.oci.spec import Spec
+from fusion_oci.oci.model import ConfigSpec
 
 
 @dataclass(frozen=True)
 class Bundle:
     """A compiled spec, and the directory it was written to (None until written)."""
 
-    spec: Spec
+    spec: ConfigSpec
     path: Path | None = None
 
     @property
@@ -29,7 +29,7 @@ class Bundle:
         return self.path / "config.json"
 
 
-def write_bundle(spec: Spec, target: Path, *, rootfs_from: Path | None = None) -> Bundle:
+def write_bundle(spec: ConfigSpec, target: Path, *, rootfs_from: Path | None = None) -> Bundle:
     """Write ``target/config.json`` and ``target/rootfs`` atomically.
 
     The bundle is assembled in a sibling temporary directory and renamed into place, so a
@@ -45,8 +45,8 @@ def write_bundle(spec: Spec, target: Path, *, rootfs_from: Path | None = None) -
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        rootfs = tmp / spec["root"]["path"]
-        if Path(spec["root"]["path"]).is_absolute():
+        rootfs = tmp / spec.task.root.path
+        if Path(spec.task.root.path).is_absolute():
             pass  # a rootfs kept outside the bundle (a shared, unpacked image): not ours to make
         elif rootfs_from is not None:
             shutil.copytree(rootfs_from, rootfs, symlinks=True)
@@ -54,7 +54,7 @@ def write_bundle(spec: Spec, target: Path, *, rootfs_from: Path | None = None) -
             rootfs.mkdir()
         config = tmp / "config.json"
         with config.open("w", encoding="utf-8") as fh:
-            json.dump(spec, fh, indent=2, sort_keys=True)
+            json.dump(spec.to_oci(), fh, indent=2, sort_keys=True)
             fh.write("\n")
             fh.flush()
             os.fsync(fh.fileno())

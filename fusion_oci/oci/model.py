@@ -16,6 +16,7 @@ Every field an OCI document may leave out is ``None`` here and left out of the J
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -344,10 +345,30 @@ class TaskSpec(OciModel):
 
 
 def config_json(task: TaskSpec, process: ProcessSpec) -> dict[str, Any]:
-    """The whole OCI ``config.json`` of one command of a task: what a bundle holds."""
+    """The whole OCI ``config.json`` of one command of a task: what a bundle holds. The one
+    place the typed pair becomes the JSON document."""
     out = task.to_oci()
     out["process"] = process.to_oci()
     return out
+
+
+@dataclass(frozen=True)
+class ConfigSpec:
+    """One bundle's whole config, typed: the task's sandbox and the process its container runs
+    (what :mod:`fusion_oci.oci.ops` change together, as containerd's ``SpecOpts`` change one
+    ``*specs.Spec``). :meth:`to_oci` is :func:`config_json` of the pair."""
+
+    task: TaskSpec
+    process: ProcessSpec
+
+    def to_oci(self) -> dict[str, Any]:
+        return config_json(self.task, self.process)
+
+    def with_task(self, task: TaskSpec) -> ConfigSpec:
+        return ConfigSpec(task, self.process)
+
+    def with_process(self, process: ProcessSpec) -> ConfigSpec:
+        return ConfigSpec(self.task, process)
 
 
 def split(config: Mapping[str, Any]) -> tuple[TaskSpec, ProcessSpec]:

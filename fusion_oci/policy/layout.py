@@ -54,8 +54,8 @@ class TaskLayout:
     ca_complete: bool = False
     """Whether ``ca_bundle`` is a whole trust store (the host's own system bundle, maybe with
     the credential broker's CA added), so that Node.js may trust it in place of its own roots
-    (fusion_oci/oci/spec.py: ``NODE_OPENSSL_CA``); False for a bundle the settings name, which
-    may hold a company's CA only and so is added to Node.js's roots."""
+    (fusion_oci/oci/environment.py: ``NODE_OPENSSL_CA``); False for a bundle the settings
+    name, which may hold a company's CA only and so is added to Node.js's roots."""
     protected: tuple[str, ...] = ()
     """Existing host paths inside what the sandbox may write that stay read-only there."""
     unprotected: tuple[str, ...] = field(default=())

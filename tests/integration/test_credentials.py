@@ -713,7 +713,7 @@ def test_the_real_host_is_verified_against_the_machines_trust_store(
 
 def test_the_sandbox_env_holds_sentinels_and_gits_helper() -> None:
     """Pure: the spec's environment with brokered credentials (oci/spec.py credential_env)."""
-    from fusion_oci.oci.spec import sandbox_env
+    from fusion_oci.oci.environment import sandbox_env
     from fusion_oci.policy.layout import CA_IN_SANDBOX, TaskLayout
 
     layout = TaskLayout(

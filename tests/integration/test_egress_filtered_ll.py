@@ -407,9 +407,10 @@ def test_rootless_runc_runs_the_filtered_bundle(world: EgressWorld) -> None:
     from fusion_oci.egress import EgressRules, start_proxy
     from fusion_oci.oci.bundle import write_bundle
     from fusion_oci.oci.host import probe_host
-    from fusion_oci.oci.spec import compile_spec
     from fusion_oci.policy.layout import resolve_layout
+    from fusion_oci.resolve import compile_spec
     from fusion_oci.runtimes.oci.launch import bundle_spec
+    from tests.tasks import resolved
 
     account, _ = checked_rootless_user(
         "oci", None, "switching to the rootless test user needs root"
@@ -449,7 +450,7 @@ def test_rootless_runc_runs_the_filtered_bundle(world: EgressWorld) -> None:
             f"curl -sS -m 10 -o /dev/null -w '%{{http_code}}\\n' http://denied.test:8080/; "
             f"curl -sS -m 3 --noproxy '*' http://{world.allowed_addr}:8080/ 2>&1 | tail -1"
         )
-        spec = compile_spec(context, layout, host, command, RunOptions(), {})
+        spec = compile_spec(resolved(context, layout, host), command, RunOptions())
         rootless = bundle_spec(
             spec,
             rootless_ids=(account.pw_uid, account.pw_gid),

@@ -26,9 +26,9 @@ import pytest
 from fusion_oci.models import PrepareContext, RunOptions, RunResult, SandboxPolicy
 from fusion_oci.oci.bundle import write_bundle
 from fusion_oci.oci.host import probe_host
-from fusion_oci.oci.spec import compile_spec
 from fusion_oci.policy.layout import resolve_layout
 from fusion_oci.policy.settings import SandboxSettings
+from fusion_oci.resolve import compile_spec
 from fusion_oci.runtimes.oci import OciRuntime, bundle_spec, gc_oci, list_containers
 from fusion_oci.sandbox import Sandbox
 from tests.backends import require, require_runtime
@@ -36,6 +36,7 @@ from tests.conftest import git
 from tests.hostside import pids_with, tcp_server
 from tests.integration.container_cases import checked_rootless_user
 from tests.integration.runc_user import run_bundle_as
+from tests.tasks import resolved
 
 pytestmark = [pytest.mark.oci, pytest.mark.runc]
 
@@ -105,9 +106,11 @@ def test_compiled_bundle_runs_unchanged_under_runc(
     context = ctx(worktree, **policy)
     layout = resolve_layout(context, cache_root=tmp_path / "cache", ca_bundle=host.ca_bundle)
     spec = compile_spec(
-        context, layout, host, "echo hi; id -u; pwd; exit 5", RunOptions(), dict(os.environ)
+        resolved(context, layout, host, dict(os.environ)),
+        "echo hi; id -u; pwd; exit 5",
+        RunOptions(),
     )
-    oci_validator.validate(spec)
+    oci_validator.validate(spec.to_oci())
     bundle = write_bundle(spec, tmp_path / "bundle")
     oci_validator.validate(json.loads(bundle.config_path.read_text()))
     cid = f"fusion-oci-test-{uuid.uuid4().hex[:8]}"
@@ -144,9 +147,11 @@ def test_rootless_bundle_runs_under_an_unprivileged_runc(oci_validator: Any) -> 
         host = replace(probe_host(), uid=account.pw_uid, gid=account.pw_gid)
         context = ctx(wt, allow_network=False, memory_limit_mb=64)
         layout = resolve_layout(context, cache_root=base / "cache", ca_bundle=host.ca_bundle)
-        spec = compile_spec(context, layout, host, "id -u; echo hi > f; exit 4", RunOptions(), {})
+        spec = compile_spec(
+            resolved(context, layout, host), "id -u; echo hi > f; exit 4", RunOptions()
+        )
         rootless = bundle_spec(spec, rootless_ids=(account.pw_uid, account.pw_gid))
-        oci_validator.validate(rootless)
+        oci_validator.validate(rootless.to_oci())
         bundle = write_bundle(rootless, base / "bundle")
         done = run_bundle_as(account, base, bundle.path, "rootless-1")
         assert done.returncode == 4, done.stderr
@@ -216,7 +221,7 @@ async def test_the_plan_is_exactly_what_execute_runs(
             "argv": plan.sandbox.argv,
             "env": plan.sandbox.env,
             "cwd": plan.sandbox.cwd,
-            "bundle": json.loads(json.dumps(plan.bundle)),
+            "bundle": json.loads(json.dumps(plan.bundle.to_oci())),
         }
     ]
     assert sent == [
@@ -450,6 +455,7 @@ import asyncio, os, sys
 from pathlib import Path
 from fusion_oci.models import PrepareContext, RunOptions
 from fusion_oci.policy.settings import SandboxSettings
+from fusion_oci.resolve import compile_spec
 from fusion_oci.runtimes.oci import runtime as oci
 from fusion_oci.sandbox import Sandbox
 

@@ -120,5 +120,5 @@ def test_the_resolve_step_gives_runtimes_and_compile_the_same_inputs(
         settings, task.ctx, probe_host(), env=env, cache_root=default_cache_root(env)
     )
     assert resolved.ca_bundle == ca and resolved.image is None
-    spec = compile_spec(resolved, COMMAND, RunOptions(env=env))
+    spec = compile_spec(resolved, COMMAND, RunOptions(env=env)).to_oci()
     assert spec == run_path_spec(worktree, host_ca=ca)

@@ -200,7 +200,7 @@ def test_the_egress_paths_and_port_are_the_agents_own() -> None:
     from pathlib import Path
 
     from fusion_oci.agent import protocol
-    from fusion_oci.oci.spec import filtered_env
+    from fusion_oci.oci.environment import filtered_env
 
     source = (Path(protocol.__file__).parent / "agent.c").read_text()
     assert re.search(rf'#define EGRESS_SOCKET "{re.escape(protocol.EGRESS_SOCKET)}"', source)

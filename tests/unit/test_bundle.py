@@ -12,14 +12,15 @@ from fusion_oci.models import CacheMode, CpuLimit, PrepareContext, RunOptions, S
 from fusion_oci.oci.bundle import write_bundle
 from fusion_oci.oci.host import HostInfo, probe_host
 from fusion_oci.oci.model import ANN_NETWORK, ANN_POLICY, ANN_TASK
-from fusion_oci.oci.spec import Spec, compile_spec
 from fusion_oci.policy.layout import CacheMount, GitLayout, TaskLayout, resolve_layout
+from fusion_oci.resolve import compile_spec
 from tests.golden import GOLDEN_HOST, assert_golden
+from tests.tasks import config_for, resolved
 
 HOST = GOLDEN_HOST
 
 
-def spec_env(spec: Spec) -> dict[str, str]:
+def spec_env(spec: dict[str, Any]) -> dict[str, str]:
     return dict(item.split("=", 1) for item in spec["process"]["env"])
 
 
@@ -71,13 +72,13 @@ def ctx(policy: SandboxPolicy, image: str | None = None) -> PrepareContext:
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_golden_spec_and_schema(name: str, oci_validator: Any) -> None:
-    spec = compile_spec(ctx(POLICIES[name]), LAYOUT, HOST, "pnpm test", RunOptions(), ENV)
+    spec = config_for(ctx(POLICIES[name]), LAYOUT, HOST, "pnpm test", RunOptions(), ENV)
     oci_validator.validate(spec)
     assert_golden(f"bundles/{name}.json", spec)
 
 
 def test_image_spec_validates(oci_validator: Any) -> None:
-    spec = compile_spec(
+    spec = config_for(
         ctx(SandboxPolicy(), image="localhost/fusion-oci/node:abc"),
         LAYOUT,
         HOST,
@@ -92,13 +93,13 @@ def test_image_spec_validates(oci_validator: Any) -> None:
 
 
 def test_compile_is_pure() -> None:
-    a = compile_spec(ctx(POLICIES["locked-down"]), LAYOUT, HOST, "true", RunOptions(), ENV)
-    b = compile_spec(ctx(POLICIES["locked-down"]), LAYOUT, HOST, "true", RunOptions(), ENV)
+    a = config_for(ctx(POLICIES["locked-down"]), LAYOUT, HOST, "true", RunOptions(), ENV)
+    b = config_for(ctx(POLICIES["locked-down"]), LAYOUT, HOST, "true", RunOptions(), ENV)
     assert a == b
 
 
 def test_env_reduced_to_fixed_set_plus_allowlist() -> None:
-    spec = compile_spec(ctx(POLICIES["default"]), LAYOUT, HOST, "env", RunOptions(), ENV)
+    spec = config_for(ctx(POLICIES["default"]), LAYOUT, HOST, "env", RunOptions(), ENV)
     env = spec_env(spec)
     assert "GITHUB_TOKEN" not in env
     assert "AWS_SECRET_ACCESS_KEY" not in env
@@ -108,7 +109,7 @@ def test_env_reduced_to_fixed_set_plus_allowlist() -> None:
     # The host's whole store: Node.js reads it through OpenSSL, at its first handshake.
     assert env["SSL_CERT_FILE"] == "/etc/fusion-oci/host-ca.pem"
     assert env["NODE_OPTIONS"] == "--use-openssl-ca" and "NODE_EXTRA_CA_CERTS" not in env
-    allowed = compile_spec(
+    allowed = config_for(
         ctx(SandboxPolicy(env_allowlist=["GITHUB_TOKEN", "MISSING"])),
         LAYOUT,
         HOST,
@@ -125,7 +126,7 @@ def test_env_reduced_to_fixed_set_plus_allowlist() -> None:
 def test_rlimits_stay_within_host_hard_limits() -> None:
     host = HostInfo(rlimits={"RLIMIT_NOFILE": (1024, 4096), "RLIMIT_CPU": (-1, 30)})
     policy = SandboxPolicy(cpu_limit=CpuLimit(max_ms=600_000))
-    spec = compile_spec(ctx(policy), LAYOUT, host, "true", RunOptions(), {})
+    spec = config_for(ctx(policy), LAYOUT, host, "true", RunOptions(), {})
     limits = {r["type"]: (r["soft"], r["hard"]) for r in spec["process"]["rlimits"]}
     assert limits["RLIMIT_NOFILE"] == (4096, 4096)
     assert limits["RLIMIT_CPU"] == (30, 30)
@@ -137,7 +138,7 @@ def test_network_namespaces_and_annotations() -> None:
         ("locked-down", True, "none"),
         ("host-network", False, "host"),
     ):
-        spec = compile_spec(ctx(POLICIES[name]), LAYOUT, HOST, "true", RunOptions(), {})
+        spec = config_for(ctx(POLICIES[name]), LAYOUT, HOST, "true", RunOptions(), {})
         types = {n["type"] for n in spec["linux"]["namespaces"]}
         assert ("network" in types) is has_netns, name
         assert spec["annotations"][ANN_NETWORK] == mode
@@ -146,7 +147,7 @@ def test_network_namespaces_and_annotations() -> None:
 
 
 def test_git_hooks_and_config_mounted_read_only_after_writable_parents() -> None:
-    spec = compile_spec(ctx(SandboxPolicy()), LAYOUT, HOST, "true", RunOptions(), {})
+    spec = config_for(ctx(SandboxPolicy()), LAYOUT, HOST, "true", RunOptions(), {})
     dests = [m["destination"] for m in spec["mounts"]]
     hooks = dests.index("/work/repo/.git/hooks")
     assert hooks > dests.index("/work/repo/.git")
@@ -163,7 +164,7 @@ def test_git_hooks_and_config_mounted_read_only_after_writable_parents() -> None
 
 
 def test_no_capabilities_and_no_new_privileges() -> None:
-    spec = compile_spec(ctx(SandboxPolicy()), LAYOUT, HOST, "true", RunOptions(), {})
+    spec = config_for(ctx(SandboxPolicy()), LAYOUT, HOST, "true", RunOptions(), {})
     assert spec["process"]["noNewPrivileges"] is True
     assert all(v == [] for v in spec["process"]["capabilities"].values())
     assert spec["root"]["readonly"] is True
@@ -171,7 +172,7 @@ def test_no_capabilities_and_no_new_privileges() -> None:
 
 
 def test_relative_cwd_is_inside_worktree() -> None:
-    spec = compile_spec(ctx(SandboxPolicy()), LAYOUT, HOST, "true", RunOptions(cwd="pkg/a"), {})
+    spec = config_for(ctx(SandboxPolicy()), LAYOUT, HOST, "true", RunOptions(cwd="pkg/a"), {})
     assert spec["process"]["cwd"] == "/work/repo-wt/task-1/pkg/a"
 
 
@@ -192,7 +193,7 @@ def test_real_layout_of_linked_worktree(
     assert layout.git.common_dir == str((repo / ".git").resolve())
     assert all("/tasks/t/" in m.host_path for m in layout.caches)
     assert all(Path(m.host_path).is_dir() for m in layout.caches)
-    oci_validator.validate(compile_spec(c, layout, probe_host(), "true", RunOptions(), {}))
+    oci_validator.validate(config_for(c, layout, probe_host(), "true", RunOptions(), {}))
 
 
 def test_dry_layout_creates_nothing(worktree: Path, tmp_path: Path) -> None:
@@ -202,7 +203,7 @@ def test_dry_layout_creates_nothing(worktree: Path, tmp_path: Path) -> None:
 
 
 def test_write_bundle_atomic(tmp_path: Path, oci_validator: Any) -> None:
-    spec = compile_spec(ctx(SandboxPolicy()), LAYOUT, HOST, "true", RunOptions(), {})
+    spec = compile_spec(resolved(ctx(SandboxPolicy()), LAYOUT, HOST), "true", RunOptions())
     bundle = write_bundle(spec, tmp_path / "b")
     assert bundle.path is not None
     assert (bundle.path / "rootfs").is_dir()
@@ -213,15 +214,17 @@ def test_write_bundle_atomic(tmp_path: Path, oci_validator: Any) -> None:
 
 
 def test_write_bundle_failure_leaves_nothing(tmp_path: Path) -> None:
-    spec = compile_spec(ctx(SandboxPolicy()), LAYOUT, HOST, "true", RunOptions(), {})
-    spec["annotations"]["bad"] = object()  # not JSON-serialisable: fails mid-write
-    with pytest.raises(TypeError):
+    spec = compile_spec(resolved(ctx(SandboxPolicy()), LAYOUT, HOST), "true", RunOptions())
+    # Not JSON-serialisable (model_copy does not validate): fails mid-write.
+    bad = spec.task.model_copy(update={"annotations": {"bad": object()}})
+    spec = spec.with_task(bad)
+    with pytest.raises((TypeError, ValueError)):
         write_bundle(spec, tmp_path / "b")
     assert os.listdir(tmp_path) == []
 
 
 def test_env_globs_never_pass_secret_names() -> None:
-    from fusion_oci.oci.spec import allowed_env
+    from fusion_oci.oci.environment import allowed_env
 
     source = {
         "CI": "1",
@@ -250,7 +253,7 @@ def test_worktree_config_is_read_only_when_the_extension_is_on(
     layout = resolve_layout(c, cache_root=tmp_path / "cache", ca_bundle=None)
     assert layout.git is not None and layout.git.worktree_config
     assert Path(layout.git.worktree_config).is_file()
-    spec = compile_spec(c, layout, HOST, "true", RunOptions(), {})
+    spec = config_for(c, layout, HOST, "true", RunOptions(), {})
     last = [m for m in spec["mounts"] if m["destination"] == layout.git.worktree_config][-1]
     assert "ro" in last["options"]
     assert spec["mounts"][-1] is not None
@@ -265,11 +268,11 @@ def test_a_bundle_the_settings_name_is_added_to_nodes_roots() -> None:
     import dataclasses
 
     partial = dataclasses.replace(LAYOUT, ca_complete=False)
-    env = spec_env(compile_spec(ctx(SandboxPolicy()), partial, HOST, "env", RunOptions(), ENV))
+    env = spec_env(config_for(ctx(SandboxPolicy()), partial, HOST, "env", RunOptions(), ENV))
     assert env["NODE_EXTRA_CA_CERTS"] == "/etc/fusion-oci/host-ca.pem"
     assert "NODE_OPTIONS" not in env
     none = dataclasses.replace(LAYOUT, ca_bundle=None)
-    env = spec_env(compile_spec(ctx(SandboxPolicy()), none, HOST, "env", RunOptions(), ENV))
+    env = spec_env(config_for(ctx(SandboxPolicy()), none, HOST, "env", RunOptions(), ENV))
     assert "NODE_OPTIONS" not in env and "SSL_CERT_FILE" not in env
 
 
@@ -287,7 +290,7 @@ def test_an_allow_listed_node_options_keeps_the_store(
 ) -> None:
     policy = SandboxPolicy(env_allowlist=["NODE_OPTIONS"])
     caller = {**ENV, "NODE_OPTIONS": theirs}
-    env = spec_env(compile_spec(ctx(policy), LAYOUT, HOST, "env", RunOptions(), caller))
+    env = spec_env(config_for(ctx(policy), LAYOUT, HOST, "env", RunOptions(), caller))
     assert env["NODE_OPTIONS"] == options
     assert env.get("NODE_EXTRA_CA_CERTS") == extra
 
@@ -295,13 +298,13 @@ def test_an_allow_listed_node_options_keeps_the_store(
 def test_no_package_manager_checks_for_updates_unless_the_caller_says() -> None:
     """A sandbox's home is new with each task, so a notifier's once-a-day state never holds:
     pnpm asked its registry at every task's first command. The allowlist may pass theirs."""
-    env = spec_env(compile_spec(ctx(SandboxPolicy()), LAYOUT, HOST, "env", RunOptions(), ENV))
+    env = spec_env(config_for(ctx(SandboxPolicy()), LAYOUT, HOST, "env", RunOptions(), ENV))
     assert env["npm_config_update_notifier"] == "false"
     assert env["pnpm_config_update_notifier"] == "false"
     assert env["NO_UPDATE_NOTIFIER"] == "1"
     policy = SandboxPolicy(env_allowlist=["npm_config_update_notifier"])
     caller = {**ENV, "npm_config_update_notifier": "true"}
-    env = spec_env(compile_spec(ctx(policy), LAYOUT, HOST, "env", RunOptions(), caller))
+    env = spec_env(config_for(ctx(policy), LAYOUT, HOST, "env", RunOptions(), caller))
     assert env["npm_config_update_notifier"] == "true"
 
 

@@ -262,7 +262,7 @@ def test_the_relay_opens_the_granted_socket_without_following_a_symlink(tmp_path
 
 def test_filtered_lets_http_clients_reach_the_granted_services_directly() -> None:
     """NO_PROXY names the granted addresses (the proxy refuses loopback); nothing else."""
-    from fusion_oci.oci.spec import sandbox_env
+    from fusion_oci.oci.environment import sandbox_env
     from tests.unit.test_bubblewrap_argv import PLAIN
 
     env = sandbox_env(SandboxPolicy(network="filtered", host_services=GRANTS), PLAIN, {})

@@ -41,11 +41,12 @@ def test_the_bundle_keeps_its_empty_netns_and_runs_the_forwarder(oci_validator: 
     assert {"type": "network"} in bundle["linux"]["namespaces"]  # runc brings lo up, no more
     assert "hooks" not in bundle  # no slirp4netns
     assert (
-        bind(EGRESS_SOCKET, "/run/scratch/egress-1/egress.sock", writable=False) in bundle["mounts"]
+        bind(EGRESS_SOCKET, "/run/scratch/egress-1/egress.sock", writable=False)
+        in plan.bundle.task.mounts
     )
     assert (
         bind(EGRESS_AGENT, "/usr/lib/fusion-oci/fusion-oci-agent", writable=False)
-        in bundle["mounts"]
+        in plan.bundle.task.mounts
     )
     # The init is the agent with its forwarder, for the task's life.
     assert bundle["process"]["args"] == [AGENT_IN_SANDBOX, "--egress", EGRESS_SOCKET, "--fd", "0"]

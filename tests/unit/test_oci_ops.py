@@ -1,4 +1,4 @@
-"""The spec operations of fusion_oci.oci.ops: each a pure spec -> spec function. The golden of
+"""The spec operations of fusion_oci.oci.ops: each a pure typed spec -> spec function. The golden of
 each op is what it changed (every top-level section that differs, before and after)."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ from typing import Any
 import pytest
 
 from fusion_oci.oci import ops
-from fusion_oci.oci.spec import Spec
+from fusion_oci.oci.model import ConfigSpec
 from tests.golden import assert_golden
 from tests.unit.test_oci_plan import POLICIES, spec_for
 
 HOOK = ops.EgressHook("/s/1.egress-request", "/s/1.egress-reply", "/s/resolv.conf")
 
-OPS: dict[str, tuple[str, Callable[[Spec], Spec]]] = {
+OPS: dict[str, tuple[str, Callable[[ConfigSpec], ConfigSpec]]] = {
     "init": ("egress", lambda s: ops.with_init(s, "/usr/bin/tini-static")),
     "rootfs": ("egress", lambda s: ops.with_rootfs(s, "/cache/oci-rootfs/abc/rootfs")),
     "egress-hook": ("egress", lambda s: ops.with_egress_hook(s, HOOK)),
@@ -28,7 +28,7 @@ OPS: dict[str, tuple[str, Callable[[Spec], Spec]]] = {
 }
 
 
-def changed(before: Spec, after: Spec) -> dict[str, Any]:
+def changed(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """The sections (``linux`` and ``process`` one level down, mounts by value) that the op
     changed."""
     out: dict[str, Any] = {}
@@ -53,14 +53,14 @@ def changed(before: Spec, after: Spec) -> dict[str, Any]:
 def test_golden_op(name: str, oci_validator: Any) -> None:
     policy, op = OPS[name]
     spec = spec_for(POLICIES[policy])
-    pristine = copy.deepcopy(spec)
-    out = op(spec)
-    assert spec == pristine, "an op must not change its input"
+    pristine = copy.deepcopy(spec.to_oci())
+    out = op(spec).to_oci()
+    assert spec.to_oci() == pristine, "an op must not change its input"
     oci_validator.validate(out)
-    assert_golden(f"oci/ops/{name}.json", changed(spec, out))
+    assert_golden(f"oci/ops/{name}.json", changed(pristine, out))
 
 
 def test_rootless_maps_tmpfs_owners_to_root_inside() -> None:
     out = ops.with_rootless(spec_for(POLICIES["egress"]), 1000, 1000)
-    home = next(m for m in out["mounts"] if m["destination"] == "/home/sandbox")
-    assert "uid=0" in home["options"] and "uid=1000" not in home["options"]
+    home = next(m for m in out.task.mounts if m.destination == "/home/sandbox")
+    assert "uid=0" in (home.options or []) and "uid=1000" not in (home.options or [])

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from fusion_oci.models import CpuLimit, NetworkMode, PrepareContext, SandboxPolicy
-from fusion_oci.oci.spec import Spec, bind
+from fusion_oci.oci.model import ConfigSpec
+from fusion_oci.oci.spec import bind
 from fusion_oci.policy.layout import GitLayout, TaskLayout
 from fusion_oci.policy.settings import SandboxSettings
 from fusion_oci.process import ProcessOutcome
@@ -64,9 +65,10 @@ def task_for(policy: SandboxPolicy, image: str | None = None) -> ResolvedTask:
     return resolved(ctx, LAYOUT, HOST, {"PATH": "/usr/bin"})
 
 
-def spec_for(policy: SandboxPolicy, image: str | None = None) -> Spec:
-    """The whole config.json of `pnpm test` in the task (what the bundle ops take)."""
-    return Case(task_for(policy, image)).config()
+def spec_for(policy: SandboxPolicy, image: str | None = None) -> ConfigSpec:
+    """The whole config of `pnpm test` in the task, typed (what the bundle ops take)."""
+    case = Case(task_for(policy, image))
+    return ConfigSpec(case.spec, case.process)
 
 
 def plan_of(rt: OciRuntime, policy: SandboxPolicy, image: str | None = None) -> Any:
@@ -123,8 +125,8 @@ def test_the_tasks_init_is_the_agent_on_its_stdin(oci_validator: Any) -> None:
     """The task container's process is the agent on fd 0 (the socketpair runc hands through),
     PATH only, cwd /, the spec's user and rlimits but RLIMIT_CPU (which would charge the
     agent's own time over the whole task; the agent sets it per command)."""
-    spec = spec_for(POLICIES["none-limits"])
-    bundle = plan_of(runtime(), POLICIES["none-limits"]).bundle
+    spec = spec_for(POLICIES["none-limits"]).to_oci()
+    bundle = plan_of(runtime(), POLICIES["none-limits"]).bundle.to_oci()
     oci_validator.validate(bundle)
     proc = bundle["process"]
     assert proc["args"] == [AGENT_IN_SANDBOX, "--fd", "0"]
@@ -160,24 +162,23 @@ def test_each_command_is_a_spawn_frame_of_its_own_process() -> None:
 def test_root_bundle_is_the_compiled_spec(name: str, oci_validator: Any) -> None:
     spec = spec_for(POLICIES[name])
     out = bundle_spec(spec)
-    oci_validator.validate(out)
-    assert out == spec
-    assert out is not spec
+    oci_validator.validate(out.to_oci())
+    assert out.to_oci() == spec.to_oci()
 
 
 def test_image_bundle_points_at_the_shared_rootfs(oci_validator: Any) -> None:
     spec = spec_for(POLICIES["egress"], image="localhost/x:1")
-    out = bundle_spec(spec, rootfs="/cache/oci-rootfs/abc/rootfs")
+    out = bundle_spec(spec, rootfs="/cache/oci-rootfs/abc/rootfs").to_oci()
     oci_validator.validate(out)
     assert out["root"] == {"path": "/cache/oci-rootfs/abc/rootfs", "readonly": True}
-    assert spec["root"]["path"] == "rootfs"
+    assert spec.task.root.path == "rootfs"
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_rootless_bundle_maps_only_the_caller_and_drops_cgroup_limits(
     name: str, oci_validator: Any
 ) -> None:
-    out = bundle_spec(spec_for(POLICIES[name]), rootless_ids=(1000, 1001))
+    out = bundle_spec(spec_for(POLICIES[name]), rootless_ids=(1000, 1001)).to_oci()
     oci_validator.validate(out)
     linux = out["linux"]
     assert {"type": "user"} in linux["namespaces"]
@@ -194,7 +195,7 @@ def test_rootless_bundle_maps_only_the_caller_and_drops_cgroup_limits(
 
 def test_egress_bundle_has_the_hook_and_slirp_dns(oci_validator: Any) -> None:
     hook = EgressHook("/s/1.egress-request", "/s/1.egress-reply", "/s/resolv.conf")
-    out = bundle_spec(spec_for(POLICIES["egress"]), egress=hook)
+    out = bundle_spec(spec_for(POLICIES["egress"]), egress=hook).to_oci()
     oci_validator.validate(out)
     assert_golden("oci/egress-hooks.json", out["hooks"])
     assert out["mounts"][-1] == {
@@ -404,12 +405,13 @@ def test_runsc_egress_launch_holds_the_runtime_until_slirp_is_attached() -> None
 def test_runsc_egress_bundle_has_no_hook_and_no_second_netns(oci_validator: Any) -> None:
     spec = spec_for(POLICIES["egress"])
     hook = EgressHook("/t/1.egress-request", "/t/1.egress-reply", "/t/resolv.conf", hook=False)
-    out = bundle_spec(spec, egress=hook)
+    typed = bundle_spec(spec, egress=hook)
+    out = typed.to_oci()
     oci_validator.validate(out)
     assert "hooks" not in out
     assert all(ns["type"] != "network" for ns in out["linux"]["namespaces"])
-    assert bind("/etc/resolv.conf", "/t/resolv.conf", writable=False) in out["mounts"]
-    runc = bundle_spec(spec, egress=EgressHook("/a", "/b", "/t/resolv.conf"))
+    assert bind("/etc/resolv.conf", "/t/resolv.conf", writable=False) in typed.task.mounts
+    runc = bundle_spec(spec, egress=EgressHook("/a", "/b", "/t/resolv.conf")).to_oci()
     assert runc["hooks"]["createRuntime"] and {"type": "network"} in runc["linux"]["namespaces"]
 
 
@@ -456,7 +458,7 @@ def test_plan_is_the_launch_prepare_starts_and_the_frame_execute_sends() -> None
 def test_the_bundle_in_the_plan_is_what_the_runtime_validates(oci_validator: Any) -> None:
     for name in sorted(POLICIES):
         for rt in (runtime(), runtime(uid=1000), runtime(oci_runtime="runsc")):
-            oci_validator.validate(plan_of(rt, POLICIES[name]).bundle)
+            oci_validator.validate(plan_of(rt, POLICIES[name]).bundle.to_oci())
 
 
 def test_runsc_limits_go_to_a_cgroup_of_ours_that_runsc_joins() -> None:
@@ -464,11 +466,11 @@ def test_runsc_limits_go_to_a_cgroup_of_ours_that_runsc_joins() -> None:
     assert launch.cgroup is not None and launch.cgroup.pids is None
     assert launch.cgroup.memory_bytes == 256 * 1024 * 1024
     assert launch.cgroup_leaf == "fusion-oci.4242.ab12cd"
-    assert launch.bundle["linux"]["cgroupsPath"] == launch.cgroup_leaf
-    assert not {"memory", "cpu", "pids"} & set(launch.bundle["linux"]["resources"])
+    assert launch.bundle.task.linux.cgroups_path == launch.cgroup_leaf
+    assert not {"memory", "cpu", "pids"} & set(launch.bundle.to_oci()["linux"]["resources"])
     # runc makes its own cgroup from linux.resources
     runc = plan_of(runtime(), POLICIES["none-limits"]).launch
-    assert runc.cgroup is None and "memory" in runc.bundle["linux"]["resources"]
+    assert runc.cgroup is None and runc.bundle.task.resources.memory is not None
 
 
 def test_network_is_read_from_the_namespaces_then_the_annotation() -> None:

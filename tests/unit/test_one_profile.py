@@ -6,19 +6,22 @@ landlock's filter). Pure."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from fusion_oci.engines.labels import Owner
 from fusion_oci.errors import BundleError
 from fusion_oci.models import PrepareContext, RunOptions, SandboxPolicy
-from fusion_oci.oci.model import split
+from fusion_oci.oci.model import ConfigSpec, split
 from fusion_oci.oci.seccomp import compile_bpf
-from fusion_oci.oci.spec import Spec, compile_spec
 from fusion_oci.policy.layout import TaskLayout
 from fusion_oci.runtimes.bubblewrap import BwrapHost, bwrap_spawn, seccomp_program
 from fusion_oci.runtimes.engine.containers import Target, plan_container, seccomp_file
 from fusion_oci.runtimes.landlock import landlock_rules
 from fusion_oci.runtimes.oci import bundle_spec
 from tests.golden import GOLDEN_HOST
+from tests.tasks import config_for
+
+Spec = dict[str, Any]
 
 LAYOUT = TaskLayout("/srv/wt", None, (), None)
 OWNER = Owner(pid=1, start="1", boot="b", host="h")
@@ -33,7 +36,7 @@ def spec(image: str | None = None) -> Spec:
         policy=SandboxPolicy(allow_network=False),
         image=image,
     )
-    return compile_spec(ctx, LAYOUT, GOLDEN_HOST, "true", RunOptions(), {})
+    return config_for(ctx, LAYOUT, GOLDEN_HOST, "true", RunOptions(), {})
 
 
 def given(s: Spec) -> dict[str, object]:
@@ -56,8 +59,8 @@ def given(s: Spec) -> dict[str, object]:
         "podman": (podman["seccomp_profile_path"], podman["cap_add"]),
         "bubblewrap": (seccomp_program(task), caps),
         "oci": (
-            bundle_spec(s)["linux"]["seccomp"],
-            bundle_spec(s)["process"]["capabilities"]["bounding"],
+            bundle_spec(ConfigSpec(task, process)).to_oci()["linux"]["seccomp"],
+            bundle_spec(ConfigSpec(task, process)).process.kept_capabilities(),
         ),
         "landlock": (landlock_rules(task, "/h", "/t").seccomp["syscalls"],),
     }

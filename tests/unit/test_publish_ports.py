@@ -7,8 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from fusion_oci.models import SandboxPolicy
-from fusion_oci.oci.model import TaskSpec
-from fusion_oci.oci.spec import default_spec, with_published_ports
+from fusion_oci.oci.spec import default_task, with_annotations, with_published_ports
 from fusion_oci.publishport import PublishedPort, parse_publish
 from fusion_oci.runtimes.requirements import Requirement, spec_requirements
 from tests.golden import assert_golden
@@ -85,19 +84,15 @@ def test_the_spec_annotation_is_golden_and_reads_back() -> None:
     policy = SandboxPolicy.model_validate(
         {"publishPorts": ["3000", "8080:80", "[::1]::81", {"port": 90, "address": "0.0.0.0"}]}
     )
-    spec = with_published_ports(default_spec(), policy.published())
-    assert_golden("publish_ports_annotations.json", spec["annotations"])
-    del spec["process"]
-    task = TaskSpec.model_validate(spec)
+    task = with_published_ports(default_task(), policy.published())
+    assert_golden("publish_ports_annotations.json", task.annotations)
     assert task.published_ports == tuple(policy.published())
     assert Requirement.PUBLISHED_PORTS in spec_requirements(task)
 
 
 def test_an_annotation_that_does_not_parse_publishes_nothing() -> None:
-    spec = default_spec()
-    del spec["process"]
-    spec["annotations"]["io.fusion-oci.publish-ports"] = "127.0.0.1:4040:80 nonsense ::"
-    assert TaskSpec.model_validate(spec).published_ports == ()
+    said = {"io.fusion-oci.publish-ports": "127.0.0.1:4040:80 nonsense ::"}
+    assert with_annotations(default_task(), said).published_ports == ()
 
 
 def test_settings_show_plan_and_doctor_say_what_each_published_port_gives() -> None:

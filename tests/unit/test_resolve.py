@@ -4,6 +4,7 @@ what runtimes read back from the spec instead of the policy or the context."""
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +21,12 @@ from fusion_oci.models import (
 )
 from fusion_oci.oci import model as model_module
 from fusion_oci.oci.model import ANN_CACHE_MODE, ANN_NETWORK, ProcessSpec, TaskSpec, split
-from fusion_oci.oci.spec import compile_spec
 from fusion_oci.policy.layout import TaskLayout
 from fusion_oci.policy.settings import SandboxSettings
 from fusion_oci.resolve import ResolvedTask, resolve_ca_bundle, resolve_image
 from fusion_oci.runtimes.requirements import Requirement, task_requirements
 from tests.golden import GOLDEN_HOST
-from tests.tasks import resolved
+from tests.tasks import config_for, resolved
 
 DOCS = Path(__file__).parent.parent.parent / "docs" / "spec-annotations.md"
 LAYOUT = TaskLayout("/srv/wt", None, (), None)
@@ -80,7 +80,7 @@ def test_the_two_typed_halves_are_the_whole_schema_valid_config(
 ) -> None:
     t = task(POLICIES[name])
     process = t.process(["make", "-j2"], RunOptions(cwd="sub"))
-    config = compile_spec(
+    config = config_for(
         ctx(POLICIES[name]), LAYOUT, GOLDEN_HOST, ["make", "-j2"], RunOptions(cwd="sub"), {}
     )
     oci_validator.validate(config)
@@ -91,7 +91,7 @@ def test_the_two_typed_halves_are_the_whole_schema_valid_config(
 
 
 def test_a_misspelt_or_mistyped_field_is_refused() -> None:
-    config = compile_spec(ctx(SandboxPolicy()), LAYOUT, GOLDEN_HOST, "true", RunOptions(), {})
+    config = config_for(ctx(SandboxPolicy()), LAYOUT, GOLDEN_HOST, "true", RunOptions(), {})
     with pytest.raises(ValidationError, match="noNewPrivilege"):
         ProcessSpec.model_validate({**config["process"], "noNewPrivilege": True})
     with pytest.raises(ValidationError, match="mounts"):
@@ -179,3 +179,38 @@ def test_the_lifecycle_refuses_a_task_spec_the_runtime_does_not_enforce() -> Non
     Sandbox(SandboxSettings())._check(  # type: ignore[arg-type]
         Holds(), task(SandboxPolicy(allow_network=False))
     )
+
+
+def test_a_prepare_compiles_the_task_spec_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The dry resolve the check reads, the resolve that creates the folders, the copies with
+    the proxy, relays, ports and the provisioned image: one compile, and the spec they carry is
+    the one a fresh compile gives."""
+    from fusion_oci import resolve as resolve_module
+    from fusion_oci.oci.spec import compile_task
+
+    calls: list[str] = []
+
+    def counting(*args: Any) -> TaskSpec:
+        calls.append("compile")
+        return compile_task(*args)
+
+    monkeypatch.setattr(resolve_module, "compile_task", counting)
+    wt = tmp_path / "wt"
+    (wt / ".fusion").mkdir(parents=True)  # a project that ran before: the layouts are equal
+    c = PrepareContext(task_id="t", run_id="r", worktree_path=str(wt), image="localhost/x:1")
+    where = {"env": {}, "cache_root": tmp_path / "cache"}
+    checked = resolve_module.resolve(SandboxSettings(), c, GOLDEN_HOST, create=False, **where)
+    assert checked.spec.image == "localhost/x:1"
+    task = resolve_module.resolve(SandboxSettings(), c, GOLDEN_HOST, checked=checked, **where)
+    assert (tmp_path / "cache").is_dir()
+    task = task.with_egress(None).with_services(None).with_ports(None)
+    task = task.with_layout(replace(task.layout)).with_image("localhost/x@sha256:ab")
+    assert task.spec == compile_task(task.ctx, task.layout, task.host)
+    assert task.spec.image == "localhost/x@sha256:ab"
+    assert calls == ["compile"]
+    # A layout that changes the mounts is compiled again.
+    moved = task.with_layout(replace(task.layout, hosts_file="/h/hosts"))
+    assert any(m.destination == "/etc/hosts" for m in moved.spec.mounts)
+    assert calls == ["compile", "compile"]

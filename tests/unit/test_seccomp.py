@@ -168,10 +168,10 @@ def test_what_a_filter_cannot_say_is_refused() -> None:
 def test_profile_in_every_bundle_is_schema_valid(oci_validator: Any) -> None:
     from fusion_oci.models import PrepareContext, RunOptions
     from fusion_oci.oci.host import HostInfo
-    from fusion_oci.oci.spec import compile_spec
     from fusion_oci.policy.layout import TaskLayout
+    from tests.tasks import config_for
 
-    spec = compile_spec(
+    spec = config_for(
         PrepareContext(task_id="t", run_id="r", worktree_path="/w"),
         TaskLayout("/w", None, (), None),
         HostInfo(),
@@ -201,3 +201,27 @@ def test_a_profile_is_compiled_once_per_content_and_the_memo_is_bounded() -> Non
         changed["defaultErrnoRet"] = n + 100
         seccomp.compile_bpf(changed, "x86_64")
     assert len(seccomp._COMPILED) <= seccomp._COMPILED_MAX
+
+
+def test_the_binding_is_imported_without_looking_the_libraries_up() -> None:
+    """pyseccomp's import asks ctypes.util.find_library for libc and libseccomp, which runs
+    ldconfig in a subprocess (~15 ms of each one-shot bubblewrap run): where both load by
+    soname it is not asked, and find_library is as it was afterwards."""
+    import subprocess
+    import sys
+
+    script = (
+        "import ctypes.util, platform\n"
+        "asked = []\n"
+        "def recorder(name):\n"
+        "    asked.append(name)\n"
+        "ctypes.util.find_library = recorder\n"
+        "from fusion_oci.oci.seccomp import compile_bpf, default_profile\n"
+        "assert compile_bpf(default_profile(), platform.machine())\n"
+        "assert ctypes.util.find_library is recorder\n"
+        "print(asked)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert done.stdout == "[]\n", done.stderr

@@ -104,7 +104,7 @@ def test_protected_paths_come_after_the_worktree_and_writable_paths_inside_them_
     from fusion_oci.oci.host import probe_host
 
     mounts = task_mounts(layout, policy, probe_host())
-    order = [m["destination"] for m in mounts]
+    order = [m.destination for m in mounts]
     assert order.index(wt) < order.index(f"{wt}/.fusion") < len(order) - 1
     assert mounts[-1] == bind(db, db, writable=True)
     assert bind(f"{wt}/.fusion", f"{wt}/.fusion", writable=False) in mounts

@@ -50,8 +50,8 @@ from fusion_oci.engines.labels import (
 )
 from fusion_oci.errors import BundleError
 from fusion_oci.models import NetworkMode
+from fusion_oci.oci.environment import SANDBOX_PATH
 from fusion_oci.oci.model import ANN, ANN_TASK, Mount, ProcessSpec, TaskSpec
-from fusion_oci.oci.spec import SANDBOX_PATH
 from fusion_oci.policy.layout import CACHE_ROOT_IN_SANDBOX
 from fusion_oci.runtimes.linux.egress import split_relays
 from fusion_oci.runtimes.outcome import LimitCounters

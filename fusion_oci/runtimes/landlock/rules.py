@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 from fusion_oci.errors import SandboxSetupError
 from fusion_oci.models import NetworkMode
+from fusion_oci.oci.environment import SANDBOX_HOME
 from fusion_oci.oci.model import TaskSpec
 from fusion_oci.oci.seccomp import compile_bpf
-from fusion_oci.oci.spec import SANDBOX_HOME
 from fusion_oci.runtimes.requirements import Requirement
 
 if TYPE_CHECKING:
@@ -426,7 +426,7 @@ def landlock_env(env: dict[str, str], rules: LandlockRules, agent: str) -> dict[
     from fusion_oci.egress import proxy_env
 
     out = {**env, **proxy_env("127.0.0.1", rules.proxy_port or 0, agent=agent)}
-    for key in ("NO_PROXY", "no_proxy"):  # the granted services' addresses (oci/spec.py)
+    for key in ("NO_PROXY", "no_proxy"):  # the granted services' addresses (oci/environment.py)
         if env.get(key):
             out[key] = env[key]
     return out

@@ -26,8 +26,8 @@ from fusion_oci.models import (
     RunResult,
     SandboxPolicy,
 )
+from fusion_oci.oci.environment import allowed_env
 from fusion_oci.oci.model import ProcessSpec
-from fusion_oci.oci.spec import allowed_env
 from fusion_oci.runtimes.box import Box
 from fusion_oci.runtimes.hostproc import HostProcessRuntime
 from fusion_oci.runtimes.plans import AgentPlan, ArgvPlan, Plan, own_plan, spawn_of

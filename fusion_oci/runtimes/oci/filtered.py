@@ -26,12 +26,11 @@ same way; the system directories bound read-only hold none.
 
 from __future__ import annotations
 
-import copy
-
 from fusion_oci.agent.protocol import EGRESS_AGENT, EGRESS_DIR, EGRESS_SOCKET, forward_args
 from fusion_oci.errors import BundleError
+from fusion_oci.oci.model import ConfigSpec, Mount
 from fusion_oci.oci.ops import EXEC_STATUS_IN_SANDBOX
-from fusion_oci.oci.spec import Spec, bind, tmpfs
+from fusion_oci.oci.spec import bind, tmpfs, with_mounts
 from fusion_oci.services.inside import ServiceWiring
 
 AGENT_INIT_IN_SANDBOX = "/dev/fusion-oci-agent"
@@ -43,7 +42,7 @@ RUNSC_FLAGS = ("--network=none", "--host-uds=open")
 """runsc's flags for filtered (see the module docstring)."""
 
 
-def with_egress_forwarder(spec: Spec, socket: str, agent: str) -> Spec:
+def with_egress_forwarder(spec: ConfigSpec, socket: str, agent: str) -> ConfigSpec:
     """The task's proxy socket (host path ``socket``) at /run/fusion-oci/egress.sock, the agent
     (host path ``agent``) at /run/fusion-oci/agent for ssh's ProxyCommand, and the forwarder
     started by the agent that is the container's init (launch.with_agent_init) or wraps its
@@ -53,25 +52,33 @@ def with_egress_forwarder(spec: Spec, socket: str, agent: str) -> Spec:
     made there, never in a shared image rootfs. Both binds are read-only: connect needs no
     write access to the mount, and neither file can be replaced from inside.
     """
-    args = spec["process"]["args"]
+    args = spec.process.args
     if not args or args[0] not in (AGENT_INIT_IN_SANDBOX, EXEC_STATUS_IN_SANDBOX):
         raise BundleError(
             "network filtered needs the exec agent as the container's process",
             "the forwarder is the agent's (--egress); the bundle has no agent",
             "apply with_agent_init (or with_exec_status) before with_egress_forwarder",
         )
-    out = copy.deepcopy(spec)
-    if not any(m["destination"] in ("/run", EGRESS_DIR) for m in out["mounts"]):
-        out["mounts"].append(tmpfs("/run", mode="755"))
-    out["mounts"] += [
+    mounts = [
+        *_run_tmpfs(spec),
         bind(EGRESS_SOCKET, socket, writable=False),
         bind(EGRESS_AGENT, agent, writable=False),
     ]
-    out["process"]["args"] = [args[0], *forward_args(EGRESS_SOCKET), *args[1:]]
-    return out
+    return ConfigSpec(
+        with_mounts(spec.task, mounts),
+        spec.process.with_args([args[0], *forward_args(EGRESS_SOCKET), *args[1:]]),
+    )
 
 
-def with_service_relays(spec: Spec, services: ServiceWiring) -> Spec:
+def _run_tmpfs(spec: ConfigSpec) -> list[Mount]:
+    """A tmpfs of the container's own at /run where the spec has none (the mount points of
+    the binds under it are made there, never in a shared image rootfs)."""
+    if any(m.destination in ("/run", EGRESS_DIR) for m in spec.task.mounts):
+        return []
+    return [tmpfs("/run", mode="755")]
+
+
+def with_service_relays(spec: ConfigSpec, services: ServiceWiring) -> ConfigSpec:
     """``hostServices``: each relay's socket bound read-only (at /run/fusion-oci/services/N.sock
     for a TCP grant, at the granted path for a unix one) and a listener per TCP grant on the
     container's own loopback, started by the agent that is its init before hello (the same
@@ -80,19 +87,18 @@ def with_service_relays(spec: Spec, services: ServiceWiring) -> Spec:
     Pure."""
     if not services:
         return spec
-    args = spec["process"]["args"]
+    args = spec.process.args
     if not args or args[0] not in (AGENT_INIT_IN_SANDBOX, EXEC_STATUS_IN_SANDBOX):
         raise BundleError(
             "hostServices needs the exec agent as the container's process",
             "the listeners are the agent's (--service); the bundle has no agent",
             "apply with_agent_init (or with_exec_status) before with_service_relays",
         )
-    out = copy.deepcopy(spec)
-    if not any(m["destination"] in ("/run", EGRESS_DIR) for m in out["mounts"]):
-        out["mounts"].append(tmpfs("/run", mode="755"))
-    out["mounts"] += [bind(dest, source, writable=False) for source, dest in services.binds]
-    out["process"]["args"] = [args[0], *services.agent_args, *args[1:]]
-    return out
+    binds = [bind(dest, source, writable=False) for source, dest in services.binds]
+    return ConfigSpec(
+        with_mounts(spec.task, [*_run_tmpfs(spec), *binds]),
+        spec.process.with_args([args[0], *services.agent_args, *args[1:]]),
+    )
 
 
 def runsc_service_flags(flags: list[str]) -> list[str]:

@@ -14,7 +14,6 @@ sends that frame, nothing else.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -22,10 +21,10 @@ from typing import Any
 from fusion_oci.agent.protocol import Spawn
 from fusion_oci.models import NetworkMode
 from fusion_oci.oci import ops
-from fusion_oci.oci.model import ANN_RUN, ANN_TASK, ProcessSpec, TaskSpec, config_json
+from fusion_oci.oci.model import ANN_RUN, ANN_TASK, ConfigSpec, ProcessSpec, Seccomp, TaskSpec
 from fusion_oci.oci.ops import EgressHook
 from fusion_oci.oci.seccomp import without_errno_ret
-from fusion_oci.oci.spec import Spec, bind
+from fusion_oci.oci.spec import bind, with_linux, with_mounts
 from fusion_oci.runtimes.linux.cgroups import CgroupLimits, leaf_name
 from fusion_oci.runtimes.linux.egress import split_relays
 from fusion_oci.runtimes.oci.filtered import (
@@ -143,7 +142,7 @@ def egress_launch_argv(unshare: str, hook: EgressHook, argv: list[str]) -> list[
 
 
 def bundle_spec(
-    spec: Spec,
+    spec: ConfigSpec,
     *,
     rootless_ids: tuple[int, int] | None = None,
     rootfs: str | None = None,
@@ -155,7 +154,7 @@ def bundle_spec(
     egress_proxy: tuple[str, str] | None = None,
     services: ServiceWiring | None = None,
     errno_ret: bool = True,
-) -> Spec:
+) -> ConfigSpec:
     """The spec as the runtime CLI gets it: the compiled one through the ops this host needs.
     Pure.
 
@@ -172,7 +171,7 @@ def bundle_spec(
     seccomp profile is said without ``errnoRet``
     (:func:`~fusion_oci.oci.seccomp.without_errno_ret`).
     """
-    out = copy.deepcopy(spec)  # the ops copy too; this one guarantees a copy when none applies
+    out = spec  # frozen: an op that applies returns a changed copy
     if agent is not None:  # the task's container: the agent (host path) is its init
         out = with_agent_init(out, agent)
     if exec_status is not None:  # (agent binary, status folder): inside the init
@@ -194,12 +193,13 @@ def bundle_spec(
         out = ops.with_cgroups_path(out, cgroup_leaf)
     if rootless_ids is not None:
         out = ops.with_rootless(out, *rootless_ids)
-    if not errno_ret and "seccomp" in out["linux"]:
-        out["linux"]["seccomp"] = without_errno_ret(out["linux"]["seccomp"])
+    if not errno_ret and out.task.linux.seccomp is not None:
+        profile = without_errno_ret(out.task.linux.seccomp.to_oci())
+        out = out.with_task(with_linux(out.task, seccomp=Seccomp.model_validate(profile)))
     return out
 
 
-def with_agent_init(spec: Spec, agent: str) -> Spec:
+def with_agent_init(spec: ConfigSpec, agent: str) -> ConfigSpec:
     """The task's container: the agent (host path ``agent``, bound read-only) is its init on
     fd :data:`AGENT_FD`, under the spec's user, capabilities, no-new-privileges and seccomp
     profile (every command it spawns runs under them too). Pure.
@@ -208,15 +208,17 @@ def with_agent_init(spec: Spec, agent: str) -> Spec:
     frame). RLIMIT_CPU stays off the init, where it would charge the agent's own CPU time over
     the whole task: the agent sets it, with the other rlimits, on each command.
     """
-    out = copy.deepcopy(spec)
-    out["mounts"].append(bind(AGENT_IN_SANDBOX, agent, writable=False))
-    proc = out["process"]
-    proc["args"] = [AGENT_IN_SANDBOX, "--fd", AGENT_FD]
-    path = dict(e.split("=", 1) for e in proc.get("env", [])).get("PATH")
-    proc["env"] = [f"PATH={path}"] if path else []
-    proc["cwd"] = "/"
-    proc["rlimits"] = [r for r in proc.get("rlimits", []) if r["type"] != "RLIMIT_CPU"]
-    return out
+    proc = spec.process
+    path = proc.env_map().get("PATH")
+    init = proc.model_copy(
+        update={
+            "args": [AGENT_IN_SANDBOX, "--fd", AGENT_FD],
+            "env": [f"PATH={path}"] if path else [],
+            "cwd": "/",
+            "rlimits": [r for r in proc.rlimits if r.type != "RLIMIT_CPU"],
+        }
+    )
+    return ConfigSpec(with_mounts(spec.task, [bind(AGENT_IN_SANDBOX, agent, writable=False)]), init)
 
 
 def command_spawn(process: ProcessSpec, run_id: str = PLAN_RUN_ID) -> Spawn:
@@ -266,7 +268,7 @@ class TaskLaunch:
     argv: list[str]
     env: dict[str, str]
     cwd: str
-    bundle: Spec
+    bundle: ConfigSpec
     bundle_dir: Path
     pid_file: Path
     log: Path
@@ -288,11 +290,11 @@ class OciPlan(AgentPlan):
     (``sandbox``: the runtime CLI's argv, env and cwd, started at prepare; ``bundle``: its
     config.json). The :class:`TaskLaunch` it renders rides along (not in :meth:`to_json`)."""
 
-    bundle: Spec = field(kw_only=True)
+    bundle: ConfigSpec = field(kw_only=True)
     launch: TaskLaunch = field(kw_only=True, repr=False, compare=False)
 
     def _body(self) -> dict[str, Any]:
-        return {**super()._body(), "bundle": self.bundle}
+        return {**super()._body(), "bundle": self.bundle.to_oci()}
 
 
 def render(backend: str, process: ProcessSpec, launch: TaskLaunch) -> OciPlan:
@@ -312,7 +314,7 @@ def build_task(task: TaskSpec, init: ProcessSpec, host: Host) -> TaskLaunch:
     """Task spec + the init's process (the task's user, capabilities, rlimits: the args are
     the agent's, :func:`with_agent_init`) + host facts → the launch of the task's container.
     Pure."""
-    spec = config_json(task, init)
+    spec = ConfigSpec(task, init)
     cid = task_dir_name(
         task.annotations.get(ANN_TASK, "task"), task.annotations.get(ANN_RUN, "run"), host.nonce
     )

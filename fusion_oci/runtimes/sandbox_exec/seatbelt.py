@@ -36,8 +36,8 @@ from dataclasses import dataclass
 
 from fusion_oci.errors import BundleError
 from fusion_oci.models import NetworkMode
+from fusion_oci.oci.environment import SANDBOX_HOME
 from fusion_oci.oci.model import TaskSpec
-from fusion_oci.oci.spec import SANDBOX_HOME
 
 SANDBOX_EXEC = "/usr/bin/sandbox-exec"
 """Absolute, so a ``sandbox-exec`` earlier on PATH cannot stand in for it."""
