@@ -39,14 +39,14 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fusion_oci.errors import SandboxSetupError
+from fusion_oci.errors import EngineError, SandboxSetupError
 from fusion_oci.images.gates import ProvisionGate
 from fusion_oci.models import NetworkMode, RunOptions, RunResult
 from fusion_oci.oci.model import ANN_RUN, User
 from fusion_oci.policy.layout import CA_IN_SANDBOX
 from fusion_oci.runtimes.kubernetes import taskpod
 from fusion_oci.runtimes.kubernetes.agentsandbox import EXTENSIONS_API
-from fusion_oci.runtimes.kubernetes.client import ApiError, KubeClient
+from fusion_oci.runtimes.kubernetes.client import KubeClient, retrying
 from fusion_oci.runtimes.kubernetes.facts import served_sandbox_apis
 from fusion_oci.runtimes.kubernetes.kubeconfig import ClusterAccess, find_access
 from fusion_oci.runtimes.kubernetes.netprobe import probe_network_policy
@@ -141,16 +141,14 @@ class KubernetesRuntime(SpecRuntime):
         return self._access, self._client
 
     def availability(self) -> Availability:
+        """A cluster is configured (the API server is asked at prepare, where an answer that
+        does not come is retried: a cluster briefly away is not "unavailable")."""
         try:
-            access, client = self._cluster()
-            version = client.get("/version")
+            access, _client = self._cluster()
         except SandboxSetupError as exc:
-            return Availability(False, exc.why, exc.hint)
-        except ApiError as exc:
             return Availability(False, exc.why, exc.hint)
         return Availability(
             True,
-            version=str(version.get("gitVersion", "")),
             rootless=True,
             details={"server": access.server, "namespace": access.namespace},
         )
@@ -249,6 +247,9 @@ class KubernetesRuntime(SpecRuntime):
         ca_mount = next((m for m in spec.mounts if m.destination == CA_IN_SANDBOX), None)
         ca = host_ca(Path(ca_mount.source)) if ca_mount is not None and ca_mount.source else None
         try:
+            # the first call, retried (tenacity) while the API server does not answer or is
+            # busy; then the API error as it is (engine-error)
+            await asyncio.to_thread(retrying, lambda: client.get("/version"))
             mode = await self._mode(client)
             objs = self._task_objects(
                 spec, self._pod, self._image, tools.name, mode, ca.name if ca else None
@@ -416,6 +417,12 @@ class KubernetesRuntime(SpecRuntime):
         facts = await asyncio.to_thread(
             probe_network_policy, client, self._namespace, self._image, settings=self.kube
         )
+        if facts.get("enforced") is None:
+            raise EngineError(
+                "could not find out whether the cluster enforces NetworkPolicy",
+                str(facts.get("how", "unknown")),
+                "see the probe's words above; `fusion-oci doctor` runs the same probe",
+            )
         if facts.get("enforced") is not True:
             raise SandboxSetupError(
                 "the cluster does not enforce NetworkPolicy",
