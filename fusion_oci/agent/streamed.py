@@ -39,6 +39,7 @@ from fusion_oci.agent.protocol import (
     STDIN,
     STDOUT,
     Framer,
+    ProtocolError,
     decode_data,
     decode_fields,
     encode,
@@ -51,6 +52,8 @@ from fusion_oci.process import Capture
 MUX = Path(__file__).with_name("mux.py")
 """The far end: a stdlib-only script, copied into a pod and run by path."""
 READ_SIZE = 1 << 18
+MAX_WINDOW = 4 << 20
+"""The most output per run the host takes on credit, whatever window the far end names."""
 STDIN_CHUNK = 1 << 16
 WRITE_HIGH = 1 << 20
 """Bytes queued for the stream past which a sender (a spawn, stdin) waits."""
@@ -80,6 +83,9 @@ class _Run:
         self.queue: collections.deque[tuple[bytes, bytes]] = collections.deque()
         self.waiting = False
         self.unacked = 0
+        self.outstanding = 0
+        """Output received and not yet credited back: at most the window, or the far end
+        broke the protocol (a hostile mux could otherwise fill the host's memory)."""
         self.credit = 0
         self.credit_given = asyncio.Event()
         self.stdin_closed = False
@@ -146,7 +152,9 @@ class StreamedAgent(AgentSession[_Run]):
                 f"its hello has no window: {sorted(hello)}",
                 f"start the far end as {' '.join(mux_argv('AGENT'))}",
             )
-        self._window = int(hello["window"])
+        # The far end is the sandbox's: its word is bounded (a window it names is also how much
+        # output the host holds per run before it must have taken some).
+        self._window = min(max(int(hello["window"]), 64 << 10), MAX_WINDOW)
         return hello
 
     def _setup_detail(self) -> str:
@@ -182,6 +190,11 @@ class StreamedAgent(AgentSession[_Run]):
         if kind == DATA:
             run_id, stream, data = decode_data(body)
             if (run := self._runs.get(run_id)) is not None and stream in run.captures:
+                run.outstanding += len(data)
+                if run.outstanding > self._window:
+                    raise ProtocolError(
+                        f"run {run_id!r} got {run.outstanding} bytes of output past its credit"
+                    )
                 run.queue.append((stream, data))
                 self._consume(run_id, run)
             return
@@ -215,6 +228,7 @@ class StreamedAgent(AgentSession[_Run]):
         # three quarters) and a megabyte costs four small frames, not one per chunk.
         if run.unacked >= self._window // 4:
             self._write(encode(ACK, [("id", run_id), ("bytes", str(run.unacked))]))
+            run.outstanding -= run.unacked
             run.unacked = 0
         if not run.queue and not run.waiting and run.exited.done() and not run.drained.done():
             run.drained.set_result(None)

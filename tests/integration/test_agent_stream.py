@@ -274,3 +274,25 @@ async def test_a_far_end_that_is_not_the_mux_is_refused() -> None:
     with pytest.raises(SandboxSetupError) as info:
         await StreamedAgent.over(stream, timeout_s=5)
     assert "not mux.py" in info.value.what
+
+
+async def test_a_far_end_that_floods_past_its_credit_is_a_lost_agent() -> None:
+    """The pod is the command's: a mux it took over could send output without end. The host
+    holds at most one window per run unacknowledged; past it the stream is not trusted."""
+    from fusion_oci.agent.protocol import STDOUT, decode_fields, encode, encode_data
+
+    stream = _ScriptedStream(encode(b"H", [("version", "1"), ("pid", "9"), ("window", "65536")]))
+    a = await StreamedAgent.over(stream, timeout_s=5)
+    task = asyncio.ensure_future(a.run(["true"], env=ENV, on_output=lambda s, d: asyncio.sleep(1)))
+    await asyncio.sleep(0.05)
+    spawn = b"".join(stream.written)
+    run_id = decode_fields(spawn[5 : 4 + int.from_bytes(spawn[:4], "big")])["id"]
+    # 128 KiB in one read against a 64 KiB window: the consumer takes the first chunk (and
+    # credits it back), then waits, so 96 KiB are held unacknowledged
+    stream.incoming.put_nowait(
+        b"".join(encode_data(run_id, STDOUT, b"x" * (32 << 10)) for _ in range(4))
+    )
+    with pytest.raises(AgentLostError) as info:
+        await asyncio.wait_for(task, 5)
+    assert "past its credit" in info.value.why
+    await a.close()
