@@ -1,19 +1,27 @@
 """Losing a node: killing one worker's kubelet and containerd (with its shims and pods, as a
-dead machine loses them) makes it NotReady, its pods are lost, new pods land on the other
-node, and `scripts/cluster.sh stop` still leaves nothing behind. The cluster is started again
+dead machine loses them) makes it NotReady, its pods are lost (a kubernetes task's command in
+flight there ends ``agent-lost``), new pods (and the next task) land on the other node, and
+`scripts/cluster.sh stop` still leaves nothing behind. The cluster is started again
 afterwards, so whatever runs next finds it as it was. (Named to run last in this folder.)"""
 
 from __future__ import annotations
 
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from fusion_oci.errors import AgentLostError
+from fusion_oci.models import PrepareContext, RunOptions, SandboxPolicy
+from fusion_oci.policy.kubernetes import KubernetesSettings
+from fusion_oci.policy.settings import SandboxSettings
+from fusion_oci.sandbox import SyncSandbox
 from tests.cluster.conftest import NODES
 from tests.cluster.kube import CLUSTER_SH, Kube, wait_for
+from tests.conftest import git_init
 
 
 def _cluster(*args: str, timeout: float = 600) -> str:
@@ -81,9 +89,52 @@ def leftovers(state: Path) -> dict[str, Any]:
     return {k: v for k, v in found.items() if v}
 
 
+def _task_pod_node(kube: Kube, ns: str, sb: SyncSandbox) -> str:
+    pod = sb.sandbox.runtime._pod  # type: ignore[union-attr]
+    return str(kube.get("pod", pod, namespace=ns)["spec"]["nodeName"])
+
+
+def _kube_task(kube: Kube, ns: str, site: Path, name: str) -> SyncSandbox:
+    """A prepared ``kubernetes`` task (plain pods) in ``ns``."""
+    wt = git_init(site / name)
+    (site / "project").mkdir(exist_ok=True)
+    settings = SandboxSettings(
+        backend="kubernetes",
+        image=kube.node_image,
+        kubernetes=KubernetesSettings(
+            kubeconfig=str(kube.kubeconfig), namespace=ns, mode="pods",
+            seccomp_profile="fusion-oci/task.json", node_networks=["10.231.0.0/16"],
+        ),
+    )  # fmt: skip
+    sb = SyncSandbox(settings, cache_root=site / "cache")
+    sb.prepare(
+        PrepareContext(
+            task_id=name, run_id="r1", worktree_path=str(wt),
+            policy=SandboxPolicy(allow_network=False), project_dir=str(site / "project"),
+        )
+    )  # fmt: skip
+    return sb
+
+
+def _task_on(kube: Kube, ns: str, site: Path, node: str) -> SyncSandbox:
+    """A kubernetes task whose pod the scheduler put on ``node`` (it spreads a namespace's
+    pods: a few tries at most); the others are disposed."""
+    for i in range(6):
+        sb = _kube_task(kube, ns, site, f"k{i}")
+        if _task_pod_node(kube, ns, sb) == node:
+            return sb
+        sb.dispose()
+    raise AssertionError(f"no task pod landed on {node}")
+
+
 @pytest.mark.slow
-def test_losing_a_node(kube: Kube, ns: str) -> None:
+def test_losing_a_node(kube: Kube, ns: str, tmp_path: Path) -> None:
     dead, alive = NODES[1], NODES[0]
+    # the kubernetes runtime: a task on the node that dies, with a command in flight
+    doomed = _task_on(kube, ns, tmp_path, dead)
+    in_flight = ThreadPoolExecutor(1)
+    lost_run = in_flight.submit(doomed.run, "sleep 600", RunOptions(timeout_ms=600_000))
+    time.sleep(1)
     kube.apply(kube.pod("victim", ["sleep", "infinity"], node=dead), namespace=ns)
     kube.apply(
         {
@@ -131,6 +182,13 @@ def test_losing_a_node(kube: Kube, ns: str) -> None:
 
     t0 = time.monotonic()
     _cluster("kill-node", "n2")
+    # the command on the dead node ends, typed, not after its timeout
+    with pytest.raises(AgentLostError) as lost:
+        lost_run.result(timeout=90)
+    assert lost.value.kind == "agent-lost", lost.value.render()
+    lost_after = time.monotonic() - t0
+    in_flight.shutdown()
+    doomed.dispose()
     wait_for(f"{dead} NotReady", lambda: not _node_ready(kube, dead), 90, every=1)
     not_ready_after = time.monotonic() - t0
 
@@ -160,7 +218,12 @@ def test_losing_a_node(kube: Kube, ns: str) -> None:
     kube.apply(kube.pod("newcomer", ["sleep", "infinity"]), namespace=ns)
     kube.wait_ready(ns, "newcomer")
     assert kube.get("pod", "newcomer", namespace=ns)["spec"]["nodeName"] == alive
-    print(f"{dead} NotReady after {not_ready_after:.1f} s")
+    # and the next kubernetes task lands on the live node and runs
+    with _kube_task(kube, ns, tmp_path, "after") as sb:
+        assert _task_pod_node(kube, ns, sb) == alive
+        assert sb.run("echo alive", RunOptions(timeout_ms=60_000)).stdout == "alive\n"
+    print(f"{dead} NotReady after {not_ready_after:.1f} s; its task's command agent-lost after "
+          f"{lost_after:.1f} s")  # fmt: skip
 
     # stop cleans everything, with a dead node in the cluster
     _cluster("stop")
