@@ -12,6 +12,7 @@ pods mode, tests/contract/harness.py):
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -211,3 +212,32 @@ async def test_an_api_server_that_does_not_answer_is_an_engine_error(tmp_path: P
             await sb.prepare(_ctx(wt, "unreachable"))
     assert "127.0.0.1:9" in failed.value.render(), failed.value.render()
     assert time.monotonic() - t0 < 60
+
+
+async def test_twenty_concurrent_tasks_spread_over_both_nodes(
+    kube: Kube, ns: str, tmp_path: Path
+) -> None:
+    (tmp_path / "project").mkdir()
+    settings = _settings(kube, ns, mode="pods")
+
+    async def task(i: int) -> tuple[str, str]:
+        wt = git_init(tmp_path / f"wt{i}")
+        (wt / "n.txt").write_text(f"{i}\n")
+        async with Sandbox(settings, cache_root=tmp_path / "cache") as sb:
+            await sb.prepare(_ctx(wt, f"many-{i}"))
+            r = await sb.run("cat n.txt; echo done > out.txt", RunOptions(timeout_ms=120_000))
+            assert (r.exit_code, r.stdout) == (0, f"{i}\n"), r
+            pod = sb.runtime._pod  # type: ignore[union-attr]
+            node = kube.get("pod", pod, namespace=ns)["spec"]["nodeName"]
+        assert (wt / "out.txt").read_text() == "done\n"
+        return pod, str(node)
+
+    t0 = time.monotonic()
+    placed = await asyncio.gather(*(task(i) for i in range(20)))
+    took = time.monotonic() - t0
+    nodes = {node for _, node in placed}
+    assert nodes == {"fusion-oci-n1", "fusion-oci-n2"}, placed
+    assert len({pod for pod, _ in placed}) == 20
+    wait_for("every task pod gone", lambda: not _ours(kube, ns, "pods") or None, 120)
+    print(f"\n20 concurrent tasks: {took:.1f} s; per node:",
+          {n: sum(1 for _, m in placed if m == n) for n in sorted(nodes)})  # fmt: skip

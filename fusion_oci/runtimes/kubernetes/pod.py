@@ -186,6 +186,17 @@ def pod_manifest(task: TaskSpec, process: ProcessSpec, opts: PodOptions) -> PodM
     }
     if opts.grace_s is not None:
         spec["terminationGracePeriodSeconds"] = opts.grace_s
+    if not opts.host_paths:
+        # Tasks spread over the nodes (a soft rule: a full node still takes one): standalone
+        # pods get no default spreading, and one node's loss should take as few tasks as can be.
+        spec["topologySpreadConstraints"] = [
+            {
+                "maxSkew": 1,
+                "topologyKey": "kubernetes.io/hostname",
+                "whenUnsatisfiable": "ScheduleAnyway",
+                "labelSelector": {"matchLabels": dict(MANAGED_BY)},
+            }
+        ]
     if task.hostname:
         spec["hostname"] = task.hostname
     if opts.runtime_class:
