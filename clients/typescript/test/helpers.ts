@@ -24,7 +24,9 @@ export const SERVER_ENV: NodeJS.ProcessEnv = {
   PYTHONPATH: ROOT + (process.env.PYTHONPATH ? `:${process.env.PYTHONPATH}` : ""),
 };
 
-export const BACKENDS: SandboxBackendId[] = ["native", "bubblewrap", "podman", "docker"];
+export const BACKENDS: SandboxBackendId[] = [
+  "native", "bubblewrap", "podman", "docker", "kubernetes",
+];
 export const NO_NET: SandboxPolicy = { allowNetwork: false, allowedPaths: [] };
 
 const images = new Map<string, string>();
@@ -51,7 +53,29 @@ export function engineSettings(backend: SandboxBackendId): Record<string, unknow
   if (backend === "docker") {
     return { dockerUrl: process.env.DOCKER_HOST, image: nodeImage("docker") };
   }
+  if (backend === "kubernetes") {
+    return { image: nodeImage("podman"), kubernetes: kubernetesSettings() };
+  }
   return {};
+}
+
+const KUBE_NAMESPACE = "fusion-oci-contract";
+
+/** The test cluster of scripts/cluster.sh (its env is exported by scripts/test.sh), in the
+ * Python contract suite's namespace, made here when missing. */
+function kubernetesSettings(): Record<string, unknown> {
+  const kubeconfig = process.env.KUBECONFIG;
+  const bin = process.env.FUSION_OCI_K8S_BIN;
+  if (!kubeconfig || !bin) throw new Error("the cluster's env is not set: eval \"$(scripts/cluster.sh env)\"");
+  try {
+    execFileSync(join(bin, "kubectl"), ["get", "namespace", KUBE_NAMESPACE], { stdio: "ignore" });
+  } catch {
+    execFileSync(join(bin, "kubectl"), ["create", "namespace", KUBE_NAMESPACE], { stdio: "ignore" });
+  }
+  return {
+    kubeconfig, namespace: KUBE_NAMESPACE, mode: "pods",
+    seccompProfile: "fusion-oci/task.json", nodeNetworks: ["10.231.0.0/16"],
+  };
 }
 
 export function options(backend: SandboxBackendId, extra: SandboxBackendOptions = {}
