@@ -23,6 +23,7 @@ from fusion_oci.runtimes.requirements import Requirement
 from fusion_oci.sandbox import SyncSandbox
 from tests.backends import backend_settings, require_runtime
 from tests.security.conftest import (  # noqa: F401 - the fixtures, shared with the probes
+    REMOTE,
     Prober,
     backend,
     dockerless_user,
@@ -70,11 +71,14 @@ def test_a_granted_postgres_answers_real_clients_inside(
 ) -> None:
     (prober.worktree / "pg.js").write_text(PG_CLIENT_JS)
     policy = SandboxPolicy(network=network, host_services=grants(pg))  # type: ignore[arg-type]
-    if prober.backend == "landlock" and network == "egress":
+    if (prober.backend == "landlock" and network == "egress") or prober.backend in REMOTE:
         # landlock has no egress without host loopback (no network namespace): refused as
-        # before, grants or not.
-        with pytest.raises(PolicyNotEnforceableError):
+        # before, grants or not; a pod on a cluster node cannot be given the executor's
+        # loopback (kubernetes): refused.
+        with pytest.raises(PolicyNotEnforceableError) as refused:
             prober.run("true", policy)
+        if prober.backend in REMOTE:
+            assert Requirement.HOST_SERVICES.value in refused.value.unenforced
         return
     result = prober.run(client_script(pg), policy, timeout_ms=90_000)
     assert result.exit_code == 0, (result.stdout, result.stderr[-2000:])

@@ -35,6 +35,7 @@ from fusion_oci.sidecars.run import _endpoints
 from tests.backends import backend_settings, require_runtime
 from tests.integration.service_images import ensure_service_image
 from tests.security.conftest import (  # noqa: F401 - the fixtures, shared with the probes
+    REMOTE,
     ROOTLESS_BACKENDS,
     Prober,
     backend,
@@ -74,7 +75,7 @@ def with_images(prober: Prober) -> None:  # noqa: F811 - the fixture's value
         from tests.integration.images_fixture import ensure_node_image
 
         ensure_node_image(prober.backend)  # the task's own image
-    if prober.backend not in ROOTLESS_BACKENDS and prober.backend != "native":
+    if prober.backend not in {*ROOTLESS_BACKENDS, *REMOTE, "native"}:
         ensure_service_image(service_engine(prober.backend), "postgres")
         prober.env.update(services_env(prober.backend))
 
@@ -101,7 +102,7 @@ def test_a_task_reaches_its_own_postgres_with_real_clients(
     with_images(prober)
     (prober.worktree / "pg.js").write_text(PG_CLIENT_JS)
     policy = SandboxPolicy.model_validate({"network": network, "services": [DB]})
-    if prober.backend in ROOTLESS_BACKENDS:
+    if prober.backend in ROOTLESS_BACKENDS or prober.backend in REMOTE:
         with pytest.raises(PolicyNotEnforceableError) as refused:
             prober.run("true", policy)
         assert any(SERVICES_PART in u for u in refused.value.unenforced), refused.value
