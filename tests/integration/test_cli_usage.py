@@ -137,7 +137,7 @@ def test_help_lists_choices_and_every_option_has_help(worktree: Path) -> None:
         timeout=60,
         check=True,
     )
-    assert "native|bubblewrap|landlock|oci|podman|docker|sandbox-exec|custom" in p.stdout
+    assert "native|bubblewrap|landlock|oci|podman|docker|kubernetes|sandbox-exec|custom" in p.stdout
     from typer.main import get_command
 
     from fusion_oci.cli.main import _mount_images, app
