@@ -176,7 +176,9 @@ def test_losing_a_node(kube: Kube, ns: str, tmp_path: Path) -> None:
     kube.wait_ready(ns, "victim")
     kube.run("-n", ns, "rollout", "status", "deployment/web", "--timeout=180s", timeout=200)
     (web,) = [
-        p for p in kube.get("pods", namespace=ns)["items"] if p["metadata"]["name"] != "victim"
+        p
+        for p in kube.get("pods", namespace=ns)["items"]
+        if p["metadata"]["name"].startswith("web-")
     ]
     assert web["spec"]["nodeName"] == dead
 
