@@ -209,7 +209,9 @@ def listening(unix: list[Path] = ()) -> Iterator[Listening]:  # type: ignore[ass
     stop = threading.Event()
 
     def serve(srv: socket.socket, label: str) -> None:
-        srv.listen(16)
+        # A backlog for a burst: 40 connections at once overflowed 16, and a dropped SYN is
+        # retried after 1 s, 2 s, 4 s... (a test of 40 at once read as a slow relay).
+        srv.listen(256)
         srv.settimeout(0.1)
         while not stop.is_set():
             try:
