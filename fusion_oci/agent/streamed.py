@@ -41,6 +41,7 @@ from fusion_oci.agent.protocol import (
     EGRESS_OPEN,
     EXITED,
     FAILED,
+    HELLO,
     SPAWN,
     SPAWN_PIPED,
     STDERR,
@@ -54,7 +55,6 @@ from fusion_oci.agent.protocol import (
     encode_data,
 )
 from fusion_oci.agent.session import AgentSession
-from fusion_oci.agent.tunnel import MAX_WINDOW as MAX_EGRESS_WINDOW
 from fusion_oci.agent.tunnel import Dialer, Tunnels
 from fusion_oci.errors import AgentLostError, SandboxSetupError
 from fusion_oci.process import Capture
@@ -181,18 +181,14 @@ class StreamedAgent(AgentSession[_Run]):
         # The far end is the sandbox's: its word is bounded (a window it names is also how much
         # output the host holds per run before it must have taken some).
         self._window = min(max(int(hello["window"]), 64 << 10), MAX_WINDOW)
-        if self._egress is not None:
-            if not hello.get("egress_window", "").isdigit() or hello["egress_window"] == "0":
-                await self.close()
-                raise SandboxSetupError(
-                    "the far end of the agent's stream does not carry egress",
-                    "its hello has no egress_window: mux.py was not started with "
-                    "--egress-listen, or is older",
-                    "start it as " + " ".join(mux_argv("AGENT", egress_listen=3128)),
-                )
-            # Never more credit than the mux named (it holds that much per connection), nor
-            # more than this side holds for one (its word is bounded).
-            self._tunnels.window = min(int(hello["egress_window"]), MAX_EGRESS_WINDOW)
+        if self._egress is not None and not self._tunnels.window:  # set from the hello
+            await self.close()
+            raise SandboxSetupError(
+                "the far end of the agent's stream does not carry egress",
+                "its hello has no egress_window: mux.py was not started with "
+                "--egress-listen, or is older",
+                "start it as " + " ".join(mux_argv("AGENT", egress_listen=3128)),
+            )
         return hello
 
     def _setup_detail(self) -> str:
@@ -241,6 +237,8 @@ class StreamedAgent(AgentSession[_Run]):
                 self._consume(run_id, run)
             return
         fields = decode_fields(body)
+        if kind == HELLO:
+            self._tunnels.greeted(fields)
         if kind == ACK:
             if (run := self._runs.get(fields.get("id", ""))) is not None:
                 run.credit += int(fields["bytes"])

@@ -71,12 +71,21 @@ class Tunnels:
         self.window = 0
         """Per connection and direction, from the mux's hello (clamped: its word is bounded)."""
         self._conns: dict[int, _Conn] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        """Every relay still running (a dropped one too, until its cancellation is done)."""
         self._last = 0
         self.opened = 0
 
     @property
     def open(self) -> int:
         return len(self._conns)
+
+    def greeted(self, hello: dict[str, str]) -> None:
+        """The mux's hello: its window, at once (an ``O`` may follow in the same read).
+        Never more credit than it named (it holds that much per connection), nor more than
+        this side holds for one (its word is bounded)."""
+        if self._dialer is not None and hello.get("egress_window", "").isdigit():
+            self.window = min(int(hello["egress_window"]), MAX_WINDOW)
 
     def frame(self, kind: bytes, body: bytes) -> None:
         """One frame of the far end's about a connection."""
@@ -131,6 +140,8 @@ class Tunnels:
         self._conns[conn_id] = conn
         self.opened += 1
         conn.task = self._loop.create_task(self._relay(conn_id, conn, self._dialer))
+        self._tasks.add(conn.task)
+        conn.task.add_done_callback(self._tasks.discard)
 
     def _drop(self, conn_id: int, conn: _Conn) -> None:
         self._conns.pop(conn_id, None)
@@ -199,7 +210,6 @@ class Tunnels:
             self._drop(conn_id, conn)
 
     async def aclose(self) -> None:
-        tasks = [c.task for c in self._conns.values() if c.task is not None]
         self.stop()
         with contextlib.suppress(Exception):
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*self._tasks, return_exceptions=True)

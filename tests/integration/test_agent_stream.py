@@ -497,3 +497,24 @@ async def test_egress_a_hostile_far_end_is_a_lost_agent(case: str, tmp_path: Pat
         await a.close()
     finally:
         hold.close()
+
+
+async def test_egress_an_open_in_the_hellos_own_read_is_relayed(tmp_path: Path) -> None:
+    """The mux accepts right after its hello: an O may come in the same read, before the
+    host's setup has returned; it is relayed, not refused."""
+    hello = encode(
+        b"H", [("version", "1"), ("pid", "9"), ("window", "65536"), ("egress_window", "65536")]
+    )
+    stream = _ScriptedStream(hello + encode(b"O", [("id", "1")]) + encode_bytes(1, b"ping"))
+    async with FakeProxy(tmp_path / "p.sock", lambda b: b"pong:" + b) as proxy:
+        a = await StreamedAgent.over(stream, 5, egress=proxy.dial)
+        stream.incoming.put_nowait(encode_bytes(1, b""))  # the command's half-close
+        for _ in range(100):
+            if any(w.startswith(encode_bytes(1, b"pong:ping")) for w in stream.written):
+                break
+            await asyncio.sleep(0.02)
+        sent = b"".join(stream.written)
+        assert encode_bytes(1, b"pong:ping") in sent
+        assert encode(b"C", [("id", "1")]) not in sent  # not refused
+        assert encode_bytes(1, b"") in sent  # the proxy's end, passed on
+        await a.close()
