@@ -64,6 +64,9 @@ MUX = Path(__file__).with_name("mux.py")
 READ_SIZE = 1 << 18
 MAX_WINDOW = 4 << 20
 """The most output per run the host takes on credit, whatever window the far end names."""
+TAIL = 1 << 20
+"""After the agent's X the mux reads what the pipes still hold past the window, up to this
+(mux.py's TAIL): output the host may get beyond its credit, and no more."""
 STDIN_CHUNK = 1 << 16
 WRITE_HIGH = 1 << 20
 """Bytes queued for the stream past which a sender (a spawn, stdin) waits."""
@@ -229,7 +232,7 @@ class StreamedAgent(AgentSession[_Run]):
             run_id, stream, data = decode_data(body)
             if (run := self._runs.get(run_id)) is not None and stream in run.captures:
                 run.outstanding += len(data)
-                if run.outstanding > self._window:
+                if run.outstanding > self._window + TAIL:
                     raise ProtocolError(
                         f"run {run_id!r} got {run.outstanding} bytes of output past its credit"
                     )

@@ -291,10 +291,10 @@ async def test_a_far_end_that_floods_past_its_credit_is_a_lost_agent() -> None:
     await asyncio.sleep(0.05)
     spawn = b"".join(stream.written)
     run_id = decode_fields(spawn[5 : 4 + int.from_bytes(spawn[:4], "big")])["id"]
-    # 128 KiB in one read against a 64 KiB window: the consumer takes the first chunk (and
-    # credits it back), then waits, so 96 KiB are held unacknowledged
+    # 1.25 MiB in one read against a 64 KiB window (and the 1 MiB a finished run's pipes
+    # may still hold): the consumer takes the first chunk (and credits it back), then waits
     stream.incoming.put_nowait(
-        b"".join(encode_data(run_id, STDOUT, b"x" * (32 << 10)) for _ in range(4))
+        b"".join(encode_data(run_id, STDOUT, b"x" * (32 << 10)) for _ in range(40))
     )
     with pytest.raises(AgentLostError) as info:
         await asyncio.wait_for(task, 5)
@@ -346,13 +346,14 @@ class FakeProxy:
 async def exchange(port: int, payload: bytes, read_delay_s: float = 0.0) -> bytes:
     """Connect as a command would, send everything, half-close, read the answer to its end."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(payload)
-    await writer.drain()
-    writer.write_eof()
-    await asyncio.sleep(read_delay_s)
-    out = await reader.read()
-    writer.close()
-    return out
+    try:
+        writer.write(payload)
+        await writer.drain()
+        writer.write_eof()
+        await asyncio.sleep(read_delay_s)
+        return await reader.read()
+    finally:
+        writer.close()  # also when refused: a reset may come at any step
 
 
 async def test_egress_bytes_cross_both_ways_with_half_close(tmp_path: Path) -> None:
