@@ -8,6 +8,11 @@ with the local protocol (``SCM_RIGHTS``), and relays: the pipes' output as ``D``
 host's ``D`` frames into the command's stdin, the agent's frames both ways. Both directions are
 windowed (``A`` frames give credit back), so neither side buffers without bound.
 
+With ``--egress-listen PORT`` (``network: filtered`` in a pod) it also listens on
+127.0.0.1:PORT before the agent says hello and carries each accepted connection over the same
+stream to the host, which dials the task's egress proxy there (``O``/``B``/``W``/``C`` frames,
+windowed per connection like the runs).
+
 One thread, one ``poll`` loop: a run's pipes are read only while the host has given credit
 and the bytes waiting for the stream are under ``HIGH_WATER``. The frame layout is written
 again here (fusion_oci/agent/protocol.py is the host's) because this file travels alone.
@@ -43,9 +48,16 @@ TAIL = 1 << 20
 """After the agent's X the tree is gone; what is left in the pipes is read past the window, up
 to this much, so a host that stopped consuming still gets its X."""
 CLOSE_WAIT_S = 15.0
+EGRESS_WINDOW = 256 << 10
+"""Per egress connection and direction: bytes sent and not yet written by the other side.
+Smaller than a run's: up to MAX_CONNS of them may be open."""
+MAX_CONNS = 512
+"""Egress connections carried at once; more wait in the listener's backlog."""
+BACKLOG = 128
 MAX_FRAME = 64 << 20
 HEADER = struct.Struct(">I")
 IN, OUT = select.POLLIN, select.POLLOUT
+READABLE = IN | select.POLLHUP | select.POLLERR
 
 
 def frame(kind: bytes, body: bytes) -> bytes:
@@ -107,8 +119,41 @@ class Run:
         self.tail = TAIL
 
 
+class Conn:
+    """One egress connection of the pod: the command's socket, what the host sent for it and
+    the credit each side has left."""
+
+    def __init__(self, conn_id: int, sock: socket.socket) -> None:
+        self.id = conn_id
+        self.tag = str(conn_id).encode() + b"\0"
+        self.sock = sock
+        self.credit = EGRESS_WINDOW
+        """Bytes of the command's this side may still send before the host's W."""
+        self.inbound: collections.deque[bytes] = collections.deque()
+        self.inbound_size = 0
+        self.read_done = False
+        """The command's side ended its writing (its EOF went to the host as an empty B)."""
+        self.write_done = False
+        """The host's side ended (its empty B came): shut our writing once inbound is out."""
+        self.shut = False
+
+
 class Mux:
-    def __init__(self, agent_argv: list[str]) -> None:
+    def __init__(self, agent_argv: list[str], egress_port: int | None = None) -> None:
+        self.listener: socket.socket | None = None
+        if egress_port is not None:
+            # Before the agent starts, so before hello and any command: none can take the
+            # port first; no SO_REUSEADDR/SO_REUSEPORT, so none can share it.
+            self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            self.listener.bind(("127.0.0.1", egress_port))
+            self.listener.listen(BACKLOG)
+            self.listener.setblocking(False)
+        self.conns: dict[int, Conn] = {}
+        self.conn_fds: dict[int, Conn] = {}
+        self.next_conn = 1
+        self.greeted = False
+        """The hello went out: only then are connections accepted (the host learns from it
+        that O frames may come)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self.proc = subprocess.Popen(
             # The agent's own options (--egress, --service) come before --fd (PROTOCOL.md).
@@ -161,6 +206,12 @@ class Mux:
             self.want(fd, IN if room and budget > 0 else 0)
         for fd, run in self.stdin_runs.items():
             self.want(fd, OUT if run.stdin_buf else 0)
+        for fd, conn in self.conn_fds.items():
+            read = room and conn.credit > 0 and not conn.read_done
+            self.want(fd, (IN if read else 0) | (OUT if conn.inbound else 0))
+        if self.listener is not None:
+            accepting = self.greeted and len(self.conns) < MAX_CONNS
+            self.want(self.listener.fileno(), IN if accepting else 0)
         self.want(1, OUT if self.out else 0)
         self.want(0, IN if self.host_open else 0)
         self.want(self.agent.fileno(), IN)
@@ -205,11 +256,12 @@ class Mux:
         frames = split(self.host_buf)
         if frames is None:
             return False  # not our host: end everything, as a closed stream does
-        for kind, body in frames:
-            self.host_frame(kind, body)
-        return True
+        # A frame no host of ours sends: the stream is not trusted (end everything).
+        return all(self.host_frame(kind, body) for kind, body in frames)
 
-    def host_frame(self, kind: bytes, body: bytes) -> None:
+    def host_frame(self, kind: bytes, body: bytes) -> bool:
+        if kind in (b"B", b"W", b"C"):
+            return self.egress_frame(kind, body)
         if kind in (b"S", b"P"):
             self.spawn(body, piped=kind == b"P")
         elif kind == b"K":
@@ -231,6 +283,7 @@ class Mux:
                 run.stdin_eof = True
                 if not run.stdin_buf:
                     self.close_stdin(run)
+        return True
 
     def spawn(self, body: bytes, piped: bool) -> None:
         run = Run(first_field(body, b"id"))
@@ -318,7 +371,11 @@ class Mux:
     def agent_frame(self, kind: bytes, body: bytes) -> None:
         raw = frame(kind, body)
         if kind == b"H":
-            self.send(frame(b"H", body + b"window=" + str(WINDOW).encode() + b"\0"))
+            body += b"window=" + str(WINDOW).encode() + b"\0"
+            if self.listener is not None:  # the host must be ready for O before it runs anything
+                body += b"egress_window=" + str(EGRESS_WINDOW).encode() + b"\0"
+            self.send(frame(b"H", body))
+            self.greeted = True
             return
         run = self.runs.get(first_field(body, b"id"))
         if kind == b"X" and run is not None:
@@ -383,14 +440,120 @@ class Mux:
                 nearest = wait if nearest is None else min(nearest, wait)
         return nearest
 
+    # --- egress connections (--egress-listen) ---------------------------------------------
+
+    def accept(self) -> None:
+        assert self.listener is not None
+        while len(self.conns) < MAX_CONNS:
+            try:
+                sock, _addr = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # ECONNABORTED, EMFILE: the next one may do
+                return
+            sock.setblocking(False)
+            conn = Conn(self.next_conn, sock)
+            self.next_conn += 1
+            self.conns[conn.id] = conn
+            self.conn_fds[sock.fileno()] = conn
+            self.send(frame(b"O", b"id=" + str(conn.id).encode() + b"\0"))
+
+    def egress_frame(self, kind: bytes, body: bytes) -> bool:
+        """The host's word on a connection. An id never opened, or bytes past the window the
+        host was given, is not our host's (False); one we closed already is a race: ignored."""
+        if kind == b"B":
+            tag, sep, data = body.partition(b"\0")
+            raw = tag
+        else:
+            raw, sep, data = first_field(body, b"id"), b"\0", b""
+        if not sep or not raw.isdigit() or not 0 < int(raw) < self.next_conn:
+            return False
+        conn = self.conns.get(int(raw))
+        if conn is None:
+            return True
+        if kind == b"C":
+            self.close_conn(conn, tell=False)
+        elif kind == b"W":
+            conn.credit += int(first_field(body, b"bytes") or b"0")
+        elif data:
+            if conn.write_done:
+                return False
+            conn.inbound_size += len(data)
+            if conn.inbound_size > EGRESS_WINDOW:
+                return False
+            conn.inbound.append(data)
+        else:
+            conn.write_done = True
+            self.conn_settle(conn)
+        return True
+
+    def conn_read(self, conn: Conn) -> None:
+        try:
+            data = conn.sock.recv(min(CHUNK, conn.credit))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:  # reset by the command: the host drops its end too
+            self.close_conn(conn, tell=True)
+            return
+        if not data:
+            conn.read_done = True
+            self.send(frame(b"B", conn.tag))  # half-close: the host shuts its writing
+            self.conn_settle(conn)
+            return
+        conn.credit -= len(data)
+        self.send(HEADER.pack(1 + len(conn.tag) + len(data)) + b"B" + conn.tag)
+        self.send(data)
+
+    def conn_write(self, conn: Conn) -> None:
+        written = 0
+        try:
+            while conn.inbound:
+                head = conn.inbound[0]
+                n = conn.sock.send(head)
+                written += n
+                if n < len(head):
+                    conn.inbound[0] = head[n:]
+                    break
+                conn.inbound.popleft()
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError:  # the command closed its socket
+            self.close_conn(conn, tell=True)
+            return
+        if written:
+            conn.inbound_size -= written
+            self.send(frame(b"W", b"id=%d\0bytes=%d\0" % (conn.id, written)))
+        self.conn_settle(conn)
+
+    def conn_settle(self, conn: Conn) -> None:
+        """Pass the host's half-close on once its bytes are out; forget a connection both
+        sides have ended (each side does so on its own: no frame for it)."""
+        if conn.write_done and not conn.inbound and not conn.shut:
+            conn.shut = True
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_WR)
+        if conn.shut and conn.read_done:
+            self.close_conn(conn, tell=False)
+
+    def close_conn(self, conn: Conn, tell: bool) -> None:
+        if self.conns.pop(conn.id, None) is None:
+            return
+        fd = conn.sock.fileno()
+        self.want(fd, 0)
+        self.conn_fds.pop(fd, None)
+        conn.sock.close()
+        if tell:
+            self.send(frame(b"C", b"id=%d\0" % conn.id))
+
     # --- the loop --------------------------------------------------------------------------
 
     def serve(self) -> int:
         agent_fd = self.agent.fileno()
+        listen_fd = self.listener.fileno() if self.listener is not None else -1
         while True:
             self.refresh()
             timeout = self.overdue()
-            for fd, _events in self.poll.poll(timeout):
+            for fd, events in self.poll.poll(timeout):
                 if fd == 0:
                     if not self.from_host():
                         return self.shutdown()
@@ -404,6 +567,13 @@ class Mux:
                     self.read_pipe(fd)
                 elif fd in self.stdin_runs:
                     self.to_stdin(self.stdin_runs[fd])  # POLLERR too: the write's EPIPE closes it
+                elif fd == listen_fd:
+                    self.accept()
+                elif (conn := self.conn_fds.get(fd)) is not None:
+                    if conn.inbound:
+                        self.conn_write(conn)  # POLLERR too: the send's error closes it
+                    if conn.id in self.conns and not conn.read_done and events & READABLE:
+                        self.conn_read(conn)
             if self.out and not self.flush():
                 return self.shutdown()
 
@@ -431,12 +601,24 @@ class Mux:
 
 
 def main(argv: list[str]) -> int:
+    egress_port: int | None = None
+    if len(argv) >= 2 and argv[0] == "--egress-listen":
+        if not argv[1].isdigit() or not 0 < int(argv[1]) < 65536:
+            sys.stderr.write(f"mux.py: --egress-listen needs a port, not {argv[1]!r}\n")
+            return 2
+        egress_port, argv = int(argv[1]), argv[2:]
     if len(argv) < 2 or argv[0] != "--agent":
-        sys.stderr.write("usage: mux.py --agent PATH [agent args]\n")
+        sys.stderr.write("usage: mux.py [--egress-listen PORT] --agent PATH [agent args]\n")
         return 2
     if not undumpable():
         sys.stderr.write("mux.py: cannot set PR_SET_DUMPABLE 0 (no ctypes); going on\n")
-    return Mux(argv[1:]).serve()
+    try:
+        mux = Mux(argv[1:], egress_port)
+    except OSError as exc:
+        # Closed, as the agent's own forwarder: no hello, the sandbox does not start.
+        sys.stderr.write(f"mux.py: cannot listen on 127.0.0.1:{egress_port}: {exc}\n")
+        return 125
+    return mux.serve()
 
 
 if __name__ == "__main__":

@@ -27,6 +27,16 @@ SPAWN_PIPED = b"P"
 DATA = b"D"
 ACK = b"A"
 STDIN, STDOUT, STDERR = b"0", b"1", b"2"
+# The pod's egress connections carried back over the stream (``mux.py --egress-listen``).
+EGRESS_OPEN = b"O"
+"""mux -> host, ``id=N``: a command connected to the listener; ids count up from 1."""
+EGRESS_BYTES = b"B"
+"""Both ways, ``N`` NUL raw bytes: a chunk of connection N; none: that direction's end."""
+EGRESS_ACK = b"W"
+"""Both ways, ``id=N bytes=n``: n bytes of N were written on; credit back."""
+EGRESS_CLOSE = b"C"
+"""Both ways, ``id=N``: N is gone (reset, refused, failed); the other side drops it too."""
+MAX_EGRESS_CONNS = 512
 
 _HEADER = struct.Struct(">I")
 
@@ -138,6 +148,12 @@ def encode_data(run_id: str, stream: bytes, data: bytes) -> bytes:
     """A ``D`` frame: ``id`` NUL, the stream (``0`` stdin, ``1`` stdout, ``2`` stderr), the
     bytes as they are (none: that stream's end)."""
     body = b"".join((DATA, run_id.encode(), b"\0", stream, data))
+    return _HEADER.pack(len(body)) + body
+
+
+def encode_bytes(conn_id: int, data: bytes) -> bytes:
+    """A ``B`` frame: connection ``conn_id``'s bytes (none: that direction's end)."""
+    body = b"%b%d\0%b" % (EGRESS_BYTES, conn_id, data)
     return _HEADER.pack(len(body)) + body
 
 

@@ -11,6 +11,10 @@ here, ``kubectl exec -i``) or a pods/exec WebSocket (``ExecStream``).
 Flow control both ways: a run's output is acknowledged (``A``) only once the caller's
 ``on_output`` took it, so a slow consumer stops the mux reading that command's pipes; stdin is
 sent only within the credit the mux gives back as it writes into the command's pipe.
+
+Egress (``network: filtered`` in a pod): given a dialer, each connection the mux accepted on
+the pod's 127.0.0.1:3128 (``O``) is relayed to what the dialer connects to, the task's egress
+proxy on this host, byte for byte and windowed both ways (:mod:`.tunnel`).
 """
 
 from __future__ import annotations
@@ -31,8 +35,13 @@ from fusion_oci.agent.outcome import Stdin
 from fusion_oci.agent.protocol import (
     ACK,
     DATA,
+    EGRESS_ACK,
+    EGRESS_BYTES,
+    EGRESS_CLOSE,
+    EGRESS_OPEN,
     EXITED,
     FAILED,
+    HELLO,
     SPAWN,
     SPAWN_PIPED,
     STDERR,
@@ -46,6 +55,7 @@ from fusion_oci.agent.protocol import (
     encode_data,
 )
 from fusion_oci.agent.session import AgentSession
+from fusion_oci.agent.tunnel import Dialer, Tunnels
 from fusion_oci.errors import AgentLostError, SandboxSetupError
 from fusion_oci.process import Capture
 
@@ -54,6 +64,9 @@ MUX = Path(__file__).with_name("mux.py")
 READ_SIZE = 1 << 18
 MAX_WINDOW = 4 << 20
 """The most output per run the host takes on credit, whatever window the far end names."""
+TAIL = 1 << 20
+"""After the agent's X the mux reads what the pipes still hold past the window, up to this
+(mux.py's TAIL): output the host may get beyond its credit, and no more."""
 STDIN_CHUNK = 1 << 16
 WRITE_HIGH = 1 << 20
 """Bytes queued for the stream past which a sender (a spawn, stdin) waits."""
@@ -66,10 +79,13 @@ def mux_argv(
     *,
     python: str = "python3",
     mux: str | os.PathLike[str] = MUX,
+    egress_listen: int | None = None,
 ) -> list[str]:
-    """How the far end is started (in a pod: after ``kubectl exec -i POD --``). Pure."""
+    """How the far end is started (in a pod: after ``kubectl exec -i POD --``); with
+    ``egress_listen`` it carries that port's connections back (``network: filtered``). Pure."""
     path = os.fspath(agent) if agent is not None else str(agent_binary())
-    return [python, "-S", "-E", "-s", os.fspath(mux), "--agent", path, *agent_args]
+    listen = [] if egress_listen is None else ["--egress-listen", str(egress_listen)]
+    return [python, "-S", "-E", "-s", os.fspath(mux), *listen, "--agent", path, *agent_args]
 
 
 class _Run:
@@ -105,9 +121,13 @@ class StreamedAgent(AgentSession[_Run]):
     """One agent behind ``mux.py`` at the far end of a byte stream. Create with
     :meth:`start` (a process whose stdin/stdout is the stream) or :meth:`over`."""
 
-    def __init__(self, stream: ByteStream, *, peer_pid: int | None = None) -> None:
+    def __init__(
+        self, stream: ByteStream, *, peer_pid: int | None = None, egress: Dialer | None = None
+    ) -> None:
         super().__init__()
         self._stream = stream
+        self._egress = egress
+        self._tunnels = Tunnels(self._loop, egress, self._write, self._send_frame)
         self.peer_pid = peer_pid
         """The stream's process as this host sees it (the mux, or ``kubectl``), if any."""
         self._window = 0
@@ -125,21 +145,30 @@ class StreamedAgent(AgentSession[_Run]):
 
     @classmethod
     async def start(
-        cls, argv: Sequence[str] | None = None, *, timeout_s: float = 10.0
+        cls,
+        argv: Sequence[str] | None = None,
+        *,
+        timeout_s: float = 10.0,
+        egress: Dialer | None = None,
     ) -> StreamedAgent:
         """Start ``argv`` (default: :func:`mux_argv` here, with this Python) in a session of its
         own, its stdin and stdout the stream: ``kubectl exec -i POD -- python3 ... mux.py``
-        is the same thing one hop further."""
+        is the same thing one hop further. ``egress``: see :meth:`over`."""
         command = list(argv) if argv is not None else mux_argv(python=sys.executable)
         stream = await ProcessStream.start(command, CLOSE_WAIT_S)
-        agent = cls(stream, peer_pid=stream.proc.pid)
+        agent = cls(stream, peer_pid=stream.proc.pid, egress=egress)
         await agent._greeted(timeout_s)
         return agent
 
     @classmethod
-    async def over(cls, stream: ByteStream, timeout_s: float) -> StreamedAgent:
-        """An agent behind a mux already started at the far end of ``stream``."""
-        agent = cls(stream)
+    async def over(
+        cls, stream: ByteStream, timeout_s: float, egress: Dialer | None = None
+    ) -> StreamedAgent:
+        """An agent behind a mux already started at the far end of ``stream``. ``egress``
+        (the mux started with ``--egress-listen``): what each of its connections is relayed
+        to, a coroutine opening a new connection (the task's egress proxy); without it every
+        connection is refused (closed at once)."""
+        agent = cls(stream, egress=egress)
         await agent._greeted(timeout_s)
         return agent
 
@@ -155,6 +184,14 @@ class StreamedAgent(AgentSession[_Run]):
         # The far end is the sandbox's: its word is bounded (a window it names is also how much
         # output the host holds per run before it must have taken some).
         self._window = min(max(int(hello["window"]), 64 << 10), MAX_WINDOW)
+        if self._egress is not None and not self._tunnels.window:  # set from the hello
+            await self.close()
+            raise SandboxSetupError(
+                "the far end of the agent's stream does not carry egress",
+                "its hello has no egress_window: mux.py was not started with "
+                "--egress-listen, or is older",
+                "start it as " + " ".join(mux_argv("AGENT", egress_listen=3128)),
+            )
         return hello
 
     def _setup_detail(self) -> str:
@@ -180,6 +217,7 @@ class StreamedAgent(AgentSession[_Run]):
 
     def _mark_lost(self, why: str) -> None:
         super()._mark_lost(why)
+        self._tunnels.stop()  # every relayed connection ends with the stream
         self._out_room.set()  # a sender waiting for room sees the loss
         for run in self._runs.values():
             run.credit_given.set()  # a sender waiting for credit sees the loss
@@ -187,11 +225,14 @@ class StreamedAgent(AgentSession[_Run]):
                 run.drained.set_result(None)  # nothing more comes
 
     def _dispatch(self, kind: bytes, body: bytes) -> None:
+        if kind in (EGRESS_OPEN, EGRESS_BYTES, EGRESS_ACK, EGRESS_CLOSE):
+            self._tunnels.frame(kind, body)  # ProtocolError: the stream is not trusted
+            return
         if kind == DATA:
             run_id, stream, data = decode_data(body)
             if (run := self._runs.get(run_id)) is not None and stream in run.captures:
                 run.outstanding += len(data)
-                if run.outstanding > self._window:
+                if run.outstanding > self._window + TAIL:
                     raise ProtocolError(
                         f"run {run_id!r} got {run.outstanding} bytes of output past its credit"
                     )
@@ -199,6 +240,8 @@ class StreamedAgent(AgentSession[_Run]):
                 self._consume(run_id, run)
             return
         fields = decode_fields(body)
+        if kind == HELLO:
+            self._tunnels.greeted(fields)
         if kind == ACK:
             if (run := self._runs.get(fields.get("id", ""))) is not None:
                 run.credit += int(fields["bytes"])
@@ -275,6 +318,14 @@ class StreamedAgent(AgentSession[_Run]):
         await self._out_room.wait()
         self._check()
 
+    async def _send_frame(self, data: bytes) -> bool:
+        """A relayed connection's frame, waiting for room; False once the stream is lost."""
+        if self._lost is not None or self._closed:
+            return False
+        self._write(data)
+        await self._out_room.wait()
+        return self._lost is None
+
     # --- running -------------------------------------------------------------------------
 
     def _new_run(self, out: Capture, err: Capture) -> _Run:
@@ -335,6 +386,7 @@ class StreamedAgent(AgentSession[_Run]):
         if self._closed:
             return
         self._closed = True
+        await self._tunnels.aclose()
         for task in (self._reader, self._writer):
             task.cancel()
         await asyncio.gather(self._reader, self._writer, return_exceptions=True)

@@ -59,11 +59,16 @@ STEPS = (
 )
 """The steps in order, as an agent runs them (a step runs only when the one before passed)."""
 
-NETWORK = {"landlock": workload_network(host_abi()), "plugin": NetworkMode.HOST}
+NETWORK = {
+    "landlock": workload_network(host_abi()),
+    "kubernetes": NetworkMode.FILTERED,
+    "plugin": NetworkMode.HOST,
+}
 """Where a runtime reaches the registry other than by ``egress``: landlock (no network
 namespace) through the task's proxy (``filtered``; ``host`` on a kernel without Landlock's TCP
-rules), as its doctor details say; the test plugin runs commands natively and isolates no
-network."""
+rules), as its doctor details say; kubernetes through the task's proxy on the executor, back
+through the agent's stream (its pod's NetworkPolicy denies all egress); the test plugin runs
+commands natively and isolates no network."""
 
 
 def linked_project(site: Path) -> tuple[Path, Path]:

@@ -5,17 +5,21 @@ killed). The run contract itself is tests/integration/test_agent.py, over both t
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
 import os
 import signal
 import socket
 import subprocess
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
 
 from fusion_oci.agent.bytestream import PipeStream
+from fusion_oci.agent.client import agent_binary
+from fusion_oci.agent.protocol import encode, encode_bytes
 from fusion_oci.agent.streamed import MUX, StreamedAgent, mux_argv
 from fusion_oci.errors import AgentLostError, SandboxSetupError
 from tests.hostside import pids_with
@@ -287,12 +291,231 @@ async def test_a_far_end_that_floods_past_its_credit_is_a_lost_agent() -> None:
     await asyncio.sleep(0.05)
     spawn = b"".join(stream.written)
     run_id = decode_fields(spawn[5 : 4 + int.from_bytes(spawn[:4], "big")])["id"]
-    # 128 KiB in one read against a 64 KiB window: the consumer takes the first chunk (and
-    # credits it back), then waits, so 96 KiB are held unacknowledged
+    # 1.25 MiB in one read against a 64 KiB window (and the 1 MiB a finished run's pipes
+    # may still hold): the consumer takes the first chunk (and credits it back), then waits
     stream.incoming.put_nowait(
-        b"".join(encode_data(run_id, STDOUT, b"x" * (32 << 10)) for _ in range(4))
+        b"".join(encode_data(run_id, STDOUT, b"x" * (32 << 10)) for _ in range(40))
     )
     with pytest.raises(AgentLostError) as info:
         await asyncio.wait_for(task, 5)
     assert "past its credit" in info.value.why
     await a.close()
+
+
+# --- egress back through the stream (mux.py --egress-listen; agent/tunnel.py) ------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class FakeProxy:
+    """A unix socket server standing in for the task's egress proxy: per connection it reads
+    to the end (or ``hold_s`` later), then answers with what ``answer`` makes of it and closes."""
+
+    def __init__(self, path: Path, answer: Callable[[bytes], bytes], hold_s: float = 0.0) -> None:
+        self.path = path
+        self.answer = answer
+        self.hold_s = hold_s
+        self.server: asyncio.AbstractServer | None = None
+        self.connections = 0
+
+    async def __aenter__(self) -> FakeProxy:
+        self.server = await asyncio.start_unix_server(self._serve, str(self.path))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+        await self.server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        await asyncio.sleep(self.hold_s)
+        got = await reader.read()  # to the command's half-close
+        writer.write(self.answer(got))
+        await writer.drain()
+        writer.close()
+
+    def dial(self) -> Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+        return asyncio.open_unix_connection(str(self.path))
+
+
+async def exchange(port: int, payload: bytes, read_delay_s: float = 0.0) -> bytes:
+    """Connect as a command would, send everything, half-close, read the answer to its end."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(payload)
+        await writer.drain()
+        writer.write_eof()
+        await asyncio.sleep(read_delay_s)
+        return await reader.read()
+    finally:
+        writer.close()  # also when refused: a reset may come at any step
+
+
+async def test_egress_bytes_cross_both_ways_with_half_close(tmp_path: Path) -> None:
+    port = free_port()
+    payload = os.urandom(3 * MB)
+    async with FakeProxy(tmp_path / "p.sock", lambda b: hashlib.sha256(b).digest() * 2) as proxy:
+        a = await StreamedAgent.start(
+            mux_argv(agent_binary(), python="python3", egress_listen=port), egress=proxy.dial
+        )
+        try:
+            # concurrent connections, each its own answer; the agent's runs go on beside them
+            answers = await asyncio.gather(*(exchange(port, payload[i:]) for i in range(8)))
+            assert answers == [hashlib.sha256(payload[i:]).digest() * 2 for i in range(8)]
+            r = await a.run(sh("echo still"), env=ENV)
+            assert r.stdout == b"still\n"
+            # a command in the sandbox, through its own socket (not the test's)
+            script = (
+                "import socket,sys; s=socket.create_connection(('127.0.0.1',PORT)); "
+                "s.sendall(b'x'*100000); s.shutdown(socket.SHUT_WR); "
+                "d=b''.join(iter(lambda: s.recv(65536), b'')); sys.stdout.write(d.hex())"
+            ).replace("PORT", str(port))
+            r = await a.run(["python3", "-c", script], env=ENV, timeout_s=30)
+            assert r.stdout.decode() == (hashlib.sha256(b"x" * 100000).digest() * 2).hex()
+            assert proxy.connections == 9 and a._tunnels.open == 0
+        finally:
+            await a.close()
+
+
+async def test_egress_a_slow_side_never_piles_up(tmp_path: Path) -> None:
+    """The proxy takes nothing for a second while 40 MB come, then the command reads its
+    40 MB answer slowly: within the windows both ways, the mux's memory stays bounded."""
+    port = free_port()
+    size = 40 * MB
+    async with FakeProxy(tmp_path / "p.sock", lambda b: b * 2, hold_s=1.0) as proxy:
+        a = await StreamedAgent.start(
+            mux_argv(agent_binary(), python="python3", egress_listen=port), egress=proxy.dial
+        )
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            sent = 0
+
+            async def send() -> None:
+                nonlocal sent
+                chunk = b"y" * (1 << 16)
+                while sent < size // 2:
+                    writer.write(chunk)
+                    await writer.drain()
+                    sent += len(chunk)
+                writer.write_eof()
+
+            sender = asyncio.ensure_future(send())
+            await asyncio.sleep(0.6)
+            # the proxy holds: what crossed is the windows and the sockets' buffers, no more
+            assert sent < 12 * MB
+            await asyncio.wait_for(sender, 60)
+            got = 0
+            while chunk := await reader.read(1 << 16):
+                got += len(chunk)
+                await asyncio.sleep(0.0005)  # a slow reader in the pod
+            writer.close()
+            assert got == size
+            assert a.peer_pid is not None
+            assert peak_rss(a.peer_pid) < MUX_MEMORY_BOUND
+        finally:
+            await a.close()
+
+
+async def test_egress_without_a_dialer_or_a_proxy_is_refused(tmp_path: Path) -> None:
+    port = free_port()
+    a = await StreamedAgent.start(mux_argv(agent_binary(), python="python3", egress_listen=port))
+    try:
+        # refused: closed at once (the command's half-close may already find it gone)
+        with contextlib.suppress(OSError):
+            assert (
+                await asyncio.wait_for(exchange(port, b"CONNECT x:443 HTTP/1.1\r\n\r\n"), 5) == b""
+            )
+    finally:
+        await a.close()
+
+    async def nowhere() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await asyncio.open_unix_connection(str(tmp_path / "absent.sock"))
+
+    a = await StreamedAgent.start(
+        mux_argv(agent_binary(), python="python3", egress_listen=port), egress=nowhere
+    )
+    try:
+        with contextlib.suppress(OSError):
+            assert await asyncio.wait_for(exchange(port, b"GET / HTTP/1.1\r\n\r\n"), 5) == b""
+        r = await a.run(sh("echo alive"), env=ENV)  # a refused connection harms nothing else
+        assert r.stdout == b"alive\n"
+    finally:
+        await a.close()
+
+
+async def test_egress_a_taken_port_fails_the_start_closed() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        with pytest.raises(SandboxSetupError) as info:
+            await StreamedAgent.start(
+                mux_argv(agent_binary(), python="python3", egress_listen=port),
+                egress=lambda: asyncio.open_connection("127.0.0.1", 9),
+            )
+        assert "cannot listen" in info.value.why
+
+
+async def test_egress_a_mux_without_the_listener_is_refused() -> None:
+    with pytest.raises(SandboxSetupError) as info:
+        await StreamedAgent.start(MUX_ARGV, egress=lambda: asyncio.open_connection("127.0.0.1", 9))
+    assert "does not carry egress" in info.value.what
+
+
+HOSTILE = {
+    "unknown id": lambda: encode_bytes(7, b"x"),
+    "open out of order": lambda: encode(b"O", [("id", "5")]),
+    "past credit": lambda: encode(b"O", [("id", "1")]) + encode_bytes(1, b"z" * (80 << 10)),
+    "too many": lambda: b"".join(encode(b"O", [("id", str(i))]) for i in range(1, 514)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+async def test_egress_a_hostile_far_end_is_a_lost_agent(case: str, tmp_path: Path) -> None:
+    hello = encode(
+        b"H", [("version", "1"), ("pid", "9"), ("window", "65536"), ("egress_window", "65536")]
+    )
+    stream = _ScriptedStream(hello)
+    # a proxy that never reads: what the far end sends is held by this side until credited
+    hold = await asyncio.start_unix_server(
+        lambda r, w: asyncio.sleep(30), str(tmp_path / "hold.sock")
+    )
+    try:
+        a = await StreamedAgent.over(
+            stream, 5, egress=lambda: asyncio.open_unix_connection(str(tmp_path / "hold.sock"))
+        )
+        task = asyncio.ensure_future(a.run(["true"], env=ENV))
+        await asyncio.sleep(0.05)
+        stream.incoming.put_nowait(HOSTILE[case]())
+        with pytest.raises(AgentLostError):
+            await asyncio.wait_for(task, 5)
+        assert a.lost and a._tunnels.open == 0
+        await a.close()
+    finally:
+        hold.close()
+
+
+async def test_egress_an_open_in_the_hellos_own_read_is_relayed(tmp_path: Path) -> None:
+    """The mux accepts right after its hello: an O may come in the same read, before the
+    host's setup has returned; it is relayed, not refused."""
+    hello = encode(
+        b"H", [("version", "1"), ("pid", "9"), ("window", "65536"), ("egress_window", "65536")]
+    )
+    stream = _ScriptedStream(hello + encode(b"O", [("id", "1")]) + encode_bytes(1, b"ping"))
+    async with FakeProxy(tmp_path / "p.sock", lambda b: b"pong:" + b) as proxy:
+        a = await StreamedAgent.over(stream, 5, egress=proxy.dial)
+        stream.incoming.put_nowait(encode_bytes(1, b""))  # the command's half-close
+        for _ in range(100):
+            if any(w.startswith(encode_bytes(1, b"pong:ping")) for w in stream.written):
+                break
+            await asyncio.sleep(0.02)
+        sent = b"".join(stream.written)
+        assert encode_bytes(1, b"pong:ping") in sent
+        assert encode(b"C", [("id", "1")]) not in sent  # not refused
+        assert encode_bytes(1, b"") in sent  # the proxy's end, passed on
+        await a.close()

@@ -34,7 +34,7 @@ from fusion_oci.policy.settings import DockerSettings, GateSettings, SandboxSett
 from fusion_oci.runtimes.registry import create_runtime
 from fusion_oci.runtimes.requirements import Requirement
 from fusion_oci.sandbox import Sandbox
-from tests.backends import require, require_runtime
+from tests.backends import backend_settings, require, require_runtime
 from tests.conftest import git_init
 from tests.hostside import tcp_server
 from tests.integration import container_cases as cases
@@ -59,6 +59,8 @@ RUNTIMES = {
     "podman-rootless": pytest.mark.podman_rootless,
     "docker": pytest.mark.docker,
     "docker-rootless": pytest.mark.docker_rootless,
+    # the pod's relay listens on its 127.0.0.1:3128, carried back to the executor's proxy
+    "kubernetes": pytest.mark.kubernetes,
 }
 UNPRIVILEGED = {"bubblewrap-unprivileged", "podman-rootless", "docker-rootless"}
 
@@ -92,10 +94,12 @@ class Runner:
             )
         if self.runtime == "podman-rootless":
             return SandboxSettings(backend="podman", gates=GateSettings(sandbox_provision="allow"))
+        if self.runtime == "kubernetes":
+            return backend_settings("kubernetes")  # the test cluster, with its node image
         return cases.require_engine(self.engine)
 
     def image(self) -> str | None:
-        if self.engine == "bubblewrap":
+        if self.engine in ("bubblewrap", "kubernetes"):
             return None
         from tests.integration.images_fixture import ensure_node_image
 
@@ -190,8 +194,8 @@ def _unprivileged_base(runtime: str) -> Iterator[dict[str, Any]]:
 @pytest.fixture(params=[pytest.param(r, marks=m) for r, m in RUNTIMES.items()])
 def runner(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Runner]:
     runtime: str = request.param
-    if runtime == "bubblewrap":
-        require_runtime("bubblewrap")
+    if runtime in ("bubblewrap", "kubernetes"):
+        require_runtime(runtime)
         yield Runner(runtime, tmp_path, None)
         return
     if runtime not in UNPRIVILEGED:
@@ -207,7 +211,7 @@ def runner(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Runner]:
 # ---------------------------------------------------------------------------- the cases
 
 
-def _script(world: EgressWorld, host_port: int) -> str:
+def _script(world: EgressWorld, host_port: int, agent_connect: bool = True) -> str:
     """Probe; try to take the forwarder's port and kill the agent; probe again; ssh's
     ProxyCommand (the agent's connect mode) to an allowed and a denied host; curl where the
     sandbox has it (bubblewrap: the host's /usr)."""
@@ -225,8 +229,16 @@ def _script(world: EgressWorld, host_port: int) -> str:
             bind,
             "kill -KILL 1 2>/dev/null; kill -TERM 1 2>/dev/null; sleep 0.2",
             probe,
-            f'{get} | /run/fusion-oci/agent connect allowed.test 8080; echo "CONNECT-EXIT $?"',
-            '/run/fusion-oci/agent connect denied.test 8080 </dev/null 2>&1; echo "DENIED-EXIT $?"',
+            *(
+                [
+                    f"{get} | /run/fusion-oci/agent connect allowed.test 8080; "
+                    'echo "CONNECT-EXIT $?"',
+                    "/run/fusion-oci/agent connect denied.test 8080 </dev/null 2>&1; "
+                    'echo "DENIED-EXIT $?"',
+                ]
+                if agent_connect
+                else []
+            ),
             "if command -v curl >/dev/null; then",
             "  echo CURL-PLAIN $(curl -sS -m 10 http://allowed.test:8080/)",
             "  echo CURL-TUNNEL $(curl -sS -m 10 -p http://allowed.test:8080/)",
@@ -250,9 +262,9 @@ async def test_filtered_reaches_the_allowed_host_only_and_survives_the_command(
     wt = runner.worktree("wt")
     world.log.write_text("")
     with tcp_server() as (port, seen):
-        result = await runner.run(
-            _script(world, port), world.policy(), worktree=wt, names=world.names
-        )
+        # a pod has no /run/fusion-oci/agent (ssh's ProxyCommand is not carried there)
+        script = _script(world, port, agent_connect=runner.engine != "kubernetes")
+        result = await runner.run(script, world.policy(), worktree=wt, names=world.names)
     assert result.exit_code == 0, result.stderr[-2000:]
     out = result.stdout
     answers = [
@@ -269,6 +281,9 @@ async def test_filtered_reaches_the_allowed_host_only_and_survives_the_command(
     if runner.rl is not None:  # the unprivileged user's own sandbox (its uid, or root inside)
         assert f"UID {runner.rl['user'].pw_uid}" in out or runner.runtime == "docker-rootless"
     assert "BIND EADDRINUSE" in out, out[-2000:]
+    if runner.engine == "kubernetes":
+        assert not seen
+        return
     assert f"fusion-egress-ok {world.allowed_addr}" in out.split("CONNECT-EXIT")[0]
     assert "CONNECT-EXIT 0" in out
     denied = out.split("CONNECT-EXIT 0", 1)[1].split("DENIED-EXIT")[0]

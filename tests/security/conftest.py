@@ -202,13 +202,11 @@ EXPECT: dict[tuple[str, str], Expect] = {
     ("host-process-limits", "native"): "leaks",
     ("host-process-limits-unprivileged", "native"): "leaks",
     # kubernetes: the sandbox is a pod on a cluster node. A Pod cannot set its pids limit;
-    # filtered egress (its proxy), host-service grants and service containers are not carried
-    # to a pod yet: each is refused (PolicyNotEnforceableError), never run weaker.
+    # host-service grants and service containers are not carried to a pod yet: each is
+    # refused (PolicyNotEnforceableError), never run weaker. Filtered egress and credentials
+    # are enforced: the pod's NetworkPolicy denies all egress and the relay carries its
+    # 127.0.0.1:3128 back to the task's proxy on the executor.
     ("fork-bomb", "kubernetes"): "unenforced",
-    ("profile-widening", "kubernetes"): "unenforced",
-    ("prepare-input-planted", "kubernetes"): "unenforced",
-    **{(probe, "kubernetes"): "unenforced" for probe in EGRESS_PROBES},
-    **{(probe, "kubernetes"): "unenforced" for probe in CREDENTIAL_PROBES},
     **{(probe, "kubernetes"): "unenforced" for probe in SERVICE_PROBES},
 }
 REMOTE = {"kubernetes"}

@@ -24,7 +24,14 @@ from fusion_oci.models import NetworkMode, PrepareContext, RunOptions, RunResult
 from fusion_oci.policy.settings import SandboxSettings
 from fusion_oci.sandbox import SyncSandbox
 from tests.backends import backend_settings
-from tests.security.conftest import CREDENTIAL_PROBES, ROOTLESS, Prober, expected, record
+from tests.security.conftest import (
+    CREDENTIAL_PROBES,
+    REMOTE,
+    ROOTLESS,
+    Prober,
+    expected,
+    record,
+)
 from tests.security.credentials_probe import DUMP, PROBE_JS, judge, parse
 from tests.security.credentials_world import CredentialsWorld, credentials_world
 from tests.security.egress_world import resolving
@@ -48,10 +55,13 @@ def world() -> Iterator[CredentialsWorld]:
 
 
 def _command(backend: str) -> str:
+    # A remote sandbox's repository is the worktree transfer's own: the host repository's
+    # remotes are not carried there (docs/worktree-sync.md), so the push names the URL.
+    origin = "https://git.test/repo.git" if backend in REMOTE else "origin"
     return (
         f"git -c user.name=t -c user.email=t@t commit -q --allow-empty -m probe; "
-        f"git push origin HEAD:refs/heads/fusion/probe-{backend} 2>&1; echo PUSH-OK=$?; "
-        "git push origin HEAD:refs/heads/main 2>&1; echo PUSH-MAIN=$?; "
+        f"git push {origin} HEAD:refs/heads/fusion/probe-{backend} 2>&1; echo PUSH-OK=$?; "
+        f"git push {origin} HEAD:refs/heads/main 2>&1; echo PUSH-MAIN=$?; "
         "npm view private-pkg version --fetch-retries=0 2>&1; "
         f"node .credential-probe.js; {DUMP}"
     )

@@ -209,3 +209,18 @@ def test_the_egress_paths_and_port_are_the_agents_own() -> None:
     env = filtered_env()
     assert env["HTTP_PROXY"] == f"http://127.0.0.1:{protocol.EGRESS_PORT}"
     assert env["GIT_SSH_COMMAND"] == protocol.ssh_proxy_command()
+
+
+def test_egress_frames_and_the_filtered_far_end_are_pure() -> None:
+    from fusion_oci.agent.protocol import Framer, encode_bytes
+    from fusion_oci.agent.streamed import mux_argv
+    from fusion_oci.runtimes.kubernetes.runtime import FILTERED_MUX_ARGV, MUX_ARGV
+
+    frames = Framer().feed(encode_bytes(7, b"\0ab") + encode_bytes(12, b""))
+    assert frames == [(b"B", b"7\0\0ab"), (b"B", b"12\0")]  # raw bytes, NUL included
+    assert mux_argv("/a", ["--x"], mux="/m.py", egress_listen=3128) == [
+        "python3", "-S", "-E", "-s", "/m.py", "--egress-listen", "3128", "--agent", "/a", "--x",
+    ]  # fmt: skip
+    # the pod's relay: the listener's option before --agent, the rest as without it
+    assert FILTERED_MUX_ARGV[5:7] == ["--egress-listen", "3128"]
+    assert FILTERED_MUX_ARGV[:5] + FILTERED_MUX_ARGV[7:] == MUX_ARGV

@@ -22,8 +22,14 @@ What a Pod cannot express is either enforced another way or refused at ``check``
 the agent's per command; NetworkPolicy enforcement is not readable from the API, so prepare
 probes it once per cluster (:mod:`.netprobe`) and fails closed; ``egress`` needs the nodes'
 networks (``kubernetes.nodeNetworks``); the bundle's seccomp profile needs a Localhost copy on
-the nodes (``kubernetes.seccompProfile``); ``pidsLimit``, ``filtered`` egress, host services
-and published ports are refused (not yet carried to a pod).
+the nodes (``kubernetes.seccompProfile``); ``pidsLimit``, host services and published ports
+are refused (not yet carried to a pod).
+
+``network: filtered`` (and ``credentials``): the task's egress proxy runs on the executor, as for
+the local runtimes, and the pod reaches it back through the agent's stream: the relay listens
+on the pod's 127.0.0.1:3128 (``mux.py --egress-listen``) and the streamed agent dials the
+proxy's socket here for each connection. The pod's NetworkPolicy denies all egress, so a
+command that ignores the proxy variables reaches nothing; no credential enters the cluster.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import functools
 import hashlib
 import json
 import os
@@ -39,6 +46,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fusion_oci.agent.protocol import EGRESS_PORT
 from fusion_oci.errors import EngineError, SandboxSetupError
 from fusion_oci.images.gates import ProvisionGate
 from fusion_oci.models import NetworkMode, RunOptions, RunResult
@@ -62,6 +70,7 @@ from fusion_oci.runtimes.kubernetes.tools import (
     load_tools,
     path,
 )
+from fusion_oci.runtimes.linux.egress import proxy_socket
 from fusion_oci.runtimes.outcome import LimitCounters, classify
 from fusion_oci.runtimes.plans import AgentPlan, Plan, SandboxLaunch, own_plan, spawn_of
 from fusion_oci.runtimes.protocol import Availability
@@ -80,6 +89,10 @@ POD_UID = 1000
 """The pod's user when the executor runs as root."""
 MUX_ARGV = ["python3", "-S", "-E", "-s", path(MUX), "--agent", path(AGENT)]
 """The exec agent's stream relay in the pod (stdlib only), which starts the agent itself."""
+FILTERED_MUX_ARGV = [*MUX_ARGV[:5], "--egress-listen", str(EGRESS_PORT), *MUX_ARGV[5:]]
+"""``network: filtered``: the relay also listens on the pod's 127.0.0.1:3128 (where the
+sandbox's proxy variables point) before any command runs, and carries each connection back
+to the task's egress proxy on the executor."""
 HOLD = ["sleep", "infinity"]
 """The pod's own process: it only keeps the pod up. Commands run under the exec agent, which
 the agent stream starts (an exec'd process is a child of the container runtime, not of it)."""
@@ -95,6 +108,9 @@ ENFORCED = frozenset(
         Requirement.HOST_PROCESSES,
         Requirement.ENV,
         Requirement.NETWORK_NONE,
+        # the pod's NetworkPolicy denies all egress; its only way out is the relay's
+        # 127.0.0.1:3128, carried back to the task's proxy on the executor (PROTOCOL.md)
+        Requirement.NETWORK_FILTERED,
         Requirement.MEMORY,
         Requirement.CPU_QUOTA,
         Requirement.CPU_TIME,  # rlimits: the agent's setrlimit per command
@@ -121,6 +137,7 @@ class KubernetesRuntime(SpecRuntime):
         self._sync: WorktreeSync | None = None
         self._sync_stream: ExecStream | None = None
         self._pod = ""
+        self._mux_argv = MUX_ARGV
         self._image = ""
         self._oom_seen = 0
 
@@ -259,7 +276,11 @@ class KubernetesRuntime(SpecRuntime):
                 await self._check_policy_enforced(client, _access)
             await taskpod.ensure(client, tools.manifest(), self._namespace)
             if ca is not None:
-                await taskpod.ensure(client, ca.manifest(), self._namespace)
+                made = await taskpod.ensure(client, ca.manifest(), self._namespace)
+                if made and task.layout.sentinels:
+                    # credentials: the bundle holds the task's own broker CA, so no other
+                    # task shares it: it goes with the task
+                    self._made.append(ca.manifest())
             if objs.sandbox is None:
                 for obj in objs.manifests():
                     await taskpod.create(client, [obj], self._namespace)
@@ -315,9 +336,14 @@ class KubernetesRuntime(SpecRuntime):
         access, _client = self._cluster()
         assert self.layout is not None
         pods = PodExec(access, self.kube.request_timeout_s)
-        stream = await pods.open(self._namespace, self._pod, MUX_ARGV, container="task")
+        proxy = proxy_socket(task)
+        dialer = None
+        if proxy is not None:
+            self._mux_argv = FILTERED_MUX_ARGV
+            dialer = functools.partial(asyncio.open_unix_connection, proxy)
+        stream = await pods.open(self._namespace, self._pod, self._mux_argv, container="task")
         self._agent_stream = stream
-        self._agent = await StreamedAgent.over(stream, timeout_s=30.0)
+        self._agent = await StreamedAgent.over(stream, timeout_s=30.0, egress=dialer)
         worktree = self.layout.worktree
         self._sync_stream = await pods.open(
             self._namespace, self._pod, remote_argv(worktree, by_path=path(REMOTE)),
@@ -338,7 +364,7 @@ class KubernetesRuntime(SpecRuntime):
                     "namespace": self._namespace or "<namespace>",
                     "pod": where,
                     "container": "task",
-                    "command": MUX_ARGV,
+                    "command": self._mux_argv,
                     "image": self._image or "<image>",
                 },
             ),

@@ -1,0 +1,215 @@
+"""A pod's egress connections, carried back over the agent's stream (PROTOCOL.md, "Egress
+back through the stream").
+
+``mux.py --egress-listen PORT`` accepts the pod's connections to 127.0.0.1:PORT and sends each
+as ``O`` (open), ``B`` (bytes; empty: that direction's end), ``W`` (credit back) and ``C``
+(gone). :class:`Tunnels` is the host's half, inside
+:class:`~fusion_oci.agent.streamed.StreamedAgent`: per ``O`` it dials (the task's egress
+proxy's unix socket) and relays both ways without reading the bytes: the proxy decides,
+audits and brokers, exactly as for a local sandbox.
+
+The far end is the sandbox's, so its word is bounded: ids count up from 1 (an id never opened
+or opened twice is a broken stream), at most :data:`MAX_EGRESS_CONNS` at once, and no more
+than the window of bytes unacknowledged per connection; any of these raises
+:class:`ProtocolError`, which ends the stream as ``agent-lost``, as for runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+
+from fusion_oci.agent.protocol import (
+    EGRESS_ACK,
+    EGRESS_BYTES,
+    EGRESS_CLOSE,
+    EGRESS_OPEN,
+    MAX_EGRESS_CONNS,
+    ProtocolError,
+    decode_fields,
+    encode,
+    encode_bytes,
+)
+
+Dialer = Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
+"""Opens one new connection to where the pod's egress goes (the task's proxy)."""
+CHUNK = 1 << 16
+DIAL_TIMEOUT_S = 10.0
+MAX_WINDOW = 1 << 20
+
+
+class _Conn:
+    def __init__(self, window: int) -> None:
+        self.task: asyncio.Task[None] | None = None
+        self.pending: list[bytes] = []
+        self.inbound = 0
+        """Bytes the far end sent and this side has not yet written on (and credited)."""
+        self.credit = window
+        """Bytes of the proxy's this side may still send before the far end's ``W``."""
+        self.credit_given = asyncio.Event()
+        self.data_ready = asyncio.Event()
+        self.eof_in = False
+
+
+class Tunnels:
+    """The relayed connections of one stream (see the module's docstring)."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        dialer: Dialer | None,
+        write: Callable[[bytes], None],
+        send: Callable[[bytes], Awaitable[bool]],
+    ) -> None:
+        self._loop = loop
+        self._dialer = dialer
+        self._write = write
+        """Queue a frame now (credit, close: small, from a callback)."""
+        self._send = send
+        """Queue a frame and wait while the stream is backed up; False when it is lost."""
+        self.window = 0
+        """Per connection and direction, from the mux's hello (clamped: its word is bounded)."""
+        self._conns: dict[int, _Conn] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        """Every relay still running (a dropped one too, until its cancellation is done)."""
+        self._last = 0
+        self.opened = 0
+
+    @property
+    def open(self) -> int:
+        return len(self._conns)
+
+    def greeted(self, hello: dict[str, str]) -> None:
+        """The mux's hello: its window, at once (an ``O`` may follow in the same read).
+        Never more credit than it named (it holds that much per connection), nor more than
+        this side holds for one (its word is bounded)."""
+        if self._dialer is not None and hello.get("egress_window", "").isdigit():
+            self.window = min(int(hello["egress_window"]), MAX_WINDOW)
+
+    def frame(self, kind: bytes, body: bytes) -> None:
+        """One frame of the far end's about a connection."""
+        data = b""
+        if kind == EGRESS_BYTES:
+            tag, sep, data = body.partition(b"\0")
+            if not sep:
+                raise ProtocolError(f"a B frame without its id: {body[:40]!r}")
+        else:
+            fields = decode_fields(body)
+            tag = fields.get("id", "").encode()
+        if not tag.isdigit():
+            raise ProtocolError(f"a connection frame without a numeric id: {tag[:20]!r}")
+        conn_id = int(tag)
+        if kind == EGRESS_OPEN:
+            self._open(conn_id)
+            return
+        if not 0 < conn_id <= self._last:
+            raise ProtocolError(f"a frame for connection {conn_id}, never opened")
+        conn = self._conns.get(conn_id)
+        if conn is None:
+            return  # this side ended it and the far end's frame was in flight: dropped
+        if kind == EGRESS_CLOSE:
+            self._drop(conn_id, conn)
+        elif kind == EGRESS_ACK:
+            conn.credit += int(fields.get("bytes", "0"))
+            conn.credit_given.set()
+        elif data:
+            if conn.eof_in:
+                raise ProtocolError(f"connection {conn_id} sent bytes after its end")
+            conn.inbound += len(data)
+            if conn.inbound > self.window:
+                raise ProtocolError(
+                    f"connection {conn_id} sent {conn.inbound} bytes past its credit"
+                )
+            conn.pending.append(data)
+            conn.data_ready.set()
+        else:
+            conn.eof_in = True
+            conn.data_ready.set()
+
+    def _open(self, conn_id: int) -> None:
+        if conn_id != self._last + 1:
+            raise ProtocolError(f"connection {conn_id} opened out of order (last {self._last})")
+        if len(self._conns) >= MAX_EGRESS_CONNS:
+            raise ProtocolError(f"more than {MAX_EGRESS_CONNS} connections at once")
+        self._last = conn_id
+        if self._dialer is None or not self.window:
+            self._write(encode(EGRESS_CLOSE, [("id", str(conn_id))]))  # refused
+            return
+        conn = _Conn(self.window)
+        self._conns[conn_id] = conn
+        self.opened += 1
+        conn.task = self._loop.create_task(self._relay(conn_id, conn, self._dialer))
+        self._tasks.add(conn.task)
+        conn.task.add_done_callback(self._tasks.discard)
+
+    def _drop(self, conn_id: int, conn: _Conn) -> None:
+        self._conns.pop(conn_id, None)
+        if conn.task is not None:
+            conn.task.cancel()
+
+    async def _relay(self, conn_id: int, conn: _Conn, dialer: Dialer) -> None:
+        writer: asyncio.StreamWriter | None = None
+        tell = True
+        try:
+            reader, dialled = await asyncio.wait_for(dialer(), DIAL_TIMEOUT_S)
+            writer = dialled
+            both = [
+                self._loop.create_task(self._to_proxy(conn_id, conn, dialled)),
+                self._loop.create_task(self._from_proxy(conn_id, conn, reader)),
+            ]
+            try:
+                await asyncio.gather(*both)
+                tell = False  # both directions ended in order: each side forgets it alone
+            finally:
+                for task in both:
+                    task.cancel()
+                await asyncio.gather(*both, return_exceptions=True)
+        except asyncio.CancelledError:
+            tell = False  # the far end closed it, or the stream is going
+            raise
+        except (OSError, TimeoutError, EOFError):
+            pass  # the proxy refused, reset or was not there: the command sees a reset
+        finally:
+            if self._conns.pop(conn_id, None) is not None and tell:
+                self._write(encode(EGRESS_CLOSE, [("id", str(conn_id))]))
+            if writer is not None:
+                writer.close()
+
+    async def _to_proxy(self, conn_id: int, conn: _Conn, writer: asyncio.StreamWriter) -> None:
+        while True:
+            while not conn.pending and not conn.eof_in:
+                conn.data_ready.clear()
+                await conn.data_ready.wait()
+            if conn.pending:
+                chunks, conn.pending = conn.pending, []
+                size = sum(len(c) for c in chunks)
+                writer.writelines(chunks)
+                await writer.drain()
+                # Taken by the proxy's socket: the far end may send that much more.
+                conn.inbound -= size
+                self._write(encode(EGRESS_ACK, [("id", str(conn_id)), ("bytes", str(size))]))
+                continue
+            if writer.can_write_eof():
+                writer.write_eof()  # the command's half-close, passed on
+            return
+
+    async def _from_proxy(self, conn_id: int, conn: _Conn, reader: asyncio.StreamReader) -> None:
+        while True:
+            while conn.credit <= 0:
+                conn.credit_given.clear()
+                await conn.credit_given.wait()
+            data = await reader.read(min(CHUNK, conn.credit))
+            conn.credit -= len(data)
+            if not await self._send(encode_bytes(conn_id, data)) or not data:
+                return  # the proxy's end (an empty B: the far end shuts its writing)
+
+    def stop(self) -> None:
+        """The stream is gone: end every connection (the proxy sees each close)."""
+        for conn_id, conn in list(self._conns.items()):
+            self._drop(conn_id, conn)
+
+    async def aclose(self) -> None:
+        self.stop()
+        with contextlib.suppress(Exception):
+            await asyncio.gather(*self._tasks, return_exceptions=True)
