@@ -210,6 +210,7 @@ async def test_an_api_server_that_does_not_answer_is_an_engine_error(tmp_path: P
     with pytest.raises(FusionOCIError) as failed:
         async with Sandbox(settings, cache_root=tmp_path / "c") as sb:
             await sb.prepare(_ctx(wt, "unreachable"))
+    assert failed.value.kind == "engine-error", failed.value.render()
     assert "127.0.0.1:9" in failed.value.render(), failed.value.render()
     assert time.monotonic() - t0 < 60
 
