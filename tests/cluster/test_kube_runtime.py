@@ -242,3 +242,29 @@ async def test_twenty_concurrent_tasks_spread_over_both_nodes(
     wait_for("every task pod gone", lambda: not _ours(kube, ns, "pods") or None, 120)
     print(f"\n20 concurrent tasks: {took:.1f} s; per node:",
           {n: sum(1 for _, m in placed if m == n) for n in sorted(nodes)})  # fmt: skip
+
+
+async def test_a_planted_tools_configmap_is_refused(kube: Kube, ns: str, tmp_path: Path) -> None:
+    """The tools ConfigMap is shared and named by its content's hash; a co-tenant of the
+    namespace could take the name first with another agent binary, which every pod of ours
+    would run. Found under our name with other content: refused, nothing started."""
+    import base64
+
+    from fusion_oci.runtimes.kubernetes.tools import load_tools
+
+    name = load_tools().name
+    planted = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": name},
+        "immutable": True,
+        "binaryData": {"fusion-oci-agent": base64.b64encode(b"#!/bin/sh\necho owned\n").decode()},
+    }
+    kube.apply(planted, namespace=ns)
+    (tmp_path / "project").mkdir()
+    wt = git_init(tmp_path / "wt")
+    with pytest.raises(FusionOCIError) as refused:
+        async with Sandbox(_settings(kube, ns, mode="pods"), cache_root=tmp_path / "c") as sb:
+            await sb.prepare(_ctx(wt, "planted"))
+    assert "is not fusion-oci's" in refused.value.render(), refused.value.render()
+    assert not _ours(kube, ns, "pods"), "nothing of the task was started"

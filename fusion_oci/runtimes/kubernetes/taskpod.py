@@ -40,20 +40,44 @@ async def ensure(client: KubeClient, obj: Mapping[str, Any], namespace: str) -> 
 
     def make() -> bool:
         try:
-            client.get(f"{path}/{name}")
-            return False
+            found = client.get(f"{path}/{name}")
         except ApiError as exc:
             if exc.status != 404:
                 raise
+        else:
+            _check_same(found, obj, namespace)
+            return False
         try:
             client.create(path, obj)
         except ApiError as exc:
             if exc.status == 409:  # made meanwhile by another task
+                _check_same(client.get(f"{path}/{name}"), obj, namespace)
                 return False
             raise
         return True
 
     return await asyncio.to_thread(retrying, make)
+
+
+SHARED_CONTENT = ("binaryData", "data", "immutable")
+"""What a shared object's content is (a ConfigMap of programs or certificates): the name is
+its hash, but anyone who may create ConfigMaps in the namespace could take the name first."""
+
+
+def _check_same(found: Mapping[str, Any], obj: Mapping[str, Any], namespace: str) -> None:
+    """A shared object found under our content-hash name must hold our content: a co-tenant of
+    the namespace could have planted another agent binary under it, and every pod of ours
+    would run it."""
+    for key in SHARED_CONTENT:
+        if key in obj and found.get(key) != obj[key]:
+            name = obj["metadata"]["name"]
+            raise SandboxSetupError(
+                f"the {obj['kind']} {name} in namespace {namespace} is not fusion-oci's",
+                f"its {key} differs from what its name (a hash of the content) stands for: "
+                "someone else made it",
+                f"delete it (`kubectl -n {namespace} delete {obj['kind'].lower()} {name}`) and "
+                "find out who could, or give fusion-oci a namespace of its own",
+            )
 
 
 async def create(client: KubeClient, objs: Sequence[Mapping[str, Any]], namespace: str) -> None:
