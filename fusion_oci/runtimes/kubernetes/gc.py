@@ -75,7 +75,7 @@ def collect_cluster(
                 collection(api, plural, namespace), query={"labelSelector": selector}
             )
         except FusionOCIError as exc:
-            if api.startswith("extensions.") and "404" in str(exc.why):
+            if api.startswith("extensions.") and getattr(exc, "status", None) == 404:
                 continue  # the cluster does not serve agent-sandbox
             report.errors.append(f"kubernetes {plural}: {exc.why}")
             continue
@@ -128,5 +128,5 @@ def _remove(
     try:
         client.delete(path)
     except FusionOCIError as exc:
-        if "404" not in str(exc.why):
+        if getattr(exc, "status", None) != 404:  # gone already: what gc wanted
             report.errors.append(f"{label}: {exc.why}")

@@ -130,7 +130,6 @@ class KubernetesRuntime(SpecRuntime):
         self._access: ClusterAccess | None = None
         self._client: KubeClient | None = None
         self._namespace = ""
-        self._objects: TaskObjects | None = None
         self._made: list[dict[str, Any]] = []
         self._agent: StreamedAgent | None = None
         self._agent_stream: ExecStream | None = None
@@ -271,7 +270,6 @@ class KubernetesRuntime(SpecRuntime):
             objs = self._task_objects(
                 spec, self._pod, self._image, tools.name, mode, ca.name if ca else None
             )
-            self._objects = objs
             if spec.network != NetworkMode.HOST:
                 await self._check_policy_enforced(client, _access)
             await taskpod.ensure(client, tools.manifest(), self._namespace)
