@@ -17,7 +17,7 @@ import pytest
 
 from fusion_oci.images.provision import ProvisionedImage
 from tests.backends import require
-from tests.cluster.kube import CLUSTER_SH, Kube, KubectlError, cluster_env
+from tests.cluster.kube import Kube, KubectlError, cluster_env, load_image
 from tests.integration.images_fixture import node_image  # noqa: F401  (fixture)
 
 NODES = ("fusion-oci-n1", "fusion-oci-n2")
@@ -43,10 +43,7 @@ def kube(node_image: Callable[[str], ProvisionedImage]) -> Kube:  # noqa: F811
             "kubernetes", False, f"the cluster does not answer (scripts/cluster.sh start): {exc}"
         )
     ref = node_image("podman").ref
-    subprocess.run(
-        ["bash", str(CLUSTER_SH), "load-image", ref],
-        check=True, stdin=subprocess.DEVNULL, capture_output=True, timeout=600,
-    )  # fmt: skip
+    load_image(ref)
     return dataclasses.replace(k, node_image=ref)
 
 

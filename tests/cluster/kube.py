@@ -45,6 +45,20 @@ def cluster_env() -> dict[str, str]:
     return env
 
 
+def load_image(ref: str) -> None:
+    """``scripts/cluster.sh load-image REF``: the image in both nodes; a failure says the
+    script's own words (a bare CalledProcessError hid them once, in CI)."""
+    p = subprocess.run(
+        ["bash", str(CLUSTER_SH), "load-image", ref],
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    if p.returncode != 0:
+        raise RuntimeError(
+            f"scripts/cluster.sh load-image {ref} exited {p.returncode}:\n"
+            f"{p.stdout[-4000:]}{p.stderr[-4000:]}"
+        )
+
+
 @dataclass(frozen=True)
 class Completed:
     returncode: int

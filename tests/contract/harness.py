@@ -171,10 +171,9 @@ def kubernetes_runtime() -> Runtime:
     the suite's, with the node task image imported into both nodes; made once a session."""
     if _KUBE:
         return _KUBE[0]
-    import subprocess
 
     from tests.backends import require
-    from tests.cluster.kube import CLUSTER_SH, Kube, cluster_env
+    from tests.cluster.kube import Kube, cluster_env, load_image
     from tests.integration.images_fixture import ensure_node_image
 
     env = cluster_env()
@@ -182,10 +181,7 @@ def kubernetes_runtime() -> Runtime:
         require("kubernetes", False, "the cluster is not running: scripts/cluster.sh start")
     kube = Kube.from_env(env)
     ref = ensure_node_image("podman").ref
-    subprocess.run(
-        ["bash", str(CLUSTER_SH), "load-image", ref],
-        check=True, stdin=subprocess.DEVNULL, capture_output=True, timeout=600,
-    )  # fmt: skip
+    load_image(ref)
     if kube.run("get", "namespace", CONTRACT_NAMESPACE, check=False).returncode != 0:
         kube.run("create", "namespace", CONTRACT_NAMESPACE, check=False)
         kube.run("-n", CONTRACT_NAMESPACE, "wait", "--for=create", "serviceaccount/default",
