@@ -528,9 +528,9 @@ def test_a_task_pushes_and_installs_with_a_token_it_never_sees(
         "FUSION_TEST_TOKEN": TOKEN,
     }
     commit = "git -c user.name=t -c user.email=t@t commit -q --allow-empty -m task"
-    # A pod's repository is the worktree transfer's own: the host repository's remotes are
-    # not carried there (docs/worktree-sync.md), so the push names the URL.
-    origin = "git@git.test:repo.git" if runtime == "kubernetes" else "origin"
+    # `origin` everywhere: a pod's repository gets the host repository's network remotes
+    # (docs/worktree-sync.md)
+    origin = "origin"
     commands = {
         "push_ok": f"{commit} && git push {origin} HEAD:refs/heads/fusion/{runtime}",
         "push_main": f"git push {origin} HEAD:refs/heads/main",

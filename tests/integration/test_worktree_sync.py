@@ -239,3 +239,29 @@ async def test_a_sha256_repository(tmp_path: Path) -> None:
         assert git(host, "log", "-1", "--format=%s") == "b\n"
     finally:
         await sync.close()
+
+
+async def test_the_host_remotes_cross_without_their_secrets(world: World) -> None:
+    """`git push origin` works in the pod as on a local runtime: the host repository's
+    network remotes are the pod's, a password in a URL is not, a path remote is left out."""
+    world.git_host("remote", "add", "origin", "https://bot:s3cret@git.test/acme/widget.git")
+    world.git_host("remote", "add", "upstream", "git@git.test:acme/widget.git")
+    world.git_host("remote", "add", "local", str(world.tmp / "elsewhere.git"))
+    world.git_host("config", "branch.task.remote", "origin")
+    world.git_host("config", "branch.task.merge", "refs/heads/task")
+    await world.sync.open()  # the config is read when the transfer opens
+    assert await world.sync.push()
+    got = world.git_remote("config", "--local", "--get-regexp", r"^(remote|branch)\.")
+    assert "s3cret" not in got and "elsewhere" not in got
+    assert world.git_remote("remote").split() == ["origin", "upstream"]
+    assert world.git_remote("remote", "get-url", "origin").strip() == (
+        "https://git.test/acme/widget.git"
+    )
+    assert world.git_remote("remote", "get-url", "upstream").strip() == (
+        "git@git.test:acme/widget.git"
+    )
+    assert world.git_remote("config", "branch.task.merge").strip() == "refs/heads/task"
+    # sent once: a later push carries none, and what the pod set stays
+    (world.host / "README.md").write_text("again\n")
+    assert await world.sync.push()
+    assert world.git_remote("remote").split() == ["origin", "upstream"]

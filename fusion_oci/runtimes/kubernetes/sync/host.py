@@ -46,6 +46,7 @@ from fusion_oci.runtimes.kubernetes.sync.plan import (
     check_changes,
     parse_diff_tree,
 )
+from fusion_oci.runtimes.kubernetes.sync.remotes import carried_config
 from fusion_oci.runtimes.kubernetes.sync.settings import SyncSettings
 from fusion_oci.runtimes.kubernetes.sync.stream import ByteStream, request
 
@@ -139,6 +140,8 @@ class WorktreeSync:
         self._wt_tree: str | None = None
         self._index_tree: str | None = None
         self._broken = False
+        self._config: list[tuple[str, str]] | None = None
+        """The host repository's config the remote's gets (sync/remotes.py), until sent."""
         self._dirs: set[str] = set()
         """Folders the remote was asked to make (``push(dirs=...)``)."""
         self._stale = False
@@ -193,6 +196,12 @@ class WorktreeSync:
                 "check out the task's branch in the worktree (`git switch BRANCH`)",
             )
         self.branch = branch
+        # the repository's remotes, so `git push origin` works in the pod (sync/remotes.py)
+        listing = await self._git("config", "--local", "--list", "-z", check=False)
+        pairs = [
+            entry.partition("\n")[::2] for entry in listing.decode(errors="replace").split("\0")
+        ]
+        self._config = carried_config(((k, v) for k, v in pairs if k), branch)
         self.state_dir.mkdir(parents=True, exist_ok=True)
 
     @property
@@ -295,6 +304,8 @@ class WorktreeSync:
             "dirs": wanted_dirs,
             **vars(state),
         }
+        if self._config is not None:
+            meta["config"] = self._config
         self.base = None  # until the remote says it has it
         reply, _ = await self._exchange(meta, pack)
         if reply.get("ok") is not True:
@@ -304,6 +315,7 @@ class WorktreeSync:
         self.base = state
         self._stale = False
         self._dirs.update(wanted_dirs)
+        self._config = None
         return True
 
     async def _exchange(self, meta: dict[str, Any], pack: bytes) -> tuple[dict[str, Any], bytes]:

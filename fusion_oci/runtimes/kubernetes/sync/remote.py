@@ -159,9 +159,20 @@ class Repo:
         return text.removeprefix("ref: ") if text.startswith("ref: ") else None
 
 
+def set_config(repo: Repo, entries: list[tuple[str, str]]) -> None:
+    """The host repository's remotes (the host chose them: sync/remotes.py), replacing what
+    an earlier push set: a key may repeat (``fetch``), so each is unset, then added."""
+    for key in dict.fromkeys(k for k, _ in entries):
+        git(repo.path, "config", "--unset-all", key, check=False)
+    for key, value in entries:
+        git(repo.path, "config", "--add", key, value)
+
+
 def push(repo: Repo, meta: dict[str, Any], pack: bytes) -> tuple[dict[str, Any], bytes]:
     branch = str(meta["branch"])
     repo.ensure(branch, str(meta.get("objectFormat") or "sha1"))
+    if meta.get("config") is not None:
+        set_config(repo, [(str(k), str(v)) for k, v in meta["config"]])
     if pack:
         git(repo.path, "index-pack", "--stdin", "--fix-thin", stdin=pack)
     # --reset -u through the private index: a one-way merge that stats every file it knows,
