@@ -23,6 +23,7 @@ import json
 import os
 import ssl
 import tempfile
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -68,7 +69,11 @@ def status_hint(status: int) -> str:
 
 
 class KubeClient:
-    """JSON calls to one API server. Not thread-safe; a connection per call."""
+    """JSON calls to one API server over kept-alive connections (a TLS handshake costs more
+    than most calls here); safe to share between threads: each call takes its own
+    connection from the idle ones or opens one."""
+
+    MAX_IDLE = 4
 
     def __init__(self, access: ClusterAccess, timeout_s: float = 10.0) -> None:
         self.access = access
@@ -78,6 +83,51 @@ class KubeClient:
         self._port = split.port or 443
         self._prefix = split.path.rstrip("/")
         self._ssl = ssl_context(access)
+        self._idle: list[http.client.HTTPSConnection] = []
+        self._lock = threading.Lock()
+
+    def _headers(self, body: bool) -> dict[str, str]:
+        headers = {"Accept": "application/json", "User-Agent": "fusion-oci"}
+        if body:
+            headers["Content-Type"] = "application/json"
+        if self.access.token:
+            headers["Authorization"] = f"Bearer {self.access.token}"
+        return headers
+
+    def _connect(self, timeout_s: float) -> http.client.HTTPSConnection:
+        return http.client.HTTPSConnection(
+            self._host, self._port, context=self._ssl, timeout=timeout_s
+        )
+
+    def _take(self, timeout_s: float) -> tuple[http.client.HTTPSConnection, bool]:
+        with self._lock:
+            conn = self._idle.pop() if self._idle else None
+        if conn is None:
+            return self._connect(timeout_s), False
+        if conn.sock is not None:
+            conn.sock.settimeout(timeout_s)
+        conn.timeout = timeout_s
+        return conn, True
+
+    def _give_back(self, conn: http.client.HTTPSConnection) -> None:
+        with self._lock:
+            if len(self._idle) < self.MAX_IDLE:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def close(self) -> None:
+        """Close the idle connections (a call after this opens a new one)."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+    def __enter__(self) -> KubeClient:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
 
     def request(
         self,
@@ -91,38 +141,90 @@ class KubeClient:
         """``method path`` with a JSON body; the JSON answer. Raises :class:`ApiError`."""
         url = self._prefix + path + (f"?{urlencode(query)}" if query else "")
         call = f"{method} {path}"
-        headers = {"Accept": "application/json", "User-Agent": "fusion-oci"}
-        data = None
-        if body is not None:
-            data = json.dumps(body).encode()
-            headers["Content-Type"] = "application/json"
-        if self.access.token:
-            headers["Authorization"] = f"Bearer {self.access.token}"
-        conn = http.client.HTTPSConnection(
-            self._host, self._port, context=self._ssl, timeout=timeout_s or self.timeout_s
-        )
-        try:
-            conn.request(method, url, body=data, headers=headers)
-            resp = conn.getresponse()
-            raw = resp.read(64 << 20)
-        except (OSError, http.client.HTTPException) as exc:  # TimeoutError is an OSError
-            raise ApiError(
-                call, 0, f"no answer from {self.access.server}: {exc}", status_hint(0)
-            ) from exc
-        finally:
+        data = json.dumps(body).encode() if body is not None else None
+        headers = self._headers(body is not None)
+        timeout = timeout_s or self.timeout_s
+        while True:
+            conn, reused = self._take(timeout)
+            try:
+                conn.request(method, url, body=data, headers=headers)
+                resp = conn.getresponse()
+                raw = resp.read(64 << 20)
+            except (OSError, http.client.HTTPException) as exc:  # TimeoutError is an OSError
+                conn.close()
+                if reused and isinstance(exc, _CLOSED_IDLE):
+                    # the server closed the idle connection before it read this request
+                    continue
+                raise ApiError(
+                    call, 0, f"no answer from {self.access.server}: {exc}", status_hint(0)
+                ) from exc
+            break
+        if resp.will_close:
             conn.close()
+        else:
+            self._give_back(conn)
         try:
             doc = json.loads(raw) if raw else {}
         except ValueError:
             doc = {"message": raw[:500].decode(errors="replace")}
         if resp.status >= 400:
-            message = str(doc.get("message") or resp.reason) if isinstance(doc, dict) else ""
-            reason = str(doc.get("reason") or "") if isinstance(doc, dict) else ""
-            raise ApiError(
-                call, resp.status, f"HTTP {resp.status}: {message}", status_hint(resp.status),
-                reason=reason,
-            )  # fmt: skip
+            raise _api_error(call, resp.status, resp.reason, doc)
         return doc if isinstance(doc, dict) else {"items": doc}
+
+    def watch(
+        self,
+        collection: str,
+        name: str,
+        resource_version: str,
+        until: Callable[[dict[str, Any]], T | None],
+        timeout_s: float,
+    ) -> T | None:
+        """Watch the object ``name`` of ``collection`` from ``resource_version`` until
+        ``until(object)`` answers; None when the watch ended first (its timeout, the server
+        closing it, the object deleted): the caller reads the object again and decides.
+        A watch that cannot start (410 Gone: the version is too old) is an :class:`ApiError`."""
+        query = {
+            "watch": "1",
+            "fieldSelector": f"metadata.name={name}",
+            "resourceVersion": resource_version,
+            "timeoutSeconds": str(max(1, int(timeout_s))),
+        }
+        call = f"WATCH {collection}/{name}"
+        conn = self._connect(timeout_s + 5)
+        try:
+            conn.request(
+                "GET",
+                f"{self._prefix}{collection}?{urlencode(query)}",
+                headers=self._headers(False),
+            )
+            resp = conn.getresponse()
+            if resp.status >= 400:
+                raw = resp.read(1 << 20)
+                try:
+                    doc = json.loads(raw) if raw else {}
+                except ValueError:
+                    doc = {"message": raw[:500].decode(errors="replace")}
+                raise _api_error(call, resp.status, resp.reason, doc)
+            while True:
+                line = resp.readline(16 << 20)
+                if not line:
+                    return None
+                event = json.loads(line)
+                kind, obj = event.get("type"), event.get("object") or {}
+                if kind == "ERROR":
+                    raise _api_error(call, int(obj.get("code") or 500), "", obj)
+                if kind == "DELETED":
+                    return None
+                if kind in ("ADDED", "MODIFIED"):
+                    got = until(obj)
+                    if got is not None:
+                        return got
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            raise ApiError(
+                call, 0, f"the watch on {self.access.server} broke: {exc}", status_hint(0)
+            ) from exc
+        finally:
+            conn.close()
 
     def get(self, path: str, **kwargs: Any) -> dict[str, Any]:
         return self.request("GET", path, **kwargs)
@@ -146,6 +248,24 @@ class KubeClient:
         if dry_run:
             body["dryRun"] = ["All"]
         return self.request("DELETE", path, body)
+
+
+_CLOSED_IDLE = (
+    http.client.RemoteDisconnected,
+    BrokenPipeError,
+    ConnectionResetError,
+    http.client.CannotSendRequest,
+)
+"""What a kept-alive connection the server closed meanwhile raises: the request never
+reached it, so it is sent again on a new connection."""
+
+
+def _api_error(call: str, status: int, reason: str, doc: Any) -> ApiError:
+    message = str(doc.get("message") or reason) if isinstance(doc, dict) else ""
+    kind = str(doc.get("reason") or "") if isinstance(doc, dict) else ""
+    return ApiError(
+        call, status, f"HTTP {status}: {message}", status_hint(status), reason=kind
+    )  # fmt: skip
 
 
 def collection(api_version: str, plural: str, namespace: str | None = None) -> str:

@@ -50,36 +50,36 @@ def cluster_facts(
         "server": access.server,
         "namespace": access.namespace,
     }
-    client = KubeClient(access, settings.request_timeout_s)
-    try:
-        version = client.get("/version")
-    except ApiError as exc:
-        return {**facts, "reachable": False, "why": exc.render()}
-    facts["reachable"] = True
-    facts["version"] = version.get("gitVersion")
-    crds = served_sandbox_apis(client)
-    facts["agentSandbox"] = crds
-    complete = all(crds.values())
-    facts["mode"] = (
-        settings.mode if settings.mode != "auto" else ("sandbox" if complete else "pods")
-    )
-    if settings.mode == "sandbox" and not complete:
-        facts["modeProblem"] = (
-            "kubernetes.mode is sandbox but the cluster does not serve agent-sandbox's "
-            "v1beta1 APIs: install agent-sandbox v1.0+, or set kubernetes.mode: pods"
+    with KubeClient(access, settings.request_timeout_s) as client:
+        try:
+            version = client.get("/version")
+        except ApiError as exc:
+            return {**facts, "reachable": False, "why": exc.render()}
+        facts["reachable"] = True
+        facts["version"] = version.get("gitVersion")
+        crds = served_sandbox_apis(client)
+        facts["agentSandbox"] = crds
+        complete = all(crds.values())
+        facts["mode"] = (
+            settings.mode if settings.mode != "auto" else ("sandbox" if complete else "pods")
         )
-    missing = missing_permissions(client, access.namespace)
-    facts["rbac"] = {
-        "missing": missing,
-        "ok": not missing,
-        **({"hint": "bind the executor to the Role in docs/kubernetes.md"} if missing else {}),
-    }
-    facts["networkPolicy"] = probe_network_policy(
-        client, access.namespace, probe_image, timeout_s=probe_timeout_s, settings=settings
-    )
-    if settings.runtime_class:
-        facts["runtimeClass"] = runtime_class_fact(client, settings.runtime_class)
-    return facts
+        if settings.mode == "sandbox" and not complete:
+            facts["modeProblem"] = (
+                "kubernetes.mode is sandbox but the cluster does not serve agent-sandbox's "
+                "v1beta1 APIs: install agent-sandbox v1.0+, or set kubernetes.mode: pods"
+            )
+        missing = missing_permissions(client, access.namespace)
+        facts["rbac"] = {
+            "missing": missing,
+            "ok": not missing,
+            **({"hint": "bind the executor to the Role in docs/kubernetes.md"} if missing else {}),
+        }
+        facts["networkPolicy"] = probe_network_policy(
+            client, access.namespace, probe_image, timeout_s=probe_timeout_s, settings=settings
+        )
+        if settings.runtime_class:
+            facts["runtimeClass"] = runtime_class_fact(client, settings.runtime_class)
+        return facts
 
 
 def served_sandbox_apis(client: KubeClient) -> dict[str, bool]:

@@ -43,8 +43,8 @@ def gc_cluster(
         access = find_access(kube, env)
         if access is None:
             return GcReport()
-        client = KubeClient(access, kube.request_timeout_s)
-        return collect_cluster(client, access.namespace, task_id=task_id, dry_run=dry_run)
+        with KubeClient(access, kube.request_timeout_s) as client:
+            return collect_cluster(client, access.namespace, task_id=task_id, dry_run=dry_run)
     except FusionOCIError as exc:
         return GcReport(errors=[f"kubernetes: {exc.render()}"])
 

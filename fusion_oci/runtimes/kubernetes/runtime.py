@@ -131,6 +131,8 @@ class KubernetesRuntime(SpecRuntime):
         self._client: KubeClient | None = None
         self._namespace = ""
         self._made: list[dict[str, Any]] = []
+        self.claim_ms: float | None = None
+        """sandbox mode: the claim's create until agent-sandbox said it is Ready (benchmarks)"""
         self._agent: StreamedAgent | None = None
         self._agent_stream: ExecStream | None = None
         self._sync: WorktreeSync | None = None
@@ -286,11 +288,14 @@ class KubernetesRuntime(SpecRuntime):
             else:
                 await ensure_shape(client, objs.sandbox, self._namespace, self._gate(task))
                 claim = objs.sandbox.claim
-                await taskpod.create(client, [claim], self._namespace)
+                t_claim = time.perf_counter()
+                (stored,) = await taskpod.create(client, [claim], self._namespace)
                 self._made.append(claim)
                 self._pod = await taskpod.wait_claimed(
-                    client, self._namespace, self._pod, EXTENSIONS_API, self.kube.start_timeout_s
-                )
+                    client, self._namespace, self._pod, EXTENSIONS_API, self.kube.start_timeout_s,
+                    str(stored.get("metadata", {}).get("resourceVersion") or ""),
+                )  # fmt: skip
+                self.claim_ms = (time.perf_counter() - t_claim) * 1000
             await taskpod.wait_running(
                 client, self._namespace, self._pod, self.kube.start_timeout_s,
                 f"that the nodes have the image {self._image}",
@@ -477,6 +482,8 @@ class KubernetesRuntime(SpecRuntime):
         try:
             await self._teardown()
         finally:
+            if self._client is not None:
+                self._client.close()  # its kept-alive connections
             await super().dispose()
 
 

@@ -80,15 +80,20 @@ def _check_same(found: Mapping[str, Any], obj: Mapping[str, Any], namespace: str
             )
 
 
-async def create(client: KubeClient, objs: Sequence[Mapping[str, Any]], namespace: str) -> None:
-    """Create ``objs`` in order (a pod's NetworkPolicy before the pod)."""
+async def create(
+    client: KubeClient, objs: Sequence[Mapping[str, Any]], namespace: str
+) -> list[dict[str, Any]]:
+    """Create ``objs`` in order (a pod's NetworkPolicy before the pod); the objects as the
+    API server stored them."""
+    made: list[dict[str, Any]] = []
     for obj in objs:
         path = path_of(obj, namespace)
 
-        def make(obj: Mapping[str, Any] = obj, path: str = path) -> None:
-            client.create(path, obj)
+        def make(obj: Mapping[str, Any] = obj, path: str = path) -> dict[str, Any]:
+            return client.create(path, obj)
 
-        await asyncio.to_thread(retrying, make)
+        made.append(await asyncio.to_thread(retrying, make))
+    return made
 
 
 async def remove(
@@ -165,23 +170,45 @@ def pod_state(pod: Mapping[str, Any]) -> tuple[str, str]:
     return "waiting", f"phase {phase}"
 
 
+def claim_ready(claim: Mapping[str, Any]) -> tuple[str | None, str]:
+    """The bound sandbox's name once the claim is Ready (else None), and the claim's last
+    words. Pure."""
+    status = claim.get("status") or {}
+    name = (status.get("sandbox") or {}).get("name")
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == "Ready":
+            if cond.get("status") == "True" and name:
+                return str(name), "ready"
+            return None, f"{cond.get('reason', '')}: {cond.get('message', '')}"
+    return None, "no status yet"
+
+
 async def wait_claimed(
-    client: KubeClient, namespace: str, claim: str, api: str, timeout_s: float
+    client: KubeClient,
+    namespace: str,
+    claim: str,
+    api: str,
+    timeout_s: float,
+    resource_version: str = "",
 ) -> str:
-    """The name of the sandbox (and its pod) agent-sandbox bound to ``claim``, once Ready."""
-    path = f"/apis/{api}/namespaces/{namespace}/sandboxclaims/{claim}"
+    """The name of the sandbox (and its pod) agent-sandbox bound to ``claim``, once Ready.
+
+    Watched, not polled: the controller binds a warm pod in tens of milliseconds, and a poll
+    either hammers the API server or sees the binding late. ``resource_version``: the
+    claim's as created, so no change between the create and the watch is missed."""
+    plural = f"/apis/{api}/namespaces/{namespace}/sandboxclaims"
     deadline = time.monotonic() + timeout_s
-    delay = 0.01
     last = "no status yet"
+    version = resource_version
     while True:
-        status = (await asyncio.to_thread(client.get, path)).get("status") or {}
-        name = (status.get("sandbox") or {}).get("name")
-        for cond in status.get("conditions") or []:
-            if cond.get("type") == "Ready":
-                if cond.get("status") == "True" and name:
-                    return str(name)
-                last = f"{cond.get('reason', '')}: {cond.get('message', '')}"
-        if time.monotonic() >= deadline:
+        if not version:
+            obj = await asyncio.to_thread(client.get, f"{plural}/{claim}")
+            name, last = claim_ready(obj)
+            if name is not None:
+                return name
+            version = str((obj.get("metadata") or {}).get("resourceVersion") or "")
+        left = deadline - time.monotonic()
+        if left <= 0:
             raise SandboxSetupError(
                 f"the task's SandboxClaim {claim} was not bound within {timeout_s:.0f} s",
                 last,
@@ -189,5 +216,21 @@ async def wait_claimed(
                 f"(`kubectl -n {namespace} describe sandboxclaim {claim}`), or raise "
                 "kubernetes.startTimeoutS",
             )
-        await asyncio.sleep(delay)
-        delay = min(delay * 1.5, 0.25)
+
+        def ready(obj: dict[str, Any]) -> str | None:
+            nonlocal last
+            name, last = claim_ready(obj)
+            return name
+
+        try:
+            got = await asyncio.to_thread(
+                client.watch, plural, claim, version, ready, min(left, 10.0)
+            )
+        except ApiError as exc:
+            if exc.status not in (0, 410):
+                raise
+            got = None
+            await asyncio.sleep(0.05)  # the watch broke or its version is gone: read again
+        if got is not None:
+            return got
+        version = ""

@@ -1,0 +1,29 @@
+"""What the kubernetes runtime reads from the objects it watches (taskpod.py). Pure."""
+
+from __future__ import annotations
+
+from fusion_oci.runtimes.kubernetes.taskpod import claim_ready, pod_state
+
+
+def test_a_claim_is_ready_only_with_its_sandbox_named() -> None:
+    assert claim_ready({}) == (None, "no status yet")
+    cond = {"type": "Ready", "status": "False", "reason": "Pending", "message": "no warm pod"}
+    pending = {"status": {"conditions": [cond]}}
+    assert claim_ready(pending) == (None, "Pending: no warm pod")
+    unnamed = {"status": {"conditions": [{"type": "Ready", "status": "True"}]}}
+    assert claim_ready(unnamed)[0] is None
+    ready = {"status": {"sandbox": {"name": "sb-1"},
+                        "conditions": [{"type": "Ready", "status": "True"}]}}  # fmt: skip
+    assert claim_ready(ready) == ("sb-1", "ready")
+
+
+def test_pod_states() -> None:
+    assert pod_state({}) == ("waiting", "phase Pending")
+    running = {"status": {"phase": "Running", "containerStatuses": [{"state": {"running": {}}}]}}
+    assert pod_state(running) == ("running", "running")
+    never = {"status": {"containerStatuses": [{"state": {"waiting": {
+        "reason": "ErrImageNeverPull", "message": "not present"}}}]}}  # fmt: skip
+    assert pod_state(never) == ("failed", "ErrImageNeverPull: not present")
+    ended = {"status": {"containerStatuses": [{"state": {"terminated": {
+        "reason": "Error", "exitCode": 1}}}]}}  # fmt: skip
+    assert pod_state(ended) == ("failed", "container ended: Error (exit 1)")
