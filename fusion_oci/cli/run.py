@@ -2,12 +2,13 @@
 
 The run itself is :func:`fusion_oci.caller.runrequest.execute`, shared with the per-user
 resident server; here are the typer command, this process's I/O (:class:`LocalIO`) and
-:func:`parse_run`, the parser the resident server is handed for its clients' argv.
+:func:`run_parser`, the parser the resident server is handed for its clients' argv.
 """
 
 from __future__ import annotations
 
 import contextvars
+import functools
 import io
 import json
 import sys
@@ -219,25 +220,25 @@ def run(
     raise typer.Exit(run_here(req))
 
 
-_COMMAND: Any = None
+def run_parser(cli: Any) -> Callable[[list[str]], RunRequest | tuple[int, str, str]]:
+    """The parser the resident server is handed (a
+    :data:`fusion_oci.caller.runrequest.RunParser`): ``fusion-oci run ARGV`` parsed by
+    ``cli``, the CLI's own click command (the root of the invocation that started the server,
+    so this module needs no import of the CLI's app)."""
+    return functools.partial(parse_run, cli)
 
 
-def parse_run(argv: list[str]) -> RunRequest | tuple[int, str, str]:
-    """``fusion-oci run ARGV`` parsed by the CLI's own command (a
-    :data:`fusion_oci.caller.runrequest.RunParser`): the request, or what the CLI would have
-    printed and its exit status (a usage error: 2)."""
-    from fusion_oci.cli.main import app
+def parse_run(cli: Any, argv: list[str]) -> RunRequest | tuple[int, str, str]:
+    """``fusion-oci run ARGV`` parsed by the CLI's command ``cli``: the request, or what the
+    CLI would have printed and its exit status (a usage error: 2)."""
     from fusion_oci.errors import FlagError
 
-    global _COMMAND
-    if _COMMAND is None:
-        _COMMAND = typer.main.get_command(app)  # ~0.2 s to build: once per server
     taken: list[RunRequest] = []
     token = capture.set(taken.append)
     out, err = io.StringIO(), io.StringIO()
     code = 0
     try:
-        _COMMAND.main(args=["run", *argv], prog_name="fusion-oci", standalone_mode=False)
+        cli.main(args=["run", *argv], prog_name="fusion-oci", standalone_mode=False)
     except typer.Exit as exc:
         code = exc.exit_code
     except typer.TyperException as exc:

@@ -9,6 +9,7 @@ import typer
 
 
 def serve(
+    ctx: typer.Context,
     socket: Annotated[
         Path | None,
         typer.Option(
@@ -63,12 +64,14 @@ def serve(
         else:
             token, parser = None, None
             if token_file is not None:
-                from fusion_oci.cli.run import parse_run
+                from fusion_oci.cli.run import run_parser
                 from fusion_oci.server.resident import check_code, read_token, warm_up
 
-                token, parser = read_token(token_file), parse_run
+                # the CLI's own command, as this invocation was parsed by it
+                parser = run_parser(ctx.find_root().command)
+                token = read_token(token_file)
                 check_code(os.environ.get("FUSION_OCI_SERVER_CODE"))
-                warm_up(parse_run)
+                warm_up(parser)
                 os.chdir("/")  # a resident server holds no caller's directory busy
             asyncio.run(
                 serve_socket(socket.absolute(), max_message_bytes, idle_timeout, token, parser)

@@ -3,7 +3,7 @@
 ``fusion-oci serve --socket PATH --idle-timeout S --token-file F`` as the fast client starts
 it: besides the protocol's methods it serves ``cli/run``, which is ``fusion-oci run`` for a
 client that stands elsewhere. The client sends its argv, cwd and environment; the argv is parsed
-by the parser the server is handed (the CLI's own typer command, ``fusion_oci.cli.run.parse_run``:
+by the parser the server is handed (the CLI's own typer command, ``fusion_oci.cli.run.run_parser``:
 ``server/`` never imports ``cli/``) and the run is
 :func:`fusion_oci.caller.runrequest.execute`, so the settings, notes, errors and exit status are
 the in-process CLI's. Output goes back as ``output`` notifications (bytes base64), our lines as
