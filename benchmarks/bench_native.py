@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import median_ms, run_argv
 from fusion_oci.agent.client import Agent
+from fusion_oci.host.process import reaper_argv, run_process
 from fusion_oci.models import PrepareContext, RunOptions
 from fusion_oci.policy.settings import SandboxSettings
-from fusion_oci.process import reaper_argv, run_process
 from fusion_oci.runtimes.native import NativeRuntime
 from fusion_oci.sandbox import Sandbox
 

@@ -52,8 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_workload import LONG, WORK, linked_project, make_runtime
 from benchmarks.workload_raw import raw_runsc_argv, timed
+from fusion_oci.host.process import REAPER, reaper_argv
 from fusion_oci.models import NetworkMode
-from fusion_oci.process import REAPER, reaper_argv
 from fusion_oci.runtimes.bubblewrap import BubblewrapRuntime, bwrap_spawn
 from fusion_oci.runtimes.bubblewrap.argv import SECCOMP_FD
 from fusion_oci.runtimes.landlock import (

@@ -40,7 +40,7 @@ from fusion_oci.engines.labels import (
     LABEL_TASK,
 )
 from fusion_oci.errors import FusionOCIError
-from fusion_oci.scratch import boot_id, process_start
+from fusion_oci.host.scratch import boot_id, process_start
 
 if TYPE_CHECKING:
     from fusion_oci.policy.settings import SandboxSettings
@@ -165,9 +165,9 @@ def gc(
     Scratch folders in the temp dir whose owner is gone (a ``kill -9``'d run's) go too, as
     at every prepare.
     """
-    from fusion_oci.cachedir import default_cache_root
+    from fusion_oci.host.cachedir import default_cache_root
+    from fusion_oci.host.scratch import gc_scratch
     from fusion_oci.policy.settings import SandboxSettings
-    from fusion_oci.scratch import gc_scratch
     from fusion_oci.store import prune_stores
 
     chosen = settings or SandboxSettings()

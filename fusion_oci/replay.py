@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, Any
 from pydantic import Field
 
 from fusion_oci import __version__
+from fusion_oci.host.process import probe
 from fusion_oci.models import Model, RunOptions
-from fusion_oci.process import probe
-from fusion_oci.stdin import StdinStream
+from fusion_oci.models.stdin import StdinStream
 
 if TYPE_CHECKING:
     from fusion_oci.models import PrepareContext

@@ -16,7 +16,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from fusion_oci.cachedir import default_cache_root
+from fusion_oci.host.cachedir import default_cache_root
 from fusion_oci.models import CacheMode, NetworkMode, PrepareContext, RunOptions
 from fusion_oci.oci.host import HostInfo
 from fusion_oci.oci.model import ConfigSpec, ProcessSpec, Rlimit, TaskSpec, User

@@ -55,7 +55,8 @@ from fusion_oci.errors import (
     SandboxSetupError,
     SettingsError,
 )
-from fusion_oci.hardening import harden_owner
+from fusion_oci.host.hardening import harden_owner
+from fusion_oci.host.scratch import gc_scratch
 from fusion_oci.models import (
     CacheMode,
     NetworkMode,
@@ -64,6 +65,7 @@ from fusion_oci.models import (
     RunOptions,
     RunResult,
 )
+from fusion_oci.models.stdin import StdinStream
 from fusion_oci.oci.host import HostInfo, probe_host
 from fusion_oci.oci.model import config_json
 from fusion_oci.policy.gitlinks import QUARANTINE_DIR, GitGuard
@@ -74,11 +76,9 @@ from fusion_oci.replay import record_run, worktree_state
 from fusion_oci.resolve import ResolvedTask, compile_spec, resolve_for
 from fusion_oci.runtimes.protocol import Runtime
 from fusion_oci.runtimes.registry import create_runtime
-from fusion_oci.scratch import gc_scratch
 from fusion_oci.services import TaskRelays, start_relays, stop_relays
 from fusion_oci.services.publish import TaskPorts, attach_ports, bind_ports, stop_ports
 from fusion_oci.sidecars import TaskServices, services_missing
-from fusion_oci.stdin import StdinStream
 from fusion_oci.store import StoreLinker, task_linker
 
 if TYPE_CHECKING:

@@ -4,7 +4,7 @@ The agent is started once (:meth:`Agent.start_local` for native, a socketpair; o
 container whose init is the agent, :meth:`Agent.accept` on a listening socket in a task-private
 folder). Each :meth:`Agent.run` makes the command's pipes here and hands their ends to the agent
 with the ``spawn`` frame (SCM_RIGHTS), so output comes straight into this process; the outcome
-contract is :func:`fusion_oci.process.run_process`'s: timeout, maxBuffer, streamed output,
+contract is :func:`fusion_oci.host.process.run_process`'s: timeout, maxBuffer, streamed output,
 stdin, whole-tree kill with a grace period, duration.
 
 If the agent dies or the connection breaks, the run in flight and every later run raise
@@ -32,7 +32,7 @@ from fusion_oci.agent.pipes import CommandPipes, StdinFeeder, wait_writable
 from fusion_oci.agent.protocol import Decoder, ProtocolError
 from fusion_oci.agent.session import BINARY_NAME, BUILD_HINT, AgentSession
 from fusion_oci.errors import SandboxSetupError
-from fusion_oci.process import Capture
+from fusion_oci.host.process import Capture
 from fusion_oci.shims.proctree import descendants  # one /proc walk, shared with the reaper
 
 __all__ = ["BINARY_NAME", "BUILD_HINT", "Agent", "agent_binary", "listen_socket"]

@@ -43,7 +43,7 @@ HIGH_WATER = 4 << 20
 """Bytes waiting for the stream past which no pipe is read (the stream is backed up)."""
 DRAIN_S = 2.0
 """After the agent's X: how long a pipe held open by something outside the tree is waited for
-(fusion_oci.process.DRAIN_LIMIT_S)."""
+(fusion_oci.host.process.DRAIN_LIMIT_S)."""
 TAIL = 1 << 20
 """After the agent's X the tree is gone; what is left in the pipes is read past the window, up
 to this much, so a host that stopped consuming still gets its X."""

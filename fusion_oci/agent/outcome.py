@@ -1,6 +1,6 @@
 """What a run through the exec agent ends as, whatever carried it (a local socket with the pipes
 passed, or a byte stream with the output relayed): the agent's ``F`` and ``X`` read as a
-:class:`~fusion_oci.process.ProcessOutcome`, the maxBuffer trigger, and :class:`AgentLike`,
+:class:`~fusion_oci.host.process.ProcessOutcome`, the maxBuffer trigger, and :class:`AgentLike`,
 what a runtime holds (PROTOCOL.md, "Frames" and "Over a byte stream")."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import AsyncIterable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from fusion_oci.errors import SandboxSetupError
-from fusion_oci.process import Capture, ProcessOutcome, signal_name
+from fusion_oci.host.process import Capture, ProcessOutcome, signal_name
 
 if TYPE_CHECKING:
     from fusion_oci.agent.protocol import Spawn

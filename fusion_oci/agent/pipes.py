@@ -9,7 +9,7 @@ import functools
 import os
 from collections.abc import AsyncIterable, Callable
 
-from fusion_oci.process import Capture
+from fusion_oci.host.process import Capture
 
 
 def _wake(fut: asyncio.Future[None]) -> None:

@@ -31,7 +31,7 @@ from fusion_oci.agent.protocol import (
     encode_spawn,
 )
 from fusion_oci.errors import AgentLostError, SandboxSetupError
-from fusion_oci.process import DRAIN_LIMIT_S, Capture, ProcessOutcome
+from fusion_oci.host.process import DRAIN_LIMIT_S, Capture, ProcessOutcome
 
 if TYPE_CHECKING:
     from fusion_oci.models import OutputCallback, RunOptions

@@ -57,7 +57,7 @@ from fusion_oci.agent.protocol import (
 from fusion_oci.agent.session import AgentSession
 from fusion_oci.agent.tunnel import Dialer, Tunnels
 from fusion_oci.errors import AgentLostError, SandboxSetupError
-from fusion_oci.process import Capture
+from fusion_oci.host.process import Capture
 
 MUX = Path(__file__).with_name("mux.py")
 """The far end: a stdlib-only script, copied into a pod and run by path."""

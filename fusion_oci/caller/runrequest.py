@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from fusion_oci.errors import FusionOCIError
     from fusion_oci.images.gates import AskCallback
     from fusion_oci.models import RunResult
-    from fusion_oci.stdin import StdinStream
+    from fusion_oci.models.stdin import StdinStream
 
 
 @dataclass

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 
-from fusion_oci.backends import BACKEND_IDS
 from fusion_oci.cli.choices import choice as _choice
+from fusion_oci.models.backends import BACKEND_IDS
 
 if TYPE_CHECKING:
     from fusion_oci.caller import TaskFlags

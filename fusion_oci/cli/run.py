@@ -48,7 +48,7 @@ from fusion_oci.cli.options import (
 
 if TYPE_CHECKING:
     from fusion_oci.images.gates import AskCallback
-    from fusion_oci.stdin import StdinStream
+    from fusion_oci.models.stdin import StdinStream
 
 
 # --- in this process ------------------------------------------------------------------------
@@ -94,7 +94,7 @@ class LocalIO:
         return tty_ask(assume_yes=assume_yes)
 
     def stdin(self) -> bytes | StdinStream:
-        from fusion_oci.stdin import StdinStream
+        from fusion_oci.models.stdin import StdinStream
 
         if sys.stdin is None:  # started with fd 0 closed: nothing to feed
             return b""
@@ -107,7 +107,7 @@ def run_here(req: RunRequest) -> int:
     import signal
 
     from fusion_oci.caller import caller_env
-    from fusion_oci.hardening import harden_owner
+    from fusion_oci.host.hardening import harden_owner
 
     # This process holds the caller's environment and, under network filtered, the task's
     # proxy, CA key and brokered tokens: no core of it, no /proc/PID/mem (issue #31).

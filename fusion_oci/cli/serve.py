@@ -52,7 +52,7 @@ def serve(
     import os
 
     from fusion_oci.errors import FusionOCIError
-    from fusion_oci.hardening import harden_owner
+    from fusion_oci.host.hardening import harden_owner
     from fusion_oci.server import serve_socket, serve_stdio
 
     # Every task it serves has its proxy, CA key and brokered tokens here, and a resident

@@ -141,7 +141,7 @@ async def read_value(spec: CredentialSpec, env: Mapping[str, str]) -> str:
                 f"settings error at {where}", "the file is empty", "write the token into it"
             )
         return value
-    from fusion_oci.process import run_process
+    from fusion_oci.host.process import run_process
 
     assert src.command is not None
     try:

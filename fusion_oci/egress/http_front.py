@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from fusion_oci.egress.wire import Connection, Core, Refused, bad_name
-from fusion_oci.hostpattern import name_problem, normalize_host
+from fusion_oci.models.hostpattern import name_problem, normalize_host
 
 if TYPE_CHECKING:
     from fusion_oci.egress.credentials import Brokered

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import yaml
 
-from fusion_oci.process import run_process
+from fusion_oci.host.process import run_process
 
 PROBE_TIMEOUT_S = 5.0
 DEFAULT_PORTS = {"https": 443, "http": 80, "ssh": 22, "git": 9418, "git+ssh": 22, "ssh+git": 22}

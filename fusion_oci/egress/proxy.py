@@ -42,7 +42,7 @@ from fusion_oci.egress.wire import (
     Limits,
     Refused,
 )
-from fusion_oci.hostpattern import normalize_host
+from fusion_oci.models.hostpattern import normalize_host
 
 if TYPE_CHECKING:
     from fusion_oci.audit import AuditLog

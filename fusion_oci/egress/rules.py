@@ -17,7 +17,7 @@ addresses are not a fixed list (every interface, v4 and v6, mapped forms, a publ
 that NATs back to the host, interfaces added later), so no destination may have it.
 
 A requested name that is not plain ASCII letters, digits, '-', '_' and dots
-(:func:`fusion_oci.hostpattern.name_problem`) is refused before any pattern is compared: a
+(:func:`fusion_oci.models.hostpattern.name_problem`) is refused before any pattern is compared: a
 resolver would fold it into another name than the one decided on.
 """
 
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from fusion_oci.errors import SettingsError
-from fusion_oci.hostpattern import (
+from fusion_oci.models.hostpattern import (
     IPAddress,
     IPNetwork,
     Pattern,

@@ -15,7 +15,7 @@ from fusion_oci.egress.wire import (
     Refused,
     bad_name,
 )
-from fusion_oci.hostpattern import name_problem
+from fusion_oci.models.hostpattern import name_problem
 
 
 async def serve_socks(

@@ -1,9 +1,9 @@
 """A task's proxy from start to gone: the scratch folder its socket lives in, the profile and
 rules it enforces, and its removal.
 
-The socket's folder is a scratch folder (:func:`fusion_oci.scratch.make_scratch`, kind
+The socket's folder is a scratch folder (:func:`fusion_oci.host.scratch.make_scratch`, kind
 ``egress``): only the host writes there, and when the owner is killed (``kill -9``) the proxy
-thread dies with it and the next prepare's :func:`~fusion_oci.scratch.gc_scratch` removes the
+thread dies with it and the next prepare's :func:`~fusion_oci.host.scratch.gc_scratch` removes the
 folder and the socket file in it.
 """
 
@@ -20,7 +20,7 @@ from fusion_oci.egress.profile import resolve_profile
 from fusion_oci.egress.proxy import SOCKET_NAME, EgressProxy, start_proxy
 from fusion_oci.egress.rules import EgressRules
 from fusion_oci.errors import SandboxSetupError
-from fusion_oci.scratch import make_scratch
+from fusion_oci.host.scratch import make_scratch
 
 if TYPE_CHECKING:
     from fusion_oci.audit import AuditLog

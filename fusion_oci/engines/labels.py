@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from fusion_oci.host.scratch import boot_id, process_start
 from fusion_oci.oci.model import ANN, ANN_TASK
-from fusion_oci.scratch import boot_id, process_start
 
 LABEL_TASK = ANN_TASK
 """The task id (the spec's own annotation, copied to the container's labels)."""
@@ -51,7 +51,7 @@ class Owner:
 
 
 def current_owner() -> Owner:
-    """This process. boot_id and process_start are fusion_oci.scratch's: one owner check for
+    """This process. boot_id and process_start are fusion_oci.host.scratch's: one owner check for
     containers, volumes and scratch folders alike."""
     pid = os.getpid()
     return Owner(pid=pid, start=process_start(pid) or "0", boot=boot_id(), host=os.uname().nodename)

@@ -23,7 +23,7 @@ from fusion_oci.engines.base import API_TIMEOUT_S, EngineAdapter
 from fusion_oci.engines.endpoints import Endpoint, preflight
 from fusion_oci.engines.errors import engine_errors
 from fusion_oci.errors import RuntimeUnavailableError
-from fusion_oci.scratch import make_scratch, process_start
+from fusion_oci.host.scratch import make_scratch, process_start
 from fusion_oci.shims import WATCHDOG
 
 SERVICE_START_S = 20.0

@@ -186,7 +186,7 @@ async def bootstrap_base(
 
 
 async def _run(argv: list[str], what: str, timeout_s: float) -> str:
-    from fusion_oci.process import run_process
+    from fusion_oci.host.process import run_process
 
     outcome = await run_process(argv, timeout_s=timeout_s, max_buffer=4 << 20)
     text = (outcome.stdout + outcome.stderr).decode("utf-8", errors="replace")

@@ -32,7 +32,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from fusion_oci.cachedir import default_cache_root
 from fusion_oci.engines import (
     EngineAdapter,
     EngineOpError,
@@ -41,6 +40,7 @@ from fusion_oci.engines import (
     open_target,
 )
 from fusion_oci.errors import ProvisionError
+from fusion_oci.host.cachedir import default_cache_root
 from fusion_oci.images.build import build_image, host_ca_for_build
 from fusion_oci.images.engine import open_engine
 from fusion_oci.images.gates import AuditContext, GateName, GateRequest, ProvisionGate

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from fusion_oci.hostservice import no_proxy
 from fusion_oci.models import NetworkMode, SandboxPolicy
+from fusion_oci.models.hostservice import no_proxy
 from fusion_oci.policy.layout import CA_IN_SANDBOX, TaskLayout
 
 SANDBOX_HOME = "/home/sandbox"

@@ -25,8 +25,8 @@ from pydantic.alias_generators import to_camel
 from fusion_oci.models import CacheMode, NetworkMode
 
 if TYPE_CHECKING:
-    from fusion_oci.hostservice import HostService
-    from fusion_oci.publishport import PublishedPort
+    from fusion_oci.models.hostservice import HostService
+    from fusion_oci.models.publishport import PublishedPort
 
 
 class OciModel(BaseModel):
@@ -265,7 +265,7 @@ class TaskSpec(OciModel):
         services (``policy.hostServices``), then the service containers' ``127.0.0.1:PORT``
         (``policy.services``); empty: none. An entry that does not parse is dropped: closed,
         never open."""
-        from fusion_oci.hostservice import parse_grant
+        from fusion_oci.models.hostservice import parse_grant
 
         out = []
         for text in filter(None, self.annotations.get(ANN_HOST_SERVICES, "").split(" ")):
@@ -279,7 +279,7 @@ class TaskSpec(OciModel):
     def published_ports(self) -> tuple[PublishedPort, ...]:
         """The ports published on the host (``policy.publishPorts``), canonical forms; empty:
         none. An entry that does not parse is dropped: closed, never open."""
-        from fusion_oci.publishport import make_published
+        from fusion_oci.models.publishport import make_published
 
         out = []
         for text in filter(None, self.annotations.get(ANN_PUBLISH, "").split(" ")):

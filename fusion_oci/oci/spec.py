@@ -13,8 +13,9 @@ from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from typing import Any
 
-from fusion_oci.hostservice import HostService
 from fusion_oci.models import NetworkMode, PrepareContext, RunOptions, SandboxPolicy
+from fusion_oci.models.hostservice import HostService
+from fusion_oci.models.publishport import PublishedPort
 from fusion_oci.oci.environment import SANDBOX_HOME, SANDBOX_PATH, sandbox_env
 from fusion_oci.oci.host import HostInfo
 from fusion_oci.oci.model import (
@@ -45,7 +46,6 @@ from fusion_oci.oci.model import (
     User,
 )
 from fusion_oci.policy.layout import CA_IN_SANDBOX, TaskLayout
-from fusion_oci.publishport import PublishedPort
 
 OCI_VERSION = "1.0.2"
 

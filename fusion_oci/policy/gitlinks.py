@@ -135,7 +135,7 @@ def parse_gitlinks(ls_files: bytes) -> list[str]:
 
 
 async def _gitlinks(worktree: Path, env: Mapping[str, str]) -> list[str] | None:
-    from fusion_oci.process import run_process
+    from fusion_oci.host.process import run_process
 
     argv = [
         "git",

@@ -13,7 +13,7 @@ from fusion_oci.runtimes.outcome import LimitCounters
 
 if TYPE_CHECKING:
     from fusion_oci.agent.client import Agent
-    from fusion_oci.process import ProcessOutcome
+    from fusion_oci.host.process import ProcessOutcome
     from fusion_oci.runtimes.linux.cgroups import Cgroup
 
 LaunchT = TypeVar("LaunchT")

@@ -15,12 +15,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fusion_oci.host.process import reaper_argv, run_process
+from fusion_oci.host.scratch import make_scratch
 from fusion_oci.models import RunOptions, RunResult
 from fusion_oci.oci.environment import SANDBOX_HOME
 from fusion_oci.oci.model import ProcessSpec, TaskSpec
-from fusion_oci.process import reaper_argv, run_process
 from fusion_oci.runtimes.skeleton import SpecRuntime
-from fusion_oci.scratch import make_scratch
 
 if TYPE_CHECKING:
     from fusion_oci.resolve import ResolvedTask

@@ -6,9 +6,9 @@ from __future__ import annotations
 import signal as _signal
 from dataclasses import dataclass
 
+from fusion_oci.host.process import ProcessOutcome
 from fusion_oci.models import EndReason, RunResult
 from fusion_oci.oci.model import ProcessSpec
-from fusion_oci.process import ProcessOutcome
 
 
 @dataclass(frozen=True)

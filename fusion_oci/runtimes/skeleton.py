@@ -7,8 +7,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fusion_oci.backends import CAPABILITIES, NOTHING
 from fusion_oci.models import EndReason, RunOptions, RunResult, SandboxCapabilities
+from fusion_oci.models.backends import CAPABILITIES, NOTHING
 from fusion_oci.runtimes.outcome import classify, run_result
 from fusion_oci.runtimes.plans import AgentPlan, Plan, own_plan
 from fusion_oci.runtimes.protocol import Availability, RuntimeDefaults
@@ -16,12 +16,12 @@ from fusion_oci.runtimes.requirements import Requirement
 
 if TYPE_CHECKING:
     from fusion_oci.audit import AuditLog
+    from fusion_oci.host.process import ProcessOutcome
     from fusion_oci.images.gates import AskCallback
     from fusion_oci.oci.host import HostInfo
     from fusion_oci.oci.model import ProcessSpec, TaskSpec
     from fusion_oci.policy.layout import TaskLayout
     from fusion_oci.policy.settings import SandboxSettings
-    from fusion_oci.process import ProcessOutcome
     from fusion_oci.resolve import ResolvedTask
     from fusion_oci.runtimes.box import Box
 
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 class SpecRuntime(RuntimeDefaults):
     """Skeleton of the built-in runtimes.
 
-    Subclasses provide ``id`` (with its row of :data:`fusion_oci.backends.CAPABILITIES`),
+    Subclasses provide ``id`` (with its row of :data:`fusion_oci.models.backends.CAPABILITIES`),
     :meth:`availability`, :meth:`enforces` and :meth:`plan`; they may extend :meth:`check`,
     :meth:`prepare` and :meth:`dispose`, say what their host changes of their capabilities
     (:meth:`host_capabilities`), and make their own state in :meth:`setup` (the constructor is
@@ -104,7 +104,7 @@ class SpecRuntime(RuntimeDefaults):
         raise NotImplementedError
 
     def capabilities(self) -> SandboxCapabilities:
-        """The backend's row of :data:`fusion_oci.backends.CAPABILITIES` as this host has it:
+        """The backend's row of :data:`fusion_oci.models.backends.CAPABILITIES` as this host has it:
         ``fine`` network policy where ``network: filtered`` is enforced here, and what
         :meth:`host_capabilities` says (a plugin of another id: :data:`NOTHING`)."""
         offers = CAPABILITIES.get(self.id, NOTHING)._asdict()

@@ -32,9 +32,9 @@ from typing import Any
 from fusion_oci.caller import Control, RunParser, RunRequest, execute
 from fusion_oci.errors import error_body
 from fusion_oci.images.gates import AskCallback, GateRequest
+from fusion_oci.models.stdin import StdinStream
 from fusion_oci.server.methods import Session
 from fusion_oci.server.rpc import INVALID_REQUEST, Handler, Params, RequestId, RpcError
-from fusion_oci.stdin import StdinStream
 
 STDIN_WINDOW = 4
 """stdin chunks a client sends before the command has taken them (cli/stdinTaken)."""

@@ -1,6 +1,6 @@
 """Host services by grant (``policy.hostServices``): the host side.
 
-- :mod:`fusion_oci.hostservice` (a top-level helper, read by the settings too): a grant
+- :mod:`fusion_oci.models.hostservice` (a top-level helper, read by the settings too): a grant
   parsed, and what it hands over;
 - :mod:`~fusion_oci.services.relay`: one relay per grant per task, connecting to exactly the
   granted address or socket, audited;

@@ -20,11 +20,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from fusion_oci.hostservice import HostService
+from fusion_oci.models.hostservice import HostService
 
 if TYPE_CHECKING:
+    from fusion_oci.models.publishport import PublishedPort
     from fusion_oci.oci.model import TaskSpec
-    from fusion_oci.publishport import PublishedPort
 
 SERVICES_DIR = "/run/fusion-oci/services"
 PUBLISH_DIR = "/run/fusion-oci/publish"

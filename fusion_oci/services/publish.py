@@ -49,9 +49,9 @@ from typing import TYPE_CHECKING, Any
 from fusion_oci.egress.budget import BudgetedEvents, TaskStamped
 from fusion_oci.egress.loop import on_proxy_loop
 from fusion_oci.errors import SandboxSetupError
-from fusion_oci.hostservice import DASHBOARD_PORT
-from fusion_oci.publishport import PublishedPort
-from fusion_oci.scratch import make_scratch
+from fusion_oci.host.scratch import make_scratch
+from fusion_oci.models.hostservice import DASHBOARD_PORT
+from fusion_oci.models.publishport import PublishedPort
 from fusion_oci.services.handover import (
     agent_records,
     dialled_by_sandbox_init,

@@ -61,8 +61,8 @@ from fusion_oci.egress.budget import BudgetedEvents, TaskStamped
 from fusion_oci.egress.loop import on_proxy_loop
 from fusion_oci.egress.splice import Tunnel
 from fusion_oci.errors import SandboxSetupError, SettingsError
-from fusion_oci.hostservice import DASHBOARD_PORT, HostService, hands_over
-from fusion_oci.scratch import make_scratch
+from fusion_oci.host.scratch import make_scratch
+from fusion_oci.models.hostservice import DASHBOARD_PORT, HostService, hands_over
 from fusion_oci.services.handover import (
     POOL,
     agent_records,

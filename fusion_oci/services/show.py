@@ -3,8 +3,8 @@ each grant, what it gives the task, and, for one that hands over the host, what.
 
 from __future__ import annotations
 
-from fusion_oci.hostservice import describe, hands_over
 from fusion_oci.models import SandboxPolicy
+from fusion_oci.models.hostservice import describe, hands_over
 
 KEY = "sandbox.policy.hostServices"
 

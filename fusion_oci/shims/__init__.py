@@ -29,6 +29,6 @@ from __future__ import annotations
 from pathlib import Path
 
 REAPER = Path(__file__).with_name("reaper.py")
-"""The subreaper shim (:func:`fusion_oci.process.reaper_argv` wraps a command in it)."""
+"""The subreaper shim (:func:`fusion_oci.host.process.reaper_argv` wraps a command in it)."""
 WATCHDOG = Path(__file__).with_name("watchdog.py")
 """The watchdog that keeps a service of ours alive only as long as its owner."""

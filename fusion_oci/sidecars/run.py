@@ -41,8 +41,8 @@ from fusion_oci.engines import (
 )
 from fusion_oci.engines.labels import current_owner
 from fusion_oci.errors import FusionOCIError, SandboxSetupError
+from fusion_oci.host.scratch import make_scratch
 from fusion_oci.models import ServiceContainer
-from fusion_oci.scratch import make_scratch
 from fusion_oci.services import ContainerUpstream
 from fusion_oci.services.netns import NetnsSockets
 from fusion_oci.sidecars.plan import plan_service, ready_argv

@@ -23,7 +23,8 @@ none does.
 A job (:func:`run_in_namespace`) is the pass or the placement of fusion_oci/store/tree.py, named
 by ``op`` and given as JSON; the child (:func:`child`, a fresh interpreter: ``unshare`` needs a
 single-threaded process) answers JSON on stdout. It runs in its own process group and is killed
-with it past a timeout; the helpers are argv lists run through :func:`fusion_oci.process.probe`.
+with it past a timeout; the helpers are argv lists run through
+:func:`fusion_oci.host.process.probe`.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fusion_oci.process import probe, start_piped
+from fusion_oci.host.process import probe, start_piped
 
 CLONE_NEWUSER = 0x10000000
 NS_OWNER = 1

@@ -538,7 +538,7 @@ def test_a_task_pushes_and_installs_with_a_token_it_never_sees(
         "probe": probe_command(),
         "dump": DUMP,
         # core_pattern is "core" here: the dump lands in the worktree, which is scanned below
-        # (a command of a hardened owner has a hard core limit of 0, fusion_oci/hardening.py:
+        # (a command of a hardened owner has a hard core limit of 0, fusion_oci/host/hardening.py:
         # no dump at all; an engine's daemon starts its commands with its own limits)
         "core": "echo hard=$(ulimit -H -c); ulimit -c unlimited; "
         "PROBE_ABORT=1 node .credential-probe.js; ls core*",

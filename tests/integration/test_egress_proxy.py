@@ -525,7 +525,7 @@ KILLED_OWNER = textwrap.dedent("""
 
 
 def test_socket_folder_removed_by_gc_after_kill_9(tmp_path: Path) -> None:
-    from fusion_oci.scratch import gc_scratch
+    from fusion_oci.host.scratch import gc_scratch
 
     subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
     owner = subprocess.Popen(
@@ -547,7 +547,7 @@ def test_socket_folder_removed_by_gc_after_kill_9(tmp_path: Path) -> None:
 def _egress_folders() -> set[Path]:
     import tempfile
 
-    from fusion_oci.scratch import OWNER_FILE, owner_stamp
+    from fusion_oci.host.scratch import OWNER_FILE, owner_stamp
 
     mine = owner_stamp()
     found = set()

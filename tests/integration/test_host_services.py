@@ -249,7 +249,7 @@ def test_a_flood_through_a_grant_is_capped_and_audited(tmp_path: Path) -> None:
     import asyncio
     import socket
 
-    from fusion_oci.hostservice import parse_grant
+    from fusion_oci.models.hostservice import parse_grant
     from fusion_oci.services import Limits, start_relays, stop_relays
     from tests.services_world import listening
 
@@ -307,7 +307,7 @@ def test_a_unix_grant_swapped_for_a_symlink_after_prepare_is_refused(tmp_path: P
     import asyncio
     import socket
 
-    from fusion_oci.hostservice import parse_grant
+    from fusion_oci.models.hostservice import parse_grant
     from fusion_oci.services import start_relays, stop_relays
     from tests.services_world import listening
 

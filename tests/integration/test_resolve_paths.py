@@ -108,7 +108,7 @@ def test_plan_honours_the_contexts_host_ca_bundle(project: tuple[Path, str]) -> 
 def test_the_resolve_step_gives_runtimes_and_compile_the_same_inputs(
     project: tuple[Path, str],
 ) -> None:
-    from fusion_oci.cachedir import default_cache_root
+    from fusion_oci.host.cachedir import default_cache_root
     from fusion_oci.oci.host import probe_host
     from fusion_oci.resolve import compile_spec, resolve
 

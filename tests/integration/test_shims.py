@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fusion_oci.scratch import process_start
+from fusion_oci.host.scratch import process_start
 from fusion_oci.shims import REAPER
 from tests.backends import require_runtime
 

@@ -19,8 +19,8 @@ import shlex
 import time
 from pathlib import Path
 
-from fusion_oci.hostservice import parse_grant
 from fusion_oci.models import SandboxPolicy
+from fusion_oci.models.hostservice import parse_grant
 from fusion_oci.runtimes.requirements import Requirement
 from fusion_oci.services import start_relays, stop_relays
 from tests.security.conftest import Prober, expected

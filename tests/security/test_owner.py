@@ -2,7 +2,7 @@
 
 An attack from a landlock command raised the owner's ``RLIMIT_CORE`` (prlimit, same uid),
 killed it with SIGXCPU and read the ~70 MB core it dumped into the worktree: the brokered
-token, the caller's environment, the per-task CA key. ``fusion_oci.hardening.harden_owner``
+token, the caller's environment, the per-task CA key. ``fusion_oci.host.hardening.harden_owner``
 (applied by ``fusion-oci run``, ``serve`` and a Sandbox that starts a proxy or a broker) makes
 the owner non-dumpable with a hard core limit of 0. Each owner here is a fresh interpreter, so
 the test process itself is left as it was; the kernel's own word (``WCOREDUMP`` of the wait
@@ -31,7 +31,7 @@ OWNER = r"""
 import sys, time
 sys.path.insert(0, sys.argv[1])
 if sys.argv[2] == "harden":
-    from fusion_oci.hardening import harden_owner
+    from fusion_oci.host.hardening import harden_owner
     harden_owner()
 print("ready", flush=True)
 time.sleep(60)
@@ -40,7 +40,7 @@ time.sleep(60)
 REPORT = r"""
 import ctypes, resource, sys
 sys.path.insert(0, sys.argv[1])
-from fusion_oci.hardening import dumpable, harden_owner
+from fusion_oci.host.hardening import dumpable, harden_owner
 harden_owner()
 harden_owner()  # idempotent
 print(ctypes.CDLL(None).prctl(3, 0, 0, 0, 0), *resource.getrlimit(resource.RLIMIT_CORE))
@@ -207,7 +207,7 @@ def test_cli_run_and_serve_harden_themselves(tmp_path: Path) -> None:
 SANDBOX = r"""
 import sys
 sys.path.insert(0, sys.argv[1])
-from fusion_oci.hardening import dumpable
+from fusion_oci.host.hardening import dumpable
 from fusion_oci.models import PrepareContext, SandboxPolicy
 from fusion_oci.policy.settings import SandboxSettings
 from fusion_oci.sandbox import SyncSandbox

@@ -291,7 +291,7 @@ def test_a_crashed_owner_leaves_no_port_and_gc_takes_its_folder(tmp_path: Path) 
     import subprocess
     import sys
 
-    from fusion_oci.scratch import gc_scratch
+    from fusion_oci.host.scratch import gc_scratch
     from tests.conftest import git_init
 
     require_runtime("bubblewrap")

@@ -1,4 +1,4 @@
-"""The backend ids have one source (fusion_oci/backends.py); what cannot import it is checked
+"""The backend ids have one source (fusion_oci/models/backends.py); what cannot import it is checked
 against it here: the TypeScript client's ``SandboxBackendId`` and its capabilities table (a
 copy of ``CAPABILITIES``), the built-in runtimes' entry points, and the contract suite's
 runtimes."""
@@ -10,9 +10,9 @@ import re
 import tomllib
 from pathlib import Path
 
-from fusion_oci.backends import BACKEND_IDS, CAPABILITIES
 from fusion_oci.cli.options import BACKEND_CHOICES
 from fusion_oci.models import BACKEND_IDS as MODELS_IDS
+from fusion_oci.models.backends import BACKEND_IDS, CAPABILITIES
 from tests.contract.harness import RUNTIMES
 
 ROOT = Path(__file__).resolve().parents[2]

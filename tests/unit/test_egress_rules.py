@@ -20,8 +20,8 @@ from fusion_oci.egress.rules import (
     validate_patterns,
 )
 from fusion_oci.errors import SettingsError
-from fusion_oci.hostpattern import name_problem, normalize_host
 from fusion_oci.models import SandboxPolicy
+from fusion_oci.models.hostpattern import name_problem, normalize_host
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from fusion_oci.hostservice import HostService, hands_over, parse_grant
 from fusion_oci.models import SandboxPolicy
+from fusion_oci.models.hostservice import HostService, hands_over, parse_grant
 from fusion_oci.policy.settings import SandboxSettings
 from fusion_oci.runtimes.landlock import landlock_rules, launch_config, launch_text
 from fusion_oci.services.inside import service_wiring

@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
+from fusion_oci.host.process import ProcessOutcome
 from fusion_oci.models import CpuLimit, NetworkMode, PrepareContext, SandboxPolicy
 from fusion_oci.oci.model import ConfigSpec
 from fusion_oci.oci.spec import bind
 from fusion_oci.policy.layout import GitLayout, TaskLayout
 from fusion_oci.policy.settings import SandboxSettings
-from fusion_oci.process import ProcessOutcome
 from fusion_oci.resolve import ResolvedTask
 from fusion_oci.runtimes.linux.cgroups import CgroupEvents, Hierarchy
 from fusion_oci.runtimes.oci import OciRuntime, exit_status, limit_counters

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from fusion_oci.host.process import ProcessOutcome
 from fusion_oci.oci.model import ProcessSpec, Rlimit, User
-from fusion_oci.process import ProcessOutcome
 from fusion_oci.runtimes.outcome import LimitCounters, classify, status_from_code
 
 SPEC = ProcessSpec(user=User(uid=0, gid=0), args=["true"], cwd="/")

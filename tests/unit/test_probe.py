@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from fusion_oci.process import probe
+from fusion_oci.host.process import probe
 
 
 def test_a_probe_gives_status_and_output() -> None:

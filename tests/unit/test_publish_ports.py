@@ -1,4 +1,4 @@
-"""``policy.publishPorts``: the settings' parsing (fusion_oci.publishport), the task spec's
+"""``policy.publishPorts``: the settings' parsing (fusion_oci.models.publishport), the task spec's
 annotation (a golden: the translation is pure) and what each runtime's check says."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 from pydantic import ValidationError
 
 from fusion_oci.models import SandboxPolicy
+from fusion_oci.models.publishport import PublishedPort, parse_publish
 from fusion_oci.oci.spec import default_task, with_annotations, with_published_ports
-from fusion_oci.publishport import PublishedPort, parse_publish
 from fusion_oci.runtimes.requirements import Requirement, spec_requirements
 from tests.golden import assert_golden
 
@@ -121,7 +121,7 @@ def test_the_agents_wiring_is_golden() -> None:
     """Each published port: its relay's socket bound read-only at
     /run/fusion-oci/publish/N.sock and ``--publish PORT=PATH`` for the agent (placeholders in
     a plan), after the host services' own; the same for every runtime's translation."""
-    from fusion_oci.hostservice import parse_grant
+    from fusion_oci.models.hostservice import parse_grant
     from fusion_oci.services.inside import service_wiring
 
     ports = SandboxPolicy(publish_ports=["3000", "8080:80"]).published()

@@ -13,8 +13,8 @@ import pytest
 from pydantic import ValidationError
 
 from fusion_oci.engines.labels import Owner
-from fusion_oci.hostservice import HostService
 from fusion_oci.models import PrepareContext, SandboxPolicy, ServiceContainer
+from fusion_oci.models.hostservice import HostService
 from fusion_oci.oci.spec import compile_task
 from fusion_oci.policy.layout import resolve_layout
 from fusion_oci.policy.settings import SandboxSettings

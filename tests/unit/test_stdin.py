@@ -1,12 +1,12 @@
-"""StdinStream: stdin fed to a command as it comes, with backpressure (fusion_oci/stdin.py)."""
+"""StdinStream: stdin fed to a command as it comes, with backpressure (models/stdin.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
 
-from fusion_oci.process import run_process
-from fusion_oci.stdin import StdinStream
+from fusion_oci.host.process import run_process
+from fusion_oci.models.stdin import StdinStream
 
 
 async def test_chunks_in_order_then_the_end() -> None:

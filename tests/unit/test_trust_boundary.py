@@ -260,7 +260,7 @@ def test_every_error_has_a_kind_and_a_json_form() -> None:
 def test_scratch_gc_removes_only_folders_of_dead_owners(tmp_path: Path) -> None:
     import os
 
-    from fusion_oci.scratch import OWNER_FILE, gc_scratch, owner_stamp
+    from fusion_oci.host.scratch import OWNER_FILE, gc_scratch, owner_stamp
 
     dead = subprocess.Popen(["true"])
     dead.wait()

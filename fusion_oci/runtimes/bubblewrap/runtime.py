@@ -51,10 +51,11 @@ from typing import TYPE_CHECKING
 
 from fusion_oci.agent.client import Agent, agent_binary
 from fusion_oci.errors import BundleError, SandboxSetupError
+from fusion_oci.host.process import kill_group, probe
+from fusion_oci.host.scratch import make_scratch
 from fusion_oci.models import NetworkMode
 from fusion_oci.oci.model import ProcessSpec, TaskSpec
 from fusion_oci.oci.seccomp import LIBSECCOMP_HINT, libseccomp_problem
-from fusion_oci.process import kill_group, probe
 from fusion_oci.runtimes.box import Box, group_dirs
 from fusion_oci.runtimes.bubblewrap.argv import (
     BLOCK_FD,
@@ -81,7 +82,6 @@ from fusion_oci.runtimes.plans import AgentPlan, SandboxLaunch
 from fusion_oci.runtimes.protocol import Availability
 from fusion_oci.runtimes.requirements import SANDBOXED, Requirement
 from fusion_oci.runtimes.skeleton import SpecRuntime
-from fusion_oci.scratch import make_scratch
 
 if TYPE_CHECKING:
     from fusion_oci.resolve import ResolvedTask

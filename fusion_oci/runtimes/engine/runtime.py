@@ -38,6 +38,7 @@ from fusion_oci.errors import (
     SandboxSetupError,
 )
 from fusion_oci.gc import collect
+from fusion_oci.host.scratch import make_scratch
 from fusion_oci.models import (
     CacheMode,
     RunOptions,
@@ -65,7 +66,6 @@ from fusion_oci.runtimes.linux.egress import proxy_socket, service_relays
 from fusion_oci.runtimes.outcome import LimitCounters, classify
 from fusion_oci.runtimes.plans import AgentPlan, Plan, SandboxLaunch, own_plan, spawn_of
 from fusion_oci.runtimes.requirements import SANDBOXED, Requirement
-from fusion_oci.scratch import make_scratch
 
 if TYPE_CHECKING:
     from fusion_oci.resolve import ResolvedTask

@@ -9,8 +9,8 @@ import shutil
 import sys
 from typing import TYPE_CHECKING
 
+from fusion_oci.host.process import probe
 from fusion_oci.models import NetworkMode
-from fusion_oci.process import probe
 from fusion_oci.runtimes.landlock.rules import MIN_NET_ABI
 
 if TYPE_CHECKING:

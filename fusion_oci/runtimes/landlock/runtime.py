@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fusion_oci.errors import PolicyNotEnforceableError, SandboxSetupError
+from fusion_oci.host.process import kill_group, reaper_argv
 from fusion_oci.models import NetworkMode, RunOptions
 from fusion_oci.oci.model import ProcessSpec, TaskSpec
 from fusion_oci.policy.layout import task_project
-from fusion_oci.process import kill_group, reaper_argv
 from fusion_oci.runtimes.box import Box
 from fusion_oci.runtimes.hostproc import HostProcessRuntime, native_env
 from fusion_oci.runtimes.landlock.host import host_abi, userns_problem, workload_note
@@ -38,7 +38,7 @@ from fusion_oci.runtimes.protocol import Availability
 from fusion_oci.runtimes.requirements import Requirement
 
 if TYPE_CHECKING:
-    from fusion_oci.process import ProcessOutcome
+    from fusion_oci.host.process import ProcessOutcome
     from fusion_oci.resolve import ResolvedTask
 
 CONFINE_FAILED = b"fusion-oci: cannot confine the command"

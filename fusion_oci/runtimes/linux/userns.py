@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from fusion_oci.process import probe
+from fusion_oci.host.process import probe
 
 PROC_SYS = Path("/proc/sys")
 

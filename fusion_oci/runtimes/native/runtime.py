@@ -35,7 +35,7 @@ from fusion_oci.runtimes.protocol import Availability
 from fusion_oci.runtimes.requirements import Requirement
 
 if TYPE_CHECKING:
-    from fusion_oci.process import ProcessOutcome
+    from fusion_oci.host.process import ProcessOutcome
     from fusion_oci.resolve import ResolvedTask
 
 __all__ = ["NativeRuntime", "status_quo_env"]

@@ -6,7 +6,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from fusion_oci.process import probe
+from fusion_oci.host.process import probe
 from fusion_oci.runtimes.linux.cgroups import Layout
 from fusion_oci.runtimes.oci.gvisor import UNKNOWN_FLAGS, GvisorFlags, parse_flags
 from fusion_oci.runtimes.oci.launch import is_gvisor

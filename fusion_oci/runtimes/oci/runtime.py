@@ -48,10 +48,10 @@ import fusion_oci.runtimes.oci.launch as _launch
 import fusion_oci.runtimes.oci.probe as probe
 from fusion_oci.agent.client import Agent
 from fusion_oci.errors import AgentLostError, FusionOCIError, SandboxSetupError
+from fusion_oci.host.process import ProcessOutcome, kill_group
 from fusion_oci.models import NetworkMode, RunOptions
 from fusion_oci.oci.bundle import write_bundle
 from fusion_oci.oci.model import ANN_RUN, ANN_TASK, ProcessSpec
-from fusion_oci.process import ProcessOutcome, kill_group
 from fusion_oci.runtimes.box import Box
 from fusion_oci.runtimes.linux.cgroups import (
     Cgroup,

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from fusion_oci.errors import SandboxSetupError
+from fusion_oci.host.process import ProcessOutcome, run_process
 from fusion_oci.oci.model import ANN_TASK
-from fusion_oci.process import ProcessOutcome, run_process
 from fusion_oci.runtimes.linux.cgroups import CgroupEvents, read_events
 
 CONTROL_TIMEOUT_S = 30.0

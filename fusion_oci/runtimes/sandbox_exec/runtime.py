@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fusion_oci.errors import BundleError, RuntimeUnavailableError
+from fusion_oci.host.process import run_process
 from fusion_oci.models import RunOptions, RunResult
 from fusion_oci.oci.model import ProcessSpec, TaskSpec
-from fusion_oci.process import run_process
 from fusion_oci.runtimes.hostproc import HostProcessRuntime, native_env
 from fusion_oci.runtimes.plans import ArgvPlan, Plan, own_plan
 from fusion_oci.runtimes.protocol import Availability

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fusion_oci.host.process import run_process
 from fusion_oci.models import DEFAULT_PROTECTED_PATHS
-from fusion_oci.process import run_process
 from fusion_oci.runtimes.kubernetes.sync.apply import DIR_FLAGS, apply_plan, inspect
 from fusion_oci.runtimes.kubernetes.sync.errors import SyncRefusedError, WorktreeSyncError
 from fusion_oci.runtimes.kubernetes.sync.paths import (

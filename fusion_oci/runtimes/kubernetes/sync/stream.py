@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from fusion_oci.process import kill_group
+from fusion_oci.host.process import kill_group
 from fusion_oci.runtimes.kubernetes.sync.errors import SyncRefusedError, WorktreeSyncError
 from fusion_oci.runtimes.kubernetes.sync.remote import MAX_HEAD, MAX_META, frame, parse_head
 

@@ -2,7 +2,7 @@
 
 A :class:`StdinStream` is what ``RunOptions.stdin`` holds instead of bytes when the input is
 not all there yet: runtimes that start the command as a host process write each chunk to its
-stdin as it arrives (``fusion_oci.process.run_process``); the others read it to its end first
+stdin as it arrives (``fusion_oci.host.process.run_process``); the others read it to its end first
 (``Sandbox.run``). It holds at most a few chunks: whoever feeds it waits until the command has
 taken them (backpressure), so a fast producer and a slow command cost no memory.
 """

@@ -25,14 +25,14 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-# Re-exported (the one list is fusion_oci/backends.py).
-from fusion_oci.backends import BACKEND_IDS as BACKEND_IDS
-from fusion_oci.backends import BackendId as BackendId
-from fusion_oci.stdin import StdinStream
+# Re-exported (the one list is fusion_oci/models/backends.py).
+from fusion_oci.models.backends import BACKEND_IDS as BACKEND_IDS
+from fusion_oci.models.backends import BackendId as BackendId
+from fusion_oci.models.stdin import StdinStream
 
 if TYPE_CHECKING:
-    from fusion_oci.hostservice import HostService
-    from fusion_oci.publishport import PublishedPort
+    from fusion_oci.models.hostservice import HostService
+    from fusion_oci.models.publishport import PublishedPort
 
 FailureMode = Literal["fail-hard", "fallback-native"]
 
@@ -100,7 +100,7 @@ settings are themselves protected)."""
 
 class HostServiceGrant(Model):
     """A ``hostServices`` entry written as a mapping: the grant and whether it is meant even
-    though it hands over the host (:func:`fusion_oci.hostservice.hands_over`)."""
+    though it hands over the host (:func:`fusion_oci.models.hostservice.hands_over`)."""
 
     address: str
     """``127.0.0.1:PORT``, ``[::1]:PORT`` or ``unix:/PATH`` (as a plain string entry)."""
@@ -111,7 +111,7 @@ class HostServiceGrant(Model):
 
 
 class PublishPort(Model):
-    """A ``publishPorts`` entry written as a mapping (fusion_oci.publishport): the only form
+    """A ``publishPorts`` entry written as a mapping (fusion_oci.models.publishport): the only form
     that may name an address off the host's loopback."""
 
     port: Annotated[int, Field(gt=0, lt=65536)]
@@ -198,7 +198,7 @@ class SandboxPolicy(Model):
     """Ports commands listen on inside the sandbox, published on the host as ``docker run
     -p`` writes them, host before sandbox (``"3000"``: a free host port; ``"8080:80"``),
     on the host's 127.0.0.1 unless a mapping's ``address`` says otherwise; never port 4040
-    (fusion_oci.publishport, fusion_oci.services.publish). Empty: nothing inside is
+    (fusion_oci.models.publishport, fusion_oci.services.publish). Empty: nothing inside is
     reachable from the host."""
     allowed_paths: list[str] = Field(default_factory=list)
     """Absolute host paths visible read-only inside the sandbox. Empty: only the worktree."""
@@ -230,7 +230,7 @@ class SandboxPolicy(Model):
     @classmethod
     def _domains(cls, values: list[str], info: ValidationInfo) -> list[str]:
         # The egress proxy's own parser: a pattern it would reject never gets this far.
-        from fusion_oci.hostpattern import parse_pattern
+        from fusion_oci.models.hostpattern import parse_pattern
 
         key = to_camel(info.field_name or "allowedDomains")
         for i, value in enumerate(values):
@@ -247,7 +247,7 @@ class SandboxPolicy(Model):
     @field_validator("host_services")
     @classmethod
     def _host_services(cls, values: list[str | HostServiceGrant]) -> list[str | HostServiceGrant]:
-        from fusion_oci.hostservice import hands_over, parse_grant
+        from fusion_oci.models.hostservice import hands_over, parse_grant
 
         seen: dict[str, int] = {}
         for i, value in enumerate(values):
@@ -274,7 +274,7 @@ class SandboxPolicy(Model):
     @field_validator("publish_ports")
     @classmethod
     def _publish_ports(cls, values: list[str | PublishPort]) -> list[str | PublishPort]:
-        from fusion_oci.publishport import make_published, parse_publish
+        from fusion_oci.models.publishport import make_published, parse_publish
 
         seen: dict[str, int] = {}
         for i, value in enumerate(values):
@@ -298,7 +298,7 @@ class SandboxPolicy(Model):
 
     def published(self) -> list[PublishedPort]:
         """The parsed ``publishPorts``, in order."""
-        from fusion_oci.publishport import make_published, parse_publish
+        from fusion_oci.models.publishport import make_published, parse_publish
 
         return [
             parse_publish(v)
@@ -309,7 +309,7 @@ class SandboxPolicy(Model):
 
     def service_endpoints(self) -> list[HostService]:
         """Where each of :attr:`services` appears inside: ``127.0.0.1:PORT``, in order."""
-        from fusion_oci.hostservice import HostService
+        from fusion_oci.models.hostservice import HostService
 
         return [HostService("tcp", address="127.0.0.1", port=s.port) for s in self.services]
 
@@ -320,7 +320,7 @@ class SandboxPolicy(Model):
 
     def grants(self) -> list[tuple[HostService, bool]]:
         """The parsed ``hostServices``: each grant and its ``dangerous`` flag."""
-        from fusion_oci.hostservice import parse_grant
+        from fusion_oci.models.hostservice import parse_grant
 
         return [
             (parse_grant(v), False) if isinstance(v, str) else (parse_grant(v.address), v.dangerous)
@@ -369,7 +369,7 @@ class SandboxPolicy(Model):
         return self
 
     def _services_consistent(self) -> None:
-        from fusion_oci.hostservice import DASHBOARD_PORT
+        from fusion_oci.models.hostservice import DASHBOARD_PORT
 
         if not self.services:
             return
@@ -487,7 +487,7 @@ class RunOptions(Model):
     env: dict[str, str] | None = None
     """Environment the allowlist draws from. None: the caller's process environment."""
     stdin: bytes | InstanceOf[StdinStream] | None = None
-    """Bytes fed to the command's stdin, or a :class:`~fusion_oci.stdin.StdinStream` fed as
+    """Bytes fed to the command's stdin, or a :class:`~fusion_oci.models.stdin.StdinStream` fed as
     it comes. None: stdin is closed."""
     on_output: OutputCallback | None = Field(default=None, exclude=True)
     """Streams output while the command runs (see :data:`OutputCallback`). None: output is

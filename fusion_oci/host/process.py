@@ -18,8 +18,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from fusion_oci.models.stdin import StdinStream
 from fusion_oci.shims import REAPER
-from fusion_oci.stdin import StdinStream
 
 if TYPE_CHECKING:
     import subprocess

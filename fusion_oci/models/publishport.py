@@ -23,7 +23,7 @@ import ipaddress
 import re
 from dataclasses import dataclass
 
-from fusion_oci.hostservice import DASHBOARD_PORT
+from fusion_oci.models.hostservice import DASHBOARD_PORT
 
 _PORT = re.compile(r"[0-9]{1,5}")
 
