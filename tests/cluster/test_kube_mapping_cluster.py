@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
+from fusion_oci.errors import SandboxSetupError
 from fusion_oci.models import RunOptions, SandboxPolicy
 from fusion_oci.policy.kubernetes import KubernetesSettings
 from fusion_oci.runtimes.kubernetes.client import ApiError, KubeClient, path_of
@@ -225,6 +226,14 @@ async def test_a_shape_is_provisioned_once_behind_the_gate(kube: Kube, ns: str) 
     assert await ensure_shape(client, objs, ns, gate("deny")) is False
     assert len(events) == before
     assert kube.get("sandboxwarmpools", objs.pool["metadata"]["name"], ns)["spec"]["replicas"] == 0
+    # a template edited under the shape's name (another image here) is refused: every claim
+    # of ours would run it
+    name = objs.template["metadata"]["name"]
+    kube.run("-n", ns, "patch", "sandboxtemplate", name, "--type=json", "-p",
+             '[{"op": "replace", "path": "/spec/podTemplate/spec/containers/0/image",'
+             ' "value": "localhost/someone-else:1"}]')  # fmt: skip
+    with pytest.raises(SandboxSetupError, match="is not fusion-oci's"):
+        await ensure_shape(client, objs, ns, gate("allow"))
 
 
 @pytest.mark.parametrize("warm_pool", [1, 0])

@@ -27,3 +27,23 @@ def test_pod_states() -> None:
     ended = {"status": {"containerStatuses": [{"state": {"terminated": {
         "reason": "Error", "exitCode": 1}}}]}}  # fmt: skip
     assert pod_state(ended) == ("failed", "container ended: Error (exit 1)")
+
+
+def test_a_found_object_contains_what_we_set_plus_the_servers_defaults() -> None:
+    from fusion_oci.runtimes.kubernetes.provision import contains
+
+    want = {"podTemplate": {"spec": {"containers": [{"name": "task", "image": "a:1"}]}}}
+    defaulted = {
+        "podTemplate": {
+            "spec": {
+                "containers": [{"name": "task", "image": "a:1", "imagePullPolicy": "Never"}],
+                "dnsPolicy": "ClusterFirst",
+            }
+        }
+    }
+    assert contains(defaulted, want)
+    other_image = {"podTemplate": {"spec": {"containers": [{"name": "task", "image": "b:1"}]}}}
+    assert not contains(other_image, want)
+    extra = {"podTemplate": {"spec": {"containers": [{"name": "task", "image": "a:1"}, {}]}}}
+    assert not contains(extra, want), "a container added beside ours"
+    assert not contains({}, want) and not contains(None, want)

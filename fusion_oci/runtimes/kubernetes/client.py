@@ -18,6 +18,7 @@ hint; ``transient`` marks the ones worth another try (no answer, 429, 5xx), whic
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -122,6 +123,12 @@ class KubeClient:
             idle, self._idle = self._idle, []
         for conn in idle:
             conn.close()
+
+    def __del__(self) -> None:
+        # a client nobody closed still closes its kept-alive sockets, not the garbage collector
+        # one by one (each a ResourceWarning)
+        with contextlib.suppress(Exception):
+            self.close()
 
     def __enter__(self) -> KubeClient:
         return self

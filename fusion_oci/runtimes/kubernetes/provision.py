@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from fusion_oci.errors import SandboxSetupError
 from fusion_oci.images.gates import GateRequest, ProvisionGate
 from fusion_oci.runtimes.kubernetes.agentsandbox import SandboxObjects
 from fusion_oci.runtimes.kubernetes.client import ApiError, KubeClient, path_of, retrying
@@ -36,7 +37,11 @@ async def ensure_shape(
     :class:`~.client.ApiError` when the API server refuses or stays unreachable."""
     name = objs.template["metadata"]["name"]
     template_path = path_of(objs.template, namespace)
-    if await asyncio.to_thread(_exists, client, f"{template_path}/{name}", attempts, wait_s, sleep):
+    found = await asyncio.to_thread(
+        _found, client, f"{template_path}/{name}", attempts, wait_s, sleep
+    )
+    if found is not None:
+        _check_template(found, objs.template, namespace)
         return False
     await gate.check(
         GateRequest(
@@ -60,23 +65,55 @@ async def ensure_shape(
     return True
 
 
-def _exists(
+def _found(
     client: KubeClient,
     path: str,
     attempts: int,
     wait_s: float,
     sleep: Callable[[float], None] | None,
-) -> bool:
-    def get() -> bool:
+) -> dict[str, Any] | None:
+    def get() -> dict[str, Any] | None:
         try:
-            client.get(path)
+            return client.get(path)
         except ApiError as exc:
             if exc.status == 404:
-                return False
+                return None
             raise
-        return True
 
     return retrying(get, attempts=attempts, wait_s=wait_s, sleep=sleep)
+
+
+def contains(found: Any, want: Any) -> bool:
+    """Whether ``found`` (an object as the API server returns it) holds everything of
+    ``want``: the server adds defaults and status, never takes away what we set. Pure."""
+    if isinstance(want, dict):
+        return isinstance(found, dict) and all(
+            k in found and contains(found[k], v) for k, v in want.items()
+        )
+    if isinstance(want, list):
+        return (
+            isinstance(found, list)
+            and len(found) == len(want)
+            and all(contains(f, w) for f, w in zip(found, want, strict=True))
+        )
+    return bool(found == want)
+
+
+def _check_template(found: dict[str, Any], want: dict[str, Any], namespace: str) -> None:
+    """The template found under the shape's content-hash name must be the shape: whoever may
+    create SandboxTemplates in the namespace could take the name first (or edit it) with
+    another image, command, mount or security context, and every claim of ours would run it."""
+    if contains(found.get("spec"), want["spec"]):
+        return
+    name = want["metadata"]["name"]
+    raise SandboxSetupError(
+        f"the SandboxTemplate {name} in namespace {namespace} is not fusion-oci's",
+        "its spec differs from the shape its name (a hash of the content) stands for: "
+        "someone else made or changed it",
+        f"delete it and its pool (`kubectl -n {namespace} delete sandboxtemplate,"
+        f"sandboxwarmpool {name}`) and find out who could, or give fusion-oci a namespace of "
+        "its own",
+    )
 
 
 def _create(
