@@ -262,8 +262,7 @@ async def test_filtered_reaches_the_allowed_host_only_and_survives_the_command(
     wt = runner.worktree("wt")
     world.log.write_text("")
     with tcp_server() as (port, seen):
-        # a pod has no /run/fusion-oci/agent (ssh's ProxyCommand is not carried there)
-        script = _script(world, port, agent_connect=runner.engine != "kubernetes")
+        script = _script(world, port)
         result = await runner.run(script, world.policy(), worktree=wt, names=world.names)
     assert result.exit_code == 0, result.stderr[-2000:]
     out = result.stdout
@@ -281,9 +280,6 @@ async def test_filtered_reaches_the_allowed_host_only_and_survives_the_command(
     if runner.rl is not None:  # the unprivileged user's own sandbox (its uid, or root inside)
         assert f"UID {runner.rl['user'].pw_uid}" in out or runner.runtime == "docker-rootless"
     assert "BIND EADDRINUSE" in out, out[-2000:]
-    if runner.engine == "kubernetes":
-        assert not seen
-        return
     assert f"fusion-egress-ok {world.allowed_addr}" in out.split("CONNECT-EXIT")[0]
     assert "CONNECT-EXIT 0" in out
     denied = out.split("CONNECT-EXIT 0", 1)[1].split("DENIED-EXIT")[0]

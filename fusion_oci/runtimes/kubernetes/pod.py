@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from fusion_oci.agent.protocol import EGRESS_AGENT
 from fusion_oci.models import NetworkMode
 from fusion_oci.oci.model import Mount, ProcessSpec, TaskSpec
 
@@ -39,6 +40,8 @@ RESTRICTED_CAPS = frozenset({"NET_BIND_SERVICE"})
 TOOLS_DIR = "/run/fusion-oci-tools"
 """Where the runtime's own programs for the pod are mounted, read-only (`PodOptions.tools`)."""
 TOOLS_VOLUME = "fusion-oci-tools"
+TOOLS_AGENT = "fusion-oci-agent"
+"""The exec agent's key in the tools ConfigMap (its file name under :data:`TOOLS_DIR`)."""
 """The only capability the ``restricted`` level lets a container add."""
 
 Handling = Literal["in-pod", "unenforced", "not-carried"]
@@ -158,6 +161,13 @@ def pod_manifest(task: TaskSpec, process: ProcessSpec, opts: PodOptions) -> PodM
             {"name": TOOLS_VOLUME, "configMap": {"name": opts.tools, "defaultMode": 0o555}}
         )
         mounts.append({"name": TOOLS_VOLUME, "mountPath": TOOLS_DIR, "readOnly": True})
+        if task.network == NetworkMode.FILTERED:
+            # where a filtered sandbox's GIT_SSH_COMMAND finds the agent (its `connect` mode is
+            # ssh's ProxyCommand through the egress proxy), as on every local runtime
+            mounts.append({
+                "name": TOOLS_VOLUME, "mountPath": EGRESS_AGENT, "subPath": TOOLS_AGENT,
+                "readOnly": True,
+            })  # fmt: skip
     env = _env(process, opts, gaps)
     gaps += _process_gaps(task, process)
     security, pod_security = _security(task, process, opts, gaps)

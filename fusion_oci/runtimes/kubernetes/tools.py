@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fusion_oci.runtimes.kubernetes.pod import MANAGED_BY, TOOLS_DIR
+from fusion_oci.runtimes.kubernetes.pod import MANAGED_BY, TOOLS_AGENT, TOOLS_DIR
 
-AGENT = "fusion-oci-agent"
+AGENT = TOOLS_AGENT
 MUX = "mux.py"
 REMOTE = "remote.py"
 LABEL_TOOLS = "io.fusion-oci/kind"
