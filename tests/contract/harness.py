@@ -186,6 +186,11 @@ def kubernetes_runtime() -> Runtime:
         kube.run("create", "namespace", CONTRACT_NAMESPACE, check=False)
         kube.run("-n", CONTRACT_NAMESPACE, "wait", "--for=create", "serviceaccount/default",
                  "--timeout=60s")  # fmt: skip
+    # every task pod of the contract, workload and security suites is admitted under Pod
+    # Security Admission's `restricted` level (issue #34)
+    kube.run("label", "--overwrite", "namespace", CONTRACT_NAMESPACE,
+             "pod-security.kubernetes.io/enforce=restricted",
+             "pod-security.kubernetes.io/enforce-version=latest")  # fmt: skip
     settings = SandboxSettings(
         backend="kubernetes",
         image=ref,
