@@ -559,6 +559,16 @@ wait_until() {  # wait_until WHAT TIMEOUT PIDNAME CMD...: poll CMD; fail early i
     log "$what after $((SECONDS - t0)) s"
 }
 api_ready() { kubectl_ get --raw /readyz; }
+crds_established() {  # every CRD of agent-sandbox's manifests says Established=True
+    local f name
+    for f in "$BIN"/agent-sandbox/*_*.yaml; do
+        name="$(basename "$f" .yaml)"
+        name="${name#*_}.${name%%_*}"
+        [[ "$(kubectl_ get crd "$name" \
+            -o 'jsonpath={.status.conditions[?(@.type=="Established")].status}' 2>/dev/null)" == True ]] \
+            || return 1
+    done
+}
 nodes_ready() {
     local n out
     out="$(kubectl_ get nodes -o jsonpath='{range .items[*]}{.metadata.name}={.status.conditions[?(@.type=="Ready")].status}{"\n"}{end}')"
@@ -683,8 +693,12 @@ cmd_start() {
     # (SandboxTemplate, SandboxClaim, SandboxWarmPool)
     kubectl_ apply --server-side -f "$BIN/agent-sandbox/" >"$LOGS/agent-sandbox-apply.log" 2>&1 \
         || { tail -n 20 "$LOGS/agent-sandbox-apply.log" >&2; die "could not apply agent-sandbox's CRDs"; }
-    kubectl_ wait --for condition=Established --timeout 60s crd --all >/dev/null \
-        || die "agent-sandbox's CRDs were not established"
+    # each CRD by name, polled: `kubectl wait crd --all` right after the apply can list none
+    # yet and fail at once ("no matching resources"), which ended a CI start once
+    wait_until "agent-sandbox's CRDs established" 120 apiserver crds_established || {
+        kubectl_ get crd -o wide >&2 || true
+        die "agent-sandbox's CRDs were not established"
+    }
     launch agent-sandbox "$CP_NS" agent-sandbox "$BIN/agent-sandbox-controller" \
         --kubeconfig "$RUN/agent-sandbox.kubeconfig" --extensions --leader-elect=false \
         --metrics-bind-address 127.0.0.1:8080 --health-probe-bind-address 127.0.0.1:8081

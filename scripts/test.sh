@@ -69,7 +69,11 @@ else
     CLUSTER_STARTED=1
     # a cluster that does not come up fails its tests (required below), not the whole run
     # (install.sh built the binaries: a build that failed there is not tried a third time)
-    if "${SUDO[@]}" env FUSION_OCI_CLUSTER_BUILD=0 bash scripts/cluster.sh start; then
+    # one more try after a failed start (it stopped what it started): a start that failed
+    # once in CI took every kubernetes test with it, and its words were the only trace
+    if "${SUDO[@]}" env FUSION_OCI_CLUSTER_BUILD=0 bash scripts/cluster.sh start \
+        || { say "cluster start failed; trying once more"; sleep 5
+             "${SUDO[@]}" env FUSION_OCI_CLUSTER_BUILD=0 bash scripts/cluster.sh start; }; then
         say "cluster ready in $((SECONDS - t1)) s"
     else
         say "FAILED: scripts/cluster.sh start (logs in /var/lib/fusion-oci-cluster/logs)"
