@@ -244,6 +244,11 @@ class TaskSpec(OciModel):
     hooks: Hooks | None = None
     linux: Linux = Field(default_factory=Linux)
     annotations: dict[str, str] = Field(default_factory=dict)
+    env_allowlist: tuple[str, ...] = Field(default=(), exclude=True)
+    """The policy's ``envAllowlist`` (names or globs; empty: none set), for a runtime whose
+    commands get the caller's environment instead of :attr:`ProcessSpec.env` (native's status
+    quo). Not OCI, so left out of the ``config.json`` (every process's env is already narrowed
+    by it): a spec read back from one has none."""
 
     @property
     def network(self) -> NetworkMode:

@@ -216,6 +216,12 @@ def with_network(spec: TaskSpec, mode: NetworkMode) -> TaskSpec:
     return with_annotations(with_linux(spec, namespaces=ns), {ANN_NETWORK: mode.value})
 
 
+def with_env_allowlist(spec: TaskSpec, names: Sequence[str]) -> TaskSpec:
+    """The policy's env allowlist, carried for the runtimes that build a command's environment
+    from the caller's (native) rather than from its process: never in the OCI JSON."""
+    return spec.model_copy(update={"env_allowlist": tuple(names)})
+
+
 def with_host_services(spec: TaskSpec, grants: Sequence[HostService]) -> TaskSpec:
     """The host services granted to the task, space-separated canonical forms (OCI has no
     field for them: each runtime serves them, or its check lists them unenforced)."""
@@ -387,6 +393,7 @@ def compile_task(ctx: PrepareContext, layout: TaskLayout, host: HostInfo) -> Tas
     spec = with_host_services(spec, policy.relayed())
     spec = with_service_containers(spec, [(s.name, s.port) for s in policy.services])
     spec = with_published_ports(spec, policy.published())
+    spec = with_env_allowlist(spec, policy.env_allowlist)
     spec = with_memory_limit(spec, policy.memory_limit_mb)
     spec = with_cpu_quota(spec, cpu.max_cores if cpu else None)
     spec = with_pids_limit(spec, policy.pids_limit)

@@ -74,6 +74,17 @@ class TaskLayout:
     """A host file bound read-only at ``/etc/hosts``: the task's service containers' names
     on its own 127.0.0.1 (``policy.services``; written at prepare). None: the host's or the
     image's ``/etc/hosts``."""
+    project: str | None = None
+    """The task's project folder, resolved (:func:`task_project`: ``--project-dir``, else the
+    worktree's main repository): its ``.fusion/`` holds the settings and the audit log. None
+    (a layout made by hand): the worktree's own project, see :meth:`fusion_dir`."""
+
+    def fusion_dir(self) -> str:
+        """The project's ``.fusion/`` folder, resolved. A layout without :attr:`project` reads
+        the worktree's git files for it (:func:`project_root`), as :func:`task_project` does
+        when no project folder is named."""
+        project = Path(self.project) if self.project else project_root(Path(self.worktree))
+        return str(project.resolve() / ".fusion")
 
 
 GLOB_CHARS = frozenset("*?[")
@@ -275,7 +286,8 @@ def resolve_layout(
     writable = [resolved, *ctx.policy.writable_paths]
     # The project's own .fusion/ is protected wherever it lies inside something writable
     # (a main worktree, a project below the worktree), whatever protectedPaths says.
-    extra = [str(project.resolve() / ".fusion")]
+    project = project.resolve()
+    extra = [str(project / ".fusion")]
     protected, unprotected = resolve_protected(
         resolved, ctx.policy.protected_paths, writable, extra
     )
@@ -287,6 +299,7 @@ def resolve_layout(
         ca_complete=ca_bundle is not None and ca_complete,
         protected=protected,
         unprotected=unprotected,
+        project=str(project),
         # Per project, in isolated mode too: a blob's bytes never change (so sharing one gives
         # no task a way into another), and tasks of other projects cannot even learn, by a
         # link count, that some worktree holds the same file.

@@ -90,6 +90,17 @@ def test_the_two_typed_halves_are_the_whole_schema_valid_config(
     assert process.cwd == "/srv/wt/sub" and process.rlimit("RLIMIT_NOFILE") is not None
 
 
+def test_the_env_allowlist_rides_on_the_spec_outside_the_json() -> None:
+    """Native narrows the caller's own environment by it, read from the spec (not the
+    context); the OCI config has no word for it, and every process's env is narrowed already."""
+    spec = task(SandboxPolicy(env_allowlist=["CI", "NODE_*"])).spec
+    assert spec.env_allowlist == ("CI", "NODE_*")
+    assert task(SandboxPolicy()).spec.env_allowlist == ()
+    # The same JSON as without one, but for the policy's digest.
+    assert spec.to_oci() == task(SandboxPolicy()).spec.to_oci() | {"annotations": spec.annotations}
+    assert "envAllowlist" not in spec.to_oci()
+
+
 def test_a_misspelt_or_mistyped_field_is_refused() -> None:
     config = config_for(ctx(SandboxPolicy()), LAYOUT, GOLDEN_HOST, "true", RunOptions(), {})
     with pytest.raises(ValidationError, match="noNewPrivilege"):

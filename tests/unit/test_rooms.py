@@ -398,6 +398,55 @@ def test_scripts_run_in_the_sandbox_import_nothing_of_ours() -> None:
             assert not [n for n in names if n.split(".")[0] == "fusion_oci"], module
 
 
+# --------------------------------------------------------------------------- the caller's context
+
+NOT_THE_CALLERS = {
+    # A provision gate's audit context (fusion_oci.images.gates.ProvisionGate.ctx), which only
+    # shares the attribute's name with the caller's PrepareContext.
+    ("fusion_oci.runtimes.kubernetes.provision", "gate.ctx"),
+}
+"""(module, expression): ``.ctx`` reads under runtimes/ that are not the caller's context."""
+
+
+def _context_reads(tree: ast.Module) -> list[str]:
+    """Where a module reads a ``.ctx`` attribute or names ``PrepareContext``."""
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "ctx":
+            found.append(ast.unparse(node))
+        elif isinstance(node, ast.Name) and node.id == "PrepareContext":
+            found.append("PrepareContext")
+        elif isinstance(node, ast.alias) and node.name.split(".")[-1] == "PrepareContext":
+            found.append(f"import {node.name}")
+    return found
+
+
+def test_no_runtime_reads_the_callers_context() -> None:
+    """A runtime reads the TaskSpec and ProcessSpec (and the resolved task's layout), not the
+    caller's context (issue #32): what it needs is compiled into them once, so it runs the
+    task a plan shows and a bundle holds, not the settings that task came from."""
+    runtimes = [m for m in MODULES if room(m) == "runtimes"]
+    reads = {(m, r) for m in runtimes for r in _context_reads(TREES[m])}
+    assert not reads - NOT_THE_CALLERS
+    # The list shrinks: an exception no longer read leaves it.
+    assert reads >= NOT_THE_CALLERS, NOT_THE_CALLERS - reads
+
+
+def test_the_context_check_sees_every_spelling() -> None:
+    tree = ast.parse(
+        "from fusion_oci.models import PrepareContext\n"
+        "def f(task, self):\n"
+        "    a: PrepareContext = task.ctx\n"
+        "    return self.task.ctx.policy\n"
+    )
+    assert sorted(_context_reads(tree)) == [
+        "PrepareContext",
+        "import PrepareContext",
+        "self.task.ctx",
+        "task.ctx",
+    ]
+
+
 # --------------------------------------------------------------------------- error body
 
 

@@ -20,9 +20,14 @@ from fusion_oci.errors import (
     SandboxSetupError,
     SettingsError,
 )
-from fusion_oci.models import DEFAULT_PROTECTED_PATHS, SandboxPolicy
+from fusion_oci.models import DEFAULT_PROTECTED_PATHS, PrepareContext, SandboxPolicy
 from fusion_oci.oci.spec import bind, task_mounts
-from fusion_oci.policy.layout import TaskLayout, ensure_project_dir, resolve_protected
+from fusion_oci.policy.layout import (
+    TaskLayout,
+    ensure_project_dir,
+    resolve_layout,
+    resolve_protected,
+)
 from fusion_oci.policy.worktree import default_worktree, project_root, worktree_problem
 from fusion_oci.runtimes.bubblewrap import BwrapHost, proc_protection_args
 from fusion_oci.runtimes.native import status_quo_env
@@ -59,6 +64,29 @@ def test_project_of_a_linked_worktree_is_its_main_repository(tmp_path: Path) -> 
     (wt / ".fusion").mkdir()  # planted: never a reason to pick the worktree
     assert project_root(wt) == repo
     assert project_root(repo) == repo
+
+
+def test_the_layout_carries_the_project_a_runtime_protects(tmp_path: Path) -> None:
+    """Landlock finds the project's .fusion/ in the layout, not the caller's context: the
+    project folder named, else the worktree's main repository."""
+    from tests.conftest import git
+
+    repo = git_init(tmp_path / "repo")
+    git(repo, "commit", "-q", "--allow-empty", "-m", "i")
+    wt = tmp_path / "wt"
+    git(repo, "worktree", "add", "-q", str(wt))
+    cache = tmp_path / "cache"
+
+    def layout(**kw: str) -> TaskLayout:
+        ctx = PrepareContext(task_id="t", run_id="r", worktree_path=str(wt), **kw)
+        return resolve_layout(ctx, cache_root=cache, ca_bundle=None, create=False)
+
+    assert layout().project == str(repo.resolve())
+    assert layout().fusion_dir() == str(repo.resolve() / ".fusion")
+    named = tmp_path / "elsewhere"
+    assert layout(project_dir=str(named)).fusion_dir() == str(named.resolve() / ".fusion")
+    # A layout made by hand finds the worktree's own project on disk.
+    assert TaskLayout(str(wt), None, (), None).fusion_dir() == str(repo.resolve() / ".fusion")
 
 
 # --- protected paths ------------------------------------------------------------------------
@@ -167,8 +195,8 @@ def test_bwrap_masks_and_readonly_binds_follow_the_host() -> None:
 
 def test_native_env_is_the_callers_unless_an_allowlist_is_set() -> None:
     caller = {"PATH": "/opt/bin:/usr/bin", "HOME": "/home/me", "GITHUB_TOKEN": "t", "CI": "1"}
-    assert status_quo_env(SandboxPolicy(), caller) == caller
-    narrowed = status_quo_env(SandboxPolicy(env_allowlist=["C*"]), caller)
+    assert status_quo_env((), caller) == caller
+    narrowed = status_quo_env(["C*"], caller)
     assert narrowed == {"PATH": "/opt/bin:/usr/bin", "HOME": "/home/me", "CI": "1"}
 
 

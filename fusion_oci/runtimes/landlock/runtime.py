@@ -16,7 +16,6 @@ from fusion_oci.errors import PolicyNotEnforceableError, SandboxSetupError
 from fusion_oci.host.process import kill_group, reaper_argv
 from fusion_oci.models import NetworkMode, RunOptions
 from fusion_oci.oci.model import ProcessSpec, TaskSpec
-from fusion_oci.policy.layout import task_project
 from fusion_oci.runtimes.box import Box
 from fusion_oci.runtimes.hostproc import HostProcessRuntime, native_env
 from fusion_oci.runtimes.landlock.host import host_abi, userns_problem, workload_note
@@ -235,7 +234,6 @@ class LandlockRuntime(HostProcessRuntime):
 
     async def prepare(self, task: ResolvedTask) -> ResolvedTask:
         task = await super().prepare(task)
-        ctx = task.ctx
         try:
             if task.spec.network is NetworkMode.FILTERED:
                 if task.egress is None or task.egress.tcp_port is None:
@@ -255,7 +253,7 @@ class LandlockRuntime(HostProcessRuntime):
                 )
             # The carve-outs depend on the task's layout only: known before anything runs.
             probe = self._rules = self.rules(task.spec)
-            fusion = str(task_project(ctx).resolve() / ".fusion")
+            fusion = task.layout.fusion_dir()
             exposed = [
                 p
                 for p in probe.restored

@@ -16,16 +16,12 @@ per-command reaper shim, which sandbox-exec uses there too.
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from fusion_oci.agent.client import BINARY_NAME, BUILD_HINT, Agent, agent_binary
 from fusion_oci.errors import SandboxSetupError
-from fusion_oci.models import (
-    RunOptions,
-    RunResult,
-    SandboxPolicy,
-)
+from fusion_oci.models import RunOptions, RunResult
 from fusion_oci.oci.environment import allowed_env
 from fusion_oci.oci.model import ProcessSpec
 from fusion_oci.runtimes.box import Box
@@ -44,13 +40,13 @@ __all__ = ["NativeRuntime", "status_quo_env"]
 BASIC_ENV = ("PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LC_ALL", "TERM", "TMPDIR")
 
 
-def status_quo_env(policy: SandboxPolicy, source: Mapping[str, str]) -> dict[str, str]:
+def status_quo_env(allowlist: Sequence[str], source: Mapping[str, str]) -> dict[str, str]:
     """The caller's environment as it is; narrowed to the allowlist (plus the basics a shell
-    needs) only when the policy sets one. Pure."""
-    if not policy.env_allowlist:
+    needs) only when the policy sets one (``envAllowlist``, as the task spec carries it). Pure."""
+    if not allowlist:
         return dict(source)
     env = {k: source[k] for k in BASIC_ENV if k in source}
-    env.update(allowed_env(policy.env_allowlist, source))
+    env.update(allowed_env(allowlist, source))
     return env
 
 
@@ -91,14 +87,15 @@ class NativeRuntime(HostProcessRuntime):
 
     def enforces_for(self, task: ResolvedTask) -> frozenset[Requirement]:
         """The env allowlist is enforced only when the policy sets one (else: status quo)."""
-        extra = {Requirement.ENV} if task.ctx.policy.env_allowlist else set()
+        extra = {Requirement.ENV} if task.spec.env_allowlist else set()
         return self.enforces() | extra
 
     def _env(self, opts: RunOptions | None) -> dict[str, str]:
         source = opts.env if opts is not None and opts.env is not None else self.env
-        # The status quo is the caller's: its policy's allowlist, not the sandbox spec's env.
-        policy = self.task.ctx.policy if self.task is not None else SandboxPolicy()
-        return status_quo_env(policy, source)
+        # The status quo is the caller's environment, narrowed by the policy's allowlist (the
+        # task spec carries it), not the process's sandbox env (HOME, caches, proxies).
+        allowlist = self.task.spec.env_allowlist if self.task is not None else ()
+        return status_quo_env(allowlist, source)
 
     def plan(self, process: ProcessSpec) -> Plan:
         rlimits = process.shown_limits()
