@@ -13,6 +13,11 @@ With ``--egress-listen PORT`` (``network: filtered`` in a pod) it also listens o
 stream to the host, which dials the task's egress proxy there (``O``/``B``/``W``/``C`` frames,
 windowed per connection like the runs).
 
+With ``--service-listen ADDR:PORT`` (repeatable; ``policy.hostServices``, TCP grants) it also
+listens on that address of the pod's own loopback (an IPv6 one only where the pod has ``::1``)
+and carries each connection the same way; its ``O`` names the listener by its place among
+these options (``listener=N``), never an address: the host dials the grant it put there.
+
 One thread, one ``poll`` loop: a run's pipes are read only while the host has given credit
 and the bytes waiting for the stream are under ``HIGH_WATER``. The frame layout is written
 again here (fusion_oci/agent/protocol.py is the host's) because this file travels alone.
@@ -23,6 +28,7 @@ from __future__ import annotations
 import array
 import collections
 import contextlib
+import errno
 import fcntl
 import itertools
 import os
@@ -52,7 +58,7 @@ EGRESS_WINDOW = 256 << 10
 """Per egress connection and direction: bytes sent and not yet written by the other side.
 Smaller than a run's: up to MAX_CONNS of them may be open."""
 MAX_CONNS = 512
-"""Egress connections carried at once; more wait in the listener's backlog."""
+"""Connections carried at once (egress and services); more wait in the listeners' backlogs."""
 BACKLOG = 128
 MAX_FRAME = 64 << 20
 HEADER = struct.Struct(">I")
@@ -138,16 +144,62 @@ class Conn:
         self.shut = False
 
 
+def listen_address(text: str) -> tuple[str, int] | None:
+    """``127.0.0.1:5432`` or ``[::1]:6379`` as (address, port); None for anything else."""
+    host, sep, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        socket.inet_pton(family, host)
+    except OSError:
+        return None
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        return None
+    return host, int(port)
+
+
+def listen(host: str, port: int) -> socket.socket | None:
+    """A listening socket on ``host:port``; None for an IPv6 address where the pod has none
+    (IPv6 off): that grant is not there, said on stderr. Anything else raises (exit 125)."""
+    v6 = ":" in host
+    sock = socket.socket(socket.AF_INET6 if v6 else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        if v6:  # ::1 only, never the v4 side of the port
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        # No SO_REUSEADDR/SO_REUSEPORT: no command can share the port.
+        sock.bind((host, port))
+        sock.listen(BACKLOG)
+    except OSError as exc:
+        sock.close()
+        if v6 and exc.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+            sys.stderr.write(f"mux.py: no [{host}]:{port} here (no IPv6 loopback): {exc}\n")
+            return None
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from exc
+    sock.setblocking(False)
+    return sock
+
+
 class Mux:
-    def __init__(self, agent_argv: list[str], egress_port: int | None = None) -> None:
-        self.listener: socket.socket | None = None
-        if egress_port is not None:
-            # Before the agent starts, so before hello and any command: none can take the
-            # port first; no SO_REUSEADDR/SO_REUSEPORT, so none can share it.
-            self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            self.listener.bind(("127.0.0.1", egress_port))
-            self.listener.listen(BACKLOG)
-            self.listener.setblocking(False)
+    def __init__(
+        self,
+        agent_argv: list[str],
+        egress_port: int | None = None,
+        services: list[tuple[str, int]] | None = None,
+    ) -> None:
+        self.listeners: dict[int, tuple[socket.socket, bytes]] = {}
+        """fd -> (the listening socket, what its O frames add: ``listener=N`` for a service)."""
+        self.services = len(services or ())
+        # Before the agent starts, so before hello and any command: none can take a port first.
+        try:
+            if egress_port is not None:
+                self.add_listener("127.0.0.1", egress_port, b"")
+            for index, (host, port) in enumerate(services or ()):
+                self.add_listener(host, port, b"listener=%d\0" % index)
+        except OSError:
+            for sock, _extra in self.listeners.values():
+                sock.close()
+            raise
         self.conns: dict[int, Conn] = {}
         self.conn_fds: dict[int, Conn] = {}
         self.next_conn = 1
@@ -182,6 +234,11 @@ class Mux:
             with contextlib.suppress(OSError):
                 fcntl.fcntl(fd, F_SETPIPE_SZ, WINDOW)
 
+    def add_listener(self, host: str, port: int, extra: bytes) -> None:
+        sock = listen(host, port)
+        if sock is not None:
+            self.listeners[sock.fileno()] = (sock, extra)
+
     # --- the poll set ----------------------------------------------------------------------
 
     def want(self, fd: int, events: int) -> None:
@@ -209,9 +266,9 @@ class Mux:
         for fd, conn in self.conn_fds.items():
             read = room and conn.credit > 0 and not conn.read_done
             self.want(fd, (IN if read else 0) | (OUT if conn.inbound else 0))
-        if self.listener is not None:
-            accepting = self.greeted and len(self.conns) < MAX_CONNS
-            self.want(self.listener.fileno(), IN if accepting else 0)
+        accepting = self.greeted and len(self.conns) < MAX_CONNS
+        for fd in self.listeners:
+            self.want(fd, IN if accepting else 0)
         self.want(1, OUT if self.out else 0)
         self.want(0, IN if self.host_open else 0)
         self.want(self.agent.fileno(), IN)
@@ -372,8 +429,10 @@ class Mux:
         raw = frame(kind, body)
         if kind == b"H":
             body += b"window=" + str(WINDOW).encode() + b"\0"
-            if self.listener is not None:  # the host must be ready for O before it runs anything
+            if self.listeners or self.services:  # the host is ready for O before it runs anything
                 body += b"egress_window=" + str(EGRESS_WINDOW).encode() + b"\0"
+            if self.services:  # how many it was asked for (one without ::1 is not listening)
+                body += b"services=%d\0" % self.services
             self.send(frame(b"H", body))
             self.greeted = True
             return
@@ -440,13 +499,13 @@ class Mux:
                 nearest = wait if nearest is None else min(nearest, wait)
         return nearest
 
-    # --- egress connections (--egress-listen) ---------------------------------------------
+    # --- connections (--egress-listen, --service-listen) ----------------------------------
 
-    def accept(self) -> None:
-        assert self.listener is not None
+    def accept(self, fd: int) -> None:
+        listener, extra = self.listeners[fd]
         while len(self.conns) < MAX_CONNS:
             try:
-                sock, _addr = self.listener.accept()
+                sock, _addr = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:  # ECONNABORTED, EMFILE: the next one may do
@@ -456,7 +515,7 @@ class Mux:
             self.next_conn += 1
             self.conns[conn.id] = conn
             self.conn_fds[sock.fileno()] = conn
-            self.send(frame(b"O", b"id=" + str(conn.id).encode() + b"\0"))
+            self.send(frame(b"O", b"id=" + str(conn.id).encode() + b"\0" + extra))
 
     def egress_frame(self, kind: bytes, body: bytes) -> bool:
         """The host's word on a connection. An id never opened, or bytes past the window the
@@ -549,7 +608,6 @@ class Mux:
 
     def serve(self) -> int:
         agent_fd = self.agent.fileno()
-        listen_fd = self.listener.fileno() if self.listener is not None else -1
         while True:
             self.refresh()
             timeout = self.overdue()
@@ -567,8 +625,8 @@ class Mux:
                     self.read_pipe(fd)
                 elif fd in self.stdin_runs:
                     self.to_stdin(self.stdin_runs[fd])  # POLLERR too: the write's EPIPE closes it
-                elif fd == listen_fd:
-                    self.accept()
+                elif fd in self.listeners:
+                    self.accept(fd)
                 elif (conn := self.conn_fds.get(fd)) is not None:
                     if conn.inbound:
                         self.conn_write(conn)  # POLLERR too: the send's error closes it
@@ -602,21 +660,30 @@ class Mux:
 
 def main(argv: list[str]) -> int:
     egress_port: int | None = None
-    if len(argv) >= 2 and argv[0] == "--egress-listen":
-        if not argv[1].isdigit() or not 0 < int(argv[1]) < 65536:
-            sys.stderr.write(f"mux.py: --egress-listen needs a port, not {argv[1]!r}\n")
+    services: list[tuple[str, int]] = []
+    while len(argv) >= 2 and argv[0] in ("--egress-listen", "--service-listen"):
+        option, value, argv = argv[0], argv[1], argv[2:]
+        where = listen_address(value if option != "--egress-listen" else "127.0.0.1:" + value)
+        if where is None:
+            sys.stderr.write(f"mux.py: {option} needs a port or ADDR:PORT, not {value!r}\n")
             return 2
-        egress_port, argv = int(argv[1]), argv[2:]
+        if option == "--egress-listen":
+            egress_port = where[1]
+        else:
+            services.append(where)
     if len(argv) < 2 or argv[0] != "--agent":
-        sys.stderr.write("usage: mux.py [--egress-listen PORT] --agent PATH [agent args]\n")
+        sys.stderr.write(
+            "usage: mux.py [--egress-listen PORT] [--service-listen ADDR:PORT]... "
+            "--agent PATH [agent args]\n"
+        )
         return 2
     if not undumpable():
         sys.stderr.write("mux.py: cannot set PR_SET_DUMPABLE 0 (no ctypes); going on\n")
     try:
-        mux = Mux(argv[1:], egress_port)
+        mux = Mux(argv[1:], egress_port, services)
     except OSError as exc:
         # Closed, as the agent's own forwarder: no hello, the sandbox does not start.
-        sys.stderr.write(f"mux.py: cannot listen on 127.0.0.1:{egress_port}: {exc}\n")
+        sys.stderr.write(f"mux.py: {exc}\n")
         return 125
     return mux.serve()
 

@@ -14,7 +14,9 @@ sent only within the credit the mux gives back as it writes into the command's p
 
 Egress (``network: filtered`` in a pod): given a dialer, each connection the mux accepted on
 the pod's 127.0.0.1:3128 (``O``) is relayed to what the dialer connects to, the task's egress
-proxy on this host, byte for byte and windowed both ways (:mod:`.tunnel`).
+proxy on this host, byte for byte and windowed both ways (:mod:`.tunnel`). Host services
+(a TCP grant): given one dialer per ``--service-listen`` of the mux, in order, each
+connection of that listener is relayed the same way to what its dialer connects to.
 """
 
 from __future__ import annotations
@@ -80,11 +82,16 @@ def mux_argv(
     python: str = "python3",
     mux: str | os.PathLike[str] = MUX,
     egress_listen: int | None = None,
+    service_listen: Sequence[str] = (),
 ) -> list[str]:
     """How the far end is started (in a pod: after ``kubectl exec -i POD --``); with
-    ``egress_listen`` it carries that port's connections back (``network: filtered``). Pure."""
+    ``egress_listen`` it carries that port's connections back (``network: filtered``), with
+    ``service_listen`` (``ADDR:PORT`` each, listener 0, 1, ...) those of its loopback's
+    addresses (host services). Pure."""
     path = os.fspath(agent) if agent is not None else str(agent_binary())
     listen = [] if egress_listen is None else ["--egress-listen", str(egress_listen)]
+    for where in service_listen:
+        listen += ["--service-listen", where]
     return [python, "-S", "-E", "-s", os.fspath(mux), *listen, "--agent", path, *agent_args]
 
 
@@ -122,12 +129,18 @@ class StreamedAgent(AgentSession[_Run]):
     :meth:`start` (a process whose stdin/stdout is the stream) or :meth:`over`."""
 
     def __init__(
-        self, stream: ByteStream, *, peer_pid: int | None = None, egress: Dialer | None = None
+        self,
+        stream: ByteStream,
+        *,
+        peer_pid: int | None = None,
+        egress: Dialer | None = None,
+        services: Sequence[Dialer] = (),
     ) -> None:
         super().__init__()
         self._stream = stream
         self._egress = egress
-        self._tunnels = Tunnels(self._loop, egress, self._write, self._send_frame)
+        self._services = len(services)
+        self._tunnels = Tunnels(self._loop, egress, self._write, self._send_frame, services)
         self.peer_pid = peer_pid
         """The stream's process as this host sees it (the mux, or ``kubectl``), if any."""
         self._window = 0
@@ -150,25 +163,31 @@ class StreamedAgent(AgentSession[_Run]):
         *,
         timeout_s: float = 10.0,
         egress: Dialer | None = None,
+        services: Sequence[Dialer] = (),
     ) -> StreamedAgent:
         """Start ``argv`` (default: :func:`mux_argv` here, with this Python) in a session of its
         own, its stdin and stdout the stream: ``kubectl exec -i POD -- python3 ... mux.py``
-        is the same thing one hop further. ``egress``: see :meth:`over`."""
+        is the same thing one hop further. ``egress``, ``services``: see :meth:`over`."""
         command = list(argv) if argv is not None else mux_argv(python=sys.executable)
         stream = await ProcessStream.start(command, CLOSE_WAIT_S)
-        agent = cls(stream, peer_pid=stream.proc.pid, egress=egress)
+        agent = cls(stream, peer_pid=stream.proc.pid, egress=egress, services=services)
         await agent._greeted(timeout_s)
         return agent
 
     @classmethod
     async def over(
-        cls, stream: ByteStream, timeout_s: float, egress: Dialer | None = None
+        cls,
+        stream: ByteStream,
+        timeout_s: float,
+        egress: Dialer | None = None,
+        services: Sequence[Dialer] = (),
     ) -> StreamedAgent:
         """An agent behind a mux already started at the far end of ``stream``. ``egress``
         (the mux started with ``--egress-listen``): what each of its connections is relayed
         to, a coroutine opening a new connection (the task's egress proxy); without it every
-        connection is refused (closed at once)."""
-        agent = cls(stream, egress=egress)
+        connection is refused (closed at once). ``services`` (the mux started with as many
+        ``--service-listen``, in the same order): listener N's connections go to the N-th."""
+        agent = cls(stream, egress=egress, services=services)
         await agent._greeted(timeout_s)
         return agent
 
@@ -184,7 +203,16 @@ class StreamedAgent(AgentSession[_Run]):
         # The far end is the sandbox's: its word is bounded (a window it names is also how much
         # output the host holds per run before it must have taken some).
         self._window = min(max(int(hello["window"]), 64 << 10), MAX_WINDOW)
-        if self._egress is not None and not self._tunnels.window:  # set from the hello
+        if self._services and hello.get("services") != str(self._services):
+            await self.close()
+            raise SandboxSetupError(
+                "the far end of the agent's stream does not carry the task's host services",
+                f"this host set up {self._services} listeners, its hello says "
+                f"{hello.get('services', 'none')}: mux.py was started without as many "
+                "--service-listen, or is older",
+                "start it as " + " ".join(mux_argv("AGENT", service_listen=["127.0.0.1:5432"])),
+            )
+        if (self._egress or self._services) and not self._tunnels.window:  # from the hello
             await self.close()
             raise SandboxSetupError(
                 "the far end of the agent's stream does not carry egress",

@@ -1,5 +1,5 @@
-"""A pod's egress connections, carried back over the agent's stream (PROTOCOL.md, "Egress
-back through the stream").
+"""A pod's egress and host-service connections, carried back over the agent's stream
+(PROTOCOL.md, "Egress back through the stream").
 
 ``mux.py --egress-listen PORT`` accepts the pod's connections to 127.0.0.1:PORT and sends each
 as ``O`` (open), ``B`` (bytes; empty: that direction's end), ``W`` (credit back) and ``C``
@@ -7,6 +7,11 @@ as ``O`` (open), ``B`` (bytes; empty: that direction's end), ``W`` (credit back)
 :class:`~fusion_oci.agent.streamed.StreamedAgent`: per ``O`` it dials (the task's egress
 proxy's unix socket) and relays both ways without reading the bytes: the proxy decides,
 audits and brokers, exactly as for a local sandbox.
+
+``mux.py --service-listen ADDR:PORT`` (a host-service grant) does the same for a listener on
+the pod's loopback; its ``O`` carries ``listener=N``, the place of that option, and this side
+dials the N-th dialer it was given (the grant's relay, which connects to the grant and audits
+each connection): the far end picks a listener the host set up, never an address.
 
 The far end is the sandbox's, so its word is bounded: ids count up from 1 (an id never opened
 or opened twice is a broken stream), at most :data:`MAX_EGRESS_CONNS` at once, and no more
@@ -18,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 from fusion_oci.agent.protocol import (
     EGRESS_ACK,
@@ -33,7 +38,8 @@ from fusion_oci.agent.protocol import (
 )
 
 Dialer = Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
-"""Opens one new connection to where the pod's egress goes (the task's proxy)."""
+"""Opens one new connection to where a pod's connection goes (the task's proxy, a grant's
+relay)."""
 CHUNK = 1 << 16
 DIAL_TIMEOUT_S = 10.0
 MAX_WINDOW = 1 << 20
@@ -61,9 +67,12 @@ class Tunnels:
         dialer: Dialer | None,
         write: Callable[[bytes], None],
         send: Callable[[bytes], Awaitable[bool]],
+        services: Sequence[Dialer] = (),
     ) -> None:
         self._loop = loop
         self._dialer = dialer
+        self._services = {str(i): d for i, d in enumerate(services)}
+        """Listener index (as the mux's ``listener`` field spells it) -> its grant's dialer."""
         self._write = write
         """Queue a frame now (credit, close: small, from a callback)."""
         self._send = send
@@ -84,7 +93,8 @@ class Tunnels:
         """The mux's hello: its window, at once (an ``O`` may follow in the same read).
         Never more credit than it named (it holds that much per connection), nor more than
         this side holds for one (its word is bounded)."""
-        if self._dialer is not None and hello.get("egress_window", "").isdigit():
+        carries = self._dialer is not None or self._services
+        if carries and hello.get("egress_window", "").isdigit():
             self.window = min(int(hello["egress_window"]), MAX_WINDOW)
 
     def frame(self, kind: bytes, body: bytes) -> None:
@@ -101,7 +111,7 @@ class Tunnels:
             raise ProtocolError(f"a connection frame without a numeric id: {tag[:20]!r}")
         conn_id = int(tag)
         if kind == EGRESS_OPEN:
-            self._open(conn_id)
+            self._open(conn_id, fields.get("listener"))
             return
         if not 0 < conn_id <= self._last:
             raise ProtocolError(f"a frame for connection {conn_id}, never opened")
@@ -127,19 +137,29 @@ class Tunnels:
             conn.eof_in = True
             conn.data_ready.set()
 
-    def _open(self, conn_id: int) -> None:
+    def _open(self, conn_id: int, listener: str | None) -> None:
+        """``listener``: None for the egress listener, else a service listener's index."""
         if conn_id != self._last + 1:
             raise ProtocolError(f"connection {conn_id} opened out of order (last {self._last})")
         if len(self._conns) >= MAX_EGRESS_CONNS:
             raise ProtocolError(f"more than {MAX_EGRESS_CONNS} connections at once")
         self._last = conn_id
-        if self._dialer is None or not self.window:
+        dialer = self._dialer
+        if listener is not None:
+            # Only a listener this host set up (the grant it dials is the host's, by index).
+            dialer = self._services.get(listener)
+            if dialer is None:
+                raise ProtocolError(
+                    f"connection {conn_id} came from listener {listener[:20]!r}, not one of "
+                    f"the {len(self._services)} this host set up"
+                )
+        if dialer is None or not self.window:
             self._write(encode(EGRESS_CLOSE, [("id", str(conn_id))]))  # refused
             return
         conn = _Conn(self.window)
         self._conns[conn_id] = conn
         self.opened += 1
-        conn.task = self._loop.create_task(self._relay(conn_id, conn, self._dialer))
+        conn.task = self._loop.create_task(self._relay(conn_id, conn, dialer))
         self._tasks.add(conn.task)
         conn.task.add_done_callback(self._tasks.discard)
 

@@ -111,3 +111,24 @@ async def agent_records(sock: socket.socket) -> AsyncIterator[Record]:
             kind, ident, up, down, err = RECORD_FORMAT.unpack_from(buf)
             buf = buf[RECORD:]
             yield kind, ident, up, down, err
+
+
+async def dial_spliced(path: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """One connection to a TCP grant through its relay's socket at ``path``, asked for as
+    any dialer but a sandbox's init is (the kubernetes runtime's executor, for a pod's
+    connection carried back over the agent's stream): ``C``, the relay's byte (never with a
+    socket: this process is no sandbox's init), ``S``; the relay then connects to its grant,
+    splices and audits the connection as for any other. OSError when the relay closes
+    instead (the grant refused, the task's bound reached: audited there)."""
+    reader, writer = await asyncio.open_unix_connection(path)
+    try:
+        writer.write(b"C")
+        await writer.drain()
+        if await reader.read(1) != b"\x01":
+            raise ConnectionRefusedError(errno.ECONNREFUSED, "the relay closed the connection")
+        writer.write(b"S")
+        await writer.drain()
+    except BaseException:
+        writer.close()
+        raise
+    return reader, writer

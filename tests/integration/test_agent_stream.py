@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import os
 import signal
@@ -14,6 +15,7 @@ import subprocess
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -519,3 +521,178 @@ async def test_egress_an_open_in_the_hellos_own_read_is_relayed(tmp_path: Path) 
         assert encode(b"C", [("id", "1")]) not in sent  # not refused
         assert encode_bytes(1, b"") in sent  # the proxy's end, passed on
         await a.close()
+
+
+# --- host services back through the stream (mux.py --service-listen; the grant's relay) --------
+
+
+class Service:
+    """A TCP server on the host's loopback standing in for a granted service: per connection
+    it reads to the end and answers its name and the bytes' hash."""
+
+    def __init__(self, name: bytes) -> None:
+        self.name = name
+        self.port = 0
+        self.connections = 0
+        self.server: asyncio.AbstractServer | None = None
+
+    async def __aenter__(self) -> Service:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+        await self.server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        got = await reader.read()
+        writer.write(self.name + b":" + hashlib.sha256(got).digest() * 64)
+        await writer.drain()
+        writer.close()
+
+
+async def test_service_bytes_cross_whole_to_the_granted_address_only(tmp_path: Path) -> None:
+    """Two listeners of the mux, each answered with its own grant's relay (the task's relays,
+    which connect to the grant and audit each connection): every byte arrives both ways, each
+    listener's connections reach its own grant and no other."""
+    from fusion_oci.audit import AuditEvent, AuditLog
+    from fusion_oci.models.hostservice import parse_grant
+    from fusion_oci.services import start_relays, stop_relays
+    from fusion_oci.services.handover import dial_spliced
+
+    events: list[AuditEvent] = []
+    audit = AuditLog()
+    audit.subscribe(events.append)
+    ports = [free_port(), free_port()]
+    payload = os.urandom(3 * MB)
+    async with Service(b"first") as first, Service(b"second") as second:
+        grants = [f"127.0.0.1:{first.port}", f"127.0.0.1:{second.port}"]
+        relays = await start_relays(
+            task_id="svc-stream",
+            grants=[(parse_grant(g), False) for g in grants],
+            audit=audit,
+            tcp=False,
+            backend="kubernetes",
+            policy_hash=None,
+        )
+        sockets = relays.sockets()
+        a = await StreamedAgent.start(
+            mux_argv(
+                agent_binary(), python="python3", service_listen=[f"127.0.0.1:{p}" for p in ports]
+            ),
+            services=[functools.partial(dial_spliced, sockets[g]) for g in grants],
+        )
+        try:
+            answers = await asyncio.gather(*(exchange(ports[i % 2], payload[i:]) for i in range(6)))
+            for i, answer in enumerate(answers):
+                name = b"first" if i % 2 == 0 else b"second"
+                assert answer == name + b":" + hashlib.sha256(payload[i:]).digest() * 64
+            assert (first.connections, second.connections) == (3, 3)
+            r = await a.run(sh("echo still"), env=ENV)  # the runs go on beside them
+            assert r.stdout == b"still\n"
+            assert a._tunnels.open == 0
+        finally:
+            await a.close()
+            await stop_relays(relays)
+    seen = [e for e in events if e.type == "sandbox:egress"]
+    assert sorted((e.details or {}).get("service") for e in seen) == sorted(grants * 3)
+    assert all(e.allowed and e.bytes_up and e.bytes_down for e in seen), seen
+
+
+async def test_service_a_listener_the_host_did_not_set_up_is_a_lost_agent(
+    tmp_path: Path,
+) -> None:
+    """The far end names a listener by index; one this host did not set up (or a malformed
+    one) breaks the stream; a listener's connection dials that listener's own dialer."""
+    dialled: list[str] = []
+
+    def dialer(name: str) -> Callable[[], Awaitable[tuple[Any, Any]]]:
+        async def dial() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+            dialled.append(name)
+            return await asyncio.open_unix_connection(str(tmp_path / "absent.sock"))
+
+        return dial
+
+    hello = encode(
+        b"H",
+        [("version", "1"), ("pid", "9"), ("window", "65536"), ("egress_window", "65536"),
+         ("services", "2")],
+    )  # fmt: skip
+    for bad in ("2", "-1", "x", "01", ""):
+        stream = _ScriptedStream(hello)
+        a = await StreamedAgent.over(stream, 5, services=[dialer("zero"), dialer("one")])
+        stream.incoming.put_nowait(encode(b"O", [("id", "1"), ("listener", "1")]))
+        for _ in range(100):
+            if encode(b"C", [("id", "1")]) in b"".join(stream.written):
+                break  # dialled (nowhere: refused) and said so
+            await asyncio.sleep(0.02)
+        task = asyncio.ensure_future(a.run(["true"], env=ENV))
+        await asyncio.sleep(0.05)
+        stream.incoming.put_nowait(encode(b"O", [("id", "2"), ("listener", bad)]))
+        with pytest.raises(AgentLostError):
+            await asyncio.wait_for(task, 5)
+        assert a.lost and a._tunnels.open == 0, bad
+        await a.close()
+    assert dialled == ["one"] * 5  # the listener's own dialer, never another; no egress
+
+
+async def test_service_a_mux_without_the_listeners_is_refused() -> None:
+    dial = functools.partial(asyncio.open_connection, "127.0.0.1", 9)
+    with pytest.raises(SandboxSetupError) as info:
+        await StreamedAgent.start(MUX_ARGV, services=[dial])
+    assert "host services" in info.value.what
+    port = free_port()
+    with pytest.raises(SandboxSetupError) as info:  # one listener for a host that set up two
+        await StreamedAgent.start(
+            mux_argv(agent_binary(), python="python3", service_listen=[f"127.0.0.1:{port}"]),
+            services=[dial, dial],
+        )
+    assert "host services" in info.value.what
+
+
+async def test_service_an_ipv6_listener_takes_only_its_own_family() -> None:
+    """``[::1]:PORT`` listens on ::1 only (IPV6_V6ONLY): the same port on 127.0.0.1 is not
+    its; a port taken by another fails the start closed."""
+    port = free_port()
+    if not socket.has_ipv6 or not _has_ipv6_loopback():
+        pytest.skip("no IPv6 loopback here")
+    async with Service(b"v6") as svc:
+        a = await StreamedAgent.start(
+            mux_argv(agent_binary(), python="python3", service_listen=[f"[::1]:{port}"]),
+            services=[functools.partial(asyncio.open_connection, "127.0.0.1", svc.port)],
+        )
+        try:
+            reader, writer = await asyncio.open_connection("::1", port)
+            writer.write(b"ping")
+            writer.write_eof()
+            assert (await reader.read()).startswith(b"v6:")
+            writer.close()
+            with pytest.raises(OSError):
+                await asyncio.open_connection("127.0.0.1", port)
+        finally:
+            await a.close()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        with pytest.raises(SandboxSetupError) as info:
+            await StreamedAgent.start(
+                mux_argv(
+                    agent_binary(),
+                    python="python3",
+                    service_listen=[f"127.0.0.1:{taken.getsockname()[1]}"],
+                ),
+                services=[functools.partial(asyncio.open_connection, "127.0.0.1", 9)],
+            )
+        assert "cannot listen" in info.value.why
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False

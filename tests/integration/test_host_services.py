@@ -5,7 +5,8 @@ wire-protocol client in Node.js (tests/services_world.py; the task images have n
 over each grant, and ``psql`` and ``pg_isready`` where the sandbox has the host's /usr.
 
 Every backend of tests/security (rootful and rootless) through its ``prober``: the same
-command, the same judge. Native runs it too and lists ``hostServices`` as unenforced.
+command, the same judge. Native runs it too and lists ``hostServices`` as unenforced;
+kubernetes refuses the unix grant and runs the TCP ones, carried back over the agent's stream.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from fusion_oci.runtimes.requirements import Requirement
 from fusion_oci.sandbox import SyncSandbox
 from tests.backends import backend_settings, require_runtime
 from tests.security.conftest import (  # noqa: F401 - the fixtures, shared with the probes
-    REMOTE,
+    UNIX_GRANTS_REFUSED,
     Prober,
     backend,
     dockerless_user,
@@ -45,20 +46,25 @@ def grants(pg: Postgres) -> list[str]:
     return [f"127.0.0.1:{pg.port}", f"[::1]:{pg.port}", f"unix:{pg.unix_socket}"]
 
 
-def client_script(pg: Postgres) -> str:
-    """Each grant by the node client, then psql and pg_isready where they exist."""
+def client_script(pg: Postgres, unix: bool = True) -> str:
+    """Each grant by the node client, then psql and pg_isready where they exist (``unix``:
+    the unix grant's clients too; each prints one line)."""
     node = "node pg.js"
     return "; ".join(
         [
             f"{node} 127.0.0.1:{pg.port} 'select 40+2 as v4'",
             f"{node} '[::1]:{pg.port}' 'select 43'",
-            f"{node} {pg.unix_socket} 'select 44'",
+            *([f"{node} {pg.unix_socket} 'select 44'"] if unix else []),
             f"{node} 127.0.0.1:{pg.port} 'select count(*) from generate_series(1,5000)'",
             "if command -v psql >/dev/null; then "
             f"psql -h 127.0.0.1 -p {pg.port} -U postgres -Atc 'select 45'; "
-            f"psql -h {pg.socket_dir} -p {pg.port} -U postgres -Atc 'select 46'; "
-            f"pg_isready -h 127.0.0.1 -p {pg.port} -q && echo ready; "
-            "else echo 45; echo 46; echo ready; fi",
+            + (
+                f"psql -h {pg.socket_dir} -p {pg.port} -U postgres -Atc 'select 46'; "
+                if unix
+                else ""
+            )
+            + f"pg_isready -h 127.0.0.1 -p {pg.port} -q && echo ready; "
+            + f"else echo 45; {'echo 46; ' if unix else ''}echo ready; fi",
         ]
     )
 
@@ -71,18 +77,26 @@ def test_a_granted_postgres_answers_real_clients_inside(
 ) -> None:
     (prober.worktree / "pg.js").write_text(PG_CLIENT_JS)
     policy = SandboxPolicy(network=network, host_services=grants(pg))  # type: ignore[arg-type]
-    if (prober.backend == "landlock" and network == "egress") or prober.backend in REMOTE:
+    if prober.backend == "landlock" and network == "egress":
         # landlock has no egress without host loopback (no network namespace): refused as
-        # before, grants or not; a pod on a cluster node cannot be given the executor's
-        # loopback (kubernetes): refused.
+        # before, grants or not.
         with pytest.raises(PolicyNotEnforceableError) as refused:
             prober.run("true", policy)
-        if prober.backend in REMOTE:
-            assert Requirement.HOST_SERVICES.value in refused.value.unenforced
         return
-    result = prober.run(client_script(pg), policy, timeout_ms=90_000)
+    unix = prober.backend not in UNIX_GRANTS_REFUSED
+    if not unix:
+        # a pod on a cluster node has no path of the executor's host (kubernetes): the unix
+        # grant is refused with its own reason; the TCP grants come back over the stream
+        from fusion_oci.runtimes.kubernetes.hostservices import UNIX_GRANTS
+
+        with pytest.raises(PolicyNotEnforceableError) as refused:
+            prober.run("true", policy)
+        assert refused.value.unenforced == [UNIX_GRANTS], refused.value.render()
+        policy = SandboxPolicy(network=network, host_services=grants(pg)[:2])  # type: ignore[arg-type]
+    result = prober.run(client_script(pg, unix), policy, timeout_ms=90_000)
     assert result.exit_code == 0, (result.stdout, result.stderr[-2000:])
-    assert result.stdout.split() == ["42", "43", "44", "5000", "45", "46", "ready"], result
+    lines = ["42", "43", "44", "5000", "45", "46", "ready"]
+    assert result.stdout.split() == [n for n in lines if unix or n not in ("44", "46")], result
     hosted = Requirement.HOST_SERVICES.value
     assert (hosted in result.unenforced) == (prober.backend == "native")
 

@@ -202,13 +202,17 @@ EXPECT: dict[tuple[str, str], Expect] = {
     ("host-process-limits", "native"): "leaks",
     ("host-process-limits-unprivileged", "native"): "leaks",
     # kubernetes: the sandbox is a pod on a cluster node. A Pod cannot set its pids limit;
-    # host-service grants and service containers are not carried to a pod yet: each is
-    # refused (PolicyNotEnforceableError), never run weaker. Filtered egress and credentials
-    # are enforced: the pod's NetworkPolicy denies all egress and the relay carries its
-    # 127.0.0.1:3128 back to the task's proxy on the executor.
+    # unix socket host-service grants and service containers are not carried to a pod: each
+    # is refused (PolicyNotEnforceableError), never run weaker. Filtered egress, credentials
+    # and TCP host-service grants are enforced: the pod's NetworkPolicy denies all egress and
+    # the relay carries its 127.0.0.1:3128, and each grant's address on the pod's loopback,
+    # back over the agent's stream to the executor (the task's proxy, the grant's relay).
     ("fork-bomb", "kubernetes"): "unenforced",
-    **{(probe, "kubernetes"): "unenforced" for probe in SERVICE_PROBES},
+    ("service-unix-path", "kubernetes"): "unenforced",
 }
+UNIX_GRANTS_REFUSED = {"kubernetes"}
+"""Backends that refuse a ``unix:`` host-service grant (a pod has no path of the executor's
+host): their TCP probes are granted the TCP service alone."""
 REMOTE = {"kubernetes"}
 """Backends whose sandbox runs on another machine: no host package store is shared with it
 (each pod installs its own), and a project's caches are not carried there."""

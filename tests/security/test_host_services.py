@@ -7,7 +7,8 @@ and beside them runs servers that are *not* granted (the same ports on ::1, port
 servers say what got through. The granted ones must answer (or the probe fails: a sandbox
 that closes everything proves nothing), the others must see nothing. Native isolates
 nothing: there each probe leaks, which shows it can see a leak (and that the same program
-gets through without the grant machinery in the way).
+gets through without the grant machinery in the way). A backend that refuses unix grants
+(kubernetes) is granted the TCP service alone, and its unix probe records the refusal.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from fusion_oci.models import SandboxPolicy
 from fusion_oci.models.hostservice import parse_grant
 from fusion_oci.runtimes.requirements import Requirement
 from fusion_oci.services import start_relays, stop_relays
-from tests.security.conftest import Prober, expected
+from tests.security.conftest import UNIX_GRANTS_REFUSED, Prober, expected
 from tests.security.test_probes import assert_unenforced, check
 from tests.services_world import PROBE_JS, Listening, listening
 
@@ -38,19 +39,23 @@ def _run(
     return result.stdout + result.stderr[-500:]
 
 
-def _grants(granted: Listening) -> SandboxPolicy:
-    return SandboxPolicy(
-        allow_network=False,
-        host_services=[f"127.0.0.1:{granted.port}", f"unix:{granted.sockets[0]}"],
-    )
+def _grants(granted: Listening, prober: Prober) -> SandboxPolicy:
+    unix = [] if prober.backend in UNIX_GRANTS_REFUSED else [f"unix:{granted.sockets[0]}"]
+    return SandboxPolicy(allow_network=False, host_services=[f"127.0.0.1:{granted.port}", *unix])
 
 
 def _refused(prober: Prober, probe: str) -> bool:
-    """A backend that cannot carry a grant (kubernetes: the executor's loopback is not on a
-    cluster node) refuses it, and the probe is recorded as unenforced there."""
+    """A backend that cannot carry a grant (kubernetes: a unix socket of the executor's host
+    is not on a cluster node) refuses it, and the probe is recorded as unenforced there."""
     if expected(probe, prober.backend) != "unenforced" or prober.backend == "native":
         return False
-    assert_unenforced(probe, prober, _grants_to(1), Requirement.HOST_SERVICES.value)
+    if prober.backend in UNIX_GRANTS_REFUSED:
+        from fusion_oci.runtimes.kubernetes.hostservices import UNIX_GRANTS
+
+        policy = SandboxPolicy(allow_network=False, host_services=["unix:/run/fusion-oci-x.sock"])
+        assert_unenforced(probe, prober, policy, UNIX_GRANTS)
+    else:
+        assert_unenforced(probe, prober, _grants_to(1), Requirement.HOST_SERVICES.value)
     return True
 
 
@@ -85,7 +90,7 @@ def test_an_ungranted_port_or_address_form_stays_closed(prober: Prober) -> None:
                 {"host": "127.0.0.1", "port": 4040},
                 {"host": "localhost", "port": 4040},
             ],
-            _grants(a),
+            _grants(a, prober),
         )
     assert "tcp4" in a.seen, f"the granted service did not answer: {out}"
     leaked = bool(b.seen) or "tcp6" in a.seen or "4040 connected" in out
@@ -125,8 +130,8 @@ def test_the_relay_connects_only_to_its_grant(prober: Prober) -> None:
                 {"path": a.sockets[0]},
                 {"path": str(other.relays[0].socket)},  # another task's relay, by its host path
             ]
-            out = _run(prober, targets, _grants(a), send=ask)
-            out += _run(prober, targets, _grants(a), send=socks)
+            out = _run(prober, targets, _grants(a, prober), send=ask)
+            out += _run(prober, targets, _grants(a, prober), send=socks)
         finally:
             asyncio.run(stop_relays(other))
     assert "tcp4" in a.seen, f"the granted service did not answer: {out}"
@@ -145,7 +150,7 @@ def test_a_unix_grant_is_that_socket_only(prober: Prober) -> None:
         (prober.worktree / "mklink.js").write_text(
             f"require('fs').symlinkSync({json.dumps(str(sibling))}, {json.dumps(str(link))})"
         )
-        policy = _grants(a)
+        policy = _grants(a, prober)
         out = prober.run("node mklink.js", policy).stderr[-300:]
         out += _run(
             prober,
@@ -235,7 +240,7 @@ def test_only_the_agent_is_handed_a_service_socket(prober: Prober) -> None:
             f"node probe.js {shlex.quote(granted)}; "
             f"if command -v python3 >/dev/null; then python3 handover.py {b.port}; "
             f"else node probe.js {shlex.quote(by_node)}; fi",
-            _grants(a),
+            _grants(a, prober),
             timeout_ms=90_000,
         )
         time.sleep(0.3)  # a late accept is still recorded

@@ -214,7 +214,9 @@ def test_the_egress_paths_and_port_are_the_agents_own() -> None:
 def test_egress_frames_and_the_filtered_far_end_are_pure() -> None:
     from fusion_oci.agent.protocol import Framer, encode_bytes
     from fusion_oci.agent.streamed import mux_argv
-    from fusion_oci.runtimes.kubernetes.runtime import FILTERED_MUX_ARGV, MUX_ARGV
+    from fusion_oci.runtimes.kubernetes.hostservices import pod_mux_argv
+    from fusion_oci.runtimes.kubernetes.runtime import MUX_ARGV
+    from tests.unit.test_containers_translate import FILTERED, task_for
 
     frames = Framer().feed(encode_bytes(7, b"\0ab") + encode_bytes(12, b""))
     assert frames == [(b"B", b"7\0\0ab"), (b"B", b"12\0")]  # raw bytes, NUL included
@@ -222,5 +224,6 @@ def test_egress_frames_and_the_filtered_far_end_are_pure() -> None:
         "python3", "-S", "-E", "-s", "/m.py", "--egress-listen", "3128", "--agent", "/a", "--x",
     ]  # fmt: skip
     # the pod's relay: the listener's option before --agent, the rest as without it
-    assert FILTERED_MUX_ARGV[5:7] == ["--egress-listen", "3128"]
-    assert FILTERED_MUX_ARGV[:5] + FILTERED_MUX_ARGV[7:] == MUX_ARGV
+    filtered = pod_mux_argv(task_for(FILTERED).spec)
+    assert filtered[5:7] == ["--egress-listen", "3128"]
+    assert filtered[:5] + filtered[7:] == MUX_ARGV

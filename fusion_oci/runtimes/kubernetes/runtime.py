@@ -22,14 +22,18 @@ What a Pod cannot express is either enforced another way or refused at ``check``
 the agent's per command; NetworkPolicy enforcement is not readable from the API, so prepare
 probes it once per cluster (:mod:`.netprobe`) and fails closed; ``egress`` needs the nodes'
 networks (``kubernetes.nodeNetworks``); the bundle's seccomp profile needs a Localhost copy on
-the nodes (``kubernetes.seccompProfile``); ``pidsLimit``, host services and published ports
-are refused (not yet carried to a pod).
+the nodes (``kubernetes.seccompProfile``); ``pidsLimit``, unix socket host services and
+published ports are refused (not yet carried to a pod).
 
 ``network: filtered`` (and ``credentials``): the task's egress proxy runs on the executor, as for
 the local runtimes, and the pod reaches it back through the agent's stream: the relay listens
 on the pod's 127.0.0.1:3128 (``mux.py --egress-listen``) and the streamed agent dials the
 proxy's socket here for each connection. The pod's NetworkPolicy denies all egress, so a
 command that ignores the proxy variables reaches nothing; no credential enters the cluster.
+
+``hostServices`` (TCP grants, any network): the same way back. The relay also listens on each
+grant's address of the pod's loopback and the streamed agent dials that grant's relay here,
+which connects to the granted address and audits the connection (:mod:`.hostservices`).
 """
 
 from __future__ import annotations
@@ -46,7 +50,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fusion_oci.agent.protocol import EGRESS_PORT
 from fusion_oci.errors import EngineError, SandboxSetupError
 from fusion_oci.images.gates import ProvisionGate
 from fusion_oci.models import NetworkMode, RunOptions, RunResult
@@ -56,6 +59,12 @@ from fusion_oci.runtimes.kubernetes import taskpod
 from fusion_oci.runtimes.kubernetes.agentsandbox import EXTENSIONS_API
 from fusion_oci.runtimes.kubernetes.client import KubeClient, retrying
 from fusion_oci.runtimes.kubernetes.facts import served_sandbox_apis
+from fusion_oci.runtimes.kubernetes.hostservices import (
+    UNIX_GRANTS,
+    listener_table,
+    pod_mux_argv,
+    tcp_grants,
+)
 from fusion_oci.runtimes.kubernetes.kubeconfig import ClusterAccess, find_access
 from fusion_oci.runtimes.kubernetes.netprobe import probe_network_policy
 from fusion_oci.runtimes.kubernetes.objects import Mode, TaskObjects, task_objects
@@ -88,11 +97,8 @@ POLICY_TTL_S = 24 * 3600.0
 POD_UID = 1000
 """The pod's user when the executor runs as root."""
 MUX_ARGV = ["python3", "-S", "-E", "-s", path(MUX), "--agent", path(AGENT)]
-"""The exec agent's stream relay in the pod (stdlib only), which starts the agent itself."""
-FILTERED_MUX_ARGV = [*MUX_ARGV[:5], "--egress-listen", str(EGRESS_PORT), *MUX_ARGV[5:]]
-"""``network: filtered``: the relay also listens on the pod's 127.0.0.1:3128 (where the
-sandbox's proxy variables point) before any command runs, and carries each connection back
-to the task's egress proxy on the executor."""
+"""The exec agent's stream relay in the pod (stdlib only), which starts the agent itself;
+a task's own adds its listeners (:func:`.hostservices.pod_mux_argv`)."""
 HOLD = ["sleep", "infinity"]
 """The pod's own process: it only keeps the pod up. Commands run under the exec agent, which
 the agent stream starts (an exec'd process is a child of the container runtime, not of it)."""
@@ -111,6 +117,9 @@ ENFORCED = frozenset(
         # the pod's NetworkPolicy denies all egress; its only way out is the relay's
         # 127.0.0.1:3128, carried back to the task's proxy on the executor (PROTOCOL.md)
         Requirement.NETWORK_FILTERED,
+        # TCP grants: the relay's listener on the pod's loopback, carried back over the
+        # stream to the grant's relay on the executor (unix grants: refused in check)
+        Requirement.HOST_SERVICES,
         Requirement.MEMORY,
         Requirement.CPU_QUOTA,
         Requirement.CPU_TIME,  # rlimits: the agent's setrlimit per command
@@ -182,7 +191,13 @@ class KubernetesRuntime(SpecRuntime):
                 "seccomp: the bundle's profile is not on the nodes and RuntimeDefault is not "
                 "it; set kubernetes.seccompProfile to a Localhost copy (docs/kubernetes.md)"
             )
+        if any(g.kind == "unix" for g in task.spec.host_services):
+            missing.append(UNIX_GRANTS)
         return sorted(missing)
+
+    def adopt(self, task: ResolvedTask) -> None:
+        super().adopt(task)
+        self._mux_argv = pod_mux_argv(task.spec)
 
     # -- the pod ------------------------------------------------------------------------------
 
@@ -335,6 +350,7 @@ class KubernetesRuntime(SpecRuntime):
         from fusion_oci.agent.streamed import StreamedAgent
         from fusion_oci.runtimes.kubernetes.execstream import PodExec
         from fusion_oci.runtimes.kubernetes.sync import WorktreeSync, remote_argv
+        from fusion_oci.services.handover import dial_spliced
 
         access, _client = self._cluster()
         assert self.layout is not None
@@ -342,11 +358,19 @@ class KubernetesRuntime(SpecRuntime):
         proxy = proxy_socket(task)
         dialer = None
         if proxy is not None:
-            self._mux_argv = FILTERED_MUX_ARGV
             dialer = functools.partial(asyncio.open_unix_connection, proxy)
+        relays = task.services.sockets() if task.services is not None else None
+        # Listener N of the pod's relay is the N-th TCP grant: its relay here, fixed now.
+        services = [
+            functools.partial(dial_spliced, relay)
+            for relay in listener_table(tcp_grants(task.spec.host_services), relays)
+        ]
+        self._mux_argv = pod_mux_argv(task.spec)
         stream = await pods.open(self._namespace, self._pod, self._mux_argv, container="task")
         self._agent_stream = stream
-        self._agent = await StreamedAgent.over(stream, timeout_s=30.0, egress=dialer)
+        self._agent = await StreamedAgent.over(
+            stream, timeout_s=30.0, egress=dialer, services=services
+        )
         worktree = self.layout.worktree
         self._sync_stream = await pods.open(
             self._namespace, self._pod, remote_argv(worktree, by_path=path(REMOTE)),
@@ -376,6 +400,15 @@ class KubernetesRuntime(SpecRuntime):
                 "server (pods/exec) through its stream relay, one stream for the task",
                 "before the command the host worktree's changes are pushed to the pod, after it "
                 "the command's changes come back, checked (docs/worktree-sync.md)",
+                *(
+                    [
+                        "host services: the relay listens on each TCP grant's address in the "
+                        "pod; each connection comes back over the stream to the grant's relay "
+                        "here, which connects to the grant and audits it"
+                    ]
+                    if "--service-listen" in self._mux_argv
+                    else []
+                ),
                 process.shown_limits(),
             ],
             process=process,

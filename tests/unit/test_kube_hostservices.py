@@ -1,0 +1,78 @@
+"""Host services on the kubernetes runtime (issue #35 on #34): the pod relay's listeners and
+the table that maps each listener back to its grant's relay on the executor. Pure."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fusion_oci.errors import SandboxSetupError
+from fusion_oci.models import NetworkMode, RunOptions, SandboxPolicy
+from fusion_oci.policy.kubernetes import KubernetesSettings
+from fusion_oci.policy.settings import SandboxSettings
+from fusion_oci.runtimes.kubernetes.hostservices import (
+    UNIX_GRANTS,
+    listener_table,
+    pod_mux_argv,
+    tcp_grants,
+)
+from fusion_oci.runtimes.kubernetes.runtime import MUX_ARGV, KubernetesRuntime
+from fusion_oci.runtimes.requirements import Requirement
+from tests.unit.test_containers_translate import SERVICES, task_for
+
+TCP = SandboxPolicy(allow_network=False, host_services=["127.0.0.1:5432", "[::1]:6379"])
+MUX, AGENT = MUX_ARGV[4], MUX_ARGV[6]
+
+
+def test_each_tcp_grant_is_a_listener_of_the_pods_relay_in_order() -> None:
+    spec = task_for(SERVICES).spec
+    assert tcp_grants(spec.host_services) == ["127.0.0.1:5432", "[::1]:6379"]  # no unix
+    assert pod_mux_argv(spec) == [
+        "python3", "-S", "-E", "-s", MUX,
+        "--service-listen", "127.0.0.1:5432", "--service-listen", "[::1]:6379",
+        "--agent", AGENT,
+    ]  # fmt: skip
+    filtered = SandboxPolicy(
+        network=NetworkMode.FILTERED, allowed_domains=["a.example"], host_services=["127.0.0.2:80"]
+    )
+    assert pod_mux_argv(task_for(filtered).spec)[5:11] == [
+        "--egress-listen", "3128", "--service-listen", "127.0.0.2:80", "--agent", AGENT,
+    ]  # fmt: skip
+    # without a grant nor filtered: the plain relay, as before
+    assert pod_mux_argv(task_for(SandboxPolicy(allow_network=False)).spec) == MUX_ARGV
+
+
+def test_the_listener_table_is_the_hosts_relays_in_the_pods_order() -> None:
+    relays = {"[::1]:6379": "/s/1.sock", "127.0.0.1:5432": "/s/0.sock", "unix:/x": "/s/2.sock"}
+    assert listener_table(["127.0.0.1:5432", "[::1]:6379"], relays) == ("/s/0.sock", "/s/1.sock")
+    assert listener_table([], None) == ()
+    with pytest.raises(SandboxSetupError) as missing:
+        listener_table(["127.0.0.1:5432", "127.0.0.1:9"], {"127.0.0.1:5432": "/s/0.sock"})
+    assert "127.0.0.1:9" in missing.value.why
+    with pytest.raises(SandboxSetupError):
+        listener_table(["127.0.0.1:5432"], None)  # no relays started (not through Sandbox)
+
+
+def runtime(tmp_path: Path) -> KubernetesRuntime:
+    settings = SandboxSettings(
+        backend="kubernetes",
+        kubernetes=KubernetesSettings(seccomp_profile="fusion-oci/task.json"),
+    )
+    return KubernetesRuntime(settings, {"HOME": str(tmp_path)}, cache_root=tmp_path)
+
+
+def test_tcp_grants_are_enforced_and_unix_grants_refused_with_their_reason(
+    tmp_path: Path,
+) -> None:
+    rt = runtime(tmp_path)
+    assert Requirement.HOST_SERVICES in rt.enforces()
+    assert rt.check(task_for(TCP)) == []
+    with_unix = SandboxPolicy(allow_network=False, host_services=[*TCP.host_services, "unix:/s"])
+    assert rt.check(task_for(with_unix)) == [UNIX_GRANTS]
+    assert UNIX_GRANTS.startswith("hostServices unix:")
+    # the plan names the listeners (adopted, not prepared)
+    rt.adopt(task_for(TCP))
+    plan = rt.plan(rt.adopted().process(["true"], RunOptions()))
+    assert "--service-listen" in plan.sandbox.sdk_kwargs["command"]
+    assert any(n.startswith("host services:") for n in plan.notes)
