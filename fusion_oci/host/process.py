@@ -18,13 +18,13 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from fusion_oci.models.stdin import StdinStream
 from fusion_oci.shims import REAPER
 
 if TYPE_CHECKING:
     import subprocess
 
     from fusion_oci.models import OutputCallback, OutputStream
+    from fusion_oci.models.stdin import StdinStream
 
 DRAIN_LIMIT_S = 2.0
 
@@ -292,7 +292,9 @@ async def run_process(
     assert proc.stdout is not None and proc.stderr is not None
     readers = asyncio.gather(out.drain(proc.stdout), err.drain(proc.stderr))
     feeder: asyncio.Future[None] | None = None
-    if isinstance(stdin, StdinStream) and proc.stdin is not None:
+    # (a StdinStream is told from bytes without importing models/: the store namespace's child
+    # imports this module in an interpreter without site-packages, and models/ needs pydantic)
+    if stdin is not None and not isinstance(stdin, bytes) and proc.stdin is not None:
         feeder = asyncio.ensure_future(_feed(proc.stdin, stdin))  # as it comes
     elif isinstance(stdin, bytes) and proc.stdin is not None:
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):

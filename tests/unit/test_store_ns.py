@@ -85,3 +85,25 @@ def test_a_pass_gives_its_blobs_the_owner_it_is_told(tmp_path: Path) -> None:
     assert dedup(a, blobs, owner=NS_OWNER).linked == 0  # its owner's: a blob already
     assert dedup(b, blobs, owner=NS_OWNER).adopted == 0
     assert (b / PKG / "index.js").samefile(a / PKG / "index.js")
+
+
+def test_the_namespace_child_imports_nothing_beyond_the_standard_library() -> None:
+    """The child's program runs where the package's dependencies may not be (an unprivileged
+    caller's interpreter): its imports must not reach pydantic (models/). Moving stdin.py
+    under models/ once made host/process.py pull it in, and rootless placement found nothing."""
+    import subprocess
+    import sys
+
+    root = str(Path(__file__).resolve().parents[2])
+    probe = (
+        "import sys; sys.path.insert(0, sys.argv[1]); "
+        "from fusion_oci.store.namespace import child; "
+        "from fusion_oci.store.tree import namespace_job; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('pydantic', 'yaml')))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-S", "-E", "-c", probe, root],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
