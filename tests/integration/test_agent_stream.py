@@ -657,8 +657,8 @@ async def test_service_an_ipv6_listener_takes_only_its_own_family() -> None:
     """``[::1]:PORT`` listens on ::1 only (IPV6_V6ONLY): the same port on 127.0.0.1 is not
     its; a port taken by another fails the start closed."""
     port = free_port()
-    if not socket.has_ipv6 or not _has_ipv6_loopback():
-        pytest.skip("no IPv6 loopback here")
+    # these machines have ::1 (the host-service probes use it too): a missing one fails here
+    assert socket.has_ipv6 and _has_ipv6_loopback(), "no IPv6 loopback on this machine"
     async with Service(b"v6") as svc:
         a = await StreamedAgent.start(
             mux_argv(agent_binary(), python="python3", service_listen=[f"[::1]:{port}"]),
