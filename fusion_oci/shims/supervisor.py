@@ -130,6 +130,7 @@ class Supervisor:
         self.opens = {nr: i for i, nr in enumerate(notify.OPEN_CALLS[self.arch]) if nr >= 0}
 
     def serve(self) -> None:
+        import errno
         import fcntl
 
         while True:
@@ -138,8 +139,13 @@ class Supervisor:
                 fcntl.ioctl(self.listener, notify.NOTIF_RECV, buf, True)
             except InterruptedError:
                 continue
-            except OSError:
-                return  # every confined process is gone
+            except OSError as exc:
+                if exc.errno == errno.ENOENT:
+                    # A caller killed while its call waited here (a timeout, maxBuffer, an
+                    # abort ending the tree) leaves a notification counted and then withdrawn:
+                    # this receive finds none. The next ones are for the living.
+                    continue
+                return  # the listener itself is unusable: nothing more will come
             nid, pid, _flags, nr, _arch, _ip, *args = struct.unpack("=QIIiIQ6Q", bytes(buf))
             if self.connects is not None and nr in (
                 notify.CONNECT_CALL[self.arch],

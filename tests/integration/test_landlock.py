@@ -552,3 +552,32 @@ def test_userns_forbidden_host_bubblewrap_unavailable_landlock_still_isolates(
     assert canary not in ran["stdout"] + ran["stderr"]
     assert not (tmp_path / "outside").exists()
     assert (tmp_path / "wt" / "inside.txt").read_text() == "inside\n"
+
+
+def test_commands_killed_inside_a_supervised_call_leave_the_supervisor_serving(
+    worktree: Path,
+) -> None:
+    """A process killed while its open waits for the supervisor (a timeout ending a tree
+    that reads /proc in a loop) withdraws its notification, and the supervisor's next receive
+    finds none (ENOENT). It must take the next call, not stop: a supervisor that stopped left
+    every later command of the task hanging in its first open (a CI run's maxBuffer test)."""
+    settings = SandboxSettings(backend="landlock", policy=SandboxPolicy(allow_network=False))
+    project = worktree.parent / "project"
+    project.mkdir(exist_ok=True)
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"}
+    loop = "while :; do head -c1 /proc/self/stat >/dev/null; done"
+    with SyncSandbox(settings, env=env, cache_root=worktree.parent / "cache") as sb:
+        sb.prepare(
+            PrepareContext(
+                task_id="ll-enoent",
+                run_id="r1",
+                worktree_path=str(worktree),
+                policy=settings.policy,
+                project_dir=str(project),
+            )
+        )
+        for _ in range(12):
+            busy = sb.run(f"{loop} & {loop} & {loop} & {loop}", RunOptions(env=env, timeout_ms=300))
+            assert busy.reason == "timeout", busy
+            after = sb.run("head -c4 /proc/self/stat", RunOptions(env=env, timeout_ms=10_000))
+            assert after.reason == "exit" and after.exit_code == 0, after
