@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 from collections.abc import AsyncIterator
@@ -216,29 +217,56 @@ class Box(Protocol):
 
 
 class _Session:
-    """A sandbox run by the rootless user: one driver process, one JSON line per command."""
+    """A sandbox run by the rootless user: one driver process, one JSON line per command
+    and one per result, matched by id (commands may run side by side)."""
 
     def __init__(self, proc: asyncio.subprocess.Process) -> None:
         self.proc = proc
+        self._ids = itertools.count()
+        self._waiting: dict[int, asyncio.Future[RunResult | None]] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self._ended = ""
 
     async def run(self, command: str | list[str], opts: RunOptions | None = None) -> RunResult:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
+        assert self.proc.stdin is not None
+        rid = next(self._ids)
+        got: asyncio.Future[RunResult | None] = asyncio.get_running_loop().create_future()
+        self._waiting[rid] = got
+        if self._reader is None:
+            self._reader = asyncio.ensure_future(self._read())
         ask = {
+            "id": rid,
             "command": command,
             "opts": (opts or RunOptions()).model_dump(mode="json", by_alias=True),
         }
         self.proc.stdin.write((json.dumps(ask) + "\n").encode())
         await self.proc.stdin.drain()
-        line = await self.proc.stdout.readline()
-        if not line:
-            assert self.proc.stderr is not None
-            err = await self.proc.stderr.read()
-            pytest.fail(f"rootless driver ended:\n{err.decode()[-3000:]}")
-        return RunResult.model_validate(json.loads(line)["result"])
+        result = await got
+        if result is None:
+            pytest.fail(f"rootless driver ended:\n{self._ended}")
+        return result
+
+    async def _read(self) -> None:
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        while line := await self.proc.stdout.readline():
+            answer = json.loads(line)
+            waiting = self._waiting.pop(answer.get("id", -1), None)
+            if waiting is not None and not waiting.done():
+                waiting.set_result(RunResult.model_validate(answer["result"]))
+        self._ended = (await self.proc.stderr.read()).decode()[-3000:]
+        for waiting in self._waiting.values():
+            if not waiting.done():
+                waiting.set_result(None)
 
     def abort(self) -> None:
         assert self.proc.stdin is not None
         self.proc.stdin.write(b'{"abort": true}\n')
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
 
 
 @contextlib.asynccontextmanager
@@ -314,7 +342,11 @@ async def _rootless(
         answer = json.loads(first)
         if "refused" in answer:
             raise PolicyNotEnforceableError(rt.settings.backend, answer["refused"])
-        yield _Session(proc)
+        session = _Session(proc)
+        try:
+            yield session
+        finally:
+            await session.close()
     finally:
         if proc.returncode is None:
             proc.stdin.close()

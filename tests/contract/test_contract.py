@@ -103,6 +103,31 @@ async def test_stdin_cwd_and_env_allowlist(runtime: Runtime, worktree: Path) -> 
         assert argv.stdout == f"{worktree}\na b|", "argv as given; the worktree by default"
 
 
+async def test_concurrent_commands_of_a_task_each_finish_and_their_files_stay(
+    runtime: Runtime, worktree: Path
+) -> None:
+    """An executor runs a task's commands side by side (a watcher beside the tests): each
+    gets its own result, and what each wrote is in the worktree after (on kubernetes, each
+    run's transfers take turns on the task's one stream; they once read each other's
+    replies)."""
+    n = 6
+    async with sandbox(runtime, worktree) as sb:
+        results = await asyncio.gather(
+            *(
+                sb.run(
+                    f"sleep 0.2; head -c 200000 /dev/zero | tr '\\0' {i} > out-{i}.txt; echo {i}",
+                    RunOptions(timeout_ms=120_000),
+                )
+                for i in range(n)
+            )
+        )
+        assert [(r.exit_code, r.stdout) for r in results] == [(0, f"{i}\n") for i in range(n)], [
+            r.model_dump(exclude={"stdout"}) for r in results
+        ]
+        for i in range(n):
+            assert (worktree / f"out-{i}.txt").read_text() == str(i) * 200_000
+
+
 async def test_ten_megabytes_of_stdin_arrive_whole(runtime: Runtime, worktree: Path) -> None:
     data = b"".join(b"%07d\n" % i for i in range(1, 1_250_001))
     async with sandbox(runtime, worktree) as sb:

@@ -293,8 +293,9 @@ async def probe(args: dict[str, Any]) -> dict[str, Any]:
 async def session(args: dict[str, Any]) -> dict[str, Any]:
     """One sandbox, many commands (tests/contract): prepare with the caller's settings and
     context, answer ``{"ready": true}`` (or ``{"refused": [...]}``), then for each JSON line
-    ``{"command", "opts"}`` on stdin one line ``{"result"}``; a line ``{"abort": true}`` while
-    a command runs aborts it (Sandbox.abort); dispose at end of input."""
+    ``{"id", "command", "opts"}`` on stdin one line ``{"id", "result"}`` when it ends; the
+    commands run side by side, as an executor's may. A line ``{"abort": true}`` aborts what
+    runs (Sandbox.abort); dispose once the input ended and every command did."""
     from fusion_oci.errors import PolicyNotEnforceableError
 
     sandbox_settings = SandboxSettings.model_validate(args["settings"])
@@ -308,26 +309,24 @@ async def session(args: dict[str, Any]) -> dict[str, Any]:
         except PolicyNotEnforceableError as exc:
             return {"refused": exc.unenforced, "message": exc.render()}
         print(json.dumps({"ready": True}), flush=True)
-        eof = False
-        while not eof and (line := await reader.readline()):
+
+        async def one(rid: object, command: str | list[str], opts: RunOptions) -> None:
+            result = await sb.run(command, opts)
+            answer = {"id": rid, "result": result.model_dump(mode="json", by_alias=True)}
+            print(json.dumps(answer), flush=True)
+
+        running: set[asyncio.Future[None]] = set()
+        while line := await reader.readline():
             ask = json.loads(line)
-            if "command" not in ask:
-                continue  # an abort that came after its command ended
-            run = asyncio.ensure_future(
-                sb.run(ask["command"], RunOptions.model_validate(ask["opts"]))
-            )
-            while not run.done() and not eof:
-                nxt = asyncio.ensure_future(reader.readline())
-                done, _ = await asyncio.wait({run, nxt}, return_when=asyncio.FIRST_COMPLETED)
-                if nxt not in done:
-                    nxt.cancel()  # and wait it out: one reader at a time
-                    await asyncio.wait({nxt})
-                elif not (got := nxt.result()):
-                    eof = True
-                elif json.loads(got).get("abort"):
-                    sb.abort()
-            result = await run
-            print(json.dumps({"result": result.model_dump(mode="json", by_alias=True)}), flush=True)
+            if ask.get("abort"):
+                sb.abort()  # none running: nothing happens
+            elif "command" in ask:
+                opts = RunOptions.model_validate(ask["opts"])
+                run = asyncio.ensure_future(one(ask.get("id"), ask["command"], opts))
+                running.add(run)
+                run.add_done_callback(running.discard)
+        if running:
+            await asyncio.gather(*running)
     return {"done": True}
 
 

@@ -147,6 +147,10 @@ class WorktreeSync:
         self._stale = False
         """A pull was refused: the remote holds what the host did not take, so the next
         push sends the host's state even if the host did not change."""
+        self._turn = asyncio.Lock()
+        """One transfer at a time: the stream carries one request and its reply at a time,
+        and a push and a pull both move ``base``. Concurrent commands of a task (an executor
+        runs them) take turns here, each whole."""
 
     # -- git on the host -------------------------------------------------------------------
 
@@ -278,6 +282,10 @@ class WorktreeSync:
         since the last transfer, and nothing crossed. ``dirs``: folders (relative to the
         worktree) the remote must have even when empty, which git does not carry: a
         command's working directory."""
+        async with self._turn:
+            return await self._push(dirs)
+
+    async def _push(self, dirs: Sequence[str]) -> bool:
         self._check_usable()
         state = await self.snapshot()
         wanted_dirs = sorted(d for d in dirs if d not in self._dirs)
@@ -366,6 +374,10 @@ class WorktreeSync:
 
     async def pull(self) -> PullReport:
         """Bring what the command changed back into the host worktree (module docstring)."""
+        async with self._turn:
+            return await self._pull()
+
+    async def _pull(self) -> PullReport:
         self._check_usable()
         if self.base is None:
             raise WorktreeSyncError("pull before push", "the remote has no worktree yet")
