@@ -108,11 +108,21 @@ fi
 if [[ "${FUSION_OCI_SKIP_TS:-0}" != 1 ]]; then
     say "== clients/typescript: tsc + node --test"
     ts_rc=0
-    (cd clients/typescript && FUSION_OCI_PYTHON="$ROOT/.venv/bin/python" npm test) || ts_rc=$?
+    ts_out=$(mktemp /tmp/fusion-oci-ts.XXXXXX)
+    set +o pipefail
+    (cd clients/typescript && FUSION_OCI_PYTHON="$ROOT/.venv/bin/python" npm test) 2>&1 \
+        | tee "$ts_out"
+    ts_rc=${PIPESTATUS[0]}
+    set -o pipefail
     if ((ts_rc != 0)); then
+        # The failures again, at the end where a log's tail shows them: each `not ok` with
+        # its YAML block (the error and where it was thrown).
+        say "TypeScript failures:"
+        awk '/^ *not ok /{on=1} on{print} on && /^ *\.\.\.$/{on=0}' "$ts_out" | head -200
         say "FAILED: TypeScript tests exit status $ts_rc"
         ((rc != 0)) || rc=$ts_rc
     fi
+    rm -f "$ts_out"
 else
     say "== TypeScript tests skipped (FUSION_OCI_SKIP_TS=1)"
 fi
