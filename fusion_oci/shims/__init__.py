@@ -5,7 +5,10 @@
   (``supervisor.py``, ``connects.py``) whose child confines itself (``confine.py``) and execs
   the task's exec agent; ``seccomp_notify.py`` is what those two sides agree on;
 - ``watchdog.py``: runs a helper service (a ``podman system service`` of our own) for exactly
-  as long as its owner lives.
+  as long as its owner lives;
+- ``nssockets.py``: makes sockets in a rootless engine's container network namespace for an
+  owner that is not root (it joins the namespace's user namespace first, which a process
+  with threads cannot): the relay of a task's service containers.
 
 They run as ``python -S -E -s PATH ...``: no site-packages, no environment, so the start-up
 is the interpreter's alone and nothing of the caller's (a ``PYTHONPATH``, the installed
@@ -32,3 +35,5 @@ REAPER = Path(__file__).with_name("reaper.py")
 """The subreaper shim (:func:`fusion_oci.host.process.reaper_argv` wraps a command in it)."""
 WATCHDOG = Path(__file__).with_name("watchdog.py")
 """The watchdog that keeps a service of ours alive only as long as its owner."""
+NSSOCKETS = Path(__file__).with_name("nssockets.py")
+"""Sockets in a rootless engine's container network namespace (services/netns.py)."""

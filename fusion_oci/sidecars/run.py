@@ -214,8 +214,8 @@ class TaskServices:
             raise SandboxSetupError(
                 f"service '{one.service.name}': its network namespace could not be entered",
                 f"/proc/{pid}/ns/net: {exc.strerror or exc}",
-                "service containers need fusion-oci to run as root (setns into the "
-                "container's namespace); run as root or use hostServices",
+                "run fusion-oci as root, or as the user whose rootless engine runs the "
+                "services; or use hostServices",
             ) from exc
         # The pid was the container's when it was read: still so now, so the namespace
         # held is the container's and not a reused pid's.
@@ -400,9 +400,13 @@ def open_services_engine(
     tried = []
     for kind in _order(prefer):
         try:
-            return connect(kind, _endpoints(kind, settings, env)), kind, None
+            adapter = connect(kind, _endpoints(kind, settings, env))
         except NotAnswering as exc:
             tried += exc.tried
+            continue
+        if _unreachable_namespaces(adapter, kind) is None:
+            return adapter, kind, None
+        adapter.close()
 
     if shutil.which("podman") is None:
         raise SandboxSetupError(
@@ -450,19 +454,39 @@ def services_unavailable(
         # the task's network is a pod's on a cluster node: a container of this host's engine
         # cannot join it (containers beside the task in its pod would: not yet)
         return "a kubernetes task's network is its pod's, on a cluster node"
-    if os.geteuid() != 0:
-        return (
-            "the relay enters each service container's network namespace (setns), which "
-            "needs root here; fusion-oci runs as uid " + str(os.geteuid())
-        )
+    refused: list[str] = []
     for kind in _order(prefer):
         try:
-            connect(kind, _endpoints(kind, settings, env)).close()
-            return None
+            adapter = connect(kind, _endpoints(kind, settings, env))
         except NotAnswering:
             continue
         except FusionOCIError as exc:
             return f"{kind}: {exc.why or exc.what}"
+        try:
+            why = _unreachable_namespaces(adapter, kind)
+        finally:
+            adapter.close()
+        if why is None:
+            return None
+        refused.append(why)
     if shutil.which("podman") is not None:
+        return None  # a podman service of our own: rootless when we are not root
+    return "; ".join(refused) or "neither podman nor docker is here to run them"
+
+
+def _unreachable_namespaces(adapter: EngineAdapter, kind: EngineKind) -> str | None:
+    """Why the relay could not make sockets in this engine's containers' network namespaces,
+    or None. Root enters any; another user only the namespaces of its own rootless engine,
+    whose user namespace it owns (services/netns.py's helper joins it first)."""
+    if os.geteuid() == 0:
         return None
-    return "neither podman nor docker is here to run them"
+    try:
+        if adapter.info().rootless:
+            return None
+    except FusionOCIError as exc:
+        return f"{kind}: {exc.why or exc.what}"
+    return (
+        f"{kind} runs as root here: the relay cannot enter its containers' network "
+        f"namespaces as uid {os.geteuid()} (run fusion-oci as root, use a rootless {kind}, "
+        "or use hostServices)"
+    )

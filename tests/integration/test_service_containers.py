@@ -6,8 +6,10 @@ abort, a failed prepare and, after a crash, ``gc``.
 
 Every backend of tests/security through its ``prober``. native cannot give a task a loopback
 of its own: it lists the services as unenforced. The rootless backends are driven as an
-unprivileged user, who cannot enter a container's network namespace: they refuse the policy
-at check, naming why.
+unprivileged user: their services run on that user's rootless engine, whose containers'
+namespaces the relay reaches through a helper that joins the engine's user namespace first
+(fusion_oci/services/netns.py). kubernetes refuses them at check (a pod's network is on a
+cluster node).
 """
 
 from __future__ import annotations
@@ -75,9 +77,23 @@ def with_images(prober: Prober) -> None:  # noqa: F811 - the fixture's value
         from tests.integration.images_fixture import ensure_node_image
 
         ensure_node_image(prober.backend)  # the task's own image
-    if prober.backend not in {*ROOTLESS_BACKENDS, *REMOTE, "native"}:
+    if prober.backend in ROOTLESS_BACKENDS:
+        # the user's own engine runs them (the one its task runs on), from its own store
+        ensure_service_image(prober.backend, "postgres")
+    elif prober.backend not in {*REMOTE, "native"}:
         ensure_service_image(service_engine(prober.backend), "postgres")
         prober.env.update(services_env(prober.backend))
+
+
+def service_adapter(backend_id: str) -> Any:
+    """The engine that runs ``backend_id``'s service containers, as the tests (root) reach
+    it: a rootless backend's user's own engine, else the CI's rootful one."""
+    if backend_id in ROOTLESS_BACKENDS:
+        from tests.integration.images_fixture import open_target, target_of
+
+        return open_target(target_of(backend_id))
+    engine = service_engine(backend_id)
+    return connect(engine, _endpoints(engine, SandboxSettings(), services_env(backend_id)))  # type: ignore[arg-type]
 
 
 def client_script() -> str:
@@ -102,7 +118,7 @@ def test_a_task_reaches_its_own_postgres_with_real_clients(
     with_images(prober)
     (prober.worktree / "pg.js").write_text(PG_CLIENT_JS)
     policy = SandboxPolicy.model_validate({"network": network, "services": [DB]})
-    if prober.backend in ROOTLESS_BACKENDS or prober.backend in REMOTE:
+    if prober.backend in REMOTE:
         with pytest.raises(PolicyNotEnforceableError) as refused:
             prober.run("true", policy)
         assert any(SERVICES_PART in u for u in refused.value.unenforced), refused.value
@@ -111,9 +127,19 @@ def test_a_task_reaches_its_own_postgres_with_real_clients(
         result = prober.run("true", policy)
         assert any(SERVICES_PART in u for u in result.unenforced), result
         return
-    result = prober.run(client_script(), policy, timeout_ms=120_000)
+    task = f"pg-{network}"
+    result = prober.run(client_script(), policy, timeout_ms=120_000, task_id=task)
     assert result.exit_code == 0, (result.stdout, result.stderr[-2000:])
     assert result.stdout.split() == ["42", "5000", "app", "ready"], result
+    # disposed: no container of the task's in its engine, no namespace helper of ours
+    adapter = service_adapter(prober.backend)
+    try:
+        left = [f.name for f in adapter.list_labelled(LABEL_TASK, task) if f.kind == "container"]
+    finally:
+        adapter.close()
+    assert left == [], left
+    helpers = subprocess.run(["pgrep", "-f", "shims/nssockets.py"], capture_output=True, text=True)
+    assert helpers.stdout == "", helpers.stdout
 
 
 def _settings(backend_id: str, policy: SandboxPolicy) -> SandboxSettings:

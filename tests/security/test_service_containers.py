@@ -10,8 +10,8 @@ every backend.
   container (it has no interface but ``lo``: read from its own ``/proc/PID/net/dev``).
 
 The backends that cannot run service containers say so before anything starts: native lists
-them as unenforced, the rootless backends refuse the policy (an unprivileged owner cannot
-enter the container's network namespace).
+them as unenforced, kubernetes refuses the policy (a pod's network is on a cluster node). The
+rootless backends run them on their user's rootless engine.
 """
 
 from __future__ import annotations
@@ -27,11 +27,10 @@ from fusion_oci.models import SandboxPolicy
 from tests.integration.test_service_containers import (
     DB,
     SERVICES_PART,
-    _endpoints,
-    services_env,
+    service_adapter,
     with_images,
 )
-from tests.security.conftest import REMOTE, ROOTLESS_BACKENDS, Prober, record
+from tests.security.conftest import REMOTE, Prober, record
 from tests.security.test_probes import check
 from tests.services_world import PG_CLIENT_JS
 
@@ -39,13 +38,13 @@ POLICY: dict[str, Any] = {"network": "none", "services": [DB]}
 
 
 def _cannot(prober: Prober, probe: str) -> bool:
-    """native and the rootless backends: the services are refused or listed, and the probe
-    is recorded as unenforced there. True when that was the case."""
+    """native and kubernetes: the services are listed or refused, and the probe is recorded
+    as unenforced there. True when that was the case."""
     policy = SandboxPolicy.model_validate(POLICY)
     if prober.backend == "native":
         result = prober.run("true", policy)
         assert any(SERVICES_PART in u for u in result.unenforced), result
-    elif prober.backend in ROOTLESS_BACKENDS or prober.backend in REMOTE:
+    elif prober.backend in REMOTE:
         with pytest.raises(PolicyNotEnforceableError) as refused:
             prober.run("true", policy)
         assert any(SERVICES_PART in u for u in refused.value.unenforced), refused.value
@@ -111,17 +110,13 @@ def test_the_hosts_network_cannot_reach_the_tasks_service(prober: Prober) -> Non
     if _cannot(prober, "service-container-host-network"):
         return
     with_images(prober)
-    from fusion_oci.engines import connect
-    from fusion_oci.policy.settings import SandboxSettings
 
     policy = SandboxPolicy.model_validate(POLICY)
     seen: dict[str, Any] = {}
 
     def look() -> None:
         # While the task runs: the host's view of its service container.
-        engine = "docker" if prober.backend == "docker" else "podman"
-        env = services_env(prober.backend)
-        adapter = connect(engine, _endpoints(engine, SandboxSettings(), env))  # type: ignore[arg-type]
+        adapter = service_adapter(prober.backend)
         try:
             found = [
                 f

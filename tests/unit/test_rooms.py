@@ -349,6 +349,8 @@ LONG_LIVED = {
     # outlive the call that starts them (process.py's helpers wait for their child).
     "fusion_oci.shims.watchdog",
     "fusion_oci.engines.service",
+    # the namespace helper of a rootless engine's service containers: the task's lifetime
+    "fusion_oci.services.netns",
 }
 """Not short probes. Every short one goes through process.probe: no module is left out."""
 
