@@ -17,6 +17,8 @@ With ``--service-listen ADDR:PORT`` (repeatable; ``policy.hostServices``, TCP gr
 listens on that address of the pod's own loopback (an IPv6 one only where the pod has ``::1``)
 and carries each connection the same way; its ``O`` names the listener by its place among
 these options (``listener=N``), never an address: the host dials the grant it put there.
+``--service-listen unix:/PATH`` (a unix grant) listens on a unix socket at PATH in the pod,
+making its folder when missing (the pod gives it a writable one: runtimes/kubernetes/pod.py).
 
 One thread, one ``poll`` loop: a run's pipes are read only while the host has given credit
 and the bytes waiting for the stream are under ``HIGH_WATER``. The frame layout is written
@@ -144,8 +146,17 @@ class Conn:
         self.shut = False
 
 
+UNIX_PORT = -1
+"""The port :func:`listen_address` gives a unix socket's path (``unix:/PATH``)."""
+
+
 def listen_address(text: str) -> tuple[str, int] | None:
-    """``127.0.0.1:5432`` or ``[::1]:6379`` as (address, port); None for anything else."""
+    """``127.0.0.1:5432`` or ``[::1]:6379`` as (address, port), ``unix:/PATH`` as (PATH,
+    :data:`UNIX_PORT`); None for anything else."""
+    if text.startswith("unix:"):
+        where = text[len("unix:") :]
+        ok = where.startswith("/") and "\0" not in where and len(where.encode()) < 108
+        return (where, UNIX_PORT) if ok and "/../" not in where + "/" else None
     host, sep, port = text.rpartition(":")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
@@ -161,7 +172,11 @@ def listen_address(text: str) -> tuple[str, int] | None:
 
 def listen(host: str, port: int) -> socket.socket | None:
     """A listening socket on ``host:port``; None for an IPv6 address where the pod has none
-    (IPv6 off): that grant is not there, said on stderr. Anything else raises (exit 125)."""
+    (IPv6 off): that grant is not there, said on stderr. Anything else raises (exit 125).
+    A unix socket (port :data:`UNIX_PORT`) at the path ``host``, its folder made if missing;
+    a file already there is an error, never replaced."""
+    if port == UNIX_PORT:
+        return listen_unix(host)
     v6 = ":" in host
     sock = socket.socket(socket.AF_INET6 if v6 else socket.AF_INET, socket.SOCK_STREAM)
     try:
@@ -177,6 +192,20 @@ def listen(host: str, port: int) -> socket.socket | None:
             return None
         raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror}") from exc
     sock.setblocking(False)
+    return sock
+
+
+def listen_unix(path: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        folder = os.path.dirname(path)  # noqa: PTH120 - no pathlib: start-up
+        os.makedirs(folder, mode=0o755, exist_ok=True)  # noqa: PTH103
+        sock.bind(path)
+        sock.listen(BACKLOG)
+        sock.setblocking(False)
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"cannot listen on unix:{path}: {exc.strerror}") from exc
     return sock
 
 
@@ -665,7 +694,9 @@ def main(argv: list[str]) -> int:
         option, value, argv = argv[0], argv[1], argv[2:]
         where = listen_address(value if option != "--egress-listen" else "127.0.0.1:" + value)
         if where is None:
-            sys.stderr.write(f"mux.py: {option} needs a port or ADDR:PORT, not {value!r}\n")
+            sys.stderr.write(
+                f"mux.py: {option} needs a port, ADDR:PORT or unix:/PATH, not {value!r}\n"
+            )
             return 2
         if option == "--egress-listen":
             egress_port = where[1]
@@ -673,7 +704,7 @@ def main(argv: list[str]) -> int:
             services.append(where)
     if len(argv) < 2 or argv[0] != "--agent":
         sys.stderr.write(
-            "usage: mux.py [--egress-listen PORT] [--service-listen ADDR:PORT]... "
+            "usage: mux.py [--egress-listen PORT] [--service-listen ADDR:PORT|unix:/PATH]... "
             "--agent PATH [agent args]\n"
         )
         return 2

@@ -86,8 +86,8 @@ def mux_argv(
 ) -> list[str]:
     """How the far end is started (in a pod: after ``kubectl exec -i POD --``); with
     ``egress_listen`` it carries that port's connections back (``network: filtered``), with
-    ``service_listen`` (``ADDR:PORT`` each, listener 0, 1, ...) those of its loopback's
-    addresses (host services). Pure."""
+    ``service_listen`` (``ADDR:PORT`` or ``unix:/PATH`` each, listener 0, 1, ...) those of
+    its loopback's addresses and of those paths (host services). Pure."""
     path = os.fspath(agent) if agent is not None else str(agent_binary())
     listen = [] if egress_listen is None else ["--egress-listen", str(egress_listen)]
     for where in service_listen:

@@ -696,3 +696,72 @@ def _has_ipv6_loopback() -> bool:
         return True
     except OSError:
         return False
+
+
+async def test_service_a_unix_grant_listens_at_its_path_and_reaches_its_socket_only(
+    tmp_path: Path,
+) -> None:
+    """``--service-listen unix:/PATH`` (a unix grant on kubernetes): the mux makes the
+    socket's folder and listens at PATH; a connection there is carried to the grant's relay,
+    which connects to the granted socket only and audits it; the socket at that path is the
+    mux's own and an existing file there fails the start closed."""
+    from fusion_oci.audit import AuditEvent, AuditLog
+    from fusion_oci.models.hostservice import parse_grant
+    from fusion_oci.services import start_relays, stop_relays
+
+    events: list[AuditEvent] = []
+    audit = AuditLog()
+    audit.subscribe(events.append)
+    served = tmp_path / "host" / "svc.sock"
+    served.parent.mkdir()
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        got = await reader.read()
+        writer.write(b"unix:" + hashlib.sha256(got).digest())
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_unix_server(answer, str(served))
+    grant = f"unix:{served}"
+    relays = await start_relays(
+        task_id="svc-unix-stream",
+        grants=[(parse_grant(grant), False)],
+        audit=audit,
+        tcp=False,
+        backend="kubernetes",
+        policy_hash=None,
+    )
+    inside = tmp_path / "pod" / "run" / "s.sock"  # its folder does not exist yet
+    payload = os.urandom(MB)
+    try:
+        a = await StreamedAgent.start(
+            mux_argv(agent_binary(), python="python3", service_listen=[f"unix:{inside}"]),
+            services=[functools.partial(asyncio.open_unix_connection, relays.sockets()[grant])],
+        )
+        try:
+            for _ in range(3):
+                reader, writer = await asyncio.open_unix_connection(str(inside))
+                writer.write(payload)
+                await writer.drain()
+                writer.write_eof()
+                assert await reader.read() == b"unix:" + hashlib.sha256(payload).digest()
+                writer.close()
+        finally:
+            await a.close()
+        with pytest.raises(SandboxSetupError):  # the path is taken: never replaced
+            (tmp_path / "taken.sock").write_text("")
+            await StreamedAgent.start(
+                mux_argv(
+                    agent_binary(),
+                    python="python3",
+                    service_listen=[f"unix:{tmp_path / 'taken.sock'}"],
+                ),
+                services=[functools.partial(asyncio.open_unix_connection, str(served))],
+            )
+    finally:
+        await stop_relays(relays)
+        server.close()
+        await server.wait_closed()
+    seen = [e for e in events if e.type == "sandbox:egress"]
+    assert [(e.details or {}).get("service") for e in seen] == [grant] * 3, seen
+    assert all(e.allowed and e.bytes_up and e.bytes_down for e in seen), seen

@@ -24,7 +24,6 @@ from fusion_oci.runtimes.requirements import Requirement
 from fusion_oci.sandbox import SyncSandbox
 from tests.backends import backend_settings, require_runtime
 from tests.security.conftest import (  # noqa: F401 - the fixtures, shared with the probes
-    UNIX_GRANTS_REFUSED,
     Prober,
     backend,
     dockerless_user,
@@ -80,23 +79,13 @@ def test_a_granted_postgres_answers_real_clients_inside(
     if prober.backend == "landlock" and network == "egress":
         # landlock has no egress without host loopback (no network namespace): refused as
         # before, grants or not.
-        with pytest.raises(PolicyNotEnforceableError) as refused:
+        with pytest.raises(PolicyNotEnforceableError):
             prober.run("true", policy)
         return
-    unix = prober.backend not in UNIX_GRANTS_REFUSED
-    if not unix:
-        # a pod on a cluster node has no path of the executor's host (kubernetes): the unix
-        # grant is refused with its own reason; the TCP grants come back over the stream
-        from fusion_oci.runtimes.kubernetes.hostservices import UNIX_GRANTS
-
-        with pytest.raises(PolicyNotEnforceableError) as refused:
-            prober.run("true", policy)
-        assert refused.value.unenforced == [UNIX_GRANTS], refused.value.render()
-        policy = SandboxPolicy(network=network, host_services=grants(pg)[:2])  # type: ignore[arg-type]
-    result = prober.run(client_script(pg, unix), policy, timeout_ms=90_000)
+    # on kubernetes the unix grant's socket is the pod relay's, at the same path in the pod
+    result = prober.run(client_script(pg), policy, timeout_ms=90_000)
     assert result.exit_code == 0, (result.stdout, result.stderr[-2000:])
-    lines = ["42", "43", "44", "5000", "45", "46", "ready"]
-    assert result.stdout.split() == [n for n in lines if unix or n not in ("44", "46")], result
+    assert result.stdout.split() == ["42", "43", "44", "5000", "45", "46", "ready"], result
     hosted = Requirement.HOST_SERVICES.value
     assert (hosted in result.unenforced) == (prober.backend == "native")
 

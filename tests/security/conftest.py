@@ -208,11 +208,7 @@ EXPECT: dict[tuple[str, str], Expect] = {
     # the relay carries its 127.0.0.1:3128, and each grant's address on the pod's loopback,
     # back over the agent's stream to the executor (the task's proxy, the grant's relay).
     ("fork-bomb", "kubernetes"): "unenforced",
-    ("service-unix-path", "kubernetes"): "unenforced",
 }
-UNIX_GRANTS_REFUSED = {"kubernetes"}
-"""Backends that refuse a ``unix:`` host-service grant (a pod has no path of the executor's
-host): their TCP probes are granted the TCP service alone."""
 REMOTE = {"kubernetes"}
 """Backends whose sandbox runs on another machine: no host package store is shared with it
 (each pod installs its own), and a project's caches are not carried there."""

@@ -7,8 +7,8 @@ and beside them runs servers that are *not* granted (the same ports on ::1, port
 servers say what got through. The granted ones must answer (or the probe fails: a sandbox
 that closes everything proves nothing), the others must see nothing. Native isolates
 nothing: there each probe leaks, which shows it can see a leak (and that the same program
-gets through without the grant machinery in the way). A backend that refuses unix grants
-(kubernetes) is granted the TCP service alone, and its unix probe records the refusal.
+gets through without the grant machinery in the way). On kubernetes the pod's relay listens
+at the unix grant's own path in the pod and carries its connections back as for TCP.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from fusion_oci.models import SandboxPolicy
 from fusion_oci.models.hostservice import parse_grant
 from fusion_oci.runtimes.requirements import Requirement
 from fusion_oci.services import start_relays, stop_relays
-from tests.security.conftest import UNIX_GRANTS_REFUSED, Prober, expected
+from tests.security.conftest import Prober, expected
 from tests.security.test_probes import assert_unenforced, check
 from tests.services_world import PROBE_JS, Listening, listening
 
@@ -40,22 +40,16 @@ def _run(
 
 
 def _grants(granted: Listening, prober: Prober) -> SandboxPolicy:
-    unix = [] if prober.backend in UNIX_GRANTS_REFUSED else [f"unix:{granted.sockets[0]}"]
-    return SandboxPolicy(allow_network=False, host_services=[f"127.0.0.1:{granted.port}", *unix])
+    unix = f"unix:{granted.sockets[0]}"
+    return SandboxPolicy(allow_network=False, host_services=[f"127.0.0.1:{granted.port}", unix])
 
 
 def _refused(prober: Prober, probe: str) -> bool:
-    """A backend that cannot carry a grant (kubernetes: a unix socket of the executor's host
-    is not on a cluster node) refuses it, and the probe is recorded as unenforced there."""
+    """A backend that cannot carry grants refuses them, and the probe is recorded as
+    unenforced there."""
     if expected(probe, prober.backend) != "unenforced" or prober.backend == "native":
         return False
-    if prober.backend in UNIX_GRANTS_REFUSED:
-        from fusion_oci.runtimes.kubernetes.hostservices import UNIX_GRANTS
-
-        policy = SandboxPolicy(allow_network=False, host_services=["unix:/run/fusion-oci-x.sock"])
-        assert_unenforced(probe, prober, policy, UNIX_GRANTS)
-    else:
-        assert_unenforced(probe, prober, _grants_to(1), Requirement.HOST_SERVICES.value)
+    assert_unenforced(probe, prober, _grants_to(1), Requirement.HOST_SERVICES.value)
     return True
 
 

@@ -12,11 +12,12 @@ from fusion_oci.models import NetworkMode, RunOptions, SandboxPolicy
 from fusion_oci.policy.kubernetes import KubernetesSettings
 from fusion_oci.policy.settings import SandboxSettings
 from fusion_oci.runtimes.kubernetes.hostservices import (
-    UNIX_GRANTS,
+    listened,
     listener_table,
     pod_mux_argv,
-    tcp_grants,
+    unix_refusals,
 )
+from fusion_oci.runtimes.kubernetes.pod import PodOptions, pod_manifest, unix_folders
 from fusion_oci.runtimes.kubernetes.runtime import MUX_ARGV, KubernetesRuntime
 from fusion_oci.runtimes.requirements import Requirement
 from tests.unit.test_containers_translate import SERVICES, task_for
@@ -25,13 +26,14 @@ TCP = SandboxPolicy(allow_network=False, host_services=["127.0.0.1:5432", "[::1]
 MUX, AGENT = MUX_ARGV[4], MUX_ARGV[6]
 
 
-def test_each_tcp_grant_is_a_listener_of_the_pods_relay_in_order() -> None:
+def test_each_grant_is_a_listener_of_the_pods_relay_in_order() -> None:
     spec = task_for(SERVICES).spec
-    assert tcp_grants(spec.host_services) == ["127.0.0.1:5432", "[::1]:6379"]  # no unix
+    sock = "unix:/var/run/postgresql/.s.PGSQL.5432"
+    assert listened(spec.host_services) == ["127.0.0.1:5432", "[::1]:6379", sock]
     assert pod_mux_argv(spec) == [
         "python3", "-S", "-E", "-s", MUX,
         "--service-listen", "127.0.0.1:5432", "--service-listen", "[::1]:6379",
-        "--agent", AGENT,
+        "--service-listen", sock, "--agent", AGENT,
     ]  # fmt: skip
     filtered = SandboxPolicy(
         network=NetworkMode.FILTERED, allowed_domains=["a.example"], host_services=["127.0.0.2:80"]
@@ -62,17 +64,47 @@ def runtime(tmp_path: Path) -> KubernetesRuntime:
     return KubernetesRuntime(settings, {"HOME": str(tmp_path)}, cache_root=tmp_path)
 
 
-def test_tcp_grants_are_enforced_and_unix_grants_refused_with_their_reason(
-    tmp_path: Path,
-) -> None:
+def test_grants_are_enforced_and_a_socket_in_a_system_folder_refused(tmp_path: Path) -> None:
     rt = runtime(tmp_path)
     assert Requirement.HOST_SERVICES in rt.enforces()
     assert rt.check(task_for(TCP)) == []
-    with_unix = SandboxPolicy(allow_network=False, host_services=[*TCP.host_services, "unix:/s"])
-    assert rt.check(task_for(with_unix)) == [UNIX_GRANTS]
-    assert UNIX_GRANTS.startswith("hostServices unix:")
+    with_unix = SandboxPolicy(allow_network=False, host_services=SERVICES.host_services)
+    assert rt.check(task_for(with_unix)) == []  # /var/run/postgresql: a folder of its own
+    in_run = SandboxPolicy(allow_network=False, host_services=["unix:/run/s.sock"])
+    refused = rt.check(task_for(in_run))
+    assert len(refused) == 1 and refused[0].startswith("hostServices unix:/run/s.sock:"), refused
+    assert "/run" in refused[0] and "TCP address" in refused[0]
     # the plan names the listeners (adopted, not prepared)
     rt.adopt(task_for(TCP))
     plan = rt.plan(rt.adopted().process(["true"], RunOptions()))
     assert "--service-listen" in plan.sandbox.sdk_kwargs["command"]
     assert any(n.startswith("host services:") for n in plan.notes)
+
+
+def test_a_unix_grants_folder_is_a_volume_of_its_own_unless_the_pod_writes_there() -> None:
+    grants = task_for(SERVICES).spec.host_services
+    assert unix_folders(grants, ["/tmp", "/wt"]) == ["/var/run/postgresql"]
+    assert unix_folders(grants, ["/var/run"]) == []  # already writable: nothing more
+    tmp = [
+        g for g in task_for(SandboxPolicy(host_services=["unix:/tmp/a/s.sock"])).spec.host_services
+    ]
+    assert unix_folders(tmp, ["/tmp"]) == [] and unix_refusals(tmp, ["/tmp"]) == []
+    top = task_for(SandboxPolicy(host_services=["unix:/tmp/s.sock"])).spec.host_services
+    assert unix_refusals(top, []) != []  # no writable /tmp: it would hide the image's
+    assert unix_refusals(top, ["/tmp"]) == []
+
+
+def test_the_pod_gets_the_sockets_folder_as_a_small_writable_volume() -> None:
+    task = task_for(SERVICES)
+    process = task.process(["true"], RunOptions())
+    pod = pod_manifest(task.spec, process, PodOptions(name="p", image="i")).pod
+    container = pod["spec"]["containers"][0]
+    mount = next(m for m in container["volumeMounts"] if m["mountPath"] == "/var/run/postgresql")
+    assert mount["readOnly"] is False
+    volume = next(v for v in pod["spec"]["volumes"] if v["name"] == mount["name"])
+    assert volume == {"name": mount["name"], "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}}
+    plain = task_for(TCP)
+    no_unix = pod_manifest(
+        plain.spec, plain.process(["true"], RunOptions()), PodOptions(name="p", image="i")
+    ).pod
+    assert "/var/run/postgresql" not in str(no_unix)

@@ -1,22 +1,22 @@
-"""Host services on a cluster (``policy.hostServices``, TCP grants): what the pod's relay
-listens on and what the executor dials for each of its connections.
+"""Host services on a cluster (``policy.hostServices``): what the pod's relay listens on
+and what the executor dials for each of its connections.
 
 A pod runs on a cluster node, where the executor's loopback is not; the agent's stream is the
-way back, as for ``network: filtered``. ``mux.py`` listens on each TCP grant's own address of
-the pod's loopback (``--service-listen 127.0.0.1:5432``; an IPv6 grant on ``::1`` where the
-pod has it), before the agent says hello, and carries each connection over the stream with
-the listener's index (its place among those options). The executor answers listener N with
-the N-th grant's relay (:func:`listener_table`, fixed here at prepare): the task's relay of
-that grant connects to exactly the granted address and audits the connection
-(``sandbox:egress`` with ``details.service``), as for a local sandbox. The pod names a
-listener, never an address: an index this side did not set up is a broken stream.
-
-A unix socket grant is refused at ``check`` (:data:`UNIX_GRANTS`): a pod has no path of the
-executor's host to bind, and its programs name the socket by that path.
+way back, as for ``network: filtered``. ``mux.py`` listens on each grant where the pod's
+programs look for it, before the agent says hello: a TCP grant on its own address of the pod's
+loopback (``--service-listen 127.0.0.1:5432``; an IPv6 grant on ``::1`` where the pod has
+it), a unix grant at its own path (``--service-listen unix:/var/run/postgresql/.s.PGSQL.5432``,
+in a folder the pod gives it: :func:`~.pod.unix_folders`). It carries each connection over the
+stream with the listener's index (its place among those options). The executor answers
+listener N with the N-th grant's relay (:func:`listener_table`, fixed here at prepare): the
+task's relay of that grant connects to exactly the granted address or path and audits the
+connection (``sandbox:egress`` with ``details.service``), as for a local sandbox. The pod
+names a listener, never an address: an index this side did not set up is a broken stream.
 """
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Iterable, Mapping, Sequence
 
 from fusion_oci.agent.protocol import EGRESS_PORT
@@ -25,36 +25,53 @@ from fusion_oci.errors import SandboxSetupError
 from fusion_oci.models import NetworkMode
 from fusion_oci.models.hostservice import HostService
 from fusion_oci.oci.model import TaskSpec
+from fusion_oci.runtimes.kubernetes.pod import unix_folders
 from fusion_oci.runtimes.kubernetes.tools import AGENT, MUX, path
 
-UNIX_GRANTS = (
-    "hostServices unix: grants (a unix socket of the executor's host cannot be carried to a "
-    "pod; grant the service's TCP address, 127.0.0.1:PORT, instead)"
-)
-"""What ``check`` says for a task with a ``unix:`` grant: refused, never run weaker."""
+SYSTEM_FOLDERS = frozenset(
+    ("/", "/bin", "/boot", "/dev", "/etc", "/lib", "/lib64", "/proc", "/sbin", "/sys", "/usr",
+     "/var", "/run", "/home", "/root", "/opt", "/srv", "/tmp")
+)  # fmt: skip
+"""Folders a unix grant's socket may not sit in directly on a cluster: an empty folder there
+would hide the image's own (``/tmp`` is the pod's own writable folder already)."""
 
 
-def tcp_grants(grants: Iterable[HostService]) -> list[str]:
-    """The TCP grants, canonical (``127.0.0.1:5432``, ``[::1]:6379``), in the spec's order:
-    the pod's listeners 0, 1, ... Pure."""
-    return [str(g) for g in grants if g.kind == "tcp"]
+def listened(grants: Iterable[HostService]) -> list[str]:
+    """What the pod's relay listens on for each grant, in the spec's order (listeners 0, 1,
+    ...): ``127.0.0.1:5432``, ``[::1]:6379``, ``unix:/PATH``. Pure."""
+    return [str(g) for g in grants]
+
+
+def unix_refusals(grants: Iterable[HostService], writable: Sequence[str]) -> list[str]:
+    """What ``check`` says for unix grants a pod cannot carry: a socket whose folder would
+    have to be an empty volume over a folder of the image's system (``/run``, ``/var``).
+    Pure."""
+    return [
+        f"hostServices {g}: its folder {posixpath.dirname(g.path)} would be an empty volume "
+        "over the image's own in the pod; grant the service's TCP address (127.0.0.1:PORT) "
+        "or a socket in a folder of its own (/run/postgresql/...)"
+        for g in grants
+        if g.kind == "unix"
+        and posixpath.dirname(g.path) in SYSTEM_FOLDERS
+        and posixpath.dirname(g.path) in unix_folders([g], writable)
+    ]
 
 
 def pod_mux_argv(spec: TaskSpec) -> list[str]:
     """The pod's relay for ``spec``: the egress listener for ``network: filtered`` (the
-    proxy variables name 127.0.0.1:3128), a listener per TCP grant. Pure."""
+    proxy variables name 127.0.0.1:3128), a listener per grant. Pure."""
     return mux_argv(
         path(AGENT),
         python="python3",
         mux=path(MUX),
         egress_listen=EGRESS_PORT if spec.network is NetworkMode.FILTERED else None,
-        service_listen=tcp_grants(spec.host_services),
+        service_listen=listened(spec.host_services),
     )
 
 
 def listener_table(grants: Sequence[str], relays: Mapping[str, str] | None) -> tuple[str, ...]:
     """The relay socket (on the executor) that listener N's connections are dialled to, for
-    each of ``grants`` (:func:`tcp_grants`) in order; ``relays``: the task's relays, grant
+    each of ``grants`` (:func:`listened`) in order; ``relays``: the task's relays, grant
     -> socket. A grant without a relay is refused: its service would not be there. Pure."""
     if not grants:
         return ()
@@ -68,4 +85,10 @@ def listener_table(grants: Sequence[str], relays: Mapping[str, str] | None) -> t
     return tuple(relays[g] for g in grants)
 
 
-__all__ = ["UNIX_GRANTS", "listener_table", "pod_mux_argv", "tcp_grants"]
+__all__ = [
+    "SYSTEM_FOLDERS",
+    "listened",
+    "listener_table",
+    "pod_mux_argv",
+    "unix_refusals",
+]

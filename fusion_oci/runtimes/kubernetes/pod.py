@@ -22,13 +22,15 @@ runtime's ``check`` lists them, export prints them in the file's header).
 from __future__ import annotations
 
 import hashlib
+import posixpath
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fusion_oci.agent.protocol import EGRESS_AGENT
 from fusion_oci.models import NetworkMode
+from fusion_oci.models.hostservice import HostService
 from fusion_oci.oci.model import Mount, ProcessSpec, TaskSpec
 
 MANAGED_BY = {"app.kubernetes.io/managed-by": "fusion-oci"}
@@ -156,6 +158,13 @@ def pod_manifest(task: TaskSpec, process: ProcessSpec, opts: PodOptions) -> PodM
     process (the runtime's exec agent; export's command). Pure."""
     gaps: list[Gap] = []
     volumes, mounts, carried = _volumes(task, opts, gaps)
+    # a unix grant's socket is made by the pod's relay at the granted path: in a folder of
+    # its own where no writable one is (hostservices.py; check refuses a system folder)
+    writable = [m["mountPath"] for m in mounts if not m.get("readOnly")]
+    for folder in unix_folders(task.host_services, writable):
+        vol = f"v{len(volumes)}"
+        volumes.append({"name": vol, "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}})
+        mounts.append({"name": vol, "mountPath": folder, "readOnly": False})
     if opts.tools is not None:
         volumes.append(
             {"name": TOOLS_VOLUME, "configMap": {"name": opts.tools, "defaultMode": 0o555}}
@@ -353,6 +362,29 @@ def _volumes(
             volumes.append({"name": vol, "emptyDir": {}})
             mounts.append({"name": vol, "mountPath": dest, "readOnly": False})
     return volumes, mounts, carried
+
+
+def unix_folders(grants: Iterable[HostService], writable: Sequence[str]) -> list[str]:
+    """The folders the pod needs as empty, writable volumes for its unix grants' sockets:
+    each socket's folder, unless it lies in one of the pod's ``writable`` mounts already
+    (the worktree, /tmp). Pure."""
+    out: list[str] = []
+    for g in grants:
+        if g.kind != "unix":
+            continue
+        folder = posixpath.dirname(g.path)
+        inside = any(folder == w or folder.startswith(w.rstrip("/") + "/") for w in writable)
+        if not inside and folder not in out:
+            out.append(folder)
+    return out
+
+
+def writable_folders(task: TaskSpec) -> list[str]:
+    """The folders the task's pod can write (its spec's writable mounts, which become
+    writable volumes): where a unix grant's socket needs no volume of its own. Pure."""
+    return [
+        m.destination for m in task.mounts if not m.readonly and m.destination not in ENGINE_MOUNTS
+    ]
 
 
 def _empty_dir(m: Mount) -> dict[str, Any]:

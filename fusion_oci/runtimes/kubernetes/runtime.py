@@ -60,14 +60,15 @@ from fusion_oci.runtimes.kubernetes.agentsandbox import EXTENSIONS_API
 from fusion_oci.runtimes.kubernetes.client import KubeClient, retrying
 from fusion_oci.runtimes.kubernetes.facts import served_sandbox_apis
 from fusion_oci.runtimes.kubernetes.hostservices import (
-    UNIX_GRANTS,
+    listened,
     listener_table,
     pod_mux_argv,
-    tcp_grants,
+    unix_refusals,
 )
 from fusion_oci.runtimes.kubernetes.kubeconfig import ClusterAccess, find_access
 from fusion_oci.runtimes.kubernetes.netprobe import probe_network_policy
 from fusion_oci.runtimes.kubernetes.objects import Mode, TaskObjects, task_objects
+from fusion_oci.runtimes.kubernetes.pod import writable_folders
 from fusion_oci.runtimes.kubernetes.provision import ensure_shape
 from fusion_oci.runtimes.kubernetes.sync.host import PullReport
 from fusion_oci.runtimes.kubernetes.tools import (
@@ -191,8 +192,7 @@ class KubernetesRuntime(SpecRuntime):
                 "seccomp: the bundle's profile is not on the nodes and RuntimeDefault is not "
                 "it; set kubernetes.seccompProfile to a Localhost copy (docs/kubernetes.md)"
             )
-        if any(g.kind == "unix" for g in task.spec.host_services):
-            missing.append(UNIX_GRANTS)
+        missing += unix_refusals(task.spec.host_services, writable_folders(task.spec))
         return sorted(missing)
 
     def adopt(self, task: ResolvedTask) -> None:
@@ -361,9 +361,14 @@ class KubernetesRuntime(SpecRuntime):
             dialer = functools.partial(asyncio.open_unix_connection, proxy)
         relays = task.services.sockets() if task.services is not None else None
         # Listener N of the pod's relay is the N-th TCP grant: its relay here, fixed now.
+        # TCP grants' relays take the handover's word first; a unix grant's relay is the
+        # socket itself, spliced to the granted path
+        grants = task.spec.host_services
         services = [
-            functools.partial(dial_spliced, relay)
-            for relay in listener_table(tcp_grants(task.spec.host_services), relays)
+            functools.partial(
+                dial_spliced if g.kind == "tcp" else asyncio.open_unix_connection, relay
+            )
+            for g, relay in zip(grants, listener_table(listened(grants), relays), strict=True)
         ]
         self._mux_argv = pod_mux_argv(task.spec)
         stream = await pods.open(self._namespace, self._pod, self._mux_argv, container="task")
@@ -402,9 +407,10 @@ class KubernetesRuntime(SpecRuntime):
                 "the command's changes come back, checked (docs/worktree-sync.md)",
                 *(
                     [
-                        "host services: the relay listens on each TCP grant's address in the "
-                        "pod; each connection comes back over the stream to the grant's relay "
-                        "here, which connects to the grant and audits it"
+                        "host services: the relay listens on each grant's address (a unix "
+                        "grant: its path) in the pod; each connection comes back over the "
+                        "stream to the grant's relay here, which connects to the grant and "
+                        "audits it"
                     ]
                     if "--service-listen" in self._mux_argv
                     else []
