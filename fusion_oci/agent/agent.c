@@ -22,6 +22,10 @@
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
+#include <linux/audit.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
+#include <stddef.h>
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -499,7 +503,8 @@ static void child_exec(struct spawn *sp, int fds[3], int errfd) {
  * interleave), so a command's end costs no hop through the agent; it then tells the agent
  * `D` (done, reported), so that a keeper that dies silently can be reported for. */
 struct kmsg {
-    char type; /* keeper->agent: 'D' reported; agent->keeper: 'K' kill */
+    char type; /* keeper->agent: 'D' reported, 'L' its connect listener (+ fd); agent->keeper:
+                * 'K' kill */
     int32_t sig, tree, grace_ms;
 };
 
@@ -561,8 +566,13 @@ static void keeper_done(int chan) {
     }
 }
 
+static int inject_on;
+static void inject_install(int chan);
+
 static void keeper_main(struct spawn *sp, int fds[3], int chan) {
     prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0);
+    if (inject_on)
+        inject_install(chan); /* before the command exists: it and all it starts are filtered */
     int sigfd = make_sigfd();
     int errpipe[2];
     if (pipe2(errpipe, O_CLOEXEC) < 0) {
@@ -1445,6 +1455,285 @@ static void fwd_drop_inherited(void) {
     npairs = 0;
 }
 
+/* ---------------------------------------------------------------- granted sockets, handed over */
+
+/* The fastest way to a granted host service is none of ours in between: when a command
+ * connects a TCP socket to a grant's address (127.0.0.1:5432 of the sandbox), we connect one
+ * of the relay's pool sockets (the host's network) to the grant and put it in the command's
+ * place, at the same fd number, by seccomp user notification: the keeper filters its tree's
+ * connect() with a listener it hands us ('L'), we read the address from the caller's memory,
+ * take its socket (pidfd_getfd) to compare, and answer with SECCOMP_IOCTL_NOTIF_ADDFD
+ * (SETFD). The command then talks to the service over its own socket: no splice, no hop.
+ *
+ * Every other connect goes on untouched (CONTINUE): the kernel decides as before, and a grant
+ * we cannot hand over (no pool socket, a caller we cannot read) still reaches our listener
+ * and the splice above. What the command now holds is a connected socket of the host's
+ * network; it must never connect it again. A connected TCP socket is re-aimed only through
+ * connect(AF_UNSPEC) then connect(): every connect() is ours to answer, and one on a socket of
+ * another network namespace than the sandbox's (SO_NETNS_COOKIE) is refused (EPERM); io_uring,
+ * which would connect without the syscall, is ENOSYS in the filtered tree, as are other
+ * architectures' syscalls (x32, i386) that would bypass the filter's numbers. TCP fast open
+ * (sendto with an address) is EISCONN on a connected socket. Without a cookie (kernel < 5.14)
+ * or a listener (gVisor) nothing is handed over. */
+#ifndef SO_NETNS_COOKIE
+#define SO_NETNS_COOKIE 71
+#endif
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
+#ifndef SYS_pidfd_getfd
+#define SYS_pidfd_getfd 438
+#endif
+#if defined(__x86_64__)
+#define INJECT_ARCH AUDIT_ARCH_X86_64
+#elif defined(__aarch64__)
+#define INJECT_ARCH AUDIT_ARCH_AARCH64
+#endif
+#define IO_URING_FIRST 425 /* io_uring_setup, _enter, _register: the same on every arch */
+#define IO_URING_LAST 427
+
+static unsigned long long sandbox_cookie;
+static int handed_any; /* a socket of the host's is somewhere in the sandbox now */
+
+/* Whether connects are to be handed over: a TCP grant with its pool, and a cookie. */
+static int inject_wanted(void) {
+#ifdef INJECT_ARCH
+    int s = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    socklen_t cl = sizeof sandbox_cookie;
+    int ok = s >= 0 && getsockopt(s, SOL_SOCKET, SO_NETNS_COOKIE, &sandbox_cookie, &cl) == 0;
+    if (s >= 0)
+        close(s);
+    for (size_t i = 0; ok && i < nlis; i++)
+        if (lis[i].handoff == 1 && lis[i].ctl >= 0)
+            return 1;
+#endif
+    return 0;
+}
+
+/* In the keeper: the filter (no_new_privs first, as an unprivileged filter needs) and its
+ * listener sent to the agent. A failure leaves the run unfiltered: nothing is handed over. */
+static void inject_install(int chan) {
+#ifdef INJECT_ARCH
+    struct sock_filter f[] = {
+        BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, arch)),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, INJECT_ARCH, 1, 0),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | ENOSYS),
+        BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr)),
+#if defined(__x86_64__)
+        BPF_JUMP(BPF_JMP | BPF_JGE | BPF_K, 0x40000000, 0, 1), /* x32 */
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | ENOSYS),
+#else
+        BPF_JUMP(BPF_JMP | BPF_JA, 0, 0, 0),
+        BPF_JUMP(BPF_JMP | BPF_JA, 0, 0, 0),
+#endif
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, SYS_connect, 0, 1),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_USER_NOTIF),
+        BPF_JUMP(BPF_JMP | BPF_JGE | BPF_K, IO_URING_FIRST, 0, 2),
+        BPF_JUMP(BPF_JMP | BPF_JGT | BPF_K, IO_URING_LAST, 1, 0),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | ENOSYS),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+    };
+    struct sock_fprog prog = {(unsigned short)(sizeof f / sizeof f[0]), f};
+    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0)
+        return;
+    int lfd = (int)syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER,
+                           SECCOMP_FILTER_FLAG_NEW_LISTENER, &prog);
+    if (lfd < 0)
+        return;
+    struct kmsg m;
+    memset(&m, 0, sizeof m);
+    m.type = 'L';
+    union {
+        char buf[CMSG_SPACE(sizeof(int))];
+        struct cmsghdr align;
+    } cm;
+    struct iovec iov = {&m, sizeof m};
+    struct msghdr mh = {0};
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = cm.buf;
+    mh.msg_controllen = sizeof cm.buf;
+    struct cmsghdr *h = CMSG_FIRSTHDR(&mh);
+    h->cmsg_level = SOL_SOCKET;
+    h->cmsg_type = SCM_RIGHTS;
+    h->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(h), &lfd, sizeof lfd);
+    if (sendmsg(chan, &mh, MSG_NOSIGNAL) < 0) {
+        /* no agent to answer: the filtered connects would wait; the kernel answers ENOSYS
+         * once this last holder of the listener closes it */
+    }
+    close(lfd);
+#else
+    (void)chan;
+#endif
+}
+
+static int same_address(const struct sockaddr_storage *a, size_t alen,
+                        const struct sockaddr_storage *b) {
+    if (a->ss_family != b->ss_family)
+        return 0;
+    if (a->ss_family == AF_INET && alen >= sizeof(struct sockaddr_in)) {
+        const struct sockaddr_in *x = (const void *)a, *y = (const void *)b;
+        return x->sin_port == y->sin_port && x->sin_addr.s_addr == y->sin_addr.s_addr;
+    }
+    if (a->ss_family == AF_INET6 && alen >= sizeof(struct sockaddr_in6)) {
+        const struct sockaddr_in6 *x = (const void *)a, *y = (const void *)b;
+        return x->sin6_port == y->sin6_port &&
+               !memcmp(&x->sin6_addr, &y->sin6_addr, sizeof x->sin6_addr);
+    }
+    return 0;
+}
+
+/* Whether fd `fd` of `pid` is close-on-exec (its fdinfo's flags, octal). */
+static int fd_cloexec(pid_t pid, int fd) {
+    char path[64], buf[512];
+    snprintf(path, sizeof path, "/proc/%d/fdinfo/%d", (int)pid, fd);
+    int f = open(path, O_RDONLY | O_CLOEXEC);
+    if (f < 0)
+        return 1;
+    ssize_t n = read(f, buf, sizeof buf - 1);
+    close(f);
+    if (n <= 0)
+        return 1;
+    buf[n] = 0;
+    char *flags = strstr(buf, "flags:");
+    return flags ? (strtol(flags + 6, NULL, 8) & O_CLOEXEC) != 0 : 1;
+}
+
+/* A pool socket of l, connected to the grant, in the place of the caller's socket. 0: done
+ * (the connect returns 0), > 0: the errno it returns, -1: let it go on as it would. */
+static int inject_pooled(int lfd, struct seccomp_notif *req, struct listener *l, int sfd) {
+    size_t li = (size_t)(l - lis);
+    int s = l->pool[--l->npool];
+    unsigned id = l->next_id++;
+    fwd_record(li, 'O', id, 0, 0, 0);
+    int r = connect(s, (struct sockaddr *)&l->to, l->tolen);
+    int err = r < 0 ? errno : 0;
+    if (r < 0 && err == EINPROGRESS) {
+        struct pollfd w = {s, POLLOUT, 0};
+        socklen_t el = sizeof err;
+        if (poll(&w, 1, FWD_CONNECT_MS) != 1 || getsockopt(s, SOL_SOCKET, SO_ERROR, &err, &el) < 0)
+            err = ETIMEDOUT;
+    }
+    if (err) {
+        fwd_record(li, 'D', id, 0, 0, err);
+        close(s);
+        return err; /* the grant refused: the command's connect says so */
+    }
+    int fl = fcntl(sfd, F_GETFL);
+    if (fcntl(s, F_SETFL, fl >= 0 && (fl & O_NONBLOCK) ? O_NONBLOCK : 0) < 0) {
+        /* as it was: non-blocking */
+    }
+    int v;
+    socklen_t vl = sizeof v;
+    if (getsockopt(sfd, IPPROTO_TCP, TCP_NODELAY, &v, &vl) == 0)
+        setsockopt(s, IPPROTO_TCP, TCP_NODELAY, &v, sizeof v);
+    vl = sizeof v;
+    if (getsockopt(sfd, SOL_SOCKET, SO_KEEPALIVE, &v, &vl) == 0)
+        setsockopt(s, SOL_SOCKET, SO_KEEPALIVE, &v, sizeof v);
+    struct seccomp_notif_addfd add;
+    memset(&add, 0, sizeof add);
+    add.id = req->id;
+    add.flags = SECCOMP_ADDFD_FLAG_SETFD;
+    add.srcfd = (unsigned)s;
+    add.newfd = (unsigned)req->data.args[0];
+    add.newfd_flags = fd_cloexec(req->pid, (int)req->data.args[0]) ? O_CLOEXEC : 0;
+    if (ioctl(lfd, SECCOMP_IOCTL_NOTIF_ADDFD, &add) < 0) {
+        fwd_record(li, 'D', id, 0, 0, errno ? errno : EBADF);
+        close(s);
+        return -1;
+    }
+    fwd_record(li, 'H', id, 0, 0, 0); /* the command's own now: its relay audits it so */
+    handed_any = 1;
+    close(s);
+    return 0;
+}
+
+/* A connect we cannot look into (its caller made itself non-dumpable: no /proc/PID/mem, no
+ * pidfd_getfd for us) may be on a socket we handed over, passed or inherited: once one is in
+ * the sandbox it is refused, before it goes on as it would. */
+static int uninspectable(void) {
+    return handed_any ? EPERM : -1;
+}
+
+static int inject_connect(int lfd, struct seccomp_notif *req) {
+    if (req->data.nr != SYS_connect)
+        return -1;
+    struct sockaddr_storage sa;
+    memset(&sa, 0, sizeof sa);
+    size_t alen = (size_t)(socklen_t)req->data.args[2];
+    if (alen > sizeof sa)
+        alen = sizeof sa;
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%u/mem", req->pid);
+    int mem = open(path, O_RDONLY | O_CLOEXEC);
+    if (mem < 0)
+        return uninspectable();
+    ssize_t n = alen ? pread(mem, &sa, alen, (off_t)req->data.args[1]) : 0;
+    close(mem);
+    if (n != (ssize_t)alen)
+        return -1; /* a bad address: the kernel says EFAULT */
+    int pidfd = (int)syscall(SYS_pidfd_open, req->pid, 0);
+    if (pidfd < 0)
+        return -1; /* gone */
+    int sfd = (int)syscall(SYS_pidfd_getfd, pidfd, (int)req->data.args[0], 0);
+    int getfd_err = errno;
+    close(pidfd);
+    if (sfd < 0)
+        return getfd_err == EBADF ? -1 : uninspectable(); /* EBADF: the kernel says so too */
+    int ret = -1;
+    unsigned long long cookie = 0;
+    socklen_t cl = sizeof cookie;
+    int type = 0, proto = 0, dom = 0;
+    socklen_t tl = sizeof type, pl = sizeof proto, dl = sizeof dom;
+    /* The pid we read is still the caller's, in this very call. */
+    if (ioctl(lfd, SECCOMP_IOCTL_NOTIF_ID_VALID, &req->id) < 0)
+        goto out;
+    if (getsockopt(sfd, SOL_SOCKET, SO_NETNS_COOKIE, &cookie, &cl) == 0 &&
+        cookie != sandbox_cookie) {
+        ret = EPERM; /* a socket of another network namespace: one we handed over */
+        goto out;
+    }
+    if (getsockopt(sfd, SOL_SOCKET, SO_TYPE, &type, &tl) < 0 || type != SOCK_STREAM ||
+        getsockopt(sfd, SOL_SOCKET, SO_PROTOCOL, &proto, &pl) < 0 || proto != IPPROTO_TCP ||
+        getsockopt(sfd, SOL_SOCKET, SO_DOMAIN, &dom, &dl) < 0 || dom != sa.ss_family)
+        goto out;
+    for (size_t i = 0; i < nlis; i++) {
+        struct listener *l = &lis[i];
+        if (l->handoff == 1 && l->ctl >= 0 && l->npool > 0 && same_address(&sa, alen, &l->to)) {
+            ret = inject_pooled(lfd, req, l, sfd);
+            break;
+        }
+    }
+out:
+    close(sfd);
+    return ret;
+}
+
+/* One notification of listener *lfd (-1 once it is finished). */
+static void inject_handle(int *lfd) {
+    struct seccomp_notif req;
+    memset(&req, 0, sizeof req);
+    if (ioctl(*lfd, SECCOMP_IOCTL_NOTIF_RECV, &req) < 0) {
+        if (errno == ENOENT || errno == EINTR)
+            return; /* a caller killed while it waited (supervisor.py says why) */
+        close(*lfd);
+        *lfd = -1;
+        return;
+    }
+    int r = inject_connect(*lfd, &req);
+    struct seccomp_notif_resp resp;
+    memset(&resp, 0, sizeof resp);
+    resp.id = req.id;
+    if (r < 0)
+        resp.flags = SECCOMP_USER_NOTIF_FLAG_CONTINUE;
+    else
+        resp.error = r ? -r : 0;
+    if (ioctl(*lfd, SECCOMP_IOCTL_NOTIF_SEND, &resp) < 0) {
+        /* the caller died meanwhile */
+    }
+}
+
 /* ---------------------------------------------------------------- the agent */
 
 struct run {
@@ -1453,6 +1742,7 @@ struct run {
     int chan;
     int reported; /* the keeper sent its 'X' or 'F' */
     int reaped;
+    int notif; /* its tree's connect listener (granted sockets, handed over), or -1 */
 };
 
 static int *fdq; /* fds received and not yet handed to a spawn */
@@ -1493,9 +1783,12 @@ static void start_run(char *body, size_t len, int fds[3]) {
         /* The keeper holds nothing of the agent's but the connection (CLOEXEC, closed in the
          * command), to report on: not other runs' channels or fds. */
         close(sigfd);
-        for (size_t i = 0; i < nruns; i++)
+        for (size_t i = 0; i < nruns; i++) {
             if (runs[i].chan >= 0)
                 close(runs[i].chan);
+            if (runs[i].notif >= 0)
+                close(runs[i].notif);
+        }
         close(pair[0]);
         for (size_t i = 0; i < fdq_len; i++)
             close(fdq[i]); /* the fds of spawns still queued belong to other runs */
@@ -1509,6 +1802,7 @@ static void start_run(char *body, size_t len, int fds[3]) {
     snprintf(r->id, sizeof r->id, "%s", sp.id);
     r->keeper = pid;
     r->chan = pair[0];
+    r->notif = -1;
 done:
     for (int i = 0; i < 3; i++)
         if (fds[i] >= 0)
@@ -1560,13 +1854,39 @@ static void kill_run(char *body, size_t len) {
 /* Read what the keeper of r says. Returns 0 when its channel is finished. */
 static int keeper_said(struct run *r) {
     struct kmsg m;
-    ssize_t n = recv(r->chan, &m, sizeof m, MSG_DONTWAIT);
+    int fds[FDS_PER_BYTE];
+    size_t k = 0;
+    union {
+        char buf[CMSG_SPACE(sizeof(int) * FDS_PER_BYTE)];
+        struct cmsghdr align;
+    } cm;
+    struct iovec iov = {&m, sizeof m};
+    struct msghdr mh = {0};
+    mh.msg_iov = &iov;
+    mh.msg_iovlen = 1;
+    mh.msg_control = cm.buf;
+    mh.msg_controllen = sizeof cm.buf;
+    ssize_t n = recvmsg(r->chan, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
     if (n < 0 && (errno == EAGAIN || errno == EINTR))
         return 1;
+    if (n > 0)
+        for (struct cmsghdr *h = CMSG_FIRSTHDR(&mh); h; h = CMSG_NXTHDR(&mh, h))
+            if (h->cmsg_level == SOL_SOCKET && h->cmsg_type == SCM_RIGHTS)
+                for (size_t j = 0; j < (h->cmsg_len - CMSG_LEN(0)) / sizeof(int); j++)
+                    if (k < FDS_PER_BYTE)
+                        memcpy(&fds[k++], CMSG_DATA(h) + j * sizeof(int), sizeof(int));
     if (n != (ssize_t)sizeof m) {
+        for (size_t j = 0; j < k; j++)
+            close(fds[j]);
         close(r->chan);
         r->chan = -1;
         return 0;
+    }
+    for (size_t j = 0; j < k; j++) {
+        if (m.type == 'L' && j == 0 && r->notif < 0 && inject_on)
+            r->notif = fds[j];
+        else
+            close(fds[j]);
     }
     if (m.type == 'D')
         r->reported = 1;
@@ -1576,8 +1896,11 @@ static int keeper_said(struct run *r) {
 static void forget_finished(void) {
     size_t j = 0;
     for (size_t i = 0; i < nruns; i++) {
-        if (runs[i].reaped && runs[i].chan < 0)
+        if (runs[i].reaped && runs[i].chan < 0) {
+            if (runs[i].notif >= 0)
+                close(runs[i].notif);
             continue;
+        }
         runs[j++] = runs[i];
     }
     nruns = j;
@@ -2032,6 +2355,7 @@ int main(int argc, char **argv) {
     for (int i = 0; i < npublish; i++)
         add_publish(publish[i]);
     fwd_pools_open();
+    inject_on = inject_wanted();
     struct out o;
     out_begin(&o, 'H');
     out_field(&o, "version", "%s", PROTOCOL_VERSION);
@@ -2040,12 +2364,14 @@ int main(int argc, char **argv) {
         shutdown_all();
     struct pollfd *p = NULL;
     for (;;) {
-        p = xrealloc(p, (nruns + 2 + 2 * nlis + FWD_SLOTS * npairs) * sizeof *p);
+        p = xrealloc(p, (2 * nruns + 2 + 2 * nlis + FWD_SLOTS * npairs) * sizeof *p);
         p[0] = (struct pollfd){conn, POLLIN, 0};
         p[1] = (struct pollfd){sigfd, POLLIN, 0};
-        for (size_t i = 0; i < nruns; i++)
+        for (size_t i = 0; i < nruns; i++) {
             p[i + 2] = (struct pollfd){runs[i].chan, POLLIN, 0};
-        size_t nagent = nruns + 2;
+            p[nruns + i + 2] = (struct pollfd){runs[i].notif, POLLIN, 0};
+        }
+        size_t nagent = 2 * nruns + 2;
         size_t np = nagent + fwd_fill(p + nagent);
         int timeout = fwd_waiting() ? 10 : parent ? 1000 : -1;
         if (poll(p, np, timeout) < 0) {
@@ -2054,8 +2380,18 @@ int main(int argc, char **argv) {
             for (size_t i = 0; i < np; i++)
                 p[i].revents = 0;
         }
+        /* Connects first: a command waits in each, and a grant's pool socket may be taken. */
+        for (size_t i = 0; i < nruns; i++)
+            if (p[nruns + i + 2].revents && runs[i].notif == p[nruns + i + 2].fd) {
+                if (p[nruns + i + 2].revents & POLLIN)
+                    inject_handle(&runs[i].notif);
+                else { /* POLLHUP: every process of its tree is gone */
+                    close(runs[i].notif);
+                    runs[i].notif = -1;
+                }
+            }
         fwd_handle(p + nagent);
-        np = nagent;
+        np = nruns + 2;
         if (parent && getppid() != parent)
             shutdown_all(); /* the host is gone, whoever holds the socket */
         for (size_t i = 2; i < np; i++)

@@ -469,6 +469,20 @@ class TaskRelays(TaskStamped):
                     opened[ident] = time.monotonic()
                     self._open += 1
                     owed += 1
+                elif kind == b"H" and ident in opened:
+                    # Handed to the command (its connect answered with this socket, in its
+                    # own place): the bytes never pass through the agent, and the connection
+                    # is the command's, bound by its own descriptors from here on.
+                    self._open -= 1
+                    self._audit(
+                        relay,
+                        opened.pop(ident),
+                        allowed=True,
+                        reason=None,
+                        bytes_up=None,
+                        bytes_down=None,
+                        via="command",
+                    )
                 elif kind == b"D" and ident in opened:
                     self._open -= 1
                     self._audit(

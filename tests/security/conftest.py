@@ -120,6 +120,7 @@ SERVICE_PROBES = (
     "service-through-relay",
     "service-unix-path",
     "service-socket-handover",
+    "service-handed-socket",
 )
 """test_host_services.py's probes (policy.hostServices)."""
 

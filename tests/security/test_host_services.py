@@ -242,3 +242,113 @@ def test_only_the_agent_is_handed_a_service_socket(prober: Prober) -> None:
     assert "tcp4" in a.seen, f"the granted service did not answer: {out}"
     assert re.search(r"fds [1-9]", out) is None, out  # no host socket reached the command
     check("service-socket-handover", prober.backend, bool(b.seen), f"B saw {b.seen}; {out}")
+
+
+REAIM_C = r"""
+/* A granted connection, then every way to aim that socket elsewhere: connect(AF_UNSPEC) and
+ * connect to port B, the same through the 32-bit syscall table (x86_64), and io_uring. */
+#include <errno.h>
+#include <netinet/in.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+static struct sockaddr_in to_b, unspec; /* static: below 4 GiB for the 32-bit calls */
+static unsigned long long cookie(int s) {
+    unsigned long long c = 0;
+    socklen_t l = sizeof c;
+    getsockopt(s, SOL_SOCKET, 71 /* SO_NETNS_COOKIE */, &c, &l);
+    return c;
+}
+int main(int argc, char **argv) {
+    if (argc < 3) return 2;
+    struct sockaddr_in to_a = {0};
+    to_a.sin_family = AF_INET;
+    to_a.sin_port = htons((unsigned short)atoi(argv[1]));
+    to_a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    to_b = to_a;
+    to_b.sin_port = htons((unsigned short)atoi(argv[2]));
+    unspec.sin_family = AF_UNSPEC;
+    int s = socket(AF_INET, SOCK_STREAM, 0);
+    if (connect(s, (struct sockaddr *)&to_a, sizeof to_a) != 0) {
+        printf("granted connect %s\n", strerror(errno));
+        return 1;
+    }
+    char buf[16] = {0};
+    read(s, buf, sizeof buf - 1);
+    int fresh = socket(AF_INET, SOCK_STREAM, 0);
+    printf("granted %s handed %d\n", buf[0] ? "answered" : "silent", cookie(s) != cookie(fresh));
+    int r = connect(s, (struct sockaddr *)&unspec, sizeof unspec);
+    printf("unspec %d %s\n", r, r ? strerror(errno) : "ok");
+    r = connect(s, (struct sockaddr *)&to_b, sizeof to_b);
+    printf("to B %d %s\n", r, r ? strerror(errno) : "ok");
+    long ring = syscall(425 /* io_uring_setup */, 8, (char[120]){0});
+    printf("io_uring %ld %s\n", ring, ring < 0 ? strerror(errno) : "open");
+#if defined(__x86_64__)
+    pid_t pid = fork();
+    if (pid == 0) { /* i386 connect (362) on a fresh host socket, if one comes: AF_UNSPEC, B */
+        int t = socket(AF_INET, SOCK_STREAM, 0);
+        connect(t, (struct sockaddr *)&to_a, sizeof to_a);
+        long a, b;
+        __asm__ volatile("int $0x80" : "=a"(a) : "a"(362), "b"(t), "c"(&unspec), "d"(16)
+                         : "memory");
+        __asm__ volatile("int $0x80" : "=a"(b) : "a"(362), "b"(t), "c"(&to_b), "d"(16)
+                         : "memory");
+        printf("i386 unspec %ld to B %ld\n", a, b);
+        fflush(stdout);
+        _exit(0);
+    }
+    int st;
+    waitpid(pid, &st, 0);
+    printf("i386 child %d\n", WIFSIGNALED(st) ? WTERMSIG(st) : 0);
+#endif
+    fflush(stdout);
+    if (fork() == 0) { /* a process the agent cannot look into holds a handed socket */
+        int t = socket(AF_INET, SOCK_STREAM, 0);
+        connect(t, (struct sockaddr *)&to_a, sizeof to_a);
+        prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+        int u = connect(t, (struct sockaddr *)&unspec, sizeof unspec);
+        int ue = errno;
+        int v = connect(t, (struct sockaddr *)&to_b, sizeof to_b);
+        printf("undumpable unspec %d %s to B %d %s\n", u, u ? strerror(ue) : "ok", v,
+               v ? strerror(errno) : "ok");
+        fflush(stdout);
+        _exit(0);
+    }
+    wait(NULL);
+    return 0;
+}
+"""
+
+
+def test_a_socket_handed_to_the_command_cannot_be_aimed_elsewhere(
+    prober: Prober, tmp_path: Path
+) -> None:
+    """Where the agent answers the command's connect to a grant with a connected socket of
+    the host (its fastest path), that socket must never reach anything else: disconnecting it
+    (connect AF_UNSPEC) and connecting it to port B, the same through the 32-bit syscalls,
+    from a process that made itself non-dumpable (the agent cannot look into it), and
+    io_uring (which connects without the syscall) all fail. A static C program, so that every
+    image runs it; native shows the leak (its socket is the host's anyway)."""
+    if _refused(prober, "service-handed-socket"):
+        return
+    import subprocess
+
+    source = tmp_path / "reaim.c"
+    source.write_text(REAIM_C)
+    binary = prober.worktree / "reaim"
+    subprocess.run(["gcc", "-static", "-O1", "-o", str(binary), str(source)], check=True)
+    with listening() as a, listening() as b:
+        result = prober.run(f"./reaim {a.port} {b.port}", _grants_to(a.port), timeout_ms=60_000)
+        time.sleep(0.3)  # a late accept is still recorded
+        out = result.stdout + result.stderr[-500:]
+    assert "granted answered" in out and "tcp4" in a.seen, f"the grant did not answer: {out}"
+    handed = "handed 1" in out
+    uring_open = re.search(r"io_uring [0-9]", out) is not None
+    assert "undumpable unspec" in out, out  # the last attempt ran
+    leaked = bool(b.seen) or (handed and uring_open)
+    check("service-handed-socket", prober.backend, leaked, f"B saw {b.seen}; {out}")
