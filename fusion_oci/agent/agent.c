@@ -1606,7 +1606,8 @@ static int inject_pooled(int lfd, struct seccomp_notif *req, struct listener *l,
     size_t li = (size_t)(l - lis);
     int s = l->pool[--l->npool];
     unsigned id = l->next_id++;
-    fwd_record(li, 'O', id, 0, 0, 0);
+    /* One record when it goes well ('H': taken and handed over), 'O' and 'D' when not: the
+     * relay's next socket and its audit event cost it one wake-up per connection. */
     int r = connect(s, (struct sockaddr *)&l->to, l->tolen);
     int err = r < 0 ? errno : 0;
     if (r < 0 && err == EINPROGRESS) {
@@ -1616,6 +1617,7 @@ static int inject_pooled(int lfd, struct seccomp_notif *req, struct listener *l,
             err = ETIMEDOUT;
     }
     if (err) {
+        fwd_record(li, 'O', id, 0, 0, 0);
         fwd_record(li, 'D', id, 0, 0, err);
         close(s);
         return err; /* the grant refused: the command's connect says so */
@@ -1639,7 +1641,9 @@ static int inject_pooled(int lfd, struct seccomp_notif *req, struct listener *l,
     add.newfd = (unsigned)req->data.args[0];
     add.newfd_flags = fd_cloexec(req->pid, (int)req->data.args[0]) ? O_CLOEXEC : 0;
     if (ioctl(lfd, SECCOMP_IOCTL_NOTIF_ADDFD, &add) < 0) {
-        fwd_record(li, 'D', id, 0, 0, errno ? errno : EBADF);
+        int e = errno ? errno : EBADF;
+        fwd_record(li, 'O', id, 0, 0, 0);
+        fwd_record(li, 'D', id, 0, 0, e);
         close(s);
         return -1;
     }

@@ -469,14 +469,14 @@ class TaskRelays(TaskStamped):
                     opened[ident] = time.monotonic()
                     self._open += 1
                     owed += 1
-                elif kind == b"H" and ident in opened:
-                    # Handed to the command (its connect answered with this socket, in its
-                    # own place): the bytes never pass through the agent, and the connection
-                    # is the command's, bound by its own descriptors from here on.
-                    self._open -= 1
+                elif kind == b"H":
+                    # Taken and handed to the command (its connect answered with this socket,
+                    # in its own place): the bytes never pass through the agent, and the
+                    # connection is the command's, bound by its own descriptors from here on.
+                    owed += 1
                     self._audit(
                         relay,
-                        opened.pop(ident),
+                        time.monotonic(),
                         allowed=True,
                         reason=None,
                         bytes_up=None,
