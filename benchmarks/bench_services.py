@@ -8,11 +8,12 @@ its own process) measures, taking turns round by round:
 
 - **direct**: on the host, to 127.0.0.1:PORT (what a command gets with ``network: host``);
 - **through the grant**: inside a sandbox of each backend whose policy grants exactly
-  ``127.0.0.1:PORT`` (``network: none``), to the same address: the sandbox's own loopback,
-  the exec agent's listener, a host socket of the agent's pool connected to the server
-  (the task's relay, in this process on the proxy thread, supplies the sockets and writes
-  a real audit log: one chained event per connection); landlock: the command's own socket,
-  connected to the server by the connect supervisor; gVisor: through the relay.
+  ``127.0.0.1:PORT`` (``network: none``), to the same address: the client's connect is
+  answered by the exec agent with a host socket of its pool connected to the server, in the
+  client's own socket's place (the task's relay, in this process on the proxy thread,
+  supplies the sockets and writes a real audit log: one chained event per connection);
+  landlock: the command's own socket, connected to the server by the connect supervisor;
+  gVisor: the agent's listener, through the relay.
 
 Per connection: connect, one byte each way, close (median of N per round). Throughput: one
 connection downloading M MB (median of the rounds). Quote the ratios.

@@ -735,6 +735,9 @@ struct listener {
                   * published port's (its relay hands us each inbound connection) */
     int ctl;     /* the relay's pool connection, or -1 */
     int pool[FWD_POOL];
+    unsigned char held[FWD_POOL * FWD_REC]; /* 'H' records not yet sent (fwd_hold) */
+    size_t nheld;
+    long long held_since;
     int npool;
     unsigned next_id;
     struct sockaddr_storage to; /* the grant's address: where a pool socket is connected */
@@ -974,6 +977,50 @@ static void fwd_record(size_t li, char type, unsigned id, unsigned long long up,
     if (send(lis[li].ctl, r, sizeof r, MSG_DONTWAIT | MSG_NOSIGNAL) < 0) {
         /* the relay is gone or not reading: its audit misses this one */
     }
+}
+
+/* The 'H' records of listener li, sent at once: the relay reads them, audits each and sends
+ * as many fresh sockets in one message, one wake-up for several connections. */
+static void fwd_flush_held(size_t li) {
+    struct listener *l = &lis[li];
+    if (l->nheld && l->ctl >= 0 && send(l->ctl, l->held, l->nheld, MSG_DONTWAIT | MSG_NOSIGNAL) < 0) {
+        /* the relay is gone or not reading: its audit misses these */
+    }
+    l->nheld = 0;
+}
+
+/* An 'H' record, held until half the pool is gone (the relay owes that many sockets), or
+ * HELD_MS at most (the main loop's timeout), so that a lone connection is audited at once
+ * in human terms and a burst costs the relay one wake-up per half pool. */
+#define HELD_MS 20
+static void fwd_hold(size_t li, unsigned id) {
+    struct listener *l = &lis[li];
+    if (l->nheld + FWD_REC > sizeof l->held)
+        fwd_flush_held(li);
+    unsigned char *r = l->held + l->nheld;
+    memset(r, 0, FWD_REC);
+    r[0] = 'H';
+    for (int b = 0; b < 4; b++)
+        r[4 + b] = (unsigned char)(id >> (24 - 8 * b));
+    if (!l->nheld)
+        l->held_since = now_ms();
+    l->nheld += FWD_REC;
+    if (l->npool <= FWD_POOL / 2)
+        fwd_flush_held(li);
+}
+
+/* Whether records are held, and flush those held for HELD_MS. */
+static int fwd_held_due(void) {
+    int any = 0;
+    for (size_t i = 0; i < nlis; i++) {
+        if (!lis[i].nheld)
+            continue;
+        if (now_ms() - lis[i].held_since >= HELD_MS)
+            fwd_flush_held(i);
+        else
+            any = 1;
+    }
+    return any;
 }
 
 static struct pair *fwd_new_pair(int c, int u, const struct listener *l) {
@@ -1584,6 +1631,64 @@ static int same_address(const struct sockaddr_storage *a, size_t alen,
     return 0;
 }
 
+/* The callers' /proc/PID/mem and pidfd, kept for their next connect (a build's or a test
+ * run's process makes many): two opens less each time. A pid reused since reads nothing
+ * through the old ones (its memory and process are gone), and then they are opened anew. */
+#define PROC_CACHE 16
+static struct {
+    pid_t pid;
+    int mem, pidfd;
+    unsigned long long used;
+} pcache[PROC_CACHE];
+static unsigned long long pcache_tick;
+
+static void pcache_close(int i) {
+    if (pcache[i].pid) {
+        close(pcache[i].mem);
+        close(pcache[i].pidfd);
+    }
+    pcache[i].pid = 0;
+}
+
+/* In a keeper: none of these is its to hold. */
+static void pcache_drop(void) {
+    for (int i = 0; i < PROC_CACHE; i++)
+        pcache_close(i);
+}
+
+/* The entry of pid (opened anew when `fresh`), or -1. */
+static int pcache_get(pid_t pid, int fresh) {
+    int at = -1, lru = 0;
+    for (int i = 0; i < PROC_CACHE; i++) {
+        if (pcache[i].pid == pid)
+            at = i;
+        if (pcache[i].used < pcache[lru].used)
+            lru = i;
+    }
+    if (at >= 0 && !fresh) {
+        pcache[at].used = ++pcache_tick;
+        return at;
+    }
+    if (at < 0)
+        at = lru;
+    pcache_close(at);
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/mem", (int)pid);
+    int mem = open(path, O_RDONLY | O_CLOEXEC);
+    if (mem < 0)
+        return -1;
+    int pidfd = (int)syscall(SYS_pidfd_open, pid, 0);
+    if (pidfd < 0) {
+        close(mem);
+        return -1;
+    }
+    pcache[at].pid = pid;
+    pcache[at].mem = mem;
+    pcache[at].pidfd = pidfd;
+    pcache[at].used = ++pcache_tick;
+    return at;
+}
+
 /* Whether fd `fd` of `pid` is close-on-exec (its fdinfo's flags, octal). */
 static int fd_cloexec(pid_t pid, int fd) {
     char path[64], buf[512];
@@ -1626,13 +1731,19 @@ static int inject_pooled(int lfd, struct seccomp_notif *req, struct listener *l,
     if (fcntl(s, F_SETFL, fl >= 0 && (fl & O_NONBLOCK) ? O_NONBLOCK : 0) < 0) {
         /* as it was: non-blocking */
     }
-    int v;
-    socklen_t vl = sizeof v;
-    if (getsockopt(sfd, IPPROTO_TCP, TCP_NODELAY, &v, &vl) == 0)
-        setsockopt(s, IPPROTO_TCP, TCP_NODELAY, &v, sizeof v);
-    vl = sizeof v;
-    if (getsockopt(sfd, SOL_SOCKET, SO_KEEPALIVE, &v, &vl) == 0)
-        setsockopt(s, SOL_SOCKET, SO_KEEPALIVE, &v, sizeof v);
+    /* What a client sets before its connect, carried over (buffer sizes are not: setting
+     * one turns the kernel's autotuning off, and it cannot be told whether one was set). */
+    static const int opts[][2] = {
+        {IPPROTO_TCP, TCP_NODELAY},   {SOL_SOCKET, SO_KEEPALIVE},  {SOL_SOCKET, SO_RCVTIMEO},
+        {SOL_SOCKET, SO_SNDTIMEO},    {SOL_SOCKET, SO_LINGER},     {IPPROTO_TCP, TCP_KEEPIDLE},
+        {IPPROTO_TCP, TCP_KEEPINTVL}, {IPPROTO_TCP, TCP_KEEPCNT},  {IPPROTO_TCP, TCP_USER_TIMEOUT},
+    };
+    for (size_t i = 0; i < sizeof opts / sizeof opts[0]; i++) {
+        char v[32]; /* an int, a struct timeval or a struct linger */
+        socklen_t vl = sizeof v;
+        if (getsockopt(sfd, opts[i][0], opts[i][1], v, &vl) == 0)
+            setsockopt(s, opts[i][0], opts[i][1], v, vl);
+    }
     struct seccomp_notif_addfd add;
     memset(&add, 0, sizeof add);
     add.id = req->id;
@@ -1647,7 +1758,7 @@ static int inject_pooled(int lfd, struct seccomp_notif *req, struct listener *l,
         close(s);
         return -1;
     }
-    fwd_record(li, 'H', id, 0, 0, 0); /* the command's own now: its relay audits it so */
+    fwd_hold(li, id); /* the command's own now: its relay audits it so */
     handed_any = 1;
     close(s);
     return 0;
@@ -1668,23 +1779,25 @@ static int inject_connect(int lfd, struct seccomp_notif *req) {
     size_t alen = (size_t)(socklen_t)req->data.args[2];
     if (alen > sizeof sa)
         alen = sizeof sa;
-    char path[64];
-    snprintf(path, sizeof path, "/proc/%u/mem", req->pid);
-    int mem = open(path, O_RDONLY | O_CLOEXEC);
-    if (mem < 0)
-        return uninspectable();
-    ssize_t n = alen ? pread(mem, &sa, alen, (off_t)req->data.args[1]) : 0;
-    close(mem);
-    if (n != (ssize_t)alen)
-        return -1; /* a bad address: the kernel says EFAULT */
-    int pidfd = (int)syscall(SYS_pidfd_open, req->pid, 0);
-    if (pidfd < 0)
-        return -1; /* gone */
-    int sfd = (int)syscall(SYS_pidfd_getfd, pidfd, (int)req->data.args[0], 0);
-    int getfd_err = errno;
-    close(pidfd);
+    pid_t pid = (pid_t)req->pid;
+    int sfd = -1, getfd_err = 0;
+    for (int fresh = 0; fresh < 2 && sfd < 0; fresh++) {
+        int at = pcache_get(pid, fresh);
+        if (at < 0) /* gone (it says nothing more), or not ours to read */
+            return errno == ESRCH || errno == ENOENT ? -1 : uninspectable();
+        ssize_t n = alen ? pread(pcache[at].mem, &sa, alen, (off_t)req->data.args[1]) : 0;
+        if (n != (ssize_t)alen) {
+            if (fresh)
+                return -1; /* a bad address: the kernel says EFAULT */
+            continue;      /* perhaps an old process's: look again */
+        }
+        sfd = (int)syscall(SYS_pidfd_getfd, pcache[at].pidfd, (int)req->data.args[0], 0);
+        getfd_err = errno;
+        if (sfd < 0 && (getfd_err == EBADF || fresh))
+            return getfd_err == EBADF ? -1 : uninspectable(); /* EBADF: the kernel says so too */
+    }
     if (sfd < 0)
-        return getfd_err == EBADF ? -1 : uninspectable(); /* EBADF: the kernel says so too */
+        return -1;
     int ret = -1;
     unsigned long long cookie = 0;
     socklen_t cl = sizeof cookie;
@@ -1797,6 +1910,7 @@ static void start_run(char *body, size_t len, int fds[3]) {
         for (size_t i = 0; i < fdq_len; i++)
             close(fdq[i]); /* the fds of spawns still queued belong to other runs */
         fwd_drop_inherited();
+        pcache_drop();
         keeper_main(&sp, fds, pair[1]);
     }
     close(pair[1]);
@@ -2377,7 +2491,7 @@ int main(int argc, char **argv) {
         }
         size_t nagent = 2 * nruns + 2;
         size_t np = nagent + fwd_fill(p + nagent);
-        int timeout = fwd_waiting() ? 10 : parent ? 1000 : -1;
+        int timeout = fwd_waiting() ? 10 : fwd_held_due() ? HELD_MS : parent ? 1000 : -1;
         if (poll(p, np, timeout) < 0) {
             if (errno != EINTR)
                 die("poll: %s", strerror(errno));

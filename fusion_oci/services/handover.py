@@ -21,6 +21,9 @@ from pathlib import Path
 
 POOL = 8
 """Unconnected sockets a sandbox's agent holds per TCP grant (agent.c's FWD_POOL)."""
+GIVE_AT_ONCE = 4
+"""Sockets per message to the agent (agent.c's FDS_PER_BYTE): it reports handed-over
+connections half a pool at a time, and gets as many back in one message."""
 RECORD = 32
 RECORD_FORMAT = struct.Struct("!c3xIQQI4x")
 """The agent's record on its pool connection: type (``O`` a socket taken, ``D`` a connection

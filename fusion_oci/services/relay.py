@@ -64,6 +64,7 @@ from fusion_oci.errors import SandboxSetupError, SettingsError
 from fusion_oci.host.scratch import make_scratch
 from fusion_oci.models.hostservice import DASHBOARD_PORT, HostService, hands_over
 from fusion_oci.services.handover import (
+    GIVE_AT_ONCE,
     POOL,
     agent_records,
     dialled_by_sandbox_init,
@@ -449,20 +450,23 @@ class TaskRelays(TaskStamped):
         opened: dict[int, float] = {}
         owed = 0
 
-        def give() -> bool:
-            fresh = socket.socket(family, socket.SOCK_STREAM)
+        def give(count: int = 1) -> int:
+            """``count`` fresh sockets (at most GIVE_AT_ONCE) in one message; how many went."""
+            fresh = [socket.socket(family, socket.SOCK_STREAM) for _ in range(count)]
             try:
-                fresh.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                rights = array.array("i", [fresh.fileno()])
+                for sock in fresh:
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                rights = array.array("i", [sock.fileno() for sock in fresh])
                 down.sendmsg([b"p"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, rights)])
-                return True
+                return count
             except OSError:
-                return False
+                return 0
             finally:
-                fresh.close()
+                for sock in fresh:
+                    sock.close()
 
-        for _ in range(POOL):
-            owed += not give()
+        for _ in range(0, POOL, GIVE_AT_ONCE):
+            owed += GIVE_AT_ONCE - give(GIVE_AT_ONCE)
         try:
             async for kind, ident, up, dn, err in agent_records(down):
                 if kind == b"O":
@@ -502,9 +506,10 @@ class TaskRelays(TaskStamped):
                 # The pool counts against the task's bound: the agent holds at most
                 # max_connections sockets, connected or not.
                 while owed and self._open + POOL <= self.limits.max_connections:
-                    owed -= 1
-                    if not give():
+                    count = min(owed, GIVE_AT_ONCE)
+                    if not give(count):
                         break
+                    owed -= count
         except (OSError, asyncio.CancelledError):
             return
         finally:

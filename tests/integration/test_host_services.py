@@ -397,3 +397,66 @@ def test_an_unprivileged_caller_gets_its_grants_too(
             )
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+HANDED_PY = r"""
+import fcntl, os, socket, struct, sys
+port = int(sys.argv[1])
+def cookie(s):  # SO_NETNS_COOKIE (71); 20 below is SO_RCVTIMEO
+    return s.getsockopt(socket.SOL_SOCKET, 71, 8)
+fresh = socket.socket()
+out = []
+for blocking, inheritable in ((True, False), (False, True)):
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 2, 500000))
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, 7000)
+    s.set_inheritable(inheritable)
+    s.setblocking(blocking)
+    before = s.fileno()
+    err = s.connect_ex(("127.0.0.1", port))
+    flags = fcntl.fcntl(s.fileno(), fcntl.F_GETFL)
+    out.append({
+        "err": err,
+        "same_fd": s.fileno() == before,
+        "handed": cookie(s) != cookie(fresh),
+        "keepalive": s.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+        "nodelay": s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY),
+        "rcvtimeo": list(struct.unpack("ll", s.getsockopt(socket.SOL_SOCKET, 20, 16))),
+        "user_timeout": s.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT),
+        "nonblock": bool(flags & os.O_NONBLOCK),
+        "inheritable": os.get_inheritable(s.fileno()),
+    })
+    s.close()
+import json; print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("runtime", ["bubblewrap", "oci"])
+def test_a_handed_socket_keeps_what_the_command_set_before_its_connect(
+    runtime: str, tmp_path: Path
+) -> None:
+    """The socket put in place of the command's own has its options (keepalive, no delay,
+    timeouts), its blocking mode and its close-on-exec flag, at the same descriptor."""
+    import json as _json
+
+    from tests.conftest import git_init
+    from tests.services_world import listening
+
+    require_runtime(runtime)
+    wt = git_init(tmp_path / "wt")
+    (wt / "handed.py").write_text(HANDED_PY)
+    with listening() as a:
+        policy = SandboxPolicy(allow_network=False, host_services=[f"127.0.0.1:{a.port}"])
+        ctx = PrepareContext(task_id="handed", run_id="r1", policy=policy, worktree_path=str(wt))
+        with SyncSandbox(backend_settings(runtime, policy=policy), cache_root=tmp_path / "c") as sb:
+            sb.prepare(ctx)
+            result = sb.run(f"python3 handed.py {a.port}", RunOptions(timeout_ms=30_000))
+    assert result.exit_code == 0, result
+    seen = _json.loads(result.stdout)
+    for one, (nonblock, inheritable) in zip(seen, ((False, False), (True, True)), strict=True):
+        assert one["err"] == 0 and one["same_fd"] and one["handed"], one
+        assert (one["keepalive"], one["nodelay"], one["user_timeout"]) == (1, 1, 7000), one
+        assert one["rcvtimeo"] == [2, 500000], one
+        assert (one["nonblock"], one["inheritable"]) == (nonblock, inheritable), one
