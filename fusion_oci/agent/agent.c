@@ -2063,6 +2063,8 @@ static void agent_reap(void) {
 }
 
 static void shutdown_all(void) {
+    for (size_t i = 0; i < nlis; i++)
+        fwd_flush_held(i); /* every handed-over connection is audited */
     /* Each keeper sees its channel close and ends its tree (SIGTERM, grace, SIGKILL). */
     for (size_t i = 0; i < nruns; i++)
         if (runs[i].chan >= 0) {
