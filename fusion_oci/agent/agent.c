@@ -1128,17 +1128,18 @@ static void fwd_inbound(struct listener *l, int h) {
     fwd_pipes(pr);
 }
 
-/* A relay's one byte and the fds riding on it (CLOEXEC; at most FDS_PER_BYTE, the control
+/* `len` bytes and the fds riding on them (CLOEXEC; at most FDS_PER_BYTE, the control
  * buffer's room: MSG_CTRUNC in *flags says more were cut). Returns recvmsg's result, errno
- * kept; the *nfds fds are the caller's whatever it returns. */
+ * kept; the *nfds fds are the caller's whatever it returns. A relay's one byte, a keeper's
+ * record. */
 #define FDS_PER_BYTE 4
-static ssize_t recv_byte_fds(int sock, char *byte, int fds[FDS_PER_BYTE], size_t *nfds,
-                             int *flags) {
+static ssize_t recv_with_fds(int sock, void *buf, size_t len, int fds[FDS_PER_BYTE],
+                             size_t *nfds, int *flags) {
     union {
         char buf[CMSG_SPACE(sizeof(int) * FDS_PER_BYTE)];
         struct cmsghdr align;
     } cm;
-    struct iovec iov = {byte, 1};
+    struct iovec iov = {buf, len};
     struct msghdr mh = {0};
     mh.msg_iov = &iov;
     mh.msg_iovlen = 1;
@@ -1164,6 +1165,11 @@ static ssize_t recv_byte_fds(int sock, char *byte, int fds[FDS_PER_BYTE], size_t
     }
     *flags = mh.msg_flags;
     return n;
+}
+
+static ssize_t recv_byte_fds(int sock, char *byte, int fds[FDS_PER_BYTE], size_t *nfds,
+                             int *flags) {
+    return recv_with_fds(sock, byte, 1, fds, nfds, flags);
 }
 
 /* The relay's pool connection: fresh sockets ('p' + one fd each), or its end (the task
@@ -1972,27 +1978,11 @@ static void kill_run(char *body, size_t len) {
 /* Read what the keeper of r says. Returns 0 when its channel is finished. */
 static int keeper_said(struct run *r) {
     struct kmsg m;
-    int fds[FDS_PER_BYTE];
-    size_t k = 0;
-    union {
-        char buf[CMSG_SPACE(sizeof(int) * FDS_PER_BYTE)];
-        struct cmsghdr align;
-    } cm;
-    struct iovec iov = {&m, sizeof m};
-    struct msghdr mh = {0};
-    mh.msg_iov = &iov;
-    mh.msg_iovlen = 1;
-    mh.msg_control = cm.buf;
-    mh.msg_controllen = sizeof cm.buf;
-    ssize_t n = recvmsg(r->chan, &mh, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+    int fds[FDS_PER_BYTE], flags;
+    size_t k;
+    ssize_t n = recv_with_fds(r->chan, &m, sizeof m, fds, &k, &flags);
     if (n < 0 && (errno == EAGAIN || errno == EINTR))
         return 1;
-    if (n > 0)
-        for (struct cmsghdr *h = CMSG_FIRSTHDR(&mh); h; h = CMSG_NXTHDR(&mh, h))
-            if (h->cmsg_level == SOL_SOCKET && h->cmsg_type == SCM_RIGHTS)
-                for (size_t j = 0; j < (h->cmsg_len - CMSG_LEN(0)) / sizeof(int); j++)
-                    if (k < FDS_PER_BYTE)
-                        memcpy(&fds[k++], CMSG_DATA(h) + j * sizeof(int), sizeof(int));
     if (n != (ssize_t)sizeof m) {
         for (size_t j = 0; j < k; j++)
             close(fds[j]);

@@ -8,6 +8,8 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -32,15 +34,16 @@ def _landlock_available() -> None:
     require_runtime("landlock")
 
 
-def run(worktree: Path, command: str, *, timeout_ms: int = 20_000, **policy: Any) -> RunResult:
+ENV = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"}
+
+
+@contextmanager
+def prepared(worktree: Path, task_id: str = "ll", **policy: Any) -> Iterator[SyncSandbox]:
+    """A landlock sandbox on ``worktree``, prepared (``network: none`` unless said)."""
     if "network" not in policy:
         policy.setdefault("allow_network", False)
     settings = SandboxSettings(backend="landlock", policy=SandboxPolicy(**policy))
-    env = {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "HOME": str(worktree.parent),
-        "LANG": "C.UTF-8",
-    }
+    env = {**ENV, "HOME": str(worktree.parent)}
     # The project outside the worktree (an executor's layout): landlock refuses a project whose
     # .fusion/ the command could write (test_a_main_worktree_as_the_project_is_refused).
     project = worktree.parent / "project"
@@ -48,13 +51,19 @@ def run(worktree: Path, command: str, *, timeout_ms: int = 20_000, **policy: Any
     with SyncSandbox(settings, env=env, cache_root=worktree.parent / "cache") as sb:
         sb.prepare(
             PrepareContext(
-                task_id="ll",
+                task_id=task_id,
                 run_id="r1",
                 worktree_path=str(worktree),
                 policy=settings.policy,
                 project_dir=str(project),
             )
         )
+        yield sb
+
+
+def run(worktree: Path, command: str, *, timeout_ms: int = 20_000, **policy: Any) -> RunResult:
+    with prepared(worktree, **policy) as sb:
+        env = {**ENV, "HOME": str(worktree.parent)}
         return sb.run(command, RunOptions(timeout_ms=timeout_ms, env=env))
 
 
@@ -561,21 +570,9 @@ def test_commands_killed_inside_a_supervised_call_leave_the_supervisor_serving(
     that reads /proc in a loop) withdraws its notification, and the supervisor's next receive
     finds none (ENOENT). It must take the next call, not stop: a supervisor that stopped left
     every later command of the task hanging in its first open (a CI run's maxBuffer test)."""
-    settings = SandboxSettings(backend="landlock", policy=SandboxPolicy(allow_network=False))
-    project = worktree.parent / "project"
-    project.mkdir(exist_ok=True)
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"}
     loop = "while :; do head -c1 /proc/self/stat >/dev/null; done"
-    with SyncSandbox(settings, env=env, cache_root=worktree.parent / "cache") as sb:
-        sb.prepare(
-            PrepareContext(
-                task_id="ll-enoent",
-                run_id="r1",
-                worktree_path=str(worktree),
-                policy=settings.policy,
-                project_dir=str(project),
-            )
-        )
+    env = ENV
+    with prepared(worktree, task_id="ll-enoent") as sb:
         for _ in range(12):
             busy = sb.run(f"{loop} & {loop} & {loop} & {loop}", RunOptions(env=env, timeout_ms=300))
             assert busy.reason == "timeout", busy
