@@ -1542,6 +1542,7 @@ static void fwd_drop_inherited(void) {
 #elif defined(__aarch64__)
 #define INJECT_ARCH AUDIT_ARCH_AARCH64
 #endif
+#define INJECT_CONNECT_MS 100 /* at most, per connect, while the agent serves no one else */
 #define IO_URING_FIRST 425 /* io_uring_setup, _enter, _register: the same on every arch */
 #define IO_URING_LAST 427
 
@@ -1722,10 +1723,18 @@ static int inject_pooled(int lfd, struct seccomp_notif *req, struct listener *l,
     int r = connect(s, (struct sockaddr *)&l->to, l->tolen);
     int err = r < 0 ? errno : 0;
     if (r < 0 && err == EINPROGRESS) {
+        /* A loopback connect is done at once unless the service's backlog is full: then we
+         * do not wait (the agent serves the whole sandbox), and the command's connect goes
+         * on to our listener, where a connect in progress waits in the poll loop. */
         struct pollfd w = {s, POLLOUT, 0};
         socklen_t el = sizeof err;
-        if (poll(&w, 1, FWD_CONNECT_MS) != 1 || getsockopt(s, SOL_SOCKET, SO_ERROR, &err, &el) < 0)
-            err = ETIMEDOUT;
+        if (poll(&w, 1, INJECT_CONNECT_MS) != 1 ||
+            getsockopt(s, SOL_SOCKET, SO_ERROR, &err, &el) < 0) {
+            fwd_record(li, 'O', id, 0, 0, 0);
+            fwd_record(li, 'D', id, 0, 0, ETIMEDOUT);
+            close(s);
+            return -1;
+        }
     }
     if (err) {
         fwd_record(li, 'O', id, 0, 0, 0);
