@@ -7,7 +7,10 @@ nothing of that namespace is on the host's loopback.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import socket
 import subprocess
 import textwrap
@@ -76,12 +79,18 @@ def listener(prefix: list[str], unshare: str) -> Iterator[int]:
         text=True,
         start_new_session=True,
     )
+    listener_pid = 0
     try:
         assert proc.stdout is not None
         said = proc.stdout.readline().split()
         assert said[:1] == ["ready"], said
-        yield int(said[1])  # the listener's own word: runuser stays between as its parent
+        listener_pid = int(said[1])  # its own word: runuser stays between, as its parent
+        yield listener_pid
     finally:
+        # the listener first (runuser's child: killing runuser leaves it), then what is left
+        if listener_pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(listener_pid, signal.SIGKILL)
         proc.kill()
         proc.wait()
         if proc.stdout is not None:
@@ -119,6 +128,23 @@ def test_an_unprivileged_owner_reaches_its_own_user_namespaces_network_through_t
     time.sleep(0.2)
     left = subprocess.run(["pgrep", "-f", "shims/nssockets.py"], capture_output=True, text=True)
     assert left.stdout == "", "the helper ends with its channel"
+
+
+def test_no_listener_outlives_its_test() -> None:
+    """What this file starts ends with each test, a listener under runuser included (it
+    outlived runuser once: its own parent stays between)."""
+    user, _ = checked_rootless_user("podman-rootless", None, "the test switches user")
+    for prefix, unshare in (([], "-n"), (["runuser", "-u", user.pw_name, "--"], "-Urn")):
+        with listener(prefix, unshare) as pid:
+            assert os.path.exists(f"/proc/{pid}")
+        time.sleep(0.2)
+        assert not os.path.exists(f"/proc/{pid}") or _zombie(pid), (prefix, pid)
+
+
+def _zombie(pid: int) -> bool:
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as stat:
+        return stat.read().split(")")[-1].split()[0] == "Z"
+    return True
 
 
 def test_an_unprivileged_owner_cannot_enter_roots_namespace() -> None:
