@@ -959,12 +959,9 @@ static void fwd_pipes(struct pair *c) {
 
 /* A record to listener li's relay on its pool connection (lost if the relay does not read:
  * the connection's buffer holds thousands). */
-static void fwd_record(size_t li, char type, unsigned id, unsigned long long up,
+static void fwd_encode(unsigned char r[FWD_REC], char type, unsigned id, unsigned long long up,
                        unsigned long long down, int err) {
-    if (lis[li].ctl < 0)
-        return;
-    unsigned char r[FWD_REC];
-    memset(r, 0, sizeof r);
+    memset(r, 0, FWD_REC);
     r[0] = (unsigned char)type;
     for (int b = 0; b < 4; b++) {
         r[4 + b] = (unsigned char)(id >> (24 - 8 * b));
@@ -974,6 +971,14 @@ static void fwd_record(size_t li, char type, unsigned id, unsigned long long up,
         r[8 + b] = (unsigned char)(up >> (56 - 8 * b));
         r[16 + b] = (unsigned char)(down >> (56 - 8 * b));
     }
+}
+
+static void fwd_record(size_t li, char type, unsigned id, unsigned long long up,
+                       unsigned long long down, int err) {
+    if (lis[li].ctl < 0)
+        return;
+    unsigned char r[FWD_REC];
+    fwd_encode(r, type, id, up, down, err);
     if (send(lis[li].ctl, r, sizeof r, MSG_DONTWAIT | MSG_NOSIGNAL) < 0) {
         /* the relay is gone or not reading: its audit misses this one */
     }
@@ -983,7 +988,8 @@ static void fwd_record(size_t li, char type, unsigned id, unsigned long long up,
  * as many fresh sockets in one message, one wake-up for several connections. */
 static void fwd_flush_held(size_t li) {
     struct listener *l = &lis[li];
-    if (l->nheld && l->ctl >= 0 && send(l->ctl, l->held, l->nheld, MSG_DONTWAIT | MSG_NOSIGNAL) < 0) {
+    if (l->nheld && l->ctl >= 0 &&
+        send(l->ctl, l->held, l->nheld, MSG_DONTWAIT | MSG_NOSIGNAL) < 0) {
         /* the relay is gone or not reading: its audit misses these */
     }
     l->nheld = 0;
@@ -997,11 +1003,7 @@ static void fwd_hold(size_t li, unsigned id) {
     struct listener *l = &lis[li];
     if (l->nheld + FWD_REC > sizeof l->held)
         fwd_flush_held(li);
-    unsigned char *r = l->held + l->nheld;
-    memset(r, 0, FWD_REC);
-    r[0] = 'H';
-    for (int b = 0; b < 4; b++)
-        r[4 + b] = (unsigned char)(id >> (24 - 8 * b));
+    fwd_encode(l->held + l->nheld, 'H', id, 0, 0, 0);
     if (!l->nheld)
         l->held_since = now_ms();
     l->nheld += FWD_REC;
@@ -1712,6 +1714,13 @@ static int fd_cloexec(pid_t pid, int fd) {
     return flags ? (strtol(flags + 6, NULL, 8) & O_CLOEXEC) != 0 : 1;
 }
 
+/* A pool socket taken and not handed over (its connect failed: err): the relay audits it. */
+static void inject_untaken(size_t li, unsigned id, int s, int err) {
+    fwd_record(li, 'O', id, 0, 0, 0);
+    fwd_record(li, 'D', id, 0, 0, err);
+    close(s);
+}
+
 /* A pool socket of l, connected to the grant, in the place of the caller's socket. 0: done
  * (the connect returns 0), > 0: the errno it returns, -1: let it go on as it would. */
 static int inject_pooled(int lfd, struct seccomp_notif *req, struct listener *l, int sfd) {
@@ -1730,16 +1739,12 @@ static int inject_pooled(int lfd, struct seccomp_notif *req, struct listener *l,
         socklen_t el = sizeof err;
         if (poll(&w, 1, INJECT_CONNECT_MS) != 1 ||
             getsockopt(s, SOL_SOCKET, SO_ERROR, &err, &el) < 0) {
-            fwd_record(li, 'O', id, 0, 0, 0);
-            fwd_record(li, 'D', id, 0, 0, ETIMEDOUT);
-            close(s);
+            inject_untaken(li, id, s, ETIMEDOUT);
             return -1;
         }
     }
     if (err) {
-        fwd_record(li, 'O', id, 0, 0, 0);
-        fwd_record(li, 'D', id, 0, 0, err);
-        close(s);
+        inject_untaken(li, id, s, err);
         return err; /* the grant refused: the command's connect says so */
     }
     int fl = fcntl(sfd, F_GETFL);
@@ -1767,10 +1772,7 @@ static int inject_pooled(int lfd, struct seccomp_notif *req, struct listener *l,
     add.newfd = (unsigned)req->data.args[0];
     add.newfd_flags = fd_cloexec(req->pid, (int)req->data.args[0]) ? O_CLOEXEC : 0;
     if (ioctl(lfd, SECCOMP_IOCTL_NOTIF_ADDFD, &add) < 0) {
-        int e = errno ? errno : EBADF;
-        fwd_record(li, 'O', id, 0, 0, 0);
-        fwd_record(li, 'D', id, 0, 0, e);
-        close(s);
+        inject_untaken(li, id, s, errno ? errno : EBADF);
         return -1;
     }
     fwd_hold(li, id); /* the command's own now: its relay audits it so */

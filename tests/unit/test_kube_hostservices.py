@@ -108,3 +108,15 @@ def test_the_pod_gets_the_sockets_folder_as_a_small_writable_volume() -> None:
         plain.spec, plain.process(["true"], RunOptions()), PodOptions(name="p", image="i")
     ).pod
     assert "/var/run/postgresql" not in str(no_unix)
+
+
+def test_a_socket_in_a_system_folder_is_a_gap_of_the_pod_never_a_volume_over_it() -> None:
+    """The pod follows check's rule (export makes pods without check): no empty volume over
+    /run, the grant listed unenforced instead."""
+    task = task_for(SandboxPolicy(allow_network=False, host_services=["unix:/run/s.sock"]))
+    mapping = pod_manifest(
+        task.spec, task.process(["true"], RunOptions()), PodOptions(name="p", image="i")
+    )
+    mounts = mapping.pod["spec"]["containers"][0]["volumeMounts"]
+    assert all(m["mountPath"] != "/run" for m in mounts), mounts
+    assert [u for u in mapping.unenforced if u.startswith("hostServices unix:/run/s.sock")]

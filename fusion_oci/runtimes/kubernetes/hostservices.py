@@ -16,7 +16,6 @@ names a listener, never an address: an index this side did not set up is a broke
 
 from __future__ import annotations
 
-import posixpath
 from collections.abc import Iterable, Mapping, Sequence
 
 from fusion_oci.agent.protocol import EGRESS_PORT
@@ -25,15 +24,8 @@ from fusion_oci.errors import SandboxSetupError
 from fusion_oci.models import NetworkMode
 from fusion_oci.models.hostservice import HostService
 from fusion_oci.oci.model import TaskSpec
-from fusion_oci.runtimes.kubernetes.pod import unix_folders
+from fusion_oci.runtimes.kubernetes.pod import unix_folder_gaps
 from fusion_oci.runtimes.kubernetes.tools import AGENT, MUX, path
-
-SYSTEM_FOLDERS = frozenset(
-    ("/", "/bin", "/boot", "/dev", "/etc", "/lib", "/lib64", "/proc", "/sbin", "/sys", "/usr",
-     "/var", "/run", "/home", "/root", "/opt", "/srv", "/tmp")
-)  # fmt: skip
-"""Folders a unix grant's socket may not sit in directly on a cluster: an empty folder there
-would hide the image's own (``/tmp`` is the pod's own writable folder already)."""
 
 
 def listened(grants: Iterable[HostService]) -> list[str]:
@@ -43,18 +35,9 @@ def listened(grants: Iterable[HostService]) -> list[str]:
 
 
 def unix_refusals(grants: Iterable[HostService], writable: Sequence[str]) -> list[str]:
-    """What ``check`` says for unix grants a pod cannot carry: a socket whose folder would
-    have to be an empty volume over a folder of the image's system (``/run``, ``/var``).
-    Pure."""
-    return [
-        f"hostServices {g}: its folder {posixpath.dirname(g.path)} would be an empty volume "
-        "over the image's own in the pod; grant the service's TCP address (127.0.0.1:PORT) "
-        "or a socket in a folder of its own (/run/postgresql/...)"
-        for g in grants
-        if g.kind == "unix"
-        and posixpath.dirname(g.path) in SYSTEM_FOLDERS
-        and posixpath.dirname(g.path) in unix_folders([g], writable)
-    ]
+    """What ``check`` says for unix grants a pod cannot carry (:func:`~.pod.unix_folder_gaps`,
+    the rule the pod's volumes follow). Pure."""
+    return [gap.text() for gap in unix_folder_gaps(grants, writable)]
 
 
 def pod_mux_argv(spec: TaskSpec) -> list[str]:
@@ -86,7 +69,6 @@ def listener_table(grants: Sequence[str], relays: Mapping[str, str] | None) -> t
 
 
 __all__ = [
-    "SYSTEM_FOLDERS",
     "listened",
     "listener_table",
     "pod_mux_argv",

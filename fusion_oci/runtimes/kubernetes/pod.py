@@ -161,6 +161,7 @@ def pod_manifest(task: TaskSpec, process: ProcessSpec, opts: PodOptions) -> PodM
     # a unix grant's socket is made by the pod's relay at the granted path: in a folder of
     # its own where no writable one is (hostservices.py; check refuses a system folder)
     writable = [m["mountPath"] for m in mounts if not m.get("readOnly")]
+    gaps += unix_folder_gaps(task.host_services, writable)
     for folder in unix_folders(task.host_services, writable):
         vol = f"v{len(volumes)}"
         volumes.append({"name": vol, "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}})
@@ -364,10 +365,16 @@ def _volumes(
     return volumes, mounts, carried
 
 
-def unix_folders(grants: Iterable[HostService], writable: Sequence[str]) -> list[str]:
-    """The folders the pod needs as empty, writable volumes for its unix grants' sockets:
-    each socket's folder, unless it lies in one of the pod's ``writable`` mounts already
-    (the worktree, /tmp). Pure."""
+SYSTEM_FOLDERS = frozenset(
+    ("/", "/bin", "/boot", "/dev", "/etc", "/lib", "/lib64", "/proc", "/sbin", "/sys", "/usr",
+     "/var", "/run", "/home", "/root", "/opt", "/srv", "/tmp")
+)  # fmt: skip
+"""Folders a unix grant's socket may not sit in directly unless the pod writes there already:
+an empty volume there would hide the image's own."""
+
+
+def _socket_folders(grants: Iterable[HostService], writable: Sequence[str]) -> list[str]:
+    """Each unix grant's socket folder that no ``writable`` mount holds, once each."""
     out: list[str] = []
     for g in grants:
         if g.kind != "unix":
@@ -377,6 +384,31 @@ def unix_folders(grants: Iterable[HostService], writable: Sequence[str]) -> list
         if not inside and folder not in out:
             out.append(folder)
     return out
+
+
+def unix_folders(grants: Iterable[HostService], writable: Sequence[str]) -> list[str]:
+    """The folders the pod needs as empty, writable volumes for its unix grants' sockets:
+    each socket's folder, unless it lies in one of the pod's ``writable`` mounts already
+    (the worktree, /tmp) or is a system folder (:func:`unix_folder_gaps`). Pure."""
+    return [f for f in _socket_folders(grants, writable) if f not in SYSTEM_FOLDERS]
+
+
+def unix_folder_gaps(grants: Iterable[HostService], writable: Sequence[str]) -> list[Gap]:
+    """The unix grants a pod cannot carry: a socket directly in a system folder the pod does
+    not write (``/run``, ``/var``), which would need an empty volume over the image's own.
+    Unenforced: ``check`` refuses the task. Pure."""
+    folders = set(_socket_folders(grants, writable)) & SYSTEM_FOLDERS
+    return [
+        Gap(
+            f"hostServices {g}",
+            "unenforced",
+            f"its folder {posixpath.dirname(g.path)} would be an empty volume over the "
+            "image's own in the pod; grant the service's TCP address (127.0.0.1:PORT) or a "
+            "socket in a folder of its own (/run/postgresql/...)",
+        )
+        for g in grants
+        if g.kind == "unix" and posixpath.dirname(g.path) in folders
+    ]
 
 
 def writable_folders(task: TaskSpec) -> list[str]:

@@ -360,9 +360,9 @@ class KubernetesRuntime(SpecRuntime):
         if proxy is not None:
             dialer = functools.partial(asyncio.open_unix_connection, proxy)
         relays = task.services.sockets() if task.services is not None else None
-        # Listener N of the pod's relay is the N-th TCP grant: its relay here, fixed now.
-        # TCP grants' relays take the handover's word first; a unix grant's relay is the
-        # socket itself, spliced to the granted path
+        # Listener N of the pod's relay is the N-th grant: its relay here, fixed now. A TCP
+        # grant's relay takes the handover's word first; a unix grant's relay is the socket
+        # itself, spliced to the granted path.
         grants = task.spec.host_services
         services = [
             functools.partial(
