@@ -168,7 +168,7 @@ class Sandbox:
         for that the runtime does not enforce is refused. A runtime that does not isolate
         (native) lists what it leaves out instead."""
         missing = runtime.check(task)
-        if task.spec.service_containers:
+        if task.spec.service_containers and not runtime.runs_services:
             wanted = services_missing(True, runtime.isolates, self.settings, self.env, runtime.id)
             missing = sorted([*missing, *wanted])
         if not runtime.isolates:
@@ -240,7 +240,7 @@ class Sandbox:
                             self.egress.unix_socket.parent,
                         )
                     )
-            if resolved.spec.service_containers and runtime.isolates:
+            if resolved.spec.service_containers and runtime.isolates and not runtime.runs_services:
                 # Before the relays: each service's relay connects into its container.
                 self.sidecars = TaskServices(
                     list(ctx.policy.services),
@@ -257,15 +257,15 @@ class Sandbox:
                 # namespace bind it at /etc/hosts; landlock keeps the host's).
                 hosts = self.sidecars.write_hosts(resolved.spec.hostname or "localhost")
                 resolved = resolved.with_layout(replace(resolved.layout, hosts_file=hosts))
-            if resolved.spec.host_services and runtime.isolates:
+            # A runtime that runs the services beside the task serves their endpoints itself.
+            endpoints = [] if runtime.runs_services else ctx.policy.service_endpoints()
+            grants = [*ctx.policy.grants(), *((e, False) for e in endpoints)]
+            if grants and runtime.isolates:
                 # Before prepare too: the runtime binds the relays' sockets into the sandbox
                 # (landlock's connect supervisor redirects to their host listeners).
                 self.services = await start_relays(
                     task_id=ctx.task_id,
-                    grants=[
-                        *ctx.policy.grants(),
-                        *((e, False) for e in ctx.policy.service_endpoints()),
-                    ],
+                    grants=grants,
                     upstreams=self.sidecars.upstreams() if self.sidecars else None,
                     audit=self.audit,
                     tcp=runtime.egress_via_tcp,
@@ -407,6 +407,8 @@ class Sandbox:
             details["egress_profile"] = self._profile
         if self.sidecars is not None:
             details["services"] = [one.audit() for one in self.sidecars.started]
+        elif runtime.services_started:
+            details["services"] = [dict(one) for one in runtime.services_started]
         if self.ports is not None:
             details["published"] = self.ports.report()
         if self.linker is not None:

@@ -25,7 +25,11 @@ def dry_run(task: Any, command: str | list[str], environ: dict[str, str]) -> dic
     avail = runtime.availability()
     missing = runtime.check(resolved)  # what the lifecycle refuses (or lists, for native)
     missing += services_missing(
-        bool(resolved.spec.service_containers), runtime.isolates, settings, environ, runtime.id
+        bool(resolved.spec.service_containers) and not runtime.runs_services,
+        runtime.isolates,
+        settings,
+        environ,
+        runtime.id,
     )
     if runtime.isolates:
         missing += resolved.unprotected()

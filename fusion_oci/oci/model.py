@@ -25,6 +25,7 @@ from pydantic.alias_generators import to_camel
 from fusion_oci.models import CacheMode, NetworkMode
 
 if TYPE_CHECKING:
+    from fusion_oci.models import ServiceContainer
     from fusion_oci.models.hostservice import HostService
     from fusion_oci.models.publishport import PublishedPort
 
@@ -231,6 +232,9 @@ ANN_HOST_ROOTFS = ANN + "host-rootfs"
 ANN_CACHE_MODE = ANN + "cache-mode"
 ANN_HOST_SERVICES = ANN + "host-services"
 ANN_SERVICES = ANN + "services"
+ANN_SERVICE_DEFS = ANN + "service-definitions"
+"""The service containers' definitions (``policy.services`` as JSON, env values included:
+the settings' own, never the caller's): what a runtime that starts them itself reads."""
 ANN_PUBLISH = ANN + "publish-ports"
 
 
@@ -308,6 +312,24 @@ class TaskSpec(OciModel):
             if name and port.isdigit():
                 out.append((name, int(port)))
         return tuple(out)
+
+    @property
+    def service_definitions(self) -> tuple[ServiceContainer, ...]:
+        """The service containers as ``policy.services`` defines them (image, env, ready
+        command...), in the order of :attr:`service_containers`; empty: none, or a record
+        that does not parse (then a runtime that starts them itself has none to start, and
+        its check says so)."""
+        import json
+
+        from fusion_oci.models import ServiceContainer as Definition
+
+        text = self.annotations.get(ANN_SERVICE_DEFS)
+        if not text:
+            return ()
+        try:
+            return tuple(Definition.model_validate(d) for d in json.loads(text))
+        except ValueError:
+            return ()
 
     @property
     def image(self) -> str | None:

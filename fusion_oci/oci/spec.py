@@ -8,12 +8,19 @@ sees is policy of its own (:mod:`fusion_oci.oci.environment`).
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from typing import Any
 
-from fusion_oci.models import NetworkMode, PrepareContext, RunOptions, SandboxPolicy
+from fusion_oci.models import (
+    NetworkMode,
+    PrepareContext,
+    RunOptions,
+    SandboxPolicy,
+    ServiceContainer,
+)
 from fusion_oci.models.hostservice import HostService
 from fusion_oci.models.publishport import PublishedPort
 from fusion_oci.oci.environment import SANDBOX_HOME, SANDBOX_PATH, sandbox_env
@@ -27,6 +34,7 @@ from fusion_oci.oci.model import (
     ANN_POLICY,
     ANN_PUBLISH,
     ANN_RUN,
+    ANN_SERVICE_DEFS,
     ANN_SERVICES,
     ANN_TASK,
     Capabilities,
@@ -240,13 +248,18 @@ def with_published_ports(spec: TaskSpec, ports: Sequence[PublishedPort]) -> Task
     return with_annotations(spec, {ANN_PUBLISH: " ".join(str(p) for p in ports)})
 
 
-def with_service_containers(spec: TaskSpec, services: Sequence[tuple[str, int]]) -> TaskSpec:
-    """The task's service containers, ``NAME=PORT`` space-separated (OCI has no field for
-    them: the lifecycle starts them, each runtime's relays make them appear inside)."""
+def with_service_containers(spec: TaskSpec, services: Sequence[ServiceContainer]) -> TaskSpec:
+    """The task's service containers: ``NAME=PORT`` space-separated (where each appears), and
+    their definitions as JSON (what to start). OCI has no field for them: the lifecycle starts
+    them and each runtime's relays make them appear inside, or a runtime starts them itself
+    beside the task (kubernetes: in its pod)."""
     if not services:
         return spec
-    text = " ".join(f"{name}={port}" for name, port in services)
-    return with_annotations(spec, {ANN_SERVICES: text})
+    text = " ".join(f"{s.name}={s.port}" for s in services)
+    defs = json.dumps(
+        [s.model_dump(mode="json", by_alias=True) for s in services], separators=(",", ":")
+    )
+    return with_annotations(spec, {ANN_SERVICES: text, ANN_SERVICE_DEFS: defs})
 
 
 def with_memory_limit(spec: TaskSpec, mib: int | None) -> TaskSpec:
@@ -391,7 +404,7 @@ def compile_task(ctx: PrepareContext, layout: TaskLayout, host: HostInfo) -> Tas
     # Service containers are served by relays as host services are: one annotation lists
     # every endpoint a relay serves inside; the services annotation names the containers.
     spec = with_host_services(spec, policy.relayed())
-    spec = with_service_containers(spec, [(s.name, s.port) for s in policy.services])
+    spec = with_service_containers(spec, policy.services)
     spec = with_published_ports(spec, policy.published())
     spec = with_env_allowlist(spec, policy.env_allowlist)
     spec = with_memory_limit(spec, policy.memory_limit_mb)

@@ -64,6 +64,13 @@ class Runtime(Protocol):
     egress_via_tcp: bool
     """True: the filtering proxy is reached over host TCP (no network namespace to bind its
     socket into, as with landlock)."""
+    runs_services: bool
+    """True: the runtime starts the task's service containers itself, beside the task
+    (kubernetes: containers in the task's pod), and reports them in :attr:`services_started`;
+    False: the lifecycle starts them on this host's engine (fusion_oci.sidecars) and relays
+    them in."""
+    services_started: tuple[dict[str, object], ...]
+    """What a runtime that ``runs_services`` started at prepare, one record each."""
     audit: AuditLog | None
     """Service the lifecycle hands over before ``prepare``: where provisioning and other
     runtime-side events are audited."""
@@ -132,6 +139,10 @@ class RuntimeDefaults:
     streams_stdin: bool = False
     shares_host_files: bool = True
     egress_via_tcp: bool = False
+    runs_services: bool = False
+    services_started: tuple[dict[str, object], ...] = ()
+    """What a runtime that ``runs_services`` started at prepare, as the prepare event records
+    a service (name, image, port, env names, ready_ms)."""
     audit: AuditLog | None = None
     ask: AskCallback | None = None
     task: ResolvedTask | None = None

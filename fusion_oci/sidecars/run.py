@@ -450,10 +450,6 @@ def services_unavailable(
     """Why service containers cannot run here, or None: they can (an engine answers, or
     podman is installed and a service of its own can be started). Starts nothing."""
 
-    if prefer == "kubernetes":
-        # the task's network is a pod's on a cluster node: a container of this host's engine
-        # cannot join it (containers beside the task in its pod would: not yet)
-        return "a kubernetes task's network is its pod's, on a cluster node"
     refused: list[str] = []
     for kind in _order(prefer):
         try:

@@ -18,7 +18,7 @@ from fusion_oci.policy.settings import SandboxSettings
 from fusion_oci.runtimes.kubernetes.agentsandbox import shape_of
 from fusion_oci.runtimes.kubernetes.kubeconfig import find_access, kubeconfig_paths
 from fusion_oci.runtimes.kubernetes.objects import TaskObjects, task_objects
-from fusion_oci.runtimes.kubernetes.pod import label_value
+from fusion_oci.runtimes.kubernetes.pod import PodService, label_value
 from fusion_oci.runtimes.kubernetes.rbac import RULES, access_reviews, role
 from tests.golden import assert_golden
 from tests.unit.test_containers_translate import FILTERED, POLICY, task_for
@@ -34,6 +34,30 @@ OWNER = {
 TRANSFERRED = ("/srv/wt", "/srv/repo/.git")
 """The worktree and the common git folder of tests.unit.test_containers_translate's layout."""
 
+SERVICES = SandboxPolicy.model_validate(
+    {
+        "network": "none",
+        "services": [
+            {"name": "db", "image": "postgres", "env": {"POSTGRES_DB": "app"}, "port": 5432,
+             "ready": "pg_isready -q"},
+            {"name": "cache", "image": "registry.example/redis:7", "port": 6379,
+             "command": ["redis-server", "--bind", "127.0.0.1"]},
+        ],
+    }
+)  # fmt: skip
+"""Two service containers: a recipe's (the nodes have its local name) with a ready command,
+a full reference with its own command and the port as its readiness."""
+
+
+def pod_services(policy: SandboxPolicy) -> list[PodService]:
+    return [
+        PodService(s, "localhost/fusion-oci/postgres:feedc0ffee12", "Never")
+        if s.image == "postgres"
+        else PodService(s, s.image)
+        for s in policy.services
+    ]
+
+
 CASES: dict[str, tuple[SandboxPolicy, KubernetesSettings]] = {
     "pods-egress": (POLICY, KubernetesSettings(mode="pods")),
     "pods-none": (SandboxPolicy(allow_network=False), KubernetesSettings(mode="pods")),
@@ -45,6 +69,7 @@ CASES: dict[str, tuple[SandboxPolicy, KubernetesSettings]] = {
             mode="pods", seccomp_profile="fusion-oci/task.json", runtime_class="gvisor"
         ),
     ),
+    "pods-services": (SERVICES, KubernetesSettings(mode="pods")),
     "sandbox-egress": (POLICY, KubernetesSettings(mode="sandbox", warm_pool=3)),
     "sandbox-cold": (SandboxPolicy(allow_network=False), KubernetesSettings(warm_pool=0)),
 }
@@ -70,6 +95,7 @@ def objects(case: str, owner: dict[str, str] | None = None) -> TaskObjects:
         owner_labels=owner or OWNER,
         transferred=TRANSFERRED,
         shutdown_time="2026-12-05T23:00:00Z" if case.startswith("sandbox") else None,
+        services=pod_services(policy),
     )
 
 
@@ -103,6 +129,8 @@ def test_the_pod_is_locked_down() -> None:
         "allowPrivilegeEscalation": False,
         "readOnlyRootFilesystem": True,
         "capabilities": {"drop": ["ALL"]},
+        "runAsUser": 1000,
+        "runAsGroup": 1000,
     }
     assert (
         c["resources"]["limits"]

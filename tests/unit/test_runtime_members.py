@@ -23,7 +23,7 @@ METHODS = sorted(
     n for n, v in vars(Runtime).items() if inspect.isfunction(v) and not n.startswith("_")
 )
 DATA = sorted(n for n in Runtime.__annotations__)
-FLAGS = ("isolates", "streams_stdin", "egress_via_tcp")
+FLAGS = ("isolates", "streams_stdin", "egress_via_tcp", "runs_services")
 
 
 def _classes() -> dict[str, Any]:

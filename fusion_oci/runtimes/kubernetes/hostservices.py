@@ -24,7 +24,7 @@ from fusion_oci.errors import SandboxSetupError
 from fusion_oci.models import NetworkMode
 from fusion_oci.models.hostservice import HostService
 from fusion_oci.oci.model import TaskSpec
-from fusion_oci.runtimes.kubernetes.pod import unix_folder_gaps
+from fusion_oci.runtimes.kubernetes.pod import pod_grants, unix_folder_gaps
 from fusion_oci.runtimes.kubernetes.tools import AGENT, MUX, path
 
 
@@ -42,13 +42,14 @@ def unix_refusals(grants: Iterable[HostService], writable: Sequence[str]) -> lis
 
 def pod_mux_argv(spec: TaskSpec) -> list[str]:
     """The pod's relay for ``spec``: the egress listener for ``network: filtered`` (the
-    proxy variables name 127.0.0.1:3128), a listener per grant. Pure."""
+    proxy variables name 127.0.0.1:3128), a listener per grant the pod does not serve itself
+    (:func:`~.pod.pod_grants`: a service container listens on its own endpoint). Pure."""
     return mux_argv(
         path(AGENT),
         python="python3",
         mux=path(MUX),
         egress_listen=EGRESS_PORT if spec.network is NetworkMode.FILTERED else None,
-        service_listen=listened(spec.host_services),
+        service_listen=listened(pod_grants(spec)),
     )
 
 

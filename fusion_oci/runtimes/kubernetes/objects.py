@@ -15,7 +15,7 @@ from typing import Any, Literal
 from fusion_oci.oci.model import ProcessSpec, TaskSpec
 from fusion_oci.policy.kubernetes import KubernetesSettings
 from fusion_oci.runtimes.kubernetes.agentsandbox import SandboxObjects, sandbox_objects
-from fusion_oci.runtimes.kubernetes.pod import PodMapping, PodOptions, pod_manifest
+from fusion_oci.runtimes.kubernetes.pod import PodMapping, PodOptions, PodService, pod_manifest
 
 Mode = Literal["sandbox", "pods"]
 GRACE_S = 2
@@ -59,10 +59,12 @@ def task_objects(
     tools: str | None = None,
     skip: frozenset[str] = frozenset(),
     files_from: Mapping[str, tuple[str, str]] | None = None,
+    services: Sequence[PodService] = (),
 ) -> TaskObjects:
     """The objects of one task. ``agent``: the process the pod's one container runs (the exec
     agent); ``transferred``: the destinations the worktree transfer fills; ``mode``: already
-    decided (``auto`` is the doctor's and prepare's question to the cluster)."""
+    decided (``auto`` is the doctor's and prepare's question to the cluster); ``services``:
+    the task's service containers, with the images the nodes run them from."""
     opts = PodOptions(
         name=name,
         image=image,
@@ -77,6 +79,7 @@ def task_objects(
         skip=skip,
         files_from=dict(files_from or {}),
         blocked_networks=tuple(settings.node_networks),
+        services=tuple(services),
     )
     mapping = pod_manifest(task, agent, opts)
     if mode == "pods":

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fusion_oci.agent.protocol import EGRESS_AGENT
-from fusion_oci.models import NetworkMode
+from fusion_oci.models import NetworkMode, ServiceContainer
 from fusion_oci.models.hostservice import HostService
 from fusion_oci.oci.model import Mount, ProcessSpec, TaskSpec
 
@@ -47,6 +47,25 @@ TOOLS_AGENT = "fusion-oci-agent"
 """The only capability the ``restricted`` level lets a container add."""
 
 Handling = Literal["in-pod", "unenforced", "not-carried"]
+SERVICE_PREFIX = "svc-"
+"""A service container's name in the pod: ``svc-NAME`` (the task's own is ``task``)."""
+READY_PERIOD_S = 1
+"""How often the kubelet runs a service's readiness probe (its smallest period)."""
+
+
+@dataclass(frozen=True)
+class PodService:
+    """A service container of the task's pod (``policy.services``), with the image reference
+    the nodes run it from."""
+
+    service: ServiceContainer
+    image: str
+    pull_policy: str = "IfNotPresent"
+    """Never for an image the runtime knows only the nodes can have (a recipe's local name)."""
+
+    @property
+    def container(self) -> str:
+        return SERVICE_PREFIX + self.service.name
 
 
 @dataclass(frozen=True)
@@ -106,6 +125,10 @@ class PodOptions:
     relay, the worktree transfer's remote side), mounted read-only at :data:`TOOLS_DIR`:
     nothing to bake into the image, no registry, nothing a command can rewrite. None: none
     (export)."""
+    services: tuple[PodService, ...] = ()
+    """The task's service containers (the spec names them, ``policy.services`` defines them):
+    containers beside the task's in its pod. A service the spec names that is not here is a
+    gap (export: a recording holds no service definitions)."""
 
 
 @dataclass(frozen=True)
@@ -196,14 +219,20 @@ def pod_manifest(task: TaskSpec, process: ProcessSpec, opts: PodOptions) -> PodM
     resources = _resources(task)
     if resources:
         container["resources"] = resources
+    services = _services(task, opts, gaps)
     spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "securityContext": pod_security,
-        "containers": [container],
+        "containers": [container, *services],
         "volumes": volumes,
     }
+    if services:
+        # Each service's name on the pod's own loopback, as the local runtimes' hosts file
+        # says: the containers of a pod share its network namespace.
+        names = [c["name"].removeprefix(SERVICE_PREFIX) for c in services]
+        spec["hostAliases"] = [{"ip": "127.0.0.1", "hostnames": names}]
     if opts.grace_s is not None:
         spec["terminationGracePeriodSeconds"] = opts.grace_s
     if not opts.host_paths:
@@ -255,6 +284,87 @@ def pod_manifest(task: TaskSpec, process: ProcessSpec, opts: PodOptions) -> PodM
         }
         gaps += _network_gaps(network)
     return PodMapping(pod, policy, tuple(gaps), tuple(carried))
+
+
+def _services(task: TaskSpec, opts: PodOptions, gaps: list[Gap]) -> list[dict[str, Any]]:
+    """The service containers of the pod, in the spec's order.
+
+    They share the pod's network namespace: each listens on the pod's own 127.0.0.1:PORT,
+    where the task's commands reach it directly (no relay: nothing of ours in the data path),
+    and the pod's NetworkPolicy (no ingress, the task's egress) keeps everything else away,
+    as the local runtimes' network-less containers do. Not its pid or mount namespace: a
+    pod does not share processes unless asked (``shareProcessNamespace``), and each
+    container has its own root. Each runs as its image's user (no ``runAsUser``: the pod's
+    is the task's, set on the task's container), which ``runAsNonRoot`` asks to be a
+    numeric non-root uid (images/postgres and images/redis are 999), with every capability
+    dropped and no privilege escalation (`restricted`); its root is writable (a database
+    writes its files there), and it gets no volume, no token and none of the task's
+    environment. Ready: its ``ready`` command as the kubelet's readiness probe, else its
+    port listening on the pod's loopback (read from /proc/net, as the kubelet's own TCP
+    probe dials the pod's address, where a service on 127.0.0.1 does not answer)."""
+    defined = {s.service.name: s for s in opts.services}
+    out: list[dict[str, Any]] = []
+    for name, port in task.service_containers:
+        svc = defined.get(name)
+        if svc is None or svc.service.port != port:
+            gaps.append(
+                Gap(
+                    f"services {name}",
+                    "unenforced",
+                    "the pod has no container for it (its definition, policy.services, is "
+                    "not in the spec's record)",
+                )
+            )
+            continue
+        if len(svc.container) > 63:
+            gaps.append(
+                Gap(
+                    f"services {name}",
+                    "unenforced",
+                    f"a container name is at most 63 characters: '{svc.container}' is longer; "
+                    "shorten the service's name",
+                )
+            )
+            continue
+        out.append(_service_container(svc))
+    return out
+
+
+def _service_container(svc: PodService) -> dict[str, Any]:
+    s = svc.service
+    listening = f"grep -qi ':{s.port:04X} 0\\{{8,32\\}}:0000 0A' /proc/net/tcp /proc/net/tcp6"
+    probe = ["/bin/sh", "-c", s.ready or listening]
+    container: dict[str, Any] = {
+        "name": svc.container,
+        "image": svc.image,
+        "imagePullPolicy": svc.pull_policy,
+        "securityContext": {
+            "privileged": False,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": False,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        "readinessProbe": {
+            "exec": {"command": probe},
+            "periodSeconds": READY_PERIOD_S,
+            "timeoutSeconds": 5,
+            "successThreshold": 1,
+            "failureThreshold": 1,
+        },
+    }
+    if s.env:
+        container["env"] = [{"name": k, "value": v} for k, v in sorted(s.env.items())]
+    if s.command is not None:
+        # the engine's `command` of a service is the image's CMD replaced: a Pod's `args`
+        container["args"] = list(s.command)
+    return container
+
+
+def pod_grants(task: TaskSpec) -> tuple[HostService, ...]:
+    """The host services the pod's relay carries back to the executor: the spec's grants but
+    its service containers' endpoints, which the pod serves itself. Pure."""
+    own = {f"127.0.0.1:{port}" for _, port in task.service_containers}
+    return tuple(g for g in task.host_services if str(g) not in own)
 
 
 def policy_rules(network: NetworkMode, blocked: Sequence[str] = ()) -> dict[str, Any]:
@@ -544,15 +654,17 @@ def _security(
     caps: dict[str, Any] = {"drop": ["ALL"]}
     if kept:
         caps["add"] = kept
+    # The task's user on its own container, not the pod: a service container beside it
+    # runs as its image's user.
     container = {
         "privileged": False,
         "allowPrivilegeEscalation": False,
         "readOnlyRootFilesystem": bool(task.root.readonly),
         "capabilities": caps,
-    }
-    pod: dict[str, Any] = {
         "runAsUser": uid,
         "runAsGroup": gid,
+    }
+    pod: dict[str, Any] = {
         "runAsNonRoot": uid != 0,
         "seccompProfile": seccomp,
     }

@@ -30,6 +30,7 @@ RULES: tuple[Rule, ...] = (
     Rule("", "pods", ("create", "get", "list", "watch", "delete"), "the task's pod (pods mode), "
          "the doctor's NetworkPolicy probe; list and watch: readiness, gc"),
     Rule("", "pods/exec", ("create", "get"), "commands through the exec agent"),
+    Rule("", "pods/log", ("get",), "a service container's last lines when it does not start"),
     Rule("", "secrets", ("create", "get", "list", "delete"), "caller variables passed by name "
          "(the pod reads its Secret NAME-env); gc"),
     Rule("", "configmaps", ("create", "get", "list", "delete"), "the runtime's tools for the "

@@ -22,14 +22,19 @@ What a Pod cannot express is either enforced another way or refused at ``check``
 the agent's per command; NetworkPolicy enforcement is not readable from the API, so prepare
 probes it once per cluster (:mod:`.netprobe`) and fails closed; ``egress`` needs the nodes'
 networks (``kubernetes.nodeNetworks``); the bundle's seccomp profile needs a Localhost copy on
-the nodes (``kubernetes.seccompProfile``); ``pidsLimit``, unix socket host services and
-published ports are refused (not yet carried to a pod).
+the nodes (``kubernetes.seccompProfile``); ``pidsLimit``, a unix grant directly in a system
+folder and published ports are refused (not carried to a pod).
 
 ``network: filtered`` (and ``credentials``): the task's egress proxy runs on the executor, as for
 the local runtimes, and the pod reaches it back through the agent's stream: the relay listens
 on the pod's 127.0.0.1:3128 (``mux.py --egress-listen``) and the streamed agent dials the
 proxy's socket here for each connection. The pod's NetworkPolicy denies all egress, so a
 command that ignores the proxy variables reaches nothing; no credential enters the cluster.
+
+``services`` (per-task service containers): containers beside the task's in its pod
+(:func:`.pod.pod_manifest`), on the pod's own loopback where the commands reach them directly;
+prepare waits for their readiness probes (:func:`.taskpod.wait_services_ready`) and the pod's
+deletion ends them with it.
 
 ``hostServices`` (TCP grants, any network): the same way back. The relay also listens on each
 grant's address of the pod's loopback and the streamed agent dials that grant's relay here,
@@ -68,7 +73,7 @@ from fusion_oci.runtimes.kubernetes.hostservices import (
 from fusion_oci.runtimes.kubernetes.kubeconfig import ClusterAccess, find_access
 from fusion_oci.runtimes.kubernetes.netprobe import probe_network_policy
 from fusion_oci.runtimes.kubernetes.objects import Mode, TaskObjects, task_objects
-from fusion_oci.runtimes.kubernetes.pod import writable_folders
+from fusion_oci.runtimes.kubernetes.pod import PodService, pod_grants, writable_folders
 from fusion_oci.runtimes.kubernetes.provision import ensure_shape
 from fusion_oci.runtimes.kubernetes.sync.host import PullReport
 from fusion_oci.runtimes.kubernetes.tools import (
@@ -134,6 +139,7 @@ class KubernetesRuntime(SpecRuntime):
     id = "kubernetes"
     streams_stdin = True
     shares_host_files = False
+    runs_services = True  # containers in the task's pod
 
     def setup(self) -> None:
         self.kube = self.settings.kubernetes
@@ -151,6 +157,8 @@ class KubernetesRuntime(SpecRuntime):
         self._mux_argv = MUX_ARGV
         self._image = ""
         self._oom_seen = 0
+        self.services_started: tuple[dict[str, object], ...] = ()
+        self._created_at = 0.0
 
     def _cluster(self) -> tuple[ClusterAccess, KubeClient]:
         if self._client is None or self._access is None:
@@ -250,7 +258,31 @@ class KubernetesRuntime(SpecRuntime):
             tools=tools,
             skip=git_dirs,
             files_from={CA_IN_SANDBOX: (ca, "host-ca.pem")} if ca else None,
+            services=self._services(),
         )
+
+    def _services(self) -> tuple[PodService, ...]:
+        """The task's service containers as the spec defines them, with the images the nodes
+        run them from: a recipe's name (``postgres``) is its content-hashed local name, which a
+        cluster without a registry has imported (never pulled); a full reference is the
+        nodes' to pull when they do not have it."""
+        task = self.task
+        if task is None or not task.spec.service_containers:
+            return ()
+        from fusion_oci.images.provision import default_image_ref
+
+        named = dict(task.spec.service_containers)
+        out = []
+        for svc in task.spec.service_definitions:
+            if named.get(svc.name) != svc.port:
+                continue
+            image = svc.image
+            if "/" not in image and ":" not in image:
+                ref = default_image_ref(image, env=self.env)
+                out.append(PodService(svc, ref, pull_policy="Never"))
+            else:
+                out.append(PodService(svc, image))
+        return tuple(out)
 
     def _image_ref(self, spec: TaskSpec) -> str:
         image = spec.image or ""
@@ -296,6 +328,7 @@ class KubernetesRuntime(SpecRuntime):
                     # credentials: the bundle holds the task's own broker CA, so no other
                     # task shares it: it goes with the task
                     self._made.append(ca.manifest())
+            self._created_at = time.monotonic()
             if objs.sandbox is None:
                 for obj in objs.manifests():
                     await taskpod.create(client, [obj], self._namespace)
@@ -315,12 +348,37 @@ class KubernetesRuntime(SpecRuntime):
                 client, self._namespace, self._pod, self.kube.start_timeout_s,
                 f"that the nodes have the image {self._image}",
             )  # fmt: skip
+            await self._wait_services(client)
             await self._open_streams(task, tools)
             self._oom_seen = await self._oom_kills() or 0
         except BaseException:
             await self._teardown()
             raise
         return task
+
+    async def _wait_services(self, client: KubeClient) -> None:
+        """Until each service container passed its readiness probe (the longest of their
+        ``readyTimeoutS``); what the prepare event records of each."""
+        services = self._services()
+        if not services:
+            return
+        timeout = max(s.service.ready_timeout_s for s in services)
+        await taskpod.wait_services_ready(
+            client, self._namespace, self._pod, [s.container for s in services], timeout
+        )
+        # from the pod's (or the claim's) create to every service ready
+        ready_ms = int((time.monotonic() - self._created_at) * 1000)
+        self.services_started = tuple(
+            {
+                "name": s.service.name,
+                "image": s.image,
+                "container": f"{self._pod}/{s.container}",
+                "port": s.service.port,
+                "env_names": sorted(s.service.env) or None,
+                "ready_ms": ready_ms,
+            }
+            for s in services
+        )
 
     async def _mode(self, client: KubeClient) -> Mode:
         """``kubernetes.mode``, with ``auto`` asked of the cluster (agent-sandbox's APIs)."""
@@ -363,7 +421,7 @@ class KubernetesRuntime(SpecRuntime):
         # Listener N of the pod's relay is the N-th grant: its relay here, fixed now. A TCP
         # grant's relay takes the handover's word first; a unix grant's relay is the socket
         # itself, spliced to the granted path.
-        grants = task.spec.host_services
+        grants = pod_grants(task.spec)
         services = [
             functools.partial(
                 dial_spliced if g.kind == "tcp" else asyncio.open_unix_connection, relay

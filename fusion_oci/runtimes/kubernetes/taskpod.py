@@ -146,28 +146,107 @@ async def wait_running(
 
 
 def pod_state(pod: Mapping[str, Any]) -> tuple[str, str]:
-    """``running``, ``failed`` or ``waiting``, with the kubelet's words. Pure."""
+    """``running``, ``failed`` or ``waiting``, with the kubelet's words. Running: the task's
+    container (``task``; a pod of one container: that one) runs; failed: any container ended
+    or cannot start (a service container beside the task's too). Pure."""
     status = pod.get("status") or {}
     phase = status.get("phase", "Pending")
     if phase in ("Failed", "Succeeded"):
         return "failed", f"phase {phase}: {status.get('reason', '')} {status.get('message', '')}"
-    for c in status.get("containerStatuses") or []:
+    statuses = status.get("containerStatuses") or []
+    several = len(statuses) > 1
+
+    def who(c: Mapping[str, Any]) -> str:
+        return f"{c.get('name')}: " if several else ""
+
+    waiting_for = ""
+    for c in statuses:
         st = c.get("state") or {}
-        if "running" in st:
-            return "running", "running"
         if "terminated" in st:
             t = st["terminated"]
-            return "failed", f"container ended: {t.get('reason', '')} (exit {t.get('exitCode')})"
+            return "failed", (
+                f"{who(c)}container ended: {t.get('reason', '')} (exit {t.get('exitCode')})"
+            )
         waiting = st.get("waiting") or {}
         reason = waiting.get("reason", "")
         if reason in HOPELESS:
-            return "failed", f"{reason}: {waiting.get('message', '')}".strip()
-        if reason:
-            return "waiting", f"{reason}: {waiting.get('message', '')}".strip()
+            return "failed", f"{who(c)}{reason}: {waiting.get('message', '')}".strip()
+        if reason and not waiting_for:
+            waiting_for = f"{who(c)}{reason}: {waiting.get('message', '')}".strip()
+    main = [c for c in statuses if c.get("name") == "task"] or statuses[:1]
+    if any("running" in (c.get("state") or {}) for c in main):
+        return "running", "running"
+    if waiting_for:
+        return "waiting", waiting_for
     for cond in status.get("conditions") or []:
         if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
             return "waiting", f"not scheduled: {cond.get('message', '')}"
     return "waiting", f"phase {phase}"
+
+
+def services_state(pod: Mapping[str, Any], containers: Sequence[str]) -> tuple[str, str]:
+    """``ready`` once every one of ``containers`` (the service containers) passed its
+    readiness probe, ``failed`` when one ended or cannot start, else ``waiting`` with the
+    first not ready. Pure."""
+    state, detail = pod_state(pod)
+    if state == "failed":
+        return state, detail
+    by_name = {c.get("name"): c for c in (pod.get("status") or {}).get("containerStatuses") or []}
+    for name in containers:
+        c = by_name.get(name)
+        if c is None or not c.get("ready"):
+            st = (c or {}).get("state") or {}
+            said = (st.get("waiting") or {}).get("reason") or ("running" if "running" in st else "")
+            return "waiting", f"{name}: not ready" + (f" ({said})" if said else "")
+    return "ready", "ready"
+
+
+async def wait_services_ready(
+    client: KubeClient,
+    namespace: str,
+    name: str,
+    containers: Sequence[str],
+    timeout_s: float,
+) -> float:
+    """Once every service container of the pod is ready: the seconds it took. A setup error
+    naming the container and the kubelet's words (and its last log lines) when one ends or
+    cannot start, or after ``timeout_s``."""
+    path = f"/api/v1/namespaces/{namespace}/pods/{name}"
+    start = time.monotonic()
+    delay = 0.05
+    while True:
+        pod = await asyncio.to_thread(client.get, path)
+        state, detail = services_state(pod, containers)
+        if state == "ready":
+            return time.monotonic() - start
+        late = time.monotonic() - start >= timeout_s
+        if state == "failed" or late:
+            failing = next((c for c in containers if detail.startswith(c + ":")), containers[0])
+            logs = await _last_logs(client, path, failing)
+            raise SandboxSetupError(
+                f"the task's service container {failing} did not start"
+                + (f" within {timeout_s:.0f} s" if late and state != "failed" else ""),
+                detail + (f"; its last lines: {logs}" if logs else ""),
+                "its image must run as a numeric non-root user (images/postgres and "
+                "images/redis do) and be on the nodes or pullable by them; its ready "
+                "command must exit 0 once it serves (`kubectl -n "
+                f"{namespace} describe pod {name}` says more), or raise the service's "
+                "readyTimeoutS",
+            )
+        await asyncio.sleep(delay)
+        delay = min(delay * 1.5, 0.25)
+
+
+async def _last_logs(client: KubeClient, pod_path: str, container: str) -> str:
+    """A container's last lines, for an error (empty: none, or the API did not give them)."""
+    query = {"container": container, "tailLines": "8", "limitBytes": "2048"}
+    try:
+        # not JSON: the client hands back its first 500 characters as the "message"
+        doc = await asyncio.to_thread(client.get, f"{pod_path}/log", query=query)
+    except Exception:  # an error message's extra, never a second failure
+        return ""
+    text = str(doc.get("message") or "")
+    return " | ".join(line.strip() for line in text.splitlines() if line.strip())[-1000:]
 
 
 def claim_ready(claim: Mapping[str, Any]) -> tuple[str | None, str]:
