@@ -8,8 +8,9 @@ Every backend of tests/security through its ``prober``. native cannot give a tas
 of its own: it lists the services as unenforced. The rootless backends are driven as an
 unprivileged user: their services run on that user's rootless engine, whose containers'
 namespaces the relay reaches through a helper that joins the engine's user namespace first
-(fusion_oci/services/netns.py). kubernetes refuses them at check (a pod's network is on a
-cluster node).
+(fusion_oci/services/netns.py). kubernetes runs them as containers beside the task's in its
+pod (the test cluster's nodes have the image imported: no registry), where the commands reach
+them on the pod's own loopback (tests/cluster/test_kube_services.py tests them further).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import pytest
 from fusion_oci.audit import AuditEvent, AuditLog
 from fusion_oci.engines import connect
 from fusion_oci.engines.labels import LABEL_TASK
-from fusion_oci.errors import PolicyNotEnforceableError, SandboxSetupError
+from fusion_oci.errors import SandboxSetupError
 from fusion_oci.models import PrepareContext, RunOptions, SandboxPolicy
 from fusion_oci.policy.settings import SandboxSettings
 from fusion_oci.sandbox import SyncSandbox
@@ -72,7 +73,15 @@ def service_engine(backend_id: str) -> str:
     return "docker" if backend_id == "docker" else "podman"
 
 
-def with_images(prober: Prober) -> None:  # noqa: F811 - the fixture's value
+def with_images(prober: Prober) -> dict[str, Any]:  # noqa: F811 - the fixture's value
+    """The service images where ``prober``'s backend runs them; the ``db`` service as that
+    backend names its image (kubernetes: the reference the nodes have, imported)."""
+    if prober.backend in REMOTE:
+        from tests.cluster.kube import load_image
+
+        ref = ensure_service_image("podman", "postgres").ref
+        load_image(ref)
+        return {**DB, "image": ref}
     if prober.backend in ("podman", "docker"):
         from tests.integration.images_fixture import ensure_node_image
 
@@ -80,9 +89,10 @@ def with_images(prober: Prober) -> None:  # noqa: F811 - the fixture's value
     if prober.backend in ROOTLESS_BACKENDS:
         # the user's own engine runs them (the one its task runs on), from its own store
         ensure_service_image(prober.backend, "postgres")
-    elif prober.backend not in {*REMOTE, "native"}:
+    elif prober.backend != "native":
         ensure_service_image(service_engine(prober.backend), "postgres")
         prober.env.update(services_env(prober.backend))
+    return DB
 
 
 def service_adapter(backend_id: str) -> Any:
@@ -115,14 +125,9 @@ def test_a_task_reaches_its_own_postgres_with_real_clients(
     prober: Prober,  # noqa: F811 - the fixture imported above
     network: str,
 ) -> None:
-    with_images(prober)
+    db = with_images(prober)
     (prober.worktree / "pg.js").write_text(PG_CLIENT_JS)
-    policy = SandboxPolicy.model_validate({"network": network, "services": [DB]})
-    if prober.backend in REMOTE:
-        with pytest.raises(PolicyNotEnforceableError) as refused:
-            prober.run("true", policy)
-        assert any(SERVICES_PART in u for u in refused.value.unenforced), refused.value
-        return
+    policy = SandboxPolicy.model_validate({"network": network, "services": [db]})
     if prober.backend == "native":
         result = prober.run("true", policy)
         assert any(SERVICES_PART in u for u in result.unenforced), result
@@ -131,6 +136,20 @@ def test_a_task_reaches_its_own_postgres_with_real_clients(
     result = prober.run(client_script(), policy, timeout_ms=120_000, task_id=task)
     assert result.exit_code == 0, (result.stdout, result.stderr[-2000:])
     assert result.stdout.split() == ["42", "5000", "app", "ready"], result
+    if prober.backend in REMOTE:
+        from tests.cluster.kube import Kube, cluster_env
+        from tests.contract.harness import CONTRACT_NAMESPACE
+
+        # disposed: the pod (and with it the service container) is gone or going
+        pods = Kube.from_env(cluster_env()).get("pods", namespace=CONTRACT_NAMESPACE)["items"]
+        left = [
+            p["metadata"]["name"]
+            for p in pods
+            if p["metadata"]["name"].startswith(f"fusion-oci-{task}-")
+            and not p["metadata"].get("deletionTimestamp")
+        ]
+        assert left == [], left
+        return
     # disposed: no container of the task's in its engine, no namespace helper of ours
     adapter = service_adapter(prober.backend)
     try:

@@ -9,9 +9,12 @@ every backend.
   for its service: not the service's port on the host's loopback, not any address of the
   container (it has no interface but ``lo``: read from its own ``/proc/PID/net/dev``).
 
-The backends that cannot run service containers say so before anything starts: native lists
-them as unenforced, kubernetes refuses the policy (a pod's network is on a cluster node). The
-rootless backends run them on their user's rootless engine.
+native cannot run service containers and lists them as unenforced. The rootless backends run
+them on their user's rootless engine. kubernetes runs them in the task's pod, on its own
+loopback; there the probes are sharper, because a pod has an address other pods route to: A's
+service listens on every address of A's pod (``listen_addresses=*``), and B, and the host, try
+A's pod address itself (the pod's NetworkPolicy admits no ingress). A command's files come back
+from a pod only when it ends, so there the two tasks take turns instead of waiting on files.
 """
 
 from __future__ import annotations
@@ -20,10 +23,8 @@ import socket
 import threading
 from typing import Any
 
-import pytest
-
-from fusion_oci.errors import PolicyNotEnforceableError
-from fusion_oci.models import SandboxPolicy
+from fusion_oci.models import PrepareContext, RunOptions, SandboxPolicy
+from fusion_oci.sandbox import SyncSandbox
 from tests.integration.test_service_containers import (
     DB,
     SERVICES_PART,
@@ -38,24 +39,121 @@ POLICY: dict[str, Any] = {"network": "none", "services": [DB]}
 
 
 def _cannot(prober: Prober, probe: str) -> bool:
-    """native and kubernetes: the services are listed or refused, and the probe is recorded
-    as unenforced there. True when that was the case."""
-    policy = SandboxPolicy.model_validate(POLICY)
-    if prober.backend == "native":
-        result = prober.run("true", policy)
-        assert any(SERVICES_PART in u for u in result.unenforced), result
-    elif prober.backend in REMOTE:
-        with pytest.raises(PolicyNotEnforceableError) as refused:
-            prober.run("true", policy)
-        assert any(SERVICES_PART in u for u in refused.value.unenforced), refused.value
-    else:
+    """native: the services are listed as unenforced, and the probe is recorded so. True
+    when that was the case."""
+    if prober.backend != "native":
         return False
+    result = prober.run("true", SandboxPolicy.model_validate(POLICY))
+    assert any(SERVICES_PART in u for u in result.unenforced), result
     record(probe, prober.backend, "unenforced")
     return True
 
 
+TCP_JS = r"""
+// node tcp.js HOST:PORT...: "open" or "closed CODE" for each, in order.
+const net = require('net');
+async function one(target) {
+  const i = target.lastIndexOf(':');
+  return new Promise((done) => {
+    const c = net.connect(Number(target.slice(i + 1)), target.slice(0, i));
+    c.setTimeout(3000, () => { c.destroy(); done('closed TIMEOUT'); });
+    c.on('connect', () => { c.destroy(); done('open'); });
+    c.on('error', (e) => done('closed ' + e.code));
+  });
+}
+(async () => { for (const t of process.argv.slice(2)) console.log(await one(t)); })();
+"""
+
+
+def _kube_sandbox(prober: Prober, policy: SandboxPolicy, task_id: str) -> SyncSandbox:
+    from tests.backends import backend_settings
+
+    sb = SyncSandbox(
+        backend_settings(prober.backend, policy=policy),
+        env=prober.env,
+        cache_root=prober.tmp / "cache",
+    )
+    sb.prepare(
+        PrepareContext(
+            task_id=task_id, run_id="run", policy=policy, worktree_path=str(prober.worktree)
+        )
+    )
+    return sb
+
+
+def _pod_address(task_id: str) -> str:
+    from tests.cluster.kube import Kube, cluster_env
+    from tests.contract.harness import CONTRACT_NAMESPACE
+
+    pods = Kube.from_env(cluster_env()).get("pods", namespace=CONTRACT_NAMESPACE)["items"]
+    (pod,) = [
+        p
+        for p in pods
+        if p["metadata"]["name"].startswith(f"fusion-oci-{task_id}-")
+        and not p["metadata"].get("deletionTimestamp")
+    ]
+    return str(pod["status"]["podIP"])
+
+
+def _kube_policy(prober: Prober, *, everywhere: bool, network: str = "none") -> SandboxPolicy:
+    db = with_images(prober)
+    if everywhere:
+        # the entrypoint's own `listen_addresses=127.0.0.1` comes first; the last -c wins
+        db = {**db, "command": ["/usr/local/bin/fusion-postgres", "-c", "listen_addresses=*"]}
+    return SandboxPolicy.model_validate({"network": network, "services": [db]})
+
+
+def _kube_other_task(prober: Prober) -> None:
+    (prober.worktree / "pg.js").write_text(PG_CLIENT_JS)
+    (prober.worktree / "tcp.js").write_text(TCP_JS)
+    exposed = _kube_policy(prober, everywhere=True)
+    timeout = RunOptions(timeout_ms=60_000, env=prober.env)
+    a = _kube_sandbox(prober, exposed, "svc-task-a")
+    try:
+        address = _pod_address("svc-task-a")
+        wrote = a.run(
+            "node pg.js 127.0.0.1:5432 'create table a_only(x int)' >/dev/null; "
+            "node pg.js 127.0.0.1:5432 \"select 'a-was-here'\"; "
+            f"node tcp.js {address}:5432",
+            timeout,
+        )
+        # B may reach other pods (`egress`): only A's policy (no ingress) keeps it out
+        b_policy = _kube_policy(prober, everywhere=False, network="egress")
+        with _kube_sandbox(prober, b_policy, "svc-task-b") as b:
+            seen = b.run(
+                "node pg.js 127.0.0.1:5432 "
+                "\"select count(*) from pg_tables where tablename = 'a_only'\"; "
+                f"node tcp.js {address}:5432",
+                timeout,
+            )
+    finally:
+        a.dispose()
+    assert "a-was-here" in wrote.stdout, wrote  # A's own service answered A ...
+    assert wrote.stdout.split()[-1:] == ["open"], wrote  # ... on A's pod address too
+    lines = seen.stdout.split("\n")
+    assert lines[:1] == ["0"], seen  # B's own database answered B, without A's table
+    leaked = lines[:1] != ["0"] or "a-was-here" in seen.stdout or "open" in seen.stdout
+    check("service-container-other-task", prober.backend, leaked, f"B saw {seen.stdout!r}")
+
+
+def _kube_host_network(prober: Prober) -> None:
+    policy = _kube_policy(prober, everywhere=True)
+    with _kube_sandbox(prober, policy, "svc-host-net"):
+        address = _pod_address("svc-host-net")
+        seen: dict[str, int] = {}
+        for name, host in (("pod-address", address), ("host-loopback", "127.0.0.1")):
+            with socket.socket() as s:
+                s.settimeout(3)
+                seen[name] = s.connect_ex((host, 5432))
+    leaked = 0 in seen.values()
+    check("service-container-host-network", prober.backend, leaked, f"{seen}")
+
+
 def test_another_task_cannot_reach_this_tasks_service(prober: Prober) -> None:
     if _cannot(prober, "service-container-other-task"):
+        return
+    if prober.backend in REMOTE:
+        _kube_other_task(prober)
         return
     with_images(prober)
     (prober.worktree / "pg.js").write_text(PG_CLIENT_JS)
@@ -108,6 +206,9 @@ def test_another_task_cannot_reach_this_tasks_service(prober: Prober) -> None:
 
 def test_the_hosts_network_cannot_reach_the_tasks_service(prober: Prober) -> None:
     if _cannot(prober, "service-container-host-network"):
+        return
+    if prober.backend in REMOTE:
+        _kube_host_network(prober)
         return
     with_images(prober)
 

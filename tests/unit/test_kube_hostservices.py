@@ -17,7 +17,7 @@ from fusion_oci.runtimes.kubernetes.hostservices import (
     pod_mux_argv,
     unix_refusals,
 )
-from fusion_oci.runtimes.kubernetes.pod import PodOptions, pod_manifest, unix_folders
+from fusion_oci.runtimes.kubernetes.pod import PodOptions, pod_grants, pod_manifest, unix_folders
 from fusion_oci.runtimes.kubernetes.runtime import MUX_ARGV, KubernetesRuntime
 from fusion_oci.runtimes.requirements import Requirement
 from tests.unit.test_containers_translate import SERVICES, task_for
@@ -120,3 +120,19 @@ def test_a_socket_in_a_system_folder_is_a_gap_of_the_pod_never_a_volume_over_it(
     mounts = mapping.pod["spec"]["containers"][0]["volumeMounts"]
     assert all(m["mountPath"] != "/run" for m in mounts), mounts
     assert [u for u in mapping.unenforced if u.startswith("hostServices unix:/run/s.sock")]
+
+
+def test_a_service_containers_endpoint_is_the_pods_own_not_a_listener() -> None:
+    """policy.services: the service listens on the pod's loopback itself, so the pod's relay
+    listens only for the grants (the spec lists the services' endpoints among them)."""
+    db = {"name": "db", "image": "postgres", "port": 5432}
+    policy = SandboxPolicy.model_validate(
+        {"network": "none", "hostServices": ["127.0.0.1:6379"], "services": [db]}
+    )
+    spec = task_for(policy).spec
+    assert [str(g) for g in spec.host_services] == ["127.0.0.1:6379", "127.0.0.1:5432"]
+    assert [str(g) for g in pod_grants(spec)] == ["127.0.0.1:6379"]
+    argv = pod_mux_argv(spec)
+    assert "127.0.0.1:6379" in argv and "127.0.0.1:5432" not in argv
+    (defined,) = spec.service_definitions
+    assert (defined.name, defined.image, defined.port) == ("db", "postgres", 5432)

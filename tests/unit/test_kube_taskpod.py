@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from fusion_oci.runtimes.kubernetes.taskpod import claim_ready, pod_state
+from typing import Any
+
+from fusion_oci.runtimes.kubernetes.taskpod import claim_ready, pod_state, services_state
 
 
 def test_a_claim_is_ready_only_with_its_sandbox_named() -> None:
@@ -27,6 +29,38 @@ def test_pod_states() -> None:
     ended = {"status": {"containerStatuses": [{"state": {"terminated": {
         "reason": "Error", "exitCode": 1}}}]}}  # fmt: skip
     assert pod_state(ended) == ("failed", "container ended: Error (exit 1)")
+
+
+def test_a_pod_with_service_containers_runs_with_its_task_and_fails_with_any() -> None:
+    def pod(task: dict[str, Any], db: dict[str, Any], ready: bool = False) -> dict[str, Any]:
+        return {"status": {"phase": "Running", "containerStatuses": [
+            {"name": "task", "state": task, "ready": True},
+            {"name": "svc-db", "state": db, "ready": ready},
+        ]}}  # fmt: skip
+
+    starting = pod({"running": {}}, {"waiting": {"reason": "ContainerCreating"}})
+    assert pod_state(starting) == ("running", "running")
+    assert services_state(starting, ["svc-db"]) == (
+        "waiting",
+        "svc-db: not ready (ContainerCreating)",
+    )
+    assert services_state(pod({"running": {}}, {"running": {}}, True), ["svc-db"]) == (
+        "ready",
+        "ready",
+    )
+    root = pod({"running": {}}, {"waiting": {"reason": "CreateContainerConfigError",
+                                             "message": "image has non-numeric user"}})  # fmt: skip
+    assert pod_state(root) == (
+        "failed",
+        "svc-db: CreateContainerConfigError: image has non-numeric user",
+    )
+    ended = pod({"running": {}}, {"terminated": {"reason": "Error", "exitCode": 2}})
+    assert services_state(ended, ["svc-db"]) == (
+        "failed",
+        "svc-db: container ended: Error (exit 2)",
+    )
+    waiting_task = pod({"waiting": {"reason": "ContainerCreating"}}, {"running": {}})
+    assert pod_state(waiting_task) == ("waiting", "task: ContainerCreating")
 
 
 def test_a_found_object_contains_what_we_set_plus_the_servers_defaults() -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 from fusion_oci.errors import SandboxSetupError
 from fusion_oci.runtimes.kubernetes.client import ApiError, KubeClient, path_of, retrying
+from fusion_oci.runtimes.kubernetes.pod import SERVICE_PREFIX
 
 HOPELESS = frozenset(
     {
@@ -129,6 +130,9 @@ async def wait_running(
             return pod
         last = detail
         if state == "failed":
+            if detail.startswith(SERVICE_PREFIX):
+                # a service container beside the task's: its own words, not the task image's
+                raise _service_failed(namespace, name, detail, None)
             raise SandboxSetupError(
                 f"the task's pod {name} could not start",
                 detail,
@@ -169,10 +173,11 @@ def pod_state(pod: Mapping[str, Any]) -> tuple[str, str]:
             )
         waiting = st.get("waiting") or {}
         reason = waiting.get("reason", "")
+        said = f"{who(c)}{reason}" + (f": {waiting['message']}" if waiting.get("message") else "")
         if reason in HOPELESS:
-            return "failed", f"{who(c)}{reason}: {waiting.get('message', '')}".strip()
+            return "failed", said
         if reason and not waiting_for:
-            waiting_for = f"{who(c)}{reason}: {waiting.get('message', '')}".strip()
+            waiting_for = said
     main = [c for c in statuses if c.get("name") == "task"] or statuses[:1]
     if any("running" in (c.get("state") or {}) for c in main):
         return "running", "running"
@@ -223,18 +228,30 @@ async def wait_services_ready(
         if state == "failed" or late:
             failing = next((c for c in containers if detail.startswith(c + ":")), containers[0])
             logs = await _last_logs(client, path, failing)
-            raise SandboxSetupError(
-                f"the task's service container {failing} did not start"
-                + (f" within {timeout_s:.0f} s" if late and state != "failed" else ""),
-                detail + (f"; its last lines: {logs}" if logs else ""),
-                "its image must run as a numeric non-root user (images/postgres and "
-                "images/redis do) and be on the nodes or pullable by them; its ready "
-                "command must exit 0 once it serves (`kubectl -n "
-                f"{namespace} describe pod {name}` says more), or raise the service's "
-                "readyTimeoutS",
-            )
+            within = timeout_s if late and state != "failed" else None
+            raise _service_failed(namespace, name, detail, within, logs, failing)
         await asyncio.sleep(delay)
         delay = min(delay * 1.5, 0.25)
+
+
+def _service_failed(
+    namespace: str,
+    pod: str,
+    detail: str,
+    within: float | None,
+    logs: str = "",
+    container: str = "",
+) -> SandboxSetupError:
+    container = container or detail.partition(":")[0]
+    return SandboxSetupError(
+        f"the task's service container {container} did not start"
+        + (f" within {within:.0f} s" if within is not None else ""),
+        detail + (f"; its last lines: {logs}" if logs else ""),
+        "its image must run as a numeric non-root user (images/postgres and images/redis do: "
+        "uid 999) and be on the nodes or pullable by them, and its ready command must exit 0 "
+        f"once it serves (`kubectl -n {namespace} describe pod {pod}` says more); or raise "
+        "the service's readyTimeoutS",
+    )
 
 
 async def _last_logs(client: KubeClient, pod_path: str, container: str) -> str:
