@@ -5,6 +5,8 @@ volumes (the file is played where the run's host paths are, e.g. by ``podman kub
 
 from __future__ import annotations
 
+import os
+
 import yaml
 
 from fusion_oci.errors import BundleError
@@ -21,6 +23,8 @@ def to_kube(src: ExportSource) -> tuple[str, list[str]]:
             "build it with fusion_oci.export.read_spec",
         )
     task, process = src.typed
+    from fusion_oci.runtimes.kubernetes.runtime import pod_services
+
     opts = PodOptions(
         name=src.name,
         image=src.image,
@@ -32,6 +36,8 @@ def to_kube(src: ExportSource) -> tuple[str, list[str]]:
             **src.labels,
             **({"io.fusion-oci/image-digest": src.image_digest} if src.image_digest else {}),
         },
+        # the spec's own definitions: a recipe's name is its local build's reference
+        services=pod_services(task, os.environ),
     )
     mapping = pod_manifest(task, process, opts)
     # The mapping says the tmpfs and /proc gaps in a Pod's own terms: not twice.

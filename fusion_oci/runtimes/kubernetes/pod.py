@@ -311,8 +311,8 @@ def _services(task: TaskSpec, opts: PodOptions, gaps: list[Gap]) -> list[dict[st
                 Gap(
                     f"services {name}",
                     "unenforced",
-                    "the pod has no container for it (its definition, policy.services, is "
-                    "not in the spec's record)",
+                    "the pod has no container for it (the spec holds no definition of it: "
+                    "a record made before definitions were kept)",
                 )
             )
             continue

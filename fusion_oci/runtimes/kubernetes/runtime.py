@@ -52,6 +52,7 @@ import json
 import os
 import secrets
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -133,6 +134,25 @@ ENFORCED = frozenset(
         Requirement.TMP_SIZE,  # a memory emptyDir's sizeLimit is its tmpfs size
     }
 )
+
+
+def pod_services(spec: TaskSpec, env: Mapping[str, str]) -> tuple[PodService, ...]:
+    """The spec's service containers with the images the nodes run them from (see
+    :meth:`KubernetesRuntime._services`); ``export --format kube`` uses it too."""
+    from fusion_oci.images.provision import default_image_ref
+
+    named = dict(spec.service_containers)
+    out = []
+    for svc in spec.service_definitions:
+        if named.get(svc.name) != svc.port:
+            continue
+        image = svc.image
+        if "/" not in image and ":" not in image:
+            ref = default_image_ref(image, env=env)
+            out.append(PodService(svc, ref, pull_policy="Never"))
+        else:
+            out.append(PodService(svc, image))
+    return tuple(out)
 
 
 class KubernetesRuntime(SpecRuntime):
@@ -267,22 +287,9 @@ class KubernetesRuntime(SpecRuntime):
         cluster without a registry has imported (never pulled); a full reference is the
         nodes' to pull when they do not have it."""
         task = self.task
-        if task is None or not task.spec.service_containers:
+        if task is None:
             return ()
-        from fusion_oci.images.provision import default_image_ref
-
-        named = dict(task.spec.service_containers)
-        out = []
-        for svc in task.spec.service_definitions:
-            if named.get(svc.name) != svc.port:
-                continue
-            image = svc.image
-            if "/" not in image and ":" not in image:
-                ref = default_image_ref(image, env=self.env)
-                out.append(PodService(svc, ref, pull_policy="Never"))
-            else:
-                out.append(PodService(svc, image))
-        return tuple(out)
+        return pod_services(task.spec, self.env)
 
     def _image_ref(self, spec: TaskSpec) -> str:
         image = spec.image or ""
