@@ -18,6 +18,7 @@ else:  # run by path: the siblings are on sys.path[0]
 
 SOL_SOCKET, SO_DOMAIN = 1, 39
 SYS_PIDFD_OPEN, SYS_PIDFD_GETFD = 434, 438  # the generic numbers, on both architectures
+PIDFD_THREAD = 0o200  # pidfd_open's flag for a thread (O_EXCL; Linux 6.9)
 AF_UNSPEC, AF_UNIX, AF_INET, AF_INET6 = 0, 1, 2, 10
 LOOPBACK4 = bytes([127, 0, 0, 1])
 LOOPBACK4_MAPPED = bytes(10) + b"\xff\xff" + LOOPBACK4
@@ -162,6 +163,8 @@ class ConnectSupervisor:
             else None
         )
         """The socket the TCP grants' connects are reported from (to each relay)."""
+        self.thread_pidfd = _thread_pidfd()
+        """Whether pidfd_open takes ``PIDFD_THREAD`` here."""
 
     def serve_one(self, nid: int, pid: int, nr: int, args: list) -> None:  # type: ignore[type-arg]
         import errno
@@ -288,11 +291,15 @@ class ConnectSupervisor:
         return fd
 
     def _their_fd(self, nid: int, tid: int, fd: int) -> int:
-        """Our copy of the caller's ``fd`` (the same socket). The caller is a thread: its
-        process (whose fd table threads share) is taken, and the notification checked still
-        live after the pidfd names it, so the thread id was not reused meanwhile."""
-        tgid = notify.tgid(tid)
-        pidfd = notify.libc.syscall(SYS_PIDFD_OPEN, tgid, 0)
+        """Our copy of the caller's ``fd`` (the same socket), taken from the calling thread
+        itself (``PIDFD_THREAD``, Linux 6.9: its own descriptor table, and no /proc read to
+        find its process), else from its process (whose fd table threads share), the
+        notification checked still live after the pidfd names it, so the thread id was not
+        reused meanwhile."""
+        if self.thread_pidfd:
+            pidfd = notify.libc.syscall(SYS_PIDFD_OPEN, tid, PIDFD_THREAD)
+        else:
+            pidfd = notify.libc.syscall(SYS_PIDFD_OPEN, notify.tgid(tid), 0)
         if pidfd < 0:
             raise notify.fail("pidfd_open")
         try:
@@ -303,3 +310,12 @@ class ConnectSupervisor:
             return int(theirs)
         finally:
             os.close(pidfd)
+
+
+def _thread_pidfd() -> bool:
+    """Whether this kernel's pidfd_open takes ``PIDFD_THREAD`` (an older one: EINVAL)."""
+    pidfd = notify.libc.syscall(SYS_PIDFD_OPEN, os.getpid(), PIDFD_THREAD)
+    if pidfd < 0:
+        return False
+    os.close(pidfd)
+    return True
