@@ -177,12 +177,14 @@ class Supervisor:
             except InterruptedError:
                 continue
             except OSError as exc:
-                if exc.errno == errno.ENOENT:
+                if exc.errno == errno.ENOENT and not self.hung_up():
                     # A caller killed while its call waited here (a timeout, maxBuffer, an
                     # abort ending the tree) leaves a notification counted and then withdrawn:
                     # this receive finds none. The next ones are for the living.
                     continue
-                return False  # the listener itself is unusable: nothing more will come
+                # The listener itself is unusable, or no process is left under the filter
+                # (every receive then fails at once: it would spin): nothing more will come.
+                return False
             nid, pid, _flags, nr, _arch, _ip, *args = struct.unpack("=QIIiIQ6Q", bytes(buf))
             if self.connects is not None and nr in (
                 notify.CONNECT_CALL[self.arch],
@@ -206,6 +208,18 @@ class Supervisor:
                 )
             except OSError:
                 continue  # the caller died meanwhile
+
+    def hung_up(self) -> bool:
+        """Whether no process is left under the filter: the listener polls as hung up (no
+        process can join it then; a process joins only by forking from one under it)."""
+        import select
+
+        poller = select.poll()
+        poller.register(self.listener, select.POLLIN)
+        events = 0
+        for _fd, ev in poller.poll(0):
+            events |= ev
+        return bool(events & select.POLLHUP) and not events & select.POLLIN
 
     def hand_on(self) -> bool:
         """Give the turn to receive (held by this thread) to a spare thread, started when

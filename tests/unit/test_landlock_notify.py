@@ -108,6 +108,10 @@ def _supervised(tmp_path: Path, child: Callable[[], int]) -> int | None:
         mine.close()
 
 
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
 SUPERVISED = pytest.mark.skipif(
     platform.machine() not in seccomp_notify.OPEN_CALLS, reason="no notify filter here"
 )
@@ -136,6 +140,32 @@ def test_a_blocked_unix_connect_stalls_no_open_or_chmod(tmp_path: Path) -> None:
 
     assert _supervised(tmp_path, child) == 0
     assert target.stat().st_mode & 0o777 == 0o600
+
+
+@SUPERVISED
+def test_connects_answered_one_after_another_leave_no_threads_behind(tmp_path: Path) -> None:
+    """Each connect's thread becomes the spare that receives next (or ends): a long run of
+    connections starts no thread each, and once the child is gone (the listener hangs up)
+    every supervisor thread ends instead of spinning on an empty receive."""
+    path = str(tmp_path / "echo.sock")
+    before = _threads()
+
+    def child() -> int:
+        server = socket.socket(socket.AF_UNIX)
+        server.bind(path)
+        server.listen(64)
+        for _ in range(50):
+            client = socket.socket(socket.AF_UNIX)
+            client.connect(path)
+            server.accept()[0].close()
+            client.close()
+        return 0
+
+    assert _supervised(tmp_path, child) == 0
+    deadline = time.monotonic() + 5
+    while _threads() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _threads() == before
 
 
 @SUPERVISED
