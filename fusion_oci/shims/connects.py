@@ -18,6 +18,7 @@ else:  # run by path: the siblings are on sys.path[0]
 
 SOL_SOCKET, SO_DOMAIN = 1, 39
 SYS_PIDFD_OPEN, SYS_PIDFD_GETFD = 434, 438  # the generic numbers, on both architectures
+PIDFD_THREAD = 0o200  # pidfd_open's flag for a thread (O_EXCL; Linux 6.9)
 AF_UNSPEC, AF_UNIX, AF_INET, AF_INET6 = 0, 1, 2, 10
 LOOPBACK4 = bytes([127, 0, 0, 1])
 LOOPBACK4_MAPPED = bytes(10) + b"\xff\xff" + LOOPBACK4
@@ -129,7 +130,9 @@ def report_connect(sock, path: str, error: int) -> None:  # type: ignore[no-unty
 
 class ConnectSupervisor:
     """Answers a ``filtered`` command's connect() and listen() calls, in threads of the
-    reaper (listen: unix sockets only, see :data:`seccomp_notify.LISTEN_CALL`).
+    reaper, each in the thread that received it, which hands the receiving on before a step
+    that can wait (:meth:`serve_one`; listen: unix sockets only, see
+    :data:`seccomp_notify.LISTEN_CALL`).
 
     The supervisor reads the address once, decides on its own copy, and makes the connect
     itself on the command's socket (the same open file, taken with ``pidfd_getfd``), so a
@@ -162,23 +165,40 @@ class ConnectSupervisor:
             else None
         )
         """The socket the TCP grants' connects are reported from (to each relay)."""
+        self.thread_pidfd = _thread_pidfd()
+        """Whether pidfd_open takes ``PIDFD_THREAD`` here."""
 
-    def serve_one(self, nid: int, pid: int, nr: int, args: list) -> None:  # type: ignore[type-arg]
+    def serve_one(self, nid: int, pid: int, nr: int, args: list, hand_on=None) -> bool:  # type: ignore[type-arg,no-untyped-def]
+        """Answer one connect or listen; whether ``hand_on`` handed the receiving on.
+
+        ``hand_on()`` (supervisor.py: True when another thread receives from then on) is
+        called at most once, before the first step that can wait on something outside the
+        reaper (a path looked up, the connect itself), in the thread that received the call.
+        Without it the caller runs this in a thread of its own."""
         import errno
+
+        handed = False
+
+        def before_waiting() -> None:
+            nonlocal handed
+            handed = hand_on is not None and bool(hand_on())
 
         try:
             if nr == notify.LISTEN_CALL[self.arch]:
+                before_waiting()
                 error = self.listen(nid, pid, args)
             else:
-                error = self.answer(nid, pid, args)
+                error = self.answer(nid, pid, args, before_waiting)
         except OSError as exc:
             error = exc.errno or errno.EACCES
         except Exception:  # never let the command's call hang
             error = errno.EACCES
         notify.reply(self.listener, nid, error)
+        return handed
 
-    def answer(self, nid: int, pid: int, args: list) -> int:  # type: ignore[type-arg]
-        """0 when connected (or in progress: EINPROGRESS), else the errno the call returns."""
+    def answer(self, nid: int, pid: int, args: list, before_waiting=None) -> int:  # type: ignore[type-arg,no-untyped-def]
+        """0 when connected (or in progress: EINPROGRESS), else the errno the call returns.
+        ``before_waiting()``: called once before a step that can wait (:meth:`serve_one`)."""
         import errno
 
         fd, addr_ptr, length = int(args[0]) & 0xFFFFFFFF, args[1], int(args[2]) & 0xFFFFFFFF
@@ -189,6 +209,10 @@ class ConnectSupervisor:
         verdict = "service" if redirect is not None else connect_verdict(addr, self.port)
         if verdict == "deny":
             return errno.EACCES
+        # What follows can wait: a unix path's lookup (any mount beneath a writable path),
+        # the connect (a unix listener's full backlog; a TCP SYN unanswered, up to minutes).
+        if before_waiting is not None:
+            before_waiting()
         target = addr
         opened = -1
         report = None
@@ -288,11 +312,15 @@ class ConnectSupervisor:
         return fd
 
     def _their_fd(self, nid: int, tid: int, fd: int) -> int:
-        """Our copy of the caller's ``fd`` (the same socket). The caller is a thread: its
-        process (whose fd table threads share) is taken, and the notification checked still
-        live after the pidfd names it, so the thread id was not reused meanwhile."""
-        tgid = notify.tgid(tid)
-        pidfd = notify.libc.syscall(SYS_PIDFD_OPEN, tgid, 0)
+        """Our copy of the caller's ``fd`` (the same socket), taken from the calling thread
+        itself (``PIDFD_THREAD``, Linux 6.9: its own descriptor table, and no /proc read to
+        find its process), else from its process (whose fd table threads share), the
+        notification checked still live after the pidfd names it, so the thread id was not
+        reused meanwhile."""
+        if self.thread_pidfd:
+            pidfd = notify.libc.syscall(SYS_PIDFD_OPEN, tid, PIDFD_THREAD)
+        else:
+            pidfd = notify.libc.syscall(SYS_PIDFD_OPEN, notify.tgid(tid), 0)
         if pidfd < 0:
             raise notify.fail("pidfd_open")
         try:
@@ -303,3 +331,12 @@ class ConnectSupervisor:
             return int(theirs)
         finally:
             os.close(pidfd)
+
+
+def _thread_pidfd() -> bool:
+    """Whether this kernel's pidfd_open takes ``PIDFD_THREAD`` (an older one: EINVAL)."""
+    pidfd = notify.libc.syscall(SYS_PIDFD_OPEN, os.getpid(), PIDFD_THREAD)
+    if pidfd < 0:
+        return False
+    os.close(pidfd)
+    return True

@@ -1,5 +1,5 @@
 """The reaper's side of step 5 of the confinement (confine.py): the supervisor that answers
-the confined command's chmod and open calls, from outside the sandbox, in a thread of the
+the confined command's chmod and open calls, from outside the sandbox, in threads of the
 reaper (:func:`supervise`); a ``filtered`` command's connects go on to connects.py.
 
 Why chmod: Landlock (up to ABI 7) governs opening, creating and removing files, not changing
@@ -106,7 +106,8 @@ AT_FDCWD, AT_SYMLINK_NOFOLLOW, AT_EMPTY_PATH = -100, 0x100, 0x1000
 
 
 class Supervisor:
-    """Answers the command's chmod and open calls (step 5), in a thread of the reaper."""
+    """Answers the command's chmod and open calls (step 5), in threads of the reaper (one
+    receives at a time: :meth:`serve`)."""
 
     def __init__(self, cfg: dict, listener: int) -> None:  # type: ignore[type-arg]
         self.arch = str(cfg["arch"])
@@ -128,8 +129,44 @@ class Supervisor:
             else None
         )
         self.opens = {nr: i for i, nr in enumerate(notify.OPEN_CALLS[self.arch]) if nr >= 0}
+        self.turn = _thread.allocate_lock()
+        """Held by the one thread that receives notifications (:meth:`serve`)."""
+        self.count = _thread.allocate_lock()
+        self.spares = 0
+        """Threads waiting for the turn, under ``count``."""
+        self.stopped = False
+        """The listener is unusable: every thread ends."""
 
     def serve(self) -> None:
+        """Answer notifications for as long as the listener serves, in whichever thread of
+        the reaper holds the turn to receive (:attr:`turn`).
+
+        Opens and chmods are answered by the receiving thread, and so are connects and
+        listens: the caller handed its CPU straight to that thread
+        (:func:`seccomp_notify.sync_wake_up`), and a thread started for each connect, as
+        before, cost about 40 µs of the 0.15 ms a granted connection added
+        (benchmarks/bench_services.py). A connect can block, though (a unix listener's full
+        backlog, a TCP SYN unanswered), and no chmod or open may wait for it: before its first
+        step that can wait, the thread hands the turn to a spare (:meth:`hand_on`), and once
+        done it becomes the spare, or ends when one waits already.
+        """
+        while True:
+            with self.count:
+                self.spares += 1
+            self.turn.acquire()
+            with self.count:
+                self.spares -= 1
+            if self.stopped or not self.receive():
+                self.stopped = True
+                self.turn.release()  # a spare waiting for it finds out and ends too
+                return
+            with self.count:
+                if self.spares:
+                    return  # a spare waits already: one is enough
+
+    def receive(self) -> bool:
+        """Receive and answer while holding the turn: True once it was handed on (the
+        thread answered a connect meanwhile), False when the listener is unusable."""
         import errno
         import fcntl
 
@@ -140,20 +177,22 @@ class Supervisor:
             except InterruptedError:
                 continue
             except OSError as exc:
-                if exc.errno == errno.ENOENT:
+                if exc.errno == errno.ENOENT and not self.hung_up():
                     # A caller killed while its call waited here (a timeout, maxBuffer, an
                     # abort ending the tree) leaves a notification counted and then withdrawn:
                     # this receive finds none. The next ones are for the living.
                     continue
-                return  # the listener itself is unusable: nothing more will come
+                # The listener itself is unusable, or no process is left under the filter
+                # (every receive then fails at once: it would spin): nothing more will come.
+                return False
             nid, pid, _flags, nr, _arch, _ip, *args = struct.unpack("=QIIiIQ6Q", bytes(buf))
             if self.connects is not None and nr in (
                 notify.CONNECT_CALL[self.arch],
                 notify.LISTEN_CALL[self.arch],
             ):
-                # Its own thread: a unix connect can block (a full backlog), chmod must not.
-                _thread.start_new_thread(self.connects.serve_one, (nid, pid, nr, args))
-                continue
+                if self.connects.serve_one(nid, pid, nr, args, self.hand_on):
+                    return True
+                continue  # answered without waiting (refused), or no spare could start
             if nr in self.opens:
                 self.serve_open(nid, pid, nr, args)
                 continue
@@ -169,6 +208,32 @@ class Supervisor:
                 )
             except OSError:
                 continue  # the caller died meanwhile
+
+    def hung_up(self) -> bool:
+        """Whether no process is left under the filter: the listener polls as hung up (no
+        process can join it then; a process joins only by forking from one under it)."""
+        import select
+
+        poller = select.poll()
+        poller.register(self.listener, select.POLLIN)
+        events = 0
+        for _fd, ev in poller.poll(0):
+            events |= ev
+        return bool(events & select.POLLHUP) and not events & select.POLLIN
+
+    def hand_on(self) -> bool:
+        """Give the turn to receive (held by this thread) to a spare thread, started when
+        none waits. False, the turn kept, when none can start (the connect is then answered
+        here, blocking or not, rather than not at all)."""
+        with self.count:
+            waiting = self.spares > 0
+        if not waiting:
+            try:
+                _thread.start_new_thread(self.serve, ())
+            except RuntimeError:
+                return False
+        self.turn.release()
+        return True
 
     def serve_open(self, nid: int, pid: int, nr: int, args: list) -> None:  # type: ignore[type-arg]
         """Hand over the caller's own /proc entry, or let the open go on as it would."""
