@@ -20,6 +20,12 @@ these options (``listener=N``), never an address: the host dials the grant it pu
 ``--service-listen unix:/PATH`` (a unix grant) listens on a unix socket at PATH in the pod,
 making its folder when missing (the pod gives it a writable one: runtimes/kubernetes/pod.py).
 
+With ``--publish-port PORT`` (repeatable; ``policy.publishPorts``) the host may ask for a
+connection to the pod's own 127.0.0.1:PORT (``N`` with ``ref=R port=PORT``: a client of the
+host's published port): only a port of these options, connected from here, then carried as
+any connection (its ``O`` says ``inbound=R``; a refused connect: ``O`` with ``error=ERRNO``
+and nothing more).
+
 One thread, one ``poll`` loop: a run's pipes are read only while the host has given credit
 and the bytes waiting for the stream are under ``HIGH_WATER``. The frame layout is written
 again here (fusion_oci/agent/protocol.py is the host's) because this file travels alone.
@@ -215,8 +221,13 @@ class Mux:
         agent_argv: list[str],
         egress_port: int | None = None,
         services: list[tuple[str, int]] | None = None,
+        published: list[int] | None = None,
     ) -> None:
         self.listeners: dict[int, tuple[socket.socket, bytes]] = {}
+        self.published = frozenset(published or ())
+        """The ports of the pod's loopback the host may connect to (``N``)."""
+        self.connecting: dict[int, tuple[socket.socket, bytes]] = {}
+        """fd -> (a connect to a published port still in progress, the host's ref)."""
         """fd -> (the listening socket, what its O frames add: ``listener=N`` for a service)."""
         self.services = len(services or ())
         # Before the agent starts, so before hello and any command: none can take a port first.
@@ -298,6 +309,8 @@ class Mux:
         accepting = self.greeted and len(self.conns) < MAX_CONNS
         for fd in self.listeners:
             self.want(fd, IN if accepting else 0)
+        for fd in self.connecting:
+            self.want(fd, OUT)
         self.want(1, OUT if self.out else 0)
         self.want(0, IN if self.host_open else 0)
         self.want(self.agent.fileno(), IN)
@@ -348,6 +361,8 @@ class Mux:
     def host_frame(self, kind: bytes, body: bytes) -> bool:
         if kind in (b"B", b"W", b"C"):
             return self.egress_frame(kind, body)
+        if kind == b"N":
+            return self.inbound(body)
         if kind in (b"S", b"P"):
             self.spawn(body, piped=kind == b"P")
         elif kind == b"K":
@@ -458,10 +473,13 @@ class Mux:
         raw = frame(kind, body)
         if kind == b"H":
             body += b"window=" + str(WINDOW).encode() + b"\0"
-            if self.listeners or self.services:  # the host is ready for O before it runs anything
+            if self.listeners or self.services or self.published:
+                # the host is ready for O before it runs anything
                 body += b"egress_window=" + str(EGRESS_WINDOW).encode() + b"\0"
             if self.services:  # how many it was asked for (one without ::1 is not listening)
                 body += b"services=%d\0" % self.services
+            if self.published:
+                body += b"publish=%d\0" % len(self.published)
             self.send(frame(b"H", body))
             self.greeted = True
             return
@@ -545,6 +563,51 @@ class Mux:
             self.conns[conn.id] = conn
             self.conn_fds[sock.fileno()] = conn
             self.send(frame(b"O", b"id=" + str(conn.id).encode() + b"\0" + extra))
+
+    def inbound(self, body: bytes) -> bool:
+        """The host's ``N``: connect to a published port of the pod's loopback for a client of
+        the host's. A ref that is not a number is not our host's (False); a port not
+        published, or too many connections, is an ``O`` with its error."""
+        ref, port = first_field(body, b"ref"), first_field(body, b"port")
+        if not ref.isdigit() or not port.isdigit():
+            return False
+        if int(port) not in self.published:
+            self.inbound_refused(ref, errno.EPERM)
+            return True
+        if len(self.conns) + len(self.connecting) >= MAX_CONNS:
+            self.inbound_refused(ref, errno.EMFILE)
+            return True
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        err = sock.connect_ex(("127.0.0.1", int(port)))
+        if err == errno.EINPROGRESS:
+            self.connecting[sock.fileno()] = (sock, ref)
+        else:
+            self.inbound_done(sock, ref, err)
+        return True
+
+    def connected(self, fd: int) -> None:
+        sock, ref = self.connecting.pop(fd)
+        self.want(fd, 0)
+        self.inbound_done(sock, ref, sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR))
+
+    def inbound_done(self, sock: socket.socket, ref: bytes, err: int) -> None:
+        """An ``O`` for the host's ref: the connection carried from now on, or its error.
+        Ids are taken here, when the O goes out, so that they reach the host in order."""
+        if err:
+            sock.close()
+            self.inbound_refused(ref, err)
+            return
+        conn = Conn(self.next_conn, sock)
+        self.next_conn += 1
+        self.conns[conn.id] = conn
+        self.conn_fds[sock.fileno()] = conn
+        self.send(frame(b"O", b"id=%d\0inbound=%s\0" % (conn.id, ref)))
+
+    def inbound_refused(self, ref: bytes, err: int) -> None:
+        conn_id = self.next_conn
+        self.next_conn += 1  # an id the host counts too: never used again
+        self.send(frame(b"O", b"id=%d\0inbound=%s\0error=%d\0" % (conn_id, ref, err)))
 
     def egress_frame(self, kind: bytes, body: bytes) -> bool:
         """The host's word on a connection. An id never opened, or bytes past the window the
@@ -656,6 +719,8 @@ class Mux:
                     self.to_stdin(self.stdin_runs[fd])  # POLLERR too: the write's EPIPE closes it
                 elif fd in self.listeners:
                     self.accept(fd)
+                elif fd in self.connecting:
+                    self.connected(fd)
                 elif (conn := self.conn_fds.get(fd)) is not None:
                     if conn.inbound:
                         self.conn_write(conn)  # POLLERR too: the send's error closes it
@@ -690,8 +755,15 @@ class Mux:
 def main(argv: list[str]) -> int:
     egress_port: int | None = None
     services: list[tuple[str, int]] = []
-    while len(argv) >= 2 and argv[0] in ("--egress-listen", "--service-listen"):
+    published: list[int] = []
+    while len(argv) >= 2 and argv[0] in ("--egress-listen", "--service-listen", "--publish-port"):
         option, value, argv = argv[0], argv[1], argv[2:]
+        if option == "--publish-port":
+            if not value.isdigit() or not 0 < int(value) < 65536:
+                sys.stderr.write(f"mux.py: --publish-port needs a port, not {value!r}\n")
+                return 2
+            published.append(int(value))
+            continue
         where = listen_address(value if option != "--egress-listen" else "127.0.0.1:" + value)
         if where is None:
             sys.stderr.write(
@@ -705,13 +777,13 @@ def main(argv: list[str]) -> int:
     if len(argv) < 2 or argv[0] != "--agent":
         sys.stderr.write(
             "usage: mux.py [--egress-listen PORT] [--service-listen ADDR:PORT|unix:/PATH]... "
-            "--agent PATH [agent args]\n"
+            "[--publish-port PORT]... --agent PATH [agent args]\n"
         )
         return 2
     if not undumpable():
         sys.stderr.write("mux.py: cannot set PR_SET_DUMPABLE 0 (no ctypes); going on\n")
     try:
-        mux = Mux(argv[1:], egress_port, services)
+        mux = Mux(argv[1:], egress_port, services, published)
     except OSError as exc:
         # Closed, as the agent's own forwarder: no hello, the sandbox does not start.
         sys.stderr.write(f"mux.py: {exc}\n")

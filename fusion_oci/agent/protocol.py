@@ -36,6 +36,10 @@ EGRESS_ACK = b"W"
 """Both ways, ``id=N bytes=n``: n bytes of N were written on; credit back."""
 EGRESS_CLOSE = b"C"
 """Both ways, ``id=N``: N is gone (reset, refused, failed); the other side drops it too."""
+INBOUND_OPEN = b"N"
+"""host -> mux, ``ref=R port=P``: connect to the pod's 127.0.0.1:P for a client of a published
+port (``mux.py --publish-port P``); the mux answers with an ``O`` that says ``inbound=R``
+(and ``error=ERRNO`` when the connect failed: nothing more follows for that id)."""
 MAX_EGRESS_CONNS = 512
 
 _HEADER = struct.Struct(">I")

@@ -26,6 +26,7 @@ import collections
 import contextlib
 import functools
 import os
+import socket
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -83,15 +84,19 @@ def mux_argv(
     mux: str | os.PathLike[str] = MUX,
     egress_listen: int | None = None,
     service_listen: Sequence[str] = (),
+    publish_ports: Sequence[int] = (),
 ) -> list[str]:
     """How the far end is started (in a pod: after ``kubectl exec -i POD --``); with
     ``egress_listen`` it carries that port's connections back (``network: filtered``), with
     ``service_listen`` (``ADDR:PORT`` or ``unix:/PATH`` each, listener 0, 1, ...) those of
-    its loopback's addresses and of those paths (host services). Pure."""
+    its loopback's addresses and of those paths (host services), with ``publish_ports`` the
+    ports of its loopback the host may connect to (published ports). Pure."""
     path = os.fspath(agent) if agent is not None else str(agent_binary())
     listen = [] if egress_listen is None else ["--egress-listen", str(egress_listen)]
     for where in service_listen:
         listen += ["--service-listen", where]
+    for port in publish_ports:
+        listen += ["--publish-port", str(port)]
     return [python, "-S", "-E", "-s", os.fspath(mux), *listen, "--agent", path, *agent_args]
 
 
@@ -135,12 +140,16 @@ class StreamedAgent(AgentSession[_Run]):
         peer_pid: int | None = None,
         egress: Dialer | None = None,
         services: Sequence[Dialer] = (),
+        published: int = 0,
     ) -> None:
         super().__init__()
         self._stream = stream
         self._egress = egress
         self._services = len(services)
-        self._tunnels = Tunnels(self._loop, egress, self._write, self._send_frame, services)
+        self._published = published
+        self._tunnels = Tunnels(
+            self._loop, egress, self._write, self._send_frame, services, inbound=published > 0
+        )
         self.peer_pid = peer_pid
         """The stream's process as this host sees it (the mux, or ``kubectl``), if any."""
         self._window = 0
@@ -164,13 +173,21 @@ class StreamedAgent(AgentSession[_Run]):
         timeout_s: float = 10.0,
         egress: Dialer | None = None,
         services: Sequence[Dialer] = (),
+        published: int = 0,
     ) -> StreamedAgent:
         """Start ``argv`` (default: :func:`mux_argv` here, with this Python) in a session of its
         own, its stdin and stdout the stream: ``kubectl exec -i POD -- python3 ... mux.py``
-        is the same thing one hop further. ``egress``, ``services``: see :meth:`over`."""
+        is the same thing one hop further. ``egress``, ``services``, ``published``: see
+        :meth:`over`."""
         command = list(argv) if argv is not None else mux_argv(python=sys.executable)
         stream = await ProcessStream.start(command, CLOSE_WAIT_S)
-        agent = cls(stream, peer_pid=stream.proc.pid, egress=egress, services=services)
+        agent = cls(
+            stream,
+            peer_pid=stream.proc.pid,
+            egress=egress,
+            services=services,
+            published=published,
+        )
         await agent._greeted(timeout_s)
         return agent
 
@@ -181,13 +198,15 @@ class StreamedAgent(AgentSession[_Run]):
         timeout_s: float,
         egress: Dialer | None = None,
         services: Sequence[Dialer] = (),
+        published: int = 0,
     ) -> StreamedAgent:
         """An agent behind a mux already started at the far end of ``stream``. ``egress``
         (the mux started with ``--egress-listen``): what each of its connections is relayed
         to, a coroutine opening a new connection (the task's egress proxy); without it every
         connection is refused (closed at once). ``services`` (the mux started with as many
-        ``--service-listen``, in the same order): listener N's connections go to the N-th."""
-        agent = cls(stream, egress=egress, services=services)
+        ``--service-listen``, in the same order): listener N's connections go to the N-th.
+        ``published``: how many ``--publish-port`` it was started with (:meth:`inbound`)."""
+        agent = cls(stream, egress=egress, services=services, published=published)
         await agent._greeted(timeout_s)
         return agent
 
@@ -212,7 +231,17 @@ class StreamedAgent(AgentSession[_Run]):
                 "--service-listen, or is older",
                 "start it as " + " ".join(mux_argv("AGENT", service_listen=["127.0.0.1:5432"])),
             )
-        if (self._egress or self._services) and not self._tunnels.window:  # from the hello
+        if self._published and hello.get("publish") != str(self._published):
+            await self.close()
+            raise SandboxSetupError(
+                "the far end of the agent's stream does not carry the task's published ports",
+                f"this host asked for {self._published}, its hello says "
+                f"{hello.get('publish', 'none')}: mux.py was started without as many "
+                "--publish-port, or is older",
+                "start it as " + " ".join(mux_argv("AGENT", publish_ports=[3000])),
+            )
+        carries = self._egress or self._services or self._published
+        if carries and not self._tunnels.window:  # from the hello
             await self.close()
             raise SandboxSetupError(
                 "the far end of the agent's stream does not carry egress",
@@ -221,6 +250,12 @@ class StreamedAgent(AgentSession[_Run]):
                 "start it as " + " ".join(mux_argv("AGENT", egress_listen=3128)),
             )
         return hello
+
+    async def inbound(self, port: int, client: socket.socket) -> tuple[int, int, int]:
+        """Carry ``client``, a connection to a published port on this host (taken over), to
+        the far end's 127.0.0.1:``port``: (bytes towards it, bytes back, the connect's errno)
+        once it ends (:meth:`.tunnel.Tunnels.inbound`)."""
+        return await self._tunnels.inbound(port, client)
 
     def _setup_detail(self) -> str:
         described = self._stream.describe()

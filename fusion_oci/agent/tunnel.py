@@ -13,6 +13,11 @@ the pod's loopback; its ``O`` carries ``listener=N``, the place of that option, 
 dials the N-th dialer it was given (the grant's relay, which connects to the grant and audits
 each connection): the far end picks a listener the host set up, never an address.
 
+``mux.py --publish-port PORT`` (a published port) goes the other way: :meth:`Tunnels.inbound`
+takes a client's socket of the host's published port and asks the far end (``N``) to connect
+to the pod's 127.0.0.1:PORT; its ``O`` names this side's ``inbound`` ref, and the connection is
+relayed as any other, with the client's socket in place of a dialled one.
+
 The far end is the sandbox's, so its word is bounded: ids count up from 1 (an id never opened
 or opened twice is a broken stream), at most :data:`MAX_EGRESS_CONNS` at once, and no more
 than the window of bytes unacknowledged per connection; any of these raises
@@ -23,6 +28,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import socket
 from collections.abc import Awaitable, Callable, Sequence
 
 from fusion_oci.agent.protocol import (
@@ -30,6 +37,7 @@ from fusion_oci.agent.protocol import (
     EGRESS_BYTES,
     EGRESS_CLOSE,
     EGRESS_OPEN,
+    INBOUND_OPEN,
     MAX_EGRESS_CONNS,
     ProtocolError,
     decode_fields,
@@ -56,6 +64,12 @@ class _Conn:
         self.credit_given = asyncio.Event()
         self.data_ready = asyncio.Event()
         self.eof_in = False
+        self.sent = 0
+        """Bytes of the dialled side's carried to the far end."""
+        self.received = 0
+        """Bytes of the far end's written on to the dialled side."""
+        self.done: asyncio.Future[tuple[int, int, int]] | None = None
+        """An inbound connection's end: (sent, received, errno) for its caller."""
 
 
 class Tunnels:
@@ -68,9 +82,15 @@ class Tunnels:
         write: Callable[[bytes], None],
         send: Callable[[bytes], Awaitable[bool]],
         services: Sequence[Dialer] = (),
+        inbound: bool = False,
     ) -> None:
         self._loop = loop
         self._dialer = dialer
+        self._takes_inbound = inbound
+        """The far end was started with ``--publish-port``: this side asks it for connections."""
+        self._inbound: dict[str, tuple[socket.socket, asyncio.Future[tuple[int, int, int]]]] = {}
+        """Ref -> (a published port's client, its end) while the far end's O is awaited."""
+        self._refs = itertools.count(1)
         self._services = {str(i): d for i, d in enumerate(services)}
         """Listener index (as the mux's ``listener`` field spells it) -> its grant's dialer."""
         self._write = write
@@ -93,7 +113,7 @@ class Tunnels:
         """The mux's hello: its window, at once (an ``O`` may follow in the same read).
         Never more credit than it named (it holds that much per connection), nor more than
         this side holds for one (its word is bounded)."""
-        carries = self._dialer is not None or self._services
+        carries = self._dialer is not None or self._services or self._takes_inbound
         if carries and hello.get("egress_window", "").isdigit():
             self.window = min(int(hello["egress_window"]), MAX_WINDOW)
 
@@ -111,7 +131,7 @@ class Tunnels:
             raise ProtocolError(f"a connection frame without a numeric id: {tag[:20]!r}")
         conn_id = int(tag)
         if kind == EGRESS_OPEN:
-            self._open(conn_id, fields.get("listener"))
+            self._open(conn_id, fields.get("listener"), fields.get("inbound"), fields.get("error"))
             return
         if not 0 < conn_id <= self._last:
             raise ProtocolError(f"a frame for connection {conn_id}, never opened")
@@ -137,13 +157,46 @@ class Tunnels:
             conn.eof_in = True
             conn.data_ready.set()
 
-    def _open(self, conn_id: int, listener: str | None) -> None:
-        """``listener``: None for the egress listener, else a service listener's index."""
+    async def inbound(self, port: int, client: socket.socket) -> tuple[int, int, int]:
+        """Carry ``client`` (a connection to a published port, taken over: it is closed here)
+        to the pod's 127.0.0.1:``port``; once it ends: the bytes carried each way (towards
+        the pod, back) and the connect's errno (0: it connected). Cancelled: the connection
+        is dropped."""
+        ref = str(next(self._refs))
+        done: asyncio.Future[tuple[int, int, int]] = self._loop.create_future()
+        if not self.window or not self._takes_inbound:
+            client.close()
+            return 0, 0, 111  # ECONNREFUSED: the far end carries no published port
+        self._inbound[ref] = (client, done)
+        self._write(encode(INBOUND_OPEN, [("ref", ref), ("port", str(port))]))
+        try:
+            return await asyncio.shield(done)
+        except asyncio.CancelledError:
+            pending = self._inbound.pop(ref, None)
+            if pending is not None:
+                pending[0].close()
+            for conn_id, conn in list(self._conns.items()):
+                if conn.done is done:
+                    self._drop(conn_id, conn)
+            raise
+
+    def _open(
+        self,
+        conn_id: int,
+        listener: str | None,
+        inbound: str | None = None,
+        error: str | None = None,
+    ) -> None:
+        """``listener``: None for the egress listener, else a service listener's index;
+        ``inbound``: the ref of a connection this side asked for (``error``: it failed)."""
         if conn_id != self._last + 1:
             raise ProtocolError(f"connection {conn_id} opened out of order (last {self._last})")
         if len(self._conns) >= MAX_EGRESS_CONNS:
             raise ProtocolError(f"more than {MAX_EGRESS_CONNS} connections at once")
         self._last = conn_id
+        if inbound is not None:
+            self._open_inbound(conn_id, inbound, error)
+            return
         dialer = self._dialer
         if listener is not None:
             # Only a listener this host set up (the grant it dials is the host's, by index).
@@ -160,6 +213,28 @@ class Tunnels:
         self._conns[conn_id] = conn
         self.opened += 1
         conn.task = self._loop.create_task(self._relay(conn_id, conn, dialer))
+        self._tasks.add(conn.task)
+        conn.task.add_done_callback(self._tasks.discard)
+
+    def _open_inbound(self, conn_id: int, ref: str, error: str | None) -> None:
+        pending = self._inbound.pop(ref, None)
+        if pending is None:
+            raise ProtocolError(f"connection {conn_id} answers {ref[:20]!r}, never asked for")
+        client, done = pending
+        if error is not None:
+            client.close()
+            if not done.done():
+                done.set_result((0, 0, int(error) if error.isdigit() else 111))
+            return
+
+        async def taken() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+            return await asyncio.open_connection(sock=client)
+
+        conn = _Conn(self.window)
+        conn.done = done
+        self._conns[conn_id] = conn
+        self.opened += 1
+        conn.task = self._loop.create_task(self._relay(conn_id, conn, taken))
         self._tasks.add(conn.task)
         conn.task.add_done_callback(self._tasks.discard)
 
@@ -195,6 +270,8 @@ class Tunnels:
                 self._write(encode(EGRESS_CLOSE, [("id", str(conn_id))]))
             if writer is not None:
                 writer.close()
+            if conn.done is not None and not conn.done.done():
+                conn.done.set_result((conn.sent, conn.received, 0))
 
     async def _to_proxy(self, conn_id: int, conn: _Conn, writer: asyncio.StreamWriter) -> None:
         while True:
@@ -208,6 +285,7 @@ class Tunnels:
                 await writer.drain()
                 # Taken by the proxy's socket: the far end may send that much more.
                 conn.inbound -= size
+                conn.received += size
                 self._write(encode(EGRESS_ACK, [("id", str(conn_id)), ("bytes", str(size))]))
                 continue
             if writer.can_write_eof():
@@ -221,6 +299,7 @@ class Tunnels:
                 await conn.credit_given.wait()
             data = await reader.read(min(CHUNK, conn.credit))
             conn.credit -= len(data)
+            conn.sent += len(data)
             if not await self._send(encode_bytes(conn_id, data)) or not data:
                 return  # the proxy's end (an empty B: the far end shuts its writing)
 
@@ -228,6 +307,13 @@ class Tunnels:
         """The stream is gone: end every connection (the proxy sees each close)."""
         for conn_id, conn in list(self._conns.items()):
             self._drop(conn_id, conn)
+            if conn.done is not None and not conn.done.done():
+                conn.done.set_result((conn.sent, conn.received, 0))
+        for client, done in self._inbound.values():
+            client.close()
+            if not done.done():
+                done.set_result((0, 0, 104))  # ECONNRESET: the stream went first
+        self._inbound.clear()
 
     async def aclose(self) -> None:
         self.stop()

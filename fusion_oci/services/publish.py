@@ -25,6 +25,11 @@ Works wherever the agent is the sandbox's init with a network namespace of its o
 ``SCM_RIGHTS`` from the host and landlock has no network namespace: their checks refuse
 ``publishPorts`` with the reason (docs/security.md).
 
+A sandbox that descriptors cannot reach (kubernetes: a pod on a cluster node) takes its ports
+another way: its runtime gives :meth:`TaskPorts.carry` a carrier, and each connection is handed
+to that instead (the kubernetes runtime carries it over the agent's stream to the pod's
+loopback: mux.py ``--publish-port``), with the same limits and the same audit events.
+
 Served on the egress proxy's thread (:mod:`fusion_oci.egress.loop`), as the relays are: they
 keep serving between a :class:`~fusion_oci.sandbox.SyncSandbox`'s calls and die with the
 owner (listeners are sockets of this process; the scratch folder carries its owner for
@@ -58,7 +63,14 @@ from fusion_oci.services.handover import (
 )
 
 if TYPE_CHECKING:
+    import concurrent.futures
+    from collections.abc import Callable, Coroutine
+
     from fusion_oci.audit import AuditLog
+
+    Carrier = Callable[[int, socket.socket], Coroutine[Any, Any, tuple[int, int, int]]]
+    """Carries one connection (taken over) to the sandbox's 127.0.0.1:PORT: (bytes towards
+    the sandbox, bytes back, the connect's errno) once it ends."""
 
 MAX_CONNECTIONS = 128
 """Open inbound connections per task at once; more are closed as they come (and audited)."""
@@ -91,6 +103,10 @@ class Published:
     records: asyncio.Future[None] | None = None
     """The reader of the agent's records, once it dialled."""
     taken: asyncio.Event = field(default_factory=asyncio.Event)
+    carrier: tuple[Carrier, asyncio.AbstractEventLoop] | None = None
+    """The runtime's carrier and its loop, when it carries connections itself (:meth:`carry`)."""
+    carried: set[concurrent.futures.Future[tuple[int, int, int]]] = field(default_factory=set)
+    """Connections given to the carrier, not yet ended."""
 
     @property
     def where(self) -> str:
@@ -197,11 +213,24 @@ class TaskPorts(TaskStamped):
                 asyncio.ensure_future(self._accept_loop(p)),
             ]
 
+    async def carry(self, carrier: Carrier) -> None:
+        """From the runtime's prepare (on its loop): every connection of every published port
+        goes to ``carrier`` (run on that loop) instead of an agent's relay."""
+        loop = asyncio.get_running_loop()
+        await on_proxy_loop(self._carry(carrier, loop))
+
+    async def _carry(self, carrier: Carrier, loop: asyncio.AbstractEventLoop) -> None:
+        for p in self.ports:
+            p.carrier = (carrier, loop)
+            p.taken.set()
+
     async def _wait_agent(self, within_s: float) -> list[str]:
         """The entries whose relay the agent has not dialled within ``within_s``."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.gather(*(p.taken.wait() for p in self.ports)), within_s)
-        return [p.entry.host(p.host_port) for p in self.ports if p.agent is None]
+        return [
+            p.entry.host(p.host_port) for p in self.ports if p.agent is None and p.carrier is None
+        ]
 
     async def stop(self) -> None:
         """Close the listeners and the agent's connections (the agent closes every inbound
@@ -212,20 +241,25 @@ class TaskPorts(TaskStamped):
         if self._stopped:
             return
         self._stopped = True
+        carried: list[asyncio.Future[Any]] = []
         for p in self.ports:
             for task in p.tasks:
                 if task is not p.records:
                     task.cancel()
             p.listener.close()
             p.relay.close()
+            for one in p.carried:
+                one.cancel()  # the carrier drops the connection (its end is audited)
+                carried.append(asyncio.wrap_future(one))
             if p.agent is not None:
                 # The agent closes every inbound connection at our EOF, then its end: the
                 # records it wrote before are read to the end first (their audit events).
                 with contextlib.suppress(OSError):
                     p.agent.shutdown(socket.SHUT_WR)
-        records = [p.records for p in self.ports if p.records is not None]
-        if records:
-            await asyncio.wait(records, timeout=STOP_DRAIN_S)
+        waits = [*(p.records for p in self.ports if p.records is not None), *carried]
+        if waits:
+            await asyncio.wait(waits, timeout=STOP_DRAIN_S)
+            await asyncio.sleep(0)  # the carried ones' ends, called back onto this loop
         for p in self.ports:
             for task in p.tasks:
                 task.cancel()
@@ -314,9 +348,15 @@ class TaskPorts(TaskStamped):
 
     def _hand(self, p: Published, conn: socket.socket, peer: str) -> None:
         started = time.monotonic()
+        given = False
         try:
             if self._open >= MAX_CONNECTIONS:
                 why = f"too many inbound connections for this task ({MAX_CONNECTIONS} at once)"
+            elif p.carrier is not None:
+                given = self._give(p, conn, started, peer)
+                if given:
+                    return  # the carrier's now
+                why = "the sandbox's carrier is not there (the sandbox ended)"
             elif p.agent is None:
                 why = "the sandbox's agent is not there (the sandbox ended)"
             else:
@@ -331,8 +371,59 @@ class TaskPorts(TaskStamped):
                     p.waiting.append((started, peer))
                     return
         finally:
-            conn.close()  # ours: the agent has its own reference now, or nobody does
+            if not given:
+                conn.close()  # ours: the agent has its own reference now, or nobody does
         self._audit(p, started, peer, allowed=False, reason=f"fusion-oci publishPorts: {why}")
+
+    def _give(self, p: Published, conn: socket.socket, started: float, peer: str) -> bool:
+        """Hand ``conn`` to the runtime's carrier (on its loop); its end comes back here and
+        is audited. False: the carrier's loop is gone."""
+        assert p.carrier is not None
+        carrier, loop = p.carrier
+        here = asyncio.get_running_loop()
+        with contextlib.suppress(OSError):
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            one = asyncio.run_coroutine_threadsafe(carrier(p.entry.port, conn), loop)
+        except RuntimeError:  # the loop is closed
+            return False
+        self._open += 1
+        p.carried.add(one)
+
+        def ended(done: concurrent.futures.Future[tuple[int, int, int]]) -> None:
+            with contextlib.suppress(RuntimeError):  # this loop is closed: nothing to audit
+                here.call_soon_threadsafe(self._carried, p, done, started, peer)
+
+        one.add_done_callback(ended)
+        return True
+
+    def _carried(
+        self,
+        p: Published,
+        done: concurrent.futures.Future[tuple[int, int, int]],
+        started: float,
+        peer: str,
+    ) -> None:
+        p.carried.discard(done)
+        self._open -= 1
+        if done.cancelled() or done.exception() is not None:
+            self._audit(p, started, peer, allowed=True, reason="the sandbox or the task ended")
+            return
+        up, down, err = done.result()
+        self._audit(
+            p,
+            started,
+            peer,
+            allowed=not err,
+            reason=(
+                f"fusion-oci publishPorts: nothing accepted the connection at the sandbox's "
+                f"127.0.0.1:{p.entry.port} ({os.strerror(err)})"
+                if err
+                else None
+            ),
+            bytes_up=up,
+            bytes_down=down,
+        )
 
     # -- audit ----------------------------------------------------------------------------
 

@@ -765,3 +765,81 @@ async def test_service_a_unix_grant_listens_at_its_path_and_reaches_its_socket_o
     seen = [e for e in events if e.type == "sandbox:egress"]
     assert [(e.details or {}).get("service") for e in seen] == [grant] * 3, seen
     assert all(e.allowed and e.bytes_up and e.bytes_down for e in seen), seen
+
+
+# --- published ports through the stream (mux.py --publish-port; a client of the host's) ------
+
+
+async def _echo_server() -> tuple[asyncio.Server, int]:
+    """A server on this machine's 127.0.0.1 standing in for a dev server in the pod: it echoes
+    each connection's bytes back, upper-cased, and closes at the client's end."""
+
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write((await reader.read()).upper())
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(echo, "127.0.0.1", 0)
+    return server, int(server.sockets[0].getsockname()[1])
+
+
+async def _through(a: StreamedAgent, port: int, data: bytes) -> tuple[bytes, tuple[int, int, int]]:
+    """A host client's connection carried to ``port``: what it got back, and the result."""
+    ours, theirs = socket.socketpair()
+    carried = asyncio.ensure_future(a.inbound(port, theirs))
+    reader, writer = await asyncio.open_connection(sock=ours)
+    writer.write(data)
+    writer.write_eof()
+    try:
+        got = await asyncio.wait_for(reader.read(), 10)
+    except ConnectionResetError:  # refused: closed with our bytes unread
+        got = b""
+    writer.close()
+    return got, await asyncio.wait_for(carried, 10)
+
+
+async def test_published_a_hosts_client_reaches_the_published_port_only() -> None:
+    """The host asks the far end (``N``) for the pod's 127.0.0.1:PORT; it connects only to a
+    port it was started with: another port is EPERM, a published port with nothing on it
+    ECONNREFUSED, each one an O the host counts; bytes and half-close cross both ways."""
+    server, port = await _echo_server()
+    other, other_port = await _echo_server()  # listening, but not published
+    empty = free_port()  # published, nothing listening
+    a = await StreamedAgent.start(
+        mux_argv(agent_binary(), python="python3", publish_ports=[port, empty]), published=2
+    )
+    try:
+        got, result = await _through(a, port, b"hello" * 20_000)
+        assert got == b"HELLO" * 20_000
+        assert result == (100_000, 100_000, 0)
+        assert (await _through(a, other_port, b"x"))[1] == (0, 0, 1)  # EPERM: not published
+        assert (await _through(a, empty, b"x"))[1] == (0, 0, 111)  # ECONNREFUSED
+        results = await asyncio.gather(*(_through(a, port, b"%d" % i) for i in range(20)))
+        assert [g for g, _ in results] == [b"%d" % i for i in range(20)]
+        run = await a.run(["echo", "still"], env=ENV)
+        assert run.stdout == b"still\n"
+    finally:
+        await a.close()
+        server.close()
+        other.close()
+
+
+async def test_published_a_mux_without_the_ports_is_refused_and_a_forged_answer_is_lost() -> None:
+    with pytest.raises(SandboxSetupError) as info:
+        await StreamedAgent.start(MUX_ARGV, published=1)
+    assert "published ports" in info.value.what
+    hello = encode(
+        b"H",
+        [("version", "1"), ("pid", "9"), ("window", "65536"), ("egress_window", "65536"),
+         ("publish", "1")],
+    )  # fmt: skip
+    stream = _ScriptedStream(hello)
+    a = await StreamedAgent.over(stream, 5, published=1)
+    task = asyncio.ensure_future(a.run(["true"], env=ENV))
+    await asyncio.sleep(0.05)
+    # an answer to a connection this host never asked for: the stream is not trusted
+    stream.incoming.put_nowait(encode(b"O", [("id", "1"), ("inbound", "7")]))
+    with pytest.raises(AgentLostError):
+        await asyncio.wait_for(task, 5)
+    assert a.lost
+    await a.close()

@@ -15,6 +15,7 @@ from fusion_oci.runtimes.kubernetes.hostservices import (
     listened,
     listener_table,
     pod_mux_argv,
+    published_ports,
     unix_refusals,
 )
 from fusion_oci.runtimes.kubernetes.pod import PodOptions, pod_grants, pod_manifest, unix_folders
@@ -136,3 +137,20 @@ def test_a_service_containers_endpoint_is_the_pods_own_not_a_listener() -> None:
     assert "127.0.0.1:6379" in argv and "127.0.0.1:5432" not in argv
     (defined,) = spec.service_definitions
     assert (defined.name, defined.image, defined.port) == ("db", "postgres", 5432)
+
+
+def test_published_ports_are_the_ports_the_pods_relay_may_connect_to(tmp_path: Path) -> None:
+    """publishPorts: the pod's relay connects only to the sandbox ports the spec publishes,
+    each once, whatever host ports they are published on."""
+    policy = SandboxPolicy.model_validate(
+        {"network": "none", "publishPorts": ["3000", "8080:3000", "9000:80"]}
+    )
+    spec = task_for(policy).spec
+    assert published_ports(spec) == [3000, 80]
+    argv = pod_mux_argv(spec)
+    assert argv[argv.index("--publish-port") :][:4] == [
+        "--publish-port", "3000", "--publish-port", "80",
+    ]  # fmt: skip
+    rt = runtime(tmp_path)
+    assert Requirement.PUBLISHED_PORTS in rt.enforces()
+    assert rt.check(task_for(policy)) == []

@@ -43,14 +43,22 @@ def unix_refusals(grants: Iterable[HostService], writable: Sequence[str]) -> lis
 def pod_mux_argv(spec: TaskSpec) -> list[str]:
     """The pod's relay for ``spec``: the egress listener for ``network: filtered`` (the
     proxy variables name 127.0.0.1:3128), a listener per grant the pod does not serve itself
-    (:func:`~.pod.pod_grants`: a service container listens on its own endpoint). Pure."""
+    (:func:`~.pod.pod_grants`: a service container listens on its own endpoint), and the
+    published ports it may connect to for the executor. Pure."""
     return mux_argv(
         path(AGENT),
         python="python3",
         mux=path(MUX),
         egress_listen=EGRESS_PORT if spec.network is NetworkMode.FILTERED else None,
         service_listen=listened(pod_grants(spec)),
+        publish_ports=published_ports(spec),
     )
+
+
+def published_ports(spec: TaskSpec) -> list[int]:
+    """The ports of the pod's loopback the executor may connect to for the task's published
+    ports (``mux.py --publish-port``), each once, in order. Pure."""
+    return list(dict.fromkeys(p.port for p in spec.published_ports))
 
 
 def listener_table(grants: Sequence[str], relays: Mapping[str, str] | None) -> tuple[str, ...]:
@@ -73,5 +81,6 @@ __all__ = [
     "listened",
     "listener_table",
     "pod_mux_argv",
+    "published_ports",
     "unix_refusals",
 ]

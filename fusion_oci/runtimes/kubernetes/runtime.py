@@ -22,8 +22,8 @@ What a Pod cannot express is either enforced another way or refused at ``check``
 the agent's per command; NetworkPolicy enforcement is not readable from the API, so prepare
 probes it once per cluster (:mod:`.netprobe`) and fails closed; ``egress`` needs the nodes'
 networks (``kubernetes.nodeNetworks``); the bundle's seccomp profile needs a Localhost copy on
-the nodes (``kubernetes.seccompProfile``); ``pidsLimit``, a unix grant directly in a system
-folder and published ports are refused (not carried to a pod).
+the nodes (``kubernetes.seccompProfile``); ``pidsLimit`` and a unix grant directly in a
+system folder are refused (not carried to a pod).
 
 ``network: filtered`` (and ``credentials``): the task's egress proxy runs on the executor, as for
 the local runtimes, and the pod reaches it back through the agent's stream: the relay listens
@@ -35,6 +35,12 @@ command that ignores the proxy variables reaches nothing; no credential enters t
 (:func:`.pod.pod_manifest`), on the pod's own loopback where the commands reach them directly;
 prepare waits for their readiness probes (:func:`.taskpod.wait_services_ready`) and the pod's
 deletion ends them with it.
+
+``publishPorts``: the lifecycle listens on the executor's host port as for a local task, and
+each client's connection is carried the other way over the agent's stream: the relay connects
+to the pod's own 127.0.0.1:PORT, only for a port the pod was started with
+(``mux.py --publish-port``), and the connection is audited as a local one
+(:meth:`~fusion_oci.services.publish.TaskPorts.carry`).
 
 ``hostServices`` (TCP grants, any network): the same way back. The relay also listens on each
 grant's address of the pod's loopback and the streamed agent dials that grant's relay here,
@@ -69,6 +75,7 @@ from fusion_oci.runtimes.kubernetes.hostservices import (
     listened,
     listener_table,
     pod_mux_argv,
+    published_ports,
     unix_refusals,
 )
 from fusion_oci.runtimes.kubernetes.kubeconfig import ClusterAccess, find_access
@@ -127,6 +134,9 @@ ENFORCED = frozenset(
         # TCP grants: the relay's listener on the pod's loopback, carried back over the
         # stream to the grant's relay on the executor (unix grants: refused in check)
         Requirement.HOST_SERVICES,
+        # each client of the executor's published port carried over the stream to the pod's
+        # own 127.0.0.1:PORT (mux.py --publish-port)
+        Requirement.PUBLISHED_PORTS,
         Requirement.MEMORY,
         Requirement.CPU_QUOTA,
         Requirement.CPU_TIME,  # rlimits: the agent's setrlimit per command
@@ -438,9 +448,13 @@ class KubernetesRuntime(SpecRuntime):
         self._mux_argv = pod_mux_argv(task.spec)
         stream = await pods.open(self._namespace, self._pod, self._mux_argv, container="task")
         self._agent_stream = stream
+        published = published_ports(task.spec)
         self._agent = await StreamedAgent.over(
-            stream, timeout_s=30.0, egress=dialer, services=services
+            stream, timeout_s=30.0, egress=dialer, services=services, published=len(published)
         )
+        if task.ports is not None:
+            # the executor's listeners (bound by the lifecycle) hand each client to the stream
+            await task.ports.carry(self._agent.inbound)
         worktree = self.layout.worktree
         self._sync_stream = await pods.open(
             self._namespace, self._pod, remote_argv(worktree, by_path=path(REMOTE)),
