@@ -154,3 +154,20 @@ def test_published_ports_are_the_ports_the_pods_relay_may_connect_to(tmp_path: P
     rt = runtime(tmp_path)
     assert Requirement.PUBLISHED_PORTS in rt.enforces()
     assert rt.check(task_for(policy)) == []
+
+
+def test_the_plan_names_the_pods_service_containers_and_published_ports(tmp_path: Path) -> None:
+    policy = SandboxPolicy.model_validate(
+        {
+            "network": "none",
+            "publishPorts": ["3000"],
+            "services": [{"name": "db", "image": "registry.example/pg:15", "port": 5432}],
+        }
+    )
+    rt = runtime(tmp_path)
+    rt.adopt(task_for(policy))
+    plan = rt.plan(rt.adopted().process(["true"], RunOptions()))
+    notes = "\n".join(plan.notes)
+    assert "svc-db registry.example/pg:15" in notes and "published ports:" in notes, notes
+    assert "--publish-port" in plan.sandbox.sdk_kwargs["command"]
+    assert "127.0.0.1:5432" not in plan.sandbox.sdk_kwargs["command"]  # served in the pod

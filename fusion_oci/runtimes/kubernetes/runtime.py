@@ -494,6 +494,23 @@ class KubernetesRuntime(SpecRuntime):
                     if "--service-listen" in self._mux_argv
                     else []
                 ),
+                *(
+                    [
+                        "services: containers beside the task's in its pod ("
+                        + ", ".join(f"{s.container} {s.image}" for s in self._services())
+                        + "), on the pod's own loopback; ready by their readiness probes"
+                    ]
+                    if self._services()
+                    else []
+                ),
+                *(
+                    [
+                        "published ports: each client of the host's port is carried over the "
+                        "stream to the pod's own 127.0.0.1:PORT (mux.py --publish-port)"
+                    ]
+                    if "--publish-port" in self._mux_argv
+                    else []
+                ),
                 process.shown_limits(),
             ],
             process=process,
