@@ -141,9 +141,17 @@ class AuditLog:
                     data = data[written:]
             finally:
                 os.close(fd)
+        # Every event to every subscriber even when one raises (then the first error, after):
+        # one subscriber's bug must not keep the batch's later events from the others.
+        failed: Exception | None = None
         for event in events:
             for callback in list(self._subscribers):
-                callback(event)
+                try:
+                    callback(event)
+                except Exception as exc:
+                    failed = failed or exc
+        if failed is not None:
+            raise failed
 
 
 def _chained_line(event: AuditEvent, prev: str, key: bytes) -> bytes:
