@@ -101,6 +101,10 @@ flock, so a slow disk stalls no tunnel), one at a time, in the order they were m
 per event (``asyncio.to_thread``) let a later event land before an earlier one."""
 
 
+WRITE_AFTER_S = 0.002
+"""How long the writer lets a task's events queue up before it appends them."""
+
+
 class _AuditQueue:
     """The events made on the proxy loop and not yet written, in the order they were made
     (every task's of this process): :data:`AUDIT_WRITER` writes whatever has queued up since
@@ -125,6 +129,9 @@ class _AuditQueue:
             return self._job
 
     def _write_all(self) -> None:
+        # A moment for the events that follow this one (a command's connections come in
+        # runs): one append for the lot, not an open, lock, read and write per event.
+        time.sleep(WRITE_AFTER_S)
         while True:
             # Taken and, when empty, the job ended under one lock: whatever put() queued while
             # it saw this job is written by this job.
