@@ -156,9 +156,11 @@ def _write_batch(items: list[tuple[AuditLog, str, dict[str, Any]]]) -> None:
             end += 1
         events = []
         for _, kind, fields in items[start:end]:
-            with contextlib.suppress(ValueError):  # a bug's fields: never the others' events
+            # A bug's fields (refused by the model) cost that event, never the others', and
+            # never the writer: a job that raised would leave the queue without one.
+            with contextlib.suppress(Exception):
                 events.append(CONNECTION_EVENTS[kind](**fields))
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # as the per-event jobs' errors were: dropped
             audit.emit_many(events)
         start = end
 

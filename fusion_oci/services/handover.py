@@ -134,20 +134,24 @@ async def read_records(sock: socket.socket, on_records: Callable[[list[Record]],
         error: Exception | None = None
         try:
             part = sock.recv(64 * RECORD)
-            if part:
-                buf.extend(part)
-                whole = len(buf) - len(buf) % RECORD
-                if whole:
-                    records: list[Record] = [
-                        RECORD_FORMAT.unpack_from(buf, at) for at in range(0, whole, RECORD)
-                    ]
-                    del buf[:whole]
-                    on_records(records)
-                return
         except (BlockingIOError, InterruptedError):
             return
-        except Exception as exc:  # OSError, or a bug in on_records: this connection ends
-            error = exc
+        except OSError as exc:
+            part, error = b"", exc
+        if part:
+            buf.extend(part)
+            whole = len(buf) - len(buf) % RECORD
+            if not whole:
+                return
+            records: list[Record] = [
+                RECORD_FORMAT.unpack_from(buf, at) for at in range(0, whole, RECORD)
+            ]
+            del buf[:whole]
+            try:
+                on_records(records)
+                return
+            except Exception as exc:  # a bug there ends this connection, never the loop
+                error = exc
         loop.remove_reader(fd)  # at EOF the fd stays readable: no spinning on it
         if not ended.done():
             if error is None:
