@@ -39,7 +39,8 @@ EventType = Literal[
 ]
 
 
-def _now() -> str:
+def event_time() -> str:
+    """An event's ``ts``: now, to the millisecond, UTC."""
     return datetime.now(UTC).isoformat(timespec="milliseconds")
 
 
@@ -47,7 +48,7 @@ class _Event(Model):
     """What every event carries: who it is about and when."""
 
     type: EventType
-    ts: str = Field(default_factory=_now)
+    ts: str = Field(default_factory=event_time)
     task_id: str
     run_id: str
     backend: str

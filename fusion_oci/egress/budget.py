@@ -14,12 +14,16 @@ lines a second.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from fusion_oci.audit.events import event_time
 
 if TYPE_CHECKING:
     from fusion_oci.audit import AuditLog
@@ -97,6 +101,73 @@ flock, so a slow disk stalls no tunnel), one at a time, in the order they were m
 per event (``asyncio.to_thread``) let a later event land before an earlier one."""
 
 
+WRITE_AFTER_S = 0.002
+"""How long the writer lets a task's events queue up before it appends them."""
+
+
+class _AuditQueue:
+    """The events made on the proxy loop and not yet written, in the order they were made
+    (every task's of this process): :data:`AUDIT_WRITER` writes whatever has queued up since
+    it last looked, a batch per audit log (:meth:`AuditLog.emit_many
+    <fusion_oci.audit.AuditLog.emit_many>`). One job at a time, handed to it only when none
+    is running, and nothing handed back to the loop per event: a job and an asyncio future
+    per event, each waking the loop when it was done, cost a busy task's relay about as much
+    as the event itself (benchmarks/bench_services.py)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: list[tuple[AuditLog, str, dict[str, Any]]] = []
+        self._job: Future[None] | None = None
+
+    def put(self, audit: AuditLog, kind: str, fields: dict[str, Any]) -> Future[None]:
+        """Queue one event (``kind``: its type, ``fields``: the model's); the job that will
+        have written it when it is done."""
+        with self._lock:
+            self._items.append((audit, kind, fields))
+            if self._job is None:
+                self._job = AUDIT_WRITER.submit(self._write_all)
+            return self._job
+
+    def _write_all(self) -> None:
+        # A moment for the events that follow this one (a command's connections come in
+        # runs): one append for the lot, not an open, lock, read and write per event.
+        time.sleep(WRITE_AFTER_S)
+        while True:
+            # Taken and, when empty, the job ended under one lock: whatever put() queued while
+            # it saw this job is written by this job.
+            with self._lock:
+                items, self._items = self._items, []
+                if not items:
+                    self._job = None
+                    return
+            _write_batch(items)
+
+
+def _write_batch(items: list[tuple[AuditLog, str, dict[str, Any]]]) -> None:
+    """``items`` in order, one append per run of consecutive events of one log. A run that
+    fails (its disk, a subscriber) loses no other run's events, as one job per event did."""
+    from fusion_oci.audit import CONNECTION_EVENTS
+
+    start = 0
+    while start < len(items):
+        audit = items[start][0]
+        end = start + 1
+        while end < len(items) and items[end][0] is audit:
+            end += 1
+        events = []
+        for _, kind, fields in items[start:end]:
+            # A bug's fields (refused by the model) cost that event, never the others', and
+            # never the writer: a job that raised would leave the queue without one.
+            with contextlib.suppress(Exception):
+                events.append(CONNECTION_EVENTS[kind](**fields))
+        with contextlib.suppress(Exception):  # as the per-event jobs' errors were: dropped
+            audit.emit_many(events)
+        start = end
+
+
+_QUEUE = _AuditQueue()
+
+
 class BudgetedEvents:
     """One task part's audit events (a proxy's, the service relays'), written by
     :data:`AUDIT_WRITER` in the order they were made, within an :class:`AuditBudget`. Used on
@@ -116,7 +187,8 @@ class BudgetedEvents:
         self._base = base
         self._what = what
         self._summary = summary or {}
-        self._pending: set[asyncio.Future[None]] = set()
+        self._written: Future[None] | None = None
+        """The writer's job that will have written every event made so far."""
 
     def emit(self, **fields: Any) -> None:
         """One event, or its count when the budget holds it back (then a summary, at most
@@ -149,18 +221,15 @@ class BudgetedEvents:
     async def drain(self) -> None:
         """The last summary, then every append made so far, done."""
         self.flush(force=True)
-        if self._pending:
-            await asyncio.gather(*self._pending, return_exceptions=True)
+        if self._written is not None and not self._written.done():
+            await asyncio.wrap_future(self._written)
 
     def _write(self, **fields: Any) -> None:
         assert self.audit is not None
-        from fusion_oci.audit import CONNECTION_EVENTS
-
-        event = CONNECTION_EVENTS[fields.pop("type")](**self._base(), **fields)
-        loop = asyncio.get_running_loop()
-        future = asyncio.ensure_future(loop.run_in_executor(AUDIT_WRITER, self.audit.emit, event))
-        self._pending.add(future)
-        future.add_done_callback(self._pending.discard)
+        kind = fields.pop("type")
+        # Stamped now, built (validated) and written by the writer: off the loop.
+        fields = {**self._base(), "ts": event_time(), **fields}
+        self._written = _QUEUE.put(self.audit, kind, fields)
 
 
 __all__ = [

@@ -16,7 +16,7 @@ import asyncio
 import errno
 import socket
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 POOL = 8
@@ -114,6 +114,56 @@ async def agent_records(sock: socket.socket) -> AsyncIterator[Record]:
             kind, ident, up, down, err = RECORD_FORMAT.unpack_from(buf)
             buf = buf[RECORD:]
             yield kind, ident, up, down, err
+
+
+async def read_records(sock: socket.socket, on_records: Callable[[list[Record]], None]) -> None:
+    """Hand the agent's records on ``sock`` to ``on_records``, every record that one read
+    brought at once (the agent sends its ``H`` records half a pool at a time), until it
+    closes the connection; OSError when it breaks, and whatever ``on_records`` raised.
+
+    A reader callback for the connection's life rather than :func:`agent_records`' awaited
+    ``sock_recv`` per read (a failed recv, a future and two ``epoll_ctl`` each time): a pool
+    connection is read once every few connections a command makes, on the path of the
+    next ones (benchmarks/bench_services.py)."""
+    loop = asyncio.get_running_loop()
+    ended: asyncio.Future[None] = loop.create_future()
+    fd = sock.fileno()
+    buf = bytearray()
+
+    def readable() -> None:
+        error: Exception | None = None
+        try:
+            part = sock.recv(64 * RECORD)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            part, error = b"", exc
+        if part:
+            buf.extend(part)
+            whole = len(buf) - len(buf) % RECORD
+            if not whole:
+                return
+            records: list[Record] = [
+                RECORD_FORMAT.unpack_from(buf, at) for at in range(0, whole, RECORD)
+            ]
+            del buf[:whole]
+            try:
+                on_records(records)
+                return
+            except Exception as exc:  # a bug there ends this connection, never the loop
+                error = exc
+        loop.remove_reader(fd)  # at EOF the fd stays readable: no spinning on it
+        if not ended.done():
+            if error is None:
+                ended.set_result(None)
+            else:
+                ended.set_exception(error)
+
+    loop.add_reader(fd, readable)
+    try:
+        await ended
+    finally:
+        loop.remove_reader(fd)
 
 
 async def dial_spliced(path: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:

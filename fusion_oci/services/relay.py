@@ -66,9 +66,10 @@ from fusion_oci.models.hostservice import DASHBOARD_PORT, HostService, hands_ove
 from fusion_oci.services.handover import (
     GIVE_AT_ONCE,
     POOL,
-    agent_records,
+    Record,
     dialled_by_sandbox_init,
     hand_over,
+    read_records,
 )
 from fusion_oci.services.netns import NetnsSockets
 
@@ -78,6 +79,9 @@ if TYPE_CHECKING:
 _TASK_ID_IN_PATH = 24
 STOP_DRAIN_S = 0.5
 """At stop, how long connections may take to end by themselves (their last records read)."""
+_CREDS = struct.Struct("3i")
+"""``struct ucred``: pid, uid, gid."""
+_CREDS_SPACE = socket.CMSG_SPACE(_CREDS.size)
 
 
 @dataclass(frozen=True)
@@ -129,6 +133,8 @@ class Relay:
     """A service container's (``policy.services``): connect inside its network namespace
     instead of to the host; None: a host service."""
     listeners: list[Socket] = field(default_factory=list)
+    audited: _GrantFields | None = None
+    """The fields every audit event of this grant carries, once made."""
 
 
 def resolve_unix(grant: HostService, dangerous: bool) -> str:
@@ -308,32 +314,32 @@ class TaskRelays(TaskStamped):
         relay.report, relay.report_socket = path, sock
 
     def _reported(self, relay: Relay, sock: socket.socket) -> None:
-        creds = struct.calcsize("3i")
-        while True:
-            try:
-                data, ancillary, _, _ = sock.recvmsg(32, socket.CMSG_SPACE(creds))
-            except OSError:  # drained (or closed at stop)
-                return
-            pid = None
-            for level, kind, payload in ancillary:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
-                    pid = struct.unpack("3i", payload[:creds])[0]
-            # The kernel vouches for the sender's pid: only the task's supervisor reports.
-            if pid is None or pid != self.reporter_pid or data[:1] not in (b"O", b"E"):
-                continue
-            err = int(data[1:]) if data[:1] == b"E" and data[1:].isdigit() else 0
-            self._audit(
-                relay,
-                time.monotonic(),
-                via="command",
-                allowed=not err,
-                reason=(
-                    f"fusion-oci services: {relay.grant} refused the connection "
-                    f"({os.strerror(err)})"
-                    if err
-                    else None
-                ),
-            )
+        # One report per wake-up, not a loop until EAGAIN: the command's connects come one
+        # at a time, and the failed recvmsg (and its exception) after each was a third of
+        # this call; more queued wake the loop again at once (level-triggered).
+        try:
+            data, ancillary, _, _ = sock.recvmsg(32, _CREDS_SPACE)
+        except OSError:  # drained (or closed at stop)
+            return
+        pid = None
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+                pid = _CREDS.unpack_from(payload)[0]
+        # The kernel vouches for the sender's pid: only the task's supervisor reports.
+        if pid is None or pid != self.reporter_pid or data[:1] not in (b"O", b"E"):
+            return
+        err = int(data[1:]) if data[:1] == b"E" and data[1:].isdigit() else 0
+        self._audit(
+            relay,
+            time.monotonic(),
+            via="command",
+            allowed=not err,
+            reason=(
+                f"fusion-oci services: {relay.grant} refused the connection ({os.strerror(err)})"
+                if err
+                else None
+            ),
+        )
 
     async def stop(self) -> None:
         """Close the listeners and every open connection; remove the sockets. Idempotent."""
@@ -467,10 +473,17 @@ class TaskRelays(TaskStamped):
 
         for _ in range(0, POOL, GIVE_AT_ONCE):
             owed += GIVE_AT_ONCE - give(GIVE_AT_ONCE)
-        try:
-            async for kind, ident, up, dn, err in agent_records(down):
+
+        def arrived(records: list[Record]) -> None:
+            """Every record one read brought: the pool refilled first (the next connections
+            wait for it, not for their audit), in one message where the agent sent its
+            records at once, then each connection audited."""
+            nonlocal owed
+            now = time.monotonic()
+            audits: list[tuple[float, int, int | None, int | None, str]] = []
+            for kind, ident, up, dn, err in records:
                 if kind == b"O":
-                    opened[ident] = time.monotonic()
+                    opened[ident] = now
                     self._open += 1
                     owed += 1
                 elif kind == b"H":
@@ -478,38 +491,35 @@ class TaskRelays(TaskStamped):
                     # in its own place): the bytes never pass through the agent, and the
                     # connection is the command's, bound by its own descriptors from here on.
                     owed += 1
-                    self._audit(
-                        relay,
-                        time.monotonic(),
-                        allowed=True,
-                        reason=None,
-                        bytes_up=None,
-                        bytes_down=None,
-                        via="command",
-                    )
+                    audits.append((now, 0, None, None, "command"))
                 elif kind == b"D" and ident in opened:
                     self._open -= 1
-                    self._audit(
-                        relay,
-                        opened.pop(ident),
-                        allowed=not err,
-                        reason=(
-                            f"fusion-oci services: {relay.grant} refused the connection "
-                            f"({os.strerror(err)})"
-                            if err
-                            else None
-                        ),
-                        bytes_up=up,
-                        bytes_down=dn,
-                        via="agent",
-                    )
-                # The pool counts against the task's bound: the agent holds at most
-                # max_connections sockets, connected or not.
-                while owed and self._open + POOL <= self.limits.max_connections:
-                    count = min(owed, GIVE_AT_ONCE)
-                    if not give(count):
-                        break
-                    owed -= count
+                    audits.append((opened.pop(ident), err, up, dn, "agent"))
+            # The pool counts against the task's bound: the agent holds at most
+            # max_connections sockets, connected or not.
+            while owed and self._open + POOL <= self.limits.max_connections:
+                count = min(owed, GIVE_AT_ONCE)
+                if not give(count):
+                    break
+                owed -= count
+            for since, error, sent, got, via in audits:
+                self._audit(
+                    relay,
+                    since,
+                    allowed=not error,
+                    reason=(
+                        f"fusion-oci services: {relay.grant} refused the connection "
+                        f"({os.strerror(error)})"
+                        if error
+                        else None
+                    ),
+                    bytes_up=sent,
+                    bytes_down=got,
+                    via=via,
+                )
+
+        try:
+            await read_records(down, arrived)
         except (OSError, asyncio.CancelledError):
             return
         finally:
@@ -594,27 +604,42 @@ class TaskRelays(TaskStamped):
         connected to the grant by the connect supervisor)."""
         if self.audit is None:
             return
-        grant = relay.grant
-        event = {
-            "type": "sandbox:egress",
-            "host": grant.path if grant.kind == "unix" else grant.address,
-            "port": grant.port if grant.kind == "tcp" else None,
-            "address": relay.upstream.target if relay.upstream else relay.target,
-            "rule": (
-                relay.upstream.rule
-                if relay.upstream
-                else f"policy.hostServices[{relay.index}] '{grant}'"
-            ),
-            "duration_ms": int((time.monotonic() - started) * 1000),
-            "details": {
-                "service": str(grant),
-                "protocol": grant.kind,
-                "via": via,
-                **({"container": relay.upstream.target} if relay.upstream else {}),
-            },
+        if relay.audited is None:
+            relay.audited = _GrantFields.of(relay)
+        same = relay.audited
+        self._events.emit(
+            **same.fields,
+            duration_ms=int((time.monotonic() - started) * 1000),
+            details={**same.details, "via": via, **same.container},
             **fields,
-        }
-        self._events.emit(**event)
+        )
+
+
+@dataclass(frozen=True)
+class _GrantFields:
+    """What every audit event of one relay's connections says the same: made once per relay,
+    not per connection (``details`` is made anew for each event, with its ``via``)."""
+
+    fields: dict[str, Any]
+    details: dict[str, str]
+    container: dict[str, str]
+
+    @staticmethod
+    def of(relay: Relay) -> _GrantFields:
+        grant, upstream = relay.grant, relay.upstream
+        return _GrantFields(
+            fields={
+                "type": "sandbox:egress",
+                "host": grant.path if grant.kind == "unix" else grant.address,
+                "port": grant.port if grant.kind == "tcp" else None,
+                "address": upstream.target if upstream else relay.target,
+                "rule": (
+                    upstream.rule if upstream else f"policy.hostServices[{relay.index}] '{grant}'"
+                ),
+            },
+            details={"service": str(grant), "protocol": grant.kind},
+            container={"container": upstream.target} if upstream else {},
+        )
 
 
 def _why(exc: BaseException) -> str:

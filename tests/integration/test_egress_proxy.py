@@ -16,7 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -262,16 +262,16 @@ async def test_audit_events_land_in_the_order_they_happened(
     import threading
 
     assert proxy.audit is not None
-    emit = proxy.audit.emit
+    emit_many = proxy.audit.emit_many  # the writer appends what queued up, in batches
     writing = threading.Event()
 
-    def slow_first(event: AuditEvent) -> None:
+    def slow_first(events: Sequence[AuditEvent]) -> None:
         if not writing.is_set():
             writing.set()
             time.sleep(0.3)
-        emit(event)
+        emit_many(events)
 
-    monkeypatch.setattr(proxy.audit, "emit", slow_first)
+    monkeypatch.setattr(proxy.audit, "emit_many", slow_first)
     _, reader, _ = await http_connect(proxy, "denied.test:8080")
     await reader.read()
     assert await asyncio.to_thread(writing.wait, 5)  # the first event is being written, slowly

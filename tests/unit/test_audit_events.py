@@ -140,6 +140,21 @@ def test_the_old_chain_verifies_and_a_rewrite_is_the_same_file(tmp_path: Path) -
     assert copy.read_bytes() == LOG.read_bytes()
 
 
+def test_a_batch_writes_the_same_bytes_as_one_event_at_a_time(tmp_path: Path) -> None:
+    """emit_many (a task's connections, batched) chains each event to the one before."""
+    events = [e.model_copy(update={"prev": None, "mac": None}) for e in read_events(LOG)]
+    one, many = tmp_path / "one.jsonl", tmp_path / "sub" / "many.jsonl"
+    log = AuditLog(one, key=KEY)
+    for event in events:
+        log.emit(event)
+    batched = AuditLog(many, key=KEY)  # its folder made on first use
+    batched.emit_many(events[:1])
+    batched.emit_many(events[1:7])
+    batched.emit_many(events[7:])
+    assert many.read_bytes() == one.read_bytes()
+    assert verify_chain(many, KEY).ok
+
+
 def test_an_event_of_one_type_refuses_the_fields_of_another() -> None:
     from pydantic import ValidationError
 
