@@ -222,24 +222,21 @@ class StreamedAgent(AgentSession[_Run]):
         # The far end is the sandbox's: its word is bounded (a window it names is also how much
         # output the host holds per run before it must have taken some).
         self._window = min(max(int(hello["window"]), 64 << 10), MAX_WINDOW)
-        if self._services and hello.get("services") != str(self._services):
-            await self.close()
-            raise SandboxSetupError(
-                "the far end of the agent's stream does not carry the task's host services",
-                f"this host set up {self._services} listeners, its hello says "
-                f"{hello.get('services', 'none')}: mux.py was started without as many "
-                "--service-listen, or is older",
-                "start it as " + " ".join(mux_argv("AGENT", service_listen=["127.0.0.1:5432"])),
-            )
-        if self._published and hello.get("publish") != str(self._published):
-            await self.close()
-            raise SandboxSetupError(
-                "the far end of the agent's stream does not carry the task's published ports",
-                f"this host asked for {self._published}, its hello says "
-                f"{hello.get('publish', 'none')}: mux.py was started without as many "
-                "--publish-port, or is older",
-                "start it as " + " ".join(mux_argv("AGENT", publish_ports=[3000])),
-            )
+        counted = (
+            ("services", self._services, "host services", "--service-listen",
+             mux_argv("AGENT", service_listen=["127.0.0.1:5432"])),
+            ("publish", self._published, "published ports", "--publish-port",
+             mux_argv("AGENT", publish_ports=[3000])),
+        )  # fmt: skip
+        for field, wanted, what, option, example in counted:
+            if wanted and hello.get(field) != str(wanted):
+                await self.close()
+                raise SandboxSetupError(
+                    f"the far end of the agent's stream does not carry the task's {what}",
+                    f"this host set up {wanted}, its hello says {hello.get(field, 'none')}: "
+                    f"mux.py was started without as many {option}, or is older",
+                    "start it as " + " ".join(example),
+                )
         carries = self._egress or self._services or self._published
         if carries and not self._tunnels.window:  # from the hello
             await self.close()

@@ -63,8 +63,7 @@ def test_a_listener_takes_sync_wake_up_and_its_opens_are_still_answered() -> Non
             os._exit(code)
     os.close(theirs)
     try:
-        _msg, ancdata, _flags, _addr = mine.recvmsg(1, socket.CMSG_LEN(4))
-        listener = struct.unpack("i", ancdata[0][2][:4])[0]
+        listener = _listener_from(mine)
         assert sync_wake_up(listener) is True
         supervisor = Supervisor({"arch": platform.machine()}, listener)
         _thread.start_new_thread(supervisor.serve, ())
@@ -72,6 +71,12 @@ def test_a_listener_takes_sync_wake_up_and_its_opens_are_still_answered() -> Non
         assert os.waitstatus_to_exitcode(status) == 0  # every open went on (CONTINUE)
     finally:
         mine.close()
+
+
+def _listener_from(mine: socket.socket) -> int:
+    """The seccomp listener the confined child sent over ``mine`` (SCM_RIGHTS)."""
+    _msg, ancdata, _flags, _addr = mine.recvmsg(1, socket.CMSG_LEN(4))
+    return int(struct.unpack("i", ancdata[0][2][:4])[0])
 
 
 def _supervised(tmp_path: Path, child: Callable[[], int]) -> int | None:
@@ -91,8 +96,7 @@ def _supervised(tmp_path: Path, child: Callable[[], int]) -> int | None:
             os._exit(code)
     os.close(theirs)
     try:
-        _msg, ancdata, _flags, _addr = mine.recvmsg(1, socket.CMSG_LEN(4))
-        listener = struct.unpack("i", ancdata[0][2][:4])[0]
+        listener = _listener_from(mine)
         cfg = {"arch": platform.machine(), "writable": [str(tmp_path)], "connect_port": 0}
         _thread.start_new_thread(Supervisor(cfg, listener).serve, ())
         deadline = time.monotonic() + 10
