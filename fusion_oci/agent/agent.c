@@ -1533,6 +1533,12 @@ static void fwd_drop_inherited(void) {
 #ifndef SO_NETNS_COOKIE
 #define SO_NETNS_COOKIE 71
 #endif
+#ifndef SECCOMP_IOCTL_NOTIF_SET_FLAGS /* Linux 6.6; Debian 12's headers are older */
+#define SECCOMP_IOCTL_NOTIF_SET_FLAGS SECCOMP_IOW(4, __u64)
+#endif
+#ifndef SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP
+#define SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP (1UL << 0)
+#endif
 #ifndef SYS_pidfd_open
 #define SYS_pidfd_open 434
 #endif
@@ -2002,9 +2008,14 @@ static int keeper_said(struct run *r) {
         return 0;
     }
     for (size_t j = 0; j < k; j++) {
-        if (m.type == 'L' && j == 0 && r->notif < 0 && inject_on)
+        if (m.type == 'L' && j == 0 && r->notif < 0 && inject_on) {
             r->notif = fds[j];
-        else
+            /* The caller's connect waits for us: its CPU is handed to us and back
+             * (SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP, Linux 6.6), not a wake-up of another CPU
+             * each way. Older kernels refuse the flag: the notification works as before. */
+            (void)ioctl(r->notif, SECCOMP_IOCTL_NOTIF_SET_FLAGS,
+                        (unsigned long)SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP);
+        } else
             close(fds[j]);
     }
     if (m.type == 'D')
