@@ -174,7 +174,10 @@ def test_gc_removes_what_a_killed_executor_left(kube: Kube, ns: str, tmp_path: P
             proc.stdout.close()
     access = find_access(settings.kubernetes, {})
     assert access is not None
-    report = collect_cluster(KubeClient(access, 20), ns)
+    # by task: another task's gc keeps them; this task's takes them (the pod carries its id)
+    other = collect_cluster(KubeClient(access, 20), ns, task_id="another")
+    assert not other.removed and any("kubernetes pods " in k for k in other.kept), other
+    report = collect_cluster(KubeClient(access, 20), ns, task_id="killed")
     assert not report.errors, report.errors
     assert any(r.startswith("kubernetes pods ") for r in report.removed), report
     assert any(r.startswith("kubernetes networkpolicies ") for r in report.removed), report

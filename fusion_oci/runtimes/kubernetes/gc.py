@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from fusion_oci.engines.labels import LABEL_KIND
+from fusion_oci.engines.labels import LABEL_KIND, LABEL_TASK
 from fusion_oci.errors import FusionOCIError
 from fusion_oci.gc import GcReport, Here, here, owner_state
 from fusion_oci.policy.settings import SandboxSettings
@@ -85,7 +85,7 @@ def collect_cluster(
             name = meta.get("name", "")
             if plural == "pods":
                 mounted |= _tools_of(obj)
-            if task_id is not None and labels.get("io.fusion-oci.task") != label_value(task_id):
+            if task_id is not None and labels.get(LABEL_TASK) != label_value(task_id):
                 report.kept.append(f"kubernetes {plural} {name}")
                 continue
             if owner_state(labels, at) != "dead":

@@ -248,7 +248,7 @@ class KubernetesRuntime(SpecRuntime):
         mode: Mode = "pods",
         ca: str | None = None,
     ) -> TaskObjects:
-        from fusion_oci.engines.labels import LABEL_KIND, current_owner
+        from fusion_oci.engines.labels import LABEL_KIND, LABEL_TASK, current_owner
 
         assert self.layout is not None
         hold = self.process(HOLD, RunOptions())
@@ -270,7 +270,9 @@ class KubernetesRuntime(SpecRuntime):
             and not m.destination.startswith(worktree.rstrip("/") + "/")
             and "/.git" in m.destination
         )
-        labels = {LABEL_KIND: "pod", **current_owner().labels(), "io.fusion-oci.task": spec.task_id}
+        # The task's id under its own key: the pod's name is under io.fusion-oci/task (its
+        # NetworkPolicy's selector), which an id under that key would have been overwritten by.
+        labels = {LABEL_KIND: "pod", **current_owner().labels(), LABEL_TASK: spec.task_id}
         lifetime = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=self.kube.task_lifetime_s)
         return task_objects(
             spec,
