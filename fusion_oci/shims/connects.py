@@ -117,8 +117,10 @@ def service_redirect(addr: bytes, services: dict, cwd) -> tuple | bytes | str | 
 def report_connect(sock, path: str, error: int) -> None:  # type: ignore[no-untyped-def]
     """Tell the grant's relay (its datagram socket at ``path``) of a connect made to the grant
     for the command (``error``: the connect's errno, 0 or EINPROGRESS when it connected or
-    goes on): the relay writes the audit event. Best effort: a full queue loses the event,
-    never the connect."""
+    goes on): the relay writes the audit event. The socket blocks: when the relay's queue is
+    full (the kernel keeps ``net.unix.max_dgram_qlen`` datagrams, 10 by default) the answer
+    to the command's connect waits until the relay reads, so a busy relay slows connects and
+    loses no event; a relay that is gone loses it, never the connect."""
     import errno
 
     message = b"O" if error in (0, errno.EINPROGRESS) else b"E%d" % error
