@@ -183,6 +183,9 @@ def test_gc_removes_what_a_killed_executor_left(kube: Kube, ns: str, tmp_path: P
     assert any(r.startswith("kubernetes networkpolicies ") for r in report.removed), report
     wait_for("the pod gone", lambda: not _ours(kube, ns, "pods") or None, 60)
     assert not _ours(kube, ns, "networkpolicies")
+    # the shared ConfigMaps are no task's: a gc of everything takes those no pod mounts
+    everything = collect_cluster(KubeClient(access, 20), ns)
+    assert not everything.errors, everything.errors
     assert not _ours(kube, ns, "configmaps"), "the tools no pod mounts go too"
 
 
