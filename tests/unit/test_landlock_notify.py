@@ -116,16 +116,23 @@ def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-SUPERVISED = pytest.mark.skipif(
-    platform.machine() not in seccomp_notify.OPEN_CALLS, reason="no notify filter here"
-)
+def _needs(ok: bool, why: str) -> None:
+    """What these landlock tests need of the kernel: a skip here, a failure where the suite
+    requires every backend (FUSION_OCI_REQUIRE_BACKENDS=all: CI)."""
+    from tests.backends import require
+
+    require("landlock", ok, why)
 
 
-@SUPERVISED
+def _supervised_here() -> None:
+    _needs(platform.machine() in seccomp_notify.OPEN_CALLS, "no notify filter here")
+
+
 def test_a_blocked_unix_connect_stalls_no_open_or_chmod(tmp_path: Path) -> None:
     """The thread that receives a connect answers it, but hands the receiving on first: a
     connect to a unix listener whose backlog is full blocks (here until the child exits),
     and the opens and the chmod of the caller's other thread are answered meanwhile."""
+    _supervised_here()
     path, target = str(tmp_path / "full.sock"), tmp_path / "mode"
     target.write_text("")
 
@@ -146,11 +153,11 @@ def test_a_blocked_unix_connect_stalls_no_open_or_chmod(tmp_path: Path) -> None:
     assert target.stat().st_mode & 0o777 == 0o600
 
 
-@SUPERVISED
 def test_connects_answered_one_after_another_leave_no_threads_behind(tmp_path: Path) -> None:
     """Each connect's thread becomes the spare that receives next (or ends): a long run of
     connections starts no thread each, and once the child is gone (the listener hangs up)
     every supervisor thread ends instead of spinning on an empty receive."""
+    _supervised_here()
     path = str(tmp_path / "echo.sock")
     before = _threads()
 
@@ -172,11 +179,11 @@ def test_connects_answered_one_after_another_leave_no_threads_behind(tmp_path: P
     assert _threads() == before
 
 
-@SUPERVISED
-@pytest.mark.skipif(not _kernel_at_least(6, 9), reason="PIDFD_THREAD is Linux 6.9's")
 def test_a_thread_with_its_own_descriptor_table_connects_its_own_socket(tmp_path: Path) -> None:
     """A thread that unshared its descriptor table: the number it connects names its socket,
     not the one its process's first thread has at that number."""
+    _supervised_here()
+    _needs(_kernel_at_least(6, 9), "PIDFD_THREAD is Linux 6.9's")
     path = str(tmp_path / "own.sock")
 
     def child() -> int:
