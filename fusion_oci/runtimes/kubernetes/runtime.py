@@ -189,6 +189,7 @@ class KubernetesRuntime(SpecRuntime):
         self._oom_seen = 0
         self.services_started: tuple[dict[str, object], ...] = ()
         self._created_at = 0.0
+        self._pod_services: tuple[PodService, ...] = ()
 
     def _cluster(self) -> tuple[ClusterAccess, KubeClient]:
         if self._client is None or self._access is None:
@@ -236,6 +237,8 @@ class KubernetesRuntime(SpecRuntime):
     def adopt(self, task: ResolvedTask) -> None:
         super().adopt(task)
         self._mux_argv = pod_mux_argv(task.spec)
+        # once per task, not in every command's plan (a recipe's name resolved to its build)
+        self._pod_services = pod_services(task.spec, self.env)
 
     # -- the pod ------------------------------------------------------------------------------
 
@@ -298,10 +301,7 @@ class KubernetesRuntime(SpecRuntime):
         run them from: a recipe's name (``postgres``) is its content-hashed local name, which a
         cluster without a registry has imported (never pulled); a full reference is the
         nodes' to pull when they do not have it."""
-        task = self.task
-        if task is None:
-            return ()
-        return pod_services(task.spec, self.env)
+        return self._pod_services
 
     def _image_ref(self, spec: TaskSpec) -> str:
         image = spec.image or ""
@@ -499,10 +499,10 @@ class KubernetesRuntime(SpecRuntime):
                 *(
                     [
                         "services: containers beside the task's in its pod ("
-                        + ", ".join(f"{s.container} {s.image}" for s in self._services())
+                        + ", ".join(f"{s.container} {s.image}" for s in self._pod_services)
                         + "), on the pod's own loopback; ready by their readiness probes"
                     ]
-                    if self._services()
+                    if self._pod_services
                     else []
                 ),
                 *(
