@@ -1130,6 +1130,76 @@ static void fwd_inbound(struct listener *l, int h) {
     fwd_pipes(pr);
 }
 
+/* A published port's inbound connection where no host socket can reach us (gVisor drops
+ * SCM_RIGHTS from the host): the relay sends 'c' + a 16-byte token on our 'I' connection,
+ * we dial its socket again, send 'A' + that token (only we read it: a command that dials the
+ * relay cannot name a client), connect 127.0.0.1:PORT here and move the bytes between the
+ * two; the relay moves them on to its client. 'O'/'D' records as for a handed socket. */
+#define DIALBACK_TOKEN 16
+static void fwd_dialback(struct listener *l, const unsigned char token[DIALBACK_TOKEN]) {
+    size_t li = (size_t)(l - lis);
+    unsigned id = l->next_id++;
+    fwd_record(li, 'O', id, 0, 0, 0);
+    if (npairs >= FWD_MAX) {
+        fwd_record(li, 'D', id, 0, 0, EMFILE);
+        return;
+    }
+    int busy = 0;
+    int u = unix_dial(l->path, 1, &busy);
+    if (u < 0 || busy) {
+        /* the relay is gone, or its backlog is full: its client is closed */
+        fwd_record(li, 'D', id, 0, 0, u < 0 ? errno : EAGAIN);
+        if (u >= 0)
+            close(u);
+        return;
+    }
+    unsigned char hello[1 + DIALBACK_TOKEN];
+    hello[0] = 'A';
+    memcpy(hello + 1, token, DIALBACK_TOKEN);
+    int s = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (s < 0 || send(u, hello, sizeof hello, MSG_DONTWAIT | MSG_NOSIGNAL) != sizeof hello) {
+        fwd_record(li, 'D', id, 0, 0, s < 0 ? errno : EPIPE);
+        if (s >= 0)
+            close(s);
+        close(u);
+        return;
+    }
+    int one = 1;
+    setsockopt(s, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    int r = connect(s, (struct sockaddr *)&l->to, l->tolen);
+    if (r < 0 && errno != EINPROGRESS) {
+        fwd_record(li, 'D', id, 0, 0, errno ? errno : ECONNREFUSED);
+        close(s);
+        close(u); /* the relay closes its client */
+        return;
+    }
+    /* Through buffers, not splice: the runtime that needs this (gVisor) is one whose
+     * splice between sockets is a copy anyway. */
+    struct pair *pr = fwd_new_pair(u, s, l);
+    pr->pooled = 1;
+    pr->id = id;
+    pr->connecting = r < 0;
+}
+
+/* The rest of a 'c' on a published port's connection: its token (sent with the 'c' in one
+ * write; waited for a moment should the stream have split it). 0 when read whole. */
+static int fwd_token(int ctl, unsigned char token[DIALBACK_TOKEN]) {
+    size_t got = 0;
+    while (got < DIALBACK_TOKEN) {
+        ssize_t n = recv(ctl, token + got, DIALBACK_TOKEN - got, MSG_DONTWAIT);
+        if (n > 0) {
+            got += (size_t)n;
+            continue;
+        }
+        if (n == 0 || (errno != EAGAIN && errno != EINTR))
+            return -1;
+        struct pollfd w = {ctl, POLLIN, 0};
+        if (poll(&w, 1, 1000) <= 0)
+            return -1;
+    }
+    return 0;
+}
+
 /* `len` bytes and the fds riding on them (CLOEXEC; at most FDS_PER_BYTE, the control
  * buffer's room: MSG_CTRUNC in *flags says more were cut). Returns recvmsg's result, errno
  * kept; the *nfds fds are the caller's whatever it returns. A relay's one byte, a keeper's
@@ -1205,6 +1275,14 @@ static void fwd_ctl(struct listener *l) {
                 l->pool[l->npool++] = fds[j];
             else
                 close(fds[j]);
+        }
+        if (n > 0 && k == 0 && l->handoff == 2 && byte == 'c') {
+            unsigned char token[DIALBACK_TOKEN];
+            if (fwd_token(l->ctl, token) == 0) {
+                fwd_dialback(l, token);
+                continue;
+            }
+            n = 0; /* a token cut short: the relay is not one we understand */
         }
         if (n > 0)
             continue;
@@ -1427,10 +1505,12 @@ static size_t fwd_fill(struct pollfd *p) {
 static void fwd_handle(struct pollfd *p) {
     if (nlis == 0)
         return;
+    /* Only the connections p was filled for: a relay's message below may add some (an
+     * inbound one), which have no pollfds until the next round. */
+    size_t had = npairs;
     for (size_t i = 0; i < nlis; i++)
         if (p[2 * i + 1].revents && lis[i].ctl >= 0)
             fwd_ctl(&lis[i]);
-    size_t had = npairs;
     for (size_t k = 0; k < had; k++) {
         struct pair *c = &pairs[k];
         if (c->dead)

@@ -47,10 +47,16 @@ def dialled_by_sandbox_init(sock: socket.socket) -> bool:
     one level below ours: a sandbox's exec agent (bubblewrap ``--as-pid-1``, a container's
     init). A command never is: it is not its sandbox's init, and a pid namespace a command
     makes is a level further down. Checked while the peer holds the connection open (its
-    pid cannot be reused meanwhile)."""
+    pid cannot be reused meanwhile).
+
+    Under gVisor every dialer inside is, to the host, gVisor's own process, the init of its
+    own pid namespace: True for a command too. Its runtime therefore turns the handing off
+    (:attr:`TaskRelays.hand_sockets <fusion_oci.services.relay.TaskRelays.hand_sockets>`,
+    :attr:`TaskPorts.dial_back <fusion_oci.services.publish.TaskPorts.dial_back>`) rather
+    than count on gVisor dropping the sockets."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     pid = struct.unpack("3i", creds)[0]
-    if pid <= 0:  # the dialer is in a pid namespace we cannot see (gVisor's sentry)
+    if pid <= 0:  # the dialer is in a pid namespace we cannot see
         return False
     theirs, ours = _nspid(pid), _nspid("self")
     return (
@@ -58,14 +64,17 @@ def dialled_by_sandbox_init(sock: socket.socket) -> bool:
     )
 
 
-async def hand_over(down: socket.socket, up: socket.socket) -> dict[str, int] | None:
+async def hand_over(
+    down: socket.socket, up: socket.socket, *, give: bool = True
+) -> dict[str, int] | None:
     """Give ``up`` (connected to the grant) to the agent at ``down``; once it has it, wait
     for the connection's end and return its byte counts. None when the agent asks the
-    relay to splice (no fd arrived); OSError when it went away."""
+    relay to splice (no fd arrived, or ``give`` is False: the byte goes alone); OSError when
+    it went away."""
     loop = asyncio.get_running_loop()
     try:
         fds = []
-        if dialled_by_sandbox_init(down):
+        if give and dialled_by_sandbox_init(down):
             fds = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [up.fileno()]))]
         down.sendmsg([b"\x01"], fds)
         # No timeout of its own: the agent answers at once, or its sandbox ended (EOF);

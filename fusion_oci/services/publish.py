@@ -21,9 +21,22 @@ command: it only accepts a connection on its own loopback (the peer it sees is i
 127.0.0.1), the host's socket stays in the agent, a non-dumpable PID 1.
 
 Works wherever the agent is the sandbox's init with a network namespace of its own
-(bubblewrap, oci/runc, podman and docker warm, rootful and rootless alike). gVisor drops
-``SCM_RIGHTS`` from the host and landlock has no network namespace: their checks refuse
-``publishPorts`` with the reason (docs/security.md).
+(bubblewrap, oci/runc, podman and docker warm, rootful and rootless alike).
+
+gVisor drops ``SCM_RIGHTS`` from the host: there (its runtime sets
+:attr:`TaskPorts.dial_back` at prepare) the relay **dials back** instead. For each client it
+sends the agent ``c`` and a fresh random token on the agent's connection; the agent dials
+the relay's socket again, sends ``A`` and that token, connects ``127.0.0.1:PORT`` in the
+sandbox and moves the bytes; the relay moves them on between its client and that connection
+(a host process in the data path, as for a host service under gVisor). Nothing of the host's
+is handed in, so a command that took the agent's place would be given only what the
+published port gives a server inside anyway; and it cannot: the agent dials before any
+command exists (one agent connection a port), and a command that dials the relay cannot name
+a waiting client (it never sees a token: the agent is not dumpable). Under gVisor every
+dialer is gVisor's own process to the host (the sentry or its gofer, the init of its own pid
+namespace: ``dialled_by_sandbox_init`` cannot tell the agent from a command there), so the
+relay's rule that the first ``I`` is the agent's is what holds. landlock has no network
+namespace: its check refuses ``publishPorts`` with the reason (docs/security.md).
 
 A sandbox that descriptors cannot reach (kubernetes: a pod on a cluster node) takes its ports
 another way: its runtime gives :meth:`TaskPorts.carry` a carrier, and each connection is handed
@@ -81,6 +94,23 @@ STOP_DRAIN_S = 1.0
 """At stop: how long the agent's last records are waited for (it answers at once; a sandbox
 that is gone has closed its end already)."""
 _TASK_ID_IN_PATH = 24
+DIALBACK_TOKEN = 16
+"""Bytes of a dial-back token (agent.c's DIALBACK_TOKEN)."""
+_PUMP_CHUNK = 256 * 1024
+
+
+async def _pump(loop: asyncio.AbstractEventLoop, src: socket.socket, dst: socket.socket) -> None:
+    """``src``'s bytes to ``dst`` until its end, then ``dst``'s write side shut (the other
+    direction goes on: a half-close passes through). A broken side ends both."""
+    try:
+        while part := await loop.sock_recv(src, _PUMP_CHUNK):
+            await loop.sock_sendall(dst, part)
+        dst.shutdown(socket.SHUT_WR)
+    except OSError:
+        with contextlib.suppress(OSError):
+            src.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_RDWR)
 
 
 @dataclass
@@ -96,9 +126,15 @@ class Published:
     relay_path: Path
     agent: socket.socket | None = None
     """The agent's connection (``I``), once it dialled; None before."""
-    waiting: deque[tuple[float, str]] = field(default_factory=deque)
-    """Connections handed over, not yet taken (``O``), in order: (start, peer)."""
-    opened: dict[int, tuple[float, str]] = field(default_factory=dict)
+    waiting: deque[tuple[float, str, bytes]] = field(default_factory=deque)
+    """Connections handed over, not yet taken (``O``), in order: (start, peer, the dial-back
+    token or b"")."""
+    opened: dict[int, tuple[float, str, bytes]] = field(default_factory=dict)
+    dial_back: bool = False
+    """The agent is reached by dialling back (gVisor: module docstring), not by handing it
+    the client's socket."""
+    dialling: dict[bytes, socket.socket] = field(default_factory=dict)
+    """Dial-back token → the host client waiting for the agent's connection."""
     tasks: list[asyncio.Future[None]] = field(default_factory=list)
     records: asyncio.Future[None] | None = None
     """The reader of the agent's records, once it dialled."""
@@ -171,6 +207,9 @@ class TaskPorts(TaskStamped):
             audit, self.task_fields, "published ports", summary={"published": "*"}
         )
         self._stopped = False
+        self.dial_back = False
+        """Set by a runtime whose sandbox cannot be handed host sockets (gVisor) before its
+        agent dials: each client is then dialled back for (module docstring)."""
 
     def report(self) -> list[dict[str, Any]]:
         """Each published port: ``port`` (inside), ``hostPort``, ``address``, ``url``."""
@@ -194,7 +233,8 @@ class TaskPorts(TaskStamped):
                     # The folder is private (0700); the file is bound into the sandbox, whose
                     # agent may be any uid of its user namespace.
                     path.chmod(0o666)
-                    relay.listen(8)
+                    # The agent's own connection, and under gVisor one per client at once.
+                    relay.listen(MAX_CONNECTIONS)
                     relay.setblocking(False)
                 except BaseException:
                     sock.close()
@@ -280,22 +320,44 @@ class TaskPorts(TaskStamped):
                 await asyncio.sleep(0.05)
                 continue
             conn.setblocking(False)
-            try:
-                first = await asyncio.wait_for(loop.sock_recv(conn, 1), AGENT_WAIT_S)
-            except (OSError, TimeoutError):
-                first = b""
-            except BaseException:
-                conn.close()
-                raise
-            # Host sockets go to the sandbox's init only (handover.dialled_by_sandbox_init): a
-            # command that dials the bound socket itself is closed.
-            if first != b"I" or p.agent is not None or not dialled_by_sandbox_init(conn):
-                conn.close()
-                continue
-            p.agent = conn
-            p.taken.set()
-            p.records = asyncio.ensure_future(self._records(p, conn))
-            p.tasks.append(p.records)
+            # Each dialer on its own: one that says nothing delays nobody else's.
+            self._track(p, self._dialled(p, conn))
+
+    def _track(self, p: Published, coro: Coroutine[Any, Any, None]) -> None:
+        """Run ``coro`` as one of ``p``'s tasks (cancelled at stop), forgotten once done."""
+        task = asyncio.ensure_future(coro)
+        p.tasks.append(task)
+
+        def forget(done: asyncio.Future[None]) -> None:
+            if done in p.tasks:
+                p.tasks.remove(done)
+
+        task.add_done_callback(forget)
+
+    async def _dialled(self, p: Published, conn: socket.socket) -> None:
+        """A connection to the relay's socket: the agent's (``I``), once; or, dialling back,
+        the agent's for a waiting client (``A`` + its token). Anything else is closed."""
+        loop = asyncio.get_running_loop()
+        try:
+            first = await asyncio.wait_for(loop.sock_recv(conn, 1), AGENT_WAIT_S)
+        except (OSError, TimeoutError):
+            first = b""
+        except BaseException:
+            conn.close()
+            raise
+        if first == b"A":
+            await self._join(p, conn)
+            return
+        # Host sockets go to the sandbox's init only (handover.dialled_by_sandbox_init): a
+        # command that dials the bound socket itself is closed.
+        if first != b"I" or p.agent is not None or not dialled_by_sandbox_init(conn):
+            conn.close()
+            return
+        p.agent = conn
+        p.dial_back = self.dial_back
+        p.taken.set()
+        p.records = asyncio.ensure_future(self._records(p, conn))
+        p.tasks.append(p.records)
 
     async def _records(self, p: Published, conn: socket.socket) -> None:
         """The agent's records: ``O`` a handed connection taken, ``D`` its end."""
@@ -304,7 +366,10 @@ class TaskPorts(TaskStamped):
                 if kind == b"O" and p.waiting:
                     p.opened[ident] = p.waiting.popleft()
                 elif kind == b"D" and ident in p.opened:
-                    started, peer = p.opened.pop(ident)
+                    started, peer, token = p.opened.pop(ident)
+                    client = p.dialling.pop(token, None)
+                    if client is not None:  # the agent never dialled back: nothing inside
+                        client.close()
                     self._open -= 1
                     self._audit(
                         p,
@@ -328,11 +393,37 @@ class TaskPorts(TaskStamped):
             if p.agent is conn:
                 p.agent = None
             conn.close()
-            for started, peer in [*p.waiting, *p.opened.values()]:
+            for started, peer, _ in [*p.waiting, *p.opened.values()]:
                 self._open -= 1
                 self._audit(p, started, peer, allowed=True, reason="the sandbox or the task ended")
             p.waiting.clear()
             p.opened.clear()
+            for client in p.dialling.values():
+                client.close()
+            p.dialling.clear()
+
+    async def _join(self, p: Published, conn: socket.socket) -> None:
+        """The agent's connection for a waiting client (its token follows the ``A``): the
+        bytes moved between the two here. A token nobody waits for is closed."""
+        loop = asyncio.get_running_loop()
+        token = b""
+        with contextlib.suppress(OSError, TimeoutError):
+            while len(token) < DIALBACK_TOKEN:
+                part = await asyncio.wait_for(
+                    loop.sock_recv(conn, DIALBACK_TOKEN - len(token)), AGENT_WAIT_S
+                )
+                if not part:
+                    break
+                token += part
+        client = p.dialling.pop(token, None) if len(token) == DIALBACK_TOKEN else None
+        if client is None:
+            conn.close()
+            return
+        try:
+            await asyncio.gather(_pump(loop, client, conn), _pump(loop, conn, client))
+        finally:
+            client.close()
+            conn.close()
 
     # -- one connection -------------------------------------------------------------------
 
@@ -359,6 +450,19 @@ class TaskPorts(TaskStamped):
                 why = "the sandbox's carrier is not there (the sandbox ended)"
             elif p.agent is None:
                 why = "the sandbox's agent is not there (the sandbox ended)"
+            elif p.dial_back:
+                token = os.urandom(DIALBACK_TOKEN)
+                try:
+                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    p.agent.send(b"c" + token)  # 17 bytes: the socket's buffer has room
+                except OSError as exc:
+                    why = f"the sandbox's agent did not take it ({os.strerror(exc.errno or 0)})"
+                else:
+                    given = True  # waits in p.dialling for the agent's connection
+                    p.dialling[token] = conn
+                    self._open += 1
+                    p.waiting.append((started, peer, token))
+                    return
             else:
                 try:
                     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -368,7 +472,7 @@ class TaskPorts(TaskStamped):
                     why = f"the sandbox's agent did not take it ({os.strerror(exc.errno or 0)})"
                 else:
                     self._open += 1
-                    p.waiting.append((started, peer))
+                    p.waiting.append((started, peer, b""))
                     return
         finally:
             if not given:
@@ -491,8 +595,8 @@ async def attach_ports(ports: TaskPorts, within_s: float = AGENT_WAIT_S) -> None
         raise SandboxSetupError(
             "the sandbox's exec agent did not take the task's published ports",
             f"no agent connection for {', '.join(missing)} within {within_s:g} s",
-            "publishPorts needs the agent as the sandbox's init (bubblewrap, oci with runc, "
-            "podman or docker with containerMode: warm)",
+            "publishPorts needs the agent as the sandbox's init (bubblewrap, oci with runc or "
+            "runsc, podman or docker with containerMode: warm)",
         )
 
 

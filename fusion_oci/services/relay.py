@@ -209,6 +209,11 @@ class TaskRelays(TaskStamped):
         self.reporter_pid: int | None = None
         """landlock: the pid of the task's shim, whose connect supervisor reports the TCP
         grants' connects (:meth:`_report_socket`); set once it started."""
+        self.hand_sockets = True
+        """Whether host sockets go to the sandbox's agent (a pool, a connected grant). A runtime
+        whose sandbox cannot take them (gVisor drops ``SCM_RIGHTS`` from the host, and every
+        dialer there looks like its init) sets False at prepare: nothing of the host's is
+        sent in, and the relay splices every connection itself."""
         self._tcp = tcp
         self.relays = [
             Relay(
@@ -387,7 +392,12 @@ class TaskRelays(TaskStamped):
             # A service container's pool would be of sockets in its network namespace, which
             # this relay makes only on its helper thread: its connections are handed over
             # connected (the agent dials 'C' once the pool connection is closed).
-            if first == b"P" and relay.upstream is None and dialled_by_sandbox_init(down):
+            if (
+                first == b"P"
+                and relay.upstream is None
+                and self.hand_sockets
+                and dialled_by_sandbox_init(down)
+            ):
                 await self._pool(relay, down)
                 return
             if first != b"C":
@@ -414,7 +424,7 @@ class TaskRelays(TaskStamped):
             up = await self._connect(relay)
             connected = True
             if handoff:
-                handed = await hand_over(down, up)
+                handed = await hand_over(down, up, give=self.hand_sockets)
                 if handed is not None:
                     moved = handed
                     via = "agent"

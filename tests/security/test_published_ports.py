@@ -6,9 +6,9 @@ listens on a non-loopback host address, a command that dials the port's relay so
 (to be handed the host's connections) is closed, every connection is a ``sandbox:inbound``
 audit event, and the host ports are closed once the sandbox is disposed.
 
-Runtimes without a network namespace the owner can enter refuse the policy at check
-(landlock: the command is on the host's own loopback; gVisor: its loopback is in its
-sentry); native runs it and lists it unenforced. kubernetes carries each connection over the
+landlock refuses the policy at check (the command is on the host's own loopback); native runs
+it and lists it unenforced. gVisor drops the handed socket: its agent dials the relay back for
+each client (services/publish.py). kubernetes carries each connection over the
 agent's stream to the pod's own loopback (mux.py ``--publish-port``): no relay socket is in
 the pod, so the command that dials one finds none (its verdict comes back with the worktree,
 once the command has ended).
@@ -46,23 +46,27 @@ from tests.security.conftest import (  # noqa: F401 - the fixtures, shared with 
 RUNTIMES = [
     "native", "bubblewrap", "landlock", "oci", "oci-runsc", "podman", "docker", "kubernetes"
 ]  # fmt: skip
-REFUSED = {"landlock", "oci-runsc"}
+REFUSED = {"landlock"}
 INSIDE = (8080, 8081, 8082)
 """The dev server's ports inside: 8080 published on a named host port, 8082 on a free one,
 8081 not published."""
 
 HIJACK_JS = (
-    "const c=require('net').connect('/run/fusion-oci/publish/0.sock');let got=0;"
-    "let said=0;const say=(w)=>{if(!said++)require('fs').writeFileSync('hijack.txt',w)};"
-    "c.on('connect',()=>c.write('I'));c.on('data',(d)=>{got+=d.length});"
-    "c.on('error',(e)=>say('error '+e.code));"
-    "c.on('close',()=>say(got?'GOT '+got:'closed'));"
-    "setTimeout(()=>say(got?'GOT '+got:'open'),3000);"
+    "const net=require('net');const said=[];const say=(i,w)=>{if(said[i]!==undefined)return;"
+    "said[i]=w;if(said.filter((x)=>x!==undefined).length===2)require('fs')"
+    ".writeFileSync('hijack.txt',said[0]===said[1]?said[0]:said.join(' / '))};"
+    "['I','A'+'\\0'.repeat(16)].forEach((hello,i)=>{"
+    "const c=net.connect('/run/fusion-oci/publish/0.sock');let got=0;"
+    "c.on('connect',()=>c.write(hello));c.on('data',(d)=>{got+=d.length});"
+    "c.on('error',(e)=>say(i,'error '+e.code));"
+    "c.on('close',()=>say(i,got?'GOT '+got:'closed'));"
+    "setTimeout(()=>say(i,got?'GOT '+got:'open'),3000)});"
 )
 """Run beside the servers (one command: the engines run a task's commands one at a time): the
-command dials its published port's relay socket itself and asks to be the agent (``I``); the
-relay closes it (only the sandbox's init is handed host connections). Its verdict goes to
-``hijack.txt`` in the worktree."""
+command dials its published port's relay socket itself, once asking to be the agent (``I``),
+once claiming a dialled-back client with a made-up token (``A``, what gVisor's agent says);
+the relay closes both (only the sandbox's init is handed host connections; a token is never
+seen outside the agent). Its verdict goes to ``hijack.txt`` in the worktree."""
 
 SERVER_JS = (
     HIJACK_JS + "const http=require('http');"

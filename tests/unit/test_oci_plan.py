@@ -298,12 +298,12 @@ def test_enforces_follows_controllers_and_rootless() -> None:
     rootless._cgroups = rt._cgroups
     rootless._egress = (False, "x")
     assert not {Requirement.MEMORY, Requirement.PIDS, Requirement.CPU_QUOTA} & rootless.enforces()
-    # publishPorts: handed to the agent, rootless too; never on gVisor.
+    # publishPorts: handed to the agent, rootless too; dialled back under gVisor.
     assert Requirement.PUBLISHED_PORTS in rootless.enforces()
     gvisor = runtime(oci_runtime="runsc")
     gvisor._cgroups = rt._cgroups
     gvisor._egress = (False, "x")
-    assert Requirement.PUBLISHED_PORTS not in gvisor.enforces()
+    assert Requirement.PUBLISHED_PORTS in gvisor.enforces()
     assert rootless.capabilities().resource_limits == "basic"
 
 

@@ -356,7 +356,7 @@ def build_task(task: TaskSpec, init: ProcessSpec, host: Host) -> TaskLaunch:
         rootless=host.rootless_ids is not None,
         directfs=gvisor and host.gvisor_directfs,
     )
-    if gvisor and task.host_services:
+    if gvisor and (task.host_services or task.published_ports):
         flags = runsc_service_flags(flags)
     argv = run_argv(
         host.binary,

@@ -273,13 +273,12 @@ class OciRuntime(SpecRuntime):
         # (20221219) only such a call arms RLIMIT_CPU (a spec rlimit shows in `ulimit -t` yet
         # never fires), which the agent as the task's init makes for every command.
         # HOST_PROCESSES: the spec's pid namespace hides every host process.
-        out = set(SANDBOXED)
+        # publishPorts: the agent (the container's init) is handed each inbound connection;
+        # under gVisor, which drops SCM_RIGHTS from the host, it dials the relay back for each
+        # (services/publish.py).
+        out = set(SANDBOXED) | {Requirement.PUBLISHED_PORTS}
         if is_gvisor(self.runtime_name):
             out.discard(Requirement.TMP_SIZE)  # gVisor's tmpfs ignores size= (seen: 20221219)
-        else:
-            # publishPorts: the agent (the container's init) is handed each inbound connection;
-            # gVisor drops SCM_RIGHTS from the host, and its loopback is its sentry's.
-            out.add(Requirement.PUBLISHED_PORTS)
         if self.egress_status()[0]:
             out.add(Requirement.NETWORK_EGRESS)
         return frozenset(out) | self._limits()
@@ -372,6 +371,14 @@ class OciRuntime(SpecRuntime):
                     )
                 self._egress_socket = str(task.egress.unix_socket)
             self._service_relays = service_relays(task)
+            if is_gvisor(binary):
+                # gVisor drops SCM_RIGHTS from the host, and every dialer inside looks like
+                # its init to the relays: nothing of the host's is handed in. Host services'
+                # relays splice; published ports' dial back for each client.
+                if task.services is not None:
+                    task.services.hand_sockets = False
+                if task.ports is not None:
+                    task.ports.dial_back = True
             # The image the resolve step chose, read from the task spec (not the context).
             if image := task.spec.image:
                 from fusion_oci.images.rootfs import export_image_rootfs, podman_url
