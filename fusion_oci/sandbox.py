@@ -35,7 +35,7 @@ from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fusion_oci.audit import (
     AuditLog,
@@ -632,33 +632,82 @@ class Sandbox:
         await asyncio.shield(self.dispose())
 
 
+_T = TypeVar("_T")
+
+
 class SyncSandbox:
-    """The synchronous facade: the same lifecycle on a private event loop."""
+    """The synchronous facade: the same lifecycle on a private event loop, which runs in a
+    thread of its own for the sandbox's life, not only during a call: what a task serves
+    between commands keeps being served (a published port carried by its runtime, a pod's
+    stream kept alive). Each call waits for its coroutine there; a KeyboardInterrupt while
+    waiting cancels it (a running command's tree is ended, as for a cancelled ``run``)."""
 
     def __init__(self, settings: SandboxSettings, **kwargs: Any) -> None:
-        self._runner = asyncio.Runner()
+        self._loop = asyncio.new_event_loop()
         self._lock = threading.Lock()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="fusion-oci-sandbox", daemon=True
+        )
+        self._thread.start()
         self.sandbox = Sandbox(settings, **kwargs)
 
+    def _call(self, coro: Awaitable[_T]) -> _T:
+        async def on_loop() -> _T:
+            return await coro
+
+        with self._lock:
+            if self._loop.is_closed():
+                if asyncio.iscoroutine(coro):
+                    coro.close()  # never started: no "never awaited" warning
+                raise RuntimeError("this SyncSandbox is disposed")
+            future = asyncio.run_coroutine_threadsafe(on_loop(), self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            if not future.done():  # interrupted here: the coroutine ends as a cancelled one
+                future.cancel()
+                with contextlib.suppress(BaseException):
+                    future.result(timeout=60)
+            raise
+
     def prepare(self, ctx: PrepareContext) -> None:
-        self._runner.run(self.sandbox.prepare(ctx))
+        self._call(self.sandbox.prepare(ctx))
 
     def run(self, command: str | Sequence[str], opts: RunOptions | None = None) -> RunResult:
-        return self._runner.run(self.sandbox.run(command, opts))
+        return self._call(self.sandbox.run(command, opts))
 
     def abort(self) -> None:
         """From any thread: end the running command (its ``run`` returns reason aborted)."""
         with self._lock:
-            loop = self._runner.get_loop()
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(self.sandbox.abort)
+            if not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(self.sandbox.abort)
 
     def dispose(self) -> None:
+        if self._loop.is_closed():
+            return
         try:
-            self._runner.run(self.sandbox.dispose())
+            self._call(self.sandbox.dispose())
         finally:
-            with self._lock:
-                self._runner.close()
+            self._close_loop()
+
+    def _close_loop(self) -> None:
+        """Cancel what is left on the loop (as ``asyncio.run`` does), then stop and close it."""
+
+        async def finish() -> None:
+            left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in left:
+                task.cancel()
+            await asyncio.gather(*left, return_exceptions=True)
+            await self._loop.shutdown_asyncgens()
+            await self._loop.shutdown_default_executor()
+
+        with contextlib.suppress(BaseException):
+            asyncio.run_coroutine_threadsafe(finish(), self._loop).result(timeout=60)
+        with self._lock:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=60)
+            if not self._thread.is_alive():
+                self._loop.close()
 
     def __enter__(self) -> SyncSandbox:
         return self
