@@ -125,9 +125,8 @@ class BoundPorts:
         ``port``: (bytes towards it, bytes back, the connect's errno)."""
         found = self.bound.get(port)
         try:
-            if found is None:
-                return 0, 0, errno.ECONNREFUSED  # nothing bound yet
-            upstream = await self._connect(*found)
+            # Nothing bound yet (or not the command's any more): refused, the client closed.
+            upstream = await self._connect(*found) if found is not None else None
         except OSError as exc:
             client.close()
             return 0, 0, exc.errno or errno.ECONNREFUSED
