@@ -176,3 +176,34 @@ def test_published_ports_are_enforced_from_abi_4() -> None:
     assert Requirement.PUBLISHED_PORTS not in enforced_requirements(3)
     assert Requirement.PUBLISHED_PORTS in enforced_requirements(4)
     assert Requirement.PUBLISHED_PORTS in enforced_requirements(7)
+
+
+def test_plan_says_how_the_ports_are_published(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan's notes name the published ports and how a client reaches the server."""
+    from pathlib import Path
+
+    import fusion_oci.runtimes.landlock.host as mod
+    from fusion_oci.policy.settings import SandboxSettings
+    from fusion_oci.runtimes.landlock import LandlockRuntime
+    from tests.tasks import plan_for
+
+    monkeypatch.setattr(mod, "_ABI", 7)
+    runtime = LandlockRuntime(
+        SandboxSettings(backend="landlock"),
+        {"PATH": "/usr/bin"},
+        cache_root=Path("/nonexistent-cache"),
+        host=GOLDEN_HOST,
+    )
+    policy = SandboxPolicy(network="none", publish_ports=["3000", "8080:80"])
+    ctx = PrepareContext(
+        task_id="task-1",
+        run_id="run-1",
+        worktree_path=LAYOUT.worktree,
+        policy=policy,
+        cache_mode=CacheMode.OFF,
+    )
+    plan = plan_for(runtime, resolved(ctx, LAYOUT, GOLDEN_HOST, {}), "npm run dev")
+    [note] = [n for n in plan.notes if n.startswith("published ports")]
+    assert note.startswith("published ports 3000, 80: the command's bind to one")
+    assert "ephemeral port (what getsockname shows)" in note
+    assert "every other TCP bind denied" in note

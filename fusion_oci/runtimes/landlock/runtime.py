@@ -119,6 +119,12 @@ class LandlockRuntime(HostProcessRuntime):
                 else f"not enforced (needs ABI {MIN_NET_ABI})"
             )
         )
+        details["publishPorts"] = (
+            "network none and filtered: a bind to a published port is the supervisor's, to "
+            "host loopback at an ephemeral port, and the host carries each client there"
+            if abi >= MIN_NET_ABI
+            else f"refused (needs ABI {MIN_NET_ABI}: Landlock must deny every other TCP bind)"
+        )
         details["workloads"] = workload_note(abi)
         from fusion_oci.agent.client import BUILD_HINT, agent_binary
 
