@@ -30,6 +30,9 @@ PUBLISH_ADDRESSES = {
 }
 """The addresses a bind to a published port may name, by family: loopback and the wildcard
 (and their v4-mapped forms). Whichever it names, the supervisor binds loopback."""
+MAX_BOUND = 4096
+"""The sockets :meth:`ConnectSupervisor.bind` remembers (the latest): each listens right after
+its bind, so only a command that binds thousands before listening loses one (EACCES)."""
 CONTINUE = -1
 """:meth:`ConnectSupervisor.bind`'s answer for a call that goes on as the kernel decides."""
 
@@ -348,6 +351,8 @@ class ConnectSupervisor:
                 return ctypes.get_errno() or errno.EACCES
             bound = _local_port(theirs)
             st = os.fstat(theirs)
+            if len(self.bound) >= MAX_BOUND:  # a bind loop must not grow the reaper
+                del self.bound[next(iter(self.bound))]  # the oldest: long listened on, or gone
             self.bound[(st.st_dev, st.st_ino)] = (family, bound)
             if self.bind_reporter is not None and self.bind_report_path:
                 try:  # noqa: SIM105 - contextlib costs every command's start-up
