@@ -35,13 +35,16 @@ command exists (one agent connection a port), and a command that dials the relay
 a waiting client (it never sees a token: the agent is not dumpable). Under gVisor every
 dialer is gVisor's own process to the host (the sentry or its gofer, the init of its own pid
 namespace: ``dialled_by_sandbox_init`` cannot tell the agent from a command there), so the
-relay's rule that the first ``I`` is the agent's is what holds. landlock has no network
-namespace: its check refuses ``publishPorts`` with the reason (docs/security.md).
+relay's rule that the first ``I`` is the agent's is what holds.
 
-A sandbox that descriptors cannot reach (kubernetes: a pod on a cluster node) takes its ports
-another way: its runtime gives :meth:`TaskPorts.carry` a carrier, and each connection is handed
-to that instead (the kubernetes runtime carries it over the agent's stream to the pod's
-loopback: mux.py ``--publish-port``), with the same limits and the same audit events.
+A sandbox that descriptors cannot reach takes its ports another way: its runtime gives
+:meth:`TaskPorts.carry` a carrier, and each connection is handed to that instead, with the
+same limits and the same audit events. kubernetes (a pod on a cluster node) carries it over
+the agent's stream to the pod's loopback (mux.py ``--publish-port``). landlock (no network
+namespace: the command is on the host's own) has the reaper's supervisor bind the command's
+server socket to host loopback at an ephemeral port when it binds a published port, and
+carries each client there, after checking that the port's listener is still the command's
+socket (fusion_oci/runtimes/landlock/published.py).
 
 Served on the egress proxy's thread (:mod:`fusion_oci.egress.loop`), as the relays are: they
 keep serving between a :class:`~fusion_oci.sandbox.SyncSandbox`'s calls and die with the
@@ -65,7 +68,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fusion_oci.egress.budget import BudgetedEvents, TaskStamped
-from fusion_oci.egress.loop import on_proxy_loop
+from fusion_oci.egress.loop import on_proxy_loop, proxy_loop
 from fusion_oci.errors import SandboxSetupError
 from fusion_oci.host.scratch import make_scratch
 from fusion_oci.models.hostservice import DASHBOARD_PORT
@@ -253,10 +256,15 @@ class TaskPorts(TaskStamped):
                 asyncio.ensure_future(self._accept_loop(p)),
             ]
 
-    async def carry(self, carrier: Carrier) -> None:
+    async def carry(self, carrier: Carrier, *, on_proxy: bool = False) -> None:
         """From the runtime's prepare (on its loop): every connection of every published port
-        goes to ``carrier`` (run on that loop) instead of an agent's relay."""
-        loop = asyncio.get_running_loop()
+        goes to ``carrier`` (run on that loop) instead of an agent's relay.
+
+        ``on_proxy``: the carrier needs nothing of the runtime's loop (landlock's connects
+        to the host's loopback), so it runs on the proxy loop, which serves between a
+        :class:`~fusion_oci.sandbox.SyncSandbox`'s calls too; kubernetes' carrier writes to
+        the agent's stream, which lives on the runtime's loop (served during calls only)."""
+        loop = proxy_loop() if on_proxy else asyncio.get_running_loop()
         await on_proxy_loop(self._carry(carrier, loop))
 
     async def _carry(self, carrier: Carrier, loop: asyncio.AbstractEventLoop) -> None:

@@ -16,11 +16,11 @@ Order matters, and every step fails closed (the reaper turns an exception into e
    listed paths get any (a path that does not exist gets nothing: less access, never more);
 4. the seccomp filter last, so that it cannot refuse the calls of steps 1-3;
 5. a second filter that hands every chmod (``chmod``, ``fchmod``, ``fchmodat``,
-   ``fchmodat2``) and every ``open``/``openat`` (and, for ``network: filtered`` or granted
-   host services, every ``connect``/``listen``) to the reaper, over a seccomp
-   user-notification fd passed back on a socket pair made before the fork
-   (seccomp_notify.py); the reaper answers them (supervisor.py, connects.py, where the
-   reasons are).
+   ``fchmodat2``) and every ``open``/``openat`` (and, for ``network: filtered``, granted
+   host services or published ports, every ``connect``/``listen``; with published ports
+   every ``bind`` too) to the reaper, over a seccomp user-notification fd passed back on a
+   socket pair made before the fork (seccomp_notify.py); the reaper answers them
+   (supervisor.py, connects.py, where the reasons are).
 """
 
 import _socket  # C modules (like the reaper's): no start-up cost worth naming
@@ -162,12 +162,14 @@ AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
 RET_ALLOW, RET_USER_NOTIF = 0x7FFF0000, 0x7FC00000
 
 
-def notify_program(arch: str, connect: bool = False) -> bytes:
-    """``chmod`` family and opens (and ``connect`` when asked) → USER_NOTIF, everything else →
-    ALLOW (the main filter still runs)."""
+def notify_program(arch: str, connect: bool = False, bind: bool = False) -> bytes:
+    """``chmod`` family and opens (``connect`` and ``listen`` when asked, ``bind`` too with
+    published ports) → USER_NOTIF, everything else → ALLOW (the main filter still runs)."""
     calls = [nr for nr in (*notify.CHMOD_CALLS[arch], *notify.OPEN_CALLS[arch]) if nr >= 0]
     if connect:
         calls += [notify.CONNECT_CALL[arch], notify.LISTEN_CALL[arch]]
+    if bind:
+        calls.append(notify.BIND_CALL[arch])
     prog = [(0x20, 0, 0, 4), (0x15, 0, len(calls) + 1, AUDIT_ARCH[arch]), (0x20, 0, 0, 0)]
     for i, nr in enumerate(calls):
         prog.append((0x15, len(calls) - i, 0, nr))  # jump to the USER_NOTIF return
@@ -175,13 +177,15 @@ def notify_program(arch: str, connect: bool = False) -> bytes:
     return b"".join(struct.pack("<HBBI", *ins) for ins in prog)
 
 
-def install_chmod_listener(arch: str, channel: int, connect: bool = False) -> None:
+def install_chmod_listener(
+    arch: str, channel: int, connect: bool = False, bind: bool = False
+) -> None:
     """Install the notify filter and send its listener fd to the reaper over ``channel``."""
 
     class SockFprog(ctypes.Structure):
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
 
-    program = notify_program(arch, connect)
+    program = notify_program(arch, connect, bind)
     prog = SockFprog(len(program) // 8, program)
     listener = notify.libc.syscall(
         SYS_SECCOMP[arch],
@@ -220,6 +224,8 @@ def parse(text: str) -> dict:  # type: ignore[type-arg]
             cfg["paths"].append([path, int(mask)])
         elif key == "writable":
             cfg["writable"].append(value)
+        elif key == "publish":
+            cfg.setdefault("publish", []).append(int(value))
         elif key == "svctcp":
             cfg.setdefault("svctcp", []).append(value)
         elif key == "svcunix":
@@ -252,4 +258,9 @@ def apply(cfg: dict, channel: int | None = None) -> None:  # type: ignore[type-a
     restrict(cfg)
     install_seccomp(bytes.fromhex(cfg["seccomp"]))
     if channel is not None:
-        install_chmod_listener(str(cfg["arch"]), channel, int(cfg.get("connect_port", -1)) >= 0)
+        install_chmod_listener(
+            str(cfg["arch"]),
+            channel,
+            int(cfg.get("connect_port", -1)) >= 0,
+            bool(cfg.get("publish")),
+        )

@@ -1,8 +1,9 @@
-"""The reaper's answers to a confined command's ``connect()`` and ``listen()`` calls, for
-``network: filtered`` and granted host services (step 5 of confine.py; the chmod and open
-calls of the same notifications are supervisor.py's, which hands these on): every connect is
-decided on the supervisor's own copy of the address and made by the supervisor on the
-command's socket. The verdicts and the service table are pure, tested without a kernel.
+"""The reaper's answers to a confined command's ``connect()``, ``listen()`` and ``bind()``
+calls, for ``network: filtered``, granted host services and published ports (step 5 of
+confine.py; the chmod and open calls of the same notifications are supervisor.py's, which
+hands these on): every connect and every TCP bind is decided on the supervisor's own copy of
+the address and made by the supervisor on the command's socket. The verdicts and the service
+table are pure, tested without a kernel.
 """
 
 import _socket
@@ -23,6 +24,17 @@ AF_UNSPEC, AF_UNIX, AF_INET, AF_INET6 = 0, 1, 2, 10
 LOOPBACK4 = bytes([127, 0, 0, 1])
 LOOPBACK4_MAPPED = bytes(10) + b"\xff\xff" + LOOPBACK4
 LOOPBACK6 = bytes(15) + b"\x01"
+PUBLISH_ADDRESSES = {
+    AF_INET: (LOOPBACK4, bytes(4)),
+    AF_INET6: (LOOPBACK6, bytes(16), LOOPBACK4_MAPPED, bytes(10) + b"\xff\xff" + bytes(4)),
+}
+"""The addresses a bind to a published port may name, by family: loopback and the wildcard
+(and their v4-mapped forms). Whichever it names, the supervisor binds loopback."""
+MAX_BOUND = 4096
+"""The sockets :meth:`ConnectSupervisor.bind` remembers (the latest): each listens right after
+its bind, so only a command that binds thousands before listening loses one (EACCES)."""
+CONTINUE = -1
+""":meth:`ConnectSupervisor.bind`'s answer for a call that goes on as the kernel decides."""
 
 
 def connect_verdict(addr: bytes, port: int) -> str:
@@ -48,6 +60,34 @@ def connect_verdict(addr: bytes, port: int) -> str:
     if family == AF_UNIX and len(addr) > 2 and addr[2] != 0:
         return "unix"
     return "deny"
+
+
+def bind_verdict(addr: bytes, published: frozenset[int] | set[int]) -> tuple[str, int, int]:
+    """What a command's bind to the sockaddr ``addr`` gets, with ``published`` the task's
+    published sandbox ports: ``("publish", family, port)`` for a published port on loopback
+    or the wildcard (the supervisor binds the socket to loopback instead: :meth:`bind`);
+    ``("unix", 0, 0)`` for a unix address (the call goes on: Landlock rules its path);
+    ``("deny", 0, 0)`` for anything else (every other TCP port or address; Landlock denies
+    every TCP bind of the command anyway). Pure."""
+    if len(addr) < 2:
+        return "deny", 0, 0
+    family = struct.unpack("=H", addr[:2])[0]
+    if family == AF_UNIX:
+        return "unix", 0, 0
+    at = {AF_INET: (4, 8), AF_INET6: (8, 24)}.get(family)
+    if at is None or len(addr) < at[1]:
+        return "deny", 0, 0
+    port = struct.unpack("!H", addr[2:4])[0]
+    if port in published and addr[at[0] : at[1]] in PUBLISH_ADDRESSES[family]:
+        return "publish", family, port
+    return "deny", 0, 0
+
+
+def bind_report(port: int, family: int, bound: int, inode: int) -> bytes:
+    """The datagram that tells the host a published ``port`` is now the command's socket
+    (``inode``) bound to loopback of ``family`` at the ephemeral port ``bound`` (the host
+    side: fusion_oci/runtimes/landlock/published.py). Pure."""
+    return b"B %d %d %d %d" % (port, family, bound, inode)
 
 
 def service_table(cfg: dict) -> dict:  # type: ignore[type-arg]
@@ -131,10 +171,10 @@ def report_connect(sock, path: str, error: int) -> None:  # type: ignore[no-unty
 
 
 class ConnectSupervisor:
-    """Answers a ``filtered`` command's connect() and listen() calls, in threads of the
-    reaper, each in the thread that received it, which hands the receiving on before a step
-    that can wait (:meth:`serve_one`; listen: unix sockets only, see
-    :data:`seccomp_notify.LISTEN_CALL`).
+    """Answers a ``filtered`` command's connect() and listen() calls (and bind(), with
+    published ports), in threads of the reaper, each in the thread that received it, which
+    hands the receiving on before a step that can wait (:meth:`serve_one`; listen: unix
+    sockets and the sockets :meth:`bind` bound, see :data:`seccomp_notify.LISTEN_CALL`).
 
     The supervisor reads the address once, decides on its own copy, and makes the connect
     itself on the command's socket (the same open file, taken with ``pidfd_getfd``), so a
@@ -150,6 +190,8 @@ class ConnectSupervisor:
         writable: list[str],
         port: int,
         services: dict | None = None,  # type: ignore[type-arg]
+        published: list[int] | None = None,
+        bind_report_path: str | None = None,
     ) -> None:
         self.listener = listener
         """The seccomp listener the notifications came from (the reply goes back on it)."""
@@ -167,6 +209,19 @@ class ConnectSupervisor:
             else None
         )
         """The socket the TCP grants' connects are reported from (to each relay)."""
+        self.published = frozenset(published or ())
+        """The task's published sandbox ports (``publishPorts``): a bind to one of them on
+        loopback or the wildcard is made to loopback at an ephemeral port (:meth:`bind`)."""
+        self.bind_report_path = bind_report_path
+        """Where the host reads each such bind (the landlock runtime's report socket)."""
+        self.bind_reporter = (
+            _socket.socket(AF_UNIX, _socket.SOCK_DGRAM | _socket.SOCK_CLOEXEC)
+            if bind_report_path
+            else None
+        )
+        self.bound: dict[tuple[int, int], tuple[int, int]] = {}
+        """The sockets this supervisor bound for a published port, (st_dev, st_ino) → (family,
+        ephemeral port): the only TCP sockets the command may listen on (:meth:`listen`)."""
         self.thread_pidfd = _thread_pidfd()
         """Whether pidfd_open takes ``PIDFD_THREAD`` here."""
 
@@ -189,13 +244,18 @@ class ConnectSupervisor:
             if nr == notify.LISTEN_CALL[self.arch]:
                 before_waiting()
                 error = self.listen(nid, pid, args)
+            elif nr == notify.BIND_CALL[self.arch]:
+                error = self.bind(nid, pid, args, before_waiting)
             else:
                 error = self.answer(nid, pid, args, before_waiting)
         except OSError as exc:
             error = exc.errno or errno.EACCES
         except Exception:  # never let the command's call hang
             error = errno.EACCES
-        notify.reply(self.listener, nid, error)
+        if error == CONTINUE:
+            notify.reply_continue(self.listener, nid)
+        else:
+            notify.reply(self.listener, nid, error)
         return handed
 
     def answer(self, nid: int, pid: int, args: list, before_waiting=None) -> int:  # type: ignore[type-arg,no-untyped-def]
@@ -253,9 +313,75 @@ class ConnectSupervisor:
             if opened >= 0:
                 os.close(opened)
 
+    def bind(self, nid: int, pid: int, args: list, before_waiting=None) -> int:  # type: ignore[type-arg,no-untyped-def]
+        """0 when the command's socket is bound for a published port, :data:`CONTINUE` for a
+        unix address, else the errno the call returns (:func:`bind_verdict`).
+
+        A unix bind goes on as the kernel decides (``SECCOMP_USER_NOTIF_FLAG_CONTINUE``, which
+        re-reads the address): Landlock rules the path it creates (``make_sock`` beneath
+        writable paths only) and denies every TCP bind of the command, so whatever a thread
+        swaps in meanwhile (another address, another socket at that fd) gains nothing. Made
+        by the supervisor instead, the socket file would be created with its rights, past
+        Landlock.
+
+        A published port's bind is the supervisor's, on its own copy of the command's socket
+        (``pidfd_getfd``): to loopback of the address's family at port 0, an ephemeral port,
+        whatever loopback or wildcard address the command named, never another address. So
+        the command's ``getsockname`` shows 127.0.0.1 (or ::1) and the ephemeral port, not
+        the port it asked for, and other processes of the host can reach that port on
+        loopback as they could the published one. The host learns of it (:func:`bind_report`)
+        before the call returns; the host's clients of the published port are carried there
+        (fusion_oci/runtimes/landlock/published.py)."""
+        import errno
+
+        fd, addr_ptr, length = int(args[0]) & 0xFFFFFFFF, args[1], int(args[2]) & 0xFFFFFFFF
+        if fd >= 1 << 31 or length > 128:
+            return errno.EINVAL if fd < 1 << 31 else errno.EBADF
+        verdict, family, port = bind_verdict(self._bytes(pid, addr_ptr, length), self.published)
+        if verdict == "unix":
+            return CONTINUE
+        if verdict != "publish":
+            return errno.EACCES
+        if before_waiting is not None:  # the report below waits when the host's queue is full
+            before_waiting()
+        theirs = self._their_fd(nid, pid, fd)
+        try:
+            target = _sockaddr(family, LOOPBACK4 if family == AF_INET else LOOPBACK6, 0)
+            if notify.libc.bind(theirs, ctypes.c_char_p(target), len(target)) != 0:
+                return ctypes.get_errno() or errno.EACCES
+            bound = _local_port(theirs)
+            st = os.fstat(theirs)
+            if len(self.bound) >= MAX_BOUND:  # a bind loop must not grow the reaper
+                del self.bound[next(iter(self.bound))]  # the oldest: long listened on, or gone
+            self.bound[(st.st_dev, st.st_ino)] = (family, bound)
+            if self.bind_reporter is not None and self.bind_report_path:
+                try:  # noqa: SIM105 - contextlib costs every command's start-up
+                    self.bind_reporter.sendto(
+                        bind_report(port, family, bound, st.st_ino), self.bind_report_path
+                    )
+                except OSError:
+                    pass  # the host is gone: nothing will be carried, the bind stands
+            return 0
+        finally:
+            os.close(theirs)
+
+    def published_listener(self, theirs: int, family: int) -> bool:
+        """Whether the TCP socket ``theirs`` (our copy) is one :meth:`bind` bound, still at
+        that loopback port: an inode number freed and reused by a new socket is refused, as
+        a new socket is unbound (its listen would autobind on every address)."""
+        st = os.fstat(theirs)
+        found = self.bound.get((st.st_dev, st.st_ino))
+        if found is None or found[0] != family:
+            return False
+        name = _local_name(theirs)
+        loopback = LOOPBACK4 if family == AF_INET else LOOPBACK6
+        at = 4 if family == AF_INET else 8
+        return name[at : at + len(loopback)] == loopback and _port_of(name) == found[1]
+
     def listen(self, nid: int, pid: int, args: list) -> int:  # type: ignore[type-arg]
-        """A unix socket's listen, made on the caller's socket; any other is EACCES. The
-        family is read from the socket object itself, which the listen then acts on."""
+        """A unix socket's listen, or a TCP socket's that :meth:`bind` bound for a published
+        port, made on the caller's socket; any other is EACCES. The family is read from the
+        socket object itself, which the listen then acts on."""
         import errno
 
         fd, backlog = int(args[0]) & 0xFFFFFFFF, int(args[1]) & 0xFFFFFFFF
@@ -272,7 +398,10 @@ class ConnectSupervisor:
                 != 0
             ):
                 return ctypes.get_errno() or errno.ENOTSOCK
-            if domain.value != AF_UNIX:
+            if domain.value != AF_UNIX and not (
+                domain.value in (AF_INET, AF_INET6)
+                and self.published_listener(theirs, domain.value)
+            ):
                 return errno.EACCES
             backlog = backlog - (1 << 32) if backlog >= 1 << 31 else backlog
             if notify.libc.listen(theirs, backlog) == 0:
@@ -333,6 +462,23 @@ class ConnectSupervisor:
             return int(theirs)
         finally:
             os.close(pidfd)
+
+
+def _local_name(fd: int) -> bytes:
+    """The socket's own address (getsockname), as the kernel wrote it."""
+    buf = ctypes.create_string_buffer(128)
+    size = ctypes.c_uint32(128)
+    if notify.libc.getsockname(fd, buf, ctypes.byref(size)) != 0:
+        raise notify.fail("getsockname")
+    return buf.raw[: size.value]
+
+
+def _port_of(name: bytes) -> int:
+    return int(struct.unpack("!H", name[2:4])[0]) if len(name) >= 4 else 0
+
+
+def _local_port(fd: int) -> int:
+    return _port_of(_local_name(fd))
 
 
 def _thread_pidfd() -> bool:

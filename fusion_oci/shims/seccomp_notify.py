@@ -1,8 +1,8 @@
 """What the confined child and the reaper's supervisors agree on: which calls of the command
 go to the reaper over a seccomp user notification (:data:`CHMOD_CALLS`, :data:`OPEN_CALLS`,
-:data:`CONNECT_CALL`, :data:`LISTEN_CALL`, by architecture), the ioctls that receive and
-answer them, and the socket pair the listener travels over (made before the fork, sent back by
-the child: confine.py, received by the reaper: supervisor.py).
+:data:`CONNECT_CALL`, :data:`LISTEN_CALL`, :data:`BIND_CALL`, by architecture), the ioctls
+that receive and answer them, and the socket pair the listener travels over (made before the
+fork, sent back by the child: confine.py, received by the reaper: supervisor.py).
 
 Standard library only, C modules where it can (see :mod:`fusion_oci.shims`).
 """
@@ -20,7 +20,11 @@ OPEN_CALLS = {"x86_64": (2, 257), "aarch64": (-1, 56)}
 CONNECT_CALL = {"x86_64": 42, "aarch64": 203}
 LISTEN_CALL = {"x86_64": 50, "aarch64": 201}
 """listen() binds an unbound TCP socket to a port on every address (autobind, which
-Landlock's bind rule does not see): an inbound way out. Unix sockets may listen."""
+Landlock's bind rule does not see): an inbound way out. Unix sockets may listen, and a TCP
+socket the supervisor bound for a published port (connects.py)."""
+BIND_CALL = {"x86_64": 49, "aarch64": 200}
+"""bind(), handed over only with ``publishPorts``: a TCP bind to a published port becomes the
+supervisor's bind of the command's socket to loopback (connects.py)."""
 NOTIF_ADDFD, ADDFD_FLAG_SEND, USER_NOTIF_FLAG_CONTINUE = 0x40182103, 1 << 1, 1
 NOTIF_RECV, NOTIF_SEND, NOTIF_ID_VALID = 0xC0502100, 0xC0182101, 0x40082102
 NOTIF_SET_FLAGS, FD_SYNC_WAKE_UP = 0x40082104, 1
@@ -67,6 +71,15 @@ def reply(listener: int, nid: int, error: int) -> None:
     """Answer the notification ``nid``: the call returns 0, or fails with ``error``."""
     try:  # noqa: SIM105 - contextlib costs every command's start-up
         fcntl_ioctl(listener, NOTIF_SEND, struct.pack("=QqiI", nid, 0, -error, 0))
+    except OSError:
+        pass  # the caller died meanwhile
+
+
+def reply_continue(listener: int, nid: int) -> None:
+    """Let the call ``nid`` go on as the kernel (and Landlock) decide: it re-reads its
+    arguments, so only for a call whose every outcome Landlock rules anyway."""
+    try:  # noqa: SIM105 - contextlib costs every command's start-up
+        fcntl_ioctl(listener, NOTIF_SEND, struct.pack("=QqiI", nid, 0, 0, USER_NOTIF_FLAG_CONTINUE))
     except OSError:
         pass  # the caller died meanwhile
 

@@ -1,6 +1,7 @@
 """The reaper's side of step 5 of the confinement (confine.py): the supervisor that answers
 the confined command's chmod and open calls, from outside the sandbox, in threads of the
-reaper (:func:`supervise`); a ``filtered`` command's connects go on to connects.py.
+reaper (:func:`supervise`); a ``filtered`` command's connects (and, with published ports,
+its binds) go on to connects.py.
 
 Why chmod: Landlock (up to ABI 7) governs opening, creating and removing files, not changing
 their metadata, so without it the command could ``chmod 666`` any file of the caller's on the
@@ -123,11 +124,23 @@ class Supervisor:
         port = int(cfg.get("connect_port", -1))
         self.connects = (
             connects.ConnectSupervisor(
-                listener, self.arch, self.writable, port, connects.service_table(cfg)
+                listener,
+                self.arch,
+                self.writable,
+                port,
+                connects.service_table(cfg),
+                published=[int(p) for p in cfg.get("publish", [])],
+                bind_report_path=cfg.get("publish_report"),
             )
             if port >= 0
             else None
         )
+        self.network_calls = (
+            notify.CONNECT_CALL[self.arch],
+            notify.LISTEN_CALL[self.arch],
+            notify.BIND_CALL[self.arch],
+        )
+        """The calls connects.py answers (bind is handed over only with published ports)."""
         self.opens = {nr: i for i, nr in enumerate(notify.OPEN_CALLS[self.arch]) if nr >= 0}
         self.turn = _thread.allocate_lock()
         """Held by the one thread that receives notifications (:meth:`serve`)."""
@@ -186,10 +199,7 @@ class Supervisor:
                 # (every receive then fails at once: it would spin): nothing more will come.
                 return False
             nid, pid, _flags, nr, _arch, _ip, *args = struct.unpack("=QIIiIQ6Q", bytes(buf))
-            if self.connects is not None and nr in (
-                notify.CONNECT_CALL[self.arch],
-                notify.LISTEN_CALL[self.arch],
-            ):
+            if self.connects is not None and nr in self.network_calls:
                 if self.connects.serve_one(nid, pid, nr, args, self.hand_on):
                     return True
                 continue  # answered without waiting (refused), or no spare could start

@@ -420,11 +420,18 @@ def test_a_client_that_reads_slowly_holds_the_command_not_the_servers_memory(
     assert count() == 120
 
 
-def test_prepare_reports_the_published_ports(server: Any, worktree: Path) -> None:
+@pytest.mark.parametrize("backend", ["bubblewrap", "landlock"])
+def test_prepare_reports_the_published_ports(server: Any, worktree: Path, backend: str) -> None:
     """policy.publishPorts: the host port chosen for an entry that named none is in
-    prepare's answer (bubblewrap, by the task prompt's line), listening until dispose."""
+    prepare's answer (the backend by the task prompt's line), listening until dispose."""
     import socket
 
+    from tests.backends import require_runtime
+
+    require_runtime(backend)
+    # landlock: the project outside the worktree (its .fusion/ the command cannot write).
+    project = worktree.parent / "project"
+    project.mkdir(exist_ok=True)
     _, client = server
     answer = client.call(
         "prepare",
@@ -435,16 +442,17 @@ def test_prepare_reports_the_published_ports(server: Any, worktree: Path) -> Non
                 "worktreePath": str(worktree),
                 "policy": {"network": "none", "publishPorts": ["3000"]},
             },
-            "taskPrompt": "**Sandbox:** bubblewrap",
+            "taskPrompt": f"**Sandbox:** {backend}",
+            **({"projectDir": str(project)} if backend == "landlock" else {}),
         },
     )
     result = answer["result"]
-    assert result["backend"] == "bubblewrap", answer
+    assert result["backend"] == backend, answer
     [published] = result["published"]
     assert published["port"] == 3000 and published["address"] == "127.0.0.1"
     assert published["url"] == f"http://127.0.0.1:{published['hostPort']}/"
     with socket.create_connection(("127.0.0.1", published["hostPort"]), timeout=2):
-        pass  # listening (nothing inside answers: the agent closes the connection)
+        pass  # listening (nothing inside answers: the agent or the carrier closes it)
     assert client.call("dispose", {"sandboxId": result["sandboxId"]})["result"] == {
         "disposed": True
     }

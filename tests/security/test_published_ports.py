@@ -6,12 +6,17 @@ listens on a non-loopback host address, a command that dials the port's relay so
 (to be handed the host's connections) is closed, every connection is a ``sandbox:inbound``
 audit event, and the host ports are closed once the sandbox is disposed.
 
-landlock refuses the policy at check (the command is on the host's own loopback); native runs
-it and lists it unenforced. gVisor drops the handed socket: its agent dials the relay back for
-each client (services/publish.py). kubernetes carries each connection over the
-agent's stream to the pod's own loopback (mux.py ``--publish-port``): no relay socket is in
-the pod, so the command that dials one finds none (its verdict comes back with the worktree,
-once the command has ended).
+native runs it and lists it unenforced. gVisor drops the handed socket: its agent dials
+the relay back for each client (services/publish.py). kubernetes carries each
+connection over the agent's stream to the pod's own loopback (mux.py ``--publish-port``):
+no relay socket is in the pod, so the command that dials one finds none (its verdict comes
+back with the worktree, once the command has ended).
+landlock has no network namespace: the command's bind to a published port is the reaper's
+supervisor's, to host loopback at an ephemeral port, and the host carries each client there
+(fusion_oci/runtimes/landlock/published.py); its probes: every other bind is EACCES (another
+port, the wildcard on an unpublished port, another loopback address), the ephemeral port of
+a wildcard bind is not on a non-loopback host address, and once the server is gone a host
+process that takes its ephemeral port is never handed a client (a stale report).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from fusion_oci.models import PrepareContext, RunOptions, SandboxPolicy
 from fusion_oci.policy.settings import SandboxSettings
 from fusion_oci.runtimes.requirements import Requirement
 from fusion_oci.sandbox import Sandbox
-from tests.backends import backend_settings, require_runtime
+from tests.backends import backend_settings, require, require_runtime
 from tests.security.conftest import (  # noqa: F401 - the fixtures, shared with the probes
     DOCKERLESS,
     ROOTLESS,
@@ -46,7 +51,8 @@ from tests.security.conftest import (  # noqa: F401 - the fixtures, shared with 
 RUNTIMES = [
     "native", "bubblewrap", "landlock", "oci", "oci-runsc", "podman", "docker", "kubernetes"
 ]  # fmt: skip
-REFUSED = {"landlock"}
+REFUSED: set[str] = set()
+"""Runtimes that refuse publishPorts at check: none now (landlock and gVisor publish too)."""
 INSIDE = (8080, 8081, 8082)
 """The dev server's ports inside: 8080 published on a named host port, 8082 on a free one,
 8081 not published."""
@@ -74,6 +80,20 @@ SERVER_JS = (
     ".listen(p,'127.0.0.1');"
     "setTimeout(()=>{},600000)"
 )
+
+LANDLOCK_SERVER_JS = (
+    HIJACK_JS + "const http=require('http'),fs=require('fs');"
+    "const note=(l)=>fs.appendFileSync('binds.txt',l+'\\n');"
+    "for (const [p,h] of [[8080,'127.0.0.1'],[8081,'127.0.0.1'],[8082,'0.0.0.0'],"
+    "[8083,'0.0.0.0'],[8080,'127.0.0.2']]) {"
+    "const s=http.createServer((q,r)=>r.end('hello '+p));"
+    "s.on('error',(e)=>note(p+' '+h+' '+e.code));"
+    "s.listen(p,h,()=>note(p+' '+h+' at '+s.address().address+' '+s.address().port));}"
+    "setTimeout(()=>{},600000)"
+)
+"""landlock's: each bind's outcome goes to ``binds.txt`` (an EACCES is the server's error
+event, which would end node otherwise): what ``server.address()`` shows (loopback at the
+ephemeral port), or the error."""
 
 
 def _free_port() -> int:
@@ -108,6 +128,25 @@ def _outside_address() -> str | None:
     return None if addr.startswith("127.") else addr
 
 
+def _stale_report_delivers(binds: list[str], named: int) -> tuple[bool, bool]:
+    """With the command's server gone, a host process takes its ephemeral port (the last
+    report of 8080 names it): (whether the host's client of the published port was refused,
+    whether that process was handed a connection)."""
+    bound = next(int(b.split()[-1]) for b in binds if b.startswith("8080 127.0.0.1 at "))
+    with socket.socket() as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past TIME_WAIT
+        other.bind(("127.0.0.1", bound))
+        other.listen(8)
+        other.settimeout(1.0)
+        refused = _refused("127.0.0.1", named)
+        try:
+            conn, _ = other.accept()
+        except TimeoutError:
+            return refused, False
+        conn.close()
+        return refused, True
+
+
 async def _serve_and_probe(
     backend: str, wt: Path, cache: Path, network: str
 ) -> tuple[list[dict[str, object]], dict[str, object], list[AuditEvent], list[str]]:
@@ -119,7 +158,18 @@ async def _serve_and_probe(
     events: list[AuditEvent] = []
     audit = AuditLog()
     audit.subscribe(events.append)
-    ctx = PrepareContext(task_id="pub", run_id="r1", policy=policy, worktree_path=str(wt))
+    # landlock: the project outside the worktree (its .fusion/ the command cannot write).
+    project = None
+    if backend == "landlock":
+        project = wt.parent / "project"
+        project.mkdir(exist_ok=True)
+    ctx = PrepareContext(
+        task_id="pub",
+        run_id="r1",
+        policy=policy,
+        worktree_path=str(wt),
+        project_dir=str(project) if project is not None else None,
+    )
     env = engine_env(backend)
     seen: dict[str, object] = {}
     sb = Sandbox(backend_settings(backend, policy=policy), audit=audit, env=None, cache_root=cache)
@@ -131,9 +181,8 @@ async def _serve_and_probe(
         seen["unenforced"] = list(sb.unenforced)
         if not published:  # native: nothing published, listed unenforced
             return published, seen, events, list(sb.unenforced)
-        run = asyncio.ensure_future(
-            sb.run(["node", "-e", SERVER_JS], RunOptions(timeout_ms=120_000))
-        )
+        js = LANDLOCK_SERVER_JS if backend == "landlock" else SERVER_JS
+        run = asyncio.ensure_future(sb.run(["node", "-e", js], RunOptions(timeout_ms=120_000)))
         try:
             loop = asyncio.get_running_loop()
             for _ in range(200):
@@ -162,6 +211,14 @@ async def _serve_and_probe(
                 await asyncio.sleep(0.1)
             seen["hijack"] = verdict.read_text() if verdict.exists() else None
             seen["after"] = await loop.run_in_executor(None, _get, "127.0.0.1", named)
+            if backend == "landlock":
+                binds = wt / "binds.txt"
+                seen["binds"] = sorted(binds.read_text().splitlines()) if binds.exists() else []
+                seen["bound_outside"] = [
+                    await loop.run_in_executor(None, _refused, outside, int(b.split()[-1]))
+                    for b in seen["binds"]  # type: ignore[attr-defined]
+                    if outside is not None and " at " in b
+                ]
         finally:
             sb.abort()
             with contextlib.suppress(BaseException):
@@ -174,6 +231,10 @@ async def _serve_and_probe(
         if "ports" in seen:
             seen["no_server"] = await asyncio.get_running_loop().run_in_executor(
                 None, _refused, "127.0.0.1", seen["ports"][0]
+            )
+        if backend == "landlock" and "binds" in seen:
+            seen["stale"] = await asyncio.get_running_loop().run_in_executor(
+                None, _stale_report_delivers, seen["binds"], seen["ports"][0]
             )
     finally:
         await sb.dispose()
@@ -194,6 +255,17 @@ def test_a_dev_server_inside_is_reached_on_the_published_ports_only(
 
     wt = git_init(tmp_path / "wt")
     coro = _serve_and_probe(backend, wt, tmp_path / "c", network)
+    if backend == "landlock":
+        from fusion_oci.runtimes.landlock import host_abi
+
+        require("landlock", host_abi() >= 4, "publishPorts needs Landlock ABI 4 (Linux 6.7+)")
+    if backend == "landlock" and network == "egress":
+        # No network namespace: egress is not enforceable; the ports would be.
+        with pytest.raises(PolicyNotEnforceableError) as info:
+            asyncio.run(coro)
+        assert Requirement.PUBLISHED_PORTS.value not in info.value.unenforced
+        assert Requirement.NETWORK_EGRESS.value in info.value.unenforced
+        return
     if backend in REFUSED:
         with pytest.raises(PolicyNotEnforceableError) as info:
             asyncio.run(coro)
@@ -217,7 +289,8 @@ def test_a_dev_server_inside_is_reached_on_the_published_ports_only(
     assert seen["other_ports"] == [True, True, True], seen
     # A command that dials the port's relay itself gets nothing of the host's, and the
     # published port still goes to the server.
-    hijacked = "error ENOENT" if backend == "kubernetes" else "closed"  # no relay in a pod
+    # No relay in a pod, nor on landlock's host (the ports are carried, not handed over).
+    hijacked = "error ENOENT" if backend in ("kubernetes", "landlock") else "closed"
     assert seen["hijack"] == hijacked and seen["after"] == "hello 8080", seen
     # Nothing on another address of the host.
     assert seen["outside"] in (None, True), seen
@@ -234,6 +307,29 @@ def test_a_dev_server_inside_is_reached_on_the_published_ports_only(
     assert any("nothing accepted the connection" in (e.reason or "") for e in refused), inbound
     # Closed at dispose.
     assert _refused("127.0.0.1", named) and _refused("127.0.0.1", free)
+    if backend == "landlock":
+        _landlock_probes(seen, inbound)
+
+
+def _landlock_probes(seen: dict[str, object], inbound: list[AuditEvent]) -> None:
+    binds = seen["binds"]
+    assert isinstance(binds, list)
+    # Every bind but the published ports' on loopback or the wildcard: EACCES.
+    assert [b for b in binds if " at " not in b] == [
+        "8080 127.0.0.2 EACCES",
+        "8081 127.0.0.1 EACCES",
+        "8083 0.0.0.0 EACCES",
+    ], binds
+    # The published ones: host loopback at an ephemeral port (what getsockname shows), the
+    # wildcard's too, so it is not on a non-loopback address of the host.
+    bound = {b.split()[0]: b.split()[3:] for b in binds if " at " in b}
+    assert sorted(bound) == ["8080", "8082"], binds
+    assert all(a == "127.0.0.1" and int(p) not in (8080, 8082) for a, p in bound.values())
+    assert seen["bound_outside"] in ([], [True, True]), seen
+    # A stale report (the server gone, its port another host process's): refused, and that
+    # process is handed nothing.
+    assert seen["stale"] == (True, False), seen
+    assert sum(1 for e in inbound if not e.allowed) >= 2, inbound  # no_server and stale
 
 
 UNPRIVILEGED = {"bubblewrap-unprivileged": "bubblewrap", ROOTLESS: "podman", DOCKERLESS: "docker"}

@@ -58,6 +58,20 @@ unix sockets only (a TCP listen autobinds on every address). seccomp leaves only
 unix stream sockets (UDP, which Landlock does not govern, raw, packet, netlink, SCTP refused)
 and refuses TCP Fast Open (a connect inside ``sendto``).
 
+``policy.publishPorts`` (network ``none`` or ``filtered``, ABI 4+; ``host`` is refused by the
+settings): the command's server cannot listen on the published port itself, since it is on
+the host's network and Landlock denies it every TCP bind. So ``bind()`` goes to the supervisor
+too (and ``none`` gets the TCP and unix stream sockets of ``filtered``, its connects checked
+the same way): a bind to a published port on loopback or the wildcard is the supervisor's, on
+the command's own socket, to loopback of that family at an ephemeral port (never the
+wildcard, never another address), reported to the host (:mod:`.published`); a listen on that
+socket is allowed, and every other TCP bind is EACCES (a unix bind goes on: Landlock rules its
+path). The host carries each client of the published port to that loopback port, on the
+proxy loop, while every listener of that port in ``/proc/net/tcp`` is the reported socket
+(a stale report delivers no client to another host process). The command's ``getsockname``
+shows the ephemeral port, not the one it asked for; other host processes can reach that
+port on loopback as they could the published one.
+
 How a command runs: prepare starts, once per task, the reaper shim (fusion_oci/shims/reaper.py)
 with the task's launch file (``SANDBOX=``, the ruleset above as integers) and ``AGENT=``; its child
 confines itself (shims/confine.py) and execs the exec agent (fusion_oci/agent) on a

@@ -144,6 +144,14 @@ class LandlockRules:
     "PORT")`` (a service container's endpoint: the relay's loopback port) and
     ``("unix /granted/path", "/relay.sock")`` (also for the path it resolved to). Empty: none
     (or a plan before prepare started the relays)."""
+    published: tuple[int, ...] = ()
+    """``publishPorts``: the published sandbox ports (none and filtered only). A bind to one
+    of them on loopback or the wildcard is the connect supervisor's, to loopback at an
+    ephemeral port reported to the host, which carries the published port's clients there
+    (shims/connects.py, published.py); every other TCP bind stays denied."""
+    bind_report: str | None = None
+    """Where the supervisor reports those binds: the runtime's datagram socket in the task's
+    scratch (None: a plan before prepare)."""
     scopes: tuple[str, ...] = ("abstract_unix_socket", "signal")
     seccomp: dict[str, Any] = field(default_factory=dict)
     """The bundle's profile plus the rules above (OCI JSON)."""
@@ -162,6 +170,11 @@ class LandlockRules:
             "network": self.network,
             "proxy_port": self.proxy_port,
             **({"services": dict(self.services)} if self.services else {}),
+            **(
+                {"published": list(self.published), "bind_report": self.bind_report}
+                if self.published
+                else {}
+            ),
             "scopes": list(self.scopes),
             "seccomp": self.seccomp,
             "restored": self.restored,
@@ -325,11 +338,13 @@ def landlock_rules(
     proxy_port: int | None = None,
     agent: str | None = None,
     services: tuple[tuple[str, str], ...] = (),
+    bind_report: str | None = None,
 ) -> LandlockRules:
     """The ruleset for a spec whose sandbox HOME and /tmp are the host dirs ``home``, ``tmp``
     (and, for ``network: filtered``, whose egress proxy listens on host ``proxy_port``), with
     the exec agent at host path ``agent`` readable and executable (the confined child execs
-    it; under ``filtered`` it is ssh's ProxyCommand too).
+    it; under ``filtered`` it is ssh's ProxyCommand too), and published ports' binds
+    reported to ``bind_report``.
 
     Mounts are read in order, as the spec means them: a later mount covers an earlier one. A
     later read-only bind beneath an earlier writable one is a carve-out Landlock cannot make.
@@ -376,10 +391,19 @@ def landlock_rules(
         if seccomp is not None
         else {"defaultAction": "SCMP_ACT_ALLOW", "syscalls": []}
     )
+    # Published ports need the command on a network Landlock confines (every TCP bind
+    # denied but the supervisor's); under host, refused (the settings refuse it already).
+    published = (
+        tuple(p.port for p in spec.published_ports)
+        if network in (NetworkMode.NONE, NetworkMode.FILTERED)
+        else ()
+    )
     return LandlockRules(
         paths,
         network.value,
         services=services,
+        published=published,
+        bind_report=bind_report if published else None,
         seccomp=landlock_seccomp(profile, service_socket_network(network, spec)),
         restored=restored,
         holes=sorted(set(holes)),
@@ -388,10 +412,12 @@ def landlock_rules(
 
 
 def service_socket_network(network: NetworkMode, spec: TaskSpec) -> NetworkMode:
-    """The network whose socket rules a task gets: ``none`` with granted host services needs
-    TCP and unix stream sockets (those of ``filtered``, every connect going to the
-    supervisor, which lets only the grants through: :func:`launch_config`). Pure."""
-    if network is NetworkMode.NONE and spec.host_services:
+    """The network whose socket rules a task gets: ``none`` with granted host services or
+    published ports needs TCP and unix stream sockets (those of ``filtered``, every connect
+    going to the supervisor, which lets only the grants through, and every bind, which binds
+    only the published ports: :func:`launch_config`; Landlock still denies the command's own
+    TCP binds and connects). Pure."""
+    if network is NetworkMode.NONE and (spec.host_services or spec.published_ports):
         return NetworkMode.FILTERED
     return network
 
@@ -460,8 +486,17 @@ def launch_config(rules: LandlockRules, abi: int, arch: str) -> dict[str, Any]:
         # 0: every connect() goes to the supervisor, which allows 127.0.0.1:PORT, the granted
         # host services (to their relays) and unix sockets beneath writable paths; -1: connect
         # is left to the kernel (none, host), where every socket() is refused.
-        "connect_port": (port or 0) if rules.network == "filtered" or rules.services else -1,
+        "connect_port": (
+            (port or 0) if rules.network == "filtered" or rules.services or rules.published else -1
+        ),
         **({"services": [list(r) for r in rules.services]} if rules.services else {}),
+        # Every bind() to the supervisor too, which binds the published ports to loopback at
+        # an ephemeral port and reports each to the host (shims/connects.py).
+        **(
+            {"publish": list(rules.published), "publish_report": rules.bind_report or ""}
+            if rules.published
+            else {}
+        ),
         "ports": [[port, _mask(["connect_tcp"], NET_RIGHTS, abi)]] if port and abi >= 4 else [],
     }
 
@@ -488,14 +523,19 @@ def launch_text(config: dict[str, Any]) -> str:
     lines += [f"port {mask} {port}" for port, mask in config["ports"]]
     lines += [f"path {mask} {path}" for path, mask in config["paths"]]
     lines += [f"writable {path}" for path in config["writable"]]
+    lines += [f"publish {port}" for port in config.get("publish", [])]
+    if config.get("publish"):
+        lines.append(f"publish_report {config['publish_report']}")
     for grant, relay in config.get("services", []):
         kind, _, rest = grant.partition(" ")
         if kind == "tcp":
             lines.append(f"svctcp {rest} {relay}")
         else:
             lines += [f"svcunix {rest}", f"svcto {relay}"]
-    if any("\n" in p for p, _ in config["paths"]) or any(
-        "\n" in g + r for g, r in config.get("services", [])
+    if (
+        any("\n" in p for p, _ in config["paths"])
+        or any("\n" in g + r for g, r in config.get("services", []))
+        or "\n" in config.get("publish_report", "")
     ):
         raise SandboxSetupError(
             "the landlock runtime cannot confine this task",
@@ -525,6 +565,10 @@ def enforced_requirements(abi: int) -> frozenset[Requirement]:
         # The connect supervisor redirects a grant's address to its relay; every other
         # connect is checked as under filtered (TCP to nothing else, Landlock's port rules).
         out.add(Requirement.HOST_SERVICES)
+        # The supervisor binds a published port's socket to loopback at an ephemeral port
+        # and the host carries the port's clients there; Landlock denies every other TCP
+        # bind (none, filtered; host network with publishPorts is refused by the settings).
+        out.add(Requirement.PUBLISHED_PORTS)
     if abi >= MIN_SCOPE_ABI:
         # rlimits, priorities, affinity and scheduling: the seccomp rules on any ABI
         # (other_process_rules); signals: Landlock's scoping, which ABI 6 brought.

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fusion_oci.egress.loop import on_proxy_loop
 from fusion_oci.errors import PolicyNotEnforceableError, SandboxSetupError
 from fusion_oci.host.process import kill_group, reaper_argv
 from fusion_oci.models import NetworkMode, RunOptions
@@ -19,6 +20,7 @@ from fusion_oci.oci.model import ProcessSpec, TaskSpec
 from fusion_oci.runtimes.box import Box
 from fusion_oci.runtimes.hostproc import HostProcessRuntime, native_env
 from fusion_oci.runtimes.landlock.host import host_abi, userns_problem, workload_note
+from fusion_oci.runtimes.landlock.published import BoundPorts
 from fusion_oci.runtimes.landlock.rules import (
     ABI_FEATURES,
     MIN_FS_ABI,
@@ -71,6 +73,8 @@ class LandlockRuntime(HostProcessRuntime):
     """``filtered``: that port, from prepare."""
     _services: tuple[tuple[str, str], ...] = ()
     """``hostServices``: the connect supervisor's redirects to the relays, from prepare."""
+    _bound: BoundPorts | None = None
+    """``publishPorts``: the supervisor's bind reports and the ports' carrier, from prepare."""
     _rules: LandlockRules | None = None
     """The task's ruleset, made at prepare (it depends on the task spec only)."""
     plan_type = LandlockPlan
@@ -115,6 +119,12 @@ class LandlockRuntime(HostProcessRuntime):
                 else f"not enforced (needs ABI {MIN_NET_ABI})"
             )
         )
+        details["publishPorts"] = (
+            "network none and filtered: a bind to a published port is the supervisor's, to "
+            "host loopback at an ephemeral port, and the host carries each client there"
+            if abi >= MIN_NET_ABI
+            else f"refused (needs ABI {MIN_NET_ABI}: Landlock must deny every other TCP bind)"
+        )
         details["workloads"] = workload_note(abi)
         from fusion_oci.agent.client import BUILD_HINT, agent_binary
 
@@ -154,7 +164,13 @@ class LandlockRuntime(HostProcessRuntime):
     def rules(self, spec: TaskSpec) -> LandlockRules:
         home, tmp = self._dirs()
         return landlock_rules(
-            spec, home, tmp, self._proxy_port, self._agent(), services=self._services
+            spec,
+            home,
+            tmp,
+            self._proxy_port,
+            self._agent(),
+            services=self._services,
+            bind_report=str(self._bound.path) if self._bound is not None else None,
         )
 
     @staticmethod
@@ -211,6 +227,15 @@ class LandlockRuntime(HostProcessRuntime):
             }[rules.network],
             process.shown_limits(),
         ]
+        if rules.published:
+            notes.append(
+                "published ports "
+                + ", ".join(map(str, rules.published))
+                + ": the command's bind to one (loopback or wildcard) is the supervisor's, "
+                "to host loopback at an ephemeral port (what getsockname shows), reported to "
+                "the host, which carries each client of the host's port there while that "
+                "port's listener is still the command's socket; every other TCP bind denied"
+            )
         notes += [
             f"not read-only during the command (restored after it): {p}" for p in rules.restored
         ]
@@ -245,6 +270,8 @@ class LandlockRuntime(HostProcessRuntime):
                     )
                 self._proxy_port = task.egress.tcp_port
             self._services = service_redirects(task.services)
+            if task.spec.published_ports:
+                await self._listen_for_binds(task)
             if task.spec.image:
                 raise SandboxSetupError(
                     "the landlock runtime cannot use an image",
@@ -291,10 +318,35 @@ class LandlockRuntime(HostProcessRuntime):
                 # The shim is the connect supervisor: its reports of the TCP grants'
                 # connects are the only ones the relays take.
                 task.services.reporter_pid = self.box.agent.peer_pid
+            if self._bound is not None:
+                self._bound.reporter_pid = self.box.agent.peer_pid  # its binds, likewise
+                if task.ports is not None:
+                    # On the proxy loop: clients between a SyncSandbox's calls are carried.
+                    await task.ports.carry(self._bound.carry, on_proxy=True)
         except BaseException:
             await self.dispose()
             raise
         return task
+
+    async def _listen_for_binds(self, task: ResolvedTask) -> None:
+        """The report socket of the supervisor's binds for published ports, in the task's
+        scratch (no command is granted it); refused where Landlock cannot deny the
+        command's own TCP binds."""
+        if task.spec.network is NetworkMode.HOST or host_abi() < MIN_NET_ABI:
+            raise PolicyNotEnforceableError(
+                self.id,
+                [
+                    "publishPorts (needs network none or filtered and Landlock ABI "
+                    f"{MIN_NET_ABI}+, so that every TCP bind but the published ports' is "
+                    "denied)"
+                ],
+                "use network none or filtered on a kernel with Landlock ABI 4 (Linux 6.7+), "
+                "or bubblewrap where user namespaces are allowed",
+            )
+        assert self._scratch is not None
+        bound = BoundPorts(self._scratch / "binds")
+        await on_proxy_loop(bound.start())
+        self._bound = bound
 
     async def _start_agent(self, rules: LandlockRules) -> Box[SandboxLaunch, None]:
         """The shim and, as its confined child, the task's exec agent; greeted before this
@@ -397,6 +449,7 @@ class LandlockRuntime(HostProcessRuntime):
 
     async def dispose(self) -> None:
         box, self.box = self.box, None
+        bound, self._bound = self._bound, None
         self._proxy_port = None
         self._services = ()
         self._rules = None
@@ -404,7 +457,11 @@ class LandlockRuntime(HostProcessRuntime):
             if box is not None:
                 await box.agent.close()
         finally:
-            await super().dispose()
+            try:
+                if bound is not None:  # its carried connections closed (and audited)
+                    await on_proxy_loop(bound.stop())
+            finally:
+                await super().dispose()
 
 
 def _write_launch(path: Path, text: str) -> None:
