@@ -83,6 +83,56 @@ def bind_verdict(addr: bytes, published: frozenset[int] | set[int]) -> tuple[str
     return "deny", 0, 0
 
 
+def own_server(addr: bytes, servers: dict) -> tuple | None:  # type: ignore[type-arg]
+    """Where a command's connect to the sockaddr ``addr`` goes when it names its own server of
+    a published port (``servers``: sandbox port → (family, ephemeral port, inode), the
+    supervisor's binds): ``(sockaddr, family, ephemeral port, inode)``, the server's loopback
+    port in the caller's address form, or None. Only loopback forms the server's own socket
+    answers: 127.0.0.1 (and its v4-mapped form) for an IPv4 server, ::1 for an IPv6 one (as
+    on a network of its own, an IPv4 client does not reach a server bound to ::1). Pure."""
+    if not servers or len(addr) < 8:
+        return None
+    family = struct.unpack("=H", addr[:2])[0]
+    port = struct.unpack("!H", addr[2:4])[0]
+    found = servers.get(port)
+    if found is None:
+        return None
+    server_family, bound, inode = found
+    if family == AF_INET and addr[4:8] == LOOPBACK4 and server_family == AF_INET:
+        return _sockaddr(AF_INET, LOOPBACK4, bound), server_family, bound, inode
+    if family == AF_INET6 and len(addr) >= 24:
+        ip6 = addr[8:24]
+        if ip6 == LOOPBACK4_MAPPED and server_family == AF_INET:
+            return _sockaddr(AF_INET6, LOOPBACK4_MAPPED, bound), server_family, bound, inode
+        if ip6 == LOOPBACK6 and server_family == AF_INET6:
+            return _sockaddr(AF_INET6, LOOPBACK6, bound), server_family, bound, inode
+    return None
+
+
+def listening_inodes(table: str, port: int) -> set:  # type: ignore[type-arg]
+    """The inodes of the sockets listening on ``port`` in a ``/proc/net/tcp`` (``tcp6``)
+    table's text (state 0A). Pure."""
+    found = set()
+    for line in table.splitlines()[1:]:
+        fields = line.split()
+        if len(fields) < 10 or ":" not in fields[1]:
+            continue
+        try:
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and int(fields[3], 16) == 0x0A:
+                found.add(int(fields[9]))
+        except ValueError:
+            continue
+    return found
+
+
+def still_listening(family: int, port: int, inode: int) -> bool:
+    """Whether every listener on loopback ``port`` is the command's socket ``inode``: a
+    server that is gone, its port taken by a host process, is never connected to."""
+    name = "/proc/net/tcp6" if family == AF_INET6 else "/proc/net/tcp"
+    with open(name, encoding="ascii", errors="replace") as fh:
+        return listening_inodes(fh.read(), port) == {inode}
+
+
 def bind_report(port: int, family: int, bound: int, inode: int) -> bytes:
     """The datagram that tells the host a published ``port`` is now the command's socket
     (``inode``) bound to loopback of ``family`` at the ephemeral port ``bound`` (the host
@@ -219,6 +269,10 @@ class ConnectSupervisor:
             if bind_report_path
             else None
         )
+        self.servers: dict[int, tuple[int, int, int]] = {}
+        """Published sandbox port → (family, ephemeral port, inode) of the latest socket
+        :meth:`bind` bound for it: where the command's own connects to that port go
+        (:func:`own_server`)."""
         self.bound: dict[tuple[int, int], tuple[int, int]] = {}
         """The sockets this supervisor bound for a published port, (st_dev, st_ino) → (family,
         ephemeral port): the only TCP sockets the command may listen on (:meth:`listen`)."""
@@ -268,6 +322,13 @@ class ConnectSupervisor:
             return errno.EINVAL if fd < 1 << 31 else errno.EBADF
         addr = self._bytes(pid, addr_ptr, length)
         redirect = service_redirect(addr, self.services, lambda: _cwd(pid))
+        own = own_server(addr, self.servers) if redirect is None else None
+        if own is not None:
+            # The command's own server of a published port (a test that starts the dev server
+            # and talks to it): its loopback port, while that is still the command's socket.
+            if not still_listening(*own[1:]):
+                return errno.ECONNREFUSED
+            redirect = own[0]
         verdict = "service" if redirect is not None else connect_verdict(addr, self.port)
         if verdict == "deny":
             return errno.EACCES
@@ -304,6 +365,15 @@ class ConnectSupervisor:
                     error = 0
                 else:
                     error = ctypes.get_errno() or errno.EACCES
+                if (
+                    own is not None
+                    and error in (0, errno.EINPROGRESS)
+                    and not still_listening(*own[1:])
+                ):
+                    # Another listener came meanwhile: undone before any byte is sent.
+                    unspec = struct.pack("=H", AF_UNSPEC) + bytes(14)
+                    notify.libc.connect(theirs, ctypes.c_char_p(unspec), len(unspec))
+                    error = errno.ECONNREFUSED
                 if report is not None and self.reporter is not None:
                     report_connect(self.reporter, report, error)
                 return error
@@ -354,6 +424,7 @@ class ConnectSupervisor:
             if len(self.bound) >= MAX_BOUND:  # a bind loop must not grow the reaper
                 del self.bound[next(iter(self.bound))]  # the oldest: long listened on, or gone
             self.bound[(st.st_dev, st.st_ino)] = (family, bound)
+            self.servers[port] = (family, bound, st.st_ino)
             if self.bind_reporter is not None and self.bind_report_path:
                 try:  # noqa: SIM105 - contextlib costs every command's start-up
                     self.bind_reporter.sendto(

@@ -74,15 +74,23 @@ once claiming a dialled-back client with a made-up token (``A``, what gVisor's a
 the relay closes both (only the sandbox's init is handed host connections; a token is never
 seen outside the agent). Its verdict goes to ``hijack.txt`` in the worktree."""
 
+SELF_JS = (
+    "setTimeout(()=>require('http').get('http://127.0.0.1:8080/',(r)=>{let b='';"
+    "r.on('data',(d)=>{b+=d});r.on('end',()=>require('fs').writeFileSync('self.txt',b))})"
+    ".on('error',(e)=>require('fs').writeFileSync('self.txt','error '+e.code)),300);"
+)
+"""The command's own client of its published server, at the port it asked for (a test that
+starts the dev server and talks to it): its answer goes to ``self.txt``."""
+
 SERVER_JS = (
-    HIJACK_JS + "const http=require('http');"
+    HIJACK_JS + SELF_JS + "const http=require('http');"
     "for (const p of [8080,8081,8082]) http.createServer((q,r)=>r.end('hello '+p))"
     ".listen(p,'127.0.0.1');"
     "setTimeout(()=>{},600000)"
 )
 
 LANDLOCK_SERVER_JS = (
-    HIJACK_JS + "const http=require('http'),fs=require('fs');"
+    HIJACK_JS + SELF_JS + "const http=require('http'),fs=require('fs');"
     "const note=(l)=>fs.appendFileSync('binds.txt',l+'\\n');"
     "for (const [p,h] of [[8080,'127.0.0.1'],[8081,'127.0.0.1'],[8082,'0.0.0.0'],"
     "[8083,'0.0.0.0'],[8080,'127.0.0.2']]) {"
@@ -210,6 +218,10 @@ async def _serve_and_probe(
                     break
                 await asyncio.sleep(0.1)
             seen["hijack"] = verdict.read_text() if verdict.exists() else None
+            for _ in range(50 if backend != "kubernetes" else 0):  # a pod's: once it ended
+                if (wt / "self.txt").exists():
+                    break
+                await asyncio.sleep(0.1)
             seen["after"] = await loop.run_in_executor(None, _get, "127.0.0.1", named)
             if backend == "landlock":
                 binds = wt / "binds.txt"
@@ -227,6 +239,8 @@ async def _serve_and_probe(
             # a pod's files come back when its command ends (an abort too)
             verdict = wt / "hijack.txt"
             seen["hijack"] = verdict.read_text() if verdict.exists() else None
+        own = wt / "self.txt"
+        seen["self"] = own.read_text() if own.exists() else None
         # The sandbox is still there, its servers are not: the host's client is closed.
         if "ports" in seen:
             seen["no_server"] = await asyncio.get_running_loop().run_in_executor(
@@ -292,6 +306,9 @@ def test_a_dev_server_inside_is_reached_on_the_published_ports_only(
     # No relay in a pod, nor on landlock's host (the ports are carried, not handed over).
     hijacked = "error ENOENT" if backend in ("kubernetes", "landlock") else "closed"
     assert seen["hijack"] == hijacked and seen["after"] == "hello 8080", seen
+    # The command reaches its own server at the port it asked for (landlock: the supervisor
+    # sends it to the ephemeral port).
+    assert seen["self"] == "hello 8080", seen
     # Nothing on another address of the host.
     assert seen["outside"] in (None, True), seen
     # One sandbox:inbound event per connection, each naming its published port.

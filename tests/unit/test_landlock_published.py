@@ -20,7 +20,7 @@ from fusion_oci.runtimes.landlock import (
 from fusion_oci.runtimes.landlock.published import listeners, parse_report
 from fusion_oci.runtimes.requirements import Requirement
 from fusion_oci.shims.confine import AUDIT_ARCH, RET_ALLOW, RET_USER_NOTIF, notify_program, parse
-from fusion_oci.shims.connects import bind_report, bind_verdict
+from fusion_oci.shims.connects import bind_report, bind_verdict, own_server
 from fusion_oci.shims.seccomp_notify import BIND_CALL, CONNECT_CALL, LISTEN_CALL
 from tests.bpf import run_bpf
 from tests.golden import GOLDEN_HOST, assert_golden
@@ -207,3 +207,47 @@ def test_plan_says_how_the_ports_are_published(monkeypatch: pytest.MonkeyPatch) 
     assert note.startswith("published ports 3000, 80: the command's bind to one")
     assert "ephemeral port (what getsockname shows)" in note
     assert "every other TCP bind denied" in note
+
+
+def _v4(ip: str, port: int) -> bytes:
+    return (
+        struct.pack("=H", socket.AF_INET)
+        + struct.pack("!H", port)
+        + socket.inet_aton(ip)
+        + bytes(8)
+    )
+
+
+def _v6(ip: str, port: int) -> bytes:
+    packed = socket.inet_pton(socket.AF_INET6, ip)
+    return (
+        struct.pack("=H", socket.AF_INET6) + struct.pack("!H", port) + bytes(4) + packed + bytes(4)
+    )
+
+
+def test_a_connect_to_its_own_published_server_goes_to_the_ephemeral_port_on_loopback_only() -> (
+    None
+):
+    servers = {8080: (socket.AF_INET, 40001, 77), 3000: (socket.AF_INET6, 40002, 78)}
+    # An IPv4 server: 127.0.0.1 and its v4-mapped form, in the caller's own form.
+    assert own_server(_v4("127.0.0.1", 8080), servers) == (
+        _v4("127.0.0.1", 40001), socket.AF_INET, 40001, 77
+    )  # fmt: skip
+    assert own_server(_v6("::ffff:127.0.0.1", 8080), servers) == (
+        _v6("::ffff:127.0.0.1", 40001), socket.AF_INET, 40001, 77
+    )  # fmt: skip
+    # An IPv6 server: ::1 only (an IPv4 client does not reach ::1 on any network).
+    assert own_server(_v6("::1", 3000), servers) == (_v6("::1", 40002), socket.AF_INET6, 40002, 78)
+    assert own_server(_v4("127.0.0.1", 3000), servers) is None
+    # Nothing else: another address, another port, the wildcard, a short address.
+    for addr in (
+        _v4("127.0.0.2", 8080),
+        _v4("10.0.0.1", 8080),
+        _v4("0.0.0.0", 8080),
+        _v4("127.0.0.1", 8081),
+        _v6("::1", 8080),
+        _v6("::", 3000),
+        _v4("127.0.0.1", 8080)[:6],
+    ):
+        assert own_server(addr, servers) is None, addr
+    assert own_server(_v4("127.0.0.1", 8080), {}) is None

@@ -70,7 +70,8 @@ path). The host carries each client of the published port to that loopback port,
 proxy loop, while every listener of that port in ``/proc/net/tcp`` is the reported socket
 (a stale report delivers no client to another host process). The command's ``getsockname``
 shows the ephemeral port, not the one it asked for; other host processes can reach that
-port on loopback as they could the published one.
+port on loopback as they could the published one. The command's own connect to the port it
+asked for (its tests talking to its dev server) goes there too, under the same check.
 
 How a command runs: prepare starts, once per task, the reaper shim (fusion_oci/shims/reaper.py)
 with the task's launch file (``SANDBOX=``, the ruleset above as integers) and ``AGENT=``; its child

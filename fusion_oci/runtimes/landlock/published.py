@@ -27,15 +27,15 @@ import socket
 from pathlib import Path
 
 from fusion_oci.egress.splice import Tunnel
+from fusion_oci.shims.connects import listening_inodes, still_listening
 
 IDLE_TIMEOUT_S = 24 * 3600.0
 """A carried connection with no byte either way for this long is closed (a dev server's
 event stream may be quiet for a long time; the agent's splice on other runtimes has none)."""
-TCP_LISTEN = 0x0A
-"""``TCP_LISTEN`` as ``/proc/net/tcp`` spells the state column."""
 _CREDS = 12  # struct ucred: pid, uid, gid
 AF_INET, AF_INET6 = 2, 10
 PROC_TABLE: dict[int, str] = {AF_INET: "/proc/net/tcp", AF_INET6: "/proc/net/tcp6"}
+"""The families a report may name (their listener tables)."""
 LOOPBACK: dict[int, str] = {AF_INET: "127.0.0.1", AF_INET6: "::1"}
 
 
@@ -53,28 +53,14 @@ def parse_report(data: bytes) -> tuple[int, int, int, int] | None:
 
 def listeners(table: str, port: int) -> set[int]:
     """The inodes of the sockets listening on ``port`` (any address) in a ``/proc/net/tcp``
-    or ``tcp6`` table's text. Pure."""
-    found: set[int] = set()
-    for line in table.splitlines()[1:]:
-        fields = line.split()
-        if len(fields) < 10 or ":" not in fields[1]:
-            continue
-        try:
-            local_port = int(fields[1].rsplit(":", 1)[1], 16)
-            state = int(fields[3], 16)
-            inode = int(fields[9])
-        except ValueError:
-            continue
-        if local_port == port and state == TCP_LISTEN:
-            found.add(inode)
-    return found
+    or ``tcp6`` table's text. Pure (the supervisor's own check, shims/connects.py)."""
+    return set(listening_inodes(table, port))
 
 
 def still_the_commands(family: int, port: int, inode: int) -> bool:
     """Whether every listener on ``port`` is the command's socket ``inode`` (and there is
     one): a stale report never delivers a client to another host process."""
-    with open(PROC_TABLE[family], encoding="ascii", errors="replace") as fh:
-        return listeners(fh.read(), port) == {inode}
+    return bool(still_listening(family, port, inode))
 
 
 class BoundPorts:
