@@ -1,7 +1,7 @@
 """Published ports (``policy.publishPorts``) against direct loopback, in the same run.
 
     .venv/bin/python benchmarks/bench_publish.py [--runs N] [--mb M] [--rounds R]
-        [--backends bubblewrap,oci,podman,docker] [--markdown PATH]
+        [--backends bubblewrap,landlock,oci,oci-runsc,podman,docker] [--markdown PATH]
 
 One small TCP server (node: on the host and in the task images) answers a byte with a byte
 (``p``) or streams M MB (``d``). One client program (Python, its own process on the host)
@@ -116,8 +116,14 @@ async def published(
     await asyncio.to_thread(subprocess.run, ["git", "init", "-q", str(wt)], check=True)
     (wt / "server.js").write_text(SERVER_JS)
     policy = SandboxPolicy(allow_network=False, publish_ports=[str(PORT)])
+    project = work / f"project-{backend}"  # outside the worktree (landlock needs it there)
+    project.mkdir()
     ctx = PrepareContext(
-        task_id=f"bench-{backend}", run_id="r", policy=policy, worktree_path=str(wt)
+        task_id=f"bench-{backend}",
+        run_id="r",
+        policy=policy,
+        worktree_path=str(wt),
+        project_dir=str(project),
     )
     audit = AuditLog(work / f"audit-{backend}.jsonl") if AUDIT else None
     sb = Sandbox(backend_settings(backend, policy=policy), audit=audit, cache_root=work / "c")

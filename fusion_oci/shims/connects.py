@@ -125,12 +125,73 @@ def listening_inodes(table: str, port: int) -> set:  # type: ignore[type-arg]
     return found
 
 
+NETLINK_SOCK_DIAG, SOCK_DIAG_BY_FAMILY, NLMSG_ERROR, NLMSG_DONE = 4, 20, 2, 3
+NLM_F_REQUEST, NLM_F_DUMP, TCP_LISTEN, IPPROTO_TCP = 1, 0x300, 10, 6
+
+
+def diag_request(family: int) -> bytes:
+    """A sock_diag dump request for the TCP listeners of ``family`` (``inet_diag_req_v2``:
+    the kernel walks its listening hash only, not the thousands of connections and
+    TIME_WAIT entries ``/proc/net/tcp`` prints). Pure."""
+    body = struct.pack("=BBBBI", family, IPPROTO_TCP, 0, 0, 1 << TCP_LISTEN) + bytes(48)
+    return (
+        struct.pack("=IHHII", 16 + len(body), SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, 1, 0)
+        + body
+    )
+
+
+def diag_listeners(data: bytes, port: int) -> tuple[set, bool]:  # type: ignore[type-arg]
+    """The inodes of the listeners on ``port`` in one read of a sock_diag dump's answer
+    (``inet_diag_msg``: sport at 4, inode at 68), and whether the dump ended in it. Pure;
+    OSError for the kernel's error message."""
+    found, at, done = set(), 0, False
+    while at + 16 <= len(data):
+        length, kind = struct.unpack_from("=IH", data, at)
+        if length < 16:
+            break
+        if kind == NLMSG_DONE:
+            done = True
+        elif kind == NLMSG_ERROR:
+            error = -struct.unpack_from("=i", data, at + 16)[0]
+            raise OSError(error, "sock_diag")
+        elif kind == SOCK_DIAG_BY_FAMILY and length >= 16 + 72:
+            sport = struct.unpack_from("!H", data, at + 16 + 4)[0]
+            if sport == port:
+                found.add(struct.unpack_from("=I", data, at + 16 + 68)[0])
+        at += (length + 3) & ~3
+    return found, done
+
+
+def _listeners_now(family: int, port: int) -> set:  # type: ignore[type-arg]
+    """The inodes of the TCP sockets of ``family`` listening on ``port``, from the kernel's
+    sock_diag (netlink); where that is refused, from ``/proc/net/tcp`` (``tcp6``), which
+    costs milliseconds on a host with many connections."""
+    try:
+        sock = _socket.socket(16, _socket.SOCK_RAW | _socket.SOCK_CLOEXEC, NETLINK_SOCK_DIAG)
+    except OSError:
+        sock = None
+    if sock is not None:
+        try:
+            sock.sendall(diag_request(family))
+            found = set()
+            while True:
+                part, done = diag_listeners(sock.recv(65536), port)
+                found |= part
+                if done:
+                    return found
+        except OSError:
+            pass
+        finally:
+            sock.close()
+    name = "/proc/net/tcp6" if family == AF_INET6 else "/proc/net/tcp"
+    with open(name, encoding="ascii", errors="replace") as fh:
+        return listening_inodes(fh.read(), port)
+
+
 def still_listening(family: int, port: int, inode: int) -> bool:
     """Whether every listener on loopback ``port`` is the command's socket ``inode``: a
     server that is gone, its port taken by a host process, is never connected to."""
-    name = "/proc/net/tcp6" if family == AF_INET6 else "/proc/net/tcp"
-    with open(name, encoding="ascii", errors="replace") as fh:
-        return listening_inodes(fh.read(), port) == {inode}
+    return _listeners_now(family, port) == {inode}
 
 
 def bind_report(port: int, family: int, bound: int, inode: int) -> bytes:

@@ -20,7 +20,13 @@ from fusion_oci.runtimes.landlock import (
 from fusion_oci.runtimes.landlock.published import listeners, parse_report
 from fusion_oci.runtimes.requirements import Requirement
 from fusion_oci.shims.confine import AUDIT_ARCH, RET_ALLOW, RET_USER_NOTIF, notify_program, parse
-from fusion_oci.shims.connects import bind_report, bind_verdict, own_server
+from fusion_oci.shims.connects import (
+    bind_report,
+    bind_verdict,
+    diag_listeners,
+    diag_request,
+    own_server,
+)
 from fusion_oci.shims.seccomp_notify import BIND_CALL, CONNECT_CALL, LISTEN_CALL
 from tests.bpf import run_bpf
 from tests.golden import GOLDEN_HOST, assert_golden
@@ -251,3 +257,29 @@ def test_a_connect_to_its_own_published_server_goes_to_the_ephemeral_port_on_loo
     ):
         assert own_server(addr, servers) is None, addr
     assert own_server(_v4("127.0.0.1", 8080), {}) is None
+
+
+def _diag_msg(sport: int, inode: int) -> bytes:
+    body = bytearray(72)
+    body[0], body[1] = socket.AF_INET, 10  # family, TCP_LISTEN
+    struct.pack_into("!H", body, 4, sport)
+    struct.pack_into("=I", body, 68, inode)
+    return struct.pack("=IHHII", 16 + len(body), 20, 2, 1, 0) + bytes(body)
+
+
+def test_the_listener_check_reads_a_sock_diag_dump() -> None:
+    """The supervisor's and the host's check that a port's listener is still the command's
+    asks the kernel for listeners only (sock_diag), not the whole /proc/net/tcp."""
+    request = diag_request(socket.AF_INET6)
+    assert len(request) == 16 + 56
+    assert struct.unpack_from("=IHH", request) == (72, 20, 0x301)  # a dump request
+    assert request[16:18] == bytes([socket.AF_INET6, 6])  # TCP
+    assert struct.unpack_from("=I", request, 20)[0] == 1 << 10  # listeners only
+    answer = _diag_msg(40001, 77) + _diag_msg(40002, 78) + _diag_msg(40001, 79)
+    assert diag_listeners(answer, 40001) == ({77, 79}, False)  # two: not the command's alone
+    done = struct.pack("=IHHII", 20, 3, 2, 1, 0) + bytes(4)
+    assert diag_listeners(_diag_msg(40002, 78) + done, 40002) == ({78}, True)
+    assert diag_listeners(done, 40002) == (set(), True)
+    error = struct.pack("=IHHII", 36, 2, 0, 1, 0) + struct.pack("=i", -22) + bytes(16)
+    with pytest.raises(OSError):
+        diag_listeners(error, 40002)

@@ -67,7 +67,7 @@ the command's own socket, to loopback of that family at an ephemeral port (never
 wildcard, never another address), reported to the host (:mod:`.published`); a listen on that
 socket is allowed, and every other TCP bind is EACCES (a unix bind goes on: Landlock rules its
 path). The host carries each client of the published port to that loopback port, on the
-proxy loop, while every listener of that port in ``/proc/net/tcp`` is the reported socket
+proxy loop, while every listener of that port (the kernel's sock_diag) is the reported socket
 (a stale report delivers no client to another host process). The command's ``getsockname``
 shows the ephemeral port, not the one it asked for; other host processes can reach that
 port on loopback as they could the published one. The command's own connect to the port it

@@ -11,7 +11,8 @@ connected to that loopback port and spliced to it (egress/splice.py: both ways, 
 passed on), on the proxy loop, so connections are served between a SyncSandbox's calls too.
 
 A report can go stale (the server closed; another host process took the ephemeral port): a
-client is carried only while every listener on that port in ``/proc/net/tcp`` (``tcp6``) is
+client is carried only while every TCP listener on that port (asked of the kernel's sock_diag:
+shims/connects.py ``still_listening``; ``/proc/net/tcp`` costs milliseconds on a busy host) is
 the reported socket, checked before the connect and again once it is made; else the client
 is refused (ECONNREFUSED, audited by the task's ports), and no byte of it reaches anyone.
 Nothing bound yet: refused the same way. The reports and the tables are read by pure
