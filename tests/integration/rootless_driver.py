@@ -382,8 +382,12 @@ async def publish(args: dict[str, Any]) -> dict[str, Any]:
                 (wt / "hijack.txt").read_text() if (wt / "hijack.txt").exists() else None
             )
         finally:
+            ended_early = run.done()
             sb.abort()
             await asyncio.wait({run})
+        if ended_early and not run.cancelled() and run.exception() is None:
+            result = run.result()  # what the servers said when they ended on their own
+            seen["ended"] = {"exit": result.exit_code, "stderr": result.stderr[-2000:]}
     seen["closedAfter"] = [refused(p) for p in ports]
     return seen
 

@@ -349,16 +349,23 @@ def _landlock_probes(seen: dict[str, object], inbound: list[AuditEvent]) -> None
     assert sum(1 for e in inbound if not e.allowed) >= 2, inbound  # no_server and stale
 
 
-UNPRIVILEGED = {"bubblewrap-unprivileged": "bubblewrap", ROOTLESS: "podman", DOCKERLESS: "docker"}
+UNPRIVILEGED = {
+    "bubblewrap-unprivileged": "bubblewrap",
+    "landlock-unprivileged": "landlock",
+    ROOTLESS: "podman",
+    DOCKERLESS: "docker",
+}
 """Driven as the unprivileged CI user (tests/integration/rootless_driver.py ``publish``): no
-root needed, the agent is handed the connections."""
+root needed, the agent is handed the connections (landlock: the user's own supervisor binds
+and the user's own process carries)."""
+NO_ENGINE = {"bubblewrap-unprivileged", "landlock-unprivileged"}
 
 
 @pytest.mark.parametrize("backend", list(UNPRIVILEGED))
 def test_published_ports_work_without_root(backend: str, request: pytest.FixtureRequest) -> None:
     from tests.conftest import git_init
 
-    # The same unprivileged user for the three; bubblewrap needs no engine of it.
+    # The same unprivileged user for all; bubblewrap and landlock need no engine of it.
     user: RootlessUser = request.getfixturevalue(ROOTLESS_BACKENDS.get(backend, "rootless_user"))
     # A folder the user can reach (pytest's tmp_path is under root's private one).
     base = Path(tempfile.mkdtemp(prefix="fusion-oci-test-publish-"))
@@ -369,9 +376,18 @@ def test_published_ports_work_without_root(backend: str, request: pytest.Fixture
     settings = SandboxSettings(
         backend=UNPRIVILEGED[backend],  # type: ignore[arg-type]
         policy=policy,
-        **(user.settings if backend != "bubblewrap-unprivileged" else {}),
+        **(user.settings if backend not in NO_ENGINE else {}),
     )
-    ctx = PrepareContext(task_id="pub", run_id="r1", policy=policy, worktree_path=str(wt))
+    project = base / "project"  # outside the worktree: landlock cannot keep .fusion/ in it
+    project.mkdir()
+    user.hand_over(project)
+    ctx = PrepareContext(
+        task_id="pub",
+        run_id="r1",
+        policy=policy,
+        worktree_path=str(wt),
+        project_dir=str(project),
+    )
     answer = user.drive(
         "publish",
         {
@@ -379,13 +395,15 @@ def test_published_ports_work_without_root(backend: str, request: pytest.Fixture
             "ctx": ctx.model_dump(mode="json", by_alias=True),
             "env": {},
             "cacheRoot": str(base / "cache"),
-            "command": ["node", "-e", SERVER_JS],
+            "command": ["node", "-e", LANDLOCK_SERVER_JS if "landlock" in backend else SERVER_JS],
         },
         timeout=300,
     )
     assert "refused" not in answer, answer
-    assert answer["answers"] == ["hello 8080", "hello 8082"], answer
-    assert answer["hijack"] == "closed", answer
+    assert answer.get("answers") == ["hello 8080", "hello 8082"], answer
+    # landlock has no relay socket to dial: the command finds none.
+    hijacked = "error ENOENT" if backend == "landlock-unprivileged" else "closed"
+    assert answer["hijack"] == hijacked, answer
     assert answer["closedAfter"] == [True, True], answer
 
 
