@@ -194,6 +194,36 @@ def still_listening(family: int, port: int, inode: int) -> bool:
     return _listeners_now(family, port) == {inode}
 
 
+DASHBOARD_PORT = 4040
+"""The product's dashboard's port: never given to a command's server (models/hostservice.py)."""
+
+
+def local_port_range(text: str) -> tuple[int, int]:
+    """``net.ipv4.ip_local_port_range`` (``"32768\t60999"``); the kernel's default when it
+    does not parse. Pure."""
+    try:
+        low, high = (int(x) for x in text.split())
+    except ValueError:
+        return 32768, 60999
+    return (low, high) if 0 < low <= high < 65536 else (32768, 60999)
+
+
+def ephemeral_choices(port_range: tuple[int, int], tries: int = 16) -> list[int]:
+    """The ports a published port's bind tries, in order: 0 (the kernel picks one of its
+    ephemeral range) where that range cannot yield the dashboard's port; else random ports of
+    the range that are not it (a taken one is tried again, ``tries`` times). Pure but for the
+    random choice."""
+    low, high = port_range
+    if not low <= DASHBOARD_PORT <= high:
+        return [0]
+    out: list[int] = []
+    while len(out) < tries:
+        port = low + int.from_bytes(os.urandom(2), "big") % (high - low + 1)
+        if port != DASHBOARD_PORT:
+            out.append(port)
+    return out
+
+
 def bind_report(port: int, family: int, bound: int, inode: int) -> bytes:
     """The datagram that tells the host a published ``port`` is now the command's socket
     (``inode``) bound to loopback of ``family`` at the ephemeral port ``bound`` (the host
@@ -334,6 +364,15 @@ class ConnectSupervisor:
         """Published sandbox port → (family, ephemeral port, inode) of the latest socket
         :meth:`bind` bound for it: where the command's own connects to that port go
         (:func:`own_server`)."""
+        self.port_range = (32768, 60999)
+        """The kernel's ephemeral range (:func:`ephemeral_choices`), read when ports are
+        published."""
+        if self.published:
+            try:
+                with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as fh:
+                    self.port_range = local_port_range(fh.read())
+            except OSError:
+                pass
         self.bound: dict[tuple[int, int], tuple[int, int]] = {}
         """The sockets this supervisor bound for a published port, (st_dev, st_ino) → (family,
         ephemeral port): the only TCP sockets the command may listen on (:meth:`listen`)."""
@@ -477,9 +516,18 @@ class ConnectSupervisor:
             before_waiting()
         theirs = self._their_fd(nid, pid, fd)
         try:
-            target = _sockaddr(family, LOOPBACK4 if family == AF_INET else LOOPBACK6, 0)
-            if notify.libc.bind(theirs, ctypes.c_char_p(target), len(target)) != 0:
-                return ctypes.get_errno() or errno.EACCES
+            loopback = LOOPBACK4 if family == AF_INET else LOOPBACK6
+            error = 0
+            for port_now in ephemeral_choices(self.port_range):
+                target = _sockaddr(family, loopback, port_now)
+                if notify.libc.bind(theirs, ctypes.c_char_p(target), len(target)) == 0:
+                    error = 0
+                    break
+                error = ctypes.get_errno() or errno.EACCES
+                if error != errno.EADDRINUSE:
+                    break
+            if error:
+                return error
             bound = _local_port(theirs)
             st = os.fstat(theirs)
             if len(self.bound) >= MAX_BOUND:  # a bind loop must not grow the reaper

@@ -25,6 +25,8 @@ from fusion_oci.shims.connects import (
     bind_verdict,
     diag_listeners,
     diag_request,
+    ephemeral_choices,
+    local_port_range,
     own_server,
 )
 from fusion_oci.shims.seccomp_notify import BIND_CALL, CONNECT_CALL, LISTEN_CALL
@@ -283,3 +285,17 @@ def test_the_listener_check_reads_a_sock_diag_dump() -> None:
     error = struct.pack("=IHHII", 36, 2, 0, 1, 0) + struct.pack("=i", -22) + bytes(16)
     with pytest.raises(OSError):
         diag_listeners(error, 40002)
+
+
+def test_a_published_servers_port_is_never_the_dashboards() -> None:
+    """The supervisor binds a published port's socket to an ephemeral port: the kernel's
+    choice where its range cannot yield 4040, else random ports of the range but 4040."""
+    assert local_port_range("32768\t60999\n") == (32768, 60999)
+    assert local_port_range("1024 65000") == (1024, 65000)
+    assert local_port_range("garbage") == (32768, 60999)
+    assert local_port_range("0 70000") == (32768, 60999)
+    assert ephemeral_choices((32768, 60999)) == [0]
+    wide = ephemeral_choices((1024, 65000))
+    assert len(wide) == 16 and 4040 not in wide and all(1024 <= p <= 65000 for p in wide)
+    # a range of 4040 and one other port: only the other one is ever tried
+    assert set(ephemeral_choices((4040, 4041))) == {4041}
