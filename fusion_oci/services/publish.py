@@ -97,9 +97,26 @@ STOP_DRAIN_S = 1.0
 """At stop: how long the agent's last records are waited for (it answers at once; a sandbox
 that is gone has closed its end already)."""
 _TASK_ID_IN_PATH = 24
+GREETING_MAX = 16
+"""Connections to a port's relay socket still to say their first byte, at once; more are
+closed as they come (a command can dial the bound socket: its silent connections must not
+pile up in the owner)."""
 DIALBACK_TOKEN = 16
 """Bytes of a dial-back token (agent.c's DIALBACK_TOKEN)."""
 _PUMP_CHUNK = 256 * 1024
+
+
+async def _greeting(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> bytes:
+    """A relay dialer's first byte, and after an ``A`` its dial-back token (short: the
+    dialer closed first)."""
+    said = await loop.sock_recv(conn, 1)
+    want = 1 + DIALBACK_TOKEN if said == b"A" else 1
+    while said and len(said) < want:
+        part = await loop.sock_recv(conn, want - len(said))
+        if not part:
+            break
+        said += part
+    return said
 
 
 async def _pump(loop: asyncio.AbstractEventLoop, src: socket.socket, dst: socket.socket) -> None:
@@ -137,6 +154,8 @@ class Published:
     """The agent is reached by dialling back (gVisor: module docstring), not by handing it
     the client's socket."""
     dialling: dict[bytes, socket.socket] = field(default_factory=dict)
+    greeting: int = 0
+    """Connections to the relay whose first byte is awaited (:data:`GREETING_MAX`)."""
     """Dial-back token → the host client waiting for the agent's connection."""
     tasks: list[asyncio.Future[None]] = field(default_factory=list)
     records: asyncio.Future[None] | None = None
@@ -346,15 +365,23 @@ class TaskPorts(TaskStamped):
         """A connection to the relay's socket: the agent's (``I``), once; or, dialling back,
         the agent's for a waiting client (``A`` + its token). Anything else is closed."""
         loop = asyncio.get_running_loop()
+        if p.greeting >= GREETING_MAX:
+            conn.close()
+            return
+        p.greeting += 1
         try:
-            first = await asyncio.wait_for(loop.sock_recv(conn, 1), AGENT_WAIT_S)
+            # The first byte, and for an 'A' its token: within one wait, counted as greeting.
+            said = await asyncio.wait_for(_greeting(loop, conn), AGENT_WAIT_S)
         except (OSError, TimeoutError):
-            first = b""
+            said = b""
         except BaseException:
             conn.close()
             raise
+        finally:
+            p.greeting -= 1
+        first = said[:1]
         if first == b"A":
-            await self._join(p, conn)
+            await self._join(p, conn, said[1:])
             return
         # Host sockets go to the sandbox's init only (handover.dialled_by_sandbox_init): a
         # command that dials the bound socket itself is closed.
@@ -410,19 +437,10 @@ class TaskPorts(TaskStamped):
                 client.close()
             p.dialling.clear()
 
-    async def _join(self, p: Published, conn: socket.socket) -> None:
-        """The agent's connection for a waiting client (its token follows the ``A``): the
-        bytes moved between the two here. A token nobody waits for is closed."""
+    async def _join(self, p: Published, conn: socket.socket, token: bytes) -> None:
+        """The agent's connection for a waiting client (``token``: what followed its ``A``):
+        the bytes moved between the two here. A token nobody waits for is closed."""
         loop = asyncio.get_running_loop()
-        token = b""
-        with contextlib.suppress(OSError, TimeoutError):
-            while len(token) < DIALBACK_TOKEN:
-                part = await asyncio.wait_for(
-                    loop.sock_recv(conn, DIALBACK_TOKEN - len(token)), AGENT_WAIT_S
-                )
-                if not part:
-                    break
-                token += part
         client = p.dialling.pop(token, None) if len(token) == DIALBACK_TOKEN else None
         if client is None:
             conn.close()

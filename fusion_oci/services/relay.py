@@ -78,6 +78,12 @@ if TYPE_CHECKING:
 
 _TASK_ID_IN_PATH = 24
 STOP_DRAIN_S = 0.5
+GREETING_MAX = 64
+"""Connections to a task's relay sockets still to say their first byte, at once; more are
+closed as they come. The agent says it as it connects; a command can dial the bound socket
+too, and must not make the owner hold a descriptor for each silent connection it opens."""
+GREETING_S = 5.0
+"""How long a connection to a relay socket may take to say its first byte."""
 """At stop, how long connections may take to end by themselves (their last records read)."""
 _CREDS = struct.Struct("3i")
 """``struct ucred``: pid, uid, gid."""
@@ -228,6 +234,8 @@ class TaskRelays(TaskStamped):
             relay.upstream = (upstreams or {}).get(str(relay.grant))
         self._open = 0
         self._handlers: set[asyncio.Future[None]] = set()
+        self._greeting = 0
+        """Connections whose first byte is awaited (:data:`GREETING_MAX`)."""
         self._tunnels: set[Tunnel] = set()
         self._events = BudgetedEvents(
             audit, self.task_fields, "service relays", summary={"service": "*"}
@@ -384,11 +392,19 @@ class TaskRelays(TaskStamped):
             down.close()
             return
         if handoff:
+            if self._greeting >= GREETING_MAX:
+                down.close()  # silent dialers hold no more of the owner's descriptors
+                return
             # The agent says which: 'C' one connection now, 'P' its pool connection.
+            self._greeting += 1
             try:
-                first = await asyncio.get_running_loop().sock_recv(down, 1)
-            except (OSError, asyncio.CancelledError):
+                first = await asyncio.wait_for(
+                    asyncio.get_running_loop().sock_recv(down, 1), GREETING_S
+                )
+            except (OSError, TimeoutError, asyncio.CancelledError):
                 first = b""
+            finally:
+                self._greeting -= 1
             # A service container's pool would be of sockets in its network namespace, which
             # this relay makes only on its helper thread: its connections are handed over
             # connected (the agent dials 'C' once the pool connection is closed).

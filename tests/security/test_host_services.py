@@ -352,3 +352,53 @@ def test_a_socket_handed_to_the_command_cannot_be_aimed_elsewhere(
     assert "undumpable unspec" in out, out  # the last attempt ran
     leaked = bool(b.seen) or (handed and uring_open)
     check("service-handed-socket", prober.backend, leaked, f"B saw {b.seen}; {out}")
+
+
+FLOOD_JS = r"""
+// Silent connections to the relay sockets bound into the sandbox (a host service's and a
+// published port's): how many the owner still holds open after a moment.
+const net = require('net');
+const paths = process.argv.slice(2);
+const seen = {opened: 0, open: 0, failed: 0};
+for (const p of paths) {
+  for (let i = 0; i < 400; i++) {
+    const c = net.connect(p);
+    let up = false;
+    c.on('connect', () => { up = true; seen.opened++; seen.open++; });
+    c.on('close', () => { if (up) seen.open--; });
+    c.on('error', () => { seen.failed++; });
+  }
+}
+setTimeout(() => { console.log('FLOOD ' + JSON.stringify(seen)); process.exit(0); }, 2500);
+"""
+
+
+def test_silent_connections_to_the_relays_do_not_pile_up_in_the_owner(prober: Prober) -> None:
+    """A command that dials its relay sockets (a host service's, a published port's) 400
+    times each and says nothing: the owner answers a handful and closes the rest at once
+    (services/relay.py and publish.py ``GREETING_MAX``), rather than hold a descriptor and a
+    task for each (6000 of them before, in one owner serving every task); the grant still
+    answers afterwards. Where no relay socket is in the sandbox (native, landlock, a pod)
+    there is nothing to dial."""
+    if _refused(prober, "service-relay-flood"):
+        return
+    d = _svc_dir(prober)
+    with listening([d / "granted.sock"]) as a:
+        (prober.worktree / "flood.js").write_text(FLOOD_JS)
+        (prober.worktree / "probe.js").write_text(PROBE_JS)
+        granted = json.dumps({"targets": [{"host": "127.0.0.1", "port": a.port}]})
+        policy = _grants(a, prober).model_copy(update={"publish_ports": ["3000"]})
+        result = prober.run(
+            "node flood.js /run/fusion-oci/services/0.sock /run/fusion-oci/publish/0.sock; "
+            f"node probe.js {shlex.quote(granted)}",
+            policy,
+            timeout_ms=90_000,
+        )
+        time.sleep(0.3)
+        out = result.stdout + result.stderr[-500:]
+    found = re.search(r"FLOOD (\{.*\})", out)
+    assert found is not None, out
+    seen = json.loads(found.group(1))
+    assert "tcp4" in a.seen, f"the granted service did not answer after the flood: {out}"
+    # 64 a task's relays may wait on, 16 a published port's: not 800
+    check("service-relay-flood", prober.backend, seen["open"] > 100, f"{seen}; {out}")
