@@ -1098,6 +1098,27 @@ static void fwd_accept(struct listener *l) {
 
 static void fwd_close(struct pair *c);
 
+/* A socket connecting to published listener l's 127.0.0.1:PORT for its connection `id`
+ * (*pending: the connect goes on), or -1 once its failure is recorded ('D'). */
+static int fwd_dial_inside(struct listener *l, unsigned id, int *pending) {
+    size_t li = (size_t)(l - lis);
+    int s = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (s < 0) {
+        fwd_record(li, 'D', id, 0, 0, errno);
+        return -1;
+    }
+    int one = 1;
+    setsockopt(s, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    int r = connect(s, (struct sockaddr *)&l->to, l->tolen);
+    if (r < 0 && errno != EINPROGRESS) {
+        fwd_record(li, 'D', id, 0, 0, errno ? errno : ECONNREFUSED);
+        close(s);
+        return -1;
+    }
+    *pending = r < 0;
+    return s;
+}
+
 /* A published port's inbound connection `h` (the host client's, handed by its relay):
  * connected here to 127.0.0.1:PORT and spliced like a pool connection. */
 static void fwd_inbound(struct listener *l, int h) {
@@ -1106,27 +1127,21 @@ static void fwd_inbound(struct listener *l, int h) {
      * then 'D' however it ends. */
     unsigned id = l->next_id++;
     fwd_record(li, 'O', id, 0, 0, 0);
-    int s = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-    if (s < 0 || npairs >= FWD_MAX || fcntl(h, F_SETFL, O_NONBLOCK) < 0) {
-        fwd_record(li, 'D', id, 0, 0, s < 0 ? errno : EMFILE);
-        if (s >= 0)
-            close(s);
+    if (npairs >= FWD_MAX || fcntl(h, F_SETFL, O_NONBLOCK) < 0) {
+        fwd_record(li, 'D', id, 0, 0, EMFILE);
         close(h); /* the host client sees its connection closed */
         return;
     }
-    int one = 1;
-    setsockopt(s, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    int r = connect(s, (struct sockaddr *)&l->to, l->tolen);
-    if (r < 0 && errno != EINPROGRESS) {
-        fwd_record(li, 'D', id, 0, 0, errno ? errno : ECONNREFUSED);
-        close(s);
+    int pending = 0;
+    int s = fwd_dial_inside(l, id, &pending);
+    if (s < 0) {
         close(h);
         return;
     }
     struct pair *pr = fwd_new_pair(h, s, l);
     pr->pooled = 1;
     pr->id = id;
-    pr->connecting = r < 0;
+    pr->connecting = pending;
     fwd_pipes(pr);
 }
 
@@ -1156,20 +1171,14 @@ static void fwd_dialback(struct listener *l, const unsigned char token[DIALBACK_
     unsigned char hello[1 + DIALBACK_TOKEN];
     hello[0] = 'A';
     memcpy(hello + 1, token, DIALBACK_TOKEN);
-    int s = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-    if (s < 0 || send(u, hello, sizeof hello, MSG_DONTWAIT | MSG_NOSIGNAL) != sizeof hello) {
-        fwd_record(li, 'D', id, 0, 0, s < 0 ? errno : EPIPE);
-        if (s >= 0)
-            close(s);
+    if (send(u, hello, sizeof hello, MSG_DONTWAIT | MSG_NOSIGNAL) != sizeof hello) {
+        fwd_record(li, 'D', id, 0, 0, EPIPE);
         close(u);
         return;
     }
-    int one = 1;
-    setsockopt(s, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    int r = connect(s, (struct sockaddr *)&l->to, l->tolen);
-    if (r < 0 && errno != EINPROGRESS) {
-        fwd_record(li, 'D', id, 0, 0, errno ? errno : ECONNREFUSED);
-        close(s);
+    int pending = 0;
+    int s = fwd_dial_inside(l, id, &pending);
+    if (s < 0) {
         close(u); /* the relay closes its client */
         return;
     }
@@ -1178,7 +1187,7 @@ static void fwd_dialback(struct listener *l, const unsigned char token[DIALBACK_
     struct pair *pr = fwd_new_pair(u, s, l);
     pr->pooled = 1;
     pr->id = id;
-    pr->connecting = r < 0;
+    pr->connecting = pending;
 }
 
 /* The rest of a 'c' on a published port's connection: its token (sent with the 'c' in one

@@ -106,6 +106,16 @@ DIALBACK_TOKEN = 16
 _PUMP_CHUNK = 256 * 1024
 
 
+def _said_whole(conn: socket.socket) -> bool:
+    """Whether the dialer's greeting (a byte; after an ``A`` its token too) is already there
+    to read, looked at without taking it."""
+    try:
+        seen = conn.recv(1 + DIALBACK_TOKEN, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except OSError:
+        return False
+    return bool(seen) and (seen[:1] != b"A" or len(seen) == 1 + DIALBACK_TOKEN)
+
+
 async def _greeting(loop: asyncio.AbstractEventLoop, conn: socket.socket) -> bytes:
     """A relay dialer's first byte, and after an ``A`` its dial-back token (short: the
     dialer closed first)."""
@@ -365,12 +375,15 @@ class TaskPorts(TaskStamped):
         """A connection to the relay's socket: the agent's (``I``), once; or, dialling back,
         the agent's for a waiting client (``A`` + its token). Anything else is closed."""
         loop = asyncio.get_running_loop()
-        if p.greeting >= GREETING_MAX:
+        # The agent says all it has to say as it connects: only a dialer that has not yet
+        # takes one of the few waiting places.
+        waits = not _said_whole(conn)
+        if waits and p.greeting >= GREETING_MAX:
             conn.close()
             return
-        p.greeting += 1
+        p.greeting += waits
         try:
-            # The first byte, and for an 'A' its token: within one wait, counted as greeting.
+            # The first byte, and for an 'A' its token: within one wait.
             said = await asyncio.wait_for(_greeting(loop, conn), AGENT_WAIT_S)
         except (OSError, TimeoutError):
             said = b""
@@ -378,7 +391,7 @@ class TaskPorts(TaskStamped):
             conn.close()
             raise
         finally:
-            p.greeting -= 1
+            p.greeting -= waits
         first = said[:1]
         if first == b"A":
             await self._join(p, conn, said[1:])

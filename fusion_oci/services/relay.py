@@ -392,11 +392,18 @@ class TaskRelays(TaskStamped):
             down.close()
             return
         if handoff:
-            if self._greeting >= GREETING_MAX:
-                down.close()  # silent dialers hold no more of the owner's descriptors
+            # The agent says its byte as it connects: only a dialer that has not yet takes one
+            # of the few waiting places, and silent ones hold no more of the owner's
+            # descriptors.
+            try:
+                waits = not down.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except OSError:
+                waits = True
+            if waits and self._greeting >= GREETING_MAX:
+                down.close()
                 return
             # The agent says which: 'C' one connection now, 'P' its pool connection.
-            self._greeting += 1
+            self._greeting += waits
             try:
                 first = await asyncio.wait_for(
                     asyncio.get_running_loop().sock_recv(down, 1), GREETING_S
@@ -404,7 +411,7 @@ class TaskRelays(TaskStamped):
             except (OSError, TimeoutError, asyncio.CancelledError):
                 first = b""
             finally:
-                self._greeting -= 1
+                self._greeting -= waits
             # A service container's pool would be of sockets in its network namespace, which
             # this relay makes only on its helper thread: its connections are handed over
             # connected (the agent dials 'C' once the pool connection is closed).

@@ -41,16 +41,20 @@ HOME, TMP, PORT, AGENT = "/run/scratch/home", "/run/scratch/tmp", 40123, "/opt/f
 ERRNO_EPERM = 0x00050000 | 1
 
 
-def filtered_spec() -> TaskSpec:
-    policy = SandboxPolicy(network="filtered", allowed_domains=["registry.npmjs.org"])
-    ctx = PrepareContext(
+def task_ctx(policy: SandboxPolicy) -> PrepareContext:
+    """The golden task's context (task-1, run-1, LAYOUT's worktree, no caches) for ``policy``."""
+    return PrepareContext(
         task_id="task-1",
         run_id="run-1",
         worktree_path=LAYOUT.worktree,
         policy=policy,
         cache_mode=CacheMode.OFF,
     )
-    return resolved(ctx, LAYOUT, GOLDEN_HOST, {"LANG": "C.UTF-8"}).spec
+
+
+def filtered_spec() -> TaskSpec:
+    policy = SandboxPolicy(network="filtered", allowed_domains=["registry.npmjs.org"])
+    return resolved(task_ctx(policy), LAYOUT, GOLDEN_HOST, {"LANG": "C.UTF-8"}).spec
 
 
 def test_golden_ruleset() -> None:

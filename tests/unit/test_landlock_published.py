@@ -9,7 +9,7 @@ import struct
 
 import pytest
 
-from fusion_oci.models import CacheMode, PrepareContext, SandboxPolicy
+from fusion_oci.models import SandboxPolicy
 from fusion_oci.oci.model import TaskSpec
 from fusion_oci.runtimes.landlock import (
     enforced_requirements,
@@ -33,7 +33,7 @@ from fusion_oci.shims.seccomp_notify import BIND_CALL, CONNECT_CALL, LISTEN_CALL
 from tests.bpf import run_bpf
 from tests.golden import GOLDEN_HOST, assert_golden
 from tests.tasks import resolved
-from tests.unit.test_landlock_filtered import LAYOUT
+from tests.unit.test_landlock_filtered import LAYOUT, task_ctx
 
 HOME, TMP, AGENT, REPORT = "/run/scratch/home", "/run/scratch/tmp", "/opt/fo/agent", "/s/binds"
 PUBLISHED = frozenset({8080, 3000})
@@ -41,14 +41,7 @@ PUBLISHED = frozenset({8080, 3000})
 
 def spec_for(network: str, publish: list[str]) -> TaskSpec:
     policy = SandboxPolicy(network=network, publish_ports=publish)  # type: ignore[arg-type]
-    ctx = PrepareContext(
-        task_id="task-1",
-        run_id="run-1",
-        worktree_path=LAYOUT.worktree,
-        policy=policy,
-        cache_mode=CacheMode.OFF,
-    )
-    return resolved(ctx, LAYOUT, GOLDEN_HOST, {"LANG": "C.UTF-8"}).spec
+    return resolved(task_ctx(policy), LAYOUT, GOLDEN_HOST, {"LANG": "C.UTF-8"}).spec
 
 
 def v4(address: str, port: int) -> bytes:
@@ -203,14 +196,7 @@ def test_plan_says_how_the_ports_are_published(monkeypatch: pytest.MonkeyPatch) 
         host=GOLDEN_HOST,
     )
     policy = SandboxPolicy(network="none", publish_ports=["3000", "8080:80"])
-    ctx = PrepareContext(
-        task_id="task-1",
-        run_id="run-1",
-        worktree_path=LAYOUT.worktree,
-        policy=policy,
-        cache_mode=CacheMode.OFF,
-    )
-    plan = plan_for(runtime, resolved(ctx, LAYOUT, GOLDEN_HOST, {}), "npm run dev")
+    plan = plan_for(runtime, resolved(task_ctx(policy), LAYOUT, GOLDEN_HOST, {}), "npm run dev")
     [note] = [n for n in plan.notes if n.startswith("published ports")]
     assert note.startswith("published ports 3000, 80: the command's bind to one")
     assert "ephemeral port (what getsockname shows)" in note
