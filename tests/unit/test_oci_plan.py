@@ -55,6 +55,9 @@ POLICIES = {
         allow_network=False,
         host_services=["127.0.0.1:5432", "[::1]:6379", "unix:/var/run/postgresql/.s.PGSQL.5432"],
     ),
+    # the agent's --publish and the relays' sockets bound in; runsc: --host-uds=open (gVisor's
+    # agent dials the relay, and back for each client)
+    "published": SandboxPolicy(allow_network=False, publish_ports=["3000", "8080:80"]),
 }
 
 
