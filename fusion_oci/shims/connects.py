@@ -109,6 +109,19 @@ def own_server(addr: bytes, servers: dict) -> tuple | None:  # type: ignore[type
     return None
 
 
+def published_loopback(addr: bytes, published: frozenset | set) -> bool:  # type: ignore[type-arg]
+    """Whether the sockaddr ``addr`` names one of the ``published`` ports on loopback
+    (127.0.0.1, ::1, the v4-mapped 127.0.0.1). Pure."""
+    if not published or len(addr) < 8:
+        return False
+    family = struct.unpack("=H", addr[:2])[0]
+    if struct.unpack("!H", addr[2:4])[0] not in published:
+        return False
+    if family == AF_INET:
+        return addr[4:8] == LOOPBACK4
+    return family == AF_INET6 and len(addr) >= 24 and addr[8:24] in (LOOPBACK6, LOOPBACK4_MAPPED)
+
+
 def listening_inodes(table: str, port: int) -> set:  # type: ignore[type-arg]
     """The inodes of the sockets listening on ``port`` in a ``/proc/net/tcp`` (``tcp6``)
     table's text (state 0A). Pure."""
@@ -429,6 +442,10 @@ class ConnectSupervisor:
             if not still_listening(*own[1:]):
                 return errno.ECONNREFUSED
             redirect = own[0]
+        elif redirect is None and published_loopback(addr, self.published):
+            # A published port nothing of the command's listens on (yet): refused, as on a
+            # loopback of its own (a test waiting for its dev server retries on that).
+            return errno.ECONNREFUSED
         verdict = "service" if redirect is not None else connect_verdict(addr, self.port)
         if verdict == "deny":
             return errno.EACCES

@@ -494,3 +494,38 @@ def test_host_port_4040_is_refused_by_the_settings_with_the_field_and_the_fix(
     assert "sandbox.policy.publishPorts" in out.stderr, out.stderr
     assert "4040 is fusion-oci's dashboard" in out.stderr
     assert "('8080:3000') or a free one ('3000')" in out.stderr
+
+
+@pytest.mark.parametrize("network", ["none", "filtered"])
+def test_on_landlock_a_published_port_nothing_listens_on_is_refused(
+    network: str, tmp_path: Path
+) -> None:
+    """Before its dev server binds, a client inside sees ECONNREFUSED at the published port
+    (and retries, as test runners waiting for their server do), as on a loopback of its own;
+    an unpublished port stays EACCES (Landlock's and the supervisor's denial)."""
+    from fusion_oci.sandbox import SyncSandbox
+    from tests.conftest import git_init
+
+    require_runtime("landlock", backend_settings("landlock"))
+    wt = git_init(tmp_path / "wt")
+    project = tmp_path / "project"
+    project.mkdir()
+    policy = SandboxPolicy(network=network, publish_ports=["8080"])  # type: ignore[arg-type]
+    js = (
+        "const net=require('net');const out=[];"
+        "for (const p of [8080,8081]) net.connect(p,'127.0.0.1')"
+        ".on('connect',()=>out.push(p+' open')).on('error',(e)=>{out.push(p+' '+e.code);"
+        "if(out.length===2)console.log(out.sort().join(' | '))});"
+    )
+    with SyncSandbox(backend_settings("landlock", policy=policy), cache_root=tmp_path / "c") as sb:
+        sb.prepare(
+            PrepareContext(
+                task_id="pub-early",
+                run_id="r1",
+                policy=policy,
+                worktree_path=str(wt),
+                project_dir=str(project),
+            )
+        )
+        result = sb.run(["node", "-e", js], RunOptions(timeout_ms=30_000))
+    assert result.stdout.strip() == "8080 ECONNREFUSED | 8081 EACCES", result

@@ -28,6 +28,7 @@ from fusion_oci.shims.connects import (
     ephemeral_choices,
     local_port_range,
     own_server,
+    published_loopback,
 )
 from fusion_oci.shims.seccomp_notify import BIND_CALL, CONNECT_CALL, LISTEN_CALL
 from tests.bpf import run_bpf
@@ -285,3 +286,16 @@ def test_a_published_servers_port_is_never_the_dashboards() -> None:
     assert len(wide) == 16 and 4040 not in wide and all(1024 <= p <= 65000 for p in wide)
     # a range of 4040 and one other port: only the other one is ever tried
     assert set(ephemeral_choices((4040, 4041))) == {4041}
+
+
+def test_a_published_port_nothing_listens_on_yet_is_refused_not_denied() -> None:
+    """Before the dev server binds, a client inside sees ECONNREFUSED (and retries), as on a
+    loopback of its own: the supervisor tells a published port on loopback from the rest."""
+    published = frozenset({8080})
+    assert published_loopback(_v4("127.0.0.1", 8080), published)
+    assert published_loopback(_v6("::1", 8080), published)
+    assert published_loopback(_v6("::ffff:127.0.0.1", 8080), published)
+    assert not published_loopback(_v4("127.0.0.1", 8081), published)
+    assert not published_loopback(_v4("10.0.0.1", 8080), published)
+    assert not published_loopback(_v6("::", 8080), published)
+    assert not published_loopback(_v4("127.0.0.1", 8080), frozenset())
