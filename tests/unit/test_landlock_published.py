@@ -17,7 +17,7 @@ from fusion_oci.runtimes.landlock import (
     launch_config,
     launch_text,
 )
-from fusion_oci.runtimes.landlock.published import listeners, parse_report
+from fusion_oci.runtimes.landlock.published import parse_report
 from fusion_oci.runtimes.requirements import Requirement
 from fusion_oci.shims.confine import AUDIT_ARCH, RET_ALLOW, RET_USER_NOTIF, notify_program, parse
 from fusion_oci.shims.connects import (
@@ -26,6 +26,7 @@ from fusion_oci.shims.connects import (
     diag_listeners,
     diag_request,
     ephemeral_choices,
+    listening_inodes,
     local_port_range,
     own_server,
     published_loopback,
@@ -117,9 +118,9 @@ TCP = """\
 
 
 def test_the_listeners_of_a_port_are_read_from_the_proc_table() -> None:
-    assert listeners(TCP, 0xA112) == {555, 777}  # two: not the command's alone
-    assert listeners(TCP, 0xA113) == {888}  # the established one is not a listener
-    assert listeners(TCP, 0xA114) == set()
+    assert listening_inodes(TCP, 0xA112) == {555, 777}  # two: not the command's alone
+    assert listening_inodes(TCP, 0xA113) == {888}  # the established one is not a listener
+    assert listening_inodes(TCP, 0xA114) == set()
 
 
 @pytest.mark.parametrize("arch", ["x86_64", "aarch64"])

@@ -15,8 +15,8 @@ client is carried only while every TCP listener on that port (asked of the kerne
 shims/connects.py ``still_listening``; ``/proc/net/tcp`` costs milliseconds on a busy host) is
 the reported socket, checked before the connect and again once it is made; else the client
 is refused (ECONNREFUSED, audited by the task's ports), and no byte of it reaches anyone.
-Nothing bound yet: refused the same way. The reports and the tables are read by pure
-functions (:func:`parse_report`, :func:`listeners`), tested without a kernel.
+Nothing bound yet: refused the same way. A report is read by a pure function
+(:func:`parse_report`), tested without a kernel, as is the listener check's reading.
 """
 
 from __future__ import annotations
@@ -28,15 +28,15 @@ import socket
 from pathlib import Path
 
 from fusion_oci.egress.splice import Tunnel
-from fusion_oci.shims.connects import listening_inodes, still_listening
+from fusion_oci.shims.connects import still_listening
 
 IDLE_TIMEOUT_S = 24 * 3600.0
 """A carried connection with no byte either way for this long is closed (a dev server's
 event stream may be quiet for a long time; the agent's splice on other runtimes has none)."""
 _CREDS = 12  # struct ucred: pid, uid, gid
 AF_INET, AF_INET6 = 2, 10
-PROC_TABLE: dict[int, str] = {AF_INET: "/proc/net/tcp", AF_INET6: "/proc/net/tcp6"}
-"""The families a report may name (their listener tables)."""
+FAMILIES = (AF_INET, AF_INET6)
+"""The families a report may name."""
 LOOPBACK: dict[int, str] = {AF_INET: "127.0.0.1", AF_INET6: "::1"}
 
 
@@ -47,21 +47,9 @@ def parse_report(data: bytes) -> tuple[int, int, int, int] | None:
     if len(parts) != 5 or parts[0] != b"B" or not all(p.isdigit() for p in parts[1:]):
         return None
     port, family, bound, inode = (int(p) for p in parts[1:])
-    if family not in PROC_TABLE or not 0 < port < 65536 or not 0 < bound < 65536:
+    if family not in FAMILIES or not 0 < port < 65536 or not 0 < bound < 65536:
         return None
     return port, family, bound, inode
-
-
-def listeners(table: str, port: int) -> set[int]:
-    """The inodes of the sockets listening on ``port`` (any address) in a ``/proc/net/tcp``
-    or ``tcp6`` table's text. Pure (the supervisor's own check, shims/connects.py)."""
-    return set(listening_inodes(table, port))
-
-
-def still_the_commands(family: int, port: int, inode: int) -> bool:
-    """Whether every listener on ``port`` is the command's socket ``inode`` (and there is
-    one): a stale report never delivers a client to another host process."""
-    return bool(still_listening(family, port, inode))
 
 
 class BoundPorts:
@@ -128,7 +116,7 @@ class BoundPorts:
     async def _connect(self, family: int, bound: int, inode: int) -> socket.socket | None:
         """A socket connected to the command's listener at loopback ``bound``, or None when
         that port is not (or no longer) the command's socket ``inode``."""
-        if not still_the_commands(family, bound, inode):
+        if not still_listening(family, bound, inode):
             return None
         upstream = socket.socket(family, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
@@ -137,7 +125,7 @@ class BoundPorts:
             # Again once connected: the command's socket listened before and after, so no
             # other listener took the port meanwhile (it would be seen here). No byte of the
             # client has been sent yet.
-            if not still_the_commands(family, bound, inode):
+            if not still_listening(family, bound, inode):
                 upstream.close()
                 return None
             with contextlib.suppress(OSError):
